@@ -1,0 +1,1 @@
+"""Capture side: the spike guard, the snapshot writer and the reference trainer."""

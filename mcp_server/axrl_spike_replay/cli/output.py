@@ -1,0 +1,61 @@
+"""Shaping results for people (tables, lines) and for programs (one JSON document on stdout)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def to_jsonable(value: Any) -> Any:
+    """Dataclasses, paths, tuples and non-finite floats as plain JSON values."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def emit(result: Any, as_json: bool, render: Callable[[Any], str]) -> None:
+    """Print `result` as one JSON document (`as_json`) or through `render` for people."""
+    if as_json:
+        json.dump(to_jsonable(result), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        text = render(result)
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain aligned text table."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def progress(message: str) -> None:
+    """A progress line for people, on stderr so stdout stays machine-readable."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def add_json_flag(parser: Any) -> None:
+    parser.add_argument("--json", action="store_true", help="print exactly one JSON document on stdout")

@@ -1,0 +1,19 @@
+"""Errors for expected bad input. Faces show their message, never a traceback."""
+
+from __future__ import annotations
+
+
+class AxrlError(Exception):
+    """Expected failure with a message that says what was wrong and, where useful, what to do."""
+
+
+class SnapshotError(AxrlError):
+    """A snapshot file or directory is missing, truncated, unsafe or inconsistent."""
+
+
+class ConfigError(AxrlError):
+    """A configuration value, argument or file is invalid."""
+
+
+class UnsafeFileError(SnapshotError):
+    """A file carries a pickled payload beyond plain tensors and containers; nothing in it was run."""

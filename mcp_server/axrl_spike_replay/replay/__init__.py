@@ -1,0 +1,1 @@
+"""Replay: recompute a spike step's gradients, with replay-only mitigations."""

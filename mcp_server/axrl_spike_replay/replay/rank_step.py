@@ -1,0 +1,114 @@
+"""One rank's share of a training step: forward, policy loss, backward, and the DP gradient reduction.
+
+The reference trainer and the replay engine both call these, so a replay recomputes exactly what
+training computed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.models.tiny_moe import RoutingControl, TinyMoEPolicy, token_entropy, token_logprobs
+from axrl_spike_replay.replay.policy_loss import LossConfig, LossOutput, policy_loss
+
+ROUTING_REPLAY_MODES = ("off", "all", "loss_tokens")
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """`routing:` section: replay recorded routes (R3) on all tokens, loss tokens only, or not at all."""
+
+    replay: str = "off"
+    current_routing_layers: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.replay not in ROUTING_REPLAY_MODES:
+            raise ConfigError(f"routing.replay must be one of {ROUTING_REPLAY_MODES}, got {self.replay!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"replay": self.replay, "current_routing_layers": list(self.current_routing_layers)}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any], section: str = "routing") -> RoutingConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(doc) - known)
+        if unknown:
+            raise ConfigError(f"{section}: unknown keys {unknown} (known: {sorted(known)})")
+        values = dict(doc)
+        if "current_routing_layers" in values:
+            values["current_routing_layers"] = tuple(int(x) for x in values["current_routing_layers"] or ())
+        return cls(**values)
+
+
+def routing_control(
+    cfg: RoutingConfig, batch: dict[str, torch.Tensor], routed_experts: torch.Tensor | None
+) -> RoutingControl:
+    """The forward's routing for a batch, given the config and the rank's recorded routes."""
+    if cfg.replay == "off":
+        return RoutingControl(current_layers=frozenset(cfg.current_routing_layers))
+    if routed_experts is None:
+        raise ConfigError(f"routing.replay={cfg.replay!r} needs a routing payload, and this rank has none")
+    replay_tokens = batch["loss_mask"] > 0 if cfg.replay == "loss_tokens" else None
+    return RoutingControl(
+        routes=routed_experts.long(),
+        replay_tokens=replay_tokens,
+        current_layers=frozenset(cfg.current_routing_layers),
+    )
+
+
+def rank_forward_backward(
+    model: TinyMoEPolicy,
+    batch: dict[str, torch.Tensor],
+    loss_cfg: LossConfig,
+    routing: RoutingControl,
+    *,
+    backward: bool = True,
+) -> LossOutput:
+    """Forward the rank's batch, compute its loss, and (by default) accumulate its gradients."""
+    out = model(batch["tokens"], routing)
+    logprobs = token_logprobs(out.logits, batch["tokens"])
+    entropy = token_entropy(out.logits) if loss_cfg.entropy_coef else None
+    result = policy_loss(logprobs, batch, loss_cfg, entropy=entropy, aux_loss=out.aux_loss, z_loss=out.z_loss)
+    if backward:
+        result.loss.backward()
+    return result
+
+
+def param_grad_norms(model: nn.Module) -> dict[str, float]:
+    """L2 norm of each parameter's current gradient (0 where it has none)."""
+    return {
+        name: (float(p.grad.detach().float().norm()) if p.grad is not None else 0.0)
+        for name, p in model.named_parameters()
+    }
+
+
+def reduce_gradients(model: nn.Module, world_size: int) -> None:
+    """Sum gradients over the process group and divide by the data-parallel world size (DDP's mean).
+
+    With one process standing in for several saved ranks, its gradients already hold their sum;
+    `world_size` is always the saved DP size so each rank keeps its own normalisation.
+    """
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if distributed:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad.div_(world_size)
+
+
+def global_grad_norm(model: nn.Module) -> float:
+    """Global pre-clip L2 norm over all parameter gradients (fp64 accumulation)."""
+    total = 0.0
+    for p in model.parameters():
+        if p.grad is not None:
+            total += float(p.grad.detach().double().pow(2).sum())
+    return math.sqrt(total)

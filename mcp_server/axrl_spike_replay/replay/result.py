@@ -1,0 +1,49 @@
+"""`replay_result.json`: what one replay produced. Written only by a replay that ran."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+VERDICTS = ("reproduced", "not_reproduced", "cleared", "partial", "no_effect", "worse", "failed")
+
+
+@dataclass
+class ReplayResult:
+    """One replay's outcome (baseline or mitigated). `verdict` is one of VERDICTS."""
+
+    snapshot: str
+    backend: str  # "torch" | "command"
+    target: str  # "local" or the SSH target as given
+    fidelity: str  # "full" | "reduced"
+    world_size_saved: int
+    world_size_used: int
+    mitigations: dict[str, Any]  # {} for the baseline
+    grad_norm: float | None
+    recorded_grad_norm: float
+    rel_diff: float | None  # |grad_norm - recorded| / recorded (baseline) ; for mitigated: vs recorded too
+    median_norm: float
+    spike_ratio: float | None  # grad_norm / median_norm
+    verdict: str
+    threshold: float  # detector threshold the verdict compares against
+    baseline_grad_norm: float | None = None  # for mitigated replays: the baseline at the same layout
+    change_vs_baseline: float | None = None  # grad_norm / baseline_grad_norm - 1
+    top_params: list[dict[str, Any]] = field(default_factory=list)  # [{name, grad_norm}]
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: load, compute, total
+    device: str = "cpu"
+    job_name: str = ""
+    role: str = ""
+    iteration: int = -1
+    config_id: str = "baseline"
+    patch_sha256: str | None = None
+    node: dict[str, Any] | None = None  # remote node facts (GPUs) when run over SSH
+    error: str | None = None  # why, when verdict == "failed"
+    created_at: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> ReplayResult:
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in doc.items() if k in known})

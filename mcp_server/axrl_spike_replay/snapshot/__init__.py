@@ -1,0 +1,1 @@
+"""Snapshot format v1 on disk: discover, preserve, release, read safely, legacy fix, field aliases."""

@@ -1,0 +1,132 @@
+"""Batch field names: canonical names and the aliases other RL stacks (verl, slime, OpenRLHF, NeMo-RL) use."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from axrl_spike_replay.errors import SnapshotError
+
+if TYPE_CHECKING:
+    import torch
+
+# canonical name -> accepted names, canonical first
+FIELD_ALIASES: dict[str, tuple[str, ...]] = {
+    "tokens": ("tokens", "input_ids", "sequences"),
+    "loss_mask": ("loss_mask", "loss_masks", "response_mask", "action_mask", "token_mask"),
+    "advantages": ("advantages",),
+    "old_logprobs": ("old_logprobs", "old_log_probs", "log_probs", "action_log_probs", "prev_logprobs"),
+    "ref_logprobs": (
+        "ref_logprobs",
+        "ref_log_prob",
+        "ref_log_probs",
+        "base_action_log_probs",
+        "reference_policy_logprobs",
+    ),
+    "rollout_logprobs": ("rollout_logprobs", "rollout_log_probs", "generation_logprobs"),
+    "rewards": ("rewards", "token_level_rewards", "scores"),
+    "turn_index": ("turn_index",),
+}
+REQUIRED_FIELDS = ("tokens", "loss_mask")
+PER_TOKEN_FIELDS = ("loss_mask", "old_logprobs", "ref_logprobs", "rollout_logprobs", "turn_index")
+
+
+def find_field(raw: Mapping[str, Any], canonical: str) -> tuple[str, Any] | None:
+    """(name found, value) for the first accepted name of `canonical` present in `raw`."""
+    for name in FIELD_ALIASES[canonical]:
+        if name in raw:
+            return name, raw[name]
+    return None
+
+
+def canonicalize_batch(raw: Mapping[str, Any], source: Path | str) -> dict[str, torch.Tensor]:
+    """Map a rank batch onto canonical names; right-align narrower per-token tensors to `tokens`.
+
+    `{"micro_batches": [...]}` is flattened into one batch (sequences padded on the right).
+    Unknown keys are kept under their own names.
+    """
+    import torch
+
+    if "micro_batches" in raw:
+        micro = raw["micro_batches"]
+        if not isinstance(micro, (list, tuple)) or not micro:
+            raise SnapshotError(f"{source}: 'micro_batches' must be a non-empty list of dicts")
+        parts = [canonicalize_batch(part, f"{source} micro_batches[{i}]") for i, part in enumerate(micro)]
+        return _concat_micro_batches(parts, source)
+    if not isinstance(raw, Mapping):
+        raise SnapshotError(f"{source}: a rank batch must be a dict of tensors, got {type(raw).__name__}")
+
+    batch: dict[str, torch.Tensor] = {}
+    taken: set[str] = set()
+    for canonical in FIELD_ALIASES:
+        found = find_field(raw, canonical)
+        if found is None:
+            continue
+        name, value = found
+        if not isinstance(value, torch.Tensor):
+            raise SnapshotError(f"{source}: field {name!r} must be a tensor, got {type(value).__name__}")
+        taken.update(n for n in FIELD_ALIASES[canonical] if n in raw)
+        if canonical == "rewards" and name == "token_level_rewards" and value.dim() == 2:
+            value = value.sum(dim=-1)
+        batch[canonical] = value
+    for name in REQUIRED_FIELDS:
+        if name not in batch:
+            accepted = ", ".join(FIELD_ALIASES[name])
+            raise SnapshotError(f"{source}: missing field {name!r} (accepted names: {accepted})")
+
+    tokens = batch["tokens"]
+    if tokens.dim() != 2:
+        raise SnapshotError(f"{source}: 'tokens' must be [batch, seq], got shape {tuple(tokens.shape)}")
+    for name in PER_TOKEN_FIELDS:
+        if name in batch:
+            batch[name] = _right_align(batch[name], tokens.shape, name, source)
+    advantages = batch.get("advantages")
+    if advantages is not None and advantages.dim() == 2:
+        batch["advantages"] = _right_align(advantages, tokens.shape, "advantages", source)
+    elif advantages is not None and tuple(advantages.shape) != (tokens.shape[0],):
+        raise SnapshotError(
+            f"{source}: 'advantages' must be [batch] or [batch, seq], got shape {tuple(advantages.shape)}"
+        )
+    for name, value in raw.items():
+        if name not in taken and name not in batch:
+            batch[name] = value
+    return batch
+
+
+def _right_align(value: torch.Tensor, shape: torch.Size, name: str, source: Path | str) -> torch.Tensor:
+    import torch
+
+    batch_size, seq_len = shape
+    if value.dim() != 2 or value.shape[0] != batch_size or value.shape[1] > seq_len:
+        raise SnapshotError(
+            f"{source}: field {name!r} has shape {tuple(value.shape)}, expected [{batch_size}, <= {seq_len}]"
+        )
+    if value.shape[1] == seq_len:
+        return value
+    pad = torch.zeros(batch_size, seq_len - value.shape[1], dtype=value.dtype, device=value.device)
+    return torch.cat([pad, value], dim=1)
+
+
+def _concat_micro_batches(parts: list[dict[str, torch.Tensor]], source: Path | str) -> dict[str, torch.Tensor]:
+    import torch
+
+    keys = set(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        if set(part) != keys:
+            raise SnapshotError(f"{source}: micro_batches[{i}] has fields {sorted(part)}, expected {sorted(keys)}")
+    width = max(part["tokens"].shape[1] for part in parts)
+    merged: dict[str, torch.Tensor] = {}
+    for key in parts[0]:
+        tensors = []
+        for part in parts:
+            value = part[key]
+            if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] < width:
+                pad = torch.zeros(value.shape[0], width - value.shape[1], dtype=value.dtype)
+                value = torch.cat([value, pad], dim=1)
+            tensors.append(value)
+        if all(isinstance(t, torch.Tensor) for t in tensors):
+            merged[key] = torch.cat(tensors, dim=0)
+        else:
+            merged[key] = tensors[0]
+    return merged

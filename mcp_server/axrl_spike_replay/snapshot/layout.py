@@ -1,0 +1,66 @@
+"""Snapshot format v1: names of directories and files, and how to parse them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+FORMAT_VERSION = 1
+
+SNAPSHOTS_DIR = Path("checkpoints") / "spike_snapshots"
+PRESERVED_DIR = Path("checkpoints") / "spike_snapshots-active"
+
+AXRL_METADATA = "axrl_metadata.json"
+CHECKPOINT_METADATA = "metadata.json"
+DCP_METADATA = ".metadata"
+RUN_CONFIG = "run_config.yaml"
+PRESERVE_MARKER = ".axrl_preserved.json"
+
+CHECKPOINT_METADATA_CONTENT = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+
+_ITER_RE = re.compile(r"^iter_(\d+)$")
+_RANK_FILE_RE = re.compile(r"^(batch|grad_info|routing_payload)_rank(\d+)\.pt$")
+OUTPUT_DIR_RE = re.compile(r"^(?P<run>.+?)~(?P<job>.+)__(?P<role>[A-Za-z0-9_.-]+)$")
+
+
+def iteration_dir_name(iteration: int) -> str:
+    """`iter_0000042` for iteration 42 (seven digits, like Megatron)."""
+    if iteration < 0:
+        raise ValueError(f"iteration must be >= 0, got {iteration}")
+    return f"iter_{iteration:07d}"
+
+
+def parse_iteration(name: str) -> int | None:
+    """Iteration number of an `iter_<N>` directory name, else None."""
+    match = _ITER_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def batch_file(rank: int) -> str:
+    return f"batch_rank{rank}.pt"
+
+
+def grad_info_file(rank: int) -> str:
+    return f"grad_info_rank{rank}.pt"
+
+
+def routing_payload_file(rank: int) -> str:
+    return f"routing_payload_rank{rank}.pt"
+
+
+def rank_files(snapshot_dir: Path) -> dict[str, dict[int, Path]]:
+    """Per-rank files present: {"batch": {rank: path}, "grad_info": {...}, "routing_payload": {...}}."""
+    found: dict[str, dict[int, Path]] = {"batch": {}, "grad_info": {}, "routing_payload": {}}
+    for entry in snapshot_dir.iterdir():
+        match = _RANK_FILE_RE.match(entry.name)
+        if match:
+            found[match.group(1)][int(match.group(2))] = entry
+    return {kind: dict(sorted(files.items())) for kind, files in found.items()}
+
+
+def parse_output_dir_name(name: str) -> tuple[str, str, str] | None:
+    """(run, job_name, role) of an output dir named `<run>~<job_name>__<role>`, else None."""
+    match = OUTPUT_DIR_RE.match(name)
+    if not match:
+        return None
+    return match.group("run"), match.group("job"), match.group("role")
