@@ -1,0 +1,1 @@
+"""Reading what a snapshot and its logs say: batch signals, outliers, gradient info, routing, log scans, plots."""

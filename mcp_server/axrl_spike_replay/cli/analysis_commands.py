@@ -1,0 +1,148 @@
+"""CLI verbs that read what a snapshot and its logs say: analyze, grads, logs."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from axrl_spike_replay.cli.output import add_json_flag, emit, table
+
+
+def register(sub: Any) -> None:
+    """Add `analyze`, `grads` and `logs`."""
+    p = sub.add_parser(
+        "analyze",
+        help="per-sample and per-token batch signals across ranks, with top-K outliers",
+        description="Advantages, old/ref/rollout logprobs, rollout-vs-old importance ratios (log_ratio = old - "
+        "rollout), loss-mask lengths, token ids, turns, rewards and routing; summary statistics, the sign balance "
+        "of advantages and the top-K outlier tokens and samples by |log-ratio| and by |advantage|.",
+    )
+    p.add_argument("snapshot", help="a snapshot dir (iter_<N>)")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="outliers to list (default 10)")
+    add_json_flag(p)
+    p.set_defaults(handler=_analyze)
+
+    p = sub.add_parser("grads", help="the largest parameter grad norms, per rank and merged across ranks")
+    p.add_argument("snapshot", help="a snapshot dir (iter_<N>)")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="parameters to list (default 10)")
+    add_json_flag(p)
+    p.set_defaults(handler=_grads)
+
+    p = sub.add_parser(
+        "logs",
+        help="copy training logs into the workspace and scan them: grad norm / loss series, spikes, errors",
+        description="Copy log files (or the *.log / logs/*.log of dirs) to ./tmp/spike-replay/<job>/logs/ "
+        "(or --dest) and scan the copies: per-iteration grad norm and loss (Megatron-style and key=value lines), "
+        "spikes by the spike guard's median-ratio detector, and error lines.",
+    )
+    p.add_argument("paths", nargs="+", metavar="PATH", help="log files or dirs (e.g. a role output dir)")
+    p.add_argument("--dest", default=None, metavar="DIR", help="where the copies go")
+    p.add_argument("--window", type=int, default=None, help="detector window (default: the run's, else 20)")
+    p.add_argument("--threshold", type=float, default=None, help="detector threshold (default: the run's, else 5.0)")
+    p.add_argument("--warmup", type=int, default=None, help="detector warm-up points (default: the run's, else 10)")
+    add_json_flag(p)
+    p.set_defaults(handler=_logs)
+
+
+def _f(value: Any, spec: str = ".4g") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
+
+    emit(analyze_snapshot(args.snapshot, top=args.top), args.json, render_analysis)
+    return 0
+
+
+def _token_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
+    return [
+        [r["rank"], r["sample"], r["position"], r["token_id"], r["turn"], r.get("log_ratio"), r.get("advantage")]
+        for r in records
+    ]
+
+
+def render_analysis(r: Any) -> str:
+    """Readable `analyze` summary: what is missing, the mismatch, the advantages, then the outliers."""
+    lines = [
+        f"iteration {r.iteration}: grad norm {r.grad_norm:.6g} ({r.spike_ratio:.2f}x median); ranks {r.ranks}; "
+        f"{r.samples['count']} samples, {r.tokens['loss_tokens']} loss tokens of {r.tokens['total']}"
+    ]
+    lines += [f"missing: {m}" for m in r.missing]
+    if r.ratio.get("available"):
+        abs_lr, outside = r.ratio["abs_log_ratio"], r.ratio["fraction_outside"]
+        lines.append(
+            f"rollout-vs-old log-ratio: max |.| {_f(abs_lr['max'])}, p99 {_f(abs_lr.get('p99'))}, "
+            f"mean {_f(abs_lr['mean'])}"
+            f"; ratio outside [0.5, 2]: {outside['0.5-2.0']:.2%}, outside [0.8, 1.25]: {outside['0.8-1.25']:.2%}"
+        )
+    if r.advantages:
+        adv = r.advantages["samples"]
+        lines.append(f"advantages per sample: min {_f(adv['min'])}, max {_f(adv['max'])}, mean {_f(adv['mean'])}")
+    if r.sign_balance:
+        s = r.sign_balance
+        lines.append(
+            f"sign balance: negative {s['negative_total']:.4g} vs positive {s['positive_total']:.4g} "
+            f"(neg/pos {_f(s['negative_to_positive'], '.3g')})"
+            + ("" if s["dominant"] == "balanced" else f": {s['dominant']} dominates")
+        )
+    if r.routing.get("available"):
+        imbalance = ", ".join(f"L{k}:{_f(v, '.2f')}" for k, v in r.routing["load_imbalance"].items())
+        lines.append(f"routing ({', '.join(r.routing['sources'])}): expert load max/mean per layer {imbalance}")
+    headers = ["rank", "sample", "pos", "token", "turn", "log-ratio", "advantage"]
+    for key, title in (("tokens_by_abs_log_ratio", "|log-ratio|"), ("tokens_by_abs_advantage", "|advantage|")):
+        if r.outliers.get(key):
+            lines += ["", f"top tokens by {title}:", table(headers, _token_rows(r.outliers[key]))]
+    samples = r.outliers.get("samples_by_abs_log_ratio") or r.outliers.get("samples_by_abs_advantage")
+    if samples:
+        rows = [
+            [s["rank"], s["sample"], s["loss_tokens"], s["advantage"], s["seq_log_ratio"], s["max_abs_log_ratio"]]
+            for s in samples
+        ]
+        by = "max |log-ratio|" if r.outliers.get("samples_by_abs_log_ratio") else "|advantage|"
+        lines += ["", f"top samples by {by}:"]
+        lines.append(table(["rank", "sample", "loss tokens", "advantage", "mean log-ratio", "max |log-ratio|"], rows))
+    return "\n".join(lines)
+
+
+def _grads(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.analysis.grad_info import top_param_grads
+
+    result = top_param_grads(args.snapshot, top=args.top)
+
+    def render(r: Any) -> str:
+        lines = [f"iteration {r.iteration}: recorded grad norm {r.recorded_grad_norm:.6g}", ""]
+        lines.append(f"merged across ranks {[k.rank for k in r.ranks]} (sqrt of the sum of squared local norms):")
+        lines.append(table(["parameter", "grad norm", "numel"], [[p.name, p.grad_norm, p.numel] for p in r.merged]))
+        for k in r.ranks:
+            top3 = ", ".join(f"{p.name} {p.grad_norm:.4g}" for p in k.top[:3])
+            lines.append(f"rank {k.rank}: loss {_f(k.loss)}, tokens {_f(k.num_tokens, 'd')}; top: {top3}")
+        lines += [f"problem: {p}" for p in r.problems]
+        return "\n".join(lines)
+
+    emit(result, args.json, render)
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.analysis.log_scan import scan_logs
+
+    result = scan_logs(args.paths, args.dest, window=args.window, threshold=args.threshold, warmup=args.warmup)
+
+    def render(r: Any) -> str:
+        lines = [
+            f"copied {len(r.copied)} log file(s) to {r.dest}; {r.lines} lines, {len(r.series_points)} iterations "
+            f"with grad norm / loss"
+        ]
+        if r.spikes:
+            rows = [[s["iteration"], s["grad_norm"], s["spike_ratio"], s["median_norm"]] for s in r.spikes]
+            lines += ["", "spikes:", table(["iteration", "grad norm", "x median", "median"], rows)]
+        else:
+            lines.append("no spikes")
+        if r.errors:
+            lines += ["", f"error lines: {r.error_lines} (first {min(10, len(r.errors))}):"]
+            lines += [f"  {e['file']}:{e['line']} [{e['kind']}] {e['text'][:160]}" for e in r.errors[:10]]
+        return "\n".join(lines)
+
+    emit(result, args.json, render)
+    return 0

@@ -1,0 +1,188 @@
+"""CLI verbs that find, preserve and read snapshots: resolve, snapshots, preserve, release, inspect, prepare."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from axrl_spike_replay.cli.output import add_json_flag, emit, table
+
+
+def register(sub: Any) -> None:
+    """Add `resolve`, `snapshots`, `preserve`, `release`, `inspect` and `prepare`."""
+    p = sub.add_parser(
+        "resolve",
+        help="find a job's role output dirs (*~JOB__ROLE) and their logs",
+        description="Find the output dirs named <run>~JOB__<role> directly under the roots (--root, then "
+        "$AXRL_OUTPUT_ROOTS colon-separated; the current directory if neither), with their *.log / logs/*.log.",
+    )
+    p.add_argument("job", help="job name")
+    p.add_argument("--root", action="append", default=[], metavar="DIR", help="output root to search (repeatable)")
+    add_json_flag(p)
+    p.set_defaults(handler=_resolve)
+
+    p = sub.add_parser("snapshots", help="list an output dir's retained and preserved snapshots")
+    p.add_argument("output_dir", help="a role output dir (<run>~<job>__<role>)")
+    add_json_flag(p)
+    p.set_defaults(handler=_snapshots)
+
+    p = sub.add_parser(
+        "preserve",
+        help="hardlink snapshots into checkpoints/spike_snapshots-active/ so rotation cannot delete them",
+        description="Preserve retained snapshot N (default: every retained one) as a hardlinked copy under "
+        "checkpoints/spike_snapshots-active/ (a real copy only across filesystems). Idempotent; the source is "
+        "only read. Exit status 1 when a snapshot could not be preserved (e.g. rotated away mid-copy).",
+    )
+    p.add_argument("output_dir", help="a role output dir")
+    p.add_argument("--iteration", type=int, default=None, metavar="N", help="only this iteration")
+    add_json_flag(p)
+    p.set_defaults(handler=_preserve)
+
+    p = sub.add_parser(
+        "release",
+        help="delete preserved copies made by this tool (never anything else)",
+        description="Delete preserved copy N (default: every preserved copy) under checkpoints/"
+        "spike_snapshots-active/. Refuses any dir this tool did not make; exit status 1 when one was refused.",
+    )
+    p.add_argument("output_dir", help="a role output dir")
+    p.add_argument("--iteration", type=int, default=None, metavar="N", help="only this iteration")
+    add_json_flag(p)
+    p.set_defaults(handler=_release)
+
+    p = sub.add_parser(
+        "inspect", help="a snapshot's metadata, per-rank counts, model size and problems (reads no large tensor)"
+    )
+    p.add_argument("snapshot", help="a snapshot dir (iter_<N>)")
+    add_json_flag(p)
+    p.set_defaults(handler=_inspect)
+
+    p = sub.add_parser(
+        "prepare",
+        help="make a replay dir for a legacy snapshot (AXRL keys in metadata.json); the snapshot is not touched",
+    )
+    p.add_argument("snapshot", help="a snapshot dir (iter_<N>)")
+    p.add_argument("--dest", default=None, metavar="DIR", help="replay dir to create (default: a new temp dir)")
+    add_json_flag(p)
+    p.set_defaults(handler=_prepare)
+
+
+def size(n: int | None) -> str:
+    """Bytes for people: 1.5 GiB."""
+    if n is None:
+        return ""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _resolve(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.snapshot.discovery import resolve_job
+
+    result = resolve_job(args.job, args.root)
+
+    def render(r: Any) -> str:
+        lines = [f"job {r.job}: {len(r.roles)} output dir(s) under {', '.join(r.roots)}", ""]
+        lines.append(
+            table(["role", "run", "logs", "output dir"], [[d.role, d.run, len(d.logs), d.output_dir] for d in r.roles])
+        )
+        for d in r.roles:
+            lines += [f"  {log}" for log in d.logs[:5]] + ([f"  ... {len(d.logs) - 5} more"] if len(d.logs) > 5 else [])
+        return "\n".join(lines)
+
+    emit(result, args.json, render)
+    return 0
+
+
+def _snapshots(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.snapshot.listing import list_snapshots
+
+    result = list_snapshots(args.output_dir)
+
+    def render(r: Any) -> str:
+        if not r.snapshots:
+            return f"{r.output_dir}: no snapshots (looked in checkpoints/spike_snapshots and -active)"
+        rows = [
+            [s.iteration, "preserved" if s.preserved else "retained", s.spike_ratio, s.grad_norm, size(s.bytes), s.path]
+            for s in r.snapshots
+        ]
+        lines = [table(["iteration", "kind", "spike ratio", "grad norm", "size", "path"], rows)]
+        lines += [f"problem: {s.problem}" for s in r.snapshots if s.problem]
+        return "\n".join(lines)
+
+    emit(result, args.json, render)
+    return 0
+
+
+def _preserve(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.snapshot.preserve import preserve
+
+    result = preserve(args.output_dir, args.iteration)
+
+    def render(r: Any) -> str:
+        lines = []
+        for c in r.preserved:
+            if c.status == "already_preserved":
+                lines.append(f"iter {c.iteration}: already preserved at {c.path}")
+            else:
+                lines.append(
+                    f"iter {c.iteration}: preserved at {c.path} ({c.linked_files} hardlinked, {c.copied_files} copied)"
+                )
+        lines += [f"iter {f.iteration}: FAILED: {f.error}" for f in r.failed]
+        return "\n".join(lines) or f"{r.output_dir}: no retained snapshots to preserve"
+
+    emit(result, args.json, render)
+    return 1 if result.failed else 0
+
+
+def _release(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.snapshot.preserve import release
+
+    result = release(args.output_dir, args.iteration)
+
+    def render(r: Any) -> str:
+        lines = [f"released iter {c.iteration}: {c.path}" for c in r.released]
+        lines += [f"refused {x.path}: {x.reason}" for x in r.refused]
+        return "\n".join(lines) or f"{r.output_dir}: no preserved copies"
+
+    emit(result, args.json, render)
+    return 1 if result.refused else 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.snapshot.inspect import inspect_snapshot
+
+    emit(inspect_snapshot(args.snapshot), args.json, render_inspection)
+    return 0
+
+
+def render_inspection(r: Any) -> str:
+    """Readable `inspect` summary: the spike first, then layout, model, ranks and problems."""
+    threshold = r.detector.get("threshold")
+    lines = [
+        f"iteration {r.iteration} of job {r.job_name} ({r.role}): grad norm {r.grad_norm:.6g} = "
+        f"{r.spike_ratio:.2f}x the median {r.median_norm:.6g}" + (f" (threshold {threshold})" if threshold else ""),
+        f"layout: world size {r.world_size} (tp {r.tp}, pp {r.pp}, dp {r.dp}, ep {r.ep}, etp {r.etp}, cp {r.cp})"
+        + ("; LEGACY metadata: run `prepare` before replay" if r.legacy_metadata else ""),
+        f"model: {r.model.tensors} tensors, {size(r.model.bytes)}" if r.model else "model: no readable checkpoint",
+        "",
+    ]
+    rows = []
+    for k in r.ranks:
+        routed = k.routing_payload_counts
+        routed_text = ", ".join(f"L{layer}:{n}" for layer, n in routed.items()) if routed else "-"
+        rows.append([k.rank, k.num_samples, k.num_loss_tokens, k.seq_len, k.grad_norm, routed_text])
+    lines.append(table(["rank", "samples", "loss tokens", "seq len", "grad norm", "routed tokens per MoE layer"], rows))
+    lines.append("")
+    lines += [f"problem: {p}" for p in r.problems] or ["no problems found"]
+    return "\n".join(lines)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.snapshot.legacy import prepare_replay_dir
+
+    result = prepare_replay_dir(args.snapshot, args.dest)
+    emit(result, args.json, lambda r: f"{r.message}\nreplay dir: {r.replay_dir}")
+    return 0

@@ -1,0 +1,80 @@
+"""Find a job's role output directories (`<run>~<job>__<role>`) and their log files under output roots."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.snapshot.layout import parse_output_dir_name
+
+OUTPUT_ROOTS_ENV = "AXRL_OUTPUT_ROOTS"
+
+
+@dataclass
+class RoleDir:
+    """One role's output directory of a job, with the logs found in it."""
+
+    role: str
+    output_dir: str
+    logs: list[str] = field(default_factory=list)
+    run: str = ""
+
+
+@dataclass
+class JobResolution:
+    """What `resolve` found: the job's role output dirs (sorted by role, then run) and the roots searched."""
+
+    job: str
+    roles: list[RoleDir]
+    roots: list[str]
+
+
+def output_roots(roots: Iterable[str | Path] = ()) -> list[Path]:
+    """The roots to search: those given, then `$AXRL_OUTPUT_ROOTS` (colon-separated); the cwd if neither."""
+    found: list[Path] = [Path(r).expanduser() for r in roots if str(r)]
+    found += [Path(r.strip()).expanduser() for r in os.environ.get(OUTPUT_ROOTS_ENV, "").split(":") if r.strip()]
+    found = [Path(os.path.abspath(r)) for r in found]
+    unique: list[Path] = []
+    for root in found or [Path.cwd()]:
+        if root not in unique:
+            unique.append(root)
+    return unique
+
+
+def find_logs(output_dir: str | Path) -> list[Path]:
+    """Log files of an output dir: `*.log` in it and `logs/**/*.log` below it, sorted."""
+    directory = Path(output_dir)
+    logs = [p for p in directory.glob("*.log") if p.is_file()]
+    logs_dir = directory / "logs"
+    if logs_dir.is_dir():
+        logs += [p for p in logs_dir.rglob("*.log") if p.is_file()]
+    return sorted(logs)
+
+
+def resolve_job(job: str, roots: Sequence[str | Path] = ()) -> JobResolution:
+    """Every `*~<job>__<role>` directory directly under the roots (see `output_roots`), with its logs."""
+    if not job or "/" in job:
+        raise AxrlError(f"job name {job!r} is not valid (give the job name, e.g. 'qwen3-moe-grpo', not a path)")
+    searched = output_roots(roots)
+    roles: list[RoleDir] = []
+    for root in searched:
+        if not root.is_dir():
+            continue
+        for entry in sorted(root.iterdir()):
+            parsed = parse_output_dir_name(entry.name)
+            if parsed is None or parsed[1] != job or not entry.is_dir():
+                continue
+            run, _, role = parsed
+            logs = [str(p) for p in find_logs(entry)]
+            roles.append(RoleDir(role=role, output_dir=str(entry), logs=logs, run=run))
+    if not roles:
+        shown = ", ".join(str(r) + ("" if r.is_dir() else " (missing)") for r in searched)
+        raise AxrlError(
+            f"no output directories for job {job!r} (looked for '*~{job}__<role>' under: {shown}); "
+            f"pass --root DIR or set {OUTPUT_ROOTS_ENV}"
+        )
+    roles.sort(key=lambda r: (r.role, r.run, r.output_dir))
+    return JobResolution(job=job, roles=roles, roots=[str(r) for r in searched])

@@ -1,0 +1,241 @@
+"""Inspect a snapshot without reading its tensor data: metadata, per-rank counts, model size, problems.
+
+Cost model. Each rank file is opened once with `load_pt(mmap=True)`: torch parses the small
+pickle and maps the file, so every tensor's shape and dtype is known without a byte of tensor
+data read (a second `meta` load would only parse the pickle twice). The two counts that need
+values read just their own tensors through the mapping: `loss_mask` ([B, T], a few bytes per
+token) for `num_loss_tokens`, and `routed_experts` ([B, T, L, K] int) for the routing counts.
+Large tensors (activations, logits, anything else in a batch file) are never touched, so the
+cost does not grow with the snapshot's size. Model size comes from the checkpoint's `.metadata`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.errors import SnapshotError
+from axrl_spike_replay.snapshot.checkpoint import summarize_checkpoint
+from axrl_spike_replay.snapshot.completeness import checkpoint_data_files
+from axrl_spike_replay.snapshot.fields import FIELD_ALIASES, find_field
+from axrl_spike_replay.snapshot.layout import DCP_METADATA, RUN_CONFIG, rank_files
+from axrl_spike_replay.snapshot.metadata import read_metadata
+from axrl_spike_replay.snapshot.rank_data import load_grad_info, load_routing_payload
+from axrl_spike_replay.snapshot.safe_load import load_pt
+
+
+@dataclass
+class RankInspection:
+    """One rank's files. Counts are None where the file is missing or unreadable (see `problems`)."""
+
+    rank: int
+    batch_file: str | None
+    num_samples: int | None = None
+    num_loss_tokens: int | None = None
+    routing_payload_counts: dict[int, int] | None = None  # {global MoE layer id: tokens with a route}
+    seq_len: int | None = None
+    fields: list[str] = field(default_factory=list)  # batch field names as saved
+    grad_norm: float | None = None
+    grad_info_file: str | None = None
+    routing_payload_file: str | None = None
+    routing_source: str | None = None
+
+
+@dataclass
+class ModelSummary:
+    tensors: int
+    bytes: int
+
+
+@dataclass
+class SnapshotInspection:
+    """What `inspect` reports. `problems` lists every inconsistency found; empty means none."""
+
+    path: str
+    iteration: int
+    job_name: str
+    role: str
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+    etp: int
+    cp: int
+    grad_norm: float
+    median_norm: float
+    spike_ratio: float
+    legacy_metadata: bool
+    ranks: list[RankInspection]
+    model: ModelSummary | None
+    problems: list[str]
+    detector: dict[str, Any] = field(default_factory=dict)
+    created_at: str = ""
+
+
+def _batch_parts(raw: Any, path: Path) -> list[Any]:
+    if isinstance(raw, dict) and "micro_batches" in raw:
+        parts = raw["micro_batches"]
+        if not isinstance(parts, (list, tuple)) or not parts:
+            raise SnapshotError(f"{path}: 'micro_batches' must be a non-empty list of dicts")
+        return list(parts)
+    return [raw]
+
+
+def _inspect_batch(path: Path, info: RankInspection, problems: list[str]) -> None:
+    import torch
+
+    parts = _batch_parts(load_pt(path), path)
+    samples = loss_tokens = 0
+    seq_len = 0
+    names: list[str] = []
+    for i, part in enumerate(parts):
+        where = f"{path}" + (f" micro_batches[{i}]" if len(parts) > 1 else "")
+        if not isinstance(part, dict):
+            raise SnapshotError(f"{where}: a rank batch must be a dict of tensors, got {type(part).__name__}")
+        names += [str(k) for k in part if str(k) not in names]
+        tokens = find_field(part, "tokens")
+        if tokens is None or not isinstance(tokens[1], torch.Tensor) or tokens[1].dim() != 2:
+            accepted = ", ".join(FIELD_ALIASES["tokens"])
+            raise SnapshotError(f"{where}: no [batch, seq] token tensor (accepted names: {accepted})")
+        samples += int(tokens[1].shape[0])
+        seq_len = max(seq_len, int(tokens[1].shape[1]))
+        mask = find_field(part, "loss_mask")
+        if mask is None or not isinstance(mask[1], torch.Tensor):
+            problems.append(f"{where}: no loss mask (accepted: {', '.join(FIELD_ALIASES['loss_mask'])})")
+            loss_tokens = -1
+        elif loss_tokens >= 0:
+            if mask[1].shape[0] != tokens[1].shape[0]:
+                rows = (mask[1].shape[0], tokens[1].shape[0])
+                problems.append(f"{where}: {mask[0]} has {rows[0]} rows but {tokens[0]} has {rows[1]}")
+            loss_tokens += int(torch.count_nonzero(mask[1]))  # reads only the mask's pages
+    info.num_samples = samples
+    info.seq_len = seq_len
+    info.num_loss_tokens = loss_tokens if loss_tokens >= 0 else None
+    info.fields = names
+
+
+def _inspect_routing(directory: Path, rank: int, info: RankInspection, problems: list[str]) -> None:
+    payload = load_routing_payload(directory, rank)
+    routes = payload.routed_experts
+    routed = (routes >= 0).any(dim=-1).sum(dim=(0, 1))  # [L]: tokens with at least one expert per layer
+    info.routing_payload_counts = {layer: int(n) for layer, n in zip(payload.moe_layers, routed.tolist(), strict=True)}
+    info.routing_source = payload.source
+    if info.num_samples is not None and routes.shape[0] != info.num_samples:
+        problems.append(
+            f"{info.routing_payload_file}: routed_experts covers {routes.shape[0]} samples but the batch has "
+            f"{info.num_samples}"
+        )
+
+
+def _read_rank_grad_norm(directory: Path, rank: int, info: RankInspection) -> None:
+    info.grad_norm = load_grad_info(directory, rank)["grad_norm"]
+
+
+def _collect(problems: list[str], step: Callable[..., None], *args: Any) -> None:
+    """Run one reading step; a SnapshotError (missing, truncated, unsafe file) becomes a problem entry."""
+    try:
+        step(*args)
+    except SnapshotError as exc:
+        problems.append(str(exc))
+
+
+def _check_rank_sets(directory: Path, files: dict[str, dict[int, Path]], world_size: int, problems: list[str]) -> None:
+    expected = set(range(world_size))
+    for kind in ("batch", "grad_info"):
+        missing = sorted(expected - set(files[kind]))
+        if missing:
+            problems.append(f"{directory}: no {kind}_rank<r>.pt for ranks {missing} (world size {world_size})")
+    for kind in ("batch", "grad_info", "routing_payload"):
+        extra = sorted(set(files[kind]) - expected)
+        if extra:
+            problems.append(
+                f"{directory}: {kind}_rank<r>.pt files for ranks {extra} beyond the world size {world_size} "
+                "in the metadata"
+            )
+    routed = set(files["routing_payload"]) & expected
+    if routed and routed != expected:
+        problems.append(f"{directory}: routing payloads only for ranks {sorted(routed)} of {sorted(expected)}")
+
+
+def _check_model(directory: Path, problems: list[str]) -> ModelSummary | None:
+    if not (directory / DCP_METADATA).is_file():
+        problems.append(f"{directory / DCP_METADATA}: missing (no checkpoint weights to replay from)")
+        return None
+    try:
+        summary = summarize_checkpoint(directory)
+        missing = [name for name in checkpoint_data_files(directory) if not (directory / name).is_file()]
+    except SnapshotError as exc:
+        problems.append(str(exc))
+        return None
+    problems += [f"{directory / name}: missing (named by the checkpoint metadata)" for name in missing]
+    return ModelSummary(tensors=summary.tensors, bytes=summary.bytes)
+
+
+def inspect_snapshot(path: str | Path) -> SnapshotInspection:
+    """Read a snapshot's metadata, per-rank counts and model size; list its problems. Reads no large tensor."""
+    directory = Path(os.path.abspath(path))
+    meta, legacy = read_metadata(directory)
+    par = meta.parallel
+    problems: list[str] = []
+    if par.tp * par.pp * par.dp * par.cp != par.world_size:
+        problems.append(
+            f"parallel layout tp={par.tp} x pp={par.pp} x dp={par.dp} x cp={par.cp} does not make the "
+            f"world size {par.world_size}"
+        )
+    if meta.median_norm > 0 and not math.isclose(meta.spike_ratio, meta.grad_norm / meta.median_norm, rel_tol=1e-3):
+        problems.append(
+            f"spike_ratio {meta.spike_ratio:.6g} != grad_norm / median_norm = {meta.grad_norm / meta.median_norm:.6g}"
+        )
+    if not (directory / RUN_CONFIG).is_file():
+        problems.append(f"{directory / RUN_CONFIG}: missing (replay needs the run's config)")
+    files = rank_files(directory)
+    _check_rank_sets(directory, files, par.world_size, problems)
+
+    ranks: list[RankInspection] = []
+    for rank in sorted(set(range(par.world_size)) | set(files["batch"])):
+        info = RankInspection(
+            rank=rank,
+            batch_file=str(files["batch"][rank]) if rank in files["batch"] else None,
+            grad_info_file=str(files["grad_info"][rank]) if rank in files["grad_info"] else None,
+            routing_payload_file=str(files["routing_payload"][rank]) if rank in files["routing_payload"] else None,
+        )
+        if info.batch_file is not None:
+            _collect(problems, _inspect_batch, files["batch"][rank], info, problems)
+        if info.grad_info_file is not None:
+            _collect(problems, _read_rank_grad_norm, directory, rank, info)
+        if info.routing_payload_file is not None:
+            _collect(problems, _inspect_routing, directory, rank, info, problems)
+        if info.grad_norm is not None and not math.isclose(info.grad_norm, meta.grad_norm, rel_tol=1e-3):
+            problems.append(
+                f"{info.grad_info_file}: grad_norm {info.grad_norm:.6g} differs from the metadata's "
+                f"{meta.grad_norm:.6g}"
+            )
+        ranks.append(info)
+
+    return SnapshotInspection(
+        path=str(directory),
+        iteration=meta.iteration,
+        job_name=meta.job_name,
+        role=meta.role,
+        world_size=par.world_size,
+        tp=par.tp,
+        pp=par.pp,
+        dp=par.dp,
+        ep=par.ep,
+        etp=par.etp,
+        cp=par.cp,
+        grad_norm=meta.grad_norm,
+        median_norm=meta.median_norm,
+        spike_ratio=meta.spike_ratio,
+        legacy_metadata=legacy,
+        ranks=ranks,
+        model=_check_model(directory, problems),
+        problems=problems,
+        detector={"kind": meta.detector.kind, "window": meta.detector.window, "threshold": meta.detector.threshold},
+        created_at=meta.created_at,
+    )

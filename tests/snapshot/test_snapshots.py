@@ -1,0 +1,56 @@
+"""An engineer lists an output dir's snapshots: which are retained, which preserved, how big, how spiky."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR
+from axrl_spike_replay.snapshot.listing import list_snapshots
+from axrl_spike_replay.snapshot.preserve import preserve
+
+
+def test_lists_retained_and_preserved_snapshots_and_ignores_half_written_ones(make_output_dir) -> None:
+    out = make_output_dir()
+    preserve(out, 42)
+    (out / SNAPSHOTS_DIR / ".iter_0000043.writing").mkdir()  # a snapshot still being written
+    (out / PRESERVED_DIR / ".iter_0000041.preserving").mkdir()  # an interrupted preserve
+
+    listing = list_snapshots(out)
+
+    seen = [(s.iteration, s.preserved) for s in listing.snapshots]
+    assert seen == [(41, False), (42, False), (42, True)]
+    retained = listing.snapshots[1]
+    assert retained.path == str(out / SNAPSHOTS_DIR / "iter_0000042")
+    assert retained.spike_ratio == pytest.approx(20.0)
+    files = [p for p in Path(retained.path).rglob("*") if p.is_file()]
+    assert retained.bytes == sum(p.stat().st_size for p in files) > 0
+
+
+def test_golden_capture_json(golden_outputs: Path, cli) -> None:
+    run = cli("snapshots", golden_outputs / "fx~fixture-moe__actor", "--json")
+    assert run.code == 0
+    doc = run.json()
+    on_disk = sorted(int(p.name[5:]) for p in (golden_outputs / "fx~fixture-moe__actor" / SNAPSHOTS_DIR).glob("iter_*"))
+    assert [s["iteration"] for s in doc["snapshots"]] == on_disk != []
+    for entry in doc["snapshots"]:
+        assert set(entry) >= {"iteration", "path", "bytes", "spike_ratio", "preserved"}
+        assert entry["preserved"] is False and entry["spike_ratio"] > 5
+
+
+def test_unreadable_metadata_is_reported_not_fatal(make_output_dir) -> None:
+    out = make_output_dir()
+    (out / SNAPSHOTS_DIR / "iter_0000041" / "axrl_metadata.json").write_text("{ not json")
+    listing = list_snapshots(out)
+    broken = listing.snapshots[0]
+    assert broken.spike_ratio is None and "not valid JSON" in (broken.problem or "")
+    assert listing.snapshots[1].problem is None
+
+
+def test_missing_output_dir_is_a_clear_error(tmp_path: Path, cli) -> None:
+    with pytest.raises(AxrlError, match="output directory not found"):
+        list_snapshots(tmp_path / "nope")
+    run = cli("snapshots", tmp_path / "nope")
+    assert run.code == 2 and "nope: output directory not found" in run.err
