@@ -1,0 +1,182 @@
+"""CLI verbs for the investigation record: `task`, `method` and `report`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from axrl_spike_replay.cli.output import add_json_flag, emit, table
+
+
+def register(sub: Any) -> None:
+    """Add `task`, `method` and `report`."""
+    task = sub.add_parser(
+        "task",
+        help="the investigation's task file (agent-task/spike-replay/<job>.md)",
+        description="Open and edit the task file of one spike investigation. Replays log themselves into it.",
+    )
+    verbs = task.add_subparsers(dest="task_command", metavar="ACTION")
+    verbs.required = True
+
+    p = _with_workspace(verbs.add_parser("open", help="open (or re-open) the task for JOB; history is kept"))
+    p.add_argument("job", metavar="JOB", help="job name (the snapshot's job_name)")
+    p.add_argument("--snapshot", default=None, metavar="PATH", help="set the active snapshot")
+    add_json_flag(p)
+    p.set_defaults(handler=_task_open)
+
+    p = _with_workspace(verbs.add_parser("note", help="add a line to Observations or Next steps"))
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--section", required=True, choices=("observations", "next-steps"))
+    p.add_argument("text", metavar="TEXT")
+    add_json_flag(p)
+    p.set_defaults(handler=_task_note)
+
+    p = _with_workspace(verbs.add_parser("set-snapshot", help="set the active snapshot (earlier ones are kept)"))
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("snapshot", metavar="PATH")
+    add_json_flag(p)
+    p.set_defaults(handler=_task_set_snapshot)
+
+    p = _with_workspace(verbs.add_parser("set-command", help="set the replay command to rerun"))
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("command_text", metavar="TEXT")
+    add_json_flag(p)
+    p.set_defaults(handler=_task_set_command)
+
+    p = _with_workspace(verbs.add_parser("show", help="show the task: experiments, failures, notes"))
+    p.add_argument("job", metavar="JOB")
+    add_json_flag(p)
+    p.set_defaults(handler=_task_show)
+
+    method = sub.add_parser(
+        "method",
+        help="write up proven mitigations (spike-mitigation-methods/<slug>.md)",
+        description="Write a logged, cleared or partial, non-duplicate attempt up as a method file, or list them.",
+    )
+    mverbs = method.add_subparsers(dest="method_command", metavar="ACTION")
+    mverbs.required = True
+    p = _with_workspace(mverbs.add_parser("add", help="write attempt ID of JOB up as a method file"))
+    p.add_argument("--job", required=True, metavar="JOB")
+    p.add_argument("--attempt", required=True, metavar="ID", help="experiment id from `task show`, e.g. E3")
+    p.add_argument("--name", required=True, metavar="SLUG", help="file name of the method (plain name, no path)")
+    p.add_argument("--rationale", required=True, metavar="TEXT", help="why the mitigation works")
+    p.add_argument(
+        "--allow-reduced", action="store_true", help="accept a reduced-fidelity replay (written up as diagnostic)"
+    )
+    p.add_argument("--replace", action="store_true", help="overwrite the method file of the same name")
+    add_json_flag(p)
+    p.set_defaults(handler=_method_add)
+    p = _with_workspace(mverbs.add_parser("list", help="list the method files and their status"))
+    add_json_flag(p)
+    p.set_defaults(handler=_method_list)
+
+    p = _with_workspace(
+        sub.add_parser(
+            "report",
+            help="write the investigation report (tmp/spike-replay/<job>/report.md) and print it",
+            description="Render the final report from the task state, write it atomically and print it. "
+            "With --release, then remove the preserved hardlink copies of the task's snapshots.",
+        )
+    )
+    p.add_argument("job", metavar="JOB")
+    p.add_argument("--release", action="store_true", help="after writing, release the preserved snapshot copies")
+    add_json_flag(p)
+    p.set_defaults(handler=_report)
+
+
+def _with_workspace(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--workspace", default=".", metavar="DIR", help="workspace root (default: current directory)")
+    return parser
+
+
+def _task_open(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.workspace.task_state import open_task
+
+    emit(open_task(args.workspace, args.job, snapshot=args.snapshot), args.json, _render_task)
+    return 0
+
+
+def _task_note(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.workspace.task_state import note
+
+    emit(note(args.workspace, args.job, args.section, args.text), args.json, _render_task)
+    return 0
+
+
+def _task_set_snapshot(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.workspace.task_state import set_snapshot
+
+    emit(set_snapshot(args.workspace, args.job, args.snapshot), args.json, _render_task)
+    return 0
+
+
+def _task_set_command(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.workspace.task_state import set_command
+
+    emit(set_command(args.workspace, args.job, args.command_text), args.json, _render_task)
+    return 0
+
+
+def _task_show(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.workspace.task_state import show_task
+
+    emit(show_task(args.workspace, args.job), args.json, _render_task)
+    return 0
+
+
+def _method_add(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.workspace.methods import add_method
+
+    result = add_method(
+        args.workspace,
+        args.job,
+        args.attempt,
+        args.name,
+        args.rationale,
+        allow_reduced=args.allow_reduced,
+        replace=args.replace,
+    )
+    emit(result, args.json, lambda r: f"{r['status']} method {r['slug']} -> {r['path']}\n{r['summary']}")
+    return 0
+
+
+def _method_list(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.workspace.methods import list_methods
+
+    emit(list_methods(args.workspace), args.json, _render_methods)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.workspace.report import write_report
+
+    emit(write_report(args.workspace, args.job, release=args.release), args.json, _render_report)
+    return 0
+
+
+def _render_task(task: dict[str, Any]) -> str:
+    lines = [f"task {task['job']}: {task['task_file']}", f"snapshot: {task['snapshot'] or '(none)'}"]
+    lines.append(f"command:  {task['command'] or '(none)'}")
+    if task["experiments"]:
+        cols = ("id", "fidelity", "change", "grad_norm", "ratio_to_median", "change_vs_baseline", "verdict")
+        lines += ["", table(cols, [[row.get(c) for c in cols] for row in task["experiments"]])]
+    if task["failed"]:
+        lines += ["", table(("id", "target", "reason"), [[f["id"], f["target"], f["reason"]] for f in task["failed"]])]
+    for title, key in (("observations", "observations"), ("next steps", "next_steps")):
+        if task[key]:
+            lines += ["", f"{title}:"] + [f"  - {n['text']}" for n in task[key]]
+    return "\n".join(lines)
+
+
+def _render_methods(methods: list[dict[str, Any]]) -> str:
+    if not methods:
+        return "no method files"
+    return table(("method", "status", "summary"), [[m["slug"], m["status"], m.get("summary")] for m in methods])
+
+
+def _render_report(result: dict[str, Any]) -> str:
+    lines = [result["text"].rstrip("\n"), "", f"report written to {result['path']}"]
+    for entry in result["released"]:
+        state = "released" if entry["released"] else f"NOT released: {entry['error']}"
+        lines.append(f"preserved copy {entry['path']}: {state}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The investigation record: task file, proven method files and the final report, rendered from templates/."""

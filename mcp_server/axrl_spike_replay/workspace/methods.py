@@ -1,0 +1,219 @@
+"""Method files: one proven (or partial, or diagnostic) mitigation per file, with its evidence, plus an index."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.workspace import front_matter
+from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
+from axrl_spike_replay.workspace.evidence import baseline_for, find_attempt, output_dir_of, result_doc
+from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_plain_name, check_workspace, methods_dir
+from axrl_spike_replay.workspace.render import fmt, pct, render
+from axrl_spike_replay.workspace.signals import key_signals
+from axrl_spike_replay.workspace.task_state import now, read_state, update_task, write_file
+
+WRITABLE_VERDICTS = ("cleared", "partial")
+STATUSES = ("proven", "partial", "diagnostic")
+SIGNAL_TOP = 3
+
+
+def method_status(verdict: str, fidelity: str) -> str:
+    """proven (cleared at full fidelity), partial (partial at full fidelity) or diagnostic (reduced fidelity)."""
+    if fidelity != "full":
+        return "diagnostic"
+    return "proven" if verdict == "cleared" else "partial"
+
+
+def check_slug(name: str) -> str:
+    """The method's slug (a trailing `.md` dropped); ConfigError unless it is a plain file name."""
+    slug = name[:-3] if isinstance(name, str) and name.endswith(".md") else name
+    check_plain_name(slug, "method name")
+    if slug.lower() == METHODS_INDEX[:-3].lower():
+        raise ConfigError(f"method name {name!r} is reserved for the index; choose another")
+    return slug
+
+
+def add_method(
+    workspace: str | Path,
+    job: str,
+    attempt_id: str,
+    name: str,
+    rationale: str,
+    allow_reduced: bool = False,
+    replace: bool = False,
+) -> dict[str, Any]:
+    """Write `spike-mitigation-methods/<slug>.md` for a cleared/partial, non-duplicate attempt; regenerate the index.
+
+    `replace` overwrites an existing method file of the same name (regenerating it); a duplicate under another
+    name is still refused.
+    """
+    root = check_workspace(workspace)
+    slug = check_slug(name)
+    if not rationale or not rationale.strip():
+        raise ConfigError("rationale is empty; say why this mitigation works")
+    first = find_attempt(read_state(root, check_plain_name(job, "job name")), attempt_id)
+    result, _ = result_doc(first)
+    _check_writable(first["id"], result, allow_reduced)
+    _check_not_duplicate(root, slug, result, replace)  # again under the lock; first here, before the slow part
+    signals = key_signals(result.snapshot, top=SIGNAL_TOP)  # may read a large snapshot: outside the locks
+    out: dict[str, Any] = {}
+
+    def change(state: dict[str, Any]) -> None:
+        row = find_attempt(state, attempt_id)
+        result, result_note = result_doc(row)
+        with FileLock(str(root / TASKS_DIR / ".methods.lock"), timeout=120):
+            _check_not_duplicate(root, slug, result, replace)
+            doc = _method_doc(state, row, result, result_note, slug, rationale.strip(), signals)
+            path = methods_dir(root) / f"{slug}.md"
+            write_file(path, front_matter.dump(doc["front_matter"]) + render("method.md.j2", m=doc), "method file")
+            write_index(root)
+        state["methods"] = [m for m in state["methods"] if m["slug"] != slug]
+        state["methods"].append({"slug": slug, "attempt": row["id"], "status": doc["status"], "time": now()})
+        out.update(doc["front_matter"], path=str(path), signals=signals)
+
+    update_task(root, job, change)
+    return out
+
+
+def list_methods(workspace: str | Path) -> list[dict[str, Any]]:
+    """Every method file in the workspace with its front matter (status `unknown` for files without one)."""
+    folder = methods_dir(check_workspace(workspace))
+    if not folder.is_dir():
+        return []
+    methods = []
+    for path in sorted(folder.glob("*.md")):
+        if path.name == METHODS_INDEX:
+            continue
+        fields = front_matter.load(path)
+        if fields is None:
+            fields = {"slug": path.stem, "status": "unknown", "summary": "(no front matter written by this tool)"}
+        methods.append({**fields, "path": str(path)})
+    return methods
+
+
+def write_index(workspace: Path) -> Path:
+    """Regenerate `spike-mitigation-methods/README.md` from the method files."""
+    methods = list_methods(workspace)
+    text = render("methods-index.md.j2", methods=methods)
+    return write_file(methods_dir(workspace) / METHODS_INDEX, text, "methods index")
+
+
+def _check_writable(attempt_id: str, result: ReplayResult, allow_reduced: bool) -> None:
+    if result.verdict not in WRITABLE_VERDICTS:
+        raise AxrlError(
+            f"attempt {attempt_id} has verdict {result.verdict!r}; only a 'cleared' or 'partial' attempt "
+            "can be written up as a method"
+        )
+    if result.fidelity != "full" and not allow_reduced:
+        raise AxrlError(
+            f"attempt {attempt_id} ran at {result.fidelity!r} fidelity (world size {result.world_size_used} of "
+            f"{result.world_size_saved}); rerun it at full fidelity, or pass --allow-reduced to write it up as "
+            "diagnostic only"
+        )
+
+
+def _check_not_duplicate(root: Path, slug: str, result: ReplayResult, replace: bool) -> None:
+    target = methods_dir(root) / f"{slug}.md"
+    key = config_key(result.mitigations)
+    for method in list_methods(root):
+        if replace and method["path"] == str(target):
+            continue
+        same_patch = bool(result.patch_sha256) and method.get("patch_sha256") == result.patch_sha256
+        same_config = not result.patch_sha256 and not method.get("patch_sha256") and method.get("config_key") == key
+        if same_patch or same_config:
+            what = f"patch {result.patch_sha256[:12]}" if same_patch else describe_change(result.mitigations)
+            raise AxrlError(f"duplicate method: {method['path']} already records the same change ({what})")
+    if target.exists() and not replace:
+        raise AxrlError(f"method file {target} already exists for a different change; choose another name")
+
+
+def _method_doc(
+    state: dict[str, Any],
+    row: dict[str, Any],
+    result: ReplayResult,
+    result_note: str | None,
+    slug: str,
+    rationale: str,
+    signals: dict[str, Any],
+) -> dict[str, Any]:
+    baseline = baseline_for(state, row, result)
+    status = method_status(result.verdict, result.fidelity)
+    change = describe_change(result.mitigations, result.patch_sha256)
+    ratio = result.spike_ratio
+    summary = (
+        f"{change}: grad norm {fmt(baseline['grad_norm'])} -> {fmt(result.grad_norm)} "
+        f"({pct(result.change_vs_baseline if result.change_vs_baseline is not None else baseline['change'])}), "
+        f"ratio to median {fmt(ratio)} vs threshold {fmt(result.threshold)}"
+    )
+    fields = {
+        front_matter.MARKER: 1,
+        "slug": slug,
+        "status": status,
+        "summary": summary,
+        "job": state["job"],
+        "job_name": result.job_name or state["job"],
+        "role": result.role,
+        "iteration": result.iteration,
+        "snapshot": result.snapshot,
+        "attempt": row["id"],
+        "verdict": result.verdict,
+        "fidelity": result.fidelity,
+        "mitigations": normalise_config(result.mitigations),
+        "config_key": config_key(result.mitigations),
+        "patch_sha256": result.patch_sha256,
+        "grad_norm": result.grad_norm,
+        "baseline_grad_norm": baseline["grad_norm"],
+        "spike_ratio": ratio,
+        "threshold": result.threshold,
+        "result_path": row.get("result_path"),
+        "created_at": now(),
+    }
+    return {
+        "front_matter": json.loads(json.dumps(fields, default=str)),
+        "status": status,
+        "change": change,
+        "mitigations_json": json.dumps(normalise_config(result.mitigations), indent=2, sort_keys=True),
+        "patch": _patch_text(row, result),
+        "result": result,
+        "result_note": result_note,
+        "baseline": baseline,
+        "row": row,
+        "rationale": rationale,
+        "signals": signals,
+        "output_dir": output_dir_of(result.snapshot),
+        "residual": _residual(result, baseline),
+        "summary": summary,
+    }
+
+
+def _residual(result: ReplayResult, baseline: dict[str, Any]) -> str:
+    ratio, threshold = result.spike_ratio, result.threshold
+    if ratio is None:
+        return "unknown: the mitigated replay has no ratio to the median"
+    if ratio < threshold:
+        return f"no residual spike: ratio to median {fmt(ratio)} is below the detector threshold {fmt(threshold)}"
+    return (
+        f"residual spike: ratio to median {fmt(ratio)} is still at or above the detector threshold "
+        f"{fmt(threshold)}, though the grad norm moved {pct(result.change_vs_baseline)} against the baseline"
+    )
+
+
+def _patch_text(row: dict[str, Any], result: ReplayResult) -> str | None:
+    """The patch itself when a `*.diff`/`*.patch` beside the replay result matches its hash."""
+    if not result.patch_sha256 or not row.get("result_path"):
+        return None
+    folder = Path(row["result_path"]).parent
+    if not folder.is_dir():
+        return None
+    for candidate in sorted([*folder.glob("*.diff"), *folder.glob("*.patch")]):
+        data = candidate.read_bytes()
+        if hashlib.sha256(data).hexdigest() == result.patch_sha256:
+            return data.decode("utf-8", errors="replace")
+    return None

@@ -1,0 +1,143 @@
+"""The investigation's final report, rendered from the task state; optionally releases preserved copies after."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, iteration_dir_name, parse_iteration
+from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of
+from axrl_spike_replay.workspace.methods import list_methods
+from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
+from axrl_spike_replay.workspace.render import render
+from axrl_spike_replay.workspace.signals import plain
+from axrl_spike_replay.workspace.task_state import now, read_state, update_task, write_file
+
+REPORT_NAME = "report.md"
+
+
+def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """Everything the report shows, as plain data (also the `--json` answer)."""
+    snapshot = state.get("snapshot")
+    experiments = state["experiments"]
+    baselines = baseline_rows(state)
+    by_slug = {m["slug"]: m for m in list_methods(workspace)}
+    methods = [
+        {**entry, **by_slug.get(entry["slug"], {"path": None, "summary": "(file removed)"})}
+        for entry in state["methods"]
+    ]
+    return {
+        "job": state["job"],
+        "generated_at": now(),
+        "snapshot": snapshot,
+        "output_dir": output_dir_of(snapshot) or _first_output_dir(experiments),
+        "snapshot_history": state["snapshot_history"],
+        "command": state.get("command"),
+        "fidelity": fidelity_by_target(experiments),
+        "baselines": baselines,
+        "attempt_baselines": [] if baselines else attempt_baselines(experiments),
+        "attempts": [row for row in experiments if not row.get("is_baseline")],
+        "failed": state["failed"],
+        "methods": methods,
+        "observations": state["observations"],
+        "next_steps": state["next_steps"],
+        "preserved": preserved_copies(state),
+        "counts": {"experiments": len(experiments), "failed": len(state["failed"]), "methods": len(methods)},
+    }
+
+
+def attempt_baselines(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Baselines computed alongside mitigated replays (when no baseline replay was logged on its own)."""
+    out = []
+    for row in experiments:
+        base, recorded = row.get("baseline_grad_norm"), row.get("recorded_grad_norm")
+        if row.get("is_baseline") or not isinstance(base, (int, float)):
+            continue
+        rel = abs(base - recorded) / recorded if isinstance(recorded, (int, float)) and recorded else None
+        ratio = (
+            base / row["median_norm"]
+            if isinstance(row.get("median_norm"), (int, float)) and row["median_norm"]
+            else None
+        )
+        out.append({**row, "grad_norm": base, "rel_diff": rel, "ratio_to_median": ratio, "verdict": "n/a"})
+    return out
+
+
+def fidelity_by_target(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per target and backend: was a full-fidelity replay possible there, and at which world sizes did it run."""
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in experiments:
+        if row["verdict"] == "failed":
+            continue
+        entry = groups.setdefault(
+            (row["target"], row["backend"]),
+            {"target": row["target"], "backend": row["backend"], "full": False, "world_sizes": set(), "device": None},
+        )
+        entry["full"] = entry["full"] or row["fidelity"] == "full"
+        entry["world_sizes"].add((row.get("world_size_used"), row.get("world_size_saved")))
+        entry["device"] = entry["device"] or row.get("device")
+    out = []
+    for entry in groups.values():
+        sizes = sorted(entry.pop("world_sizes"), key=str)
+        entry["world_sizes"] = [{"used": used, "saved": saved} for used, saved in sizes]
+        out.append(entry)
+    return out
+
+
+def preserved_copies(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Preserved copies (`spike_snapshots-active/iter_<N>`) of the task's snapshots that exist now."""
+    seen: dict[str, dict[str, Any]] = {}
+    paths = [entry["snapshot"] for entry in state["snapshot_history"]] + [
+        row["snapshot"] for row in state["experiments"]
+    ]
+    for snapshot in paths:
+        output_dir = output_dir_of(snapshot)
+        iteration = parse_iteration(Path(snapshot).name) if snapshot else None
+        if output_dir is None or iteration is None:
+            continue
+        copy = Path(output_dir) / PRESERVED_DIR / iteration_dir_name(iteration)
+        if copy.is_dir() and str(copy) not in seen:
+            seen[str(copy)] = {"output_dir": output_dir, "iteration": iteration, "path": str(copy)}
+    return list(seen.values())
+
+
+def write_report(workspace: str | Path, job: str, release: bool = False) -> dict[str, Any]:
+    """Render `tmp/spike-replay/<job>/report.md` atomically; with `release`, then release the preserved copies."""
+    root = check_workspace(workspace)
+    state = read_state(root, check_plain_name(job, "job name"))
+    context = report_context(root, state)
+    context["release_requested"] = release
+    text = render("report.md.j2", r=context)
+    path = write_file(job_tmp_dir(root, job) / REPORT_NAME, text, "report")
+    released = release_preserved(context["preserved"]) if release else []
+
+    def change(current: dict[str, Any]) -> None:
+        current["reports"].append({"time": context["generated_at"], "path": str(path), "released": released})
+
+    update_task(root, job, change)
+    return {**context, "path": str(path), "released": released, "text": text}
+
+
+def release_preserved(preserved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Release each preserved copy through the snapshot library (which removes only copies it made)."""
+    from axrl_spike_replay.snapshot.preserve import release
+
+    out = []
+    for entry in preserved:
+        try:
+            outcome = plain(release(Path(entry["output_dir"]), entry["iteration"]))
+        except AxrlError as exc:
+            out.append({**entry, "released": False, "error": str(exc)})
+            continue
+        released = any(item.get("iteration") == entry["iteration"] for item in outcome.get("released", []))
+        out.append({**entry, "released": released, "error": None if released else str(outcome.get("refused"))})
+    return out
+
+
+def _first_output_dir(experiments: list[dict[str, Any]]) -> str | None:
+    for row in experiments:
+        found = output_dir_of(row["snapshot"])
+        if found:
+            return found
+    return None

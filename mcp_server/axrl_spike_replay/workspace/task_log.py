@@ -1,0 +1,136 @@
+"""Logging replays into the job's task, when one is open: one experiment row per config, failures too."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.workspace.changes import describe_change, is_baseline, normalise_config
+from axrl_spike_replay.workspace.paths import check_plain_name
+from axrl_spike_replay.workspace.task_state import now, task_exists, update_task
+
+
+def experiment_row(exp_id: str, result: ReplayResult, result_path: Path | str | None) -> dict[str, Any]:
+    """The experiment table's row for one replay result."""
+    ratio = result.spike_ratio
+    if ratio is None and result.grad_norm is not None and result.median_norm:
+        ratio = result.grad_norm / result.median_norm
+    return {
+        "id": exp_id,
+        "time": now(),
+        "snapshot": result.snapshot,
+        "backend": result.backend,
+        "target": result.target,
+        "fidelity": result.fidelity,
+        "mitigations": normalise_config(result.mitigations),
+        "patch_sha256": result.patch_sha256,
+        "change": describe_change(result.mitigations, result.patch_sha256),
+        "is_baseline": is_baseline(result.mitigations, result.patch_sha256),
+        "config_id": result.config_id,
+        "grad_norm": _finite(result.grad_norm),
+        "recorded_grad_norm": _finite(result.recorded_grad_norm),
+        "rel_diff": _finite(result.rel_diff),
+        "median_norm": _finite(result.median_norm),
+        "ratio_to_median": _finite(ratio),
+        "threshold": _finite(result.threshold),
+        "baseline_grad_norm": _finite(result.baseline_grad_norm),
+        "change_vs_baseline": _finite(result.change_vs_baseline),
+        "verdict": result.verdict,
+        "world_size_saved": result.world_size_saved,
+        "world_size_used": result.world_size_used,
+        "device": result.device,
+        "job_name": result.job_name,
+        "role": result.role,
+        "iteration": result.iteration,
+        "node": result.node,
+        "result_path": str(result_path) if result_path is not None else None,
+    }
+
+
+def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_path: Path | str) -> str | None:
+    """Append one experiment row when a task is open for `job`; its id (`E3`), or None when none is open.
+
+    A result whose verdict is `failed` goes under Failed attempts instead (id `F2`).
+    """
+    root = _open_root(workspace, job)
+    if root is None:
+        return None
+    if result.verdict == "failed":
+        return record_failure(
+            root,
+            job,
+            reason=result.error or "replay failed",
+            command=f"{result.backend} replay ({describe_change(result.mitigations, result.patch_sha256)})",
+            snapshot=result.snapshot,
+            target=result.target,
+            result_path=Path(result_path) if result_path is not None else None,
+        )
+
+    def change(state: dict[str, Any]) -> str:
+        exp_id = f"E{len(state['experiments']) + 1}"
+        state["experiments"].append(experiment_row(exp_id, result, result_path))
+        if not state.get("snapshot"):
+            state["snapshot"] = result.snapshot
+            state["snapshot_history"].append({"time": now(), "snapshot": result.snapshot})
+        return exp_id
+
+    _, exp_id = update_task(root, job, change)
+    return exp_id
+
+
+def record_failure(
+    workspace: Path | str,
+    job: str,
+    *,
+    reason: str,
+    command: str,
+    snapshot: str,
+    target: str = "local",
+    result_path: Path | str | None = None,
+) -> str | None:
+    """Append a Failed attempts entry when a task is open for `job`; its id (`F2`), or None when none is open."""
+    root = _open_root(workspace, job)
+    if root is None:
+        return None
+
+    def change(state: dict[str, Any]) -> str:
+        fail_id = f"F{len(state['failed']) + 1}"
+        state["failed"].append(
+            {
+                "id": fail_id,
+                "time": now(),
+                "snapshot": str(snapshot),
+                "target": target,
+                "command": command,
+                "reason": reason,
+                "result_path": str(result_path) if result_path is not None else None,
+            }
+        )
+        return fail_id
+
+    _, fail_id = update_task(root, job, change)
+    return fail_id
+
+
+def _open_root(workspace: Path | str, job: str) -> Path | None:
+    root = Path(workspace).expanduser()
+    if not root.is_dir():
+        return None
+    try:
+        check_plain_name(job, "job name")
+    except AxrlError:
+        return None
+    return root.resolve() if task_exists(root, job) else None
+
+
+def _finite(value: float | None) -> float | str | None:
+    """Plain JSON: a float, or "inf"/"-inf"/"nan" spelled out."""
+    if value is None:
+        return None
+    value = float(value)
+    if math.isfinite(value):
+        return value
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")

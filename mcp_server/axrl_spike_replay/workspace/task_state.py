@@ -1,0 +1,185 @@
+"""An investigation's task: structured state in `<job>.json`, rendered to `<job>.md`, under a file lock."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TypeVar
+
+from filelock import FileLock, Timeout
+
+from axrl_spike_replay.atomic import atomic_write_text
+from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.workspace.paths import TASKS_DIR, check_plain_name, check_workspace, task_json_path, task_md_path
+from axrl_spike_replay.workspace.render import render
+
+STATE_VERSION = 1
+LOCK_TIMEOUT_S = 120.0
+SECTIONS = {"observations": "observations", "next-steps": "next_steps", "next_steps": "next_steps"}
+
+T = TypeVar("T")
+
+
+def now() -> str:
+    """Current UTC time, ISO 8601 to the second."""
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def new_state(job: str) -> dict[str, Any]:
+    """An empty task: no snapshot, no command, no experiments."""
+    stamp = now()
+    return {
+        "format_version": STATE_VERSION,
+        "job": job,
+        "created_at": stamp,
+        "updated_at": stamp,
+        "snapshot": None,
+        "snapshot_history": [],
+        "command": None,
+        "experiments": [],
+        "failed": [],
+        "observations": [],
+        "next_steps": [],
+        "methods": [],
+        "reports": [],
+    }
+
+
+@contextmanager
+def task_lock(workspace: Path, job: str) -> Iterator[None]:
+    """Hold `<job>.json.lock`: one writer at a time, across processes."""
+    path = task_json_path(workspace, job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S)
+    try:
+        with lock:
+            yield
+    except Timeout as exc:
+        raise AxrlError(f"task {job!r}: could not lock {path}.lock within {LOCK_TIMEOUT_S:.0f}s") from exc
+
+
+def task_exists(workspace: Path, job: str) -> bool:
+    """True when a task for `job` is open in `workspace`."""
+    return task_json_path(workspace, job).is_file()
+
+
+def read_state(workspace: Path, job: str) -> dict[str, Any]:
+    """The task's state; AxrlError naming the job and the open tasks when there is none."""
+    path = task_json_path(workspace, job)
+    if not path.is_file():
+        known = sorted(p.stem for p in (workspace / TASKS_DIR).glob("*.json"))
+        hint = f"open tasks: {', '.join(known)}" if known else "no task is open there"
+        raise AxrlError(
+            f"unknown job {job!r}: no task file {path} ({hint}); run `axrl-spike-replay task open {job}` first"
+        )
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AxrlError(f"task state {path} is unreadable: {exc}") from exc
+    if not isinstance(state, dict) or state.get("format_version") != STATE_VERSION:
+        raise AxrlError(f"task state {path} is not a version-{STATE_VERSION} task state")
+    base = new_state(job)
+    base.update(state)
+    return base
+
+
+def write_state(workspace: Path, job: str, state: dict[str, Any]) -> None:
+    """Render the markdown first (so a template error writes nothing), then replace both files atomically."""
+    state["updated_at"] = now()
+    text = render_task(state)
+    write_file(task_json_path(workspace, job), json.dumps(state, indent=2, default=str) + "\n", "task state")
+    write_file(task_md_path(workspace, job), text, "task file")
+
+
+def write_file(path: Path, text: str, what: str) -> Path:
+    """Replace `path` atomically; a failed write (disk full, read-only) is an AxrlError and leaves the old file."""
+    try:
+        return atomic_write_text(path, text)
+    except OSError as exc:
+        raise AxrlError(
+            f"could not write {what} {path}: {exc.strerror or exc}; the previous file is unchanged"
+        ) from exc
+
+
+def render_task(state: dict[str, Any]) -> str:
+    """The task file's markdown from its state."""
+    return render("task.md.j2", task=state)
+
+
+def update_task(
+    workspace: str | Path, job: str, change: Callable[[dict[str, Any]], T], *, create: bool = False
+) -> tuple[dict[str, Any], T]:
+    """Under the lock: read the state (or start one when `create`), apply `change`, write it back."""
+    root = check_workspace(workspace)
+    check_plain_name(job, "job name")
+    with task_lock(root, job):
+        state = read_state(root, job) if (task_exists(root, job) or not create) else new_state(job)
+        value = change(state)
+        write_state(root, job, state)
+    return state, value
+
+
+def open_task(workspace: str | Path, job: str, snapshot: str | Path | None = None) -> dict[str, Any]:
+    """Open (or re-open, keeping its history) the task for `job`; optionally set its active snapshot."""
+
+    def change(state: dict[str, Any]) -> None:
+        if snapshot is not None:
+            _set_snapshot(state, snapshot)
+
+    state, _ = update_task(workspace, job, change, create=True)
+    return show(state, check_workspace(workspace))
+
+
+def note(workspace: str | Path, job: str, section: str, text: str) -> dict[str, Any]:
+    """Append `text` to Observations or Next steps."""
+    key = SECTIONS.get(section)
+    if key is None:
+        raise ConfigError(f"section {section!r} is not one of: observations, next-steps")
+    if not text or not text.strip():
+        raise ConfigError(f"note for {section} is empty")
+    state, _ = update_task(workspace, job, lambda s: s[key].append({"time": now(), "text": text.strip("\n")}))
+    return show(state, check_workspace(workspace))
+
+
+def set_snapshot(workspace: str | Path, job: str, snapshot: str | Path) -> dict[str, Any]:
+    """Set the active snapshot (earlier ones stay in the history)."""
+    state, _ = update_task(workspace, job, lambda s: _set_snapshot(s, snapshot))
+    return show(state, check_workspace(workspace))
+
+
+def set_command(workspace: str | Path, job: str, command: str) -> dict[str, Any]:
+    """Set the replay command people can rerun."""
+    if not command or not command.strip():
+        raise ConfigError("replay command is empty")
+    state, _ = update_task(workspace, job, lambda s: s.__setitem__("command", command.strip()))
+    return show(state, check_workspace(workspace))
+
+
+def show_task(workspace: str | Path, job: str) -> dict[str, Any]:
+    """The task as one JSON-ready document: sections, `experiments`, `failed`, file paths."""
+    root = check_workspace(workspace)
+    return show(read_state(root, check_plain_name(job, "job name")), root)
+
+
+def show(state: dict[str, Any], workspace: Path) -> dict[str, Any]:
+    """State plus where its files are."""
+    job = state["job"]
+    doc = dict(state)
+    doc["task_file"] = str(task_md_path(workspace, job))
+    doc["state_file"] = str(task_json_path(workspace, job))
+    return doc
+
+
+def _set_snapshot(state: dict[str, Any], snapshot: str | Path) -> None:
+    text = str(snapshot).strip()
+    if not text:
+        raise ConfigError("snapshot path is empty")
+    path = Path(text).expanduser()
+    resolved = str(path.resolve()) if path.exists() else text
+    if state.get("snapshot") == resolved:
+        return
+    state["snapshot"] = resolved
+    state["snapshot_history"].append({"time": now(), "snapshot": resolved})
