@@ -1,0 +1,38 @@
+"""CLI face of the demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from axrl_spike_replay.cli.output import add_json_flag, emit
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser(
+        "demo",
+        help="capture a spike with the reference trainer, then run the whole procedure on it",
+        description="Capture a spike with the reference trainer and investigate it end to end in a demo workspace.",
+    )
+    parser.add_argument("--workspace", default="demo-workspace", help="folder for the demo (default: %(default)s)")
+    parser.add_argument("--preset", default="ratio_outliers", help="spike preset of the reference run")
+    parser.add_argument("--world-size", type=int, default=2, help="data-parallel ranks of the reference run")
+    parser.add_argument("--seed", type=int, default=0)
+    add_json_flag(parser)
+    parser.set_defaults(handler=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.demo import DemoStep, run_demo
+
+    def show(step: DemoStep) -> None:
+        out = sys.stderr if args.json else sys.stdout
+        print(f"\n== {step.title}", file=out)
+        for line in step.lines:
+            print(f"   {line}", file=out)
+        out.flush()
+
+    summary = run_demo(args.workspace, preset=args.preset, world_size=args.world_size, seed=args.seed, show=show)
+    emit(summary, args.json, lambda s: f"\ndemo finished in {s.seconds:.1f} s; read {s.task_file} and {s.report}")
+    return 0

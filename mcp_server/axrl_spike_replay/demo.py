@@ -1,0 +1,248 @@
+"""The demo: the whole procedure on a spike captured right now by the reference trainer.
+
+capture → resolve → open the task → list → preserve → inspect → analyze → scan logs → replay the
+baseline → sweep mitigations → attribute → write up what proved out → report → release.
+Every figure shown comes from the step that computed it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from axrl_spike_replay.errors import AxrlError
+
+DEMO_JOB = "demo-moe-grpo"
+
+
+@dataclass
+class DemoStep:
+    """One step of the demo as a person reads it: a title and a few lines."""
+
+    title: str
+    lines: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DemoSummary:
+    workspace: str
+    output_dir: str
+    snapshot: str
+    preserved: str
+    fidelity: str
+    baseline_grad_norm: float | None
+    recorded_grad_norm: float
+    rel_diff: float | None
+    baseline_verdict: str
+    cleared: list[str]
+    methods: list[str]
+    report: str
+    task_file: str
+    steps: list[DemoStep]
+    seconds: float
+
+
+def _fmt(value: float | None, digits: int = 4) -> str:
+    return "n/a" if value is None else f"{value:.{digits}g}"
+
+
+def run_demo(
+    workspace: str | Path,
+    *,
+    preset: str = "ratio_outliers",
+    world_size: int = 2,
+    seed: int = 0,
+    steps: int = 32,
+    show: Callable[[DemoStep], None] | None = None,
+) -> DemoSummary:
+    """Run the demo in a fresh timestamped folder under `workspace`; `show` receives each step as it ends."""
+    from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
+    from axrl_spike_replay.analysis.log_scan import scan_logs
+    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+    from axrl_spike_replay.replay.attribution import attribute_spike
+    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+    from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP, DIAGNOSTIC_ONLY, SEED_WORKFLOW_METHODS
+    from axrl_spike_replay.replay.mitigations import MITIGATIONS, config_id
+    from axrl_spike_replay.replay.sweep import run_sweep
+    from axrl_spike_replay.snapshot.discovery import resolve_job
+    from axrl_spike_replay.snapshot.inspect import inspect_snapshot
+    from axrl_spike_replay.snapshot.listing import list_snapshots
+    from axrl_spike_replay.snapshot.preserve import preserve
+    from axrl_spike_replay.workspace.methods import add_method
+    from axrl_spike_replay.workspace.report import write_report
+    from axrl_spike_replay.workspace.task_state import note, open_task, set_command, set_snapshot, show_task
+
+    started = time.perf_counter()
+    root = Path(workspace).resolve() / time.strftime("%Y%m%d-%H%M%S")
+    root.mkdir(parents=True, exist_ok=False)
+    done: list[DemoStep] = []
+
+    def step(title: str, lines: list[str]) -> None:
+        item = DemoStep(title, lines)
+        done.append(item)
+        if show:
+            show(item)
+
+    # 1. a training run that hits a spike
+    capture = capture_reference_run(
+        root / "outputs", job=DEMO_JOB, world_size=world_size, seed=seed, steps=steps, preset=preset
+    )
+    if not capture.snapshot_dirs:
+        raise AxrlError(f"the reference run (preset {preset!r}) tripped no spike guard; nothing to investigate")
+    step(
+        "capture",
+        [
+            f"reference GRPO run, preset {preset}, world size {world_size}, {steps} steps in {capture.seconds:.1f} s",
+            f"spike guard tripped at iterations {capture.spike_iterations} "
+            f"(ratios {', '.join(f'{r:.1f}' for r in capture.spike_ratios)})",
+            f"output dir {capture.output_dir}",
+        ],
+    )
+
+    # 2. find the job, open the task, list and preserve its snapshots
+    resolution = resolve_job(DEMO_JOB, [root / "outputs"])
+    role = resolution.roles[0]
+    open_task(root, DEMO_JOB)
+    listing = list_snapshots(role.output_dir)
+    worst = max(listing.snapshots, key=lambda s: s.spike_ratio or 0.0)
+    kept = preserve(role.output_dir, worst.iteration)
+    if not kept.preserved:
+        raise AxrlError(f"preserving iteration {worst.iteration} failed: {kept.failed}")
+    snapshot = kept.preserved[0].path
+    set_snapshot(root, DEMO_JOB, snapshot)
+    step(
+        "resolve, list, preserve",
+        [f"role {r.role}: {r.output_dir} ({len(r.logs)} log file(s))" for r in resolution.roles]
+        + [
+            f"iter {s.iteration}: {s.bytes / 1e6:.2f} MB, spike ratio {_fmt(s.spike_ratio)}"
+            + (" (preserved)" if s.preserved else "")
+            for s in listing.snapshots
+        ]
+        + [
+            f"preserved iter {worst.iteration} as hardlinks: {kept.preserved[0].linked_files} files linked, "
+            f"{kept.preserved[0].copied_files} copied -> {snapshot}"
+        ],
+    )
+
+    # 3. read it
+    info = inspect_snapshot(snapshot)
+    analysis = analyze_snapshot(snapshot, top=3)
+    balance = analysis.sign_balance or {}
+    outliers = analysis.outliers.get("tokens_by_abs_log_ratio", [])[:3]
+    step(
+        "inspect, analyze",
+        [
+            f"iteration {info.iteration}: grad norm {_fmt(info.grad_norm)} vs median {_fmt(info.median_norm)} "
+            f"= ratio {_fmt(info.spike_ratio)}; world size {info.world_size} "
+            f"(tp {info.tp}, pp {info.pp}, dp {info.dp}, ep {info.ep})",
+            f"model: {info.model.tensors if info.model else '?'} tensors, "
+            f"{(info.model.bytes if info.model else 0) / 1e6:.2f} MB; problems: {info.problems or 'none'}",
+            *(
+                f"rank {r.rank}: {r.num_samples} samples, {r.num_loss_tokens} loss tokens, "
+                f"routed tokens per MoE layer {r.routing_payload_counts}"
+                for r in info.ranks
+            ),
+            f"advantage sign balance: negative {_fmt(balance.get('negative_total'))} vs positive "
+            f"{_fmt(balance.get('positive_total'))} (ratio {_fmt(balance.get('negative_to_positive'))})",
+            *(
+                f"outlier token: rank {o['rank']} sample {o['sample']} pos {o['position']} token {o['token_id']}: "
+                f"log-ratio {_fmt(o.get('log_ratio'))} (old {_fmt(o.get('old_logprob'))}, rollout "
+                f"{_fmt(o.get('rollout_logprob'))}), advantage {_fmt(o.get('advantage'))}"
+                for o in outliers
+            ),
+        ],
+    )
+    scan = scan_logs([role.output_dir], root / "tmp" / "spike-replay" / DEMO_JOB / "logs")
+    step(
+        "logs",
+        [
+            f"{len(scan.series_points)} iterations logged; spikes by the detector: "
+            + ", ".join(f"iter {s['iteration']} (ratio {s['spike_ratio']:.1f})" for s in scan.spikes),
+            f"{len(scan.errors)} error line(s)",
+        ],
+    )
+
+    # 4. reproduce, then try mitigations
+    options = ReplayOptions(workspace=root, job=DEMO_JOB)
+    set_command(root, DEMO_JOB, f"axrl-spike-replay replay {snapshot} --workspace {root}")
+    baseline = run_replay(snapshot, options)
+    step(
+        "replay (baseline)",
+        [
+            f"fidelity {baseline.fidelity} ({baseline.world_size_used}/{baseline.world_size_saved} processes): "
+            f"grad norm {_fmt(baseline.grad_norm, 8)} vs recorded {_fmt(baseline.recorded_grad_norm, 8)}, "
+            f"rel_diff {_fmt(baseline.rel_diff, 3)} -> {baseline.verdict}",
+        ],
+    )
+    sweep = run_sweep(snapshot, DEFAULT_SWEEP, options)
+    rows = [
+        f"{r.config_id:<48} grad norm {_fmt(r.grad_norm):>10}  ratio {_fmt(r.spike_ratio):>8}  "
+        f"change {_fmt((r.change_vs_baseline or 0) * 100, 3):>6}%  {r.verdict}"
+        for r in sweep.results
+    ]
+    step(f"sweep ({len(sweep.results)} configs, fidelity {sweep.fidelity}, threshold {sweep.threshold:g})", rows)
+
+    attribution = attribute_spike(snapshot, top=5)
+    step(
+        "attribution",
+        [f"grad norm {_fmt(attribution.grad_norm)}; contributions sum within {attribution.sum_rel_error:.1e}"]
+        + [
+            f"rank {s.rank} sample {s.sample}: contribution {_fmt(s.contribution)} ({s.share * 100:.1f}%), "
+            f"advantage {_fmt(s.advantage)}, max |log-ratio| {_fmt(s.max_abs_log_ratio)}"
+            for s in attribution.samples
+        ],
+    )
+
+    # 5. write up what proved out, report, release
+    experiments = show_task(root, DEMO_JOB)["experiments"]
+    by_path = {str(Path(e["result_path"]).resolve()): e["id"] for e in experiments if e.get("result_path")}
+    names = {config_id(c): name for name, c in SEED_WORKFLOW_METHODS.items()}
+    methods: list[str] = []
+    for result in sweep.results:
+        name = names.get(result.config_id, result.config_id.replace("=", "-").replace("+", "-").lower())
+        if result.verdict != "cleared" or result.fidelity != "full" or name in DIAGNOSTIC_ONLY:
+            continue
+        attempt = by_path.get(str((Path(sweep.output_dir) / result.config_id / "replay_result.json").resolve()))
+        if attempt is None:
+            continue
+        docs = "; ".join(MITIGATIONS[m].doc for m in result.mitigations)
+        rationale = (
+            f"Replay-only change: {docs}. On this snapshot it brought the grad norm from "
+            f"{_fmt(result.baseline_grad_norm)} to {_fmt(result.grad_norm)} (ratio to median "
+            f"{_fmt(result.spike_ratio)}, under the detector threshold {sweep.threshold:g})."
+        )
+        try:
+            methods.append(add_method(root, DEMO_JOB, attempt, name, rationale)["path"])
+        except AxrlError as exc:  # e.g. the same config is already written up
+            note(root, DEMO_JOB, "observations", f"method {name} not added: {exc}")
+    cleared = [r.config_id for r in sweep.results if r.verdict == "cleared"]
+    note(root, DEMO_JOB, "observations", f"cleared by: {', '.join(cleared) or 'nothing'}")
+    report = write_report(root, DEMO_JOB, release=True)
+    step(
+        "write-up",
+        [f"method file: {m}" for m in methods]
+        + [f"report: {report['path']}", f"task file: {show_task(root, DEMO_JOB)['task_file']}"]
+        + [
+            f"released preserved copy: {r['path']}" if r.get("released") else f"kept {r['path']}: {r.get('error')}"
+            for r in report.get("released", [])
+        ],
+    )
+    return DemoSummary(
+        workspace=str(root),
+        output_dir=role.output_dir,
+        snapshot=str(worst.path),
+        preserved=snapshot,
+        fidelity=baseline.fidelity,
+        baseline_grad_norm=baseline.grad_norm,
+        recorded_grad_norm=baseline.recorded_grad_norm,
+        rel_diff=baseline.rel_diff,
+        baseline_verdict=baseline.verdict,
+        cleared=cleared,
+        methods=methods,
+        report=report["path"],
+        task_file=show_task(root, DEMO_JOB)["task_file"],
+        steps=done,
+        seconds=time.perf_counter() - started,
+    )
