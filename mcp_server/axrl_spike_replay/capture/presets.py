@@ -1,0 +1,70 @@
+"""Presets of the reference trainer: which burst of bad data (if any) it injects, and the config it runs with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from axrl_spike_replay.capture.rollout import EngineFaults
+from axrl_spike_replay.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named fault scenario: config overrides plus what goes wrong during the burst."""
+
+    name: str
+    description: str
+    loss: dict[str, Any] = field(default_factory=dict)  # overrides of the `loss:` section
+    train: dict[str, Any] = field(default_factory=dict)  # overrides of the `train:` section
+    faults: EngineFaults | None = None  # rollout engine bugs during the burst
+    reward_penalty: float | None = None  # broken reward function during the burst: -penalty for every sample
+
+    def fault_summary(self) -> dict[str, Any]:
+        """What goes wrong during the burst, for `train.fault` in the run config."""
+        doc: dict[str, Any] = {}
+        if self.faults and self.faults.logprob_temperature is not None:
+            doc["rollout_logprob_temperature"] = self.faults.logprob_temperature
+        if self.faults and self.faults.stale_route_layer is not None:
+            doc["stale_route_layer"] = self.faults.stale_route_layer
+        if self.reward_penalty is not None:
+            doc["broken_reward_penalty"] = self.reward_penalty
+        return doc
+
+
+PRESETS: dict[str, Preset] = {
+    preset.name: preset
+    for preset in (
+        Preset(
+            name="none",
+            description="no injected fault: a healthy run",
+        ),
+        Preset(
+            name="ratio_outliers",
+            description=(
+                "the trainer takes importance ratios against the rollout engine's logprobs; during the burst the "
+                "engine reports logprobs at the wrong temperature (logits/0.2 while sampling at 1.0), so sampled "
+                "non-argmax tokens get huge ratios and negative-advantage tokens escape the clip"
+            ),
+            loss={"is_base_logprobs": "rollout"},
+            faults=EngineFaults(logprob_temperature=0.2),
+        ),
+        Preset(
+            name="negative_advantage_dominance",
+            description=(
+                "REINFORCE with a running-mean baseline; during the burst the reward function is broken and returns "
+                "a large penalty for every sample, so every advantage is strongly negative and the gradient is coherent"
+            ),
+            train={"advantage_estimator": "reinforce_baseline"},
+            reward_penalty=10.0,
+        ),
+    )
+}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called `name`; ConfigError listing the known ones otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"preset {name!r} is not known (known: {', '.join(PRESETS)})") from None

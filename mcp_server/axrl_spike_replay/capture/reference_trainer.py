@@ -1,0 +1,235 @@
+"""The reference trainer: GRPO on a tiny MoE policy with bf16 rollouts, R3 routing replay and a spike guard.
+
+`capture_reference_run` trains for a few dozen steps (one process per data-parallel rank), injects
+a preset's burst of bad data, and lets the spike guard write snapshots of the spike steps under
+`<out>/<run>~<job>__actor/checkpoints/spike_snapshots/`, with Megatron-style logs in `logs/train.log`.
+Gradients come from `replay.rank_step`, so a replay of a snapshot recomputes them exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from axrl_spike_replay.atomic import atomic_write_json
+from axrl_spike_replay.capture.detectors import make_detector
+from axrl_spike_replay.capture.launch import launch
+from axrl_spike_replay.capture.run_config import build_run_config, parse_run_config
+from axrl_spike_replay.capture.spike_guard import GuardDecision, SpikeGuard
+from axrl_spike_replay.capture.trainer_step import RankTrainer
+from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
+from axrl_spike_replay.snapshot.metadata import ParallelLayout
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass
+class CaptureResult:
+    """What a reference run produced."""
+
+    output_dir: Path
+    snapshot_dirs: list[Path]
+    spike_iterations: list[int]
+    spike_ratios: list[float]
+    grad_norms: list[float | None]  # per step, global pre-clip (None for train.skip_iterations)
+    log_path: Path
+    config: dict[str, Any]
+    job_name: str = ""
+    seconds: float = 0.0
+    final_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready summary (no tensors)."""
+        return {
+            "output_dir": str(self.output_dir),
+            "job_name": self.job_name,
+            "preset": self.config["train"]["preset"],
+            "world_size": self.config["parallel"]["world_size"],
+            "steps": self.config["train"]["steps"],
+            "seed": self.config["train"]["seed"],
+            "snapshot_dirs": [str(p) for p in self.snapshot_dirs],
+            "spike_iterations": self.spike_iterations,
+            "spike_ratios": self.spike_ratios,
+            "grad_norms": self.grad_norms,
+            "log_path": str(self.log_path),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def capture_reference_run(
+    out: str | Path,
+    *,
+    job: str = "demo-moe-grpo",
+    world_size: int = 1,
+    steps: int = 32,
+    seed: int = 0,
+    preset: str = "ratio_outliers",
+    run: str | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    legacy_layout: bool = False,
+    keep_final_state: bool = False,
+) -> CaptureResult:
+    """Train the reference policy and capture its spikes into `<out>/<run>~<job>__actor/`.
+
+    `overrides` replaces run-config values per section (e.g. `{"train": {"guard_action": "log"}}`);
+    `legacy_layout` writes old-style snapshots (AXRL keys in `metadata.json`); `keep_final_state`
+    returns the final weights (rank 0) in the result.
+    """
+    run = run or f"ref-s{seed}"
+    for name, value in (("job", job), ("run", run)):
+        if not isinstance(value, str) or not _NAME_RE.match(value) or "__" in value:
+            raise ConfigError(f"{name} {value!r} must be letters, digits, '.', '_' or '-' (no '__'), e.g. demo-job")
+    if not isinstance(world_size, int) or not 1 <= world_size <= 64:
+        raise ConfigError(f"world_size must be an integer in [1, 64], got {world_size!r}")
+    if not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"steps must be an integer >= 1, got {steps!r}")
+    if not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
+    root = Path(out)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"out {root}: exists and is not a directory")
+    output_dir = root / f"{run}~{job}__actor"
+    if output_dir.exists():
+        raise ConfigError(f"{output_dir}: already exists; choose another out directory or run name")
+    config = build_run_config(preset=preset, steps=steps, seed=seed, world_size=world_size, overrides=overrides)
+    (output_dir / "logs").mkdir(parents=True)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="axrl-capture-") as tmp:
+        plan = RankPlan(
+            config=config,
+            output_dir=str(output_dir),
+            job_name=job,
+            result_path=str(Path(tmp) / "result.json"),
+            final_state_path=str(Path(tmp) / "final.pt") if keep_final_state else None,
+            legacy_layout=legacy_layout,
+        )
+        launch(train_rank, world_size, plan)
+        doc = json.loads(Path(plan.result_path).read_text(encoding="utf-8"))
+        final_state = None
+        if plan.final_state_path:
+            from axrl_spike_replay.snapshot.safe_load import load_pt
+
+            final_state = load_pt(plan.final_state_path, mmap=False)
+    return CaptureResult(
+        output_dir=output_dir,
+        snapshot_dirs=[Path(p) for p in doc["snapshot_dirs"]],
+        spike_iterations=[int(i) for i in doc["spike_iterations"]],
+        spike_ratios=[float(r) for r in doc["spike_ratios"]],
+        grad_norms=doc["grad_norms"],
+        log_path=output_dir / "logs" / "train.log",
+        config=config,
+        job_name=job,
+        seconds=time.perf_counter() - started,
+        final_state=final_state,
+    )
+
+
+@dataclass
+class RankPlan:
+    """What every rank process needs (pickled into spawned processes)."""
+
+    config: dict[str, Any]
+    output_dir: str
+    job_name: str
+    result_path: str
+    final_state_path: str | None = None
+    legacy_layout: bool = False
+
+
+def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
+    """The training loop of one rank (the launcher's per-rank function)."""
+    spec = parse_run_config(plan.config)
+    trainer = RankTrainer(spec, rank, world_size)
+    t, det = spec.train, spec.detector
+    out = Path(plan.output_dir)
+    guard = SpikeGuard(
+        out / SNAPSHOTS_DIR,
+        action=t.guard_action,
+        detector=make_detector(det.kind, window=det.window, threshold=det.threshold, warmup=det.warmup),
+        keep_last=t.keep_last,
+        job_name=plan.job_name,
+        role="actor",
+        parallel=ParallelLayout(**plan.config["parallel"]),
+        run_config=plan.config,
+        legacy_layout=plan.legacy_layout,
+    )
+    if t.guard_action == "rollback":
+        guard.checkpoint(0, trainer.model, trainer.optimizer)
+    log = (out / "logs" / "train.log").open("a", encoding="utf-8") if rank == 0 else None
+    grad_norms: list[float | None] = []
+    trips: list[GuardDecision] = []
+    skipped = 0
+    global_batch = t.prompts_per_rank * t.group_size * world_size
+    _log(log, f"> reference trainer: job {plan.job_name}, preset {t.preset}, world size {world_size}, seed {t.seed}")
+    try:
+        for iteration in range(1, t.steps + 1):
+            start = time.perf_counter()
+            if iteration in t.skip_iterations:
+                grad_norms.append(None)
+                skipped += 1
+                _log(log, f" iteration {iteration:8d}/{t.steps:8d} | batch not used (train.skip_iterations) |")
+                continue
+            step = trainer.rollout(iteration)
+            grads = trainer.gradients(step)
+            grad_norms.append(grads.grad_norm)
+            decision = guard.observe(iteration, grads.grad_norm)
+            where = ""
+            if decision.tripped:
+                trips.append(decision)
+                payload = {rank: trainer.snapshot_payload(step, grads)}
+                path = guard.snapshot(decision, trainer.model.state_dict(), payload)
+                where = str(path.relative_to(out))
+            if guard.apply(decision, trainer.model, trainer.optimizer):
+                trainer.update(grads, step)
+            else:
+                skipped += 1
+            if t.guard_action == "rollback" and iteration % t.checkpoint_interval == 0 and decision.apply_update:
+                guard.checkpoint(iteration, trainer.model, trainer.optimizer)
+            elapsed_ms = (time.perf_counter() - start) * 1000
+            _log(
+                log,
+                f" iteration {iteration:8d}/{t.steps:8d} | consumed samples: {iteration * global_batch:12d} | "
+                f"elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: {t.lr:.6E} | "
+                f"global batch size: {global_batch:5d} | lm loss: {grads.global_loss:.6E} | "
+                f"grad norm: {grads.grad_norm:.6f} | reward: {step.global_reward_mean:.4f} | "
+                f"number of skipped iterations: {skipped:3d} | number of nan iterations: "
+                f"{int(not math.isfinite(grads.grad_norm)):3d} |",
+            )
+            if decision.tripped:
+                _log(
+                    log,
+                    f"[spike guard] iteration {iteration}: grad norm {decision.grad_norm:.6f} is "
+                    f"{decision.spike_ratio:.2f}x the rolling median {decision.median_norm:.6f} "
+                    f"(threshold {det.threshold}); snapshot {where}; action: {decision.action}",
+                )
+    finally:
+        if log is not None:
+            log.close()
+    if rank == 0:
+        atomic_write_json(
+            plan.result_path,
+            {
+                "grad_norms": grad_norms,
+                "spike_iterations": [d.step for d in trips],
+                "spike_ratios": [d.spike_ratio for d in trips],
+                "snapshot_dirs": [str(p) for p in guard.snapshots if p.exists()],
+            },
+        )
+        if plan.final_state_path:
+            torch.save(trainer.model.state_dict(), plan.final_state_path)
+
+
+def _log(handle: TextIO | None, line: str) -> None:
+    if handle is not None:
+        handle.write(line + "\n")
+        handle.flush()

@@ -1,0 +1,232 @@
+"""The spike guard for a PyTorch training loop: detect a grad-norm spike, snapshot it, then log, skip or roll back.
+
+Example (one process or every data-parallel rank alike)::
+
+    guard = SpikeGuard(out_dir / SNAPSHOTS_DIR, action="skip", job_name="my-job",
+                       detector=MedianRatioDetector(window=20, threshold=5.0, warmup=10), keep_last=3)
+    guard.checkpoint(0, model, optimizer)               # only needed for action="rollback"
+    for step, batch in enumerate(loader, start=1):
+        loss = compute_loss(model, batch)
+        loss.backward()                                 # under DP: after the gradient all-reduce
+        grad_norm = total_grad_norm(model)              # global, pre-clip: identical on every rank
+        decision = guard.observe(step, grad_norm)
+        if decision.tripped:
+            guard.snapshot(decision, model.state_dict(), {rank: RankPayload(batch, grad_info, routes)})
+        if guard.apply(decision, model, optimizer):     # False: the step was skipped or rolled back
+            clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        optimizer.zero_grad()
+        if step % 100 == 0:
+            guard.checkpoint(step, model, optimizer)
+
+Under torch.distributed every rank feeds the same reduced norm, so every rank takes the same
+decision; `snapshot` is collective (each rank passes its own payload).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from axrl_spike_replay.capture.detectors import Detector, MedianRatioDetector
+from axrl_spike_replay.capture.snapshot_writer import RankPayload, write_snapshot
+from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+ACTIONS = ("log", "skip", "rollback")
+log = logging.getLogger("axrl_spike_replay.guard")
+
+
+@dataclass(frozen=True)
+class GuardDecision:
+    """The guard's verdict on one step. `action` is "proceed" unless it tripped."""
+
+    step: int
+    grad_norm: float
+    median_norm: float
+    spike_ratio: float
+    score: float
+    tripped: bool
+    warming_up: bool
+    action: str  # proceed | log | skip | rollback
+
+    @property
+    def apply_update(self) -> bool:
+        """Whether the optimizer step should happen."""
+        return self.action in ("proceed", "log")
+
+
+@dataclass
+class _Checkpoint:
+    step: int
+    model: dict[str, Any]
+    optimizer: dict[str, Any] | None
+
+
+class SpikeGuard:
+    """Detect spikes on the pre-clip grad norm, write snapshots, and log, skip or roll back."""
+
+    def __init__(
+        self,
+        snapshots_root: str | Path,
+        *,
+        action: str = "skip",
+        detector: Detector | None = None,
+        keep_last: int | None = 3,
+        job_name: str = "job",
+        role: str = "actor",
+        parallel: ParallelLayout | None = None,
+        run_config: Mapping[str, Any] | None = None,
+        legacy_layout: bool = False,
+        rollback_to: Callable[[], int] | None = None,
+    ) -> None:
+        if action not in ACTIONS:
+            raise ConfigError(f"spike guard action must be one of {ACTIONS}, got {action!r}")
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ConfigError(f"spike guard keep_last must be an integer >= 1 or None, got {keep_last!r}")
+        self.snapshots_root = Path(snapshots_root)
+        self.action = action
+        self.detector: Detector = detector or MedianRatioDetector()
+        self.keep_last = keep_last
+        self.job_name = job_name
+        self.role = role
+        self.parallel = parallel or ParallelLayout()
+        self.run_config = dict(run_config or {})
+        self.legacy_layout = legacy_layout
+        self.rollback_to = rollback_to
+        self.trips: list[GuardDecision] = []
+        self.snapshots: list[Path] = []
+        self._checkpoint: _Checkpoint | None = None
+        self._swept = False
+
+    def observe(self, step: int, grad_norm: float) -> GuardDecision:
+        """Judge this step's global pre-clip grad norm (the same value on every DP rank)."""
+        seen = self.detector.observe(float(grad_norm))
+        decision = GuardDecision(
+            step=step,
+            grad_norm=seen.grad_norm,
+            median_norm=seen.median_norm,
+            spike_ratio=seen.spike_ratio,
+            score=seen.score,
+            tripped=seen.tripped,
+            warming_up=seen.warming_up,
+            action=self.action if seen.tripped else "proceed",
+        )
+        if decision.tripped:
+            self.trips.append(decision)
+        if decision.tripped and _rank() == 0:
+            log.warning(
+                "spike at step %d: grad norm %.6g is %.3gx the rolling median %.6g (%s threshold %g); action: %s",
+                step,
+                decision.grad_norm,
+                decision.spike_ratio,
+                decision.median_norm,
+                self.detector.kind,
+                self.detector.threshold,
+                self.action,
+            )
+        return decision
+
+    def snapshot(
+        self,
+        decision: GuardDecision,
+        model_state: Mapping[str, torch.Tensor],
+        ranks: Mapping[int, RankPayload],
+        *,
+        run_config: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Write `iter_<step>` atomically (collective under DP), then rotate to the newest `keep_last`."""
+        if not self._swept:
+            self._sweep_interrupted_writes()
+        metadata = AxrlMetadata(
+            job_name=self.job_name,
+            role=self.role,
+            iteration=decision.step,
+            grad_norm=decision.grad_norm,
+            median_norm=decision.median_norm,
+            spike_ratio=decision.spike_ratio,
+            detector=self.detector.spec(),
+            parallel=self.parallel,
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        )
+        path = write_snapshot(
+            self.snapshots_root,
+            metadata,
+            dict(run_config if run_config is not None else self.run_config),
+            dict(model_state),
+            dict(ranks),
+            keep_last=self.keep_last,
+            legacy_layout=self.legacy_layout,
+        )
+        self.snapshots = [p for p in self.snapshots if p.exists()] + [path]
+        return path
+
+    def checkpoint(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Keep an in-memory copy of model and optimizer state to roll back to."""
+        self._checkpoint = _Checkpoint(
+            step=step,
+            model=copy.deepcopy(model.state_dict()),
+            optimizer=copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None,
+        )
+
+    @property
+    def last_checkpoint_step(self) -> int | None:
+        return self._checkpoint.step if self._checkpoint else None
+
+    def apply(self, decision: GuardDecision, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Act on the decision; True when the caller should apply the optimizer step.
+
+        skip: gradients are dropped. rollback: model and optimizer state return to the last
+        checkpoint (or `rollback_to()` runs) and the batch is dropped; with no checkpoint yet it skips.
+        """
+        if decision.apply_update:
+            return True
+        if decision.action == "rollback":
+            if self.rollback_to is not None:
+                restored = self.rollback_to()
+                _warn("step %d rolled back to step %s by the caller's rollback", decision.step, restored)
+            elif self._checkpoint is not None:
+                model.load_state_dict(copy.deepcopy(self._checkpoint.model))
+                if optimizer is not None and self._checkpoint.optimizer is not None:
+                    optimizer.load_state_dict(copy.deepcopy(self._checkpoint.optimizer))
+                _warn("step %d rolled back to the checkpoint of step %d", decision.step, self._checkpoint.step)
+            else:
+                _warn("step %d: no checkpoint to roll back to yet; skipping the step instead", decision.step)
+        _drop_grads(model, optimizer)
+        return False
+
+    def _sweep_interrupted_writes(self) -> None:
+        """Remove staging dirs that an interrupted write of ours left behind (rank 0 only)."""
+        self._swept = True
+        if _rank() != 0 or not self.snapshots_root.is_dir():
+            return
+        for entry in self.snapshots_root.glob(".iter_*.writing"):
+            if entry.is_dir():
+                shutil.rmtree(entry)
+
+
+def _drop_grads(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+
+
+def _warn(message: str, *args: Any) -> None:
+    if _rank() == 0:
+        log.warning(message, *args)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -1,0 +1,36 @@
+"""The reference trainer's toy task: echo the prompt's first token; rewards and advantage estimators."""
+
+from __future__ import annotations
+
+import torch
+
+ADVANTAGE_ESTIMATORS = ("grpo", "reinforce_baseline")
+
+
+def make_prompts(generator: torch.Generator, n_prompts: int, prompt_len: int, vocab_size: int) -> torch.Tensor:
+    """[n_prompts, prompt_len] random prompt tokens."""
+    return torch.randint(0, vocab_size, (n_prompts, prompt_len), generator=generator, dtype=torch.int64)
+
+
+def echo_reward(tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """[B] fraction of response tokens equal to the prompt's first token (in [0, 1])."""
+    response = tokens[:, prompt_len:]
+    return (response == tokens[:, :1]).float().mean(dim=-1)
+
+
+def broken_reward(tokens: torch.Tensor, penalty: float) -> torch.Tensor:
+    """[B] what a broken reward function returns: the same large penalty for every sample."""
+    return torch.full((tokens.shape[0],), -float(penalty), dtype=torch.float32)
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """[B] GRPO advantages: each reward standardised by its prompt group's mean and std."""
+    groups = rewards.float().view(-1, group_size)
+    mean = groups.mean(dim=-1, keepdim=True)
+    std = groups.std(dim=-1, keepdim=True, unbiased=False)
+    return ((groups - mean) / (std + eps)).reshape(-1)
+
+
+def baseline_advantages(rewards: torch.Tensor, baseline: float) -> torch.Tensor:
+    """[B] REINFORCE-with-baseline advantages: reward minus the running mean reward."""
+    return rewards.float() - float(baseline)

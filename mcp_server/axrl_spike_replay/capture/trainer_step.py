@@ -1,0 +1,173 @@
+"""One reference-trainer step on one rank: rollout, advantages, gradients (via `replay.rank_step`), update.
+
+Each step a rank samples a group of responses per prompt from a bf16 copy of the policy (the
+rollout engine, which also records logprobs and routes), scores them, computes advantages, takes
+the fp32 old and reference logprobs, and computes its gradients with `replay.rank_step` — the
+same code a replay runs — then the DP mean and the global pre-clip grad norm. The loop in
+`reference_trainer` puts the spike guard between the gradients and the update.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from axrl_spike_replay.capture.presets import get_preset
+from axrl_spike_replay.capture.rollout import generate, rollout_engine
+from axrl_spike_replay.capture.run_config import RunSpec
+from axrl_spike_replay.capture.snapshot_writer import RankPayload
+from axrl_spike_replay.capture.toy_task import (
+    baseline_advantages,
+    broken_reward,
+    echo_reward,
+    grpo_advantages,
+    make_prompts,
+)
+from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy, token_logprobs
+from axrl_spike_replay.replay.rank_step import (
+    global_grad_norm,
+    param_grad_norms,
+    rank_forward_backward,
+    reduce_gradients,
+    routing_control,
+)
+
+
+@dataclass
+class StepBatch:
+    """One rank's batch for one step, exactly as the loss consumes it, plus its recorded routes."""
+
+    batch: dict[str, torch.Tensor]
+    routed_experts: torch.Tensor
+    global_reward_mean: float
+
+
+@dataclass
+class StepGrads:
+    """One rank's gradients for one step (already DP-reduced in the model's `.grad`)."""
+
+    grad_norm: float  # global, pre-clip, after the DP mean
+    local_param_norms: dict[str, float]  # this rank's own gradients before the reduction
+    loss: float  # this rank's loss
+    num_tokens: float  # this rank's loss tokens
+    global_loss: float  # mean loss over ranks
+
+
+def _all_reduce_sum(values: list[float]) -> list[float]:
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def _stream_seed(seed: int, iteration: int, rank: int) -> int:
+    return (seed * 1_000_003 + iteration * 10_007 + rank * 101 + 17) % (2**63 - 1)
+
+
+class RankTrainer:
+    """One data-parallel rank's trainer state and the pieces of a step (the guard benchmark times them)."""
+
+    def __init__(self, spec: RunSpec, rank: int, world_size: int) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+        self.train = spec.train
+        self.preset = get_preset(spec.train.preset)
+        torch.manual_seed(spec.train.seed)
+        self.model = TinyMoEPolicy(spec.model)
+        self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=spec.train.lr)
+        self.param_numel = {name: p.numel() for name, p in self.model.named_parameters()}
+        self.baseline: float | None = None
+
+    def in_burst(self, iteration: int) -> bool:
+        return iteration in self.train.burst
+
+    def rollout(self, iteration: int) -> StepBatch:
+        """Generate, score and prepare this rank's batch for `iteration` (1-based)."""
+        t = self.train
+        burst = self.in_burst(iteration)
+        generator = torch.Generator().manual_seed(_stream_seed(t.seed, iteration, self.rank))
+        prompts = make_prompts(generator, t.prompts_per_rank, t.prompt_len, self.spec.model.vocab_size)
+        prompts = prompts.repeat_interleave(t.group_size, dim=0)
+        faults = self.preset.faults if burst else None
+        ro = generate(
+            rollout_engine(self.model), prompts, t.response_len, generator, temperature=t.temperature, faults=faults
+        )
+        if burst and self.preset.reward_penalty is not None:
+            rewards = broken_reward(ro.tokens, self.preset.reward_penalty)
+        else:
+            rewards = echo_reward(ro.tokens, t.prompt_len)
+        reward_sum, count = _all_reduce_sum([float(rewards.sum()), float(rewards.numel())])
+        global_mean = reward_sum / count
+        if t.advantage_estimator == "grpo":
+            advantages = grpo_advantages(rewards, t.group_size)
+        else:
+            if self.baseline is None:
+                self.baseline = global_mean
+            advantages = baseline_advantages(rewards, self.baseline)
+        batch: dict[str, torch.Tensor] = {
+            "tokens": ro.tokens,
+            "loss_mask": ro.loss_mask,
+            "advantages": advantages.float(),
+            "rollout_logprobs": ro.rollout_logprobs.float(),
+            "rewards": rewards.float(),
+            "group_index": torch.arange(t.prompts_per_rank).repeat_interleave(t.group_size)
+            + self.rank * t.prompts_per_rank,
+        }
+        routing = routing_control(self.spec.routing, batch, ro.routed_experts)
+        with torch.no_grad():
+            batch["old_logprobs"] = token_logprobs(self.model(ro.tokens, routing).logits, ro.tokens).float()
+            batch["ref_logprobs"] = token_logprobs(self.ref_model(ro.tokens, routing).logits, ro.tokens).float()
+        return StepBatch(batch=batch, routed_experts=ro.routed_experts, global_reward_mean=global_mean)
+
+    def gradients(self, step: StepBatch) -> StepGrads:
+        """This rank's forward/backward, the DP mean of the gradients and the global pre-clip norm."""
+        self.model.zero_grad(set_to_none=True)
+        routing = routing_control(self.spec.routing, step.batch, step.routed_experts)
+        out = rank_forward_backward(self.model, step.batch, self.spec.loss, routing)
+        local = param_grad_norms(self.model)
+        reduce_gradients(self.model, self.world_size)
+        grad_norm = global_grad_norm(self.model)
+        loss = float(out.loss.detach())
+        (loss_sum,) = _all_reduce_sum([loss])
+        return StepGrads(
+            grad_norm=grad_norm,
+            local_param_norms=local,
+            loss=loss,
+            num_tokens=float(out.metrics["loss_tokens"]),
+            global_loss=loss_sum / self.world_size,
+        )
+
+    def update(self, grads: StepGrads, step: StepBatch) -> None:
+        """Clip to `grad_clip` by the global norm, take the Adam step, move the reward baseline."""
+        coef = self.train.grad_clip / (grads.grad_norm + 1e-6)
+        if coef < 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        if self.baseline is not None:
+            m = self.train.baseline_momentum
+            self.baseline = m * self.baseline + (1 - m) * step.global_reward_mean
+
+    def snapshot_payload(self, step: StepBatch, grads: StepGrads) -> RankPayload:
+        """What this rank writes into a spike snapshot."""
+        grad_info = {
+            "grad_norm": grads.grad_norm,
+            "param_grad_norms": grads.local_param_norms,
+            "param_numel": self.param_numel,
+            "loss": grads.loss,
+            "num_tokens": grads.num_tokens,
+        }
+        routing_payload = {
+            "routed_experts": step.routed_experts.to(torch.int32),
+            "moe_layers": list(self.spec.model.moe_layer_ids),
+            "source": "rollout",
+        }
+        return RankPayload(batch=step.batch, grad_info=grad_info, routing_payload=routing_payload)
