@@ -39,6 +39,12 @@ class ReplayResult:
     node: dict[str, Any] | None = None  # remote node facts (GPUs) when run over SSH
     error: str | None = None  # why, when verdict == "failed"
     created_at: str = ""
+    tolerance: float | None = None  # rel_diff a baseline may show and still count as reproduced
+    repeat_grad_norms: list[float] = field(default_factory=list)  # one per repeat (`--repeat N`)
+    repeat_spread: float | None = None  # max - min of repeat_grad_norms (0.0: deterministic)
+    rank_metrics: list[dict[str, Any]] = field(default_factory=list)  # per saved rank: loss, loss_tokens, ...
+    legacy_layout: bool = False  # replayed through a temporary replay dir (legacy snapshot)
+    output_dir: str = ""  # where this result's files were written ("" when none)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -107,6 +107,7 @@ def _safe_reader(checkpoint_dir: Path) -> Any:
 def load_model_state(checkpoint_dir: str | Path, state_dict: dict[str, torch.Tensor], prefix: str = "model.") -> None:
     """Fill `state_dict` in place from the checkpoint (keys saved under `prefix`), no process group needed."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     directory = Path(checkpoint_dir)
     available = set(read_checkpoint_metadata(directory).state_dict_metadata)
@@ -121,7 +122,9 @@ def load_model_state(checkpoint_dir: str | Path, state_dict: dict[str, torch.Ten
             dcp.load(wrapped, storage_reader=_safe_reader(directory), no_dist=True)
     except SnapshotError:
         raise
-    except Exception as exc:  # DCP wraps reader failures in its own exception types
-        raise SnapshotError(f"{directory}: cannot load checkpoint tensors ({str(exc).splitlines()[0]})") from None
+    except (Exception, CheckpointException) as exc:  # DCP raises CheckpointException, a BaseException
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        reason = lines[-1] if isinstance(exc, CheckpointException) else lines[0]  # the underlying error comes last
+        raise SnapshotError(f"{directory}: cannot load checkpoint tensors ({reason})") from None
     for name, tensor in wrapped.items():
         state_dict[name.removeprefix(prefix)] = tensor

@@ -1,0 +1,251 @@
+"""`replay`, `sweep` and `attribute`: reproduce a spike, try mitigations on it, and find the samples behind it."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.cli.output import add_json_flag, emit, progress, table
+from axrl_spike_replay.cli.remote_options import add_remote_options, remote_options_from_args
+
+
+def _common(parser: argparse.ArgumentParser, layout: bool = True) -> None:
+    parser.add_argument("snapshot", help="spike snapshot directory (iter_<N>)")
+    if layout:
+        parser.add_argument(
+            "--nproc", type=int, default=None, help="replay processes (default: the saved world size = full fidelity)"
+        )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to recompute (default cpu)")
+    parser.add_argument(
+        "--workspace", default=".", help="workspace root; output goes to tmp/spike-replay/<job>/<timestamp>/"
+    )
+    parser.add_argument("--job", default=None, help="job name for the output dir and task file (default: snapshot's)")
+    add_json_flag(parser)
+
+
+def register(sub: Any) -> None:
+    """Add `replay`, `sweep` and `attribute`."""
+    p = sub.add_parser(
+        "replay",
+        help="recompute a spike step's gradients from its snapshot (optionally with mitigations)",
+        description="Recompute the spike step's gradients from the snapshot and compare the global pre-clip grad "
+        "norm with the recorded one. With --mitigation, also judge the mitigation against the baseline.",
+    )
+    _common(p)
+    add_remote_options(p)
+    p.add_argument(
+        "--mitigation",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="replay-only mitigation; repeat to combine (e.g. mismatch_token_clip_max=2); an unknown NAME lists "
+        "the valid ones",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="recompute N times and report the spread (determinism)")
+    p.set_defaults(handler=_replay)
+
+    s = sub.add_parser(
+        "sweep",
+        help="run many mitigation configs on one snapshot in one run (weights loaded once)",
+        description="Replay the baseline and every mitigation config in one job and judge each against the baseline.",
+    )
+    _common(s)
+    add_remote_options(s)
+    group = s.add_mutually_exclusive_group(required=True)
+    group.add_argument("--mitigation-set", metavar="FILE.yaml", help="YAML list of configs: - {NAME: VALUE, ...}")
+    group.add_argument(
+        "--mitigation",
+        action="append",
+        metavar="'NAME=VALUE [NAME=VALUE ...]'",
+        help="one config per option (several NAME=VALUE items in one option combine)",
+    )
+    s.set_defaults(handler=_sweep)
+
+    a = sub.add_parser(
+        "attribute",
+        help="rank the samples of a spike step by their contribution to the global gradient",
+        description="Each sample's contribution c_s = <g_s, g>/||g|| to the global grad norm, ranked, with its "
+        "signals.",
+    )
+    _common(a, layout=False)
+    a.add_argument("--top", type=int, default=10, help="how many samples to list (default 10)")
+    a.add_argument("--mitigation", action="append", default=[], metavar="NAME[=VALUE]", help="attribute under a config")
+    a.set_defaults(handler=_attribute)
+
+
+def _options(args: argparse.Namespace, mitigations: dict[str, Any] | None = None) -> Any:
+    from axrl_spike_replay.replay.engine import ReplayOptions
+
+    return ReplayOptions(
+        nproc=args.nproc,
+        device=args.device,
+        mitigations=mitigations or {},
+        repeat=getattr(args, "repeat", 1),
+        workspace=Path(args.workspace),
+        job=args.job,
+        progress=progress,
+        backend=getattr(args, "backend", "torch"),
+        target=getattr(args, "target", "local"),
+    )
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.replay.dispatch import replay
+    from axrl_spike_replay.replay.mitigations import parse_mitigation_args
+    from axrl_spike_replay.replay.run_dir import json_document
+
+    result = replay(
+        args.snapshot, _options(args, parse_mitigation_args(args.mitigation)), remote_options_from_args(args)
+    )
+    emit(json_document(result), args.json, render_replay)
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.replay.dispatch import sweep
+    from axrl_spike_replay.replay.mitigations import load_mitigation_set, parse_mitigation_args
+    from axrl_spike_replay.replay.run_dir import json_document
+
+    if args.mitigation_set:
+        configs = load_mitigation_set(args.mitigation_set)
+    else:
+        configs = [parse_mitigation_args(shlex.split(item)) for item in args.mitigation]
+    result = sweep(args.snapshot, configs, _options(args), remote_options_from_args(args))
+    emit(json_document(result), args.json, render_sweep)
+    return 0
+
+
+def _attribute(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.replay.attribution import attribute_spike
+    from axrl_spike_replay.replay.mitigations import parse_mitigation_args
+    from axrl_spike_replay.replay.run_dir import json_document
+
+    result = attribute_spike(
+        args.snapshot,
+        args.top,
+        mitigations=parse_mitigation_args(args.mitigation),
+        device=args.device,
+        workspace=Path(args.workspace),
+        job=args.job,
+    )
+    emit(json_document(result), args.json, render_attribution)
+    return 0
+
+
+def _num(value: Any, digits: int = 6) -> str:
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return "n/a" if value is None else str(value)
+
+
+def fidelity_label(doc: dict[str, Any]) -> str:
+    """`full` or `REDUCED (diagnostic: ...)`: a reduced replay is always labelled as such."""
+    saved, used = doc.get("world_size_saved"), doc.get("world_size_used")
+    if doc.get("fidelity") == "full":
+        return f"full ({used} process(es) = saved world size {saved})"
+    return f"REDUCED, a diagnostic ({used} process(es) replay {saved} saved ranks; summation order differs)"
+
+
+def render_replay(doc: dict[str, Any]) -> str:
+    """A replay result for people."""
+    lines = [
+        f"replay of {doc['snapshot']} (job {doc['job_name']}, iteration {doc['iteration']}, {doc['device']})",
+        f"  fidelity      {fidelity_label(doc)}",
+        f"  grad norm     {_num(doc['grad_norm'], 10)}  (recorded {_num(doc['recorded_grad_norm'], 10)}"
+        + (
+            f", rel_diff {_num(doc['rel_diff'], 3)}, tolerance {_num(doc.get('tolerance'), 3)})"
+            if not doc["mitigations"]
+            else ")"
+        ),
+        f"  spike ratio   {_num(doc['spike_ratio'], 4)} x median {_num(doc['median_norm'], 6)} "
+        f"(detector threshold {_num(doc['threshold'], 4)})",
+    ]
+    if doc["mitigations"]:
+        items = ", ".join(f"{k}={v}" for k, v in doc["mitigations"].items())
+        change = doc.get("change_vs_baseline")
+        lines.append(f"  mitigations   {items}")
+        lines.append(
+            f"  vs baseline   {_num(doc.get('baseline_grad_norm'), 8)} -> "
+            f"{'n/a' if change is None else f'{change * 100:+.1f}%'}"
+        )
+    lines.append(f"  verdict       {doc['verdict']}" + (f": {doc['error']}" if doc.get("error") else ""))
+    if doc.get("repeat_grad_norms"):
+        lines.append(
+            f"  repeat        {len(doc['repeat_grad_norms'])} runs, spread {_num(doc.get('repeat_spread'), 3)}"
+            + (" (deterministic)" if doc.get("repeat_spread") == 0 else "")
+        )
+    if doc.get("top_params"):
+        tops = ", ".join(f"{p['name']} {_num(p['grad_norm'], 4)}" for p in doc["top_params"][:3])
+        lines.append(f"  top params    {tops}")
+    if doc.get("output_dir"):
+        lines.append(f"  output        {doc['output_dir']}")
+    return "\n".join(lines)
+
+
+def render_sweep(doc: dict[str, Any]) -> str:
+    """A sweep as a table: one row per config, the baseline first."""
+    base = doc["baseline"]
+    rows = [["baseline", base["grad_norm"], base["spike_ratio"], "", base["verdict"]]]
+    for r in doc["results"]:
+        change = r.get("change_vs_baseline")
+        rows.append(
+            [
+                r["config_id"],
+                r["grad_norm"],
+                r["spike_ratio"],
+                "" if change is None else f"{change * 100:+.1f}%",
+                r["verdict"],
+            ]
+        )
+    head = [
+        f"sweep of {doc['snapshot']} ({doc['device']}), fidelity {fidelity_label(doc)}",
+        f"recorded grad norm {_num(base['recorded_grad_norm'], 8)}, baseline rel_diff {_num(base['rel_diff'], 3)}, "
+        f"detector threshold {_num(doc['threshold'], 4)} x median {_num(base['median_norm'], 6)}",
+        "",
+    ]
+    tail = [""] + ([f"output {doc['output_dir']}"] if doc.get("output_dir") else [])
+    return "\n".join([*head, table(["config", "grad norm", "x median", "vs baseline", "verdict"], rows), *tail])
+
+
+def render_attribution(doc: dict[str, Any]) -> str:
+    """The top samples by contribution to the global grad norm."""
+    norm = doc["grad_norm"]
+    rows = [
+        [
+            s["rank"],
+            s["sample"],
+            s["contribution"],
+            f"{s['share'] * 100:.1f}%",
+            s["advantage"],
+            s["reward"],
+            s["max_abs_log_ratio"],
+            s["loss_tokens"],
+        ]
+        for s in doc["samples"]
+    ]
+    fidelity = "full" if doc["fidelity"] == "full" else "REDUCED (one process for all saved ranks)"
+    lines = [
+        f"attribution of {doc['snapshot']}: grad norm {_num(norm, 8)} (recorded {_num(doc['recorded_grad_norm'], 8)}, "
+        f"fidelity {fidelity})",
+        f"sum of contributions {_num(doc['contribution_sum'], 8)} incl. router term {_num(doc['router_term'], 4)} "
+        f"(rel error {_num(doc['sum_rel_error'], 2)}); top {len(rows)} of {doc['total_samples']} samples:",
+        "",
+        table(
+            [
+                "rank",
+                "sample",
+                "contribution",
+                "share",
+                "advantage",
+                "reward",
+                f"max|log-ratio| ({doc['log_ratio_base']})",
+                "tokens",
+            ],
+            rows,
+        ),
+    ]
+    if doc.get("output_dir"):
+        lines += ["", f"output {doc['output_dir']}"]
+    return "\n".join(lines)

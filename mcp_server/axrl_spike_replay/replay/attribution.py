@@ -1,0 +1,307 @@
+"""Which samples carry the spike: each sample's contribution to the global (DP-mean) gradient.
+
+With g the replayed global gradient and g_s sample s's share of it, c_s = <g_s, g> / ||g||; the
+c_s plus one batch-level term (the router aux/z losses, which are not per-sample) sum to ||g||.
+
+Cost: the replay's forward + backward per rank batch gives g, dLoss/dlogits (G) and the router
+losses' gradient (one extra backward of those on the same graph); then one forward-mode pass (JVP)
+along g over all rank batches at once gives (J g) for every sample's logits, and
+<g_s, g> = (1/W) sum_{t,v} G[s,t,v] * (J g)[s,t,v]: the policy loss depends on a sample's logits
+only through its own row (masks, denominators and detached weights are constants). No backward
+per sample is needed; `method="per_sample_backward"` does that naive way, for checks and benchmarks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.replay.engine import check_device, replay_dir_for
+from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
+from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, parse_config
+from axrl_spike_replay.replay.policy_loss import expand_advantages, policy_loss
+from axrl_spike_replay.replay.rank_step import global_grad_norm, reduce_gradients
+from axrl_spike_replay.replay.run_dir import RunDir, command_line
+from axrl_spike_replay.replay.verdict import rel_diff
+from axrl_spike_replay.replay.worker import RankInputs, build_model
+
+METHODS = ("jvp", "per_sample_backward")
+ATTRIBUTION_FILE = "attribution.json"
+SUM_TOLERANCE = 1e-4
+ROUTER_NOTE = (
+    "router aux/z losses are batch-level (not per-sample): their share of the gradient is reported as "
+    "router_term, so sum(contribution over all samples) + router_term = grad_norm"
+)
+
+
+@dataclass
+class SampleContribution:
+    """One sample's contribution to ||g|| and its signals."""
+
+    rank: int
+    sample: int
+    contribution: float
+    share: float  # contribution / grad_norm
+    advantage: float
+    reward: float | None
+    max_abs_log_ratio: float  # |log pi - log pi_base| on loss tokens
+    loss_tokens: int
+    group: int | None = None
+
+
+@dataclass
+class Attribution:
+    """Per-sample attribution of a spike's gradient norm (top K samples, ranked)."""
+
+    snapshot: str
+    grad_norm: float
+    recorded_grad_norm: float
+    rel_diff: float | None
+    fidelity: str  # "full" (saved world size 1) or "reduced" (several saved ranks in one process)
+    world_size_saved: int
+    total_samples: int
+    samples: list[SampleContribution]
+    router_term: float
+    contribution_sum: float  # over all samples, plus router_term
+    sum_rel_error: float  # |contribution_sum - grad_norm| / grad_norm
+    method: str = "jvp"
+    log_ratio_base: str = "old"
+    mitigations: dict[str, Any] = field(default_factory=dict)
+    note: str = ROUTER_NOTE
+    timings: dict[str, float] = field(default_factory=dict)
+    output_dir: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _RankPass:
+    grad_logits: torch.Tensor  # [B, T, V] dLoss_r/dlogits
+    routes: Any  # RoutingControl replaying the experts this pass used, so later passes route the same
+    signals: list[dict[str, Any]]
+
+
+def _signals(
+    rank: int, batch: dict[str, torch.Tensor], logprobs: torch.Tensor, mask: torch.Tensor, base: str
+) -> list[dict[str, Any]]:
+    adv = expand_advantages(batch["advantages"], logprobs.shape)
+    tokens = mask.sum(dim=-1)
+    log_ratio = ((logprobs - batch[f"{base}_logprobs"].float()).abs() * (mask > 0)).amax(dim=-1)
+    rewards = batch.get("rewards")
+    groups = batch.get("group_index")
+    return [
+        {
+            "rank": rank,
+            "sample": s,
+            "advantage": float((adv[s] * mask[s]).sum() / tokens[s]) if tokens[s] > 0 else float(adv[s].mean()),
+            "reward": float(rewards[s]) if rewards is not None else None,
+            "max_abs_log_ratio": float(log_ratio[s]),
+            "loss_tokens": int(tokens[s]),
+            "group": int(groups[s]) if groups is not None else None,
+        }
+        for s in range(logprobs.shape[0])
+    ]
+
+
+def _base_name(cfg: AppliedConfig) -> str:
+    return "old" if cfg.loss.mismatch_token_clip_max is not None else cfg.loss.is_base_logprobs
+
+
+def _router_loss(cfg: AppliedConfig, out: Any) -> torch.Tensor | None:
+    """The rank's batch-level router losses as the policy loss adds them (None when both are off)."""
+    loss = None
+    if cfg.loss.aux_loss_coef:
+        loss = cfg.loss.aux_loss_coef * out.aux_loss
+    if cfg.loss.z_loss_coef:
+        term = cfg.loss.z_loss_coef * out.z_loss
+        loss = term if loss is None else loss + term
+    return loss if loss is not None and loss.requires_grad else None
+
+
+def _gradient_pass(
+    model: torch.nn.Module, ranks: RankInputs, cfg: AppliedConfig
+) -> tuple[dict[int, _RankPass], list[torch.Tensor] | None]:
+    """Accumulate every rank's gradients in `.grad` (as a reduced replay does); keep dLoss/dlogits per rank and
+    the router losses' gradient summed over ranks."""
+    from axrl_spike_replay.models.tiny_moe import RoutingControl, token_entropy, token_logprobs
+
+    params = list(model.parameters())
+    passes = {}
+    router_sum: list[torch.Tensor] | None = None
+    for rank, batch in ranks.batches.items():
+        out = model(batch["tokens"], ranks.routing(cfg, rank))
+        out.logits.retain_grad()
+        logprobs = token_logprobs(out.logits, batch["tokens"])
+        entropy = token_entropy(out.logits) if cfg.loss.entropy_coef else None
+        result = policy_loss(logprobs, batch, cfg.loss, entropy=entropy, aux_loss=out.aux_loss, z_loss=out.z_loss)
+        router = _router_loss(cfg, out)
+        if router is not None:
+            grads = torch.autograd.grad(router, params, retain_graph=True, allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+            router_sum = grads if router_sum is None else [a + b for a, b in zip(router_sum, grads, strict=True)]
+        result.loss.backward()
+        signals = _signals(rank, batch, logprobs.detach(), result.mask, _base_name(cfg))
+        used = RoutingControl(routes=out.routes.detach())
+        passes[rank] = _RankPass(grad_logits=out.logits.grad.detach(), routes=used, signals=signals)
+    return passes, router_sum
+
+
+def _jvp_logits(model: torch.nn.Module, tokens: torch.Tensor, routing: Any, direction: dict[str, torch.Tensor]) -> Any:
+    """J g for the logits [B, T, V]: one forward pass with dual numbers (parameter, tangent = g)."""
+    import torch.autograd.forward_ad as fwad
+    from torch.func import functional_call
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # the fused CPU attention kernel has no forward-mode AD; the math kernel has
+    with sdpa_kernel(SDPBackend.MATH), torch.no_grad(), fwad.dual_level():
+        with warnings.catch_warnings():  # torch registers its forward-AD decompositions with torch.jit.script
+            warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=DeprecationWarning)
+            duals = {name: fwad.make_dual(p.detach(), direction[name]) for name, p in model.named_parameters()}
+        out = functional_call(model, duals, (tokens, routing))
+        return fwad.unpack_dual(out.logits).tangent
+
+
+def _jvp_all(
+    model: torch.nn.Module, ranks: RankInputs, passes: dict[int, _RankPass], direction: dict[str, torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """J g for every rank's logits; ranks of equal sequence length go through one concatenated forward.
+
+    Exact: a sample's logits depend only on its own tokens, and the routes are the ones the gradient pass used.
+    """
+    from axrl_spike_replay.models.tiny_moe import RoutingControl
+
+    order = list(passes)
+    tokens = [ranks.batches[r]["tokens"] for r in order]
+    if len({t.shape[1] for t in tokens}) > 1:
+        return {r: _jvp_logits(model, ranks.batches[r]["tokens"], passes[r].routes, direction) for r in order}
+    routes = RoutingControl(routes=torch.cat([passes[r].routes.routes for r in order]))
+    d_logits = _jvp_logits(model, torch.cat(tokens), routes, direction)
+    return dict(zip(order, d_logits.split([t.shape[0] for t in tokens]), strict=True))
+
+
+def _backward_per_sample(
+    model: torch.nn.Module, ranks: RankInputs, rank: int, rank_pass: _RankPass, g: list[torch.Tensor]
+) -> torch.Tensor:
+    """The naive way: one backward pass per sample; each sample's <grad, g> (float64)."""
+    params = list(model.parameters())
+    grad_logits = rank_pass.grad_logits
+    out = model(ranks.batches[rank]["tokens"], rank_pass.routes)
+    dots = torch.zeros(grad_logits.shape[0], dtype=torch.float64)
+    for s in range(grad_logits.shape[0]):
+        row = torch.zeros_like(grad_logits)
+        row[s] = grad_logits[s]
+        grads = torch.autograd.grad(out.logits, params, grad_outputs=row, retain_graph=True, allow_unused=True)
+        dots[s] = sum(float((a.double() * b.double()).sum()) for a, b in zip(grads, g, strict=True) if a is not None)
+    return dots
+
+
+def _contributions(
+    model: torch.nn.Module,
+    ranks: RankInputs,
+    passes: dict[int, _RankPass],
+    router_sum: list[torch.Tensor] | None,
+    world_size: int,
+    method: str,
+) -> tuple[dict[int, torch.Tensor], float]:
+    """Per rank, each sample's <g_s, g> (float64); and the router losses' <., g>."""
+    g = [p.grad.detach().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    router = 0.0
+    if router_sum is not None:
+        router = sum(float((a.double() * b.double()).sum()) for a, b in zip(router_sum, g, strict=True)) / world_size
+    if method == "jvp":
+        direction = {name: grad for (name, _), grad in zip(model.named_parameters(), g, strict=True)}
+        d_logits = _jvp_all(model, ranks, passes, direction)
+        dots = {
+            r: (p.grad_logits.double() * d_logits[r].double()).sum(dim=(1, 2)).cpu() / world_size
+            for r, p in passes.items()
+        }
+    else:
+        dots = {r: _backward_per_sample(model, ranks, r, p, g) / world_size for r, p in passes.items()}
+    return dots, router
+
+
+def attribute_spike(
+    snapshot: str | Path,
+    top: int = 10,
+    *,
+    mitigations: dict[str, Any] | None = None,
+    device: str = "cpu",
+    method: str = "jvp",
+    workspace: str | Path | None = None,
+    job: str | None = None,
+    command: str | None = None,
+) -> Attribution:
+    """Rank the samples of a snapshot's step by their contribution to the replayed global grad norm."""
+    if method not in METHODS:
+        raise ConfigError(f"method must be one of {METHODS}, got {method!r}")
+    if not isinstance(top, int) or top < 1:
+        raise ConfigError(f"--top must be an integer >= 1, got {top!r}")
+    check_device(device)
+    start = time.perf_counter()
+    with replay_dir_for(snapshot) as (replay_dir, legacy):
+        inputs = load_inputs(snapshot, replay_dir, legacy)
+        cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing)
+        check_configs(inputs, [cfg])
+        run = RunDir.create(workspace, job or inputs.job_name or "spike")
+        run.write_command(command or command_line("attribute", str(snapshot), {"top": top, "device": device}))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            attribution = _attribute(inputs, cfg, top, device, method, start)
+        finally:
+            torch.set_num_threads(threads)
+    attribution.output_dir = str(run.path or "")
+    run.log(f"attribution: grad norm {attribution.grad_norm:.6g}, sum check rel error {attribution.sum_rel_error:.2e}")
+    run.write_json(ATTRIBUTION_FILE, attribution.to_json())
+    return attribution
+
+
+def _attribute(
+    inputs: ReplayInputs, cfg: AppliedConfig, top: int, device: str, method: str, start: float
+) -> Attribution:
+    world_size = inputs.world_size
+    model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device)
+    ranks = RankInputs(inputs.replay_dir, range(world_size), device)
+    t0 = time.perf_counter()
+    passes, router_sum = _gradient_pass(model, ranks, cfg)
+    reduce_gradients(model, world_size)
+    grad_norm = global_grad_norm(model)
+    t1 = time.perf_counter()
+    dots, router = _contributions(model, ranks, passes, router_sum, world_size, method)
+    t2 = time.perf_counter()
+    rows = []
+    for rank, rank_pass in passes.items():
+        for signals, dot in zip(rank_pass.signals, dots[rank].tolist(), strict=True):
+            contribution = dot / grad_norm if grad_norm > 0 else 0.0
+            share = contribution / grad_norm if grad_norm > 0 else 0.0
+            rows.append(SampleContribution(contribution=contribution, share=share, **signals))
+    router_term = router / grad_norm if grad_norm > 0 else 0.0
+    total = math.fsum(r.contribution for r in rows) + router_term
+    rows.sort(key=lambda r: -r.contribution)
+    meta = inputs.metadata
+    return Attribution(
+        snapshot=inputs.snapshot,
+        grad_norm=grad_norm,
+        recorded_grad_norm=meta.grad_norm,
+        rel_diff=rel_diff(grad_norm, meta.grad_norm),
+        fidelity="full" if world_size == 1 else "reduced",
+        world_size_saved=world_size,
+        total_samples=len(rows),
+        samples=rows[:top],
+        router_term=router_term,
+        contribution_sum=total,
+        sum_rel_error=abs(total - grad_norm) / grad_norm if grad_norm > 0 else 0.0,
+        method=method,
+        log_ratio_base=_base_name(cfg),
+        mitigations=dict(cfg.mitigations),
+        timings={"load": t0 - start, "gradient": t1 - t0, "attribution": t2 - t1, "total": time.perf_counter() - start},
+    )

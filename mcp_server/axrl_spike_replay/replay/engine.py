@@ -1,0 +1,315 @@
+"""The built-in `torch` replay backend: recompute a spike step's gradients from a snapshot, with mitigations.
+
+`run_replay` loads the weights from the snapshot's DCP checkpoint, the rank batches and routing
+payloads, rebuilds model, loss and routing from `run_config.yaml`, recomputes every saved rank's
+gradients (no optimizer step), reduces them across data-parallel ranks as the trainer did and
+compares the global pre-clip grad norm with the recorded one. A mitigated replay also recomputes
+the baseline at the same layout (sharing its forward pass) to give the mitigation its verdict.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
+from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
+from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, mitigation_args, parse_config
+from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.replay.run_dir import RunDir, command_line, now_iso
+from axrl_spike_replay.replay.verdict import (
+    baseline_verdict,
+    mitigation_verdict,
+    ratio_threshold,
+    rel_diff,
+    tolerance,
+)
+from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How to replay: layout, device, mitigations, repeats, and where to write (None: nothing written)."""
+
+    nproc: int | None = None  # replay processes; None: the saved world size (full fidelity)
+    device: str = "cpu"
+    mitigations: Mapping[str, Any] = field(default_factory=dict)  # one config {name: value}
+    repeat: int = 1  # >1: recompute that many times and report the spread (determinism check)
+    workspace: str | Path | None = None  # output under <workspace>/tmp/spike-replay/<job>/<timestamp>/
+    job: str | None = None  # default: the snapshot's job name
+    command: str | None = None  # the command line to record in command.txt (default: the equivalent CLI)
+    top_params: int = 10
+    backend: str = "torch"  # "torch" (built in) | "command" (remote/)
+    target: str = "local"  # "local" or an SSH target (remote/)
+    timeout_s: float = 1800.0  # collective timeout of the replay processes
+    progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
+
+
+def check_device(device: str) -> str:
+    """`device` when this machine has it; ConfigError otherwise."""
+    if device not in DEVICES:
+        raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            build = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
+            raise ConfigError(f"--device cuda: CUDA is not available on this machine ({build}); use --device cpu")
+    return device
+
+
+@contextmanager
+def replay_dir_for(snapshot: str | Path) -> Iterator[tuple[str, bool]]:
+    """(dir to read from, legacy) for a snapshot; a legacy snapshot's temporary replay dir is removed after."""
+    from axrl_spike_replay.snapshot.legacy import prepare_replay_dir
+
+    prepared = prepare_replay_dir(snapshot)
+    try:
+        yield prepared.replay_dir, prepared.legacy
+    finally:
+        if prepared.legacy:
+            shutil.rmtree(prepared.replay_dir, ignore_errors=True)  # links and files it wrote, never the snapshot
+
+
+class ReplaySession:
+    """A validated replay: inputs, layout, configs and output dir; `execute` runs every config once."""
+
+    def __init__(
+        self, inputs: ReplayInputs, plan: LayoutPlan, configs: list[AppliedConfig], options: ReplayOptions
+    ) -> None:
+        self.inputs = inputs
+        self.plan = plan
+        self.configs = configs
+        self.options = options
+        self.job = options.job or inputs.job_name or "spike"
+        self.threshold = ratio_threshold(inputs.metadata.detector)
+        self.tolerance = tolerance(plan.fidelity, options.device)
+        self.run = RunDir(None)
+        self.started = time.perf_counter()
+
+    def log(self, line: str) -> None:
+        self.run.log(line)
+        if self.options.progress is not None:
+            self.options.progress(line)
+
+    def execute(self) -> tuple[ReplayResult, list[ReplayResult]]:
+        """(baseline, mitigated results in config order), all at this session's layout."""
+        from axrl_spike_replay.replay.launch import run_job
+
+        o, inputs = self.options, self.inputs
+        job = WorkerJob(
+            replay_dir=inputs.replay_dir,
+            model=inputs.model,
+            configs=tuple(self.configs),
+            world_size=inputs.world_size,
+            assignment=self.plan.assignment,
+            device=o.device,
+            repeat=o.repeat,
+            top=o.top_params,
+        )
+        self.log(
+            f"replaying {len(self.configs)} config(s) on {self.plan.nproc} process(es), {o.device}, "
+            f"fidelity {self.plan.fidelity} (saved world size {inputs.world_size})"
+        )
+        outcomes = run_job(job, timeout_s=o.timeout_s)
+        baseline = self.result(self.configs[0], outcomes[0], None)
+        results = [
+            self.result(c, out, baseline.grad_norm) for c, out in zip(self.configs[1:], outcomes[1:], strict=True)
+        ]
+        self.log(
+            f"baseline: grad norm {baseline.grad_norm:.9g} (recorded {baseline.recorded_grad_norm:.9g}, "
+            f"rel_diff {_fmt(baseline.rel_diff)}, tolerance {self.tolerance:g}, ratio to median "
+            f"{_fmt(baseline.spike_ratio)}) -> {baseline.verdict}"
+        )
+        for r in results:
+            self.log(
+                f"{r.config_id}: grad norm {r.grad_norm:.9g} ({_fmt(r.change_vs_baseline)} vs baseline, ratio to "
+                f"median {_fmt(r.spike_ratio)}, threshold {self.threshold:g}) -> {r.verdict}"
+            )
+        return baseline, results
+
+    def result(self, cfg: AppliedConfig, outcome: ConfigOutcome, baseline_norm: float | None) -> ReplayResult:
+        """The ReplayResult of one config's outcome."""
+        meta, norm = self.inputs.metadata, outcome.grad_norms[0]
+        if cfg.mitigations:
+            verdict = mitigation_verdict(norm, baseline_norm or math.nan, meta.median_norm, self.threshold)
+            change = norm / baseline_norm - 1.0 if baseline_norm else None
+        else:
+            verdict, change = baseline_verdict(norm, meta.grad_norm, self.tolerance), None
+        spread = max(outcome.grad_norms) - min(outcome.grad_norms) if len(outcome.grad_norms) > 1 else None
+        timings = {**outcome.timings, "total": time.perf_counter() - self.started}
+        return ReplayResult(
+            snapshot=self.inputs.snapshot,
+            backend="torch",
+            target="local",
+            fidelity=self.plan.fidelity,
+            world_size_saved=self.inputs.world_size,
+            world_size_used=self.plan.nproc,
+            mitigations=dict(cfg.mitigations),
+            grad_norm=norm,
+            recorded_grad_norm=meta.grad_norm,
+            rel_diff=rel_diff(norm, meta.grad_norm),
+            median_norm=meta.median_norm,
+            spike_ratio=norm / meta.median_norm if meta.median_norm > 0 else None,
+            verdict=verdict,
+            threshold=self.threshold,
+            baseline_grad_norm=baseline_norm if cfg.mitigations else None,
+            change_vs_baseline=change,
+            top_params=outcome.top_params,
+            timings=timings,
+            device=self.options.device,
+            job_name=meta.job_name,
+            role=meta.role,
+            iteration=meta.iteration,
+            config_id=cfg.config_id,
+            created_at=now_iso(),
+            tolerance=self.tolerance,
+            repeat_grad_norms=list(outcome.grad_norms) if len(outcome.grad_norms) > 1 else [],
+            repeat_spread=spread,
+            rank_metrics=outcome.rank_metrics,
+            legacy_layout=self.inputs.legacy,
+        )
+
+    def failed(self, error: str, verb: str = "replay") -> ReplayResult:
+        """The result recorded for a run that failed after its output dir was made (a sweep: one for all)."""
+        meta = self.inputs.metadata
+        cfg = self.configs[-1] if verb == "replay" else apply_config({}, self.inputs.loss, self.inputs.routing)
+        return ReplayResult(
+            snapshot=self.inputs.snapshot,
+            backend="torch",
+            target="local",
+            fidelity=self.plan.fidelity,
+            world_size_saved=self.inputs.world_size,
+            world_size_used=self.plan.nproc,
+            mitigations=dict(cfg.mitigations),
+            grad_norm=None,
+            recorded_grad_norm=meta.grad_norm,
+            rel_diff=None,
+            median_norm=meta.median_norm,
+            spike_ratio=None,
+            verdict="failed",
+            threshold=self.threshold,
+            timings={"total": time.perf_counter() - self.started},
+            device=self.options.device,
+            job_name=meta.job_name,
+            role=meta.role,
+            iteration=meta.iteration,
+            config_id=cfg.config_id if verb == "replay" else verb,
+            error=error,
+            created_at=now_iso(),
+            legacy_layout=self.inputs.legacy,
+        )
+
+    def record(self, result: ReplayResult, path: Path | None) -> str | None:
+        """Log a written result into the job's task file when one is open; the experiment id."""
+        if self.run.path is None or path is None or self.options.workspace is None:
+            return None
+        from axrl_spike_replay.workspace.task_log import record_replay
+
+        exp_id = record_replay(Path(self.options.workspace), self.job, result, path)
+        if exp_id:
+            self.log(f"{result.config_id}: logged in the task file of job {self.job} as {exp_id}")
+        return exp_id
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3g}"
+
+
+def _check_options(options: ReplayOptions) -> None:
+    if options.backend != "torch" or options.target != "local":
+        raise ConfigError(
+            f"backend {options.backend!r} on target {options.target!r} is not run by the torch engine; "
+            "use replay.dispatch to choose the backend"
+        )
+    if not isinstance(options.repeat, int) or options.repeat < 1:
+        raise ConfigError(f"--repeat must be an integer >= 1, got {options.repeat!r}")
+    if not isinstance(options.top_params, int) or options.top_params < 0:
+        raise ConfigError(f"top_params must be an integer >= 0, got {options.top_params!r}")
+    check_device(options.device)
+
+
+@contextmanager
+def replay_session(
+    snapshot: str | Path, options: ReplayOptions, configs: Sequence[Mapping[str, Any]], verb: str
+) -> Iterator[ReplaySession]:
+    """Validate everything, then open the output dir; a failure inside is recorded as a failed run.
+
+    Bad input raises before anything is written. Once the output dir exists, a failure writes a
+    `replay_result.json` with verdict `failed` and the error, logs it in the task file, and raises.
+    """
+    _check_options(options)
+    with replay_dir_for(snapshot) as (replay_dir, legacy):
+        inputs = load_inputs(snapshot, replay_dir, legacy)
+        applied = [apply_config({}, inputs.loss, inputs.routing)]
+        applied += [apply_config(parse_config(c), inputs.loss, inputs.routing) for c in configs]
+        check_configs(inputs, applied)
+        plan = plan_layout(inputs.world_size, options.nproc)
+        session = ReplaySession(inputs, plan, applied, options)
+        session.run = RunDir.create(options.workspace, session.job)
+        if verb == "replay":
+            mitigation = [item for c in applied[1:] for item in mitigation_args(c.mitigations)]
+        else:
+            mitigation = [shlex.join(mitigation_args(c.mitigations)) for c in applied[1:]]
+        command = options.command or command_line(
+            verb,
+            str(snapshot),
+            {
+                "nproc": options.nproc,
+                "device": options.device,
+                "mitigation": mitigation,
+                "repeat": options.repeat if options.repeat > 1 else None,
+            },
+        )
+        session.run.write_command(command)
+        session.log(f"{verb} {snapshot}" + (f" (legacy layout, read through {replay_dir})" if legacy else ""))
+        try:
+            yield session
+        except Exception as exc:
+            error = str(exc) if isinstance(exc, AxrlError) else f"{type(exc).__name__}: {exc}"
+            details = getattr(exc, "details", "")
+            session.log(f"failed: {error}" + (f"\n{details}" if details else ""))
+            if session.run.path is None:
+                raise
+            result = session.failed(error, verb)
+            path = session.run.write_result(result)
+            _record_failure(session, error, command, path)
+            raise AxrlError(f"{verb} failed: {error} (see {session.run.path})") from exc
+
+
+def _record_failure(session: ReplaySession, error: str, command: str, path: Path | None) -> None:
+    from axrl_spike_replay.workspace.task_log import record_failure
+
+    fail_id = record_failure(
+        Path(session.options.workspace or "."),
+        session.job,
+        reason=error,
+        command=command,
+        snapshot=session.inputs.snapshot,
+        target="local",
+        result_path=path,
+    )
+    if fail_id:
+        session.log(f"failure logged in the task file of job {session.job} as {fail_id}")
+
+
+def run_replay(snapshot: str | Path, options: ReplayOptions | None = None) -> ReplayResult:
+    """Replay a snapshot's spike step (baseline, or with `options.mitigations`) and judge it."""
+    options = options or ReplayOptions()
+    config = parse_config(options.mitigations)
+    with replay_session(snapshot, options, [config] if config else [], "replay") as session:
+        baseline, results = session.execute()
+        result = results[0] if results else baseline
+        path = session.run.write_result(result)
+    session.record(result, path)  # after the result is complete: a logging problem cannot turn it into a failure
+    return result

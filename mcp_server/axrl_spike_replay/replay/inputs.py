@@ -1,0 +1,192 @@
+"""What a torch replay reads from a snapshot, validated before any process starts or any file is written."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from axrl_spike_replay.errors import ConfigError, SnapshotError
+from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
+from axrl_spike_replay.replay.mitigations import AppliedConfig
+from axrl_spike_replay.replay.policy_loss import LossConfig
+from axrl_spike_replay.replay.rank_step import RoutingConfig
+from axrl_spike_replay.snapshot.checkpoint import summarize_checkpoint
+from axrl_spike_replay.snapshot.layout import RUN_CONFIG, rank_files
+from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
+from axrl_spike_replay.snapshot.rank_data import load_rank_batch
+
+# Sections the engine rebuilds from, and sections it reads but need not rebuild (the trainer's own).
+ENGINE_SECTIONS = ("model", "loss", "routing", "parallel")
+INFO_SECTIONS = ("train", "detector")
+COMMAND_BACKEND_HINT = "use the command backend (`--backend command`) with the trainer's own replay command"
+
+
+@dataclass(frozen=True)
+class ReplayInputs:
+    """A snapshot as the torch engine sees it: metadata, the rebuilt configs and the ranks on disk."""
+
+    snapshot: str  # as the user named it
+    replay_dir: str  # where files are read from (a temporary replay dir for a legacy snapshot)
+    legacy: bool
+    metadata: AxrlMetadata
+    model: TinyMoEConfig
+    loss: LossConfig
+    routing: RoutingConfig
+    world_size: int
+    routing_ranks: tuple[int, ...]  # saved ranks with a routing payload
+    batch_fields: frozenset[str]
+
+    @property
+    def job_name(self) -> str:
+        return self.metadata.job_name
+
+
+def read_run_config(snapshot_dir: Path) -> dict[str, Any]:
+    """The snapshot's `run_config.yaml` as a mapping; sections the engine does not know are an error."""
+    path = snapshot_dir / RUN_CONFIG
+    if not path.is_file():
+        raise SnapshotError(f"{path}: run config not found (the torch backend rebuilds the model from it)")
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise SnapshotError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(doc, dict):
+        raise SnapshotError(f"{path}: expected a mapping of sections")
+    unknown = sorted(set(doc) - set(ENGINE_SECTIONS) - set(INFO_SECTIONS))
+    if unknown:
+        known = sorted((*ENGINE_SECTIONS, *INFO_SECTIONS))
+        raise ConfigError(f"{path}: unknown sections {unknown} the torch engine cannot replay (known: {known})")
+    for section in ENGINE_SECTIONS:
+        if not isinstance(doc.get(section), dict):
+            raise ConfigError(f"{path}: section {section!r} is missing or not a mapping")
+    return doc
+
+
+def _parallel(doc: dict[str, Any], path: Path, meta: AxrlMetadata) -> ParallelLayout:
+    known = {f.name for f in fields(ParallelLayout)}
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise ConfigError(f"{path}: parallel: unknown keys {unknown} (known: {sorted(known)})")
+    layout = meta.parallel
+    split = {name: getattr(layout, name) for name in ("tp", "pp", "ep", "etp", "cp") if getattr(layout, name) > 1}
+    if split:
+        shown = ", ".join(f"{k}={v}" for k, v in split.items())
+        raise ConfigError(
+            f"{meta.job_name or path.parent}: the saved layout has {shown}; the torch backend rebuilds "
+            f"data-parallel layouts only (tp=pp=ep=etp=cp=1); {COMMAND_BACKEND_HINT}"
+        )
+    if layout.dp != layout.world_size:
+        raise ConfigError(f"saved layout: dp={layout.dp} but world_size={layout.world_size}; they must agree")
+    saved = doc.get("world_size")
+    if saved is not None and int(saved) != layout.world_size:
+        raise ConfigError(f"{path}: parallel.world_size={saved} but the snapshot metadata says {layout.world_size}")
+    return layout
+
+
+def _check_ranks(directory: Path, world_size: int) -> tuple[int, ...]:
+    files = rank_files(directory)
+    expected = set(range(world_size))
+    for kind in ("batch", "grad_info"):
+        present = set(files[kind])
+        missing, extra = sorted(expected - present), sorted(present - expected)
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing {kind}_rank<r>.pt for ranks {missing}")
+            if extra:
+                parts.append(f"unexpected {kind} files for ranks {extra}")
+            raise SnapshotError(f"{directory}: saved world size is {world_size} but {'; '.join(parts)}")
+    return tuple(sorted(set(files["routing_payload"]) & expected))
+
+
+def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> ReplayInputs:
+    """Read and validate everything the engine needs except tensors (batches are read as meta tensors)."""
+    directory = Path(replay_dir)
+    metadata, _ = read_metadata(directory)
+    doc = read_run_config(directory)
+    path = directory / RUN_CONFIG
+    layout = _parallel(doc["parallel"], path, metadata)
+    model = TinyMoEConfig.from_dict(dict(doc["model"]))
+    loss = LossConfig.from_dict(dict(doc["loss"]))
+    routing = RoutingConfig.from_dict(dict(doc["routing"]))
+    routing_ranks = _check_ranks(directory, layout.world_size)
+    check_weights(directory, model, "the snapshot's checkpoint")
+    batch = load_rank_batch(directory, 0, meta=True)
+    return ReplayInputs(
+        snapshot=str(snapshot),
+        replay_dir=str(directory),
+        legacy=legacy,
+        metadata=metadata,
+        model=model,
+        loss=loss,
+        routing=routing,
+        world_size=layout.world_size,
+        routing_ranks=routing_ranks,
+        batch_fields=frozenset(batch),
+    )
+
+
+def check_weights(directory: Path, model: TinyMoEConfig, label: str) -> None:
+    """SnapshotError unless the DCP checkpoint holds every model tensor with the shape the model needs."""
+    import torch
+
+    from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy
+
+    with torch.device("meta"):
+        expected = {name: tuple(t.shape) for name, t in TinyMoEPolicy(model).state_dict().items()}
+    saved = summarize_checkpoint(directory).shapes
+    missing = sorted(name for name in expected if f"model.{name}" not in saved)
+    wrong = sorted(
+        f"{name} {saved[f'model.{name}'][0]} (model needs {shape})"
+        for name, shape in expected.items()
+        if f"model.{name}" in saved and saved[f"model.{name}"][0] != shape
+    )
+    if missing or wrong:
+        problems = ([f"missing {', '.join(missing[:5])}"] if missing else []) + wrong[:5]
+        raise SnapshotError(f"{directory}: {label} does not fit the run config's model: {'; '.join(problems)}")
+
+
+def _needed_fields(loss: LossConfig) -> dict[str, str]:
+    needed = {"advantages": "the policy loss", "tokens": "the forward", "loss_mask": "the loss"}
+    base = loss.is_base_logprobs
+    if loss.mismatch_token_clip_max is not None:
+        needed["old_logprobs"] = needed["rollout_logprobs"] = "mismatch_token_clip_max"
+        base = "old"
+    needed.setdefault(f"{base}_logprobs", f"is_base_logprobs={base}")
+    if loss.ratio_outlier_mask is not None:
+        needed.setdefault(f"{loss.ratio_outlier_mask.base}_logprobs", "ratio_outlier_mask")
+    if loss.kl_coef:
+        needed.setdefault("ref_logprobs", "kl_coef")
+    return needed
+
+
+def check_configs(inputs: ReplayInputs, configs: Iterable[AppliedConfig]) -> None:
+    """ConfigError when a config cannot run on this snapshot: missing fields, routes, layers or weights."""
+    moe_layers = set(inputs.model.moe_layer_ids)
+    for cfg in configs:
+        label = "the saved config" if not cfg.mitigations else f"config {cfg.config_id}"
+        for name, why in _needed_fields(cfg.loss).items():
+            if name not in inputs.batch_fields:
+                raise ConfigError(f"{label}: the rank batches have no {name!r}, needed for {why}")
+        if cfg.routing.replay != "off":
+            missing = sorted(set(range(inputs.world_size)) - set(inputs.routing_ranks))
+            if missing:
+                raise SnapshotError(
+                    f"{inputs.snapshot}: routing replay is {cfg.routing.replay!r} ({label}) but ranks {missing} "
+                    "have no routing_payload_rank<r>.pt; the spike step cannot be recomputed without the recorded "
+                    "routes (restore the payload files, or replay a snapshot whose run config has routing.replay: off)"
+                )
+        bad = sorted(set(cfg.routing.current_routing_layers) - moe_layers)
+        if bad:
+            raise ConfigError(
+                f"{label}: current_routing_layers {bad} are not MoE layers (MoE layers: {sorted(moe_layers)})"
+            )
+        if cfg.weights is not None:
+            weights = Path(cfg.weights)
+            if not weights.is_dir():
+                raise ConfigError(f"{label}: initial_model {weights} is not a directory (a DCP checkpoint or snapshot)")
+            check_weights(weights, inputs.model, f"{label}: initial_model")

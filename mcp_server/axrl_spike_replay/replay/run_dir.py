@@ -1,0 +1,117 @@
+"""A replay's output dir in the workspace: `tmp/spike-replay/<job>/<timestamp>/` with command, log and results.
+
+Results are written atomically and only once the replay has finished: a reader sees a complete
+`replay_result.json` or none. A run that fails after its dir exists writes a result whose verdict
+is `failed`, with `grad_norm` null and the `error`, so it can never pass for a finished replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import math
+import shlex
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.atomic import atomic_write_json, atomic_write_text
+from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
+
+RESULT_FILE = "replay_result.json"
+COMMAND_FILE = "command.txt"
+LOG_FILE = "replay.log"
+
+
+def now_iso() -> str:
+    """The current UTC time, ISO 8601 to the second."""
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class RunDir:
+    """One replay command's output dir; `path` is None when no workspace was given (nothing is written)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._log: list[str] = []
+
+    @classmethod
+    def create(cls, workspace: str | Path | None, job: str) -> RunDir:
+        """A new `<workspace>/tmp/spike-replay/<job>/<timestamp>/` (a suffix keeps it unique)."""
+        if workspace is None:
+            return cls(None)
+        root = job_tmp_dir(check_workspace(workspace), check_plain_name(job, "job name"))
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        root.mkdir(parents=True, exist_ok=True)
+        for n in range(1000):
+            path = root / (stamp if n == 0 else f"{stamp}-{n}")
+            try:
+                path.mkdir()
+                return cls(path)
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"{root}: no free timestamp dir for {stamp}")
+
+    def write_command(self, command: str) -> None:
+        if self.path is not None:
+            atomic_write_text(self.path / COMMAND_FILE, command.rstrip("\n") + "\n")
+
+    def log(self, line: str) -> None:
+        """Append a line to the run's log (written out by `flush_log`)."""
+        self._log.append(f"{dt.datetime.now().strftime('%H:%M:%S')} {line}")
+        self.flush_log()
+
+    def flush_log(self) -> None:
+        if self.path is not None:
+            atomic_write_text(self.path / LOG_FILE, "\n".join(self._log) + "\n")
+
+    def result_path(self, sub: str | None = None) -> Path | None:
+        if self.path is None:
+            return None
+        return self.path / sub / RESULT_FILE if sub else self.path / RESULT_FILE
+
+    def write_result(self, result: ReplayResult, sub: str | None = None) -> Path | None:
+        """Write `replay_result.json` (under `sub/` when given) atomically; its path."""
+        path = self.result_path(sub)
+        if path is None:
+            return None
+        result.output_dir = str(path.parent)
+        atomic_write_json(path, json_document(result))
+        return path
+
+    def write_json(self, name: str, doc: Any) -> Path | None:
+        if self.path is None:
+            return None
+        return atomic_write_json(self.path / name, json_document(doc))
+
+
+def json_document(value: Any) -> Any:
+    """Plain JSON: dataclasses as dicts, paths as strings, non-finite floats spelled "nan", "inf", "-inf"."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return json_document(value.to_json() if hasattr(value, "to_json") else dataclasses.asdict(value))
+    if isinstance(value, dict):
+        return {str(k): json_document(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_document(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def command_line(verb: str, snapshot: str, options: dict[str, Any]) -> str:
+    """The equivalent CLI command for a library call, for `command.txt`."""
+    parts = ["axrl-spike-replay", verb, snapshot]
+    for key, value in options.items():
+        if value is None or value is False or value == [] or value == {}:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif isinstance(value, list):
+            for item in value:
+                parts += [flag, str(item)]
+        else:
+            parts += [flag, str(value)]
+    return shlex.join(parts)

@@ -1,0 +1,173 @@
+"""Bad input gets a clear error that names the file or argument, and no result file that looks complete."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from axrl_spike_replay.errors import AxrlError, ConfigError, SnapshotError
+from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.snapshot.layout import AXRL_METADATA, RUN_CONFIG
+from axrl_spike_replay.workspace.task_state import open_task, show_task
+
+
+def nothing_written(workspace: Path) -> bool:
+    return not (workspace / "tmp").exists()
+
+
+def edit_yaml(path: Path, change: Callable[[dict], None]) -> None:
+    doc = yaml.safe_load(path.read_text())
+    change(doc)
+    path.write_text(yaml.safe_dump(doc))
+
+
+def test_rank_files_that_do_not_match_the_world_size(snapshot_copy: Callable[[], Path], workspace: Path) -> None:
+    snap = snapshot_copy()
+    (snap / "batch_rank1.pt").unlink()
+    with pytest.raises(SnapshotError, match=r"saved world size is 2 but missing batch_rank<r>.pt for ranks \[1\]"):
+        run_replay(snap, ReplayOptions(workspace=workspace))
+    snap = snapshot_copy()
+    for kind in ("batch", "grad_info"):
+        (snap / f"{kind}_rank2.pt").write_bytes((snap / f"{kind}_rank1.pt").read_bytes())
+    with pytest.raises(SnapshotError, match=r"unexpected batch files for ranks \[2\]"):
+        run_replay(snap, ReplayOptions(workspace=workspace))
+    assert nothing_written(workspace)
+
+
+def test_missing_routing_payload_while_routing_replay_is_on(snapshot_copy: Callable[[], Path], workspace: Path) -> None:
+    snap = snapshot_copy()
+    (snap / "routing_payload_rank1.pt").unlink()
+    with pytest.raises(SnapshotError, match=r"routing replay is 'all' \(the saved config\) but ranks \[1\] have no"):
+        run_replay(snap, ReplayOptions(nproc=1, workspace=workspace))
+    # a mitigation cannot stand in for the baseline, which replays the recorded routes
+    with pytest.raises(SnapshotError, match=r"routing_payload_rank<r>\.pt"):
+        run_replay(snap, ReplayOptions(nproc=1, workspace=workspace, mitigations={"routing_replay": "off"}))
+    assert nothing_written(workspace)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d["loss"].update(clip_ratio=0.2), r"loss: unknown keys \['clip_ratio'\]"),
+        (lambda d: d["model"].update(rope_theta=1e4), r"model: unknown keys \['rope_theta'\]"),
+        (lambda d: d["routing"].update(mode="all"), r"routing: unknown keys \['mode'\]"),
+        (lambda d: d["parallel"].update(vpp=2), r"parallel: unknown keys \['vpp'\]"),
+        (lambda d: d.update(optimizer={"lr": 1}), r"unknown sections \['optimizer'\]"),
+        (lambda d: d["model"].update(kind="megatron_gpt"), r"'megatron_gpt' is not built in"),
+        (lambda d: d.pop("loss"), r"section 'loss' is missing"),
+    ],
+)
+def test_config_keys_the_engine_does_not_know(
+    snapshot_copy: Callable[[], Path], workspace: Path, change: Callable[[dict], None], message: str
+) -> None:
+    snap = snapshot_copy()
+    edit_yaml(snap / RUN_CONFIG, change)
+    with pytest.raises(ConfigError, match=message):
+        run_replay(snap, ReplayOptions(workspace=workspace))
+    assert nothing_written(workspace)
+
+
+def test_layouts_the_torch_backend_cannot_rebuild_point_to_the_command_backend(
+    snapshot_copy: Callable[[], Path], workspace: Path
+) -> None:
+    snap = snapshot_copy()
+    meta = json.loads((snap / AXRL_METADATA).read_text())
+    meta["parallel"].update(tp=2, world_size=4)
+    (snap / AXRL_METADATA).write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"tp=2.*--backend command"):
+        run_replay(snap, ReplayOptions(workspace=workspace))
+    assert nothing_written(workspace)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (ReplayOptions(nproc=3), "--nproc 3 is larger than the saved world size 2"),
+        (ReplayOptions(repeat=0), "--repeat must be an integer >= 1"),
+        (ReplayOptions(device="tpu"), "--device must be one of cpu, cuda"),
+        (ReplayOptions(mitigations={"advantage_clamp": 1}), "valid mitigations:"),
+        (ReplayOptions(mitigations={"advantage_clip": "big"}), "advantage_clip: expected a number"),
+        (ReplayOptions(mitigations={"current_routing_layers": [5]}), r"\[5\] are not MoE layers"),
+        (ReplayOptions(mitigations={"initial_model": "/nonexistent/ckpt"}), "is not a directory"),
+    ],
+)
+def test_bad_options(spike_snapshot: Path, workspace: Path, options: ReplayOptions, message: str) -> None:
+    from dataclasses import replace
+
+    with pytest.raises(ConfigError, match=message):
+        run_replay(spike_snapshot, replace(options, workspace=workspace))
+    assert nothing_written(workspace)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_asked_on_a_machine_without_it(spike_snapshot: Path, workspace: Path) -> None:
+    with pytest.raises(ConfigError, match="CUDA is not available on this machine"):
+        run_replay(spike_snapshot, ReplayOptions(device="cuda", workspace=workspace))
+    assert nothing_written(workspace)
+
+
+def test_a_mitigation_needing_a_field_the_batch_lacks(snapshot_copy: Callable[[], Path], workspace: Path) -> None:
+    snap = snapshot_copy()
+    for rank in (0, 1):
+        batch = torch.load(snap / f"batch_rank{rank}.pt", weights_only=True)
+        del batch["ref_logprobs"]
+        torch.save(batch, snap / f"batch_rank{rank}.pt")
+    with pytest.raises(ConfigError, match="the saved config: the rank batches have no 'ref_logprobs'"):
+        run_replay(snap, ReplayOptions(workspace=workspace))  # the saved loss has kl_coef > 0
+    assert nothing_written(workspace)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_replay_that_fails_midway_records_a_failed_result(
+    snapshot_copy: Callable[[], Path], workspace: Path, nproc: int
+) -> None:
+    snap = snapshot_copy()
+    open_task(workspace, "fixture-moe", snap)
+    for shard in snap.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])  # truncated weights: found only when loading them
+    with pytest.raises(AxrlError, match=r"replay failed: .*cannot load checkpoint tensors") as err:
+        run_replay(snap, ReplayOptions(nproc=nproc, workspace=workspace))
+    assert "Traceback" not in str(err.value)
+    [run_dir] = (workspace / "tmp" / "spike-replay" / "fixture-moe").iterdir()
+    doc = json.loads((run_dir / "replay_result.json").read_text())
+    assert doc["verdict"] == "failed" and doc["grad_norm"] is None and "checkpoint" in doc["error"]
+    assert "failed" in (run_dir / "replay.log").read_text()
+    failed = show_task(workspace, "fixture-moe")["failed"]
+    assert len(failed) == 1 and "checkpoint" in failed[0]["reason"]
+    assert failed[0]["result_path"] == str(run_dir / "replay_result.json")
+
+
+def test_a_failed_sweep_records_one_failed_result_for_the_run(
+    snapshot_copy: Callable[[], Path], workspace: Path
+) -> None:
+    from axrl_spike_replay.replay.sweep import run_sweep
+
+    snap = snapshot_copy()
+    for shard in snap.glob("*.distcp"):
+        shard.write_bytes(b"")
+    with pytest.raises(AxrlError, match="sweep failed"):
+        run_sweep(snap, [{"advantage_clip": 1}, {"kl_coef": 0}], ReplayOptions(nproc=1, workspace=workspace))
+    [run_dir] = (workspace / "tmp" / "spike-replay" / "fixture-moe").iterdir()
+    doc = json.loads((run_dir / "replay_result.json").read_text())
+    assert (doc["config_id"], doc["verdict"], doc["grad_norm"], doc["mitigations"]) == ("sweep", "failed", None, {})
+    assert not (run_dir / "sweep_result.json").exists()
+    assert "--mitigation advantage_clip=1.0 --mitigation kl_coef=0.0" in (run_dir / "command.txt").read_text()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_initial_model_weights_that_do_not_fit_the_model(spike_snapshot: Path, workspace: Path, tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, TinyMoEPolicy
+
+    other = TinyMoEPolicy(TinyMoEConfig(d_model=8, n_heads=2, d_ff=16))
+    dcp.save({f"model.{k}": v for k, v in other.state_dict().items()}, checkpoint_id=str(tmp_path / "w"), no_dist=True)
+    options = ReplayOptions(workspace=workspace, mitigations={"initial_model": str(tmp_path / "w")})
+    with pytest.raises(SnapshotError, match=r"initial_model does not fit the run config's model: .*model needs"):
+        run_replay(spike_snapshot, options)
+    assert nothing_written(workspace)

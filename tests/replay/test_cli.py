@@ -1,0 +1,95 @@
+"""The CLI verbs as people and scripts use them: replay, sweep, attribute."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from axrl_spike_replay.cli import main
+
+
+def test_replay_json_prints_the_result_file(spike_snapshot: Path, workspace: Path, capsys) -> None:
+    status = main(["replay", str(spike_snapshot), "--nproc", "1", "--workspace", str(workspace), "--json"])
+    out, err = capsys.readouterr()
+    assert status == 0
+    doc = json.loads(out)  # exactly one JSON document on stdout
+    assert doc["fidelity"] == "reduced" and doc["verdict"] == "reproduced"
+    assert json.loads((Path(doc["output_dir"]) / "replay_result.json").read_text()) == doc
+    assert "fidelity reduced" in err  # progress goes to stderr
+
+
+def test_replay_for_people_labels_a_reduced_replay(spike_snapshot: Path, workspace: Path, capsys) -> None:
+    args = ["replay", str(spike_snapshot), "--nproc", "1", "--workspace", str(workspace)]
+    assert main([*args, "--mitigation", "mismatch_token_clip_max=2", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "REDUCED, a diagnostic" in out
+    assert "mismatch_token_clip_max=2.0" in out and "cleared" in out
+    assert "2 runs, spread 0" in out
+    [run] = (workspace / "tmp" / "spike-replay" / "fixture-moe").iterdir()
+    command = (run / "command.txt").read_text()
+    assert "--mitigation mismatch_token_clip_max=2.0" in command and "--repeat 2" in command
+
+
+def test_sweep_prints_a_table_of_configs(spike_snapshot: Path, workspace: Path, tmp_path: Path, capsys) -> None:
+    configs = tmp_path / "set.yaml"
+    configs.write_text("- {mismatch_token_clip_max: 2}\n- {advantage_clip: 0.5, dual_clip_c: 3}\n")
+    argv = [
+        "sweep",
+        str(spike_snapshot),
+        "--nproc",
+        "1",
+        "--workspace",
+        str(workspace),
+        "--mitigation-set",
+        str(configs),
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert any(line.startswith("baseline") and "reproduced" in line for line in lines)
+    assert any(line.startswith("mismatch_token_clip_max=2") and "cleared" in line for line in lines)
+    assert any(line.startswith("advantage_clip=0.5+dual_clip_c=3") for line in lines)
+    assert "REDUCED" in out
+
+
+def test_sweep_json_with_one_config_per_mitigation_option(spike_snapshot: Path, workspace: Path, capsys) -> None:
+    argv = ["sweep", str(spike_snapshot), "--nproc", "1", "--workspace", str(workspace), "--json"]
+    argv += ["--mitigation", "advantage_clip=0.5", "--mitigation", "ratio_outlier_mask=sequence kl_coef=0"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["baseline"]["config_id"] == "baseline"
+    assert doc["results"][0]["mitigations"] == {"advantage_clip": 0.5}
+    assert set(doc["results"][1]["mitigations"]) == {"ratio_outlier_mask", "kl_coef"}
+    for r in doc["results"]:
+        assert {"grad_norm", "spike_ratio", "change_vs_baseline", "verdict"} <= set(r)
+
+
+def test_attribute_lists_the_top_samples(spike_snapshot: Path, workspace: Path, capsys) -> None:
+    assert main(["attribute", str(spike_snapshot), "--top", "3", "--workspace", str(workspace), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert len(doc["samples"]) == 3 and doc["grad_norm"] > 0
+    assert main(["attribute", str(spike_snapshot), "--top", "2", "--workspace", str(workspace)]) == 0
+    out = capsys.readouterr().out
+    assert "contribution" in out and "top 2 of" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["replay", "{snap}", "--mitigation", "bogus=1"], "valid mitigations:"),
+        (["replay", "{snap}", "--nproc", "5"], "larger than the saved world size 2"),
+        (["replay", "{ws}/nowhere"], "snapshot directory not found"),
+        (["sweep", "{snap}", "--mitigation-set", "{ws}/missing.yaml"], "cannot read mitigation set"),
+        (["attribute", "{snap}", "--top", "0"], "--top must be an integer >= 1"),
+    ],
+)
+def test_bad_input_exits_2_with_a_message(
+    spike_snapshot: Path, workspace: Path, capsys, argv: list[str], message: str
+) -> None:
+    argv = [a.format(snap=spike_snapshot, ws=workspace) for a in argv] + ["--workspace", str(workspace)]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert message in err and "Traceback" not in err and out == ""
+    assert not (workspace / "tmp").exists()

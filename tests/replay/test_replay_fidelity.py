@@ -1,0 +1,94 @@
+"""Reproducing a captured spike: full and reduced fidelity, bit-identical baselines, legacy snapshots, outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.replay.sweep import run_sweep
+from axrl_spike_replay.workspace.task_state import open_task, show_task
+
+
+@pytest.fixture(scope="module")
+def full_replay(spike_snapshot: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[ReplayResult, Path]:
+    """The spike replayed at its saved world size (two gloo processes), twice for the determinism check."""
+    ws = tmp_path_factory.mktemp("full-ws")
+    return run_replay(spike_snapshot, ReplayOptions(nproc=2, repeat=2, workspace=ws)), ws
+
+
+def test_full_fidelity_reproduces_the_recorded_grad_norm(full_replay: tuple[ReplayResult, Path]) -> None:
+    result, _ = full_replay
+    assert result.fidelity == "full"
+    assert (result.world_size_saved, result.world_size_used) == (2, 2)
+    assert result.rel_diff is not None and result.rel_diff <= 1e-6
+    assert result.verdict == "reproduced" and result.tolerance == 1e-6
+    assert result.spike_ratio > result.threshold  # the replay shows the spike the detector saw
+    assert result.top_params and result.top_params[0]["grad_norm"] >= result.top_params[-1]["grad_norm"]
+    assert [m["rank"] for m in result.rank_metrics] == [0, 1]
+
+
+def test_no_mitigation_replay_is_bit_identical_to_training(full_replay: tuple[ReplayResult, Path]) -> None:
+    result, _ = full_replay
+    assert result.grad_norm == result.recorded_grad_norm
+    assert result.rel_diff == 0.0
+
+
+def test_repeat_reports_a_zero_spread(full_replay: tuple[ReplayResult, Path]) -> None:
+    result, _ = full_replay
+    assert len(result.repeat_grad_norms) == 2
+    assert result.repeat_spread == 0.0
+
+
+def test_outputs_land_in_the_workspace_tmp_dir(full_replay: tuple[ReplayResult, Path]) -> None:
+    result, ws = full_replay
+    out = Path(result.output_dir)
+    assert out.parent == ws / "tmp" / "spike-replay" / "fixture-moe"
+    assert "axrl-spike-replay replay" in (out / "command.txt").read_text(encoding="utf-8")
+    assert "reproduced" in (out / "replay.log").read_text(encoding="utf-8")
+    doc = json.loads((out / "replay_result.json").read_text(encoding="utf-8"))
+    assert ReplayResult.from_json(doc) == result
+    for key in ("fidelity", "world_size_saved", "world_size_used", "mitigations", "grad_norm", "recorded_grad_norm"):
+        assert key in doc
+    assert {"load", "compute", "total"} <= set(doc["timings"])
+
+
+def test_reduced_replay_is_labelled_and_close(spike_snapshot: Path) -> None:
+    result = run_replay(spike_snapshot, ReplayOptions(nproc=1))
+    assert result.fidelity == "reduced"
+    assert (result.world_size_saved, result.world_size_used) == (2, 1)
+    assert result.rel_diff is not None and result.rel_diff <= 1e-5
+    assert result.verdict == "reproduced" and result.tolerance == 1e-5
+    assert result.output_dir == ""  # no workspace: nothing written
+
+
+def test_every_way_of_running_the_baseline_gives_the_same_bits(spike_snapshot: Path) -> None:
+    replay = run_replay(spike_snapshot, ReplayOptions(nproc=1))
+    sweep = run_sweep(spike_snapshot, [{"clip_eps_low": 0.2, "clip_eps_high": 0.2}], ReplayOptions(nproc=1))
+    assert sweep.baseline.grad_norm == replay.grad_norm
+    restated = sweep.results[0]  # the saved values, restated as a "mitigation"
+    assert restated.grad_norm == replay.grad_norm
+    assert restated.verdict == "no_effect" and restated.change_vs_baseline == 0.0
+
+
+def test_legacy_snapshot_replays_without_being_touched(legacy_snapshot: Path) -> None:
+    before = {p.name: p.read_bytes() for p in legacy_snapshot.iterdir()}
+    result = run_replay(legacy_snapshot, ReplayOptions(nproc=1))
+    assert result.legacy_layout is True
+    assert result.verdict == "reproduced" and result.rel_diff <= 1e-5
+    assert {p.name: p.read_bytes() for p in legacy_snapshot.iterdir()} == before
+
+
+def test_a_replay_is_logged_in_the_open_task(spike_snapshot: Path, workspace: Path) -> None:
+    open_task(workspace, "fixture-moe", spike_snapshot)
+    result = run_replay(
+        spike_snapshot, ReplayOptions(nproc=1, workspace=workspace, mitigations={"mismatch_token_clip_max": 2})
+    )
+    assert result.verdict == "cleared"
+    assert result.baseline_grad_norm == result.recorded_grad_norm
+    rows = show_task(workspace, "fixture-moe")["experiments"]
+    assert [(r["config_id"], r["verdict"]) for r in rows] == [("mismatch_token_clip_max=2", "cleared")]
+    assert rows[0]["result_path"] == str(Path(result.output_dir) / "replay_result.json")

@@ -1,0 +1,140 @@
+"""Tiny spike snapshots for the replay tests, recorded with the trainer's own step functions.
+
+One process builds the seeded policy, makes each rank's batch (a few samples carry a rollout-logprob
+mismatch: the burst), computes every rank's gradients with `replay.rank_step` (summed, then divided
+by the world size as `reduce_gradients` does) and writes the snapshot with `write_snapshot`, which
+takes every rank's payload from a single process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from axrl_spike_replay.capture.snapshot_writer import RankPayload, write_snapshot
+from axrl_spike_replay.models.tiny_moe import RoutingControl, TinyMoEConfig, TinyMoEPolicy, token_logprobs
+from axrl_spike_replay.replay.policy_loss import LossConfig
+from axrl_spike_replay.replay.rank_step import (
+    RoutingConfig,
+    global_grad_norm,
+    param_grad_norms,
+    rank_forward_backward,
+    reduce_gradients,
+    routing_control,
+)
+from axrl_spike_replay.snapshot.metadata import AxrlMetadata, DetectorSpec, ParallelLayout
+
+MODEL = TinyMoEConfig(vocab_size=16, d_model=16, n_layers=2, n_heads=2, d_ff=32, n_experts=4, top_k=2, max_seq_len=16)
+LOSS = {"kl_coef": 0.01, "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "is_base_logprobs": "rollout"}
+SPIKE_RATIO = 8.0
+BURST = ((0, 1), (1, 2))  # (rank, sample) pairs whose rollout logprobs are wrong
+
+
+@dataclass
+class TinySpec:
+    root: str
+    world_size: int
+    batch: int = 6
+    seq: int = 12
+    prompt: int = 4
+    legacy: bool = False
+    routing: bool = True
+    seed: int = 0
+
+
+def run_config(world_size: int, routing: bool = True) -> dict[str, Any]:
+    """The run config a tiny snapshot is recorded with."""
+    return {
+        "model": MODEL.to_dict(),
+        "loss": dict(LOSS),
+        "routing": RoutingConfig(replay="all" if routing else "off").to_dict(),
+        "parallel": {"world_size": world_size, "tp": 1, "pp": 1, "dp": world_size, "ep": 1, "etp": 1, "cp": 1},
+        "train": {"seed": 0, "preset": "tiny"},
+        "detector": {"kind": "median_ratio", "window": 10, "threshold": 5.0, "warmup": 4},
+    }
+
+
+def make_batch(model: TinyMoEPolicy, spec: TinySpec, rank: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Rank `rank`'s batch and recorded routes (a bf16 engine forward), with the burst samples' mismatch."""
+    gen = torch.Generator().manual_seed(1000 + 17 * rank + spec.seed)
+    b, t = spec.batch, spec.seq
+    tokens = torch.randint(0, MODEL.vocab_size, (b, t), generator=gen)
+    mask = torch.zeros(b, t)
+    mask[:, spec.prompt :] = 1.0
+    mask[0, -2:] = 0.0  # one shorter response
+    engine = TinyMoEPolicy(MODEL)
+    engine.load_state_dict(model.state_dict())
+    engine = engine.to(torch.bfloat16)
+    with torch.no_grad():
+        out = engine(tokens)
+        rollout = token_logprobs(out.logits, tokens).float()
+        old = token_logprobs(model(tokens, RoutingControl(routes=out.routes.long())).logits, tokens)
+    rewards = torch.rand(b, generator=gen)
+    advantages = rewards - rewards.mean()
+    for burst_rank, sample in BURST:
+        if burst_rank == rank:
+            rollout[sample] = rollout[sample] - 3.0 * mask[sample]
+            advantages[sample] = -2.0
+    batch = {
+        "tokens": tokens,
+        "loss_mask": mask,
+        "advantages": advantages,
+        "old_logprobs": old,
+        "ref_logprobs": old - 0.05 * torch.rand(b, t, generator=gen),
+        "rollout_logprobs": rollout,
+        "rewards": rewards,
+        "group_index": torch.arange(b) // 3 + rank * (b // 3),
+    }
+    return batch, out.routes.to(torch.int32)
+
+
+def record_tiny_snapshot(root: Path, world_size: int = 2, **kwargs: Any) -> Path:
+    """Record a tiny spike snapshot under `root`; its `iter_*` dir."""
+    spec = TinySpec(root=str(root), world_size=world_size, **kwargs)
+    torch.manual_seed(spec.seed)
+    model = TinyMoEPolicy(MODEL)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cfg = run_config(world_size, spec.routing)
+    loss_cfg = LossConfig.from_dict(cfg["loss"])
+    payloads, local_norms, losses = {}, {}, {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for rank in range(world_size):
+            batch, routes = make_batch(model, spec, rank)
+            model.zero_grad(set_to_none=True)
+            routing = routing_control(RoutingConfig.from_dict(cfg["routing"]), batch, routes)
+            out = rank_forward_backward(model, batch, loss_cfg, routing)
+            local_norms[rank] = param_grad_norms(model)
+            losses[rank] = float(out.loss.detach())
+            payloads[rank] = (batch, routes, [p.grad.clone() for p in model.parameters()])
+        for i, p in enumerate(model.parameters()):
+            p.grad = sum(payload[2][i] for payload in payloads.values())
+        reduce_gradients(model, world_size)
+        grad_norm = global_grad_norm(model)
+    finally:
+        torch.set_num_threads(threads)
+    meta = AxrlMetadata(
+        job_name="tiny-job",
+        role="actor",
+        iteration=7,
+        grad_norm=grad_norm,
+        median_norm=grad_norm / SPIKE_RATIO,
+        spike_ratio=SPIKE_RATIO,
+        detector=DetectorSpec(kind="median_ratio", window=10, threshold=5.0),
+        parallel=ParallelLayout(world_size=world_size, dp=world_size),
+    )
+    ranks = {
+        rank: RankPayload(
+            batch=batch,
+            grad_info={"grad_norm": grad_norm, "param_grad_norms": local_norms[rank], "loss": losses[rank]},
+            routing_payload={"routed_experts": routes, "moe_layers": list(MODEL.moe_layer_ids), "source": "rollout"}
+            if spec.routing
+            else None,
+        )
+        for rank, (batch, routes, _) in payloads.items()
+    }
+    return write_snapshot(root, meta, cfg, state, ranks, legacy_layout=spec.legacy)
