@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Regenerate the repository's `spike-mitigation-methods/` from real replays of the reference trainer.
+
+For each spike preset: capture a run, preserve its worst snapshot, open a task, replay the
+baseline at full fidelity, sweep the seed workflow's methods and the classic loss-level guards, and
+write up every config that cleared the spike (refusing duplicates, as the tool always does). The
+method files, the index and each method's replay results (baseline and mitigated
+`replay_result.json`) are then copied into the repository. Nothing here is written by hand.
+
+    .venv/bin/python scripts/make_methods.py [--presets ratio_outliers negative_advantage_dominance]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP, DIAGNOSTIC_ONLY, SEED_WORKFLOW_METHODS
+from axrl_spike_replay.replay.mitigations import MITIGATIONS, config_id
+from axrl_spike_replay.replay.sweep import run_sweep
+from axrl_spike_replay.snapshot.listing import list_snapshots
+from axrl_spike_replay.snapshot.preserve import preserve
+from axrl_spike_replay.workspace.methods import add_method, list_methods, write_index
+from axrl_spike_replay.workspace.report import write_report
+from axrl_spike_replay.workspace.task_state import note, open_task, set_snapshot, show_task
+
+REPO = Path(__file__).resolve().parent.parent
+PLACEHOLDER = "<regeneration-workspace>"
+
+
+def method_name(cfg_id: str) -> str:
+    """Seed-workflow methods keep their names; other configs get a slug from their config id."""
+    names = {config_id(c): name for name, c in SEED_WORKFLOW_METHODS.items()}
+    return names.get(cfg_id, re.sub(r"[^a-z0-9]+", "-", cfg_id.lower()).strip("-"))
+
+
+def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
+    """Capture, preserve, replay, sweep and write up one preset; return one summary row per config."""
+    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+
+    job = f"ref-{preset.replace('_', '-')}"
+    capture = capture_reference_run(workspace / "outputs", job=job, world_size=2, seed=seed, preset=preset)
+    if not capture.snapshot_dirs:
+        print(f"[{preset}] no spike tripped the guard; nothing to write up", file=sys.stderr)
+        return []
+    listing = list_snapshots(capture.output_dir)
+    worst = max(listing.snapshots, key=lambda s: s.spike_ratio or 0.0)
+    snapshot = preserve(capture.output_dir, worst.iteration).preserved[0].path
+    open_task(workspace, job, snapshot)
+    set_snapshot(workspace, job, snapshot)
+    options = ReplayOptions(workspace=workspace, job=job)
+    baseline = run_replay(snapshot, options)
+    print(
+        f"[{preset}] baseline {baseline.grad_norm:.6g} vs recorded {baseline.recorded_grad_norm:.6g} "
+        f"({baseline.fidelity}, rel_diff {baseline.rel_diff:.2g}) -> {baseline.verdict}",
+        file=sys.stderr,
+    )
+    sweep = run_sweep(snapshot, DEFAULT_SWEEP, options)
+    by_path = {
+        str(Path(e["result_path"]).resolve()): e["id"]
+        for e in show_task(workspace, job)["experiments"]
+        if e.get("result_path")
+    }
+    rows = []
+    for result in sweep.results:
+        name = method_name(result.config_id)
+        row = {
+            "preset": preset,
+            "config": result.config_id,
+            "baseline": result.baseline_grad_norm,
+            "grad_norm": result.grad_norm,
+            "ratio": result.spike_ratio,
+            "verdict": result.verdict,
+            "written": None,
+        }
+        rows.append(row)
+        if result.verdict not in ("cleared", "partial") or name in DIAGNOSTIC_ONLY:
+            continue
+        attempt = by_path[str((Path(sweep.output_dir) / result.config_id / "replay_result.json").resolve())]
+        docs = "; ".join(MITIGATIONS[m].doc for m in result.mitigations)
+        rationale = (
+            f"Preset {preset}: {docs}. Replayed at full fidelity, it took the spike step's grad norm from "
+            f"{result.baseline_grad_norm:.4g} to {result.grad_norm:.4g} (ratio to median {result.spike_ratio:.3g}, "
+            f"detector threshold {sweep.threshold:g})."
+        )
+        try:
+            row["written"] = add_method(workspace, job, attempt, name, rationale)["path"]
+        except AxrlError as exc:
+            row["written"] = f"refused: {exc}"
+    note(
+        workspace,
+        job,
+        "observations",
+        "cleared by: " + ", ".join(r["config"] for r in rows if r["verdict"] == "cleared"),
+    )
+    write_report(workspace, job, release=True)
+    return rows
+
+
+def export(workspace: Path) -> None:
+    """Copy method files and their evidence into the repository, paths rewritten to a placeholder."""
+    target = REPO / "spike-mitigation-methods"
+    for old in target.glob("*.md"):
+        if old.name != "README.md":
+            old.unlink()
+    shutil.rmtree(target / "evidence", ignore_errors=True)
+    for method in list_methods(workspace):
+        slug = method["slug"]
+        text = Path(method["path"]).read_text(encoding="utf-8").replace(str(workspace), PLACEHOLDER)
+        (target / f"{slug}.md").write_text(text, encoding="utf-8")
+        evidence = target / "evidence" / slug
+        evidence.mkdir(parents=True)
+        mitigated = Path(method["result_path"])
+        shutil.copy2(mitigated, evidence / "replay_result.json")
+        baseline = mitigated.parent.parent / "baseline" / "replay_result.json"
+        if baseline.is_file():
+            shutil.copy2(baseline, evidence / "baseline_replay_result.json")
+        for file in evidence.iterdir():
+            file.write_text(file.read_text(encoding="utf-8").replace(str(workspace), PLACEHOLDER), encoding="utf-8")
+    write_index(REPO)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", nargs="+", default=["ratio_outliers", "negative_advantage_dominance"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", action="store_true", help="keep the regeneration workspace")
+    args = parser.parse_args()
+    workspace = Path(tempfile.mkdtemp(prefix="axrl-methods-"))
+    rows = []
+    for preset in args.presets:
+        rows += investigate(workspace, preset, args.seed)
+    export(workspace)
+    print(json.dumps(rows, indent=2))
+    if not args.keep:
+        shutil.rmtree(workspace)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
