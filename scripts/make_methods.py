@@ -110,13 +110,14 @@ def export(workspace: Path) -> None:
     for old in target.glob("*.md"):
         if old.name != "README.md":
             old.unlink()
-    shutil.rmtree(target / "evidence", ignore_errors=True)
+    for old in (target / "evidence").glob("*/"):
+        shutil.rmtree(old)
     for method in list_methods(workspace):
         slug = method["slug"]
         text = Path(method["path"]).read_text(encoding="utf-8").replace(str(workspace), PLACEHOLDER)
         (target / f"{slug}.md").write_text(text, encoding="utf-8")
         evidence = target / "evidence" / slug
-        evidence.mkdir(parents=True)
+        evidence.mkdir(parents=True)  # evidence/README.md stays
         mitigated = Path(method["result_path"])
         shutil.copy2(mitigated, evidence / "replay_result.json")
         baseline = mitigated.parent.parent / "baseline" / "replay_result.json"
