@@ -1,0 +1,188 @@
+"""Replays that do not run in this process tree: the torch backend on an SSH target, and the command backend.
+
+`replay.dispatch` sends every replay or sweep that is not `torch` on `local` here. One SSH
+connection serves the whole run (probe, upload, command, result download, clean-up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.remote.cleanup import run_to_completion
+from axrl_spike_replay.remote.command_backend import CommandRequest, run_command_backend
+from axrl_spike_replay.remote.connect import connect_settings
+from axrl_spike_replay.remote.job import LineCallback, Session
+from axrl_spike_replay.remote.local_session import LocalSession
+from axrl_spike_replay.remote.node_probe import probe
+from axrl_spike_replay.remote.options import RemoteOptions
+from axrl_spike_replay.remote.remote_replay import RemoteReplayRequest, plan_processes, run_remote_torch
+from axrl_spike_replay.remote.results import snapshot_facts
+from axrl_spike_replay.remote.session import RemoteSession, open_session
+from axrl_spike_replay.remote.workspace_config import ResolvedTarget, load_workspace_config, resolve_target
+from axrl_spike_replay.replay.engine import ReplayOptions
+from axrl_spike_replay.replay.mitigations import check_distinct, parse_config
+from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.replay.run_dir import RunDir
+from axrl_spike_replay.replay.sweep import SweepResult
+
+T = TypeVar("T")
+
+
+def check_remote_request(options: ReplayOptions, remote: RemoteOptions, verb: str) -> None:
+    """Refuse combinations that cannot work, before anything connects or is written."""
+    if options.backend == "command":
+        if options.mitigations:
+            raise ConfigError(
+                "--mitigation does not apply to --backend command (the external command knows nothing of them); "
+                "express the change as --patch FILE.diff"
+            )
+        if verb == "sweep":
+            raise ConfigError(
+                "sweep runs the torch backend; with --backend command run `replay --patch FILE.diff` per change"
+            )
+    elif remote.patch:
+        raise ConfigError("--patch applies to the training checkout the command backend runs; add --backend command")
+    if options.target == "local" and options.backend == "torch":
+        raise ConfigError("the torch backend on target 'local' runs in this process tree (replay.dispatch)")
+
+
+async def replay_elsewhere_async(
+    snapshot: str | Path,
+    options: ReplayOptions,
+    remote: RemoteOptions | None = None,
+    *,
+    verb: str = "replay",
+    configs: Sequence[Mapping[str, Any]] = (),
+) -> ReplayResult | SweepResult:
+    """Run a replay (or a torch sweep) on an SSH target and/or with the command backend; results written locally."""
+    remote = remote or RemoteOptions()
+    check_remote_request(options, remote, verb)
+    facts = snapshot_facts(snapshot)
+    workspace = Path(options.workspace) if options.workspace is not None else Path(".")
+    config = load_workspace_config(workspace)
+    mitigations = parse_config(options.mitigations) if options.mitigations else {}
+    normalised = [parse_config(c, f"config {i + 1}") for i, c in enumerate(configs)]
+    if verb == "sweep":
+        check_distinct(normalised)
+    if options.backend == "command" and config.command_backend is None:
+        raise ConfigError(
+            f"--backend command needs a command_backend section in {workspace / 'spike-replay.yaml'} "
+            "(workdir, command with {snapshot} and {out})"
+        )
+    resolved = None if options.target == "local" else resolve_target(options.target, config, remote.remote_python)
+    job = options.job or facts.job
+    async with _session(resolved, remote) as session:
+        torch_here = options.backend == "torch"
+        node = None
+        if resolved is not None:  # one round trip: host, GPUs and (torch backend) the node's temp workspace
+            node = await probe(session, with_python=False, temp_prefix="axrl-ws-" if torch_here else None)
+        nproc = options.nproc
+        if torch_here and node is not None:
+            try:
+                nproc = plan_processes(options.device, options.nproc, facts.world_size, node)
+            except ConfigError:
+                if node.temp_dir:
+                    await session.remove_temp_dir(node.temp_dir)
+                raise
+        run = RunDir.create(workspace, job)
+        on_line = _echo(options, session.label)
+        if options.backend == "command":
+            request = CommandRequest(
+                facts=facts,
+                backend=config.command_backend,  # type: ignore[arg-type]
+                patch=remote.patch,
+                timeout_s=remote.timeout_s,
+                setup=resolved.setup if resolved else (),
+                target=session.label,
+                node=node.node_field() if node else None,
+            )
+            result: ReplayResult | SweepResult = await run_command_backend(
+                session, request, run, workspace=workspace, on_line=on_line, progress=options.progress
+            )
+        else:
+            assert isinstance(session, RemoteSession) and resolved is not None and node is not None
+            request_t = RemoteReplayRequest(
+                facts=facts,
+                python=resolved.python,
+                verb=verb,
+                job=job,
+                device=options.device,
+                nproc=nproc,
+                mitigations=mitigations,
+                configs=normalised,
+                repeat=options.repeat,
+                setup=resolved.setup,
+                timeout_s=remote.timeout_s,
+                target=session.label,
+            )
+            result = await run_remote_torch(
+                session, request_t, run, node, workspace=workspace, on_line=on_line, progress=options.progress
+            )
+    failed = result.baseline if isinstance(result, SweepResult) and result.baseline.verdict == "failed" else result
+    if isinstance(failed, ReplayResult) and failed.verdict == "failed":
+        raise AxrlError(f"{verb} failed: {failed.error} (see {run.path})")
+    return result
+
+
+def replay_elsewhere(
+    snapshot: str | Path,
+    options: ReplayOptions,
+    remote: RemoteOptions | None = None,
+    *,
+    verb: str = "replay",
+    configs: Sequence[Mapping[str, Any]] = (),
+) -> ReplayResult | SweepResult:
+    """Synchronous `replay_elsewhere_async`. Ctrl-C, or setting `remote.cancel`, stops the run: the remote
+    process group is killed and the failed result (with the partial logs) is written."""
+    cancel = remote.cancel if remote is not None else None
+    return asyncio.run(
+        _cancellable(replay_elsewhere_async(snapshot, options, remote, verb=verb, configs=configs), cancel)
+    )
+
+
+async def _cancellable(work: Awaitable[T], cancel: threading.Event | None) -> T:
+    """Await `work`, cancelling it when `cancel` gets set (a cancelled MCP call sets it from another thread)."""
+    task = asyncio.ensure_future(work)
+    while cancel is not None and not task.done():
+        await asyncio.wait({task}, timeout=0.2)
+        if cancel.is_set() and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise AxrlError("cancelled: the run was stopped and its partial output kept")
+    return await task
+
+
+@contextlib.asynccontextmanager
+async def _session(resolved: ResolvedTarget | None, remote: RemoteOptions) -> AsyncIterator[Session]:
+    if resolved is None:
+        yield LocalSession()
+        return
+    session = await open_session(
+        resolved.ssh, connect_settings(remote.known_hosts or resolved.known_hosts, remote.accept_new_host_key)
+    )
+    session.label = resolved.label
+    try:
+        yield session
+    finally:
+        await run_to_completion(session.close())
+
+
+def _echo(options: ReplayOptions, label: str) -> LineCallback | None:
+    """Mirror the run's stderr (and a command's stdout) as progress lines, tagged with the target."""
+    if options.progress is None:
+        return None
+    progress = options.progress
+    command = options.backend == "command"
+
+    def echo(stream: str, line: str) -> None:
+        if stream == "stderr" or command:
+            progress(f"[{label}] {line}")
+
+    return echo

@@ -1,0 +1,134 @@
+"""What running one job gives back, the interface local and SSH sessions share, and line-by-line log streaming."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+LineCallback = Callable[[str, str], None]  # (stream "stdout"|"stderr", line without newline)
+_CHUNK = 1 << 16
+
+
+@dataclass
+class JobOutcome:
+    """How a job ended. `reason` says why when `ok` is False (exit status, timeout, cancel, connection lost)."""
+
+    ok: bool
+    exit_status: int | None
+    reason: str | None
+    stdout_path: Path
+    stderr_path: Path
+    seconds: float
+
+
+@dataclass
+class Captured:
+    """A short command's exit status and output."""
+
+    exit_status: int | None
+    stdout: str
+    stderr: str
+
+
+class Session(Protocol):
+    """Where jobs run: this machine (`LocalSession`) or a node over SSH (`RemoteSession`)."""
+
+    label: str  # "local" or the SSH target as given
+
+    async def run(
+        self,
+        script: str,
+        *,
+        stdout_path: Path,
+        stderr_path: Path,
+        timeout: float | None = None,
+        on_line: LineCallback | None = None,
+    ) -> JobOutcome:
+        """Run a shell script in its own process group, streaming its output into the two files."""
+        ...
+
+    async def capture(self, script: str, *, timeout: float = 60.0) -> Captured:
+        """Run a short shell script and return its output."""
+        ...
+
+    async def fetch(self, path: str, local_path: Path) -> Path:
+        """Copy a file of the session's machine to `local_path` (atomically)."""
+        ...
+
+    async def put(self, local_path: Path, path: str) -> None:
+        """Copy a local file to `path` on the session's machine."""
+        ...
+
+    async def exists(self, path: str) -> bool:
+        """Whether `path` exists on the session's machine."""
+        ...
+
+    async def make_temp_dir(self, prefix: str = "axrl-") -> str:
+        """A new private directory under the machine's temp dir."""
+        ...
+
+    async def remove_temp_dir(self, path: str) -> None:
+        """Remove a directory made by `make_temp_dir` (and nothing else)."""
+        ...
+
+    async def close(self) -> None:
+        """Release the connection, if any."""
+        ...
+
+
+async def pump_lines(
+    reader: asyncio.StreamReader | object,
+    sink: BinaryIO,
+    stream: str,
+    on_line: LineCallback | None,
+    intercept: Callable[[bytes], bool] | None = None,
+) -> None:
+    """Copy `reader` into `sink` line by line (flushed after each line) until EOF; a last partial line too.
+
+    A line for which `intercept` returns True is consumed (not written, not reported).
+    """
+    pending = b""
+    while True:
+        chunk = await reader.read(_CHUNK)  # type: ignore[attr-defined]
+        if not chunk:
+            break
+        if isinstance(chunk, str):
+            chunk = chunk.encode("utf-8", "replace")
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if intercept is not None and intercept(line):
+                continue
+            sink.write(line + b"\n")
+            sink.flush()
+            if on_line is not None:
+                on_line(stream, line.decode("utf-8", "replace"))
+    if pending:
+        sink.write(pending)
+        sink.flush()
+        if on_line is not None:
+            on_line(stream, pending.decode("utf-8", "replace"))
+
+
+def check_temp_dir(path: str) -> str:
+    """`path` if it looks like a directory `make_temp_dir` made (`.../axrl-*`); refuses anything else."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    if not name.startswith("axrl-") or len(name) < 9 or "/" not in path:
+        raise ValueError(f"refusing to remove {path!r}: not a temp dir made by this tool")
+    return path
+
+
+def exit_reason(exit_status: int | None, signal_name: str | None = None) -> str | None:
+    """Why a finished job counts as failed, or None for exit status 0."""
+    if signal_name:
+        return f"killed by signal {signal_name}"
+    if exit_status is None:
+        return "ended without an exit status"
+    if exit_status == 0:
+        return None
+    if exit_status > 128:
+        return f"exit status {exit_status} (signal {exit_status - 128})"
+    return f"exit status {exit_status}"

@@ -1,0 +1,158 @@
+"""The same session interface on this machine: jobs in their own process group, killed as a group."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+from axrl_spike_replay.remote.cleanup import run_to_completion
+from axrl_spike_replay.remote.errors import RemoteError
+from axrl_spike_replay.remote.job import Captured, JobOutcome, LineCallback, check_temp_dir, exit_reason, pump_lines
+
+KILL_GRACE_S = 5.0
+
+
+def _shell() -> str:
+    return shutil.which("bash") or "/bin/sh"
+
+
+class LocalSession:
+    """Runs jobs here, as `RemoteSession` does on a node (used when no target is given)."""
+
+    label = "local"
+
+    async def __aenter__(self) -> LocalSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def run(
+        self,
+        script: str,
+        *,
+        stdout_path: Path,
+        stderr_path: Path,
+        timeout: float | None = None,
+        on_line: LineCallback | None = None,
+    ) -> JobOutcome:
+        """Run `script` in a new session (process group); on timeout or cancel kill the group, keep partial logs."""
+        started = time.monotonic()
+        stdout_path.parent.mkdir(parents=True, exist_ok=True)
+        stderr_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    _shell(),
+                    "-c",
+                    script,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                return JobOutcome(False, None, f"cannot start the command: {exc}", stdout_path, stderr_path, 0.0)
+            pumps = [
+                asyncio.ensure_future(pump_lines(process.stdout, out, "stdout", on_line)),
+                asyncio.ensure_future(pump_lines(process.stderr, err, "stderr", on_line)),
+            ]
+            finished = asyncio.ensure_future(_finish(process, pumps))
+            try:
+                await asyncio.wait_for(asyncio.shield(finished), timeout)
+            except asyncio.TimeoutError:
+                await run_to_completion(_stop(process, finished))
+                reason = f"timed out after {timeout:g} s; the process group was killed"
+                return JobOutcome(False, process.returncode, reason, stdout_path, stderr_path, _since(started))
+            except asyncio.CancelledError:
+                await run_to_completion(_stop(process, finished))
+                raise
+        code = process.returncode
+        reason = exit_reason(code) if code is None or code >= 0 else f"killed by signal {-code}"
+        return JobOutcome(reason is None, code, reason, stdout_path, stderr_path, _since(started))
+
+    async def capture(self, script: str, *, timeout: float = 60.0) -> Captured:
+        """Run a short shell script here and return its output."""
+        process = await asyncio.create_subprocess_exec(
+            _shell(),
+            "-c",
+            script,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        try:
+            out, err = await asyncio.wait_for(process.communicate(), timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+            _killpg(process.pid, signal.SIGKILL)
+            await process.wait()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise RemoteError(f"local command did not finish within {timeout:g} s: {script[:200]}") from None
+        return Captured(process.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
+
+    async def fetch(self, path: str, local_path: Path) -> Path:
+        """Copy `path` to `local_path` atomically (nothing to do when they are the same file)."""
+        source = Path(path)
+        if not source.is_file():
+            raise RemoteError(f"{path} does not exist")
+        if local_path.exists() and source.resolve() == local_path.resolve():
+            return local_path
+        local_path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{local_path.name}.", suffix=".part", dir=local_path.parent)
+        os.close(fd)
+        try:
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, local_path)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return local_path
+
+    async def put(self, local_path: Path, path: str) -> None:
+        """Copy a file (same machine)."""
+        shutil.copyfile(local_path, path)
+
+    async def exists(self, path: str) -> bool:
+        return Path(path).exists()
+
+    async def make_temp_dir(self, prefix: str = "axrl-") -> str:
+        """A new private temp directory."""
+        return tempfile.mkdtemp(prefix=prefix)
+
+    async def remove_temp_dir(self, path: str) -> None:
+        """Remove a directory made by `make_temp_dir`."""
+        shutil.rmtree(check_temp_dir(path), ignore_errors=True)
+
+    async def close(self) -> None:
+        return None
+
+
+async def _finish(process: asyncio.subprocess.Process, pumps: list[asyncio.Future]) -> None:
+    await asyncio.gather(*pumps, return_exceptions=True)
+    await process.wait()
+
+
+async def _stop(process: asyncio.subprocess.Process, finished: asyncio.Future) -> None:
+    """TERM the process group, KILL it after a grace period, then let the output drain."""
+    _killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await asyncio.wait_for(asyncio.shield(finished), KILL_GRACE_S)
+    _killpg(process.pid, signal.SIGKILL)  # the group may outlive its leader
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await asyncio.wait_for(finished, KILL_GRACE_S)
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _since(started: float) -> float:
+    return round(time.monotonic() - started, 3)

@@ -1,0 +1,217 @@
+"""The torch backend on a node: run this package's `replay`/`sweep` verb there, stream its output, fetch results.
+
+The node reads the snapshot from shared storage (same path on both sides) and writes into a private
+temp workspace; its output dir comes back over SFTP into the local `tmp/spike-replay/<job>/<timestamp>/`
+next to `command.txt`, `stdout.log` and `stderr.log`, and every result records the target and the node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shlex
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from axrl_spike_replay.atomic import atomic_write_json
+from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.remote.cleanup import run_to_completion
+from axrl_spike_replay.remote.job import JobOutcome, LineCallback
+from axrl_spike_replay.remote.node_probe import NodeReport
+from axrl_spike_replay.remote.results import SnapshotFacts, base_result, tail, write_and_record
+from axrl_spike_replay.remote.session import RemoteSession
+from axrl_spike_replay.remote.shell import job_script
+from axrl_spike_replay.replay.mitigations import mitigation_args
+from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.replay.run_dir import RESULT_FILE, RunDir, json_document
+from axrl_spike_replay.replay.sweep import SWEEP_FILE, SweepResult
+
+REMOTE_SET_FILE = "mitigation_set.yaml"
+
+
+@dataclass(frozen=True)
+class RemoteReplayRequest:
+    """A torch-backend replay or sweep to run on a node."""
+
+    facts: SnapshotFacts
+    python: str
+    verb: str = "replay"  # "replay" | "sweep"
+    job: str = "spike"
+    device: str = "cpu"
+    nproc: int | None = None  # None: as many processes as the layout can use on this node
+    mitigations: Mapping[str, Any] = field(default_factory=dict)  # replay
+    configs: Sequence[Mapping[str, Any]] = ()  # sweep
+    repeat: int = 1
+    setup: tuple[str, ...] = ()
+    timeout_s: float | None = None
+    target: str = ""
+
+
+def plan_processes(device: str, nproc: int | None, world_size: int, node: NodeReport) -> int:
+    """Processes for the node: as given, else one per saved rank on CPU, or one per GPU up to the world size."""
+    if device == "cuda" and node.gpu_count == 0:
+        raise ConfigError(
+            f"--device cuda: {node.target} has no GPU ({'; '.join(node.notes) or 'nvidia-smi lists none'}); "
+            "use --device cpu"
+        )
+    if nproc is not None:
+        return nproc
+    if device == "cuda":
+        return min(world_size, node.gpu_count)
+    return world_size
+
+
+def remote_argv(request: RemoteReplayRequest, workspace: str, nproc: int, mitigation_set: str | None) -> list[str]:
+    """The command line run on the node (every word is shell-quoted when sent)."""
+    argv = [request.python, "-m", "axrl_spike_replay", request.verb, request.facts.snapshot, "--json"]
+    argv += ["--workspace", workspace, "--job", request.job, "--device", request.device, "--nproc", str(nproc)]
+    if request.verb == "replay":
+        for item in mitigation_args(request.mitigations):
+            argv += ["--mitigation", item]
+        if request.repeat > 1:
+            argv += ["--repeat", str(request.repeat)]
+    elif mitigation_set is not None:
+        argv += ["--mitigation-set", mitigation_set]
+    return argv
+
+
+async def run_remote_torch(
+    session: RemoteSession,
+    request: RemoteReplayRequest,
+    run: RunDir,
+    node: NodeReport,
+    *,
+    workspace: str | Path | None = None,
+    on_line: LineCallback | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ReplayResult | SweepResult:
+    """Run the verb on the node and bring its results home; a failure gives (and writes) a `failed` result."""
+    assert run.path is not None
+    started = time.perf_counter()
+    nproc = plan_processes(request.device, request.nproc, request.facts.world_size, node)
+    common = {
+        "target": request.target,
+        "node": node.node_field(),
+        "device": request.device,
+        "world_size_used": nproc,
+        "fidelity": "full" if nproc == request.facts.world_size else "reduced",
+        "mitigations": dict(request.mitigations),
+    }
+    remote_ws: str | None = node.temp_dir
+    try:
+        remote_ws = remote_ws or await session.make_temp_dir("axrl-ws-")
+        mitigation_set = await _put_configs(session, request, remote_ws)
+        argv = remote_argv(request, remote_ws, nproc, mitigation_set)
+        run.write_command(f"# target: {request.target}\n{shlex.join(argv)}")
+        if progress is not None:
+            progress(
+                f"{request.verb} on {request.target} ({node.hostname or '?'}, {node.gpu_count} GPU(s)): {nproc} "
+                f"process(es) on {request.device}"
+            )
+        outcome = await session.run(
+            job_script(argv, setup=request.setup),
+            stdout_path=run.path / "stdout.log",
+            stderr_path=run.path / "stderr.log",
+            timeout=request.timeout_s,
+            on_line=on_line,
+        )
+        result = await _bring_home(session, request, outcome, remote_ws, run, node, workspace, common)
+    except BaseException as exc:
+        reason = str(exc) if isinstance(exc, Exception) else "cancelled (Ctrl-C or a cancelled call)"
+        failed = base_result(request.facts, backend="torch", error=reason, **common)
+        failed.timings = {"total": round(time.perf_counter() - started, 3)}
+        write_and_record(run, failed, workspace, request.job)
+        if isinstance(exc, Exception) and not isinstance(exc, ConfigError):
+            return failed
+        raise
+    finally:
+        if remote_ws is not None:
+            with contextlib.suppress(Exception):
+                await run_to_completion(session.remove_temp_dir(remote_ws))
+    return result
+
+
+async def _put_configs(session: RemoteSession, request: RemoteReplayRequest, remote_ws: str) -> str | None:
+    if request.verb != "sweep":
+        return None
+    with tempfile.TemporaryDirectory(prefix="axrl-set-") as tmp:
+        local = Path(tmp) / REMOTE_SET_FILE
+        local.write_text(yaml.safe_dump([dict(c) for c in request.configs], sort_keys=False), encoding="utf-8")
+        await session.put(local, f"{remote_ws}/{REMOTE_SET_FILE}")
+    return f"{remote_ws}/{REMOTE_SET_FILE}"
+
+
+async def _bring_home(
+    session: RemoteSession,
+    request: RemoteReplayRequest,
+    outcome: JobOutcome,
+    remote_ws: str,
+    run: RunDir,
+    node: NodeReport,
+    workspace: str | Path | None,
+    common: dict[str, Any],
+) -> ReplayResult | SweepResult:
+    assert run.path is not None
+    doc = _json_doc(outcome.stdout_path)
+    remote_dir = doc.get("output_dir") if doc else None
+    if not remote_dir:
+        found = await session.glob(f"{remote_ws}/tmp/spike-replay/{request.job}/*")
+        remote_dir = found[-1] if found else None
+    if remote_dir:
+        await session.fetch_tree(remote_dir, run.path, skip=("command.txt",))
+    results = _rewrite_results(run, request, node)
+    if not outcome.ok or doc is None:
+        last = tail(outcome.stderr_path)
+        why = outcome.reason if not outcome.ok else "the node printed no result document"
+        error = f"{request.verb} on {request.target} failed: {why}" + (f"\n{last}" if last else "")
+        failed = next((r for r in results.values() if r.verdict == "failed"), None)
+        if failed is None:
+            failed = base_result(request.facts, backend="torch", error=error, **common)
+        else:
+            failed.error = f"{error}\n{failed.error or ''}".strip()
+        failed.timings = {**failed.timings, "remote_command": outcome.seconds}
+        write_and_record(run, failed, workspace, request.job)
+        return failed
+    for sub, result in results.items():
+        result.timings = {**result.timings, "remote_command": outcome.seconds}
+        write_and_record(run, result, workspace, request.job, sub or None)
+    if request.verb == "sweep":
+        sweep = SweepResult.from_json(doc)
+        sweep.baseline = results.get("baseline", sweep.baseline)
+        sweep.results = [results.get(r.config_id, r) for r in sweep.results]
+        sweep.output_dir = str(run.path)
+        atomic_write_json(run.path / SWEEP_FILE, json_document(sweep.to_json()))
+        return sweep
+    return results[""]
+
+
+def _json_doc(stdout: Path) -> dict[str, Any] | None:
+    """The one JSON document the node's `--json` run printed, else None."""
+    text = stdout.read_text(encoding="utf-8", errors="replace").strip() if stdout.is_file() else ""
+    start = text.find("{")
+    if start < 0:
+        return None
+    try:
+        doc = json.loads(text[start:])
+    except json.JSONDecodeError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _rewrite_results(run: RunDir, request: RemoteReplayRequest, node: NodeReport) -> dict[str, ReplayResult]:
+    """Fetched `replay_result.json` files with the target, the node and the local output dir: {sub: result}."""
+    assert run.path is not None
+    results: dict[str, ReplayResult] = {}
+    for path in sorted(run.path.rglob(RESULT_FILE)):
+        result = ReplayResult.from_json(json.loads(path.read_text(encoding="utf-8")))
+        result.target = request.target
+        result.node = node.node_field()
+        sub = "" if path.parent == run.path else path.parent.relative_to(run.path).as_posix()
+        results[sub] = result
+    return results

@@ -1,0 +1,235 @@
+"""`spike-replay.yaml` in the workspace: named SSH targets and the external replay command.
+
+```yaml
+targets:
+  gpu-a:
+    ssh: "ssh -p 26461 root@10.100.4.23"
+    python: /opt/venv/bin/python          # optional, default python3
+    setup: ["source /opt/env.sh"]         # optional lines run before each command
+    known_hosts: ~/.ssh/known_hosts_gpu   # optional
+command_backend:
+  workdir: /root/axrl                     # the node's training checkout (a git repo)
+  command: "python tools/reproduce_spike.py --snapshot {snapshot} --out {out}"
+  result_json: "{out}/replay_result.json" # read grad_norm from here if it exists, else:
+  grad_norm_regex: "grad_norm[=: ]+([0-9.eE+-]+)"
+  env: {NCCL_DEBUG: WARN}                 # optional
+```
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.remote.target import SshTarget, parse_target
+
+CONFIG_FILE = "spike-replay.yaml"
+DEFAULT_PYTHON = "python3"
+DEFAULT_GRAD_NORM_REGEX = r"grad_norm[=: ]+([0-9.eE+-]+)"
+PLACEHOLDERS = ("snapshot", "out")
+_TARGET_KEYS = {"ssh", "python", "setup", "known_hosts"}
+_BACKEND_KEYS = {"workdir", "command", "result_json", "grad_norm_regex", "env"}
+_TOP_KEYS = {"targets", "command_backend"}
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """A named node: how to reach it and how to run Python there."""
+
+    name: str
+    ssh: SshTarget
+    python: str = DEFAULT_PYTHON
+    setup: tuple[str, ...] = ()
+    known_hosts: str | None = None
+
+
+@dataclass(frozen=True)
+class CommandBackendConfig:
+    """The external replay command (e.g. AXRL's `MegatronWorker.reproduce_spike(snapshot_dir)` wrapper)."""
+
+    workdir: str
+    command: str
+    result_json: str | None = "{out}/replay_result.json"
+    grad_norm_regex: str = DEFAULT_GRAD_NORM_REGEX
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WorkspaceConfig:
+    """The parsed `spike-replay.yaml` (empty when the file does not exist)."""
+
+    targets: dict[str, TargetConfig] = field(default_factory=dict)
+    command_backend: CommandBackendConfig | None = None
+    path: str | None = None
+
+
+def load_workspace_config(workspace: str | Path) -> WorkspaceConfig:
+    """Read and validate `<workspace>/spike-replay.yaml`; errors name the file and the key."""
+    path = Path(workspace) / CONFIG_FILE
+    if not path.is_file():
+        return WorkspaceConfig()
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    return parse_workspace_config(doc, str(path))
+
+
+def parse_workspace_config(doc: Any, source: str) -> WorkspaceConfig:
+    """Validate a loaded document."""
+    if doc is None:
+        return WorkspaceConfig(path=source)
+    _mapping(doc, source, "the top level")
+    _known_keys(doc, _TOP_KEYS, source, "the top level")
+    targets: dict[str, TargetConfig] = {}
+    for name, entry in _mapping(doc.get("targets") or {}, source, "targets").items():
+        where = f"targets.{name}"
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise ConfigError(f"{source}: target name {name!r}: use letters, digits and . _ -")
+        _known_keys(_mapping(entry, source, where), _TARGET_KEYS, source, where)
+        if "ssh" not in entry:
+            raise ConfigError(f'{source}: {where}.ssh is missing (e.g. ssh: "ssh -p 2222 root@10.0.0.5")')
+        try:
+            ssh = parse_target(_string(entry["ssh"], source, f"{where}.ssh"))
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {where}.ssh: {exc}") from None
+        setup = entry.get("setup") or []
+        if isinstance(setup, str):
+            setup = [setup]
+        if not isinstance(setup, list):
+            raise ConfigError(f"{source}: {where}.setup must be a list of shell lines")
+        targets[name] = TargetConfig(
+            name=name,
+            ssh=ssh,
+            python=_string(entry.get("python", DEFAULT_PYTHON), source, f"{where}.python"),
+            setup=tuple(_string(line, source, f"{where}.setup[{i}]") for i, line in enumerate(setup)),
+            known_hosts=_optional_string(entry.get("known_hosts"), source, f"{where}.known_hosts"),
+        )
+    backend = None
+    if doc.get("command_backend") is not None:
+        backend = _parse_backend(_mapping(doc["command_backend"], source, "command_backend"), source)
+    return WorkspaceConfig(targets=targets, command_backend=backend, path=source)
+
+
+def _parse_backend(entry: dict[str, Any], source: str) -> CommandBackendConfig:
+    where = "command_backend"
+    _known_keys(entry, _BACKEND_KEYS, source, where)
+    for key in ("workdir", "command"):
+        if key not in entry:
+            raise ConfigError(f"{source}: {where}.{key} is missing")
+    command = _string(entry["command"], source, f"{where}.command")
+    check_template(command, source, f"{where}.command", shell=True)
+    result_json = _optional_string(entry.get("result_json", "{out}/replay_result.json"), source, f"{where}.result_json")
+    if result_json:
+        check_template(result_json, source, f"{where}.result_json", shell=False)
+    regex = _string(entry.get("grad_norm_regex", DEFAULT_GRAD_NORM_REGEX), source, f"{where}.grad_norm_regex")
+    try:
+        compiled = re.compile(regex)
+    except re.error as exc:
+        raise ConfigError(f"{source}: {where}.grad_norm_regex is not a valid regular expression ({exc})") from None
+    if compiled.groups < 1:
+        raise ConfigError(f"{source}: {where}.grad_norm_regex needs a group around the number, e.g. ([0-9.eE+-]+)")
+    env = _mapping(entry.get("env") or {}, source, f"{where}.env")
+    return CommandBackendConfig(
+        workdir=_string(entry["workdir"], source, f"{where}.workdir"),
+        command=command,
+        result_json=result_json,
+        grad_norm_regex=regex,
+        env={str(k): _string(v, source, f"{where}.env.{k}") for k, v in env.items()},
+    )
+
+
+def check_template(template: str, source: str, where: str, *, shell: bool) -> None:
+    """Only {snapshot} and {out} placeholders; in a shell command, never inside quotes (they are quoted for you)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ConfigError(
+            f"{source}: {where}: bad placeholder syntax ({exc}); write {{{{ and }}}} for braces"
+        ) from None
+    quote: str | None = None
+    for literal, name, _spec, _conv in parsed:
+        quote = _quote_state(literal, quote)
+        if name is None:
+            continue
+        if name not in PLACEHOLDERS:
+            raise ConfigError(f"{source}: {where}: unknown placeholder {{{name}}}; use {{snapshot}} or {{out}}")
+        if shell and quote is not None:
+            raise ConfigError(
+                f"{source}: {where}: write {{{name}}} without quotes around it; it is shell-quoted for you"
+            )
+
+
+def _quote_state(text: str, quote: str | None) -> str | None:
+    escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\" and quote != "'":
+            escaped = True
+        elif quote is None and ch in "'\"":
+            quote = ch
+        elif ch == quote:
+            quote = None
+    return quote
+
+
+def _mapping(value: Any, source: str, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: {where} must be a mapping (key: value), got {type(value).__name__}")
+    return value
+
+
+def _known_keys(entry: dict[str, Any], allowed: set[str], source: str, where: str) -> None:
+    unknown = sorted(str(k) for k in entry if k not in allowed)
+    if unknown:
+        raise ConfigError(
+            f"{source}: {where}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}"
+        )
+
+
+def _string(value: Any, source: str, where: str) -> str:
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool) or str(value).strip() == "":
+        raise ConfigError(f"{source}: {where} must be a non-empty string")
+    return str(value)
+
+
+def _optional_string(value: Any, source: str, where: str) -> str | None:
+    return None if value is None else _string(value, source, where)
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """What `--target` names: a configured target, or a literal ssh string (python and setup by default)."""
+
+    ssh: SshTarget
+    python: str = DEFAULT_PYTHON
+    setup: tuple[str, ...] = ()
+    known_hosts: str | None = None
+    name: str | None = None
+
+    @property
+    def label(self) -> str:
+        """The target as given: its name in spike-replay.yaml, else the ssh text."""
+        return self.name or self.ssh.spec or self.ssh.label
+
+
+def resolve_target(text: str, config: WorkspaceConfig, remote_python: str | None = None) -> ResolvedTarget:
+    """A target name from `spike-replay.yaml`, else a literal ssh string; `remote_python` overrides python."""
+    configured = config.targets.get(text.strip()) if isinstance(text, str) else None
+    if configured is not None:
+        return ResolvedTarget(
+            ssh=configured.ssh,
+            python=remote_python or configured.python,
+            setup=configured.setup,
+            known_hosts=configured.known_hosts,
+            name=configured.name,
+        )
+    return ResolvedTarget(ssh=parse_target(text), python=remote_python or DEFAULT_PYTHON)

@@ -1,0 +1,82 @@
+"""Loopback SSH servers (asyncssh's server API and OpenSSH sshd) shared by the remote tests."""
+
+from __future__ import annotations
+
+import getpass
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from remote_helpers import make_command_snapshot, make_training_checkout
+from ssh_loopback import SSHD, AsyncsshServer, Keys, LoopbackServer, OpenSshServer, write_known_hosts
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """No test reads or writes the real ~/.ssh (config, known_hosts, keys)."""
+    home = tmp_path_factory.mktemp("home")
+    old = {name: os.environ.get(name) for name in ("HOME", "SSH_AUTH_SOCK")}
+    os.environ["HOME"] = str(home)
+    os.environ.pop("SSH_AUTH_SOCK", None)
+    yield home
+    for name, value in old.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Keys:
+    return Keys.make(tmp_path_factory.mktemp("keys"))
+
+
+@pytest.fixture(scope="session")
+def asyncssh_server(tmp_path_factory: pytest.TempPathFactory, keys: Keys) -> Iterator[LoopbackServer]:
+    directory = tmp_path_factory.mktemp("asyncssh-server")
+    server = AsyncsshServer(directory, keys)
+    known = write_known_hosts(directory / "known_hosts", server.port, keys.host_pub)
+    yield LoopbackServer("asyncssh", server.port, getpass.getuser(), keys, known)
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def openssh_server(tmp_path_factory: pytest.TempPathFactory, keys: Keys) -> Iterator[LoopbackServer]:
+    if SSHD is None:
+        pytest.skip("OpenSSH sshd is not installed (scripts/sshd-install.sh installs it)")
+    directory = tmp_path_factory.mktemp("openssh-server")
+    server = OpenSshServer(directory, keys)
+    known = write_known_hosts(directory / "known_hosts", server.port, keys.host_pub)
+    yield LoopbackServer("openssh", server.port, getpass.getuser(), keys, known)
+    server.stop()
+
+
+@pytest.fixture(params=["asyncssh", "openssh"])
+def server(request: pytest.FixtureRequest) -> LoopbackServer:
+    """Each test using it runs against both servers."""
+    return request.getfixturevalue(f"{request.param}_server")
+
+
+@pytest.fixture
+def training_checkout(tmp_path: Path) -> Path:
+    """The node's training checkout: a git repo with a replay script whose output a patch can change."""
+    return make_training_checkout(tmp_path)
+
+
+@pytest.fixture
+def snapshot(tmp_path: Path) -> Path:
+    """A snapshot's metadata at a path with shell metacharacters (the replay script only reads the metadata)."""
+    return make_command_snapshot(tmp_path)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests that need Debian's OpenSSH sshd (`-m "not sshd"` deselects them)."""
+    here = Path(__file__).parent
+    for item in items:
+        if here not in item.path.parents:
+            continue  # this hook sees every collected test; only ours are marked
+        callspec = getattr(item, "callspec", None)
+        params = callspec.params.values() if callspec is not None else ()
+        if "openssh_server" in getattr(item, "fixturenames", ()) or "openssh" in params:
+            item.add_marker(pytest.mark.sshd)
