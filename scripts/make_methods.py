@@ -14,31 +14,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP, DIAGNOSTIC_ONLY, SEED_WORKFLOW_METHODS
-from axrl_spike_replay.replay.mitigations import MITIGATIONS, config_id
+from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP
 from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.snapshot.listing import list_snapshots
 from axrl_spike_replay.snapshot.preserve import preserve
-from axrl_spike_replay.workspace.methods import add_method, list_methods, write_index
+from axrl_spike_replay.workspace.methods import list_methods, write_index
 from axrl_spike_replay.workspace.report import write_report
-from axrl_spike_replay.workspace.task_state import note, open_task, set_snapshot, show_task
+from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
+from axrl_spike_replay.workspace.task_state import note, open_task, set_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 PLACEHOLDER = "<regeneration-workspace>"
-
-
-def method_name(cfg_id: str) -> str:
-    """Seed-workflow methods keep their names; other configs get a slug from their config id."""
-    names = {config_id(c): name for name, c in SEED_WORKFLOW_METHODS.items()}
-    return names.get(cfg_id, re.sub(r"[^a-z0-9]+", "-", cfg_id.lower()).strip("-"))
 
 
 def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
@@ -63,37 +55,19 @@ def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
         file=sys.stderr,
     )
     sweep = run_sweep(snapshot, DEFAULT_SWEEP, options)
-    by_path = {
-        str(Path(e["result_path"]).resolve()): e["id"]
-        for e in show_task(workspace, job)["experiments"]
-        if e.get("result_path")
-    }
-    rows = []
-    for result in sweep.results:
-        name = method_name(result.config_id)
-        row = {
+    writeups = write_up_sweep(workspace, job, sweep, verdicts=("cleared", "partial"), context=f"Preset {preset}: ")
+    rows = [
+        {
             "preset": preset,
-            "config": result.config_id,
-            "baseline": result.baseline_grad_norm,
-            "grad_norm": result.grad_norm,
-            "ratio": result.spike_ratio,
-            "verdict": result.verdict,
-            "written": None,
+            "config": r.config_id,
+            "baseline": r.baseline_grad_norm,
+            "grad_norm": r.grad_norm,
+            "ratio": r.spike_ratio,
+            "verdict": r.verdict,
+            "written": w.path or w.skipped,
         }
-        rows.append(row)
-        if result.verdict not in ("cleared", "partial") or name in DIAGNOSTIC_ONLY:
-            continue
-        attempt = by_path[str((Path(sweep.output_dir) / result.config_id / "replay_result.json").resolve())]
-        docs = "; ".join(MITIGATIONS[m].doc for m in result.mitigations)
-        rationale = (
-            f"Preset {preset}: {docs}. Replayed at full fidelity, it took the spike step's grad norm from "
-            f"{result.baseline_grad_norm:.4g} to {result.grad_norm:.4g} (ratio to median {result.spike_ratio:.3g}, "
-            f"detector threshold {sweep.threshold:g})."
-        )
-        try:
-            row["written"] = add_method(workspace, job, attempt, name, rationale)["path"]
-        except AxrlError as exc:
-            row["written"] = f"refused: {exc}"
+        for r, w in zip(sweep.results, writeups, strict=True)
+    ]
     note(
         workspace,
         job,

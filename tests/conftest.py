@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,57 @@ def fixture_outputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     target = tmp_path_factory.mktemp("fixture-outputs") / "outputs"
     shutil.copytree(FIXTURES_DIR / "outputs", target)
     return target
+
+
+class CliRun:
+    def __init__(self, code: int, out: str, err: str) -> None:
+        self.code, self.out, self.err = code, out, err
+
+    def json(self) -> object:
+        import json
+
+        return json.loads(self.out)  # exactly one JSON document, or this raises
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliRun]:
+    """Run `axrl-spike-replay ARGS...` in this process; returns exit code, stdout and stderr."""
+    from axrl_spike_replay.cli import main
+
+    def run(*argv: str) -> CliRun:
+        capsys.readouterr()
+        code = main([str(a) for a in argv])
+        captured = capsys.readouterr()
+        return CliRun(code, captured.out, captured.err)
+
+    return run
+
+
+class _RunsACommand:
+    """Unpickling this runs a shell command: what a malicious snapshot file would carry."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return (os.system, (self.command,))
+
+
+@pytest.fixture
+def write_malicious_pt() -> Callable[..., None]:
+    """Writes a `.pt` whose pickle would `touch marker` if anything unpickled it unsafely."""
+
+    def write(path: Path, marker: Path, *, zip_format: bool = True) -> None:
+        import pickle
+
+        import torch
+
+        payload = {"tokens": torch.zeros(2, 4, dtype=torch.long), "loss_mask": _RunsACommand(f"touch {marker}")}
+        if zip_format:
+            torch.save(payload, path)
+        else:
+            path.write_bytes(pickle.dumps(payload, protocol=2))
+
+    return write

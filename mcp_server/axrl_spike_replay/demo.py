@@ -63,15 +63,14 @@ def run_demo(
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
     from axrl_spike_replay.replay.attribution import attribute_spike
     from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-    from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP, DIAGNOSTIC_ONLY, SEED_WORKFLOW_METHODS
-    from axrl_spike_replay.replay.mitigations import MITIGATIONS, config_id
+    from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP
     from axrl_spike_replay.replay.sweep import run_sweep
     from axrl_spike_replay.snapshot.discovery import resolve_job
     from axrl_spike_replay.snapshot.inspect import inspect_snapshot
     from axrl_spike_replay.snapshot.listing import list_snapshots
     from axrl_spike_replay.snapshot.preserve import preserve
-    from axrl_spike_replay.workspace.methods import add_method
     from axrl_spike_replay.workspace.report import write_report
+    from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
     from axrl_spike_replay.workspace.task_state import note, open_task, set_command, set_snapshot, show_task
 
     started = time.perf_counter()
@@ -196,27 +195,11 @@ def run_demo(
     )
 
     # 5. write up what proved out, report, release
-    experiments = show_task(root, DEMO_JOB)["experiments"]
-    by_path = {str(Path(e["result_path"]).resolve()): e["id"] for e in experiments if e.get("result_path")}
-    names = {config_id(c): name for name, c in SEED_WORKFLOW_METHODS.items()}
-    methods: list[str] = []
-    for result in sweep.results:
-        name = names.get(result.config_id, result.config_id.replace("=", "-").replace("+", "-").lower())
-        if result.verdict != "cleared" or result.fidelity != "full" or name in DIAGNOSTIC_ONLY:
-            continue
-        attempt = by_path.get(str((Path(sweep.output_dir) / result.config_id / "replay_result.json").resolve()))
-        if attempt is None:
-            continue
-        docs = "; ".join(MITIGATIONS[m].doc for m in result.mitigations)
-        rationale = (
-            f"Replay-only change: {docs}. On this snapshot it brought the grad norm from "
-            f"{_fmt(result.baseline_grad_norm)} to {_fmt(result.grad_norm)} (ratio to median "
-            f"{_fmt(result.spike_ratio)}, under the detector threshold {sweep.threshold:g})."
-        )
-        try:
-            methods.append(add_method(root, DEMO_JOB, attempt, name, rationale)["path"])
-        except AxrlError as exc:  # e.g. the same config is already written up
-            note(root, DEMO_JOB, "observations", f"method {name} not added: {exc}")
+    writeups = write_up_sweep(root, DEMO_JOB, sweep)
+    methods = [w.path for w in writeups if w.path]
+    for w in writeups:
+        if w.verdict == "cleared" and not w.path:
+            note(root, DEMO_JOB, "observations", f"method {w.name} not added: {w.skipped}")
     cleared = [r.config_id for r in sweep.results if r.verdict == "cleared"]
     note(root, DEMO_JOB, "observations", f"cleared by: {', '.join(cleared) or 'nothing'}")
     report = write_report(root, DEMO_JOB, release=True)

@@ -1,0 +1,80 @@
+"""Write up what a sweep proved: one method file per config that cleared (or reduced) the spike."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.replay.mitigation_sets import DIAGNOSTIC_ONLY, SEED_WORKFLOW_METHODS
+from axrl_spike_replay.replay.mitigations import MITIGATIONS, config_id
+from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.replay.sweep import SweepResult
+from axrl_spike_replay.workspace.methods import add_method
+from axrl_spike_replay.workspace.task_state import show_task
+
+
+@dataclass
+class WriteUp:
+    """One sweep config's fate: the method file written, or why not."""
+
+    config_id: str
+    name: str
+    verdict: str
+    path: str | None = None
+    skipped: str | None = None
+
+
+def method_name(cfg_id: str) -> str:
+    """The seed workflow's name for a config it records, else a slug of the config id."""
+    names = {config_id(c): name for name, c in SEED_WORKFLOW_METHODS.items()}
+    return names.get(cfg_id, re.sub(r"[^a-z0-9]+", "-", cfg_id.lower()).strip("-"))
+
+
+def rationale_for(result: ReplayResult, threshold: float, context: str = "") -> str:
+    """Why the change works, from the mitigations' own documentation and the replay's figures."""
+    docs = "; ".join(MITIGATIONS[name].doc for name in result.mitigations if name in MITIGATIONS)
+    return (
+        f"{context}{docs}. Replayed at {result.fidelity} fidelity, it took the spike step's grad norm from "
+        f"{result.baseline_grad_norm:.4g} to {result.grad_norm:.4g} (ratio to median {result.spike_ratio:.3g}, "
+        f"detector threshold {threshold:g})."
+    )
+
+
+def write_up_sweep(
+    workspace: str | Path,
+    job: str,
+    sweep: SweepResult,
+    *,
+    verdicts: Collection[str] = ("cleared",),
+    context: str = "",
+) -> list[WriteUp]:
+    """Add a method for each full-fidelity config of `sweep` whose verdict is in `verdicts`.
+
+    Diagnostic-only configs (routing replay off) are never written up; duplicates and other refusals
+    are reported in `skipped`, never raised.
+    """
+    experiments = show_task(workspace, job)["experiments"]
+    attempts = {str(Path(e["result_path"]).resolve()): e["id"] for e in experiments if e.get("result_path")}
+    done = []
+    for result in sweep.results:
+        item = WriteUp(result.config_id, method_name(result.config_id), result.verdict)
+        done.append(item)
+        if result.verdict not in verdicts:
+            item.skipped = f"verdict {result.verdict}"
+            continue
+        if item.name in DIAGNOSTIC_ONLY or result.fidelity != "full":
+            item.skipped = "diagnostic only"
+            continue
+        attempt = attempts.get(str((Path(sweep.output_dir) / result.config_id / "replay_result.json").resolve()))
+        if attempt is None:
+            item.skipped = "not logged in the task file"
+            continue
+        try:
+            rationale = rationale_for(result, sweep.threshold, context)
+            item.path = add_method(workspace, job, attempt, item.name, rationale)["path"]
+        except AxrlError as exc:
+            item.skipped = str(exc)
+    return done

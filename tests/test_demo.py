@@ -1,0 +1,55 @@
+"""The demo, as a new user runs it: one command, the whole procedure, files a person can read."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from axrl_spike_replay.cli import main
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """`axrl-spike-replay demo --json` in a fresh folder; its one JSON document."""
+    workspace = tmp_path_factory.mktemp("demo")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["demo", "--workspace", str(workspace), "--json"])
+    assert code == 0
+    return json.loads(out.getvalue())
+
+
+def test_demo_reproduces_the_captured_spike_at_full_fidelity(demo_run: dict) -> None:
+    assert demo_run["fidelity"] == "full"
+    assert demo_run["baseline_verdict"] == "reproduced"
+    assert demo_run["rel_diff"] <= 1e-6
+    assert demo_run["baseline_grad_norm"] == pytest.approx(demo_run["recorded_grad_norm"], rel=1e-6)
+
+
+def test_demo_finds_the_mitigations_that_clear_a_rollout_mismatch_spike(demo_run: dict) -> None:
+    assert "mismatch_token_clip_max=2" in demo_run["cleared"]
+    assert "is_base_logprobs=old" in demo_run["cleared"]
+    assert "routing_replay=off" not in demo_run["cleared"]  # the burst is not a routing fault
+
+
+def test_demo_leaves_a_task_file_method_files_and_a_report(demo_run: dict) -> None:
+    task = Path(demo_run["task_file"]).read_text()
+    for section in ("Active snapshot", "Experiment table", "Observations"):
+        assert section in task
+    assert "mismatch_token_clip_max=2" in task
+    names = {Path(p).name for p in demo_run["methods"]}
+    assert "token-mismatch-tis-clip-2.md" in names
+    assert all("routing-replay-off" not in n for n in names)
+    method = (Path(demo_run["workspace"]) / "spike-mitigation-methods" / "token-mismatch-tis-clip-2.md").read_text()
+    assert "status: proven" in method and "verdict: cleared" in method
+    report = Path(demo_run["report"]).read_text()
+    assert "reproduced" in report or "full" in report
+
+
+def test_demo_releases_its_preserved_copy_and_keeps_the_original(demo_run: dict) -> None:
+    assert not Path(demo_run["preserved"]).exists()
+    assert (Path(demo_run["snapshot"]) / "axrl_metadata.json").is_file()
