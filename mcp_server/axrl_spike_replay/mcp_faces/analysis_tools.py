@@ -1,0 +1,98 @@
+"""Tools that read what a snapshot and its logs say (faces over `analysis/`)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Annotated
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.types import CallToolResult, ToolAnnotations
+from pydantic import Field
+
+from axrl_spike_replay.analysis.batch_signals import BatchAnalysis, analyze_snapshot
+from axrl_spike_replay.analysis.grad_info import GradReport, top_param_grads
+from axrl_spike_replay.analysis.log_scan import LogScan, default_name, scan_logs
+from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
+from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg
+from axrl_spike_replay.workspace.paths import TMP_DIR, check_plain_name
+
+READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
+
+LogsArg = Annotated[
+    list[str],
+    Field(
+        description="Log files, or directories holding `*.log` / `logs/**/*.log` (e.g. a role output dir from "
+        "resolve_job); absolute or relative to the workspace.",
+        min_length=1,
+    ),
+]
+
+
+def register(server: MCPServer, config: ServerConfig) -> None:
+    """Add the analysis tools to `server`."""
+
+    @server.tool(
+        name="copy_and_scan_logs",
+        title="Copy a job's logs to tmp/ and scan them",
+        annotations=ToolAnnotations(
+            read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+        ),
+    )
+    async def copy_and_scan_logs_tool(
+        logs: LogsArg,
+        ctx: Context,
+        job: Annotated[
+            str | None,
+            Field(description="Job name for the copy's folder tmp/spike-replay/<job>/logs; default: from the paths."),
+        ] = None,
+        window: Annotated[int, Field(description="Detector window: iterations in the rolling median.", ge=1)] = 20,
+        threshold: Annotated[
+            float, Field(description="Detector threshold: a spike is grad norm > threshold x median.", gt=1)
+        ] = 5.0,
+        warmup: Annotated[int, Field(description="Iterations before the detector may trip.", ge=0)] = 10,
+        plot: Annotated[bool, Field(description="Also return a PNG of the grad-norm series, spikes marked.")] = True,
+        workspace: WorkspaceArg = None,
+    ) -> Annotated[CallToolResult, LogScan]:
+        """Copy training logs into the workspace (tmp/spike-replay/<job>/logs/) and scan the copies: the
+        per-iteration grad-norm and loss series (Megatron `iteration N/ ... grad norm: X |` and key=value lines),
+        the spikes the spike guard's detector flags, and error lines (tracebacks, NaN/inf, CUDA/NCCL errors).
+        Returns a plot of the series with the spikes marked."""
+        root = config.workspace_for(workspace)
+        paths = [str(config.path(p)) for p in logs]
+
+        def work(progress: Progress, cancel: threading.Event) -> tuple[LogScan, list[bytes]]:
+            name = check_plain_name(job, "job name") if job else default_name(paths)
+            progress.message(f"copying and scanning {len(paths)} path(s)")
+            scan = scan_logs(paths, root / TMP_DIR / name / "logs", window=window, threshold=threshold, warmup=warmup)
+            images = []
+            if plot:
+                from axrl_spike_replay.analysis.plots import grad_norm_series_png
+
+                progress.message(f"plotting {len(scan.series_points)} points")
+                images.append(
+                    grad_norm_series_png(
+                        [(p["iteration"], p["grad_norm"]) for p in scan.series_points],
+                        [(s["iteration"], s["grad_norm"]) for s in scan.spikes],
+                        title=f"{scan.name}: grad norm per iteration",
+                    )
+                )
+            return scan, images
+
+        scan, images = await call_library(ctx, work)
+        return structured(LogScan, scan, images)
+
+    @server.tool(name="analyze_batch", title="Per-sample and per-token signals of a snapshot", annotations=READ_ONLY)
+    async def analyze_batch_tool(snapshot: SnapshotArg, ctx: Context, top: TopArg = 10) -> BatchAnalysis:
+        """Per-sample and per-token signals of the snapshot's batch across ranks, over loss tokens: advantages
+        and their sign balance (negative vs positive magnitude), old/ref/rollout logprobs, rollout-vs-old
+        importance ratios and log-ratios, loss-mask lengths, turn indexes, rewards, routing; summary statistics;
+        the top outlier tokens and samples by |log-ratio| and |advantage| with rank, sample, position, token id,
+        turn. Field names of verl, slime, OpenRLHF and NeMo-RL batches are understood."""
+        return await call_library(ctx, lambda progress, cancel: analyze_snapshot(config.path(snapshot), top=top))
+
+    @server.tool(name="top_param_grads", title="Largest parameter grad norms", annotations=READ_ONLY)
+    async def top_param_grads_tool(snapshot: SnapshotArg, ctx: Context, top: TopArg = 10) -> GradReport:
+        """The largest parameter grad norms recorded at the spike step, per rank (local, before the data-parallel
+        reduction) and merged across ranks: which layers (router, one MoE layer's experts, embeddings) and which
+        rank carry the spike."""
+        return await call_library(ctx, lambda progress, cancel: top_param_grads(config.path(snapshot), top=top))

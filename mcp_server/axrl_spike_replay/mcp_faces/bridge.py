@@ -1,0 +1,155 @@
+"""Run a library call from an MCP tool: in a worker thread, with progress, cancellation and clean errors.
+
+Synchronous library functions: a tool awaits `call_library(ctx, work)`, where `work(progress, cancel)` calls
+one library function in a worker thread. `progress(done, total, message)` becomes `notifications/progress`
+for callers that asked for it; `cancel` (a `threading.Event`) is set when the caller cancels the request,
+and the cancellation completes only once `work` has returned, so work that watches `cancel` has stopped.
+Asynchronous library functions (SSH sessions): `call_async_library(ctx, work)` awaits them in the event
+loop, where a cancelled request cancels them and their sessions kill what they started.
+Expected failures (`AxrlError`, OS errors) become tool errors whose text is the library's message;
+anything else is a crash the SDK reports without internals.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import itertools
+import math
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+import pydantic_core
+from mcp.server.mcpserver import Context
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import CallToolResult, ImageContent, TextContent
+from pydantic import BaseModel, TypeAdapter
+
+from axrl_spike_replay.errors import AxrlError
+
+T = TypeVar("T")
+
+# How long a cancelled call waits for the library to stop its work before giving up on it.
+CANCEL_GRACE_S = 60.0
+
+
+class Progress:
+    """Thread-safe progress reporter handed to library code; always increasing, as MCP requires."""
+
+    def __init__(self, ctx: Context | None) -> None:
+        self._ctx = ctx
+        self._last = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self, done: float | None = None, total: float | None = None, message: str | None = None) -> None:
+        """Report `done` of `total` (or one more step when `done` is None) with an optional message."""
+        with self._lock:
+            value = max(float(done) if done is not None else self._last + 1.0, self._last + 1e-9)
+            self._last = value
+        if self._ctx is None:
+            return
+        try:
+            anyio.from_thread.run(self._ctx.report_progress, value, total, message)
+        except (RuntimeError, anyio.get_cancelled_exc_class()):  # the request is gone; the work keeps its own pace
+            pass
+
+    def message(self, text: str) -> None:
+        """One more step, described by `text`."""
+        self(None, None, text)
+
+
+def tool_error(exc: BaseException) -> ToolError:
+    """A tool error carrying the library's own message (what was wrong, what to do)."""
+    if isinstance(exc, OSError) and not isinstance(exc, AxrlError):
+        where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+        return ToolError(f"{where}{exc.strerror or exc}")
+    return ToolError(str(exc))
+
+
+async def call_library(ctx: Context | None, work: Callable[[Progress, threading.Event], T]) -> T:
+    """Run `work(progress, cancel)` in a worker thread; cancellation sets `cancel` and waits for it to stop."""
+    progress = Progress(ctx)
+    cancel = threading.Event()
+    finished = threading.Event()
+
+    def run() -> T:
+        try:
+            return work(progress, cancel)
+        finally:
+            finished.set()
+
+    try:
+        return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+    except anyio.get_cancelled_exc_class():
+        cancel.set()
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(finished.wait, CANCEL_GRACE_S)
+        raise
+    except (AxrlError, OSError) as exc:
+        raise tool_error(exc) from exc
+
+
+async def call_async_library(ctx: Context | None, work: Callable[[Callable[[str], None]], Awaitable[T]]) -> T:
+    """Await `work(report)` in the server's event loop (asyncio: SSH sessions, remote process groups).
+
+    `report(message)` may be called from synchronous library code; each call becomes one progress
+    notification. Cancelling the request cancels `work`, whose sessions then kill what they started.
+    """
+    send, receive = anyio.create_memory_object_stream[tuple[float, str]](max_buffer_size=math.inf)
+    counter = itertools.count(1)
+
+    def report(message: str) -> None:
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            send.send_nowait((float(next(counter)), message))
+
+    async def pump() -> None:
+        async with receive:
+            async for value, message in receive:
+                if ctx is not None:
+                    with contextlib.suppress(Exception):  # a gone client must not fail the work
+                        await ctx.report_progress(value, None, message)
+
+    failure: BaseException | None = None
+    async with anyio.create_task_group() as group:
+        group.start_soon(pump)
+        try:
+            result = await work(report)
+        except (AxrlError, OSError) as exc:
+            failure = exc
+        finally:
+            send.close()
+    if failure is not None:
+        raise tool_error(failure) from failure
+    return result
+
+
+def png_content(png: bytes) -> ImageContent:
+    """An MCP image block for PNG bytes."""
+    return ImageContent(type="image", data=base64.b64encode(png).decode("ascii"), mime_type="image/png")
+
+
+def structured(model: type[Any], value: Any, images: Sequence[bytes] = ()) -> CallToolResult:
+    """A tool result with `value` as structured content (validated as `model`), its JSON as text, and images."""
+    adapter: TypeAdapter[Any] = TypeAdapter(model)
+    validated = adapter.validate_python(value, from_attributes=True)
+    doc = (
+        validated.model_dump(mode="json")
+        if isinstance(validated, BaseModel)
+        else adapter.dump_python(validated, mode="json")
+    )
+    content: list[Any] = [
+        TextContent(type="text", text=pydantic_core.to_json(doc, indent=1, inf_nan_mode="null").decode())
+    ]
+    content += [png_content(png) for png in images]
+    return CallToolResult(content=content, structured_content=doc)
+
+
+def resolve_in(workspace: Path, path: str) -> Path:
+    """`path` as given when absolute, else relative to the server's workspace."""
+    candidate = Path(path).expanduser()
+    return candidate if candidate.is_absolute() else workspace / candidate

@@ -1,0 +1,56 @@
+"""What every tool module shares: the server's settings and the argument types used by many tools."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
+
+from axrl_spike_replay.mcp_faces.bridge import resolve_in
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Settings of one server instance."""
+
+    workspace: Path
+
+    def workspace_for(self, given: str | None) -> Path:
+        """The workspace a call works in: the one given (relative to the server's), else the server's."""
+        return resolve_in(self.workspace, given) if given else self.workspace
+
+    def path(self, given: str) -> Path:
+        """A path argument: absolute as given, else relative to the server's workspace."""
+        return resolve_in(self.workspace, given)
+
+
+SnapshotArg = Annotated[
+    str,
+    Field(
+        description="Snapshot directory `.../checkpoints/spike_snapshots[-active]/iter_<N>` "
+        "(absolute, or relative to the workspace). Prefer the preserved copy under spike_snapshots-active.",
+        min_length=1,
+    ),
+]
+OutputDirArg = Annotated[
+    str,
+    Field(
+        description="A role output directory `<run>~<job>__<role>` as returned by resolve_job "
+        "(absolute, or relative to the workspace).",
+        min_length=1,
+    ),
+]
+JobArg = Annotated[
+    str,
+    Field(description="Job name, e.g. `axrl-v002-052915-math-moe-r3` (a plain name, not a path).", min_length=1),
+]
+WorkspaceArg = Annotated[
+    str | None,
+    Field(
+        description="Workspace root holding agent-task/, tmp/ and spike-mitigation-methods/; "
+        "default: the server's workspace (`mcp --workspace`, else its working directory).",
+    ),
+]
+TopArg = Annotated[int, Field(description="How many of the largest entries to return.", ge=1, le=1000)]

@@ -1,0 +1,88 @@
+"""Output schemas of the investigation-record tools. The library returns plain dicts; these name the fields an
+agent decides on and let every other field through (`extra="allow"`), so the schema never hides data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Number = float | str | None  # non-finite values are spelled "inf" / "nan" in the record
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Note(_Open):
+    time: str = Field(description="When it was written (UTC, ISO 8601)")
+    text: str = Field(description="The note")
+
+
+class ExperimentRow(_Open):
+    id: str = Field(description="Attempt id, e.g. E3 — what method_add takes as `attempt`")
+    verdict: str = Field(description="reproduced / not_reproduced (baseline); cleared / partial / no_effect / worse")
+    fidelity: str = Field(description="full, or reduced (a diagnostic)")
+    change: str = Field(description="The mitigations (or patch) in words; 'baseline' for none")
+    grad_norm: Number = Field(None, description="Replayed global grad norm")
+    ratio_to_median: Number = Field(None, description="grad_norm / the saved median norm")
+    change_vs_baseline: Number = Field(None, description="grad_norm / baseline grad norm - 1")
+    mitigations: dict[str, Any] = Field(default_factory=dict, description="Normalised mitigation config")
+    result_path: str | None = Field(None, description="Its replay_result.json")
+
+
+class FailedAttempt(_Open):
+    id: str = Field(description="Failure id, e.g. F1")
+    reason: str = Field(description="Why it failed")
+    command: str = Field("", description="What was run")
+
+
+class TaskView(_Open):
+    """The task of one investigation: its sections and where its files are."""
+
+    job: str = Field(description="Job name")
+    snapshot: str | None = Field(None, description="Active snapshot")
+    command: str | None = Field(None, description="Replay command people can rerun")
+    experiments: list[ExperimentRow] = Field(default_factory=list, description="Every logged replay, in order")
+    failed: list[FailedAttempt] = Field(default_factory=list, description="Failed attempts with reasons")
+    observations: list[Note] = Field(default_factory=list, description="Observations section")
+    next_steps: list[Note] = Field(default_factory=list, description="Next steps section")
+    methods: list[dict[str, Any]] = Field(default_factory=list, description="Methods written from this task")
+    task_file: str = Field(description="The markdown task file people read")
+    state_file: str = Field(description="The structured state the markdown is rendered from")
+
+
+class MethodEntry(_Open):
+    slug: str = Field(description="Method name (file spike-mitigation-methods/<slug>.md)")
+    status: str = Field(description="proven, partial, diagnostic (reduced fidelity), or unknown")
+    summary: str = Field("", description="One line: change and effect")
+    path: str | None = Field(None, description="The method file")
+
+
+class MethodList(BaseModel):
+    """The recorded methods of the workspace."""
+
+    methods: list[MethodEntry] = Field(description="Every method file with its status and summary")
+
+
+class MethodAdded(MethodEntry):
+    """The method file just written, with its front matter and the key signals quoted in it."""
+
+    attempt: str = Field(description="The attempt it was written from")
+    verdict: str = Field(description="The attempt's verdict")
+    fidelity: str = Field(description="The attempt's fidelity")
+    signals: dict[str, Any] = Field(default_factory=dict, description="Key signals quoted in the file")
+
+
+class ReportWritten(_Open):
+    """The report file and what it says."""
+
+    job: str = Field(description="Job name")
+    path: str = Field(description="tmp/spike-replay/<job>/report.md")
+    text: str = Field(description="The report's markdown")
+    output_dir: str | None = Field(None, description="The job's output dir the snapshot came from")
+    snapshot: str | None = Field(None, description="The active snapshot")
+    preserved: list[dict[str, Any]] = Field(
+        default_factory=list, description="Preserved copies still present: release them with release_preserved"
+    )
+    counts: dict[str, int] = Field(default_factory=dict, description="experiments, failed, methods")

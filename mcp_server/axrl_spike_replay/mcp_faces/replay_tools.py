@@ -1,0 +1,307 @@
+"""Tools that replay a spike step and try mitigations on it (faces over `replay/`). torch is imported only
+when one of them runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import anyio.to_thread
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.types import CallToolResult, ToolAnnotations
+from pydantic import Field
+
+from axrl_spike_replay.mcp_faces.bridge import Progress, call_async_library, call_library, structured
+from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg
+from axrl_spike_replay.mcp_faces.replay_models import AttributionView, SweepView
+from axrl_spike_replay.replay.result import ReplayResult
+
+# The registry's names (replay/mitigations.py imports torch, so they are spelled out here; a test keeps the
+# two in step). The resource axrl://mitigations lists them with their values and meaning.
+MITIGATION_NAMES = (
+    "mismatch_token_clip_max",
+    "ratio_outlier_mask",
+    "advantage_clip",
+    "log_ratio_clip",
+    "loss_agg_mode",
+    "is_base_logprobs",
+    "clip_eps_low",
+    "clip_eps_high",
+    "dual_clip_c",
+    "kl_coef",
+    "entropy_coef",
+    "aux_loss_coef",
+    "z_loss_coef",
+    "routing_replay",
+    "current_routing_layers",
+    "balance_negative_advantages",
+    "initial_model",
+)
+_NAMES = ", ".join(MITIGATION_NAMES)
+
+
+REPLAYS = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=True)
+
+MitigationsArg = Annotated[
+    dict[str, Any],
+    Field(
+        description="One mitigation config {NAME: VALUE}; empty = the baseline replay. Names: "
+        f"{_NAMES}. Example: {{'mismatch_token_clip_max': 2, 'routing_replay': 'loss_tokens'}}. "
+        "Values and meaning: resource axrl://mitigations.",
+    ),
+]
+ConfigsArg = Annotated[
+    list[dict[str, Any]],
+    Field(
+        description="Mitigation configs to compare, each {NAME: VALUE, ...} (distinct, none empty: the baseline "
+        f"always runs). Names: {_NAMES}. Example: [{{'mismatch_token_clip_max': 2}}, {{'advantage_clip': 1}}].",
+        min_length=1,
+    ),
+]
+NprocArg = Annotated[
+    int | None,
+    Field(
+        description="Replay processes; default the saved world size (full fidelity). Fewer gives a reduced-fidelity "
+        "diagnostic, labelled as such.",
+        ge=1,
+    ),
+]
+DeviceArg = Annotated[Literal["cpu", "cuda"], Field(description="Where the replay processes compute.")]
+JobOptArg = Annotated[
+    str | None,
+    Field(description="Job whose task file logs the attempt; default: the snapshot's job_name."),
+]
+
+
+TargetArg = Annotated[
+    str | None,
+    Field(
+        description="GPU node to run on, as typed: `ssh -p 26461 root@10.100.4.23`, `user@host:port`, "
+        "`ssh://user@host:port`, a ~/.ssh/config alias, or a target name from the workspace's spike-replay.yaml. "
+        "The snapshot must be at the same path there (shared storage). Omit to run here.",
+    ),
+]
+BackendArg = Annotated[
+    Literal["torch", "command"],
+    Field(
+        description="torch: the built-in engine; command: the node's own replay command from spike-replay.yaml "
+        "(trainers the engine cannot rebuild, e.g. TP/PP/EP > 1), optionally with `patch`.",
+    ),
+]
+PatchArg = Annotated[
+    str | None,
+    Field(
+        description="Unified diff (file path) applied in a temporary git worktree of the node's training checkout "
+        "for this run only (backend command); the checkout itself is never modified.",
+    ),
+]
+RemotePythonArg = Annotated[
+    str | None, Field(description="The node's Python interpreter; default: spike-replay.yaml's, else python3.")
+]
+AcceptNewKeyArg = Annotated[
+    bool,
+    Field(
+        description="Record the host key of a node not yet in known_hosts (like OpenSSH accept-new); only after "
+        "the user confirmed the fingerprint. A changed key is always refused."
+    ),
+]
+TimeoutArg = Annotated[
+    float | None, Field(description="Kill the run (its whole process group) after this many seconds.", gt=0)
+]
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where and how a replay runs (the remote options); `replay.dispatch.runs_here` decides what that means."""
+
+    target: str | None = None
+    backend: str = "torch"
+    patch: str | None = None
+    remote_python: str | None = None
+    accept_new_host_key: bool = False
+    timeout_s: float | None = None
+
+    def remote_options(self) -> Any:
+        """The library's RemoteOptions for these settings."""
+        from axrl_spike_replay.remote.options import RemoteOptions
+
+        return RemoteOptions(
+            remote_python=self.remote_python,
+            accept_new_host_key=self.accept_new_host_key,
+            timeout_s=self.timeout_s,
+            patch=self.patch,
+        )
+
+
+_ELSEWHERE = object()
+
+
+async def _dispatch(
+    ctx: Context,
+    config: ServerConfig,
+    workspace: str | None,
+    snapshot: Path,
+    verb: str,
+    configs: list[dict[str, Any]],
+    where: Where,
+    values: dict[str, Any],
+) -> Any:
+    """A run `replay.dispatch` keeps here: the engine in a worker thread. Anything else (SSH target, command
+    backend): the remote dispatcher awaited in the event loop, so a cancelled call cancels its session, which
+    kills the process group it started."""
+
+    def options(progress: Callable[[str], None]) -> Any:
+        from axrl_spike_replay.replay.engine import ReplayOptions
+
+        return ReplayOptions(
+            workspace=config.workspace_for(workspace),
+            progress=progress,
+            target=where.target or "local",
+            backend=where.backend,
+            **values,
+        )
+
+    def here(progress: Progress, cancel: threading.Event) -> Any:
+        from axrl_spike_replay.replay import dispatch
+
+        run, remote = options(progress.message), where.remote_options()
+        if not dispatch.runs_here(run, remote):
+            return _ELSEWHERE
+        return (
+            dispatch.replay(snapshot, run, remote)
+            if verb == "replay"
+            else dispatch.sweep(snapshot, configs, run, remote)
+        )
+
+    async def elsewhere(report: Callable[[str], None]) -> Any:
+        from axrl_spike_replay.remote.dispatch import replay_elsewhere_async
+
+        run, remote = options(report), where.remote_options()
+        return await replay_elsewhere_async(snapshot, run, remote, verb=verb, configs=configs)
+
+    result = await call_library(ctx, here)
+    return await call_async_library(ctx, elsewhere) if result is _ELSEWHERE else result
+
+
+def register(server: MCPServer, config: ServerConfig) -> None:
+    """Add the replay tools to `server`."""
+
+    @server.tool(name="replay", title="Replay the spike step (baseline or one mitigation config)", annotations=REPLAYS)
+    async def replay_tool(
+        snapshot: SnapshotArg,
+        ctx: Context,
+        mitigations: MitigationsArg = {},  # noqa: B006
+        target: TargetArg = None,
+        nproc: NprocArg = None,
+        device: DeviceArg = "cpu",
+        repeat: Annotated[
+            int, Field(description="Recompute this many times and report the spread (determinism check).", ge=1)
+        ] = 1,
+        backend: BackendArg = "torch",
+        patch: PatchArg = None,
+        remote_python: RemotePythonArg = None,
+        accept_new_host_key: AcceptNewKeyArg = False,
+        timeout_s: TimeoutArg = None,
+        job: JobOptArg = None,
+        workspace: WorkspaceArg = None,
+    ) -> ReplayResult:
+        """Recompute the spike step's gradients from the snapshot's weights, batches and routing payloads (no
+        optimizer step), reduce them across data-parallel ranks as the trainer did, and compare the global
+        pre-clip grad norm with the recorded one — here, or on a GPU node over SSH (`target`). Without
+        mitigations: the baseline (`reproduced` / `not_reproduced`). With a config: a replay-only experiment
+        judged against the baseline at the same layout (`cleared` / `partial` / `no_effect` / `worse`). Writes
+        tmp/spike-replay/<job>/<timestamp>/ (command.txt, logs, replay_result.json) and logs the attempt in the
+        job's task file. Reports progress; cancelling the call stops a remote run (its process group)."""
+        where = Where(
+            target, backend, str(config.path(patch)) if patch else None, remote_python, accept_new_host_key, timeout_s
+        )
+        values = dict(mitigations=mitigations, nproc=nproc, device=device, repeat=repeat, job=job)
+        return await _dispatch(ctx, config, workspace, config.path(snapshot), "replay", [], where, values)
+
+    @server.tool(name="sweep", title="Compare many mitigation configs on one snapshot", annotations=REPLAYS)
+    async def sweep_tool(
+        snapshot: SnapshotArg,
+        configs: ConfigsArg,
+        ctx: Context,
+        target: TargetArg = None,
+        nproc: NprocArg = None,
+        device: DeviceArg = "cpu",
+        remote_python: RemotePythonArg = None,
+        accept_new_host_key: AcceptNewKeyArg = False,
+        timeout_s: TimeoutArg = None,
+        job: JobOptArg = None,
+        plot: Annotated[bool, Field(description="Also return a PNG bar chart of grad norm per config.")] = True,
+        workspace: WorkspaceArg = None,
+    ) -> Annotated[CallToolResult, SweepView]:
+        """Replay the baseline and every config in one run (weights loaded once; loss-level configs share one
+        forward pass), here or on a GPU node (`target`, one SSH connection): grad norm, ratio to the median,
+        change vs baseline and verdict per config. Each config's replay_result.json lands under one
+        tmp/spike-replay/<job>/<timestamp>/ and every config is logged in the task file. Returns a bar chart of
+        the grad norms. Reports progress; cancelling the call stops a remote run."""
+        where = Where(target, "torch", None, remote_python, accept_new_host_key, timeout_s)
+        values = dict(nproc=nproc, device=device, job=job)
+        result = await _dispatch(ctx, config, workspace, config.path(snapshot), "sweep", configs, where, values)
+        images = [await anyio.to_thread.run_sync(_sweep_png, result)] if plot else []
+        return structured(SweepView, result, images)
+
+    @server.tool(
+        name="attribute_spike",
+        title="Which samples carry the spike",
+        annotations=ToolAnnotations(
+            read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False
+        ),
+    )
+    async def attribute_spike_tool(
+        snapshot: SnapshotArg,
+        ctx: Context,
+        top: TopArg = 10,
+        mitigations: Annotated[
+            dict[str, Any],
+            Field(description=f"Attribute under a mitigation config instead of the baseline. Names: {_NAMES}."),
+        ] = {},  # noqa: B006
+        device: DeviceArg = "cpu",
+        method: Annotated[
+            Literal["jvp", "per_sample_backward"],
+            Field(description="jvp (fast, one pass) or per_sample_backward (one backward per sample, a check)."),
+        ] = "jvp",
+        job: JobOptArg = None,
+        workspace: WorkspaceArg = None,
+    ) -> AttributionView:
+        """Each sample's contribution to the global gradient, c_s = <g_s, g> / ||g|| (they sum to ||g||), ranked,
+        with the sample's signals (advantage, reward, max |log-ratio|, loss tokens, rank). Usually a few samples
+        carry the spike; cross-check them with analyze_batch's outliers. Writes attribution.json under
+        tmp/spike-replay/<job>/<timestamp>/."""
+        target = config.path(snapshot)
+        root = config.workspace_for(workspace)
+
+        def work(progress: Progress, cancel: threading.Event) -> Any:
+            from axrl_spike_replay.replay.attribution import attribute_spike
+
+            progress.message(f"attributing the spike of {target} to its samples ({method})")
+            found = attribute_spike(
+                target, top, mitigations=mitigations, device=device, method=method, workspace=root, job=job
+            )
+            return dataclasses.asdict(found)
+
+        return await call_library(ctx, work)
+
+
+def _sweep_png(sweep: Any) -> bytes:
+    from axrl_spike_replay.analysis.plots import sweep_png
+
+    rows = [sweep.baseline, *sweep.results]
+    return sweep_png(
+        [r.config_id for r in rows],
+        [r.grad_norm for r in rows],
+        [r.verdict for r in rows],
+        baseline=sweep.baseline.grad_norm,
+        recorded=sweep.baseline.recorded_grad_norm,
+        median=sweep.baseline.median_norm,
+        threshold=sweep.threshold,
+        title=f"{sweep.baseline.job_name or 'sweep'} iter {sweep.baseline.iteration}: grad norm per config "
+        f"({sweep.fidelity} fidelity)",
+    )

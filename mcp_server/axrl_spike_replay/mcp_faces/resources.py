@@ -1,0 +1,132 @@
+"""The investigation record as MCP resources, and the skills as MCP prompts (for agents without skills)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ResourceNotFoundError
+from mcp.server.mcpserver.prompts import Prompt
+from mcp.types import Resource
+from pydantic import Field
+
+from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.mcp_faces.config import ServerConfig
+from axrl_spike_replay.skill_pack import Skill, list_skills, render_skill
+from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_plain_name, methods_dir, task_md_path
+
+TASK_URI = "axrl://task/{job}"
+METHOD_URI = "axrl://method/{slug}"
+METHODS_INDEX_URI = "axrl://methods"
+MITIGATIONS_URI = "axrl://mitigations"
+
+
+def _read(path: Path, missing: str) -> str:
+    if not path.is_file():
+        raise ResourceNotFoundError(missing)
+    return path.read_text(encoding="utf-8")
+
+
+def record_resources(workspace: Path) -> list[Resource]:
+    """The task files and method files present in `workspace`, as concrete resources."""
+    found = []
+    tasks = workspace / TASKS_DIR
+    for md in sorted(tasks.glob("*.md")) if tasks.is_dir() else []:
+        if not md.with_suffix(".json").is_file():  # a task has its state beside it; a README does not
+            continue
+        found.append(
+            Resource(
+                uri=f"axrl://task/{md.stem}",
+                name=f"task {md.stem}",
+                mime_type="text/markdown",
+                description=f"Task file of the spike investigation of job {md.stem}",
+            )
+        )
+    methods = methods_dir(workspace)
+    for md in sorted(methods.glob("*.md")) if methods.is_dir() else []:
+        if md.name != METHODS_INDEX:
+            found.append(
+                Resource(
+                    uri=f"axrl://method/{md.stem}",
+                    name=f"method {md.stem}",
+                    mime_type="text/markdown",
+                    description=f"Proven mitigation method {md.stem}",
+                )
+            )
+    return found
+
+
+def register(server: MCPServer, config: ServerConfig) -> None:
+    """Add the record resources and one prompt per skill."""
+
+    @server.resource(
+        TASK_URI,
+        name="task",
+        title="Investigation task file",
+        mime_type="text/markdown",
+        description="The ongoing task file of a job's spike investigation (agent-task/spike-replay/<job>.md)",
+    )
+    def task_file(job: str) -> str:
+        try:
+            path = task_md_path(config.workspace, job)
+        except AxrlError as exc:
+            raise ResourceNotFoundError(str(exc)) from None
+        return _read(path, f"no task file for job {job!r} in {config.workspace}; open one with the task_open tool")
+
+    @server.resource(
+        METHOD_URI,
+        name="method",
+        title="Proven mitigation method",
+        mime_type="text/markdown",
+        description="One proven mitigation method (spike-mitigation-methods/<slug>.md)",
+    )
+    def method_file(slug: str) -> str:
+        try:
+            name = check_plain_name(slug, "method slug")
+        except AxrlError as exc:
+            raise ResourceNotFoundError(str(exc)) from None
+        missing = f"no method {slug!r} in {methods_dir(config.workspace)}; the method_list tool lists them"
+        return _read(methods_dir(config.workspace) / f"{name}.md", missing)
+
+    @server.resource(
+        METHODS_INDEX_URI,
+        name="methods",
+        title="Index of proven methods",
+        mime_type="text/markdown",
+        description="spike-mitigation-methods/README.md: every recorded method with its status",
+    )
+    def methods_index() -> str:
+        index = methods_dir(config.workspace) / METHODS_INDEX
+        return index.read_text(encoding="utf-8") if index.is_file() else "No mitigation methods recorded yet.\n"
+
+    @server.resource(
+        MITIGATIONS_URI,
+        name="mitigations",
+        title="Replay-only mitigations",
+        mime_type="text/plain",
+        description="Every mitigation name the replay, sweep and attribute_spike tools accept, its values and effect",
+    )
+    def mitigations() -> str:
+        from axrl_spike_replay.replay.mitigations import valid_mitigations
+
+        return "Mitigations (replay-only; each off unless named in a config {NAME: VALUE}):\n" + valid_mitigations()
+
+    for skill in list_skills():
+        server.add_prompt(_skill_prompt(skill))
+
+
+ArgumentsArg = Annotated[
+    str,
+    Field(
+        description="What you would type after the skill's slash command: job names, snapshot directories, "
+        "and optionally an SSH target such as `ssh -p 26461 root@10.100.4.23`."
+    ),
+]
+
+
+def _skill_prompt(skill: Skill) -> Prompt:
+    def render(arguments: ArgumentsArg = "") -> str:
+        return render_skill(skill, arguments)
+
+    return Prompt.from_function(render, name=skill.name, title=skill.name, description=skill.description)

@@ -1,0 +1,126 @@
+"""Tools that find, preserve, release and read snapshots (faces over `snapshot/`)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Annotated
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.types import ToolAnnotations
+from pydantic import Field
+
+from axrl_spike_replay.mcp_faces.bridge import Progress, call_library
+from axrl_spike_replay.mcp_faces.config import JobArg, OutputDirArg, ServerConfig, SnapshotArg
+from axrl_spike_replay.snapshot.discovery import OUTPUT_ROOTS_ENV, JobResolution, resolve_job
+from axrl_spike_replay.snapshot.inspect import SnapshotInspection, inspect_snapshot
+from axrl_spike_replay.snapshot.legacy import PreparedSnapshot, prepare_replay_dir
+from axrl_spike_replay.snapshot.listing import SnapshotListing, list_snapshots
+from axrl_spike_replay.snapshot.preserve import PreserveResult, ReleaseResult, preserve, release
+
+READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
+
+RootsArg = Annotated[
+    list[str],
+    Field(
+        description="Directories that hold the job's output dirs (`<run>~<job>__<role>`). "
+        "Also searched: $AXRL_OUTPUT_ROOTS (colon-separated); the workspace when neither is given.",
+    ),
+]
+
+IterationArg = Annotated[
+    int | None,
+    Field(description="Iteration number N of `iter_<N>` (as list_snapshots shows it); omit for all.", ge=0),
+]
+
+
+def register(server: MCPServer, config: ServerConfig) -> None:
+    """Add the snapshot tools to `server`."""
+
+    @server.tool(name="resolve_job", title="Find a job's output directories", annotations=READ_ONLY)
+    async def resolve_job_tool(job: JobArg, ctx: Context, roots: RootsArg = []) -> JobResolution:  # noqa: B006
+        """Find every role output directory (`<run>~<job>__<role>`: actor, critic, ...) of a job and its log
+        files. Start here; then list_snapshots on the role's output_dir."""
+        search = [str(config.path(r)) for r in roots]
+        if not search and not os.environ.get(OUTPUT_ROOTS_ENV):
+            search = [str(config.workspace)]
+        return await call_library(ctx, lambda progress, cancel: resolve_job(job, search))
+
+    @server.tool(name="list_snapshots", title="List a role's spike snapshots", annotations=READ_ONLY)
+    async def list_snapshots_tool(output_dir: OutputDirArg, ctx: Context) -> SnapshotListing:
+        """List the spike snapshots of one output dir: the rotating ones (checkpoints/spike_snapshots, deleted by
+        rotation) and preserved copies (checkpoints/spike_snapshots-active), with iteration, size, grad norm
+        and spike ratio. Preserve the one you investigate at once with preserve_snapshots."""
+        return await call_library(ctx, lambda progress, cancel: list_snapshots(config.path(output_dir)))
+
+    @server.tool(
+        name="preserve_snapshots",
+        title="Preserve snapshots before rotation deletes them",
+        annotations=ToolAnnotations(
+            read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=False
+        ),
+    )
+    async def preserve_snapshots_tool(
+        output_dir: OutputDirArg, ctx: Context, iteration: IterationArg = None
+    ) -> PreserveResult:
+        """Preserve retained snapshots (one iteration, or all) as hardlinked copies under
+        checkpoints/spike_snapshots-active/, which rotation never deletes. Do this first, at once. Cheap
+        (hardlinks; a real copy only across filesystems), idempotent, never modifies the source. Work on the
+        preserved path from then on; release_preserved removes the copy at the very end."""
+
+        def work(progress: Progress, cancel: threading.Event) -> PreserveResult:
+            what = f"iteration {iteration}" if iteration is not None else "every retained snapshot"
+            progress.message(f"preserving {what} of {output_dir}")
+            result = preserve(config.path(output_dir), iteration)
+            progress.message(f"preserved {len(result.preserved)}, failed {len(result.failed)}")
+            return result
+
+        return await call_library(ctx, work)
+
+    @server.tool(
+        name="release_preserved",
+        title="Delete preserved copies (end of investigation)",
+        annotations=ToolAnnotations(
+            read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False
+        ),
+    )
+    async def release_preserved_tool(
+        output_dir: OutputDirArg, ctx: Context, iteration: IterationArg = None
+    ) -> ReleaseResult:
+        """Delete preserved copies made by preserve_snapshots (one iteration, or all) — only at the very end,
+        after write_report. Refuses anything that is not a preserved copy made by this tool; retained
+        snapshots under checkpoints/spike_snapshots are never touched."""
+        return await call_library(ctx, lambda progress, cancel: release(config.path(output_dir), iteration))
+
+    @server.tool(name="inspect_snapshot", title="Read a snapshot's metadata and files", annotations=READ_ONLY)
+    async def inspect_snapshot_tool(snapshot: SnapshotArg, ctx: Context) -> SnapshotInspection:
+        """Read a snapshot's metadata (iteration, job, role, world size, tp/pp/dp/ep/etp/cp, grad norm, median
+        norm, spike ratio, legacy layout or not), per-rank batch and routing-payload counts and the model size
+        from the checkpoint metadata, and list its problems (missing rank files, inconsistent world size, ...).
+        Reads headers only, so it is fast on snapshots of hundreds of GB."""
+        return await call_library(ctx, lambda progress, cancel: inspect_snapshot(config.path(snapshot)))
+
+    @server.tool(
+        name="prepare_replay_dir",
+        title="Prepare a legacy snapshot for replay",
+        annotations=ToolAnnotations(
+            read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False
+        ),
+    )
+    async def prepare_replay_dir_tool(
+        snapshot: SnapshotArg,
+        ctx: Context,
+        dest: Annotated[
+            str | None,
+            Field(
+                description="Empty or new directory for the replay dir (relative to the workspace); "
+                "default: a new temporary directory."
+            ),
+        ] = None,
+    ) -> PreparedSnapshot:
+        """For a legacy snapshot (AXRL keys in metadata.json, which breaks checkpoint loading), make a replay
+        dir of hardlinks with a restored checkpoint metadata.json and axrl_metadata.json; the original is never
+        touched. A current-layout snapshot needs nothing (replay_dir is the snapshot). replay calls this
+        itself when needed."""
+        target = config.path(dest) if dest else None
+        return await call_library(ctx, lambda progress, cancel: prepare_replay_dir(config.path(snapshot), target))

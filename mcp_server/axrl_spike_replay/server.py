@@ -1,0 +1,74 @@
+"""The MCP tool server: one typed tool per step of a spike investigation, over the library's functions.
+
+`create_server(workspace)` builds the server; `serve(...)` runs it over stdio (the default) or streamable
+HTTP. The tools live in `mcp_faces/` (one module per area) and hold no logic of their own: they validate
+their arguments, call one library function in a worker thread (progress and cancellation bridged) and
+shape its result. Nothing heavy is imported until a tool needs it, so the server answers `tools/list` fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mcp.server.mcpserver import MCPServer
+from mcp.types import Resource
+
+from axrl_spike_replay import __version__
+from axrl_spike_replay.mcp_faces import (
+    analysis_tools,
+    capture_tools,
+    record_tools,
+    remote_tools,
+    replay_tools,
+    resources,
+    snapshot_tools,
+)
+from axrl_spike_replay.mcp_faces.config import ServerConfig
+
+SERVER_NAME = "axrl-spike-replay"
+
+INSTRUCTIONS = """\
+Investigate gradient-norm spikes of RL post-training runs (MoE LLMs) from their spike snapshots.
+Order of work: resolve_job -> list_snapshots -> preserve_snapshots (at once, before rotation deletes them)
+-> task_open -> inspect_snapshot / analyze_batch / top_param_grads / copy_and_scan_logs -> probe_node (when a
+GPU node is given) -> replay (baseline; full fidelity when the node allows, else clearly reduced) -> sweep or
+replay with mitigations (replay-only experiments, every attempt is logged in the task file) -> attribute_spike
+-> method_add (proven, non-duplicate methods only) -> write_report -> release_preserved (at the very end).
+Paths may be absolute or relative to the workspace. The prompt `axrl-spike-replay` holds the whole workflow;
+resources axrl://task/{job} and axrl://method/{slug} show the record.
+"""
+
+TOOL_MODULES = (snapshot_tools, analysis_tools, replay_tools, remote_tools, record_tools, capture_tools)
+
+
+class SpikeReplayServer(MCPServer):
+    """MCPServer whose resource list also names the task and method files present in the workspace."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        super().__init__(SERVER_NAME, instructions=INSTRUCTIONS, version=__version__, log_level="WARNING")
+        self.config = config
+
+    async def list_resources(self) -> list[Resource]:
+        """Static resources, then `axrl://task/<job>` and `axrl://method/<slug>` for each file there."""
+        return [*await super().list_resources(), *resources.record_resources(self.config.workspace)]
+
+
+def create_server(workspace: str | Path | None = None) -> SpikeReplayServer:
+    """The server with every tool, resource and prompt; `workspace` (default: cwd) is the tools' default."""
+    config = ServerConfig(workspace=Path(workspace or Path.cwd()).expanduser().resolve())
+    server = SpikeReplayServer(config)
+    for module in TOOL_MODULES:
+        module.register(server, config)
+    resources.register(server, config)
+    return server
+
+
+def serve(
+    workspace: str | Path | None = None, *, http: bool = False, host: str = "127.0.0.1", port: int = 8765
+) -> None:
+    """Run the server until its client goes away (stdio) or it is interrupted (streamable HTTP at /mcp)."""
+    server = create_server(workspace)
+    if http:
+        server.run("streamable-http", host=host, port=port)
+    else:
+        server.run("stdio")

@@ -1,0 +1,120 @@
+"""The agent skills that ship with the package: read, check and render `skills/<name>/SKILL.md`."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.resources import skills_dir
+
+SKILL_FILE = "SKILL.md"
+MAX_DESCRIPTION = 1024
+MAX_LINES = 500
+_NAME_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+_FRONTMATTER_RE = re.compile(r"\A---\n(.*?)\n---\n?(.*)\Z", re.DOTALL)
+
+
+@dataclass
+class Skill:
+    """One skill: its folder, frontmatter and markdown body."""
+
+    name: str
+    description: str
+    path: str
+    body: str
+    argument_hint: str = ""
+    user_invocable: bool = False
+    frontmatter: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_skill(skill_md: str | Path) -> Skill:
+    """Parse a SKILL.md; ConfigError naming the file when its frontmatter is missing or malformed."""
+    path = Path(skill_md)
+    text = path.read_text(encoding="utf-8")
+    match = _FRONTMATTER_RE.match(text)
+    if not match:
+        raise ConfigError(f"{path}: no YAML frontmatter (the file must start with '---')")
+    try:
+        meta = yaml.safe_load(match.group(1))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: frontmatter is not valid YAML ({exc})") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{path}: frontmatter is not a mapping")
+    return Skill(
+        name=str(meta.get("name", "")),
+        description=str(meta.get("description", "")),
+        path=str(path.parent),
+        body=match.group(2),
+        argument_hint=str(meta.get("argument-hint", "")),
+        user_invocable=bool(meta.get("user-invocable", False)),
+        frontmatter=meta,
+    )
+
+
+def skill_problems(skill: Skill) -> list[str]:
+    """What breaks the Agent Skills format: name vs folder, name syntax, description length, file length."""
+    problems = []
+    folder = Path(skill.path).name
+    if skill.name != folder:
+        problems.append(f"{skill.path}: name {skill.name!r} differs from its folder {folder!r}")
+    if not _NAME_RE.match(skill.name) or len(skill.name) > 64:
+        problems.append(f"{skill.path}: name {skill.name!r} is not lowercase words joined by hyphens (<= 64 chars)")
+    if not skill.description.strip():
+        problems.append(f"{skill.path}: description is empty")
+    if len(skill.description) > MAX_DESCRIPTION:
+        problems.append(f"{skill.path}: description has {len(skill.description)} characters (max {MAX_DESCRIPTION})")
+    lines = (Path(skill.path) / SKILL_FILE).read_text(encoding="utf-8").count("\n") + 1
+    if lines >= MAX_LINES:
+        problems.append(
+            f"{skill.path}: SKILL.md has {lines} lines (keep it under {MAX_LINES}; move detail to references/)"
+        )
+    return problems
+
+
+def list_skills(root: str | Path | None = None) -> list[Skill]:
+    """Every skill under `root` (default: the packaged skills), by name."""
+    base = Path(root) if root is not None else skills_dir()
+    return sorted((parse_skill(p) for p in base.glob(f"*/{SKILL_FILE}")), key=lambda s: s.name)
+
+
+def get_skill(name: str, root: str | Path | None = None) -> Skill:
+    """The skill called `name`; ConfigError listing the known ones otherwise."""
+    skills = {s.name: s for s in list_skills(root)}
+    if name not in skills:
+        raise ConfigError(f"no skill named {name!r}; known: {', '.join(sorted(skills)) or 'none'}")
+    return skills[name]
+
+
+def render_skill(skill: Skill, arguments: str = "") -> str:
+    """The skill's instructions with `$ARGUMENTS` filled in, as an agent would receive them."""
+    return skill.body.replace("$ARGUMENTS", arguments.strip() or "(no arguments given)")
+
+
+METHODS_BEGIN = "<!-- recorded-methods:begin -->"
+METHODS_END = "<!-- recorded-methods:end -->"
+
+
+def methods_block(methods: list[dict[str, Any]]) -> str:
+    """The markdown list of recorded methods (from `workspace.methods.list_methods`) for the workflow skill."""
+    if not methods:
+        return "_No methods recorded yet._"
+    order = {"proven": 0, "partial": 1, "diagnostic": 2}
+    lines = []
+    for method in sorted(methods, key=lambda m: (order.get(str(m.get("status")), 3), str(m.get("slug", "")))):
+        summary = " ".join(str(method.get("summary", "")).split())
+        lines.append(f"- **{method.get('slug', '?')}** ({method.get('status', 'unknown')}) — {summary}")
+    return "\n".join(lines)
+
+
+def with_methods_block(skill_text: str, block: str) -> str:
+    """`skill_text` with the part between the recorded-methods markers replaced by `block`."""
+    start = skill_text.find(METHODS_BEGIN)
+    end = skill_text.find(METHODS_END)
+    if start < 0 or end < start:
+        raise ConfigError(f"SKILL.md has no {METHODS_BEGIN} ... {METHODS_END} markers")
+    return skill_text[: start + len(METHODS_BEGIN)] + "\n" + block.strip("\n") + "\n" + skill_text[end:]

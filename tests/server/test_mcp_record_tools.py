@@ -1,0 +1,111 @@
+"""The investigation record through MCP: open the task, note, show, write up a method, report; read it back as
+resources. (Replay rows come from a real replay in the end-to-end test; here one is logged directly.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from server_helpers import ITERATION, JOB, MEDIAN, RECORDED, SpikeOutputs, call, error_text, ok, with_client
+
+from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.server import create_server
+from axrl_spike_replay.workspace.task_log import record_replay
+
+
+def _log_replay(workspace: Path, snapshot: Path, name: str, grad_norm: float, verdict: str, **changes) -> str:
+    doc = dict(
+        snapshot=str(snapshot),
+        backend="torch",
+        target="local",
+        fidelity="full",
+        world_size_saved=2,
+        world_size_used=2,
+        mitigations={},
+        grad_norm=grad_norm,
+        recorded_grad_norm=RECORDED,
+        rel_diff=abs(grad_norm - RECORDED) / RECORDED,
+        median_norm=MEDIAN,
+        spike_ratio=grad_norm / MEDIAN,
+        verdict=verdict,
+        threshold=5.0,
+        job_name=JOB,
+        role="actor",
+        iteration=ITERATION,
+    )
+    result = ReplayResult(**{**doc, **changes})
+    path = workspace / "tmp" / "spike-replay" / JOB / name / "replay_result.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(result.to_json()))
+    return record_replay(workspace, JOB, result, path)
+
+
+def test_task_open_note_show_and_the_task_resource(spike_outputs: SpikeOutputs, workspace: Path) -> None:
+    opened = ok(call(workspace, "task_open", {"job": JOB, "snapshot": str(spike_outputs.snapshot)}))
+    assert opened["snapshot"] == str(spike_outputs.snapshot.resolve())
+    assert Path(opened["task_file"]) == workspace / "agent-task" / "spike-replay" / f"{JOB}.md"
+
+    noted = ok(call(workspace, "task_note", {"job": JOB, "section": "observations", "text": "rank 1 holds it"}))
+    assert [n["text"] for n in noted["observations"]] == ["rank 1 holds it"]
+    ok(call(workspace, "task_note", {"job": JOB, "section": "next-steps", "text": "sweep TIS"}))
+    shown = ok(call(workspace, "task_show", {"job": JOB}))
+    assert [n["text"] for n in shown["next_steps"]] == ["sweep TIS"]
+
+    async def read(client):
+        listed = await client.list_resources()
+        templates = await client.list_resource_templates()
+        page = await client.read_resource(f"axrl://task/{JOB}")
+        return listed, templates, page
+
+    listed, templates, page = with_client(create_server(workspace), read)
+    assert f"axrl://task/{JOB}" in {str(r.uri) for r in listed.resources}
+    assert {t.uri_template for t in templates.resource_templates} >= {"axrl://task/{job}", "axrl://method/{slug}"}
+    text = page.contents[0].text
+    assert "rank 1 holds it" in text and "sweep TIS" in text
+
+
+def test_a_bad_section_and_an_unknown_job_are_tool_errors(workspace: Path) -> None:
+    text = error_text(call(workspace, "task_note", {"job": JOB, "section": "diary", "text": "x"}))
+    assert "section" in text and "observations" in text
+    text = error_text(call(workspace, "task_show", {"job": "never-opened"}))
+    assert "never-opened" in text and "task open" in text
+
+
+def test_method_add_list_and_report(spike_outputs: SpikeOutputs, workspace: Path) -> None:
+    ok(call(workspace, "task_open", {"job": JOB, "snapshot": str(spike_outputs.snapshot)}))
+    _log_replay(workspace, spike_outputs.snapshot, "base", RECORDED, "reproduced")
+    attempt = _log_replay(
+        workspace,
+        spike_outputs.snapshot,
+        "tis",
+        3.0,
+        "cleared",
+        mitigations={"mismatch_token_clip_max": 2.0},
+        baseline_grad_norm=RECORDED,
+        change_vs_baseline=3.0 / RECORDED - 1,
+        config_id="mismatch_token_clip_max=2",
+    )
+    text = error_text(call(workspace, "method_add", {"job": JOB, "attempt": "E1", "name": "base", "rationale": "x"}))
+    assert "E1" in text
+
+    added = ok(
+        call(
+            workspace,
+            "method_add",
+            {"job": JOB, "attempt": attempt, "name": "tis-clip-2", "rationale": "clips the mismatched tokens"},
+        )
+    )
+    assert added["status"] == "proven" and Path(added["path"]).is_file()
+    listed = ok(call(workspace, "method_list", {}))
+    assert [m["slug"] for m in listed["methods"]] == ["tis-clip-2"]
+    duplicate = error_text(
+        call(workspace, "method_add", {"job": JOB, "attempt": attempt, "name": "again", "rationale": "same"})
+    )
+    assert "tis-clip-2" in duplicate
+
+    page = with_client(create_server(workspace), lambda client: client.read_resource("axrl://method/tis-clip-2"))
+    assert "clips the mismatched tokens" in page.contents[0].text
+
+    report = ok(call(workspace, "write_report", {"job": JOB}))
+    assert Path(report["path"]) == workspace / "tmp" / "spike-replay" / JOB / "report.md"
+    assert "tis-clip-2" in report["text"]

@@ -1,0 +1,105 @@
+"""Replaying through MCP: the baseline reproduces the recorded norm with progress on the way, a sweep judges each
+config with a bar chart, bad configs are tool errors, and a cancelled replay stops its work."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from server_helpers import JOB, RECORDED, SpikeOutputs, call, error_text, ok, with_client
+
+from axrl_spike_replay.server import create_server
+
+
+def test_baseline_replay_reproduces_the_recorded_norm_and_reports_progress(
+    spike_outputs: SpikeOutputs, workspace: Path
+) -> None:
+    ok(call(workspace, "task_open", {"job": JOB, "snapshot": str(spike_outputs.snapshot)}))
+    updates: list[tuple[float, float | None, str | None]] = []
+
+    async def body(client):
+        async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+            updates.append((progress, total, message))
+
+        return await client.call_tool(
+            "replay", {"snapshot": str(spike_outputs.snapshot)}, progress_callback=on_progress
+        )
+
+    result = ok(with_client(create_server(workspace), body))
+    assert result["fidelity"] == "full" and result["world_size_used"] == 2
+    assert result["recorded_grad_norm"] == RECORDED
+    assert Path(result["output_dir"]).is_relative_to(workspace / "tmp" / "spike-replay" / JOB)
+    assert json.loads((Path(result["output_dir"]) / "replay_result.json").read_text())["verdict"] == result["verdict"]
+    assert updates, "no progress notifications arrived"
+    assert [p for p, _, _ in updates] == sorted(p for p, _, _ in updates)
+    assert any("replaying" in (m or "") for _, _, m in updates)
+    shown = ok(call(workspace, "task_show", {"job": JOB}))
+    assert [e["id"] for e in shown["experiments"]] == ["E1"]
+
+
+def test_sweep_judges_each_config_and_draws_them(spike_outputs: SpikeOutputs, workspace: Path) -> None:
+    configs = [{"advantage_clip": 0.5}, {"loss_agg_mode": "seq-mean-token-mean"}]
+    raw = call(workspace, "sweep", {"snapshot": str(spike_outputs.snapshot), "configs": configs, "nproc": 1})
+    sweep = ok(raw)
+    assert sweep["fidelity"] == "reduced" and sweep["world_size_used"] == 1
+    assert [r["mitigations"] for r in sweep["results"]] == [
+        {"advantage_clip": 0.5},
+        {"loss_agg_mode": "seq-mean-token-mean"},
+    ]
+    assert all(r["verdict"] in ("cleared", "partial", "no_effect", "worse") for r in sweep["results"])
+    [image] = [c for c in raw.content if c.type == "image"]
+    assert base64.b64decode(image.data).startswith(b"\x89PNG")
+
+
+def test_an_unknown_mitigation_is_a_tool_error_listing_the_valid_ones(
+    spike_outputs: SpikeOutputs, workspace: Path
+) -> None:
+    text = error_text(
+        call(workspace, "replay", {"snapshot": str(spike_outputs.snapshot), "mitigations": {"clip_everything": 1}})
+    )
+    assert "clip_everything" in text and "mismatch_token_clip_max" in text
+    assert not (workspace / "tmp").exists()  # nothing half-written
+
+
+def test_the_tool_descriptions_name_exactly_the_registry_mitigations() -> None:
+    from axrl_spike_replay.mcp_faces.replay_models import SweepView
+    from axrl_spike_replay.mcp_faces.replay_tools import MITIGATION_NAMES
+    from axrl_spike_replay.replay.mitigations import MITIGATIONS
+    from axrl_spike_replay.replay.sweep import SweepResult
+
+    assert set(MITIGATION_NAMES) == set(MITIGATIONS)
+    assert set(SweepView.model_fields) == {f.name for f in dataclasses.fields(SweepResult)}
+
+
+@pytest.mark.parametrize("missing", ["iter_9999999"])
+def test_replay_of_a_missing_snapshot_is_a_tool_error(missing: str, workspace: Path) -> None:
+    text = error_text(call(workspace, "replay", {"snapshot": missing}))
+    assert missing in text
+
+
+def test_attribute_spike_ranks_the_samples_and_sums_to_the_norm(spike_outputs: SpikeOutputs, workspace: Path) -> None:
+    doc = ok(call(workspace, "attribute_spike", {"snapshot": str(spike_outputs.snapshot), "top": 2}))
+    assert doc["total_samples"] == 4 and len(doc["samples"]) == 2
+    contributions = [s["contribution"] for s in doc["samples"]]
+    assert contributions == sorted(contributions, reverse=True) or doc["method"] != "jvp"
+    assert doc["sum_rel_error"] <= 1e-4
+    assert Path(doc["output_dir"]).is_relative_to(workspace / "tmp" / "spike-replay")
+
+
+def test_attribution_view_mirrors_the_library_dataclasses() -> None:
+    from axrl_spike_replay.mcp_faces.replay_models import AttributionView, SampleView
+    from axrl_spike_replay.replay.attribution import Attribution, SampleContribution
+
+    assert set(AttributionView.model_fields) == {f.name for f in dataclasses.fields(Attribution)}
+    assert set(SampleView.model_fields) == {f.name for f in dataclasses.fields(SampleContribution)}
+
+
+def test_the_mitigations_resource_lists_every_name(workspace: Path) -> None:
+    from axrl_spike_replay.replay.mitigations import MITIGATIONS
+
+    page = with_client(create_server(workspace), lambda client: client.read_resource("axrl://mitigations"))
+    text = page.contents[0].text
+    assert all(name in text for name in MITIGATIONS)

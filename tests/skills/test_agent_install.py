@@ -1,0 +1,93 @@
+"""`axrl-spike-replay install` puts the skills and the server into a project (or the user's config), safely."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+from mcp import Client, StdioServerParameters
+
+from axrl_spike_replay.skill_pack import list_skills, skill_problems
+
+SCRIPT = Path(sys.executable).parent / "axrl-spike-replay"
+CLI = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "axrl_spike_replay"]
+OTHER = {"command": "npx", "args": ["-y", "@example/other-server"], "env": {"TOKEN": "keep-me"}}
+
+
+def install(*args: str, home: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, HOME=str(home)) if home else None
+    return subprocess.run([*CLI, "install", *args], capture_output=True, text=True, env=env)
+
+
+def test_install_into_a_project_keeps_other_servers_and_is_idempotent(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / ".mcp.json").write_text(json.dumps({"mcpServers": {"other": OTHER}, "note": "mine"}, indent=2))
+
+    first = install("--dir", str(project), "--json")
+    assert first.returncode == 0, first.stderr
+    report = json.loads(first.stdout)
+    assert report["scope"] == "project" and not report["dry_run"]
+
+    config = json.loads((project / ".mcp.json").read_text())
+    assert config["note"] == "mine"
+    assert config["mcpServers"]["other"] == OTHER
+    entry = config["mcpServers"]["axrl-spike-replay"]
+    assert entry["args"][-1] == "mcp" and Path(entry["command"]).exists()
+
+    installed = list_skills(project / ".claude" / "skills")
+    assert {s.name for s in installed} >= {"axrl-spike-replay", "axrl-run-gpu-task", "axrl-copy-log-to-tmp-and-analyze"}
+    for skill in installed:
+        assert skill_problems(skill) == []
+        assert (Path(skill.path) / "references").is_dir()
+
+    second = json.loads(install("--dir", str(project), "--json").stdout)
+    assert {c["action"] for c in second["changes"]} == {"unchanged"}
+    assert second["config_diff"] == ""
+
+
+def test_the_installed_config_starts_a_server_that_lists_tools(tmp_path: Path) -> None:
+    assert install("--dir", str(tmp_path)).returncode == 0
+    entry = json.loads((tmp_path / ".mcp.json").read_text())["mcpServers"]["axrl-spike-replay"]
+
+    async def main():
+        params = StdioServerParameters(command=entry["command"], args=entry["args"], cwd=str(tmp_path))
+        async with Client(params) as client:
+            return {t.name for t in (await client.list_tools()).tools}
+
+    assert "inspect_snapshot" in anyio.run(main)
+
+
+def test_dry_run_shows_the_change_and_writes_nothing(tmp_path: Path) -> None:
+    (tmp_path / ".mcp.json").write_text(json.dumps({"mcpServers": {"other": OTHER}}))
+    before = (tmp_path / ".mcp.json").read_text()
+    out = install("--dir", str(tmp_path), "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert '+    "axrl-spike-replay": {' in out.stdout and "would" in out.stdout
+    assert (tmp_path / ".mcp.json").read_text() == before
+    assert not (tmp_path / ".claude").exists()
+
+
+def test_user_install_writes_to_the_home_config(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".claude.json").write_text(json.dumps({"numStartups": 3, "mcpServers": {"other": OTHER}}))
+    out = install("--user", home=home)
+    assert out.returncode == 0, out.stderr
+    config = json.loads((home / ".claude.json").read_text())
+    assert config["numStartups"] == 3 and config["mcpServers"]["other"] == OTHER
+    assert "axrl-spike-replay" in config["mcpServers"]
+    assert (home / ".claude" / "skills" / "axrl-spike-replay" / "SKILL.md").is_file()
+
+
+def test_a_broken_config_is_refused_and_left_alone(tmp_path: Path) -> None:
+    (tmp_path / ".mcp.json").write_text("{not json")
+    out = install("--dir", str(tmp_path))
+    assert out.returncode == 2
+    assert ".mcp.json" in out.stderr and "not valid JSON" in out.stderr and "Traceback" not in out.stderr
+    assert (tmp_path / ".mcp.json").read_text() == "{not json"
+    assert not (tmp_path / ".claude").exists()
