@@ -6,7 +6,7 @@ import json
 import multiprocessing
 from pathlib import Path
 
-from conftest import JOB, replay_result
+from record_helpers import JOB, replay_result
 
 from axrl_spike_replay.workspace.task_log import record_failure, record_replay
 from axrl_spike_replay.workspace.task_state import open_task, show_task

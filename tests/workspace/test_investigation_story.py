@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import JOB, MEDIAN, RECORDED, SpikeRun, replay_result, save_result
+from record_helpers import JOB, MEDIAN, RECORDED, SpikeRun, replay_result, save_result
 
 from axrl_spike_replay.cli import main
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, iteration_dir_name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conftest import JOB, replay_result
+from record_helpers import JOB, replay_result
 
 from axrl_spike_replay.workspace.render import md_block, md_cell, md_code
 from axrl_spike_replay.workspace.task_log import record_failure, record_replay

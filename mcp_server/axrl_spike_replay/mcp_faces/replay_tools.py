@@ -154,12 +154,13 @@ async def _dispatch(
     backend): the remote dispatcher awaited in the event loop, so a cancelled call cancels its session, which
     kills the process group it started."""
 
-    def options(progress: Callable[[str], None]) -> Any:
+    def options(progress: Callable[[str], None], cancel: threading.Event | None = None) -> Any:
         from axrl_spike_replay.replay.engine import ReplayOptions
 
         return ReplayOptions(
             workspace=config.workspace_for(workspace),
             progress=progress,
+            cancel=cancel,
             target=where.target or "local",
             backend=where.backend,
             **values,
@@ -168,7 +169,7 @@ async def _dispatch(
     def here(progress: Progress, cancel: threading.Event) -> Any:
         from axrl_spike_replay.replay import dispatch
 
-        run, remote = options(progress.message), where.remote_options()
+        run, remote = options(progress.message, cancel), where.remote_options()
         if not dispatch.runs_here(run, remote):
             return _ELSEWHERE
         return (

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import shlex
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -53,6 +54,7 @@ class ReplayOptions:
     target: str = "local"  # "local" or an SSH target (remote/)
     timeout_s: float = 1800.0  # collective timeout of the replay processes
     progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
+    cancel: threading.Event | None = field(default=None, compare=False, repr=False)  # set: stop the run
 
 
 def check_device(device: str) -> str:
@@ -121,7 +123,7 @@ class ReplaySession:
             f"replaying {len(self.configs)} config(s) on {self.plan.nproc} process(es), {o.device}, "
             f"fidelity {self.plan.fidelity} (saved world size {inputs.world_size})"
         )
-        outcomes = run_job(job, timeout_s=o.timeout_s)
+        outcomes = run_job(job, timeout_s=o.timeout_s, cancel=o.cancel)
         baseline = self.result(self.configs[0], outcomes[0], None)
         results = [
             self.result(c, out, baseline.grad_norm) for c, out in zip(self.configs[1:], outcomes[1:], strict=True)

@@ -10,24 +10,17 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 import traceback
 from dataclasses import asdict
-from datetime import timedelta
 from pathlib import Path
 
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.rank_processes import RankProcessError, spawn_ranks
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob, compute
 
 _OUTCOMES = "outcomes.json"
-
-
-class ReplayProcessError(AxrlError):
-    """A replay process failed; `details` holds its traceback when the failure was not expected input."""
-
-    def __init__(self, message: str, details: str = "") -> None:
-        super().__init__(message)
-        self.details = details
 
 
 def process_device(device: str, process: int) -> str:
@@ -58,7 +51,7 @@ def _prepare_device(device: str) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def run_job(job: WorkerJob, timeout_s: float = 1800.0) -> list[ConfigOutcome]:
+def run_job(job: WorkerJob, timeout_s: float = 1800.0, cancel: threading.Event | None = None) -> list[ConfigOutcome]:
     """Outcomes of `job` (one per config, process 0's view after the reduction)."""
     import torch
 
@@ -71,15 +64,15 @@ def run_job(job: WorkerJob, timeout_s: float = 1800.0) -> list[ConfigOutcome]:
         try:
             local = WorkerJob(**{**_fields(job), "device": process_device(job.device, 0)})
             _prepare_device(local.device)
-            return compute(local, 0)
+            return compute(local, 0, cancel)
         except AxrlError:
             raise
         except Exception as exc:
-            raise ReplayProcessError(f"replay failed: {type(exc).__name__}: {exc}", traceback.format_exc()) from exc
+            raise RankProcessError(f"replay failed: {type(exc).__name__}: {exc}", traceback.format_exc()) from exc
         finally:
             torch.set_num_threads(threads)
             torch.use_deterministic_algorithms(deterministic)
-    return _spawn(job, nproc, timeout_s)
+    return _spawn(job, nproc, timeout_s, cancel)
 
 
 def _fields(job: WorkerJob) -> dict[str, object]:
@@ -92,53 +85,29 @@ def _dist_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _spawn(job: WorkerJob, nproc: int, timeout_s: float) -> list[ConfigOutcome]:
-    import torch.multiprocessing as mp
-
-    backend = backend_for(job.device, nproc)
+def _spawn(job: WorkerJob, nproc: int, timeout_s: float, cancel: threading.Event | None) -> list[ConfigOutcome]:
     with tempfile.TemporaryDirectory(prefix="axrl-replay-") as tmp:
-        try:
-            mp.spawn(_entry, args=(job, nproc, backend, tmp, timeout_s), nprocs=nproc, join=True)
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-            raise _collect_error(Path(tmp), exc) from None
-        doc = json.loads((Path(tmp) / _OUTCOMES).read_text(encoding="utf-8"))
+        outcomes_path = str(Path(tmp) / _OUTCOMES)
+        spawn_ranks(
+            _process,
+            nproc,
+            (job, outcomes_path),
+            backend=backend_for(job.device, nproc),
+            timeout_s=timeout_s,
+            prepare=_prepare_process,
+            label="replay process",
+            cancel=cancel,
+        )
+        doc = json.loads(Path(outcomes_path).read_text(encoding="utf-8"))
     return [ConfigOutcome(**item) for item in doc]
 
 
-def _collect_error(tmp: Path, exc: Exception) -> ReplayProcessError:
-    expected = sorted(tmp.glob("error-process*.txt"))
-    if expected:
-        return ReplayProcessError(expected[0].read_text(encoding="utf-8").strip())
-    traces = sorted(tmp.glob("trace-process*.txt"))
-    if traces:
-        text = traces[0].read_text(encoding="utf-8")
-        last = text.strip().splitlines()[-1] if text.strip() else "unknown error"
-        return ReplayProcessError(f"{traces[0].stem.removeprefix('trace-')}: {last}", text)
-    return ReplayProcessError(f"a replay process died: {str(exc).strip().splitlines()[0]}", str(exc))
+def _prepare_process(process: int, payload: tuple[WorkerJob, str]) -> None:
+    _prepare_device(process_device(payload[0].device, process))
 
 
-def _entry(process: int, job: WorkerJob, nproc: int, backend: str, tmp: str, timeout_s: float) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    device = process_device(job.device, process)
-    try:
-        _prepare_device(device)
-        store = dist.FileStore(str(Path(tmp) / "store"), nproc)
-        dist.init_process_group(
-            backend, store=store, rank=process, world_size=nproc, timeout=timedelta(seconds=timeout_s)
-        )
-        outcomes = compute(WorkerJob(**{**_fields(job), "device": device}), process)
-        if process == 0:
-            atomic_write_json(Path(tmp) / _OUTCOMES, [asdict(o) for o in outcomes])
-        dist.barrier()  # every process is done with the group before any tears it down
-    except AxrlError as exc:
-        Path(tmp, f"error-process{process}.txt").write_text(f"replay process {process}: {exc}", encoding="utf-8")
-        raise
-    except BaseException:
-        Path(tmp, f"trace-process{process}.txt").write_text(traceback.format_exc(), encoding="utf-8")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _process(process: int, nproc: int, payload: tuple[WorkerJob, str]) -> None:
+    job, outcomes_path = payload
+    outcomes = compute(WorkerJob(**{**_fields(job), "device": process_device(job.device, process)}), process)
+    if process == 0:
+        atomic_write_json(outcomes_path, [asdict(o) for o in outcomes])

@@ -7,6 +7,7 @@ norms use `replay.rank_step` exactly as the trainer does, so the baseline reprod
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, TinyMoEPolicy, token_entropy, token_logprobs
+from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.mitigations import AppliedConfig
 from axrl_spike_replay.replay.policy_loss import policy_loss
 from axrl_spike_replay.replay.rank_step import global_grad_norm, param_grad_norms, reduce_gradients, routing_control
@@ -145,14 +147,19 @@ def reduce_and_measure(
     return norm, top_params
 
 
-def compute(job: WorkerJob, process: int) -> list[ConfigOutcome]:
-    """Replay every config of `job` on this process's saved ranks; outcomes in the configs' order."""
+def compute(job: WorkerJob, process: int, cancel: threading.Event | None = None) -> list[ConfigOutcome]:
+    """Replay every config of `job` on this process's saved ranks; outcomes in the configs' order.
+
+    `cancel` (in-process runs only; spawned processes are stopped by their launcher) is checked
+    between configs.
+    """
     start = time.perf_counter()
     inputs = RankInputs(job.replay_dir, job.assignment[process], job.device)
     outcomes = {cfg.config_id: ConfigOutcome(cfg.config_id) for cfg in job.configs}
     load_s = time.perf_counter() - start
     model, weights = None, object()
     for group in _groups(job.configs):
+        check_cancel(cancel, "replay")
         t0 = time.perf_counter()
         if group[0].weights != weights or model is None:
             weights = group[0].weights
@@ -162,6 +169,7 @@ def compute(job: WorkerJob, process: int) -> list[ConfigOutcome]:
         for rep in range(job.repeat):
             grads, metrics = forward_group(model, inputs, group)
             for cfg in group:
+                check_cancel(cancel, "replay")
                 norm, top_params = reduce_and_measure(model, grads[cfg.config_id], job.world_size, job.top)
                 outcome = outcomes[cfg.config_id]
                 outcome.grad_norms.append(norm)

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import JOB, replay_result, save_result
+from record_helpers import JOB, replay_result, save_result
 
 from axrl_spike_replay import atomic
 from axrl_spike_replay.cli import main

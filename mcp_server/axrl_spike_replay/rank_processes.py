@@ -1,0 +1,132 @@
+"""Run a function in one process per rank under torch.distributed (the trainer's and the replay's launcher).
+
+Processes are spawned with torch.multiprocessing and meet over a FileStore in a private temp dir.
+Each runs with one intra-op thread, so reductions are deterministic and match between capture and
+replay. Every rank passes a barrier before tearing the group down: a rank that leaves while a peer
+still talks to it can abort in gloo's teardown.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.errors import AxrlError
+
+RankFn = Callable[[int, int, Any], None]
+_POLL_S = 0.2
+_GRACE_S = 5.0
+
+
+class RankProcessError(AxrlError):
+    """A rank process failed; `details` holds its traceback when the failure was not expected input."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+class RunCancelled(RankProcessError):
+    """The caller cancelled the run; its processes were stopped."""
+
+
+def check_cancel(cancel: threading.Event | None, what: str = "run") -> None:
+    """Raise RunCancelled when `cancel` is set."""
+    if cancel is not None and cancel.is_set():
+        raise RunCancelled(f"{what} cancelled")
+
+
+def spawn_ranks(
+    fn: RankFn,
+    nproc: int,
+    payload: Any,
+    *,
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+    prepare: Callable[[int, Any], None] | None = None,
+    label: str = "rank",
+    cancel: threading.Event | None = None,
+) -> None:
+    """Run `fn(rank, nproc, payload)` in `nproc` spawned processes joined in one process group.
+
+    `fn` and `prepare` must be module-level functions (they are pickled). `prepare(rank, payload)`
+    runs before the group is made (e.g. to pick the rank's GPU). An AxrlError in a rank is raised
+    here with that rank's message; any other failure raises RankProcessError with its traceback.
+    Setting `cancel` stops every process (SIGTERM, then SIGKILL) and raises RunCancelled.
+    """
+    import torch.multiprocessing as mp
+
+    if nproc < 1:
+        raise AxrlError(f"number of processes must be >= 1, got {nproc}")
+    with tempfile.TemporaryDirectory(prefix="axrl-ranks-") as tmp:
+        args = (fn, nproc, payload, backend, tmp, timeout_s, prepare, label)
+        context = mp.start_processes(_entry, args=args, nprocs=nproc, join=False, start_method="spawn")
+        try:
+            while not context.join(timeout=_POLL_S):
+                if cancel is not None and cancel.is_set():
+                    _stop(context.processes)
+                    raise RunCancelled(f"{label} processes cancelled and stopped")
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            _stop(context.processes)
+            raise _collect_error(Path(tmp), exc, label) from None
+
+
+def _stop(processes: list[Any]) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=_GRACE_S)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def _collect_error(tmp: Path, exc: Exception, label: str) -> RankProcessError:
+    expected = sorted(tmp.glob("error-*.txt"))
+    if expected:
+        return RankProcessError(expected[0].read_text(encoding="utf-8").strip())
+    traces = sorted(tmp.glob("trace-*.txt"))
+    if traces:
+        text = traces[0].read_text(encoding="utf-8")
+        last = text.strip().splitlines()[-1] if text.strip() else "unknown error"
+        return RankProcessError(f"{label} {traces[0].stem.removeprefix('trace-')}: {last}", text)
+    return RankProcessError(f"a {label} process died: {str(exc).strip().splitlines()[0]}", str(exc))
+
+
+def _entry(
+    rank: int,
+    fn: RankFn,
+    nproc: int,
+    payload: Any,
+    backend: str,
+    tmp: str,
+    timeout_s: float,
+    prepare: Callable[[int, Any], None] | None,
+    label: str,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if prepare is not None:
+            prepare(rank, payload)
+        store = dist.FileStore(str(Path(tmp) / "store"), nproc)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=nproc, timeout=timedelta(seconds=timeout_s))
+        fn(rank, nproc, payload)
+        dist.barrier()  # every rank is done with the group before any tears it down
+    except AxrlError as exc:
+        Path(tmp, f"error-{rank:05d}.txt").write_text(f"{label} {rank}: {exc}", encoding="utf-8")
+        raise
+    except BaseException:
+        Path(tmp, f"trace-{rank:05d}.txt").write_text(traceback.format_exc(), encoding="utf-8")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

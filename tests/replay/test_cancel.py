@@ -1,0 +1,54 @@
+"""Stopping a replay: a cancelled run stops its rank processes and leaves a failed result, not a half one."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.rank_processes import RunCancelled, check_cancel
+from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+
+
+def test_cancelling_a_full_fidelity_replay_stops_its_processes(spike_snapshot: Path, tmp_path: Path) -> None:
+    cancel = threading.Event()
+    outcome: dict[str, BaseException] = {}
+
+    def replay() -> None:
+        try:
+            run_replay(spike_snapshot, ReplayOptions(workspace=tmp_path, job="cancel-me", cancel=cancel))
+        except BaseException as exc:  # the assertion below says what was expected
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=replay)
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert multiprocessing.active_children(), "the replay never started its rank processes"
+    cancel.set()
+    worker.join(timeout=60)
+
+    assert not worker.is_alive()
+    assert isinstance(outcome.get("error"), AxrlError)
+    assert "cancelled" in str(outcome["error"])
+    assert not multiprocessing.active_children()
+    results = list(tmp_path.glob("tmp/spike-replay/cancel-me/*/replay_result.json"))
+    assert len(results) == 1
+    doc = json.loads(results[0].read_text())
+    assert doc["verdict"] == "failed" and doc["grad_norm"] is None
+    assert "cancelled" in doc["error"]
+
+
+def test_an_unset_cancel_event_does_not_stop_anything() -> None:
+    check_cancel(None)
+    check_cancel(threading.Event())
+    event = threading.Event()
+    event.set()
+    with pytest.raises(RunCancelled, match="replay cancelled"):
+        check_cancel(event, "replay")
