@@ -3,9 +3,10 @@
 
 For each spike preset: capture a run, preserve its worst snapshot, open a task, replay the
 baseline at full fidelity, sweep the seed workflow's methods and the classic loss-level guards, and
-write up every config that cleared the spike (refusing duplicates, as the tool always does). The
-method files, the index and each method's replay results (baseline and mitigated
-`replay_result.json`) are then copied into the repository. Nothing here is written by hand.
+write up every config that cleared (or partly cleared) the spike, refusing duplicates as the tool
+always does. The method files, the index and each method's replay results (baseline and mitigated
+`replay_result.json`) are then copied into the repository, and the main skill's list of recorded
+methods is refreshed. Nothing here is written by hand.
 
     .venv/bin/python scripts/make_methods.py [--presets ratio_outliers negative_advantage_dominance]
 """
@@ -19,9 +20,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from axrl_spike_replay.atomic import atomic_write_text
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP
 from axrl_spike_replay.replay.sweep import run_sweep
+from axrl_spike_replay.skill_pack import methods_block, with_methods_block
 from axrl_spike_replay.snapshot.listing import list_snapshots
 from axrl_spike_replay.snapshot.preserve import preserve
 from axrl_spike_replay.workspace.methods import list_methods, write_index
@@ -100,6 +103,8 @@ def export(workspace: Path) -> None:
         for file in evidence.iterdir():
             file.write_text(file.read_text(encoding="utf-8").replace(str(workspace), PLACEHOLDER), encoding="utf-8")
     write_index(REPO)
+    skill = REPO / "skills" / "axrl-spike-replay" / "SKILL.md"  # its recorded-methods list follows the files
+    atomic_write_text(skill, with_methods_block(skill.read_text(encoding="utf-8"), methods_block(list_methods(REPO))))
 
 
 def main() -> int:

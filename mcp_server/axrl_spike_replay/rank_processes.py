@@ -8,6 +8,8 @@ still talks to it can abort in gloo's teardown.
 
 from __future__ import annotations
 
+import faulthandler
+import logging
 import tempfile
 import threading
 import traceback
@@ -19,6 +21,7 @@ from typing import Any
 from axrl_spike_replay.errors import AxrlError
 
 RankFn = Callable[[int, int, Any], None]
+log = logging.getLogger("axrl_spike_replay.ranks")
 _POLL_S = 0.2
 _GRACE_S = 5.0
 
@@ -51,6 +54,7 @@ def spawn_ranks(
     prepare: Callable[[int, Any], None] | None = None,
     label: str = "rank",
     cancel: threading.Event | None = None,
+    native_crash_retries: int = 0,
 ) -> None:
     """Run `fn(rank, nproc, payload)` in `nproc` spawned processes joined in one process group.
 
@@ -58,11 +62,37 @@ def spawn_ranks(
     runs before the group is made (e.g. to pick the rank's GPU). An AxrlError in a rank is raised
     here with that rank's message; any other failure raises RankProcessError with its traceback.
     Setting `cancel` stops every process (SIGTERM, then SIGKILL) and raises RunCancelled.
+    `native_crash_retries` reruns the whole group when a process was killed by a signal before it
+    could report anything (rare aborts in gloo's native code under load); only for side-effect-free work.
     """
-    import torch.multiprocessing as mp
-
     if nproc < 1:
         raise AxrlError(f"number of processes must be >= 1, got {nproc}")
+    for attempt in range(1 + native_crash_retries):
+        try:
+            _spawn_once(fn, nproc, payload, backend, timeout_s, prepare, label, cancel)
+            return
+        except _NativeCrash as crash:
+            if attempt == native_crash_retries:
+                raise RankProcessError(str(crash), crash.details) from None
+            log.warning("%s; running the %s processes again (their work has no side effects)", crash, label)
+
+
+class _NativeCrash(RankProcessError):
+    """A process died from a signal before it could report (a crash in native code)."""
+
+
+def _spawn_once(
+    fn: RankFn,
+    nproc: int,
+    payload: Any,
+    backend: str,
+    timeout_s: float,
+    prepare: Callable[[int, Any], None] | None,
+    label: str,
+    cancel: threading.Event | None,
+) -> None:
+    import torch.multiprocessing as mp
+
     with tempfile.TemporaryDirectory(prefix="axrl-ranks-") as tmp:
         args = (fn, nproc, payload, backend, tmp, timeout_s, prepare, label)
         context = mp.start_processes(_entry, args=args, nprocs=nproc, join=False, start_method="spawn")
@@ -73,7 +103,10 @@ def spawn_ranks(
                     raise RunCancelled(f"{label} processes cancelled and stopped")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             _stop(context.processes)
-            raise _collect_error(Path(tmp), exc, label) from None
+            error = _collect_error(Path(tmp), exc, label)
+            if isinstance(exc, mp.ProcessExitedException) and exc.signal_name and not any(Path(tmp).glob("*-*.txt")):
+                raise _NativeCrash(str(error), error.details) from None
+            raise error from None
 
 
 def _stop(processes: list[Any]) -> None:
@@ -113,6 +146,7 @@ def _entry(
     import torch
     import torch.distributed as dist
 
+    faulthandler.enable()  # a native abort (gloo, CUDA) still prints where Python was
     torch.set_num_threads(1)
     try:
         if prepare is not None:

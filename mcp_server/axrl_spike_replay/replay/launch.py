@@ -95,8 +95,9 @@ def _spawn(job: WorkerJob, nproc: int, timeout_s: float, cancel: threading.Event
             backend=backend_for(job.device, nproc),
             timeout_s=timeout_s,
             prepare=_prepare_process,
-            label="replay process",
+            label="replay",
             cancel=cancel,
+            native_crash_retries=1,  # a replay only reads the snapshot: rerunning it is safe
         )
         doc = json.loads(Path(outcomes_path).read_text(encoding="utf-8"))
     return [ConfigOutcome(**item) for item in doc]
