@@ -172,3 +172,22 @@ def test_inspect_reads_headers_and_small_tensors_not_the_large_ones(tmp_path: Pa
 
     assert result.problems == [] and result.ranks[0].num_loss_tokens == 10 * 3 + 6
     assert _resident_fraction(big) < 0.05  # the 64 MiB tensor was never read
+
+
+def test_inspect_reads_the_checkpoint_metadata_without_importing_dcp(tmp_path) -> None:
+    """Inspect stays cheap: the checkpoint's own metadata is read without torch.distributed.checkpoint."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    golden = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
+    snapshot = sorted((golden / "checkpoints" / "spike_snapshots").glob("iter_*"))[0]
+    code = (
+        "import sys\n"
+        "from axrl_spike_replay.snapshot.inspect import inspect_snapshot\n"
+        f"info = inspect_snapshot({str(snapshot)!r})\n"
+        "assert info.model.tensors == 27 and not info.problems, info\n"
+        "print('torch.distributed.checkpoint' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

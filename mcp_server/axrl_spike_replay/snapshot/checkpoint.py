@@ -32,7 +32,33 @@ _DCP_METADATA_CLASSES = {
 }
 
 
+class _Record:
+    """Stand-in for a DCP metadata class when only sizes and dtypes are wanted: keeps the pickled state.
+
+    Importing torch.distributed.checkpoint costs most of a second; `summarize_checkpoint` avoids it.
+    """
+
+    def __init__(self, *args: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+        elif isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+            self.__dict__.update(state[0] or {})  # (dict, slots) as dataclasses with slots pickle
+            self.__dict__.update(state[1])
+        else:
+            self.state = state  # TensorProperties pickles a tuple starting with the dtype
+
+
+_RECORDS = {name: type(name, (_Record,), {}) for name in (*_DCP_METADATA_CLASSES, "_StorageInfo")}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, records: bool = False) -> None:
+        super().__init__(file)
+        self.records = records
+
     def find_class(self, module: str, name: str) -> Any:
         import torch
 
@@ -46,16 +72,21 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
         if not allowed:
             raise UnsafeFileError(f"unsupported global {module}.{name}")
+        if self.records and module.startswith("torch.distributed.checkpoint."):
+            return _RECORDS[name]
         return super().find_class(module, name)
 
 
-def read_checkpoint_metadata(checkpoint_dir: str | Path) -> Any:
-    """DCP `Metadata` of a checkpoint directory, unpickled with an allowlist."""
+def read_checkpoint_metadata(checkpoint_dir: str | Path, *, records: bool = False) -> Any:
+    """DCP `Metadata` of a checkpoint directory, unpickled with an allowlist.
+
+    `records=True` gives light stand-ins of DCP's classes (same attributes) without importing DCP.
+    """
     path = Path(checkpoint_dir) / DCP_METADATA
     if not path.is_file():
         raise SnapshotError(f"{path}: checkpoint metadata not found (no distributed checkpoint here)")
     try:
-        return _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        return _MetadataUnpickler(io.BytesIO(path.read_bytes()), records).load()
     except UnsafeFileError as exc:
         raise UnsafeFileError(f"{path}: refused to load: {exc}; nothing in it was run") from None
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
@@ -71,15 +102,14 @@ class CheckpointSummary:
 
 def summarize_checkpoint(checkpoint_dir: str | Path) -> CheckpointSummary:
     """Tensor count, total bytes and {name: (shape, dtype)} from the checkpoint's own metadata."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = read_checkpoint_metadata(checkpoint_dir)
+    metadata = read_checkpoint_metadata(checkpoint_dir, records=True)
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     total = 0
     for name, item in metadata.state_dict_metadata.items():
-        if isinstance(item, TensorStorageMetadata):
+        if type(item).__name__ == "TensorStorageMetadata":
             size = tuple(int(d) for d in item.size)
-            dtype = item.properties.dtype
+            props = item.properties
+            dtype = props.dtype if hasattr(props, "dtype") else props.state[0]
             numel = 1
             for d in size:
                 numel *= d

@@ -12,7 +12,7 @@ from axrl_spike_replay.snapshot.metadata import read_metadata
 
 def checkpoint_data_files(snapshot_dir: str | Path) -> list[str]:
     """Relative paths of the `.distcp` files the checkpoint's `.metadata` refers to."""
-    metadata = read_checkpoint_metadata(snapshot_dir)
+    metadata = read_checkpoint_metadata(snapshot_dir, records=True)
     storage = getattr(metadata, "storage_data", None) or {}
     return sorted({str(info.relative_path) for info in storage.values()})
 
