@@ -89,7 +89,7 @@ def read_state(workspace: Path, job: str) -> dict[str, Any]:
 def write_state(workspace: Path, job: str, state: dict[str, Any]) -> None:
     """Render the markdown first (so a template error writes nothing), then replace both files atomically."""
     state["updated_at"] = now()
-    text = render_task(state)
+    text = render_task(state, workspace)
     write_file(task_json_path(workspace, job), json.dumps(state, indent=2, default=str) + "\n", "task state")
     write_file(task_md_path(workspace, job), text, "task file")
 
@@ -104,9 +104,18 @@ def write_file(path: Path, text: str, what: str) -> Path:
         ) from exc
 
 
-def render_task(state: dict[str, Any]) -> str:
-    """The task file's markdown from its state."""
-    return render("task.md.j2", task=state)
+def render_task(state: dict[str, Any], workspace: Path | None = None) -> str:
+    """The task file's markdown from its state; table paths inside `workspace` are shown relative to it."""
+
+    def rel(path: Any) -> Any:
+        if workspace is None or not path:
+            return path
+        try:
+            return str(Path(str(path)).relative_to(workspace))
+        except ValueError:
+            return path
+
+    return render("task.md.j2", task=state, rel=rel)
 
 
 def update_task(
