@@ -52,3 +52,26 @@ def test_an_unset_cancel_event_does_not_stop_anything() -> None:
     event.set()
     with pytest.raises(RunCancelled, match="replay cancelled"):
         check_cancel(event, "replay")
+
+
+def test_a_cancelled_attribution_stops_before_its_gradient_pass(spike_snapshot: Path) -> None:
+    from axrl_spike_replay.replay.attribution import attribute_spike
+
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(RunCancelled, match="attribution cancelled"):
+        attribute_spike(spike_snapshot, cancel=cancel)
+
+
+def test_a_cancelled_log_scan_stops_between_files(tmp_path: Path) -> None:
+    from axrl_spike_replay.analysis.log_scan import scan_logs
+
+    log = tmp_path / "train.log"
+    log.write_text(" iteration        1/      10 | lm loss: 1.0E-01 | grad norm: 0.5 |\n")
+    seen: list[str] = []
+    assert len(scan_logs([log], tmp_path / "copy", progress=seen.append).series_points) == 1
+    assert seen == ["scanning train.log (1/1)"]
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(AxrlError, match="cancelled"):
+        scan_logs([log], tmp_path / "copy2", cancel=cancel)

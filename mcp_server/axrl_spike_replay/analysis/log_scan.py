@@ -15,7 +15,8 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,9 +183,12 @@ def scan_logs(
     window: int | None = None,
     threshold: float | None = None,
     warmup: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> LogScan:
     """Copy logs (files, or dirs holding `*.log` / `logs/*.log`) to `dest` and scan the copies.
 
+    `progress` receives a line per log file scanned; setting `cancel` stops between files (AxrlError).
     `dest` defaults to `./tmp/spike-replay/<job or name>/logs` in the current workspace. Detector
     settings not given come from the run's own config (the `detector:` section of the newest
     snapshot's `run_config.yaml` in the logs' output dir), else the guard's defaults.
@@ -215,7 +219,11 @@ def scan_logs(
     points: dict[int, dict[str, Any]] = {}
     errors: list[dict[str, Any]] = []
     error_lines = lines = repeated = 0
-    for copy in copies:
+    for done, copy in enumerate(copies, start=1):
+        if cancel is not None and cancel.is_set():
+            raise AxrlError(f"log scan cancelled after {done - 1} of {len(copies)} file(s)")
+        if progress is not None:
+            progress(f"scanning {copy.name} ({done}/{len(copies)})")
         for number, line in _lines(copy):
             lines += 1
             parsed = parse_line(line)

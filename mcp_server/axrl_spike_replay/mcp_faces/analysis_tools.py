@@ -63,7 +63,15 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         def work(progress: Progress, cancel: threading.Event) -> tuple[LogScan, list[bytes]]:
             name = check_plain_name(job, "job name") if job else default_name(paths)
             progress.message(f"copying and scanning {len(paths)} path(s)")
-            scan = scan_logs(paths, root / TMP_DIR / name / "logs", window=window, threshold=threshold, warmup=warmup)
+            scan = scan_logs(
+                paths,
+                root / TMP_DIR / name / "logs",
+                window=window,
+                threshold=threshold,
+                warmup=warmup,
+                progress=progress.message,
+                cancel=cancel,
+            )
             images = []
             if plot:
                 from axrl_spike_replay.analysis.plots import grad_norm_series_png

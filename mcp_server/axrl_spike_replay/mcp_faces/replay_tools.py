@@ -284,7 +284,14 @@ def register(server: MCPServer, config: ServerConfig) -> None:
 
             progress.message(f"attributing the spike of {target} to its samples ({method})")
             found = attribute_spike(
-                target, top, mitigations=mitigations, device=device, method=method, workspace=root, job=job
+                target,
+                top,
+                mitigations=mitigations,
+                device=device,
+                method=method,
+                workspace=root,
+                job=job,
+                cancel=cancel,
             )
             return dataclasses.asdict(found)
 

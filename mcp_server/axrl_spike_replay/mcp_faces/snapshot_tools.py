@@ -71,7 +71,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         def work(progress: Progress, cancel: threading.Event) -> PreserveResult:
             what = f"iteration {iteration}" if iteration is not None else "every retained snapshot"
             progress.message(f"preserving {what} of {output_dir}")
-            result = preserve(config.path(output_dir), iteration)
+            result = preserve(config.path(output_dir), iteration, progress=progress.message)
             progress.message(f"preserved {len(result.preserved)}, failed {len(result.failed)}")
             return result
 

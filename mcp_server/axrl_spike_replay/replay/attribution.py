@@ -14,6 +14,7 @@ per sample is needed; `method="per_sample_backward"` does that naive way, for ch
 from __future__ import annotations
 
 import math
+import threading
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
 from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, parse_config
@@ -239,8 +241,11 @@ def attribute_spike(
     workspace: str | Path | None = None,
     job: str | None = None,
     command: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> Attribution:
-    """Rank the samples of a snapshot's step by their contribution to the replayed global grad norm."""
+    """Rank the samples of a snapshot's step by their contribution to the replayed global grad norm.
+
+    Setting `cancel` stops the work between its stages (RunCancelled)."""
     if method not in METHODS:
         raise ConfigError(f"method must be one of {METHODS}, got {method!r}")
     if not isinstance(top, int) or top < 1:
@@ -256,7 +261,7 @@ def attribute_spike(
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            attribution = _attribute(inputs, cfg, top, device, method, start)
+            attribution = _attribute(inputs, cfg, top, device, method, start, cancel)
         finally:
             torch.set_num_threads(threads)
     attribution.output_dir = str(run.path or "")
@@ -266,13 +271,21 @@ def attribute_spike(
 
 
 def _attribute(
-    inputs: ReplayInputs, cfg: AppliedConfig, top: int, device: str, method: str, start: float
+    inputs: ReplayInputs,
+    cfg: AppliedConfig,
+    top: int,
+    device: str,
+    method: str,
+    start: float,
+    cancel: threading.Event | None = None,
 ) -> Attribution:
     world_size = inputs.world_size
     model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device)
     ranks = RankInputs(inputs.replay_dir, range(world_size), device)
+    check_cancel(cancel, "attribution")
     t0 = time.perf_counter()
     passes, router_sum = _gradient_pass(model, ranks, cfg)
+    check_cancel(cancel, "attribution")
     reduce_gradients(model, world_size)
     grad_norm = global_grad_norm(model)
     t1 = time.perf_counter()

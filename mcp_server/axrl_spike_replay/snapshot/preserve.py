@@ -17,6 +17,7 @@ import errno
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -186,9 +187,12 @@ def _preserve_one(source: Path, preserved_root: Path, iteration: int) -> Preserv
     return PreservedCopy(iteration, str(final), linked, copied, "preserved", str(source))
 
 
-def preserve(output_dir: str | Path, iteration: int | None = None) -> PreserveResult:
+def preserve(
+    output_dir: str | Path, iteration: int | None = None, progress: Callable[[str], None] | None = None
+) -> PreserveResult:
     """Preserve retained snapshot `iteration`, or every retained snapshot when None (cheap: hardlinks).
 
+    `progress` receives a line per snapshot done (for long copies across filesystems).
     Idempotent: an existing preserved copy is reported as "already_preserved". A source rotated away
     (or found incomplete) mid-copy becomes a `failed` entry and leaves nothing under `iter_<N>`.
     A requested iteration that is not retained raises AxrlError.
@@ -213,6 +217,9 @@ def preserve(output_dir: str | Path, iteration: int | None = None) -> PreserveRe
         for it, source in retained.items():
             outcome = _preserve_one(source, preserved_root, it)
             (result.preserved if isinstance(outcome, PreservedCopy) else result.failed).append(outcome)
+            if progress is not None:
+                status = outcome.status if isinstance(outcome, PreservedCopy) else "failed"
+                progress(f"iteration {it}: {status} ({len(result.preserved) + len(result.failed)}/{len(retained)})")
     return result
 
 
