@@ -140,6 +140,29 @@ class ReplaySession:
             )
         return baseline, results
 
+    def _fields(self, cfg: AppliedConfig, config_id: str) -> dict[str, Any]:
+        """What every result of this session says, whatever its outcome."""
+        meta = self.inputs.metadata
+        return {
+            "snapshot": self.inputs.snapshot,
+            "backend": "torch",
+            "target": "local",
+            "fidelity": self.plan.fidelity,
+            "world_size_saved": self.inputs.world_size,
+            "world_size_used": self.plan.nproc,
+            "mitigations": dict(cfg.mitigations),
+            "recorded_grad_norm": meta.grad_norm,
+            "median_norm": meta.median_norm,
+            "threshold": self.threshold,
+            "device": self.options.device,
+            "job_name": meta.job_name,
+            "role": meta.role,
+            "iteration": meta.iteration,
+            "config_id": config_id,
+            "created_at": now_iso(),
+            "legacy_layout": self.inputs.legacy,
+        }
+
     def result(self, cfg: AppliedConfig, outcome: ConfigOutcome, baseline_norm: float | None) -> ReplayResult:
         """The ReplayResult of one config's outcome."""
         meta, norm = self.inputs.metadata, outcome.grad_norms[0]
@@ -149,67 +172,33 @@ class ReplaySession:
         else:
             verdict, change = baseline_verdict(norm, meta.grad_norm, self.tolerance), None
         spread = max(outcome.grad_norms) - min(outcome.grad_norms) if len(outcome.grad_norms) > 1 else None
-        timings = {**outcome.timings, "total": time.perf_counter() - self.started}
         return ReplayResult(
-            snapshot=self.inputs.snapshot,
-            backend="torch",
-            target="local",
-            fidelity=self.plan.fidelity,
-            world_size_saved=self.inputs.world_size,
-            world_size_used=self.plan.nproc,
-            mitigations=dict(cfg.mitigations),
+            **self._fields(cfg, cfg.config_id),
             grad_norm=norm,
-            recorded_grad_norm=meta.grad_norm,
             rel_diff=rel_diff(norm, meta.grad_norm),
-            median_norm=meta.median_norm,
             spike_ratio=norm / meta.median_norm if meta.median_norm > 0 else None,
             verdict=verdict,
-            threshold=self.threshold,
             baseline_grad_norm=baseline_norm if cfg.mitigations else None,
             change_vs_baseline=change,
             top_params=outcome.top_params,
-            timings=timings,
-            device=self.options.device,
-            job_name=meta.job_name,
-            role=meta.role,
-            iteration=meta.iteration,
-            config_id=cfg.config_id,
-            created_at=now_iso(),
+            timings={**outcome.timings, "total": time.perf_counter() - self.started},
             tolerance=self.tolerance,
             repeat_grad_norms=list(outcome.grad_norms) if len(outcome.grad_norms) > 1 else [],
             repeat_spread=spread,
             rank_metrics=outcome.rank_metrics,
-            legacy_layout=self.inputs.legacy,
         )
 
     def failed(self, error: str, verb: str = "replay") -> ReplayResult:
         """The result recorded for a run that failed after its output dir was made (a sweep: one for all)."""
-        meta = self.inputs.metadata
         cfg = self.configs[-1] if verb == "replay" else apply_config({}, self.inputs.loss, self.inputs.routing)
         return ReplayResult(
-            snapshot=self.inputs.snapshot,
-            backend="torch",
-            target="local",
-            fidelity=self.plan.fidelity,
-            world_size_saved=self.inputs.world_size,
-            world_size_used=self.plan.nproc,
-            mitigations=dict(cfg.mitigations),
+            **self._fields(cfg, cfg.config_id if verb == "replay" else verb),
             grad_norm=None,
-            recorded_grad_norm=meta.grad_norm,
             rel_diff=None,
-            median_norm=meta.median_norm,
             spike_ratio=None,
             verdict="failed",
-            threshold=self.threshold,
             timings={"total": time.perf_counter() - self.started},
-            device=self.options.device,
-            job_name=meta.job_name,
-            role=meta.role,
-            iteration=meta.iteration,
-            config_id=cfg.config_id if verb == "replay" else verb,
             error=error,
-            created_at=now_iso(),
-            legacy_layout=self.inputs.legacy,
         )
 
     def record(self, result: ReplayResult, path: Path | None) -> str | None:
