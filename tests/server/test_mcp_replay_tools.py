@@ -66,7 +66,7 @@ def test_an_unknown_mitigation_is_a_tool_error_listing_the_valid_ones(
 
 def test_the_tool_descriptions_name_exactly_the_registry_mitigations() -> None:
     from axrl_spike_replay.mcp_faces.replay_models import SweepView
-    from axrl_spike_replay.mcp_faces.replay_tools import MITIGATION_NAMES
+    from axrl_spike_replay.replay.mitigation_names import MITIGATION_NAMES
     from axrl_spike_replay.replay.mitigations import MITIGATIONS
     from axrl_spike_replay.replay.sweep import SweepResult
 

@@ -18,29 +18,9 @@ from pydantic import Field
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_async_library, call_library, structured
 from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg
 from axrl_spike_replay.mcp_faces.replay_models import AttributionView, SweepView
+from axrl_spike_replay.replay.mitigation_names import MITIGATION_NAMES
 from axrl_spike_replay.replay.result import ReplayResult
 
-# The registry's names (replay/mitigations.py imports torch, so they are spelled out here; a test keeps the
-# two in step). The resource axrl://mitigations lists them with their values and meaning.
-MITIGATION_NAMES = (
-    "mismatch_token_clip_max",
-    "ratio_outlier_mask",
-    "advantage_clip",
-    "log_ratio_clip",
-    "loss_agg_mode",
-    "is_base_logprobs",
-    "clip_eps_low",
-    "clip_eps_high",
-    "dual_clip_c",
-    "kl_coef",
-    "entropy_coef",
-    "aux_loss_coef",
-    "z_loss_coef",
-    "routing_replay",
-    "current_routing_layers",
-    "balance_negative_advantages",
-    "initial_model",
-)
 _NAMES = ", ".join(MITIGATION_NAMES)
 
 
