@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from axrl_spike_replay.atomic import temp_beside
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.errors import RemoteError
 from axrl_spike_replay.remote.job import Captured, JobOutcome, LineCallback, check_temp_dir, exit_reason, pump_lines
@@ -106,7 +107,7 @@ class LocalSession:
         if local_path.exists() and source.resolve() == local_path.resolve():
             return local_path
         local_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{local_path.name}.", suffix=".part", dir=local_path.parent)
+        fd, tmp = temp_beside(local_path, suffix=".part")
         os.close(fd)
         try:
             shutil.copyfile(source, tmp)

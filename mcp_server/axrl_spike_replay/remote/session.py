@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import tempfile
 import time
 from pathlib import Path
 
 import asyncssh
 
+from axrl_spike_replay.atomic import temp_beside
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.connect import ConnectSettings, SshConnection, open_connection
 from axrl_spike_replay.remote.errors import RemoteError
@@ -138,7 +138,7 @@ class RemoteSession:
         """Copy node file `path` to `local_path` over SFTP, atomically (temp file, then rename)."""
         sftp = await self.sftp()
         local_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{local_path.name}.", suffix=".part", dir=local_path.parent)
+        fd, tmp = temp_beside(local_path, suffix=".part")
         os.close(fd)
         try:
             await sftp.get(path, tmp)

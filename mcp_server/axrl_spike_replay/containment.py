@@ -1,0 +1,34 @@
+"""Staying inside a tree: no symlink is followed out of the directory being read or written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from axrl_spike_replay.errors import AxrlError
+
+
+def is_inside(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> bool:
+    """True when `path`, with every symlink resolved, lies inside `root` (also resolved)."""
+    resolved_root = Path(root).resolve()
+    resolved = Path(path).resolve()
+    return resolved == resolved_root or resolved_root in resolved.parents
+
+
+def check_inside(path: str | os.PathLike[str], root: str | os.PathLike[str], what: str) -> Path:
+    """`path` when it resolves inside `root`; AxrlError naming it (and where it leads) otherwise."""
+    candidate = Path(path)
+    if not is_inside(candidate, root):
+        raise AxrlError(
+            f"{what} {candidate} leads outside {root} (to {candidate.resolve()}) through a symlink; "
+            "refusing to follow it"
+        )
+    return candidate
+
+
+def link_leaving(entry: str | os.PathLike[str], root: str | os.PathLike[str]) -> str | None:
+    """Why `entry` must be skipped when walking `root` (a symlink whose target is outside it), else None."""
+    candidate = Path(entry)
+    if candidate.is_symlink() and not is_inside(candidate, root):
+        return f"is a symlink to {os.readlink(candidate)!s}, outside {root}"
+    return None

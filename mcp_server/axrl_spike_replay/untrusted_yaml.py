@@ -1,0 +1,74 @@
+"""YAML we did not write: no aliases (no billion-laughs), bounded size and depth, errors that name the source."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import yaml
+
+from axrl_spike_replay.display import shown
+from axrl_spike_replay.errors import ConfigError
+
+MAX_YAML_BYTES = 4 * 1024 * 1024  # a run config or mitigation set is kilobytes; this bounds the parser's work
+MAX_YAML_DEPTH = 64
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """SafeLoader that refuses anchors' use (aliases) and deep nesting while composing."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:  # type: ignore[override]  # PyYAML's untyped hook
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise ConfigError(f"uses a YAML alias (*{shown(event.anchor, 40)}); aliases are refused in untrusted YAML")
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise ConfigError(f"nests deeper than {MAX_YAML_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def load_untrusted_yaml(text: str | bytes, source: str) -> Any:
+    """Parse YAML from `source` (a file name or argument, used in errors) without aliases; ConfigError if bad."""
+    if isinstance(text, bytes):
+        if len(text) > MAX_YAML_BYTES:
+            raise ConfigError(f"{source}: {len(text)} bytes of YAML, more than the {MAX_YAML_BYTES}-byte limit")
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if len(text) > MAX_YAML_BYTES:
+        raise ConfigError(f"{source}: {len(text)} characters of YAML, more than the {MAX_YAML_BYTES} limit")
+    loader = _NoAliasLoader(text)
+    try:
+        return loader.get_single_data()
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {_short_yaml_error(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nests too deeply to parse") from None
+    finally:
+        loader.dispose()
+
+
+def _short_yaml_error(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return shown(str(problem), 160, quote=False) + where
+
+
+def read_untrusted_yaml(path: Any, what: str = "YAML file") -> Any:
+    """Read and parse a YAML file we did not write; ConfigError naming the file when unreadable or bad."""
+    try:
+        size = os.stat(path).st_size
+        if size > MAX_YAML_BYTES:
+            raise ConfigError(f"{what} {path}: {size} bytes, more than the {MAX_YAML_BYTES}-byte limit")
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_YAML_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot read it ({exc.strerror or exc})") from None
+    return load_untrusted_yaml(data, f"{what} {path}")
