@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import asyncssh
-from filelock import FileLock
 
 from axrl_spike_replay.atomic import atomic_write_text
+from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.remote.errors import HostKeyError
 
 DEFAULT_KNOWN_HOSTS = Path("~/.ssh/known_hosts")
@@ -48,7 +48,7 @@ def record_host_key(path: Path, host: str, port: int | None, key: asyncssh.SSHKe
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # like ~/.ssh
     if path.exists() and not path.is_file():
         raise HostKeyError(f"known_hosts {path} is not a regular file; cannot record the key of {host}")
-    with FileLock(str(path) + ".lock", timeout=30):
+    with held_lock(str(path) + ".lock", 30, f"known_hosts {path}"):
         old = path.read_text(encoding="utf-8") if path.exists() else ""
         mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644
         if old and not old.endswith("\n"):

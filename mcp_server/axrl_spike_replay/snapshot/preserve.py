@@ -23,11 +23,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
 from axrl_spike_replay import __version__
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.snapshot.completeness import missing_required
 from axrl_spike_replay.snapshot.layout import PRESERVE_MARKER, PRESERVED_DIR, SNAPSHOTS_DIR, iteration_dir_name
 from axrl_spike_replay.snapshot.listing import iteration_dirs
@@ -213,7 +212,7 @@ def preserve(
     except OSError as exc:
         raise AxrlError(f"{preserved_root}: cannot create the preserved dir ({exc.strerror or exc})") from None
     result = PreserveResult(output_dir=str(directory))
-    with FileLock(str(preserved_root / _LOCK_NAME)):
+    with held_lock(preserved_root / _LOCK_NAME, 300, f"preserved snapshots in {preserved_root}"):
         for it, source in retained.items():
             outcome = _preserve_one(source, preserved_root, it)
             (result.preserved if isinstance(outcome, PreservedCopy) else result.failed).append(outcome)
@@ -289,7 +288,7 @@ def release(output_dir: str | Path, iteration: int | None = None) -> ReleaseResu
     result = ReleaseResult(output_dir=str(directory))
     if not found:
         return result
-    with FileLock(str(preserved_root / _LOCK_NAME)):
+    with held_lock(preserved_root / _LOCK_NAME, 300, f"preserved snapshots in {preserved_root}"):
         for it, path in found.items():
             try:
                 reason = _release_one(path, directory / SNAPSHOTS_DIR)

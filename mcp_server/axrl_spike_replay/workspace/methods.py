@@ -7,9 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
@@ -68,7 +67,7 @@ def add_method(
     def change(state: dict[str, Any]) -> None:
         row = find_attempt(state, attempt_id)
         result, result_note = result_doc(row)
-        with FileLock(str(root / TASKS_DIR / ".methods.lock"), timeout=120):
+        with held_lock(root / TASKS_DIR / ".methods.lock", 120, "method files"):
             _check_not_duplicate(root, slug, result, replace)
             doc = _method_doc(state, row, result, result_note, slug, rationale.strip(), signals)
             path = methods_dir(root) / f"{slug}.md"

@@ -9,10 +9,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-from filelock import FileLock, Timeout
-
 from axrl_spike_replay.atomic import atomic_write_text
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.workspace.paths import TASKS_DIR, check_plain_name, check_workspace, task_json_path, task_md_path
 from axrl_spike_replay.workspace.render import render
 
@@ -53,12 +52,8 @@ def task_lock(workspace: Path, job: str) -> Iterator[None]:
     """Hold `<job>.json.lock`: one writer at a time, across processes."""
     path = task_json_path(workspace, job)
     path.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S)
-    try:
-        with lock:
-            yield
-    except Timeout as exc:
-        raise AxrlError(f"task {job!r}: could not lock {path}.lock within {LOCK_TIMEOUT_S:.0f}s") from exc
+    with held_lock(str(path) + ".lock", LOCK_TIMEOUT_S, f"task {job!r}"):
+        yield
 
 
 def task_exists(workspace: Path, job: str) -> bool:
