@@ -1,110 +1,23 @@
-"""Hostile inputs: a fresh copy of the golden job per example, a workspace, and a tree that must stay untouched."""
+"""Every hostile example runs under an address-space cap: a file declaring a huge size must not be believed."""
 
 from __future__ import annotations
 
-import hashlib
-import io
-import os
 import resource
-import shutil
-import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager, redirect_stderr, redirect_stdout
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+from hostile_helpers import address_space
 
-FIXTURE_JOB = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
-SNAPSHOT_NAME = "iter_0000021"
-MAX_MESSAGE = 4000  # an error names what is wrong in a few lines; it never echoes an unbounded value
 MEMORY_HEADROOM = 2 << 30  # a verb may map and allocate this much beyond what the test process already holds
-
-
-def _address_space() -> int:
-    with open("/proc/self/status", encoding="ascii") as status:
-        for line in status:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 @pytest.fixture(autouse=True)
 def bounded_memory() -> Iterator[None]:
-    """Every hostile example runs under an address-space cap: a file declaring a huge size must not be believed."""
+    """Cap the address space for the test; a MemoryError then fails it instead of the machine."""
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = _address_space() + MEMORY_HEADROOM
+    cap = address_space() + MEMORY_HEADROOM
     resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
     try:
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-
-
-@dataclass
-class Scene:
-    """One example's world: the job's output dir, its snapshot, a workspace and an outside tree."""
-
-    root: Path
-    output_dir: Path
-    snapshot: Path
-    workspace: Path
-    outside: Path
-
-    def outside_digest(self) -> str:
-        """A digest of every name, link target and byte under the outside tree (and the tree itself)."""
-        digest = hashlib.sha256()
-        for dirpath, dirnames, filenames in os.walk(self.outside):
-            dirnames.sort()
-            for name in sorted(filenames):
-                path = Path(dirpath) / name
-                digest.update(str(path.relative_to(self.outside)).encode())
-                digest.update(path.read_bytes())
-        return digest.hexdigest()
-
-
-@contextmanager
-def scene() -> Iterator[Scene]:
-    """A fresh copy of the golden job, a workspace with a symlink leading out, and a precious outside tree."""
-    with tempfile.TemporaryDirectory(prefix="axrl-hostile-") as tmp:
-        root = Path(tmp)
-        output_dir = root / "outputs" / FIXTURE_JOB.name
-        shutil.copytree(FIXTURE_JOB, output_dir)
-        outside = root / "outside"
-        outside.mkdir()
-        (outside / "precious.txt").write_text("must never change\n")
-        workspace = root / "ws"
-        workspace.mkdir()
-        yield Scene(root, output_dir, output_dir / "checkpoints" / "spike_snapshots" / SNAPSHOT_NAME, workspace, outside)
-
-
-@dataclass
-class Outcome:
-    code: int
-    out: str
-    err: str
-
-
-def run_cli(*argv: object) -> Outcome:
-    """`axrl-spike-replay ARGV` in this process; any exception other than SystemExit fails the test (a traceback)."""
-    from axrl_spike_replay.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        try:
-            code = main([str(a) for a in argv])
-        except SystemExit as exc:  # argparse: a usage error is status 2 with its message
-            code = int(exc.code or 0)
-    return Outcome(code, out.getvalue(), err.getvalue())
-
-
-def assert_clear_refusal_or_success(outcome: Outcome, *names: str) -> None:
-    """Status 0, or status 2/1 with a bounded, printable message naming one of `names`; never a traceback."""
-    assert "Traceback" not in outcome.err, outcome.err[-3000:]
-    assert outcome.code in (0, 1, 2), (outcome.code, outcome.err[-2000:])
-    assert "\x1b" not in outcome.err and "\x1b" not in outcome.out, "terminal escape printed raw"
-    if outcome.code != 0:
-        assert outcome.err.strip(), "refused without a message"
-        assert len(outcome.err) <= MAX_MESSAGE, f"message of {len(outcome.err)} characters"
-        if names:
-            assert any(name in outcome.err for name in names), (names, outcome.err)

@@ -4,13 +4,13 @@ result or a tool error that carries a bounded message; the server never crashes 
 from __future__ import annotations
 
 import anyio
+from hostile_helpers import MAX_MESSAGE, scene
+from hostile_strategies import hostile_values
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mcp import Client
 
 from axrl_spike_replay.server import create_server
-from tests.hostile.conftest import MAX_MESSAGE, scene
-from tests.hostile.test_hostile_snapshot_files import hostile_values
 
 # Tools that reach other machines get no target here: hostile text must not become network traffic.
 TOOLS = {

@@ -8,27 +8,13 @@ import json
 import math
 
 import yaml
+from hostile_helpers import SNAPSHOT_NAME, assert_clear_refusal_or_success, run_cli, scene
+from hostile_strategies import hostile_values
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.hostile.conftest import SNAPSHOT_NAME, assert_clear_refusal_or_success, run_cli, scene
-
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-hostile_scalars = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(10**30), max_value=10**30),
-    st.sampled_from([10**9, 10**7, -5, 0, 2**63, 10**4000]),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=40),
-    st.sampled_from(["twenty", "\x1b[31mred\x1b[0m", "../../etc", "32", "", "a\nb"]),
-)
-hostile_values = st.recursive(
-    hostile_scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-    max_leaves=8,
-)
 METADATA_KEYS = [
     ("format_version",), ("job_name",), ("role",), ("iteration",), ("grad_norm",), ("median_norm",),
     ("spike_ratio",), ("detector",), ("detector", "kind"), ("detector", "window"), ("detector", "threshold"),

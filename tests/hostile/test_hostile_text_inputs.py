@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 
+from hostile_helpers import MAX_MESSAGE, assert_clear_refusal_or_success, run_cli, scene
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-
-from tests.hostile.conftest import MAX_MESSAGE, assert_clear_refusal_or_success, run_cli, scene
 
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ALIAS_BOMB = "&a [x,x,x,x,x,x,x,x,x]" + "".join(f", &{c} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]"
@@ -51,7 +50,8 @@ def test_a_mitigation_set_file_is_loaded_or_refused_by_name(text):
 
 
 line_parts = st.sampled_from([
-    "iteration 7/ 100 | grad norm: 3.5 | loss: 1.0 |", "step=3 grad_norm=2.5 loss=0.1", "Traceback (most recent call last)",
+    "iteration 7/ 100 | grad norm: 3.5 | loss: 1.0 |", "step=3 grad_norm=2.5 loss=0.1",
+    "Traceback (most recent call last)",
     "a=" * 50, "x" * 2000, "grad_norm: nan", "ValueError:", "ERROR", "=" * 300, " ", "\x1b[31m", ":" * 100, "1e" * 40,
 ])
 
