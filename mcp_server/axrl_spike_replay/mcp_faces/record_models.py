@@ -21,7 +21,10 @@ class Note(_Open):
 
 class ExperimentRow(_Open):
     id: str = Field(description="Attempt id, e.g. E3 — what method_add takes as `attempt`")
-    verdict: str = Field(description="reproduced / not_reproduced (baseline); cleared / partial / no_effect / worse")
+    verdict: str = Field(
+        description="reproduced / not_reproduced (baseline); cleared / partial / no_effect / worse / "
+        "baseline_not_a_spike (mitigated)"
+    )
     fidelity: str = Field(description="full, or reduced (a diagnostic)")
     change: str = Field(description="The mitigations (or patch) in words; 'baseline' for none")
     grad_norm: Number = Field(None, description="Replayed global grad norm")
