@@ -109,3 +109,22 @@ def test_method_add_list_and_report(spike_outputs: SpikeOutputs, workspace: Path
     report = ok(call(workspace, "write_report", {"job": JOB}))
     assert Path(report["path"]) == workspace / "tmp" / "spike-replay" / JOB / "report.md"
     assert "tis-clip-2" in report["text"]
+
+
+def test_write_report_releases_the_tasks_copy_but_the_last_copy_only_when_asked(
+    spike_outputs: SpikeOutputs, workspace: Path
+) -> None:
+    import shutil
+
+    from axrl_spike_replay.snapshot.preserve import preserve
+
+    (copy,) = preserve(spike_outputs.output_dir, ITERATION).preserved
+    ok(call(workspace, "task_open", {"job": JOB, "snapshot": copy.path}))
+    shutil.rmtree(spike_outputs.snapshot)  # the rotating source is gone: the copy is the last one
+
+    kept = ok(call(workspace, "write_report", {"job": JOB, "release": True}))
+    assert kept["released"][0]["released"] is False and "release-last-copy" in kept["released"][0]["error"]
+    assert Path(copy.path).is_dir()
+
+    gone = ok(call(workspace, "write_report", {"job": JOB, "release": True, "release_last_copy": True}))
+    assert gone["released"][0]["released"] is True and not Path(copy.path).exists()

@@ -45,7 +45,7 @@ READ_ONLY = {
     "method_list",
     "checkpoint_interval",
 }
-DESTRUCTIVE = {"release_preserved"}
+DESTRUCTIVE = {"release_preserved", "write_report"}
 OPEN_WORLD = {"probe_node", "replay", "sweep"}
 
 

@@ -192,3 +192,77 @@ def test_an_unknown_iteration_or_a_foreign_dir_is_refused(make_output_dir, cli) 
     assert [p["iteration"] for p in doc["preserved"]] == [41]
     assert "not made by axrl-spike-replay" in doc["failed"][0]["error"]
     assert _files(foreign) == ["notes.txt"]
+
+
+def _outside_tree(tmp_path: Path) -> Path:
+    """Someone else's files, outside the output dir: what a planted symlink points at."""
+    outside = tmp_path / "someone-elses-files"
+    (outside / "deep").mkdir(parents=True)
+    (outside / "secret.txt").write_text("not a snapshot")
+    (outside / "deep" / "more.txt").write_text("still not a snapshot")
+    return outside
+
+
+def test_an_iteration_dir_symlinked_out_of_the_tree_is_skipped_and_named(make_output_dir, tmp_path: Path, cli) -> None:
+    out = make_output_dir()
+    outside = _outside_tree(tmp_path)
+    before = _state(outside)
+    planted = out / SNAPSHOTS_DIR / "iter_0000099"
+    planted.symlink_to(outside, target_is_directory=True)
+
+    run = cli("preserve", out, "--json")
+
+    assert run.code == 1
+    doc = run.json()
+    assert sorted(c["iteration"] for c in doc["preserved"]) == [41, 42]
+    (failure,) = doc["failed"]
+    assert failure["iteration"] == 99 and failure["source"] == str(planted)
+    assert f"is a symlink to {outside}" in failure["error"] and "not followed" in failure["error"]
+    assert not (out / PRESERVED_DIR / "iter_0000099").exists()
+    assert _state(outside) == before
+    text = cli("preserve", out)
+    assert "iter 99: FAILED" in text.out and "not followed" in text.out
+
+    with pytest.raises(AxrlError, match=r"iter_0000099 is a symlink to .*not followed; nothing was preserved"):
+        preserve(out, 99)
+
+
+def test_files_symlinked_out_of_a_snapshot_are_neither_linked_nor_copied(make_output_dir, tmp_path: Path) -> None:
+    out = make_output_dir()
+    outside = _outside_tree(tmp_path)
+    source = out / SNAPSHOTS_DIR / "iter_0000042"
+    (source / "notes.txt").symlink_to(outside / "secret.txt")
+    (source / "extra").symlink_to(outside / "deep", target_is_directory=True)
+    (source / "alias_metadata.json").symlink_to(source / "axrl_metadata.json")  # inside: fine
+
+    result = preserve(out, 42)
+
+    (copy,) = result.preserved
+    preserved = Path(copy.path)
+    assert not (preserved / "notes.txt").exists() and not (preserved / "extra").exists()
+    assert (preserved / "alias_metadata.json").read_bytes() == (source / "axrl_metadata.json").read_bytes()
+    skipped = {Path(s.path).name: s.reason for s in result.skipped}
+    assert set(skipped) == {"notes.txt", "extra"}
+    assert f"is a symlink to {outside / 'secret.txt'}" in skipped["notes.txt"]
+    assert "not linked or copied" in skipped["notes.txt"] and "not followed" in skipped["extra"]
+    marker = json.loads((preserved / PRESERVE_MARKER).read_text())
+    assert "notes.txt" not in marker["files"] and "alias_metadata.json" in marker["files"]
+    assert inspect_snapshot(copy.path).problems == []
+
+
+def test_a_required_file_symlinked_out_of_the_snapshot_fails_that_snapshot(make_output_dir, tmp_path: Path) -> None:
+    out = make_output_dir()
+    source = out / SNAPSHOTS_DIR / "iter_0000041"
+    batch = source / "batch_rank0.pt"
+    moved = tmp_path / "elsewhere-batch.pt"
+    shutil.move(batch, moved)
+    batch.symlink_to(moved)
+
+    result = preserve(out)
+
+    assert [c.iteration for c in result.preserved] == [42]
+    (failure,) = result.failed
+    assert failure.iteration == 41 and "incomplete without the skipped entries" in failure.error
+    assert "batch_rank0.pt" in failure.error
+    assert not (out / PRESERVED_DIR / "iter_0000041").exists()
+    assert not list((out / PRESERVED_DIR).glob(".iter_0000041*"))

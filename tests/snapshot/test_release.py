@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -93,3 +94,65 @@ def test_release_of_a_missing_copy_names_what_is_there(make_output_dir) -> None:
     preserve(out, 41)
     with pytest.raises(AxrlError, match=r"no preserved copy for iteration 42 \(preserved: 41\)"):
         release(out, 42)
+
+
+BAD_MARKERS = {
+    "iteration-a-word": lambda good: json.dumps({**good, "iteration": "twenty"}).encode(),
+    "iteration-negative": lambda good: json.dumps({**good, "iteration": -5}).encode(),
+    "iteration-null": lambda good: json.dumps({**good, "iteration": None}).encode(),
+    "iteration-bool": lambda good: json.dumps({**good, "iteration": True}).encode(),
+    "files-nested": lambda good: json.dumps({**good, "files": [[1]]}).encode(),
+    "files-escaping": lambda good: json.dumps({**good, "files": ["../../etc/passwd"]}).encode(),
+    "made-by-a-list": lambda good: json.dumps({**good, "made_by": ["axrl-spike-replay"]}).encode(),
+    "a-list": lambda good: b"[1, 2, 3]",
+    "not-json": lambda good: b"{ half a marker",
+    "not-utf8": lambda good: b'{"made_by": "\xff\xfe"}',
+    "nested-100k": lambda good: b"[" * 100_000 + b"]" * 100_000,
+    "huge": lambda good: b'{"pad": "' + b"x" * (9 * 1024 * 1024) + b'"}',
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_MARKERS))
+def test_one_corrupt_marker_is_refused_by_name_and_the_other_copies_proceed(make_output_dir, cli, kind: str) -> None:
+    out = make_output_dir()
+    preserve(out)
+    marker = out / PRESERVED_DIR / "iter_0000041" / PRESERVE_MARKER
+    good = json.loads(marker.read_text())
+    marker.write_bytes(BAD_MARKERS[kind](good))
+
+    # preserve again: the good copy is already there, the bad one is reported, nothing crashes
+    again = cli("preserve", out, "--json")
+    assert again.code == 1 and "Traceback" not in again.err
+    assert [c["status"] for c in again.json()["preserved"]] == ["already_preserved"]
+    assert "iter_0000041 exists but" in again.json()["failed"][0]["error"]
+
+    run = cli("release", out, "--json")
+
+    assert run.code == 1 and "Traceback" not in run.err
+    doc = run.json()
+    assert [c["iteration"] for c in doc["released"]] == [42]
+    (refused,) = doc["refused"]
+    assert refused["path"] == str(out / PRESERVED_DIR / "iter_0000041") and "marker" in refused["reason"]
+    assert len(refused["reason"]) < 400  # bounded: never the marker's content
+    assert (out / PRESERVED_DIR / "iter_0000041").is_dir() and not (out / PRESERVED_DIR / "iter_0000042").exists()
+    single = cli("release", out, "--iteration", "41")
+    assert single.code == 2 and "refused to delete" in single.err and "Traceback" not in single.err
+
+
+def test_a_marker_that_is_a_symlink_or_a_pipe_is_not_followed(make_output_dir, tmp_path: Path) -> None:
+    out = make_output_dir()
+    preserve(out)
+    copy41, copy42 = out / PRESERVED_DIR / "iter_0000041", out / PRESERVED_DIR / "iter_0000042"
+    real = tmp_path / "planted.json"
+    real.write_text((copy41 / PRESERVE_MARKER).read_text())
+    (copy41 / PRESERVE_MARKER).unlink()
+    (copy41 / PRESERVE_MARKER).symlink_to(real)
+    (copy42 / PRESERVE_MARKER).unlink()
+    os.mkfifo(copy42 / PRESERVE_MARKER)  # opening it for reading would wait forever
+
+    result = release(out)
+
+    assert result.released == []
+    reasons = {Path(r.path).name: r.reason for r in result.refused}
+    assert set(reasons) == {"iter_0000041", "iter_0000042"}
+    assert "cannot be read" in reasons["iter_0000041"] and "not a regular file" in reasons["iter_0000042"]

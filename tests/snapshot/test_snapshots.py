@@ -54,3 +54,46 @@ def test_missing_output_dir_is_a_clear_error(tmp_path: Path, cli) -> None:
         list_snapshots(tmp_path / "nope")
     run = cli("snapshots", tmp_path / "nope")
     assert run.code == 2 and "nope: output directory not found" in run.err
+
+
+def test_an_iteration_dir_symlinked_out_of_the_tree_is_listed_as_skipped(make_output_dir, tmp_path: Path, cli) -> None:
+    out = make_output_dir()
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "big.bin").write_bytes(b"x" * 4096)
+    (out / SNAPSHOTS_DIR / "iter_0000099").symlink_to(outside, target_is_directory=True)
+
+    listing = list_snapshots(out)
+
+    assert [s.iteration for s in listing.snapshots] == [41, 42]
+    (skipped,) = listing.skipped
+    assert skipped.iteration == 99 and skipped.path == str(out / SNAPSHOTS_DIR / "iter_0000099")
+    assert f"is a symlink to {outside}" in skipped.reason and "not followed" in skipped.reason
+    run = cli("snapshots", out)
+    assert run.code == 0 and "skipped" in run.out and "iter_0000099" in run.out
+
+
+def test_metadata_symlinked_out_of_the_snapshot_is_not_read(make_output_dir, tmp_path: Path) -> None:
+    out = make_output_dir()
+    snapshot = out / SNAPSHOTS_DIR / "iter_0000041"
+    elsewhere = tmp_path / "someone-elses.json"
+    elsewhere.write_text((snapshot / "axrl_metadata.json").read_text())
+    (snapshot / "axrl_metadata.json").unlink()
+    (snapshot / "axrl_metadata.json").symlink_to(elsewhere)
+
+    entry = list_snapshots(out).snapshots[0]
+
+    assert entry.iteration == 41 and entry.spike_ratio is None
+    assert "is a symlink to" in (entry.problem or "") and "not read" in (entry.problem or "")
+
+
+def test_a_log_symlinked_out_of_the_output_dir_is_not_followed(make_output_dir, tmp_path: Path) -> None:
+    from axrl_spike_replay.snapshot.discovery import find_logs
+
+    out = make_output_dir()
+    elsewhere = tmp_path / "someone-elses.log"
+    elsewhere.write_text("step=1 grad_norm=1.0\n")
+    (out / "logs" / "planted.log").symlink_to(elsewhere)
+    (out / "logs" / "alias.log").symlink_to(out / "logs" / "train.log")  # inside: fine
+
+    assert [p.name for p in find_logs(out)] == ["alias.log", "train.log"]

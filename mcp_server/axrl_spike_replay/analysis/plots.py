@@ -16,6 +16,7 @@ VERDICT_COLOURS = {
     "cleared": "#2e7d32",
     "partial": "#f9a825",
     "no_effect": "#9e9e9e",
+    "baseline_not_a_spike": "#bdbdbd",
     "worse": "#c62828",
     "failed": "#6d4c41",
     "reproduced": "#1565c0",

@@ -102,14 +102,16 @@ def _snapshots(args: argparse.Namespace) -> int:
     result = list_snapshots(args.output_dir)
 
     def render(r: Any) -> str:
+        skipped = [f"skipped {x.path}: {x.reason}" for x in r.skipped]
         if not r.snapshots:
-            return f"{r.output_dir}: no snapshots (looked in checkpoints/spike_snapshots and -active)"
+            empty = f"{r.output_dir}: no snapshots (looked in checkpoints/spike_snapshots and -active)"
+            return "\n".join([empty, *skipped])
         rows = [
             [s.iteration, "preserved" if s.preserved else "retained", s.spike_ratio, s.grad_norm, size(s.bytes), s.path]
             for s in r.snapshots
         ]
         lines = [table(["iteration", "kind", "spike ratio", "grad norm", "size", "path"], rows)]
-        lines += [f"problem: {s.problem}" for s in r.snapshots if s.problem]
+        lines += [f"problem: {s.problem}" for s in r.snapshots if s.problem] + skipped
         return "\n".join(lines)
 
     emit(result, args.json, render)
@@ -131,6 +133,7 @@ def _preserve(args: argparse.Namespace) -> int:
                     f"iter {c.iteration}: preserved at {c.path} ({c.linked_files} hardlinked, {c.copied_files} copied)"
                 )
         lines += [f"iter {f.iteration}: FAILED: {f.error}" for f in r.failed]
+        lines += [f"iter {x.iteration}: skipped {x.path}: {x.reason}" for x in r.skipped]
         return "\n".join(lines) or f"{r.output_dir}: no retained snapshots to preserve"
 
     emit(result, args.json, render)

@@ -75,11 +75,18 @@ def register(sub: Any) -> None:
             "report",
             help="write the investigation report (tmp/spike-replay/<job>/report.md) and print it",
             description="Render the final report from the task state, write it atomically and print it. "
-            "With --release, then remove the preserved hardlink copies of the task's snapshots.",
+            "With --release, then remove the preserved hardlink copies this investigation uses (those of the "
+            "task's current snapshot); the last copy of a snapshot whose rotating iter_N is gone is kept unless "
+            "--release-last-copy. Exit status 1 when a copy was not released.",
         )
     )
     p.add_argument("job", metavar="JOB")
     p.add_argument("--release", action="store_true", help="after writing, release the preserved snapshot copies")
+    p.add_argument(
+        "--release-last-copy",
+        action="store_true",
+        help="with --release: also release a copy that is the last one of its snapshot (the source rotated away)",
+    )
     add_json_flag(p)
     p.set_defaults(handler=_report)
 
@@ -150,8 +157,9 @@ def _method_list(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from axrl_spike_replay.workspace.report import write_report
 
-    emit(write_report(args.workspace, args.job, release=args.release), args.json, _render_report)
-    return 0
+    result = write_report(args.workspace, args.job, release=args.release, release_last_copy=args.release_last_copy)
+    emit(result, args.json, _render_report)
+    return 1 if any(not entry["released"] for entry in result["released"]) else 0
 
 
 def _render_task(task: dict[str, Any]) -> str:

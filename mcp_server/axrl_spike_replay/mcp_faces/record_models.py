@@ -21,7 +21,10 @@ class Note(_Open):
 
 class ExperimentRow(_Open):
     id: str = Field(description="Attempt id, e.g. E3 — what method_add takes as `attempt`")
-    verdict: str = Field(description="reproduced / not_reproduced (baseline); cleared / partial / no_effect / worse")
+    verdict: str = Field(
+        description="reproduced / not_reproduced (baseline); cleared / partial / no_effect / worse / "
+        "baseline_not_a_spike (mitigated)"
+    )
     fidelity: str = Field(description="full, or reduced (a diagnostic)")
     change: str = Field(description="The mitigations (or patch) in words; 'baseline' for none")
     grad_norm: Number = Field(None, description="Replayed global grad norm")
@@ -83,6 +86,10 @@ class ReportWritten(_Open):
     output_dir: str | None = Field(None, description="The job's output dir the snapshot came from")
     snapshot: str | None = Field(None, description="The active snapshot")
     preserved: list[dict[str, Any]] = Field(
-        default_factory=list, description="Preserved copies still present: release them with release_preserved"
+        default_factory=list,
+        description="Preserved copies this investigation uses (its current snapshot's); last_copy: the source is gone",
+    )
+    released: list[dict[str, Any]] = Field(
+        default_factory=list, description="With release: each copy, released or not, and why not (error)"
     )
     counts: dict[str, int] = Field(default_factory=dict, description="experiments, failed, methods")

@@ -100,10 +100,30 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         root = config.workspace_for(workspace)
         return await call_library(ctx, lambda progress, cancel: {"methods": list_methods(root)})
 
-    @server.tool(name="write_report", title="Write the investigation report", annotations=WRITES)
-    async def write_report_tool(job: JobArg, ctx: Context, workspace: WorkspaceArg = None) -> ReportWritten:
+    @server.tool(
+        name="write_report",
+        title="Write the investigation report",
+        annotations=ToolAnnotations(
+            read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False
+        ),
+    )
+    async def write_report_tool(
+        job: JobArg,
+        ctx: Context,
+        release: Annotated[
+            bool, Field(description="After writing, release the preserved copies of the task's current snapshot.")
+        ] = False,
+        release_last_copy: Annotated[
+            bool,
+            Field(description="With release: also delete a copy that is the last one (its source rotated away)."),
+        ] = False,
+        workspace: WorkspaceArg = None,
+    ) -> ReportWritten:
         """Render tmp/spike-replay/<job>/report.md from the task: output dir and snapshot, whether full fidelity
         was possible, the baseline grad norm and rel_diff, every attempt with its metrics, the methods added.
-        Then, at the very end, call release_preserved for the preserved copies it lists."""
+        At the very end, call it with release=true to release the preserved copies this investigation uses
+        (only its current snapshot's); the last remaining copy of a snapshot is kept unless release_last_copy."""
         root = config.workspace_for(workspace)
-        return await call_library(ctx, lambda progress, cancel: write_report(root, job))
+        return await call_library(
+            ctx, lambda progress, cancel: write_report(root, job, release, release_last_copy=release_last_copy)
+        )

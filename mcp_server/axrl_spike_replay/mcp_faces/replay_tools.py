@@ -194,7 +194,8 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         optimizer step), reduce them across data-parallel ranks as the trainer did, and compare the global
         pre-clip grad norm with the recorded one — here, or on a GPU node over SSH (`target`). Without
         mitigations: the baseline (`reproduced` / `not_reproduced`). With a config: a replay-only experiment
-        judged against the baseline at the same layout (`cleared` / `partial` / `no_effect` / `worse`). Writes
+        judged against the baseline at the same layout (`cleared` / `partial` / `no_effect` / `worse`, or
+        `baseline_not_a_spike` when the baseline is under the threshold). Writes
         tmp/spike-replay/<job>/<timestamp>/ (command.txt, logs, replay_result.json) and logs the attempt in the
         job's task file. Reports progress; cancelling the call stops a remote run (its process group)."""
         where = Where(

@@ -28,6 +28,7 @@ from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.replay.run_dir import RunDir, command_line, now_iso
 from axrl_spike_replay.replay.verdict import (
     baseline_verdict,
+    is_spike,
     mitigation_verdict,
     ratio_threshold,
     rel_diff,
@@ -133,6 +134,11 @@ class ReplaySession:
             f"rel_diff {_fmt(baseline.rel_diff)}, tolerance {self.tolerance:g}, ratio to median "
             f"{_fmt(baseline.spike_ratio)}) -> {baseline.verdict}"
         )
+        if results and not is_spike(baseline.grad_norm, self.inputs.metadata.median_norm, self.threshold):
+            self.log(
+                f"baseline is not a spike (ratio to median {_fmt(baseline.spike_ratio)} is under the threshold "
+                f"{self.threshold:g}): no mitigation can be judged to clear it -> baseline_not_a_spike"
+            )
         for r in results:
             self.log(
                 f"{r.config_id}: grad norm {r.grad_norm:.9g} ({_fmt(r.change_vs_baseline)} vs baseline, ratio to "

@@ -5,7 +5,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-VERDICTS = ("reproduced", "not_reproduced", "cleared", "partial", "no_effect", "worse", "failed")
+# baseline: reproduced / not_reproduced; mitigated: see replay.verdict.MITIGATION_VERDICTS; failed: it did not run.
+VERDICTS = (
+    "reproduced",
+    "not_reproduced",
+    "cleared",
+    "partial",
+    "no_effect",
+    "worse",
+    "baseline_not_a_spike",
+    "failed",
+)
 
 
 @dataclass

@@ -2,22 +2,31 @@
 
 A baseline replay is `reproduced` when its grad norm matches the recorded one within the layout's
 tolerance. A mitigated replay is judged against the baseline replay of the same snapshot at the
-same layout: `cleared` when the spike ratio (grad norm / the snapshot's median norm) is under the
-detector threshold, `partial` when the grad norm is at most half the baseline's but still above,
-`worse` when it grew by more than WORSE_MARGIN (or is not finite), `no_effect` otherwise.
+same layout, and only when that baseline is itself a spike (its ratio to the snapshot's median
+norm at or above the threshold): otherwise the verdict is `baseline_not_a_spike` (nothing to clear;
+a detector threshold raised in the metadata cannot make a no-op look like a fix). Against a spike
+baseline: `worse` when the grad norm grew by more than WORSE_MARGIN (or is not finite), `no_effect`
+when it is not measurably (MEASURABLE_DROP) below the baseline's, else `cleared` when the spike
+ratio is under the threshold, `partial` when the grad norm is at most half the baseline's but still
+above, `no_effect` otherwise.
 """
 
 from __future__ import annotations
 
 import math
 
+from axrl_spike_replay.display import shown
+from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.metadata import DetectorSpec
 
 TOLERANCE = {"full": 1e-6, "reduced": 1e-5}
 CUDA_TOLERANCE = 1e-4  # a GPU replay of a CPU-recorded step: different kernels and summation order
 PARTIAL_FACTOR = 0.5  # `partial`: grad norm at most this fraction of the baseline's
 WORSE_MARGIN = 0.05  # `worse`: grad norm more than 5% above the baseline's
-DEFAULT_RATIO_THRESHOLD = 5.0  # for detectors whose own statistic is not a ratio to the median
+MEASURABLE_DROP = 0.01  # a mitigation must lower the grad norm by at least 1% to count at all
+DEFAULT_RATIO_THRESHOLD = 5.0  # for detectors whose own statistic is not a ratio to the median (zscore)
+MITIGATION_VERDICTS = ("cleared", "partial", "no_effect", "worse", "baseline_not_a_spike")
+WRITABLE_VERDICTS = ("cleared", "partial")  # a mitigation that did something to a real spike
 
 
 def tolerance(fidelity: str, device: str = "cpu") -> float:
@@ -27,8 +36,36 @@ def tolerance(fidelity: str, device: str = "cpu") -> float:
 
 
 def ratio_threshold(detector: DetectorSpec) -> float:
-    """The spike-ratio threshold a verdict compares against (the detector's, when it is a median ratio)."""
-    return float(detector.threshold) if detector.kind == "median_ratio" else DEFAULT_RATIO_THRESHOLD
+    """The spike-ratio threshold a verdict compares against (the detector's, when it is a median ratio).
+
+    A z-score detector's threshold is in standard deviations, not a ratio: its verdicts use
+    DEFAULT_RATIO_THRESHOLD. SnapshotError when a median-ratio threshold is not a finite number > 0.
+    """
+    if detector.kind != "median_ratio":
+        return DEFAULT_RATIO_THRESHOLD
+    value = detector.threshold
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise SnapshotError(f"detector threshold {shown(value, 60)} is not a finite number > 0")
+    return float(value)
+
+
+def ratio_to_median(grad_norm: float | None, median_norm: float) -> float | None:
+    """grad_norm / median_norm; inf when the median is not positive (as the detector counts it); None without a norm."""
+    if grad_norm is None:
+        return None
+    if not math.isfinite(median_norm) or median_norm <= 0:
+        return math.inf
+    return grad_norm / median_norm
+
+
+def is_spike(grad_norm: float | None, median_norm: float, threshold: float) -> bool:
+    """True when `grad_norm` is a spike here: not finite, or its ratio to the median at or above `threshold`."""
+    if grad_norm is None:
+        return False
+    if not math.isfinite(grad_norm):
+        return True
+    ratio = ratio_to_median(grad_norm, median_norm)
+    return ratio is not None and ratio >= threshold
 
 
 def rel_diff(value: float | None, recorded: float) -> float | None:
@@ -47,15 +84,47 @@ def baseline_verdict(grad_norm: float, recorded: float, tol: float) -> str:
 
 
 def mitigation_verdict(grad_norm: float, baseline_grad_norm: float, median_norm: float, threshold: float) -> str:
-    """`cleared`, `partial`, `no_effect` or `worse` for a mitigated replay against its baseline."""
+    """`cleared`, `partial`, `no_effect`, `worse` or `baseline_not_a_spike` for a mitigated replay vs its baseline."""
     if not math.isfinite(grad_norm):
         return "worse" if math.isfinite(baseline_grad_norm) else "no_effect"
-    if median_norm > 0 and grad_norm / median_norm < threshold:
-        return "cleared"
-    if not math.isfinite(baseline_grad_norm):
-        return "partial"
-    if grad_norm <= PARTIAL_FACTOR * baseline_grad_norm:
-        return "partial"
-    if grad_norm > (1.0 + WORSE_MARGIN) * baseline_grad_norm:
+    if math.isfinite(baseline_grad_norm) and grad_norm > (1.0 + WORSE_MARGIN) * baseline_grad_norm:
         return "worse"
+    if not is_spike(baseline_grad_norm, median_norm, threshold):
+        return "baseline_not_a_spike"
+    if math.isfinite(baseline_grad_norm) and grad_norm > (1.0 - MEASURABLE_DROP) * baseline_grad_norm:
+        return "no_effect"
+    ratio = ratio_to_median(grad_norm, median_norm)
+    if ratio is not None and ratio < threshold:
+        return "cleared"
+    if not math.isfinite(baseline_grad_norm) or grad_norm <= PARTIAL_FACTOR * baseline_grad_norm:
+        return "partial"
     return "no_effect"
+
+
+def writable_problem(
+    verdict: str,
+    grad_norm: float | None,
+    baseline_grad_norm: float | None,
+    median_norm: float | None,
+    threshold: float | None,
+) -> str | None:
+    """Why a mitigated result cannot be written up (its verdict, or a baseline that was no spike), else None.
+
+    Re-checks the figures, not only the stored verdict: a result written before baselines were
+    checked may say `cleared` for a baseline that was never a spike.
+    """
+    if verdict not in WRITABLE_VERDICTS:
+        return f"its verdict is {verdict!r}; only a 'cleared' or 'partial' attempt can be written up as a method"
+    if baseline_grad_norm is None or median_norm is None or threshold is None:
+        return "its result has no baseline grad norm, median or threshold to check the baseline was a spike"
+    if not is_spike(baseline_grad_norm, median_norm, threshold):
+        ratio = ratio_to_median(baseline_grad_norm, median_norm)
+        return (
+            f"its baseline was not a spike (ratio to median {ratio:.4g} is under the threshold {threshold:.4g}), "
+            "so there was nothing to clear"
+        )
+    if grad_norm is None or (
+        math.isfinite(baseline_grad_norm) and not grad_norm <= (1.0 - MEASURABLE_DROP) * baseline_grad_norm
+    ):
+        return f"its grad norm is not measurably below the baseline's {baseline_grad_norm:.6g}"
+    return None

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from axrl_spike_replay.containment import is_inside
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.snapshot.layout import parse_output_dir_name
 
@@ -45,13 +46,16 @@ def output_roots(roots: Iterable[str | Path] = ()) -> list[Path]:
 
 
 def find_logs(output_dir: str | Path) -> list[Path]:
-    """Log files of an output dir: `*.log` in it and `logs/**/*.log` below it, sorted."""
+    """Log files of an output dir: `*.log` in it and `logs/**/*.log` below it, sorted.
+
+    A log (or the `logs` dir) that is a symlink leading out of the output dir is not followed.
+    """
     directory = Path(output_dir)
     logs = [p for p in directory.glob("*.log") if p.is_file()]
     logs_dir = directory / "logs"
     if logs_dir.is_dir():
         logs += [p for p in logs_dir.rglob("*.log") if p.is_file()]
-    return sorted(logs)
+    return sorted(p for p in logs if is_inside(p, directory))
 
 
 def resolve_job(job: str, roots: Sequence[str | Path] = ()) -> JobResolution:

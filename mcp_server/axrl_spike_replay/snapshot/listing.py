@@ -6,8 +6,15 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from axrl_spike_replay.containment import is_inside, link_leaving
 from axrl_spike_replay.errors import AxrlError, SnapshotError
-from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, parse_iteration
+from axrl_spike_replay.snapshot.layout import (
+    AXRL_METADATA,
+    CHECKPOINT_METADATA,
+    PRESERVED_DIR,
+    SNAPSHOTS_DIR,
+    parse_iteration,
+)
 from axrl_spike_replay.snapshot.metadata import read_metadata
 
 
@@ -26,23 +33,56 @@ class SnapshotEntry:
 
 
 @dataclass
+class SkippedEntry:
+    """An entry not followed: a symlink that leads out of the tree being read or written."""
+
+    path: str
+    reason: str
+    iteration: int | None = None
+
+
+@dataclass
 class SnapshotListing:
-    """Snapshots of one output dir, by iteration (retained before preserved at the same iteration)."""
+    """Snapshots of one output dir, by iteration (retained before preserved at the same iteration).
+
+    A snapshot dir that is a symlink leading out of its snapshots dir is not followed: it is listed
+    in `skipped` with the reason.
+    """
 
     output_dir: str
     snapshots: list[SnapshotEntry] = field(default_factory=list)
+    skipped: list[SkippedEntry] = field(default_factory=list)
 
 
-def iteration_dirs(parent: Path) -> dict[int, Path]:
-    """{iteration: path} of the complete `iter_<N>` dirs in `parent` (hidden staging dirs are ignored)."""
+def scan_iteration_dirs(parent: Path, root: Path | None = None) -> tuple[dict[int, Path], list[SkippedEntry]]:
+    """({iteration: path} of the `iter_<N>` dirs in `parent`, the entries skipped and why).
+
+    Nothing is followed out of `root` (default: `parent`): a `parent` or an `iter_<N>` that is a
+    symlink leading outside it is skipped, never read. Hidden staging dirs are ignored.
+    """
+    root = parent if root is None else root
     if not parent.is_dir():
-        return {}
-    found = {}
+        return {}, []
+    if not is_inside(parent, root):
+        reason = f"leads outside {root} (to {parent.resolve()}) through a symlink; not followed"
+        return {}, [SkippedEntry(str(parent), reason)]
+    found, skipped = {}, []
     for entry in parent.iterdir():
         iteration = parse_iteration(entry.name)
-        if iteration is not None and entry.is_dir():
+        if iteration is None:
+            continue
+        leaving = link_leaving(entry, root)
+        if leaving is not None:
+            skipped.append(SkippedEntry(str(entry), f"{leaving}; not followed", iteration))
+        elif entry.is_dir():
             found[iteration] = entry
-    return dict(sorted(found.items()))
+    skipped.sort(key=lambda s: s.path)
+    return dict(sorted(found.items())), skipped
+
+
+def iteration_dirs(parent: Path, root: Path | None = None) -> dict[int, Path]:
+    """{iteration: path} of the complete `iter_<N>` dirs in `parent`, none reached through a symlink out of `root`."""
+    return scan_iteration_dirs(parent, root)[0]
 
 
 def directory_bytes(path: Path) -> int:
@@ -61,6 +101,11 @@ def _entry(path: Path, iteration: int, preserved: bool) -> SnapshotEntry:
     entry = SnapshotEntry(
         iteration=iteration, path=str(path), bytes=directory_bytes(path), spike_ratio=None, preserved=preserved
     )
+    for name in (AXRL_METADATA, CHECKPOINT_METADATA):
+        leaving = link_leaving(path / name, path)
+        if leaving is not None:  # never read a file outside the snapshot (a device, someone's secrets)
+            entry.problem = f"{path / name} {leaving}; not read"
+            return entry
     try:
         meta, legacy = read_metadata(path)
     except SnapshotError as exc:
@@ -79,7 +124,9 @@ def list_snapshots(output_dir: str | Path) -> SnapshotListing:
         raise AxrlError(f"{directory}: output directory not found")
     listing = SnapshotListing(output_dir=str(directory))
     for preserved, sub in ((False, SNAPSHOTS_DIR), (True, PRESERVED_DIR)):
-        for iteration, path in iteration_dirs(directory / sub).items():
+        found, skipped = scan_iteration_dirs(directory / sub)
+        for iteration, path in found.items():
             listing.snapshots.append(_entry(path, iteration, preserved))
+        listing.skipped += skipped
     listing.snapshots.sort(key=lambda e: (e.iteration, e.preserved))
     return listing

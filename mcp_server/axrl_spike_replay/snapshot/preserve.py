@@ -8,7 +8,13 @@ looks complete. A file is hardlinked; where the filesystem cannot link it (anoth
 EXDEV; or links not allowed) it is copied. The source is only read.
 
 `release` deletes preserved copies only, and only those this tool made (marker present, naming
-this tool and this iteration, and no file in the dir that the marker does not list).
+this tool and this iteration, and no file in the dir that the marker does not list). A marker is
+untrusted like everything else on shared storage: a bad one (not JSON, not UTF-8, huge, deeply
+nested, wrong types) makes its copy refused by name; the other copies proceed.
+
+Symlinks are never followed out of the tree: an `iter_<N>` that is a symlink leading out of its
+snapshots dir is skipped and reported, and a file inside a snapshot that is a
+symlink leading out of it is neither linked nor copied (reported in `skipped`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -25,16 +32,20 @@ from typing import Any
 
 from axrl_spike_replay import __version__
 from axrl_spike_replay.atomic import atomic_write_json
+from axrl_spike_replay.containment import link_leaving
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.snapshot.completeness import missing_required
 from axrl_spike_replay.snapshot.layout import PRESERVE_MARKER, PRESERVED_DIR, SNAPSHOTS_DIR, iteration_dir_name
-from axrl_spike_replay.snapshot.listing import iteration_dirs
+from axrl_spike_replay.snapshot.listing import SkippedEntry, scan_iteration_dirs
 
 MADE_BY = "axrl-spike-replay"
 _LOCK_NAME = ".axrl_preserve.lock"
 # errnos where a hardlink is impossible but a copy works: other filesystem, links not supported/allowed
 _NO_LINK_ERRNOS = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
+# A marker lists file names: a few KiB even for thousands of checkpoint shards; anything larger is not ours.
+MARKER_MAX_BYTES = 8 * 1024 * 1024
 
 
 @dataclass
@@ -60,9 +71,12 @@ class PreserveFailure:
 
 @dataclass
 class PreserveResult:
+    """What `preserve` did. `skipped`: entries not followed (symlinks out of the tree), with the reason."""
+
     output_dir: str
     preserved: list[PreservedCopy] = field(default_factory=list)
     failed: list[PreserveFailure] = field(default_factory=list)
+    skipped: list[SkippedEntry] = field(default_factory=list)
 
 
 @dataclass
@@ -88,6 +102,10 @@ class _SourceVanished(Exception):
     pass
 
 
+class _Unsafe(Exception):
+    """The snapshot needs a file we will not follow (a symlink out of it)."""
+
+
 def _output_dir(output_dir: str | Path) -> Path:
     directory = Path(os.path.abspath(output_dir))
     if not directory.is_dir():
@@ -109,21 +127,54 @@ def _link_or_copy(src: Path, dst: Path) -> bool:
     return False
 
 
-def _source_files(source: Path) -> list[Path]:
+def _source_files(source: Path, iteration: int) -> tuple[list[Path], list[SkippedEntry]]:
+    """(regular files of `source` to preserve, entries skipped and why): no symlink is followed out of it."""
+
     def fail(exc: OSError) -> None:
         raise _SourceVanished(f"{exc.filename}: {exc.strerror}")
 
-    files = []
-    for dirpath, _, names in os.walk(source, onerror=fail):
-        files += [Path(dirpath, name).relative_to(source) for name in names]
-    return sorted(files)
+    files, skipped = [], []
+    for dirpath, dirnames, names in os.walk(source, onerror=fail):
+        for name in dirnames:  # os.walk never descends into a symlinked dir: say so
+            if Path(dirpath, name).is_symlink():
+                skipped.append(_skip(Path(dirpath, name), source, iteration, "is a symlinked directory"))
+        for name in names:
+            path = Path(dirpath, name)
+            reason = _file_problem(path, source)
+            if reason is None:
+                files.append(path.relative_to(source))
+            else:
+                skipped.append(SkippedEntry(str(path), reason, iteration))
+    return sorted(files), skipped
 
 
-def _build_copy(source: Path, staging: Path, iteration: int) -> tuple[int, int]:
-    """Link/copy every file of `source` into `staging`, check completeness, write the marker."""
+def _skip(path: Path, source: Path, iteration: int, what: str) -> SkippedEntry:
+    leaving = link_leaving(path, source)
+    return SkippedEntry(str(path), f"{leaving or what}; not followed", iteration)
+
+
+def _file_problem(path: Path, source: Path) -> str | None:
+    """Why a file of the snapshot is not linked or copied (a symlink out of it, not a regular file), else None."""
+    leaving = link_leaving(path, source)
+    if leaving is not None:
+        return f"{leaving}; not linked or copied"
+    try:
+        mode = path.stat().st_mode  # a symlink inside the snapshot: its target, also inside
+    except FileNotFoundError:
+        return None  # rotated away: found missing while linking
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc}); not linked or copied"
+    if not stat.S_ISREG(mode):
+        return "is not a regular file (a pipe, socket or device); not linked or copied"
+    return None
+
+
+def _build_copy(source: Path, staging: Path, iteration: int, skipped: list[SkippedEntry]) -> tuple[int, int]:
+    """Link/copy every regular file of `source` into `staging`, check completeness, write the marker."""
     if not source.is_dir():
         raise _SourceVanished(f"{source}: no longer exists")
-    files = _source_files(source)
+    files, not_followed = _source_files(source, iteration)
+    skipped += not_followed
     staging.mkdir()
     linked = copied = 0
     for rel in files:
@@ -136,12 +187,14 @@ def _build_copy(source: Path, staging: Path, iteration: int) -> tuple[int, int]:
         except FileNotFoundError:
             raise _SourceVanished(f"{source / rel} disappeared while preserving") from None
     intact = source.is_dir() and all((source / rel).exists() for rel in files)
-    if not intact:
-        # Rotation began while we linked: the listing may predate or postdate the start of the
-        # deletion, so keep the copy only if it holds everything a snapshot needs.
+    if not intact or not_followed:
+        # Rotation began while we linked (the listing may predate or postdate the start of the
+        # deletion), or entries were skipped: keep the copy only if it holds everything a snapshot needs.
         missing = missing_required(staging)
         if missing:
             detail = missing[0].replace(str(staging), str(source))
+            if intact:
+                raise _Unsafe(f"the copy would be incomplete without the skipped entries: {detail}")
             raise _SourceVanished(f"the copy is incomplete: {detail}")
     marker = {
         "made_by": MADE_BY,
@@ -157,25 +210,32 @@ def _build_copy(source: Path, staging: Path, iteration: int) -> tuple[int, int]:
     return linked, copied
 
 
-def _preserve_one(source: Path, preserved_root: Path, iteration: int) -> PreservedCopy | PreserveFailure:
+def _preserve_one(
+    source: Path, preserved_root: Path, iteration: int, skipped: list[SkippedEntry]
+) -> PreservedCopy | PreserveFailure:
     final = preserved_root / iteration_dir_name(iteration)
-    if final.exists():
+    if final.exists() or final.is_symlink():
         reason = preserved_copy_problem(final)
         if reason is None:
-            marker = _read_marker(final) or {}
+            marker = read_marker(final)[0] or {}
             return PreservedCopy(iteration, str(final), 0, 0, "already_preserved", str(marker.get("source", "")))
         return PreserveFailure(iteration, str(source), f"{final} exists but {reason}; left untouched")
     staging = preserved_root / f".{final.name}.preserving"
-    if staging.exists():
+    if staging.is_symlink() or staging.is_file():
+        staging.unlink()  # not ours to follow: only the entry itself goes
+    elif staging.exists():
         shutil.rmtree(staging)  # left by an interrupted preserve of ours (we hold the lock)
     try:
-        linked, copied = _build_copy(source, staging, iteration)
+        linked, copied = _build_copy(source, staging, iteration, skipped)
         os.rename(staging, final)
     except _SourceVanished as exc:
         shutil.rmtree(staging, ignore_errors=True)
         return PreserveFailure(
             iteration, str(source), f"source was rotated away or is incomplete ({exc}); nothing was preserved"
         )
+    except _Unsafe as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        return PreserveFailure(iteration, str(source), f"{exc}; nothing was preserved")
     except OSError as exc:  # permissions, a full disk, ...: reported, nothing left behind
         shutil.rmtree(staging, ignore_errors=True)
         where = exc.filename or staging
@@ -193,11 +253,16 @@ def preserve(
 
     `progress` receives a line per snapshot done (for long copies across filesystems).
     Idempotent: an existing preserved copy is reported as "already_preserved". A source rotated away
-    (or found incomplete) mid-copy becomes a `failed` entry and leaves nothing under `iter_<N>`.
-    A requested iteration that is not retained raises AxrlError.
+    (or found incomplete) mid-copy becomes a `failed` entry and leaves nothing under `iter_<N>`; so does
+    an `iter_<N>` that is a symlink leading out of the snapshots dir (never followed). Files of a snapshot
+    that are symlinks leading out of it are not linked or copied: they are listed in `skipped`.
+    A requested iteration that is not retained (or is such a symlink) raises AxrlError.
     """
     directory = _output_dir(output_dir)
-    retained = iteration_dirs(directory / SNAPSHOTS_DIR)
+    retained, skipped = scan_iteration_dirs(directory / SNAPSHOTS_DIR)
+    refused = [s for s in skipped if iteration is None or s.iteration in (iteration, None)]
+    if refused and (iteration is not None or refused[0].iteration is None):
+        raise AxrlError(f"{refused[0].path} {refused[0].reason}; nothing was preserved")
     if iteration is not None:
         if iteration not in retained:
             have = ", ".join(str(i) for i in retained) or "none"
@@ -206,15 +271,14 @@ def preserve(
                 f"iteration {iteration} (retained: {have})"
             )
         retained = {iteration: retained[iteration]}
-    preserved_root = directory / PRESERVED_DIR
-    try:
-        preserved_root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise AxrlError(f"{preserved_root}: cannot create the preserved dir ({exc.strerror or exc})") from None
+    preserved_root = _preserved_root(directory, create=True)
     result = PreserveResult(output_dir=str(directory))
+    for entry in refused:  # an iter_<N> symlinked out of its dir: reported, never followed
+        error = f"{entry.path} {entry.reason}; nothing was preserved"
+        result.failed.append(PreserveFailure(entry.iteration or 0, entry.path, error))
     with held_lock(preserved_root / _LOCK_NAME, 300, f"preserved snapshots in {preserved_root}"):
         for it, source in retained.items():
-            outcome = _preserve_one(source, preserved_root, it)
+            outcome = _preserve_one(source, preserved_root, it, result.skipped)
             (result.preserved if isinstance(outcome, PreservedCopy) else result.failed).append(outcome)
             if progress is not None:
                 status = outcome.status if isinstance(outcome, PreservedCopy) else "failed"
@@ -222,12 +286,82 @@ def preserve(
     return result
 
 
-def _read_marker(path: Path) -> dict[str, Any] | None:
+def _preserved_root(directory: Path, create: bool = False) -> Path:
+    """`<output dir>/checkpoints/spike_snapshots-active` (it may be a symlink an admin made to another filesystem)."""
+    preserved_root = directory / PRESERVED_DIR
+    if create:
+        try:
+            preserved_root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise AxrlError(f"{preserved_root}: cannot create the preserved dir ({exc.strerror or exc})") from None
+    return preserved_root
+
+
+def _read_marker_text(path: Path) -> str:
+    """The marker's text: a regular file (no symlink followed, no FIFO waited on), bounded, UTF-8."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, flags)
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("is not a regular file")
+        if info.st_size > MARKER_MAX_BYTES:
+            raise ValueError(f"is {info.st_size} bytes, more than a marker's {MARKER_MAX_BYTES}")
+        data = handle.read(MARKER_MAX_BYTES + 1)
+    if len(data) > MARKER_MAX_BYTES:
+        raise ValueError(f"is more than a marker's {MARKER_MAX_BYTES} bytes")
+    return data.decode("utf-8")
+
+
+def read_marker(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(marker, None) for a preserved copy's valid marker; (None, why it is not usable) otherwise.
+
+    A valid marker is a JSON object with `made_by` (a string), `iteration` (an integer >= 0) and
+    `files` (a list of relative file names); `source` and `created_at`, when present, are strings.
+    """
+    marker_path = Path(path) / PRESERVE_MARKER
     try:
-        doc = json.loads((path / PRESERVE_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
+        doc = json.loads(_read_marker_text(marker_path))
+    except FileNotFoundError:
+        return None, f"has no readable {PRESERVE_MARKER} marker"
+    except OSError as exc:
+        return None, f"its {PRESERVE_MARKER} marker cannot be read ({exc.strerror or exc})"
+    except UnicodeDecodeError:
+        return None, f"its {PRESERVE_MARKER} marker is not UTF-8 text"
+    except RecursionError:
+        return None, f"its {PRESERVE_MARKER} marker is nested too deeply"
+    except ValueError as exc:  # JSONDecodeError, or what _read_marker_text refused
+        return None, f"its {PRESERVE_MARKER} marker {_why(exc)}"
+    problem = _marker_problem(doc)
+    return (None, f"its {PRESERVE_MARKER} marker {problem}") if problem else (doc, None)
+
+
+def _why(exc: ValueError) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        return f"is not JSON ({exc.msg} at line {exc.lineno})"
+    return str(exc)
+
+
+def _marker_problem(doc: Any) -> str | None:
+    if not isinstance(doc, dict):
+        return f"is not a JSON object (a {type(doc).__name__})"
+    if not isinstance(doc.get("made_by"), str):
+        return f"has no made_by name (made_by: {shown(doc.get('made_by'), 60)})"
+    iteration = doc.get("iteration")
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        return f"has iteration {shown(iteration, 60)}, not a whole number >= 0"
+    files = doc.get("files")
+    if not isinstance(files, list) or not all(_plain_relative(name) for name in files):
+        bad = files if not isinstance(files, list) else next(n for n in files if not _plain_relative(n))
+        return f"has a file list that is not relative file names ({shown(bad, 60)})"
+    for key in ("source", "created_at"):
+        if key in doc and not isinstance(doc[key], str):
+            return f"has {key} {shown(doc[key], 60)}, not a string"
+    return None
+
+
+def _plain_relative(name: Any) -> bool:
+    return isinstance(name, str) and bool(name) and not os.path.isabs(name) and ".." not in Path(name).parts
 
 
 def preserved_copy_problem(path: str | Path) -> str | None:
@@ -237,19 +371,19 @@ def preserved_copy_problem(path: str | Path) -> str | None:
         return "is not a directory (or is a symlink)"
     if directory.parent.name != PRESERVED_DIR.name:
         return f"is not inside {PRESERVED_DIR}"
-    marker = _read_marker(directory)
+    marker, problem = read_marker(directory)
     if marker is None:
-        return f"has no readable {PRESERVE_MARKER} marker (not made by {MADE_BY})"
-    if marker.get("made_by") != MADE_BY:
-        return f"its marker names {marker.get('made_by')!r}, not {MADE_BY}"
-    if directory.name != iteration_dir_name(int(marker.get("iteration", -1))):
-        return f"its marker is for iteration {marker.get('iteration')}, not {directory.name}"
-    listed = set(marker.get("files") or [])
+        return f"{problem} (not made by {MADE_BY})"
+    if marker["made_by"] != MADE_BY:
+        return f"its marker names {shown(marker['made_by'], 60)}, not {MADE_BY}"
+    if directory.name != iteration_dir_name(marker["iteration"]):
+        return f"its marker is for iteration {marker['iteration']}, not {directory.name}"
+    listed = set(marker["files"])
     present = {str(Path(d, n).relative_to(directory)) for d, _, names in os.walk(directory) for n in names}
     present.discard(PRESERVE_MARKER)
     extra = sorted(present - listed)
     if extra:
-        return f"it holds files the marker does not list ({', '.join(extra[:3])})"
+        return f"it holds files the marker does not list ({shown(', '.join(extra[:3]), 200, quote=False)})"
     return None
 
 
@@ -275,9 +409,12 @@ def release(output_dir: str | Path, iteration: int | None = None) -> ReleaseResu
     listed in `refused` when releasing all. Retained snapshots are never touched.
     """
     directory = _output_dir(output_dir)
-    preserved_root = directory / PRESERVED_DIR
-    found = iteration_dirs(preserved_root)
+    preserved_root = _preserved_root(directory)
+    found, skipped = scan_iteration_dirs(preserved_root)
     if iteration is not None:
+        for entry in skipped:
+            if entry.iteration == iteration:
+                raise AxrlError(f"{entry.path}: refused to delete: {entry.reason}")
         if iteration not in found:
             have = ", ".join(str(i) for i in found) or "none"
             raise AxrlError(
@@ -286,6 +423,8 @@ def release(output_dir: str | Path, iteration: int | None = None) -> ReleaseResu
             )
         found = {iteration: found[iteration]}
     result = ReleaseResult(output_dir=str(directory))
+    if iteration is None:
+        result.refused += [RefusedRelease(entry.path, entry.reason) for entry in skipped]
     if not found:
         return result
     with held_lock(preserved_root / _LOCK_NAME, 300, f"preserved snapshots in {preserved_root}"):

@@ -10,6 +10,7 @@ from typing import Any
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.replay.verdict import WRITABLE_VERDICTS, writable_problem
 from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
 from axrl_spike_replay.workspace.evidence import baseline_for, find_attempt, output_dir_of, result_doc
@@ -18,7 +19,6 @@ from axrl_spike_replay.workspace.render import fmt, pct, render
 from axrl_spike_replay.workspace.signals import key_signals
 from axrl_spike_replay.workspace.task_state import now, read_state, update_task, write_file
 
-WRITABLE_VERDICTS = ("cleared", "partial")
 STATUSES = ("proven", "partial", "diagnostic")
 SIGNAL_TOP = 3
 
@@ -57,9 +57,10 @@ def add_method(
     slug = check_slug(name)
     if not rationale or not rationale.strip():
         raise ConfigError("rationale is empty; say why this mitigation works")
-    first = find_attempt(read_state(root, check_plain_name(job, "job name")), attempt_id)
+    state = read_state(root, check_plain_name(job, "job name"))
+    first = find_attempt(state, attempt_id)
     result, _ = result_doc(first)
-    _check_writable(first["id"], result, allow_reduced)
+    _check_writable(first["id"], result, baseline_for(state, first, result)["grad_norm"], allow_reduced)
     _check_not_duplicate(root, slug, result, replace)  # again under the lock; first here, before the slow part
     signals = key_signals(result.snapshot, top=SIGNAL_TOP)  # may read a large snapshot: outside the locks
     out: dict[str, Any] = {}
@@ -104,12 +105,18 @@ def write_index(workspace: Path) -> Path:
     return write_file(methods_dir(workspace) / METHODS_INDEX, text, "methods index")
 
 
-def _check_writable(attempt_id: str, result: ReplayResult, allow_reduced: bool) -> None:
+def _check_writable(attempt_id: str, result: ReplayResult, baseline_norm: float | None, allow_reduced: bool) -> None:
+    """AxrlError unless the attempt is a cleared/partial mitigation of a baseline that was a spike (and full
+    fidelity, unless allowed). The figures are re-checked: the stored verdict alone is not trusted."""
     if result.verdict not in WRITABLE_VERDICTS:
         raise AxrlError(
             f"attempt {attempt_id} has verdict {result.verdict!r}; only a 'cleared' or 'partial' attempt "
             "can be written up as a method"
         )
+    base = result.baseline_grad_norm if result.baseline_grad_norm is not None else baseline_norm
+    problem = writable_problem(result.verdict, result.grad_norm, base, result.median_norm, result.threshold)
+    if problem is not None:
+        raise AxrlError(f"attempt {attempt_id} cannot be written up as a method: {problem}")
     if result.fidelity != "full" and not allow_reduced:
         raise AxrlError(
             f"attempt {attempt_id} ran at {result.fidelity!r} fidelity (world size {result.world_size_used} of "

@@ -1,17 +1,18 @@
-"""The investigation's final report, rendered from the task state; optionally releases preserved copies after."""
+"""The investigation's final report, rendered from the task state; optionally releases preserved copies after.
+
+Only the preserved copies this investigation uses are released (see `workspace.preserved_copies`).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, iteration_dir_name, parse_iteration
 from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of
 from axrl_spike_replay.workspace.methods import list_methods
 from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
+from axrl_spike_replay.workspace.preserved_copies import copies_in_use, copies_kept, is_last_copy, release_copies
 from axrl_spike_replay.workspace.render import render
-from axrl_spike_replay.workspace.signals import plain
 from axrl_spike_replay.workspace.task_state import now, read_state, update_task, write_file
 
 REPORT_NAME = "report.md"
@@ -27,6 +28,7 @@ def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
         {**entry, **by_slug.get(entry["slug"], {"path": None, "summary": "(file removed)"})}
         for entry in state["methods"]
     ]
+    preserved = [{**copy, "last_copy": is_last_copy(copy)} for copy in copies_in_use(state)]
     return {
         "job": state["job"],
         "generated_at": now(),
@@ -42,7 +44,8 @@ def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
         "methods": methods,
         "observations": state["observations"],
         "next_steps": state["next_steps"],
-        "preserved": preserved_copies(state),
+        "preserved": preserved,
+        "preserved_kept": copies_kept(state, preserved),
         "counts": {"experiments": len(experiments), "failed": len(state["failed"]), "methods": len(methods)},
     }
 
@@ -85,54 +88,27 @@ def fidelity_by_target(experiments: list[dict[str, Any]]) -> list[dict[str, Any]
     return out
 
 
-def preserved_copies(state: dict[str, Any]) -> list[dict[str, Any]]:
-    """Preserved copies (`spike_snapshots-active/iter_<N>`) of the task's snapshots that exist now."""
-    seen: dict[str, dict[str, Any]] = {}
-    paths = [entry["snapshot"] for entry in state["snapshot_history"]] + [
-        row["snapshot"] for row in state["experiments"]
-    ]
-    for snapshot in paths:
-        output_dir = output_dir_of(snapshot)
-        iteration = parse_iteration(Path(snapshot).name) if snapshot else None
-        if output_dir is None or iteration is None:
-            continue
-        copy = Path(output_dir) / PRESERVED_DIR / iteration_dir_name(iteration)
-        if copy.is_dir() and str(copy) not in seen:
-            seen[str(copy)] = {"output_dir": output_dir, "iteration": iteration, "path": str(copy)}
-    return list(seen.values())
-
-
-def write_report(workspace: str | Path, job: str, release: bool = False) -> dict[str, Any]:
-    """Render `tmp/spike-replay/<job>/report.md` atomically; with `release`, then release the preserved copies."""
+def write_report(
+    workspace: str | Path, job: str, release: bool = False, release_last_copy: bool = False
+) -> dict[str, Any]:
+    """Render `tmp/spike-replay/<job>/report.md` atomically; with `release`, then release the preserved copies
+    this investigation uses (those of its current snapshot). A copy that is the last one of its snapshot (the
+    rotating `iter_<N>` gone) is kept unless `release_last_copy`."""
     root = check_workspace(workspace)
     state = read_state(root, check_plain_name(job, "job name"))
     context = report_context(root, state)
     context["release_requested"] = release
+    context["release_last_copy"] = release_last_copy
     text = render("report.md.j2", r=context)
     path = write_file(job_tmp_dir(root, job) / REPORT_NAME, text, "report")
-    released = release_preserved(context["preserved"]) if release else []
+    preserved = [{k: v for k, v in copy.items() if k != "last_copy"} for copy in context["preserved"]]
+    released = release_copies(root, job, preserved, release_last_copy) if release else []
 
     def change(current: dict[str, Any]) -> None:
         current["reports"].append({"time": context["generated_at"], "path": str(path), "released": released})
 
     update_task(root, job, change)
     return {**context, "path": str(path), "released": released, "text": text}
-
-
-def release_preserved(preserved: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Release each preserved copy through the snapshot library (which removes only copies it made)."""
-    from axrl_spike_replay.snapshot.preserve import release
-
-    out = []
-    for entry in preserved:
-        try:
-            outcome = plain(release(Path(entry["output_dir"]), entry["iteration"]))
-        except AxrlError as exc:
-            out.append({**entry, "released": False, "error": str(exc)})
-            continue
-        released = any(item.get("iteration") == entry["iteration"] for item in outcome.get("released", []))
-        out.append({**entry, "released": released, "error": None if released else str(outcome.get("refused"))})
-    return out
 
 
 def _first_output_dir(experiments: list[dict[str, Any]]) -> str | None:

@@ -10,6 +10,7 @@ from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.workspace.changes import describe_change, is_baseline, normalise_config
 from axrl_spike_replay.workspace.paths import check_plain_name
+from axrl_spike_replay.workspace.preserved_copies import note_preserved_copy
 from axrl_spike_replay.workspace.task_state import now, task_exists, update_task
 
 
@@ -75,6 +76,8 @@ def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_
         if not state.get("snapshot"):
             state["snapshot"] = result.snapshot
             state["snapshot_history"].append({"time": now(), "snapshot": result.snapshot})
+        if result.snapshot == state["snapshot"]:
+            note_preserved_copy(state, result.snapshot, now())
         return exp_id
 
     _, exp_id = update_task(root, job, change)

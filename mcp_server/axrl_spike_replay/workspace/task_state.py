@@ -44,6 +44,7 @@ def new_state(job: str) -> dict[str, Any]:
         "next_steps": [],
         "methods": [],
         "reports": [],
+        "preserved_copies": [],  # preserved snapshot copies this investigation uses (workspace.preserved_copies)
     }
 
 
@@ -183,6 +184,9 @@ def _set_snapshot(state: dict[str, Any], snapshot: str | Path) -> None:
         raise ConfigError("snapshot path is empty")
     path = Path(text).expanduser()
     resolved = str(path.resolve()) if path.exists() else text
+    from axrl_spike_replay.workspace.preserved_copies import note_preserved_copy
+
+    note_preserved_copy(state, resolved, now())  # also when set again: adopts a copy made since
     if state.get("snapshot") == resolved:
         return
     state["snapshot"] = resolved

@@ -1,0 +1,142 @@
+"""Which preserved snapshot copies an investigation uses, and releasing exactly those at the end.
+
+The task state keeps `preserved_copies`: each preserved copy (`spike_snapshots-active/iter_<N>`) of
+a snapshot the task was pointed at, with the copy's marker time, noted when the snapshot was set or
+a replay of it was logged. `report --release` releases only the copies noted for the task's
+*current* snapshot — never those of snapshots it moved away from (another job's, say), never a copy
+made again since it was noted, never one another open task in the workspace still points at, and
+never the last copy of a snapshot (its rotating `iter_<N>` gone) unless `release_last_copy` is given.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, iteration_dir_name, parse_iteration
+from axrl_spike_replay.workspace.evidence import output_dir_of
+from axrl_spike_replay.workspace.paths import TASKS_DIR
+
+LAST_COPY_FLAG = "--release-last-copy"
+
+
+def copy_of(snapshot: str | Path | None) -> dict[str, Any] | None:
+    """{output_dir, iteration, path} of the preserved copy of `snapshot` (whether it exists or not), else None."""
+    output_dir = output_dir_of(snapshot)
+    iteration = parse_iteration(Path(str(snapshot)).name) if snapshot else None
+    if output_dir is None or iteration is None:
+        return None
+    path = Path(output_dir) / PRESERVED_DIR / iteration_dir_name(iteration)
+    return {"output_dir": output_dir, "iteration": iteration, "path": str(path)}
+
+
+def _marker_time(path: str) -> str | None:
+    """The copy's marker `created_at` when it is a valid preserved copy made by this tool, else None."""
+    from axrl_spike_replay.snapshot.preserve import preserved_copy_problem, read_marker
+
+    if preserved_copy_problem(path) is not None:
+        return None
+    marker, _ = read_marker(path)
+    return str((marker or {}).get("created_at", ""))
+
+
+def note_preserved_copy(state: dict[str, Any], snapshot: str | Path | None, time: str) -> None:
+    """Record in `state` the preserved copy of `snapshot` when one made by this tool exists now."""
+    copy = copy_of(snapshot)
+    if copy is None:
+        return
+    created = _marker_time(copy["path"])
+    if created is None:
+        return
+    noted = state.setdefault("preserved_copies", [])
+    if any(e.get("path") == copy["path"] and e.get("created_at") == created for e in noted):
+        return
+    noted.append({**copy, "snapshot": str(snapshot), "created_at": created, "time": time})
+
+
+def copies_in_use(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The noted copies of the task's current snapshot that still exist as the same copy (plain entries)."""
+    current = copy_of(state.get("snapshot"))
+    if current is None:
+        return []
+    out: dict[str, dict[str, Any]] = {}
+    for entry in state.get("preserved_copies") or []:
+        if not isinstance(entry, dict) or entry.get("path") != current["path"]:
+            continue
+        if _marker_time(current["path"]) == entry.get("created_at"):
+            out[current["path"]] = dict(current)
+    return list(out.values())
+
+
+def copies_kept(state: dict[str, Any], in_use: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Preserved copies of the task's other snapshots that exist now: never released by this task; why."""
+    used = {e["path"] for e in in_use}
+    current = copy_of(state.get("snapshot"))
+    seen: dict[str, dict[str, Any]] = {}
+    snapshots = [e.get("snapshot") for e in state.get("snapshot_history") or []]
+    snapshots += [row.get("snapshot") for row in state.get("experiments") or []] + [state.get("snapshot")]
+    for snapshot in snapshots:
+        copy = copy_of(snapshot)
+        if copy is None or copy["path"] in used or copy["path"] in seen or not Path(copy["path"]).is_dir():
+            continue
+        if current is not None and copy["path"] == current["path"]:
+            reason = "not noted as this investigation's copy (set the task snapshot again to adopt it)"
+        else:
+            reason = "not the task's current snapshot"
+        seen[copy["path"]] = {**copy, "reason": reason}
+    return list(seen.values())
+
+
+def is_last_copy(entry: dict[str, Any]) -> bool:
+    """True when the rotating snapshot this copy preserved is gone: the copy is the last one."""
+    source = Path(entry["output_dir"]) / SNAPSHOTS_DIR / iteration_dir_name(entry["iteration"])
+    return source.is_symlink() or not source.is_dir()
+
+
+def _used_elsewhere(workspace: Path, job: str, path: str) -> str | None:
+    """The job of another open task in `workspace` whose current snapshot is `path`'s copy, else None."""
+    from axrl_spike_replay.workspace.task_state import read_state
+
+    for state_file in sorted((workspace / TASKS_DIR).glob("*.json")):
+        if state_file.stem == job:
+            continue
+        try:
+            other = read_state(workspace, state_file.stem)
+        except AxrlError:
+            continue
+        current = copy_of(other.get("snapshot"))
+        if current is not None and current["path"] == path:
+            return state_file.stem
+    return None
+
+
+def release_copies(
+    workspace: Path, job: str, copies: list[dict[str, Any]], release_last_copy: bool = False
+) -> list[dict[str, Any]]:
+    """Release each copy through the snapshot library (which removes only copies it made); one entry per copy."""
+    from axrl_spike_replay.snapshot.preserve import release
+    from axrl_spike_replay.workspace.signals import plain
+
+    out = []
+    for entry in copies:
+        other = _used_elsewhere(workspace, job, entry["path"])
+        if other is not None:
+            out.append({**entry, "released": False, "error": f"task {other!r} still uses it; kept"})
+            continue
+        if is_last_copy(entry) and not release_last_copy:
+            source = Path(entry["output_dir"]) / SNAPSHOTS_DIR / iteration_dir_name(entry["iteration"])
+            error = (
+                f"it is the last copy of iteration {entry['iteration']} ({source} has rotated away); kept — "
+                f"pass {LAST_COPY_FLAG} to delete it anyway"
+            )
+            out.append({**entry, "released": False, "error": error})
+            continue
+        try:
+            outcome = plain(release(Path(entry["output_dir"]), entry["iteration"]))
+        except AxrlError as exc:
+            out.append({**entry, "released": False, "error": str(exc)})
+            continue
+        released = any(item.get("iteration") == entry["iteration"] for item in outcome.get("released", []))
+        out.append({**entry, "released": released, "error": None if released else str(outcome.get("refused"))})
+    return out

@@ -1,0 +1,131 @@
+"""`report --release` releases exactly the preserved copies this investigation uses, never a last copy unasked."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from record_helpers import JOB, MEDIAN, RECORDED, THRESHOLD
+
+from axrl_spike_replay.cli import main
+from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, iteration_dir_name
+from axrl_spike_replay.snapshot.preserve import preserve
+from axrl_spike_replay.workspace.report import write_report
+from axrl_spike_replay.workspace.task_state import open_task, set_snapshot, show_task
+from tiny_spike import write_tiny_spike
+
+
+@pytest.fixture(scope="module")
+def two_jobs_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An output root with two jobs' actor dirs, each with one real tiny snapshot (iteration 5)."""
+    root = tmp_path_factory.mktemp("two-jobs")
+    for job in (JOB, "other-job"):
+        write_tiny_spike(root / f"run1~{job}__actor", job=job, iteration=5, recorded=RECORDED, median=MEDIAN,
+                         threshold=THRESHOLD)  # fmt: skip
+    return root
+
+
+def _outputs(template: Path, tmp_path: Path) -> tuple[Path, Path]:
+    root = tmp_path / "outputs"
+    shutil.copytree(template, root)
+    return root / f"run1~{JOB}__actor", root / "run1~other-job__actor"
+
+
+def _copy(output_dir: Path) -> Path:
+    return output_dir / PRESERVED_DIR / iteration_dir_name(5)
+
+
+def _source(output_dir: Path) -> Path:
+    return output_dir / SNAPSHOTS_DIR / iteration_dir_name(5)
+
+
+def _report(capsys: pytest.CaptureFixture[str], ws: Path, *flags: str) -> tuple[int, dict, str]:
+    status = main(["report", JOB, "--workspace", str(ws), "--json", *flags])
+    out, err = capsys.readouterr()
+    return status, json.loads(out), err
+
+
+def test_a_replaced_snapshot_of_another_job_keeps_its_last_copy(
+    two_jobs_template: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's case: the task first pointed at another job's snapshot, then at its own; the other job's
+    source has since rotated away, so its preserved copy is the only one left."""
+    ours, theirs = _outputs(two_jobs_template, tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    preserve(theirs, 5)
+    preserve(ours, 5)
+    open_task(ws, JOB, _copy(theirs))  # by mistake: the other job's snapshot
+    set_snapshot(ws, JOB, _copy(ours))  # then the right one
+    shutil.rmtree(_source(theirs))  # rotation: their preserved copy is now the last copy
+
+    status, report, _ = _report(capsys, ws, "--release")
+
+    assert status == 0
+    assert [r["path"] for r in report["released"]] == [str(_copy(ours))]
+    assert report["released"][0]["released"] is True
+    assert not _copy(ours).exists() and _source(ours).is_dir()
+    assert _copy(theirs).is_dir() and (_copy(theirs) / "axrl_metadata.json").is_file()
+    (kept,) = report["preserved_kept"]
+    assert kept["path"] == str(_copy(theirs)) and kept["reason"] == "not the task's current snapshot"
+    assert f"`{_copy(theirs)}`: kept, not the task's current snapshot" in report["text"]
+
+
+def test_the_last_copy_of_the_current_snapshot_needs_an_explicit_flag(
+    two_jobs_template: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ours, _ = _outputs(two_jobs_template, tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    preserve(ours, 5)
+    open_task(ws, JOB, _copy(ours))
+    shutil.rmtree(_source(ours))
+
+    status, report, _ = _report(capsys, ws, "--release")
+
+    assert status == 1
+    (entry,) = report["released"]
+    assert entry["released"] is False and "last copy of iteration 5" in entry["error"]
+    assert "--release-last-copy" in entry["error"]
+    assert _copy(ours).is_dir()
+    assert report["preserved"][0]["last_copy"] is True
+    assert "the last copy is released only with `--release-last-copy`" in report["text"]
+    text_status = main(["report", JOB, "--workspace", str(ws), "--release"])
+    assert text_status == 1 and "NOT released" in capsys.readouterr().out
+
+    status, report, _ = _report(capsys, ws, "--release", "--release-last-copy")
+
+    assert status == 0 and report["released"][0]["released"] is True and not _copy(ours).exists()
+
+
+def test_a_copy_another_open_task_still_uses_is_kept(two_jobs_template: Path, tmp_path: Path) -> None:
+    ours, _ = _outputs(two_jobs_template, tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    preserve(ours, 5)
+    open_task(ws, JOB, _copy(ours))
+    open_task(ws, "second-look", _copy(ours))
+
+    report = write_report(ws, JOB, release=True)
+
+    (entry,) = report["released"]
+    assert entry["released"] is False and "task 'second-look' still uses it" in entry["error"]
+    assert _copy(ours).is_dir()
+
+
+def test_a_copy_made_again_after_the_task_noted_it_is_not_released(two_jobs_template: Path, tmp_path: Path) -> None:
+    ours, _ = _outputs(two_jobs_template, tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    preserve(ours, 5)
+    open_task(ws, JOB, _source(ours))
+    assert [c["path"] for c in show_task(ws, JOB)["preserved_copies"]] == [str(_copy(ours))]
+    marker = _copy(ours) / ".axrl_preserved.json"
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "created_at": "2031-01-01T00:00:00+00:00"}))
+
+    report = write_report(ws, JOB, release=True)
+
+    assert report["released"] == [] and _copy(ours).is_dir()
+    assert "not noted as this investigation's copy" in report["preserved_kept"][0]["reason"]
