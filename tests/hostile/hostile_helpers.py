@@ -85,12 +85,17 @@ def run_cli(*argv: object) -> Outcome:
 
 
 def assert_clear_refusal_or_success(outcome: Outcome, *names: str) -> None:
-    """Status 0, or status 2/1 with a bounded, printable message naming one of `names`; never a traceback."""
+    """Status 0; or 2 (refused) / 1 (partly done) with a bounded, printable message naming one of `names`.
+
+    A refusal speaks on stderr; a partly-done verb with --json may list what it refused in its document.
+    Never a traceback, never a raw terminal escape.
+    """
     assert "Traceback" not in outcome.err, outcome.err[-3000:]
     assert outcome.code in (0, 1, 2), (outcome.code, outcome.err[-2000:])
     assert "\x1b" not in outcome.err and "\x1b" not in outcome.out, "terminal escape printed raw"
     if outcome.code != 0:
-        assert outcome.err.strip(), "refused without a message"
+        said = outcome.err if outcome.code == 2 else outcome.err + outcome.out
+        assert said.strip(), "refused without a message"
         assert len(outcome.err) <= MAX_MESSAGE, f"message of {len(outcome.err)} characters"
         if names:
-            assert any(name in outcome.err for name in names), (names, outcome.err)
+            assert any(name in said for name in names), (names, said[-2000:])
