@@ -34,6 +34,8 @@ def test_an_alias_bomb_value_is_refused_before_it_expands() -> None:
     [
         (["ratio_outlier_mask={level: token"], "mitigation ratio_outlier_mask: not valid YAML"),
         (["ratio_outlier_mask={" + "a: " * 5000 + "x}"], "mitigation ratio_outlier_mask: not valid YAML"),
+        (["ratio_outlier_mask={a: " + "[" * 100_000 + "]" * 100_000 + "}"], "nests deeper than"),
+        (["ratio_outlier_mask={low: " + "1" * 100_000 + "}"], "mitigation ratio_outlier_mask: a value cannot be read"),
         (["advantage_clip=" + "9x" * 500_000], "mitigation advantage_clip: expected a number"),
         (["ratio_outlier_mask=" + "k" * 500_000], "is not KEY:VALUE"),
         (["loss_agg_mode=\x1b[2J" + "m" * 500_000], "loss_agg_mode: must be one of"),
