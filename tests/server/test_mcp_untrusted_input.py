@@ -64,3 +64,9 @@ def test_a_log_symlinked_out_of_the_output_dir_is_reported_as_skipped(
     doc = ok(call(workspace, "copy_and_scan_logs", {"logs": [str(spike_outputs.output_dir)], "plot": False}))
     assert [Path(s["path"]).name for s in doc["skipped"]] == ["notes.log"]
     assert [Path(c).name for c in doc["copied"]] == ["train.log"]
+
+
+def test_a_symlink_loop_given_as_a_log_is_a_tool_error(workspace: Path) -> None:
+    (workspace / "loop.log").symlink_to(workspace / "loop.log")
+    text = error_text(call(workspace, "copy_and_scan_logs", {"logs": ["loop.log"], "plot": False}))
+    assert "loop.log: log file or directory not found (a symlink that is broken or a loop)" in text

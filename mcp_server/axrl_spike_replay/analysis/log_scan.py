@@ -173,6 +173,8 @@ def _log_files(paths: Sequence[str | Path]) -> tuple[list[tuple[Path, Path]], li
             if not logs:
                 raise AxrlError(f"{path}: no *.log files in it or under its logs/")
             found += [(Path(os.path.abspath(log)), Path(path.name) / log.relative_to(path)) for log in inside]
+        elif path.is_symlink():
+            raise AxrlError(f"{path}: log file or directory not found (a symlink that is broken or a loop)")
         else:
             raise AxrlError(f"{path}: log file or directory not found")
     return found, skipped
@@ -183,7 +185,10 @@ def default_name(paths: Sequence[str | Path]) -> str:
 
     The name comes from a directory we did not name: check it (`check_plain_name`) before it becomes a path.
     """
-    first = Path(paths[0]).resolve()
+    try:
+        first = Path(paths[0]).resolve()
+    except (OSError, RuntimeError):  # RuntimeError: pathlib's "Symlink loop"; reading it will say what is wrong
+        first = Path(os.path.abspath(paths[0]))
     for candidate in (first, *first.parents):
         parsed = parse_output_dir_name(candidate.name)
         if parsed:
