@@ -7,15 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.resources import skills_dir
+from axrl_spike_replay.untrusted_yaml import load_untrusted_yaml
 
 SKILL_FILE = "SKILL.md"
 MAX_DESCRIPTION = 1024
 MAX_LINES = 500
-_NAME_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
+_NAME_RE = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")  # fullmatch: `$` lets "\n" through
 _FRONTMATTER_RE = re.compile(r"\A---\n(.*?)\n---\n?(.*)\Z", re.DOTALL)
 
 
@@ -35,14 +35,14 @@ class Skill:
 def parse_skill(skill_md: str | Path) -> Skill:
     """Parse a SKILL.md; ConfigError naming the file when its frontmatter is missing or malformed."""
     path = Path(skill_md)
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read it as UTF-8 text ({shown(str(exc), quote=False)})") from None
     match = _FRONTMATTER_RE.match(text)
     if not match:
         raise ConfigError(f"{path}: no YAML frontmatter (the file must start with '---')")
-    try:
-        meta = yaml.safe_load(match.group(1))
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: frontmatter is not valid YAML ({exc})") from None
+    meta = load_untrusted_yaml(match.group(1), f"{path} frontmatter")  # no aliases; errors name the file
     if not isinstance(meta, dict):
         raise ConfigError(f"{path}: frontmatter is not a mapping")
     return Skill(
@@ -61,9 +61,11 @@ def skill_problems(skill: Skill) -> list[str]:
     problems = []
     folder = Path(skill.path).name
     if skill.name != folder:
-        problems.append(f"{skill.path}: name {skill.name!r} differs from its folder {folder!r}")
-    if not _NAME_RE.match(skill.name) or len(skill.name) > 64:
-        problems.append(f"{skill.path}: name {skill.name!r} is not lowercase words joined by hyphens (<= 64 chars)")
+        problems.append(f"{skill.path}: name {shown(skill.name)} differs from its folder {shown(folder)}")
+    if not _NAME_RE.fullmatch(skill.name) or len(skill.name) > 64:
+        problems.append(
+            f"{skill.path}: name {shown(skill.name)} is not lowercase words joined by hyphens (<= 64 chars)"
+        )
     if not skill.description.strip():
         problems.append(f"{skill.path}: description is empty")
     if len(skill.description) > MAX_DESCRIPTION:
@@ -86,7 +88,7 @@ def get_skill(name: str, root: str | Path | None = None) -> Skill:
     """The skill called `name`; ConfigError listing the known ones otherwise."""
     skills = {s.name: s for s in list_skills(root)}
     if name not in skills:
-        raise ConfigError(f"no skill named {name!r}; known: {', '.join(sorted(skills)) or 'none'}")
+        raise ConfigError(f"no skill named {shown(name)}; known: {', '.join(sorted(skills)) or 'none'}")
     return skills[name]
 
 

@@ -50,6 +50,8 @@ def load_untrusted_yaml(text: str | bytes, source: str) -> Any:
         raise ConfigError(f"{source}: not valid YAML: {_short_yaml_error(exc)}") from None
     except RecursionError:
         raise ConfigError(f"{source}: nests too deeply to parse") from None
+    except ValueError as exc:  # a value the constructor cannot convert, e.g. an integer of over 4300 digits
+        raise ConfigError(f"{source}: a value cannot be read ({shown(str(exc), 160, quote=False)})") from None
     finally:
         loader.dispose()
 

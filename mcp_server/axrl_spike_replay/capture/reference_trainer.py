@@ -30,7 +30,7 @@ from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
 from axrl_spike_replay.snapshot.metadata import ParallelLayout
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` lets "\n" through
 
 
 @dataclass
@@ -87,7 +87,7 @@ def capture_reference_run(
     """
     run = run or f"ref-s{seed}"
     for name, value in (("job", job), ("run", run)):
-        if not isinstance(value, str) or not _NAME_RE.match(value) or "__" in value:
+        if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or "__" in value:
             raise ConfigError(f"{name} {value!r} must be letters, digits, '.', '_' or '-' (no '__'), e.g. demo-job")
     if not isinstance(world_size, int) or not 1 <= world_size <= 64:
         raise ConfigError(f"world_size must be an integer in [1, 64], got {world_size!r}")

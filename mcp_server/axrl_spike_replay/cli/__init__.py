@@ -12,6 +12,7 @@ import pkgutil
 import sys
 
 from axrl_spike_replay import __version__
+from axrl_spike_replay.cli.output import print_error
 from axrl_spike_replay.errors import AxrlError
 
 
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status = args.handler(args)
     except AxrlError as exc:
-        print(f"axrl-spike-replay {args.command}: error: {exc}", file=sys.stderr)
+        print_error(args.command, str(exc))
         return 2
     except KeyboardInterrupt:
         print(f"axrl-spike-replay {args.command}: interrupted", file=sys.stderr)

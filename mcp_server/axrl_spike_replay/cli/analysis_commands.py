@@ -125,7 +125,7 @@ def _grads(args: argparse.Namespace) -> int:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.analysis.log_scan import scan_logs
+    from axrl_spike_replay.analysis.log_scan import MAX_LINE_CHARS, scan_logs
 
     result = scan_logs(args.paths, args.dest, window=args.window, threshold=args.threshold, warmup=args.warmup)
 
@@ -142,6 +142,11 @@ def _logs(args: argparse.Namespace) -> int:
         if r.errors:
             lines += ["", f"error lines: {r.error_lines} (first {min(10, len(r.errors))}):"]
             lines += [f"  {e['file']}:{e['line']} [{e['kind']}] {e['text'][:160]}" for e in r.errors[:10]]
+        if r.long_lines:
+            lines.append(f"long lines: {r.long_lines} over {MAX_LINE_CHARS} characters, left out of the series")
+        if r.skipped:
+            lines += ["", f"skipped {len(r.skipped)} entr{'y' if len(r.skipped) == 1 else 'ies'}:"]
+            lines += [f"  {s['path']}: {s['reason']}" for s in r.skipped[:10]]
         return "\n".join(lines)
 
     emit(result, args.json, render)

@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from axrl_spike_replay.display import clean_text
+
 
 def to_jsonable(value: Any) -> Any:
     """Dataclasses, paths, tuples and non-finite floats as plain JSON values."""
@@ -32,8 +34,19 @@ def emit(result: Any, as_json: bool, render: Callable[[Any], str]) -> None:
         json.dump(to_jsonable(result), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        text = render(result)
+        text = for_terminal(render(result))
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def for_terminal(text: str) -> str:
+    """`text` with control characters escaped on each line: names and values from snapshots cannot drive
+    the terminal (escape codes in a job name are shown, not obeyed)."""
+    return "\n".join(clean_text(line) for line in text.split("\n"))
+
+
+def print_error(command: str, message: str) -> None:
+    """The one-line-prefixed error of a failed verb on stderr, control characters escaped."""
+    print(f"axrl-spike-replay {command}: error: {for_terminal(message)}", file=sys.stderr)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -54,7 +67,7 @@ def _cell(value: Any) -> str:
 
 def progress(message: str) -> None:
     """A progress line for people, on stderr so stdout stays machine-readable."""
-    print(message, file=sys.stderr, flush=True)
+    print(for_terminal(message), file=sys.stderr, flush=True)
 
 
 def add_json_flag(parser: Any) -> None:

@@ -9,6 +9,8 @@ from typing import Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress, table
 from axrl_spike_replay.cli.remote_options import add_remote_options, remote_options_from_args
+from axrl_spike_replay.display import shown
+from axrl_spike_replay.errors import ConfigError
 
 
 def _common(parser: argparse.ArgumentParser, layout: bool = True) -> None:
@@ -111,10 +113,18 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.mitigation_set:
         configs = load_mitigation_set(args.mitigation_set)
     else:
-        configs = [parse_mitigation_args(shlex.split(item)) for item in args.mitigation]
+        configs = [parse_mitigation_args(_sweep_items(item)) for item in args.mitigation]
     result = sweep(args.snapshot, configs, _options(args), remote_options_from_args(args))
     emit(json_document(result), args.json, render_sweep)
     return 0
+
+
+def _sweep_items(option: str) -> list[str]:
+    """The `NAME=VALUE` items of one sweep `--mitigation` option, split like a shell would."""
+    try:
+        return shlex.split(option)
+    except ValueError as exc:  # an unbalanced quote
+        raise ConfigError(f"--mitigation {shown(option)}: cannot split it into NAME=VALUE items ({exc})") from None
 
 
 def _attribute(args: argparse.Namespace) -> int:

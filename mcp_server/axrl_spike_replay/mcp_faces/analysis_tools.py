@@ -61,7 +61,11 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         paths = [str(config.path(p)) for p in logs]
 
         def work(progress: Progress, cancel: threading.Event) -> tuple[LogScan, list[bytes]]:
-            name = check_plain_name(job, "job name") if job else default_name(paths)
+            # a name derived from a directory is as untrusted as one given: both become a path
+            if job:
+                name = check_plain_name(job, "job name")
+            else:
+                name = check_plain_name(default_name(paths), "job name derived from the log paths (pass `job`)")
             progress.message(f"copying and scanning {len(paths)} path(s)")
             scan = scan_logs(
                 paths,
@@ -71,6 +75,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
                 warmup=warmup,
                 progress=progress.message,
                 cancel=cancel,
+                root=root,
             )
             images = []
             if plot:

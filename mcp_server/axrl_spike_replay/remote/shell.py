@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from axrl_spike_replay.errors import ConfigError
 
-_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: `$` lets "\n" through
 SETUP_FAILED_STATUS = 97
 CWD_FAILED_STATUS = 96
 
@@ -41,7 +41,7 @@ def job_script(
     if cwd:
         lines.append(f"cd -- {shlex.quote(cwd)} || exit {CWD_FAILED_STATUS}")
     for name, value in (env or {}).items():
-        if not _ENV_NAME_RE.match(name):
+        if not _ENV_NAME_RE.fullmatch(name):
             raise ConfigError(f"environment variable name {name!r} is not a valid shell name")
         lines.append(f"export {name}={shlex.quote(str(value))}")
     lines.append(argv if isinstance(argv, str) else f"exec {quote_argv(argv)}")

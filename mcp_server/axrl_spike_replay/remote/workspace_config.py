@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.remote.target import SshTarget, parse_target
+from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
 CONFIG_FILE = "spike-replay.yaml"
 DEFAULT_PYTHON = "python3"
@@ -36,7 +36,7 @@ PLACEHOLDERS = ("snapshot", "out")
 _TARGET_KEYS = {"ssh", "python", "setup", "known_hosts"}
 _BACKEND_KEYS = {"workdir", "command", "result_json", "grad_norm_regex", "env"}
 _TOP_KEYS = {"targets", "command_backend"}
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` lets "\n" through
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,7 @@ def load_workspace_config(workspace: str | Path) -> WorkspaceConfig:
     path = Path(workspace) / CONFIG_FILE
     if not path.is_file():
         return WorkspaceConfig()
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML ({exc})") from None
+    doc = read_untrusted_yaml(path, "workspace config")  # no aliases, bounded; errors name the file
     return parse_workspace_config(doc, str(path))
 
 
@@ -91,8 +88,8 @@ def parse_workspace_config(doc: Any, source: str) -> WorkspaceConfig:
     targets: dict[str, TargetConfig] = {}
     for name, entry in _mapping(doc.get("targets") or {}, source, "targets").items():
         where = f"targets.{name}"
-        if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise ConfigError(f"{source}: target name {name!r}: use letters, digits and . _ -")
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            raise ConfigError(f"{source}: target name {shown(name)}: use letters, digits and . _ -")
         _known_keys(_mapping(entry, source, where), _TARGET_KEYS, source, where)
         if "ssh" not in entry:
             raise ConfigError(f'{source}: {where}.ssh is missing (e.g. ssh: "ssh -p 2222 root@10.0.0.5")')

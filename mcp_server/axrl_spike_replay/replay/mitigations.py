@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.replay.policy_loss import LOGPROB_BASES, LOSS_AGG_MODES, LossConfig, RatioOutlierMask
 from axrl_spike_replay.replay.rank_step import ROUTING_REPLAY_MODES, RoutingConfig
+from axrl_spike_replay.untrusted_yaml import load_untrusted_yaml, read_untrusted_yaml
 
 _TRUE = ("true", "yes", "on", "1")
 _FALSE = ("false", "no", "off", "0")
@@ -42,39 +42,39 @@ class Mitigation:
 
 def _number(name: str, raw: Any) -> float:
     if isinstance(raw, bool):
-        raise ConfigError(f"mitigation {name}: expected a number, got {raw!r}")
+        raise ConfigError(f"mitigation {name}: expected a number, got {shown(raw)}")
     if isinstance(raw, (int, float)):
         value = float(raw)
     elif isinstance(raw, str):
         try:
             value = float(raw.strip())
         except ValueError:
-            raise ConfigError(f"mitigation {name}: expected a number, got {raw!r}") from None
+            raise ConfigError(f"mitigation {name}: expected a number, got {shown(raw)}") from None
     else:
-        raise ConfigError(f"mitigation {name}: expected a number, got {type(raw).__name__} {raw!r}")
+        raise ConfigError(f"mitigation {name}: expected a number, got {type(raw).__name__} {shown(raw)}")
     if not math.isfinite(value):
-        raise ConfigError(f"mitigation {name}: expected a finite number, got {raw!r}")
+        raise ConfigError(f"mitigation {name}: expected a finite number, got {shown(raw)}")
     return value
 
 
 def _positive(name: str, raw: Any) -> float:
     value = _number(name, raw)
     if value <= 0:
-        raise ConfigError(f"mitigation {name}: must be > 0, got {raw!r}")
+        raise ConfigError(f"mitigation {name}: must be > 0, got {shown(raw)}")
     return value
 
 
 def _non_negative(name: str, raw: Any) -> float:
     value = _number(name, raw)
     if value < 0:
-        raise ConfigError(f"mitigation {name}: must be >= 0, got {raw!r}")
+        raise ConfigError(f"mitigation {name}: must be >= 0, got {shown(raw)}")
     return value
 
 
 def _above_one(name: str, raw: Any) -> float:
     value = _number(name, raw)
     if value <= 1:
-        raise ConfigError(f"mitigation {name}: must be > 1, got {raw!r}")
+        raise ConfigError(f"mitigation {name}: must be > 1, got {shown(raw)}")
     return value
 
 
@@ -82,7 +82,7 @@ def _choice(options: Sequence[str]) -> Callable[[str, Any], str]:
     def parse(name: str, raw: Any) -> str:
         text = str(raw).strip() if isinstance(raw, str) else raw
         if text not in options:
-            raise ConfigError(f"mitigation {name}: must be one of {', '.join(options)}; got {raw!r}")
+            raise ConfigError(f"mitigation {name}: must be one of {', '.join(options)}; got {shown(raw)}")
         return str(text)
 
     return parse
@@ -93,7 +93,7 @@ def _flag(name: str, raw: Any) -> bool:
         return raw
     if isinstance(raw, str) and raw.strip().lower() in _TRUE + _FALSE:
         return raw.strip().lower() in _TRUE
-    raise ConfigError(f"mitigation {name}: expected true or false, got {raw!r}")
+    raise ConfigError(f"mitigation {name}: expected true or false, got {shown(raw)}")
 
 
 def _layers(name: str, raw: Any) -> list[int]:
@@ -105,7 +105,7 @@ def _layers(name: str, raw: Any) -> list[int]:
     elif isinstance(raw, (list, tuple)):
         items = raw
     else:
-        raise ConfigError(f"mitigation {name}: expected MoE layer ids such as 1 or 0,1, got {raw!r}")
+        raise ConfigError(f"mitigation {name}: expected MoE layer ids such as 1 or 0,1, got {shown(raw)}")
     layers = set()
     for item in items:
         try:
@@ -113,7 +113,7 @@ def _layers(name: str, raw: Any) -> list[int]:
         except ValueError:
             layer = -1
         if layer < 0:
-            raise ConfigError(f"mitigation {name}: {item!r} is not a layer id (an integer >= 0)")
+            raise ConfigError(f"mitigation {name}: {shown(item)} is not a layer id (an integer >= 0)")
         layers.add(layer)
     if not layers:
         raise ConfigError(f"mitigation {name}: name at least one MoE layer id")
@@ -122,7 +122,7 @@ def _layers(name: str, raw: Any) -> list[int]:
 
 def _path(name: str, raw: Any) -> str:
     if not isinstance(raw, (str, os.PathLike)) or not str(raw).strip():
-        raise ConfigError(f"mitigation {name}: expected a path to a checkpoint or snapshot directory, got {raw!r}")
+        raise ConfigError(f"mitigation {name}: expected a path to a checkpoint or snapshot directory, got {shown(raw)}")
     return os.path.abspath(os.path.expanduser(str(raw).strip()))
 
 
@@ -140,23 +140,25 @@ def _ratio_mask(name: str, raw: Any) -> dict[str, Any]:
     elif isinstance(raw, str):
         text = raw.strip()
         if text.startswith("{"):
-            loaded = yaml.safe_load(text)
+            loaded = load_untrusted_yaml(text, f"mitigation {name}")
             if not isinstance(loaded, dict):
-                raise ConfigError(f"mitigation {name}: {raw!r} is not a mapping")
+                raise ConfigError(f"mitigation {name}: {shown(raw)} is not a mapping")
             doc = loaded
         else:
             for part in filter(None, (p.strip() for p in text.split(","))):
                 key, sep, value = part.partition(":")
                 if not sep:
-                    raise ConfigError(f"mitigation {name}: {part!r} is not KEY:VALUE (keys: {', '.join(_MASK_KEYS)})")
+                    raise ConfigError(
+                        f"mitigation {name}: {shown(part)} is not KEY:VALUE (keys: {', '.join(_MASK_KEYS)})"
+                    )
                 doc[key.strip()] = value.strip()
     elif isinstance(raw, Mapping):
         doc = dict(raw)
     else:
-        raise ConfigError(f"mitigation {name}: expected true, token, sequence or a mapping, got {raw!r}")
-    unknown = sorted(set(doc) - set(_MASK_KEYS))
+        raise ConfigError(f"mitigation {name}: expected true, token, sequence or a mapping, got {shown(raw)}")
+    unknown = sorted(str(key) for key in set(doc) - set(_MASK_KEYS))
     if unknown:
-        raise ConfigError(f"mitigation {name}: unknown keys {unknown} (known: {', '.join(_MASK_KEYS)})")
+        raise ConfigError(f"mitigation {name}: unknown keys {shown(unknown)} (known: {', '.join(_MASK_KEYS)})")
     defaults = RatioOutlierMask()
     spec = {
         "level": _choice(("token", "sequence"))(f"{name}.level", doc.get("level", defaults.level)),
@@ -266,14 +268,14 @@ def valid_mitigations() -> str:
 def _lookup(name: str) -> Mitigation:
     key = str(name).strip()
     if key not in MITIGATIONS:
-        raise ConfigError(f"unknown mitigation {key!r}; valid mitigations:\n{valid_mitigations()}")
+        raise ConfigError(f"unknown mitigation {shown(key)}; valid mitigations:\n{valid_mitigations()}")
     return MITIGATIONS[key]
 
 
 def parse_config(doc: Mapping[str, Any], source: str = "mitigation config") -> dict[str, Any]:
     """A config mapping {name: value} in normal form (sorted names, typed values); ConfigError on bad input."""
     if not isinstance(doc, Mapping):
-        raise ConfigError(f"{source}: expected a mapping of mitigation names to values, got {doc!r}")
+        raise ConfigError(f"{source}: expected a mapping of mitigation names to values, got {shown(doc)}")
     out: dict[str, Any] = {}
     for name, raw in doc.items():
         mitigation = _lookup(name)
@@ -303,17 +305,24 @@ def parse_mitigation_args(items: Sequence[str]) -> dict[str, Any]:
 
 
 def load_mitigation_set(path: str | Path) -> list[dict[str, Any]]:
-    """The configs of a mitigation-set YAML file: a list of {NAME: VALUE, ...} mappings, normalised."""
+    """The configs of a mitigation-set YAML file: a list of {NAME: VALUE, ...} mappings, normalised.
+
+    The file is untrusted YAML (no aliases, bounded size); errors name it and never echo it whole.
+    """
     file = Path(path)
     try:
-        doc = yaml.safe_load(file.read_text(encoding="utf-8"))
+        is_file = file.is_file()  # a FIFO or device would block or never end
+        file.stat()
     except OSError as exc:
-        raise ConfigError(f"{file}: cannot read mitigation set ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{file}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(f"{file}: cannot read mitigation set ({exc.strerror or exc})") from None
+    if not is_file:
+        raise ConfigError(f"{file}: cannot read mitigation set (not a regular file)")
+    doc = read_untrusted_yaml(file, "mitigation set")
     if not isinstance(doc, list) or not doc:
-        raise ConfigError(f"{file}: expected a non-empty list of mitigation configs such as - {{advantage_clip: 1.0}}")
-    return [parse_config(item or {}, f"{file} config {i + 1}") for i, item in enumerate(doc)]
+        raise ConfigError(
+            f"mitigation set {file}: expected a non-empty list of mitigation configs such as - {{advantage_clip: 1.0}}"
+        )
+    return [parse_config(item or {}, f"mitigation set {file} config {i + 1}") for i, item in enumerate(doc)]
 
 
 def check_distinct(configs: Sequence[Mapping[str, Any]]) -> None:

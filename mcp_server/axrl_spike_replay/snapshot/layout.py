@@ -18,9 +18,10 @@ PRESERVE_MARKER = ".axrl_preserved.json"
 
 CHECKPOINT_METADATA_CONTENT = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 
-_ITER_RE = re.compile(r"^iter_(\d+)$")
-_RANK_FILE_RE = re.compile(r"^(batch|grad_info|routing_payload)_rank(\d+)\.pt$")
-OUTPUT_DIR_RE = re.compile(r"^(?P<run>.+?)~(?P<job>.+)__(?P<role>[A-Za-z0-9_.-]+)$")
+# Matched with fullmatch: `$` would also accept a trailing newline.
+_ITER_RE = re.compile(r"iter_(\d+)")
+_RANK_FILE_RE = re.compile(r"(batch|grad_info|routing_payload)_rank(\d+)\.pt")
+OUTPUT_DIR_RE = re.compile(r"(?P<run>.+?)~(?P<job>.+)__(?P<role>[A-Za-z0-9_.-]+)")
 
 
 def iteration_dir_name(iteration: int) -> str:
@@ -32,7 +33,7 @@ def iteration_dir_name(iteration: int) -> str:
 
 def parse_iteration(name: str) -> int | None:
     """Iteration number of an `iter_<N>` directory name, else None."""
-    match = _ITER_RE.match(name)
+    match = _ITER_RE.fullmatch(name)
     return int(match.group(1)) if match else None
 
 
@@ -52,7 +53,7 @@ def rank_files(snapshot_dir: Path) -> dict[str, dict[int, Path]]:
     """Per-rank files present: {"batch": {rank: path}, "grad_info": {...}, "routing_payload": {...}}."""
     found: dict[str, dict[int, Path]] = {"batch": {}, "grad_info": {}, "routing_payload": {}}
     for entry in snapshot_dir.iterdir():
-        match = _RANK_FILE_RE.match(entry.name)
+        match = _RANK_FILE_RE.fullmatch(entry.name)
         if match:
             found[match.group(1)][int(match.group(2))] = entry
     return {kind: dict(sorted(files.items())) for kind, files in found.items()}
@@ -60,7 +61,7 @@ def rank_files(snapshot_dir: Path) -> dict[str, dict[int, Path]]:
 
 def parse_output_dir_name(name: str) -> tuple[str, str, str] | None:
     """(run, job_name, role) of an output dir named `<run>~<job_name>__<role>`, else None."""
-    match = OUTPUT_DIR_RE.match(name)
+    match = OUTPUT_DIR_RE.fullmatch(name)
     if not match:
         return None
     return match.group("run"), match.group("job"), match.group("role")

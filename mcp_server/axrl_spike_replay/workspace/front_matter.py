@@ -7,6 +7,9 @@ from typing import Any
 
 import yaml
 
+from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.untrusted_yaml import load_untrusted_yaml
+
 FENCE = "---"
 MARKER = "axrl_method"
 
@@ -27,8 +30,8 @@ def load(path: Path) -> dict[str, Any] | None:
     end = text.find(f"\n{FENCE}\n", len(FENCE))
     if end < 0:
         return None
-    try:
-        fields = yaml.safe_load(text[len(FENCE) + 1 : end + 1])
-    except yaml.YAMLError:
+    try:  # a method file can be edited by anyone: read it as untrusted YAML (no aliases, bounded)
+        fields = load_untrusted_yaml(text[len(FENCE) + 1 : end + 1], str(path))
+    except ConfigError:
         return None
     return fields if isinstance(fields, dict) and MARKER in fields else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError, ConfigError
 
 TASKS_DIR = Path("agent-task") / "spike-replay"
@@ -12,7 +13,8 @@ METHODS_DIR = Path("spike-mitigation-methods")
 TMP_DIR = Path("tmp") / "spike-replay"
 METHODS_INDEX = "README.md"
 
-_PLAIN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._~+-]*$")
+_PLAIN_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._~+-]*")
+MAX_NAME = 200
 
 
 def check_plain_name(name: str, what: str) -> str:
@@ -20,12 +22,14 @@ def check_plain_name(name: str, what: str) -> str:
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(f"{what} is empty; give a plain file name such as 'tis-clip-2'")
     if "/" in name or "\\" in name or "\x00" in name:
-        raise ConfigError(f"{what} {name!r} is not a plain file name: it contains a path separator")
+        raise ConfigError(f"{what} {shown(name)} is not a plain file name: it contains a path separator")
     if name.startswith("."):
-        raise ConfigError(f"{what} {name!r} is not a plain file name: it is hidden or a relative path")
-    if not _PLAIN_NAME_RE.match(name) or len(name) > 200:
+        raise ConfigError(f"{what} {shown(name)} is not a plain file name: it is hidden or a relative path")
+    # fullmatch: `$` would let a trailing newline through
+    if len(name) > MAX_NAME or not _PLAIN_NAME_RE.fullmatch(name):
         raise ConfigError(
-            f"{what} {name!r} is not a plain file name: use letters, digits and . _ ~ + - (at most 200 characters)"
+            f"{what} {shown(name)} is not a plain file name: use letters, digits and . _ ~ + - "
+            f"(at most {MAX_NAME} characters)"
         )
     return name
 
