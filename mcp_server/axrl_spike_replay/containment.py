@@ -8,10 +8,24 @@ from pathlib import Path
 from axrl_spike_replay.errors import AxrlError
 
 
+def resolved_text(path: str | os.PathLike[str]) -> str:
+    """Where `path` leads with every symlink resolved, for messages ("a symlink loop" when it never ends)."""
+    try:
+        return str(Path(path).resolve())
+    except (OSError, RuntimeError):  # RuntimeError: pathlib's "Symlink loop" (Python < 3.13)
+        return "a symlink loop"
+
+
 def is_inside(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> bool:
-    """True when `path`, with every symlink resolved, lies inside `root` (also resolved)."""
-    resolved_root = Path(root).resolve()
-    resolved = Path(path).resolve()
+    """True when `path` (existing or not), with every symlink resolved, lies inside `root` (also resolved).
+
+    A symlink loop on the way counts as leaving: it is never followed.
+    """
+    try:
+        resolved_root = Path(root).resolve()
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError):  # RuntimeError: pathlib's "Symlink loop" (Python < 3.13)
+        return False
     return resolved == resolved_root or resolved_root in resolved.parents
 
 
@@ -20,7 +34,7 @@ def check_inside(path: str | os.PathLike[str], root: str | os.PathLike[str], wha
     candidate = Path(path)
     if not is_inside(candidate, root):
         raise AxrlError(
-            f"{what} {candidate} leads outside {root} (to {candidate.resolve()}) through a symlink; "
+            f"{what} {candidate} leads outside {root} (to {resolved_text(candidate)}) through a symlink; "
             "refusing to follow it"
         )
     return candidate

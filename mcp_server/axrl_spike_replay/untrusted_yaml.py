@@ -41,7 +41,10 @@ def load_untrusted_yaml(text: str | bytes, source: str) -> Any:
             raise ConfigError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     if len(text) > MAX_YAML_BYTES:
         raise ConfigError(f"{source}: {len(text)} characters of YAML, more than the {MAX_YAML_BYTES} limit")
-    loader = _NoAliasLoader(text)
+    try:
+        loader = _NoAliasLoader(text)  # the reader refuses non-printable characters here already
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {_short_yaml_error(exc)}") from None
     try:
         return loader.get_single_data()
     except ConfigError as exc:

@@ -26,9 +26,10 @@ from typing import Any
 
 from axrl_spike_replay.atomic import temp_beside
 from axrl_spike_replay.capture.detectors import make_detector
+from axrl_spike_replay.containment import is_inside, resolved_text
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.snapshot.discovery import find_logs
+from axrl_spike_replay.snapshot.discovery import split_logs
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, RUN_CONFIG, SNAPSHOTS_DIR, parse_output_dir_name
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 from axrl_spike_replay.workspace.paths import check_plain_name
@@ -145,11 +146,9 @@ def error_kind(line: str) -> str | None:
     return None
 
 
-def _leaves(entry: Path, root: Path) -> str | None:
-    """Why `entry`, found under `root`, must not be read (a symlink on its way leads out of `root`), else None."""
-    if _inside(entry, root):
-        return None
-    return f"leads outside {root} through a symlink (to {_resolved(entry)}); not followed"
+def _leaves(entry: Path, root: Path) -> str:
+    """Why `entry`, found under `root`, is not read: a symlink on its way leads out of `root`."""
+    return f"leads outside {root} through a symlink (to {resolved_text(entry)}); not followed"
 
 
 def _log_files(paths: Sequence[str | Path]) -> tuple[list[tuple[Path, Path]], list[dict[str, str]]]:
@@ -162,15 +161,13 @@ def _log_files(paths: Sequence[str | Path]) -> tuple[list[tuple[Path, Path]], li
         if path.is_file():
             found.append((Path(os.path.abspath(path)), Path(path.name)))  # named by the caller: read as given
         elif path.is_dir():
-            logs = find_logs(path) or sorted(p for p in path.rglob("*.log") if p.is_file())
-            inside = []
-            for log in logs:
-                reason = _leaves(log, path)
-                if reason is None:
-                    inside.append(log)
-                else:
-                    skipped.append({"path": str(log), "reason": reason})
-            if not logs:
+            inside, leaving = split_logs(path)
+            if not inside and not leaving:
+                logs = sorted(p for p in path.rglob("*.log") if p.is_file())
+                inside = [p for p in logs if is_inside(p, path)]
+                leaving = [p for p in logs if p not in inside]
+            skipped += [{"path": str(log), "reason": _leaves(log, path)} for log in leaving]
+            if not inside and not leaving:
                 raise AxrlError(f"{path}: no *.log files in it or under its logs/")
             found += [(Path(os.path.abspath(log)), Path(path.name) / log.relative_to(path)) for log in inside]
         elif path.is_symlink():
@@ -241,9 +238,9 @@ def _copy(
     files: list[tuple[Path, Path]], dest: Path, root: Path, cancel: threading.Event | None
 ) -> tuple[list[Path], list[dict[str, str]]]:
     """Copy each file to `dest`/rel; entries whose folder leads out of `dest` are skipped, with the reason."""
-    if not _inside(dest, root):
+    if not is_inside(dest, root):
         raise AxrlError(
-            f"log copy dir {dest} leads outside {root} (to {_resolved(dest)}) through a symlink; "
+            f"log copy dir {dest} leads outside {root} (to {resolved_text(dest)}) through a symlink; "
             "refusing to write there"
         )
     dest.mkdir(parents=True, exist_ok=True)
@@ -255,7 +252,7 @@ def _copy(
         while target in copies:
             target = stem.with_name(f"{stem.stem}-{n}{stem.suffix}")
             n += 1
-        if not _inside(target.parent, dest):
+        if not is_inside(target.parent, dest):
             skipped.append(
                 {"path": str(source), "reason": f"its copy's folder {target.parent} leads outside {dest}; not copied"}
             )
@@ -266,23 +263,6 @@ def _copy(
             _copy_file(source, target, cancel)
         copies.append(target)
     return copies, skipped
-
-
-def _resolved(path: Path) -> str:
-    try:
-        return str(path.resolve())
-    except (OSError, RuntimeError):
-        return "a symlink loop"
-
-
-def _inside(path: Path, root: Path) -> bool:
-    """`path` (existing or not) resolves inside `root`: no symlink on the way leads out."""
-    try:
-        resolved_root = root.resolve()
-        resolved = path.resolve()
-    except (OSError, RuntimeError):  # RuntimeError: pathlib's "Symlink loop"
-        return False
-    return resolved == resolved_root or resolved_root in resolved.parents
 
 
 def _lines(path: Path, cancel: threading.Event | None) -> Iterator[tuple[int, str, bool]]:

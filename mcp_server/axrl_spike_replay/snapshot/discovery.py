@@ -45,17 +45,23 @@ def output_roots(roots: Iterable[str | Path] = ()) -> list[Path]:
     return unique
 
 
-def find_logs(output_dir: str | Path) -> list[Path]:
-    """Log files of an output dir: `*.log` in it and `logs/**/*.log` below it, sorted.
+def split_logs(output_dir: str | Path) -> tuple[list[Path], list[Path]]:
+    """Log files of an output dir (`*.log` in it, `logs/**/*.log` below it), sorted: (inside, leading out).
 
-    A log (or the `logs` dir) that is a symlink leading out of the output dir is not followed.
+    A log (or the `logs` dir) that is a symlink leading out of the output dir is in the second list: never read.
     """
     directory = Path(output_dir)
     logs = [p for p in directory.glob("*.log") if p.is_file()]
     logs_dir = directory / "logs"
     if logs_dir.is_dir():
         logs += [p for p in logs_dir.rglob("*.log") if p.is_file()]
-    return sorted(p for p in logs if is_inside(p, directory))
+    inside = [p for p in logs if is_inside(p, directory)]
+    return sorted(inside), sorted(p for p in logs if p not in inside)
+
+
+def find_logs(output_dir: str | Path) -> list[Path]:
+    """Log files of an output dir that stay inside it (see `split_logs`)."""
+    return split_logs(output_dir)[0]
 
 
 def resolve_job(job: str, roots: Sequence[str | Path] = ()) -> JobResolution:
