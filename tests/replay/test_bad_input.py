@@ -129,7 +129,7 @@ def test_a_replay_that_fails_midway_records_a_failed_result(
     snap = snapshot_copy()
     open_task(workspace, "fixture-moe", snap)
     for shard in snap.glob("*.distcp"):
-        shard.write_bytes(shard.read_bytes()[:100])  # truncated weights: found only when loading them
+        shard.write_bytes(bytes(shard.stat().st_size))  # zeroed weights of the right size: found only when loading
     with pytest.raises(AxrlError, match=r"replay failed: .*cannot load checkpoint tensors") as err:
         run_replay(snap, ReplayOptions(nproc=nproc, workspace=workspace))
     assert "Traceback" not in str(err.value)
@@ -149,7 +149,7 @@ def test_a_failed_sweep_records_one_failed_result_for_the_run(
 
     snap = snapshot_copy()
     for shard in snap.glob("*.distcp"):
-        shard.write_bytes(b"")
+        shard.write_bytes(bytes(shard.stat().st_size))
     with pytest.raises(AxrlError, match="sweep failed"):
         run_sweep(snap, [{"advantage_clip": 1}, {"kl_coef": 0}], ReplayOptions(nproc=1, workspace=workspace))
     [run_dir] = (workspace / "tmp" / "spike-replay" / "fixture-moe").iterdir()
