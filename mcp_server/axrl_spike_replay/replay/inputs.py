@@ -17,7 +17,7 @@ from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, summ
 from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_text, ranks_text
 from axrl_spike_replay.snapshot.layout import RUN_CONFIG, rank_files
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
-from axrl_spike_replay.snapshot.rank_data import load_rank_batch
+from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
 # Sections the engine rebuilds from, and sections it reads but need not rebuild (the trainer's own).
@@ -132,7 +132,13 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
     routing = _section_config(RoutingConfig.from_dict, dict(doc["routing"]), path, "routing")
     routing_ranks = _check_ranks(directory, layout.world_size)
     check_weights(directory, model, "the snapshot's checkpoint")
+    # Every rank file is read as meta tensors now (pickles only), so a malformed one is an error here,
+    # before any rank process starts, not a failure inside one.
     batch = load_rank_batch(directory, 0, meta=True)
+    for rank in range(1, layout.world_size):  # _check_ranks found a batch file for each of these
+        load_rank_batch(directory, rank, meta=True)
+    for rank in routing_ranks:
+        load_routing_payload(directory, rank, meta=True)
     return ReplayInputs(
         snapshot=str(snapshot),
         replay_dir=str(directory),
