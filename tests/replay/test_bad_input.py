@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hostile_snapshot import declare_checkpoint_tensor
 
 from axrl_spike_replay.errors import AxrlError, ConfigError, SnapshotError
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, RUN_CONFIG
 from axrl_spike_replay.workspace.task_state import open_task, show_task
+from hostile_snapshot import declare_checkpoint_tensor
 
 
 def nothing_written(workspace: Path) -> bool:

@@ -10,6 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from axrl_spike_replay.errors import SnapshotError
+from axrl_spike_replay.snapshot.completeness import missing_ranks, missing_required, rank_ranges_text
+from axrl_spike_replay.snapshot.inspect import inspect_snapshot
+from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
+from axrl_spike_replay.snapshot.safe_load import load_pt
 from hostile_snapshot import (
     declare_checkpoint_tensor,
     declare_world_size,
@@ -17,12 +23,6 @@ from hostile_snapshot import (
     write_compressed_tensor_file,
     write_lying_tensor_file,
 )
-
-from axrl_spike_replay.errors import SnapshotError
-from axrl_spike_replay.snapshot.completeness import missing_ranks, missing_required, rank_ranges_text
-from axrl_spike_replay.snapshot.inspect import inspect_snapshot
-from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
-from axrl_spike_replay.snapshot.safe_load import load_pt
 
 GIB = 1024**3
 MEMORY_LIMIT = 3 * GIB  # address space for a child that inspects a hostile snapshot: torch needs ~0.7 GiB
@@ -118,7 +118,7 @@ def test_a_legacy_pickle_is_refused_before_it_can_declare_any_size(make_output_d
 
     snap = _snapshot(make_output_dir)
     torch.save({"grad_norm": 1.0}, snap / "grad_info_rank0.pt", _use_new_zipfile_serialization=False)
-    with pytest.raises(SnapshotError, match="not in torch's zip format .* re-save it with torch.save"):
+    with pytest.raises(SnapshotError, match=r"not in torch's zip format .* re-save it with torch\.save"):
         load_pt(snap / "grad_info_rank0.pt")
 
 
