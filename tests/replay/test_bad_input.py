@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from axrl_spike_replay.errors import AxrlError, ConfigError, SnapshotError
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, RUN_CONFIG
 from axrl_spike_replay.workspace.task_state import open_task, show_task
+from hostile_snapshot import declare_checkpoint_tensor
 
 
 def nothing_written(workspace: Path) -> bool:
@@ -129,7 +131,7 @@ def test_a_replay_that_fails_midway_records_a_failed_result(
     snap = snapshot_copy()
     open_task(workspace, "fixture-moe", snap)
     for shard in snap.glob("*.distcp"):
-        shard.write_bytes(shard.read_bytes()[:100])  # truncated weights: found only when loading them
+        shard.write_bytes(bytes(shard.stat().st_size))  # zeroed weights of the right size: found only when loading
     with pytest.raises(AxrlError, match=r"replay failed: .*cannot load checkpoint tensors") as err:
         run_replay(snap, ReplayOptions(nproc=nproc, workspace=workspace))
     assert "Traceback" not in str(err.value)
@@ -149,7 +151,7 @@ def test_a_failed_sweep_records_one_failed_result_for_the_run(
 
     snap = snapshot_copy()
     for shard in snap.glob("*.distcp"):
-        shard.write_bytes(b"")
+        shard.write_bytes(bytes(shard.stat().st_size))
     with pytest.raises(AxrlError, match="sweep failed"):
         run_sweep(snap, [{"advantage_clip": 1}, {"kl_coef": 0}], ReplayOptions(nproc=1, workspace=workspace))
     [run_dir] = (workspace / "tmp" / "spike-replay" / "fixture-moe").iterdir()
@@ -170,4 +172,82 @@ def test_initial_model_weights_that_do_not_fit_the_model(spike_snapshot: Path, w
     options = ReplayOptions(workspace=workspace, mitigations={"initial_model": str(tmp_path / "w")})
     with pytest.raises(SnapshotError, match=r"initial_model does not fit the run config's model: .*model needs"):
         run_replay(spike_snapshot, options)
+    assert nothing_written(workspace)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d["model"].update(d_model="32"), r"model\.d_model must be an integer, got str '32'"),
+        (lambda d: d["model"].update(n_heads=0), r"model\.n_heads must be in \[1, 1024\], got 0"),
+        (lambda d: d["model"].update(n_layers=3_000_000), r"model\.n_layers must be in \[1, 1024\], got 3000000"),
+        (lambda d: d["model"].update(moe_layers="ab"), r"model\.moe_layers must be a list of layer ids"),
+        (lambda d: d["parallel"].update(world_size="2"), r"parallel\.world_size must be an integer"),
+        (lambda d: d["loss"].update(clip_eps_low=[1]), r"clip_eps_low must be a finite number"),
+    ],
+)
+def test_run_config_values_of_the_wrong_type_or_size(
+    snapshot_copy: Callable[[], Path], workspace: Path, cli, change: Callable[[dict], None], message: str
+) -> None:
+    snap = snapshot_copy()
+    edit_yaml(snap / RUN_CONFIG, change)
+    with pytest.raises(ConfigError, match=message):
+        run_replay(snap, ReplayOptions(workspace=workspace))
+    run = cli("replay", snap, "--workspace", workspace)
+    assert run.code == 2 and str(snap / RUN_CONFIG) in run.err and "Traceback" not in run.err
+    assert nothing_written(workspace)
+
+
+def test_a_run_config_with_yaml_aliases_is_refused(snapshot_copy: Callable[[], Path], workspace: Path, cli) -> None:
+    snap = snapshot_copy()
+    text = (snap / RUN_CONFIG).read_text()
+    (snap / RUN_CONFIG).write_text(text.replace("model:", "model: &m", 1) + "extra: *m\n")
+    run = cli("replay", snap, "--workspace", workspace)
+    assert run.code == 2 and "aliases are refused" in run.err and str(snap / RUN_CONFIG) in run.err
+    assert nothing_written(workspace)
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda s: (s / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}})), "it holds a dict"),
+        (lambda s: declare_checkpoint_tensor(s, (10**6, 10**6)), "does not fit the run config's model"),
+        (lambda s: declare_checkpoint_tensor(s, (16, 16 * 10**6)), "does not fit the run config's model"),
+        (lambda s: (s / "__0_0.distcp").write_bytes(b"x" * 100), r"__0_0\.distcp, which holds 100"),
+        (lambda s: (s / AXRL_METADATA).write_text('{"iteration": Infinity, "grad_norm": 1}'), "must be an integer"),
+    ],
+)
+def test_checkpoint_and_metadata_declaring_what_is_not_on_disk(
+    snapshot_copy: Callable[[], Path], workspace: Path, cli, damage: Callable[[Path], object], message: str
+) -> None:
+    snap = snapshot_copy()
+    damage(snap)
+    with pytest.raises(SnapshotError, match=message):
+        run_replay(snap, ReplayOptions(workspace=workspace))
+    run = cli("replay", snap, "--workspace", workspace)
+    assert run.code == 2 and str(snap) in run.err and "Traceback" not in run.err
+    assert nothing_written(workspace)
+
+
+def test_a_checkpoint_whose_data_files_do_not_back_the_model_s_shapes(
+    snapshot_copy: Callable[[], Path], workspace: Path
+) -> None:
+    """Shapes that fit the model but data files too small for them: refused before DCP allocates anything."""
+    snap = snapshot_copy()
+    for shard in snap.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(SnapshotError, match=r"is declared at bytes .*\.distcp, which holds"):
+        run_replay(snap, ReplayOptions(workspace=workspace))
+    assert nothing_written(workspace)
+
+
+def test_a_malformed_routing_payload_is_refused_before_any_rank_process(
+    snapshot_copy: Callable[[], Path], workspace: Path
+) -> None:
+    snap = snapshot_copy()
+    payload = torch.load(snap / "routing_payload_rank1.pt", weights_only=True)
+    payload["moe_layers"] = "ab"
+    torch.save(payload, snap / "routing_payload_rank1.pt")
+    with pytest.raises(SnapshotError, match=r"routing_payload_rank1\.pt: 'moe_layers' must be a list"):
+        run_replay(snap, ReplayOptions(workspace=workspace))
     assert nothing_written(workspace)

@@ -73,7 +73,8 @@ def _load_ranks(directory: Path) -> list[_Rank]:
     ranks = []
     for rank, path in files.items():
         raw = load_pt(path)
-        first = raw["micro_batches"][0] if isinstance(raw, dict) and raw.get("micro_batches") else raw
+        micro = raw.get("micro_batches") if isinstance(raw, dict) else None
+        first = micro[0] if isinstance(micro, (list, tuple)) and micro else raw
         saved = {}
         if isinstance(first, dict):
             saved = {name: found[0] for name in FIELD_ALIASES if (found := find_field(first, name)) is not None}

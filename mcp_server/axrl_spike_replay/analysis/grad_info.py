@@ -6,9 +6,9 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from axrl_spike_replay.errors import ConfigError, SnapshotError
+from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_text, ranks_text
 from axrl_spike_replay.snapshot.layout import rank_files
 from axrl_spike_replay.snapshot.metadata import read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
@@ -51,13 +51,6 @@ class GradReport:
     problems: list[str] = field(default_factory=list)
 
 
-def _number(value: Any) -> float | None:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
-
-
 def _top(norms: dict[str, float], numel: dict[str, int], k: int) -> list[ParamGrad]:
     key = {name: (math.inf if math.isnan(v) else v) for name, v in norms.items()}
     chosen = sorted(norms, key=lambda name: (-key[name], name))[:k]
@@ -74,25 +67,27 @@ def top_param_grads(path: str | Path, top: int = 10) -> GradReport:
     if not files:
         raise SnapshotError(f"{directory}: no grad_info_rank<r>.pt files")
     problems: list[str] = []
-    missing = sorted(set(range(meta.parallel.world_size)) - set(files))
+    missing = missing_ranks(files, meta.parallel.world_size)
     if missing:
-        problems.append(f"no grad info for ranks {missing}: merged norms cover ranks {sorted(files)} only")
+        problems.append(
+            f"no grad info for ranks {rank_ranges_text(missing)}: merged norms cover ranks {ranks_text(files)} only"
+        )
     ranks: list[RankGrads] = []
     squares: dict[str, float] = {}
     numel: dict[str, int] = {}
     for rank in files:
         info = load_grad_info(directory, rank)
         norms = info["param_grad_norms"]
-        rank_numel = {str(k): int(v) for k, v in (info.get("param_numel") or {}).items()}
+        rank_numel = info["param_numel"]
         numel.update(rank_numel)
         for name, value in norms.items():
             squares[name] = squares.get(name, 0.0) + value * value
-        num_tokens = _number(info.get("num_tokens"))
+        num_tokens = info["num_tokens"]
         ranks.append(
             RankGrads(
                 rank=rank,
                 grad_norm=info["grad_norm"],
-                loss=_number(info.get("loss")),
+                loss=info["loss"],
                 num_tokens=int(num_tokens) if num_tokens is not None and math.isfinite(num_tokens) else None,
                 top=_top(norms, rank_numel, top),
                 params=len(norms),

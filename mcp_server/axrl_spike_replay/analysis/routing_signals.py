@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from axrl_spike_replay.snapshot.layout import rank_files
+from axrl_spike_replay.errors import SnapshotError
+from axrl_spike_replay.snapshot.layout import rank_files, routing_payload_file
 from axrl_spike_replay.snapshot.rank_data import load_routing_payload
 
 if TYPE_CHECKING:
     import torch
+
+MAX_EXPERTS = 1 << 16  # expert ids index a per-expert count; real MoE layers have at most a few thousand experts
 
 
 def routing_signals(snapshot_dir: str | Path, loss_masks: dict[int, torch.Tensor]) -> dict[str, Any]:
@@ -35,6 +38,11 @@ def routing_signals(snapshot_dir: str | Path, loss_masks: dict[int, torch.Tensor
         payload = load_routing_payload(directory, rank)
         routes = payload.routed_experts.long()
         routed = routes >= 0
+        if routes.numel() and int(routes.max()) >= MAX_EXPERTS:
+            raise SnapshotError(
+                f"{directory / routing_payload_file(rank)}: expert id {int(routes.max())} in routed_experts is beyond "
+                f"the {MAX_EXPERTS}-expert limit"
+            )
         per_token = routed.any(dim=-1)  # [B, T, L]
         entry: dict[str, Any] = {
             "rank": rank,

@@ -119,7 +119,7 @@ def capture_reference_run(
         if plan.final_state_path:
             from axrl_spike_replay.snapshot.safe_load import load_pt
 
-            final_state = load_pt(plan.final_state_path, mmap=False)
+            final_state = load_pt(plan.final_state_path)
     return CaptureResult(
         output_dir=output_dir,
         snapshot_dirs=[Path(p) for p in doc["snapshot_dirs"]],

@@ -7,12 +7,14 @@ The document holds everything needed to rebuild the model, the loss and the rout
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from axrl_spike_replay.capture.presets import get_preset
 from axrl_spike_replay.capture.toy_task import ADVANTAGE_ESTIMATORS
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
 from axrl_spike_replay.replay.policy_loss import LossConfig
@@ -65,12 +67,12 @@ class TrainSettings:
         positive = ("steps", "group_size", "prompts_per_rank", "prompt_len", "response_len", "keep_last")
         for name in (*positive, "checkpoint_interval"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"train.{name} must be an integer >= 1, got {value!r}")
+            if not _is_int(value) or value < 1:
+                raise ConfigError(f"train.{name} must be an integer >= 1, got {shown(value, 60)}")
         for name in ("lr", "grad_clip", "temperature"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"train.{name} must be a number > 0, got {value!r}")
+            if not _is_number(value) or value <= 0:
+                raise ConfigError(f"train.{name} must be a number > 0, got {shown(value, 60)}")
         if self.group_size < 2:
             raise ConfigError(f"train.group_size must be >= 2 (advantages compare samples), got {self.group_size}")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
@@ -79,8 +81,8 @@ class TrainSettings:
             raise ConfigError(f"train.guard_action must be one of {GUARD_ACTIONS}, got {self.guard_action!r}")
         if self.task != "echo_first_token":
             raise ConfigError(f"train.task {self.task!r} is not built in (built in: echo_first_token)")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"train.seed must be an integer >= 0, got {self.seed!r}")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ConfigError(f"train.seed must be an integer >= 0, got {shown(self.seed, 60)}")
 
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -93,7 +95,17 @@ class TrainSettings:
         values = dict(_known(doc, cls, "train"))
         for key in ("burst", "skip_iterations"):
             if key in values:
-                values[key] = tuple(int(x) for x in values[key] or ())
+                steps = values[key] or ()
+                if not isinstance(steps, (list, tuple)) or not all(_is_int(x) and x >= 0 for x in steps):
+                    raise ConfigError(f"train.{key} must be a list of step numbers, got {shown(steps, 80)}")
+                values[key] = tuple(steps)
+        for key in ("advantage_estimator", "task", "preset", "guard_action"):
+            if key in values and not isinstance(values[key], str):
+                raise ConfigError(f"train.{key} must be a string, got {shown(values[key], 60)}")
+        if "fault" in values and not isinstance(values["fault"], Mapping):
+            raise ConfigError(f"train.fault must be a mapping, got {shown(values['fault'], 60)}")
+        if "baseline_momentum" in values and not _is_number(values["baseline_momentum"]):
+            raise ConfigError(f"train.baseline_momentum must be a number, got {shown(values['baseline_momentum'], 60)}")
         return cls(**values)
 
 
@@ -108,7 +120,13 @@ class DetectorSettings:
 
     def __post_init__(self) -> None:
         if self.kind not in DETECTOR_KINDS:
-            raise ConfigError(f"detector.kind must be one of {DETECTOR_KINDS}, got {self.kind!r}")
+            raise ConfigError(f"detector.kind must be one of {DETECTOR_KINDS}, got {shown(self.kind, 60)}")
+        for name in ("window", "warmup"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ConfigError(f"detector.{name} must be an integer >= 1, got {shown(value, 60)}")
+        if not _is_number(self.threshold) or not math.isfinite(self.threshold) or self.threshold <= 0:
+            raise ConfigError(f"detector.threshold must be a finite number > 0, got {shown(self.threshold, 60)}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,11 +149,21 @@ class RunSpec:
     document: dict[str, Any]
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _known(doc: Mapping[str, Any], cls: type, section: str) -> dict[str, Any]:
+    if not isinstance(doc, Mapping):
+        raise ConfigError(f"{section}: expected a mapping, got {type(doc).__name__}")
     known = {f.name for f in fields(cls)}
-    unknown = sorted(set(doc) - known)
+    unknown = sorted(str(k) for k in set(doc) - known)
     if unknown:
-        raise ConfigError(f"{section}: unknown keys {unknown} (known: {sorted(known)})")
+        raise ConfigError(f"{section}: unknown keys {shown(unknown, 120)} (known: {sorted(known)})")
     return dict(doc)
 
 
@@ -178,11 +206,15 @@ def parse_run_config(doc: Mapping[str, Any]) -> RunSpec:
         if not isinstance(doc.get(section), Mapping):
             raise ConfigError(f"run config: section {section!r} is missing or not a mapping")
     world_size = doc["parallel"].get("world_size")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"parallel.world_size must be an integer >= 1, got {world_size!r}")
+    if not _is_int(world_size) or world_size < 1:
+        raise ConfigError(f"parallel.world_size must be an integer >= 1, got {shown(world_size, 60)}")
+    try:
+        loss = LossConfig.from_dict(dict(doc["loss"]))
+    except (TypeError, ValueError, ArithmeticError) as exc:
+        raise ConfigError(f"loss: invalid value ({shown(str(exc), 160, quote=False)})") from None
     spec = RunSpec(
         model=TinyMoEConfig.from_dict(dict(doc["model"])),
-        loss=LossConfig.from_dict(dict(doc["loss"])),
+        loss=loss,
         routing=RoutingConfig.from_dict(dict(doc["routing"])),
         train=TrainSettings.from_dict(doc["train"]),
         detector=DetectorSettings.from_dict(doc["detector"]),

@@ -14,7 +14,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
+
+# Limits on the `model:` section of a run config we did not write, checked before anything is built:
+# the torch backend rebuilds a *tiny* policy, and every dimension must also match the checkpoint's
+# tensors (bounded by the bytes of its data files), so these only stop absurd values early.
+MODEL_LIMITS: dict[str, int] = {
+    "vocab_size": 1 << 20,
+    "d_model": 1 << 16,
+    "n_layers": 1024,
+    "n_heads": 1024,
+    "d_ff": 1 << 18,
+    "n_experts": 4096,
+    "top_k": 4096,
+    "max_seq_len": 1 << 20,
+}
+MAX_MODEL_PARAMETERS = 1 << 33  # 8G parameters (32 GB in fp32): far beyond a tiny replay model
 
 
 @dataclass(frozen=True)
@@ -30,13 +46,31 @@ class TinyMoEConfig:
     moe_layers: tuple[int, ...] | None = None  # None: every layer is MoE
 
     def __post_init__(self) -> None:
+        for name, limit in MODEL_LIMITS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"model.{name} must be an integer, got {type(value).__name__} {shown(value, 40)}")
+            if not 1 <= value <= limit:
+                raise ConfigError(f"model.{name} must be in [1, {limit}], got {shown(value, 40)}")
         if self.d_model % self.n_heads:
             raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
         if not 1 <= self.top_k <= self.n_experts:
             raise ConfigError(f"model.top_k ({self.top_k}) must be in [1, n_experts={self.n_experts}]")
+        if self.moe_layers is not None:
+            if not isinstance(self.moe_layers, tuple) or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in self.moe_layers
+            ):
+                raise ConfigError(f"model.moe_layers must be a list of layer ids, got {shown(self.moe_layers, 80)}")
+            if len(set(self.moe_layers)) != len(self.moe_layers):
+                raise ConfigError(f"model.moe_layers repeats a layer id: {shown(list(self.moe_layers), 80)}")
         for layer in self.moe_layer_ids:
             if not 0 <= layer < self.n_layers:
                 raise ConfigError(f"model.moe_layers has {layer}, outside [0, {self.n_layers})")
+        parameters = sum(_numel(shape) for shape in expected_state_shapes(self).values())
+        if parameters > MAX_MODEL_PARAMETERS:
+            raise ConfigError(
+                f"model: {parameters} parameters, more than the {MAX_MODEL_PARAMETERS} limit of the tiny replay model"
+            )
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
@@ -49,17 +83,65 @@ class TinyMoEConfig:
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> TinyMoEConfig:
-        """Build from the `model:` section of a run config; unknown keys are an error."""
+        """Build from the `model:` section of a run config; unknown keys and bad types are a ConfigError."""
+        if not isinstance(doc, dict):
+            raise ConfigError(f"model: expected a mapping, got {type(doc).__name__}")
         values = {k: v for k, v in doc.items() if k != "kind"}
         if doc.get("kind", "tiny_moe") != "tiny_moe":
-            raise ConfigError(f"model.kind {doc.get('kind')!r} is not built in (the torch backend builds 'tiny_moe')")
+            raise ConfigError(
+                f"model.kind {shown(doc.get('kind'), 60)} is not built in (the torch backend builds 'tiny_moe')"
+            )
         known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(values) - known)
+        unknown = sorted(str(k) for k in set(values) - known)
         if unknown:
-            raise ConfigError(f"model: unknown keys {unknown} (known: {sorted(known)})")
-        if values.get("moe_layers") is not None:
-            values["moe_layers"] = tuple(int(x) for x in values["moe_layers"])
+            raise ConfigError(f"model: unknown keys {shown(unknown, 120)} (known: {sorted(known)})")
+        layers = values.get("moe_layers")
+        if layers is not None:
+            if not isinstance(layers, (list, tuple)) or len(layers) > MODEL_LIMITS["n_layers"]:
+                raise ConfigError(f"model.moe_layers must be a list of layer ids, got {shown(layers, 80)}")
+            values["moe_layers"] = tuple(layers)
         return cls(**values)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel
+
+
+def expected_state_shapes(cfg: TinyMoEConfig) -> dict[str, tuple[int, ...]]:
+    """{state_dict name: shape} of `TinyMoEPolicy(cfg)`, computed without building the module."""
+    d, f, e, v = cfg.d_model, cfg.d_ff, cfg.n_experts, cfg.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (v, d), "pos.weight": (cfg.max_seq_len, d)}
+    moe_ids = set(cfg.moe_layer_ids)
+    for i in range(cfg.n_layers):
+        p = f"blocks.{i}."
+        shapes.update(
+            {
+                p + "norm1.weight": (d,),
+                p + "norm1.bias": (d,),
+                p + "qkv.weight": (3 * d, d),
+                p + "qkv.bias": (3 * d,),
+                p + "proj.weight": (d, d),
+                p + "proj.bias": (d,),
+                p + "norm2.weight": (d,),
+                p + "norm2.bias": (d,),
+            }
+        )
+        if i in moe_ids:
+            shapes.update({p + "ffn.router.weight": (e, d), p + "ffn.w_in": (e, d, f), p + "ffn.w_out": (e, f, d)})
+        else:
+            shapes.update(
+                {
+                    p + "ffn.up.weight": (f, d),
+                    p + "ffn.up.bias": (f,),
+                    p + "ffn.down.weight": (d, f),
+                    p + "ffn.down.bias": (d,),
+                }
+            )
+    shapes.update({"norm.weight": (d,), "norm.bias": (d,), "head.weight": (v, d)})
+    return shapes
 
 
 @dataclass

@@ -7,17 +7,18 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError, SnapshotError
-from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
+from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, expected_state_shapes
 from axrl_spike_replay.replay.mitigations import AppliedConfig
 from axrl_spike_replay.replay.policy_loss import LossConfig
 from axrl_spike_replay.replay.rank_step import RoutingConfig
-from axrl_spike_replay.snapshot.checkpoint import summarize_checkpoint
+from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, summarize_checkpoint
+from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_text, ranks_text
 from axrl_spike_replay.snapshot.layout import RUN_CONFIG, rank_files
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
-from axrl_spike_replay.snapshot.rank_data import load_rank_batch
+from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
+from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
 # Sections the engine rebuilds from, and sections it reads but need not rebuild (the trainer's own).
 ENGINE_SECTIONS = ("model", "loss", "routing", "parallel")
@@ -46,20 +47,22 @@ class ReplayInputs:
 
 
 def read_run_config(snapshot_dir: Path) -> dict[str, Any]:
-    """The snapshot's `run_config.yaml` as a mapping; sections the engine does not know are an error."""
+    """The snapshot's `run_config.yaml` as a mapping (read without aliases, size and depth bounded).
+
+    Sections the engine does not know are an error; every error names the file.
+    """
     path = snapshot_dir / RUN_CONFIG
     if not path.is_file():
         raise SnapshotError(f"{path}: run config not found (the torch backend rebuilds the model from it)")
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise SnapshotError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    doc = read_untrusted_yaml(path, "run config")
     if not isinstance(doc, dict):
-        raise SnapshotError(f"{path}: expected a mapping of sections")
-    unknown = sorted(set(doc) - set(ENGINE_SECTIONS) - set(INFO_SECTIONS))
+        raise ConfigError(f"run config {path}: expected a mapping of sections, got {type(doc).__name__}")
+    unknown = sorted(str(k) for k in set(doc) - set(ENGINE_SECTIONS) - set(INFO_SECTIONS))
     if unknown:
         known = sorted((*ENGINE_SECTIONS, *INFO_SECTIONS))
-        raise ConfigError(f"{path}: unknown sections {unknown} the torch engine cannot replay (known: {known})")
+        raise ConfigError(
+            f"{path}: unknown sections {shown(unknown, 120)} the torch engine cannot replay (known: {known})"
+        )
     for section in ENGINE_SECTIONS:
         if not isinstance(doc.get(section), dict):
             raise ConfigError(f"{path}: section {section!r} is missing or not a mapping")
@@ -68,39 +71,53 @@ def read_run_config(snapshot_dir: Path) -> dict[str, Any]:
 
 def _parallel(doc: dict[str, Any], path: Path, meta: AxrlMetadata) -> ParallelLayout:
     known = {f.name for f in fields(ParallelLayout)}
-    unknown = sorted(set(doc) - known)
+    unknown = sorted(str(k) for k in set(doc) - known)
     if unknown:
-        raise ConfigError(f"{path}: parallel: unknown keys {unknown} (known: {sorted(known)})")
+        raise ConfigError(f"{path}: parallel: unknown keys {shown(unknown, 120)} (known: {sorted(known)})")
     layout = meta.parallel
     split = {name: getattr(layout, name) for name in ("tp", "pp", "ep", "etp", "cp") if getattr(layout, name) > 1}
     if split:
-        shown = ", ".join(f"{k}={v}" for k, v in split.items())
+        listed = ", ".join(f"{k}={v}" for k, v in split.items())
         raise ConfigError(
-            f"{meta.job_name or path.parent}: the saved layout has {shown}; the torch backend rebuilds "
+            f"{meta.job_name or path.parent}: the saved layout has {listed}; the torch backend rebuilds "
             f"data-parallel layouts only (tp=pp=ep=etp=cp=1); {COMMAND_BACKEND_HINT}"
         )
     if layout.dp != layout.world_size:
         raise ConfigError(f"saved layout: dp={layout.dp} but world_size={layout.world_size}; they must agree")
     saved = doc.get("world_size")
-    if saved is not None and int(saved) != layout.world_size:
+    if saved is not None and (isinstance(saved, bool) or not isinstance(saved, int)):
+        raise ConfigError(f"{path}: parallel.world_size must be an integer, got {shown(saved, 40)}")
+    if saved is not None and saved != layout.world_size:
         raise ConfigError(f"{path}: parallel.world_size={saved} but the snapshot metadata says {layout.world_size}")
     return layout
 
 
 def _check_ranks(directory: Path, world_size: int) -> tuple[int, ...]:
+    """Routing ranks; SnapshotError unless batch and grad-info files cover exactly [0, world_size)."""
     files = rank_files(directory)
-    expected = set(range(world_size))
     for kind in ("batch", "grad_info"):
-        present = set(files[kind])
-        missing, extra = sorted(expected - present), sorted(present - expected)
+        missing = missing_ranks(files[kind], world_size)
+        extra = [rank for rank in files[kind] if rank >= world_size]
         if missing or extra:
             parts = []
             if missing:
-                parts.append(f"missing {kind}_rank<r>.pt for ranks {missing}")
+                parts.append(f"missing {kind}_rank<r>.pt for ranks {rank_ranges_text(missing)}")
             if extra:
-                parts.append(f"unexpected {kind} files for ranks {extra}")
+                parts.append(f"unexpected {kind} files for ranks {ranks_text(extra)}")
             raise SnapshotError(f"{directory}: saved world size is {world_size} but {'; '.join(parts)}")
-    return tuple(sorted(set(files["routing_payload"]) & expected))
+    return tuple(rank for rank in files["routing_payload"] if rank < world_size)
+
+
+def _section_config(build: Any, doc: Any, path: Path, section: str) -> Any:
+    """`build(doc)`, with a type error from an untrusted value turned into a ConfigError naming the file."""
+    try:
+        return build(doc)
+    except ConfigError as exc:
+        raise ConfigError(f"run config {path}: {exc}") from None
+    except (TypeError, ValueError, ArithmeticError) as exc:
+        raise ConfigError(
+            f"run config {path}: {section}: invalid value ({shown(str(exc), 160, quote=False)})"
+        ) from None
 
 
 def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> ReplayInputs:
@@ -110,12 +127,18 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
     doc = read_run_config(directory)
     path = directory / RUN_CONFIG
     layout = _parallel(doc["parallel"], path, metadata)
-    model = TinyMoEConfig.from_dict(dict(doc["model"]))
-    loss = LossConfig.from_dict(dict(doc["loss"]))
-    routing = RoutingConfig.from_dict(dict(doc["routing"]))
+    model = _section_config(TinyMoEConfig.from_dict, dict(doc["model"]), path, "model")
+    loss = _section_config(LossConfig.from_dict, dict(doc["loss"]), path, "loss")
+    routing = _section_config(RoutingConfig.from_dict, dict(doc["routing"]), path, "routing")
     routing_ranks = _check_ranks(directory, layout.world_size)
     check_weights(directory, model, "the snapshot's checkpoint")
+    # Every rank file is read as meta tensors now (pickles only), so a malformed one is an error here,
+    # before any rank process starts, not a failure inside one.
     batch = load_rank_batch(directory, 0, meta=True)
+    for rank in range(1, layout.world_size):  # _check_ranks found a batch file for each of these
+        load_rank_batch(directory, rank, meta=True)
+    for rank in routing_ranks:
+        load_routing_payload(directory, rank, meta=True)
     return ReplayInputs(
         snapshot=str(snapshot),
         replay_dir=str(directory),
@@ -131,13 +154,9 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
 
 
 def check_weights(directory: Path, model: TinyMoEConfig, label: str) -> None:
-    """SnapshotError unless the DCP checkpoint holds every model tensor with the shape the model needs."""
-    import torch
-
-    from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy
-
-    with torch.device("meta"):
-        expected = {name: tuple(t.shape) for name, t in TinyMoEPolicy(model).state_dict().items()}
+    """SnapshotError unless the DCP checkpoint holds every model tensor with the shape the model needs,
+    and every size its `.metadata` declares is backed by its data files. Builds no module."""
+    expected = expected_state_shapes(model)
     saved = summarize_checkpoint(directory).shapes
     missing = sorted(name for name in expected if f"model.{name}" not in saved)
     wrong = sorted(
@@ -148,6 +167,9 @@ def check_weights(directory: Path, model: TinyMoEConfig, label: str) -> None:
     if missing or wrong:
         problems = ([f"missing {', '.join(missing[:5])}"] if missing else []) + wrong[:5]
         raise SnapshotError(f"{directory}: {label} does not fit the run config's model: {'; '.join(problems)}")
+    oversized = check_checkpoint_storage(directory)
+    if oversized:
+        raise SnapshotError(f"{label}: {oversized[0]}")
 
 
 def _needed_fields(loss: LossConfig) -> dict[str, str]:

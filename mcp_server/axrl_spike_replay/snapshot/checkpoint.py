@@ -1,8 +1,10 @@
 """The snapshot's weights: torch.distributed.checkpoint (DCP), read without trusting its pickles.
 
 DCP's own reader unpickles `.metadata` with plain `pickle.load`; snapshots come from shared
-storage, so the metadata is read here with an unpickler that admits only DCP's metadata classes.
-Tensor data (`*.distcp`) is read by DCP with `weights_only=True`.
+storage, so the metadata is read here with an unpickler that admits only DCP's metadata classes,
+after bounding its size, and its structure is checked before any field is used. Every size it
+declares is checked against the `.distcp` files on disk (`check_checkpoint_storage`) before DCP
+allocates anything. Tensor data (`*.distcp`) is read by DCP with `weights_only=True`.
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError, UnsafeFileError
 from axrl_spike_replay.snapshot.layout import DCP_METADATA
+from axrl_spike_replay.snapshot.safe_load import human_bytes
 
 if TYPE_CHECKING:
     import torch
+
+MAX_DCP_METADATA_BYTES = 64 * 1024 * 1024  # `.metadata` of a many-shard 100B-parameter model is a few MB
+MAX_TENSOR_DIMS = 16  # dimensions of one checkpoint tensor
 
 _DCP_METADATA_CLASSES = {
     "Metadata",
@@ -78,7 +85,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_checkpoint_metadata(checkpoint_dir: str | Path, *, records: bool = False) -> Any:
-    """DCP `Metadata` of a checkpoint directory, unpickled with an allowlist.
+    """DCP `Metadata` of a checkpoint directory, unpickled with an allowlist, its structure checked.
 
     `records=True` gives light stand-ins of DCP's classes (same attributes) without importing DCP.
     """
@@ -86,11 +93,88 @@ def read_checkpoint_metadata(checkpoint_dir: str | Path, *, records: bool = Fals
     if not path.is_file():
         raise SnapshotError(f"{path}: checkpoint metadata not found (no distributed checkpoint here)")
     try:
-        return _MetadataUnpickler(io.BytesIO(path.read_bytes()), records).load()
+        size = path.stat().st_size
+        if size > MAX_DCP_METADATA_BYTES:
+            raise SnapshotError(
+                f"{path}: {human_bytes(size)}, more than the {human_bytes(MAX_DCP_METADATA_BYTES)} limit"
+            )
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_DCP_METADATA_BYTES + 1)
+    except OSError as exc:
+        raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data), records).load()
     except UnsafeFileError as exc:
         raise UnsafeFileError(f"{path}: refused to load: {exc}; nothing in it was run") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
-        raise SnapshotError(f"{path}: truncated or corrupt checkpoint metadata ({exc})") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError) as exc:
+        raise SnapshotError(f"{path}: truncated or corrupt checkpoint metadata ({shown(str(exc), 200)})") from None
+    except (MemoryError, RecursionError, OverflowError) as exc:
+        raise SnapshotError(f"{path}: checkpoint metadata too large or deep to read ({type(exc).__name__})") from None
+    _check_structure(metadata, path)
+    return metadata
+
+
+def _check_structure(metadata: Any, path: Path) -> None:
+    """SnapshotError unless `metadata` has the shape of DCP's Metadata (the fields this tool uses)."""
+    if type(metadata).__name__ != "Metadata":
+        raise SnapshotError(f"{path}: not DCP checkpoint metadata (it holds a {type(metadata).__name__})")
+    items = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(items, dict) or not isinstance(storage, dict):
+        raise SnapshotError(f"{path}: checkpoint metadata lacks its state_dict_metadata and storage_data tables")
+    for name, item in items.items():
+        if not isinstance(name, str):
+            raise SnapshotError(f"{path}: a checkpoint entry name is a {type(name).__name__}, not a string")
+        if type(item).__name__ == "TensorStorageMetadata":
+            _tensor_shape(getattr(item, "size", None), path, name)
+            _dtype(item, path, name)
+            chunks = getattr(item, "chunks", None)
+            if not isinstance(chunks, list):
+                raise SnapshotError(f"{path}: tensor {shown(name, 120)} has no list of chunks")
+            for chunk in chunks:
+                _tensor_shape(getattr(chunk, "sizes", None), path, name)
+                _tensor_shape(getattr(chunk, "offsets", None), path, name)
+        elif type(item).__name__ != "BytesStorageMetadata":
+            raise SnapshotError(f"{path}: entry {shown(name, 120)} is a {type(item).__name__}")
+    for index, info in storage.items():
+        fqn = getattr(index, "fqn", None)
+        relative = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(fqn, str) or not isinstance(relative, str):
+            raise SnapshotError(f"{path}: a storage entry lacks its tensor name or file name")
+        if "/" in relative or "\\" in relative or relative in ("", ".", ".."):
+            raise SnapshotError(f"{path}: storage file {shown(relative, 120)} is not a file name inside the checkpoint")
+        for value, what in ((offset, "offset"), (length, "length")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise SnapshotError(f"{path}: storage of {shown(fqn, 120)} has a bad {what} {shown(value, 40)}")
+
+
+def _tensor_shape(size: Any, path: Path, name: str) -> tuple[int, ...]:
+    if not isinstance(size, (tuple, list)) or len(size) > MAX_TENSOR_DIMS:
+        raise SnapshotError(f"{path}: tensor {shown(name, 120)} has no valid shape ({shown(size, 80)})")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in size):
+        raise SnapshotError(f"{path}: tensor {shown(name, 120)} has a bad shape {shown(tuple(size), 80)}")
+    return tuple(size)
+
+
+def _dtype(item: Any, path: Path, name: str) -> torch.dtype:
+    import torch
+
+    props = getattr(item, "properties", None)
+    dtype = getattr(props, "dtype", None)
+    if dtype is None:
+        state = getattr(props, "state", None)
+        dtype = state[0] if isinstance(state, tuple) and state else None
+    if not isinstance(dtype, torch.dtype):
+        raise SnapshotError(f"{path}: tensor {shown(name, 120)} has no dtype")
+    return dtype
+
+
+def _numel(size: tuple[int, ...]) -> int:
+    numel = 1
+    for d in size:
+        numel *= d
+    return numel
 
 
 @dataclass(frozen=True)
@@ -101,21 +185,65 @@ class CheckpointSummary:
 
 
 def summarize_checkpoint(checkpoint_dir: str | Path) -> CheckpointSummary:
-    """Tensor count, total bytes and {name: (shape, dtype)} from the checkpoint's own metadata."""
+    """Tensor count, total bytes and {name: (shape, dtype)} from the checkpoint's own metadata.
+
+    The sizes are as declared: `check_checkpoint_storage` bounds them by the data files on disk.
+    """
     metadata = read_checkpoint_metadata(checkpoint_dir, records=True)
+    path = Path(checkpoint_dir) / DCP_METADATA
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     total = 0
     for name, item in metadata.state_dict_metadata.items():
         if type(item).__name__ == "TensorStorageMetadata":
-            size = tuple(int(d) for d in item.size)
-            props = item.properties
-            dtype = props.dtype if hasattr(props, "dtype") else props.state[0]
-            numel = 1
-            for d in size:
-                numel *= d
-            total += numel * dtype.itemsize
+            size = _tensor_shape(item.size, path, name)
+            dtype = _dtype(item, path, name)
+            total += _numel(size) * dtype.itemsize
             shapes[name] = (size, str(dtype).removeprefix("torch."))
     return CheckpointSummary(tensors=len(shapes), bytes=total, shapes=shapes)
+
+
+def check_checkpoint_storage(checkpoint_dir: str | Path) -> list[str]:
+    """What the checkpoint's `.metadata` declares beyond its data files: empty when every size is backed.
+
+    Each storage entry must lie inside its `.distcp` file, and each tensor's declared bytes (its chunks'
+    elements x element size) must fit in the storage entries recorded for it. Missing data files are
+    left to the caller (they are reported as missing); nothing is allocated or read but file sizes.
+    """
+    directory = Path(checkpoint_dir)
+    path = directory / DCP_METADATA
+    metadata = read_checkpoint_metadata(directory, records=True)
+    problems: list[str] = []
+    file_sizes: dict[str, int | None] = {}
+    stored: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        name = info.relative_path
+        if name not in file_sizes:
+            target = directory / name
+            file_sizes[name] = target.stat().st_size if target.is_file() and not target.is_symlink() else None
+        have = file_sizes[name]
+        if have is not None and info.offset + info.length > have:
+            problems.append(
+                f"{path}: {shown(index.fqn, 120)} is declared at bytes {info.offset}-{info.offset + info.length} "
+                f"of {directory / name}, which holds {have}"
+            )
+        stored[index.fqn] = stored.get(index.fqn, 0) + info.length
+    for name, item in metadata.state_dict_metadata.items():
+        if type(item).__name__ != "TensorStorageMetadata":
+            continue
+        itemsize = _dtype(item, path, name).itemsize
+        declared = sum(_numel(tuple(chunk.sizes)) for chunk in item.chunks) * itemsize
+        whole = _numel(tuple(item.size)) * itemsize
+        if declared < whole:
+            declared = whole  # chunks that do not cover the tensor still make DCP allocate all of it
+        if declared > stored.get(name, 0):
+            problems.append(
+                f"{path}: tensor {shown(name, 120)} declares shape {tuple(item.size)} ({human_bytes(declared)}) but "
+                f"its data files hold {human_bytes(stored.get(name, 0))} for it"
+            )
+        if len(problems) >= 20:
+            problems.append(f"{path}: more size problems not listed")
+            break
+    return problems
 
 
 def _safe_reader(checkpoint_dir: Path) -> Any:
@@ -140,6 +268,9 @@ def load_model_state(checkpoint_dir: str | Path, state_dict: dict[str, torch.Ten
     from torch.distributed.checkpoint.api import CheckpointException
 
     directory = Path(checkpoint_dir)
+    oversized = check_checkpoint_storage(directory)
+    if oversized:
+        raise SnapshotError(oversized[0])
     available = set(read_checkpoint_metadata(directory).state_dict_metadata)
     missing = [name for name in state_dict if f"{prefix}{name}" not in available]
     if missing:

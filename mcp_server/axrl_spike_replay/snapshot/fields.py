@@ -48,14 +48,19 @@ def canonicalize_batch(raw: Mapping[str, Any], source: Path | str) -> dict[str, 
     """
     import torch
 
+    if not isinstance(raw, Mapping):
+        raise SnapshotError(f"{source}: a rank batch must be a dict of tensors, got {type(raw).__name__}")
     if "micro_batches" in raw:
         micro = raw["micro_batches"]
         if not isinstance(micro, (list, tuple)) or not micro:
             raise SnapshotError(f"{source}: 'micro_batches' must be a non-empty list of dicts")
+        for i, part in enumerate(micro):
+            if not isinstance(part, Mapping) or "micro_batches" in part:
+                raise SnapshotError(
+                    f"{source}: micro_batches[{i}] must be a dict of tensors (not nested micro_batches)"
+                )
         parts = [canonicalize_batch(part, f"{source} micro_batches[{i}]") for i, part in enumerate(micro)]
         return _concat_micro_batches(parts, source)
-    if not isinstance(raw, Mapping):
-        raise SnapshotError(f"{source}: a rank batch must be a dict of tensors, got {type(raw).__name__}")
 
     batch: dict[str, torch.Tensor] = {}
     taken: set[str] = set()
@@ -88,6 +93,9 @@ def canonicalize_batch(raw: Mapping[str, Any], source: Path | str) -> dict[str, 
         raise SnapshotError(
             f"{source}: 'advantages' must be [batch] or [batch, seq], got shape {tuple(advantages.shape)}"
         )
+    rewards = batch.get("rewards")
+    if rewards is not None and rewards.numel() != tokens.shape[0]:
+        raise SnapshotError(f"{source}: 'rewards' must be [batch] or [batch, seq], got shape {tuple(rewards.shape)}")
     for name, value in raw.items():
         if name not in taken and name not in batch:
             batch[name] = value

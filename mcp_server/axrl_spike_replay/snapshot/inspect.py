@@ -7,6 +7,11 @@ values read just their own tensors through the mapping: `loss_mask` ([B, T], a f
 token) for `num_loss_tokens`, and `routed_experts` ([B, T, L, K] int) for the routing counts.
 Large tensors (activations, logits, anything else in a batch file) are never touched, so the
 cost does not grow with the snapshot's size. Model size comes from the checkpoint's `.metadata`.
+
+Sizes a file declares never size the work: one row per rank that has a file, missing ranks of the
+declared world size as ranges (a world size of 10^9 with two rank files gives two rows), every
+`.pt` bounded by its own size (see `safe_load`), and the checkpoint's declared tensor bytes checked
+against its `.distcp` files.
 """
 
 from __future__ import annotations
@@ -19,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import SnapshotError
-from axrl_spike_replay.snapshot.checkpoint import summarize_checkpoint
-from axrl_spike_replay.snapshot.completeness import checkpoint_data_files
+from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, summarize_checkpoint
+from axrl_spike_replay.snapshot.completeness import checkpoint_data_files, missing_ranks, rank_ranges_text, ranks_text
 from axrl_spike_replay.snapshot.fields import FIELD_ALIASES, find_field
 from axrl_spike_replay.snapshot.layout import DCP_METADATA, RUN_CONFIG, rank_files
 from axrl_spike_replay.snapshot.metadata import read_metadata
-from axrl_spike_replay.snapshot.rank_data import load_grad_info, load_routing_payload
+from axrl_spike_replay.snapshot.rank_data import load_grad_norm, load_routing_payload
 from axrl_spike_replay.snapshot.safe_load import load_pt
 
 
@@ -133,7 +138,7 @@ def _inspect_routing(directory: Path, rank: int, info: RankInspection, problems:
 
 
 def _read_rank_grad_norm(directory: Path, rank: int, info: RankInspection) -> None:
-    info.grad_norm = load_grad_info(directory, rank)["grad_norm"]
+    info.grad_norm = load_grad_norm(directory, rank)
 
 
 def _collect(problems: list[str], step: Callable[..., None], *args: Any) -> None:
@@ -145,21 +150,26 @@ def _collect(problems: list[str], step: Callable[..., None], *args: Any) -> None
 
 
 def _check_rank_sets(directory: Path, files: dict[str, dict[int, Path]], world_size: int, problems: list[str]) -> None:
-    expected = set(range(world_size))
+    """Rank files against the declared world size; work and messages grow with the files, not the world size."""
     for kind in ("batch", "grad_info"):
-        missing = sorted(expected - set(files[kind]))
+        missing = missing_ranks(files[kind], world_size)
         if missing:
-            problems.append(f"{directory}: no {kind}_rank<r>.pt for ranks {missing} (world size {world_size})")
+            problems.append(
+                f"{directory}: no {kind}_rank<r>.pt for ranks {rank_ranges_text(missing)} (world size {world_size})"
+            )
     for kind in ("batch", "grad_info", "routing_payload"):
-        extra = sorted(set(files[kind]) - expected)
+        extra = [rank for rank in files[kind] if rank >= world_size]
         if extra:
             problems.append(
-                f"{directory}: {kind}_rank<r>.pt files for ranks {extra} beyond the world size {world_size} "
-                "in the metadata"
+                f"{directory}: {kind}_rank<r>.pt files for ranks {ranks_text(extra)} beyond the world size "
+                f"{world_size} in the metadata"
             )
-    routed = set(files["routing_payload"]) & expected
-    if routed and routed != expected:
-        problems.append(f"{directory}: routing payloads only for ranks {sorted(routed)} of {sorted(expected)}")
+    routed = [rank for rank in files["routing_payload"] if rank < world_size]
+    if routed and len(routed) != world_size:
+        problems.append(
+            f"{directory}: routing payloads only for ranks {ranks_text(routed)} of world size {world_size} "
+            f"(none for {rank_ranges_text(missing_ranks(routed, world_size))})"
+        )
 
 
 def _check_model(directory: Path, problems: list[str]) -> ModelSummary | None:
@@ -169,10 +179,12 @@ def _check_model(directory: Path, problems: list[str]) -> ModelSummary | None:
     try:
         summary = summarize_checkpoint(directory)
         missing = [name for name in checkpoint_data_files(directory) if not (directory / name).is_file()]
+        oversized = check_checkpoint_storage(directory)
     except SnapshotError as exc:
         problems.append(str(exc))
         return None
     problems += [f"{directory / name}: missing (named by the checkpoint metadata)" for name in missing]
+    problems += oversized
     return ModelSummary(tensors=summary.tensors, bytes=summary.bytes)
 
 
@@ -197,7 +209,7 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
     _check_rank_sets(directory, files, par.world_size, problems)
 
     ranks: list[RankInspection] = []
-    for rank in sorted(set(range(par.world_size)) | set(files["batch"])):
+    for rank in sorted(set(files["batch"]) | set(files["grad_info"]) | set(files["routing_payload"])):
         info = RankInspection(
             rank=rank,
             batch_file=str(files["batch"][rank]) if rank in files["batch"] else None,

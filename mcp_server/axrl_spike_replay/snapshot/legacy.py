@@ -11,7 +11,6 @@ link, so the snapshot's own files cannot change. The caller removes the replay d
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import tempfile
@@ -21,7 +20,7 @@ from pathlib import Path
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import AxrlError, SnapshotError
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, CHECKPOINT_METADATA, CHECKPOINT_METADATA_CONTENT
-from axrl_spike_replay.snapshot.metadata import read_metadata
+from axrl_spike_replay.snapshot.metadata import read_json_document, read_metadata
 
 _NO_LINK_ERRNOS = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
 
@@ -78,7 +77,7 @@ def prepare_replay_dir(path: str | Path, dest: str | Path | None = None) -> Prep
             message=f"current layout ({AXRL_METADATA} present): nothing to prepare, replay reads it in place",
         )
     legacy_meta = snapshot / CHECKPOINT_METADATA
-    doc = json.loads(legacy_meta.read_text(encoding="utf-8"))  # read_metadata validated it
+    doc = read_json_document(legacy_meta)  # bounded and parsed again; read_metadata validated its fields
     if dest is None:
         target = Path(tempfile.mkdtemp(prefix=f"axrl-replay-{snapshot.name}-"))
     else:

@@ -1,17 +1,35 @@
-"""AXRL replay metadata (`axrl_metadata.json`), including snapshots that wrote it to `metadata.json`."""
+"""AXRL replay metadata (`axrl_metadata.json`), including snapshots that wrote it to `metadata.json`.
+
+The file comes from shared storage: its size is bounded before it is read, it is parsed with a depth
+and number guard, and every field used is type-checked; any problem is a SnapshotError naming the file.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import math
+import os
+import re
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, CHECKPOINT_METADATA, FORMAT_VERSION
 
 # Keys that mark `metadata.json` as AXRL metadata (legacy layout) rather than the checkpoint's own.
 _AXRL_MARKER_KEYS = ("iteration", "grad_norm", "spike_ratio", "parallel", "job_name")
+
+MAX_METADATA_BYTES = 1024 * 1024  # the document is a few hundred bytes; bounds what is read and parsed
+MAX_JSON_DEPTH = 32  # the document nests two levels; Python's json recurses per level
+MAX_JSON_INT_DIGITS = 20  # any count or id fits in 64 bits; Python refuses ints over 4300 digits anyway
+MAX_PARALLEL_SIZE = 2**31 - 1  # world size and parallel degrees: torch.distributed ranks are int32
+MAX_TEXT_CHARS = 1024  # job name, role, timestamps, detector kind
+# Non-finite numbers are accepted only where the spike guard itself writes them: a NaN or inf grad
+# norm is exactly the spike to investigate, and an empty window gives a NaN median and an inf ratio.
+_NON_FINITE_OK = ("grad_norm", "median_norm", "spike_ratio")
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 
 @dataclass(frozen=True)
@@ -53,39 +71,148 @@ class AxrlMetadata:
     @classmethod
     def from_json(cls, doc: dict[str, Any], source: Path | str) -> AxrlMetadata:
         """Parse and validate; errors name `source` and the offending key."""
-        try:
-            parallel = ParallelLayout(**{k: int(v) for k, v in (doc.get("parallel") or {}).items()})
-            detector = DetectorSpec(**(doc.get("detector") or {}))
-            grad_norm = float(doc["grad_norm"])
-            median_norm = float(doc.get("median_norm", 0.0))
-            spike_ratio = doc.get("spike_ratio")
-            if spike_ratio is None:
-                spike_ratio = grad_norm / median_norm if median_norm else float("inf")
-            return cls(
-                job_name=str(doc.get("job_name", "")),
-                role=str(doc.get("role", "actor")),
-                iteration=int(doc["iteration"]),
-                grad_norm=grad_norm,
-                median_norm=median_norm,
-                spike_ratio=float(spike_ratio),
-                detector=detector,
-                parallel=parallel,
-                created_at=str(doc.get("created_at", "")),
-                format_version=int(doc.get("format_version", FORMAT_VERSION)),
-            )
-        except KeyError as exc:
-            raise SnapshotError(f"{source}: missing key {exc.args[0]!r}") from None
-        except (TypeError, ValueError) as exc:
-            raise SnapshotError(f"{source}: invalid value ({exc})") from None
+        median_norm = _number(doc, "median_norm", source, default=0.0)
+        grad_norm = _number(doc, "grad_norm", source)
+        spike_ratio = _number(doc, "spike_ratio", source, default=None)
+        if spike_ratio is None:
+            spike_ratio = grad_norm / median_norm if median_norm else float("inf")
+        return cls(
+            job_name=_text(doc, "job_name", source, ""),
+            role=_text(doc, "role", source, "actor"),
+            iteration=_integer(doc, "iteration", source, minimum=0),
+            grad_norm=grad_norm,
+            median_norm=median_norm,
+            spike_ratio=spike_ratio,
+            detector=_detector(doc.get("detector"), source),
+            parallel=_parallel(doc.get("parallel"), source),
+            created_at=_text(doc, "created_at", source, ""),
+            format_version=_integer(doc, "format_version", source, minimum=1, default=FORMAT_VERSION),
+        )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _section(value: Any, name: str, source: Path | str, known: set[str]) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise SnapshotError(f"{source}: {name!r} must be an object, got {type(value).__name__} {shown(value, 60)}")
+    unknown = sorted(str(k) for k in value if k not in known)
+    if unknown:
+        raise SnapshotError(f"{source}: {name}: unknown keys {shown(unknown, 120)} (known: {sorted(known)})")
+    return value
+
+
+def _parallel(value: Any, source: Path | str) -> ParallelLayout:
+    doc = _section(value, "parallel", source, {f.name for f in fields(ParallelLayout)})
+    sizes = {key: _integer(doc, key, source, minimum=1, maximum=MAX_PARALLEL_SIZE, prefix="parallel.") for key in doc}
+    return ParallelLayout(**sizes)
+
+
+def _detector(value: Any, source: Path | str) -> DetectorSpec:
+    doc = _section(value, "detector", source, {f.name for f in fields(DetectorSpec)})
+    spec = DetectorSpec()
+    kind = _text(doc, "kind", source, spec.kind, prefix="detector.")
+    window = _integer(doc, "window", source, minimum=1, default=spec.window, prefix="detector.")
+    threshold = _number(doc, "threshold", source, default=spec.threshold, prefix="detector.")
+    if not math.isfinite(threshold):
+        raise SnapshotError(f"{source}: detector.threshold must be a finite number, got {threshold}")
+    return DetectorSpec(kind=kind, window=window, threshold=threshold)
+
+
+_MISSING: Any = object()
+
+
+def _get(doc: dict[str, Any], key: str, source: Path | str, default: Any, prefix: str) -> Any:
+    if key in doc and doc[key] is not None:
+        return doc[key]
+    if default is _MISSING:
+        raise SnapshotError(f"{source}: missing key {prefix + key!r}")
+    return default
+
+
+def _integer(
+    doc: dict[str, Any],
+    key: str,
+    source: Path | str,
+    *,
+    minimum: int,
+    maximum: int = 2**63 - 1,
+    default: Any = _MISSING,
+    prefix: str = "",
+) -> int:
+    value = _get(doc, key, source, default, prefix)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SnapshotError(
+            f"{source}: {prefix}{key} must be an integer, got {type(value).__name__} {shown(value, 60)}"
+        )
+    if not minimum <= value <= maximum:
+        raise SnapshotError(f"{source}: {prefix}{key} must be in [{minimum}, {maximum}], got {shown(value, 60)}")
+    return value
+
+
+def _number(doc: dict[str, Any], key: str, source: Path | str, *, default: Any = _MISSING, prefix: str = "") -> Any:
+    value = _get(doc, key, source, default, prefix)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SnapshotError(f"{source}: {prefix}{key} must be a number, got {type(value).__name__} {shown(value, 60)}")
+    value = float(value)  # ints are at most MAX_JSON_INT_DIGITS digits: this cannot overflow
+    if not math.isfinite(value) and (prefix or key not in _NON_FINITE_OK):
+        raise SnapshotError(f"{source}: {prefix}{key} must be a finite number, got {value}")
+    return value
+
+
+def _text(doc: dict[str, Any], key: str, source: Path | str, default: str, prefix: str = "") -> str:
+    value = _get(doc, key, source, default, prefix)
+    if not isinstance(value, str):
+        raise SnapshotError(f"{source}: {prefix}{key} must be a string, got {type(value).__name__} {shown(value, 60)}")
+    if len(value) > MAX_TEXT_CHARS:
+        raise SnapshotError(f"{source}: {prefix}{key} is {len(value)} characters, more than the {MAX_TEXT_CHARS} limit")
+    return value
+
+
+def _json_depth(text: str) -> int:
+    """Deepest nesting of objects and arrays in `text`, counted without recursion (strings skipped)."""
+    depth = deepest = 0
+    for match in _JSON_TOKEN.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token in "]}":
+            depth -= 1
+    return deepest
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_JSON_INT_DIGITS:
+        raise ValueError(f"an integer of {len(digits)} digits (more than {MAX_JSON_INT_DIGITS})")
+    return int(digits)
+
+
+def read_json_document(path: Path) -> dict[str, Any]:
+    """A JSON object from an untrusted file: size, depth and integers bounded; SnapshotError naming `path`."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        size = os.stat(path).st_size
+        if size > MAX_METADATA_BYTES:
+            raise SnapshotError(f"{path}: {size} bytes, more than the {MAX_METADATA_BYTES}-byte limit for metadata")
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_METADATA_BYTES + 1)
+    except OSError as exc:
+        raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if len(data) > MAX_METADATA_BYTES:
+        raise SnapshotError(f"{path}: more than the {MAX_METADATA_BYTES}-byte limit for metadata")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SnapshotError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if _json_depth(text) > MAX_JSON_DEPTH:
+        raise SnapshotError(f"{path}: JSON nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        doc = json.loads(text, parse_int=_bounded_int)
     except json.JSONDecodeError as exc:
         raise SnapshotError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    except OSError as exc:
-        raise SnapshotError(f"{path}: cannot read ({exc.strerror})") from None
+    except (ValueError, RecursionError) as exc:
+        raise SnapshotError(f"{path}: not valid JSON ({shown(str(exc), 120, quote=False)})") from None
     if not isinstance(doc, dict):
         raise SnapshotError(f"{path}: expected a JSON object, got {type(doc).__name__}")
     return doc
@@ -98,7 +225,7 @@ def is_legacy_layout(snapshot_dir: Path) -> bool:
     checkpoint_meta = snapshot_dir / CHECKPOINT_METADATA
     if not checkpoint_meta.is_file():
         return False
-    doc = _read_json(checkpoint_meta)
+    doc = read_json_document(checkpoint_meta)
     return any(key in doc for key in _AXRL_MARKER_KEYS)
 
 
@@ -109,10 +236,10 @@ def read_metadata(snapshot_dir: str | Path) -> tuple[AxrlMetadata, bool]:
         raise SnapshotError(f"{directory}: snapshot directory not found")
     current = directory / AXRL_METADATA
     if current.is_file():
-        return AxrlMetadata.from_json(_read_json(current), current), False
+        return AxrlMetadata.from_json(read_json_document(current), current), False
     if is_legacy_layout(directory):
         legacy = directory / CHECKPOINT_METADATA
-        return AxrlMetadata.from_json(_read_json(legacy), legacy), True
+        return AxrlMetadata.from_json(read_json_document(legacy), legacy), True
     raise SnapshotError(
         f"{directory}: no {AXRL_METADATA} (and {CHECKPOINT_METADATA} holds no AXRL keys): not a spike snapshot"
     )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.fields import canonicalize_batch
 from axrl_spike_replay.snapshot.layout import batch_file, grad_info_file, routing_payload_file
@@ -21,21 +22,75 @@ def load_rank_batch(snapshot_dir: str | Path, rank: int, *, meta: bool = False) 
     return canonicalize_batch(load_pt(path, meta=meta), path)
 
 
-def load_grad_info(snapshot_dir: str | Path, rank: int) -> dict[str, Any]:
-    """Rank `rank`'s grad info: `grad_norm`, `param_grad_norms` {name: float}, optional extras."""
+def _real(value: Any, path: Path, key: str) -> float:
+    """A real number saved as a Python number or a one-element tensor; SnapshotError naming `key` otherwise."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            raise SnapshotError(f"{path}: {key} must be a number, got a tensor of shape {tuple(value.shape)}")
+        return float(value.reshape(()).item())  # one element: reads a few bytes of the mapping
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SnapshotError(f"{path}: {key} must be a number, got {type(value).__name__} {shown(value, 60)}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise SnapshotError(f"{path}: {key} is an integer too large for a float ({shown(value, 60)})") from None
+
+
+def _grad_doc(snapshot_dir: str | Path, rank: int) -> tuple[Path, dict[Any, Any]]:
     path = Path(snapshot_dir) / grad_info_file(rank)
-    doc = load_pt(path, mmap=False)
+    doc = load_pt(path)
     if not isinstance(doc, dict):
         raise SnapshotError(f"{path}: expected a dict, got {type(doc).__name__}")
     if "grad_norm" not in doc:
         raise SnapshotError(f"{path}: missing key 'grad_norm'")
+    return path, doc
+
+
+def load_grad_norm(snapshot_dir: str | Path, rank: int) -> float:
+    """Rank `rank`'s recorded global grad norm, reading nothing else of the file's tensors."""
+    path, doc = _grad_doc(snapshot_dir, rank)
+    return _real(doc["grad_norm"], path, "grad_norm")
+
+
+def load_grad_info(snapshot_dir: str | Path, rank: int) -> dict[str, Any]:
+    """Rank `rank`'s grad info: `grad_norm`, `param_grad_norms` {name: float}, `param_numel` {name: int}, extras.
+
+    Every value used is type-checked; `loss` and `num_tokens` are None unless they are numbers.
+    """
+    path, doc = _grad_doc(snapshot_dir, rank)
     norms = doc.get("param_grad_norms", {})
     if not isinstance(norms, dict):
         raise SnapshotError(f"{path}: 'param_grad_norms' must be a dict of name -> float")
+    numel = doc.get("param_numel") or {}
+    if not isinstance(numel, dict):
+        raise SnapshotError(f"{path}: 'param_numel' must be a dict of name -> int")
     out = dict(doc)
-    out["grad_norm"] = float(doc["grad_norm"])
-    out["param_grad_norms"] = {str(k): float(v) for k, v in norms.items()}
+    out["grad_norm"] = _real(doc["grad_norm"], path, "grad_norm")
+    out["param_grad_norms"] = {
+        _name(k, path): _real(v, path, f"param_grad_norms[{shown(str(k), 80)}]") for k, v in norms.items()
+    }
+    out["param_numel"] = {_name(k, path): _count(v, path, k) for k, v in numel.items()}
+    for key in ("loss", "num_tokens"):
+        try:
+            out[key] = _real(doc[key], path, key) if doc.get(key) is not None else None
+        except SnapshotError:
+            out[key] = None  # optional extras: shown as unknown rather than failing the verb
     return out
+
+
+def _name(key: Any, path: Path) -> str:
+    if not isinstance(key, str):
+        raise SnapshotError(f"{path}: parameter names must be strings, got {type(key).__name__} {shown(key, 60)}")
+    return key
+
+
+def _count(value: Any, path: Path, key: Any) -> int:
+    number = _real(value, path, f"param_numel[{shown(str(key), 80)}]")
+    if not number.is_integer() or number < 0:
+        raise SnapshotError(f"{path}: param_numel[{shown(str(key), 80)}] must be a count, got {number}")
+    return int(number)
 
 
 @dataclass
@@ -45,8 +100,11 @@ class RoutingPayload:
     source: str
 
 
+MAX_LAYER_ID = 1 << 16  # a global layer id; real models have at most a few hundred layers
+
+
 def load_routing_payload(snapshot_dir: str | Path, rank: int, *, meta: bool = False) -> RoutingPayload:
-    """Rank `rank`'s MoE routing payload, validated."""
+    """Rank `rank`'s MoE routing payload, validated (types of every field, layer ids, shapes)."""
     import torch
 
     path = Path(snapshot_dir) / routing_payload_file(rank)
@@ -54,11 +112,31 @@ def load_routing_payload(snapshot_dir: str | Path, rank: int, *, meta: bool = Fa
     if not isinstance(doc, dict) or "routed_experts" not in doc:
         raise SnapshotError(f"{path}: expected a dict with 'routed_experts'")
     routes = doc["routed_experts"]
-    if not isinstance(routes, torch.Tensor) or routes.dim() != 4 or routes.is_floating_point():
+    if (
+        not isinstance(routes, torch.Tensor)
+        or routes.dim() != 4
+        or routes.is_floating_point()
+        or routes.is_complex()
+        or routes.dtype == torch.bool
+    ):
         shape = tuple(routes.shape) if isinstance(routes, torch.Tensor) else type(routes).__name__
         raise SnapshotError(f"{path}: 'routed_experts' must be an int tensor [B, T, L, K], got {shape}")
     layers = doc.get("moe_layers")
-    layers = list(range(routes.shape[2])) if layers is None else [int(x) for x in layers]
+    if layers is None:
+        layers = list(range(routes.shape[2]))
+    elif isinstance(layers, (list, tuple)) and all(
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_LAYER_ID for x in layers
+    ):
+        layers = list(layers)
+    else:
+        raise SnapshotError(
+            f"{path}: 'moe_layers' must be a list of layer ids in [0, {MAX_LAYER_ID}), got {shown(layers, 80)}"
+        )
     if len(layers) != routes.shape[2]:
         raise SnapshotError(f"{path}: 'moe_layers' lists {len(layers)} layers but routed_experts has {routes.shape[2]}")
-    return RoutingPayload(routed_experts=routes, moe_layers=layers, source=str(doc.get("source", "rollout")))
+    if len(set(layers)) != len(layers):
+        raise SnapshotError(f"{path}: 'moe_layers' repeats a layer id ({shown(layers, 80)})")
+    source = doc.get("source", "rollout")
+    if not isinstance(source, str) or len(source) > 64:
+        raise SnapshotError(f"{path}: 'source' must be a short string ('rollout' or 'train'), got {shown(source, 60)}")
+    return RoutingPayload(routed_experts=routes, moe_layers=layers, source=source)

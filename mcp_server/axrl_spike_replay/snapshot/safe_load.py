@@ -1,35 +1,142 @@
-"""Load `.pt` files from shared storage safely: always `weights_only=True`, errors that name the file."""
+"""Load `.pt` files from shared storage safely: `weights_only=True`, memory-mapped, sizes bounded by the file.
+
+A `.pt` file is a zip archive: a pickle (`data.pkl`) describing tensors, and one stored record per
+tensor storage. Every size the file declares is checked against the file itself before anything is
+allocated: the archive's records must be stored uncompressed and lie inside the file (a deflated
+record could expand a few MB into GBs), the pickle must be small, and every tensor must fit in the
+bytes the file holds (a broadcast view can declare 10^10 elements over a 4-byte storage). Tensors
+are memory-mapped, so only the ones a verb touches are ever read. Files in torch's legacy (pre-zip)
+format cannot be memory-mapped and may declare any storage size: they are refused with a clear error.
+"""
 
 from __future__ import annotations
 
 import pickle
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError, UnsafeFileError
 
+# Limits on what a rank file may declare (all far above what a trainer writes).
+MAX_PT_PICKLE_BYTES = 16 * 1024 * 1024  # data.pkl holds tensor headers and small dicts: kilobytes in practice
+MAX_PT_RECORDS = 100_000  # archive entries: one per tensor storage plus a few; a rank file has tens
+MAX_PT_NESTING = 32  # containers inside containers (a batch is a dict, or micro_batches of dicts)
 
-def load_pt(path: str | Path, *, meta: bool = False, mmap: bool = True) -> Any:
-    """Load a `.pt` file with `weights_only=True`.
+_ZIP_MAGIC = b"PK\x03\x04"
 
-    `meta=True` gives meta tensors (shapes and dtypes, no data read); otherwise the file is
-    memory-mapped so only the tensors that are touched are read. A file whose pickle asks for
-    anything beyond tensors and plain containers raises UnsafeFileError; nothing in it runs.
+
+def human_bytes(n: int) -> str:
+    """Bytes for messages: 4.0 GiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def _check_archive(file: Path, size: int) -> None:
+    """SnapshotError unless `file` is a torch zip archive whose records are stored, bounded and inside it."""
+    if not zipfile.is_zipfile(file):
+        with open(file, "rb") as handle:
+            head = handle.read(4)
+        if head == _ZIP_MAGIC:
+            raise SnapshotError(f"{file}: truncated or corrupt torch file (the zip archive is incomplete)")
+        raise SnapshotError(
+            f"{file}: refused to load: not in torch's zip format (a legacy or raw-pickle file cannot be "
+            "memory-mapped and may declare any size); nothing in it was run; re-save it with torch.save"
+        )
+    try:
+        with zipfile.ZipFile(file) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        raise SnapshotError(f"{file}: truncated or corrupt torch file ({exc})") from None
+    if len(records) > MAX_PT_RECORDS:
+        raise SnapshotError(f"{file}: {len(records)} archive records, more than the {MAX_PT_RECORDS} limit")
+    for info in records:
+        name = info.filename
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise SnapshotError(
+                f"{file}: record {shown(name, 120)} is compressed ({info.file_size} bytes from {info.compress_size}); "
+                "torch stores records uncompressed, so it is refused rather than expanded"
+            )
+        if info.file_size != info.compress_size or info.header_offset + info.file_size > size:
+            raise SnapshotError(
+                f"{file}: record {shown(name, 120)} declares {human_bytes(info.file_size)}, beyond the file's "
+                f"{human_bytes(size)}"
+            )
+        is_pickle = name.endswith("/data.pkl") or name == "data.pkl"
+        if is_pickle and info.file_size > MAX_PT_PICKLE_BYTES:
+            raise SnapshotError(
+                f"{file}: its pickle is {human_bytes(info.file_size)}, more than the "
+                f"{human_bytes(MAX_PT_PICKLE_BYTES)} limit (rank files hold tensors and small dicts)"
+            )
+
+
+def check_tensors(value: Any, file: Path, size: int, where: str = "", depth: int = 0) -> None:
+    """SnapshotError unless every tensor in `value` fits in the `size` bytes of `file`.
+
+    A tensor's storage (as declared, for meta tensors) and its logical size (elements x element size)
+    must both be at most the file's size, and containers may nest at most MAX_PT_NESTING deep.
+    """
+    import torch
+
+    if depth > MAX_PT_NESTING:
+        raise SnapshotError(f"{file}: containers nest deeper than {MAX_PT_NESTING} levels (at {where or 'top'})")
+    if isinstance(value, torch.Tensor):
+        label = where or "the top-level tensor"
+        storage = value.untyped_storage().nbytes()
+        logical = value.numel() * value.element_size()
+        if storage > size or logical > size:
+            raise SnapshotError(
+                f"{file}: tensor {label} declares shape {tuple(value.shape)} ({human_bytes(max(storage, logical))}), "
+                f"more than the file's {human_bytes(size)}; refused"
+            )
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            check_tensors(item, file, size, f"{where}[{shown(str(key), 80)}]", depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_tensors(item, file, size, f"{where}[{i}]", depth + 1)
+
+
+def _storage_problem(file: Path, size: int) -> str:
+    """Why torch could not map a tensor's storage: the tensor whose declared storage exceeds the file."""
+    import torch
+
+    try:
+        declared = torch.load(file, map_location="meta", weights_only=True)
+        check_tensors(declared, file, size)
+    except SnapshotError as exc:
+        return str(exc)
+    except Exception:
+        pass
+    return f"{file}: a tensor's declared storage runs past its record in the file; refused"
+
+
+def load_pt(path: str | Path, *, meta: bool = False) -> Any:
+    """Load a `.pt` file with `weights_only=True`, memory-mapped, after bounding what it declares.
+
+    `meta=True` gives meta tensors (shapes and dtypes, no data read); otherwise tensors map the file,
+    so only the tensors that are touched are read. A file whose pickle asks for anything beyond
+    tensors and plain containers raises UnsafeFileError; nothing in it runs. A file whose records or
+    tensors declare more than it holds raises SnapshotError naming the file and the tensor.
     """
     import torch
 
     file = Path(path)
     if not file.is_file():
         raise SnapshotError(f"{file}: file not found")
-    kwargs: dict[str, Any] = {"weights_only": True}
-    if meta:
-        kwargs["map_location"] = "meta"
-    else:
-        kwargs["map_location"] = "cpu"
-    use_mmap = mmap and zipfile.is_zipfile(file)
     try:
-        return torch.load(file, mmap=use_mmap, **kwargs)
+        size = file.stat().st_size
+        _check_archive(file, size)
+    except OSError as exc:
+        raise SnapshotError(f"{file}: cannot read ({exc.strerror or exc})") from None
+    try:
+        loaded = torch.load(file, mmap=True, weights_only=True, map_location="meta" if meta else "cpu")
     except pickle.UnpicklingError as exc:
         text = str(exc)
         if "weights_only" in text.lower() or "unsupported global" in text.lower():
@@ -37,12 +144,24 @@ def load_pt(path: str | Path, *, meta: bool = False, mmap: bool = True) -> Any:
             detail = _unsupported_global(text) or first
             raise UnsafeFileError(
                 f"{file}: refused to load: it holds a pickled object beyond plain tensors and "
-                f"containers ({detail}); nothing in it was run"
+                f"containers ({shown(detail, 300, quote=False)}); nothing in it was run"
             ) from None
-        raise SnapshotError(f"{file}: not a readable torch file ({text.strip() or 'unpickling failed'})") from None
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError) as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise SnapshotError(f"{file}: truncated or corrupt torch file ({message})") from None
+        raise SnapshotError(
+            f"{file}: not a readable torch file ({shown(text.strip(), 300, quote=False) or 'unpickling failed'})"
+        ) from None
+    except RuntimeError as exc:
+        if "not resizable" in str(exc) or "out of bounds for storage" in str(exc):
+            raise SnapshotError(_storage_problem(file, size)) from None
+        raise SnapshotError(f"{file}: truncated or corrupt torch file ({_first_line(exc)})") from None
+    except (EOFError, ValueError, OverflowError, MemoryError, RecursionError, zipfile.BadZipFile, OSError) as exc:
+        raise SnapshotError(f"{file}: truncated or corrupt torch file ({_first_line(exc)})") from None
+    check_tensors(loaded, file, size)
+    return loaded
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return shown(text.splitlines()[0], 300, quote=False) if text else type(exc).__name__
 
 
 def _unsupported_global(text: str) -> str | None:
