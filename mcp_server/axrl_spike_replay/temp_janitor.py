@@ -40,6 +40,19 @@ def owned_temp_dir(prefix: str) -> Iterator[str]:
         _tell("-", path)
 
 
+@contextmanager
+def removed_if_killed(path: str) -> Iterator[str]:
+    """Hand the watcher a temp dir made elsewhere: removed if this process dies inside the block.
+
+    The caller still removes it on a normal exit; the watcher forgets it when the block ends.
+    """
+    _tell("+", path)
+    try:
+        yield path
+    finally:
+        _tell("-", path)
+
+
 def _tell(op: str, path: str) -> None:
     with _lock:
         if op == "+":

@@ -78,3 +78,16 @@ def test_a_killed_replay_leaves_no_rank_process_and_no_temp_dir(
     if sig == signal.SIGTERM:
         assert cli.returncode == 130
         assert "replay: interrupted" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_a_killed_replay_of_a_legacy_snapshot_leaves_no_linked_copy(legacy_snapshot: Path, tmp_path: Path) -> None:
+    cli, temp_root = _start_long_replay(legacy_snapshot, tmp_path)
+    assert list(temp_root.glob(f"axrl-replay-{legacy_snapshot.name}-*")), "the legacy replay dir was not made"
+    spawned = _children(cli.pid)
+
+    cli.kill()
+    cli.wait(timeout=GENEROUS_S)
+
+    _eventually(lambda: not any(_alive(pid) for pid in spawned), f"processes outlived the replay: {spawned}")
+    _eventually(lambda: not list(temp_root.glob("axrl-*")), f"temp dirs left: {list(temp_root.iterdir())}")
