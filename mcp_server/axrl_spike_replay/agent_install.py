@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.atomic import atomic_write_bytes, atomic_write_text
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.skill_pack import list_skills, skill_problems
 
@@ -65,7 +66,15 @@ def server_command() -> dict[str, Any]:
 def _read_config(path: Path) -> tuple[dict[str, Any], str | None]:
     if not path.exists():
         return {}, None
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            "fix it first, nothing was written"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc}); nothing was written") from None
     if not text.strip():
         return {}, text
     try:
@@ -74,6 +83,9 @@ def _read_config(path: Path) -> tuple[dict[str, Any], str | None]:
         raise ConfigError(
             f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}); fix it first, nothing was written"
         ) from None
+    except (ValueError, RecursionError) as exc:  # an integer too long to convert, nesting too deep
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else shown(str(exc), 120)
+        raise ConfigError(f"{path}: not usable JSON ({reason}); fix it first, nothing was written") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: expected a JSON object at the top, got {type(doc).__name__}; nothing was written")
     if not isinstance(doc.get("mcpServers", {}), dict):

@@ -1,17 +1,24 @@
 """Run a function in one process per rank under torch.distributed (the trainer's and the replay's launcher).
 
 Processes are spawned with torch.multiprocessing and meet over a FileStore in a private temp dir.
-Each runs with one intra-op thread, so reductions are deterministic and match between capture and
-replay. Every rank passes a barrier before tearing the group down: a rank that leaves while a peer
-still talks to it can abort in gloo's teardown.
+They die with the launcher however it dies (on Linux the kernel sends them SIGKILL; elsewhere a
+watchdog thread notices the launcher is gone), and the temp dir is removed by a watcher process if
+the launcher cannot (see `temp_janitor`): a killed replay never leaves ranks holding GPUs. Each runs
+with one intra-op thread, so reductions are deterministic and match between capture and replay.
+Every rank passes a barrier before tearing the group down: a rank that leaves while a peer still
+talks to it can abort in gloo's teardown.
 """
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import logging
-import tempfile
+import os
+import signal
+import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -19,11 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.temp_janitor import owned_temp_dir
 
 RankFn = Callable[[int, int, Any], None]
 log = logging.getLogger("axrl_spike_replay.ranks")
 _POLL_S = 0.2
 _GRACE_S = 5.0
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 class RankProcessError(AxrlError):
@@ -93,8 +102,8 @@ def _spawn_once(
 ) -> None:
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="axrl-ranks-") as tmp:
-        args = (fn, nproc, payload, backend, tmp, timeout_s, prepare, label)
+    with owned_temp_dir("axrl-ranks-") as tmp:
+        args = (fn, nproc, payload, backend, tmp, timeout_s, prepare, label, os.getpid())
         context = mp.start_processes(_entry, args=args, nprocs=nproc, join=False, start_method="spawn")
         try:
             while not context.join(timeout=_POLL_S):
@@ -107,6 +116,46 @@ def _spawn_once(
             if isinstance(exc, mp.ProcessExitedException) and exc.signal_name and not any(Path(tmp).glob("*-*.txt")):
                 raise _NativeCrash(str(error), error.details) from None
             raise error from None
+        except BaseException:
+            _stop(context.processes)  # Ctrl-C, SIGTERM (see `terminate_as_interrupt`), any bug: no rank outlives us
+            raise
+
+
+def terminate_as_interrupt() -> None:
+    """Make SIGTERM raise KeyboardInterrupt in the main thread, so it stops and cleans up as Ctrl-C does.
+
+    For command-line entry points (call from the main thread): a killed `replay` then stops its rank
+    processes and removes its temp dirs instead of dying with them still running.
+    """
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"terminated by signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """End this process as soon as `parent_pid` (its launcher) is no longer its parent.
+
+    On Linux the kernel sends SIGKILL when the parent dies (PR_SET_PDEATHSIG); the parent may have
+    died before that was set, so the parent pid is checked after. A watchdog thread is the fallback
+    where prctl is missing (and covers a parent that dies while this process holds the GIL in C).
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(_POLL_S)
+    os._exit(1)  # the launcher is gone: nobody will read our results, and we may hold a GPU
 
 
 def _stop(processes: list[Any]) -> None:
@@ -142,7 +191,9 @@ def _entry(
     timeout_s: float,
     prepare: Callable[[int, Any], None] | None,
     label: str,
+    parent_pid: int,
 ) -> None:
+    die_with_parent(parent_pid)
     import torch
     import torch.distributed as dist
 

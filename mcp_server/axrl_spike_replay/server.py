@@ -9,8 +9,10 @@ shape its result. Nothing heavy is imported until a tool needs it, so the server
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import UnexpectedToolError
 from mcp.types import Resource
 
 from axrl_spike_replay import __version__
@@ -23,6 +25,7 @@ from axrl_spike_replay.mcp_faces import (
     resources,
     snapshot_tools,
 )
+from axrl_spike_replay.mcp_faces.bridge import crash_error
 from axrl_spike_replay.mcp_faces.config import ServerConfig
 
 SERVER_NAME = "axrl-spike-replay"
@@ -51,6 +54,19 @@ class SpikeReplayServer(MCPServer):
     async def list_resources(self) -> list[Resource]:
         """Static resources, then `axrl://task/<job>` and `axrl://method/<slug>` for each file there."""
         return [*await super().list_resources(), *resources.record_resources(self.config.workspace)]
+
+    async def call_tool(self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None) -> Any:
+        """Call a tool; a crash outside the library bridge still tells the caller its type and message.
+
+        The SDK would answer only `Error executing tool NAME`; the traceback goes to the server's log.
+        """
+        try:
+            return await super().call_tool(name, arguments, context)
+        except UnexpectedToolError as exc:
+            cause = exc.__cause__ or exc
+            while isinstance(cause, UnexpectedToolError) and cause.__cause__ is not None:  # nested tool calls
+                cause = cause.__cause__
+            raise crash_error(cause, name) from exc
 
 
 def create_server(workspace: str | Path | None = None) -> SpikeReplayServer:

@@ -37,3 +37,43 @@ def test_bad_values_name_the_argument(bad) -> None:
         checkpoint_interval(bad, 2000, 1)
     with pytest.raises(ConfigError, match="step_time_s"):
         checkpoint_interval(20, 2000, bad)
+
+
+@pytest.mark.parametrize(
+    ("cost", "mtbf", "step"),
+    [(1e200, 1e200, 1), (1, 1e308, 1e-308), (1e300, 1, 1e-300), (1e308, 1e308, 1e-308)],
+)
+def test_inputs_whose_interval_or_overhead_overflows_are_a_clear_error(cost: float, mtbf: float, step: float) -> None:
+    with pytest.raises(ConfigError, match="out of range: the interval K\\* = sqrt"):
+        checkpoint_interval(cost, mtbf, step)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["1e200", "1e200", "1"],
+        ["inf", "2000", "1"],
+        ["nan", "2000", "1"],
+        ["-1", "2000", "1"],
+        ["20", "2000", "-inf"],
+    ],
+)
+def test_the_command_answers_absurd_inputs_with_an_error_not_a_traceback(argv: list[str], capsys) -> None:
+    from axrl_spike_replay.cli import main
+
+    cost, mtbf, step = argv
+    status = main(["checkpoint-interval", f"--checkpoint-cost={cost}", f"--mtbf-steps={mtbf}", f"--step-time={step}"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith("axrl-spike-replay checkpoint-interval: error: ") and "Traceback" not in err
+
+
+def test_extreme_but_finite_inputs_print_short_figures(capsys) -> None:
+    from axrl_spike_replay.cli import main
+
+    status = main(
+        ["checkpoint-interval", "--checkpoint-cost", "1e-300", "--mtbf-steps", "1e300", "--step-time", "1e-300"]
+    )
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "1.41e+150" in out and max(len(line) for line in out.splitlines()) < 200

@@ -1,4 +1,9 @@
-"""Reproducing a captured spike: full and reduced fidelity, bit-identical baselines, legacy snapshots, outputs."""
+"""Reproducing a captured spike: full and reduced fidelity, bit-identical baselines, legacy snapshots, outputs.
+
+Bit-identity holds for a snapshot captured on this machine (a fresh capture, made once per session).
+The golden fixtures were recorded on another machine, whose CPU kernels may round the last bits
+differently: against them a replay is held to the documented tolerance (1e-6 full, 1e-5 reduced).
+"""
 
 from __future__ import annotations
 
@@ -31,8 +36,10 @@ def test_full_fidelity_reproduces_the_recorded_grad_norm(full_replay: tuple[Repl
     assert [m["rank"] for m in result.rank_metrics] == [0, 1]
 
 
-def test_no_mitigation_replay_is_bit_identical_to_training(full_replay: tuple[ReplayResult, Path]) -> None:
-    result, _ = full_replay
+def test_no_mitigation_replay_is_bit_identical_to_training(captured_run) -> None:
+    worst = captured_run.snapshot_dirs[captured_run.spike_ratios.index(max(captured_run.spike_ratios))]
+    result = run_replay(worst, ReplayOptions(nproc=2))  # captured here, replayed here, at the saved world size
+    assert result.fidelity == "full"
     assert result.grad_norm == result.recorded_grad_norm
     assert result.rel_diff == 0.0
 
@@ -88,7 +95,8 @@ def test_a_replay_is_logged_in_the_open_task(spike_snapshot: Path, workspace: Pa
         spike_snapshot, ReplayOptions(nproc=1, workspace=workspace, mitigations={"mismatch_token_clip_max": 2})
     )
     assert result.verdict == "cleared"
-    assert result.baseline_grad_norm == result.recorded_grad_norm
+    # a reduced baseline of a golden fixture: within the reduced tolerance, not bit for bit
+    assert result.baseline_grad_norm == pytest.approx(result.recorded_grad_norm, rel=1e-5)
     rows = show_task(workspace, "fixture-moe")["experiments"]
     assert [(r["config_id"], r["verdict"]) for r in rows] == [("mismatch_token_clip_max=2", "cleared")]
     assert rows[0]["result_path"] == str(Path(result.output_dir) / "replay_result.json")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import anyio
+import pytest
 from mcp import Client, StdioServerParameters
 
 from axrl_spike_replay.skill_pack import list_skills, skill_problems
@@ -91,3 +92,34 @@ def test_a_broken_config_is_refused_and_left_alone(tmp_path: Path) -> None:
     assert ".mcp.json" in out.stderr and "not valid JSON" in out.stderr and "Traceback" not in out.stderr
     assert (tmp_path / ".mcp.json").read_text() == "{not json"
     assert not (tmp_path / ".claude").exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b'{"mcpServers": {"x": "caf\xe9"}}', "not UTF-8 text (byte 0xe9 at offset 25)"),
+        (b"\xff\xfe{\x00}\x00", "not UTF-8 text (byte 0xff at offset 0)"),
+        (b"[1, 2]", "expected a JSON object at the top, got list"),
+        (b'"servers"', "expected a JSON object at the top, got str"),
+        (b'{"mcpServers": []}', "'mcpServers' is not an object"),
+        (b'{"n": ' + b"9" * 5000 + b"}", "not usable JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "JSON"),
+    ],
+    ids=["latin-1", "utf-16", "list", "string", "servers-list", "long-int", "deep"],
+)
+def test_an_unusable_config_is_a_clear_error_and_left_alone(tmp_path: Path, content: bytes, says: str) -> None:
+    config = tmp_path / ".mcp.json"
+    config.write_bytes(content)
+    out = install("--dir", str(tmp_path))
+    assert out.returncode == 2, out.stderr
+    assert ".mcp.json" in out.stderr and says in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr) < 1000
+    assert config.read_bytes() == content
+    assert not (tmp_path / ".claude").exists()
+
+
+def test_a_config_path_that_is_a_directory_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / ".mcp.json").mkdir()
+    out = install("--dir", str(tmp_path))
+    assert out.returncode == 2
+    assert ".mcp.json: cannot read it" in out.stderr and "Traceback" not in out.stderr

@@ -64,15 +64,31 @@ def checkpoint_interval(
     ):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
-    exact = math.sqrt(2.0 * checkpoint_cost_s * mtbf_steps / step_time_s)
-    optimal = max(1, round(exact))
-    intervals = sorted({max(1, round(exact * f)) for f in factors} | {optimal})
+    try:
+        exact = math.sqrt(2.0 * checkpoint_cost_s * mtbf_steps / step_time_s)
+        optimal = max(1, round(exact))
+        intervals = sorted({max(1, round(exact * f)) for f in factors} | {optimal})
+        options = [_option(k, checkpoint_cost_s, mtbf_steps, step_time_s) for k in intervals]
+        optimal_overhead = expected_overhead(optimal, checkpoint_cost_s, mtbf_steps, step_time_s)
+    except (OverflowError, ZeroDivisionError):  # round(inf), int too large for a float, a product underflowing to 0
+        raise _out_of_range(checkpoint_cost_s, mtbf_steps, step_time_s) from None
+    figures = [exact, optimal_overhead, *(x for o in options for x in (o.checkpoint_overhead, o.expected_rework))]
+    if not all(math.isfinite(x) for x in figures):
+        raise _out_of_range(checkpoint_cost_s, mtbf_steps, step_time_s)
     return CheckpointIntervalAdvice(
         checkpoint_cost_s=float(checkpoint_cost_s),
         mtbf_steps=float(mtbf_steps),
         step_time_s=float(step_time_s),
         optimal_interval_steps=optimal,
         optimal_interval_exact=exact,
-        optimal_overhead=expected_overhead(optimal, checkpoint_cost_s, mtbf_steps, step_time_s),
-        options=[_option(k, checkpoint_cost_s, mtbf_steps, step_time_s) for k in intervals],
+        optimal_overhead=optimal_overhead,
+        options=options,
+    )
+
+
+def _out_of_range(cost: float, mtbf: float, step: float) -> ConfigError:
+    return ConfigError(
+        f"checkpoint_cost_s={cost:g}, mtbf_steps={mtbf:g}, step_time_s={step:g} are out of range: "
+        "the interval K* = sqrt(2 * checkpoint_cost_s * mtbf_steps / step_time_s) or its overhead is not a finite "
+        "number; use realistic seconds and steps"
     )

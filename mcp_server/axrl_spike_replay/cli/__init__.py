@@ -10,10 +10,12 @@ import argparse
 import importlib
 import pkgutil
 import sys
+import threading
 
 from axrl_spike_replay import __version__
 from axrl_spike_replay.cli.output import print_error
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.rank_processes import terminate_as_interrupt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        terminate_as_interrupt()  # SIGTERM stops rank processes and removes temp dirs, as Ctrl-C does
     try:
         status = args.handler(args)
     except AxrlError as exc:

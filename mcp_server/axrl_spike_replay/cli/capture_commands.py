@@ -123,18 +123,32 @@ def _checkpoint_interval(args: argparse.Namespace) -> int:
 
 def _render_interval(advice: Any) -> str:
     head = (
-        f"optimal checkpoint interval: {advice.optimal_interval_steps} steps "
+        f"optimal checkpoint interval: {_steps(advice.optimal_interval_steps)} steps "
         f"(K* = sqrt(2 x {advice.checkpoint_cost_s:g} s x {advice.mtbf_steps:g} steps / {advice.step_time_s:g} s) "
-        f"= {advice.optimal_interval_exact:.1f}), expected overhead {advice.optimal_overhead:.2%}"
+        f"= {_exact(advice.optimal_interval_exact)}), expected overhead {_percent(advice.optimal_overhead)}"
     )
     rows = [
         [
-            o.interval_steps,
-            f"{o.checkpoint_overhead:.2%}",
-            f"{o.expected_rework:.2%}",
-            f"{o.total_overhead:.2%}",
+            _steps(o.interval_steps),
+            _percent(o.checkpoint_overhead),
+            _percent(o.expected_rework),
+            _percent(o.total_overhead),
             "<- K*" if o.interval_steps == advice.optimal_interval_steps else "",
         ]
         for o in advice.options
     ]
     return head + "\n" + table(["interval (steps)", "checkpointing", "rework", "total", ""], rows)
+
+
+def _percent(fraction: float) -> str:
+    """A percentage, in scientific notation when it would be long (absurd inputs give absurd overheads)."""
+    return f"{fraction:.2%}" if abs(fraction) < 1e4 else f"{fraction * 100:.3g}%"
+
+
+def _steps(interval: int) -> str:
+    """A step count, in scientific notation when it would be long."""
+    return str(interval) if interval < 10**12 else f"{float(interval):.3g}"
+
+
+def _exact(interval: float) -> str:
+    return f"{interval:.1f}" if interval < 1e12 else f"{interval:.3g}"

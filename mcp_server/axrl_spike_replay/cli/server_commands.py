@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,9 @@ def _mcp(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workspace {args.workspace}: not an existing directory")
     from axrl_spike_replay.server import serve
 
+    # A server stops at once on SIGTERM, whatever its tools' worker threads are doing: their rank
+    # processes die with it and a watcher removes their temp dirs (see rank_processes).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if args.http:
         progress(f"MCP server (streamable HTTP) at http://{args.host}:{args.port}/mcp")
         if args.host not in LOOPBACK:

@@ -7,7 +7,8 @@ and the cancellation completes only once `work` has returned, so work that watch
 Asynchronous library functions (SSH sessions): `call_async_library(ctx, work)` awaits them in the event
 loop, where a cancelled request cancels them and their sessions kill what they started.
 Expected failures (`AxrlError`, OS errors) become tool errors whose text is the library's message;
-anything else is a crash the SDK reports without internals.
+anything else is a crash: its traceback goes to the server's log (stderr) and the tool error names
+its type with a bounded message, so the caller always learns what went wrong.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import itertools
+import logging
 import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,9 +32,12 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import CallToolResult, ImageContent, TextContent
 from pydantic import BaseModel, TypeAdapter
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError
 
 T = TypeVar("T")
+log = logging.getLogger("axrl_spike_replay.mcp")
+CRASH_MESSAGE_LIMIT = 300
 
 # How long a cancelled call waits for the library to stop its work before giving up on it.
 CANCEL_GRACE_S = 60.0
@@ -71,6 +76,25 @@ def tool_error(exc: BaseException) -> ToolError:
     return ToolError(str(exc))
 
 
+def crash_error(exc: BaseException, tool: str | None = None) -> ToolError:
+    """A tool error for an unexpected exception: its type and a bounded message; the traceback is logged."""
+    log.error("tool %s raised an unexpected exception", tool or "call", exc_info=exc)
+    message = shown(str(exc), CRASH_MESSAGE_LIMIT, quote=False) or "(no message)"
+    prefix = f"Error executing tool {tool}: " if tool else ""  # the SDK adds it to errors raised inside a tool
+    return ToolError(
+        f"{prefix}unexpected {type(exc).__name__}: {message} (an internal error; the traceback is in the server's log)"
+    )
+
+
+def failure_error(exc: Exception) -> ToolError:
+    """The tool error for a failure of library code: its own message when expected, else a crash report."""
+    if isinstance(exc, ToolError):
+        return exc
+    if isinstance(exc, (AxrlError, OSError)):
+        return tool_error(exc)
+    return crash_error(exc)
+
+
 async def call_library(ctx: Context | None, work: Callable[[Progress, threading.Event], T]) -> T:
     """Run `work(progress, cancel)` in a worker thread; cancellation sets `cancel` and waits for it to stop."""
     progress = Progress(ctx)
@@ -90,8 +114,8 @@ async def call_library(ctx: Context | None, work: Callable[[Progress, threading.
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(finished.wait, CANCEL_GRACE_S)
         raise
-    except (AxrlError, OSError) as exc:
-        raise tool_error(exc) from exc
+    except Exception as exc:
+        raise failure_error(exc) from exc
 
 
 async def call_async_library(ctx: Context | None, work: Callable[[Callable[[str], None]], Awaitable[T]]) -> T:
@@ -114,17 +138,17 @@ async def call_async_library(ctx: Context | None, work: Callable[[Callable[[str]
                     with contextlib.suppress(Exception):  # a gone client must not fail the work
                         await ctx.report_progress(value, None, message)
 
-    failure: BaseException | None = None
+    failure: Exception | None = None
     async with anyio.create_task_group() as group:
         group.start_soon(pump)
         try:
             result = await work(report)
-        except (AxrlError, OSError) as exc:
+        except Exception as exc:
             failure = exc
         finally:
             send.close()
     if failure is not None:
-        raise tool_error(failure) from failure
+        raise failure_error(failure) from failure
     return result
 
 

@@ -75,12 +75,16 @@ def check_device(device: str) -> str:
 def replay_dir_for(snapshot: str | Path) -> Iterator[tuple[str, bool]]:
     """(dir to read from, legacy) for a snapshot; a legacy snapshot's temporary replay dir is removed after."""
     from axrl_spike_replay.snapshot.legacy import prepare_replay_dir
+    from axrl_spike_replay.temp_janitor import removed_if_killed
 
     prepared = prepare_replay_dir(snapshot)
-    try:
-        yield prepared.replay_dir, prepared.legacy
-    finally:
-        if prepared.legacy:
+    if not prepared.legacy:
+        yield prepared.replay_dir, False
+        return
+    with removed_if_killed(prepared.replay_dir):  # even a SIGKILLed replay leaves no linked copy behind
+        try:
+            yield prepared.replay_dir, True
+        finally:
             shutil.rmtree(prepared.replay_dir, ignore_errors=True)  # links and files it wrote, never the snapshot
 
 

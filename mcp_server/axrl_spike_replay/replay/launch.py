@@ -1,7 +1,8 @@
 """Run a replay job: one process per replay rank with torch.distributed, or in this process for one.
 
 Processes are spawned with torch.multiprocessing and meet over a FileStore in a private temp dir
-(gloo on CPU; nccl on CUDA when every process has its own GPU, else gloo). Each runs with one
+(gloo on CPU; nccl on CUDA when every process has its own GPU, else gloo). They die with this
+process and the temp dirs go even if it is killed (see `rank_processes`). Each runs with one
 intra-op thread, as the reference trainer's ranks do, so reductions are deterministic.
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import threading
 import traceback
 from dataclasses import asdict
@@ -19,6 +19,7 @@ from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.rank_processes import RankProcessError, spawn_ranks
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob, compute
+from axrl_spike_replay.temp_janitor import owned_temp_dir
 
 _OUTCOMES = "outcomes.json"
 
@@ -86,7 +87,7 @@ def _dist_initialized() -> bool:
 
 
 def _spawn(job: WorkerJob, nproc: int, timeout_s: float, cancel: threading.Event | None) -> list[ConfigOutcome]:
-    with tempfile.TemporaryDirectory(prefix="axrl-replay-") as tmp:
+    with owned_temp_dir("axrl-replay-") as tmp:  # removed even if this process is killed
         outcomes_path = str(Path(tmp) / _OUTCOMES)
         spawn_ranks(
             _process,

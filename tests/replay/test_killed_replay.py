@@ -1,0 +1,93 @@
+"""A replay killed mid-run (SIGTERM or SIGKILL) leaves no rank process running and no temp dir behind.
+
+On a GPU node a leftover rank would hold its GPU until the end of a long replay.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import axrl_spike_replay
+
+PACKAGE_ROOT = Path(axrl_spike_replay.__file__).resolve().parents[1]
+GENEROUS_S = 60.0
+
+
+def _children(pid: int) -> set[int]:
+    """Pids of the live processes whose parent is `pid`."""
+    pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    return {child for child in pids if _alive(child) and (_parent_and_state(child) or (0, ""))[0] == pid}
+
+
+def _parent_and_state(pid: int) -> tuple[int, str] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
+    return int(fields[1]), fields[0]
+
+
+def _alive(pid: int) -> bool:
+    info = _parent_and_state(pid)
+    return info is not None and info[1] != "Z"
+
+
+def _eventually(check, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + GENEROUS_S
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def _start_long_replay(snapshot: Path, tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    temp_root = tmp_path / "tmpdir"
+    temp_root.mkdir()
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp_root), "PYTHONPATH": str(PACKAGE_ROOT)}
+    argv = [sys.executable, "-m", "axrl_spike_replay", "replay", str(snapshot), "--workspace", str(workspace)]
+    cli = subprocess.Popen([*argv, "--repeat", "1000000"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # the ranks have met (their FileStore exists) and are replaying
+    _eventually(lambda: any(temp_root.glob("axrl-ranks-*/store")), "the replay never started its rank processes")
+    return cli, temp_root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_a_killed_replay_leaves_no_rank_process_and_no_temp_dir(
+    spike_snapshot: Path, tmp_path: Path, sig: signal.Signals
+) -> None:
+    cli, temp_root = _start_long_replay(spike_snapshot, tmp_path)
+    spawned = _children(cli.pid)
+    assert len(spawned) >= 2, "expected the two rank processes of the saved world size"
+
+    cli.send_signal(sig)
+    cli.wait(timeout=GENEROUS_S)
+    stderr = cli.stderr.read().decode() if cli.stderr else ""
+
+    _eventually(lambda: not any(_alive(pid) for pid in spawned), f"processes outlived the replay: {spawned}")
+    _eventually(lambda: not list(temp_root.glob("axrl-*")), f"temp dirs left: {list(temp_root.iterdir())}")
+    if sig == signal.SIGTERM:
+        assert cli.returncode == 130
+        assert "replay: interrupted" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_a_killed_replay_of_a_legacy_snapshot_leaves_no_linked_copy(legacy_snapshot: Path, tmp_path: Path) -> None:
+    cli, temp_root = _start_long_replay(legacy_snapshot, tmp_path)
+    assert list(temp_root.glob(f"axrl-replay-{legacy_snapshot.name}-*")), "the legacy replay dir was not made"
+    spawned = _children(cli.pid)
+
+    cli.kill()
+    cli.wait(timeout=GENEROUS_S)
+
+    _eventually(lambda: not any(_alive(pid) for pid in spawned), f"processes outlived the replay: {spawned}")
+    _eventually(lambda: not list(temp_root.glob("axrl-*")), f"temp dirs left: {list(temp_root.iterdir())}")
