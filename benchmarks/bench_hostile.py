@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the hostile-file writers the regression tests use
 
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR  # noqa: E402
-from axrl_spike_replay.snapshot.synthetic import SyntheticSpec, write_synthetic_snapshot  # noqa: E402
+from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot  # noqa: E402
 from hostile_snapshot import (  # noqa: E402
     declare_checkpoint_tensor,
     declare_world_size,

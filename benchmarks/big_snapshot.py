@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
-from axrl_spike_replay.snapshot.synthetic import SyntheticSpec, write_synthetic_snapshot
+from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot
 
 GIB = 1 << 30
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
-from axrl_spike_replay.snapshot.synthetic import SyntheticSpec, write_synthetic_snapshot
+from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot
 
 FIXTURE_OUTPUTS = Path(__file__).resolve().parents[1] / "fixtures" / "outputs"
 

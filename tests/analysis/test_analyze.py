@@ -12,7 +12,7 @@ import torch
 
 from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
 from axrl_spike_replay.errors import UnsafeFileError
-from axrl_spike_replay.snapshot.synthetic import OUTLIER_ADVANTAGE, OUTLIER_LOG_RATIO
+from axrl_spike_replay.testing.synthetic_snapshot import OUTLIER_ADVANTAGE, OUTLIER_LOG_RATIO
 
 
 def test_planted_outliers_are_found_with_where_they_sit(synthetic) -> None:

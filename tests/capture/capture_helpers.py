@@ -10,16 +10,15 @@ import torch
 import yaml
 
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, TinyMoEPolicy
-from axrl_spike_replay.replay.policy_loss import LossConfig
-from axrl_spike_replay.replay.rank_step import (
-    RoutingConfig,
+from axrl_spike_replay.snapshot.checkpoint import load_model_state
+from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
+from axrl_spike_replay.training.policy_loss import LossConfig
+from axrl_spike_replay.training.rank_step import (
     global_grad_norm,
     rank_forward_backward,
     reduce_gradients,
-    routing_control,
 )
-from axrl_spike_replay.snapshot.checkpoint import load_model_state
-from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
+from axrl_spike_replay.training.routing_replay import RoutingConfig, routing_control
 
 
 def recompute_grad_norm(snapshot: Path, **loss_changes: Any) -> float:

@@ -10,19 +10,18 @@ import yaml
 
 from axrl_spike_replay.capture.run_config import parse_run_config
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, TinyMoEPolicy, token_logprobs
-from axrl_spike_replay.replay.policy_loss import LossConfig
-from axrl_spike_replay.replay.rank_step import (
-    RoutingConfig,
-    global_grad_norm,
-    param_grad_norms,
-    rank_forward_backward,
-    reduce_gradients,
-    routing_control,
-)
 from axrl_spike_replay.snapshot.checkpoint import load_model_state
 from axrl_spike_replay.snapshot.layout import rank_files
 from axrl_spike_replay.snapshot.metadata import read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_grad_info, load_rank_batch, load_routing_payload
+from axrl_spike_replay.training.policy_loss import LossConfig
+from axrl_spike_replay.training.rank_step import (
+    global_grad_norm,
+    param_grad_norms,
+    rank_forward_backward,
+    reduce_gradients,
+)
+from axrl_spike_replay.training.routing_replay import RoutingConfig, routing_control
 
 BURST = [20, 21, 22]
 

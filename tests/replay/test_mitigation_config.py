@@ -17,8 +17,8 @@ from axrl_spike_replay.replay.mitigations import (
     parse_config,
     parse_mitigation_args,
 )
-from axrl_spike_replay.replay.policy_loss import LossConfig, RatioOutlierMask
-from axrl_spike_replay.replay.rank_step import RoutingConfig
+from axrl_spike_replay.training.policy_loss import LossConfig, RatioOutlierMask
+from axrl_spike_replay.training.routing_replay import RoutingConfig
 
 ISSUE_NAMES = {
     "mismatch_token_clip_max",

@@ -12,12 +12,12 @@ import torch
 from axrl_spike_replay.models.tiny_moe import RoutingControl, TinyMoEConfig, TinyMoEPolicy
 from axrl_spike_replay.replay.engine import ReplayOptions
 from axrl_spike_replay.replay.inputs import read_run_config
-from axrl_spike_replay.replay.policy_loss import LossConfig
-from axrl_spike_replay.replay.rank_step import rank_forward_backward
 from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.snapshot.checkpoint import load_model_state
 from axrl_spike_replay.snapshot.layout import routing_payload_file
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch
+from axrl_spike_replay.training.policy_loss import LossConfig
+from axrl_spike_replay.training.rank_step import rank_forward_backward
 
 FORCED = (3, 2)  # every token, every MoE layer: experts 3 and 2 (the current router rarely picks these)
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from axrl_spike_replay.replay.mitigations import apply_config, parse_config
-from axrl_spike_replay.replay.policy_loss import LossConfig, policy_loss
-from axrl_spike_replay.replay.rank_step import RoutingConfig
+from axrl_spike_replay.training.policy_loss import LossConfig, policy_loss
+from axrl_spike_replay.training.routing_replay import RoutingConfig
 
 E = math.e
 LP = [[0, -1.0, -0.5, 0, 0], [0, -0.5, -1.0, 0, 0], [0, -1.0, 0, 0, 0]]  # current policy

@@ -9,10 +9,10 @@ import pytest
 
 from axrl_spike_replay.replay.engine import ReplayOptions
 from axrl_spike_replay.replay.mitigations import apply_config, parse_config
-from axrl_spike_replay.replay.policy_loss import LossConfig
-from axrl_spike_replay.replay.rank_step import RoutingConfig
 from axrl_spike_replay.replay.sweep import SweepResult, run_sweep
 from axrl_spike_replay.replay.worker import _groups
+from axrl_spike_replay.training.policy_loss import LossConfig
+from axrl_spike_replay.training.routing_replay import RoutingConfig
 from axrl_spike_replay.workspace.task_state import open_task, show_task
 
 CONFIGS = [

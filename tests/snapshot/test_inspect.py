@@ -14,7 +14,7 @@ from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.checkpoint import summarize_checkpoint
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, SNAPSHOTS_DIR, batch_file
-from axrl_spike_replay.snapshot.synthetic import SyntheticSpec, write_synthetic_snapshot
+from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot
 
 
 def test_golden_capture_is_described_exactly(golden_snapshot: Path, cli) -> None:

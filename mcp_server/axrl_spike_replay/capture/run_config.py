@@ -17,8 +17,8 @@ from axrl_spike_replay.capture.toy_task import ADVANTAGE_ESTIMATORS
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
-from axrl_spike_replay.replay.policy_loss import LossConfig
-from axrl_spike_replay.replay.rank_step import RoutingConfig
+from axrl_spike_replay.training.policy_loss import LossConfig
+from axrl_spike_replay.training.routing_replay import RoutingConfig
 
 GUARD_ACTIONS = ("log", "skip", "rollback")
 DETECTOR_KINDS = ("median_ratio", "zscore")

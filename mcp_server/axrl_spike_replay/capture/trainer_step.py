@@ -26,13 +26,13 @@ from axrl_spike_replay.capture.toy_task import (
     make_prompts,
 )
 from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy, token_logprobs
-from axrl_spike_replay.replay.rank_step import (
+from axrl_spike_replay.training.rank_step import (
     global_grad_norm,
     param_grad_norms,
     rank_forward_backward,
     reduce_gradients,
-    routing_control,
 )
+from axrl_spike_replay.training.routing_replay import routing_control
 
 
 @dataclass

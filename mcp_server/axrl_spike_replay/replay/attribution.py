@@ -28,11 +28,11 @@ from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
 from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, parse_config
-from axrl_spike_replay.replay.policy_loss import expand_advantages, policy_loss
-from axrl_spike_replay.replay.rank_step import global_grad_norm, reduce_gradients
 from axrl_spike_replay.replay.run_dir import RunDir, command_line
 from axrl_spike_replay.replay.verdict import rel_diff
 from axrl_spike_replay.replay.worker import RankInputs, build_model
+from axrl_spike_replay.training.policy_loss import expand_advantages, policy_loss
+from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
 
 METHODS = ("jvp", "per_sample_backward")
 ATTRIBUTION_FILE = "attribution.json"

@@ -11,13 +11,13 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, expected_state_shapes
 from axrl_spike_replay.replay.mitigations import AppliedConfig
-from axrl_spike_replay.replay.policy_loss import LossConfig
-from axrl_spike_replay.replay.rank_step import RoutingConfig
 from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, summarize_checkpoint
 from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_text, ranks_text
 from axrl_spike_replay.snapshot.layout import RUN_CONFIG, rank_files
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
+from axrl_spike_replay.training.policy_loss import LossConfig
+from axrl_spike_replay.training.routing_replay import RoutingConfig
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
 # Sections the engine rebuilds from, and sections it reads but need not rebuild (the trainer's own).

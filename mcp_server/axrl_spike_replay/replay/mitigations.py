@@ -20,8 +20,8 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.replay.policy_loss import LOGPROB_BASES, LOSS_AGG_MODES, LossConfig, RatioOutlierMask
-from axrl_spike_replay.replay.rank_step import ROUTING_REPLAY_MODES, RoutingConfig
+from axrl_spike_replay.training.policy_loss import LOGPROB_BASES, LOSS_AGG_MODES, LossConfig, RatioOutlierMask
+from axrl_spike_replay.training.routing_replay import ROUTING_REPLAY_MODES, RoutingConfig
 from axrl_spike_replay.untrusted_yaml import load_untrusted_yaml, read_untrusted_yaml
 
 _TRUE = ("true", "yes", "on", "1")

@@ -18,10 +18,11 @@ import torch
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, TinyMoEPolicy, token_entropy, token_logprobs
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.mitigations import AppliedConfig
-from axrl_spike_replay.replay.policy_loss import policy_loss
-from axrl_spike_replay.replay.rank_step import global_grad_norm, param_grad_norms, reduce_gradients, routing_control
 from axrl_spike_replay.snapshot.checkpoint import load_model_state
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
+from axrl_spike_replay.training.policy_loss import policy_loss
+from axrl_spike_replay.training.rank_step import global_grad_norm, param_grad_norms, reduce_gradients
+from axrl_spike_replay.training.routing_replay import routing_control
 
 
 @dataclass(frozen=True)
