@@ -6,10 +6,7 @@ and number guard, and every field used is type-checked; any problem is a Snapsho
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -17,19 +14,18 @@ from typing import Any
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, CHECKPOINT_METADATA, FORMAT_VERSION
+from axrl_spike_replay.untrusted_json import UntrustedJsonError, parse_untrusted_json, read_bounded
 
 # Keys that mark `metadata.json` as AXRL metadata (legacy layout) rather than the checkpoint's own.
 _AXRL_MARKER_KEYS = ("iteration", "grad_norm", "spike_ratio", "parallel", "job_name")
 
 MAX_METADATA_BYTES = 1024 * 1024  # the document is a few hundred bytes; bounds what is read and parsed
 MAX_JSON_DEPTH = 32  # the document nests two levels; Python's json recurses per level
-MAX_JSON_INT_DIGITS = 20  # any count or id fits in 64 bits; Python refuses ints over 4300 digits anyway
 MAX_PARALLEL_SIZE = 2**31 - 1  # world size and parallel degrees: torch.distributed ranks are int32
 MAX_TEXT_CHARS = 1024  # job name, role, timestamps, detector kind
 # Non-finite numbers are accepted only where the spike guard itself writes them: a NaN or inf grad
 # norm is exactly the spike to investigate, and an empty window gives a NaN median and an inf ratio.
 _NON_FINITE_OK = ("grad_norm", "median_norm", "spike_ratio")
-_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 
 @dataclass(frozen=True)
@@ -170,49 +166,14 @@ def _text(doc: dict[str, Any], key: str, source: Path | str, default: str, prefi
     return value
 
 
-def _json_depth(text: str) -> int:
-    """Deepest nesting of objects and arrays in `text`, counted without recursion (strings skipped)."""
-    depth = deepest = 0
-    for match in _JSON_TOKEN.finditer(text):
-        token = match.group()
-        if token in "[{":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif token in "]}":
-            depth -= 1
-    return deepest
-
-
-def _bounded_int(digits: str) -> int:
-    if len(digits.lstrip("-")) > MAX_JSON_INT_DIGITS:
-        raise ValueError(f"an integer of {len(digits)} digits (more than {MAX_JSON_INT_DIGITS})")
-    return int(digits)
-
-
 def read_json_document(path: Path) -> dict[str, Any]:
     """A JSON object from an untrusted file: size, depth and integers bounded; SnapshotError naming `path`."""
     try:
-        size = os.stat(path).st_size
-        if size > MAX_METADATA_BYTES:
-            raise SnapshotError(f"{path}: {size} bytes, more than the {MAX_METADATA_BYTES}-byte limit for metadata")
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_METADATA_BYTES + 1)
+        doc = parse_untrusted_json(read_bounded(path, MAX_METADATA_BYTES), MAX_JSON_DEPTH)
+    except UntrustedJsonError as exc:
+        raise SnapshotError(f"{path}: {exc}") from None
     except OSError as exc:
         raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    if len(data) > MAX_METADATA_BYTES:
-        raise SnapshotError(f"{path}: more than the {MAX_METADATA_BYTES}-byte limit for metadata")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SnapshotError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    if _json_depth(text) > MAX_JSON_DEPTH:
-        raise SnapshotError(f"{path}: JSON nests deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        doc = json.loads(text, parse_int=_bounded_int)
-    except json.JSONDecodeError as exc:
-        raise SnapshotError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    except (ValueError, RecursionError) as exc:
-        raise SnapshotError(f"{path}: not valid JSON ({shown(str(exc), 120, quote=False)})") from None
     if not isinstance(doc, dict):
         raise SnapshotError(f"{path}: expected a JSON object, got {type(doc).__name__}")
     return doc

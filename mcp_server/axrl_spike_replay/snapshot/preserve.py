@@ -20,7 +20,6 @@ symlink leading out of it is neither linked nor copied (reported in `skipped`).
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import stat
@@ -39,6 +38,7 @@ from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.snapshot.completeness import missing_required
 from axrl_spike_replay.snapshot.layout import PRESERVE_MARKER, PRESERVED_DIR, SNAPSHOTS_DIR, iteration_dir_name
 from axrl_spike_replay.snapshot.listing import SkippedEntry, scan_iteration_dirs
+from axrl_spike_replay.untrusted_json import UntrustedJsonError, parse_untrusted_json, read_bounded
 
 MADE_BY = "axrl-spike-replay"
 _LOCK_NAME = ".axrl_preserve.lock"
@@ -46,6 +46,7 @@ _LOCK_NAME = ".axrl_preserve.lock"
 _NO_LINK_ERRNOS = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
 # A marker lists file names: a few KiB even for thousands of checkpoint shards; anything larger is not ours.
 MARKER_MAX_BYTES = 8 * 1024 * 1024
+MARKER_MAX_DEPTH = 8  # a marker nests two levels (an object holding a list of names)
 
 
 @dataclass
@@ -297,22 +298,6 @@ def _preserved_root(directory: Path, create: bool = False) -> Path:
     return preserved_root
 
 
-def _read_marker_text(path: Path) -> str:
-    """The marker's text: a regular file (no symlink followed, no FIFO waited on), bounded, UTF-8."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    fd = os.open(path, flags)
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("is not a regular file")
-        if info.st_size > MARKER_MAX_BYTES:
-            raise ValueError(f"is {info.st_size} bytes, more than a marker's {MARKER_MAX_BYTES}")
-        data = handle.read(MARKER_MAX_BYTES + 1)
-    if len(data) > MARKER_MAX_BYTES:
-        raise ValueError(f"is more than a marker's {MARKER_MAX_BYTES} bytes")
-    return data.decode("utf-8")
-
-
 def read_marker(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
     """(marker, None) for a preserved copy's valid marker; (None, why it is not usable) otherwise.
 
@@ -321,25 +306,16 @@ def read_marker(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
     """
     marker_path = Path(path) / PRESERVE_MARKER
     try:
-        doc = json.loads(_read_marker_text(marker_path))
+        data = read_bounded(marker_path, MARKER_MAX_BYTES, follow_symlinks=False)
+        doc = parse_untrusted_json(data, MARKER_MAX_DEPTH)
     except FileNotFoundError:
         return None, f"has no readable {PRESERVE_MARKER} marker"
+    except UntrustedJsonError as exc:
+        return None, f"its {PRESERVE_MARKER} marker {exc}"
     except OSError as exc:
         return None, f"its {PRESERVE_MARKER} marker cannot be read ({exc.strerror or exc})"
-    except UnicodeDecodeError:
-        return None, f"its {PRESERVE_MARKER} marker is not UTF-8 text"
-    except RecursionError:
-        return None, f"its {PRESERVE_MARKER} marker is nested too deeply"
-    except ValueError as exc:  # JSONDecodeError, or what _read_marker_text refused
-        return None, f"its {PRESERVE_MARKER} marker {_why(exc)}"
     problem = _marker_problem(doc)
     return (None, f"its {PRESERVE_MARKER} marker {problem}") if problem else (doc, None)
-
-
-def _why(exc: ValueError) -> str:
-    if isinstance(exc, json.JSONDecodeError):
-        return f"is not JSON ({exc.msg} at line {exc.lineno})"
-    return str(exc)
 
 
 def _marker_problem(doc: Any) -> str | None:

@@ -1,0 +1,83 @@
+"""JSON we did not write: bounded bytes, bounded depth (checked before parsing), bounded integers.
+
+Python's json recurses once per nesting level and converts integers of any length, so a hostile
+document can exhaust the stack or the CPU; these checks refuse it first. Errors are ValueErrors
+with short, printable reasons; callers prefix the file name and choose the error class.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.display import shown
+
+MAX_JSON_INT_DIGITS = 20  # any count or id fits in 64 bits; Python refuses ints over 4300 digits anyway
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+class UntrustedJsonError(ValueError):
+    """A document that is not usable: the message says why, without the file name."""
+
+
+def read_bounded(path: str | os.PathLike[str], limit: int, *, follow_symlinks: bool = True) -> bytes:
+    """At most `limit` bytes of a regular file; UntrustedJsonError when larger or not a regular file.
+
+    Without `follow_symlinks` a symlink is refused (O_NOFOLLOW); a FIFO is never waited on (O_NONBLOCK).
+    OSError (missing, unreadable) passes through for the caller to word.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(Path(path), flags)
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise UntrustedJsonError("is not a regular file")
+        if info.st_size > limit:
+            raise UntrustedJsonError(f"is {info.st_size} bytes, more than the {limit}-byte limit")
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise UntrustedJsonError(f"is more than the {limit}-byte limit")
+    return data
+
+
+def json_depth(text: str) -> int:
+    """Deepest nesting of objects and arrays in `text`, counted without recursion (strings skipped)."""
+    depth = deepest = 0
+    for match in _JSON_TOKEN.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token in "]}":
+            depth -= 1
+    return deepest
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_JSON_INT_DIGITS:
+        raise UntrustedJsonError(f"holds an integer of {len(digits)} digits (more than {MAX_JSON_INT_DIGITS})")
+    return int(digits)
+
+
+def parse_untrusted_json(data: bytes, max_depth: int) -> Any:
+    """The document in `data` (UTF-8 JSON, nesting at most `max_depth`); UntrustedJsonError saying why not."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UntrustedJsonError(f"is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    if json_depth(text) > max_depth:
+        raise UntrustedJsonError(f"nests deeper than {max_depth} levels")
+    try:
+        return json.loads(text, parse_int=_bounded_int)
+    except json.JSONDecodeError as exc:
+        raise UntrustedJsonError(f"is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except UntrustedJsonError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise UntrustedJsonError(f"is not valid JSON ({shown(str(exc), 120, quote=False)})") from None
