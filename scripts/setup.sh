@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
 # Creates .venv with a CPU torch (when none is importable) and the package with its dev extras.
 # Idempotent and quick when nothing changed: a stamp keyed on pyproject.toml skips the pip work.
+# Says what it installs and why on stderr (stdout stays for the command that follows).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 VENV="${AXRL_VENV:-.venv}"
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+say() { echo "setup: $*" >&2; }
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating the virtual environment $VENV with $("$PY" --version 2>&1)"
+  "$PY" -m venv "$VENV"
+fi
 stamp="$VENV/.axrl-setup-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
+  start=$SECONDS
+  say "first run (or pyproject.toml changed): installing packages; about 2-5 minutes on a small machine"
+  say "upgrading pip"
   "$VENV/bin/python" -m pip install -q --upgrade pip >&2
   # An unpinned torch would pull a multi-GB CUDA build; the CPU build is pinned where none exists.
-  "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
+  if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    say "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') is already importable: kept"
+  else
+    say "installing torch==2.13.0 (CPU build, ~200 MB download): replays recompute gradients with it"
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
+  fi
+  say "installing axrl-spike-replay (editable) with its dependencies and dev tools (pytest, ruff, hypothesis, ...)"
   "$VENV/bin/python" -m pip install -q -e ".[dev]" >&2
   rm -f "$VENV"/.axrl-setup-*
   touch "$stamp"
+  say "done in $((SECONDS - start)) s"
 fi

@@ -47,7 +47,12 @@ def test_demo_leaves_a_task_file_method_files_and_a_report(demo_run: dict) -> No
     method = (Path(demo_run["workspace"]) / "spike-mitigation-methods" / "token-mismatch-tis-clip-2.md").read_text()
     assert "status: proven" in method and "verdict: cleared" in method
     report = Path(demo_run["report"]).read_text()
-    assert "reproduced" in report or "full" in report
+    rows = [line.split("|") for line in report.splitlines() if line.startswith("| E")]
+    baseline = [cells for cells in rows if cells[-2].strip() == "reproduced"]
+    assert baseline and all(cells[3].strip() == "full" for cells in baseline), "no full-fidelity reproduced baseline"
+    tis = [cells for cells in rows if cells[2].strip() == "mismatch_token_clip_max=2"]
+    assert tis and tis[0][9].strip() == "cleared", tis
+    assert "token-mismatch-tis-clip-2" in report.split("## Methods added", 1)[1]
 
 
 def test_demo_releases_its_preserved_copy_and_keeps_the_original(demo_run: dict) -> None:

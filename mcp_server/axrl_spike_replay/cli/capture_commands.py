@@ -133,11 +133,11 @@ def _render_interval(advice: Any) -> str:
             _percent(o.checkpoint_overhead),
             _percent(o.expected_rework),
             _percent(o.total_overhead),
-            "<- K*" if o.interval_steps == advice.optimal_interval_steps else "",
+            "K*" if o.interval_steps == advice.optimal_interval_steps else "",
         ]
         for o in advice.options
     ]
-    return head + "\n" + table(["interval (steps)", "checkpointing", "rework", "total", ""], rows)
+    return head + "\n" + table(["interval (steps)", "checkpointing", "rework", "total", "optimal"], rows)
 
 
 def _percent(fraction: float) -> str:
