@@ -189,3 +189,18 @@ def test_non_finite_logprobs_rank_first_and_are_counted(synthetic, tmp_path: Pat
     assert result.outliers["samples_by_abs_log_ratio"][0]["sample"] == 3
     run = cli("analyze", snap, "--json")
     assert run.code == 0 and run.json()["ratio"]["log_ratio"]["non_finite"] == 1
+
+
+@pytest.mark.parametrize(
+    ("advantages", "dominant"),
+    [
+        ([1.0, -0.99999999], "balanced"),
+        ([1.0, -1.05], "balanced"),
+        ([1.0, -1.2], "negative"),
+        ([1.3, -1.0], "positive"),
+    ],
+)
+def test_a_side_dominates_only_by_a_clear_margin(advantages: list[float], dominant: str) -> None:
+    from axrl_spike_replay.analysis.batch_signals import _sign_balance
+
+    assert _sign_balance(torch.tensor(advantages, dtype=torch.float64))["dominant"] == dominant

@@ -37,13 +37,17 @@ def test_merged_norm_is_the_root_sum_of_squares_on_the_golden_capture(golden_sna
         for name in infos[0]["param_grad_norms"]
     }
     assert [p.name for p in report.merged] == sorted(merged_all, key=lambda n: -merged_all[n])[:5]
-    assert all(r.grad_norm == pytest.approx(report.recorded_grad_norm, rel=1e-3) for r in report.ranks)
+    assert all(r.recorded_global_grad_norm == pytest.approx(report.recorded_grad_norm, rel=1e-3) for r in report.ranks)
+    for rank, info in zip(report.ranks, infos, strict=True):  # each rank's own share, not the global norm
+        local = math.sqrt(sum(float(v) ** 2 for v in info["param_grad_norms"].values()))
+        assert rank.local_grad_norm == pytest.approx(local)
+        assert rank.local_grad_norm != pytest.approx(report.recorded_grad_norm, rel=1e-3)
 
 
 def test_readable_summary_and_missing_files(synthetic, tmp_path: Path, cli) -> None:
     out = cli("grads", synthetic()).out
     assert out.splitlines()[0] == "iteration 42: recorded grad norm 40"
-    assert "experts.1.w" in out and "rank 1: loss 0.2" in out
+    assert "experts.1.w" in out and "rank 1: local grad norm 20.11, loss 0.2" in out
     empty = tmp_path / "iter_0000001"
     empty.mkdir()
     (empty / "axrl_metadata.json").write_text('{"iteration": 1, "grad_norm": 1.0, "median_norm": 1.0}')

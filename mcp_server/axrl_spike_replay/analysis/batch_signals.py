@@ -225,10 +225,19 @@ def _top_samples(samples: list[dict[str, torch.Tensor]], column: str, peak: str,
     return [_sample_row(samples[owners[c][0]], owners[c][1], peak) for c in chosen.tolist()]
 
 
+DOMINANCE_MARGIN = 0.1  # one sign's total must exceed the other's by 10 % to be called dominant
+
+
 def _sign_balance(adv: torch.Tensor) -> dict[str, Any]:
     positive = float(adv.clamp(min=0).sum())
     negative = float((-adv).clamp(min=0).sum())
-    dominant = "negative" if negative > positive else "positive" if positive > negative else "balanced"
+    # A side dominates only when it outweighs the other by DOMINANCE_MARGIN: GRPO's group-normalised
+    # advantages sum to ~0, and a ratio of 0.99999999 is balance, not positive dominance.
+    dominant = (
+        "negative" if negative > positive * (1 + DOMINANCE_MARGIN)
+        else "positive" if positive > negative * (1 + DOMINANCE_MARGIN)
+        else "balanced"
+    )
     return {
         "weighting": "per loss token, as the loss sees it",
         "positive_total": positive,

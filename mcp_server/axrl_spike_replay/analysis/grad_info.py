@@ -30,7 +30,8 @@ class ParamGrad:
 @dataclass
 class RankGrads:
     rank: int
-    grad_norm: float  # the global pre-clip norm this rank recorded
+    local_grad_norm: float  # sqrt of the sum of this rank's squared per-parameter (pre-reduction) norms
+    recorded_global_grad_norm: float  # the global pre-clip norm as this rank recorded it (same on every rank)
     loss: float | None
     num_tokens: int | None
     top: list[ParamGrad]
@@ -86,7 +87,8 @@ def top_param_grads(path: str | Path, top: int = 10) -> GradReport:
         ranks.append(
             RankGrads(
                 rank=rank,
-                grad_norm=info["grad_norm"],
+                local_grad_norm=math.sqrt(sum(value * value for value in norms.values())),
+                recorded_global_grad_norm=info["grad_norm"],
                 loss=info["loss"],
                 num_tokens=int(num_tokens) if num_tokens is not None and math.isfinite(num_tokens) else None,
                 top=_top(norms, rank_numel, top),

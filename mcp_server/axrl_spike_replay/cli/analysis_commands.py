@@ -116,7 +116,10 @@ def _grads(args: argparse.Namespace) -> int:
         lines.append(table(["parameter", "grad norm", "numel"], [[p.name, p.grad_norm, p.numel] for p in r.merged]))
         for k in r.ranks:
             top3 = ", ".join(f"{p.name} {p.grad_norm:.4g}" for p in k.top[:3])
-            lines.append(f"rank {k.rank}: loss {_f(k.loss)}, tokens {_f(k.num_tokens, 'd')}; top: {top3}")
+            lines.append(
+                f"rank {k.rank}: local grad norm {k.local_grad_norm:.4g}, loss {_f(k.loss)}, "
+                f"tokens {_f(k.num_tokens, 'd')}; top: {top3}"
+            )
         lines += [f"problem: {p}" for p in r.problems]
         return "\n".join(lines)
 
