@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,24 @@ def test_a_log_symlinked_out_of_the_output_dir_is_not_followed(make_output_dir, 
     (out / "logs" / "alias.log").symlink_to(out / "logs" / "train.log")  # inside: fine
 
     assert [p.name for p in find_logs(out)] == ["alias.log", "train.log"]
+
+
+def test_snapshots_are_ranked_largest_ratio_first_with_a_reason(fixture_outputs: Path, tmp_path: Path, cli) -> None:
+    out = tmp_path / "run~job__actor"
+    shutil.copytree(fixture_outputs / "fx~fixture-moe__actor", out)
+    assert cli("preserve", out, "--iteration", "20").code == 0
+    doc = cli("snapshots", out, "--json").json()
+    ranking = doc["ranking"]
+    assert [r["iteration"] for r in ranking] == [21, 20]  # 150.2x before 46.65x
+    assert ranking[0]["order"] == 1 and "start here" in ranking[0]["reason"]
+    assert "confirm" in ranking[1]["reason"]
+    assert "spike_snapshots-active" in ranking[1]["path"]  # the preserved copy stands for its iteration
+
+
+def test_a_snapshot_with_unusable_metadata_is_ranked_last_with_the_problem(fixture_outputs: Path, tmp_path: Path, cli):
+    out = tmp_path / "run~job__actor"
+    shutil.copytree(fixture_outputs / "fx~fixture-moe__actor", out)
+    (out / "checkpoints" / "spike_snapshots" / "iter_0000021" / "axrl_metadata.json").write_text("{")
+    ranking = cli("snapshots", out, "--json").json()["ranking"]
+    assert [r["iteration"] for r in ranking] == [20, 21]
+    assert ranking[1]["spike_ratio"] is None and "metadata not usable" in ranking[1]["reason"]

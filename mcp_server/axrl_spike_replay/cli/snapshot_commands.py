@@ -112,6 +112,7 @@ def _snapshots(args: argparse.Namespace) -> int:
         ]
         lines = [table(["iteration", "kind", "spike ratio", "grad norm", "size", "path"], rows)]
         lines += [f"problem: {s.problem}" for s in r.snapshots if s.problem] + skipped
+        lines += ["", "order to investigate:"] + [f"{k.order}. iteration {k.iteration}: {k.reason}" for k in r.ranking]
         return "\n".join(lines)
 
     emit(result, args.json, render)

@@ -42,16 +42,61 @@ class SkippedEntry:
 
 
 @dataclass
+class RankedSnapshot:
+    """Where a snapshot stands in the order to investigate: 1 first (the largest spike ratio)."""
+
+    order: int
+    iteration: int
+    path: str
+    spike_ratio: float | None
+    reason: str
+
+
+@dataclass
 class SnapshotListing:
     """Snapshots of one output dir, by iteration (retained before preserved at the same iteration).
 
     A snapshot dir that is a symlink leading out of its snapshots dir is not followed: it is listed
-    in `skipped` with the reason.
+    in `skipped` with the reason. `ranking` orders the iterations to investigate (see `rank_snapshots`).
     """
 
     output_dir: str
     snapshots: list[SnapshotEntry] = field(default_factory=list)
     skipped: list[SkippedEntry] = field(default_factory=list)
+    ranking: list[RankedSnapshot] = field(default_factory=list)
+
+
+def rank_snapshots(snapshots: list[SnapshotEntry]) -> list[RankedSnapshot]:
+    """One entry per iteration, largest spike ratio first: start with the strongest, confirm on the others.
+
+    The preserved copy stands for its iteration where there is one (rotation cannot take it away);
+    snapshots whose metadata cannot be read come last, with the problem as the reason.
+    """
+    chosen: dict[int, SnapshotEntry] = {}
+    for entry in snapshots:  # sorted retained-then-preserved, so a preserved copy replaces its source
+        if entry.problem is None or entry.iteration not in chosen:
+            chosen[entry.iteration] = entry
+    readable = [e for e in chosen.values() if e.spike_ratio is not None and e.problem is None]
+    readable.sort(key=lambda e: (-_finite_or_inf(e.spike_ratio), e.iteration))
+    unreadable = sorted((e for e in chosen.values() if e not in readable), key=lambda e: e.iteration)
+    ranked: list[RankedSnapshot] = []
+    for order, entry in enumerate(readable, start=1):
+        ratio = f"spike ratio {entry.spike_ratio:.4g}x the median"
+        if order == 1 and len(readable) > 1:
+            reason = f"start here: the largest {ratio}"
+        elif order == 1:
+            reason = f"start here: the only readable snapshot ({ratio})"
+        else:
+            reason = f"{ratio}: confirm the diagnosis and the method on it"
+        ranked.append(RankedSnapshot(order, entry.iteration, entry.path, entry.spike_ratio, reason))
+    for order, entry in enumerate(unreadable, start=len(ranked) + 1):
+        ranked.append(RankedSnapshot(order, entry.iteration, entry.path, None, f"metadata not usable: {entry.problem}"))
+    return ranked
+
+
+def _finite_or_inf(ratio: float | None) -> float:
+    """A non-finite ratio (a NaN or inf grad norm) is the strongest spike of all."""
+    return float("inf") if ratio is None or ratio != ratio else ratio
 
 
 def scan_iteration_dirs(parent: Path, root: Path | None = None) -> tuple[dict[int, Path], list[SkippedEntry]]:
@@ -129,4 +174,5 @@ def list_snapshots(output_dir: str | Path) -> SnapshotListing:
             listing.snapshots.append(_entry(path, iteration, preserved))
         listing.skipped += skipped
     listing.snapshots.sort(key=lambda e: (e.iteration, e.preserved))
+    listing.ranking = rank_snapshots(listing.snapshots)
     return listing
