@@ -29,9 +29,9 @@ from axrl_spike_replay.remote.results import SnapshotFacts, base_result, tail, w
 from axrl_spike_replay.remote.session import RemoteSession
 from axrl_spike_replay.remote.shell import job_script
 from axrl_spike_replay.replay.mitigations import mitigation_args
-from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.replay.result import ReplayResult, SweepResult
 from axrl_spike_replay.replay.run_dir import RESULT_FILE, RunDir
-from axrl_spike_replay.replay.sweep import SWEEP_FILE, SweepResult
+from axrl_spike_replay.replay.sweep import SWEEP_FILE
 
 REMOTE_SET_FILE = "mitigation_set.yaml"
 
