@@ -73,10 +73,3 @@ def test_checkpoint_interval_bad_values_name_the_argument(capsys, flag: str) -> 
     argv = ["checkpoint-interval"] + [x for pair in values.items() for x in pair]
     assert main(argv) == 2
     assert f"{flag} must be a finite number > 0, got 0" in capsys.readouterr().err
-
-
-def test_the_help_lists_every_preset() -> None:
-    from axrl_spike_replay.capture.presets import PRESETS
-    from axrl_spike_replay.cli.capture_commands import PRESET_NAMES
-
-    assert tuple(PRESETS) == PRESET_NAMES

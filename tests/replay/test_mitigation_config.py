@@ -17,7 +17,7 @@ from axrl_spike_replay.replay.mitigations import (
     parse_config,
     parse_mitigation_args,
 )
-from axrl_spike_replay.training.policy_loss import LossConfig, RatioOutlierMask
+from axrl_spike_replay.training.loss_config import LossConfig, RatioOutlierMask
 from axrl_spike_replay.training.routing_replay import RoutingConfig
 
 ISSUE_NAMES = {

@@ -1,12 +1,21 @@
-"""Presets of the reference trainer: which burst of bad data (if any) it injects, and the config it runs with."""
+"""Presets of the reference trainer: which burst of bad data (if any) it injects, and the config it runs with.
+
+Torch-free: `capture --help` and the server list the presets from here without loading the trainer."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from axrl_spike_replay.capture.rollout import EngineFaults
 from axrl_spike_replay.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class EngineFaults:
+    """Engine bugs a preset switches on during its burst (all off by default)."""
+
+    logprob_temperature: float | None = None  # report logprobs of logits / this while sampling at temperature
+    stale_route_layer: int | None = None  # MoE layer index whose recorded routes come from a stale expert table
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from axrl_spike_replay.capture.presets import EngineFaults
 from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy, token_logprobs
 
 
@@ -22,14 +23,6 @@ class Rollout:
     loss_mask: torch.Tensor  # [B, T] float32, 1 on response tokens
     rollout_logprobs: torch.Tensor  # [B, T] float32, as the engine reported them
     routed_experts: torch.Tensor  # [B, T, L_moe, K] int32, as the engine recorded them
-
-
-@dataclass(frozen=True)
-class EngineFaults:
-    """Engine bugs a preset switches on during its burst (all off by default)."""
-
-    logprob_temperature: float | None = None  # report logprobs of logits / this while sampling at temperature
-    stale_route_layer: int | None = None  # MoE layer index whose recorded routes come from a stale expert table
 
 
 def rollout_engine(policy: TinyMoEPolicy) -> TinyMoEPolicy:

@@ -6,11 +6,9 @@ import argparse
 import math
 from typing import Any
 
+from axrl_spike_replay.capture.presets import PRESETS
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress, table
 from axrl_spike_replay.errors import AxrlError
-
-# For --help without importing torch; `capture.presets.PRESETS` is the authority (a test keeps them in step).
-PRESET_NAMES = ("none", "ratio_outliers", "negative_advantage_dominance")
 
 
 def register(sub: Any) -> None:
@@ -32,7 +30,7 @@ def register(sub: Any) -> None:
         "--preset",
         default="ratio_outliers",
         metavar="NAME",
-        help=f"injected fault: {', '.join(PRESET_NAMES)} (default: ratio_outliers)",
+        help=f"injected fault: {', '.join(PRESETS)} (default: ratio_outliers)",
     )
     add_json_flag(p)
     p.set_defaults(handler=_capture)
@@ -57,7 +55,6 @@ def _capture(args: argparse.Namespace) -> int:
         raise AxrlError(f"--steps must be >= 1, got {args.steps}")
     if args.seed < 0:
         raise AxrlError(f"--seed must be >= 0, got {args.seed}")
-    from axrl_spike_replay.capture.presets import PRESETS
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
     from axrl_spike_replay.errors import ConfigError
 

@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.display import clean_text
-
-
-def to_jsonable(value: Any) -> Any:
-    """Dataclasses, paths, tuples and non-finite floats as plain JSON values."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(k): to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [to_jsonable(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return value
+from axrl_spike_replay.jsonable import to_jsonable
 
 
 def emit(result: Any, as_json: bool, render: Callable[[Any], str]) -> None:

@@ -94,28 +94,28 @@ def _options(args: argparse.Namespace, mitigations: dict[str, Any] | None = None
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.jsonable import to_jsonable
     from axrl_spike_replay.replay.dispatch import replay
     from axrl_spike_replay.replay.mitigations import parse_mitigation_args
-    from axrl_spike_replay.replay.run_dir import json_document
 
     result = replay(
         args.snapshot, _options(args, parse_mitigation_args(args.mitigation)), remote_options_from_args(args)
     )
-    emit(json_document(result), args.json, render_replay)
+    emit(to_jsonable(result), args.json, render_replay)
     return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.jsonable import to_jsonable
     from axrl_spike_replay.replay.dispatch import sweep
     from axrl_spike_replay.replay.mitigations import load_mitigation_set, parse_mitigation_args
-    from axrl_spike_replay.replay.run_dir import json_document
 
     if args.mitigation_set:
         configs = load_mitigation_set(args.mitigation_set)
     else:
         configs = [parse_mitigation_args(_sweep_items(item)) for item in args.mitigation]
     result = sweep(args.snapshot, configs, _options(args), remote_options_from_args(args))
-    emit(json_document(result), args.json, render_sweep)
+    emit(to_jsonable(result), args.json, render_sweep)
     return 0
 
 
@@ -128,9 +128,9 @@ def _sweep_items(option: str) -> list[str]:
 
 
 def _attribute(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.jsonable import to_jsonable
     from axrl_spike_replay.replay.attribution import attribute_spike
     from axrl_spike_replay.replay.mitigations import parse_mitigation_args
-    from axrl_spike_replay.replay.run_dir import json_document
 
     result = attribute_spike(
         args.snapshot,
@@ -140,7 +140,7 @@ def _attribute(args: argparse.Namespace) -> int:
         workspace=Path(args.workspace),
         job=args.job,
     )
-    emit(json_document(result), args.json, render_attribution)
+    emit(to_jsonable(result), args.json, render_attribution)
     return 0
 
 

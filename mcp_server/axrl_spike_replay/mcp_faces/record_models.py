@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Number = float | str | None  # non-finite values are spelled "inf" / "nan" in the record
+Number = float | str | None  # non-finite values are null (records written before that spell them "inf" / "nan")
 
 
 class _Open(BaseModel):

@@ -3,7 +3,6 @@ when one of them runs."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,11 +16,10 @@ from pydantic import Field
 
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_async_library, call_library, structured
 from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg
-from axrl_spike_replay.mcp_faces.replay_models import AttributionView, SweepView
-from axrl_spike_replay.replay.mitigation_names import MITIGATION_NAMES
-from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.replay.mitigations import MITIGATIONS
+from axrl_spike_replay.replay.result import Attribution, ReplayResult, SweepResult
 
-_NAMES = ", ".join(MITIGATION_NAMES)
+_NAMES = ", ".join(MITIGATIONS)
 
 
 REPLAYS = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=True)
@@ -218,7 +216,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         job: JobOptArg = None,
         plot: Annotated[bool, Field(description="Also return a PNG bar chart of grad norm per config.")] = True,
         workspace: WorkspaceArg = None,
-    ) -> Annotated[CallToolResult, SweepView]:
+    ) -> Annotated[CallToolResult, SweepResult]:
         """Replay the baseline and every config in one run (weights loaded once; loss-level configs share one
         forward pass), here or on a GPU node (`target`, one SSH connection): grad norm, ratio to the median,
         change vs baseline and verdict per config. Each config's replay_result.json lands under one
@@ -228,7 +226,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         values = dict(nproc=nproc, device=device, job=job)
         result = await _dispatch(ctx, config, workspace, config.path(snapshot), "sweep", configs, where, values)
         images = [await anyio.to_thread.run_sync(_sweep_png, result)] if plot else []
-        return structured(SweepView, result, images)
+        return structured(SweepResult, result, images)
 
     @server.tool(
         name="attribute_spike",
@@ -252,7 +250,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         ] = "jvp",
         job: JobOptArg = None,
         workspace: WorkspaceArg = None,
-    ) -> AttributionView:
+    ) -> Attribution:
         """Each sample's contribution to the global gradient, c_s = <g_s, g> / ||g|| (they sum to ||g||), ranked,
         with the sample's signals (advantage, reward, max |log-ratio|, loss tokens, rank). Usually a few samples
         carry the spike; cross-check them with analyze_batch's outliers. Writes attribution.json under
@@ -274,7 +272,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
                 job=job,
                 cancel=cancel,
             )
-            return dataclasses.asdict(found)
+            return found
 
         return await call_library(ctx, work)
 

@@ -21,6 +21,7 @@ import yaml
 
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.job import JobOutcome, LineCallback
 from axrl_spike_replay.remote.node_probe import NodeReport
@@ -28,9 +29,9 @@ from axrl_spike_replay.remote.results import SnapshotFacts, base_result, tail, w
 from axrl_spike_replay.remote.session import RemoteSession
 from axrl_spike_replay.remote.shell import job_script
 from axrl_spike_replay.replay.mitigations import mitigation_args
-from axrl_spike_replay.replay.result import ReplayResult
-from axrl_spike_replay.replay.run_dir import RESULT_FILE, RunDir, json_document
-from axrl_spike_replay.replay.sweep import SWEEP_FILE, SweepResult
+from axrl_spike_replay.replay.result import ReplayResult, SweepResult
+from axrl_spike_replay.replay.run_dir import RESULT_FILE, RunDir
+from axrl_spike_replay.replay.sweep import SWEEP_FILE
 
 REMOTE_SET_FILE = "mitigation_set.yaml"
 
@@ -186,7 +187,7 @@ async def _bring_home(
         sweep.baseline = results.get("baseline", sweep.baseline)
         sweep.results = [results.get(r.config_id, r) for r in sweep.results]
         sweep.output_dir = str(run.path)
-        atomic_write_json(run.path / SWEEP_FILE, json_document(sweep.to_json()))
+        atomic_write_json(run.path / SWEEP_FILE, to_jsonable(sweep.to_json()))
         return sweep
     return results[""]
 

@@ -17,7 +17,7 @@ import math
 import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
 from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, parse_config
+from axrl_spike_replay.replay.result import Attribution, SampleContribution
 from axrl_spike_replay.replay.run_dir import RunDir, command_line
 from axrl_spike_replay.replay.verdict import rel_diff
 from axrl_spike_replay.replay.worker import RankInputs, build_model
@@ -37,53 +38,6 @@ from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradie
 METHODS = ("jvp", "per_sample_backward")
 ATTRIBUTION_FILE = "attribution.json"
 SUM_TOLERANCE = 1e-4
-ROUTER_NOTE = (
-    "router aux/z losses are batch-level (not per-sample): their share of the gradient is reported as "
-    "router_term, so sum(contribution over all samples) + router_term = grad_norm"
-)
-
-
-@dataclass
-class SampleContribution:
-    """One sample's contribution to ||g|| and its signals."""
-
-    rank: int
-    sample: int
-    contribution: float
-    share: float  # contribution / grad_norm
-    advantage: float
-    reward: float | None
-    max_abs_log_ratio: float  # |log pi - log pi_base| on loss tokens
-    loss_tokens: int
-    group: int | None = None
-
-
-@dataclass
-class Attribution:
-    """Per-sample attribution of a spike's gradient norm (top K samples, ranked)."""
-
-    snapshot: str
-    grad_norm: float
-    recorded_grad_norm: float
-    rel_diff: float | None
-    fidelity: str  # "full" (saved world size 1) or "reduced" (several saved ranks in one process)
-    world_size_saved: int
-    total_samples: int
-    samples: list[SampleContribution]
-    router_term: float
-    contribution_sum: float  # over all samples, plus router_term
-    sum_rel_error: float  # |contribution_sum - grad_norm| / grad_norm
-    method: str = "jvp"
-    log_ratio_base: str = "old"
-    mitigations: dict[str, Any] = field(default_factory=dict)
-    note: str = ROUTER_NOTE
-    timings: dict[str, float] = field(default_factory=dict)
-    output_dir: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 @dataclass
 class _RankPass:
     grad_logits: torch.Tensor  # [B, T, V] dLoss_r/dlogits

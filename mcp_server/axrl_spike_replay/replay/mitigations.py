@@ -1,15 +1,26 @@
-"""Named replay-only mitigations: parsed from `NAME=VALUE` or YAML, validated, normalised, applied.
+"""Named replay-only mitigations, each declared once in `MITIGATIONS`: parsed from `NAME=VALUE` or YAML,
+validated, normalised, applied.
 
-Each mitigation is off unless named in a config. A config is a mapping {name: value}; its normal
-form has sorted names and typed values, so two spellings of one config compare equal. Applying a
-config changes the replayed loss (`LossConfig`), the routing (`RoutingConfig`) or the weights the
-replay starts from (`initial_model`); the training path is never touched.
+A mitigation's declaration holds everything about it: its name, what it changes, its accepted values
+in words, its parser (value type and range), what it does, when to try it, and the function that
+applies it to the replay's loss (`LossConfig`), routing (`RoutingConfig`) or starting weights. The
+server's tool descriptions, `axrl://mitigations`, the skill's mitigation catalogue and the README's
+list are all generated from it (`replay/mitigation_catalogue.py`, `scripts/render_mitigation_catalogue.py`).
+Torch-free: the server imports this module to describe its tools.
+
+Each mitigation is off unless named in a config. A config is a mapping {name: value}; its one normal
+form (`normal_form`, what `parse_config` returns) has sorted names and typed values, so two spellings of
+one config compare equal; the task record and the method files keep that form, and its hash
+(`workspace.changes.config_key`) is taken over `canonical` values, so 2 and 2.0 hash alike.
+The training path is never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import json
 import math
 import os
 import re
@@ -20,8 +31,8 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.training.policy_loss import LOGPROB_BASES, LOSS_AGG_MODES, LossConfig, RatioOutlierMask
-from axrl_spike_replay.training.routing_replay import ROUTING_REPLAY_MODES, RoutingConfig
+from axrl_spike_replay.training.loss_config import LOGPROB_BASES, LOSS_AGG_MODES, LossConfig, RatioOutlierMask
+from axrl_spike_replay.training.routing_config import ROUTING_REPLAY_MODES, RoutingConfig
 from axrl_spike_replay.untrusted_yaml import load_untrusted_yaml, read_untrusted_yaml
 
 _TRUE = ("true", "yes", "on", "1")
@@ -29,15 +40,48 @@ _FALSE = ("false", "no", "off", "0")
 
 
 @dataclass(frozen=True)
+class ReplaySetup:
+    """What a replay runs with: the loss, the routing and the weights (None: the snapshot's own)."""
+
+    loss: LossConfig
+    routing: RoutingConfig
+    weights: str | None = None
+
+
+@dataclass(frozen=True)
+class Advice:
+    """When to try a mitigation: the symptom (a key of `SYMPTOMS`) and one catalogue bullet (markdown)."""
+
+    symptom: str
+    text: str
+
+
+@dataclass(frozen=True)
 class Mitigation:
-    """One named knob: what it changes (`loss`, `routing` or `weights`), its values and what it does."""
+    """One named knob, declared once: everything the tool, its faces and its docs know about it."""
 
     name: str
-    target: str
-    values: str
-    doc: str
-    parse: Callable[[str, Any], Any]
+    target: str  # what it changes: loss | routing | weights
+    values: str  # the accepted values, in words (help, errors, the catalogue)
+    doc: str  # what it does
+    parse: Callable[[str, Any], Any]  # value type and range: (name, raw) -> value, ConfigError otherwise
+    apply: Callable[[ReplaySetup, Any], ReplaySetup]  # the setup with this mitigation's normal-form value set
+    advice: tuple[Advice, ...] = ()  # when to try it
     bare: Any = None  # value when given as a bare `NAME`; None: a value is required
+    id_value: Callable[[Any], Any] | None = None  # how its value shows in a config id (default: the value)
+
+
+# The symptoms the catalogue groups its advice under, in order: key -> the paragraph that opens the group.
+SYMPTOMS: dict[str, str] = {
+    "mismatch": "**Rollout/train mismatch** — large abs(log-ratio) between old (trainer) and rollout (inference "
+    "engine) logprobs on a few tokens; attribution on those samples:",
+    "negative_advantages": "**Negative-advantage dominance** — `sign_balance` far on the negative side; many "
+    "long wrong answers:",
+    "routing": "**Routing instability (MoE)** — router weights or one MoE layer's experts top the grad norms; "
+    "routes differ between rollout and training:",
+    "policy_drift": "**Policy moving too far** — ratios far from 1 on many tokens, not just mismatch outliers:",
+    "from_the_start": "**Spike present from the start** — is it the batch or the drifted policy?",
+}
 
 
 def _number(name: str, raw: Any) -> float:
@@ -173,91 +217,248 @@ def _ratio_mask(name: str, raw: Any) -> dict[str, Any]:
     return dict(sorted(spec.items()))
 
 
-def _m(name: str, target: str, values: str, doc: str, parse: Callable[[str, Any], Any], bare: Any = None) -> Mitigation:
-    return Mitigation(name=name, target=target, values=values, doc=doc, parse=parse, bare=bare)
+def _loss(field_name: str, convert: Callable[[Any], Any] = float) -> Callable[[ReplaySetup, Any], ReplaySetup]:
+    """Set one `LossConfig` field (numbers as floats, as the run config has them)."""
+
+    def apply(setup: ReplaySetup, value: Any) -> ReplaySetup:
+        return dataclasses.replace(setup, loss=dataclasses.replace(setup.loss, **{field_name: convert(value)}))
+
+    return apply
+
+
+def _apply_ratio_mask(setup: ReplaySetup, value: Any) -> ReplaySetup:
+    low, high = float(value["low"]), float(value["high"])
+    mask = RatioOutlierMask(level=value["level"], low=low, high=high, base=value["base"])
+    return dataclasses.replace(setup, loss=dataclasses.replace(setup.loss, ratio_outlier_mask=mask))
+
+
+def _apply_routing_replay(setup: ReplaySetup, value: Any) -> ReplaySetup:
+    return dataclasses.replace(setup, routing=dataclasses.replace(setup.routing, replay=str(value)))
+
+
+def _apply_current_routing_layers(setup: ReplaySetup, value: Any) -> ReplaySetup:
+    layers = tuple(int(v) for v in value)
+    return dataclasses.replace(setup, routing=dataclasses.replace(setup.routing, current_routing_layers=layers))
+
+
+def _apply_initial_model(setup: ReplaySetup, value: Any) -> ReplaySetup:
+    return dataclasses.replace(setup, weights=str(value))
+
+
+def _mask_id(value: Any) -> Any:
+    """Only the keys that differ from the defaults; a mask with all defaults is just the name."""
+    defaults = dataclasses.asdict(RatioOutlierMask())
+    return {k: v for k, v in value.items() if v != defaults[k]} or True
+
+
+def _path_id(value: Any) -> Any:
+    return Path(str(value)).name or "root"
 
 
 MITIGATIONS: dict[str, Mitigation] = {
     m.name: m
     for m in (
-        _m(
+        Mitigation(
             "mismatch_token_clip_max",
             "loss",
             "float C > 0",
             "truncated importance sampling against the rollout engine: per-token loss weighted by "
             "min(exp(old - rollout), C), ratio taken against the old logprobs",
             _positive,
+            _loss("mismatch_token_clip_max"),
+            advice=(
+                Advice(
+                    "mismatch",
+                    "`mismatch_token_clip_max: 2` first (the standard truncated-IS fix); then 1.5 / 5 to see the "
+                    "slope.",
+                ),
+            ),
         ),
-        _m(
+        Mitigation(
             "ratio_outlier_mask",
             "loss",
             "true | token | sequence | {level, low, high, base}",
             "mask tokens (or whole sequences, by the geometric mean) whose importance ratio against the rollout "
             "(or old) logprobs leaves [low, high]; defaults level=token low=0.5 high=2.0 base=rollout",
             _ratio_mask,
+            _apply_ratio_mask,
+            advice=(
+                Advice(
+                    "mismatch",
+                    "`ratio_outlier_mask: token` (or `sequence` when whole responses are off) — masks instead of "
+                    "clipping.",
+                ),
+            ),
             bare=True,
+            id_value=_mask_id,
         ),
-        _m("advantage_clip", "loss", "float A > 0", "clamp advantages to [-A, A]", _positive),
-        _m(
+        Mitigation(
+            "advantage_clip",
+            "loss",
+            "float A > 0",
+            "clamp advantages to [-A, A]",
+            _positive,
+            _loss("advantage_clip"),
+            advice=(Advice("negative_advantages", "`advantage_clip: 1` (or the group std of advantages)."),),
+        ),
+        Mitigation(
             "log_ratio_clip",
             "loss",
             "float c > 0",
             "clamp the policy log-ratio to [-c, c] before exponentiating",
             _positive,
+            _loss("log_ratio_clip"),
+            advice=(Advice("mismatch", "`log_ratio_clip: 5` — a blunt guard against overflow in exp()."),),
         ),
-        _m(
+        Mitigation(
             "loss_agg_mode",
             "loss",
             " | ".join(LOSS_AGG_MODES),
             "how per-token losses reduce to the rank's loss (the denominator)",
             _choice(LOSS_AGG_MODES),
+            _loss("loss_agg_mode", str),
+            advice=(
+                Advice(
+                    "negative_advantages",
+                    "`loss_agg_mode: seq-mean-token-mean` — stops long responses from dominating the token mean.",
+                ),
+            ),
         ),
-        _m(
+        Mitigation(
             "is_base_logprobs",
             "loss",
             " | ".join(LOGPROB_BASES),
             "which logprobs the PPO ratio is taken against",
             _choice(LOGPROB_BASES),
+            _loss("is_base_logprobs", str),
+            advice=(
+                Advice(
+                    "mismatch",
+                    "`is_base_logprobs: rollout` — if the ratio against the rollout is what blows up, this shows it.",
+                ),
+            ),
         ),
-        _m("clip_eps_low", "loss", "float >= 0", "PPO clip range below 1 (ratio >= 1 - eps)", _non_negative),
-        _m("clip_eps_high", "loss", "float >= 0", "PPO clip range above 1 (ratio <= 1 + eps)", _non_negative),
-        _m("dual_clip_c", "loss", "float > 1", "dual clip: negative-advantage loss capped at -A * c", _above_one),
-        _m("kl_coef", "loss", "float >= 0", "weight of the k3 KL penalty against the reference policy", _non_negative),
-        _m("entropy_coef", "loss", "float >= 0", "weight of the entropy bonus", _non_negative),
-        _m("aux_loss_coef", "loss", "float >= 0", "weight of the MoE load-balancing loss", _non_negative),
-        _m("z_loss_coef", "loss", "float >= 0", "weight of the router z-loss", _non_negative),
-        _m(
+        Mitigation(
+            "clip_eps_low",
+            "loss",
+            "float >= 0",
+            "PPO clip range below 1 (ratio >= 1 - eps)",
+            _non_negative,
+            _loss("clip_eps_low"),
+            advice=(Advice("policy_drift", "a tighter `clip_eps_low` (e.g. 0.1)."),),
+        ),
+        Mitigation(
+            "clip_eps_high",
+            "loss",
+            "float >= 0",
+            "PPO clip range above 1 (ratio <= 1 + eps)",
+            _non_negative,
+            _loss("clip_eps_high"),
+            advice=(Advice("policy_drift", "a tighter `clip_eps_high` (e.g. 0.1)."),),
+        ),
+        Mitigation(
+            "dual_clip_c",
+            "loss",
+            "float > 1",
+            "dual clip: negative-advantage loss capped at -A * c",
+            _above_one,
+            _loss("dual_clip_c"),
+            advice=(
+                Advice(
+                    "negative_advantages",
+                    "`dual_clip_c: 3` — caps the loss of negative-advantage tokens with large ratios.",
+                ),
+            ),
+        ),
+        Mitigation(
+            "kl_coef",
+            "loss",
+            "float >= 0",
+            "weight of the k3 KL penalty against the reference policy",
+            _non_negative,
+            _loss("kl_coef"),
+            advice=(Advice("policy_drift", "`kl_coef` up."),),
+        ),
+        Mitigation(
+            "entropy_coef", "loss", "float >= 0", "weight of the entropy bonus", _non_negative, _loss("entropy_coef")
+        ),
+        Mitigation(
+            "aux_loss_coef",
+            "loss",
+            "float >= 0",
+            "weight of the MoE load-balancing loss",
+            _non_negative,
+            _loss("aux_loss_coef"),
+            advice=(Advice("routing", "`aux_loss_coef` up (x10) — if the router logits themselves explode."),),
+        ),
+        Mitigation(
+            "z_loss_coef",
+            "loss",
+            "float >= 0",
+            "weight of the router z-loss",
+            _non_negative,
+            _loss("z_loss_coef"),
+            advice=(Advice("routing", "`z_loss_coef` up (x10) — if the router logits themselves explode."),),
+        ),
+        Mitigation(
             "routing_replay",
             "routing",
             " | ".join(ROUTING_REPLAY_MODES),
             "replay recorded expert routes on all tokens, on loss tokens only (current routing elsewhere), or off",
             _choice(ROUTING_REPLAY_MODES),
+            _apply_routing_replay,
+            advice=(
+                Advice("routing", "`routing_replay: loss_tokens` — replay only where the loss is taken."),
+                Advice(
+                    "routing",
+                    "`routing_replay: off` — **diagnostic only**: if the spike grows, routing replay was helping; "
+                    "never write it up as a fix.",
+                ),
+            ),
         ),
-        _m(
+        Mitigation(
             "current_routing_layers",
             "routing",
             "MoE layer ids, e.g. 1 or 0,1",
             "these MoE layers route on current scores while the others replay the recorded routes",
             _layers,
+            _apply_current_routing_layers,
+            advice=(
+                Advice(
+                    "routing",
+                    "`current_routing_layers: [<the layer>]` — current routing in the layer that spikes, replay "
+                    "elsewhere.",
+                ),
+            ),
         ),
-        _m(
+        Mitigation(
             "balance_negative_advantages",
             "loss",
             "true | false",
             "scale negative advantages so their total magnitude matches the positives'",
             _flag,
+            _loss("balance_negative_advantages", bool),
+            advice=(Advice("negative_advantages", "`balance_negative_advantages: true`."),),
             bare=True,
         ),
-        _m(
+        Mitigation(
             "initial_model",
             "weights",
             "path to a DCP checkpoint dir or a snapshot dir",
             "replay from other weights (e.g. the run's initial model) instead of the snapshot's",
             _path,
+            _apply_initial_model,
+            advice=(
+                Advice(
+                    "from_the_start",
+                    "`initial_model: <the run's initial checkpoint>` — if the spike reproduces from the initial "
+                    "weights, the batch (data) is the cause, not the drifted policy.",
+                ),
+            ),
+            id_value=_path_id,
         ),
     )
 }
-LOSS_FIELDS = {name for name, m in MITIGATIONS.items() if m.target == "loss"}
 
 
 def valid_mitigations() -> str:
@@ -287,6 +488,65 @@ def parse_config(doc: Mapping[str, Any], source: str = "mitigation config") -> d
     if out.get("balance_negative_advantages") is False:
         del out["balance_negative_advantages"]  # false is the default: off
     return dict(sorted(out.items()))
+
+
+_INT_RE = re.compile(r"^[+-]?\d+$")
+_FLOAT_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
+
+
+def normal_form(config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The one normal form of a config: sorted names, each known mitigation's value as its parser types it
+    (numbers as floats, layers as sorted ints, a full ratio mask), unset entries dropped.
+
+    `parse_config` returns it for the configs it validates; the task record and the method files store it,
+    also for configs of older records that name something else (kept in `canonical` form).
+    """
+    out: dict[str, Any] = {}
+    for name, raw in dict(config or {}).items():
+        key = str(name).strip()
+        value = canonical(raw)
+        mitigation = MITIGATIONS.get(key)
+        if mitigation is not None and value is not None:
+            with contextlib.suppress(ConfigError):  # a record is kept as written, never refused
+                value = mitigation.parse(key, raw)
+        if value is not None and value != {} and value != []:
+            out[key] = value
+    return dict(sorted(out.items()))
+
+
+_INT_RE = re.compile(r"^[+-]?\d+$")
+_FLOAT_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
+
+
+def canonical(value: Any) -> Any:
+    """A value in canonical JSON form: sorted mappings without unset entries, lists for sequences, whole floats
+    as ints (2.0 == "2" -> 2), "true"/"false" as booleans. What `workspace.changes.config_key` hashes, so equal
+    configs hash alike however their numbers are spelled."""
+    if isinstance(value, Mapping):
+        items = {str(k): canonical(v) for k, v in value.items()}
+        return {k: items[k] for k in sorted(items) if items[k] is not None and items[k] != {} and items[k] != []}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((canonical(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
+    if isinstance(value, bool) or value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value) and value.is_integer():
+            return int(value)
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("true", "false"):
+            return text.lower() == "true"
+        if text.lower() in ("none", "null", ""):
+            return None
+        if _INT_RE.match(text):
+            return int(text)
+        if _FLOAT_RE.match(text):
+            return canonical(float(text))
+        return text
+    return str(value)
 
 
 def parse_mitigation_args(items: Sequence[str]) -> dict[str, Any]:
@@ -355,11 +615,9 @@ def config_id(config: Mapping[str, Any]) -> str:
         return "baseline"
     parts = []
     for name, value in config.items():
-        if name == "initial_model":
-            value = Path(str(value)).name or "root"
-        elif name == "ratio_outlier_mask":
-            defaults = dataclasses.asdict(RatioOutlierMask())
-            value = {k: v for k, v in value.items() if v != defaults[k]} or True
+        mitigation = MITIGATIONS.get(name)
+        if mitigation is not None and mitigation.id_value is not None:
+            value = mitigation.id_value(value)
         parts.append(name if value is True else f"{name}={_slug(value)}")
     text = re.sub(r"[^A-Za-z0-9._=+-]+", "-", "+".join(parts)).strip("-")
     if len(text) > 80:
@@ -389,22 +647,16 @@ class AppliedConfig:
 
 
 def apply_config(config: Mapping[str, Any], loss: LossConfig, routing: RoutingConfig) -> AppliedConfig:
-    """The saved loss/routing with a normalised config's mitigations applied."""
-    changes = {name: value for name, value in config.items() if name in LOSS_FIELDS}
-    if "ratio_outlier_mask" in changes:
-        changes["ratio_outlier_mask"] = RatioOutlierMask(**changes["ratio_outlier_mask"])
-    new_loss = dataclasses.replace(loss, **changes) if changes else loss
-    new_routing = routing
-    if "routing_replay" in config:
-        new_routing = dataclasses.replace(new_routing, replay=config["routing_replay"])
-    if "current_routing_layers" in config:
-        new_routing = dataclasses.replace(new_routing, current_routing_layers=tuple(config["current_routing_layers"]))
+    """The saved loss/routing with a normalised config's mitigations applied, each by its own declaration."""
+    setup = ReplaySetup(loss=loss, routing=routing)
+    for name, value in config.items():
+        setup = _lookup(name).apply(setup, value)
     return AppliedConfig(
         config_id=config_id(config),
         mitigations=dict(config),
-        loss=new_loss,
-        routing=new_routing,
-        weights=config.get("initial_model"),
+        loss=setup.loss,
+        routing=setup.routing,
+        weights=setup.weights,
     )
 
 

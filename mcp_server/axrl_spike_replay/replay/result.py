@@ -1,9 +1,14 @@
-"""`replay_result.json`: what one replay produced. Written only by a replay that ran."""
+"""What a replay, a sweep and an attribution produce (`replay_result.json`, `sweep_result.json`,
+`attribution.json`). Torch-free: the MCP server names these types in its tool schemas without loading the engine.
+Field docstrings become the descriptions of the tools' output schemas (`__pydantic_config__`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+# Read by pydantic when a tool returns one of these: attribute docstrings become field descriptions.
+_SCHEMA_CONFIG = {"use_attribute_docstrings": True}
 
 # baseline: reproduced / not_reproduced; mitigated: see replay.verdict.MITIGATION_VERDICTS; failed: it did not run.
 VERDICTS = (
@@ -63,3 +68,125 @@ class ReplayResult:
     def from_json(cls, doc: dict[str, Any]) -> ReplayResult:
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+@dataclass
+class SweepResult:
+    """A sweep: the baseline replay and one replay result per config, each judged against the baseline."""
+
+    __pydantic_config__ = _SCHEMA_CONFIG
+
+    snapshot: str
+    """The snapshot replayed"""
+    fidelity: str
+    """full, or reduced (fewer processes than the saved world size: a diagnostic)"""
+    world_size_saved: int
+    """Ranks of the training run"""
+    world_size_used: int
+    """Replay processes"""
+    device: str
+    """cpu or cuda"""
+    threshold: float
+    """Spike threshold (ratio to the median) the verdicts compare against"""
+    baseline: ReplayResult
+    """The baseline replay (no mitigation)"""
+    results: list[ReplayResult] = field(default_factory=list)
+    """One result per config, in the order given"""
+    output_dir: str = ""
+    """tmp/spike-replay/<job>/<timestamp>/ holding every result"""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds: load, total"""
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["baseline"] = self.baseline.to_json()
+        doc["results"] = [r.to_json() for r in self.results]
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> SweepResult:
+        values = dict(doc)
+        values["baseline"] = ReplayResult.from_json(doc["baseline"])
+        values["results"] = [ReplayResult.from_json(r) for r in doc.get("results", [])]
+        return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
+
+    def cleared(self) -> list[ReplayResult]:
+        """The configs whose verdict is `cleared`."""
+        return [r for r in self.results if r.verdict == "cleared"]
+
+
+ROUTER_NOTE = (
+    "router aux/z losses are batch-level (not per-sample): their share of the gradient is reported as "
+    "router_term, so sum(contribution over all samples) + router_term = grad_norm"
+)
+
+
+@dataclass
+class SampleContribution:
+    """One sample's share of the spike and its signals."""
+
+    __pydantic_config__ = _SCHEMA_CONFIG
+
+    rank: int
+    """Saved data-parallel rank"""
+    sample: int
+    """Sample index in that rank's batch"""
+    contribution: float
+    """<g_s, g> / ||g||: this sample's part of the global grad norm"""
+    share: float
+    """contribution / grad_norm"""
+    advantage: float
+    """The sample's advantage"""
+    reward: float | None
+    """The sample's reward"""
+    max_abs_log_ratio: float
+    """Largest |log pi - log pi_base| on its loss tokens"""
+    loss_tokens: int
+    """Tokens of it in the loss"""
+    group: int | None = None
+    """Prompt group"""
+
+
+@dataclass
+class Attribution:
+    """Each sample's contribution to the spike's gradient, top K ranked."""
+
+    __pydantic_config__ = _SCHEMA_CONFIG
+
+    snapshot: str
+    """The snapshot"""
+    grad_norm: float
+    """Replayed global grad norm"""
+    recorded_grad_norm: float
+    """Grad norm the trainer recorded"""
+    rel_diff: float | None
+    """|grad_norm - recorded| / recorded"""
+    fidelity: str
+    """full (saved world size 1), or reduced (several saved ranks in one process)"""
+    world_size_saved: int
+    """Ranks of the training run"""
+    total_samples: int
+    """Samples across all ranks"""
+    samples: list[SampleContribution]
+    """The top samples by contribution"""
+    router_term: float
+    """Batch-level router losses' part of the norm (not per sample)"""
+    contribution_sum: float
+    """Sum over all samples plus router_term (equals grad_norm)"""
+    sum_rel_error: float
+    """|contribution_sum - grad_norm| / grad_norm"""
+    method: str = "jvp"
+    """How contributions were computed"""
+    log_ratio_base: str = "old"
+    """Logprobs the log-ratio signal is taken against"""
+    mitigations: dict[str, Any] = field(default_factory=dict)
+    """Mitigations applied before attributing"""
+    note: str = ROUTER_NOTE
+    """How to read router_term"""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds"""
+    output_dir: str = ""
+    """Where attribution.json was written"""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)

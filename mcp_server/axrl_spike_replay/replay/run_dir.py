@@ -7,14 +7,13 @@ is `failed`, with `grad_norm` null and the `error`, so it can never pass for a f
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
-import math
 import shlex
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.atomic import atomic_write_json, atomic_write_text
+from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
 
@@ -76,28 +75,13 @@ class RunDir:
         if path is None:
             return None
         result.output_dir = str(path.parent)
-        atomic_write_json(path, json_document(result))
+        atomic_write_json(path, to_jsonable(result))
         return path
 
     def write_json(self, name: str, doc: Any) -> Path | None:
         if self.path is None:
             return None
-        return atomic_write_json(self.path / name, json_document(doc))
-
-
-def json_document(value: Any) -> Any:
-    """Plain JSON: dataclasses as dicts, paths as strings, non-finite floats spelled "nan", "inf", "-inf"."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return json_document(value.to_json() if hasattr(value, "to_json") else dataclasses.asdict(value))
-    if isinstance(value, dict):
-        return {str(k): json_document(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_document(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return value
+        return atomic_write_json(self.path / name, to_jsonable(doc))
 
 
 def command_line(verb: str, snapshot: str, options: dict[str, Any]) -> str:

@@ -9,48 +9,14 @@ same job, so every config is judged against the baseline at the same layout.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.replay.engine import ReplayOptions, replay_session
 from axrl_spike_replay.replay.mitigations import check_distinct, parse_config
-from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.replay.result import SweepResult
 
 SWEEP_FILE = "sweep_result.json"
-
-
-@dataclass
-class SweepResult:
-    """A sweep's baseline and one replay result per config (each with its verdict vs the baseline)."""
-
-    snapshot: str
-    fidelity: str
-    world_size_saved: int
-    world_size_used: int
-    device: str
-    threshold: float
-    baseline: ReplayResult
-    results: list[ReplayResult] = field(default_factory=list)
-    output_dir: str = ""
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        doc = asdict(self)
-        doc["baseline"] = self.baseline.to_json()
-        doc["results"] = [r.to_json() for r in self.results]
-        return doc
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> SweepResult:
-        values = dict(doc)
-        values["baseline"] = ReplayResult.from_json(doc["baseline"])
-        values["results"] = [ReplayResult.from_json(r) for r in doc.get("results", [])]
-        return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
-
-    def cleared(self) -> list[ReplayResult]:
-        """The configs whose verdict is `cleared`."""
-        return [r for r in self.results if r.verdict == "cleared"]
 
 
 def run_sweep(

@@ -4,53 +4,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import re
 from typing import Any
 
-_INT_RE = re.compile(r"^[+-]?\d+$")
-_FLOAT_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
-
-
-def normalise_value(value: Any) -> Any:
-    """One canonical form: sorted mappings, lists for sequences, 2 == 2.0 == "2", "true" == True; None dropped."""
-    if isinstance(value, dict):
-        items = {str(k): normalise_value(v) for k, v in value.items()}
-        return {k: items[k] for k in sorted(items) if items[k] is not None and items[k] != {} and items[k] != []}
-    if isinstance(value, (list, tuple)):
-        return [normalise_value(v) for v in value]
-    if isinstance(value, (set, frozenset)):
-        return sorted((normalise_value(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
-    if isinstance(value, bool) or value is None:
-        return value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        if math.isfinite(value) and value.is_integer():
-            return int(value)
-        return value if math.isfinite(value) else str(value)
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lower() in ("true", "false"):
-            return text.lower() == "true"
-        if text.lower() in ("none", "null", ""):
-            return None
-        if _INT_RE.match(text):
-            return int(text)
-        if _FLOAT_RE.match(text):
-            return normalise_value(float(text))
-        return text
-    return str(value)
+from axrl_spike_replay.replay.mitigations import canonical, normal_form
 
 
 def normalise_config(mitigations: dict[str, Any] | None) -> dict[str, Any]:
-    """The mitigation config in normal form (sorted keys, canonical values, unset knobs dropped)."""
-    return normalise_value(dict(mitigations or {}))
+    """The mitigation config in the one normal form (`replay.mitigations.normal_form`, as `parse_config` returns)."""
+    return normal_form(mitigations)
 
 
 def config_key(mitigations: dict[str, Any] | None) -> str:
-    """A stable hash of the normalised config (equal configs, equal keys)."""
-    text = json.dumps(normalise_config(mitigations), sort_keys=True, separators=(",", ":"))
+    """A stable hash of the normalised config (equal configs, equal keys; 2 and 2.0 alike, as in records
+    written before the normal form was typed)."""
+    text = json.dumps(canonical(normalise_config(mitigations)), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -80,6 +47,8 @@ def _flatten(doc: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
 def _short(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))  # 2.0 reads as 2
     if isinstance(value, list):
         return "[" + ",".join(_short(v) for v in value) + "]"
     return str(value)

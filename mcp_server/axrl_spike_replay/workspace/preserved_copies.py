@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, iteration_dir_name, parse_iteration
 from axrl_spike_replay.workspace.evidence import output_dir_of
 from axrl_spike_replay.workspace.paths import TASKS_DIR
@@ -116,7 +117,6 @@ def release_copies(
 ) -> list[dict[str, Any]]:
     """Release each copy through the snapshot library (which removes only copies it made); one entry per copy."""
     from axrl_spike_replay.snapshot.preserve import release
-    from axrl_spike_replay.workspace.signals import plain
 
     out = []
     for entry in copies:
@@ -133,7 +133,7 @@ def release_copies(
             out.append({**entry, "released": False, "error": error})
             continue
         try:
-            outcome = plain(release(Path(entry["output_dir"]), entry["iteration"]))
+            outcome = to_jsonable(release(Path(entry["output_dir"]), entry["iteration"]))
         except AxrlError as exc:
             out.append({**entry, "released": False, "error": str(exc)})
             continue

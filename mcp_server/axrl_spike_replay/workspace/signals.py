@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.jsonable import to_jsonable
 
 MAX_LINES = 10
 
@@ -35,28 +35,13 @@ def key_signals(snapshot: str | Path, top: int = 3) -> dict[str, Any]:
 def _batch_signals(path: Path, top: int) -> list[str]:
     from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
 
-    return summarise_batch(plain(analyze_snapshot(path, top=top)), top)
+    return summarise_batch(to_jsonable(analyze_snapshot(path, top=top)), top)
 
 
 def _attribution(path: Path, top: int) -> list[str]:
     from axrl_spike_replay.replay.attribution import attribute_spike
 
-    return summarise_attribution(plain(attribute_spike(path, top=top)), top)
-
-
-def plain(value: Any) -> Any:
-    """Dataclasses, tuples and paths as plain dicts, lists and strings."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    if hasattr(value, "item") and callable(value.item) and getattr(value, "numel", lambda: 2)() == 1:
-        return value.item()
-    return value
+    return summarise_attribution(to_jsonable(attribute_spike(path, top=top)), top)
 
 
 def summarise_batch(doc: dict[str, Any], top: int) -> list[str]:

@@ -10,8 +10,7 @@ from pathlib import Path
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.replay.mitigation_sets import DIAGNOSTIC_ONLY, SEED_WORKFLOW_METHODS
 from axrl_spike_replay.replay.mitigations import MITIGATIONS, config_id
-from axrl_spike_replay.replay.result import ReplayResult
-from axrl_spike_replay.replay.sweep import SweepResult
+from axrl_spike_replay.replay.result import ReplayResult, SweepResult
 from axrl_spike_replay.workspace.methods import add_method
 from axrl_spike_replay.workspace.task_state import show_task
 

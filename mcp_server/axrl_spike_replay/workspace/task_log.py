@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.workspace.changes import describe_change, is_baseline, normalise_config
 from axrl_spike_replay.workspace.paths import check_plain_name
@@ -15,11 +15,11 @@ from axrl_spike_replay.workspace.task_state import now, task_exists, update_task
 
 
 def experiment_row(exp_id: str, result: ReplayResult, result_path: Path | str | None) -> dict[str, Any]:
-    """The experiment table's row for one replay result."""
+    """The experiment table's row for one replay result (plain JSON: a non-finite figure is null)."""
     ratio = result.spike_ratio
     if ratio is None and result.grad_norm is not None and result.median_norm:
         ratio = result.grad_norm / result.median_norm
-    return {
+    row = {
         "id": exp_id,
         "time": now(),
         "snapshot": result.snapshot,
@@ -31,14 +31,14 @@ def experiment_row(exp_id: str, result: ReplayResult, result_path: Path | str | 
         "change": describe_change(result.mitigations, result.patch_sha256),
         "is_baseline": is_baseline(result.mitigations, result.patch_sha256),
         "config_id": result.config_id,
-        "grad_norm": _finite(result.grad_norm),
-        "recorded_grad_norm": _finite(result.recorded_grad_norm),
-        "rel_diff": _finite(result.rel_diff),
-        "median_norm": _finite(result.median_norm),
-        "ratio_to_median": _finite(ratio),
-        "threshold": _finite(result.threshold),
-        "baseline_grad_norm": _finite(result.baseline_grad_norm),
-        "change_vs_baseline": _finite(result.change_vs_baseline),
+        "grad_norm": _float(result.grad_norm),
+        "recorded_grad_norm": _float(result.recorded_grad_norm),
+        "rel_diff": _float(result.rel_diff),
+        "median_norm": _float(result.median_norm),
+        "ratio_to_median": _float(ratio),
+        "threshold": _float(result.threshold),
+        "baseline_grad_norm": _float(result.baseline_grad_norm),
+        "change_vs_baseline": _float(result.change_vs_baseline),
         "verdict": result.verdict,
         "world_size_saved": result.world_size_saved,
         "world_size_used": result.world_size_used,
@@ -49,6 +49,7 @@ def experiment_row(exp_id: str, result: ReplayResult, result_path: Path | str | 
         "node": result.node,
         "result_path": str(result_path) if result_path is not None else None,
     }
+    return to_jsonable(row)
 
 
 def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_path: Path | str) -> str | None:
@@ -129,11 +130,5 @@ def _open_root(workspace: Path | str, job: str) -> Path | None:
     return root.resolve() if task_exists(root, job) else None
 
 
-def _finite(value: float | None) -> float | str | None:
-    """Plain JSON: a float, or "inf"/"-inf"/"nan" spelled out."""
-    if value is None:
-        return None
-    value = float(value)
-    if math.isfinite(value):
-        return value
-    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+def _float(value: float | None) -> float | None:
+    return None if value is None else float(value)  # the row goes through to_jsonable: non-finite -> null

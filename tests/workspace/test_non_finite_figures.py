@@ -1,0 +1,80 @@
+"""A replay whose grad norm overflowed: the result file, the task record and `--json` all say null, and are
+strict JSON; a task written before (figures spelled "inf" / "nan") still reads back."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from record_helpers import JOB, SpikeRun, replay_result
+
+from axrl_spike_replay.cli import main
+from axrl_spike_replay.jsonable import to_jsonable
+from axrl_spike_replay.replay.run_dir import RunDir
+from axrl_spike_replay.workspace.evidence import row_result
+from axrl_spike_replay.workspace.task_log import record_replay
+from axrl_spike_replay.workspace.task_state import open_task, read_state
+
+
+def strict_json(text: str) -> object:
+    """JSON as the standard has it: NaN and Infinity are refused."""
+
+    def refuse(constant: str) -> object:
+        raise AssertionError(f"non-standard JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_an_overflowed_replay_is_null_in_the_result_file_the_task_and_json(
+    tmp_path: Path, spike_run: SpikeRun, capsys: pytest.CaptureFixture[str]
+) -> None:
+    open_task(tmp_path, JOB, spike_run.snapshot)
+    result = replay_result(
+        spike_run.snapshot,
+        math.inf,
+        "worse",
+        mitigations={"advantage_clip": 1.0},
+        rel_diff=math.inf,
+        spike_ratio=math.nan,
+        baseline_grad_norm=37.0,
+        change_vs_baseline=math.inf,
+    )
+    run = RunDir.create(tmp_path, JOB)
+    path = run.write_result(result)
+    assert path is not None
+    doc = strict_json(path.read_text())
+    assert doc["grad_norm"] is None and doc["spike_ratio"] is None and doc["verdict"] == "worse"
+
+    assert record_replay(tmp_path, JOB, result, path) == "E1"
+    [row] = read_state(tmp_path, JOB)["experiments"]
+    assert row["grad_norm"] is None and row["rel_diff"] is None and row["change_vs_baseline"] is None
+    assert row["baseline_grad_norm"] == 37.0
+
+    assert main(["task", "show", JOB, "--workspace", str(tmp_path), "--json"]) == 0
+    shown = strict_json(capsys.readouterr().out)
+    assert shown["experiments"][0]["grad_norm"] is None  # type: ignore[index]
+
+
+def test_every_non_finite_float_becomes_null_wherever_it_sits() -> None:
+    doc = {"a": math.nan, "b": [math.inf, -math.inf, 1.5], "c": (2, Path("/x")), 3: {"d": float("nan")}}
+    assert to_jsonable(doc) == {"a": None, "b": [None, None, 1.5], "c": [2, "/x"], "3": {"d": None}}
+
+
+def test_a_task_row_written_with_spelled_out_figures_still_reads_back(spike_run: SpikeRun) -> None:
+    row = {
+        "id": "E4",
+        "snapshot": str(spike_run.snapshot),
+        "backend": "torch",
+        "target": "local",
+        "fidelity": "full",
+        "verdict": "worse",
+        "grad_norm": "inf",
+        "recorded_grad_norm": 37.42,
+        "rel_diff": "nan",
+        "median_norm": 2.91,
+        "threshold": 5.0,
+    }
+    result = row_result(row)
+    assert result.grad_norm == math.inf and math.isnan(result.rel_diff or 0.0)
