@@ -64,7 +64,10 @@ def test_checkpoint_interval_json(capsys) -> None:
 def test_checkpoint_interval_for_people(capsys) -> None:
     assert main(["checkpoint-interval", "--checkpoint-cost", "20", "--mtbf-steps", "2000", "--step-time", "1"]) == 0
     out = capsys.readouterr().out
-    assert "optimal checkpoint interval: 283 steps" in out and "<- K*" in out
+    assert "optimal checkpoint interval: 283 steps" in out
+    header, _, *rows = out.splitlines()[1:]
+    assert header.split() == ["interval", "(steps)", "checkpointing", "rework", "total", "optimal"]
+    assert [row.split()[0] for row in rows if row.rstrip().endswith("K*")] == ["283"]
 
 
 @pytest.mark.parametrize("flag", ["--checkpoint-cost", "--mtbf-steps", "--step-time"])
