@@ -19,7 +19,7 @@ from typing import Any
 from axrl_spike_replay.atomic import atomic_write_bytes, atomic_write_text
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.skill_pack import list_skills, skill_problems
+from axrl_spike_replay.skill_pack import SKILL_FILE, claude_code_skill_text, list_skills, skill_problems
 
 SERVER_NAME = "axrl-spike-replay"
 PROJECT_CONFIG = ".mcp.json"
@@ -143,6 +143,8 @@ def install(
         for src in _skill_files(source):
             dest = target_skills / skill.name / src.relative_to(source)
             data = src.read_bytes()
+            if src.name == SKILL_FILE:  # Claude Code reads argument-hint / user-invocable at the top level
+                data = claude_code_skill_text(data.decode("utf-8"), str(src)).encode("utf-8")
             action = "create" if not dest.exists() else ("unchanged" if dest.read_bytes() == data else "update")
             result.changes.append(FileChange(str(dest), action))
             if action != "unchanged" and not dry_run:

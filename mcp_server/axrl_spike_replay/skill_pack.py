@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.resources import skills_dir
@@ -32,6 +34,17 @@ class Skill:
     frontmatter: dict[str, Any] = field(default_factory=dict)
 
 
+def split_frontmatter(text: str, source: str) -> tuple[dict[str, Any], str]:
+    """(frontmatter mapping, markdown body) of a SKILL.md; ConfigError naming `source` when malformed."""
+    match = _FRONTMATTER_RE.match(text)
+    if not match:
+        raise ConfigError(f"{source}: no YAML frontmatter (the file must start with '---')")
+    meta = load_untrusted_yaml(match.group(1), f"{source} frontmatter")  # no aliases; errors name the file
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{source}: frontmatter is not a mapping")
+    return meta, match.group(2)
+
+
 def parse_skill(skill_md: str | Path) -> Skill:
     """Parse a SKILL.md; ConfigError naming the file when its frontmatter is missing or malformed."""
     path = Path(skill_md)
@@ -39,21 +52,55 @@ def parse_skill(skill_md: str | Path) -> Skill:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read it as UTF-8 text ({shown(str(exc), quote=False)})") from None
-    match = _FRONTMATTER_RE.match(text)
-    if not match:
-        raise ConfigError(f"{path}: no YAML frontmatter (the file must start with '---')")
-    meta = load_untrusted_yaml(match.group(1), f"{path} frontmatter")  # no aliases; errors name the file
-    if not isinstance(meta, dict):
-        raise ConfigError(f"{path}: frontmatter is not a mapping")
+    meta, body = split_frontmatter(text, str(path))
+    extensions = _claude_code_fields(meta)
     return Skill(
         name=str(meta.get("name", "")),
         description=str(meta.get("description", "")),
         path=str(path.parent),
-        body=match.group(2),
-        argument_hint=str(meta.get("argument-hint", "")),
-        user_invocable=bool(meta.get("user-invocable", False)),
+        body=body,
+        argument_hint=str(extensions.get("argument-hint", "")),
+        user_invocable=extensions.get("user-invocable") is True,
         frontmatter=meta,
     )
+
+
+# Claude Code reads these two as top-level frontmatter fields; the Agent Skills spec allows only name,
+# description, license, compatibility, allowed-tools and metadata there. The repo keeps them under
+# `metadata:` (string values, as the spec wants) so the skills validate; `install` lifts them back up.
+CLAUDE_CODE_FIELDS = ("argument-hint", "user-invocable")
+
+
+def _claude_code_fields(meta: dict[str, Any]) -> dict[str, Any]:
+    """argument-hint (str) and user-invocable (bool), from the top level or from `metadata:`."""
+    nested = meta.get("metadata") if isinstance(meta.get("metadata"), dict) else {}
+    found: dict[str, Any] = {}
+    for key in CLAUDE_CODE_FIELDS:
+        value = meta.get(key, nested.get(key))
+        if value is None:
+            continue
+        if key == "user-invocable":
+            value = value is True or str(value).strip().lower() == "true"
+        found[key] = value if key == "user-invocable" else str(value)
+    return found
+
+
+def claude_code_skill_text(skill_md_text: str, source: str) -> str:
+    """A SKILL.md as Claude Code reads it: `metadata.argument-hint` / `metadata.user-invocable` at the top level.
+
+    The body is kept byte for byte; the frontmatter is written again (same fields, same values).
+    """
+    meta, body = split_frontmatter(skill_md_text, source)
+    lifted = _claude_code_fields(meta)
+    if not lifted:
+        return skill_md_text
+    out = {k: v for k, v in meta.items() if k not in CLAUDE_CODE_FIELDS and k != "metadata"}
+    out.update(lifted)
+    rest = {k: v for k, v in (meta.get("metadata") or {}).items() if k not in CLAUDE_CODE_FIELDS}
+    if rest:
+        out["metadata"] = rest
+    front = yaml.safe_dump(out, sort_keys=False, allow_unicode=True, width=100)
+    return f"---\n{front}---\n{body}"
 
 
 def skill_problems(skill: Skill) -> list[str]:

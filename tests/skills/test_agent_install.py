@@ -12,9 +12,10 @@ import anyio
 import pytest
 from mcp import Client, StdioServerParameters
 
-from axrl_spike_replay.skill_pack import list_skills, skill_problems
+from axrl_spike_replay.skill_pack import list_skills, skill_problems, split_frontmatter
 
 SCRIPT = Path(sys.executable).parent / "axrl-spike-replay"
+SKILLS = Path(__file__).resolve().parents[2] / "skills"
 CLI = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "axrl_spike_replay"]
 OTHER = {"command": "npx", "args": ["-y", "@example/other-server"], "env": {"TOKEN": "keep-me"}}
 
@@ -45,6 +46,11 @@ def test_install_into_a_project_keeps_other_servers_and_is_idempotent(tmp_path: 
     for skill in installed:
         assert skill_problems(skill) == []
         assert (Path(skill.path) / "references").is_dir()
+        # Claude Code reads its extensions at the top level of the installed copy, typed as it expects
+        front, body = split_frontmatter((Path(skill.path) / "SKILL.md").read_text(), skill.path)
+        assert isinstance(front["argument-hint"], str) and front["argument-hint"]
+        assert front["user-invocable"] is True and "metadata" not in front
+        assert body == split_frontmatter((SKILLS / skill.name / "SKILL.md").read_text(), skill.name)[1]
 
     second = json.loads(install("--dir", str(project), "--json").stdout)
     assert {c["action"] for c in second["changes"]} == {"unchanged"}

@@ -147,3 +147,12 @@ def test_every_argument_a_skill_passes_is_a_parameter_of_that_tool() -> None:
                 if name not in params[tool]:
                     wrong.append(f"{path}: {tool}({name})")
     assert not wrong, wrong
+
+
+@pytest.mark.parametrize("name", SKILLS)
+def test_each_skill_passes_the_agent_skills_reference_validator(name: str) -> None:
+    """`agentskills validate` (PyPI skills-ref, the spec's reference validator) accepts the repo's skills."""
+    validator = Path(sys.executable).parent / "agentskills"
+    assert validator.exists(), "skills-ref is a dev dependency: scripts/setup.sh installs it"
+    run = subprocess.run([str(validator), "validate", str(REPO / "skills" / name)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
