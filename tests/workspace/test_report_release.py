@@ -129,3 +129,37 @@ def test_a_copy_made_again_after_the_task_noted_it_is_not_released(two_jobs_temp
 
     assert report["released"] == [] and _copy(ours).is_dir()
     assert "not noted as this investigation's copy" in report["preserved_kept"][0]["reason"]
+
+
+def test_after_release_the_task_points_at_the_rotating_snapshot_that_still_exists(
+    two_jobs_template: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ours, _ = _outputs(two_jobs_template, tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    preserve(ours, 5)
+    open_task(ws, JOB, _copy(ours))
+    assert main(["task", "set-command", JOB, f"axrl-spike-replay replay {_copy(ours)}", "--workspace", str(ws)]) == 0
+    capsys.readouterr()
+
+    status, report, _ = _report(capsys, ws, "--release")
+
+    assert status == 0 and [r["released"] for r in report["released"]] == [True]
+    task = show_task(ws, JOB)
+    assert task["snapshot"] == str(_source(ours).resolve()) and Path(task["snapshot"]).is_dir()
+    assert task["command"] == f"axrl-spike-replay replay {_source(ours).resolve()}"
+    assert "agents call the MCP tool `write_report` with `release: true`" not in report["text"]  # released, not a hint
+
+
+def test_a_kept_copy_says_how_people_and_agents_release_it(
+    two_jobs_template: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ours, _ = _outputs(two_jobs_template, tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    preserve(ours, 5)
+    open_task(ws, JOB, _copy(ours))
+    _, report, _ = _report(capsys, ws)
+    line = next(x for x in report["text"].splitlines() if str(_copy(ours)) in x and x.startswith("- "))
+    assert f"people run `axrl-spike-replay report {JOB} --release`" in line
+    assert "agents call the MCP tool `write_report` with `release: true`" in line

@@ -8,12 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR, iteration_dir_name
 from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of
 from axrl_spike_replay.workspace.methods import list_methods
 from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
 from axrl_spike_replay.workspace.preserved_copies import copies_in_use, copies_kept, is_last_copy, release_copies
 from axrl_spike_replay.workspace.render import render
-from axrl_spike_replay.workspace.task_state import now, read_state, update_task, write_file
+from axrl_spike_replay.workspace.task_state import now, read_state, set_task_snapshot, update_task, write_file
 
 REPORT_NAME = "report.md"
 
@@ -106,9 +107,25 @@ def write_report(
 
     def change(current: dict[str, Any]) -> None:
         current["reports"].append({"time": context["generated_at"], "path": str(path), "released": released})
+        follow_released_snapshot(current, released)
 
     update_task(root, job, change)
     return {**context, "path": str(path), "released": released, "text": text}
+
+
+def follow_released_snapshot(state: dict[str, Any], released: list[dict[str, Any]]) -> None:
+    """After the task's own preserved copy is released, point its snapshot and replay command at the rotating
+    `iter_<N>` it was copied from, when that still exists (so the task never names a deleted directory)."""
+    for entry in released:
+        if not entry.get("released") or entry.get("path") != state.get("snapshot"):
+            continue
+        source = Path(entry["output_dir"]) / SNAPSHOTS_DIR / iteration_dir_name(entry["iteration"])
+        if not source.is_dir():
+            continue
+        old = str(entry["path"])
+        set_task_snapshot(state, source)
+        if isinstance(state.get("command"), str):
+            state["command"] = state["command"].replace(old, str(state["snapshot"]))
 
 
 def _first_output_dir(experiments: list[dict[str, Any]]) -> str | None:

@@ -132,7 +132,7 @@ def open_task(workspace: str | Path, job: str, snapshot: str | Path | None = Non
 
     def change(state: dict[str, Any]) -> None:
         if snapshot is not None:
-            _set_snapshot(state, snapshot)
+            set_task_snapshot(state, snapshot)
 
     state, _ = update_task(workspace, job, change, create=True)
     return show(state, check_workspace(workspace))
@@ -151,7 +151,7 @@ def note(workspace: str | Path, job: str, section: str, text: str) -> dict[str, 
 
 def set_snapshot(workspace: str | Path, job: str, snapshot: str | Path) -> dict[str, Any]:
     """Set the active snapshot (earlier ones stay in the history)."""
-    state, _ = update_task(workspace, job, lambda s: _set_snapshot(s, snapshot))
+    state, _ = update_task(workspace, job, lambda s: set_task_snapshot(s, snapshot))
     return show(state, check_workspace(workspace))
 
 
@@ -178,7 +178,8 @@ def show(state: dict[str, Any], workspace: Path) -> dict[str, Any]:
     return doc
 
 
-def _set_snapshot(state: dict[str, Any], snapshot: str | Path) -> None:
+def set_task_snapshot(state: dict[str, Any], snapshot: str | Path) -> None:
+    """Make `snapshot` the task's active snapshot in `state` (history kept; a preserved copy of it noted)."""
     text = str(snapshot).strip()
     if not text:
         raise ConfigError("snapshot path is empty")
