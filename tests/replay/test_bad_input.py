@@ -82,7 +82,7 @@ def test_layouts_the_torch_backend_cannot_rebuild_point_to_the_command_backend(
     meta = json.loads((snap / AXRL_METADATA).read_text())
     meta["parallel"].update(tp=2, world_size=4)
     (snap / AXRL_METADATA).write_text(json.dumps(meta))
-    with pytest.raises(ConfigError, match=r"tp=2.*--backend command"):
+    with pytest.raises(ConfigError, match=r"tp=2.*`backend` command"):
         run_request(replay_request(snap, workspace=workspace))
     assert nothing_written(workspace)
 

@@ -178,7 +178,7 @@ def _check_combination(
     if backend == "command":
         if mitigations:
             raise ConfigError(
-                "`mitigations` do not apply to `backend` command (the external command knows nothing of them); "
+                "`mitigations` cannot be used with `backend` command (the external command knows nothing of them); "
                 "express the change as `patch` FILE.diff",
                 "mitigations",
             )
