@@ -28,11 +28,10 @@ sys.path.insert(0, str(ROOT / "tests" / "remote"))
 
 from ssh_loopback import SSHD, AsyncsshServer, Keys, OpenSshServer, write_known_hosts  # noqa: E402
 
-from axrl_spike_replay.remote.dispatch import replay_elsewhere  # noqa: E402
-from axrl_spike_replay.remote.options import RemoteOptions  # noqa: E402
+from axrl_spike_replay.investigation.elsewhere import replay_elsewhere  # noqa: E402
+from axrl_spike_replay.investigation.request import replay_request  # noqa: E402
 from axrl_spike_replay.remote.session import open_session  # noqa: E402
 from axrl_spike_replay.remote.shell import job_script  # noqa: E402
-from axrl_spike_replay.replay.engine import ReplayOptions  # noqa: E402
 
 SNAPSHOT = ROOT / "tests/fixtures/outputs/fx~fixture-moe__actor/checkpoints/spike_snapshots/iter_0000021"
 SMALL = "import json, sys; json.dump({'grad_norm': 1.0}, open(sys.argv[1], 'w'))"
@@ -49,8 +48,7 @@ def local_replay(workspace: Path) -> float:
 def remote_replay(spec: str, workspace: Path) -> float:
     workspace.mkdir()
     start = time.perf_counter()
-    options = ReplayOptions(target=spec, workspace=workspace)
-    replay_elsewhere(SNAPSHOT, options, RemoteOptions(remote_python=sys.executable))
+    replay_elsewhere(replay_request(SNAPSHOT, target=spec, workspace=workspace, remote_python=sys.executable))
     return time.perf_counter() - start
 
 

@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 
 from axrl_spike_replay.atomic import atomic_write_text
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP
-from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.skill_pack import methods_block, with_methods_block
 from axrl_spike_replay.snapshot.listing import list_snapshots
 from axrl_spike_replay.snapshot.preserve import preserve
@@ -50,14 +50,13 @@ def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
     snapshot = preserve(capture.output_dir, worst.iteration).preserved[0].path
     open_task(workspace, job, snapshot)
     set_snapshot(workspace, job, snapshot)
-    options = ReplayOptions(workspace=workspace, job=job)
-    baseline = run_replay(snapshot, options)
+    baseline = run_request(replay_request(snapshot, workspace=workspace, job=job))
     print(
         f"[{preset}] baseline {baseline.grad_norm:.6g} vs recorded {baseline.recorded_grad_norm:.6g} "
         f"({baseline.fidelity}, rel_diff {baseline.rel_diff:.2g}) -> {baseline.verdict}",
         file=sys.stderr,
     )
-    sweep = run_sweep(snapshot, DEFAULT_SWEEP, options)
+    sweep = run_request(replay_request(snapshot, verb="sweep", configs=DEFAULT_SWEEP, workspace=workspace, job=job))
     writeups = write_up_sweep(workspace, job, sweep, verdicts=("cleared", "partial"), context=f"Preset {preset}: ")
     rows = [
         {

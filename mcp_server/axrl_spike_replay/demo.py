@@ -61,10 +61,10 @@ def run_demo(
     from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
     from axrl_spike_replay.analysis.log_scan import scan_logs
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+    from axrl_spike_replay.investigation.request import replay_request
+    from axrl_spike_replay.investigation.runs import run_request
     from axrl_spike_replay.replay.attribution import attribute_spike
-    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
     from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP
-    from axrl_spike_replay.replay.sweep import run_sweep
     from axrl_spike_replay.snapshot.discovery import resolve_job
     from axrl_spike_replay.snapshot.inspect import inspect_snapshot
     from axrl_spike_replay.snapshot.listing import list_snapshots
@@ -164,9 +164,8 @@ def run_demo(
     )
 
     # 4. reproduce, then try mitigations
-    options = ReplayOptions(workspace=root, job=DEMO_JOB)
     set_command(root, DEMO_JOB, f"axrl-spike-replay replay {snapshot} --workspace {root}")
-    baseline = run_replay(snapshot, options)
+    baseline = run_request(replay_request(snapshot, workspace=root, job=DEMO_JOB))
     step(
         "replay (baseline)",
         [
@@ -175,7 +174,7 @@ def run_demo(
             f"rel_diff {_fmt(baseline.rel_diff, 3)} -> {baseline.verdict}",
         ],
     )
-    sweep = run_sweep(snapshot, DEFAULT_SWEEP, options)
+    sweep = run_request(replay_request(snapshot, verb="sweep", configs=DEFAULT_SWEEP, workspace=root, job=DEMO_JOB))
     rows = [
         f"{r.config_id:<48} grad norm {_fmt(r.grad_norm):>10}  ratio {_fmt(r.spike_ratio):>8}  "
         f"change {_fmt((r.change_vs_baseline or 0) * 100, 3):>6}%  {r.verdict}"

@@ -12,7 +12,15 @@ class SnapshotError(AxrlError):
 
 
 class ConfigError(AxrlError):
-    """A configuration value, argument or file is invalid."""
+    """A configuration value, argument or file is invalid.
+
+    `parameter` names the request field the error is about (`top`, `device`, `nproc`, ...). Messages
+    write parameter names in backquotes (`top`) and never as a face spells them; each face renders
+    them its own way (the CLI as `--top`, MCP as the tool argument `top`)."""
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
 
 
 class UnsafeFileError(SnapshotError):

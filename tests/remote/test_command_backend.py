@@ -12,9 +12,8 @@ import pytest
 from remote_helpers import PATCH, RECORDED, SLOW_SCRIPT, git, wait_until_gone, workspace_with
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.remote.dispatch import replay_elsewhere
-from axrl_spike_replay.remote.options import RemoteOptions
-from axrl_spike_replay.replay.engine import ReplayOptions
+from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
+from axrl_spike_replay.investigation.request import replay_request
 from axrl_spike_replay.replay.result import ReplayResult
 
 
@@ -28,8 +27,8 @@ def test_the_external_command_reproduces_the_spike(
 ) -> None:
     server = None if where == "local" else request.getfixturevalue(f"{where}_server")
     ws = workspace_with(tmp_path, training_checkout, server)
-    options = ReplayOptions(backend="command", target="local" if server is None else "loop", workspace=ws)
-    result = replay_elsewhere(snapshot, options)
+    options = replay_request(snapshot, backend="command", target="local" if server is None else "loop", workspace=ws)
+    result = replay_elsewhere(options)
     assert result.backend == "command" and result.verdict == "reproduced"
     assert result.grad_norm == RECORDED and result.rel_diff == 0.0
     assert result.target == ("local" if server is None else "loop")
@@ -47,7 +46,7 @@ def test_the_grad_norm_regex_reads_stdout_when_no_result_file(
     training_checkout: Path, snapshot: Path, tmp_path
 ) -> None:
     ws = workspace_with(tmp_path, training_checkout, None, extra=" --no-json")
-    result = replay_elsewhere(snapshot, ReplayOptions(backend="command", workspace=ws))
+    result = replay_elsewhere(replay_request(snapshot, backend="command", workspace=ws))
     assert result.grad_norm == RECORDED and result.verdict == "reproduced"
 
 
@@ -59,8 +58,10 @@ def test_a_patched_experiment_never_touches_the_checkout(
     ws = workspace_with(tmp_path, training_checkout, server)
     patch = tmp_path / "lower factor.diff"
     patch.write_text(PATCH)
-    options = ReplayOptions(backend="command", target="local" if server is None else "loop", workspace=ws)
-    result = replay_elsewhere(snapshot, options, RemoteOptions(patch=str(patch)))
+    options = replay_request(
+        snapshot, backend="command", target="local" if server is None else "loop", workspace=ws, patch=patch
+    )
+    result = replay_elsewhere(options)
     assert result.verdict == "cleared"  # 56.75 * 0.001 / median 0.5 is under the threshold
     assert result.grad_norm == pytest.approx(RECORDED * 0.001)
     assert result.baseline_grad_norm == RECORDED and result.patch_sha256 is not None
@@ -75,7 +76,7 @@ def test_a_patch_that_does_not_apply_fails_cleanly(training_checkout: Path, snap
     patch = tmp_path / "stale.diff"
     patch.write_text(PATCH.replace("-1.0", "-2.0"))
     with pytest.raises(AxrlError, match="does not apply") as info:
-        replay_elsewhere(snapshot, ReplayOptions(backend="command", workspace=ws), RemoteOptions(patch=str(patch)))
+        replay_elsewhere(replay_request(snapshot, backend="command", workspace=ws, patch=patch))
     assert "git apply --check" in str(info.value)
     assert git(training_checkout, "status", "--porcelain") == ""
     assert len(git(training_checkout, "worktree", "list").splitlines()) == 1
@@ -89,25 +90,25 @@ def test_a_failing_command_is_a_failed_result_with_its_stderr(
 ) -> None:
     ws = workspace_with(tmp_path, training_checkout, None, extra=" --bogus-flag")
     with pytest.raises(AxrlError, match="exit status 2") as info:
-        replay_elsewhere(snapshot, ReplayOptions(backend="command", workspace=ws))
+        replay_elsewhere(replay_request(snapshot, backend="command", workspace=ws))
     assert "unrecognized arguments: --bogus-flag" in str(info.value)
 
 
 def test_refused_combinations_say_what_to_do(training_checkout: Path, snapshot: Path, tmp_path: Path) -> None:
     ws = workspace_with(tmp_path, training_checkout, None)
-    with pytest.raises(ConfigError, match="express the change as --patch"):
-        replay_elsewhere(snapshot, ReplayOptions(backend="command", workspace=ws, mitigations={"advantage_clip": 1}))
-    with pytest.raises(ConfigError, match="add --backend command"):
-        replay_elsewhere(snapshot, ReplayOptions(target="loop", workspace=ws), RemoteOptions(patch="x.diff"))
+    with pytest.raises(ConfigError, match="express the change as `patch`"):
+        replay_elsewhere(replay_request(snapshot, backend="command", workspace=ws, mitigations={"advantage_clip": 1}))
+    with pytest.raises(ConfigError, match="add `backend` command"):
+        replay_elsewhere(replay_request(snapshot, target="loop", workspace=ws, patch="x.diff"))
     (ws / "spike-replay.yaml").write_text("targets: {}\n")
     with pytest.raises(ConfigError, match="needs a command_backend section"):
-        replay_elsewhere(snapshot, ReplayOptions(backend="command", workspace=ws))
+        replay_elsewhere(replay_request(snapshot, backend="command", workspace=ws))
 
 
 def test_setting_the_cancel_event_stops_a_run_from_another_thread(
     training_checkout: Path, snapshot: Path, tmp_path: Path
 ) -> None:
-    """How a thread-based caller (an MCP worker thread) stops a run: RemoteOptions.cancel."""
+    """How a thread-based caller (an MCP worker thread) stops a run: the request's cancel event."""
     marker = f"axrl-event-{secrets.token_hex(6)}"
     (training_checkout / "tools" / "slow_replay.py").write_text(SLOW_SCRIPT)
     ws = workspace_with(tmp_path, training_checkout, None)
@@ -117,7 +118,7 @@ def test_setting_the_cancel_event_stops_a_run_from_another_thread(
 
     def work() -> None:
         try:
-            replay_elsewhere(snapshot, ReplayOptions(backend="command", workspace=ws), RemoteOptions(cancel=cancel))
+            replay_elsewhere(replay_request(snapshot, backend="command", workspace=ws, cancel=cancel))
         except AxrlError as exc:
             errors.append(exc)
 

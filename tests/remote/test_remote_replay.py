@@ -10,9 +10,9 @@ import pytest
 from ssh_loopback import SSHD, LoopbackServer
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.remote.dispatch import replay_elsewhere
-from axrl_spike_replay.remote.options import RemoteOptions
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
+from axrl_spike_replay.investigation.request import ReplayRequest, replay_request
+from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.replay.sweep import SweepResult
 
@@ -30,11 +30,11 @@ def node(request: pytest.FixtureRequest) -> LoopbackServer:
 def local_baseline(tmp_path_factory: pytest.TempPathFactory) -> ReplayResult:
     if not SNAPSHOT.is_dir():
         pytest.skip("fixture snapshot missing (scripts/make_fixtures.py)")
-    return run_replay(SNAPSHOT, ReplayOptions(workspace=tmp_path_factory.mktemp("local-ws")))
+    return run_request(replay_request(SNAPSHOT, workspace=tmp_path_factory.mktemp("local-ws")))
 
 
-def remote(node: LoopbackServer, workspace: Path, **options: object) -> ReplayOptions:
-    return ReplayOptions(target=node.spec(), workspace=workspace, **options)  # type: ignore[arg-type]
+def remote(node: LoopbackServer, workspace: Path, **options: object) -> ReplayRequest:
+    return replay_request(SNAPSHOT, target=node.spec(), workspace=workspace, remote_python=sys.executable, **options)  # type: ignore[arg-type]
 
 
 def test_a_remote_replay_matches_the_local_one_exactly(
@@ -42,7 +42,7 @@ def test_a_remote_replay_matches_the_local_one_exactly(
 ) -> None:
     progress: list[str] = []
     options = remote(node, tmp_path, progress=progress.append)
-    result = replay_elsewhere(SNAPSHOT, options, RemoteOptions(remote_python=sys.executable))
+    result = replay_elsewhere(options)
     assert isinstance(result, ReplayResult)
     assert result.grad_norm == local_baseline.grad_norm  # exactly: same engine, same layout, same arithmetic
     assert result.verdict == "reproduced" and result.fidelity == "full" and result.world_size_used == 2
@@ -62,9 +62,7 @@ def test_a_remote_sweep_brings_every_result_home(
     node: LoopbackServer, local_baseline: ReplayResult, tmp_path: Path
 ) -> None:
     configs = [{"advantage_clip": 0.5}, {"mismatch_token_clip_max": 2.0}]
-    result = replay_elsewhere(
-        SNAPSHOT, remote(node, tmp_path), RemoteOptions(remote_python=sys.executable), verb="sweep", configs=configs
-    )
+    result = replay_elsewhere(remote(node, tmp_path, verb="sweep", configs=configs))
     assert isinstance(result, SweepResult) and len(result.results) == 2
     assert result.baseline.grad_norm == local_baseline.grad_norm
     out = Path(result.output_dir)
@@ -77,7 +75,7 @@ def test_a_remote_sweep_brings_every_result_home(
 
 def test_a_remote_timeout_is_a_failed_result_with_partial_logs(node: LoopbackServer, tmp_path: Path) -> None:
     with pytest.raises(AxrlError, match=r"timed out after 0\.5 s") as info:
-        replay_elsewhere(SNAPSHOT, remote(node, tmp_path), RemoteOptions(remote_python=sys.executable, timeout_s=0.5))
+        replay_elsewhere(remote(node, tmp_path, timeout_s=0.5))
     written = next((tmp_path / "tmp" / "spike-replay").glob("*/*/replay_result.json"))
     doc = json.loads(written.read_text())
     assert doc["verdict"] == "failed" and "timed out" in doc["error"] and doc["grad_norm"] is None
@@ -86,4 +84,4 @@ def test_a_remote_timeout_is_a_failed_result_with_partial_logs(node: LoopbackSer
 
 def test_cuda_on_a_node_without_gpus_is_refused_before_running(node: LoopbackServer, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has no GPU"):
-        replay_elsewhere(SNAPSHOT, remote(node, tmp_path, device="cuda"), RemoteOptions(remote_python=sys.executable))
+        replay_elsewhere(remote(node, tmp_path, device="cuda"))

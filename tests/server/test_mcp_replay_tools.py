@@ -85,3 +85,19 @@ def test_the_mitigations_resource_lists_every_name(workspace: Path) -> None:
     page = with_client(create_server(workspace), lambda client: client.read_resource("axrl://mitigations"))
     text = page.contents[0].text
     assert all(name in text for name in MITIGATIONS)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"nproc": 3}, "`nproc` 3 is larger than the saved world size 2"),
+        ({"timeout_s": 5}, "`timeout_s` applies to runs on a `target` or with `backend` command"),
+        ({"backend": "command", "mitigations": {"advantage_clip": 1}}, "`mitigations` cannot be used with `backend`"),
+    ],
+)
+def test_errors_name_the_tool_arguments_not_cli_flags(
+    spike_outputs: SpikeOutputs, workspace: Path, arguments: dict, message: str
+) -> None:
+    text = error_text(call(workspace, "replay", {"snapshot": str(spike_outputs.snapshot), **arguments}))
+    assert message in text and "--" not in text
+    assert not (workspace / "tmp").exists()

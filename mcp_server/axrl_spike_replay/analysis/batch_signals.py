@@ -255,7 +255,7 @@ def analyze_snapshot(path: str | Path, top: int = 10) -> BatchAnalysis:
     import torch
 
     if top < 1:
-        raise ConfigError(f"--top must be >= 1, got {top}")
+        raise ConfigError(f"`top` must be >= 1, got {top}", "top")
     directory = Path(os.path.abspath(path))
     meta, _ = read_metadata(directory)
     ranks = _load_ranks(directory)

@@ -61,7 +61,7 @@ def _top(norms: dict[str, float], numel: dict[str, int], k: int) -> list[ParamGr
 def top_param_grads(path: str | Path, top: int = 10) -> GradReport:
     """Top-`top` parameter grad norms of every rank's grad info, and merged across ranks."""
     if top < 1:
-        raise ConfigError(f"--top must be >= 1, got {top}")
+        raise ConfigError(f"`top` must be >= 1, got {top}", "top")
     directory = Path(os.path.abspath(path))
     meta, _ = read_metadata(directory)
     files = rank_files(directory)["grad_info"]

@@ -14,6 +14,7 @@ import threading
 
 from axrl_spike_replay import __version__
 from axrl_spike_replay.cli.output import print_error
+from axrl_spike_replay.cli.parameter_names import for_cli
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.rank_processes import terminate_as_interrupt
 
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status = args.handler(args)
     except AxrlError as exc:
-        print_error(args.command, str(exc))
+        print_error(args.command, for_cli(str(exc)))  # library messages name parameters neutrally
         return 2
     except KeyboardInterrupt:
         print(f"axrl-spike-replay {args.command}: interrupted", file=sys.stderr)

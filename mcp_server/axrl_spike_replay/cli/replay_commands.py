@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress, table
-from axrl_spike_replay.cli.remote_options import add_remote_options, remote_options_from_args
+from axrl_spike_replay.cli.remote_options import add_remote_options
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 
@@ -77,44 +77,50 @@ def register(sub: Any) -> None:
     a.set_defaults(handler=_attribute)
 
 
-def _options(args: argparse.Namespace, mitigations: dict[str, Any] | None = None) -> Any:
-    from axrl_spike_replay.replay.engine import ReplayOptions
+def _request(args: argparse.Namespace, verb: str, **what: Any) -> Any:
+    """The library's ReplayRequest for parsed arguments: this face only maps its options onto it."""
+    from axrl_spike_replay.investigation.request import replay_request
 
-    return ReplayOptions(
-        nproc=args.nproc,
+    return replay_request(
+        args.snapshot,
+        verb=verb,
+        nproc=getattr(args, "nproc", None),
         device=args.device,
-        mitigations=mitigations or {},
         repeat=getattr(args, "repeat", 1),
         workspace=Path(args.workspace),
         job=args.job,
         progress=progress,
+        target=getattr(args, "target", None),
         backend=getattr(args, "backend", "torch"),
-        target=getattr(args, "target", "local"),
+        patch=getattr(args, "patch", None),
+        remote_python=getattr(args, "remote_python", None),
+        known_hosts=getattr(args, "known_hosts", None),
+        accept_new_host_key=bool(getattr(args, "accept_new_host_key", False)),
+        timeout_s=getattr(args, "timeout", None),
+        **what,
     )
 
 
 def _replay(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.investigation.runs import run_request
     from axrl_spike_replay.jsonable import to_jsonable
-    from axrl_spike_replay.replay.dispatch import replay
     from axrl_spike_replay.replay.mitigations import parse_mitigation_args
 
-    result = replay(
-        args.snapshot, _options(args, parse_mitigation_args(args.mitigation)), remote_options_from_args(args)
-    )
+    result = run_request(_request(args, "replay", mitigations=parse_mitigation_args(args.mitigation)))
     emit(to_jsonable(result), args.json, render_replay)
     return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.investigation.runs import run_request
     from axrl_spike_replay.jsonable import to_jsonable
-    from axrl_spike_replay.replay.dispatch import sweep
     from axrl_spike_replay.replay.mitigations import load_mitigation_set, parse_mitigation_args
 
     if args.mitigation_set:
         configs = load_mitigation_set(args.mitigation_set)
     else:
         configs = [parse_mitigation_args(_sweep_items(item)) for item in args.mitigation]
-    result = sweep(args.snapshot, configs, _options(args), remote_options_from_args(args))
+    result = run_request(_request(args, "sweep", configs=configs))
     emit(to_jsonable(result), args.json, render_sweep)
     return 0
 
@@ -124,22 +130,17 @@ def _sweep_items(option: str) -> list[str]:
     try:
         return shlex.split(option)
     except ValueError as exc:  # an unbalanced quote
-        raise ConfigError(f"--mitigation {shown(option)}: cannot split it into NAME=VALUE items ({exc})") from None
+        raise ConfigError(
+            f"`mitigations` {shown(option)}: cannot split it into NAME=VALUE items ({exc})", "mitigations"
+        ) from None
 
 
 def _attribute(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.investigation.runs import run_request
     from axrl_spike_replay.jsonable import to_jsonable
-    from axrl_spike_replay.replay.attribution import attribute_spike
     from axrl_spike_replay.replay.mitigations import parse_mitigation_args
 
-    result = attribute_spike(
-        args.snapshot,
-        args.top,
-        mitigations=parse_mitigation_args(args.mitigation),
-        device=args.device,
-        workspace=Path(args.workspace),
-        job=args.job,
-    )
+    result = run_request(_request(args, "attribute", top=args.top, mitigations=parse_mitigation_args(args.mitigation)))
     emit(to_jsonable(result), args.json, render_attribution)
     return 0
 

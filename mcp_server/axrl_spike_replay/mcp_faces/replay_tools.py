@@ -3,10 +3,9 @@ when one of them runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import anyio.to_thread
@@ -92,78 +91,36 @@ TimeoutArg = Annotated[
 ]
 
 
-@dataclass(frozen=True)
-class Where:
-    """Where and how a replay runs (the remote options); `replay.dispatch.runs_here` decides what that means."""
+async def _run(ctx: Context, request: Any) -> Any:
+    """A request `investigation.runs` keeps here: the engine in a worker thread. Anything else (SSH target,
+    command backend): awaited in the event loop, so a cancelled call cancels its session, which kills the
+    process group it started."""
+    if request.runs_here:
 
-    target: str | None = None
-    backend: str = "torch"
-    patch: str | None = None
-    remote_python: str | None = None
-    accept_new_host_key: bool = False
-    timeout_s: float | None = None
+        def here(progress: Progress, cancel: threading.Event) -> Any:
+            from axrl_spike_replay.investigation.runs import run_here
 
-    def remote_options(self) -> Any:
-        """The library's RemoteOptions for these settings."""
-        from axrl_spike_replay.remote.options import RemoteOptions
+            return run_here(dataclasses.replace(request, progress=progress.message, cancel=cancel))
 
-        return RemoteOptions(
-            remote_python=self.remote_python,
-            accept_new_host_key=self.accept_new_host_key,
-            timeout_s=self.timeout_s,
-            patch=self.patch,
-        )
-
-
-_ELSEWHERE = object()
-
-
-async def _dispatch(
-    ctx: Context,
-    config: ServerConfig,
-    workspace: str | None,
-    snapshot: Path,
-    verb: str,
-    configs: list[dict[str, Any]],
-    where: Where,
-    values: dict[str, Any],
-) -> Any:
-    """A run `replay.dispatch` keeps here: the engine in a worker thread. Anything else (SSH target, command
-    backend): the remote dispatcher awaited in the event loop, so a cancelled call cancels its session, which
-    kills the process group it started."""
-
-    def options(progress: Callable[[str], None], cancel: threading.Event | None = None) -> Any:
-        from axrl_spike_replay.replay.engine import ReplayOptions
-
-        return ReplayOptions(
-            workspace=config.workspace_for(workspace),
-            progress=progress,
-            cancel=cancel,
-            target=where.target or "local",
-            backend=where.backend,
-            **values,
-        )
-
-    def here(progress: Progress, cancel: threading.Event) -> Any:
-        from axrl_spike_replay.replay import dispatch
-
-        run, remote = options(progress.message, cancel), where.remote_options()
-        if not dispatch.runs_here(run, remote):
-            return _ELSEWHERE
-        return (
-            dispatch.replay(snapshot, run, remote)
-            if verb == "replay"
-            else dispatch.sweep(snapshot, configs, run, remote)
-        )
+        return await call_library(ctx, here)
 
     async def elsewhere(report: Callable[[str], None]) -> Any:
-        from axrl_spike_replay.remote.dispatch import replay_elsewhere_async
+        from axrl_spike_replay.investigation.elsewhere import replay_elsewhere_async
 
-        run, remote = options(report), where.remote_options()
-        return await replay_elsewhere_async(snapshot, run, remote, verb=verb, configs=configs)
+        return await replay_elsewhere_async(dataclasses.replace(request, progress=report))
 
-    result = await call_library(ctx, here)
-    return await call_async_library(ctx, elsewhere) if result is _ELSEWHERE else result
+    return await call_async_library(ctx, elsewhere)
+
+
+def _request(ctx: Context, **arguments: Any) -> Any:
+    """The library's ReplayRequest for a tool's arguments (built in a worker thread: it may read config files)."""
+
+    def build(progress: Progress, cancel: threading.Event) -> Any:
+        from axrl_spike_replay.investigation.request import replay_request
+
+        return replay_request(**arguments)
+
+    return call_library(ctx, build)
 
 
 def register(server: MCPServer, config: ServerConfig) -> None:
@@ -196,11 +153,24 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         `baseline_not_a_spike` when the baseline is under the threshold). Writes
         tmp/spike-replay/<job>/<timestamp>/ (command.txt, logs, replay_result.json) and logs the attempt in the
         job's task file. Reports progress; cancelling the call stops a remote run (its process group)."""
-        where = Where(
-            target, backend, str(config.path(patch)) if patch else None, remote_python, accept_new_host_key, timeout_s
+        request = await _request(
+            ctx,
+            snapshot=config.path(snapshot),
+            verb="replay",
+            mitigations=mitigations,
+            repeat=repeat,
+            target=target,
+            backend=backend,
+            patch=config.path(patch) if patch else None,
+            remote_python=remote_python,
+            accept_new_host_key=accept_new_host_key,
+            timeout_s=timeout_s,
+            nproc=nproc,
+            device=device,
+            workspace=config.workspace_for(workspace),
+            job=job,
         )
-        values = dict(mitigations=mitigations, nproc=nproc, device=device, repeat=repeat, job=job)
-        return await _dispatch(ctx, config, workspace, config.path(snapshot), "replay", [], where, values)
+        return await _run(ctx, request)
 
     @server.tool(name="sweep", title="Compare many mitigation configs on one snapshot", annotations=REPLAYS)
     async def sweep_tool(
@@ -222,9 +192,21 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         change vs baseline and verdict per config. Each config's replay_result.json lands under one
         tmp/spike-replay/<job>/<timestamp>/ and every config is logged in the task file. Returns a bar chart of
         the grad norms. Reports progress; cancelling the call stops a remote run."""
-        where = Where(target, "torch", None, remote_python, accept_new_host_key, timeout_s)
-        values = dict(nproc=nproc, device=device, job=job)
-        result = await _dispatch(ctx, config, workspace, config.path(snapshot), "sweep", configs, where, values)
+        request = await _request(
+            ctx,
+            snapshot=config.path(snapshot),
+            verb="sweep",
+            configs=configs,
+            target=target,
+            remote_python=remote_python,
+            accept_new_host_key=accept_new_host_key,
+            timeout_s=timeout_s,
+            nproc=nproc,
+            device=device,
+            workspace=config.workspace_for(workspace),
+            job=job,
+        )
+        result = await _run(ctx, request)
         images = [await anyio.to_thread.run_sync(_sweep_png, result)] if plot else []
         return structured(SweepResult, result, images)
 
@@ -256,23 +238,23 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         carry the spike; cross-check them with analyze_batch's outliers. Writes attribution.json under
         tmp/spike-replay/<job>/<timestamp>/."""
         target = config.path(snapshot)
-        root = config.workspace_for(workspace)
+        request = await _request(
+            ctx,
+            snapshot=target,
+            verb="attribute",
+            top=top,
+            mitigations=mitigations,
+            method=method,
+            device=device,
+            workspace=config.workspace_for(workspace),
+            job=job,
+        )
 
         def work(progress: Progress, cancel: threading.Event) -> Any:
-            from axrl_spike_replay.replay.attribution import attribute_spike
+            from axrl_spike_replay.investigation.runs import run_here
 
             progress.message(f"attributing the spike of {target} to its samples ({method})")
-            found = attribute_spike(
-                target,
-                top,
-                mitigations=mitigations,
-                device=device,
-                method=method,
-                workspace=root,
-                job=job,
-                cancel=cancel,
-            )
-            return found
+            return run_here(dataclasses.replace(request, cancel=cancel))
 
         return await call_library(ctx, work)
 

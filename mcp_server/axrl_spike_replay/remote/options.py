@@ -21,13 +21,4 @@ class RemoteOptions:
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ConfigError(f"--timeout must be a positive number of seconds, got {self.timeout_s!r}")
-
-    def check_local_torch(self) -> None:
-        """ConfigError for options that mean nothing to a local torch replay."""
-        if self.patch:
-            raise ConfigError(
-                "--patch applies to the training checkout the command backend runs; add --backend command"
-            )
-        if self.timeout_s is not None:
-            raise ConfigError("--timeout applies to runs on a --target or with --backend command")
+            raise ConfigError(f"`timeout_s` must be a positive number of seconds, got {self.timeout_s!r}", "timeout_s")

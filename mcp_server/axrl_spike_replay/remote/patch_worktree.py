@@ -29,10 +29,10 @@ def read_patch(patch: str | Path) -> tuple[bytes, str]:
     """(bytes, sha256) of a patch file; ConfigError when missing or empty."""
     path = Path(patch).expanduser()
     if not path.is_file():
-        raise ConfigError(f"--patch {path}: file not found")
+        raise ConfigError(f"`patch` {path}: file not found", "patch")
     data = path.read_bytes()
     if not data.strip():
-        raise ConfigError(f"--patch {path}: the file is empty")
+        raise ConfigError(f"`patch` {path}: the file is empty", "patch")
     return data, hashlib.sha256(data).hexdigest()
 
 

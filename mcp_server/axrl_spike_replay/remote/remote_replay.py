@@ -58,8 +58,9 @@ def plan_processes(device: str, nproc: int | None, world_size: int, node: NodeRe
     """Processes for the node: as given, else one per saved rank on CPU, or one per GPU up to the world size."""
     if device == "cuda" and node.gpu_count == 0:
         raise ConfigError(
-            f"--device cuda: {node.target} has no GPU ({'; '.join(node.notes) or 'nvidia-smi lists none'}); "
-            "use --device cpu"
+            f"`device` cuda: {node.target} has no GPU ({'; '.join(node.notes) or 'nvidia-smi lists none'}); "
+            "use `device` cpu",
+            "device",
         )
     if nproc is not None:
         return nproc

@@ -29,7 +29,7 @@ from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
 from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, parse_config
 from axrl_spike_replay.replay.result import Attribution, SampleContribution
-from axrl_spike_replay.replay.run_dir import RunDir, command_line
+from axrl_spike_replay.replay.run_dir import RunDir, RunRecorder, command_line
 from axrl_spike_replay.replay.verdict import rel_diff
 from axrl_spike_replay.replay.worker import RankInputs, build_model
 from axrl_spike_replay.training.policy_loss import expand_advantages, policy_loss
@@ -192,25 +192,27 @@ def attribute_spike(
     mitigations: dict[str, Any] | None = None,
     device: str = "cpu",
     method: str = "jvp",
-    workspace: str | Path | None = None,
+    recorder: RunRecorder | None = None,
     job: str | None = None,
     command: str | None = None,
     cancel: threading.Event | None = None,
 ) -> Attribution:
     """Rank the samples of a snapshot's step by their contribution to the replayed global grad norm.
 
-    Setting `cancel` stops the work between its stages (RunCancelled)."""
+    `recorder` opens the output dir (None: nothing written). Setting `cancel` stops the work between
+    its stages (RunCancelled). `investigation.request` validates top and method for the faces."""
     if method not in METHODS:
-        raise ConfigError(f"method must be one of {METHODS}, got {method!r}")
+        raise ConfigError(f"`method` must be one of {', '.join(METHODS)}, got {method!r}", "method")
     if not isinstance(top, int) or top < 1:
-        raise ConfigError(f"--top must be an integer >= 1, got {top!r}")
+        raise ConfigError(f"`top` must be an integer >= 1, got {top!r}", "top")
     check_device(device)
     start = time.perf_counter()
     with replay_dir_for(snapshot) as (replay_dir, legacy):
         inputs = load_inputs(snapshot, replay_dir, legacy)
         cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing)
         check_configs(inputs, [cfg])
-        run = RunDir.create(workspace, job or inputs.job_name or "spike")
+        job_name = job or inputs.job_name or "spike"
+        run = recorder.open_run(job_name) if recorder is not None else RunDir(None)
         run.write_command(command or command_line("attribute", str(snapshot), {"top": top, "device": device}))
         threads = torch.get_num_threads()
         torch.set_num_threads(1)

@@ -25,7 +25,7 @@ from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_in
 from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, mitigation_args, parse_config
 from axrl_spike_replay.replay.result import ReplayResult
-from axrl_spike_replay.replay.run_dir import RunDir, command_line, now_iso
+from axrl_spike_replay.replay.run_dir import RunDir, RunRecorder, command_line, now_iso
 from axrl_spike_replay.replay.verdict import (
     baseline_verdict,
     is_spike,
@@ -47,12 +47,10 @@ class ReplayOptions:
     device: str = "cpu"
     mitigations: Mapping[str, Any] = field(default_factory=dict)  # one config {name: value}
     repeat: int = 1  # >1: recompute that many times and report the spread (determinism check)
-    workspace: str | Path | None = None  # output under <workspace>/tmp/spike-replay/<job>/<timestamp>/
     job: str | None = None  # default: the snapshot's job name
     command: str | None = None  # the command line to record in command.txt (default: the equivalent CLI)
     top_params: int = 10
-    backend: str = "torch"  # "torch" (built in) | "command" (remote/)
-    target: str = "local"  # "local" or an SSH target (remote/)
+    recorder: RunRecorder | None = None  # opens the output dir and records the run (None: nothing written)
     timeout_s: float = 1800.0  # collective timeout of the replay processes
     progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
     cancel: threading.Event | None = field(default=None, compare=False, repr=False)  # set: stop the run
@@ -61,13 +59,15 @@ class ReplayOptions:
 def check_device(device: str) -> str:
     """`device` when this machine has it; ConfigError otherwise."""
     if device not in DEVICES:
-        raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+        raise ConfigError(f"`device` must be one of {', '.join(DEVICES)}, got {device!r}", "device")
     if device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             build = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
-            raise ConfigError(f"--device cuda: CUDA is not available on this machine ({build}); use --device cpu")
+            raise ConfigError(
+                f"`device` cuda: CUDA is not available on this machine ({build}); use `device` cpu", "device"
+            )
     return device
 
 
@@ -212,12 +212,11 @@ class ReplaySession:
         )
 
     def record(self, result: ReplayResult, path: Path | None) -> str | None:
-        """Log a written result into the job's task file when one is open; the experiment id."""
-        if self.run.path is None or path is None or self.options.workspace is None:
+        """Hand a written result to the recorder (the job's task file, when one is open); the experiment id."""
+        recorder = self.options.recorder
+        if self.run.path is None or path is None or recorder is None:
             return None
-        from axrl_spike_replay.workspace.task_log import record_replay
-
-        exp_id = record_replay(Path(self.options.workspace), self.job, result, path)
+        exp_id = recorder.replayed(self.job, result, path)
         if exp_id:
             self.log(f"{result.config_id}: logged in the task file of job {self.job} as {exp_id}")
         return exp_id
@@ -228,15 +227,7 @@ def _fmt(value: float | None) -> str:
 
 
 def _check_options(options: ReplayOptions) -> None:
-    if options.backend != "torch" or options.target != "local":
-        raise ConfigError(
-            f"backend {options.backend!r} on target {options.target!r} is not run by the torch engine; "
-            "use replay.dispatch to choose the backend"
-        )
-    if not isinstance(options.repeat, int) or options.repeat < 1:
-        raise ConfigError(f"--repeat must be an integer >= 1, got {options.repeat!r}")
-    if not isinstance(options.top_params, int) or options.top_params < 0:
-        raise ConfigError(f"top_params must be an integer >= 0, got {options.top_params!r}")
+    """What only this machine can tell (the request checked every field): is the device here?"""
     check_device(options.device)
 
 
@@ -257,7 +248,7 @@ def replay_session(
         check_configs(inputs, applied)
         plan = plan_layout(inputs.world_size, options.nproc)
         session = ReplaySession(inputs, plan, applied, options)
-        session.run = RunDir.create(options.workspace, session.job)
+        session.run = options.recorder.open_run(session.job) if options.recorder else RunDir(None)
         if verb == "replay":
             mitigation = [item for c in applied[1:] for item in mitigation_args(c.mitigations)]
         else:
@@ -289,16 +280,11 @@ def replay_session(
 
 
 def _record_failure(session: ReplaySession, error: str, command: str, path: Path | None) -> None:
-    from axrl_spike_replay.workspace.task_log import record_failure
-
-    fail_id = record_failure(
-        Path(session.options.workspace or "."),
-        session.job,
-        reason=error,
-        command=command,
-        snapshot=session.inputs.snapshot,
-        target="local",
-        result_path=path,
+    recorder = session.options.recorder
+    if recorder is None:
+        return
+    fail_id = recorder.failed(
+        session.job, reason=error, command=command, snapshot=session.inputs.snapshot, result_path=path
     )
     if fail_id:
         session.log(f"failure logged in the task file of job {session.job} as {fail_id}")

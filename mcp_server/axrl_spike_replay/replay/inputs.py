@@ -23,7 +23,7 @@ from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 # Sections the engine rebuilds from, and sections it reads but need not rebuild (the trainer's own).
 ENGINE_SECTIONS = ("model", "loss", "routing", "parallel")
 INFO_SECTIONS = ("train", "detector")
-COMMAND_BACKEND_HINT = "use the command backend (`--backend command`) with the trainer's own replay command"
+COMMAND_BACKEND_HINT = "use the command backend (`backend` command) with the trainer's own replay command"
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,12 @@ def plan_layout(world_size_saved: int, nproc: int | None = None) -> LayoutPlan:
     if nproc is None:
         nproc = world_size_saved
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
-        raise ConfigError(f"--nproc must be an integer >= 1, got {nproc!r}")
+        raise ConfigError(f"`nproc` must be an integer >= 1, got {nproc!r}", "nproc")
     if nproc > world_size_saved:
         raise ConfigError(
-            f"--nproc {nproc} is larger than the saved world size {world_size_saved}; use at most "
-            f"{world_size_saved} (full fidelity) or fewer (reduced fidelity)"
+            f"`nproc` {nproc} is larger than the saved world size {world_size_saved}; use at most "
+            f"{world_size_saved} (full fidelity) or fewer (reduced fidelity)",
+            "nproc",
         )
     assignment = tuple(
         tuple(range(p * world_size_saved // nproc, (p + 1) * world_size_saved // nproc)) for p in range(nproc)

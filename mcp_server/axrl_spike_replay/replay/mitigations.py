@@ -556,10 +556,12 @@ def parse_mitigation_args(items: Sequence[str]) -> dict[str, Any]:
         name, sep, value = str(item).partition("=")
         name = name.strip()
         if name in doc:
-            raise ConfigError(f"--mitigation {name} is given twice; give each mitigation once per config")
+            raise ConfigError(
+                f"`mitigations` {name} is given twice; give each mitigation once per config", "mitigations"
+            )
         mitigation = _lookup(name)
         if not sep and mitigation.bare is None:
-            raise ConfigError(f"--mitigation {name} needs a value: {name}=VALUE ({mitigation.values})")
+            raise ConfigError(f"`mitigations` {name} needs a value: {name}=VALUE ({mitigation.values})", "mitigations")
         doc[name] = value if sep else None
     return parse_config(doc, "--mitigation")
 

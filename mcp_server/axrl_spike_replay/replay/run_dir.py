@@ -1,4 +1,7 @@
-"""A replay's output dir in the workspace: `tmp/spike-replay/<job>/<timestamp>/` with command, log and results.
+"""A replay's output dir (in a workspace: `tmp/spike-replay/<job>/<timestamp>/`) with command, log and results.
+
+The engine writes into a dir it is given; where that dir lies and who is told about the run is the
+caller's business (`RunRecorder`; `investigation.recording` puts it in the workspace and the task file).
 
 Results are written atomically and only once the replay has finished: a reader sees a complete
 `replay_result.json` or none. A run that fails after its dir exists writes a result whose verdict
@@ -10,12 +13,11 @@ from __future__ import annotations
 import datetime as dt
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from axrl_spike_replay.atomic import atomic_write_json, atomic_write_text
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.replay.result import ReplayResult
-from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
 
 RESULT_FILE = "replay_result.json"
 COMMAND_FILE = "command.txt"
@@ -35,21 +37,18 @@ class RunDir:
         self._log: list[str] = []
 
     @classmethod
-    def create(cls, workspace: str | Path | None, job: str) -> RunDir:
-        """A new `<workspace>/tmp/spike-replay/<job>/<timestamp>/` (a suffix keeps it unique)."""
-        if workspace is None:
-            return cls(None)
-        root = job_tmp_dir(check_workspace(workspace), check_plain_name(job, "job name"))
+    def new_in(cls, parent: Path) -> RunDir:
+        """A new `<parent>/<timestamp>/` (a suffix keeps it unique)."""
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        root.mkdir(parents=True, exist_ok=True)
+        parent.mkdir(parents=True, exist_ok=True)
         for n in range(1000):
-            path = root / (stamp if n == 0 else f"{stamp}-{n}")
+            path = parent / (stamp if n == 0 else f"{stamp}-{n}")
             try:
                 path.mkdir()
                 return cls(path)
             except FileExistsError:
                 continue
-        raise FileExistsError(f"{root}: no free timestamp dir for {stamp}")
+        raise FileExistsError(f"{parent}: no free timestamp dir for {stamp}")
 
     def write_command(self, command: str) -> None:
         if self.path is not None:
@@ -82,6 +81,23 @@ class RunDir:
         if self.path is None:
             return None
         return atomic_write_json(self.path / name, to_jsonable(doc))
+
+
+class RunRecorder(Protocol):
+    """Where a run's output goes and who is told about it; the engine calls it, orchestration provides it."""
+
+    def open_run(self, job: str) -> RunDir:
+        """A new output dir for a run of `job`."""
+        ...
+
+    def replayed(self, job: str, result: ReplayResult, path: Path) -> str | None:
+        """A finished result written at `path`; the id it was recorded under, if any."""
+        ...
+
+    def failed(self, job: str, *, reason: str, command: str, snapshot: str, result_path: Path | None) -> str | None:
+        """A run that failed after its output dir was made; the id it was recorded under, if any."""
+        ...
+
 
 
 def command_line(verb: str, snapshot: str, options: dict[str, Any]) -> str:

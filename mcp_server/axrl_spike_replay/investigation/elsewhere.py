@@ -1,6 +1,6 @@
-"""Replays that do not run in this process tree: the torch backend on an SSH target, and the command backend.
+"""Requests that do not run in this process tree: the torch backend on an SSH target, and the command backend.
 
-`replay.dispatch` sends every replay or sweep that is not `torch` on `local` here. One SSH
+`investigation.runs` sends every replay or sweep that is not `torch` on `local` here. One SSH
 connection serves the whole run (probe, upload, command, result download, clean-up).
 """
 
@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.investigation.recording import new_run_dir
+from axrl_spike_replay.investigation.request import ReplayRequest
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.command_backend import CommandRequest, run_command_backend
 from axrl_spike_replay.remote.connect import connect_settings
@@ -25,55 +27,28 @@ from axrl_spike_replay.remote.remote_replay import RemoteReplayRequest, plan_pro
 from axrl_spike_replay.remote.results import snapshot_facts
 from axrl_spike_replay.remote.session import RemoteSession, open_session
 from axrl_spike_replay.remote.workspace_config import ResolvedTarget, load_workspace_config, resolve_target
-from axrl_spike_replay.replay.engine import ReplayOptions
-from axrl_spike_replay.replay.mitigations import check_distinct, parse_config
 from axrl_spike_replay.replay.result import ReplayResult
-from axrl_spike_replay.replay.run_dir import RunDir
 from axrl_spike_replay.replay.sweep import SweepResult
 
 T = TypeVar("T")
 
 
-def check_remote_request(options: ReplayOptions, remote: RemoteOptions, verb: str) -> None:
-    """Refuse combinations that cannot work, before anything connects or is written."""
-    if options.backend == "command":
-        if options.mitigations:
-            raise ConfigError(
-                "--mitigation does not apply to --backend command (the external command knows nothing of them); "
-                "express the change as --patch FILE.diff"
-            )
-        if verb == "sweep":
-            raise ConfigError(
-                "sweep runs the torch backend; with --backend command run `replay --patch FILE.diff` per change"
-            )
-    elif remote.patch:
-        raise ConfigError("--patch applies to the training checkout the command backend runs; add --backend command")
-    if options.target == "local" and options.backend == "torch":
-        raise ConfigError("the torch backend on target 'local' runs in this process tree (replay.dispatch)")
-
-
-async def replay_elsewhere_async(
-    snapshot: str | Path,
-    options: ReplayOptions,
-    remote: RemoteOptions | None = None,
-    *,
-    verb: str = "replay",
-    configs: Sequence[Mapping[str, Any]] = (),
-) -> ReplayResult | SweepResult:
+async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | SweepResult:
     """Run a replay (or a torch sweep) on an SSH target and/or with the command backend; results written locally."""
-    remote = remote or RemoteOptions()
-    check_remote_request(options, remote, verb)
+    if request.runs_here:
+        raise ConfigError("the torch backend on target 'local' runs in this process tree (investigation.runs)")
+    options, remote, verb = request, request.remote_options(), request.verb
+    snapshot = request.snapshot
     facts = snapshot_facts(snapshot)
-    workspace = Path(options.workspace) if options.workspace is not None else Path(".")
+    workspace = request.workspace if request.workspace is not None else Path(".")
     config = load_workspace_config(workspace)
-    mitigations = parse_config(options.mitigations) if options.mitigations else {}
-    normalised = [parse_config(c, f"config {i + 1}") for i, c in enumerate(configs)]
-    if verb == "sweep":
-        check_distinct(normalised)
+    mitigations = dict(request.mitigations)
+    normalised = [dict(c) for c in request.configs]
     if options.backend == "command" and config.command_backend is None:
         raise ConfigError(
-            f"--backend command needs a command_backend section in {workspace / 'spike-replay.yaml'} "
-            "(workdir, command with {snapshot} and {out})"
+            f"`backend` command needs a command_backend section in {workspace / 'spike-replay.yaml'} "
+            "(workdir, command with {snapshot} and {out})",
+            "backend",
         )
     resolved = None if options.target == "local" else resolve_target(options.target, config, remote.remote_python)
     job = options.job or facts.job
@@ -90,10 +65,10 @@ async def replay_elsewhere_async(
                 if node.temp_dir:
                     await session.remove_temp_dir(node.temp_dir)
                 raise
-        run = RunDir.create(workspace, job)
+        run = new_run_dir(workspace, job)
         on_line = _echo(options, session.label)
         if options.backend == "command":
-            request = CommandRequest(
+            command_request = CommandRequest(
                 facts=facts,
                 backend=config.command_backend,  # type: ignore[arg-type]
                 patch=remote.patch,
@@ -103,7 +78,7 @@ async def replay_elsewhere_async(
                 node=node.node_field() if node else None,
             )
             result: ReplayResult | SweepResult = await run_command_backend(
-                session, request, run, workspace=workspace, on_line=on_line, progress=options.progress
+                session, command_request, run, workspace=workspace, on_line=on_line, progress=options.progress
             )
         else:
             assert isinstance(session, RemoteSession) and resolved is not None and node is not None
@@ -130,20 +105,10 @@ async def replay_elsewhere_async(
     return result
 
 
-def replay_elsewhere(
-    snapshot: str | Path,
-    options: ReplayOptions,
-    remote: RemoteOptions | None = None,
-    *,
-    verb: str = "replay",
-    configs: Sequence[Mapping[str, Any]] = (),
-) -> ReplayResult | SweepResult:
-    """Synchronous `replay_elsewhere_async`. Ctrl-C, or setting `remote.cancel`, stops the run: the remote
+def replay_elsewhere(request: ReplayRequest) -> ReplayResult | SweepResult:
+    """Synchronous `replay_elsewhere_async`. Ctrl-C, or setting `request.cancel`, stops the run: the remote
     process group is killed and the failed result (with the partial logs) is written."""
-    cancel = remote.cancel if remote is not None else None
-    return asyncio.run(
-        _cancellable(replay_elsewhere_async(snapshot, options, remote, verb=verb, configs=configs), cancel)
-    )
+    return asyncio.run(_cancellable(replay_elsewhere_async(request), request.cancel))
 
 
 async def _cancellable(work: Awaitable[T], cancel: threading.Event | None) -> T:
@@ -174,7 +139,7 @@ async def _session(resolved: ResolvedTarget | None, remote: RemoteOptions) -> As
         await run_to_completion(session.close())
 
 
-def _echo(options: ReplayOptions, label: str) -> LineCallback | None:
+def _echo(options: ReplayRequest, label: str) -> LineCallback | None:
     """Mirror the run's stderr (and a command's stdout) as progress lines, tagged with the target."""
     if options.progress is None:
         return None

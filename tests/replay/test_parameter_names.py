@@ -1,0 +1,59 @@
+"""A library error names the request parameter it is about, neutrally; the CLI shows it as its option."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from axrl_spike_replay.cli import main
+from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.investigation.runs import run_request
+
+
+@pytest.mark.parametrize(
+    ("arguments", "parameter"),
+    [
+        ({"verb": "attribute", "top": 0}, "top"),
+        ({"device": "tpu"}, "device"),
+        ({"nproc": 0}, "nproc"),
+        ({"repeat": 0}, "repeat"),
+        ({"timeout_s": 5.0}, "timeout_s"),
+        ({"backend": "command", "mitigations": {"advantage_clip": 1}}, "mitigations"),
+        ({"patch": "fix.diff"}, "patch"),
+    ],
+)
+def test_the_request_names_the_parameter_it_refuses(spike_snapshot: Path, arguments: dict, parameter: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        replay_request(spike_snapshot, **arguments)
+    assert info.value.parameter == parameter
+    assert f"`{parameter}`" in str(info.value) and "--" not in str(info.value)
+
+
+def test_the_engine_names_the_parameter_too(spike_snapshot: Path) -> None:
+    with pytest.raises(ConfigError, match="`nproc` 3 is larger than the saved world size 2") as info:
+        run_request(replay_request(spike_snapshot, nproc=3))
+    assert info.value.parameter == "nproc"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["replay", "{snap}", "--nproc", "3"], "--nproc 3 is larger than the saved world size 2"),
+        (["replay", "{snap}", "--timeout", "5"], "--timeout applies to runs on a --target or with --backend command"),
+        (["replay", "{snap}", "--patch", "fix.diff"], "--patch applies to the training checkout"),
+        (
+            ["replay", "{snap}", "--backend", "command", "--mitigation", "advantage_clip=1"],
+            "--mitigation cannot be used with --backend command",
+        ),
+        (["attribute", "{snap}", "--top", "0"], "--top must be an integer >= 1"),
+    ],
+)
+def test_the_cli_spells_the_parameter_as_its_option(
+    spike_snapshot: Path, workspace: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    argv = [a.format(snap=spike_snapshot) for a in argv] + ["--workspace", str(workspace)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "`" not in err and "Traceback" not in err
