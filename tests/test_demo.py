@@ -47,14 +47,22 @@ def test_demo_leaves_a_task_file_method_files_and_a_report(demo_run: dict) -> No
     method = (Path(demo_run["workspace"]) / "spike-mitigation-methods" / "token-mismatch-tis-clip-2.md").read_text()
     assert "status: proven" in method and "verdict: cleared" in method
     report = Path(demo_run["report"]).read_text()
-    rows = [line.split("|") for line in report.splitlines() if line.startswith("| E")]
-    baseline = [cells for cells in rows if cells[-2].strip() == "reproduced"]
-    assert baseline and all(cells[3].strip() == "full" for cells in baseline), "no full-fidelity reproduced baseline"
-    tis = [cells for cells in rows if cells[2].strip() == "mismatch_token_clip_max=2"]
-    assert tis and tis[0][9].strip() == "cleared", tis
+    baseline = _table_rows(report, "## Baseline replay")
+    assert baseline and all(r["verdict"] == "reproduced" and r["fidelity"] == "full" for r in baseline)
+    attempts = _table_rows(report, "## Mitigation attempts")
+    tis = [r for r in attempts if r["mitigations / patch"] == "mismatch_token_clip_max=2"]
+    assert [r["verdict"] for r in tis] == ["cleared"]
     assert "token-mismatch-tis-clip-2" in report.split("## Methods added", 1)[1]
 
 
 def test_demo_releases_its_preserved_copy_and_keeps_the_original(demo_run: dict) -> None:
     assert not Path(demo_run["preserved"]).exists()
     assert (Path(demo_run["snapshot"]) / "axrl_metadata.json").is_file()
+
+
+def _table_rows(markdown: str, heading: str) -> list[dict[str, str]]:
+    """The rows of the first table under `heading`, as {column: cell}."""
+    lines = markdown.split(heading, 1)[1].split("\n## ", 1)[0].splitlines()
+    table = [line.strip().strip("|").split("|") for line in lines if line.startswith("|")]
+    header = [cell.strip() for cell in table[0]]
+    return [dict(zip(header, (cell.strip() for cell in row), strict=True)) for row in table[2:]]

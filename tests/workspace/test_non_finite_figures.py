@@ -11,8 +11,8 @@ import pytest
 from record_helpers import JOB, SpikeRun, replay_result
 
 from axrl_spike_replay.cli import main
+from axrl_spike_replay.investigation.recording import new_run_dir
 from axrl_spike_replay.jsonable import to_jsonable
-from axrl_spike_replay.replay.run_dir import RunDir
 from axrl_spike_replay.workspace.evidence import row_result
 from axrl_spike_replay.workspace.task_log import record_replay
 from axrl_spike_replay.workspace.task_state import open_task, read_state
@@ -41,7 +41,7 @@ def test_an_overflowed_replay_is_null_in_the_result_file_the_task_and_json(
         baseline_grad_norm=37.0,
         change_vs_baseline=math.inf,
     )
-    run = RunDir.create(tmp_path, JOB)
+    run = new_run_dir(tmp_path, JOB)
     path = run.write_result(result)
     assert path is not None
     doc = strict_json(path.read_text())
