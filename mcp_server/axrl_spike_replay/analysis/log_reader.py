@@ -174,6 +174,11 @@ class _Reader:
     def _split_long(data: bytes) -> Iterator[tuple[str, bytes]]:
         """`data` (b"\\n" + lines) as blocks of lines of at most MAX_LINE_CHARS bytes, and the longer lines."""
         start = 0  # data[start] is the b"\\n" that opens the next block
+        # a line longer than 2 * step holds a whole aligned step of bytes without a newline: cheap to rule out
+        step = MAX_LINE_CHARS // 2
+        if all(data.find(b"\n", at, at + step) >= 0 for at in range(0, len(data) - step, step)):
+            yield "lines", data
+            return
         for match in _LONG.finditer(data):
             if match.start() > start:
                 yield "lines", data[start : match.start() + 1]
@@ -254,9 +259,15 @@ def _plain_megatron_block(data: bytes, file: str, tally: LogTally) -> bool:
     if others.points:
         return False
     points = tally.points
-    for iteration, loss, grad in zip(map(int, parts[2::3]), loss_values, grad_values, strict=True):
-        tally.repeated += iteration in points
-        points[iteration] = {"iteration": iteration, "grad_norm": float(grad), "loss": float(loss)}
+    read = {
+        iteration: {"iteration": iteration, "grad_norm": grad, "loss": loss}
+        for iteration, loss, grad in zip(
+            map(int, parts[2::3]), map(float, loss_values), map(float, grad_values), strict=True
+        )
+    }
+    # each line whose iteration was logged before counts, as the reference loop counts it
+    tally.repeated += count - len(read) + len(read.keys() & points.keys())
+    points.update(read)
     tally.lines += data.count(b"\n") - data.endswith(b"\n")
     tally.long_lines += others.long_lines
     tally.error_lines += others.error_lines

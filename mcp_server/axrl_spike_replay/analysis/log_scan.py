@@ -143,17 +143,24 @@ def _spikes(series: list[dict[str, Any]], detector: Detector) -> list[dict[str, 
     quick = isinstance(detector, MedianRatioDetector)
     below = detector.threshold * (1 - 1e-9)  # margin: value / median <= value / smallest < threshold, rounded
     history = detector.history if quick else None
+    smallest = min(history, default=math.inf) if history is not None else math.inf
     spikes = []
     for point in series:
         norm = point["grad_norm"]
         if norm is None:
             continue
-        if history is not None and len(history) >= detector.warmup and math.isfinite(norm):
-            smallest = min(history)
-            if smallest > 0 and norm <= below * smallest:
-                history.append(norm)
-                continue
+        settled = history is not None and len(history) >= detector.warmup and math.isfinite(norm)
+        if settled and smallest > 0 and norm <= below * smallest:
+            evicted = history[0] if len(history) == history.maxlen else None
+            history.append(norm)
+            if norm < smallest:
+                smallest = norm
+            elif evicted == smallest:
+                smallest = min(history)
+            continue
         seen = detector.observe(norm)
+        if history is not None:
+            smallest = min(history, default=math.inf)
         if seen.tripped:
             spikes.append(
                 {
