@@ -14,6 +14,7 @@ read or the copy dir written.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -25,6 +26,7 @@ from typing import Any
 
 from axrl_spike_replay.analysis.log_lines import error_kind, key_values, parse_line
 from axrl_spike_replay.analysis.log_reader import MAX_ERRORS, MAX_LINE_CHARS, LogTally, scan_file
+from axrl_spike_replay.analysis.series_sampling import DEFAULT_LIMIT, sampled_series
 from axrl_spike_replay.atomic import temp_beside
 from axrl_spike_replay.capture.detectors import Detector, MedianRatioDetector, make_detector
 from axrl_spike_replay.containment import is_inside, resolved_text
@@ -39,7 +41,16 @@ MAX_SKIPPED = 200
 _COPY_BYTES = 64 * 1024 * 1024  # per sendfile call: the copy checks for cancellation between them
 _DEFAULT_DETECTOR: dict[str, Any] = {"kind": "median_ratio", "window": 20, "threshold": 5.0, "warmup": 10}
 
-__all__ = ["MAX_ERRORS", "MAX_LINE_CHARS", "LogScan", "error_kind", "key_values", "parse_line", "scan_logs"]
+__all__ = [
+    "MAX_ERRORS",
+    "MAX_LINE_CHARS",
+    "LogScan",
+    "error_kind",
+    "key_values",
+    "parse_line",
+    "scan_logs",
+    "with_sampled_series",
+]
 
 
 @dataclass
@@ -62,6 +73,15 @@ class LogScan:
     detector: dict[str, Any] = field(default_factory=dict)
     long_lines: int = 0
     skipped: list[dict[str, str]] = field(default_factory=list)
+    series_total: int = 0  # iterations in the whole series; `series_points` may hold a sample of them
+    series_sampled: bool = False
+
+
+def with_sampled_series(scan: LogScan, limit: int = DEFAULT_LIMIT) -> LogScan:
+    """`scan` with its series down-sampled to about `limit` points (spikes and their neighbourhoods exact)."""
+    points = sampled_series(scan.series_points, [s["iteration"] for s in scan.spikes], limit=limit)
+    sampled = len(points) < len(scan.series_points)
+    return dataclasses.replace(scan, series_points=points, series_sampled=sampled or scan.series_sampled)
 
 
 def _leaves(entry: Path, root: Path) -> str:
@@ -303,4 +323,5 @@ def scan_logs(
         detector={**detector.config(), "source": source or "defaults"},
         long_lines=tally.long_lines,
         skipped=skipped[:MAX_SKIPPED],
+        series_total=len(series),
     )
