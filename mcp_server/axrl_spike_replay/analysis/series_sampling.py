@@ -8,11 +8,16 @@ equal buckets, so the envelope of the curve (and any bump the detector did not f
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from typing import Any
 
 DEFAULT_LIMIT = 2000
 DEFAULT_AROUND = 20
+
+
+def _iteration(point: dict[str, Any]) -> int:
+    return point["iteration"]
 
 
 def sampled_series(
@@ -26,11 +31,10 @@ def sampled_series(
     `points` itself when it is no longer than `limit`."""
     if len(points) <= limit:
         return list(points)
-    position = {p["iteration"]: i for i, p in enumerate(points)} if spike_iterations else {}
     keep = {0, len(points) - 1}
-    for iteration in spike_iterations:
-        at = position.get(iteration)
-        if at is not None:
+    for iteration in spike_iterations:  # points are in iteration order: found by bisection, no index built
+        at = bisect_left(points, iteration, key=_iteration)
+        if at < len(points) and points[at]["iteration"] == iteration:
             keep.update(range(max(0, at - around), min(len(points), at + around + 1)))
     buckets = max(1, (limit - len(keep)) // 2)
     size = -(-len(points) // buckets)
