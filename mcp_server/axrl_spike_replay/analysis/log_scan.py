@@ -1,31 +1,34 @@
 """Copy a job's training logs into the workspace and scan them: grad-norm/loss series, spikes, error lines.
 
-Understood line formats (both streamed line by line, so logs of any size are fine):
-- Megatron-style: `iteration 12/ 1000 | ... | lm loss: 1.2E+00 | ... | grad norm: 3.4 | ...`
-- key=value (or key:value): `step=12 grad_norm=3.4 loss=0.1`, `step:12 - actor/grad_norm:3.4 - actor/pg_loss:0.1`
+Lines are read by `log_lines` (Megatron-style and key=value lines, error kinds), streamed by `log_reader`
+(large binary reads, per-line work only for lines that can match, memory flat in the file size).
 
 Spikes are found by the spike guard's own detector (`capture.detectors`, ratio to the rolling
 median of healthy norms by default), with the run's own detector settings where its snapshots
 hold them, run over the series in iteration order.
 
-Logs are untrusted text: every pattern here runs in time linear in the line, a line is never
-read past `MAX_LINE_CHARS` (longer ones are counted and skipped), and no symlink is followed out of
-the log dirs read or the copy dir written.
+Logs are untrusted text: every pattern runs in time linear in the line, a line is never held past
+`MAX_LINE_CHARS` (longer ones are counted and skipped), and no symlink is followed out of the log dirs
+read or the copy dir written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-import re
+import shutil
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from axrl_spike_replay.analysis.log_lines import error_kind, key_values, parse_line
+from axrl_spike_replay.analysis.log_reader import MAX_ERRORS, MAX_LINE_CHARS, LogTally, scan_file
+from axrl_spike_replay.analysis.series_sampling import DEFAULT_LIMIT, sampled_series
 from axrl_spike_replay.atomic import temp_beside
-from axrl_spike_replay.capture.detectors import make_detector
+from axrl_spike_replay.capture.detectors import Detector, MedianRatioDetector, make_detector
 from axrl_spike_replay.containment import is_inside, resolved_text
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError, ConfigError
@@ -34,34 +37,20 @@ from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, RUN_CONFIG, SNAPSHO
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 from axrl_spike_replay.workspace.paths import check_plain_name
 
-MAX_ERRORS = 200
 MAX_SKIPPED = 200
-# A training log line is at most a few KB; longer ones are skipped (only their start is checked for errors).
-MAX_LINE_CHARS = 64 * 1024
-_COPY_CHUNK = 1024 * 1024
-_CANCEL_EVERY_LINES = 256
+_COPY_BYTES = 64 * 1024 * 1024  # per sendfile call: the copy checks for cancellation between them
 _DEFAULT_DETECTOR: dict[str, Any] = {"kind": "median_ratio", "window": 20, "threshold": 5.0, "warmup": 10}
-_NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf(?:inity)?)"
-_MEGATRON = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|(.*)", re.IGNORECASE)
-# `key=value` pairs, found in linear time. A key is a run of [\w./-] from its first letter; the key can only
-# end where its run ends, so when the first letter of a run fails every later start in it fails too. The
-# pattern therefore starts only at a run's start (or right after the previous pair, `_KV_AT`), skips the
-# run's leading non-letters and matches key, separator and number possessively: no start is retried inside
-# a run and nothing backtracks (a plain `[A-Za-z_][\w./-]*` search is quadratic on a long word).
-# Same pairs as `([A-Za-z_][\w./-]*)\s*[=:]\s*(NUM)(?![\w.])` with findall.
-_KV_BODY = rf"(?:(?![A-Za-z_])[\w./-])*+([A-Za-z_][\w./-]*+)\s*+[=:]\s*+((?>{_NUM}))(?![\w.])"
-_KV_AT = re.compile(_KV_BODY, re.IGNORECASE)
-_KV_START = re.compile(rf"(?<![\w./-]){_KV_BODY}", re.IGNORECASE)
-_STEP_KEYS = {"step", "iteration", "iter", "global_step", "it"}
-_GRAD_KEYS = {"grad_norm", "gradnorm", "grad_norm_pre_clip", "global_grad_norm", "total_grad_norm"}
-_LOSS_KEYS = ("lm_loss", "loss", "total_loss", "train_loss", "policy_loss", "pg_loss")
-# Each of these is linear: one `\b` start per word and no nested or adjacent overlapping repeats.
-_ERRORS = (
-    ("traceback", re.compile(r"Traceback \(most recent call last\)")),
-    ("exception", re.compile(r"\b[A-Z]\w*(?:Error|Exception)\b(?::|\s*$)")),
-    ("error", re.compile(r"\b(?:ERROR|FATAL|CRITICAL)\b|CUDA out of memory|NCCL (?:error|timeout)", re.IGNORECASE)),
-    ("non_finite", re.compile(r"[:=]\s*[-+]?(?:nan|inf(?:inity)?)\b", re.IGNORECASE)),
-)
+
+__all__ = [
+    "MAX_ERRORS",
+    "MAX_LINE_CHARS",
+    "LogScan",
+    "error_kind",
+    "key_values",
+    "parse_line",
+    "scan_logs",
+    "with_sampled_series",
+]
 
 
 @dataclass
@@ -84,66 +73,15 @@ class LogScan:
     detector: dict[str, Any] = field(default_factory=dict)
     long_lines: int = 0
     skipped: list[dict[str, str]] = field(default_factory=list)
+    series_total: int = 0  # iterations in the whole series; `series_points` may hold a sample of them
+    series_sampled: bool = False
 
 
-def _leaf(key: str) -> str:
-    return key.rsplit("/", 1)[-1].lower().replace("-", "_").replace(" ", "_")
-
-
-def _float(text: str) -> float:
-    return float(text)
-
-
-def key_values(line: str) -> list[tuple[str, str]]:
-    """The `key=value` / `key:value` pairs (numeric values) of a line, left to right, in linear time."""
-    pairs: list[tuple[str, str]] = []
-    match = _KV_START.search(line)
-    while match:
-        pairs.append((match.group(1), match.group(2)))
-        end = match.end()
-        match = _KV_AT.match(line, end) or _KV_START.search(line, end)
-    return pairs
-
-
-def parse_line(line: str) -> tuple[int, float | None, float | None] | None:
-    """(iteration, grad_norm, loss) from one log line, or None when it carries no training step."""
-    match = _MEGATRON.search(line)
-    if match:
-        values: dict[str, float] = {}
-        for part in match.group(2).split("|"):
-            key, sep, value = part.partition(":")
-            if sep:
-                try:
-                    values[_leaf(key.strip())] = _float(value.strip().split()[0])
-                except (ValueError, IndexError):
-                    continue
-        grad = values.get("grad_norm")
-        loss = next((values[k] for k in _LOSS_KEYS if k in values), None)
-        if loss is None:
-            loss = next((v for k, v in values.items() if k.endswith("_loss") and k != "loss_scale"), None)
-        return int(match.group(1)), grad, loss
-    pairs = [(_leaf(k), v) for k, v in key_values(line)]
-    step = next((v for k, v in pairs if k in _STEP_KEYS), None)
-    if step is None:
-        return None
-    try:
-        iteration = int(float(step))
-    except (ValueError, OverflowError):
-        return None
-    found = dict(pairs)
-    grad = next((found[k] for k in found if k in _GRAD_KEYS or k.endswith("grad_norm")), None)
-    loss = next((found[k] for k in _LOSS_KEYS if k in found), None)
-    if grad is None and loss is None:
-        return None
-    return iteration, (_float(grad) if grad is not None else None), (_float(loss) if loss is not None else None)
-
-
-def error_kind(line: str) -> str | None:
-    """The kind of error a log line reports (traceback, exception, error, non_finite), or None."""
-    for kind, pattern in _ERRORS:
-        if pattern.search(line):
-            return kind
-    return None
+def with_sampled_series(scan: LogScan, limit: int = DEFAULT_LIMIT) -> LogScan:
+    """`scan` with its series down-sampled to about `limit` points (spikes and their neighbourhoods exact)."""
+    points = sampled_series(scan.series_points, [s["iteration"] for s in scan.spikes], limit=limit)
+    sampled = len(points) < len(scan.series_points)
+    return dataclasses.replace(scan, series_points=points, series_sampled=sampled or scan.series_sampled)
 
 
 def _leaves(entry: Path, root: Path) -> str:
@@ -215,19 +153,66 @@ def run_detector_config(paths: Sequence[str | Path]) -> tuple[dict[str, Any], st
     return {}, None
 
 
+def _spikes(series: list[dict[str, Any]], detector: Detector) -> list[dict[str, Any]]:
+    """The points of `series` the detector trips on, observed in order.
+
+    A median-ratio detector past warm-up cannot trip on a finite norm at most `threshold` x the window's
+    smallest (positive) norm, the median being at least that: such a norm joins the window without the median
+    being taken (the same window and trips as `observe`, at a fraction of its cost on long series).
+    """
+    quick = isinstance(detector, MedianRatioDetector)
+    below = detector.threshold * (1 - 1e-9)  # margin: value / median <= value / smallest < threshold, rounded
+    history = detector.history if quick else None
+    smallest = min(history, default=math.inf) if history is not None else math.inf
+    spikes = []
+    for point in series:
+        norm = point["grad_norm"]
+        if norm is None:
+            continue
+        settled = history is not None and len(history) >= detector.warmup and math.isfinite(norm)
+        if settled and smallest > 0 and norm <= below * smallest:
+            evicted = history[0] if len(history) == history.maxlen else None
+            history.append(norm)
+            if norm < smallest:
+                smallest = norm
+            elif evicted == smallest:
+                smallest = min(history)
+            continue
+        seen = detector.observe(norm)
+        if history is not None:
+            smallest = min(history, default=math.inf)
+        if seen.tripped:
+            spikes.append(
+                {
+                    "iteration": point["iteration"],
+                    "grad_norm": seen.grad_norm,
+                    "spike_ratio": seen.spike_ratio,
+                    "median_norm": None if math.isnan(seen.median_norm) else seen.median_norm,
+                }
+            )
+    return spikes
+
+
 def _check_cancel(cancel: threading.Event | None, where: str) -> None:
     if cancel is not None and cancel.is_set():
         raise AxrlError(f"log scan cancelled {where}")
 
 
 def _copy_file(source: Path, target: Path, cancel: threading.Event | None) -> None:
-    """Copy through a temp file renamed over `target`: a symlink at `target` is replaced, never written through."""
+    """Copy through a temp file renamed over `target`: a symlink at `target` is replaced, never written through.
+
+    The bytes go file to file in the kernel (`sendfile`, no buffer here), `_COPY_BYTES` per call.
+    """
     fd, tmp = temp_beside(target)
     try:
         with os.fdopen(fd, "wb") as out, source.open("rb") as handle:
-            while chunk := handle.read(_COPY_CHUNK):
-                _check_cancel(cancel, f"while copying {source}")
-                out.write(chunk)
+            _check_cancel(cancel, f"while copying {source}")
+            try:
+                while os.sendfile(out.fileno(), handle.fileno(), None, _COPY_BYTES):
+                    _check_cancel(cancel, f"while copying {source}")
+            except OSError:  # no sendfile between these files: copy what is left through a buffer
+                handle.seek(out.tell())
+                shutil.copyfileobj(handle, out, 1024 * 1024)
         os.replace(tmp, target)  # no fsync: the copy can be made again from the run's logs
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -263,26 +248,6 @@ def _copy(
             _copy_file(source, target, cancel)
         copies.append(target)
     return copies, skipped
-
-
-def _lines(path: Path, cancel: threading.Event | None) -> Iterator[tuple[int, str, bool]]:
-    """(number, text, whole) per line, never holding more than `MAX_LINE_CHARS` of one line.
-
-    A longer line yields only its first `MAX_LINE_CHARS` characters with `whole` False; the rest is read
-    past in chunks. Universal newlines, as the text mode of `open` gives them.
-    """
-    with path.open("r", encoding="utf-8", errors="replace") as handle:
-        number = 0
-        while line := handle.readline(MAX_LINE_CHARS + 1):
-            number += 1
-            if number % _CANCEL_EVERY_LINES == 0:
-                _check_cancel(cancel, f"in {path.name} at line {number}")
-            if len(line) <= MAX_LINE_CHARS or line.endswith("\n"):
-                yield number, line, True
-                continue
-            while (rest := handle.readline(MAX_LINE_CHARS)) and not rest.endswith("\n"):
-                _check_cancel(cancel, f"in {path.name} at line {number}")
-            yield number, line[:MAX_LINE_CHARS], False
 
 
 def scan_logs(
@@ -335,55 +300,28 @@ def scan_logs(
         raise AxrlError(f"{exc.filename or target}: cannot copy the logs ({exc.strerror or exc})") from None
     skipped += not_copied
 
-    points: dict[int, dict[str, Any]] = {}
-    errors: list[dict[str, Any]] = []
-    error_lines = lines = repeated = long_lines = 0
+    tally = LogTally()
     for done, copy in enumerate(copies, start=1):
         _check_cancel(cancel, f"after {done - 1} of {len(copies)} file(s)")
         if progress is not None:
             progress(f"scanning {copy.name} ({done}/{len(copies)})")
-        for number, line, whole in _lines(copy, cancel):
-            lines += 1
-            if whole:
-                parsed = parse_line(line)
-                if parsed is not None:
-                    iteration, grad, loss = parsed
-                    repeated += iteration in points
-                    points[iteration] = {"iteration": iteration, "grad_norm": grad, "loss": loss}
-            else:
-                long_lines += 1  # its numbers could be cut anywhere: not part of the series
-            kind = error_kind(line)
-            if kind is not None:
-                error_lines += 1
-                if len(errors) < MAX_ERRORS:
-                    errors.append({"file": str(copy), "line": number, "kind": kind, "text": line.strip()[:300]})
+        scan_file(copy, tally, cancel)
 
+    points = tally.points
     series = [points[i] for i in sorted(points)]
-    spikes = []
-    for point in series:
-        if point["grad_norm"] is None:
-            continue
-        seen = detector.observe(point["grad_norm"])
-        if seen.tripped:
-            spikes.append(
-                {
-                    "iteration": point["iteration"],
-                    "grad_norm": seen.grad_norm,
-                    "spike_ratio": seen.spike_ratio,
-                    "median_norm": None if math.isnan(seen.median_norm) else seen.median_norm,
-                }
-            )
+    spikes = _spikes(series, detector)
     return LogScan(
         name=name,
         dest=str(target),
         copied=[str(c) for c in copies],
         series_points=series,
         spikes=spikes,
-        errors=errors,
-        error_lines=error_lines,
-        lines=lines,
-        repeated_iterations=repeated,
+        errors=tally.errors,
+        error_lines=tally.error_lines,
+        lines=tally.lines,
+        repeated_iterations=tally.repeated,
         detector={**detector.config(), "source": source or "defaults"},
-        long_lines=long_lines,
+        long_lines=tally.long_lines,
         skipped=skipped[:MAX_SKIPPED],
+        series_total=len(series),
     )

@@ -40,6 +40,12 @@ def register(sub: Any) -> None:
     p.add_argument("--window", type=int, default=None, help="detector window (default: the run's, else 20)")
     p.add_argument("--threshold", type=float, default=None, help="detector threshold (default: the run's, else 5.0)")
     p.add_argument("--warmup", type=int, default=None, help="detector warm-up points (default: the run's, else 10)")
+    p.add_argument(
+        "--full-series",
+        action="store_true",
+        help="with --json, every point of the series (default: a sample of about 2000, spikes and their "
+        "neighbourhoods exact; `series_total` says how many there are)",
+    )
     add_json_flag(p)
     p.set_defaults(handler=_logs)
 
@@ -128,13 +134,16 @@ def _grads(args: argparse.Namespace) -> int:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.analysis.log_scan import MAX_LINE_CHARS, scan_logs
+    from axrl_spike_replay.analysis.log_scan import MAX_LINE_CHARS, scan_logs, with_sampled_series
 
     result = scan_logs(args.paths, args.dest, window=args.window, threshold=args.threshold, warmup=args.warmup)
+    if args.json:  # one compact document, its size bounded unless every point is asked for
+        _write_compact_json(result if args.full_series else with_sampled_series(result))
+        return 0
 
     def render(r: Any) -> str:
         lines = [
-            f"copied {len(r.copied)} log file(s) to {r.dest}; {r.lines} lines, {len(r.series_points)} iterations "
+            f"copied {len(r.copied)} log file(s) to {r.dest}; {r.lines} lines, {r.series_total} iterations "
             f"with grad norm / loss"
         ]
         if r.spikes:
@@ -154,3 +163,25 @@ def _logs(args: argparse.Namespace) -> int:
 
     emit(result, args.json, render)
     return 0
+
+
+def _write_compact_json(scan: Any) -> None:
+    """`scan` as one compact JSON document on stdout; its (possibly long) series converted point by point only
+    where a value is not finite."""
+    import dataclasses
+    import json
+    import math
+    import sys
+
+    from axrl_spike_replay.cli.output import to_jsonable
+
+    doc = to_jsonable(dataclasses.replace(scan, series_points=[]))
+    finite = math.isfinite
+    doc["series_points"] = [
+        p
+        if (p["grad_norm"] is None or finite(p["grad_norm"])) and (p["loss"] is None or finite(p["loss"]))
+        else to_jsonable(p)
+        for p in scan.series_points
+    ]
+    sys.stdout.write(json.dumps(doc, separators=(",", ":")))
+    sys.stdout.write("\n")

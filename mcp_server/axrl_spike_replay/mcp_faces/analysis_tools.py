@@ -11,7 +11,7 @@ from pydantic import Field
 
 from axrl_spike_replay.analysis.batch_signals import BatchAnalysis, analyze_snapshot
 from axrl_spike_replay.analysis.grad_info import GradReport, top_param_grads
-from axrl_spike_replay.analysis.log_scan import LogScan, default_name, scan_logs
+from axrl_spike_replay.analysis.log_scan import LogScan, default_name, scan_logs, with_sampled_series
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
 from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg
 from axrl_spike_replay.workspace.paths import TMP_DIR, check_plain_name
@@ -45,17 +45,35 @@ def register(server: MCPServer, config: ServerConfig) -> None:
             str | None,
             Field(description="Job name for the copy's folder tmp/spike-replay/<job>/logs; default: from the paths."),
         ] = None,
-        window: Annotated[int, Field(description="Detector window: iterations in the rolling median.", ge=1)] = 20,
+        window: Annotated[
+            int | None,
+            Field(description="Detector window: iterations in the rolling median; default: the run's, else 20.", ge=1),
+        ] = None,
         threshold: Annotated[
-            float, Field(description="Detector threshold: a spike is grad norm > threshold x median.", gt=1)
-        ] = 5.0,
-        warmup: Annotated[int, Field(description="Iterations before the detector may trip.", ge=0)] = 10,
+            float | None,
+            Field(
+                description="Detector threshold: a spike is grad norm > threshold x median; default: the run's, "
+                "else 5.0.",
+                gt=1,
+            ),
+        ] = None,
+        warmup: Annotated[
+            int | None, Field(description="Iterations before the detector may trip; default: the run's, else 10.", ge=0)
+        ] = None,
+        full_series: Annotated[
+            bool,
+            Field(
+                description="Return every point of the series (default: a sample of about 2000, the spikes and "
+                "their neighbourhoods exact; `series_total` says how many there are)."
+            ),
+        ] = False,
         plot: Annotated[bool, Field(description="Also return a PNG of the grad-norm series, spikes marked.")] = True,
         workspace: WorkspaceArg = None,
     ) -> Annotated[CallToolResult, LogScan]:
         """Copy training logs into the workspace (tmp/spike-replay/<job>/logs/) and scan the copies: the
         per-iteration grad-norm and loss series (Megatron `iteration N/ ... grad norm: X |` and key=value lines),
-        the spikes the spike guard's detector flags, and error lines (tracebacks, NaN/inf, CUDA/NCCL errors).
+        the spikes the spike guard's detector flags (with the run's own detector settings from its snapshots'
+        `run_config.yaml` unless given), and error lines (tracebacks, NaN/inf, CUDA/NCCL errors).
         Returns a plot of the series with the spikes marked."""
         root = config.workspace_for(workspace)
         paths = [str(config.path(p)) for p in logs]
@@ -89,7 +107,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
                         title=f"{scan.name}: grad norm per iteration",
                     )
                 )
-            return scan, images
+            return (scan if full_series else with_sampled_series(scan)), images
 
         scan, images = await call_library(ctx, work)
         return structured(LogScan, scan, images)

@@ -1,0 +1,93 @@
+"""Benchmark: `logs` vs `grep -c ""` on a generated Megatron training log (1 GB by default).
+
+Each command runs in its own process on the same file, read from the page cache (a first `cat` warms it);
+its wall time and peak RSS are reported, with the throughput and the ratio to grep. Peak RSS is `wait4`'s
+ru_maxrss for that child: at least the launching process's RSS (~15 MiB, carried across exec), so grep's
+figure is an upper bound. `logs` runs twice: for people, and with `--json` (a bounded, compact document).
+Target: within 10x of grep, >= 100 MB/s.
+
+    .venv/bin/python benchmarks/bench_logs.py [--mb 1024] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mcp_server"
+
+
+def write_log(path: Path, size_bytes: int) -> int:
+    """A Megatron-style log of about `size_bytes`: a 20x spike every 50 000 iterations, a warning line every
+    1000. Returns the number of iterations."""
+    iteration = 0
+    written = 0
+    with path.open("w") as handle:
+        while written < size_bytes:
+            lines = []
+            for _ in range(1000):
+                iteration += 1
+                grad = 20.0 if iteration % 50_000 == 0 else 1.0 + (iteration % 13) / 100
+                lines.append(
+                    f" [2026-11-30 10:00:00] iteration {iteration:8d}/ 10000000 | consumed samples: "
+                    f"{iteration * 256:12d} | elapsed time per iteration (ms): 812.3 | learning rate: 1.000000E-06 | "
+                    f"global batch size:   256 | lm loss: {1.0 + (iteration % 97) / 1000:.6E} | loss scale: 1.0 | "
+                    f"grad norm: {grad:.3f} | number of skipped iterations:   0 | number of nan iterations:   0 |\n"
+                )
+            lines.append("WARNING: dataloader worker slow to respond\n")
+            block = "".join(lines)
+            handle.write(block)
+            written += len(block)
+    return iteration
+
+
+def measured(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, int, bytes]:
+    """(seconds, peak RSS in KiB, stdout) of one child process."""
+    start = time.perf_counter()
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    out = child.stdout.read() if child.stdout else b""
+    err = child.stderr.read() if child.stderr else b""
+    _, status, usage = os.wait4(child.pid, 0)
+    seconds = time.perf_counter() - start
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode != 0:
+        raise SystemExit(f"{argv[:4]} failed ({child.returncode}): {err.decode(errors='replace')[-2000:]}")
+    return seconds, usage.ru_maxrss, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=float, default=1024, help="size of the generated log in MiB (default 1024)")
+    parser.add_argument("--dir", default=None, help="where to write the log and its copies (default: a temp dir)")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bench-logs-", dir=args.dir))
+    try:
+        log = root / "train.log"
+        iterations = write_log(log, int(args.mb * 1024 * 1024))
+        size_mb = log.stat().st_size / 1e6
+        subprocess.run(["cat", str(log)], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
+        env = {**os.environ, "PYTHONPATH": str(PACKAGE)}
+        cli = [sys.executable, "-m", "axrl_spike_replay", "logs", str(log), "--dest", str(root / "copies")]
+        grep_s, grep_rss, grep_out = measured(["grep", "-c", "", str(log)])
+        human_s, human_rss, human_out = measured(cli, env)
+        json_s, json_rss, json_out = measured([*cli, "--json"], env)
+        print(f"log: {size_mb:.0f} MB, {int(grep_out)} lines, {iterations} iterations")
+        print(f"grep -c:       {grep_s:7.2f} s  {size_mb / grep_s:8.0f} MB/s  peak RSS {grep_rss / 1024:6.1f} MiB")
+        for name, seconds, rss in (("logs:", human_s, human_rss), ("logs --json:", json_s, json_rss)):
+            print(
+                f"{name:<14}{seconds:7.2f} s  {size_mb / seconds:8.0f} MB/s  peak RSS {rss / 1024:6.1f} MiB  "
+                f"{seconds / grep_s:6.1f}x grep"
+            )
+        print(f"--json document: {len(json_out) / 1e3:.0f} kB; people's summary: {human_out.decode().splitlines()[0]}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
