@@ -33,6 +33,7 @@ from axrl_spike_replay.replay.verdict import rel_diff
 from axrl_spike_replay.replay.worker import RankInputs, build_model
 from axrl_spike_replay.training.policy_loss import expand_advantages, policy_loss
 from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
+from axrl_spike_replay.vocabulary import Fidelity
 
 METHODS = ("jvp", "per_sample_backward")
 ATTRIBUTION_FILE = "attribution.json"
@@ -66,7 +67,7 @@ class Attribution:
     grad_norm: float
     recorded_grad_norm: float
     rel_diff: float | None
-    fidelity: str  # "full" (saved world size 1) or "reduced" (several saved ranks in one process)
+    fidelity: Fidelity  # full (saved world size 1) or reduced (several saved ranks in one process)
     world_size_saved: int
     total_samples: int
     samples: list[SampleContribution]
@@ -306,7 +307,7 @@ def _attribute(
         grad_norm=grad_norm,
         recorded_grad_norm=meta.grad_norm,
         rel_diff=rel_diff(grad_norm, meta.grad_norm),
-        fidelity="full" if world_size == 1 else "reduced",
+        fidelity=Fidelity.FULL if world_size == 1 else Fidelity.REDUCED,
         world_size_saved=world_size,
         total_samples=len(rows),
         samples=rows[:top],

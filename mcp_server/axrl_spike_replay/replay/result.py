@@ -5,17 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# baseline: reproduced / not_reproduced; mitigated: see replay.verdict.MITIGATION_VERDICTS; failed: it did not run.
-VERDICTS = (
-    "reproduced",
-    "not_reproduced",
-    "cleared",
-    "partial",
-    "no_effect",
-    "worse",
-    "baseline_not_a_spike",
-    "failed",
-)
+from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
+
+# baseline: reproduced / not_reproduced; mitigated: see vocabulary.MITIGATION_VERDICTS; failed: it did not run.
+VERDICTS = Verdict.values()
 
 
 @dataclass
@@ -23,9 +16,9 @@ class ReplayResult:
     """One replay's outcome (baseline or mitigated). `verdict` is one of VERDICTS."""
 
     snapshot: str
-    backend: str  # "torch" | "command"
+    backend: Backend
     target: str  # "local" or the SSH target as given
-    fidelity: str  # "full" | "reduced"
+    fidelity: Fidelity
     world_size_saved: int
     world_size_used: int
     mitigations: dict[str, Any]  # {} for the baseline
@@ -34,7 +27,7 @@ class ReplayResult:
     rel_diff: float | None  # |grad_norm - recorded| / recorded (baseline) ; for mitigated: vs recorded too
     median_norm: float
     spike_ratio: float | None  # grad_norm / median_norm
-    verdict: str
+    verdict: Verdict
     threshold: float  # detector threshold the verdict compares against
     baseline_grad_norm: float | None = None  # for mitigated replays: the baseline at the same layout
     change_vs_baseline: float | None = None  # grad_norm / baseline_grad_norm - 1
@@ -57,9 +50,22 @@ class ReplayResult:
     output_dir: str = ""  # where this result's files were written ("" when none)
 
     def to_json(self) -> dict[str, Any]:
+        """The `replay_result.json` document (vocabulary members are their string values)."""
         return asdict(self)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> ReplayResult:
+        """A result read back from its JSON document; AxrlError when a vocabulary field holds an unknown value."""
         known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in doc.items() if k in known})
+        values = {k: v for k, v in doc.items() if k in known}
+        values.update(vocabulary_fields(doc))
+        return cls(**values)
+
+
+def vocabulary_fields(doc: dict[str, Any]) -> dict[str, Any]:
+    """`backend`, `fidelity` and `verdict` of a result document or task row, as their vocabularies' members."""
+    return {
+        "backend": Backend.parse(doc.get("backend"), "result backend"),
+        "fidelity": Fidelity.parse(doc.get("fidelity"), "result fidelity"),
+        "verdict": Verdict.parse(doc.get("verdict"), "result verdict"),
+    }

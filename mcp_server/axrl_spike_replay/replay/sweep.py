@@ -16,6 +16,7 @@ from typing import Any
 from axrl_spike_replay.replay.engine import ReplayOptions, replay_session
 from axrl_spike_replay.replay.mitigations import check_distinct, parse_config
 from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.vocabulary import Fidelity, Verdict
 
 SWEEP_FILE = "sweep_result.json"
 
@@ -25,7 +26,7 @@ class SweepResult:
     """A sweep's baseline and one replay result per config (each with its verdict vs the baseline)."""
 
     snapshot: str
-    fidelity: str
+    fidelity: Fidelity
     world_size_saved: int
     world_size_used: int
     device: str
@@ -44,13 +45,14 @@ class SweepResult:
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> SweepResult:
         values = dict(doc)
+        values["fidelity"] = Fidelity.parse(doc.get("fidelity"), "sweep fidelity")
         values["baseline"] = ReplayResult.from_json(doc["baseline"])
         values["results"] = [ReplayResult.from_json(r) for r in doc.get("results", [])]
         return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})
 
     def cleared(self) -> list[ReplayResult]:
         """The configs whose verdict is `cleared`."""
-        return [r for r in self.results if r.verdict == "cleared"]
+        return [r for r in self.results if r.verdict == Verdict.CLEARED]
 
 
 def run_sweep(

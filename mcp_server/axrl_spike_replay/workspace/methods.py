@@ -11,6 +11,7 @@ from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.replay.verdict import WRITABLE_VERDICTS, writable_problem
+from axrl_spike_replay.vocabulary import Fidelity, Verdict
 from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
 from axrl_spike_replay.workspace.evidence import baseline_for, find_attempt, output_dir_of, result_doc
@@ -23,11 +24,11 @@ STATUSES = ("proven", "partial", "diagnostic")
 SIGNAL_TOP = 3
 
 
-def method_status(verdict: str, fidelity: str) -> str:
+def method_status(verdict: Verdict, fidelity: Fidelity) -> str:
     """proven (cleared at full fidelity), partial (partial at full fidelity) or diagnostic (reduced fidelity)."""
-    if fidelity != "full":
+    if fidelity != Fidelity.FULL:
         return "diagnostic"
-    return "proven" if verdict == "cleared" else "partial"
+    return "proven" if verdict == Verdict.CLEARED else "partial"
 
 
 def check_slug(name: str) -> str:
@@ -117,7 +118,7 @@ def _check_writable(attempt_id: str, result: ReplayResult, baseline_norm: float 
     problem = writable_problem(result.verdict, result.grad_norm, base, result.median_norm, result.threshold)
     if problem is not None:
         raise AxrlError(f"attempt {attempt_id} cannot be written up as a method: {problem}")
-    if result.fidelity != "full" and not allow_reduced:
+    if result.fidelity != Fidelity.FULL and not allow_reduced:
         raise AxrlError(
             f"attempt {attempt_id} ran at {result.fidelity!r} fidelity (world size {result.world_size_used} of "
             f"{result.world_size_saved}); rerun it at full fidelity, or pass --allow-reduced to write it up as "
