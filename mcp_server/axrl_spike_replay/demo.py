@@ -34,7 +34,7 @@ class DemoSummary:
     preserved: str
     fidelity: Fidelity
     baseline_grad_norm: float | None
-    recorded_grad_norm: float
+    recorded_grad_norm: float | None
     rel_diff: float | None
     baseline_verdict: Verdict
     cleared: list[str]

@@ -138,7 +138,9 @@ async def run_command_backend(
 
 async def _out_dir(session: Session, run: RunDir) -> str:
     if session.label == "local":
-        out = run.path / "out"  # type: ignore[operator]
+        if run.path is None:
+            raise AxrlError("the command backend needs an output dir")
+        out = run.path / "out"
         out.mkdir(parents=True, exist_ok=True)
         return str(out)
     return await session.make_temp_dir("axrl-out-")

@@ -215,7 +215,7 @@ def _contributions(
     method: str,
 ) -> tuple[dict[int, torch.Tensor], float]:
     """Per rank, each sample's <g_s, g> (float64); and the router losses' <., g>."""
-    g = [p.grad.detach().clone() for p in model.parameters()]
+    g = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     router = 0.0
     if router_sum is not None:

@@ -23,12 +23,12 @@ class ReplayResult:
     world_size_used: int
     mitigations: dict[str, Any]  # {} for the baseline
     grad_norm: float | None
-    recorded_grad_norm: float
+    recorded_grad_norm: float | None  # None only when rebuilt from a task row that lost a non-finite value
     rel_diff: float | None  # |grad_norm - recorded| / recorded (baseline) ; for mitigated: vs recorded too
-    median_norm: float
+    median_norm: float | None  # as recorded_grad_norm
     spike_ratio: float | None  # grad_norm / median_norm
     verdict: Verdict
-    threshold: float  # detector threshold the verdict compares against
+    threshold: float | None  # detector threshold the verdict compares against
     baseline_grad_norm: float | None = None  # for mitigated replays: the baseline at the same layout
     change_vs_baseline: float | None = None  # grad_norm / baseline_grad_norm - 1
     top_params: list[dict[str, Any]] = field(default_factory=list)  # [{name, grad_norm}]

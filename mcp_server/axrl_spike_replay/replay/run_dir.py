@@ -88,7 +88,8 @@ class RunDir:
 def json_document(value: Any) -> Any:
     """Plain JSON: dataclasses as dicts, paths as strings, non-finite floats spelled "nan", "inf", "-inf"."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return json_document(value.to_json() if hasattr(value, "to_json") else dataclasses.asdict(value))
+        to_json = getattr(value, "to_json", None)
+        return json_document(to_json() if callable(to_json) else dataclasses.asdict(value))
     if isinstance(value, dict):
         return {str(k): json_document(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

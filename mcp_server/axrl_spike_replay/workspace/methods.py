@@ -135,7 +135,8 @@ def _check_not_duplicate(root: Path, slug: str, result: ReplayResult, replace: b
         same_patch = bool(result.patch_sha256) and method.get("patch_sha256") == result.patch_sha256
         same_config = not result.patch_sha256 and not method.get("patch_sha256") and method.get("config_key") == key
         if same_patch or same_config:
-            what = f"patch {result.patch_sha256[:12]}" if same_patch else describe_change(result.mitigations)
+            sha = result.patch_sha256
+            what = f"patch {sha[:12]}" if same_patch and sha else describe_change(result.mitigations)
             raise AxrlError(f"duplicate method: {method['path']} already records the same change ({what})")
     if target.exists() and not replace:
         raise AxrlError(f"method file {target} already exists for a different change; choose another name")
@@ -204,6 +205,8 @@ def _residual(result: ReplayResult, baseline: dict[str, Any]) -> str:
     ratio, threshold = result.spike_ratio, result.threshold
     if ratio is None:
         return "unknown: the mitigated replay has no ratio to the median"
+    if threshold is None:  # a result rebuilt from a task row that lost it
+        return "unknown: the mitigated replay has no detector threshold to compare with"
     if ratio < threshold:
         return f"no residual spike: ratio to median {fmt(ratio)} is below the detector threshold {fmt(threshold)}"
     return (

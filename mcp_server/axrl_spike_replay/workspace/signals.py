@@ -54,8 +54,9 @@ def plain(value: Any) -> Any:
         return [plain(v) for v in value]
     if isinstance(value, Path):
         return str(value)
-    if hasattr(value, "item") and callable(value.item) and getattr(value, "numel", lambda: 2)() == 1:
-        return value.item()
+    item = getattr(value, "item", None)  # a one-element tensor or numpy scalar
+    if callable(item) and getattr(value, "numel", lambda: 2)() == 1:
+        return item()
     return value
 
 
