@@ -57,6 +57,7 @@ def add_remote_options(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="kill the run (its whole process group) after this many seconds; partial logs are kept",
     )
+    # an argument group takes the same add_argument calls as the parser the function is typed for
     add_connection_options(group)  # type: ignore[arg-type]
 
 

@@ -95,7 +95,7 @@ async def replay_elsewhere_async(
         if options.backend == "command":
             request = CommandRequest(
                 facts=facts,
-                backend=config.command_backend,  # type: ignore[arg-type]
+                backend=config.command_backend,  # type: ignore[arg-type]  # not None: checked above for "command"
                 patch=remote.patch,
                 timeout_s=remote.timeout_s,
                 setup=resolved.setup if resolved else (),

@@ -34,6 +34,7 @@ def replay(snapshot: str | Path, options: ReplayOptions, remote: Any = None) -> 
         return run_replay(snapshot, options)
     from axrl_spike_replay.remote.dispatch import replay_elsewhere
 
+    # replay_elsewhere returns ReplayResult | SweepResult; verb="replay" always gives a ReplayResult
     return replay_elsewhere(snapshot, options, remote, verb="replay")  # type: ignore[return-value]
 
 
@@ -45,4 +46,5 @@ def sweep(
         return run_sweep(snapshot, configs, options)
     from axrl_spike_replay.remote.dispatch import replay_elsewhere
 
+    # verb="sweep" always gives a SweepResult (replay_elsewhere's return type covers both verbs)
     return replay_elsewhere(snapshot, options, remote, verb="sweep", configs=configs)  # type: ignore[return-value]
