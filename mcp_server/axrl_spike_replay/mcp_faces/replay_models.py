@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.vocabulary import Fidelity
 
 
 class SweepView(BaseModel):
@@ -16,7 +17,7 @@ class SweepView(BaseModel):
     Mirrors `replay.sweep.SweepResult` (which imports torch; a test keeps the fields in step)."""
 
     snapshot: str = Field(description="The snapshot replayed")
-    fidelity: str = Field(description="full, or reduced (fewer processes than the saved world size: a diagnostic)")
+    fidelity: Fidelity = Field(description="full, or reduced (fewer processes than the saved world size: a diagnostic)")
     world_size_saved: int = Field(description="Ranks of the training run")
     world_size_used: int = Field(description="Replay processes")
     device: str = Field(description="cpu or cuda")
@@ -48,7 +49,7 @@ class AttributionView(BaseModel):
     grad_norm: float = Field(description="Replayed global grad norm")
     recorded_grad_norm: float = Field(description="Grad norm the trainer recorded")
     rel_diff: float | None = Field(None, description="|grad_norm - recorded| / recorded")
-    fidelity: str = Field(description="full, or reduced (several saved ranks in one process)")
+    fidelity: Fidelity = Field(description="full, or reduced (several saved ranks in one process)")
     world_size_saved: int = Field(description="Ranks of the training run")
     total_samples: int = Field(description="Samples across all ranks")
     samples: list[SampleView] = Field(description="The top samples by contribution")
