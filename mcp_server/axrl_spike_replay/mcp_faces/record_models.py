@@ -2,11 +2,12 @@
 agent decides on and let every other field through (`extra="allow"`), so the schema never hides data."""
 
 from __future__ import annotations
-from axrl_spike_replay.vocabulary import Fidelity, Verdict
 
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from axrl_spike_replay.vocabulary import Fidelity, Verdict
 
 Number = float | str | None  # non-finite values are spelled "inf" / "nan" in the record
 

@@ -49,6 +49,12 @@ class ReplayResult:
     legacy_layout: bool = False  # replayed through a temporary replay dir (legacy snapshot)
     output_dir: str = ""  # where this result's files were written ("" when none)
 
+    def __post_init__(self) -> None:
+        # Results are also rebuilt from files and task rows: the vocabulary fields always hold members.
+        self.backend = Backend.parse(self.backend, "result backend")
+        self.fidelity = Fidelity.parse(self.fidelity, "result fidelity")
+        self.verdict = Verdict.parse(self.verdict, "result verdict")
+
     def to_json(self) -> dict[str, Any]:
         """The `replay_result.json` document (vocabulary members are their string values)."""
         return asdict(self)
@@ -57,15 +63,4 @@ class ReplayResult:
     def from_json(cls, doc: dict[str, Any]) -> ReplayResult:
         """A result read back from its JSON document; AxrlError when a vocabulary field holds an unknown value."""
         known = set(cls.__dataclass_fields__)
-        values = {k: v for k, v in doc.items() if k in known}
-        values.update(vocabulary_fields(doc))
-        return cls(**values)
-
-
-def vocabulary_fields(doc: dict[str, Any]) -> dict[str, Any]:
-    """`backend`, `fidelity` and `verdict` of a result document or task row, as their vocabularies' members."""
-    return {
-        "backend": Backend.parse(doc.get("backend"), "result backend"),
-        "fidelity": Fidelity.parse(doc.get("fidelity"), "result fidelity"),
-        "verdict": Verdict.parse(doc.get("verdict"), "result verdict"),
-    }
+        return cls(**{k: v for k, v in doc.items() if k in known})

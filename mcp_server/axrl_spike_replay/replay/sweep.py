@@ -36,6 +36,9 @@ class SweepResult:
     output_dir: str = ""
     timings: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.fidelity = Fidelity.parse(self.fidelity, "sweep fidelity")  # also when read back from a file
+
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["baseline"] = self.baseline.to_json()
@@ -45,7 +48,6 @@ class SweepResult:
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> SweepResult:
         values = dict(doc)
-        values["fidelity"] = Fidelity.parse(doc.get("fidelity"), "sweep fidelity")
         values["baseline"] = ReplayResult.from_json(doc["baseline"])
         values["results"] = [ReplayResult.from_json(r) for r in doc.get("results", [])]
         return cls(**{k: v for k, v in values.items() if k in cls.__dataclass_fields__})

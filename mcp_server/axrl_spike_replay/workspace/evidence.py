@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.replay.result import ReplayResult, vocabulary_fields
+from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, parse_iteration
 
 
@@ -42,7 +42,9 @@ def row_result(row: dict[str, Any]) -> ReplayResult:
     """A ReplayResult rebuilt from a task's experiment row."""
     return ReplayResult(
         snapshot=row["snapshot"],
+        backend=row["backend"],
         target=row["target"],
+        fidelity=row["fidelity"],
         world_size_saved=row.get("world_size_saved", 0),
         world_size_used=row.get("world_size_used", 0),
         mitigations=row.get("mitigations") or {},
@@ -51,6 +53,7 @@ def row_result(row: dict[str, Any]) -> ReplayResult:
         rel_diff=_num(row.get("rel_diff")),
         median_norm=_num(row.get("median_norm")),
         spike_ratio=_num(row.get("ratio_to_median")),
+        verdict=row["verdict"],
         threshold=_num(row.get("threshold")),
         baseline_grad_norm=_num(row.get("baseline_grad_norm")),
         change_vs_baseline=_num(row.get("change_vs_baseline")),
@@ -61,7 +64,6 @@ def row_result(row: dict[str, Any]) -> ReplayResult:
         config_id=row.get("config_id", ""),
         patch_sha256=row.get("patch_sha256"),
         node=row.get("node"),
-        **vocabulary_fields(row),
     )
 
 
