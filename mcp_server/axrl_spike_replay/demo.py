@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.vocabulary import Fidelity, Verdict
 
 DEMO_JOB = "demo-moe-grpo"
 
@@ -31,11 +32,11 @@ class DemoSummary:
     output_dir: str
     snapshot: str
     preserved: str
-    fidelity: str
+    fidelity: Fidelity
     baseline_grad_norm: float | None
-    recorded_grad_norm: float
+    recorded_grad_norm: float | None
     rel_diff: float | None
-    baseline_verdict: str
+    baseline_verdict: Verdict
     cleared: list[str]
     methods: list[str]
     report: str
@@ -197,9 +198,9 @@ def run_demo(
     writeups = write_up_sweep(root, DEMO_JOB, sweep)
     methods = [w.path for w in writeups if w.path]
     for w in writeups:
-        if w.verdict == "cleared" and not w.path:
+        if w.verdict == Verdict.CLEARED and not w.path:
             note(root, DEMO_JOB, "observations", f"method {w.name} not added: {w.skipped}")
-    cleared = [r.config_id for r in sweep.results if r.verdict == "cleared"]
+    cleared = [r.config_id for r in sweep.results if r.verdict == Verdict.CLEARED]
     note(root, DEMO_JOB, "observations", f"cleared by: {', '.join(cleared) or 'nothing'}")
     report = write_report(root, DEMO_JOB, release=True)
     step(

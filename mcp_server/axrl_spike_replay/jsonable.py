@@ -36,6 +36,7 @@ def to_jsonable(value: Any) -> Any:
         return str(value)
     if isinstance(value, float) and not math.isfinite(value):
         return None
-    if hasattr(value, "item") and callable(value.item) and getattr(value, "numel", lambda: 2)() == 1:
-        return to_jsonable(value.item())  # a one-element tensor
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "numel", lambda: 2)() == 1:
+        return to_jsonable(item())  # a one-element tensor
     return value

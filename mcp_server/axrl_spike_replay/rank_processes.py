@@ -100,20 +100,23 @@ def _spawn_once(
     label: str,
     cancel: threading.Event | None,
 ) -> None:
-    import torch.multiprocessing as mp
+    # torch.multiprocessing re-exports these without listing them in __all__: import them where they are defined
+    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, start_processes
 
     with owned_temp_dir("axrl-ranks-") as tmp:
         args = (fn, nproc, payload, backend, tmp, timeout_s, prepare, label, os.getpid())
-        context = mp.start_processes(_entry, args=args, nprocs=nproc, join=False, start_method="spawn")
+        context = start_processes(_entry, args=args, nprocs=nproc, join=False, start_method="spawn")
+        if context is None:  # only join=True returns None
+            raise RuntimeError(f"{label}: torch did not return the started processes")
         try:
             while not context.join(timeout=_POLL_S):
                 if cancel is not None and cancel.is_set():
                     _stop(context.processes)
                     raise RunCancelled(f"{label} processes cancelled and stopped")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+        except (ProcessRaisedException, ProcessExitedException) as exc:
             _stop(context.processes)
             error = _collect_error(Path(tmp), exc, label)
-            if isinstance(exc, mp.ProcessExitedException) and exc.signal_name and not any(Path(tmp).glob("*-*.txt")):
+            if isinstance(exc, ProcessExitedException) and exc.signal_name and not any(Path(tmp).glob("*-*.txt")):
                 raise _NativeCrash(str(error), error.details) from None
             raise error from None
         except BaseException:
@@ -202,7 +205,8 @@ def _entry(
     try:
         if prepare is not None:
             prepare(rank, payload)
-        store = dist.FileStore(str(Path(tmp) / "store"), nproc)
+        # FileStore is public torch.distributed API, re-exported from torch's C extension without an __all__ entry
+        store = dist.FileStore(str(Path(tmp) / "store"), nproc)  # pyright: ignore[reportPrivateImportUsage]
         dist.init_process_group(backend, store=store, rank=rank, world_size=nproc, timeout=timedelta(seconds=timeout_s))
         fn(rank, nproc, payload)
         dist.barrier()  # every rank is done with the group before any tears it down

@@ -73,7 +73,8 @@ CLAUDE_CODE_FIELDS = ("argument-hint", "user-invocable")
 
 def _claude_code_fields(meta: dict[str, Any]) -> dict[str, Any]:
     """argument-hint (str) and user-invocable (bool), from the top level or from `metadata:`."""
-    nested = meta.get("metadata") if isinstance(meta.get("metadata"), dict) else {}
+    metadata = meta.get("metadata")
+    nested: dict[str, Any] = metadata if isinstance(metadata, dict) else {}
     found: dict[str, Any] = {}
     for key in CLAUDE_CODE_FIELDS:
         value = meta.get(key, nested.get(key))

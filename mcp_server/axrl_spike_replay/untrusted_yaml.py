@@ -17,7 +17,7 @@ MAX_YAML_DEPTH = 64
 class _NoAliasLoader(yaml.SafeLoader):
     """SafeLoader that refuses anchors' use (aliases) and deep nesting while composing."""
 
-    def compose_node(self, parent: Any, index: Any) -> Any:  # type: ignore[override]  # PyYAML's untyped hook
+    def compose_node(self, parent: Any, index: Any) -> Any:  # PyYAML's untyped hook
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise ConfigError(f"uses a YAML alias (*{shown(event.anchor, 40)}); aliases are refused in untrusted YAML")

@@ -144,7 +144,7 @@ def _rank_tables(r: _Rank, use: set[str]) -> tuple[TokenTable, dict[str, torch.T
         "advantage": _masked_mean(per_tok["advantage"], mask) if "advantage" in per_tok else nan,
         "reward": _per_sample(b["rewards"], n) if "rewards" in use else nan,
         "seq_log_ratio": _masked_mean(lr, mask) if lr is not None else nan,
-        "max_abs_log_ratio": _gather(lr.abs(), peak_lr) if lr is not None else nan,
+        "max_abs_log_ratio": _gather(lr.abs(), peak_lr) if lr is not None and peak_lr is not None else nan,
         "peak_lr": peak_lr if peak_lr is not None else torch.full((n,), -1, dtype=torch.long),
         "peak_adv": peak_adv,
         "num_turns": _num_turns(turn, mask) if turn is not None else torch.full((n,), -1, dtype=torch.long),

@@ -170,7 +170,7 @@ def _spikes(series: list[dict[str, Any]], detector: Detector) -> list[dict[str, 
         if norm is None:
             continue
         settled = history is not None and len(history) >= detector.warmup and math.isfinite(norm)
-        if settled and smallest > 0 and norm <= below * smallest:
+        if history is not None and settled and smallest > 0 and norm <= below * smallest:
             evicted = history[0] if len(history) == history.maxlen else None
             history.append(norm)
             if norm < smallest:

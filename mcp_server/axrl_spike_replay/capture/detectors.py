@@ -120,7 +120,9 @@ class ZScoreDetector(_WindowDetector):
         return (grad_norm - mean) / std
 
 
-def make_detector(kind: str = "median_ratio", *, window: int = 20, threshold: float = 5.0, warmup: int = 10) -> Any:
+def make_detector(
+    kind: str = "median_ratio", *, window: int = 20, threshold: float = 5.0, warmup: int = 10
+) -> MedianRatioDetector | ZScoreDetector:
     """A detector by kind name (`median_ratio` or `zscore`)."""
     if kind == "median_ratio":
         return MedianRatioDetector(window=window, threshold=threshold, warmup=warmup)

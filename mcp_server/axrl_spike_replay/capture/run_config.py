@@ -19,8 +19,8 @@ from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.routing_replay import RoutingConfig
+from axrl_spike_replay.vocabulary import GUARD_ACTIONS
 
-GUARD_ACTIONS = ("log", "skip", "rollback")
 DETECTOR_KINDS = ("median_ratio", "zscore")
 # The `loss:` keys a trainer sets; LossConfig's other fields are replay-only mitigations.
 TRAIN_LOSS_KEYS = (

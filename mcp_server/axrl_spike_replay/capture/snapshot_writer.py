@@ -76,7 +76,7 @@ def write_snapshot(
     to `metadata.json` as old snapshots did (for tests and fixtures).
     """
     import torch
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     root = Path(snapshots_root)
     final = root / iteration_dir_name(metadata.iteration)
@@ -93,7 +93,7 @@ def write_snapshot(
     state = {f"model.{name}": tensor.detach().cpu() for name, tensor in model_state.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(staging), no_dist=not _dist_active())
+        dcp_save(state, checkpoint_id=str(staging), no_dist=not _dist_active())
     for rank, payload in ranks.items():
         torch.save(payload.batch, staging / batch_file(rank))
         torch.save(payload.grad_info, staging / grad_info_file(rank))

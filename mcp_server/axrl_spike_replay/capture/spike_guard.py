@@ -38,12 +38,13 @@ from axrl_spike_replay.capture.detectors import Detector, MedianRatioDetector
 from axrl_spike_replay.capture.snapshot_writer import RankPayload, write_snapshot
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout
+from axrl_spike_replay.vocabulary import GUARD_ACTIONS, GuardAction
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-ACTIONS = ("log", "skip", "rollback")
+ACTIONS = GUARD_ACTIONS  # what a tripped guard may do
 log = logging.getLogger("axrl_spike_replay.guard")
 
 
@@ -58,12 +59,12 @@ class GuardDecision:
     score: float
     tripped: bool
     warming_up: bool
-    action: str  # proceed | log | skip | rollback
+    action: GuardAction
 
     @property
     def apply_update(self) -> bool:
         """Whether the optimizer step should happen."""
-        return self.action in ("proceed", "log")
+        return self.action in (GuardAction.PROCEED, GuardAction.LOG)
 
 
 @dataclass
@@ -80,7 +81,7 @@ class SpikeGuard:
         self,
         snapshots_root: str | Path,
         *,
-        action: str = "skip",
+        action: GuardAction | str = GuardAction.SKIP,
         detector: Detector | None = None,
         keep_last: int | None = 3,
         job_name: str = "job",
@@ -95,7 +96,7 @@ class SpikeGuard:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"spike guard keep_last must be an integer >= 1 or None, got {keep_last!r}")
         self.snapshots_root = Path(snapshots_root)
-        self.action = action
+        self.action = GuardAction(action)
         self.detector: Detector = detector or MedianRatioDetector()
         self.keep_last = keep_last
         self.job_name = job_name
@@ -120,7 +121,7 @@ class SpikeGuard:
             score=seen.score,
             tripped=seen.tripped,
             warming_up=seen.warming_up,
-            action=self.action if seen.tripped else "proceed",
+            action=self.action if seen.tripped else GuardAction.PROCEED,
         )
         if decision.tripped:
             self.trips.append(decision)
@@ -191,7 +192,7 @@ class SpikeGuard:
         """
         if decision.apply_update:
             return True
-        if decision.action == "rollback":
+        if decision.action == GuardAction.ROLLBACK:
             if self.rollback_to is not None:
                 restored = self.rollback_to()
                 _warn("step %d rolled back to step %s by the caller's rollback", decision.step, restored)

@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 
-def add_connection_options(parser: argparse.ArgumentParser) -> None:
+def add_connection_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """--remote-python, --known-hosts, --accept-new-host-key."""
     parser.add_argument(
         "--remote-python",
@@ -57,7 +57,7 @@ def add_remote_options(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="kill the run (its whole process group) after this many seconds; partial logs are kept",
     )
-    add_connection_options(group)  # type: ignore[arg-type]
+    add_connection_options(group)
 
 
 def remote_options_from_args(args: argparse.Namespace) -> Any:

@@ -68,9 +68,11 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
         run = new_run_dir(workspace, job)
         on_line = _echo(options, session.label)
         if options.backend == "command":
+            if config.command_backend is None:  # the request's validation already says so; this narrows the type
+                raise ConfigError("`backend` command needs a command_backend section in spike-replay.yaml", "backend")
             command_request = CommandRequest(
                 facts=facts,
-                backend=config.command_backend,  # type: ignore[arg-type]
+                backend=config.command_backend,
                 patch=remote.patch,
                 timeout_s=remote.timeout_s,
                 setup=resolved.setup if resolved else (),

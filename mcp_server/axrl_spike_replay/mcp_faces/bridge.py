@@ -139,17 +139,18 @@ async def call_async_library(ctx: Context | None, work: Callable[[Callable[[str]
                         await ctx.report_progress(value, None, message)
 
     failure: Exception | None = None
+    done: list[T] = []  # the work's result, once it returned (raised only after the task group closed)
     async with anyio.create_task_group() as group:
         group.start_soon(pump)
         try:
-            result = await work(report)
+            done.append(await work(report))
         except Exception as exc:
             failure = exc
         finally:
             send.close()
     if failure is not None:
         raise failure_error(failure) from failure
-    return result
+    return done[0]
 
 
 def png_content(png: bytes) -> ImageContent:

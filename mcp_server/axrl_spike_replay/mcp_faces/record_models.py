@@ -7,6 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from axrl_spike_replay.vocabulary import Fidelity, Verdict
+
 Number = float | str | None  # non-finite values are null (records written before that spell them "inf" / "nan")
 
 
@@ -21,11 +23,11 @@ class Note(_Open):
 
 class ExperimentRow(_Open):
     id: str = Field(description="Attempt id, e.g. E3 — what method_add takes as `attempt`")
-    verdict: str = Field(
+    verdict: Verdict = Field(
         description="reproduced / not_reproduced (baseline); cleared / partial / no_effect / worse / "
         "baseline_not_a_spike (mitigated)"
     )
-    fidelity: str = Field(description="full, or reduced (a diagnostic)")
+    fidelity: Fidelity = Field(description="full, or reduced (a diagnostic)")
     change: str = Field(description="The mitigations (or patch) in words; 'baseline' for none")
     grad_norm: Number = Field(None, description="Replayed global grad norm")
     ratio_to_median: Number = Field(None, description="grad_norm / the saved median norm")
@@ -72,8 +74,8 @@ class MethodAdded(MethodEntry):
     """The method file just written, with its front matter and the key signals quoted in it."""
 
     attempt: str = Field(description="The attempt it was written from")
-    verdict: str = Field(description="The attempt's verdict")
-    fidelity: str = Field(description="The attempt's fidelity")
+    verdict: Verdict = Field(description="The attempt's verdict")
+    fidelity: Fidelity = Field(description="The attempt's fidelity")
     signals: dict[str, Any] = Field(default_factory=dict, description="Key signals quoted in the file")
 
 

@@ -42,7 +42,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         every replay and sweep of the job logs itself into it."""
         root = config.workspace_for(workspace)
         target = str(config.path(snapshot)) if snapshot else None
-        return await call_library(ctx, lambda progress, cancel: open_task(root, job, target))
+        return await call_library(ctx, lambda progress, cancel: TaskView.model_validate(open_task(root, job, target)))
 
     @server.tool(name="task_note", title="Add an observation or next step", annotations=WRITES)
     async def task_note_tool(
@@ -57,7 +57,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         """Append a line to the Observations or Next steps of the job's task file (what the signals showed, why
         an attempt was dropped, what to try next). Replays log their own rows; use this for everything else."""
         root = config.workspace_for(workspace)
-        return await call_library(ctx, lambda progress, cancel: note(root, job, section, text))
+        return await call_library(ctx, lambda progress, cancel: TaskView.model_validate(note(root, job, section, text)))
 
     @server.tool(name="task_show", title="Read the task file", annotations=READ_ONLY)
     async def task_show_tool(job: JobArg, ctx: Context, workspace: WorkspaceArg = None) -> TaskView:
@@ -65,7 +65,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         failed attempts, observations, next steps, methods written. The markdown is the resource
         axrl://task/<job>."""
         root = config.workspace_for(workspace)
-        return await call_library(ctx, lambda progress, cancel: show_task(root, job))
+        return await call_library(ctx, lambda progress, cancel: TaskView.model_validate(show_task(root, job)))
 
     @server.tool(name="method_add", title="Write up a proven mitigation", annotations=WRITES)
     async def method_add_tool(
@@ -90,7 +90,10 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         existing method (it names the file)."""
         root = config.workspace_for(workspace)
         return await call_library(
-            ctx, lambda progress, cancel: add_method(root, job, attempt, name, rationale, allow_reduced)
+            ctx,
+            lambda progress, cancel: MethodAdded.model_validate(
+                add_method(root, job, attempt, name, rationale, allow_reduced)
+            ),
         )
 
     @server.tool(name="method_list", title="List recorded methods", annotations=READ_ONLY)
@@ -98,7 +101,9 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         """Every method file in spike-mitigation-methods/ with its status (proven / partial / diagnostic) and
         one-line summary. Check it before method_add; read one with the resource axrl://method/<slug>."""
         root = config.workspace_for(workspace)
-        return await call_library(ctx, lambda progress, cancel: {"methods": list_methods(root)})
+        return await call_library(
+            ctx, lambda progress, cancel: MethodList.model_validate({"methods": list_methods(root)})
+        )
 
     @server.tool(
         name="write_report",
@@ -125,5 +130,8 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         (only its current snapshot's); the last remaining copy of a snapshot is kept unless release_last_copy."""
         root = config.workspace_for(workspace)
         return await call_library(
-            ctx, lambda progress, cancel: write_report(root, job, release, release_last_copy=release_last_copy)
+            ctx,
+            lambda progress, cancel: ReportWritten.model_validate(
+                write_report(root, job, release, release_last_copy=release_last_copy)
+            ),
         )

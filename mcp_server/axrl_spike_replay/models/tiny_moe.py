@@ -240,7 +240,8 @@ class TinyMoEPolicy(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         moe_ids = set(cfg.moe_layer_ids)
-        self.blocks = nn.ModuleList(Block(cfg, moe=i in moe_ids) for i in range(cfg.n_layers))
+        self.layers: list[Block] = [Block(cfg, moe=i in moe_ids) for i in range(cfg.n_layers)]  # typed view
+        self.blocks = nn.ModuleList(self.layers)  # registers them (parameter names blocks.<i>.*)
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
@@ -254,7 +255,7 @@ class TinyMoEPolicy(nn.Module):
         zero = x.new_zeros((), dtype=torch.float32)
         aux_total, z_total, routes = zero, zero, []
         moe_index = 0
-        for layer_id, block in enumerate(self.blocks):
+        for layer_id, block in enumerate(self.layers):
             x = x + block.attention(block.norm1(x))
             h = block.norm2(x)
             if isinstance(block.ffn, MoEFeedForward):

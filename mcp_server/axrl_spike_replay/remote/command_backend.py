@@ -29,6 +29,7 @@ from axrl_spike_replay.remote.workspace_config import CommandBackendConfig
 from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.replay.run_dir import RunDir
 from axrl_spike_replay.replay.verdict import tolerance
+from axrl_spike_replay.vocabulary import Backend, Fidelity
 
 COMMAND_RESULT_FILE = "command_result.json"
 
@@ -103,7 +104,7 @@ async def run_command_backend(
     started = time.perf_counter()
     sha = read_patch(request.patch)[1] if request.patch else None
     common: dict[str, Any] = {
-        "backend": "command",
+        "backend": Backend.COMMAND,
         "target": request.target,
         "node": request.node,
         "patch_sha256": sha,
@@ -137,7 +138,9 @@ async def run_command_backend(
 
 async def _out_dir(session: Session, run: RunDir) -> str:
     if session.label == "local":
-        out = run.path / "out"  # type: ignore[operator]
+        if run.path is None:
+            raise AxrlError("the command backend needs an output dir")
+        out = run.path / "out"
         out.mkdir(parents=True, exist_ok=True)
         return str(out)
     return await session.make_temp_dir("axrl-out-")
@@ -193,7 +196,10 @@ async def _judge(
         where = f"{config.result_json} has no grad_norm and " if config.result_json else ""
         error = f"no grad norm: {where}grad_norm_regex {config.grad_norm_regex!r} matched nothing in stdout"
         return base_result(facts, error=error, **common)
-    fidelity = str(doc.get("fidelity", "full"))
+    try:
+        fidelity = Fidelity.parse(doc.get("fidelity", "full"), "fidelity in the command's result")
+    except AxrlError as exc:
+        return base_result(facts, error=str(exc), **common)
     device = str(doc.get("device", "cuda" if (request.node or {}).get("gpu_count") else "cpu"))
     extra = {
         "fidelity": fidelity,

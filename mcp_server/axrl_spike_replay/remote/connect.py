@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import asyncssh
-from asyncssh.config import SSHClientConfig
+from asyncssh.config import SSHClientConfig, SSHConfig
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.remote.errors import HostKeyError, RemoteError
 from axrl_spike_replay.remote.host_keys import HostKeyCheck, HostKeyPolicy, known_hosts_files, system_known_hosts
 from axrl_spike_replay.remote.target import SshTarget, parse_target
@@ -88,7 +89,7 @@ def config_paths(target: SshTarget) -> list[str]:
     return [str(default)] if os.access(default, os.R_OK) else []
 
 
-def resolve_config(target: SshTarget, paths: list[str]) -> SSHClientConfig:
+def resolve_config(target: SshTarget, paths: list[str]) -> SSHConfig:
     """The ssh config options that apply to `target` (Host/Match blocks evaluated by asyncssh)."""
     try:
         return SSHClientConfig.load(
@@ -169,9 +170,13 @@ async def open_connection(
 
 
 def _pick(*values: object) -> float:
+    """The first value set (not None, not ()) as a float: an ssh option (a string or number) or a default."""
     for value in values:
-        if value is not None and value != ():
-            return float(value)  # type: ignore[arg-type]
+        if value is None or value == ():
+            continue
+        if isinstance(value, (int, float, str)):
+            return float(value)
+        raise RemoteError(f"ssh option value {shown(value, 60)} is not a number")
     raise AssertionError("no default")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +9,12 @@ from typing import BinaryIO, Protocol
 
 LineCallback = Callable[[str, str], None]  # (stream "stdout"|"stderr", line without newline)
 _CHUNK = 1 << 16
+
+
+class ChunkReader(Protocol):
+    """A process's output stream: asyncio's StreamReader (bytes) or asyncssh's SSHReader (bytes or str)."""
+
+    async def read(self, n: int = -1, /) -> bytes | str: ...
 
 
 @dataclass
@@ -80,7 +85,7 @@ class Session(Protocol):
 
 
 async def pump_lines(
-    reader: asyncio.StreamReader | object,
+    reader: ChunkReader | None,
     sink: BinaryIO,
     stream: str,
     on_line: LineCallback | None,
@@ -90,9 +95,11 @@ async def pump_lines(
 
     A line for which `intercept` returns True is consumed (not written, not reported).
     """
+    if reader is None:  # a stream that was not piped: nothing to copy
+        return
     pending = b""
     while True:
-        chunk = await reader.read(_CHUNK)  # type: ignore[attr-defined]
+        chunk = await reader.read(_CHUNK)
         if not chunk:
             break
         if isinstance(chunk, str):

@@ -9,6 +9,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from axrl_spike_replay.atomic import temp_beside
@@ -135,7 +136,7 @@ class LocalSession:
         return None
 
 
-async def _finish(process: asyncio.subprocess.Process, pumps: list[asyncio.Future]) -> None:
+async def _finish(process: asyncio.subprocess.Process, pumps: Sequence[asyncio.Future[None]]) -> None:
     await asyncio.gather(*pumps, return_exceptions=True)
     await process.wait()
 

@@ -32,6 +32,7 @@ from axrl_spike_replay.replay.mitigations import mitigation_args
 from axrl_spike_replay.replay.result import ReplayResult, SweepResult
 from axrl_spike_replay.replay.run_dir import RESULT_FILE, RunDir
 from axrl_spike_replay.replay.sweep import SWEEP_FILE
+from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
 
 REMOTE_SET_FILE = "mitigation_set.yaml"
 
@@ -102,7 +103,7 @@ async def run_remote_torch(
         "node": node.node_field(),
         "device": request.device,
         "world_size_used": nproc,
-        "fidelity": "full" if nproc == request.facts.world_size else "reduced",
+        "fidelity": Fidelity.FULL if nproc == request.facts.world_size else Fidelity.REDUCED,
         "mitigations": dict(request.mitigations),
     }
     remote_ws: str | None = node.temp_dir
@@ -126,7 +127,7 @@ async def run_remote_torch(
         result = await _bring_home(session, request, outcome, remote_ws, run, node, workspace, common)
     except BaseException as exc:
         reason = str(exc) if isinstance(exc, Exception) else "cancelled (Ctrl-C or a cancelled call)"
-        failed = base_result(request.facts, backend="torch", error=reason, **common)
+        failed = base_result(request.facts, backend=Backend.TORCH, error=reason, **common)
         failed.timings = {"total": round(time.perf_counter() - started, 3)}
         write_and_record(run, failed, workspace, request.job)
         if isinstance(exc, Exception) and not isinstance(exc, ConfigError):
@@ -172,9 +173,9 @@ async def _bring_home(
         last = tail(outcome.stderr_path)
         why = outcome.reason if not outcome.ok else "the node printed no result document"
         error = f"{request.verb} on {request.target} failed: {why}" + (f"\n{last}" if last else "")
-        failed = next((r for r in results.values() if r.verdict == "failed"), None)
+        failed = next((r for r in results.values() if r.verdict == Verdict.FAILED), None)
         if failed is None:
-            failed = base_result(request.facts, backend="torch", error=error, **common)
+            failed = base_result(request.facts, backend=Backend.TORCH, error=error, **common)
         else:
             failed.error = f"{error}\n{failed.error or ''}".strip()
         failed.timings = {**failed.timings, "remote_command": outcome.seconds}

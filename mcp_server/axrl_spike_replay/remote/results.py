@@ -11,6 +11,7 @@ from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.replay.run_dir import RunDir, now_iso
 from axrl_spike_replay.replay.verdict import baseline_verdict, mitigation_verdict, ratio_threshold, rel_diff
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, read_metadata
+from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,9 @@ def base_result(facts: SnapshotFacts, **fields: Any) -> ReplayResult:
     meta = facts.meta
     values: dict[str, Any] = {
         "snapshot": facts.snapshot,
-        "backend": "torch",
+        "backend": Backend.TORCH,
         "target": "local",
-        "fidelity": "full",
+        "fidelity": Fidelity.FULL,
         "world_size_saved": facts.world_size,
         "world_size_used": facts.world_size,
         "mitigations": {},
@@ -57,7 +58,7 @@ def base_result(facts: SnapshotFacts, **fields: Any) -> ReplayResult:
         "rel_diff": None,
         "median_norm": meta.median_norm,
         "spike_ratio": None,
-        "verdict": "failed",
+        "verdict": Verdict.FAILED,
         "threshold": facts.threshold,
         "job_name": meta.job_name,
         "role": meta.role,

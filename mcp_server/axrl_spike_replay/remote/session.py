@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import asyncssh
+from asyncssh.constants import FILEXFER_TYPE_DIRECTORY, FILEXFER_TYPE_REGULAR
 
 from axrl_spike_replay.atomic import temp_beside
 from axrl_spike_replay.remote.cleanup import run_to_completion
@@ -93,7 +95,7 @@ class RemoteSession:
         reason = exit_reason(process.exit_status, signal)
         return JobOutcome(reason is None, process.exit_status, reason, stdout_path, stderr_path, _since(started))
 
-    async def _finish(self, process: asyncssh.SSHClientProcess, pumps: list[asyncio.Future]) -> None:
+    async def _finish(self, process: asyncssh.SSHClientProcess, pumps: Sequence[asyncio.Future[None]]) -> None:
         await asyncio.gather(*pumps, return_exceptions=True)
         await process.wait_closed()
 
@@ -164,9 +166,9 @@ class RemoteSession:
             if name in (".", "..") or name in skip:
                 continue
             kind = entry.attrs.type
-            if kind == asyncssh.FILEXFER_TYPE_DIRECTORY:
+            if kind == FILEXFER_TYPE_DIRECTORY:
                 fetched += await self.fetch_tree(f"{path}/{name}", local_dir / name, skip)
-            elif kind == asyncssh.FILEXFER_TYPE_REGULAR:
+            elif kind == FILEXFER_TYPE_REGULAR:
                 fetched.append(await self.fetch(f"{path}/{name}", local_dir / name))
         return fetched
 

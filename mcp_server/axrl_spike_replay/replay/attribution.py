@@ -34,6 +34,7 @@ from axrl_spike_replay.replay.verdict import rel_diff
 from axrl_spike_replay.replay.worker import RankInputs, build_model
 from axrl_spike_replay.training.policy_loss import expand_advantages, policy_loss
 from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
+from axrl_spike_replay.vocabulary import Fidelity
 
 METHODS = ("jvp", "per_sample_backward")
 ATTRIBUTION_FILE = "attribution.json"
@@ -168,7 +169,7 @@ def _contributions(
     method: str,
 ) -> tuple[dict[int, torch.Tensor], float]:
     """Per rank, each sample's <g_s, g> (float64); and the router losses' <., g>."""
-    g = [p.grad.detach().clone() for p in model.parameters()]
+    g = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     router = 0.0
     if router_sum is not None:
@@ -262,7 +263,7 @@ def _attribute(
         grad_norm=grad_norm,
         recorded_grad_norm=meta.grad_norm,
         rel_diff=rel_diff(grad_norm, meta.grad_norm),
-        fidelity="full" if world_size == 1 else "reduced",
+        fidelity=Fidelity.FULL if world_size == 1 else Fidelity.REDUCED,
         world_size_saved=world_size,
         total_samples=len(rows),
         samples=rows[:top],

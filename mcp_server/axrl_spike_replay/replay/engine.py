@@ -35,6 +35,7 @@ from axrl_spike_replay.replay.verdict import (
     tolerance,
 )
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.vocabulary import Backend, Verdict
 
 DEVICES = ("cpu", "cuda")
 
@@ -155,7 +156,7 @@ class ReplaySession:
         meta = self.inputs.metadata
         return {
             "snapshot": self.inputs.snapshot,
-            "backend": "torch",
+            "backend": Backend.TORCH,
             "target": "local",
             "fidelity": self.plan.fidelity,
             "world_size_saved": self.inputs.world_size,
@@ -206,7 +207,7 @@ class ReplaySession:
             grad_norm=None,
             rel_diff=None,
             spike_ratio=None,
-            verdict="failed",
+            verdict=Verdict.FAILED,
             timings={"total": time.perf_counter() - self.started},
             error=error,
         )

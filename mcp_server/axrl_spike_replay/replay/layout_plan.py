@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.vocabulary import Fidelity
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,8 @@ class LayoutPlan:
         return len(self.assignment)
 
     @property
-    def fidelity(self) -> str:
-        return "full" if self.nproc == self.world_size_saved else "reduced"
+    def fidelity(self) -> Fidelity:
+        return Fidelity.FULL if self.nproc == self.world_size_saved else Fidelity.REDUCED
 
 
 def plan_layout(world_size_saved: int, nproc: int | None = None) -> LayoutPlan:

@@ -7,20 +7,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
+
 # Read by pydantic when a tool returns one of these: attribute docstrings become field descriptions.
 _SCHEMA_CONFIG = {"use_attribute_docstrings": True}
 
-# baseline: reproduced / not_reproduced; mitigated: see replay.verdict.MITIGATION_VERDICTS; failed: it did not run.
-VERDICTS = (
-    "reproduced",
-    "not_reproduced",
-    "cleared",
-    "partial",
-    "no_effect",
-    "worse",
-    "baseline_not_a_spike",
-    "failed",
-)
+# baseline: reproduced / not_reproduced; mitigated: see vocabulary.MITIGATION_VERDICTS; failed: it did not run.
+VERDICTS = Verdict.values()
 
 
 @dataclass
@@ -28,19 +21,19 @@ class ReplayResult:
     """One replay's outcome (baseline or mitigated). `verdict` is one of VERDICTS."""
 
     snapshot: str
-    backend: str  # "torch" | "command"
+    backend: Backend
     target: str  # "local" or the SSH target as given
-    fidelity: str  # "full" | "reduced"
+    fidelity: Fidelity
     world_size_saved: int
     world_size_used: int
     mitigations: dict[str, Any]  # {} for the baseline
     grad_norm: float | None
-    recorded_grad_norm: float
+    recorded_grad_norm: float | None  # None only when rebuilt from a task row that lost a non-finite value
     rel_diff: float | None  # |grad_norm - recorded| / recorded (baseline) ; for mitigated: vs recorded too
-    median_norm: float
+    median_norm: float | None  # as recorded_grad_norm
     spike_ratio: float | None  # grad_norm / median_norm
-    verdict: str
-    threshold: float  # detector threshold the verdict compares against
+    verdict: Verdict
+    threshold: float | None  # detector threshold the verdict compares against
     baseline_grad_norm: float | None = None  # for mitigated replays: the baseline at the same layout
     change_vs_baseline: float | None = None  # grad_norm / baseline_grad_norm - 1
     top_params: list[dict[str, Any]] = field(default_factory=list)  # [{name, grad_norm}]
@@ -61,11 +54,19 @@ class ReplayResult:
     legacy_layout: bool = False  # replayed through a temporary replay dir (legacy snapshot)
     output_dir: str = ""  # where this result's files were written ("" when none)
 
+    def __post_init__(self) -> None:
+        # Results are also rebuilt from files and task rows: the vocabulary fields always hold members.
+        self.backend = Backend.parse(self.backend, "result backend")
+        self.fidelity = Fidelity.parse(self.fidelity, "result fidelity")
+        self.verdict = Verdict.parse(self.verdict, "result verdict")
+
     def to_json(self) -> dict[str, Any]:
+        """The `replay_result.json` document (vocabulary members are their string values)."""
         return asdict(self)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> ReplayResult:
+        """A result read back from its JSON document; AxrlError when a vocabulary field holds an unknown value."""
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in doc.items() if k in known})
 
@@ -78,7 +79,7 @@ class SweepResult:
 
     snapshot: str
     """The snapshot replayed"""
-    fidelity: str
+    fidelity: Fidelity
     """full, or reduced (fewer processes than the saved world size: a diagnostic)"""
     world_size_saved: int
     """Ranks of the training run"""
@@ -97,6 +98,9 @@ class SweepResult:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds: load, total"""
 
+    def __post_init__(self) -> None:
+        self.fidelity = Fidelity.parse(self.fidelity, "sweep fidelity")  # also when read back from a file
+
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["baseline"] = self.baseline.to_json()
@@ -112,7 +116,7 @@ class SweepResult:
 
     def cleared(self) -> list[ReplayResult]:
         """The configs whose verdict is `cleared`."""
-        return [r for r in self.results if r.verdict == "cleared"]
+        return [r for r in self.results if r.verdict == Verdict.CLEARED]
 
 
 ROUTER_NOTE = (
@@ -161,7 +165,7 @@ class Attribution:
     """Grad norm the trainer recorded"""
     rel_diff: float | None
     """|grad_norm - recorded| / recorded"""
-    fidelity: str
+    fidelity: Fidelity
     """full (saved world size 1), or reduced (several saved ranks in one process)"""
     world_size_saved: int
     """Ranks of the training run"""

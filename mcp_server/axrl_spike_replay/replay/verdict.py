@@ -18,20 +18,19 @@ import math
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.metadata import DetectorSpec
+from axrl_spike_replay.vocabulary import WRITABLE_VERDICTS, Fidelity, Verdict
 
-TOLERANCE = {"full": 1e-6, "reduced": 1e-5}
+TOLERANCE = {Fidelity.FULL: 1e-6, Fidelity.REDUCED: 1e-5}
 CUDA_TOLERANCE = 1e-4  # a GPU replay of a CPU-recorded step: different kernels and summation order
 PARTIAL_FACTOR = 0.5  # `partial`: grad norm at most this fraction of the baseline's
 WORSE_MARGIN = 0.05  # `worse`: grad norm more than 5% above the baseline's
 MEASURABLE_DROP = 0.01  # a mitigation must lower the grad norm by at least 1% to count at all
 DEFAULT_RATIO_THRESHOLD = 5.0  # for detectors whose own statistic is not a ratio to the median (zscore)
-MITIGATION_VERDICTS = ("cleared", "partial", "no_effect", "worse", "baseline_not_a_spike")
-WRITABLE_VERDICTS = ("cleared", "partial")  # a mitigation that did something to a real spike
 
 
-def tolerance(fidelity: str, device: str = "cpu") -> float:
+def tolerance(fidelity: Fidelity, device: str = "cpu") -> float:
     """The rel_diff a baseline replay may show and still count as `reproduced`."""
-    base = TOLERANCE.get(fidelity, TOLERANCE["reduced"])
+    base = TOLERANCE.get(fidelity, TOLERANCE[Fidelity.REDUCED])
     return max(base, CUDA_TOLERANCE) if device.startswith("cuda") else base
 
 
@@ -75,34 +74,34 @@ def rel_diff(value: float | None, recorded: float) -> float | None:
     return abs(value - recorded) / abs(recorded)
 
 
-def baseline_verdict(grad_norm: float, recorded: float, tol: float) -> str:
+def baseline_verdict(grad_norm: float, recorded: float, tol: float) -> Verdict:
     """`reproduced` when the replayed grad norm matches the recorded one within `tol`, else `not_reproduced`."""
     if not math.isfinite(recorded):
-        return "reproduced" if not math.isfinite(grad_norm) else "not_reproduced"
+        return Verdict.REPRODUCED if not math.isfinite(grad_norm) else Verdict.NOT_REPRODUCED
     diff = rel_diff(grad_norm, recorded)
-    return "reproduced" if diff is not None and diff <= tol else "not_reproduced"
+    return Verdict.REPRODUCED if diff is not None and diff <= tol else Verdict.NOT_REPRODUCED
 
 
-def mitigation_verdict(grad_norm: float, baseline_grad_norm: float, median_norm: float, threshold: float) -> str:
+def mitigation_verdict(grad_norm: float, baseline_grad_norm: float, median_norm: float, threshold: float) -> Verdict:
     """`cleared`, `partial`, `no_effect`, `worse` or `baseline_not_a_spike` for a mitigated replay vs its baseline."""
     if not math.isfinite(grad_norm):
-        return "worse" if math.isfinite(baseline_grad_norm) else "no_effect"
+        return Verdict.WORSE if math.isfinite(baseline_grad_norm) else Verdict.NO_EFFECT
     if math.isfinite(baseline_grad_norm) and grad_norm > (1.0 + WORSE_MARGIN) * baseline_grad_norm:
-        return "worse"
+        return Verdict.WORSE
     if not is_spike(baseline_grad_norm, median_norm, threshold):
-        return "baseline_not_a_spike"
+        return Verdict.BASELINE_NOT_A_SPIKE
     if math.isfinite(baseline_grad_norm) and grad_norm > (1.0 - MEASURABLE_DROP) * baseline_grad_norm:
-        return "no_effect"
+        return Verdict.NO_EFFECT
     ratio = ratio_to_median(grad_norm, median_norm)
     if ratio is not None and ratio < threshold:
-        return "cleared"
+        return Verdict.CLEARED
     if not math.isfinite(baseline_grad_norm) or grad_norm <= PARTIAL_FACTOR * baseline_grad_norm:
-        return "partial"
-    return "no_effect"
+        return Verdict.PARTIAL
+    return Verdict.NO_EFFECT
 
 
 def writable_problem(
-    verdict: str,
+    verdict: Verdict | str,
     grad_norm: float | None,
     baseline_grad_norm: float | None,
     median_norm: float | None,

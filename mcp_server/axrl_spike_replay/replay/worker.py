@@ -126,10 +126,11 @@ def forward_group(
             for j, g in enumerate(local):
                 if g is None:
                     continue
-                if buffers[j] is None:
+                current = buffers[j]
+                if current is None:
                     buffers[j] = g
                 else:
-                    buffers[j].add_(g)  # type: ignore[union-attr]
+                    current.add_(g)
             metrics[cfg.config_id].append({"rank": rank, "loss": float(result.loss.detach()), **result.metrics})
     return grads, metrics
 

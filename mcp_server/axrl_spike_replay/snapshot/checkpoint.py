@@ -247,7 +247,7 @@ def check_checkpoint_storage(checkpoint_dir: str | Path) -> list[str]:
 
 
 def _safe_reader(checkpoint_dir: Path) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     class SafeFileSystemReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -264,8 +264,8 @@ def _safe_reader(checkpoint_dir: Path) -> Any:
 
 def load_model_state(checkpoint_dir: str | Path, state_dict: dict[str, torch.Tensor], prefix: str = "model.") -> None:
     """Fill `state_dict` in place from the checkpoint (keys saved under `prefix`), no process group needed."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     directory = Path(checkpoint_dir)
     oversized = check_checkpoint_storage(directory)
@@ -280,7 +280,7 @@ def load_model_state(checkpoint_dir: str | Path, state_dict: dict[str, torch.Ten
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(wrapped, storage_reader=_safe_reader(directory), no_dist=True)
+            dcp_load(wrapped, storage_reader=_safe_reader(directory), no_dist=True)
     except SnapshotError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP raises CheckpointException, a BaseException

@@ -280,7 +280,10 @@ def preserve(
     with held_lock(preserved_root / _LOCK_NAME, 300, f"preserved snapshots in {preserved_root}"):
         for it, source in retained.items():
             outcome = _preserve_one(source, preserved_root, it, result.skipped)
-            (result.preserved if isinstance(outcome, PreservedCopy) else result.failed).append(outcome)
+            if isinstance(outcome, PreservedCopy):
+                result.preserved.append(outcome)
+            else:
+                result.failed.append(outcome)
             if progress is not None:
                 status = outcome.status if isinstance(outcome, PreservedCopy) else "failed"
                 progress(f"iteration {it}: {status} ({len(result.preserved) + len(result.failed)}/{len(retained)})")

@@ -146,12 +146,15 @@ def write_synthetic_snapshot(snapshots_root: str | Path, spec: SyntheticSpec | N
         for name, shape in spec.extra_tensors.items():
             batch[name] = torch.ones(shape)
         norms = {"embed.weight": 1.0 + rank, "head.weight": 0.5, f"experts.{rank}.w": 10.0 * (rank + 1)}
+        mask = next((batch[k] for k in ("loss_mask", "response_mask", "action_mask") if k in batch), None)
+        if mask is None:
+            raise ValueError(f"synthetic rank {rank} batch has no loss mask (loss_mask, response_mask or action_mask)")
         grad_info = {
             "grad_norm": spec.grad_norm,
             "param_grad_norms": norms,
             "param_numel": {name: 64 for name in norms},
             "loss": 0.1 * (rank + 1),
-            "num_tokens": int(batch.get("loss_mask", batch.get("response_mask", batch.get("action_mask"))).sum()),
+            "num_tokens": int(mask.sum()),
         }
         ranks[rank] = RankPayload(batch, grad_info, _routing(spec, gen) if spec.routing else None)
     run_config = {"parallel": {"world_size": spec.world_size, "dp": spec.world_size}, "synthetic": True}

@@ -32,7 +32,7 @@ def result_doc(row: dict[str, Any]) -> tuple[ReplayResult, str | None]:
     if path is not None and path.is_file():
         try:
             return ReplayResult.from_json(json.loads(path.read_text(encoding="utf-8"))), None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError, AxrlError) as exc:
             raise AxrlError(f"replay result {path} of attempt {row['id']} is unreadable: {exc}") from exc
     note = f"replay_result.json of {row['id']} is no longer at {path}; figures are those logged in the task"
     return row_result(row), note

@@ -11,6 +11,7 @@ from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.replay.verdict import WRITABLE_VERDICTS, writable_problem
+from axrl_spike_replay.vocabulary import Fidelity, Verdict
 from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
 from axrl_spike_replay.workspace.evidence import baseline_for, find_attempt, output_dir_of, result_doc
@@ -23,11 +24,11 @@ STATUSES = ("proven", "partial", "diagnostic")
 SIGNAL_TOP = 3
 
 
-def method_status(verdict: str, fidelity: str) -> str:
+def method_status(verdict: Verdict, fidelity: Fidelity) -> str:
     """proven (cleared at full fidelity), partial (partial at full fidelity) or diagnostic (reduced fidelity)."""
-    if fidelity != "full":
+    if fidelity != Fidelity.FULL:
         return "diagnostic"
-    return "proven" if verdict == "cleared" else "partial"
+    return "proven" if verdict == Verdict.CLEARED else "partial"
 
 
 def check_slug(name: str) -> str:
@@ -117,7 +118,7 @@ def _check_writable(attempt_id: str, result: ReplayResult, baseline_norm: float 
     problem = writable_problem(result.verdict, result.grad_norm, base, result.median_norm, result.threshold)
     if problem is not None:
         raise AxrlError(f"attempt {attempt_id} cannot be written up as a method: {problem}")
-    if result.fidelity != "full" and not allow_reduced:
+    if result.fidelity != Fidelity.FULL and not allow_reduced:
         raise AxrlError(
             f"attempt {attempt_id} ran at {result.fidelity!r} fidelity (world size {result.world_size_used} of "
             f"{result.world_size_saved}); rerun it at full fidelity, or pass --allow-reduced to write it up as "
@@ -134,7 +135,8 @@ def _check_not_duplicate(root: Path, slug: str, result: ReplayResult, replace: b
         same_patch = bool(result.patch_sha256) and method.get("patch_sha256") == result.patch_sha256
         same_config = not result.patch_sha256 and not method.get("patch_sha256") and method.get("config_key") == key
         if same_patch or same_config:
-            what = f"patch {result.patch_sha256[:12]}" if same_patch else describe_change(result.mitigations)
+            sha = result.patch_sha256
+            what = f"patch {sha[:12]}" if same_patch and sha else describe_change(result.mitigations)
             raise AxrlError(f"duplicate method: {method['path']} already records the same change ({what})")
     if target.exists() and not replace:
         raise AxrlError(f"method file {target} already exists for a different change; choose another name")
@@ -203,6 +205,8 @@ def _residual(result: ReplayResult, baseline: dict[str, Any]) -> str:
     ratio, threshold = result.spike_ratio, result.threshold
     if ratio is None:
         return "unknown: the mitigated replay has no ratio to the median"
+    if threshold is None:  # a result rebuilt from a task row that lost it
+        return "unknown: the mitigated replay has no detector threshold to compare with"
     if ratio < threshold:
         return f"no residual spike: ratio to median {fmt(ratio)} is below the detector threshold {fmt(threshold)}"
     return (

@@ -11,6 +11,7 @@ from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.replay.mitigation_sets import DIAGNOSTIC_ONLY, SEED_WORKFLOW_METHODS
 from axrl_spike_replay.replay.mitigations import MITIGATIONS, config_id
 from axrl_spike_replay.replay.result import ReplayResult, SweepResult
+from axrl_spike_replay.vocabulary import Fidelity
 from axrl_spike_replay.workspace.methods import add_method
 from axrl_spike_replay.workspace.task_state import show_task
 
@@ -64,7 +65,7 @@ def write_up_sweep(
         if result.verdict not in verdicts:
             item.skipped = f"verdict {result.verdict}"
             continue
-        if item.name in DIAGNOSTIC_ONLY or result.fidelity != "full":
+        if item.name in DIAGNOSTIC_ONLY or result.fidelity != Fidelity.FULL:
             item.skipped = "diagnostic only"
             continue
         attempt = attempts.get(str((Path(sweep.output_dir) / result.config_id / "replay_result.json").resolve()))

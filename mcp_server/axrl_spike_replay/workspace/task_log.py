@@ -8,6 +8,7 @@ from typing import Any
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.vocabulary import Verdict
 from axrl_spike_replay.workspace.changes import describe_change, is_baseline, normalise_config
 from axrl_spike_replay.workspace.paths import check_plain_name
 from axrl_spike_replay.workspace.preserved_copies import note_preserved_copy
@@ -60,7 +61,7 @@ def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_
     root = _open_root(workspace, job)
     if root is None:
         return None
-    if result.verdict == "failed":
+    if result.verdict == Verdict.FAILED:
         return record_failure(
             root,
             job,
