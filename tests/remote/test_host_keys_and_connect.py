@@ -42,7 +42,7 @@ def test_an_unknown_host_is_refused_with_its_fingerprint(server: LoopbackServer,
         connect_and_run(server.spec(known_hosts=empty))
     message = str(info.value)
     assert f"[127.0.0.1]:{server.port} is not in known_hosts ({empty})" in message
-    assert fingerprint_of(server.keys.host_pub) in message and "--accept-new-host-key" in message
+    assert fingerprint_of(server.keys.host_pub) in message and "`accept_new_host_key`" in message
     assert not empty.exists()
 
 

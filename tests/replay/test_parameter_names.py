@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,23 @@ def test_the_cli_spells_the_parameter_as_its_option(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "`" not in err and "Traceback" not in err
+
+
+def test_every_parameter_a_library_message_names_is_spelled_as_an_option_on_the_cli() -> None:
+    """The remaining face-specific wording went neutral: the CLI rewrites each one to a real option."""
+    from axrl_spike_replay.cli import build_parser
+    from axrl_spike_replay.cli.parameter_names import for_cli
+
+    def options_of(parser: argparse.ArgumentParser) -> set[str]:
+        found: set[str] = set()
+        for action in parser._actions:
+            found |= set(action.option_strings)
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    found |= options_of(sub)
+        return found
+
+    options = options_of(build_parser())
+    for parameter in ("roots", "workspace", "allow_reduced", "accept_new_host_key", "known_hosts", "patch"):
+        flag = for_cli(f"pass `{parameter}`").removeprefix("pass ")
+        assert flag in options, (parameter, flag)

@@ -9,6 +9,7 @@ _FLAGS = {
     "mitigations": "--mitigation",
     "configs": "--mitigation",
     "timeout_s": "--timeout",
+    "roots": "--root",
 }
 # fields with no option of the same name on any verb stay as the library wrote them
 _PARAMETERS = {
@@ -26,6 +27,7 @@ _PARAMETERS = {
     "accept_new_host_key",
     "workspace",
     "job",
+    "allow_reduced",
     *_FLAGS,
 }
 _NAMED = re.compile(r"`([a-z_]+)`")

@@ -98,7 +98,7 @@ class HostKeyCheck:
             self.refused = (
                 f"host {where} is not in known_hosts ({', '.join(str(p) for p in self.files)}); it presented "
                 f"{key.get_algorithm()} key {fingerprint(key)}. Verify it, then connect once with "
-                "--accept-new-host-key (or ssh to it yourself) to record it."
+                "`accept_new_host_key` (or ssh to it yourself) to record it."
             )
             return False
         try:
@@ -124,7 +124,7 @@ def known_hosts_files(policy: HostKeyPolicy, option_value: str | None, config_va
         if name.lower() in ("none", "/dev/null"):
             raise HostKeyError(
                 f"UserKnownHostsFile {name} would turn host-key checking off, which is not allowed; "
-                "pass --known-hosts FILE to use another file"
+                "pass `known_hosts` (a file) to use another one"
             )
     return [Path(os.path.expanduser(n)) for n in names]
 

@@ -185,10 +185,10 @@ def plan_for_snapshot(report: NodeReport, world_size: int, snapshot: str) -> Nod
     elif gpus > 0:
         report.plan = (
             f"REDUCED fidelity on GPUs: {gpus} process(es) replay {world_size} saved ranks (a diagnostic; "
-            f"full fidelity needs {world_size} GPUs), or full fidelity on CPU with --device cpu"
+            f"full fidelity needs {world_size} GPUs), or full fidelity on CPU with device=cpu"
         )
     else:
-        report.plan = f"no GPU: full fidelity only on CPU (--device cpu, {world_size} process(es), gloo)"
+        report.plan = f"no GPU: full fidelity only on CPU (device=cpu, {world_size} process(es), gloo)"
     return report
 
 

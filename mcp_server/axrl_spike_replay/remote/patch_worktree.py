@@ -75,7 +75,7 @@ async def patched_worktree(
         )
         if check.exit_status != 0:
             raise ConfigError(
-                f"--patch {patch}: does not apply to {checkout} at {base[:12]} (git apply --check): "
+                f"`patch` {patch}: does not apply to {checkout} at {base[:12]} (git apply --check): "
                 f"{(check.stderr or check.stdout).strip()}"
             )
         await _git(session, "-C", tree, "apply", patch_path, what="git apply")

@@ -212,13 +212,13 @@ def _parse_option(text: str, spec: str) -> tuple[str, str]:
         if strict is None:
             raise ConfigError(
                 f"SSH target {spec!r}: -o StrictHostKeyChecking={value} would turn host-key checking off, "
-                "which is not allowed; use --accept-new-host-key to record a new host's key on first use"
+                "which is not allowed; use `accept_new_host_key` to record a new host's key on first use"
             )
         value = strict
     if name == "UserKnownHostsFile" and value.split()[0].lower() in ("none", "/dev/null"):
         raise ConfigError(
             f"SSH target {spec!r}: -o UserKnownHostsFile={value} would turn host-key checking off, "
-            "which is not allowed; give a real file (it is created on first use with --accept-new-host-key)"
+            "which is not allowed; give a real file (it is created on first use with `accept_new_host_key`)"
         )
     return name, value
 

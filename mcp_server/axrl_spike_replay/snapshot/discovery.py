@@ -84,7 +84,7 @@ def resolve_job(job: str, roots: Sequence[str | Path] = ()) -> JobResolution:
         shown = ", ".join(str(r) + ("" if r.is_dir() else " (missing)") for r in searched)
         raise AxrlError(
             f"no output directories for job {job!r} (looked for '*~{job}__<role>' under: {shown}); "
-            f"pass --root DIR or set {OUTPUT_ROOTS_ENV}"
+            f"pass `roots` or set {OUTPUT_ROOTS_ENV}"
         )
     roles.sort(key=lambda r: (r.role, r.run, r.output_dir))
     return JobResolution(job=job, roles=roles, roots=[str(r) for r in searched])

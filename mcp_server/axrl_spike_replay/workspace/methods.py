@@ -121,7 +121,7 @@ def _check_writable(attempt_id: str, result: ReplayResult, baseline_norm: float 
     if result.fidelity != Fidelity.FULL and not allow_reduced:
         raise AxrlError(
             f"attempt {attempt_id} ran at {result.fidelity!r} fidelity (world size {result.world_size_used} of "
-            f"{result.world_size_saved}); rerun it at full fidelity, or pass --allow-reduced to write it up as "
+            f"{result.world_size_saved}); rerun it at full fidelity, or pass `allow_reduced` to write it up as "
             "diagnostic only"
         )
 

@@ -38,7 +38,7 @@ def check_workspace(workspace: str | Path) -> Path:
     """The workspace as an absolute path; AxrlError when it does not exist or is not a directory."""
     root = Path(workspace).expanduser()
     if not root.exists():
-        raise AxrlError(f"workspace {str(root)!r} does not exist; create it or pass --workspace DIR")
+        raise AxrlError(f"workspace {str(root)!r} does not exist; create it or pass another `workspace`")
     if not root.is_dir():
         raise AxrlError(f"workspace {str(root)!r} is not a directory")
     return root.resolve()
