@@ -25,6 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from axrl_spike_replay.atomic import atomic_write_text
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.temp_janitor import owned_temp_dir
 
@@ -86,6 +87,9 @@ def spawn_ranks(
             log.warning("%s; running the %s processes again (their work has no side effects)", crash, label)
 
 
+_CRASH_SIGNALS = {int(signal.SIGABRT), int(signal.SIGSEGV), int(signal.SIGBUS), int(signal.SIGILL), int(signal.SIGFPE)}
+
+
 class _NativeCrash(RankProcessError):
     """A process died from a signal before it could report (a crash in native code)."""
 
@@ -114,11 +118,19 @@ def _spawn_once(
                     _stop(context.processes)
                     raise RunCancelled(f"{label} processes cancelled and stopped")
         except (ProcessRaisedException, ProcessExitedException) as exc:
+            # Before we stop the others: which ranks a signal killed (a native crash), as opposed to ranks that
+            # then failed in Python because a peer vanished (those report a trace, which must not win the race).
+            # torch's join already sent SIGTERM to the rest, so only a crash signal, or the signal of the rank
+            # that torch saw die first, counts.
+            exitcodes = [(process.exitcode if process is not None else None) or 0 for process in context.processes]
+            signalled = [rank for rank, code in enumerate(exitcodes) if -code in _CRASH_SIGNALS]
+            if isinstance(exc, ProcessExitedException) and exc.signal_name and exc.error_index not in signalled:
+                signalled.append(exc.error_index)
             _stop(context.processes)
-            error = _collect_error(Path(tmp), exc, label)
-            if isinstance(exc, ProcessExitedException) and exc.signal_name and not any(Path(tmp).glob("*-*.txt")):
-                raise _NativeCrash(str(error), error.details) from None
-            raise error from None
+            crashed = [rank for rank in signalled if not list(Path(tmp).glob(f"*-{rank:05d}.txt"))]
+            if crashed:
+                raise _native_crash(Path(tmp), crashed[0], exitcodes[crashed[0]], label) from None
+            raise _collect_error(Path(tmp), exc, label) from None
         except BaseException:
             _stop(context.processes)  # Ctrl-C, SIGTERM (see `terminate_as_interrupt`), any bug: no rank outlives us
             raise
@@ -172,6 +184,16 @@ def _stop(processes: list[Any]) -> None:
             process.join()
 
 
+def _native_crash(tmp: Path, rank: int, exitcode: int, label: str) -> _NativeCrash:
+    """A rank killed by a signal before its Python could report; other ranks' traces are the consequences."""
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    others = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in sorted(tmp.glob("*-*.txt")))
+    return _NativeCrash(f"{label} process {rank} died from {name} (a crash in native code)", others)
+
+
 def _collect_error(tmp: Path, exc: Exception, label: str) -> RankProcessError:
     expected = sorted(tmp.glob("error-*.txt"))
     if expected:
@@ -211,10 +233,10 @@ def _entry(
         fn(rank, nproc, payload)
         dist.barrier()  # every rank is done with the group before any tears it down
     except AxrlError as exc:
-        Path(tmp, f"error-{rank:05d}.txt").write_text(f"{label} {rank}: {exc}", encoding="utf-8")
+        atomic_write_text(Path(tmp, f"error-{rank:05d}.txt"), f"{label} {rank}: {exc}")
         raise
     except BaseException:
-        Path(tmp, f"trace-{rank:05d}.txt").write_text(traceback.format_exc(), encoding="utf-8")
+        atomic_write_text(Path(tmp, f"trace-{rank:05d}.txt"), traceback.format_exc())
         raise
     finally:
         if dist.is_initialized():

@@ -88,9 +88,16 @@ def rank_snapshots(snapshots: list[SnapshotEntry]) -> list[RankedSnapshot]:
             reason = f"start here: the only readable snapshot ({ratio})"
         else:
             reason = f"{ratio}: confirm the diagnosis and the method on it"
-        ranked.append(RankedSnapshot(order, entry.iteration, entry.path, entry.spike_ratio, reason))
+        ranked.append(
+            RankedSnapshot(
+                order=order, iteration=entry.iteration, path=entry.path, spike_ratio=entry.spike_ratio, reason=reason
+            )
+        )
     for order, entry in enumerate(unreadable, start=len(ranked) + 1):
-        ranked.append(RankedSnapshot(order, entry.iteration, entry.path, None, f"metadata not usable: {entry.problem}"))
+        problem = f"metadata not usable: {entry.problem}"
+        ranked.append(
+            RankedSnapshot(order=order, iteration=entry.iteration, path=entry.path, spike_ratio=None, reason=problem)
+        )
     return ranked
 
 
