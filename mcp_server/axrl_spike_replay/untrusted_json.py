@@ -1,4 +1,5 @@
-"""JSON we did not write: bounded bytes, bounded depth (checked before parsing), bounded integers.
+"""JSON we did not write: bounded depth (checked before parsing) and bounded integers (read it with
+`untrusted_bytes.read_bounded`).
 
 Python's json recurses once per nesting level and converts integers of any length, so a hostile
 document can exhaust the stack or the CPU; these checks refuse it first. Errors are ValueErrors
@@ -8,42 +9,18 @@ with short, printable reasons; callers prefix the file name and choose the error
 from __future__ import annotations
 
 import json
-import os
 import re
-import stat
-from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.display import shown
+from axrl_spike_replay.untrusted_bytes import UntrustedInputError, utf8_text
 
 MAX_JSON_INT_DIGITS = 20  # any count or id fits in 64 bits; Python refuses ints over 4300 digits anyway
 _JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 
-class UntrustedJsonError(ValueError):
+class UntrustedJsonError(UntrustedInputError):
     """A document that is not usable: the message says why, without the file name."""
-
-
-def read_bounded(path: str | os.PathLike[str], limit: int, *, follow_symlinks: bool = True) -> bytes:
-    """At most `limit` bytes of a regular file; UntrustedJsonError when larger or not a regular file.
-
-    Without `follow_symlinks` a symlink is refused (O_NOFOLLOW); a FIFO is never waited on (O_NONBLOCK).
-    OSError (missing, unreadable) passes through for the caller to word.
-    """
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
-    if not follow_symlinks:
-        flags |= getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(Path(path), flags)
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise UntrustedJsonError("is not a regular file")
-        if info.st_size > limit:
-            raise UntrustedJsonError(f"is {info.st_size} bytes, more than the {limit}-byte limit")
-        data = handle.read(limit + 1)
-    if len(data) > limit:
-        raise UntrustedJsonError(f"is more than the {limit}-byte limit")
-    return data
 
 
 def json_depth(text: str) -> int:
@@ -67,10 +44,7 @@ def _bounded_int(digits: str) -> int:
 
 def parse_untrusted_json(data: bytes, max_depth: int) -> Any:
     """The document in `data` (UTF-8 JSON, nesting at most `max_depth`); UntrustedJsonError saying why not."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UntrustedJsonError(f"is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    text = utf8_text(data)
     if json_depth(text) > max_depth:
         raise UntrustedJsonError(f"nests deeper than {max_depth} levels")
     try:

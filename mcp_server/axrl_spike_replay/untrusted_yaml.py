@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import yaml
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
 
 MAX_YAML_BYTES = 4 * 1024 * 1024  # a run config or mitigation set is kilobytes; this bounds the parser's work
 MAX_YAML_DEPTH = 64
@@ -69,11 +69,9 @@ def _short_yaml_error(exc: yaml.YAMLError) -> str:
 def read_untrusted_yaml(path: Any, what: str = "YAML file") -> Any:
     """Read and parse a YAML file we did not write; ConfigError naming the file when unreadable or bad."""
     try:
-        size = os.stat(path).st_size
-        if size > MAX_YAML_BYTES:
-            raise ConfigError(f"{what} {path}: {size} bytes, more than the {MAX_YAML_BYTES}-byte limit")
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_YAML_BYTES + 1)
+        data = read_bounded(path, MAX_YAML_BYTES)
+    except UntrustedInputError as exc:
+        raise ConfigError(f"{what} {path}: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{what} {path}: cannot read it ({exc.strerror or exc})") from None
     return load_untrusted_yaml(data, f"{what} {path}")

@@ -14,7 +14,8 @@ from typing import Any
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, CHECKPOINT_METADATA, FORMAT_VERSION
-from axrl_spike_replay.untrusted_json import UntrustedJsonError, parse_untrusted_json, read_bounded
+from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
+from axrl_spike_replay.untrusted_json import parse_untrusted_json
 
 # Keys that mark `metadata.json` as AXRL metadata (legacy layout) rather than the checkpoint's own.
 _AXRL_MARKER_KEYS = ("iteration", "grad_norm", "spike_ratio", "parallel", "job_name")
@@ -170,7 +171,7 @@ def read_json_document(path: Path) -> dict[str, Any]:
     """A JSON object from an untrusted file: size, depth and integers bounded; SnapshotError naming `path`."""
     try:
         doc = parse_untrusted_json(read_bounded(path, MAX_METADATA_BYTES), MAX_JSON_DEPTH)
-    except UntrustedJsonError as exc:
+    except UntrustedInputError as exc:
         raise SnapshotError(f"{path}: {exc}") from None
     except OSError as exc:
         raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc})") from None

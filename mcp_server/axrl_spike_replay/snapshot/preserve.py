@@ -38,7 +38,8 @@ from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.snapshot.completeness import missing_required
 from axrl_spike_replay.snapshot.layout import PRESERVE_MARKER, PRESERVED_DIR, SNAPSHOTS_DIR, iteration_dir_name
 from axrl_spike_replay.snapshot.listing import SkippedEntry, scan_iteration_dirs
-from axrl_spike_replay.untrusted_json import UntrustedJsonError, parse_untrusted_json, read_bounded
+from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
+from axrl_spike_replay.untrusted_json import parse_untrusted_json
 
 MADE_BY = "axrl-spike-replay"
 _LOCK_NAME = ".axrl_preserve.lock"
@@ -313,7 +314,7 @@ def read_marker(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
         doc = parse_untrusted_json(data, MARKER_MAX_DEPTH)
     except FileNotFoundError:
         return None, f"has no readable {PRESERVE_MARKER} marker"
-    except UntrustedJsonError as exc:
+    except UntrustedInputError as exc:
         return None, f"its {PRESERVE_MARKER} marker {exc}"
     except OSError as exc:
         return None, f"its {PRESERVE_MARKER} marker cannot be read ({exc.strerror or exc})"
