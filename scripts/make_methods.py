@@ -89,12 +89,12 @@ def export(workspace: Path) -> None:
     for old in (target / "evidence").glob("*/"):
         shutil.rmtree(old)
     for method in list_methods(workspace):
-        slug = method["slug"]
-        text = Path(method["path"]).read_text(encoding="utf-8").replace(str(workspace), PLACEHOLDER)
+        slug = method.slug
+        text = Path(method.path).read_text(encoding="utf-8").replace(str(workspace), PLACEHOLDER)
         (target / f"{slug}.md").write_text(text, encoding="utf-8")
         evidence = target / "evidence" / slug
         evidence.mkdir(parents=True)  # evidence/README.md stays
-        mitigated = Path(method["result_path"])
+        mitigated = Path(method.front_matter["result_path"])
         shutil.copy2(mitigated, evidence / "replay_result.json")
         baseline = mitigated.parent.parent / "baseline" / "replay_result.json"
         if baseline.is_file():

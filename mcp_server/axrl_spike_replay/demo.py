@@ -206,10 +206,10 @@ def run_demo(
     step(
         "write-up",
         [f"method file: {m}" for m in methods]
-        + [f"report: {report['path']}", f"task file: {show_task(root, DEMO_JOB)['task_file']}"]
+        + [f"report: {report.path}", f"task file: {show_task(root, DEMO_JOB).task_file}"]
         + [
             f"released preserved copy: {r['path']}" if r.get("released") else f"kept {r['path']}: {r.get('error')}"
-            for r in report.get("released", [])
+            for r in report.released
         ],
     )
     return DemoSummary(
@@ -224,8 +224,8 @@ def run_demo(
         baseline_verdict=baseline.verdict,
         cleared=cleared,
         methods=methods,
-        report=report["path"],
-        task_file=show_task(root, DEMO_JOB)["task_file"],
+        report=report.path,
+        task_file=show_task(root, DEMO_JOB).task_file,
         steps=done,
         seconds=time.perf_counter() - started,
     )

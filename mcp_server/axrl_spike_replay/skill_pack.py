@@ -13,6 +13,7 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.resources import skills_dir
 from axrl_spike_replay.untrusted_yaml import load_untrusted_yaml
+from axrl_spike_replay.workspace.views import MethodEntry
 
 SKILL_FILE = "SKILL.md"
 MAX_DESCRIPTION = 1024
@@ -149,15 +150,15 @@ METHODS_BEGIN = "<!-- recorded-methods:begin -->"
 METHODS_END = "<!-- recorded-methods:end -->"
 
 
-def methods_block(methods: list[dict[str, Any]]) -> str:
+def methods_block(methods: list[MethodEntry]) -> str:
     """The markdown list of recorded methods (from `workspace.methods.list_methods`) for the workflow skill."""
     if not methods:
         return "_No methods recorded yet._"
     order = {"proven": 0, "partial": 1, "diagnostic": 2}
     lines = []
-    for method in sorted(methods, key=lambda m: (order.get(str(m.get("status")), 3), str(m.get("slug", "")))):
-        summary = " ".join(str(method.get("summary", "")).split())
-        lines.append(f"- **{method.get('slug', '?')}** ({method.get('status', 'unknown')}) — {summary}")
+    for method in sorted(methods, key=lambda m: (order.get(m.status, 3), m.slug)):
+        summary = " ".join(("" if method.summary is None else method.summary).split())
+        lines.append(f"- **{method.slug}** ({method.status}) — {summary}")
     return "\n".join(lines)
 
 

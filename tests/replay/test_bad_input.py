@@ -138,7 +138,7 @@ def test_a_replay_that_fails_midway_records_a_failed_result(
     doc = json.loads((run_dir / "replay_result.json").read_text())
     assert doc["verdict"] == "failed" and doc["grad_norm"] is None and "checkpoint" in doc["error"]
     assert "failed" in (run_dir / "replay.log").read_text()
-    failed = show_task(workspace, "fixture-moe")["failed"]
+    failed = show_task(workspace, "fixture-moe").failed
     assert len(failed) == 1 and "checkpoint" in failed[0]["reason"]
     assert failed[0]["result_path"] == str(run_dir / "replay_result.json")
 

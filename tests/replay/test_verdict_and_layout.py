@@ -136,7 +136,7 @@ def test_a_no_op_on_a_snapshot_whose_threshold_was_raised_is_not_a_method(
     assert result.verdict == "baseline_not_a_spike"
     on_disk = Path(result.output_dir) / "replay_result.json"
     assert json.loads(on_disk.read_text())["verdict"] == "baseline_not_a_spike"
-    (row,) = show_task(workspace, "fixture-moe")["experiments"]
+    (row,) = show_task(workspace, "fixture-moe").experiments
     assert row["verdict"] == "baseline_not_a_spike"
     assert "baseline is not a spike" in (Path(result.output_dir) / "replay.log").read_text()
 

@@ -14,6 +14,7 @@ from mcp import Client
 from axrl_spike_replay.resources import skills_dir
 from axrl_spike_replay.server import create_server
 from axrl_spike_replay.skill_pack import list_skills, methods_block, skill_problems, with_methods_block
+from axrl_spike_replay.workspace.views import MethodEntry
 
 SKILLS = ("axrl-spike-replay", "axrl-run-gpu-task", "axrl-copy-log-to-tmp-and-analyze")
 REPO = Path(__file__).resolve().parents[2]
@@ -100,13 +101,20 @@ def test_the_recorded_methods_list_is_generated_from_the_method_files() -> None:
 
 def test_the_methods_block_lists_each_method_with_status_and_change(tmp_path: Path) -> None:
     methods = [
-        {
-            "slug": "tis-clip-2",
-            "status": "proven",
-            "summary": "mismatch_token_clip_max=2: 31 -> 3",
-            "mitigations": {"mismatch_token_clip_max": 2.0},
-        },
-        {"slug": "route-l0", "status": "partial", "summary": "current routing L0", "mitigations": {}},
+        MethodEntry(
+            slug="tis-clip-2",
+            status="proven",
+            summary="mismatch_token_clip_max=2: 31 -> 3",
+            path="spike-mitigation-methods/tis-clip-2.md",
+            front_matter={"slug": "tis-clip-2", "mitigations": {"mismatch_token_clip_max": 2.0}},
+        ),
+        MethodEntry(
+            slug="route-l0",
+            status="partial",
+            summary="current routing L0",
+            path="spike-mitigation-methods/route-l0.md",
+            front_matter={"slug": "route-l0", "mitigations": {}},
+        ),
     ]
     block = methods_block(methods)
     assert block.splitlines() == [

@@ -214,6 +214,6 @@ def test_report_shows_the_baseline_computed_alongside_a_mitigated_replay(tmp_pat
     result.baseline_grad_norm, result.change_vs_baseline = 37.4, 3.9 / 37.4 - 1
     record_replay(tmp_path, JOB, result, save_result(tmp_path, "tis", result))
     report = write_report(tmp_path, JOB)
-    assert report["baselines"] == [] and [b["id"] for b in report["attempt_baselines"]] == ["E1"]
-    assert f"| E1 | local | full | 2/2 | 37.4 | 37.42 | {abs(37.4 - RECORDED) / RECORDED:.4g} |" in report["text"]
-    assert report["released"] == []
+    assert report.baselines == [] and [b["id"] for b in report.attempt_baselines] == ["E1"]
+    assert f"| E1 | local | full | 2/2 | 37.4 | 37.42 | {abs(37.4 - RECORDED) / RECORDED:.4g} |" in report.text
+    assert report.released == []

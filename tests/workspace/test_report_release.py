@@ -110,7 +110,7 @@ def test_a_copy_another_open_task_still_uses_is_kept(two_jobs_template: Path, tm
 
     report = write_report(ws, JOB, release=True)
 
-    (entry,) = report["released"]
+    (entry,) = report.released
     assert entry["released"] is False and "task 'second-look' still uses it" in entry["error"]
     assert _copy(ours).is_dir()
 
@@ -121,14 +121,14 @@ def test_a_copy_made_again_after_the_task_noted_it_is_not_released(two_jobs_temp
     ws.mkdir()
     preserve(ours, 5)
     open_task(ws, JOB, _source(ours))
-    assert [c["path"] for c in show_task(ws, JOB)["preserved_copies"]] == [str(_copy(ours))]
+    assert [c["path"] for c in show_task(ws, JOB).preserved_copies] == [str(_copy(ours))]
     marker = _copy(ours) / ".axrl_preserved.json"
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "created_at": "2031-01-01T00:00:00+00:00"}))
 
     report = write_report(ws, JOB, release=True)
 
-    assert report["released"] == [] and _copy(ours).is_dir()
-    assert "not noted as this investigation's copy" in report["preserved_kept"][0]["reason"]
+    assert report.released == [] and _copy(ours).is_dir()
+    assert "not noted as this investigation's copy" in report.preserved_kept[0]["reason"]
 
 
 def test_after_release_the_task_points_at_the_rotating_snapshot_that_still_exists(
@@ -146,8 +146,8 @@ def test_after_release_the_task_points_at_the_rotating_snapshot_that_still_exist
 
     assert status == 0 and [r["released"] for r in report["released"]] == [True]
     task = show_task(ws, JOB)
-    assert task["snapshot"] == str(_source(ours).resolve()) and Path(task["snapshot"]).is_dir()
-    assert task["command"] == f"axrl-spike-replay replay {_source(ours).resolve()}"
+    assert task.snapshot == str(_source(ours).resolve()) and Path(task.snapshot).is_dir()
+    assert task.command == f"axrl-spike-replay replay {_source(ours).resolve()}"
     assert "agents call the MCP tool `write_report` with `release: true`" not in report["text"]  # released, not a hint
 
 

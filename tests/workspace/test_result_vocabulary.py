@@ -38,4 +38,4 @@ def test_a_hand_edited_verdict_is_named_with_its_file(tmp_path: Path, capsys) ->
 
     path.write_text(json.dumps(doc))  # the file as the replay wrote it: written up as before
     written = add_method(tmp_path, JOB, "E2", "tis-clip", "clip the mismatched tokens")
-    assert written["verdict"] == "cleared" and written["fidelity"] == "full" and written["status"] == "proven"
+    assert written.verdict == "cleared" and written.fidelity == "full" and written.status == "proven"

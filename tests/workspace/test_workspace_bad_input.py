@@ -53,7 +53,7 @@ def test_unknown_or_failed_attempt_is_refused(task: Path) -> None:
 def test_existing_method_name_is_refused_unless_replacing(task: Path) -> None:
     first = add_method(task, JOB, "E2", "tis", "first reason")
     # The snapshot is gone: the method is still written, and says why it has no signals.
-    assert f"snapshot {SNAP} is no longer readable" in Path(first["path"]).read_text()
+    assert f"snapshot {SNAP} is no longer readable" in Path(first.path).read_text()
     other = replay_result(SNAP, 2.0, "cleared", mitigations={"advantage_clip": 1})
     record_replay(task, JOB, other, save_result(task, "adv", other))
     with pytest.raises(AxrlError, match=r"tis.md already exists for a different change"):
@@ -61,8 +61,8 @@ def test_existing_method_name_is_refused_unless_replacing(task: Path) -> None:
     with pytest.raises(AxrlError, match="duplicate method"):
         add_method(task, JOB, "E2", "tis-again", "same change, new name")
     again = add_method(task, JOB, "E2", "tis", "regenerated reason", replace=True)
-    assert again["path"] == first["path"] and "regenerated reason" in Path(again["path"]).read_text()
-    assert [m["slug"] for m in show_task(task, JOB)["methods"]] == ["tis"]
+    assert again.path == first.path and "regenerated reason" in Path(again.path).read_text()
+    assert [m["slug"] for m in show_task(task, JOB).methods] == ["tis"]
 
 
 def test_missing_workspace(tmp_path: Path, capsys) -> None:
@@ -151,5 +151,5 @@ def test_disk_full_leaves_the_old_task_file_intact(task: Path, monkeypatch) -> N
     monkeypatch.undo()
     after = {p.name: p.read_bytes() for p in folder.iterdir()}
     assert after == before  # same files, same bytes, no temp file left behind
-    assert [row["id"] for row in show_task(task, JOB)["experiments"]] == ["E1", "E2"]
+    assert [row["id"] for row in show_task(task, JOB).experiments] == ["E1", "E2"]
     assert not (task / "tmp" / "spike-replay" / JOB / "report.md").exists()

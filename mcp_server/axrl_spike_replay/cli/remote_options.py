@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from axrl_spike_replay.remote.options import RemoteOptions
 
 
 def add_connection_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -60,7 +63,7 @@ def add_remote_options(parser: argparse.ArgumentParser) -> None:
     add_connection_options(group)
 
 
-def remote_options_from_args(args: argparse.Namespace) -> Any:
+def remote_options_from_args(args: argparse.Namespace) -> RemoteOptions:
     """The RemoteOptions of parsed arguments."""
     from axrl_spike_replay.remote.options import RemoteOptions
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import shlex
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress, table
 from axrl_spike_replay.cli.remote_options import add_remote_options
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
+
+if TYPE_CHECKING:
+    from axrl_spike_replay.investigation.request import ReplayRequest
 
 
 def _common(parser: argparse.ArgumentParser, layout: bool = True) -> None:
@@ -77,7 +80,7 @@ def register(sub: Any) -> None:
     a.set_defaults(handler=_attribute)
 
 
-def _request(args: argparse.Namespace, verb: str, **what: Any) -> Any:
+def _request(args: argparse.Namespace, verb: str, **what: Any) -> ReplayRequest:
     """The library's ReplayRequest for parsed arguments: this face only maps its options onto it."""
     from axrl_spike_replay.investigation.request import replay_request
 

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, table
+from axrl_spike_replay.workspace.views import MethodAdded, MethodEntry, ReportResult, TaskView
 
 
 def register(sub: Any) -> None:
@@ -143,7 +144,7 @@ def _method_add(args: argparse.Namespace) -> int:
         allow_reduced=args.allow_reduced,
         replace=args.replace,
     )
-    emit(result, args.json, lambda r: f"{r['status']} method {r['slug']} -> {r['path']}\n{r['summary']}")
+    emit(result, args.json, _render_method_added)
     return 0
 
 
@@ -159,32 +160,36 @@ def _report(args: argparse.Namespace) -> int:
 
     result = write_report(args.workspace, args.job, release=args.release, release_last_copy=args.release_last_copy)
     emit(result, args.json, _render_report)
-    return 1 if any(not entry["released"] for entry in result["released"]) else 0
+    return 1 if any(not entry["released"] for entry in result.released) else 0
 
 
-def _render_task(task: dict[str, Any]) -> str:
-    lines = [f"task {task['job']}: {task['task_file']}", f"snapshot: {task['snapshot'] or '(none)'}"]
-    lines.append(f"command:  {task['command'] or '(none)'}")
-    if task["experiments"]:
+def _render_task(task: TaskView) -> str:
+    lines = [f"task {task.job}: {task.task_file}", f"snapshot: {task.snapshot or '(none)'}"]
+    lines.append(f"command:  {task.command or '(none)'}")
+    if task.experiments:
         cols = ("id", "fidelity", "change", "grad_norm", "ratio_to_median", "change_vs_baseline", "verdict")
-        lines += ["", table(cols, [[row.get(c) for c in cols] for row in task["experiments"]])]
-    if task["failed"]:
-        lines += ["", table(("id", "target", "reason"), [[f["id"], f["target"], f["reason"]] for f in task["failed"]])]
-    for title, key in (("observations", "observations"), ("next steps", "next_steps")):
-        if task[key]:
-            lines += ["", f"{title}:"] + [f"  - {n['text']}" for n in task[key]]
+        lines += ["", table(cols, [[row.get(c) for c in cols] for row in task.experiments])]
+    if task.failed:
+        lines += ["", table(("id", "target", "reason"), [[f["id"], f["target"], f["reason"]] for f in task.failed])]
+    for title, notes in (("observations", task.observations), ("next steps", task.next_steps)):
+        if notes:
+            lines += ["", f"{title}:"] + [f"  - {n['text']}" for n in notes]
     return "\n".join(lines)
 
 
-def _render_methods(methods: list[dict[str, Any]]) -> str:
+def _render_method_added(method: MethodAdded) -> str:
+    return f"{method.status} method {method.slug} -> {method.path}\n{method.summary}"
+
+
+def _render_methods(methods: list[MethodEntry]) -> str:
     if not methods:
         return "no method files"
-    return table(("method", "status", "summary"), [[m["slug"], m["status"], m.get("summary")] for m in methods])
+    return table(("method", "status", "summary"), [[m.slug, m.status, m.summary] for m in methods])
 
 
-def _render_report(result: dict[str, Any]) -> str:
-    lines = [result["text"].rstrip("\n"), "", f"report written to {result['path']}"]
-    for entry in result["released"]:
+def _render_report(result: ReportResult) -> str:
+    lines = [result.text.rstrip("\n"), "", f"report written to {result.path}"]
+    for entry in result.released:
         state = "released" if entry["released"] else f"NOT released: {entry['error']}"
         lines.append(f"preserved copy {entry['path']}: {state}")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ToolAnnotations
 from pydantic import Field
 
+from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.mcp_faces.bridge import call_library
 from axrl_spike_replay.mcp_faces.config import JobArg, ServerConfig, WorkspaceArg
 from axrl_spike_replay.mcp_faces.record_models import MethodAdded, MethodList, ReportWritten, TaskView
@@ -42,7 +43,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         every replay and sweep of the job logs itself into it."""
         root = config.workspace_for(workspace)
         target = str(config.path(snapshot)) if snapshot else None
-        return await call_library(ctx, lambda progress, cancel: TaskView.model_validate(open_task(root, job, target)))
+        return await call_library(ctx, lambda progress, cancel: _task_view(open_task(root, job, target)))
 
     @server.tool(name="task_note", title="Add an observation or next step", annotations=WRITES)
     async def task_note_tool(
@@ -57,7 +58,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         """Append a line to the Observations or Next steps of the job's task file (what the signals showed, why
         an attempt was dropped, what to try next). Replays log their own rows; use this for everything else."""
         root = config.workspace_for(workspace)
-        return await call_library(ctx, lambda progress, cancel: TaskView.model_validate(note(root, job, section, text)))
+        return await call_library(ctx, lambda progress, cancel: _task_view(note(root, job, section, text)))
 
     @server.tool(name="task_show", title="Read the task file", annotations=READ_ONLY)
     async def task_show_tool(job: JobArg, ctx: Context, workspace: WorkspaceArg = None) -> TaskView:
@@ -65,7 +66,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         failed attempts, observations, next steps, methods written. The markdown is the resource
         axrl://task/<job>."""
         root = config.workspace_for(workspace)
-        return await call_library(ctx, lambda progress, cancel: TaskView.model_validate(show_task(root, job)))
+        return await call_library(ctx, lambda progress, cancel: _task_view(show_task(root, job)))
 
     @server.tool(name="method_add", title="Write up a proven mitigation", annotations=WRITES)
     async def method_add_tool(
@@ -92,7 +93,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         return await call_library(
             ctx,
             lambda progress, cancel: MethodAdded.model_validate(
-                add_method(root, job, attempt, name, rationale, allow_reduced)
+                to_jsonable(add_method(root, job, attempt, name, rationale, allow_reduced))
             ),
         )
 
@@ -102,7 +103,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         one-line summary. Check it before method_add; read one with the resource axrl://method/<slug>."""
         root = config.workspace_for(workspace)
         return await call_library(
-            ctx, lambda progress, cancel: MethodList.model_validate({"methods": list_methods(root)})
+            ctx, lambda progress, cancel: MethodList.model_validate({"methods": to_jsonable(list_methods(root))})
         )
 
     @server.tool(
@@ -132,6 +133,11 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         return await call_library(
             ctx,
             lambda progress, cancel: ReportWritten.model_validate(
-                write_report(root, job, release, release_last_copy=release_last_copy)
+                to_jsonable(write_report(root, job, release, release_last_copy=release_last_copy))
             ),
         )
+
+
+def _task_view(view: object) -> TaskView:
+    """The tool's output for a task view of the library (its JSON, field for field)."""
+    return TaskView.model_validate(to_jsonable(view))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
@@ -17,6 +17,9 @@ from axrl_spike_replay.mcp_faces.bridge import Progress, call_async_library, cal
 from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg
 from axrl_spike_replay.replay.mitigations import MITIGATIONS
 from axrl_spike_replay.replay.result import Attribution, ReplayResult, SweepResult
+
+if TYPE_CHECKING:
+    from axrl_spike_replay.investigation.request import ReplayRequest
 
 _NAMES = ", ".join(MITIGATIONS)
 
@@ -91,7 +94,7 @@ TimeoutArg = Annotated[
 ]
 
 
-async def _run(ctx: Context, request: Any) -> Any:
+async def _run(ctx: Context, request: ReplayRequest) -> Any:
     """A request `investigation.runs` keeps here: the engine in a worker thread. Anything else (SSH target,
     command backend): awaited in the event loop, so a cancelled call cancels its session, which kills the
     process group it started."""
@@ -112,10 +115,10 @@ async def _run(ctx: Context, request: Any) -> Any:
     return await call_async_library(ctx, elsewhere)
 
 
-def _request(ctx: Context, **arguments: Any) -> Any:
+def _request(ctx: Context, **arguments: Any) -> Awaitable[ReplayRequest]:
     """The library's ReplayRequest for a tool's arguments (built in a worker thread: it may read config files)."""
 
-    def build(progress: Progress, cancel: threading.Event) -> Any:
+    def build(progress: Progress, cancel: threading.Event) -> ReplayRequest:
         from axrl_spike_replay.investigation.request import replay_request
 
         return replay_request(**arguments)

@@ -19,6 +19,7 @@ from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_pl
 from axrl_spike_replay.workspace.render import fmt, pct, render
 from axrl_spike_replay.workspace.signals import key_signals
 from axrl_spike_replay.workspace.task_state import now, read_state, update_task, write_file
+from axrl_spike_replay.workspace.views import MethodAdded, MethodEntry
 
 STATUSES = ("proven", "partial", "diagnostic")
 SIGNAL_TOP = 3
@@ -48,7 +49,7 @@ def add_method(
     rationale: str,
     allow_reduced: bool = False,
     replace: bool = False,
-) -> dict[str, Any]:
+) -> MethodAdded:
     """Write `spike-mitigation-methods/<slug>.md` for a cleared/partial, non-duplicate attempt; regenerate the index.
 
     `replace` overwrites an existing method file of the same name (regenerating it); a duplicate under another
@@ -64,7 +65,7 @@ def add_method(
     _check_writable(first["id"], result, baseline_for(state, first, result)["grad_norm"], allow_reduced)
     _check_not_duplicate(root, slug, result, replace)  # again under the lock; first here, before the slow part
     signals = key_signals(result.snapshot, top=SIGNAL_TOP)  # may read a large snapshot: outside the locks
-    out: dict[str, Any] = {}
+    written: list[tuple[dict[str, Any], Path]] = []
 
     def change(state: dict[str, Any]) -> None:
         row = find_attempt(state, attempt_id)
@@ -77,14 +78,57 @@ def add_method(
             write_index(root)
         state["methods"] = [m for m in state["methods"] if m["slug"] != slug]
         state["methods"].append({"slug": slug, "attempt": row["id"], "status": doc["status"], "time": now()})
-        out.update(doc["front_matter"], path=str(path), signals=signals)
+        written.append((doc["front_matter"], path))
 
     update_task(root, job, change)
-    return out
+    fields, path = written[-1]
+    return MethodAdded(
+        axrl_method=fields[front_matter.MARKER],
+        slug=fields["slug"],
+        status=fields["status"],
+        summary=fields["summary"],
+        job=fields["job"],
+        job_name=fields["job_name"],
+        role=fields["role"],
+        iteration=fields["iteration"],
+        snapshot=fields["snapshot"],
+        attempt=fields["attempt"],
+        verdict=fields["verdict"],
+        fidelity=fields["fidelity"],
+        mitigations=fields["mitigations"],
+        config_key=fields["config_key"],
+        patch_sha256=fields["patch_sha256"],
+        grad_norm=fields["grad_norm"],
+        baseline_grad_norm=fields["baseline_grad_norm"],
+        spike_ratio=fields["spike_ratio"],
+        threshold=fields["threshold"],
+        result_path=fields["result_path"],
+        created_at=fields["created_at"],
+        path=str(path),
+        signals=signals,
+    )
 
 
-def list_methods(workspace: str | Path) -> list[dict[str, Any]]:
+def list_methods(workspace: str | Path) -> list[MethodEntry]:
     """Every method file in the workspace with its front matter (status `unknown` for files without one)."""
+    return [
+        MethodEntry(
+            slug=str(fields.get("slug", path.stem)),
+            status=str(fields.get("status", "unknown")),
+            summary=None if fields.get("summary") is None else str(fields["summary"]),
+            path=str(path),
+            front_matter=fields,
+        )
+        for path, fields in _front_matters(workspace)
+    ]
+
+
+def method_files(workspace: str | Path) -> list[dict[str, Any]]:
+    """Every method file as its front matter plus `path` (the plain records the index and the report read)."""
+    return [{**fields, "path": str(path)} for path, fields in _front_matters(workspace)]
+
+
+def _front_matters(workspace: str | Path) -> list[tuple[Path, dict[str, Any]]]:
     folder = methods_dir(check_workspace(workspace))
     if not folder.is_dir():
         return []
@@ -95,13 +139,13 @@ def list_methods(workspace: str | Path) -> list[dict[str, Any]]:
         fields = front_matter.load(path)
         if fields is None:
             fields = {"slug": path.stem, "status": "unknown", "summary": "(no front matter written by this tool)"}
-        methods.append({**fields, "path": str(path)})
+        methods.append((path, fields))
     return methods
 
 
 def write_index(workspace: Path) -> Path:
     """Regenerate `spike-mitigation-methods/README.md` from the method files."""
-    methods = list_methods(workspace)
+    methods = method_files(workspace)
     text = render("methods-index.md.j2", methods=methods)
     return write_file(methods_dir(workspace) / METHODS_INDEX, text, "methods index")
 
@@ -129,7 +173,7 @@ def _check_writable(attempt_id: str, result: ReplayResult, baseline_norm: float 
 def _check_not_duplicate(root: Path, slug: str, result: ReplayResult, replace: bool) -> None:
     target = methods_dir(root) / f"{slug}.md"
     key = config_key(result.mitigations)
-    for method in list_methods(root):
+    for method in method_files(root):
         if replace and method["path"] == str(target):
             continue
         same_patch = bool(result.patch_sha256) and method.get("patch_sha256") == result.patch_sha256

@@ -10,21 +10,22 @@ from typing import Any
 
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR, iteration_dir_name
 from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of
-from axrl_spike_replay.workspace.methods import list_methods
+from axrl_spike_replay.workspace.methods import method_files
 from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
 from axrl_spike_replay.workspace.preserved_copies import copies_in_use, copies_kept, is_last_copy, release_copies
 from axrl_spike_replay.workspace.render import render
 from axrl_spike_replay.workspace.task_state import now, read_state, set_task_snapshot, update_task, write_file
+from axrl_spike_replay.workspace.views import ReportResult
 
 REPORT_NAME = "report.md"
 
 
 def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
-    """Everything the report shows, as plain data (also the `--json` answer)."""
+    """Everything the report shows, as plain data for its template (and, with the file, `ReportResult`)."""
     snapshot = state.get("snapshot")
     experiments = state["experiments"]
     baselines = baseline_rows(state)
-    by_slug = {m["slug"]: m for m in list_methods(workspace)}
+    by_slug = {m["slug"]: m for m in method_files(workspace)}
     methods = [
         {**entry, **by_slug.get(entry["slug"], {"path": None, "summary": "(file removed)"})}
         for entry in state["methods"]
@@ -91,7 +92,7 @@ def fidelity_by_target(experiments: list[dict[str, Any]]) -> list[dict[str, Any]
 
 def write_report(
     workspace: str | Path, job: str, release: bool = False, release_last_copy: bool = False
-) -> dict[str, Any]:
+) -> ReportResult:
     """Render `tmp/spike-replay/<job>/report.md` atomically; with `release`, then release the preserved copies
     this investigation uses (those of its current snapshot). A copy that is the last one of its snapshot (the
     rotating `iter_<N>` gone) is kept unless `release_last_copy`."""
@@ -110,7 +111,30 @@ def write_report(
         follow_released_snapshot(current, released)
 
     update_task(root, job, change)
-    return {**context, "path": str(path), "released": released, "text": text}
+    return ReportResult(
+        job=context["job"],
+        generated_at=context["generated_at"],
+        snapshot=context["snapshot"],
+        output_dir=context["output_dir"],
+        snapshot_history=context["snapshot_history"],
+        command=context["command"],
+        fidelity=context["fidelity"],
+        baselines=context["baselines"],
+        attempt_baselines=context["attempt_baselines"],
+        attempts=context["attempts"],
+        failed=context["failed"],
+        methods=context["methods"],
+        observations=context["observations"],
+        next_steps=context["next_steps"],
+        preserved=context["preserved"],
+        preserved_kept=context["preserved_kept"],
+        counts=context["counts"],
+        release_requested=release,
+        release_last_copy=release_last_copy,
+        path=str(path),
+        released=released,
+        text=text,
+    )
 
 
 def follow_released_snapshot(state: dict[str, Any], released: list[dict[str, Any]]) -> None:

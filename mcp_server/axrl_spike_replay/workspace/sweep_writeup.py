@@ -56,7 +56,7 @@ def write_up_sweep(
     Diagnostic-only configs (routing replay off) are never written up; duplicates and other refusals
     are reported in `skipped`, never raised.
     """
-    experiments = show_task(workspace, job)["experiments"]
+    experiments = show_task(workspace, job).experiments
     attempts = {str(Path(e["result_path"]).resolve()): e["id"] for e in experiments if e.get("result_path")}
     done = []
     for result in sweep.results:
@@ -74,7 +74,7 @@ def write_up_sweep(
             continue
         try:
             rationale = rationale_for(result, sweep.threshold, context)
-            item.path = add_method(workspace, job, attempt, item.name, rationale)["path"]
+            item.path = add_method(workspace, job, attempt, item.name, rationale).path
         except AxrlError as exc:
             item.skipped = str(exc)
     return done

@@ -14,6 +14,7 @@ from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.workspace.paths import TASKS_DIR, check_plain_name, check_workspace, task_json_path, task_md_path
 from axrl_spike_replay.workspace.render import render
+from axrl_spike_replay.workspace.views import TaskView
 
 STATE_VERSION = 1
 LOCK_TIMEOUT_S = 120.0
@@ -127,7 +128,7 @@ def update_task(
     return state, value
 
 
-def open_task(workspace: str | Path, job: str, snapshot: str | Path | None = None) -> dict[str, Any]:
+def open_task(workspace: str | Path, job: str, snapshot: str | Path | None = None) -> TaskView:
     """Open (or re-open, keeping its history) the task for `job`; optionally set its active snapshot."""
 
     def change(state: dict[str, Any]) -> None:
@@ -138,7 +139,7 @@ def open_task(workspace: str | Path, job: str, snapshot: str | Path | None = Non
     return show(state, check_workspace(workspace))
 
 
-def note(workspace: str | Path, job: str, section: str, text: str) -> dict[str, Any]:
+def note(workspace: str | Path, job: str, section: str, text: str) -> TaskView:
     """Append `text` to Observations or Next steps."""
     key = SECTIONS.get(section)
     if key is None:
@@ -149,13 +150,13 @@ def note(workspace: str | Path, job: str, section: str, text: str) -> dict[str, 
     return show(state, check_workspace(workspace))
 
 
-def set_snapshot(workspace: str | Path, job: str, snapshot: str | Path) -> dict[str, Any]:
+def set_snapshot(workspace: str | Path, job: str, snapshot: str | Path) -> TaskView:
     """Set the active snapshot (earlier ones stay in the history)."""
     state, _ = update_task(workspace, job, lambda s: set_task_snapshot(s, snapshot))
     return show(state, check_workspace(workspace))
 
 
-def set_command(workspace: str | Path, job: str, command: str) -> dict[str, Any]:
+def set_command(workspace: str | Path, job: str, command: str) -> TaskView:
     """Set the replay command people can rerun."""
     if not command or not command.strip():
         raise ConfigError("replay command is empty")
@@ -163,19 +164,33 @@ def set_command(workspace: str | Path, job: str, command: str) -> dict[str, Any]
     return show(state, check_workspace(workspace))
 
 
-def show_task(workspace: str | Path, job: str) -> dict[str, Any]:
-    """The task as one JSON-ready document: sections, `experiments`, `failed`, file paths."""
+def show_task(workspace: str | Path, job: str) -> TaskView:
+    """The task: sections, `experiments`, `failed`, file paths."""
     root = check_workspace(workspace)
     return show(read_state(root, check_plain_name(job, "job name")), root)
 
 
-def show(state: dict[str, Any], workspace: Path) -> dict[str, Any]:
+def show(state: dict[str, Any], workspace: Path) -> TaskView:
     """State plus where its files are."""
     job = state["job"]
-    doc = dict(state)
-    doc["task_file"] = str(task_md_path(workspace, job))
-    doc["state_file"] = str(task_json_path(workspace, job))
-    return doc
+    return TaskView(
+        format_version=state["format_version"],
+        job=job,
+        created_at=state["created_at"],
+        updated_at=state["updated_at"],
+        snapshot=state["snapshot"],
+        snapshot_history=state["snapshot_history"],
+        command=state["command"],
+        experiments=state["experiments"],
+        failed=state["failed"],
+        observations=state["observations"],
+        next_steps=state["next_steps"],
+        methods=state["methods"],
+        reports=state["reports"],
+        preserved_copies=state["preserved_copies"],
+        task_file=str(task_md_path(workspace, job)),
+        state_file=str(task_json_path(workspace, job)),
+    )
 
 
 def set_task_snapshot(state: dict[str, Any], snapshot: str | Path) -> None:

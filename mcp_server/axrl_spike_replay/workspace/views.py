@@ -1,0 +1,108 @@
+"""The values the workspace verbs hand to the faces: the task, a method written or listed, the report written.
+
+The task state on disk (`<job>.json`) stays a JSON document handled inside `workspace/`; these are what a face
+reads. Field names and order are the keys of the JSON documents the faces print (`--json`, MCP structured
+output), so `to_jsonable` of a view is the document the faces have always shown. Rows inside them (experiments,
+failures, notes, preserved copies) are records of the task file and stay plain JSON objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskView:
+    """One investigation's task: its state and where its files are."""
+
+    format_version: int
+    job: str
+    created_at: str
+    updated_at: str
+    snapshot: str | None
+    snapshot_history: list[Row]
+    command: str | None
+    experiments: list[Row]
+    failed: list[Row]
+    observations: list[Row]
+    next_steps: list[Row]
+    methods: list[Row]
+    reports: list[Row]
+    preserved_copies: list[Row]
+    task_file: str
+    state_file: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodEntry:
+    """One method file of the workspace; its JSON is the file's whole front matter plus its path."""
+
+    slug: str
+    status: str
+    summary: str | None
+    path: str
+    front_matter: Row
+
+    def to_json(self) -> Row:
+        """The front matter as written (every field, in order), with the file's path."""
+        return {**self.front_matter, "path": self.path}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodAdded:
+    """The method file just written: its front matter, its path and the key signals quoted in it."""
+
+    axrl_method: int
+    slug: str
+    status: str
+    summary: str
+    job: str
+    job_name: str
+    role: str | None
+    iteration: int | None
+    snapshot: str | None
+    attempt: str
+    verdict: str
+    fidelity: str
+    mitigations: Row
+    config_key: str
+    patch_sha256: str | None
+    grad_norm: float | None
+    baseline_grad_norm: float | None
+    spike_ratio: float | None
+    threshold: float | None
+    result_path: str | None
+    created_at: str
+    path: str
+    signals: Row
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportResult:
+    """The report just written: what it shows, where it is, its text, and the copies released after it."""
+
+    job: str
+    generated_at: str
+    snapshot: str | None
+    output_dir: str | None
+    snapshot_history: list[Row]
+    command: str | None
+    fidelity: list[Row]
+    baselines: list[Row]
+    attempt_baselines: list[Row]
+    attempts: list[Row]
+    failed: list[Row]
+    methods: list[Row]
+    observations: list[Row]
+    next_steps: list[Row]
+    preserved: list[Row]
+    preserved_kept: list[Row]
+    counts: dict[str, int]
+    release_requested: bool
+    release_last_copy: bool
+    path: str
+    released: list[Row]
+    text: str
