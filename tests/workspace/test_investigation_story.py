@@ -217,3 +217,16 @@ def test_report_shows_the_baseline_computed_alongside_a_mitigated_replay(tmp_pat
     assert report.baselines == [] and [b["id"] for b in report.attempt_baselines] == ["E1"]
     assert f"| E1 | local | full | 2/2 | 37.4 | 37.42 | {abs(37.4 - RECORDED) / RECORDED:.4g} |" in report.text
     assert report.released == []
+
+
+def test_task_show_gives_the_change_as_the_files_do(tmp_path: Path, spike_run: SpikeRun, capsys) -> None:
+    from axrl_spike_replay.workspace.task_state import open_task
+
+    open_task(tmp_path, JOB, snapshot=spike_run.snapshot)
+    result = replay_result(spike_run.snapshot, 3.9, "cleared", mitigations={"mismatch_token_clip_max": 2})
+    result.baseline_grad_norm, result.change_vs_baseline = 37.4, 3.9 / 37.4 - 1
+    record_replay(tmp_path, JOB, result, save_result(tmp_path, "tis", result))
+    capsys.readouterr()
+    assert main(["task", "show", JOB, "--workspace", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "change vs baseline" in out and "-89.6%" in out  # as in the task file and the report

@@ -163,12 +163,21 @@ def _report(args: argparse.Namespace) -> int:
     return 1 if any(not entry["released"] for entry in result.released) else 0
 
 
+def _change(row: dict[str, Any]) -> str:
+    """A mitigated row's change vs its baseline as the task file and report show it (`-99.7%`)."""
+    from axrl_spike_replay.workspace.render import pct
+
+    return "" if row.get("is_baseline") else pct(row.get("change_vs_baseline"))
+
+
 def _render_task(task: TaskView) -> str:
     lines = [f"task {task.job}: {task.task_file}", f"snapshot: {task.snapshot or '(none)'}"]
     lines.append(f"command:  {task.command or '(none)'}")
     if task.experiments:
-        cols = ("id", "fidelity", "change", "grad_norm", "ratio_to_median", "change_vs_baseline", "verdict")
-        lines += ["", table(cols, [[row.get(c) for c in cols] for row in task.experiments])]
+        cols = ("id", "fidelity", "change", "grad_norm", "ratio_to_median", "change vs baseline", "verdict")
+        fields = ("id", "fidelity", "change", "grad_norm", "ratio_to_median")
+        rows = [[*(row.get(f) for f in fields), _change(row), row.get("verdict")] for row in task.experiments]
+        lines += ["", table(cols, rows)]
     if task.failed:
         lines += ["", table(("id", "target", "reason"), [[f["id"], f["target"], f["reason"]] for f in task.failed])]
     for title, notes in (("observations", task.observations), ("next steps", task.next_steps)):
