@@ -34,7 +34,7 @@ def copy_of(snapshot: str | Path | None) -> dict[str, Any] | None:
 
 def _marker_time(path: str) -> str | None:
     """The copy's marker `created_at` when it is a valid preserved copy made by this tool, else None."""
-    from axrl_spike_replay.snapshot.preserve import preserved_copy_problem, read_marker
+    from axrl_spike_replay.snapshot.preserved_marker import preserved_copy_problem, read_marker
 
     if preserved_copy_problem(path) is not None:
         return None
