@@ -41,6 +41,16 @@ def _source(output_dir: Path) -> Path:
     return output_dir / SNAPSHOTS_DIR / iteration_dir_name(5)
 
 
+def _task_on_a_preserved_copy(template: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """Our job's output dir with iteration 5 preserved, and a workspace whose task points at that copy."""
+    ours, _ = _outputs(template, tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    preserve(ours, 5)
+    open_task(ws, JOB, _copy(ours))
+    return ours, ws
+
+
 def _report(capsys: pytest.CaptureFixture[str], ws: Path, *flags: str) -> tuple[int, dict, str]:
     status = main(["report", JOB, "--workspace", str(ws), "--json", *flags])
     out, err = capsys.readouterr()
@@ -76,11 +86,7 @@ def test_a_replaced_snapshot_of_another_job_keeps_its_last_copy(
 def test_the_last_copy_of_the_current_snapshot_needs_an_explicit_flag(
     two_jobs_template: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ours, _ = _outputs(two_jobs_template, tmp_path)
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    preserve(ours, 5)
-    open_task(ws, JOB, _copy(ours))
+    ours, ws = _task_on_a_preserved_copy(two_jobs_template, tmp_path)
     shutil.rmtree(_source(ours))
 
     status, report, _ = _report(capsys, ws, "--release")
@@ -101,11 +107,7 @@ def test_the_last_copy_of_the_current_snapshot_needs_an_explicit_flag(
 
 
 def test_a_copy_another_open_task_still_uses_is_kept(two_jobs_template: Path, tmp_path: Path) -> None:
-    ours, _ = _outputs(two_jobs_template, tmp_path)
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    preserve(ours, 5)
-    open_task(ws, JOB, _copy(ours))
+    ours, ws = _task_on_a_preserved_copy(two_jobs_template, tmp_path)
     open_task(ws, "second-look", _copy(ours))
 
     report = write_report(ws, JOB, release=True)
@@ -134,11 +136,7 @@ def test_a_copy_made_again_after_the_task_noted_it_is_not_released(two_jobs_temp
 def test_after_release_the_task_points_at_the_rotating_snapshot_that_still_exists(
     two_jobs_template: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ours, _ = _outputs(two_jobs_template, tmp_path)
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    preserve(ours, 5)
-    open_task(ws, JOB, _copy(ours))
+    ours, ws = _task_on_a_preserved_copy(two_jobs_template, tmp_path)
     assert main(["task", "set-command", JOB, f"axrl-spike-replay replay {_copy(ours)}", "--workspace", str(ws)]) == 0
     capsys.readouterr()
 
@@ -154,11 +152,7 @@ def test_after_release_the_task_points_at_the_rotating_snapshot_that_still_exist
 def test_a_kept_copy_says_how_people_and_agents_release_it(
     two_jobs_template: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ours, _ = _outputs(two_jobs_template, tmp_path)
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    preserve(ours, 5)
-    open_task(ws, JOB, _copy(ours))
+    ours, ws = _task_on_a_preserved_copy(two_jobs_template, tmp_path)
     _, report, _ = _report(capsys, ws)
     line = next(x for x in report["text"].splitlines() if str(_copy(ours)) in x and x.startswith("- "))
     assert f"people run `axrl-spike-replay report {JOB} --release`" in line
