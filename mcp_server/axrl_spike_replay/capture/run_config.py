@@ -196,7 +196,9 @@ def build_run_config(
         if section not in doc:
             raise ConfigError(f"overrides: unknown section {section!r} (known: {sorted(doc)})")
         doc[section].update(copy.deepcopy(dict(values)))
-    parse_run_config(doc)  # validate now, not in a rank process
+    spec = parse_run_config(doc)  # validate now, not in a rank process
+    if spec.loss.convention_version is not None:  # the trainer release whose loss the run used, on record
+        doc["loss"]["convention_version"] = spec.loss.convention_version
     return doc
 
 

@@ -23,11 +23,14 @@ def broken_reward(tokens: torch.Tensor, penalty: float) -> torch.Tensor:
     return torch.full((tokens.shape[0],), -float(penalty), dtype=torch.float32)
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """[B] GRPO advantages: each reward standardised by its prompt group's mean and std."""
+def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, unbiased: bool = False) -> torch.Tensor:
+    """[B] GRPO advantages: each reward standardised by its prompt group's mean and std.
+
+    The std is the population std (axrl), or Bessel-corrected with `unbiased` as verl's
+    `compute_grpo_outcome_advantage` takes it (`torch.std`)."""
     groups = rewards.float().view(-1, group_size)
     mean = groups.mean(dim=-1, keepdim=True)
-    std = groups.std(dim=-1, keepdim=True, unbiased=False)
+    std = groups.std(dim=-1, keepdim=True, unbiased=unbiased)
     return ((groups - mean) / (std + eps)).reshape(-1)
 
 

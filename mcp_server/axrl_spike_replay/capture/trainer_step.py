@@ -26,6 +26,8 @@ from axrl_spike_replay.capture.toy_task import (
     make_prompts,
 )
 from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy, token_logprobs
+from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY, GlobalCounts, all_reduce_counts
+from axrl_spike_replay.training.policy_loss import local_counts
 from axrl_spike_replay.training.rank_step import (
     global_grad_norm,
     param_grad_norms,
@@ -53,6 +55,7 @@ class StepGrads:
     loss: float  # this rank's loss
     num_tokens: float  # this rank's loss tokens
     global_loss: float  # mean loss over ranks
+    counts: GlobalCounts | None = None  # the step's global counts (normalization global)
 
 
 def _all_reduce_sum(values: list[float]) -> list[float]:
@@ -105,7 +108,7 @@ class RankTrainer:
         reward_sum, count = _all_reduce_sum([float(rewards.sum()), float(rewards.numel())])
         global_mean = reward_sum / count
         if t.advantage_estimator == "grpo":
-            advantages = grpo_advantages(rewards, t.group_size)
+            advantages = grpo_advantages(rewards, t.group_size, unbiased=self.spec.loss.convention == "verl")
         else:
             if self.baseline is None:
                 self.baseline = global_mean
@@ -129,7 +132,10 @@ class RankTrainer:
         """This rank's forward/backward, the DP mean of the gradients and the global pre-clip norm."""
         self.model.zero_grad(set_to_none=True)
         routing = routing_control(self.spec.routing, step.batch, step.routed_experts)
-        out = rank_forward_backward(self.model, step.batch, self.spec.loss, routing)
+        counts = None
+        if self.spec.loss.normalization == "global":  # every rank normalises by the step's counts
+            counts = all_reduce_counts(*local_counts(step.batch, self.spec.loss), self.world_size)
+        out = rank_forward_backward(self.model, step.batch, self.spec.loss, routing, counts=counts)
         local = param_grad_norms(self.model)
         reduce_gradients(self.model, self.world_size)
         grad_norm = global_grad_norm(self.model)
@@ -141,6 +147,7 @@ class RankTrainer:
             loss=loss,
             num_tokens=float(out.metrics["loss_tokens"]),
             global_loss=loss_sum / self.world_size,
+            counts=counts,
         )
 
     def update(self, grads: StepGrads, step: StepBatch) -> None:
@@ -165,6 +172,8 @@ class RankTrainer:
             "loss": grads.loss,
             "num_tokens": grads.num_tokens,
         }
+        if grads.counts is not None:  # what a replay, at any layout, normalises every rank by
+            grad_info[GRAD_INFO_KEY] = grads.counts.to_doc()
         routing_payload = {
             "routed_experts": step.routed_experts.to(torch.int32),
             "moe_layers": list(self.spec.model.moe_layer_ids),

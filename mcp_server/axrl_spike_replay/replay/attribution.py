@@ -31,7 +31,7 @@ from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, pa
 from axrl_spike_replay.replay.result import Attribution, SampleContribution
 from axrl_spike_replay.replay.run_dir import RunDir, RunRecorder, command_line
 from axrl_spike_replay.replay.verdict import rel_diff
-from axrl_spike_replay.replay.worker import RankInputs, build_model
+from axrl_spike_replay.replay.worker import RankInputs, build_model, step_counts
 from axrl_spike_replay.training.policy_loss import expand_advantages, policy_loss
 from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
 from axrl_spike_replay.vocabulary import Fidelity
@@ -39,6 +39,8 @@ from axrl_spike_replay.vocabulary import Fidelity
 METHODS = ("jvp", "per_sample_backward")
 ATTRIBUTION_FILE = "attribution.json"
 SUM_TOLERANCE = 1e-4
+
+
 @dataclass
 class _RankPass:
     grad_logits: torch.Tensor  # [B, T, V] dLoss_r/dlogits
@@ -91,6 +93,8 @@ def _gradient_pass(
     from axrl_spike_replay.models.tiny_moe import RoutingControl, token_entropy, token_logprobs
 
     params = list(model.parameters())
+    # every saved rank is here: the step's counts are this process's own (the recorded ones, recounted)
+    counts = step_counts(list(ranks.batches.values()), cfg.loss, cfg.loss, None, len(ranks.batches))
     passes = {}
     router_sum: list[torch.Tensor] | None = None
     for rank, batch in ranks.batches.items():
@@ -98,7 +102,9 @@ def _gradient_pass(
         out.logits.retain_grad()
         logprobs = token_logprobs(out.logits, batch["tokens"])
         entropy = token_entropy(out.logits) if cfg.loss.entropy_coef else None
-        result = policy_loss(logprobs, batch, cfg.loss, entropy=entropy, aux_loss=out.aux_loss, z_loss=out.z_loss)
+        result = policy_loss(
+            logprobs, batch, cfg.loss, entropy=entropy, aux_loss=out.aux_loss, z_loss=out.z_loss, counts=counts
+        )
         router = _router_loss(cfg, out)
         if router is not None:
             grads = torch.autograd.grad(router, params, retain_graph=True, allow_unused=True)

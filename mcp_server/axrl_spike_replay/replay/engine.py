@@ -124,6 +124,7 @@ class ReplaySession:
             device=o.device,
             repeat=o.repeat,
             top=o.top_params,
+            counts=inputs.counts,
         )
         self.log(
             f"replaying {len(self.configs)} config(s) on {self.plan.nproc} process(es), {o.device}, "

@@ -16,6 +16,7 @@ from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_t
 from axrl_spike_replay.snapshot.layout import RUN_CONFIG, rank_files
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
+from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY, GlobalCounts
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.routing_replay import RoutingConfig
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
@@ -40,6 +41,7 @@ class ReplayInputs:
     world_size: int
     routing_ranks: tuple[int, ...]  # saved ranks with a routing payload
     batch_fields: frozenset[str]
+    counts: GlobalCounts | None = None  # the step's global counts, recorded by the trainer (normalization global)
 
     @property
     def job_name(self) -> str:
@@ -139,7 +141,9 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
         load_rank_batch(directory, rank, meta=True)
     for rank in routing_ranks:
         load_routing_payload(directory, rank, meta=True)
+    counts = recorded_counts(directory, layout.world_size) if loss.normalization == "global" else None
     return ReplayInputs(
+        counts=counts,
         snapshot=str(snapshot),
         replay_dir=str(directory),
         legacy=legacy,
@@ -172,6 +176,28 @@ def check_weights(directory: Path, model: TinyMoEConfig, label: str) -> None:
         raise SnapshotError(f"{label}: {oversized[0]}")
 
 
+def recorded_counts(directory: Path, world_size: int) -> GlobalCounts | None:
+    """The step's global counts every rank's grad info records (None when none do: the replay recounts them
+    from the rank batches); SnapshotError when ranks disagree or the DP size is not the saved one."""
+    from axrl_spike_replay.snapshot.rank_data import load_grad_info
+
+    found: dict[int, GlobalCounts] = {}
+    for rank in range(world_size):
+        doc = load_grad_info(directory, rank).get(GRAD_INFO_KEY)
+        if doc is not None:
+            found[rank] = GlobalCounts.from_doc(doc, f"{directory}/grad_info_rank{rank}.pt")
+    if not found:
+        return None
+    first = found[min(found)]
+    if len(found) != world_size or any(c != first for c in found.values()):
+        raise SnapshotError(f"{directory}: the ranks' {GRAD_INFO_KEY} differ or are missing on some ranks")
+    if first.dp_size != world_size:
+        raise SnapshotError(
+            f"{directory}: {GRAD_INFO_KEY}.dp_size is {first.dp_size} but the world size is {world_size}"
+        )
+    return first
+
+
 def _needed_fields(loss: LossConfig) -> dict[str, str]:
     needed = {"advantages": "the policy loss", "tokens": "the forward", "loss_mask": "the loss"}
     base = loss.is_base_logprobs
@@ -183,6 +209,8 @@ def _needed_fields(loss: LossConfig) -> dict[str, str]:
         needed.setdefault(f"{loss.ratio_outlier_mask.base}_logprobs", "ratio_outlier_mask")
     if loss.kl_coef:
         needed.setdefault("ref_logprobs", "kl_coef")
+    if loss.convention == "verl" and (loss.rollout_is is not None or loss.rollout_rs is not None):
+        needed.setdefault("rollout_logprobs", "verl's rollout correction")
     return needed
 
 

@@ -20,7 +20,9 @@ from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.mitigations import AppliedConfig
 from axrl_spike_replay.snapshot.checkpoint import load_model_state
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
-from axrl_spike_replay.training.policy_loss import policy_loss
+from axrl_spike_replay.training.loss_config import LossConfig
+from axrl_spike_replay.training.loss_normalization import GlobalCounts, all_reduce_counts
+from axrl_spike_replay.training.policy_loss import local_counts, policy_loss
 from axrl_spike_replay.training.rank_step import global_grad_norm, param_grad_norms, reduce_gradients
 from axrl_spike_replay.training.routing_replay import routing_control
 
@@ -37,6 +39,7 @@ class WorkerJob:
     device: str = "cpu"
     repeat: int = 1
     top: int = 10
+    counts: GlobalCounts | None = None  # the step's recorded global counts (normalization global)
 
 
 @dataclass
@@ -100,10 +103,41 @@ class RankInputs:
         return routing_control(cfg.routing, self.batches[rank], routes)
 
 
+def _same_mask(a: LossConfig, b: LossConfig) -> bool:
+    """Whether two loss configs count the same loss tokens (rejection sampling is what changes them)."""
+    keys = ("convention", "rollout_rs", "rollout_rs_threshold", "ratio_outlier_mask")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def step_counts(
+    batches: Sequence[dict[str, Any]],
+    loss: LossConfig,
+    saved: LossConfig,
+    recorded: GlobalCounts | None,
+    world_size: int,
+) -> GlobalCounts | None:
+    """The global counts a config normalises by: the recorded ones, or, when the config rejects other tokens
+    than the saved loss (or none were recorded), recounted over every saved rank (a collective: every
+    process calls it for the same configs, and each counts its own ranks)."""
+    if loss.normalization != "global":
+        return None
+    if recorded is not None and _same_mask(loss, saved):
+        return recorded
+    tokens = sequences = 0.0
+    for batch in batches:
+        t, s = local_counts(batch, loss)
+        tokens, sequences = tokens + t, sequences + s
+    return all_reduce_counts(tokens, sequences, world_size)
+
+
 def forward_group(
-    model: TinyMoEPolicy, inputs: RankInputs, group: Sequence[AppliedConfig]
+    model: TinyMoEPolicy,
+    inputs: RankInputs,
+    group: Sequence[AppliedConfig],
+    counts: dict[str, GlobalCounts | None] | None = None,
 ) -> tuple[dict[str, list[torch.Tensor | None]], dict[str, list[dict[str, Any]]]]:
     """Local (unreduced) gradients per config of a group, summed over this process's saved ranks."""
+    counts = counts or {}
     params = list(model.parameters())
     grads: dict[str, list[torch.Tensor | None]] = {cfg.config_id: [None] * len(params) for cfg in group}
     metrics: dict[str, list[dict[str, Any]]] = {cfg.config_id: [] for cfg in group}
@@ -120,6 +154,7 @@ def forward_group(
                 entropy=entropy if cfg.needs_entropy else None,
                 aux_loss=out.aux_loss,
                 z_loss=out.z_loss,
+                counts=counts.get(cfg.config_id),
             )
             local = torch.autograd.grad(result.loss, params, retain_graph=i < len(group) - 1, allow_unused=True)
             buffers = grads[cfg.config_id]
@@ -159,6 +194,11 @@ def compute(job: WorkerJob, process: int, cancel: threading.Event | None = None)
     inputs = RankInputs(job.replay_dir, job.assignment[process], job.device)
     outcomes = {cfg.config_id: ConfigOutcome(cfg.config_id) for cfg in job.configs}
     load_s = time.perf_counter() - start
+    saved = job.configs[0].loss  # the engine puts the baseline (the saved loss) first
+    counts = {
+        cfg.config_id: step_counts(list(inputs.batches.values()), cfg.loss, saved, job.counts, job.world_size)
+        for cfg in job.configs
+    }
     model, weights = None, object()
     for group in _groups(job.configs):
         check_cancel(cancel, "replay")
@@ -169,7 +209,7 @@ def compute(job: WorkerJob, process: int, cancel: threading.Event | None = None)
             load_s += time.perf_counter() - t0
         t1 = time.perf_counter()
         for rep in range(job.repeat):
-            grads, metrics = forward_group(model, inputs, group)
+            grads, metrics = forward_group(model, inputs, group, counts)
             for cfg in group:
                 check_cancel(cancel, "replay")
                 norm, top_params = reduce_and_measure(model, grads[cfg.config_id], job.world_size, job.top)

@@ -9,8 +9,27 @@ from typing import Any
 
 from axrl_spike_replay.errors import ConfigError
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 LOGPROB_BASES = ("old", "rollout")
+CONVENTIONS = ("axrl", "verl")  # whose loss a replay computes: this tool's own, or verl's (VERL_VERSION)
+NORMALIZATIONS = ("per_rank", "global")  # each rank by its own counts, or by the step's global counts
+VERL_VERSION = "0.9.1"  # the verl release whose policy loss the verl convention reproduces
+# verl's kl_loss_type values (core_algos.kl_penalty); a trailing "+" is its straight-through k2 gradient.
+KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+", "low_var_kl+", "abs+")
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_RS_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +69,16 @@ class LossConfig:
     log_ratio_clip: float | None = None
     ratio_outlier_mask: RatioOutlierMask | None = None
     balance_negative_advantages: bool = False
+    # the trainer's convention (see training/verl_convention.py for what `verl` means)
+    convention: str = "axrl"
+    convention_version: str | None = None  # verl: the release reproduced (VERL_VERSION, recorded in the snapshot)
+    normalization: str = "per_rank"
+    kl_estimator: str = "k3"  # verl's kl_loss_type; axrl knows k3 only
+    loss_scale_factor: float | None = None  # verl: seq-mean-token-sum-norm divisor (None: the response horizon)
+    rollout_is: str | None = None  # verl rollout correction: token | sequence truncated IS against the rollout
+    rollout_is_threshold: float | str = 2.0  # verl's spec: an upper bound (TIS) or "lower_upper" (IcePop)
+    rollout_rs: str | None = None  # verl rejection sampling: comma-separated ROLLOUT_RS_OPTIONS
+    rollout_rs_threshold: float | str | None = None  # verl's spec, one per option or shared
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -67,6 +96,47 @@ class LossConfig:
                 raise ConfigError(f"{name} must be a number > 0, got {value!r}")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
             raise ConfigError(f"dual_clip_c must be > 1, got {self.dual_clip_c!r}")
+        self._check_convention()
+
+    def _check_convention(self) -> None:
+        """The convention's own knobs, and the settings that have no meaning under it (refused with the reason)."""
+        if self.convention not in CONVENTIONS:
+            raise ConfigError(f"loss.convention must be one of {CONVENTIONS}, got {self.convention!r}")
+        if self.normalization not in NORMALIZATIONS:
+            raise ConfigError(f"loss.normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.loss_scale_factor is not None and (
+            not isinstance(self.loss_scale_factor, (int, float)) or not self.loss_scale_factor > 0
+        ):
+            raise ConfigError(f"loss.loss_scale_factor must be a number > 0, got {self.loss_scale_factor!r}")
+        if self.convention == "verl":
+            from axrl_spike_replay.training.verl_settings import check_verl_settings
+
+            if self.convention_version is None:
+                object.__setattr__(self, "convention_version", VERL_VERSION)  # frozen: set once, here
+            check_verl_settings(self)
+            return
+        verl_only = {
+            "convention_version": self.convention_version is not None,
+            "kl_estimator": self.kl_estimator != "k3",
+            "loss_agg_mode token-sum": self.loss_agg_mode == "token-sum",
+            "loss_scale_factor": self.loss_scale_factor is not None,
+            "rollout_is": self.rollout_is is not None,
+            "rollout_rs": self.rollout_rs is not None,
+        }
+        named = [name for name, is_set in verl_only.items() if is_set]
+        if named:
+            raise ConfigError(
+                f"loss: {', '.join(named)} belong to convention verl; convention axrl has no such setting "
+                "(set loss.convention: verl, or leave them out)"
+            )
+        if self.normalization == "global" and self.ratio_outlier_mask is not None:
+            raise ConfigError(
+                "mitigation ratio_outlier_mask has no meaning under convention axrl with normalization global: it "
+                "masks by the current policy's ratio, known only after the forward, so the step's global token "
+                "count cannot be taken before it (use normalization per_rank, or convention verl's rejection sampling)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)

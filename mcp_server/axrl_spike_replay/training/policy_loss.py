@@ -1,7 +1,10 @@
 """The GRPO/PPO policy loss the reference trainer trains with and the replay engine recomputes.
 
 One implementation serves both, so a replay with no mitigation is bit-identical to training.
-Every knob defaults to "off"; the mitigations are knobs set only for a replay.
+Every knob defaults to "off"; the mitigations are knobs set only for a replay. `policy_loss`
+dispatches on the run's convention: `axrl` (this module, today's behaviour) or `verl`
+(`training/verl_convention.py`, verl 0.9.1's loss). Under `normalization: global` every rank
+normalises by the step's global counts (`GlobalCounts`) instead of its own.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import torch
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.training.loss_config import LOSS_AGG_MODES, LossConfig
+from axrl_spike_replay.training.loss_normalization import GlobalCounts
+from axrl_spike_replay.training.verl_convention import masked, verl_local_counts, verl_policy_loss
+from axrl_spike_replay.training.verl_settings import rejection_options, rollout_is_setting
 
 
 @dataclass
@@ -23,9 +29,9 @@ class LossOutput:
     metrics: dict[str, float]
 
 
-def expand_advantages(advantages: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """[B] or [B, T] advantages as [B, T] float."""
-    adv = advantages.float()
+def expand_advantages(advantages: torch.Tensor, shape: torch.Size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[B] or [B, T] advantages as [B, T] float (float32 unless `dtype`)."""
+    adv = advantages.to(dtype)
     return adv[:, None].expand(shape) if adv.dim() == 1 else adv
 
 
@@ -39,21 +45,51 @@ def balance_negatives(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(adv < 0, adv * scale, adv)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """Reduce a [B, T] per-token loss to a scalar with one of LOSS_AGG_MODES."""
-    masked = per_token * mask
+def aggregate(
+    per_token: torch.Tensor, mask: torch.Tensor, mode: str, counts: GlobalCounts | None = None
+) -> torch.Tensor:
+    """Reduce a [B, T] per-token loss to a scalar with one of LOSS_AGG_MODES (the axrl convention).
+
+    With `counts` (normalization global) the rank's token or sequence count is replaced by the step's
+    global count times the DP size, so the DP mean of the gradients is the global mean's gradient.
+    """
+    values = masked(per_token, mask > 0)  # torch.where: a NaN or inf off the mask never reaches the sum
+    dp = counts.dp_size if counts is not None else 1
     if mode == "token-mean":
-        return masked.sum() / mask.sum().clamp(min=1.0)
+        if counts is not None:
+            return values.sum() / max(counts.batch_num_tokens, 1.0) * dp
+        return values.sum() / mask.sum().clamp(min=1.0)
     seq_tokens = mask.sum(dim=-1)
     has_tokens = (seq_tokens > 0).float()
     n_seqs = has_tokens.sum().clamp(min=1.0)
+    if counts is not None and mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        n_seqs = torch.tensor(max(counts.global_batch_size, 1.0) / dp, dtype=values.dtype, device=values.device)
     if mode == "seq-mean-token-mean":
-        return ((masked.sum(dim=-1) / seq_tokens.clamp(min=1.0)) * has_tokens).sum() / n_seqs
+        return ((values.sum(dim=-1) / seq_tokens.clamp(min=1.0)) * has_tokens).sum() / n_seqs
     if mode == "seq-mean-token-sum":
-        return masked.sum(dim=-1).sum() / n_seqs
+        return values.sum(dim=-1).sum() / n_seqs
     if mode == "seq-mean-token-sum-norm":
-        return masked.sum() / float(mask.shape[-1])
+        return values.sum() / float(mask.shape[-1])  # no count in it: the same under either normalisation
     raise ConfigError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
+
+
+def local_counts(batch: dict[str, torch.Tensor], cfg: LossConfig) -> tuple[float, float]:
+    """This rank's (loss tokens, sequences) as its convention counts them: its share of the global counts."""
+    if cfg.convention == "verl":
+        return verl_local_counts(batch, cfg)
+    mask = batch["loss_mask"].float()
+    return float(mask.sum()), float((mask.sum(dim=-1) > 0).sum())
+
+
+def _step_counts(cfg: LossConfig, counts: GlobalCounts | None) -> GlobalCounts | None:
+    if cfg.normalization != "global":
+        return None
+    if counts is None:
+        raise ConfigError(
+            "loss.normalization is global but the step's global counts were not given (a snapshot records them "
+            "in grad_info_rank<r>.pt as global_batch_info)"
+        )
+    return counts
 
 
 def _require(batch: dict[str, torch.Tensor], name: str, why: str) -> torch.Tensor:
@@ -69,17 +105,35 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     aux_loss: torch.Tensor | None = None,
     z_loss: torch.Tensor | None = None,
+    counts: GlobalCounts | None = None,
 ) -> LossOutput:
     """GRPO/PPO clipped surrogate with optional dual clip, KL, entropy, router losses and mitigations.
 
-    `logprobs` [B, T] are the current policy's token logprobs (aligned with `batch["tokens"]`).
+    `logprobs` [B, T] are the current policy's token logprobs (aligned with `batch["tokens"]`);
+    `counts` the step's global counts, needed (and used) under `normalization: global`.
     """
+    step_counts = _step_counts(cfg, counts)
     mask = batch["loss_mask"].float()
+    on_mask = mask > 0
     adv = expand_advantages(_require(batch, "advantages", "the policy loss"), logprobs.shape)
+    if cfg.convention == "verl":  # verl keeps the advantages' precision (float64 in the cross-check)
+        adv = expand_advantages(batch["advantages"], logprobs.shape, logprobs.dtype)
+    adv = masked(adv, on_mask)
     if cfg.balance_negative_advantages:
         adv = balance_negatives(adv, mask)
     if cfg.advantage_clip is not None:
         adv = adv.clamp(-cfg.advantage_clip, cfg.advantage_clip)
+    if cfg.convention == "verl":
+        return _verl(logprobs, batch, cfg, adv, entropy, aux_loss, z_loss, step_counts)
+    # Values off the mask (padding: -inf logprobs, NaN) are zeroed before any arithmetic, so neither
+    # the loss nor the gradient sees them; on the mask nothing changes.
+    logprobs = masked(logprobs, on_mask)
+    if entropy is not None:
+        entropy = masked(entropy, on_mask)
+    batch = {
+        k: masked(v.float(), on_mask) if k.endswith("_logprobs") and v.shape == on_mask.shape else v
+        for k, v in batch.items()
+    }
 
     weight = torch.ones_like(logprobs)
     base_name = cfg.is_base_logprobs
@@ -123,12 +177,8 @@ def policy_loss(
             raise ConfigError("entropy_coef is set but no entropy was computed")
         per_token = per_token - cfg.entropy_coef * entropy
 
-    pg = aggregate(per_token, mask, cfg.loss_agg_mode)
-    loss = pg
-    if aux_loss is not None and cfg.aux_loss_coef:
-        loss = loss + cfg.aux_loss_coef * aux_loss
-    if z_loss is not None and cfg.z_loss_coef:
-        loss = loss + cfg.z_loss_coef * z_loss
+    pg = aggregate(per_token, mask, cfg.loss_agg_mode, step_counts)
+    loss = _with_router_losses(pg, cfg, aux_loss, z_loss)
 
     with torch.no_grad():
         n_tokens = float(mask.sum())
@@ -144,4 +194,50 @@ def policy_loss(
             "mean_weight": float(weight[on].mean()) if on.any() else 1.0,
             "kl": kl_value,
         }
-    return LossOutput(loss=loss, policy_loss=pg, per_token=(per_token.detach() * mask), mask=mask, metrics=metrics)
+    per_token_out = masked(per_token.detach(), mask > 0)
+    return LossOutput(loss=loss, policy_loss=pg, per_token=per_token_out, mask=mask, metrics=metrics)
+
+
+def _with_router_losses(
+    pg: torch.Tensor, cfg: LossConfig, aux_loss: torch.Tensor | None, z_loss: torch.Tensor | None
+) -> torch.Tensor:
+    loss = pg
+    if aux_loss is not None and cfg.aux_loss_coef:
+        loss = loss + cfg.aux_loss_coef * aux_loss
+    if z_loss is not None and cfg.z_loss_coef:
+        loss = loss + cfg.z_loss_coef * z_loss
+    return loss
+
+
+def _verl(
+    logprobs: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    cfg: LossConfig,
+    adv: torch.Tensor,
+    entropy: torch.Tensor | None,
+    aux_loss: torch.Tensor | None,
+    z_loss: torch.Tensor | None,
+    counts: GlobalCounts | None,
+) -> LossOutput:
+    """The verl convention's loss plus the router losses, in this module's output shape."""
+    _require(batch, "old_logprobs", "convention verl (its ratio is against old_log_probs)")
+    if rollout_is_setting(cfg) is not None or rejection_options(cfg):
+        _require(batch, "rollout_logprobs", "verl's rollout correction")
+    if cfg.kl_coef:
+        _require(batch, "ref_logprobs", "kl_coef")
+    out = verl_policy_loss(logprobs, batch, cfg, adv, entropy, counts)
+    loss = _with_router_losses(out.loss, cfg, aux_loss, z_loss)
+    mask = out.mask.to(logprobs.dtype)
+    with torch.no_grad():
+        on = out.mask
+        lr = logprobs.detach() - batch["old_logprobs"].to(logprobs.dtype)
+        metrics = {
+            "loss_tokens": float(on.sum()),
+            "policy_loss": float(out.pg_loss.detach()),
+            "clip_fraction": out.metrics["pg_clipfrac"],
+            "max_abs_log_ratio": float(lr[on].abs().max()) if on.any() else 0.0,
+            "mean_weight": out.metrics["mean_is_weight"],
+            "kl": out.metrics.get("kl", 0.0),
+            "rejected_tokens": out.metrics["rejected_tokens"],
+        }
+    return LossOutput(loss=loss, policy_loss=out.pg_loss, per_token=out.per_token, mask=mask, metrics=metrics)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from axrl_spike_replay.models.tiny_moe import RoutingControl, TinyMoEPolicy, token_entropy, token_logprobs
+from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.policy_loss import LossConfig, LossOutput, policy_loss
 
 
@@ -22,12 +23,17 @@ def rank_forward_backward(
     routing: RoutingControl,
     *,
     backward: bool = True,
+    counts: GlobalCounts | None = None,
 ) -> LossOutput:
-    """Forward the rank's batch, compute its loss, and (by default) accumulate its gradients."""
+    """Forward the rank's batch, compute its loss, and (by default) accumulate its gradients.
+
+    `counts`: the step's global counts, for `normalization: global`."""
     out = model(batch["tokens"], routing)
     logprobs = token_logprobs(out.logits, batch["tokens"])
     entropy = token_entropy(out.logits) if loss_cfg.entropy_coef else None
-    result = policy_loss(logprobs, batch, loss_cfg, entropy=entropy, aux_loss=out.aux_loss, z_loss=out.z_loss)
+    result = policy_loss(
+        logprobs, batch, loss_cfg, entropy=entropy, aux_loss=out.aux_loss, z_loss=out.z_loss, counts=counts
+    )
     if backward:
         result.loss.backward()
     return result

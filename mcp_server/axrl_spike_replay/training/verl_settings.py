@@ -1,0 +1,162 @@
+"""What the `verl` loss convention means for a `LossConfig`: its knobs parsed as verl 0.9.1 parses them, our
+named mitigations mapped onto verl's own mechanisms, and the settings with no meaning under it refused.
+
+Torch-free (the mitigation registry validates configs through `LossConfig`). The math is in
+`training/verl_convention.py`.
+
+Mapping of our mitigations onto verl 0.9.1:
+- `mismatch_token_clip_max: C` -> verl's token-level truncated IS (`rollout_is: token`, threshold C);
+- `ratio_outlier_mask` (base rollout) -> verl's rejection sampling, `token_k1` (level token) or `seq_mean_k1`
+  (level sequence, the geometric mean), with our bounds on pi_train/pi_rollout turned into verl's bounds on
+  pi_rollout/pi_train: [1/high, 1/low]; it ANDs with the trainer's own `rollout_rs`;
+- `log_ratio_clip: c` -> the policy log-ratio clamped to [-c, c] on top of verl's own +-20;
+- `advantage_clip`, `balance_negative_advantages` -> the advantages verl's loss is given (per rank);
+- `dual_clip_c` -> verl's `clip_ratio_c` (verl's default 3 when unset); `kl_coef` -> `kl_loss_coef`
+  (`use_kl_loss` when > 0), `entropy_coef` -> `entropy_coeff`, `clip_eps_*` -> `clip_ratio_low/high`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from axrl_spike_replay.errors import ConfigError
+
+if TYPE_CHECKING:
+    from axrl_spike_replay.training.loss_config import LossConfig
+
+VERL_DUAL_CLIP_C = 3.0  # verl's clip_ratio_c default: dual-clip is on unless configured otherwise
+
+
+@dataclass(frozen=True)
+class RejectionOption:
+    """One rejection-sampling criterion: verl's option name and its bounds (lower only for k1 options)."""
+
+    option: str
+    upper: float
+    lower: float | None = None
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"loss.{what}: {text!r} is not a number") from None
+
+
+def parse_is_threshold(spec: float | str, what: str = "rollout_is_threshold") -> tuple[float, float | None]:
+    """(upper, lower or None) from verl's IS threshold spec: a number (TIS) or "lower_upper" (IcePop)."""
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise ConfigError(f"loss.{what} must be a number or a 'lower_upper' string, got {spec!r}")
+    lower: float | None = None
+    if isinstance(spec, str):
+        text = spec.strip()
+        if "_" in text:
+            low_text, up_text = text.split("_", 1)
+            lower, upper = _number(low_text, what), _number(up_text, what)
+        else:
+            upper = _number(text, what)
+    else:
+        upper = float(spec)
+    if not upper > 0 or (lower is not None and not lower > 0):
+        raise ConfigError(f"loss.{what}: bounds must be positive, got {spec!r}")
+    if lower is not None and lower > upper:
+        raise ConfigError(f"loss.{what}: lower bound must be <= upper bound, got {spec!r}")
+    return upper, lower
+
+
+def parse_rs(options: str, spec: float | str | None) -> list[RejectionOption]:
+    """verl's rejection-sampling options with their thresholds (its `_parse_rollout_rs_thresholds` rules)."""
+    from axrl_spike_replay.training.loss_config import ROLLOUT_RS_OPTIONS
+
+    names: list[str] = []
+    for name in (part.strip() for part in options.split(",")):
+        if name and name not in names:
+            if name not in ROLLOUT_RS_OPTIONS:
+                raise ConfigError(f"loss.rollout_rs: {name!r} is not one of verl's options {ROLLOUT_RS_OPTIONS}")
+            names.append(name)
+    if not names:
+        raise ConfigError("loss.rollout_rs: name at least one option")
+    if spec is None or isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise ConfigError(f"loss.rollout_rs_threshold is needed with rollout_rs (a number or string), got {spec!r}")
+    specs = [str(spec)] if not isinstance(spec, str) else [p.strip() for p in spec.split(",") if p.strip()]
+    if len(specs) == 1:
+        specs = specs * len(names)
+    if len(specs) != len(names):
+        raise ConfigError(f"loss.rollout_rs_threshold: give one threshold or {len(names)} (one per option)")
+    out = []
+    for name, text in zip(names, specs, strict=True):
+        if name.endswith("k1"):
+            if "_" in text:
+                low_text, up_text = text.split("_", 1)
+                lower, upper = _number(low_text, "rollout_rs_threshold"), _number(up_text, "rollout_rs_threshold")
+            else:
+                upper = _number(text, "rollout_rs_threshold")
+                lower = 1.0 / upper if upper else 0.0
+            if not (lower > 0 and upper > 0 and lower <= upper):
+                raise ConfigError(f"loss.rollout_rs_threshold for {name}: need 0 < lower <= upper, got {text!r}")
+            out.append(RejectionOption(name, upper, lower))
+        else:
+            if "_" in text:
+                raise ConfigError(f"loss.rollout_rs_threshold for {name}: one upper bound, got {text!r}")
+            upper = _number(text, "rollout_rs_threshold")
+            if not upper > 0:
+                raise ConfigError(f"loss.rollout_rs_threshold for {name}: must be positive, got {text!r}")
+            out.append(RejectionOption(name, upper))
+    return out
+
+
+def rollout_is_setting(cfg: LossConfig) -> tuple[str, float, float | None] | None:
+    """(level, upper, lower) of the IS correction applied, or None; `mismatch_token_clip_max` is token TIS."""
+    if cfg.mismatch_token_clip_max is not None:
+        return "token", float(cfg.mismatch_token_clip_max), None
+    if cfg.rollout_is is None:
+        return None
+    upper, lower = parse_is_threshold(cfg.rollout_is_threshold)
+    return cfg.rollout_is, upper, lower
+
+
+def rejection_options(cfg: LossConfig) -> list[RejectionOption]:
+    """Every rejection criterion applied: the trainer's `rollout_rs`, then `ratio_outlier_mask` mapped onto k1."""
+    out = parse_rs(cfg.rollout_rs, cfg.rollout_rs_threshold) if cfg.rollout_rs is not None else []
+    mask = cfg.ratio_outlier_mask
+    if mask is not None:
+        # ours keeps pi/pi_rollout in [low, high]; verl's k1 bounds are on pi_rollout/pi_train
+        upper = math.inf if mask.low == 0 else 1.0 / mask.low
+        option = "token_k1" if mask.level == "token" else "seq_mean_k1"
+        out.append(RejectionOption(option, upper, 1.0 / mask.high))
+    return out
+
+
+def check_verl_settings(cfg: LossConfig) -> None:
+    """ConfigError for a setting that verl 0.9.1 has no counterpart for, naming it and saying why."""
+    from axrl_spike_replay.training.loss_config import ROLLOUT_IS_LEVELS, VERL_VERSION
+
+    if cfg.convention_version != VERL_VERSION:
+        raise ConfigError(
+            f"loss.convention_version {cfg.convention_version!r}: this tool reproduces verl {VERL_VERSION}'s loss "
+            "only; replay a snapshot of another verl release with the command backend"
+        )
+    if cfg.is_base_logprobs != "old":
+        raise ConfigError(
+            "mitigation is_base_logprobs=rollout has no meaning under convention verl: verl's PPO ratio is always "
+            "against old_log_probs; its bypass mode (old := rollout) uses another loss (compute_policy_loss_"
+            "bypass_mode) that this convention does not reproduce"
+        )
+    mask = cfg.ratio_outlier_mask
+    if mask is not None and mask.base != "rollout":
+        raise ConfigError(
+            "mitigation ratio_outlier_mask with base old has no meaning under convention verl: verl's rejection "
+            "sampling compares the trainer's old logprobs with the rollout's (use base rollout)"
+        )
+    if cfg.balance_negative_advantages and cfg.normalization == "global":
+        raise ConfigError(
+            "mitigation balance_negative_advantages has no meaning under convention verl with normalization global: "
+            "it balances each rank's own sums, while verl normalises over the global batch, so no rank could "
+            "compute the step's balance on its own"
+        )
+    if cfg.rollout_is is not None and cfg.rollout_is not in ROLLOUT_IS_LEVELS:
+        raise ConfigError(f"loss.rollout_is must be one of {ROLLOUT_IS_LEVELS}, got {cfg.rollout_is!r}")
+    rollout_is_setting(cfg)
+    rejection_options(cfg)

@@ -1,0 +1,245 @@
+"""The verl cross-check's settings and batches: our `verl` convention and verl 0.9.1's own functions on the
+same float64 rank batches (2 DP ranks; varied response lengths, an empty response, outliers beyond verl's
++-20 clamp, mixed-sign advantages). Used by test_verl_crosscheck.py and scripts/verl_crosscheck_table.py.
+
+verl's `ppo_loss` (workers/utils/losses.py) needs TensorDict and nested-tensor padding that are not
+installed; `verl_step` calls what it calls, in its order: `compute_policy_loss_vanilla` with the
+rollout-correction weights, minus `entropy_coeff * agg_loss(entropy)`, plus `agg_loss(kl_penalty) *
+kl_loss_coef`, all with the global batch info; the rollout correction is `rollout_corr_helper`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from axrl_spike_replay.training.loss_config import LossConfig, RatioOutlierMask
+from axrl_spike_replay.training.loss_normalization import GlobalCounts
+from axrl_spike_replay.training.policy_loss import local_counts, policy_loss
+
+PROMPT, RESPONSE, BATCH, DP = 3, 9, 7, 2
+GARBAGE = 1.0e3  # finite junk off the mask: it must not reach the loss (verl multiplies by the mask there)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One setting: our LossConfig fields, and verl's knobs for the same loss."""
+
+    ours: dict[str, Any]
+    mode: str = "token-mean"
+    normalization: str = "global"
+    clip: tuple[float, float] = (0.2, 0.2)
+    clip_ratio_c: float = 3.0
+    entropy_coeff: float = 0.0
+    kl: tuple[str, float] | None = None  # (kl_loss_type, kl_loss_coef)
+    rollout_is: tuple[str, float | str] | None = None
+    rollout_rs: tuple[str, float | str] | None = None
+    loss_scale_factor: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _cases() -> dict[str, Case]:
+    modes = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm", "token-sum")
+    cases: dict[str, Case] = {}
+    for norm in ("global", "per_rank"):
+        for mode in modes:
+            cases[f"{mode} {norm}"] = Case({}, mode=mode, normalization=norm)
+    for est in ("k1", "k2", "k3", "low_var_kl", "k3+", "abs"):
+        cases[f"kl {est}"] = Case({"kl_coef": 0.1, "kl_estimator": est}, kl=(est, 0.1))
+    cases["entropy"] = Case({"entropy_coef": 0.01}, mode="seq-mean-token-mean", entropy_coeff=0.01)
+    cases["dual clip c=2, clip 0.2/0.28"] = Case(
+        {"dual_clip_c": 2.0, "clip_eps_high": 0.28}, clip=(0.2, 0.28), clip_ratio_c=2.0
+    )
+    cases["token TIS 2"] = Case({"rollout_is": "token", "rollout_is_threshold": 2.0}, rollout_is=("token", 2.0))
+    cases["sequence TIS 5"] = Case(
+        {"rollout_is": "sequence", "rollout_is_threshold": 5.0}, rollout_is=("sequence", 5.0)
+    )
+    cases["token IcePop 0.5_2"] = Case(
+        {"rollout_is": "token", "rollout_is_threshold": "0.5_2.0"}, rollout_is=("token", "0.5_2.0")
+    )
+    for option, threshold in (
+        ("token_k1", 2.0),
+        ("token_k2", 0.5),
+        ("seq_sum_k1", "0.1_10"),
+        ("seq_mean_k3", 0.5),
+        ("seq_max_k2", 1.0),
+        ("token_k1,seq_mean_k3", "2.0,0.5"),
+    ):
+        cases[f"RS {option} {threshold}"] = Case(
+            {"rollout_rs": option, "rollout_rs_threshold": threshold}, rollout_rs=(option, threshold)
+        )
+    cases["seq-mean-token-sum-norm loss_scale_factor 64"] = Case(
+        {"loss_scale_factor": 64.0}, mode="seq-mean-token-sum-norm", loss_scale_factor=64.0
+    )
+    cases["mismatch_token_clip_max 2 = token TIS"] = Case({"mismatch_token_clip_max": 2.0}, rollout_is=("token", 2.0))
+    cases["ratio_outlier_mask token = RS token_k1"] = Case(
+        {"ratio_outlier_mask": RatioOutlierMask("token", 0.5, 4.0)}, rollout_rs=("token_k1", "0.25_2.0")
+    )
+    cases["ratio_outlier_mask sequence = RS seq_mean_k1"] = Case(
+        {"ratio_outlier_mask": RatioOutlierMask("sequence", 0.8, 1.25)}, rollout_rs=("seq_mean_k1", "0.8_1.25")
+    )
+    cases["all: seq-mean-token-mean, k3, entropy, TIS, RS"] = Case(
+        {
+            "kl_coef": 0.05,
+            "entropy_coef": 0.01,
+            "rollout_is": "token",
+            "rollout_is_threshold": 2.0,
+            "rollout_rs": "token_k1",
+            "rollout_rs_threshold": 2.0,
+        },
+        mode="seq-mean-token-mean",
+        entropy_coeff=0.01,
+        kl=("k3", 0.05),
+        rollout_is=("token", 2.0),
+        rollout_rs=("token_k1", 2.0),
+    )
+    return cases
+
+
+CASES = _cases()
+
+
+def rank_batch(rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One rank's response-only tensors [B, RESPONSE] (verl's layout), float64, with `response_mask`."""
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    lengths = torch.tensor([9, 1, 0, 5, 9, 3, 7]) if rank == 0 else torch.tensor([4, 9, 2, 8, 6, 9, 1])
+    mask = torch.arange(RESPONSE)[None, :] < lengths[:, None]
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    logprobs = -randn(BATCH, RESPONSE).abs() - 0.1
+    old = logprobs + 0.3 * randn(BATCH, RESPONSE)
+    old[0, 2] = logprobs[0, 2] - 25.0  # a log-ratio of +25: past verl's +-20 clamp
+    old[3, 1] = logprobs[3, 1] + 30.0
+    rollout = old + 0.1 * randn(BATCH, RESPONSE)
+    rollout[1, 0] = old[1, 0] - 3.0  # rollout/train mismatch outliers
+    rollout[4, 5] = old[4, 5] + 2.5
+    adv = randn(BATCH, 1).expand(BATCH, RESPONSE).clone() * 2.0  # mixed signs
+    adv[4] = 40.0  # an advantage outlier
+    return {
+        "response_mask": mask,
+        "log_probs": logprobs,
+        "old_log_probs": old,
+        "rollout_log_probs": rollout,
+        "ref_log_prob": logprobs + 0.2 * randn(BATCH, RESPONSE),
+        "advantages": adv,
+        "entropy": randn(BATCH, RESPONSE).abs(),
+    }
+
+
+def _ours_layout(r: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our layout: prompt columns in front (off the mask), junk wherever the mask is off."""
+
+    def full(x: torch.Tensor) -> torch.Tensor:
+        out = torch.full((BATCH, PROMPT + RESPONSE), GARBAGE, dtype=torch.float64)
+        out[:, PROMPT:] = torch.where(r["response_mask"], x, torch.full_like(x, GARBAGE))
+        return out
+
+    mask = torch.zeros(BATCH, PROMPT + RESPONSE, dtype=torch.float64)
+    mask[:, PROMPT:] = r["response_mask"].double()
+    return {
+        "loss_mask": mask,
+        "old_logprobs": full(r["old_log_probs"]),
+        "rollout_logprobs": full(r["rollout_log_probs"]),
+        "ref_logprobs": full(r["ref_log_prob"]),
+        "advantages": full(r["advantages"]),
+        "logprobs": full(r["log_probs"]),
+        "entropy": full(r["entropy"]),
+    }
+
+
+def our_config(case: Case) -> LossConfig:
+    return LossConfig(
+        convention="verl",
+        normalization=case.normalization,
+        loss_agg_mode=case.mode,
+        **{"clip_eps_low": case.clip[0], "clip_eps_high": case.clip[1], **case.ours},
+    )
+
+
+def ours_step(case: Case, ranks: list[dict[str, torch.Tensor]]) -> list[tuple[float, torch.Tensor]]:
+    """(loss, d loss / d response logprobs) per rank, with our verl convention."""
+    cfg = our_config(case)
+    batches = [_ours_layout(r) for r in ranks]
+    counts = None
+    if case.normalization == "global":
+        tokens = sum(local_counts(b, cfg)[0] for b in batches)
+        sequences = sum(local_counts(b, cfg)[1] for b in batches)
+        counts = GlobalCounts(DP, tokens, sequences)
+    out = []
+    for b in batches:
+        logprobs = b.pop("logprobs").requires_grad_(True)
+        entropy = b.pop("entropy")
+        loss = policy_loss(logprobs, b, cfg, entropy=entropy, counts=counts).loss
+        loss.backward()
+        assert logprobs.grad is not None
+        out.append((float(loss.detach()), logprobs.grad[:, PROMPT:].clone()))
+    return out
+
+
+def verl_step(case: Case, ranks: list[dict[str, torch.Tensor]], peer: dict[str, Any]) -> list[tuple[float, Any]]:
+    """(loss, d loss / d logprobs) per rank, with verl 0.9.1's own functions."""
+    from verl_peer import ActorConfigStandIn
+
+    core, rc = peer["core_algos"], peer["rollout_corr"]
+    prepared = []
+    for r in ranks:
+        mask, weights = r["response_mask"], None
+        log_ratio = r["old_log_probs"] - r["rollout_log_probs"]
+        if case.rollout_is is not None:
+            weights, _ = rc.compute_rollout_correction_weights(
+                log_ratio, mask, rollout_is=case.rollout_is[0], rollout_is_threshold=case.rollout_is[1]
+            )
+        if case.rollout_rs is not None:
+            mask, _ = rc.compute_rollout_rejection_mask(
+                log_ratio, mask, rollout_rs=case.rollout_rs[0], rollout_rs_threshold=case.rollout_rs[1]
+            )
+        prepared.append((mask.to(bool), weights))
+    info: dict[str, Any] = {"loss_scale_factor": case.loss_scale_factor}
+    if case.normalization == "global":  # what verl's engine passes: all-reduced token count, the step's sequences
+        info.update(
+            dp_size=DP,
+            batch_num_tokens=int(sum(int(m.sum()) for m, _ in prepared)),
+            global_batch_size=BATCH * len(ranks),
+        )
+    config = ActorConfigStandIn(case.clip[0], case.clip[1], case.clip_ratio_c, info)
+    out = []
+    for r, (mask, weights) in zip(ranks, prepared, strict=True):
+        log_prob = r["log_probs"].clone().requires_grad_(True)
+        pg, _ = core.compute_policy_loss_vanilla(
+            old_log_prob=r["old_log_probs"],
+            log_prob=log_prob,
+            advantages=r["advantages"],
+            response_mask=mask,
+            loss_agg_mode=case.mode,
+            config=config,
+            rollout_is_weights=weights,
+        )
+        loss = pg
+        if case.entropy_coeff:
+            loss = loss - case.entropy_coeff * core.agg_loss(r["entropy"], mask, case.mode, **info)
+        if case.kl is not None:
+            kld = core.kl_penalty(logprob=log_prob, ref_logprob=r["ref_log_prob"], kl_penalty=case.kl[0])
+            loss = loss + core.agg_loss(kld, mask, case.mode, **info) * case.kl[1]
+        loss.backward()
+        out.append((float(loss.detach()), log_prob.grad.clone()))
+    return out
+
+
+def compare(case: Case, peer: dict[str, Any], seed: int = 0) -> dict[str, float]:
+    """Our and verl's summed-over-ranks loss, and the worst relative difference of loss and gradient."""
+    ranks = [rank_batch(r, seed) for r in range(DP)]
+    ours, theirs = ours_step(case, ranks), verl_step(case, ranks, peer)
+    loss_rel = grad_rel = 0.0
+    for (lo, go), (lv, gv) in zip(ours, theirs, strict=True):
+        loss_rel = max(loss_rel, abs(lo - lv) / max(abs(lv), 1e-300))
+        grad_rel = max(grad_rel, float((go - gv).abs().max() / gv.abs().max().clamp(min=1e-300)))
+    return {
+        "ours": sum(lo for lo, _ in ours),
+        "verl": sum(lv for lv, _ in theirs),
+        "loss_rel": loss_rel,
+        "grad_rel": grad_rel,
+    }

@@ -1,0 +1,101 @@
+"""verl 0.9.1's own loss functions, loaded from the installed verl files for the cross-check.
+
+verl is installed with --no-deps: `import verl.trainer.ppo.core_algos` fails on ray, omegaconf and
+tensordict, which the tested functions never touch. So the real files are executed by importlib under
+minimal stand-in modules for exactly the imports that are unavailable (or that would pull them in:
+verl's package `__init__`s, `verl.utils.device`, the config classes, `DataProto`). Every function the
+test calls — `agg_loss`, `compute_policy_loss_vanilla`, `kl_penalty`, `compute_rollout_correction_weights`,
+`compute_rollout_rejection_mask`, `compute_grpo_outcome_advantage`, and verl_F's `masked_sum` /
+`masked_mean` they use — is verl's code as installed. Stand-ins raise if anything calls into them.
+`sys.modules` is restored afterwards: the loaded functions keep their own module globals.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+
+class _Unavailable:
+    """A name a stand-in module exports; the tested functions never use it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a verl stand-in was called: the cross-check reached code it does not load")
+
+
+def _passthrough_decorator(*args: Any, **kwargs: Any) -> Any:
+    def wrap(fn: Any) -> Any:
+        return fn
+
+    return wrap
+
+
+def verl_dir() -> Path:
+    spec = importlib.util.find_spec("verl")  # finds the package without executing its __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("verl is not installed (scripts/setup.sh installs verl==0.9.1 --no-deps)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def load_verl() -> dict[str, types.ModuleType]:
+    """{"core_algos": ..., "rollout_corr": ..., "version": str} executed from the installed files."""
+    root = verl_dir()
+    saved = dict(sys.modules)
+
+    def package(name: str, path: Path | None = None, **attrs: Any) -> types.ModuleType:
+        module = types.ModuleType(name)
+        if path is not None:
+            module.__path__ = [str(path)]  # submodules load from the real files
+        for key, value in attrs.items():
+            setattr(module, key, value)
+        sys.modules[name] = module
+        return module
+
+    def load(name: str, relpath: str) -> types.ModuleType:
+        spec = importlib.util.spec_from_file_location(name, root / relpath)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    try:
+        # unavailable third-party packages
+        package("omegaconf", DictConfig=_Unavailable, open_dict=_Unavailable)
+        package("tensordict", TensorDict=_Unavailable)
+        # verl's packages, without their __init__ (which import ray and the config machinery)
+        package("verl", root)
+        package("verl.utils", root / "utils", as_torch_index=_Unavailable, group_mean_std=_Unavailable)
+        package("verl.utils.device", get_device_name=_Unavailable, get_torch_device=_Unavailable)
+        package("verl.trainer", root / "trainer")
+        package("verl.trainer.ppo", root / "trainer" / "ppo")
+        package("verl.trainer.config", root / "trainer" / "config", AlgoConfig=type("AlgoConfig", (), {}))
+        package("verl.trainer.config.algorithm", RolloutCorrectionConfig=_Unavailable)
+        package("verl.workers", root / "workers")
+        package("verl.workers.config", root / "workers" / "config", ActorConfig=_Unavailable)
+        package("verl.workers.config.actor", PolicyLossConfig=_Unavailable)
+        package("verl.protocol", DataProto=_Unavailable)
+        # `deprecated` only wraps the legacy compute_policy_loss with a warning
+        package("verl.utils.import_utils", deprecated=_passthrough_decorator)
+        load("verl.utils.torch_functional", "utils/torch_functional.py")
+        core_algos = load("verl.trainer.ppo.core_algos", "trainer/ppo/core_algos.py")
+        rollout_corr = load("verl.trainer.ppo.rollout_corr_helper", "trainer/ppo/rollout_corr_helper.py")
+        version = (root / "version" / "version").read_text(encoding="utf-8").strip()
+    finally:
+        sys.modules.clear()
+        sys.modules.update(saved)
+    return {"core_algos": core_algos, "rollout_corr": rollout_corr, "version": version}  # type: ignore[dict-item]
+
+
+class ActorConfigStandIn(dict):
+    """The fields of verl's ActorConfig that `compute_policy_loss_vanilla` reads (it is a dict-like dataclass)."""
+
+    def __init__(self, clip_low: float, clip_high: float, clip_ratio_c: float, global_batch_info: dict[str, Any]):
+        super().__init__(clip_ratio_c=clip_ratio_c)
+        self.clip_ratio = clip_low
+        self.clip_ratio_low = clip_low
+        self.clip_ratio_high = clip_high
+        self.global_batch_info = global_batch_info
