@@ -30,3 +30,8 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
   say "done in $((SECONDS - start)) s"
 fi
+# Checked on every run (not only when pyproject.toml changes), so an existing .venv gets it too.
+if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('verl') is None)"; then
+  say "installing verl==0.9.1 --no-deps: the tests check our verl loss convention against verl's own loss functions (its source only; none of its heavy dependencies)"
+  "$VENV/bin/python" -m pip install -q --no-deps "verl==0.9.1" >&2
+fi
