@@ -141,9 +141,9 @@ async def run_command_backend(
     if not config:
         workdir = request.backend.workdir
         return await _with_tree(ctx, run, lambda cwd, sha: _run_one(ctx, run, cwd or workdir, {}, sha, None))
-    base_run = _sub_run(run, "baseline")
 
     async def both(cwd: str | None, sha: str | None) -> ReplayResult:
+        base_run = _sub_run(run, "baseline")
         baseline = await _run_one(ctx, base_run, request.backend.workdir, {}, None, None, record=False)
         if baseline.verdict == Verdict.FAILED:
             return baseline
