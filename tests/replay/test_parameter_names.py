@@ -21,7 +21,7 @@ from axrl_spike_replay.investigation.runs import run_request
         ({"nproc": 0}, "nproc"),
         ({"repeat": 0}, "repeat"),
         ({"timeout_s": 5.0}, "timeout_s"),
-        ({"backend": "command", "mitigations": {"advantage_clip": 1}}, "mitigations"),
+        ({"backend": "command", "verb": "attribute"}, "target"),
         ({"patch": "fix.diff"}, "patch"),
     ],
 )
@@ -46,7 +46,7 @@ def test_the_engine_names_the_parameter_too(spike_snapshot: Path) -> None:
         (["replay", "{snap}", "--patch", "fix.diff"], "--patch applies to the training checkout"),
         (
             ["replay", "{snap}", "--backend", "command", "--mitigation", "advantage_clip=1"],
-            "--mitigation cannot be used with --backend command",
+            "--backend command needs a command_backend section",
         ),
         (["attribute", "{snap}", "--top", "0"], "--top must be an integer >= 1"),
     ],

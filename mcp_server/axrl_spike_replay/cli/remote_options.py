@@ -50,8 +50,10 @@ def add_remote_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--patch",
         metavar="FILE.diff",
+        action="append",
         default=None,
-        help="apply this unified diff in a temporary git worktree of the training checkout (--backend command)",
+        help="apply this unified diff in a temporary git worktree of the training checkout (--backend command); "
+        "repeat to apply several, in order",
     )
     group.add_argument(
         "--timeout",
@@ -72,5 +74,5 @@ def remote_options_from_args(args: argparse.Namespace) -> RemoteOptions:
         known_hosts=getattr(args, "known_hosts", None),
         accept_new_host_key=bool(getattr(args, "accept_new_host_key", False)),
         timeout_s=getattr(args, "timeout", None),
-        patch=getattr(args, "patch", None),
+        patches=tuple(getattr(args, "patch", None) or ()),
     )

@@ -17,7 +17,8 @@ from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.investigation.recording import new_run_dir
 from axrl_spike_replay.investigation.request import ReplayRequest
 from axrl_spike_replay.remote.cleanup import run_to_completion
-from axrl_spike_replay.remote.command_backend import CommandRequest, run_command_backend
+from axrl_spike_replay.remote.command_backend import CommandRequest, run_command_backend, run_command_sweep
+from axrl_spike_replay.remote.command_overrides import check_mapped
 from axrl_spike_replay.remote.connect import connect_settings
 from axrl_spike_replay.remote.job import LineCallback, Session
 from axrl_spike_replay.remote.local_session import LocalSession
@@ -26,7 +27,12 @@ from axrl_spike_replay.remote.options import RemoteOptions
 from axrl_spike_replay.remote.remote_replay import RemoteReplayRequest, plan_processes, run_remote_torch
 from axrl_spike_replay.remote.results import snapshot_facts
 from axrl_spike_replay.remote.session import RemoteSession, open_session
-from axrl_spike_replay.remote.workspace_config import ResolvedTarget, load_workspace_config, resolve_target
+from axrl_spike_replay.remote.workspace_config import (
+    CONFIG_FILE,
+    ResolvedTarget,
+    load_workspace_config,
+    resolve_target,
+)
 from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.replay.sweep import SweepResult
 
@@ -34,7 +40,7 @@ T = TypeVar("T")
 
 
 async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | SweepResult:
-    """Run a replay (or a torch sweep) on an SSH target and/or with the command backend; results written locally."""
+    """Run a replay or a sweep on an SSH target and/or with the command backend; results written locally."""
     if request.runs_here:
         raise ConfigError("the torch backend on target 'local' runs in this process tree (investigation.runs)")
     options, remote, verb = request, request.remote_options(), request.verb
@@ -44,12 +50,15 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
     config = load_workspace_config(workspace)
     mitigations = dict(request.mitigations)
     normalised = [dict(c) for c in request.configs]
-    if options.backend == "command" and config.command_backend is None:
-        raise ConfigError(
-            f"`backend` command needs a command_backend section in {workspace / 'spike-replay.yaml'} "
-            "(workdir, command with {snapshot} and {out})",
-            "backend",
-        )
+    if options.backend == "command":
+        if config.command_backend is None:
+            raise ConfigError(
+                f"`backend` command needs a command_backend section in {workspace / 'spike-replay.yaml'} "
+                "(workdir, command with {snapshot} and {out})",
+                "backend",
+            )
+        # every mitigation must map onto the trainer's own override, refused by name before anything runs
+        check_mapped(config.command_backend.mitigations, [mitigations, *normalised], str(workspace / CONFIG_FILE))
     resolved = None if options.target == "local" else resolve_target(options.target, config, remote.remote_python)
     job = options.job or facts.job
     async with _session(resolved, remote) as session:
@@ -73,15 +82,28 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
             command_request = CommandRequest(
                 facts=facts,
                 backend=config.command_backend,
-                patch=remote.patch,
+                patches=remote.patches,
+                mitigations=mitigations,
                 timeout_s=remote.timeout_s,
                 setup=resolved.setup if resolved else (),
                 target=session.label,
                 node=node.node_field() if node else None,
             )
-            result: ReplayResult | SweepResult = await run_command_backend(
-                session, command_request, run, workspace=workspace, on_line=on_line, progress=options.progress
-            )
+            result: ReplayResult | SweepResult
+            if verb == "sweep":
+                result = await run_command_sweep(
+                    session,
+                    command_request,
+                    normalised,
+                    run,
+                    workspace=workspace,
+                    on_line=on_line,
+                    progress=options.progress,
+                )
+            else:
+                result = await run_command_backend(
+                    session, command_request, run, workspace=workspace, on_line=on_line, progress=options.progress
+                )
         else:
             assert isinstance(session, RemoteSession) and resolved is not None and node is not None
             request_t = RemoteReplayRequest(

@@ -38,7 +38,7 @@ class ReplayRequest:
     # where
     target: str = "local"  # "local" or an SSH target (a spike-replay.yaml name or as typed)
     backend: str = "torch"  # torch (built-in engine) | command (the workspace's external replay command)
-    patch: str | None = None  # unified diff applied in a temporary worktree (command backend)
+    patches: tuple[str, ...] = ()  # unified diffs applied in order in a temporary worktree (command backend)
     remote_python: str | None = None
     known_hosts: str | None = None
     accept_new_host_key: bool = False
@@ -82,7 +82,7 @@ class ReplayRequest:
             known_hosts=self.known_hosts,
             accept_new_host_key=self.accept_new_host_key,
             timeout_s=self.timeout_s,
-            patch=self.patch,
+            patches=self.patches,
             cancel=self.cancel,
         )
 
@@ -98,7 +98,8 @@ def replay_request(
     method: str = "jvp",
     target: str | None = None,
     backend: str = "torch",
-    patch: str | Path | None = None,
+    patch: str | Path | Sequence[str | Path] | None = None,
+    patches: Sequence[str | Path] = (),
     remote_python: str | None = None,
     known_hosts: str | Path | None = None,
     accept_new_host_key: bool = False,
@@ -111,12 +112,16 @@ def replay_request(
     progress: Callable[[str], None] | None = None,
     cancel: threading.Event | None = None,
 ) -> ReplayRequest:
-    """The validated request for a replay, sweep or attribution; ConfigError (naming the parameter) otherwise."""
+    """The validated request for a replay, sweep or attribution; ConfigError (naming the parameter) otherwise.
+
+    `patch` (one path or several) and `patches` combine, in that order, into one patch set.
+    """
     from axrl_spike_replay.replay.mitigations import check_distinct, parse_config
 
     _check(verb, backend, device, nproc, repeat, top, method, timeout_s)
     where = target or "local"
-    _check_combination(verb, where, backend, patch, timeout_s, mitigations)
+    patch_set = _patch_set(patch, patches)
+    _check_combination(verb, where, backend, patch_set, timeout_s)
     normalised = tuple(parse_config(c, f"config {i + 1}") for i, c in enumerate(configs))
     if verb == "sweep":
         check_distinct(normalised)
@@ -130,7 +135,7 @@ def replay_request(
         method=method,
         target=where,
         backend=backend,
-        patch=str(patch) if patch else None,
+        patches=patch_set,
         remote_python=remote_python,
         known_hosts=str(known_hosts) if known_hosts else None,
         accept_new_host_key=bool(accept_new_host_key),
@@ -169,25 +174,25 @@ def _check(
         raise ConfigError(f"`timeout_s` must be a positive number of seconds, got {shown(timeout_s)}", "timeout_s")
 
 
-def _check_combination(
-    verb: str, target: str, backend: str, patch: Any, timeout_s: Any, mitigations: Mapping[str, Any] | None
-) -> None:
-    """Options that cannot work together, refused before anything connects or is written."""
+def _patch_set(patch: Any, patches: Any) -> tuple[str, ...]:
+    """`patch` (a path or a sequence of them) then `patches`, as one ordered tuple of path strings."""
+    items: list[Any] = []
+    for value in (patch, patches):
+        if value is None or value == "":
+            continue
+        items += [value] if isinstance(value, (str, Path)) else list(value)
+    for item in items:
+        if not isinstance(item, (str, Path)) or not str(item).strip():
+            raise ConfigError(f"`patch` must be the path of a unified diff file, got {shown(item)}", "patch")
+    return tuple(str(item) for item in items)
+
+
+def _check_combination(verb: str, target: str, backend: str, patches: tuple[str, ...], timeout_s: Any) -> None:
+    """Options that cannot work together, refused before anything connects or is written. (Which mitigations
+    the command backend can run is the workspace's `spike-replay.yaml`'s to say: `investigation.elsewhere`.)"""
     if verb == "attribute" and (target != "local" or backend != "torch"):
         raise ConfigError("`target`: attribution runs here with the built-in torch engine", "target")
-    if backend == "command":
-        if mitigations:
-            raise ConfigError(
-                "`mitigations` cannot be used with `backend` command (the external command knows nothing of them); "
-                "express the change as `patch` FILE.diff",
-                "mitigations",
-            )
-        if verb == "sweep":
-            raise ConfigError(
-                "sweep runs the torch backend; with `backend` command run `replay --patch FILE.diff` per change",
-                "backend",
-            )
-    elif patch:
+    if backend != "command" and patches:
         raise ConfigError(
             "`patch` applies to the training checkout the command backend runs; add `backend` command", "patch"
         )

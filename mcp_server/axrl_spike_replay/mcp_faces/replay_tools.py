@@ -69,7 +69,9 @@ BackendArg = Annotated[
     Literal["torch", "command"],
     Field(
         description="torch: the built-in engine; command: the node's own replay command from spike-replay.yaml "
-        "(trainers the engine cannot rebuild, e.g. TP/PP/EP > 1), optionally with `patch`.",
+        "(trainers the engine cannot rebuild, e.g. TP/PP/EP > 1): mitigations run as the trainer's own overrides "
+        "mapped in spike-replay.yaml's command_backend.mitigations (an unmapped one is refused by name), "
+        "optionally with `patch`/`patches`.",
     ),
 ]
 PatchArg = Annotated[
@@ -77,6 +79,14 @@ PatchArg = Annotated[
     Field(
         description="Unified diff (file path) applied in a temporary git worktree of the node's training checkout "
         "for this run only (backend command); the checkout itself is never modified.",
+    ),
+]
+PatchesArg = Annotated[
+    list[str],
+    Field(
+        description="Several unified diffs (file paths) applied in this order in one temporary git worktree "
+        "(backend command), after `patch` when both are given; one that does not apply fails the run by name "
+        "and nothing runs.",
     ),
 ]
 RemotePythonArg = Annotated[
@@ -142,6 +152,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         ] = 1,
         backend: BackendArg = "torch",
         patch: PatchArg = None,
+        patches: PatchesArg = [],  # noqa: B006
         remote_python: RemotePythonArg = None,
         accept_new_host_key: AcceptNewKeyArg = False,
         timeout_s: TimeoutArg = None,
@@ -165,6 +176,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
             target=target,
             backend=backend,
             patch=config.path(patch) if patch else None,
+            patches=[config.path(p) for p in patches],
             remote_python=remote_python,
             accept_new_host_key=accept_new_host_key,
             timeout_s=timeout_s,
@@ -183,6 +195,8 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         target: TargetArg = None,
         nproc: NprocArg = None,
         device: DeviceArg = "cpu",
+        backend: BackendArg = "torch",
+        patches: PatchesArg = [],  # noqa: B006
         remote_python: RemotePythonArg = None,
         accept_new_host_key: AcceptNewKeyArg = False,
         timeout_s: TimeoutArg = None,
@@ -192,15 +206,19 @@ def register(server: MCPServer, config: ServerConfig) -> None:
     ) -> Annotated[CallToolResult, SweepResult]:
         """Replay the baseline and every config in one run (weights loaded once; loss-level configs share one
         forward pass), here or on a GPU node (`target`, one SSH connection): grad norm, ratio to the median,
-        change vs baseline and verdict per config. Each config's replay_result.json lands under one
-        tmp/spike-replay/<job>/<timestamp>/ and every config is logged in the task file. Returns a bar chart of
-        the grad norms. Reports progress; cancelling the call stops a remote run."""
+        change vs baseline and verdict per config. With `backend` command: the baseline runs once, then each
+        config is one run of the node's replay command with its mapped overrides (and `patches`, if any).
+        Each config's replay_result.json lands under one tmp/spike-replay/<job>/<timestamp>/ and every config is
+        logged in the task file. Returns a bar chart of the grad norms. Reports progress; cancelling the call
+        stops a remote run."""
         request = await _request(
             ctx,
             snapshot=config.path(snapshot),
             verb="sweep",
             configs=configs,
             target=target,
+            backend=backend,
+            patches=[config.path(p) for p in patches],
             remote_python=remote_python,
             accept_new_host_key=accept_new_host_key,
             timeout_s=timeout_s,

@@ -16,7 +16,7 @@ class RemoteOptions:
     known_hosts: str | None = None  # known_hosts file to check and record in
     accept_new_host_key: bool = False  # record the key of a host not yet known (OpenSSH's accept-new)
     timeout_s: float | None = None  # kill the run (its whole process group) after this many seconds
-    patch: str | None = None  # unified diff applied in a temporary worktree (command backend)
+    patches: tuple[str, ...] = ()  # unified diffs applied in order in a temporary worktree (command backend)
     cancel: threading.Event | None = field(default=None, compare=False, repr=False)  # set: stop the run
 
     def __post_init__(self) -> None:

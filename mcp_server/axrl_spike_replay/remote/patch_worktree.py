@@ -1,11 +1,16 @@
-"""Patch-based experiments: a unified diff applied in a temporary git worktree, never in the main checkout."""
+"""Patch-based experiments: unified diffs applied in a temporary git worktree, never in the main checkout.
+
+A patch set (`--patch A.diff --patch B.diff`) is applied in order in one worktree; its identity is the
+sha256 of the patches' bytes concatenated in that order (for one patch: the file's own sha256), and
+`patch_set_text` is that concatenation, kept beside the result so a method file can quote it.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import shlex
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +41,24 @@ def read_patch(patch: str | Path) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
+PatchSet = str | Path | Sequence[str | Path]
+
+
+def patch_list(patches: PatchSet | None) -> list[Path]:
+    """The patches of a set as paths, in order (one path, a sequence of them, or none)."""
+    if patches is None:
+        return []
+    if isinstance(patches, (str, Path)):
+        return [Path(patches).expanduser()]
+    return [Path(p).expanduser() for p in patches]
+
+
+def patch_set_text(patches: PatchSet) -> tuple[bytes, str]:
+    """(the patches' bytes concatenated in order, their sha256); ConfigError naming a missing or empty one."""
+    data = b"".join(read_patch(p)[0] for p in patch_list(patches))
+    return data, hashlib.sha256(data).hexdigest()
+
+
 async def _git(session: Session, *args: str, what: str) -> str:
     got = await session.capture("git " + " ".join(shlex.quote(a) for a in args), timeout=300.0)
     if got.exit_status != 0:
@@ -45,14 +68,17 @@ async def _git(session: Session, *args: str, what: str) -> str:
 
 @contextlib.asynccontextmanager
 async def patched_worktree(
-    session: Session, checkout: str, patch: str | Path, progress: Callable[[str], None] | None = None
+    session: Session, checkout: str, patch: PatchSet, progress: Callable[[str], None] | None = None
 ) -> AsyncIterator[PatchedTree]:
-    """Yield a temporary worktree of `checkout` (on the session's machine) with `patch` applied.
+    """Yield a temporary worktree of `checkout` (on the session's machine) with `patch` (one or a set) applied.
 
-    `git apply --check` runs first; the worktree and its temp dir are removed afterwards whether the
-    work inside succeeded or not. The main checkout's files and index are never touched.
+    Each patch in order: `git apply --check` on top of the ones before it, then `git apply`. One that does
+    not apply is a ConfigError naming it; nothing runs then, and the worktree (with whatever was applied
+    in it) and its temp dir are removed, as they are afterwards whether the work inside succeeded or not.
+    The main checkout's files and index are never touched.
     """
-    _, sha256 = read_patch(patch)
+    patches = patch_list(patch)
+    _, sha256 = patch_set_text(patches)
     top = (
         await _git(session, "-C", checkout, "rev-parse", "--show-toplevel", what=f"{checkout} as a git checkout")
     ).strip()
@@ -65,22 +91,26 @@ async def patched_worktree(
         )
     temp = await session.make_temp_dir("axrl-patch-")
     tree = f"{temp}/worktree"
-    patch_path = f"{temp}/change.diff"
     try:
-        local_patch = Path(patch).expanduser()
-        await session.put(local_patch, patch_path)
         await _git(session, "-C", top, "worktree", "add", "--detach", tree, base, what="git worktree add")
-        check = await session.capture(
-            f"git -C {shlex.quote(tree)} apply --check {shlex.quote(patch_path)}", timeout=120.0
-        )
-        if check.exit_status != 0:
-            raise ConfigError(
-                f"`patch` {patch}: does not apply to {checkout} at {base[:12]} (git apply --check): "
-                f"{(check.stderr or check.stdout).strip()}"
+        for number, local_patch in enumerate(patches, 1):
+            patch_path = f"{temp}/change-{number}.diff"
+            await session.put(local_patch, patch_path)
+            check = await session.capture(
+                f"git -C {shlex.quote(tree)} apply --check {shlex.quote(patch_path)}", timeout=120.0
             )
-        await _git(session, "-C", tree, "apply", patch_path, what="git apply")
+            if check.exit_status != 0:
+                after = f" after {', '.join(str(p) for p in patches[: number - 1])}" if number > 1 else ""
+                which = f" (patch {number} of {len(patches)})" if len(patches) > 1 else ""
+                raise ConfigError(
+                    f"`patch` {local_patch}{which}: does not apply to {checkout} at {base[:12]}{after} "
+                    f"(git apply --check); nothing was run: {(check.stderr or check.stdout).strip()}",
+                    "patch",
+                )
+            await _git(session, "-C", tree, "apply", patch_path, what="git apply")
         if progress is not None:
-            progress(f"patch {sha256[:12]} applied in a temporary worktree {tree} (base {base[:12]})")
+            what = f"patch {sha256[:12]}" if len(patches) == 1 else f"patch set {sha256[:12]} ({len(patches)} patches)"
+            progress(f"{what} applied in a temporary worktree {tree} (base {base[:12]})")
         yield PatchedTree(path=f"{tree}/{prefix}".rstrip("/"), root=tree, base_commit=base, patch_sha256=sha256)
     finally:
         await run_to_completion(_remove(session, top, tree, temp))

@@ -71,17 +71,24 @@ def base_result(facts: SnapshotFacts, **fields: Any) -> ReplayResult:
 
 
 def judged_result(
-    facts: SnapshotFacts, grad_norm: float, tolerance: float, changed: bool, **fields: Any
+    facts: SnapshotFacts,
+    grad_norm: float,
+    tolerance: float,
+    changed: bool,
+    baseline: float | None = None,
+    **fields: Any,
 ) -> ReplayResult:
-    """A finished run's result: a baseline is judged against the recorded norm; a changed run (patch) as a
-    mitigation, against the recorded norm as its baseline (what training saw)."""
+    """A finished run's result: a baseline is judged against the recorded norm; a changed run (patch,
+    mitigation) as a mitigation, against `baseline` (the baseline replayed the same way) when given, else
+    against the recorded norm as its baseline (what training saw)."""
     meta = facts.meta
     ratio = grad_norm / meta.median_norm if meta.median_norm > 0 and math.isfinite(grad_norm) else None
     if changed:
-        verdict = mitigation_verdict(grad_norm, meta.grad_norm, meta.median_norm, facts.threshold)
+        base = meta.grad_norm if baseline is None else baseline
+        verdict = mitigation_verdict(grad_norm, base, meta.median_norm, facts.threshold)
         extra: dict[str, Any] = {
-            "baseline_grad_norm": meta.grad_norm,
-            "change_vs_baseline": grad_norm / meta.grad_norm - 1.0 if meta.grad_norm else None,
+            "baseline_grad_norm": base,
+            "change_vs_baseline": grad_norm / base - 1.0 if base and math.isfinite(base) else None,
         }
     else:
         verdict, extra = baseline_verdict(grad_norm, meta.grad_norm, tolerance), {}

@@ -13,7 +13,10 @@ command_backend:
   result_json: "{out}/replay_result.json" # read grad_norm from here if it exists, else:
   grad_norm_regex: "grad_norm[=: ]+([0-9.eE+-]+)"
   env: {NCCL_DEBUG: WARN}                 # optional
+  mitigations:                            # optional: our mitigation names -> the trainer's overrides
+    mismatch_token_clip_max: "--actor.mismatch_token_clip_max={value}"
 ```
+A command that takes overrides puts `{overrides}` where they go (e.g. `... --out {out} {overrides}`).
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ CONFIG_FILE = "spike-replay.yaml"
 DEFAULT_PYTHON = "python3"
 DEFAULT_GRAD_NORM_REGEX = r"grad_norm[=: ]+([0-9.eE+-]+)"
 PLACEHOLDERS = ("snapshot", "out")
+COMMAND_PLACEHOLDERS = (*PLACEHOLDERS, "overrides")
 _TARGET_KEYS = {"ssh", "python", "setup", "known_hosts"}
-_BACKEND_KEYS = {"workdir", "command", "result_json", "grad_norm_regex", "env"}
+_BACKEND_KEYS = {"workdir", "command", "result_json", "grad_norm_regex", "env", "mitigations"}
 _TOP_KEYS = {"targets", "command_backend"}
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` lets "\n" through
 
@@ -59,6 +63,7 @@ class CommandBackendConfig:
     result_json: str | None = "{out}/replay_result.json"
     grad_norm_regex: str = DEFAULT_GRAD_NORM_REGEX
     env: dict[str, str] = field(default_factory=dict)
+    mitigations: dict[str, str] = field(default_factory=dict)  # our mitigation name -> override template
 
 
 @dataclass(frozen=True)
@@ -134,17 +139,37 @@ def _parse_backend(entry: dict[str, Any], source: str) -> CommandBackendConfig:
     if compiled.groups < 1:
         raise ConfigError(f"{source}: {where}.grad_norm_regex needs a group around the number, e.g. ([0-9.eE+-]+)")
     env = _mapping(entry.get("env") or {}, source, f"{where}.env")
+    mitigations = _parse_mitigations(entry.get("mitigations") or {}, command, source, f"{where}.mitigations")
     return CommandBackendConfig(
         workdir=_string(entry["workdir"], source, f"{where}.workdir"),
         command=command,
         result_json=result_json,
         grad_norm_regex=regex,
         env={str(k): _string(v, source, f"{where}.env.{k}") for k, v in env.items()},
+        mitigations=mitigations,
     )
 
 
+def _parse_mitigations(doc: Any, command: str, source: str, where: str) -> dict[str, str]:
+    """{mitigation name: override template}; the command must say where the overrides go."""
+    from axrl_spike_replay.remote.command_overrides import check_override_template
+
+    out: dict[str, str] = {}
+    for name, template in _mapping(doc, source, where).items():
+        text = _string(template, source, f"{where}.{name}")
+        check_override_template(str(name), text, source, f"{where}.{name}")
+        out[str(name)] = text
+    if out and "overrides" not in {f for _lit, f, _spec, _conv in string.Formatter().parse(command)}:
+        raise ConfigError(
+            f"{source}: {where} needs {{overrides}} in command_backend.command, where the trainer's overrides go "
+            "(e.g. ... --out {out} {overrides})"
+        )
+    return out
+
+
 def check_template(template: str, source: str, where: str, *, shell: bool) -> None:
-    """Only {snapshot} and {out} placeholders; in a shell command, never inside quotes (they are quoted for you)."""
+    """Only {snapshot} and {out} placeholders ({overrides} too in the shell command); in a shell command, never
+    inside quotes (they are quoted for you)."""
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
@@ -156,8 +181,10 @@ def check_template(template: str, source: str, where: str, *, shell: bool) -> No
         quote = _quote_state(literal, quote)
         if name is None:
             continue
-        if name not in PLACEHOLDERS:
-            raise ConfigError(f"{source}: {where}: unknown placeholder {{{name}}}; use {{snapshot}} or {{out}}")
+        allowed = COMMAND_PLACEHOLDERS if shell else PLACEHOLDERS
+        if name not in allowed:
+            names = " or ".join(f"{{{p}}}" for p in allowed)
+            raise ConfigError(f"{source}: {where}: unknown placeholder {{{name}}}; use {names}")
         if shell and quote is not None:
             raise ConfigError(
                 f"{source}: {where}: write {{{name}}} without quotes around it; it is shell-quoted for you"
