@@ -353,7 +353,7 @@ def one_rank(ev: Evidence) -> Cause | None:
         experiments.append(
             Experiment(
                 f"drop_samples={_pairs(samples)}",
-                f"leaves out rank {rank}'s top samples: whether the spike is that rank's data (diagnostic)",
+                f"leaves out rank {rank}'s top samples: whether the spike is that rank's data",
                 True,
             )
         )

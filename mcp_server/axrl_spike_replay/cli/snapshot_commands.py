@@ -181,6 +181,8 @@ def render_inspection(r: Any) -> str:
     lines.append(table(["rank", "samples", "loss tokens", "seq len", "grad norm", "routed tokens per MoE layer"], rows))
     lines.append("")
     lines += [f"problem: {p}" for p in r.problems] or ["no problems found"]
+    if r.consistency is not None:
+        lines.append(r.consistency.summary())
     return "\n".join(lines)
 
 
