@@ -25,8 +25,8 @@ from typing import Any
 
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, summarize_checkpoint
-from axrl_spike_replay.snapshot.consistency import Consistency, check_snapshot
 from axrl_spike_replay.snapshot.completeness import checkpoint_data_files, missing_ranks, rank_ranges_text, ranks_text
+from axrl_spike_replay.snapshot.consistency import Consistency, check_snapshot
 from axrl_spike_replay.snapshot.fields import FIELD_ALIASES, find_field
 from axrl_spike_replay.snapshot.layout import DCP_METADATA, RUN_CONFIG, rank_files
 from axrl_spike_replay.snapshot.metadata import read_metadata
