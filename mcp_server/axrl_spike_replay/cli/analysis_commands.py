@@ -1,4 +1,4 @@
-"""CLI verbs that read what a snapshot and its logs say: analyze, grads, logs."""
+"""CLI verbs that read what a snapshot and its logs say: analyze, grads, diagnose, logs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from axrl_spike_replay.cli.output import add_json_flag, emit, table
 
 
 def register(sub: Any) -> None:
-    """Add `analyze`, `grads` and `logs`."""
+    """Add `analyze`, `grads`, `diagnose` and `logs`."""
     p = sub.add_parser(
         "analyze",
         help="per-sample and per-token batch signals across ranks, with top-K outliers",
@@ -27,6 +27,34 @@ def register(sub: Any) -> None:
     p.add_argument("--top", type=int, default=10, metavar="K", help="parameters to list (default 10)")
     add_json_flag(p)
     p.set_defaults(handler=_grads)
+
+    p = sub.add_parser(
+        "diagnose",
+        help="the likely causes of the spike, ranked, with evidence as numbers and the experiments to run",
+        description="Reads the batch signals, per-rank grad info, consistency checks, the job's log at the "
+        "iteration and (when cheap, or from --attribution) per-sample attribution and route agreement per MoE "
+        "layer; ranks the causes (log-prob mismatch, outlier advantage, negative-advantage dominance, routing "
+        "mismatch, one rank's data, non-finite values, or none found) and lists --mitigation items to replay, "
+        "least invasive first.",
+    )
+    p.add_argument("snapshot", help="a snapshot dir (iter_<N>)")
+    p.add_argument("--attribution", default=None, metavar="FILE", help="an attribution.json from `attribute`")
+    p.add_argument(
+        "--logs",
+        nargs="+",
+        default=None,
+        metavar="PATH",
+        help="the job's log files (default: the logs of the job output dir the snapshot sits in)",
+    )
+    p.add_argument(
+        "--model",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="compute attribution and route agreement here: auto (when the checkpoint is small), always, never",
+    )
+    p.add_argument("--top", type=int, default=10, metavar="K", help="samples to attribute (default 10)")
+    add_json_flag(p)
+    p.set_defaults(handler=_diagnose)
 
     p = sub.add_parser(
         "logs",
@@ -130,6 +158,16 @@ def _grads(args: argparse.Namespace) -> int:
         return "\n".join(lines)
 
     emit(result, args.json, render)
+    return 0
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.analysis.diagnose import diagnose_snapshot, render_diagnosis
+
+    result = diagnose_snapshot(
+        args.snapshot, attribution=args.attribution, logs=args.logs, model=args.model, top=args.top
+    )
+    emit(result, args.json, render_diagnosis)
     return 0
 
 

@@ -190,6 +190,12 @@ def render_replay(doc: dict[str, Any]) -> str:
             f"  repeat        {len(doc['repeat_grad_norms'])} runs, spread {_num(doc.get('repeat_spread'), 3)}"
             + (" (deterministic)" if doc.get("repeat_spread") == 0 else "")
         )
+    consistency = doc.get("consistency")
+    if consistency:
+        own = "agrees with itself" if consistency["self_consistent"] else "DISAGREES with itself"
+        log = {True: "agrees with", False: "CONTRADICTS", None: "no value in"}[consistency.get("agrees_with_log")]
+        lines.append(f"  snapshot      {own}; {log} the training log")
+        lines += [f"  problem       [{p['name']}] {p['message']}" for p in consistency["problems"]]
     if doc.get("top_params"):
         tops = ", ".join(f"{p['name']} {_num(p['grad_norm'], 4)}" for p in doc["top_params"][:3])
         lines.append(f"  top params    {tops}")

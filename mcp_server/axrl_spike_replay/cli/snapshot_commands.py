@@ -181,6 +181,9 @@ def render_inspection(r: Any) -> str:
     lines.append(table(["rank", "samples", "loss tokens", "seq len", "grad norm", "routed tokens per MoE layer"], rows))
     lines.append("")
     lines += [f"problem: {p}" for p in r.problems] or ["no problems found"]
+    if r.consistency is not None:
+        lines.append(r.consistency.summary())
+        lines += [f"  [{p.name}] {p.message}" for p in r.consistency.problems if p.name == "grad_norm_vs_param_norms"]
     return "\n".join(lines)
 
 

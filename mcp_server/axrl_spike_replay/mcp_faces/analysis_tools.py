@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import threading
-from typing import Annotated
+from typing import Annotated, Literal
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
 from axrl_spike_replay.analysis.batch_signals import BatchAnalysis, analyze_snapshot
+from axrl_spike_replay.analysis.diagnose import Diagnosis, diagnose_snapshot
 from axrl_spike_replay.analysis.grad_info import GradReport, top_param_grads
 from axrl_spike_replay.analysis.log_scan import LogScan, default_name, scan_logs, with_sampled_series
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
@@ -127,3 +128,40 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         reduction) and merged across ranks: which layers (router, one MoE layer's experts, embeddings) and which
         rank carry the spike."""
         return await call_library(ctx, lambda progress, cancel: top_param_grads(config.path(snapshot), top=top))
+
+    @server.tool(
+        name="diagnose_spike", title="Likely causes of a spike, ranked, with experiments", annotations=READ_ONLY
+    )
+    async def diagnose_spike_tool(
+        snapshot: SnapshotArg,
+        ctx: Context,
+        attribution: Annotated[
+            str | None,
+            Field(
+                description="An attribution.json from attribute_samples (absolute or relative to the workspace); "
+                "default: computed here when the model is small."
+            ),
+        ] = None,
+        logs: Annotated[
+            list[str] | None,
+            Field(description="The job's log files; default: the logs of the job output dir the snapshot sits in."),
+        ] = None,
+        model: Annotated[
+            Literal["auto", "always", "never"],
+            Field(description="Compute attribution and route agreement here: auto (small checkpoints), always, never."),
+        ] = "auto",
+        top: TopArg = 10,
+    ) -> Diagnosis:
+        """Call this first on a spike: the likely causes ranked (rollout/trainer log-prob mismatch, outlier
+        advantage on a few samples, negative-advantage dominance, routing mismatch per MoE layer, one rank's
+        data, non-finite values; or none found, with what was checked), each with its evidence as numbers, and
+        `next_steps`: ready `--mitigation NAME=VALUE` items for replay/sweep, least invasive first. Also says
+        whether the snapshot agrees with itself and with the training log (`consistency`)."""
+        att = str(config.path(attribution)) if attribution else None
+        paths = [str(config.path(p)) for p in logs] if logs else None
+        return await call_library(
+            ctx,
+            lambda progress, cancel: diagnose_snapshot(
+                config.path(snapshot), attribution=att, logs=paths, model=model, top=top
+            ),
+        )

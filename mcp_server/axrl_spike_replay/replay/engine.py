@@ -198,7 +198,20 @@ class ReplaySession:
             repeat_grad_norms=list(outcome.grad_norms) if len(outcome.grad_norms) > 1 else [],
             repeat_spread=spread,
             rank_metrics=outcome.rank_metrics,
+            consistency=None if cfg.mitigations else self._consistency(outcome),
         )
+
+    def _consistency(self, outcome: ConfigOutcome) -> dict[str, Any]:
+        """The snapshot's consistency checks, with the replayed per-rank losses and the job's log."""
+        from axrl_spike_replay.analysis.diagnose_logs import job_logs, log_point  # the log reader, no workspace
+        from axrl_spike_replay.jsonable import to_jsonable
+        from axrl_spike_replay.snapshot.consistency import check_replayed_losses, check_snapshot
+
+        meta = self.inputs.metadata
+        point = log_point(self.inputs.replay_dir, meta.iteration, job_logs(self.inputs.snapshot))
+        found = check_snapshot(self.inputs.replay_dir, log_grad_norm=point.grad_norm, log_source=point.source)
+        check_replayed_losses(found, self.inputs.replay_dir, outcome.rank_metrics)
+        return to_jsonable(found)
 
     def failed(self, error: str, verb: str = "replay") -> ReplayResult:
         """The result recorded for a run that failed after its output dir was made (a sweep: one for all)."""

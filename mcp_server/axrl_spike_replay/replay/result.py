@@ -53,6 +53,9 @@ class ReplayResult:
     rank_metrics: list[dict[str, Any]] = field(default_factory=list)  # per saved rank: loss, loss_tokens, ...
     legacy_layout: bool = False  # replayed through a temporary replay dir (legacy snapshot)
     output_dir: str = ""  # where this result's files were written ("" when none)
+    # baseline: does the snapshot agree with itself, its replay (per-rank loss) and the training log?
+    # `verdict` says only whether the replay matched the recorded norm (snapshot/consistency.py)
+    consistency: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Results are also rebuilt from files and task rows: the vocabulary fields always hold members.

@@ -26,6 +26,7 @@ from typing import Any
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, summarize_checkpoint
 from axrl_spike_replay.snapshot.completeness import checkpoint_data_files, missing_ranks, rank_ranges_text, ranks_text
+from axrl_spike_replay.snapshot.consistency import Consistency, check_snapshot
 from axrl_spike_replay.snapshot.fields import FIELD_ALIASES, find_field
 from axrl_spike_replay.snapshot.layout import DCP_METADATA, RUN_CONFIG, rank_files
 from axrl_spike_replay.snapshot.metadata import read_metadata
@@ -80,6 +81,7 @@ class SnapshotInspection:
     problems: list[str]
     detector: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
+    consistency: Consistency | None = None  # agreement with itself and with the training log (named problems)
 
 
 def _batch_parts(raw: Any, path: Path) -> list[Any]:
@@ -229,6 +231,7 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
             )
         ranks.append(info)
 
+    consistency = _consistency(directory, meta.iteration, problems)
     return SnapshotInspection(
         path=str(directory),
         iteration=meta.iteration,
@@ -250,4 +253,24 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
         problems=problems,
         detector={"kind": meta.detector.kind, "window": meta.detector.window, "threshold": meta.detector.threshold},
         created_at=meta.created_at,
+        consistency=consistency,
     )
+
+
+# added to `problems` under their names (inspect makes the others itself above, except the per-parameter norm
+# bound, which stays in `consistency`: synthetic test snapshots record arbitrary per-parameter norms)
+_PROBLEM_CHECKS = ("grad_norm_vs_log", "metadata_vs_run_config")
+
+
+def _consistency(directory: Path, iteration: int, problems: list[str]) -> Consistency | None:
+    """Consistency checks against the per-parameter norms, the run config and the job's log (when found next to
+    the snapshot and small enough to read here)."""
+    from axrl_spike_replay.analysis.diagnose_logs import log_point  # log reading lives with the log scanner
+
+    try:
+        point = log_point(directory, iteration)
+        found = check_snapshot(directory, log_grad_norm=point.grad_norm, log_source=point.source)
+    except SnapshotError:
+        return None  # the files' own problems are listed already
+    problems += [f"[{p.name}] {p.message}" for p in found.problems if p.name in _PROBLEM_CHECKS]
+    return found

@@ -1,0 +1,204 @@
+"""`diagnose SNAPSHOT`: the likely causes of a spike, ranked, each with its evidence as numbers and the
+experiments to run (ready `--mitigation NAME=VALUE` items, least invasive first).
+
+Evidence read: the batch signals (`analyze`), the per-rank grad info (`grads`), the snapshot's consistency
+checks, the job's log at the iteration (when its logs are known) and, from the model, per-sample
+attribution and route agreement per MoE layer.
+
+Attribution needs a replay of the step. `diagnose` takes one the caller already has (`attribution`: the
+object, its JSON or an `attribution.json` path, e.g. from `attribute`); without one it runs it here on the
+CPU when that is cheap (`model="auto"`: a torch-engine snapshot whose checkpoint is at most
+diagnose_model.AUTO_MODEL_BYTES, a few seconds for the reference model), never on a large model
+(`model="never"` skips it; `"always"` runs it whatever the size). What was left out is listed in `not_checked`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.analysis import diagnose_causes as causes
+from axrl_spike_replay.analysis.diagnose_causes import Cause, Evidence, Experiment
+from axrl_spike_replay.analysis.diagnose_logs import LogPoint, log_point
+from axrl_spike_replay.analysis.diagnose_model import RouteAgreement
+from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.replay.result import Attribution
+from axrl_spike_replay.snapshot.consistency import Consistency, check_snapshot
+
+MODEL_MODES = ("auto", "always", "never")
+CHECKED = {
+    "non_finite": "non-finite grad norms, logprobs and advantages",
+    "logprob_mismatch": "rollout-vs-old log-ratios of loss tokens (|log(π_old/π_rollout)|, share outside [0.5, 2])",
+    "outlier_advantage": f"per-sample advantages against the batch (robust z ≥ {causes.OUTLIER_Z:g} on a few samples)",
+    "negative_advantage_dominance": "the sign balance of advantages over loss tokens",
+    "routing_mismatch": "recorded routes against the model's own routing, per MoE layer, loss vs non-loss tokens",
+    "one_rank": "per-rank local grad norms and per-rank share of the attributed norm",
+}
+
+
+@dataclass
+class Diagnosis:
+    """What `diagnose` reports: `causes` ranked (strongest first; `none_found` alone when nothing is likely),
+    `next_steps` the experiments of the likely causes in order, `checked` and `not_checked` what was looked at."""
+
+    snapshot: str
+    iteration: int
+    grad_norm: float
+    spike_ratio: float
+    causes: list[Cause]
+    next_steps: list[Experiment]
+    checked: list[str]
+    not_checked: list[str] = field(default_factory=list)
+    consistency: Consistency | None = None
+    log: LogPoint | None = None
+    attribution_top: list[dict[str, Any]] = field(default_factory=list)  # rank, sample, share, advantage
+    routes: RouteAgreement | None = None
+
+    @property
+    def top(self) -> Cause:
+        return self.causes[0]
+
+    def mitigation_items(self) -> list[str]:
+        """The next steps as `--mitigation` items."""
+        return [e.mitigation for e in self.next_steps]
+
+
+def _model_evidence(
+    snapshot: Path, attribution: Any, model: str, top: int, not_checked: list[str]
+) -> tuple[Attribution | None, RouteAgreement | None]:
+    from axrl_spike_replay.analysis import diagnose_model as dm
+
+    att = dm.read_attribution(attribution) if attribution is not None else None
+    if model == "never":
+        not_checked.append("route agreement (model evidence off)")
+        if att is None:
+            not_checked.append("per-sample attribution (model evidence off; pass an attribution)")
+        return att, None
+    size = dm.model_bytes(snapshot)
+    if model == "auto" and (size is None or size > dm.AUTO_MODEL_BYTES):
+        why = "checkpoint unreadable" if size is None else f"checkpoint {size / 2**20:.0f} MiB is not cheap here"
+        not_checked.append(f"route agreement ({why})")
+        if att is None:
+            not_checked.append(f"per-sample attribution ({why}; run `attribute` and pass its attribution.json)")
+        return att, None
+    routes = None
+    try:
+        if att is None:
+            att = dm.run_attribution(snapshot, top)
+        routes = dm.route_agreement(snapshot)
+    except AxrlError as exc:  # a snapshot the torch engine cannot rebuild: the static evidence still stands
+        not_checked.append(f"model evidence ({exc})")
+    return att, routes
+
+
+def diagnose_snapshot(
+    snapshot: str | Path,
+    *,
+    attribution: Attribution | dict[str, Any] | str | Path | None = None,
+    logs: Sequence[str | Path] | None = None,
+    model: str = "auto",
+    top: int = 10,
+) -> Diagnosis:
+    """Rank the likely causes of the spike in `snapshot` with their evidence and the experiments to run.
+
+    `attribution`: an existing attribution (object, JSON document or `attribution.json` path); `logs`: the
+    job's log files (default: those of the job output dir the snapshot sits in); `model`: auto | always |
+    never, whether to compute attribution and route agreement here (see the module doc)."""
+    from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
+    from axrl_spike_replay.analysis.grad_info import top_param_grads
+
+    if model not in MODEL_MODES:
+        raise ConfigError(f"`model` must be one of {', '.join(MODEL_MODES)}, got {model!r}", "model")
+    if not isinstance(top, int) or top < 1:
+        raise ConfigError(f"`top` must be an integer >= 1, got {top!r}", "top")
+    directory = Path(os.path.abspath(snapshot))
+    analysis = analyze_snapshot(directory, top=top)
+    not_checked = [f"missing field: {m}" for m in analysis.missing]
+    try:
+        grads = top_param_grads(directory, top=3)
+    except AxrlError as exc:
+        grads = None
+        not_checked.append(f"per-rank grad info ({exc})")
+    point = log_point(directory, analysis.iteration, logs)
+    if point.grad_norm is None:
+        not_checked.append(f"training log ({point.note})")
+    consistency = check_snapshot(directory, log_grad_norm=point.grad_norm, log_source=point.source)
+    att, routes = _model_evidence(directory, attribution, model, top, not_checked)
+    world = len(analysis.ranks)
+    ev = Evidence(analysis=analysis, grads=grads, attribution=att, routes=routes, world_size=world)
+    found = [c for family in causes.FAMILIES if (c := family(ev)) is not None]
+    found.sort(key=lambda c: -c.strength)
+    likely = [c for c in found if c.strength >= causes.LIKELY]
+    checked = [f"{name}: {what}" for name, what in CHECKED.items()]
+    checked.append(f"consistency: {', '.join(consistency.checked)}")
+    if not likely:
+        weak = "; ".join(f"{c.title} {c.strength:.2f}" for c in found) or "no signal in any family"
+        none = Cause(
+            "none_found",
+            "no likely cause found",
+            0.0,
+            [f"checked: {'; '.join(CHECKED.values())}", f"weaker signals (strength < {causes.LIKELY}): {weak}"],
+            {},
+            [
+                Experiment(
+                    "initial_model=<the run's initial checkpoint>",
+                    "if the spike reproduces from the initial weights, the batch is the cause, not the drifted policy",
+                )
+            ],
+        )
+        likely = [none, *found]
+    steps: list[Experiment] = []
+    for cause in likely:
+        if cause.strength < causes.LIKELY and cause.family != "none_found":
+            continue
+        steps += [e for e in cause.experiments if e.mitigation not in {s.mitigation for s in steps}]
+    top_rows = [
+        {
+            "rank": s.rank,
+            "sample": s.sample,
+            "share": s.share,
+            "advantage": s.advantage,
+            "max_abs_log_ratio_vs_base": s.max_abs_log_ratio,
+        }
+        for s in (att.samples[:5] if att else [])
+    ]
+    return Diagnosis(
+        snapshot=str(directory),
+        iteration=analysis.iteration,
+        grad_norm=analysis.grad_norm,
+        spike_ratio=analysis.spike_ratio,
+        causes=likely if likely[0].family == "none_found" else found,
+        next_steps=steps,
+        checked=checked,
+        not_checked=not_checked,
+        consistency=consistency,
+        log=point,
+        attribution_top=top_rows,
+        routes=routes,
+    )
+
+
+def render_diagnosis(d: Diagnosis) -> str:
+    """Readable summary: the causes with their evidence, the experiments, consistency, what was not checked."""
+    lines = [f"iteration {d.iteration}: grad norm {d.grad_norm:.6g} ({d.spike_ratio:.2f}x median)"]
+    for i, cause in enumerate(d.causes, start=1):
+        if cause.family != "none_found" and cause.strength < causes.LIKELY:
+            lines.append(f"  (weak) {cause.title}: strength {cause.strength:.2f}")
+            continue
+        lines.append(f"{i}. {cause.title} [{cause.family}] strength {cause.strength:.2f}")
+        lines += [f"   - {e}" for e in cause.evidence]
+    if d.next_steps:
+        lines += ["", "experiments, least invasive first:"]
+        lines += [
+            f"  --mitigation {e.mitigation}  # {e.why}" + (" (diagnostic only)" if e.diagnostic_only else "")
+            for e in d.next_steps
+        ]
+    if d.consistency is not None:
+        lines += ["", d.consistency.summary()]
+        lines += [f"  problem [{p.name}]: {p.message}" for p in d.consistency.problems]
+    if d.not_checked:
+        lines += ["", "not checked:"] + [f"  {n}" for n in d.not_checked]
+    return "\n".join(lines)

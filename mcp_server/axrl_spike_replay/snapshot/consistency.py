@@ -1,0 +1,263 @@
+"""Does a snapshot agree with itself, with its replay and with the training log? Each disagreement is a named
+problem with its numbers.
+
+Checks (each listed in `checked` when it could be made, so "no problem" says what was looked at):
+
+- `grad_norm_vs_param_norms`: the recorded global norm against the recorded per-parameter norms. Each rank's
+  per-parameter norms are its local gradient before the data-parallel mean (as the reference trainer, verl
+  and Megatron's local norms record them): with n_r = sqrt(sum_p norm_{p,r}^2) the norm of the mean
+  gradient must lie in [(max n_r - sum of the others) / W, sum n_r / W] (triangle inequality); with one
+  rank, or when every rank holds the same norms (already reduced), it must equal n_r.
+- `rank_grad_norm_vs_metadata`: every rank's recorded global norm against `axrl_metadata.json`'s.
+- `spike_ratio_vs_norms`: the metadata's spike ratio against grad_norm / median_norm.
+- `metadata_vs_run_config`: world size and parallel sizes in the metadata against `run_config.yaml`.
+- `ranks_vs_files`: the rank files present against the world size.
+- `rank_loss_vs_replay` (with a replay's per-rank metrics): each rank's recorded loss against the replayed one.
+- `grad_norm_vs_log` (when the job's log has the iteration): the recorded norm against the log's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.errors import AxrlError, SnapshotError
+from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_text, ranks_text
+from axrl_spike_replay.snapshot.layout import RUN_CONFIG, rank_files
+from axrl_spike_replay.snapshot.metadata import AxrlMetadata, read_metadata
+from axrl_spike_replay.snapshot.rank_data import load_grad_info
+from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+
+NORM_TOLERANCE = 1e-3  # relative: recorded norms are float32 sums in another order than ours
+LOSS_TOLERANCE = 1e-3  # relative (plus LOSS_ABS_TOLERANCE): fp32 replay of the same loss
+LOSS_ABS_TOLERANCE = 1e-6
+LOG_TOLERANCE = 1e-4  # logs print about 6 significant digits
+PARALLEL_KEYS = ("world_size", "tp", "pp", "dp", "ep", "etp", "cp")
+
+
+@dataclass
+class ConsistencyProblem:
+    """One disagreement: `name` says which check, `message` the numbers in words, `figures` the numbers."""
+
+    name: str
+    message: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Consistency:
+    """Whether a snapshot agrees with itself (`self_consistent`) and with the training log (`agrees_with_log`,
+    None when no log had the iteration). Replaying it (`reproduced`) is a separate question."""
+
+    checked: list[str] = field(default_factory=list)
+    problems: list[ConsistencyProblem] = field(default_factory=list)
+    self_consistent: bool = True
+    agrees_with_log: bool | None = None
+    log_grad_norm: float | None = None
+    log_source: str | None = None
+    merged_param_norm_bounds: list[float] | None = None  # [low, high] the recorded global norm must lie in
+
+    def add(self, problem: ConsistencyProblem) -> None:
+        self.problems.append(problem)
+        if problem.name == "grad_norm_vs_log":
+            self.agrees_with_log = False
+        else:
+            self.self_consistent = False
+
+    def summary(self) -> str:
+        """One line: agreement with itself and with the log."""
+        own = "agrees with itself" if self.self_consistent else f"{len(self.own_problems())} self-inconsistencies"
+        log = {True: "agrees with the training log", False: "contradicts the training log", None: "no log value"}
+        return f"snapshot {own}; {log[self.agrees_with_log]} ({len(self.checked)} checks)"
+
+    def own_problems(self) -> list[ConsistencyProblem]:
+        return [p for p in self.problems if p.name != "grad_norm_vs_log"]
+
+
+def _close(a: float, b: float, rel: float, abs_tol: float = 0.0) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return math.isclose(a, b, rel_tol=rel, abs_tol=abs_tol)
+
+
+def _norm_bounds(local: dict[int, float], reduced: bool) -> tuple[float, float]:
+    """[low, high] for the norm of the DP mean of gradients whose local norms are `local`."""
+    norms = list(local.values())
+    world = len(norms)
+    if world == 1 or reduced:
+        return norms[0], norms[0]
+    total = math.fsum(norms)
+    low = max(0.0, (max(norms) - (total - max(norms))) / world)
+    return low, total / world
+
+
+def _check_param_norms(directory: Path, meta: AxrlMetadata, out: Consistency) -> None:
+    files = rank_files(directory)["grad_info"]
+    infos: dict[int, dict[str, Any]] = {}
+    for rank in sorted(files):
+        try:
+            infos[rank] = load_grad_info(directory, rank)
+        except SnapshotError:
+            continue  # inspect reports the unreadable file itself
+    if not infos:
+        return
+    out.checked.append("rank_grad_norm_vs_metadata")
+    for rank, info in infos.items():
+        if not _close(info["grad_norm"], meta.grad_norm, NORM_TOLERANCE):
+            out.add(
+                ConsistencyProblem(
+                    "rank_grad_norm_vs_metadata",
+                    f"rank {rank} recorded grad norm {info['grad_norm']:.6g}, the metadata {meta.grad_norm:.6g}",
+                    {"rank": rank, "rank_grad_norm": info["grad_norm"], "metadata_grad_norm": meta.grad_norm},
+                )
+            )
+    with_norms = {r: i["param_grad_norms"] for r, i in infos.items() if i["param_grad_norms"]}
+    if len(with_norms) != meta.parallel.dp or len(with_norms) != len(infos) or not math.isfinite(meta.grad_norm):
+        return  # bounds need every data-parallel rank's norms (and a finite norm to compare)
+    local = {r: math.sqrt(math.fsum(v * v for v in norms.values())) for r, norms in with_norms.items()}
+    if not all(math.isfinite(v) for v in local.values()):
+        return  # a non-finite local norm bounds nothing; the diagnosis reports it
+    first = next(iter(with_norms.values()))
+    reduced = len(with_norms) > 1 and all(norms == first for norms in with_norms.values())
+    low, high = _norm_bounds(local, reduced)
+    out.checked.append("grad_norm_vs_param_norms")
+    out.merged_param_norm_bounds = [low, high]
+    slack = NORM_TOLERANCE * max(high, meta.grad_norm)
+    if low - slack <= meta.grad_norm <= high + slack:
+        return
+    merged = math.sqrt(math.fsum(v * v for v in local.values()))
+    bound = f"equal {high:.6g}" if low == high else f"lie in [{low:.6g}, {high:.6g}]"
+    out.add(
+        ConsistencyProblem(
+            "grad_norm_vs_param_norms",
+            f"recorded global grad norm {meta.grad_norm:.6g} contradicts the recorded per-parameter norms: from "
+            f"ranks' local norms {', '.join(f'{r}: {v:.6g}' for r, v in local.items())} (merged "
+            f"sqrt(sum of squares) {merged:.6g}) it must {bound}",
+            {"recorded_grad_norm": meta.grad_norm, "low": low, "high": high, "merged": merged, "local": local},
+        )
+    )
+
+
+def _check_run_config(directory: Path, meta: AxrlMetadata, out: Consistency) -> None:
+    path = directory / RUN_CONFIG
+    if not path.is_file():
+        return
+    try:
+        doc = read_untrusted_yaml(path)
+    except AxrlError:
+        return  # inspect and replay report an unreadable run config themselves
+    parallel = doc.get("parallel") if isinstance(doc, dict) else None
+    if not isinstance(parallel, dict):
+        return
+    out.checked.append("metadata_vs_run_config")
+    for key in PARALLEL_KEYS:
+        value = parallel.get(key)
+        if value is None or isinstance(value, bool) or not isinstance(value, int):
+            continue
+        recorded = getattr(meta.parallel, key)
+        if value != recorded:
+            out.add(
+                ConsistencyProblem(
+                    "metadata_vs_run_config",
+                    f"parallel.{key} is {recorded} in the metadata but {value} in {RUN_CONFIG}",
+                    {"key": key, "metadata": recorded, "run_config": value},
+                )
+            )
+
+
+def _check_files(directory: Path, meta: AxrlMetadata, out: Consistency) -> None:
+    out.checked.append("ranks_vs_files")
+    files = rank_files(directory)
+    world = meta.parallel.world_size
+    for kind in ("batch", "grad_info"):
+        missing = missing_ranks(files[kind], world)
+        extra = [r for r in files[kind] if r >= world]
+        if missing or extra:
+            out.add(
+                ConsistencyProblem(
+                    "ranks_vs_files",
+                    f"world size {world} in the metadata, {kind} files for ranks {ranks_text(files[kind])}"
+                    + (f" (missing {rank_ranges_text(missing)})" if missing else "")
+                    + (f" (beyond it: {ranks_text(extra)})" if extra else ""),
+                    {"kind": kind, "world_size": world, "present": len(files[kind])},
+                )
+            )
+
+
+def check_snapshot(
+    snapshot_dir: str | Path, *, log_grad_norm: float | None = None, log_source: str | None = None
+) -> Consistency:
+    """Check a snapshot against itself and, when `log_grad_norm` is given, the training log's value at its
+    iteration. Reads the metadata, run config and grad info only."""
+    directory = Path(snapshot_dir)
+    meta, _ = read_metadata(directory)
+    out = Consistency()
+    out.checked.append("spike_ratio_vs_norms")
+    if meta.median_norm > 0 and math.isfinite(meta.grad_norm):
+        expected = meta.grad_norm / meta.median_norm
+        if not _close(meta.spike_ratio, expected, NORM_TOLERANCE):
+            out.add(
+                ConsistencyProblem(
+                    "spike_ratio_vs_norms",
+                    f"spike ratio {meta.spike_ratio:.6g} but grad_norm / median_norm = {expected:.6g}",
+                    {"spike_ratio": meta.spike_ratio, "expected": expected},
+                )
+            )
+    _check_files(directory, meta, out)
+    _check_run_config(directory, meta, out)
+    _check_param_norms(directory, meta, out)
+    if log_grad_norm is not None:
+        check_log(out, meta.grad_norm, log_grad_norm, log_source, meta.iteration)
+    return out
+
+
+def check_log(out: Consistency, recorded: float, logged: float, source: str | None, iteration: int) -> None:
+    """Add the log comparison: the recorded global norm against the log's value at `iteration`."""
+    out.checked.append("grad_norm_vs_log")
+    out.log_grad_norm, out.log_source = logged, source
+    if _close(recorded, logged, LOG_TOLERANCE):
+        out.agrees_with_log = True
+        return
+    out.add(
+        ConsistencyProblem(
+            "grad_norm_vs_log",
+            f"snapshot grad norm {recorded:.6g} but the training log says {logged:.6g} at iteration {iteration}"
+            + (f" ({source})" if source else ""),
+            {"recorded_grad_norm": recorded, "log_grad_norm": logged, "iteration": iteration, "log": source},
+        )
+    )
+
+
+def check_replayed_losses(
+    out: Consistency, snapshot_dir: str | Path, rank_metrics: Sequence[dict[str, Any]]
+) -> Consistency:
+    """Add the per-rank loss comparison: each rank's recorded loss (grad info) against the replayed one."""
+    directory = Path(snapshot_dir)
+    files = rank_files(directory)["grad_info"]
+    compared = False
+    for metrics in rank_metrics:
+        rank, replayed = metrics.get("rank"), metrics.get("loss")
+        if not isinstance(rank, int) or not isinstance(replayed, float) or rank not in files:
+            continue
+        try:
+            recorded = load_grad_info(directory, rank)["loss"]
+        except SnapshotError:
+            continue
+        if recorded is None:
+            continue
+        compared = True
+        if not _close(recorded, replayed, LOSS_TOLERANCE, LOSS_ABS_TOLERANCE):
+            out.add(
+                ConsistencyProblem(
+                    "rank_loss_vs_replay",
+                    f"rank {rank} recorded loss {recorded:.6g}, the replay computes {replayed:.6g} from the "
+                    f"snapshot's weights and batch",
+                    {"rank": rank, "recorded_loss": recorded, "replayed_loss": replayed},
+                )
+            )
+    if compared:
+        out.checked.append("rank_loss_vs_replay")
+    return out

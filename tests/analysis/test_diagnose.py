@@ -1,0 +1,108 @@
+"""`diagnose` names the cause of each kind of spike first, with its evidence as numbers and experiments to run;
+a clean step gives "none found" with what was checked; a snapshot edited after the fact is caught by the
+consistency checks even though its replay reproduces."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from axrl_spike_replay.analysis.diagnose import diagnose_snapshot
+from axrl_spike_replay.replay.attribution import attribute_spike
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.snapshot.inspect import inspect_snapshot
+
+
+def test_a_log_prob_mismatch_spike_is_diagnosed_as_such_with_the_carrying_sample(captured_run, cli) -> None:
+    snapshot = captured_run.snapshot_dirs[0]
+    d = diagnose_snapshot(snapshot)
+    top = d.causes[0]
+    assert top.family == "logprob_mismatch"
+    assert top.figures["max_abs_log_ratio"] > 5 and top.figures["fraction_outside_0.5_2"] > 0.5
+    carrier = d.attribution_top[0]
+    assert f"rank {carrier['rank']} sample {carrier['sample']} carries" in top.evidence[0]
+    assert d.mitigation_items()[0] == "mismatch_token_clip_max=2"
+    assert d.consistency is not None and d.consistency.self_consistent and d.consistency.agrees_with_log
+
+    run = cli("diagnose", snapshot, "--model", "never")
+    assert run.code == 0 and "rollout/trainer log-prob mismatch" in run.out
+    assert "--mitigation mismatch_token_clip_max=2" in run.out and "per-sample attribution" in run.out
+    assert cli("diagnose", snapshot, "--json", "--model", "never").json()["causes"][0]["family"] == "logprob_mismatch"
+
+
+@pytest.mark.slow
+def test_a_negative_advantage_spike_is_diagnosed_as_negative_dominance(tmp_path: Path) -> None:
+    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+
+    run = capture_reference_run(tmp_path, preset="negative_advantage_dominance", seed=0, steps=21)
+    d = diagnose_snapshot(run.snapshot_dirs[0])
+    assert d.causes[0].family == "negative_advantage_dominance"
+    assert "100.0 % of loss tokens have a negative advantage" in d.causes[0].evidence[0]
+    assert d.mitigation_items()[0] == "balance_negative_advantages=true"
+
+
+def test_a_clean_step_gives_none_found_and_says_what_was_checked(tmp_path: Path) -> None:
+    from tiny_spike import write_tiny_spike
+
+    snapshot = write_tiny_spike(tmp_path, job="clean", iteration=5, recorded=1.0, median=1.0)
+    d = diagnose_snapshot(snapshot)
+    assert d.causes[0].family == "none_found"
+    assert "checked:" in d.causes[0].evidence[0] and "rollout-vs-old log-ratios" in d.causes[0].evidence[0]
+    assert any(line.startswith("outlier_advantage:") for line in d.checked)
+
+
+def _edit_batches(snapshot: Path, rank: int, sample: int, factor: float) -> None:
+    """Rollout logprobs made the trainer's (no mismatch left), one sample's advantage scaled by `factor`."""
+    for path in snapshot.glob("batch_rank*.pt"):
+        batch = torch.load(path, weights_only=True)
+        batch["rollout_logprobs"] = batch["old_logprobs"].clone()
+        if path.name == f"batch_rank{rank}.pt":
+            batch["advantages"][sample] *= factor
+        torch.save(batch, path)
+
+
+def _rewrite_recorded_norm(snapshot: Path, norm: float) -> None:
+    meta_path = snapshot / "axrl_metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["grad_norm"], meta["spike_ratio"] = norm, norm / meta["median_norm"]
+    meta_path.write_text(json.dumps(meta))
+    for info_path in snapshot.glob("grad_info_rank*.pt"):
+        info = torch.load(info_path, weights_only=True)
+        info["grad_norm"] = norm
+        torch.save(info, info_path)
+
+
+@pytest.mark.slow
+def test_an_edited_snapshot_reproduces_yet_is_flagged_and_its_outlier_advantage_diagnosed(
+    captured_run, tmp_path: Path
+) -> None:
+    # a whole job output dir (so its log is known), its batches edited after the fact
+    # and the recorded norm rewritten to what the edited batch gives: the replay "reproduces" it
+    output = tmp_path / captured_run.output_dir.name
+    shutil.copytree(captured_run.output_dir, output)
+    snapshot = output / captured_run.snapshot_dirs[1].relative_to(captured_run.output_dir)
+    _edit_batches(snapshot, rank=0, sample=3, factor=200.0)
+    _rewrite_recorded_norm(snapshot, attribute_spike(snapshot).grad_norm)
+    _rewrite_recorded_norm(snapshot, run_replay(snapshot).grad_norm or 0.0)
+
+    replay = run_replay(snapshot)
+    assert replay.verdict == "reproduced"
+    assert replay.consistency is not None
+    names = {p["name"] for p in replay.consistency["problems"]}
+    assert {"grad_norm_vs_log", "rank_loss_vs_replay"} <= names
+    assert replay.consistency["self_consistent"] is False and replay.consistency["agrees_with_log"] is False
+
+    inspection = inspect_snapshot(snapshot)
+    assert any(p.startswith("[grad_norm_vs_log]") for p in inspection.problems)
+
+    d = diagnose_snapshot(snapshot)
+    top = d.causes[0]
+    assert top.family == "outlier_advantage"
+    assert top.figures["samples"] == [[0, 3]] and top.figures["share_of_norm"] > 0.9
+    assert "sample 0:3 carries" in top.evidence[0]
+    items = d.mitigation_items()
+    assert items[0].startswith("advantage_outlier_mask=") and "drop_samples=0:3" in items
