@@ -11,23 +11,25 @@ import math
 import torch
 from torch import nn
 
-from axrl_spike_replay.models.tiny_moe import RoutingControl, TinyMoEPolicy, token_entropy, token_logprobs
+from axrl_spike_replay.models.policy import policy_forward
+from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.training.policy_loss import LossConfig, LossOutput, policy_loss
 
 
 def rank_forward_backward(
-    model: TinyMoEPolicy,
+    model: nn.Module,
     batch: dict[str, torch.Tensor],
     loss_cfg: LossConfig,
     routing: RoutingControl,
     *,
     backward: bool = True,
 ) -> LossOutput:
-    """Forward the rank's batch, compute its loss, and (by default) accumulate its gradients."""
-    out = model(batch["tokens"], routing)
-    logprobs = token_logprobs(out.logits, batch["tokens"])
-    entropy = token_entropy(out.logits) if loss_cfg.entropy_coef else None
-    result = policy_loss(logprobs, batch, loss_cfg, entropy=entropy, aux_loss=out.aux_loss, z_loss=out.z_loss)
+    """Forward the rank's batch, compute its loss, and (by default) accumulate its gradients.
+
+    Any policy kind (`models.policy`): the log-probs are taken by `policy_forward`, as replay takes them.
+    """
+    out = policy_forward(model, batch, routing, need_entropy=bool(loss_cfg.entropy_coef))
+    result = policy_loss(out.logprobs, batch, loss_cfg, entropy=out.entropy, aux_loss=out.aux_loss, z_loss=out.z_loss)
     if backward:
         result.loss.backward()
     return result
