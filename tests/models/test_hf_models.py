@@ -173,3 +173,40 @@ def test_an_hf_directory_written_by_save_pretrained_loads(architecture: str, tmp
     tokens = _tokens()
     with torch.no_grad():
         assert torch.equal(fresh(tokens).logits, model(tokens).logits)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_hidden_layers": 10**6}, "num_hidden_layers"),
+        ({"num_experts": 10**5}, "num_experts"),
+        ({"vocab_size": 1 << 30}, "vocab_size"),
+        ({"hidden_size": 1 << 20}, "hidden_size"),
+        ({"auto_map": {"AutoModelForCausalLM": "evil.Model"}}, "remote code"),
+        ({"model_type": "mixtral"}, "model_type"),
+    ],
+)
+def test_a_hostile_hf_config_is_refused_before_anything_is_built(change: dict, message: str) -> None:
+    from hf_tiny import model_section
+
+    from axrl_spike_replay.errors import ConfigError
+    from axrl_spike_replay.models.policy import parse_model_config
+
+    doc = model_section("qwen3_moe")
+    doc["config"] = {**doc["config"], **change}
+    with pytest.raises(ConfigError, match=message):
+        parse_model_config(doc)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("architecture", "jamba"), ("experts_implementation", "deepgemm"), ("attn_implementation", "sdpa")],
+)
+def test_what_the_engine_cannot_build_points_to_the_command_backend(key: str, value: str) -> None:
+    from hf_tiny import model_section
+
+    from axrl_spike_replay.errors import ConfigError
+    from axrl_spike_replay.models.policy import parse_model_config
+
+    with pytest.raises(ConfigError, match="--backend command"):
+        parse_model_config({**model_section("qwen3_moe"), key: value})

@@ -278,7 +278,7 @@ def _meta_layout(key: str) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...],
         object.__setattr__(spec, name, value)
     model = instantiate(spec, "meta")
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    routers = find_routers(model)
+    routers: dict[int, Any] = dict(find_routers(model))  # transformers' router classes: top_k is an int
     top_k = next((int(r.top_k) for r in routers.values()), 0)
     return shapes, tuple(sorted(routers)), top_k
 

@@ -28,16 +28,19 @@ from axrl_spike_replay.models.tiny_moe import ModelOutput, RoutingControl
 class HFPolicy(nn.Module):
     """The spec's causal LM with a routing hook on every router; `forward` mirrors `TinyMoEPolicy.forward`."""
 
+    causal_lm: Any  # a transformers PreTrainedModel (typed loosely: transformers is an optional dependency)
+
     def __init__(self, spec: HFModelConfig, device: str = "cpu") -> None:
         super().__init__()
         self.spec = spec
-        causal_lm = instantiate(spec, device)
+        causal_lm: Any = instantiate(spec, device)
         object.__setattr__(self, "causal_lm", causal_lm)  # not a submodule: its children are ours, names unprefixed
         for name, child in causal_lm.named_children():
             self.add_module(name, child)
         self.moe_layer_ids = tuple(sorted(find_routers(causal_lm)))
         self.n_layers = len(causal_lm.model.layers)
-        self.n_experts = int(next(iter(find_routers(causal_lm).values())).num_experts) if self.moe_layer_ids else 0
+        routers: list[Any] = list(find_routers(causal_lm).values())
+        self.n_experts = int(routers[0].num_experts) if routers else 0
         self.recorder = RouteRecorder()
         install_route_hooks(causal_lm, spec.architecture, self.recorder)
 

@@ -32,11 +32,11 @@ if TYPE_CHECKING:
 
 def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
     """transformers' (renamings, converters) for the model, as `from_pretrained` would apply them."""
-    model = getattr(model, "causal_lm", model)  # an HFPolicy: the same names as its causal LM
+    lm: Any = getattr(model, "causal_lm", model)  # an HFPolicy: the same names as its causal LM
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
 
-    transforms = [t for t in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(t, PrefixChange)]
+    transforms = [t for t in get_model_conversion_mapping(lm, add_legacy=False) if not isinstance(t, PrefixChange)]
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     return renamings, converters
@@ -75,7 +75,8 @@ def to_per_expert_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> di
     """The reverse (transformers' `revert_weight_conversion`): what transformers 4 / `save_pretrained` store."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    return revert_weight_conversion(model, dict(state))
+    lm: Any = getattr(model, "causal_lm", model)
+    return revert_weight_conversion(lm, dict(state))
 
 
 def _tied_names(model: nn.Module) -> set[str]:
