@@ -56,7 +56,10 @@ def test_aux_loss_matches_transformers_and_follows_the_forced_routes(architectur
         peer = model.causal_lm(input_ids=tokens, output_router_logits=True).aux_loss
         own = model(tokens)
         shifted = model(tokens, RoutingControl(routes=(own.routes + 3) % model.n_experts))
-    assert torch.allclose(own.aux_loss, peer.float(), rtol=1e-6, atol=0)
+    if architecture == "deepseek_v3":
+        assert peer is None  # transformers computes none (bias-balanced routing)
+    else:
+        assert torch.allclose(own.aux_loss, peer.float(), rtol=1e-6, atol=0)
     assert not torch.equal(shifted.aux_loss, own.aux_loss)
 
 
