@@ -214,6 +214,11 @@ def parse_run_config(doc: Mapping[str, Any]) -> RunSpec:
         loss = LossConfig.from_dict(dict(doc["loss"]))
     except (TypeError, ValueError, ArithmeticError) as exc:
         raise ConfigError(f"loss: invalid value ({shown(str(exc), 160, quote=False)})") from None
+    if isinstance(doc["model"], Mapping) and doc["model"].get("kind") == "hf":
+        # The replay engine builds transformers models (models.policy); the reference trainer trains tiny_moe.
+        raise ConfigError(
+            "model.kind hf: the reference trainer captures tiny_moe only; hf models are replayed, not captured"
+        )
     spec = RunSpec(
         model=TinyMoEConfig.from_dict(dict(doc["model"])),
         loss=loss,

@@ -9,6 +9,8 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError, SnapshotError
+from axrl_spike_replay.models.hf_config import HFModelConfig
+from axrl_spike_replay.models.policy import ModelSpec, check_policy_weights, parse_model_config
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, expected_state_shapes
 from axrl_spike_replay.replay.mitigations import AppliedConfig
 from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, summarize_checkpoint
@@ -35,7 +37,7 @@ class ReplayInputs:
     replay_dir: str  # where files are read from (a temporary replay dir for a legacy snapshot)
     legacy: bool
     metadata: AxrlMetadata
-    model: TinyMoEConfig
+    model: ModelSpec
     loss: LossConfig
     routing: RoutingConfig
     world_size: int
@@ -129,11 +131,11 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
     doc = read_run_config(directory)
     path = directory / RUN_CONFIG
     layout = _parallel(doc["parallel"], path, metadata)
-    model = _section_config(TinyMoEConfig.from_dict, dict(doc["model"]), path, "model")
+    model = _section_config(parse_model_config, dict(doc["model"]), path, "model")
     loss = _section_config(LossConfig.from_dict, dict(doc["loss"]), path, "loss")
     routing = _section_config(RoutingConfig.from_dict, dict(doc["routing"]), path, "routing")
     routing_ranks = _check_ranks(directory, layout.world_size)
-    check_weights(directory, model, "the snapshot's checkpoint")
+    check_policy_weights(directory, model, "the snapshot's checkpoint")
     # Every rank file is read as meta tensors now (pickles only), so a malformed one is an error here,
     # before any rank process starts, not a failure inside one.
     batch = load_rank_batch(directory, 0, meta=True)
@@ -159,7 +161,9 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
 
 def check_weights(directory: Path, model: TinyMoEConfig, label: str) -> None:
     """SnapshotError unless the DCP checkpoint holds every model tensor with the shape the model needs,
-    and every size its `.metadata` declares is backed by its data files. Builds no module."""
+    and every size its `.metadata` declares is backed by its data files. Builds no module.
+
+    The tiny model's check; `models.policy.check_policy_weights` dispatches on the model kind."""
     expected = expected_state_shapes(model)
     saved = summarize_checkpoint(directory).shapes
     missing = sorted(name for name in expected if f"model.{name}" not in saved)
@@ -238,5 +242,10 @@ def check_configs(inputs: ReplayInputs, configs: Iterable[AppliedConfig]) -> Non
         if cfg.weights is not None:
             weights = Path(cfg.weights)
             if not weights.is_dir():
-                raise ConfigError(f"{label}: initial_model {weights} is not a directory (a DCP checkpoint or snapshot)")
-            check_weights(weights, inputs.model, f"{label}: initial_model")
+                what = (
+                    "a DCP checkpoint, snapshot or HF directory"
+                    if isinstance(inputs.model, HFModelConfig)
+                    else ("a DCP checkpoint or snapshot")
+                )
+                raise ConfigError(f"{label}: initial_model {weights} is not a directory ({what})")
+            check_policy_weights(weights, inputs.model, f"{label}: initial_model")

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
-from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, TinyMoEPolicy, token_entropy, token_logprobs
+from axrl_spike_replay.models.policy import ModelSpec, build_policy, load_policy_weights, policy_forward
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.mitigations import AppliedConfig
-from axrl_spike_replay.snapshot.checkpoint import load_model_state
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts, all_reduce_counts
@@ -32,7 +32,7 @@ class WorkerJob:
     """Everything a replay process needs (pickled into spawned processes)."""
 
     replay_dir: str
-    model: TinyMoEConfig
+    model: ModelSpec
     configs: tuple[AppliedConfig, ...]
     world_size: int  # saved DP world size: the reduction always divides by it
     assignment: tuple[tuple[int, ...], ...]
@@ -53,12 +53,11 @@ class ConfigOutcome:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def build_model(cfg: TinyMoEConfig, weights_dir: str, device: str) -> TinyMoEPolicy:
-    """The policy with weights from a DCP checkpoint dir (a snapshot or another checkpoint)."""
-    model = TinyMoEPolicy(cfg)
-    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    load_model_state(weights_dir, state)
-    model.load_state_dict(state, strict=True)
+def build_model(cfg: ModelSpec, weights_dir: str, device: str) -> nn.Module:
+    """The policy with weights from a DCP checkpoint dir (a snapshot or another checkpoint), or for an HF model
+    an HF directory (the weights dir itself, or the spec's `path` when the snapshot holds no checkpoint)."""
+    model = build_policy(cfg, "cpu")
+    load_policy_weights(model, cfg, weights_dir)
     return model.to(device)
 
 
@@ -131,7 +130,7 @@ def step_counts(
 
 
 def forward_group(
-    model: TinyMoEPolicy,
+    model: nn.Module,
     inputs: RankInputs,
     group: Sequence[AppliedConfig],
     counts: dict[str, GlobalCounts | None] | None = None,
@@ -143,15 +142,13 @@ def forward_group(
     metrics: dict[str, list[dict[str, Any]]] = {cfg.config_id: [] for cfg in group}
     entropy_needed = any(cfg.needs_entropy for cfg in group)
     for rank, batch in inputs.batches.items():
-        out = model(batch["tokens"], inputs.routing(group[0], rank))
-        logprobs = token_logprobs(out.logits, batch["tokens"])
-        entropy = token_entropy(out.logits) if entropy_needed else None
+        out = policy_forward(model, batch, inputs.routing(group[0], rank), need_entropy=entropy_needed)
         for i, cfg in enumerate(group):
             result = policy_loss(
-                logprobs,
+                out.logprobs,
                 batch,
                 cfg.loss,
-                entropy=entropy if cfg.needs_entropy else None,
+                entropy=out.entropy if cfg.needs_entropy else None,
                 aux_loss=out.aux_loss,
                 z_loss=out.z_loss,
                 counts=counts.get(cfg.config_id),
@@ -171,7 +168,7 @@ def forward_group(
 
 
 def reduce_and_measure(
-    model: TinyMoEPolicy, grads: list[torch.Tensor | None], world_size: int, top: int
+    model: nn.Module, grads: list[torch.Tensor | None], world_size: int, top: int
 ) -> tuple[float, list[dict[str, Any]]]:
     """Put a config's local gradients in `.grad`, reduce them as the trainer does, and measure."""
     for p, g in zip(model.parameters(), grads, strict=True):

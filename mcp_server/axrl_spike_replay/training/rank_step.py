@@ -11,13 +11,14 @@ import math
 import torch
 from torch import nn
 
-from axrl_spike_replay.models.tiny_moe import RoutingControl, TinyMoEPolicy, token_entropy, token_logprobs
+from axrl_spike_replay.models.policy import policy_forward
+from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.policy_loss import LossConfig, LossOutput, policy_loss
 
 
 def rank_forward_backward(
-    model: TinyMoEPolicy,
+    model: nn.Module,
     batch: dict[str, torch.Tensor],
     loss_cfg: LossConfig,
     routing: RoutingControl,
@@ -27,12 +28,11 @@ def rank_forward_backward(
 ) -> LossOutput:
     """Forward the rank's batch, compute its loss, and (by default) accumulate its gradients.
 
+    Any policy kind (`models.policy`): the log-probs are taken by `policy_forward`, as replay takes them.
     `counts`: the step's global counts, for `normalization: global`."""
-    out = model(batch["tokens"], routing)
-    logprobs = token_logprobs(out.logits, batch["tokens"])
-    entropy = token_entropy(out.logits) if loss_cfg.entropy_coef else None
+    out = policy_forward(model, batch, routing, need_entropy=bool(loss_cfg.entropy_coef))
     result = policy_loss(
-        logprobs, batch, loss_cfg, entropy=entropy, aux_loss=out.aux_loss, z_loss=out.z_loss, counts=counts
+        out.logprobs, batch, loss_cfg, entropy=out.entropy, aux_loss=out.aux_loss, z_loss=out.z_loss, counts=counts
     )
     if backward:
         result.loss.backward()

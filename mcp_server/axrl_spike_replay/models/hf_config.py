@@ -1,0 +1,288 @@
+"""The `model:` section for a transformers MoE policy (`kind: hf`): parsed, bounded and checked before anything runs.
+
+The HF config comes from a run config we did not write, so every size in it is bounded here and the model is
+only ever built on the meta device (no memory) until its shapes have been checked against the weights on disk.
+Nothing is downloaded: configs are built from transformers' own config classes, never from a hub or remote code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from axrl_spike_replay.display import shown
+from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.untrusted_bytes import read_bounded
+from axrl_spike_replay.untrusted_json import UntrustedJsonError, parse_untrusted_json
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss")
+DTYPES = ("float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("eager",)  # pinned: results depend on it, and eager is the one with no kernel choice
+# transformers' experts implementations that run on CPU and GPU alike (deepgemm and sonicmoe need GPU kernels).
+EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
+BACKEND_HINT = "replay it with `--backend command` and the trainer's own replay command"
+# Sizes a hostile config could inflate; every other integer is bounded by GENERIC_INT_LIMIT.
+SIZE_LIMITS: dict[str, int] = {
+    "num_hidden_layers": 1024,
+    "hidden_size": 1 << 16,
+    "vocab_size": 1 << 20,
+    "num_experts": 4096,
+    "num_local_experts": 4096,
+    "n_routed_experts": 4096,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "num_experts_per_tok": 4096,
+    "intermediate_size": 1 << 18,
+    "moe_intermediate_size": 1 << 18,
+    "shared_expert_intermediate_size": 1 << 18,
+}
+GENERIC_INT_LIMIT = 1 << 24
+MAX_MODEL_PARAMETERS = 1 << 33  # 8G parameters: the same ceiling as the tiny model's
+MAX_CONFIG_JSON_BYTES = 1 << 20
+# Keys that would make transformers run code or quantise: refused, not ignored.
+REFUSED_KEYS = ("auto_map", "quantization_config")
+DROPPED_KEYS = ("architectures", "transformers_version", "torch_dtype", "dtype", "_name_or_path")
+
+
+@dataclass(frozen=True)
+class HFModelConfig:
+    """`model:` with `kind: hf`: the architecture, its HF config (inline or from `path`) and the pinned kernels."""
+
+    architecture: str
+    config: dict[str, Any] = field(hash=False)
+    path: str | None = None
+    dtype: str = "float32"
+    attn_implementation: str = "eager"
+    experts_implementation: str = "eager"
+    temperature: float = 1.0  # logits are divided by it before the log-softmax, as RL trainers do
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(
+                f"model.architecture {shown(self.architecture, 60)} cannot be built by the torch engine "
+                f"(built: {', '.join(ARCHITECTURES)}); {BACKEND_HINT}"
+            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype must be one of {DTYPES}, got {shown(self.dtype, 40)}")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ConfigError(
+                f"model.attn_implementation {shown(self.attn_implementation, 40)} is not built by the torch engine "
+                f"(built: {ATTN_IMPLEMENTATIONS}); {BACKEND_HINT}"
+            )
+        if self.experts_implementation not in EXPERTS_IMPLEMENTATIONS:
+            raise ConfigError(
+                f"model.experts_implementation {shown(self.experts_implementation, 40)} is not built by the torch "
+                f"engine (built: {EXPERTS_IMPLEMENTATIONS}); {BACKEND_HINT}"
+            )
+        if (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, (int, float))
+            or not (0 < self.temperature < float("inf"))
+        ):
+            raise ConfigError(f"model.temperature must be a number > 0, got {shown(self.temperature, 40)}")
+        check_config_sizes(self.config)
+        model_type = self.config.get("model_type", self.architecture)
+        if model_type != self.architecture:
+            raise ConfigError(
+                f"model.config says model_type {shown(model_type, 40)} but model.architecture is {self.architecture}"
+            )
+        parameters = sum(_numel(shape) for shape in expected_hf_shapes(self).values())
+        if parameters > MAX_MODEL_PARAMETERS:
+            raise ConfigError(f"model: {parameters} parameters, more than the {MAX_MODEL_PARAMETERS} limit")
+
+    @property
+    def key(self) -> str:
+        """The config as canonical JSON: what the cached meta build is keyed by."""
+        return json.dumps(
+            [self.architecture, self.config, self.dtype, self.attn_implementation, self.experts_implementation],
+            sort_keys=True,
+        )
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.config.get("num_hidden_layers", 0))
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """Absolute decoder layers with a router, as the architecture builds them (dense layers left out)."""
+        return _meta_layout(self.key)[1]
+
+    @property
+    def top_k(self) -> int:
+        return _meta_layout(self.key)[2]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"kind": "hf", "architecture": self.architecture}
+        if self.path is not None:
+            doc["path"] = self.path
+        else:
+            doc["config"] = self.config
+        doc.update(
+            dtype=self.dtype,
+            attn_implementation=self.attn_implementation,
+            experts_implementation=self.experts_implementation,
+            temperature=self.temperature,
+        )
+        return doc
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> HFModelConfig:
+        """Build from the `model:` section (kind: hf); `config` inline or `path` to an HF directory's config.json."""
+        known = {"kind", "architecture", "config", "path", "dtype", "attn_implementation", "experts_implementation"}
+        known.add("temperature")
+        unknown = sorted(str(k) for k in set(doc) - known)
+        if unknown:
+            raise ConfigError(f"model: unknown keys {shown(unknown, 120)} (known: {sorted(known)})")
+        if "architecture" not in doc:
+            raise ConfigError(f"model: kind hf needs `architecture` (one of {', '.join(ARCHITECTURES)})")
+        inline, path = doc.get("config"), doc.get("path")
+        if (inline is None) == (path is None):
+            raise ConfigError("model: kind hf needs exactly one of `config` (the HF config, inline) or `path`")
+        for key in ("architecture", "dtype", "attn_implementation", "experts_implementation", "path"):
+            if key in doc and doc[key] is not None and not isinstance(doc[key], str):
+                raise ConfigError(f"model.{key} must be a string, got {shown(doc[key], 60)}")
+        config = read_hf_config(Path(path)) if path is not None else inline
+        if not isinstance(config, dict):
+            raise ConfigError(f"model.config must be a mapping (the HF config), got {type(config).__name__}")
+        values = {k: v for k, v in doc.items() if k not in ("kind", "config")}
+        return cls(config=_cleaned(config), **values)
+
+
+def read_hf_config(directory: Path) -> dict[str, Any]:
+    """`config.json` of an HF directory, read as untrusted JSON (size and depth bounded)."""
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"model.path {directory}: no config.json (an HF directory holds config.json + *.safetensors)")
+    try:
+        doc = parse_untrusted_json(read_bounded(path, MAX_CONFIG_JSON_BYTES), max_depth=16)
+    except (UntrustedJsonError, OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: {shown(str(exc), 160, quote=False)}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def _cleaned(config: dict[str, Any]) -> dict[str, Any]:
+    refused = [k for k in REFUSED_KEYS if k in config]
+    if refused:
+        raise ConfigError(
+            f"model.config has {refused}: remote code and quantised weights are not built; {BACKEND_HINT}"
+        )
+    return {str(k): v for k, v in config.items() if k not in DROPPED_KEYS}
+
+
+def check_config_sizes(config: dict[str, Any], where: str = "model.config") -> None:
+    """ConfigError when an integer in the HF config exceeds its limit (checked before any config class sees it)."""
+    for key, value in config.items():
+        name = f"{where}.{key}"
+        if isinstance(value, dict):
+            check_config_sizes(value, name)
+        elif isinstance(value, list):
+            if len(value) > 4096:
+                raise ConfigError(f"{name} has {len(value)} entries, more than 4096")
+            for item in value:
+                if isinstance(item, int) and not isinstance(item, bool) and abs(item) > GENERIC_INT_LIMIT:
+                    raise ConfigError(f"{name} holds {shown(item, 40)}, beyond {GENERIC_INT_LIMIT}")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            limit = SIZE_LIMITS.get(key, GENERIC_INT_LIMIT)
+            low = 1 if key in SIZE_LIMITS else -GENERIC_INT_LIMIT
+            if not low <= value <= limit:
+                raise ConfigError(f"{name} must be in [{low}, {limit}], got {shown(value, 40)}")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return numel
+
+
+def hf_config_object(spec: HFModelConfig) -> Any:
+    """The architecture's own config class, filled from the dict, with the pinned implementations."""
+    import warnings
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    values = {k: v for k, v in spec.config.items() if k != "model_type"}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = CONFIG_MAPPING[spec.architecture](**values)
+    except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError) as exc:
+        raise ConfigError(
+            f"model.config: transformers' {spec.architecture} config refuses it ({shown(str(exc), 160, quote=False)})"
+        ) from None
+    config._attn_implementation = spec.attn_implementation
+    config._experts_implementation = spec.experts_implementation
+    return config
+
+
+def instantiate(spec: HFModelConfig, device: str = "cpu") -> nn.Module:
+    """`AutoModelForCausalLM.from_config` for the spec on `device` ("meta": shapes only, no memory)."""
+    import logging
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    config = hf_config_object(spec)
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(logging.ERROR)  # config-consistency warnings of tiny test configs are not ours
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(
+                config,
+                attn_implementation=spec.attn_implementation,
+                experts_implementation=spec.experts_implementation,
+                dtype=spec.torch_dtype,
+            )
+    except (TypeError, ValueError, KeyError, AttributeError, ImportError, RuntimeError) as exc:
+        raise ConfigError(
+            f"model: transformers cannot build {spec.architecture} from this config "
+            f"({shown(str(exc), 160, quote=False)}); {BACKEND_HINT}"
+        ) from None
+    finally:
+        hf_logging.set_verbosity(level)
+    return model
+
+
+@functools.lru_cache(maxsize=8)
+def _meta_layout(key: str) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...], int]:
+    """(state shapes, MoE layer ids, top-k) of a spec, from a build on the meta device."""
+    from axrl_spike_replay.models.hf_routing import find_routers
+
+    architecture, config, dtype, attn, experts = json.loads(key)
+    spec = object.__new__(HFModelConfig)  # the spec was validated by whoever made the key
+    for name, value in (
+        ("architecture", architecture),
+        ("config", config),
+        ("path", None),
+        ("dtype", dtype),
+        ("attn_implementation", attn),
+        ("experts_implementation", experts),
+        ("temperature", 1.0),
+    ):
+        object.__setattr__(spec, name, value)
+    model = instantiate(spec, "meta")
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    routers: dict[int, Any] = dict(find_routers(model))  # transformers' router classes: top_k is an int
+    top_k = next((int(r.top_k) for r in routers.values()), 0)
+    return shapes, tuple(sorted(routers)), top_k
+
+
+def expected_hf_shapes(spec: HFModelConfig) -> dict[str, tuple[int, ...]]:
+    """{state_dict name: shape} of the spec's model (transformers 5 layout), computed on the meta device."""
+    return dict(_meta_layout(spec.key)[0])

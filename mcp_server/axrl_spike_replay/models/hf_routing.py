@@ -1,0 +1,144 @@
+"""Routing replay (R3) on transformers' MoE routers: recorded expert ids forced through a forward hook.
+
+In transformers 5 every router of the supported architectures returns `(router_logits, topk_weights,
+topk_indices)`. The hook keeps the logits, swaps in the recorded indices and recomputes the weights from the
+current logits with the architecture's own rule, so the router keeps its gradient. With no replay the router's
+output is passed through untouched, so forcing a token's own routes reproduces the forward bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from axrl_spike_replay.errors import ConfigError
+
+
+def find_routers(model: nn.Module) -> dict[int, nn.Module]:
+    """{absolute decoder layer: router module} for the layers that route (dense layers have none)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ConfigError(f"{type(model).__name__}: no decoder layers at model.layers")
+    routers: dict[int, nn.Module] = {}
+    for index, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None)
+        for name in ("gate", "router"):
+            router = getattr(mlp, name, None)
+            if isinstance(router, nn.Module) and type(router).__name__.endswith("Router"):
+                routers[index] = router
+    return routers
+
+
+# Gate weights from the current router logits [N, E] and chosen expert ids [N, K]: each architecture's own rule,
+# written as its router computes them (same ops, same dtypes) so its own routes give bit-identical weights.
+def _softmax_topk(router: Any, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+    weights = probs.gather(-1, chosen)
+    if router.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype)
+
+
+def _mixtral(router: Any, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    probs = torch.nn.functional.softmax(logits.float(), dim=-1)
+    weights = probs.gather(-1, chosen)
+    return weights / weights.sum(dim=-1, keepdim=True)
+
+
+def _deepseek_v3(router: Any, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    # sigmoid scores; the correction bias and group limit only choose experts, they never weight them
+    weights = logits.sigmoid().gather(1, chosen)
+    if router.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * router.routed_scaling_factor
+
+
+def _gpt_oss(router: Any, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    top = logits.gather(-1, chosen)
+    return torch.nn.functional.softmax(top, dim=1, dtype=top.dtype)
+
+
+WEIGHT_RULES: dict[str, Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "qwen3_moe": _softmax_topk,
+    "qwen2_moe": _softmax_topk,
+    "olmoe": _softmax_topk,
+    "mixtral": _mixtral,
+    "deepseek_v3": _deepseek_v3,
+    "gpt_oss": _gpt_oss,
+}
+
+
+@dataclass
+class RouteRecorder:
+    """One forward's routing: what to force (set before the forward) and what each router did (filled by the hooks).
+
+    `forced` {layer: [N, K] expert ids, -1 = current}; `logits` / `chosen` {layer: [N, E] / [N, K]}.
+    """
+
+    forced: dict[int, torch.Tensor] = field(default_factory=dict)
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    chosen: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def reset(self, forced: dict[int, torch.Tensor]) -> None:
+        self.forced, self.logits, self.chosen = forced, {}, {}
+
+
+def install_route_hooks(model: nn.Module, architecture: str, recorder: RouteRecorder) -> list[Any]:
+    """A forward hook on every router that forces `recorder.forced[layer]` and records logits and routes."""
+    rule = WEIGHT_RULES[architecture]
+    handles = []
+    for layer, router in find_routers(model).items():
+
+        def hook(module: nn.Module, args: Any, output: Any, layer: int = layer) -> Any:
+            logits, weights, chosen = output
+            forced = recorder.forced.get(layer)
+            if forced is not None:
+                forced = forced.to(chosen.device)
+                chosen = torch.where(forced >= 0, forced.clamp(min=0), chosen)
+                weights = rule(module, logits, chosen)
+            recorder.logits[layer] = logits
+            recorder.chosen[layer] = chosen
+            return (logits, weights, chosen) if forced is not None else output
+
+        handles.append(router.register_forward_hook(hook))
+    return handles
+
+
+def load_balancing_loss(
+    logits: list[torch.Tensor], chosen: list[torch.Tensor], num_experts: int, attention_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """transformers' `load_balancing_loss_func`, counting the experts the forward used (the forced ones)
+    instead of re-deriving top-k from the logits, which would ignore the replayed routes."""
+    device = logits[0].device
+    tokens_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows: torch.Tensor | float = 0.0
+    flat = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
+    for layer_logits, layer_chosen in zip(logits, chosen, strict=True):
+        probs = torch.nn.functional.softmax(layer_logits, dim=-1)
+        top_k = layer_chosen.shape[-1]
+        if flat is None:
+            tokens_sum = tokens_sum + torch.histc(
+                layer_chosen.reshape(-1).float(), bins=num_experts, min=0, max=num_experts
+            )
+            prob_sum = prob_sum + probs.float().sum(dim=0)
+            rows = rows + probs.shape[0]
+        else:
+            tokens_sum = tokens_sum + torch.zeros(num_experts, dtype=torch.float32, device=device).scatter_add_(
+                0, layer_chosen.reshape(-1), flat.repeat_interleave(top_k)
+            )
+            prob_sum = prob_sum + (probs.float() * flat.unsqueeze(-1)).sum(dim=0)
+            rows = rows + flat.sum()
+    return torch.sum((tokens_sum / rows) * (prob_sum / rows).unsqueeze(0)) * num_experts
+
+
+def router_z_loss(logits: list[torch.Tensor]) -> torch.Tensor:
+    """Router z-loss summed over MoE layers (mean over tokens of logsumexp²), as the tiny model defines it."""
+    total = logits[0].new_zeros((), dtype=torch.float32)
+    for layer_logits in logits:
+        total = total + torch.logsumexp(layer_logits.float(), dim=-1).pow(2).mean()
+    return total

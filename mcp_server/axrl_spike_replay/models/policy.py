@@ -1,0 +1,111 @@
+"""The policy protocol: one place that knows which model kinds exist (`tiny_moe`, `hf`).
+
+Training (capture), replay and attribution parse, build, load and forward a policy through these functions,
+so a replay recomputes exactly what training computed, whatever the model kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+
+from axrl_spike_replay.display import shown
+from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.models.hf_config import BACKEND_HINT, HFModelConfig
+from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from axrl_spike_replay.models.tiny_moe import RoutingControl
+
+ModelSpec = Union[TinyMoEConfig, HFModelConfig]  # noqa: UP007 - a runtime alias on Python 3.10
+MODEL_KINDS = ("tiny_moe", "hf")
+
+
+def parse_model_config(doc: Any) -> ModelSpec:
+    """The `model:` section as a spec; an unknown kind is a ConfigError pointing to the command backend."""
+    if not isinstance(doc, dict):
+        raise ConfigError(f"model: expected a mapping, got {type(doc).__name__}")
+    kind = doc.get("kind", "tiny_moe")
+    if kind == "hf":
+        return HFModelConfig.from_dict(doc)
+    if kind == "tiny_moe":
+        return TinyMoEConfig.from_dict(doc)
+    raise ConfigError(f"model.kind {shown(kind, 60)} is not built in (built: {', '.join(MODEL_KINDS)}); {BACKEND_HINT}")
+
+
+def build_policy(spec: ModelSpec, device: str = "cpu") -> nn.Module:
+    """A freshly initialised policy for the spec (seed torch first for reproducible weights)."""
+    if isinstance(spec, HFModelConfig):
+        from axrl_spike_replay.models.hf_policy import HFPolicy
+
+        return HFPolicy(spec, device)
+    from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy
+
+    return TinyMoEPolicy(spec).to(device)
+
+
+def load_policy_weights(model: nn.Module, spec: ModelSpec, weights_dir: str | Path) -> None:
+    """Fill the policy from a DCP checkpoint dir (either model kind) or an HF directory (kind hf)."""
+    from axrl_spike_replay.snapshot.checkpoint import load_model_state
+
+    if isinstance(spec, HFModelConfig):
+        from axrl_spike_replay.models.hf_weights import load_hf_weights
+
+        load_hf_weights(model, hf_weights_dir(spec, Path(weights_dir)))
+        return
+    state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    load_model_state(weights_dir, state)
+    model.load_state_dict(state, strict=True)
+
+
+def hf_weights_dir(spec: HFModelConfig, directory: Path) -> Path:
+    """Where an HF policy's weights are: `directory` when it holds any, else the spec's `path` (an HF directory)."""
+    from axrl_spike_replay.snapshot.layout import DCP_METADATA
+
+    if (directory / DCP_METADATA).is_file() or any(directory.glob("*.safetensors")) or spec.path is None:
+        return directory
+    return Path(spec.path)
+
+
+def check_policy_weights(directory: Path, spec: ModelSpec, label: str) -> None:
+    """SnapshotError unless the weights in `directory` fit the spec's model. Builds no module (meta tensors)."""
+    if isinstance(spec, HFModelConfig):
+        from axrl_spike_replay.models.hf_weights import check_hf_weights
+
+        check_hf_weights(hf_weights_dir(spec, directory), spec, label)
+        return
+    from axrl_spike_replay.replay.inputs import check_weights
+
+    check_weights(directory, spec, label)
+
+
+@dataclass
+class PolicyOutput:
+    """A forward's per-token log-probs [B, T] (fp32; 0 where nothing is predicted), entropies and router losses."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    routes: torch.Tensor  # [B, T, L_moe, K] expert ids the forward used
+
+
+def policy_forward(
+    model: nn.Module, batch: dict[str, Any], routing: RoutingControl, *, need_entropy: bool
+) -> PolicyOutput:
+    """Forward a rank's batch and take its per-token log-probs, the same way in training and in replay."""
+    from axrl_spike_replay.models.hf_policy import HFPolicy, hf_logprobs
+
+    if isinstance(model, HFPolicy):
+        logprobs, entropy, out = hf_logprobs(model, batch, routing, need_entropy)
+    else:
+        from axrl_spike_replay.models.tiny_moe import token_entropy, token_logprobs
+
+        out = model(batch["tokens"], routing)
+        logprobs = token_logprobs(out.logits, batch["tokens"])
+        entropy = token_entropy(out.logits) if need_entropy else None
+    return PolicyOutput(logprobs, entropy, out.aux_loss, out.z_loss, out.routes)
