@@ -126,6 +126,16 @@ def _request(ctx: Context, **arguments: Any) -> Awaitable[ReplayRequest]:
     return call_library(ctx, build)
 
 
+ClearThresholdArg = Annotated[
+    float | None,
+    Field(
+        description="Spike ratio (grad norm / median) for verdicts: a mitigation clears the spike under it, the "
+        "baseline is a spike at or above it. Default: the snapshot's detector threshold.",
+        gt=0,
+    ),
+]
+
+
 def register(server: MCPServer, config: ServerConfig) -> None:
     """Add the replay tools to `server`."""
 
@@ -140,6 +150,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         repeat: Annotated[
             int, Field(description="Recompute this many times and report the spread (determinism check).", ge=1)
         ] = 1,
+        clear_threshold: ClearThresholdArg = None,
         backend: BackendArg = "torch",
         patch: PatchArg = None,
         remote_python: RemotePythonArg = None,
@@ -162,6 +173,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
             verb="replay",
             mitigations=mitigations,
             repeat=repeat,
+            clear_threshold=clear_threshold,
             target=target,
             backend=backend,
             patch=config.path(patch) if patch else None,
@@ -183,6 +195,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         target: TargetArg = None,
         nproc: NprocArg = None,
         device: DeviceArg = "cpu",
+        clear_threshold: ClearThresholdArg = None,
         remote_python: RemotePythonArg = None,
         accept_new_host_key: AcceptNewKeyArg = False,
         timeout_s: TimeoutArg = None,
@@ -200,6 +213,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
             snapshot=config.path(snapshot),
             verb="sweep",
             configs=configs,
+            clear_threshold=clear_threshold,
             target=target,
             remote_python=remote_python,
             accept_new_host_key=accept_new_host_key,

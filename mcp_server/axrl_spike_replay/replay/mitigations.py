@@ -25,12 +25,13 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.replay.sample_masks import SCOPES, SampleFilter, pairs_of, parse_pairs
 from axrl_spike_replay.training.loss_config import LOGPROB_BASES, LOSS_AGG_MODES, LossConfig, RatioOutlierMask
 from axrl_spike_replay.training.routing_config import ROUTING_REPLAY_MODES, RoutingConfig
 from axrl_spike_replay.untrusted_yaml import load_untrusted_yaml, read_untrusted_yaml
@@ -41,11 +42,13 @@ _FALSE = ("false", "no", "off", "0")
 
 @dataclass(frozen=True)
 class ReplaySetup:
-    """What a replay runs with: the loss, the routing and the weights (None: the snapshot's own)."""
+    """What a replay runs with: the loss, the routing, the weights (None: the snapshot's own) and the samples left
+    out of the loss."""
 
     loss: LossConfig
     routing: RoutingConfig
     weights: str | None = None
+    samples: SampleFilter = field(default_factory=SampleFilter)
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class Mitigation:
     advice: tuple[Advice, ...] = ()  # when to try it
     bare: Any = None  # value when given as a bare `NAME`; None: a value is required
     id_value: Callable[[Any], Any] | None = None  # how its value shows in a config id (default: the value)
+    diagnostic: str | None = None  # why it is a diagnostic only (never written up as a method); None: a real fix
 
 
 # The symptoms the catalogue groups its advice under, in order: key -> the paragraph that opens the group.
@@ -80,6 +84,8 @@ SYMPTOMS: dict[str, str] = {
     "routing": "**Routing instability (MoE)** — router weights or one MoE layer's experts top the grad norms; "
     "routes differ between rollout and training:",
     "policy_drift": "**Policy moving too far** — ratios far from 1 on many tokens, not just mismatch outliers:",
+    "outlier_advantage": "**Outlier advantage on a few samples** — attribution puts most of the norm on one or two "
+    "samples whose |advantage| is far beyond the rest of their batch or group (a mis-scaled reward or advantage):",
     "from_the_start": "**Spike present from the start** — is it the batch or the drifted policy?",
 }
 
@@ -243,6 +249,54 @@ def _apply_current_routing_layers(setup: ReplaySetup, value: Any) -> ReplaySetup
 
 def _apply_initial_model(setup: ReplaySetup, value: Any) -> ReplaySetup:
     return dataclasses.replace(setup, weights=str(value))
+
+
+_OUTLIER_KEYS = ("scope", "threshold")
+
+
+def _advantage_outlier(name: str, raw: Any) -> dict[str, Any]:
+    """`T`, `T,scope:group`, `{threshold: T, scope: group}` -> {scope, threshold} (threshold > 0)."""
+    doc: dict[str, Any]
+    if isinstance(raw, Mapping):
+        doc = dict(raw)
+    elif isinstance(raw, str) and ":" in raw:
+        doc = {}
+        for part in filter(None, (p.strip() for p in raw.split(","))):
+            key, sep, value = part.partition(":")
+            if not sep:
+                doc["threshold"] = part
+                continue
+            doc[key.strip()] = value.strip()
+    else:
+        doc = {"threshold": raw}
+    unknown = sorted(str(key) for key in set(doc) - set(_OUTLIER_KEYS))
+    if unknown:
+        raise ConfigError(f"mitigation {name}: unknown keys {shown(unknown)} (known: {', '.join(_OUTLIER_KEYS)})")
+    if "threshold" not in doc:
+        raise ConfigError(f"mitigation {name}: give the threshold, e.g. {name}=5")
+    return {
+        "scope": _choice(SCOPES)(f"{name}.scope", doc.get("scope", "batch")),
+        "threshold": _positive(f"{name}.threshold", doc["threshold"]),
+    }
+
+
+def _apply_advantage_outlier(setup: ReplaySetup, value: Any) -> ReplaySetup:
+    samples = dataclasses.replace(
+        setup.samples, outlier_threshold=float(value["threshold"]), outlier_scope=str(value["scope"])
+    )
+    return dataclasses.replace(setup, samples=samples)
+
+
+def _apply_drop_samples(setup: ReplaySetup, value: Any) -> ReplaySetup:
+    return dataclasses.replace(setup, samples=dataclasses.replace(setup.samples, drop=pairs_of(value)))
+
+
+def _outlier_id(value: Any) -> Any:
+    return value["threshold"] if value.get("scope") == "batch" else value
+
+
+def _pairs_id(value: Any) -> Any:
+    return "-".join("r{}s{}".format(*str(v).split(":")) for v in value)
 
 
 def _mask_id(value: Any) -> Any:
@@ -442,6 +496,44 @@ MITIGATIONS: dict[str, Mitigation] = {
             bare=True,
         ),
         Mitigation(
+            "advantage_outlier_mask",
+            "loss",
+            "float T > 0, or {threshold: T, scope: batch | group}",
+            "mask whole samples whose advantage (mean over its loss tokens) is a robust outlier in the saved rank's "
+            "batch (or its prompt group): |A - median| / (1.4826 * MAD) > T",
+            _advantage_outlier,
+            _apply_advantage_outlier,
+            advice=(
+                Advice(
+                    "outlier_advantage",
+                    "`advantage_outlier_mask: 5` — masks the few samples whose advantage is > 5 robust standard "
+                    "deviations from their batch's median; `{threshold: 5, scope: group}` judges each prompt group.",
+                ),
+                Advice("outlier_advantage", "`advantage_clip: 1` — clamps instead of masking (keeps the sample)."),
+            ),
+            id_value=_outlier_id,
+        ),
+        Mitigation(
+            "drop_samples",
+            "loss",
+            "rank:sample pairs, e.g. 0:3,1:2",
+            "leave the named samples (saved rank : sample index) out of the loss — a diagnostic: is the spike "
+            "those samples?",
+            parse_pairs,
+            _apply_drop_samples,
+            advice=(
+                Advice(
+                    "outlier_advantage",
+                    "`drop_samples: <rank:sample of attribution's top samples>` — **diagnostic only**: if leaving "
+                    "them out clears the spike, the cause is in those samples; find the mechanism, never write it "
+                    "up as a fix.",
+                ),
+            ),
+            id_value=_pairs_id,
+            diagnostic="it leaves hand-picked samples out of one replayed step: it locates the cause but is no rule "
+            "a trainer could apply to the next batch",
+        ),
+        Mitigation(
             "initial_model",
             "weights",
             "path to a DCP checkpoint dir or a snapshot dir",
@@ -637,6 +729,7 @@ class AppliedConfig:
     loss: LossConfig
     routing: RoutingConfig
     weights: str | None  # None: the snapshot's own weights
+    samples: SampleFilter = field(default_factory=SampleFilter)  # samples left out of the loss
 
     @property
     def forward_key(self) -> tuple[RoutingConfig, str | None]:
@@ -659,7 +752,14 @@ def apply_config(config: Mapping[str, Any], loss: LossConfig, routing: RoutingCo
         loss=setup.loss,
         routing=setup.routing,
         weights=setup.weights,
+        samples=setup.samples,
     )
+
+
+def diagnostic_reasons(config: Mapping[str, Any]) -> list[str]:
+    """`NAME: why` for each diagnostic-only mitigation a config uses (they are never written up as methods)."""
+    found = [MITIGATIONS[name] for name in config if name in MITIGATIONS]
+    return [f"{m.name}: {m.diagnostic}" for m in found if m.diagnostic]
 
 
 def mitigation_args(config: Mapping[str, Any]) -> list[str]:

@@ -53,6 +53,11 @@ class ReplayResult:
     rank_metrics: list[dict[str, Any]] = field(default_factory=list)  # per saved rank: loss, loss_tokens, ...
     legacy_layout: bool = False  # replayed through a temporary replay dir (legacy snapshot)
     output_dir: str = ""  # where this result's files were written ("" when none)
+    # mitigated replays: what the config changed besides the spike (replay.outcome_figures has the definitions)
+    footprint: dict[str, Any] | None = None  # loss tokens / samples masked or changed; token_fraction, sample_fraction
+    cosine_to_clean: float | None = None  # cosine of this gradient with the clean gradient (in [-1, 1])
+    clean_gradient: dict[str, Any] | None = None  # the clean gradient: samples left out, their share, definition
+    verdict_basis: dict[str, Any] | None = None  # the numbers and rule the verdict was judged by
 
     def __post_init__(self) -> None:
         # Results are also rebuilt from files and task rows: the vocabulary fields always hold members.
@@ -166,7 +171,8 @@ class Attribution:
     rel_diff: float | None
     """|grad_norm - recorded| / recorded"""
     fidelity: Fidelity
-    """full (saved world size 1), or reduced (several saved ranks in one process)"""
+    """full: every saved rank's batch replayed and reduced over the saved world size, as the trainer did (in one
+    process, so float summation order may differ from training's by about 1e-6)"""
     world_size_saved: int
     """Ranks of the training run"""
     total_samples: int

@@ -7,9 +7,10 @@ norms use `replay.rank_step` exactly as the trainer does, so the baseline reprod
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,16 @@ import torch
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, TinyMoEPolicy, token_entropy, token_logprobs
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.mitigations import AppliedConfig
+from axrl_spike_replay.replay.outcome_figures import (
+    RankTrace,
+    cosine,
+    footprint_counts,
+    grads_of,
+    jvp_logits,
+    merge_footprint,
+    top_attributed,
+)
+from axrl_spike_replay.replay.sample_masks import SampleFilter, filtered_batch
 from axrl_spike_replay.snapshot.checkpoint import load_model_state
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
 from axrl_spike_replay.training.policy_loss import policy_loss
@@ -48,6 +59,30 @@ class ConfigOutcome:
     top_params: list[dict[str, Any]] = field(default_factory=list)
     rank_metrics: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    footprint: dict[str, Any] | None = None  # mitigated configs: loss tokens / samples masked or changed
+    cosine_to_clean: float | None = None  # mitigated configs: cosine of the gradient with the clean gradient
+    clean_gradient: dict[str, Any] | None = None  # how the clean gradient was made (the same for every config)
+
+
+@dataclass
+class _Figures:
+    """What the outcome figures need across groups: the baseline's per-rank traces, then the clean gradient."""
+
+    traces: dict[int, RankTrace] = field(default_factory=dict)  # baseline, per saved rank
+    grad_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # baseline dLoss_r/dlogits
+    routes: dict[int, Any] = field(default_factory=dict)  # the routes the baseline's forward used
+    clean: list[torch.Tensor] | None = None
+    info: dict[str, Any] | None = None
+
+
+class _Kept:
+    """Keeps a copy of the reduced gradients `reduce_and_measure` hands it."""
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] = []
+
+    def __call__(self, model: TinyMoEPolicy) -> None:
+        self.grads = grads_of(model)
 
 
 def build_model(cfg: TinyMoEConfig, weights_dir: str, device: str) -> TinyMoEPolicy:
@@ -101,18 +136,25 @@ class RankInputs:
 
 
 def forward_group(
-    model: TinyMoEPolicy, inputs: RankInputs, group: Sequence[AppliedConfig]
+    model: TinyMoEPolicy,
+    inputs: RankInputs,
+    group: Sequence[AppliedConfig],
+    figures: _Figures | None = None,
 ) -> tuple[dict[str, list[torch.Tensor | None]], dict[str, list[dict[str, Any]]]]:
-    """Local (unreduced) gradients per config of a group, summed over this process's saved ranks."""
+    """Local (unreduced) gradients per config of a group, summed over this process's saved ranks.
+
+    With `figures`, the baseline's traces and dLoss/dlogits are kept there, and every mitigated config's
+    footprint against them lands in its rank metrics (`_footprint`)."""
     params = list(model.parameters())
     grads: dict[str, list[torch.Tensor | None]] = {cfg.config_id: [None] * len(params) for cfg in group}
     metrics: dict[str, list[dict[str, Any]]] = {cfg.config_id: [] for cfg in group}
     entropy_needed = any(cfg.needs_entropy for cfg in group)
-    for rank, batch in inputs.batches.items():
-        out = model(batch["tokens"], inputs.routing(group[0], rank))
-        logprobs = token_logprobs(out.logits, batch["tokens"])
+    for rank, saved in inputs.batches.items():
+        out = model(saved["tokens"], inputs.routing(group[0], rank))
+        logprobs = token_logprobs(out.logits, saved["tokens"])
         entropy = token_entropy(out.logits) if entropy_needed else None
         for i, cfg in enumerate(group):
+            batch = filtered_batch(saved, rank, cfg.samples)
             result = policy_loss(
                 logprobs,
                 batch,
@@ -121,7 +163,19 @@ def forward_group(
                 aux_loss=out.aux_loss,
                 z_loss=out.z_loss,
             )
-            local = torch.autograd.grad(result.loss, params, retain_graph=i < len(group) - 1, allow_unused=True)
+            keep_logits = figures is not None and not cfg.mitigations and cfg.config_id == "baseline"
+            wrt = [*params, out.logits] if keep_logits else params
+            local = torch.autograd.grad(result.loss, wrt, retain_graph=i < len(group) - 1, allow_unused=True)
+            extra: dict[str, Any] = {}
+            if figures is not None:
+                trace = RankTrace(mask=result.mask.detach(), per_token=result.per_token.detach())
+                if keep_logits:
+                    figures.traces[rank] = trace
+                    figures.grad_logits[rank] = local[-1].detach()
+                    figures.routes[rank] = out.routes.detach()
+                    local = local[:-1]
+                elif cfg.mitigations and rank in figures.traces:
+                    extra["_footprint"] = footprint_counts(figures.traces[rank], trace)
             buffers = grads[cfg.config_id]
             for j, g in enumerate(local):
                 if g is None:
@@ -131,22 +185,73 @@ def forward_group(
                     buffers[j] = g
                 else:
                     current.add_(g)
-            metrics[cfg.config_id].append({"rank": rank, "loss": float(result.loss.detach()), **result.metrics})
+            metrics[cfg.config_id].append(
+                {"rank": rank, "loss": float(result.loss.detach()), **result.metrics, **extra}
+            )
     return grads, metrics
 
 
 def reduce_and_measure(
-    model: TinyMoEPolicy, grads: list[torch.Tensor | None], world_size: int, top: int
+    model: TinyMoEPolicy,
+    grads: list[torch.Tensor | None],
+    world_size: int,
+    top: int,
+    after: Callable[[TinyMoEPolicy], None] | None = None,
 ) -> tuple[float, list[dict[str, Any]]]:
-    """Put a config's local gradients in `.grad`, reduce them as the trainer does, and measure."""
+    """Put a config's local gradients in `.grad`, reduce them as the trainer does, and measure (`after` sees the
+    reduced gradients before they are cleared)."""
     for p, g in zip(model.parameters(), grads, strict=True):
         p.grad = g
     reduce_gradients(model, world_size)
     norm = global_grad_norm(model)
     norms = param_grad_norms(model)
     top_params = [{"name": n, "grad_norm": v} for n, v in sorted(norms.items(), key=lambda kv: -kv[1])[:top]]
+    if after is not None:
+        after(model)
     model.zero_grad(set_to_none=True)
     return norm, top_params
+
+
+def clean_gradient(
+    model: TinyMoEPolicy,
+    inputs: RankInputs,
+    baseline: AppliedConfig,
+    figures: _Figures,
+    g: list[torch.Tensor],
+    grad_norm: float,
+    world_size: int,
+) -> None:
+    """The clean gradient (see `replay.outcome_figures`): attribute the baseline gradient `g` (one jvp pass per
+    rank batch), leave the top-attributed samples out, one more forward + backward, reduce. Into `figures`."""
+    names = [name for name, _ in model.named_parameters()]
+    direction = dict(zip(names, g, strict=True))
+    dots: dict[tuple[int, int], float] = {}
+    with_tokens = 0
+    for rank, batch in inputs.batches.items():
+        from axrl_spike_replay.models.tiny_moe import RoutingControl
+
+        d_logits = jvp_logits(model, batch["tokens"], RoutingControl(routes=figures.routes[rank]), direction)
+        per_sample = (figures.grad_logits[rank].double() * d_logits.double()).sum(dim=(1, 2)) / world_size
+        dots.update({(rank, s): float(v) for s, v in enumerate(per_sample.tolist())})
+        with_tokens += int((figures.traces[rank].mask > 0).any(dim=-1).sum())
+    merged: dict[tuple[int, int], float] = {}
+    counts = 0
+    for part_dots, part_count in _gather((dots, with_tokens)):
+        merged.update(part_dots)
+        counts += part_count
+    chosen, share, reached = top_attributed(merged, grad_norm, counts)
+    clean_cfg = dataclasses.replace(baseline, config_id="clean", samples=SampleFilter(drop=frozenset(chosen)))
+    grads, _ = forward_group(model, inputs, [clean_cfg])
+    kept = _Kept()
+    clean_norm, _ = reduce_and_measure(model, grads[clean_cfg.config_id], world_size, 0, kept)
+    figures.clean = kept.grads
+    figures.info = {
+        "left_out": [f"{r}:{s}" for r, s in chosen],
+        "share_left_out": share,
+        "reached_share": reached,
+        "grad_norm": clean_norm,
+        "baseline_cosine": cosine(g, kept.grads),
+    }
 
 
 def compute(job: WorkerJob, process: int, cancel: threading.Event | None = None) -> list[ConfigOutcome]:
@@ -159,6 +264,8 @@ def compute(job: WorkerJob, process: int, cancel: threading.Event | None = None)
     inputs = RankInputs(job.replay_dir, job.assignment[process], job.device)
     outcomes = {cfg.config_id: ConfigOutcome(cfg.config_id) for cfg in job.configs}
     load_s = time.perf_counter() - start
+    baseline = job.configs[0]
+    figures = _Figures() if len(job.configs) > 1 and not baseline.mitigations else None
     model, weights = None, object()
     for group in _groups(job.configs):
         check_cancel(cancel, "replay")
@@ -169,16 +276,29 @@ def compute(job: WorkerJob, process: int, cancel: threading.Event | None = None)
             load_s += time.perf_counter() - t0
         t1 = time.perf_counter()
         for rep in range(job.repeat):
-            grads, metrics = forward_group(model, inputs, group)
+            traced = figures if rep == 0 else None
+            grads, metrics = forward_group(model, inputs, group, traced)
             for cfg in group:
                 check_cancel(cancel, "replay")
-                norm, top_params = reduce_and_measure(model, grads[cfg.config_id], job.world_size, job.top)
                 outcome = outcomes[cfg.config_id]
+                kept = _Kept() if traced is not None and (cfg is baseline or cfg.mitigations) else None
+                norm, top_params = reduce_and_measure(model, grads[cfg.config_id], job.world_size, job.top, kept)
+                if kept is not None and cfg is baseline:
+                    assert traced is not None
+                    clean_gradient(model, inputs, baseline, traced, kept.grads, norm, job.world_size)
+                elif kept is not None and traced is not None and traced.clean is not None:
+                    outcome.cosine_to_clean = cosine(kept.grads, traced.clean)
                 outcome.grad_norms.append(norm)
                 if rep == 0:
                     outcome.top_params = top_params
                     gathered = _gather(metrics[cfg.config_id])
-                    outcome.rank_metrics = sorted((m for part in gathered for m in part), key=lambda m: m["rank"])
+                    rows = sorted((m for part in gathered for m in part), key=lambda m: m["rank"])
+                    parts = [m.pop("_footprint") for m in rows if "_footprint" in m]
+                    if parts:
+                        outcome.footprint = merge_footprint(parts)
+                    if traced is not None and cfg.mitigations:
+                        outcome.clean_gradient = traced.info
+                    outcome.rank_metrics = rows
         per_config = (time.perf_counter() - t1) / len(group)
         for cfg in group:
             outcomes[cfg.config_id].timings["compute"] = per_config
