@@ -283,7 +283,7 @@ def render_attribution(doc: dict[str, Any]) -> str:
                 "share",
                 "advantage",
                 "reward",
-                f"max|log-ratio| ({doc['log_ratio_base']})",
+                f"max |log(pi/pi_{doc['log_ratio_base']})|",
                 "tokens",
             ],
             rows,

@@ -73,6 +73,7 @@ class Mitigation:
     bare: Any = None  # value when given as a bare `NAME`; None: a value is required
     id_value: Callable[[Any], Any] | None = None  # how its value shows in a config id (default: the value)
     diagnostic: str | None = None  # why it is a diagnostic only (never written up as a method); None: a real fix
+    caveat: str = ""  # when not to use it (method files quote it)
 
 
 # The symptoms the catalogue groups its advice under, in order: key -> the paragraph that opens the group.
@@ -327,6 +328,10 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "slope.",
                 ),
             ),
+            caveat=(
+                "when the rollout and trainer logprobs agree (no mismatch) it only down-weights ordinary "
+                "tokens; a cap too low biases the gradient towards the rollout policy"
+            ),
         ),
         Mitigation(
             "ratio_outlier_mask",
@@ -345,6 +350,10 @@ MITIGATIONS: dict[str, Mitigation] = {
             ),
             bare=True,
             id_value=_mask_id,
+            caveat=(
+                "when many tokens leave [low, high] it masks much of the batch (check the footprint); it "
+                "hides the mismatch rather than fixing the engine"
+            ),
         ),
         Mitigation(
             "advantage_clip",
@@ -354,6 +363,10 @@ MITIGATIONS: dict[str, Mitigation] = {
             _positive,
             _loss("advantage_clip"),
             advice=(Advice("negative_advantages", "`advantage_clip: 1` (or the group std of advantages)."),),
+            caveat=(
+                "it clips every large advantage, healthy ones included; with well-normalised advantages "
+                "(|A| mostly under the clip) it changes little and hides a mis-scaled reward"
+            ),
         ),
         Mitigation(
             "log_ratio_clip",
@@ -363,6 +376,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             _positive,
             _loss("log_ratio_clip"),
             advice=(Advice("mismatch", "`log_ratio_clip: 5` — a blunt guard against overflow in exp()."),),
+            caveat="a blunt guard: it changes every token whose ratio is far from 1, healthy policy moves included",
         ),
         Mitigation(
             "loss_agg_mode",
@@ -376,6 +390,10 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "negative_advantages",
                     "`loss_agg_mode: seq-mean-token-mean` — stops long responses from dominating the token mean.",
                 ),
+            ),
+            caveat=(
+                "it changes the weighting of every sample, so the run's loss is no longer comparable with"
+                " its earlier steps"
             ),
         ),
         Mitigation(
@@ -391,6 +409,10 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "`is_base_logprobs: rollout` — if the ratio against the rollout is what blows up, this shows it.",
                 ),
             ),
+            caveat=(
+                "it changes which policy the update is importance-weighted against for the whole run, not"
+                " just the spike"
+            ),
         ),
         Mitigation(
             "clip_eps_low",
@@ -400,6 +422,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             _non_negative,
             _loss("clip_eps_low"),
             advice=(Advice("policy_drift", "a tighter `clip_eps_low` (e.g. 0.1)."),),
+            caveat="a tighter clip slows learning on every step, not only the spike",
         ),
         Mitigation(
             "clip_eps_high",
@@ -409,6 +432,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             _non_negative,
             _loss("clip_eps_high"),
             advice=(Advice("policy_drift", "a tighter `clip_eps_high` (e.g. 0.1)."),),
+            caveat="a tighter clip slows learning on every step, not only the spike",
         ),
         Mitigation(
             "dual_clip_c",
@@ -423,6 +447,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "`dual_clip_c: 3` — caps the loss of negative-advantage tokens with large ratios.",
                 ),
             ),
+            caveat="only negative-advantage tokens are capped; a spike from positive advantages is untouched",
         ),
         Mitigation(
             "kl_coef",
@@ -432,9 +457,16 @@ MITIGATIONS: dict[str, Mitigation] = {
             _non_negative,
             _loss("kl_coef"),
             advice=(Advice("policy_drift", "`kl_coef` up."),),
+            caveat="a stronger KL pull slows learning on every step",
         ),
         Mitigation(
-            "entropy_coef", "loss", "float >= 0", "weight of the entropy bonus", _non_negative, _loss("entropy_coef")
+            "entropy_coef",
+            "loss",
+            "float >= 0",
+            "weight of the entropy bonus",
+            _non_negative,
+            _loss("entropy_coef"),
+            caveat="it changes exploration for the whole run",
         ),
         Mitigation(
             "aux_loss_coef",
@@ -444,6 +476,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             _non_negative,
             _loss("aux_loss_coef"),
             advice=(Advice("routing", "`aux_loss_coef` up (x10) — if the router logits themselves explode."),),
+            caveat="a stronger balancing loss trades model quality for balance on every step",
         ),
         Mitigation(
             "z_loss_coef",
@@ -453,6 +486,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             _non_negative,
             _loss("z_loss_coef"),
             advice=(Advice("routing", "`z_loss_coef` up (x10) — if the router logits themselves explode."),),
+            caveat="a stronger z-loss constrains the router on every step",
         ),
         Mitigation(
             "routing_replay",
@@ -469,6 +503,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "never write it up as a fix.",
                 ),
             ),
+            caveat="`off` is a diagnostic only; replaying routes the rollout engine did not use hides a routing bug",
         ),
         Mitigation(
             "current_routing_layers",
@@ -484,6 +519,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "elsewhere.",
                 ),
             ),
+            caveat="it mixes recorded and current routes; use it to locate a layer, then fix that layer's routing",
         ),
         Mitigation(
             "balance_negative_advantages",
@@ -494,6 +530,10 @@ MITIGATIONS: dict[str, Mitigation] = {
             _loss("balance_negative_advantages", bool),
             advice=(Advice("negative_advantages", "`balance_negative_advantages: true`."),),
             bare=True,
+            caveat=(
+                "it rescales every negative advantage of the batch; when negatives are rightly dominant "
+                "(a bad batch of answers) it weakens a real signal"
+            ),
         ),
         Mitigation(
             "advantage_outlier_mask",
@@ -512,6 +552,11 @@ MITIGATIONS: dict[str, Mitigation] = {
                 Advice("outlier_advantage", "`advantage_clip: 1` — clamps instead of masking (keeps the sample)."),
             ),
             id_value=_outlier_id,
+            caveat=(
+                "when the outlier advantage is right (a rare but real reward) it throws that signal away;"
+                " a threshold too low masks ordinary samples (check the footprint); fix the reward or "
+                "advantage scaling where it went wrong"
+            ),
         ),
         Mitigation(
             "drop_samples",
@@ -532,6 +577,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             id_value=_pairs_id,
             diagnostic="it leaves hand-picked samples out of one replayed step: it locates the cause but is no rule "
             "a trainer could apply to the next batch",
+            caveat="never as a fix: it names samples of one step by hand",
         ),
         Mitigation(
             "initial_model",
@@ -548,6 +594,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 ),
             ),
             id_value=_path_id,
+            caveat="a diagnostic: it says whether the batch or the drifted policy causes the spike, it is no fix",
         ),
     )
 }

@@ -149,7 +149,8 @@ class SampleContribution:
     reward: float | None
     """The sample's reward"""
     max_abs_log_ratio: float
-    """Largest |log pi - log pi_base| on its loss tokens"""
+    """Largest |log(pi / pi_base)| on its loss tokens: the current policy against `log_ratio_base` (not analyze's
+    old-vs-rollout log-ratio)"""
     loss_tokens: int
     """Tokens of it in the loss"""
     group: int | None = None
