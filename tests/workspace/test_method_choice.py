@@ -37,7 +37,7 @@ def _log(workspace: Path, snapshot: Path, name: str, grad_norm: float, mitigatio
                 "loss_tokens": 32,
                 "touched_samples": 1,
                 "samples": 4,
-            },  # fmt: skip
+            },
             "clean_gradient": {"left_out": ["0:1"], "share_left_out": 0.97, "baseline_cosine": 0.1},
         }
     verdict = "reproduced" if not mitigations else "cleared"
@@ -58,7 +58,7 @@ def investigated(tmp_path: Path, spike_run: SpikeRun) -> tuple[Path, dict[str, s
         "baseline": _log(tmp_path, snap, "base", BASE, {}, None, 0.0, command=f"axrl-spike-replay replay {snap}"),
         "mask": _log(
             tmp_path, snap, "mask", 2.0, {"advantage_outlier_mask": {"scope": "batch", "threshold": 5.0}}, 0.9999, 0.03
-        ),  # fmt: skip
+        ),
         "clip": _log(tmp_path, snap, "clip", 2.5, {"advantage_clip": 2.0}, 0.65, 0.2),
         "drop": _log(tmp_path, snap, "drop", 2.0, {"drop_samples": ["0:1"]}, 1.0, 0.03),
         "dup": _log(tmp_path, snap, "dup", 2.2, {"advantage_clip": 1.0}, 0.6, 0.2),
@@ -105,9 +105,9 @@ def test_drop_samples_is_never_written_up_and_shipped_duplicates_are_refused(
     investigated: tuple[Path, dict[str, str]],
 ) -> None:
     workspace, ids = investigated
-    with pytest.raises(AxrlError, match="diagnostic-only.*drop_samples"):
+    with pytest.raises(AxrlError, match=r"diagnostic-only.*drop_samples"):
         add_method(workspace, JOB, ids["drop"], "drop-it", "left the sample out")
-    with pytest.raises(AxrlError, match="shipped method .*advantage-clip-1"):
+    with pytest.raises(AxrlError, match=r"shipped method .*advantage-clip-1"):
         add_method(workspace, JOB, ids["dup"], "clip-1", "clamps advantages")
     assert not (workspace / "spike-mitigation-methods" / "drop-it.md").exists()
 
