@@ -189,7 +189,7 @@ def run_demo(
         [f"grad norm {_fmt(attribution.grad_norm)}; contributions sum within {attribution.sum_rel_error:.1e}"]
         + [
             f"rank {s.rank} sample {s.sample}: contribution {_fmt(s.contribution)} ({s.share * 100:.1f}%), "
-            f"advantage {_fmt(s.advantage)}, max |log-ratio| {_fmt(s.max_abs_log_ratio)}"
+            f"advantage {_fmt(s.advantage)}, max |log(pi/pi_base)| {_fmt(s.max_abs_log_ratio)}"
             for s in attribution.samples
         ],
     )

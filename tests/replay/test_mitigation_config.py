@@ -37,6 +37,8 @@ ISSUE_NAMES = {
     "routing_replay",
     "current_routing_layers",
     "balance_negative_advantages",
+    "advantage_outlier_mask",
+    "drop_samples",
     "initial_model",
 }
 

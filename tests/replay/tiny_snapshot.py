@@ -42,6 +42,8 @@ class TinySpec:
     legacy: bool = False
     routing: bool = True
     seed: int = 0
+    burst: bool = True  # the rollout-logprob mismatch on BURST's samples
+    advantage_outlier: tuple[int, int, float] | None = None  # (rank, sample, scale): one mis-scaled advantage
 
 
 def run_config(world_size: int, routing: bool = True) -> dict[str, Any]:
@@ -73,10 +75,12 @@ def make_batch(model: TinyMoEPolicy, spec: TinySpec, rank: int) -> tuple[dict[st
         old = token_logprobs(model(tokens, RoutingControl(routes=out.routes.long())).logits, tokens)
     rewards = torch.rand(b, generator=gen)
     advantages = rewards - rewards.mean()
-    for burst_rank, sample in BURST:
+    for burst_rank, sample in BURST if spec.burst else ():
         if burst_rank == rank:
             rollout[sample] = rollout[sample] - 3.0 * mask[sample]
             advantages[sample] = -2.0
+    if spec.advantage_outlier is not None and spec.advantage_outlier[0] == rank:
+        advantages[spec.advantage_outlier[1]] *= spec.advantage_outlier[2]
     batch = {
         "tokens": tokens,
         "loss_mask": mask,
@@ -91,12 +95,47 @@ def make_batch(model: TinyMoEPolicy, spec: TinySpec, rank: int) -> tuple[dict[st
 
 
 def record_tiny_snapshot(root: Path, world_size: int = 2, **kwargs: Any) -> Path:
-    """Record a tiny spike snapshot under `root`; its `iter_*` dir."""
+    """Record a tiny spike snapshot under `root`; its `iter_*` dir.
+
+    The median is the grad norm / SPIKE_RATIO, or, for an `advantage_outlier` snapshot, the grad norm of the
+    same batches without the outlier (the healthy step), so its spike ratio is what the outlier does."""
     spec = TinySpec(root=str(root), world_size=world_size, **kwargs)
     torch.manual_seed(spec.seed)
     model = TinyMoEPolicy(MODEL)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cfg = run_config(world_size, spec.routing)
+    payloads, local_norms, losses, grad_norm = _record_grads(model, spec, cfg)
+    median = grad_norm / SPIKE_RATIO
+    if spec.advantage_outlier is not None:
+        model.load_state_dict(state)
+        healthy = TinySpec(**{**spec.__dict__, "advantage_outlier": None})
+        median = _record_grads(model, healthy, cfg)[3]
+    meta = AxrlMetadata(
+        job_name="tiny-job",
+        role="actor",
+        iteration=7,
+        grad_norm=grad_norm,
+        median_norm=median,
+        spike_ratio=grad_norm / median,
+        detector=DetectorSpec(kind="median_ratio", window=10, threshold=5.0),
+        parallel=ParallelLayout(world_size=world_size, dp=world_size),
+    )
+    ranks = {
+        rank: RankPayload(
+            batch=batch,
+            grad_info={"grad_norm": grad_norm, "param_grad_norms": local_norms[rank], "loss": losses[rank]},
+            routing_payload={"routed_experts": routes, "moe_layers": list(MODEL.moe_layer_ids), "source": "rollout"}
+            if spec.routing
+            else None,
+        )
+        for rank, (batch, routes, _) in payloads.items()
+    }
+    return write_snapshot(root, meta, cfg, state, ranks, legacy_layout=spec.legacy)
+
+
+def _record_grads(model: TinyMoEPolicy, spec: TinySpec, cfg: dict[str, Any]) -> tuple[Any, Any, Any, float]:
+    """Every rank's batch, local grad norms and loss, and the global grad norm, as the trainer computes them."""
+    world_size = spec.world_size
     loss_cfg = LossConfig.from_dict(cfg["loss"])
     payloads, local_norms, losses = {}, {}, {}
     threads = torch.get_num_threads()
@@ -116,24 +155,4 @@ def record_tiny_snapshot(root: Path, world_size: int = 2, **kwargs: Any) -> Path
         grad_norm = global_grad_norm(model)
     finally:
         torch.set_num_threads(threads)
-    meta = AxrlMetadata(
-        job_name="tiny-job",
-        role="actor",
-        iteration=7,
-        grad_norm=grad_norm,
-        median_norm=grad_norm / SPIKE_RATIO,
-        spike_ratio=SPIKE_RATIO,
-        detector=DetectorSpec(kind="median_ratio", window=10, threshold=5.0),
-        parallel=ParallelLayout(world_size=world_size, dp=world_size),
-    )
-    ranks = {
-        rank: RankPayload(
-            batch=batch,
-            grad_info={"grad_norm": grad_norm, "param_grad_norms": local_norms[rank], "loss": losses[rank]},
-            routing_payload={"routed_experts": routes, "moe_layers": list(MODEL.moe_layer_ids), "source": "rollout"}
-            if spec.routing
-            else None,
-        )
-        for rank, (batch, routes, _) in payloads.items()
-    }
-    return write_snapshot(root, meta, cfg, state, ranks, legacy_layout=spec.legacy)
+    return payloads, local_norms, losses, grad_norm

@@ -48,7 +48,7 @@ def test_investigation_from_open_to_report(tmp_path: Path, spike_run: SpikeRun, 
     # Replays log themselves: a baseline that reproduces the spike, then mitigations.
     runs = [
         ("baseline", replay_result(snapshot, 37.4189, "reproduced")),
-        ("tis2", replay_result(snapshot, 3.812, "cleared", mitigations={"mismatch_token_clip_max": 2.0})),
+        ("tis2", replay_result(snapshot, 3.812, "cleared", mitigations={"mismatch_token_clip_max": 2.5})),
         ("r3-loss", replay_result(snapshot, 20.95, "partial", mitigations={"routing": {"replay": "loss_tokens"}})),
         ("advclip", replay_result(snapshot, 37.1, "no_effect", mitigations={"advantage_clip": 5})),
         (
@@ -62,7 +62,7 @@ def test_investigation_from_open_to_report(tmp_path: Path, spike_run: SpikeRun, 
                 world_size_used=1,
             ),
         ),
-        ("tis2-again", replay_result(snapshot, 3.812, "cleared", mitigations={"mismatch_token_clip_max": "2"})),
+        ("tis2-again", replay_result(snapshot, 3.812, "cleared", mitigations={"mismatch_token_clip_max": "2.5"})),
     ]
     baseline_norm = runs[0][1].grad_norm
     ids = []
@@ -88,7 +88,7 @@ def test_investigation_from_open_to_report(tmp_path: Path, spike_run: SpikeRun, 
     assert [rows[i]["verdict"] for i in ids] == ["reproduced", "cleared", "partial", "no_effect", "cleared", "cleared"]
     assert rows["E1"]["grad_norm"] == pytest.approx(37.4189)
     assert rows["E1"]["ratio_to_median"] == pytest.approx(37.4189 / MEDIAN)
-    assert rows["E2"]["mitigations"] == {"mismatch_token_clip_max": 2}
+    assert rows["E2"]["mitigations"] == {"mismatch_token_clip_max": 2.5}
     assert rows["E2"]["change_vs_baseline"] == pytest.approx(3.812 / 37.4189 - 1)
     assert rows["E2"]["result_path"].endswith("tis2/replay_result.json")
     assert rows["E5"]["fidelity"] == "reduced"
@@ -99,7 +99,7 @@ def test_investigation_from_open_to_report(tmp_path: Path, spike_run: SpikeRun, 
     assert shown["next_steps"][0]["text"] == "try on the node"
     assert shown["command"] == "axrl-spike-replay replay SNAP"
     text = task_md.read_text()
-    assert "| E2 |" in text and "mismatch_token_clip_max=2" in text and "hunk #1 FAILED" in text
+    assert "| E2 |" in text and "mismatch_token_clip_max=2.5" in text and "hunk #1 FAILED" in text
 
     # Write up the cleared attempt.
     rationale = "Clipping the token-level importance ratio against the rollout at 2 removes the off-policy tokens."
@@ -110,7 +110,7 @@ def test_investigation_from_open_to_report(tmp_path: Path, spike_run: SpikeRun, 
     method_md = tmp_path / "spike-mitigation-methods" / "tis-clip-2.md"
     assert added["path"] == str(method_md) and added["status"] == "proven"
     fields = front_matter.load(method_md)
-    assert fields["mitigations"] == {"mismatch_token_clip_max": 2}
+    assert fields["mitigations"] == {"mismatch_token_clip_max": 2.5}
     assert fields["baseline_grad_norm"] == pytest.approx(37.4189)
     body = method_md.read_text()
     assert f"| job | {JOB} |" in body and "| role | actor |" in body
@@ -147,7 +147,7 @@ def test_investigation_from_open_to_report(tmp_path: Path, spike_run: SpikeRun, 
     assert "residual spike: ratio to median 7.199" in Path(partial["path"]).read_text()
 
     listed = cli_json(capsys, "method", "list", "--workspace", ws)
-    assert {m["slug"]: m["status"] for m in listed} == {
+    assert {m["slug"]: m["status"] for m in listed if m["source"] == "workspace"} == {
         "tis-clip-2": "proven",
         "r3-off": "diagnostic",
         "r3-loss-tokens": "partial",
@@ -177,7 +177,7 @@ def test_investigation_from_open_to_report(tmp_path: Path, spike_run: SpikeRun, 
     assert [b["id"] for b in report["baselines"]] == ["E1"]
     assert report["baselines"][0]["rel_diff"] == pytest.approx(abs(37.4189 - RECORDED) / RECORDED)
     assert [a["id"] for a in report["attempts"]] == ["E2", "E3", "E4", "E5", "E6"]
-    assert [m["slug"] for m in report["methods"]] == ["tis-clip-2", "r3-off", "r3-loss-tokens"]
+    assert [m["slug"] for m in report["methods"]] == ["tis-clip-2", "r3-loss-tokens", "r3-off"]  # ranked
     assert report["released"] == [
         {
             "output_dir": str(spike_run.output_dir),
@@ -195,7 +195,7 @@ def test_investigation_from_open_to_report(tmp_path: Path, spike_run: SpikeRun, 
     assert "`local` (torch, cpu): **full-fidelity replay was possible**" in md
     it = spike_run.iteration
     assert f"| E1 | {it} | local | full | 2/2 | 37.42 | 37.42 | {abs(37.4189 - RECORDED) / RECORDED:.4g} |" in md
-    assert f"| E2 | {it} | mismatch_token_clip_max=2 | local | full | 3.812 | {3.812 / MEDIAN:.4g} | -89.8% |" in md
+    assert f"| E2 | {it} | mismatch_token_clip_max=2.5 | local | full | 3.812 | {3.812 / MEDIAN:.4g} | -89.8% |" in md
     assert f"| E4 | {it} | advantage_clip=5 | local | full | 37.1 |" in md and "| no_effect |" in md
     assert f"| E5 | {it} | routing.replay=off | local | reduced | 4.4 |" in md
     assert "| rel diff | verdict | result |" not in md  # a mitigated row's distance from the recording is no fidelity
@@ -210,7 +210,7 @@ def test_report_shows_the_baseline_computed_alongside_a_mitigated_replay(tmp_pat
     from axrl_spike_replay.workspace.task_state import open_task
 
     open_task(tmp_path, JOB, snapshot=spike_run.snapshot)
-    result = replay_result(spike_run.snapshot, 3.9, "cleared", mitigations={"mismatch_token_clip_max": 2})
+    result = replay_result(spike_run.snapshot, 3.9, "cleared", mitigations={"mismatch_token_clip_max": 2.5})
     result.baseline_grad_norm, result.change_vs_baseline = 37.4, 3.9 / 37.4 - 1
     record_replay(tmp_path, JOB, result, save_result(tmp_path, "tis", result))
     report = write_report(tmp_path, JOB)
@@ -223,7 +223,7 @@ def test_task_show_gives_the_change_as_the_files_do(tmp_path: Path, spike_run: S
     from axrl_spike_replay.workspace.task_state import open_task
 
     open_task(tmp_path, JOB, snapshot=spike_run.snapshot)
-    result = replay_result(spike_run.snapshot, 3.9, "cleared", mitigations={"mismatch_token_clip_max": 2})
+    result = replay_result(spike_run.snapshot, 3.9, "cleared", mitigations={"mismatch_token_clip_max": 2.5})
     result.baseline_grad_norm, result.change_vs_baseline = 37.4, 3.9 / 37.4 - 1
     record_replay(tmp_path, JOB, result, save_result(tmp_path, "tis", result))
     capsys.readouterr()

@@ -124,7 +124,10 @@ def render_analysis(r: Any) -> str:
         imbalance = ", ".join(f"L{k}:{_f(v, '.2f')}" for k, v in r.routing["load_imbalance"].items())
         lines.append(f"routing ({', '.join(r.routing['sources'])}): expert load max/mean per layer {imbalance}")
     headers = ["rank", "sample", "pos", "token", "turn", "log-ratio", "advantage"]
-    for key, title in (("tokens_by_abs_log_ratio", "|log-ratio|"), ("tokens_by_abs_advantage", "|advantage|")):
+    for key, title in (
+        ("tokens_by_abs_log_ratio", "|log(pi_old/pi_rollout)|"),
+        ("tokens_by_abs_advantage", "|advantage|"),
+    ):
         if r.outliers.get(key):
             lines += ["", f"top tokens by {title}:", table(headers, _token_rows(r.outliers[key]))]
     samples = r.outliers.get("samples_by_abs_log_ratio") or r.outliers.get("samples_by_abs_advantage")
@@ -133,9 +136,21 @@ def render_analysis(r: Any) -> str:
             [s["rank"], s["sample"], s["loss_tokens"], s["advantage"], s["seq_log_ratio"], s["max_abs_log_ratio"]]
             for s in samples
         ]
-        by = "max |log-ratio|" if r.outliers.get("samples_by_abs_log_ratio") else "|advantage|"
+        by = "max |log(pi_old/pi_rollout)|" if r.outliers.get("samples_by_abs_log_ratio") else "|advantage|"
         lines += ["", f"top samples by {by}:"]
-        lines.append(table(["rank", "sample", "loss tokens", "advantage", "mean log-ratio", "max |log-ratio|"], rows))
+        lines.append(
+            table(
+                [
+                    "rank",
+                    "sample",
+                    "loss tokens",
+                    "advantage",
+                    "mean log(pi_old/pi_rollout)",
+                    "max |log(pi_old/pi_rollout)|",
+                ],
+                rows,
+            )
+        )
     return "\n".join(lines)
 
 

@@ -30,6 +30,17 @@ def _common(parser: argparse.ArgumentParser, layout: bool = True) -> None:
     add_json_flag(parser)
 
 
+def _clear_threshold(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--clear-threshold",
+        type=float,
+        default=None,
+        metavar="X",
+        help="spike ratio (grad norm / median) under which a mitigation counts as cleared, and at or above which "
+        "the baseline counts as a spike (default: the snapshot's detector threshold)",
+    )
+
+
 def register(sub: Any) -> None:
     """Add `replay`, `sweep` and `attribute`."""
     p = sub.add_parser(
@@ -49,6 +60,7 @@ def register(sub: Any) -> None:
         "the valid ones",
     )
     p.add_argument("--repeat", type=int, default=1, help="recompute N times and report the spread (determinism)")
+    _clear_threshold(p)
     p.set_defaults(handler=_replay)
 
     s = sub.add_parser(
@@ -66,6 +78,7 @@ def register(sub: Any) -> None:
         metavar="'NAME=VALUE [NAME=VALUE ...]'",
         help="one config per option (several NAME=VALUE items in one option combine)",
     )
+    _clear_threshold(s)
     s.set_defaults(handler=_sweep)
 
     a = sub.add_parser(
@@ -90,6 +103,7 @@ def _request(args: argparse.Namespace, verb: str, **what: Any) -> ReplayRequest:
         nproc=getattr(args, "nproc", None),
         device=args.device,
         repeat=getattr(args, "repeat", 1),
+        clear_threshold=getattr(args, "clear_threshold", None),
         workspace=Path(args.workspace),
         job=args.job,
         progress=progress,
@@ -162,6 +176,11 @@ def fidelity_label(doc: dict[str, Any]) -> str:
     return f"REDUCED, a diagnostic ({used} process(es) replay {saved} saved ranks; summation order differs)"
 
 
+def _threshold_label(doc: dict[str, Any]) -> str:
+    basis = doc.get("verdict_basis") or {}
+    return "your clear threshold" if basis.get("threshold_source") == "clear_threshold" else "detector threshold"
+
+
 def render_replay(doc: dict[str, Any]) -> str:
     """A replay result for people."""
     lines = [
@@ -174,7 +193,7 @@ def render_replay(doc: dict[str, Any]) -> str:
             else ")"
         ),
         f"  spike ratio   {_num(doc['spike_ratio'], 4)} x median {_num(doc['median_norm'], 6)} "
-        f"(detector threshold {_num(doc['threshold'], 4)})",
+        f"({_threshold_label(doc)} {_num(doc['threshold'], 4)})",
     ]
     if doc["mitigations"]:
         items = ", ".join(f"{k}={v}" for k, v in doc["mitigations"].items())
@@ -185,6 +204,16 @@ def render_replay(doc: dict[str, Any]) -> str:
             f"{'n/a' if change is None else f'{change * 100:+.1f}%'}"
         )
     lines.append(f"  verdict       {doc['verdict']}" + (f": {doc['error']}" if doc.get("error") else ""))
+    footprint, cos = doc.get("footprint"), doc.get("cosine_to_clean")
+    if footprint:
+        lines.append(
+            f"  footprint     {footprint['token_fraction'] * 100:.1f}% of loss tokens masked or changed "
+            f"({footprint['masked_tokens']} masked, {footprint['changed_tokens']} changed of "
+            f"{footprint['loss_tokens']}), {footprint['sample_fraction'] * 100:.1f}% of samples touched"
+        )
+    if doc.get("clean_gradient"):
+        left = ", ".join(doc["clean_gradient"].get("left_out") or []) or "none"
+        lines.append(f"  cos to clean  {_num(cos, 4)} (clean gradient: baseline without samples {left})")
     if doc.get("repeat_grad_norms"):
         lines.append(
             f"  repeat        {len(doc['repeat_grad_norms'])} runs, spread {_num(doc.get('repeat_spread'), 3)}"
@@ -222,7 +251,7 @@ def render_sweep(doc: dict[str, Any]) -> str:
     head = [
         f"sweep of {doc['snapshot']} ({doc['device']}), fidelity {fidelity_label(doc)}",
         f"recorded grad norm {_num(base['recorded_grad_norm'], 8)}, baseline rel_diff {_num(base['rel_diff'], 3)}, "
-        f"detector threshold {_num(doc['threshold'], 4)} x median {_num(base['median_norm'], 6)}",
+        f"{_threshold_label(base)} {_num(doc['threshold'], 4)} x median {_num(base['median_norm'], 6)}",
         "",
     ]
     tail = [""] + ([f"output {doc['output_dir']}"] if doc.get("output_dir") else [])
@@ -260,7 +289,7 @@ def render_attribution(doc: dict[str, Any]) -> str:
                 "share",
                 "advantage",
                 "reward",
-                f"max|log-ratio| ({doc['log_ratio_base']})",
+                f"max |log(pi/pi_{doc['log_ratio_base']})|",
                 "tokens",
             ],
             rows,

@@ -193,7 +193,23 @@ def _render_method_added(method: MethodAdded) -> str:
 def _render_methods(methods: list[MethodEntry]) -> str:
     if not methods:
         return "no method files"
-    return table(("method", "status", "summary"), [[m.slug, m.status, m.summary] for m in methods])
+    rows = [
+        [
+            m.rank,
+            m.slug,
+            m.status,
+            m.source,
+            _figure(m.front_matter.get("cosine_to_clean"), "{:.4f}"),
+            _figure(m.front_matter.get("token_fraction"), "{:.1%}"),
+            m.summary,
+        ]
+        for m in methods
+    ]
+    return table(("rank", "method", "status", "source", "cos to clean", "tokens touched", "summary"), rows)
+
+
+def _figure(value: object, spec: str) -> str:
+    return spec.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else "n/a"
 
 
 def _render_report(result: ReportResult) -> str:

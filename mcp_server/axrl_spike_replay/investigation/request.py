@@ -8,6 +8,7 @@ anything connects or is written. Adding an option is one field here and one chec
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ class ReplayRequest:
     mitigations: Mapping[str, Any] = field(default_factory=dict)  # one config {name: value}, normalised
     repeat: int = 1
     configs: tuple[Mapping[str, Any], ...] = ()  # sweep: the configs to compare, normalised and distinct
+    clear_threshold: float | None = None  # replay/sweep: spike-ratio threshold for verdicts (None: the detector's)
     top: int = 10  # attribute: samples to list
     method: str = "jvp"  # attribute: jvp | per_sample_backward
     # where
@@ -67,6 +69,7 @@ class ReplayRequest:
             device=self.device,
             mitigations=dict(self.mitigations),
             repeat=self.repeat,
+            clear_threshold=self.clear_threshold,
             job=self.job,
             command=self.command,
             progress=self.progress,
@@ -94,6 +97,7 @@ def replay_request(
     mitigations: Mapping[str, Any] | None = None,
     repeat: int = 1,
     configs: Sequence[Mapping[str, Any]] = (),
+    clear_threshold: float | None = None,
     top: int = 10,
     method: str = "jvp",
     target: str | None = None,
@@ -122,6 +126,7 @@ def replay_request(
     where = target or "local"
     patch_set = _patch_set(patch, patches)
     _check_combination(verb, where, backend, patch_set, timeout_s)
+    _check_clear_threshold(clear_threshold, verb, where, backend)
     normalised = tuple(parse_config(c, f"config {i + 1}") for i, c in enumerate(configs))
     if verb == "sweep":
         check_distinct(normalised)
@@ -131,6 +136,7 @@ def replay_request(
         mitigations=parse_config(mitigations) if mitigations else {},
         repeat=repeat,
         configs=normalised,
+        clear_threshold=float(clear_threshold) if clear_threshold is not None else None,
         top=top,
         method=method,
         target=where,
@@ -198,6 +204,27 @@ def _check_combination(verb: str, target: str, backend: str, patches: tuple[str,
         )
     if target == "local" and backend == "torch" and timeout_s is not None:
         raise ConfigError("`timeout_s` applies to runs on a `target` or with `backend` command", "timeout_s")
+
+
+def _check_clear_threshold(value: Any, verb: str, target: str, backend: str) -> None:
+    """The user's verdict threshold: a finite ratio > 0, for replays and sweeps of the local torch engine."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(
+            f"`clear_threshold` must be a finite spike ratio > 0 (grad norm / median), got {shown(value)}",
+            "clear_threshold",
+        )
+    if verb == "attribute":
+        raise ConfigError(
+            "`clear_threshold` judges replays and sweeps; attribution gives no verdict", "clear_threshold"
+        )
+    if target != "local" or backend != "torch":
+        raise ConfigError(
+            "`clear_threshold` applies to the built-in torch engine run here; a run on a `target` or with `backend` "
+            "command is judged by the snapshot's detector threshold",
+            "clear_threshold",
+        )
 
 
 def _is_int(value: Any) -> bool:

@@ -63,6 +63,18 @@ class MethodEntry(_Open):
     status: str = Field(description="proven, partial, diagnostic (reduced fidelity), or unknown")
     summary: str = Field("", description="One line: change and effect")
     path: str | None = Field(None, description="The method file")
+    source: str = Field("workspace", description="workspace (this workspace's method) or shipped (the tool's library)")
+    rank: int = Field(
+        0,
+        description="Place in the ranking: proven first, then cosine to clean (high first), then "
+        "token fraction (low first)",
+    )
+    cosine_to_clean: float | None = Field(
+        None,
+        description="Cosine of the mitigated gradient with the clean gradient (baseline without the "
+        "top-attributed samples); near 1: the healthy gradient kept intact",
+    )
+    token_fraction: float | None = Field(None, description="Fraction of loss tokens the method masked or changed")
 
 
 class MethodList(BaseModel):

@@ -136,6 +136,16 @@ def _request(ctx: Context, **arguments: Any) -> Awaitable[ReplayRequest]:
     return call_library(ctx, build)
 
 
+ClearThresholdArg = Annotated[
+    float | None,
+    Field(
+        description="Spike ratio (grad norm / median) for verdicts: a mitigation clears the spike under it, the "
+        "baseline is a spike at or above it. Default: the snapshot's detector threshold.",
+        gt=0,
+    ),
+]
+
+
 def register(server: MCPServer, config: ServerConfig) -> None:
     """Add the replay tools to `server`."""
 
@@ -150,6 +160,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         repeat: Annotated[
             int, Field(description="Recompute this many times and report the spread (determinism check).", ge=1)
         ] = 1,
+        clear_threshold: ClearThresholdArg = None,
         backend: BackendArg = "torch",
         patch: PatchArg = None,
         patches: PatchesArg = [],  # noqa: B006
@@ -173,6 +184,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
             verb="replay",
             mitigations=mitigations,
             repeat=repeat,
+            clear_threshold=clear_threshold,
             target=target,
             backend=backend,
             patch=config.path(patch) if patch else None,
@@ -195,6 +207,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         target: TargetArg = None,
         nproc: NprocArg = None,
         device: DeviceArg = "cpu",
+        clear_threshold: ClearThresholdArg = None,
         backend: BackendArg = "torch",
         patches: PatchesArg = [],  # noqa: B006
         remote_python: RemotePythonArg = None,
@@ -216,6 +229,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
             snapshot=config.path(snapshot),
             verb="sweep",
             configs=configs,
+            clear_threshold=clear_threshold,
             target=target,
             backend=backend,
             patches=[config.path(p) for p in patches],

@@ -14,6 +14,7 @@ from pydantic import Field
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.mcp_faces.config import ServerConfig
 from axrl_spike_replay.skill_pack import Skill, list_skills, render_skill
+from axrl_spike_replay.workspace.methods import shipped_methods_dir
 from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_plain_name, methods_dir, task_md_path
 
 TASK_URI = "axrl://task/{job}"
@@ -43,15 +44,18 @@ def record_resources(workspace: Path) -> list[Resource]:
                 description=f"Task file of the spike investigation of job {md.stem}",
             )
         )
-    methods = methods_dir(workspace)
-    for md in sorted(methods.glob("*.md")) if methods.is_dir() else []:
-        if md.name != METHODS_INDEX:
+    seen: set[str] = set()
+    for folder, label in ((methods_dir(workspace), ""), (shipped_methods_dir(), " (shipped with the tool)")):
+        for md in sorted(folder.glob("*.md")) if folder is not None and folder.is_dir() else []:
+            if md.name == METHODS_INDEX or md.stem in seen:  # the workspace's own file wins over a shipped one
+                continue
+            seen.add(md.stem)
             found.append(
                 Resource(
                     uri=f"axrl://method/{md.stem}",
                     name=f"method {md.stem}",
                     mime_type="text/markdown",
-                    description=f"Proven mitigation method {md.stem}",
+                    description=f"Mitigation method {md.stem}{label}",
                 )
             )
     return found
@@ -87,7 +91,11 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         except AxrlError as exc:
             raise ResourceNotFoundError(str(exc)) from None
         missing = f"no method {slug!r} in {methods_dir(config.workspace)}; the method_list tool lists them"
-        return _read(methods_dir(config.workspace) / f"{name}.md", missing)
+        own = methods_dir(config.workspace) / f"{name}.md"
+        shipped = shipped_methods_dir()
+        if not own.is_file() and shipped is not None and (shipped / f"{name}.md").is_file():
+            return _read(shipped / f"{name}.md", missing)  # a shipped method, when the workspace has none of that name
+        return _read(own, missing)
 
     @server.resource(
         METHODS_INDEX_URI,

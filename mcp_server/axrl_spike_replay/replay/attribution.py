@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,12 +23,15 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
 from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, parse_config
+from axrl_spike_replay.replay.outcome_figures import jvp_logits
 from axrl_spike_replay.replay.result import Attribution, SampleContribution
 from axrl_spike_replay.replay.run_dir import RunDir, RunRecorder, command_line
+from axrl_spike_replay.replay.sample_masks import check_ranks, filtered_batch
 from axrl_spike_replay.replay.verdict import rel_diff
 from axrl_spike_replay.replay.worker import RankInputs, build_model, step_counts
 from axrl_spike_replay.training.policy_loss import expand_advantages, policy_loss
@@ -94,10 +96,11 @@ def _gradient_pass(
 
     params = list(model.parameters())
     # every saved rank is here: the step's counts are this process's own (the recorded ones, recounted)
-    counts = step_counts(list(ranks.batches.values()), cfg.loss, cfg.loss, None, len(ranks.batches))
+    counts = step_counts(ranks, cfg, cfg.loss, None, len(ranks.batches))
     passes = {}
     router_sum: list[torch.Tensor] | None = None
-    for rank, batch in ranks.batches.items():
+    for rank, saved in ranks.batches.items():
+        batch = filtered_batch(saved, rank, cfg.samples)
         out = model(batch["tokens"], ranks.routing(cfg, rank))
         out.logits.retain_grad()
         logprobs = token_logprobs(out.logits, batch["tokens"])
@@ -117,21 +120,6 @@ def _gradient_pass(
     return passes, router_sum
 
 
-def _jvp_logits(model: torch.nn.Module, tokens: torch.Tensor, routing: Any, direction: dict[str, torch.Tensor]) -> Any:
-    """J g for the logits [B, T, V]: one forward pass with dual numbers (parameter, tangent = g)."""
-    import torch.autograd.forward_ad as fwad
-    from torch.func import functional_call
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    # the fused CPU attention kernel has no forward-mode AD; the math kernel has
-    with sdpa_kernel(SDPBackend.MATH), torch.no_grad(), fwad.dual_level():
-        with warnings.catch_warnings():  # torch registers its forward-AD decompositions with torch.jit.script
-            warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=DeprecationWarning)
-            duals = {name: fwad.make_dual(p.detach(), direction[name]) for name, p in model.named_parameters()}
-        out = functional_call(model, duals, (tokens, routing))
-        return fwad.unpack_dual(out.logits).tangent
-
-
 def _jvp_all(
     model: torch.nn.Module, ranks: RankInputs, passes: dict[int, _RankPass], direction: dict[str, torch.Tensor]
 ) -> dict[int, torch.Tensor]:
@@ -144,9 +132,9 @@ def _jvp_all(
     order = list(passes)
     tokens = [ranks.batches[r]["tokens"] for r in order]
     if len({t.shape[1] for t in tokens}) > 1:
-        return {r: _jvp_logits(model, ranks.batches[r]["tokens"], passes[r].routes, direction) for r in order}
+        return {r: jvp_logits(model, ranks.batches[r]["tokens"], passes[r].routes, direction) for r in order}
     routes = RoutingControl(routes=torch.cat([passes[r].routes.routes for r in order]))
-    d_logits = _jvp_logits(model, torch.cat(tokens), routes, direction)
+    d_logits = jvp_logits(model, torch.cat(tokens), routes, direction)
     return dict(zip(order, d_logits.split([t.shape[0] for t in tokens]), strict=True))
 
 
@@ -216,8 +204,15 @@ def attribute_spike(
     start = time.perf_counter()
     with replay_dir_for(snapshot) as (replay_dir, legacy):
         inputs = load_inputs(snapshot, replay_dir, legacy)
+        if not isinstance(inputs.model, TinyMoEConfig):
+            raise ConfigError(
+                f"{snapshot}: attribution runs on tiny_moe snapshots only so far; for this model "
+                f"({inputs.model.architecture}) compare `replay --mitigation drop_samples=RANK:SAMPLE` runs instead",
+                "snapshot",
+            )
         cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing)
         check_configs(inputs, [cfg])
+        check_ranks(cfg.samples, inputs.world_size)
         job_name = job or inputs.job_name or "spike"
         run = recorder.open_run(job_name) if recorder is not None else RunDir(None)
         run.write_command(command or command_line("attribute", str(snapshot), {"top": top, "device": device}))
@@ -269,7 +264,7 @@ def _attribute(
         grad_norm=grad_norm,
         recorded_grad_norm=meta.grad_norm,
         rel_diff=rel_diff(grad_norm, meta.grad_norm),
-        fidelity=Fidelity.FULL if world_size == 1 else Fidelity.REDUCED,
+        fidelity=Fidelity.FULL,  # every saved rank's batch, reduced over the saved world size
         world_size_saved=world_size,
         total_samples=len(rows),
         samples=rows[:top],

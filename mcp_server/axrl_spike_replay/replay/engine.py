@@ -24,8 +24,10 @@ from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
 from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, mitigation_args, parse_config
+from axrl_spike_replay.replay.outcome_figures import DEFINITION
 from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.replay.run_dir import RunDir, RunRecorder, command_line, now_iso
+from axrl_spike_replay.replay.sample_masks import check_ranks
 from axrl_spike_replay.replay.verdict import (
     baseline_verdict,
     is_spike,
@@ -33,6 +35,8 @@ from axrl_spike_replay.replay.verdict import (
     ratio_threshold,
     rel_diff,
     tolerance,
+    verdict_basis,
+    verdict_threshold,
 )
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 from axrl_spike_replay.vocabulary import Backend, Verdict
@@ -51,6 +55,7 @@ class ReplayOptions:
     job: str | None = None  # default: the snapshot's job name
     command: str | None = None  # the command line to record in command.txt (default: the equivalent CLI)
     top_params: int = 10
+    clear_threshold: float | None = None  # the user's spike-ratio threshold for verdicts (None: the detector's)
     recorder: RunRecorder | None = None  # opens the output dir and records the run (None: nothing written)
     timeout_s: float = 1800.0  # collective timeout of the replay processes
     progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
@@ -100,7 +105,13 @@ class ReplaySession:
         self.configs = configs
         self.options = options
         self.job = options.job or inputs.job_name or "spike"
-        self.threshold = ratio_threshold(inputs.metadata.detector)
+        self.threshold, self.threshold_source = verdict_threshold(inputs.metadata.detector, options.clear_threshold)
+        try:
+            self.detector_threshold: float | None = ratio_threshold(inputs.metadata.detector)
+        except AxrlError:
+            if options.clear_threshold is None:
+                raise
+            self.detector_threshold = None  # the user's threshold stands in for an unusable one
         self.tolerance = tolerance(plan.fidelity, options.device)
         self.run = RunDir(None)
         self.started = time.perf_counter()
@@ -181,8 +192,19 @@ class ReplaySession:
         if cfg.mitigations:
             verdict = mitigation_verdict(norm, baseline_norm or math.nan, meta.median_norm, self.threshold)
             change = norm / baseline_norm - 1.0 if baseline_norm else None
+            basis = verdict_basis(
+                norm, baseline_norm, meta.median_norm, self.threshold, self.threshold_source, self.detector_threshold
+            )
         else:
             verdict, change = baseline_verdict(norm, meta.grad_norm, self.tolerance), None
+            basis = {
+                "rel_diff": rel_diff(norm, meta.grad_norm),
+                "tolerance": self.tolerance,
+                "rule": "reproduced when |grad_norm - recorded| / recorded <= tolerance",
+                "threshold": self.threshold,
+                "threshold_source": self.threshold_source,
+            }
+        clean = {**outcome.clean_gradient, "definition": DEFINITION} if outcome.clean_gradient else None
         spread = max(outcome.grad_norms) - min(outcome.grad_norms) if len(outcome.grad_norms) > 1 else None
         return ReplayResult(
             **self._fields(cfg, cfg.config_id),
@@ -199,6 +221,10 @@ class ReplaySession:
             repeat_spread=spread,
             rank_metrics=outcome.rank_metrics,
             consistency=None if cfg.mitigations else self._consistency(outcome),
+            footprint=outcome.footprint,
+            cosine_to_clean=outcome.cosine_to_clean,
+            clean_gradient=clean,
+            verdict_basis=basis,
         )
 
     def _consistency(self, outcome: ConfigOutcome) -> dict[str, Any]:
@@ -261,6 +287,8 @@ def replay_session(
         applied = [apply_config({}, inputs.loss, inputs.routing)]
         applied += [apply_config(parse_config(c), inputs.loss, inputs.routing) for c in configs]
         check_configs(inputs, applied)
+        for cfg in applied:
+            check_ranks(cfg.samples, inputs.world_size)
         plan = plan_layout(inputs.world_size, options.nproc)
         session = ReplaySession(inputs, plan, applied, options)
         session.run = options.recorder.open_run(session.job) if options.recorder else RunDir(None)
@@ -276,6 +304,7 @@ def replay_session(
                 "device": options.device,
                 "mitigation": mitigation,
                 "repeat": options.repeat if options.repeat > 1 else None,
+                "clear_threshold": options.clear_threshold,
             },
         )
         session.run.write_command(command)

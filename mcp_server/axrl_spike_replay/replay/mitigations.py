@@ -25,12 +25,13 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.replay.sample_masks import SCOPES, SampleFilter, pairs_of, parse_pairs
 from axrl_spike_replay.training.loss_config import LOGPROB_BASES, LOSS_AGG_MODES, LossConfig, RatioOutlierMask
 from axrl_spike_replay.training.routing_config import ROUTING_REPLAY_MODES, RoutingConfig
 from axrl_spike_replay.untrusted_yaml import load_untrusted_yaml, read_untrusted_yaml
@@ -41,11 +42,13 @@ _FALSE = ("false", "no", "off", "0")
 
 @dataclass(frozen=True)
 class ReplaySetup:
-    """What a replay runs with: the loss, the routing and the weights (None: the snapshot's own)."""
+    """What a replay runs with: the loss, the routing, the weights (None: the snapshot's own) and the samples left
+    out of the loss."""
 
     loss: LossConfig
     routing: RoutingConfig
     weights: str | None = None
+    samples: SampleFilter = field(default_factory=SampleFilter)
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class Mitigation:
     advice: tuple[Advice, ...] = ()  # when to try it
     bare: Any = None  # value when given as a bare `NAME`; None: a value is required
     id_value: Callable[[Any], Any] | None = None  # how its value shows in a config id (default: the value)
+    diagnostic: str | None = None  # why it is a diagnostic only (never written up as a method); None: a real fix
+    caveat: str = ""  # when not to use it (method files quote it)
 
 
 # The symptoms the catalogue groups its advice under, in order: key -> the paragraph that opens the group.
@@ -80,6 +85,8 @@ SYMPTOMS: dict[str, str] = {
     "routing": "**Routing instability (MoE)** — router weights or one MoE layer's experts top the grad norms; "
     "routes differ between rollout and training:",
     "policy_drift": "**Policy moving too far** — ratios far from 1 on many tokens, not just mismatch outliers:",
+    "outlier_advantage": "**Outlier advantage on a few samples** — attribution puts most of the norm on one or two "
+    "samples whose |advantage| is far beyond the rest of their batch or group (a mis-scaled reward or advantage):",
     "from_the_start": "**Spike present from the start** — is it the batch or the drifted policy?",
 }
 
@@ -245,6 +252,54 @@ def _apply_initial_model(setup: ReplaySetup, value: Any) -> ReplaySetup:
     return dataclasses.replace(setup, weights=str(value))
 
 
+_OUTLIER_KEYS = ("scope", "threshold")
+
+
+def _advantage_outlier(name: str, raw: Any) -> dict[str, Any]:
+    """`T`, `T,scope:group`, `{threshold: T, scope: group}` -> {scope, threshold} (threshold > 0)."""
+    doc: dict[str, Any]
+    if isinstance(raw, Mapping):
+        doc = dict(raw)
+    elif isinstance(raw, str) and ":" in raw:
+        doc = {}
+        for part in filter(None, (p.strip() for p in raw.split(","))):
+            key, sep, value = part.partition(":")
+            if not sep:
+                doc["threshold"] = part
+                continue
+            doc[key.strip()] = value.strip()
+    else:
+        doc = {"threshold": raw}
+    unknown = sorted(str(key) for key in set(doc) - set(_OUTLIER_KEYS))
+    if unknown:
+        raise ConfigError(f"mitigation {name}: unknown keys {shown(unknown)} (known: {', '.join(_OUTLIER_KEYS)})")
+    if "threshold" not in doc:
+        raise ConfigError(f"mitigation {name}: give the threshold, e.g. {name}=5")
+    return {
+        "scope": _choice(SCOPES)(f"{name}.scope", doc.get("scope", "batch")),
+        "threshold": _positive(f"{name}.threshold", doc["threshold"]),
+    }
+
+
+def _apply_advantage_outlier(setup: ReplaySetup, value: Any) -> ReplaySetup:
+    samples = dataclasses.replace(
+        setup.samples, outlier_threshold=float(value["threshold"]), outlier_scope=str(value["scope"])
+    )
+    return dataclasses.replace(setup, samples=samples)
+
+
+def _apply_drop_samples(setup: ReplaySetup, value: Any) -> ReplaySetup:
+    return dataclasses.replace(setup, samples=dataclasses.replace(setup.samples, drop=pairs_of(value)))
+
+
+def _outlier_id(value: Any) -> Any:
+    return value["threshold"] if value.get("scope") == "batch" else value
+
+
+def _pairs_id(value: Any) -> Any:
+    return "-".join("r{}s{}".format(*str(v).split(":")) for v in value)
+
+
 def _mask_id(value: Any) -> Any:
     """Only the keys that differ from the defaults; a mask with all defaults is just the name."""
     defaults = dataclasses.asdict(RatioOutlierMask())
@@ -273,6 +328,10 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "slope.",
                 ),
             ),
+            caveat=(
+                "when the rollout and trainer logprobs agree (no mismatch) it only down-weights ordinary "
+                "tokens; a cap too low biases the gradient towards the rollout policy"
+            ),
         ),
         Mitigation(
             "ratio_outlier_mask",
@@ -291,6 +350,10 @@ MITIGATIONS: dict[str, Mitigation] = {
             ),
             bare=True,
             id_value=_mask_id,
+            caveat=(
+                "when many tokens leave [low, high] it masks much of the batch (check the footprint); it "
+                "hides the mismatch rather than fixing the engine"
+            ),
         ),
         Mitigation(
             "advantage_clip",
@@ -300,6 +363,10 @@ MITIGATIONS: dict[str, Mitigation] = {
             _positive,
             _loss("advantage_clip"),
             advice=(Advice("negative_advantages", "`advantage_clip: 1` (or the group std of advantages)."),),
+            caveat=(
+                "it clips every large advantage, healthy ones included; with well-normalised advantages "
+                "(|A| mostly under the clip) it changes little and hides a mis-scaled reward"
+            ),
         ),
         Mitigation(
             "log_ratio_clip",
@@ -309,6 +376,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             _positive,
             _loss("log_ratio_clip"),
             advice=(Advice("mismatch", "`log_ratio_clip: 5` — a blunt guard against overflow in exp()."),),
+            caveat="a blunt guard: it changes every token whose ratio is far from 1, healthy policy moves included",
         ),
         Mitigation(
             "loss_agg_mode",
@@ -322,6 +390,10 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "negative_advantages",
                     "`loss_agg_mode: seq-mean-token-mean` — stops long responses from dominating the token mean.",
                 ),
+            ),
+            caveat=(
+                "it changes the weighting of every sample, so the run's loss is no longer comparable with"
+                " its earlier steps"
             ),
         ),
         Mitigation(
@@ -337,6 +409,10 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "`is_base_logprobs: rollout` — if the ratio against the rollout is what blows up, this shows it.",
                 ),
             ),
+            caveat=(
+                "it changes which policy the update is importance-weighted against for the whole run, not"
+                " just the spike"
+            ),
         ),
         Mitigation(
             "clip_eps_low",
@@ -346,6 +422,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             _non_negative,
             _loss("clip_eps_low"),
             advice=(Advice("policy_drift", "a tighter `clip_eps_low` (e.g. 0.1)."),),
+            caveat="a tighter clip slows learning on every step, not only the spike",
         ),
         Mitigation(
             "clip_eps_high",
@@ -355,6 +432,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             _non_negative,
             _loss("clip_eps_high"),
             advice=(Advice("policy_drift", "a tighter `clip_eps_high` (e.g. 0.1)."),),
+            caveat="a tighter clip slows learning on every step, not only the spike",
         ),
         Mitigation(
             "dual_clip_c",
@@ -369,6 +447,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "`dual_clip_c: 3` — caps the loss of negative-advantage tokens with large ratios.",
                 ),
             ),
+            caveat="only negative-advantage tokens are capped; a spike from positive advantages is untouched",
         ),
         Mitigation(
             "kl_coef",
@@ -378,9 +457,16 @@ MITIGATIONS: dict[str, Mitigation] = {
             _non_negative,
             _loss("kl_coef"),
             advice=(Advice("policy_drift", "`kl_coef` up."),),
+            caveat="a stronger KL pull slows learning on every step",
         ),
         Mitigation(
-            "entropy_coef", "loss", "float >= 0", "weight of the entropy bonus", _non_negative, _loss("entropy_coef")
+            "entropy_coef",
+            "loss",
+            "float >= 0",
+            "weight of the entropy bonus",
+            _non_negative,
+            _loss("entropy_coef"),
+            caveat="it changes exploration for the whole run",
         ),
         Mitigation(
             "aux_loss_coef",
@@ -390,6 +476,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             _non_negative,
             _loss("aux_loss_coef"),
             advice=(Advice("routing", "`aux_loss_coef` up (x10) — if the router logits themselves explode."),),
+            caveat="a stronger balancing loss trades model quality for balance on every step",
         ),
         Mitigation(
             "z_loss_coef",
@@ -399,6 +486,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             _non_negative,
             _loss("z_loss_coef"),
             advice=(Advice("routing", "`z_loss_coef` up (x10) — if the router logits themselves explode."),),
+            caveat="a stronger z-loss constrains the router on every step",
         ),
         Mitigation(
             "routing_replay",
@@ -415,6 +503,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "never write it up as a fix.",
                 ),
             ),
+            caveat="`off` is a diagnostic only; replaying routes the rollout engine did not use hides a routing bug",
         ),
         Mitigation(
             "current_routing_layers",
@@ -430,6 +519,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "elsewhere.",
                 ),
             ),
+            caveat="it mixes recorded and current routes; use it to locate a layer, then fix that layer's routing",
         ),
         Mitigation(
             "balance_negative_advantages",
@@ -440,6 +530,54 @@ MITIGATIONS: dict[str, Mitigation] = {
             _loss("balance_negative_advantages", bool),
             advice=(Advice("negative_advantages", "`balance_negative_advantages: true`."),),
             bare=True,
+            caveat=(
+                "it rescales every negative advantage of the batch; when negatives are rightly dominant "
+                "(a bad batch of answers) it weakens a real signal"
+            ),
+        ),
+        Mitigation(
+            "advantage_outlier_mask",
+            "loss",
+            "float T > 0, or {threshold: T, scope: batch | group}",
+            "mask whole samples whose advantage (mean over its loss tokens) is a robust outlier in the saved rank's "
+            "batch (or its prompt group): |A - median| / (1.4826 * MAD) > T",
+            _advantage_outlier,
+            _apply_advantage_outlier,
+            advice=(
+                Advice(
+                    "outlier_advantage",
+                    "`advantage_outlier_mask: 5` — masks the few samples whose advantage is > 5 robust standard "
+                    "deviations from their batch's median; `{threshold: 5, scope: group}` judges each prompt group.",
+                ),
+                Advice("outlier_advantage", "`advantage_clip: 1` — clamps instead of masking (keeps the sample)."),
+            ),
+            id_value=_outlier_id,
+            caveat=(
+                "when the outlier advantage is right (a rare but real reward) it throws that signal away;"
+                " a threshold too low masks ordinary samples (check the footprint); fix the reward or "
+                "advantage scaling where it went wrong"
+            ),
+        ),
+        Mitigation(
+            "drop_samples",
+            "loss",
+            "rank:sample pairs, e.g. 0:3,1:2",
+            "leave the named samples (saved rank : sample index) out of the loss — a diagnostic: is the spike "
+            "those samples?",
+            parse_pairs,
+            _apply_drop_samples,
+            advice=(
+                Advice(
+                    "outlier_advantage",
+                    "`drop_samples: <rank:sample of attribution's top samples>` — **diagnostic only**: if leaving "
+                    "them out clears the spike, the cause is in those samples; find the mechanism, never write it "
+                    "up as a fix.",
+                ),
+            ),
+            id_value=_pairs_id,
+            diagnostic="it leaves hand-picked samples out of one replayed step: it locates the cause but is no rule "
+            "a trainer could apply to the next batch",
+            caveat="never as a fix: it names samples of one step by hand",
         ),
         Mitigation(
             "initial_model",
@@ -456,6 +594,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 ),
             ),
             id_value=_path_id,
+            caveat="a diagnostic: it says whether the batch or the drifted policy causes the spike, it is no fix",
         ),
     )
 }
@@ -637,6 +776,7 @@ class AppliedConfig:
     loss: LossConfig
     routing: RoutingConfig
     weights: str | None  # None: the snapshot's own weights
+    samples: SampleFilter = field(default_factory=SampleFilter)  # samples left out of the loss
 
     @property
     def forward_key(self) -> tuple[RoutingConfig, str | None]:
@@ -659,7 +799,14 @@ def apply_config(config: Mapping[str, Any], loss: LossConfig, routing: RoutingCo
         loss=setup.loss,
         routing=setup.routing,
         weights=setup.weights,
+        samples=setup.samples,
     )
+
+
+def diagnostic_reasons(config: Mapping[str, Any]) -> list[str]:
+    """`NAME: why` for each diagnostic-only mitigation a config uses (they are never written up as methods)."""
+    found = [MITIGATIONS[name] for name in config if name in MITIGATIONS]
+    return [f"{m.name}: {m.diagnostic}" for m in found if m.diagnostic]
 
 
 def mitigation_args(config: Mapping[str, Any]) -> list[str]:

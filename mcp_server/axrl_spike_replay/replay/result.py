@@ -56,6 +56,11 @@ class ReplayResult:
     # baseline: does the snapshot agree with itself, its replay (per-rank loss) and the training log?
     # `verdict` says only whether the replay matched the recorded norm (snapshot/consistency.py)
     consistency: dict[str, Any] | None = None
+    # mitigated replays: what the config changed besides the spike (replay.outcome_figures has the definitions)
+    footprint: dict[str, Any] | None = None  # loss tokens / samples masked or changed; token_fraction, sample_fraction
+    cosine_to_clean: float | None = None  # cosine of this gradient with the clean gradient (in [-1, 1])
+    clean_gradient: dict[str, Any] | None = None  # the clean gradient: samples left out, their share, definition
+    verdict_basis: dict[str, Any] | None = None  # the numbers and rule the verdict was judged by
 
     def __post_init__(self) -> None:
         # Results are also rebuilt from files and task rows: the vocabulary fields always hold members.
@@ -147,7 +152,8 @@ class SampleContribution:
     reward: float | None
     """The sample's reward"""
     max_abs_log_ratio: float
-    """Largest |log pi - log pi_base| on its loss tokens"""
+    """Largest |log(pi / pi_base)| on its loss tokens: the current policy against `log_ratio_base` (not analyze's
+    old-vs-rollout log-ratio)"""
     loss_tokens: int
     """Tokens of it in the loss"""
     group: int | None = None
@@ -169,7 +175,8 @@ class Attribution:
     rel_diff: float | None
     """|grad_norm - recorded| / recorded"""
     fidelity: Fidelity
-    """full (saved world size 1), or reduced (several saved ranks in one process)"""
+    """full: every saved rank's batch replayed and reduced over the saved world size, as the trainer did (in one
+    process, so float summation order may differ from training's by about 1e-6)"""
     world_size_saved: int
     """Ranks of the training run"""
     total_samples: int

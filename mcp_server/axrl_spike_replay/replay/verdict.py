@@ -9,6 +9,11 @@ baseline: `worse` when the grad norm grew by more than WORSE_MARGIN (or is not f
 when it is not measurably (MEASURABLE_DROP) below the baseline's, else `cleared` when the spike
 ratio is under the threshold, `partial` when the grad norm is at most half the baseline's but still
 above, `no_effect` otherwise.
+
+The threshold is the snapshot detector's (a median ratio; DEFAULT_RATIO_THRESHOLD for other detectors)
+unless the user gives their own (`--clear-threshold X`, MCP `clear_threshold`): then X decides both
+whether the baseline is a spike and whether a mitigation cleared it. Every result records the numbers
+it was judged by (`verdict_basis`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,48 @@ def ratio_threshold(detector: DetectorSpec) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise SnapshotError(f"detector threshold {shown(value, 60)} is not a finite number > 0")
     return float(value)
+
+
+def verdict_threshold(detector: DetectorSpec, clear_threshold: float | None = None) -> tuple[float, str]:
+    """(the spike-ratio threshold verdicts use, where it came from): the user's `clear_threshold` when given,
+    else the snapshot detector's (`ratio_threshold`)."""
+    if clear_threshold is not None:
+        return float(clear_threshold), "clear_threshold"
+    return ratio_threshold(detector), "detector" if detector.kind == "median_ratio" else "default"
+
+
+def verdict_basis(
+    grad_norm: float | None,
+    baseline_grad_norm: float | None,
+    median_norm: float,
+    threshold: float,
+    source: str,
+    detector_threshold: float | None,
+) -> dict[str, float | str | None]:
+    """The numbers a mitigated verdict is judged by, and the rule, for `replay_result.json`."""
+    return {
+        "threshold": threshold,
+        "threshold_source": source,
+        "detector_threshold": detector_threshold,
+        "ratio_to_median": ratio_to_median(grad_norm, median_norm),
+        "baseline_ratio_to_median": ratio_to_median(baseline_grad_norm, median_norm),
+        "change_vs_baseline": grad_norm / baseline_grad_norm - 1.0
+        if grad_norm is not None and baseline_grad_norm
+        else None,
+        "partial_factor": PARTIAL_FACTOR,
+        "measurable_drop": MEASURABLE_DROP,
+        "worse_margin": WORSE_MARGIN,
+        "rule": RULE,
+    }
+
+
+RULE = (
+    f"baseline_not_a_spike when the baseline's ratio to the median is under the threshold; worse when the grad norm "
+    f"grew by more than {WORSE_MARGIN:.0%} (or is not finite); no_effect when it is not at least "
+    f"{MEASURABLE_DROP:.0%} below the baseline's; cleared when its ratio to the median is under the threshold; "
+    f"partial when it is still at or above the threshold but at most {PARTIAL_FACTOR:g} x the baseline's grad "
+    "norm; no_effect otherwise"
+)
 
 
 def ratio_to_median(grad_norm: float | None, median_norm: float) -> float | None:

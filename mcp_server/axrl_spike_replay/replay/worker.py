@@ -7,9 +7,10 @@ norms use `replay.rank_step` exactly as the trainer does, so the baseline reprod
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +18,19 @@ import torch
 from torch import nn
 
 from axrl_spike_replay.models.policy import ModelSpec, build_policy, load_policy_weights, policy_forward
+from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.mitigations import AppliedConfig
+from axrl_spike_replay.replay.outcome_figures import (
+    RankTrace,
+    cosine,
+    footprint_counts,
+    grads_of,
+    jvp_logprobs,
+    merge_footprint,
+    top_attributed,
+)
+from axrl_spike_replay.replay.sample_masks import SampleFilter, filtered_batch
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts, all_reduce_counts
@@ -51,6 +63,30 @@ class ConfigOutcome:
     top_params: list[dict[str, Any]] = field(default_factory=list)
     rank_metrics: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    footprint: dict[str, Any] | None = None  # mitigated configs: loss tokens / samples masked or changed
+    cosine_to_clean: float | None = None  # mitigated configs: cosine of the gradient with the clean gradient
+    clean_gradient: dict[str, Any] | None = None  # how the clean gradient was made (the same for every config)
+
+
+@dataclass
+class _Figures:
+    """What the outcome figures need across groups: the baseline's per-rank traces, then the clean gradient."""
+
+    traces: dict[int, RankTrace] = field(default_factory=dict)  # baseline, per saved rank
+    grad_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)  # baseline dLoss_r/dlogprobs [B, T]
+    routes: dict[int, Any] = field(default_factory=dict)  # the routes the baseline's forward used
+    clean: list[torch.Tensor] | None = None
+    info: dict[str, Any] | None = None
+
+
+class _Kept:
+    """Keeps a copy of the reduced gradients `reduce_and_measure` hands it."""
+
+    def __init__(self) -> None:
+        self.grads: list[torch.Tensor] = []
+
+    def __call__(self, model: nn.Module) -> None:
+        self.grads = grads_of(model)
 
 
 def build_model(cfg: ModelSpec, weights_dir: str, device: str) -> nn.Module:
@@ -109,22 +145,23 @@ def _same_mask(a: LossConfig, b: LossConfig) -> bool:
 
 
 def step_counts(
-    batches: Sequence[dict[str, Any]],
-    loss: LossConfig,
+    inputs: RankInputs,
+    cfg: AppliedConfig,
     saved: LossConfig,
     recorded: GlobalCounts | None,
     world_size: int,
 ) -> GlobalCounts | None:
-    """The global counts a config normalises by: the recorded ones, or, when the config rejects other tokens
-    than the saved loss (or none were recorded), recounted over every saved rank (a collective: every
-    process calls it for the same configs, and each counts its own ranks)."""
+    """The global counts a config normalises by: the recorded ones, or, when the config leaves out other tokens
+    than the saved loss (rejection sampling, masked or dropped samples) or none were recorded, recounted over
+    every saved rank (a collective: every process calls it for the same configs, and each counts its own ranks)."""
+    loss = cfg.loss
     if loss.normalization != "global":
         return None
-    if recorded is not None and _same_mask(loss, saved):
+    if recorded is not None and _same_mask(loss, saved) and not cfg.samples.active:
         return recorded
     tokens = sequences = 0.0
-    for batch in batches:
-        t, s = local_counts(batch, loss)
+    for rank, batch in inputs.batches.items():
+        t, s = local_counts(filtered_batch(batch, rank, cfg.samples), loss)
         tokens, sequences = tokens + t, sequences + s
     return all_reduce_counts(tokens, sequences, world_size)
 
@@ -133,17 +170,22 @@ def forward_group(
     model: nn.Module,
     inputs: RankInputs,
     group: Sequence[AppliedConfig],
-    counts: dict[str, GlobalCounts | None] | None = None,
+    figures: _Figures | None = None,
+    counts: Mapping[str, GlobalCounts | None] | None = None,
 ) -> tuple[dict[str, list[torch.Tensor | None]], dict[str, list[dict[str, Any]]]]:
-    """Local (unreduced) gradients per config of a group, summed over this process's saved ranks."""
+    """Local (unreduced) gradients per config of a group, summed over this process's saved ranks.
+
+    With `figures`, the baseline's traces and dLoss/dlogprobs are kept there, and every mitigated config's
+    footprint against them lands in its rank metrics (`_footprint`)."""
     counts = counts or {}
     params = list(model.parameters())
     grads: dict[str, list[torch.Tensor | None]] = {cfg.config_id: [None] * len(params) for cfg in group}
     metrics: dict[str, list[dict[str, Any]]] = {cfg.config_id: [] for cfg in group}
     entropy_needed = any(cfg.needs_entropy for cfg in group)
-    for rank, batch in inputs.batches.items():
-        out = policy_forward(model, batch, inputs.routing(group[0], rank), need_entropy=entropy_needed)
+    for rank, saved in inputs.batches.items():
+        out = policy_forward(model, saved, inputs.routing(group[0], rank), need_entropy=entropy_needed)
         for i, cfg in enumerate(group):
+            batch = filtered_batch(saved, rank, cfg.samples)
             result = policy_loss(
                 out.logprobs,
                 batch,
@@ -153,7 +195,19 @@ def forward_group(
                 z_loss=out.z_loss,
                 counts=counts.get(cfg.config_id),
             )
-            local = torch.autograd.grad(result.loss, params, retain_graph=i < len(group) - 1, allow_unused=True)
+            keep_logprobs = figures is not None and not cfg.mitigations and cfg.config_id == "baseline"
+            wrt = [*params, out.logprobs] if keep_logprobs else params
+            local = torch.autograd.grad(result.loss, wrt, retain_graph=i < len(group) - 1, allow_unused=True)
+            extra: dict[str, Any] = {}
+            if figures is not None:
+                trace = RankTrace(mask=result.mask.detach(), per_token=result.per_token.detach())
+                if keep_logprobs:
+                    figures.traces[rank] = trace
+                    figures.grad_logprobs[rank] = local[-1].detach()
+                    figures.routes[rank] = out.routes.detach()
+                    local = local[:-1]
+                elif cfg.mitigations and rank in figures.traces:
+                    extra["_footprint"] = footprint_counts(figures.traces[rank], trace)
             buffers = grads[cfg.config_id]
             for j, g in enumerate(local):
                 if g is None:
@@ -163,22 +217,72 @@ def forward_group(
                     buffers[j] = g
                 else:
                     current.add_(g)
-            metrics[cfg.config_id].append({"rank": rank, "loss": float(result.loss.detach()), **result.metrics})
+            metrics[cfg.config_id].append(
+                {"rank": rank, "loss": float(result.loss.detach()), **result.metrics, **extra}
+            )
     return grads, metrics
 
 
 def reduce_and_measure(
-    model: nn.Module, grads: list[torch.Tensor | None], world_size: int, top: int
+    model: nn.Module,
+    grads: list[torch.Tensor | None],
+    world_size: int,
+    top: int,
+    after: Callable[[nn.Module], None] | None = None,
 ) -> tuple[float, list[dict[str, Any]]]:
-    """Put a config's local gradients in `.grad`, reduce them as the trainer does, and measure."""
+    """Put a config's local gradients in `.grad`, reduce them as the trainer does, and measure (`after` sees the
+    reduced gradients before they are cleared)."""
     for p, g in zip(model.parameters(), grads, strict=True):
         p.grad = g
     reduce_gradients(model, world_size)
     norm = global_grad_norm(model)
     norms = param_grad_norms(model)
     top_params = [{"name": n, "grad_norm": v} for n, v in sorted(norms.items(), key=lambda kv: -kv[1])[:top]]
+    if after is not None:
+        after(model)
     model.zero_grad(set_to_none=True)
     return norm, top_params
+
+
+def clean_gradient(
+    model: nn.Module,
+    inputs: RankInputs,
+    baseline: AppliedConfig,
+    figures: _Figures,
+    g: list[torch.Tensor],
+    grad_norm: float,
+    job: WorkerJob,
+) -> None:
+    """The clean gradient (see `replay.outcome_figures`): attribute the baseline gradient `g` (one jvp pass per
+    rank batch), leave the top-attributed samples out, one more forward + backward, reduce. Into `figures`."""
+    names = [name for name, _ in model.named_parameters()]
+    direction = dict(zip(names, g, strict=True))
+    dots: dict[tuple[int, int], float] = {}
+    with_tokens = 0
+    for rank, batch in inputs.batches.items():
+        d_logprobs = jvp_logprobs(model, batch, RoutingControl(routes=figures.routes[rank]), direction)
+        per_sample = (figures.grad_logprobs[rank].double() * d_logprobs.double()).sum(dim=1) / job.world_size
+        dots.update({(rank, s): float(v) for s, v in enumerate(per_sample.tolist())})
+        with_tokens += int((figures.traces[rank].mask > 0).any(dim=-1).sum())
+    merged: dict[tuple[int, int], float] = {}
+    counts = 0
+    for part_dots, part_count in _gather((dots, with_tokens)):
+        merged.update(part_dots)
+        counts += part_count
+    chosen, share, reached = top_attributed(merged, grad_norm, counts)
+    clean_cfg = dataclasses.replace(baseline, config_id="clean", samples=SampleFilter(drop=frozenset(chosen)))
+    counts = {"clean": step_counts(inputs, clean_cfg, baseline.loss, job.counts, job.world_size)}
+    grads, _ = forward_group(model, inputs, [clean_cfg], counts=counts)
+    kept = _Kept()
+    clean_norm, _ = reduce_and_measure(model, grads[clean_cfg.config_id], job.world_size, 0, kept)
+    figures.clean = kept.grads
+    figures.info = {
+        "left_out": [f"{r}:{s}" for r, s in chosen],
+        "share_left_out": share,
+        "reached_share": reached,
+        "grad_norm": clean_norm,
+        "baseline_cosine": cosine(g, kept.grads),
+    }
 
 
 def compute(job: WorkerJob, process: int, cancel: threading.Event | None = None) -> list[ConfigOutcome]:
@@ -191,11 +295,9 @@ def compute(job: WorkerJob, process: int, cancel: threading.Event | None = None)
     inputs = RankInputs(job.replay_dir, job.assignment[process], job.device)
     outcomes = {cfg.config_id: ConfigOutcome(cfg.config_id) for cfg in job.configs}
     load_s = time.perf_counter() - start
-    saved = job.configs[0].loss  # the engine puts the baseline (the saved loss) first
-    counts = {
-        cfg.config_id: step_counts(list(inputs.batches.values()), cfg.loss, saved, job.counts, job.world_size)
-        for cfg in job.configs
-    }
+    baseline = job.configs[0]  # the engine puts the baseline (the saved loss) first
+    counts = {cfg.config_id: step_counts(inputs, cfg, baseline.loss, job.counts, job.world_size) for cfg in job.configs}
+    figures = _Figures() if len(job.configs) > 1 and not baseline.mitigations else None
     model, weights = None, object()
     for group in _groups(job.configs):
         check_cancel(cancel, "replay")
@@ -206,16 +308,29 @@ def compute(job: WorkerJob, process: int, cancel: threading.Event | None = None)
             load_s += time.perf_counter() - t0
         t1 = time.perf_counter()
         for rep in range(job.repeat):
-            grads, metrics = forward_group(model, inputs, group, counts)
+            traced = figures if rep == 0 else None
+            grads, metrics = forward_group(model, inputs, group, traced, counts)
             for cfg in group:
                 check_cancel(cancel, "replay")
-                norm, top_params = reduce_and_measure(model, grads[cfg.config_id], job.world_size, job.top)
                 outcome = outcomes[cfg.config_id]
+                kept = _Kept() if traced is not None and (cfg is baseline or cfg.mitigations) else None
+                norm, top_params = reduce_and_measure(model, grads[cfg.config_id], job.world_size, job.top, kept)
+                if kept is not None and cfg is baseline:
+                    assert traced is not None
+                    clean_gradient(model, inputs, baseline, traced, kept.grads, norm, job)
+                elif kept is not None and traced is not None and traced.clean is not None:
+                    outcome.cosine_to_clean = cosine(kept.grads, traced.clean)
                 outcome.grad_norms.append(norm)
                 if rep == 0:
                     outcome.top_params = top_params
                     gathered = _gather(metrics[cfg.config_id])
-                    outcome.rank_metrics = sorted((m for part in gathered for m in part), key=lambda m: m["rank"])
+                    rows = sorted((m for part in gathered for m in part), key=lambda m: m["rank"])
+                    parts = [m.pop("_footprint") for m in rows if "_footprint" in m]
+                    if parts:
+                        outcome.footprint = merge_footprint(parts)
+                    if traced is not None and cfg.mitigations:
+                        outcome.clean_gradient = traced.info
+                    outcome.rank_metrics = rows
         per_config = (time.perf_counter() - t1) / len(group)
         for cfg in group:
             outcomes[cfg.config_id].timings["compute"] = per_config

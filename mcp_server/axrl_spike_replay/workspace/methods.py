@@ -9,6 +9,7 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.locks import held_lock
+from axrl_spike_replay.replay.mitigations import MITIGATIONS, diagnostic_reasons
 from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.replay.verdict import WRITABLE_VERDICTS, writable_problem
 from axrl_spike_replay.vocabulary import Fidelity, Verdict
@@ -23,6 +24,40 @@ from axrl_spike_replay.workspace.views import MethodAdded, MethodEntry
 
 STATUSES = ("proven", "partial", "diagnostic")
 SIGNAL_TOP = 3
+SHIPPED_DIR = "spike-mitigation-methods"  # the methods that ship with the tool (packaged data, or the checkout's)
+RANKING = (
+    "proven before partial before diagnostic; then the larger cosine to the clean gradient (the healthy gradient "
+    "kept most intact); then the smaller fraction of loss tokens masked or changed; methods without these figures "
+    "(written before they were measured) after those with them"
+)
+
+
+def rank_key(fields: dict[str, Any]) -> tuple[Any, ...]:
+    """Sort key of a method's front matter: see RANKING."""
+    order = {"proven": 0, "partial": 1, "diagnostic": 2}
+    cos, frac = _number(fields.get("cosine_to_clean")), _number(fields.get("token_fraction"))
+    return (
+        order.get(str(fields.get("status")), 3),
+        cos is None,
+        -(cos or 0.0),
+        frac is None,
+        frac or 0.0,
+        str(fields.get("slug", "")),
+    )
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def shipped_methods_dir() -> Path | None:
+    """The shipped methods' folder (inside the wheel, or the source checkout's), None when not installed."""
+    from axrl_spike_replay.resources import data_dir
+
+    try:
+        return data_dir(SHIPPED_DIR)
+    except FileNotFoundError:
+        return None
 
 
 def method_status(verdict: Verdict, fidelity: Fidelity) -> str:
@@ -63,6 +98,7 @@ def add_method(
     first = find_attempt(state, attempt_id)
     result, _ = result_doc(first)
     _check_writable(first["id"], result, baseline_for(state, first, result)["grad_norm"], allow_reduced)
+    _check_production(first["id"], result)
     _check_not_duplicate(root, slug, result, replace)  # again under the lock; first here, before the slow part
     signals = key_signals(result.snapshot, top=SIGNAL_TOP)  # may read a large snapshot: outside the locks
     written: list[tuple[dict[str, Any], Path]] = []
@@ -110,7 +146,11 @@ def add_method(
 
 
 def list_methods(workspace: str | Path) -> list[MethodEntry]:
-    """Every method file in the workspace with its front matter (status `unknown` for files without one)."""
+    """The workspace's method files and the shipped ones (`source` says which), ranked (see RANKING), each with its
+    front matter (status `unknown` for files without one)."""
+    found = [(path, fields, "workspace") for path, fields in _front_matters(workspace)]
+    found += [(path, fields, "shipped") for path, fields in _shipped_front_matters(workspace)]
+    found.sort(key=lambda item: (rank_key(item[1]), item[2]))
     return [
         MethodEntry(
             slug=str(fields.get("slug", path.stem)),
@@ -118,18 +158,33 @@ def list_methods(workspace: str | Path) -> list[MethodEntry]:
             summary=None if fields.get("summary") is None else str(fields["summary"]),
             path=str(path),
             front_matter=fields,
+            source=source,
+            rank=i,
         )
-        for path, fields in _front_matters(workspace)
+        for i, (path, fields, source) in enumerate(found, start=1)
     ]
 
 
 def method_files(workspace: str | Path) -> list[dict[str, Any]]:
-    """Every method file as its front matter plus `path` (the plain records the index and the report read)."""
-    return [{**fields, "path": str(path)} for path, fields in _front_matters(workspace)]
+    """The workspace's method files, ranked (see RANKING), as front matter plus `path` (what the index and the
+    report read)."""
+    files = [{**fields, "path": str(path)} for path, fields in _front_matters(workspace)]
+    return sorted(files, key=rank_key)
+
+
+def _shipped_front_matters(workspace: str | Path) -> list[tuple[Path, dict[str, Any]]]:
+    """The shipped methods, unless the workspace's own folder is that folder (a workspace at the checkout)."""
+    shipped = shipped_methods_dir()
+    if shipped is None or shipped.resolve() == methods_dir(check_workspace(workspace)).resolve():
+        return []
+    return _front_matters_in(shipped)
 
 
 def _front_matters(workspace: str | Path) -> list[tuple[Path, dict[str, Any]]]:
-    folder = methods_dir(check_workspace(workspace))
+    return _front_matters_in(methods_dir(check_workspace(workspace)))
+
+
+def _front_matters_in(folder: Path) -> list[tuple[Path, dict[str, Any]]]:
     if not folder.is_dir():
         return []
     methods = []
@@ -170,10 +225,22 @@ def _check_writable(attempt_id: str, result: ReplayResult, baseline_norm: float 
         )
 
 
+def _check_production(attempt_id: str, result: ReplayResult) -> None:
+    """AxrlError when the attempt uses a diagnostic-only mitigation (`drop_samples`): never written up as a fix."""
+    reasons = diagnostic_reasons(result.mitigations)
+    if reasons:
+        raise AxrlError(
+            f"attempt {attempt_id} uses a diagnostic-only mitigation, which is never written up as a method: "
+            + "; ".join(reasons)
+            + ". It shows where the cause is; write up the mitigation that removes it (e.g. advantage_outlier_mask)"
+        )
+
+
 def _check_not_duplicate(root: Path, slug: str, result: ReplayResult, replace: bool) -> None:
     target = methods_dir(root) / f"{slug}.md"
     key = config_key(result.mitigations)
-    for method in method_files(root):
+    shipped = [{**fields, "path": str(path), "_shipped": True} for path, fields in _shipped_front_matters(root)]
+    for method in [*method_files(root), *shipped]:
         if replace and method["path"] == str(target):
             continue
         same_patch = bool(result.patch_sha256) and method.get("patch_sha256") == result.patch_sha256
@@ -181,7 +248,8 @@ def _check_not_duplicate(root: Path, slug: str, result: ReplayResult, replace: b
         if same_patch or same_config:
             sha = result.patch_sha256
             what = f"patch {sha[:12]}" if same_patch and sha else describe_change(result.mitigations)
-            raise AxrlError(f"duplicate method: {method['path']} already records the same change ({what})")
+            where = "the shipped method" if method.get("_shipped") else "method file"
+            raise AxrlError(f"duplicate method: {where} {method['path']} already records the same change ({what})")
     if target.exists() and not replace:
         raise AxrlError(f"method file {target} already exists for a different change; choose another name")
 
@@ -224,6 +292,9 @@ def _method_doc(
         "baseline_grad_norm": baseline["grad_norm"],
         "spike_ratio": ratio,
         "threshold": result.threshold,
+        "cosine_to_clean": result.cosine_to_clean,
+        "token_fraction": (result.footprint or {}).get("token_fraction"),
+        "sample_fraction": (result.footprint or {}).get("sample_fraction"),
         "result_path": row.get("result_path"),
         "created_at": now(),
     }
@@ -242,7 +313,34 @@ def _method_doc(
         "output_dir": output_dir_of(result.snapshot),
         "residual": _residual(result, baseline),
         "summary": summary,
+        "mechanism": [f"`{name}`: {MITIGATIONS[name].doc}" for name in result.mitigations if name in MITIGATIONS],
+        "evidence": _evidence(result, baseline),
+        "caveats": [f"`{name}`: {MITIGATIONS[name].caveat}" for name in result.mitigations if name in MITIGATIONS],
     }
+
+
+def _evidence(result: ReplayResult, baseline: dict[str, Any]) -> list[str]:
+    """What the replay showed, in numbers: the norm it removed, and what it left of the healthy gradient."""
+    lines = [
+        f"grad norm {fmt(baseline['grad_norm'])} -> {fmt(result.grad_norm)} ({pct(result.change_vs_baseline)}) at "
+        f"{result.fidelity} fidelity; ratio to median {fmt(result.spike_ratio)} vs threshold {fmt(result.threshold)}"
+    ]
+    clean = result.clean_gradient or {}
+    if result.cosine_to_clean is not None:
+        left = ", ".join(clean.get("left_out") or []) or "none"
+        lines.append(
+            f"cosine to the clean gradient (the baseline without its top-attributed samples {left}, which carry "
+            f"{pct(clean.get('share_left_out')).lstrip('+')} of its norm): {fmt(result.cosine_to_clean)} "
+            f"(the unmitigated baseline: {fmt(clean.get('baseline_cosine'))})"
+        )
+    footprint = result.footprint
+    if footprint:
+        lines.append(
+            f"footprint: {footprint.get('masked_tokens')} loss tokens masked and {footprint.get('changed_tokens')} "
+            f"changed of {footprint.get('loss_tokens')} ({pct(footprint.get('token_fraction')).lstrip('+')}); "
+            f"{footprint.get('touched_samples')} of {footprint.get('samples')} samples touched"
+        )
+    return lines
 
 
 def _residual(result: ReplayResult, baseline: dict[str, Any]) -> str:

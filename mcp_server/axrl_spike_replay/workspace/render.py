@@ -84,6 +84,13 @@ def pct(value: Any) -> str:
     return f"{value * 100:+.1f}%"
 
 
+def pct_plain(value: Any) -> str:
+    """A fraction as an unsigned percentage (`8.7%`), `n/a` when missing."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return "n/a"
+    return f"{value * 100:.1f}%"
+
+
 @lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
     """The shared jinja2 environment over `templates/` (strict: a missing field is an error)."""
@@ -95,7 +102,9 @@ def environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters.update(cell=md_cell, code=md_code, block=md_block, item=md_item, para=md_para, fmt=fmt, pct=pct)
+    env.filters.update(
+        cell=md_cell, code=md_code, block=md_block, item=md_item, para=md_para, fmt=fmt, pct=pct, pct_plain=pct_plain
+    )
     return env
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR, iteration_dir_name
 from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of
-from axrl_spike_replay.workspace.methods import method_files
+from axrl_spike_replay.workspace.methods import RANKING, method_files, rank_key
 from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
 from axrl_spike_replay.workspace.preserved_copies import copies_in_use, copies_kept, is_last_copy, release_copies
 from axrl_spike_replay.workspace.render import render
@@ -26,10 +26,13 @@ def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
     experiments = state["experiments"]
     baselines = baseline_rows(state)
     by_slug = {m["slug"]: m for m in method_files(workspace)}
-    methods = [
-        {**entry, **by_slug.get(entry["slug"], {"path": None, "summary": "(file removed)"})}
-        for entry in state["methods"]
-    ]
+    methods = sorted(
+        (
+            {**entry, **by_slug.get(entry["slug"], {"path": None, "summary": "(file removed)"})}
+            for entry in state["methods"]
+        ),
+        key=rank_key,
+    )
     preserved = [{**copy, "last_copy": is_last_copy(copy)} for copy in copies_in_use(state)]
     return {
         "job": state["job"],
@@ -44,6 +47,7 @@ def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
         "attempts": [row for row in experiments if not row.get("is_baseline")],
         "failed": state["failed"],
         "methods": methods,
+        "ranking": RANKING,
         "observations": state["observations"],
         "next_steps": state["next_steps"],
         "preserved": preserved,

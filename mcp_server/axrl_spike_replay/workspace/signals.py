@@ -61,7 +61,7 @@ def summarise_batch(doc: dict[str, Any], top: int) -> list[str]:
         abs_lr = ratio.get("abs_log_ratio") or {}
         lines.append(
             f"importance ratio (old vs rollout): {_short(outside.get('0.5-2.0'))} of loss tokens outside [0.5, 2], "
-            f"max |log ratio| {_short(abs_lr.get('max'))}"
+            f"max |log(pi_old/pi_rollout)| {_short(abs_lr.get('max'))}"
         )
     sign = doc.get("sign_balance") or {}
     if sign:
@@ -72,7 +72,7 @@ def summarise_batch(doc: dict[str, Any], top: int) -> list[str]:
         )
     outliers = doc.get("outliers") or {}
     for key, label, column in (
-        ("tokens_by_abs_log_ratio", "top tokens by |log ratio|", "log_ratio"),
+        ("tokens_by_abs_log_ratio", "top tokens by |log(pi_old/pi_rollout)|", "log_ratio"),
         ("tokens_by_abs_advantage", "top tokens by |advantage|", "advantage"),
     ):
         rows = outliers.get(key) or []
@@ -88,11 +88,12 @@ def summarise_batch(doc: dict[str, Any], top: int) -> list[str]:
 def summarise_attribution(doc: dict[str, Any], top: int) -> list[str]:
     """The samples that carry the replayed grad norm, with their advantage and importance-ratio signals."""
     samples = doc.get("samples") or []
+    base = doc.get("log_ratio_base") or "old"
     if not samples:
         return summarise("attribution", doc, top)
     cells = [
         f"rank {s.get('rank')} sample {s.get('sample')}: {_pct(s.get('share'))} "
-        f"(advantage {_short(s.get('advantage'))}, max |log ratio| {_short(s.get('max_abs_log_ratio'))})"
+        f"(advantage {_short(s.get('advantage'))}, max |log(pi/pi_{base})| {_short(s.get('max_abs_log_ratio'))})"
         for s in samples[:top]
     ]
     lines = [f"samples carrying the grad norm (of {doc.get('total_samples')}): " + "; ".join(cells)]

@@ -72,9 +72,14 @@ def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_
             result_path=Path(result_path) if result_path is not None else None,
         )
 
+    command = command_of(result_path)
+
     def change(state: dict[str, Any]) -> str:
         exp_id = f"E{len(state['experiments']) + 1}"
-        state["experiments"].append(experiment_row(exp_id, result, result_path))
+        state["experiments"].append({**experiment_row(exp_id, result, result_path), "command": command})
+        if command and state.get("command_source") != "user":  # the command actually used, unless one was set
+            state["command"] = command
+            state["command_source"] = "replay"
         if not state.get("snapshot"):
             state["snapshot"] = result.snapshot
             state["snapshot_history"].append({"time": now(), "snapshot": result.snapshot})
@@ -118,6 +123,21 @@ def record_failure(
 
     _, fail_id = update_task(root, job, change)
     return fail_id
+
+
+def command_of(result_path: Path | str | None) -> str | None:
+    """The command line recorded beside a replay result (`command.txt` in its run dir; a sweep's one level up)."""
+    if result_path is None:
+        return None
+    folder = Path(result_path).parent
+    for candidate in (folder / "command.txt", folder.parent / "command.txt"):
+        try:
+            if candidate.is_file():
+                text = candidate.read_text(encoding="utf-8", errors="replace").strip()
+                return text[:4000] or None
+        except OSError:
+            continue
+    return None
 
 
 def _open_root(workspace: Path | str, job: str) -> Path | None:

@@ -160,7 +160,11 @@ def set_command(workspace: str | Path, job: str, command: str) -> TaskView:
     """Set the replay command people can rerun."""
     if not command or not command.strip():
         raise ConfigError("replay command is empty")
-    state, _ = update_task(workspace, job, lambda s: s.__setitem__("command", command.strip()))
+    def change(state: dict[str, Any]) -> None:
+        state["command"] = command.strip()
+        state["command_source"] = "user"  # replays no longer replace it with the command they ran
+
+    state, _ = update_task(workspace, job, change)
     return show(state, check_workspace(workspace))
 
 

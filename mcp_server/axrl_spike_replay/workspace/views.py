@@ -45,10 +45,12 @@ class MethodEntry:
     summary: str | None
     path: str
     front_matter: Row
+    source: str = "workspace"  # workspace: this workspace's spike-mitigation-methods/; shipped: the tool's library
+    rank: int = 0  # place in the ranking (1 first: proven, healthy gradient most intact, smallest footprint)
 
     def to_json(self) -> Row:
-        """The front matter as written (every field, in order), with the file's path."""
-        return {**self.front_matter, "path": self.path}
+        """The front matter as written (every field, in order), with the file's path, source and rank."""
+        return {**self.front_matter, "path": self.path, "source": self.source, "rank": self.rank}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,175 @@
+"""What a mitigated replay changed besides the spike: how much of the loss it touched, and how much of the
+healthy gradient it kept.
+
+Footprint: against the baseline's loss at the same layout, the loss tokens a config masks (out of the loss)
+or changes (still in the loss, but with a per-token loss that differs from the baseline's by more than
+rtol 1e-5 / atol 1e-7: clipped, reweighted or recomputed), and the samples it masks entirely or touches
+at all. A config that only changes the aggregation (`loss_agg_mode`) touches no token: the cosine shows it.
+
+Clean gradient: the baseline gradient with the top-attributed spike samples left out of the loss (as
+`drop_samples` would leave them out). Each sample's attribution is c_s = <g_s, g> / ||g|| on the baseline
+gradient g (the `attribute` verb's jvp method, taken through the per-token
+log-probs); the top-attributed samples are the smallest set, taken in
+order of c_s (largest first, positive only), whose contributions sum to at least CLEAN_SHARE (50 %) of
+||g||, and never more than MAX_CLEAN_FRACTION (25 %) of the samples with loss tokens (at least one). When
+the cap stops the set short of 50 %, `reached_share` is false: the spike is not concentrated on a few
+samples and the clean gradient is only a rough reference.
+
+Cosine to clean: <g_cfg, g_clean> / (||g_cfg|| ||g_clean||) over every parameter of the reduced global
+gradients (float64). 1: the config kept the healthy gradient's direction exactly (it removed only what the
+spike samples added); a no-op config scores the baseline's own cosine, well under 1 when the spike
+dominates. Cost: one forward-mode (jvp) pass and one forward + backward of the clean batch per replay or
+sweep, shared by all its configs.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+CLEAN_SHARE = 0.5
+MAX_CLEAN_FRACTION = 0.25
+CHANGE_RTOL = 1e-5
+CHANGE_ATOL = 1e-7
+DEFINITION = (
+    "clean gradient: the baseline gradient with the top-attributed samples left out of the loss; top-attributed: "
+    f"the smallest set of samples, largest contribution <g_s, g>/||g|| first, carrying >= {CLEAN_SHARE:.0%} of the "
+    f"baseline grad norm, capped at {MAX_CLEAN_FRACTION:.0%} of the samples with loss tokens; cosine_to_clean: "
+    "cosine of the config's reduced global gradient with the clean one; footprint: loss tokens masked or "
+    f"changed (per-token loss differs from the baseline's beyond rtol {CHANGE_RTOL:g}, atol {CHANGE_ATOL:g}) and "
+    "samples masked or touched, as fractions of the baseline's"
+)
+
+
+@dataclass
+class RankTrace:
+    """What one rank's loss used under one config: the mask and the per-token loss (detached)."""
+
+    mask: torch.Tensor  # [B, T]
+    per_token: torch.Tensor  # [B, T], 0 off the mask
+
+
+def footprint_counts(base: RankTrace, cfg: RankTrace) -> dict[str, int]:
+    """Token and sample counts of what `cfg` changed against the baseline on one rank."""
+    on = base.mask > 0
+    masked = on & ~(cfg.mask > 0)
+    kept = on & (cfg.mask > 0)
+    same = torch.isclose(cfg.per_token.double(), base.per_token.double(), rtol=CHANGE_RTOL, atol=CHANGE_ATOL)
+    changed = kept & ~same
+    has_tokens = on.any(dim=-1)
+    return {
+        "loss_tokens": int(on.sum()),
+        "masked_tokens": int(masked.sum()),
+        "changed_tokens": int(changed.sum()),
+        "samples": int(has_tokens.sum()),
+        "masked_samples": int((has_tokens & ~kept.any(dim=-1)).sum()),
+        "touched_samples": int((has_tokens & (masked | changed).any(dim=-1)).sum()),
+    }
+
+
+def merge_footprint(parts: Sequence[Mapping[str, int]]) -> dict[str, Any]:
+    """Counts summed over ranks, with the fractions the ranking uses (`token_fraction`, `sample_fraction`)."""
+    keys = ("loss_tokens", "masked_tokens", "changed_tokens", "samples", "masked_samples", "touched_samples")
+    total = {k: sum(int(p.get(k, 0)) for p in parts) for k in keys}
+    tokens, samples = total["loss_tokens"], total["samples"]
+    return {
+        **total,
+        "token_fraction": (total["masked_tokens"] + total["changed_tokens"]) / tokens if tokens else 0.0,
+        "masked_token_fraction": total["masked_tokens"] / tokens if tokens else 0.0,
+        "sample_fraction": total["touched_samples"] / samples if samples else 0.0,
+        "masked_sample_fraction": total["masked_samples"] / samples if samples else 0.0,
+    }
+
+
+def top_attributed(
+    dots: Mapping[tuple[int, int], float], grad_norm: float, samples_with_tokens: int
+) -> tuple[list[tuple[int, int]], float, bool]:
+    """(the top-attributed (rank, sample) pairs, the share of ||g|| they carry, whether they reach CLEAN_SHARE).
+
+    `dots` holds <g_s, g> per sample; c_s = dot / ||g||, so the share of a set is sum(dot) / ||g||^2."""
+    if not grad_norm > 0 or not math.isfinite(grad_norm):
+        return [], 0.0, False
+    norm_sq = grad_norm * grad_norm
+    ranked = sorted(((d, pair) for pair, d in dots.items() if d > 0), key=lambda item: (-item[0], item[1]))
+    cap = max(1, math.floor(MAX_CLEAN_FRACTION * max(samples_with_tokens, 1)))
+    chosen: list[tuple[int, int]] = []
+    share = 0.0
+    for dot, pair in ranked[:cap]:
+        chosen.append(pair)
+        share += dot / norm_sq
+        if share >= CLEAN_SHARE:
+            return chosen, share, True
+    return chosen, share, False
+
+
+def grads_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    """A copy of every parameter's `.grad` (zeros where there is none)."""
+    return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def cosine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float | None:
+    """Cosine similarity of two gradients given per parameter (float64); None when either is 0 or not finite."""
+    dot = na = nb = 0.0
+    for x, y in zip(a, b, strict=True):
+        x64, y64 = x.double(), y.double()
+        dot += float((x64 * y64).sum())
+        na += float((x64 * x64).sum())
+        nb += float((y64 * y64).sum())
+    if not (na > 0 and nb > 0) or not all(math.isfinite(v) for v in (dot, na, nb)):
+        return None
+    return max(-1.0, min(1.0, dot / math.sqrt(na * nb)))
+
+
+def jvp_logits(model: torch.nn.Module, tokens: torch.Tensor, routing: Any, direction: dict[str, torch.Tensor]) -> Any:
+    """J g for a tiny_moe policy's logits [B, T, V]: one forward pass with dual numbers (parameter, tangent = g)."""
+    import torch.autograd.forward_ad as fwad
+    from torch.func import functional_call
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # the fused CPU attention kernel has no forward-mode AD; the math kernel has
+    with sdpa_kernel(SDPBackend.MATH), torch.no_grad(), fwad.dual_level():
+        with warnings.catch_warnings():  # torch registers its forward-AD decompositions with torch.jit.script
+            warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=DeprecationWarning)
+            duals = {name: fwad.make_dual(p.detach(), direction[name]) for name, p in model.named_parameters()}
+        out = functional_call(model, duals, (tokens, routing))
+        return fwad.unpack_dual(out.logits).tangent
+
+
+class _LogprobsOf(torch.nn.Module):
+    """One rank batch's per-token log-probs as a module call, so `functional_call` can swap in dual parameters."""
+
+    def __init__(self, model: torch.nn.Module, batch: dict[str, Any], routing: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.batch = batch
+        self.routing = routing
+
+    def forward(self) -> torch.Tensor:
+        from axrl_spike_replay.models.policy import policy_forward
+
+        return policy_forward(self.model, self.batch, self.routing, need_entropy=False).logprobs
+
+
+def jvp_logprobs(
+    model: torch.nn.Module, batch: dict[str, Any], routing: Any, direction: dict[str, torch.Tensor]
+) -> Any:
+    """J g for the per-token log-probs [B, T]: one forward pass with dual numbers (parameter, tangent = g)."""
+    import torch.autograd.forward_ad as fwad
+    from torch.func import functional_call
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    wrapped = _LogprobsOf(model, batch, routing)
+    # the fused CPU attention kernel has no forward-mode AD; the math kernel has
+    with sdpa_kernel(SDPBackend.MATH), torch.no_grad(), fwad.dual_level():
+        with warnings.catch_warnings():  # torch registers its forward-AD decompositions with torch.jit.script
+            warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=DeprecationWarning)
+            duals = {
+                f"model.{name}": fwad.make_dual(p.detach(), direction[name]) for name, p in model.named_parameters()
+            }
+        out = functional_call(wrapped, duals, ())
+        return fwad.unpack_dual(out).tangent

@@ -1,0 +1,112 @@
+"""A spike from one sample whose advantage was scaled 200x: the new mitigations clear it, and every mitigated
+replay says how much it changed besides the spike (footprint, cosine to the clean gradient)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_snapshot import record_tiny_snapshot
+
+from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.investigation.runs import run_request
+from axrl_spike_replay.replay.mitigations import parse_mitigation_args
+from axrl_spike_replay.replay.result import SweepResult
+from axrl_spike_replay.replay.sample_masks import outlier_samples, robust_z
+from axrl_spike_replay.vocabulary import Verdict
+
+OUTLIER = (0, 1, 200.0)  # rank 0 sample 1: its advantage scaled 200x
+CONFIGS = [
+    {"advantage_outlier_mask": 5},
+    {"drop_samples": "0:1"},
+    {"advantage_clip": 1e6},  # changes nothing on this batch
+    {"advantage_clip": 1},
+]
+
+
+@pytest.fixture(scope="module")
+def outlier_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return record_tiny_snapshot(
+        tmp_path_factory.mktemp("outlier") / "spike_snapshots", world_size=2, burst=False, advantage_outlier=OUTLIER
+    )
+
+
+@pytest.fixture(scope="module")
+def sweep(outlier_snapshot: Path) -> SweepResult:
+    return run_request(replay_request(outlier_snapshot, verb="sweep", configs=CONFIGS))
+
+
+def _by_id(sweep: SweepResult) -> dict[str, object]:
+    return {next(iter(r.mitigations)): r for r in sweep.results}
+
+
+@pytest.mark.slow
+def test_the_outlier_advantage_spike_is_cleared_by_masking_outlier_advantages(sweep: SweepResult) -> None:
+    assert sweep.baseline.verdict == Verdict.REPRODUCED
+    assert sweep.baseline.spike_ratio is not None and sweep.baseline.spike_ratio > 5
+    masked = sweep.results[0]
+    assert masked.verdict == Verdict.CLEARED
+    assert masked.footprint is not None and masked.footprint["masked_samples"] == 1  # only the outlier
+
+
+@pytest.mark.slow
+def test_dropping_the_top_sample_clears_it_and_matches_the_clean_gradient(sweep: SweepResult) -> None:
+    dropped = sweep.results[1]
+    assert dropped.verdict == Verdict.CLEARED
+    assert dropped.clean_gradient is not None and dropped.clean_gradient["left_out"] == ["0:1"]
+    assert dropped.clean_gradient["reached_share"] is True
+    assert dropped.cosine_to_clean == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_every_mitigated_replay_reports_its_footprint_and_cosine(sweep: SweepResult) -> None:
+    for result in sweep.results:
+        assert result.footprint is not None and result.cosine_to_clean is not None
+        for key in ("token_fraction", "sample_fraction", "masked_token_fraction", "masked_sample_fraction"):
+            assert 0.0 <= result.footprint[key] <= 1.0
+        assert -1.0 <= result.cosine_to_clean <= 1.0
+        assert "definition" in (result.clean_gradient or {})
+    no_op, clipped = sweep.results[2], sweep.results[3]
+    assert no_op.footprint is not None and no_op.footprint["token_fraction"] == 0.0
+    # the no-op keeps the spike: its gradient is the baseline's, far from the clean one
+    assert no_op.cosine_to_clean is not None and no_op.cosine_to_clean < 0.5
+    assert no_op.cosine_to_clean == pytest.approx(no_op.clean_gradient["baseline_cosine"], rel=1e-9)
+    # clipping clears it too, but bends the healthy gradient more than masking the one sample
+    assert clipped.cosine_to_clean is not None and clipped.cosine_to_clean < sweep.results[0].cosine_to_clean
+
+
+@pytest.mark.slow
+def test_a_clear_threshold_of_the_users_changes_the_verdict(outlier_snapshot: Path, sweep: SweepResult) -> None:
+    clipped = sweep.results[3]
+    assert clipped.verdict == Verdict.CLEARED and clipped.verdict_basis["threshold_source"] == "detector"
+    strict = clipped.spike_ratio * 0.9  # under the user's stricter threshold the clipped spike is not cleared
+    result = run_request(replay_request(outlier_snapshot, mitigations={"advantage_clip": 1}, clear_threshold=strict))
+    assert result.verdict == Verdict.PARTIAL
+    assert result.threshold == pytest.approx(strict)
+    basis = result.verdict_basis
+    assert basis["threshold_source"] == "clear_threshold" and basis["detector_threshold"] == 5.0
+    assert basis["ratio_to_median"] == pytest.approx(result.spike_ratio)
+    assert "partial" in basis["rule"]
+
+
+def test_the_outlier_rule_is_a_robust_z_score_within_the_batch_or_group() -> None:
+    adv = torch.tensor([0.3, -0.2, 0.1, -0.1, 40.0, 0.0])
+    batch = {"advantages": adv, "loss_mask": torch.ones(6, 4), "group_index": torch.tensor([0, 0, 0, 1, 1, 1])}
+    z = robust_z(adv)
+    assert float(z[4]) > 5 > float(z[:4].max())
+    assert outlier_samples(batch, 5.0).tolist() == [False, False, False, False, True, False]
+    assert outlier_samples(batch, 5.0, "group").tolist() == [False, False, False, False, True, False]
+    assert not outlier_samples({**batch, "advantages": torch.zeros(6)}, 5.0).any()  # MAD 0 and mean AD 0
+
+
+def test_bad_values_are_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="advantage_outlier_mask"):
+        parse_mitigation_args(["advantage_outlier_mask=-1"])
+    with pytest.raises(ConfigError, match="rank:sample"):
+        parse_mitigation_args(["drop_samples=0-1"])
+    with pytest.raises(ConfigError, match="clear_threshold"):
+        replay_request("/nowhere", clear_threshold=0)
+    with pytest.raises(ConfigError, match="clear_threshold"):
+        replay_request("/nowhere", clear_threshold=2.0, target="root@node")
