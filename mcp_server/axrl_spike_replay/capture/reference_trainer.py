@@ -22,10 +22,11 @@ import torch
 
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.capture.detectors import make_detector
+from axrl_spike_replay.capture.fsdp_trainer import make_rank_trainer
 from axrl_spike_replay.capture.launch import launch
 from axrl_spike_replay.capture.run_config import build_run_config, parse_run_config
 from axrl_spike_replay.capture.spike_guard import GuardDecision, SpikeGuard
-from axrl_spike_replay.capture.trainer_step import RankTrainer
+from axrl_spike_replay.capture.strategies import PARALLEL_STRATEGIES, parallel_strategy
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
 from axrl_spike_replay.snapshot.metadata import ParallelLayout
@@ -55,6 +56,7 @@ class CaptureResult:
             "job_name": self.job_name,
             "preset": self.config["train"]["preset"],
             "world_size": self.config["parallel"]["world_size"],
+            "parallel": self.config["parallel"].get("strategy", "ddp"),
             "steps": self.config["train"]["steps"],
             "seed": self.config["train"]["seed"],
             "snapshot_dirs": [str(p) for p in self.snapshot_dirs],
@@ -78,12 +80,15 @@ def capture_reference_run(
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
     legacy_layout: bool = False,
     keep_final_state: bool = False,
+    parallel: str = "ddp",
 ) -> CaptureResult:
     """Train the reference policy and capture its spikes into `<out>/<run>~<job>__actor/`.
 
     `overrides` replaces run-config values per section (e.g. `{"train": {"guard_action": "log"}}`);
     `legacy_layout` writes old-style snapshots (AXRL keys in `metadata.json`); `keep_final_state`
-    returns the final weights (rank 0) in the result.
+    returns the final weights (rank 0) in the result. `parallel` is `ddp` (replicated weights, all-reduced
+    gradients) or `fsdp` (FSDP2 `fully_shard`, weights saved as a sharded DCP checkpoint); it is recorded
+    as `parallel.strategy` in the run config when it is not the default.
     """
     run = run or f"ref-s{seed}"
     for name, value in (("job", job), ("run", run)):
@@ -95,6 +100,8 @@ def capture_reference_run(
         raise ConfigError(f"steps must be an integer >= 1, got {steps!r}")
     if not isinstance(seed, int) or seed < 0:
         raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
+    if parallel not in PARALLEL_STRATEGIES:
+        raise ConfigError(f"parallel must be one of {', '.join(PARALLEL_STRATEGIES)}, got {parallel!r}")
     root = Path(out)
     if root.exists() and not root.is_dir():
         raise ConfigError(f"out {root}: exists and is not a directory")
@@ -102,6 +109,8 @@ def capture_reference_run(
     if output_dir.exists():
         raise ConfigError(f"{output_dir}: already exists; choose another out directory or run name")
     config = build_run_config(preset=preset, steps=steps, seed=seed, world_size=world_size, overrides=overrides)
+    if parallel != "ddp":
+        config["parallel"]["strategy"] = parallel
     (output_dir / "logs").mkdir(parents=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="axrl-capture-") as tmp:
@@ -149,7 +158,7 @@ class RankPlan:
 def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
     """The training loop of one rank (the launcher's per-rank function)."""
     spec = parse_run_config(plan.config)
-    trainer = RankTrainer(spec, rank, world_size)
+    trainer = make_rank_trainer(spec, rank, world_size, parallel_strategy(plan.config))
     t, det = spec.train, spec.detector
     out = Path(plan.output_dir)
     guard = SpikeGuard(
@@ -159,7 +168,7 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
         keep_last=t.keep_last,
         job_name=plan.job_name,
         role="actor",
-        parallel=ParallelLayout(**plan.config["parallel"]),
+        parallel=ParallelLayout(**{k: v for k, v in plan.config["parallel"].items() if k != "strategy"}),
         run_config=plan.config,
         legacy_layout=plan.legacy_layout,
     )
@@ -187,7 +196,7 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
             if decision.tripped:
                 trips.append(decision)
                 payload = {rank: trainer.snapshot_payload(step, grads)}
-                path = guard.snapshot(decision, trainer.model.state_dict(), payload)
+                path = guard.snapshot(decision, trainer.model_state(), payload)
                 where = str(path.relative_to(out))
             if guard.apply(decision, trainer.model, trainer.optimizer):
                 trainer.update(grads, step)
@@ -215,6 +224,7 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
     finally:
         if log is not None:
             log.close()
+    final_state = trainer.final_state() if plan.final_state_path else None  # collective under FSDP
     if rank == 0:
         atomic_write_json(
             plan.result_path,
@@ -226,7 +236,7 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
             },
         )
         if plan.final_state_path:
-            torch.save(trainer.model.state_dict(), plan.final_state_path)
+            torch.save(final_state, plan.final_state_path)
 
 
 def _log(handle: TextIO | None, line: str) -> None:

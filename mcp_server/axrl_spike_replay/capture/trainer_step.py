@@ -90,6 +90,18 @@ class RankTrainer:
     def in_burst(self, iteration: int) -> bool:
         return iteration in self.train.burst
 
+    def rollout_policy(self) -> TinyMoEPolicy:
+        """The policy the rollout engine copies (FSDP: an unsharded copy)."""
+        return self.model
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """The weights a snapshot saves, as this rank holds them."""
+        return self.model.state_dict()
+
+    def final_state(self) -> dict[str, torch.Tensor]:
+        """The whole weights at the end of a run (collective under FSDP)."""
+        return self.model.state_dict()
+
     def rollout(self, iteration: int) -> StepBatch:
         """Generate, score and prepare this rank's batch for `iteration` (1-based)."""
         t = self.train
@@ -99,7 +111,12 @@ class RankTrainer:
         prompts = prompts.repeat_interleave(t.group_size, dim=0)
         faults = self.preset.faults if burst else None
         ro = generate(
-            rollout_engine(self.model), prompts, t.response_len, generator, temperature=t.temperature, faults=faults
+            rollout_engine(self.rollout_policy()),
+            prompts,
+            t.response_len,
+            generator,
+            temperature=t.temperature,
+            faults=faults,
         )
         if burst and self.preset.reward_penalty is not None:
             rewards = broken_reward(ro.tokens, self.preset.reward_penalty)

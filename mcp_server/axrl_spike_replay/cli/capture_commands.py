@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from axrl_spike_replay.capture.presets import PRESETS
+from axrl_spike_replay.capture.strategies import PARALLEL_STRATEGIES
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress, table
 from axrl_spike_replay.errors import AxrlError
 
@@ -31,6 +32,13 @@ def register(sub: Any) -> None:
         default="ratio_outliers",
         metavar="NAME",
         help=f"injected fault: {', '.join(PRESETS)} (default: ratio_outliers)",
+    )
+    p.add_argument(
+        "--parallel",
+        default="ddp",
+        choices=PARALLEL_STRATEGIES,
+        help="how the policy is spread over the ranks: ddp (replicated, all-reduced gradients) or fsdp (FSDP2 "
+        "fully_shard; the snapshot's weights are a sharded DCP checkpoint, as FSDP trainers save) (default: ddp)",
     )
     add_json_flag(p)
     p.set_defaults(handler=_capture)
@@ -61,7 +69,9 @@ def _capture(args: argparse.Namespace) -> int:
     if args.preset not in PRESETS:
         raise AxrlError(f"--preset {args.preset!r} is not known (known: {', '.join(PRESETS)})")
 
-    progress(f"capture: training {args.steps} steps on {args.world_size} rank(s), preset {args.preset} ...")
+    progress(
+        f"capture: training {args.steps} steps on {args.world_size} rank(s) ({args.parallel}), preset {args.preset} ..."
+    )
     try:
         result = capture_reference_run(
             args.out,
@@ -71,6 +81,7 @@ def _capture(args: argparse.Namespace) -> int:
             seed=args.seed,
             preset=args.preset,
             run=args.run,
+            parallel=args.parallel,
         )
     except ConfigError as exc:
         text = str(exc)
@@ -86,7 +97,8 @@ def _render_capture(doc: dict[str, Any]) -> str:
     lines = [
         f"output dir: {doc['output_dir']}",
         f"log:        {doc['log_path']}",
-        f"preset {doc['preset']}, world size {doc['world_size']}, {doc['steps']} steps, seed {doc['seed']}, "
+        f"preset {doc['preset']}, world size {doc['world_size']} ({doc.get('parallel', 'ddp')}), "
+        f"{doc['steps']} steps, seed {doc['seed']}, "
         f"{doc['seconds']:.1f} s",
     ]
     if doc["spike_iterations"]:

@@ -74,10 +74,13 @@ def read_run_config(snapshot_dir: Path) -> dict[str, Any]:
 
 
 def _parallel(doc: dict[str, Any], path: Path, meta: AxrlMetadata) -> ParallelLayout:
-    known = {f.name for f in fields(ParallelLayout)}
+    known = {f.name for f in fields(ParallelLayout)} | {"strategy"}  # strategy: ddp | fsdp, how weights were spread
     unknown = sorted(str(k) for k in set(doc) - known)
     if unknown:
         raise ConfigError(f"{path}: parallel: unknown keys {shown(unknown, 120)} (known: {sorted(known)})")
+    strategy = doc.get("strategy", "ddp")
+    if strategy not in ("ddp", "fsdp"):
+        raise ConfigError(f"{path}: parallel.strategy must be ddp or fsdp, got {shown(strategy, 40)}")
     layout = meta.parallel
     split = {name: getattr(layout, name) for name in ("tp", "pp", "ep", "etp", "cp") if getattr(layout, name) > 1}
     if split:

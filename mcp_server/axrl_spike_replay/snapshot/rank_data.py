@@ -11,6 +11,7 @@ from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.fields import canonicalize_batch
 from axrl_spike_replay.snapshot.layout import batch_file, grad_info_file, routing_payload_file
 from axrl_spike_replay.snapshot.safe_load import load_pt
+from axrl_spike_replay.snapshot.verl_batch import is_verl_jagged_batch
 
 if TYPE_CHECKING:
     import torch
@@ -19,7 +20,10 @@ if TYPE_CHECKING:
 def load_rank_batch(snapshot_dir: str | Path, rank: int, *, meta: bool = False) -> dict[str, torch.Tensor]:
     """Rank `rank`'s batch under canonical field names (meta tensors when `meta`)."""
     path = Path(snapshot_dir) / batch_file(rank)
-    return canonicalize_batch(load_pt(path, meta=meta), path)
+    raw = load_pt(path, meta=meta)
+    if meta and isinstance(raw, dict) and is_verl_jagged_batch(raw):
+        raw = load_pt(path)  # jagged lengths live in the offsets' data: map the file (only the offsets are read)
+    return canonicalize_batch(raw, path)
 
 
 def _real(value: Any, path: Path, key: str) -> float:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pickle
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,16 @@ def check_tensors(value: Any, file: Path, size: int, where: str = "", depth: int
 
     if depth > MAX_PT_NESTING:
         raise SnapshotError(f"{file}: containers nest deeper than {MAX_PT_NESTING} levels (at {where or 'top'})")
-    if isinstance(value, torch.Tensor):
+    local = getattr(value, "_local_tensor", None)
+    if isinstance(value, torch.Tensor) and isinstance(local, torch.Tensor):
+        # A DTensor: this file holds its local shard; the global shape is checked by whoever merges the shards.
+        check_tensors(local, file, size, f"{where} (local shard)", depth + 1)
+    elif isinstance(value, torch.Tensor) and value.is_nested:
+        # A jagged nested tensor: its flat values and offsets are what the file holds.
+        parts = (value.values(), value.offsets()) if value.layout == torch.jagged else tuple(value.unbind())  # pyright: ignore[reportAttributeAccessIssue]
+        for i, part in enumerate(parts):
+            check_tensors(part, file, size, f"{where}(nested part {i})", depth + 1)
+    elif isinstance(value, torch.Tensor):
         label = where or "the top-level tensor"
         storage = value.untyped_storage().nbytes()
         logical = value.numel() * value.element_size()
@@ -117,13 +126,14 @@ def _storage_problem(file: Path, size: int) -> str:
     return f"{file}: a tensor's declared storage runs past its record in the file; refused"
 
 
-def load_pt(path: str | Path, *, meta: bool = False) -> Any:
+def load_pt(path: str | Path, *, meta: bool = False, allowed_globals: Sequence[Any] = ()) -> Any:
     """Load a `.pt` file with `weights_only=True`, memory-mapped, after bounding what it declares.
 
     `meta=True` gives meta tensors (shapes and dtypes, no data read); otherwise tensors map the file,
     so only the tensors that are touched are read. A file whose pickle asks for anything beyond
     tensors and plain containers raises UnsafeFileError; nothing in it runs. A file whose records or
     tensors declare more than it holds raises SnapshotError naming the file and the tensor.
+    `allowed_globals` admits a few more classes for this one load (e.g. DTensor's, for FSDP shards).
     """
     import torch
 
@@ -136,7 +146,8 @@ def load_pt(path: str | Path, *, meta: bool = False) -> Any:
     except OSError as exc:
         raise SnapshotError(f"{file}: cannot read ({exc.strerror or exc})") from None
     try:
-        loaded = torch.load(file, mmap=True, weights_only=True, map_location="meta" if meta else "cpu")
+        with torch.serialization.safe_globals(list(allowed_globals)):
+            loaded = torch.load(file, mmap=True, weights_only=True, map_location="meta" if meta else "cpu")
     except pickle.UnpicklingError as exc:
         text = str(exc)
         if "weights_only" in text.lower() or "unsupported global" in text.lower():

@@ -1,0 +1,113 @@
+"""The spike guard inside verl 0.9.1's FSDP engine (applied with integrations/verl-0.9.1.diff).
+
+The patched `FSDPEngine.forward_backward_batch` keeps the rank's mini-batch; the patched
+`optimizer_step` calls `guard_step(engine, grad_norm)` with the pre-clip global norm, before
+`optimizer.step()`. A tripped guard writes a snapshot collectively: weights as a sharded DCP checkpoint
+(`get_model_state_dict`), each rank's mini-batch under verl's own key names (jagged tensors kept),
+the routes, grad info, and `run_config.yaml` with `loss.convention: verl`. `False` means skip the step.
+
+Loaded by file path (`AXRL_VERL_HOOK=/path/to/integrations/verl.py`; a module named `verl` on
+sys.path would shadow verl itself). Settings: `AXRL_SPIKE_DIR` (snapshot root, default
+`checkpoints/spike_snapshots`), `AXRL_SPIKE_ACTION` (skip | log | rollback-as-skip, default skip),
+`AXRL_SPIKE_THRESHOLD`, `AXRL_SPIKE_WINDOW`, `AXRL_SPIKE_WARMUP`, `AXRL_JOB_NAME`. Needs torch and
+axrl_spike_replay; verl itself is never imported here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+VERL_VERSION = "0.9.1"
+_BATCH_SCALARS = ("batch_num_tokens", "dp_size", "global_batch_size")  # verl's global normalisation counts
+_state: dict[str, Any] = {}
+
+
+def _guard() -> Any:
+    if "guard" not in _state:
+        from axrl_spike_replay.capture.detectors import MedianRatioDetector
+        from axrl_spike_replay.capture.spike_guard import SpikeGuard
+
+        action = os.environ.get("AXRL_SPIKE_ACTION", "skip")
+        _state["guard"] = SpikeGuard(
+            os.environ.get("AXRL_SPIKE_DIR", "checkpoints/spike_snapshots"),
+            action="skip" if action == "rollback" else action,  # verl owns its checkpoints: no in-memory rollback
+            detector=MedianRatioDetector(
+                window=int(os.environ.get("AXRL_SPIKE_WINDOW", "20")),
+                threshold=float(os.environ.get("AXRL_SPIKE_THRESHOLD", "5.0")),
+                warmup=int(os.environ.get("AXRL_SPIKE_WARMUP", "10")),
+            ),
+            job_name=os.environ.get("AXRL_JOB_NAME", "verl-job"),
+        )
+        _state["step"] = 0
+    return _state["guard"]
+
+
+def batch_payload(data: Any) -> dict[str, Any]:
+    """A verl mini-batch (TensorDict or mapping) as a dict of tensors under verl's key names, on the CPU."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for key in list(data.keys()):
+        value = data[key] if not hasattr(data, "get") else data.get(key)
+        if isinstance(value, torch.Tensor):
+            out[str(key)] = value.detach().cpu()
+    for key in _BATCH_SCALARS:
+        try:
+            value = data[key]
+        except (KeyError, AttributeError, TypeError):
+            continue
+        value = getattr(value, "data", value)  # NonTensorData wraps the number
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = torch.tensor(value)
+    return out
+
+
+def run_config(world_size: int) -> dict[str, Any]:
+    """The snapshot's run_config.yaml: verl's loss convention, an FSDP data-parallel layout, the verl version."""
+    return {
+        "loss": {"convention": "verl"},
+        "parallel": {"world_size": world_size, "dp": world_size, "strategy": "fsdp"},
+        "train": {"trainer": "verl", "verl_version": VERL_VERSION},
+    }
+
+
+def guard_step(engine: Any, grad_norm: Any) -> bool:
+    """Judge the step's pre-clip grad norm; on a spike snapshot it (collective); True to take the optimizer step."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from axrl_spike_replay.capture.snapshot_writer import RankPayload
+    from axrl_spike_replay.snapshot.metadata import ParallelLayout
+    from axrl_spike_replay.snapshot.verl_batch import verl_padded_batch, verl_routes
+
+    guard = _guard()
+    _state["step"] += 1
+    norm = float(grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm)
+    decision = guard.observe(_state["step"], norm)
+    if decision.tripped:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        guard.parallel = ParallelLayout(world_size=world, dp=world)
+        batch = batch_payload(getattr(engine, "_axrl_spike_batch", None) or {})
+        params = dict(engine.module.named_parameters())
+        grad_info = {
+            "grad_norm": norm,
+            "param_grad_norms": {
+                n: float(getattr(p.grad, "to_local", lambda g=p.grad: g)().float().norm())
+                if p.grad is not None
+                else 0.0
+                for n, p in params.items()
+            },
+            "param_numel": {n: p.numel() for n, p in params.items()},
+            "param_grad_norms_kind": "reduced_shard",
+        }
+        routing = None
+        if "routed_experts" in batch and "response_mask" in batch:
+            routes = verl_routes(verl_padded_batch(batch, "verl mini-batch"))
+            if routes is not None:
+                routing = {"routed_experts": routes, "moe_layers": list(range(routes.shape[2])), "source": "rollout"}
+        state = get_model_state_dict(engine.module)
+        guard.snapshot(decision, state, {rank: RankPayload(batch, grad_info, routing)}, run_config=run_config(world))
+    return guard.apply(decision, engine.module, engine.optimizer)
