@@ -12,13 +12,14 @@ import json
 import os
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.rank_processes import RankProcessError, spawn_ranks
-from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob, compute
+from axrl_spike_replay.replay.worker import ConfigOutcome, ModelSource, WorkerJob, compute
 from axrl_spike_replay.temp_janitor import owned_temp_dir
 
 _OUTCOMES = "outcomes.json"
@@ -42,7 +43,8 @@ def backend_for(device: str, nproc: int) -> str:
     return "gloo"
 
 
-def _prepare_device(device: str) -> None:
+def prepare_device(device: str) -> None:
+    """Select the GPU of a CUDA device and make its kernels deterministic; nothing on CPU."""
     import torch
 
     if device.startswith("cuda"):
@@ -52,8 +54,19 @@ def _prepare_device(device: str) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def run_job(job: WorkerJob, timeout_s: float = 1800.0, cancel: threading.Event | None = None) -> list[ConfigOutcome]:
-    """Outcomes of `job` (one per config, process 0's view after the reduction)."""
+def run_job(
+    job: WorkerJob,
+    timeout_s: float = 1800.0,
+    cancel: threading.Event | None = None,
+    *,
+    models: ModelSource | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[ConfigOutcome]:
+    """Outcomes of `job` (one per config, process 0's view after the reduction).
+
+    One process runs here, in the calling process (no spawn); `models` and `progress` apply to it
+    (see `worker.compute`). Several are spawned for this job and stopped after it.
+    """
     import torch
 
     nproc = len(job.assignment)
@@ -64,8 +77,8 @@ def run_job(job: WorkerJob, timeout_s: float = 1800.0, cancel: threading.Event |
         torch.set_num_threads(1)
         try:
             local = WorkerJob(**{**_fields(job), "device": process_device(job.device, 0)})
-            _prepare_device(local.device)
-            return compute(local, 0, cancel)
+            prepare_device(local.device)
+            return compute(local, 0, cancel, models=models, progress=progress)
         except AxrlError:
             raise
         except Exception as exc:
@@ -105,7 +118,7 @@ def _spawn(job: WorkerJob, nproc: int, timeout_s: float, cancel: threading.Event
 
 
 def _prepare_process(process: int, payload: tuple[WorkerJob, str]) -> None:
-    _prepare_device(process_device(payload[0].device, process))
+    prepare_device(process_device(payload[0].device, process))
 
 
 def _process(process: int, nproc: int, payload: tuple[WorkerJob, str]) -> None:
