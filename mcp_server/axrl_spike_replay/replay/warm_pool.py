@@ -43,6 +43,7 @@ _POLL_S = 0.2
 _START_TIMEOUT_S = 300.0  # spawning, importing torch and forming the group, on a loaded machine
 _CANCEL_GRACE_S = 10.0  # how long ranks get to reach their next cancel point before the pool is killed
 _STOP_GRACE_S = 5.0
+_PEER_DEATH_S = 1.0  # after a rank's error, how long to look for a peer whose death caused it
 DEFAULT_IDLE_S = 900.0
 MEMORY_FRACTION = 0.25
 
@@ -309,7 +310,10 @@ class RankPool:
                 replies[rank] = (kind, value)
                 del waiting[ready]
                 if kind in ("error", "trace"):
+                    dead = self._dead_peer()  # a peer that died mid-job makes the others fail: the death is the cause
                     self.close()  # the others may wait in a collective: this group cannot be trusted again
+                    if dead is not None:
+                        raise _PoolDied(f"warm replay process {dead} died during the job")
                     if kind == "error":
                         raise RankProcessError(value)
                     last = value.strip().splitlines()[-1] if value.strip() else "unknown error"
@@ -318,6 +322,13 @@ class RankPool:
         if any(kind == "cancelled" for kind, _ in replies.values()):
             raise RunCancelled("replay cancelled")
         return [ConfigOutcome(**item) for item in replies[0][1]]
+
+    def _dead_peer(self) -> int | None:
+        """The first pool process that has exited, waiting briefly: pool processes only exit when they crash."""
+        from multiprocessing.connection import wait
+
+        wait([p.sentinel for p in self.processes], timeout=_PEER_DEATH_S)
+        return next((rank for rank, p in enumerate(self.processes) if p.exitcode is not None), None)
 
     def close(self) -> None:
         """Stop every process (ask, then terminate, then kill) and remove the pool's temp dir."""
