@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import AxrlError
@@ -86,7 +87,7 @@ def run_job(
         finally:
             torch.set_num_threads(threads)
             torch.use_deterministic_algorithms(deterministic)
-    return _spawn(job, nproc, timeout_s, cancel)
+    return _spawn(job, nproc, timeout_s, cancel, progress)
 
 
 def _fields(job: WorkerJob) -> dict[str, object]:
@@ -99,30 +100,71 @@ def _dist_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _spawn(job: WorkerJob, nproc: int, timeout_s: float, cancel: threading.Event | None) -> list[ConfigOutcome]:
+def _spawn(
+    job: WorkerJob,
+    nproc: int,
+    timeout_s: float,
+    cancel: threading.Event | None,
+    progress: Callable[[str], None] | None,
+) -> list[ConfigOutcome]:
+    import torch.multiprocessing as mp
+
+    lines = mp.get_context("spawn").SimpleQueue() if progress is not None else None
+    relay = _Relay(lines, progress) if lines is not None and progress is not None else None
     with owned_temp_dir("axrl-replay-") as tmp:  # removed even if this process is killed
         outcomes_path = str(Path(tmp) / _OUTCOMES)
-        spawn_ranks(
-            _process,
-            nproc,
-            (job, outcomes_path),
-            backend=backend_for(job.device, nproc),
-            timeout_s=timeout_s,
-            prepare=_prepare_process,
-            label="replay",
-            cancel=cancel,
-            native_crash_retries=1,  # a replay only reads the snapshot: rerunning it is safe
-        )
+        try:
+            _spawn_ranks(job, nproc, outcomes_path, lines, timeout_s, cancel)
+        finally:
+            if relay is not None:
+                relay.stop()
         doc = json.loads(Path(outcomes_path).read_text(encoding="utf-8"))
     return [ConfigOutcome(**item) for item in doc]
 
 
-def _prepare_process(process: int, payload: tuple[WorkerJob, str]) -> None:
+class _Relay:
+    """Hands the rank processes' progress lines to `progress` as they come (a thread reading their queue)."""
+
+    def __init__(self, lines: Any, progress: Callable[[str], None]) -> None:
+        self.lines, self.progress = lines, progress
+        self.thread = threading.Thread(target=self._run, name="replay-progress", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            line = self.lines.get()
+            if line is None:
+                return
+            self.progress(line)
+
+    def stop(self) -> None:
+        self.lines.put(None)
+        self.thread.join(timeout=5.0)
+
+
+def _spawn_ranks(
+    job: WorkerJob, nproc: int, outcomes_path: str, lines: Any, timeout_s: float, cancel: threading.Event | None
+) -> None:
+    spawn_ranks(
+        _process,
+        nproc,
+        (job, outcomes_path, lines),
+        backend=backend_for(job.device, nproc),
+        timeout_s=timeout_s,
+        prepare=_prepare_process,
+        label="replay",
+        cancel=cancel,
+        native_crash_retries=1,  # a replay only reads the snapshot: rerunning it is safe
+    )
+
+
+def _prepare_process(process: int, payload: tuple[WorkerJob, str, Any]) -> None:
     prepare_device(process_device(payload[0].device, process))
 
 
-def _process(process: int, nproc: int, payload: tuple[WorkerJob, str]) -> None:
-    job, outcomes_path = payload
-    outcomes = compute(WorkerJob(**{**_fields(job), "device": process_device(job.device, process)}), process)
+def _process(process: int, nproc: int, payload: tuple[WorkerJob, str, Any]) -> None:
+    job, outcomes_path, lines = payload
+    local = WorkerJob(**{**_fields(job), "device": process_device(job.device, process)})
+    outcomes = compute(local, process, progress=lines.put if lines is not None else None)
     if process == 0:
         atomic_write_json(outcomes_path, [asdict(o) for o in outcomes])
