@@ -16,6 +16,23 @@ FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 torch.set_num_threads(1)
 
 
+# Fixtures that run a training capture, rank processes or an SSH server: a test using one is `heavy`.
+_HEAVY_FIXTURES = {"captured_run", "ssh_node"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the heavy tests (captures, slow ones, SSH loopback) so `-m "not heavy"` gives a quick run.
+
+    The default run (scripts/test.sh) still runs every test; the marker only lets a person leave them out.
+    """
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        in_capture = Path(str(item.fspath)).parent.name == "capture"
+        marked = item.get_closest_marker("slow") or item.get_closest_marker("sshd")
+        if in_capture or fixtures & _HEAVY_FIXTURES or marked:
+            item.add_marker(pytest.mark.heavy)
+
+
 @pytest.fixture(scope="session")
 def captured_run(tmp_path_factory: pytest.TempPathFactory):
     """CaptureResult of a reference run: world size 2, preset ratio_outliers, spikes at iterations 20-22."""

@@ -8,9 +8,12 @@ shape its result. Nothing heavy is imported until a tool needs it, so the server
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import UnexpectedToolError
 from mcp.types import Resource
@@ -48,8 +51,11 @@ class SpikeReplayServer(MCPServer):
     """MCPServer whose resource list also names the task and method files present in the workspace."""
 
     def __init__(self, config: ServerConfig) -> None:
-        super().__init__(SERVER_NAME, instructions=INSTRUCTIONS, version=__version__, log_level="WARNING")
+        super().__init__(
+            SERVER_NAME, instructions=INSTRUCTIONS, version=__version__, log_level="WARNING", lifespan=_warm_lifespan
+        )
         self.config = config
+        self.sessions = 0  # open lifespans (stdio: one; in-process clients: one each)
 
     async def list_resources(self) -> list[Resource]:
         """Static resources, then `axrl://task/<job>` and `axrl://method/<slug>` for each file there."""
@@ -69,9 +75,30 @@ class SpikeReplayServer(MCPServer):
             raise crash_error(cause, name) from exc
 
 
-def create_server(workspace: str | Path | None = None) -> SpikeReplayServer:
-    """The server with every tool, resource and prompt; `workspace` (default: cwd) is the tools' default."""
-    config = ServerConfig(workspace=Path(workspace or Path.cwd()).expanduser().resolve())
+@asynccontextmanager
+async def _warm_lifespan(server: Any) -> AsyncIterator[dict[str, Any]]:
+    """The server's warm replay processes stop when its last session ends (stdio: when the client goes)."""
+    server.sessions += 1
+    try:
+        yield {}
+    finally:
+        server.sessions -= 1
+        warm = server.config.warm
+        if server.sessions == 0 and warm is not None:
+            await anyio.to_thread.run_sync(warm.close)
+
+
+def create_server(workspace: str | Path | None = None, *, warm: bool = True) -> SpikeReplayServer:
+    """The server with every tool, resource and prompt; `workspace` (default: cwd) is the tools' default.
+
+    `warm`: keep replay processes and loaded weights between calls (see `replay.warm_pool`); they stop
+    when the server's session ends.
+    """
+    from axrl_spike_replay.replay.warm_pool import WarmService
+
+    config = ServerConfig(
+        workspace=Path(workspace or Path.cwd()).expanduser().resolve(), warm=WarmService() if warm else None
+    )
     server = SpikeReplayServer(config)
     for module in TOOL_MODULES:
         module.register(server, config)
@@ -84,7 +111,11 @@ def serve(
 ) -> None:
     """Run the server until its client goes away (stdio) or it is interrupted (streamable HTTP at /mcp)."""
     server = create_server(workspace)
-    if http:
-        server.run("streamable-http", host=host, port=port)
-    else:
-        server.run("stdio")
+    try:
+        if http:
+            server.run("streamable-http", host=host, port=port)
+        else:
+            server.run("stdio")
+    finally:
+        if server.config.warm is not None:
+            server.config.warm.close()

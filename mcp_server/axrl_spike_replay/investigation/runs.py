@@ -7,17 +7,23 @@ run's files land in the workspace and each result is logged in the job's task fi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.investigation.recording import recorder_for
 from axrl_spike_replay.investigation.request import ReplayRequest
 
+if TYPE_CHECKING:
+    from axrl_spike_replay.replay.engine import JobRunner
 
-def run_here(request: ReplayRequest) -> Any:
-    """Run a local torch request with the engine (ReplayResult, SweepResult or Attribution by verb)."""
+
+def run_here(request: ReplayRequest, runner: JobRunner | None = None) -> Any:
+    """Run a local torch request with the engine (ReplayResult, SweepResult or Attribution by verb).
+
+    `runner` runs replay and sweep jobs (a server's warm pools); default: processes started for this run.
+    """
     from dataclasses import replace
 
-    options = replace(request.engine_options(), recorder=recorder_for(request.workspace))
+    options = replace(request.engine_options(), recorder=recorder_for(request.workspace), runner=runner)
     if request.verb == "attribute":
         from axrl_spike_replay.replay.attribution import attribute_spike
 

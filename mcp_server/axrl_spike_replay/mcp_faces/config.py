@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import Field
 
 from axrl_spike_replay.mcp_faces.bridge import resolve_in
+
+if TYPE_CHECKING:
+    from axrl_spike_replay.replay.warm_pool import WarmService
 
 
 @dataclass(frozen=True)
@@ -16,6 +19,8 @@ class ServerConfig:
     """Settings of one server instance."""
 
     workspace: Path
+    # Warm replay processes kept between calls (None: every local replay spawns its own, as the CLI does).
+    warm: WarmService | None = field(default=None, compare=False)
 
     def workspace_for(self, given: str | None) -> Path:
         """The workspace a call works in: the one given (relative to the server's), else the server's."""

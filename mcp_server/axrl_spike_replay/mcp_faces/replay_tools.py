@@ -104,7 +104,7 @@ TimeoutArg = Annotated[
 ]
 
 
-async def _run(ctx: Context, request: ReplayRequest) -> Any:
+async def _run(ctx: Context, request: ReplayRequest, config: ServerConfig) -> Any:
     """A request `investigation.runs` keeps here: the engine in a worker thread. Anything else (SSH target,
     command backend): awaited in the event loop, so a cancelled call cancels its session, which kills the
     process group it started."""
@@ -113,7 +113,8 @@ async def _run(ctx: Context, request: ReplayRequest) -> Any:
         def here(progress: Progress, cancel: threading.Event) -> Any:
             from axrl_spike_replay.investigation.runs import run_here
 
-            return run_here(dataclasses.replace(request, progress=progress.message, cancel=cancel))
+            runner = config.warm.run_job if config.warm is not None else None
+            return run_here(dataclasses.replace(request, progress=progress.message, cancel=cancel), runner)
 
         return await call_library(ctx, here)
 
@@ -197,7 +198,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
             workspace=config.workspace_for(workspace),
             job=job,
         )
-        return await _run(ctx, request)
+        return await _run(ctx, request, config)
 
     @server.tool(name="sweep", title="Compare many mitigation configs on one snapshot", annotations=REPLAYS)
     async def sweep_tool(
@@ -241,7 +242,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
             workspace=config.workspace_for(workspace),
             job=job,
         )
-        result = await _run(ctx, request)
+        result = await _run(ctx, request, config)
         images = [await anyio.to_thread.run_sync(_sweep_png, result)] if plot else []
         return structured(SweepResult, result, images)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
@@ -44,6 +44,19 @@ from axrl_spike_replay.vocabulary import Backend, Verdict
 DEVICES = ("cpu", "cuda")
 
 
+class JobRunner(Protocol):
+    """Runs a WorkerJob and returns its outcomes (`launch.run_job`, `warm_pool.WarmService.run_job`)."""
+
+    def __call__(
+        self,
+        job: WorkerJob,
+        timeout_s: float = ...,
+        cancel: threading.Event | None = ...,
+        *,
+        progress: Callable[[str], None] | None = ...,
+    ) -> list[ConfigOutcome]: ...
+
+
 @dataclass(frozen=True)
 class ReplayOptions:
     """How to replay: layout, device, mitigations, repeats, and where to write (None: nothing written)."""
@@ -60,6 +73,8 @@ class ReplayOptions:
     timeout_s: float = 1800.0  # collective timeout of the replay processes
     progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
     cancel: threading.Event | None = field(default=None, compare=False, repr=False)  # set: stop the run
+    # Runs the job (default `launch.run_job`: fresh processes); a server passes its warm pools' `run_job`.
+    runner: JobRunner | None = field(default=None, compare=False, repr=False)
 
 
 def check_device(device: str) -> str:
@@ -141,7 +156,7 @@ class ReplaySession:
             f"replaying {len(self.configs)} config(s) on {self.plan.nproc} process(es), {o.device}, "
             f"fidelity {self.plan.fidelity} (saved world size {inputs.world_size})"
         )
-        outcomes = run_job(job, timeout_s=o.timeout_s, cancel=o.cancel)
+        outcomes = (o.runner or run_job)(job, o.timeout_s, o.cancel, progress=o.progress)
         baseline = self.result(self.configs[0], outcomes[0], None)
         results = [
             self.result(c, out, baseline.grad_norm) for c, out in zip(self.configs[1:], outcomes[1:], strict=True)

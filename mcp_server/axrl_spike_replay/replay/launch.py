@@ -12,13 +12,15 @@ import json
 import os
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.rank_processes import RankProcessError, spawn_ranks
-from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob, compute
+from axrl_spike_replay.replay.worker import ConfigOutcome, ModelSource, WorkerJob, compute
 from axrl_spike_replay.temp_janitor import owned_temp_dir
 
 _OUTCOMES = "outcomes.json"
@@ -42,7 +44,8 @@ def backend_for(device: str, nproc: int) -> str:
     return "gloo"
 
 
-def _prepare_device(device: str) -> None:
+def prepare_device(device: str) -> None:
+    """Select the GPU of a CUDA device and make its kernels deterministic; nothing on CPU."""
     import torch
 
     if device.startswith("cuda"):
@@ -52,8 +55,19 @@ def _prepare_device(device: str) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def run_job(job: WorkerJob, timeout_s: float = 1800.0, cancel: threading.Event | None = None) -> list[ConfigOutcome]:
-    """Outcomes of `job` (one per config, process 0's view after the reduction)."""
+def run_job(
+    job: WorkerJob,
+    timeout_s: float = 1800.0,
+    cancel: threading.Event | None = None,
+    *,
+    models: ModelSource | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[ConfigOutcome]:
+    """Outcomes of `job` (one per config, process 0's view after the reduction).
+
+    One process runs here, in the calling process (no spawn); `models` and `progress` apply to it
+    (see `worker.compute`). Several are spawned for this job and stopped after it.
+    """
     import torch
 
     nproc = len(job.assignment)
@@ -64,8 +78,8 @@ def run_job(job: WorkerJob, timeout_s: float = 1800.0, cancel: threading.Event |
         torch.set_num_threads(1)
         try:
             local = WorkerJob(**{**_fields(job), "device": process_device(job.device, 0)})
-            _prepare_device(local.device)
-            return compute(local, 0, cancel)
+            prepare_device(local.device)
+            return compute(local, 0, cancel, models=models, progress=progress)
         except AxrlError:
             raise
         except Exception as exc:
@@ -73,7 +87,7 @@ def run_job(job: WorkerJob, timeout_s: float = 1800.0, cancel: threading.Event |
         finally:
             torch.set_num_threads(threads)
             torch.use_deterministic_algorithms(deterministic)
-    return _spawn(job, nproc, timeout_s, cancel)
+    return _spawn(job, nproc, timeout_s, cancel, progress)
 
 
 def _fields(job: WorkerJob) -> dict[str, object]:
@@ -86,30 +100,71 @@ def _dist_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _spawn(job: WorkerJob, nproc: int, timeout_s: float, cancel: threading.Event | None) -> list[ConfigOutcome]:
+def _spawn(
+    job: WorkerJob,
+    nproc: int,
+    timeout_s: float,
+    cancel: threading.Event | None,
+    progress: Callable[[str], None] | None,
+) -> list[ConfigOutcome]:
+    import torch.multiprocessing as mp
+
+    lines = mp.get_context("spawn").SimpleQueue() if progress is not None else None
+    relay = _Relay(lines, progress) if lines is not None and progress is not None else None
     with owned_temp_dir("axrl-replay-") as tmp:  # removed even if this process is killed
         outcomes_path = str(Path(tmp) / _OUTCOMES)
-        spawn_ranks(
-            _process,
-            nproc,
-            (job, outcomes_path),
-            backend=backend_for(job.device, nproc),
-            timeout_s=timeout_s,
-            prepare=_prepare_process,
-            label="replay",
-            cancel=cancel,
-            native_crash_retries=1,  # a replay only reads the snapshot: rerunning it is safe
-        )
+        try:
+            _spawn_ranks(job, nproc, outcomes_path, lines, timeout_s, cancel)
+        finally:
+            if relay is not None:
+                relay.stop()
         doc = json.loads(Path(outcomes_path).read_text(encoding="utf-8"))
     return [ConfigOutcome(**item) for item in doc]
 
 
-def _prepare_process(process: int, payload: tuple[WorkerJob, str]) -> None:
-    _prepare_device(process_device(payload[0].device, process))
+class _Relay:
+    """Hands the rank processes' progress lines to `progress` as they come (a thread reading their queue)."""
+
+    def __init__(self, lines: Any, progress: Callable[[str], None]) -> None:
+        self.lines, self.progress = lines, progress
+        self.thread = threading.Thread(target=self._run, name="replay-progress", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            line = self.lines.get()
+            if line is None:
+                return
+            self.progress(line)
+
+    def stop(self) -> None:
+        self.lines.put(None)
+        self.thread.join(timeout=5.0)
 
 
-def _process(process: int, nproc: int, payload: tuple[WorkerJob, str]) -> None:
-    job, outcomes_path = payload
-    outcomes = compute(WorkerJob(**{**_fields(job), "device": process_device(job.device, process)}), process)
+def _spawn_ranks(
+    job: WorkerJob, nproc: int, outcomes_path: str, lines: Any, timeout_s: float, cancel: threading.Event | None
+) -> None:
+    spawn_ranks(
+        _process,
+        nproc,
+        (job, outcomes_path, lines),
+        backend=backend_for(job.device, nproc),
+        timeout_s=timeout_s,
+        prepare=_prepare_process,
+        label="replay",
+        cancel=cancel,
+        native_crash_retries=1,  # a replay only reads the snapshot: rerunning it is safe
+    )
+
+
+def _prepare_process(process: int, payload: tuple[WorkerJob, str, Any]) -> None:
+    prepare_device(process_device(payload[0].device, process))
+
+
+def _process(process: int, nproc: int, payload: tuple[WorkerJob, str, Any]) -> None:
+    job, outcomes_path, lines = payload
+    local = WorkerJob(**{**_fields(job), "device": process_device(job.device, process)})
+    outcomes = compute(local, process, progress=lines.put if lines is not None else None)
     if process == 0:
         atomic_write_json(outcomes_path, [asdict(o) for o in outcomes])

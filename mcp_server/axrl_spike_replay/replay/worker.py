@@ -285,16 +285,29 @@ def clean_gradient(
     }
 
 
-def compute(job: WorkerJob, process: int, cancel: threading.Event | None = None) -> list[ConfigOutcome]:
+ModelSource = Callable[[ModelSpec, str, str], nn.Module]  # (config, weights dir, device) -> model
+
+
+def compute(
+    job: WorkerJob,
+    process: int,
+    cancel: threading.Event | None = None,
+    *,
+    models: ModelSource | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[ConfigOutcome]:
     """Replay every config of `job` on this process's saved ranks; outcomes in the configs' order.
 
     `cancel` (in-process runs only; spawned processes are stopped by their launcher) is checked
-    between configs.
+    between configs. `models` builds the policy (default `build_model`; a warm pool passes its
+    weight cache); `progress` gets a line after loading and after each config.
     """
+    say = progress or (lambda line: None)
     start = time.perf_counter()
     inputs = RankInputs(job.replay_dir, job.assignment[process], job.device)
     outcomes = {cfg.config_id: ConfigOutcome(cfg.config_id) for cfg in job.configs}
     load_s = time.perf_counter() - start
+    say(f"process {process}: loaded {len(inputs.batches)} rank batch(es) in {load_s:.2f} s")
     baseline = job.configs[0]  # the engine puts the baseline (the saved loss) first
     counts = {cfg.config_id: step_counts(inputs, cfg, baseline.loss, job.counts, job.world_size) for cfg in job.configs}
     figures = _Figures() if len(job.configs) > 1 and not baseline.mitigations else None
@@ -304,8 +317,9 @@ def compute(job: WorkerJob, process: int, cancel: threading.Event | None = None)
         t0 = time.perf_counter()
         if group[0].weights != weights or model is None:
             weights = group[0].weights
-            model = build_model(job.model, weights or job.replay_dir, job.device)
+            model = (models or build_model)(job.model, weights or job.replay_dir, job.device)
             load_s += time.perf_counter() - t0
+            say(f"process {process}: weights ready in {time.perf_counter() - t0:.2f} s")
         t1 = time.perf_counter()
         for rep in range(job.repeat):
             traced = figures if rep == 0 else None
@@ -334,6 +348,7 @@ def compute(job: WorkerJob, process: int, cancel: threading.Event | None = None)
         per_config = (time.perf_counter() - t1) / len(group)
         for cfg in group:
             outcomes[cfg.config_id].timings["compute"] = per_config
+            say(f"process {process}: {cfg.config_id} computed (grad norm {outcomes[cfg.config_id].grad_norms[0]:.6g})")
     for outcome in outcomes.values():
         outcome.timings["load"] = load_s
     return [outcomes[cfg.config_id] for cfg in job.configs]
