@@ -116,7 +116,7 @@ def test_the_compact_series_settles_samples_and_trips_as_the_list_of_points(seed
     for at in range(0, len(logged), 1000):  # by points and by runs of read points, as the reader appends
         run = logged[at : at + 1000]
         if all(g is not None and loss is not None for _, g, loss in run):
-            builder.extend_read([p[0] for p in run], [p[1] for p in run], [p[2] for p in run])  # type: ignore[misc]
+            builder.extend_read([p[0] for p in run], [p[1] for p in run], [p[2] for p in run])
         else:
             for point in run:
                 builder.append(*point)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -46,7 +46,7 @@ class SeriesBuilder:
         self.losses.append(math.nan if loss is None else loss)
         self.flags.append((grad is not None) * _HAS_GRAD | (loss is not None) * _HAS_LOSS)
 
-    def extend_read(self, iterations: Iterable[int], grads: Iterable[float], losses: Iterable[float]) -> None:
+    def extend_read(self, iterations: Sequence[int], grads: Sequence[float], losses: Sequence[float]) -> None:
         """Points with a grad norm and a loss each, in log order (the three of equal length)."""
         try:
             its = array("q", iterations)  # whole, or nothing when one does not fit
