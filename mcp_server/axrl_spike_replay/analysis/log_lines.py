@@ -12,6 +12,8 @@ with one pattern over many lines), with the same results.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
+from operator import itemgetter
 
 _NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf(?:inity)?)"
 MEGATRON = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|(.*)", re.IGNORECASE)
@@ -24,6 +26,11 @@ MEGATRON = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|(.*)", re.IGNORECASE)
 _KV_BODY = rf"(?:(?![A-Za-z_])[\w./-])*+([A-Za-z_][\w./-]*+)\s*+[=:]\s*+((?>{_NUM}))(?![\w.])"
 _KV_AT = re.compile(_KV_BODY, re.IGNORECASE)
 _KV_START = re.compile(rf"(?<![\w./-]){_KV_BODY}", re.IGNORECASE)
+# The same pairs in one C call where no pair is followed by `/` or `-`: only there can the next pair start
+# right at the previous one's end (`_KV_AT`) rather than at a run's start (`_KV_START`); the third group
+# (what follows each pair) says whether the line is such.
+_KV_FOLLOWED = re.compile(rf"(?<![\w./-]){_KV_BODY}(?=([/-])?)", re.IGNORECASE)
+_ends_at_run = itemgetter(2)
 STEP_KEYS = frozenset({"step", "iteration", "iter", "global_step", "it"})
 _GRAD_KEYS = {"grad_norm", "gradnorm", "grad_norm_pre_clip", "global_grad_norm", "total_grad_norm"}
 LOSS_KEYS = ("lm_loss", "loss", "total_loss", "train_loss", "policy_loss", "pg_loss")
@@ -34,12 +41,20 @@ _ERROR = re.compile(r"\b(?:ERROR|FATAL|CRITICAL)\b|CUDA out of memory|NCCL (?:er
 _NON_FINITE = re.compile(r"[:=]\s*[-+]?(?:nan|inf(?:inity)?)\b", re.IGNORECASE)
 
 
+@lru_cache(maxsize=4096)  # a run logs the same few keys on every line
 def _leaf(key: str) -> str:
     return key.rsplit("/", 1)[-1].lower().replace("-", "_").replace(" ", "_")
 
 
 def key_values(line: str) -> list[tuple[str, str]]:
     """The `key=value` / `key:value` pairs (numeric values) of a line, left to right, in linear time."""
+    found = _KV_FOLLOWED.findall(line)
+    if not any(map(_ends_at_run, found)):
+        return [(key, value) for key, value, _ in found]
+    return _key_values_stepwise(line)
+
+
+def _key_values_stepwise(line: str) -> list[tuple[str, str]]:
     pairs: list[tuple[str, str]] = []
     match = _KV_START.search(line)
     while match:
@@ -51,7 +66,9 @@ def key_values(line: str) -> list[tuple[str, str]]:
 
 def parse_line(line: str) -> tuple[int, float | None, float | None] | None:
     """(iteration, grad_norm, loss) from one log line, or None when it carries no training step."""
-    match = MEGATRON.search(line)
+    # `iteration` in any case has `terat` lowered (only its `i` has non-ASCII case folds): most lines are
+    # ruled out without running the case-insensitive pattern
+    match = MEGATRON.search(line) if "terat" in line.lower() else None
     if match:
         values: dict[str, float] = {}
         for part in match.group(2).split("|"):
