@@ -172,7 +172,9 @@ def _spikes(series: Sequence[dict[str, Any]], detector: Detector) -> list[dict[s
     """
     if isinstance(series, SeriesPoints):
         logged = (series.flags & 1) == 1
-        iterations, array = series.iterations[logged], series.grads[logged]
+        iterations, array = series.iterations, series.grads
+        if not logged.all():
+            iterations, array = iterations[logged], array[logged]
     else:
         points = [p for p in series if p["grad_norm"] is not None]
         iterations = np.array([p["iteration"] for p in points], dtype=object)

@@ -61,18 +61,22 @@ class SeriesBuilder:
 
     def settled(self) -> tuple[SeriesPoints, int]:
         """(the series in iteration order, the last logged value of each iteration; how many points were
-        logged for an iteration logged before)."""
+        logged for an iteration logged before). The builder takes no more points after this."""
         its = np.frombuffer(self.iterations, dtype=np.int64) if self.iterations else np.zeros(0, np.int64)
-        order = np.argsort(its, kind="stable")
-        ordered = its[order]
-        last = np.ones(len(ordered), dtype=bool)
-        last[:-1] = ordered[:-1] != ordered[1:]
-        keep = order[last]
-        iterations: np.ndarray = its[keep].copy()
-        grads = np.frombuffer(self.grads, dtype=np.float64)[keep] if keep.size else np.zeros(0)
-        losses = np.frombuffer(self.losses, dtype=np.float64)[keep] if keep.size else np.zeros(0)
-        flags = np.frombuffer(bytes(self.flags), dtype=np.uint8)[keep] if keep.size else np.zeros(0, np.uint8)
-        repeated = len(its) - keep.size
+        grads = np.frombuffer(self.grads, dtype=np.float64) if self.grads else np.zeros(0)
+        losses = np.frombuffer(self.losses, dtype=np.float64) if self.losses else np.zeros(0)
+        flags = np.frombuffer(self.flags, dtype=np.uint8) if self.flags else np.zeros(0, np.uint8)
+        iterations: np.ndarray = its
+        repeated = 0
+        if not bool(np.all(its[1:] > its[:-1])):  # logged out of order or again: the last of each, sorted
+            order = np.argsort(its, kind="stable")
+            last = np.ones(len(order), dtype=bool)
+            last[:-1] = its[order[:-1]] != its[order[1:]]
+            keep = order[last]
+            del order, last
+            iterations, grads, losses, flags = its[keep], grads[keep], losses[keep], flags[keep]
+            repeated = len(its) - keep.size
+        # in order (the usual case): the arrays are read where they are, the builder takes no more points
         if self.huge:
             latest: dict[int, tuple[float | None, float | None]] = {}
             for it, grad, loss in self.huge:
@@ -130,10 +134,6 @@ class SeriesPoints(Sequence[dict[str, Any]]):
 
     def __repr__(self) -> str:
         return repr(list(self))
-
-    def grad_norms(self) -> list[float | None]:
-        """The grad norm of each point, None where none was logged."""
-        return _with_none(self.grads, self.flags & _HAS_GRAD)
 
     def points(self, at: np.ndarray) -> list[dict[str, Any]]:
         """The points at positions `at`, as dicts."""
