@@ -86,7 +86,7 @@ def measured(argv: list[str], env: dict[str, str] | None = None) -> tuple[float,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--mb", type=float, default=1024, help="size of the generated log in MiB (default 1024)")
     parser.add_argument("--dir", default=None, help="where to write the log and its copies (default: a temp dir)")
     parser.add_argument("--shape", choices=("megatron", "verl"), default="megatron", help="the lines of the log")

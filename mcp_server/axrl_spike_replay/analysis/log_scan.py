@@ -1,7 +1,8 @@
 """Copy a job's training logs into the workspace and scan them: grad-norm/loss series, spikes, error lines.
 
 Lines are read by `log_lines` (Megatron-style and key=value lines, error kinds), streamed by `log_reader`
-(large binary reads, per-line work only for lines that can match, memory flat in the file size).
+(large binary reads, per-line work only for lines that can match, memory flat in the file size), and the
+series held by `log_series` (typed arrays, a few bytes per iteration; `SeriesPoints` reads them as dicts).
 
 Spikes are found by the spike guard's own detector (`capture.detectors`, ratio to the rolling
 median of healthy norms by default), with the run's own detector settings where its snapshots
