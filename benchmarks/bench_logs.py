@@ -1,12 +1,15 @@
 """Benchmark: `logs` vs `grep -c ""` on a generated Megatron training log (1 GB by default).
 
+`--shape verl` writes verl-style key=value lines instead (`step:12 - actor/grad_norm:3.1 - ...`, ~35 metrics
+a line, plus a `step=12 grad_norm=... loss=...` line): those are parsed line by line, far slower.
+
 Each command runs in its own process on the same file, read from the page cache (a first `cat` warms it);
 its wall time and peak RSS are reported, with the throughput and the ratio to grep. Peak RSS is `wait4`'s
 ru_maxrss for that child: at least the launching process's RSS (~15 MiB, carried across exec), so grep's
 figure is an upper bound. `logs` runs twice: for people, and with `--json` (a bounded, compact document).
 Target: within 10x of grep, >= 100 MB/s.
 
-    .venv/bin/python benchmarks/bench_logs.py [--mb 1024] [--dir DIR]
+    .venv/bin/python benchmarks/bench_logs.py [--mb 1024] [--dir DIR] [--shape megatron|verl]
 """
 
 from __future__ import annotations
@@ -47,6 +50,27 @@ def write_log(path: Path, size_bytes: int) -> int:
     return iteration
 
 
+def write_verl_log(path: Path, size_bytes: int) -> int:
+    """A verl-style key=value log of about `size_bytes`, a 20x spike every 5000 steps. Returns the steps."""
+    step = 0
+    written = 0
+    with path.open("w") as handle:
+        while written < size_bytes:
+            lines = []
+            for _ in range(100):
+                step += 1
+                grad = 20.0 if step % 5000 == 0 else 1.0 + (step % 13) / 100
+                metrics = " - ".join(f"actor/metric_{k}:{(step * k) % 1000 / 997:.4f}" for k in range(32))
+                lines.append(
+                    f"(main_task pid=1234) step:{step} - actor/pg_loss:{(step % 97) / 1000:.4f} - "
+                    f"actor/grad_norm:{grad:.4f} - {metrics} - critic/score/mean:0.512\n"
+                )
+            block = "".join(lines)
+            handle.write(block)
+            written += len(block)
+    return step
+
+
 def measured(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, int, bytes]:
     """(seconds, peak RSS in KiB, stdout) of one child process."""
     start = time.perf_counter()
@@ -62,14 +86,16 @@ def measured(argv: list[str], env: dict[str, str] | None = None) -> tuple[float,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--mb", type=float, default=1024, help="size of the generated log in MiB (default 1024)")
     parser.add_argument("--dir", default=None, help="where to write the log and its copies (default: a temp dir)")
+    parser.add_argument("--shape", choices=("megatron", "verl"), default="megatron", help="the lines of the log")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-logs-", dir=args.dir))
     try:
         log = root / "train.log"
-        iterations = write_log(log, int(args.mb * 1024 * 1024))
+        write = write_log if args.shape == "megatron" else write_verl_log
+        iterations = write(log, int(args.mb * 1024 * 1024))
         size_mb = log.stat().st_size / 1e6
         subprocess.run(["cat", str(log)], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
         env = {**os.environ, "PYTHONPATH": str(PACKAGE)}
@@ -77,7 +103,7 @@ def main() -> None:
         grep_s, grep_rss, grep_out = measured(["grep", "-c", "", str(log)])
         human_s, human_rss, human_out = measured(cli, env)
         json_s, json_rss, json_out = measured([*cli, "--json"], env)
-        print(f"log: {size_mb:.0f} MB, {int(grep_out)} lines, {iterations} iterations")
+        print(f"{args.shape} log: {size_mb:.0f} MB, {int(grep_out)} lines, {iterations} iterations")
         print(f"grep -c:       {grep_s:7.2f} s  {size_mb / grep_s:8.0f} MB/s  peak RSS {grep_rss / 1024:6.1f} MiB")
         for name, seconds, rss in (("logs:", human_s, human_rss), ("logs --json:", json_s, json_rss)):
             print(

@@ -30,7 +30,7 @@ def _mcp_scan(workspace: Path, arguments: dict) -> dict:
     async def main() -> dict:
         async with Client(create_server(workspace)) as client:
             result = await client.call_tool("copy_and_scan_logs", arguments)
-            assert not result.is_error, result.content[0].text
+            assert not result.is_error, getattr(result.content[0], "text", result.content[0])
             return result.structured_content
 
     return anyio.run(main)

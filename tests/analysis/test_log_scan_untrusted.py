@@ -91,7 +91,8 @@ def test_a_cancelled_scan_stops_inside_a_file(tmp_path: Path) -> None:
     # The caller cancels as soon as the scan of the file starts.
     with pytest.raises(AxrlError, match=r"log scan cancelled in many.log at line (\d+)") as stopped:
         scan_logs([many], tmp_path / "copies", progress=lambda message: cancel.set(), cancel=cancel)
-    assert int(re.search(r"line (\d+)", str(stopped.value)).group(1)) < 20_000
+    line = re.search(r"line (\d+)", str(stopped.value))
+    assert line is not None and int(line.group(1)) < 20_000
 
 
 def test_a_cancelled_scan_stops_inside_one_endless_line(tmp_path: Path) -> None:

@@ -234,8 +234,10 @@ def _sign_balance(adv: torch.Tensor) -> dict[str, Any]:
     # A side dominates only when it outweighs the other by DOMINANCE_MARGIN: GRPO's group-normalised
     # advantages sum to ~0, and a ratio of 0.99999999 is balance, not positive dominance.
     dominant = (
-        "negative" if negative > positive * (1 + DOMINANCE_MARGIN)
-        else "positive" if positive > negative * (1 + DOMINANCE_MARGIN)
+        "negative"
+        if negative > positive * (1 + DOMINANCE_MARGIN)
+        else "positive"
+        if positive > negative * (1 + DOMINANCE_MARGIN)
         else "balanced"
     )
     return {

@@ -12,6 +12,8 @@ with one pattern over many lines), with the same results.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
+from operator import itemgetter
 
 _NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf(?:inity)?)"
 MEGATRON = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|(.*)", re.IGNORECASE)
@@ -24,6 +26,12 @@ MEGATRON = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|(.*)", re.IGNORECASE)
 _KV_BODY = rf"(?:(?![A-Za-z_])[\w./-])*+([A-Za-z_][\w./-]*+)\s*+[=:]\s*+((?>{_NUM}))(?![\w.])"
 _KV_AT = re.compile(_KV_BODY, re.IGNORECASE)
 _KV_START = re.compile(rf"(?<![\w./-]){_KV_BODY}", re.IGNORECASE)
+# The same pairs in one C call where no pair is followed by `/` or `-`: only there can the next pair start
+# right at the previous one's end (`_KV_AT`) rather than at a run's start (`_KV_START`); the third group
+# (what follows each pair) says whether the line is such.
+_KV_FOLLOWED = re.compile(rf"(?<![\w./-]){_KV_BODY}(?=([/-])?)", re.IGNORECASE)
+_ends_at_run = itemgetter(2)
+_key = itemgetter(0)
 STEP_KEYS = frozenset({"step", "iteration", "iter", "global_step", "it"})
 _GRAD_KEYS = {"grad_norm", "gradnorm", "grad_norm_pre_clip", "global_grad_norm", "total_grad_norm"}
 LOSS_KEYS = ("lm_loss", "loss", "total_loss", "train_loss", "policy_loss", "pg_loss")
@@ -38,8 +46,34 @@ def _leaf(key: str) -> str:
     return key.rsplit("/", 1)[-1].lower().replace("-", "_").replace(" ", "_")
 
 
+_PLANNED_LINE_CHARS = 8192  # lines this long or shorter have their keys' plan cached (bounded memory)
+
+
+@lru_cache(maxsize=64)  # a run logs the same keys in the same order on every line
+def _plan(keys: tuple[str, ...]) -> tuple[int | None, int | None, int | None]:
+    """Where a line with these keys (left to right) has its step, grad norm and loss values: the first key
+    whose leaf is a step key; of the leaves in order of first appearance, the first grad-norm one and the
+    first loss key by `LOSS_KEYS` order, each at its last appearance (as a dict of the pairs keeps it)."""
+    leaves = [_leaf(key) for key in keys]
+    step = next((at for at, leaf in enumerate(leaves) if leaf in STEP_KEYS), None)
+    last = {leaf: at for at, leaf in enumerate(leaves)}
+    grad = next((last[k] for k in last if k in _GRAD_KEYS or k.endswith("grad_norm")), None)
+    loss = next((last[k] for k in LOSS_KEYS if k in last), None)
+    return step, grad, loss
+
+
 def key_values(line: str) -> list[tuple[str, str]]:
     """The `key=value` / `key:value` pairs (numeric values) of a line, left to right, in linear time."""
+    return [(pair[0], pair[1]) for pair in _pairs(line)]
+
+
+def _pairs(line: str) -> list[tuple[str, ...]]:
+    """`key_values`, each pair maybe with a third item."""
+    found = _KV_FOLLOWED.findall(line)
+    return _key_values_stepwise(line) if any(map(_ends_at_run, found)) else found
+
+
+def _key_values_stepwise(line: str) -> list[tuple[str, str]]:
     pairs: list[tuple[str, str]] = []
     match = _KV_START.search(line)
     while match:
@@ -51,7 +85,9 @@ def key_values(line: str) -> list[tuple[str, str]]:
 
 def parse_line(line: str) -> tuple[int, float | None, float | None] | None:
     """(iteration, grad_norm, loss) from one log line, or None when it carries no training step."""
-    match = MEGATRON.search(line)
+    # `iteration` in any case has `terat` lowered (only its `i` has non-ASCII case folds): most lines are
+    # ruled out without running the case-insensitive pattern
+    match = MEGATRON.search(line) if "terat" in line.lower() else None
     if match:
         values: dict[str, float] = {}
         for part in match.group(2).split("|"):
@@ -66,20 +102,19 @@ def parse_line(line: str) -> tuple[int, float | None, float | None] | None:
         if loss is None:
             loss = next((v for k, v in values.items() if k.endswith("_loss") and k != "loss_scale"), None)
         return int(match.group(1)), grad, loss
-    pairs = [(_leaf(k), v) for k, v in key_values(line)]
-    step = next((v for k, v in pairs if k in STEP_KEYS), None)
-    if step is None:
+    pairs = _pairs(line)
+    keys = tuple(map(_key, pairs))
+    step_at, grad_at, loss_at = (_plan if len(line) <= _PLANNED_LINE_CHARS else _plan.__wrapped__)(keys)
+    if step_at is None:
         return None
     try:
-        iteration = int(float(step))
+        iteration = int(float(pairs[step_at][1]))
     except (ValueError, OverflowError):
         return None
-    found = dict(pairs)
-    grad = next((found[k] for k in found if k in _GRAD_KEYS or k.endswith("grad_norm")), None)
-    loss = next((found[k] for k in LOSS_KEYS if k in found), None)
-    if grad is None and loss is None:
+    if grad_at is None and loss_at is None:
         return None
-    return iteration, (float(grad) if grad is not None else None), (float(loss) if loss is not None else None)
+    grad = float(pairs[grad_at][1]) if grad_at is not None else None
+    return iteration, grad, (float(pairs[loss_at][1]) if loss_at is not None else None)
 
 
 def error_kind(line: str) -> str | None:

@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import numpy as np
+
 from axrl_spike_replay.analysis.log_lines import error_kind, parse_line
+from axrl_spike_replay.analysis.log_series import SeriesBuilder
 from axrl_spike_replay.errors import AxrlError
 
 MAX_ERRORS = 200
@@ -80,19 +83,29 @@ _TRIGGER_WORDS = (*_ERROR_WORDS, *_NON_ASCII_I, b"iteration", b"step", b"it", b"
 _LOWER = bytes.maketrans(bytes(range(65, 91)), bytes(range(97, 123)))
 
 # -- the fast path: a block of plain Megatron lines, read with a few passes in C ------------------------------
-# A line whose prefix has no `i` and which has the Megatron head; split() gives (line, iteration) per line.
-_HEAD_LINE = re.compile(
-    rb"\n((?:[^\n\x00-\x1f\x7f-\xffiI]*+)(?<![A-Za-z0-9_])" + _ci(b"iteration") + rb" +([0-9]+) */ *[0-9]+ *\|[^\n]*+)"
-)
+# The literal word first (the pattern is then found by a prefix search), its left edge checked after it; a
+# head spelt otherwise (`Iteration`) reads no value here and its block goes to `_exact_lines`.
+_ITERATION_VALUE = re.compile(rb"iteration(?<![A-Za-z0-9_]iteration) +([0-9]+) */ *[0-9]+ *\|")
+_SKELETON_HEAD = b"iteration/|"
 _LM_LOSS_VALUE = re.compile(rb"\| lm loss: *(" + _NUM + rb") *(?=[|\n]|\Z)")
 _GRAD_NORM_VALUE = re.compile(rb"\| grad norm: *(" + _NUM + rb") *(?=[|\n]|\Z)")
-# A line's skeleton: lower case, without digits, spaces, `.`, `+`, `-`. Lines of one Megatron log share a few
-# skeletons, checked once each. Deleting characters can make a word appear, never disappear, so a skeleton
+# A line's skeleton: lower case, without digits, spaces, `.`, `+`, `-`. The Megatron lines of one log share a
+# skeleton, checked once per block. Deleting characters can make a word appear, never disappear, so a skeleton
 # without a word proves its lines lack it.
 _SKELETON_DELETE = b"0123456789 .+-"
-_MAX_SKELETONS = 64
 _NON_FINITE_SKELETON = (b":nan", b"=nan", b":inf", b"=inf")
 _NOT_PRINTABLE = bytes(range(32, 127))  # deleted by translate: what is left is not printable ASCII
+
+
+def _plain_head_skeleton(skeleton: bytes) -> bool:
+    """Whether the lines with this skeleton are plain Megatron lines (`_plain_skeleton`) with one head
+    (`iteration N/ M |`), before which there is no `i` (the first head is the one the reference reads) nor
+    `|` (no part is read before the head)."""
+    head = skeleton.find(_SKELETON_HEAD)
+    before = skeleton[:head]
+    return (
+        head >= 0 and skeleton.count(_SKELETON_HEAD) == 1 and b"i" not in before and b"|" not in before
+    ) and _plain_skeleton(skeleton)
 
 
 def _plain_skeleton(skeleton: bytes) -> bool:
@@ -113,13 +126,12 @@ _LONG = re.compile(rb"\n[^\n]{%d}" % (MAX_LINE_CHARS + 1))
 
 @dataclass
 class LogTally:
-    """What the lines of the logs read so far add up to. `points`: iteration -> point, the last logged wins."""
+    """What the lines of the logs read so far add up to. `series`: the points in log order."""
 
-    points: dict[int, dict[str, Any]] = field(default_factory=dict)
+    series: SeriesBuilder = field(default_factory=SeriesBuilder)
     errors: list[dict[str, Any]] = field(default_factory=list)
     error_lines: int = 0
     lines: int = 0
-    repeated: int = 0
     long_lines: int = 0
 
 
@@ -208,9 +220,7 @@ def _line(text: str, whole: bool, number: int, file: str, tally: LogTally) -> No
     if whole:
         parsed = parse_line(text)
         if parsed is not None:
-            iteration, grad, loss = parsed
-            tally.repeated += iteration in tally.points
-            tally.points[iteration] = {"iteration": iteration, "grad_norm": grad, "loss": loss}
+            tally.series.append(*parsed)
     else:
         tally.long_lines += 1  # its numbers could be cut anywhere: not part of the series
     kind = error_kind(text)
@@ -236,43 +246,67 @@ def _lines(data: bytes, file: str, tally: LogTally) -> None:
 
 
 def _plain_megatron_block(data: bytes, file: str, tally: LogTally) -> bool:
-    """Read `data` in a few passes in C when its Megatron lines are plain (`_plain_skeleton`, and their
-    `lm loss` and `grad norm` values read) and its other lines add no points. False (and `tally` untouched)
-    when the block is not so."""
-    parts = _HEAD_LINE.split(data)
-    count = len(parts) // 3
-    if count < 16:  # few Megatron lines: not worth it
+    """Read `data` in a few passes in C when most of its lines are plain Megatron lines of one skeleton
+    (`_plain_head_skeleton`, and their iteration, `lm loss` and `grad norm` values read) and its other lines
+    add no points. False (and `tally` untouched) when the block is not so.
+
+    The lines of that skeleton are counted, not split out: with every newline doubled, each line is
+    `\\n skeleton \\n` and `count` finds exactly the lines equal to it. The others, when there are some, are
+    the lines whose skeleton is not of its length (proved by the counts agreeing) and go to `_exact_lines`.
+    """
+    if not data.endswith(b"\n"):
         return False
-    found = parts[1::3]
-    joined = b"\n".join(found)
-    skeletons = set(joined.translate(_LOWER, _SKELETON_DELETE).split(b"\n"))
-    if len(skeletons) > _MAX_SKELETONS or not all(map(_plain_skeleton, skeletons)):
+    skeletons = data.translate(_LOWER, _SKELETON_DELETE)
+    head = skeletons.find(_SKELETON_HEAD)
+    if head < 0:
         return False
-    # one `| lm loss: ` and one `| grad norm: ` per line (its skeleton has one): as many values as lines
-    # means each has one that reads
-    loss_values, grad_values = _LM_LOSS_VALUE.findall(joined), _GRAD_NORM_VALUE.findall(joined)
-    if len(loss_values) != count or len(grad_values) != count:
+    skeleton = skeletons[skeletons.rfind(b"\n", 0, head) + 1 : skeletons.find(b"\n", head)]
+    if not _plain_head_skeleton(skeleton):
         return False
-    # the other lines, with the Megatron lines left empty (line numbers kept): errors only, or no fast path
-    others = LogTally(lines=tally.lines)
-    _exact_lines(b"\n".join(parts[0::3]), file, others)
-    if others.points:
+    count = skeletons.count(b"\n") - 1  # lines in the block
+    same = skeletons.replace(b"\n", b"\n\n").count(b"\n" + skeleton + b"\n")
+    if same < 16:  # few Megatron lines: not worth it
         return False
-    points = tally.points
-    read = {
-        iteration: {"iteration": iteration, "grad_norm": grad, "loss": loss}
-        for iteration, loss, grad in zip(
-            map(int, parts[2::3]), map(float, loss_values), map(float, grad_values), strict=True
-        )
-    }
-    # each line whose iteration was logged before counts, as the reference loop counts it
-    tally.repeated += count - len(read) + len(read.keys() & points.keys())
-    points.update(read)
-    tally.lines += data.count(b"\n") - data.endswith(b"\n")
+    plain, others = data, LogTally(lines=tally.lines)
+    if same != count:
+        ends = np.flatnonzero(np.frombuffer(skeletons, dtype=np.uint8) == 10)
+        fits = np.diff(ends) - 1 == len(skeleton)
+        if int(np.count_nonzero(fits)) != same:  # a line of that length but another skeleton
+            return False
+        plain, rest = _apart(data, np.flatnonzero(~fits).tolist(), count)
+        _exact_lines(rest, file, others)
+        if len(others.series):
+            return False
+    iterations = _ITERATION_VALUE.findall(plain)
+    losses, grads = _LM_LOSS_VALUE.findall(plain), _GRAD_NORM_VALUE.findall(plain)
+    # one head, one `| lm loss: ` and one `| grad norm: ` per line (its skeleton has one): as many values as
+    # lines means each line has one that reads
+    if not len(iterations) == len(losses) == len(grads) == same:
+        return False
+    tally.series.extend_read(list(map(int, iterations)), list(map(float, grads)), list(map(float, losses)))
+    tally.lines += count
     tally.long_lines += others.long_lines
     tally.error_lines += others.error_lines
     tally.errors += others.errors[: MAX_ERRORS - len(tally.errors)]
     return True
+
+
+def _apart(data: bytes, others: list[int], count: int) -> tuple[bytes, bytes]:
+    """(`data` without the lines numbered `others`, those lines alone with the others left empty): both
+    b"\\n" + lines; the second keeps every line's number."""
+    ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+    kept: list[bytes] = []
+    apart: list[bytes] = []
+    done, last = 0, -1
+    for line in others:
+        opens, closes = int(ends[line]), int(ends[line + 1])
+        kept.append(data[done:opens])
+        done = closes
+        apart += [b"\n" * (line - last), data[opens + 1 : closes]]
+        last = line
+    kept.append(data[done:])
+    apart.append(b"\n" * (count - last))
+    return b"".join(kept), b"".join(apart)
 
 
 def _exact_lines(data: bytes, file: str, tally: LogTally) -> None:
@@ -286,7 +320,7 @@ def _exact_lines(data: bytes, file: str, tally: LogTally) -> None:
             at = data.find(b"\n", at)
             at = -1 if at < 0 else low.find(word, at)
     lines = _Numbering(data, tally.lines)
-    points = tally.points
+    series = tally.series
     done = 0  # data[done:] is still to read
     for match in _MEGATRON_LINE.finditer(data):
         start = match.start()
@@ -295,14 +329,10 @@ def _exact_lines(data: bytes, file: str, tally: LogTally) -> None:
         if start in flagged:
             _line(_text(data, start), True, lines.number(start), file, tally)
         else:
-            iteration = int(match["it"])
             grad, loss = match["grad"], match["loss"]
-            tally.repeated += iteration in points
-            points[iteration] = {
-                "iteration": iteration,
-                "grad_norm": None if grad is None else float(grad),
-                "loss": None if loss is None else float(loss),
-            }
+            series.append(
+                int(match["it"]), None if grad is None else float(grad), None if loss is None else float(loss)
+            )
         done = match.end()
     if done < len(data):
         _other_lines(data, low, done, len(data), file, tally, lines)

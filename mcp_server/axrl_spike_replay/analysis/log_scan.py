@@ -1,7 +1,8 @@
 """Copy a job's training logs into the workspace and scan them: grad-norm/loss series, spikes, error lines.
 
 Lines are read by `log_lines` (Megatron-style and key=value lines, error kinds), streamed by `log_reader`
-(large binary reads, per-line work only for lines that can match, memory flat in the file size).
+(large binary reads, per-line work only for lines that can match, memory flat in the file size), and the
+series held by `log_series` (typed arrays, a few bytes per iteration; `SeriesPoints` reads them as dicts).
 
 Spikes are found by the spike guard's own detector (`capture.detectors`, ratio to the rolling
 median of healthy norms by default), with the run's own detector settings where its snapshots
@@ -19,13 +20,17 @@ import math
 import os
 import shutil
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from axrl_spike_replay.analysis.log_lines import error_kind, key_values, parse_line
 from axrl_spike_replay.analysis.log_reader import MAX_ERRORS, MAX_LINE_CHARS, LogTally, scan_file
+from axrl_spike_replay.analysis.log_series import SeriesPoints
 from axrl_spike_replay.analysis.series_sampling import DEFAULT_LIMIT, sampled_series
 from axrl_spike_replay.atomic import temp_beside
 from axrl_spike_replay.capture.detectors import Detector, MedianRatioDetector, make_detector
@@ -55,7 +60,8 @@ __all__ = [
 
 @dataclass
 class LogScan:
-    """What `logs` reports. `series_points` is one point per iteration (the last logged value wins).
+    """What `logs` reports. `series_points` is one point per iteration (the last logged value wins): from
+    `scan_logs`, a compact sequence (`SeriesPoints`, dicts made when read); `with_sampled_series` makes it a list.
 
     `long_lines`: lines longer than `MAX_LINE_CHARS`, left out of the series (their start is still checked
     for errors). `skipped`: log entries not copied, each {path, reason} (e.g. a symlink leading out).
@@ -64,7 +70,7 @@ class LogScan:
     name: str
     dest: str
     copied: list[str]
-    series_points: list[dict[str, Any]]
+    series_points: Sequence[dict[str, Any]]
     spikes: list[dict[str, Any]]
     errors: list[dict[str, Any]]
     error_lines: int = 0
@@ -77,8 +83,11 @@ class LogScan:
     series_sampled: bool = False
 
 
-def with_sampled_series(scan: LogScan, limit: int = DEFAULT_LIMIT) -> LogScan:
-    """`scan` with its series down-sampled to about `limit` points (spikes and their neighbourhoods exact)."""
+def with_sampled_series(scan: LogScan, limit: int | None = DEFAULT_LIMIT) -> LogScan:
+    """`scan` with its series as a list down-sampled to about `limit` points (spikes and their neighbourhoods
+    exact), or every point when `limit` is None."""
+    if limit is None:
+        return dataclasses.replace(scan, series_points=list(scan.series_points))
     points = sampled_series(scan.series_points, [s["iteration"] for s in scan.spikes], limit=limit)
     sampled = len(points) < len(scan.series_points)
     return dataclasses.replace(scan, series_points=points, series_sampled=sampled or scan.series_sampled)
@@ -153,44 +162,86 @@ def run_detector_config(paths: Sequence[str | Path]) -> tuple[dict[str, Any], st
     return {}, None
 
 
-def _spikes(series: list[dict[str, Any]], detector: Detector) -> list[dict[str, Any]]:
+def _spikes(series: Sequence[dict[str, Any]], detector: Detector) -> list[dict[str, Any]]:
     """The points of `series` the detector trips on, observed in order.
 
     A median-ratio detector past warm-up cannot trip on a finite norm at most `threshold` x the window's
     smallest (positive) norm, the median being at least that: such a norm joins the window without the median
-    being taken (the same window and trips as `observe`, at a fraction of its cost on long series).
+    being taken (the same window and trips as `observe`, at a fraction of its cost on long series). Runs of
+    such norms are found with array operations (`_quiet_run`), the window's smallest norm at each point being
+    that of the norms before it as long as none of them trips.
     """
-    quick = isinstance(detector, MedianRatioDetector)
+    if isinstance(series, SeriesPoints):
+        logged = (series.flags & 1) == 1
+        iterations, array = series.iterations, series.grads
+        if not logged.all():
+            iterations, array = iterations[logged], array[logged]
+    else:
+        points = [p for p in series if p["grad_norm"] is not None]
+        iterations = np.array([p["iteration"] for p in points], dtype=object)
+        array = np.array([p["grad_norm"] for p in points], dtype=np.float64)
+    quick = detector if isinstance(detector, MedianRatioDetector) else None
     below = detector.threshold * (1 - 1e-9)  # margin: value / median <= value / smallest < threshold, rounded
-    history = detector.history if quick else None
-    smallest = min(history, default=math.inf) if history is not None else math.inf
     spikes = []
-    for point in series:
-        norm = point["grad_norm"]
-        if norm is None:
-            continue
-        settled = history is not None and len(history) >= detector.warmup and math.isfinite(norm)
-        if history is not None and settled and smallest > 0 and norm <= below * smallest:
-            evicted = history[0] if len(history) == history.maxlen else None
-            history.append(norm)
-            if norm < smallest:
-                smallest = norm
-            elif evicted == smallest:
-                smallest = min(history)
-            continue
-        seen = detector.observe(norm)
-        if history is not None:
-            smallest = min(history, default=math.inf)
+    at, stretch = 0, _FIRST_STRETCH
+    while at < len(array):
+        # right after a norm that was judged, the next one is checked alone first: a series where most norms
+        # are judged (all zero, all NaN) costs no array work
+        history = quick.history if quick is not None else None
+        if (
+            history is not None
+            and len(history) >= detector.warmup
+            and (stretch > _FIRST_STRETCH or _quiet(float(array[at]), history, below))
+        ):
+            chunk = array[at : at + stretch]
+            run = _quiet_run(history, detector.window, chunk, below)
+            history.extend(array[at : at + run].tolist())
+            at += run
+            if run == len(chunk):
+                stretch = min(2 * stretch, _LONGEST_STRETCH)
+                continue
+            stretch = _FIRST_STRETCH
+        seen = detector.observe(float(array[at]))
         if seen.tripped:
             spikes.append(
                 {
-                    "iteration": point["iteration"],
+                    "iteration": int(iterations[at]),
                     "grad_norm": seen.grad_norm,
                     "spike_ratio": seen.spike_ratio,
                     "median_norm": None if math.isnan(seen.median_norm) else seen.median_norm,
                 }
             )
+        at += 1
     return spikes
+
+
+_FIRST_STRETCH, _LONGEST_STRETCH = 64, 1 << 16
+
+
+def _quiet(norm: float, history: deque[float], below: float) -> bool:
+    smallest = min(history)
+    return math.isfinite(norm) and smallest > 0 and norm <= below * smallest
+
+
+def _quiet_run(history: deque[float], window: int, norms: np.ndarray, below: float) -> int:
+    """How many of `norms`, from the first, a settled median-ratio detector with this `history` takes into its
+    window without taking the median: finite, and at most `below` x the smallest (positive) norm of the window
+    before (that of the norms before it, none of them having tripped)."""
+    held = np.array(history, dtype=np.float64)
+    padded = np.concatenate([np.full(window - len(held), np.inf), held, norms])
+    smallest = _window_min(padded, window)[: len(norms)]
+    quiet = np.isfinite(norms) & (smallest > 0) & (norms <= below * smallest)
+    stops = np.flatnonzero(~quiet)
+    return int(stops[0]) if stops.size else len(norms)
+
+
+def _window_min(values: np.ndarray, width: int) -> np.ndarray:
+    """min(values[i : i + width]) for each i with a full window, by doubling spans (log2(width) passes)."""
+    spans, span = values, 1
+    while 2 * span <= width:
+        spans = np.minimum(spans[:-span], spans[span:])
+        span *= 2
+    return np.minimum(spans[: len(values) - width + 1], spans[width - span : width - span + len(values) - width + 1])
 
 
 def _check_cancel(cancel: threading.Event | None, where: str) -> None:
@@ -307,8 +358,7 @@ def scan_logs(
             progress(f"scanning {copy.name} ({done}/{len(copies)})")
         scan_file(copy, tally, cancel)
 
-    points = tally.points
-    series = [points[i] for i in sorted(points)]
+    series, repeated = tally.series.settled()
     spikes = _spikes(series, detector)
     return LogScan(
         name=name,
@@ -319,7 +369,7 @@ def scan_logs(
         errors=tally.errors,
         error_lines=tally.error_lines,
         lines=tally.lines,
-        repeated_iterations=tally.repeated,
+        repeated_iterations=repeated,
         detector={**detector.config(), "source": source or "defaults"},
         long_lines=tally.long_lines,
         skipped=skipped[:MAX_SKIPPED],

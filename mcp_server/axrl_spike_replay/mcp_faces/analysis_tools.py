@@ -13,6 +13,7 @@ from axrl_spike_replay.analysis.batch_signals import BatchAnalysis, analyze_snap
 from axrl_spike_replay.analysis.diagnose import Diagnosis, diagnose_snapshot
 from axrl_spike_replay.analysis.grad_info import GradReport, top_param_grads
 from axrl_spike_replay.analysis.log_scan import LogScan, default_name, scan_logs, with_sampled_series
+from axrl_spike_replay.analysis.series_sampling import DEFAULT_LIMIT
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
 from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg
 from axrl_spike_replay.workspace.paths import TMP_DIR, check_plain_name
@@ -108,7 +109,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
                         title=f"{scan.name}: grad norm per iteration",
                     )
                 )
-            return (scan if full_series else with_sampled_series(scan)), images
+            return with_sampled_series(scan, None if full_series else DEFAULT_LIMIT), images
 
         scan, images = await call_library(ctx, work)
         return structured(LogScan, scan, images)
