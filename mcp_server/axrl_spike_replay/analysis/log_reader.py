@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from axrl_spike_replay.analysis import log_values
 from axrl_spike_replay.analysis.log_lines import error_kind, parse_line
 from axrl_spike_replay.analysis.log_series import SeriesBuilder
 from axrl_spike_replay.errors import AxrlError
@@ -277,18 +278,53 @@ def _plain_megatron_block(data: bytes, file: str, tally: LogTally) -> bool:
         _exact_lines(rest, file, others)
         if len(others.series):
             return False
-    iterations = _ITERATION_VALUE.findall(plain)
-    losses, grads = _LM_LOSS_VALUE.findall(plain), _GRAD_NORM_VALUE.findall(plain)
-    # one head, one `| lm loss: ` and one `| grad norm: ` per line (its skeleton has one): as many values as
-    # lines means each line has one that reads
-    if not len(iterations) == len(losses) == len(grads) == same:
-        return False
-    tally.series.extend_read(list(map(int, iterations)), list(map(float, grads)), list(map(float, losses)))
+    read = _plain_values(plain, skeleton, same)
+    if read is not None:
+        tally.series.extend_arrays(*read)
+    else:  # a value the arrays do not read (a huge iteration, a long span): the patterns read them all
+        iterations = _ITERATION_VALUE.findall(plain)
+        losses, grads = _LM_LOSS_VALUE.findall(plain), _GRAD_NORM_VALUE.findall(plain)
+        # one head, one `| lm loss: ` and one `| grad norm: ` per line (its skeleton has one): as many values
+        # as lines means each line has one that reads
+        if not len(iterations) == len(losses) == len(grads) == same:
+            return False
+        tally.series.extend_read(list(map(int, iterations)), list(map(float, grads)), list(map(float, losses)))
     tally.lines += count
     tally.long_lines += others.long_lines
     tally.error_lines += others.error_lines
     tally.errors += others.errors[: MAX_ERRORS - len(tally.errors)]
     return True
+
+
+def _plain_values(plain: bytes, skeleton: bytes, lines: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(iterations, grad norms, losses) of `plain`: `lines` lines of one plain head skeleton, read where
+    `_ITERATION_VALUE`, `_GRAD_NORM_VALUE` and `_LM_LOSS_VALUE` read them, with the same values; None when a
+    line has one that `log_values` does not read (the patterns then decide).
+
+    Every line has as many `|` as its skeleton, so the k-th `|` of each line is a column of the block's `|`
+    positions: the head ends at the first, and `| lm loss:` / `| grad norm:` start at the one the skeleton
+    puts before `|lmloss:` / `|gradnorm:` (its only one, so the only place those patterns can match).
+    """
+    array = np.frombuffer(plain, np.uint8)
+    per_line = skeleton.count(b"|")
+    pipes = np.flatnonzero(array == 124)
+    if pipes.size != lines * per_line:
+        return None
+    pipes = pipes.reshape(lines, per_line)
+    heads = log_values.head_starts(array, pipes[:, 0])
+    iterations = None if heads is None else log_values.read_heads(array, heads)
+    if iterations is None:
+        return None
+    read: list[np.ndarray] = [iterations]
+    for marker, word in ((b"| grad norm:", b"|gradnorm:"), (b"| lm loss:", b"|lmloss:")):
+        at = pipes[:, skeleton[: skeleton.find(word)].count(b"|")]
+        if not log_values.has_marker(array, at, marker):
+            return None
+        values = log_values.read_floats(plain, array, at + len(marker))
+        if values is None:
+            return None
+        read.append(values)
+    return read[0], read[1], read[2]
 
 
 def _apart(data: bytes, others: list[int], count: int) -> tuple[bytes, bytes]:

@@ -59,6 +59,13 @@ class SeriesBuilder:
         self.losses += array("d", losses)
         self.flags += bytes([_HAS_GRAD | _HAS_LOSS]) * len(its)
 
+    def extend_arrays(self, iterations: np.ndarray, grads: np.ndarray, losses: np.ndarray) -> None:
+        """`extend_read` of int64 / float64 arrays of equal length."""
+        self.iterations.frombytes(np.ascontiguousarray(iterations, dtype=np.int64).tobytes())
+        self.grads.frombytes(np.ascontiguousarray(grads, dtype=np.float64).tobytes())
+        self.losses.frombytes(np.ascontiguousarray(losses, dtype=np.float64).tobytes())
+        self.flags += bytes([_HAS_GRAD | _HAS_LOSS]) * len(iterations)
+
     def settled(self) -> tuple[SeriesPoints, int]:
         """(the series in iteration order, the last logged value of each iteration; how many points were
         logged for an iteration logged before). The builder takes no more points after this."""
