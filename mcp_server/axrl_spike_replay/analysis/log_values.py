@@ -40,9 +40,9 @@ def _taken(windows: np.ndarray, at: np.ndarray) -> np.ndarray:
 
 def _rows(array: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
     """The `width` bytes from each of `starts` (ascending), newlines past the end of `array`."""
-    limit = len(array) - width
-    cut = int(np.searchsorted(starts, limit, side="right"))
-    rows = _taken(_windows(array, width), starts[:cut])
+    limit = max(len(array) - width, 0)
+    cut = int(np.searchsorted(starts, limit, side="right")) if len(array) >= width else 0
+    rows = _taken(_windows(array, width), starts[:cut]) if cut else np.zeros((0, width), np.uint8)
     if cut == len(starts):
         return rows
     tail = np.concatenate([array[limit:], np.full(width, _NEWLINE, np.uint8)])
