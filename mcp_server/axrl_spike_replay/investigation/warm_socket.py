@@ -35,10 +35,11 @@ class WarmPaths:
     """The service's private dir and the files in it."""
 
     dir: Path
+    name: str = SOCKET_NAME  # the socket's file name in `dir`
 
     @property
     def socket(self) -> Path:
-        return self.dir / SOCKET_NAME
+        return self.dir / self.name
 
     @property
     def lock(self) -> Path:
@@ -65,7 +66,7 @@ def socket_paths(socket_path: str | Path) -> WarmPaths:
     path = Path(socket_path).expanduser().absolute()
     if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
         raise AxrlError(f"socket path {path} is longer than a Unix socket path may be ({_MAX_SOCKET_PATH} bytes)")
-    return WarmPaths(path.parent)
+    return WarmPaths(path.parent, path.name)
 
 
 def private_dir(path: Path, *, create: bool) -> Path:
