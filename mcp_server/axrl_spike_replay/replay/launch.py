@@ -229,7 +229,8 @@ def configs_in_parallel(runner: JobRunner, requested: int | None) -> JobRunner:
         stop = _EitherCancel(cancel)
 
         def one(i: int) -> list[ConfigOutcome]:
-            tagged = (lambda line: progress(f"[pool {i}] {line}")) if progress is not None else None
+            say = progress
+            tagged = (lambda line: say(f"[pool {i}] {line}")) if say is not None else None
             try:
                 return runner(replace(job, configs=(baseline, *chunks[i])), timeout_s, stop, progress=tagged, slot=i)
             except BaseException:
