@@ -88,17 +88,23 @@ async def _warm_lifespan(server: Any) -> AsyncIterator[dict[str, Any]]:
             await anyio.to_thread.run_sync(warm.close)
 
 
-def create_server(workspace: str | Path | None = None, *, warm: bool = True) -> SpikeReplayServer:
+def create_server(
+    workspace: str | Path | None = None,
+    *,
+    warm: bool = True,
+    warm_memory: int | None = None,
+    warm_idle_s: float | None = None,
+) -> SpikeReplayServer:
     """The server with every tool, resource and prompt; `workspace` (default: cwd) is the tools' default.
 
     `warm`: keep replay processes and loaded weights between calls (see `replay.warm_pool`); they stop
-    when the server's session ends.
+    when the server's session ends, or after `warm_idle_s` unused. `warm_memory`: bytes of loaded weights
+    kept (default a quarter of RAM).
     """
-    from axrl_spike_replay.replay.warm_pool import WarmService
+    from axrl_spike_replay.replay.warm_pool import DEFAULT_IDLE_S, WarmService
 
-    config = ServerConfig(
-        workspace=Path(workspace or Path.cwd()).expanduser().resolve(), warm=WarmService() if warm else None
-    )
+    service = WarmService(warm_memory, idle_s=warm_idle_s or DEFAULT_IDLE_S) if warm else None
+    config = ServerConfig(workspace=Path(workspace or Path.cwd()).expanduser().resolve(), warm=service)
     server = SpikeReplayServer(config)
     for module in TOOL_MODULES:
         module.register(server, config)
@@ -107,10 +113,17 @@ def create_server(workspace: str | Path | None = None, *, warm: bool = True) -> 
 
 
 def serve(
-    workspace: str | Path | None = None, *, http: bool = False, host: str = "127.0.0.1", port: int = 8765
+    workspace: str | Path | None = None,
+    *,
+    http: bool = False,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    warm: bool = True,
+    warm_memory: int | None = None,
+    warm_idle_s: float | None = None,
 ) -> None:
     """Run the server until its client goes away (stdio) or it is interrupted (streamable HTTP at /mcp)."""
-    server = create_server(workspace)
+    server = create_server(workspace, warm=warm, warm_memory=warm_memory, warm_idle_s=warm_idle_s)
     try:
         if http:
             server.run("streamable-http", host=host, port=port)

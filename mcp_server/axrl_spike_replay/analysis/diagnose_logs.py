@@ -69,11 +69,13 @@ def log_point(
         return point
     point.source = ", ".join(str(p) for p in files)
     point.error_lines = tally.error_lines
-    found = tally.points.get(iteration)
+    series, _ = tally.series.settled()  # the last logged value of each iteration
+    near = {p["iteration"]: p for p in series if iteration - NEIGHBOURHOOD <= p["iteration"] <= iteration}
+    found = near.get(iteration)
     point.before = [
         float(p["grad_norm"])
         for i in range(iteration - NEIGHBOURHOOD, iteration)
-        if (p := tally.points.get(i)) is not None and p.get("grad_norm") is not None
+        if (p := near.get(i)) is not None and p.get("grad_norm") is not None
     ]
     if found is None or found.get("grad_norm") is None:
         point.note = f"the logs have no grad norm at iteration {iteration}"

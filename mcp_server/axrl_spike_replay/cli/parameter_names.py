@@ -28,6 +28,7 @@ _PARAMETERS = {
     "workspace",
     "job",
     "allow_reduced",
+    "parallel_configs",
     *_FLAGS,
 }
 _NAMED = re.compile(r"`([a-z_]+)`")

@@ -27,6 +27,15 @@ def _common(parser: argparse.ArgumentParser, layout: bool = True) -> None:
         "--workspace", default=".", help="workspace root; output goes to tmp/spike-replay/<job>/<timestamp>/"
     )
     parser.add_argument("--job", default=None, help="job name for the output dir and task file (default: snapshot's)")
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="run on the workspace's warm replay service (processes and weights kept between calls; started on "
+        "first use, see `serve`); the same results and files as without",
+    )
+    parser.add_argument(
+        "--server", default=None, metavar="SOCKET", help="run on the warm replay service listening at SOCKET"
+    )
     add_json_flag(parser)
 
 
@@ -79,6 +88,14 @@ def register(sub: Any) -> None:
         help="one config per option (several NAME=VALUE items in one option combine)",
     )
     _clear_threshold(s)
+    s.add_argument(
+        "--parallel-configs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run the configs on N pools of --nproc processes side by side, each also computing the baseline "
+        "(default: 1 on CPU; on CUDA as many as the GPUs hold); the same results as one pool",
+    )
     s.set_defaults(handler=_sweep)
 
     a = sub.add_parser(
@@ -118,27 +135,36 @@ def _request(args: argparse.Namespace, verb: str, **what: Any) -> ReplayRequest:
     )
 
 
-def _replay(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.investigation.runs import run_request
+def _run(args: argparse.Namespace, request: ReplayRequest) -> Any:
+    """The result document of `request`: run here as always, or on the warm service with --warm / --server."""
     from axrl_spike_replay.jsonable import to_jsonable
+
+    if args.warm or args.server:
+        from axrl_spike_replay.investigation.warm_client import run_on_service
+
+        return run_on_service(request, args.server)
+    from axrl_spike_replay.investigation.runs import run_request
+
+    return to_jsonable(run_request(request))
+
+
+def _replay(args: argparse.Namespace) -> int:
     from axrl_spike_replay.replay.mitigations import parse_mitigation_args
 
-    result = run_request(_request(args, "replay", mitigations=parse_mitigation_args(args.mitigation)))
-    emit(to_jsonable(result), args.json, render_replay)
+    result = _run(args, _request(args, "replay", mitigations=parse_mitigation_args(args.mitigation)))
+    emit(result, args.json, render_replay)
     return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.investigation.runs import run_request
-    from axrl_spike_replay.jsonable import to_jsonable
     from axrl_spike_replay.replay.mitigations import load_mitigation_set, parse_mitigation_args
 
     if args.mitigation_set:
         configs = load_mitigation_set(args.mitigation_set)
     else:
         configs = [parse_mitigation_args(_sweep_items(item)) for item in args.mitigation]
-    result = run_request(_request(args, "sweep", configs=configs))
-    emit(to_jsonable(result), args.json, render_sweep)
+    result = _run(args, _request(args, "sweep", configs=configs, parallel_configs=args.parallel_configs))
+    emit(result, args.json, render_sweep)
     return 0
 
 
@@ -153,12 +179,10 @@ def _sweep_items(option: str) -> list[str]:
 
 
 def _attribute(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.investigation.runs import run_request
-    from axrl_spike_replay.jsonable import to_jsonable
     from axrl_spike_replay.replay.mitigations import parse_mitigation_args
 
-    result = run_request(_request(args, "attribute", top=args.top, mitigations=parse_mitigation_args(args.mitigation)))
-    emit(to_jsonable(result), args.json, render_attribution)
+    request = _request(args, "attribute", top=args.top, mitigations=parse_mitigation_args(args.mitigation))
+    emit(_run(args, request), args.json, render_attribution)
     return 0
 
 

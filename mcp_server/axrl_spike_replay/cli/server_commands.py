@@ -1,20 +1,65 @@
-"""CLI verbs for agents: `mcp` runs the MCP tool server, `install` puts skills and server into an agent."""
+"""CLI verbs for long-lived servers and agents: `mcp` runs the MCP tool server, `serve` the CLI's warm replay
+service, `install` puts skills and server into an agent."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.replay.warm_pool import DEFAULT_IDLE_S
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def parse_size(text: str) -> int:
+    """Bytes from `4G`, `512M`, `64K` or a plain number of bytes (binary units); ConfigError otherwise."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    raw = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = units.get(raw[-1:], 1)
+    number = raw[:-1] if raw[-1:] in units else raw
+    try:
+        value = float(number)
+    except ValueError:
+        raise ConfigError(f"`warm_memory` must be a size like 4G, 512M or a number of bytes, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise ConfigError(f"`warm_memory` must be a size >= 0, got {text!r}")
+    return int(value * scale)
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _add_warm_options(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--warm-memory",
+        default=None,
+        metavar="SIZE",
+        help=f"{what}: memory for loaded snapshot weights, over all replay processes (e.g. 4G; default a quarter "
+        "of RAM); least recently used first out",
+    )
+    parser.add_argument(
+        "--warm-idle-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_IDLE_S,
+        metavar="S",
+        help=f"{what}: replay processes unused this long are stopped (default {DEFAULT_IDLE_S:g})",
+    )
+
+
 def register(sub: Any) -> None:
-    """Add `mcp` and `install`."""
+    """Add `mcp`, `serve` and `install`."""
     mcp = sub.add_parser(
         "mcp",
         help="run the MCP tool server (stdio by default, or streamable HTTP)",
@@ -25,7 +70,25 @@ def register(sub: Any) -> None:
     mcp.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     mcp.add_argument("--port", type=int, default=8765, help="HTTP port (default 8765)")
     mcp.add_argument("--workspace", default=None, help="default workspace of the tools (default: current directory)")
+    mcp.add_argument(
+        "--no-warm", action="store_true", help="spawn replay processes for every call instead of keeping them warm"
+    )
+    _add_warm_options(mcp, "warm replays")
     mcp.set_defaults(handler=_mcp)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the warm replay service that `replay`/`sweep`/`attribute --warm` use (foreground)",
+        description="Keep replay processes (torch imported, process group up) and snapshot weights loaded for "
+        "later CLI calls with --warm, which reach this service over a Unix socket only this user can use "
+        "(WORKSPACE/tmp/spike-replay-warm/serve.sock, or under $XDG_RUNTIME_DIR for a long path). `--warm` "
+        "starts one on first use. It stops after --warm-idle-timeout seconds without a request, on --stop, "
+        "SIGTERM or Ctrl-C, and its replay processes stop with it.",
+    )
+    serve.add_argument("--workspace", default=".", help="the workspace whose CLI calls it serves (default: .)")
+    serve.add_argument("--stop", action="store_true", help="stop the service of this workspace and exit")
+    _add_warm_options(serve, "the service")
+    serve.set_defaults(handler=_serve)
 
     install = sub.add_parser(
         "install",
@@ -47,6 +110,7 @@ def _mcp(args: argparse.Namespace) -> int:
         raise ConfigError(f"--workspace {args.workspace}: not an existing directory")
     from axrl_spike_replay.server import serve
 
+    memory = parse_size(args.warm_memory) if args.warm_memory is not None else None
     # A server stops at once on SIGTERM, whatever its tools' worker threads are doing: their rank
     # processes die with it and a watcher removes their temp dirs (see rank_processes).
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -55,7 +119,33 @@ def _mcp(args: argparse.Namespace) -> int:
         if args.host not in LOOPBACK:
             progress(f"warning: {args.host} is not loopback and the server has no authentication")
 
-    serve(args.workspace, http=args.http, host=args.host, port=args.port)
+    serve(
+        args.workspace,
+        http=args.http,
+        host=args.host,
+        port=args.port,
+        warm=not args.no_warm,
+        warm_memory=memory,
+        warm_idle_s=args.warm_idle_timeout,
+    )
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from axrl_spike_replay.investigation.warm_client import stop_service
+    from axrl_spike_replay.investigation.warm_daemon import ServiceSettings, serve_warm
+    from axrl_spike_replay.investigation.warm_socket import warm_paths
+
+    if not Path(args.workspace).expanduser().is_dir():
+        raise ConfigError(f"--workspace {args.workspace}: not an existing directory")
+    paths = warm_paths(args.workspace)
+    if args.stop:
+        pid = stop_service(paths)
+        progress(f"stopped the warm replay service (pid {pid})" if pid else f"no warm replay service at {paths.socket}")
+        return 0
+    memory = parse_size(args.warm_memory) if args.warm_memory is not None else None
+    with contextlib.suppress(KeyboardInterrupt):  # SIGTERM or Ctrl-C: a clean stop (serve_warm stops what it started)
+        serve_warm(paths, ServiceSettings(idle_s=args.warm_idle_timeout, memory_bytes=memory), progress)
     return 0
 
 

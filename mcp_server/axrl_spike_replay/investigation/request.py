@@ -48,6 +48,7 @@ class ReplayRequest:
     # how
     nproc: int | None = None  # None: the saved world size (full fidelity)
     device: str = "cpu"
+    parallel_configs: int | None = None  # sweep: pools running configs side by side (None: 1 on CPU, GPUs/nproc)
     # recorded where
     workspace: Path | None = None  # None: nothing is written
     job: str | None = None  # default: the snapshot's job name
@@ -67,6 +68,7 @@ class ReplayRequest:
         return ReplayOptions(
             nproc=self.nproc,
             device=self.device,
+            parallel_configs=self.parallel_configs,
             mitigations=dict(self.mitigations),
             repeat=self.repeat,
             clear_threshold=self.clear_threshold,
@@ -110,6 +112,7 @@ def replay_request(
     timeout_s: float | None = None,
     nproc: int | None = None,
     device: str = "cpu",
+    parallel_configs: int | None = None,
     workspace: str | Path | None = None,
     job: str | None = None,
     command: str | None = None,
@@ -127,6 +130,7 @@ def replay_request(
     patch_set = _patch_set(patch, patches)
     _check_combination(verb, where, backend, patch_set, timeout_s)
     _check_clear_threshold(clear_threshold, verb, where, backend)
+    _check_parallel_configs(parallel_configs, verb, where, backend)
     normalised = tuple(parse_config(c, f"config {i + 1}") for i, c in enumerate(configs))
     if verb == "sweep":
         check_distinct(normalised)
@@ -148,6 +152,7 @@ def replay_request(
         timeout_s=timeout_s,
         nproc=nproc,
         device=device,
+        parallel_configs=parallel_configs,
         workspace=Path(workspace) if workspace is not None else None,
         job=job,
         command=command,
@@ -224,6 +229,19 @@ def _check_clear_threshold(value: Any, verb: str, target: str, backend: str) -> 
             "`clear_threshold` applies to the built-in torch engine run here; a run on a `target` or with `backend` "
             "command is judged by the snapshot's detector threshold",
             "clear_threshold",
+        )
+
+
+def _check_parallel_configs(value: Any, verb: str, target: str, backend: str) -> None:
+    """Pools for a sweep's configs: an integer >= 1, for sweeps of the built-in torch engine run here."""
+    if value is None:
+        return
+    if not _is_int(value) or value < 1:
+        raise ConfigError(f"`parallel_configs` must be an integer >= 1, got {shown(value)}", "parallel_configs")
+    if verb != "sweep" or target != "local" or backend != "torch":
+        raise ConfigError(
+            "`parallel_configs` spreads a sweep's configs over pools of the built-in torch engine run here",
+            "parallel_configs",
         )
 
 

@@ -20,6 +20,7 @@ class ServerConfig:
 
     workspace: Path
     # Warm replay processes kept between calls (None: every local replay spawns its own, as the CLI does).
+    # Its memory budget and idle timeout are the server's options (`mcp --warm-memory --warm-idle-timeout`).
     warm: WarmService | None = field(default=None, compare=False)
 
     def workspace_for(self, given: str | None) -> Path:

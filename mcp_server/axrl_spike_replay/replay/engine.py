@@ -54,6 +54,7 @@ class JobRunner(Protocol):
         cancel: threading.Event | None = ...,
         *,
         progress: Callable[[str], None] | None = ...,
+        slot: int = ...,  # which of several pools of one layout (a sweep running configs in parallel)
     ) -> list[ConfigOutcome]: ...
 
 
@@ -73,6 +74,8 @@ class ReplayOptions:
     timeout_s: float = 1800.0  # collective timeout of the replay processes
     progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
     cancel: threading.Event | None = field(default=None, compare=False, repr=False)  # set: stop the run
+    # sweeps: pools running configs side by side (None: 1 on CPU, as many as the GPUs hold on CUDA)
+    parallel_configs: int | None = None
     # Runs the job (default `launch.run_job`: fresh processes); a server passes its warm pools' `run_job`.
     runner: JobRunner | None = field(default=None, compare=False, repr=False)
 

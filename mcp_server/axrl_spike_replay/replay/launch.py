@@ -13,9 +13,10 @@ import os
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import AxrlError
@@ -23,11 +24,14 @@ from axrl_spike_replay.rank_processes import RankProcessError, spawn_ranks
 from axrl_spike_replay.replay.worker import ConfigOutcome, ModelSource, WorkerJob, compute
 from axrl_spike_replay.temp_janitor import owned_temp_dir
 
+if TYPE_CHECKING:
+    from axrl_spike_replay.replay.engine import JobRunner
+
 _OUTCOMES = "outcomes.json"
 
 
 def process_device(device: str, process: int) -> str:
-    """The device replay process `process` computes on."""
+    """The device replay process `process` computes on (a pool in slot `s` of `n` processes counts from `s*n`)."""
     import torch
 
     if device == "cuda":
@@ -62,17 +66,19 @@ def run_job(
     *,
     models: ModelSource | None = None,
     progress: Callable[[str], None] | None = None,
+    slot: int = 0,
 ) -> list[ConfigOutcome]:
     """Outcomes of `job` (one per config, process 0's view after the reduction).
 
-    One process runs here, in the calling process (no spawn); `models` and `progress` apply to it
-    (see `worker.compute`). Several are spawned for this job and stopped after it.
+    One process in slot 0 runs here, in the calling process (no spawn); `models` and `progress` apply to it
+    (see `worker.compute`). Otherwise processes are spawned for this job and stopped after it; slot `s`
+    (a sweep running configs in parallel) computes on devices `s * nproc ...`.
     """
     import torch
 
     nproc = len(job.assignment)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    if nproc == 1 and not _dist_initialized():
+    if nproc == 1 and slot == 0 and not _dist_initialized():
         threads = torch.get_num_threads()
         deterministic = torch.are_deterministic_algorithms_enabled()
         torch.set_num_threads(1)
@@ -87,7 +93,7 @@ def run_job(
         finally:
             torch.set_num_threads(threads)
             torch.use_deterministic_algorithms(deterministic)
-    return _spawn(job, nproc, timeout_s, cancel, progress)
+    return _spawn(job, nproc, timeout_s, cancel, progress, slot * nproc)
 
 
 def _fields(job: WorkerJob) -> dict[str, object]:
@@ -106,6 +112,7 @@ def _spawn(
     timeout_s: float,
     cancel: threading.Event | None,
     progress: Callable[[str], None] | None,
+    first_device: int = 0,
 ) -> list[ConfigOutcome]:
     import torch.multiprocessing as mp
 
@@ -114,7 +121,7 @@ def _spawn(
     with owned_temp_dir("axrl-replay-") as tmp:  # removed even if this process is killed
         outcomes_path = str(Path(tmp) / _OUTCOMES)
         try:
-            _spawn_ranks(job, nproc, outcomes_path, lines, timeout_s, cancel)
+            _spawn_ranks(job, nproc, (outcomes_path, lines, first_device), timeout_s, cancel)
         finally:
             if relay is not None:
                 relay.stop()
@@ -143,12 +150,12 @@ class _Relay:
 
 
 def _spawn_ranks(
-    job: WorkerJob, nproc: int, outcomes_path: str, lines: Any, timeout_s: float, cancel: threading.Event | None
+    job: WorkerJob, nproc: int, out: tuple[str, Any, int], timeout_s: float, cancel: threading.Event | None
 ) -> None:
     spawn_ranks(
         _process,
         nproc,
-        (job, outcomes_path, lines),
+        (job, *out),
         backend=backend_for(job.device, nproc),
         timeout_s=timeout_s,
         prepare=_prepare_process,
@@ -158,13 +165,86 @@ def _spawn_ranks(
     )
 
 
-def _prepare_process(process: int, payload: tuple[WorkerJob, str, Any]) -> None:
-    prepare_device(process_device(payload[0].device, process))
+def _prepare_process(process: int, payload: tuple[WorkerJob, str, Any, int]) -> None:
+    prepare_device(process_device(payload[0].device, payload[3] + process))
 
 
-def _process(process: int, nproc: int, payload: tuple[WorkerJob, str, Any]) -> None:
-    job, outcomes_path, lines = payload
-    local = WorkerJob(**{**_fields(job), "device": process_device(job.device, process)})
+def _process(process: int, nproc: int, payload: tuple[WorkerJob, str, Any, int]) -> None:
+    job, outcomes_path, lines, first_device = payload
+    local = WorkerJob(**{**_fields(job), "device": process_device(job.device, first_device + process)})
     outcomes = compute(local, process, progress=lines.put if lines is not None else None)
     if process == 0:
         atomic_write_json(outcomes_path, [asdict(o) for o in outcomes])
+
+
+def parallel_slots(nproc: int, device: str, requested: int | None) -> int:
+    """How many pools of `nproc` processes a sweep runs its configs on side by side: `requested`, else on CUDA
+    as many as the visible GPUs hold (one GPU per process), else one (CPU slots are the user's to give)."""
+    if requested is not None:
+        return max(requested, 1)
+    if device == "cuda":
+        import torch
+
+        return max(torch.cuda.device_count() // nproc, 1)
+    return 1
+
+
+class _EitherCancel(threading.Event):
+    """Set when it is set here (a slot failed) or when the caller's own cancel flag is."""
+
+    def __init__(self, outer: threading.Event | None) -> None:
+        super().__init__()
+        self.outer = outer
+
+    def is_set(self) -> bool:
+        return super().is_set() or (self.outer is not None and self.outer.is_set())
+
+
+def configs_in_parallel(runner: JobRunner, requested: int | None) -> JobRunner:
+    """A runner that spreads a job's configs over several pools (slots) of the job's layout and merges the
+    outcomes in the configs' order; the same outcomes as `runner` on the whole job.
+
+    Every slot computes the baseline first (the engine puts it first): its gradient and per-token traces are
+    what the mitigated configs' footprint, cosine and clean-gradient figures are measured against, in the
+    same process. Slot 0's baseline is the one returned. A failing slot stops the others.
+    """
+
+    def run(
+        job: WorkerJob,
+        timeout_s: float = 1800.0,
+        cancel: threading.Event | None = None,
+        *,
+        progress: Callable[[str], None] | None = None,
+        slot: int = 0,
+    ) -> list[ConfigOutcome]:
+        nproc = len(job.assignment)
+        slots = min(parallel_slots(nproc, job.device, requested), len(job.configs) - 1)
+        if slots <= 1:
+            return runner(job, timeout_s, cancel, progress=progress, slot=slot)
+        baseline, rest = job.configs[0], job.configs[1:]
+        chunks = [rest[i * len(rest) // slots : (i + 1) * len(rest) // slots] for i in range(slots)]
+        if progress is not None:
+            sizes = ", ".join(str(len(c)) for c in chunks)
+            progress(f"running {len(rest)} config(s) on {slots} pools of {nproc} process(es) ({sizes} each)")
+        stop = _EitherCancel(cancel)
+
+        def one(i: int) -> list[ConfigOutcome]:
+            say = progress
+            tagged = (lambda line: say(f"[pool {i}] {line}")) if say is not None else None
+            try:
+                return runner(replace(job, configs=(baseline, *chunks[i])), timeout_s, stop, progress=tagged, slot=i)
+            except BaseException:
+                stop.set()  # the other slots stop at their next config
+                raise
+
+        with ThreadPoolExecutor(max_workers=slots, thread_name_prefix="sweep-slot") as pool:
+            futures = [pool.submit(one, i) for i in range(slots)]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:  # the first real failure, not the cancellations it caused
+            from axrl_spike_replay.rank_processes import RunCancelled
+
+            raise next((e for e in errors if not isinstance(e, RunCancelled)), errors[0])  # type: ignore[misc]
+        parts = [f.result() for f in futures]
+        return [parts[0][0], *(outcome for part in parts for outcome in part[1:])]
+
+    return run

@@ -3,7 +3,9 @@
 Every process loads the snapshot's weights once and forwards each rank batch once for all the
 configs that change only the loss (each config backpropagates its own loss from the shared
 graph); configs that change routing or weights get their own forward. The baseline runs in the
-same job, so every config is judged against the baseline at the same layout.
+same job, so every config is judged against the baseline at the same layout. With several pools
+(`parallel_configs`, or one per group of GPUs on CUDA) the configs are spread over them, each pool
+computing the baseline too: the same results as one pool, in the configs' order.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ def run_sweep(
     Output (with a workspace): `<ts>/baseline/replay_result.json`, `<ts>/<config_id>/replay_result.json`
     for each config and `<ts>/sweep_result.json`; each is logged in the job's task file when one is open.
     """
+    from dataclasses import replace
+
+    from axrl_spike_replay.replay.launch import configs_in_parallel, run_job
+
     options = options or ReplayOptions()
+    if options.parallel_configs != 1:  # independent configs side by side on several pools (launch.configs_in_parallel)
+        options = replace(options, runner=configs_in_parallel(options.runner or run_job, options.parallel_configs))
     normalised = [parse_config(c, f"config {i + 1}") for i, c in enumerate(configs)]
     check_distinct(normalised)
     with replay_session(snapshot, options, normalised, "sweep") as session:

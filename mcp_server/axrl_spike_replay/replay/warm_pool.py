@@ -5,7 +5,9 @@ weights, computes for a fraction of a second and tears everything down. A long-l
 keeps all of that instead: `WarmService.run_job` runs a `WorkerJob` (the same `worker.compute`, so
 the results are bit-identical to a cold run) on a pool of processes that stay up between calls.
 
-- One pool per (processes, device, collective timeout); pools idle longer than `idle_s` shut down.
+- One pool per (processes, device, collective timeout, slot); pools idle longer than `idle_s` shut down.
+  A sweep that runs configs in parallel uses one slot per pool (slot `s` of `n` processes computes on
+  devices `s*n ...`, see `launch.process_device`).
 - Each process keeps built models in an LRU cache keyed by the weights dir, the model config and
   the path, size, mtime and inode of every file under the dir: a rewritten or touched snapshot is
   loaded again. The cache holds at most `memory_bytes` (default a quarter of RAM) over all processes.
@@ -14,7 +16,9 @@ the results are bit-identical to a cold run) on a pool of processes that stay up
 - A pool whose process died is restarted and the job rerun once (a replay only reads its inputs).
 - A one-process job runs in the calling process (no spawn at all), with the same weight cache.
 
-Rank processes die with the server (see `rank_processes.die_with_parent`); `close` stops them.
+Rank processes die with the server (see `rank_processes.die_with_parent`); `close` stops them. The kernel
+ties that to the thread that started them, so pools are started from one long-lived thread of the
+service, never from a caller's (short-lived worker threads would take their pools with them).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, suppress
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -152,6 +157,7 @@ def _serve_rank(
     timeout_s: float,
     budget_bytes: int,
     parent_pid: int,
+    first_device: int = 0,
 ) -> None:
     """A pool process: join the group, then run jobs from `conn` until told to stop (None) or orphaned."""
     import faulthandler
@@ -168,7 +174,7 @@ def _serve_rank(
 
     faulthandler.enable()
     torch.set_num_threads(1)
-    local_device = process_device(device, rank)
+    local_device = process_device(device, first_device + rank)
     prepare_device(local_device)
     store = dist.FileStore(str(Path(store_dir) / "store"), nproc)  # pyright: ignore[reportPrivateImportUsage]
     dist.init_process_group(
@@ -207,11 +213,12 @@ class _PoolDied(RankProcessError):
 
 @dataclass(frozen=True)
 class PoolKey:
-    """What makes a pool: processes, device, and the collective timeout its group was made with."""
+    """What makes a pool: processes, device, the collective timeout its group was made with, and its slot."""
 
     nproc: int
     device: str
     timeout_s: float
+    slot: int = 0  # parallel sweeps: one pool per slot, on devices slot * nproc ...
 
 
 class RankPool:
@@ -236,7 +243,7 @@ class RankPool:
                 args = (rank, key.nproc, child, self._cancel, key.device, store_dir, key.timeout_s)
                 process = ctx.Process(
                     target=_serve_rank,
-                    args=(*args, max(budget_bytes // key.nproc, 0), os.getpid()),
+                    args=(*args, max(budget_bytes // key.nproc, 0), os.getpid(), key.slot * key.nproc),
                     name=f"axrl-warm-{rank}",
                     daemon=True,
                 )
@@ -369,6 +376,8 @@ class WarmService:
         self._lock = threading.Lock()
         self._local_lock = threading.Lock()
         self._stopped = threading.Event()  # ends the reaper (the process is exiting)
+        # Pool processes die with the thread that started them (PR_SET_PDEATHSIG): start them from this one.
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warm-pool-spawner")
         self.restarts = 0
         self._reaper = threading.Thread(target=self._reap, name="warm-pool-reaper", daemon=True)
         self._reaper.start()
@@ -379,15 +388,19 @@ class WarmService:
         timeout_s: float = 1800.0,
         cancel: threading.Event | None = None,
         progress: Callable[[str], None] | None = None,
+        *,
+        slot: int = 0,
     ) -> list[ConfigOutcome]:
-        """Outcomes of `job`, as `launch.run_job` gives them, on a warm pool (or here for one process)."""
+        """Outcomes of `job`, as `launch.run_job` gives them, on a warm pool (or here for one process in slot 0).
+
+        `slot` picks one of several pools of the same layout (a sweep running configs in parallel)."""
         from axrl_spike_replay.replay.launch import run_job
 
         nproc = len(job.assignment)
-        if nproc == 1:
+        if nproc == 1 and slot == 0:
             with self._local_lock:  # the cache and torch's thread settings are this process's
                 return run_job(job, timeout_s, cancel, models=self.local_cache.model, progress=progress)
-        key = PoolKey(nproc, job.device, timeout_s)
+        key = PoolKey(nproc, job.device, timeout_s, slot)
         for attempt in range(2):
             pool = self._pool(key, progress)
             with pool.lock:
@@ -422,7 +435,7 @@ class WarmService:
                 pool.close()
             if progress is not None:
                 progress(f"starting {key.nproc} warm replay process(es) on {key.device} (kept for later calls)")
-            pool = RankPool(key, self.memory_bytes)
+            pool = self._spawner.submit(RankPool, key, self.memory_bytes).result()
             self._pools[key] = pool
             return pool
 

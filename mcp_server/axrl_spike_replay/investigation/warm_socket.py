@@ -1,0 +1,150 @@
+"""Where the CLI's warm replay service listens, who may use it, and how its messages are framed.
+
+The service (`axrl-spike-replay serve`) listens on a Unix socket with the workspace's user-only
+permissions: `<workspace>/tmp/spike-replay-warm/serve.sock`, or, when that path is too long for a
+socket, `$XDG_RUNTIME_DIR/axrl-spike-replay-<hash of the workspace>/serve.sock` (the system temp dir
+without XDG_RUNTIME_DIR). The dir is 0700 and the socket 0600; a dir or socket owned by another user,
+or a symlink in their place, is refused. Messages are one JSON object per line, UTF-8.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.untrusted_json import UntrustedJsonError, parse_untrusted_json
+
+SOCKET_NAME = "serve.sock"
+WARM_DIR = Path("tmp") / "spike-replay-warm"
+_MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes; keep a margin
+MAX_MESSAGE = 64 << 20  # a sweep's result document is far smaller
+_MAX_DEPTH = 64
+
+
+@dataclass(frozen=True)
+class WarmPaths:
+    """The service's private dir and the files in it."""
+
+    dir: Path
+    name: str = SOCKET_NAME  # the socket's file name in `dir`
+
+    @property
+    def socket(self) -> Path:
+        return self.dir / self.name
+
+    @property
+    def lock(self) -> Path:
+        return self.dir / "serve.lock"  # held by the running service for its whole life
+
+    @property
+    def log(self) -> Path:
+        return self.dir / "serve.log"  # stderr of a service started on first use
+
+
+def warm_paths(workspace: str | Path) -> WarmPaths:
+    """The service dir of a workspace (absolute; the same for every caller of that workspace)."""
+    root = Path(workspace).expanduser().resolve()
+    inside = root / WARM_DIR
+    if len(os.fsencode(inside / SOCKET_NAME)) <= _MAX_SOCKET_PATH:
+        return WarmPaths(inside)
+    digest = hashlib.sha256(os.fsencode(root)).hexdigest()[:16]
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return WarmPaths(Path(base) / f"axrl-spike-replay-{digest}")
+
+
+def socket_paths(socket_path: str | Path) -> WarmPaths:
+    """The service dir of an explicit socket path (`--server`)."""
+    path = Path(socket_path).expanduser().absolute()
+    if len(os.fsencode(path)) > _MAX_SOCKET_PATH:
+        raise AxrlError(f"socket path {path} is longer than a Unix socket path may be ({_MAX_SOCKET_PATH} bytes)")
+    return WarmPaths(path.parent, path.name)
+
+
+def private_dir(path: Path, *, create: bool) -> Path:
+    """`path` as a dir only this user can enter (0700), made when `create`; AxrlError for a symlink, a dir owned
+    by another user, or (not ours to fix) one others can enter."""
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            path.mkdir(mode=0o700)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise AxrlError(f"no warm replay service dir at {path}") from None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise AxrlError(f"{path} is not a plain directory (a symlink?); refusing to use it for the warm service")
+    if st.st_uid != os.getuid():
+        raise AxrlError(f"{path} belongs to another user (uid {st.st_uid}); refusing to use it for the warm service")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)  # ours: make it private before anything is put in it
+    return path
+
+
+def check_socket(path: Path) -> None:
+    """AxrlError unless `path` is a socket of this user, not a symlink, that only this user can use."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise AxrlError(f"no warm replay service listens at {path}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise AxrlError(f"{path} is a symlink, not the warm service's socket; refusing to connect")
+    if not stat.S_ISSOCK(st.st_mode):
+        raise AxrlError(f"{path} is not a socket; refusing to connect")
+    if st.st_uid != os.getuid():
+        raise AxrlError(f"the socket {path} belongs to another user (uid {st.st_uid}); refusing to connect")
+    if st.st_mode & 0o077:
+        raise AxrlError(f"the socket {path} can be used by other users (mode {st.st_mode & 0o777:o}); refusing it")
+
+
+def peer_uid(conn: socket.socket) -> int | None:
+    """The user id of the process at the other end of a Unix socket (Linux); None where it cannot be read."""
+    import struct
+
+    peercred = getattr(socket, "SO_PEERCRED", None)
+    if peercred is None:
+        return None
+    try:
+        _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, peercred, struct.calcsize("3i")))
+    except OSError:
+        return None
+    return uid
+
+
+def send(conn: socket.socket, message: dict[str, Any]) -> None:
+    """One message: a JSON object on one line."""
+    conn.sendall(json.dumps(message, separators=(",", ":"), allow_nan=False).encode() + b"\n")
+
+
+class Lines:
+    """Reads the messages of one connection, one JSON object per line, bounded in size and depth."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.buffer = b""
+
+    def next(self) -> dict[str, Any] | None:
+        """The next message; None when the other end closed the connection."""
+        while b"\n" not in self.buffer:
+            if len(self.buffer) > MAX_MESSAGE:
+                raise AxrlError(f"warm service message longer than {MAX_MESSAGE >> 20} MiB")
+            chunk = self.conn.recv(1 << 16)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        try:
+            doc = parse_untrusted_json(line, _MAX_DEPTH)
+        except UntrustedJsonError as exc:
+            raise AxrlError(f"warm service message {exc}") from None
+        if not isinstance(doc, dict):
+            raise AxrlError("warm service message is not a JSON object")
+        return doc
