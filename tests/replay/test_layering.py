@@ -35,7 +35,7 @@ def imported_packages(path: Path) -> dict[str, int]:
         for name in names:
             parts = name.split(".")
             if parts[0] == "axrl_spike_replay" and len(parts) > 1:
-                found.setdefault(parts[1], node.lineno)
+                found.setdefault(parts[1], getattr(node, "lineno", 0))
     return found
 
 

@@ -82,6 +82,6 @@ def test_the_report_shows_which_suggested_experiment_was_run_and_its_verdict(spi
     first = open_task(ws, JOB, spike).next_steps[0]["text"].split("`")[1].removeprefix("--mitigation ")
     run = cli("replay", spike, "--mitigation", first, "--workspace", ws, "--job", JOB, "--json")
     assert run.code == 0, run.err
-    text = Path(cli("report", JOB, "--workspace", ws, "--json").json()["path"]).read_text()  # type: ignore[index]
+    text = Path(cli("report", JOB, "--workspace", ws, "--json").json()["path"]).read_text()
     section = text.split("## Diagnosis", 1)[1].split("\n## ", 1)[0]
     assert "| E1 cleared |" in section
