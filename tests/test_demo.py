@@ -63,10 +63,9 @@ def test_demo_report_names_the_cause_and_the_method_that_cleared_it(demo_run: di
     diagnosis = report.split("## Diagnosis", 1)[1].split("\n## ", 1)[0]
     assert "1. **rollout/trainer log-prob mismatch** (`logprob_mismatch`" in diagnosis
     assert "self-consistent: **yes**; agrees with the training log: **yes**" in diagnosis
-    tis = [r for r in _table_rows(report, "## Diagnosis") if r["mitigation"] == "mismatch_token_clip_max=2"]
-    assert len(tis) == 1 and tis[0]["tried"].endswith(" cleared")
-    proven = [r for r in _table_rows(report, "## Methods added") if r["status"] == "proven"]
-    assert "token-mismatch-tis-clip-2" in {r["method"] for r in proven}
+    suggested = _table_rows(report, "## Diagnosis")
+    assert suggested[0]["mitigation"] == "mismatch_token_clip_max=2"  # the first experiment it suggests ...
+    assert suggested[0]["tried"].endswith(" cleared") and "mismatch_token_clip_max=2" in demo_run["cleared"]  # cleared
 
 
 def test_demo_releases_its_preserved_copy_and_keeps_the_original(demo_run: dict) -> None:
