@@ -1,7 +1,7 @@
 """The demo: the whole procedure on a spike captured right now by the reference trainer.
 
-capture → resolve → open the task → list → preserve → inspect → analyze → scan logs → replay the
-baseline → sweep mitigations → attribute → write up what proved out → report → release.
+capture → resolve → open the task → list → preserve → diagnose into the task → inspect → analyze → scan logs →
+replay the baseline → sweep mitigations → attribute → write up what proved out → report → release.
 Every figure shown comes from the step that computed it.
 """
 
@@ -43,6 +43,7 @@ class DemoSummary:
     task_file: str
     steps: list[DemoStep]
     seconds: float
+    causes: list[str] = field(default_factory=list)  # diagnose's likely causes, strongest first
 
 
 def _fmt(value: float | None, digits: int = 4) -> str:
@@ -72,7 +73,8 @@ def run_demo(
     from axrl_spike_replay.snapshot.preserve import preserve
     from axrl_spike_replay.workspace.report import write_report
     from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
-    from axrl_spike_replay.workspace.task_state import note, open_task, set_command, set_snapshot, show_task
+    from axrl_spike_replay.workspace.task_diagnosis import task_diagnosis
+    from axrl_spike_replay.workspace.task_state import note, open_task, set_command, show_task
 
     started = time.perf_counter()
     root = Path(workspace).resolve() / time.strftime("%Y%m%d-%H%M%S")
@@ -111,7 +113,7 @@ def run_demo(
     if not kept.preserved:
         raise AxrlError(f"preserving iteration {worst.iteration} failed: {kept.failed}")
     snapshot = kept.preserved[0].path
-    set_snapshot(root, DEMO_JOB, snapshot)
+    opened = open_task(root, DEMO_JOB, snapshot)  # sets the snapshot and diagnoses it (static evidence)
     step(
         "resolve, list, preserve",
         [f"role {r.role}: {r.output_dir} ({len(r.logs)} log file(s))" for r in resolution.roles]
@@ -153,6 +155,17 @@ def run_demo(
                 for o in outliers
             ),
         ],
+    )
+    diagnosis = task_diagnosis(root, DEMO_JOB) or {}
+    causes = [c["title"] for c in diagnosis.get("likely", [])]
+    step(
+        "diagnose",
+        [
+            f"likely cause: {c['title']} (strength {c['strength']:.2f}): {'; '.join(c['evidence'])}"
+            for c in diagnosis.get("likely", [])
+        ]
+        + [f"next step: --mitigation {s['mitigation']}" for s in diagnosis.get("next_steps", [])]
+        + [f"written into the task's Observations and Next steps: {opened.task_file}"],
     )
     scan = scan_logs([role.output_dir], root / "tmp" / "spike-replay" / DEMO_JOB / "logs")
     step(
@@ -228,4 +241,5 @@ def run_demo(
         task_file=show_task(root, DEMO_JOB).task_file,
         steps=done,
         seconds=time.perf_counter() - started,
+        causes=causes,
     )

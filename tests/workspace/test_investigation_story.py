@@ -95,8 +95,9 @@ def test_investigation_from_open_to_report(tmp_path: Path, spike_run: SpikeRun, 
     for key in ("id", "time", "snapshot", "backend", "target", "fidelity", "mitigations", "verdict", "result_path"):
         assert key in rows["E3"]
     assert shown["failed"][0]["reason"] == "patch did not apply: hunk #1 FAILED"
-    assert shown["observations"][0]["text"] == "TIS clears it"
-    assert shown["next_steps"][0]["text"] == "try on the node"
+    assert shown["observations"][0]["text"].startswith("diagnose (iteration")  # written by `task open --snapshot`
+    assert shown["observations"][-1]["text"] == "TIS clears it"
+    assert shown["next_steps"][-1]["text"] == "try on the node"
     assert shown["command"] == "axrl-spike-replay replay SNAP"
     text = task_md.read_text()
     assert "| E2 |" in text and "mismatch_token_clip_max=2.5" in text and "hunk #1 FAILED" in text

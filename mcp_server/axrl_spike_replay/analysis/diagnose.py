@@ -140,14 +140,14 @@ def diagnose_snapshot(
             "none_found",
             "no likely cause found",
             0.0,
-            [f"checked: {'; '.join(CHECKED.values())}", f"weaker signals (strength < {causes.LIKELY}): {weak}"],
-            {},
             [
-                Experiment(
-                    "initial_model=<the run's initial checkpoint>",
-                    "if the spike reproduces from the initial weights, the batch is the cause, not the drifted policy",
-                )
+                f"checked: {'; '.join(CHECKED.values())}",
+                f"weaker signals (strength < {causes.LIKELY}): {weak}",
+                "whether the batch alone causes it: replay with `--mitigation initial_model=PATH` (the run's initial "
+                "checkpoint); if the spike reproduces from the initial weights, the batch is the cause",
             ],
+            {},
+            [],  # every suggested experiment is a ready `--mitigation` item; this one needs the user's path
         )
         likely = [none, *found]
     steps: list[Experiment] = []

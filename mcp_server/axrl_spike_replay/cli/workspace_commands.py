@@ -21,7 +21,15 @@ def register(sub: Any) -> None:
 
     p = _with_workspace(verbs.add_parser("open", help="open (or re-open) the task for JOB; history is kept"))
     p.add_argument("job", metavar="JOB", help="job name (the snapshot's job_name)")
-    p.add_argument("--snapshot", default=None, metavar="PATH", help="set the active snapshot")
+    p.add_argument("--snapshot", default=None, metavar="PATH", help="set the active snapshot (and diagnose it)")
+    p.add_argument(
+        "--diagnosis",
+        default="never",
+        choices=("never", "auto", "always", "off"),
+        help="diagnose a new snapshot into Observations and Next steps with model evidence never (default: static "
+        "evidence only, the weights are not loaded), auto (attribution and route agreement when the checkpoint is "
+        "at most 256 MiB), always; off: no diagnosis",
+    )
     add_json_flag(p)
     p.set_defaults(handler=_task_open)
 
@@ -100,7 +108,7 @@ def _with_workspace(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _task_open(args: argparse.Namespace) -> int:
     from axrl_spike_replay.workspace.task_state import open_task
 
-    emit(open_task(args.workspace, args.job, snapshot=args.snapshot), args.json, _render_task)
+    emit(open_task(args.workspace, args.job, snapshot=args.snapshot, diagnosis=args.diagnosis), args.json, _render_task)
     return 0
 
 

@@ -36,14 +36,25 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         snapshot: Annotated[
             str | None, Field(description="Set the active snapshot (the preserved path); earlier ones stay in history.")
         ] = None,
+        diagnosis: Annotated[
+            Literal["never", "auto", "always", "off"],
+            Field(
+                description="Diagnose a new snapshot into Observations and Next steps: never (static evidence, the "
+                "weights are not loaded), auto (adds attribution and route agreement for a checkpoint of at most "
+                "256 MiB), always, or off."
+            ),
+        ] = "never",
         workspace: WorkspaceArg = None,
     ) -> TaskView:
         """Open (or re-open, keeping its history) the task file agent-task/spike-replay/<job>.md with sections
-        Active snapshot, Replay command, Experiment table, Observations, Failed attempts, Next steps. Once open,
-        every replay and sweep of the job logs itself into it."""
+        Active snapshot, Replay command, Experiment table, Observations, Failed attempts, Next steps. A snapshot
+        not diagnosed yet is diagnosed (as `diagnose_spike`): its likely causes go under Observations, the
+        experiments to run under Next steps. Once open, every replay and sweep of the job logs itself into it."""
         root = config.workspace_for(workspace)
         target = str(config.path(snapshot)) if snapshot else None
-        return await call_library(ctx, lambda progress, cancel: _task_view(open_task(root, job, target)))
+        return await call_library(
+            ctx, lambda progress, cancel: _task_view(open_task(root, job, target, diagnosis=diagnosis))
+        )
 
     @server.tool(name="task_note", title="Add an observation or next step", annotations=WRITES)
     async def task_note_tool(

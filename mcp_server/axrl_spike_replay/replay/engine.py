@@ -247,9 +247,9 @@ class ReplaySession:
 
     def _consistency(self, outcome: ConfigOutcome) -> dict[str, Any]:
         """The snapshot's consistency checks, with the replayed per-rank losses and the job's log."""
-        from axrl_spike_replay.analysis.diagnose_logs import job_logs, log_point  # the log reader, no workspace
         from axrl_spike_replay.jsonable import to_jsonable
         from axrl_spike_replay.snapshot.consistency import check_replayed_losses, check_snapshot
+        from axrl_spike_replay.snapshot.log_point import job_logs, log_point
 
         meta = self.inputs.metadata
         point = log_point(self.inputs.replay_dir, meta.iteration, job_logs(self.inputs.snapshot))

@@ -265,7 +265,7 @@ _PROBLEM_CHECKS = ("grad_norm_vs_log", "metadata_vs_run_config")
 def _consistency(directory: Path, iteration: int, problems: list[str]) -> Consistency | None:
     """Consistency checks against the per-parameter norms, the run config and the job's log (when found next to
     the snapshot and small enough to read here)."""
-    from axrl_spike_replay.analysis.diagnose_logs import log_point  # log reading lives with the log scanner
+    from axrl_spike_replay.snapshot.log_point import log_point
 
     try:
         point = log_point(directory, iteration)

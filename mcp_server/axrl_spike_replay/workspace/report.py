@@ -14,6 +14,7 @@ from axrl_spike_replay.workspace.methods import RANKING, method_files, rank_key
 from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
 from axrl_spike_replay.workspace.preserved_copies import copies_in_use, copies_kept, is_last_copy, release_copies
 from axrl_spike_replay.workspace.render import render
+from axrl_spike_replay.workspace.task_diagnosis import report_diagnosis
 from axrl_spike_replay.workspace.task_state import now, read_state, set_task_snapshot, update_task, write_file
 from axrl_spike_replay.workspace.views import ReportResult
 
@@ -41,6 +42,7 @@ def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
         "output_dir": output_dir_of(snapshot) or _first_output_dir(experiments),
         "snapshot_history": state["snapshot_history"],
         "command": state.get("command"),
+        "diagnosis": report_diagnosis(state),
         "fidelity": fidelity_by_target(experiments),
         "baselines": baselines,
         "attempt_baselines": [] if baselines else attempt_baselines(experiments),
@@ -122,6 +124,7 @@ def write_report(
         output_dir=context["output_dir"],
         snapshot_history=context["snapshot_history"],
         command=context["command"],
+        diagnosis=context["diagnosis"],
         fidelity=context["fidelity"],
         baselines=context["baselines"],
         attempt_baselines=context["attempt_baselines"],

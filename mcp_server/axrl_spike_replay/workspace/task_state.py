@@ -46,6 +46,7 @@ def new_state(job: str) -> dict[str, Any]:
         "methods": [],
         "reports": [],
         "preserved_copies": [],  # preserved snapshot copies this investigation uses (workspace.preserved_copies)
+        "diagnoses": [],  # `diagnose` results, one per snapshot diagnosed (workspace.task_diagnosis)
     }
 
 
@@ -128,12 +129,32 @@ def update_task(
     return state, value
 
 
-def open_task(workspace: str | Path, job: str, snapshot: str | Path | None = None) -> TaskView:
-    """Open (or re-open, keeping its history) the task for `job`; optionally set its active snapshot."""
+def open_task(
+    workspace: str | Path, job: str, snapshot: str | Path | None = None, *, diagnosis: str = "never"
+) -> TaskView:
+    """Open (or re-open, keeping its history) the task for `job`; optionally set its active snapshot.
+
+    A snapshot the task has not diagnosed yet is diagnosed (`diagnose` with model evidence `diagnosis`: never,
+    the default, reads the static evidence only, without loading the weights; auto and always add attribution and route
+    agreement; off skips it) and the result written into Observations and Next steps (workspace/task_diagnosis.py)."""
+    from axrl_spike_replay.workspace.task_diagnosis import check_mode, diagnose_for_task, has_diagnosis
+
+    check_mode(diagnosis)
+    entry = None
+    if snapshot is not None and diagnosis != "off":
+        root = check_workspace(workspace)
+        known = read_state(root, job) if task_exists(root, check_plain_name(job, "job name")) else new_state(job)
+        target = _resolved(snapshot)
+        if not has_diagnosis(known, target):  # outside the lock: it may take seconds
+            entry = {**diagnose_for_task(target, diagnosis), "snapshot": target}
 
     def change(state: dict[str, Any]) -> None:
         if snapshot is not None:
             set_task_snapshot(state, snapshot)
+        if entry is not None and not has_diagnosis(state, entry["snapshot"]):
+            from axrl_spike_replay.workspace.task_diagnosis import add_diagnosis
+
+            add_diagnosis(state, entry, now())
 
     state, _ = update_task(workspace, job, change, create=True)
     return show(state, check_workspace(workspace))
@@ -160,6 +181,7 @@ def set_command(workspace: str | Path, job: str, command: str) -> TaskView:
     """Set the replay command people can rerun."""
     if not command or not command.strip():
         raise ConfigError("replay command is empty")
+
     def change(state: dict[str, Any]) -> None:
         state["command"] = command.strip()
         state["command_source"] = "user"  # replays no longer replace it with the command they ran
@@ -197,13 +219,18 @@ def show(state: dict[str, Any], workspace: Path) -> TaskView:
     )
 
 
-def set_task_snapshot(state: dict[str, Any], snapshot: str | Path) -> None:
-    """Make `snapshot` the task's active snapshot in `state` (history kept; a preserved copy of it noted)."""
+def _resolved(snapshot: str | Path) -> str:
+    """The snapshot path as the task records it (resolved when it exists)."""
     text = str(snapshot).strip()
     if not text:
         raise ConfigError("snapshot path is empty")
     path = Path(text).expanduser()
-    resolved = str(path.resolve()) if path.exists() else text
+    return str(path.resolve()) if path.exists() else text
+
+
+def set_task_snapshot(state: dict[str, Any], snapshot: str | Path) -> None:
+    """Make `snapshot` the task's active snapshot in `state` (history kept; a preserved copy of it noted)."""
+    resolved = _resolved(snapshot)
     from axrl_spike_replay.workspace.preserved_copies import note_preserved_copy
 
     note_preserved_copy(state, resolved, now())  # also when set again: adopts a copy made since

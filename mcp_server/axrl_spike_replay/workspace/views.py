@@ -108,3 +108,4 @@ class ReportResult:
     path: str
     released: list[Row]
     text: str
+    diagnosis: Row | None = None  # `diagnose` on the task's snapshot, its experiments with the attempts that ran them
