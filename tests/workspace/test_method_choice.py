@@ -1,5 +1,5 @@
 """Choosing between proven methods: ranked by how intact they leave the healthy gradient, shipped methods listed
-beside the workspace's, diagnostics and shipped duplicates refused, and the report shows what was run."""
+beside the workspace's, diagnostics refused, a shipped change confirmed rather than duplicated, and the report shows what was run."""
 
 from __future__ import annotations
 
@@ -101,15 +101,18 @@ def test_methods_are_ranked_by_how_intact_they_leave_the_clean_gradient(
 
 
 @pytest.mark.slow
-def test_drop_samples_is_never_written_up_and_shipped_duplicates_are_refused(
+def test_drop_samples_is_never_written_up_and_a_shipped_change_is_confirmed_not_duplicated(
     investigated: tuple[Path, dict[str, str]],
 ) -> None:
     workspace, ids = investigated
     with pytest.raises(AxrlError, match=r"diagnostic-only.*drop_samples"):
         add_method(workspace, JOB, ids["drop"], "drop-it", "left the sample out")
-    with pytest.raises(AxrlError, match=r"shipped method .*advantage-clip-1"):
-        add_method(workspace, JOB, ids["dup"], "clip-1", "clamps advantages")
     assert not (workspace / "spike-mitigation-methods" / "drop-it.md").exists()
+    added = add_method(workspace, JOB, ids["dup"], "clip-1", "clamps advantages")
+    assert added.confirms_shipped == "advantage-clip-1"
+    assert "shipped method `advantage-clip-1`" in Path(added.path).read_text()
+    with pytest.raises(AxrlError, match=r"duplicate method: method file .*clip-1\.md"):
+        add_method(workspace, JOB, ids["dup"], "clip-again", "clamps advantages")
 
 
 def test_the_task_and_report_show_the_replay_command_actually_used(

@@ -195,7 +195,10 @@ def _render_task(task: TaskView) -> str:
 
 
 def _render_method_added(method: MethodAdded) -> str:
-    return f"{method.status} method {method.slug} -> {method.path}\n{method.summary}"
+    text = f"{method.status} method {method.slug} -> {method.path}\n{method.summary}"
+    if method.confirms_shipped:
+        text += f"\nsame change as the shipped method {method.confirms_shipped}: this spike confirms it"
+    return text
 
 
 def _render_methods(methods: list[MethodEntry]) -> str:

@@ -87,8 +87,9 @@ def add_method(
 ) -> MethodAdded:
     """Write `spike-mitigation-methods/<slug>.md` for a cleared/partial, non-duplicate attempt; regenerate the index.
 
-    `replace` overwrites an existing method file of the same name (regenerating it); a duplicate under another
-    name is still refused.
+    `replace` overwrites an existing method file of the same name (regenerating it); a duplicate of another of
+    the workspace's methods is still refused. The same change as a shipped method is written (this spike is new
+    evidence for it) and marked `confirms_shipped: <slug>`.
     """
     root = check_workspace(workspace)
     slug = check_slug(name)
@@ -107,8 +108,10 @@ def add_method(
         row = find_attempt(state, attempt_id)
         result, result_note = result_doc(row)
         with held_lock(root / TASKS_DIR / ".methods.lock", 120, "method files"):
-            _check_not_duplicate(root, slug, result, replace)
+            confirms = _check_not_duplicate(root, slug, result, replace)
             doc = _method_doc(state, row, result, result_note, slug, rationale.strip(), signals)
+            if confirms is not None:
+                doc["front_matter"]["confirms_shipped"] = confirms
             path = methods_dir(root) / f"{slug}.md"
             write_file(path, front_matter.dump(doc["front_matter"]) + render("method.md.j2", m=doc), "method file")
             write_index(root)
@@ -142,6 +145,7 @@ def add_method(
         created_at=fields["created_at"],
         path=str(path),
         signals=signals,
+        confirms_shipped=fields.get("confirms_shipped"),
     )
 
 
@@ -236,8 +240,11 @@ def _check_production(attempt_id: str, result: ReplayResult) -> None:
         )
 
 
-def _check_not_duplicate(root: Path, slug: str, result: ReplayResult, replace: bool) -> None:
+def _check_not_duplicate(root: Path, slug: str, result: ReplayResult, replace: bool) -> str | None:
+    """AxrlError when one of the workspace's methods records the same change (or `slug` is taken); else the slug of
+    the shipped method recording the same change, if any."""
     target = methods_dir(root) / f"{slug}.md"
+    confirms: str | None = None
     key = config_key(result.mitigations)
     shipped = [{**fields, "path": str(path), "_shipped": True} for path, fields in _shipped_front_matters(root)]
     for method in [*method_files(root), *shipped]:
@@ -248,10 +255,13 @@ def _check_not_duplicate(root: Path, slug: str, result: ReplayResult, replace: b
         if same_patch or same_config:
             sha = result.patch_sha256
             what = f"patch {sha[:12]}" if same_patch and sha else describe_change(result.mitigations)
-            where = "the shipped method" if method.get("_shipped") else "method file"
-            raise AxrlError(f"duplicate method: {where} {method['path']} already records the same change ({what})")
+            if method.get("_shipped"):
+                confirms = str(method.get("slug") or Path(method["path"]).stem)
+                continue
+            raise AxrlError(f"duplicate method: method file {method['path']} already records the same change ({what})")
     if target.exists() and not replace:
         raise AxrlError(f"method file {target} already exists for a different change; choose another name")
+    return confirms
 
 
 def _method_doc(

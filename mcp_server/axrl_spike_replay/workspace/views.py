@@ -80,6 +80,7 @@ class MethodAdded:
     created_at: str
     path: str
     signals: Row
+    confirms_shipped: str | None = None  # the shipped method recording the same change, which this spike confirms
 
 
 @dataclass(frozen=True, kw_only=True)
