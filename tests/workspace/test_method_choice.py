@@ -1,5 +1,6 @@
 """Choosing between proven methods: ranked by how intact they leave the healthy gradient, shipped methods listed
-beside the workspace's, diagnostics refused, a shipped change confirmed rather than duplicated, and the report shows what was run."""
+beside the workspace's, diagnostics refused, a shipped change confirmed rather than duplicated, and the report
+shows what was run."""
 
 from __future__ import annotations
 
