@@ -69,11 +69,12 @@ def log_point(
         return point
     point.source = ", ".join(str(p) for p in files)
     point.error_lines = tally.error_lines
-    found = tally.points.get(iteration)
+    points = {p["iteration"]: p for p in tally.series.settled()[0]}  # LogTally keeps a series, not a dict
+    found = points.get(iteration)
     point.before = [
         float(p["grad_norm"])
         for i in range(iteration - NEIGHBOURHOOD, iteration)
-        if (p := tally.points.get(i)) is not None and p.get("grad_norm") is not None
+        if (p := points.get(i)) is not None and p.get("grad_norm") is not None
     ]
     if found is None or found.get("grad_norm") is None:
         point.note = f"the logs have no grad norm at iteration {iteration}"
