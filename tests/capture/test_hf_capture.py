@@ -74,5 +74,5 @@ def test_every_architecture_captures_and_replays_bit_identically(tmp_path: Path,
 
 
 def test_an_unknown_model_is_refused_by_name(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="jamba.*known: tiny_moe, qwen3_moe"):
+    with pytest.raises(ConfigError, match=r"jamba.*known: tiny_moe, qwen3_moe"):
         capture_reference_run(tmp_path, model="jamba")

@@ -77,7 +77,7 @@ def generate(
     rollout_logprobs = token_logprobs(logits / lp_temperature, tokens)
     routes = out.routes.to(torch.int32)
     if faults.stale_route_layer is not None:
-        n_experts = engine.cfg.n_experts if isinstance(engine, TinyMoEPolicy) else int(engine.n_experts)
+        n_experts: int = engine.cfg.n_experts if isinstance(engine, TinyMoEPolicy) else getattr(engine, "n_experts")  # noqa: B009
         layer = faults.stale_route_layer
         routes[:, :, layer] = (routes[:, :, layer] + 1) % n_experts  # expert ids from a stale table
     if faults.route_shift:
@@ -91,7 +91,7 @@ def _sample_with_cache(
     engine: nn.Module, prompts: torch.Tensor, response_len: int, generator: torch.Generator, temperature: float
 ) -> torch.Tensor:
     """Sample from a transformers engine with its KV cache, as inference engines decode (one new token a step)."""
-    causal_lm: Any = getattr(engine, "causal_lm")
+    causal_lm: Any = engine.causal_lm
     tokens = prompts.clone()
     out = causal_lm(input_ids=tokens, use_cache=True, logits_to_keep=1)
     for step in range(response_len):
