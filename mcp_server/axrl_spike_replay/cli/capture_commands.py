@@ -78,8 +78,8 @@ def _capture(args: argparse.Namespace) -> int:
         raise AxrlError(f"--preset {args.preset!r} is not known (known: {', '.join(PRESETS)})")
 
     progress(
-        f"capture: training {args.model} for {args.steps} steps on {args.world_size} rank(s) ({args.parallel}), "
-        f"preset {args.preset} ..."
+        f"capture: training {args.steps} steps on {args.world_size} rank(s) ({args.parallel}), preset {args.preset}, "
+        f"model {args.model} ..."
     )
     try:
         result = capture_reference_run(
