@@ -58,8 +58,10 @@ def run_demo(
     seed: int = 0,
     steps: int = 32,
     show: Callable[[DemoStep], None] | None = None,
+    model: str = "tiny_moe",
 ) -> DemoSummary:
-    """Run the demo in a fresh timestamped folder under `workspace`; `show` receives each step as it ends."""
+    """Run the demo in a fresh timestamped folder under `workspace`; `show` receives each step as it ends.
+    `model`: the policy the reference run trains (`tiny_moe`, or a transformers architecture at a tiny size)."""
     from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
     from axrl_spike_replay.analysis.log_scan import scan_logs
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
@@ -89,14 +91,15 @@ def run_demo(
 
     # 1. a training run that hits a spike
     capture = capture_reference_run(
-        root / "outputs", job=DEMO_JOB, world_size=world_size, seed=seed, steps=steps, preset=preset
+        root / "outputs", job=DEMO_JOB, world_size=world_size, seed=seed, steps=steps, preset=preset, model=model
     )
     if not capture.snapshot_dirs:
         raise AxrlError(f"the reference run (preset {preset!r}) tripped no spike guard; nothing to investigate")
     step(
         "capture",
         [
-            f"reference GRPO run, preset {preset}, world size {world_size}, {steps} steps in {capture.seconds:.1f} s",
+            f"reference GRPO run of {model}, preset {preset}, world size {world_size}, {steps} steps "
+            f"in {capture.seconds:.1f} s",
             f"spike guard tripped at iterations {capture.spike_iterations} "
             f"(ratios {', '.join(f'{r:.1f}' for r in capture.spike_ratios)})",
             f"output dir {capture.output_dir}",

@@ -21,7 +21,7 @@ import torch
 from axrl_spike_replay.capture.run_config import RunSpec
 from axrl_spike_replay.capture.snapshot_writer import RankPayload
 from axrl_spike_replay.capture.trainer_step import RankTrainer, StepBatch, StepGrads, _all_reduce_sum
-from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy
+from axrl_spike_replay.models.policy import build_policy
 from axrl_spike_replay.training.rank_step import rank_forward_backward
 from axrl_spike_replay.training.routing_replay import routing_control
 
@@ -60,9 +60,9 @@ class FsdpRankTrainer(RankTrainer):
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
         return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
-    def rollout_policy(self) -> TinyMoEPolicy:
+    def rollout_policy(self) -> torch.nn.Module:
         """An unsharded copy of the current policy: the rollout engine runs on whole weights."""
-        plain = TinyMoEPolicy(self.spec.model)
+        plain = build_policy(self.spec.model)
         plain.load_state_dict(self.full_state(), strict=True)
         return plain
 

@@ -20,11 +20,13 @@ def launch(fn: RankFn, world_size: int, payload: Any, *, timeout_s: float = 600.
         raise AxrlError(f"world size must be >= 1, got {world_size}")
     if world_size == 1:
         threads = torch.get_num_threads()
+        deterministic = torch.are_deterministic_algorithms_enabled()  # a transformers model pins it while it trains
         torch.set_num_threads(1)
         try:
             fn(0, 1, payload)
         finally:
             torch.set_num_threads(threads)
+            torch.use_deterministic_algorithms(deterministic)
         return
 
     spawn_ranks(fn, world_size, payload, timeout_s=timeout_s)

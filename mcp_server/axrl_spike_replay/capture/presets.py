@@ -16,6 +16,7 @@ class EngineFaults:
 
     logprob_temperature: float | None = None  # report logprobs of logits / this while sampling at temperature
     stale_route_layer: int | None = None  # MoE layer index whose recorded routes come from a stale expert table
+    route_shift: int = 0  # recorded routes moved this many tokens later than the tokens they belong to
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Preset:
     train: dict[str, Any] = field(default_factory=dict)  # overrides of the `train:` section
     faults: EngineFaults | None = None  # rollout engine bugs during the burst
     reward_penalty: float | None = None  # broken reward function during the burst: -penalty for every sample
+    sharpen_routers: float | None = None  # routers initialised with this std, so a wrong expert changes the output
 
     def fault_summary(self) -> dict[str, Any]:
         """What goes wrong during the burst, for `train.fault` in the run config."""
@@ -36,6 +38,8 @@ class Preset:
             doc["rollout_logprob_temperature"] = self.faults.logprob_temperature
         if self.faults and self.faults.stale_route_layer is not None:
             doc["stale_route_layer"] = self.faults.stale_route_layer
+        if self.faults and self.faults.route_shift:
+            doc["route_shift"] = self.faults.route_shift
         if self.reward_penalty is not None:
             doc["broken_reward_penalty"] = self.reward_penalty
         return doc

@@ -55,6 +55,7 @@ class CaptureResult:
             "output_dir": str(self.output_dir),
             "job_name": self.job_name,
             "preset": self.config["train"]["preset"],
+            "model": self.config["model"].get("architecture", self.config["model"].get("kind", "tiny_moe")),
             "world_size": self.config["parallel"]["world_size"],
             "parallel": self.config["parallel"].get("strategy", "ddp"),
             "steps": self.config["train"]["steps"],
@@ -81,6 +82,7 @@ def capture_reference_run(
     legacy_layout: bool = False,
     keep_final_state: bool = False,
     parallel: str = "ddp",
+    model: str = "tiny_moe",
 ) -> CaptureResult:
     """Train the reference policy and capture its spikes into `<out>/<run>~<job>__actor/`.
 
@@ -88,7 +90,8 @@ def capture_reference_run(
     `legacy_layout` writes old-style snapshots (AXRL keys in `metadata.json`); `keep_final_state`
     returns the final weights (rank 0) in the result. `parallel` is `ddp` (replicated weights, all-reduced
     gradients) or `fsdp` (FSDP2 `fully_shard`, weights saved as a sharded DCP checkpoint); it is recorded
-    as `parallel.strategy` in the run config when it is not the default.
+    as `parallel.strategy` in the run config when it is not the default. `model` is `tiny_moe` or one of the
+    transformers architectures of `model_choice.HF_CAPTURE_MODELS` at a tiny size (`model: {kind: hf, ...}`).
     """
     run = run or f"ref-s{seed}"
     for name, value in (("job", job), ("run", run)):
@@ -108,7 +111,9 @@ def capture_reference_run(
     output_dir = root / f"{run}~{job}__actor"
     if output_dir.exists():
         raise ConfigError(f"{output_dir}: already exists; choose another out directory or run name")
-    config = build_run_config(preset=preset, steps=steps, seed=seed, world_size=world_size, overrides=overrides)
+    config = build_run_config(
+        preset=preset, steps=steps, seed=seed, world_size=world_size, overrides=overrides, model=model
+    )
     if parallel != "ddp":
         config["parallel"]["strategy"] = parallel
     (output_dir / "logs").mkdir(parents=True)

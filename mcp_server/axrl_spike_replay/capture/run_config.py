@@ -1,7 +1,8 @@
 """The reference trainer's `run_config.yaml`: built from a preset, parsed back into typed sections.
 
 The document holds everything needed to rebuild the model, the loss and the routing of a step:
-`model` (TinyMoEConfig), `loss` (LossConfig), `routing` (RoutingConfig), `parallel`, `train`, `detector`.
+`model` (TinyMoEConfig, or a transformers MoE model: `kind: hf`), `loss` (LossConfig), `routing`
+(RoutingConfig), `parallel`, `train`, `detector`.
 """
 
 from __future__ import annotations
@@ -12,10 +13,18 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from axrl_spike_replay.capture.model_choice import (
+    DEFAULT_CAPTURE_MODEL,
+    HF_RESPONSE_LEN,
+    check_capture_model,
+    hf_model_section,
+)
 from axrl_spike_replay.capture.presets import get_preset
 from axrl_spike_replay.capture.toy_task import ADVANTAGE_ESTIMATORS
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.models.hf_config import HFModelConfig
+from axrl_spike_replay.models.policy import ModelSpec, parse_model_config
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.routing_replay import RoutingConfig
@@ -140,7 +149,7 @@ class DetectorSettings:
 class RunSpec:
     """A run config parsed into its typed sections."""
 
-    model: TinyMoEConfig
+    model: ModelSpec
     loss: LossConfig
     routing: RoutingConfig
     train: TrainSettings
@@ -174,18 +183,23 @@ def build_run_config(
     seed: int = 0,
     world_size: int = 1,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    model: str = DEFAULT_CAPTURE_MODEL,
 ) -> dict[str, Any]:
-    """The run config document for a preset, with per-section `overrides` applied last."""
+    """The run config document for a preset and a model (`model_choice.CAPTURE_MODELS`), with per-section
+    `overrides` applied last."""
+    check_capture_model(model)
     chosen = get_preset(preset)
     loss = {key: value for key, value in DEFAULT_LOSS.to_dict().items() if key in TRAIN_LOSS_KEYS}
     loss.update(chosen.loss)
     train = TrainSettings(steps=steps, seed=seed, preset=preset).to_dict()
+    if model != DEFAULT_CAPTURE_MODEL:
+        train["response_len"] = HF_RESPONSE_LEN
     train.update(chosen.train)
     train["fault"] = chosen.fault_summary()
     if preset == "none":
         train["burst"] = []
     doc: dict[str, Any] = {
-        "model": DEFAULT_MODEL.to_dict(),
+        "model": DEFAULT_MODEL.to_dict() if model == DEFAULT_CAPTURE_MODEL else hf_model_section(model),
         "loss": loss,
         "routing": RoutingConfig(replay="all").to_dict(),
         "parallel": {"world_size": world_size, "tp": 1, "pp": 1, "dp": world_size, "ep": 1, "etp": 1, "cp": 1},
@@ -214,13 +228,8 @@ def parse_run_config(doc: Mapping[str, Any]) -> RunSpec:
         loss = LossConfig.from_dict(dict(doc["loss"]))
     except (TypeError, ValueError, ArithmeticError) as exc:
         raise ConfigError(f"loss: invalid value ({shown(str(exc), 160, quote=False)})") from None
-    if isinstance(doc["model"], Mapping) and doc["model"].get("kind") == "hf":
-        # The replay engine builds transformers models (models.policy); the reference trainer trains tiny_moe.
-        raise ConfigError(
-            "model.kind hf: the reference trainer captures tiny_moe only; hf models are replayed, not captured"
-        )
     spec = RunSpec(
-        model=TinyMoEConfig.from_dict(dict(doc["model"])),
+        model=parse_model_config(dict(doc["model"])),
         loss=loss,
         routing=RoutingConfig.from_dict(dict(doc["routing"])),
         train=TrainSettings.from_dict(doc["train"]),
@@ -229,6 +238,12 @@ def parse_run_config(doc: Mapping[str, Any]) -> RunSpec:
         document=copy.deepcopy(dict(doc)),
     )
     seq = spec.train.prompt_len + spec.train.response_len
-    if seq > spec.model.max_seq_len:
+    if isinstance(spec.model, HFModelConfig):
+        limit = spec.model.config.get("max_position_embeddings")
+        if isinstance(limit, int) and seq > limit:
+            raise ConfigError(
+                f"train.prompt_len + train.response_len ({seq}) exceeds model.config.max_position_embeddings"
+            )
+    elif seq > spec.model.max_seq_len:
         raise ConfigError(f"train.prompt_len + train.response_len ({seq}) exceeds model.max_seq_len")
     return spec

@@ -25,7 +25,9 @@ from axrl_spike_replay.capture.toy_task import (
     grpo_advantages,
     make_prompts,
 )
-from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy, token_logprobs
+from axrl_spike_replay.models.hf_config import HFModelConfig
+from axrl_spike_replay.models.policy import ModelSpec, build_policy, policy_forward
+from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy
 from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY, GlobalCounts, all_reduce_counts
 from axrl_spike_replay.training.policy_loss import local_counts
 from axrl_spike_replay.training.rank_step import (
@@ -67,6 +69,11 @@ def _all_reduce_sum(values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
+def vocab_size(spec: ModelSpec) -> int:
+    """The policy's vocabulary size, whatever the model kind."""
+    return int(spec.config["vocab_size"]) if isinstance(spec, HFModelConfig) else spec.vocab_size
+
+
 def _stream_seed(seed: int, iteration: int, rank: int) -> int:
     return (seed * 1_000_003 + iteration * 10_007 + rank * 101 + 17) % (2**63 - 1)
 
@@ -81,16 +88,26 @@ class RankTrainer:
         self.train = spec.train
         self.preset = get_preset(spec.train.preset)
         torch.manual_seed(spec.train.seed)
-        self.model = TinyMoEPolicy(spec.model)
-        self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
+        self.model = build_policy(spec.model)
+        if self.preset.sharpen_routers is not None:
+            sharpen_routers(self.model, self.preset.sharpen_routers)
+        self.ref_model = self.copy_policy(self.model).requires_grad_(False)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=spec.train.lr)
         self.param_numel = {name: p.numel() for name, p in self.model.named_parameters()}
         self.baseline: float | None = None
 
+    def copy_policy(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A copy of the policy with its own routing hooks (a transformers policy is rebuilt, then loaded)."""
+        if isinstance(model, TinyMoEPolicy):
+            return copy.deepcopy(model)
+        twin = build_policy(self.spec.model)
+        twin.load_state_dict(model.state_dict())
+        return twin
+
     def in_burst(self, iteration: int) -> bool:
         return iteration in self.train.burst
 
-    def rollout_policy(self) -> TinyMoEPolicy:
+    def rollout_policy(self) -> torch.nn.Module:
         """The policy the rollout engine copies (FSDP: an unsharded copy)."""
         return self.model
 
@@ -107,7 +124,7 @@ class RankTrainer:
         t = self.train
         burst = self.in_burst(iteration)
         generator = torch.Generator().manual_seed(_stream_seed(t.seed, iteration, self.rank))
-        prompts = make_prompts(generator, t.prompts_per_rank, t.prompt_len, self.spec.model.vocab_size)
+        prompts = make_prompts(generator, t.prompts_per_rank, t.prompt_len, vocab_size(self.spec.model))
         prompts = prompts.repeat_interleave(t.group_size, dim=0)
         faults = self.preset.faults if burst else None
         ro = generate(
@@ -141,8 +158,8 @@ class RankTrainer:
         }
         routing = routing_control(self.spec.routing, batch, ro.routed_experts)
         with torch.no_grad():
-            batch["old_logprobs"] = token_logprobs(self.model(ro.tokens, routing).logits, ro.tokens).float()
-            batch["ref_logprobs"] = token_logprobs(self.ref_model(ro.tokens, routing).logits, ro.tokens).float()
+            batch["old_logprobs"] = policy_forward(self.model, batch, routing, need_entropy=False).logprobs.float()
+            batch["ref_logprobs"] = policy_forward(self.ref_model, batch, routing, need_entropy=False).logprobs.float()
         return StepBatch(batch=batch, routed_experts=ro.routed_experts, global_reward_mean=global_mean)
 
     def gradients(self, step: StepBatch) -> StepGrads:
@@ -193,7 +210,16 @@ class RankTrainer:
             grad_info[GRAD_INFO_KEY] = grads.counts.to_doc()
         routing_payload = {
             "routed_experts": step.routed_experts.to(torch.int32),
-            "moe_layers": list(self.spec.model.moe_layer_ids),
+            "moe_layers": list(self.spec.model.moe_layer_ids),  # absolute decoder layers (dense ones left out)
             "source": "rollout",
         }
         return RankPayload(batch=step.batch, grad_info=grad_info, routing_payload=routing_payload)
+
+
+def sharpen_routers(model: torch.nn.Module, std: float) -> None:
+    """Redraw every router's weights with a large `std` (from the seeded torch stream), so each token has a
+    clear first choice of experts and forcing another expert changes what the model predicts."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight", "router.weight")):
+                p.normal_(0.0, std)

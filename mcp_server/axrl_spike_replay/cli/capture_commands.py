@@ -6,6 +6,7 @@ import argparse
 import math
 from typing import Any
 
+from axrl_spike_replay.capture.model_choice import CAPTURE_MODELS
 from axrl_spike_replay.capture.presets import PRESETS
 from axrl_spike_replay.capture.strategies import PARALLEL_STRATEGIES
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress, table
@@ -32,6 +33,13 @@ def register(sub: Any) -> None:
         default="ratio_outliers",
         metavar="NAME",
         help=f"injected fault: {', '.join(PRESETS)} (default: ratio_outliers)",
+    )
+    p.add_argument(
+        "--model",
+        default="tiny_moe",
+        choices=CAPTURE_MODELS,
+        help="the policy trained: tiny_moe, or a transformers MoE architecture at a tiny size (hidden 64, 8 experts, "
+        "top-2, vocab 1024, 32-token responses; model kind hf in run_config.yaml) (default: tiny_moe)",
     )
     p.add_argument(
         "--parallel",
@@ -70,7 +78,8 @@ def _capture(args: argparse.Namespace) -> int:
         raise AxrlError(f"--preset {args.preset!r} is not known (known: {', '.join(PRESETS)})")
 
     progress(
-        f"capture: training {args.steps} steps on {args.world_size} rank(s) ({args.parallel}), preset {args.preset} ..."
+        f"capture: training {args.steps} steps on {args.world_size} rank(s) ({args.parallel}), preset {args.preset}, "
+        f"model {args.model} ..."
     )
     try:
         result = capture_reference_run(
@@ -82,6 +91,7 @@ def _capture(args: argparse.Namespace) -> int:
             preset=args.preset,
             run=args.run,
             parallel=args.parallel,
+            model=args.model,
         )
     except ConfigError as exc:
         text = str(exc)
@@ -97,7 +107,8 @@ def _render_capture(doc: dict[str, Any]) -> str:
     lines = [
         f"output dir: {doc['output_dir']}",
         f"log:        {doc['log_path']}",
-        f"preset {doc['preset']}, world size {doc['world_size']} ({doc.get('parallel', 'ddp')}), "
+        f"model {doc.get('model', 'tiny_moe')}, preset {doc['preset']}, "
+        f"world size {doc['world_size']} ({doc.get('parallel', 'ddp')}), "
         f"{doc['steps']} steps, seed {doc['seed']}, "
         f"{doc['seconds']:.1f} s",
     ]

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from axrl_spike_replay.capture.model_choice import CAPTURE_MODELS
 from axrl_spike_replay.cli.output import add_json_flag, emit
 
 
@@ -18,6 +19,12 @@ def register(sub: Any) -> None:
     parser.add_argument("--workspace", default="demo-workspace", help="folder for the demo (default: %(default)s)")
     parser.add_argument("--preset", default="ratio_outliers", help="spike preset of the reference run")
     parser.add_argument("--world-size", type=int, default=2, help="data-parallel ranks of the reference run")
+    parser.add_argument(
+        "--model",
+        default="tiny_moe",
+        choices=CAPTURE_MODELS,
+        help="the policy of the reference run: tiny_moe or a tiny transformers MoE architecture (default: tiny_moe)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     add_json_flag(parser)
     parser.set_defaults(handler=_demo)
@@ -33,6 +40,8 @@ def _demo(args: argparse.Namespace) -> int:
             print(f"   {line}", file=out)
         out.flush()
 
-    summary = run_demo(args.workspace, preset=args.preset, world_size=args.world_size, seed=args.seed, show=show)
+    summary = run_demo(
+        args.workspace, preset=args.preset, world_size=args.world_size, seed=args.seed, show=show, model=args.model
+    )
     emit(summary, args.json, lambda s: f"\ndemo finished in {s.seconds:.1f} s; read {s.task_file} and {s.report}")
     return 0

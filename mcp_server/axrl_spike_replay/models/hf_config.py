@@ -62,6 +62,7 @@ class HFModelConfig:
     attn_implementation: str = "eager"
     experts_implementation: str = "eager"
     temperature: float = 1.0  # logits are divided by it before the log-softmax, as RL trainers do
+    deterministic_algorithms: bool = True  # torch.use_deterministic_algorithms(True) while built: pinned and recorded
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -87,6 +88,10 @@ class HFModelConfig:
             or not (0 < self.temperature < float("inf"))
         ):
             raise ConfigError(f"model.temperature must be a number > 0, got {shown(self.temperature, 40)}")
+        if not isinstance(self.deterministic_algorithms, bool):
+            raise ConfigError(
+                f"model.deterministic_algorithms must be true or false, got {shown(self.deterministic_algorithms, 40)}"
+            )
         check_config_sizes(self.config)
         model_type = self.config.get("model_type", self.architecture)
         if model_type != self.architecture:
@@ -135,6 +140,7 @@ class HFModelConfig:
             attn_implementation=self.attn_implementation,
             experts_implementation=self.experts_implementation,
             temperature=self.temperature,
+            deterministic_algorithms=self.deterministic_algorithms,
         )
         return doc
 
@@ -142,7 +148,7 @@ class HFModelConfig:
     def from_dict(cls, doc: dict[str, Any]) -> HFModelConfig:
         """Build from the `model:` section (kind: hf); `config` inline or `path` to an HF directory's config.json."""
         known = {"kind", "architecture", "config", "path", "dtype", "attn_implementation", "experts_implementation"}
-        known.add("temperature")
+        known.update(("temperature", "deterministic_algorithms"))
         unknown = sorted(str(k) for k in set(doc) - known)
         if unknown:
             raise ConfigError(f"model: unknown keys {shown(unknown, 120)} (known: {sorted(known)})")

@@ -38,10 +38,17 @@ def parse_model_config(doc: Any) -> ModelSpec:
 
 
 def build_policy(spec: ModelSpec, device: str = "cpu") -> nn.Module:
-    """A freshly initialised policy for the spec (seed torch first for reproducible weights)."""
+    """A freshly initialised policy for the spec (seed torch first for reproducible weights).
+
+    An HF spec with `deterministic_algorithms` (the default, recorded in the run config) pins
+    `torch.use_deterministic_algorithms(True)` in this process, in capture and replay alike."""
     if isinstance(spec, HFModelConfig):
         from axrl_spike_replay.models.hf_policy import HFPolicy
 
+        if spec.deterministic_algorithms:
+            import torch
+
+            torch.use_deterministic_algorithms(True)
         return HFPolicy(spec, device)
     from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy
 
