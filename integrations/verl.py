@@ -4,7 +4,9 @@ The patched `FSDPEngine.forward_backward_batch` keeps the rank's mini-batch; the
 `optimizer_step` calls `guard_step(engine, grad_norm)` with the pre-clip global norm, before
 `optimizer.step()`. A tripped guard writes a snapshot collectively: weights as a sharded DCP checkpoint
 (`get_model_state_dict`), each rank's mini-batch under verl's own key names (jagged tensors kept),
-the routes, grad info, and `run_config.yaml` with `loss.convention: verl`. `False` means skip the step.
+the routes, grad info, and `run_config.yaml` with `loss.convention: verl`, the `model:` section (kind hf: the
+actor's HF config, its compute dtype and the attention/experts kernels it ran with) and the `routing:` section
+(the engine's router replay mode), so the snapshot replays on the torch engine. `False` means skip the step.
 
 Loaded by file path (`AXRL_VERL_HOOK=/path/to/integrations/verl.py`; a module named `verl` on
 sys.path would shadow verl itself). Settings: `AXRL_SPIKE_DIR` (snapshot root, default
@@ -57,19 +59,90 @@ def batch_payload(data: Any) -> dict[str, Any]:
             value = data[key]
         except (KeyError, AttributeError, TypeError):
             continue
-        value = getattr(value, "data", value)  # NonTensorData wraps the number
+        value = _unwrapped(value)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = torch.tensor(value)
     return out
 
 
-def run_config(world_size: int) -> dict[str, Any]:
-    """The snapshot's run_config.yaml: verl's loss convention, an FSDP data-parallel layout, the verl version."""
-    return {
+def _unwrapped(value: Any) -> Any:
+    return getattr(value, "data", value)  # NonTensorData wraps the value
+
+
+def _temperature(data: Any) -> float | None:
+    """The mini-batch's sampling temperature when one value holds for the whole batch (verl divides logits by it)."""
+    import torch
+
+    try:
+        value = _unwrapped(data["temperature"])
+    except (KeyError, AttributeError, TypeError):
+        return None
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().reshape(-1).float()
+        if flat.numel() == 0 or not bool((flat == flat[0]).all()):
+            return None
+        value = float(flat[0])
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return None
+
+
+def _dtype_name(dtype: Any) -> str | None:
+    name = str(dtype).removeprefix("torch.")
+    return name if name in ("float32", "bfloat16", "float16") else None
+
+
+def model_section(module: Any, compute_dtype: Any = None, temperature: float | None = None) -> dict[str, Any] | None:
+    """The `model:` section (kind hf) for the actor module: its HF config dict, architecture (`model_type`),
+    the dtype the step computed in (FSDP's mixed-precision param dtype, else the parameters'), and the attention
+    and experts implementations the loaded model resolved. None when the module carries no HF config.
+
+    Written as seen: a kernel the torch engine does not build (flash attention) makes the replay refuse with a
+    pointer to `--backend command` instead of recomputing with another kernel."""
+    config = getattr(module, "config", None)
+    if config is None or not callable(getattr(config, "to_dict", None)):
+        return None
+    doc: dict[str, Any] = {
+        "kind": "hf",
+        "architecture": str(getattr(config, "model_type", "")),
+        "config": config.to_dict(),
+    }
+    dtype = _dtype_name(compute_dtype) if compute_dtype is not None else None
+    if dtype is None:
+        first = next(iter(module.parameters()), None)
+        dtype = _dtype_name(first.dtype) if first is not None else None
+    if dtype is not None:
+        doc["dtype"] = dtype
+    for key in ("attn_implementation", "experts_implementation"):
+        value = getattr(config, f"_{key}", None)
+        if isinstance(value, str):
+            doc[key] = value
+    if temperature is not None:
+        doc["temperature"] = temperature
+    return doc
+
+
+def routing_section(engine_config: Any) -> dict[str, Any]:
+    """The `routing:` section: verl's router replay mode (R2/R3: the recorded routes forced) or off."""
+    mode = getattr(getattr(engine_config, "router_replay", None), "mode", "disabled")
+    return {"replay": "all" if mode in ("R2", "R3") else "off", "current_routing_layers": []}
+
+
+def run_config(world_size: int, engine: Any = None, data: Any = None) -> dict[str, Any]:
+    """The snapshot's run_config.yaml: verl's loss convention, an FSDP data-parallel layout, the verl version,
+    and, from the engine when given, the actor's `model:` and `routing:` sections."""
+    doc: dict[str, Any] = {
         "loss": {"convention": "verl"},
         "parallel": {"world_size": world_size, "dp": world_size, "strategy": "fsdp"},
         "train": {"trainer": "verl", "verl_version": VERL_VERSION},
     }
+    if engine is not None:
+        temperature = _temperature(data) if data is not None else None
+        model = model_section(engine.module, getattr(engine, "_autocast_dtype", None), temperature)
+        if model is not None:
+            doc["model"] = model
+        doc["routing"] = routing_section(getattr(engine, "engine_config", None))
+    return doc
 
 
 def guard_step(engine: Any, grad_norm: Any) -> bool:
@@ -90,7 +163,8 @@ def guard_step(engine: Any, grad_norm: Any) -> bool:
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         guard.parallel = ParallelLayout(world_size=world, dp=world)
-        batch = batch_payload(getattr(engine, "_axrl_spike_batch", None) or {})
+        data = getattr(engine, "_axrl_spike_batch", None)
+        batch = batch_payload(data or {})
         params = dict(engine.module.named_parameters())
         grad_info = {
             "grad_norm": norm,
@@ -109,5 +183,6 @@ def guard_step(engine: Any, grad_norm: Any) -> bool:
             if routes is not None:
                 routing = {"routed_experts": routes, "moe_layers": list(range(routes.shape[2])), "source": "rollout"}
         state = get_model_state_dict(engine.module)
-        guard.snapshot(decision, state, {rank: RankPayload(batch, grad_info, routing)}, run_config=run_config(world))
+        payloads = {rank: RankPayload(batch, grad_info, routing)}
+        guard.snapshot(decision, state, payloads, run_config=run_config(world, engine, data))
     return guard.apply(decision, engine.module, engine.optimizer)

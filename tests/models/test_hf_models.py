@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_snapshot import save_dcp, seeded_policy
-from hf_tiny import ARCHITECTURES
 
 from axrl_spike_replay.models.hf_policy import HFPolicy, hf_logprobs
 from axrl_spike_replay.models.hf_weights import load_hf_weights, to_model_layout, to_per_expert_layout
 from axrl_spike_replay.models.policy import build_policy, check_policy_weights
 from axrl_spike_replay.models.tiny_moe import RoutingControl, token_logprobs
+from axrl_spike_replay.testing.hf_snapshot import ARCHITECTURES, save_dcp, seeded_policy
 
 # qwen3_moe runs by default; the rest of the matrix is marked slow.
 EACH = [pytest.param(a, marks=() if a == "qwen3_moe" else pytest.mark.slow) for a in ARCHITECTURES]
@@ -133,6 +132,7 @@ def test_temperature_divides_the_logits_before_the_log_softmax() -> None:
     model = _policy("qwen3_moe")
     hot = build_policy(dataclasses.replace(model.spec, temperature=2.0))
     hot.load_state_dict(model.state_dict())
+    assert isinstance(hot, HFPolicy)
     tokens = _tokens()
     loss_mask = torch.ones(tokens.shape)
     batch = {"tokens": tokens, "loss_mask": loss_mask}
@@ -190,10 +190,9 @@ def test_an_hf_directory_written_by_save_pretrained_loads(architecture: str, tmp
     ],
 )
 def test_a_hostile_hf_config_is_refused_before_anything_is_built(change: dict, message: str) -> None:
-    from hf_tiny import model_section
-
     from axrl_spike_replay.errors import ConfigError
     from axrl_spike_replay.models.policy import parse_model_config
+    from axrl_spike_replay.testing.hf_snapshot import model_section
 
     doc = model_section("qwen3_moe")
     doc["config"] = {**doc["config"], **change}
@@ -206,10 +205,9 @@ def test_a_hostile_hf_config_is_refused_before_anything_is_built(change: dict, m
     [("architecture", "jamba"), ("experts_implementation", "deepgemm"), ("attn_implementation", "sdpa")],
 )
 def test_what_the_engine_cannot_build_points_to_the_command_backend(key: str, value: str) -> None:
-    from hf_tiny import model_section
-
     from axrl_spike_replay.errors import ConfigError
     from axrl_spike_replay.models.policy import parse_model_config
+    from axrl_spike_replay.testing.hf_snapshot import model_section
 
     with pytest.raises(ConfigError, match="--backend command"):
         parse_model_config({**model_section("qwen3_moe"), key: value})

@@ -1,7 +1,7 @@
 """Replaying a spike of a transformers MoE policy (qwen3_moe, saved world size 2): full fidelity is bit-identical
 to the recorded step, reduced fidelity within 1e-5, and loss-level and routing mitigations move the grad norm.
 
-The snapshot is recorded in this test session with the trainer's own rank step (tests/models/hf_snapshot.py).
+The snapshot is recorded in this test session with the trainer's own rank step (axrl_spike_replay.testing.hf_snapshot).
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hf_snapshot import record_hf_snapshot
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.replay.sweep import run_sweep
+from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
 
 
 @pytest.fixture(scope="module")

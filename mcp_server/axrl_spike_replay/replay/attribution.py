@@ -23,12 +23,13 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
+from axrl_spike_replay.models.policy import policy_forward
+from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
 from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, parse_config
-from axrl_spike_replay.replay.outcome_figures import jvp_logits
+from axrl_spike_replay.replay.outcome_figures import jvp_policy
 from axrl_spike_replay.replay.result import Attribution, SampleContribution
 from axrl_spike_replay.replay.run_dir import RunDir, RunRecorder, command_line
 from axrl_spike_replay.replay.sample_masks import check_ranks, filtered_batch
@@ -45,8 +46,10 @@ SUM_TOLERANCE = 1e-4
 
 @dataclass
 class _RankPass:
-    grad_logits: torch.Tensor  # [B, T, V] dLoss_r/dlogits
-    routes: Any  # RoutingControl replaying the experts this pass used, so later passes route the same
+    batch: dict[str, torch.Tensor]  # the saved rank batch the forward saw
+    grad_logprobs: torch.Tensor  # [B, T] dLoss_r/dlogprobs
+    grad_entropy: torch.Tensor | None  # [B, T] dLoss_r/dentropy; None when the loss has no entropy term
+    routes: RoutingControl  # replays the experts this pass used, so later passes route the same
     signals: list[dict[str, Any]]
 
 
@@ -90,23 +93,23 @@ def _router_loss(cfg: AppliedConfig, out: Any) -> torch.Tensor | None:
 def _gradient_pass(
     model: torch.nn.Module, ranks: RankInputs, cfg: AppliedConfig
 ) -> tuple[dict[int, _RankPass], list[torch.Tensor] | None]:
-    """Accumulate every rank's gradients in `.grad` (as a reduced replay does); keep dLoss/dlogits per rank and
-    the router losses' gradient summed over ranks."""
-    from axrl_spike_replay.models.tiny_moe import RoutingControl, token_entropy, token_logprobs
-
+    """Accumulate every rank's gradients in `.grad` (as a reduced replay does); keep dLoss/dlogprobs (and
+    dLoss/dentropy) per rank and the router losses' gradient summed over ranks."""
     params = list(model.parameters())
     # every saved rank is here: the step's counts are this process's own (the recorded ones, recounted)
     counts = step_counts(ranks, cfg, cfg.loss, None, len(ranks.batches))
+    need_entropy = bool(cfg.loss.entropy_coef)
     passes = {}
     router_sum: list[torch.Tensor] | None = None
     for rank, saved in ranks.batches.items():
         batch = filtered_batch(saved, rank, cfg.samples)
-        out = model(batch["tokens"], ranks.routing(cfg, rank))
-        out.logits.retain_grad()
-        logprobs = token_logprobs(out.logits, batch["tokens"])
-        entropy = token_entropy(out.logits) if cfg.loss.entropy_coef else None
+        # the forward sees the saved batch and the loss the filtered one, as in a replay
+        out = policy_forward(model, saved, ranks.routing(cfg, rank), need_entropy=need_entropy)
+        out.logprobs.retain_grad()
+        if out.entropy is not None:
+            out.entropy.retain_grad()
         result = policy_loss(
-            logprobs, batch, cfg.loss, entropy=entropy, aux_loss=out.aux_loss, z_loss=out.z_loss, counts=counts
+            out.logprobs, batch, cfg.loss, entropy=out.entropy, aux_loss=out.aux_loss, z_loss=out.z_loss, counts=counts
         )
         router = _router_loss(cfg, out)
         if router is not None:
@@ -114,49 +117,84 @@ def _gradient_pass(
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
             router_sum = grads if router_sum is None else [a + b for a, b in zip(router_sum, grads, strict=True)]
         result.loss.backward()
-        signals = _signals(rank, batch, logprobs.detach(), result.mask, _base_name(cfg))
-        used = RoutingControl(routes=out.routes.detach())
-        passes[rank] = _RankPass(grad_logits=out.logits.grad.detach(), routes=used, signals=signals)
+        signals = _signals(rank, batch, out.logprobs.detach(), result.mask, _base_name(cfg))
+        passes[rank] = _RankPass(
+            batch=saved,
+            grad_logprobs=_grad_or_zeros(out.logprobs),
+            grad_entropy=_grad_or_zeros(out.entropy) if out.entropy is not None else None,
+            routes=RoutingControl(routes=out.routes.detach()),
+            signals=signals,
+        )
     return passes, router_sum
 
 
+def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
+    return t.grad.detach() if t.grad is not None else torch.zeros_like(t).detach()
+
+
+_JVP_KEYS = ("tokens", "loss_mask", "attention_mask")
+
+
+def _joined(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
+    """The forward's inputs of several rank batches as one batch; None when they cannot be concatenated."""
+    keys = [k for k in _JVP_KEYS if k in batches[0]]
+    if any(set(k for k in _JVP_KEYS if k in b) != set(keys) for b in batches):
+        return None
+    if len({b["tokens"].shape[1] for b in batches}) > 1:
+        return None
+    return {k: torch.cat([b[k] for b in batches]) for k in keys}
+
+
 def _jvp_all(
-    model: torch.nn.Module, ranks: RankInputs, passes: dict[int, _RankPass], direction: dict[str, torch.Tensor]
-) -> dict[int, torch.Tensor]:
-    """J g for every rank's logits; ranks of equal sequence length go through one concatenated forward.
+    model: torch.nn.Module, passes: dict[int, _RankPass], direction: dict[str, torch.Tensor]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+    """J g for every rank's log-probs (and entropies); rank batches that fit go through one concatenated forward.
 
-    Exact: a sample's logits depend only on its own tokens, and the routes are the ones the gradient pass used.
-    """
-    from axrl_spike_replay.models.tiny_moe import RoutingControl
-
+    Exact: a sample's log-probs depend only on its own tokens (and mask), and the routes are the ones the gradient
+    pass used. Positions before a rank's own first response position get log-probs in the joined forward; their
+    dLoss/dlogprobs is 0, so they add nothing."""
     order = list(passes)
-    tokens = [ranks.batches[r]["tokens"] for r in order]
-    if len({t.shape[1] for t in tokens}) > 1:
-        return {r: jvp_logits(model, ranks.batches[r]["tokens"], passes[r].routes, direction) for r in order}
-    routes = RoutingControl(routes=torch.cat([passes[r].routes.routes for r in order]))
-    d_logits = jvp_logits(model, torch.cat(tokens), routes, direction)
-    return dict(zip(order, d_logits.split([t.shape[0] for t in tokens]), strict=True))
+    need_entropy = passes[order[0]].grad_entropy is not None
+    joined = _joined([passes[r].batch for r in order])
+    if joined is None:
+        return {r: jvp_policy(model, passes[r].batch, passes[r].routes, direction, need_entropy) for r in order}
+    routes = RoutingControl(routes=torch.cat([_routes_of(passes[r]) for r in order]))
+    d_logprobs, d_entropy = jvp_policy(model, joined, routes, direction, need_entropy)
+    sizes = [passes[r].batch["tokens"].shape[0] for r in order]
+    parts_lp = d_logprobs.split(sizes)
+    parts_ent = d_entropy.split(sizes) if d_entropy is not None else [None] * len(order)
+    return {r: (lp, ent) for r, lp, ent in zip(order, parts_lp, parts_ent, strict=True)}
 
 
-def _backward_per_sample(
-    model: torch.nn.Module, ranks: RankInputs, rank: int, rank_pass: _RankPass, g: list[torch.Tensor]
-) -> torch.Tensor:
+def _routes_of(rank_pass: _RankPass) -> torch.Tensor:
+    routes = rank_pass.routes.routes
+    assert routes is not None  # the gradient pass always records the routes it used
+    return routes
+
+
+def _backward_per_sample(model: torch.nn.Module, rank_pass: _RankPass, g: list[torch.Tensor]) -> torch.Tensor:
     """The naive way: one backward pass per sample; each sample's <grad, g> (float64)."""
     params = list(model.parameters())
-    grad_logits = rank_pass.grad_logits
-    out = model(ranks.batches[rank]["tokens"], rank_pass.routes)
-    dots = torch.zeros(grad_logits.shape[0], dtype=torch.float64)
-    for s in range(grad_logits.shape[0]):
-        row = torch.zeros_like(grad_logits)
-        row[s] = grad_logits[s]
-        grads = torch.autograd.grad(out.logits, params, grad_outputs=row, retain_graph=True, allow_unused=True)
+    grads_out = [rank_pass.grad_logprobs]
+    out = policy_forward(model, rank_pass.batch, rank_pass.routes, need_entropy=rank_pass.grad_entropy is not None)
+    outputs = [out.logprobs]
+    if rank_pass.grad_entropy is not None and out.entropy is not None:
+        grads_out.append(rank_pass.grad_entropy)
+        outputs.append(out.entropy)
+    dots = torch.zeros(rank_pass.grad_logprobs.shape[0], dtype=torch.float64)
+    for s in range(dots.shape[0]):
+        rows = []
+        for full in grads_out:
+            row = torch.zeros_like(full)
+            row[s] = full[s]
+            rows.append(row)
+        grads = torch.autograd.grad(outputs, params, grad_outputs=rows, retain_graph=True, allow_unused=True)
         dots[s] = sum(float((a.double() * b.double()).sum()) for a, b in zip(grads, g, strict=True) if a is not None)
     return dots
 
 
 def _contributions(
     model: torch.nn.Module,
-    ranks: RankInputs,
     passes: dict[int, _RankPass],
     router_sum: list[torch.Tensor] | None,
     world_size: int,
@@ -170,14 +208,19 @@ def _contributions(
         router = sum(float((a.double() * b.double()).sum()) for a, b in zip(router_sum, g, strict=True)) / world_size
     if method == "jvp":
         direction = {name: grad for (name, _), grad in zip(model.named_parameters(), g, strict=True)}
-        d_logits = _jvp_all(model, ranks, passes, direction)
-        dots = {
-            r: (p.grad_logits.double() * d_logits[r].double()).sum(dim=(1, 2)).cpu() / world_size
-            for r, p in passes.items()
-        }
+        tangents = _jvp_all(model, passes, direction)
+        dots = {r: _dot_rows(p, *tangents[r]) / world_size for r, p in passes.items()}
     else:
-        dots = {r: _backward_per_sample(model, ranks, r, p, g) / world_size for r, p in passes.items()}
+        dots = {r: _backward_per_sample(model, p, g) / world_size for r, p in passes.items()}
     return dots, router
+
+
+def _dot_rows(rank_pass: _RankPass, d_logprobs: torch.Tensor, d_entropy: torch.Tensor | None) -> torch.Tensor:
+    """Per sample, sum_t G[s,t] * (J g)[s,t] over the log-probs (and the entropies), float64."""
+    dots = (rank_pass.grad_logprobs.double() * d_logprobs.double()).sum(dim=1)
+    if rank_pass.grad_entropy is not None and d_entropy is not None:
+        dots = dots + (rank_pass.grad_entropy.double() * d_entropy.double()).sum(dim=1)
+    return dots.cpu()
 
 
 def attribute_spike(
@@ -204,12 +247,6 @@ def attribute_spike(
     start = time.perf_counter()
     with replay_dir_for(snapshot) as (replay_dir, legacy):
         inputs = load_inputs(snapshot, replay_dir, legacy)
-        if not isinstance(inputs.model, TinyMoEConfig):
-            raise ConfigError(
-                f"{snapshot}: attribution runs on tiny_moe snapshots only so far; for this model "
-                f"({inputs.model.architecture}) compare `replay --mitigation drop_samples=RANK:SAMPLE` runs instead",
-                "snapshot",
-            )
         cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing)
         check_configs(inputs, [cfg])
         check_ranks(cfg.samples, inputs.world_size)
@@ -247,7 +284,7 @@ def _attribute(
     reduce_gradients(model, world_size)
     grad_norm = global_grad_norm(model)
     t1 = time.perf_counter()
-    dots, router = _contributions(model, ranks, passes, router_sum, world_size, method)
+    dots, router = _contributions(model, passes, router_sum, world_size, method)
     t2 = time.perf_counter()
     rows = []
     for rank, rank_pass in passes.items():

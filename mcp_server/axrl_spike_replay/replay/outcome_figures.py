@@ -125,45 +125,38 @@ def cosine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float | None
     return max(-1.0, min(1.0, dot / math.sqrt(na * nb)))
 
 
-def jvp_logits(model: torch.nn.Module, tokens: torch.Tensor, routing: Any, direction: dict[str, torch.Tensor]) -> Any:
-    """J g for a tiny_moe policy's logits [B, T, V]: one forward pass with dual numbers (parameter, tangent = g)."""
-    import torch.autograd.forward_ad as fwad
-    from torch.func import functional_call
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+class _PolicyOutputsOf(torch.nn.Module):
+    """One rank batch's per-token log-probs (and entropies) as a module call, so `functional_call` can swap in
+    dual parameters."""
 
-    # the fused CPU attention kernel has no forward-mode AD; the math kernel has
-    with sdpa_kernel(SDPBackend.MATH), torch.no_grad(), fwad.dual_level():
-        with warnings.catch_warnings():  # torch registers its forward-AD decompositions with torch.jit.script
-            warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=DeprecationWarning)
-            duals = {name: fwad.make_dual(p.detach(), direction[name]) for name, p in model.named_parameters()}
-        out = functional_call(model, duals, (tokens, routing))
-        return fwad.unpack_dual(out.logits).tangent
-
-
-class _LogprobsOf(torch.nn.Module):
-    """One rank batch's per-token log-probs as a module call, so `functional_call` can swap in dual parameters."""
-
-    def __init__(self, model: torch.nn.Module, batch: dict[str, Any], routing: Any) -> None:
+    def __init__(self, model: torch.nn.Module, batch: dict[str, Any], routing: Any, need_entropy: bool) -> None:
         super().__init__()
         self.model = model
         self.batch = batch
         self.routing = routing
+        self.need_entropy = need_entropy
 
-    def forward(self) -> torch.Tensor:
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         from axrl_spike_replay.models.policy import policy_forward
 
-        return policy_forward(self.model, self.batch, self.routing, need_entropy=False).logprobs
+        out = policy_forward(self.model, self.batch, self.routing, need_entropy=self.need_entropy)
+        return out.logprobs, out.entropy
 
 
-def jvp_logprobs(
-    model: torch.nn.Module, batch: dict[str, Any], routing: Any, direction: dict[str, torch.Tensor]
-) -> Any:
-    """J g for the per-token log-probs [B, T]: one forward pass with dual numbers (parameter, tangent = g)."""
+def jvp_policy(
+    model: torch.nn.Module,
+    batch: dict[str, Any],
+    routing: Any,
+    direction: dict[str, torch.Tensor],
+    need_entropy: bool = False,
+) -> tuple[Any, Any]:
+    """J g for the per-token log-probs [B, T] (and entropies, else None): one forward pass with dual numbers
+    (parameter, tangent = g). Any policy kind: the outputs are `policy_forward`'s."""
     import torch.autograd.forward_ad as fwad
     from torch.func import functional_call
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    wrapped = _LogprobsOf(model, batch, routing)
+    wrapped = _PolicyOutputsOf(model, batch, routing, need_entropy)
     # the fused CPU attention kernel has no forward-mode AD; the math kernel has
     with sdpa_kernel(SDPBackend.MATH), torch.no_grad(), fwad.dual_level():
         with warnings.catch_warnings():  # torch registers its forward-AD decompositions with torch.jit.script
@@ -171,5 +164,13 @@ def jvp_logprobs(
             duals = {
                 f"model.{name}": fwad.make_dual(p.detach(), direction[name]) for name, p in model.named_parameters()
             }
-        out = functional_call(wrapped, duals, ())
-        return fwad.unpack_dual(out).tangent
+        logprobs, entropy = functional_call(wrapped, duals, ())
+        d_entropy = fwad.unpack_dual(entropy).tangent if entropy is not None else None
+        return fwad.unpack_dual(logprobs).tangent, d_entropy
+
+
+def jvp_logprobs(
+    model: torch.nn.Module, batch: dict[str, Any], routing: Any, direction: dict[str, torch.Tensor]
+) -> Any:
+    """J g for the per-token log-probs [B, T]: one forward pass with dual numbers (parameter, tangent = g)."""
+    return jvp_policy(model, batch, routing, direction)[0]

@@ -1,9 +1,11 @@
-"""Spike snapshots of tiny transformers MoE policies, recorded with the trainer's own rank step.
+"""Spike snapshots of tiny transformers MoE policies (the six architectures at hidden 64, 8 experts, top-2,
+vocab 1024), recorded with the trainer's own rank step: for tests, benchmarks and examples.
 
 As tests/replay/tiny_snapshot.py does for tiny_moe: one process builds the seeded policy, makes each rank's
 batch (left-padded prompts with an attention mask, bf16 rollout routes recorded, a few samples with a
 rollout-logprob mismatch: the burst), runs `rank_forward_backward` per rank, sums and divides the
 gradients as `reduce_gradients` does, and writes the snapshot (DCP weights + rank files) with `write_snapshot`.
+Needs the `hf` extra (transformers).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hf_tiny import model_section
 
 from axrl_spike_replay.capture.snapshot_writer import RankPayload, write_snapshot
 from axrl_spike_replay.models.hf_config import HFModelConfig
@@ -29,7 +30,71 @@ from axrl_spike_replay.training.rank_step import (
 )
 from axrl_spike_replay.training.routing_replay import RoutingConfig, routing_control
 
-LOSS = {"kl_coef": 0.01, "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "is_base_logprobs": "rollout"}
+BASE: dict[str, Any] = {
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+EXTRA: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"num_experts": 8, "moe_intermediate_size": 32, "head_dim": 16, "norm_topk_prob": True},
+    "qwen2_moe": {
+        "num_experts": 8,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "mlp_only_layers": [1],
+    },
+    "olmoe": {"num_experts": 8, "intermediate_size": 32},
+    "mixtral": {"num_local_experts": 8, "intermediate_size": 32},
+    "deepseek_v3": {
+        "n_routed_experts": 8,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "rope_scaling": None,
+    },
+    "gpt_oss": {"num_local_experts": 8, "intermediate_size": 32, "head_dim": 16, "sliding_window": 8},
+}
+ARCHITECTURES = tuple(EXTRA)
+
+
+def tiny_config(architecture: str) -> dict[str, Any]:
+    """The HF config dict of a tiny `architecture` model."""
+    return {**BASE, **EXTRA[architecture]}
+
+
+def model_section(architecture: str, **overrides: Any) -> dict[str, Any]:
+    """A run config `model:` section (kind hf) for the tiny architecture."""
+    return {
+        "kind": "hf",
+        "architecture": architecture,
+        "config": tiny_config(architecture),
+        "dtype": "float32",
+        "attn_implementation": "eager",
+        "experts_implementation": "eager",
+        **overrides,
+    }
+
+
+LOSS: dict[str, Any] = {"kl_coef": 0.01, "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "is_base_logprobs": "rollout"}
 SPIKE_RATIO = 8.0
 BURST = ((0, 1), (1, 2))  # (rank, sample) pairs whose rollout logprobs are wrong
 BATCH, PROMPT, RESPONSE = 4, 8, 32
@@ -118,7 +183,11 @@ def record_hf_snapshot(root: Path, architecture: str = "qwen3_moe", world_size: 
             grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
             payloads[rank] = (batch, routes, grads)
         for i, p in enumerate(model.parameters()):
-            p.grad = sum(payload[2][i] for payload in payloads.values())
+            parts = [payload[2][i] for payload in payloads.values()]
+            total = parts[0]
+            for part in parts[1:]:
+                total = total + part
+            p.grad = total
         reduce_gradients(model, world_size)
         grad_norm = global_grad_norm(model)
     finally:

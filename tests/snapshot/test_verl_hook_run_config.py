@@ -1,0 +1,92 @@
+"""A snapshot the verl hook writes names its model: the actor's HF config, compute dtype, kernels and routing
+mode go into run_config.yaml, and the replay's own parser reads that `model:` section back.
+
+The actor is a real transformers MoE model (tiny qwen3_moe); the hook runs its guard over a few steps until a
+spike trips it, exactly as the patched FSDP engine calls it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from axrl_spike_replay.models.hf_config import HFModelConfig
+from axrl_spike_replay.models.policy import build_policy, parse_model_config
+from axrl_spike_replay.testing.hf_snapshot import tiny_config
+from axrl_spike_replay.training.routing_config import RoutingConfig
+from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load_hook():
+    spec = importlib.util.spec_from_file_location("axrl_verl_hook_rc", REPO / "integrations" / "verl.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _actor() -> Any:
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING["qwen3_moe"](**tiny_config("qwen3_moe"))
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def test_a_hook_written_run_config_names_a_model_the_replay_can_parse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AXRL_SPIKE_DIR", str(tmp_path / "spikes"))
+    monkeypatch.setenv("AXRL_SPIKE_WARMUP", "3")
+    monkeypatch.setenv("AXRL_SPIKE_WINDOW", "5")
+    monkeypatch.setenv("AXRL_JOB_NAME", "verl-qwen3")
+    hook = _load_hook()
+    actor = _actor()
+    batch = {
+        "input_ids": torch.randint(3, 1024, (2, 12)),
+        "response_mask": torch.ones(2, 4),
+        "old_log_probs": torch.zeros(2, 4),
+        "advantages": torch.ones(2, 4),
+        "temperature": 0.7,
+    }
+    engine = SimpleNamespace(
+        module=actor,
+        optimizer=torch.optim.SGD(actor.parameters(), lr=0.0),
+        engine_config=SimpleNamespace(router_replay=SimpleNamespace(mode="R3")),
+        _autocast_dtype=torch.bfloat16,
+        _axrl_spike_batch=batch,
+    )
+    steps = [hook.guard_step(engine, torch.tensor(norm)) for norm in (1.0, 1.1, 0.9, 1.0, 50.0)]
+    assert steps[:4] == [True] * 4 and steps[4] is False  # the spike is skipped
+
+    (written,) = (tmp_path / "spikes").rglob("run_config.yaml")
+    doc = read_untrusted_yaml(written)
+    spec = parse_model_config(doc["model"])
+    assert isinstance(spec, HFModelConfig)
+    assert spec.architecture == "qwen3_moe" and spec.dtype == "bfloat16" and spec.temperature == pytest.approx(0.7)
+    assert spec.attn_implementation == "eager" and spec.experts_implementation == actor.config._experts_implementation
+    assert spec.moe_layer_ids == (0, 1) and spec.top_k == 2
+    rebuilt = build_policy(spec)  # the replay's policy has the actor's parameters, name for name, shape for shape
+    assert {k: v.shape for k, v in rebuilt.state_dict().items()} == {k: v.shape for k, v in actor.state_dict().items()}
+    assert RoutingConfig.from_dict(doc["routing"]).replay == "all"
+    assert doc["loss"]["convention"] == "verl"
+
+
+def test_a_flash_attention_actor_is_recorded_as_it_ran_and_refused_with_the_reason() -> None:
+    from axrl_spike_replay.errors import ConfigError
+
+    hook = _load_hook()
+    actor = _actor()
+    actor.config._attn_implementation = "flash_attention_2"  # what verl loads actors with on GPUs
+    section = hook.model_section(actor, torch.bfloat16)
+    assert section["attn_implementation"] == "flash_attention_2"
+    with pytest.raises(ConfigError, match="--backend command"):
+        parse_model_config(section)
