@@ -169,7 +169,7 @@ def test_readable_summary_leads_with_the_mismatch(synthetic, cli) -> None:
     lines = out.splitlines()
     assert lines[0].startswith("iteration 42: grad norm 40")
     assert any(line.startswith("rollout-vs-old log-ratio: max |.| 3") for line in lines)
-    assert "sign balance: negative" in out and "top tokens by |log-ratio|" in out
+    assert "sign balance: negative" in out and "top tokens by |log(pi_old/pi_rollout)|" in out
     bad = cli("analyze", synthetic(), "--top", "0")
     assert bad.code == 2 and "--top must be >= 1" in bad.err
 

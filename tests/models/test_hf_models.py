@@ -79,8 +79,9 @@ def test_current_layers_and_loss_token_replay_limit_what_is_forced(architecture:
     assert torch.equal(current_first.routes[:, :, 1:], wrong[:, :, 1:])
     assert torch.equal(loss_only.routes[:, 16:], wrong[:, 16:])
     assert not torch.equal(loss_only.logits, every.logits)  # prompt tokens route on current scores
-    # causal: positions before 16 see only their own (current) routes in every layer
-    assert torch.equal(loss_only.logits[:, :16], own.logits[:, :16])
+    # causal: positions before 16 see only their own (current) routes in every layer; the experts' batched
+    # matmuls see other token sets than in `own`, so the kernels may sum in another order (last-bit differences)
+    torch.testing.assert_close(loss_only.logits[:, :16], own.logits[:, :16], rtol=0, atol=1e-5)
 
 
 def test_payload_indexed_by_absolute_layer_skips_dense_layers() -> None:

@@ -97,7 +97,8 @@ def test_method_add_list_and_report(spike_outputs: SpikeOutputs, workspace: Path
     )
     assert added["status"] == "proven" and Path(added["path"]).is_file()
     listed = ok(call(workspace, "method_list", {}))
-    assert [m["slug"] for m in listed["methods"]] == ["tis-clip-2"]
+    assert [m["slug"] for m in listed["methods"] if m["source"] == "workspace"] == ["tis-clip-2"]
+    assert any(m["source"] == "shipped" for m in listed["methods"])  # the shipped library is listed beside it
     duplicate = error_text(
         call(workspace, "method_add", {"job": JOB, "attempt": attempt, "name": "again", "rationale": "same"})
     )

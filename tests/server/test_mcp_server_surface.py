@@ -14,6 +14,7 @@ from mcp import StdioServerParameters
 from server_helpers import server_command, with_client
 
 ALL_TOOLS = {
+    "diagnose_spike",
     "resolve_job",
     "copy_and_scan_logs",
     "list_snapshots",
@@ -36,6 +37,7 @@ ALL_TOOLS = {
     "checkpoint_interval",
 }
 READ_ONLY = {
+    "diagnose_spike",
     "resolve_job",
     "list_snapshots",
     "inspect_snapshot",
