@@ -68,6 +68,7 @@ def test_replay_of_a_qwen3_moe_capture_is_bit_identical_at_the_saved_layout(qwen
 
 
 @pytest.mark.slow
+@pytest.mark.matrix
 @pytest.mark.parametrize("architecture", [a for a in HF_CAPTURE_MODELS if a != "qwen3_moe"])
 def test_every_architecture_captures_and_replays_bit_identically(tmp_path: Path, architecture: str) -> None:
     _check_replays(_capture(tmp_path, architecture))

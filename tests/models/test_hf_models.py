@@ -18,8 +18,10 @@ from axrl_spike_replay.models.policy import build_policy, check_policy_weights
 from axrl_spike_replay.models.tiny_moe import RoutingControl, token_logprobs
 from axrl_spike_replay.testing.hf_snapshot import ARCHITECTURES, save_dcp, seeded_policy
 
-# qwen3_moe runs by default; the rest of the matrix is marked slow.
-EACH = [pytest.param(a, marks=() if a == "qwen3_moe" else pytest.mark.slow) for a in ARCHITECTURES]
+# qwen3_moe runs by default; the rest of the matrix is marked `matrix` (left out of the default run) and slow.
+EACH = [
+    pytest.param(a, marks=() if a == "qwen3_moe" else (pytest.mark.slow, pytest.mark.matrix)) for a in ARCHITECTURES
+]
 
 
 def _tokens(vocab: int = 1024, batch: int = 2, seq: int = 24) -> torch.Tensor:
