@@ -157,3 +157,24 @@ def test_a_kept_copy_says_how_people_and_agents_release_it(
     line = next(x for x in report["text"].splitlines() if str(_copy(ours)) in x and x.startswith("- "))
     assert f"people run `axrl-spike-replay report {JOB} --release`" in line
     assert "agents call the MCP tool `write_report` with `release: true`" in line
+
+
+def test_each_preserved_copy_is_its_own_bullet_line(
+    two_jobs_template: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A task that used two preserved copies lists them as two bullets, one per line (they once ran together)."""
+    ours, theirs = _outputs(two_jobs_template, tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    preserve(theirs, 5)
+    preserve(ours, 5)
+    open_task(ws, JOB, _copy(theirs))
+    set_snapshot(ws, JOB, _copy(ours))
+
+    status, report, _ = _report(capsys, ws)
+
+    assert status == 0
+    section = report["text"].split("## Preserved snapshots", 1)[1].split("\n## ", 1)[0]
+    bullets = [line for line in section.splitlines() if line.startswith("- ")]
+    assert len(bullets) == 2, section
+    assert {str(_copy(theirs)), str(_copy(ours))} == {b.split("`")[1] for b in bullets}
