@@ -44,13 +44,17 @@ class TinySpec:
     seed: int = 0
     burst: bool = True  # the rollout-logprob mismatch on BURST's samples
     advantage_outlier: tuple[int, int, float] | None = None  # (rank, sample, scale): one mis-scaled advantage
+    # (prompt lengths, response lengths) per sample: prompts left-padded to `prompt`, responses right-padded to
+    # `seq - prompt` with token 0, an `attention_mask`, and no route at padding (-1), as RL trainers batch them
+    lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    loss: dict[str, Any] | None = None  # the run config's loss section (default LOSS)
 
 
-def run_config(world_size: int, routing: bool = True) -> dict[str, Any]:
+def run_config(world_size: int, routing: bool = True, loss: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run config a tiny snapshot is recorded with."""
     return {
         "model": MODEL.to_dict(),
-        "loss": dict(LOSS),
+        "loss": dict(LOSS if loss is None else loss),
         "routing": RoutingConfig(replay="all" if routing else "off").to_dict(),
         "parallel": {"world_size": world_size, "tp": 1, "pp": 1, "dp": world_size, "ep": 1, "etp": 1, "cp": 1},
         "train": {"seed": 0, "preset": "tiny"},
@@ -66,13 +70,22 @@ def make_batch(model: TinyMoEPolicy, spec: TinySpec, rank: int) -> tuple[dict[st
     mask = torch.zeros(b, t)
     mask[:, spec.prompt :] = 1.0
     mask[0, -2:] = 0.0  # one shorter response
+    attention = None
+    if spec.lengths is not None:
+        attention = torch.zeros(b, t, dtype=torch.long)
+        for sample, (p, r) in enumerate(zip(*spec.lengths, strict=True)):
+            attention[sample, spec.prompt - p : spec.prompt + r] = 1
+        tokens = tokens * attention
+        mask = attention.float()
+        mask[:, : spec.prompt] = 0.0
     engine = TinyMoEPolicy(MODEL)
     engine.load_state_dict(model.state_dict())
     engine = engine.to(torch.bfloat16)
     with torch.no_grad():
         out = engine(tokens)
         rollout = token_logprobs(out.logits, tokens).float()
-        old = token_logprobs(model(tokens, RoutingControl(routes=out.routes.long())).logits, tokens)
+        routes = out.routes if attention is None else out.routes.masked_fill(attention[:, :, None, None] == 0, -1)
+        old = token_logprobs(model(tokens, RoutingControl(routes=routes.long())).logits, tokens)
     rewards = torch.rand(b, generator=gen)
     advantages = rewards - rewards.mean()
     for burst_rank, sample in BURST if spec.burst else ():
@@ -91,7 +104,9 @@ def make_batch(model: TinyMoEPolicy, spec: TinySpec, rank: int) -> tuple[dict[st
         "rewards": rewards,
         "group_index": torch.arange(b) // 3 + rank * (b // 3),
     }
-    return batch, out.routes.to(torch.int32)
+    if attention is not None:
+        batch["attention_mask"] = attention
+    return batch, routes.to(torch.int32)
 
 
 def record_tiny_snapshot(root: Path, world_size: int = 2, **kwargs: Any) -> Path:
@@ -103,7 +118,7 @@ def record_tiny_snapshot(root: Path, world_size: int = 2, **kwargs: Any) -> Path
     torch.manual_seed(spec.seed)
     model = TinyMoEPolicy(MODEL)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    cfg = run_config(world_size, spec.routing)
+    cfg = run_config(world_size, spec.routing, spec.loss)
     payloads, local_norms, losses, grad_norm = _record_grads(model, spec, cfg)
     median = grad_norm / SPIKE_RATIO
     if spec.advantage_outlier is not None:

@@ -22,6 +22,7 @@ from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.fields import canonicalize_batch
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch
 from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot
+from verl_layouts import jagged_like_verl
 
 PROMPT, RESPONSE, LAYERS, TOP_K = 5, 6, 2, 2
 
@@ -55,18 +56,6 @@ def padded_verl_batch(rank: int) -> dict[str, torch.Tensor]:
         "token_level_rewards": torch.zeros(batch, RESPONSE).index_fill_(1, torch.tensor([0]), 1.0),
         "routed_experts": torch.randint(0, 4, (batch, PROMPT + RESPONSE, LAYERS, TOP_K), generator=gen),
     }
-
-
-def jagged_like_verl(padded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The engine's unpadded layout of `padded`, as left_right_2_no_padding lays it out."""
-    out = dict(padded)
-    valid = padded["attention_mask"].bool()
-    cu_seqlens = torch.nn.functional.pad(valid.sum(dim=1).cumsum(dim=0), (1, 0))
-    for name in ("input_ids", "position_ids", "routed_experts"):
-        out[name] = torch.nested.nested_tensor_from_jagged(padded[name][valid], offsets=cu_seqlens)
-    out["loss_mask"] = padded["response_mask"]
-    out["batch_num_tokens"] = padded["response_mask"].sum()
-    return out
 
 
 def verl_snapshot(root: Path, layout) -> Path:
