@@ -1,7 +1,8 @@
 """A spike recorded with verl's loss convention, its rank batches rewritten as verl 0.9.1 lays out a rank's
 mini-batch (padded, and the engine's jagged layout), replays to the same grad norm and the same verdicts.
 
-The recorded batch has a real prompt / response split: prompts of 1-4 tokens left-padded, responses of 0-8
+The recorded batch (`tiny_snapshot` with `lengths`, verl's loss convention, the trainer's own rank step) has a
+real prompt / response split: prompts of 1-4 tokens left-padded, responses of 0-8
 tokens right-padded, an attention mask and no route at padding. verl's per-response fields are `[B, R]`
 while `input_ids` is `[B, P + R]`: the readers put response token j at column P + j, where the policy's
 log-prob of that token is, so the three layouts are the same arithmetic and the grad norms agree bit for bit.
@@ -29,6 +30,7 @@ VERL_LOSS = {
     "is_base_logprobs": "old",
     "rollout_is": "token",  # truncated IS against the rollout, with a loose bound: the burst goes through
     "rollout_is_threshold": 1000.0,
+    "loss_agg_mode": "seq-mean-token-sum-norm",  # its horizon is verl's response width
     "kl_coef": 0.01,
     "aux_loss_coef": 0.01,
     "z_loss_coef": 0.001,
@@ -37,20 +39,23 @@ MITIGATION = {"mismatch_token_clip_max": 2}
 
 
 def rewrite_as_verl(snapshot: Path, dest: Path, jagged: bool) -> Path:
-    """A copy of `snapshot` whose rank batches are verl mini-batches; routing payloads taken from their
-    `routed_experts` as the verl hook writes them."""
+    """A copy of `snapshot` whose rank batches are verl mini-batches. The padded copy keeps routing payloads,
+    taken from the batch's `routed_experts` as the verl hook writes them; the jagged copy has none: the
+    replay reads the routes the batch carries."""
     shutil.copytree(snapshot, dest)
     for rank in (0, 1):
         ours = torch.load(snapshot / f"batch_rank{rank}.pt", weights_only=True)
-        routes = torch.load(snapshot / f"routing_payload_rank{rank}.pt", weights_only=True)["routed_experts"]
+        payload_file = dest / f"routing_payload_rank{rank}.pt"
+        routes = torch.load(payload_file, weights_only=True)["routed_experts"]
         batch = padded_like_verl(ours, routes, PROMPT)
         if jagged:
             batch = jagged_like_verl(batch)
+            payload_file.unlink()
+        else:
+            hook_routes = verl_routes(canonicalize_batch(batch, "verl mini-batch"))
+            assert hook_routes is not None
+            torch.save({"routed_experts": hook_routes, "moe_layers": [0, 1], "source": "rollout"}, payload_file)
         torch.save(batch, dest / f"batch_rank{rank}.pt")
-        hook_routes = verl_routes(canonicalize_batch(batch, "verl mini-batch"))
-        assert hook_routes is not None
-        payload = {"routed_experts": hook_routes, "moe_layers": [0, 1], "source": "rollout"}
-        torch.save(payload, dest / f"routing_payload_rank{rank}.pt")
     return dest
 
 

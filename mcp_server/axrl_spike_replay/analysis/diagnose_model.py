@@ -84,7 +84,7 @@ def route_agreement(snapshot: str | Path) -> RouteAgreement:
     from axrl_spike_replay.replay.engine import replay_dir_for
     from axrl_spike_replay.replay.inputs import load_inputs
     from axrl_spike_replay.replay.worker import build_model
-    from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
+    from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 
     with replay_dir_for(snapshot) as (replay_dir, legacy):
         inputs = load_inputs(snapshot, replay_dir, legacy)
@@ -96,7 +96,9 @@ def route_agreement(snapshot: str | Path) -> RouteAgreement:
         with torch.no_grad():
             for rank in inputs.routing_ranks:
                 batch = load_rank_batch(replay_dir, rank)
-                payload = load_routing_payload(replay_dir, rank)
+                payload = load_rank_routes(replay_dir, rank, batch=batch)
+                if payload is None:
+                    continue
                 recorded = payload.routed_experts.long()
                 if tuple(recorded.shape[:2]) != tuple(batch["tokens"].shape):
                     continue

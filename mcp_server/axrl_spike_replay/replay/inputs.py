@@ -17,7 +17,7 @@ from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, summ
 from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_text, ranks_text
 from axrl_spike_replay.snapshot.layout import RUN_CONFIG, rank_files
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
-from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
+from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY, GlobalCounts
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.routing_replay import RoutingConfig
@@ -41,7 +41,7 @@ class ReplayInputs:
     loss: LossConfig
     routing: RoutingConfig
     world_size: int
-    routing_ranks: tuple[int, ...]  # saved ranks with a routing payload
+    routing_ranks: tuple[int, ...]  # saved ranks with recorded routes (a routing payload, or in a verl batch)
     batch_fields: frozenset[str]
     counts: GlobalCounts | None = None  # the step's global counts, recorded by the trainer (normalization global)
 
@@ -99,8 +99,8 @@ def _parallel(doc: dict[str, Any], path: Path, meta: AxrlMetadata) -> ParallelLa
     return layout
 
 
-def _check_ranks(directory: Path, world_size: int) -> tuple[int, ...]:
-    """Routing ranks; SnapshotError unless batch and grad-info files cover exactly [0, world_size)."""
+def _check_ranks(directory: Path, world_size: int) -> None:
+    """SnapshotError unless batch and grad-info files cover exactly [0, world_size)."""
     files = rank_files(directory)
     for kind in ("batch", "grad_info"):
         missing = missing_ranks(files[kind], world_size)
@@ -112,7 +112,6 @@ def _check_ranks(directory: Path, world_size: int) -> tuple[int, ...]:
             if extra:
                 parts.append(f"unexpected {kind} files for ranks {ranks_text(extra)}")
             raise SnapshotError(f"{directory}: saved world size is {world_size} but {'; '.join(parts)}")
-    return tuple(rank for rank in files["routing_payload"] if rank < world_size)
 
 
 def _section_config(build: Any, doc: Any, path: Path, section: str) -> Any:
@@ -137,15 +136,17 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
     model = _section_config(parse_model_config, dict(doc["model"]), path, "model")
     loss = _section_config(LossConfig.from_dict, dict(doc["loss"]), path, "loss")
     routing = _section_config(RoutingConfig.from_dict, dict(doc["routing"]), path, "routing")
-    routing_ranks = _check_ranks(directory, layout.world_size)
+    _check_ranks(directory, layout.world_size)
     check_policy_weights(directory, model, "the snapshot's checkpoint")
     # Every rank file is read as meta tensors now (pickles only), so a malformed one is an error here,
     # before any rank process starts, not a failure inside one.
-    batch = load_rank_batch(directory, 0, meta=True)
-    for rank in range(1, layout.world_size):  # _check_ranks found a batch file for each of these
-        load_rank_batch(directory, rank, meta=True)
-    for rank in routing_ranks:
-        load_routing_payload(directory, rank, meta=True)
+    batches = [load_rank_batch(directory, rank, meta=True) for rank in range(layout.world_size)]
+    batch = batches[0]  # _check_ranks found a batch file for each rank
+    routing_ranks = tuple(
+        rank
+        for rank in range(layout.world_size)
+        if load_rank_routes(directory, rank, meta=True, batch=batches[rank]) is not None
+    )
     counts = recorded_counts(directory, layout.world_size) if loss.normalization == "global" else None
     return ReplayInputs(
         counts=counts,
@@ -234,8 +235,9 @@ def check_configs(inputs: ReplayInputs, configs: Iterable[AppliedConfig]) -> Non
             if missing:
                 raise SnapshotError(
                     f"{inputs.snapshot}: routing replay is {cfg.routing.replay!r} ({label}) but ranks {missing} "
-                    "have no routing_payload_rank<r>.pt; the spike step cannot be recomputed without the recorded "
-                    "routes (restore the payload files, or replay a snapshot whose run config has routing.replay: off)"
+                    "have no routing_payload_rank<r>.pt (nor routed_experts in their batch); the spike step cannot be "
+                    "recomputed without the recorded routes (restore the payload files, or replay a snapshot whose "
+                    "run config has routing.replay: off)"
                 )
         bad = sorted(set(cfg.routing.current_routing_layers) - moe_layers)
         if bad:

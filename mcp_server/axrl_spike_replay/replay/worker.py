@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.policy import ModelSpec, build_policy, load_policy_weights, policy_forward
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
@@ -31,7 +32,7 @@ from axrl_spike_replay.replay.outcome_figures import (
     top_attributed,
 )
 from axrl_spike_replay.replay.sample_masks import SampleFilter, filtered_batch
-from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
+from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts, all_reduce_counts
 from axrl_spike_replay.training.policy_loss import local_counts, policy_loss
@@ -130,7 +131,10 @@ class RankInputs:
 
     def routes(self, rank: int) -> torch.Tensor:
         if rank not in self._routes:
-            self._routes[rank] = load_routing_payload(self.replay_dir, rank).routed_experts.to(self.device)
+            payload = load_rank_routes(self.replay_dir, rank, batch=self.batches[rank])
+            if payload is None:  # load_inputs checked every rank a config replays routes of has some
+                raise SnapshotError(f"{self.replay_dir}: rank {rank} has no recorded routes")
+            self._routes[rank] = payload.routed_experts.to(self.device)
         return self._routes[rank]
 
     def routing(self, cfg: AppliedConfig, rank: int) -> Any:

@@ -29,6 +29,9 @@ FIELD_ALIASES: dict[str, tuple[str, ...]] = {
     "turn_index": ("turn_index",),
 }
 REQUIRED_FIELDS = ("tokens", "loss_mask")
+# verl's response width R when the per-token fields were [B, R] beside [B, P + R] tokens: the horizon of its
+# `seq-mean-token-sum-norm` (a 0-dim long tensor; absent for full-width batches)
+RESPONSE_WIDTH = "response_width"
 PER_TOKEN_FIELDS = ("loss_mask", "old_logprobs", "ref_logprobs", "rollout_logprobs", "turn_index")
 
 
@@ -43,6 +46,10 @@ def find_field(raw: Mapping[str, Any], canonical: str) -> tuple[str, Any] | None
 def canonicalize_batch(raw: Mapping[str, Any], source: Path | str) -> dict[str, torch.Tensor]:
     """Map a rank batch onto canonical names; right-align narrower per-token tensors to `tokens`.
 
+    verl's layout maps onto ours here, for every reader: response-width fields `[B, R]` beside `[B, P + R]`
+    tokens end up at the last R columns (response token j at column P + j, where the policy's log-prob of
+    it is), `RESPONSE_WIDTH` keeps R, and a batch with an `attention_mask` (left-padded prompts) gets
+    `position_ids` counted from it when it has none (a jagged batch's are rebuilt from the padded layout).
     `{"micro_batches": [...]}` is flattened into one batch (sequences padded on the right).
     Unknown keys are kept under their own names.
     """
@@ -87,6 +94,7 @@ def canonicalize_batch(raw: Mapping[str, Any], source: Path | str) -> dict[str, 
     tokens = batch["tokens"]
     if tokens.dim() != 2:
         raise SnapshotError(f"{source}: 'tokens' must be [batch, seq], got shape {tuple(tokens.shape)}")
+    response_width = batch["loss_mask"].shape[-1] if batch["loss_mask"].dim() == 2 else tokens.shape[1]
     for name in PER_TOKEN_FIELDS:
         if name in batch:
             batch[name] = _right_align(batch[name], tokens.shape, name, source)
@@ -103,7 +111,26 @@ def canonicalize_batch(raw: Mapping[str, Any], source: Path | str) -> dict[str, 
     for name, value in raw.items():
         if name not in taken and name not in batch:
             batch[name] = value
+    if response_width < tokens.shape[1]:
+        batch[RESPONSE_WIDTH] = torch.tensor(response_width)
+    _position_ids(batch, source)
     return batch
+
+
+def _position_ids(batch: dict[str, Any], source: Path | str) -> None:
+    """Check `attention_mask` / `position_ids` fit the tokens; count positions from the mask where none are given."""
+    import torch
+
+    shape = batch["tokens"].shape
+    for name in ("attention_mask", "position_ids"):
+        value = batch.get(name)
+        if value is None or (isinstance(value, torch.Tensor) and not value.is_nested and value.shape == shape):
+            continue
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) and not value.is_nested else type(value).__name__
+        raise SnapshotError(f"{source}: field {name!r} must be [batch, seq] like the tokens {tuple(shape)}, got {got}")
+    attention = batch.get("attention_mask")
+    if attention is not None and "position_ids" not in batch:
+        batch["position_ids"] = (attention.ne(0).long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def _right_align(value: torch.Tensor, shape: torch.Size, name: str, source: Path | str) -> torch.Tensor:
@@ -137,7 +164,9 @@ def _concat_micro_batches(parts: list[dict[str, torch.Tensor]], source: Path | s
                 pad = torch.zeros(value.shape[0], width - value.shape[1], dtype=value.dtype)
                 value = torch.cat([value, pad], dim=1)
             tensors.append(value)
-        if all(isinstance(t, torch.Tensor) for t in tensors):
+        if all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in tensors):
+            merged[key] = torch.stack(tensors).max()  # a per-batch count or width: the widest part's
+        elif all(isinstance(t, torch.Tensor) for t in tensors):
             merged[key] = torch.cat(tensors, dim=0)
         else:
             merged[key] = tensors[0]

@@ -11,7 +11,7 @@ from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.fields import canonicalize_batch
 from axrl_spike_replay.snapshot.layout import batch_file, grad_info_file, routing_payload_file
 from axrl_spike_replay.snapshot.safe_load import load_pt
-from axrl_spike_replay.snapshot.verl_batch import is_verl_jagged_batch
+from axrl_spike_replay.snapshot.verl_batch import is_verl_jagged_batch, verl_routes
 
 if TYPE_CHECKING:
     import torch
@@ -144,3 +144,26 @@ def load_routing_payload(snapshot_dir: str | Path, rank: int, *, meta: bool = Fa
     if not isinstance(source, str) or len(source) > 64:
         raise SnapshotError(f"{path}: 'source' must be a short string ('rollout' or 'train'), got {shown(source, 60)}")
     return RoutingPayload(routed_experts=routes, moe_layers=layers, source=source)
+
+
+def load_rank_routes(
+    snapshot_dir: str | Path, rank: int, *, meta: bool = False, batch: dict[str, Any] | None = None
+) -> RoutingPayload | None:
+    """Rank `rank`'s recorded routes: its routing payload file, else the `routed_experts` its batch carries
+    (verl's mini-batch, [batch, seq, layers, top_k] with -1 on padding, its layers in order), else None.
+
+    `batch`: the rank's canonical batch when the caller has it loaded (read from the file otherwise)."""
+    if (Path(snapshot_dir) / routing_payload_file(rank)).is_file():
+        return load_routing_payload(snapshot_dir, rank, meta=meta)
+    if batch is None:
+        batch = load_rank_batch(snapshot_dir, rank, meta=meta)
+    routes = verl_routes(batch)
+    if routes is None:
+        return None
+    tokens = batch["tokens"]
+    if tuple(routes.shape[:2]) != tuple(tokens.shape):
+        raise SnapshotError(
+            f"{Path(snapshot_dir) / batch_file(rank)}: 'routed_experts' has shape {tuple(routes.shape)}, "
+            f"expected [{tokens.shape[0]}, {tokens.shape[1]}, layers, top_k] like the tokens"
+        )
+    return RoutingPayload(routed_experts=routes, moe_layers=list(range(routes.shape[2])), source="rollout")

@@ -17,7 +17,9 @@ Checked against verl's own functions in tests/training/test_verl_crosscheck.py.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,8 +51,12 @@ def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def response_horizon(mask: torch.Tensor) -> int:
-    """verl's `loss_mask.shape[-1]`: the response width, from the first column any sequence's loss starts at."""
+def response_horizon(mask: torch.Tensor, batch: Mapping[str, Any] | None = None) -> int:
+    """verl's `loss_mask.shape[-1]`: the response width the batch was read with (`response_width`, set when
+    its per-token fields were verl's `[B, R]`), else the columns from the first one any sequence's loss starts at."""
+    width = (batch or {}).get("response_width")
+    if isinstance(width, torch.Tensor) and width.dim() == 0 and 0 < int(width) <= mask.shape[-1]:
+        return int(width)
     columns = mask.any(dim=0).nonzero()
     return int(mask.shape[-1] - columns[0, 0]) if columns.numel() else int(mask.shape[-1])
 
@@ -169,7 +175,7 @@ def verl_policy_loss(
     logprobs = masked(logprobs, mask)
     old = masked(batch["old_logprobs"].to(dtype), mask)
     adv = masked(advantages.to(dtype), mask)
-    horizon = float(cfg.loss_scale_factor) if cfg.loss_scale_factor is not None else response_horizon(mask)
+    horizon = float(cfg.loss_scale_factor) if cfg.loss_scale_factor is not None else response_horizon(mask, batch)
 
     weights = None
     is_setting, rs = rollout_is_setting(cfg), rejection_options(cfg)
