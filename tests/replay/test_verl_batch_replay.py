@@ -103,3 +103,10 @@ def test_a_mitigation_gives_the_same_verdict_in_every_layout(layouts: dict[str, 
     seen = {name: (r.verdict, r.grad_norm, r.baseline_grad_norm) for name, r in results.items()}
     print("mismatch_token_clip_max=2:", seen)
     assert len(set(seen.values())) == 1, seen
+
+
+@pytest.mark.slow
+def test_full_fidelity_reads_the_jagged_batches_in_each_rank_process(layouts: dict[str, Path]) -> None:
+    result = run_replay(layouts["verl jagged"], ReplayOptions(nproc=2))
+    assert result.fidelity == "full"
+    assert result.grad_norm == result.recorded_grad_norm
