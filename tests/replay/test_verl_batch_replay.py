@@ -11,7 +11,9 @@ log-prob of that token is, so the three layouts are the same arithmetic and the 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -70,8 +72,9 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def replays(layouts: dict[str, Path], **options: object) -> dict[str, ReplayResult]:
-    return {name: run_replay(path, ReplayOptions(nproc=1, **options)) for name, path in layouts.items()}  # type: ignore[arg-type]
+def replays(layouts: dict[str, Path], mitigations: Mapping[str, Any] | None = None) -> dict[str, ReplayResult]:
+    options = ReplayOptions(nproc=1, mitigations=mitigations or {})
+    return {name: run_replay(path, options) for name, path in layouts.items()}
 
 
 def test_the_verl_layouts_read_as_our_batch(layouts: dict[str, Path]) -> None:
