@@ -116,3 +116,16 @@ def test_a_jagged_batch_that_disagrees_with_its_mask_names_the_field() -> None:
     )
     with pytest.raises(SnapshotError, match="jagged field 'routed_experts' has other sequence lengths"):
         canonicalize_batch(bad, "batch_rank0.pt")
+
+
+def test_position_ids_are_counted_from_the_attention_mask_and_a_misfit_mask_names_the_field() -> None:
+    padded = padded_verl_batch(0)
+    from_jagged = canonicalize_batch(jagged_like_verl(padded), "batch_rank0.pt")
+    assert torch.equal(
+        from_jagged["position_ids"][padded["attention_mask"].bool()],
+        padded["position_ids"][padded["attention_mask"].bool()],
+    )
+    assert int(from_jagged["response_width"]) == RESPONSE
+    bad = dict(padded, attention_mask=padded["attention_mask"][:, :3])
+    with pytest.raises(SnapshotError, match="field 'attention_mask' must be \\[batch, seq\\] like the tokens"):
+        canonicalize_batch(bad, "batch_rank0.pt")
