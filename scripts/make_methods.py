@@ -8,7 +8,7 @@ always does. The method files, the index and each method's replay results (basel
 `replay_result.json`) are then copied into the repository, and the main skill's list of recorded
 methods is refreshed. Nothing here is written by hand.
 
-    .venv/bin/python scripts/make_methods.py [--presets ratio_outliers negative_advantage_dominance]
+    .venv/bin/python scripts/make_methods.py [--presets ratio_outliers negative_advantage_dominance stale_routes]
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ from axrl_spike_replay.workspace.task_state import note, open_task, set_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 PLACEHOLDER = "<regeneration-workspace>"
+PRESETS = ["ratio_outliers", "negative_advantage_dominance", "stale_routes"]
+# The policy each preset trains: a routing fault needs real routers (a transformers architecture).
+PRESET_MODELS = {"stale_routes": "qwen3_moe"}
 
 
 def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
@@ -41,7 +44,10 @@ def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
 
     job = f"ref-{preset.replace('_', '-')}"
-    capture = capture_reference_run(workspace / "outputs", job=job, world_size=2, seed=seed, preset=preset)
+    model = PRESET_MODELS.get(preset, "tiny_moe")
+    capture = capture_reference_run(
+        workspace / "outputs", job=job, world_size=2, seed=seed, preset=preset, model=model
+    )
     if not capture.snapshot_dirs:
         print(f"[{preset}] no spike tripped the guard; nothing to write up", file=sys.stderr)
         return []
@@ -57,10 +63,12 @@ def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
         file=sys.stderr,
     )
     sweep = run_request(replay_request(snapshot, verb="sweep", configs=DEFAULT_SWEEP, workspace=workspace, job=job))
-    writeups = write_up_sweep(workspace, job, sweep, verdicts=("cleared", "partial"), context=f"Preset {preset}: ")
+    context = f"Preset {preset} ({model}): "
+    writeups = write_up_sweep(workspace, job, sweep, verdicts=("cleared", "partial"), context=context)
     rows = [
         {
             "preset": preset,
+            "model": model,
             "config": r.config_id,
             "baseline": r.baseline_grad_norm,
             "grad_norm": r.grad_norm,
@@ -108,7 +116,7 @@ def export(workspace: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["ratio_outliers", "negative_advantage_dominance"])
+    parser.add_argument("--presets", nargs="+", default=PRESETS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the regeneration workspace")
     args = parser.parse_args()
