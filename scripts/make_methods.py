@@ -45,9 +45,7 @@ def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
 
     job = f"ref-{preset.replace('_', '-')}"
     model = PRESET_MODELS.get(preset, "tiny_moe")
-    capture = capture_reference_run(
-        workspace / "outputs", job=job, world_size=2, seed=seed, preset=preset, model=model
-    )
+    capture = capture_reference_run(workspace / "outputs", job=job, world_size=2, seed=seed, preset=preset, model=model)
     if not capture.snapshot_dirs:
         print(f"[{preset}] no spike tripped the guard; nothing to write up", file=sys.stderr)
         return []
@@ -88,14 +86,21 @@ def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
     return rows
 
 
-def export(workspace: Path) -> None:
-    """Copy method files and their evidence into the repository, paths rewritten to a placeholder."""
+def clear_shipped() -> None:
+    """Remove the repository's method files and evidence (README files stay): regenerated methods are compared
+    with the shipped ones, and must not be taken for confirmations of their own previous versions."""
     target = REPO / "spike-mitigation-methods"
     for old in target.glob("*.md"):
         if old.name != "README.md":
             old.unlink()
     for old in (target / "evidence").glob("*/"):
         shutil.rmtree(old)
+
+
+def export(workspace: Path) -> None:
+    """Copy method files and their evidence into the repository, paths rewritten to a placeholder."""
+    target = REPO / "spike-mitigation-methods"
+    clear_shipped()
     for method in list_methods(workspace):
         slug = method.slug
         text = Path(method.path).read_text(encoding="utf-8").replace(str(workspace), PLACEHOLDER)
@@ -115,12 +120,13 @@ def export(workspace: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--presets", nargs="+", default=PRESETS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the regeneration workspace")
     args = parser.parse_args()
     workspace = Path(tempfile.mkdtemp(prefix="axrl-methods-"))
+    clear_shipped()  # tracked in git: an interrupted run is undone with `git checkout spike-mitigation-methods`
     rows = []
     for preset in args.presets:
         rows += investigate(workspace, preset, args.seed)
