@@ -92,9 +92,9 @@ PRESETS: dict[str, Preset] = {
                 "routing replay forces routes the rollout engine never used: during the burst the engine's routing "
                 "payload is one token behind the tokens (as when the engine counts a token the trainer's sequence "
                 "lacks), on a policy whose experts differ (sharp routers, experts that dominate the residual "
-                "stream, peaked outputs). The trainer's log-probs under the replayed wrong experts disagree with "
-                "the engine's by several nats; ratios against the rollout log-probs blow up and negative-advantage "
-                "tokens escape the clip"
+                "stream, peaked outputs). Under the replayed wrong experts the trainer's log-probs move by tens of "
+                "nats: the k3 KL penalty against the reference policy (exp(ref - logp)) and the ratios against the "
+                "rollout log-probs blow up"
             ),
             loss={"is_base_logprobs": "rollout"},
             faults=EngineFaults(route_shift=1),
