@@ -37,6 +37,9 @@ PLACEHOLDER = "<regeneration-workspace>"
 PRESETS = ["ratio_outliers", "negative_advantage_dominance", "stale_routes"]
 # The policy each preset trains: a routing fault needs real routers (a transformers architecture).
 PRESET_MODELS = {"stale_routes": "qwen3_moe"}
+# Configs swept beyond the default sweep: on stale_routes the spike goes through the k3 KL penalty (the wrong
+# experts move log-probs by tens of nats), so dropping the penalty is the loss-level control.
+EXTRA_CONFIGS: dict[str, list[dict]] = {"stale_routes": [{"kl_coef": 0.0}]}
 
 
 def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
@@ -60,7 +63,8 @@ def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
         f"({baseline.fidelity}, rel_diff {baseline.rel_diff:.2g}) -> {baseline.verdict}",
         file=sys.stderr,
     )
-    sweep = run_request(replay_request(snapshot, verb="sweep", configs=DEFAULT_SWEEP, workspace=workspace, job=job))
+    configs = [*DEFAULT_SWEEP, *EXTRA_CONFIGS.get(preset, [])]
+    sweep = run_request(replay_request(snapshot, verb="sweep", configs=configs, workspace=workspace, job=job))
     context = f"Preset {preset} ({model}): "
     writeups = write_up_sweep(workspace, job, sweep, verdicts=("cleared", "partial"), context=context)
     rows = [
