@@ -8,7 +8,7 @@ always does. The method files, the index and each method's replay results (basel
 `replay_result.json`) are then copied into the repository, and the main skill's list of recorded
 methods is refreshed. Nothing here is written by hand.
 
-    .venv/bin/python scripts/make_methods.py [--presets ratio_outliers negative_advantage_dominance]
+    .venv/bin/python scripts/make_methods.py [--presets ratio_outliers negative_advantage_dominance stale_routes]
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ from axrl_spike_replay.workspace.task_state import note, open_task, set_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 PLACEHOLDER = "<regeneration-workspace>"
+PRESETS = ["ratio_outliers", "negative_advantage_dominance", "stale_routes"]
+# The policy each preset trains: a routing fault needs real routers (a transformers architecture).
+PRESET_MODELS = {"stale_routes": "qwen3_moe"}
+# Configs swept beyond the default sweep: on stale_routes the spike goes through the k3 KL penalty (the wrong
+# experts move log-probs by tens of nats), so dropping the penalty is the loss-level control.
+EXTRA_CONFIGS: dict[str, list[dict]] = {"stale_routes": [{"kl_coef": 0.0}]}
 
 
 def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
@@ -41,7 +47,8 @@ def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
 
     job = f"ref-{preset.replace('_', '-')}"
-    capture = capture_reference_run(workspace / "outputs", job=job, world_size=2, seed=seed, preset=preset)
+    model = PRESET_MODELS.get(preset, "tiny_moe")
+    capture = capture_reference_run(workspace / "outputs", job=job, world_size=2, seed=seed, preset=preset, model=model)
     if not capture.snapshot_dirs:
         print(f"[{preset}] no spike tripped the guard; nothing to write up", file=sys.stderr)
         return []
@@ -56,11 +63,14 @@ def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
         f"({baseline.fidelity}, rel_diff {baseline.rel_diff:.2g}) -> {baseline.verdict}",
         file=sys.stderr,
     )
-    sweep = run_request(replay_request(snapshot, verb="sweep", configs=DEFAULT_SWEEP, workspace=workspace, job=job))
-    writeups = write_up_sweep(workspace, job, sweep, verdicts=("cleared", "partial"), context=f"Preset {preset}: ")
+    configs = [*DEFAULT_SWEEP, *EXTRA_CONFIGS.get(preset, [])]
+    sweep = run_request(replay_request(snapshot, verb="sweep", configs=configs, workspace=workspace, job=job))
+    context = f"Preset {preset} ({model}): "
+    writeups = write_up_sweep(workspace, job, sweep, verdicts=("cleared", "partial"), context=context)
     rows = [
         {
             "preset": preset,
+            "model": model,
             "config": r.config_id,
             "baseline": r.baseline_grad_norm,
             "grad_norm": r.grad_norm,
@@ -80,14 +90,21 @@ def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
     return rows
 
 
-def export(workspace: Path) -> None:
-    """Copy method files and their evidence into the repository, paths rewritten to a placeholder."""
+def clear_shipped() -> None:
+    """Remove the repository's method files and evidence (README files stay): regenerated methods are compared
+    with the shipped ones, and must not be taken for confirmations of their own previous versions."""
     target = REPO / "spike-mitigation-methods"
     for old in target.glob("*.md"):
         if old.name != "README.md":
             old.unlink()
     for old in (target / "evidence").glob("*/"):
         shutil.rmtree(old)
+
+
+def export(workspace: Path) -> None:
+    """Copy method files and their evidence into the repository, paths rewritten to a placeholder."""
+    target = REPO / "spike-mitigation-methods"
+    clear_shipped()
     for method in list_methods(workspace):
         slug = method.slug
         text = Path(method.path).read_text(encoding="utf-8").replace(str(workspace), PLACEHOLDER)
@@ -107,12 +124,13 @@ def export(workspace: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--presets", nargs="+", default=["ratio_outliers", "negative_advantage_dominance"])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--presets", nargs="+", default=PRESETS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the regeneration workspace")
     args = parser.parse_args()
     workspace = Path(tempfile.mkdtemp(prefix="axrl-methods-"))
+    clear_shipped()  # tracked in git: an interrupted run is undone with `git checkout spike-mitigation-methods`
     rows = []
     for preset in args.presets:
         rows += investigate(workspace, preset, args.seed)

@@ -20,6 +20,21 @@ class EngineFaults:
 
 
 @dataclass(frozen=True)
+class Specialisation:
+    """How the freshly initialised policy is made to behave like a trained one whose experts differ.
+
+    A random init has near-uniform routers, experts that barely touch the residual stream and logits of
+    about 0.2 nats spread, so forcing a wrong expert changes nothing measurable. Sharp routers give each
+    token a clear first choice, scaled experts dominate the residual stream, and a scaled output head
+    turns that into peaked next-token distributions: a wrong expert then moves log-probs by several nats.
+    """
+
+    router_std: float = 2.0  # routers redrawn with this std
+    expert_scale: float = 8.0  # routed experts' weights (both projections) multiplied by this
+    logit_scale: float = 30.0  # output head multiplied by this
+
+
+@dataclass(frozen=True)
 class Preset:
     """A named fault scenario: config overrides plus what goes wrong during the burst."""
 
@@ -29,7 +44,7 @@ class Preset:
     train: dict[str, Any] = field(default_factory=dict)  # overrides of the `train:` section
     faults: EngineFaults | None = None  # rollout engine bugs during the burst
     reward_penalty: float | None = None  # broken reward function during the burst: -penalty for every sample
-    sharpen_routers: float | None = None  # routers initialised with this std, so a wrong expert changes the output
+    specialise: Specialisation | None = None  # policy made expert-sensitive at init, so a wrong expert matters
 
     def fault_summary(self) -> dict[str, Any]:
         """What goes wrong during the burst, for `train.fault` in the run config."""
@@ -70,6 +85,20 @@ PRESETS: dict[str, Preset] = {
             ),
             train={"advantage_estimator": "reinforce_baseline"},
             reward_penalty=10.0,
+        ),
+        Preset(
+            name="stale_routes",
+            description=(
+                "routing replay forces routes the rollout engine never used: during the burst the engine's routing "
+                "payload is one token behind the tokens (as when the engine counts a token the trainer's sequence "
+                "lacks), on a policy whose experts differ (sharp routers, experts that dominate the residual "
+                "stream, peaked outputs). Under the replayed wrong experts the trainer's log-probs move by tens of "
+                "nats: the k3 KL penalty against the reference policy (exp(ref - logp)) and the ratios against the "
+                "rollout log-probs blow up"
+            ),
+            loss={"is_base_logprobs": "rollout"},
+            faults=EngineFaults(route_shift=1),
+            specialise=Specialisation(),
         ),
     )
 }

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from axrl_spike_replay.capture.presets import get_preset
+from axrl_spike_replay.capture.presets import Specialisation, get_preset
 from axrl_spike_replay.capture.rollout import generate, rollout_engine
 from axrl_spike_replay.capture.run_config import RunSpec
 from axrl_spike_replay.capture.snapshot_writer import RankPayload
@@ -89,8 +89,8 @@ class RankTrainer:
         self.preset = get_preset(spec.train.preset)
         torch.manual_seed(spec.train.seed)
         self.model = build_policy(spec.model)
-        if self.preset.sharpen_routers is not None:
-            sharpen_routers(self.model, self.preset.sharpen_routers)
+        if self.preset.specialise is not None:
+            specialise_policy(self.model, self.preset.specialise)
         self.ref_model = self.copy_policy(self.model).requires_grad_(False)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=spec.train.lr)
         self.param_numel = {name: p.numel() for name, p in self.model.named_parameters()}
@@ -216,10 +216,15 @@ class RankTrainer:
         return RankPayload(batch=step.batch, grad_info=grad_info, routing_payload=routing_payload)
 
 
-def sharpen_routers(model: torch.nn.Module, std: float) -> None:
-    """Redraw every router's weights with a large `std` (from the seeded torch stream), so each token has a
-    clear first choice of experts and forcing another expert changes what the model predicts."""
+def specialise_policy(model: torch.nn.Module, how: Specialisation) -> None:
+    """Make a fresh policy expert-sensitive (from the seeded torch stream): routers redrawn with a large std,
+    routed experts' weights and the output head scaled, so each token has a clear first choice of experts and
+    forcing another expert changes what the model predicts by several nats."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "mlp.router.weight", "router.weight")):
-                p.normal_(0.0, std)
+                p.normal_(0.0, how.router_std)
+            elif ".experts." in name or name.endswith(("ffn.w_in", "ffn.w_out")):
+                p.mul_(how.expert_scale)
+            elif name in ("lm_head.weight", "head.weight"):
+                p.mul_(how.logit_scale)
