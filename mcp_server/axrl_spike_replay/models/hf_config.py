@@ -168,10 +168,16 @@ class HFModelConfig:
 
 
 def read_hf_config(directory: Path) -> dict[str, Any]:
-    """`config.json` of an HF directory, read as untrusted JSON (size and depth bounded)."""
+    """`config.json` of an HF directory (or of a verl actor checkpoint: `huggingface/config.json` beside the shards),
+    read as untrusted JSON (size and depth bounded)."""
     path = directory / "config.json"
+    if not path.is_file() and (directory / "huggingface" / "config.json").is_file():
+        path = directory / "huggingface" / "config.json"  # verl's FSDPCheckpointManager saves the HF config there
     if not path.is_file():
-        raise ConfigError(f"model.path {directory}: no config.json (an HF directory holds config.json + *.safetensors)")
+        raise ConfigError(
+            f"model.path {directory}: no config.json (an HF directory holds config.json + *.safetensors; a verl actor "
+            "checkpoint huggingface/config.json beside its shards)"
+        )
     try:
         doc = parse_untrusted_json(read_bounded(path, MAX_CONFIG_JSON_BYTES), max_depth=16)
     except (UntrustedJsonError, OSError, ValueError) as exc:

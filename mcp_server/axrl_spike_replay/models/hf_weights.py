@@ -179,17 +179,31 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 
 def weights_source(directory: Path) -> str:
-    """ "dcp" or "safetensors": which kind of weights `directory` holds."""
+    """ "dcp", "safetensors" or "verl_fsdp": which kind of weights `directory` holds."""
+    from axrl_spike_replay.snapshot.verl_shards import is_verl_checkpoint
+
     if (directory / DCP_METADATA).is_file():
         return "dcp"
     if any(directory.glob("*.safetensors")):
         return "safetensors"
-    raise SnapshotError(f"{directory}: neither a DCP checkpoint ({DCP_METADATA}) nor an HF directory (*.safetensors)")
+    if is_verl_checkpoint(directory):
+        return "verl_fsdp"
+    raise SnapshotError(
+        f"{directory}: neither a DCP checkpoint ({DCP_METADATA}), an HF directory (*.safetensors) nor a verl FSDP "
+        "checkpoint (fsdp_config.json + model_world_size_W_rank_R.pt)"
+    )
 
 
 def check_hf_weights(directory: Path, spec: HFModelConfig, label: str) -> None:
     """SnapshotError unless the weights in `directory` fit the spec's model (checked on meta tensors)."""
     source = weights_source(directory)
+    if source == "verl_fsdp":
+        # the shard files' sizes are checked when they are read; the merged shapes are checked against the model
+        # before any weight is copied (`load_hf_weights`): merging here would read every shard twice
+        from axrl_spike_replay.snapshot.verl_shards import read_fsdp_config
+
+        read_fsdp_config(directory)
+        return
     if source == "dcp":
         oversized = check_checkpoint_storage(directory)
         if oversized:
@@ -201,10 +215,16 @@ def check_hf_weights(directory: Path, spec: HFModelConfig, label: str) -> None:
 
 
 def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Every model tensor of a DCP checkpoint (under `model.`) or an HF directory, in the layout saved."""
+    """Every model tensor of a DCP checkpoint (under `model.`), an HF directory or a verl FSDP checkpoint, in the
+    layout saved."""
     import torch
 
-    if weights_source(directory) == "dcp":
+    source = weights_source(directory)
+    if source == "verl_fsdp":
+        from axrl_spike_replay.snapshot.verl_shards import load_verl_shards
+
+        return load_verl_shards(directory)  # merged along the shard dim in float32
+    if source == "dcp":
         shapes = dcp_model_shapes(directory)
         state = {n: torch.empty(shape, dtype=getattr(torch, dtype)) for n, (shape, dtype) in shapes.items()}
         load_model_state(directory, state)

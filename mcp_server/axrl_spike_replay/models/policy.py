@@ -70,10 +70,13 @@ def load_policy_weights(model: nn.Module, spec: ModelSpec, weights_dir: str | Pa
 
 
 def hf_weights_dir(spec: HFModelConfig, directory: Path) -> Path:
-    """Where an HF policy's weights are: `directory` when it holds any, else the spec's `path` (an HF directory)."""
+    """Where an HF policy's weights are: `directory` when it holds any, else the spec's `path` (an HF directory or a
+    verl FSDP actor checkpoint)."""
     from axrl_spike_replay.snapshot.layout import DCP_METADATA
+    from axrl_spike_replay.snapshot.verl_shards import is_verl_checkpoint
 
-    if (directory / DCP_METADATA).is_file() or any(directory.glob("*.safetensors")) or spec.path is None:
+    held = (directory / DCP_METADATA).is_file() or any(directory.glob("*.safetensors")) or is_verl_checkpoint(directory)
+    if held or spec.path is None:
         return directory
     return Path(spec.path)
 
