@@ -25,9 +25,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from axrl_spike_replay.analysis import log_values
 from axrl_spike_replay.analysis.log_lines import error_kind, parse_line
 from axrl_spike_replay.analysis.log_series import SeriesBuilder
+from axrl_spike_replay.analysis.log_values import has_marker, head_starts, read_floats, read_heads
 from axrl_spike_replay.errors import AxrlError
 
 MAX_ERRORS = 200
@@ -311,16 +311,16 @@ def _plain_values(plain: bytes, skeleton: bytes, lines: int) -> tuple[np.ndarray
     if pipes.size != lines * per_line:
         return None
     pipes = pipes.reshape(lines, per_line)
-    heads = log_values.head_starts(array, pipes[:, 0])
-    iterations = None if heads is None else log_values.read_heads(array, heads)
+    heads = head_starts(array, pipes[:, 0])
+    iterations = None if heads is None else read_heads(array, heads)
     if iterations is None:
         return None
     read: list[np.ndarray] = [iterations]
     for marker, word in ((b"| grad norm:", b"|gradnorm:"), (b"| lm loss:", b"|lmloss:")):
         at = pipes[:, skeleton[: skeleton.find(word)].count(b"|")]
-        if not log_values.has_marker(array, at, marker):
+        if not has_marker(array, at, marker):
             return None
-        values = log_values.read_floats(plain, array, at + len(marker))
+        values = read_floats(plain, array, at + len(marker))
         if values is None:
             return None
         read.append(values)
