@@ -92,7 +92,7 @@ def test_the_mitigations_resource_lists_every_name(workspace: Path) -> None:
     [
         ({"nproc": 3}, "`nproc` 3 is larger than the saved world size 2"),
         ({"timeout_s": 5}, "`timeout_s` applies to runs on a `target` or with `backend` command"),
-        ({"backend": "command", "mitigations": {"advantage_clip": 1}}, "`backend` command needs a command_backend section"),
+        ({"backend": "command", "mitigations": {"advantage_clip": 1}}, "`backend` command needs a command_backend"),
     ],
 )
 def test_errors_name_the_tool_arguments_not_cli_flags(
