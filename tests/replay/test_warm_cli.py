@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from result_files import result_files, stable
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.investigation.warm_client import service_pid
 from axrl_spike_replay.investigation.warm_socket import warm_paths
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "mcp_server"
-VOLATILE = {"timings", "created_at", "output_dir"}  # when and where it ran, not what it found
 
 
 def _cli(*args: Any, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -30,17 +30,6 @@ def _cli(*args: Any, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def _stable(doc: Any) -> Any:
-    if isinstance(doc, dict):
-        return {k: _stable(v) for k, v in doc.items() if k not in VOLATILE}
-    if isinstance(doc, list):
-        return [_stable(v) for v in doc]
-    return doc
-
-
-def _files(output_dir: str) -> dict[str, Any]:
-    root = Path(output_dir)
-    return {str(p.relative_to(root)): _stable(json.loads(p.read_text())) for p in sorted(root.rglob("*.json"))}
 
 
 def _children(parent: int) -> list[int]:
@@ -107,8 +96,8 @@ def test_two_warm_cli_replays_match_a_cold_one_on_the_same_processes(spike_snaps
         expected = json.loads(cold.stdout)
         for done in warm:
             doc = json.loads(done.stdout)
-            assert _stable(doc) == _stable(expected)  # bit-identical grad norms, top params, rank metrics, verdict
-            assert _files(doc["output_dir"]) == _files(expected["output_dir"])
+            assert stable(doc) == stable(expected)  # bit-identical grad norms, top params, rank metrics, verdict
+            assert result_files(doc["output_dir"]) == result_files(expected["output_dir"])
             assert Path(doc["output_dir"]).parent.parent.parent.parent == warm_ws  # written in the caller's workspace
 
         wrong = _cli("replay", spike_snapshot, "--workspace", warm_ws, "--warm", "--nproc", "0", cwd=tmp_path)
