@@ -39,6 +39,20 @@ def _server(state: dict) -> MCPServer:
         return await call_library(ctx, work)
 
     @server.tool()
+    async def work_in_threads(threads: int, ctx: Context) -> int:
+        """Reports one step from each of several threads of its own (as a sweep's pools do)."""
+
+        def work(progress: Progress, cancel: threading.Event) -> int:
+            started = [threading.Thread(target=progress.message, args=(f"thread {i}",)) for i in range(threads)]
+            for thread in started:
+                thread.start()
+            for thread in started:
+                thread.join()
+            return threads
+
+        return await call_library(ctx, work)
+
+    @server.tool()
     async def fails(kind: str, ctx: Context) -> int:
         """Raises."""
 
@@ -79,6 +93,22 @@ def test_progress_arrives_in_order_and_the_result_comes_back() -> None:
     result = anyio.run(main)
     assert result.structured_content == {"result": 5}
     assert seen == [(float(i), 5.0, f"step {i}") for i in range(1, 6)]
+
+
+def test_progress_from_threads_the_work_started_arrives_too() -> None:
+    seen: list[str | None] = []
+
+    async def main():
+        async with Client(_server({})) as client:
+
+            async def on_progress(value: float, total: float | None, message: str | None) -> None:
+                seen.append(message)
+
+            return await client.call_tool("work_in_threads", {"threads": 3}, progress_callback=on_progress)
+
+    result = anyio.run(main)
+    assert not result.is_error and result.structured_content == {"result": 3}
+    assert sorted(m or "" for m in seen) == ["thread 0", "thread 1", "thread 2"]
 
 
 def test_a_cancelled_call_stops_the_work_before_the_server_moves_on() -> None:

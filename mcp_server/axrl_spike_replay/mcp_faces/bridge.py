@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 import pydantic_core
 from mcp.server.mcpserver import Context
@@ -44,12 +45,17 @@ CANCEL_GRACE_S = 60.0
 
 
 class Progress:
-    """Thread-safe progress reporter handed to library code; always increasing, as MCP requires."""
+    """Thread-safe progress reporter handed to library code; always increasing, as MCP requires.
+
+    Made in the event loop; callable from any thread, not only the worker thread the call runs in (a sweep's
+    pools report from threads of their own)."""
 
     def __init__(self, ctx: Context | None) -> None:
         self._ctx = ctx
         self._last = 0.0
         self._lock = threading.Lock()
+        self._token = anyio.lowlevel.current_token() if ctx is not None else None
+        self._cancelled = anyio.get_cancelled_exc_class() if ctx is not None else RuntimeError
 
     def __call__(self, done: float | None = None, total: float | None = None, message: str | None = None) -> None:
         """Report `done` of `total` (or one more step when `done` is None) with an optional message."""
@@ -58,10 +64,9 @@ class Progress:
             self._last = value
         if self._ctx is None:
             return
-        try:
-            anyio.from_thread.run(self._ctx.report_progress, value, total, message)
-        except (RuntimeError, anyio.get_cancelled_exc_class()):  # the request is gone; the work keeps its own pace
-            pass
+        # RuntimeError / cancelled: the request is gone; the work keeps its own pace.
+        with contextlib.suppress(RuntimeError, self._cancelled):
+            anyio.from_thread.run(self._ctx.report_progress, value, total, message, token=self._token)
 
     def message(self, text: str) -> None:
         """One more step, described by `text`."""
