@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from result_files import result_files, stable
 
 from axrl_spike_replay.investigation.request import replay_request
 from axrl_spike_replay.investigation.runs import run_request
+from result_files import result_files, stable
 
 CONFIGS = [
     {"mismatch_token_clip_max": 2},

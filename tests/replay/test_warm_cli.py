@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from result_files import result_files, stable
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.investigation.warm_client import service_pid
 from axrl_spike_replay.investigation.warm_socket import warm_paths
+from result_files import result_files, stable
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "mcp_server"
 

@@ -99,6 +99,15 @@ AcceptNewKeyArg = Annotated[
         "the user confirmed the fingerprint. A changed key is always refused."
     ),
 ]
+# No bounds here: the request builder checks the value and names `parallel_configs`, as for the CLI.
+ParallelConfigsArg = Annotated[
+    int | None,
+    Field(
+        description="Run the configs on this many pools of `nproc` processes side by side, each also computing the "
+        "baseline; the same results as one pool. Default: 1 on CPU, on CUDA as many pools as the GPUs hold. "
+        "Built-in torch engine run here only.",
+    ),
+]
 TimeoutArg = Annotated[
     float | None, Field(description="Kill the run (its whole process group) after this many seconds.", gt=0)
 ]
@@ -208,6 +217,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         target: TargetArg = None,
         nproc: NprocArg = None,
         device: DeviceArg = "cpu",
+        parallel_configs: ParallelConfigsArg = None,
         clear_threshold: ClearThresholdArg = None,
         backend: BackendArg = "torch",
         patches: PatchesArg = [],  # noqa: B006
@@ -223,7 +233,8 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         change vs baseline and verdict per config. With `backend` command: the baseline runs once, then each
         config is one run of the node's replay command with its mapped overrides (and `patches`, if any).
         Each config's replay_result.json lands under one tmp/spike-replay/<job>/<timestamp>/ and every config is
-        logged in the task file. Returns a bar chart of the grad norms. Reports progress; cancelling the call
+        logged in the task file. `parallel_configs` runs the configs on several pools side by side (warm or not),
+        with the same results. Returns a bar chart of the grad norms. Reports progress; cancelling the call
         stops a remote run."""
         request = await _request(
             ctx,
@@ -239,6 +250,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
             timeout_s=timeout_s,
             nproc=nproc,
             device=device,
+            parallel_configs=parallel_configs,
             workspace=config.workspace_for(workspace),
             job=job,
         )
