@@ -101,7 +101,7 @@ def test_progress_from_threads_the_work_started_arrives_too() -> None:
     async def main():
         async with Client(_server({})) as client:
 
-            async def on_progress(value: float, total: float | None, message: str | None) -> None:
+            async def on_progress(progress: float, total: float | None, message: str | None) -> None:
                 seen.append(message)
 
             return await client.call_tool("work_in_threads", {"threads": 3}, progress_callback=on_progress)
