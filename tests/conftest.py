@@ -1,14 +1,26 @@
-"""Session fixtures shared by every test area: a reference-trainer capture and a copy of the golden fixtures."""
+"""Session fixtures shared by every test area: one reference-trainer capture per preset and a copy of the golden
+fixtures.
+
+A shared capture is recorded once per session and read by tests in several folders: a test that edits a snapshot
+works on its own copy (shutil.copytree into tmp_path); at the end of the session each shared capture is checked to
+be as it was recorded.
+"""
 
 from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+from shared_capture import left_as_recorded
+
+if TYPE_CHECKING:
+    from axrl_spike_replay.capture.reference_trainer import CaptureResult
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 
@@ -17,7 +29,7 @@ torch.set_num_threads(1)
 
 
 # Fixtures that run a training capture, rank processes or an SSH server: a test using one is `heavy`.
-_HEAVY_FIXTURES = {"captured_run", "ssh_node"}
+_HEAVY_FIXTURES = {"captured_run", "negative_advantage_run", "hf_snapshot", "ssh_node"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -34,13 +46,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def captured_run(tmp_path_factory: pytest.TempPathFactory):
-    """CaptureResult of a reference run: world size 2, preset ratio_outliers, spikes at iterations 20-22."""
+def captured_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CaptureResult]:
+    """CaptureResult of a reference run: world size 2, preset ratio_outliers, spikes at iterations 20-22.
+
+    Shared by the whole session: read it, or copy its output dir before editing anything in it.
+    """
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
 
     logging.getLogger("axrl_spike_replay.guard").setLevel(logging.ERROR)
     out = tmp_path_factory.mktemp("captured-run")
-    return capture_reference_run(out, job="demo-moe-grpo", world_size=2, preset="ratio_outliers", seed=0)
+    run = capture_reference_run(out, job="demo-moe-grpo", world_size=2, preset="ratio_outliers", seed=0)
+    check = left_as_recorded(out)
+    yield run
+    check()
+
+
+@pytest.fixture(scope="session")
+def negative_advantage_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CaptureResult]:
+    """CaptureResult of a reference run: world size 1, seed 0, 32 steps, preset negative_advantage_dominance,
+    spikes at iterations 20-22 (every advantage of the burst negative).
+
+    Shared by the whole session: read it, or copy its output dir before editing anything in it.
+    """
+    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+
+    logging.getLogger("axrl_spike_replay.guard").setLevel(logging.ERROR)
+    out = tmp_path_factory.mktemp("negative-advantage-run")
+    run = capture_reference_run(out, preset="negative_advantage_dominance", seed=0)
+    check = left_as_recorded(out)
+    yield run
+    check()
 
 
 @pytest.fixture(scope="session")

@@ -34,12 +34,8 @@ def test_a_log_prob_mismatch_spike_is_diagnosed_as_such_with_the_carrying_sample
     assert cli("diagnose", snapshot, "--json", "--model", "never").json()["causes"][0]["family"] == "logprob_mismatch"
 
 
-@pytest.mark.slow
-def test_a_negative_advantage_spike_is_diagnosed_as_negative_dominance(tmp_path: Path) -> None:
-    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
-
-    run = capture_reference_run(tmp_path, preset="negative_advantage_dominance", seed=0, steps=21)
-    d = diagnose_snapshot(run.snapshot_dirs[0])
+def test_a_negative_advantage_spike_is_diagnosed_as_negative_dominance(negative_advantage_run) -> None:
+    d = diagnose_snapshot(negative_advantage_run.snapshot_dirs[0])
     assert d.causes[0].family == "negative_advantage_dominance"
     assert "100.0 % of loss tokens have a negative advantage" in d.causes[0].evidence[0]
     assert d.mitigation_items()[0] == "balance_negative_advantages=true"

@@ -9,6 +9,8 @@ from axrl_spike_replay.capture.reference_trainer import capture_reference_run
 from axrl_spike_replay.snapshot.rank_data import load_grad_info, load_rank_batch
 
 
+# Its own three runs, not the session's capture: a pair recorded alike (one world size 1 process, 21 steps, so the
+# burst trips at [20, 21]) and one with another seed; the session's ratio_outliers run is 32 steps at world size 2.
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list:
     return [

@@ -1,4 +1,6 @@
-"""Each preset's burst is a genuine spike, and the replay-only mitigation that targets its cause removes it."""
+"""Each preset's burst is a genuine spike, and the replay-only mitigation that targets its cause removes it.
+
+The ratio_outliers and negative_advantage_dominance captures are the session's (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +14,6 @@ from axrl_spike_replay.snapshot.metadata import read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch
 
 THRESHOLD = 5.0
-
-
-@pytest.fixture(scope="module")
-def negative_advantage_run(tmp_path_factory: pytest.TempPathFactory):
-    return capture_reference_run(tmp_path_factory.mktemp("nad"), preset="negative_advantage_dominance", seed=0)
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 contributions, taken through the per-token log-probs, sum to the replayed grad norm and agree with one backward
 pass per sample.
 
-The snapshot is recorded in this test session with the trainer's own rank step (axrl_spike_replay.testing.hf_snapshot).
+The snapshot (`hf_snapshot`, tests/models/conftest.py) is recorded once per test session with the trainer's own
+rank step (axrl_spike_replay.testing.hf_snapshot).
 """
 
 from __future__ import annotations
@@ -13,12 +14,7 @@ import pytest
 
 from axrl_spike_replay.replay.attribution import attribute_spike
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.testing.hf_snapshot import BATCH, BURST, record_hf_snapshot
-
-
-@pytest.fixture(scope="module")
-def hf_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return record_hf_snapshot(tmp_path_factory.mktemp("hf-attr"), "qwen3_moe", world_size=2)
+from axrl_spike_replay.testing.hf_snapshot import BATCH, BURST
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Replaying a spike of a transformers MoE policy (qwen3_moe, saved world size 2): full fidelity is bit-identical
 to the recorded step, reduced fidelity within 1e-5, and loss-level and routing mitigations move the grad norm.
 
-The snapshot is recorded in this test session with the trainer's own rank step (axrl_spike_replay.testing.hf_snapshot).
+The snapshot (`hf_snapshot`, tests/models/conftest.py) is recorded once per test session with the trainer's own
+rank step (axrl_spike_replay.testing.hf_snapshot).
 """
 
 from __future__ import annotations
@@ -13,12 +14,6 @@ import pytest
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.replay.sweep import run_sweep
-from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
-
-
-@pytest.fixture(scope="module")
-def hf_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return record_hf_snapshot(tmp_path_factory.mktemp("hf-snap"), "qwen3_moe", world_size=2)
 
 
 @pytest.mark.slow

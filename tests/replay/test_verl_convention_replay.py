@@ -24,6 +24,7 @@ VERL_LOSS = {
 }
 
 
+# Its own capture, not the session's negative_advantage_dominance run: trained under verl's loss convention.
 @pytest.fixture(scope="module")
 def verl_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
@@ -71,4 +72,5 @@ def test_a_mitigation_that_rejects_other_tokens_recounts_them_at_every_layout(ve
     mitigation = {"ratio_outlier_mask": "token"}
     full = run_replay(verl_snapshot, ReplayOptions(nproc=2, mitigations=mitigation))
     reduced = run_replay(verl_snapshot, ReplayOptions(nproc=1, mitigations=mitigation))
+    assert full.grad_norm is not None and reduced.grad_norm is not None
     assert abs(full.grad_norm - reduced.grad_norm) <= 1e-5 * full.grad_norm
