@@ -93,6 +93,8 @@ def test_a_cancelled_scan_stops_inside_a_file(tmp_path: Path) -> None:
         scan_logs([many], tmp_path / "copies", progress=lambda message: cancel.set(), cancel=cancel)
     line = re.search(r"line (\d+)", str(stopped.value))
     assert line is not None and int(line.group(1)) < 20_000
+    # the copy runs beside the scan: it is stopped with it, or was already whole; never half-written
+    assert [copy.read_bytes() for copy in (tmp_path / "copies").iterdir()] in ([], [many.read_bytes()])
 
 
 def test_a_cancelled_scan_stops_inside_one_endless_line(tmp_path: Path) -> None:

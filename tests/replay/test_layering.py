@@ -18,7 +18,9 @@ GROUND = (
 )  # fmt: skip
 # The log line reader: plain text parsing over the ground modules (checked below), used by snapshot.log_point to
 # check a snapshot against its training log. The one module above the snapshot layer that it and replay/ import.
-LOG_TEXT_READER = ("analysis.log_reader", "analysis.log_lines", "analysis.log_series", "analysis.log_values")
+LOG_TEXT_READER = (
+    "analysis.log_reader", "analysis.log_lines", "analysis.log_series", "analysis.log_values", "analysis.log_columns",
+)  # fmt: skip
 
 
 def imported_packages(path: Path) -> dict[str, int]:

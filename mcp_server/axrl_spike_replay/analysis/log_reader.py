@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from axrl_spike_replay.analysis.log_columns import Run, column_values, lines_of_width, same_but_digits
 from axrl_spike_replay.analysis.log_lines import error_kind, parse_line
 from axrl_spike_replay.analysis.log_series import SeriesBuilder
 from axrl_spike_replay.analysis.log_values import has_marker, head_starts, read_floats, read_heads
@@ -33,7 +34,7 @@ from axrl_spike_replay.errors import AxrlError
 MAX_ERRORS = 200
 # A training log line is at most a few KB; longer ones are skipped (only their start is checked for errors).
 MAX_LINE_CHARS = 64 * 1024
-READ_BYTES = 1024 * 1024
+READ_BYTES = 2 * 1024 * 1024
 # A line of more than this many bytes has more than MAX_LINE_CHARS characters (a character is 1 to 4 bytes).
 _HEAD_BYTES = 4 * (MAX_LINE_CHARS + 2)
 
@@ -144,34 +145,46 @@ def _check_cancel(cancel: threading.Event | None, where: str) -> None:
 class _Reader:
     """Blocks of whole lines (each starting with b"\\n"), newlines made universal; long lines apart."""
 
-    def __init__(self, handle: BinaryIO, name: str, tally: LogTally, cancel: threading.Event | None) -> None:
+    def __init__(
+        self, handle: BinaryIO, name: str, tally: LogTally, cancel: threading.Event | None, limit: int | None
+    ) -> None:
         self.handle, self.name, self.tally, self.cancel = handle, name, tally, cancel
+        self.left = limit  # bytes still to read (None: to the end of the file)
+
+    def _take(self, size: int) -> bytes:
+        raw = self.handle.read(size if self.left is None else min(size, self.left))
+        if self.left is not None:
+            self.left -= len(raw)
+        return raw
 
     def _read(self) -> bytes:
         _check_cancel(self.cancel, f"in {self.name} at line {self.tally.lines + 1}")
-        raw = self.handle.read(READ_BYTES)
+        raw = self._take(READ_BYTES)
         if b"\r" in raw:
-            while raw.endswith(b"\r") and (more := self.handle.read(1)):  # keep a \r\n pair in one read
+            while raw.endswith(b"\r") and (more := self._take(1)):  # keep a \r\n pair in one read
                 raw += more
             raw = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         return raw
 
-    def blocks(self) -> Iterator[tuple[str, bytes]]:
-        """("lines", b"\\n" + whole lines) and ("long", the head of one long line), in file order."""
-        pending = b""
+    def blocks(self) -> Iterator[tuple[str, bytes, int]]:
+        """("lines", data, end): data[:end] is b"\\n" + whole lines; ("long", the head of one long line, its
+        length); in file order. A block is not cut out of what was read (a copy per read saved): `end` says
+        where it stops."""
+        pending = b"\n"  # the newline that opens the next line, and what has been read of that line
         while raw := self._read():
             data = pending + raw
             cut = data.rfind(b"\n")
-            if cut < 0:
+            if cut == 0:
                 pending = data
                 if len(pending) > _HEAD_BYTES:  # a line too long to hold: keep its head, read past the rest
-                    yield "long", self._past_line(pending[:_HEAD_BYTES])
-                    pending = self._rest
+                    head = self._past_line(pending[1 : _HEAD_BYTES + 1])
+                    yield "long", head, len(head)
+                    pending = b"\n" + self._rest
                 continue
-            pending = data[cut + 1 :]
-            yield from self._split_long(b"\n" + data[: cut + 1])
-        if pending:
-            yield from self._split_long(b"\n" + pending)
+            pending = data[cut:]
+            yield from self._split_long(data, cut + 1)
+        if len(pending) > 1:
+            yield from self._split_long(pending, len(pending))
 
     def _past_line(self, head: bytes) -> bytes:
         """Read to the end of the current line; what follows it is left in `_rest`."""
@@ -184,36 +197,43 @@ class _Reader:
         return head
 
     @staticmethod
-    def _split_long(data: bytes) -> Iterator[tuple[str, bytes]]:
-        """`data` (b"\\n" + lines) as blocks of lines of at most MAX_LINE_CHARS bytes, and the longer lines."""
+    def _split_long(data: bytes, stop: int) -> Iterator[tuple[str, bytes, int]]:
+        """data[:stop] (b"\\n" + lines) as blocks of lines of at most MAX_LINE_CHARS bytes, and the longer lines."""
         start = 0  # data[start] is the b"\\n" that opens the next block
         # a line longer than 2 * step holds a whole aligned step of bytes without a newline: cheap to rule out
         step = MAX_LINE_CHARS // 2
-        if all(data.find(b"\n", at, at + step) >= 0 for at in range(0, len(data) - step, step)):
-            yield "lines", data
+        if all(data.find(b"\n", at, at + step) >= 0 for at in range(0, stop - step, step)):
+            yield "lines", data, stop
             return
-        for match in _LONG.finditer(data):
+        for match in _LONG.finditer(data, 0, stop):
             if match.start() > start:
-                yield "lines", data[start : match.start() + 1]
-            end = data.find(b"\n", match.end())
+                yield _whole("lines", data[start : match.start() + 1])
+            end = data.find(b"\n", match.end(), stop)
             if end < 0:
-                yield "long", data[match.start() + 1 :]
+                yield _whole("long", data[match.start() + 1 : stop])
                 return
-            yield "long", data[match.start() + 1 : end + 1]
+            yield _whole("long", data[match.start() + 1 : end + 1])
             start = end
-        if start < len(data) - 1:
-            yield "lines", data[start:]
+        if start < stop - 1:
+            yield _whole("lines", data[start:stop])
 
 
 def scan_file(path: Path, tally: LogTally, cancel: threading.Event | None = None) -> None:
     """Add the lines of the log at `path` to `tally`; `cancel` stops the read within one block (AxrlError)."""
     with path.open("rb") as handle:
-        reader = _Reader(handle, path.name, tally, cancel)
-        for kind, data in reader.blocks():
-            if kind == "long":
-                _long_line(data, str(path), tally)
-            else:
-                _lines(data, str(path), tally)
+        scan_handle(handle, path, tally, cancel)
+
+
+def scan_handle(
+    handle: BinaryIO, path: Path, tally: LogTally, cancel: threading.Event | None = None, limit: int | None = None
+) -> None:
+    """`scan_file` of an open log, named `path` in errors and messages, from where `handle` is, reading at most
+    `limit` bytes."""
+    for kind, data, end in _Reader(handle, path.name, tally, cancel, limit).blocks():
+        if kind == "long":
+            _long_line(data, str(path), tally)
+        else:
+            _lines(data, end, str(path), tally)
 
 
 def _line(text: str, whole: bool, number: int, file: str, tally: LogTally) -> None:
@@ -240,10 +260,90 @@ def _long_line(data: bytes, file: str, tally: LogTally) -> None:
         _line(text, True, tally.lines, file, tally)
 
 
-def _lines(data: bytes, file: str, tally: LogTally) -> None:
-    """Lines of `data` (b"\\n" + lines, none longer than MAX_LINE_CHARS bytes) into `tally`, in order."""
-    if not _plain_megatron_block(data, file, tally):
-        _exact_lines(data, file, tally)
+def _whole(kind: str, data: bytes) -> tuple[str, bytes, int]:
+    return kind, data, len(data)
+
+
+def _lines(data: bytes, end: int, file: str, tally: LogTally) -> None:
+    """Lines of data[:end] (b"\\n" + lines, none longer than MAX_LINE_CHARS bytes) into `tally`, in order: runs
+    of plain Megatron lines by columns, the rest by blocks (`_plain_megatron_block`) or line by line."""
+    done = _column_runs(data, end, file, tally)
+    rest = data if done == 0 and end == len(data) else data[done:end]
+    if len(rest) > 1 and not _plain_megatron_block(rest, file, tally):
+        _exact_lines(rest, file, tally)
+
+
+_MIN_RUN = 16  # lines: a shorter run of one width is read with the lines around it
+_MAX_GAPS = 8  # lines between runs in a block before the rest of the block is read by the block readers
+
+
+def _column_runs(data: bytes, end: int, file: str, tally: LogTally) -> int:
+    """Read the runs of plain Megatron lines that differ only in digits (`log_columns`) from the start of
+    data[:end], and the lines between them exactly; returns where the rest of the block opens (a newline): past
+    `_MAX_GAPS` lines outside runs, the block is not one of long runs and its rest is left to the block readers."""
+    stop = data.rfind(b"\n", 0, end)  # the runs end with the last line closed by a newline
+    array = np.frombuffer(data, np.uint8, count=end)
+    runs: list[Run] = []
+    at = gaps = 0
+    while at < stop:
+        width = data.find(b"\n", at + 1) - at
+        lines = lines_of_width(array, at, width, stop)
+        if lines >= _MIN_RUN:
+            runs.append(Run(at, lines, width))
+            at += lines * width
+            continue
+        gaps += 1
+        if gaps > _MAX_GAPS:
+            break
+        at += width
+    values = _read_runs(data, array, runs)
+    done = 0  # data[done:] is not read yet
+    for run, read in zip(runs, values, strict=True):
+        if read is None:  # read with the lines around it
+            continue
+        if done < run.start:
+            _exact_lines(data[done : run.start + 1], file, tally)
+        tally.series.extend_arrays(*read)
+        tally.lines += run.lines
+        done = run.end
+    return done
+
+
+def _read_runs(data: bytes, array: np.ndarray, runs: list[Run]) -> list[tuple[np.ndarray, ...] | None]:
+    """(iterations, grad norms, losses) of each run, read together with the runs of its width; None for the runs
+    of a width whose lines are not plain Megatron lines differing only in digits."""
+    widths: dict[int, list[int]] = {}
+    for index, run in enumerate(runs):
+        widths.setdefault(run.width, []).append(index)
+    values: list[tuple[np.ndarray, ...] | None] = [None] * len(runs)
+    for indexes in widths.values():
+        read = _read_width(data, array, [runs[i] for i in indexes])
+        for index, run_values in zip(indexes, read or [], strict=False):
+            values[index] = run_values
+    return values
+
+
+def _read_width(data: bytes, array: np.ndarray, runs: list[Run]) -> list[tuple[np.ndarray, ...]] | None:
+    """The values of runs of one width whose first line is a plain Megatron line (`_plain_head_skeleton`) and
+    whose lines differ from it only in digits, so that all share its skeleton; None when they are not so."""
+    first = data[runs[0].start : runs[0].start + runs[0].width + 1]  # b"\\n" + line + b"\\n"
+    if not _plain_head_skeleton(first[1:-1].translate(_LOWER, _SKELETON_DELETE)):
+        return None
+    spans = [_only_span(pattern, first) for pattern in (_ITERATION_VALUE, _GRAD_NORM_VALUE, _LM_LOSS_VALUE)]
+    if spans[0] is None or spans[1] is None or spans[2] is None or not same_but_digits(array, runs):
+        return None
+    iterations = column_values(array, runs, spans[0], int)
+    grads = column_values(array, runs, spans[1], float)
+    losses = column_values(array, runs, spans[2], float)
+    if iterations is None or grads is None or losses is None:
+        return None
+    return list(zip(iterations, grads, losses, strict=True))
+
+
+def _only_span(pattern: re.Pattern[bytes], line: bytes) -> tuple[int, int] | None:
+    """The columns of `pattern`'s value in `line`, when it matches there once."""
+    found = [match.span(1) for match in pattern.finditer(line)]
+    return found[0] if len(found) == 1 else None
 
 
 def _plain_megatron_block(data: bytes, file: str, tally: LogTally) -> bool:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -28,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from axrl_spike_replay.analysis.log_copy import CopyBeside, PlannedCopy, plan_copies
 from axrl_spike_replay.analysis.log_lines import error_kind, key_values, parse_line
-from axrl_spike_replay.analysis.log_reader import MAX_ERRORS, MAX_LINE_CHARS, LogTally, scan_file
+from axrl_spike_replay.analysis.log_reader import MAX_ERRORS, MAX_LINE_CHARS, LogTally, scan_handle
 from axrl_spike_replay.analysis.log_series import SeriesPoints
 from axrl_spike_replay.analysis.series_sampling import DEFAULT_LIMIT, sampled_series
-from axrl_spike_replay.atomic import temp_beside
 from axrl_spike_replay.capture.detectors import Detector, MedianRatioDetector, make_detector
 from axrl_spike_replay.containment import is_inside, resolved_text
 from axrl_spike_replay.display import shown
@@ -43,7 +42,6 @@ from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 from axrl_spike_replay.workspace.paths import check_plain_name
 
 MAX_SKIPPED = 200
-_COPY_BYTES = 64 * 1024 * 1024  # per sendfile call: the copy checks for cancellation between them
 _DEFAULT_DETECTOR: dict[str, Any] = {"kind": "median_ratio", "window": 20, "threshold": 5.0, "warmup": 10}
 
 __all__ = [
@@ -249,56 +247,21 @@ def _check_cancel(cancel: threading.Event | None, where: str) -> None:
         raise AxrlError(f"log scan cancelled {where}")
 
 
-def _copy_file(source: Path, target: Path, cancel: threading.Event | None) -> None:
-    """Copy through a temp file renamed over `target`: a symlink at `target` is replaced, never written through.
-
-    The bytes go file to file in the kernel (`sendfile`, no buffer here), `_COPY_BYTES` per call.
-    """
-    fd, tmp = temp_beside(target)
-    try:
-        with os.fdopen(fd, "wb") as out, source.open("rb") as handle:
-            _check_cancel(cancel, f"while copying {source}")
-            try:
-                while os.sendfile(out.fileno(), handle.fileno(), None, _COPY_BYTES):
-                    _check_cancel(cancel, f"while copying {source}")
-            except OSError:  # no sendfile between these files: copy what is left through a buffer
-                handle.seek(out.tell())
-                shutil.copyfileobj(handle, out, 1024 * 1024)
-        os.replace(tmp, target)  # no fsync: the copy can be made again from the run's logs
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _copy(
-    files: list[tuple[Path, Path]], dest: Path, root: Path, cancel: threading.Event | None
-) -> tuple[list[Path], list[dict[str, str]]]:
-    """Copy each file to `dest`/rel; entries whose folder leads out of `dest` are skipped, with the reason."""
-    if not is_inside(dest, root):
-        raise AxrlError(
-            f"log copy dir {dest} leads outside {root} (to {resolved_text(dest)}) through a symlink; "
-            "refusing to write there"
-        )
-    dest.mkdir(parents=True, exist_ok=True)
-    copies: list[Path] = []
-    skipped: list[dict[str, str]] = []
-    for source, rel in files:
-        target = dest / rel
-        stem, n = target, 2
-        while target in copies:
-            target = stem.with_name(f"{stem.stem}-{n}{stem.suffix}")
-            n += 1
-        if not is_inside(target.parent, dest):
-            skipped.append(
-                {"path": str(source), "reason": f"its copy's folder {target.parent} leads outside {dest}; not copied"}
-            )
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        same = target.is_file() and not target.is_symlink() and target.samefile(source)
-        if not same:  # a log already in place (dest holds the originals) is scanned as it is
-            _copy_file(source, target, cancel)
-        copies.append(target)
-    return copies, skipped
+def _copy_and_scan(copy: PlannedCopy, tally: LogTally, cancel: threading.Event | None) -> None:
+    """Scan one log while a thread copies it (`log_copy`); a scan that fails stops the copy (no file left)."""
+    with copy.source.open("rb") as handle:
+        if copy.in_place:
+            scan_handle(handle, copy.target, tally, cancel)
+            return
+        copier = CopyBeside(handle, copy.source, copy.target, os.fstat(handle.fileno()).st_size, cancel)
+        copier.start()
+        try:
+            scan_handle(handle, copy.target, tally, cancel, limit=copier.size)
+        except BaseException:
+            copier.stopped.set()
+            copier.join()
+            raise
+        copier.finish()
 
 
 def scan_logs(
@@ -346,24 +309,29 @@ def scan_logs(
         target = Path.cwd() / "tmp" / "spike-replay" / name / "logs"
     within = Path(os.path.abspath(root)) if root is not None else (target if dest is not None else Path.cwd())
     try:
-        copies, not_copied = _copy(files, target, within, cancel)
+        copies, not_copied = plan_copies(files, target, within)
     except OSError as exc:
         raise AxrlError(f"{exc.filename or target}: cannot copy the logs ({exc.strerror or exc})") from None
     skipped += not_copied
 
     tally = LogTally()
     for done, copy in enumerate(copies, start=1):
-        _check_cancel(cancel, f"after {done - 1} of {len(copies)} file(s)")
+        if done > 1:
+            _check_cancel(cancel, f"after {done - 1} of {len(copies)} file(s)")
+        _check_cancel(cancel, f"while copying {copy.source}")
         if progress is not None:
-            progress(f"scanning {copy.name} ({done}/{len(copies)})")
-        scan_file(copy, tally, cancel)
+            progress(f"scanning {copy.target.name} ({done}/{len(copies)})")
+        try:
+            _copy_and_scan(copy, tally, cancel)
+        except OSError as exc:
+            raise AxrlError(f"{exc.filename or copy.source}: cannot read the log ({exc.strerror or exc})") from None
 
     series, repeated = tally.series.settled()
     spikes = _spikes(series, detector)
     return LogScan(
         name=name,
         dest=str(target),
-        copied=[str(c) for c in copies],
+        copied=[str(c.target) for c in copies],
         series_points=series,
         spikes=spikes,
         errors=tally.errors,

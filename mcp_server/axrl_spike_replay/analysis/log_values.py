@@ -102,18 +102,11 @@ def read_floats(data: bytes, array: np.ndarray, starts: np.ndarray) -> np.ndarra
         match = _FLOAT_SHAPE.fullmatch(shape)
         if match is None or not (match[2] or match[4]):
             return None
-        mantissa = [*range(*match.span(2)), *range(*match.span(4))]
-        exponent = range(*match.span(6))
-        if len(mantissa) > 18 or len(exponent) > 4:  # past int64: every row by `float`
+        read = _read_shape(rows[at], match)
+        if read is None:  # past int64: every row by `float`
             others = np.concatenate([others, at])
             continue
-        picked = rows[at]
-        digits = (picked[:, mantissa].astype(np.int64) - 48) @ 10 ** np.arange(len(mantissa) - 1, -1, -1)
-        power = _digits(picked, exponent) * (-1 if match[5] == b"-" else 1) - len(match[4])
-        exact = (digits <= _EXACT_MANTISSA) & (np.abs(power) <= 22)
-        scale = _POW10[np.minimum(np.abs(power), 22)]
-        read = np.where(power >= 0, digits * scale, digits / scale)  # int64 <= 2**53 converts exactly
-        values[at] = -read if match[1] == b"-" else read
+        values[at], exact = read
         others = np.concatenate([others, at[~exact]])
     for row in others.tolist():
         start = int(starts[row])
@@ -124,6 +117,45 @@ def read_floats(data: bytes, array: np.ndarray, starts: np.ndarray) -> np.ndarra
     return values
 
 
+def _read_shape(rows: np.ndarray, match: re.Match[bytes]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(the value of each row, whether it is exact) for rows of one shape (`match`: `_FLOAT_SHAPE` on it);
+    None when the mantissa or the exponent has too many digits for int64. Rows not exact are read by `float`."""
+    mantissa = [*range(*match.span(2)), *range(*match.span(4))]
+    exponent = range(*match.span(6))
+    if len(mantissa) > 18 or len(exponent) > 4:
+        return None
+    digits = (rows[:, mantissa].astype(np.int64) - 48) @ 10 ** np.arange(len(mantissa) - 1, -1, -1)
+    power = _digits(rows, exponent) * (-1 if match[5] == b"-" else 1) - len(match[4])
+    exact = (digits <= _EXACT_MANTISSA) & (np.abs(power) <= 22)
+    scale = _POW10[np.minimum(np.abs(power), 22)]
+    read = np.where(power >= 0, digits * scale, digits / scale)  # int64 <= 2**53 converts exactly
+    return (-read if match[1] == b"-" else read), exact
+
+
+def read_column_floats(columns: np.ndarray) -> np.ndarray | None:
+    """`float` of each row of `columns` (a byte matrix): rows that differ from the first only in digits, the
+    first a number (`NUM`, no spaces); None when it is not one or has too many digits to read by arrays."""
+    shape = columns[0].tobytes().translate(_DIGITS_AS_ZERO)
+    match = _FLOAT_SHAPE.fullmatch(shape)
+    if match is None or not (match[2] or match[4]):
+        return None
+    read = _read_shape(columns, match)
+    if read is None:
+        return None
+    values, exact = read
+    for row in np.flatnonzero(~exact).tolist():
+        values[row] = float(columns[row].tobytes())
+    return values
+
+
+def read_column_integers(columns: np.ndarray) -> np.ndarray | None:
+    """`int` of each row of `columns` (rows of ASCII digits only, at most 18: exact in int64); None otherwise."""
+    if not 0 < columns.shape[1] <= 18 or bool(((columns - np.uint8(48)) > 9).any()):
+        return None
+    return _digits(columns, range(columns.shape[1]))
+
+
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _HEAD_SHAPE = re.compile(rb" ++(0++) */ *0++ *+")  # after `iteration`: ` +([0-9]+) */ *[0-9]+ *` before `|`
 
 
