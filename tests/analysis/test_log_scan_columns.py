@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_log_scan_streaming import _reference, _scanned
 
-from axrl_spike_replay.analysis import log_reader
+from axrl_spike_replay.analysis import log_blocks
 
 
 def _line(i: int, grad: float, loss: float) -> str:
@@ -29,12 +29,12 @@ def _mutated(line: str, rng: random.Random) -> str:
     return line[:at] + rng.choice([chr(c) for c in range(32, 127)] + ["\t"]) + line[at + 1 :]
 
 
-@pytest.mark.parametrize(("seed", "block"), [(1, 20011), (2, 65536), (3, log_reader.READ_BYTES)])
+@pytest.mark.parametrize(("seed", "block"), [(1, 20011), (2, 65536), (3, log_blocks.READ_BYTES)])
 def test_runs_of_one_width_read_by_columns_match_the_text_reading(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, block: int
 ) -> None:
     rng = random.Random(seed)
-    monkeypatch.setattr(log_reader, "READ_BYTES", block)
+    monkeypatch.setattr(log_blocks, "READ_BYTES", block)
     log = tmp_path / "train.log"
     with log.open("w") as handle:
         for i in range(10_000_000, 10_006_000):

@@ -16,7 +16,7 @@ import pytest
 from test_log_scan_streaming import _SHAPES, _megatron, _reference, _scanned
 
 import axrl_spike_replay
-from axrl_spike_replay.analysis import log_reader
+from axrl_spike_replay.analysis import log_blocks
 from axrl_spike_replay.analysis.log_scan import _spikes, scan_logs
 from axrl_spike_replay.analysis.log_series import SeriesBuilder
 from axrl_spike_replay.analysis.series_sampling import sampled_series
@@ -65,7 +65,7 @@ def test_a_megatron_run_broken_by_any_other_line_reads_as_the_text_reading(
 ) -> None:
     """Blocks of plain Megatron lines with a few lines of one other shape among them: those lines are read
     apart from the block and the block's lines keep their numbers."""
-    monkeypatch.setattr(log_reader, "READ_BYTES", 8192)
+    monkeypatch.setattr(log_blocks, "READ_BYTES", 8192)
     rng = random.Random(shape)
     log = tmp_path / "train.log"
     with log.open("w", encoding="utf-8", errors="surrogateescape", newline="") as handle:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from axrl_spike_replay.analysis import log_reader
+from axrl_spike_replay.analysis import log_blocks
 from axrl_spike_replay.analysis.log_lines import error_kind, parse_line
 from axrl_spike_replay.analysis.log_scan import MAX_ERRORS, MAX_LINE_CHARS, _spikes, scan_logs
 from axrl_spike_replay.capture.detectors import make_detector
@@ -119,7 +119,7 @@ def test_every_line_shape_reads_as_the_plain_text_reading_does(tmp_path: Path, s
 
 def test_a_plain_megatron_log_read_in_small_blocks_matches_the_reference(tmp_path: Path, monkeypatch) -> None:
     """Blocks end anywhere: a \\r\\n pair or a line split across reads, a spike and an error mid-run."""
-    monkeypatch.setattr(log_reader, "READ_BYTES", 16381)
+    monkeypatch.setattr(log_blocks, "READ_BYTES", 16381)
     log = tmp_path / "train.log"
     text = "".join(_megatron(i, 25.0 if i == 400 else 1.0 + (i % 7) / 100) for i in range(1, 1200))
     text = text.replace(_megatron(700, 1.0), "[rank3] NCCL error: unhandled system error\n")

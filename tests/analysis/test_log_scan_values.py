@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_log_scan_streaming import _megatron, _reference, _scanned
 
-from axrl_spike_replay.analysis import log_reader, log_values
+from axrl_spike_replay.analysis import log_blocks, log_values
 
 _MARKER = b"| grad norm:"
 
@@ -102,7 +102,7 @@ def test_megatron_blocks_with_every_way_of_writing_a_number_scan_as_the_text_rea
 ) -> None:
     """Runs of one skeleton (the array path) whose numbers take every written form, and the odd lines between,
     read in small blocks."""
-    monkeypatch.setattr(log_reader, "READ_BYTES", 20011)
+    monkeypatch.setattr(log_blocks, "READ_BYTES", 20011)
     rng = random.Random(5)
     written = [s.decode().strip() for s in _edge_spans(rng)]
     # one skeleton: grad norms without an exponent, losses with `E` (a skeleton keeps letters, lowered)

@@ -10,33 +10,28 @@ every line to `log_lines.parse_line` and `log_lines.error_kind`:
   that those parsers need: `iteration` + space, a step key + `=`/`:`, an error word, `:`/`=` + nan/inf.
   The triggers spell out the non-ASCII letters and spaces that case-insensitive Unicode patterns match
   (ı and İ for i; Unicode white space), so no line they would match is passed over.
-Memory stays flat in the file size: a read of `READ_BYTES`, and at most `_HEAD_BYTES` of a line longer than
-`MAX_LINE_CHARS` characters (its start is still checked for errors; the rest is read past).
+- Runs of such lines of one width whose bytes differ only in digits are read by columns (`log_columns`).
+The blocks come from `log_blocks`: memory stays flat in the file size (one buffer for the whole file, and at
+most `HEAD_BYTES` of a line longer than `MAX_LINE_CHARS` characters: its start is still checked for errors).
 """
 
 from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
+from axrl_spike_replay.analysis.log_blocks import HEAD_BYTES, MAX_LINE_CHARS, ByteSource, LineBlocks
 from axrl_spike_replay.analysis.log_columns import Run, column_values, lines_of_width, same_but_digits
 from axrl_spike_replay.analysis.log_lines import error_kind, parse_line
 from axrl_spike_replay.analysis.log_series import SeriesBuilder
 from axrl_spike_replay.analysis.log_values import has_marker, head_starts, read_floats, read_heads
-from axrl_spike_replay.errors import AxrlError
 
 MAX_ERRORS = 200
-# A training log line is at most a few KB; longer ones are skipped (only their start is checked for errors).
-MAX_LINE_CHARS = 64 * 1024
-READ_BYTES = 2 * 1024 * 1024
-# A line of more than this many bytes has more than MAX_LINE_CHARS characters (a character is 1 to 4 bytes).
-_HEAD_BYTES = 4 * (MAX_LINE_CHARS + 2)
 
 # -- the trigger: a line without a match cannot parse to a step nor report an error -----------------------
 _I = rb"(?:i|\xc4[\xb0\xb1])"  # i, I, İ, ı (IGNORECASE folds the last two onto i)
@@ -123,7 +118,6 @@ def _plain_skeleton(skeleton: bytes) -> bool:
 
 
 _SKELETON_ERROR_WORDS = tuple(word.replace(b" ", b"") for word in _ERROR_WORDS)
-_LONG = re.compile(rb"\n[^\n]{%d}" % (MAX_LINE_CHARS + 1))
 
 
 @dataclass
@@ -137,87 +131,6 @@ class LogTally:
     long_lines: int = 0
 
 
-def _check_cancel(cancel: threading.Event | None, where: str) -> None:
-    if cancel is not None and cancel.is_set():
-        raise AxrlError(f"log scan cancelled {where}")
-
-
-class _Reader:
-    """Blocks of whole lines (each starting with b"\\n"), newlines made universal; long lines apart."""
-
-    def __init__(
-        self, handle: BinaryIO, name: str, tally: LogTally, cancel: threading.Event | None, limit: int | None
-    ) -> None:
-        self.handle, self.name, self.tally, self.cancel = handle, name, tally, cancel
-        self.left = limit  # bytes still to read (None: to the end of the file)
-
-    def _take(self, size: int) -> bytes:
-        raw = self.handle.read(size if self.left is None else min(size, self.left))
-        if self.left is not None:
-            self.left -= len(raw)
-        return raw
-
-    def _read(self) -> bytes:
-        _check_cancel(self.cancel, f"in {self.name} at line {self.tally.lines + 1}")
-        raw = self._take(READ_BYTES)
-        if b"\r" in raw:
-            while raw.endswith(b"\r") and (more := self._take(1)):  # keep a \r\n pair in one read
-                raw += more
-            raw = raw.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        return raw
-
-    def blocks(self) -> Iterator[tuple[str, bytes, int]]:
-        """("lines", data, end): data[:end] is b"\\n" + whole lines; ("long", the head of one long line, its
-        length); in file order. A block is not cut out of what was read (a copy per read saved): `end` says
-        where it stops."""
-        pending = b"\n"  # the newline that opens the next line, and what has been read of that line
-        while raw := self._read():
-            data = pending + raw
-            cut = data.rfind(b"\n")
-            if cut == 0:
-                pending = data
-                if len(pending) > _HEAD_BYTES:  # a line too long to hold: keep its head, read past the rest
-                    head = self._past_line(pending[1 : _HEAD_BYTES + 1])
-                    yield "long", head, len(head)
-                    pending = b"\n" + self._rest
-                continue
-            pending = data[cut:]
-            yield from self._split_long(data, cut + 1)
-        if len(pending) > 1:
-            yield from self._split_long(pending, len(pending))
-
-    def _past_line(self, head: bytes) -> bytes:
-        """Read to the end of the current line; what follows it is left in `_rest`."""
-        while raw := self._read():
-            end = raw.find(b"\n")
-            if end >= 0:
-                self._rest = raw[end + 1 :]
-                return head + b"\n"
-        self._rest = b""
-        return head
-
-    @staticmethod
-    def _split_long(data: bytes, stop: int) -> Iterator[tuple[str, bytes, int]]:
-        """data[:stop] (b"\\n" + lines) as blocks of lines of at most MAX_LINE_CHARS bytes, and the longer lines."""
-        start = 0  # data[start] is the b"\\n" that opens the next block
-        # a line longer than 2 * step holds a whole aligned step of bytes without a newline: cheap to rule out
-        step = MAX_LINE_CHARS // 2
-        if all(data.find(b"\n", at, at + step) >= 0 for at in range(0, stop - step, step)):
-            yield "lines", data, stop
-            return
-        for match in _LONG.finditer(data, 0, stop):
-            if match.start() > start:
-                yield _whole("lines", data[start : match.start() + 1])
-            end = data.find(b"\n", match.end(), stop)
-            if end < 0:
-                yield _whole("long", data[match.start() + 1 : stop])
-                return
-            yield _whole("long", data[match.start() + 1 : end + 1])
-            start = end
-        if start < stop - 1:
-            yield _whole("lines", data[start:stop])
-
-
 def scan_file(path: Path, tally: LogTally, cancel: threading.Event | None = None) -> None:
     """Add the lines of the log at `path` to `tally`; `cancel` stops the read within one block (AxrlError)."""
     with path.open("rb") as handle:
@@ -225,13 +138,17 @@ def scan_file(path: Path, tally: LogTally, cancel: threading.Event | None = None
 
 
 def scan_handle(
-    handle: BinaryIO, path: Path, tally: LogTally, cancel: threading.Event | None = None, limit: int | None = None
+    handle: ByteSource, path: Path, tally: LogTally, cancel: threading.Event | None = None, limit: int | None = None
 ) -> None:
     """`scan_file` of an open log, named `path` in errors and messages, from where `handle` is, reading at most
     `limit` bytes."""
-    for kind, data, end in _Reader(handle, path.name, tally, cancel, limit).blocks():
+
+    def where() -> str:
+        return f"in {path.name} at line {tally.lines + 1}"
+
+    for kind, data, end in LineBlocks(handle, cancel, where, limit):
         if kind == "long":
-            _long_line(data, str(path), tally)
+            _long_line(bytes(data), str(path), tally)
         else:
             _lines(data, end, str(path), tally)
 
@@ -253,22 +170,23 @@ def _line(text: str, whole: bool, number: int, file: str, tally: LogTally) -> No
 
 def _long_line(data: bytes, file: str, tally: LogTally) -> None:
     tally.lines += 1
-    text = data[:_HEAD_BYTES].decode("utf-8", errors="replace")
+    text = data[:HEAD_BYTES].decode("utf-8", errors="replace")
     if len(text) - text.endswith("\n") > MAX_LINE_CHARS:
         _line(text[:MAX_LINE_CHARS], False, tally.lines, file, tally)
     else:  # more bytes than characters allowed, but few enough characters
         _line(text, True, tally.lines, file, tally)
 
 
-def _whole(kind: str, data: bytes) -> tuple[str, bytes, int]:
-    return kind, data, len(data)
+def _part(data: bytes | bytearray, begin: int, end: int) -> bytes:
+    """data[begin:end] as bytes (one copy)."""
+    return data if isinstance(data, bytes) and begin == 0 and end == len(data) else bytes(memoryview(data)[begin:end])
 
 
-def _lines(data: bytes, end: int, file: str, tally: LogTally) -> None:
+def _lines(data: bytes | bytearray, end: int, file: str, tally: LogTally) -> None:
     """Lines of data[:end] (b"\\n" + lines, none longer than MAX_LINE_CHARS bytes) into `tally`, in order: runs
     of plain Megatron lines by columns, the rest by blocks (`_plain_megatron_block`) or line by line."""
     done = _column_runs(data, end, file, tally)
-    rest = data if done == 0 and end == len(data) else data[done:end]
+    rest = _part(data, done, end)
     if len(rest) > 1 and not _plain_megatron_block(rest, file, tally):
         _exact_lines(rest, file, tally)
 
@@ -277,7 +195,7 @@ _MIN_RUN = 16  # lines: a shorter run of one width is read with the lines around
 _MAX_GAPS = 8  # lines between runs in a block before the rest of the block is read by the block readers
 
 
-def _column_runs(data: bytes, end: int, file: str, tally: LogTally) -> int:
+def _column_runs(data: bytes | bytearray, end: int, file: str, tally: LogTally) -> int:
     """Read the runs of plain Megatron lines that differ only in digits (`log_columns`) from the start of
     data[:end], and the lines between them exactly; returns where the rest of the block opens (a newline): past
     `_MAX_GAPS` lines outside runs, the block is not one of long runs and its rest is left to the block readers."""
@@ -302,14 +220,14 @@ def _column_runs(data: bytes, end: int, file: str, tally: LogTally) -> int:
         if read is None:  # read with the lines around it
             continue
         if done < run.start:
-            _exact_lines(data[done : run.start + 1], file, tally)
+            _exact_lines(_part(data, done, run.start + 1), file, tally)
         tally.series.extend_arrays(*read)
         tally.lines += run.lines
         done = run.end
     return done
 
 
-def _read_runs(data: bytes, array: np.ndarray, runs: list[Run]) -> list[tuple[np.ndarray, ...] | None]:
+def _read_runs(data: bytes | bytearray, array: np.ndarray, runs: list[Run]) -> list[tuple[np.ndarray, ...] | None]:
     """(iterations, grad norms, losses) of each run, read together with the runs of its width; None for the runs
     of a width whose lines are not plain Megatron lines differing only in digits."""
     widths: dict[int, list[int]] = {}
@@ -323,10 +241,10 @@ def _read_runs(data: bytes, array: np.ndarray, runs: list[Run]) -> list[tuple[np
     return values
 
 
-def _read_width(data: bytes, array: np.ndarray, runs: list[Run]) -> list[tuple[np.ndarray, ...]] | None:
+def _read_width(data: bytes | bytearray, array: np.ndarray, runs: list[Run]) -> list[tuple[np.ndarray, ...]] | None:
     """The values of runs of one width whose first line is a plain Megatron line (`_plain_head_skeleton`) and
     whose lines differ from it only in digits, so that all share its skeleton; None when they are not so."""
-    first = data[runs[0].start : runs[0].start + runs[0].width + 1]  # b"\\n" + line + b"\\n"
+    first = _part(data, runs[0].start, runs[0].start + runs[0].width + 1)  # b"\\n" + line + b"\\n"
     if not _plain_head_skeleton(first[1:-1].translate(_LOWER, _SKELETON_DELETE)):
         return None
     spans = [_only_span(pattern, first) for pattern in (_ITERATION_VALUE, _GRAD_NORM_VALUE, _LM_LOSS_VALUE)]

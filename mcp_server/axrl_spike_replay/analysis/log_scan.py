@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from axrl_spike_replay.analysis.log_copy import CopyBeside, PlannedCopy, plan_copies
+from axrl_spike_replay.analysis.log_halves import SecondHalf, can_fork, cut_point
 from axrl_spike_replay.analysis.log_lines import error_kind, key_values, parse_line
 from axrl_spike_replay.analysis.log_reader import MAX_ERRORS, MAX_LINE_CHARS, LogTally, scan_handle
 from axrl_spike_replay.analysis.log_series import SeriesPoints
@@ -248,20 +249,28 @@ def _check_cancel(cancel: threading.Event | None, where: str) -> None:
 
 
 def _copy_and_scan(copy: PlannedCopy, tally: LogTally, cancel: threading.Event | None) -> None:
-    """Scan one log while a thread copies it (`log_copy`); a scan that fails stops the copy (no file left)."""
+    """Scan one log while a thread copies it (`log_copy`), a large one on two cores (`log_halves`); a scan that
+    fails stops the copy (no file left) and the other half."""
     with copy.source.open("rb") as handle:
-        if copy.in_place:
-            scan_handle(handle, copy.target, tally, cancel)
-            return
-        copier = CopyBeside(handle, copy.source, copy.target, os.fstat(handle.fileno()).st_size, cancel)
-        copier.start()
+        size = os.fstat(handle.fileno()).st_size
+        cut = cut_point(handle.fileno(), size) if can_fork() else None
+        second = SecondHalf(handle, cut, size, copy.target) if cut is not None else None  # forked before any thread
+        copier = None if copy.in_place else CopyBeside(handle, copy.source, copy.target, size, cancel)
+        if copier is not None:
+            copier.start()
         try:
-            scan_handle(handle, copy.target, tally, cancel, limit=copier.size)
+            scan_handle(handle, copy.target, tally, cancel, limit=size if cut is None else cut)
+            if second is not None:
+                second.add_to(tally, cancel)
         except BaseException:
-            copier.stopped.set()
-            copier.join()
+            if second is not None:
+                second.stop()
+            if copier is not None:
+                copier.stopped.set()
+                copier.join()
             raise
-        copier.finish()
+        if copier is not None:
+            copier.finish()
 
 
 def scan_logs(

@@ -66,6 +66,14 @@ class SeriesBuilder:
         self.losses.frombytes(np.ascontiguousarray(losses, dtype=np.float64).tobytes())
         self.flags += bytes([_HAS_GRAD | _HAS_LOSS]) * len(iterations)
 
+    def extend_builder(self, later: SeriesBuilder) -> None:
+        """The points of `later`, logged after those here."""
+        self.iterations += later.iterations
+        self.grads += later.grads
+        self.losses += later.losses
+        self.flags += later.flags
+        self.huge += later.huge
+
     def settled(self) -> tuple[SeriesPoints, int]:
         """(the series in iteration order, the last logged value of each iteration; how many points were
         logged for an iteration logged before). The builder takes no more points after this."""
