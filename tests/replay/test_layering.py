@@ -81,6 +81,14 @@ def test_the_replay_engine_imports_nothing_above_it(module: Path) -> None:
     assert not wrong, f"{module.relative_to(PACKAGE)} imports {sorted(wrong)}: replay/ is the pure engine"
 
 
+@pytest.mark.parametrize("module", modules("models", "training"), ids=lambda p: p.relative_to(PACKAGE).as_posix())
+def test_models_and_the_training_math_import_nothing_from_the_engine_or_above(module: Path) -> None:
+    found = imported_packages(module)
+    above = ("replay", *ABOVE_THE_ENGINE, "<relative>")
+    wrong = {f"{pkg} (line {line})" for pkg, line in found.items() if pkg in above}
+    assert not wrong, f"{module.relative_to(PACKAGE)} imports {sorted(wrong)}: models/ and training/ sit below replay/"
+
+
 @pytest.mark.parametrize("module", modules("snapshot"), ids=lambda p: p.relative_to(PACKAGE).as_posix())
 def test_the_snapshot_layer_imports_only_itself_the_ground_and_the_log_text_reader(module: Path) -> None:
     found = imported_modules(module)

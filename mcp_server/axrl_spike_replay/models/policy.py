@@ -14,6 +14,7 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.hf_config import BACKEND_HINT, HFModelConfig
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
+from axrl_spike_replay.models.tiny_moe_weights import check_tiny_moe_weights
 
 if TYPE_CHECKING:
     import torch
@@ -88,9 +89,7 @@ def check_policy_weights(directory: Path, spec: ModelSpec, label: str) -> None:
 
         check_hf_weights(hf_weights_dir(spec, directory), spec, label)
         return
-    from axrl_spike_replay.replay.inputs import check_weights
-
-    check_weights(directory, spec, label)
+    check_tiny_moe_weights(directory, spec, label)
 
 
 @dataclass

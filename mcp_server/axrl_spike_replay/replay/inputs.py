@@ -11,9 +11,7 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.policy import ModelSpec, check_policy_weights, parse_model_config
-from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, expected_state_shapes
 from axrl_spike_replay.replay.mitigations import AppliedConfig
-from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, summarize_checkpoint
 from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_text, ranks_text
 from axrl_spike_replay.snapshot.layout import RUN_CONFIG, rank_files
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
@@ -161,27 +159,6 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
         routing_ranks=routing_ranks,
         batch_fields=frozenset(batch),
     )
-
-
-def check_weights(directory: Path, model: TinyMoEConfig, label: str) -> None:
-    """SnapshotError unless the DCP checkpoint holds every model tensor with the shape the model needs,
-    and every size its `.metadata` declares is backed by its data files. Builds no module.
-
-    The tiny model's check; `models.policy.check_policy_weights` dispatches on the model kind."""
-    expected = expected_state_shapes(model)
-    saved = summarize_checkpoint(directory).shapes
-    missing = sorted(name for name in expected if f"model.{name}" not in saved)
-    wrong = sorted(
-        f"{name} {saved[f'model.{name}'][0]} (model needs {shape})"
-        for name, shape in expected.items()
-        if f"model.{name}" in saved and saved[f"model.{name}"][0] != shape
-    )
-    if missing or wrong:
-        problems = ([f"missing {', '.join(missing[:5])}"] if missing else []) + wrong[:5]
-        raise SnapshotError(f"{directory}: {label} does not fit the run config's model: {'; '.join(problems)}")
-    oversized = check_checkpoint_storage(directory)
-    if oversized:
-        raise SnapshotError(f"{label}: {oversized[0]}")
 
 
 def recorded_counts(directory: Path, world_size: int) -> GlobalCounts | None:
