@@ -120,16 +120,17 @@ def logprob_mismatch(ev: Evidence) -> Cause | None:
         f"{_pct(outside)} of loss tokens have π_old/π_rollout outside [0.5, 2]",
     ]
     carriers = _carriers(ev.attribution)
+    carried: list[str] = []  # largest share first, ahead of the batch-wide figures
     for s in carriers:
         row = _row(a, s.rank, s.sample)
         lr = row["max_abs_log_ratio"] if row else None
         if lr is not None and lr > LN2:
             strength += 0.2 / len(carriers)
-            evidence.insert(
-                0,
+            carried.append(
                 f"rank {s.rank} sample {s.sample} carries {_pct(s.share)} of ‖g‖; its tokens' "
-                f"|log(π_old/π_rollout)| up to {lr:.3g}",
+                f"|log(π_old/π_rollout)| up to {lr:.3g}"
             )
+    evidence = carried + evidence
     if strength < 0.05:
         return None
     return Cause(
