@@ -9,6 +9,7 @@ allocates anything. Tensor data (`*.distcp`) is read by DCP with `weights_only=T
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import warnings
@@ -92,6 +93,23 @@ def read_checkpoint_metadata(checkpoint_dir: str | Path, *, records: bool = Fals
     path = Path(checkpoint_dir) / DCP_METADATA
     if not path.is_file():
         raise SnapshotError(f"{path}: checkpoint metadata not found (no distributed checkpoint here)")
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not records:  # DCP's own classes, handed to DCP's loader (which sets fields on them): read afresh
+        return _read_metadata(path, records)
+    # the stand-ins serve several checks of one inspect: the file as it is now (same inode, size, times) gives the
+    # same answer, so one reading serves them all; the object is shared and only read
+    return _read_records(str(path), (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_records(name: str, _identity: tuple[int, int, int, int]) -> Any:
+    return _read_metadata(Path(name), True)
+
+
+def _read_metadata(path: Path, records: bool) -> Any:
     try:
         size = path.stat().st_size
         if size > MAX_DCP_METADATA_BYTES:

@@ -94,12 +94,13 @@ def _norm_bounds(local: dict[int, float], reduced: bool) -> tuple[float, float]:
     return low, total / world
 
 
-def _check_param_norms(directory: Path, meta: AxrlMetadata, out: Consistency) -> None:
-    files = rank_files(directory)["grad_info"]
+def _check_param_norms(
+    directory: Path, meta: AxrlMetadata, out: Consistency, read: dict[int, dict[str, Any]] | None
+) -> None:
     infos: dict[int, dict[str, Any]] = {}
-    for rank in sorted(files):
+    for rank in sorted(rank_files(directory)["grad_info"]):
         try:
-            infos[rank] = load_grad_info(directory, rank)
+            infos[rank] = read[rank] if read is not None and rank in read else load_grad_info(directory, rank)
         except SnapshotError:
             continue  # inspect reports the unreadable file itself
     if not infos:
@@ -188,10 +189,15 @@ def _check_files(directory: Path, meta: AxrlMetadata, out: Consistency) -> None:
 
 
 def check_snapshot(
-    snapshot_dir: str | Path, *, log_grad_norm: float | None = None, log_source: str | None = None
+    snapshot_dir: str | Path,
+    *,
+    log_grad_norm: float | None = None,
+    log_source: str | None = None,
+    grad_infos: dict[int, dict[str, Any]] | None = None,
 ) -> Consistency:
     """Check a snapshot against itself and, when `log_grad_norm` is given, the training log's value at its
-    iteration. Reads the metadata, run config and grad info only."""
+    iteration. Reads the metadata, run config and grad info only (`grad_infos`: ranks' grad info already read,
+    by `load_grad_info`)."""
     directory = Path(snapshot_dir)
     meta, _ = read_metadata(directory)
     out = Consistency()
@@ -208,7 +214,7 @@ def check_snapshot(
             )
     _check_files(directory, meta, out)
     _check_run_config(directory, meta, out)
-    _check_param_norms(directory, meta, out)
+    _check_param_norms(directory, meta, out, grad_infos)
     if log_grad_norm is not None:
         check_log(out, meta.grad_norm, log_grad_norm, log_source, meta.iteration)
     return out

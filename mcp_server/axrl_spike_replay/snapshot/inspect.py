@@ -30,7 +30,7 @@ from axrl_spike_replay.snapshot.consistency import Consistency, check_snapshot
 from axrl_spike_replay.snapshot.fields import FIELD_ALIASES, find_field
 from axrl_spike_replay.snapshot.layout import DCP_METADATA, RUN_CONFIG, rank_files
 from axrl_spike_replay.snapshot.metadata import read_metadata
-from axrl_spike_replay.snapshot.rank_data import load_grad_norm, load_routing_payload
+from axrl_spike_replay.snapshot.rank_data import load_grad_info, load_grad_norm, load_routing_payload
 from axrl_spike_replay.snapshot.safe_load import load_pt
 
 
@@ -139,8 +139,14 @@ def _inspect_routing(directory: Path, rank: int, info: RankInspection, problems:
         )
 
 
-def _read_rank_grad_norm(directory: Path, rank: int, info: RankInspection) -> None:
-    info.grad_norm = load_grad_norm(directory, rank)
+def _read_rank_grad_info(directory: Path, rank: int, info: RankInspection, infos: dict[int, dict[str, Any]]) -> None:
+    """The rank's grad norm; its whole grad info kept for the consistency checks when it reads (read once)."""
+    try:
+        infos[rank] = load_grad_info(directory, rank)
+    except SnapshotError:  # the grad norm alone may still read: its own error is the problem to list
+        info.grad_norm = load_grad_norm(directory, rank)
+        return
+    info.grad_norm = infos[rank]["grad_norm"]
 
 
 def _collect(problems: list[str], step: Callable[..., None], *args: Any) -> None:
@@ -211,6 +217,7 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
     _check_rank_sets(directory, files, par.world_size, problems)
 
     ranks: list[RankInspection] = []
+    infos: dict[int, dict[str, Any]] = {}
     for rank in sorted(set(files["batch"]) | set(files["grad_info"]) | set(files["routing_payload"])):
         info = RankInspection(
             rank=rank,
@@ -221,7 +228,7 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
         if info.batch_file is not None:
             _collect(problems, _inspect_batch, files["batch"][rank], info, problems)
         if info.grad_info_file is not None:
-            _collect(problems, _read_rank_grad_norm, directory, rank, info)
+            _collect(problems, _read_rank_grad_info, directory, rank, info, infos)
         if info.routing_payload_file is not None:
             _collect(problems, _inspect_routing, directory, rank, info, problems)
         if info.grad_norm is not None and not math.isclose(info.grad_norm, meta.grad_norm, rel_tol=1e-3):
@@ -231,7 +238,7 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
             )
         ranks.append(info)
 
-    consistency = _consistency(directory, meta.iteration, problems)
+    consistency = _consistency(directory, meta.iteration, problems, infos)
     return SnapshotInspection(
         path=str(directory),
         iteration=meta.iteration,
@@ -262,14 +269,16 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
 _PROBLEM_CHECKS = ("grad_norm_vs_log", "metadata_vs_run_config")
 
 
-def _consistency(directory: Path, iteration: int, problems: list[str]) -> Consistency | None:
+def _consistency(
+    directory: Path, iteration: int, problems: list[str], infos: dict[int, dict[str, Any]]
+) -> Consistency | None:
     """Consistency checks against the per-parameter norms, the run config and the job's log (when found next to
     the snapshot and small enough to read here)."""
     from axrl_spike_replay.snapshot.log_point import log_point
 
     try:
         point = log_point(directory, iteration)
-        found = check_snapshot(directory, log_grad_norm=point.grad_norm, log_source=point.source)
+        found = check_snapshot(directory, log_grad_norm=point.grad_norm, log_source=point.source, grad_infos=infos)
     except SnapshotError:
         return None  # the files' own problems are listed already
     problems += [f"[{p.name}] {p.message}" for p in found.problems if p.name in _PROBLEM_CHECKS]

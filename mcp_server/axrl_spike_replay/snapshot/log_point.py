@@ -54,8 +54,6 @@ def log_point(
 ) -> LogPoint:
     """The logged grad norm and loss at `iteration` from `logs` (default: the snapshot's job logs, skipped when
     over `limit` bytes, default AUTO_LOG_BYTES). Never raises for an unreadable log: `note` says what happened."""
-    from axrl_spike_replay.analysis.log_reader import LogTally, scan_file  # text parsing only (see module doc)
-
     paths = [Path(p) for p in logs] if logs is not None else job_logs(snapshot_dir)
     point = LogPoint(iteration)
     if not paths:
@@ -67,6 +65,8 @@ def log_point(
         if size > (AUTO_LOG_BYTES if limit is None else limit):
             point.note = f"job logs are {size / 2**20:.0f} MiB: not read here (give them to `diagnose --logs`)"
             return point
+    from axrl_spike_replay.analysis.log_reader import LogTally, scan_file  # text parsing only, imported for logs
+
     tally = LogTally()
     try:
         for path in files:
