@@ -50,13 +50,17 @@ class LineBlocks:
     ) -> None:
         self.source, self.cancel, self.where = source, cancel, where
         self.left = limit  # bytes still to read (None: to the end of the file)
-        # what is held (a partial line of up to one read) + one read + one byte that keeps a \r\n pair whole
-        self.buffer = bytearray(2 * READ_BYTES + HEAD_BYTES + 4)
+        # what is held (a line's head, or a partial line of up to one read) + one read + one byte that keeps a
+        # \r\n pair whole; no more than the log needs (a small log is read often, e.g. to check one iteration)
+        read = READ_BYTES if limit is None else min(READ_BYTES, limit)
+        self.buffer = bytearray(2 * read + (HEAD_BYTES if limit is None else min(HEAD_BYTES, limit)) + 4)
         self.view = memoryview(self.buffer)
 
     def _take(self, at: int, size: int) -> int:
         """Read up to `size` bytes into the buffer at `at`; how many were read."""
         size = size if self.left is None else min(size, self.left)
+        if at + size > len(self.buffer):  # never: what is held plus a read always fits (see __init__)
+            raise AxrlError(f"log reading buffer of {len(self.buffer)} bytes cannot take {size} more at {at}")
         read = (self.source.readinto(self.view[at : at + size]) or 0) if size else 0
         if self.left is not None:
             self.left -= read

@@ -17,6 +17,7 @@ most `HEAD_BYTES` of a line longer than `MAX_LINE_CHARS` characters: its start i
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from dataclasses import dataclass, field
@@ -134,7 +135,7 @@ class LogTally:
 def scan_file(path: Path, tally: LogTally, cancel: threading.Event | None = None) -> None:
     """Add the lines of the log at `path` to `tally`; `cancel` stops the read within one block (AxrlError)."""
     with path.open("rb") as handle:
-        scan_handle(handle, path, tally, cancel)
+        scan_handle(handle, path, tally, cancel, limit=os.fstat(handle.fileno()).st_size)
 
 
 def scan_handle(
