@@ -1,6 +1,6 @@
 """The MCP server keeps its replay processes warm: later calls give the cold replay's exact numbers on the same
 processes, a rewritten snapshot is loaded again, a killed rank process is replaced, a cancelled call leaves the
-pool usable, and the server's exit takes every replay process with it."""
+pool usable, an idle pool shuts down, and the server's exit takes every replay process with it."""
 
 from __future__ import annotations
 
@@ -90,6 +90,47 @@ def test_the_cache_keeps_within_its_memory_budget(spike_outputs: SpikeOutputs) -
     cache.model(model_cfg, str(snapshot), "cpu")
     cache.model(model_cfg, str(snapshot), "cpu")
     assert (cache.loads, cache.hits, len(cache)) == (2, 0, 0)
+
+
+def test_the_cache_lets_go_of_the_least_recently_used_model_first(spike_outputs: SpikeOutputs, tmp_path: Path) -> None:
+    from axrl_spike_replay.replay.inputs import load_inputs
+
+    first = spike_outputs.snapshot
+    second = tmp_path / "second" / first.name  # the same weights under another dir: another cache entry
+    shutil.copytree(first, second)
+    model_cfg = load_inputs(first, str(first), False).model
+    sizing = ModelCache(1 << 30)
+    model = sizing.model(model_cfg, str(first), "cpu")
+    one_model = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+    cache = ModelCache(one_model + one_model // 2)  # room for one model, not two
+    cache.model(model_cfg, str(first), "cpu")
+    cache.model(model_cfg, str(second), "cpu")  # the first is let go
+    assert (cache.loads, len(cache)) == (2, 1)
+    cache.model(model_cfg, str(second), "cpu")
+    assert cache.hits == 1
+    cache.model(model_cfg, str(first), "cpu")
+    assert (cache.loads, cache.hits, len(cache)) == (3, 1, 1)
+
+
+@pytest.mark.slow  # starts warm replay processes
+def test_an_idle_pool_shuts_down_and_the_next_call_starts_a_fresh_one(spike_outputs: SpikeOutputs) -> None:
+    warm = WarmService(idle_s=1.0)
+    try:
+        first = run_replay(spike_outputs.snapshot, ReplayOptions(runner=warm.run_job))
+        [pids] = warm.pools().values()
+        deadline = time.monotonic() + 60
+        while warm.pools() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert warm.pools() == {}
+        for pid in pids:
+            _wait_gone(pid)
+        assert not any(_alive(pid) for pid in pids)
+        again = run_replay(spike_outputs.snapshot, ReplayOptions(runner=warm.run_job))
+        [fresh] = warm.pools().values()
+        assert set(fresh).isdisjoint(pids) and again.grad_norm == first.grad_norm
+    finally:
+        warm.close()
 
 
 @pytest.mark.slow  # starts warm replay processes
