@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 from pathlib import Path
 
 import pytest
 
 from axrl_spike_replay.cli import main
+from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 
 
 def test_replay_json_prints_the_result_file(spike_snapshot: Path, workspace: Path, capsys) -> None:
@@ -93,3 +95,15 @@ def test_bad_input_exits_2_with_a_message(
     out, err = capsys.readouterr()
     assert message in err and "Traceback" not in err and out == ""
     assert not (workspace / "tmp").exists()
+
+
+@pytest.mark.parametrize(("nproc", "spawns"), [(1, False), (2, True)])
+def test_a_one_process_replay_runs_in_the_calling_process(spike_snapshot: Path, nproc: int, spawns: bool) -> None:
+    children_seen: list[int] = []  # child processes alive whenever a progress line arrives
+
+    def progress(line: str) -> None:
+        children_seen.append(len(multiprocessing.active_children()))
+
+    result = run_replay(spike_snapshot, ReplayOptions(nproc=nproc, progress=progress))
+    assert result.verdict == "reproduced" and children_seen
+    assert any(children_seen) is spawns, children_seen
