@@ -29,6 +29,7 @@ from axrl_spike_replay.snapshot.completeness import checkpoint_data_files, missi
 from axrl_spike_replay.snapshot.consistency import Consistency, check_snapshot
 from axrl_spike_replay.snapshot.fields import FIELD_ALIASES, find_field
 from axrl_spike_replay.snapshot.layout import DCP_METADATA, RUN_CONFIG, rank_files
+from axrl_spike_replay.snapshot.log_point import log_point
 from axrl_spike_replay.snapshot.metadata import read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_grad_info, load_grad_norm, load_routing_payload
 from axrl_spike_replay.snapshot.safe_load import load_pt
@@ -274,8 +275,6 @@ def _consistency(
 ) -> Consistency | None:
     """Consistency checks against the per-parameter norms, the run config and the job's log (when found next to
     the snapshot and small enough to read here)."""
-    from axrl_spike_replay.snapshot.log_point import log_point
-
     try:
         point = log_point(directory, iteration)
         found = check_snapshot(directory, log_grad_norm=point.grad_norm, log_source=point.source, grad_infos=infos)
