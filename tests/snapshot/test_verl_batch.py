@@ -154,3 +154,10 @@ def test_the_replay_reads_the_step_s_global_counts_from_verl_s_mini_batches(tmp_
     with pytest.raises(SnapshotError, match=r"global counts .* differ or are missing on some ranks"):
         recorded_counts(snapshot, 2)
 
+
+def test_verl_s_rollout_is_weights_line_up_with_the_response_tokens() -> None:
+    padded = padded_verl_batch(0)
+    padded["rollout_is_weights"] = torch.rand(padded["response_mask"].shape) * padded["response_mask"]
+    batch = canonicalize_batch(jagged_like_verl(padded), "batch_rank0.pt")
+    assert batch["rollout_is_weights"].shape == batch["tokens"].shape
+    assert torch.equal(batch["rollout_is_weights"][:, PROMPT:], padded["rollout_is_weights"])
