@@ -254,7 +254,7 @@ def test_the_replay_reads_the_global_counts_verl_set_on_the_mini_batch(hook_snap
 def test_the_hook_snapshot_replays_to_verl_s_grad_norm(hook_step: HookStep) -> None:
     result = run_replay(hook_step.snapshot, ReplayOptions(nproc=1))
     recorded, exact = result.recorded_grad_norm, hook_step.exact_norm
-    print(f"hook snapshot: replayed {result.grad_norm!r}, recorded (verl's float32 clip norm) {recorded!r}, ")
+    print(f"hook snapshot: replayed {result.grad_norm!r}, recorded (verl's float32 clip norm) {recorded!r}")
     print(f"  the step's float64 norm {exact!r}, rel_diff {result.rel_diff!r}")
     assert result.fidelity == "full" and result.verdict == "reproduced"
     assert result.grad_norm is not None
