@@ -129,3 +129,35 @@ def test_position_ids_are_counted_from_the_attention_mask_and_a_misfit_mask_name
     bad = dict(padded, attention_mask=padded["attention_mask"][:, :3])
     with pytest.raises(SnapshotError, match="field 'attention_mask' must be \\[batch, seq\\] like the tokens"):
         canonicalize_batch(bad, "batch_rank0.pt")
+
+
+def with_counts(tokens: int, sequences: int = 8, dp_size: int = 2):
+    """The layout with the step's global counts set on it, as verl's engine sets them on each rank's mini-batch."""
+
+    def layout(padded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = jagged_like_verl(padded)
+        out.update(batch_num_tokens=torch.tensor(tokens), dp_size=torch.tensor(dp_size))
+        out["global_batch_size"] = torch.tensor(sequences)
+        return out
+
+    return layout
+
+
+def test_the_replay_reads_the_step_s_global_counts_from_verl_s_mini_batches(tmp_path: Path) -> None:
+    from axrl_spike_replay.replay.inputs import recorded_counts
+    from axrl_spike_replay.training.loss_normalization import GlobalCounts
+
+    snapshot = verl_snapshot(tmp_path / "counts", with_counts(24))
+    assert recorded_counts(snapshot, 2) == GlobalCounts(dp_size=2, batch_num_tokens=24.0, global_batch_size=8.0)
+    assert recorded_counts(verl_snapshot(tmp_path / "none", jagged_like_verl), 2) is None  # recounted by the replay
+    torch.save(with_counts(23)(padded_verl_batch(1)), snapshot / "batch_rank1.pt")
+    with pytest.raises(SnapshotError, match=r"global counts .* differ or are missing on some ranks"):
+        recorded_counts(snapshot, 2)
+
+
+def test_verl_s_rollout_is_weights_line_up_with_the_response_tokens() -> None:
+    padded = padded_verl_batch(0)
+    padded["rollout_is_weights"] = torch.rand(padded["response_mask"].shape) * padded["response_mask"]
+    batch = canonicalize_batch(jagged_like_verl(padded), "batch_rank0.pt")
+    assert batch["rollout_is_weights"].shape == batch["tokens"].shape
+    assert torch.equal(batch["rollout_is_weights"][:, PROMPT:], padded["rollout_is_weights"])

@@ -39,6 +39,8 @@ def test_the_patch_applies_to_the_installed_verl_and_the_modules_compile(tmp_pat
     patched = (tree / ENGINE).read_text(encoding="utf-8")
     hook, step = patched.index("guard_step(self, grad_norm)"), patched.index("self.optimizer.step()")
     assert patched.index("def optimizer_step") < hook < step  # the norm is judged before the update
+    kept = patched.index("self._axrl_spike_loss_fn = loss_function")  # the loss settings the snapshot records
+    assert patched.index("def forward_backward_batch") < kept < patched.index("def optimizer_step")
 
 
 def _load_hook():

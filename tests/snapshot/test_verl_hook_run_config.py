@@ -90,3 +90,104 @@ def test_a_flash_attention_actor_is_recorded_as_it_ran_and_refused_with_the_reas
     assert section["attn_implementation"] == "flash_attention_2"
     with pytest.raises(ConfigError, match="--backend command"):
         parse_model_config(section)
+
+
+def ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None) -> Any:
+    """Named as verl's `verl.workers.utils.losses.ppo_loss`: the hook reads the actor config bound to it."""
+    raise AssertionError("the hook reads the loss function's settings, it never calls it")
+
+
+def distillation_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None) -> Any:
+    raise AssertionError("never called")
+
+
+def actor_config(**overrides: Any) -> dict[str, Any]:
+    """verl's ActorConfig fields the loss reads, with verl 0.9.1's defaults (verl/trainer/config/actor/actor.yaml)."""
+    return {
+        "clip_ratio": 0.2,
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.2,
+        "clip_ratio_c": 3.0,
+        "loss_agg_mode": "token-mean",
+        "loss_scale_factor": None,
+        "entropy_coeff": 0,
+        "use_kl_loss": False,
+        "kl_loss_coef": 0.001,
+        "kl_loss_type": "low_var_kl",
+        "policy_loss": {"loss_mode": "vanilla"},
+        **overrides,
+    }
+
+
+def test_verl_s_actor_settings_map_onto_the_loss_section_the_replay_parses() -> None:
+    from functools import partial
+
+    from axrl_spike_replay.capture.verl_loss_section import loss_section
+    from axrl_spike_replay.training.loss_config import LossConfig
+
+    doc = loss_section(partial(ppo_loss, config=actor_config()))  # verl's defaults
+    cfg = LossConfig.from_dict(doc)
+    assert (cfg.convention, cfg.normalization, cfg.dual_clip_c, cfg.kl_coef) == ("verl", "global", 3.0, 0.0)
+    doc = loss_section(
+        partial(
+            ppo_loss,
+            config=actor_config(
+                clip_ratio=0.3,
+                clip_ratio_low=None,
+                clip_ratio_high=0.4,
+                loss_agg_mode="seq-mean-token-sum-norm",
+                loss_scale_factor=2048,
+                use_kl_loss=True,
+                kl_loss_type="kl+",
+            ),
+        )
+    )
+    cfg = LossConfig.from_dict(doc)
+    assert (cfg.clip_eps_low, cfg.clip_eps_high) == (0.3, 0.4)  # an unset side falls back to clip_ratio, as in verl
+    assert (cfg.loss_agg_mode, cfg.loss_scale_factor) == ("seq-mean-token-sum-norm", 2048.0)
+    assert (cfg.kl_coef, cfg.kl_estimator) == (0.001, "k1+")  # verl's "kl" is k1
+
+
+@pytest.mark.parametrize(
+    ("function", "overrides", "named"),
+    [
+        (ppo_loss, {"policy_loss": {"loss_mode": "gspo"}}, "loss_mode=gspo"),
+        (ppo_loss, {"policy_loss": {"loss_mode": "bypass_mode"}}, "bypass mode"),
+        (ppo_loss, {"entropy_coeff": -0.01}, "entropy_coef must be a finite number >= 0"),
+        (ppo_loss, {"use_kl_loss": True, "kl_loss_type": "full"}, "kl_loss_type=full"),
+        (ppo_loss, {"clip_ratio_c": None}, "the actor config could not be read"),  # recorded, never raised in training
+        (distillation_ppo_loss, {}, "loss function distillation_ppo_loss"),
+    ],
+)
+def test_settings_the_convention_cannot_hold_are_recorded_and_refused(
+    function: Any, overrides: dict[str, Any], named: str
+) -> None:
+    from functools import partial
+
+    from axrl_spike_replay.capture.verl_loss_section import loss_section
+    from axrl_spike_replay.errors import ConfigError
+    from axrl_spike_replay.training.loss_config import LossConfig
+
+    doc = loss_section(partial(function, config=actor_config(**overrides)))
+    assert any(named in item for item in doc["unreproduced"]), doc["unreproduced"]
+    with pytest.raises(ConfigError, match="does not reproduce"):
+        LossConfig.from_dict(doc)
+
+
+def test_the_hook_warns_at_the_first_step_when_a_snapshot_could_not_be_replayed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from functools import partial
+
+    monkeypatch.setenv("AXRL_SPIKE_DIR", str(tmp_path / "spikes"))
+    hook = _load_hook()
+    actor = _actor()
+    engine = SimpleNamespace(
+        module=actor,
+        optimizer=torch.optim.SGD(actor.parameters(), lr=0.0),
+        _axrl_spike_loss_fn=partial(ppo_loss, config=actor_config(policy_loss={"loss_mode": "sapo"})),
+    )
+    with caplog.at_level("WARNING", logger="axrl_spike_replay.verl_hook"):
+        assert hook.guard_step(engine, torch.tensor(1.0)) and hook.guard_step(engine, torch.tensor(1.0))
+    warned = [r.getMessage() for r in caplog.records if r.name == "axrl_spike_replay.verl_hook"]
+    assert len(warned) == 1 and "loss_mode=sapo" in warned[0]

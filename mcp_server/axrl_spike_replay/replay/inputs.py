@@ -13,7 +13,7 @@ from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.policy import ModelSpec, check_policy_weights, parse_model_config
 from axrl_spike_replay.replay.mitigations import AppliedConfig
 from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_text, ranks_text
-from axrl_spike_replay.snapshot.layout import RUN_CONFIG, rank_files
+from axrl_spike_replay.snapshot.layout import RUN_CONFIG, batch_file, rank_files
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY, GlobalCounts
@@ -162,25 +162,40 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
 
 
 def recorded_counts(directory: Path, world_size: int) -> GlobalCounts | None:
-    """The step's global counts every rank's grad info records (None when none do: the replay recounts them
-    from the rank batches); SnapshotError when ranks disagree or the DP size is not the saved one."""
-    from axrl_spike_replay.snapshot.rank_data import load_grad_info
-
+    """The step's global counts as the trainer recorded them on every rank: its grad info's `global_batch_info`,
+    else the counts its batch carries (verl's engine sets them on the mini-batch). None when no rank records any
+    (the replay recounts them from the rank batches); SnapshotError when ranks disagree, some lack them, or the
+    DP size is not the saved one."""
     found: dict[int, GlobalCounts] = {}
     for rank in range(world_size):
-        doc = load_grad_info(directory, rank).get(GRAD_INFO_KEY)
-        if doc is not None:
-            found[rank] = GlobalCounts.from_doc(doc, f"{directory}/grad_info_rank{rank}.pt")
+        counts = _rank_counts(directory, rank)
+        if counts is not None:
+            found[rank] = counts
     if not found:
         return None
     first = found[min(found)]
     if len(found) != world_size or any(c != first for c in found.values()):
-        raise SnapshotError(f"{directory}: the ranks' {GRAD_INFO_KEY} differ or are missing on some ranks")
+        raise SnapshotError(
+            f"{directory}: the ranks' global counts ({GRAD_INFO_KEY} in the grad info, or the batch's "
+            "dp_size / batch_num_tokens / global_batch_size) differ or are missing on some ranks"
+        )
     if first.dp_size != world_size:
         raise SnapshotError(
-            f"{directory}: {GRAD_INFO_KEY}.dp_size is {first.dp_size} but the world size is {world_size}"
+            f"{directory}: the recorded global counts' dp_size is {first.dp_size} but the world size is {world_size}"
         )
     return first
+
+
+def _rank_counts(directory: Path, rank: int) -> GlobalCounts | None:
+    from axrl_spike_replay.snapshot.rank_data import load_batch_counts, load_grad_info
+
+    doc = load_grad_info(directory, rank).get(GRAD_INFO_KEY)
+    if doc is not None:
+        return GlobalCounts.from_doc(doc, f"{directory}/grad_info_rank{rank}.pt")
+    in_batch = load_batch_counts(directory, rank)
+    if in_batch is None:
+        return None
+    return GlobalCounts.from_doc(in_batch, f"{directory}/{batch_file(rank)}", entry="the batch's counts")
 
 
 def _needed_fields(loss: LossConfig) -> dict[str, str]:

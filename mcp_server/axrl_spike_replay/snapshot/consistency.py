@@ -7,7 +7,9 @@ Checks (each listed in `checked` when it could be made, so "no problem" says wha
   per-parameter norms are its local gradient before the data-parallel mean (as the reference trainer, verl
   and Megatron's local norms record them): with n_r = sqrt(sum_p norm_{p,r}^2) the norm of the mean
   gradient must lie in [(max n_r - sum of the others) / W, sum n_r / W] (triangle inequality); with one
-  rank, or when every rank holds the same norms (already reduced), it must equal n_r.
+  rank, or when every rank holds the same norms (already reduced), it must equal n_r. Grad info that says
+  `param_grad_norms_kind: reduced_shard` on every rank (FSDP: each rank's shard of the reduced gradient, as the
+  FSDP capture and the verl hook record them) must merge over all ranks: sqrt(sum_r n_r^2) equals the global norm.
 - `rank_grad_norm_vs_metadata`: every rank's recorded global norm against `axrl_metadata.json`'s.
 - `spike_ratio_vs_norms`: the metadata's spike ratio against grad_norm / median_norm.
 - `metadata_vs_run_config`: world size and parallel sizes in the metadata against `run_config.yaml`.
@@ -83,10 +85,17 @@ def _close(a: float, b: float, rel: float, abs_tol: float = 0.0) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=abs_tol)
 
 
-def _norm_bounds(local: dict[int, float], reduced: bool) -> tuple[float, float]:
-    """[low, high] for the norm of the DP mean of gradients whose local norms are `local`."""
+SHARDS_OF_THE_REDUCED = "reduced_shard"  # grad info's param_grad_norms_kind under FSDP
+
+
+def _norm_bounds(local: dict[int, float], reduced: bool, sharded: bool = False) -> tuple[float, float]:
+    """[low, high] for the norm of the DP mean of gradients whose local norms are `local` (`sharded`: each rank's
+    norms are of its shard of the mean gradient, which the shards make up together)."""
     norms = list(local.values())
     world = len(norms)
+    if sharded:
+        merged = math.sqrt(math.fsum(n * n for n in norms))
+        return merged, merged
     if world == 1 or reduced:
         return norms[0], norms[0]
     total = math.fsum(norms)
@@ -123,7 +132,8 @@ def _check_param_norms(
         return  # a non-finite local norm bounds nothing; the diagnosis reports it
     first = next(iter(with_norms.values()))
     reduced = len(with_norms) > 1 and all(norms == first for norms in with_norms.values())
-    low, high = _norm_bounds(local, reduced)
+    sharded = all(info.get("param_grad_norms_kind") == SHARDS_OF_THE_REDUCED for info in infos.values())
+    low, high = _norm_bounds(local, reduced, sharded)
     out.checked.append("grad_norm_vs_param_norms")
     out.merged_param_norm_bounds = [low, high]
     slack = NORM_TOLERANCE * max(high, meta.grad_norm)

@@ -33,6 +33,9 @@ REQUIRED_FIELDS = ("tokens", "loss_mask")
 # `seq-mean-token-sum-norm` (a 0-dim long tensor; absent for full-width batches)
 RESPONSE_WIDTH = "response_width"
 PER_TOKEN_FIELDS = ("loss_mask", "old_logprobs", "ref_logprobs", "rollout_logprobs", "turn_index")
+# verl's rollout-correction IS weights, `[B, R]` per response token, as its driver computed them before the update
+# (decoupled mode); kept under verl's name (no other stack has them) and right-aligned like the per-token fields.
+ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
 
 
 def find_field(raw: Mapping[str, Any], canonical: str) -> tuple[str, Any] | None:
@@ -111,6 +114,9 @@ def canonicalize_batch(raw: Mapping[str, Any], source: Path | str) -> dict[str, 
     for name, value in raw.items():
         if name not in taken and name not in batch:
             batch[name] = value
+    weights = batch.get(ROLLOUT_IS_WEIGHTS)
+    if isinstance(weights, torch.Tensor) and not weights.is_nested:
+        batch[ROLLOUT_IS_WEIGHTS] = _right_align(weights, tokens.shape, ROLLOUT_IS_WEIGHTS, source)
     if response_width < tokens.shape[1]:
         batch[RESPONSE_WIDTH] = torch.tensor(response_width)
     _position_ids(batch, source)

@@ -11,7 +11,7 @@ from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.fields import canonicalize_batch
 from axrl_spike_replay.snapshot.layout import batch_file, grad_info_file, routing_payload_file
 from axrl_spike_replay.snapshot.safe_load import load_pt
-from axrl_spike_replay.snapshot.verl_batch import is_verl_jagged_batch, verl_routes
+from axrl_spike_replay.snapshot.verl_batch import VERL_COUNT_KEYS, is_verl_jagged_batch, verl_routes
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +24,17 @@ def load_rank_batch(snapshot_dir: str | Path, rank: int, *, meta: bool = False) 
     if meta and isinstance(raw, dict) and is_verl_jagged_batch(raw):
         raw = load_pt(path)  # jagged lengths live in the offsets' data: map the file (only the offsets are read)
     return canonicalize_batch(raw, path)
+
+
+def load_batch_counts(snapshot_dir: str | Path, rank: int) -> dict[str, float] | None:
+    """The step's global counts rank `rank`'s batch carries under verl's names (`dp_size`, `batch_num_tokens`,
+    `global_batch_size`: set by verl's engine on the mini-batch, saved by the verl hook), or None unless it holds
+    all three. Only the batch's scalars are read (the file is mapped)."""
+    path = Path(snapshot_dir) / batch_file(rank)
+    raw = load_pt(path)
+    if not isinstance(raw, dict) or not all(key in raw for key in VERL_COUNT_KEYS):
+        return None
+    return {key: _real(raw[key], path, key) for key in VERL_COUNT_KEYS}
 
 
 def _real(value: Any, path: Path, key: str) -> float:

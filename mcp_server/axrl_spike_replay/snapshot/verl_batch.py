@@ -22,6 +22,10 @@ from axrl_spike_replay.errors import SnapshotError
 if TYPE_CHECKING:
     import torch
 
+# The step's global loss counts verl's engine sets on every rank's mini-batch (`forward_backward_batch`; the
+# trainer's `global_batch_size`), which `agg_loss` normalises by; the verl hook saves them with the batch.
+VERL_COUNT_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size")
+
 
 def is_jagged(value: Any) -> bool:
     """Whether `value` is a jagged nested tensor (verl's unpadded sequences)."""

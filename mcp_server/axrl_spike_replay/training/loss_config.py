@@ -7,6 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
@@ -14,6 +15,9 @@ LOGPROB_BASES = ("old", "rollout")
 CONVENTIONS = ("axrl", "verl")  # whose loss a replay computes: this tool's own, or verl's (VERL_VERSION)
 NORMALIZATIONS = ("per_rank", "global")  # each rank by its own counts, or by the step's global counts
 VERL_VERSION = "0.9.1"  # the verl release whose policy loss the verl convention reproduces
+# A trainer's settings its capture could not represent under any convention (each with the reason): a loss section
+# listing any describes another loss than the one the step was computed with, so it is refused, never replayed.
+UNREPRODUCED_KEY = "unreproduced"
 # verl's kl_loss_type values (core_algos.kl_penalty); a trailing "+" is its straight-through k2 gradient.
 KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+", "low_var_kl+", "abs+")
 ROLLOUT_IS_LEVELS = ("token", "sequence")
@@ -145,7 +149,10 @@ class LossConfig:
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any], section: str = "loss") -> LossConfig:
-        """Build from a mapping; unknown keys are an error that names them and lists the known ones."""
+        """Build from a mapping; unknown keys are an error that names them and lists the known ones, and so is a
+        non-empty `UNREPRODUCED_KEY` list (the trainer's settings that the section could not hold)."""
+        doc = dict(doc)
+        _refuse_unreproduced(doc.pop(UNREPRODUCED_KEY, None), section)
         known = {f.name for f in fields(cls)} - {"extra"}
         unknown = sorted(set(doc) - known)
         if unknown:
@@ -155,3 +162,18 @@ class LossConfig:
         if isinstance(mask, dict):
             values["ratio_outlier_mask"] = RatioOutlierMask(**mask)
         return cls(**values)
+
+
+def _refuse_unreproduced(listed: Any, section: str) -> None:
+    """ConfigError naming the trainer's settings a capture recorded as not reproduced (none listed: nothing)."""
+    if listed is None or listed == []:
+        return
+    if not isinstance(listed, list) or not all(isinstance(item, str) for item in listed):
+        raise ConfigError(f"{section}.{UNREPRODUCED_KEY} must be a list of strings, got {type(listed).__name__}")
+    items = "; ".join(shown(item, 300, quote=False) for item in listed[:8])
+    more = f" (and {len(listed) - 8} more)" if len(listed) > 8 else ""
+    raise ConfigError(
+        f"{section}: the trainer used settings this tool's loss does not reproduce: {items}{more}. A torch replay "
+        "would compute another loss than the step's, so it is refused; replay with the trainer's own code "
+        "(the command backend)"
+    )

@@ -15,6 +15,7 @@ from typing import Any
 from axrl_spike_replay.errors import SnapshotError
 
 GRAD_INFO_KEY = "global_batch_info"  # the key in grad_info_rank<r>.pt
+COUNT_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size")  # verl's names (snapshot.verl_batch.VERL_COUNT_KEYS)
 
 
 @dataclass(frozen=True)
@@ -33,17 +34,18 @@ class GlobalCounts:
         }
 
     @classmethod
-    def from_doc(cls, doc: Any, where: str) -> GlobalCounts:
-        """Counts from an untrusted grad-info entry; SnapshotError naming `where` when malformed."""
+    def from_doc(cls, doc: Any, where: str, entry: str = GRAD_INFO_KEY) -> GlobalCounts:
+        """Counts from an untrusted grad-info entry (or, `entry` naming it, another mapping of them); SnapshotError
+        naming `where` and the entry when malformed."""
         if not isinstance(doc, dict):
-            raise SnapshotError(f"{where}: {GRAD_INFO_KEY} must be a mapping, got {type(doc).__name__}")
+            raise SnapshotError(f"{where}: {entry} must be a mapping, got {type(doc).__name__}")
         values = {}
-        for key in ("dp_size", "batch_num_tokens", "global_batch_size"):
+        for key in COUNT_KEYS:
             value = doc.get(key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise SnapshotError(f"{where}: {GRAD_INFO_KEY}.{key} must be a finite number, got {value!r}")
+                raise SnapshotError(f"{where}: {entry}.{key} must be a finite number, got {value!r}")
             if value < 0 or (key == "dp_size" and (value < 1 or value != int(value))):
-                raise SnapshotError(f"{where}: {GRAD_INFO_KEY}.{key} is out of range ({value!r})")
+                raise SnapshotError(f"{where}: {entry}.{key} is out of range ({value!r})")
             values[key] = value
         return cls(int(values["dp_size"]), float(values["batch_num_tokens"]), float(values["global_batch_size"]))
 

@@ -5,7 +5,10 @@
 step's global counts (`batch_num_tokens`, `global_batch_size`, `dp_size`), the entropy term, the KL
 loss by `kl_penalty` (k1, k2, k3/low_var_kl clamped at 10, `+` straight-through variants), and the
 rollout correction of `rollout_corr_helper` (token/sequence truncated IS, IcePop, rejection sampling
-with its k1 bounds on pi_rollout/pi_train), computed from old vs rollout logprobs as verl does.
+with its k1 bounds on pi_rollout/pi_train), computed from old vs rollout logprobs as verl does. A batch that
+carries verl's own `rollout_is_weights` (its driver computed them before the update, decoupled mode: the
+mini-batch the verl hook saves) has them applied as recorded, as `ppo_loss` does, unless the config names an IS
+correction of its own (`rollout_is`, or the mitigation `mismatch_token_clip_max`), which then takes their place.
 
 Our batches hold prompt + response columns; every quantity is per token on the loss mask, so the only
 place the layout shows is `seq-mean-token-sum-norm`'s horizon: verl's response width, here the columns
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.snapshot.fields import ROLLOUT_IS_WEIGHTS
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.verl_settings import (
@@ -126,6 +130,20 @@ def rollout_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, 
     return weights.detach()
 
 
+def recorded_is_weights(batch: Mapping[str, Any], mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The IS weights verl's driver put on the mini-batch (`rollout_is_weights`), 0 off the mask, no gradient;
+    None when the batch has none."""
+    value = batch.get(ROLLOUT_IS_WEIGHTS)
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor) or value.shape != mask.shape:
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ConfigError(
+            f"batch field {ROLLOUT_IS_WEIGHTS!r} must be shaped like the loss mask {tuple(mask.shape)}, got {got}"
+        )
+    return masked(value.to(dtype), mask).detach()
+
+
 def _sequence_stat(values: torch.Tensor, mask: torch.Tensor, how: str) -> torch.Tensor:
     if how == "sum":
         return masked(values, mask).sum(dim=-1)
@@ -186,6 +204,8 @@ def verl_policy_loss(
             weights = rollout_is_weights(correction_ratio, mask, *is_setting)
         if rs:
             mask = rejection_mask(correction_ratio, mask, rs)
+    if weights is None:
+        weights = recorded_is_weights(batch, mask, dtype)
 
     neg_kl = (logprobs - old).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     if cfg.log_ratio_clip is not None:
