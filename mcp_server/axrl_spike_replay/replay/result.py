@@ -9,6 +9,8 @@ from typing import Any
 
 from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
 
+ATTRIBUTION_FILE = "attribution.json"  # what `attribute` writes into its run dir
+
 # Read by pydantic when a tool returns one of these: attribute docstrings become field descriptions.
 _SCHEMA_CONFIG = {"use_attribute_docstrings": True}
 

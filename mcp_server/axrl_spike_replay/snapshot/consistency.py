@@ -69,12 +69,26 @@ class Consistency:
 
     def summary(self) -> str:
         """One line: agreement with itself and with the log."""
-        own = "agrees with itself" if self.self_consistent else f"{len(self.own_problems())} self-inconsistencies"
-        log = {True: "agrees with the training log", False: "contradicts the training log", None: "no log value"}
-        return f"snapshot {own}; {log[self.agrees_with_log]} ({len(self.checked)} checks)"
+        return summary_line(self.self_consistent, self.agrees_with_log, len(self.checked), len(self.own_problems()))
 
     def own_problems(self) -> list[ConsistencyProblem]:
         return [p for p in self.problems if p.name != "grad_norm_vs_log"]
+
+
+def summary_line(self_consistent: bool, agrees_with_log: bool | None, checks: int, own_problems: int) -> str:
+    """`Consistency.summary`'s line from its figures."""
+    own = "agrees with itself" if self_consistent else f"{own_problems} self-inconsistencies"
+    log = {True: "agrees with the training log", False: "contradicts the training log", None: "no log value"}
+    return f"snapshot {own}; {log[agrees_with_log]} ({checks} checks)"
+
+
+def consistency_line(doc: dict[str, Any]) -> str:
+    """`Consistency.summary`'s line from the JSON form a replay result keeps (`replay_result.json` `consistency`)."""
+    problems = [p for p in doc.get("problems") or [] if isinstance(p, dict)]
+    own = [p for p in problems if p.get("name") != "grad_norm_vs_log"]
+    agrees = doc.get("agrees_with_log")
+    log = agrees if isinstance(agrees, bool) else None
+    return summary_line(doc.get("self_consistent") is True, log, len(doc.get("checked") or []), len(own))
 
 
 def _close(a: float, b: float, rel: float, abs_tol: float = 0.0) -> bool:

@@ -96,6 +96,9 @@ def baseline_for(state: dict[str, Any], row: dict[str, Any], result: ReplayResul
             "fidelity": base.fidelity,
             "rel_diff": base.rel_diff,
             "world_size_used": base.world_size_used,
+            "verdict": base.verdict,
+            "consistency": base.consistency,
+            "top_params": base.top_params,
             "result_path": best.get("result_path"),
             "change": _change(result.grad_norm, grad),
             "note": f"the baseline ran at world size {base.world_size_used}, this attempt at {result.world_size_used}"
@@ -111,6 +114,9 @@ def baseline_for(state: dict[str, Any], row: dict[str, Any], result: ReplayResul
         "fidelity": result.fidelity,
         "rel_diff": abs(grad - recorded) / recorded if grad is not None and recorded else None,
         "world_size_used": result.world_size_used,
+        "verdict": None,
+        "consistency": None,
+        "top_params": [],
         "result_path": None,
         "change": _change(result.grad_norm, grad),
         "note": "no baseline replay of this snapshot at this layout in the task; baseline grad norm taken from the "
