@@ -394,10 +394,11 @@ def one_rank(ev: Evidence) -> Cause | None:
     finite = {r: v for r, v in local.items() if math.isfinite(v)}
     evidence, strength, rank = [], 0.0, None
     if len(finite) >= 2:
-        rank = max(finite, key=lambda r: finite[r])
-        others = statistics.median(v for r, v in finite.items() if r != rank)
-        factor = finite[rank] / others if others > 0 else math.inf
-        if factor >= 3:
+        largest = max(finite, key=lambda r: finite[r])
+        others = statistics.median(v for r, v in finite.items() if r != largest)
+        factor = finite[largest] / others if others > 0 else math.inf
+        if factor >= 3:  # only then is it that rank's (a merely largest rank must not veto the shares below)
+            rank = largest
             strength = min(0.6, 0.2 * math.log2(factor))
             evidence.append(
                 f"rank {rank}'s local grad norm {finite[rank]:.4g} is {factor:.3g}x the other ranks' "
