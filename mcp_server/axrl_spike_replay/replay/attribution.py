@@ -310,5 +310,6 @@ def _attribute(
         method=method,
         log_ratio_base=_base_name(cfg),
         mitigations=dict(cfg.mitigations),
+        device=device,
         timings={"load": t0 - start, "gradient": t1 - t0, "attribution": t2 - t1, "total": time.perf_counter() - start},
     )

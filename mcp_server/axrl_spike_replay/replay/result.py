@@ -199,6 +199,8 @@ class Attribution:
     """Mitigations applied before attributing"""
     note: str = ROUTER_NOTE
     """How to read router_term"""
+    device: str = "cpu"
+    """Where it was computed (cpu or cuda): how closely its grad_norm can match the recorded one"""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds"""
     output_dir: str = ""

@@ -13,6 +13,9 @@ Checks (each listed in `checked` when it could be made, so "no problem" says wha
 - `metadata_vs_run_config`: world size and parallel sizes in the metadata against `run_config.yaml`.
 - `ranks_vs_files`: the rank files present against the world size.
 - `rank_loss_vs_replay` (with a replay's per-rank metrics): each rank's recorded loss against the replayed one.
+- `grad_norm_vs_replay` (when `diagnose` replays the step for its attribution): the recorded global norm against
+  the replayed one, within the tolerance of that replay's layout. A mismatch means the snapshot does not reproduce:
+  its batch or weights differ from what produced the recorded norm.
 - `grad_norm_vs_log` (when the job's log has the iteration): the recorded norm against the log's.
 """
 
@@ -249,6 +252,29 @@ def check_log(out: Consistency, recorded: float, logged: float, source: str | No
             {"recorded_grad_norm": recorded, "log_grad_norm": logged, "iteration": iteration, "log": source},
         )
     )
+
+
+def check_replayed_norm(
+    out: Consistency, recorded: float, replayed: float, tolerance: float, replay: str
+) -> Consistency:
+    """Add the norm comparison: the recorded global grad norm against `replayed`, the norm a replay of the
+    snapshot's weights and batch gave (`replay` says which replay, for the message), within `tolerance`."""
+    out.checked.append("grad_norm_vs_replay")
+    if not math.isfinite(recorded) and not math.isfinite(replayed):
+        return out  # both non-finite: the non-finite values are reported as such, not as a mismatch
+    diff = abs(replayed - recorded) / abs(recorded) if math.isfinite(recorded) and recorded else math.inf
+    if diff <= tolerance:
+        return out
+    out.add(
+        ConsistencyProblem(
+            "grad_norm_vs_replay",
+            f"the snapshot does not reproduce: {replay} gives grad norm {replayed:.6g} from its weights and batch, "
+            f"the recorded one is {recorded:.6g} (rel diff {diff:.3g}, tolerance {tolerance:.0e}); its batch or "
+            "weights differ from what produced the recorded norm",
+            {"recorded_grad_norm": recorded, "replayed_grad_norm": replayed, "rel_diff": diff, "tolerance": tolerance},
+        )
+    )
+    return out
 
 
 def check_replayed_losses(
