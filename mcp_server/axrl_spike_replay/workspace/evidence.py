@@ -8,6 +8,7 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.snapshot.consistency import consistency_line
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, parse_iteration
 
 
@@ -65,6 +66,27 @@ def row_result(row: dict[str, Any]) -> ReplayResult:
         patch_sha256=row.get("patch_sha256"),
         node=row.get("node"),
     )
+
+
+def recorded_consistency(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The consistency checks a replay recorded in its `replay_result.json` (the snapshot against itself, its
+    replay and the training log), as the report shows them: `summary`, `self_consistent`, `agrees_with_log`,
+    `problems` [{name, message}]; `note` instead when the file is unreadable; None when it records none."""
+    try:
+        result, _ = result_doc(row)
+    except AxrlError as exc:
+        return {"summary": None, "note": str(exc), "problems": []}
+    doc = result.consistency
+    if not isinstance(doc, dict):
+        return None
+    problems = [p for p in doc.get("problems") or [] if isinstance(p, dict)]
+    return {
+        "summary": consistency_line(doc),
+        "self_consistent": doc.get("self_consistent"),
+        "agrees_with_log": doc.get("agrees_with_log"),
+        "problems": [{"name": str(p.get("name")), "message": str(p.get("message"))} for p in problems],
+        "note": None,
+    }
 
 
 def baseline_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
