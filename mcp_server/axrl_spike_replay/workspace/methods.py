@@ -11,7 +11,7 @@ from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.replay.mitigations import MITIGATIONS, diagnostic_reasons
 from axrl_spike_replay.replay.result import ReplayResult
-from axrl_spike_replay.replay.verdict import WRITABLE_VERDICTS, writable_problem
+from axrl_spike_replay.replay.verdict import WRITABLE_VERDICTS, threshold_label, writable_problem
 from axrl_spike_replay.vocabulary import Fidelity, Verdict
 from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
@@ -325,6 +325,7 @@ def _method_doc(
         "signals": signals,
         "output_dir": output_dir_of(result.snapshot),
         "residual": _residual(result, baseline),
+        "threshold_label": threshold_label(result.verdict_basis),
         "summary": summary,
         "mechanism": [f"`{name}`: {MITIGATIONS[name].doc}" for name in result.mitigations if name in MITIGATIONS],
         "evidence": _evidence(result, baseline),
@@ -358,14 +359,15 @@ def _evidence(result: ReplayResult, baseline: dict[str, Any]) -> list[str]:
 
 def _residual(result: ReplayResult, baseline: dict[str, Any]) -> str:
     ratio, threshold = result.spike_ratio, result.threshold
+    label = threshold_label(result.verdict_basis)  # a user's clear threshold is not the detector's
     if ratio is None:
         return "unknown: the mitigated replay has no ratio to the median"
     if threshold is None:  # a result rebuilt from a task row that lost it
-        return "unknown: the mitigated replay has no detector threshold to compare with"
+        return "unknown: the mitigated replay has no threshold to compare with"
     if ratio < threshold:
-        return f"no residual spike: ratio to median {fmt(ratio)} is below the detector threshold {fmt(threshold)}"
+        return f"no residual spike: ratio to median {fmt(ratio)} is below the {label} {fmt(threshold)}"
     return (
-        f"residual spike: ratio to median {fmt(ratio)} is still at or above the detector threshold "
+        f"residual spike: ratio to median {fmt(ratio)} is still at or above the {label} "
         f"{fmt(threshold)}, though the grad norm moved {pct(result.change_vs_baseline)} against the baseline"
     )
 
