@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from axrl_spike_replay.analysis.diagnose_model import RouteAgreement
 from axrl_spike_replay.replay.result import Attribution
@@ -58,7 +58,8 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
-def _finite(x: Any) -> bool:
+def _finite(x: Any) -> TypeGuard[float]:
+    """A finite number (not a bool, not None)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
