@@ -43,6 +43,8 @@ def recorded_signals(
     baseline as `evidence.baseline_for` gives it); notes name what was not measured or could not be read."""
     lines = [_spike_line(result)]
     notes: list[str] = []
+    if not Path(result.snapshot).is_dir():  # released or rotated: the figures still stand, as recorded
+        notes.append(f"snapshot {result.snapshot} is no longer there; the figures here are those recorded while it was")
     lines += _baseline_lines(baseline, notes)
     lines += _diagnosis_lines(state, result, notes)
     lines += _attribution_lines(root, state["job"], row, result, top, notes)
