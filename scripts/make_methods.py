@@ -2,11 +2,12 @@
 """Regenerate the repository's `spike-mitigation-methods/` from real replays of the reference trainer.
 
 For each spike preset: capture a run, preserve its worst snapshot, open a task, replay the
-baseline at full fidelity, sweep the seed workflow's methods and the classic loss-level guards, and
-write up every config that cleared (or partly cleared) the spike, refusing duplicates as the tool
-always does. The method files, the index and each method's replay results (baseline and mitigated
-`replay_result.json`) are then copied into the repository, and the main skill's list of recorded
-methods is refreshed. Nothing here is written by hand.
+baseline at full fidelity, sweep the seed workflow's methods and the classic loss-level guards,
+attribute the spike to its samples (the method files quote it), and write up every config that
+cleared (or partly cleared) the spike, refusing duplicates as the tool always does. The method
+files, the index and each method's replay results (baseline and mitigated `replay_result.json`)
+are then copied into the repository, and the main skill's list of recorded methods is refreshed.
+Nothing here is written by hand.
 
     .venv/bin/python scripts/make_methods.py [--presets ratio_outliers negative_advantage_dominance stale_routes]
 """
@@ -65,6 +66,8 @@ def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
     )
     configs = [*DEFAULT_SWEEP, *EXTRA_CONFIGS.get(preset, [])]
     sweep = run_request(replay_request(snapshot, verb="sweep", configs=configs, workspace=workspace, job=job))
+    # recorded in the job's runs: the method files quote its per-sample figures (`method add` replays nothing)
+    run_request(replay_request(snapshot, verb="attribute", top=3, workspace=workspace, job=job))
     context = f"Preset {preset} ({model}): "
     writeups = write_up_sweep(workspace, job, sweep, verdicts=("cleared", "partial"), context=context)
     rows = [

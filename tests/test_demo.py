@@ -46,6 +46,9 @@ def test_demo_leaves_a_task_file_method_files_and_a_report(demo_run: dict) -> No
     assert all("routing-replay-off" not in n for n in names)
     method = (Path(demo_run["workspace"]) / "spike-mitigation-methods" / "token-mismatch-tis-clip-2.md").read_text()
     assert "status: proven" in method and "verdict: cleared" in method
+    signals = method.split("## Key signals", 1)[1].split("\n## ", 1)[0]  # quoted from the demo's attribution.json
+    assert "- samples carrying the grad norm (of 16): rank " in signals and "attribution.json)" in signals
+    assert "- diagnosis: rollout/trainer log-prob mismatch" in signals and "not measured" not in signals
     report = Path(demo_run["report"]).read_text()
     baseline = _table_rows(report, "## Baseline replay")
     assert baseline and all(r["verdict"] == "reproduced" and r["fidelity"] == "full" for r in baseline)

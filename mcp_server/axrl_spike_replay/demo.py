@@ -67,7 +67,6 @@ def run_demo(
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
     from axrl_spike_replay.investigation.request import replay_request
     from axrl_spike_replay.investigation.runs import run_request
-    from axrl_spike_replay.replay.attribution import attribute_spike
     from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP
     from axrl_spike_replay.snapshot.discovery import resolve_job
     from axrl_spike_replay.snapshot.inspect import inspect_snapshot
@@ -199,7 +198,8 @@ def run_demo(
     ]
     step(f"sweep ({len(sweep.results)} configs, fidelity {sweep.fidelity}, threshold {sweep.threshold:g})", rows)
 
-    attribution = attribute_spike(snapshot, top=5)
+    # into the job's runs (attribution.json), where `method add` finds the per-sample figures it quotes
+    attribution = run_request(replay_request(snapshot, verb="attribute", top=5, workspace=root, job=DEMO_JOB))
     step(
         "attribution",
         [f"grad norm {_fmt(attribution.grad_norm)}; contributions sum within {attribution.sum_rel_error:.1e}"]

@@ -107,3 +107,32 @@ def test_a_one_process_replay_runs_in_the_calling_process(spike_snapshot: Path, 
     result = run_replay(spike_snapshot, ReplayOptions(nproc=nproc, progress=progress))
     assert result.verdict == "reproduced" and children_seen
     assert any(children_seen) is spawns, children_seen
+
+
+def test_a_clear_threshold_of_the_users_judges_the_replay_on_the_command_line(
+    spike_snapshot: Path, workspace: Path, capsys
+) -> None:
+    # mismatch_token_clip_max=2 clears this spike under the detector's threshold 5 (ratio to median about 1.4);
+    # under the user's stricter 1.0 it is still a spike, at under half the baseline's norm: partial
+    args = ["replay", str(spike_snapshot), "--nproc", "1", "--workspace", str(workspace)]
+    args += ["--mitigation", "mismatch_token_clip_max=2", "--clear-threshold", "1.0"]
+    assert main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "partial" and doc["threshold"] == 1.0
+    assert 1.0 <= doc["spike_ratio"] < 5.0
+    basis = doc["verdict_basis"]
+    assert basis["threshold_source"] == "clear_threshold" and basis["detector_threshold"] == 5.0
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "(your clear threshold 1)" in out and "verdict       partial" in out
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "nan", "inf"])
+def test_a_clear_threshold_that_is_no_spike_ratio_is_refused_by_name(
+    spike_snapshot: Path, workspace: Path, capsys, value: str
+) -> None:
+    status = main(["replay", str(spike_snapshot), "--workspace", str(workspace), "--clear-threshold", value])
+    err = capsys.readouterr().err
+    assert status == 2 and "--clear-threshold must be a finite spike ratio > 0" in err  # spelled as the option
+    assert "`" not in err and "Traceback" not in err
+    assert not (workspace / "tmp").exists()  # refused before anything ran

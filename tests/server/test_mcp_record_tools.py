@@ -129,3 +129,31 @@ def test_write_report_releases_the_tasks_copy_but_the_last_copy_only_when_asked(
 
     gone = ok(call(workspace, "write_report", {"job": JOB, "release": True, "release_last_copy": True}))
     assert gone["released"][0]["released"] is True and not Path(copy.path).exists()
+
+
+def test_a_shipped_method_reads_through_the_method_resource_unless_the_workspace_has_its_own(
+    workspace: Path,
+) -> None:
+    from axrl_spike_replay.workspace.methods import shipped_methods_dir
+
+    shipped = shipped_methods_dir()
+    assert shipped is not None
+    slug = "advantage-clip-1"
+    text = (shipped / f"{slug}.md").read_text(encoding="utf-8")
+
+    async def read(client):
+        listed = await client.list_resources()
+        return listed, await client.read_resource(f"axrl://method/{slug}")
+
+    listed, page = with_client(create_server(workspace), read)  # an empty workspace: the shipped library only
+    assert page.contents[0].text == text
+    described = {str(r.uri): r.description for r in listed.resources}
+    assert described[f"axrl://method/{slug}"] == f"Mitigation method {slug} (shipped with the tool)"
+
+    own = workspace / "spike-mitigation-methods" / f"{slug}.md"  # the workspace's file of the same name wins
+    own.parent.mkdir()
+    own.write_text("# advantage-clip-1\n\nThis workspace's own write-up.\n", encoding="utf-8")
+    listed, page = with_client(create_server(workspace), read)
+    assert page.contents[0].text == own.read_text(encoding="utf-8")
+    described = {str(r.uri): r.description for r in listed.resources}
+    assert described[f"axrl://method/{slug}"] == f"Mitigation method {slug}"

@@ -101,3 +101,21 @@ def test_errors_name_the_tool_arguments_not_cli_flags(
     text = error_text(call(workspace, "replay", {"snapshot": str(spike_outputs.snapshot), **arguments}))
     assert message in text and "--" not in text
     assert not (workspace / "tmp").exists()
+
+
+def test_clear_threshold_judges_the_replay_and_is_recorded_as_the_users(tmp_path: Path, workspace: Path) -> None:
+    import shutil
+
+    golden = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
+    shutil.copytree(golden, tmp_path / golden.name)
+    snapshot = tmp_path / golden.name / "checkpoints" / "spike_snapshots" / "iter_0000021"
+    # mismatch_token_clip_max=2 clears this spike under the detector's threshold 5 (ratio to median about 1.4);
+    # under the user's stricter 1.0 it is still a spike, at under half the baseline's norm: partial
+    arguments = {"snapshot": str(snapshot), "nproc": 1, "mitigations": {"mismatch_token_clip_max": 2}}
+    doc = ok(call(workspace, "replay", {**arguments, "clear_threshold": 1.0}))
+    assert doc["verdict"] == "partial" and doc["threshold"] == 1.0 and 1.0 <= doc["spike_ratio"] < 5.0
+    basis = doc["verdict_basis"]
+    assert basis["threshold_source"] == "clear_threshold" and basis["detector_threshold"] == 5.0
+    assert "partial" in basis["rule"]
+    text = error_text(call(workspace, "replay", {**arguments, "clear_threshold": 0}))
+    assert "clear_threshold" in text and "--" not in text

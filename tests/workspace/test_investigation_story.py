@@ -123,8 +123,9 @@ def test_investigation_from_open_to_report(tmp_path: Path, spike_run: SpikeRun, 
     assert "| fidelity | full | full |" in body
     assert "no residual spike" in body and rationale in body
     signals = body.split("## Key signals")[1].split("## Change")[0]
-    assert "- spike: grad norm 37.42, 12.86x the median (iteration 5, ranks 2)" in signals
-    assert "- samples carrying the grad norm (of 4): rank " in signals  # from the gradient attribution
+    assert "- spike: recorded grad norm 37.42, 12.86x the median 2.91 (iteration 5, world size 2)" in signals
+    assert "- baseline replay E1: grad norm 37.42" in signals  # from the baseline's replay_result.json
+    assert "per-sample attribution: not measured" in signals  # no attribution.json in the job's runs
 
     # Refusals: the same config again (written differently), a no-effect attempt, reduced fidelity without the flag.
     status, _, err = cli(capsys, "method", "add", "--job", JOB, "--attempt", "E6", "--name", "tis", "--rationale", "x",

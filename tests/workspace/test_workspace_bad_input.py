@@ -52,8 +52,10 @@ def test_unknown_or_failed_attempt_is_refused(task: Path) -> None:
 
 def test_existing_method_name_is_refused_unless_replacing(task: Path) -> None:
     first = add_method(task, JOB, "E2", "tis", "first reason")
-    # The snapshot is gone: the method is still written, and says why it has no signals.
-    assert f"snapshot {SNAP} is no longer readable" in Path(first.path).read_text()
+    # The snapshot is gone: the method is still written from the recorded figures, and says the snapshot is gone.
+    text = Path(first.path).read_text()
+    assert f"snapshot {SNAP} is no longer there; the figures here are those recorded while it was" in text
+    assert "- spike: recorded grad norm 37.42" in text
     other = replay_result(SNAP, 2.0, "cleared", mitigations={"advantage_clip": 1})
     record_replay(task, JOB, other, save_result(task, "adv", other))
     with pytest.raises(AxrlError, match=r"tis.md already exists for a different change"):

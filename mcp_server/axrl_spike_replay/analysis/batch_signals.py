@@ -229,6 +229,9 @@ DOMINANCE_MARGIN = 0.1  # one sign's total must exceed the other's by 10 % to be
 
 
 def _sign_balance(adv: torch.Tensor) -> dict[str, Any]:
+    finite = adv.isfinite()
+    non_finite = int(adv.numel() - int(finite.sum()))
+    adv = adv[finite]  # one NaN would make both totals NaN: the balance is of the finite ones, the rest counted
     positive = float(adv.clamp(min=0).sum())
     negative = float((-adv).clamp(min=0).sum())
     # A side dominates only when it outweighs the other by DOMINANCE_MARGIN: GRPO's group-normalised
@@ -248,6 +251,7 @@ def _sign_balance(adv: torch.Tensor) -> dict[str, Any]:
         "positive_tokens": int((adv > 0).sum()),
         "negative_tokens": int((adv < 0).sum()),
         "zero_tokens": int((adv == 0).sum()),
+        "non_finite_tokens": non_finite,  # left out of the totals and counts above (the non_finite family reports them)
         "dominant": dominant,
     }
 

@@ -26,7 +26,9 @@ from axrl_spike_replay.analysis.diagnose_logs import LogPoint, log_point
 from axrl_spike_replay.analysis.diagnose_model import RouteAgreement
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.replay.result import Attribution
-from axrl_spike_replay.snapshot.consistency import Consistency, check_snapshot
+from axrl_spike_replay.replay.verdict import tolerance
+from axrl_spike_replay.snapshot.consistency import Consistency, check_replayed_norm, check_snapshot
+from axrl_spike_replay.vocabulary import Fidelity
 
 MODEL_MODES = ("auto", "always", "never")
 CHECKED = {
@@ -94,6 +96,18 @@ def _model_evidence(
     return att, routes
 
 
+def _check_replayed_norm(consistency: Consistency, recorded: float, att: Attribution, not_checked: list[str]) -> None:
+    """The attribution replayed the step: its grad norm against the recorded one is a consistency check."""
+    if att.mitigations:
+        not_checked.append(
+            "grad_norm_vs_replay (the attribution ran under mitigations: its norm is another gradient's)"
+        )
+        return
+    # one process replays every saved rank, so its summation order differs from training's as a reduced replay's does
+    tol = tolerance(Fidelity.REDUCED, att.device)
+    check_replayed_norm(consistency, recorded, att.grad_norm, tol, f"the attribution's replay ({att.device})")
+
+
 def diagnose_snapshot(
     snapshot: str | Path,
     *,
@@ -127,6 +141,8 @@ def diagnose_snapshot(
         not_checked.append(f"training log ({point.note})")
     consistency = check_snapshot(directory, log_grad_norm=point.grad_norm, log_source=point.source)
     att, routes = _model_evidence(directory, attribution, model, top, not_checked)
+    if att is not None:
+        _check_replayed_norm(consistency, analysis.grad_norm, att, not_checked)
     world = len(analysis.ranks)
     ev = Evidence(analysis=analysis, grads=grads, attribution=att, routes=routes, world_size=world)
     found = [c for family in causes.FAMILIES if (c := family(ev)) is not None]

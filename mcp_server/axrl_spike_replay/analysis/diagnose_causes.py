@@ -1,15 +1,19 @@
 """The cause families `diagnose` weighs, each a pure function of the evidence: a Cause with a strength in
 [0, 1], its evidence as numbers and experiments least invasive first (None when the family does not apply).
 
-Strength is a plain-rules score, not a probability: 1.0 means the signal is unmistakable (e.g. non-finite
-values, every advantage negative), LIKELY (0.3) the least that is reported as a likely cause."""
+Strength is a plain-rules score, not a probability: 1.0 means the signal is unmistakable (e.g. a non-finite
+grad norm, every advantage negative), LIKELY (0.3) the least that is reported as a likely cause.
+
+Non-finite values are the non_finite family's evidence and no other's: every other family judges the finite
+values only (a NaN compares false with every threshold and `min(1.0, nan)` is 1.0, so one NaN would otherwise
+pass for the strongest signal), and a strength is never NaN (`_unit`)."""
 
 from __future__ import annotations
 
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from axrl_spike_replay.analysis.diagnose_model import RouteAgreement
 from axrl_spike_replay.replay.result import Attribution
@@ -54,12 +58,27 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
+def _finite(x: Any) -> TypeGuard[float]:
+    """A finite number (not a bool, not None)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _unit(x: float) -> float:
+    """A strength in [0, 1]: NaN (from a non-finite figure that slipped through) counts as no signal."""
+    return 0.0 if math.isnan(x) else min(1.0, max(0.0, x))
+
+
+NON_FINITE_INPUTS = 0.6  # non-finite batch values under a finite recorded norm: likely, but not the spike itself
+
+
 def _carriers(att: Attribution | None, cover: float = 0.5) -> list[Any]:
     """The top-attributed samples that together carry `cover` of the norm (at most 5)."""
     if att is None:
         return []
     out, total = [], 0.0
     for s in att.samples[:5]:
+        if not _finite(s.share):
+            continue
         if s.share <= 0:
             break
         out.append(s)
@@ -81,22 +100,37 @@ def _pairs(samples: list[tuple[int, int]]) -> str:
 
 
 def non_finite(ev: Evidence) -> Cause | None:
+    """Non-finite grad norms or batch values. Strength 1.0 when a recorded norm is not finite; non-finite batch
+    values under a finite recorded norm are NON_FINITE_INPUTS: they did not reach that gradient as saved."""
     a, found = ev.analysis, []
-    if not math.isfinite(a.grad_norm):
+    norm_bad = not math.isfinite(a.grad_norm)
+    if norm_bad:
         found.append(f"recorded grad norm is {a.grad_norm}")
     for name, doc in (a.logprobs or {}).items():
         if isinstance(doc, dict) and doc.get("non_finite"):
             found.append(f"{doc['non_finite']} non-finite {name} logprobs on loss tokens")
+    logprobs_bad = len(found) > int(norm_bad)
     if a.advantages and a.advantages["tokens"].get("non_finite"):
         found.append(f"{a.advantages['tokens']['non_finite']} non-finite advantages on loss tokens")
     if ev.grads is not None:
         for k in ev.grads.ranks:
             if not math.isfinite(k.local_grad_norm):
+                norm_bad = True
                 found.append(f"rank {k.rank}'s recorded per-parameter grad norms are not finite")
     if not found:
         return None
-    bad = [(r["rank"], r["sample"]) for r in a.samples["rows"] if r["max_abs_log_ratio"] is None and r["loss_tokens"]]
-    experiments = [Experiment("log_ratio_clip=5", "clamps the log-ratio before exp(): an overflow becomes finite")]
+    figures = {"findings": len(found), "recorded_norm_finite": not norm_bad}
+    if not norm_bad:
+        found.append(
+            f"the recorded grad norm {a.grad_norm:.4g} is finite: these values did not enter the recorded step's "
+            "gradient as saved (the trainer masked or replaced them, or the saved batch is not the one it trained on)"
+        )
+    bad = [(r["rank"], r["sample"]) for r in a.samples["rows"] if r["loss_tokens"] and _non_finite_row(r, a)]
+    experiments = []
+    if norm_bad or logprobs_bad:  # exp() of a log-ratio may have overflowed
+        experiments.append(
+            Experiment("log_ratio_clip=5", "clamps the log-ratio before exp(): an overflow becomes finite")
+        )
     if bad and len(bad) <= max(1, int(FEW * len(a.samples["rows"]))):
         experiments.append(
             Experiment(
@@ -105,15 +139,25 @@ def non_finite(ev: Evidence) -> Cause | None:
                 True,
             )
         )
-    return Cause("non_finite", "non-finite values", 1.0, found, {"findings": len(found)}, experiments)
+    strength = 1.0 if norm_bad else NON_FINITE_INPUTS
+    return Cause("non_finite", "non-finite values", strength, found, figures, experiments)
+
+
+def _non_finite_row(row: dict[str, Any], a: Any) -> bool:
+    """A sample whose log-ratio or advantage is non-finite (a NaN is stored as None in the sample rows)."""
+    ratio_bad = a.ratio.get("available") and not _finite(row["max_abs_log_ratio"])
+    advantage_bad = a.advantages is not None and not _finite(row["advantage"])
+    return bool(ratio_bad or advantage_bad)
 
 
 def logprob_mismatch(ev: Evidence) -> Cause | None:
     a = ev.analysis
     if not a.ratio.get("available"):
         return None
-    top = a.ratio["abs_log_ratio"].get("max") or 0.0
-    outside = a.ratio["fraction_outside"]["0.5-2.0"]
+    top = a.ratio["abs_log_ratio"].get("max") or 0.0  # of the finite values (stats.describe)
+    outside = _finite_fraction_outside(a.ratio)
+    if outside is None:
+        return None  # no finite log-ratio: the non_finite family reports it
     strength = 0.5 * min(1.0, outside / 0.05) + 0.3 * min(1.0, top / math.log(10.0))
     evidence = [
         f"max |log(π_old/π_rollout)| on loss tokens {top:.3g} (ratio up to {math.exp(min(top, 700)):.3g}x)",
@@ -124,7 +168,7 @@ def logprob_mismatch(ev: Evidence) -> Cause | None:
     for s in carriers:
         row = _row(a, s.rank, s.sample)
         lr = row["max_abs_log_ratio"] if row else None
-        if lr is not None and lr > LN2:
+        if _finite(lr) and lr > LN2:
             strength += 0.2 / len(carriers)
             carried.append(
                 f"rank {s.rank} sample {s.sample} carries {_pct(s.share)} of ‖g‖; its tokens' "
@@ -136,7 +180,7 @@ def logprob_mismatch(ev: Evidence) -> Cause | None:
     return Cause(
         "logprob_mismatch",
         "rollout/trainer log-prob mismatch",
-        min(1.0, strength),
+        _unit(strength),
         evidence,
         {"max_abs_log_ratio": top, "fraction_outside_0.5_2": outside},
         [
@@ -154,6 +198,18 @@ def logprob_mismatch(ev: Evidence) -> Cause | None:
     )
 
 
+def _finite_fraction_outside(ratio: dict[str, Any]) -> float | None:
+    """The fraction of finite loss-token log-ratios outside [ln 0.5, ln 2] (analyze counts a non-finite one as
+    outside; here it is left out); None when no log-ratio is finite."""
+    stats = ratio["log_ratio"]
+    count, non_finite = int(stats.get("count") or 0), int(stats.get("non_finite") or 0)
+    finite = count - non_finite
+    if finite <= 0:
+        return None
+    outside = round(ratio["fraction_outside"]["0.5-2.0"] * count) - non_finite
+    return max(0, outside) / finite
+
+
 def _robust_z(values: list[float]) -> list[float]:
     med = statistics.median(values)
     dev = [abs(v - med) for v in values]
@@ -167,7 +223,7 @@ def _robust_z(values: list[float]) -> list[float]:
 
 def _outliers(a: Any) -> tuple[list[dict[str, Any]], list[float], list[int]]:
     """(samples with loss tokens and an advantage, their robust z, indexes of the few outliers by z)."""
-    rows = [r for r in a.samples["rows"] if r["advantage"] is not None and r["loss_tokens"]]
+    rows = [r for r in a.samples["rows"] if _finite(r["advantage"]) and r["loss_tokens"]]
     if len(rows) < 3:
         return rows, [], []
     z = _robust_z([r["advantage"] for r in rows])
@@ -202,14 +258,15 @@ def outlier_advantage(ev: Evidence) -> Cause | None:
         + f"; the other samples' |advantage| at most {max(others, default=0.0):.3g}"
     ]
     strength = 0.6
-    carried = sum(s.share for s in (ev.attribution.samples if ev.attribution else []) if (s.rank, s.sample) in pairs)
+    shares = [s.share for s in (ev.attribution.samples if ev.attribution else []) if (s.rank, s.sample) in pairs]
+    carried = math.fsum(x for x in shares if _finite(x))
     if ev.attribution is not None:
         evidence.insert(
             0,
             f"{'sample' if len(pairs) == 1 else 'these samples'} {_pairs(pairs)} carr"
             f"{'ies' if len(pairs) == 1 else 'y'} {_pct(carried)} of ‖g‖",
         )
-        strength = 0.4 + 0.6 * max(0.0, min(1.0, carried))
+        strength = 0.4 + 0.6 * _unit(carried)
     return Cause(
         "outlier_advantage",
         "outlier advantage on a few samples",
@@ -244,25 +301,31 @@ def negative_dominance(ev: Evidence) -> Cause | None:
     if not s:
         return None
     ratio = s["negative_to_positive"]
-    if ratio is None or ratio < 1.5:
+    if ratio is None or math.isnan(ratio) or ratio < 1.5:  # the totals are of finite advantages (analyze)
         return None
     outliers = _outlier_pairs(ev.analysis)
     if outliers:  # a few outlier samples can tip the balance alone: judge the rest of the batch
-        rest = [r for r in ev.analysis.samples["rows"] if (r["rank"], r["sample"]) not in outliers]
-        pos = sum(max(0.0, r["advantage"] or 0.0) * r["loss_tokens"] for r in rest)
-        neg = sum(max(0.0, -(r["advantage"] or 0.0)) * r["loss_tokens"] for r in rest)
+        rest = [
+            r
+            for r in ev.analysis.samples["rows"]
+            if (r["rank"], r["sample"]) not in outliers and _finite(r["advantage"])
+        ]
+        pos = math.fsum(max(0.0, r["advantage"]) * r["loss_tokens"] for r in rest)
+        neg = math.fsum(max(0.0, -r["advantage"]) * r["loss_tokens"] for r in rest)
         ratio = neg / pos if pos else (math.inf if neg else 0.0)
         if ratio < 1.5:
             return None
-    strength = 1.0 if math.isinf(ratio) else min(1.0, (ratio - 1.0) / 4.0)
+    strength = 1.0 if math.isinf(ratio) else _unit((ratio - 1.0) / 4.0)
     neg_tokens = s["negative_tokens"] / max(1, s["negative_tokens"] + s["positive_tokens"] + s["zero_tokens"])
+    skipped = s.get("non_finite_tokens") or 0
     evidence = [
         f"negative advantages outweigh positive ones {'entirely' if math.isinf(ratio) else f'{ratio:.3g}x'} "
         f"(totals per loss token {s['negative_total']:.4g} vs {s['positive_total']:.4g}); "
         f"{_pct(neg_tokens)} of loss tokens have a negative advantage"
+        + (f" ({skipped} non-finite left out)" if skipped else "")
     ]
     if ev.attribution is not None:
-        neg = sum(x.share for x in ev.attribution.samples if x.advantage < 0)
+        neg = math.fsum(x.share for x in ev.attribution.samples if x.advantage < 0 and _finite(x.share))
         evidence.append(
             f"negative-advantage samples among the top {len(ev.attribution.samples)} carry {_pct(neg)} of ‖g‖"
         )
@@ -283,7 +346,7 @@ def negative_dominance(ev: Evidence) -> Cause | None:
 def routing_mismatch(ev: Evidence) -> Cause | None:
     if ev.routes is None or not ev.routes.layers:
         return None
-    layers = [x for x in ev.routes.layers if x.loss_disagreement is not None]
+    layers = [x for x in ev.routes.layers if _finite(x.loss_disagreement)]
     if not layers:
         return None
     worst = max(layers, key=lambda x: x.loss_disagreement or 0.0)
@@ -306,7 +369,7 @@ def routing_mismatch(ev: Evidence) -> Cause | None:
     return Cause(
         "routing_mismatch",
         "routing mismatch (recorded routes vs the trainer's router)",
-        min(1.0, d / 0.3),
+        _unit(d / 0.3),
         evidence,
         {"layer": worst.layer, "loss_disagreement": d, "median_other_layers": typical},
         [
@@ -326,15 +389,17 @@ def one_rank(ev: Evidence) -> Cause | None:
     shares: dict[int, float] = {}
     if ev.attribution is not None:
         for s in ev.attribution.samples:
-            shares[s.rank] = shares.get(s.rank, 0.0) + s.share
+            if _finite(s.share):
+                shares[s.rank] = shares.get(s.rank, 0.0) + s.share
     local = {k.rank: k.local_grad_norm for k in ev.grads.ranks} if ev.grads is not None else {}
     finite = {r: v for r, v in local.items() if math.isfinite(v)}
     evidence, strength, rank = [], 0.0, None
     if len(finite) >= 2:
-        rank = max(finite, key=lambda r: finite[r])
-        others = statistics.median(v for r, v in finite.items() if r != rank)
-        factor = finite[rank] / others if others > 0 else math.inf
-        if factor >= 3:
+        largest = max(finite, key=lambda r: finite[r])
+        others = statistics.median(v for r, v in finite.items() if r != largest)
+        factor = finite[largest] / others if others > 0 else math.inf
+        if factor >= 3:  # only then is it that rank's (a merely largest rank must not veto the shares below)
+            rank = largest
             strength = min(0.6, 0.2 * math.log2(factor))
             evidence.append(
                 f"rank {rank}'s local grad norm {finite[rank]:.4g} is {factor:.3g}x the other ranks' "

@@ -29,6 +29,7 @@ _PARAMETERS = {
     "job",
     "allow_reduced",
     "parallel_configs",
+    "clear_threshold",
     *_FLAGS,
 }
 _NAMED = re.compile(r"`([a-z_]+)`")

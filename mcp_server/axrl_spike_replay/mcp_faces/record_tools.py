@@ -96,8 +96,10 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         ] = False,
         workspace: WorkspaceArg = None,
     ) -> MethodAdded:
-        """Write spike-mitigation-methods/<name>.md from a logged attempt: job/role, snapshot, key signals, the
-        config or patch, baseline vs mitigated replay, residual spike status, rationale; regenerate the index.
+        """Write spike-mitigation-methods/<name>.md from a logged attempt: job/role, snapshot, key signals (quoted
+        from the replay results, the task's diagnosis and an attribution.json of the snapshot in the job's runs;
+        nothing is recomputed, what none holds is named as not measured), the config or patch, baseline vs
+        mitigated replay, residual spike status, rationale; regenerate the index.
         Refuses attempts that are not cleared/partial, reduced fidelity unless allowed, and duplicates of an
         existing method (it names the file)."""
         root = config.workspace_for(workspace)

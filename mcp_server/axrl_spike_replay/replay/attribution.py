@@ -30,7 +30,7 @@ from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
 from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, parse_config
 from axrl_spike_replay.replay.outcome_figures import jvp_policy
-from axrl_spike_replay.replay.result import Attribution, SampleContribution
+from axrl_spike_replay.replay.result import ATTRIBUTION_FILE, Attribution, SampleContribution
 from axrl_spike_replay.replay.run_dir import RunDir, RunRecorder, command_line
 from axrl_spike_replay.replay.sample_masks import check_ranks, filtered_batch
 from axrl_spike_replay.replay.verdict import rel_diff
@@ -40,7 +40,6 @@ from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradie
 from axrl_spike_replay.vocabulary import Fidelity
 
 METHODS = ("jvp", "per_sample_backward")
-ATTRIBUTION_FILE = "attribution.json"
 SUM_TOLERANCE = 1e-4
 
 
@@ -311,5 +310,6 @@ def _attribute(
         method=method,
         log_ratio_base=_base_name(cfg),
         mitigations=dict(cfg.mitigations),
+        device=device,
         timings={"load": t0 - start, "gradient": t1 - t0, "attribution": t2 - t1, "total": time.perf_counter() - start},
     )

@@ -9,6 +9,8 @@ from typing import Any
 
 from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
 
+ATTRIBUTION_FILE = "attribution.json"  # what `attribute` writes into its run dir
+
 # Read by pydantic when a tool returns one of these: attribute docstrings become field descriptions.
 _SCHEMA_CONFIG = {"use_attribute_docstrings": True}
 
@@ -197,6 +199,8 @@ class Attribution:
     """Mitigations applied before attributing"""
     note: str = ROUTER_NOTE
     """How to read router_term"""
+    device: str = "cpu"
+    """Where it was computed (cpu or cuda): how closely its grad_norm can match the recorded one"""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds"""
     output_dir: str = ""

@@ -86,6 +86,18 @@ def verdict_basis(
     }
 
 
+def threshold_label(basis: dict[str, object] | None) -> str:
+    """What the threshold a result was judged by is, from its `verdict_basis`: the detector's, a clear threshold
+    given for the replay, or the default ratio threshold; plain "threshold" when the result does not say."""
+    source = (basis or {}).get("threshold_source")
+    labels = {
+        "detector": "detector threshold",
+        "clear_threshold": "clear threshold given for the replay",
+        "default": "default ratio threshold (the detector's is no ratio to the median)",
+    }
+    return labels.get(source, "threshold") if isinstance(source, str) else "threshold"
+
+
 RULE = (
     f"baseline_not_a_spike when the baseline's ratio to the median is under the threshold; worse when the grad norm "
     f"grew by more than {WORSE_MARGIN:.0%} (or is not finite); no_effect when it is not at least "

@@ -15,6 +15,9 @@ Checks (each listed in `checked` when it could be made, so "no problem" says wha
 - `metadata_vs_run_config`: world size and parallel sizes in the metadata against `run_config.yaml`.
 - `ranks_vs_files`: the rank files present against the world size.
 - `rank_loss_vs_replay` (with a replay's per-rank metrics): each rank's recorded loss against the replayed one.
+- `grad_norm_vs_replay` (when `diagnose` replays the step for its attribution): the recorded global norm against
+  the replayed one, within the tolerance of that replay's layout. A mismatch means the snapshot does not reproduce:
+  its batch or weights differ from what produced the recorded norm.
 - `grad_norm_vs_log` (when the job's log has the iteration): the recorded norm against the log's.
 """
 
@@ -71,12 +74,26 @@ class Consistency:
 
     def summary(self) -> str:
         """One line: agreement with itself and with the log."""
-        own = "agrees with itself" if self.self_consistent else f"{len(self.own_problems())} self-inconsistencies"
-        log = {True: "agrees with the training log", False: "contradicts the training log", None: "no log value"}
-        return f"snapshot {own}; {log[self.agrees_with_log]} ({len(self.checked)} checks)"
+        return summary_line(self.self_consistent, self.agrees_with_log, len(self.checked), len(self.own_problems()))
 
     def own_problems(self) -> list[ConsistencyProblem]:
         return [p for p in self.problems if p.name != "grad_norm_vs_log"]
+
+
+def summary_line(self_consistent: bool, agrees_with_log: bool | None, checks: int, own_problems: int) -> str:
+    """`Consistency.summary`'s line from its figures."""
+    own = "agrees with itself" if self_consistent else f"{own_problems} self-inconsistencies"
+    log = {True: "agrees with the training log", False: "contradicts the training log", None: "no log value"}
+    return f"snapshot {own}; {log[agrees_with_log]} ({checks} checks)"
+
+
+def consistency_line(doc: dict[str, Any]) -> str:
+    """`Consistency.summary`'s line from the JSON form a replay result keeps (`replay_result.json` `consistency`)."""
+    problems = [p for p in doc.get("problems") or [] if isinstance(p, dict)]
+    own = [p for p in problems if p.get("name") != "grad_norm_vs_log"]
+    agrees = doc.get("agrees_with_log")
+    log = agrees if isinstance(agrees, bool) else None
+    return summary_line(doc.get("self_consistent") is True, log, len(doc.get("checked") or []), len(own))
 
 
 def _close(a: float, b: float, rel: float, abs_tol: float = 0.0) -> bool:
@@ -245,6 +262,29 @@ def check_log(out: Consistency, recorded: float, logged: float, source: str | No
             {"recorded_grad_norm": recorded, "log_grad_norm": logged, "iteration": iteration, "log": source},
         )
     )
+
+
+def check_replayed_norm(
+    out: Consistency, recorded: float, replayed: float, tolerance: float, replay: str
+) -> Consistency:
+    """Add the norm comparison: the recorded global grad norm against `replayed`, the norm a replay of the
+    snapshot's weights and batch gave (`replay` says which replay, for the message), within `tolerance`."""
+    out.checked.append("grad_norm_vs_replay")
+    if not math.isfinite(recorded) and not math.isfinite(replayed):
+        return out  # both non-finite: the non-finite values are reported as such, not as a mismatch
+    diff = abs(replayed - recorded) / abs(recorded) if math.isfinite(recorded) and recorded else math.inf
+    if diff <= tolerance:
+        return out
+    out.add(
+        ConsistencyProblem(
+            "grad_norm_vs_replay",
+            f"the snapshot does not reproduce: {replay} gives grad norm {replayed:.6g} from its weights and batch, "
+            f"the recorded one is {recorded:.6g} (rel diff {diff:.3g}, tolerance {tolerance:.0e}); its batch or "
+            "weights differ from what produced the recorded norm",
+            {"recorded_grad_norm": recorded, "replayed_grad_norm": replayed, "rel_diff": diff, "tolerance": tolerance},
+        )
+    )
+    return out
 
 
 def check_replayed_losses(

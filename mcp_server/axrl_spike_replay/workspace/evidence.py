@@ -8,6 +8,7 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.snapshot.consistency import consistency_line
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, parse_iteration
 
 
@@ -67,6 +68,27 @@ def row_result(row: dict[str, Any]) -> ReplayResult:
     )
 
 
+def recorded_consistency(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The consistency checks a replay recorded in its `replay_result.json` (the snapshot against itself, its
+    replay and the training log), as the report shows them: `summary`, `self_consistent`, `agrees_with_log`,
+    `problems` [{name, message}]; `note` instead when the file is unreadable; None when it records none."""
+    try:
+        result, _ = result_doc(row)
+    except AxrlError as exc:
+        return {"summary": None, "note": str(exc), "problems": []}
+    doc = result.consistency
+    if not isinstance(doc, dict):
+        return None
+    problems = [p for p in doc.get("problems") or [] if isinstance(p, dict)]
+    return {
+        "summary": consistency_line(doc),
+        "self_consistent": doc.get("self_consistent"),
+        "agrees_with_log": doc.get("agrees_with_log"),
+        "problems": [{"name": str(p.get("name")), "message": str(p.get("message"))} for p in problems],
+        "note": None,
+    }
+
+
 def baseline_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
     """Experiments that changed nothing (no mitigation, no patch) and ran."""
     return [row for row in state["experiments"] if row.get("is_baseline") and row["verdict"] != "failed"]
@@ -96,6 +118,9 @@ def baseline_for(state: dict[str, Any], row: dict[str, Any], result: ReplayResul
             "fidelity": base.fidelity,
             "rel_diff": base.rel_diff,
             "world_size_used": base.world_size_used,
+            "verdict": base.verdict,
+            "consistency": base.consistency,
+            "top_params": base.top_params,
             "result_path": best.get("result_path"),
             "change": _change(result.grad_norm, grad),
             "note": f"the baseline ran at world size {base.world_size_used}, this attempt at {result.world_size_used}"
@@ -111,6 +136,9 @@ def baseline_for(state: dict[str, Any], row: dict[str, Any], result: ReplayResul
         "fidelity": result.fidelity,
         "rel_diff": abs(grad - recorded) / recorded if grad is not None and recorded else None,
         "world_size_used": result.world_size_used,
+        "verdict": None,
+        "consistency": None,
+        "top_params": [],
         "result_path": None,
         "change": _change(result.grad_norm, grad),
         "note": "no baseline replay of this snapshot at this layout in the task; baseline grad norm taken from the "

@@ -11,14 +11,14 @@ from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.replay.mitigations import MITIGATIONS, diagnostic_reasons
 from axrl_spike_replay.replay.result import ReplayResult
-from axrl_spike_replay.replay.verdict import WRITABLE_VERDICTS, writable_problem
+from axrl_spike_replay.replay.verdict import WRITABLE_VERDICTS, threshold_label, writable_problem
 from axrl_spike_replay.vocabulary import Fidelity, Verdict
 from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
 from axrl_spike_replay.workspace.evidence import baseline_for, find_attempt, output_dir_of, result_doc
 from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_plain_name, check_workspace, methods_dir
 from axrl_spike_replay.workspace.render import fmt, pct, render
-from axrl_spike_replay.workspace.signals import key_signals
+from axrl_spike_replay.workspace.signals import recorded_signals
 from axrl_spike_replay.workspace.task_state import now, read_state, update_task, write_file
 from axrl_spike_replay.workspace.views import MethodAdded, MethodEntry
 
@@ -100,16 +100,19 @@ def add_method(
     result, _ = result_doc(first)
     _check_writable(first["id"], result, baseline_for(state, first, result)["grad_norm"], allow_reduced)
     _check_production(first["id"], result)
-    _check_not_duplicate(root, slug, result, replace)  # again under the lock; first here, before the slow part
-    signals = key_signals(result.snapshot, top=SIGNAL_TOP)  # may read a large snapshot: outside the locks
+    _check_not_duplicate(root, slug, result, replace)  # again under the lock; first here, to fail early
     written: list[tuple[dict[str, Any], Path]] = []
+    signals: dict[str, list[str]] = {}
 
     def change(state: dict[str, Any]) -> None:
         row = find_attempt(state, attempt_id)
         result, result_note = result_doc(row)
+        baseline = baseline_for(state, row, result)
+        # from the files the replays and the task wrote (no batch read, no replay): cheap enough under the locks
+        signals.update(recorded_signals(root, state, row, result, baseline, top=SIGNAL_TOP))
         with held_lock(root / TASKS_DIR / ".methods.lock", 120, "method files"):
             confirms = _check_not_duplicate(root, slug, result, replace)
-            doc = _method_doc(state, row, result, result_note, slug, rationale.strip(), signals)
+            doc = _method_doc(state, row, result, result_note, baseline, slug, rationale.strip(), signals)
             if confirms is not None:
                 doc["front_matter"]["confirms_shipped"] = confirms
             path = methods_dir(root) / f"{slug}.md"
@@ -269,11 +272,11 @@ def _method_doc(
     row: dict[str, Any],
     result: ReplayResult,
     result_note: str | None,
+    baseline: dict[str, Any],
     slug: str,
     rationale: str,
     signals: dict[str, Any],
 ) -> dict[str, Any]:
-    baseline = baseline_for(state, row, result)
     status = method_status(result.verdict, result.fidelity)
     change = describe_change(result.mitigations, result.patch_sha256)
     ratio = result.spike_ratio
@@ -322,6 +325,7 @@ def _method_doc(
         "signals": signals,
         "output_dir": output_dir_of(result.snapshot),
         "residual": _residual(result, baseline),
+        "threshold_label": threshold_label(result.verdict_basis),
         "summary": summary,
         "mechanism": [f"`{name}`: {MITIGATIONS[name].doc}" for name in result.mitigations if name in MITIGATIONS],
         "evidence": _evidence(result, baseline),
@@ -355,14 +359,15 @@ def _evidence(result: ReplayResult, baseline: dict[str, Any]) -> list[str]:
 
 def _residual(result: ReplayResult, baseline: dict[str, Any]) -> str:
     ratio, threshold = result.spike_ratio, result.threshold
+    label = threshold_label(result.verdict_basis)  # a user's clear threshold is not the detector's
     if ratio is None:
         return "unknown: the mitigated replay has no ratio to the median"
     if threshold is None:  # a result rebuilt from a task row that lost it
-        return "unknown: the mitigated replay has no detector threshold to compare with"
+        return "unknown: the mitigated replay has no threshold to compare with"
     if ratio < threshold:
-        return f"no residual spike: ratio to median {fmt(ratio)} is below the detector threshold {fmt(threshold)}"
+        return f"no residual spike: ratio to median {fmt(ratio)} is below the {label} {fmt(threshold)}"
     return (
-        f"residual spike: ratio to median {fmt(ratio)} is still at or above the detector threshold "
+        f"residual spike: ratio to median {fmt(ratio)} is still at or above the {label} "
         f"{fmt(threshold)}, though the grad norm moved {pct(result.change_vs_baseline)} against the baseline"
     )
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR, iteration_dir_name
-from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of
+from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of, recorded_consistency
 from axrl_spike_replay.workspace.methods import RANKING, method_files, rank_key
 from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
 from axrl_spike_replay.workspace.preserved_copies import copies_in_use, copies_kept, is_last_copy, release_copies
@@ -25,7 +25,8 @@ def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
     """Everything the report shows, as plain data for its template (and, with the file, `ReportResult`)."""
     snapshot = state.get("snapshot")
     experiments = state["experiments"]
-    baselines = baseline_rows(state)
+    # each with the consistency its replay recorded: the task-open diagnosis is not the only verdict on the snapshot
+    baselines = [{**row, "consistency": recorded_consistency(row)} for row in baseline_rows(state)]
     by_slug = {m["slug"]: m for m in method_files(workspace)}
     methods = sorted(
         (

@@ -1,88 +1,181 @@
-"""A few lines of key signals for a method file, from batch analysis and gradient attribution."""
+"""The key signals of a method file, from what the investigation already recorded: nothing is recomputed.
+
+Sources, each read from a file the replays or the task wrote (a few small JSON documents, no tensor):
+
+- the attempt's `replay_result.json`: the recorded spike (grad norm, median, ratio, iteration, world size) and,
+  for a mitigated replay, the samples its clean gradient left out (the top-attributed ones and their share);
+- the baseline replay's `replay_result.json`: its figures, its consistency verdict and named problems, and its
+  largest parameter grad norms;
+- the task's diagnosis of the snapshot (written by `task open --snapshot`): the likely causes with the batch
+  signals behind them;
+- an `attribution.json` of the snapshot without mitigations: the attempt's run dir (or its sweep's), else the
+  newest in the job's runs.
+
+A figure none of them holds is named as not measured, with the command that measures it: `method add` runs no
+batch analysis and no attribution replay of its own (those cost seconds to hours on a real snapshot).
+"""
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.jsonable import to_jsonable
+from axrl_spike_replay.replay.result import ATTRIBUTION_FILE, ReplayResult
+from axrl_spike_replay.snapshot.consistency import consistency_line
+from axrl_spike_replay.workspace.paths import job_tmp_dir
 
-MAX_LINES = 10
+MAX_LINES = 12
+MAX_PROBLEMS = 3  # named consistency problems quoted; the rest are counted
 
 
-def key_signals(snapshot: str | Path, top: int = 3) -> dict[str, Any]:
-    """`{"lines": [...], "notes": [...]}`: batch signals and attribution, summarised; notes say what was unreadable."""
-    lines: list[str] = []
+def recorded_signals(
+    root: Path,
+    state: dict[str, Any],
+    row: dict[str, Any],
+    result: ReplayResult,
+    baseline: dict[str, Any],
+    top: int = 3,
+) -> dict[str, list[str]]:
+    """`{"lines": [...], "notes": [...]}` for the method file of the attempt `row` (its replay result `result`, its
+    baseline as `evidence.baseline_for` gives it); notes name what was not measured or could not be read."""
+    lines = [_spike_line(result)]
     notes: list[str] = []
-    path = Path(snapshot)
-    if not path.is_dir():
-        note = f"snapshot {path} is no longer readable (not a directory); signals not recomputed"
-        return {"lines": [], "notes": [note]}
-    for label, compute in (("batch signals", _batch_signals), ("attribution", _attribution)):
-        try:
-            lines += compute(path, top)
-        except ImportError as exc:
-            notes.append(f"{label}: not available in this installation ({exc})")
-        except AxrlError as exc:
-            notes.append(f"{label}: snapshot {path} could not be read ({exc})")
-        except Exception as exc:  # best effort: a method file is still written, with the reason noted
-            notes.append(f"{label}: not computed for {path} ({type(exc).__name__}: {exc})")
+    if not Path(result.snapshot).is_dir():  # released or rotated: the figures still stand, as recorded
+        notes.append(f"snapshot {result.snapshot} is no longer there; the figures here are those recorded while it was")
+    lines += _baseline_lines(baseline, notes)
+    lines += _diagnosis_lines(state, result, notes)
+    lines += _attribution_lines(root, state["job"], row, result, top, notes)
     return {"lines": lines[:MAX_LINES], "notes": notes}
 
 
-def _batch_signals(path: Path, top: int) -> list[str]:
-    from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
-
-    return summarise_batch(to_jsonable(analyze_snapshot(path, top=top)), top)
-
-
-def _attribution(path: Path, top: int) -> list[str]:
-    from axrl_spike_replay.replay.attribution import attribute_spike
-
-    return summarise_attribution(to_jsonable(attribute_spike(path, top=top)), top)
+def _spike_line(result: ReplayResult) -> str:
+    recorded, median = result.recorded_grad_norm, result.median_norm
+    ratio = recorded / median if recorded is not None and median else None
+    return (
+        f"spike: recorded grad norm {_short(recorded)}, {_short(ratio)}x the median {_short(median)} "
+        f"(iteration {result.iteration}, world size {result.world_size_saved})"
+    )
 
 
-def summarise_batch(doc: dict[str, Any], top: int) -> list[str]:
-    """Spike size, loss tokens, importance-ratio outliers, advantage balance and the top outlier tokens."""
-    lines = [
-        f"spike: grad norm {_short(doc.get('grad_norm'))}, {_short(doc.get('spike_ratio'))}x the median "
-        f"(iteration {doc.get('iteration')}, ranks {len(doc.get('ranks') or [])})"
-    ]
-    tokens = doc.get("tokens") or {}
-    if tokens:
-        lines.append(
-            f"loss tokens: {tokens.get('loss_tokens')} of {tokens.get('total')} ({_short(tokens.get('loss_fraction'))})"
+def _baseline_lines(baseline: dict[str, Any], notes: list[str]) -> list[str]:
+    """The baseline replay's figures, its consistency verdict and named problems, its largest parameter grads."""
+    if baseline.get("id") is None:
+        notes.append(
+            "baseline replay: none logged for this snapshot at this layout, so its consistency (the snapshot against "
+            "itself, its replay and the training log) was not checked here; `replay SNAPSHOT` checks it"
         )
-    ratio = doc.get("ratio") or {}
-    if ratio.get("available"):
-        outside = ratio.get("fraction_outside") or {}
-        abs_lr = ratio.get("abs_log_ratio") or {}
-        lines.append(
-            f"importance ratio (old vs rollout): {_short(outside.get('0.5-2.0'))} of loss tokens outside [0.5, 2], "
-            f"max |log(pi_old/pi_rollout)| {_short(abs_lr.get('max'))}"
-        )
-    sign = doc.get("sign_balance") or {}
-    if sign:
-        lines.append(
-            f"advantages: {_dominance(sign.get('dominant'))}, negative/positive total "
-            f"{_short(sign.get('negative_to_positive'))} ({sign.get('negative_tokens')} negative, "
-            f"{sign.get('positive_tokens')} positive tokens)"
-        )
-    outliers = doc.get("outliers") or {}
-    for key, label, column in (
-        ("tokens_by_abs_log_ratio", "top tokens by |log(pi_old/pi_rollout)|", "log_ratio"),
-        ("tokens_by_abs_advantage", "top tokens by |advantage|", "advantage"),
-    ):
-        rows = outliers.get(key) or []
-        if rows:
-            cells = [f"rank {r.get('rank')} sample {r.get('sample')} pos {r.get('position')}: {_short(r.get(column))}"
-                     for r in rows[:top]]  # fmt: skip
-            lines.append(f"{label}: " + "; ".join(cells))
-    if doc.get("missing"):
-        lines.append("not in the snapshot: " + ", ".join(str(m).split(" ", 1)[0] for m in doc["missing"]))
+        return []
+    line = (
+        f"baseline replay {baseline['id']}: grad norm {_short(baseline.get('grad_norm'))}, rel diff vs recorded "
+        f"{_short(baseline.get('rel_diff'))} -> {baseline.get('verdict')}"
+    )
+    consistency = baseline.get("consistency")
+    lines = [line]
+    if not isinstance(consistency, dict):
+        notes.append(f"consistency: baseline replay {baseline['id']} recorded no consistency checks")
+    else:
+        lines[0] += f"; {consistency_line(consistency)}"
+        problems = [p for p in consistency.get("problems") or [] if isinstance(p, dict)]
+        lines += [f"consistency problem [{p.get('name')}]: {p.get('message')}" for p in problems[:MAX_PROBLEMS]]
+        if len(problems) > MAX_PROBLEMS:
+            lines.append(f"... and {len(problems) - MAX_PROBLEMS} more consistency problems (see {baseline['id']})")
+    params = [p for p in baseline.get("top_params") or [] if isinstance(p, dict)]
+    if params:
+        cells = ", ".join(f"{p.get('name')} {_short(p.get('grad_norm'))}" for p in params[:3])
+        lines.append(f"largest parameter grad norms at the baseline: {cells}")
     return lines
+
+
+def _diagnosis_lines(state: dict[str, Any], result: ReplayResult, notes: list[str]) -> list[str]:
+    """The likely causes of the task's diagnosis of this snapshot, each with its evidence (the batch signals)."""
+    entry = diagnosis_of(state, result.snapshot)
+    if entry is None:
+        notes.append(
+            "batch signals: not measured (the task holds no diagnosis of this snapshot); `diagnose SNAPSHOT` "
+            "measures them, `task open JOB --snapshot SNAPSHOT` records them in the task"
+        )
+        return []
+    if entry.get("error"):
+        notes.append(f"batch signals: the task's diagnosis could not read the snapshot ({entry['error']})")
+        return []
+    likely = [c for c in entry.get("causes") or [] if isinstance(c, dict) and c.get("likely")]
+    lines = []
+    for cause in likely[:2]:
+        evidence = "; ".join(str(e) for e in (cause.get("evidence") or [])[:3])
+        strength = cause.get("strength")
+        figure = f", strength {strength:.2f}" if isinstance(strength, (int, float)) else ""
+        lines.append(f"diagnosis: {cause.get('title')} ({cause.get('family')}{figure}): {evidence}")
+    return lines
+
+
+def diagnosis_of(state: dict[str, Any], snapshot: str) -> dict[str, Any] | None:
+    """The task's latest diagnosis of `snapshot` (paths compared once resolved), None when it holds none."""
+    wanted = _real(snapshot)
+    found = [d for d in state.get("diagnoses") or [] if isinstance(d, dict) and _real(d.get("snapshot")) == wanted]
+    return found[-1] if found else None
+
+
+def _attribution_lines(
+    root: Path, job: str, row: dict[str, Any], result: ReplayResult, top: int, notes: list[str]
+) -> list[str]:
+    found = find_attribution(root, job, result.snapshot, row.get("result_path"), notes)
+    if found is not None:
+        path, doc = found
+        lines = summarise_attribution(doc, top)
+        return [*lines[:-1], f"{lines[-1]} (from {path})"] if lines else []
+    clean = result.clean_gradient or {}
+    left = [str(s) for s in clean.get("left_out") or []]
+    if left and isinstance(clean.get("share_left_out"), (int, float)):
+        notes.append(
+            "per-sample attribution: only the samples carrying the norm were recorded (by this replay's clean "
+            "gradient), not their advantages or log-ratios; `attribute SNAPSHOT --job JOB` measures them"
+        )
+        return [
+            f"samples carrying the baseline grad norm (this replay's clean-gradient attribution): "
+            f"{', '.join(left)} carry {_pct(clean['share_left_out'])}"
+        ]
+    notes.append(
+        "per-sample attribution: not measured (no attribution.json of this snapshot in the job's runs); "
+        "`attribute SNAPSHOT --job JOB` measures it"
+    )
+    return []
+
+
+def find_attribution(
+    root: Path, job: str, snapshot: str, result_path: str | None, notes: list[str]
+) -> tuple[Path, dict[str, Any]] | None:
+    """An `attribution.json` of the attempt's snapshot without mitigations (an attribution under mitigations
+    describes another gradient): the attempt's run dir or its sweep's first, then the job's runs, newest first."""
+    from axrl_spike_replay.snapshot.metadata import read_json_document
+
+    candidates: list[Path] = []
+    if result_path:
+        run = Path(result_path).parent
+        candidates += [run / ATTRIBUTION_FILE, run.parent / ATTRIBUTION_FILE]
+    runs = job_tmp_dir(root, job)
+    if runs.is_dir():
+        candidates += sorted(runs.glob(f"*/{ATTRIBUTION_FILE}"), reverse=True)  # run dirs are named by time
+    wanted = _real(snapshot)
+    seen: set[Path] = set()
+    for path in candidates:
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        try:
+            doc = read_json_document(path)
+        except AxrlError as exc:
+            notes.append(f"attribution: {exc}; not used")
+            continue
+        if _real(doc.get("snapshot")) == wanted and not doc.get("mitigations") and isinstance(doc.get("samples"), list):
+            return path, doc
+    return None
+
+
+def _real(path: Any) -> str | None:
+    return os.path.realpath(path) if isinstance(path, str) and path else None
 
 
 def summarise_attribution(doc: dict[str, Any], top: int) -> list[str]:
@@ -106,10 +199,6 @@ def summarise_attribution(doc: dict[str, Any], top: int) -> list[str]:
 
 def _pct(value: Any) -> str:
     return f"{value * 100:.1f}%" if isinstance(value, (int, float)) and math.isfinite(value) else "n/a"
-
-
-def _dominance(dominant: Any) -> str:
-    return "balanced" if dominant in (None, "balanced") else f"{dominant} dominate"
 
 
 def summarise(kind: str, doc: Any, top: int) -> list[str]:

@@ -11,6 +11,7 @@ from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.replay.mitigation_sets import DIAGNOSTIC_ONLY, SEED_WORKFLOW_METHODS
 from axrl_spike_replay.replay.mitigations import MITIGATIONS, config_id
 from axrl_spike_replay.replay.result import ReplayResult, SweepResult
+from axrl_spike_replay.replay.verdict import threshold_label
 from axrl_spike_replay.vocabulary import Fidelity
 from axrl_spike_replay.workspace.methods import add_method
 from axrl_spike_replay.workspace.task_state import show_task
@@ -39,7 +40,7 @@ def rationale_for(result: ReplayResult, threshold: float, context: str = "") -> 
     return (
         f"{context}{docs}. Replayed at {result.fidelity} fidelity, it took the spike step's grad norm from "
         f"{result.baseline_grad_norm:.4g} to {result.grad_norm:.4g} (ratio to median {result.spike_ratio:.3g}, "
-        f"detector threshold {threshold:g})."
+        f"{threshold_label(result.verdict_basis)} {threshold:g})."
     )
 
 

@@ -1,0 +1,99 @@
+"""The non_finite cause family on hand-edited copies of the golden snapshot, and the NaN trap: a non-finite value
+is the non_finite family's evidence and never makes another cause strong."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+from snapshot_edits import copy_fixture, edit_batch, edit_grad_info, no_mismatch
+
+from axrl_spike_replay.analysis import diagnose_causes as causes
+from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
+from axrl_spike_replay.analysis.diagnose import diagnose_snapshot
+from axrl_spike_replay.analysis.diagnose_causes import Evidence
+from axrl_spike_replay.analysis.diagnose_model import LayerAgreement, RouteAgreement
+from axrl_spike_replay.analysis.grad_info import top_param_grads
+from axrl_spike_replay.replay.result import Attribution, SampleContribution
+
+
+def _families(diagnosis) -> dict[str, float]:
+    return {c.family: c.strength for c in diagnosis.causes}
+
+
+def test_one_nan_advantage_is_reported_as_non_finite_and_makes_no_cause_strong(tmp_path: Path) -> None:
+    snapshot = copy_fixture(tmp_path)
+    edit_batch(snapshot, 0, lambda b: b["advantages"].__setitem__(2, math.nan))  # sample 0:2, 8 loss tokens
+    balance = analyze_snapshot(snapshot).sign_balance
+    assert balance is not None and balance["non_finite_tokens"] == 8
+    assert math.isfinite(balance["positive_total"]) and math.isfinite(balance["negative_total"])
+
+    d = diagnose_snapshot(snapshot, model="never")
+    strengths = _families(d)
+    assert d.causes[0].family == "logprob_mismatch"  # the real cause stays first
+    assert "negative_advantage_dominance" not in strengths  # was 1.00 from min(1.0, nan)
+    non_finite = next(c for c in d.causes if c.family == "non_finite")
+    assert non_finite.strength == causes.NON_FINITE_INPUTS < strengths["logprob_mismatch"]
+    assert non_finite.evidence[0] == "8 non-finite advantages on loss tokens"
+    assert "recorded grad norm 56.78 is finite" in non_finite.evidence[1]
+    assert "drop_samples=0:2" in d.mitigation_items()
+    assert all(math.isfinite(s) for s in strengths.values())
+
+
+def test_nan_rollout_logprobs_do_not_pass_for_a_log_prob_mismatch(tmp_path: Path) -> None:
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    edit_batch(snapshot, 1, lambda b: b["rollout_logprobs"].__setitem__(5, math.nan))  # one sample's row
+    d = diagnose_snapshot(snapshot, model="never")
+    strengths = _families(d)
+    # analyze counts the NaN log-ratios as outside [0.5, 2] (6 % of loss tokens): judged on the finite ones, none is
+    assert "logprob_mismatch" not in strengths
+    assert d.causes[0].family == "non_finite" and d.causes[0].strength == causes.NON_FINITE_INPUTS
+    assert d.causes[0].evidence[0].endswith("non-finite rollout logprobs on loss tokens")
+    assert "drop_samples=1:5" in d.mitigation_items()
+
+
+def test_a_non_finite_recorded_norm_is_the_strongest_cause(tmp_path: Path) -> None:
+    snapshot = copy_fixture(tmp_path)
+    edit_grad_info(snapshot, 1, lambda info: info["param_grad_norms"].update(dict.fromkeys(["head.weight"], math.inf)))
+    d = diagnose_snapshot(snapshot, model="never")
+    top = d.causes[0]
+    assert top.family == "non_finite" and top.strength == 1.0
+    assert "rank 1's recorded per-parameter grad norms are not finite" in top.evidence
+    assert top.figures["recorded_norm_finite"] is False
+    assert d.mitigation_items()[0] == "log_ratio_clip=5"
+
+
+def _with_nan_evidence(snapshot: Path) -> Evidence:
+    """The real evidence of an outlier-advantage spike with NaN in every figure a family reads beyond the batch."""
+    analysis = analyze_snapshot(snapshot)
+    nan_sample = SampleContribution(
+        rank=1, sample=3, contribution=math.nan, share=math.nan, advantage=200.0, reward=None,
+        max_abs_log_ratio=math.nan, loss_tokens=8,
+    )  # fmt: skip
+    samples = [nan_sample, dataclasses.replace(nan_sample, rank=0, sample=1)]
+    attribution = Attribution(
+        snapshot=str(snapshot), grad_norm=math.nan, recorded_grad_norm=analysis.grad_norm, rel_diff=None,
+        fidelity="full", world_size_saved=2, total_samples=16, samples=samples, router_term=0.0,
+        contribution_sum=math.nan, sum_rel_error=math.nan,
+    )  # fmt: skip
+    routes = RouteAgreement([LayerAgreement(0, 64, 0, math.nan, None), LayerAgreement(1, 64, 0, 0.01, None)], "all")
+    return Evidence(analysis=analysis, grads=top_param_grads(snapshot), attribution=attribution, routes=routes,
+                    world_size=2)  # fmt: skip
+
+
+def test_no_family_turns_a_nan_figure_into_a_strong_cause(tmp_path: Path) -> None:
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    edit_batch(snapshot, 1, lambda b: b["advantages"].__setitem__(3, b["advantages"][3] * 200.0))
+    ev = _with_nan_evidence(snapshot)
+    found = {f.__name__: f(ev) for f in causes.FAMILIES}
+    assert found["routing_mismatch"] is None  # a NaN disagreement is no disagreement (was min(1.0, nan) = 1.0)
+    assert found["one_rank"] is None  # NaN shares carry nothing
+    outlier = found["outlier_advantage"]
+    assert outlier is not None and outlier.strength == pytest.approx(0.4)  # NaN share: nothing carried (was 1.0)
+    assert outlier.figures["samples"] == [[1, 3]]
+    for cause in found.values():
+        assert cause is None or 0.0 <= cause.strength <= 1.0

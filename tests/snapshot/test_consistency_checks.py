@@ -1,0 +1,116 @@
+"""Each static consistency check fires, alone and by name, on a copy of the golden snapshot edited by hand in the
+one place it compares; the unedited snapshot passes them all."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from axrl_spike_replay.snapshot.consistency import check_snapshot
+from axrl_spike_replay.snapshot.inspect import inspect_snapshot
+
+RECORDED = 56.77506102151846  # the golden snapshot's recorded grad norm
+MEDIAN = 0.37807251730432034
+STATIC_CHECKS = [
+    "spike_ratio_vs_norms",
+    "ranks_vs_files",
+    "metadata_vs_run_config",
+    "rank_grad_norm_vs_metadata",
+    "grad_norm_vs_param_norms",
+]
+
+
+def _edit_metadata(snapshot: Path, **changes: object) -> None:
+    path = snapshot / "axrl_metadata.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _edit_grad_info(snapshot: Path, rank: int, edit: Callable[[dict], None]) -> None:
+    path = snapshot / f"grad_info_rank{rank}.pt"
+    info = torch.load(path, weights_only=True)
+    edit(info)
+    torch.save(info, path)
+
+
+def _spike_ratio(snapshot: Path) -> None:
+    _edit_metadata(snapshot, spike_ratio=100.0)  # grad_norm / median_norm is 150.17
+
+
+def _run_config(snapshot: Path) -> None:
+    path = snapshot / "run_config.yaml"
+    text = path.read_text()
+    assert text.count("\n  dp: 2\n") == 1
+    path.write_text(text.replace("\n  dp: 2\n", "\n  dp: 4\n"))
+
+
+def _rank_grad_norm(snapshot: Path) -> None:
+    _edit_grad_info(snapshot, 1, lambda info: info.update(grad_norm=60.0))
+
+
+def _param_norms(snapshot: Path) -> None:
+    for rank in (0, 1):  # every per-parameter norm a tenth of what it was: the recorded norm is out of their bound
+        _edit_grad_info(rank=rank, snapshot=snapshot, edit=lambda i: i.update(
+            param_grad_norms={k: 0.1 * v for k, v in i["param_grad_norms"].items()}))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("edit", "name", "message", "figures"),
+    [
+        (
+            _spike_ratio,
+            "spike_ratio_vs_norms",
+            f"spike ratio 100 but grad_norm / median_norm = {RECORDED / MEDIAN:.6g}",
+            {"spike_ratio": 100.0},
+        ),
+        (
+            _run_config,
+            "metadata_vs_run_config",
+            "parallel.dp is 2 in the metadata but 4 in run_config.yaml",
+            {"key": "dp", "metadata": 2, "run_config": 4},
+        ),
+        (
+            _rank_grad_norm,
+            "rank_grad_norm_vs_metadata",
+            f"rank 1 recorded grad norm 60, the metadata {RECORDED:.6g}",
+            {"rank": 1, "rank_grad_norm": 60.0},
+        ),
+        (
+            _param_norms,
+            "grad_norm_vs_param_norms",
+            f"recorded global grad norm {RECORDED:.6g} contradicts the recorded per-parameter norms",
+            {"recorded_grad_norm": RECORDED},
+        ),
+    ],
+)
+def test_each_check_fires_alone_on_the_field_it_compares(
+    golden_snapshot: Path, tmp_path: Path, edit: Callable[[Path], None], name: str, message: str, figures: dict
+) -> None:
+    assert check_snapshot(golden_snapshot).problems == []  # the unedited snapshot agrees with itself
+    snapshot = tmp_path / golden_snapshot.name
+    shutil.copytree(golden_snapshot, snapshot)
+    edit(snapshot)
+    result = check_snapshot(snapshot)
+    assert result.checked == STATIC_CHECKS
+    (problem,) = result.problems
+    assert problem.name == name and problem.message.startswith(message)
+    assert figures.items() <= problem.figures.items()
+    assert result.self_consistent is False and result.summary().startswith("snapshot 1 self-inconsistencies")
+    shown = inspect_snapshot(snapshot).consistency  # what `inspect` reports
+    assert shown is not None and [(p.name, p.message) for p in shown.problems] == [(name, problem.message)]
+
+
+def test_the_param_norm_bound_is_named_with_its_numbers(golden_snapshot: Path, tmp_path: Path) -> None:
+    snapshot = tmp_path / golden_snapshot.name
+    shutil.copytree(golden_snapshot, snapshot)
+    low, high = check_snapshot(snapshot).merged_param_norm_bounds or [0.0, 0.0]
+    assert low < RECORDED < high
+    _param_norms(snapshot)
+    result = check_snapshot(snapshot)
+    assert result.merged_param_norm_bounds == pytest.approx([0.1 * low, 0.1 * high])
+    (problem,) = result.problems
+    assert f"it must lie in [{0.1 * low:.6g}, {0.1 * high:.6g}]" in problem.message
