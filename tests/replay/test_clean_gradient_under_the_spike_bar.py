@@ -2,8 +2,8 @@
 
 It leaves out the fewest loss tokens, highest pull first, that bring the baseline under the verdict's spike
 bar, masked through the loss as the trainer masks a token; the methods that clear the spike while keeping
-the healthy gradient score above the unmitigated baseline. A spike no minority of tokens carries says so
-instead of pretending."""
+the healthy gradient score above the unmitigated baseline and are ranked first. A spike no minority of
+tokens carries says so instead of pretending."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.policy_loss import local_counts, policy_loss
 from axrl_spike_replay.training.verl_convention import response_horizon
 from axrl_spike_replay.vocabulary import Verdict
+from axrl_spike_replay.workspace.methods import list_methods
+from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
 from axrl_spike_replay.workspace.task_state import open_task
 
 if TYPE_CHECKING:
@@ -92,6 +94,23 @@ def test_cleared_methods_that_keep_the_healthy_direction_score_above_the_unmitig
         cleared = results[str(change)]
         assert cleared.verdict == Verdict.CLEARED
         assert cleared.cosine_to_clean is not None and cleared.cosine_to_clean > baseline_cosine + 0.3, change
+
+
+@pytest.mark.slow
+def test_proven_methods_are_ranked_by_their_cosine_to_the_clean_gradient(
+    investigated: tuple[SweepResult, Path],
+) -> None:
+    sweep, ws = investigated
+    written = [w for w in write_up_sweep(ws, JOB, sweep) if w.path]
+    assert len(written) >= 3
+    methods = [m for m in list_methods(ws) if m.source == "workspace"]
+    cosines = [m.front_matter["cosine_to_clean"] for m in methods]
+    assert cosines == sorted(cosines, reverse=True) and len(set(cosines)) == len(cosines)
+    assert all(m.status == "proven" and m.front_matter["clean_reached"] is True for m in methods)
+    best = max((r for r in sweep.results if r.verdict == Verdict.CLEARED), key=lambda r: r.cosine_to_clean or -2)
+    assert methods[0].front_matter["mitigations"] == best.mitigations
+    text = Path(str(methods[0].path)).read_text(encoding="utf-8")
+    assert "highest-pull loss tokens" in text and "under the spike bar" in text
 
 
 @pytest.mark.slow
