@@ -55,8 +55,10 @@ def test_the_outlier_advantage_spike_is_cleared_by_masking_outlier_advantages(sw
 def test_dropping_the_top_sample_clears_it_and_matches_the_clean_gradient(sweep: SweepResult) -> None:
     dropped = sweep.results[1]
     assert dropped.verdict == Verdict.CLEARED
-    assert dropped.clean_gradient is not None and dropped.clean_gradient["left_out"] == ["0:1"]
-    assert dropped.clean_gradient["reached_share"] is True
+    clean = dropped.clean_gradient
+    # the outlier's tokens carry the pull: leaving them out, and only them, gets under the spike bar
+    assert clean is not None and clean["left_out"] == clean["wholly_left_out"] == ["0:1"]
+    assert clean["reached"] is True and clean["ratio_to_median"] < dropped.threshold
     assert dropped.cosine_to_clean == pytest.approx(1.0, abs=1e-6)
 
 
@@ -89,6 +91,10 @@ def test_a_clear_threshold_of_the_users_changes_the_verdict(outlier_snapshot: Pa
     assert basis["threshold_source"] == "clear_threshold" and basis["detector_threshold"] == 5.0
     assert basis["ratio_to_median"] == pytest.approx(result.spike_ratio)
     assert "partial" in basis["rule"]
+    # the clean gradient is cleaned under the same, stricter bar
+    assert result.clean_gradient is not None and result.median_norm is not None
+    assert result.clean_gradient["bar"] == pytest.approx(strict * result.median_norm)
+    assert result.clean_gradient["ratio_to_median"] < strict
 
 
 def test_the_outlier_rule_is_a_robust_z_score_within_the_batch_or_group() -> None:

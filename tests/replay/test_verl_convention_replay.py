@@ -74,3 +74,9 @@ def test_a_mitigation_that_rejects_other_tokens_recounts_them_at_every_layout(ve
     reduced = run_replay(verl_snapshot, ReplayOptions(nproc=1, mitigations=mitigation))
     assert full.grad_norm is not None and reduced.grad_norm is not None
     assert abs(full.grad_norm - reduced.grad_norm) <= 1e-5 * full.grad_norm
+    # the clean gradient leaves the same tokens out, recounted over both ranks, whichever process holds a rank
+    clean_full, clean_reduced = full.clean_gradient, reduced.clean_gradient
+    assert clean_full is not None and clean_reduced is not None and clean_full["passes"] > 0
+    for key in ("tokens_left_out", "loss_tokens", "left_out", "reached"):
+        assert clean_full[key] == clean_reduced[key], key
+    assert clean_reduced["grad_norm"] == pytest.approx(clean_full["grad_norm"], rel=1e-5)

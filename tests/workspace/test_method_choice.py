@@ -13,7 +13,7 @@ import pytest
 from record_helpers import JOB, SpikeRun, replay_result, save_result
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.workspace.methods import add_method, list_methods
+from axrl_spike_replay.workspace.methods import add_method, list_methods, rank_key
 from axrl_spike_replay.workspace.report import write_report
 from axrl_spike_replay.workspace.task_log import record_replay
 from axrl_spike_replay.workspace.task_state import open_task, read_state, set_command
@@ -126,3 +126,19 @@ def test_the_task_and_report_show_the_replay_command_actually_used(
     set_command(workspace, JOB, "my own command")
     _log(workspace, spike_run.snapshot, "again", BASE, {}, None, 0.0, command="axrl-spike-replay replay other")
     assert read_state(workspace, JOB)["command"] == "my own command"  # what the user set stays
+
+
+def test_a_cosine_against_a_clean_gradient_that_never_got_under_the_bar_ranks_by_footprint_after_the_others() -> None:
+    def fields(slug: str, cos: float | None, reached: bool | None, tokens: float) -> dict:
+        return {"slug": slug, "status": "proven", "cosine_to_clean": cos, "clean_reached": reached,
+                "token_fraction": tokens}  # fmt: skip
+
+    methods = [
+        fields("rough-close", 0.99, False, 0.9),
+        fields("rough-small", 0.10, False, 0.1),
+        fields("measured", 0.20, True, 0.5),
+        fields("older-file", 0.30, None, 0.5),  # written before `clean_reached` was recorded: as before
+        fields("no-figures", None, None, 0.0),
+    ]
+    ranked = [m["slug"] for m in sorted(methods, key=rank_key)]
+    assert ranked == ["older-file", "measured", "rough-small", "rough-close", "no-figures"]

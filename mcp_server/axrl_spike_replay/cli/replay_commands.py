@@ -207,6 +207,8 @@ def _threshold_label(doc: dict[str, Any]) -> str:
 
 def render_replay(doc: dict[str, Any]) -> str:
     """A replay result for people."""
+    from axrl_spike_replay.replay.result import describe_clean_gradient
+
     lines = [
         f"replay of {doc['snapshot']} (job {doc['job_name']}, iteration {doc['iteration']}, {doc['device']})",
         f"  fidelity      {fidelity_label(doc)}",
@@ -236,8 +238,9 @@ def render_replay(doc: dict[str, Any]) -> str:
             f"{footprint['loss_tokens']}), {footprint['sample_fraction'] * 100:.1f}% of samples touched"
         )
     if doc.get("clean_gradient"):
-        left = ", ".join(doc["clean_gradient"].get("left_out") or []) or "none"
-        lines.append(f"  cos to clean  {_num(cos, 4)} (clean gradient: baseline without samples {left})")
+        lines.append(
+            f"  cos to clean  {_num(cos, 4)} (clean gradient: {describe_clean_gradient(doc['clean_gradient'])})"
+        )
     if doc.get("repeat_grad_norms"):
         lines.append(
             f"  repeat        {len(doc['repeat_grad_norms'])} runs, spread {_num(doc.get('repeat_spread'), 3)}"

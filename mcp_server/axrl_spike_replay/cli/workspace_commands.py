@@ -210,7 +210,8 @@ def _render_methods(methods: list[MethodEntry]) -> str:
             m.slug,
             m.status,
             m.source,
-            _figure(m.front_matter.get("cosine_to_clean"), "{:.4f}"),
+            _figure(m.front_matter.get("cosine_to_clean"), "{:.4f}")
+            + (" (rough)" if m.front_matter.get("clean_reached") is False else ""),
             _figure(m.front_matter.get("token_fraction"), "{:.1%}"),
             m.summary,
         ]

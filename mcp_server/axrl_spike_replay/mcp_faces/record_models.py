@@ -66,13 +66,18 @@ class MethodEntry(_Open):
     source: str = Field("workspace", description="workspace (this workspace's method) or shipped (the tool's library)")
     rank: int = Field(
         0,
-        description="Place in the ranking: proven first, then cosine to clean (high first), then "
-        "token fraction (low first)",
+        description="Place in the ranking: proven first, then cosine to clean (high first; a rough one, "
+        "clean_reached false, after the others), then token fraction (low first)",
     )
     cosine_to_clean: float | None = Field(
         None,
-        description="Cosine of the mitigated gradient with the clean gradient (baseline without the "
-        "top-attributed samples); near 1: the healthy gradient kept intact",
+        description="Cosine of the mitigated gradient with the clean gradient (the baseline without the fewest "
+        "highest-pull loss tokens that bring it under the spike bar); near 1: the healthy gradient kept intact",
+    )
+    clean_reached: bool | None = Field(
+        None,
+        description="Whether that clean gradient got under the spike bar; false: the spike is not carried by a "
+        "minority of tokens and the cosine is a rough reference (None: written before this was recorded)",
     )
     token_fraction: float | None = Field(None, description="Fraction of loss tokens the method masked or changed")
 

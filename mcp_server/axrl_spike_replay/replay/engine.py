@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.replay.clean_gradient import spike_bar
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
 from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, mitigation_args, parse_config
@@ -154,6 +155,7 @@ class ReplaySession:
             repeat=o.repeat,
             top=o.top_params,
             counts=inputs.counts,
+            spike_bar=spike_bar(inputs.metadata.median_norm, self.threshold),
         )
         self.log(
             f"replaying {len(self.configs)} config(s) on {self.plan.nproc} process(es), {o.device}, "

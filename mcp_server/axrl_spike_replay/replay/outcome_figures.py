@@ -6,20 +6,15 @@ or changes (still in the loss, but with a per-token loss that differs from the b
 rtol 1e-5 / atol 1e-7: clipped, reweighted or recomputed), and the samples it masks entirely or touches
 at all. A config that only changes the aggregation (`loss_agg_mode`) touches no token: the cosine shows it.
 
-Clean gradient: the baseline gradient with the top-attributed spike samples left out of the loss (as
-`drop_samples` would leave them out). Each sample's attribution is c_s = <g_s, g> / ||g|| on the baseline
-gradient g (the `attribute` verb's jvp method, taken through the per-token
-log-probs); the top-attributed samples are the smallest set, taken in
-order of c_s (largest first, positive only), whose contributions sum to at least CLEAN_SHARE (50 %) of
-||g||, and never more than MAX_CLEAN_FRACTION (25 %) of the samples with loss tokens (at least one). When
-the cap stops the set short of 50 %, `reached_share` is false: the spike is not concentrated on a few
-samples and the clean gradient is only a rough reference.
+Clean gradient (`replay.clean_gradient` has the definition): the baseline gradient with the loss tokens the
+baseline loss pulls hardest on left out of the loss, as few as get it under the verdict's spike bar (grad
+norm / median < threshold), at most half the loss tokens (`reached` false when even that does not).
 
 Cosine to clean: <g_cfg, g_clean> / (||g_cfg|| ||g_clean||) over every parameter of the reduced global
 gradients (float64). 1: the config kept the healthy gradient's direction exactly (it removed only what the
-spike samples added); a no-op config scores the baseline's own cosine, well under 1 when the spike
-dominates. Cost: one forward-mode (jvp) pass and one forward + backward of the clean batch per replay or
-sweep, shared by all its configs.
+spike tokens added); a no-op config scores the baseline's own cosine, well under 1 when the spike
+dominates. Cost: about 2 log2(k) + 1 forward + backward passes of the batch for k tokens left out, per
+replay or sweep, shared by all its configs (`clean_gradient.passes`, `clean_gradient.seconds`).
 """
 
 from __future__ import annotations
@@ -32,15 +27,13 @@ from typing import Any
 
 import torch
 
-CLEAN_SHARE = 0.5
-MAX_CLEAN_FRACTION = 0.25
+from axrl_spike_replay.replay.clean_gradient import CLEAN_DEFINITION
+
 CHANGE_RTOL = 1e-5
 CHANGE_ATOL = 1e-7
 DEFINITION = (
-    "clean gradient: the baseline gradient with the top-attributed samples left out of the loss; top-attributed: "
-    f"the smallest set of samples, largest contribution <g_s, g>/||g|| first, carrying >= {CLEAN_SHARE:.0%} of the "
-    f"baseline grad norm, capped at {MAX_CLEAN_FRACTION:.0%} of the samples with loss tokens; cosine_to_clean: "
-    "cosine of the config's reduced global gradient with the clean one; footprint: loss tokens masked or "
+    f"{CLEAN_DEFINITION}; cosine_to_clean: cosine of the config's reduced global gradient with the clean one; "
+    "footprint: loss tokens masked or "
     f"changed (per-token loss differs from the baseline's beyond rtol {CHANGE_RTOL:g}, atol {CHANGE_ATOL:g}) and "
     "samples masked or touched, as fractions of the baseline's"
 )
@@ -84,27 +77,6 @@ def merge_footprint(parts: Sequence[Mapping[str, int]]) -> dict[str, Any]:
         "sample_fraction": total["touched_samples"] / samples if samples else 0.0,
         "masked_sample_fraction": total["masked_samples"] / samples if samples else 0.0,
     }
-
-
-def top_attributed(
-    dots: Mapping[tuple[int, int], float], grad_norm: float, samples_with_tokens: int
-) -> tuple[list[tuple[int, int]], float, bool]:
-    """(the top-attributed (rank, sample) pairs, the share of ||g|| they carry, whether they reach CLEAN_SHARE).
-
-    `dots` holds <g_s, g> per sample; c_s = dot / ||g||, so the share of a set is sum(dot) / ||g||^2."""
-    if not grad_norm > 0 or not math.isfinite(grad_norm):
-        return [], 0.0, False
-    norm_sq = grad_norm * grad_norm
-    ranked = sorted(((d, pair) for pair, d in dots.items() if d > 0), key=lambda item: (-item[0], item[1]))
-    cap = max(1, math.floor(MAX_CLEAN_FRACTION * max(samples_with_tokens, 1)))
-    chosen: list[tuple[int, int]] = []
-    share = 0.0
-    for dot, pair in ranked[:cap]:
-        chosen.append(pair)
-        share += dot / norm_sq
-        if share >= CLEAN_SHARE:
-            return chosen, share, True
-    return chosen, share, False
 
 
 def grads_of(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -167,10 +139,3 @@ def jvp_policy(
         logprobs, entropy = functional_call(wrapped, duals, ())
         d_entropy = fwad.unpack_dual(entropy).tangent if entropy is not None else None
         return fwad.unpack_dual(logprobs).tangent, d_entropy
-
-
-def jvp_logprobs(
-    model: torch.nn.Module, batch: dict[str, Any], routing: Any, direction: dict[str, torch.Tensor]
-) -> Any:
-    """J g for the per-token log-probs [B, T]: one forward pass with dual numbers (parameter, tangent = g)."""
-    return jvp_policy(model, batch, routing, direction)[0]

@@ -61,7 +61,8 @@ class ReplayResult:
     # mitigated replays: what the config changed besides the spike (replay.outcome_figures has the definitions)
     footprint: dict[str, Any] | None = None  # loss tokens / samples masked or changed; token_fraction, sample_fraction
     cosine_to_clean: float | None = None  # cosine of this gradient with the clean gradient (in [-1, 1])
-    clean_gradient: dict[str, Any] | None = None  # the clean gradient: samples left out, their share, definition
+    # the clean gradient (replay.clean_gradient): tokens and samples left out, reached (under the spike bar), definition
+    clean_gradient: dict[str, Any] | None = None
     verdict_basis: dict[str, Any] | None = None  # the numbers and rule the verdict was judged by
 
     def __post_init__(self) -> None:
@@ -79,6 +80,34 @@ class ReplayResult:
         """A result read back from its JSON document; AxrlError when a vocabulary field holds an unknown value."""
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+SHOWN_SAMPLES = 8  # samples named in a clean gradient's description before "and N more"
+
+
+def describe_clean_gradient(clean: dict[str, Any]) -> str:
+    """The clean gradient in words, for method files and summaries (results written before the token definition:
+    the samples they left out)."""
+    samples = [str(s) for s in clean.get("left_out") or []]
+    named = ", ".join(samples[:SHOWN_SAMPLES]) + (
+        f" and {len(samples) - SHOWN_SAMPLES} more" if samples[SHOWN_SAMPLES:] else ""
+    )
+    if "tokens_left_out" not in clean:
+        return f"the baseline without its top-attributed samples {named or 'none'}"
+    tokens, total = clean.get("tokens_left_out") or 0, clean.get("loss_tokens")
+    if not tokens:
+        what = "the baseline itself (nothing left out)"
+    else:
+        share = clean.get("token_share_left_out")
+        of = f" ({share:.1%} of {total})" if isinstance(share, float) and total else ""
+        what = f"the baseline without its {tokens} highest-pull loss tokens{of}, in samples {named}"
+    norm, ratio = clean.get("grad_norm"), clean.get("ratio_to_median")
+    size = f"grad norm {norm:.4g}" if isinstance(norm, (int, float)) else "no grad norm"
+    if isinstance(ratio, (int, float)):
+        size += f", {ratio:.3g}x the median"
+    if clean.get("reached"):
+        return f"{what}; {size}, under the spike bar"
+    return f"{what}; {size}; not under the spike bar: {clean.get('reason') or 'no reason recorded'}"
 
 
 @dataclass

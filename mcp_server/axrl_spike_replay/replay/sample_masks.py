@@ -14,7 +14,11 @@ scope shares one advantage) the mean absolute deviation * 1.2533 stands in; when
 sample is an outlier. A scope of fewer than 3 samples never flags one.
 
 `drop_samples` leaves the named `rank:sample` pairs out: a diagnostic (is the spike those samples?),
-never a production method.
+never a production method. The clean gradient (`replay.clean_gradient`) leaves single loss tokens out the
+same way (`TokenDrop`); no mitigation does.
+
+Masking changes which columns hold loss tokens, never the response width verl's
+`seq-mean-token-sum-norm` divides by: the batch's horizon is pinned (`response_width`) before the mask is.
 """
 
 from __future__ import annotations
@@ -35,17 +39,37 @@ MIN_SCOPE = 3  # fewer samples than this in a scope: no robust statistic, nothin
 SCOPES = ("batch", "group")
 
 
+class TokenDrop:
+    """Loss tokens left out per saved rank: a [B, T] bool mask each, True for a token out of the loss.
+
+    Compared and hashed by identity: it holds tensors, and two drops are the same only when they are one."""
+
+    __slots__ = ("masks",)
+
+    def __init__(self, masks: Mapping[int, torch.Tensor]) -> None:
+        self.masks = dict(masks)
+
+    def of(self, rank: int) -> torch.Tensor | None:
+        return self.masks.get(rank)
+
+
 @dataclass(frozen=True)
 class SampleFilter:
-    """Which samples a replay config leaves out of the loss (nothing, by default)."""
+    """Which samples (or, for the clean gradient, loss tokens) a replay config leaves out of the loss (nothing,
+    by default)."""
 
     outlier_threshold: float | None = None  # advantage_outlier_mask: robust z-score above which a sample is masked
     outlier_scope: str = "batch"  # batch | group
     drop: frozenset[tuple[int, int]] = frozenset()  # drop_samples: (saved rank, sample index)
+    tokens: TokenDrop | None = None  # single loss tokens left out (the clean gradient's)
+
+    @property
+    def drops_samples(self) -> bool:
+        return self.outlier_threshold is not None or bool(self.drop)
 
     @property
     def active(self) -> bool:
-        return self.outlier_threshold is not None or bool(self.drop)
+        return self.drops_samples or self.tokens is not None
 
 
 def sample_advantages(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +121,7 @@ def kept_samples(batch: Mapping[str, torch.Tensor], rank: int, samples: SampleFi
     """[B] float, 1 for a sample the filter keeps and 0 for one it leaves out; None when it keeps all."""
     import torch
 
-    if not samples.active:
+    if not samples.drops_samples:
         return None
     n = batch["loss_mask"].shape[0]
     drop = torch.zeros(n, dtype=torch.bool, device=batch["loss_mask"].device)
@@ -112,11 +136,23 @@ def kept_samples(batch: Mapping[str, torch.Tensor], rank: int, samples: SampleFi
 
 
 def filtered_batch(batch: dict[str, torch.Tensor], rank: int, samples: SampleFilter) -> dict[str, torch.Tensor]:
-    """The batch with the filtered-out samples' loss tokens masked (the batch itself when nothing is)."""
+    """The batch with the filtered-out samples' (and tokens') loss tokens masked (the batch itself when nothing
+    is), its response horizon pinned to the unmasked batch's."""
+    import torch
+
+    from axrl_spike_replay.training.verl_convention import response_horizon
+
     keep = kept_samples(batch, rank, samples)
-    if keep is None:
+    dropped = samples.tokens.of(rank) if samples.tokens is not None else None
+    if keep is None and dropped is None:
         return batch
-    return {**batch, "loss_mask": batch["loss_mask"].float() * keep[:, None]}
+    mask = batch["loss_mask"].float()
+    width = torch.tensor(response_horizon(mask > 0, batch))  # before masking: a masked first column must not move it
+    if keep is not None:
+        mask = mask * keep[:, None]
+    if dropped is not None:
+        mask = mask * (~dropped).float()
+    return {**batch, "loss_mask": mask, "response_width": width}
 
 
 def parse_pairs(name: str, raw: Any) -> list[str]:

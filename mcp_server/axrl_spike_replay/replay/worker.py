@@ -19,19 +19,11 @@ from torch import nn
 
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.policy import ModelSpec, build_policy, load_policy_weights, policy_forward
-from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
+from axrl_spike_replay.replay.clean_gradient import SpikeBar, not_reached_reason, smallest_count, token_order
 from axrl_spike_replay.replay.mitigations import AppliedConfig
-from axrl_spike_replay.replay.outcome_figures import (
-    RankTrace,
-    cosine,
-    footprint_counts,
-    grads_of,
-    jvp_logprobs,
-    merge_footprint,
-    top_attributed,
-)
-from axrl_spike_replay.replay.sample_masks import SampleFilter, filtered_batch
+from axrl_spike_replay.replay.outcome_figures import RankTrace, cosine, footprint_counts, grads_of, merge_footprint
+from axrl_spike_replay.replay.sample_masks import SampleFilter, TokenDrop, filtered_batch
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts, all_reduce_counts
@@ -53,6 +45,7 @@ class WorkerJob:
     repeat: int = 1
     top: int = 10
     counts: GlobalCounts | None = None  # the step's recorded global counts (normalization global)
+    spike_bar: SpikeBar | None = None  # the verdict's bar the clean gradient is cleaned under (None: no median)
 
 
 @dataclass
@@ -75,9 +68,9 @@ class _Figures:
 
     traces: dict[int, RankTrace] = field(default_factory=dict)  # baseline, per saved rank
     grad_logprobs: dict[int, torch.Tensor] = field(default_factory=dict)  # baseline dLoss_r/dlogprobs [B, T]
-    routes: dict[int, Any] = field(default_factory=dict)  # the routes the baseline's forward used
     clean: list[torch.Tensor] | None = None
     info: dict[str, Any] | None = None
+    seconds: float = 0.0  # spent on the clean gradient (the configs' `timings.clean_gradient`)
 
 
 class _Kept:
@@ -208,7 +201,6 @@ def forward_group(
                 if keep_logprobs:
                     figures.traces[rank] = trace
                     figures.grad_logprobs[rank] = local[-1].detach()
-                    figures.routes[rank] = out.routes.detach()
                     local = local[:-1]
                 elif cfg.mitigations and rank in figures.traces:
                     extra["_footprint"] = footprint_counts(figures.traces[rank], trace)
@@ -248,6 +240,35 @@ def reduce_and_measure(
     return norm, top_params
 
 
+def _probe(
+    model: nn.Module, inputs: RankInputs, baseline: AppliedConfig, masks: dict[int, torch.Tensor], job: WorkerJob
+) -> tuple[float, list[torch.Tensor]]:
+    """The reduced baseline gradient with the `masks`' tokens left out of the loss: (grad norm, gradient)."""
+    cfg = dataclasses.replace(baseline, config_id="clean", samples=SampleFilter(tokens=TokenDrop(masks)))
+    counts = {"clean": step_counts(inputs, cfg, baseline.loss, job.counts, job.world_size)}
+    grads, _ = forward_group(model, inputs, [cfg], counts=counts)
+    kept = _Kept()
+    norm, _ = reduce_and_measure(model, grads["clean"], job.world_size, 0, kept)
+    return norm, kept.grads
+
+
+def _own_baseline(g: list[torch.Tensor], grad_norm: float, bar: SpikeBar | None) -> dict[str, Any]:
+    """The clean gradient's figures when nothing is left out: the baseline is under the bar, or there is no bar."""
+    return {
+        "left_out": [],
+        "wholly_left_out": [],
+        "tokens_left_out": 0,
+        "share_left_out": 0.0,
+        "reached": bar is not None,
+        "reason": None if bar is not None else "no spike bar: the snapshot has no usable median norm",
+        "bar": None if bar is None else bar.value,
+        "grad_norm": grad_norm if bar is not None else None,
+        "ratio_to_median": grad_norm / bar.median_norm if bar is not None else None,
+        "baseline_cosine": cosine(g, g) if bar is not None else None,
+        "passes": 0,
+    }
+
+
 def clean_gradient(
     model: nn.Module,
     inputs: RankInputs,
@@ -256,36 +277,50 @@ def clean_gradient(
     g: list[torch.Tensor],
     grad_norm: float,
     job: WorkerJob,
+    cancel: threading.Event | None = None,
 ) -> None:
-    """The clean gradient (see `replay.outcome_figures`): attribute the baseline gradient `g` (one jvp pass per
-    rank batch), leave the top-attributed samples out, one more forward + backward, reduce. Into `figures`."""
-    names = [name for name, _ in model.named_parameters()]
-    direction = dict(zip(names, g, strict=True))
-    dots: dict[tuple[int, int], float] = {}
-    with_tokens = 0
-    for rank, batch in inputs.batches.items():
-        d_logprobs = jvp_logprobs(model, batch, RoutingControl(routes=figures.routes[rank]), direction)
-        per_sample = (figures.grad_logprobs[rank].double() * d_logprobs.double()).sum(dim=1) / job.world_size
-        dots.update({(rank, s): float(v) for s, v in enumerate(per_sample.tolist())})
-        with_tokens += int((figures.traces[rank].mask > 0).any(dim=-1).sum())
-    merged: dict[tuple[int, int], float] = {}
-    counts = 0
-    for part_dots, part_count in _gather((dots, with_tokens)):
-        merged.update(part_dots)
-        counts += part_count
-    chosen, share, reached = top_attributed(merged, grad_norm, counts)
-    clean_cfg = dataclasses.replace(baseline, config_id="clean", samples=SampleFilter(drop=frozenset(chosen)))
-    counts = {"clean": step_counts(inputs, clean_cfg, baseline.loss, job.counts, job.world_size)}
-    grads, _ = forward_group(model, inputs, [clean_cfg], counts=counts)
-    kept = _Kept()
-    clean_norm, _ = reduce_and_measure(model, grads[clean_cfg.config_id], job.world_size, 0, kept)
-    figures.clean = kept.grads
+    """The clean gradient (see `replay.clean_gradient`) of the baseline gradient `g`, into `figures`: rank the loss
+    tokens by the baseline loss's pull on them, then search for how few of the top ones to leave out (one forward
+    + backward per probe) for the gradient to be under the spike bar. A collective: every process calls it and
+    takes the same decisions (each sees the same order and the same reduced norms)."""
+    bar = job.spike_bar
+    if bar is None or not bar.is_spike(grad_norm):
+        figures.clean = g if bar is not None else None
+        figures.info = _own_baseline(g, grad_norm, bar)
+        return
+    pulls, masks = {}, {}
+    own = {rank: (figures.grad_logprobs[rank].cpu(), figures.traces[rank].mask.cpu()) for rank in inputs.batches}
+    for part in _gather(own):
+        for rank, (pull, mask) in part.items():
+            pulls[rank], masks[rank] = pull, mask
+    order = token_order(pulls, masks)
+    shapes = {rank: batch["loss_mask"].shape for rank, batch in inputs.batches.items()}
+    found: dict[int, tuple[float, list[torch.Tensor]]] = {}
+    norms: dict[int, float] = {}
+
+    def under(count: int) -> bool:
+        check_cancel(cancel, "replay")
+        norm, grads = _probe(model, inputs, baseline, order.masks(count, shapes, inputs.device), job)
+        norms[count] = norm
+        below = not bar.is_spike(norm)
+        if below or count == order.cap:  # the search only moves down from a probe under the bar: keep the last
+            found.clear()
+            found[count] = (norm, grads)
+        return below
+
+    count, reached = smallest_count(under, order.cap)
+    clean_norm, clean = found.get(count, (grad_norm, g))
+    figures.clean = clean
     figures.info = {
-        "left_out": [f"{r}:{s}" for r, s in chosen],
-        "share_left_out": share,
-        "reached_share": reached,
+        **order.summary(count),
+        "reached": reached,
+        "reason": None if reached else not_reached_reason(order, clean_norm, bar),
+        "bar": bar.value,
         "grad_norm": clean_norm,
-        "baseline_cosine": cosine(g, kept.grads),
+        "ratio_to_median": clean_norm / bar.median_norm,
+        "baseline_cosine": cosine(g, clean),
+        "passes": len(norms),
+        "probe_norms": {str(k): v for k, v in sorted(norms.items())},  # tokens left out -> grad norm
     }
 
 
@@ -335,7 +370,9 @@ def compute(
                 norm, top_params = reduce_and_measure(model, grads[cfg.config_id], job.world_size, job.top, kept)
                 if kept is not None and cfg is baseline:
                     assert traced is not None
-                    clean_gradient(model, inputs, baseline, traced, kept.grads, norm, job)
+                    t2 = time.perf_counter()
+                    clean_gradient(model, inputs, baseline, traced, kept.grads, norm, job, cancel)
+                    traced.seconds = time.perf_counter() - t2
                 elif kept is not None and traced is not None and traced.clean is not None:
                     outcome.cosine_to_clean = cosine(kept.grads, traced.clean)
                 outcome.grad_norms.append(norm)
@@ -348,6 +385,7 @@ def compute(
                         outcome.footprint = merge_footprint(parts)
                     if traced is not None and cfg.mitigations:
                         outcome.clean_gradient = traced.info
+                        outcome.timings["clean_gradient"] = traced.seconds
                     outcome.rank_metrics = rows
         per_config = (time.perf_counter() - t1) / len(group)
         for cfg in group:

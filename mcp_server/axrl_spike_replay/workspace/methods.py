@@ -10,7 +10,7 @@ from typing import Any
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.replay.mitigations import MITIGATIONS, diagnostic_reasons
-from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.replay.result import ReplayResult, describe_clean_gradient
 from axrl_spike_replay.replay.verdict import WRITABLE_VERDICTS, threshold_label, writable_problem
 from axrl_spike_replay.vocabulary import Fidelity, Verdict
 from axrl_spike_replay.workspace import front_matter
@@ -27,8 +27,9 @@ SIGNAL_TOP = 3
 SHIPPED_DIR = "spike-mitigation-methods"  # the methods that ship with the tool (packaged data, or the checkout's)
 RANKING = (
     "proven before partial before diagnostic; then the larger cosine to the clean gradient (the healthy gradient "
-    "kept most intact); then the smaller fraction of loss tokens masked or changed; methods without these figures "
-    "(written before they were measured) after those with them"
+    "kept most intact); a method whose clean gradient never got under the spike bar (a rough reference) after "
+    "those whose did, ranked by footprint alone; then the smaller fraction of loss tokens masked or changed; "
+    "methods without these figures (written before they were measured) after those with them"
 )
 
 
@@ -36,10 +37,11 @@ def rank_key(fields: dict[str, Any]) -> tuple[Any, ...]:
     """Sort key of a method's front matter: see RANKING."""
     order = {"proven": 0, "partial": 1, "diagnostic": 2}
     cos, frac = _number(fields.get("cosine_to_clean")), _number(fields.get("token_fraction"))
+    rough = cos is not None and fields.get("clean_reached") is False  # files without the field: as before
     return (
         order.get(str(fields.get("status")), 3),
-        cos is None,
-        -(cos or 0.0),
+        2 if cos is None else 1 if rough else 0,
+        0.0 if rough else -(cos or 0.0),
         frac is None,
         frac or 0.0,
         str(fields.get("slug", "")),
@@ -306,6 +308,7 @@ def _method_doc(
         "spike_ratio": ratio,
         "threshold": result.threshold,
         "cosine_to_clean": result.cosine_to_clean,
+        "clean_reached": (result.clean_gradient or {}).get("reached"),
         "token_fraction": (result.footprint or {}).get("token_fraction"),
         "sample_fraction": (result.footprint or {}).get("sample_fraction"),
         "result_path": row.get("result_path"),
@@ -341,11 +344,9 @@ def _evidence(result: ReplayResult, baseline: dict[str, Any]) -> list[str]:
     ]
     clean = result.clean_gradient or {}
     if result.cosine_to_clean is not None:
-        left = ", ".join(clean.get("left_out") or []) or "none"
         lines.append(
-            f"cosine to the clean gradient (the baseline without its top-attributed samples {left}, which carry "
-            f"{pct(clean.get('share_left_out')).lstrip('+')} of its norm): {fmt(result.cosine_to_clean)} "
-            f"(the unmitigated baseline: {fmt(clean.get('baseline_cosine'))})"
+            f"cosine to the clean gradient: {fmt(result.cosine_to_clean)} (the unmitigated baseline: "
+            f"{fmt(clean.get('baseline_cosine'))}); the clean gradient is {describe_clean_gradient(clean)}"
         )
     footprint = result.footprint
     if footprint:
