@@ -28,7 +28,7 @@ def test_full_replay_is_bit_identical_to_the_recorded_step(hf_snapshot: Path) ->
 def test_reduced_replay_and_mitigations_on_an_hf_model(hf_snapshot: Path) -> None:
     sweep = run_sweep(
         hf_snapshot,
-        [{"dual_clip_c": 2.0}, {"current_routing_layers": [0]}, {"routing_replay": "loss_tokens"}],
+        [{"dual_clip_c": 2.0}, {"current_routing_layers": "first"}, {"routing_replay": "loss_tokens"}],
         ReplayOptions(nproc=1),
     )
     base = sweep.baseline
@@ -36,6 +36,10 @@ def test_reduced_replay_and_mitigations_on_an_hf_model(hf_snapshot: Path) -> Non
     assert base.verdict == "reproduced"
     for row in sweep.results:
         assert row.grad_norm != base.grad_norm, row.mitigations
+    first = sweep.results[1]
+    assert first.mitigations == {"current_routing_layers": "first"}
+    assert first.resolved_mitigations == {"current_routing_layers": [0]}  # qwen3_moe's first MoE layer
+    assert [r.resolved_mitigations for r in (base, sweep.results[0], sweep.results[2])] == [{}, {}, {}]
 
 
 def test_a_model_the_engine_cannot_build_is_refused_before_anything_runs(hf_snapshot: Path, tmp_path: Path) -> None:

@@ -61,6 +61,9 @@ class ReplayResult:
     cosine_to_clean: float | None = None  # cosine of this gradient with the clean gradient (in [-1, 1])
     clean_gradient: dict[str, Any] | None = None  # the clean gradient: samples left out, their share, definition
     verdict_basis: dict[str, Any] | None = None  # the numbers and rule the verdict was judged by
+    # values the config names symbolically, as resolved against the snapshot's model (current_routing_layers:
+    # first -> [1] on deepseek_v3); {} when every value was concrete, or for results written before
+    resolved_mitigations: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Results are also rebuilt from files and task rows: the vocabulary fields always hold members.
@@ -195,6 +198,8 @@ class Attribution:
     """Logprobs the log-ratio signal is taken against"""
     mitigations: dict[str, Any] = field(default_factory=dict)
     """Mitigations applied before attributing"""
+    resolved_mitigations: dict[str, Any] = field(default_factory=dict)
+    """Values named symbolically, as resolved against the snapshot's model (current_routing_layers: first -> [1])"""
     note: str = ROUTER_NOTE
     """How to read router_term"""
     timings: dict[str, float] = field(default_factory=dict)
