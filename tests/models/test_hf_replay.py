@@ -1,7 +1,7 @@
 """Replaying a spike of a transformers MoE policy (qwen3_moe, saved world size 2): full fidelity is bit-identical
 to the recorded step, reduced fidelity within 1e-5, and loss-level and routing mitigations move the grad norm.
 
-The snapshot (`hf_snapshot`, tests/models/conftest.py) is recorded once per test session with the trainer's own
+The snapshot (`hf_snapshot`, tests/conftest.py) is recorded once per test session with the trainer's own
 rank step (axrl_spike_replay.testing.hf_snapshot).
 """
 
