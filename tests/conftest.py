@@ -79,6 +79,22 @@ def negative_advantage_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 @pytest.fixture(scope="session")
+def hf_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A spike snapshot of the tiny qwen3_moe recorded with the trainer's own rank step (world size 2), for the
+    transformers-model tests (tests/models/) and the MCP tools on it (tests/server/).
+
+    Shared by the session: read it, or copy it before editing anything in it.
+    """
+    from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
+
+    root = tmp_path_factory.mktemp("hf-qwen3-moe")
+    snapshot = record_hf_snapshot(root, "qwen3_moe", world_size=2)
+    check = left_as_recorded(root)
+    yield snapshot
+    check()
+
+
+@pytest.fixture(scope="session")
 def fixture_outputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A temporary copy of tests/fixtures/outputs (the golden job output dirs), safe to modify."""
     target = tmp_path_factory.mktemp("fixture-outputs") / "outputs"

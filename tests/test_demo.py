@@ -76,6 +76,51 @@ def test_demo_releases_its_preserved_copy_and_keeps_the_original(demo_run: dict)
     assert (Path(demo_run["snapshot"]) / "axrl_metadata.json").is_file()
 
 
+def test_demo_trains_the_model_it_is_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "qwen3_moe", "--preset", "none", "--steps", "2", "--world-size", "1"]
+    assert main(["demo", "--workspace", str(tmp_path), *argv]) == 2  # no spike to investigate: a clear refusal
+    err = capsys.readouterr().err
+    assert "the reference run of qwen3_moe (preset 'none', 2 steps) tripped no spike guard" in err
+    [log] = tmp_path.glob("*/outputs/*~demo-moe-grpo__actor/logs/train.log")
+    assert ", model qwen3_moe, preset none, world size 1," in log.read_text()  # what the capture's rank built
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--model", "jamba"], "invalid choice: 'jamba'"), (["--steps", "0"], "--steps must be >= 1, got 0")],
+)
+def test_demo_bad_arguments_exit_2_naming_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    try:
+        code = main(["demo", "--workspace", str(tmp_path), *argv])
+    except SystemExit as exc:  # argparse refuses a value outside the choices itself
+        code = exc.code
+    assert code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
+@pytest.mark.slow
+@pytest.mark.matrix
+def test_demo_on_deepseek_v3_sweeps_every_default_config(tmp_path: Path) -> None:
+    """The architecture whose dense layer 0 used to refuse the whole default sweep."""
+    from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["demo", "--workspace", str(tmp_path), "--model", "deepseek_v3", "--json"])
+    assert code == 0
+    doc = json.loads(out.getvalue())
+    assert doc["model"] == "deepseek_v3" and doc["fidelity"] == "full"
+    assert doc["baseline_verdict"] == "reproduced" and doc["baseline_grad_norm"] == doc["recorded_grad_norm"]
+    [sweep_file] = Path(doc["workspace"]).glob("tmp/spike-replay/demo-moe-grpo/*/sweep_result.json")
+    results = json.loads(sweep_file.read_text())["results"]
+    assert len(results) == len(DEFAULT_SWEEP) and all(r["verdict"] != "failed" for r in results)
+    [first] = [r for r in results if r["mitigations"] == {"current_routing_layers": "first"}]
+    assert first["resolved_mitigations"] == {"current_routing_layers": [1]}
+    assert doc["cleared"]  # the ratio_outliers burst is cleared by the loss-level guards
+
+
 def _table_rows(markdown: str, heading: str) -> list[dict[str, str]]:
     """The rows of the first table under `heading`, as {column: cell}."""
     lines = markdown.split(heading, 1)[1].split("\n## ", 1)[0].splitlines()

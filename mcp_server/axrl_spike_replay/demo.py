@@ -28,6 +28,7 @@ class DemoStep:
 
 @dataclass
 class DemoSummary:
+    model: str  # the policy the reference run trained: tiny_moe or a transformers architecture
     workspace: str
     output_dir: str
     snapshot: str
@@ -93,7 +94,10 @@ def run_demo(
         root / "outputs", job=DEMO_JOB, world_size=world_size, seed=seed, steps=steps, preset=preset, model=model
     )
     if not capture.snapshot_dirs:
-        raise AxrlError(f"the reference run (preset {preset!r}) tripped no spike guard; nothing to investigate")
+        raise AxrlError(
+            f"the reference run of {model} (preset {preset!r}, {steps} steps) tripped no spike guard; "
+            "nothing to investigate"
+        )
     step(
         "capture",
         [
@@ -229,6 +233,7 @@ def run_demo(
         ],
     )
     return DemoSummary(
+        model=model,
         workspace=str(root),
         output_dir=role.output_dir,
         snapshot=str(worst.path),

@@ -47,6 +47,20 @@ def test_capture_bad_arguments_exit_2_naming_the_argument(tmp_path: Path, capsys
     assert message in captured.err and "Traceback" not in captured.err and captured.out == ""
 
 
+def test_capture_model_trains_the_named_transformers_architecture(tmp_path: Path, capsys) -> None:
+    argv = ["capture", "--out", str(tmp_path), "--model", "qwen3_moe", "--steps", "2", "--preset", "none", "--json"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["model"] == "qwen3_moe" and doc["snapshot_dirs"] == []
+    assert len(doc["grad_norms"]) == 2 and all(g is not None and g > 0 for g in doc["grad_norms"])
+    assert "model qwen3_moe ..." in err
+    log = Path(doc["log_path"]).read_text()
+    assert "> reference trainer: job demo-moe-grpo, model qwen3_moe, preset none," in log  # what the rank built
+    iterations = [line.split()[1] for line in log.splitlines() if line.startswith(" iteration ")]
+    assert iterations == ["1/", "2/"]  # two steps trained
+
+
 def test_capture_refuses_an_existing_output_dir(tmp_path: Path, capsys) -> None:
     (tmp_path / "ref-s0~demo-moe-grpo__actor").mkdir()
     assert main(["capture", "--out", str(tmp_path), "--steps", "2"]) == 2

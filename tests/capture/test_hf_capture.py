@@ -27,6 +27,9 @@ def _capture(root: Path, architecture: str) -> CaptureResult:
 
 @pytest.fixture(scope="module")
 def qwen3_run(tmp_path_factory: pytest.TempPathFactory) -> CaptureResult:
+    # A transformers policy built in this process by an earlier test pins deterministic algorithms here; start
+    # from off so that the run config test sees whether the capture itself left them on.
+    torch.use_deterministic_algorithms(False)
     return _capture(tmp_path_factory.mktemp("qwen3-capture"), "qwen3_moe")
 
 

@@ -2,7 +2,7 @@
 contributions, taken through the per-token log-probs, sum to the replayed grad norm and agree with one backward
 pass per sample.
 
-The snapshot (`hf_snapshot`, tests/models/conftest.py) is recorded once per test session with the trainer's own
+The snapshot (`hf_snapshot`, tests/conftest.py) is recorded once per test session with the trainer's own
 rank step (axrl_spike_replay.testing.hf_snapshot).
 """
 

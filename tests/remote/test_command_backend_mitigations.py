@@ -182,6 +182,20 @@ def test_an_unmapped_mitigation_is_refused_by_name_before_anything_runs(
         replay_request(snapshot, backend="command", mitigations={"mismatch_token_clip_max": -1}, workspace=workspace)
 
 
+def test_first_moe_layer_is_refused_before_anything_runs_even_when_mapped(
+    workspace: Path, snapshot: Path, runs_log: Path
+) -> None:
+    config = workspace / "spike-replay.yaml"
+    config.write_text(config.read_text() + '    current_routing_layers: "--moe.current_layers={value}"\n')
+    configs = [{"mismatch_token_clip_max": 2}, {"current_routing_layers": "first"}]
+    with pytest.raises(ConfigError, match="cannot tell which layer is its first MoE layer") as info:
+        replay_elsewhere(
+            replay_request(snapshot, verb="sweep", backend="command", configs=configs, workspace=workspace)
+        )
+    assert info.value.parameter == "mitigations"
+    assert runs(runs_log) == [] and not (workspace / "tmp").exists()
+
+
 def test_two_patches_combine_in_order(
     workspace: Path, snapshot: Path, runs_log: Path, training_checkout: Path, tmp_path: Path
 ) -> None:

@@ -184,7 +184,12 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
     trips: list[GuardDecision] = []
     skipped = 0
     global_batch = t.prompts_per_rank * t.group_size * world_size
-    _log(log, f"> reference trainer: job {plan.job_name}, preset {t.preset}, world size {world_size}, seed {t.seed}")
+    model = getattr(spec.model, "architecture", "tiny_moe")  # what this rank built, as `capture --model` names it
+    _log(
+        log,
+        f"> reference trainer: job {plan.job_name}, model {model}, preset {t.preset}, world size {world_size}, "
+        f"seed {t.seed}",
+    )
     try:
         for iteration in range(1, t.steps + 1):
             start = time.perf_counter()

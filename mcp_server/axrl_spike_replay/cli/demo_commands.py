@@ -8,6 +8,7 @@ from typing import Any
 
 from axrl_spike_replay.capture.model_choice import CAPTURE_MODELS
 from axrl_spike_replay.cli.output import add_json_flag, emit
+from axrl_spike_replay.errors import AxrlError
 
 
 def register(sub: Any) -> None:
@@ -25,12 +26,21 @@ def register(sub: Any) -> None:
         choices=CAPTURE_MODELS,
         help="the policy of the reference run: tiny_moe or a tiny transformers MoE architecture (default: tiny_moe)",
     )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=32,
+        metavar="N",
+        help="training iterations of the reference run (default: 32; the presets' burst is at iterations 20-22)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     add_json_flag(parser)
     parser.set_defaults(handler=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        raise AxrlError(f"--steps must be >= 1, got {args.steps}")
     from axrl_spike_replay.demo import DemoStep, run_demo
 
     def show(step: DemoStep) -> None:
@@ -41,7 +51,13 @@ def _demo(args: argparse.Namespace) -> int:
         out.flush()
 
     summary = run_demo(
-        args.workspace, preset=args.preset, world_size=args.world_size, seed=args.seed, show=show, model=args.model
+        args.workspace,
+        preset=args.preset,
+        world_size=args.world_size,
+        seed=args.seed,
+        steps=args.steps,
+        show=show,
+        model=args.model,
     )
     emit(summary, args.json, lambda s: f"\ndemo finished in {s.seconds:.1f} s; read {s.task_file} and {s.report}")
     return 0

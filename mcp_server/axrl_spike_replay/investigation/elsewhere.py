@@ -18,7 +18,7 @@ from axrl_spike_replay.investigation.recording import new_run_dir
 from axrl_spike_replay.investigation.request import ReplayRequest
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.command_backend import CommandRequest, run_command_backend, run_command_sweep
-from axrl_spike_replay.remote.command_overrides import check_mapped
+from axrl_spike_replay.remote.command_overrides import check_concrete, check_mapped
 from axrl_spike_replay.remote.connect import connect_settings
 from axrl_spike_replay.remote.job import LineCallback, Session
 from axrl_spike_replay.remote.local_session import LocalSession
@@ -59,6 +59,7 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
             )
         # every mitigation must map onto the trainer's own override, refused by name before anything runs
         check_mapped(config.command_backend.mitigations, [mitigations, *normalised], str(workspace / CONFIG_FILE))
+        check_concrete([mitigations, *normalised])
     resolved = None if options.target == "local" else resolve_target(options.target, config, remote.remote_python)
     job = options.job or facts.job
     async with _session(resolved, remote) as session:

@@ -17,7 +17,7 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.replay.mitigations import MITIGATIONS
+from axrl_spike_replay.replay.mitigations import FIRST_MOE_LAYER, MITIGATIONS
 
 VALUE = "value"
 
@@ -87,6 +87,18 @@ def check_mapped(mapping: Mapping[str, str], configs: Sequence[Mapping[str, Any]
         '(e.g. NAME: "--trainer.knob={value}"), or express the change as `patch` FILE.diff',
         "mitigations",
     )
+
+
+def check_concrete(configs: Sequence[Mapping[str, Any]]) -> None:
+    """ConfigError (parameter `mitigations`) when a config names a layer the trainer's command cannot resolve: only
+    the torch engine builds the model, so `current_routing_layers: first` needs the layer ids here."""
+    for config in configs:
+        if config.get("current_routing_layers") == FIRST_MOE_LAYER:
+            raise ConfigError(
+                f"`mitigations` current_routing_layers={FIRST_MOE_LAYER}: the command backend does not build the "
+                "model, so it cannot tell which layer is its first MoE layer; name the layer ids (e.g. 1)",
+                "mitigations",
+            )
 
 
 def render_overrides(mapping: Mapping[str, str], config: Mapping[str, Any]) -> str:

@@ -246,7 +246,7 @@ def attribute_spike(
     start = time.perf_counter()
     with replay_dir_for(snapshot) as (replay_dir, legacy):
         inputs = load_inputs(snapshot, replay_dir, legacy)
-        cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing)
+        cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing, inputs.model.moe_layer_ids)
         check_configs(inputs, [cfg])
         check_ranks(cfg.samples, inputs.world_size)
         job_name = job or inputs.job_name or "spike"
@@ -311,5 +311,6 @@ def _attribute(
         log_ratio_base=_base_name(cfg),
         mitigations=dict(cfg.mitigations),
         device=device,
+        resolved_mitigations=dict(cfg.resolved),
         timings={"load": t0 - start, "gradient": t1 - t0, "attribution": t2 - t1, "total": time.perf_counter() - start},
     )

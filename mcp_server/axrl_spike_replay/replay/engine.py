@@ -194,6 +194,7 @@ class ReplaySession:
             "world_size_saved": self.inputs.world_size,
             "world_size_used": self.plan.nproc,
             "mitigations": dict(cfg.mitigations),
+            "resolved_mitigations": dict(cfg.resolved),
             "recorded_grad_norm": meta.grad_norm,
             "median_norm": meta.median_norm,
             "threshold": self.threshold,
@@ -304,8 +305,9 @@ def replay_session(
     _check_options(options)
     with replay_dir_for(snapshot) as (replay_dir, legacy):
         inputs = load_inputs(snapshot, replay_dir, legacy)
+        moe_layers = inputs.model.moe_layer_ids  # what `current_routing_layers: first` resolves against
         applied = [apply_config({}, inputs.loss, inputs.routing)]
-        applied += [apply_config(parse_config(c), inputs.loss, inputs.routing) for c in configs]
+        applied += [apply_config(parse_config(c), inputs.loss, inputs.routing, moe_layers) for c in configs]
         check_configs(inputs, applied)
         for cfg in applied:
             check_ranks(cfg.samples, inputs.world_size)

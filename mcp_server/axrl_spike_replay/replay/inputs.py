@@ -11,7 +11,7 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.policy import ModelSpec, check_policy_weights, parse_model_config
-from axrl_spike_replay.replay.mitigations import AppliedConfig
+from axrl_spike_replay.replay.mitigations import AppliedConfig, check_current_layers
 from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_text, ranks_text
 from axrl_spike_replay.snapshot.layout import RUN_CONFIG, batch_file, rank_files
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
@@ -218,7 +218,7 @@ def check_configs(inputs: ReplayInputs, configs: Iterable[AppliedConfig]) -> Non
     """ConfigError when a config cannot run on this snapshot: missing fields, routes, layers or weights."""
     moe_layers = set(inputs.model.moe_layer_ids)
     for cfg in configs:
-        label = "the saved config" if not cfg.mitigations else f"config {cfg.config_id}"
+        label = cfg.label
         for name, why in _needed_fields(cfg.loss).items():
             if name not in inputs.batch_fields:
                 raise ConfigError(f"{label}: the rank batches have no {name!r}, needed for {why}")
@@ -231,11 +231,7 @@ def check_configs(inputs: ReplayInputs, configs: Iterable[AppliedConfig]) -> Non
                     "recomputed without the recorded routes (restore the payload files, or replay a snapshot whose "
                     "run config has routing.replay: off)"
                 )
-        bad = sorted(set(cfg.routing.current_routing_layers) - moe_layers)
-        if bad:
-            raise ConfigError(
-                f"{label}: current_routing_layers {bad} are not MoE layers (MoE layers: {sorted(moe_layers)})"
-            )
+        check_current_layers(cfg, moe_layers)
         if cfg.weights is not None:
             weights = Path(cfg.weights)
             if not weights.is_dir():

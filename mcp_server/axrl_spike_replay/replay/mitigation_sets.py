@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-# The methods the seed workflow asks to try on every spike; `routing_replay=off` is diagnostic only.
+from axrl_spike_replay.replay.mitigations import FIRST_MOE_LAYER
+
+# The methods the seed workflow asks to try on every spike; `routing_replay=off` is diagnostic only. Each config
+# must apply to every model: `first` is each model's own first MoE layer (layer 0 is dense on deepseek_v3).
 SEED_WORKFLOW_METHODS: dict[str, dict[str, Any]] = {
     "token-mismatch-tis-clip-2": {"mismatch_token_clip_max": 2.0},
-    "current-routing-first-moe-layer": {"current_routing_layers": [0]},
+    "current-routing-first-moe-layer": {"current_routing_layers": FIRST_MOE_LAYER},
     "routing-replay-loss-tokens-only": {"routing_replay": "loss_tokens"},
     "balance-negative-advantages": {"balance_negative_advantages": True},
     "routing-replay-off-diagnostic": {"routing_replay": "off"},

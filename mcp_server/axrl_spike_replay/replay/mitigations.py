@@ -13,6 +13,11 @@ form (`normal_form`, what `parse_config` returns) has sorted names and typed val
 one config compare equal; the task record and the method files keep that form, and its hash
 (`workspace.changes.config_key`) is taken over `canonical` values, so 2 and 2.0 hash alike.
 The training path is never touched.
+
+Layer ids are absolute decoder layers. `current_routing_layers: first` names the model's first MoE layer
+without knowing the model: its normal form is the text `first` (so `first`, `[first]` and `FIRST` hash alike,
+and never like an id list: on deepseek_v3 it means layer 1, elsewhere usually 0). `apply_config` resolves it
+against the snapshot's model; `AppliedConfig.resolved` holds the ids used, which results record.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,12 +48,13 @@ _FALSE = ("false", "no", "off", "0")
 @dataclass(frozen=True)
 class ReplaySetup:
     """What a replay runs with: the loss, the routing, the weights (None: the snapshot's own) and the samples left
-    out of the loss."""
+    out of the loss; `moe_layers` are the model's MoE layers (absolute ids), what `first` resolves against."""
 
     loss: LossConfig
     routing: RoutingConfig
     weights: str | None = None
     samples: SampleFilter = field(default_factory=SampleFilter)
+    moe_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -147,8 +153,18 @@ def _flag(name: str, raw: Any) -> bool:
     raise ConfigError(f"mitigation {name}: expected true or false, got {shown(raw)}")
 
 
-def _layers(name: str, raw: Any) -> list[int]:
+FIRST_MOE_LAYER = "first"  # `current_routing_layers: first`: the model's first MoE layer, resolved when applied
+
+
+def _names_first(item: Any) -> bool:
+    return isinstance(item, str) and item.strip().strip("[]").strip().lower() == FIRST_MOE_LAYER
+
+
+def _layers(name: str, raw: Any) -> list[int] | str:
+    """Absolute layer ids as a sorted list, or `first` (alone: it cannot be mixed with ids)."""
     items: Sequence[Any]
+    if _names_first(raw) or (isinstance(raw, (list, tuple)) and len(raw) == 1 and _names_first(raw[0])):
+        return FIRST_MOE_LAYER
     if isinstance(raw, str):
         items = [part for part in re.split(r"[,\s]+", raw.strip().strip("[]")) if part]
     elif isinstance(raw, int) and not isinstance(raw, bool):
@@ -156,15 +172,19 @@ def _layers(name: str, raw: Any) -> list[int]:
     elif isinstance(raw, (list, tuple)):
         items = raw
     else:
-        raise ConfigError(f"mitigation {name}: expected MoE layer ids such as 1 or 0,1, got {shown(raw)}")
+        raise ConfigError(f"mitigation {name}: expected MoE layer ids such as 1 or 0,1, or first, got {shown(raw)}")
     layers = set()
     for item in items:
+        if _names_first(item):
+            raise ConfigError(f"mitigation {name}: {FIRST_MOE_LAYER} stands alone; to add other layers, name their ids")
         try:
             layer = int(str(item).strip()) if not isinstance(item, bool) else -1
         except ValueError:
             layer = -1
         if layer < 0:
-            raise ConfigError(f"mitigation {name}: {shown(item)} is not a layer id (an integer >= 0)")
+            raise ConfigError(
+                f"mitigation {name}: {shown(item)} is not a layer id (an integer >= 0) nor {FIRST_MOE_LAYER}"
+            )
         layers.add(layer)
     if not layers:
         raise ConfigError(f"mitigation {name}: name at least one MoE layer id")
@@ -243,8 +263,20 @@ def _apply_routing_replay(setup: ReplaySetup, value: Any) -> ReplaySetup:
     return dataclasses.replace(setup, routing=dataclasses.replace(setup.routing, replay=str(value)))
 
 
+def resolve_layers(value: Any, moe_layers: Sequence[int]) -> tuple[int, ...]:
+    """The absolute layer ids of a `current_routing_layers` value: `first` is the lowest of `moe_layers`."""
+    if value != FIRST_MOE_LAYER:
+        return tuple(int(v) for v in value)
+    if not moe_layers:
+        raise ConfigError(
+            f"current_routing_layers={FIRST_MOE_LAYER} names the model's first MoE layer, and the model has none"
+            " (or was not given)"
+        )
+    return (min(moe_layers),)
+
+
 def _apply_current_routing_layers(setup: ReplaySetup, value: Any) -> ReplaySetup:
-    layers = tuple(int(v) for v in value)
+    layers = resolve_layers(value, setup.moe_layers)
     return dataclasses.replace(setup, routing=dataclasses.replace(setup.routing, current_routing_layers=layers))
 
 
@@ -508,11 +540,18 @@ MITIGATIONS: dict[str, Mitigation] = {
         Mitigation(
             "current_routing_layers",
             "routing",
-            "MoE layer ids, e.g. 1 or 0,1",
-            "these MoE layers route on current scores while the others replay the recorded routes",
+            "MoE layer ids (absolute decoder layers), e.g. 1 or 0,1; or first",
+            "these MoE layers route on current scores while the others replay the recorded routes; `first` is "
+            "the model's first MoE layer, resolved against the snapshot's model (layer 1 of deepseek_v3, whose "
+            "layer 0 is dense) and recorded in the result's `resolved_mitigations`",
             _layers,
             _apply_current_routing_layers,
             advice=(
+                Advice(
+                    "routing",
+                    "`current_routing_layers: first` — current routing in the first MoE layer, replay elsewhere "
+                    "(the seed workflow's config, on any architecture).",
+                ),
                 Advice(
                     "routing",
                     "`current_routing_layers: [<the layer>]` — current routing in the layer that spikes, replay "
@@ -635,7 +674,7 @@ _FLOAT_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
 
 def normal_form(config: Mapping[str, Any] | None) -> dict[str, Any]:
     """The one normal form of a config: sorted names, each known mitigation's value as its parser types it
-    (numbers as floats, layers as sorted ints, a full ratio mask), unset entries dropped.
+    (numbers as floats, layers as sorted ints or `first`, a full ratio mask), unset entries dropped.
 
     `parse_config` returns it for the configs it validates; the task record and the method files store it,
     also for configs of older records that name something else (kept in `canonical` form).
@@ -777,6 +816,12 @@ class AppliedConfig:
     routing: RoutingConfig
     weights: str | None  # None: the snapshot's own weights
     samples: SampleFilter = field(default_factory=SampleFilter)  # samples left out of the loss
+    resolved: dict[str, Any] = field(default_factory=dict)  # values named symbolically, as resolved: {name: ids}
+
+    @property
+    def label(self) -> str:
+        """How errors name this config."""
+        return "the saved config" if not self.mitigations else f"config {self.config_id}"
 
     @property
     def forward_key(self) -> tuple[RoutingConfig, str | None]:
@@ -788,11 +833,19 @@ class AppliedConfig:
         return bool(self.loss.entropy_coef)
 
 
-def apply_config(config: Mapping[str, Any], loss: LossConfig, routing: RoutingConfig) -> AppliedConfig:
-    """The saved loss/routing with a normalised config's mitigations applied, each by its own declaration."""
-    setup = ReplaySetup(loss=loss, routing=routing)
+def apply_config(
+    config: Mapping[str, Any], loss: LossConfig, routing: RoutingConfig, moe_layers: Sequence[int] = ()
+) -> AppliedConfig:
+    """The saved loss/routing with a normalised config's mitigations applied, each by its own declaration.
+
+    `moe_layers`: the snapshot's model's MoE layers (absolute ids), what `current_routing_layers: first`
+    resolves against (ConfigError when it is named and none are given)."""
+    setup = ReplaySetup(loss=loss, routing=routing, moe_layers=tuple(moe_layers))
     for name, value in config.items():
         setup = _lookup(name).apply(setup, value)
+    resolved: dict[str, Any] = {}
+    if config.get("current_routing_layers") == FIRST_MOE_LAYER:
+        resolved["current_routing_layers"] = list(setup.routing.current_routing_layers)
     return AppliedConfig(
         config_id=config_id(config),
         mitigations=dict(config),
@@ -800,7 +853,16 @@ def apply_config(config: Mapping[str, Any], loss: LossConfig, routing: RoutingCo
         routing=setup.routing,
         weights=setup.weights,
         samples=setup.samples,
+        resolved=resolved,
     )
+
+
+def check_current_layers(cfg: AppliedConfig, moe_layers: Iterable[int]) -> None:
+    """ConfigError when the config routes a layer on current scores that is no MoE layer of the model."""
+    known = set(moe_layers)
+    bad = sorted(set(cfg.routing.current_routing_layers) - known)
+    if bad:
+        raise ConfigError(f"{cfg.label}: current_routing_layers {bad} are not MoE layers (MoE layers: {sorted(known)})")
 
 
 def diagnostic_reasons(config: Mapping[str, Any]) -> list[str]:

@@ -64,6 +64,9 @@ class ReplayResult:
     # the clean gradient (replay.clean_gradient): tokens and samples left out, reached (under the spike bar), definition
     clean_gradient: dict[str, Any] | None = None
     verdict_basis: dict[str, Any] | None = None  # the numbers and rule the verdict was judged by
+    # values the config names symbolically, as resolved against the snapshot's model (current_routing_layers:
+    # first -> [1] on deepseek_v3); {} when every value was concrete, or for results written before
+    resolved_mitigations: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Results are also rebuilt from files and task rows: the vocabulary fields always hold members.
@@ -226,6 +229,8 @@ class Attribution:
     """Logprobs the log-ratio signal is taken against"""
     mitigations: dict[str, Any] = field(default_factory=dict)
     """Mitigations applied before attributing"""
+    resolved_mitigations: dict[str, Any] = field(default_factory=dict)
+    """Values named symbolically, as resolved against the snapshot's model (current_routing_layers: first -> [1])"""
     note: str = ROUTER_NOTE
     """How to read router_term"""
     device: str = "cpu"

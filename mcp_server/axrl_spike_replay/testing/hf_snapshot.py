@@ -124,7 +124,10 @@ def make_batch(
 
 
 def record_hf_snapshot(root: Path, architecture: str = "qwen3_moe", world_size: int = 2, seed: int = 0) -> Path:
-    """Record a spike snapshot of the tiny `architecture` under `root`; its `iter_*` dir."""
+    """Record a spike snapshot of the tiny `architecture` under `root`; its `iter_*` dir.
+
+    The policy pins deterministic algorithms while it records; the process gets its own setting back."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
     spec, model = seeded_policy(architecture, seed)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cfg = run_config(spec, world_size)
@@ -152,6 +155,7 @@ def record_hf_snapshot(root: Path, architecture: str = "qwen3_moe", world_size: 
         grad_norm = global_grad_norm(model)
     finally:
         torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
     meta = AxrlMetadata(
         job_name=f"hf-{architecture}",
         role="actor",
