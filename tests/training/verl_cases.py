@@ -1,6 +1,7 @@
 """The verl cross-check's settings and batches: our `verl` convention and verl 0.9.1's own functions on the
-same float64 rank batches (2 DP ranks; varied response lengths, an empty response, outliers beyond verl's
-+-20 clamp, mixed-sign advantages). Used by test_verl_crosscheck.py and scripts/verl_crosscheck_table.py.
+same float64 rank batches (2 DP ranks; varied response lengths, an empty response, log-ratios beyond verl's
++-20 clamp, reference log-probs beyond its k3 clamp, mixed-sign advantages). Used by test_verl_crosscheck.py
+and scripts/verl_crosscheck_table.py.
 
 verl's `ppo_loss` (workers/utils/losses.py) needs TensorDict and nested-tensor padding that are not
 installed; `verl_step` calls what it calls, in its order: `compute_policy_loss_vanilla` with the
@@ -52,6 +53,10 @@ def _cases() -> dict[str, Case]:
     cases["dual clip c=2, clip 0.2/0.28"] = Case(
         {"dual_clip_c": 2.0, "clip_eps_high": 0.28}, clip=(0.2, 0.28), clip_ratio_c=2.0
     )
+    # The +-20 log-ratio clamp shows only on a negative-advantage token past +20 whose dual clip c exceeds e^20
+    # (4.9e8): there the loss is |A| e^20 with no gradient, where an unclamped ratio gives |A| e^25 and a gradient.
+    # Everywhere else the PPO clip, dual clip or exp's underflow hide it.
+    cases["dual clip c=1e12: the +-20 log-ratio clamp"] = Case({"dual_clip_c": 1e12}, clip_ratio_c=1e12)
     cases["token TIS 2"] = Case({"rollout_is": "token", "rollout_is_threshold": 2.0}, rollout_is=("token", 2.0))
     cases["sequence TIS 5"] = Case(
         {"rollout_is": "sequence", "rollout_is_threshold": 5.0}, rollout_is=("sequence", 5.0)
@@ -112,19 +117,25 @@ def rank_batch(rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
     logprobs = -randn(BATCH, RESPONSE).abs() - 0.1
     old = logprobs + 0.3 * randn(BATCH, RESPONSE)
-    old[0, 2] = logprobs[0, 2] - 25.0  # a log-ratio of +25: past verl's +-20 clamp
+    old[0, 2] = logprobs[0, 2] - 25.0  # a log-ratio of +25: past verl's +-20 clamp (sample 0's advantage is < 0)
     old[3, 1] = logprobs[3, 1] + 30.0
     rollout = old + 0.1 * randn(BATCH, RESPONSE)
     rollout[1, 0] = old[1, 0] - 3.0  # rollout/train mismatch outliers
     rollout[4, 5] = old[4, 5] + 2.5
     adv = randn(BATCH, 1).expand(BATCH, RESPONSE).clone() * 2.0  # mixed signs
+    adv[0] = -adv[0].abs()  # the +25 log-ratio's advantage is negative: dual-clip decides its loss
     adv[4] = 40.0  # an advantage outlier
+    ref = logprobs + 0.2 * randn(BATCH, RESPONSE)
+    # reference offsets past verl's k3 clamp: k3 = exp(6) - 7 = 396 and (ref - logprob clamped to -20) 19, both
+    # clamped to 10, where the gradient stops
+    ref[0, 3] = logprobs[0, 3] + 6.0
+    ref[3, 4] = logprobs[3, 4] - 30.0
     return {
         "response_mask": mask,
         "log_probs": logprobs,
         "old_log_probs": old,
         "rollout_log_probs": rollout,
-        "ref_log_prob": logprobs + 0.2 * randn(BATCH, RESPONSE),
+        "ref_log_prob": ref,
         "advantages": adv,
         "entropy": randn(BATCH, RESPONSE).abs(),
     }
