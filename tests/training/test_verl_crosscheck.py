@@ -54,6 +54,15 @@ def test_the_batches_reach_verls_clamps() -> None:
         assert ((log_ratio > SAFETY_BOUND) & (adv < 0)).any(), "a negative-advantage token past the +-20 clamp"
 
 
+def test_the_batches_hold_tokens_between_asymmetric_k1_bounds_and_their_mirror_image() -> None:
+    """pi_rollout/pi_train inside [0.25, 2] but not [0.5, 4], and the other way round: on these tokens a
+    rejection that reads the ratio inverted (k1's sign, or our mask's bounds not inverted) keeps other tokens."""
+    for rank in range(DP):
+        r = rank_batch(rank)
+        ratio = (r["rollout_log_probs"] - r["old_log_probs"])[r["response_mask"]].exp()
+        assert ((ratio > 0.25) & (ratio < 0.5)).any() and ((ratio > 2.0) & (ratio < 4.0)).any()
+
+
 def test_k3s_log_ratio_clamp_matches_verls_where_exp_would_overflow(verl: dict[str, Any]) -> None:
     """k3 clamps ref - logprob to +-20 before exp and then k3 itself to +-10. Past |20| k3 is above 10 either
     way, so neither the loss nor the gradient of a batch shows the inner clamp; only exp's overflow does

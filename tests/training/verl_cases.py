@@ -71,6 +71,10 @@ def _cases() -> dict[str, Case]:
         ("seq_mean_k3", 0.5),
         ("seq_max_k2", 1.0),
         ("token_k1,seq_mean_k3", "2.0,0.5"),
+        # asymmetric k1 bounds: their mirror images ([0.5, 4], [0.8, 2], [0.5, 5]) keep and drop other tokens
+        ("token_k1", "0.25_2.0"),
+        ("seq_mean_k1", "0.5_1.25"),
+        ("seq_sum_k1", "0.2_2.0"),
     ):
         cases[f"RS {option} {threshold}"] = Case(
             {"rollout_rs": option, "rollout_rs_threshold": threshold}, rollout_rs=(option, threshold)
@@ -82,8 +86,9 @@ def _cases() -> dict[str, Case]:
     cases["ratio_outlier_mask token = RS token_k1"] = Case(
         {"ratio_outlier_mask": RatioOutlierMask("token", 0.5, 4.0)}, rollout_rs=("token_k1", "0.25_2.0")
     )
+    # pi/pi_rollout in [0.8, 2] is pi_rollout/pi_train in [0.5, 1.25]: asymmetric, so the inversion shows
     cases["ratio_outlier_mask sequence = RS seq_mean_k1"] = Case(
-        {"ratio_outlier_mask": RatioOutlierMask("sequence", 0.8, 1.25)}, rollout_rs=("seq_mean_k1", "0.8_1.25")
+        {"ratio_outlier_mask": RatioOutlierMask("sequence", 0.8, 2.0)}, rollout_rs=("seq_mean_k1", "0.5_1.25")
     )
     cases["all: seq-mean-token-mean, k3, entropy, TIS, RS"] = Case(
         {
@@ -120,8 +125,12 @@ def rank_batch(rank: int, seed: int = 0) -> dict[str, torch.Tensor]:
     old[0, 2] = logprobs[0, 2] - 25.0  # a log-ratio of +25: past verl's +-20 clamp (sample 0's advantage is < 0)
     old[3, 1] = logprobs[3, 1] + 30.0
     rollout = old + 0.1 * randn(BATCH, RESPONSE)
-    rollout[1, 0] = old[1, 0] - 3.0  # rollout/train mismatch outliers
+    rollout[1, 0] = old[1, 0] - 3.0  # rollout/train mismatch outliers, outside any rejection bounds used
     rollout[4, 5] = old[4, 5] + 2.5
+    # pi_rollout/pi_train of e and 1/e: between asymmetric k1 bounds and their mirror image (e.g. [0.25, 2] and
+    # [0.5, 4]), so a rejection that reads the ratio the wrong way round keeps and drops other tokens
+    rollout[5, 0] = old[5, 0] + 1.0
+    rollout[6, 0] = old[6, 0] - 1.0
     adv = randn(BATCH, 1).expand(BATCH, RESPONSE).clone() * 2.0  # mixed signs
     adv[0] = -adv[0].abs()  # the +25 log-ratio's advantage is negative: dual-clip decides its loss
     adv[4] = 40.0  # an advantage outlier
