@@ -2,10 +2,11 @@
 
 Two DP ranks with varied response lengths (one empty), log-ratios past verl's +-20 clamp, reference
 log-probs past its k3 clamp, rollout mismatch outliers and mixed-sign advantages; every setting must
-agree within 1e-7 relative on each rank's loss and on its gradient with respect to the logprobs.
-verl's files are executed from the installed package (see verl_peer.py for the stand-ins its
-unavailable imports get). The batches are checked to reach what the settings are there to test, so a
-later edit of them cannot quietly turn a case into one that passes whatever we compute.
+agree within 1e-7 relative on each rank's loss and on its gradient with respect to the logprobs,
+verl's side computed by its own `ppo_loss`. verl's files are executed from the installed package
+(see verl_peer.py for the stand-ins its unavailable imports get, and why). The batches are checked
+to reach what the settings are there to test, so a later edit of them cannot quietly turn a case
+into one that passes whatever we compute.
 """
 
 from __future__ import annotations

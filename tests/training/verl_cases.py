@@ -3,10 +3,9 @@ same float64 rank batches (2 DP ranks; varied response lengths, an empty respons
 +-20 clamp, reference log-probs beyond its k3 clamp, mixed-sign advantages). Used by test_verl_crosscheck.py
 and scripts/verl_crosscheck_table.py.
 
-verl's `ppo_loss` (workers/utils/losses.py) needs TensorDict and nested-tensor padding that are not
-installed; `verl_step` calls what it calls, in its order: `compute_policy_loss_vanilla` with the
-rollout-correction weights, minus `entropy_coeff * agg_loss(entropy)`, plus `agg_loss(kl_penalty) *
-kl_loss_coef`, all with the global batch info; the rollout correction is `rollout_corr_helper`'s.
+verl's side is its own `ppo_loss` (workers/utils/losses.py) end to end: policy loss, entropy and KL terms
+and their aggregation with the step's counts, on a TensorDict and the model's unpadded log-probs, after
+`rollout_corr_helper`'s IS weights and rejection mask, as verl's trainer applies them before the actor.
 """
 
 from __future__ import annotations
@@ -200,11 +199,37 @@ def ours_step(case: Case, ranks: list[dict[str, torch.Tensor]]) -> list[tuple[fl
     return out
 
 
+def _response_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """Each response's length: up to its last loss token (a response may start with masked tokens)."""
+    columns = torch.arange(1, mask.shape[-1] + 1)
+    return (mask.to(torch.long) * columns).amax(dim=-1)
+
+
+def _unpadded(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`values` [B, R] as the model's unpadded output over prompt + response tokens, the way `ppo_loss` reads it
+    (`no_padding_2_padding`: response token j's output at the sequence's position PROMPT - 1 + j), and where each
+    response token's output lies in it: `out[positions]` is `values[on]`, `on` the [B, R] response tokens."""
+    on = torch.arange(values.shape[-1]) < lengths[:, None]
+    rows, cols = on.nonzero(as_tuple=True)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), (PROMPT + lengths).cumsum(0)[:-1]])
+    positions = starts[rows] + PROMPT - 1 + cols
+    flat = torch.full((int((PROMPT + lengths).sum()),), GARBAGE, dtype=values.dtype)  # outputs ppo_loss never reads
+    flat[positions] = values[on]
+    return flat, positions, on
+
+
 def verl_step(case: Case, ranks: list[dict[str, torch.Tensor]], peer: dict[str, Any]) -> list[tuple[float, Any]]:
-    """(loss, d loss / d logprobs) per rank, with verl 0.9.1's own functions."""
+    """(loss, d loss / d response logprobs) per rank, by verl 0.9.1's own `ppo_loss`.
+
+    Each rank's batch is what the trainer hands the actor after `rollout_corr_helper`'s rollout correction (IS
+    weights, rejection mask as the response mask), in a TensorDict with the counts the engine assigns
+    (all-reduced loss tokens, the mini-batch's sequences, the DP size); the log-probs are the model's
+    unpadded output over prompt + response tokens, which `ppo_loss` cuts back to the responses itself.
+    """
+    from tensordict import TensorDict
     from verl_peer import ActorConfigStandIn
 
-    core, rc = peer["core_algos"], peer["rollout_corr"]
+    rc, losses = peer["rollout_corr"], peer["losses"]
     prepared = []
     for r in ranks:
         mask, weights = r["response_mask"], None
@@ -218,34 +243,51 @@ def verl_step(case: Case, ranks: list[dict[str, torch.Tensor]], peer: dict[str, 
                 log_ratio, mask, rollout_rs=case.rollout_rs[0], rollout_rs_threshold=case.rollout_rs[1]
             )
         prepared.append((mask.to(bool), weights))
-    info: dict[str, Any] = {"loss_scale_factor": case.loss_scale_factor}
-    if case.normalization == "global":  # what verl's engine passes: all-reduced token count, the step's sequences
-        info.update(
-            dp_size=DP,
-            batch_num_tokens=int(sum(int(m.sum()) for m, _ in prepared)),
-            global_batch_size=BATCH * len(ranks),
-        )
-    config = ActorConfigStandIn(case.clip[0], case.clip[1], case.clip_ratio_c, info)
+    counts: dict[str, Any] = {"dp_size": 1, "batch_num_tokens": None, "global_batch_size": None}  # a rank alone
+    if case.normalization == "global":
+        counts = {
+            "dp_size": DP,
+            "batch_num_tokens": int(sum(int(m.sum()) for m, _ in prepared)),
+            "global_batch_size": BATCH * len(ranks),
+        }
     out = []
     for r, (mask, weights) in zip(ranks, prepared, strict=True):
-        log_prob = r["log_probs"].clone().requires_grad_(True)
-        pg, _ = core.compute_policy_loss_vanilla(
-            old_log_prob=r["old_log_probs"],
-            log_prob=log_prob,
-            advantages=r["advantages"],
-            response_mask=mask,
-            loss_agg_mode=case.mode,
-            config=config,
-            rollout_is_weights=weights,
-        )
-        loss = pg
-        if case.entropy_coeff:
-            loss = loss - case.entropy_coeff * core.agg_loss(r["entropy"], mask, case.mode, **info)
+        lengths = _response_lengths(r["response_mask"])
+        attention = torch.cat([torch.ones(BATCH, PROMPT), (torch.arange(RESPONSE) < lengths[:, None]).float()], 1)
+        fields = {
+            "prompts": torch.ones(BATCH, PROMPT, dtype=torch.long),
+            "responses": torch.ones(BATCH, RESPONSE, dtype=torch.long),
+            "attention_mask": attention.long(),
+            "response_mask": mask,
+            "old_log_probs": r["old_log_probs"],
+            "advantages": r["advantages"],
+        }
+        if weights is not None:
+            fields["rollout_is_weights"] = weights
         if case.kl is not None:
-            kld = core.kl_penalty(logprob=log_prob, ref_logprob=r["ref_log_prob"], kl_penalty=case.kl[0])
-            loss = loss + core.agg_loss(kld, mask, case.mode, **info) * case.kl[1]
+            fields["ref_log_prob"] = r["ref_log_prob"]
+        data = TensorDict(fields, batch_size=[BATCH])
+        losses.tu.assign_non_tensor(data, **counts)
+        log_probs, positions, on = _unpadded(r["log_probs"], lengths)
+        log_probs.requires_grad_(True)
+        model_output = {"log_probs": log_probs}
+        if case.entropy_coeff:  # verl's engine computes the entropy only when the loss uses it
+            model_output["entropy"] = _unpadded(r["entropy"], lengths)[0]
+        config = ActorConfigStandIn(
+            clip_low=case.clip[0],
+            clip_high=case.clip[1],
+            clip_ratio_c=case.clip_ratio_c,
+            loss_agg_mode=case.mode,
+            loss_scale_factor=case.loss_scale_factor,
+            entropy_coeff=case.entropy_coeff,
+            kl=case.kl,
+        )
+        loss, _ = losses.ppo_loss(config, model_output, data)
         loss.backward()
-        out.append((float(loss.detach()), log_prob.grad.clone()))
+        assert log_probs.grad is not None
+        grad = torch.zeros(BATCH, RESPONSE, dtype=torch.float64)  # padding has no output, so no gradient
+        grad[on] = log_probs.grad[positions]
+        out.append((float(loss.detach()), grad))
     return out
 
 
