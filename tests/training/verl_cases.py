@@ -218,7 +218,9 @@ def _unpadded(values: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor
     return flat, positions, on
 
 
-def verl_step(case: Case, ranks: list[dict[str, torch.Tensor]], peer: dict[str, Any]) -> list[tuple[float, Any]]:
+def verl_step(
+    case: Case, ranks: list[dict[str, torch.Tensor]], peer: dict[str, Any]
+) -> list[tuple[float, torch.Tensor]]:
     """(loss, d loss / d response logprobs) per rank, by verl 0.9.1's own `ppo_loss`.
 
     Each rank's batch is what the trainer hands the actor after `rollout_corr_helper`'s rollout correction (IS
@@ -242,7 +244,7 @@ def verl_step(case: Case, ranks: list[dict[str, torch.Tensor]], peer: dict[str, 
             mask, _ = rc.compute_rollout_rejection_mask(
                 log_ratio, mask, rollout_rs=case.rollout_rs[0], rollout_rs_threshold=case.rollout_rs[1]
             )
-        prepared.append((mask.to(bool), weights))
+        prepared.append((mask.to(torch.bool), weights))
     counts: dict[str, Any] = {"dp_size": 1, "batch_num_tokens": None, "global_batch_size": None}  # a rank alone
     if case.normalization == "global":
         counts = {
