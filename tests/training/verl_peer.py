@@ -49,7 +49,10 @@ def verl_dir() -> Path:
 
 def load_verl() -> dict[str, Any]:
     """{"core_algos": ..., "rollout_corr": ..., "losses": ..., "version": str} executed from the installed files."""
-    import tensordict  # noqa: F401  # imported before the snapshot below: the test builds TensorDicts with this copy
+    # imported before the snapshot of sys.modules below: the test builds its TensorDicts with this copy
+    if importlib.util.find_spec("tensordict") is None:
+        raise ModuleNotFoundError("tensordict is not installed (scripts/setup.sh installs it, 0.15.3 --no-deps)")
+    import tensordict  # noqa: F401
 
     root = verl_dir()
     saved = dict(sys.modules)
