@@ -35,3 +35,9 @@ if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.
   say "installing verl==0.9.1 --no-deps: the tests check our verl loss convention against verl's own loss functions (its source only; none of its heavy dependencies)"
   "$VENV/bin/python" -m pip install -q --no-deps "verl==0.9.1" >&2
 fi
+# verl's ppo_loss takes a TensorDict: the cross-check runs it from verl's own file. tensordict is pure Python;
+# --no-deps with its two small dependencies pinned, so no resolver step can swap the pinned CPU torch.
+if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('tensordict') is None)"; then
+  say "installing tensordict==0.15.3 (with cloudpickle, pyvers) --no-deps: verl's ppo_loss, run by the verl cross-check, takes a TensorDict"
+  "$VENV/bin/python" -m pip install -q --no-deps "tensordict==0.15.3" "cloudpickle==3.1.3" "pyvers==0.2.3" >&2
+fi

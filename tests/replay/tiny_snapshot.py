@@ -3,7 +3,9 @@
 One process builds the seeded policy, makes each rank's batch (a few samples carry a rollout-logprob
 mismatch: the burst), computes every rank's gradients with `replay.rank_step` (summed, then divided
 by the world size as `reduce_gradients` does) and writes the snapshot with `write_snapshot`, which
-takes every rank's payload from a single process.
+takes every rank's payload from a single process. Under `loss.normalization: global` every rank
+normalises by the step's counts, summed over the ranks' batches as the trainer's all-reduce sums
+them, and records them in its grad info as the trainer does.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import torch
 
 from axrl_spike_replay.capture.snapshot_writer import RankPayload, write_snapshot
 from axrl_spike_replay.models.tiny_moe import RoutingControl, TinyMoEConfig, TinyMoEPolicy, token_logprobs
+from axrl_spike_replay.replay.sample_masks import SampleFilter, filtered_batch
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, DetectorSpec, ParallelLayout
-from axrl_spike_replay.training.policy_loss import LossConfig
+from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY, GlobalCounts
+from axrl_spike_replay.training.policy_loss import LossConfig, local_counts
 from axrl_spike_replay.training.rank_step import (
     global_grad_norm,
     param_grad_norms,
@@ -47,6 +51,8 @@ class TinySpec:
     # (prompt lengths, response lengths) per sample: prompts left-padded to `prompt`, responses right-padded to
     # `seq - prompt` with token 0, an `attention_mask`, and no route at padding (-1), as RL trainers batch them
     lengths: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    # `lengths` for each rank in turn (instead of one for all): ranks with different loss token counts
+    rank_lengths: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None = None
     loss: dict[str, Any] | None = None  # the run config's loss section (default LOSS)
 
 
@@ -71,9 +77,10 @@ def make_batch(model: TinyMoEPolicy, spec: TinySpec, rank: int) -> tuple[dict[st
     mask[:, spec.prompt :] = 1.0
     mask[0, -2:] = 0.0  # one shorter response
     attention = None
-    if spec.lengths is not None:
+    lengths = spec.rank_lengths[rank] if spec.rank_lengths is not None else spec.lengths
+    if lengths is not None:
         attention = torch.zeros(b, t, dtype=torch.long)
-        for sample, (p, r) in enumerate(zip(*spec.lengths, strict=True)):
+        for sample, (p, r) in enumerate(zip(*lengths, strict=True)):
             attention[sample, spec.prompt - p : spec.prompt + r] = 1
         tokens = tokens * attention
         mask = attention.float()
@@ -119,7 +126,7 @@ def record_tiny_snapshot(root: Path, world_size: int = 2, **kwargs: Any) -> Path
     model = TinyMoEPolicy(MODEL)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cfg = run_config(world_size, spec.routing, spec.loss)
-    payloads, local_norms, losses, grad_norm = _record_grads(model, spec, cfg)
+    payloads, local_norms, losses, grad_norm, counts = _record_grads(model, spec, cfg)
     median = grad_norm / SPIKE_RATIO
     if spec.advantage_outlier is not None:
         model.load_state_dict(state)
@@ -135,10 +142,13 @@ def record_tiny_snapshot(root: Path, world_size: int = 2, **kwargs: Any) -> Path
         detector=DetectorSpec(kind="median_ratio", window=10, threshold=5.0),
         parallel=ParallelLayout(world_size=world_size, dp=world_size),
     )
+    grad_info: dict[str, Any] = {"grad_norm": grad_norm}
+    if counts is not None:  # what a replay, at any layout, normalises every rank by
+        grad_info[GRAD_INFO_KEY] = counts.to_doc()
     ranks = {
         rank: RankPayload(
             batch=batch,
-            grad_info={"grad_norm": grad_norm, "param_grad_norms": local_norms[rank], "loss": losses[rank]},
+            grad_info={**grad_info, "param_grad_norms": local_norms[rank], "loss": losses[rank]},
             routing_payload={"routed_experts": routes, "moe_layers": list(MODEL.moe_layer_ids), "source": "rollout"}
             if spec.routing
             else None,
@@ -148,19 +158,48 @@ def record_tiny_snapshot(root: Path, world_size: int = 2, **kwargs: Any) -> Path
     return write_snapshot(root, meta, cfg, state, ranks, legacy_layout=spec.legacy)
 
 
-def _record_grads(model: TinyMoEPolicy, spec: TinySpec, cfg: dict[str, Any]) -> tuple[Any, Any, Any, float]:
-    """Every rank's batch, local grad norms and loss, and the global grad norm, as the trainer computes them."""
+def step_grad_norm(
+    loss_config: LossConfig,
+    counts: GlobalCounts | None = None,
+    samples: SampleFilter | None = None,
+    world_size: int = 2,
+    **kwargs: Any,
+) -> float:
+    """The global grad norm the trainer's step functions give on the batches `record_tiny_snapshot(root, world_size,
+    **kwargs)` records, under `loss_config` and with `samples`' samples left out of it. Under normalization global
+    every rank normalises by `counts`, or, without them, by the step's counts taken from those batches."""
+    spec = TinySpec(root="", world_size=world_size, **kwargs)
+    torch.manual_seed(spec.seed)
+    model = TinyMoEPolicy(MODEL)
+    cfg = run_config(world_size, spec.routing, spec.loss)
+    return _record_grads(model, spec, cfg, loss_config, counts, samples)[3]
+
+
+def _record_grads(
+    model: TinyMoEPolicy,
+    spec: TinySpec,
+    cfg: dict[str, Any],
+    loss: LossConfig | None = None,
+    counts: GlobalCounts | None = None,
+    samples: SampleFilter | None = None,
+) -> tuple[Any, Any, Any, float, GlobalCounts | None]:
+    """Every rank's batch, local grad norms and loss, the global grad norm and the step's counts (normalization
+    global), as the trainer computes them; `loss`, `counts` and `samples` stand in for the recorded ones."""
     world_size = spec.world_size
-    loss_cfg = LossConfig.from_dict(cfg["loss"])
+    loss_cfg = loss if loss is not None else LossConfig.from_dict(cfg["loss"])
+    batches = {rank: make_batch(model, spec, rank) for rank in range(world_size)}
+    inputs = {rank: filtered_batch(batch, rank, samples or SampleFilter()) for rank, (batch, _) in batches.items()}
+    if counts is None and loss_cfg.normalization == "global":  # the trainer all-reduces each rank's counts
+        local = [local_counts(batch, loss_cfg) for batch in inputs.values()]
+        counts = GlobalCounts(world_size, sum(t for t, _ in local), sum(s for _, s in local))
     payloads, local_norms, losses = {}, {}, {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for rank in range(world_size):
-            batch, routes = make_batch(model, spec, rank)
+        for rank, (batch, routes) in batches.items():
             model.zero_grad(set_to_none=True)
             routing = routing_control(RoutingConfig.from_dict(cfg["routing"]), batch, routes)
-            out = rank_forward_backward(model, batch, loss_cfg, routing)
+            out = rank_forward_backward(model, inputs[rank], loss_cfg, routing, counts=counts)
             local_norms[rank] = param_grad_norms(model)
             losses[rank] = float(out.loss.detach())
             payloads[rank] = (batch, routes, [p.grad.clone() for p in model.parameters()])
@@ -170,4 +209,4 @@ def _record_grads(model: TinyMoEPolicy, spec: TinySpec, cfg: dict[str, Any]) -> 
         grad_norm = global_grad_norm(model)
     finally:
         torch.set_num_threads(threads)
-    return payloads, local_norms, losses, grad_norm
+    return payloads, local_norms, losses, grad_norm, counts

@@ -1,9 +1,12 @@
 """Our `verl` loss convention against verl 0.9.1's own installed functions, on the same float64 batches.
 
-Two DP ranks with varied response lengths (one empty), log-ratios past verl's +-20 clamp, rollout
-mismatch outliers and mixed-sign advantages; every setting must agree within 1e-7 relative on each
-rank's loss and on its gradient with respect to the logprobs. verl's files are executed from the
-installed package (see verl_peer.py for the stand-ins its unavailable imports get).
+Two DP ranks with varied response lengths (one empty), log-ratios past verl's +-20 clamp, reference
+log-probs past its k3 clamp, rollout mismatch outliers and mixed-sign advantages; every setting must
+agree within 1e-7 relative on each rank's loss and on its gradient with respect to the logprobs,
+verl's side computed by its own `ppo_loss`. verl's files are executed from the installed package
+(see verl_peer.py for the stand-ins its unavailable imports get, and why). The batches are checked
+to reach what the settings are there to test, so a later edit of them cannot quietly turn a case
+into one that passes whatever we compute.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from verl_cases import CASES, compare
+from verl_cases import CASES, DP, compare, rank_batch
 
 from axrl_spike_replay.capture.toy_task import grpo_advantages
+from axrl_spike_replay.training.verl_convention import KL_CLAMP, SAFETY_BOUND, kl_penalty
 
 TOLERANCE = 1e-7
 
@@ -36,6 +40,47 @@ def test_our_verl_convention_matches_verl_on_loss_and_gradient(name: str, verl: 
         assert np.isfinite(figures["ours"]) and np.isfinite(figures["verl"])
         assert figures["loss_rel"] <= TOLERANCE, figures
         assert figures["grad_rel"] <= TOLERANCE, figures
+
+
+def test_the_batches_reach_verls_clamps() -> None:
+    """On every rank's loss mask: k3 past its +-10 clamp on both sides of the reference, and a negative-advantage
+    token whose log-ratio is past +20 (the `kl *` and `dual clip c=1e12` cases read them)."""
+    for rank in range(DP):
+        r = rank_batch(rank)
+        on = r["response_mask"]
+        kl = (r["ref_log_prob"] - r["log_probs"])[on]  # k3's argument
+        assert ((kl > 0) & (kl.exp() - kl - 1 > KL_CLAMP)).any(), "a reference above the policy, past the clamp"
+        assert (kl < -SAFETY_BOUND).any(), "a reference far below it, past the +-20 clamp as well"
+        log_ratio, adv = (r["log_probs"] - r["old_log_probs"])[on], r["advantages"][on]
+        assert ((log_ratio > SAFETY_BOUND) & (adv < 0)).any(), "a negative-advantage token past the +-20 clamp"
+
+
+def test_the_batches_hold_tokens_between_asymmetric_k1_bounds_and_their_mirror_image() -> None:
+    """pi_rollout/pi_train inside [0.25, 2] but not [0.5, 4], and the other way round: on these tokens a
+    rejection that reads the ratio inverted (k1's sign, or our mask's bounds not inverted) keeps other tokens."""
+    for rank in range(DP):
+        r = rank_batch(rank)
+        ratio = (r["rollout_log_probs"] - r["old_log_probs"])[r["response_mask"]].exp()
+        assert ((ratio > 0.25) & (ratio < 0.5)).any() and ((ratio > 2.0) & (ratio < 4.0)).any()
+
+
+def test_k3s_log_ratio_clamp_matches_verls_where_exp_would_overflow(verl: dict[str, Any]) -> None:
+    """k3 clamps ref - logprob to +-20 before exp and then k3 itself to +-10. Past |20| k3 is above 10 either
+    way, so neither the loss nor the gradient of a batch shows the inner clamp; only exp's overflow does
+    (ref - logprob > 709 in float64: without the clamp, k3's gradient is 0 * inf = NaN). So it is checked
+    here, at the function level, against verl's own kl_penalty."""
+    ref = torch.tensor([-800.0, -30.0, -6.0, -0.5, 0.0, 0.5, 6.0, 30.0, 800.0], dtype=torch.float64)
+    for estimator in ("k3", "low_var_kl", "k3+"):
+        ours_lp = torch.zeros_like(ref, requires_grad=True)
+        theirs_lp = torch.zeros_like(ref, requires_grad=True)
+        ours = kl_penalty(ours_lp, ref, estimator)
+        theirs = verl["core_algos"].kl_penalty(logprob=theirs_lp, ref_logprob=ref, kl_penalty=estimator)
+        ours.sum().backward()
+        theirs.sum().backward()
+        assert ours_lp.grad is not None and theirs_lp.grad is not None
+        assert torch.equal(ours, theirs), estimator
+        assert torch.isfinite(ours_lp.grad).all(), estimator
+        assert torch.equal(ours_lp.grad, theirs_lp.grad), estimator
 
 
 def test_grpo_advantages_take_verls_bessel_corrected_group_std(verl: dict[str, Any]) -> None:

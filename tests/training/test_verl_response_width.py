@@ -1,7 +1,7 @@
 """A verl mini-batch whose responses all start with masked tokens (a tool reply, a masked turn): verl's
 `seq-mean-token-sum-norm` divides by the response width R of its `[B, R]` fields, which our full-width
 layout no longer shows. Read through `canonicalize_batch`, the batch keeps R and our verl convention
-matches verl 0.9.1's own `compute_policy_loss_vanilla` on it (float64, 1e-7 relative)."""
+matches verl 0.9.1's own `ppo_loss` on it (float64, 1e-7 relative)."""
 
 from __future__ import annotations
 

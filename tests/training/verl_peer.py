@@ -1,13 +1,20 @@
 """verl 0.9.1's own loss functions, loaded from the installed verl files for the cross-check.
 
-verl is installed with --no-deps: `import verl.trainer.ppo.core_algos` fails on ray, omegaconf and
-tensordict, which the tested functions never touch. So the real files are executed by importlib under
-minimal stand-in modules for exactly the imports that are unavailable (or that would pull them in:
-verl's package `__init__`s, `verl.utils.device`, the config classes, `DataProto`). Every function the
-test calls — `agg_loss`, `compute_policy_loss_vanilla`, `kl_penalty`, `compute_rollout_correction_weights`,
-`compute_rollout_rejection_mask`, `compute_grpo_outcome_advantage`, and verl_F's `masked_sum` /
-`masked_mean` they use — is verl's code as installed. Stand-ins raise if anything calls into them.
-`sys.modules` is restored afterwards: the loaded functions keep their own module globals.
+verl is installed with --no-deps, and tensordict (pure Python) beside it: scripts/setup.sh installs both.
+`import verl.workers.utils.losses` still fails, on ray: verl's package `__init__` imports `verl.protocol`
+(`import ray`), and `losses.py` -> `core_algos.py` -> `verl.workers.config` -> `actor.py` ->
+`verl.utils.profiler` -> `profile.py` -> `verl.single_controller` -> `base/worker.py` imports ray too
+(a 79 MB wheel, with omegaconf, codetiming and orjson needed on the way). So the real files are executed
+by importlib under minimal stand-in modules for exactly the imports that are unavailable or would pull
+ray in: verl's package `__init__`s, omegaconf, `verl.utils.device`, the config classes, `DataProto`.
+Every function the test calls — `ppo_loss` (with `no_padding_2_padding`, `tensordict_utils`, the
+`Metric` class and tensordict's own `TensorDict` it uses), `agg_loss`, `compute_policy_loss_vanilla`,
+`kl_penalty`, `compute_rollout_correction_weights`, `compute_rollout_rejection_mask`,
+`compute_grpo_outcome_advantage`, and verl_F's `masked_sum` / `masked_mean` — is verl's code as
+installed. The one stand-in that is used is the actor config `ppo_loss` reads (`ActorConfigStandIn`):
+verl's `ActorConfig` is a dataclass behind that ray import chain, and the loss reads only its fields.
+Other stand-ins raise if anything calls into them. `sys.modules` is restored afterwards: the loaded
+functions keep their own module globals.
 """
 
 from __future__ import annotations
@@ -40,8 +47,13 @@ def verl_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def load_verl() -> dict[str, types.ModuleType]:
-    """{"core_algos": ..., "rollout_corr": ..., "version": str} executed from the installed files."""
+def load_verl() -> dict[str, Any]:
+    """{"core_algos": ..., "rollout_corr": ..., "losses": ..., "version": str} executed from the installed files."""
+    # imported before the snapshot of sys.modules below: the test builds its TensorDicts with this copy
+    if importlib.util.find_spec("tensordict") is None:
+        raise ModuleNotFoundError("tensordict is not installed (scripts/setup.sh installs it, 0.15.3 --no-deps)")
+    import tensordict  # noqa: F401
+
     root = verl_dir()
     saved = dict(sys.modules)
 
@@ -63,9 +75,8 @@ def load_verl() -> dict[str, types.ModuleType]:
         return module
 
     try:
-        # unavailable third-party packages
+        # unavailable third-party package (core_algos names DictConfig in an isinstance check it never reaches)
         package("omegaconf", DictConfig=_Unavailable, open_dict=_Unavailable)
-        package("tensordict", TensorDict=_Unavailable)
         # verl's packages, without their __init__ (which import ray and the config machinery)
         package("verl", root)
         package("verl.utils", root / "utils", as_torch_index=_Unavailable, group_mean_std=_Unavailable)
@@ -75,7 +86,9 @@ def load_verl() -> dict[str, types.ModuleType]:
         package("verl.trainer.config", root / "trainer" / "config", AlgoConfig=type("AlgoConfig", (), {}))
         package("verl.trainer.config.algorithm", RolloutCorrectionConfig=_Unavailable)
         package("verl.workers", root / "workers")
-        package("verl.workers.config", root / "workers" / "config", ActorConfig=_Unavailable)
+        package("verl.workers.config", root / "workers" / "config", ActorConfig=_Unavailable, CriticConfig=_Unavailable)
+        # verl.utils.dataset's __init__ loads the RL datasets (and `datasets`); losses.py needs only dataset_utils
+        package("verl.utils.dataset", root / "utils" / "dataset")
         package("verl.workers.config.actor", PolicyLossConfig=_Unavailable)
         package("verl.protocol", DataProto=_Unavailable)
         # `deprecated` only wraps the legacy compute_policy_loss with a warning
@@ -83,19 +96,44 @@ def load_verl() -> dict[str, types.ModuleType]:
         load("verl.utils.torch_functional", "utils/torch_functional.py")
         core_algos = load("verl.trainer.ppo.core_algos", "trainer/ppo/core_algos.py")
         rollout_corr = load("verl.trainer.ppo.rollout_corr_helper", "trainer/ppo/rollout_corr_helper.py")
+        # its own imports (tensordict_utils, metric, dataset_utils, padding) load from verl's files
+        losses = load("verl.workers.utils.losses", "workers/utils/losses.py")
         version = (root / "version" / "version").read_text(encoding="utf-8").strip()
     finally:
         sys.modules.clear()
         sys.modules.update(saved)
-    return {"core_algos": core_algos, "rollout_corr": rollout_corr, "version": version}  # type: ignore[dict-item]
+    return {"core_algos": core_algos, "rollout_corr": rollout_corr, "losses": losses, "version": version}
 
 
 class ActorConfigStandIn(dict):
-    """The fields of verl's ActorConfig that `compute_policy_loss_vanilla` reads (it is a dict-like dataclass)."""
+    """The fields of verl's `ActorConfig` that `ppo_loss` and `compute_policy_loss_vanilla` read, nothing else.
 
-    def __init__(self, clip_low: float, clip_high: float, clip_ratio_c: float, global_batch_info: dict[str, Any]):
+    `ActorConfig` is a dict-like dataclass (the policy loss calls `config.get("clip_ratio_c", 3.0)`), so the
+    stand-in is a dict holding `clip_ratio_c` with the other fields as attributes. `ppo_loss` writes the
+    step's counts into `global_batch_info`: one stand-in per call. KL off leaves verl's defaults for its type
+    and coefficient, which the loss then never reads.
+    """
+
+    def __init__(
+        self,
+        *,
+        clip_low: float,
+        clip_high: float,
+        clip_ratio_c: float,
+        loss_agg_mode: str,
+        loss_scale_factor: float | None = None,
+        entropy_coeff: float = 0.0,
+        kl: tuple[str, float] | None = None,
+    ) -> None:
         super().__init__(clip_ratio_c=clip_ratio_c)
         self.clip_ratio = clip_low
         self.clip_ratio_low = clip_low
         self.clip_ratio_high = clip_high
-        self.global_batch_info = global_batch_info
+        self.clip_ratio_c = clip_ratio_c
+        self.policy_loss = {"loss_mode": "vanilla"}
+        self.loss_agg_mode = loss_agg_mode
+        self.loss_scale_factor = loss_scale_factor
+        self.entropy_coeff = entropy_coeff
+        self.use_kl_loss = kl is not None
+        self.kl_loss_type, self.kl_loss_coef = kl if kl is not None else ("low_var_kl", 0.001)
+        self.global_batch_info: dict[str, Any] = {}
