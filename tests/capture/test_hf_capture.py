@@ -1,7 +1,8 @@
 """Capturing a spike on a transformers MoE model and replaying it: the reference trainer trains a tiny
 qwen3_moe (and, marked slow, the five other architectures) with GRPO, bf16 rollouts and routing replay on
 two gloo ranks; the snapshot's run config names the model, and a replay at the saved world size is
-bit-identical to the step the guard recorded, one process within 1e-5.
+bit-identical to the step the guard recorded, one process within 1e-5. The clean preset never trips on any
+of them and the negative-advantage preset trips at its burst.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from axrl_spike_replay.analysis.diagnose import diagnose_snapshot
 from axrl_spike_replay.capture.model_choice import HF_CAPTURE_MODELS
 from axrl_spike_replay.capture.reference_trainer import CaptureResult, capture_reference_run
 from axrl_spike_replay.errors import ConfigError
@@ -75,6 +77,33 @@ def test_replay_of_a_qwen3_moe_capture_is_bit_identical_at_the_saved_layout(qwen
 @pytest.mark.parametrize("architecture", [a for a in HF_CAPTURE_MODELS if a != "qwen3_moe"])
 def test_every_architecture_captures_and_replays_bit_identically(tmp_path: Path, architecture: str) -> None:
     _check_replays(_capture(tmp_path, architecture))
+
+
+def _check_presets(root: Path, architecture: str) -> None:
+    """A clean run never trips the guard; the broken reward of negative_advantage_dominance trips it at its burst
+    and is diagnosed as such (one rank: the presets' behaviour, not the layout, is under test)."""
+    clean = capture_reference_run(root / "none", steps=STEPS, model=architecture, preset="none")
+    assert clean.spike_iterations == [] and all(0 < g < 1e3 for g in clean.grad_norms), clean.grad_norms
+    broken = capture_reference_run(
+        root / "negative", steps=STEPS, model=architecture, preset="negative_advantage_dominance"
+    )
+    assert broken.spike_iterations[:1] == [20] and min(broken.spike_ratios) >= 5, broken.grad_norms
+    diagnosis = diagnose_snapshot(broken.snapshot_dirs[0], model="never")
+    assert diagnosis.causes[0].family == "negative_advantage_dominance"
+
+
+@pytest.mark.slow
+def test_the_clean_and_the_negative_advantage_presets_run_on_qwen3_moe(tmp_path: Path) -> None:
+    _check_presets(tmp_path, "qwen3_moe")
+
+
+@pytest.mark.slow
+@pytest.mark.matrix
+@pytest.mark.parametrize("architecture", [a for a in HF_CAPTURE_MODELS if a != "qwen3_moe"])
+def test_the_clean_and_the_negative_advantage_presets_run_on_every_architecture(
+    tmp_path: Path, architecture: str
+) -> None:
+    _check_presets(tmp_path, architecture)
 
 
 def test_an_unknown_model_is_refused_by_name(tmp_path: Path) -> None:
