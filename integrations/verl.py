@@ -241,7 +241,7 @@ def guard_step(engine: Any, grad_norm: Any) -> bool:
         world = dist.get_world_size() if dist.is_initialized() else 1
         guard.parallel = ParallelLayout(world_size=world, dp=world)
         data = getattr(engine, "_axrl_spike_batch", None)
-        batch = batch_payload(data or {})
+        batch = batch_payload(data if data is not None else {})  # a TensorDict refuses bool()
         routing = None
         if "routed_experts" in batch and "response_mask" in batch:
             routes = verl_routes(verl_padded_batch(batch, "verl mini-batch"))

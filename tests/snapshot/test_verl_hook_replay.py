@@ -3,14 +3,19 @@
 verl's `FSDPEngine` cannot be built here (it needs ray, GPUs and its process groups), so a stand-in object carries
 exactly what the patched engine hands the hook: `module` (a real tiny qwen3_moe causal LM), `optimizer`,
 `optimizer_config.clip_grad`, `engine_config.router_replay`, `_autocast_dtype`, and, as the patched
-`forward_backward_batch` keeps them, the rank's mini-batch in the engine's jagged layout and its loss function
-`partial(ppo_loss, config=actor_config)`. The step is computed as verl 0.9.1 computes it, with verl's own functions
-run from the installed files (tests/training/verl_peer.py: verl's modules need ray, omegaconf and tensordict, which
-the functions never touch): the driver's rollout correction before the update (`compute_rollout_correction_weights`
-with batch normalisation, `compute_rollout_rejection_mask`), then `ppo_loss` (a stand-in with its signature that
-composes `compute_policy_loss_vanilla`, `agg_loss` and `kl_penalty` as it does; the module imports tensordict),
-the global counts the engine sets on the mini-batch, and `clip_grad_norm_` clipping the gradients in place before
-the hook sees the pre-clip norm, as `optimizer_step` does.
+`forward_backward_batch` keeps them, the rank's mini-batch (a TensorDict in the engine's jagged layout, with the
+counts the engine sets on it) and its loss function `partial(ppo_loss, config=actor_config)`. The step is computed
+as verl 0.9.1 computes it, with verl's own code run from the installed files (tests/training/verl_peer.py): the
+driver's rollout correction before the update (`compute_rollout_correction_weights` with batch normalisation,
+`compute_rollout_rejection_mask`), then verl's own `losses.ppo_loss` on that TensorDict and the model output the
+engine would hand it (the unpadded log-probs and entropies over prompt + response tokens, each position scoring
+the next token), composing the policy loss, entropy and KL terms with the global counts itself, and
+`clip_grad_norm_` clipping the gradients in place before the hook sees the pre-clip norm, as `optimizer_step`
+does. Only the actor config `ppo_loss` reads is a stand-in (`ActorConfig` below): verl's own is a dataclass
+behind an import chain that reaches ray (see verl_peer.py).
+
+The replay recomputes the step to 1e-9 of its float64 norm; against the norm verl's clip reports, which it sums
+in float32, its rel_diff is about 8.8e-7.
 """
 
 from __future__ import annotations
@@ -50,8 +55,8 @@ ROLLOUT_RS = {"rollout_rs": "token_k1", "rollout_rs_threshold": "0.6_1.8"}
 
 @dataclasses.dataclass
 class ActorConfig:
-    """The fields of verl's `ActorConfig` (verl/workers/config/actor.py) that its loss reads, with verl's defaults,
-    and the dict-like `get` its BaseConfig gives."""
+    """The stand-in for verl's `ActorConfig` (verl/workers/config/actor.py): the fields `ppo_loss` reads, with
+    verl's defaults, and the dict-like `get` its BaseConfig gives."""
 
     clip_ratio: float = 0.2
     clip_ratio_low: float = 0.2
@@ -72,8 +77,8 @@ class ActorConfig:
 
 @pytest.fixture(scope="module")
 def verl() -> dict[str, Any]:
-    if importlib.util.find_spec("verl") is None:
-        pytest.skip("needs verl 0.9.1 installed (its loss functions compute the step)")
+    if importlib.util.find_spec("verl") is None or importlib.util.find_spec("tensordict") is None:
+        pytest.skip("needs verl 0.9.1 and tensordict installed (verl's ppo_loss computes the step)")
     spec = importlib.util.spec_from_file_location("verl_peer_for_hook", REPO / "tests" / "training" / "verl_peer.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -109,11 +114,11 @@ def _padded_batch(vocab: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     }
 
 
-def _response_logprobs(policy: Any, data: dict[str, Any], need_entropy: bool) -> Any:
-    """The policy's [B, R] response log-probs (and entropies) on the mini-batch, temperature applied."""
+def _token_logprobs(policy: Any, data: dict[str, Any], need_entropy: bool) -> Any:
+    """The policy's [B, PROMPT + RESPONSE] log-probs (and entropies) on the padded batch, temperature applied:
+    column t scores token t (computed from the first response column on, 0 before it)."""
     out = policy_forward(policy, canonicalize_batch(data, "mini-batch"), RoutingControl(), need_entropy=need_entropy)
-    entropy = out.entropy[:, PROMPT:] if out.entropy is not None else None
-    return out.logprobs[:, PROMPT:], entropy
+    return out.logprobs, out.entropy
 
 
 def _rollout_fields(policy: Any, padded: dict[str, torch.Tensor], gen: torch.Generator, verl: dict[str, Any]) -> None:
@@ -121,7 +126,7 @@ def _rollout_fields(policy: Any, padded: dict[str, torch.Tensor], gen: torch.Gen
     (decoupled mode) by verl's own functions: IS weights added, rejection sampling applied to response_mask."""
     mask = padded["response_mask"]
     with torch.no_grad():
-        current, _ = _response_logprobs(policy, padded, need_entropy=False)
+        current = _token_logprobs(policy, padded, need_entropy=False)[0][:, PROMPT:]
     old = current + 0.15 * torch.randn(current.shape, generator=gen)
     old[4, :2] = current[4, :2] - 1.5  # a negative-advantage sample past the dual clip (ratio e^1.5 > 2.5)
     rollout = old + 0.1 * torch.randn(old.shape, generator=gen)
@@ -136,50 +141,38 @@ def _rollout_fields(policy: Any, padded: dict[str, torch.Tensor], gen: torch.Gen
     padded["response_mask"], _ = rc.compute_rollout_rejection_mask(log_ratio, mask, **ROLLOUT_RS)
 
 
-def _engine_layout(padded: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """The engine's mini-batch (verl's left_right_2_no_padding, then what the trainer and engine set on it)."""
-    data: dict[str, Any] = dict(padded)
+def _engine_layout(padded: dict[str, torch.Tensor], verl: dict[str, Any]) -> Any:
+    """The engine's mini-batch: a TensorDict laid out as verl's `left_right_2_no_padding` lays it out (input and
+    position ids jagged, `loss_mask` the response mask; the metadata it adds, which `ppo_loss` does not read, left
+    out), with the trainer's temperature and `global_batch_size` and the counts `forward_backward_batch` sets on it,
+    each set by verl's own `tensordict_utils`."""
+    from tensordict import TensorDict
+
+    tu = verl["losses"].tu
+    fields: dict[str, torch.Tensor] = dict(padded)
     valid = padded["attention_mask"].bool()
     offsets = torch.nn.functional.pad(valid.sum(dim=1).cumsum(dim=0), (1, 0))
     for name in ("input_ids", "position_ids"):
-        data[name] = torch.nested.nested_tensor_from_jagged(padded[name][valid], offsets=offsets)
-    data["loss_mask"] = padded["response_mask"]
-    data.update(
-        temperature=TEMPERATURE,
-        global_batch_size=len(PROMPTS),  # ppo_mini_batch_size * rollout.n, over the data-parallel group
-        batch_num_tokens=int(padded["response_mask"].sum()),  # all-reduced over a DP group of one
-        dp_size=1,
-    )
+        fields[name] = torch.nested.nested_tensor_from_jagged(padded[name][valid], offsets=offsets)
+    fields["loss_mask"] = padded["response_mask"]
+    data = TensorDict(fields, batch_size=[len(PROMPTS)])
+    # the trainer's: global_batch_size is ppo_mini_batch_size x rollout.n, over the data-parallel group
+    tu.assign_non_tensor(data, temperature=TEMPERATURE, global_batch_size=len(PROMPTS))
+    batch_num_tokens = data["loss_mask"].sum()  # all-reduced over a DP group of one
+    tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(), dp_size=1)
     return data
 
 
-def make_ppo_loss(verl: dict[str, Any]) -> Any:
-    """A stand-in for verl.workers.utils.losses.ppo_loss (same name and signature) composing verl's own functions
-    as ppo_loss does: the vanilla policy loss, minus entropy_coeff x entropy, plus kl_loss_coef x KL, each through
-    agg_loss with the global counts the engine set on the mini-batch."""
-    core = verl["core_algos"]
-
-    def ppo_loss(config: ActorConfig, model_output: dict[str, Any], data: dict[str, Any], dp_group: Any = None) -> Any:
-        info = {key: data[key] for key in ("dp_size", "batch_num_tokens", "global_batch_size")}
-        config.global_batch_info.update(info, loss_scale_factor=config.loss_scale_factor)
-        log_prob, entropy = model_output["log_probs"], model_output["entropy"]
-        mask, mode = data["response_mask"].to(bool), config.loss_agg_mode
-        pg_loss, _ = core.compute_policy_loss_vanilla(
-            old_log_prob=data["old_log_probs"],
-            log_prob=log_prob,
-            advantages=data["advantages"],
-            response_mask=mask,
-            loss_agg_mode=mode,
-            config=config,
-            rollout_is_weights=data.get("rollout_is_weights"),
-        )
-        loss = pg_loss - config.entropy_coeff * core.agg_loss(entropy, mask, mode, **config.global_batch_info)
-        if config.use_kl_loss:
-            kld = core.kl_penalty(logprob=log_prob, ref_logprob=data["ref_log_prob"], kl_penalty=config.kl_loss_type)
-            loss = loss + core.agg_loss(kld, mask, mode, **config.global_batch_info) * config.kl_loss_coef
-        return loss
-
-    return ppo_loss
+def _engine_output(values: torch.Tensor, data: Any) -> torch.Tensor:
+    """Per-token `values` [B, T] of the padded batch (column t scores token t) as the engine's model output: a jagged
+    tensor over each sample's prompt + response tokens, split at the input ids' offsets, whose position t scores
+    the next token (the engine's labels are the input ids rolled left by one). A sequence's last position scores
+    none of its tokens: 0 there, a position `ppo_loss` never reads."""
+    valid = data["attention_mask"].bool()
+    scores_next = torch.nn.functional.pad(valid[:, 1:], (0, 1))
+    shifted = torch.nn.functional.pad(values[:, 1:], (0, 1))
+    flat = torch.where(scores_next, shifted, torch.zeros_like(shifted))[valid]
+    return torch.nested.nested_tensor_from_jagged(flat, offsets=data["input_ids"].offsets())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +193,8 @@ def verl_step(verl: dict[str, Any], actor: ActorConfig, tmp: Path, monkeypatch: 
     gen = torch.Generator().manual_seed(7)
     padded = _padded_batch(int(spec.config["vocab_size"]), gen)
     _rollout_fields(policy, padded, gen, verl)
-    data = _engine_layout(padded)
-    loss_function = functools.partial(make_ppo_loss(verl), config=actor)
+    data = _engine_layout(padded, verl)
+    loss_function = functools.partial(verl["losses"].ppo_loss, config=actor)
     engine = SimpleNamespace(
         module=policy.causal_lm,  # the HF model: its parameters are the policy's, named as transformers names them
         optimizer=torch.optim.SGD(policy.parameters(), lr=0.0),
@@ -213,8 +206,10 @@ def verl_step(verl: dict[str, Any], actor: ActorConfig, tmp: Path, monkeypatch: 
     )
     hook = _load_hook()
     assert all(hook.guard_step(engine, torch.tensor(1e-3)) for _ in range(4))  # quiet steps before the spike
-    log_probs, entropy = _response_logprobs(policy, padded, need_entropy=True)  # forward_backward_batch
-    loss_function(model_output={"log_probs": log_probs, "entropy": entropy}, data=data).backward()
+    log_probs, entropy = _token_logprobs(policy, padded, need_entropy=True)  # forward_backward_batch
+    model_output = {"log_probs": _engine_output(log_probs, data), "entropy": _engine_output(entropy, data)}
+    loss, _ = loss_function(model_output=model_output, data=data, dp_group=None)
+    loss.backward()
     exact = math.sqrt(math.fsum(float(p.grad.double().pow(2).sum()) for p in policy.parameters() if p.grad is not None))
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm=CLIP_GRAD)  # optimizer_step
     assert hook.guard_step(engine, grad_norm) is False  # tripped: snapshotted and skipped
