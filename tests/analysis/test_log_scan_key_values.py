@@ -13,7 +13,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from test_log_scan_streaming import _reference, _scanned
 
-from axrl_spike_replay.analysis import log_blocks, log_reader
+from axrl_spike_replay.analysis import log_blocks, log_kv, log_reader
 from axrl_spike_replay.analysis.log_kv import MAX_PROTOTYPE_BYTES, KeyValueRuns, layout_of
 from axrl_spike_replay.analysis.log_lines import error_kind, parse_line
 from axrl_spike_replay.analysis.log_scan import MAX_LINE_CHARS
@@ -143,3 +143,20 @@ def test_steps_that_are_no_integer_and_layouts_without_a_loss_read_as_the_text_r
     lines += [f"step={i} - critic/vf_loss=0.{i} - loss={i}.5\n" for i in range(400, 900)]
     log.write_text("".join(lines))
     assert _scanned(log, tmp_path / "copies") == _reference(log)
+
+
+def test_layouts_that_change_every_other_line_are_not_made_past_a_budget(tmp_path: Path, monkeypatch) -> None:
+    """A layout costs about a hundred reference readings to make: lines whose layout changes every other line
+    (keys named anew) make a few, then are read by the reference parsers, as before layouts."""
+    made: list[bytes] = []
+    prototype = log_kv._prototype
+    monkeypatch.setattr(log_kv, "_prototype", lambda line: made.append(line) or prototype(line))
+    rng = random.Random(3)
+    log = tmp_path / "verl.log"
+    lines = []
+    for i in range(0, 2000, 2):
+        name = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(8))
+        lines += [f"step:{i + j} - actor/grad_norm:1.{j} - {name}/pg_loss:0.5 - {name}/m:{j}\n" for j in range(2)]
+    log.write_text("".join(lines))
+    assert _scanned(log, tmp_path / "copies") == _reference(log)
+    assert len(made) <= log_kv._FREE_LAYOUTS + 1

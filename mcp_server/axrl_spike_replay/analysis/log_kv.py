@@ -32,6 +32,10 @@ MAX_PROTOTYPE_BYTES = 4096  # longer lines are read by the reference parsers alo
 _DIGITS = b"0123456789"
 _DIGIT_RUN = re.compile(rb"[0-9]+")
 _MAX_LAYOUTS = 64
+# Making a layout costs about as much as reading a hundred lines by the reference parsers: layouts are made
+# while they pay, `_FREE_LAYOUTS` and then one per `_LINES_PER_LAYOUT` lines they read (a log whose layouts
+# change every line or two is read at about the reference parsers' pace, not slower)
+_FREE_LAYOUTS, _LINES_PER_LAYOUT = 16, 64
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,8 @@ class KeyValueRuns:
     def __init__(self) -> None:
         self.layouts: dict[bytes, Layout] = {}  # by a line without its digits
         self.never: set[bytes] = set()  # lines without their digits that no line of the look makes a layout of
+        self.made = 0  # layouts made
+        self.read_lines = 0  # lines read by layouts
 
     def read(self, data: bytes, start: int, end: int, series: SeriesBuilder) -> int:
         """Read into `series` the lines after the one opened at `start` (a b"\\n") that have its layout, up to
@@ -141,6 +147,9 @@ class KeyValueRuns:
             return pos
         layout = self.layouts.get(digitless)
         if layout is None or not layout.pattern.match(data, pos):
+            if self.made >= _FREE_LAYOUTS + self.read_lines // _LINES_PER_LAYOUT:
+                return pos
+            self.made += 1
             layout, never = _prototype(data[start + 1 : pos])
             if len(self.layouts) + len(self.never) >= _MAX_LAYOUTS:
                 self.layouts.clear()
@@ -151,7 +160,9 @@ class KeyValueRuns:
                 self.never.add(digitless)
             if layout is None:
                 return pos
-        return _run(layout, data, pos, end, series, pos - start)
+        read = _run(layout, data, pos, end, series, pos - start)
+        self.read_lines += data.count(b"\n", pos, read)
+        return read
 
 
 def _run(layout: Layout, data: bytes, pos: int, end: int, series: SeriesBuilder, width: int) -> int:
