@@ -20,7 +20,7 @@ GROUND = (
 # check a snapshot against its training log. The one module above the snapshot layer that it and replay/ import.
 LOG_TEXT_READER = (
     "analysis.log_reader", "analysis.log_lines", "analysis.log_series", "analysis.log_values", "analysis.log_columns",
-    "analysis.log_blocks",
+    "analysis.log_blocks", "analysis.log_kv",
 )  # fmt: skip
 
 

@@ -83,6 +83,23 @@ def _key_values_stepwise(line: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def pair_spans(line: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """Where the key and the value of each of `key_values(line)` are in `line` (the same matches, by span)."""
+    found = list(_KV_FOLLOWED.finditer(line))
+    if any(match.group(3) for match in found):
+        found = []
+        match = _KV_START.search(line)
+        while match:
+            found.append(match)
+            match = _KV_AT.match(line, match.end()) or _KV_START.search(line, match.end())
+    return [(match.span(1), match.span(2)) for match in found]
+
+
+def plan(keys: tuple[str, ...]) -> tuple[int | None, int | None, int | None]:
+    """Which pairs of a line with these keys give its step, grad norm and loss (as `parse_line` reads them)."""
+    return _plan(keys)
+
+
 def parse_line(line: str) -> tuple[int, float | None, float | None] | None:
     """(iteration, grad_norm, loss) from one log line, or None when it carries no training step."""
     # `iteration` in any case has `terat` lowered (only its `i` has non-ASCII case folds): most lines are

@@ -11,6 +11,8 @@ every line to `log_lines.parse_line` and `log_lines.error_kind`:
   The triggers spell out the non-ASCII letters and spaces that case-insensitive Unicode patterns match
   (ı and İ for i; Unicode white space), so no line they would match is passed over.
 - Runs of such lines of one width whose bytes differ only in digits are read by columns (`log_columns`).
+- After a key=value line given to the reference parsers, the lines of its layout (the same bytes but for the
+  digit runs outside its keys) are read by one pattern made from it (`log_kv`).
 The blocks come from `log_blocks`: memory stays flat in the file size (one buffer for the whole file, and at
 most `HEAD_BYTES` of a line longer than `MAX_LINE_CHARS` characters: its start is still checked for errors).
 """
@@ -28,6 +30,7 @@ import numpy as np
 
 from axrl_spike_replay.analysis.log_blocks import HEAD_BYTES, MAX_LINE_CHARS, ByteSource, LineBlocks
 from axrl_spike_replay.analysis.log_columns import Run, column_values, lines_of_width, same_but_digits
+from axrl_spike_replay.analysis.log_kv import KeyValueRuns
 from axrl_spike_replay.analysis.log_lines import error_kind, parse_line
 from axrl_spike_replay.analysis.log_series import SeriesBuilder
 from axrl_spike_replay.analysis.log_values import has_marker, head_starts, read_floats, read_heads
@@ -77,7 +80,8 @@ _TRIGGERS = re.compile(_TRIGGER, re.IGNORECASE)
 # Words (lower case) one of which a line needs to match `_TRIGGER`; found at C speed in a lowered block.
 _ERROR_WORDS = (b"traceback", b"exception", b"error", b"fatal", b"nccl", b"cuda out of memory", b"critical")
 _NON_ASCII_I = (b"\xc4\xb0", b"\xc4\xb1")
-_TRIGGER_WORDS = (*_ERROR_WORDS, *_NON_ASCII_I, b"iteration", b"step", b"it", b"nan", b"inf")
+# (the common words first: they are looked for until one is found)
+_TRIGGER_WORDS = (b"it", b"step", b"nan", b"inf", *_ERROR_WORDS, *_NON_ASCII_I, b"iteration")
 _LOWER = bytes.maketrans(bytes(range(65, 91)), bytes(range(97, 123)))
 
 # -- the fast path: a block of plain Megatron lines, read with a few passes in C ------------------------------
@@ -130,6 +134,7 @@ class LogTally:
     error_lines: int = 0
     lines: int = 0
     long_lines: int = 0
+    key_values: KeyValueRuns = field(default_factory=KeyValueRuns, repr=False, compare=False)
 
 
 def scan_file(path: Path, tally: LogTally, cancel: threading.Event | None = None) -> None:
@@ -274,7 +279,8 @@ def _plain_megatron_block(data: bytes, file: str, tally: LogTally) -> bool:
     `\\n skeleton \\n` and `count` finds exactly the lines equal to it. The others, when there are some, are
     the lines whose skeleton is not of its length (proved by the counts agreeing) and go to `_exact_lines`.
     """
-    if not data.endswith(b"\n"):
+    # (its values are read where `iteration` is written so: a block without the word reads none)
+    if not data.endswith(b"\n") or data.find(b"iteration") < 0:
         return False
     skeletons = data.translate(_LOWER, _SKELETON_DELETE)
     head = skeletons.find(_SKELETON_HEAD)
@@ -367,17 +373,14 @@ def _apart(data: bytes, others: list[int], count: int) -> tuple[bytes, bytes]:
 def _exact_lines(data: bytes, file: str, tally: LogTally) -> None:
     """Lines of `data` into `tally`: common Megatron lines by `_MEGATRON_LINE`, others by the reference parsers."""
     low = data.translate(_LOWER)
-    flagged: set[int] = set()  # starts (the b"\\n" before) of lines holding an error word
-    for word in (*_ERROR_WORDS, *_NON_ASCII_I):
-        at = low.find(word)
-        while at >= 0:
-            flagged.add(data.rfind(b"\n", 0, at))
-            at = data.find(b"\n", at)
-            at = -1 if at < 0 else low.find(word, at)
     lines = _Numbering(data, tally.lines)
     series = tally.series
     done = 0  # data[done:] is still to read
-    for match in _MEGATRON_LINE.finditer(data):
+    # `_MEGATRON_LINE` spells `iteration` in ASCII letters of either case: a block whose lowered bytes lack the
+    # word has no such line (and the costly pattern need not run over it, nor the error words be looked for)
+    heads = low.find(b"iteration") >= 0
+    flagged = _flagged(data, low) if heads else set()
+    for match in _MEGATRON_LINE.finditer(data) if heads else ():
         start = match.start()
         if start > done:
             _other_lines(data, low, done, start, file, tally, lines)
@@ -392,6 +395,18 @@ def _exact_lines(data: bytes, file: str, tally: LogTally) -> None:
     if done < len(data):
         _other_lines(data, low, done, len(data), file, tally, lines)
     tally.lines = lines.base + data.count(b"\n") - data.endswith(b"\n")
+
+
+def _flagged(data: bytes, low: bytes) -> set[int]:
+    """The starts (the b"\\n" before) of the lines of `data` (`low`: lowered) that hold an error word."""
+    flagged: set[int] = set()
+    for word in (*_ERROR_WORDS, *_NON_ASCII_I):
+        at = low.find(word)
+        while at >= 0:
+            flagged.add(data.rfind(b"\n", 0, at))
+            at = data.find(b"\n", at)
+            at = -1 if at < 0 else low.find(word, at)
+    return flagged
 
 
 class _Numbering:
@@ -415,7 +430,8 @@ def _text(data: bytes, start: int) -> str:
 
 def _other_lines(data: bytes, low: bytes, begin: int, end: int, file: str, tally: LogTally, lines: _Numbering) -> None:
     """The lines in data[begin:end] (from a b"\\n" to before one) that are not common Megatron lines: each one
-    a trigger matches goes to the reference parsers."""
+    a trigger matches goes to the reference parsers, and the lines after it of its key=value layout are read by
+    `log_kv` as the reference parsers read them."""
     if not any(low.find(word, begin, end) >= 0 for word in _TRIGGER_WORDS):
         return
     search = _TRIGGERS.search
@@ -423,6 +439,4 @@ def _other_lines(data: bytes, low: bytes, begin: int, end: int, file: str, tally
     while (match := search(data, pos, end)) is not None:
         start = data.rfind(b"\n", 0, match.start())
         _line(_text(data, start), True, lines.number(start), file, tally)
-        pos = data.find(b"\n", match.end(), end)
-        if pos < 0:
-            break
+        pos = tally.key_values.read(data, start, end, tally.series)
