@@ -191,3 +191,32 @@ def test_inspect_reads_the_checkpoint_metadata_without_importing_dcp(tmp_path) -
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_one_inspect_reads_each_file_and_listing_once(golden_snapshot: Path, monkeypatch) -> None:
+    """The consistency checks reuse what inspect read in the same call: the metadata, the rank files' listing,
+    each rank's grad info; every `.pt` is loaded once."""
+    from axrl_spike_replay.snapshot import consistency, inspect, layout, metadata, rank_data, safe_load
+
+    counts: dict[str, list[str]] = {"metadata": [], "listing": [], "load_pt": []}
+
+    def counted(name: str, real):
+        def call(*args, **kwargs):
+            counts[name].append(str(args[0]))
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(inspect, "read_metadata", counted("metadata", metadata.read_metadata))
+    monkeypatch.setattr(consistency, "read_metadata", counted("metadata", metadata.read_metadata))
+    monkeypatch.setattr(inspect, "rank_files", counted("listing", layout.rank_files))
+    monkeypatch.setattr(consistency, "rank_files", counted("listing", layout.rank_files))
+    monkeypatch.setattr(inspect, "load_pt", counted("load_pt", safe_load.load_pt))
+    monkeypatch.setattr(rank_data, "load_pt", counted("load_pt", safe_load.load_pt))
+
+    result = inspect_snapshot(golden_snapshot)
+
+    assert result.problems == [] and result.consistency is not None and result.consistency.problems == []
+    assert len(counts["metadata"]) == 1 and len(counts["listing"]) == 1
+    pt_files = sorted(str(p) for p in golden_snapshot.glob("*.pt"))
+    assert sorted(counts["load_pt"]) == pt_files  # each once

@@ -82,7 +82,22 @@ class _MetadataUnpickler(pickle.Unpickler):
             raise UnsafeFileError(f"unsupported global {module}.{name}")
         if self.records and module.startswith("torch.distributed.checkpoint."):
             return _RECORDS[name]
+        if module == "torch.serialization":
+            return _layout
         return super().find_class(module, name)
+
+
+def _layout(name: Any) -> Any:
+    """The torch layout `torch.serialization._get_layout` gives for `name` (KeyError for any other name), found
+    by name: torch's own builds its table from every attribute of `torch` on first use, most of a millisecond."""
+    import torch
+
+    if not isinstance(name, str):
+        return torch.serialization._get_layout(name)  # its own error for a name that is not a string
+    value = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(value, torch.layout) or str(value) != name:
+        raise KeyError(name)
+    return value
 
 
 def read_checkpoint_metadata(checkpoint_dir: str | Path, *, records: bool = False) -> Any:

@@ -121,10 +121,14 @@ def _norm_bounds(local: dict[int, float], reduced: bool, sharded: bool = False) 
 
 
 def _check_param_norms(
-    directory: Path, meta: AxrlMetadata, out: Consistency, read: dict[int, dict[str, Any]] | None
+    directory: Path,
+    meta: AxrlMetadata,
+    out: Consistency,
+    read: dict[int, dict[str, Any]] | None,
+    files: dict[str, dict[int, Path]],
 ) -> None:
     infos: dict[int, dict[str, Any]] = {}
-    for rank in sorted(rank_files(directory)["grad_info"]):
+    for rank in sorted(files["grad_info"]):
         try:
             infos[rank] = read[rank] if read is not None and rank in read else load_grad_info(directory, rank)
         except SnapshotError:
@@ -196,9 +200,8 @@ def _check_run_config(directory: Path, meta: AxrlMetadata, out: Consistency) -> 
             )
 
 
-def _check_files(directory: Path, meta: AxrlMetadata, out: Consistency) -> None:
+def _check_files(meta: AxrlMetadata, out: Consistency, files: dict[str, dict[int, Path]]) -> None:
     out.checked.append("ranks_vs_files")
-    files = rank_files(directory)
     world = meta.parallel.world_size
     for kind in ("batch", "grad_info"):
         missing = missing_ranks(files[kind], world)
@@ -221,12 +224,18 @@ def check_snapshot(
     log_grad_norm: float | None = None,
     log_source: str | None = None,
     grad_infos: dict[int, dict[str, Any]] | None = None,
+    meta: AxrlMetadata | None = None,
+    files: dict[str, dict[int, Path]] | None = None,
 ) -> Consistency:
     """Check a snapshot against itself and, when `log_grad_norm` is given, the training log's value at its
-    iteration. Reads the metadata, run config and grad info only (`grad_infos`: ranks' grad info already read,
-    by `load_grad_info`)."""
+    iteration. Reads the metadata, run config and grad info only; what the caller has read already in this call
+    is not read again (`grad_infos`: ranks' grad info, by `load_grad_info`; `meta`: the snapshot's metadata, by
+    `read_metadata`; `files`: its rank files, by `rank_files`)."""
     directory = Path(snapshot_dir)
-    meta, _ = read_metadata(directory)
+    if meta is None:
+        meta, _ = read_metadata(directory)
+    if files is None:
+        files = rank_files(directory)
     out = Consistency()
     out.checked.append("spike_ratio_vs_norms")
     if meta.median_norm > 0 and math.isfinite(meta.grad_norm):
@@ -239,9 +248,9 @@ def check_snapshot(
                     {"spike_ratio": meta.spike_ratio, "expected": expected},
                 )
             )
-    _check_files(directory, meta, out)
+    _check_files(meta, out, files)
     _check_run_config(directory, meta, out)
-    _check_param_norms(directory, meta, out, grad_infos)
+    _check_param_norms(directory, meta, out, grad_infos, files)
     if log_grad_norm is not None:
         check_log(out, meta.grad_norm, log_grad_norm, log_source, meta.iteration)
     return out

@@ -51,12 +51,23 @@ def split_logs(output_dir: str | Path) -> tuple[list[Path], list[Path]]:
     A log (or the `logs` dir) that is a symlink leading out of the output dir is in the second list: never read.
     """
     directory = Path(output_dir)
-    logs = [p for p in directory.glob("*.log") if p.is_file()]
+    logs = [p for p in _named_logs(directory) if p.is_file()]
     logs_dir = directory / "logs"
     if logs_dir.is_dir():
         logs += [p for p in logs_dir.rglob("*.log") if p.is_file()]
     inside = [p for p in logs if is_inside(p, directory)]
     return sorted(inside), sorted(p for p in logs if p not in inside)
+
+
+def _named_logs(directory: Path) -> list[Path]:
+    """What `directory.glob("*.log")` gives (every entry named `*.log`; none when it is no readable directory),
+    read with one `scandir` and no pattern to compile: `inspect` looks here on every call."""
+    try:
+        with os.scandir(directory) as entries:
+            names = [entry.name for entry in entries if os.path.normcase(entry.name).endswith(".log")]
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+    return [directory / name for name in names]
 
 
 def find_logs(output_dir: str | Path) -> list[Path]:

@@ -30,7 +30,7 @@ from axrl_spike_replay.snapshot.consistency import Consistency, check_snapshot
 from axrl_spike_replay.snapshot.fields import FIELD_ALIASES, find_field
 from axrl_spike_replay.snapshot.layout import DCP_METADATA, RUN_CONFIG, rank_files
 from axrl_spike_replay.snapshot.log_point import log_point
-from axrl_spike_replay.snapshot.metadata import read_metadata
+from axrl_spike_replay.snapshot.metadata import AxrlMetadata, read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_grad_info, load_grad_norm, load_routing_payload
 from axrl_spike_replay.snapshot.safe_load import load_pt
 
@@ -239,7 +239,7 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
             )
         ranks.append(info)
 
-    consistency = _consistency(directory, meta.iteration, problems, infos)
+    consistency = _consistency(directory, meta, files, problems, infos)
     return SnapshotInspection(
         path=str(directory),
         iteration=meta.iteration,
@@ -271,13 +271,24 @@ _PROBLEM_CHECKS = ("grad_norm_vs_log", "metadata_vs_run_config")
 
 
 def _consistency(
-    directory: Path, iteration: int, problems: list[str], infos: dict[int, dict[str, Any]]
+    directory: Path,
+    meta: AxrlMetadata,
+    files: dict[str, dict[int, Path]],
+    problems: list[str],
+    infos: dict[int, dict[str, Any]],
 ) -> Consistency | None:
     """Consistency checks against the per-parameter norms, the run config and the job's log (when found next to
-    the snapshot and small enough to read here)."""
+    the snapshot and small enough to read here). The metadata, rank files and grad info are this call's."""
     try:
-        point = log_point(directory, iteration)
-        found = check_snapshot(directory, log_grad_norm=point.grad_norm, log_source=point.source, grad_infos=infos)
+        point = log_point(directory, meta.iteration)
+        found = check_snapshot(
+            directory,
+            log_grad_norm=point.grad_norm,
+            log_source=point.source,
+            grad_infos=infos,
+            meta=meta,
+            files=files,
+        )
     except SnapshotError:
         return None  # the files' own problems are listed already
     problems += [f"[{p.name}] {p.message}" for p in found.problems if p.name in _PROBLEM_CHECKS]

@@ -83,8 +83,9 @@ def load_grad_info(snapshot_dir: str | Path, rank: int) -> dict[str, Any]:
         raise SnapshotError(f"{path}: 'param_numel' must be a dict of name -> int")
     out = dict(doc)
     out["grad_norm"] = _real(doc["grad_norm"], path, "grad_norm")
-    out["param_grad_norms"] = {
-        _name(k, path): _real(v, path, f"param_grad_norms[{shown(str(k), 80)}]") for k, v in norms.items()
+    out["param_grad_norms"] = {  # a float is taken as is; anything else is checked and named (label built then)
+        _name(k, path): v if type(v) is float else _real(v, path, f"param_grad_norms[{shown(str(k), 80)}]")
+        for k, v in norms.items()
     }
     out["param_numel"] = {_name(k, path): _count(v, path, k) for k, v in numel.items()}
     for key in ("loss", "num_tokens"):
@@ -101,7 +102,12 @@ def _name(key: Any, path: Path) -> str:
     return key
 
 
+_EXACT_COUNT = 2**53  # counts up to here go through a float and back unchanged
+
+
 def _count(value: Any, path: Path, key: Any) -> int:
+    if type(value) is int and 0 <= value <= _EXACT_COUNT:
+        return value  # what the float round trip below gives, without building the label
     number = _real(value, path, f"param_numel[{shown(str(key), 80)}]")
     if not number.is_integer() or number < 0:
         raise SnapshotError(f"{path}: param_numel[{shown(str(key), 80)}] must be a count, got {number}")

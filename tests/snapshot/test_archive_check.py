@@ -1,0 +1,133 @@
+"""The `.pt` archive check reads a torch file's central directory in one pass; any other shape goes to `zipfile`.
+
+Where the one-pass reader gives records they are exactly `zipfile`'s (so the same bounds are checked on the same
+records), and a record it finds compressed or oversized is refused with `zipfile`'s message."""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from axrl_spike_replay.errors import SnapshotError
+from axrl_spike_replay.snapshot.safe_load import _check_archive, _plain_records, load_pt
+
+
+def _zipfile_records(path: Path) -> list[tuple[str, int, int, int, int]]:
+    with zipfile.ZipFile(path) as archive:
+        infos = archive.infolist()
+    return [(i.filename, i.compress_type, i.compress_size, i.file_size, i.header_offset) for i in infos]
+
+
+def _central_directory(path: Path) -> tuple[int, int]:
+    """(offset, size) of the central directory of an archive torch wrote."""
+    data = path.read_bytes()
+    size, offset = struct.unpack_from("<QQ", data, len(data) - 98 + 40)  # the zip64 end record's last two fields
+    return offset, size
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"grad_norm": 1.5, "param_grad_norms": {"w": 1.0}},
+        {"tokens": torch.arange(12).reshape(3, 4), "loss_mask": torch.ones(3, 4)},
+        {f"t{i}": torch.zeros(2) for i in range(400)},  # a central directory longer than the tail read at once
+    ],
+    ids=["no-tensors", "batch", "many-records"],
+)
+def test_torch_files_give_zipfiles_records(tmp_path: Path, value) -> None:
+    path = tmp_path / "x.pt"
+    torch.save(value, path)
+    assert _plain_records(path, path.stat().st_size) == _zipfile_records(path)
+    _check_archive(path, path.stat().st_size)
+
+
+def test_other_shapes_go_to_zipfile(tmp_path: Path) -> None:
+    torch.save({"a": torch.ones(2)}, tmp_path / "x.pt")
+    data = (tmp_path / "x.pt").read_bytes()
+    shapes = {
+        "prepended": b"junk" + data,
+        "comment": data[:-2] + struct.pack("<H", 4) + b"note",
+        "python-zip": b"",
+        "short": data[-50:],
+    }
+    for name, content in shapes.items():
+        path = tmp_path / f"{name}.pt"
+        if name == "python-zip":
+            with zipfile.ZipFile(path, "w") as out:
+                out.writestr("x/data.pkl", b"\x80\x02}q\x00.")
+        else:
+            path.write_bytes(content)
+        assert _plain_records(path, path.stat().st_size) is None, name
+
+
+def test_any_one_byte_change_is_read_as_zipfile_reads_it(tmp_path: Path) -> None:
+    """Every byte of the central directory and end records changed in turn: the one-pass reader gives zipfile's
+    records or steps aside."""
+    original = tmp_path / "x.pt"
+    torch.save({"grad_norm": 2.0, "t": torch.ones(3)}, original)
+    data = original.read_bytes()
+    offset, _ = _central_directory(original)
+    path = tmp_path / "edited.pt"
+    for at in range(offset, len(data)):
+        for value in (0x00, 0xFF, data[at] ^ 0x08):
+            edited = bytearray(data)
+            edited[at] = value
+            path.write_bytes(bytes(edited))
+            records = _plain_records(path, len(edited))
+            if records is None:
+                continue
+            try:
+                expected = _zipfile_records(path)
+            except (zipfile.BadZipFile, NotImplementedError, ValueError, EOFError):
+                pytest.fail(f"byte {at} = {value:#x}: read by the one-pass reader, refused by zipfile")
+            assert records == expected, (at, value)
+
+
+def _edit_entry(path: Path, record: str, field: str, value: int) -> None:
+    """Set `field` of `record`'s central directory entry in a torch-written archive."""
+    data = bytearray(path.read_bytes())
+    at, size = _central_directory(path)
+    end = at + size
+    where = {"compress_type": (10, "<H"), "compress_size": (20, "<L"), "file_size": (24, "<L")}[field]
+    while at < end:
+        name_len, extra_len, comment_len = struct.unpack_from("<3H", data, at + 28)
+        name = bytes(data[at + 46 : at + 46 + name_len]).decode()
+        if name.endswith(record):
+            struct.pack_into(where[1], data, at + where[0], value)
+            path.write_bytes(bytes(data))
+            return
+        at += 46 + name_len + extra_len + comment_len
+    raise AssertionError(f"no record {record}")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("compress_type", zipfile.ZIP_DEFLATED, "is compressed"),
+        ("file_size", 2**31, "beyond the file's"),
+        ("compress_size", 7, "beyond the file's"),  # sizes that disagree
+    ],
+)
+def test_a_torch_shaped_archive_with_a_bad_record_is_refused(tmp_path: Path, field: str, value: int, message: str):
+    path = tmp_path / "grad_info_rank0.pt"
+    torch.save({"grad_norm": 1.0, "t": torch.ones(4)}, path)
+    _edit_entry(path, "data/0", field, value)
+    assert _plain_records(path, path.stat().st_size) is not None  # still the shape the one-pass reader reads
+    with pytest.raises(SnapshotError, match=f"{path}: record .*data/0.* {message}"):
+        load_pt(path)
+
+
+def test_a_torch_shaped_archive_with_a_huge_pickle_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "grad_info_rank0.pt"
+    torch.save({"grad_norm": 1.0}, path)
+    size = path.stat().st_size
+    _edit_entry(path, "data.pkl", "file_size", 20 * 1024 * 1024)
+    _edit_entry(path, "data.pkl", "compress_size", 20 * 1024 * 1024)
+    with pytest.raises(SnapshotError, match="beyond the file's"):  # the file is smaller than its pickle claims
+        _check_archive(path, size)
+    with pytest.raises(SnapshotError, match=r"its pickle is 20\.0 MiB, more than the 16\.0 MiB limit"):
+        _check_archive(path, 64 * 1024 * 1024)  # as if the file were large enough to hold it
