@@ -11,14 +11,12 @@ format cannot be memory-mapped and may declare any storage size: they are refuse
 
 from __future__ import annotations
 
-import os
 import pickle
-import struct
 import zipfile
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError, UnsafeFileError
@@ -41,83 +39,20 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-# The zip structures a torch file ends with (as `zipfile` reads them): the zip64 end record, its locator, the end
-# record, then the central directory's entries.
-_END = struct.Struct("<4s4H2LH")
-_END64_LOCATOR = struct.Struct("<4sLQL")
-_END64 = struct.Struct("<4sQ2H2L4Q")
-_ENTRY = struct.Struct("<4s4B4HL2L5H2L")
-_TAIL = _END64.size + _END64_LOCATOR.size + _END.size
-_TAIL_READ = 16 * 1024  # the end of the file read at once: a rank file's central directory is a few KiB
-_ZIP64_FIELD = 0xFFFF_FFFF
-_MAX_EXTRACT_VERSION = 63  # zipfile's own limit
-
-
-def _plain_records(file: Path, size: int) -> list[tuple[str, int, int, int, int]] | None:
-    """The archive's records as (name, compress type, compressed size, size, offset), read from its central
-    directory in one pass, when the archive has exactly the shape torch writes: a zip64 end record, no comment,
-    nothing before the archive, no extra fields. None otherwise (`zipfile` then reads it and says what is wrong).
-
-    Where this gives records, `zipfile` parses the same bytes the same way and gives the same records."""
-    if size < _TAIL or not hasattr(os, "pread"):
-        return None
-    try:
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        try:
-            # one read holds the end records and, in a torch file, the whole central directory before them
-            want = min(size, _TAIL_READ)
-            tail = os.pread(fd, want, size - want)
-            if len(tail) != want:
-                return None  # the file changed since its size was read
-            end_at = want - _TAIL
-            end = _END.unpack_from(tail, end_at + _END64.size + _END64_LOCATOR.size)
-            locator = _END64_LOCATOR.unpack_from(tail, end_at + _END64.size)
-            end64 = _END64.unpack_from(tail, end_at)
-            if end[0] != b"PK\x05\x06" or end[7] != 0 or locator[0] != b"PK\x06\x07" or end64[0] != b"PK\x06\x06":
-                return None
-            if locator[1] != 0 or locator[3] > 1:
-                return None  # multi-disk: refused by zipfile, with its message
-            cd_size, cd_offset = end64[8], end64[9]
-            if cd_offset + cd_size != size - _TAIL:
-                return None  # data before the archive, or a gap: zipfile's offset arithmetic decides
-            directory = tail[end_at - cd_size : end_at] if cd_size <= end_at else os.pread(fd, cd_size, cd_offset)
-        finally:
-            os.close(fd)
-    except OSError:
-        return None
-    if len(directory) != cd_size:
-        return None
-    records: list[tuple[str, int, int, int, int]] = []
-    at = 0
-    while at < cd_size:
-        if at + _ENTRY.size > cd_size or len(records) > MAX_PT_RECORDS:
-            return None
-        entry = _ENTRY.unpack_from(directory, at)
-        name_len, extra_len, comment_len = entry[12], entry[13], entry[14]
-        start = at + _ENTRY.size
-        at = start + name_len + extra_len + comment_len
-        if entry[0] != b"PK\x01\x02" or entry[3] > _MAX_EXTRACT_VERSION or extra_len or at > cd_size:
-            return None
-        compressed, plain, offset = entry[10], entry[11], entry[18]
-        if _ZIP64_FIELD in (compressed, plain, offset):
-            return None  # sizes in a zip64 extra field
-        raw = directory[start : start + name_len]
-        try:
-            name = raw.decode("utf-8") if entry[5] & 0x800 else raw.decode("cp437")
-        except UnicodeDecodeError:
-            return None
-        if "\x00" in name:
-            return None  # zipfile cuts a name at its first NUL
-        records.append((name, entry[6], compressed, plain, offset))
-    return records
-
-
 def _check_archive(file: Path, size: int) -> None:
     """SnapshotError unless `file` is a torch zip archive whose records are stored, bounded and inside it."""
-    records = _plain_records(file, size)
-    if records is not None and not _record_problem(file, size, records):
-        return  # the usual case: one read of the central directory, every record within bounds
-    _check_archive_with_zipfile(file, size)
+    try:
+        with zipfile.ZipFile(file) as archive:  # one read of the end records and the central directory
+            records = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        _refuse_unreadable_archive(file, exc)
+    problem = _record_problem(
+        file,
+        size,
+        [(i.filename, i.compress_type, i.compress_size, i.file_size, i.header_offset) for i in records],
+    )
+    if problem:
+        raise SnapshotError(problem)
 
 
 def _record_problem(file: Path, size: int, records: list[tuple[str, int, int, int, int]]) -> str | None:
@@ -144,29 +79,18 @@ def _record_problem(file: Path, size: int, records: list[tuple[str, int, int, in
     return None
 
 
-def _check_archive_with_zipfile(file: Path, size: int) -> None:
-    """`_check_archive` through `zipfile`: any archive shape, and the messages for broken ones."""
+def _refuse_unreadable_archive(file: Path, exc: Exception) -> NoReturn:
+    """The SnapshotError for a file `zipfile` could not open: not a zip at all, or a broken one."""
     if not zipfile.is_zipfile(file):
         with open(file, "rb") as handle:
             head = handle.read(4)
         if head == _ZIP_MAGIC:
-            raise SnapshotError(f"{file}: truncated or corrupt torch file (the zip archive is incomplete)")
+            raise SnapshotError(f"{file}: truncated or corrupt torch file (the zip archive is incomplete)") from None
         raise SnapshotError(
             f"{file}: refused to load: not in torch's zip format (a legacy or raw-pickle file cannot be "
             "memory-mapped and may declare any size); nothing in it was run; re-save it with torch.save"
-        )
-    try:
-        with zipfile.ZipFile(file) as archive:
-            records = archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
-        raise SnapshotError(f"{file}: truncated or corrupt torch file ({exc})") from None
-    problem = _record_problem(
-        file,
-        size,
-        [(i.filename, i.compress_type, i.compress_size, i.file_size, i.header_offset) for i in records],
-    )
-    if problem:
-        raise SnapshotError(problem)
+        ) from None
+    raise SnapshotError(f"{file}: truncated or corrupt torch file ({exc})") from None
 
 
 _NO_TENSORS = frozenset({float, int, bool, str, bytes, type(None)})  # leaves that hold no tensor (exact types)
