@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from axrl_spike_replay.errors import SnapshotError
+from axrl_spike_replay.snapshot.verl_batch import VERL_COUNT_KEYS as COUNT_KEYS  # verl's names for the counts
 
 GRAD_INFO_KEY = "global_batch_info"  # the key in grad_info_rank<r>.pt
-COUNT_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size")  # verl's names (snapshot.verl_batch.VERL_COUNT_KEYS)
 
 
 @dataclass(frozen=True)
