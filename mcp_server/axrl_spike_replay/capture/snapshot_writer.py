@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,13 +68,16 @@ def write_snapshot(
     *,
     keep_last: int | None = None,
     legacy_layout: bool = False,
+    weights_writer: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write snapshot `iter_<N>` under `snapshots_root` and return its path.
 
     Under torch.distributed every rank calls this with its own `ranks` entry; otherwise one process
     passes every rank. Files go to a hidden temp dir that is renamed into place once complete, so an
     interrupted write never leaves anything under `iter_<N>`. `legacy_layout` writes the AXRL keys
-    to `metadata.json` as old snapshots did (for tests and fixtures).
+    to `metadata.json` as old snapshots did (for tests and fixtures). `weights_writer(staging_dir)`, when
+    given, writes the weights instead of `model_state` (collective: Megatron's `dist_checkpointing.save`, which
+    writes its own `metadata.json`; that one is kept).
     """
     import torch
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -90,10 +94,13 @@ def write_snapshot(
         staging.mkdir()
     _barrier()
 
-    state = {f"model.{name}": tensor.detach().cpu() for name, tensor in model_state.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_save(state, checkpoint_id=str(staging), no_dist=not _dist_active())
+    if weights_writer is not None:
+        weights_writer(staging)
+    else:
+        state = {f"model.{name}": tensor.detach().cpu() for name, tensor in model_state.items()}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_save(state, checkpoint_id=str(staging), no_dist=not _dist_active())
     for rank, payload in ranks.items():
         torch.save(payload.batch, staging / batch_file(rank))
         torch.save(payload.grad_info, staging / grad_info_file(rank))
@@ -106,7 +113,8 @@ def write_snapshot(
         if legacy_layout:
             atomic_write_json(staging / CHECKPOINT_METADATA, metadata.to_json())
         else:
-            atomic_write_json(staging / CHECKPOINT_METADATA, CHECKPOINT_METADATA_CONTENT)
+            if weights_writer is None or not (staging / CHECKPOINT_METADATA).is_file():
+                atomic_write_json(staging / CHECKPOINT_METADATA, CHECKPOINT_METADATA_CONTENT)
             atomic_write_json(staging / AXRL_METADATA, metadata.to_json())
         _fsync_dir(staging)
         os.rename(staging, final)

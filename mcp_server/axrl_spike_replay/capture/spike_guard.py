@@ -145,8 +145,11 @@ class SpikeGuard:
         ranks: Mapping[int, RankPayload],
         *,
         run_config: Mapping[str, Any] | None = None,
+        weights_writer: Callable[[Path], None] | None = None,
     ) -> Path:
-        """Write `iter_<step>` atomically (collective under DP), then rotate to the newest `keep_last`."""
+        """Write `iter_<step>` atomically (collective under DP), then rotate to the newest `keep_last`.
+
+        `weights_writer(dir)` writes the weights instead of `model_state` (Megatron's dist_checkpointing)."""
         if not self._swept:
             self._sweep_interrupted_writes()
         metadata = AxrlMetadata(
@@ -168,6 +171,7 @@ class SpikeGuard:
             dict(ranks),
             keep_last=self.keep_last,
             legacy_layout=self.legacy_layout,
+            weights_writer=weights_writer,
         )
         self.snapshots = [p for p in self.snapshots if p.exists()] + [path]
         return path

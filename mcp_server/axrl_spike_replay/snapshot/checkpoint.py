@@ -38,6 +38,9 @@ _DCP_METADATA_CLASSES = {
     "StorageMeta",
     "_MEM_FORMAT_ENCODING",
 }
+# Megatron's torch_dist backend also pickles every rank's save plan into `.metadata` (`all_local_plans`, reused by
+# its fully parallel save): plain dataclasses and an enum of DCP's planner, checked against megatron-core 0.16.1.
+_DCP_PLANNER_CLASSES = {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"}
 
 
 class _Record:
@@ -59,7 +62,9 @@ class _Record:
             self.state = state  # TensorProperties pickles a tuple starting with the dtype
 
 
-_RECORDS = {name: type(name, (_Record,), {}) for name in (*_DCP_METADATA_CLASSES, "_StorageInfo")}
+_RECORDS = {
+    name: type(name, (_Record,), {}) for name in (*_DCP_METADATA_CLASSES, *_DCP_PLANNER_CLASSES, "_StorageInfo")
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -72,6 +77,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
         allowed = (
             (module == "torch.distributed.checkpoint.metadata" and name in _DCP_METADATA_CLASSES)
+            or (module == "torch.distributed.checkpoint.planner" and name in _DCP_PLANNER_CLASSES)
             or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
             or (module == "torch.serialization" and name == "_get_layout")
             or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
@@ -279,7 +285,8 @@ def check_checkpoint_storage(checkpoint_dir: str | Path) -> list[str]:
     return problems
 
 
-def _safe_reader(checkpoint_dir: Path) -> Any:
+def safe_reader(checkpoint_dir: Path) -> Any:
+    """DCP's file-system reader with `.metadata` read by the allowlisted unpickler above."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     class SafeFileSystemReader(FileSystemReader):
@@ -313,7 +320,7 @@ def load_model_state(checkpoint_dir: str | Path, state_dict: dict[str, torch.Ten
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_load(wrapped, storage_reader=_safe_reader(directory), no_dist=True)
+            dcp_load(wrapped, storage_reader=safe_reader(directory), no_dist=True)
     except SnapshotError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP raises CheckpointException, a BaseException
