@@ -78,6 +78,7 @@ def parameter_norms(model: Any) -> dict[str, float]:
 
     import torch
     import torch.distributed as dist
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     sums: dict[str, float] = {}
@@ -96,7 +97,7 @@ def parameter_norms(model: Any) -> dict[str, float]:
         grad = _grad(param)
         if isinstance(item, ShardedTensorFactory) and grad is not None:
             built = item.build_fn(item.key, grad.view_as(param), item.replica_id, item.flattened_range)
-            for shard in built.values() if isinstance(built, dict) else [built]:
+            for shard in nested_values(built if isinstance(built, (dict, list)) else [built]):
                 add(shard, shard.data)
         else:
             add(item, grad)

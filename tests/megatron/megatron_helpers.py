@@ -29,22 +29,22 @@ def load_gpt(section: dict[str, Any], checkpoint: str) -> Any:
     return model
 
 
-def simple_loss(logprobs: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A loss with a gradient through every log-prob the mask keeps (the test compares gradients, not losses)."""
+def simple_loss(out: Any, batch: dict[str, torch.Tensor], router: float = 0.0) -> torch.Tensor:
+    """A loss with a gradient through every log-prob the mask keeps, plus `router` x (aux + z loss)."""
     mask = batch["loss_mask"]
     weights = torch.linspace(-1.0, 1.0, mask.shape[-1])
-    return -(logprobs * mask * weights).sum() / mask.sum()
+    return -(out.logprobs * mask * weights).sum() / mask.sum() + router * (out.aux_loss + out.z_loss)
 
 
 def forward_backward(
-    rank: int, world: int, payload: tuple[dict[str, Any], str, dict[str, torch.Tensor], str, Any]
+    rank: int, world: int, payload: tuple[dict[str, Any], str, dict[str, torch.Tensor], str, Any, float]
 ) -> None:
     """Megatron's own forward and backward of `batch` (routes forced when given): log-probs, routes, grads saved."""
     from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu
     from axrl_spike_replay.models.megatron_policy import force_routes, install_trace, megatron_logprobs
     from axrl_spike_replay.snapshot.megatron_routes import to_router_replay
 
-    section, checkpoint, batch, out, routes = payload
+    section, checkpoint, batch, out, routes, router = payload
     torch.manual_seed(0)
     with megatron_on_cpu():
         model = load_gpt(section, checkpoint)
@@ -52,7 +52,7 @@ def forward_backward(
         layers = sorted(trace_layers(model))
         force_routes(model, None if routes is None else dict(zip(layers, to_router_replay(routes), strict=True)))
         result = megatron_logprobs(model, trace, batch)
-        simple_loss(result.logprobs, batch).backward()
+        simple_loss(result, batch, router).backward()
         grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     torch.save({"logprobs": result.logprobs.detach(), "routes": result.routes, "grads": grads}, Path(out))
 

@@ -86,14 +86,16 @@ def install_trace(model: Any) -> RouterTrace:
 
 
 def force_routes(model: Any, per_layer: dict[int, torch.Tensor] | None) -> None:
-    """REPLAY_FORWARD with `per_layer` {global layer: [S*B, K] ids} on every router; None: Megatron routes itself."""
+    """REPLAY_FORWARD with `per_layer` {global layer: [S*B, K] ids} on every router; None: Megatron routes itself
+    (recording its routes when a spike guard asked it to)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     for layer, router in routers(model).items():
         replay = router.router_replay
         replay.clear_indices()
         if per_layer is None:
-            replay.clear_router_replay_action()
+            if replay.router_replay_action != RouterReplayAction.RECORD:  # a trainer's recording stays on
+                replay.clear_router_replay_action()
             continue
         if layer not in per_layer:
             raise ConfigError(f"the routing payload has no routes for MoE layer {layer}")

@@ -20,6 +20,7 @@ from axrl_spike_replay.models.megatron_mapping import Heads, Rule, hf_names, rul
 from axrl_spike_replay.snapshot.megatron_checkpoint import (
     COMMAND_BACKEND_HINT,
     check_megatron_storage,
+    layout_problems,
     load_regions,
     read_megatron_checkpoint,
 )
@@ -27,6 +28,8 @@ from axrl_spike_replay.snapshot.megatron_checkpoint import (
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from axrl_spike_replay.snapshot.metadata import ParallelLayout
 
 
 def heads_of(spec: MegatronModelConfig) -> Heads:
@@ -130,3 +133,23 @@ def load_megatron_weights(model: nn.Module, spec: MegatronModelConfig, directory
             load_regions(directory, regions)
             for rule in stacked:
                 _place(rule, layer, regions[rule.megatron][1][0], heads, params)
+
+
+def check_saved_layout(directory: Path, layout: ParallelLayout) -> None:
+    """SnapshotError unless the checkpoint's shards and files fit the snapshot's saved layout (TP/ETP shards,
+    writer ranks, every pipeline stage's files present)."""
+    problems = layout_problems(read_megatron_checkpoint(directory), layout)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise SnapshotError(f"{problems[0]}{more}")
+
+
+def megatron_semantics(policy: nn.Module) -> nn.Module:
+    """The transformers policy computing what Megatron's GPTModel computes where the two differ by design:
+    transformers' embedding keeps the pad token's row out of every gradient (`padding_idx`), Megatron's
+    `VocabParallelEmbedding` has no such row, so a loss that reaches pad positions (the router z-loss counts
+    every token) moves it there. Route 1 follows Megatron."""
+    embedding = getattr(getattr(policy, "model", None), "embed_tokens", None)
+    if embedding is not None and getattr(embedding, "padding_idx", None) is not None:
+        embedding.padding_idx = None
+    return policy

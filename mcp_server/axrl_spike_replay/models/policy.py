@@ -48,7 +48,9 @@ def build_policy(spec: ModelSpec, device: str = "cpu") -> nn.Module:
     `torch.use_deterministic_algorithms(True)` in this process, in capture and replay alike. A Megatron spec
     builds its transformers model (replay route 1: the checkpoint is mapped onto it when loaded)."""
     if isinstance(spec, MegatronModelConfig):
-        spec = spec.hf
+        from axrl_spike_replay.models.megatron_weights import megatron_semantics
+
+        return megatron_semantics(build_policy(spec.hf, device))
     if isinstance(spec, HFModelConfig):
         from axrl_spike_replay.models.hf_policy import HFPolicy
 

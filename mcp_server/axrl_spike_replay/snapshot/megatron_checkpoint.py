@@ -32,8 +32,8 @@ from axrl_spike_replay.snapshot.checkpoint import (
     safe_reader,
     summarize_checkpoint,
 )
-from axrl_spike_replay.snapshot.layout import CHECKPOINT_METADATA, DCP_METADATA
-from axrl_spike_replay.snapshot.metadata import read_json_document
+from axrl_spike_replay.snapshot.layout import CHECKPOINT_METADATA, CHECKPOINT_METADATA_CONTENT, DCP_METADATA
+from axrl_spike_replay.snapshot.metadata import is_legacy_layout, read_json_document
 
 if TYPE_CHECKING:
     import torch
@@ -81,6 +81,8 @@ def read_backend(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise SnapshotError(f"{path}: missing (a Megatron checkpoint records its backend there)")
     doc = read_json_document(path)
+    if "sharded_backend" not in doc and is_legacy_layout(directory):
+        doc = dict(CHECKPOINT_METADATA_CONTENT)  # AXRL keys in Megatron's file: what snapshot.legacy restores
     backend, version = doc.get("sharded_backend"), doc.get("sharded_backend_version")
     if backend != BACKEND:
         raise SnapshotError(
