@@ -19,8 +19,7 @@ def load_gpt(section: dict[str, Any], checkpoint: str) -> Any:
     from megatron.core import dist_checkpointing
 
     from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, build_gpt_model
-    from axrl_spike_replay.testing.megatron_checkpoints import init_parallel
+    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
 
     init_parallel(MegatronParallel())
     model = build_gpt_model(MegatronModelConfig.from_dict(section))

@@ -86,9 +86,8 @@ def train(rank: int, world: int, payload: tuple[dict[str, Any], str, str, int, i
     from axrl_spike_replay.capture.detectors import MedianRatioDetector
     from axrl_spike_replay.models.megatron_config import MegatronModelConfig
     from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu
-    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, build_gpt_model
+    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
     from axrl_spike_replay.models.megatron_policy import force_routes, install_trace, megatron_logprobs
-    from axrl_spike_replay.testing.megatron_checkpoints import init_parallel
     from axrl_spike_replay.training.policy_loss import LossConfig, policy_loss
 
     section, checkpoint, root, steps, burst_step, ep, job = payload

@@ -30,6 +30,20 @@ class MegatronParallel:
     etp: int = 1
 
 
+def init_parallel(parallel: MegatronParallel) -> None:
+    """Megatron's parallel_state over the current process group (reset if set before); data parallel is the rest."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+    )
+
+
 def _rope_theta(config: dict[str, Any]) -> float:
     rope = config.get("rope_parameters") or {}
     theta = rope.get("rope_theta") if isinstance(rope, dict) else None

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-from axrl_spike_replay.models.megatron_gpt import MegatronParallel
+from axrl_spike_replay.models.megatron_gpt import MegatronParallel, init_parallel
 
 TINY_MODELS = ("qwen3_moe", "mixtral")
 
@@ -54,20 +54,6 @@ LAYOUTS = {
     "pp2": Layout("pp2", 2, MegatronParallel(pp=2)),
     "tp2ep2": Layout("tp2ep2", 4, MegatronParallel(tp=2, ep=2, etp=1)),
 }
-
-
-def init_parallel(parallel: MegatronParallel) -> None:
-    """Megatron's parallel_state over the current process group (reset if set before)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.etp,
-    )
 
 
 def sharpen_routers(model: Any, seed: int) -> None:
