@@ -13,6 +13,7 @@ import pytest
 import torch
 from megatron_trainer import load_hook
 
+from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
 from axrl_spike_replay.snapshot.megatron_routes import MEGATRON_ROUTES_FORMAT
@@ -82,3 +83,21 @@ def test_the_guard_never_raises_into_training(caplog: pytest.LogCaptureFixture, 
     where = [record.args[0] for record in caplog.records if isinstance(record.args, tuple)]
     assert where == ["begin_step", "preparing the snapshot", "snapshot"]  # each logged once (two spikes), none raised
     assert not any(tmp_path.iterdir())
+
+
+def test_a_saved_layout_the_shards_contradict_is_refused_before_any_replay(
+    megatron_capture: Path, tmp_path: Path
+) -> None:
+    snapshot = shutil.copytree(megatron_capture, tmp_path / "iter_0000006")
+    meta = json.loads((snapshot / "axrl_metadata.json").read_text())
+    meta["parallel"].update(tp=2, dp=1)  # the run says TP=2; Megatron saved linear_qkv whole
+    (snapshot / "axrl_metadata.json").write_text(json.dumps(meta))
+    text = (
+        (snapshot / "run_config.yaml").read_text().replace("  tp: 1\n", "  tp: 2\n").replace("  dp: 2\n", "  dp: 1\n")
+    )
+    (snapshot / "run_config.yaml").write_text(text)
+    for rank_file in ("batch_rank1.pt", "grad_info_rank1.pt", "routing_payload_rank1.pt"):
+        (snapshot / rank_file).unlink()  # one data-parallel rank under TP=2 x 2 processes
+    with pytest.raises(SnapshotError, match=r"saved in 1 tensor-parallel shards but the snapshot's layout says tp=2"):
+        run_replay(snapshot, ReplayOptions())
+    assert any("tp=2" in p for p in inspect_snapshot(snapshot).problems)

@@ -23,6 +23,7 @@ def _rewrite(path: Path, doc: dict) -> None:
     path.unlink()
     torch.save(doc, path)
 
+
 # Both routes recompute in fp32 on CPU with one thread. Route 2 runs the trainer's own modules (at EP=1 instead
 # of 2: the experts see the same tokens in another grouping), route 1 transformers' (a different split of QKV,
 # the experts' loop, RMSNorm written apart): float32 sums in other orders, a few ulps per op. Measured: route 2

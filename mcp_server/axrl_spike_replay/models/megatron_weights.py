@@ -90,7 +90,7 @@ def check_megatron_weights(directory: Path, spec: MegatronModelConfig, label: st
         )
 
 
-def _buffer(key: str, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+def _buffer(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
     import torch
 
     return torch.empty(shape, dtype=getattr(torch, dtype))
@@ -117,7 +117,7 @@ def load_megatron_weights(model: nn.Module, spec: MegatronModelConfig, directory
     rules = _rules(spec)
     with torch.no_grad():
         whole = {r.megatron: r for r in rules if not r.stacked}
-        buffers = {k: _buffer(k, *ckpt.tensors[k]) for k in whole}
+        buffers = {k: _buffer(*ckpt.tensors[k]) for k in whole}
         load_regions(directory, {k: ((0,) * len(b.shape), b) for k, b in buffers.items()})
         for key, rule in whole.items():
             _place(rule, None, buffers[key], heads, params)
@@ -128,7 +128,7 @@ def load_megatron_weights(model: nn.Module, spec: MegatronModelConfig, directory
                 shape, dtype = ckpt.tensors[rule.megatron]
                 regions[rule.megatron] = (
                     (layer,) + (0,) * (len(shape) - 1),
-                    _buffer(rule.megatron, (1, *shape[1:]), dtype),
+                    _buffer((1, *shape[1:]), dtype),
                 )
             load_regions(directory, regions)
             for rule in stacked:

@@ -10,6 +10,7 @@ allocates anything. Tensor data (`*.distcp`) is read by DCP with `weights_only=T
 from __future__ import annotations
 
 import functools
+import gc
 import io
 import pickle
 import warnings
@@ -141,6 +142,8 @@ def _read_metadata(path: Path, records: bool) -> Any:
             data = handle.read(MAX_DCP_METADATA_BYTES + 1)
     except OSError as exc:
         raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    collecting = gc.isenabled()
+    gc.disable()  # unpickling creates thousands of small objects: each young-generation pass then walks torch's heap
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data), records).load()
     except UnsafeFileError as exc:
@@ -149,6 +152,9 @@ def _read_metadata(path: Path, records: bool) -> Any:
         raise SnapshotError(f"{path}: truncated or corrupt checkpoint metadata ({shown(str(exc), 200)})") from None
     except (MemoryError, RecursionError, OverflowError) as exc:
         raise SnapshotError(f"{path}: checkpoint metadata too large or deep to read ({type(exc).__name__})") from None
+    finally:
+        if collecting:
+            gc.enable()
     _check_structure(metadata, path)
     return metadata
 

@@ -142,13 +142,16 @@ def read_megatron_checkpoint(directory: str | Path) -> MegatronCheckpoint:
     etp = _splits(items[EXPERT_FC2], 3, (0, 0)) if EXPERT_FC2 in items else None
     writers: set[int] = set()
     layer_files: dict[int, set[str]] = {}
+    files: set[str] = set()
     for index, info in metadata.storage_data.items():
-        match = _DATA_FILE_RE.fullmatch(info.relative_path)
-        if match:
-            writers.add(int(match.group(1)))
+        files.add(info.relative_path)
         offset = _offset(index)
         if index.fqn.startswith(LAYERS) and offset:
             layer_files.setdefault(offset[0], set()).add(info.relative_path)
+    for name in files:
+        match = _DATA_FILE_RE.fullmatch(name)
+        if match:
+            writers.add(int(match.group(1)))
     return MegatronCheckpoint(
         directory=str(path),
         backend=str(backend["sharded_backend"]),
