@@ -113,7 +113,9 @@ def test_a_model_megatron_builds_but_we_do_not_map_is_refused() -> None:
 
 
 def test_common_state_is_read_weights_only(megatron_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    import megatron.core  # noqa: F401 - registers PosixPath and more as torch safe globals, process-wide
+
     directory = shutil.copytree(megatron_checkpoints["tp1"], tmp_path / "common")
-    torch.save({"iteration": 7, "opaque": Path("x")}, directory / "common.pt")  # a class outside the allowlist
+    torch.save({"iteration": 7, "opaque": Path("x")}, directory / "common.pt")  # a class outside our allowlist
     with pytest.raises(UnsafeFileError):
         read_common_state(directory)
