@@ -85,3 +85,22 @@ def test_the_checkpoint_is_checked_against_the_model_before_loading(megatron_che
     mixtral = parse_model_config(tiny_section("mixtral"))
     with pytest.raises(SnapshotError, match=r"does not place.*q_layernorm.*--backend command"):
         check_megatron_weights(megatron_checkpoints["tp1"], mixtral, "the snapshot's checkpoint")
+
+
+def test_a_mixtral_checkpoint_maps_too(tmp_path: Path) -> None:
+    """The second mapped architecture: megatron-core saves a Mixtral-shaped GPTModel (no QK norms, softmax then
+    renormalised top-k), route 1 gives Megatron's routes and log-probs from it."""
+    from axrl_spike_replay.testing.megatron_checkpoints import LAYOUTS, save_checkpoints
+
+    section, batch = tiny_section("mixtral"), _batch()
+    checkpoint = tmp_path / "mixtral"
+    save_checkpoints(section, [(LAYOUTS["tp1"], checkpoint)], None)
+    out = tmp_path / "megatron.pt"
+    spawn_ranks(forward_backward, 1, (section, str(checkpoint), batch, str(out), None, 0.0))
+    megatron = torch.load(out, weights_only=True)
+    spec = parse_model_config(section)
+    policy = build_policy(spec)
+    load_policy_weights(policy, spec, checkpoint)
+    ours = policy_forward(policy, batch, RoutingControl(), need_entropy=False)
+    assert torch.equal(ours.routes, megatron["routes"])
+    assert (ours.logprobs - megatron["logprobs"]).abs().max() < LOGPROB_ATOL
