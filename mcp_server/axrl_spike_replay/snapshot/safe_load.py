@@ -194,19 +194,27 @@ def load_pt(path: str | Path, *, meta: bool = False, allowed_globals: Sequence[A
 
 @contextmanager
 def _only_globals(allowed: list[Any]) -> Iterator[None]:
-    """torch's weights_only allowlist holding exactly `allowed` for one load. Libraries widen it for the whole
-    process (importing megatron.core registers PosixPath, SimpleNamespace, numpy arrays, BytesIO, ...): a file
-    from shared storage gets only what this module admits, whatever else the process imported."""
+    """torch's weights_only allowlist holding torch's own entries and `allowed` for one load. Libraries widen it
+    for the whole process (importing megatron.core registers PosixPath, SimpleNamespace, numpy arrays, BytesIO,
+    ...): a file from shared storage gets only what torch and this module admit, whatever else was imported."""
     import torch
 
     before = torch.serialization.get_safe_globals()
     torch.serialization.clear_safe_globals()
-    torch.serialization.add_safe_globals(allowed)
+    torch.serialization.add_safe_globals([g for g in before if _is_torchs(g)] + allowed)
     try:
         yield
     finally:
         torch.serialization.clear_safe_globals()
         torch.serialization.add_safe_globals(before)
+
+
+def _is_torchs(entry: Any) -> bool:
+    """Whether a safe-globals entry (a class or function, or a (class, name) pair) is torch's own (torch registers
+    its nested tensors' classes there when `torch.nested` is imported)."""
+    target = entry[0] if isinstance(entry, tuple) else entry
+    module = getattr(target, "__module__", "") or ""
+    return module == "torch" or module.startswith("torch.")
 
 
 def _first_line(exc: BaseException) -> str:
