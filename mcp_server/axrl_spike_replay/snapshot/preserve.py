@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from axrl_spike_replay import __version__
-from axrl_spike_replay.atomic import atomic_write_json
+from axrl_spike_replay.atomic import atomic_copy, atomic_write_json
 from axrl_spike_replay.containment import link_leaving
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.locks import held_lock
@@ -108,7 +108,8 @@ def _output_dir(output_dir: str | Path) -> Path:
 
 
 def _link_or_copy(src: Path, dst: Path) -> bool:
-    """Hardlink `src` to `dst` (True) or, where no link is possible, copy it (False)."""
+    """Hardlink `src` to `dst` (True) or, where no link is possible, copy it (False): with its times, and never more
+    readable than `src` (its mode less the umask)."""
     try:
         os.link(src, dst)
         return True
@@ -117,7 +118,7 @@ def _link_or_copy(src: Path, dst: Path) -> bool:
     except OSError as exc:
         if exc.errno not in _NO_LINK_ERRNOS:
             raise
-    shutil.copy2(src, dst)
+    atomic_copy(src, dst, keep_times=True)
     return False
 
 
