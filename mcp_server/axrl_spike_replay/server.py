@@ -13,7 +13,7 @@ readOnlyHint is true, and refuses a call to any other.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -167,6 +167,7 @@ def serve(
     port: int = 8765,
     socket_path: Path | None = None,
     access: HttpAccess | None = None,
+    ready: Callable[[], None] | None = None,
     read_only: bool = False,
     warm: bool = True,
     warm_memory: int | None = None,
@@ -174,7 +175,7 @@ def serve(
 ) -> None:
     """Run the server until its client goes away (stdio) or it is interrupted (streamable HTTP at /mcp, on
     `host:port`, or on the Unix socket `socket_path`). Over HTTP, `access` says who is let in (its token);
-    None lets in anyone who can connect."""
+    None lets in anyone who can connect. `ready` runs once the HTTP server's socket is bound."""
     verifier = access.verifier() if access is not None and (http or socket_path is not None) else None
     server = create_server(
         workspace,
@@ -189,11 +190,11 @@ def serve(
         if socket_path is not None:
             from axrl_spike_replay.mcp_faces.http_serve import serve_unix
 
-            serve_unix(server, socket_path, on_stop)
+            serve_unix(server, socket_path, ready=ready, on_stop=on_stop)
         elif http:
             from axrl_spike_replay.mcp_faces.http_serve import serve_tcp
 
-            serve_tcp(server, host, port, on_stop)
+            serve_tcp(server, host, port, ready=ready, on_stop=on_stop)
         else:
             server.run("stdio")
     finally:

@@ -277,3 +277,14 @@ def test_the_http_entry_names_the_port_of_the_url_and_refuses_what_is_not_one() 
     for bad in ("ftp://x/mcp", "127.0.0.1:8765", "http://127.0.0.1:99999/mcp"):
         with pytest.raises(Exception, match="not an http:// URL"):
             http_entry(bad)
+
+
+def test_a_second_server_on_a_busy_port_leaves_the_first_ones_token_alone(workspace: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with http_server(workspace, state) as server:
+        token = server.token
+        port = server.url.split(":")[2].split("/")[0]
+        second = _start("--http", "--port", port, "--workspace", str(workspace), env=server_env(state))
+        assert second.returncode == 2 and "Address already in use" in second.stderr
+        assert server.token == token  # not replaced by a token of a server that never listened
+        assert raw_post(server.url, INITIALIZE, bearer(token))[0] == 200

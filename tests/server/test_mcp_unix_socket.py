@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from http_helpers import INITIALIZE, MCP_HEADERS, as_nobody, http_server, with_http_client
+from server_helpers import server_command
 
 
 @pytest.fixture
@@ -32,6 +33,11 @@ def test_the_server_user_is_served_on_a_private_socket(short_dir: Path, workspac
         listed = with_http_client(server.url, lambda client: client.list_tools(), uds=socket_path)
         assert "copy_and_scan_logs" in {t.name for t in listed.tools}
         assert not (tmp_path / "state").exists()  # no token: the kernel says who connects
+        second = subprocess.run(
+            [*server_command(), "mcp", "--socket", str(socket_path)], capture_output=True, text=True, timeout=120
+        )
+        assert second.returncode == 2 and "already listens" in second.stderr  # the first keeps its socket
+        assert with_http_client(server.url, lambda client: client.list_tools(), uds=socket_path).tools
     assert not socket_path.exists()  # removed when the server stops
 
 

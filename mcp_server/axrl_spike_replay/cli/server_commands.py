@@ -178,8 +178,11 @@ def _mcp(args: argparse.Namespace) -> int:
     # Over a Unix socket the kernel names the peer, so a token is asked only when one is given.
     no_token = args.no_auth or (args.socket is not None and args.token_file is None)
     with http_access(args.port, no_auth=no_token, token_file=args.token_file) if over_http else _no_access() as access:
-        if over_http:
+
+        def ready() -> None:  # the socket is bound: the token file is this server's now, and said where it is
+            access.publish()
             _announce(args, access)
+
         serve(
             args.workspace,
             http=args.http,
@@ -187,6 +190,7 @@ def _mcp(args: argparse.Namespace) -> int:
             port=args.port,
             socket_path=Path(args.socket).expanduser().absolute() if args.socket is not None else None,
             access=access,
+            ready=ready if access is not None else None,
             read_only=args.read_only,
             warm=not args.no_warm,
             warm_memory=memory,

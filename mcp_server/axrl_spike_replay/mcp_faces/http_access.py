@@ -4,10 +4,11 @@ Every tool runs as the server's user: it reads what that user can read, writes w
 replays and reaches SSH targets with its keys. Over stdio the client launched the server, so it is that
 user already; over TCP any local user could connect. So HTTP requires a bearer token by default:
 
-- made at start (`secrets`, 256 bits) and written to `mcp-http-<port>.token` in a private state dir (0700,
-  the file 0600; `$XDG_STATE_HOME/axrl-spike-replay`, else `~/.local/state/axrl-spike-replay`), removed
-  when the server stops; or read from `--token-file`, which must be this user's, private, a regular file
-  (not a symlink), and hold one token of 16 to 1024 visible ASCII characters;
+- made at start (`secrets`, 256 bits) and, once the server listens, written to `mcp-http-<port>.token` in a
+  private state dir (0700, the file 0600; `$XDG_STATE_HOME/axrl-spike-replay`, else
+  `~/.local/state/axrl-spike-replay`), removed when the server stops; or read from `--token-file`, which must
+  be this user's, private, a regular file (not a symlink), and hold one token of 16 to 1024 visible ASCII
+  characters;
 - sent by clients as `Authorization: Bearer <token>`, compared in constant time (`hmac.compare_digest`);
   a request without it or with a wrong one gets 401 before any MCP session exists (the SDK's bearer
   middleware, `TokenVerifier`).
@@ -97,19 +98,38 @@ class SharedTokenVerifier:
 
 @dataclass
 class HttpAccess:
-    """How HTTP clients are let in: with `token` (None: no token asked), kept in `token_file`. A file the server
-    made (`written`: its inode and device) is removed by `close`, unless another server replaced it meanwhile."""
+    """How HTTP clients are let in: with `token` (None: no token asked), kept in `token_file`. A token the server
+    made is written there by `publish`, once the server listens (a second server on a busy port must not replace
+    the first one's token), and removed by `close` (`written`: the file's inode and device, so a file another
+    server wrote meanwhile stays)."""
 
     token: str | None
     token_file: Path | None = None
+    made: bool = False
     written: tuple[int, int] | None = None
 
     def verifier(self) -> SharedTokenVerifier | None:
         """The SDK token verifier, or None when no token is required."""
         return SharedTokenVerifier(self.token) if self.token is not None else None
 
+    def publish(self) -> None:
+        """Write a token the server made to its file (0600 in a 0700 dir); nothing for a given or no token."""
+        if not self.made or self.token is None or self.token_file is None or self.written is not None:
+            return
+        try:
+            private_dir(self.token_file.parent, create=True, purpose="the MCP server's token files")
+        except (AxrlError, OSError) as exc:
+            raise ConfigError(
+                f"cannot keep the MCP server's token in {self.token_file.parent} ({exc}); name a private file "
+                "with `token_file`",
+                "token_file",
+            ) from None
+        write_private_text(self.token_file, self.token + "\n")
+        st = os.stat(self.token_file)
+        self.written = (st.st_ino, st.st_dev)
+
     def close(self) -> None:
-        """Remove the token file the server made (idempotent); a file given with `token_file` stays."""
+        """Remove the token file the server wrote (idempotent); a file given with `token_file` stays."""
         if self.written is None or self.token_file is None:
             return
         with contextlib.suppress(OSError):
@@ -136,7 +156,7 @@ def check_bind(host: str, *, no_auth: bool, token_file: str | None) -> None:
 @contextlib.contextmanager
 def http_access(port: int, *, no_auth: bool = False, token_file: str | None = None) -> Iterator[HttpAccess]:
     """The access of a server on `port` for as long as the block runs: no token with `no_auth`; the token of
-    `token_file`; else a new token, written to `default_token_file(port)` and removed afterwards."""
+    `token_file`; else a new token, for `default_token_file(port)` (written by `publish`, removed afterwards)."""
     if no_auth:
         yield HttpAccess(token=None)
         return
@@ -144,18 +164,7 @@ def http_access(port: int, *, no_auth: bool = False, token_file: str | None = No
         path = Path(token_file).expanduser().absolute()
         yield HttpAccess(token=read_token(path), token_file=path)
         return
-    path = default_token_file(port)
-    try:
-        private_dir(path.parent, create=True, purpose="the MCP server's token files")
-    except (AxrlError, OSError) as exc:
-        raise ConfigError(
-            f"cannot keep the MCP server's token in {path.parent} ({exc}); name a private file with `token_file`",
-            "token_file",
-        ) from None
-    token = secrets.token_urlsafe(32)
-    write_private_text(path, token + "\n")
-    written = os.stat(path)
-    access = HttpAccess(token=token, token_file=path, written=(written.st_ino, written.st_dev))
+    access = HttpAccess(token=secrets.token_urlsafe(32), token_file=default_token_file(port), made=True)
     try:
         yield access
     finally:

@@ -10,8 +10,10 @@ is bound here and handed to uvicorn, whose HTTP/1.1 protocol is given the peer c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -21,6 +23,7 @@ import anyio
 from mcp.server.mcpserver import MCPServer
 from mcp.server.transport_security import TransportSecuritySettings
 
+from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.private_files import bind_private_socket, peer_uid
 
 log = logging.getLogger("axrl_spike_replay.mcp")
@@ -59,34 +62,86 @@ def http_app(
     return app
 
 
-def serve_tcp(server: MCPServer, host: str, port: int, on_stop: Callable[[], None] | None = None) -> None:
-    """Serve streamable HTTP on `host:port` until interrupted."""
+def serve_tcp(
+    server: MCPServer,
+    host: str,
+    port: int,
+    *,
+    ready: Callable[[], None] | None = None,
+    on_stop: Callable[[], None] | None = None,
+) -> None:
+    """Serve streamable HTTP on `host:port` until interrupted; `ready` runs once the port is bound (ConfigError,
+    before it, when the port cannot be had)."""
     import uvicorn
 
-    config = uvicorn.Config(http_app(server, host=host, on_stop=on_stop), host=host, port=port, log_level="warning")
-    anyio.run(uvicorn.Server(config).serve)
+    listener = _bind_tcp(host, port)
+    try:
+        if ready is not None:
+            ready()
+        config = uvicorn.Config(http_app(server, host=host, on_stop=on_stop), log_level="warning")
+        anyio.run(lambda: uvicorn.Server(config).serve(sockets=[listener]))
+    finally:
+        listener.close()
 
 
-def serve_unix(server: MCPServer, path: Path, on_stop: Callable[[], None] | None = None) -> None:
-    """Serve streamable HTTP on a Unix socket at `path` (a file there is replaced) until interrupted; only
-    connections from this user are served. The socket is removed when the server stops."""
+def _bind_tcp(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host:port`, as uvicorn binds one (SO_REUSEADDR); ConfigError naming the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host.strip("[]"), port))
+    except OSError as exc:
+        listener.close()
+        raise ConfigError(f"cannot listen on {host} port {port}: {exc.strerror or exc}", "port") from None
+    return listener
+
+
+def serve_unix(
+    server: MCPServer,
+    path: Path,
+    *,
+    ready: Callable[[], None] | None = None,
+    on_stop: Callable[[], None] | None = None,
+) -> None:
+    """Serve streamable HTTP on a Unix socket at `path` until interrupted; only connections from this user are
+    served. A socket a live server listens on is refused, one left by a server that died is replaced; the
+    socket is removed when the server stops. `ready` runs once it is bound."""
     import uvicorn
 
+    if _answers(path):
+        raise ConfigError(f"a server already listens on the socket {path}", "socket")
     listener = bind_private_socket(path)
     inode = os.stat(path).st_ino
 
     def stopped() -> None:
-        if os.path.exists(path) and os.stat(path).st_ino == inode:
-            os.unlink(path)
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == inode:
+                os.unlink(path)
         if on_stop is not None:
             on_stop()
 
-    app = http_app(server, host="localhost", security=SOCKET_SECURITY, on_stop=stopped)
-    config = uvicorn.Config(app, http=_same_user_protocol(), log_level="warning")
     try:
+        if ready is not None:
+            ready()
+        app = http_app(server, host="localhost", security=SOCKET_SECURITY, on_stop=stopped)
+        config = uvicorn.Config(app, http=_same_user_protocol(), log_level="warning")
         anyio.run(lambda: uvicorn.Server(config).serve(sockets=[listener]))
     finally:
         listener.close()
+
+
+def _answers(path: Path) -> bool:
+    """Whether something accepts connections on the Unix socket `path`."""
+    if not path.is_socket():
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def _same_user_protocol() -> type[asyncio.Protocol]:
