@@ -43,9 +43,9 @@ def run_on_full_disk(script: str, mount_point: Path, size_kib: int, *args: str, 
         pytest.skip(problem)
     mount_point.mkdir(parents=True, exist_ok=True)
     command = 'mount -t tmpfs -o size="$1"k tmpfs "$2" && shift 2 && exec "$@"'
+    namespace = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", command, "sh"]
     run = subprocess.run(
-        ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", command, "sh", str(size_kib), str(mount_point)]
-        + [sys.executable, "-c", script, str(mount_point), *args],
+        [*namespace, str(size_kib), str(mount_point), sys.executable, "-c", script, str(mount_point), *args],
         capture_output=True,
         text=True,
         timeout=timeout_s,

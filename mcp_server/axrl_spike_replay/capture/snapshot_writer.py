@@ -210,9 +210,10 @@ def _save(obj: Any, path: Path) -> None:
 
 def _tensor_bytes(value: Any) -> int:
     import torch
+    from torch.distributed.tensor import DTensor
 
     if isinstance(value, torch.Tensor):
-        local = value.to_local() if hasattr(value, "to_local") else value
+        local = value.to_local() if isinstance(value, DTensor) else value
         return 0 if local.is_nested else local.numel() * local.element_size()
     if isinstance(value, dict):
         return sum(_tensor_bytes(v) for v in value.values())
