@@ -231,14 +231,14 @@ def test_the_recorded_norm_is_float64_and_the_parameter_norms_merge_to_it(quick:
     assert taken is False
     (written,) = quick.iterdir()
     info = load_grad_info(written, 0)
-    recorded, trainer = read_metadata(written)[0].grad_norm, info["trainer_grad_norm"]
+    recorded = read_metadata(written)[0].grad_norm
     merged = math.sqrt(math.fsum(v * v for v in info["param_grad_norms"].values()))
+    trainer = info.get("trainer_grad_norm")
     print(f"{clip_grad=}: exact {exact!r}, recorded {recorded!r}, verl's float32 clip norm {trainer!r}")
-    assert recorded == info["grad_norm"]
     # unclipped: the gradients as they were; clipped: only the clip's float32 multiply (2^-24 at most) remains
     assert abs(recorded - exact) <= (1e-12 if clip_grad > 1 else 2**-24) * exact
-    assert abs(merged - recorded) <= 1e-12 * recorded
-    assert abs(trainer - exact) > abs(recorded - exact)
+    assert recorded == info["grad_norm"] and abs(merged - recorded) <= 1e-12 * recorded
+    assert trainer is not None and abs(trainer - exact) > abs(recorded - exact)  # verl's, kept for reference
 
 
 def test_the_verl_side_shim_never_raises_either(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog) -> None:
