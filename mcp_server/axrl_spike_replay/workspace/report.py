@@ -8,11 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR, iteration_dir_name
 from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of, recorded_consistency
 from axrl_spike_replay.workspace.methods import RANKING, method_files, rank_key
 from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
-from axrl_spike_replay.workspace.preserved_copies import copies_in_use, copies_kept, is_last_copy, release_copies
+from axrl_spike_replay.workspace.preserved_copies import (
+    copies_in_use,
+    copies_kept,
+    is_last_copy,
+    release_copies,
+    source_of,
+)
 from axrl_spike_replay.workspace.render import render
 from axrl_spike_replay.workspace.task_diagnosis import report_diagnosis
 from axrl_spike_replay.workspace.task_state import now, read_state, set_task_snapshot, update_task, write_file
@@ -151,7 +156,7 @@ def follow_released_snapshot(state: dict[str, Any], released: list[dict[str, Any
     for entry in released:
         if not entry.get("released") or entry.get("path") != state.get("snapshot"):
             continue
-        source = Path(entry["output_dir"]) / SNAPSHOTS_DIR / iteration_dir_name(entry["iteration"])
+        source = source_of(entry)
         if not source.is_dir():
             continue
         old = str(entry["path"])
