@@ -156,8 +156,10 @@ def add_method(
 
 def list_methods(workspace: str | Path) -> list[MethodEntry]:
     """The workspace's method files and the shipped ones (`source` says which), ranked (see RANKING), each with its
-    front matter (status `unknown` for files without one)."""
-    found = [(path, fields, "workspace") for path, fields in _front_matters(workspace)]
+    front matter (status `unknown` for files without one). A workspace at the tool's own checkout holds the shipped
+    methods themselves: they are listed once, as `shipped`."""
+    own = "shipped" if _is_shipped_folder(methods_dir(check_workspace(workspace))) else "workspace"
+    found = [(path, fields, own) for path, fields in _front_matters(workspace)]
     found += [(path, fields, "shipped") for path, fields in _shipped_front_matters(workspace)]
     found.sort(key=lambda item: (rank_key(item[1]), item[2]))
     return [
@@ -181,10 +183,16 @@ def method_files(workspace: str | Path) -> list[dict[str, Any]]:
     return sorted(files, key=rank_key)
 
 
+def _is_shipped_folder(folder: Path) -> bool:
+    """True when `folder` is the shipped methods' folder (a workspace at the tool's own checkout)."""
+    shipped = shipped_methods_dir()
+    return shipped is not None and shipped.resolve() == folder.resolve()
+
+
 def _shipped_front_matters(workspace: str | Path) -> list[tuple[Path, dict[str, Any]]]:
     """The shipped methods, unless the workspace's own folder is that folder (a workspace at the checkout)."""
     shipped = shipped_methods_dir()
-    if shipped is None or shipped.resolve() == methods_dir(check_workspace(workspace)).resolve():
+    if shipped is None or _is_shipped_folder(methods_dir(check_workspace(workspace))):
         return []
     return _front_matters_in(shipped)
 
