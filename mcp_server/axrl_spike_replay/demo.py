@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.percent import pct, pct_plain
 from axrl_spike_replay.vocabulary import Fidelity, Verdict
 
 DEMO_JOB = "demo-moe-grpo"
@@ -197,7 +198,7 @@ def run_demo(
     sweep = run_request(replay_request(snapshot, verb="sweep", configs=DEFAULT_SWEEP, workspace=root, job=DEMO_JOB))
     rows = [
         f"{r.config_id:<48} grad norm {_fmt(r.grad_norm):>10}  ratio {_fmt(r.spike_ratio):>8}  "
-        f"change {_fmt((r.change_vs_baseline or 0) * 100, 3):>6}%  {r.verdict}"
+        f"change {pct(r.change_vs_baseline):>7}  {r.verdict}"
         for r in sweep.results
     ]
     step(f"sweep ({len(sweep.results)} configs, fidelity {sweep.fidelity}, threshold {sweep.threshold:g})", rows)
@@ -208,7 +209,7 @@ def run_demo(
         "attribution",
         [f"grad norm {_fmt(attribution.grad_norm)}; contributions sum within {attribution.sum_rel_error:.1e}"]
         + [
-            f"rank {s.rank} sample {s.sample}: contribution {_fmt(s.contribution)} ({s.share * 100:.1f}%), "
+            f"rank {s.rank} sample {s.sample}: contribution {_fmt(s.contribution)} ({pct_plain(s.share)}), "
             f"advantage {_fmt(s.advantage)}, max |log(pi/pi_base)| {_fmt(s.max_abs_log_ratio)}"
             for s in attribution.samples
         ],
