@@ -28,6 +28,7 @@ from axrl_spike_replay.capture.run_config import build_run_config, parse_run_con
 from axrl_spike_replay.capture.spike_guard import GuardDecision, SpikeGuard
 from axrl_spike_replay.capture.strategies import PARALLEL_STRATEGIES, parallel_strategy
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.rank_processes import refuse_in_spawned_import
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
 from axrl_spike_replay.snapshot.metadata import ParallelLayout
 
@@ -93,6 +94,7 @@ def capture_reference_run(
     as `parallel.strategy` in the run config when it is not the default. `model` is `tiny_moe` or one of the
     transformers architectures of `model_choice.HF_CAPTURE_MODELS` at a tiny size (`model: {kind: hf, ...}`).
     """
+    refuse_in_spawned_import("the capture")  # before anything is written: a script without a main guard
     run = run or f"ref-s{seed}"
     for name, value in (("job", job), ("run", run)):
         if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or "__" in value:
