@@ -5,22 +5,47 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from axrl_spike_replay.cli import main
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """`axrl-spike-replay demo --json` in a fresh folder; its one JSON document."""
+def demo_process(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess[str]:
+    """`axrl-spike-replay demo --json` in a fresh folder, as its own process (stderr holds every process's lines)."""
     workspace = tmp_path_factory.mktemp("demo")
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(["demo", "--workspace", str(workspace), "--json"])
-    assert code == 0
-    return json.loads(out.getvalue())
+    env = {**os.environ, "PYTHONPATH": str(REPO / "mcp_server")}
+    argv = [sys.executable, "-m", "axrl_spike_replay", "demo", "--workspace", str(workspace), "--json"]
+    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+@pytest.fixture(scope="module")
+def demo_run(demo_process: subprocess.CompletedProcess[str]) -> dict:
+    """The demo's one JSON document."""
+    return json.loads(demo_process.stdout)
+
+
+def test_demo_streams_progress_while_it_works(demo_process: subprocess.CompletedProcess[str]) -> None:
+    """Each step says it is starting, and the capture and the replays stream their own lines, before the step's
+    summary: no long silence followed by whole sections."""
+    lines = demo_process.stderr.splitlines()
+
+    def first(prefix: str) -> int:
+        return next(i for i, line in enumerate(lines) if line.startswith(prefix))
+
+    assert first("demo: capture: a reference GRPO run") < first("capture: iteration 4/32: grad norm ")
+    assert first("capture: iteration 4/32") < first("capture: iteration 32/32") < first("== capture")
+    assert first("demo: sweep 10 mitigation configs") < first("process 0: mismatch_token_clip_max=2 computed")
+    assert first("mismatch_token_clip_max=2: grad norm ") < first("== sweep")
 
 
 def test_demo_reproduces_the_captured_spike_at_full_fidelity(demo_run: dict) -> None:

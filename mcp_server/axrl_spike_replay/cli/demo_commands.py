@@ -8,7 +8,7 @@ from typing import Any
 
 from axrl_spike_replay.capture.model_choice import CAPTURE_MODELS
 from axrl_spike_replay.capture.presets import PRESETS
-from axrl_spike_replay.cli.output import add_json_flag, emit
+from axrl_spike_replay.cli.output import add_json_flag, emit, progress
 from axrl_spike_replay.errors import AxrlError
 
 
@@ -78,6 +78,7 @@ def _demo(args: argparse.Namespace) -> int:
         steps=args.steps,
         show=show,
         model=args.model,
+        progress=progress,
     )
     emit(summary, args.json, lambda s: f"\ndemo finished in {s.seconds:.1f} s; read {s.task_file} and {s.report}")
     return 0
