@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,29 @@ def test_demo_report_names_the_cause_and_the_method_that_cleared_it(demo_run: di
 def test_demo_releases_its_preserved_copy_and_keeps_the_original(demo_run: dict) -> None:
     assert not Path(demo_run["preserved"]).exists()
     assert (Path(demo_run["snapshot"]) / "axrl_metadata.json").is_file()
+
+
+def _code_after(text: str, heading: str) -> str:
+    """The first bash block after `heading`."""
+    return text.split(heading, 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_the_commands_the_demo_leaves_still_run_after_it_released_its_copy(demo_run: dict) -> None:
+    """The report's replay command and each method file's are the first things a newcomer copies."""
+    report = Path(demo_run["report"]).read_text()
+    command = shlex.split(_code_after(report, "Replay command"))
+    assert command[:2] == ["axrl-spike-replay", "replay"] and command[2] == demo_run["snapshot"]
+    assert Path(command[2]).is_dir() and demo_run["preserved"] not in _code_after(report, "Replay command")
+    for path in demo_run["methods"]:
+        method = shlex.split(_code_after(Path(path).read_text(), "## Replay it"))
+        assert method[2] == demo_run["snapshot"] and Path(method[2]).is_dir(), path
+    tis = Path(demo_run["workspace"]) / "spike-mitigation-methods" / "token-mismatch-tis-clip-2.md"
+    method = shlex.split(_code_after(tis.read_text(), "## Replay it"))
+    assert method[3:] == ["--mitigation", "mismatch_token_clip_max=2.0"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*method[1:], "--workspace", demo_run["workspace"], "--json"]) == 0
+    assert json.loads(out.getvalue())["verdict"] == "cleared"
 
 
 def test_demo_trains_the_model_it_is_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -203,7 +203,9 @@ def test_investigation_from_open_to_report(tmp_path: Path, spike_run: SpikeRun, 
     assert "| rel diff | verdict | result |" not in md  # a mitigated row's distance from the recording is no fidelity
     assert "| F1 | local | replay --patch fix.diff | patch did not apply: hunk #1 FAILED |" in md
     assert "| tis-clip-2 | E2 | proven |" in md and "| r3-off | E5 | diagnostic |" in md
-    assert f"`{preserved}`: release requested" in md
+    # written again after the release: it says what happened and names only what still exists
+    assert f"- `{preserved}`: released after this investigation. The snapshot stays at `{snapshot.resolve()}`" in md
+    assert "release requested" not in md
     assert cli_json(capsys, "task", "show", JOB, "--workspace", ws)["reports"][0]["released"][0]["released"] is True
 
 

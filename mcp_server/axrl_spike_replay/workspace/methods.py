@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.locks import held_lock
-from axrl_spike_replay.replay.mitigations import MITIGATIONS, diagnostic_reasons
+from axrl_spike_replay.replay.mitigations import MITIGATIONS, diagnostic_reasons, mitigation_args
 from axrl_spike_replay.replay.result import ReplayResult, describe_clean_gradient
 from axrl_spike_replay.replay.verdict import WRITABLE_VERDICTS, threshold_label, writable_problem
 from axrl_spike_replay.vocabulary import Fidelity, Verdict
@@ -17,6 +18,7 @@ from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
 from axrl_spike_replay.workspace.evidence import baseline_for, find_attempt, output_dir_of, result_doc
 from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_plain_name, check_workspace, methods_dir
+from axrl_spike_replay.workspace.preserved_copies import source_of
 from axrl_spike_replay.workspace.render import fmt, pct, render
 from axrl_spike_replay.workspace.signals import recorded_signals
 from axrl_spike_replay.workspace.task_state import now, read_state, update_task, write_file
@@ -322,6 +324,8 @@ def _method_doc(
         "result_path": row.get("result_path"),
         "created_at": now(),
     }
+    replay = replay_it(result)
+    fields["source_snapshot"] = replay["source"]
     return {
         "front_matter": json.loads(json.dumps(fields, default=str)),
         "status": status,
@@ -341,6 +345,36 @@ def _method_doc(
         "mechanism": [f"`{name}`: {MITIGATIONS[name].doc}" for name in result.mitigations if name in MITIGATIONS],
         "evidence": _evidence(result, baseline),
         "caveats": [f"`{name}`: {MITIGATIONS[name].caveat}" for name in result.mitigations if name in MITIGATIONS],
+        "replay": replay,
+    }
+
+
+def replay_it(result: ReplayResult) -> dict[str, Any]:
+    """The command that replays this change, on a snapshot that outlives the investigation: a preserved copy is
+    released when it ends (`report --release`), so the command names the rotating `iter_<N>` the copy was made
+    from when that exists. {command, snapshot (the path the command names), source (the rotating path or None),
+    note}."""
+    source = source_of(result.snapshot)
+    path = str(source) if source is not None and source.is_dir() else result.snapshot
+    args = ["axrl-spike-replay", "replay", path]
+    for item in mitigation_args(normalise_config(result.mitigations)):
+        args += ["--mitigation", item]
+    note = None
+    if result.patch_sha256:
+        args += ["--backend", "command", "--patch", "PATCH.diff"]
+        note = "PATCH.diff: the patch above (its sha256 must match), run by the trainer's own replay command"
+    if path != result.snapshot:
+        moved = (
+            f"replayed from the preserved copy `{result.snapshot}`, which is released when the investigation ends "
+            f"(`report --release`); the command names the rotating snapshot it was copied from, which stays until "
+            "the job's rotation removes it"
+        )
+        note = f"{moved}. {note}" if note else moved
+    return {
+        "command": shlex.join(args),
+        "snapshot": path,
+        "source": None if source is None else str(source),
+        "note": note,
     }
 
 

@@ -32,6 +32,17 @@ def copy_of(snapshot: str | Path | None) -> dict[str, Any] | None:
     return {"output_dir": output_dir, "iteration": iteration, "path": str(path)}
 
 
+def source_of(snapshot: str | Path | None) -> Path | None:
+    """The rotating `spike_snapshots/iter_<N>` a preserved copy (`spike_snapshots-active/iter_<N>`) was made from,
+    whether it exists or not; None when `snapshot` is no preserved copy."""
+    if not snapshot or Path(str(snapshot)).parent.name != PRESERVED_DIR.name:
+        return None
+    copy = copy_of(snapshot)
+    if copy is None:
+        return None
+    return Path(copy["output_dir"]) / SNAPSHOTS_DIR / iteration_dir_name(copy["iteration"])
+
+
 def _marker_time(path: str) -> str | None:
     """The copy's marker `created_at` when it is a valid preserved copy made by this tool, else None."""
     from axrl_spike_replay.snapshot.preserved_marker import preserved_copy_problem, read_marker

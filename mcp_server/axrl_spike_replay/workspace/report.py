@@ -40,6 +40,7 @@ def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
         "job": state["job"],
         "generated_at": now(),
         "snapshot": snapshot,
+        "snapshot_exists": bool(snapshot) and Path(str(snapshot)).is_dir(),
         "output_dir": output_dir_of(snapshot) or _first_output_dir(experiments),
         "snapshot_history": state["snapshot_history"],
         "command": state.get("command"),
@@ -102,14 +103,15 @@ def write_report(
 ) -> ReportResult:
     """Render `tmp/spike-replay/<job>/report.md` atomically; with `release`, then release the preserved copies
     this investigation uses (those of its current snapshot). A copy that is the last one of its snapshot (the
-    rotating `iter_<N>` gone) is kept unless `release_last_copy`."""
+    rotating `iter_<N>` gone) is kept unless `release_last_copy`.
+
+    The report is written before anything is released (it stays if the release fails half-way), then written again
+    from the task as the release left it: its snapshot and replay command then name the rotating `iter_<N>` the
+    released copy was made from, and it says what was released, so no command in it points at a deleted copy."""
     root = check_workspace(workspace)
     state = read_state(root, check_plain_name(job, "job name"))
-    context = report_context(root, state)
-    context["release_requested"] = release
-    context["release_last_copy"] = release_last_copy
-    text = render("report.md.j2", r=context)
-    path = write_file(job_tmp_dir(root, job) / REPORT_NAME, text, "report")
+    context = _context(root, state, release, release_last_copy, [])
+    path = write_file(job_tmp_dir(root, job) / REPORT_NAME, context["text"], "report")
     preserved = [{k: v for k, v in copy.items() if k != "last_copy"} for copy in context["preserved"]]
     released = release_copies(root, job, preserved, release_last_copy) if release else []
 
@@ -117,7 +119,10 @@ def write_report(
         current["reports"].append({"time": context["generated_at"], "path": str(path), "released": released})
         follow_released_snapshot(current, released)
 
-    update_task(root, job, change)
+    after, _ = update_task(root, job, change)
+    if any(entry.get("released") for entry in released):
+        context = _context(root, after, release, release_last_copy, released, context["generated_at"])
+        write_file(path, context["text"], "report")
     return ReportResult(
         job=context["job"],
         generated_at=context["generated_at"],
@@ -141,8 +146,33 @@ def write_report(
         release_last_copy=release_last_copy,
         path=str(path),
         released=released,
-        text=text,
+        text=context["text"],
     )
+
+
+def _context(
+    root: Path,
+    state: dict[str, Any],
+    release: bool,
+    release_last_copy: bool,
+    released: list[dict[str, Any]],
+    generated_at: str | None = None,
+) -> dict[str, Any]:
+    """The report's context and its rendered `text`; `released`: what the release did (empty before it ran)."""
+    context = report_context(root, state)
+    context["generated_at"] = generated_at or context["generated_at"]
+    context["release_requested"] = release
+    context["release_last_copy"] = release_last_copy
+    context["release_outcomes"] = [
+        {**entry, "source": str(_source_of(entry)), "source_exists": _source_of(entry).is_dir()} for entry in released
+    ]
+    context["text"] = render("report.md.j2", r=context)
+    return context
+
+
+def _source_of(entry: dict[str, Any]) -> Path:
+    """The rotating `iter_<N>` a preserved copy was made from."""
+    return Path(entry["output_dir"]) / SNAPSHOTS_DIR / iteration_dir_name(entry["iteration"])
 
 
 def follow_released_snapshot(state: dict[str, Any], released: list[dict[str, Any]]) -> None:
@@ -151,7 +181,7 @@ def follow_released_snapshot(state: dict[str, Any], released: list[dict[str, Any
     for entry in released:
         if not entry.get("released") or entry.get("path") != state.get("snapshot"):
             continue
-        source = Path(entry["output_dir"]) / SNAPSHOTS_DIR / iteration_dir_name(entry["iteration"])
+        source = _source_of(entry)
         if not source.is_dir():
             continue
         old = str(entry["path"])
