@@ -12,6 +12,8 @@ from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.replay.mitigations import MITIGATIONS, diagnostic_reasons, mitigation_args
 from axrl_spike_replay.replay.result import ReplayResult, describe_clean_gradient
+from axrl_spike_replay.replay.trainer_changes import trainer_changes
+from axrl_spike_replay.replay.trainer_settings import TRAINERS, snapshot_trainer
 from axrl_spike_replay.replay.verdict import WRITABLE_VERDICTS, threshold_label, writable_problem
 from axrl_spike_replay.vocabulary import Fidelity, Verdict
 from axrl_spike_replay.workspace import front_matter
@@ -326,6 +328,11 @@ def _method_doc(
     }
     replay = replay_it(result)
     fields["source_snapshot"] = replay["source"]
+    trainer = snapshot_trainer(result.snapshot)
+    changes = in_your_trainer(result, trainer)
+    fields["trainer"] = trainer
+    # the change in the trainer that wrote the snapshot (the report quotes it); every trainer's is in the file
+    fields["trainer_settings"] = [c["setting"] for c in changes if c["trainer"] == (trainer or "axrl") and c["setting"]]
     return {
         "front_matter": json.loads(json.dumps(fields, default=str)),
         "status": status,
@@ -346,7 +353,28 @@ def _method_doc(
         "evidence": _evidence(result, baseline),
         "caveats": [f"`{name}`: {MITIGATIONS[name].caveat}" for name in result.mitigations if name in MITIGATIONS],
         "replay": replay,
+        "trainer": trainer,
+        "trainer_label": TRAINERS.get(trainer or "", ""),
+        "changes": changes,
     }
+
+
+def in_your_trainer(result: ReplayResult, trainer: str | None) -> list[dict[str, Any]]:
+    """The attempt's mitigations as each trainer's setting, the trainer that wrote the snapshot first (as rows
+    {trainer, label, mitigation, setting, note, wrote_it})."""
+    order = ((trainer,) if trainer in TRAINERS else ()) + tuple(t for t in TRAINERS if t != trainer)
+    rows = trainer_changes(normalise_config(result.mitigations), result.resolved_mitigations, order)
+    return [
+        {
+            "trainer": c.trainer,
+            "label": TRAINERS[c.trainer],
+            "mitigation": c.mitigation,
+            "setting": c.setting,
+            "note": c.note,
+            "wrote_it": c.trainer == trainer,
+        }
+        for c in rows
+    ]
 
 
 def replay_it(result: ReplayResult) -> dict[str, Any]:
@@ -365,7 +393,7 @@ def replay_it(result: ReplayResult) -> dict[str, Any]:
         note = "PATCH.diff: the patch above (its sha256 must match), run by the trainer's own replay command"
     if path != result.snapshot:
         moved = (
-            f"replayed from the preserved copy `{result.snapshot}`, which is released when the investigation ends "
+            f"Replayed from the preserved copy `{result.snapshot}`, which is released when the investigation ends "
             f"(`report --release`); the command names the rotating snapshot it was copied from, which stays until "
             "the job's rotation removes it"
         )

@@ -8,14 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from axrl_spike_replay.replay.trainer_settings import SETTING_KINDS, TRAINERS
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR, iteration_dir_name
-from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of, recorded_consistency
+from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of, recorded_consistency, with_runs
 from axrl_spike_replay.workspace.methods import RANKING, method_files, rank_key
 from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
 from axrl_spike_replay.workspace.preserved_copies import copies_in_use, copies_kept, is_last_copy, release_copies
 from axrl_spike_replay.workspace.render import render
 from axrl_spike_replay.workspace.task_diagnosis import report_diagnosis
 from axrl_spike_replay.workspace.task_state import now, read_state, set_task_snapshot, update_task, write_file
+from axrl_spike_replay.workspace.trainer_advice import trainer_advice
 from axrl_spike_replay.workspace.views import ReportResult
 
 REPORT_NAME = "report.md"
@@ -27,6 +29,7 @@ def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
     experiments = state["experiments"]
     # each with the consistency its replay recorded: the task-open diagnosis is not the only verdict on the snapshot
     baselines = [{**row, "consistency": recorded_consistency(row)} for row in baseline_rows(state)]
+    attempts = [row for row in experiments if not row.get("is_baseline")]
     by_slug = {m["slug"]: m for m in method_files(workspace)}
     methods = sorted(
         (
@@ -46,12 +49,16 @@ def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
         "command": state.get("command"),
         "diagnosis": report_diagnosis(state),
         "fidelity": fidelity_by_target(experiments),
-        "baselines": baselines,
+        "baselines": with_runs(baselines, attempts),
+        "same_baseline_norm": len({row.get("grad_norm") for row in baselines}) == 1,
         "attempt_baselines": [] if baselines else attempt_baselines(experiments),
-        "attempts": [row for row in experiments if not row.get("is_baseline")],
+        "attempts": attempts,
         "failed": state["failed"],
         "methods": methods,
         "ranking": RANKING,
+        "trainer": trainer_advice(methods, snapshot),
+        "trainers": TRAINERS,
+        "setting_kinds": SETTING_KINDS,
         "observations": state["observations"],
         "next_steps": state["next_steps"],
         "preserved": preserved,
@@ -131,6 +138,7 @@ def write_report(
         snapshot_history=context["snapshot_history"],
         command=context["command"],
         diagnosis=context["diagnosis"],
+        trainer=context["trainer"],
         fidelity=context["fidelity"],
         baselines=context["baselines"],
         attempt_baselines=context["attempt_baselines"],
