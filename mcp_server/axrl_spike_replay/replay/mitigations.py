@@ -4,8 +4,9 @@ validated, normalised, applied.
 A mitigation's declaration holds everything about it: its name, what it changes, its accepted values
 in words, its parser (value type and range), what it does, when to try it, and the function that
 applies it to the replay's loss (`LossConfig`), routing (`RoutingConfig`) or starting weights. The
-server's tool descriptions, `axrl://mitigations`, the skill's mitigation catalogue and the README's
-list are all generated from it (`replay/mitigation_catalogue.py`, `scripts/render_mitigation_catalogue.py`).
+server's tool descriptions, `axrl://mitigations`, the skill's mitigation catalogue and docs/mitigations.md
+are all generated from it (`replay/mitigation_catalogue.py`, `scripts/render_mitigation_catalogue.py`), and so is
+what each trainer sets to make the same change in training (`settings`, see `replay/trainer_settings.py`).
 Torch-free: the server imports this module to describe its tools.
 
 Each mitigation is off unless named in a config. A config is a mapping {name: value}; its one normal
@@ -381,7 +382,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 override(
                     "algorithm.rollout_correction.rollout_is=token "
                     "algorithm.rollout_correction.rollout_is_threshold={value}",
-                    "verl's token-level truncated importance sampling (decoupled mode), the same weights",
+                    "verl's token-level truncated importance sampling in decoupled mode: the same weights",
                 ),
                 NO_MEGATRON_FLAG,
             ),
@@ -412,8 +413,8 @@ MITIGATIONS: dict[str, Mitigation] = {
                 TrainerSetting(
                     "verl",
                     verl_rejection,
-                    "verl's rejection sampling: its k1 bounds are on pi_rollout/pi_old, ours on pi/pi_rollout inverted "
-                    "(base old and low 0 have no verl form)",
+                    "verl's rejection sampling, whose k1 bounds are on pi_rollout/pi_old: ours on pi/pi_rollout, "
+                    "inverted; base old and low 0 have no verl form",
                 ),
                 NO_MEGATRON_FLAG,
             ),
@@ -503,7 +504,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                         "old": "algorithm.rollout_correction.bypass_mode=false",
                         "rollout": "algorithm.rollout_correction.bypass_mode=true",
                     },
-                    "decoupled mode (false, verl's default) takes the PPO ratio against old_log_probs; bypass mode "
+                    "decoupled mode, verl's default, takes the PPO ratio against old_log_probs; bypass mode "
                     "against the rollout's, with verl's bypass loss",
                 ),
                 NO_MEGATRON_FLAG,
@@ -555,7 +556,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             caveat="only negative-advantage tokens are capped; a spike from positive advantages is untouched",
             settings=(
                 run_config_key("loss.dual_clip_c"),
-                override("actor_rollout_ref.actor.clip_ratio_c={value}", "verl's dual clip (on by default, c = 3)"),
+                override("actor_rollout_ref.actor.clip_ratio_c={value}", "verl's dual clip, on by default with c = 3"),
                 NO_MEGATRON_FLAG,
             ),
         ),
@@ -573,7 +574,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 TrainerSetting(
                     "verl",
                     verl_kl,
-                    "the KL loss against the reference policy (kl_loss_type low_var_kl is k3)",
+                    "the KL loss against the reference policy; kl_loss_type low_var_kl is k3",
                 ),
                 NO_MEGATRON_FLAG,
             ),
@@ -605,11 +606,11 @@ MITIGATIONS: dict[str, Mitigation] = {
                 run_config_key("loss.aux_loss_coef"),
                 override(
                     "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff={value}",
-                    "Megatron engine (Megatron-core TransformerConfig)",
+                    "Megatron engine: a Megatron-core TransformerConfig field",
                 ),
                 override(
                     "actor_rollout_ref.model.override_config.router_aux_loss_coef={value}",
-                    "FSDP engine: the HF model config's field (qwen*_moe, mixtral, olmoe)",
+                    "FSDP engine: the HF model config's field, in qwen*_moe, mixtral, olmoe",
                 ),
                 override("--moe-aux-loss-coeff {value}", trainer="megatron"),
             ),
@@ -627,7 +628,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 run_config_key("loss.z_loss_coef"),
                 override(
                     "actor_rollout_ref.actor.megatron.override_transformer_config.moe_z_loss_coeff={value}",
-                    "Megatron engine (Megatron-core TransformerConfig)",
+                    "Megatron engine: a Megatron-core TransformerConfig field",
                 ),
                 override("--moe-z-loss-coeff {value}", trainer="megatron"),
             ),
@@ -694,7 +695,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     lambda value: (
                         None if value == FIRST_MOE_LAYER else f"routing.current_routing_layers: {flow(value)}"
                     ),
-                    "layer ids: `first` is resolved against the model by a replay (its result's resolved_mitigations)",
+                    "layer ids; a replay resolves `first` against the model and records them as resolved_mitigations",
                 ),
                 none("verl", "no setting: verl replays the routes of every MoE layer alike (a patch)"),
                 none("megatron", "no flag: routing replay covers every MoE layer alike (a patch)"),
