@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -22,6 +24,7 @@ def _selected(*args: str) -> list[str]:
     return [line for line in out.stdout.splitlines() if "::" in line]
 
 
+@pytest.mark.slow  # two pytest collections in subprocesses
 def test_the_quick_run_leaves_out_the_demo_and_the_rank_launcher() -> None:
     files = ["tests/test_demo.py", "tests/test_rank_processes.py"]
     everything = _selected(*files)

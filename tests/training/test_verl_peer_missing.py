@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHECKS = ["tests/training/test_verl_crosscheck.py", "tests/training/test_verl_response_width.py"]
 
 
+@pytest.mark.slow  # two pytest runs in subprocesses
 @pytest.mark.parametrize("package", ["tensordict", "verl"])
 def test_the_verl_cross_checks_skip_naming_the_missing_package(package: str) -> None:
     # sys.modules[name] = None: `import name` fails and find_spec says "not installed", as on a machine without it
