@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         in_capture = Path(str(item.fspath)).parent.name == "capture"
-        marked = item.get_closest_marker("slow") or item.get_closest_marker("sshd")
+        marked = item.get_closest_marker("slow") or item.get_closest_marker("sshd") or item.get_closest_marker("slurm")
         if in_capture or fixtures & _HEAVY_FIXTURES or marked:
             item.add_marker(pytest.mark.heavy)
 

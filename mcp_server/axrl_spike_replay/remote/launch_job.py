@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import re
 import secrets
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import clean_text, shown
 from axrl_spike_replay.remote.errors import RemoteError
 from axrl_spike_replay.remote.node_probe import NodeReport
 from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
 from axrl_spike_replay.untrusted_json import parse_untrusted_json
+
+if TYPE_CHECKING:  # workspace_config reads the launch settings, which use this module
+    from axrl_spike_replay.remote.workspace_config import ResolvedTarget
 
 LAUNCH_ID_ENV = "AXRL_LAUNCH_ID"  # every process of a job carries it, so a sweep can find leftovers by it
 REQUEST_FORMAT = "axrl-launch-request"
@@ -37,6 +41,25 @@ class LaunchError(RemoteError):
     def __init__(self, message: str, node: str | None = None) -> None:
         super().__init__(message)
         self.node = node
+
+
+@dataclass(frozen=True)
+class LaunchNode:
+    """One node of a job: a name; how to reach it over SSH (None: this machine); the Python and setup lines the job
+    runs with there (default: the target's, or this very interpreter here); and the address the other nodes reach
+    it at (None: its host name as torchrun resolves it). A torchrun job's first node hosts the rendezvous."""
+
+    name: str
+    target: ResolvedTarget | None = None
+    python: str = ""
+    setup: tuple[str, ...] = ()
+    address: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.python:
+            object.__setattr__(self, "python", self.target.python if self.target is not None else sys.executable)
+        if not self.setup and self.target is not None:
+            object.__setattr__(self, "setup", tuple(self.target.setup))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from axrl_spike_replay.remote.launch_job import LAUNCH_ID_ENV, WorkerEntry, chec
 from axrl_spike_replay.remote.shell import job_script, quote_argv
 
 TORCHRUN_MODULE = "torch.distributed.run"
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0  # torchrun's own join timeout is 600 s
 AGENT_STARTED = "@@axrl-agent started"
 SWEEP_MARK = "@@axrl-sweep"
 _FAILURES = {

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from axrl_spike_replay.remote.launch_job import (
     REQUEST_FILE,
     RESULT_FILE,
     LaunchError,
+    LaunchNode,
     LaunchOutcome,
     WorkerEntry,
     check_node_ready,
@@ -45,6 +45,7 @@ from axrl_spike_replay.remote.session import open_session
 from axrl_spike_replay.remote.shell import bash_command
 from axrl_spike_replay.remote.torchrun_command import (
     AGENT_STARTED,
+    DEFAULT_RENDEZVOUS_TIMEOUT_S,
     Rendezvous,
     agent_script,
     free_port_script,
@@ -54,30 +55,10 @@ from axrl_spike_replay.remote.torchrun_command import (
     torchrun_argv,
 )
 from axrl_spike_replay.remote.torchrun_failure import AgentState, explain_failure, timeout_error
-from axrl_spike_replay.remote.workspace_config import ResolvedTarget
 
-DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0
 SWEEP_GRACE_S = 5
 CLEANUP_TIMEOUT_S = 60.0
 _FILE_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-@dataclass(frozen=True)
-class LaunchNode:
-    """One node of a job: a name, how to reach it over SSH (None: this machine), and the address the other nodes
-    reach it at (None: its host name as torchrun resolves it). The first node's address is the rendezvous host."""
-
-    name: str
-    target: ResolvedTarget | None = None
-    address: str | None = None
-
-    @property
-    def python(self) -> str:
-        return self.target.python if self.target is not None else sys.executable  # here: this very interpreter
-
-    @property
-    def setup(self) -> tuple[str, ...]:
-        return self.target.setup if self.target is not None else ()
 
 
 @dataclass(frozen=True)
