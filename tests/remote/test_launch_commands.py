@@ -218,3 +218,17 @@ def test_a_node_that_cannot_run_the_job_is_told_what_to_do() -> None:
     ready = NodeReport(target="n", python_version="3.11", torch_version="2.13", package_importable=True)
     check_node_ready(ready, "n", python="py")  # no error
     assert request_document("axrl-0123456789ab", "/t/result.json", {"k": 1})["payload"] == {"k": 1}
+
+
+def test_the_launch_probe_finds_torch_without_importing_it() -> None:
+    import asyncio
+
+    from axrl_spike_replay.remote.local_session import LocalSession
+    from axrl_spike_replay.remote.node_probe import probe
+
+    light = asyncio.run(probe(LocalSession(), python=sys.executable, import_torch=False))
+    assert light.torch_version is not None and light.package_importable
+    assert light.cuda_available is None  # torch was only looked up: nothing asked of CUDA
+    if Path("/usr/bin/python3").exists():
+        bare = asyncio.run(probe(LocalSession(), python="/usr/bin/python3", import_torch=False))
+        assert bare.torch_version is None and any("No module named 'torch'" in note for note in bare.notes)

@@ -51,7 +51,7 @@ def test_sbatch_from_a_login_node_over_ssh_runs_torchrun_under_srun(
     assert result["sum"] == 3.0 and result["world_size"] == 2
     assert {p["slurm_job_id"] for p in result["processes"]} == {outcome.job_id}  # the workers ran inside the job
     assert {p["launch_tag"] for p in result["processes"]} == {launch_id}
-    assert outcome.launcher == "slurm" and outcome.nodes == (slurm_cluster.node,)
+    assert outcome.launcher == "slurm" and outcome.nodes == (slurm_cluster.node,)  # as scontrol expands the list
     assert json.loads(outcome.result_path.read_text()) == result
     output = outcome.logs["slurm"].read_text()
     assert f"@@axrl-slurm rendezvous {slurm_cluster.node}:" in output  # the allocation's first node hosts it

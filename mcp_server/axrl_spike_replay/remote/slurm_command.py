@@ -240,6 +240,11 @@ def scancel_argv(job_id: str) -> list[str]:
     return ["scancel", _job(job_id)]
 
 
+def hostnames_argv(nodelist: str) -> list[str]:
+    """`scontrol show hostnames` expanding a node list (its text is one quoted word)."""
+    return ["scontrol", "show", "hostnames", nodelist]
+
+
 def failed_node(output: str) -> str | None:
     """The node srun reports a failed task on (`srun: error: NODE: task N: Exited with exit code X`), if any."""
     found = re.search(r"srun: error: ([A-Za-z0-9._-]+): tasks? [0-9,-]+: ", output)

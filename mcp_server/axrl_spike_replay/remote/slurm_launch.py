@@ -47,6 +47,7 @@ from axrl_spike_replay.remote.slurm_command import (
     SlurmSettings,
     batch_script,
     failed_node,
+    hostnames_argv,
     job_dir_script,
     parse_job_id,
     parse_sacct,
@@ -92,13 +93,14 @@ async def launch_slurm(
     login = job.login
     session = await _open(login, options)
     job_dir: str | None = None
-    job_id: str | None = None
+    live: str | None = None  # the job id while Slurm may still run it
     try:
         await _check_login(session, job)
         job_dir = await _make_job_dir(session, job)
-        job_id = await _submit(session, job, job_dir, launch_id, out_dir)
+        job_id = live = await _submit(session, job, job_dir, launch_id, out_dir)
         say(f"{launch_id}: Slurm job {job_id} submitted from {login.name} ({_asked(job.settings)})")
         status, start_s = await _follow(session, job, job_id, began, say)
+        live = None
         if not status.succeeded:
             raise await _failure(session, job, job_id, job_dir, status, out_dir)
         remote = f"{job_dir}/{RESULT_FILE}"
@@ -107,14 +109,15 @@ async def launch_slurm(
         result_path = await session.fetch(remote, out_dir / RESULT_FILE)
         result = read_result(result_path, f"Slurm job {job_id}")
         logs = await _fetch_output(session, job_dir, job_id, out_dir)
+        nodes = await _hostnames(session, login, status.nodes)
     except BaseException:
-        await run_to_completion(_end(session, job, job_id, job_dir, out_dir, say))
+        await run_to_completion(_end(session, job, live, job_dir, out_dir, say))
         raise
     await run_to_completion(_end(session, job, None, job_dir, out_dir, say))
     return LaunchOutcome(
         launcher="slurm",
         launch_id=launch_id,
-        nodes=tuple(status.nodes.split(",")) if status.nodes else (),
+        nodes=nodes,
         result=result,
         result_path=result_path,
         out_dir=out_dir,
@@ -142,10 +145,19 @@ async def _run(session: Session, login: LaunchNode, argv: Sequence[str], timeout
     return await session.capture(bash_command(job_script(argv, setup=login.setup)), timeout=timeout)
 
 
+async def _hostnames(session: Session, login: LaunchNode, nodelist: str) -> tuple[str, ...]:
+    """The host names of a Slurm node list (`gpu-[017-018]` -> gpu-017, gpu-018), as scontrol expands it."""
+    if not nodelist:
+        return ()
+    got = await _run(session, login, hostnames_argv(nodelist))
+    names = tuple(got.stdout.split()) if got.exit_status == 0 else ()
+    return names or (nodelist,)
+
+
 async def _check_login(session: Session, job: SlurmJob) -> None:
     """The login node runs the job's Python with torch and this package, and has Slurm's commands."""
     login = job.login
-    report = await probe(session, python=login.python, setup=login.setup)
+    report = await probe(session, python=login.python, setup=login.setup, import_torch=False)
     check_node_ready(report, login.name, python=login.python, where="Slurm login node")
     lookup = " && ".join(f"command -v {name}" for name in SLURM_COMMANDS)
     got = await session.capture(bash_command(job_script(lookup, setup=login.setup)))

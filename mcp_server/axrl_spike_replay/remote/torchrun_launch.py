@@ -173,7 +173,10 @@ async def _prepare(agents: Sequence[_Agent], job: TorchrunJob, launch_id: str, s
     """Probe every node (one round trip each, which also makes its temp dir); refuse the job if one cannot run it."""
     say(f"{launch_id}: probing {len(agents)} node(s)")
     reports = await asyncio.gather(
-        *(probe(a.session, python=a.node.python, setup=a.node.setup, temp_prefix="axrl-launch-") for a in agents),
+        *(
+            probe(a.session, python=a.node.python, setup=a.node.setup, temp_prefix="axrl-launch-", import_torch=False)
+            for a in agents
+        ),
         return_exceptions=True,
     )
     problems: list[LaunchError] = []
