@@ -77,6 +77,7 @@ def test_the_documented_launch_sections_load_and_resolve_to_nodes(tmp_path: Path
         (("nodes: [gpu-a, gpu-b]", "nodes: [gpu-a, gpu-c]"), "multinode.pair.nodes: gpu-c not among the targets"),
         (("nproc_per_node: 8", "nproc_per_node: 0"), "multinode.pair.nproc_per_node must be a whole number"),
         (("    rendezvous_timeout_s: 120", "    rendevous_timeout_s: 120"), "unknown key(s) rendevous_timeout_s"),
+        (("{gpu-a: 10.0.0.5}", "{gpu-a: '10.0.0.5; id'}"), "multinode.pair.addresses maps some of its nodes"),
         (("login: hpc-login", "login: nowhere"), "slurm.hpc.login must name a target, or be `local`"),
         (('time: "01:00:00"', "time: 1:30:00"), 'slurm.hpc.time: write it quoted, e.g. time: "01:30:00"'),
         (("partition: gpu", "partition: gpu;rm -rf"), "slurm.hpc: slurm `partition` 'gpu;rm -rf'"),

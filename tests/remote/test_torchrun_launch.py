@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from launch_helpers import WORKER, ssh_node, tagged_processes, wait_for_files, wait_until_untagged
-from ssh_loopback import LoopbackServer, TcpProxy, write_known_hosts
+from ssh_loopback import LoopbackServer, TcpProxy, free_port, write_known_hosts
 
 from axrl_spike_replay.remote.launch_job import LaunchError, LaunchNode, new_launch_id
 from axrl_spike_replay.remote.torchrun_launch import TorchrunJob, launch_torchrun
@@ -85,6 +85,19 @@ def test_a_node_without_torch_is_refused_before_anything_starts(openssh_server: 
     assert "torch is not importable with /usr/bin/python3" in message and "install torch" in message
     assert "axrl-spike-replay node TARGET --install" in message  # nor is the package
     assert not (tmp_path / "out" / "command.txt").exists()  # refused before any agent started
+
+
+def test_a_node_that_cannot_be_reached_is_named_and_the_others_closed(
+    openssh_server: LoopbackServer, tmp_path: Path
+) -> None:
+    nowhere = LoopbackServer(
+        "openssh", free_port(), openssh_server.user, openssh_server.keys, openssh_server.known_hosts
+    )
+    job = two_node_job(openssh_server, b_server=nowhere)
+    with pytest.raises(LaunchError) as caught:
+        asyncio.run(launch_torchrun(job, tmp_path / "out"))
+    assert caught.value.node == "node-b" and str(caught.value).startswith("node 'node-b': cannot connect: ")
+    assert "connection refused" in str(caught.value)
 
 
 def test_a_node_whose_agent_never_starts_times_out_the_rendezvous_by_name(

@@ -38,7 +38,7 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.remote.launch_job import LaunchNode
 from axrl_spike_replay.remote.slurm_command import SlurmSettings
-from axrl_spike_replay.remote.torchrun_command import DEFAULT_RENDEZVOUS_TIMEOUT_S
+from axrl_spike_replay.remote.torchrun_command import DEFAULT_RENDEZVOUS_TIMEOUT_S, is_host_text
 from axrl_spike_replay.remote.workspace_config import TargetConfig, WorkspaceConfig, resolve_target
 
 LOCAL_LOGIN = "local"
@@ -133,7 +133,9 @@ def _multinode(name: str, entry: dict[str, Any], source: str, targets: dict[str,
     if len(set(nodes)) != len(nodes):
         raise ConfigError(f"{source}: {where}.nodes names a target twice")
     addresses = entry.get("addresses") or {}
-    if not isinstance(addresses, dict) or not all(a in nodes and isinstance(v, str) for a, v in addresses.items()):
+    if not isinstance(addresses, dict) or not all(
+        a in nodes and isinstance(v, str) and is_host_text(v) for a, v in addresses.items()
+    ):
         raise ConfigError(f"{source}: {where}.addresses maps some of its nodes to an address, e.g. {{gpu-a: 10.0.0.5}}")
     port = entry.get("rendezvous_port")
     if port is not None and not (_whole(port) and 0 < port < 65536):

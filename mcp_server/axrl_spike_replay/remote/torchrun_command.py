@@ -26,6 +26,11 @@ _FREE_PORT = "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getso
 _HOST_RE = re.compile(r"[A-Za-z0-9._:%-]+")  # names, IPv4 and IPv6 addresses
 
 
+def is_host_text(text: str) -> bool:
+    """Whether `text` can be a host name or address (it goes into torchrun's words as is)."""
+    return bool(_HOST_RE.fullmatch(text)) and not text.startswith("-")
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     """The c10d rendezvous every agent of a job joins: where its store listens, its id and how long to wait."""
@@ -36,7 +41,7 @@ class Rendezvous:
     timeout_s: float
 
     def __post_init__(self) -> None:
-        if not _HOST_RE.fullmatch(self.host):
+        if not is_host_text(self.host):
             raise ValueError(f"rendezvous host {self.host!r} is not a host name or address")
         if not 0 < self.port < 65536:
             raise ValueError(f"rendezvous port {self.port} is not from 1 to 65535")
@@ -100,7 +105,7 @@ def torchrun_argv(
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id]
         argv += ["--rdzv-conf", rendezvous_conf(timeout_s, is_host)]
     if local_addr is not None:
-        if not _HOST_RE.fullmatch(local_addr):
+        if not is_host_text(local_addr):
             raise ValueError(f"node address {local_addr!r} is not a host name or address")
         argv += ["--local-addr", local_addr]
     argv += ["--max-restarts", "0"]

@@ -159,14 +159,26 @@ async def _connect(job: TorchrunJob, options: RemoteOptions) -> list[_Agent]:
         session.label = node.name
         return session
 
-    opened = await asyncio.gather(*(one(node) for node in job.nodes), return_exceptions=True)
-    sessions = [item for item in opened if not isinstance(item, BaseException)]
-    failures = [item for item in opened if isinstance(item, BaseException)]
+    tasks = [asyncio.ensure_future(one(node)) for node in job.nodes]
+    try:
+        await asyncio.wait(tasks)
+    finally:  # a failed or cancelled start closes what did open
+        failures = [t.exception() if not t.cancelled() else asyncio.CancelledError() for t in tasks if t.done()]
+        failures = [f for f in failures if f is not None]
+        if failures or not all(t.done() for t in tasks):
+            for task in tasks:
+                task.cancel()
+            await run_to_completion(_close_opened(tasks))
     if failures:
-        for session in sessions:
-            await session.close()
         raise failures[0]
-    return [_Agent(node, index, session) for index, (node, session) in enumerate(zip(job.nodes, sessions, strict=True))]
+    return [_Agent(node, index, task.result()) for index, (node, task) in enumerate(zip(job.nodes, tasks, strict=True))]
+
+
+async def _close_opened(tasks: Sequence[asyncio.Future[Session]]) -> None:
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for task in tasks:
+        if not task.cancelled() and task.exception() is None:
+            await task.result().close()
 
 
 async def _prepare(agents: Sequence[_Agent], job: TorchrunJob, launch_id: str, say: Callable[[str], None]) -> None:
