@@ -85,6 +85,18 @@ def test_a_cancelled_slurm_job_is_scancelled_and_leaves_no_process(slurm_cluster
     assert list((tmp_path / "out").glob("slurm-*.out"))  # the partial output was kept
 
 
+def test_a_slurm_job_past_its_timeout_is_cancelled(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    payload = {"gate": str(tmp_path / "never")}
+    job = SlurmJob(
+        here(slurm_cluster), WORKER, settings(slurm_cluster, tmp_path / "jobs"), payload=payload, timeout_s=3
+    )
+    launch_id = new_launch_id()
+    with pytest.raises(LaunchError, match=r"did not finish within 3 s; it was cancelled \(scancel\) on every node"):
+        asyncio.run(launch_slurm(job, tmp_path / "out", launch_id=launch_id))
+    assert slurm_cluster.jobs() == [] and wait_until_untagged(launch_id) == []
+    assert not (tmp_path / "out" / "result.json").exists()
+
+
 def test_a_job_never_scheduled_is_cancelled_naming_partition_and_reason(
     slurm_cluster: SlurmCluster, tmp_path: Path
 ) -> None:

@@ -236,10 +236,11 @@ async def _follow(
     while True:
         status = await _status(session, job.login, job_id)
         now = time.monotonic()
+        unknown = unknown + 1 if status is None else 0
+        if unknown >= 3:  # a moment after submission squeue may not list it yet; not three times in a row
+            raise LaunchError(f"Slurm job {job_id} is unknown to squeue, scontrol and sacct on {job.login.name!r}")
         if status is None:
-            unknown += 1
-            if unknown >= 3:  # a moment after submission squeue may not list it yet; not three times in a row
-                raise LaunchError(f"Slurm job {job_id} is unknown to squeue, scontrol and sacct on {job.login.name!r}")
+            pass
         elif status.pending:
             hopeless = hopeless + 1 if status.hopeless else 0
             if hopeless >= 2 or now - submitted > settings.schedule_timeout_s:

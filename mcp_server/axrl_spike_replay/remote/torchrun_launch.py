@@ -191,14 +191,16 @@ async def _prepare(agents: Sequence[_Agent], job: TorchrunJob, launch_id: str, s
         ),
         return_exceptions=True,
     )
+    for agent, report in zip(agents, reports, strict=True):
+        if isinstance(report, NodeReport):  # first record every temp dir made, for the clean-up
+            agent.report, agent.temp_dir = report, report.temp_dir
     problems: list[LaunchError] = []
     for agent, report in zip(agents, reports, strict=True):
         if isinstance(report, BaseException):
             if not isinstance(report, Exception):
                 raise report
-            problems.append(LaunchError(f"node {agent.node.name!r}: probe failed: {report}", node=agent.node.name))
+            problems.append(LaunchError(f"node {agent.node.name!r}: the probe failed: {report}", node=agent.node.name))
             continue
-        agent.report, agent.temp_dir = report, report.temp_dir
         try:
             check_node_ready(report, agent.node.name, python=agent.node.python)
             if agent.temp_dir is None:
