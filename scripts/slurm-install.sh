@@ -11,10 +11,9 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 # No init system runs in a container: keep the packages' scripts from starting the daemons they install.
 policy=/usr/sbin/policy-rc.d
-made_policy=0
 if [ ! -e "$policy" ]; then
-  printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && made_policy=1
+  trap 'rm -f "$policy"' EXIT
+  printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy"
 fi
 apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends slurm-wlm munge >&2 \
   || echo "slurm-wlm/munge install failed: Slurm tests will be skipped" >&2
-if [ "$made_policy" = 1 ]; then rm -f "$policy"; fi
