@@ -156,15 +156,15 @@ def main() -> int:
                 server.stop()
     print(f"medians of {reps}, interleaved (2 gloo processes, a 1-element all-reduce):")
     print(f"one node:  bare torchrun --standalone {got['bare_1']:.2f} s, launch_torchrun here {got['ours_1']:.2f} s "
-          f"(+{got['ours_1'] - got['bare_1']:.2f} s, {got['ours_1'] / got['bare_1']:.2f}x)")  # fmt: skip
+          f"({got['ours_1'] - got['bare_1']:+.2f} s, {got['ours_1'] / got['bare_1']:.2f}x)")  # fmt: skip
     if "ssh_2" in got:
         bare, ours = got["bare_2"], got["ssh_2"]
         print(f"two nodes: bare two agents on 127.0.0.1 {bare:.2f} s, launch_torchrun over SSH {ours:.2f} s "
-              f"(+{ours - bare:.2f} s, {ours / bare:.2f}x)")  # fmt: skip
+              f"({ours - bare:+.2f} s, {ours / bare:.2f}x)")  # fmt: skip
     if "slurm" in got:
         bare, ours = got["bare_1"], got["slurm"]
         print(f"Slurm:     cluster start {start_s:.2f} s; launch_slurm {ours:.2f} s vs bare torchrun {bare:.2f} s "
-              f"(+{ours - bare:.2f} s, {ours / bare:.2f}x)")  # fmt: skip
+              f"({ours - bare:+.2f} s, {ours / bare:.2f}x)")  # fmt: skip
     return 0
 
 
