@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         fixtures = set(getattr(item, "fixturenames", ()))
         path = Path(str(item.fspath))
         in_capture = path.parent.name == "capture" or path.name in _HEAVY_FILES
-        marked = item.get_closest_marker("slow") or item.get_closest_marker("sshd")
+        marked = item.get_closest_marker("slow") or item.get_closest_marker("sshd") or item.get_closest_marker("slurm")
         if in_capture or fixtures & _HEAVY_FIXTURES or marked:
             item.add_marker(pytest.mark.heavy)
 
