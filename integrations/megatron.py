@@ -21,8 +21,8 @@ A tripped guard writes the snapshot collectively, on every rank of every paralle
 - `run_config.yaml` (`model:` kind megatron as given, `loss:`, `routing:`, the parallel layout).
 
 It never raises into training: any failure is logged once (with its traceback) and the step goes on as if the
-guard were not there. A failure while preparing the snapshot on any rank is agreed on by all ranks before the
-collective write, so no rank is left waiting in it. Needs torch, megatron-core and axrl_spike_replay.
+guard were not there. A rank that cannot prepare its part enters the collective write saying so, and every rank
+abandons it together (the snapshot writer's rank agreement). Needs torch, megatron-core and axrl_spike_replay.
 """
 
 from __future__ import annotations
@@ -222,53 +222,43 @@ class MegatronSpikeGuard:
                 self._fail("snapshot")
         return bool(decision.apply_update)
 
-    def _agree(self, ok: bool) -> bool:
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
     def _snapshot(self, decision: Any, model: Any, batch: Mapping[str, Any]) -> None:
         from megatron.core import dist_checkpointing
         from megatron.core import parallel_state as ps
 
         from axrl_spike_replay.capture.snapshot_writer import RankPayload
 
-        prepared: tuple[Any, Any] | None = None
+        layout = self.guard.parallel
+        ranks: dict[int, Any] = {}
+        problem = None
         try:
             layout = parallel_layout()
             routes = self._gather_routes(model, batch)
             norms = parameter_norms(model)
-            prepared = (layout, routes)
-        except Exception:
+            if ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0:
+                grad_info = {
+                    "grad_norm": float(decision.grad_norm),
+                    "param_grad_norms": norms,
+                    "param_grad_norms_kind": "reduced",
+                }
+                cpu_batch = {k: v.detach().cpu() for k, v in batch.items() if hasattr(v, "detach")}
+                ranks[ps.get_data_parallel_rank()] = RankPayload(cpu_batch, grad_info, routes)
+        except Exception as exc:
             self._fail("preparing the snapshot")
-            norms = {}
-        if not self._agree(prepared is not None):
-            return  # some rank could not prepare its part: no rank starts the collective write
-        assert prepared is not None
-        layout, routes = prepared
-        first_of_group = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
-        grad_info = {
-            "grad_norm": float(decision.grad_norm),
-            "param_grad_norms": norms,
-            "param_grad_norms_kind": "reduced",
-        }
-        ranks = {}
-        if first_of_group:
-            cpu_batch = {k: v.detach().cpu() for k, v in batch.items() if hasattr(v, "detach")}
-            ranks[ps.get_data_parallel_rank()] = RankPayload(cpu_batch, grad_info, routes)
+            problem = f"preparing the Megatron snapshot: {type(exc).__name__}: {exc}"
         self.guard.parallel = layout
-        gpt = unwrap(model)
+        gpt = unwrap(model) if problem is None else None
 
         def write_weights(directory: Path) -> None:
             dist_checkpointing.save(gpt.sharded_state_dict(), str(directory))
 
+        # Collective: a rank that could not prepare its part says so (`local_error`) and every rank abandons the
+        # write together (the writer's rank agreement); the guard logs a failed write and returns None.
         path = self.guard.snapshot(
-            decision, {}, ranks, run_config=self._run_config(layout), weights_writer=write_weights
+            decision, {}, ranks, run_config=self._run_config(layout), local_error=problem, weights_writer=write_weights
         )
-        self.snapshots.append(path)
+        if path is not None:
+            self.snapshots.append(path)
 
     def _gather_routes(self, model: Any, batch: Mapping[str, Any]) -> dict[str, Any] | None:
         """The data-parallel rank's routing payload (Megatron's form), every stage's layers, on the first rank of
@@ -317,10 +307,3 @@ class MegatronSpikeGuard:
                 **self.train_section,
             },
         }
-
-
-def _device() -> str:
-    import torch
-    import torch.distributed as dist
-
-    return "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"

@@ -76,12 +76,12 @@ def test_the_guard_never_raises_into_training(caplog: pytest.LogCaptureFixture, 
         tmp_path, model_section={}, loss_section={}, detector=MedianRatioDetector(window=2, threshold=2.0, warmup=2)
     )
     broken = object()  # not a Megatron model, and no process group: every part of a snapshot fails
-    with caplog.at_level(logging.ERROR, logger="axrl_spike_replay.megatron_hook"):
+    with caplog.at_level(logging.WARNING):
         guard.begin_step(broken)
         decisions = [guard.step(step, broken, norm, {}) for step, norm in enumerate((1.0, 1.0, 1.0, 50.0, 50.0), 1)]
     assert decisions == [True, True, True, False, False]  # the spikes are still skipped
-    where = [record.args[0] for record in caplog.records if isinstance(record.args, tuple)]
-    assert where == ["begin_step", "preparing the snapshot", "snapshot"]  # each logged once (two spikes), none raised
+    hook_log = [r.args[0] for r in caplog.records if r.name.endswith("megatron_hook") and isinstance(r.args, tuple)]
+    assert hook_log == ["begin_step", "preparing the snapshot"]  # each logged once over two spikes, none raised
     assert not any(tmp_path.iterdir())
 
 
