@@ -42,3 +42,13 @@ if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.
   say "installing tensordict==0.15.3 (with cloudpickle, pyvers) --no-deps: verl's ppo_loss, run by the verl cross-check, takes a TensorDict"
   "$VENV/bin/python" -m pip install -q --no-deps "tensordict==0.15.3" "cloudpickle==3.1.3" "pyvers==0.2.3" >&2
 fi
+# megatron-core for the Megatron routes' tests (tests/megatron): --no-deps, since its extras pull CUDA packages;
+# its real dependencies (torch, numpy, packaging) are here already, psutil (used, undeclared) and einops (mbridge's)
+# are pinned beside it, so no resolver step can swap the pinned CPU torch. 0.16.1 is the last release for Python
+# 3.11; newer Pythons take the newest. Where it cannot be installed the Megatron tests skip and say why.
+if ! "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('megatron') is None or importlib.util.find_spec('mbridge') is None)"; then
+  if "$VENV/bin/python" -c "import sys; sys.exit(sys.version_info >= (3, 12))"; then mcore="megatron-core==0.16.1"; else mcore="megatron-core"; fi
+  say "installing $mcore, mbridge==0.15.1 (with psutil, einops) --no-deps: the Megatron tests save, load and run Megatron-core's own GPTModel on CPU"
+  "$VENV/bin/python" -m pip install -q --no-deps "$mcore" "mbridge==0.15.1" "psutil==7.2.2" "einops==0.8.1" >&2 \
+    || say "megatron-core could not be installed: the Megatron tests will skip"
+fi

@@ -228,8 +228,14 @@ def parse_run_config(doc: Mapping[str, Any]) -> RunSpec:
         loss = LossConfig.from_dict(dict(doc["loss"]))
     except (TypeError, ValueError, ArithmeticError) as exc:
         raise ConfigError(f"loss: invalid value ({shown(str(exc), 160, quote=False)})") from None
+    model = parse_model_config(dict(doc["model"]))
+    if not isinstance(model, (TinyMoEConfig, HFModelConfig)):  # kind megatron: Megatron trains it, not us
+        raise ConfigError(
+            "model: kind megatron is captured inside the Megatron-core trainer (integrations/megatron.py); the "
+            "reference trainer trains tiny_moe and hf models"
+        )
     spec = RunSpec(
-        model=parse_model_config(dict(doc["model"])),
+        model=model,
         loss=loss,
         routing=RoutingConfig.from_dict(dict(doc["routing"])),
         train=TrainSettings.from_dict(doc["train"]),
@@ -238,7 +244,7 @@ def parse_run_config(doc: Mapping[str, Any]) -> RunSpec:
         document=copy.deepcopy(dict(doc)),
     )
     seq = spec.train.prompt_len + spec.train.response_len
-    if isinstance(spec.model, HFModelConfig):
+    if not isinstance(spec.model, TinyMoEConfig):
         limit = spec.model.config.get("max_position_embeddings")
         if isinstance(limit, int) and seq > limit:
             raise ConfigError(

@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -119,6 +119,7 @@ def write_snapshot(
     legacy_layout: bool = False,
     tag: str | None = None,
     local_error: str | None = None,
+    weights_writer: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write snapshot `iter_<N>` (`iter_<N>-<tag>` with a tag; see `free_snapshot_name` when it exists) under
     `snapshots_root` and return its path.
@@ -128,7 +129,8 @@ def write_snapshot(
     every rank). Files go to a hidden temp dir that is renamed into place once complete, so an interrupted write
     never leaves anything under `iter_<N>`; a failed one leaves nothing at all and raises `SnapshotWriteError` on
     every rank. `legacy_layout` writes the AXRL keys to `metadata.json` as old snapshots did (for tests and
-    fixtures).
+    fixtures). `weights_writer(staging_dir)`, when given, writes the weights instead of `model_state` (collective:
+    Megatron's `dist_checkpointing.save`, which writes its own `metadata.json`; that one is kept).
     """
 
     root = Path(snapshots_root)
@@ -157,9 +159,12 @@ def write_snapshot(
     try:
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_save(state, checkpoint_id=str(staging), no_dist=not _dist_active())
+        if weights_writer is not None:
+            weights_writer(staging)
+        else:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp_save(state, checkpoint_id=str(staging), no_dist=not _dist_active())
         for r, payload in ranks.items():
             _save(payload.batch, staging / batch_file(r))
             _save(payload.grad_info, staging / grad_info_file(r))
@@ -176,7 +181,8 @@ def write_snapshot(
             if legacy_layout:
                 atomic_write_json(staging / CHECKPOINT_METADATA, metadata.to_json())
             else:
-                atomic_write_json(staging / CHECKPOINT_METADATA, CHECKPOINT_METADATA_CONTENT)
+                if weights_writer is None or not (staging / CHECKPOINT_METADATA).is_file():
+                    atomic_write_json(staging / CHECKPOINT_METADATA, CHECKPOINT_METADATA_CONTENT)
                 atomic_write_json(staging / AXRL_METADATA, metadata.to_json())
             _fsync_dir(staging)
             os.rename(staging, final)

@@ -166,12 +166,14 @@ class SpikeGuard:
         *,
         run_config: Mapping[str, Any] | None = None,
         local_error: str | None = None,
+        weights_writer: Callable[[Path], None] | None = None,
     ) -> Path | None:
         """Write `iter_<step>` (`iter_<step>-<run_id>`) atomically (collective under DP), then rotate to the newest
         `keep_last`; its path, or None when it could not be written.
 
         Never raises: a failure on any rank (or `local_error`: this rank could not collect its part) abandons the
-        write on every rank alike, leaves nothing behind, is kept in `write_failures` and logged once per kind."""
+        write on every rank alike, leaves nothing behind, is kept in `write_failures` and logged once per kind.
+        `weights_writer(dir)` writes the weights instead of `model_state` (Megatron's dist_checkpointing)."""
         self._sweep_once()
         problem = local_error
         try:
@@ -202,6 +204,7 @@ class SpikeGuard:
                 legacy_layout=self.legacy_layout,
                 tag=self.run_id,
                 local_error=problem,
+                weights_writer=weights_writer,
             )
         except Exception as exc:  # a failed write, or a collective that failed under it: never the loop's problem
             self._write_failed(decision, exc)

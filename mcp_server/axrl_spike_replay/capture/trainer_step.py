@@ -25,9 +25,8 @@ from axrl_spike_replay.capture.toy_task import (
     grpo_advantages,
     make_prompts,
 )
-from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.policy import ModelSpec, build_policy, policy_forward
-from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy
+from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, TinyMoEPolicy
 from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY, GlobalCounts, all_reduce_counts
 from axrl_spike_replay.training.policy_loss import local_counts
 from axrl_spike_replay.training.rank_step import (
@@ -71,7 +70,7 @@ def _all_reduce_sum(values: list[float]) -> list[float]:
 
 def vocab_size(spec: ModelSpec) -> int:
     """The policy's vocabulary size, whatever the model kind."""
-    return int(spec.config["vocab_size"]) if isinstance(spec, HFModelConfig) else spec.vocab_size
+    return int(spec.config["vocab_size"]) if not isinstance(spec, TinyMoEConfig) else spec.vocab_size
 
 
 def _stream_seed(seed: int, iteration: int, rank: int) -> int:

@@ -1,4 +1,4 @@
-"""The policy protocol: one place that knows which model kinds exist (`tiny_moe`, `hf`).
+"""The policy protocol: one place that knows which model kinds exist (`tiny_moe`, `hf`, `megatron`).
 
 Training (capture), replay and attribution parse, build, load and forward a policy through these functions,
 so a replay recomputes exactly what training computed, whatever the model kind.
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Union
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.hf_config import BACKEND_HINT, HFModelConfig
+from axrl_spike_replay.models.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
 from axrl_spike_replay.models.tiny_moe_weights import check_tiny_moe_weights
 
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
 
     from axrl_spike_replay.models.tiny_moe import RoutingControl
 
-ModelSpec = Union[TinyMoEConfig, HFModelConfig]  # noqa: UP007 - a runtime alias on Python 3.10
-MODEL_KINDS = ("tiny_moe", "hf")
+ModelSpec = Union[TinyMoEConfig, HFModelConfig, MegatronModelConfig]  # noqa: UP007 - a runtime alias on Python 3.10
+MODEL_KINDS = ("tiny_moe", "hf", "megatron")
 
 
 def parse_model_config(doc: Any) -> ModelSpec:
@@ -33,6 +34,8 @@ def parse_model_config(doc: Any) -> ModelSpec:
     kind = doc.get("kind", "tiny_moe")
     if kind == "hf":
         return HFModelConfig.from_dict(doc)
+    if kind == "megatron":
+        return MegatronModelConfig.from_dict(doc)
     if kind == "tiny_moe":
         return TinyMoEConfig.from_dict(doc)
     raise ConfigError(f"model.kind {shown(kind, 60)} is not built in (built: {', '.join(MODEL_KINDS)}); {BACKEND_HINT}")
@@ -42,7 +45,12 @@ def build_policy(spec: ModelSpec, device: str = "cpu") -> nn.Module:
     """A freshly initialised policy for the spec (seed torch first for reproducible weights).
 
     An HF spec with `deterministic_algorithms` (the default, recorded in the run config) pins
-    `torch.use_deterministic_algorithms(True)` in this process, in capture and replay alike."""
+    `torch.use_deterministic_algorithms(True)` in this process, in capture and replay alike. A Megatron spec
+    builds its transformers model (replay route 1: the checkpoint is mapped onto it when loaded)."""
+    if isinstance(spec, MegatronModelConfig):
+        from axrl_spike_replay.models.megatron_weights import megatron_semantics
+
+        return megatron_semantics(build_policy(spec.hf, device))
     if isinstance(spec, HFModelConfig):
         from axrl_spike_replay.models.hf_policy import HFPolicy
 
@@ -57,9 +65,15 @@ def build_policy(spec: ModelSpec, device: str = "cpu") -> nn.Module:
 
 
 def load_policy_weights(model: nn.Module, spec: ModelSpec, weights_dir: str | Path) -> None:
-    """Fill the policy from a DCP checkpoint dir (either model kind) or an HF directory (kind hf)."""
+    """Fill the policy from a DCP checkpoint dir (either model kind), an HF directory (kind hf) or a Megatron
+    `torch_dist` checkpoint (kind megatron)."""
     from axrl_spike_replay.snapshot.checkpoint import load_model_state
 
+    if isinstance(spec, MegatronModelConfig):
+        from axrl_spike_replay.models.megatron_weights import load_megatron_weights
+
+        load_megatron_weights(model, spec, Path(weights_dir))
+        return
     if isinstance(spec, HFModelConfig):
         from axrl_spike_replay.models.hf_weights import load_hf_weights
 
@@ -84,6 +98,11 @@ def hf_weights_dir(spec: HFModelConfig, directory: Path) -> Path:
 
 def check_policy_weights(directory: Path, spec: ModelSpec, label: str) -> None:
     """SnapshotError unless the weights in `directory` fit the spec's model. Builds no module (meta tensors)."""
+    if isinstance(spec, MegatronModelConfig):
+        from axrl_spike_replay.models.megatron_weights import check_megatron_weights
+
+        check_megatron_weights(directory, spec, label)
+        return
     if isinstance(spec, HFModelConfig):
         from axrl_spike_replay.models.hf_weights import check_hf_weights
 

@@ -10,6 +10,8 @@ from typing import Any
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.models.hf_config import HFModelConfig
+from axrl_spike_replay.models.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.megatron_weights import check_saved_layout
 from axrl_spike_replay.models.policy import ModelSpec, check_policy_weights, parse_model_config
 from axrl_spike_replay.replay.mitigations import AppliedConfig, check_current_layers
 from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_text, ranks_text
@@ -71,7 +73,10 @@ def read_run_config(snapshot_dir: Path) -> dict[str, Any]:
     return doc
 
 
-def _parallel(doc: dict[str, Any], path: Path, meta: AxrlMetadata) -> ParallelLayout:
+def _parallel(doc: dict[str, Any], path: Path, meta: AxrlMetadata, model_parallel_ok: bool = False) -> ParallelLayout:
+    """The saved layout, checked against the run config. Model-parallel layouts (TP/PP/EP/ETP/CP > 1) replay only
+    from a Megatron checkpoint (`model_parallel_ok`), which reads back in any layout; the data-parallel ranks'
+    batches then replay one per saved data-parallel rank."""
     known = {f.name for f in fields(ParallelLayout)} | {"strategy"}  # strategy: ddp | fsdp, how weights were spread
     unknown = sorted(str(k) for k in set(doc) - known)
     if unknown:
@@ -81,13 +86,19 @@ def _parallel(doc: dict[str, Any], path: Path, meta: AxrlMetadata) -> ParallelLa
         raise ConfigError(f"{path}: parallel.strategy must be ddp or fsdp, got {shown(strategy, 40)}")
     layout = meta.parallel
     split = {name: getattr(layout, name) for name in ("tp", "pp", "ep", "etp", "cp") if getattr(layout, name) > 1}
-    if split:
+    if split and model_parallel_ok:
+        if layout.tp * layout.pp * layout.dp * layout.cp != layout.world_size:
+            raise ConfigError(
+                f"saved layout: tp={layout.tp} x pp={layout.pp} x dp={layout.dp} x cp={layout.cp} is not the "
+                f"world size {layout.world_size}"
+            )
+    elif split:
         listed = ", ".join(f"{k}={v}" for k, v in split.items())
         raise ConfigError(
             f"{meta.job_name or path.parent}: the saved layout has {listed}; the torch backend rebuilds "
             f"data-parallel layouts only (tp=pp=ep=etp=cp=1); {COMMAND_BACKEND_HINT}"
         )
-    if layout.dp != layout.world_size:
+    if not model_parallel_ok and layout.dp != layout.world_size:
         raise ConfigError(f"saved layout: dp={layout.dp} but world_size={layout.world_size}; they must agree")
     saved = doc.get("world_size")
     if saved is not None and (isinstance(saved, bool) or not isinstance(saved, int)):
@@ -130,22 +141,23 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
     metadata, _ = read_metadata(directory)
     doc = read_run_config(directory)
     path = directory / RUN_CONFIG
-    layout = _parallel(doc["parallel"], path, metadata)
     model = _section_config(parse_model_config, dict(doc["model"]), path, "model")
+    layout = _parallel(doc["parallel"], path, metadata, model_parallel_ok=isinstance(model, MegatronModelConfig))
     loss = _section_config(LossConfig.from_dict, dict(doc["loss"]), path, "loss")
     routing = _section_config(RoutingConfig.from_dict, dict(doc["routing"]), path, "routing")
-    _check_ranks(directory, layout.world_size)
+    ranks = layout.data_ranks  # the saved ranks whose batches replay (the data-parallel ones)
+    _check_ranks(directory, ranks)
     check_policy_weights(directory, model, "the snapshot's checkpoint")
+    if isinstance(model, MegatronModelConfig):
+        check_saved_layout(directory, layout)
     # Every rank file is read as meta tensors now (pickles only), so a malformed one is an error here,
     # before any rank process starts, not a failure inside one.
-    batches = [load_rank_batch(directory, rank, meta=True) for rank in range(layout.world_size)]
+    batches = [load_rank_batch(directory, rank, meta=True) for rank in range(ranks)]
     batch = batches[0]  # _check_ranks found a batch file for each rank
     routing_ranks = tuple(
-        rank
-        for rank in range(layout.world_size)
-        if load_rank_routes(directory, rank, meta=True, batch=batches[rank]) is not None
+        rank for rank in range(ranks) if load_rank_routes(directory, rank, meta=True, batch=batches[rank]) is not None
     )
-    counts = recorded_counts(directory, layout.world_size) if loss.normalization == "global" else None
+    counts = recorded_counts(directory, ranks) if loss.normalization == "global" else None
     return ReplayInputs(
         counts=counts,
         snapshot=str(snapshot),
@@ -155,7 +167,7 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
         model=model,
         loss=loss,
         routing=routing,
-        world_size=layout.world_size,
+        world_size=ranks,
         routing_ranks=routing_ranks,
         batch_fields=frozenset(batch),
     )

@@ -10,6 +10,7 @@ allocates anything. Tensor data (`*.distcp`) is read by DCP with `weights_only=T
 from __future__ import annotations
 
 import functools
+import gc
 import io
 import pickle
 import warnings
@@ -38,6 +39,9 @@ _DCP_METADATA_CLASSES = {
     "StorageMeta",
     "_MEM_FORMAT_ENCODING",
 }
+# Megatron's torch_dist backend also pickles every rank's save plan into `.metadata` (`all_local_plans`, reused by
+# its fully parallel save): plain dataclasses and an enum of DCP's planner, checked against megatron-core 0.16.1.
+_DCP_PLANNER_CLASSES = {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"}
 
 
 class _Record:
@@ -59,7 +63,9 @@ class _Record:
             self.state = state  # TensorProperties pickles a tuple starting with the dtype
 
 
-_RECORDS = {name: type(name, (_Record,), {}) for name in (*_DCP_METADATA_CLASSES, "_StorageInfo")}
+_RECORDS = {
+    name: type(name, (_Record,), {}) for name in (*_DCP_METADATA_CLASSES, *_DCP_PLANNER_CLASSES, "_StorageInfo")
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -72,6 +78,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
         allowed = (
             (module == "torch.distributed.checkpoint.metadata" and name in _DCP_METADATA_CLASSES)
+            or (module == "torch.distributed.checkpoint.planner" and name in _DCP_PLANNER_CLASSES)
             or (module == "torch.distributed.checkpoint.filesystem" and name == "_StorageInfo")
             or (module == "torch.serialization" and name == "_get_layout")
             or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
@@ -135,6 +142,8 @@ def _read_metadata(path: Path, records: bool) -> Any:
             data = handle.read(MAX_DCP_METADATA_BYTES + 1)
     except OSError as exc:
         raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    collecting = gc.isenabled()
+    gc.disable()  # unpickling creates thousands of small objects: each young-generation pass then walks torch's heap
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data), records).load()
     except UnsafeFileError as exc:
@@ -143,6 +152,9 @@ def _read_metadata(path: Path, records: bool) -> Any:
         raise SnapshotError(f"{path}: truncated or corrupt checkpoint metadata ({shown(str(exc), 200)})") from None
     except (MemoryError, RecursionError, OverflowError) as exc:
         raise SnapshotError(f"{path}: checkpoint metadata too large or deep to read ({type(exc).__name__})") from None
+    finally:
+        if collecting:
+            gc.enable()
     _check_structure(metadata, path)
     return metadata
 
@@ -279,7 +291,8 @@ def check_checkpoint_storage(checkpoint_dir: str | Path) -> list[str]:
     return problems
 
 
-def _safe_reader(checkpoint_dir: Path) -> Any:
+def safe_reader(checkpoint_dir: Path) -> Any:
+    """DCP's file-system reader with `.metadata` read by the allowlisted unpickler above."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     class SafeFileSystemReader(FileSystemReader):
@@ -313,7 +326,7 @@ def load_model_state(checkpoint_dir: str | Path, state_dict: dict[str, torch.Ten
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp_load(wrapped, storage_reader=_safe_reader(directory), no_dist=True)
+            dcp_load(wrapped, storage_reader=safe_reader(directory), no_dist=True)
     except SnapshotError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP raises CheckpointException, a BaseException

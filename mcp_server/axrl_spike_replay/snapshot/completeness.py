@@ -68,7 +68,7 @@ def missing_required(snapshot_dir: str | Path) -> list[str]:
         meta, _ = read_metadata(directory)
     except SnapshotError as exc:
         return [str(exc)]
-    world = meta.parallel.world_size
+    world = meta.parallel.data_ranks
     files = rank_files(directory)
     missing: list[str] = []
     for kind in ("batch", "grad_info"):

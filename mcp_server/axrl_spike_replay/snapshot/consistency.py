@@ -202,7 +202,7 @@ def _check_run_config(directory: Path, meta: AxrlMetadata, out: Consistency) -> 
 
 def _check_files(meta: AxrlMetadata, out: Consistency, files: dict[str, dict[int, Path]]) -> None:
     out.checked.append("ranks_vs_files")
-    world = meta.parallel.world_size
+    world = meta.parallel.data_ranks
     for kind in ("batch", "grad_info"):
         missing = missing_ranks(files[kind], world)
         extra = [r for r in files[kind] if r >= world]

@@ -30,7 +30,12 @@ from axrl_spike_replay.snapshot.consistency import Consistency, check_snapshot
 from axrl_spike_replay.snapshot.fields import FIELD_ALIASES, find_field
 from axrl_spike_replay.snapshot.layout import DCP_METADATA, RUN_CONFIG, rank_files
 from axrl_spike_replay.snapshot.log_point import log_point
-from axrl_spike_replay.snapshot.metadata import AxrlMetadata, read_metadata
+from axrl_spike_replay.snapshot.megatron_checkpoint import (
+    is_megatron_checkpoint,
+    layout_problems,
+    read_megatron_checkpoint,
+)
+from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_grad_info, load_grad_norm, load_routing_payload
 from axrl_spike_replay.snapshot.safe_load import load_pt
 
@@ -83,6 +88,7 @@ class SnapshotInspection:
     detector: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
     consistency: Consistency | None = None  # agreement with itself and with the training log (named problems)
+    megatron: dict[str, Any] | None = None  # a Megatron torch_dist checkpoint: what its shards and keys say
 
 
 def _batch_parts(raw: Any, path: Path) -> list[Any]:
@@ -215,7 +221,7 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
     if not (directory / RUN_CONFIG).is_file():
         problems.append(f"{directory / RUN_CONFIG}: missing (replay needs the run's config)")
     files = rank_files(directory)
-    _check_rank_sets(directory, files, par.world_size, problems)
+    _check_rank_sets(directory, files, par.data_ranks, problems)
 
     ranks: list[RankInspection] = []
     infos: dict[int, dict[str, Any]] = {}
@@ -240,6 +246,7 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
         ranks.append(info)
 
     consistency = _consistency(directory, meta, files, problems, infos)
+    model = _check_model(directory, problems)
     return SnapshotInspection(
         path=str(directory),
         iteration=meta.iteration,
@@ -257,12 +264,35 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
         spike_ratio=meta.spike_ratio,
         legacy_metadata=legacy,
         ranks=ranks,
-        model=_check_model(directory, problems),
+        model=model,
         problems=problems,
         detector={"kind": meta.detector.kind, "window": meta.detector.window, "threshold": meta.detector.threshold},
         created_at=meta.created_at,
         consistency=consistency,
+        megatron=_megatron(directory, par, problems) if model is not None else None,
     )
+
+
+def _megatron(directory: Path, layout: ParallelLayout, problems: list[str]) -> dict[str, Any] | None:
+    """A Megatron checkpoint's facts (format, layers, experts, the TP/ETP its shards show, its keys and global
+    shapes) and where they disagree with the saved layout; None for another kind of checkpoint."""
+    if not is_megatron_checkpoint(directory):
+        return None
+    try:
+        ckpt = read_megatron_checkpoint(directory)
+    except SnapshotError as exc:
+        problems.append(str(exc))
+        return None
+    problems += layout_problems(ckpt, layout)
+    return {
+        "backend": f"{ckpt.backend} v{ckpt.backend_version}",
+        "num_layers": ckpt.num_layers,
+        "num_experts": ckpt.num_experts,
+        "tp_from_shards": ckpt.tp,
+        "etp_from_shards": ckpt.etp,
+        "writer_ranks": list(ckpt.writer_ranks),
+        "tensors": {key: list(shape) for key, (shape, _) in ckpt.tensors.items()},
+    }
 
 
 # added to `problems` under their names (inspect makes the others itself above, except the per-parameter norm

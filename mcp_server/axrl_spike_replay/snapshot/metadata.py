@@ -39,6 +39,12 @@ class ParallelLayout:
     etp: int = 1
     cp: int = 1
 
+    @property
+    def data_ranks(self) -> int:
+        """How many ranks save a batch and grad info: every rank of a data-parallel layout, one per data-parallel
+        rank when the model is split (TP, PP or CP > 1: the ranks of a model replica share its batch)."""
+        return self.dp if self.tp * self.pp * self.cp > 1 else self.world_size
+
 
 @dataclass(frozen=True)
 class DetectorSpec:

@@ -10,6 +10,12 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.fields import canonicalize_batch
 from axrl_spike_replay.snapshot.layout import batch_file, grad_info_file, routing_payload_file
+from axrl_spike_replay.snapshot.megatron_routes import (
+    MEGATRON_ROUTES_FORMAT,
+    check_fits_batch,
+    is_megatron_payload,
+    megatron_routes,
+)
 from axrl_spike_replay.snapshot.safe_load import load_pt
 from axrl_spike_replay.snapshot.verl_batch import VERL_COUNT_KEYS, is_verl_jagged_batch, verl_routes
 
@@ -119,6 +125,7 @@ class RoutingPayload:
     routed_experts: torch.Tensor  # int [B, T, L, K], -1 = no route
     moe_layers: list[int]
     source: str
+    format: str = "axrl"  # or MEGATRON_ROUTES_FORMAT: Megatron's router-replay lists, read as routes [B, T, L, K]
 
 
 MAX_LAYER_ID = 1 << 16  # a global layer id; real models have at most a few hundred layers
@@ -130,9 +137,10 @@ def load_routing_payload(snapshot_dir: str | Path, rank: int, *, meta: bool = Fa
 
     path = Path(snapshot_dir) / routing_payload_file(rank)
     doc = load_pt(path, meta=meta)
-    if not isinstance(doc, dict) or "routed_experts" not in doc:
+    megatron = is_megatron_payload(doc)  # Megatron's router-replay lists (snapshot.megatron_routes)
+    if not megatron and (not isinstance(doc, dict) or "routed_experts" not in doc):
         raise SnapshotError(f"{path}: expected a dict with 'routed_experts'")
-    routes = doc["routed_experts"]
+    routes = megatron_routes(doc, path, _layers(doc, path, None)) if megatron else doc["routed_experts"]
     if (
         not isinstance(routes, torch.Tensor)
         or routes.dim() != 4
@@ -142,17 +150,7 @@ def load_routing_payload(snapshot_dir: str | Path, rank: int, *, meta: bool = Fa
     ):
         shape = tuple(routes.shape) if isinstance(routes, torch.Tensor) else type(routes).__name__
         raise SnapshotError(f"{path}: 'routed_experts' must be an int tensor [B, T, L, K], got {shape}")
-    layers = doc.get("moe_layers")
-    if layers is None:
-        layers = list(range(routes.shape[2]))
-    elif isinstance(layers, (list, tuple)) and all(
-        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_LAYER_ID for x in layers
-    ):
-        layers = list(layers)
-    else:
-        raise SnapshotError(
-            f"{path}: 'moe_layers' must be a list of layer ids in [0, {MAX_LAYER_ID}), got {shown(layers, 80)}"
-        )
+    layers = _layers(doc, path, routes.shape[2])
     if len(layers) != routes.shape[2]:
         raise SnapshotError(f"{path}: 'moe_layers' lists {len(layers)} layers but routed_experts has {routes.shape[2]}")
     if len(set(layers)) != len(layers):
@@ -160,7 +158,23 @@ def load_routing_payload(snapshot_dir: str | Path, rank: int, *, meta: bool = Fa
     source = doc.get("source", "rollout")
     if not isinstance(source, str) or len(source) > 64:
         raise SnapshotError(f"{path}: 'source' must be a short string ('rollout' or 'train'), got {shown(source, 60)}")
-    return RoutingPayload(routed_experts=routes, moe_layers=layers, source=source)
+    return RoutingPayload(
+        routed_experts=routes, moe_layers=layers, source=source, format=MEGATRON_ROUTES_FORMAT if megatron else "axrl"
+    )
+
+
+def _layers(doc: dict[str, Any], path: Path, default: int | None) -> list[int]:
+    """The payload's `moe_layers` (global layer ids), checked; `range(default)` when absent and a default is given."""
+    layers = doc.get("moe_layers")
+    if layers is None and default is not None:
+        return list(range(default))
+    if isinstance(layers, (list, tuple)) and all(
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_LAYER_ID for x in layers
+    ):
+        return list(layers)
+    raise SnapshotError(
+        f"{path}: 'moe_layers' must be a list of layer ids in [0, {MAX_LAYER_ID}), got {shown(layers, 80)}"
+    )
 
 
 def load_rank_routes(
@@ -171,7 +185,10 @@ def load_rank_routes(
 
     `batch`: the rank's canonical batch when the caller has it loaded (read from the file otherwise)."""
     if (Path(snapshot_dir) / routing_payload_file(rank)).is_file():
-        return load_routing_payload(snapshot_dir, rank, meta=meta)
+        payload = load_routing_payload(snapshot_dir, rank, meta=meta)
+        if payload.format == MEGATRON_ROUTES_FORMAT and batch is not None and "tokens" in batch:
+            check_fits_batch(payload.routed_experts, batch["tokens"], Path(snapshot_dir) / routing_payload_file(rank))
+        return payload
     if batch is None:
         batch = load_rank_batch(snapshot_dir, rank, meta=meta)
     routes = verl_routes(batch)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pickle
 import zipfile
-from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -168,7 +168,7 @@ def load_pt(path: str | Path, *, meta: bool = False, allowed_globals: Sequence[A
     except OSError as exc:
         raise SnapshotError(f"{file}: cannot read ({exc.strerror or exc})") from None
     try:
-        with torch.serialization.safe_globals(list(allowed_globals)) if allowed_globals else nullcontext():
+        with _only_globals(list(allowed_globals)):
             loaded = torch.load(file, mmap=True, weights_only=True, map_location="meta" if meta else "cpu")
     except pickle.UnpicklingError as exc:
         text = str(exc)
@@ -190,6 +190,31 @@ def load_pt(path: str | Path, *, meta: bool = False, allowed_globals: Sequence[A
         raise SnapshotError(f"{file}: truncated or corrupt torch file ({_first_line(exc)})") from None
     check_tensors(loaded, file, size)
     return loaded
+
+
+@contextmanager
+def _only_globals(allowed: list[Any]) -> Iterator[None]:
+    """torch's weights_only allowlist holding torch's own entries and `allowed` for one load. Libraries widen it
+    for the whole process (importing megatron.core registers PosixPath, SimpleNamespace, numpy arrays, BytesIO,
+    ...): a file from shared storage gets only what torch and this module admit, whatever else was imported."""
+    import torch
+
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals([g for g in before if _is_torchs(g)] + allowed)
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+
+
+def _is_torchs(entry: Any) -> bool:
+    """Whether a safe-globals entry (a class or function, or a (class, name) pair) is torch's own (torch registers
+    its nested tensors' classes there when `torch.nested` is imported)."""
+    target = entry[0] if isinstance(entry, tuple) else entry
+    module = getattr(target, "__module__", "") or ""
+    return module == "torch" or module.startswith("torch.")
 
 
 def _first_line(exc: BaseException) -> str:

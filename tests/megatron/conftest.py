@@ -1,0 +1,44 @@
+"""Megatron-core checkpoints and snapshots written by megatron-core's own code, once per test session.
+
+Every test here needs megatron-core (installed by scripts/setup.sh without its CUDA extras); where it is not
+installed, or is a release these routes were not checked against, they skip and say why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from megatron_helpers import REASON
+
+
+@pytest.fixture(scope="session")
+def megatron_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """{layout: checkpoint dir} of the tiny Qwen3-MoE GPTModel saved by `dist_checkpointing.save` at TP=1 (one
+    process), TP=2 (with ETP=2), EP=2 and PP=2 (two processes each): the same global weights in each.
+
+    Shared by the session: copy a checkpoint before editing it."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    from axrl_spike_replay.testing.megatron_checkpoints import save_layouts, tiny_section
+
+    return save_layouts(tmp_path_factory.mktemp("megatron-checkpoints"), tiny_section())
+
+
+@pytest.fixture(scope="session")
+def megatron_capture(megatron_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The snapshot the Megatron spike guard wrote when megatron-core's own model, trained at EP=2 over two gloo
+    processes (Megatron's DDP, the reference checkpoint resharded by `dist_checkpointing.load`), spiked at step 6.
+
+    Shared by the session: copy it before editing it."""
+    from megatron_trainer import train
+
+    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
+
+    root = tmp_path_factory.mktemp("megatron-capture") / "checkpoints" / "spike_snapshots"
+    payload = (tiny_section(), str(megatron_checkpoints["tp1"]), str(root), 8, 6, 2, "megatron-ep2")
+    spawn_ranks(train, 2, payload, timeout_s=600.0, label="megatron training")
+    snapshots = sorted(root.glob("iter_*"))
+    assert [p.name for p in snapshots] == ["iter_0000006"], "the guard trips at the burst step only"
+    return snapshots[0]

@@ -1,0 +1,106 @@
+"""Replay route 1: a Megatron checkpoint loaded into the matching transformers model computes what megatron-core's
+own GPTModel computes from the same checkpoint: the same routes, log-probs and gradients, every parameter
+compared under mbridge's mapping of Megatron's names (an independent peer of our checkpoint-key table)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from megatron_helpers import forward_backward, mbridge_to_hf, simple_loss
+
+from axrl_spike_replay.errors import SnapshotError
+from axrl_spike_replay.models.megatron_weights import check_megatron_weights, expected_megatron_shapes
+from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config, policy_forward
+from axrl_spike_replay.models.tiny_moe import RoutingControl
+from axrl_spike_replay.rank_processes import spawn_ranks
+from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
+
+pytestmark = pytest.mark.slow
+
+# fp32 on CPU, one thread: the two models sum in different orders (fused QKV vs three projections, experts'
+# token order, RMSNorm's rsqrt placement), so values agree to a few float32 ulps, not bit for bit. Measured:
+# log-probs within 5e-7, gradients within 5e-7 relative; the bounds leave a 20x margin.
+LOGPROB_ATOL = 1e-5
+GRAD_RTOL = 1e-5
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 1024, (3, 24), generator=gen)
+    attention = torch.ones(3, 24, dtype=torch.long)
+    attention[1, :3] = 0  # a left-padded prompt
+    tokens[1, :3] = 0
+    mask = torch.zeros(3, 24)
+    mask[:, 8:] = 1.0
+    mask[0, -3:] = 0.0
+    return {"tokens": tokens, "loss_mask": mask, "attention_mask": attention}
+
+
+def test_transformers_model_computes_what_megatron_computes(
+    megatron_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    section, batch = tiny_section(), _batch()
+    out = tmp_path / "megatron.pt"
+    spawn_ranks(forward_backward, 1, (section, str(megatron_checkpoints["tp1"]), batch, str(out), None, 0.0))
+    megatron = torch.load(out, weights_only=True)
+
+    spec = parse_model_config(section)
+    policy = build_policy(spec)
+    load_policy_weights(policy, spec, megatron_checkpoints["tp1"])
+    ours = policy_forward(policy, batch, RoutingControl(), need_entropy=False)
+    assert torch.equal(ours.routes, megatron["routes"])  # every token to the same experts
+    assert (ours.logprobs - megatron["logprobs"]).abs().max() < LOGPROB_ATOL
+    simple_loss(ours, batch).backward()
+
+    theirs = mbridge_to_hf(section, megatron["grads"], policy)
+    grads = {name: p.grad for name, p in policy.named_parameters()}
+    assert theirs.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert grad is not None
+        rel = float((grad - theirs[name]).norm() / theirs[name].norm())
+        assert rel < GRAD_RTOL, f"{name}: relative difference {rel:.2e}"
+
+
+def test_every_saved_layout_loads_the_same_transformers_model(megatron_checkpoints: dict[str, Path]) -> None:
+    spec = parse_model_config(tiny_section())
+    states = {}
+    for name, directory in megatron_checkpoints.items():
+        policy = build_policy(spec)
+        load_policy_weights(policy, spec, directory)
+        states[name] = policy.state_dict()
+    reference = states.pop("tp1")
+    for name, state in states.items():
+        assert all(torch.equal(state[k], reference[k]) for k in reference), name
+
+
+def test_the_checkpoint_is_checked_against_the_model_before_loading(megatron_checkpoints: dict[str, Path]) -> None:
+    spec = parse_model_config(tiny_section())
+    assert expected_megatron_shapes(spec)["decoder.layers.mlp.experts.experts.linear_fc1.weight"] == (2, 8, 64, 64)
+    check_megatron_weights(megatron_checkpoints["ep2"], spec, "the snapshot's checkpoint")
+    wider = parse_model_config(tiny_section(config={**tiny_section()["config"], "moe_intermediate_size": 48}))
+    with pytest.raises(SnapshotError, match=r"linear_fc1\.weight \(2, 8, 64, 64\) \(the run config's model needs"):
+        check_megatron_weights(megatron_checkpoints["ep2"], wider, "the snapshot's checkpoint")
+    mixtral = parse_model_config(tiny_section("mixtral"))
+    with pytest.raises(SnapshotError, match=r"does not place.*q_layernorm.*--backend command"):
+        check_megatron_weights(megatron_checkpoints["tp1"], mixtral, "the snapshot's checkpoint")
+
+
+def test_a_mixtral_checkpoint_maps_too(tmp_path: Path) -> None:
+    """The second mapped architecture: megatron-core saves a Mixtral-shaped GPTModel (no QK norms, softmax then
+    renormalised top-k), route 1 gives Megatron's routes and log-probs from it."""
+    from axrl_spike_replay.testing.megatron_checkpoints import LAYOUTS, save_checkpoints
+
+    section, batch = tiny_section("mixtral"), _batch()
+    checkpoint = tmp_path / "mixtral"
+    save_checkpoints(section, [(LAYOUTS["tp1"], checkpoint)], None)
+    out = tmp_path / "megatron.pt"
+    spawn_ranks(forward_backward, 1, (section, str(checkpoint), batch, str(out), None, 0.0))
+    megatron = torch.load(out, weights_only=True)
+    spec = parse_model_config(section)
+    policy = build_policy(spec)
+    load_policy_weights(policy, spec, checkpoint)
+    ours = policy_forward(policy, batch, RoutingControl(), need_entropy=False)
+    assert torch.equal(ours.routes, megatron["routes"])
+    assert (ours.logprobs - megatron["logprobs"]).abs().max() < LOGPROB_ATOL
