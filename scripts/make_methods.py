@@ -22,9 +22,9 @@ import tempfile
 from pathlib import Path
 
 from axrl_spike_replay.atomic import atomic_write_text
+from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
 from axrl_spike_replay.investigation.request import replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP
 from axrl_spike_replay.skill_pack import methods_block, with_methods_block
 from axrl_spike_replay.snapshot.listing import list_snapshots
 from axrl_spike_replay.snapshot.preserve import preserve

@@ -64,11 +64,11 @@ def run_demo(
     """Run the demo in a fresh timestamped folder under `workspace`; `show` receives each step as it ends.
     `model`: the policy the reference run trains (`tiny_moe`, or a transformers architecture at a tiny size)."""
     from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
-    from axrl_spike_replay.analysis.log_scan import scan_logs
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+    from axrl_spike_replay.diagnosis.log_scan import scan_logs
+    from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
     from axrl_spike_replay.investigation.request import replay_request
     from axrl_spike_replay.investigation.runs import run_request
-    from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP
     from axrl_spike_replay.snapshot.discovery import resolve_job
     from axrl_spike_replay.snapshot.inspect import inspect_snapshot
     from axrl_spike_replay.snapshot.listing import list_snapshots

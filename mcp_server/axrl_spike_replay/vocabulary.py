@@ -47,7 +47,7 @@ class Vocabulary(str, Enum):
 
 
 class Verdict(Vocabulary):
-    """What a replay showed: baseline (reproduced / not_reproduced), mitigated (see replay.verdict), failed."""
+    """What a replay showed: baseline (reproduced / not_reproduced), mitigated (see experiment.verdict), failed."""
 
     REPRODUCED = "reproduced"
     NOT_REPRODUCED = "not_reproduced"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from snapshot_edits import copy_fixture, edit_batch, no_mismatch
 
-from axrl_spike_replay.analysis.diagnose import diagnose_snapshot, render_diagnosis
+from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot, render_diagnosis
 from axrl_spike_replay.replay.attribution import attribute_spike
 from axrl_spike_replay.workspace.task_diagnosis import diagnosis_entry
 

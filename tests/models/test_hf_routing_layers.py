@@ -12,11 +12,11 @@ import torch
 from axrl_spike_replay.capture.model_choice import CAPTURE_MODELS
 from axrl_spike_replay.capture.run_config import build_run_config, parse_run_config
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
+from axrl_spike_replay.experiment.mitigations import apply_config, check_current_layers, parse_config
 from axrl_spike_replay.models.hf_policy import HFPolicy
 from axrl_spike_replay.models.hf_routing import find_routers
 from axrl_spike_replay.models.tiny_moe import RoutingControl, token_logprobs
-from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP
-from axrl_spike_replay.replay.mitigations import apply_config, check_current_layers, parse_config
 from axrl_spike_replay.testing.hf_snapshot import ARCHITECTURES, seeded_policy
 
 

@@ -12,9 +12,9 @@ import pytest
 from remote_helpers import PATCH, RECORDED, SLOW_SCRIPT, git, wait_until_gone, workspace_with
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
 from axrl_spike_replay.investigation.request import replay_request
-from axrl_spike_replay.replay.result import ReplayResult
 
 
 def run_dir_of(result: ReplayResult) -> Path:

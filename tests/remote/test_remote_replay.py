@@ -10,10 +10,10 @@ import pytest
 from ssh_loopback import SSHD, LoopbackServer
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
 from axrl_spike_replay.investigation.request import ReplayRequest, replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.replay.sweep import SweepResult
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"

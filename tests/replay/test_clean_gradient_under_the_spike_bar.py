@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
+from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.investigation.request import replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.result import ReplayResult, SweepResult
-from axrl_spike_replay.replay.sample_masks import SampleFilter, TokenDrop, filtered_batch
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.policy_loss import local_counts, policy_loss
+from axrl_spike_replay.training.sample_masks import SampleFilter, TokenDrop, filtered_batch
 from axrl_spike_replay.training.verl_convention import response_horizon
 from axrl_spike_replay.vocabulary import Verdict
 from axrl_spike_replay.workspace.methods import list_methods

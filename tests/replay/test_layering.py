@@ -19,8 +19,8 @@ GROUND = (
 # The log line reader: plain text parsing over the ground modules (checked below), used by snapshot.log_point to
 # check a snapshot against its training log. The one module above the snapshot layer that it and replay/ import.
 LOG_TEXT_READER = (
-    "analysis.log_reader", "analysis.log_lines", "analysis.log_series", "analysis.log_values", "analysis.log_columns",
-    "analysis.log_blocks", "analysis.log_kv",
+    "logs.log_reader", "logs.log_lines", "logs.log_series", "logs.log_values", "logs.log_columns",
+    "logs.log_blocks", "logs.log_kv",
 )  # fmt: skip
 
 

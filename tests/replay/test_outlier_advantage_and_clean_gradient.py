@@ -10,11 +10,11 @@ import torch
 from tiny_snapshot import record_tiny_snapshot
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+from axrl_spike_replay.experiment.result import SweepResult
 from axrl_spike_replay.investigation.request import replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.mitigations import parse_mitigation_args
-from axrl_spike_replay.replay.result import SweepResult
-from axrl_spike_replay.replay.sample_masks import outlier_samples, robust_z
+from axrl_spike_replay.training.sample_masks import outlier_samples, robust_z
 from axrl_spike_replay.vocabulary import Verdict
 
 OUTLIER = (0, 1, 200.0)  # rank 0 sample 1: its advantage scaled 200x

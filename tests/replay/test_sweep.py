@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
 from axrl_spike_replay.investigation.request import replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.replay.engine import ReplayOptions
-from axrl_spike_replay.replay.mitigations import apply_config, parse_config
 from axrl_spike_replay.replay.sweep import SweepResult
 from axrl_spike_replay.replay.worker import _groups
 from axrl_spike_replay.training.policy_loss import LossConfig

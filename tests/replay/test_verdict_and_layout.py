@@ -11,17 +11,17 @@ import pytest
 
 from axrl_spike_replay.cli import main
 from axrl_spike_replay.errors import AxrlError, ConfigError, SnapshotError
-from axrl_spike_replay.investigation.request import replay_request
-from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.layout_plan import plan_layout
-from axrl_spike_replay.replay.verdict import (
+from axrl_spike_replay.experiment.verdict import (
     baseline_verdict,
     mitigation_verdict,
     ratio_threshold,
     tolerance,
     writable_problem,
 )
+from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.investigation.runs import run_request
+from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.layout_plan import plan_layout
 from axrl_spike_replay.snapshot.metadata import DetectorSpec
 from axrl_spike_replay.workspace.methods import add_method
 from axrl_spike_replay.workspace.task_state import open_task, show_task

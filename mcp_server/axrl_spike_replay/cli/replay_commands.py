@@ -149,7 +149,7 @@ def _run(args: argparse.Namespace, request: ReplayRequest) -> Any:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.replay.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
 
     result = _run(args, _request(args, "replay", mitigations=parse_mitigation_args(args.mitigation)))
     emit(result, args.json, render_replay)
@@ -157,7 +157,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.replay.mitigations import load_mitigation_set, parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigations import load_mitigation_set, parse_mitigation_args
 
     if args.mitigation_set:
         configs = load_mitigation_set(args.mitigation_set)
@@ -179,7 +179,7 @@ def _sweep_items(option: str) -> list[str]:
 
 
 def _attribute(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.replay.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
 
     request = _request(args, "attribute", top=args.top, mitigations=parse_mitigation_args(args.mitigation))
     emit(_run(args, request), args.json, render_attribution)
@@ -207,7 +207,7 @@ def _threshold_label(doc: dict[str, Any]) -> str:
 
 def render_replay(doc: dict[str, Any]) -> str:
     """A replay result for people."""
-    from axrl_spike_replay.replay.result import describe_clean_gradient
+    from axrl_spike_replay.experiment.result import describe_clean_gradient
 
     lines = [
         f"replay of {doc['snapshot']} (job {doc['job_name']}, iteration {doc['iteration']}, {doc['device']})",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.investigation.recording import new_run_dir
 from axrl_spike_replay.investigation.request import ReplayRequest
 from axrl_spike_replay.remote.cleanup import run_to_completion
@@ -33,7 +34,6 @@ from axrl_spike_replay.remote.workspace_config import (
     load_workspace_config,
     resolve_target,
 )
-from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.replay.sweep import SweepResult
 
 T = TypeVar("T")

@@ -123,7 +123,7 @@ def replay_request(
 
     `patch` (one path or several) and `patches` combine, in that order, into one patch set.
     """
-    from axrl_spike_replay.replay.mitigations import check_distinct, parse_config
+    from axrl_spike_replay.experiment.mitigations import check_distinct, parse_config
 
     _check(verb, backend, device, nproc, repeat, top, method, timeout_s)
     where = target or "local"

@@ -10,10 +10,10 @@ from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
 from axrl_spike_replay.analysis.batch_signals import BatchAnalysis, analyze_snapshot
-from axrl_spike_replay.analysis.diagnose import Diagnosis, diagnose_snapshot
 from axrl_spike_replay.analysis.grad_info import GradReport, top_param_grads
-from axrl_spike_replay.analysis.log_scan import LogScan, default_name, scan_logs, with_sampled_series
-from axrl_spike_replay.analysis.series_sampling import DEFAULT_LIMIT
+from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
+from axrl_spike_replay.diagnosis.log_scan import LogScan, default_name, scan_logs, with_sampled_series
+from axrl_spike_replay.logs.series_sampling import DEFAULT_LIMIT
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
 from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg
 from axrl_spike_replay.workspace.paths import TMP_DIR, check_plain_name

@@ -13,10 +13,10 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
+from axrl_spike_replay.experiment.mitigations import MITIGATIONS
+from axrl_spike_replay.experiment.result import Attribution, ReplayResult, SweepResult
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_async_library, call_library, structured
 from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg
-from axrl_spike_replay.replay.mitigations import MITIGATIONS
-from axrl_spike_replay.replay.result import Attribution, ReplayResult, SweepResult
 
 if TYPE_CHECKING:
     from axrl_spike_replay.investigation.request import ReplayRequest

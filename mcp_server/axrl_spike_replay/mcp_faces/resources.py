@@ -116,7 +116,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         description="Every mitigation name the replay, sweep and attribute_spike tools accept, its values and effect",
     )
     def mitigations() -> str:
-        from axrl_spike_replay.replay.mitigations import valid_mitigations
+        from axrl_spike_replay.experiment.mitigations import valid_mitigations
 
         return "Mitigations (replay-only; each off unless named in a config {NAME: VALUE}):\n" + valid_mitigations()
 

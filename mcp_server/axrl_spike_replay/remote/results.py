@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.replay.result import ReplayResult
-from axrl_spike_replay.replay.run_dir import RunDir, now_iso
-from axrl_spike_replay.replay.verdict import baseline_verdict, mitigation_verdict, ratio_threshold, rel_diff
+from axrl_spike_replay.experiment.result import ReplayResult
+from axrl_spike_replay.experiment.run_dir import RunDir, now_iso
+from axrl_spike_replay.experiment.verdict import baseline_verdict, mitigation_verdict, ratio_threshold, rel_diff
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, read_metadata
 from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
 

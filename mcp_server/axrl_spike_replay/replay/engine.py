@@ -21,15 +21,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.replay.clean_gradient import spike_bar
-from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
-from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
-from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, mitigation_args, parse_config
-from axrl_spike_replay.replay.outcome_figures import DEFINITION
-from axrl_spike_replay.replay.result import ReplayResult
-from axrl_spike_replay.replay.run_dir import RunDir, RunRecorder, command_line, now_iso
-from axrl_spike_replay.replay.sample_masks import check_ranks
-from axrl_spike_replay.replay.verdict import (
+from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, mitigation_args, parse_config
+from axrl_spike_replay.experiment.result import ReplayResult
+from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line, now_iso
+from axrl_spike_replay.experiment.verdict import (
     baseline_verdict,
     is_spike,
     mitigation_verdict,
@@ -39,7 +34,12 @@ from axrl_spike_replay.replay.verdict import (
     verdict_basis,
     verdict_threshold,
 )
+from axrl_spike_replay.replay.clean_gradient import spike_bar
+from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
+from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
+from axrl_spike_replay.replay.outcome_figures import DEFINITION
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.training.sample_masks import check_ranks
 from axrl_spike_replay.vocabulary import Backend, Verdict
 
 DEVICES = ("cpu", "cuda")

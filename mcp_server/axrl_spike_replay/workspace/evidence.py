@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.snapshot.consistency import consistency_line
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, parse_iteration
 

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.experiment.mitigations import MITIGATIONS, diagnostic_reasons
+from axrl_spike_replay.experiment.result import ReplayResult, describe_clean_gradient
+from axrl_spike_replay.experiment.verdict import WRITABLE_VERDICTS, threshold_label, writable_problem
 from axrl_spike_replay.locks import held_lock
-from axrl_spike_replay.replay.mitigations import MITIGATIONS, diagnostic_reasons
-from axrl_spike_replay.replay.result import ReplayResult, describe_clean_gradient
-from axrl_spike_replay.replay.verdict import WRITABLE_VERDICTS, threshold_label, writable_problem
 from axrl_spike_replay.vocabulary import Fidelity, Verdict
 from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config

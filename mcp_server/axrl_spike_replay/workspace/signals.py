@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.replay.result import ATTRIBUTION_FILE, ReplayResult
+from axrl_spike_replay.experiment.result import ATTRIBUTION_FILE, ReplayResult
 from axrl_spike_replay.snapshot.consistency import consistency_line
 from axrl_spike_replay.workspace.paths import job_tmp_dir
 

@@ -35,7 +35,7 @@ def check_mode(mode: str) -> str:
 def diagnose_for_task(snapshot: str | Path, mode: str = "never") -> dict[str, Any]:
     """Run `diagnose` on `snapshot` and return its task entry; a snapshot it cannot read gives an entry whose
     `error` says why (the task still opens)."""
-    from axrl_spike_replay.analysis.diagnose import diagnose_snapshot
+    from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
 
     if check_mode(mode) == "off":
         raise ConfigError("`diagnosis` is off: nothing to run", "diagnosis")
@@ -47,7 +47,7 @@ def diagnose_for_task(snapshot: str | Path, mode: str = "never") -> dict[str, An
 
 def diagnosis_entry(d: Any, mode: str) -> dict[str, Any]:
     """A `Diagnosis` as the plain JSON entry the task keeps."""
-    from axrl_spike_replay.analysis.diagnose_causes import LIKELY
+    from axrl_spike_replay.diagnosis.causes import LIKELY
     from axrl_spike_replay.jsonable import to_jsonable
 
     consistency = None
@@ -145,7 +145,7 @@ def task_diagnosis(workspace: str | Path, job: str) -> dict[str, Any] | None:
 
 def _key_of(item: str) -> str | None:
     """The config key of one `--mitigation` item (None when it is a template such as `initial_model=<...>`)."""
-    from axrl_spike_replay.replay.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
 
     try:
         return config_key(parse_mitigation_args([item]))

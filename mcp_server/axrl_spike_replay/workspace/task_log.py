@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.jsonable import to_jsonable
-from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.vocabulary import Verdict
 from axrl_spike_replay.workspace.changes import describe_change, is_baseline, normalise_config
 from axrl_spike_replay.workspace.paths import check_plain_name

@@ -1,4 +1,4 @@
-"""The documentation generated from the mitigation declarations (`replay.mitigations.MITIGATIONS`).
+"""The documentation generated from the mitigation declarations (`experiment.mitigations.MITIGATIONS`).
 
 Three blocks, each between `<!-- NAME:begin -->` and `<!-- NAME:end -->` markers: the skill catalogue's
 table of names and values and its "when to try what" advice (skills/axrl-spike-replay/references/
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.replay.mitigations import MITIGATIONS, SYMPTOMS
+from axrl_spike_replay.experiment.mitigations import MITIGATIONS, SYMPTOMS
 
 CATALOGUE = Path("skills") / "axrl-spike-replay" / "references" / "mitigation-catalogue.md"
 README = Path("README.md")

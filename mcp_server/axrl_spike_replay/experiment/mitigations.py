@@ -5,7 +5,7 @@ A mitigation's declaration holds everything about it: its name, what it changes,
 in words, its parser (value type and range), what it does, when to try it, and the function that
 applies it to the replay's loss (`LossConfig`), routing (`RoutingConfig`) or starting weights. The
 server's tool descriptions, `axrl://mitigations`, the skill's mitigation catalogue and the README's
-list are all generated from it (`replay/mitigation_catalogue.py`, `scripts/render_mitigation_catalogue.py`).
+list are all generated from it (`experiment/mitigation_catalogue.py`, `scripts/render_mitigation_catalogue.py`).
 Torch-free: the server imports this module to describe its tools.
 
 Each mitigation is off unless named in a config. A config is a mapping {name: value}; its one normal
@@ -36,9 +36,9 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.replay.sample_masks import SCOPES, SampleFilter, pairs_of, parse_pairs
 from axrl_spike_replay.training.loss_config import LOGPROB_BASES, LOSS_AGG_MODES, LossConfig, RatioOutlierMask
 from axrl_spike_replay.training.routing_config import ROUTING_REPLAY_MODES, RoutingConfig
+from axrl_spike_replay.training.sample_masks import SCOPES, SampleFilter, pairs_of, parse_pairs
 from axrl_spike_replay.untrusted_yaml import load_untrusted_yaml, read_untrusted_yaml
 
 _TRUE = ("true", "yes", "on", "1")
