@@ -13,7 +13,7 @@ from axrl_spike_replay.investigation.recording import recorder_for
 from axrl_spike_replay.investigation.request import ReplayRequest
 
 if TYPE_CHECKING:
-    from axrl_spike_replay.replay.engine import JobRunner
+    from axrl_spike_replay.replay.launch import JobRunner
 
 
 def run_here(request: ReplayRequest, runner: JobRunner | None = None) -> Any:

@@ -16,7 +16,8 @@ from axrl_spike_replay.diagnosis.log_scan import LogScan, default_name, scan_log
 from axrl_spike_replay.logs.series_sampling import DEFAULT_LIMIT
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
 from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg
-from axrl_spike_replay.workspace.paths import TMP_DIR, check_plain_name
+from axrl_spike_replay.names import check_plain_name
+from axrl_spike_replay.workspace.paths import TMP_DIR
 
 READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 

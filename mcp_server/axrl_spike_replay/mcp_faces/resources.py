@@ -13,9 +13,10 @@ from pydantic import Field
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.mcp_faces.config import ServerConfig
+from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.skill_pack import Skill, list_skills, render_skill
 from axrl_spike_replay.workspace.methods import shipped_methods_dir
-from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_plain_name, methods_dir, task_md_path
+from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, methods_dir, task_md_path
 
 TASK_URI = "axrl://task/{job}"
 METHOD_URI = "axrl://method/{slug}"

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, mitigation_args, parse_config
@@ -36,6 +36,7 @@ from axrl_spike_replay.experiment.verdict import (
 )
 from axrl_spike_replay.replay.clean_gradient import spike_bar
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
+from axrl_spike_replay.replay.launch import JobRunner, run_job
 from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.outcome_figures import DEFINITION
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
@@ -43,20 +44,6 @@ from axrl_spike_replay.training.sample_masks import check_ranks
 from axrl_spike_replay.vocabulary import Backend, Verdict
 
 DEVICES = ("cpu", "cuda")
-
-
-class JobRunner(Protocol):
-    """Runs a WorkerJob and returns its outcomes (`launch.run_job`, `warm_pool.WarmService.run_job`)."""
-
-    def __call__(
-        self,
-        job: WorkerJob,
-        timeout_s: float = ...,
-        cancel: threading.Event | None = ...,
-        *,
-        progress: Callable[[str], None] | None = ...,
-        slot: int = ...,  # which of several pools of one layout (a sweep running configs in parallel)
-    ) -> list[ConfigOutcome]: ...
 
 
 @dataclass(frozen=True)
@@ -142,8 +129,6 @@ class ReplaySession:
 
     def execute(self) -> tuple[ReplayResult, list[ReplayResult]]:
         """(baseline, mitigated results in config order), all at this session's layout."""
-        from axrl_spike_replay.replay.launch import run_job
-
         o, inputs = self.options, self.inputs
         job = WorkerJob(
             replay_dir=inputs.replay_dir,

@@ -12,11 +12,12 @@ from axrl_spike_replay.experiment.mitigations import MITIGATIONS, diagnostic_rea
 from axrl_spike_replay.experiment.result import ReplayResult, describe_clean_gradient
 from axrl_spike_replay.experiment.verdict import WRITABLE_VERDICTS, threshold_label, writable_problem
 from axrl_spike_replay.locks import held_lock
+from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.vocabulary import Fidelity, Verdict
 from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
 from axrl_spike_replay.workspace.evidence import baseline_for, find_attempt, output_dir_of, result_doc
-from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_plain_name, check_workspace, methods_dir
+from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_workspace, methods_dir
 from axrl_spike_replay.workspace.render import fmt, pct, render
 from axrl_spike_replay.workspace.signals import recorded_signals
 from axrl_spike_replay.workspace.task_state import now, read_state, update_task, write_file

@@ -137,7 +137,8 @@ def report_diagnosis(state: dict[str, Any]) -> dict[str, Any] | None:
 
 def task_diagnosis(workspace: str | Path, job: str) -> dict[str, Any] | None:
     """The diagnosis the report would show for the task of `job` (see `report_diagnosis`)."""
-    from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace
+    from axrl_spike_replay.names import check_plain_name
+    from axrl_spike_replay.workspace.paths import check_workspace
     from axrl_spike_replay.workspace.task_state import read_state
 
     return report_diagnosis(read_state(check_workspace(workspace), check_plain_name(job, "job name")))

@@ -8,9 +8,9 @@ from typing import Any
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.jsonable import to_jsonable
+from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.vocabulary import Verdict
 from axrl_spike_replay.workspace.changes import describe_change, is_baseline, normalise_config
-from axrl_spike_replay.workspace.paths import check_plain_name
 from axrl_spike_replay.workspace.preserved_copies import note_preserved_copy
 from axrl_spike_replay.workspace.task_state import now, task_exists, update_task
 

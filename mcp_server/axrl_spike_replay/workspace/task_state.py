@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 from axrl_spike_replay.atomic import atomic_write_text
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.locks import held_lock
-from axrl_spike_replay.workspace.paths import TASKS_DIR, check_plain_name, check_workspace, task_json_path, task_md_path
+from axrl_spike_replay.names import check_plain_name
+from axrl_spike_replay.workspace.paths import TASKS_DIR, check_workspace, task_json_path, task_md_path
 from axrl_spike_replay.workspace.render import render
 from axrl_spike_replay.workspace.views import TaskView
 
