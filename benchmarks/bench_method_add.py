@@ -40,7 +40,8 @@ def workspace_with_a_cleared_replay(root: Path) -> tuple[Path, str]:
     """(snapshot, attempt id of the cleared replay) in the workspace `root`."""
     from axrl_spike_replay.investigation.request import replay_request
     from axrl_spike_replay.investigation.runs import run_request
-    from axrl_spike_replay.workspace.task_state import open_task, show_task
+    from axrl_spike_replay.investigation.task_opening import open_task
+    from axrl_spike_replay.workspace.task_state import show_task
 
     output = root / "outputs" / FIXTURE.name
     shutil.copytree(FIXTURE, output)

@@ -69,14 +69,14 @@ def run_demo(
     from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
     from axrl_spike_replay.investigation.request import replay_request
     from axrl_spike_replay.investigation.runs import run_request
+    from axrl_spike_replay.investigation.task_opening import open_task
     from axrl_spike_replay.snapshot.discovery import resolve_job
     from axrl_spike_replay.snapshot.inspect import inspect_snapshot
     from axrl_spike_replay.snapshot.listing import list_snapshots
     from axrl_spike_replay.snapshot.preserve import preserve
-    from axrl_spike_replay.workspace.report import write_report
+    from axrl_spike_replay.workspace.report import task_diagnosis, write_report
     from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
-    from axrl_spike_replay.workspace.task_diagnosis import task_diagnosis
-    from axrl_spike_replay.workspace.task_state import note, open_task, set_command, show_task
+    from axrl_spike_replay.workspace.task_state import note, set_command, show_task
 
     started = time.perf_counter()
     root = Path(workspace).resolve() / time.strftime("%Y%m%d-%H%M%S")

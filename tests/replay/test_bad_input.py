@@ -14,8 +14,9 @@ import yaml
 from axrl_spike_replay.errors import AxrlError, ConfigError, SnapshotError
 from axrl_spike_replay.investigation.request import replay_request
 from axrl_spike_replay.investigation.runs import run_request
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, RUN_CONFIG
-from axrl_spike_replay.workspace.task_state import open_task, show_task
+from axrl_spike_replay.workspace.task_state import show_task
 from hostile_snapshot import declare_checkpoint_tensor
 
 

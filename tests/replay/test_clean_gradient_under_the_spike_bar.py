@@ -16,6 +16,7 @@ import torch
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.investigation.request import replay_request
 from axrl_spike_replay.investigation.runs import run_request
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
@@ -25,7 +26,6 @@ from axrl_spike_replay.training.verl_convention import response_horizon
 from axrl_spike_replay.vocabulary import Verdict
 from axrl_spike_replay.workspace.methods import list_methods
 from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
-from axrl_spike_replay.workspace.task_state import open_task
 
 if TYPE_CHECKING:
     from axrl_spike_replay.capture.reference_trainer import CaptureResult

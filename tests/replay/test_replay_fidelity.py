@@ -15,9 +15,10 @@ import pytest
 from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.investigation.request import replay_request
 from axrl_spike_replay.investigation.runs import run_request
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.replay.sweep import run_sweep
-from axrl_spike_replay.workspace.task_state import open_task, show_task
+from axrl_spike_replay.workspace.task_state import show_task
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,11 @@ import pytest
 from record_helpers import JOB, SpikeRun, replay_result, save_result
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.workspace.methods import add_method, list_methods, rank_key
 from axrl_spike_replay.workspace.report import write_report
 from axrl_spike_replay.workspace.task_log import record_replay
-from axrl_spike_replay.workspace.task_state import open_task, read_state, set_command
+from axrl_spike_replay.workspace.task_state import read_state, set_command
 
 BASE = 37.42
 

@@ -14,9 +14,9 @@ import pytest
 from record_helpers import JOB, RECORDED, SpikeRun, replay_result, save_result
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.workspace.methods import add_method
 from axrl_spike_replay.workspace.task_log import record_replay
-from axrl_spike_replay.workspace.task_state import open_task
 
 BASE = 37.4189
 CLEARED = 3.812

@@ -11,8 +11,8 @@ import torch
 
 from axrl_spike_replay.investigation.request import replay_request
 from axrl_spike_replay.investigation.runs import run_request
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.workspace.report import write_report
-from axrl_spike_replay.workspace.task_state import open_task
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
 JOB = "fixture-moe"

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.result import ReplayResult
-from axrl_spike_replay.investigation.recording import new_run_dir
+from axrl_spike_replay.investigation.recording import WorkspaceRecorder
 from axrl_spike_replay.investigation.request import ReplayRequest
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.command_backend import CommandRequest, run_command_backend, run_command_sweep
@@ -75,7 +75,8 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
                 if node.temp_dir:
                     await session.remove_temp_dir(node.temp_dir)
                 raise
-        run = new_run_dir(workspace, job)
+        recorder = WorkspaceRecorder(workspace, target=session.label)  # as a local run records: one recorder
+        run = recorder.open_run(job)
         on_line = _echo(options, session.label)
         if options.backend == "command":
             if config.command_backend is None:  # the request's validation already says so; this narrows the type
@@ -97,13 +98,13 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
                     command_request,
                     normalised,
                     run,
-                    workspace=workspace,
+                    recorder=recorder,
                     on_line=on_line,
                     progress=options.progress,
                 )
             else:
                 result = await run_command_backend(
-                    session, command_request, run, workspace=workspace, on_line=on_line, progress=options.progress
+                    session, command_request, run, recorder=recorder, on_line=on_line, progress=options.progress
                 )
         else:
             assert isinstance(session, RemoteSession) and resolved is not None and node is not None
@@ -122,7 +123,7 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
                 target=session.label,
             )
             result = await run_remote_torch(
-                session, request_t, run, node, workspace=workspace, on_line=on_line, progress=options.progress
+                session, request_t, run, node, recorder=recorder, on_line=on_line, progress=options.progress
             )
     failed = result.baseline if isinstance(result, SweepResult) and result.baseline.verdict == "failed" else result
     if isinstance(failed, ReplayResult) and failed.verdict == "failed":

@@ -10,6 +10,7 @@ never the last copy of a snapshot (its rotating `iter_<N>` gone) unless `release
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,6 @@ from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, iteration_dir_name, parse_iteration
 from axrl_spike_replay.workspace.evidence import output_dir_of
-from axrl_spike_replay.workspace.paths import TASKS_DIR
 
 LAST_COPY_FLAG = "--release-last-copy"
 
@@ -95,32 +95,16 @@ def is_last_copy(entry: dict[str, Any]) -> bool:
     return source.is_symlink() or not source.is_dir()
 
 
-def _used_elsewhere(workspace: Path, job: str, path: str) -> str | None:
-    """The job of another open task in `workspace` whose current snapshot is `path`'s copy, else None."""
-    from axrl_spike_replay.workspace.task_state import read_state
-
-    for state_file in sorted((workspace / TASKS_DIR).glob("*.json")):
-        if state_file.stem == job:
-            continue
-        try:
-            other = read_state(workspace, state_file.stem)
-        except AxrlError:
-            continue
-        current = copy_of(other.get("snapshot"))
-        if current is not None and current["path"] == path:
-            return state_file.stem
-    return None
-
-
 def release_copies(
-    workspace: Path, job: str, copies: list[dict[str, Any]], release_last_copy: bool = False
+    copies: list[dict[str, Any]], release_last_copy: bool = False, used_by: Mapping[str, str] | None = None
 ) -> list[dict[str, Any]]:
-    """Release each copy through the snapshot library (which removes only copies it made); one entry per copy."""
+    """Release each copy through the snapshot library (which removes only copies it made); one entry per copy.
+    `used_by` {copy path: job}: copies another open task still points at, which are kept."""
     from axrl_spike_replay.snapshot.preserve import release
 
     out = []
     for entry in copies:
-        other = _used_elsewhere(workspace, job, entry["path"])
+        other = (used_by or {}).get(entry["path"])
         if other is not None:
             out.append({**entry, "released": False, "error": f"task {other!r} still uses it; kept"})
             continue

@@ -16,7 +16,14 @@ from axrl_spike_replay.workspace.paths import check_workspace, job_tmp_dir
 from axrl_spike_replay.workspace.preserved_copies import copies_in_use, copies_kept, is_last_copy, release_copies
 from axrl_spike_replay.workspace.render import render
 from axrl_spike_replay.workspace.task_diagnosis import report_diagnosis
-from axrl_spike_replay.workspace.task_state import now, read_state, set_task_snapshot, update_task, write_file
+from axrl_spike_replay.workspace.task_state import (
+    now,
+    read_state,
+    set_task_snapshot,
+    update_task,
+    used_by_other_tasks,
+    write_file,
+)
 from axrl_spike_replay.workspace.views import ReportResult
 
 REPORT_NAME = "report.md"
@@ -112,7 +119,7 @@ def write_report(
     text = render("report.md.j2", r=context)
     path = write_file(job_tmp_dir(root, job) / REPORT_NAME, text, "report")
     preserved = [{k: v for k, v in copy.items() if k != "last_copy"} for copy in context["preserved"]]
-    released = release_copies(root, job, preserved, release_last_copy) if release else []
+    released = release_copies(preserved, release_last_copy, used_by_other_tasks(root, job)) if release else []
 
     def change(current: dict[str, Any]) -> None:
         current["reports"].append({"time": context["generated_at"], "path": str(path), "released": released})
@@ -144,6 +151,11 @@ def write_report(
         released=released,
         text=text,
     )
+
+
+def task_diagnosis(workspace: str | Path, job: str) -> dict[str, Any] | None:
+    """The diagnosis the report would show for the task of `job` (see `task_diagnosis.report_diagnosis`)."""
+    return report_diagnosis(read_state(check_workspace(workspace), check_plain_name(job, "job name")))
 
 
 def follow_released_snapshot(state: dict[str, Any], released: list[dict[str, Any]]) -> None:

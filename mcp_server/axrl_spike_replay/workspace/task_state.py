@@ -14,7 +14,9 @@ from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.workspace.paths import TASKS_DIR, check_workspace, task_json_path, task_md_path
+from axrl_spike_replay.workspace.preserved_copies import copy_of, note_preserved_copy
 from axrl_spike_replay.workspace.render import render
+from axrl_spike_replay.workspace.task_diagnosis import add_diagnosis, has_diagnosis
 from axrl_spike_replay.workspace.views import TaskView
 
 STATE_VERSION = 1
@@ -47,7 +49,7 @@ def new_state(job: str) -> dict[str, Any]:
         "methods": [],
         "reports": [],
         "preserved_copies": [],  # preserved snapshot copies this investigation uses (workspace.preserved_copies)
-        "diagnoses": [],  # `diagnose` results, one per snapshot diagnosed (workspace.task_diagnosis)
+        "diagnoses": [],  # `diagnose` results, one per snapshot diagnosed (diagnosis.task_entry)
     }
 
 
@@ -130,35 +132,44 @@ def update_task(
     return state, value
 
 
-def open_task(
-    workspace: str | Path, job: str, snapshot: str | Path | None = None, *, diagnosis: str = "never"
+def open_task_file(
+    workspace: str | Path, job: str, snapshot: str | Path | None = None, *, diagnosis: dict[str, Any] | None = None
 ) -> TaskView:
-    """Open (or re-open, keeping its history) the task for `job`; optionally set its active snapshot.
-
-    A snapshot the task has not diagnosed yet is diagnosed (`diagnose` with model evidence `diagnosis`: never,
-    the default, reads the static evidence only, without loading the weights; auto and always add attribution and route
-    agreement; off skips it) and the result written into Observations and Next steps (workspace/task_diagnosis.py)."""
-    from axrl_spike_replay.workspace.task_diagnosis import check_mode, diagnose_for_task, has_diagnosis
-
-    check_mode(diagnosis)
-    entry = None
-    if snapshot is not None and diagnosis != "off":
-        root = check_workspace(workspace)
-        known = read_state(root, job) if task_exists(root, check_plain_name(job, "job name")) else new_state(job)
-        target = _resolved(snapshot)
-        if not has_diagnosis(known, target):  # outside the lock: it may take seconds
-            entry = {**diagnose_for_task(target, diagnosis), "snapshot": target}
+    """Open (or re-open, keeping its history) the task file for `job`; optionally set its active snapshot, and keep
+    `diagnosis` (an entry of `diagnosis.task_entry`) in Observations and Next steps unless the task already holds
+    one of that snapshot. Opening with a fresh diagnosis is `investigation.task_opening.open_task`."""
 
     def change(state: dict[str, Any]) -> None:
         if snapshot is not None:
             set_task_snapshot(state, snapshot)
-        if entry is not None and not has_diagnosis(state, entry["snapshot"]):
-            from axrl_spike_replay.workspace.task_diagnosis import add_diagnosis
-
-            add_diagnosis(state, entry, now())
+        if diagnosis is not None and not has_diagnosis(state, diagnosis["snapshot"]):
+            add_diagnosis(state, diagnosis, now())
 
     state, _ = update_task(workspace, job, change, create=True)
     return show(state, check_workspace(workspace))
+
+
+def diagnosed(workspace: str | Path, job: str, snapshot: str) -> bool:
+    """True when the task of `job` is open and already holds a diagnosis of `snapshot` (as `recorded_snapshot` gives
+    it)."""
+    root = check_workspace(workspace)
+    return task_exists(root, check_plain_name(job, "job name")) and has_diagnosis(read_state(root, job), snapshot)
+
+
+def used_by_other_tasks(workspace: Path, job: str) -> dict[str, str]:
+    """{preserved copy path: job} for the copies of the current snapshots of the workspace's other open tasks."""
+    out: dict[str, str] = {}
+    for state_file in sorted((workspace / TASKS_DIR).glob("*.json")):
+        if state_file.stem == job:
+            continue
+        try:
+            other = read_state(workspace, state_file.stem)
+        except AxrlError:
+            continue
+        current = copy_of(other.get("snapshot"))
+        if current is not None:
+            out.setdefault(current["path"], state_file.stem)
+    return out
 
 
 def note(workspace: str | Path, job: str, section: str, text: str) -> TaskView:
@@ -220,7 +231,7 @@ def show(state: dict[str, Any], workspace: Path) -> TaskView:
     )
 
 
-def _resolved(snapshot: str | Path) -> str:
+def recorded_snapshot(snapshot: str | Path) -> str:
     """The snapshot path as the task records it (resolved when it exists)."""
     text = str(snapshot).strip()
     if not text:
@@ -231,9 +242,7 @@ def _resolved(snapshot: str | Path) -> str:
 
 def set_task_snapshot(state: dict[str, Any], snapshot: str | Path) -> None:
     """Make `snapshot` the task's active snapshot in `state` (history kept; a preserved copy of it noted)."""
-    resolved = _resolved(snapshot)
-    from axrl_spike_replay.workspace.preserved_copies import note_preserved_copy
-
+    resolved = recorded_snapshot(snapshot)
     note_preserved_copy(state, resolved, now())  # also when set again: adopts a copy made since
     if state.get("snapshot") == resolved:
         return
