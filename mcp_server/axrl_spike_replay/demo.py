@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.vocabulary import Fidelity, Verdict
+from axrl_spike_replay.vocabulary import Fidelity, Verb, Verdict
 
 DEMO_JOB = "demo-moe-grpo"
 
@@ -67,7 +67,8 @@ def run_demo(
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
     from axrl_spike_replay.diagnosis.log_scan import scan_logs
     from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
-    from axrl_spike_replay.investigation.request import replay_request
+    from axrl_spike_replay.experiment.result import Attribution, ReplayResult, SweepResult
+    from axrl_spike_replay.investigation.request import What, replay_request
     from axrl_spike_replay.investigation.runs import run_request
     from axrl_spike_replay.investigation.task_opening import open_task
     from axrl_spike_replay.snapshot.discovery import resolve_job
@@ -185,7 +186,8 @@ def run_demo(
 
     # 4. reproduce, then try mitigations
     set_command(root, DEMO_JOB, f"axrl-spike-replay replay {snapshot} --workspace {root}")
-    baseline = run_request(replay_request(snapshot, workspace=root, job=DEMO_JOB))
+    baseline = run_request(replay_request(What(Path(snapshot)), workspace=root, job=DEMO_JOB))
+    assert isinstance(baseline, ReplayResult)
     step(
         "replay (baseline)",
         [
@@ -194,7 +196,12 @@ def run_demo(
             f"rel_diff {_fmt(baseline.rel_diff, 3)} -> {baseline.verdict}",
         ],
     )
-    sweep = run_request(replay_request(snapshot, verb="sweep", configs=DEFAULT_SWEEP, workspace=root, job=DEMO_JOB))
+    sweep = run_request(
+        replay_request(
+            What(Path(snapshot), verb=Verb.SWEEP, configs=tuple(DEFAULT_SWEEP)), workspace=root, job=DEMO_JOB
+        )
+    )
+    assert isinstance(sweep, SweepResult)
     rows = [
         f"{r.config_id:<48} grad norm {_fmt(r.grad_norm):>10}  ratio {_fmt(r.spike_ratio):>8}  "
         f"change {_fmt((r.change_vs_baseline or 0) * 100, 3):>6}%  {r.verdict}"
@@ -203,7 +210,10 @@ def run_demo(
     step(f"sweep ({len(sweep.results)} configs, fidelity {sweep.fidelity}, threshold {sweep.threshold:g})", rows)
 
     # into the job's runs (attribution.json), where `method add` finds the per-sample figures it quotes
-    attribution = run_request(replay_request(snapshot, verb="attribute", top=5, workspace=root, job=DEMO_JOB))
+    attribution = run_request(
+        replay_request(What(Path(snapshot), verb=Verb.ATTRIBUTE, top=5), workspace=root, job=DEMO_JOB)
+    )
+    assert isinstance(attribution, Attribution)
     step(
         "attribution",
         [f"grad norm {_fmt(attribution.grad_norm)}; contributions sum within {attribution.sum_rel_error:.1e}"]

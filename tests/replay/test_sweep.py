@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import ReplayOptions
@@ -35,7 +35,11 @@ CONFIGS = [
 def sweep(spike_snapshot: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[SweepResult, Path]:
     ws = tmp_path_factory.mktemp("sweep-ws")
     open_task(ws, "fixture-moe", spike_snapshot)
-    return run_request(replay_request(spike_snapshot, verb="sweep", configs=CONFIGS, nproc=1, workspace=ws)), ws
+    return run_request(replay_request(
+        What(spike_snapshot, verb="sweep", configs=CONFIGS),
+        how=How(nproc=1),
+        workspace=ws,
+    )), ws
 
 
 def test_every_config_gets_a_result_in_order_with_its_verdict(sweep: tuple[SweepResult, Path]) -> None:

@@ -18,7 +18,7 @@ from axrl_spike_replay.experiment.verdict import (
     tolerance,
     writable_problem,
 )
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
@@ -130,7 +130,7 @@ def test_a_no_op_on_a_snapshot_whose_threshold_was_raised_is_not_a_method(
     snapshot = _with_detector(snapshot_copy(), threshold=1000)
     open_task(workspace, "fixture-moe", snapshot)
 
-    result = run_request(replay_request(snapshot, workspace=workspace, mitigations={"clip_eps_low": 0.2}))
+    result = run_request(replay_request(What(snapshot, mitigations={"clip_eps_low": 0.2}), workspace=workspace))
 
     assert result.fidelity == "full" and result.change_vs_baseline == 0.0
     assert result.threshold == 1000 and result.spike_ratio is not None and result.spike_ratio < 1000

@@ -23,6 +23,7 @@ from axrl_spike_replay.jsonable import to_jsonable
 RESULT_FILE = "replay_result.json"
 COMMAND_FILE = "command.txt"
 LOG_FILE = "replay.log"
+SWEEP_FILE = "sweep_result.json"  # a sweep's summary, beside its configs' dirs
 
 
 def now_iso() -> str:

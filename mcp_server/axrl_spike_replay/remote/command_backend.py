@@ -27,7 +27,7 @@ from axrl_spike_replay.atomic import atomic_write_bytes
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.mitigations import config_id
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
-from axrl_spike_replay.experiment.run_dir import RESULT_FILE, RunDir, RunRecorder, write_and_record
+from axrl_spike_replay.experiment.run_dir import RESULT_FILE, SWEEP_FILE, RunDir, RunRecorder, write_and_record
 from axrl_spike_replay.experiment.verdict import tolerance
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.command_overrides import render_overrides
@@ -37,7 +37,6 @@ from axrl_spike_replay.remote.patch_worktree import patch_set_text, patched_work
 from axrl_spike_replay.remote.results import SnapshotFacts, base_result, judged_result, tail
 from axrl_spike_replay.remote.shell import job_script
 from axrl_spike_replay.remote.workspace_config import CommandBackendConfig
-from axrl_spike_replay.replay.sweep import SWEEP_FILE
 from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
 
 COMMAND_RESULT_FILE = "command_result.json"

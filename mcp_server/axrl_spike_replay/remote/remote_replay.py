@@ -23,7 +23,7 @@ from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigations import mitigation_args
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
-from axrl_spike_replay.experiment.run_dir import RESULT_FILE, RunDir, RunRecorder, write_and_record
+from axrl_spike_replay.experiment.run_dir import RESULT_FILE, SWEEP_FILE, RunDir, RunRecorder, write_and_record
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.job import JobOutcome, LineCallback
@@ -31,7 +31,6 @@ from axrl_spike_replay.remote.node_probe import NodeReport
 from axrl_spike_replay.remote.results import SnapshotFacts, base_result, tail
 from axrl_spike_replay.remote.session import RemoteSession
 from axrl_spike_replay.remote.shell import job_script
-from axrl_spike_replay.replay.sweep import SWEEP_FILE
 from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
 
 REMOTE_SET_FILE = "mitigation_set.yaml"

@@ -37,10 +37,7 @@ from axrl_spike_replay.replay.worker import RankInputs, build_model, step_counts
 from axrl_spike_replay.training.policy_loss import expand_advantages, policy_loss
 from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
 from axrl_spike_replay.training.sample_masks import check_ranks, filtered_batch
-from axrl_spike_replay.vocabulary import Fidelity
-
-METHODS = ("jvp", "per_sample_backward")
-SUM_TOLERANCE = 1e-4
+from axrl_spike_replay.vocabulary import Fidelity, Method
 
 
 @dataclass
@@ -238,8 +235,8 @@ def attribute_spike(
 
     `recorder` opens the output dir (None: nothing written). Setting `cancel` stops the work between
     its stages (RunCancelled). `investigation.request` validates top and method for the faces."""
-    if method not in METHODS:
-        raise ConfigError(f"`method` must be one of {', '.join(METHODS)}, got {method!r}", "method")
+    if method not in Method.values():
+        raise ConfigError(f"`method` must be one of {', '.join(Method.values())}, got {method!r}", "method")
     if not isinstance(top, int) or top < 1:
         raise ConfigError(f"`top` must be an integer >= 1, got {top!r}", "top")
     check_device(device)

@@ -41,9 +41,7 @@ from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.outcome_figures import DEFINITION
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 from axrl_spike_replay.training.sample_masks import check_ranks
-from axrl_spike_replay.vocabulary import Backend, Verdict
-
-DEVICES = ("cpu", "cuda")
+from axrl_spike_replay.vocabulary import Backend, Device, Verdict
 
 
 @dataclass(frozen=True)
@@ -70,8 +68,8 @@ class ReplayOptions:
 
 def check_device(device: str) -> str:
     """`device` when this machine has it; ConfigError otherwise."""
-    if device not in DEVICES:
-        raise ConfigError(f"`device` must be one of {', '.join(DEVICES)}, got {device!r}", "device")
+    if device not in Device.values():
+        raise ConfigError(f"`device` must be one of {', '.join(Device.values())}, got {device!r}", "device")
     if device == "cuda":
         import torch
 
