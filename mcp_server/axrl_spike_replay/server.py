@@ -107,7 +107,7 @@ def create_server(
     config = ServerConfig(workspace=Path(workspace or Path.cwd()).expanduser().resolve(), warm=service)
     server = SpikeReplayServer(config)
     for module in TOOL_MODULES:
-        module.register(server, config)
+        module.register(server)
     resources.register(server, config)
     return server
 
