@@ -141,7 +141,7 @@ def test_a_sweep_runs_the_baseline_once_and_judges_each_config_as_the_engine_doe
     assert SweepResult.from_json(json.loads((out / "sweep_result.json").read_text())).results == sweep.results
 
     # the task's rows: one per run, in the engine's vocabulary
-    rows = read_state(workspace, "cmd-job")["experiments"]
+    rows = read_state(workspace, "cmd-job").experiments
     assert [(r["config_id"], r["verdict"], r["is_baseline"], r["backend"]) for r in rows] == [
         ("baseline", "reproduced", True, "command"),
         ("mismatch_token_clip_max=2", "partial", False, "command"),

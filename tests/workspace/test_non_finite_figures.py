@@ -49,7 +49,7 @@ def test_an_overflowed_replay_is_null_in_the_result_file_the_task_and_json(
     assert doc["grad_norm"] is None and doc["spike_ratio"] is None and doc["verdict"] == "worse"
 
     assert record_replay(tmp_path, JOB, result, path) == "E1"
-    [row] = read_state(tmp_path, JOB)["experiments"]
+    [row] = read_state(tmp_path, JOB).experiments
     assert row["grad_norm"] is None and row["rel_diff"] is None and row["change_vs_baseline"] is None
     assert row["baseline_grad_norm"] == 37.0
 

@@ -18,6 +18,7 @@ from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, iteration_dir_name, parse_iteration
 from axrl_spike_replay.workspace.evidence import output_dir_of
+from axrl_spike_replay.workspace.task import TaskState
 
 LAST_COPY_FLAG = "--release-last-copy"
 
@@ -42,7 +43,7 @@ def _marker_time(path: str) -> str | None:
     return str((marker or {}).get("created_at", ""))
 
 
-def note_preserved_copy(state: dict[str, Any], snapshot: str | Path | None, time: str) -> None:
+def note_preserved_copy(state: TaskState, snapshot: str | Path | None, time: str) -> None:
     """Record in `state` the preserved copy of `snapshot` when one made by this tool exists now."""
     copy = copy_of(snapshot)
     if copy is None:
@@ -50,19 +51,19 @@ def note_preserved_copy(state: dict[str, Any], snapshot: str | Path | None, time
     created = _marker_time(copy["path"])
     if created is None:
         return
-    noted = state.setdefault("preserved_copies", [])
+    noted = state.preserved_copies
     if any(e.get("path") == copy["path"] and e.get("created_at") == created for e in noted):
         return
     noted.append({**copy, "snapshot": str(snapshot), "created_at": created, "time": time})
 
 
-def copies_in_use(state: dict[str, Any]) -> list[dict[str, Any]]:
+def copies_in_use(state: TaskState) -> list[dict[str, Any]]:
     """The noted copies of the task's current snapshot that still exist as the same copy (plain entries)."""
-    current = copy_of(state.get("snapshot"))
+    current = copy_of(state.snapshot)
     if current is None:
         return []
     out: dict[str, dict[str, Any]] = {}
-    for entry in state.get("preserved_copies") or []:
+    for entry in state.preserved_copies:
         if not isinstance(entry, dict) or entry.get("path") != current["path"]:
             continue
         if _marker_time(current["path"]) == entry.get("created_at"):
@@ -70,13 +71,13 @@ def copies_in_use(state: dict[str, Any]) -> list[dict[str, Any]]:
     return list(out.values())
 
 
-def copies_kept(state: dict[str, Any], in_use: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def copies_kept(state: TaskState, in_use: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Preserved copies of the task's other snapshots that exist now: never released by this task; why."""
     used = {e["path"] for e in in_use}
-    current = copy_of(state.get("snapshot"))
+    current = copy_of(state.snapshot)
     seen: dict[str, dict[str, Any]] = {}
-    snapshots = [e.get("snapshot") for e in state.get("snapshot_history") or []]
-    snapshots += [row.get("snapshot") for row in state.get("experiments") or []] + [state.get("snapshot")]
+    snapshots = [e.get("snapshot") for e in state.snapshot_history]
+    snapshots += [row.get("snapshot") for row in state.experiments] + [state.snapshot]
     for snapshot in snapshots:
         copy = copy_of(snapshot)
         if copy is None or copy["path"] in used or copy["path"] in seen or not Path(copy["path"]).is_dir():

@@ -9,12 +9,13 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.workspace.changes import config_key
+from axrl_spike_replay.workspace.task import TaskState
 
 
-def add_diagnosis(state: dict[str, Any], entry: dict[str, Any], time: str) -> None:
-    """Keep `entry` in `state["diagnoses"]` and write it into Observations and Next steps."""
-    state.setdefault("diagnoses", []).append({**entry, "time": time})
-    observations, steps = state["observations"], state["next_steps"]
+def add_diagnosis(state: TaskState, entry: dict[str, Any], time: str) -> None:
+    """Keep `entry` in `state.diagnoses` and write it into Observations and Next steps."""
+    state.diagnoses.append({**entry, "time": time})
+    observations, steps = state.observations, state.next_steps
     where = f"iteration {entry['iteration']}" if entry.get("iteration") is not None else str(entry["snapshot"])
     if entry.get("error"):
         observations.append({"time": time, "text": f"diagnose could not read {entry['snapshot']}: {entry['error']}"})
@@ -34,21 +35,21 @@ def add_diagnosis(state: dict[str, Any], entry: dict[str, Any], time: str) -> No
         steps.append({"time": time, "text": f"replay `--mitigation {step['mitigation']}`: {step['why']}{note}"})
 
 
-def has_diagnosis(state: dict[str, Any], snapshot: str) -> bool:
+def has_diagnosis(state: TaskState, snapshot: str) -> bool:
     """True when the task already holds a diagnosis of `snapshot`."""
-    return any(d.get("snapshot") == snapshot for d in state.get("diagnoses", []))
+    return any(d.get("snapshot") == snapshot for d in state.diagnoses)
 
 
-def report_diagnosis(state: dict[str, Any]) -> dict[str, Any] | None:
+def report_diagnosis(state: TaskState) -> dict[str, Any] | None:
     """The diagnosis the report shows: that of the task's snapshot (else the latest), each suggested experiment
     with the logged attempts that ran exactly that config and their verdicts."""
-    entries = state.get("diagnoses") or []
+    entries = state.diagnoses
     if not entries:
         return None
-    own = [d for d in entries if d.get("snapshot") == state.get("snapshot")]
+    own = [d for d in entries if d.get("snapshot") == state.snapshot]
     entry = (own or entries)[-1]
     tried: dict[str, list[dict[str, Any]]] = {}
-    for row in state["experiments"]:
+    for row in state.experiments:
         if not row.get("is_baseline") and not row.get("patch_sha256"):
             tried.setdefault(config_key(row.get("mitigations")), []).append(row)
     steps = []
