@@ -19,6 +19,7 @@ from mcp.server.mcpserver.exceptions import UnexpectedToolError
 from mcp.types import Resource
 
 from axrl_spike_replay import __version__
+from axrl_spike_replay.agent_install import SERVER_NAME
 from axrl_spike_replay.mcp_faces import (
     analysis_tools,
     capture_tools,
@@ -30,8 +31,6 @@ from axrl_spike_replay.mcp_faces import (
 )
 from axrl_spike_replay.mcp_faces.bridge import crash_error
 from axrl_spike_replay.mcp_faces.config import ServerConfig
-
-SERVER_NAME = "axrl-spike-replay"
 
 INSTRUCTIONS = """\
 Investigate gradient-norm spikes of RL post-training runs (MoE LLMs) from their spike snapshots.

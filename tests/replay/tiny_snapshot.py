@@ -1,7 +1,7 @@
 """Tiny spike snapshots for the replay tests, recorded with the trainer's own step functions.
 
 One process builds the seeded policy, makes each rank's batch (a few samples carry a rollout-logprob
-mismatch: the burst), computes every rank's gradients with `replay.rank_step` (summed, then divided
+mismatch: the burst), computes every rank's gradients with `training.rank_step` (summed, then divided
 by the world size as `reduce_gradients` does) and writes the snapshot with `write_snapshot`, which
 takes every rank's payload from a single process. Under `loss.normalization: global` every rank
 normalises by the step's counts, summed over the ranks' batches as the trainer's all-reduce sums

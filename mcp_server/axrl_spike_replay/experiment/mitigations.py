@@ -692,10 +692,6 @@ def normal_form(config: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(sorted(out.items()))
 
 
-_INT_RE = re.compile(r"^[+-]?\d+$")
-_FLOAT_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
-
-
 def canonical(value: Any) -> Any:
     """A value in canonical JSON form: sorted mappings without unset entries, lists for sequences, whole floats
     as ints (2.0 == "2" -> 2), "true"/"false" as booleans. What `workspace.changes.config_key` hashes, so equal

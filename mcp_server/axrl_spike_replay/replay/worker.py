@@ -2,7 +2,7 @@
 
 Configs that differ only in the loss share one forward pass per rank batch: the loss of each config
 is backpropagated from the same graph (`retain_graph`) into its own gradient buffers. Reduction and
-norms use `replay.rank_step` exactly as the trainer does, so the baseline reproduces training.
+norms use `training.rank_step` exactly as the trainer does, so the baseline reproduces training.
 """
 
 from __future__ import annotations

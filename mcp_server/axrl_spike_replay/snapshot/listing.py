@@ -132,11 +132,6 @@ def scan_iteration_dirs(parent: Path, root: Path | None = None) -> tuple[dict[in
     return dict(sorted(found.items())), skipped
 
 
-def iteration_dirs(parent: Path, root: Path | None = None) -> dict[int, Path]:
-    """{iteration: path} of the complete `iter_<N>` dirs in `parent`, none reached through a symlink out of `root`."""
-    return scan_iteration_dirs(parent, root)[0]
-
-
 def directory_bytes(path: Path) -> int:
     """Apparent size of every file below `path` (hardlinked files count in each copy)."""
     total = 0
