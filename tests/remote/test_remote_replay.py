@@ -10,11 +10,10 @@ import pytest
 from ssh_loopback import SSHD, LoopbackServer
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.experiment.result import ReplayResult
+from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
 from axrl_spike_replay.investigation.request import How, ReplayRequest, What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.sweep import SweepResult
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
 SNAPSHOT = FIXTURE / "checkpoints" / "spike_snapshots" / "iter_0000021"

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.result import SweepResult
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import ReplayOptions
-from axrl_spike_replay.replay.sweep import SweepResult
 from axrl_spike_replay.replay.worker import _groups
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.routing_replay import RoutingConfig
