@@ -30,8 +30,6 @@ def _cli(*args: Any, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-
-
 def _children(parent: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -174,7 +172,7 @@ def test_a_symlink_or_a_socket_others_can_use_is_refused(tmp_path: Path) -> None
 
 
 def test_a_dir_of_another_user_is_refused(tmp_path: Path) -> None:
-    from axrl_spike_replay.investigation.warm_socket import private_dir
+    from axrl_spike_replay.private_files import private_dir
 
     if os.getuid() != 0:
         pytest.skip("needs root to make a dir owned by another user")

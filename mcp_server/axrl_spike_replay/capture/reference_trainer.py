@@ -207,7 +207,7 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
                 trips.append(decision)
                 payload = {rank: trainer.snapshot_payload(step, grads)}
                 path = guard.snapshot(decision, trainer.model_state(), payload)
-                where = str(path.relative_to(out))
+                where = str(path.relative_to(out)) if path is not None else "not written (see the error logged)"
             if guard.apply(decision, trainer.model, trainer.optimizer):
                 trainer.update(grads, step)
             else:

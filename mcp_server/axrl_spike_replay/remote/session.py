@@ -12,7 +12,7 @@ from pathlib import Path
 import asyncssh
 from asyncssh.constants import FILEXFER_TYPE_DIRECTORY, FILEXFER_TYPE_REGULAR
 
-from axrl_spike_replay.atomic import temp_beside
+from axrl_spike_replay.atomic import copy_mode, temp_beside
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.connect import ConnectSettings, SshConnection, open_connection
 from axrl_spike_replay.remote.errors import RemoteError
@@ -144,10 +144,18 @@ class RemoteSession:
         return self._sftp
 
     async def fetch(self, path: str, local_path: Path) -> Path:
-        """Copy node file `path` to `local_path` over SFTP, atomically (temp file, then rename)."""
+        """Copy node file `path` to `local_path` over SFTP, atomically (temp file, then rename); the copy is no
+        more readable than the node's file (its mode less the local umask)."""
         sftp = await self.sftp()
         local_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = temp_beside(local_path, suffix=".part")
+        try:
+            permissions = (await sftp.stat(path)).permissions
+        except asyncssh.SFTPNoSuchFile:
+            raise RemoteError(f"{self.label}: {path} does not exist on the node") from None
+        except (asyncssh.Error, OSError) as exc:
+            raise RemoteError(self._lost_or(f"{self.label}: cannot fetch {path}: {exc}")) from None
+        # a server that does not say keeps the copy private
+        fd, tmp = temp_beside(local_path, suffix=".part", mode=copy_mode(permissions if permissions else 0o600))
         os.close(fd)
         try:
             await sftp.get(path, tmp)

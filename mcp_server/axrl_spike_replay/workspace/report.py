@@ -9,11 +9,16 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.names import check_plain_name
-from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR, iteration_dir_name
 from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of, recorded_consistency
 from axrl_spike_replay.workspace.methods import RANKING, method_files, rank_key
 from axrl_spike_replay.workspace.paths import check_workspace, job_tmp_dir
-from axrl_spike_replay.workspace.preserved_copies import copies_in_use, copies_kept, is_last_copy, release_copies
+from axrl_spike_replay.workspace.preserved_copies import (
+    copies_in_use,
+    copies_kept,
+    is_last_copy,
+    release_copies,
+    source_of,
+)
 from axrl_spike_replay.workspace.render import render
 from axrl_spike_replay.workspace.task import TaskState
 from axrl_spike_replay.workspace.task_diagnosis import report_diagnosis
@@ -165,7 +170,7 @@ def follow_released_snapshot(state: TaskState, released: list[dict[str, Any]]) -
     for entry in released:
         if not entry.get("released") or entry.get("path") != state.snapshot:
             continue
-        source = Path(entry["output_dir"]) / SNAPSHOTS_DIR / iteration_dir_name(entry["iteration"])
+        source = source_of(entry)
         if not source.is_dir():
             continue
         old = str(entry["path"])
