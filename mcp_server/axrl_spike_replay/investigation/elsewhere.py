@@ -28,12 +28,8 @@ from axrl_spike_replay.remote.options import RemoteOptions
 from axrl_spike_replay.remote.remote_replay import RemoteReplayRequest, plan_processes, run_remote_torch
 from axrl_spike_replay.remote.results import snapshot_facts
 from axrl_spike_replay.remote.session import RemoteSession, open_session
-from axrl_spike_replay.remote.workspace_config import (
-    CONFIG_FILE,
-    ResolvedTarget,
-    load_workspace_config,
-    resolve_target,
-)
+from axrl_spike_replay.remote.target_config import ResolvedTarget
+from axrl_spike_replay.remote.workspace_config import CONFIG_FILE, load_workspace_config, resolve_target
 from axrl_spike_replay.vocabulary import Backend, Verb
 
 T = TypeVar("T")

@@ -24,6 +24,9 @@ def run_request(request: ReplayRequest, runner: JobRunner | None = None) -> RunR
 
     `runner` runs a local replay's or sweep's jobs (a server's warm pools); default: processes started for
     this run. A run elsewhere stops when `request.cancel` is set, as a local one does."""
+    from axrl_spike_replay.rank_processes import refuse_in_spawned_import
+
+    refuse_in_spawned_import(f"the {request.what.verb}")  # before it writes anything: a script without a main guard
     if not request.runs_here:
         from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
 

@@ -40,6 +40,15 @@ def source_of(entry: dict[str, Any]) -> Path:
     return Path(entry["output_dir"]) / SNAPSHOTS_DIR / Path(entry["path"]).name
 
 
+def source_of_copy(snapshot: str | Path | None) -> Path | None:
+    """The rotating `spike_snapshots/iter_<N>[-<tag>]` a preserved copy (`spike_snapshots-active/...`) was made from,
+    whether it exists or not; None when `snapshot` is no preserved copy."""
+    if not snapshot or Path(str(snapshot)).parent.name != PRESERVED_DIR.name:
+        return None
+    copy = copy_of(snapshot)
+    return None if copy is None else source_of(copy)
+
+
 def _marker_time(path: str) -> str | None:
     """The copy's marker `created_at` when it is a valid preserved copy made by this tool, else None."""
     from axrl_spike_replay.snapshot.preserved_marker import preserved_copy_problem, read_marker
