@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from axrl_spike_replay.errors import AxrlError
-
 
 def resolved_text(path: str | os.PathLike[str]) -> str:
     """Where `path` leads with every symlink resolved, for messages ("a symlink loop" when it never ends)."""
@@ -27,17 +25,6 @@ def is_inside(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> boo
     except (OSError, RuntimeError):  # RuntimeError: pathlib's "Symlink loop" (Python < 3.13)
         return False
     return resolved == resolved_root or resolved_root in resolved.parents
-
-
-def check_inside(path: str | os.PathLike[str], root: str | os.PathLike[str], what: str) -> Path:
-    """`path` when it resolves inside `root`; AxrlError naming it (and where it leads) otherwise."""
-    candidate = Path(path)
-    if not is_inside(candidate, root):
-        raise AxrlError(
-            f"{what} {candidate} leads outside {root} (to {resolved_text(candidate)}) through a symlink; "
-            "refusing to follow it"
-        )
-    return candidate
 
 
 def link_leaving(entry: str | os.PathLike[str], root: str | os.PathLike[str]) -> str | None:

@@ -27,6 +27,7 @@ from mcp.types import Resource, Tool
 from pydantic import AnyHttpUrl
 
 from axrl_spike_replay import __version__
+from axrl_spike_replay.agent_install import SERVER_NAME
 from axrl_spike_replay.mcp_faces import (
     analysis_tools,
     capture_tools,
@@ -41,8 +42,6 @@ from axrl_spike_replay.mcp_faces.config import ServerConfig
 
 if TYPE_CHECKING:
     from axrl_spike_replay.mcp_faces.http_access import HttpAccess
-
-SERVER_NAME = "axrl-spike-replay"
 
 INSTRUCTIONS = """\
 Investigate gradient-norm spikes of RL post-training runs (MoE LLMs) from their spike snapshots.
@@ -154,7 +153,7 @@ def create_server(
     )
     server = SpikeReplayServer(config, token_verifier)
     for module in TOOL_MODULES:
-        module.register(server, config)
+        module.register(server)
     resources.register(server, config)
     return server
 

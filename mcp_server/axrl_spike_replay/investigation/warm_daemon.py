@@ -2,7 +2,7 @@
 
 It keeps what the MCP server keeps (`replay.warm_pool.WarmService`: rank processes with torch, DCP
 and the process group up, snapshot weights loaded) and runs each request through `investigation.runs.
-run_here`, the function a cold CLI call runs, so result files, task rows and errors are the same.
+run_request`, the function a cold CLI call runs, so result files, task rows and errors are the same.
 
 One request runs at a time, in the main thread, in the caller's working directory (relative paths
 mean what they mean to the caller); pings and `--stop` are answered at once. A caller that goes away
@@ -20,11 +20,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.investigation.request import ReplayRequest, replay_request
+from axrl_spike_replay.investigation.request import ReplayRequest, request_of_document
 from axrl_spike_replay.investigation.warm_socket import Lines, WarmPaths, send
 from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.private_files import bind_private_socket, peer_uid, private_dir
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
 _POLL_S = 0.5
 _FIRST_MESSAGE_S = 30.0  # a connection that says nothing this long is dropped
-REQUEST_FIELDS = tuple(f.name for f in fields(ReplayRequest) if f.name not in ("progress", "cancel"))
 
 
 @dataclass(frozen=True)
@@ -47,15 +46,8 @@ class ServiceSettings:
 
 
 def request_from(doc: Mapping[str, Any], progress: Callable[[str], None], cancel: threading.Event) -> ReplayRequest:
-    """The validated request a client sent (its fields, see `warm_client.request_fields`); ConfigError otherwise."""
-    unknown = sorted(set(doc) - set(REQUEST_FIELDS))
-    if unknown:
-        raise ConfigError(f"the warm service does not know the request field(s) {', '.join(unknown[:5])}")
-    args = dict(doc)
-    snapshot = args.pop("snapshot", None)
-    if not isinstance(snapshot, str) or not snapshot:
-        raise ConfigError("the request names no snapshot", "snapshot")
-    request = replay_request(snapshot, progress=progress, cancel=cancel, **args)
+    """The validated request a client sent (`request.request_document`); ConfigError otherwise."""
+    request = request_of_document(doc, progress, cancel)
     if not request.runs_here:
         raise ConfigError("the warm service runs the built-in torch engine here; run other targets without it")
     return request
@@ -141,7 +133,7 @@ class _Service:
 
     def run(self, conn: socket.socket, message: dict[str, Any]) -> None:
         """Run one request in the caller's directory, streaming its progress lines, then its result or error."""
-        from axrl_spike_replay.investigation.runs import run_here
+        from axrl_spike_replay.investigation.runs import run_request
         from axrl_spike_replay.jsonable import to_jsonable
 
         cancel = self.current = threading.Event()
@@ -158,8 +150,8 @@ class _Service:
                 raise ConfigError("a run request needs the caller's absolute `cwd` and the `request` fields")
             os.chdir(cwd)
             request = request_from(doc, progress, cancel)
-            self.say(f"{request.verb} {request.snapshot} (from {cwd})")
-            reply: dict[str, Any] = {"result": to_jsonable(run_here(request, self.runner))}
+            self.say(f"{request.what.verb} {request.what.snapshot} (from {cwd})")
+            reply: dict[str, Any] = {"result": to_jsonable(run_request(request, self.runner))}
         except AxrlError as exc:
             kind = "config" if isinstance(exc, ConfigError) else "axrl"
             reply = {"error": str(exc), "kind": kind, "parameter": getattr(exc, "parameter", None)}

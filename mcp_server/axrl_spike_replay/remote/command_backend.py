@@ -25,19 +25,18 @@ from typing import Any
 
 from axrl_spike_replay.atomic import atomic_write_bytes
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.experiment.mitigations import config_id
+from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
+from axrl_spike_replay.experiment.run_dir import RESULT_FILE, SWEEP_FILE, RunDir, RunRecorder, write_and_record
+from axrl_spike_replay.experiment.verdict import tolerance
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.command_overrides import render_overrides
 from axrl_spike_replay.remote.errors import RemoteError
 from axrl_spike_replay.remote.job import JobOutcome, LineCallback, Session
 from axrl_spike_replay.remote.patch_worktree import patch_set_text, patched_worktree
-from axrl_spike_replay.remote.results import SnapshotFacts, base_result, judged_result, tail, write_and_record
+from axrl_spike_replay.remote.results import SnapshotFacts, base_result, judged_result, tail
 from axrl_spike_replay.remote.shell import job_script
 from axrl_spike_replay.remote.workspace_config import CommandBackendConfig
-from axrl_spike_replay.replay.mitigations import config_id
-from axrl_spike_replay.replay.result import ReplayResult, SweepResult
-from axrl_spike_replay.replay.run_dir import RESULT_FILE, RunDir
-from axrl_spike_replay.replay.sweep import SWEEP_FILE
-from axrl_spike_replay.replay.verdict import tolerance
 from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
 
 COMMAND_RESULT_FILE = "command_result.json"
@@ -104,7 +103,7 @@ class _Context:
 
     session: Session
     request: CommandRequest
-    workspace: str | Path | None
+    recorder: RunRecorder | None
     on_line: LineCallback | None
     progress: Callable[[str], None] | None
 
@@ -114,7 +113,7 @@ class _Context:
 
     def write(self, run: RunDir, result: ReplayResult, *, record: bool = True) -> Path | None:
         if record:
-            return write_and_record(run, result, self.workspace, self.request.facts.job)
+            return write_and_record(run, result, self.recorder, self.request.facts.job)
         return run.write_result(result)
 
 
@@ -123,7 +122,7 @@ async def run_command_backend(
     request: CommandRequest,
     run: RunDir,
     *,
-    workspace: str | Path | None = None,
+    recorder: RunRecorder | None = None,
     on_line: LineCallback | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ReplayResult:
@@ -136,7 +135,7 @@ async def run_command_backend(
     propagates. The result is written to `replay_result.json` and logged in the task file; with a config,
     the baseline's own files go under `baseline/` (logged only when it failed, as the engine does).
     """
-    ctx = _Context(session, request, workspace, on_line, progress)
+    ctx = _Context(session, request, recorder, on_line, progress)
     config = dict(request.mitigations)
     if not config:
         workdir = request.backend.workdir
@@ -158,7 +157,7 @@ async def run_command_sweep(
     configs: Sequence[Mapping[str, Any]],
     run: RunDir,
     *,
-    workspace: str | Path | None = None,
+    recorder: RunRecorder | None = None,
     on_line: LineCallback | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> SweepResult:
@@ -170,7 +169,7 @@ async def run_command_sweep(
     failed baseline stops the sweep (nothing can be judged against it); a failed config does not.
     """
     assert run.path is not None, "the command backend needs an output dir"
-    ctx = _Context(session, request, workspace, on_line, progress)
+    ctx = _Context(session, request, recorder, on_line, progress)
     facts, started = request.facts, time.perf_counter()
     results: list[ReplayResult] = []
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 LineCallback = Callable[[str, str], None]  # (stream "stdout"|"stderr", line without newline)
+KILL_GRACE_S = 5.0  # a stopped job's process group: SIGTERM, then SIGKILL after this long (local and SSH alike)
 _CHUNK = 1 << 16
 
 

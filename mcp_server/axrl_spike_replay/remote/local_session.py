@@ -15,9 +15,15 @@ from pathlib import Path
 from axrl_spike_replay.atomic import atomic_copy
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.errors import RemoteError
-from axrl_spike_replay.remote.job import Captured, JobOutcome, LineCallback, check_temp_dir, exit_reason, pump_lines
-
-KILL_GRACE_S = 5.0
+from axrl_spike_replay.remote.job import (
+    KILL_GRACE_S,
+    Captured,
+    JobOutcome,
+    LineCallback,
+    check_temp_dir,
+    exit_reason,
+    pump_lines,
+)
 
 
 def _shell() -> str:

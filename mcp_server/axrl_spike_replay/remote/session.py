@@ -16,11 +16,18 @@ from axrl_spike_replay.atomic import copy_mode, temp_beside
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.connect import ConnectSettings, SshConnection, open_connection
 from axrl_spike_replay.remote.errors import RemoteError
-from axrl_spike_replay.remote.job import Captured, JobOutcome, LineCallback, check_temp_dir, exit_reason, pump_lines
+from axrl_spike_replay.remote.job import (
+    KILL_GRACE_S,
+    Captured,
+    JobOutcome,
+    LineCallback,
+    check_temp_dir,
+    exit_reason,
+    pump_lines,
+)
 from axrl_spike_replay.remote.shell import detached_command, kill_group_command, parse_pgid_marker
 from axrl_spike_replay.remote.target import SshTarget, parse_target
 
-KILL_GRACE_S = 5.0
 DRAIN_AFTER_KILL_S = 10.0
 
 

@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from axrl_spike_replay.analysis.log_blocks import HEAD_BYTES, MAX_LINE_CHARS, ByteSource, LineBlocks
-from axrl_spike_replay.analysis.log_columns import Run, column_values, lines_of_width, same_but_digits
-from axrl_spike_replay.analysis.log_kv import KeyValueRuns
-from axrl_spike_replay.analysis.log_lines import error_kind, parse_line
-from axrl_spike_replay.analysis.log_series import SeriesBuilder
-from axrl_spike_replay.analysis.log_values import has_marker, head_starts, read_floats, read_heads
+from axrl_spike_replay.logs.log_blocks import HEAD_BYTES, MAX_LINE_CHARS, ByteSource, LineBlocks
+from axrl_spike_replay.logs.log_columns import Run, column_values, lines_of_width, same_but_digits
+from axrl_spike_replay.logs.log_kv import KeyValueRuns
+from axrl_spike_replay.logs.log_lines import error_kind, parse_line
+from axrl_spike_replay.logs.log_series import SeriesBuilder
+from axrl_spike_replay.logs.log_values import has_marker, head_starts, read_floats, read_heads
 
 MAX_ERRORS = 200
 

@@ -27,20 +27,20 @@ from typing import Any
 
 import numpy as np
 
-from axrl_spike_replay.analysis.log_copy import CopyBeside, PlannedCopy, plan_copies
-from axrl_spike_replay.analysis.log_halves import SecondHalf, can_fork, cut_point
-from axrl_spike_replay.analysis.log_lines import error_kind, key_values, parse_line
-from axrl_spike_replay.analysis.log_reader import MAX_ERRORS, MAX_LINE_CHARS, LogTally, scan_handle
-from axrl_spike_replay.analysis.log_series import SeriesPoints
-from axrl_spike_replay.analysis.series_sampling import DEFAULT_LIMIT, sampled_series
 from axrl_spike_replay.capture.detectors import Detector, MedianRatioDetector, make_detector
 from axrl_spike_replay.containment import is_inside, resolved_text
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.logs.log_copy import CopyBeside, PlannedCopy, plan_copies
+from axrl_spike_replay.logs.log_halves import SecondHalf, can_fork, cut_point
+from axrl_spike_replay.logs.log_lines import error_kind, key_values, parse_line
+from axrl_spike_replay.logs.log_reader import MAX_ERRORS, MAX_LINE_CHARS, LogTally, scan_handle
+from axrl_spike_replay.logs.log_series import SeriesPoints
+from axrl_spike_replay.logs.series_sampling import DEFAULT_LIMIT, sampled_series
+from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.snapshot.discovery import split_logs
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, RUN_CONFIG, SNAPSHOTS_DIR, parse_output_dir_name
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
-from axrl_spike_replay.workspace.paths import check_plain_name
 
 MAX_SKIPPED = 200
 _DEFAULT_DETECTOR: dict[str, Any] = {"kind": "median_ratio", "window": 20, "threshold": 5.0, "warmup": 10}
