@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from tiny_snapshot import record_tiny_snapshot
 
 from axrl_spike_replay.errors import ConfigError
@@ -14,7 +13,6 @@ from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
 from axrl_spike_replay.experiment.result import SweepResult
 from axrl_spike_replay.investigation.request import What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.training.sample_masks import outlier_samples, robust_z
 from axrl_spike_replay.vocabulary import Verdict
 
 OUTLIER = (0, 1, 200.0)  # rank 0 sample 1: its advantage scaled 200x
@@ -97,16 +95,6 @@ def test_a_clear_threshold_of_the_users_changes_the_verdict(outlier_snapshot: Pa
     assert result.clean_gradient is not None and result.median_norm is not None
     assert result.clean_gradient["bar"] == pytest.approx(strict * result.median_norm)
     assert result.clean_gradient["ratio_to_median"] < strict
-
-
-def test_the_outlier_rule_is_a_robust_z_score_within_the_batch_or_group() -> None:
-    adv = torch.tensor([0.3, -0.2, 0.1, -0.1, 40.0, 0.0])
-    batch = {"advantages": adv, "loss_mask": torch.ones(6, 4), "group_index": torch.tensor([0, 0, 0, 1, 1, 1])}
-    z = robust_z(adv)
-    assert float(z[4]) > 5 > float(z[:4].max())
-    assert outlier_samples(batch, 5.0).tolist() == [False, False, False, False, True, False]
-    assert outlier_samples(batch, 5.0, "group").tolist() == [False, False, False, False, True, False]
-    assert not outlier_samples({**batch, "advantages": torch.zeros(6)}, 5.0).any()  # MAD 0 and mean AD 0
 
 
 def test_bad_values_are_refused_by_name() -> None:
