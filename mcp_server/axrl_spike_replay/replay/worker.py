@@ -99,7 +99,7 @@ def _groups(configs: Sequence[AppliedConfig]) -> list[list[AppliedConfig]]:
     """Configs grouped by weights, then by forward (routing): snapshot weights first, order kept."""
     groups: dict[tuple[Any, ...], list[AppliedConfig]] = {}
     for cfg in sorted(configs, key=lambda c: c.weights is not None):
-        groups.setdefault((cfg.weights, cfg.routing), []).append(cfg)
+        groups.setdefault(cfg.forward_key, []).append(cfg)
     return list(groups.values())
 
 
@@ -132,7 +132,23 @@ class RankInputs:
 
     def routing(self, cfg: AppliedConfig, rank: int) -> Any:
         routes = self.routes(rank) if cfg.routing.replay != "off" else None
-        return routing_control(cfg.routing, self.batches[rank], routes)
+        control = routing_control(cfg.routing, self.batches[rank], routes)
+        own = cfg.recompute.route_layers(rank)  # recompute=routes: this rank routes as the model does there
+        if own is None:
+            return dataclasses.replace(control, routes=None, replay_tokens=None)
+        if own:
+            return dataclasses.replace(control, current_layers=control.current_layers | own)
+        return control
+
+
+def loss_batch(saved: dict[str, torch.Tensor], rank: int, cfg: AppliedConfig, logprobs: torch.Tensor) -> dict[str, Any]:
+    """The batch a config's loss sees on `rank`: its samples filtered (`filtered_batch`) and, under
+    `recompute=old_logprobs`, the old log-probs replaced by the forward's own (detached)."""
+    batch = filtered_batch(saved, rank, cfg.samples)
+    if cfg.recompute.old_logprobs(rank):
+        dtype = saved["old_logprobs"].dtype if "old_logprobs" in saved else logprobs.dtype
+        batch = {**batch, "old_logprobs": logprobs.detach().to(dtype)}
+    return batch
 
 
 def _same_mask(a: LossConfig, b: LossConfig) -> bool:
@@ -182,7 +198,7 @@ def forward_group(
     for rank, saved in inputs.batches.items():
         out = policy_forward(model, saved, inputs.routing(group[0], rank), need_entropy=entropy_needed)
         for i, cfg in enumerate(group):
-            batch = filtered_batch(saved, rank, cfg.samples)
+            batch = loss_batch(saved, rank, cfg, out.logprobs)
             result = policy_loss(
                 out.logprobs,
                 batch,

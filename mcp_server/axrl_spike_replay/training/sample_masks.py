@@ -11,7 +11,7 @@ without one the batch is the group). `outlier_z` computes it, for this mask and 
 
 - the median is the true one (the mean of the two middle values; `torch.median` takes the lower one, which in a
   two-valued GRPO group is one of the two values itself, so every sample of the other value looked far out);
-- deviations within float noise of the batch's magnitude (NOISE times its RMS) count as 0: two advantages that
+- deviations within float noise of the batch's magnitude (NOISE times its RMS, at least NOISE) count as 0: two advantages that
   differ by 2.8e-5 are a tie, not a spread of 2.8e-5;
 - scale = max(1.4826 * MAD, the spread of the other groups): 1.4826 * MAD estimates the standard deviation of
   normal data, so the threshold reads in standard deviations. Group-normalised GRPO advantages are discrete (a
@@ -25,9 +25,10 @@ without one the batch is the group). `outlier_z` computes it, for this mask and 
 - no spread left (the scale within noise) or fewer than 3 samples in the scope: nothing is flagged (there is
   nothing to judge by; the old mean-absolute-deviation fallback gave a lone correct answer a z of 8-17).
 
-`drop_samples` leaves the named `rank:sample` pairs out: a diagnostic (is the spike those samples?),
-never a production method. The clean gradient (`replay.clean_gradient`) leaves single loss tokens out the
-same way (`TokenDrop`); no mitigation does.
+`drop_samples` leaves the named `rank:sample` pairs out, `drop_ranks` every sample of the named saved ranks and
+`keep_ranks` every sample of the others (the DP mean still divides by the saved world size, as when those ranks'
+samples are masked in training): diagnostics (is the spike those samples, that rank?), never production methods.
+The clean gradient (`replay.clean_gradient`) leaves single loss tokens (or whole ranks) out the same way (`TokenDrop`); no mitigation does.
 
 Masking changes which columns hold loss tokens, never the response width verl's
 `seq-mean-token-sum-norm` divides by: the batch's horizon is pinned (`response_width`) before the mask is.
@@ -48,7 +49,7 @@ if TYPE_CHECKING:  # torch-free at import: the mitigation registry (and the serv
     import torch
 
 MAD_SCALE = 1.4826  # 1 / Phi^-1(3/4): MAD * this estimates the standard deviation of normal data
-NOISE = 1e-4  # deviations below this times the batch's RMS advantage are float noise: a tie
+NOISE = 1e-4  # deviations below this times the batch's RMS advantage (at least 1) are float noise: a tie
 FAR = 50.0  # a robust z above this leaves the value out of the spread the others are judged by
 MIN_SCOPE = 3  # fewer samples than this in a scope: no robust statistic, nothing flagged
 SCOPES = ("batch", "group")
@@ -77,10 +78,19 @@ class SampleFilter:
     outlier_scope: str = "batch"  # batch | group
     drop: frozenset[tuple[int, int]] = frozenset()  # drop_samples: (saved rank, sample index)
     tokens: TokenDrop | None = None  # single loss tokens left out (the clean gradient's)
+    drop_ranks: frozenset[int] = frozenset()  # drop_ranks: every sample of these saved ranks
+    keep_ranks: frozenset[int] | None = None  # keep_ranks: every sample of the other saved ranks is left out
 
     @property
     def drops_samples(self) -> bool:
-        return self.outlier_threshold is not None or bool(self.drop)
+        return self.outlier_threshold is not None or bool(self.drop) or self.drops_ranks
+
+    @property
+    def drops_ranks(self) -> bool:
+        return bool(self.drop_ranks) or self.keep_ranks is not None
+
+    def keeps_rank(self, rank: int) -> bool:
+        return rank not in self.drop_ranks and (self.keep_ranks is None or rank in self.keep_ranks)
 
     @property
     def active(self) -> bool:
@@ -108,16 +118,14 @@ def _spread(values: Sequence[float]) -> float:
     return _rms([v - mean for v in values])
 
 
-def outlier_z(
-    values: Sequence[float], groups: Sequence[Hashable] | None = None, scope: str = "batch"
-) -> list[float]:
+def outlier_z(values: Sequence[float], groups: Sequence[Hashable] | None = None, scope: str = "batch") -> list[float]:
     """Each value's outlier score |v - median| / scale in its scope (see the module doc); 0 where there is no
     spread to judge by. `groups`: each value's prompt group (None: no group structure known); `scope`: batch or
     group (with `groups`)."""
     n = len(values)
     if groups is not None and len(groups) != n:
         raise ValueError(f"{len(groups)} group ids for {n} values")
-    tol = NOISE * _rms(values)
+    tol = NOISE * max(_rms(values), 1.0)
     members: dict[Hashable, list[int]] = {}
     for i, key in enumerate(groups if groups is not None else [0] * n):
         members.setdefault(key, []).append(i)
@@ -172,6 +180,8 @@ def kept_samples(batch: Mapping[str, torch.Tensor], rank: int, samples: SampleFi
         return None
     n = batch["loss_mask"].shape[0]
     drop = torch.zeros(n, dtype=torch.bool, device=batch["loss_mask"].device)
+    if not samples.keeps_rank(rank):
+        return torch.zeros(n, device=drop.device)
     for r, s in samples.drop:
         if r == rank:
             if s >= n:
@@ -232,9 +242,41 @@ def pairs_of(value: Iterable[str]) -> frozenset[tuple[int, int]]:
 
 
 def check_ranks(samples: SampleFilter, world_size: int) -> None:
-    """ConfigError when `drop_samples` names a rank the snapshot does not have."""
-    bad = sorted(r for r, _ in samples.drop if r >= world_size)
-    if bad:
-        raise ConfigError(
-            f"drop_samples: rank {bad[0]} is not in the snapshot (saved ranks 0..{world_size - 1})", "mitigations"
-        )
+    """ConfigError when `drop_samples`, `drop_ranks` or `keep_ranks` names a rank the snapshot does not have, or
+    the ranks named leave no rank in the loss."""
+    for name, ranks in (
+        ("drop_samples", {r for r, _ in samples.drop}),
+        ("drop_ranks", set(samples.drop_ranks)),
+        ("keep_ranks", set(samples.keep_ranks or ())),
+    ):
+        bad = sorted(r for r in ranks if r >= world_size)
+        if bad:
+            raise ConfigError(
+                f"{name}: rank {bad[0]} is not in the snapshot (saved ranks 0..{world_size - 1})", "mitigations"
+            )
+    if samples.drops_ranks and not any(samples.keeps_rank(r) for r in range(world_size)):
+        raise ConfigError("drop_ranks / keep_ranks leave no saved rank in the loss", "mitigations")
+
+
+def parse_ranks(name: str, raw: Any) -> list[int]:
+    """Saved DP ranks from `1`, `0,2`, `rank1` or a list; a sorted list of distinct integers >= 0."""
+    if isinstance(raw, bool):
+        raise ConfigError(f"mitigation {name}: expected rank ids such as 1 or 0,2, got {shown(raw)}")
+    items: Iterable[Any]
+    if isinstance(raw, int):
+        items = [raw]
+    elif isinstance(raw, str):
+        items = [part for part in raw.replace(";", ",").strip("[] ").split(",") if part.strip()]
+    elif isinstance(raw, (list, tuple)):
+        items = raw
+    else:
+        raise ConfigError(f"mitigation {name}: expected rank ids such as 1 or 0,2, got {shown(raw)}")
+    ranks = set()
+    for item in items:
+        text = str(item).strip().lower().removeprefix("rank")
+        if isinstance(item, bool) or not text.isdigit():
+            raise ConfigError(f"mitigation {name}: {shown(item)} is not a rank id (an integer >= 0)")
+        ranks.add(int(text))
+    if not ranks:
+        raise ConfigError(f"mitigation {name}: name at least one rank")
+    return sorted(ranks)
