@@ -136,9 +136,12 @@ class RemoteSession:
                 raise RemoteError(f"{self.label}: cannot start SFTP: {exc}") from None
         return self._sftp
 
-    async def fetch(self, path: str, local_path: Path) -> Path:
-        """Copy node file `path` to `local_path` over SFTP, atomically (temp file, then rename)."""
+    async def fetch(self, path: str, local_path: Path, max_bytes: int | None = None) -> Path:
+        """Copy node file `path` to `local_path` over SFTP, atomically (temp file, then rename); RemoteError when
+        it is not a regular file or is larger than `max_bytes`."""
         sftp = await self.sftp()
+        if max_bytes is not None:
+            await self._check_size(sftp, path, max_bytes)
         local_path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = temp_beside(local_path, suffix=".part")
         os.close(fd)
@@ -152,6 +155,18 @@ class RemoteSession:
         finally:
             Path(tmp).unlink(missing_ok=True)
         return local_path
+
+    async def _check_size(self, sftp: asyncssh.SFTPClient, path: str, max_bytes: int) -> None:
+        try:
+            attrs = await sftp.stat(path)
+        except asyncssh.SFTPNoSuchFile:
+            raise RemoteError(f"{self.label}: {path} does not exist on the node") from None
+        except (asyncssh.Error, OSError) as exc:
+            raise RemoteError(self._lost_or(f"{self.label}: cannot fetch {path}: {exc}")) from None
+        if attrs.type != FILEXFER_TYPE_REGULAR:
+            raise RemoteError(f"{self.label}: {path} is not a regular file")
+        if attrs.size is not None and attrs.size > max_bytes:
+            raise RemoteError(f"{self.label}: {path} is {attrs.size} bytes, more than the {max_bytes}-byte limit")
 
     async def fetch_tree(self, path: str, local_dir: Path, skip: tuple[str, ...] = ()) -> list[Path]:
         """Copy every regular file under node dir `path` into `local_dir` (same relative paths); the local files."""
