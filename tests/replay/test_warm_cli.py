@@ -30,8 +30,6 @@ def _cli(*args: Any, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-
-
 def _children(parent: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():

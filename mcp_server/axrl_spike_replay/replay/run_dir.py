@@ -99,7 +99,6 @@ class RunRecorder(Protocol):
         ...
 
 
-
 def command_line(verb: str, snapshot: str, options: dict[str, Any]) -> str:
     """The equivalent CLI command for a library call, for `command.txt`."""
     parts = ["axrl-spike-replay", verb, snapshot]
