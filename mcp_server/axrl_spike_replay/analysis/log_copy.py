@@ -87,9 +87,9 @@ class CopyBeside(threading.Thread):
         try:
             with os.fdopen(fd, "wb") as out:
                 self._copy(out.fileno())
-            if self.stopped.is_set():
-                raise AxrlError(f"copy of {self.source} stopped")
-            os.replace(tmp, self.target)  # no fsync: the copy can be made again from the run's logs
+                if self.stopped.is_set():
+                    raise AxrlError(f"copy of {self.source} stopped")
+                os.replace(tmp, self.target)  # no fsync: the copy can be made again; renamed while still locked
         except BaseException as exc:  # handed to `finish`, in the scanning thread
             tmp.unlink(missing_ok=True)
             self.error = exc

@@ -115,11 +115,12 @@ class LocalSession:
         if local_path.exists() and source.resolve() == local_path.resolve():
             return local_path
         local_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = temp_beside(local_path, suffix=".part")
-        os.close(fd)
+        fd, tmp = temp_beside(local_path, suffix=".part", sweep=True)
         try:
-            shutil.copyfile(source, tmp)
-            os.replace(tmp, local_path)
+            with os.fdopen(fd, "wb") as out, open(source, "rb") as src:  # the temp stays locked until renamed
+                shutil.copyfileobj(src, out)
+                out.flush()
+                os.replace(tmp, local_path)
         finally:
             Path(tmp).unlink(missing_ok=True)
         return local_path

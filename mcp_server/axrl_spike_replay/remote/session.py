@@ -143,16 +143,16 @@ class RemoteSession:
         if max_bytes is not None:
             await self._check_size(sftp, path, max_bytes)
         local_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = temp_beside(local_path, suffix=".part")
-        os.close(fd)
+        fd, tmp = temp_beside(local_path, suffix=".part", sweep=True)
         try:
-            await sftp.get(path, tmp)
+            await sftp.get(path, tmp)  # our descriptor keeps the temp locked until it is renamed
             os.replace(tmp, local_path)
         except asyncssh.SFTPNoSuchFile:
             raise RemoteError(f"{self.label}: {path} does not exist on the node") from None
         except (asyncssh.Error, OSError) as exc:
             raise RemoteError(self._lost_or(f"{self.label}: cannot fetch {path}: {exc}")) from None
         finally:
+            os.close(fd)
             Path(tmp).unlink(missing_ok=True)
         return local_path
 
