@@ -16,6 +16,7 @@ from typing import Any
 import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import UnexpectedToolError
+from mcp.server.stdio import stdio_server
 from mcp.types import Resource
 
 from axrl_spike_replay import __version__
@@ -30,6 +31,7 @@ from axrl_spike_replay.mcp_faces import (
 )
 from axrl_spike_replay.mcp_faces.bridge import crash_error
 from axrl_spike_replay.mcp_faces.config import ServerConfig
+from axrl_spike_replay.mcp_faces.stdio_replies import AnsweringReadStream
 
 SERVER_NAME = "axrl-spike-replay"
 
@@ -56,6 +58,14 @@ class SpikeReplayServer(MCPServer):
         )
         self.config = config
         self.sessions = 0  # open lifespans (stdio: one; in-process clients: one each)
+
+    async def run_stdio_async(self) -> None:
+        """Serve over stdio, answering every request line, even one the SDK's transport cannot decode (a lone
+        surrogate in a string): see `mcp_faces.stdio_replies`. The rest is the SDK's own `run_stdio_async`."""
+        async with stdio_server() as (read_stream, write_stream):
+            lowlevel = self._lowlevel_server  # what the SDK's own run_stdio_async runs
+            options = lowlevel.create_initialization_options()
+            await lowlevel.run(AnsweringReadStream(read_stream, write_stream), write_stream, options)
 
     async def list_resources(self) -> list[Resource]:
         """Static resources, then `axrl://task/<job>` and `axrl://method/<slug>` for each file there."""

@@ -22,6 +22,7 @@ VERBS = ("replay", "sweep", "attribute")
 BACKENDS = ("torch", "command")
 DEVICES = ("cpu", "cuda")
 METHODS = ("jvp", "per_sample_backward")
+MAX_REPEAT = 100  # a determinism check needs a handful of recomputations; each one is a whole replay
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,8 +174,8 @@ def _check(
         raise ConfigError(f"`device` must be one of {', '.join(DEVICES)}, got {shown(device)}", "device")
     if nproc is not None and (not _is_int(nproc) or nproc < 1):
         raise ConfigError(f"`nproc` must be an integer >= 1, got {shown(nproc)}", "nproc")
-    if not _is_int(repeat) or repeat < 1:
-        raise ConfigError(f"`repeat` must be an integer >= 1, got {shown(repeat)}", "repeat")
+    if not _is_int(repeat) or not 1 <= repeat <= MAX_REPEAT:
+        raise ConfigError(f"`repeat` must be an integer from 1 to {MAX_REPEAT}, got {shown(repeat)}", "repeat")
     if not _is_int(top) or top < 1:
         raise ConfigError(f"`top` must be an integer >= 1, got {shown(top)}", "top")
     if method not in METHODS:

@@ -13,6 +13,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
+from axrl_spike_replay.investigation.request import MAX_REPEAT
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_async_library, call_library, structured
 from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg
 from axrl_spike_replay.replay.mitigations import MITIGATIONS
@@ -168,7 +169,12 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         nproc: NprocArg = None,
         device: DeviceArg = "cpu",
         repeat: Annotated[
-            int, Field(description="Recompute this many times and report the spread (determinism check).", ge=1)
+            int,
+            Field(
+                description="Recompute this many times and report the spread (determinism check).",
+                ge=1,
+                le=MAX_REPEAT,
+            ),
         ] = 1,
         clear_threshold: ClearThresholdArg = None,
         backend: BackendArg = "torch",
