@@ -5,19 +5,23 @@ A job's output lines are capped: a line of many megabytes without a newline is c
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+import shutil
+import signal
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from remote_helpers import kill_marked, wait_until_gone
+from remote_helpers import kill_marked, remote_processes, wait_until_gone
 from ssh_loopback import LoopbackServer
 
 from axrl_spike_replay.remote.job import MAX_LINE_BYTES, JobOutcome, Session
 from axrl_spike_replay.remote.local_session import LocalSession
 from axrl_spike_replay.remote.session import open_session
-from axrl_spike_replay.remote.shell import job_script
+from axrl_spike_replay.remote.shell import detached_command, job_script, parse_pgid_marker
 
 GUARD_S = 120.0  # a hang guard, far above what any of these jobs needs; never a measured time
 
@@ -103,3 +107,43 @@ def test_a_line_of_many_megabytes_is_cut_with_a_marker_and_never_echoed_whole(tm
     assert long_line.count(b"x") == MAX_LINE_BYTES
     assert (norm_line, last) == (b"grad_norm=56.75", b"y")
     assert [len(line) for _, line in echoed] == [len(long_line), len(norm_line), 1]
+
+
+@pytest.mark.parametrize("python3", [True, False], ids=["with-python3", "without-python3"])
+def test_the_node_side_command_runs_the_job_with_or_without_python3(python3: bool, tmp_path: Path) -> None:
+    """What sshd runs: under the reaper where the node has python3, else in its own process group alone."""
+    tools = ["sh", "setsid", "cat", "sleep", *(["python3"] if python3 else [])]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in tools:
+        found = sys.executable if tool == "python3" else shutil.which(tool)
+        assert found is not None, tool
+        (bin_dir / tool).symlink_to(found)
+    marker = f"axrl-node-{secrets.token_hex(6)}"
+    # the leftover lives as long as the hang guard: without the reaper, reading the output to its end waits that long
+    script = job_script(["sh", "-c", f"echo ran; sh -c 'sleep {GUARD_S:.0f}; :' {marker} & exit 3"])
+    node = subprocess.Popen(
+        ["/bin/sh", "-c", detached_command(script)],
+        env={"PATH": str(bin_dir)},
+        stdin=subprocess.PIPE,  # the SSH channel: held open, as sshd holds it while the job runs
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert node.stdout is not None and node.stderr is not None
+        if python3:  # the reaper ends the job's leftovers, so its output ends with the job
+            out, err = node.stdout.read(), node.stderr.read().decode()
+            assert out == b"ran\n" and node.wait(GUARD_S) == 3
+            assert err.startswith("@@axrl-pgid ") and "process(es) the command left running" in err
+            assert wait_until_gone(marker) == []
+        else:  # the leftover keeps its group (and the output) until the group is killed, as before
+            assert node.stdout.readline() == b"ran\n"
+            pgid = parse_pgid_marker(node.stderr.readline())
+            assert pgid is not None and node.wait(GUARD_S) == 3
+            assert remote_processes(marker) != []
+            os.killpg(pgid, signal.SIGKILL)
+    finally:
+        if node.stdin is not None:
+            node.stdin.close()
+        node.wait(GUARD_S)
+        kill_marked(marker)
