@@ -204,7 +204,10 @@ def print_rows(title: str, rows: list[tuple[str, dict[str, Any]]], extra: str) -
     for label, r in rows:
         seconds = r.get("seconds", float("nan"))
         rss = r.get("peak_rss_kib", 0) / 1024
-        detail = r.get("failed") or ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("seconds", "peak_rss_kib"))
+        shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
+        detail = r.get("failed") or ", ".join(
+            f"{k} {v}" for k, v in shown.items() if k not in ("seconds", "peak_rss_kib")
+        )
         print(f"{label:<28} {seconds:>9.2f} {rss:>13.0f}  {detail}")
     (_, honest), (_, hostile) = rows
     if "failed" in hostile or not honest.get("peak_rss_kib"):
