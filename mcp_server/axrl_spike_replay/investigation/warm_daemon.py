@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 _POLL_S = 0.5
 _FIRST_MESSAGE_S = 30.0  # a connection that says nothing this long is dropped
-_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)  # descriptors first, then memory
 _BACKOFF_S = (0.05, 1.0)  # accept's back-off while descriptors are out: first, then doubling up to this
 REQUEST_FIELDS = tuple(f.name for f in fields(ReplayRequest) if f.name not in ("progress", "cancel"))
 
@@ -126,17 +126,16 @@ class _Service:
             except TimeoutError:
                 continue
             except OSError as exc:
-                if exc.errno not in _OUT_OF_FDS:
-                    if self.stop.is_set() or exc.errno in (errno.EBADF, errno.EINVAL):
-                        break  # the listener was closed: the service is stopping
-                    self.say(f"accept failed ({exc.strerror or exc}); retrying")
-                if spare is not None:
+                if self.stop.is_set() or exc.errno in (errno.EBADF, errno.EINVAL):
+                    break  # the listener was closed: the service is stopping
+                short = "out of file descriptors" if exc.errno in _OUT_OF_FDS[:2] else (exc.strerror or str(exc))
+                if backoff == 0.0:
+                    self.say(f"cannot accept ({short}): waiting clients are told so until it works again")
+                if exc.errno in _OUT_OF_FDS and spare is not None:
                     os.close(spare)
                     spare = None
-                    self._refuse_one(listener)
+                    self._refuse_one(listener, short)
                     spare = _spare_fd()
-                if backoff == 0.0:
-                    self.say("out of file descriptors: new clients are told so until some are free")
                 backoff = min(max(backoff * 2, _BACKOFF_S[0]), _BACKOFF_S[1])
                 self.stop.wait(backoff)
                 continue
@@ -149,8 +148,8 @@ class _Service:
         if spare is not None:
             os.close(spare)
 
-    def _refuse_one(self, listener: socket.socket) -> None:
-        """Accept one waiting client on the descriptor just freed and tell it the service is out of them."""
+    def _refuse_one(self, listener: socket.socket, short: str) -> None:
+        """Accept one waiting client on the descriptor just freed and tell it why it cannot be served now."""
         listener.settimeout(0.0)
         try:
             conn, _ = listener.accept()
@@ -160,7 +159,7 @@ class _Service:
             listener.settimeout(_POLL_S)
         with conn, contextlib.suppress(OSError):
             conn.settimeout(1.0)
-            send(conn, {"error": "the warm replay service is out of file descriptors; try again shortly"})
+            send(conn, {"error": f"the warm replay service cannot take a connection now ({short}); try again shortly"})
 
     def greet(self, conn: socket.socket) -> None:
         """Read a connection's request: answer a ping or a stop here, queue a run for the main thread.
