@@ -91,7 +91,7 @@ def test_layouts_the_torch_backend_cannot_rebuild_point_to_the_command_backend(
     ("options", "message"),
     [
         ({"nproc": 3}, "`nproc` 3 is larger than the saved world size 2"),
-        ({"repeat": 0}, "`repeat` must be an integer >= 1"),
+        ({"repeat": 0}, "`repeat` must be an integer from 1 to 100, got 0"),
         ({"device": "tpu"}, "`device` must be one of cpu, cuda"),
         ({"mitigations": {"advantage_clamp": 1}}, "valid mitigations:"),
         ({"mitigations": {"advantage_clip": "big"}}, "advantage_clip: expected a number"),
