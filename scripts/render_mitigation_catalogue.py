@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate the mitigation catalogue (skill reference) and the README's mitigation list from the declarations.
+"""Regenerate the mitigation catalogue (skill reference) and docs/mitigations.md from the declarations.
 
 Usage: scripts/render_mitigation_catalogue.py [--check]
 `--check` writes nothing and exits 1 when a file is out of date. The declarations are
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     """Render (or check) the generated blocks; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if a file is out of date; write nothing")
-    parser.add_argument("--repo", type=Path, default=REPO, help="checkout holding README.md and skills/")
+    parser.add_argument("--repo", type=Path, default=REPO, help="checkout holding docs/ and skills/")
     args = parser.parse_args(argv)
     stale = 0
     for path, wanted in rendered_files(args.repo).items():

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv with a CPU torch (when none is importable) and the package with its dev extras.
+# Creates .venv with torch (the CPU build on a machine without an NVIDIA GPU: scripts/install-torch.sh) when none is
+# importable, and the package with its dev extras.
 # Idempotent and quick when nothing changed: a stamp keyed on pyproject.toml skips the pip work.
 # Says what it installs and why on stderr (stdout stays for the command that follows).
 set -euo pipefail
@@ -17,12 +18,12 @@ if [ ! -f "$stamp" ]; then
   say "first run (or pyproject.toml changed): installing packages; about 2-5 minutes on a small machine"
   say "upgrading pip"
   "$VENV/bin/python" -m pip install -q --upgrade pip >&2
-  # An unpinned torch would pull a multi-GB CUDA build; the CPU build is pinned where none exists.
+  # Replays recompute gradients with torch. PyPI's Linux wheel is the multi-GB CUDA build: without an NVIDIA GPU
+  # the CPU build comes from PyTorch's own index (scripts/install-torch.sh says which it did, and why).
   if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     say "torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') is already importable: kept"
   else
-    say "installing torch==2.13.0 (CPU build, ~200 MB download): replays recompute gradients with it"
-    "$VENV/bin/python" -m pip install -q "torch==2.13.0" >&2
+    scripts/install-torch.sh "$VENV/bin/python"
   fi
   say "installing axrl-spike-replay (editable) with its dependencies and dev tools (pytest, ruff, hypothesis, ...)"
   "$VENV/bin/python" -m pip install -q -e ".[dev]" >&2

@@ -4,6 +4,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/sshd-install.sh
+scripts/inspector-install.sh
+scripts/slurm-install.sh
 .venv/bin/ruff check .
 .venv/bin/pyright --pythonpath .venv/bin/python  # the library, as configured in pyproject.toml
 exec .venv/bin/python -m pytest "$@"

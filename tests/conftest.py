@@ -30,6 +30,8 @@ torch.set_num_threads(1)
 
 # Fixtures that run a training capture, rank processes or an SSH server: a test using one is `heavy`.
 _HEAVY_FIXTURES = {"captured_run", "negative_advantage_run", "hf_snapshot", "ssh_node"}
+# Files whose tests train a capture or start rank processes themselves, without one of those fixtures.
+_HEAVY_FILES = {"test_demo.py", "test_rank_processes.py"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -39,8 +41,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
-        in_capture = Path(str(item.fspath)).parent.name == "capture"
-        marked = item.get_closest_marker("slow") or item.get_closest_marker("sshd")
+        path = Path(str(item.fspath))
+        in_capture = path.parent.name == "capture" or path.name in _HEAVY_FILES
+        marked = item.get_closest_marker("slow") or item.get_closest_marker("sshd") or item.get_closest_marker("slurm")
         if in_capture or fixtures & _HEAVY_FIXTURES or marked:
             item.add_marker(pytest.mark.heavy)
 

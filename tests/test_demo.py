@@ -5,22 +5,48 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from axrl_spike_replay.cli import main
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """`axrl-spike-replay demo --json` in a fresh folder; its one JSON document."""
+def demo_process(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess[str]:
+    """`axrl-spike-replay demo --json` in a fresh folder, as its own process (stderr holds every process's lines)."""
     workspace = tmp_path_factory.mktemp("demo")
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = main(["demo", "--workspace", str(workspace), "--json"])
-    assert code == 0
-    return json.loads(out.getvalue())
+    env = {**os.environ, "PYTHONPATH": str(REPO / "mcp_server")}
+    argv = [sys.executable, "-m", "axrl_spike_replay", "demo", "--workspace", str(workspace), "--json"]
+    run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr
+    return run
+
+
+@pytest.fixture(scope="module")
+def demo_run(demo_process: subprocess.CompletedProcess[str]) -> dict:
+    """The demo's one JSON document."""
+    return json.loads(demo_process.stdout)
+
+
+def test_demo_streams_progress_while_it_works(demo_process: subprocess.CompletedProcess[str]) -> None:
+    """Each step says it is starting, and the capture and the replays stream their own lines, before the step's
+    summary: no long silence followed by whole sections."""
+    lines = demo_process.stderr.splitlines()
+
+    def first(prefix: str) -> int:
+        return next(i for i, line in enumerate(lines) if line.startswith(prefix))
+
+    assert first("demo: capture: a reference GRPO run") < first("capture: iteration 4/32: grad norm ")
+    assert first("capture: iteration 4/32") < first("capture: iteration 32/32") < first("== capture")
+    assert first("demo: sweep 10 mitigation configs") < first("process 0: mismatch_token_clip_max=2 computed")
+    assert first("mismatch_token_clip_max=2: grad norm ") < first("== sweep")
 
 
 def test_demo_reproduces_the_captured_spike_at_full_fidelity(demo_run: dict) -> None:
@@ -74,6 +100,29 @@ def test_demo_report_names_the_cause_and_the_method_that_cleared_it(demo_run: di
 def test_demo_releases_its_preserved_copy_and_keeps_the_original(demo_run: dict) -> None:
     assert not Path(demo_run["preserved"]).exists()
     assert (Path(demo_run["snapshot"]) / "axrl_metadata.json").is_file()
+
+
+def _code_after(text: str, heading: str) -> str:
+    """The first bash block after `heading`."""
+    return text.split(heading, 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_the_commands_the_demo_leaves_still_run_after_it_released_its_copy(demo_run: dict) -> None:
+    """The report's replay command and each method file's are the first things a newcomer copies."""
+    report = Path(demo_run["report"]).read_text()
+    command = shlex.split(_code_after(report, "Replay command"))
+    assert command[:2] == ["axrl-spike-replay", "replay"] and command[2] == demo_run["snapshot"]
+    assert Path(command[2]).is_dir() and demo_run["preserved"] not in _code_after(report, "Replay command")
+    for path in demo_run["methods"]:
+        method = shlex.split(_code_after(Path(path).read_text(), "## Replay it"))
+        assert method[2] == demo_run["snapshot"] and Path(method[2]).is_dir(), path
+    tis = Path(demo_run["workspace"]) / "spike-mitigation-methods" / "token-mismatch-tis-clip-2.md"
+    method = shlex.split(_code_after(tis.read_text(), "## Replay it"))
+    assert method[3:] == ["--mitigation", "mismatch_token_clip_max=2.0"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*method[1:], "--workspace", demo_run["workspace"], "--json"]) == 0
+    assert json.loads(out.getvalue())["verdict"] == "cleared"
 
 
 def test_demo_trains_the_model_it_is_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

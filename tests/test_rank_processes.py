@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,3 +53,51 @@ def test_side_effect_free_work_survives_one_native_crash(tmp_path: Path) -> None
 def test_expected_errors_come_back_with_the_rank_s_message_and_are_not_retried(tmp_path: Path) -> None:
     with pytest.raises(AxrlError, match="found nothing to do"):
         spawn_ranks(_refuse, 2, str(tmp_path), native_crash_retries=3)
+
+
+SCRIPT = """
+from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+
+{body}
+"""
+CALL = 'capture_reference_run("out", world_size=2, steps=2, preset="none")'
+
+
+def _run_script(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "my_capture.py"
+    script.write_text(SCRIPT.format(body=body))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "mcp_server")}
+    return subprocess.run(
+        [sys.executable, script.name], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path) -> None:
+    """Spawned rank processes import the script again: without the guard each would start the run anew."""
+    run = _run_script(tmp_path, CALL)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert "my_capture.py" in last and 'if __name__ == "__main__":' in last, run.stderr
+    assert "a rank process died" not in last
+
+    guarded = _run_script(tmp_path / "..", f'if __name__ == "__main__":\n    {CALL}')  # what the message says to do
+    assert guarded.returncode == 0, guarded.stderr
+
+
+def _rebuild_only_in_the_launcher(launcher: int) -> _Payload:
+    if os.getpid() != launcher:
+        raise RuntimeError("this payload cannot be rebuilt in a rank process")
+    return _Payload()
+
+
+class _Payload:
+    """A payload that fails to unpickle in a spawned process: it dies before any of our code runs there."""
+
+    def __reduce__(self) -> tuple[object, tuple[int]]:
+        return (_rebuild_only_in_the_launcher, (os.getpid(),))
+
+
+def test_ranks_that_die_while_starting_say_so(tmp_path: Path) -> None:
+    with pytest.raises(RankProcessError, match="rank processes died while starting") as raised:
+        spawn_ranks(_all_reduce_ranks, 2, _Payload())
+    assert "before any ran its work" in str(raised.value)

@@ -4,17 +4,23 @@ Project scope (default): `<project>/.claude/skills/<skill>/` and `<project>/.mcp
 User scope: `~/.claude/skills/<skill>/` and `~/.claude.json` (Claude Code's user-scope `mcpServers`).
 The server entry is merged under `mcpServers`: other servers and every other key stay as they were.
 Installing twice changes nothing; a dry run reports the same changes and writes nothing.
+
+The entry starts the server over stdio by default. With `http_url` it names a running HTTP server instead
+(`mcp --http`), and a `headersHelper` command that prints the server's bearer token as the header to send
+(`mcp-token`), so the token itself never lands in a config file that may be committed or shared.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from axrl_spike_replay.atomic import atomic_write_bytes, atomic_write_text
 from axrl_spike_replay.display import shown
@@ -55,12 +61,35 @@ class InstallResult:
         return any(c.action != "unchanged" for c in self.changes)
 
 
-def server_command() -> dict[str, Any]:
-    """The stdio entry that starts this installation's server: its console script, else `python -m`."""
+def _program() -> list[str]:
+    """This installation's command line: its console script, else `python -m axrl_spike_replay`."""
     script = Path(sys.executable).parent / "axrl-spike-replay"
-    if script.is_file():
-        return {"type": "stdio", "command": str(script), "args": ["mcp"]}
-    return {"type": "stdio", "command": sys.executable, "args": ["-m", "axrl_spike_replay", "mcp"]}
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "axrl_spike_replay"]
+
+
+def server_command() -> dict[str, Any]:
+    """The stdio entry that starts this installation's server."""
+    program = _program()
+    return {"type": "stdio", "command": program[0], "args": [*program[1:], "mcp"]}
+
+
+def http_entry(url: str, token_file: str | None = None) -> dict[str, Any]:
+    """The entry of a running streamable HTTP server at `url` (`mcp --http`): Claude Code runs `headersHelper`
+    before it connects and sends the headers it prints, here `Authorization: Bearer <token>` read from the
+    server's token file (`mcp-token`; the file the server made for the URL's port, or `token_file`)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1:
+        raise ConfigError(f"`http` {url!r} is not an http:// URL of the server, such as http://127.0.0.1:8765/mcp")
+    helper = [*_program(), "mcp-token"]
+    if token_file is not None:
+        helper += ["--token-file", str(Path(token_file).expanduser().absolute())]
+    else:
+        helper += ["--port", str(port or (443 if parts.scheme == "https" else 80))]
+    return {"type": "http", "url": url, "headersHelper": shlex.join(helper)}
 
 
 def _read_config(path: Path) -> tuple[dict[str, Any], str | None]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.percent import pct, pct_plain
 from axrl_spike_replay.vocabulary import Fidelity, Verdict
 
 DEMO_JOB = "demo-moe-grpo"
@@ -60,9 +61,12 @@ def run_demo(
     steps: int = 32,
     show: Callable[[DemoStep], None] | None = None,
     model: str = "tiny_moe",
+    progress: Callable[[str], None] | None = None,
 ) -> DemoSummary:
     """Run the demo in a fresh timestamped folder under `workspace`; `show` receives each step as it ends.
-    `model`: the policy the reference run trains (`tiny_moe`, or a transformers architecture at a tiny size)."""
+    `model`: the policy the reference run trains (`tiny_moe`, or a transformers architecture at a tiny size).
+    `progress` receives a line as each step starts and the replays' own progress lines as they run; the capture's
+    rank processes then stream theirs to stderr."""
     from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
     from axrl_spike_replay.analysis.log_scan import scan_logs
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
@@ -83,6 +87,10 @@ def run_demo(
     root.mkdir(parents=True, exist_ok=False)
     done: list[DemoStep] = []
 
+    def starting(what: str) -> None:
+        if progress:
+            progress(f"demo: {what} ...")
+
     def step(title: str, lines: list[str]) -> None:
         item = DemoStep(title, lines)
         done.append(item)
@@ -90,8 +98,16 @@ def run_demo(
             show(item)
 
     # 1. a training run that hits a spike
+    starting(f"capture: a reference GRPO run of {model}, {steps} steps on {world_size} rank(s), preset {preset}")
     capture = capture_reference_run(
-        root / "outputs", job=DEMO_JOB, world_size=world_size, seed=seed, steps=steps, preset=preset, model=model
+        root / "outputs",
+        job=DEMO_JOB,
+        world_size=world_size,
+        seed=seed,
+        steps=steps,
+        preset=preset,
+        model=model,
+        progress=progress is not None,
     )
     if not capture.snapshot_dirs:
         raise AxrlError(
@@ -110,6 +126,7 @@ def run_demo(
     )
 
     # 2. find the job, open the task, list and preserve its snapshots
+    starting("resolve the job, list and preserve its snapshots, open the task")
     resolution = resolve_job(DEMO_JOB, [root / "outputs"])
     role = resolution.roles[0]
     open_task(root, DEMO_JOB)
@@ -135,6 +152,7 @@ def run_demo(
     )
 
     # 3. read it
+    starting("inspect, analyze and diagnose the worst snapshot")
     info = inspect_snapshot(snapshot)
     analysis = analyze_snapshot(snapshot, top=3)
     balance = analysis.sign_balance or {}
@@ -185,7 +203,8 @@ def run_demo(
 
     # 4. reproduce, then try mitigations
     set_command(root, DEMO_JOB, f"axrl-spike-replay replay {snapshot} --workspace {root}")
-    baseline = run_request(replay_request(snapshot, workspace=root, job=DEMO_JOB))
+    starting("replay the spike step (baseline)")
+    baseline = run_request(replay_request(snapshot, workspace=root, job=DEMO_JOB, progress=progress))
     step(
         "replay (baseline)",
         [
@@ -194,27 +213,36 @@ def run_demo(
             f"rel_diff {_fmt(baseline.rel_diff, 3)} -> {baseline.verdict}",
         ],
     )
-    sweep = run_request(replay_request(snapshot, verb="sweep", configs=DEFAULT_SWEEP, workspace=root, job=DEMO_JOB))
+    starting(f"sweep {len(DEFAULT_SWEEP)} mitigation configs")
+    sweep = run_request(
+        replay_request(
+            snapshot, verb="sweep", configs=DEFAULT_SWEEP, workspace=root, job=DEMO_JOB, progress=progress
+        )
+    )
     rows = [
         f"{r.config_id:<48} grad norm {_fmt(r.grad_norm):>10}  ratio {_fmt(r.spike_ratio):>8}  "
-        f"change {_fmt((r.change_vs_baseline or 0) * 100, 3):>6}%  {r.verdict}"
+        f"change {pct(r.change_vs_baseline):>7}  {r.verdict}"
         for r in sweep.results
     ]
     step(f"sweep ({len(sweep.results)} configs, fidelity {sweep.fidelity}, threshold {sweep.threshold:g})", rows)
 
     # into the job's runs (attribution.json), where `method add` finds the per-sample figures it quotes
-    attribution = run_request(replay_request(snapshot, verb="attribute", top=5, workspace=root, job=DEMO_JOB))
+    starting("attribute the grad norm to samples")
+    attribution = run_request(
+        replay_request(snapshot, verb="attribute", top=5, workspace=root, job=DEMO_JOB, progress=progress)
+    )
     step(
         "attribution",
         [f"grad norm {_fmt(attribution.grad_norm)}; contributions sum within {attribution.sum_rel_error:.1e}"]
         + [
-            f"rank {s.rank} sample {s.sample}: contribution {_fmt(s.contribution)} ({s.share * 100:.1f}%), "
+            f"rank {s.rank} sample {s.sample}: contribution {_fmt(s.contribution)} ({pct_plain(s.share)}), "
             f"advantage {_fmt(s.advantage)}, max |log(pi/pi_base)| {_fmt(s.max_abs_log_ratio)}"
             for s in attribution.samples
         ],
     )
 
     # 5. write up what proved out, report, release
+    starting("write up the methods that cleared it, report, release the preserved copy")
     writeups = write_up_sweep(root, DEMO_JOB, sweep)
     methods = [w.path for w in writeups if w.path]
     for w in writeups:

@@ -7,10 +7,16 @@ the launcher cannot (see `temp_janitor`): a killed replay never leaves ranks hol
 with one intra-op thread, so reductions are deterministic and match between capture and replay.
 Every rank passes a barrier before tearing the group down: a rank that leaves while a peer still
 talks to it can abort in gloo's teardown.
+
+A spawned process imports the launcher's main module again before it runs anything of ours. A script
+that starts a run at module level (no `if __name__ == "__main__":`) would start it again in every
+rank process; `refuse_in_spawned_import` stops that in the child (the library's entry points call it
+first) and leaves a note the launcher turns into the one message that says what to do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import logging
@@ -34,6 +40,12 @@ log = logging.getLogger("axrl_spike_replay.ranks")
 _POLL_S = 0.2
 _GRACE_S = 5.0
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+# Set in the launcher's environment only while it starts processes: a child re-importing the main module finds
+# the run's temp dir here and leaves its note (REIMPORT_NOTE) for the launcher.
+_RUN_DIR_ENV = "AXRL_RANKS_RUN_DIR"
+_REIMPORT_NOTE = "reimport.txt"
+_STARTED = "started-{rank:05d}"  # written by each rank first thing: it got past the import of the main module
+_ENV_LOCK = threading.Lock()
 
 
 class RankProcessError(AxrlError):
@@ -52,6 +64,38 @@ def check_cancel(cancel: threading.Event | None, what: str = "run") -> None:
     """Raise RunCancelled when `cancel` is set."""
     if cancel is not None and cancel.is_set():
         raise RunCancelled(f"{what} cancelled")
+
+
+def _main_module() -> str | None:
+    """The launcher's main module as a spawned process imports it again (its file or module name), else None.
+    In a spawned process re-importing it, that module is `__mp_main__` (multiprocessing's name for it)."""
+    main = sys.modules.get("__mp_main__") or sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return getattr(main, "__file__", None) or getattr(spec, "name", None)
+
+
+def main_guard_advice(what: str) -> str:
+    """What to do when a spawned process re-imports a main module that starts `what` at import."""
+    return (
+        f"{what} was started again while a rank process imported your main module {_main_module() or '__main__'}: "
+        "torch starts rank processes with `spawn`, which imports the main module anew in each. Put the code that "
+        'starts it under `if __name__ == "__main__":` in that script'
+    )
+
+
+def refuse_in_spawned_import(what: str) -> None:
+    """AxrlError (and a note for the launcher) when called while a spawned process imports the main module again:
+    the script started `what` at module level and would start it once more in every rank process."""
+    import multiprocessing
+
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    message = main_guard_advice(what)
+    run_dir = os.environ.get(_RUN_DIR_ENV)
+    if run_dir and Path(run_dir).is_dir():
+        with contextlib.suppress(OSError):
+            atomic_write_text(Path(run_dir, _REIMPORT_NOTE), message)
+    raise AxrlError(message)
 
 
 def spawn_ranks(
@@ -77,6 +121,7 @@ def spawn_ranks(
     """
     if nproc < 1:
         raise AxrlError(f"number of processes must be >= 1, got {nproc}")
+    refuse_in_spawned_import(f"a run of {nproc} {label} processes")
     for attempt in range(1 + native_crash_retries):
         try:
             _spawn_once(fn, nproc, payload, backend, timeout_s, prepare, label, cancel)
@@ -109,7 +154,16 @@ def _spawn_once(
 
     with owned_temp_dir("axrl-ranks-") as tmp:
         args = (fn, nproc, payload, backend, tmp, timeout_s, prepare, label, os.getpid())
-        context = start_processes(_entry, args=args, nprocs=nproc, join=False, start_method="spawn")
+        with _ENV_LOCK:  # the children inherit the environment as it is while they start
+            previous = os.environ.get(_RUN_DIR_ENV)
+            os.environ[_RUN_DIR_ENV] = tmp
+            try:
+                context = start_processes(_entry, args=args, nprocs=nproc, join=False, start_method="spawn")
+            finally:
+                if previous is None:
+                    os.environ.pop(_RUN_DIR_ENV, None)
+                else:
+                    os.environ[_RUN_DIR_ENV] = previous
         if context is None:  # only join=True returns None
             raise RuntimeError(f"{label}: torch did not return the started processes")
         try:
@@ -195,6 +249,9 @@ def _native_crash(tmp: Path, rank: int, exitcode: int, label: str) -> _NativeCra
 
 
 def _collect_error(tmp: Path, exc: Exception, label: str) -> RankProcessError:
+    note = tmp / _REIMPORT_NOTE
+    if note.is_file():  # a rank re-ran the script's run at import: the one thing to say
+        return RankProcessError(note.read_text(encoding="utf-8", errors="replace").strip())
     expected = sorted(tmp.glob("error-*.txt"))
     if expected:
         return RankProcessError(expected[0].read_text(encoding="utf-8").strip())
@@ -203,7 +260,21 @@ def _collect_error(tmp: Path, exc: Exception, label: str) -> RankProcessError:
         text = traces[0].read_text(encoding="utf-8")
         last = text.strip().splitlines()[-1] if text.strip() else "unknown error"
         return RankProcessError(f"{label} {traces[0].stem.removeprefix('trace-')}: {last}", text)
-    return RankProcessError(f"a {label} process died: {str(exc).strip().splitlines()[0]}", str(exc))
+    first = str(exc).strip().splitlines()[0]
+    if not list(tmp.glob("started-*")):  # no rank got past importing the main module and its function
+        main = _main_module()
+        hint = (
+            f" Each imports your main module {main} again first (torch starts them with `spawn`): if it starts a "
+            'run when imported, put that code under `if __name__ == "__main__":`'
+            if main
+            else ""
+        )
+        return RankProcessError(
+            f"the {label} processes died while starting ({first}), before any ran its work; their output above "
+            f"says why.{hint}",
+            str(exc),
+        )
+    return RankProcessError(f"a {label} process died: {first}", str(exc))
 
 
 def _entry(
@@ -219,6 +290,7 @@ def _entry(
     parent_pid: int,
 ) -> None:
     die_with_parent(parent_pid)
+    Path(tmp, _STARTED.format(rank=rank)).touch()  # past the import of the main module and of `fn`
     import torch
     import torch.distributed as dist
 

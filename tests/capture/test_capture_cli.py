@@ -11,10 +11,10 @@ from axrl_spike_replay.cli import main
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_capture_json_reports_the_spikes_and_snapshots(tmp_path: Path, capsys, world_size: int) -> None:
+def test_capture_json_reports_the_spikes_and_snapshots(tmp_path: Path, capfd, world_size: int) -> None:
     argv = ["capture", "--out", str(tmp_path), "--job", "cli-job", "--world-size", str(world_size), "--steps", "21"]
     status = main([*argv, "--json"])
-    out, err = capsys.readouterr()
+    out, err = capfd.readouterr()  # fd level: rank 0 runs in a process of its own at world size 2
     assert status == 0
     doc = json.loads(out)  # exactly one JSON document on stdout
     assert doc["world_size"] == world_size and doc["preset"] == "ratio_outliers" and doc["job_name"] == "cli-job"
@@ -23,6 +23,13 @@ def test_capture_json_reports_the_spikes_and_snapshots(tmp_path: Path, capsys, w
     assert [Path(p).name for p in doc["snapshot_dirs"]] == ["iter_0000020", "iter_0000021"]
     assert Path(doc["log_path"]).is_file()
     assert "capture: training 21 steps" in err
+    # progress streams from the rank as it trains (every few iterations and at each spike), before the summary
+    lines = err.splitlines()
+    iterations = [line for line in lines if line.startswith("capture: iteration ")]
+    assert iterations[0].startswith("capture: iteration 2/21: grad norm ") and len(iterations) >= 8
+    assert "iteration 20/21: grad norm" in iterations[-2] and "spike (" in iterations[-2]
+    assert "snapshot checkpoints/spike_snapshots/iter_0000020" in iterations[-2]
+    assert lines.index(iterations[-1]) < lines.index(next(x for x in lines if x.startswith("capture: done in ")))
 
 
 def test_capture_summary_for_people(tmp_path: Path, capsys) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from remote_helpers import make_command_snapshot, make_training_checkout
+from slurm_loopback import SlurmCluster, SlurmUnavailable, start_cluster
 from ssh_loopback import SSHD, AsyncsshServer, Keys, LoopbackServer, OpenSshServer, write_known_hosts
 
 
@@ -52,6 +53,18 @@ def openssh_server(tmp_path_factory: pytest.TempPathFactory, keys: Keys) -> Iter
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """A one-node Slurm cluster on loopback (munged, slurmctld, slurmd), stopped with all its processes at the end."""
+    try:
+        cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
+    except SlurmUnavailable as exc:
+        pytest.skip(f"no loopback Slurm cluster: {exc}")
+    yield cluster
+    left = cluster.stop()
+    assert not left, f"Slurm processes outlived the cluster: {left}"
+
+
 @pytest.fixture(params=["asyncssh", "openssh"])
 def server(request: pytest.FixtureRequest) -> LoopbackServer:
     """Each test using it runs against both servers."""
@@ -71,7 +84,7 @@ def snapshot(tmp_path: Path) -> Path:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the tests that need Debian's OpenSSH sshd (`-m "not sshd"` deselects them)."""
+    """Mark the tests that need Debian's OpenSSH sshd or Slurm (`-m "not sshd"`, `-m "not slurm"` deselect them)."""
     here = Path(__file__).parent
     for item in items:
         if here not in item.path.parents:
@@ -80,3 +93,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         params = callspec.params.values() if callspec is not None else ()
         if "openssh_server" in getattr(item, "fixturenames", ()) or "openssh" in params:
             item.add_marker(pytest.mark.sshd)
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slurm)

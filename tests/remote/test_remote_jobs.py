@@ -17,6 +17,7 @@ import pytest
 from remote_helpers import remote_processes, wait_until_gone
 from ssh_loopback import LoopbackServer, TcpProxy
 
+from axrl_spike_replay.atomic import current_umask
 from axrl_spike_replay.remote.connect import ConnectSettings
 from axrl_spike_replay.remote.local_session import LocalSession
 from axrl_spike_replay.remote.session import open_session
@@ -330,3 +331,21 @@ def test_a_lost_connection_fails_cleanly_and_the_node_cleans_up(
 
 def _read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o666])
+def test_a_fetched_file_is_no_more_readable_than_on_the_node(server: LoopbackServer, tmp_path: Path, mode: int) -> None:
+    data = tmp_path / "node" / "result.json"
+    data.parent.mkdir()
+    data.write_text("{}")
+    data.chmod(mode)
+
+    async def story() -> list[Path]:
+        async with await open_session(server.spec()) as session:
+            over_ssh = await session.fetch(str(data), tmp_path / "ssh" / "result.json")
+        here = await LocalSession().fetch(str(data), tmp_path / "local" / "result.json")
+        return [over_ssh, here]
+
+    for fetched in asyncio.run(story()):
+        assert fetched.read_text() == "{}"
+        assert oct(fetched.stat().st_mode & 0o777) == oct(mode & ~current_umask()), fetched  # the source's, less umask

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import re
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,8 @@ def test_replay_for_people_labels_a_reduced_replay(spike_snapshot: Path, workspa
     out = capsys.readouterr().out
     assert "REDUCED, a diagnostic" in out
     assert "mismatch_token_clip_max=2.0" in out and "cleared" in out
+    [change] = [line for line in out.splitlines() if line.strip().startswith("vs baseline")]
+    assert re.fullmatch(r"  vs baseline   grad norm \S+ -> \S+ \([+-]\d+\.\d%\)", change), change
     assert "2 runs, spread 0" in out
     [run] = (workspace / "tmp" / "spike-replay" / "fixture-moe").iterdir()
     command = (run / "command.txt").read_text()
@@ -48,10 +51,12 @@ def test_sweep_prints_a_table_of_configs(spike_snapshot: Path, workspace: Path, 
         str(configs),
     ]
     assert main(argv) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     lines = out.splitlines()
     assert any(line.startswith("baseline") and "reproduced" in line for line in lines)
-    assert any(line.startswith("mismatch_token_clip_max=2") and "cleared" in line for line in lines)
+    [tis] = [line.split() for line in lines if line.startswith("mismatch_token_clip_max=2")]
+    assert tis[-1] == "cleared" and tis[-2].endswith("%")
+    assert f"({tis[-2]} vs baseline" in err  # the progress line and the table say the change alike, in percent
     assert any(line.startswith("advantage_clip=0.5+dual_clip_c=3") for line in lines)
     assert "REDUCED" in out
 

@@ -14,7 +14,7 @@ FACES = ("cli", "mcp_faces", "server", "__main__")
 ABOVE_THE_ENGINE = ("workspace", "remote", "investigation", "analysis", *FACES)
 GROUND = (
     "errors", "vocabulary", "jsonable", "atomic", "display", "untrusted_bytes", "untrusted_json", "untrusted_yaml",
-    "containment", "locks", "resources", "rank_processes", "temp_janitor",
+    "containment", "locks", "resources", "rank_processes", "temp_janitor", "percent",
 )  # fmt: skip
 # The log line reader: plain text parsing over the ground modules (checked below), used by snapshot.log_point to
 # check a snapshot against its training log. The one module above the snapshot layer that it and replay/ import.

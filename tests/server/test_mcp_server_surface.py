@@ -3,13 +3,12 @@ annotations, over real stdio and over streamable HTTP on loopback; and a server 
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from http_helpers import bearer, http_server, with_http_client
 from mcp import StdioServerParameters
 from server_helpers import server_command, with_client
 
@@ -47,7 +46,8 @@ READ_ONLY = {
     "method_list",
     "checkpoint_interval",
 }
-DESTRUCTIVE = {"release_preserved", "write_report"}
+# replay and sweep: with the command backend they run the node's trainer, with a patch the caller chose
+DESTRUCTIVE = {"release_preserved", "write_report", "replay", "sweep"}
 OPEN_WORLD = {"probe_node", "replay", "sweep"}
 
 
@@ -93,51 +93,16 @@ def test_importing_the_server_does_not_import_torch() -> None:
     assert "matplotlib" not in out.stdout.split(","), out.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_for_port(port: int, proc: subprocess.Popen, limit_s: float = 60.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited early: {proc.stderr.read() if proc.stderr else ''}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError(f"nothing listens on 127.0.0.1:{port}")
-
-
-def test_streamable_http_answers_on_loopback(workspace: Path) -> None:
-    port = _free_port()
-    cmd = [
-        *server_command(),
-        "mcp",
-        "--http",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--workspace",
-        str(workspace),
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for_port(port, proc)
-        listed = with_client(f"http://127.0.0.1:{port}/mcp", lambda client: client.list_tools())
+def test_streamable_http_answers_on_loopback_with_its_token(workspace: Path, tmp_path: Path) -> None:
+    with http_server(workspace, tmp_path / "state") as server:
+        listed = with_http_client(server.url, lambda client: client.list_tools(), bearer(server.token))
         assert {t.name for t in listed.tools} == ALL_TOOLS
-        result = with_client(
-            f"http://127.0.0.1:{port}/mcp",
+        result = with_http_client(
+            server.url,
             lambda client: client.call_tool("inspect_snapshot", {"snapshot": "no-such-snapshot"}),
+            bearer(server.token),
         )
         assert result.is_error and "no-such-snapshot" in result.content[0].text
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.mark.parametrize("port", ["0", "70000"])

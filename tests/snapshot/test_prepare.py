@@ -102,3 +102,10 @@ def test_refuses_a_non_empty_dest(legacy_copy: Path, tmp_path: Path) -> None:
     with pytest.raises(AxrlError, match="outside the snapshot"):
         prepare_replay_dir(legacy_copy, legacy_copy / "inner")
     assert sorted(p.name for p in legacy_copy.iterdir()) == before
+
+
+def test_the_replay_dirs_metadata_is_no_more_readable_than_the_snapshots(legacy_copy: Path, tmp_path: Path) -> None:
+    (legacy_copy / CHECKPOINT_METADATA).chmod(0o600)
+    prepared = prepare_replay_dir(legacy_copy, tmp_path / "replay")
+    for name in (CHECKPOINT_METADATA, AXRL_METADATA):
+        assert oct(os.stat(Path(prepared.replay_dir) / name).st_mode & 0o777) == oct(0o600), name

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from axrl_spike_replay.atomic import current_umask
 from axrl_spike_replay.capture.snapshot_writer import rotate_snapshots
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
@@ -112,6 +113,40 @@ def test_preserve_copies_for_real_across_filesystems(make_output_dir) -> None:
         assert inspect_snapshot(copy.path).problems == []
     finally:
         shutil.rmtree(elsewhere)
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o666])
+def test_a_preserved_copy_is_never_more_readable_than_its_source_and_keeps_its_time(
+    make_output_dir, monkeypatch: pytest.MonkeyPatch, mode: int
+) -> None:
+    """Copied (not linked) files get the source's permission bits less the umask, never a new file's default
+    (0666 less the umask: 0644 for a 0600 source), and keep their modification time."""
+    copied = mode & ~current_umask()
+    out = make_output_dir()
+    source = out / SNAPSHOTS_DIR / "iter_0000041"
+    for rel in _files(source):
+        (source / rel).chmod(mode)
+    other = _cross_fs_dir()
+    if other is not None and other.stat().st_dev != out.stat().st_dev:
+        elsewhere = Path(tempfile.mkdtemp(prefix="axrl-preserved-", dir=other))
+        (out / PRESERVED_DIR).symlink_to(elsewhere, target_is_directory=True)
+    else:  # no second filesystem here: os.link fails as the kernel does across mounts
+        elsewhere = None
+        monkeypatch.setattr(os, "link", _no_links)
+    try:
+        (copy,) = preserve(out, 41).preserved
+        assert copy.copied_files == len(_files(source))
+        for rel in _files(source):
+            made = (Path(copy.path) / rel).stat()
+            assert oct(made.st_mode & 0o777) == oct(copied), rel
+            assert made.st_mtime_ns == (source / rel).stat().st_mtime_ns, rel
+    finally:
+        if elsewhere is not None:
+            shutil.rmtree(elsewhere)
+
+
+def _no_links(src: object, dst: object, *args: object, **kwargs: object) -> None:
+    raise OSError(errno.EXDEV, "Invalid cross-device link", str(src))
 
 
 def test_preserve_falls_back_to_copying_when_the_filesystem_refuses_links(

@@ -10,14 +10,13 @@ from __future__ import annotations
 import importlib.util
 import py_compile
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from verl_engine_step import PATCHED_FILES, SHIM, patched_tree
 
 REPO = Path(__file__).resolve().parents[2]
-DIFF = REPO / "integrations" / "verl-0.9.1.diff"
 _VERL_SPEC = importlib.util.find_spec("verl")
 VERL = Path(_VERL_SPEC.origin).parent if _VERL_SPEC and _VERL_SPEC.origin else None
 ENGINE = Path("verl/workers/engine/fsdp/transformer_impl.py")
@@ -27,20 +26,18 @@ ENGINE = Path("verl/workers/engine/fsdp/transformer_impl.py")
 def test_the_patch_applies_to_the_installed_verl_and_the_modules_compile(tmp_path: Path) -> None:
     assert VERL is not None
     assert (VERL / "version" / "version").read_text(encoding="utf-8").strip() == "0.9.1"
-    tree = tmp_path / "src"
-    (tree / ENGINE.parent).mkdir(parents=True)
-    (tree / "verl" / "utils").mkdir(parents=True, exist_ok=True)
-    shutil.copy(VERL.parent / ENGINE, tree / ENGINE)
-    subprocess.run(["git", "init", "-q"], cwd=tree, check=True)
-    subprocess.run(["git", "apply", "--check", str(DIFF)], cwd=tree, check=True)
-    subprocess.run(["git", "apply", str(DIFF)], cwd=tree, check=True)
-    for module in (ENGINE, Path("verl/utils/axrl_spike_hook.py")):
+    tree = patched_tree(tmp_path / "src")  # git apply --check, then git apply, on the installed files
+    for module in (*PATCHED_FILES, SHIM):
         py_compile.compile(str(tree / module), doraise=True)
     patched = (tree / ENGINE).read_text(encoding="utf-8")
     hook, step = patched.index("guard_step(self, grad_norm)"), patched.index("self.optimizer.step()")
     assert patched.index("def optimizer_step") < hook < step  # the norm is judged before the update
     kept = patched.index("self._axrl_spike_loss_fn = loss_function")  # the loss settings the snapshot records
     assert patched.index("def forward_backward_batch") < kept < patched.index("def optimizer_step")
+    for trainer in PATCHED_FILES[1:]:  # both PPO trainers put their global step on the batch update_actor gets
+        text = (tree / trainer).read_text(encoding="utf-8")
+        update = text.index("def _update_actor")
+        assert update < text.index("global_steps", update) < text.index("self.actor_rollout_wg.update_actor", update)
 
 
 def _load_hook():

@@ -14,8 +14,9 @@ the next token), composing the policy loss, entropy and KL terms with the global
 does. Only the actor config `ppo_loss` reads is a stand-in (`ActorConfig` below): verl's own is a dataclass
 behind an import chain that reaches ray (see verl_peer.py).
 
-The replay recomputes the step to 1e-9 of its float64 norm; against the norm verl's clip reports, which it sums
-in float32, its rel_diff is about 8.8e-7.
+The replay recomputes the step to 1e-9 of its float64 norm. The hook records that norm in float64 from the
+clipped gradients (divided by the clip's coefficient): rel_diff about 6e-10, where the float32 norm verl's clip
+reports gave 8.8e-7, close to the 1e-6 a full-fidelity replay is held to.
 """
 
 from __future__ import annotations
@@ -249,11 +250,15 @@ def test_the_replay_reads_the_global_counts_verl_set_on_the_mini_batch(hook_snap
 def test_the_hook_snapshot_replays_to_verl_s_grad_norm(hook_step: HookStep) -> None:
     result = run_replay(hook_step.snapshot, ReplayOptions(nproc=1))
     recorded, exact = result.recorded_grad_norm, hook_step.exact_norm
-    print(f"hook snapshot: replayed {result.grad_norm!r}, recorded (verl's float32 clip norm) {recorded!r}")
+    trainer = load_grad_info(hook_step.snapshot, 0).get("trainer_grad_norm")
+    print(f"hook snapshot: replayed {result.grad_norm!r}, recorded (float64) {recorded!r}, verl's clip {trainer!r}")
     print(f"  the step's float64 norm {exact!r}, rel_diff {result.rel_diff!r}")
     assert result.fidelity == "full" and result.verdict == "reproduced"
-    assert result.grad_norm is not None
+    assert result.grad_norm is not None and recorded is not None and result.rel_diff is not None
     assert abs(result.grad_norm - hook_step.exact_norm) <= 1e-9 * hook_step.exact_norm  # the step itself, recomputed
+    # recorded in float64: only the clip's float32 multiply (at most 2^-24 per element) stands between it and the step
+    assert abs(recorded - exact) <= 2**-24 * exact and result.rel_diff <= 1e-7
+    assert trainer is not None and abs(trainer - exact) > abs(recorded - exact)  # verl's float32 norm, kept
 
 
 def test_without_the_loss_settings_the_step_does_not_reproduce(hook_snapshot: Path, tmp_path: Path) -> None:
@@ -270,7 +275,7 @@ def test_the_recorded_parameter_norms_are_pre_clip_and_merge_to_the_global_norm(
     info = load_grad_info(hook_snapshot, 0)
     assert info["clip_coef"] < 0.1  # the clip scaled the gradients the hook read
     merged = math.sqrt(math.fsum(v * v for v in info["param_grad_norms"].values()))
-    assert abs(merged - info["grad_norm"]) <= 1e-6 * info["grad_norm"]  # clipped, they would merge to CLIP_GRAD
+    assert abs(merged - info["grad_norm"]) <= 1e-12 * info["grad_norm"]  # clipped, they would merge to CLIP_GRAD
     consistency = check_snapshot(hook_snapshot)
     assert "grad_norm_vs_param_norms" in consistency.checked
     assert consistency.self_consistent, [p.message for p in consistency.problems]
@@ -314,3 +319,17 @@ def test_fsdp_shard_norms_merge_over_the_ranks(tmp_path: Path) -> None:
         del info["param_grad_norms_kind"]
         torch.save(info, snapshot / f"grad_info_rank{rank}.pt")
     assert [p.name for p in check_snapshot(snapshot).problems] == ["grad_norm_vs_param_norms"]
+
+
+def test_the_trainer_s_global_step_reaches_the_engine_s_mini_batches(verl: dict[str, Any]) -> None:
+    """The patched trainer sets `global_steps` on the batch it hands `update_actor`; the worker's
+    `train_mini_batch` splits it with verl's own `make_iterator`, and every mini-batch the engine trains on
+    carries it (a non-tensor entry, like the `global_batch_size` the loss reads)."""
+    from tensordict import TensorDict
+
+    tu = verl["losses"].tu
+    batch = TensorDict({"input_ids": torch.arange(12).reshape(6, 2)}, batch_size=[6])
+    tu.assign_non_tensor(batch, global_steps=41, global_batch_size=6, mini_batch_size=2, epochs=2)
+    hook = _load_hook()
+    steps = [hook.global_step(mini) for mini in tu.make_iterator(batch, mini_batch_size=2, epochs=2, seed=1)]
+    assert steps == [41] * 6  # three mini-batches per epoch, two epochs: six optimizer updates in step 41

@@ -26,8 +26,9 @@ TOLERANCE = 1e-7
 
 @pytest.fixture(scope="module")
 def verl() -> dict[str, Any]:
-    from verl_peer import load_verl
+    from verl_peer import load_verl, skip_unless_installed
 
+    skip_unless_installed()
     peer = load_verl()
     assert peer["version"] == "0.9.1"
     return peer

@@ -19,8 +19,9 @@ CASE = Case({}, mode="seq-mean-token-sum-norm", normalization="per_rank")
 
 @pytest.fixture(scope="module")
 def verl() -> dict[str, Any]:
-    from verl_peer import load_verl
+    from verl_peer import load_verl, skip_unless_installed
 
+    skip_unless_installed()
     return load_verl()
 
 

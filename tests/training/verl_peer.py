@@ -40,6 +40,27 @@ def _passthrough_decorator(*args: Any, **kwargs: Any) -> Any:
     return wrap
 
 
+def missing() -> str | None:
+    """Why verl's own loss cannot be run here (a package not installed), else None."""
+    for name, what in (("verl", "verl==0.9.1 --no-deps"), ("tensordict", "tensordict 0.15.3 --no-deps")):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a broken or half-removed install: as good as missing
+            found = False
+        if not found:
+            return f"{name} is not installed (scripts/setup.sh installs {what}); the verl cross-check needs it"
+    return None
+
+
+def skip_unless_installed() -> None:
+    """Skip the calling test (pytest) with the reason when verl or tensordict is missing."""
+    import pytest
+
+    reason = missing()
+    if reason is not None:
+        pytest.skip(reason)
+
+
 def verl_dir() -> Path:
     spec = importlib.util.find_spec("verl")  # finds the package without executing its __init__
     if spec is None or not spec.submodule_search_locations:

@@ -196,14 +196,16 @@ def test_investigation_from_open_to_report(tmp_path: Path, spike_run: SpikeRun, 
     assert f"| selected snapshot | {snapshot.resolve()} |" in md
     assert "`local` (torch, cpu): **full-fidelity replay was possible**" in md
     it = spike_run.iteration
-    assert f"| E1 | {it} | local | full | 2/2 | 37.42 | 37.42 | {abs(37.4189 - RECORDED) / RECORDED:.4g} |" in md
+    assert f"| E1 | {it} |  | local | full | 2/2 | 37.42 | 37.42 | {abs(37.4189 - RECORDED) / RECORDED:.4g} |" in md
     assert f"| E2 | {it} | mismatch_token_clip_max=2.5 | local | full | 3.812 | {3.812 / MEDIAN:.4g} | -89.8% |" in md
     assert f"| E4 | {it} | advantage_clip=5 | local | full | 37.1 |" in md and "| no_effect |" in md
     assert f"| E5 | {it} | routing.replay=off | local | reduced | 4.4 |" in md
     assert "| rel diff | verdict | result |" not in md  # a mitigated row's distance from the recording is no fidelity
     assert "| F1 | local | replay --patch fix.diff | patch did not apply: hunk #1 FAILED |" in md
     assert "| tis-clip-2 | E2 | proven |" in md and "| r3-off | E5 | diagnostic |" in md
-    assert f"`{preserved}`: release requested" in md
+    # written again after the release: it says what happened and names only what still exists
+    assert f"- `{preserved}`: released after this investigation. The snapshot stays at `{snapshot.resolve()}`" in md
+    assert "release requested" not in md
     assert cli_json(capsys, "task", "show", JOB, "--workspace", ws)["reports"][0]["released"][0]["released"] is True
 
 

@@ -142,3 +142,13 @@ def test_a_cosine_against_a_clean_gradient_that_never_got_under_the_bar_ranks_by
     ]
     ranked = [m["slug"] for m in sorted(methods, key=rank_key)]
     assert ranked == ["older-file", "measured", "rough-small", "rough-close", "no-figures"]
+
+
+def test_method_list_at_the_checkout_labels_the_shipped_methods_shipped(tmp_path: Path) -> None:
+    """Run from the repository root (where a newcomer stands), the workspace's folder is the shipped one."""
+    repo = Path(__file__).resolve().parents[2]
+    methods = list_methods(repo)
+    shipped = {p.stem for p in (repo / "spike-mitigation-methods").glob("*.md")} - {"README"}
+    assert shipped and {m.slug for m in methods} == shipped  # each listed once ...
+    assert {m.source for m in methods} == {"shipped"}  # ... as what it is
+    assert {m.source for m in list_methods(tmp_path)} == {"shipped"}  # and so from an empty workspace

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -147,6 +148,32 @@ def test_after_release_the_task_points_at_the_rotating_snapshot_that_still_exist
     assert task.snapshot == str(_source(ours).resolve()) and Path(task.snapshot).is_dir()
     assert task.command == f"axrl-spike-replay replay {_source(ours).resolve()}"
     assert "agents call the MCP tool `write_report` with `release: true`" not in report["text"]  # released, not a hint
+
+    # The report was written again after the release: the command a newcomer copies from it runs.
+    text = (ws / "tmp" / "spike-replay" / JOB / "report.md").read_text()
+    assert text == report["text"] and report["command"] == task.command and report["snapshot"] == task.snapshot
+    command = text.split("Replay command:\n\n```bash\n", 1)[1].split("\n```", 1)[0]
+    assert command == task.command
+    assert f"| selected snapshot | {_source(ours).resolve()} |" in text
+    assert f"- `{_copy(ours)}`: released after this investigation. The snapshot stays at `{_source(ours)}`" in text
+    assert "release requested" not in text
+    assert main([*shlex.split(command)[1:], "--nproc", "1", "--workspace", str(ws)]) == 0
+
+
+def test_when_the_last_copy_is_released_the_report_says_its_command_cannot_run(
+    two_jobs_template: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ours, ws = _task_on_a_preserved_copy(two_jobs_template, tmp_path)
+    assert main(["task", "set-command", JOB, f"axrl-spike-replay replay {_copy(ours)}", "--workspace", str(ws)]) == 0
+    shutil.rmtree(_source(ours))  # rotation took the original
+    capsys.readouterr()
+
+    status, report, _ = _report(capsys, ws, "--release", "--release-last-copy")
+
+    assert status == 0 and not _copy(ours).exists()
+    text = report["text"]
+    assert f"its snapshot `{_copy(ours)}` no longer exists (released, or\nrotated away), so it cannot run" in text
+    assert f"- `{_copy(ours)}`: released after this investigation. It was the last copy of iteration 5" in text
 
 
 def test_a_kept_copy_says_how_people_and_agents_release_it(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -28,9 +29,11 @@ from axrl_spike_replay.capture.run_config import build_run_config, parse_run_con
 from axrl_spike_replay.capture.spike_guard import GuardDecision, SpikeGuard
 from axrl_spike_replay.capture.strategies import PARALLEL_STRATEGIES, parallel_strategy
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.rank_processes import refuse_in_spawned_import
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
 from axrl_spike_replay.snapshot.metadata import ParallelLayout
 
+PROGRESS_LINES = 8  # about this many iteration lines per run, plus one per spike
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` lets "\n" through
 
 
@@ -83,6 +86,7 @@ def capture_reference_run(
     keep_final_state: bool = False,
     parallel: str = "ddp",
     model: str = "tiny_moe",
+    progress: bool = False,
 ) -> CaptureResult:
     """Train the reference policy and capture its spikes into `<out>/<run>~<job>__actor/`.
 
@@ -92,7 +96,9 @@ def capture_reference_run(
     gradients) or `fsdp` (FSDP2 `fully_shard`, weights saved as a sharded DCP checkpoint); it is recorded
     as `parallel.strategy` in the run config when it is not the default. `model` is `tiny_moe` or one of the
     transformers architectures of `model_choice.HF_CAPTURE_MODELS` at a tiny size (`model: {kind: hf, ...}`).
+    `progress` streams a line to stderr as the rank processes start and every few iterations (rank 0, flushed).
     """
+    refuse_in_spawned_import("the capture")  # before anything is written: a script without a main guard
     run = run or f"ref-s{seed}"
     for name, value in (("job", job), ("run", run)):
         if not isinstance(value, str) or not _NAME_RE.fullmatch(value) or "__" in value:
@@ -126,9 +132,16 @@ def capture_reference_run(
             result_path=str(Path(tmp) / "result.json"),
             final_state_path=str(Path(tmp) / "final.pt") if keep_final_state else None,
             legacy_layout=legacy_layout,
+            progress=progress,
         )
+        if progress and world_size > 1:
+            _progress(f"starting {world_size} rank processes (each imports torch and builds the policy first)")
         launch(train_rank, world_size, plan)
         doc = json.loads(Path(plan.result_path).read_text(encoding="utf-8"))
+        if progress:
+            _progress(
+                f"done in {time.perf_counter() - started:.1f} s: {len(doc['snapshot_dirs'])} snapshot(s) retained"
+            )
         final_state = None
         if plan.final_state_path:
             from axrl_spike_replay.snapshot.safe_load import load_pt
@@ -158,6 +171,7 @@ class RankPlan:
     result_path: str
     final_state_path: str | None = None
     legacy_layout: bool = False
+    progress: bool = False  # rank 0 streams progress lines to stderr
 
 
 def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
@@ -190,6 +204,10 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
         f"> reference trainer: job {plan.job_name}, model {model}, preset {t.preset}, world size {world_size}, "
         f"seed {t.seed}",
     )
+    every = max(1, t.steps // PROGRESS_LINES)
+    started = time.perf_counter()
+    if plan.progress and rank == 0:
+        _progress(f"training {t.steps} iterations of {model}, preset {t.preset}, world size {world_size}")
     try:
         for iteration in range(1, t.steps + 1):
             start = time.perf_counter()
@@ -207,7 +225,7 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
                 trips.append(decision)
                 payload = {rank: trainer.snapshot_payload(step, grads)}
                 path = guard.snapshot(decision, trainer.model_state(), payload)
-                where = str(path.relative_to(out))
+                where = str(path.relative_to(out)) if path is not None else "not written (see the error logged)"
             if guard.apply(decision, trainer.model, trainer.optimizer):
                 trainer.update(grads, step)
             else:
@@ -224,6 +242,12 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
                 f"number of skipped iterations: {skipped:3d} | number of nan iterations: "
                 f"{int(not math.isfinite(grads.grad_norm)):3d} |",
             )
+            if plan.progress and rank == 0 and (iteration % every == 0 or iteration == t.steps or decision.tripped):
+                spike = f", spike ({decision.spike_ratio:.1f}x the median), snapshot {where}" if where else ""
+                _progress(
+                    f"iteration {iteration}/{t.steps}: grad norm {grads.grad_norm:.4g}{spike} "
+                    f"({time.perf_counter() - started:.1f} s)"
+                )
             if decision.tripped:
                 _log(
                     log,
@@ -247,6 +271,11 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
         )
         if plan.final_state_path:
             torch.save(final_state, plan.final_state_path)
+
+
+def _progress(line: str) -> None:
+    """A progress line on stderr, flushed at once (stdout stays for the caller's output)."""
+    print(f"capture: {line}", file=sys.stderr, flush=True)
 
 
 def _log(handle: TextIO | None, line: str) -> None:

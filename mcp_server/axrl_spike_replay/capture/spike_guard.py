@@ -2,7 +2,7 @@
 
 Example (one process or every data-parallel rank alike)::
 
-    guard = SpikeGuard(out_dir / SNAPSHOTS_DIR, action="skip", job_name="my-job",
+    guard = SpikeGuard(out_dir / SNAPSHOTS_DIR, action="skip", job_name="my-job", run_id=run_id,
                        detector=MedianRatioDetector(window=20, threshold=5.0, warmup=10), keep_last=3)
     guard.checkpoint(0, model, optimizer)               # only needed for action="rollback"
     for step, batch in enumerate(loader, start=1):
@@ -19,14 +19,22 @@ Example (one process or every data-parallel rank alike)::
         if step % 100 == 0:
             guard.checkpoint(step, model, optimizer)
 
+With a GradScaler (fp16), pass it to `apply` after `scaler.unscale_(optimizer)`: a skipped step then closes the
+scaler's step with `scaler.update()` as `scaler.step` + `update` would have, so the next `unscale_` is allowed.
+
 Under torch.distributed every rank feeds the same reduced norm, so every rank takes the same
-decision; `snapshot` is collective (each rank passes its own payload).
+decision; `snapshot` is collective (each rank passes its own payload). The guard never raises into the loop:
+a snapshot that cannot be written (a full disk, an unwritable dir, a failure on any rank) is abandoned on every
+rank alike, nothing of it left behind, logged once per kind of failure, and the step goes on as decided. A
+`run_id` names snapshots `iter_<step>-<run_id>`, so a restarted run never meets a previous run's snapshot;
+without one, a name already taken gets a `-<k>` suffix (see `snapshot_writer.free_snapshot_name`).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,8 +43,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.capture.detectors import Detector, MedianRatioDetector
-from axrl_spike_replay.capture.snapshot_writer import RankPayload, write_snapshot
+from axrl_spike_replay.capture.rank_agreement import describe, error_kind
+from axrl_spike_replay.capture.snapshot_writer import RankPayload, SnapshotWriteError, write_snapshot
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.snapshot.layout import is_valid_tag
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout
 from axrl_spike_replay.vocabulary import GUARD_ACTIONS, GuardAction
 
@@ -45,6 +55,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 ACTIONS = GUARD_ACTIONS  # what a tripped guard may do
+RUN_ID_MAX = 48  # leaves room in a 64-character tag for a `.<k>` collision suffix
 log = logging.getLogger("axrl_spike_replay.guard")
 
 
@@ -90,11 +101,17 @@ class SpikeGuard:
         run_config: Mapping[str, Any] | None = None,
         legacy_layout: bool = False,
         rollback_to: Callable[[], int] | None = None,
+        run_id: str | None = None,
     ) -> None:
         if action not in ACTIONS:
             raise ConfigError(f"spike guard action must be one of {ACTIONS}, got {action!r}")
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ConfigError(f"spike guard keep_last must be an integer >= 1 or None, got {keep_last!r}")
+        if run_id is not None and (not isinstance(run_id, str) or len(run_id) > RUN_ID_MAX or not is_valid_tag(run_id)):
+            raise ConfigError(
+                f"spike guard run_id must be 1-{RUN_ID_MAX} letters, digits, '.', '_' or '-' starting with a letter "
+                f"or digit, got {run_id!r}"
+            )
         self.snapshots_root = Path(snapshots_root)
         self.action = GuardAction(action)
         self.detector: Detector = detector or MedianRatioDetector()
@@ -105,10 +122,13 @@ class SpikeGuard:
         self.run_config = dict(run_config or {})
         self.legacy_layout = legacy_layout
         self.rollback_to = rollback_to
+        self.run_id = run_id
         self.trips: list[GuardDecision] = []
         self.snapshots: list[Path] = []
+        self.write_failures: list[str] = []  # every snapshot that could not be written, and why
         self._checkpoint: _Checkpoint | None = None
         self._swept = False
+        self._reported: set[str] = set()  # kinds of failure already logged
 
     def observe(self, step: int, grad_norm: float) -> GuardDecision:
         """Judge this step's global pre-clip grad norm (the same value on every DP rank)."""
@@ -145,32 +165,68 @@ class SpikeGuard:
         ranks: Mapping[int, RankPayload],
         *,
         run_config: Mapping[str, Any] | None = None,
-    ) -> Path:
-        """Write `iter_<step>` atomically (collective under DP), then rotate to the newest `keep_last`."""
-        if not self._swept:
-            self._sweep_interrupted_writes()
-        metadata = AxrlMetadata(
-            job_name=self.job_name,
-            role=self.role,
-            iteration=decision.step,
-            grad_norm=decision.grad_norm,
-            median_norm=decision.median_norm,
-            spike_ratio=decision.spike_ratio,
-            detector=self.detector.spec(),
-            parallel=self.parallel,
-            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        )
-        path = write_snapshot(
-            self.snapshots_root,
-            metadata,
-            dict(run_config if run_config is not None else self.run_config),
-            dict(model_state),
-            dict(ranks),
-            keep_last=self.keep_last,
-            legacy_layout=self.legacy_layout,
-        )
-        self.snapshots = [p for p in self.snapshots if p.exists()] + [path]
+        local_error: str | None = None,
+    ) -> Path | None:
+        """Write `iter_<step>` (`iter_<step>-<run_id>`) atomically (collective under DP), then rotate to the newest
+        `keep_last`; its path, or None when it could not be written.
+
+        Never raises: a failure on any rank (or `local_error`: this rank could not collect its part) abandons the
+        write on every rank alike, leaves nothing behind, is kept in `write_failures` and logged once per kind."""
+        self._sweep_once()
+        problem = local_error
+        try:
+            metadata = AxrlMetadata(
+                job_name=self.job_name,
+                role=self.role,
+                iteration=decision.step,
+                grad_norm=decision.grad_norm,
+                median_norm=decision.median_norm,
+                spike_ratio=decision.spike_ratio,
+                detector=self.detector.spec(),
+                parallel=self.parallel,
+                created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            )
+            config = dict(run_config if run_config is not None else self.run_config)
+        except Exception as exc:  # still enter the collective write: the other ranks are waiting in it
+            problem = problem or describe(exc)
+            metadata = AxrlMetadata(self.job_name, self.role, decision.step, decision.grad_norm, 0.0, 0.0)
+            config = {}
+        try:
+            path = write_snapshot(
+                self.snapshots_root,
+                metadata,
+                config,
+                model_state,
+                ranks,
+                keep_last=self.keep_last,
+                legacy_layout=self.legacy_layout,
+                tag=self.run_id,
+                local_error=problem,
+            )
+        except Exception as exc:  # a failed write, or a collective that failed under it: never the loop's problem
+            self._write_failed(decision, exc)
+            return None
+        self.snapshots = [p for p in self.snapshots if os.path.lexists(p)] + [path]
         return path
+
+    def _write_failed(self, decision: GuardDecision, exc: Exception) -> None:
+        agreed = isinstance(exc, SnapshotWriteError)  # every rank holds the same message: rank 0 tells it
+        message = str(exc) if agreed else f"{self.snapshots_root}: snapshot of step {decision.step}: {describe(exc)}"
+        self.write_failures.append(message)
+        if agreed and _rank() != 0:
+            return
+        errors = exc.errors if isinstance(exc, SnapshotWriteError) else []
+        kinds = {error_kind(e) for e in errors if e} or {error_kind(describe(exc))}
+        if kinds <= self._reported:
+            log.debug("spike guard: %s", message)
+            return
+        self._reported |= kinds
+        log.error(
+            "spike guard: %s; training goes on and the step is handled as decided (%s). A failure of this kind "
+            "is logged once; guard.write_failures lists every one",
+            message,
+            decision.action,
+        )
 
     def checkpoint(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Keep an in-memory copy of model and optimizer state to roll back to."""
@@ -184,27 +240,61 @@ class SpikeGuard:
     def last_checkpoint_step(self) -> int | None:
         return self._checkpoint.step if self._checkpoint else None
 
-    def apply(self, decision: GuardDecision, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> bool:
+    def apply(
+        self,
+        decision: GuardDecision,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scaler: Any = None,
+    ) -> bool:
         """Act on the decision; True when the caller should apply the optimizer step.
 
         skip: gradients are dropped. rollback: model and optimizer state return to the last
-        checkpoint (or `rollback_to()` runs) and the batch is dropped; with no checkpoint yet it skips.
+        checkpoint (or `rollback_to()` runs) and the batch is dropped; with no checkpoint yet, or when
+        restoring fails (logged), it skips. `scaler` (a GradScaler the caller already `unscale_`d): a step
+        not taken is closed with `scaler.update()`, as `scaler.step` + `update` close one that found infs.
         """
         if decision.apply_update:
             return True
         if decision.action == GuardAction.ROLLBACK:
-            if self.rollback_to is not None:
-                restored = self.rollback_to()
-                _warn("step %d rolled back to step %s by the caller's rollback", decision.step, restored)
-            elif self._checkpoint is not None:
-                model.load_state_dict(copy.deepcopy(self._checkpoint.model))
-                if optimizer is not None and self._checkpoint.optimizer is not None:
-                    optimizer.load_state_dict(copy.deepcopy(self._checkpoint.optimizer))
-                _warn("step %d rolled back to the checkpoint of step %d", decision.step, self._checkpoint.step)
-            else:
-                _warn("step %d: no checkpoint to roll back to yet; skipping the step instead", decision.step)
+            try:
+                self._roll_back(decision, model, optimizer)
+            except Exception as exc:  # a rollback that cannot restore: the step is skipped instead
+                self._report_once("rollback", f"step {decision.step}: rollback failed ({describe(exc)}); skipped")
         _drop_grads(model, optimizer)
+        if scaler is not None:
+            scaler.update()
         return False
+
+    def _roll_back(self, decision: GuardDecision, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        if self.rollback_to is not None:
+            restored = self.rollback_to()
+            _warn("step %d rolled back to step %s by the caller's rollback", decision.step, restored)
+        elif self._checkpoint is not None:
+            model.load_state_dict(copy.deepcopy(self._checkpoint.model))
+            if optimizer is not None and self._checkpoint.optimizer is not None:
+                optimizer.load_state_dict(copy.deepcopy(self._checkpoint.optimizer))
+            _warn("step %d rolled back to the checkpoint of step %d", decision.step, self._checkpoint.step)
+        else:
+            _warn("step %d: no checkpoint to roll back to yet; skipping the step instead", decision.step)
+
+    def _report_once(self, kind: str, message: str) -> None:
+        if kind in self._reported:
+            log.debug("spike guard: %s", message)
+            return
+        self._reported.add(kind)
+        log.error("spike guard: %s (logged once)", message)
+
+    def _sweep_once(self) -> None:
+        """Sweep interrupted writes before the first snapshot; a failure is logged (a later write may still work)."""
+        if self._swept:
+            return
+        try:
+            self._sweep_interrupted_writes()
+        except OSError as exc:
+            self._report_once(
+                "sweep", f"could not remove an interrupted write under {self.snapshots_root}: {describe(exc)}"
+            )
 
     def _sweep_interrupted_writes(self) -> None:
         """Remove staging dirs that an interrupted write of ours left behind (rank 0 only)."""
@@ -212,7 +302,7 @@ class SpikeGuard:
         if _rank() != 0 or not self.snapshots_root.is_dir():
             return
         for entry in self.snapshots_root.glob(".iter_*.writing"):
-            if entry.is_dir():
+            if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
 
 

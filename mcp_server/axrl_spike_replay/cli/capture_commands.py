@@ -92,6 +92,7 @@ def _capture(args: argparse.Namespace) -> int:
             run=args.run,
             parallel=args.parallel,
             model=args.model,
+            progress=True,
         )
     except ConfigError as exc:
         text = str(exc)

@@ -7,7 +7,8 @@ import sys
 from typing import Any
 
 from axrl_spike_replay.capture.model_choice import CAPTURE_MODELS
-from axrl_spike_replay.cli.output import add_json_flag, emit
+from axrl_spike_replay.capture.presets import PRESETS
+from axrl_spike_replay.cli.output import add_json_flag, emit, progress
 from axrl_spike_replay.errors import AxrlError
 
 
@@ -17,9 +18,22 @@ def register(sub: Any) -> None:
         help="capture a spike with the reference trainer, then run the whole procedure on it",
         description="Capture a spike with the reference trainer and investigate it end to end in a demo workspace.",
     )
-    parser.add_argument("--workspace", default="demo-workspace", help="folder for the demo (default: %(default)s)")
-    parser.add_argument("--preset", default="ratio_outliers", help="spike preset of the reference run")
-    parser.add_argument("--world-size", type=int, default=2, help="data-parallel ranks of the reference run")
+    parser.add_argument(
+        "--workspace", default="demo-workspace", metavar="DIR", help="folder for the demo (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--preset",
+        default="ratio_outliers",
+        choices=PRESETS,
+        help="the fault the reference run injects at iterations 20-22: %(choices)s (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        metavar="N",
+        help="data-parallel ranks of the reference run, one process each (default: %(default)s)",
+    )
     parser.add_argument(
         "--model",
         default="tiny_moe",
@@ -33,7 +47,13 @@ def register(sub: Any) -> None:
         metavar="N",
         help="training iterations of the reference run (default: 32; the presets' burst is at iterations 20-22)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="seed of the reference run: the same seed captures the same spike (default: %(default)s)",
+    )
     add_json_flag(parser)
     parser.set_defaults(handler=_demo)
 
@@ -58,6 +78,7 @@ def _demo(args: argparse.Namespace) -> int:
         steps=args.steps,
         show=show,
         model=args.model,
+        progress=progress,
     )
     emit(summary, args.json, lambda s: f"\ndemo finished in {s.seconds:.1f} s; read {s.task_file} and {s.report}")
     return 0

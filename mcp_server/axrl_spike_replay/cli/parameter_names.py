@@ -30,6 +30,10 @@ _PARAMETERS = {
     "allow_reduced",
     "parallel_configs",
     "clear_threshold",
+    "host",
+    "http",
+    "token_file",
+    "no_auth",
     *_FLAGS,
 }
 _NAMED = re.compile(r"`([a-z_]+)`")

@@ -12,6 +12,7 @@ from axrl_spike_replay.cli.remote_options import add_remote_options
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.investigation.request import MAX_REPEAT
+from axrl_spike_replay.percent import pct, pct_plain
 
 if TYPE_CHECKING:
     from axrl_spike_replay.investigation.request import ReplayRequest
@@ -232,16 +233,16 @@ def render_replay(doc: dict[str, Any]) -> str:
         change = doc.get("change_vs_baseline")
         lines.append(f"  mitigations   {items}")
         lines.append(
-            f"  vs baseline   {_num(doc.get('baseline_grad_norm'), 8)} -> "
-            f"{'n/a' if change is None else f'{change * 100:+.1f}%'}"
+            f"  vs baseline   grad norm {_num(doc.get('baseline_grad_norm'), 8)} -> {_num(doc['grad_norm'], 8)} "
+            f"({pct(change)})"
         )
     lines.append(f"  verdict       {doc['verdict']}" + (f": {doc['error']}" if doc.get("error") else ""))
     footprint, cos = doc.get("footprint"), doc.get("cosine_to_clean")
     if footprint:
         lines.append(
-            f"  footprint     {footprint['token_fraction'] * 100:.1f}% of loss tokens masked or changed "
+            f"  footprint     {pct_plain(footprint['token_fraction'])} of loss tokens masked or changed "
             f"({footprint['masked_tokens']} masked, {footprint['changed_tokens']} changed of "
-            f"{footprint['loss_tokens']}), {footprint['sample_fraction'] * 100:.1f}% of samples touched"
+            f"{footprint['loss_tokens']}), {pct_plain(footprint['sample_fraction'])} of samples touched"
         )
     if doc.get("clean_gradient"):
         lines.append(
@@ -277,7 +278,7 @@ def render_sweep(doc: dict[str, Any]) -> str:
                 r["config_id"],
                 r["grad_norm"],
                 r["spike_ratio"],
-                "" if change is None else f"{change * 100:+.1f}%",
+                "" if change is None else pct(change),
                 r["verdict"],
             ]
         )
@@ -299,7 +300,7 @@ def render_attribution(doc: dict[str, Any]) -> str:
             s["rank"],
             s["sample"],
             s["contribution"],
-            f"{s['share'] * 100:.1f}%",
+            pct_plain(s["share"]),
             s["advantage"],
             s["reward"],
             s["max_abs_log_ratio"],

@@ -34,26 +34,28 @@ def register(sub: Any) -> None:
     p.set_defaults(handler=_task_open)
 
     p = _with_workspace(verbs.add_parser("note", help="add a line to Observations or Next steps"))
-    p.add_argument("job", metavar="JOB")
-    p.add_argument("--section", required=True, choices=("observations", "next-steps"))
-    p.add_argument("text", metavar="TEXT")
+    p.add_argument("job", metavar="JOB", help="job name of an open task")
+    p.add_argument(
+        "--section", required=True, choices=("observations", "next-steps"), help="where the line goes: %(choices)s"
+    )
+    p.add_argument("text", metavar="TEXT", help="the line to add (markdown)")
     add_json_flag(p)
     p.set_defaults(handler=_task_note)
 
     p = _with_workspace(verbs.add_parser("set-snapshot", help="set the active snapshot (earlier ones are kept)"))
-    p.add_argument("job", metavar="JOB")
-    p.add_argument("snapshot", metavar="PATH")
+    p.add_argument("job", metavar="JOB", help="job name of an open task")
+    p.add_argument("snapshot", metavar="PATH", help="snapshot directory (iter_<N>) the investigation now works on")
     add_json_flag(p)
     p.set_defaults(handler=_task_set_snapshot)
 
     p = _with_workspace(verbs.add_parser("set-command", help="set the replay command to rerun"))
-    p.add_argument("job", metavar="JOB")
-    p.add_argument("command_text", metavar="TEXT")
+    p.add_argument("job", metavar="JOB", help="job name of an open task")
+    p.add_argument("command_text", metavar="TEXT", help="the command line, as one quoted argument")
     add_json_flag(p)
     p.set_defaults(handler=_task_set_command)
 
     p = _with_workspace(verbs.add_parser("show", help="show the task: experiments, failures, notes"))
-    p.add_argument("job", metavar="JOB")
+    p.add_argument("job", metavar="JOB", help="job name of an open task")
     add_json_flag(p)
     p.set_defaults(handler=_task_show)
 
@@ -65,7 +67,7 @@ def register(sub: Any) -> None:
     mverbs = method.add_subparsers(dest="method_command", metavar="ACTION")
     mverbs.required = True
     p = _with_workspace(mverbs.add_parser("add", help="write attempt ID of JOB up as a method file"))
-    p.add_argument("--job", required=True, metavar="JOB")
+    p.add_argument("--job", required=True, metavar="JOB", help="job name of the task that logged the attempt")
     p.add_argument("--attempt", required=True, metavar="ID", help="experiment id from `task show`, e.g. E3")
     p.add_argument("--name", required=True, metavar="SLUG", help="file name of the method (plain name, no path)")
     p.add_argument("--rationale", required=True, metavar="TEXT", help="why the mitigation works")
@@ -89,7 +91,7 @@ def register(sub: Any) -> None:
             "--release-last-copy. Exit status 1 when a copy was not released.",
         )
     )
-    p.add_argument("job", metavar="JOB")
+    p.add_argument("job", metavar="JOB", help="job name of the task to report on")
     p.add_argument("--release", action="store_true", help="after writing, release the preserved snapshot copies")
     p.add_argument(
         "--release-last-copy",

@@ -49,6 +49,9 @@ def run_here(request: ReplayRequest, runner: JobRunner | None = None) -> Any:
 
 def run_request(request: ReplayRequest) -> Any:
     """Run a request where it says, here or elsewhere; its result (the verb's result type)."""
+    from axrl_spike_replay.rank_processes import refuse_in_spawned_import
+
+    refuse_in_spawned_import(f"the {request.verb}")  # before it writes anything: a script without a main guard
     if request.runs_here:
         return run_here(request)
     from axrl_spike_replay.investigation.elsewhere import replay_elsewhere

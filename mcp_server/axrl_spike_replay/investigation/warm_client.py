@@ -23,12 +23,12 @@ from axrl_spike_replay.investigation.warm_socket import (
     Lines,
     WarmPaths,
     check_socket,
-    private_dir,
     send,
     socket_paths,
     warm_paths,
 )
 from axrl_spike_replay.jsonable import to_jsonable
+from axrl_spike_replay.private_files import private_dir
 
 START_TIMEOUT_S = 120.0
 

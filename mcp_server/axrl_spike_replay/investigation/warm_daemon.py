@@ -40,11 +40,10 @@ from axrl_spike_replay.investigation.warm_socket import (
     FrameError,
     Lines,
     WarmPaths,
-    peer_uid,
-    private_dir,
     send,
 )
 from axrl_spike_replay.locks import held_lock
+from axrl_spike_replay.private_files import bind_private_socket, peer_uid, private_dir
 
 if TYPE_CHECKING:
     from axrl_spike_replay.replay.warm_pool import WarmService
@@ -311,15 +310,8 @@ def serve_warm(paths: WarmPaths, settings: ServiceSettings, say: Callable[[str],
     if running is not None:
         raise AxrlError(f"a warm replay service (pid {running}) already listens at {paths.socket}")
     with held_lock(paths.lock, 0, "warm replay service"):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(paths.socket)  # the lock is ours: whatever is there was left by a service that died
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old_umask = os.umask(0o177)  # the socket is created 0600, never briefly wider
-        try:
-            listener.bind(str(paths.socket))
-        finally:
-            os.umask(old_umask)
-        os.chmod(paths.socket, 0o600)
+        # the lock is ours: a socket file there was left by a service that died, and is replaced
+        listener = bind_private_socket(paths.socket)
         st = os.stat(paths.socket)
         identity = (st.st_dev, st.st_ino)
         listener.listen(16)

@@ -11,7 +11,6 @@ message over its cap, not UTF-8, not JSON or not an object is a `FrameError`.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -75,26 +74,6 @@ def socket_paths(socket_path: str | Path) -> WarmPaths:
     return WarmPaths(path.parent, path.name)
 
 
-def private_dir(path: Path, *, create: bool) -> Path:
-    """`path` as a dir only this user can enter (0700), made when `create`; AxrlError for a symlink, a dir owned
-    by another user, or (not ours to fix) one others can enter."""
-    if create:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            path.mkdir(mode=0o700)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise AxrlError(f"no warm replay service dir at {path}") from None
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise AxrlError(f"{path} is not a plain directory (a symlink?); refusing to use it for the warm service")
-    if st.st_uid != os.getuid():
-        raise AxrlError(f"{path} belongs to another user (uid {st.st_uid}); refusing to use it for the warm service")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)  # ours: make it private before anything is put in it
-    return path
-
-
 def check_socket(path: Path) -> None:
     """AxrlError unless `path` is a socket of this user, not a symlink, that only this user can use."""
     try:
@@ -109,20 +88,6 @@ def check_socket(path: Path) -> None:
         raise AxrlError(f"the socket {path} belongs to another user (uid {st.st_uid}); refusing to connect")
     if st.st_mode & 0o077:
         raise AxrlError(f"the socket {path} can be used by other users (mode {st.st_mode & 0o777:o}); refusing it")
-
-
-def peer_uid(conn: socket.socket) -> int | None:
-    """The user id of the process at the other end of a Unix socket (Linux); None where it cannot be read."""
-    import struct
-
-    peercred = getattr(socket, "SO_PEERCRED", None)
-    if peercred is None:
-        return None
-    try:
-        _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, peercred, struct.calcsize("3i")))
-    except OSError:
-        return None
-    return uid
 
 
 class FrameError(AxrlError):

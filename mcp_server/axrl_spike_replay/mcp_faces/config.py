@@ -22,6 +22,8 @@ class ServerConfig:
     # Warm replay processes kept between calls (None: every local replay spawns its own, as the CLI does).
     # Its memory budget and idle timeout are the server's options (`mcp --warm-memory --warm-idle-timeout`).
     warm: WarmService | None = field(default=None, compare=False)
+    # Offer only the tools that read (`mcp --read-only`): the tools' readOnlyHint says which.
+    read_only: bool = False
 
     def workspace_for(self, given: str | None) -> Path:
         """The workspace a call works in: the one given (relative to the server's), else the server's."""

@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 _NAMES = ", ".join(MITIGATIONS)
 
 
-REPLAYS = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=True)
+# Replays write new run dirs and task rows, and may run on a node over SSH (open world). Destructive: with the
+# `command` backend they run the node's trainer command, with a `patch` the caller chose: whatever that code does.
+REPLAYS = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=True)
 
 MitigationsArg = Annotated[
     dict[str, Any],
@@ -79,7 +81,8 @@ PatchArg = Annotated[
     str | None,
     Field(
         description="Unified diff (file path) applied in a temporary git worktree of the node's training checkout "
-        "for this run only (backend command); the checkout itself is never modified.",
+        "for this run only (backend command); the checkout itself is never modified. The patched code runs on "
+        "the node as its SSH user: it can do whatever that user can.",
     ),
 ]
 PatchesArg = Annotated[

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from axrl_spike_replay.atomic import temp_beside
+from axrl_spike_replay.atomic import atomic_copy
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.errors import RemoteError
 from axrl_spike_replay.remote.job import Captured, JobOutcome, LineCallback, check_temp_dir, exit_reason, pump_lines
@@ -106,7 +106,8 @@ class LocalSession:
         return Captured(process.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
 
     async def fetch(self, path: str, local_path: Path, max_bytes: int | None = None) -> Path:
-        """Copy `path` to `local_path` atomically (nothing to do when they are the same file)."""
+        """Copy `path` to `local_path` atomically (nothing to do when they are the same file); the copy is no more
+        readable than `path`."""
         source = Path(path)
         if not source.is_file():
             raise RemoteError(f"{path} does not exist" if not source.exists() else f"{path} is not a regular file")
@@ -115,19 +116,11 @@ class LocalSession:
         if local_path.exists() and source.resolve() == local_path.resolve():
             return local_path
         local_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = temp_beside(local_path, suffix=".part", sweep=True)
-        try:
-            with os.fdopen(fd, "wb") as out, open(source, "rb") as src:  # the temp stays locked until renamed
-                shutil.copyfileobj(src, out)
-                out.flush()
-                os.replace(tmp, local_path)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-        return local_path
+        return atomic_copy(source, local_path)
 
     async def put(self, local_path: Path, path: str) -> None:
-        """Copy a file (same machine)."""
-        shutil.copyfile(local_path, path)
+        """Copy a file (same machine); the copy is no more readable than `local_path`."""
+        atomic_copy(local_path, path)
 
     async def exists(self, path: str) -> bool:
         return Path(path).exists()

@@ -28,6 +28,14 @@ if "--torch" in sys.argv:
         d["cuda_available"] = bool(torch.cuda.is_available())
     except Exception as exc:
         d["torch_error"] = repr(exc)[:300]
+elif "--torch-installed" in sys.argv:  # without importing it (seconds saved where only presence matters)
+    import importlib.metadata, importlib.util
+    try:
+        if importlib.util.find_spec("torch") is None:
+            raise ModuleNotFoundError("No module named 'torch'")
+        d["torch_version"] = importlib.metadata.version("torch")
+    except Exception as exc:
+        d["torch_error"] = repr(exc)[:300]
 try:
     import axrl_spike_replay
     d["package_version"] = axrl_spike_replay.__version__
@@ -104,8 +112,11 @@ def probe_script(
     with_python: bool = True,
     with_torch: bool = True,
     temp_prefix: str | None = None,
+    import_torch: bool = True,
 ) -> str:
-    """One shell script: host name, nvidia-smi, a temp dir if asked, then (after the setup lines) Python."""
+    """One shell script: host name, nvidia-smi, a temp dir if asked, then (after the setup lines) Python.
+
+    Without `import_torch` torch is only looked up (installed, its version), not imported: no CUDA facts."""
     lines = [f'echo "{_MARK} host $(uname -n)"']
     if temp_prefix is not None:
         if not temp_prefix.replace("-", "").isalnum():
@@ -118,7 +129,8 @@ def probe_script(
     ]
     if with_python:
         lines += [f"echo '{_MARK} python'", *setup]
-        args = [python, "-c", _PYTHON_PROBE] + (["--torch"] if with_torch else [])
+        flag = "--torch" if import_torch else "--torch-installed"
+        args = [python, "-c", _PYTHON_PROBE] + ([flag] if with_torch else [])
         lines.append(" ".join(shlex.quote(a) for a in args) + f' 2>&1; echo "{_MARK} rc $?"')
     return "\n".join(lines) + "\n"
 
@@ -201,10 +213,11 @@ async def probe(
     with_torch: bool = True,
     snapshot: str | Path | None = None,
     temp_prefix: str | None = None,
+    import_torch: bool = True,
 ) -> NodeReport:
     """Probe the session's machine (one round trip); with a snapshot, plan its replay there."""
     report = NodeReport(target=session.label, python=python)
-    script = probe_script(python, setup, with_python, with_torch, temp_prefix)
+    script = probe_script(python, setup, with_python, with_torch, temp_prefix, import_torch)
     got = await session.capture(bash_command(script), timeout=120.0)
     parse_probe(got.stdout + got.stderr, report)
     if snapshot is not None:

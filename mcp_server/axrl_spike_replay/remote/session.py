@@ -12,7 +12,7 @@ from pathlib import Path
 import asyncssh
 from asyncssh.constants import FILEXFER_TYPE_DIRECTORY, FILEXFER_TYPE_REGULAR
 
-from axrl_spike_replay.atomic import temp_beside
+from axrl_spike_replay.atomic import copy_mode, temp_beside
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.connect import ConnectSettings, SshConnection, open_connection
 from axrl_spike_replay.remote.errors import RemoteError
@@ -137,13 +137,20 @@ class RemoteSession:
         return self._sftp
 
     async def fetch(self, path: str, local_path: Path, max_bytes: int | None = None) -> Path:
-        """Copy node file `path` to `local_path` over SFTP, atomically (temp file, then rename); RemoteError when
-        it is not a regular file or is larger than `max_bytes`."""
+        """Copy node file `path` to `local_path` over SFTP, atomically (temp file, then rename); the copy is no
+        more readable than the node's file (its mode less the local umask). RemoteError when it is not a regular
+        file or is larger than `max_bytes`."""
         sftp = await self.sftp()
+        attrs = await self._stat(sftp, path)
         if max_bytes is not None:
-            await self._check_size(sftp, path, max_bytes)
+            if attrs.type != FILEXFER_TYPE_REGULAR:
+                raise RemoteError(f"{self.label}: {path} is not a regular file")
+            if attrs.size is not None and attrs.size > max_bytes:
+                raise RemoteError(f"{self.label}: {path} is {attrs.size} bytes, more than the {max_bytes}-byte limit")
         local_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = temp_beside(local_path, suffix=".part", sweep=True)
+        # a server that does not say keeps the copy private
+        mode = copy_mode(attrs.permissions if attrs.permissions else 0o600)
+        fd, tmp = temp_beside(local_path, suffix=".part", mode=mode, sweep=True)
         try:
             await sftp.get(path, tmp)  # our descriptor keeps the temp locked until it is renamed
             os.replace(tmp, local_path)
@@ -156,17 +163,13 @@ class RemoteSession:
             Path(tmp).unlink(missing_ok=True)
         return local_path
 
-    async def _check_size(self, sftp: asyncssh.SFTPClient, path: str, max_bytes: int) -> None:
+    async def _stat(self, sftp: asyncssh.SFTPClient, path: str) -> asyncssh.SFTPAttrs:
         try:
-            attrs = await sftp.stat(path)
+            return await sftp.stat(path)
         except asyncssh.SFTPNoSuchFile:
             raise RemoteError(f"{self.label}: {path} does not exist on the node") from None
         except (asyncssh.Error, OSError) as exc:
             raise RemoteError(self._lost_or(f"{self.label}: cannot fetch {path}: {exc}")) from None
-        if attrs.type != FILEXFER_TYPE_REGULAR:
-            raise RemoteError(f"{self.label}: {path} is not a regular file")
-        if attrs.size is not None and attrs.size > max_bytes:
-            raise RemoteError(f"{self.label}: {path} is {attrs.size} bytes, more than the {max_bytes}-byte limit")
 
     async def fetch_tree(self, path: str, local_dir: Path, skip: tuple[str, ...] = ()) -> list[Path]:
         """Copy every regular file under node dir `path` into `local_dir` (same relative paths); the local files."""

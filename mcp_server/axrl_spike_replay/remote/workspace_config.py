@@ -17,6 +17,7 @@ command_backend:
     mismatch_token_clip_max: "--actor.mismatch_token_clip_max={value}"
 ```
 A command that takes overrides puts `{overrides}` where they go (e.g. `... --out {out} {overrides}`).
+The `multinode:` (torchrun across targets) and `slurm:` sections are read by launch_config.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.remote.target import SshTarget, parse_target
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+
+if TYPE_CHECKING:
+    from axrl_spike_replay.remote.launch_config import LaunchConfig
 
 CONFIG_FILE = "spike-replay.yaml"
 DEFAULT_PYTHON = "python3"
@@ -40,7 +44,7 @@ PLACEHOLDERS = ("snapshot", "out")
 COMMAND_PLACEHOLDERS = (*PLACEHOLDERS, "overrides")
 _TARGET_KEYS = {"ssh", "python", "setup", "known_hosts"}
 _BACKEND_KEYS = {"workdir", "command", "result_json", "grad_norm_regex", "env", "mitigations"}
-_TOP_KEYS = {"targets", "command_backend"}
+_TOP_KEYS = {"targets", "command_backend", "multinode", "slurm"}
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` lets "\n" through
 
 
@@ -74,6 +78,7 @@ class WorkspaceConfig:
     targets: dict[str, TargetConfig] = field(default_factory=dict)
     command_backend: CommandBackendConfig | None = None
     path: str | None = None
+    launch: LaunchConfig | None = None  # the multinode: and slurm: sections (see launch_config)
 
 
 def load_workspace_config(workspace: str | Path) -> WorkspaceConfig:
@@ -118,7 +123,10 @@ def parse_workspace_config(doc: Any, source: str) -> WorkspaceConfig:
     backend = None
     if doc.get("command_backend") is not None:
         backend = _parse_backend(_mapping(doc["command_backend"], source, "command_backend"), source)
-    return WorkspaceConfig(targets=targets, command_backend=backend, path=source)
+    from axrl_spike_replay.remote.launch_config import parse_launch_config  # it resolves targets with this module
+
+    launch = parse_launch_config(doc, source, targets)
+    return WorkspaceConfig(targets=targets, command_backend=backend, path=source, launch=launch)
 
 
 def _parse_backend(entry: dict[str, Any], source: str) -> CommandBackendConfig:

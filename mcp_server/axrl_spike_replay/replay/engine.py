@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.percent import pct
 from axrl_spike_replay.replay.clean_gradient import spike_bar
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
 from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
@@ -178,7 +179,7 @@ class ReplaySession:
             )
         for r in results:
             self.log(
-                f"{r.config_id}: grad norm {r.grad_norm:.9g} ({_fmt(r.change_vs_baseline)} vs baseline, ratio to "
+                f"{r.config_id}: grad norm {r.grad_norm:.9g} ({pct(r.change_vs_baseline)} vs baseline, ratio to "
                 f"median {_fmt(r.spike_ratio)}, threshold {self.threshold:g}) -> {r.verdict}"
             )
         return baseline, results

@@ -1,21 +1,47 @@
 """The documentation generated from the mitigation declarations (`replay.mitigations.MITIGATIONS`).
 
-Three blocks, each between `<!-- NAME:begin -->` and `<!-- NAME:end -->` markers: the skill catalogue's
-table of names and values and its "when to try what" advice (skills/axrl-spike-replay/references/
-mitigation-catalogue.md), and the README's list of names. `scripts/render_mitigation_catalogue.py`
-rewrites them; a test fails when the committed files differ from what the declarations generate.
+Blocks, each between `<!-- NAME:begin -->` and `<!-- NAME:end -->` markers: the table of names and values,
+the "when to try what" advice and the table of each mitigation's setting in the trainers (skills/axrl-spike-replay/
+references/mitigation-catalogue.md for agents; docs/mitigations.md for people). `scripts/
+render_mitigation_catalogue.py` rewrites them; a test fails when the committed files differ from what the
+declarations generate.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.replay.mitigations import MITIGATIONS, SYMPTOMS
+from axrl_spike_replay.replay.trainer_settings import TRAINERS
 
 CATALOGUE = Path("skills") / "axrl-spike-replay" / "references" / "mitigation-catalogue.md"
-README = Path("README.md")
-TABLE, ADVICE, NAMES = "mitigation-table", "mitigation-advice", "mitigation-names"
+DOCS = Path("docs") / "mitigations.md"
+TABLE, ADVICE, SETTINGS = "mitigation-table", "mitigation-advice", "mitigation-settings"
+# The value each mitigation's trainer settings are shown with (one a user would try first).
+EXAMPLES: dict[str, Any] = {
+    "mismatch_token_clip_max": 2,
+    "ratio_outlier_mask": "token",
+    "advantage_clip": 1,
+    "log_ratio_clip": 5,
+    "loss_agg_mode": "seq-mean-token-mean",
+    "is_base_logprobs": "old",
+    "clip_eps_low": 0.1,
+    "clip_eps_high": 0.1,
+    "dual_clip_c": 3,
+    "kl_coef": 0.01,
+    "entropy_coef": 0.001,
+    "aux_loss_coef": 0.01,
+    "z_loss_coef": 0.001,
+    "routing_replay": "all",
+    "current_routing_layers": [1],
+    "balance_negative_advantages": True,
+    "advantage_outlier_mask": 5,
+    "drop_samples": "0:3",
+    "initial_model": "/path/to/initial/checkpoint",
+}
 
 
 def _cell(text: str) -> str:
@@ -39,9 +65,29 @@ def advice_block() -> str:
     return "\n\n".join(groups)
 
 
-def names_block() -> str:
-    """The README's inline list of names."""
-    return ", ".join(f"`{name}`" for name in MITIGATIONS)
+def settings_block() -> str:
+    """Each mitigation, at an example value, as each trainer's own setting (or why it has none)."""
+    from axrl_spike_replay.replay.mitigations import parse_config
+    from axrl_spike_replay.replay.trainer_changes import trainer_changes
+
+    missing = sorted(set(MITIGATIONS) - set(EXAMPLES))
+    if missing:
+        raise AxrlError(f"no example value for {', '.join(missing)} in mitigation_catalogue.EXAMPLES")
+    lines = ["| mitigation | " + " | ".join(TRAINERS.values()) + " |", "|---|" + "---|" * len(TRAINERS)]
+    for name in MITIGATIONS:
+        config = parse_config({name: EXAMPLES[name]})
+        cells = []
+        for trainer in TRAINERS:
+            changes = trainer_changes(config, trainers=(trainer,))
+            cells.append(
+                "<br>".join(
+                    f"`{c.setting}`" + (f" ({_cell(c.note)})" if c.note else "") if c.setting else f"— {_cell(c.note)}"
+                    for c in changes
+                )
+            )
+        shown = json.dumps(EXAMPLES[name]) if not isinstance(EXAMPLES[name], str) else EXAMPLES[name]
+        lines.append(f"| `{name}: {_cell(shown)}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def with_block(text: str, name: str, block: str, source: str) -> str:
@@ -57,8 +103,13 @@ def with_block(text: str, name: str, block: str, source: str) -> str:
 
 def rendered_files(repo: Path) -> dict[Path, str]:
     """{path: wanted text} for every file holding a generated block, from the files as they are in `repo`."""
-    catalogue = (repo / CATALOGUE).read_text(encoding="utf-8")
-    catalogue = with_block(catalogue, TABLE, table_block(), str(CATALOGUE))
-    catalogue = with_block(catalogue, ADVICE, advice_block(), str(CATALOGUE))
-    readme = with_block((repo / README).read_text(encoding="utf-8"), NAMES, names_block(), str(README))
-    return {repo / CATALOGUE: catalogue, repo / README: readme}
+    out = {}
+    for path, blocks in (
+        (CATALOGUE, ((TABLE, table_block), (ADVICE, advice_block), (SETTINGS, settings_block))),
+        (DOCS, ((TABLE, table_block), (SETTINGS, settings_block))),
+    ):
+        text = (repo / path).read_text(encoding="utf-8")
+        for name, block in blocks:
+            text = with_block(text, name, block(), str(path))
+        out[repo / path] = text
+    return out

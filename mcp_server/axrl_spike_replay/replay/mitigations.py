@@ -4,8 +4,9 @@ validated, normalised, applied.
 A mitigation's declaration holds everything about it: its name, what it changes, its accepted values
 in words, its parser (value type and range), what it does, when to try it, and the function that
 applies it to the replay's loss (`LossConfig`), routing (`RoutingConfig`) or starting weights. The
-server's tool descriptions, `axrl://mitigations`, the skill's mitigation catalogue and the README's
-list are all generated from it (`replay/mitigation_catalogue.py`, `scripts/render_mitigation_catalogue.py`).
+server's tool descriptions, `axrl://mitigations`, the skill's mitigation catalogue and docs/mitigations.md
+are all generated from it (`replay/mitigation_catalogue.py`, `scripts/render_mitigation_catalogue.py`), and so is
+what each trainer sets to make the same change in training (`settings`, see `replay/trainer_settings.py`).
 Torch-free: the server imports this module to describe its tools.
 
 Each mitigation is off unless named in a config. A config is a mapping {name: value}; its one normal
@@ -37,6 +38,17 @@ from typing import Any
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.replay.sample_masks import SCOPES, SampleFilter, pairs_of, parse_pairs
+from axrl_spike_replay.replay.trainer_settings import (
+    NO_MEGATRON_FLAG,
+    TrainerSetting,
+    flow,
+    none,
+    override,
+    per_value,
+    run_config_key,
+    verl_kl,
+    verl_rejection,
+)
 from axrl_spike_replay.training.loss_config import LOGPROB_BASES, LOSS_AGG_MODES, LossConfig, RatioOutlierMask
 from axrl_spike_replay.training.routing_config import ROUTING_REPLAY_MODES, RoutingConfig
 from axrl_spike_replay.untrusted_yaml import load_untrusted_yaml, read_untrusted_yaml
@@ -80,6 +92,7 @@ class Mitigation:
     id_value: Callable[[Any], Any] | None = None  # how its value shows in a config id (default: the value)
     diagnostic: str | None = None  # why it is a diagnostic only (never written up as a method); None: a real fix
     caveat: str = ""  # when not to use it (method files quote it)
+    settings: tuple[TrainerSetting, ...] = ()  # the same change in each trainer's own config (replay.trainer_settings)
 
 
 # The symptoms the catalogue groups its advice under, in order: key -> the paragraph that opens the group.
@@ -364,6 +377,15 @@ MITIGATIONS: dict[str, Mitigation] = {
                 "when the rollout and trainer logprobs agree (no mismatch) it only down-weights ordinary "
                 "tokens; a cap too low biases the gradient towards the rollout policy"
             ),
+            settings=(
+                run_config_key("loss.mismatch_token_clip_max"),
+                override(
+                    "algorithm.rollout_correction.rollout_is=token "
+                    "algorithm.rollout_correction.rollout_is_threshold={value}",
+                    "verl's token-level truncated importance sampling in decoupled mode: the same weights",
+                ),
+                NO_MEGATRON_FLAG,
+            ),
         ),
         Mitigation(
             "ratio_outlier_mask",
@@ -386,6 +408,16 @@ MITIGATIONS: dict[str, Mitigation] = {
                 "when many tokens leave [low, high] it masks much of the batch (check the footprint); it "
                 "hides the mismatch rather than fixing the engine"
             ),
+            settings=(
+                run_config_key("loss.ratio_outlier_mask"),
+                TrainerSetting(
+                    "verl",
+                    verl_rejection,
+                    "verl's rejection sampling, whose k1 bounds are on pi_rollout/pi_old: ours on pi/pi_rollout, "
+                    "inverted; base old and low 0 have no verl form",
+                ),
+                NO_MEGATRON_FLAG,
+            ),
         ),
         Mitigation(
             "advantage_clip",
@@ -399,6 +431,11 @@ MITIGATIONS: dict[str, Mitigation] = {
                 "it clips every large advantage, healthy ones included; with well-normalised advantages "
                 "(|A| mostly under the clip) it changes little and hides a mis-scaled reward"
             ),
+            settings=(
+                run_config_key("loss.advantage_clip"),
+                none("verl", "no setting in verl 0.9.1: clamp the advantages where they are computed (a patch)"),
+                NO_MEGATRON_FLAG,
+            ),
         ),
         Mitigation(
             "log_ratio_clip",
@@ -409,6 +446,15 @@ MITIGATIONS: dict[str, Mitigation] = {
             _loss("log_ratio_clip"),
             advice=(Advice("mismatch", "`log_ratio_clip: 5` — a blunt guard against overflow in exp()."),),
             caveat="a blunt guard: it changes every token whose ratio is far from 1, healthy policy moves included",
+            settings=(
+                run_config_key("loss.log_ratio_clip"),
+                none(
+                    "verl",
+                    "no setting in verl 0.9.1: compute_policy_loss_vanilla clamps the log-ratio at +-20, fixed in its "
+                    "code (a patch there)",
+                ),
+                NO_MEGATRON_FLAG,
+            ),
         ),
         Mitigation(
             "loss_agg_mode",
@@ -426,6 +472,11 @@ MITIGATIONS: dict[str, Mitigation] = {
             caveat=(
                 "it changes the weighting of every sample, so the run's loss is no longer comparable with"
                 " its earlier steps"
+            ),
+            settings=(
+                run_config_key("loss.loss_agg_mode"),
+                override("actor_rollout_ref.actor.loss_agg_mode={value}"),
+                NO_MEGATRON_FLAG,
             ),
         ),
         Mitigation(
@@ -445,6 +496,19 @@ MITIGATIONS: dict[str, Mitigation] = {
                 "it changes which policy the update is importance-weighted against for the whole run, not"
                 " just the spike"
             ),
+            settings=(
+                run_config_key("loss.is_base_logprobs"),
+                per_value(
+                    "verl",
+                    {
+                        "old": "algorithm.rollout_correction.bypass_mode=false",
+                        "rollout": "algorithm.rollout_correction.bypass_mode=true",
+                    },
+                    "decoupled mode, verl's default, takes the PPO ratio against old_log_probs; bypass mode "
+                    "against the rollout's, with verl's bypass loss",
+                ),
+                NO_MEGATRON_FLAG,
+            ),
         ),
         Mitigation(
             "clip_eps_low",
@@ -455,6 +519,11 @@ MITIGATIONS: dict[str, Mitigation] = {
             _loss("clip_eps_low"),
             advice=(Advice("policy_drift", "a tighter `clip_eps_low` (e.g. 0.1)."),),
             caveat="a tighter clip slows learning on every step, not only the spike",
+            settings=(
+                run_config_key("loss.clip_eps_low"),
+                override("actor_rollout_ref.actor.clip_ratio_low={value}"),
+                NO_MEGATRON_FLAG,
+            ),
         ),
         Mitigation(
             "clip_eps_high",
@@ -465,6 +534,11 @@ MITIGATIONS: dict[str, Mitigation] = {
             _loss("clip_eps_high"),
             advice=(Advice("policy_drift", "a tighter `clip_eps_high` (e.g. 0.1)."),),
             caveat="a tighter clip slows learning on every step, not only the spike",
+            settings=(
+                run_config_key("loss.clip_eps_high"),
+                override("actor_rollout_ref.actor.clip_ratio_high={value}"),
+                NO_MEGATRON_FLAG,
+            ),
         ),
         Mitigation(
             "dual_clip_c",
@@ -480,6 +554,11 @@ MITIGATIONS: dict[str, Mitigation] = {
                 ),
             ),
             caveat="only negative-advantage tokens are capped; a spike from positive advantages is untouched",
+            settings=(
+                run_config_key("loss.dual_clip_c"),
+                override("actor_rollout_ref.actor.clip_ratio_c={value}", "verl's dual clip, on by default with c = 3"),
+                NO_MEGATRON_FLAG,
+            ),
         ),
         Mitigation(
             "kl_coef",
@@ -490,6 +569,15 @@ MITIGATIONS: dict[str, Mitigation] = {
             _loss("kl_coef"),
             advice=(Advice("policy_drift", "`kl_coef` up."),),
             caveat="a stronger KL pull slows learning on every step",
+            settings=(
+                run_config_key("loss.kl_coef"),
+                TrainerSetting(
+                    "verl",
+                    verl_kl,
+                    "the KL loss against the reference policy; kl_loss_type low_var_kl is k3",
+                ),
+                NO_MEGATRON_FLAG,
+            ),
         ),
         Mitigation(
             "entropy_coef",
@@ -499,6 +587,11 @@ MITIGATIONS: dict[str, Mitigation] = {
             _non_negative,
             _loss("entropy_coef"),
             caveat="it changes exploration for the whole run",
+            settings=(
+                run_config_key("loss.entropy_coef"),
+                override("actor_rollout_ref.actor.entropy_coeff={value}"),
+                NO_MEGATRON_FLAG,
+            ),
         ),
         Mitigation(
             "aux_loss_coef",
@@ -509,6 +602,18 @@ MITIGATIONS: dict[str, Mitigation] = {
             _loss("aux_loss_coef"),
             advice=(Advice("routing", "`aux_loss_coef` up (x10) — if the router logits themselves explode."),),
             caveat="a stronger balancing loss trades model quality for balance on every step",
+            settings=(
+                run_config_key("loss.aux_loss_coef"),
+                override(
+                    "actor_rollout_ref.actor.megatron.override_transformer_config.moe_aux_loss_coeff={value}",
+                    "Megatron engine: a Megatron-core TransformerConfig field",
+                ),
+                override(
+                    "actor_rollout_ref.model.override_config.router_aux_loss_coef={value}",
+                    "FSDP engine: the HF model config's field, in qwen*_moe, mixtral, olmoe",
+                ),
+                override("--moe-aux-loss-coeff {value}", trainer="megatron"),
+            ),
         ),
         Mitigation(
             "z_loss_coef",
@@ -519,6 +624,14 @@ MITIGATIONS: dict[str, Mitigation] = {
             _loss("z_loss_coef"),
             advice=(Advice("routing", "`z_loss_coef` up (x10) — if the router logits themselves explode."),),
             caveat="a stronger z-loss constrains the router on every step",
+            settings=(
+                run_config_key("loss.z_loss_coef"),
+                override(
+                    "actor_rollout_ref.actor.megatron.override_transformer_config.moe_z_loss_coeff={value}",
+                    "Megatron engine: a Megatron-core TransformerConfig field",
+                ),
+                override("--moe-z-loss-coeff {value}", trainer="megatron"),
+            ),
         ),
         Mitigation(
             "routing_replay",
@@ -536,6 +649,23 @@ MITIGATIONS: dict[str, Mitigation] = {
                 ),
             ),
             caveat="`off` is a diagnostic only; replaying routes the rollout engine did not use hides a routing bug",
+            settings=(
+                run_config_key("routing.replay"),
+                per_value(
+                    "verl",
+                    {
+                        "all": "actor_rollout_ref.actor.megatron.router_replay.mode=R3 "
+                        "actor_rollout_ref.rollout.enable_rollout_routing_replay=true",
+                        "off": "actor_rollout_ref.actor.megatron.router_replay.mode=disabled",
+                    },
+                    "Megatron engine: R3 replays the rollout's routes in training; verl has no loss-tokens-only mode",
+                ),
+                per_value(
+                    "megatron",
+                    {"all": "--moe-enable-routing-replay", "off": "(leave out --moe-enable-routing-replay)"},
+                    "the RL trainer records the rollout's routes and hands them to the router; no loss-tokens mode",
+                ),
+            ),
         ),
         Mitigation(
             "current_routing_layers",
@@ -559,6 +689,17 @@ MITIGATIONS: dict[str, Mitigation] = {
                 ),
             ),
             caveat="it mixes recorded and current routes; use it to locate a layer, then fix that layer's routing",
+            settings=(
+                TrainerSetting(
+                    "axrl",
+                    lambda value: (
+                        None if value == FIRST_MOE_LAYER else f"routing.current_routing_layers: {flow(value)}"
+                    ),
+                    "layer ids; a replay resolves `first` against the model and records them as resolved_mitigations",
+                ),
+                none("verl", "no setting: verl replays the routes of every MoE layer alike (a patch)"),
+                none("megatron", "no flag: routing replay covers every MoE layer alike (a patch)"),
+            ),
         ),
         Mitigation(
             "balance_negative_advantages",
@@ -572,6 +713,11 @@ MITIGATIONS: dict[str, Mitigation] = {
             caveat=(
                 "it rescales every negative advantage of the batch; when negatives are rightly dominant "
                 "(a bad batch of answers) it weakens a real signal"
+            ),
+            settings=(
+                run_config_key("loss.balance_negative_advantages"),
+                none("verl", "no setting in verl 0.9.1: rescale the advantages where they are computed (a patch)"),
+                NO_MEGATRON_FLAG,
             ),
         ),
         Mitigation(
@@ -595,6 +741,15 @@ MITIGATIONS: dict[str, Mitigation] = {
                 "when the outlier advantage is right (a rare but real reward) it throws that signal away;"
                 " a threshold too low masks ordinary samples (check the footprint); fix the reward or "
                 "advantage scaling where it went wrong"
+            ),
+            settings=(
+                none(
+                    "axrl",
+                    "no run_config key: a replay-only sample filter; drop such samples where advantages are "
+                    "computed (a patch to the trainer)",
+                ),
+                none("verl", "no setting in verl 0.9.1: drop such samples where advantages are computed (a patch)"),
+                NO_MEGATRON_FLAG,
             ),
         ),
         Mitigation(
@@ -634,6 +789,11 @@ MITIGATIONS: dict[str, Mitigation] = {
             ),
             id_value=_path_id,
             caveat="a diagnostic: it says whether the batch or the drifted policy causes the spike, it is no fix",
+            settings=(
+                none("axrl", "a diagnostic (batch or drifted policy?), no training setting"),
+                none("verl", "a diagnostic (batch or drifted policy?), no training setting"),
+                none("megatron", "a diagnostic (batch or drifted policy?), no training setting"),
+            ),
         ),
     )
 }

@@ -18,23 +18,47 @@ PRESERVE_MARKER = ".axrl_preserved.json"
 
 CHECKPOINT_METADATA_CONTENT = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 
-# Matched with fullmatch: `$` would also accept a trailing newline.
-_ITER_RE = re.compile(r"iter_(\d+)")
+# A snapshot dir is `iter_<N>` or `iter_<N>-<tag>`: the tag (a run id, say) keeps two runs' snapshots of one
+# iteration apart. Matched with fullmatch: `$` would also accept a trailing newline.
+_TAG = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+_TAG_RE = re.compile(_TAG)
+_ITER_RE = re.compile(rf"iter_(\d+)(?:-({_TAG}))?")
 _RANK_FILE_RE = re.compile(r"(batch|grad_info|routing_payload)_rank(\d+)\.pt")
 OUTPUT_DIR_RE = re.compile(r"(?P<run>.+?)~(?P<job>.+)__(?P<role>[A-Za-z0-9_.-]+)")
 
 
-def iteration_dir_name(iteration: int) -> str:
-    """`iter_0000042` for iteration 42 (seven digits, like Megatron)."""
+def iteration_dir_name(iteration: int, tag: str | None = None) -> str:
+    """`iter_0000042` for iteration 42 (seven digits, like Megatron); `iter_0000042-<tag>` with a tag."""
     if iteration < 0:
         raise ValueError(f"iteration must be >= 0, got {iteration}")
-    return f"iter_{iteration:07d}"
+    if tag is not None and not is_valid_tag(tag):
+        raise ValueError(
+            f"snapshot tag must match {_TAG} (a letter or digit, then letters, digits, . _ -), got {tag!r}"
+        )
+    return f"iter_{iteration:07d}" if tag is None else f"iter_{iteration:07d}-{tag}"
+
+
+def is_valid_tag(tag: str) -> bool:
+    """Whether `tag` can follow `iter_<N>-` in a snapshot dir name (up to 64 letters, digits, `.`, `_`, `-`)."""
+    return _TAG_RE.fullmatch(tag) is not None
+
+
+def parse_snapshot_name(name: str) -> tuple[int, str | None] | None:
+    """(iteration, tag or None) of an `iter_<N>` or `iter_<N>-<tag>` directory name, else None."""
+    match = _ITER_RE.fullmatch(name)
+    return (int(match.group(1)), match.group(2)) if match else None
 
 
 def parse_iteration(name: str) -> int | None:
-    """Iteration number of an `iter_<N>` directory name, else None."""
-    match = _ITER_RE.fullmatch(name)
-    return int(match.group(1)) if match else None
+    """Iteration number of an `iter_<N>` (or `iter_<N>-<tag>`) directory name, else None."""
+    parsed = parse_snapshot_name(name)
+    return parsed[0] if parsed else None
+
+
+def snapshot_order(name: str) -> tuple[int, str]:
+    """Sort key of snapshot dir names: by iteration, the untagged name first, then by tag."""
+    parsed = parse_snapshot_name(name)
+    return (parsed[0], parsed[1] or "") if parsed else (-1, name)
 
 
 def batch_file(rank: int) -> str:

@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from axrl_spike_replay.atomic import atomic_write_json
+from axrl_spike_replay.atomic import atomic_write_json, copy_mode
 from axrl_spike_replay.errors import AxrlError, SnapshotError
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, CHECKPOINT_METADATA, CHECKPOINT_METADATA_CONTENT
 from axrl_spike_replay.snapshot.metadata import read_json_document, read_metadata
@@ -78,6 +78,7 @@ def prepare_replay_dir(path: str | Path, dest: str | Path | None = None) -> Prep
         )
     legacy_meta = snapshot / CHECKPOINT_METADATA
     doc = read_json_document(legacy_meta)  # bounded and parsed again; read_metadata validated its fields
+    mode = copy_mode(os.stat(legacy_meta).st_mode)  # what is written from it is no more readable than it
     if dest is None:
         target = Path(tempfile.mkdtemp(prefix=f"axrl-replay-{snapshot.name}-"))
     else:
@@ -90,8 +91,8 @@ def prepare_replay_dir(path: str | Path, dest: str | Path | None = None) -> Prep
 
     try:
         linked, symlinked = _fill(snapshot, target)
-        atomic_write_json(target / CHECKPOINT_METADATA, CHECKPOINT_METADATA_CONTENT)
-        atomic_write_json(target / AXRL_METADATA, doc)
+        atomic_write_json(target / CHECKPOINT_METADATA, CHECKPOINT_METADATA_CONTENT, mode)
+        atomic_write_json(target / AXRL_METADATA, doc, mode)
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)  # only links and files we wrote
         raise

@@ -14,6 +14,7 @@ from axrl_spike_replay.snapshot.layout import (
     PRESERVED_DIR,
     SNAPSHOTS_DIR,
     parse_iteration,
+    snapshot_order,
 )
 from axrl_spike_replay.snapshot.metadata import read_metadata
 
@@ -54,7 +55,7 @@ class RankedSnapshot:
 
 @dataclass
 class SnapshotListing:
-    """Snapshots of one output dir, by iteration (retained before preserved at the same iteration).
+    """Snapshots of one output dir, by iteration and name (retained before preserved of the same name).
 
     A snapshot dir that is a symlink leading out of its snapshots dir is not followed: it is listed
     in `skipped` with the reason. `ranking` orders the iterations to investigate (see `rank_snapshots`).
@@ -67,18 +68,22 @@ class SnapshotListing:
 
 
 def rank_snapshots(snapshots: list[SnapshotEntry]) -> list[RankedSnapshot]:
-    """One entry per iteration, largest spike ratio first: start with the strongest, confirm on the others.
+    """One entry per snapshot name, largest spike ratio first: start with the strongest, confirm on the others.
 
-    The preserved copy stands for its iteration where there is one (rotation cannot take it away);
-    snapshots whose metadata cannot be read come last, with the problem as the reason.
+    The preserved copy stands for its snapshot where there is one (rotation cannot take it away); two runs'
+    snapshots of one iteration (`iter_<N>-<run id>`) are two entries. Snapshots whose metadata cannot be read
+    come last, with the problem as the reason.
     """
-    chosen: dict[int, SnapshotEntry] = {}
+    chosen: dict[str, SnapshotEntry] = {}
     for entry in snapshots:  # sorted retained-then-preserved, so a preserved copy replaces its source
-        if entry.problem is None or entry.iteration not in chosen:
-            chosen[entry.iteration] = entry
+        name = Path(entry.path).name
+        if entry.problem is None or name not in chosen:
+            chosen[name] = entry
     readable = [e for e in chosen.values() if e.spike_ratio is not None and e.problem is None]
-    readable.sort(key=lambda e: (-_finite_or_inf(e.spike_ratio), e.iteration))
-    unreadable = sorted((e for e in chosen.values() if e not in readable), key=lambda e: e.iteration)
+    readable.sort(key=lambda e: (-_finite_or_inf(e.spike_ratio), snapshot_order(Path(e.path).name)))
+    unreadable = sorted(
+        (e for e in chosen.values() if e not in readable), key=lambda e: snapshot_order(Path(e.path).name)
+    )
     ranked: list[RankedSnapshot] = []
     for order, entry in enumerate(readable, start=1):
         ratio = f"spike ratio {entry.spike_ratio:.4g}x the median"
@@ -106,8 +111,9 @@ def _finite_or_inf(ratio: float | None) -> float:
     return float("inf") if ratio is None or ratio != ratio else ratio
 
 
-def scan_iteration_dirs(parent: Path, root: Path | None = None) -> tuple[dict[int, Path], list[SkippedEntry]]:
-    """({iteration: path} of the `iter_<N>` dirs in `parent`, the entries skipped and why).
+def scan_iteration_dirs(parent: Path, root: Path | None = None) -> tuple[dict[str, Path], list[SkippedEntry]]:
+    """({name: path} of the `iter_<N>` and `iter_<N>-<tag>` dirs in `parent`, by iteration then name; the entries
+    skipped and why). `parse_iteration(name)` gives a dir's iteration.
 
     Nothing is followed out of `root` (default: `parent`): a `parent` or an `iter_<N>` that is a
     symlink leading outside it is skipped, never read. Hidden staging dirs are ignored.
@@ -127,13 +133,13 @@ def scan_iteration_dirs(parent: Path, root: Path | None = None) -> tuple[dict[in
         if leaving is not None:
             skipped.append(SkippedEntry(str(entry), f"{leaving}; not followed", iteration))
         elif entry.is_dir():
-            found[iteration] = entry
+            found[entry.name] = entry
     skipped.sort(key=lambda s: s.path)
-    return dict(sorted(found.items())), skipped
+    return dict(sorted(found.items(), key=lambda item: snapshot_order(item[0]))), skipped
 
 
-def iteration_dirs(parent: Path, root: Path | None = None) -> dict[int, Path]:
-    """{iteration: path} of the complete `iter_<N>` dirs in `parent`, none reached through a symlink out of `root`."""
+def iteration_dirs(parent: Path, root: Path | None = None) -> dict[str, Path]:
+    """{name: path} of the complete snapshot dirs in `parent`, none reached through a symlink out of `root`."""
     return scan_iteration_dirs(parent, root)[0]
 
 
@@ -177,9 +183,9 @@ def list_snapshots(output_dir: str | Path) -> SnapshotListing:
     listing = SnapshotListing(output_dir=str(directory))
     for preserved, sub in ((False, SNAPSHOTS_DIR), (True, PRESERVED_DIR)):
         found, skipped = scan_iteration_dirs(directory / sub)
-        for iteration, path in found.items():
-            listing.snapshots.append(_entry(path, iteration, preserved))
+        for name, path in found.items():
+            listing.snapshots.append(_entry(path, parse_iteration(name) or 0, preserved))
         listing.skipped += skipped
-    listing.snapshots.sort(key=lambda e: (e.iteration, e.preserved))
+    listing.snapshots.sort(key=lambda e: (snapshot_order(Path(e.path).name), e.preserved))
     listing.ranking = rank_snapshots(listing.snapshots)
     return listing

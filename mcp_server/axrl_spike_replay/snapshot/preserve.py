@@ -28,12 +28,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from axrl_spike_replay import __version__
-from axrl_spike_replay.atomic import atomic_write_json
+from axrl_spike_replay.atomic import atomic_copy, atomic_write_json
 from axrl_spike_replay.containment import link_leaving
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.snapshot.completeness import missing_required
-from axrl_spike_replay.snapshot.layout import PRESERVE_MARKER, PRESERVED_DIR, SNAPSHOTS_DIR, iteration_dir_name
+from axrl_spike_replay.snapshot.layout import (
+    PRESERVE_MARKER,
+    PRESERVED_DIR,
+    SNAPSHOTS_DIR,
+    iteration_dir_name,
+    parse_iteration,
+    parse_snapshot_name,
+)
 from axrl_spike_replay.snapshot.listing import SkippedEntry, scan_iteration_dirs
 from axrl_spike_replay.snapshot.preserved_marker import MADE_BY, preserved_copy_problem, read_marker
 
@@ -108,7 +115,8 @@ def _output_dir(output_dir: str | Path) -> Path:
 
 
 def _link_or_copy(src: Path, dst: Path) -> bool:
-    """Hardlink `src` to `dst` (True) or, where no link is possible, copy it (False)."""
+    """Hardlink `src` to `dst` (True) or, where no link is possible, copy it (False): with its times, and never more
+    readable than `src` (its mode less the umask)."""
     try:
         os.link(src, dst)
         return True
@@ -117,7 +125,7 @@ def _link_or_copy(src: Path, dst: Path) -> bool:
     except OSError as exc:
         if exc.errno not in _NO_LINK_ERRNOS:
             raise
-    shutil.copy2(src, dst)
+    atomic_copy(src, dst, keep_times=True)
     return False
 
 
@@ -194,6 +202,7 @@ def _build_copy(source: Path, staging: Path, iteration: int, skipped: list[Skipp
         "made_by": MADE_BY,
         "version": __version__,
         "iteration": iteration,
+        "name": source.name,
         "source": str(source.resolve()),
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "files": [str(rel) for rel in files],
@@ -207,7 +216,7 @@ def _build_copy(source: Path, staging: Path, iteration: int, skipped: list[Skipp
 def _preserve_one(
     source: Path, preserved_root: Path, iteration: int, skipped: list[SkippedEntry]
 ) -> PreservedCopy | PreserveFailure:
-    final = preserved_root / iteration_dir_name(iteration)
+    final = preserved_root / source.name  # the copy keeps the snapshot's name (`iter_<N>` or `iter_<N>-<tag>`)
     if final.exists() or final.is_symlink():
         reason = preserved_copy_problem(final)
         if reason is None:
@@ -241,37 +250,46 @@ def _preserve_one(
 
 
 def preserve(
-    output_dir: str | Path, iteration: int | None = None, progress: Callable[[str], None] | None = None
+    output_dir: str | Path,
+    iteration: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    *,
+    name: str | None = None,
 ) -> PreserveResult:
-    """Preserve retained snapshot `iteration`, or every retained snapshot when None (cheap: hardlinks).
+    """Preserve the retained snapshots of `iteration` (every run's: `iter_<N>` and `iter_<N>-<tag>`), or the one
+    dir `name`, or every retained snapshot when both are None (cheap: hardlinks). A copy keeps its source's name.
 
     `progress` receives a line per snapshot done (for long copies across filesystems).
     Idempotent: an existing preserved copy is reported as "already_preserved". A source rotated away
     (or found incomplete) mid-copy becomes a `failed` entry and leaves nothing under `iter_<N>`; so does
     an `iter_<N>` that is a symlink leading out of the snapshots dir (never followed). Files of a snapshot
     that are symlinks leading out of it are not linked or copied: they are listed in `skipped`.
-    A requested iteration that is not retained (or is such a symlink) raises AxrlError.
+    A requested iteration or name that is not retained (or is such a symlink) raises AxrlError.
     """
     directory = _output_dir(output_dir)
     retained, skipped = scan_iteration_dirs(directory / SNAPSHOTS_DIR)
-    refused = [s for s in skipped if iteration is None or s.iteration in (iteration, None)]
-    if refused and (iteration is not None or refused[0].iteration is None):
+    iteration = parse_iteration(name) if name is not None else iteration
+    wanted = iteration is not None
+    refused = [s for s in skipped if _selected(Path(s.path).name, iteration, name) or s.iteration is None]
+    if refused and (wanted or refused[0].iteration is None):
         raise AxrlError(f"{refused[0].path} {refused[0].reason}; nothing was preserved")
-    if iteration is not None:
-        if iteration not in retained:
-            have = ", ".join(str(i) for i in retained) or "none"
+    if wanted:
+        retained = {n: path for n, path in retained.items() if _selected(n, iteration, name)}
+        if not retained:
+            asked = name or iteration_dir_name(iteration or 0)
+            have = ", ".join(_label(n) for n in scan_iteration_dirs(directory / SNAPSHOTS_DIR)[0]) or "none"
             raise AxrlError(
-                f"{directory / SNAPSHOTS_DIR / iteration_dir_name(iteration)}: no retained snapshot for "
-                f"iteration {iteration} (retained: {have})"
+                f"{directory / SNAPSHOTS_DIR / asked}: no retained snapshot for "
+                f"{'snapshot ' + name if name else f'iteration {iteration}'} (retained: {have})"
             )
-        retained = {iteration: retained[iteration]}
     preserved_root = _preserved_root(directory, create=True)
     result = PreserveResult(output_dir=str(directory))
     for entry in refused:  # an iter_<N> symlinked out of its dir: reported, never followed
         error = f"{entry.path} {entry.reason}; nothing was preserved"
         result.failed.append(PreserveFailure(entry.iteration or 0, entry.path, error))
     with held_lock(preserved_root / _LOCK_NAME, 300, f"preserved snapshots in {preserved_root}"):
-        for it, source in retained.items():
+        for dir_name, source in retained.items():
+            it = parse_iteration(dir_name) or 0
             outcome = _preserve_one(source, preserved_root, it, result.skipped)
             if isinstance(outcome, PreservedCopy):
                 result.preserved.append(outcome)
@@ -279,8 +297,27 @@ def preserve(
                 result.failed.append(outcome)
             if progress is not None:
                 status = outcome.status if isinstance(outcome, PreservedCopy) else "failed"
-                progress(f"iteration {it}: {status} ({len(result.preserved) + len(result.failed)}/{len(retained)})")
+                progress(f"{_what(dir_name)}: {status} ({len(result.preserved) + len(result.failed)}/{len(retained)})")
     return result
+
+
+def _selected(dir_name: str, iteration: int | None, name: str | None) -> bool:
+    """Whether a snapshot dir is the one asked for: by name, else every dir of the iteration, else all."""
+    if name is not None:
+        return dir_name == name
+    return iteration is None or parse_iteration(dir_name) == iteration
+
+
+def _label(dir_name: str) -> str:
+    """`41` for `iter_0000041`, `41-<tag>` for `iter_0000041-<tag>`."""
+    parsed = parse_snapshot_name(dir_name)
+    if parsed is None:
+        return dir_name
+    return str(parsed[0]) if parsed[1] is None else f"{parsed[0]}-{parsed[1]}"
+
+
+def _what(dir_name: str) -> str:
+    return f"iteration {_label(dir_name)}"
 
 
 def _preserved_root(directory: Path, create: bool = False) -> Path:
@@ -309,43 +346,48 @@ def _release_one(path: Path, snapshots_root: Path) -> str | None:
     return None
 
 
-def release(output_dir: str | Path, iteration: int | None = None) -> ReleaseResult:
-    """Delete preserved copy `iteration`, or every preserved copy when None; never anything else.
+def release(output_dir: str | Path, iteration: int | None = None, *, name: str | None = None) -> ReleaseResult:
+    """Delete the preserved copies of `iteration` (every run's), or the one copy `name`, or every preserved copy
+    when both are None; never anything else.
 
-    A copy that is not provably ours is refused: raises AxrlError for a requested iteration, or is
+    A copy that is not provably ours is refused: raises AxrlError for a requested iteration or name, or is
     listed in `refused` when releasing all. Retained snapshots are never touched.
     """
     directory = _output_dir(output_dir)
     preserved_root = _preserved_root(directory)
     found, skipped = scan_iteration_dirs(preserved_root)
-    if iteration is not None:
+    iteration = parse_iteration(name) if name is not None else iteration
+    wanted = iteration is not None
+    if wanted:
         for entry in skipped:
-            if entry.iteration == iteration:
+            if _selected(Path(entry.path).name, iteration, name):
                 raise AxrlError(f"{entry.path}: refused to delete: {entry.reason}")
-        if iteration not in found:
-            have = ", ".join(str(i) for i in found) or "none"
+        chosen = {n: path for n, path in found.items() if _selected(n, iteration, name)}
+        if not chosen:
+            asked = name or iteration_dir_name(iteration or 0)
+            have = ", ".join(_label(n) for n in found) or "none"
             raise AxrlError(
-                f"{preserved_root / iteration_dir_name(iteration)}: no preserved copy for iteration "
-                f"{iteration} (preserved: {have})"
+                f"{preserved_root / asked}: no preserved copy for "
+                f"{'snapshot ' + name if name else f'iteration {iteration}'} (preserved: {have})"
             )
-        found = {iteration: found[iteration]}
+        found = chosen
     result = ReleaseResult(output_dir=str(directory))
-    if iteration is None:
+    if not wanted:
         result.refused += [RefusedRelease(entry.path, entry.reason) for entry in skipped]
     if not found:
         return result
     with held_lock(preserved_root / _LOCK_NAME, 300, f"preserved snapshots in {preserved_root}"):
-        for it, path in found.items():
+        for dir_name, path in found.items():
             try:
                 reason = _release_one(path, directory / SNAPSHOTS_DIR)
             except AxrlError as exc:
-                if iteration is not None:
+                if wanted:
                     raise
                 result.refused.append(RefusedRelease(str(path), str(exc)))
                 continue
             if reason is None:
-                result.released.append(ReleasedCopy(it, str(path)))
-            elif iteration is not None:
+                result.released.append(ReleasedCopy(parse_iteration(dir_name) or 0, str(path)))
+            elif wanted:
                 raise AxrlError(f"{path}: refused to delete: {reason}")
             else:
                 result.refused.append(RefusedRelease(str(path), reason))

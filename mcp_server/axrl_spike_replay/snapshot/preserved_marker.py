@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.display import shown
-from axrl_spike_replay.snapshot.layout import PRESERVE_MARKER, PRESERVED_DIR, iteration_dir_name
+from axrl_spike_replay.snapshot.layout import PRESERVE_MARKER, PRESERVED_DIR, iteration_dir_name, parse_iteration
 from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
 from axrl_spike_replay.untrusted_json import parse_untrusted_json
 
@@ -26,7 +26,8 @@ def read_marker(path: str | Path) -> tuple[dict[str, Any] | None, str | None]:
     """(marker, None) for a preserved copy's valid marker; (None, why it is not usable) otherwise.
 
     A valid marker is a JSON object with `made_by` (a string), `iteration` (an integer >= 0) and
-    `files` (a list of relative file names); `source` and `created_at`, when present, are strings.
+    `files` (a list of relative file names); `source`, `created_at` and `name` (the copy's dir name, written since
+    snapshot names may carry a tag: `iter_<N>-<tag>`), when present, are strings.
     """
     marker_path = Path(path) / PRESERVE_MARKER
     try:
@@ -54,7 +55,7 @@ def _marker_problem(doc: Any) -> str | None:
     if not isinstance(files, list) or not all(_plain_relative(name) for name in files):
         bad = files if not isinstance(files, list) else next(n for n in files if not _plain_relative(n))
         return f"has a file list that is not relative file names ({shown(bad, 60)})"
-    for key in ("source", "created_at"):
+    for key in ("source", "created_at", "name"):
         if key in doc and not isinstance(doc[key], str):
             return f"has {key} {shown(doc[key], 60)}, not a string"
     return None
@@ -76,8 +77,11 @@ def preserved_copy_problem(path: str | Path) -> str | None:
         return f"{problem} (not made by {MADE_BY})"
     if marker["made_by"] != MADE_BY:
         return f"its marker names {shown(marker['made_by'], 60)}, not {MADE_BY}"
-    if directory.name != iteration_dir_name(marker["iteration"]):
-        return f"its marker is for iteration {marker['iteration']}, not {directory.name}"
+    named = marker.get("name")  # markers from before tagged names carry none: the plain `iter_<N>` then
+    expected = named if named is not None else iteration_dir_name(marker["iteration"])
+    if directory.name != expected or parse_iteration(expected) != marker["iteration"]:
+        made_for = "" if named is None else f" (a copy named {shown(named, 80)})"
+        return f"its marker is for iteration {marker['iteration']}, not {directory.name}{made_for}"
     listed = set(marker["files"])
     present = {str(Path(d, n).relative_to(directory)) for d, _, names in os.walk(directory) for n in names}
     present.discard(PRESERVE_MARKER)

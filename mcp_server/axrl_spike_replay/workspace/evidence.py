@@ -169,3 +169,25 @@ def _num(value: Any) -> float | None:
     if value is None:
         return None
     return float(value)
+
+
+def with_runs(baselines: list[dict[str, Any]], attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Baseline rows with the verb that ran each (`run`: replay, sweep, ...) and the attempts of the same sweep,
+    which are judged against it (`judges`): each run replays its own baseline, so each adds a row. A sweep's rows
+    share its run dir (`<ts>/baseline/`, `<ts>/<config_id>/`) and its command line."""
+    out = []
+    for row in baselines:
+        command = row.get("command")
+        words = str(command or "").split()
+        run = words[1] if len(words) > 1 and words[0].endswith("axrl-spike-replay") else None
+        path = Path(row["result_path"]) if row.get("result_path") else None
+        judges = []
+        if path is not None and path.parent.name == "baseline" and command:
+            judges = [
+                a["id"]
+                for a in attempts
+                if a.get("result_path") and a.get("command") == command and Path(a["result_path"]).parent.parent
+                == path.parent.parent
+            ]  # fmt: skip
+        out.append({**row, "run": run, "judges": judges})
+    return out

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.locks import held_lock
-from axrl_spike_replay.replay.mitigations import MITIGATIONS, diagnostic_reasons
+from axrl_spike_replay.replay.mitigations import MITIGATIONS, diagnostic_reasons, mitigation_args
 from axrl_spike_replay.replay.result import ReplayResult, describe_clean_gradient
+from axrl_spike_replay.replay.trainer_changes import trainer_changes
+from axrl_spike_replay.replay.trainer_settings import TRAINERS, snapshot_trainer
 from axrl_spike_replay.replay.verdict import WRITABLE_VERDICTS, threshold_label, writable_problem
 from axrl_spike_replay.vocabulary import Fidelity, Verdict
 from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
 from axrl_spike_replay.workspace.evidence import baseline_for, find_attempt, output_dir_of, result_doc
 from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_plain_name, check_workspace, methods_dir
+from axrl_spike_replay.workspace.preserved_copies import source_of_copy
 from axrl_spike_replay.workspace.render import fmt, pct, render
 from axrl_spike_replay.workspace.signals import recorded_signals
 from axrl_spike_replay.workspace.task_state import now, read_state, update_task, write_file
@@ -156,8 +160,10 @@ def add_method(
 
 def list_methods(workspace: str | Path) -> list[MethodEntry]:
     """The workspace's method files and the shipped ones (`source` says which), ranked (see RANKING), each with its
-    front matter (status `unknown` for files without one)."""
-    found = [(path, fields, "workspace") for path, fields in _front_matters(workspace)]
+    front matter (status `unknown` for files without one). A workspace at the tool's own checkout holds the shipped
+    methods themselves: they are listed once, as `shipped`."""
+    own = "shipped" if _is_shipped_folder(methods_dir(check_workspace(workspace))) else "workspace"
+    found = [(path, fields, own) for path, fields in _front_matters(workspace)]
     found += [(path, fields, "shipped") for path, fields in _shipped_front_matters(workspace)]
     found.sort(key=lambda item: (rank_key(item[1]), item[2]))
     return [
@@ -181,10 +187,16 @@ def method_files(workspace: str | Path) -> list[dict[str, Any]]:
     return sorted(files, key=rank_key)
 
 
+def _is_shipped_folder(folder: Path) -> bool:
+    """True when `folder` is the shipped methods' folder (a workspace at the tool's own checkout)."""
+    shipped = shipped_methods_dir()
+    return shipped is not None and shipped.resolve() == folder.resolve()
+
+
 def _shipped_front_matters(workspace: str | Path) -> list[tuple[Path, dict[str, Any]]]:
     """The shipped methods, unless the workspace's own folder is that folder (a workspace at the checkout)."""
     shipped = shipped_methods_dir()
-    if shipped is None or shipped.resolve() == methods_dir(check_workspace(workspace)).resolve():
+    if shipped is None or _is_shipped_folder(methods_dir(check_workspace(workspace))):
         return []
     return _front_matters_in(shipped)
 
@@ -314,6 +326,13 @@ def _method_doc(
         "result_path": row.get("result_path"),
         "created_at": now(),
     }
+    replay = replay_it(result)
+    fields["source_snapshot"] = replay["source"]
+    trainer = snapshot_trainer(result.snapshot)
+    changes = in_your_trainer(result, trainer)
+    fields["trainer"] = trainer
+    # the change in the trainer that wrote the snapshot (the report quotes it); every trainer's is in the file
+    fields["trainer_settings"] = [c["setting"] for c in changes if c["trainer"] == (trainer or "axrl") and c["setting"]]
     return {
         "front_matter": json.loads(json.dumps(fields, default=str)),
         "status": status,
@@ -333,6 +352,57 @@ def _method_doc(
         "mechanism": [f"`{name}`: {MITIGATIONS[name].doc}" for name in result.mitigations if name in MITIGATIONS],
         "evidence": _evidence(result, baseline),
         "caveats": [f"`{name}`: {MITIGATIONS[name].caveat}" for name in result.mitigations if name in MITIGATIONS],
+        "replay": replay,
+        "trainer": trainer,
+        "trainer_label": TRAINERS.get(trainer or "", ""),
+        "changes": changes,
+    }
+
+
+def in_your_trainer(result: ReplayResult, trainer: str | None) -> list[dict[str, Any]]:
+    """The attempt's mitigations as each trainer's setting, the trainer that wrote the snapshot first (as rows
+    {trainer, label, mitigation, setting, note, wrote_it})."""
+    order = ((trainer,) if trainer in TRAINERS else ()) + tuple(t for t in TRAINERS if t != trainer)
+    rows = trainer_changes(normalise_config(result.mitigations), result.resolved_mitigations, order)
+    return [
+        {
+            "trainer": c.trainer,
+            "label": TRAINERS[c.trainer],
+            "mitigation": c.mitigation,
+            "setting": c.setting,
+            "note": c.note,
+            "wrote_it": c.trainer == trainer,
+        }
+        for c in rows
+    ]
+
+
+def replay_it(result: ReplayResult) -> dict[str, Any]:
+    """The command that replays this change, on a snapshot that outlives the investigation: a preserved copy is
+    released when it ends (`report --release`), so the command names the rotating `iter_<N>` the copy was made
+    from when that exists. {command, snapshot (the path the command names), source (the rotating path or None),
+    note}."""
+    source = source_of_copy(result.snapshot)
+    path = str(source) if source is not None and source.is_dir() else result.snapshot
+    args = ["axrl-spike-replay", "replay", path]
+    for item in mitigation_args(normalise_config(result.mitigations)):
+        args += ["--mitigation", item]
+    note = None
+    if result.patch_sha256:
+        args += ["--backend", "command", "--patch", "PATCH.diff"]
+        note = "PATCH.diff: the patch above (its sha256 must match), run by the trainer's own replay command"
+    if path != result.snapshot:
+        moved = (
+            f"Replayed from the preserved copy `{result.snapshot}`, which is released when the investigation ends "
+            f"(`report --release`); the command names the rotating snapshot it was copied from, which stays until "
+            "the job's rotation removes it"
+        )
+        note = f"{moved}. {note}" if note else moved
+    return {
+        "command": shlex.join(args),
+        "snapshot": path,
+        "source": None if source is None else str(source),
+        "note": note,
     }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.jsonable import to_jsonable
-from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, iteration_dir_name, parse_iteration
+from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, parse_iteration
 from axrl_spike_replay.workspace.evidence import output_dir_of
 from axrl_spike_replay.workspace.paths import TASKS_DIR
 
@@ -23,13 +23,29 @@ LAST_COPY_FLAG = "--release-last-copy"
 
 
 def copy_of(snapshot: str | Path | None) -> dict[str, Any] | None:
-    """{output_dir, iteration, path} of the preserved copy of `snapshot` (whether it exists or not), else None."""
+    """{output_dir, iteration, path} of the preserved copy of `snapshot` (whether it exists or not), else None.
+    The copy has the snapshot's own dir name (`iter_<N>`, or `iter_<N>-<tag>` for a tagged one)."""
     output_dir = output_dir_of(snapshot)
-    iteration = parse_iteration(Path(str(snapshot)).name) if snapshot else None
+    name = Path(str(snapshot)).name if snapshot else ""
+    iteration = parse_iteration(name) if snapshot else None
     if output_dir is None or iteration is None:
         return None
-    path = Path(output_dir) / PRESERVED_DIR / iteration_dir_name(iteration)
+    path = Path(output_dir) / PRESERVED_DIR / name
     return {"output_dir": output_dir, "iteration": iteration, "path": str(path)}
+
+
+def source_of(entry: dict[str, Any]) -> Path:
+    """The rotating snapshot a noted copy preserved: the same dir name under `checkpoints/spike_snapshots`."""
+    return Path(entry["output_dir"]) / SNAPSHOTS_DIR / Path(entry["path"]).name
+
+
+def source_of_copy(snapshot: str | Path | None) -> Path | None:
+    """The rotating `spike_snapshots/iter_<N>[-<tag>]` a preserved copy (`spike_snapshots-active/...`) was made from,
+    whether it exists or not; None when `snapshot` is no preserved copy."""
+    if not snapshot or Path(str(snapshot)).parent.name != PRESERVED_DIR.name:
+        return None
+    copy = copy_of(snapshot)
+    return None if copy is None else source_of(copy)
 
 
 def _marker_time(path: str) -> str | None:
@@ -91,7 +107,7 @@ def copies_kept(state: dict[str, Any], in_use: list[dict[str, Any]]) -> list[dic
 
 def is_last_copy(entry: dict[str, Any]) -> bool:
     """True when the rotating snapshot this copy preserved is gone: the copy is the last one."""
-    source = Path(entry["output_dir"]) / SNAPSHOTS_DIR / iteration_dir_name(entry["iteration"])
+    source = source_of(entry)
     return source.is_symlink() or not source.is_dir()
 
 
@@ -125,7 +141,7 @@ def release_copies(
             out.append({**entry, "released": False, "error": f"task {other!r} still uses it; kept"})
             continue
         if is_last_copy(entry) and not release_last_copy:
-            source = Path(entry["output_dir"]) / SNAPSHOTS_DIR / iteration_dir_name(entry["iteration"])
+            source = source_of(entry)
             error = (
                 f"it is the last copy of iteration {entry['iteration']} ({source} has rotated away); kept — "
                 f"pass {LAST_COPY_FLAG} to delete it anyway"
@@ -133,10 +149,10 @@ def release_copies(
             out.append({**entry, "released": False, "error": error})
             continue
         try:
-            outcome = to_jsonable(release(Path(entry["output_dir"]), entry["iteration"]))
+            outcome = to_jsonable(release(Path(entry["output_dir"]), name=source_of(entry).name))
         except AxrlError as exc:
             out.append({**entry, "released": False, "error": str(exc)})
             continue
-        released = any(item.get("iteration") == entry["iteration"] for item in outcome.get("released", []))
+        released = any(Path(item.get("path", "")).name == source_of(entry).name for item in outcome.get("released", []))
         out.append({**entry, "released": released, "error": None if released else str(outcome.get("refused"))})
     return out

@@ -9,6 +9,7 @@ from typing import Any
 
 import jinja2
 
+from axrl_spike_replay.percent import pct, pct_plain
 from axrl_spike_replay.resources import templates_dir
 
 _BACKTICK_RUN_RE = re.compile(r"`+")
@@ -75,20 +76,6 @@ def fmt(value: Any, digits: int = 4) -> str:
             return "inf" if value > 0 else "-inf"
         return f"{value:.{digits}g}"
     return str(value)
-
-
-def pct(value: Any) -> str:
-    """A relative change as a signed percentage (`-63.2%`), `n/a` when missing."""
-    if value is None or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return "n/a"
-    return f"{value * 100:+.1f}%"
-
-
-def pct_plain(value: Any) -> str:
-    """A fraction as an unsigned percentage (`8.7%`), `n/a` when missing."""
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return "n/a"
-    return f"{value * 100:.1f}%"
 
 
 @lru_cache(maxsize=1)

@@ -8,14 +8,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR, iteration_dir_name
-from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of, recorded_consistency
+from axrl_spike_replay.replay.trainer_settings import SETTING_KINDS, TRAINERS
+from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of, recorded_consistency, with_runs
 from axrl_spike_replay.workspace.methods import RANKING, method_files, rank_key
 from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
-from axrl_spike_replay.workspace.preserved_copies import copies_in_use, copies_kept, is_last_copy, release_copies
+from axrl_spike_replay.workspace.preserved_copies import (
+    copies_in_use,
+    copies_kept,
+    is_last_copy,
+    release_copies,
+    source_of,
+)
 from axrl_spike_replay.workspace.render import render
 from axrl_spike_replay.workspace.task_diagnosis import report_diagnosis
 from axrl_spike_replay.workspace.task_state import now, read_state, set_task_snapshot, update_task, write_file
+from axrl_spike_replay.workspace.trainer_advice import trainer_advice
 from axrl_spike_replay.workspace.views import ReportResult
 
 REPORT_NAME = "report.md"
@@ -27,6 +34,7 @@ def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
     experiments = state["experiments"]
     # each with the consistency its replay recorded: the task-open diagnosis is not the only verdict on the snapshot
     baselines = [{**row, "consistency": recorded_consistency(row)} for row in baseline_rows(state)]
+    attempts = [row for row in experiments if not row.get("is_baseline")]
     by_slug = {m["slug"]: m for m in method_files(workspace)}
     methods = sorted(
         (
@@ -40,17 +48,22 @@ def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
         "job": state["job"],
         "generated_at": now(),
         "snapshot": snapshot,
+        "snapshot_exists": bool(snapshot) and Path(str(snapshot)).is_dir(),
         "output_dir": output_dir_of(snapshot) or _first_output_dir(experiments),
         "snapshot_history": state["snapshot_history"],
         "command": state.get("command"),
         "diagnosis": report_diagnosis(state),
         "fidelity": fidelity_by_target(experiments),
-        "baselines": baselines,
+        "baselines": with_runs(baselines, attempts),
+        "same_baseline_norm": len({row.get("grad_norm") for row in baselines}) == 1,
         "attempt_baselines": [] if baselines else attempt_baselines(experiments),
-        "attempts": [row for row in experiments if not row.get("is_baseline")],
+        "attempts": attempts,
         "failed": state["failed"],
         "methods": methods,
         "ranking": RANKING,
+        "trainer": trainer_advice(methods, snapshot),
+        "trainers": TRAINERS,
+        "setting_kinds": SETTING_KINDS,
         "observations": state["observations"],
         "next_steps": state["next_steps"],
         "preserved": preserved,
@@ -102,14 +115,15 @@ def write_report(
 ) -> ReportResult:
     """Render `tmp/spike-replay/<job>/report.md` atomically; with `release`, then release the preserved copies
     this investigation uses (those of its current snapshot). A copy that is the last one of its snapshot (the
-    rotating `iter_<N>` gone) is kept unless `release_last_copy`."""
+    rotating `iter_<N>` gone) is kept unless `release_last_copy`.
+
+    The report is written before anything is released (it stays if the release fails half-way), then written again
+    from the task as the release left it: its snapshot and replay command then name the rotating `iter_<N>` the
+    released copy was made from, and it says what was released, so no command in it points at a deleted copy."""
     root = check_workspace(workspace)
     state = read_state(root, check_plain_name(job, "job name"))
-    context = report_context(root, state)
-    context["release_requested"] = release
-    context["release_last_copy"] = release_last_copy
-    text = render("report.md.j2", r=context)
-    path = write_file(job_tmp_dir(root, job) / REPORT_NAME, text, "report")
+    context = _context(root, state, release, release_last_copy, [])
+    path = write_file(job_tmp_dir(root, job) / REPORT_NAME, context["text"], "report")
     preserved = [{k: v for k, v in copy.items() if k != "last_copy"} for copy in context["preserved"]]
     released = release_copies(root, job, preserved, release_last_copy) if release else []
 
@@ -117,7 +131,10 @@ def write_report(
         current["reports"].append({"time": context["generated_at"], "path": str(path), "released": released})
         follow_released_snapshot(current, released)
 
-    update_task(root, job, change)
+    after, _ = update_task(root, job, change)
+    if any(entry.get("released") for entry in released):
+        context = _context(root, after, release, release_last_copy, released, context["generated_at"])
+        write_file(path, context["text"], "report")
     return ReportResult(
         job=context["job"],
         generated_at=context["generated_at"],
@@ -126,6 +143,7 @@ def write_report(
         snapshot_history=context["snapshot_history"],
         command=context["command"],
         diagnosis=context["diagnosis"],
+        trainer=context["trainer"],
         fidelity=context["fidelity"],
         baselines=context["baselines"],
         attempt_baselines=context["attempt_baselines"],
@@ -141,8 +159,28 @@ def write_report(
         release_last_copy=release_last_copy,
         path=str(path),
         released=released,
-        text=text,
+        text=context["text"],
     )
+
+
+def _context(
+    root: Path,
+    state: dict[str, Any],
+    release: bool,
+    release_last_copy: bool,
+    released: list[dict[str, Any]],
+    generated_at: str | None = None,
+) -> dict[str, Any]:
+    """The report's context and its rendered `text`; `released`: what the release did (empty before it ran)."""
+    context = report_context(root, state)
+    context["generated_at"] = generated_at or context["generated_at"]
+    context["release_requested"] = release
+    context["release_last_copy"] = release_last_copy
+    context["release_outcomes"] = [
+        {**entry, "source": str(source_of(entry)), "source_exists": source_of(entry).is_dir()} for entry in released
+    ]
+    context["text"] = render("report.md.j2", r=context)
+    return context
 
 
 def follow_released_snapshot(state: dict[str, Any], released: list[dict[str, Any]]) -> None:
@@ -151,7 +189,7 @@ def follow_released_snapshot(state: dict[str, Any], released: list[dict[str, Any
     for entry in released:
         if not entry.get("released") or entry.get("path") != state.get("snapshot"):
             continue
-        source = Path(entry["output_dir"]) / SNAPSHOTS_DIR / iteration_dir_name(entry["iteration"])
+        source = source_of(entry)
         if not source.is_dir():
             continue
         old = str(entry["path"])

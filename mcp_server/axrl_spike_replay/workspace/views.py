@@ -110,3 +110,5 @@ class ReportResult:
     released: list[Row]
     text: str
     diagnosis: Row | None = None  # `diagnose` on the task's snapshot, its experiments with the attempts that ran them
+    # what to change in the trainer that wrote the snapshot: {trainer, label, known, methods: [{slug, settings, ...}]}
+    trainer: Row | None = None

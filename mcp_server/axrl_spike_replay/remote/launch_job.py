@@ -1,0 +1,173 @@
+"""What a launched job is, whichever engine starts it (torchrun over SSH, Slurm): the worker each process runs, the
+request it reads, the result rank 0 writes, how it ended, and errors that name the node.
+
+The worker-side half of the contract is `launch_worker`: torchrun's environment gives each process its rank and
+world, argv[1] is the request file, and rank 0 writes the result file atomically. The launcher reads that file only
+after every agent (or the Slurm job) ended successfully.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from axrl_spike_replay.display import clean_text, shown
+from axrl_spike_replay.remote.errors import RemoteError
+from axrl_spike_replay.remote.node_probe import NodeReport
+from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
+from axrl_spike_replay.untrusted_json import parse_untrusted_json
+
+if TYPE_CHECKING:  # workspace_config reads the launch settings, which use this module
+    from axrl_spike_replay.remote.workspace_config import ResolvedTarget
+
+LAUNCH_ID_ENV = "AXRL_LAUNCH_ID"  # every process of a job carries it, so a sweep can find leftovers by it
+REQUEST_FORMAT = "axrl-launch-request"
+REQUEST_VERSION = 1
+REQUEST_FILE = "request.json"
+RESULT_FILE = "result.json"
+MAX_RESULT_BYTES = 64 << 20
+_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_LAUNCH_ID_RE = re.compile(r"axrl-[0-9a-f]{12}")
+
+
+class LaunchError(RemoteError):
+    """A launched job failed to start, to rendezvous or to finish; `node` names the node at fault when known."""
+
+    def __init__(self, message: str, node: str | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+
+
+@dataclass(frozen=True)
+class LaunchNode:
+    """One node of a job: a name; how to reach it over SSH (None: this machine); the Python and setup lines the job
+    runs with there (default: the target's, or this very interpreter here); and the address the other nodes reach
+    it at (None: its host name as torchrun resolves it). A torchrun job's first node hosts the rendezvous."""
+
+    name: str
+    target: ResolvedTarget | None = None
+    python: str = ""
+    setup: tuple[str, ...] = ()
+    address: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.python:
+            object.__setattr__(self, "python", self.target.python if self.target is not None else sys.executable)
+        if not self.setup and self.target is not None:
+            object.__setattr__(self, "setup", tuple(self.target.setup))
+
+
+@dataclass(frozen=True)
+class WorkerEntry:
+    """What each worker process runs: a module (`python -m`) or a script, given the request path, then `args`."""
+
+    module: str | None = None
+    script: str | None = None
+    args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if (self.module is None) == (self.script is None):
+            raise ValueError("a worker entry is a module or a script, exactly one of them")
+        if self.module is not None and not _MODULE_RE.fullmatch(self.module):
+            raise ValueError(f"worker module {shown(self.module)} is not a dotted Python module name")
+
+    def words(self, request_path: str) -> list[str]:
+        """torchrun's trailing words: `-m MODULE` or `SCRIPT`, the request path, the extra arguments."""
+        head = ["-m", self.module] if self.module is not None else [str(self.script)]
+        return [*head, request_path, *self.args]
+
+
+@dataclass(frozen=True)
+class LaunchOutcome:
+    """A job that ended successfully: rank 0's result and where its logs and files were put here."""
+
+    launcher: str  # "torchrun" | "slurm"
+    launch_id: str
+    nodes: tuple[str, ...]  # node names as configured (torchrun) or as Slurm allocated them
+    result: dict[str, Any]
+    result_path: Path
+    out_dir: Path
+    seconds: float  # from the first connection to the result being here
+    start_s: float  # until every agent had started (torchrun) or the job was running (Slurm)
+    rendezvous: str | None = None  # HOST:PORT of the c10d rendezvous, when the launcher chose it
+    job_id: str | None = None  # Slurm's job id
+    logs: dict[str, Path] = field(default_factory=dict)  # name -> log file here
+
+
+def new_launch_id() -> str:
+    """A fresh id for one job: its rendezvous id and the tag its processes carry in the environment."""
+    return f"axrl-{secrets.token_hex(6)}"
+
+
+def check_launch_id(launch_id: str) -> str:
+    """`launch_id` if it has the shape `new_launch_id` gives (it is put in shell text and process searches)."""
+    if not isinstance(launch_id, str) or not _LAUNCH_ID_RE.fullmatch(launch_id):
+        raise ValueError(f"launch id {shown(launch_id)} is not one this tool made (axrl-<12 hex digits>)")
+    return launch_id
+
+
+def request_document(launch_id: str, result_path: str, payload: Mapping[str, Any]) -> dict[str, Any]:
+    """The request file's content: which job, where rank 0 writes its result, and the worker's own payload."""
+    return {
+        "format": REQUEST_FORMAT,
+        "version": REQUEST_VERSION,
+        "launch_id": launch_id,
+        "result_path": result_path,
+        "payload": dict(payload),
+    }
+
+
+def check_node_ready(report: NodeReport, node: str, *, python: str, where: str = "node") -> None:
+    """Refuse a node whose Python cannot run the job (no interpreter, no torch, no package), saying what to do."""
+    problems: list[str] = []
+    if report.python_version is None:
+        detail = "; ".join(note for note in report.notes if "did not run" in note) or "no output"
+        problems.append(f"{python} did not run there ({detail[-300:]}); set `python:` of the target to a working one")
+    else:
+        if report.torch_version is None:
+            problems.append(
+                f"torch is not importable with {python}; install torch in that environment or point `python:` "
+                "(and `setup:` lines) of the target at one that has it"
+            )
+        if not report.package_importable:
+            problems.append(
+                f"axrl_spike_replay is not importable with {python}; run `axrl-spike-replay node TARGET --install`"
+            )
+    if problems:
+        host = f" ({report.hostname})" if report.hostname else ""
+        raise LaunchError(f"{where} {node!r}{host} cannot run the job: " + "; ".join(problems), node=node)
+
+
+def read_result(path: Path, where: str) -> dict[str, Any]:
+    """Rank 0's result file, brought here after the job succeeded: a bounded JSON object."""
+    try:
+        doc = parse_untrusted_json(read_bounded(path, MAX_RESULT_BYTES, follow_symlinks=False), max_depth=64)
+    except (OSError, UntrustedInputError) as exc:
+        raise LaunchError(f"the job's result from {where} is not usable: {exc}") from None
+    if not isinstance(doc, dict):
+        raise LaunchError(f"the job's result from {where} is not a JSON object")
+    return doc
+
+
+def tail_text(path: Path, lines: int = 12, limit: int = 2000) -> str:
+    """The last lines of a log file here, on one line for error messages (empty when there is none)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, 2)
+            size = handle.tell()
+            handle.seek(max(0, size - 64 * 1024))
+            text = handle.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    kept = [
+        clean_text(line.strip())
+        for line in text.splitlines()
+        if line.strip().strip("=-") and not line.startswith("@@axrl")  # no rulers, no marks of ours
+    ]
+    joined = " | ".join(kept[-lines:])
+    return joined if len(joined) <= limit else "…" + joined[-limit:]
