@@ -95,3 +95,14 @@ def test_the_rule_reads_in_robust_standard_deviations_within_the_batch_or_group(
     assert outlier_samples(batch, 5.0).tolist() == [False, False, False, False, True, False]
     assert outlier_samples(batch, 5.0, "group").tolist() == [False, False, False, False, True, False]
     assert not outlier_samples({**batch, "advantages": torch.zeros(6)}, 5.0).any()
+
+
+def test_a_lone_correct_answer_beside_tied_groups_is_not_an_outlier() -> None:
+    """Found by the property above: four tied groups (all rewards equal, advantages float noise) and one group of
+    ten with a single correct answer. The batch's spread, diluted by the tied groups, gave that answer z 6.7."""
+    lone = [-0.23] * 9 + [2.07]
+    values = [1e-5 * (i % 3 - 1) for i in range(10)] + lone + [0.0] * 30
+    groups = [g for g in range(5) for _ in range(10)]
+    groups = groups[:10] + [1] * 10 + groups[20:]
+    for scope in ("batch", "group"):
+        assert max(outlier_z(values, groups, scope)) <= THRESHOLD

@@ -11,16 +11,17 @@ without one the batch is the group). `outlier_z` computes it, for this mask and 
 
 - the median is the true one (the mean of the two middle values; `torch.median` takes the lower one, which in a
   two-valued GRPO group is one of the two values itself, so every sample of the other value looked far out);
-- deviations within float noise of the batch's magnitude (NOISE times its RMS, at least NOISE) count as 0: two advantages that
-  differ by 2.8e-5 are a tie, not a spread of 2.8e-5;
+- deviations within float noise of the batch's magnitude (NOISE times its RMS, at least NOISE) count as 0: two
+  advantages that differ by 2.8e-5 are a tie, not a spread of 2.8e-5;
 - scale = max(1.4826 * MAD, the spread of the other groups): 1.4826 * MAD estimates the standard deviation of
   normal data, so the threshold reads in standard deviations. Group-normalised GRPO advantages are discrete (a
   group of n with one correct answer has one value of about sqrt(n - 1) and n - 1 equal ones), so their MAD
   collapses to 0 or to the gap between two such values; with the batch's `group_index` the floor is the median,
   over the batch's other prompt groups with a spread, of each group's RMS about its own mean: what an ordinary
   advantage of this batch looks like (about 1 after group normalisation; a median, so a few broken groups do
-  not raise it). With no other such group the floor is the scope's own RMS about its mean (a lone value cannot
-  stand further out than sqrt(n - 1) of those: only a large batch flags anything). Without a `group_index`
+  not raise it). With no other such group nothing in that group is flagged: its own spread cannot tell a lone
+  correct answer from a scaled one, and the batch's spread is diluted by tied groups (a lone correct answer in
+  one group of ten beside four tied groups had z 6.7). Without a `group_index`
   the data is taken as continuous and the MAD alone is the scale;
 - no spread left (the scale within noise) or fewer than 3 samples in the scope: nothing is flagged (there is
   nothing to judge by; the old mean-absolute-deviation fallback gave a lone correct answer a z of 8-17).
@@ -28,7 +29,8 @@ without one the batch is the group). `outlier_z` computes it, for this mask and 
 `drop_samples` leaves the named `rank:sample` pairs out, `drop_ranks` every sample of the named saved ranks and
 `keep_ranks` every sample of the others (the DP mean still divides by the saved world size, as when those ranks'
 samples are masked in training): diagnostics (is the spike those samples, that rank?), never production methods.
-The clean gradient (`replay.clean_gradient`) leaves single loss tokens (or whole ranks) out the same way (`TokenDrop`); no mitigation does.
+The clean gradient (`replay.clean_gradient`) leaves single loss tokens (or whole ranks) out the same way
+(`TokenDrop`); no mitigation does.
 
 Masking changes which columns hold loss tokens, never the response width verl's
 `seq-mean-token-sum-norm` divides by: the batch's horizon is pinned (`response_width`) before the mask is.
@@ -140,12 +142,13 @@ def outlier_z(values: Sequence[float], groups: Sequence[Hashable] | None = None,
         deviation = {i: abs(values[i] - center) for i in index}
         deviation = {i: (d if d > tol else 0.0) for i, d in deviation.items()}
         mad = MAD_SCALE * statistics.median(deviation.values())
-        own = _spread([values[i] for i in index])
         for i in index:
             floor = 0.0
             if groups is not None:
                 others = [s for key, s in spreads.items() if key != groups[i]]
-                floor = statistics.median(others) if others else own
+                # no other group with a spread: a sample's own group cannot judge it (a lone correct answer is
+                # as far from its tied group as a scaled one), and the batch's spread is diluted by tied groups
+                floor = statistics.median(others) if others else math.inf
             scale = max(mad, floor)
             z[i] = deviation[i] / scale if scale > tol and scale > 0 else 0.0
     return z
