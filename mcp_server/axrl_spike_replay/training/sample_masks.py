@@ -19,9 +19,10 @@ without one the batch is the group). `outlier_z` computes it, for this mask and 
   collapses to 0 or to the gap between two such values; with the batch's `group_index` the floor is the median,
   over the batch's other prompt groups with a spread, of each group's RMS about its own mean: what an ordinary
   advantage of this batch looks like (about 1 after group normalisation; a median, so a few broken groups do
-  not raise it). With no other such group nothing in that group is flagged: its own spread cannot tell a lone
-  correct answer from a scaled one, and the batch's spread is diluted by tied groups (a lone correct answer in
-  one group of ten beside four tied groups had z 6.7). Without a `group_index`
+  not raise it). With no other such group the MAD alone judges, and only a value further out than group
+  normalisation can put one (sqrt(n) from its group's mean, for a group of n) is judged at all: a lone correct
+  answer in one group of ten beside four tied groups had z 6.7 against the batch's spread, diluted by the tied
+  groups; a sample scaled by a broken reward is far beyond sqrt(n). Without a `group_index`
   the data is taken as continuous and the MAD alone is the scale;
 - no spread left (the scale within noise) or fewer than 3 samples in the scope: nothing is flagged (there is
   nothing to judge by; the old mean-absolute-deviation fallback gave a lone correct answer a z of 8-17).
@@ -133,6 +134,7 @@ def outlier_z(values: Sequence[float], groups: Sequence[Hashable] | None = None,
         members.setdefault(key, []).append(i)
     spreads = {key: _spread([values[i] for i in index]) for key, index in members.items() if len(index) >= 2}
     spreads = {key: s for key, s in spreads.items() if s > tol}
+    means = {key: math.fsum(values[i] for i in index) / len(index) for key, index in members.items()}
     scopes = members if scope == "group" and groups is not None else {0: list(range(n))}
     z = [0.0] * n
     for index in scopes.values():
@@ -146,9 +148,12 @@ def outlier_z(values: Sequence[float], groups: Sequence[Hashable] | None = None,
             floor = 0.0
             if groups is not None:
                 others = [s for key, s in spreads.items() if key != groups[i]]
-                # no other group with a spread: a sample's own group cannot judge it (a lone correct answer is
-                # as far from its tied group as a scaled one), and the batch's spread is diluted by tied groups
-                floor = statistics.median(others) if others else math.inf
+                if others:
+                    floor = statistics.median(others)
+                elif abs(values[i] - means[groups[i]]) <= math.sqrt(len(members[groups[i]])):
+                    # no other group with a spread, and within what group normalisation gives a group of n (at
+                    # most sqrt(n) from its mean): its own group cannot tell a lone correct answer from a scaled one
+                    continue
             scale = max(mad, floor)
             z[i] = deviation[i] / scale if scale > tol and scale > 0 else 0.0
     return z
