@@ -57,7 +57,14 @@ def test_dropping_the_top_sample_clears_it_and_matches_the_clean_gradient(sweep:
     # the outlier's tokens carry the pull: leaving them out, and only them, gets under the spike bar
     assert clean is not None and clean["left_out"] == clean["wholly_left_out"] == ["0:1"]
     assert clean["reached"] is True and clean["ratio_to_median"] < dropped.threshold
-    assert dropped.cosine_to_clean == pytest.approx(1.0, abs=1e-6)
+    # the reference takes the old and rollout log-probs from the forward (the on-policy gradient), the replay of
+    # drop_samples the stored ones: equal up to the float32 they were stored in
+    assert clean["recomputed"] == ["old_logprobs", "rollout_logprobs"]
+    assert dropped.cosine_to_clean == pytest.approx(1.0, abs=1e-4)
+    # the smallest count the search found: one token fewer is still a spike (0 left out: the on-policy gradient)
+    count = clean["tokens_left_out"]
+    assert count > 0 and clean["probe_norms"][str(count - 1)] >= clean["bar"] > clean["grad_norm"]
+    assert clean["passes"] == len(clean["probe_norms"]) + 1  # + the on-policy gradient
 
 
 @pytest.mark.slow
@@ -82,9 +89,11 @@ def test_a_clear_threshold_of_the_users_changes_the_verdict(outlier_snapshot: Pa
     clipped = sweep.results[3]
     assert clipped.verdict == Verdict.CLEARED and clipped.verdict_basis["threshold_source"] == "detector"
     strict = clipped.spike_ratio * 0.9  # under the user's stricter threshold the clipped spike is not cleared
-    result = run_request(replay_request(
-        What(outlier_snapshot, mitigations={"advantage_clip": 1}, clear_threshold=strict),
-    ))
+    result = run_request(
+        replay_request(
+            What(outlier_snapshot, mitigations={"advantage_clip": 1}, clear_threshold=strict),
+        )
+    )
     assert result.verdict == Verdict.PARTIAL
     assert result.threshold == pytest.approx(strict)
     basis = result.verdict_basis

@@ -370,7 +370,14 @@ def _ranks_id(value: Any) -> Any:
 
 
 def _recompute_id(value: Any) -> Any:
-    return "-".join(str(v).replace("old_logprobs", "old").replace(":rank", "r").replace(":layer", "l") for v in value)
+    return "-".join(
+        str(v)
+        .replace("old_logprobs", "old")
+        .replace("rollout_logprobs", "rollout")
+        .replace(":rank", "r")
+        .replace(":layer", "l")
+        for v in value
+    )
 
 
 def _outlier_id(value: Any) -> Any:
@@ -843,11 +850,11 @@ MITIGATIONS: dict[str, Mitigation] = {
         Mitigation(
             "recompute",
             "signals",
-            "old_logprobs[:rankR] | routes[:rankR][:layerL], comma-separated",
+            "old_logprobs[:rankR] | rollout_logprobs[:rankR] | routes[:rankR][:layerL], comma-separated",
             "replace a stored signal by what the snapshot's weights give on the named ranks (every rank without "
             ":rankR): `old_logprobs` by the replay's own log-probs (the trainer's old log-probs at these weights), "
-            "`routes` by the model's own routing (every MoE layer without :layerL) — a diagnostic: is that stored "
-            "signal the broken part?",
+            "`rollout_logprobs` likewise (an engine that agreed with the trainer), `routes` by the model's own "
+            "routing (every MoE layer without :layerL) — a diagnostic: is that stored signal the broken part?",
             parse_recompute,
             _apply_recompute,
             advice=(

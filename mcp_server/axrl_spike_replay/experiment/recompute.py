@@ -7,6 +7,8 @@ Items, comma-separated (normal form: a sorted list of them):
   weights (detached), under the routing that forward uses; the trainer computes them at those weights before the
   step's first update, so a sound snapshot's ratio against them is 1 on every loss token. A spike that goes away
   says the stored old log-probs were stale or misaligned;
+- `rollout_logprobs[:rankR]`: the rollout log-probs become the replay's own the same way (what an engine that
+  agreed with the trainer would have stored): a spike that goes away says the rollout log-probs carried it;
 - `routes[:rankR][:layerL]`: the recorded routes of rank R (every rank without `:rankR`) in MoE layer L (every
   MoE layer without `:layerL`) are replaced by the model's own routing, so the rank routes those tokens as the
   model does; the other layers and ranks keep replaying the recorded routes. Signals the trainer computed under the
@@ -25,9 +27,13 @@ from typing import Any
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 
-SIGNALS = ("old_logprobs", "routes")
-_ITEM_RE = re.compile(r"^(old_logprobs|routes)(?::rank(\d+))?(?::layer(\d+))?$")
-FORMS = "old_logprobs[:rankR] or routes[:rankR][:layerL], comma-separated (e.g. routes:rank1,old_logprobs:rank1)"
+SIGNALS = ("old_logprobs", "rollout_logprobs", "routes")
+LOGPROB_SIGNALS = ("old_logprobs", "rollout_logprobs")
+_ITEM_RE = re.compile(r"^(old_logprobs|rollout_logprobs|routes)(?::rank(\d+))?(?::layer(\d+))?$")
+FORMS = (
+    "old_logprobs[:rankR], rollout_logprobs[:rankR] or routes[:rankR][:layerL], comma-separated "
+    "(e.g. routes:rank1,old_logprobs:rank1)"
+)
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,15 @@ class Recompute:
         return frozenset(i for i in self.items if i[0] == "routes")
 
     def old_logprobs(self, rank: int) -> bool:
-        return any(s == "old_logprobs" and r in (None, rank) for s, r, _ in self.items)
+        return self.logprobs("old_logprobs", rank)
+
+    def logprobs(self, signal: str, rank: int) -> bool:
+        """Whether the stored log-prob `signal` (old_logprobs, rollout_logprobs) is recomputed on `rank`."""
+        return any(s == signal and r in (None, rank) for s, r, _ in self.items)
+
+    @property
+    def recomputes_logprobs(self) -> bool:
+        return any(s in LOGPROB_SIGNALS for s, _, _ in self.items)
 
     def route_layers(self, rank: int) -> frozenset[int] | None:
         """The MoE layers rank `rank` routes on the model's own scores: None for every layer, empty for none."""
@@ -79,8 +93,8 @@ def parse_recompute(name: str, raw: Any) -> list[str]:
         match = _ITEM_RE.match(str(item).strip().lower())
         if match is None:
             raise ConfigError(f"mitigation {name}: {shown(item)} is not {FORMS}")
-        if match.group(1) == "old_logprobs" and match.group(3) is not None:
-            raise ConfigError(f"mitigation {name}: {shown(item)}: old log-probs have no layer (only routes do)")
+        if match.group(1) in LOGPROB_SIGNALS and match.group(3) is not None:
+            raise ConfigError(f"mitigation {name}: {shown(item)}: log-probs have no layer (only routes do)")
         out.add(match.group(0))
     if not out:
         raise ConfigError(f"mitigation {name}: name at least one signal ({FORMS})")

@@ -252,9 +252,9 @@ def check_configs(inputs: ReplayInputs, configs: Iterable[AppliedConfig]) -> Non
         if cfg.recompute.routes and set(cfg.recompute.ranks() or range(inputs.world_size)) - set(inputs.routing_ranks):
             raise ConfigError(f"{label}: recompute=routes names a rank with no recorded routes to recompute")
         recounted = cfg.loss.normalization == "global" and (cfg.loss.rollout_rs or cfg.loss.ratio_outlier_mask)
-        if any(s == "old_logprobs" for s, _, _ in cfg.recompute.items) and recounted:
+        if cfg.recompute.recomputes_logprobs and recounted:
             raise ConfigError(
-                f"{label}: recompute=old_logprobs with rejection sampling under normalization global: the step's "
+                f"{label}: recompute of log-probs with rejection sampling under normalization global: the step's "
                 "token count would need the recomputed log-probs before the forward that computes them"
             )
         if cfg.weights is not None:
