@@ -143,6 +143,8 @@ def test_a_clean_step_has_every_stored_signal_agreeing_and_is_a_natural_spike(tm
         ("kl_estimator=k2", {"kl_coef": 0.0}, {}, "no KL term"),
         ("kl_clamp=10", {"kl_coef": 0.0}, {}, "no KL term"),
         ("routing_replay=all", {}, {"replay": "all"}, "as it is"),
+        ("current_routing_layers=1", {}, {"replay": "off"}, "routing replay off"),
+        ("current_routing_layers=1", {}, {"replay": "all"}, None),
         ("kl_estimator=k2", {"kl_coef": 0.1}, {}, None),
         ("is_base_logprobs=rollout", {}, {}, None),
         ("drop_ranks=1", {}, {}, None),
@@ -162,3 +164,16 @@ def test_the_shared_vocabulary_is_what_diagnose_names() -> None:
     assert EXPORTED == FAMILIES and len(set(FAMILIES)) == 10
     assert {rule.__name__ for rule in RULES} | {"natural_spike"} == set(FAMILIES)
     assert torch.__version__  # the rules run on the torch evidence
+
+
+def test_two_broken_parts_each_with_a_witness_are_both_named_at_full_strength(tmp_path: Path) -> None:
+    """The capture's engine mismatch (every rank) and stale old log-probs on rank 1 (the ratio against them under
+    truncated IS): two broken parts, each separated by its own witness, not two readings of one."""
+    snapshot = copy_fixture(tmp_path)
+    set_loss(snapshot, is_base_logprobs="old", mismatch_token_clip_max=2.0)
+    stale_old_logprobs(snapshot, rank=1)
+    d = diagnose_snapshot(snapshot, model="always")
+    strong = {c.family: c for c in d.causes if c.strength == 1.0}
+    assert set(strong) == {"engine_mismatch", "stale_old_logprobs"}
+    assert strong["stale_old_logprobs"].ranks == [1] and strong["engine_mismatch"].ranks == []
+    assert all(not c.tied_with for c in strong.values())

@@ -24,11 +24,13 @@ not at all (what was left out is listed in `Diagnosis.not_checked`).
   for the snapshot's own config;
 - `tied_with`: the families that fit the evidence as well as this one.
 
-`Diagnosis.signals` (`model_evidence.SignalCheck`, None without the model): per rank, the replayed current
-log-probs against the stored old, rollout and reference log-probs, old against rollout, per sample; and the
-recorded routes against the model's own routing per MoE layer, loss and non-loss tokens; plus the odd signal
-found (`signals.odd`: which stored signal on which ranks, with its witness pairs). `Diagnosis.channel`
-(`LossChannel`, None without the model): the spike's gradient split by loss term, per rank.
+`Diagnosis.step` (`experiment.step_evidence.StepEvidence`, None without the model): `step.signals`, per rank, the
+replayed current log-probs (under the run's routing, and under the model's own when it replays routes) against
+the stored old, rollout and reference log-probs, old against rollout, per sample; and the recorded routes against
+the model's own routing per MoE layer, loss and non-loss tokens. `step.channel` (`LossChannel`): the spike's
+gradient split by loss term, per rank, with the tokens each term pulls hardest. `Diagnosis.reading`
+(`signal_reading.SignalReading`): the odd stored signal found (`reading.odd`: which signal, on which ranks, with
+its witnesses). `no_ops.no_op_reason(item, loss, routing)` says why an item would change nothing in a run.
 
 FAMILIES, with the broken part each names:
 

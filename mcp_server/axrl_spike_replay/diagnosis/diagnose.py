@@ -233,14 +233,18 @@ def diagnose_snapshot(
 
 
 def _mark_ties(found: list[Cause]) -> None:
-    """Likely causes of different families whose strengths are within TIE: capped at TIED, each naming the other."""
+    """Likely causes of different families whose strengths are within TIE, neither separated by a witness (1.0)
+    nor on different ranks: capped at TIED, each naming the other."""
     likely = [c for c in found if c.strength >= causes.LIKELY]
     for a in likely:
         for b in likely:
-            if a is not b and abs(a.strength - b.strength) < TIE and b.family not in a.tied_with:
-                if a.ranks and b.ranks and not set(a.ranks) & set(b.ranks):
-                    continue  # different ranks: two broken parts, not two readings of one
-                a.tied_with.append(b.family)
+            if a is b or abs(a.strength - b.strength) >= TIE or b.family in a.tied_with:
+                continue
+            if a.strength >= 1.0 or b.strength >= 1.0:
+                continue  # a witness separated each: two broken parts, not two readings of one
+            if a.ranks and b.ranks and not set(a.ranks) & set(b.ranks):
+                continue  # different ranks: two broken parts
+            a.tied_with.append(b.family)
     for c in likely:
         if c.tied_with:
             c.strength = min(c.strength, TIED)
@@ -278,6 +282,12 @@ def render_diagnosis(d: Diagnosis) -> str:
         tied = f" (tied with {', '.join(cause.tied_with)})" if cause.tied_with else ""
         lines.append(f"{i}. {cause.title} [{cause.family}] strength {cause.strength:.2f}{where}{term}{tied}")
         lines += [f"   - {e}" for e in cause.evidence]
+    channel = d.step.channel if d.step is not None else None
+    if channel is not None and channel.terms:
+        lines += ["", "gradient by loss term (share of ‖g‖², per rank):"]
+        for t in sorted(channel.terms, key=lambda t: -abs(t.share)):
+            per_rank = ", ".join(f"rank {x.rank} {x.share:.3g}" for x in t.ranks)
+            lines.append(f"  {t.term}: {t.share:.3g} ({per_rank})")
     if d.next_steps:
         lines += ["", "experiments, least invasive first:"]
         lines += [

@@ -58,4 +58,6 @@ def no_op_reason(
         return "it leaves the snapshot's own config as it is"
     if any(name in KL_KNOBS for name in config) and not loss.kl_coef:
         return "the run has no KL term (kl_coef 0)"
+    if "current_routing_layers" in config and applied.routing.replay == "off":
+        return "no recorded route is replayed (routing replay off): every layer already routes on current scores"
     return None

@@ -374,6 +374,20 @@ def _stale_static(ev: Evidence) -> Cause | None:
     )
 
 
+def kl_levers(ev: Evidence) -> list[Experiment]:
+    """The KL term's levers (verl's estimators and clamp), for a cause whose gradient the KL term carries."""
+    estimator = ev.loss.kl_estimator if ev.loss is not None else "k3"
+    return [
+        Experiment(
+            "kl_estimator=k2" if estimator not in ("k2", "mse") else "kl_estimator=k1",
+            "a KL estimator whose gradient grows at most linearly in log π - log π_ref",
+            refutes=REFUTE_STAYS,
+        ),
+        Experiment("kl_clamp=10", "bounds each token's KL estimate (verl clamps its k3 at 10)", refutes=REFUTE_STAYS),
+        Experiment("kl_coef=0", "removes the KL term: if the spike goes, the KL term carries it", True, REFUTE_STAYS),
+    ]
+
+
 def bad_ref_logprobs(ev: Evidence) -> Cause | None:
     """The stored reference log-probs are off on some ranks (the KL term then carries the spike)."""
     if ev.reading is None:
@@ -390,16 +404,7 @@ def bad_ref_logprobs(ev: Evidence) -> Cause | None:
     elif kl is not None and abs(kl.share) < 0.05:
         strength *= 0.6
         channel.append(f"the KL term carries {kl.share:.3g} of the gradient: the reference is off but not carrying it")
-    estimator = ev.loss.kl_estimator if ev.loss is not None else "k3"
-    experiments = [
-        Experiment(
-            "kl_estimator=k2" if estimator not in ("k2", "mse") else "kl_estimator=k1",
-            "a KL estimator whose gradient grows at most linearly in log π - log π_ref",
-            refutes=REFUTE_STAYS,
-        ),
-        Experiment("kl_clamp=10", "bounds each token's KL estimate (verl clamps its k3 at 10)", refutes=REFUTE_STAYS),
-        Experiment("kl_coef=0", "removes the KL term: if the spike goes, the KL term carries it", True, REFUTE_STAYS),
-    ]
+    experiments = kl_levers(ev)
     if not all_ranks:
         experiments.insert(0, _drop_ranks(odd.ranks, "the cause"))
     cause = Cause(
@@ -460,6 +465,8 @@ def _routing_cause(
             )
     if not all_ranks:
         experiments.append(_drop_ranks(odd.ranks, "the cause"))
+    if term == "kl":  # routes that moved the policy far from a reference taken under other routes
+        experiments += kl_levers(ev)
     cause = Cause(
         "routing_payload",
         "corrupt or misaligned routing payload" + ("" if all_ranks else f" on rank {_ranks(odd.ranks)}"),
@@ -577,6 +584,8 @@ def one_rank_data(ev: Evidence) -> Cause | None:
             )
         )
     term, channel = _channel_lines(ev, [rank])
+    if term == "kl":
+        experiments += kl_levers(ev)
     return Cause(
         "one_rank_data",
         f"one rank's data (rank {rank})",
