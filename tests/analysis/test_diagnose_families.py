@@ -163,7 +163,10 @@ def test_the_shared_vocabulary_is_what_diagnose_names() -> None:
 
     assert EXPORTED == FAMILIES and len(set(FAMILIES)) == 10
     assert {rule.__name__ for rule in RULES} | {"natural_spike"} == set(FAMILIES)
-    assert torch.__version__  # the rules run on the torch evidence
+    # the fault presets (a lower floor, so a copy of their own) plant exactly these families
+    from axrl_spike_replay.capture import presets
+
+    assert tuple(getattr(presets, "FAULT_FAMILIES", FAMILIES)) == FAMILIES
 
 
 def test_two_broken_parts_each_with_a_witness_are_both_named_at_full_strength(tmp_path: Path) -> None:
