@@ -115,6 +115,8 @@ def test_the_engine_mismatch_spread_over_ranks_is_separated_from_stale_old_log_p
     never = diagnose_snapshot(snapshot, model="never")
     assert never.top.family == "engine_mismatch" and never.top.tied_with == ["stale_old_logprobs"]
     assert never.top.strength <= 0.7  # two families fit the batch alone: neither at full strength
+    # the mask measures π/π_rollout, which the batch alone does not give: not suggested on old-vs-rollout figures
+    assert not any(item.startswith("ratio_outlier_mask") for item in never.mitigation_items())
     d = diagnose_snapshot(snapshot, model="always")
     assert d.top.family == "engine_mismatch" and d.top.strength == 1.0 and d.top.ranks == []
     assert "stale_old_logprobs" not in {c.family for c in d.causes}

@@ -181,7 +181,9 @@ def engine_mismatch(ev: Evidence) -> Cause | None:
         min(strength, 0.8),
         evidence,
         {"max_abs_log_ratio_old_vs_rollout": top, "fraction_outside_0.5_2_old_vs_rollout": outside},
-        _mismatch_experiments(ev, outside, "old vs rollout; π ≈ π_old at the snapshot's weights when π_old is sound"),
+        # no ratio_outlier_mask: it measures π/π_rollout, unknown without the replay (old vs rollout is not it when
+        # the old log-probs are the broken ones, and the mask then masks nothing)
+        _mismatch_experiments(ev, None, ""),
         tied_with=["stale_old_logprobs"],
     )
     if not _uses(ev, "rollout"):
