@@ -953,15 +953,18 @@ MITIGATIONS: dict[str, Mitigation] = {
 }
 
 
-def valid_mitigations() -> str:
-    """`name (values)` for every mitigation, one per line, for error messages and help."""
+def valid_mitigations(docs: bool = True) -> str:
+    """`name (values): doc` for every mitigation, one per line, for help; without `docs`, `name (values)` only (an
+    error names what is valid; the docs are in the catalogue and the help)."""
+    if not docs:
+        return "\n".join(f"  {m.name} ({m.values})" for m in MITIGATIONS.values())
     return "\n".join(f"  {m.name} ({m.values}): {m.doc}" for m in MITIGATIONS.values())
 
 
 def _lookup(name: str) -> Mitigation:
     key = str(name).strip()
     if key not in MITIGATIONS:
-        raise ConfigError(f"unknown mitigation {shown(key)}; valid mitigations:\n{valid_mitigations()}")
+        raise ConfigError(f"unknown mitigation {shown(key)}; valid mitigations:\n{valid_mitigations(docs=False)}")
     return MITIGATIONS[key]
 
 
