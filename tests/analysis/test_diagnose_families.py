@@ -75,7 +75,7 @@ def test_a_shifted_routing_payload_on_one_rank_is_a_routing_payload_fault_not_a_
 def test_a_wrong_reference_on_one_rank_is_named_and_the_kl_term_carries_it(tmp_path: Path) -> None:
     snapshot = copy_fixture(tmp_path)
     no_mismatch(snapshot)
-    set_loss(snapshot, kl_coef=0.1)
+    set_loss(snapshot, kl_coef=0.1, entropy_coef=0.01)
     # rank 1's reference taken from another sample's tokens, and 8 nats too high on some: k3's exp(ref - logp)
     edit_batch(snapshot, 1, lambda b: b.__setitem__("ref_logprobs", b["ref_logprobs"].roll(1, dims=0) + 8.0))
     d = diagnose_snapshot(snapshot, model="always")
@@ -86,6 +86,12 @@ def test_a_wrong_reference_on_one_rank_is_named_and_the_kl_term_carries_it(tmp_p
     assert kl is not None and kl.share > 0.5
     rank1 = next(x for x in kl.ranks if x.rank == 1)
     assert rank1.share > 0.9 * kl.share  # rank 1's KL carries it
+    channel = d.step.channel
+    assert {t.term for t in channel.terms} == {"policy", "kl", "entropy", "aux", "z"}
+    assert channel.sum_rel_error < 1e-5  # the terms' gradients add up to the loss's own
+    assert sum(t.share for t in channel.terms) == pytest.approx(1.0, abs=1e-5)
+    assert sum(x.share for t in channel.terms for x in t.ranks) == pytest.approx(1.0, abs=1e-5)
+    assert kl.top_tokens and all(t["rank"] == 1 for t in kl.top_tokens)  # through rank 1's tokens
     items = d.mitigation_items()
     assert items[0] == "drop_ranks=1" and "kl_estimator=k2" in items and "kl_clamp=10" in items
     _check_suggestions(d)
