@@ -15,6 +15,7 @@ from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
 from axrl_spike_replay.diagnosis.families import FAMILIES
 from axrl_spike_replay.diagnosis.no_ops import no_op_reason
 from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
 
@@ -132,6 +133,8 @@ def test_the_engine_mismatch_spread_over_ranks_is_separated_from_stale_old_log_p
     pairs = [r.pairs["current_vs_rollout"] for r in d.step.signals.ranks]
     measured = sum(p.outside * p.tokens for p in pairs) / sum(p.tokens for p in pairs)
     assert f"{100 * measured:.1f} % of loss tokens" in mask.why
+    masked = run_replay(snapshot, ReplayOptions(nproc=1, mitigations={"ratio_outlier_mask": "token"})).footprint
+    assert masked is not None and masked["masked_token_fraction"] == pytest.approx(measured, abs=1e-9)
 
 
 def test_a_clean_step_has_every_stored_signal_agreeing_and_is_a_natural_spike(tmp_path: Path) -> None:
