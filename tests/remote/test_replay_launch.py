@@ -27,7 +27,7 @@ from ssh_loopback import SSHD, LoopbackServer, OpenSshServer, TcpProxy, write_kn
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
-from axrl_spike_replay.investigation.request import How, What, Where, replay_request
+from axrl_spike_replay.investigation.request import MAX_REPEAT, How, What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.remote.launch_job import LaunchNode
 from axrl_spike_replay.remote.replay_launch import LaunchedRunner, Placement
@@ -89,7 +89,8 @@ def two_nodes(openssh_server: LoopbackServer, tmp_path: Path) -> Path:
 def test_a_world_size_2_capture_replays_over_two_nodes_and_reproduces(two_nodes: Path, tmp_path: Path) -> None:
     local = run_request(replay_request(What(SNAPSHOT)))
     said: list[str] = []
-    result = run_request(replay_request(What(SNAPSHOT), Where(target="pair"), workspace=two_nodes, progress=said.append))
+    request = replay_request(What(SNAPSHOT), Where(target="pair"), workspace=two_nodes, progress=said.append)
+    result = run_request(request)
     assert isinstance(result, ReplayResult)
     assert result.verdict == "reproduced" and result.fidelity == "full" and result.world_size_used == 2
     assert result.grad_norm == local.grad_norm  # exactly: the same engine, layout and arithmetic
@@ -154,7 +155,7 @@ def test_a_node_that_does_not_see_the_snapshot_is_named_before_anything_starts(
     empty.mkdir()
     (tmp_path / "blind").mkdir()
     # node-b: an sshd in its own mount namespace, where an empty dir hides the snapshot (no shared storage there)
-    hide = f"mount --bind {empty} {snapshot} && exec \"$@\""
+    hide = f'mount --bind {empty} {snapshot} && exec "$@"'
     try:
         blind = OpenSshServer(tmp_path / "blind", openssh_server.keys, prefix=("unshare", "-m", "sh", "-c", hide, "sh"))
     except RuntimeError as exc:
@@ -193,19 +194,20 @@ def test_a_rendezvous_that_times_out_names_the_node_that_never_started(
 
 
 def _sleepers(marker: Path) -> list[str]:
-    got = subprocess.run(["pgrep", "-f", f"sleep 600"], capture_output=True, text=True, check=False)
+    got = subprocess.run(["pgrep", "-f", "sleep 600"], capture_output=True, text=True, check=False)
     return [pid for pid in got.stdout.split() if Path(f"/proc/{pid}").exists() and marker.parent.exists()]
 
 
 def _long_replay(ws: Path, where: Where, cancel: threading.Event | None = None) -> tuple[threading.Thread, list]:
-    """A replay that keeps its workers busy (a million repeats) in a thread; its outcome lands in the list."""
+    """A replay that keeps its workers busy (the most repeats allowed: seconds) in a thread; its outcome lands in
+    the list."""
     ended: list = []
-    request = replay_request(What(SNAPSHOT, repeat=1_000_000), where, workspace=ws, cancel=cancel)
+    request = replay_request(What(SNAPSHOT, repeat=MAX_REPEAT), where, workspace=ws, cancel=cancel)
 
     def work() -> None:
         try:
             ended.append(run_request(request))
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
+        except BaseException as exc:
             ended.append(exc)
 
     thread = threading.Thread(target=work, daemon=True)
@@ -245,8 +247,8 @@ def test_cancel_and_timeout_end_the_job_on_every_node(two_nodes: Path) -> None:
     results = [json.loads(p.read_text()) for p in (two_nodes / "tmp").rglob("replay_result.json")]
     assert [r["verdict"] for r in results] == ["failed"] and "cancelled" in results[0]["error"]
 
-    thread, ended = _long_replay(two_nodes, Where(target="pair", timeout_s=20.0))
+    thread, ended = _long_replay(two_nodes, Where(target="pair", timeout_s=6.0))  # far less than the repeats take
     thread.join(180)
     assert ended and isinstance(ended[0], AxrlError), ended
-    assert "did not finish within 20 s; it was stopped on every node" in str(ended[0])
+    assert "did not finish within 6 s; it was stopped on every node" in str(ended[0])
     assert replay_workers() == {}

@@ -233,6 +233,8 @@ def _command(request: ReplayRequest, placement: Placement) -> str:
         options["target"] = list(where.targets)
     elif where.target != LOCAL:
         options["target"] = where.target
+    if where.slurm is not None:
+        options["slurm"] = True
     for key, value in (where.slurm or {}).items():
         options[key] = list(value) if isinstance(value, tuple) else value
     if what.verb == Verb.REPLAY:
