@@ -41,9 +41,13 @@ def run_request(request: ReplayRequest, runner: JobRunner | None = None) -> RunR
 
 def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     """The engine in this process tree."""
+    from axrl_spike_replay.investigation.planning import refuse_what_cannot_fit
     from axrl_spike_replay.replay.engine import ReplayOptions
 
     what, how = request.what, request.how
+    nproc = 1 if what.verb == Verb.ATTRIBUTE else how.nproc
+    configs = 1 + (len(what.configs) if what.verb == Verb.SWEEP else int(bool(what.mitigations)))
+    refuse_what_cannot_fit(what.snapshot, nproc, str(how.device), configs)
     recorder = recorder_for(request.workspace)
     if what.verb == Verb.ATTRIBUTE:
         from axrl_spike_replay.replay.attribution import attribute_spike

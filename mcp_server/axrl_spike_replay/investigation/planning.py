@@ -1,0 +1,105 @@
+"""`plan`: what a replay of a snapshot needs, against where it would run: this machine, an SSH node (its GPUs
+from the node probe), a `multinode:` group (its first node probed, the others taken to be alike), or a node
+described by its GPUs. The faces call `plan_for`; the engine's own refusal calls `refuse_what_cannot_fit`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.remote.options import RemoteOptions
+from axrl_spike_replay.replay.replay_plan import (
+    GPU_USABLE,
+    HERE,
+    Capacity,
+    PlanRefused,
+    ReplayPlan,
+    check_fits,
+    node_capacity,
+    plan_replay,
+)
+
+LOCAL = "local"
+
+
+def plan_for(
+    snapshot: str | Path,
+    *,
+    target: str | None = None,
+    nproc: int | None = None,
+    device: str = "cpu",
+    shard: str = "auto",
+    gpus: int | None = None,
+    gpu_memory_gib: float | None = None,
+    workspace: str | Path = ".",
+    options: RemoteOptions | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ReplayPlan:
+    """The replay plan of `snapshot` where `target` says (see the module docstring); no weight is read."""
+    if (gpus is None) != (gpu_memory_gib is None):
+        raise ConfigError("give `gpus` and `gpu_memory_gib` together (a node described by its GPUs)", "gpus")
+    capacity: Capacity | str | None = HERE
+    nodes = 1
+    notes: list[str] = []
+    if gpus is not None and gpu_memory_gib is not None:
+        if gpus < 1 or not gpu_memory_gib > 0:
+            raise ConfigError("`gpus` must be at least 1 and `gpu_memory_gib` positive", "gpus")
+        device = "cuda"
+        capacity = Capacity(
+            "the node described", "cuda", gpus, int(gpu_memory_gib * (1 << 30) * GPU_USABLE), "arguments"
+        )
+    if target not in (None, LOCAL):
+        assert target is not None
+        found, nodes, notes = _target_capacity(target, device, workspace, options, progress)
+        if gpus is None:
+            capacity = found
+    plan = plan_replay(snapshot, nproc=nproc, device=device, capacity=capacity, shard=shard, nodes=nodes)
+    plan.notes += notes
+    return plan
+
+
+def _target_capacity(
+    target: str,
+    device: str,
+    workspace: str | Path,
+    options: RemoteOptions | None,
+    progress: Callable[[str], None] | None,
+) -> tuple[Capacity | None, int, list[str]]:
+    """(capacity of one node, nodes, notes) of a target: an SSH node or a `multinode:` or `slurm:` entry."""
+    from axrl_spike_replay.remote.node import probe_node
+    from axrl_spike_replay.remote.workspace_config import load_workspace_config
+
+    options = options or RemoteOptions()
+    launch = load_workspace_config(Path(workspace)).launch
+    if launch is not None and target in launch.slurm:
+        settings = launch.slurm[target].settings
+        note = (
+            f"Slurm entry {target!r}: {settings.nodes} node(s); the GPUs' memory is known only once the job runs: "
+            "give `gpus` and `gpu_memory_gib` to plan against them"
+        )
+        return None, settings.nodes, [note]
+    nodes, first = 1, target
+    notes: list[str] = []
+    if launch is not None and target in launch.multinode:
+        entry = launch.multinode[target]
+        nodes, first = len(entry.nodes), entry.nodes[0]
+        notes.append(f"multinode entry {target!r}: {first} probed; its other {nodes - 1} node(s) taken to be alike")
+    report = probe_node(first, options.remote_python, options=options, workspace=workspace, progress=progress)
+    capacity = node_capacity(report, device)
+    if capacity is None:
+        notes.append(f"{first}: a CPU replay's memory there is not probed; capacity unknown")
+    return capacity, nodes, notes
+
+
+def refuse_what_cannot_fit(snapshot: str | Path, nproc: int | None, device: str, configs: int = 1) -> None:
+    """PlanRefused, with the plan, when a replay of this engine (the whole model in each process) on `nproc`
+    processes here cannot fit this machine. A snapshot the plan cannot read passes: the engine names what is
+    wrong with it."""
+    try:
+        plan = plan_replay(snapshot, nproc=nproc, device=device, shard="off", configs=configs)
+    except PlanRefused:
+        raise
+    except AxrlError:
+        return
+    check_fits(plan)

@@ -1,0 +1,495 @@
+"""A replay's plan before anything loads: how much memory each process needs for N processes, whether that fits
+where the replay would run, the smallest N at full fidelity and the layout it suggests.
+
+Read from the snapshot: its metadata (saved world size), the run config's `model:` section (the model is built on
+the meta device: shapes only, no weights read, no memory) and the shapes of each rank's batch (meta tensors: no
+data read). So `plan` works on a config-only snapshot of a model far larger than this machine.
+
+Per process, in the precision that runs (the model's dtype for parameters and gradients today):
+
+- parameters: P x bytes, whole; sharded (FSDP2) P/N plus the largest decoder layer gathered for its turn;
+- gradients: one copy per config sharing the forward (a baseline replay: 1), one more while a process that runs
+  several saved ranks adds the next rank's gradient into the sum; sharded: 1/N of that plus one layer's unsharded
+  gradient before it is reduce-scattered. A backward frees the forward's activations as it makes the gradient, so
+  the step's peak holds the earlier copies plus the larger of the two;
+- activations: what autograd keeps for one saved rank's forward (a process runs its ranks one after another), from
+  the architecture's widths and the rank's tokens (`activation_bytes`; eager attention keeps the [T, T] scores);
+- runtime: the interpreter, torch and this package (CPU), or the CUDA context (GPU);
+- loading (transient): a whole replay builds the model, then fills a copy of its state from the checkpoint: twice
+  the parameters, in host memory, before the step starts.
+
+The peak is the larger of loading and the step. `benchmarks/bench_plan.py` checks it against measured peaks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.errors import ConfigError, SnapshotError
+from axrl_spike_replay.models.hf_config import HFModelConfig
+from axrl_spike_replay.models.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.policy import ModelSpec
+from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+RUNTIME_CPU_BYTES = 300 << 20  # python + torch + this package + transformers in a replay process (measured: ~250 MiB)
+CUDA_CONTEXT_BYTES = 600 << 20  # the CUDA context and torch's kernels on each GPU a process uses
+GPU_USABLE = 0.92  # of a GPU's total memory: the rest is the allocator's fragmentation and NCCL's buffers
+HOST_USABLE = 0.9  # of this machine's available memory
+GIB = 1 << 30
+HERE = "here"  # plan against this machine's memory
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the plan needs of a model, from its meta build: element counts and widths."""
+
+    description: str
+    parameters: int
+    largest_layer: int  # elements of the largest decoder layer (a sharded replay gathers one at a time)
+    dtype: str
+    layers: int
+    hidden: int
+    q_width: int  # query heads x their head dim
+    kv_width: int  # key/value heads x their head dim (each of k and v)
+    heads: int
+    dense_width: int  # the dense MLP's intermediate size (0: none)
+    dense_layers: int
+    expert_width: int
+    experts: int
+    top_k: int
+    shared_width: int  # shared experts' total intermediate size (0: none)
+    vocab: int
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Memory where the replay would run: `devices` of `bytes_each` (GPUs), or one host's memory."""
+
+    where: str  # "this machine" or the target's name
+    device: str  # cpu | cuda
+    devices: int  # GPUs (cuda), 1 (cpu)
+    bytes_each: int  # usable bytes of one GPU, or of the host
+    source: str  # how it was learned
+
+
+@dataclass
+class ProcessMemory:
+    """One replay process's memory in bytes, by part."""
+
+    parameters: int
+    gradients: int
+    activations: int
+    runtime: int
+    loading: int  # transient, while the weights load (host memory)
+
+    held_gradients: int = 0  # the part of `gradients` kept from earlier ranks or configs while one more is computed
+
+    @property
+    def step(self) -> int:
+        """During a backward: the held gradients, plus the larger of what the forward kept (at its start) and the
+        new gradient (at its end; the activations are freed as it is made)."""
+        fresh = self.gradients - self.held_gradients
+        return self.runtime + self.parameters + self.held_gradients + max(self.activations, fresh)
+
+    @property
+    def peak(self) -> int:
+        return max(self.step, self.runtime + self.loading)
+
+
+@dataclass
+class PlanRow:
+    """The replay on `nproc` processes."""
+
+    nproc: int
+    ranks_per_process: int
+    fidelity: str  # full | reduced
+    sharded: bool
+    memory: ProcessMemory
+    processes_per_device: int
+    per_device: int  # bytes on one GPU (or the host) for its processes
+    fits: bool | None  # None: no capacity known
+
+
+@dataclass
+class ReplayPlan:
+    """The plan of a snapshot's replay; `text()` says it for people and errors."""
+
+    snapshot: str
+    model: str
+    parameters: int
+    param_dtype: str
+    grad_dtype: str
+    world_size: int
+    tokens_per_rank: int
+    seq_len: int
+    configs: int
+    shard: str  # on | off | auto: which rows the choice is made from
+    capacity: Capacity | None
+    rows: list[PlanRow] = field(default_factory=list)
+    chosen: PlanRow | None = None  # for the requested nproc (default: the saved world size)
+    smallest_full_fidelity: PlanRow | None = None  # fewest processes holding every saved rank that fits
+    layout: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.chosen is None else self.chosen.fits
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        for row, key in ((self.chosen, "chosen"), (self.smallest_full_fidelity, "smallest_full_fidelity")):
+            if row is not None:
+                doc[key]["memory"]["peak"] = row.memory.peak
+        for row, item in zip(self.rows, doc["rows"], strict=True):
+            item["memory"]["peak"] = row.memory.peak
+        doc["fits"] = self.fits
+        return doc
+
+    def text(self) -> str:
+        """The plan in a few lines."""
+        lines = [
+            f"{self.model}: {self.parameters / 1e9:.3g}B parameters ({self.param_dtype}, gradients "
+            f"{self.grad_dtype}); saved world size {self.world_size}, {self.tokens_per_rank} tokens per rank "
+            f"(sequence {self.seq_len})",
+        ]
+        cap = self.capacity
+        if cap is not None:
+            what = f"{cap.devices} GPU(s) of {_gib(cap.bytes_each)} usable" if cap.device == "cuda" else None
+            lines.append(
+                f"capacity on {cap.where}: {what or _gib(cap.bytes_each) + ' of host memory usable'} ({cap.source})"
+            )
+        for label, row in (("requested", self.chosen), ("smallest full fidelity", self.smallest_full_fidelity)):
+            if row is not None:
+                lines.append(f"{label}: {_row_text(row)}")
+        if self.layout:
+            lines.append(f"layout: {self.layout}")
+        lines += self.notes
+        return "\n".join(lines)
+
+
+def _row_text(row: PlanRow) -> str:
+    m = row.memory
+    how = "sharded (FSDP2)" if row.sharded else "whole model in each process"
+    fits = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown"}[row.fits]
+    return (
+        f"{row.nproc} process(es), {row.fidelity} fidelity, {how}: per process parameters {_gib(m.parameters)}, "
+        f"gradients {_gib(m.gradients)}, activations {_gib(m.activations)}, runtime {_gib(m.runtime)}, "
+        f"loading {_gib(m.loading)} -> peak {_gib(m.peak)}; {row.processes_per_device} per device = "
+        f"{_gib(row.per_device)}: {fits}"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+class PlanRefused(ConfigError):
+    """A replay that cannot fit where it would run, refused before anything loads; the plan is in the message."""
+
+    def __init__(self, plan: ReplayPlan) -> None:
+        super().__init__(
+            "the replay does not fit where it would run, so nothing was loaded. The plan:\n" + plan.text(), "nproc"
+        )
+        self.plan = plan
+
+
+def model_facts(spec: ModelSpec) -> ModelFacts:
+    """Element counts and widths of a spec's model (HF kinds from a meta build; the tiny model from its shapes)."""
+    if isinstance(spec, MegatronModelConfig):
+        return model_facts(spec.hf)
+    if isinstance(spec, HFModelConfig):
+        return _hf_facts(spec)
+    return _tiny_facts(spec)
+
+
+def _tiny_facts(spec: TinyMoEConfig) -> ModelFacts:
+    from axrl_spike_replay.models.tiny_moe import expected_state_shapes
+
+    shapes = expected_state_shapes(spec)
+    total = sum(math.prod(s) for s in shapes.values())
+    per_layer = [
+        sum(math.prod(s) for n, s in shapes.items() if n.startswith(f"blocks.{i}.")) for i in range(spec.n_layers)
+    ]
+    moe = len(spec.moe_layer_ids)
+    return ModelFacts(
+        description=f"tiny_moe ({spec.n_layers} layers, {spec.n_experts} experts)",
+        parameters=total,
+        largest_layer=max(per_layer, default=0),
+        dtype="float32",
+        layers=spec.n_layers,
+        hidden=spec.d_model,
+        q_width=spec.d_model,
+        kv_width=spec.d_model,
+        heads=spec.n_heads,
+        dense_width=spec.d_ff,
+        dense_layers=spec.n_layers - moe,
+        expert_width=spec.d_ff,
+        experts=spec.n_experts,
+        top_k=spec.top_k,
+        shared_width=0,
+        vocab=spec.vocab_size,
+    )
+
+
+def _hf_facts(spec: HFModelConfig) -> ModelFacts:
+    from axrl_spike_replay.models.hf_config import expected_hf_shapes
+
+    shapes = expected_hf_shapes(spec)
+    total = sum(math.prod(s) for s in shapes.values())
+    layers: dict[str, int] = {}
+    for name, shape in shapes.items():
+        parts = name.split(".")
+        if "layers" in parts:
+            key = ".".join(parts[: parts.index("layers") + 2])
+            layers[key] = layers.get(key, 0) + math.prod(shape)
+    c = spec.config
+    hidden = int(c.get("hidden_size", 0))
+    heads = int(c.get("num_attention_heads", 1))
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or 0) or hidden // max(heads, 1)
+    if "qk_nope_head_dim" in c:  # multi-head latent attention (DeepSeek): per-head q/k and v widths
+        qk = int(c.get("qk_nope_head_dim", 0)) + int(c.get("qk_rope_head_dim", 0))
+        q_width, kv_width = heads * qk, heads * max(qk, int(c.get("v_head_dim") or qk))
+    else:
+        q_width, kv_width = heads * head_dim, kv_heads * head_dim
+    experts = int(c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts") or 0)
+    moe_layers = len(spec.moe_layer_ids)
+    expert_width = int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0)
+    shared = int(c.get("shared_expert_intermediate_size") or 0)
+    if not shared and c.get("n_shared_experts"):
+        shared = int(c["n_shared_experts"]) * expert_width
+    return ModelFacts(
+        description=f"{spec.architecture} ({spec.n_layers} layers, {experts} experts, top-{spec.top_k})",
+        parameters=total,
+        largest_layer=max(layers.values(), default=0),
+        dtype=spec.dtype,
+        layers=spec.n_layers,
+        hidden=hidden,
+        q_width=q_width,
+        kv_width=kv_width,
+        heads=heads,
+        dense_width=int(c.get("intermediate_size") or 0),
+        dense_layers=spec.n_layers - moe_layers,
+        expert_width=expert_width,
+        experts=experts,
+        top_k=spec.top_k,
+        shared_width=shared,
+        vocab=int(c.get("vocab_size", 0)),
+    )
+
+
+def activation_bytes(facts: ModelFacts, batch: int, seq: int) -> int:
+    """What autograd keeps for one forward of a [batch, seq] rank batch, in bytes.
+
+    Per token and decoder layer: the norms' inputs and outputs and the residuals (6 x hidden), q, k, v and their
+    rotary copies and the attention output (2 x q + 4 x kv widths... see below), eager attention's scores and
+    probabilities (2 x heads x seq), and the MLP: a dense one's gate, up, activation and product (4 x width), or the
+    router's logits and probabilities (float32) and, for each of the top-k experts, the token's input, gate, up,
+    activation, product and output (2 x hidden + 4 x expert width), plus the shared experts. At the head: the
+    logits in the model dtype and three float32 copies (upcast, temperature, log-softmax) per vocabulary entry."""
+    b = DTYPE_BYTES[facts.dtype]
+    h = facts.hidden
+    attention = 6 * h + 3 * facts.q_width + 4 * facts.kv_width + 2 * facts.heads * seq
+    dense = 4 * facts.dense_width
+    moe = facts.top_k * (2 * h + 4 * facts.expert_width) + 4 * facts.shared_width
+    router = 2 * facts.experts * 4 // b  # float32
+    moe_layers = facts.layers - facts.dense_layers
+    per_token = facts.layers * attention + facts.dense_layers * dense + moe_layers * (moe + router)
+    head = facts.vocab + 3 * facts.vocab * 4 // b
+    return batch * seq * (per_token + head + 2 * h) * b
+
+
+def process_memory(
+    facts: ModelFacts,
+    nproc: int,
+    world_size: int,
+    batch: int,
+    seq: int,
+    *,
+    sharded: bool,
+    device: str,
+    configs: int = 1,
+) -> ProcessMemory:
+    """One of `nproc` replay processes' memory (see the module docstring)."""
+    pb = gb = DTYPE_BYTES[facts.dtype]
+    ranks = math.ceil(world_size / nproc)
+    copies = configs + (1 if ranks > 1 else 0)
+    params = facts.parameters * pb
+    grads = facts.parameters * gb * copies
+    held = facts.parameters * gb * (copies - 1)
+    if sharded and nproc > 1:
+        params = math.ceil(params / nproc) + facts.largest_layer * pb
+        grads = math.ceil(grads / nproc) + facts.largest_layer * gb
+        held = math.ceil(held / nproc)
+        loading = params
+    else:
+        loading = 2 * facts.parameters * pb
+    runtime = CUDA_CONTEXT_BYTES if device == "cuda" else RUNTIME_CPU_BYTES
+    return ProcessMemory(params, grads, activation_bytes(facts, batch, seq), runtime, loading, held)
+
+
+def snapshot_shapes(snapshot: Path, world_size: int) -> tuple[int, int]:
+    """(batch, seq) of the largest rank batch (by tokens), from the batch files' shapes only (no data read)."""
+    from axrl_spike_replay.snapshot.rank_data import load_rank_batch
+
+    best = (0, 0)
+    for rank in range(world_size):
+        try:
+            tokens = load_rank_batch(snapshot, rank, meta=True)["tokens"]
+        except (OSError, KeyError) as exc:
+            raise SnapshotError(f"{snapshot}: rank {rank}'s batch cannot be read for the plan ({exc})") from None
+        shape = tuple(tokens.shape)
+        if len(shape) == 2 and shape[0] * shape[1] > best[0] * best[1]:
+            best = (int(shape[0]), int(shape[1]))
+    return best
+
+
+def machine_capacity(device: str) -> Capacity:
+    """This machine's memory for a replay: its GPUs' (cuda) or its available host memory (cpu)."""
+    if device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count:
+            total = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+            return Capacity("this machine", "cuda", count, int(total * GPU_USABLE), "torch.cuda")
+        return Capacity("this machine", "cuda", 0, 0, "no GPU visible to torch")
+    return Capacity("this machine", "cpu", 1, int(available_memory() * HOST_USABLE), "MemAvailable of /proc/meminfo")
+
+
+def node_capacity(report: Any, device: str) -> Capacity | None:
+    """A probed node's GPUs (`remote.node_probe.NodeReport`); None for a CPU replay (the probe reads no host
+    memory)."""
+    if device != "cuda":
+        return None
+    sizes = [g.memory_total_mib for g in report.gpus if g.memory_total_mib]
+    bytes_each = int(min(sizes) * (1 << 20) * GPU_USABLE) if sizes else 0
+    return Capacity(report.target, "cuda", report.gpu_count, bytes_each, "nvidia-smi on the node")
+
+
+def available_memory() -> int:
+    """MemAvailable of /proc/meminfo, in bytes (the physical memory where that cannot be read)."""
+    import os
+
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _row(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], sharded: bool, cap: Capacity | None,
+         device: str, configs: int, nodes: int) -> PlanRow:  # fmt: skip
+    memory = process_memory(facts, nproc, world, *shape, sharded=sharded, device=device, configs=configs)
+    if cap is None:
+        per_device, fits, share = memory.peak, None, 1
+    elif cap.device == "cuda":
+        gpus = max(cap.devices * nodes, 1)
+        share = math.ceil(nproc / gpus)
+        per_device = share * memory.step  # loading happens in host memory
+        fits = cap.devices > 0 and per_device <= cap.bytes_each
+    else:
+        share = math.ceil(nproc / nodes)
+        per_device = share * memory.peak
+        fits = per_device <= cap.bytes_each
+    return PlanRow(nproc, math.ceil(world / nproc), "full" if nproc == world else "reduced", sharded, memory, share,
+                   per_device, fits)  # fmt: skip
+
+
+def _choose(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], shard: str, cap: Capacity | None,
+            device: str, configs: int, nodes: int) -> PlanRow:  # fmt: skip
+    whole = _row(facts, nproc, world, shape, False, cap, device, configs, nodes)
+    if shard == "off" or nproc == 1 or (shard == "auto" and whole.fits is not False):
+        return whole
+    return _row(facts, nproc, world, shape, True, cap, device, configs, nodes)
+
+
+def plan_replay(
+    snapshot: str | Path,
+    *,
+    nproc: int | None = None,
+    device: str = "cpu",
+    capacity: Capacity | str | None = HERE,
+    shard: str = "auto",
+    configs: int = 1,
+    nodes: int = 1,
+) -> ReplayPlan:
+    """The plan of a replay of `snapshot` on `nproc` processes (default: the saved world size) over `nodes` nodes,
+    against `capacity` (default: this machine's; None: unknown, nothing judged). `shard`: off (the whole model in
+    each process), on (FSDP2), or auto (whole when it fits). Reads metadata, the run config and batch shapes; never
+    a weight."""
+    from axrl_spike_replay.models.policy import parse_model_config
+    from axrl_spike_replay.replay.inputs import read_run_config
+    from axrl_spike_replay.snapshot.metadata import read_metadata
+
+    if shard not in ("on", "off", "auto"):
+        raise ConfigError(f"`shard` must be on, off or auto, got {shard!r}", "shard")
+    path = Path(snapshot).expanduser().resolve()
+    meta, _legacy = read_metadata(path)
+    world = meta.parallel.data_ranks
+    spec = parse_model_config(read_run_config(path)["model"])
+    facts = model_facts(spec)
+    shape = snapshot_shapes(path, world)
+    cap = machine_capacity(device) if isinstance(capacity, str) else capacity
+    wanted = nproc or world
+    if not 1 <= wanted <= world:
+        raise ConfigError(f"`nproc` {wanted}: give 1 to the saved world size {world}", "nproc")
+    candidates = sorted({n for n in range(1, world + 1) if world % n == 0 and n % nodes == 0} | {wanted})
+    rows = [_choose(facts, n, world, shape, shard, cap, device, configs, nodes) for n in candidates]
+    chosen = next(r for r in rows if r.nproc == wanted)
+    full = next((r for r in rows if r.nproc == world and r.fits is not False), None)
+    plan = ReplayPlan(
+        snapshot=str(path),
+        model=facts.description,
+        parameters=facts.parameters,
+        param_dtype=facts.dtype,
+        grad_dtype=facts.dtype,
+        world_size=world,
+        tokens_per_rank=shape[0] * shape[1],
+        seq_len=shape[1],
+        configs=configs,
+        shard=shard,
+        capacity=cap,
+        rows=rows,
+        chosen=chosen,
+        smallest_full_fidelity=full,
+    )
+    plan.layout = _layout(plan, nodes)
+    return plan
+
+
+def _layout(plan: ReplayPlan, nodes: int) -> str:
+    """The layout the plan suggests, in words."""
+    row, cap = plan.smallest_full_fidelity, plan.capacity
+    if row is None:
+        fitting = [r for r in plan.rows if r.fits]
+        if not fitting:
+            return (
+                "no layout fits here: even one process per saved rank over every device is over the memory; "
+                "replay on more nodes or GPUs (a multinode: or slurm: target), or use `--backend command`"
+            )
+        best = max(fitting, key=lambda r: r.nproc)
+        return (
+            f"full fidelity ({plan.world_size} processes) does not fit; the largest fitting layout is "
+            f"{best.nproc} process(es) at reduced fidelity"
+        )
+    how = "sharded over them (FSDP2)" if row.sharded else "each with the whole model"
+    if cap is not None and cap.device == "cuda" and cap.devices:
+        per_node = math.ceil(row.nproc / nodes)
+        return f"{row.nproc} processes ({nodes} node(s) x {per_node}), {row.processes_per_device} per GPU, {how}" + (
+            f": torchrun --nnodes {nodes} --nproc-per-node {per_node}" if nodes > 1 else ""
+        )
+    return f"{row.nproc} processes on {nodes} node(s), {how}"
+
+
+def check_fits(plan: ReplayPlan) -> None:
+    """PlanRefused when the requested layout does not fit (unknown capacity passes: nothing to say)."""
+    if plan.fits is False:
+        raise PlanRefused(plan)
