@@ -102,4 +102,6 @@ def refuse_what_cannot_fit(snapshot: str | Path, nproc: int | None, device: str,
         raise
     except AxrlError:
         return
+    if plan.capacity is not None and plan.capacity.devices == 0:
+        return  # CUDA asked where there is none: the engine says so
     check_fits(plan)

@@ -472,7 +472,7 @@ def _layout(plan: ReplayPlan, nodes: int) -> str:
         fitting = [r for r in plan.rows if r.fits]
         if not fitting:
             return (
-                "no layout fits here: even one process per saved rank over every device is over the memory; "
+                f"no layout fits here: no number of processes from 1 to {plan.world_size} is under the memory; "
                 "replay on more nodes or GPUs (a multinode: or slurm: target), or use `--backend command`"
             )
         best = max(fitting, key=lambda r: r.nproc)
