@@ -252,3 +252,24 @@ def test_cancel_and_timeout_end_the_job_on_every_node(two_nodes: Path) -> None:
     assert ended and isinstance(ended[0], AxrlError), ended
     assert "did not finish within 6 s; it was stopped on every node" in str(ended[0])
     assert replay_workers() == {}
+
+
+def test_a_cuda_replay_on_nodes_without_gpus_is_refused_before_anything_starts(two_nodes: Path) -> None:
+    request = replay_request(What(SNAPSHOT), Where(target="pair"), How(device="cuda"), workspace=two_nodes)
+    with pytest.raises(AxrlError, match=r"`device` cuda: node 'node-a' has no GPU \(nvidia-smi: "):
+        run_request(request)
+    assert not (two_nodes / "tmp").exists() and replay_workers() == {}
+
+
+def test_plan_against_a_target_probes_its_gpus(two_nodes: Path, capsys: pytest.CaptureFixture) -> None:
+    from axrl_spike_replay.cli import main
+
+    argv = ["plan", str(SNAPSHOT), "--workspace", str(two_nodes), "--json"]
+    assert main([*argv, "--target", "pair", "--device", "cuda"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["capacity"]["where"] == "node-a" and doc["capacity"]["devices"] == 0 and doc["fits"] is False
+    assert "multinode entry 'pair': node-a probed; its other 1 node(s) taken to be alike" in doc["notes"]
+    assert main([*argv, "--target", "node-b"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["capacity"] is None and doc["fits"] is None and doc["chosen"]["nproc"] == 2
+    assert "node-b: a CPU replay's memory there is not probed; capacity unknown" in doc["notes"]

@@ -198,6 +198,20 @@ def replay_launched(request: ReplayRequest) -> ReplayResult | SweepResult:
         backend="nccl" if how.device == Device.CUDA else "gloo",
         timeout_s=where.timeout_s,
     )
+    first = placement.nodes[0].target if placement.nodes else None
+    if how.device == Device.CUDA and first is not None:  # a Slurm allocation's GPUs are known once it runs
+        from axrl_spike_replay.investigation.planning import refuse_on_nodes
+
+        configs = 1 + (len(what.configs) if what.verb == Verb.SWEEP else int(bool(what.mitigations)))
+        refuse_on_nodes(
+            what.snapshot,
+            first,
+            nproc=placement.processes,
+            nodes=placement.node_count,
+            configs=configs,
+            options=options,
+            progress=request.progress,
+        )
     recorder = LaunchRecorder(workspace, runner) if request.workspace is not None else None
     if recorder is not None:
         runner.out_dir = lambda: recorder.run.path if recorder.run is not None else None

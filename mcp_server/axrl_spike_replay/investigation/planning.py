@@ -1,6 +1,7 @@
 """`plan`: what a replay of a snapshot needs, against where it would run: this machine, an SSH node (its GPUs
 from the node probe), a `multinode:` group (its first node probed, the others taken to be alike), or a node
-described by its GPUs. The faces call `plan_for`; the engine's own refusal calls `refuse_what_cannot_fit`."""
+described by its GPUs. The faces call `plan_for`; a replay here is refused by `refuse_what_cannot_fit`, a CUDA
+replay launched on several nodes by `refuse_on_nodes` (a Slurm allocation's GPUs are known only once it runs)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.remote.options import RemoteOptions
+from axrl_spike_replay.remote.target_config import ResolvedTarget
 from axrl_spike_replay.replay.replay_plan import (
     GPU_USABLE,
     HERE,
@@ -104,4 +106,39 @@ def refuse_what_cannot_fit(snapshot: str | Path, nproc: int | None, device: str,
         return
     if plan.capacity is not None and plan.capacity.devices == 0:
         return  # CUDA asked where there is none: the engine says so
+    check_fits(plan)
+
+
+def refuse_on_nodes(
+    snapshot: str | Path,
+    first: ResolvedTarget,
+    *,
+    nproc: int,
+    nodes: int,
+    configs: int = 1,
+    options: RemoteOptions | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> None:
+    """Before a CUDA replay is launched on `nodes` nodes like `first`: probe `first` (one SSH round trip) and refuse
+    by name a node without GPUs, or, with the plan, a layout that does not fit them."""
+    from axrl_spike_replay.remote.node import probe_node
+
+    options = options or RemoteOptions()
+    report = probe_node(first, options.remote_python, options=options, progress=progress)
+    capacity = node_capacity(report, "cuda")
+    if capacity is None or capacity.devices == 0:
+        raise ConfigError(
+            f"`device` cuda: node {report.target!r} has no GPU (nvidia-smi: {report.nvidia_smi}); replay on CPU "
+            "(`device` cpu) or on nodes with GPUs",
+            "device",
+        )
+    try:
+        plan = plan_replay(snapshot, nproc=nproc, device="cuda", capacity=capacity, shard="off", configs=configs,
+                           nodes=nodes)  # fmt: skip
+    except PlanRefused:
+        raise
+    except AxrlError:
+        return  # the engine names what is wrong with the snapshot
+    if nodes > 1:
+        plan.notes.append(f"{report.target} probed; the other {nodes - 1} node(s) taken to be alike")
     check_fits(plan)
