@@ -16,7 +16,8 @@ from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.models.policy import build_policy, parse_model_config
 from axrl_spike_replay.replay.inputs import read_run_config
-from axrl_spike_replay.replay.replay_plan import Capacity, PlanRefused, model_facts, plan_replay
+from axrl_spike_replay.replay.process_memory import model_facts
+from axrl_spike_replay.replay.replay_plan import Capacity, PlanRefused, plan_replay
 from axrl_spike_replay.testing.config_only_snapshot import DEEPSEEK_V3, QWEN3_30B_A3B, write_config_only_snapshot
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
