@@ -58,7 +58,10 @@ def test_published_sizes_from_config_only_snapshots_with_no_weights(tmp_path: Pa
     assert whole.memory.parameters == q.parameters * 2  # bfloat16, the whole model in each process
     sharded = q.chosen
     assert sharded is not None and sharded.sharded and sharded.memory.parameters < whole.memory.parameters / 16
+    assert sharded.fits is False and "the largest fitting layout is 32 process(es) at reduced fidelity" in q.layout
+    assert "full fidelity needs 2 node(s) like 8xH200" in q.layout  # 7 sharded processes per GPU: 10 GPUs
     assert d.chosen is not None and d.chosen.fits is False and "no layout fits here" in d.layout
+    assert "full fidelity needs 8 node(s) like 8xH200 (64 processes, 1 per GPU" in d.layout
     assert "671B parameters" in d.text() and "DOES NOT FIT" in d.text()
 
 

@@ -269,16 +269,13 @@ def _layout(plan: ReplayPlan, nodes: int) -> str:
     row, cap = plan.smallest_full_fidelity, plan.capacity
     if row is None:
         fitting = [r for r in plan.rows if r.fits]
-        if not fitting:
-            return (
-                f"no layout fits here: no number of processes from 1 to {plan.world_size} is under the memory; "
-                "replay on more nodes or GPUs (a multinode: or slurm: target), or use `--backend command`"
-            )
-        best = max(fitting, key=lambda r: r.nproc)
-        return (
+        said = (
             f"full fidelity ({plan.world_size} processes) does not fit; the largest fitting layout is "
-            f"{best.nproc} process(es) at reduced fidelity"
+            f"{max(fitting, key=lambda r: r.nproc).nproc} process(es) at reduced fidelity"
+            if fitting
+            else f"no layout fits here: no number of processes from 1 to {plan.world_size} is under the memory"
         )
+        return f"{said}; {_more_nodes(plan)}"
     how = "sharded over them (FSDP2)" if row.sharded else "each with the whole model"
     if cap is not None and cap.device == "cuda" and cap.devices:
         per_node = math.ceil(row.nproc / nodes)
@@ -286,6 +283,27 @@ def _layout(plan: ReplayPlan, nodes: int) -> str:
             f": torchrun --nnodes {nodes} --nproc-per-node {per_node}" if nodes > 1 else ""
         )
     return f"{row.nproc} processes on {nodes} node(s), {how}"
+
+
+def _more_nodes(plan: ReplayPlan) -> str:
+    """What full fidelity needs beyond the capacity planned against: how many nodes like it, on GPUs."""
+    cap = plan.capacity
+    full = next((r for r in plan.rows if r.nproc == plan.world_size), None)
+    if cap is None or cap.device != "cuda" or not cap.devices or full is None:
+        return "replay on more nodes or GPUs (a multinode: or slurm: target), or use `--backend command`"
+    per_gpu = cap.bytes_each // max(full.memory.step, 1)
+    how = "sharded (FSDP2)" if full.sharded else "each with the whole model"
+    if per_gpu < 1:
+        return (
+            f"one full-fidelity process ({_gib(full.memory.step)}, {how}) is over a GPU's {_gib(cap.bytes_each)}: "
+            "no number of such GPUs holds it; use `--backend command` (the trainer's own model parallelism)"
+        )
+    gpus = math.ceil(plan.world_size / per_gpu)
+    nodes = math.ceil(gpus / cap.devices)
+    return (
+        f"full fidelity needs {nodes} node(s) like {cap.where} ({plan.world_size} processes, {per_gpu} per GPU, "
+        f"{how}): a multinode: or slurm: target"
+    )
 
 
 def check_fits(plan: ReplayPlan) -> None:
