@@ -98,3 +98,20 @@ def test_bad_plan_arguments_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="`shard` must be on, off or auto"):
         plan_replay(SNAPSHOT, shard="maybe")
     assert model_facts(parse_model_config(read_run_config(SNAPSHOT)["model"])).top_k == 2
+
+
+def test_plan_against_a_slurm_entry_from_its_gpus_per_node(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    snap = write_config_only_snapshot(tmp_path / "q", "qwen3_moe", QWEN3_30B_A3B, world_size=64, batch=1, seq=1024)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    entry = {"login": "local", "partition": "gpu", "nodes": 2, "gpus_per_node": 8}
+    (ws / "spike-replay.yaml").write_text(json.dumps({"slurm": {"hpc": entry}}))  # JSON is YAML
+    argv = ["plan", str(snap), "--target", "hpc", "--workspace", str(ws), "--json"]
+    assert main([*argv, "--gpu-memory", "141"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["capacity"]["devices"] == 8 and doc["fits"] is True and doc["chosen"]["processes_per_device"] == 4
+    assert doc["layout"].startswith("64 processes (2 node(s) x 32), 4 per GPU, sharded over them (FSDP2)")
+    assert "Slurm entry 'hpc': 2 node(s) of the GPUs described" in doc["notes"]
+    assert main(argv) == 0  # without the GPUs' memory: nothing judged, and said why
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fits"] is None and "the GPUs' memory is known only once the job runs" in doc["notes"][0]

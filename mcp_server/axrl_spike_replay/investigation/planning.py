@@ -38,7 +38,10 @@ def plan_for(
     options: RemoteOptions | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ReplayPlan:
-    """The replay plan of `snapshot` where `target` says (see the module docstring); no weight is read."""
+    """The replay plan of `snapshot` where `target` says (see the module docstring); no weight is read. For a
+    `slurm:` entry with `gpus_per_node`, `gpu_memory_gib` alone describes its nodes."""
+    if gpus is None and gpu_memory_gib is not None and target not in (None, LOCAL):
+        gpus = _slurm_gpus(str(target), workspace)
     if (gpus is None) != (gpu_memory_gib is None):
         raise ConfigError("give `gpus` and `gpu_memory_gib` together (a node described by its GPUs)", "gpus")
     capacity: Capacity | str | None = HERE
@@ -53,12 +56,20 @@ def plan_for(
         )
     if target not in (None, LOCAL):
         assert target is not None
-        found, nodes, notes = _target_capacity(target, device, workspace, options, progress)
+        found, nodes, notes = _target_capacity(target, device, workspace, options, progress, gpus is not None)
         if gpus is None:
             capacity = found
     plan = plan_replay(snapshot, nproc=nproc, device=device, capacity=capacity, shard=shard, nodes=nodes)
     plan.notes += notes
     return plan
+
+
+def _slurm_gpus(target: str, workspace: str | Path) -> int | None:
+    """`gpus_per_node` of the `slurm:` entry `target` names (None: no such entry, or it does not say)."""
+    from axrl_spike_replay.remote.workspace_config import load_workspace_config
+
+    launch = load_workspace_config(Path(workspace)).launch
+    return launch.slurm[target].settings.gpus_per_node if launch is not None and target in launch.slurm else None
 
 
 def _target_capacity(
@@ -67,8 +78,10 @@ def _target_capacity(
     workspace: str | Path,
     options: RemoteOptions | None,
     progress: Callable[[str], None] | None,
+    described: bool = False,
 ) -> tuple[Capacity | None, int, list[str]]:
-    """(capacity of one node, nodes, notes) of a target: an SSH node or a `multinode:` or `slurm:` entry."""
+    """(capacity of one node, nodes, notes) of a target: an SSH node or a `multinode:` or `slurm:` entry. With its
+    GPUs `described`, only how many nodes it has (nothing probed)."""
     from axrl_spike_replay.remote.node import probe_node
     from axrl_spike_replay.remote.workspace_config import load_workspace_config
 
@@ -76,16 +89,22 @@ def _target_capacity(
     launch = load_workspace_config(Path(workspace)).launch
     if launch is not None and target in launch.slurm:
         settings = launch.slurm[target].settings
+        if described:
+            return None, settings.nodes, [f"Slurm entry {target!r}: {settings.nodes} node(s) of the GPUs described"]
         note = (
             f"Slurm entry {target!r}: {settings.nodes} node(s); the GPUs' memory is known only once the job runs: "
-            "give `gpus` and `gpu_memory_gib` to plan against them"
+            "give `gpu_memory_gib` (and `gpus` unless the entry says gpus_per_node) to plan against them"
         )
         return None, settings.nodes, [note]
     nodes, first = 1, target
     notes: list[str] = []
+    if described and (launch is None or target not in launch.multinode):
+        return None, 1, []
     if launch is not None and target in launch.multinode:
         entry = launch.multinode[target]
         nodes, first = len(entry.nodes), entry.nodes[0]
+        if described:
+            return None, nodes, [f"multinode entry {target!r}: {nodes} node(s) of the GPUs described"]
         notes.append(f"multinode entry {target!r}: {first} probed; its other {nodes - 1} node(s) taken to be alike")
     report = probe_node(first, options.remote_python, options=options, workspace=workspace, progress=progress)
     capacity = node_capacity(report, device)
