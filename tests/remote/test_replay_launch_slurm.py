@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 from launch_helpers import wait_until_untagged
-from replay_launch_helpers import SNAPSHOT, replay_workers, wait_for_workers, write_workspace
+from replay_launch_helpers import SNAPSHOT, node_entry, replay_workers, wait_for_workers, write_workspace
 from slurm_loopback import DOWN_PARTITION, SlurmCluster
+from ssh_loopback import LoopbackServer
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.result import ReplayResult
@@ -90,3 +91,22 @@ def test_a_job_never_scheduled_is_cancelled_naming_the_partition(slurm_cluster: 
     assert slurm_cluster.jobs() == [] and replay_workers() == {}
     result = json.loads(next((cluster_ws / "tmp").rglob("replay_result.json")).read_text())
     assert result["verdict"] == "failed" and result["grad_norm"] is None
+
+
+def test_a_login_node_over_ssh_with_the_settings_given_as_arguments(
+    slurm_cluster: SlurmCluster, openssh_server: LoopbackServer, tmp_path: Path
+) -> None:
+    ws = write_workspace(tmp_path / "ws", {"login": node_entry(openssh_server, setup=slurm_cluster.setup)})
+    slurm = {
+        "partition": slurm_cluster.partition,
+        "nproc_per_node": 2,
+        "time": "5",
+        "job_dir": str(tmp_path / "jobs"),
+        "schedule_timeout_s": 60,
+    }
+    result = run_request(replay_request(What(SNAPSHOT), Where(target="login", slurm=slurm), workspace=ws))
+    assert isinstance(result, ReplayResult) and result.verdict == "reproduced" and result.world_size_used == 2
+    assert result.target == "slurm@login" and result.node is not None and result.node["launcher"] == "slurm"
+    command = (Path(result.output_dir) / "command.txt").read_text()
+    assert "--target login --slurm" in command and f"--partition {slurm_cluster.partition}" in command
+    assert slurm_cluster.jobs() == [] and wait_until_untagged(result.node["launch_id"]) == []
