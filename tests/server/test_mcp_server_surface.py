@@ -46,7 +46,6 @@ READ_ONLY = {
     "task_show",
     "method_list",
     "checkpoint_interval",
-    "plan_replay",
 }
 # replay and sweep: with the command backend they run the node's trainer, with a patch the caller chose
 DESTRUCTIVE = {"release_preserved", "write_report", "replay", "sweep"}

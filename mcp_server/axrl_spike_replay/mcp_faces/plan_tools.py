@@ -14,8 +14,9 @@ from axrl_spike_replay.mcp_faces.bridge import Progress, call_library
 from axrl_spike_replay.mcp_faces.config import SnapshotArg, WorkspaceArg, server_config
 from axrl_spike_replay.mcp_faces.replay_tools import AcceptNewKeyArg, DeviceArg, NprocArg, RemotePythonArg
 
-# Reads the snapshot's metadata and shapes; with a target, probes that node over SSH (open world).
-PLANS = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=True)
+# Reads the snapshot's metadata and shapes; with a target, probes that node over SSH (open world), and may record
+# its new host key when asked to (so, as `probe_node`, not read-only).
+PLANS = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=True)
 
 
 async def plan_replay_tool(
