@@ -121,7 +121,7 @@ def refuse_what_cannot_fit(snapshot: str | Path, nproc: int | None, device: str,
         plan = plan_replay(snapshot, nproc=nproc, device=device, shard="off", configs=configs)
     except PlanRefused:
         raise
-    except AxrlError:
+    except Exception:  # a snapshot the plan cannot read is the engine's to name, by its own rules
         return
     if plan.capacity is not None and plan.capacity.devices == 0:
         return  # CUDA asked where there is none: the engine says so
