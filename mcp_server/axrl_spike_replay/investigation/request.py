@@ -27,6 +27,7 @@ LOCAL = "local"  # the target that means this machine
 
 _V = TypeVar("_V", bound=Vocabulary)
 MAX_REPEAT = 100  # a determinism check needs a handful of recomputations; each one is a whole replay
+_HERE = (Backend.TORCH, Backend.MEGATRON)  # backends the built-in engine runs in this process tree
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,9 @@ class ReplayRequest:
 
     @property
     def runs_here(self) -> bool:
-        """True for the built-in torch engine on this machine; False for a node or the command backend."""
-        return self.where.backend == Backend.TORCH and self.where.target == LOCAL
+        """True for the built-in engine on this machine (its torch models, or Megatron-core's GPTModel with
+        `backend` megatron); False for a node or the command backend."""
+        return self.where.backend in _HERE and self.where.target == LOCAL
 
 
 def replay_request(
@@ -113,6 +115,7 @@ def replay_request(
     target = where.target or LOCAL
     patches = _patch_set(where.patches)
     _check_combination(verb, target, backend, patches, where.timeout_s)
+    _check_megatron(verb, what, device, target, backend)
     _check_clear_threshold(what.clear_threshold, verb, target, backend)
     _check_parallel_configs(how.parallel_configs, verb, target, backend)
     normalised = tuple(parse_config(c, f"config {i + 1}") for i, c in enumerate(what.configs))
@@ -234,8 +237,33 @@ def _check_combination(verb: Verb, target: str, backend: Backend, patches: tuple
         raise ConfigError(
             "`patch` applies to the training checkout the command backend runs; add `backend` command", "patch"
         )
-    if target == LOCAL and backend == Backend.TORCH and timeout_s is not None:
+    if target == LOCAL and backend in _HERE and timeout_s is not None:
         raise ConfigError("`timeout_s` applies to runs on a `target` or with `backend` command", "timeout_s")
+
+
+def _check_megatron(verb: Verb, what: What, device: Device, target: str, backend: Backend) -> None:
+    """`backend` megatron (route 2 of a Megatron snapshot) replays the baseline here, on CPU; the rest is route 1's."""
+    if backend != Backend.MEGATRON:
+        return
+    if verb != Verb.REPLAY:
+        raise ConfigError(
+            f"`backend` megatron replays the baseline; a {verb} runs on the built-in `backend` torch", "backend"
+        )
+    if what.mitigations:
+        raise ConfigError(
+            "`backend` megatron replays the baseline; mitigations run on the built-in `backend` torch (route 1)",
+            "mitigation",
+        )
+    if target != LOCAL:
+        raise ConfigError(
+            "`backend` megatron runs here; on a node, run `axrl-spike-replay replay --backend megatron` there",
+            "target",
+        )
+    if device != Device.CPU:
+        raise ConfigError(
+            "`backend` megatron runs Megatron-core's GPTModel with the local spec on CPU here; use `device` cpu",
+            "device",
+        )
 
 
 def _check_clear_threshold(value: Any, verb: Verb, target: str, backend: Backend) -> None:
@@ -251,9 +279,9 @@ def _check_clear_threshold(value: Any, verb: Verb, target: str, backend: Backend
         raise ConfigError(
             "`clear_threshold` judges replays and sweeps; attribution gives no verdict", "clear_threshold"
         )
-    if target != LOCAL or backend != Backend.TORCH:
+    if target != LOCAL or backend not in _HERE:
         raise ConfigError(
-            "`clear_threshold` applies to the built-in torch engine run here; a run on a `target` or with `backend` "
+            "`clear_threshold` applies to the built-in engine run here; a run on a `target` or with `backend` "
             "command is judged by the snapshot's detector threshold",
             "clear_threshold",
         )
