@@ -4,14 +4,18 @@ snapshot."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.experiment.result import ReplayResult
+from axrl_spike_replay.investigation.request import What, Where, replay_request
+from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.snapshot.safe_load import load_pt
@@ -95,3 +99,25 @@ def test_a_payload_that_does_not_fit_the_batch_is_refused_by_name(megatron_captu
     _rewrite(path, doc)
     with pytest.raises(SnapshotError, match=r"topk_indices\[0\] \(layer 0\) has shape \(100, 2\)"):
         load_rank_routes(snapshot, 1, batch=batch)
+
+
+@pytest.mark.parametrize("backend", [Backend.TORCH, Backend.MEGATRON])
+def test_a_layout_the_shards_contradict_is_refused_before_anything_is_written(
+    megatron_capture: Path, tmp_path: Path, backend: Backend
+) -> None:
+    """The run config and metadata say TP=2, the checkpoint's shards were saved at TP=1: either route refuses,
+    naming the file, what disagrees and the command backend, and writes nothing."""
+    snapshot = shutil.copytree(megatron_capture, tmp_path / "iter_0000006")
+    config = yaml.safe_load((snapshot / "run_config.yaml").read_text())
+    config["parallel"].update(tp=2, world_size=4)
+    (snapshot / "run_config.yaml").write_text(yaml.safe_dump(config))
+    metadata = json.loads((snapshot / "axrl_metadata.json").read_text())
+    metadata["parallel"].update(tp=2, world_size=4)
+    (snapshot / "axrl_metadata.json").write_text(json.dumps(metadata))
+    workspace = tmp_path / "ws"
+    request = replay_request(What(snapshot), Where(backend=backend), workspace=workspace)
+    with pytest.raises(
+        SnapshotError, match=r"\.metadata: linear_qkv is saved in 1 tensor-parallel shards but .* tp=2.*--backend comm"
+    ):
+        run_request(request)
+    assert not workspace.exists()

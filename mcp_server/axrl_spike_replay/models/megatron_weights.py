@@ -141,7 +141,9 @@ def check_saved_layout(directory: Path, layout: ParallelLayout) -> None:
     problems = layout_problems(read_megatron_checkpoint(directory), layout)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise SnapshotError(f"{problems[0]}{more}")
+        hint = f"; fix the run config's `parallel:`, or {COMMAND_BACKEND_HINT}"
+        hint = "" if COMMAND_BACKEND_HINT in problems[0] else hint
+        raise SnapshotError(f"{problems[0]}{more}{hint}")
 
 
 def megatron_semantics(policy: nn.Module) -> nn.Module:
