@@ -115,7 +115,7 @@ def test_bad_options(spike_snapshot: Path, workspace: Path, what: dict, how: How
     [
         ({"verb": "sweep", "configs": [{"advantage_clip": 1}]}, {}, How(), "a sweep runs on the built-in `backend`"),
         ({"mitigations": {"advantage_clip": 1}}, {}, How(), "mitigations run on the built-in `backend` torch"),
-        ({}, {"target": "gpu-node"}, How(), "run `axrl-spike-replay replay --backend megatron` there"),
+        ({}, {"target": "gpu-node"}, How(), "megatron runs Megatron-core's GPTModel here, on CPU; a `target` runs"),
         ({}, {}, How(device="cuda"), "local spec on CPU here; use `device` cpu"),
         ({}, {}, How(), r"model kind megatron\); .* holds a model of kind tiny_moe: replay it with the built-in"),
     ],

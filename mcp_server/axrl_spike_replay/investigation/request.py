@@ -256,7 +256,8 @@ def _check_megatron(verb: Verb, what: What, device: Device, target: str, backend
         )
     if target != LOCAL:
         raise ConfigError(
-            "`backend` megatron runs here; on a node, run `axrl-spike-replay replay --backend megatron` there",
+            "`backend` megatron runs Megatron-core's GPTModel here, on CPU; a `target` runs the torch or command "
+            "backend",
             "target",
         )
     if device != Device.CPU:
