@@ -51,7 +51,9 @@ def add_remote_options(parser: argparse.ArgumentParser) -> None:
         "--backend",
         choices=Backend.values(),
         default="torch",
-        help="torch: the built-in engine; command: the external replay command of spike-replay.yaml",
+        help="torch: the built-in engine; megatron: Megatron-core's own GPTModel recomputes the baseline of a "
+        "Megatron snapshot (the megatron extra; the cross-check of torch); command: the external replay command "
+        "of spike-replay.yaml",
     )
     group.add_argument(
         "--patch",

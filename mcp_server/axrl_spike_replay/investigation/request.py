@@ -27,6 +27,7 @@ LOCAL = "local"  # the target that means this machine
 
 _V = TypeVar("_V", bound=Vocabulary)
 MAX_REPEAT = 100  # a determinism check needs a handful of recomputations; each one is a whole replay
+_HERE = (Backend.TORCH, Backend.MEGATRON)  # backends the built-in engine runs in this process tree
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,10 @@ class ReplayRequest:
 
     @property
     def runs_here(self) -> bool:
-        """True for the built-in torch engine on this machine; False for a node, launched processes (several
-        nodes, Slurm) or the command backend."""
+        """True for the built-in engine on this machine (its torch models, or Megatron-core's GPTModel with
+        `backend` megatron); False for a node, launched processes (several nodes, Slurm) or the command backend."""
         where = self.where
-        return where.backend == Backend.TORCH and where.target == LOCAL and not where.targets and where.slurm is None
+        return where.backend in _HERE and where.target == LOCAL and not where.targets and where.slurm is None
 
     @property
     def launched(self) -> bool:
@@ -127,6 +128,7 @@ def replay_request(
     placed = replace(where, target=target, targets=targets, slurm=slurm)
     launched = launch_kind(placed, Path(workspace) if workspace is not None else None) is not None
     _check_combination(verb, target, backend, patches, where.timeout_s, launched or bool(targets) or slurm is not None)
+    _check_megatron(verb, what, device, target, backend, launched or bool(targets) or slurm is not None)
     _check_clear_threshold(what.clear_threshold, verb, target, backend, launched)
     _check_parallel_configs(how.parallel_configs, verb, target, backend)
     normalised = tuple(parse_config(c, f"config {i + 1}") for i, c in enumerate(what.configs))
@@ -320,8 +322,34 @@ def _check_combination(
         raise ConfigError(
             "`patch` applies to the training checkout the command backend runs; add `backend` command", "patch"
         )
-    if target == LOCAL and backend == Backend.TORCH and timeout_s is not None and not launched:
+    if target == LOCAL and backend in _HERE and timeout_s is not None and not launched:
         raise ConfigError("`timeout_s` applies to runs on a `target` or with `backend` command", "timeout_s")
+
+
+def _check_megatron(verb: Verb, what: What, device: Device, target: str, backend: Backend, launched: bool) -> None:
+    """`backend` megatron (route 2 of a Megatron snapshot) replays the baseline here, on CPU; the rest is route 1's."""
+    if backend != Backend.MEGATRON:
+        return
+    if verb != Verb.REPLAY:
+        raise ConfigError(
+            f"`backend` megatron replays the baseline; a {verb} runs on the built-in `backend` torch", "backend"
+        )
+    if what.mitigations:
+        raise ConfigError(
+            "`backend` megatron replays the baseline; mitigations run on the built-in `backend` torch (route 1)",
+            "mitigation",
+        )
+    if target != LOCAL or launched:
+        raise ConfigError(
+            "`backend` megatron runs Megatron-core's GPTModel here, on CPU; a `target` runs the torch or command "
+            "backend",
+            "target",
+        )
+    if device != Device.CPU:
+        raise ConfigError(
+            "`backend` megatron runs Megatron-core's GPTModel with the local spec on CPU here; use `device` cpu",
+            "device",
+        )
 
 
 def _check_clear_threshold(value: Any, verb: Verb, target: str, backend: Backend, launched: bool) -> None:
@@ -337,9 +365,9 @@ def _check_clear_threshold(value: Any, verb: Verb, target: str, backend: Backend
         raise ConfigError(
             "`clear_threshold` judges replays and sweeps; attribution gives no verdict", "clear_threshold"
         )
-    if (target != LOCAL or backend != Backend.TORCH) and not launched:
+    if (target != LOCAL or backend not in _HERE) and not launched:
         raise ConfigError(
-            "`clear_threshold` applies to the built-in torch engine run here (its processes here, on several nodes or "
+            "`clear_threshold` applies to the built-in engine run here (its processes here, on several nodes or "
             "under Slurm); a run on one `target` node or with `backend` command is judged by the snapshot's detector "
             "threshold",
             "clear_threshold",

@@ -1,8 +1,9 @@
 """Run a request where it says: the one place a replay, sweep or attribution picks here or elsewhere.
 
-`torch` on target `local` runs the built-in engine in this process tree; on several nodes or under Slurm the
-engine runs here and torchrun starts its processes there (`investigation.launched`); everything else (the torch
-engine on one SSH target, the `command` backend) goes to `investigation.elsewhere`. Either way the
+`torch` (and `megatron`, route 2 of a Megatron snapshot) on target `local` runs the built-in engine in this
+process tree; on several nodes or under Slurm the engine runs here and torchrun starts its processes there
+(`investigation.launched`); everything else (the torch engine on one SSH target, the `command` backend) goes to
+`investigation.elsewhere`. Either way the
 run's files land in the workspace and each result is logged in the job's task file when one is open.
 The CLI, the MCP tools, the CLI's warm service and the demo all call `run_request`.
 """
@@ -76,6 +77,7 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
         cancel=request.cancel,
         recorder=recorder,
         runner=runner,
+        backend=request.where.backend,
     )
     if what.verb == Verb.SWEEP:
         from axrl_spike_replay.replay.sweep import run_sweep

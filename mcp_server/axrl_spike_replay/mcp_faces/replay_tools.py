@@ -86,9 +86,11 @@ SlurmArg = Annotated[
     ),
 ]
 BackendArg = Annotated[
-    Literal["torch", "command"],
+    Literal["torch", "megatron", "command"],
     Field(
-        description="torch: the built-in engine; command: the node's own replay command from spike-replay.yaml "
+        description="torch: the built-in engine; megatron: Megatron-core's own GPTModel recomputes the baseline "
+        "of a Megatron snapshot here (replay only, no mitigations; the megatron extra), the cross-check of torch; "
+        "command: the node's own replay command from spike-replay.yaml "
         "(trainers the engine cannot rebuild, e.g. TP/PP/EP > 1): mitigations run as the trainer's own overrides "
         "mapped in spike-replay.yaml's command_backend.mitigations (an unmapped one is refused by name), "
         "optionally with `patch`/`patches`.",
