@@ -10,7 +10,7 @@ not at all (what was left out is listed in `Diagnosis.not_checked`).
 
 `Diagnosis.causes` is ranked, strongest first, and never empty. Each `causes.Cause` carries:
 
-- `family`: one stable id of `FAMILIES` below;
+- `family`: one stable id of `families.FAMILIES` (listed below);
 - `title`: the broken part in words (`"rank 1's old log-probs"`);
 - `strength` in [0, 1]: 1.0 only with evidence that separates this family from every other (a witness pair that
   agrees where the named signal disagrees); two families that fit equally are both reduced and name each other in
@@ -49,16 +49,6 @@ FAMILIES, with the broken part each names:
   was checked and every stored signal agrees).
 """
 
-FAMILIES = (
-    "engine_mismatch",
-    "stale_old_logprobs",
-    "bad_ref_logprobs",
-    "routing_payload",
-    "outlier_advantage",
-    "mask_misalignment",
-    "negative_advantage_dominance",
-    "one_rank_data",
-    "non_finite",
-    "natural_spike",
-)
-LOSS_TERMS = ("policy", "kl", "entropy", "aux", "z")
+from axrl_spike_replay.diagnosis.families import FAMILIES, LOSS_TERMS
+
+__all__ = ["FAMILIES", "LOSS_TERMS"]
