@@ -3,13 +3,13 @@
 A step of the reference trainer (`trainer_step.RankTrainer.rollout`) passes through five stages, and after each
 one every fault of the run is called with the step's parts as they stand (`StepParts`):
 
-| stage | the parts there | a trainer bug there looks like |
-|---|---|---|
-| `prompts` | `batch["prompts"]` [B, P] (already repeated per group) | a data shard from another source |
-| `rollout` | `tokens`, `loss_mask`, `rollout_logprobs` [B, T]; `routed_experts` [B, T, L, K] | the inference engine's log-probs or routes |
-| `rewards` | `rewards` [B] | the reward function or verifier |
-| `advantages` | `advantages` [B] | the advantage estimator |
-| `batch` | everything, with the trainer's `old_logprobs` and `ref_logprobs` | the old / reference log-prob workers, the masks |
+- `prompts`: `batch["prompts"]` [B, P] (already repeated per group): a data shard from another source;
+- `rollout`: `tokens`, `loss_mask`, `rollout_logprobs` [B, T] and `routed_experts` [B, T, L, K]: the inference
+  engine's log-probs or routes;
+- `rewards`: `rewards` [B]: the reward function or verifier;
+- `advantages`: `advantages` [B]: the advantage estimator;
+- `batch`: everything, with the trainer's `old_logprobs` and `ref_logprobs`: the old / reference log-prob workers,
+  the masks.
 
 A fault is any picklable callable with a `stage` (when it is called) and a `part` (what it corrupts, for the record);
 it changes `parts.batch` (or `parts.routed_experts`) in place. It decides itself whether to act: `parts.in_burst`
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -50,9 +50,6 @@ from axrl_spike_replay.capture.presets import FaultSpec
 from axrl_spike_replay.capture.rollout import shifted_routes
 from axrl_spike_replay.capture.toy_task import TASK_ALPHABET
 from axrl_spike_replay.errors import ConfigError
-
-if TYPE_CHECKING:
-    from axrl_spike_replay.capture.trainer_step import RankTrainer
 
 STAGES = ("prompts", "rollout", "rewards", "advantages", "batch")
 
@@ -71,7 +68,8 @@ class StepParts:
     routed_experts: torch.Tensor | None = None  # from `rollout` on
     previous: dict[str, torch.Tensor] | None = None  # this rank's batch of the previous step, as the loss consumed it
     generator: torch.Generator | None = None  # the step's seeded stream: a fault that draws stays reproducible
-    trainer: RankTrainer | None = field(default=None, repr=False)  # the rank's trainer (its policy and reference)
+    # the rank's `trainer_step.RankTrainer` (its policy and reference; typed loosely: that module imports this one)
+    trainer: Any = field(default=None, repr=False)
 
 
 class Fault(Protocol):
@@ -340,6 +338,16 @@ class LogprobStaleBuffer(StoredLogprobFault):
         return out
 
 
+class LogprobScale(StoredLogprobFault):
+    """A stored log-prob tensor multiplied by `factor` on this rank: 2 when its worker accumulates into a buffer it
+    never zeroes (each log-prob counted twice), 0 when the buffer is never filled and stays at its zeros."""
+
+    def corrupted(self, parts: StepParts, values: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        out = values.clone()
+        out[rows] = values[rows] * float(self.param("factor", 2.0))
+        return out
+
+
 class LogprobPermuted(StoredLogprobFault):
     """A stored log-prob tensor whose rows belong to other samples of the rank's batch (the worker that computed
     them returned its micro-batches out of order)."""
@@ -410,6 +418,7 @@ FAULT_KINDS: dict[str, Callable[[FaultSpec], BuiltinFault]] = {
     "reward_nan": RewardNaN,
     "logprob_shift": LogprobShift,
     "logprob_stale_buffer": LogprobStaleBuffer,
+    "logprob_scale": LogprobScale,
     "logprob_permuted": LogprobPermuted,
     "logprob_wrong_model": LogprobWrongModel,
     "mask_shift": MaskShift,

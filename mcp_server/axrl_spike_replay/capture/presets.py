@@ -30,6 +30,28 @@ class FaultSpec:
     samples: tuple[int, ...] | None = None
     params: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_dict(cls, doc: Any, source: str = "fault") -> FaultSpec:
+        """A FaultSpec from its `to_dict` form; ConfigError naming `source` and the bad key otherwise (the kind
+        itself is checked when the fault is built: `faults.make_fault`)."""
+        if not isinstance(doc, dict) or not isinstance(doc.get("kind"), str) or not doc["kind"]:
+            raise ConfigError(f"{source}: expected a mapping with a `kind` (a fault name), got {doc!r:.120}")
+        unknown = set(doc) - {"kind", "ranks", "samples", "params"}
+        if unknown:
+            raise ConfigError(f"{source}: unknown keys {sorted(unknown)} (known: kind, ranks, samples, params)")
+        lists: dict[str, tuple[int, ...] | None] = {}
+        for key in ("ranks", "samples"):
+            value = doc.get(key)
+            if value is not None and (
+                not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+            ):
+                raise ConfigError(f"{source}: `{key}` must be a list of integers, got {value!r:.80}")
+            lists[key] = None if value is None else tuple(value)
+        params = doc.get("params") or {}
+        if not isinstance(params, dict):
+            raise ConfigError(f"{source}: `params` must be a mapping, got {params!r:.80}")
+        return cls(doc["kind"], lists["ranks"], lists["samples"], dict(params))
+
     def to_dict(self) -> dict[str, Any]:
         """The fault as the run config records it (`train.fault.injected`)."""
         doc: dict[str, Any] = {"kind": self.kind}
@@ -102,10 +124,12 @@ FAULT_FAMILIES = (
     "non_finite",
     "natural_spike",
 )
-LAST = (-1,)
+LAST = (-1,)  # the last data-parallel rank (rank 1 at world size 2; rank 0 alone at world size 1)
 # A policy as peaked as a trained LLM's (most sampled tokens near-certain), its routers and experts as initialised:
 # a log-prob taken from the wrong token or the wrong weights is then off by nats, as in a real run.
-PEAKED = Specialisation(router_std=None, expert_scale=1.0, logit_scale=8.0)  # the last data-parallel rank (rank 1 at world size 2; rank 0 alone at world size 1)
+PEAKED = Specialisation(router_std=None, expert_scale=1.0, logit_scale=8.0)
+# Less peaked: more sampled tokens are unlikely ones, whose log-probs (and gradients) a wrong stored value moves.
+SOFTER = Specialisation(router_std=None, expert_scale=1.0, logit_scale=4.0)
 
 _LEGACY = (
     Preset(
@@ -167,22 +191,23 @@ _FAMILY_PRESETS = (
     Preset(
         name="stale_old_logprobs",
         description=(
-            "the last rank's old log-probs are a stale buffer: its old-log-prob worker caches results by "
-            "micro-batch index and returns the previous step's, which belong to other sequences; the PPO ratio "
-            "against them explodes on negative-advantage tokens"
+            "the last rank's old log-probs are wrong: its old-log-prob worker accumulates into a buffer it never "
+            "zeroes, so every old log-prob is counted twice; the PPO ratio exp(logp - 2 logp) = 1/p explodes on the "
+            "unlikely sampled tokens, unclipped where the advantage is negative"
         ),
-        injected=FaultSpec("logprob_stale_buffer", ranks=LAST, params={"signal": "old_logprobs"}),
-        specialise=PEAKED,
+        injected=FaultSpec("logprob_scale", ranks=LAST, params={"signal": "old_logprobs", "factor": 2.0}),
+        specialise=SOFTER,
         family="stale_old_logprobs",
     ),
     Preset(
-        name="misaligned_ref_logprobs",
+        name="missing_ref_logprobs",
         description=(
-            "the last rank's reference log-probs are one token late (an off-by-one when its reference worker "
-            "slices the response out of the full sequence); with the KL penalty on, the k3 term exp(ref - logp) "
-            "explodes where the shifted reference is far above the policy"
+            "the last rank's reference log-probs are never filled in (its reference worker skips the micro-batch and "
+            "the buffer stays at zero); with the KL penalty on, the k3 term exp(ref - logp) = 1/p explodes on every "
+            "unlikely sampled token"
         ),
-        injected=FaultSpec("logprob_shift", ranks=LAST, params={"signal": "ref_logprobs"}),
+        loss={"kl_coef": 1.0},
+        injected=FaultSpec("logprob_scale", ranks=LAST, params={"signal": "ref_logprobs", "factor": 0.0}),
         specialise=PEAKED,
         family="bad_ref_logprobs",
     ),
@@ -211,10 +236,11 @@ _FAMILY_PRESETS = (
         name="misaligned_loss_mask",
         description=(
             "the stack keeps log-probs for the response only (zero padding elsewhere) and the last rank's loss "
-            "mask starts one token early: it takes in the last prompt token, whose stored reference and old "
-            "log-probs are the zero padding; the k3 KL term exp(0 - logp) explodes there"
+            "mask starts four tokens early (another sequence's left-padding offset): it takes in the last prompt "
+            "tokens, whose stored reference and old log-probs are the zero padding; the k3 KL term exp(0 - logp) "
+            "and the PPO ratio against them are off there"
         ),
-        injected=FaultSpec("mask_shift", ranks=LAST),
+        injected=FaultSpec("mask_shift", ranks=LAST, params={"shift": 4}),
         specialise=PEAKED,
         family="mask_misalignment",
     ),
@@ -257,7 +283,44 @@ _FAMILY_PRESETS = (
     ),
 )
 
-PRESETS: dict[str, Preset] = {preset.name: preset for preset in (*_LEGACY, *_FAMILY_PRESETS)}
+# Healthy runs to plant your own faults in (`capture_reference_run(..., faults=[...])`): no fault of their own.
+_BASES = (
+    Preset(
+        name="peaked",
+        description=(
+            "no injected fault, on a policy as peaked as a trained LLM's: the base for a fault of your own "
+            "(`capture.faults`) that corrupts a log-prob, a mask or the data"
+        ),
+        specialise=PEAKED,
+    ),
+    Preset(
+        name="peaked_rollout_ratio",
+        description=(
+            "as `peaked`, with the trainer's importance ratios taken against the rollout engine's log-probs: the "
+            "base for a fault of your own in the engine's log-probs"
+        ),
+        loss={"is_base_logprobs": "rollout"},
+        specialise=PEAKED,
+    ),
+    Preset(
+        name="peaked_kl",
+        description=(
+            "as `peaked`, with a KL penalty of 0.1: the base for a fault of your own in the reference log-probs"
+        ),
+        loss={"kl_coef": 0.1},
+        specialise=PEAKED,
+    ),
+    Preset(
+        name="expert_sensitive",
+        description=(
+            "no injected fault, on a policy whose experts differ (a wrong expert moves log-probs by nats): the base "
+            "for a fault of your own that corrupts the routing payload"
+        ),
+        specialise=Specialisation(),
+    ),
+)
+
+PRESETS: dict[str, Preset] = {preset.name: preset for preset in (*_LEGACY, *_FAMILY_PRESETS, *_BASES)}
 FAMILY_PRESETS: dict[str, str] = {preset.family or "": preset.name for preset in _FAMILY_PRESETS}  # family -> preset
 
 

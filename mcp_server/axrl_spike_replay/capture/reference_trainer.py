@@ -130,6 +130,8 @@ def capture_reference_run(
     )
     if parallel != "ddp":
         config["parallel"]["strategy"] = parallel
+    if faults:  # the caller's own faults, on record beside the preset's (a built-in one by its spec)
+        config["train"]["fault"]["planted"] = [_fault_record(f) for f in faults]
     (output_dir / "logs").mkdir(parents=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="axrl-capture-") as tmp:
@@ -294,6 +296,14 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
         )
         if plan.final_state_path:
             torch.save(final_state, plan.final_state_path)
+
+
+def _fault_record(fault: Fault) -> dict[str, Any]:
+    """How the run config records a fault of the caller's: a built-in one's spec, else its type, stage and part."""
+    spec = getattr(fault, "spec", None)
+    if spec is not None and hasattr(spec, "to_dict"):
+        return spec.to_dict()
+    return {"type": type(fault).__qualname__, "stage": fault.stage, "part": fault.part}
 
 
 def _progress(line: str) -> None:
