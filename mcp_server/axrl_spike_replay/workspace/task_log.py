@@ -13,6 +13,7 @@ from axrl_spike_replay.vocabulary import Verdict
 from axrl_spike_replay.workspace.changes import describe_change, is_baseline, normalise_config
 from axrl_spike_replay.workspace.preserved_copies import note_preserved_copy
 from axrl_spike_replay.workspace.task import TaskState
+from axrl_spike_replay.workspace.task_diagnosis import add_diagnosis
 from axrl_spike_replay.workspace.task_state import now, task_exists, update_task
 
 
@@ -139,6 +140,17 @@ def command_of(result_path: Path | str | None) -> str | None:
         except OSError:
             continue
     return None
+
+
+def record_diagnosis(workspace: Path | str, job: str, entry: dict[str, Any]) -> bool:
+    """Keep a diagnosis run (an entry of `diagnosis.task_entry`) in the task of `job` when one is open: its causes
+    under Observations, its experiments not listed yet under Next steps; the report shows the strongest diagnosis of
+    the task's snapshot. False when no task is open for `job`."""
+    root = _open_root(workspace, job)
+    if root is None:
+        return False
+    update_task(root, job, lambda state: add_diagnosis(state, entry, now()))
+    return True
 
 
 def _open_root(workspace: Path | str, job: str) -> Path | None:
