@@ -160,3 +160,13 @@ def test_a_users_own_fault_runs_in_the_trainer_and_a_hidden_run_does_not_name_it
     assert run.config["train"]["fault"]["planted"] == [
         {"type": "BrokenVerifier", "stage": "rewards", "part": "rewards"}
     ]
+
+
+def test_capture_refuses_a_bad_fault_before_training(tmp_path, cli) -> None:
+    run = cli("capture", "--out", tmp_path, "--preset", "peaked", "--fault", '{"kind": "nope"}')
+    assert run.code != 0 and "fault kind 'nope' is not known" in run.err
+    run = cli("capture", "--out", tmp_path, "--preset", "peaked", "--fault", "{kind")
+    assert run.code != 0 and "--fault 1: not JSON" in run.err
+    run = cli("capture", "--out", tmp_path, "--fault", '{"kind": "reward_nan"}', "--preset", "none")
+    assert run.code != 0 and "preset none has none" in run.err
+    assert not any(tmp_path.iterdir())

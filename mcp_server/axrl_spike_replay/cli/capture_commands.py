@@ -92,6 +92,8 @@ def _capture(args: argparse.Namespace) -> int:
         raise AxrlError(f"--preset {args.preset!r} is not known (known: {', '.join(PRESETS)})")
 
     faults = _faults(args.fault)
+    if faults and args.preset == "none":
+        raise AxrlError("--fault acts during the burst, and preset none has none: use a base preset such as peaked")
     progress(
         f"capture: training {args.steps} steps on {args.world_size} rank(s) ({args.parallel}), preset {args.preset}, "
         f"model {args.model} ..."
