@@ -106,8 +106,6 @@ class Preset:
             doc["broken_reward_penalty"] = self.reward_penalty
         if self.injected is not None:
             doc["injected"] = self.injected.to_dict()
-        if self.family is not None:
-            doc["family"] = self.family
         return doc
 
 
@@ -309,6 +307,14 @@ _BASES = (
         ),
         loss={"kl_coef": 0.1},
         specialise=PEAKED,
+    ),
+    Preset(
+        name="reinforce_baseline",
+        description=(
+            "no injected fault, REINFORCE with a running-mean baseline (GRPO's group normalisation bounds one "
+            "sample's advantage): the base for a fault of your own in the rewards"
+        ),
+        train={"advantage_estimator": "reinforce_baseline"},
     ),
     Preset(
         name="expert_sensitive",

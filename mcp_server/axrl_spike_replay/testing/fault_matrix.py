@@ -59,9 +59,9 @@ def _preset_cases() -> list[MatrixCase]:
 
 _VARIANTS = (
     MatrixCase(
-        "variant:grpo_reward_scale",
+        "variant:reward_scale_rank0",
         "outlier_advantage",
-        "peaked",
+        "reinforce_baseline",
         "variant",
         (FaultSpec("reward_scale", ranks=(0,), samples=(2,), params={"factor": 1000.0, "offset": 10.0}),),
     ),
