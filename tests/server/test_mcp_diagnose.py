@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
-from server_helpers import call, ok
+from server_helpers import call, ok, with_client
+
+from axrl_spike_replay.diagnosis import FAMILIES
+from axrl_spike_replay.experiment.mitigations import MITIGATIONS
+from axrl_spike_replay.server import create_server
 
 
 def test_diagnose_spike_ranks_the_mismatch_first_with_ready_mitigations(captured_run, workspace: Path) -> None:
@@ -12,3 +18,42 @@ def test_diagnose_spike_ranks_the_mismatch_first_with_ready_mitigations(captured
     assert doc["causes"][0]["family"] == "engine_mismatch"
     assert doc["next_steps"][0]["mitigation"] == "mismatch_token_clip_max=2"
     assert doc["consistency"]["self_consistent"] is True and doc["consistency"]["agrees_with_log"] is True
+
+
+def test_diagnose_spike_keeps_its_diagnosis_in_the_open_task(captured_run, workspace: Path) -> None:
+    snapshot = str(captured_run.snapshot_dirs[0])
+    ok(call(workspace, "task_open", {"job": "demo-moe-grpo", "snapshot": snapshot}))
+    ok(call(workspace, "diagnose_spike", {"snapshot": snapshot, "model": "never"}))
+    shown = ok(call(workspace, "task_show", {"job": "demo-moe-grpo"}))
+    state = json.loads(Path(shown["state_file"]).read_text())
+    assert len(state["diagnoses"]) == 2 and state["diagnoses"][1]["snapshot"] == state["snapshot"]
+    task = Path(shown["task_file"]).read_text()
+    assert "`task_note`" in task  # the task file names the MCP tools that edit it
+
+
+def test_a_read_only_server_diagnoses_without_writing_into_the_open_task(captured_run, workspace: Path) -> None:
+    snapshot = str(captured_run.snapshot_dirs[0])
+    ok(call(workspace, "task_open", {"job": "demo-moe-grpo", "snapshot": snapshot}))
+    state_file = Path(ok(call(workspace, "task_show", {"job": "demo-moe-grpo"}))["state_file"])
+    before = state_file.read_bytes()
+    read_only = create_server(workspace, read_only=True)
+    result = with_client(
+        read_only, lambda client: client.call_tool("diagnose_spike", {"snapshot": snapshot, "model": "never"})
+    )
+    assert ok(result)["causes"][0]["family"] == "engine_mismatch"
+    assert state_file.read_bytes() == before  # a server that only reads wrote nothing
+
+
+def test_tool_texts_name_only_tools_that_exist(workspace: Path) -> None:
+    tools = with_client(create_server(workspace), lambda client: client.list_tools()).tools
+    names = {t.name for t in tools}
+    verbs = r"\b([a-z]+_(?:samples|spike|snapshot|snapshots|batch|grads|logs|add|list|open|note|show))\b"
+    params = {p for t in tools for p in (t.input_schema.get("properties") or {})}
+    # the snapshot directory's name, the mitigations, the cause families
+    not_tools = {"spike_snapshots", *MITIGATIONS, *FAMILIES}
+    for tool in tools:
+        texts = [tool.description or ""] + [
+            str(p.get("description", "")) for p in (tool.input_schema.get("properties") or {}).values()
+        ]
+        for word in re.findall(verbs, " ".join(texts)):
+            assert word in names | params | not_tools, f"{tool.name} names {word!r}, which is no tool"

@@ -95,7 +95,8 @@ def test_the_full_procedure_through_mcp_leaves_the_record(fixture_outputs: Path,
     text = task_md.read_text()
     assert "ratio outliers on a few tokens" in text
     ids = [e["id"] for e in seen["task"]["experiments"]]
-    assert len(ids) == 1 + 3  # the baseline replay, then the sweep's baseline and its two configs
+    assert len(ids) == 1 + 2  # the baseline replay, then the sweep's two configs (its baseline reuses E1)
+    assert {e.get("baseline") for e in seen["task"]["experiments"][1:]} == {ids[0]}
     assert all(i in text for i in ids)
     for row in seen["task"]["experiments"]:
         result = json.loads(Path(row["result_path"]).read_text())

@@ -92,26 +92,36 @@ def test_a_method_on_a_verl_snapshot_gives_verls_overrides_and_says_what_has_non
     assert "**log-ratio-1** (proven): no setting; log_ratio_clip: no setting in verl 0.9.1" in advice
 
 
-def test_two_baseline_rows_say_which_run_made_each_and_why(tmp_path: Path, spike_run: SpikeRun) -> None:
-    """A `replay`, then a `sweep` (which replays its own baseline): the demo's two baseline rows."""
+def test_a_sweep_reuses_the_logged_baseline_and_a_baseline_at_another_layout_is_its_own_row(
+    tmp_path: Path, spike_run: SpikeRun
+) -> None:
+    """A `replay`, then a `sweep` (which replays its own baseline, to the same grad norm), then a reduced replay."""
     snapshot = spike_run.snapshot
     open_task(tmp_path, JOB, str(snapshot), diagnosis="off")
     runs = tmp_path / "tmp" / "spike-replay" / JOB
     first = replay_result(snapshot, BASE, "reproduced")
     path = save_result(tmp_path, "20260101-000000", first)
     (path.parent / "command.txt").write_text(f"axrl-spike-replay replay {snapshot}\n")
-    record_replay(tmp_path, JOB, first, path)
+    assert record_replay(tmp_path, JOB, first, path) == "E1"
     (runs / "20260101-000100").mkdir()
     (runs / "20260101-000100" / "command.txt").write_text(f"axrl-spike-replay sweep {snapshot} --mitigation ...\n")
     base = replay_result(snapshot, BASE, "reproduced")
-    record_replay(tmp_path, JOB, base, save_result(tmp_path, "20260101-000100/baseline", base))
+    assert record_replay(tmp_path, JOB, base, save_result(tmp_path, "20260101-000100/baseline", base)) == "E1"
     tis = replay_result(snapshot, 2.0, "cleared", mitigations={"mismatch_token_clip_max": 2.0}, baseline_grad_norm=BASE)
-    record_replay(tmp_path, JOB, tis, save_result(tmp_path, "20260101-000100/mismatch_token_clip_max=2", tis))
+    assert (
+        record_replay(tmp_path, JOB, tis, save_result(tmp_path, "20260101-000100/mismatch_token_clip_max=2", tis))
+        == "E2"
+    )
+    reduced = replay_result(snapshot, BASE, "reproduced", fidelity="reduced", world_size_used=1)
+    path = save_result(tmp_path, "20260101-000200", reduced)
+    (path.parent / "command.txt").write_text(f"axrl-spike-replay replay {snapshot} --nproc 1\n")
+    assert record_replay(tmp_path, JOB, reduced, path) == "E3"
 
     section = _section(write_report(tmp_path, JOB).text, "## Baseline replay")
 
     rows = [line for line in section.splitlines() if line.startswith("| E")]
-    assert rows[0].startswith("| E1 | 5 | `replay` | local |")
-    assert rows[1].startswith("| E2 | 5 | `sweep` (baseline of E3) | local |")
+    assert rows[0].startswith("| E1 | 5 | `replay` (baseline of E2) | local | full |")
+    assert rows[1].startswith("| E3 | 5 | `replay` | local | reduced |")
     assert "Why 2 rows: every `replay` and every `sweep` replays the baseline itself" in section
+    assert "reuses its row" in section
     assert "They agree to every digit: the replay is deterministic." in section

@@ -196,7 +196,8 @@ def test_investigation_from_open_to_report(tmp_path: Path, spike_run: SpikeRun, 
     assert f"| selected snapshot | {snapshot.resolve()} |" in md
     assert "`local` (torch, cpu): **full-fidelity replay was possible**" in md
     it = spike_run.iteration
-    assert f"| E1 | {it} |  | local | full | 2/2 | 37.42 | 37.42 | {abs(37.4189 - RECORDED) / RECORDED:.4g} |" in md
+    rel = abs(37.4189 - RECORDED) / RECORDED  # E5 ran at another layout: judged against no logged baseline
+    assert f"| E1 | {it} |  (baseline of E2, E3, E4, E6) | local | full | 2/2 | 37.42 | 37.42 | {rel:.4g} |" in md
     assert f"| E2 | {it} | mismatch_token_clip_max=2.5 | local | full | 3.812 | {3.812 / MEDIAN:.4g} | -89.8% |" in md
     assert f"| E4 | {it} | advantage_clip=5 | local | full | 37.1 |" in md and "| no_effect |" in md
     assert f"| E5 | {it} | routing.replay=off | local | reduced | 4.4 |" in md

@@ -153,3 +153,21 @@ def test_method_list_at_the_checkout_labels_the_shipped_methods_shipped(tmp_path
     assert shipped and {m.slug for m in methods} == shipped  # each listed once ...
     assert {m.source for m in methods} == {"shipped"}  # ... as what it is
     assert {m.source for m in list_methods(tmp_path)} == {"shipped"}  # and so from an empty workspace
+
+
+@pytest.mark.slow
+def test_method_add_answers_with_the_figures_its_file_holds(investigated: tuple[Path, dict[str, str]]) -> None:
+    from axrl_spike_replay.jsonable import to_jsonable
+    from axrl_spike_replay.mcp_faces.record_models import MethodAdded
+    from axrl_spike_replay.workspace import front_matter
+
+    workspace, ids = investigated
+    added = add_method(workspace, JOB, ids["mask"], "mask-outliers", "masks the mis-scaled sample")
+    written = front_matter.load(workspace / "spike-mitigation-methods" / "mask-outliers.md")
+    assert written is not None
+    listed = next(m for m in list_methods(workspace) if m.slug == "mask-outliers")
+    answer = MethodAdded.model_validate(to_jsonable(added))  # what the MCP method_add tool returns
+    assert answer.cosine_to_clean == written["cosine_to_clean"] == pytest.approx(0.9999)
+    assert answer.token_fraction == written["token_fraction"] == pytest.approx(0.03)
+    assert answer.clean_reached == written["clean_reached"]
+    assert answer.rank == listed.rank >= 1

@@ -85,3 +85,40 @@ def test_the_report_shows_which_suggested_experiment_was_run_and_its_verdict(spi
     text = Path(cli("report", JOB, "--workspace", ws, "--json").json()["path"]).read_text()
     section = text.split("## Diagnosis", 1)[1].split("\n## ", 1)[0]
     assert "| E1 cleared |" in section
+
+
+@pytest.mark.slow
+def test_a_later_diagnosis_with_the_model_is_the_one_the_report_shows(spike: Path, tmp_path: Path, cli) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    opened = open_task(ws, JOB, spike)  # `never`: route agreement and attribution not checked
+    run = cli("diagnose", spike, "--workspace", ws, "--model", "auto", "--json")
+    assert run.code == 0, run.err
+    state = json.loads(Path(opened.state_file).read_text())
+    assert [d["model"] for d in state["diagnoses"]] == ["never", "auto"]
+    assert len(state["diagnoses"][1]["not_checked"]) < len(state["diagnoses"][0]["not_checked"])
+    report = cli("report", JOB, "--workspace", ws, "--json").json()
+    assert isinstance(report, dict) and report["diagnosis"]["model"] == "auto"
+    again = open_task(ws, JOB, spike)  # re-opening adds nothing, and the stronger diagnosis stays the report's
+    assert len(again.observations) == len(state["observations"])
+    steps = [row["mitigation"] for row in again.next_steps if "mitigation" in row]
+    assert len(steps) == len(set(steps))  # each experiment listed once, whichever diagnosis suggested it
+
+
+@pytest.mark.slow
+def test_next_steps_leave_out_the_experiments_already_run(spike: Path, tmp_path: Path, cli) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    steps = open_task(ws, JOB, spike).next_steps
+    first = steps[0]["mitigation"]
+    run = cli("replay", spike, "--mitigation", first, "--workspace", ws, "--job", JOB, "--json")
+    assert run.code == 0, run.err
+    shown = cli("task", "show", JOB, "--workspace", ws, "--json").json()
+    assert isinstance(shown, dict)
+    assert [row["text"] for row in shown["next_steps"]] == [row["text"] for row in steps[1:]]
+    task = Path(shown["task_file"]).read_text().split("## Next steps", 1)[1]
+    assert f"--mitigation {first}`" not in task and f"--mitigation {steps[1]['mitigation']}`" in task
+    report = Path(cli("report", JOB, "--workspace", ws, "--json").json()["path"]).read_text()
+    assert f"--mitigation {first}`" not in report.split("\n## Next steps", 1)[1].split("\n## ", 1)[0]
+    state = json.loads(Path(shown["state_file"]).read_text())
+    assert len(state["next_steps"]) == len(steps)  # the record keeps them all; the views leave the run ones out

@@ -8,13 +8,14 @@ Gradients come from `training.rank_step`, so a replay of a snapshot recomputes t
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -23,6 +24,7 @@ import torch
 
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.capture.detectors import make_detector
+from axrl_spike_replay.capture.faults import Fault
 from axrl_spike_replay.capture.fsdp_trainer import make_rank_trainer
 from axrl_spike_replay.capture.launch import launch
 from axrl_spike_replay.capture.run_config import build_run_config, parse_run_config
@@ -33,6 +35,7 @@ from axrl_spike_replay.rank_processes import refuse_in_spawned_import
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
 from axrl_spike_replay.snapshot.metadata import ParallelLayout
 
+HIDDEN_PRESET = "hidden"  # what a snapshot of a `hide_fault` run records as its preset
 PROGRESS_LINES = 8  # about this many iteration lines per run, plus one per spike
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` lets "\n" through
 
@@ -87,6 +90,8 @@ def capture_reference_run(
     parallel: str = "ddp",
     model: str = "tiny_moe",
     progress: bool = False,
+    faults: Sequence[Fault] = (),
+    hide_fault: bool = False,
 ) -> CaptureResult:
     """Train the reference policy and capture its spikes into `<out>/<run>~<job>__actor/`.
 
@@ -97,6 +102,9 @@ def capture_reference_run(
     as `parallel.strategy` in the run config when it is not the default. `model` is `tiny_moe` or one of the
     transformers architectures of `model_choice.HF_CAPTURE_MODELS` at a tiny size (`model: {kind: hf, ...}`).
     `progress` streams a line to stderr as the rank processes start and every few iterations (rank 0, flushed).
+    `faults` are trainer bugs of your own (`capture.faults.Fault`: picklable, called at their stage of every step,
+    after the preset's); `hide_fault` keeps the preset's name and fault out of what the snapshots and the log say
+    (`train.preset: hidden`, no `train.fault`), so a diagnosis judged on them cannot read the answer there.
     """
     refuse_in_spawned_import("the capture")  # before anything is written: a script without a main guard
     run = run or f"ref-s{seed}"
@@ -122,6 +130,8 @@ def capture_reference_run(
     )
     if parallel != "ddp":
         config["parallel"]["strategy"] = parallel
+    if faults:  # the caller's own faults, on record beside the preset's (a built-in one by its spec)
+        config["train"]["fault"]["planted"] = [_fault_record(f) for f in faults]
     (output_dir / "logs").mkdir(parents=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="axrl-capture-") as tmp:
@@ -133,6 +143,8 @@ def capture_reference_run(
             final_state_path=str(Path(tmp) / "final.pt") if keep_final_state else None,
             legacy_layout=legacy_layout,
             progress=progress,
+            faults=tuple(faults),
+            hide_fault=hide_fault,
         )
         if progress and world_size > 1:
             _progress(f"starting {world_size} rank processes (each imports torch and builds the policy first)")
@@ -172,12 +184,24 @@ class RankPlan:
     final_state_path: str | None = None
     legacy_layout: bool = False
     progress: bool = False  # rank 0 streams progress lines to stderr
+    faults: tuple[Fault, ...] = ()  # the caller's own trainer bugs (capture.faults), after the preset's
+    hide_fault: bool = False  # snapshots and log do not name the preset or its fault
+
+    def recorded_config(self) -> dict[str, Any]:
+        """The run config the snapshots record: the run's, or with `hide_fault` without the preset and its fault."""
+        if not self.hide_fault:
+            return self.config
+        doc = copy.deepcopy(self.config)
+        doc["train"]["preset"] = HIDDEN_PRESET
+        doc["train"]["fault"] = {}
+        return doc
 
 
 def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
     """The training loop of one rank (the launcher's per-rank function)."""
     spec = parse_run_config(plan.config)
     trainer = make_rank_trainer(spec, rank, world_size, parallel_strategy(plan.config))
+    trainer.faults += list(plan.faults)
     t, det = spec.train, spec.detector
     out = Path(plan.output_dir)
     guard = SpikeGuard(
@@ -188,7 +212,7 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
         job_name=plan.job_name,
         role="actor",
         parallel=ParallelLayout(**{k: v for k, v in plan.config["parallel"].items() if k != "strategy"}),
-        run_config=plan.config,
+        run_config=plan.recorded_config(),
         legacy_layout=plan.legacy_layout,
     )
     if t.guard_action == "rollback":
@@ -199,15 +223,16 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
     skipped = 0
     global_batch = t.prompts_per_rank * t.group_size * world_size
     model = getattr(spec.model, "architecture", "tiny_moe")  # what this rank built, as `capture --model` names it
+    preset = HIDDEN_PRESET if plan.hide_fault else t.preset
     _log(
         log,
-        f"> reference trainer: job {plan.job_name}, model {model}, preset {t.preset}, world size {world_size}, "
+        f"> reference trainer: job {plan.job_name}, model {model}, preset {preset}, world size {world_size}, "
         f"seed {t.seed}",
     )
     every = max(1, t.steps // PROGRESS_LINES)
     started = time.perf_counter()
     if plan.progress and rank == 0:
-        _progress(f"training {t.steps} iterations of {model}, preset {t.preset}, world size {world_size}")
+        _progress(f"training {t.steps} iterations of {model}, preset {preset}, world size {world_size}")
     try:
         for iteration in range(1, t.steps + 1):
             start = time.perf_counter()
@@ -271,6 +296,14 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
         )
         if plan.final_state_path:
             torch.save(final_state, plan.final_state_path)
+
+
+def _fault_record(fault: Fault) -> dict[str, Any]:
+    """How the run config records a fault of the caller's: a built-in one's spec, else its type, stage and part."""
+    spec = getattr(fault, "spec", None)
+    if spec is not None and hasattr(spec, "to_dict"):
+        return spec.to_dict()
+    return {"type": type(fault).__qualname__, "stage": fault.stage, "part": fault.part}
 
 
 def _progress(line: str) -> None:

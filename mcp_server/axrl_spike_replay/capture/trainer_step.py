@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from axrl_spike_replay.capture.faults import Fault, StepParts, apply_faults, make_fault
 from axrl_spike_replay.capture.presets import Specialisation, get_preset
 from axrl_spike_replay.capture.rollout import generate, rollout_engine
 from axrl_spike_replay.capture.run_config import RunSpec
@@ -94,6 +95,9 @@ class RankTrainer:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=spec.train.lr)
         self.param_numel = {name: p.numel() for name, p in self.model.named_parameters()}
         self.baseline: float | None = None
+        # trainer bugs called at each stage of a step (`capture.faults`): the preset's, then any the caller adds
+        self.faults: list[Fault] = [make_fault(self.preset.injected)] if self.preset.injected else []
+        self.previous: dict[str, torch.Tensor] | None = None  # the last step's batch (a stale-buffer fault reads it)
 
     def copy_policy(self, model: torch.nn.Module) -> torch.nn.Module:
         """A copy of the policy with its own routing hooks (a transformers policy is rebuilt, then loaded)."""
@@ -119,25 +123,44 @@ class RankTrainer:
         return self.model.state_dict()
 
     def rollout(self, iteration: int) -> StepBatch:
-        """Generate, score and prepare this rank's batch for `iteration` (1-based)."""
+        """Generate, score and prepare this rank's batch for `iteration` (1-based); the faults act after each stage."""
         t = self.train
         burst = self.in_burst(iteration)
         generator = torch.Generator().manual_seed(_stream_seed(t.seed, iteration, self.rank))
+        parts = StepParts(
+            stage="prompts",
+            iteration=iteration,
+            rank=self.rank,
+            world_size=self.world_size,
+            in_burst=burst,
+            prompt_len=t.prompt_len,
+            batch={},
+            previous=self.previous,
+            generator=torch.Generator().manual_seed(_stream_seed(t.seed, iteration, self.rank) + 1),
+            trainer=self,
+        )
         prompts = make_prompts(generator, t.prompts_per_rank, t.prompt_len, vocab_size(self.spec.model))
-        prompts = prompts.repeat_interleave(t.group_size, dim=0)
+        parts.batch["prompts"] = prompts.repeat_interleave(t.group_size, dim=0)
+        self._fault("prompts", parts)
         faults = self.preset.faults if burst else None
         ro = generate(
             rollout_engine(self.rollout_policy()),
-            prompts,
+            parts.batch.pop("prompts"),
             t.response_len,
             generator,
             temperature=t.temperature,
             faults=faults,
         )
+        parts.batch.update(tokens=ro.tokens, loss_mask=ro.loss_mask, rollout_logprobs=ro.rollout_logprobs.float())
+        parts.routed_experts = ro.routed_experts
+        self._fault("rollout", parts)
+        batch = parts.batch
         if burst and self.preset.reward_penalty is not None:
-            rewards = broken_reward(ro.tokens, self.preset.reward_penalty)
+            batch["rewards"] = broken_reward(batch["tokens"], self.preset.reward_penalty)
         else:
-            rewards = echo_reward(ro.tokens, t.prompt_len)
+            batch["rewards"] = echo_reward(batch["tokens"], t.prompt_len)
+        self._fault("rewards", parts)
+        rewards = batch["rewards"]
         reward_sum, count = _all_reduce_sum([float(rewards.sum()), float(rewards.numel())])
         global_mean = reward_sum / count
         if t.advantage_estimator == "grpo":
@@ -146,20 +169,28 @@ class RankTrainer:
             if self.baseline is None:
                 self.baseline = global_mean
             advantages = baseline_advantages(rewards, self.baseline)
-        batch: dict[str, torch.Tensor] = {
-            "tokens": ro.tokens,
-            "loss_mask": ro.loss_mask,
-            "advantages": advantages.float(),
-            "rollout_logprobs": ro.rollout_logprobs.float(),
-            "rewards": rewards.float(),
-            "group_index": torch.arange(t.prompts_per_rank).repeat_interleave(t.group_size)
-            + self.rank * t.prompts_per_rank,
-        }
-        routing = routing_control(self.spec.routing, batch, ro.routed_experts)
+        batch["advantages"] = advantages.float()
+        self._fault("advantages", parts)
+        batch["rewards"] = batch["rewards"].float()
+        batch["group_index"] = (
+            torch.arange(t.prompts_per_rank).repeat_interleave(t.group_size) + self.rank * t.prompts_per_rank
+        )
+        routing = routing_control(self.spec.routing, batch, parts.routed_experts)
         with torch.no_grad():
             batch["old_logprobs"] = policy_forward(self.model, batch, routing, need_entropy=False).logprobs.float()
             batch["ref_logprobs"] = policy_forward(self.ref_model, batch, routing, need_entropy=False).logprobs.float()
-        return StepBatch(batch=batch, routed_experts=ro.routed_experts, global_reward_mean=global_mean)
+        self._fault("batch", parts)
+        routed_experts = parts.routed_experts
+        assert routed_experts is not None, "a fault removed the recorded routes"
+        order = ("tokens", "loss_mask", "advantages", "rollout_logprobs", "rewards", "group_index")
+        batch = {**{k: parts.batch[k] for k in order if k in parts.batch}, **parts.batch}  # the saved field order
+        self.previous = dict(batch)
+        return StepBatch(batch=batch, routed_experts=routed_experts, global_reward_mean=global_mean)
+
+    def _fault(self, stage: str, parts: StepParts) -> None:
+        if self.faults:
+            parts.stage = stage
+            apply_faults(self.faults, parts)
 
     def gradients(self, step: StepBatch) -> StepGrads:
         """This rank's forward/backward, the DP mean of the gradients and the global pre-clip norm."""
@@ -222,7 +253,8 @@ def specialise_policy(model: torch.nn.Module, how: Specialisation) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "mlp.router.weight", "router.weight")):
-                p.normal_(0.0, how.router_std)
+                if how.router_std is not None:
+                    p.normal_(0.0, how.router_std)
             elif ".experts." in name or name.endswith(("ffn.w_in", "ffn.w_out")):
                 p.mul_(how.expert_scale)
             elif name in ("lm_head.weight", "head.weight"):

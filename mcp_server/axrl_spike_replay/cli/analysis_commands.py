@@ -53,6 +53,12 @@ def register(sub: Any) -> None:
         help="compute attribution and route agreement here: auto (when the checkpoint is small), always, never",
     )
     p.add_argument("--top", type=int, default=10, metavar="K", help="samples to attribute (default 10)")
+    p.add_argument(
+        "--workspace",
+        default=".",
+        help="workspace root: with a task open there for the snapshot's job, the diagnosis is kept in it (the "
+        "report shows the strongest one run) (default: .)",
+    )
     add_json_flag(p)
     p.set_defaults(handler=_diagnose)
 
@@ -177,10 +183,11 @@ def _grads(args: argparse.Namespace) -> int:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot, render_diagnosis
+    from axrl_spike_replay.diagnosis.diagnose import render_diagnosis
+    from axrl_spike_replay.investigation.task_opening import diagnose_into_task
 
-    result = diagnose_snapshot(
-        args.snapshot, attribution=args.attribution, logs=args.logs, model=args.model, top=args.top
+    result = diagnose_into_task(
+        args.workspace, args.snapshot, attribution=args.attribution, logs=args.logs, model=args.model, top=args.top
     )
     emit(result, args.json, render_diagnosis)
     return 0

@@ -48,6 +48,20 @@ def register(sub: Any) -> None:
         help="how the policy is spread over the ranks: ddp (replicated, all-reduced gradients) or fsdp (FSDP2 "
         "fully_shard; the snapshot's weights are a sharded DCP checkpoint, as FSDP trainers save) (default: ddp)",
     )
+    p.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="JSON",
+        help="plant a built-in fault of capture.faults during the burst, on top of the preset's, as JSON "
+        '(e.g. \'{"kind": "logprob_shift", "ranks": [-1], "params": {"signal": "old_logprobs"}}\'); repeatable',
+    )
+    p.add_argument(
+        "--hide-fault",
+        action="store_true",
+        help="keep the preset's name and its faults out of the snapshots and the log (train.preset: hidden), so "
+        "a diagnosis of them cannot read the answer there",
+    )
     add_json_flag(p)
     p.set_defaults(handler=_capture)
 
@@ -77,6 +91,9 @@ def _capture(args: argparse.Namespace) -> int:
     if args.preset not in PRESETS:
         raise AxrlError(f"--preset {args.preset!r} is not known (known: {', '.join(PRESETS)})")
 
+    faults = _faults(args.fault)
+    if faults and args.preset == "none":
+        raise AxrlError("--fault acts during the burst, and preset none has none: use a base preset such as peaked")
     progress(
         f"capture: training {args.steps} steps on {args.world_size} rank(s) ({args.parallel}), preset {args.preset}, "
         f"model {args.model} ..."
@@ -93,6 +110,8 @@ def _capture(args: argparse.Namespace) -> int:
             parallel=args.parallel,
             model=args.model,
             progress=True,
+            faults=faults,
+            hide_fault=args.hide_fault,
         )
     except ConfigError as exc:
         text = str(exc)
@@ -102,6 +121,29 @@ def _capture(args: argparse.Namespace) -> int:
         raise AxrlError(text) from None
     emit(result.summary(), args.json, _render_capture)
     return 0
+
+
+def _faults(items: list[str]) -> list[Any]:
+    """The `--fault` items as built-in faults; AxrlError naming the bad item."""
+    if not items:
+        return []
+    import json
+
+    from axrl_spike_replay.capture.faults import make_fault
+    from axrl_spike_replay.capture.presets import FaultSpec
+    from axrl_spike_replay.errors import ConfigError
+
+    faults = []
+    for n, item in enumerate(items, 1):
+        try:
+            doc = json.loads(item)
+        except json.JSONDecodeError as exc:
+            raise AxrlError(f"--fault {n}: not JSON ({exc.msg} at column {exc.colno}): {item[:80]}") from None
+        try:
+            faults.append(make_fault(FaultSpec.from_dict(doc, f"--fault {n}")))
+        except ConfigError as exc:
+            raise AxrlError(str(exc) if str(exc).startswith("--fault") else f"--fault {n}: {exc}") from None
+    return faults
 
 
 def _render_capture(doc: dict[str, Any]) -> str:

@@ -687,8 +687,11 @@ MITIGATIONS: dict[str, Mitigation] = {
                 Advice("routing", "`routing_replay: loss_tokens` — replay only where the loss is taken."),
                 Advice(
                     "routing",
-                    "`routing_replay: off` — **diagnostic only**: if the spike grows, routing replay was helping; "
-                    "never write it up as a fix.",
+                    "`routing_replay: off` — **diagnostic only**, and no test of the routes on its own: the stored "
+                    "old and reference log-probs were computed under the replayed routes, so turning replay off "
+                    "moves the policy away from them and the spike can grow even when the recorded routes are the "
+                    "broken part; test a rank's routes by dropping or recomputing them on that rank (see the fault "
+                    "matrix below). Never write it up as a fix.",
                 ),
             ),
             caveat="`off` is a diagnostic only; replaying routes the rollout engine did not use hides a routing bug",

@@ -3,13 +3,22 @@
 Orchestration, not record: it asks the record whether the snapshot is diagnosed, runs `diagnose` outside the
 task's lock (it may take seconds; `diagnosis.task_entry` says what each mode costs), then hands the entry to the
 workspace to write (`workspace.task_state.open_task_file`). Both faces' `task open` call `open_task`.
+
+A later diagnosis run (`diagnose`, MCP `diagnose_spike`) goes through `diagnose_into_task`: the same diagnosis,
+kept in the task of the snapshot's job when one is open, so the record holds the strongest diagnosis made, not
+only the cheap one of `task open`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from axrl_spike_replay.diagnosis.task_entry import check_mode, diagnose_for_task
+from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
+from axrl_spike_replay.diagnosis.task_entry import check_mode, diagnose_for_task, diagnosis_entry
+from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.workspace.task_log import record_diagnosis
 from axrl_spike_replay.workspace.task_state import diagnosed, open_task_file, recorded_snapshot
 from axrl_spike_replay.workspace.views import TaskView
 
@@ -29,3 +38,29 @@ def open_task(
         if not diagnosed(workspace, job, target):
             entry = {**diagnose_for_task(target, diagnosis), "snapshot": target}
     return open_task_file(workspace, job, snapshot, diagnosis=entry)
+
+
+def diagnose_into_task(
+    workspace: str | Path | None,
+    snapshot: str | Path,
+    *,
+    attribution: Any = None,
+    logs: Sequence[str | Path] | None = None,
+    model: str = "auto",
+    top: int = 10,
+) -> Diagnosis:
+    """`diagnose_snapshot`, and the result kept in the task of the snapshot's job when `workspace` has one open
+    (nothing is written otherwise; a task that cannot be written to leaves the diagnosis as it is)."""
+    from axrl_spike_replay.snapshot.metadata import read_metadata
+
+    result = diagnose_snapshot(snapshot, attribution=attribution, logs=logs, model=model, top=top)
+    if workspace is None:
+        return result
+    try:
+        job = read_metadata(result.snapshot)[0].job_name
+        if job:
+            entry = {**diagnosis_entry(result, model), "snapshot": recorded_snapshot(snapshot)}
+            record_diagnosis(workspace, job, entry)
+    except AxrlError:
+        pass  # the diagnosis stands without its record
+    return result

@@ -11,8 +11,9 @@ from pydantic import Field
 
 from axrl_spike_replay.analysis.batch_signals import BatchAnalysis, analyze_snapshot
 from axrl_spike_replay.analysis.grad_info import GradReport, top_param_grads
-from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
+from axrl_spike_replay.diagnosis.diagnose import Diagnosis
 from axrl_spike_replay.diagnosis.log_scan import LogScan, default_name, scan_logs, with_sampled_series
+from axrl_spike_replay.investigation.task_opening import diagnose_into_task
 from axrl_spike_replay.logs.series_sampling import DEFAULT_LIMIT
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
 from axrl_spike_replay.mcp_faces.config import SnapshotArg, TopArg, WorkspaceArg, server_config
@@ -130,7 +131,7 @@ async def diagnose_spike_tool(
     attribution: Annotated[
         str | None,
         Field(
-            description="An attribution.json from attribute_samples (absolute or relative to the workspace); "
+            description="An attribution.json from attribute_spike (absolute or relative to the workspace); "
             "default: computed here when the model is small."
         ),
     ] = None,
@@ -155,14 +156,22 @@ async def diagnose_spike_tool(
     always) every stored signal is compared with the replay per rank (`reading.odd`: the odd one out and its
     witnesses) and the gradient is split by loss term (`step.channel`). `next_steps`: ready
     `--mitigation NAME=VALUE` items for replay/sweep, least invasive first, never a no-op for the run's config.
-    Also says whether the snapshot agrees with itself and with the training log (`consistency`)."""
+    Also says whether the snapshot agrees with itself and with the training log (`consistency`). With a task
+    open for the snapshot's job (`task_open`), the diagnosis is kept there (not by a read-only server): the report
+    shows the strongest one run."""
     config = server_config(ctx)
     att = str(config.path(attribution)) if attribution else None
     paths = [str(config.path(p)) for p in logs] if logs else None
     return await call_library(
         ctx,
-        lambda progress, cancel: diagnose_snapshot(
-            config.path(snapshot), attribution=att, logs=paths, model=model, top=top
+        lambda progress, cancel: diagnose_into_task(
+            # a read-only server reads: its diagnosis is returned, never written into the task
+            None if config.read_only else config.workspace,
+            config.path(snapshot),
+            attribution=att,
+            logs=paths,
+            model=model,
+            top=top,
         ),
     )
 

@@ -172,10 +172,16 @@ def _num(value: Any) -> float | None:
     return float(value)
 
 
+def _id_number(exp_id: str) -> int:
+    digits = "".join(ch for ch in str(exp_id) if ch.isdigit())
+    return int(digits) if digits else 0
+
+
 def with_runs(baselines: list[dict[str, Any]], attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Baseline rows with the verb that ran each (`run`: replay, sweep, ...) and the attempts of the same sweep,
-    which are judged against it (`judges`): each run replays its own baseline, so each adds a row. A sweep's rows
-    share its run dir (`<ts>/baseline/`, `<ts>/<config_id>/`) and its command line."""
+    """Baseline rows with the verb that ran each (`run`: replay, sweep, ...) and the attempts judged against it
+    (`judges`): those logged with it as their `baseline` (a later sweep that replayed the same baseline reuses the
+    row), and those of the same sweep (a sweep's rows share its run dir, `<ts>/baseline/`, `<ts>/<config_id>/`,
+    and its command line)."""
     out = []
     for row in baselines:
         command = row.get("command")
@@ -190,5 +196,6 @@ def with_runs(baselines: list[dict[str, Any]], attempts: list[dict[str, Any]]) -
                 if a.get("result_path") and a.get("command") == command and Path(a["result_path"]).parent.parent
                 == path.parent.parent
             ]  # fmt: skip
-        out.append({**row, "run": run, "judges": judges})
+        judges += [a["id"] for a in attempts if a.get("baseline") == row["id"] and a["id"] not in judges]
+        out.append({**row, "run": run, "judges": sorted(judges, key=_id_number)})
     return out

@@ -157,6 +157,11 @@ def add_method(
         path=str(path),
         signals=signals,
         confirms_shipped=fields.get("confirms_shipped"),
+        cosine_to_clean=fields.get("cosine_to_clean"),
+        clean_reached=fields.get("clean_reached"),
+        token_fraction=fields.get("token_fraction"),
+        sample_fraction=fields.get("sample_fraction"),
+        rank=next((m.rank for m in list_methods(root) if Path(m.path) == Path(path)), 0),
     )
 
 

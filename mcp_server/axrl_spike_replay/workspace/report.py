@@ -22,7 +22,7 @@ from axrl_spike_replay.workspace.preserved_copies import (
 )
 from axrl_spike_replay.workspace.render import render
 from axrl_spike_replay.workspace.task import TaskState
-from axrl_spike_replay.workspace.task_diagnosis import report_diagnosis
+from axrl_spike_replay.workspace.task_diagnosis import open_steps, report_diagnosis
 from axrl_spike_replay.workspace.task_state import (
     now,
     read_state,
@@ -74,7 +74,7 @@ def report_context(workspace: Path, state: TaskState) -> dict[str, Any]:
         "trainers": TRAINERS,
         "setting_kinds": SETTING_KINDS,
         "observations": state.observations,
-        "next_steps": state.next_steps,
+        "next_steps": open_steps(state),
         "preserved": preserved,
         "preserved_kept": copies_kept(state, preserved),
         "counts": {"experiments": len(experiments), "failed": len(state.failed), "methods": len(methods)},

@@ -1,10 +1,13 @@
-"""The diagnosis in the task: the entries `task open` hands over (`diagnosis.task_entry`), kept in the task state
-(`diagnoses`, one entry per snapshot diagnosed) and written into Observations and Next steps; the report's
-Diagnosis section reads the entry of the task's snapshot, with the attempts that ran each suggested experiment.
+"""The diagnosis in the task: the entries `task open` and every later diagnosis run hand over (`diagnosis.task_entry`;
+`diagnose` and the MCP `diagnose_spike` with a task open), kept in the task state (`diagnoses`) and written into
+Observations and Next steps. The report's Diagnosis section reads the strongest entry of the task's snapshot (the one
+that checked the most evidence, the latest among equals), with the attempts that ran each suggested experiment; Next
+steps leaves out the experiments already run.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
@@ -30,9 +33,54 @@ def add_diagnosis(state: TaskState, entry: dict[str, Any], time: str) -> None:
         observations.append({"time": time, "text": "\n".join(lines)})
     if entry.get("not_checked"):
         observations.append({"time": time, "text": f"diagnose did not check: {'; '.join(entry['not_checked'])}"})
+    listed = {_step_mitigation(row) for row in steps}
     for step in entry["next_steps"]:
+        if step["mitigation"] in listed:  # an earlier diagnosis suggested it already
+            continue
         note = " (diagnostic only, never a production method)" if step["diagnostic_only"] else ""
-        steps.append({"time": time, "text": f"replay `--mitigation {step['mitigation']}`: {step['why']}{note}"})
+        text = f"replay `--mitigation {step['mitigation']}`: {step['why']}{note}"
+        steps.append({"time": time, "text": text, "mitigation": step["mitigation"]})
+
+
+_STEP_RE = re.compile(r"^replay `--mitigation ([^`]+)`")
+
+
+def _step_mitigation(row: dict[str, Any]) -> str | None:
+    """The `--mitigation` item a Next steps row suggests (rows of older tasks: read from the text), else None."""
+    if row.get("mitigation"):
+        return str(row["mitigation"])
+    match = _STEP_RE.match(str(row.get("text", "")))
+    return match.group(1) if match else None
+
+
+def tried_configs(state: TaskState) -> set[str]:
+    """The config keys of the mitigated replays the task has logged."""
+    return {
+        config_key(row.get("mitigations"))
+        for row in state.experiments
+        if not row.get("is_baseline") and not row.get("patch_sha256")
+    }
+
+
+def open_steps(state: TaskState) -> list[dict[str, Any]]:
+    """Next steps without the experiments already run (a row whose suggested config a logged replay ran)."""
+    tried = tried_configs(state)
+    out = []
+    for row in state.next_steps:
+        item = _step_mitigation(row)
+        if item is None or _key_of(item) not in tried:
+            out.append(row)
+    return out
+
+
+def strongest(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The entry that checked the most: read without error, with the model evidence, the fewest things left
+    unchecked; the latest among equals."""
+    ranked = [
+        (not e.get("error"), -len(e.get("not_checked") or []), e.get("model") in ("auto", "always"), i)
+        for i, e in enumerate(entries)
+    ]
+    return entries[max(ranked)[3]]
 
 
 def has_diagnosis(state: TaskState, snapshot: str) -> bool:
@@ -47,7 +95,7 @@ def report_diagnosis(state: TaskState) -> dict[str, Any] | None:
     if not entries:
         return None
     own = [d for d in entries if d.get("snapshot") == state.snapshot]
-    entry = (own or entries)[-1]
+    entry = strongest(own or entries)
     tried: dict[str, list[dict[str, Any]]] = {}
     for row in state.experiments:
         if not row.get("is_baseline") and not row.get("patch_sha256"):

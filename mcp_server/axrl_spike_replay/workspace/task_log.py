@@ -13,6 +13,7 @@ from axrl_spike_replay.vocabulary import Verdict
 from axrl_spike_replay.workspace.changes import describe_change, is_baseline, normalise_config
 from axrl_spike_replay.workspace.preserved_copies import note_preserved_copy
 from axrl_spike_replay.workspace.task import TaskState
+from axrl_spike_replay.workspace.task_diagnosis import add_diagnosis
 from axrl_spike_replay.workspace.task_state import now, task_exists, update_task
 
 
@@ -57,7 +58,8 @@ def experiment_row(exp_id: str, result: ReplayResult, result_path: Path | str | 
 def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_path: Path | str) -> str | None:
     """Append one experiment row when a task is open for `job`; its id (`E3`), or None when none is open.
 
-    A result whose verdict is `failed` goes under Failed attempts instead (id `F2`).
+    A result whose verdict is `failed` goes under Failed attempts instead (id `F2`). A baseline that repeats one
+    the task holds (`repeated_baseline`: each sweep replays its own) is not logged again: its id is that row's.
     """
     root = _open_root(workspace, job)
     if root is None:
@@ -76,8 +78,15 @@ def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_
     command = command_of(result_path)
 
     def change(state: TaskState) -> str:
+        repeated = repeated_baseline(state, result)
+        if repeated is not None:
+            return repeated
         exp_id = f"E{len(state.experiments) + 1}"
-        state.experiments.append({**experiment_row(exp_id, result, result_path), "command": command})
+        row = {**experiment_row(exp_id, result, result_path), "command": command}
+        judged_by = baseline_row_of(state, row)
+        if judged_by is not None:
+            row["baseline"] = judged_by
+        state.experiments.append(row)
         if command and state.command_source != "user":  # the command actually used, unless one was set
             state.command = command
             state.command_source = "replay"
@@ -90,6 +99,35 @@ def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_
 
     _, exp_id = update_task(root, job, change)
     return exp_id
+
+
+def repeated_baseline(state: TaskState, result: ReplayResult) -> str | None:
+    """The id of the logged baseline `result` repeats: the same snapshot, replayed the same way (backend, target,
+    device, fidelity, world size) to the same grad norm; None when it is new (or not a baseline)."""
+    if not is_baseline(result.mitigations, result.patch_sha256) or result.grad_norm is None:
+        return None
+    row = experiment_row("", result, None)
+    same = ("snapshot", "backend", "target", "device", "fidelity", "world_size_used", "grad_norm")
+    for logged in state.experiments:
+        if logged.get("is_baseline") and all(logged.get(key) == row[key] for key in same):
+            return str(logged["id"])
+    return None
+
+
+def baseline_row_of(state: TaskState, row: dict[str, Any]) -> str | None:
+    """The id of the logged baseline a mitigated row was judged against: the same snapshot and way of replaying,
+    the grad norm its run's baseline had (None for a baseline, or when none is logged)."""
+    if row.get("is_baseline") or row.get("baseline_grad_norm") is None:
+        return None
+    same = ("snapshot", "backend", "target", "device", "fidelity", "world_size_used")
+    for logged in reversed(state.experiments):
+        if (
+            logged.get("is_baseline")
+            and logged.get("grad_norm") == row["baseline_grad_norm"]
+            and all(logged.get(key) == row.get(key) for key in same)
+        ):
+            return str(logged["id"])
+    return None
 
 
 def record_failure(
@@ -139,6 +177,17 @@ def command_of(result_path: Path | str | None) -> str | None:
         except OSError:
             continue
     return None
+
+
+def record_diagnosis(workspace: Path | str, job: str, entry: dict[str, Any]) -> bool:
+    """Keep a diagnosis run (an entry of `diagnosis.task_entry`) in the task of `job` when one is open: its causes
+    under Observations, its experiments not listed yet under Next steps; the report shows the strongest diagnosis of
+    the task's snapshot. False when no task is open for `job`."""
+    root = _open_root(workspace, job)
+    if root is None:
+        return False
+    update_task(root, job, lambda state: add_diagnosis(state, entry, now()))
+    return True
 
 
 def _open_root(workspace: Path | str, job: str) -> Path | None:

@@ -18,7 +18,7 @@ from axrl_spike_replay.workspace.paths import TASKS_DIR, check_workspace, task_j
 from axrl_spike_replay.workspace.preserved_copies import copy_of, note_preserved_copy
 from axrl_spike_replay.workspace.render import render
 from axrl_spike_replay.workspace.task import TaskState
-from axrl_spike_replay.workspace.task_diagnosis import add_diagnosis, has_diagnosis
+from axrl_spike_replay.workspace.task_diagnosis import add_diagnosis, has_diagnosis, open_steps
 from axrl_spike_replay.workspace.views import TaskView
 
 LOCK_TIMEOUT_S = 120.0
@@ -97,7 +97,7 @@ def render_task(state: TaskState, workspace: Path | None = None) -> str:
         except ValueError:
             return path
 
-    return render("task.md.j2", task=state.to_json(), rel=rel)
+    return render("task.md.j2", task={**state.to_json(), "next_steps": open_steps(state)}, rel=rel)
 
 
 def update_task(
@@ -207,7 +207,7 @@ def show(state: TaskState, workspace: Path) -> TaskView:
         experiments=state.experiments,
         failed=state.failed,
         observations=state.observations,
-        next_steps=state.next_steps,
+        next_steps=open_steps(state),
         methods=state.methods,
         reports=state.reports,
         preserved_copies=state.preserved_copies,

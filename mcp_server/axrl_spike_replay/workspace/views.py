@@ -81,6 +81,12 @@ class MethodAdded:
     path: str
     signals: Row
     confirms_shipped: str | None = None  # the shipped method recording the same change, which this spike confirms
+    # the ranking figures as the file's front matter holds them, and the method's place among the listed ones
+    cosine_to_clean: float | None = None
+    clean_reached: bool | None = None
+    token_fraction: float | None = None
+    sample_fraction: float | None = None
+    rank: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

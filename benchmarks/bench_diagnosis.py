@@ -1,0 +1,291 @@
+#!/usr/bin/env python3
+"""`diagnose` over the fault matrix: how often it names the planted cause first, and what its suggestions do.
+
+Every case of `testing.fault_matrix` (one preset per cause family, variants, and held-out faults no preset uses) is
+captured by the reference trainer with the fault hidden from the snapshot, on each model and seed asked for. The
+first snapshot at the burst is diagnosed as an agent would (`diagnose_snapshot(model="auto")`), then every
+suggested experiment is replayed in one sweep beside the baseline. Printed per case and in total:
+
+- top-1: the strongest cause's family is the planted one (earlier cause ids are read as their family);
+- ranks: the ranks the top cause names against those the fault hit (`-` when the fault hit every rank);
+- calibration: accuracy per band of the top cause's strength (a strength of 1.0 should be right every time);
+- experiments: the fraction that clear the spike, that clear or move it (grad norm changed by >= 1 %), and the
+  no-ops (grad norm unchanged within the replay tolerance; goal: 0).
+
+A case whose run trips no spike guard at the burst is listed as `no spike` and left out of the accuracy: that is the
+fault's failure to spike on that model and seed, not the diagnosis's.
+
+Usage: .venv/bin/python benchmarks/bench_diagnosis.py [--models tiny_moe,qwen2_moe,olmoe] [--seeds 0]
+       [--provenance preset,variant,held_out] [--cases NAME,...] [--no-experiments] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.testing.fault_matrix import (
+    PROVENANCES,
+    MatrixCase,
+    burst_snapshots,
+    capture_case,
+    family_id,
+    matrix_cases,
+)
+
+BANDS = ((0.0, 0.5), (0.5, 0.8), (0.8, 1.0), (1.0, 1.01))  # strength bands of the calibration table
+NO_OP = 1e-6  # |grad norm / baseline - 1| below this: the experiment changed nothing
+MOVED = 0.01  # ... at or above this: it moved the spike (experiment.verdict.MEASURABLE_DROP)
+
+
+@dataclass
+class CaseRun:
+    """One case on one model and seed: what was planted, what diagnose said, what its experiments did."""
+
+    case: str
+    provenance: str
+    model: str
+    seed: int
+    planted: str
+    expected_ranks: list[int]
+    spiked: bool = False
+    iteration: int | None = None
+    spike_ratio: float | None = None
+    top: str | None = None  # the top cause's family
+    top_raw: str | None = None  # ... as diagnose named it
+    strength: float | None = None
+    ranks_named: list[int] | None = None
+    samples_named: list[Any] = field(default_factory=list)
+    runner_up: str | None = None
+    planted_position: int | None = None  # 1-based position of the planted family among the causes (None: absent)
+    experiments: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def correct(self) -> bool:
+        return self.top == self.planted
+
+
+def _ranks_named(cause: Any) -> list[int] | None:
+    ranks = getattr(cause, "ranks", None)
+    if ranks is not None:
+        return sorted(int(r) for r in ranks)
+    rank = (getattr(cause, "figures", None) or {}).get("rank")
+    return [int(rank)] if isinstance(rank, int) else None
+
+
+def _samples_named(cause: Any, diagnosis: Any) -> list[Any]:
+    samples = getattr(cause, "samples", None)
+    if samples:
+        return [list(s) for s in samples][:5]
+    return [[row["rank"], row["sample"]] for row in (getattr(diagnosis, "attribution_top", None) or [])[:3]]
+
+
+def _experiments(snapshot: Path, mitigations: list[str]) -> list[dict[str, Any]]:
+    """Replay every suggestion beside one baseline (a sweep); each one's verdict and change vs the baseline."""
+    from axrl_spike_replay.errors import AxrlError
+    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+    from axrl_spike_replay.replay.sweep import run_sweep
+
+    rows: list[dict[str, Any]] = []
+    configs: list[dict[str, Any]] = []
+    for item in mitigations:
+        try:
+            configs.append(parse_mitigation_args([item]))
+            rows.append({"mitigation": item})
+        except AxrlError as exc:
+            rows.append({"mitigation": item, "error": str(exc)})
+    if not configs:
+        return rows
+    try:
+        sweep = run_sweep(snapshot, configs)
+    except AxrlError as exc:
+        for row in rows:
+            row.setdefault("error", f"sweep failed: {exc}")
+        return rows
+    results = iter(sweep.results)
+    base = sweep.baseline.grad_norm
+    for row in rows:
+        if "error" in row:
+            continue
+        result = next(results)
+        change = None
+        if result.grad_norm is not None and base and math.isfinite(base) and math.isfinite(result.grad_norm):
+            change = result.grad_norm / base - 1.0
+        row.update(verdict=str(result.verdict), change=change, error=result.error)
+    return rows
+
+
+def run_case(case: MatrixCase, model: str, seed: int, root: Path, experiments: bool) -> CaseRun:
+    """Capture, diagnose and (optionally) test the suggestions of one case."""
+    from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
+    from axrl_spike_replay.snapshot.metadata import read_metadata
+
+    started = time.perf_counter()
+    out = CaseRun(case.name, case.provenance, model, seed, case.family, case.expected_ranks(2))
+    try:
+        result = capture_case(case, root / f"{case.name.replace(':', '-')}-{model}-s{seed}", model=model, seed=seed)
+        snapshots = burst_snapshots(result, case.preset)
+        if not snapshots:
+            return out
+        snapshot = snapshots[0]
+        meta, _ = read_metadata(snapshot)
+        out.spiked, out.iteration, out.spike_ratio = True, meta.iteration, meta.spike_ratio
+        diagnosis = diagnose_snapshot(snapshot, model="auto")
+        families = [family_id(c.family) for c in diagnosis.causes]
+        top = diagnosis.causes[0]
+        out.top, out.top_raw, out.strength = families[0], top.family, float(top.strength)
+        out.runner_up = families[1] if len(families) > 1 else None
+        out.planted_position = families.index(case.family) + 1 if case.family in families else None
+        out.ranks_named = _ranks_named(top)
+        out.samples_named = _samples_named(top, diagnosis)
+        if experiments:
+            out.experiments = _experiments(snapshot, [e.mitigation for e in diagnosis.next_steps])
+    except Exception as exc:  # a benchmark reports a failing case and goes on
+        out.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        out.seconds = time.perf_counter() - started
+    return out
+
+
+def _pct(n: int, d: int) -> str:
+    return f"{n}/{d} ({100 * n / d:.0f} %)" if d else "0/0"
+
+
+def report(runs: list[CaseRun]) -> dict[str, Any]:
+    """Print the per-case table and the totals; the totals as a document."""
+    print(f"{'case':40s} {'model':11s} s {'planted':28s} {'top (strength)':36s} ranks   named   exps")
+    for r in runs:
+        if r.error:
+            top = f"ERROR {r.error[:60]}"
+        elif not r.spiked:
+            top = "no spike at the burst"
+        else:
+            mark = "ok " if r.correct else "MISS"
+            top = f"{mark} {r.top} ({r.strength:.2f})"
+        exps = ""
+        if r.experiments:
+            cleared = sum(e.get("verdict") == "cleared" for e in r.experiments)
+            exps = f"{cleared}/{len(r.experiments)} clear"
+        print(
+            f"{r.case:40s} {r.model:11s} {r.seed} {r.planted:28s} {top:36s} "
+            f"{r.expected_ranks or '-'!s:7s} {r.ranks_named if r.ranks_named is not None else '-'!s:7s} {exps}"
+        )
+    judged = [r for r in runs if r.spiked and not r.error]
+    correct = [r for r in judged if r.correct]
+    print()
+    print(
+        f"cases: {len(runs)}; spiked at the burst and diagnosed: {len(judged)}; no spike: "
+        f"{sum(not r.spiked and not r.error for r in runs)}; errors: {sum(bool(r.error) for r in runs)}"
+    )
+    print(f"top-1 accuracy: {_pct(len(correct), len(judged))}")
+    by: dict[str, Counter[str]] = defaultdict(Counter)
+    for r in judged:
+        for key in (f"provenance {r.provenance}", f"model {r.model}", f"family {r.planted}"):
+            by[key]["n"] += 1
+            by[key]["ok"] += r.correct
+    for key in sorted(by):
+        print(f"  {key:44s} {_pct(by[key]['ok'], by[key]['n'])}")
+    in_top3 = sum(1 for r in judged if r.planted_position is not None and r.planted_position <= 3)
+    print(f"planted family among the top 3 causes: {_pct(in_top3, len(judged))}")
+    print("calibration (top cause's strength -> accuracy):")
+    calibration = []
+    for low, high in BANDS:
+        band = [r for r in judged if r.strength is not None and low <= r.strength < high]
+        ok = sum(r.correct for r in band)
+        label = "1.0" if low == 1.0 else f"[{low:.1f}, {high:.1f})"
+        print(f"  {label:12s} {_pct(ok, len(band))}")
+        calibration.append({"band": label, "n": len(band), "correct": ok})
+    ranked = [r for r in judged if r.expected_ranks]
+    rank_ok = sum(r.ranks_named == r.expected_ranks for r in ranked)
+    print(f"faulty rank named by the top cause (one-rank faults): {_pct(rank_ok, len(ranked))}")
+    exps = [e for r in judged for e in r.experiments if "error" not in e or e.get("verdict")]
+    cleared = sum(e.get("verdict") == "cleared" for e in exps)
+    moved = sum(
+        e.get("verdict") == "cleared" or (e.get("change") is not None and abs(e["change"]) >= MOVED) for e in exps
+    )
+    no_ops = [
+        (r.case, r.model, e["mitigation"])
+        for r in judged
+        for e in r.experiments
+        if e.get("change") is not None and abs(e["change"]) < NO_OP
+    ]
+    failed = [(r.case, e["mitigation"], e.get("error")) for r in judged for e in r.experiments if e.get("error")]
+    if exps:
+        print(
+            f"suggested experiments: {len(exps)}; clear the spike {_pct(cleared, len(exps))}; "
+            f"clear or move it {_pct(moved, len(exps))}; no-ops {len(no_ops)} (goal 0)"
+        )
+        for case, model, item in no_ops:
+            print(f"  no-op: {item} on {case} ({model})")
+        for case, item, error in failed:
+            print(f"  failed: {item} on {case}: {error}")
+    misses = [r for r in judged if not r.correct]
+    if misses:
+        print("misses (planted -> named first; position of the planted family):")
+        for r in misses:
+            print(
+                f"  {r.case} ({r.model}, seed {r.seed}): {r.planted} -> {r.top_raw} {r.strength:.2f}; "
+                f"planted at {r.planted_position or 'absent'}"
+            )
+    return {
+        "cases": len(runs),
+        "judged": len(judged),
+        "top1": len(correct),
+        "calibration": calibration,
+        "experiments": len(exps),
+        "cleared": cleared,
+        "moved": moved,
+        "no_ops": len(no_ops),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--models", default="tiny_moe,qwen2_moe,olmoe", help="comma-separated capture models")
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds")
+    ap.add_argument("--provenance", default=",".join(PROVENANCES), help="which cases: preset, variant, held_out")
+    ap.add_argument("--cases", default="", help="only these case names (comma-separated)")
+    ap.add_argument("--no-experiments", action="store_true", help="do not replay the suggested experiments")
+    ap.add_argument("--json", default="", metavar="PATH", help="write every case run and the totals here")
+    args = ap.parse_args(argv)
+    cases = matrix_cases(tuple(p for p in args.provenance.split(",") if p))
+    if args.cases:
+        wanted = set(args.cases.split(","))
+        cases = [c for c in cases if c.name in wanted]
+    runs: list[CaseRun] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-diagnosis-") as tmp:
+        for model in [m for m in args.models.split(",") if m]:
+            for seed in [int(s) for s in args.seeds.split(",") if s]:
+                for case in cases:
+                    run = run_case(case, model, seed, Path(tmp), not args.no_experiments)
+                    runs.append(run)
+                    state = (
+                        "error"
+                        if run.error
+                        else ("no spike" if not run.spiked else f"{'ok' if run.correct else 'MISS'} {run.top}")
+                    )
+                    print(
+                        f"[{time.perf_counter() - started:7.0f} s] {case.name} {model} s{seed}: {state} "
+                        f"({run.seconds:.0f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    totals = report(runs)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": [asdict(r) for r in runs], "totals": totals}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The fault matrix: spikes with a known broken part, captured by the reference trainer, to judge a diagnosis by.
+
+Each `MatrixCase` is a run of the reference trainer with one trainer bug planted during the burst (a preset of
+`capture.presets`, plus faults of `capture.faults` of its own), the cause family it plants and the ranks it hits.
+Three provenances:
+
+- `preset`: the family presets (`presets.FAMILY_PRESETS`), one per family;
+- `variant`: a family preset's fault with other parameters or ranks;
+- `held_out`: a built-in fault no preset uses (another way to break the same part), planted on a healthy base
+  preset (`peaked`, `expert_sensitive`). A diagnosis built on the presets alone has not seen these.
+
+`capture_command` is the same run as an `axrl-spike-replay capture` command line. `capture_case` records a case
+with `hide_fault`, so the snapshots and the log do not name the preset or the fault:
+whatever diagnoses them must find the broken part from the evidence. `benchmarks/bench_diagnosis.py` runs the
+matrix; `skills/axrl-spike-replay/evals/evals.json` holds the presets' cases as skill evals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.capture.presets import FAMILY_PRESETS, FAULT_FAMILIES, LAST, FaultSpec, get_preset
+
+PROVENANCES = ("preset", "variant", "held_out")
+MATRIX_WORLD_SIZE = 2  # one faulty rank beside a healthy one: the witness a per-rank comparison needs
+MATRIX_STEPS = 24  # the burst is at iterations 20-22
+
+
+@dataclass(frozen=True)
+class MatrixCase:
+    """One cell of the matrix: a preset, extra faults planted on it, and the answer."""
+
+    name: str
+    family: str  # the cause family planted (one of presets.FAULT_FAMILIES)
+    preset: str
+    provenance: str  # preset | variant | held_out
+    faults: tuple[FaultSpec, ...] = ()  # planted on top of the preset's own fault
+
+    def specs(self) -> list[FaultSpec]:
+        """Every fault the case plants: the preset's, then its own."""
+        own = get_preset(self.preset).injected
+        return [*([own] if own is not None else []), *self.faults]
+
+    def expected_ranks(self, world_size: int) -> list[int]:
+        """The data-parallel ranks the planted faults hit; [] when they hit every rank (nothing to single out)."""
+        hit: set[int] = set()
+        for spec in self.specs():
+            if spec.ranks is None:
+                return []
+            hit.update(r % world_size for r in spec.ranks)
+        return [] if len(hit) == world_size else sorted(hit)
+
+
+def _preset_cases() -> list[MatrixCase]:
+    return [MatrixCase(name, family, name, "preset") for family, name in FAMILY_PRESETS.items()]
+
+
+_VARIANTS = (
+    MatrixCase(
+        "variant:reward_scale_rank0",
+        "outlier_advantage",
+        "reinforce_baseline",
+        "variant",
+        (FaultSpec("reward_scale", ranks=(0,), samples=(2,), params={"factor": 1000.0, "offset": 10.0}),),
+    ),
+    MatrixCase(
+        "variant:half_foreign_shard",
+        "one_rank_data",
+        "peaked",
+        "variant",
+        (FaultSpec("off_policy_responses", ranks=(0,), params={"fraction": 0.5}),),
+    ),
+    MatrixCase(
+        "variant:mask_two_early",
+        "mask_misalignment",
+        "peaked",
+        "variant",
+        (FaultSpec("mask_shift", ranks=(0,), params={"shift": 2}),),
+    ),
+)
+
+_HELD_OUT = (
+    MatrixCase(
+        "held_out:old_logprobs_shifted",
+        "stale_old_logprobs",
+        "peaked",
+        "held_out",
+        (FaultSpec("logprob_shift", ranks=LAST, params={"signal": "old_logprobs"}),),
+    ),
+    MatrixCase(
+        "held_out:old_logprobs_previous_step",
+        "stale_old_logprobs",
+        "peaked",
+        "held_out",
+        (FaultSpec("logprob_stale_buffer", ranks=LAST, params={"signal": "old_logprobs"}),),
+    ),
+    MatrixCase(
+        "held_out:ref_logprobs_shifted",
+        "bad_ref_logprobs",
+        "peaked_kl",
+        "held_out",
+        (FaultSpec("logprob_shift", ranks=LAST, params={"signal": "ref_logprobs"}),),
+    ),
+    MatrixCase(
+        "held_out:stale_engine_weights",
+        "engine_mismatch",
+        "peaked_rollout_ratio",
+        "held_out",
+        (FaultSpec("rollout_stale_engine"),),
+    ),
+    MatrixCase(
+        "held_out:old_logprobs_out_of_order",
+        "stale_old_logprobs",
+        "peaked",
+        "held_out",
+        (FaultSpec("logprob_permuted", ranks=LAST, params={"signal": "old_logprobs"}),),
+    ),
+    MatrixCase(
+        "held_out:ref_from_wrong_weights",
+        "bad_ref_logprobs",
+        "peaked_kl",
+        "held_out",
+        (FaultSpec("logprob_wrong_model", ranks=LAST, params={"signal": "ref_logprobs"}),),
+    ),
+    MatrixCase(
+        "held_out:routes_out_of_order",
+        "routing_payload",
+        "expert_sensitive",
+        "held_out",
+        (FaultSpec("routes_permuted", ranks=LAST),),
+    ),
+    MatrixCase(
+        "held_out:routes_stale_expert_table",
+        "routing_payload",
+        "expert_sensitive",
+        "held_out",
+        (FaultSpec("routes_stale_layer", ranks=(0,)),),
+    ),
+    MatrixCase(
+        "held_out:engine_neg_inf_logprob",
+        "non_finite",
+        "peaked_rollout_ratio",
+        "held_out",
+        (FaultSpec("rollout_logprob_neg_inf", ranks=LAST, samples=(1,)),),
+    ),
+)
+
+
+def matrix_cases(provenances: tuple[str, ...] = PROVENANCES) -> list[MatrixCase]:
+    """The matrix's cases of the given provenances, presets first."""
+    unknown = set(provenances) - set(PROVENANCES)
+    if unknown:
+        raise ValueError(f"unknown provenance {sorted(unknown)} (known: {', '.join(PROVENANCES)})")
+    cases = [*_preset_cases(), *_VARIANTS, *_HELD_OUT]
+    return [c for c in cases if c.provenance in provenances]
+
+
+def case_faults(case: MatrixCase) -> list[Any]:
+    """The case's own faults as `capture.faults` objects (the preset's own fault the trainer builds itself)."""
+    from axrl_spike_replay.capture.faults import make_fault
+
+    return [make_fault(spec) for spec in case.faults]
+
+
+def capture_case(
+    case: MatrixCase,
+    out: str | Path,
+    *,
+    model: str = "tiny_moe",
+    seed: int = 0,
+    world_size: int = MATRIX_WORLD_SIZE,
+    steps: int = MATRIX_STEPS,
+) -> Any:
+    """Record `case` under `out` with the fault hidden from the snapshots (a `CaptureResult`)."""
+    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+
+    return capture_reference_run(
+        out,
+        run=f"{case.name.replace(':', '-')}-s{seed}",
+        world_size=world_size,
+        steps=steps,
+        seed=seed,
+        preset=case.preset,
+        model=model,
+        faults=case_faults(case),
+        hide_fault=True,
+    )
+
+
+def capture_command(case: MatrixCase, out: str, *, model: str = "tiny_moe", seed: int = 0) -> str:
+    """The CLI command that records `case` as `capture_case` does (the fault hidden from the snapshots)."""
+    import json
+    import shlex
+
+    words = [
+        "axrl-spike-replay", "capture", "--out", out, "--world-size", str(MATRIX_WORLD_SIZE),
+        "--steps", str(MATRIX_STEPS), "--seed", str(seed), "--preset", case.preset, "--model", model, "--hide-fault",
+    ]  # fmt: skip
+    for spec in case.faults:
+        words += ["--fault", json.dumps(spec.to_dict(), separators=(",", ":"))]
+    return shlex.join(words)
+
+
+def burst_snapshots(result: Any, preset: str) -> list[Path]:
+    """The snapshots of `result` taken at the preset's burst iterations (a spike elsewhere is the run's own)."""
+    from axrl_spike_replay.snapshot.metadata import read_metadata
+
+    burst = set(result.config["train"].get("burst") or ())
+    return [p for p in result.snapshot_dirs if read_metadata(p)[0].iteration in burst]
+
+
+# Cause ids of earlier diagnoses, read as the family each named (a record or report written before the families).
+OLD_FAMILY_IDS = {
+    "logprob_mismatch": "engine_mismatch",
+    "routing_mismatch": "routing_payload",
+    "one_rank": "one_rank_data",
+    "none_found": "natural_spike",
+}
+
+
+def family_id(name: str) -> str:
+    """The cause family `name` denotes: itself, or the family an earlier diagnosis's cause id stood for."""
+    return OLD_FAMILY_IDS.get(name, name)
+
+
+def known_family(name: str) -> bool:
+    """Whether `name` (after `family_id`) is one of the families."""
+    return family_id(name) in FAULT_FAMILIES
