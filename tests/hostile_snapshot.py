@@ -150,3 +150,11 @@ def set_checkpoint_chunks(snapshot: Path, name: str, chunks: list[tuple[tuple[in
     for i, (offsets, _) in enumerate(chunks):
         metadata.storage_data[MetadataIndex(name, torch.Size(offsets), i)] = info
     (snapshot / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def edit_routing_payload(snapshot: Path, rank: int, change) -> None:
+    """Rewrite `routing_payload_rank<rank>.pt` as `change(doc)` leaves it (the test's own fixture: trusted here)."""
+    path = snapshot / f"routing_payload_rank{rank}.pt"
+    doc = torch.load(path, weights_only=True)
+    change(doc)
+    torch.save(doc, path)

@@ -101,6 +101,7 @@ class HFModelConfig:
         parameters = sum(_numel(shape) for shape in expected_hf_shapes(self).values())
         if parameters > MAX_MODEL_PARAMETERS:
             raise ConfigError(f"model: {parameters} parameters, more than the {MAX_MODEL_PARAMETERS} limit")
+        _check_routers(_meta_layout(self.key)[3])
 
     @property
     def key(self) -> str:
@@ -122,6 +123,11 @@ class HFModelConfig:
     @property
     def top_k(self) -> int:
         return _meta_layout(self.key)[2]
+
+    @property
+    def n_experts(self) -> int:
+        """Routed experts per MoE layer, as the routers are built (0 without MoE layers)."""
+        return _meta_layout(self.key)[3].num_experts
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -271,9 +277,43 @@ def instantiate(spec: HFModelConfig, device: str = "cpu") -> nn.Module:
     return model
 
 
+@dataclass(frozen=True)
+class RouterSizes:
+    """What the architecture's routers were built with (the config's own names differ per architecture)."""
+
+    num_experts: int = 0
+    top_k: int = 0
+    num_group: int | None = None  # deepseek_v3: experts are chosen within the best `topk_group` of `num_group`
+    topk_group: int | None = None
+
+
+def _check_routers(sizes: RouterSizes) -> None:
+    """ConfigError for a routing the router cannot run: transformers would fail only at the first forward
+    (after the weights are loaded), inside a rank process."""
+    if sizes.num_experts == 0:
+        return
+    if sizes.top_k > sizes.num_experts:
+        raise ConfigError(
+            f"model.config: num_experts_per_tok (top-k) is {sizes.top_k}, more than the {sizes.num_experts} routed "
+            "experts per layer"
+        )
+    groups, chosen = sizes.num_group, sizes.topk_group
+    if groups is None or chosen is None:
+        return
+    if groups < 1 or sizes.num_experts % groups or sizes.num_experts // groups < 2:
+        raise ConfigError(
+            f"model.config: n_group {groups} must split the {sizes.num_experts} routed experts into groups of at "
+            "least 2"
+        )
+    if not 1 <= chosen <= groups or sizes.top_k > chosen * (sizes.num_experts // groups):
+        raise ConfigError(
+            f"model.config: topk_group {chosen} of n_group {groups} leaves too few experts for top-k {sizes.top_k}"
+        )
+
+
 @functools.lru_cache(maxsize=8)
-def _meta_layout(key: str) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...], int]:
-    """(state shapes, MoE layer ids, top-k) of a spec, from a build on the meta device."""
+def _meta_layout(key: str) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...], int, RouterSizes]:
+    """(state shapes, MoE layer ids, top-k, router sizes) of a spec, from a build on the meta device."""
     from axrl_spike_replay.models.hf_routing import find_routers
 
     architecture, config, dtype, attn, experts = json.loads(key)
@@ -291,8 +331,18 @@ def _meta_layout(key: str) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...],
     model = instantiate(spec, "meta")
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     routers: dict[int, Any] = dict(find_routers(model))  # transformers' router classes: top_k is an int
-    top_k = next((int(r.top_k) for r in routers.values()), 0)
-    return shapes, tuple(sorted(routers)), top_k
+    first = next(iter(routers.values()), None)
+    sizes = RouterSizes()
+    if first is not None:
+        group = getattr(first, "num_group", None)
+        chosen = getattr(first, "topk_group", None)
+        sizes = RouterSizes(
+            num_experts=int(first.num_experts),
+            top_k=int(first.top_k),
+            num_group=int(group) if isinstance(group, int) else None,
+            topk_group=int(chosen) if isinstance(chosen, int) else None,
+        )
+    return shapes, tuple(sorted(routers)), sizes.top_k, sizes
 
 
 def expected_hf_shapes(spec: HFModelConfig) -> dict[str, tuple[int, ...]]:

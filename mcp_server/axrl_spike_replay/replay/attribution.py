@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.models.policy import policy_forward
+from axrl_spike_replay.models.policy import policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
@@ -275,7 +275,7 @@ def _attribute(
 ) -> Attribution:
     world_size = inputs.world_size
     model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device)
-    ranks = RankInputs(inputs.replay_dir, range(world_size), device)
+    ranks = RankInputs(inputs.replay_dir, range(world_size), device, routing_shape(inputs.model))
     check_cancel(cancel, "attribution")
     t0 = time.perf_counter()
     passes, router_sum = _gradient_pass(model, ranks, cfg)

@@ -18,11 +18,19 @@ import torch
 from torch import nn
 
 from axrl_spike_replay.errors import SnapshotError
-from axrl_spike_replay.models.policy import ModelSpec, build_policy, load_policy_weights, policy_forward
+from axrl_spike_replay.models.policy import (
+    ModelSpec,
+    RoutingShape,
+    build_policy,
+    load_policy_weights,
+    policy_forward,
+    routing_shape,
+)
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.clean_gradient import SpikeBar, not_reached_reason, smallest_count, token_order
 from axrl_spike_replay.replay.mitigations import AppliedConfig
 from axrl_spike_replay.replay.outcome_figures import RankTrace, cosine, footprint_counts, grads_of, merge_footprint
+from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
 from axrl_spike_replay.replay.sample_masks import SampleFilter, TokenDrop, filtered_batch
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.loss_config import LossConfig
@@ -114,11 +122,13 @@ def _gather(obj: Any) -> list[Any]:
 
 
 class RankInputs:
-    """A process's saved ranks: batches on the device, routing payloads read on first use."""
+    """A process's saved ranks: batches on the device, routing payloads read on first use and held to the
+    model's routing (`shape`) before they reach the device."""
 
-    def __init__(self, replay_dir: str, ranks: Sequence[int], device: str) -> None:
+    def __init__(self, replay_dir: str, ranks: Sequence[int], device: str, shape: RoutingShape) -> None:
         self.replay_dir = replay_dir
         self.device = device
+        self.shape = shape
         self.batches = {r: _to_device(load_rank_batch(replay_dir, r), device) for r in ranks}
         self._routes: dict[int, torch.Tensor] = {}
 
@@ -127,6 +137,8 @@ class RankInputs:
             payload = load_rank_routes(self.replay_dir, rank, batch=self.batches[rank])
             if payload is None:  # load_inputs checked every rank a config replays routes of has some
                 raise SnapshotError(f"{self.replay_dir}: rank {rank} has no recorded routes")
+            check_route_shapes(payload, self.shape, tuple(self.batches[rank]["tokens"].shape))
+            check_route_values(payload, self.shape)
             self._routes[rank] = payload.routed_experts.to(self.device)
         return self._routes[rank]
 
@@ -343,7 +355,7 @@ def compute(
     """
     say = progress or (lambda line: None)
     start = time.perf_counter()
-    inputs = RankInputs(job.replay_dir, job.assignment[process], job.device)
+    inputs = RankInputs(job.replay_dir, job.assignment[process], job.device, routing_shape(job.model))
     outcomes = {cfg.config_id: ConfigOutcome(cfg.config_id) for cfg in job.configs}
     load_s = time.perf_counter() - start
     say(f"process {process}: loaded {len(inputs.batches)} rank batch(es) in {load_s:.2f} s")
