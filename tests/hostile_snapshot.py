@@ -158,3 +158,14 @@ def edit_routing_payload(snapshot: Path, rank: int, change) -> None:
     doc = torch.load(path, weights_only=True)
     change(doc)
     torch.save(doc, path)
+
+
+def edit_safetensors_header(path: Path, change) -> None:
+    """Rewrite a `.safetensors` file's JSON header as `change(header)` leaves it; the tensor data stays as it was."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads its header to 8 bytes
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])
