@@ -49,6 +49,7 @@ def test_the_weights_are_a_sharded_dcp_checkpoint_one_chunk_per_rank(fsdp_run: C
     assert [tuple(c.offsets) for c in embed.chunks] == [(0, 0), (embed.size[0] // 2, 0)]
     files = {info.relative_path for info in metadata.storage_data.values()}
     assert files == {"__0_0.distcp", "__1_0.distcp"}
+    assert metadata.storage_meta.checkpoint_id == snapshot.name  # not the writer's staging path
 
 
 def test_replay_at_the_saved_layout_is_bit_identical(fsdp_run: CaptureResult) -> None:
