@@ -91,7 +91,9 @@ def _checkpoint_entry(snapshot: Path, name: str) -> tuple[object, object, object
     return metadata, index, info
 
 
-def write_distcp_bomb(snapshot: Path, expanded_bytes: int, name: str = "model.embed.weight") -> int:
+def write_distcp_bomb(
+    snapshot: Path, expanded_bytes: int, name: str = "model.embed.weight", compresslevel: int | None = None
+) -> int:
     """Make tensor `name`'s `.distcp` entry a zip bomb: the same tensor, its values intact, as a view over a storage
     of `expanded_bytes` deflated to a few MB (appended to the data file; `.metadata` points at it). DCP's reader
     would inflate the whole storage and then load the right values. Returns the new entry's length."""
@@ -118,7 +120,9 @@ def write_distcp_bomb(snapshot: Path, expanded_bytes: int, name: str = "model.em
     records[pkl] = records[pkl].replace(seed_numel, b"J" + struct.pack("<i", numel))
     entry = io.BytesIO()
     chunk = bytes(16 * 1024 * 1024)
-    with zipfile.ZipFile(entry, "w", compression=zipfile.ZIP_DEFLATED, allowZip64=True) as out:
+    with zipfile.ZipFile(
+        entry, "w", compression=zipfile.ZIP_DEFLATED, allowZip64=True, compresslevel=compresslevel
+    ) as out:
         for i in infos:
             if i.filename != storage:
                 out.writestr(i.filename, records[i.filename])

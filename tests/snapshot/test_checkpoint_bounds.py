@@ -170,3 +170,18 @@ def test_a_model_tensor_saved_as_bytes_is_refused_before_dcp_unpickles_it(snap: 
     with pytest.raises(SnapshotError, match=r"'model\.head\.weight' is saved as bytes, not a tensor; refused"):
         load_model_state(snap, {"head.weight": torch.zeros(16, 16)})
     assert not marker.exists()
+
+
+def test_an_entry_whose_pickle_is_garbled_is_named_when_the_load_fails(snap: Path) -> None:
+    metadata = pickle.loads((snap / ".metadata").read_bytes())
+    info = next(i for k, i in metadata.storage_data.items() if k.fqn == "model.head.weight")
+    path = snap / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset + 40 : info.offset + 72] = bytes(32)  # inside the entry's data.pkl: its zip directory is intact
+    path.write_bytes(bytes(data))
+
+    assert check_checkpoint_storage(snap) == []  # sizes and records are all in order
+    with pytest.raises(SnapshotError) as refused:
+        _saved_state(snap)
+    assert str(refused.value).startswith(f"{path} (entry of 'model.head.weight', bytes {info.offset}-")
+    assert "not a tensor torch can read (Unsupported operand 0)" in str(refused.value)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError, UnsafeFileError
-from axrl_spike_replay.snapshot.checkpoint_entries import entry_problems
+from axrl_spike_replay.snapshot.checkpoint_entries import entry_problems, torch_reason, unreadable_entry
 from axrl_spike_replay.snapshot.checkpoint_tiling import tiling_problem
 from axrl_spike_replay.snapshot.layout import DCP_METADATA
 from axrl_spike_replay.snapshot.safe_load import human_bytes
@@ -390,8 +390,16 @@ def load_model_state(checkpoint_dir: str | Path, state_dict: dict[str, torch.Ten
     except SnapshotError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP raises CheckpointException, a BaseException
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
-        reason = lines[-1] if isinstance(exc, CheckpointException) else lines[0]  # the underlying error comes last
+        metadata = read_checkpoint_metadata(directory, records=True)
+        read = [(index.fqn, info) for index, info in metadata.storage_data.items() if index.fqn in wrapped]
+        culprit = unreadable_entry(directory, read)  # DCP's error does not say which entry it could not read
+        if culprit:
+            raise SnapshotError(culprit) from None
+        text = str(exc)
+        if isinstance(exc, CheckpointException) and "WeightsUnpickler error:" not in text:
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            text = lines[-1] if lines else type(exc).__name__  # the underlying error comes last
+        reason = shown(torch_reason(RuntimeError(text)), 300, quote=False)
         raise SnapshotError(f"{directory}: cannot load checkpoint tensors ({reason})") from None
     for name, tensor in wrapped.items():
         state_dict[name.removeprefix(prefix)] = tensor

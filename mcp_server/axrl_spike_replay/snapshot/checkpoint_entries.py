@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -104,7 +105,7 @@ def _entry_problem(fd: int, path: Path, name: str, offset: int, length: int) -> 
     try:
         with _EntryView(fd, offset, length) as view, zipfile.ZipFile(view) as archive:
             problem = archive_problem(archive, _LABEL, length)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError) as exc:
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError, NotImplementedError, struct.error) as exc:
         problem = f"{_LABEL}: not a torch archive, truncated or corrupt ({shown(str(exc), 120, quote=False)})"
     if problem is None:
         return None
@@ -112,3 +113,42 @@ def _entry_problem(fd: int, path: Path, name: str, offset: int, length: int) -> 
 
 
 _LABEL = "\0entry\0"  # stands for the entry's label until a problem needs it (most entries have none)
+
+
+def unreadable_entry(directory: Path, entries: Iterable[tuple[str, Any]]) -> str | None:
+    """Why the first of `entries` ((tensor name, `_StorageInfo`)) that torch cannot read as a tensor fails, in words
+    naming its file and bytes; None when each one reads. Each entry's pickle is parsed on the meta device (no tensor
+    data read): what a failed DCP load calls to say which entry it could not read, which DCP's error does not."""
+    import torch
+
+    by_file: dict[str, list[tuple[str, Any]]] = {}
+    for name, info in entries:
+        by_file.setdefault(info.relative_path, []).append((name, info))
+    for relative, items in by_file.items():
+        path = directory / relative
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            return f"{path}: cannot read ({exc.strerror or exc})"
+        try:
+            for name, info in sorted(items, key=lambda item: item[1].offset):
+                label = f"{path} (entry of {shown(name, 120)}, bytes {info.offset}-{info.offset + info.length})"
+                try:
+                    with io.BufferedReader(_EntryView(fd, info.offset, info.length)) as stream:
+                        value = torch.load(stream, map_location="meta", weights_only=True)
+                except Exception as exc:  # torch's reader and unpickler raise many kinds for a garbled pickle
+                    return f"{label}: not a tensor torch can read ({shown(torch_reason(exc), 200, quote=False)})"
+                if not isinstance(value, torch.Tensor):
+                    return f"{label}: holds a {type(value).__name__}, not a tensor"
+        finally:
+            os.close(fd)
+    return None
+
+
+def torch_reason(exc: BaseException) -> str:
+    """The line of a torch loading error that says what is wrong (its weights-only errors wrap it in advice)."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__

@@ -12,6 +12,7 @@ format cannot be memory-mapped and may declare any storage size: they are refuse
 from __future__ import annotations
 
 import pickle
+import struct
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -44,8 +45,8 @@ def _check_archive(file: Path, size: int) -> None:
     try:
         with zipfile.ZipFile(file) as archive:  # one read of the end records and the central directory
             problem = archive_problem(archive, str(file), size)
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
-        _refuse_unreadable_archive(file, exc)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, struct.error) as exc:
+        _refuse_unreadable_archive(file, exc)  # NotImplementedError: a zip version or feature zipfile lacks
     if problem:
         raise SnapshotError(problem)
 
