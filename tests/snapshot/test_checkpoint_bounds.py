@@ -185,3 +185,9 @@ def test_an_entry_whose_pickle_is_garbled_is_named_when_the_load_fails(snap: Pat
         _saved_state(snap)
     assert str(refused.value).startswith(f"{path} (entry of 'model.head.weight', bytes {info.offset}-")
     assert "not a tensor torch can read (Unsupported operand 0)" in str(refused.value)
+
+
+def test_chunks_piled_on_one_another_are_refused_before_any_grid_is_marked() -> None:
+    # four copies of the first row: their volumes add up to the tensor's, their cells to twice the grid's
+    problem = tiling_problem((4, 4), [((0, 0), (1, 4))] * 4)
+    assert problem == "has chunks that overlap (and so leave elements in no chunk)"

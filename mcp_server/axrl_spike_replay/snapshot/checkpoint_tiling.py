@@ -74,9 +74,16 @@ def _overlap(shape: tuple[int, ...], chunks: Sequence[Chunk]) -> str | None:
             "that can be checked for overlaps and gaps; refused"
         )
     where = [{value: i for i, value in enumerate(c)} for c in cuts]
+    boxes = [
+        tuple(slice(where[d][o], where[d][o + s]) for d, (o, s) in enumerate(zip(offsets, sizes, strict=True)))
+        for offsets, sizes in chunks
+    ]
+    # a tiling covers each cell once, so its chunks' cells add up to the grid's; counting them first also bounds the
+    # marking below by the grid (chunks piled on most of it would otherwise cost chunks x cells)
+    if sum(_volume([b.stop - b.start for b in box]) for box in boxes) != cells:
+        return "has chunks that overlap (and so leave elements in no chunk)"
     counts = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
-    for offsets, sizes in chunks:
-        box = tuple(slice(where[d][o], where[d][o + s]) for d, (o, s) in enumerate(zip(offsets, sizes, strict=True)))
+    for box in boxes:
         counts[box] += 1
     over = np.argwhere(counts > 1)
     if len(over) == 0:
