@@ -60,3 +60,10 @@ def test_an_expert_id_past_the_routers_experts_is_refused_naming_the_file(hf_cop
     with pytest.raises(AxrlError, match=r"routing_payload_rank1\.pt: routed_experts holds expert id 8 at") as refused:
         run_replay(hf_copy, ReplayOptions(nproc=1))
     assert "IndexError" not in str(refused.value) and "CUDA" not in str(refused.value)
+
+
+def test_the_layers_routes_are_held_to_are_the_built_model_s() -> None:
+    section = hf_model_section("qwen3_moe")
+    del section["config"]["num_hidden_layers"]  # left to Qwen3MoeConfig's default
+    shape = routing_shape(parse_model_config(section))
+    assert shape.n_layers == len(shape.moe_layers) == 24  # as transformers builds it, not 0 from the missing key

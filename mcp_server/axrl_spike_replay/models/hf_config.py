@@ -113,7 +113,8 @@ class HFModelConfig:
 
     @property
     def n_layers(self) -> int:
-        return int(self.config.get("num_hidden_layers", 0))
+        """Decoder layers, as the model is built."""
+        return _meta_layout(self.key)[3].decoder_layers
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
@@ -278,16 +279,18 @@ def instantiate(spec: HFModelConfig, device: str = "cpu") -> nn.Module:
 
 
 @dataclass(frozen=True)
-class RouterSizes:
-    """What the architecture's routers were built with (the config's own names differ per architecture)."""
+class BuiltSizes:
+    """What the model was built with: its decoder layers and its routers' sizes (the config's own names differ per
+    architecture, and a config may leave them to the config class's defaults)."""
 
+    decoder_layers: int = 0
     num_experts: int = 0
     top_k: int = 0
     num_group: int | None = None  # deepseek_v3: experts are chosen within the best `topk_group` of `num_group`
     topk_group: int | None = None
 
 
-def _check_routers(sizes: RouterSizes) -> None:
+def _check_routers(sizes: BuiltSizes) -> None:
     """ConfigError for a routing the router cannot run: transformers would fail only at the first forward
     (after the weights are loaded), inside a rank process."""
     if sizes.num_experts == 0:
@@ -312,7 +315,7 @@ def _check_routers(sizes: RouterSizes) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_layout(key: str) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...], int, RouterSizes]:
+def _meta_layout(key: str) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...], int, BuiltSizes]:
     """(state shapes, MoE layer ids, top-k, router sizes) of a spec, from a build on the meta device."""
     from axrl_spike_replay.models.hf_routing import find_routers
 
@@ -332,11 +335,14 @@ def _meta_layout(key: str) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...],
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     routers: dict[int, Any] = dict(find_routers(model))  # transformers' router classes: top_k is an int
     first = next(iter(routers.values()), None)
-    sizes = RouterSizes()
+    decoder: Any = model.model  # transformers' decoder: its layers are an nn.ModuleList
+    layers = len(decoder.layers)
+    sizes = BuiltSizes(decoder_layers=layers)
     if first is not None:
         group = getattr(first, "num_group", None)
         chosen = getattr(first, "topk_group", None)
-        sizes = RouterSizes(
+        sizes = BuiltSizes(
+            decoder_layers=layers,
             num_experts=int(first.num_experts),
             top_k=int(first.top_k),
             num_group=int(group) if isinstance(group, int) else None,
