@@ -60,6 +60,7 @@ def test_a_chunk_table_either_loads_every_element_or_is_refused(declared):
 @SLOW_FUZZ
 @given(where=st.floats(0.0, 1.0), noise=st.binary(min_size=1, max_size=32))
 @example(where=0.79, noise=b"\x00@")  # a zip version zipfile does not implement
+@example(where=0.23828125, noise=b"\x00\x00\x00\x00\x00\x00\x00\x00\x04")  # a record's local header
 @example(where=1.0, noise=b"PK\x05\x06")
 @example(where=0.0, noise=b"\x00" * 32)
 def test_garbled_bytes_in_an_entry_are_refused_or_harmless(where, noise):

@@ -117,30 +117,38 @@ _LABEL = "\0entry\0"  # stands for the entry's label until a problem needs it (m
 
 def unreadable_entry(directory: Path, entries: Iterable[tuple[str, Any]]) -> str | None:
     """Why the first of `entries` ((tensor name, `_StorageInfo`)) that torch cannot read as a tensor fails, in words
-    naming its file and bytes; None when each one reads. Each entry's pickle is parsed on the meta device (no tensor
-    data read): what a failed DCP load calls to say which entry it could not read, which DCP's error does not."""
+    naming its file and bytes; None when each one reads. What a failed DCP load calls to say which entry it could not
+    read, which DCP's error does not: first every entry's local zip headers and pickle (parsed on the meta device, no
+    tensor data read), then, when those all pass, each entry's data, one entry at a time."""
+    items = sorted(entries, key=lambda item: (item[1].relative_path, item[1].offset))  # one pass along each file
+    return _first_failure(directory, items, data=False) or _first_failure(directory, items, data=True)
+
+
+def _first_failure(directory: Path, items: list[tuple[str, Any]], data: bool) -> str | None:
     import torch
 
-    by_file: dict[str, list[tuple[str, Any]]] = {}
-    for name, info in entries:
-        by_file.setdefault(info.relative_path, []).append((name, info))
-    for relative, items in by_file.items():
-        path = directory / relative
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            return f"{path}: cannot read ({exc.strerror or exc})"
-        try:
-            for name, info in sorted(items, key=lambda item: item[1].offset):
-                label = f"{path} (entry of {shown(name, 120)}, bytes {info.offset}-{info.offset + info.length})"
-                try:
-                    with io.BufferedReader(_EntryView(fd, info.offset, info.length)) as stream:
-                        value = torch.load(stream, map_location="meta", weights_only=True)
-                except Exception as exc:  # torch's reader and unpickler raise many kinds for a garbled pickle
-                    return f"{label}: not a tensor torch can read ({shown(torch_reason(exc), 200, quote=False)})"
-                if not isinstance(value, torch.Tensor):
-                    return f"{label}: holds a {type(value).__name__}, not a tensor"
-        finally:
+    fds: dict[str, int] = {}
+    try:
+        for name, info in items:
+            path = directory / info.relative_path
+            label = f"{path} (entry of {shown(name, 120)}, bytes {info.offset}-{info.offset + info.length})"
+            try:
+                if info.relative_path not in fds:
+                    fds[info.relative_path] = os.open(path, os.O_RDONLY)
+                fd = fds[info.relative_path]
+                if not data:
+                    with _EntryView(fd, info.offset, info.length) as view, zipfile.ZipFile(view) as archive:
+                        for record in archive.infolist():
+                            archive.open(record).close()  # reads and checks its local header, not its data
+                with io.BufferedReader(_EntryView(fd, info.offset, info.length)) as stream:
+                    value = torch.load(stream, map_location="cpu" if data else "meta", weights_only=True)
+            except Exception as exc:  # zipfile, torch's reader and its unpickler raise many kinds for garbled bytes
+                return f"{label}: not a tensor torch can read ({shown(torch_reason(exc), 200, quote=False)})"
+            if not isinstance(value, torch.Tensor):
+                return f"{label}: holds a {type(value).__name__}, not a tensor"
+            del value
+    finally:
+        for fd in fds.values():
             os.close(fd)
     return None
 
@@ -151,4 +159,5 @@ def torch_reason(exc: BaseException) -> str:
     if "WeightsUnpickler error:" in text:
         text = text.split("WeightsUnpickler error:", 1)[1]
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
+    first = lines[0] if lines else type(exc).__name__
+    return first.split(". This is an internal miniz error", 1)[0]  # what follows is advice, the same every time
