@@ -38,16 +38,17 @@ sys.exit(code)
 
 def workspace_with_a_cleared_replay(root: Path) -> tuple[Path, str]:
     """(snapshot, attempt id of the cleared replay) in the workspace `root`."""
-    from axrl_spike_replay.investigation.request import replay_request
+    from axrl_spike_replay.investigation.request import What, replay_request
     from axrl_spike_replay.investigation.runs import run_request
-    from axrl_spike_replay.workspace.task_state import open_task, show_task
+    from axrl_spike_replay.investigation.task_opening import open_task
+    from axrl_spike_replay.workspace.task_state import show_task
 
     output = root / "outputs" / FIXTURE.name
     shutil.copytree(FIXTURE, output)
     snapshot = sorted((output / "checkpoints" / "spike_snapshots").glob("iter_*"))[-1]
     open_task(root, JOB, snapshot)
-    run_request(replay_request(snapshot, workspace=root, job=JOB))
-    run_request(replay_request(snapshot, mitigations={"mismatch_token_clip_max": 2}, workspace=root, job=JOB))
+    run_request(replay_request(What(snapshot), workspace=root, job=JOB))
+    run_request(replay_request(What(snapshot, mitigations={"mismatch_token_clip_max": 2}), workspace=root, job=JOB))
     cleared = [e for e in show_task(root, JOB).experiments if e["verdict"] == "cleared"]
     return snapshot, cleared[-1]["id"]
 

@@ -127,7 +127,7 @@ def _median(rows: list[dict[str, Any]], key: str) -> float:
 
 
 def main() -> None:
-    from axrl_spike_replay.testing.hf_snapshot import ARCHITECTURES
+    from axrl_spike_replay.models.architectures import ARCHITECTURES
 
     parser = argparse.ArgumentParser(description=str(__doc__).splitlines()[0])
     parser.add_argument("--only", nargs="*", default=list(ARCHITECTURES), choices=ARCHITECTURES)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests" / "remote"))
 from ssh_loopback import SSHD, AsyncsshServer, Keys, OpenSshServer, write_known_hosts  # noqa: E402
 
 from axrl_spike_replay.investigation.elsewhere import replay_elsewhere  # noqa: E402
-from axrl_spike_replay.investigation.request import replay_request  # noqa: E402
+from axrl_spike_replay.investigation.request import What, Where, replay_request  # noqa: E402
 from axrl_spike_replay.remote.session import open_session  # noqa: E402
 from axrl_spike_replay.remote.shell import job_script  # noqa: E402
 
@@ -48,7 +48,11 @@ def local_replay(workspace: Path) -> float:
 def remote_replay(spec: str, workspace: Path) -> float:
     workspace.mkdir()
     start = time.perf_counter()
-    replay_elsewhere(replay_request(SNAPSHOT, target=spec, workspace=workspace, remote_python=sys.executable))
+    replay_elsewhere(replay_request(
+        What(SNAPSHOT),
+        where=Where(target=spec, remote_python=sys.executable),
+        workspace=workspace,
+    ))
     return time.perf_counter() - start
 
 

@@ -22,16 +22,17 @@ import tempfile
 from pathlib import Path
 
 from axrl_spike_replay.atomic import atomic_write_text
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
+from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.skill_pack import methods_block, with_methods_block
 from axrl_spike_replay.snapshot.listing import list_snapshots
 from axrl_spike_replay.snapshot.preserve import preserve
 from axrl_spike_replay.workspace.methods import list_methods, write_index
 from axrl_spike_replay.workspace.report import write_report
 from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
-from axrl_spike_replay.workspace.task_state import note, open_task, set_snapshot
+from axrl_spike_replay.workspace.task_state import note, set_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 PLACEHOLDER = "<regeneration-workspace>"
@@ -58,16 +59,16 @@ def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
     snapshot = preserve(capture.output_dir, worst.iteration).preserved[0].path
     open_task(workspace, job, snapshot)
     set_snapshot(workspace, job, snapshot)
-    baseline = run_request(replay_request(snapshot, workspace=workspace, job=job))
+    baseline = run_request(replay_request(What(snapshot), workspace=workspace, job=job))
     print(
         f"[{preset}] baseline {baseline.grad_norm:.6g} vs recorded {baseline.recorded_grad_norm:.6g} "
         f"({baseline.fidelity}, rel_diff {baseline.rel_diff:.2g}) -> {baseline.verdict}",
         file=sys.stderr,
     )
     configs = [*DEFAULT_SWEEP, *EXTRA_CONFIGS.get(preset, [])]
-    sweep = run_request(replay_request(snapshot, verb="sweep", configs=configs, workspace=workspace, job=job))
+    sweep = run_request(replay_request(What(snapshot, verb="sweep", configs=configs), workspace=workspace, job=job))
     # recorded in the job's runs: the method files quote its per-sample figures (`method add` replays nothing)
-    run_request(replay_request(snapshot, verb="attribute", top=3, workspace=workspace, job=job))
+    run_request(replay_request(What(snapshot, verb="attribute", top=3), workspace=workspace, job=job))
     context = f"Preset {preset} ({model}): "
     writeups = write_up_sweep(workspace, job, sweep, verdicts=("cleared", "partial"), context=context)
     rows = [

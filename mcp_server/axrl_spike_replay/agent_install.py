@@ -27,7 +27,7 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.skill_pack import SKILL_FILE, claude_code_skill_text, list_skills, skill_problems
 
-SERVER_NAME = "axrl-spike-replay"
+SERVER_NAME = "axrl-spike-replay"  # the MCP server's name, as it announces itself and as agents register it
 PROJECT_CONFIG = ".mcp.json"
 USER_CONFIG = ".claude.json"
 SKILLS_SUBDIR = Path(".claude") / "skills"

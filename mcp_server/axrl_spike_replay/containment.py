@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-
-from axrl_spike_replay.errors import AxrlError
 
 
 def resolved_text(path: str | os.PathLike[str]) -> str:
@@ -29,15 +28,21 @@ def is_inside(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> boo
     return resolved == resolved_root or resolved_root in resolved.parents
 
 
-def check_inside(path: str | os.PathLike[str], root: str | os.PathLike[str], what: str) -> Path:
-    """`path` when it resolves inside `root`; AxrlError naming it (and where it leads) otherwise."""
-    candidate = Path(path)
-    if not is_inside(candidate, root):
-        raise AxrlError(
-            f"{what} {candidate} leads outside {root} (to {resolved_text(candidate)}) through a symlink; "
-            "refusing to follow it"
-        )
-    return candidate
+def inside_of(root: str | os.PathLike[str]) -> Callable[[str | os.PathLike[str]], bool]:
+    """`is_inside(path, root)` for many paths under one root: the root is resolved once, not per path."""
+    try:
+        resolved_root = Path(root).resolve()
+    except (OSError, RuntimeError):
+        return lambda _path: False
+
+    def inside(path: str | os.PathLike[str]) -> bool:
+        try:
+            resolved = Path(path).resolve()
+        except (OSError, RuntimeError):
+            return False
+        return resolved == resolved_root or resolved_root in resolved.parents
+
+    return inside
 
 
 def link_leaving(entry: str | os.PathLike[str], root: str | os.PathLike[str]) -> str | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.percent import pct, pct_plain
-from axrl_spike_replay.vocabulary import Fidelity, Verdict
+from axrl_spike_replay.vocabulary import Fidelity, Verb, Verdict
 
 DEMO_JOB = "demo-moe-grpo"
 
@@ -68,19 +68,20 @@ def run_demo(
     `progress` receives a line as each step starts and the replays' own progress lines as they run; the capture's
     rank processes then stream theirs to stderr."""
     from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
-    from axrl_spike_replay.analysis.log_scan import scan_logs
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
-    from axrl_spike_replay.investigation.request import replay_request
+    from axrl_spike_replay.diagnosis.log_scan import scan_logs
+    from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
+    from axrl_spike_replay.experiment.result import Attribution, ReplayResult, SweepResult
+    from axrl_spike_replay.investigation.request import What, replay_request
     from axrl_spike_replay.investigation.runs import run_request
-    from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP
+    from axrl_spike_replay.investigation.task_opening import open_task
     from axrl_spike_replay.snapshot.discovery import resolve_job
     from axrl_spike_replay.snapshot.inspect import inspect_snapshot
     from axrl_spike_replay.snapshot.listing import list_snapshots
     from axrl_spike_replay.snapshot.preserve import preserve
-    from axrl_spike_replay.workspace.report import write_report
+    from axrl_spike_replay.workspace.report import task_diagnosis, write_report
     from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
-    from axrl_spike_replay.workspace.task_diagnosis import task_diagnosis
-    from axrl_spike_replay.workspace.task_state import note, open_task, set_command, show_task
+    from axrl_spike_replay.workspace.task_state import note, set_command, show_task
 
     started = time.perf_counter()
     root = Path(workspace).resolve() / time.strftime("%Y%m%d-%H%M%S")
@@ -204,7 +205,8 @@ def run_demo(
     # 4. reproduce, then try mitigations
     set_command(root, DEMO_JOB, f"axrl-spike-replay replay {snapshot} --workspace {root}")
     starting("replay the spike step (baseline)")
-    baseline = run_request(replay_request(snapshot, workspace=root, job=DEMO_JOB, progress=progress))
+    baseline = run_request(replay_request(What(Path(snapshot)), workspace=root, job=DEMO_JOB, progress=progress))
+    assert isinstance(baseline, ReplayResult)
     step(
         "replay (baseline)",
         [
@@ -216,9 +218,13 @@ def run_demo(
     starting(f"sweep {len(DEFAULT_SWEEP)} mitigation configs")
     sweep = run_request(
         replay_request(
-            snapshot, verb="sweep", configs=DEFAULT_SWEEP, workspace=root, job=DEMO_JOB, progress=progress
+            What(Path(snapshot), verb=Verb.SWEEP, configs=tuple(DEFAULT_SWEEP)),
+            workspace=root,
+            job=DEMO_JOB,
+            progress=progress,
         )
     )
+    assert isinstance(sweep, SweepResult)
     rows = [
         f"{r.config_id:<48} grad norm {_fmt(r.grad_norm):>10}  ratio {_fmt(r.spike_ratio):>8}  "
         f"change {pct(r.change_vs_baseline):>7}  {r.verdict}"
@@ -229,8 +235,11 @@ def run_demo(
     # into the job's runs (attribution.json), where `method add` finds the per-sample figures it quotes
     starting("attribute the grad norm to samples")
     attribution = run_request(
-        replay_request(snapshot, verb="attribute", top=5, workspace=root, job=DEMO_JOB, progress=progress)
+        replay_request(
+            What(Path(snapshot), verb=Verb.ATTRIBUTE, top=5), workspace=root, job=DEMO_JOB, progress=progress
+        )
     )
+    assert isinstance(attribution, Attribution)
     step(
         "attribution",
         [f"grad norm {_fmt(attribution.grad_norm)}; contributions sum within {attribution.sum_rel_error:.1e}"]

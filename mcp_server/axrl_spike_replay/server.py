@@ -23,10 +23,12 @@ from mcp.server.auth.provider import TokenVerifier
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp.server.stdio import stdio_server
 from mcp.types import Resource, Tool
 from pydantic import AnyHttpUrl
 
 from axrl_spike_replay import __version__
+from axrl_spike_replay.agent_install import SERVER_NAME
 from axrl_spike_replay.mcp_faces import (
     analysis_tools,
     capture_tools,
@@ -38,11 +40,10 @@ from axrl_spike_replay.mcp_faces import (
 )
 from axrl_spike_replay.mcp_faces.bridge import crash_error
 from axrl_spike_replay.mcp_faces.config import ServerConfig
+from axrl_spike_replay.mcp_faces.stdio_replies import AnsweringReadStream
 
 if TYPE_CHECKING:
     from axrl_spike_replay.mcp_faces.http_access import HttpAccess
-
-SERVER_NAME = "axrl-spike-replay"
 
 INSTRUCTIONS = """\
 Investigate gradient-norm spikes of RL post-training runs (MoE LLMs) from their spike snapshots.
@@ -85,6 +86,14 @@ class SpikeReplayServer(MCPServer):
         )
         self.config = config
         self.sessions = 0  # open lifespans (stdio: one; in-process clients: one each)
+
+    async def run_stdio_async(self) -> None:
+        """Serve over stdio, answering every request line, even one the SDK's transport cannot decode (a lone
+        surrogate in a string): see `mcp_faces.stdio_replies`. The rest is the SDK's own `run_stdio_async`."""
+        async with stdio_server() as (read_stream, write_stream):
+            lowlevel = self._lowlevel_server  # what the SDK's own run_stdio_async runs
+            options = lowlevel.create_initialization_options()
+            await lowlevel.run(AnsweringReadStream(read_stream, write_stream), write_stream, options)
 
     async def list_tools(self) -> list[Tool]:
         """Every tool; a read-only server lists only those whose annotations say they only read."""
@@ -154,7 +163,7 @@ def create_server(
     )
     server = SpikeReplayServer(config, token_verifier)
     for module in TOOL_MODULES:
-        module.register(server, config)
+        module.register(server)
     resources.register(server, config)
     return server
 

@@ -133,14 +133,6 @@ def list_skills(root: str | Path | None = None) -> list[Skill]:
     return sorted((parse_skill(p) for p in base.glob(f"*/{SKILL_FILE}")), key=lambda s: s.name)
 
 
-def get_skill(name: str, root: str | Path | None = None) -> Skill:
-    """The skill called `name`; ConfigError listing the known ones otherwise."""
-    skills = {s.name: s for s in list_skills(root)}
-    if name not in skills:
-        raise ConfigError(f"no skill named {shown(name)}; known: {', '.join(sorted(skills)) or 'none'}")
-    return skills[name]
-
-
 def render_skill(skill: Skill, arguments: str = "") -> str:
     """The skill's instructions with `$ARGUMENTS` filled in, as an agent would receive them."""
     return skill.body.replace("$ARGUMENTS", arguments.strip() or "(no arguments given)")

@@ -1,4 +1,5 @@
-"""The tool's fixed vocabularies: verdicts, fidelity, replay backends and spike-guard actions.
+"""The tool's fixed vocabularies: verdicts, fidelity, what a request asks (verb, backend, device, attribution
+method) and spike-guard actions.
 
 Each is a `str` enum: a member *is* its string value, so JSON output, result files, task files,
 templates and messages show exactly the strings they always did ("cleared", "full", "torch",
@@ -47,7 +48,7 @@ class Vocabulary(str, Enum):
 
 
 class Verdict(Vocabulary):
-    """What a replay showed: baseline (reproduced / not_reproduced), mitigated (see replay.verdict), failed."""
+    """What a replay showed: baseline (reproduced / not_reproduced), mitigated (see experiment.verdict), failed."""
 
     REPRODUCED = "reproduced"
     NOT_REPRODUCED = "not_reproduced"
@@ -73,6 +74,28 @@ class Backend(Vocabulary):
     COMMAND = "command"
 
 
+class Verb(Vocabulary):
+    """What a replay request asks for: one replay, a sweep of configs, or an attribution to samples."""
+
+    REPLAY = "replay"
+    SWEEP = "sweep"
+    ATTRIBUTE = "attribute"
+
+
+class Device(Vocabulary):
+    """Where the replay processes compute."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Method(Vocabulary):
+    """How an attribution gets each sample's gradient: one forward-mode pass, or one backward per sample (a check)."""
+
+    JVP = "jvp"
+    PER_SAMPLE_BACKWARD = "per_sample_backward"
+
+
 class GuardAction(Vocabulary):
     """What the spike guard does on a step: `proceed` (no spike), or on a spike `log`, `skip` or `rollback`."""
 
@@ -82,12 +105,5 @@ class GuardAction(Vocabulary):
     ROLLBACK = "rollback"
 
 
-MITIGATION_VERDICTS = (
-    Verdict.CLEARED,
-    Verdict.PARTIAL,
-    Verdict.NO_EFFECT,
-    Verdict.WORSE,
-    Verdict.BASELINE_NOT_A_SPIKE,
-)
 WRITABLE_VERDICTS = (Verdict.CLEARED, Verdict.PARTIAL)  # a mitigation that did something to a real spike
 GUARD_ACTIONS = (GuardAction.LOG, GuardAction.SKIP, GuardAction.ROLLBACK)  # what a tripped guard may do

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from snapshot_edits import copy_fixture, edit_batch, edit_grad_info, no_mismatch
 
-from axrl_spike_replay.analysis import diagnose_causes as causes
 from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
-from axrl_spike_replay.analysis.diagnose import diagnose_snapshot
-from axrl_spike_replay.analysis.diagnose_causes import Evidence
-from axrl_spike_replay.analysis.diagnose_model import LayerAgreement, RouteAgreement
 from axrl_spike_replay.analysis.grad_info import top_param_grads
-from axrl_spike_replay.replay.result import Attribution, SampleContribution
+from axrl_spike_replay.diagnosis import causes
+from axrl_spike_replay.diagnosis.causes import Evidence
+from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
+from axrl_spike_replay.diagnosis.model_evidence import LayerAgreement, RouteAgreement
+from axrl_spike_replay.experiment.result import Attribution, SampleContribution
 
 
 def _families(diagnosis) -> dict[str, float]:

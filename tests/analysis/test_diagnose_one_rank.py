@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from snapshot_edits import copy_fixture, edit_batch, edit_grad_info, no_mismatch
 
-from axrl_spike_replay.analysis.diagnose import diagnose_snapshot
 from axrl_spike_replay.analysis.grad_info import top_param_grads
+from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
 
 
 def _families(diagnosis) -> dict[str, float]:

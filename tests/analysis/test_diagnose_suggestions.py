@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from axrl_spike_replay.analysis.diagnose import Diagnosis, diagnose_snapshot
-from axrl_spike_replay.replay.mitigations import parse_mitigation_args
-from axrl_spike_replay.replay.sample_masks import pairs_of, parse_pairs
+from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
+from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+from axrl_spike_replay.training.sample_masks import pairs_of, parse_pairs
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
 

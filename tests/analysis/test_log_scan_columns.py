@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_log_scan_streaming import _reference, _scanned
 
-from axrl_spike_replay.analysis import log_blocks
+from axrl_spike_replay.logs import log_blocks
 
 
 def _line(i: int, grad: float, loss: float) -> str:

@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "mcp_server"
 
 _SCAN_IN_HALVES = """
 import json, os, sys, threading
-from axrl_spike_replay.analysis import log_halves, log_scan
+from axrl_spike_replay.logs import log_halves
+from axrl_spike_replay.diagnosis import log_scan
 from axrl_spike_replay.errors import AxrlError
 
 log_halves.SPLIT_BYTES = 0  # every log is split
@@ -38,7 +39,10 @@ try:
 except AxrlError as exc:
     scan, stopped = None, str(exc)
 def parent(pid):
-    return open(f"/proc/{pid}/stat").read().split(") ")[-1].split()[1]
+    try:
+        return open(f"/proc/{pid}/stat").read().split(") ")[-1].split()[1]
+    except OSError:  # a process of someone else's that ended since the listing
+        return None
 
 children = [p for p in os.listdir("/proc") if p.isdigit() and parent(p) == str(os.getpid())]
 if scan is None:

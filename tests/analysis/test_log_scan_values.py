@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from test_log_scan_streaming import _megatron, _reference, _scanned
 
-from axrl_spike_replay.analysis import log_blocks, log_values
+from axrl_spike_replay.logs import log_blocks, log_values
 
 _MARKER = b"| grad norm:"
 

@@ -1,4 +1,4 @@
-"""Recompute a snapshot's step with `replay.rank_step` (what a baseline or mitigated replay does), in one process."""
+"""Recompute a snapshot's step with `training.rank_step` (what a baseline or mitigated replay does), in one process."""
 
 from __future__ import annotations
 

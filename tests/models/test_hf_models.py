@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from axrl_spike_replay.models.architectures import ARCHITECTURES
 from axrl_spike_replay.models.hf_policy import HFPolicy, hf_logprobs
 from axrl_spike_replay.models.hf_weights import load_hf_weights, to_model_layout, to_per_expert_layout
 from axrl_spike_replay.models.policy import build_policy, check_policy_weights
 from axrl_spike_replay.models.tiny_moe import RoutingControl, token_logprobs
-from axrl_spike_replay.testing.hf_snapshot import ARCHITECTURES, save_dcp, seeded_policy
+from axrl_spike_replay.testing.hf_snapshot import save_dcp, seeded_policy
 
 # qwen3_moe runs by default; the rest of the matrix is marked `matrix` (left out of the default run) and slow.
 EACH = [

@@ -12,12 +12,13 @@ import torch
 from axrl_spike_replay.capture.model_choice import CAPTURE_MODELS
 from axrl_spike_replay.capture.run_config import build_run_config, parse_run_config
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
+from axrl_spike_replay.experiment.mitigations import apply_config, check_current_layers, parse_config
+from axrl_spike_replay.models.architectures import ARCHITECTURES
 from axrl_spike_replay.models.hf_policy import HFPolicy
 from axrl_spike_replay.models.hf_routing import find_routers
 from axrl_spike_replay.models.tiny_moe import RoutingControl, token_logprobs
-from axrl_spike_replay.replay.mitigation_sets import DEFAULT_SWEEP
-from axrl_spike_replay.replay.mitigations import apply_config, check_current_layers, parse_config
-from axrl_spike_replay.testing.hf_snapshot import ARCHITECTURES, seeded_policy
+from axrl_spike_replay.testing.hf_snapshot import seeded_policy
 
 
 def _tokens(batch: int = 2, seq: int = 24) -> torch.Tensor:
@@ -60,7 +61,7 @@ def test_routers_get_a_gradient_through_the_forced_routes(architecture: str) -> 
     assert torch.equal(out.routes, recorded)
     # the log-probs alone, no router loss: the gate weights recomputed from the current scores carry the gradient
     token_logprobs(out.logits, tokens).sum().backward()
-    routers = find_routers(model.causal_lm)
+    routers = find_routers(model.causal_lm, architecture)
     assert sorted(routers) == list(model.moe_layer_ids)
     for layer, router in routers.items():
         grad = router.weight.grad

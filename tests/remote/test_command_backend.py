@@ -12,9 +12,9 @@ import pytest
 from remote_helpers import PATCH, RECORDED, SLOW_SCRIPT, git, wait_until_gone, workspace_with
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
-from axrl_spike_replay.investigation.request import replay_request
-from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.investigation.request import What, Where, replay_request
 
 
 def run_dir_of(result: ReplayResult) -> Path:
@@ -27,7 +27,11 @@ def test_the_external_command_reproduces_the_spike(
 ) -> None:
     server = None if where == "local" else request.getfixturevalue(f"{where}_server")
     ws = workspace_with(tmp_path, training_checkout, server)
-    options = replay_request(snapshot, backend="command", target="local" if server is None else "loop", workspace=ws)
+    options = replay_request(
+        What(snapshot),
+        where=Where(backend="command", target="local" if server is None else "loop"),
+        workspace=ws,
+    )
     result = replay_elsewhere(options)
     assert result.backend == "command" and result.verdict == "reproduced"
     assert result.grad_norm == RECORDED and result.rel_diff == 0.0
@@ -46,7 +50,7 @@ def test_the_grad_norm_regex_reads_stdout_when_no_result_file(
     training_checkout: Path, snapshot: Path, tmp_path
 ) -> None:
     ws = workspace_with(tmp_path, training_checkout, None, extra=" --no-json")
-    result = replay_elsewhere(replay_request(snapshot, backend="command", workspace=ws))
+    result = replay_elsewhere(replay_request(What(snapshot), where=Where(backend="command"), workspace=ws))
     assert result.grad_norm == RECORDED and result.verdict == "reproduced"
 
 
@@ -59,7 +63,9 @@ def test_a_patched_experiment_never_touches_the_checkout(
     patch = tmp_path / "lower factor.diff"
     patch.write_text(PATCH)
     options = replay_request(
-        snapshot, backend="command", target="local" if server is None else "loop", workspace=ws, patch=patch
+        What(snapshot),
+        where=Where(backend="command", target="local" if server is None else "loop", patches=(patch,)),
+        workspace=ws,
     )
     result = replay_elsewhere(options)
     assert result.verdict == "cleared"  # 56.75 * 0.001 / median 0.5 is under the threshold
@@ -76,7 +82,7 @@ def test_a_patch_that_does_not_apply_fails_cleanly(training_checkout: Path, snap
     patch = tmp_path / "stale.diff"
     patch.write_text(PATCH.replace("-1.0", "-2.0"))
     with pytest.raises(AxrlError, match="does not apply") as info:
-        replay_elsewhere(replay_request(snapshot, backend="command", workspace=ws, patch=patch))
+        replay_elsewhere(replay_request(What(snapshot), where=Where(backend="command", patches=(patch,)), workspace=ws))
     assert "git apply --check" in str(info.value)
     assert git(training_checkout, "status", "--porcelain") == ""
     assert len(git(training_checkout, "worktree", "list").splitlines()) == 1
@@ -90,19 +96,23 @@ def test_a_failing_command_is_a_failed_result_with_its_stderr(
 ) -> None:
     ws = workspace_with(tmp_path, training_checkout, None, extra=" --bogus-flag")
     with pytest.raises(AxrlError, match="exit status 2") as info:
-        replay_elsewhere(replay_request(snapshot, backend="command", workspace=ws))
+        replay_elsewhere(replay_request(What(snapshot), where=Where(backend="command"), workspace=ws))
     assert "unrecognized arguments: --bogus-flag" in str(info.value)
 
 
 def test_refused_combinations_say_what_to_do(training_checkout: Path, snapshot: Path, tmp_path: Path) -> None:
     ws = workspace_with(tmp_path, training_checkout, None)
     with pytest.raises(ConfigError, match="express the change as `patch`"):
-        replay_elsewhere(replay_request(snapshot, backend="command", workspace=ws, mitigations={"advantage_clip": 1}))
+        replay_elsewhere(replay_request(
+            What(snapshot, mitigations={"advantage_clip": 1}),
+            where=Where(backend="command"),
+            workspace=ws,
+        ))
     with pytest.raises(ConfigError, match="add `backend` command"):
-        replay_elsewhere(replay_request(snapshot, target="loop", workspace=ws, patch="x.diff"))
+        replay_elsewhere(replay_request(What(snapshot), where=Where(target="loop", patches=("x.diff",)), workspace=ws))
     (ws / "spike-replay.yaml").write_text("targets: {}\n")
     with pytest.raises(ConfigError, match="needs a command_backend section"):
-        replay_elsewhere(replay_request(snapshot, backend="command", workspace=ws))
+        replay_elsewhere(replay_request(What(snapshot), where=Where(backend="command"), workspace=ws))
 
 
 def test_setting_the_cancel_event_stops_a_run_from_another_thread(
@@ -118,7 +128,12 @@ def test_setting_the_cancel_event_stops_a_run_from_another_thread(
 
     def work() -> None:
         try:
-            replay_elsewhere(replay_request(snapshot, backend="command", workspace=ws, cancel=cancel))
+            replay_elsewhere(replay_request(
+                What(snapshot),
+                where=Where(backend="command"),
+                workspace=ws,
+                cancel=cancel,
+            ))
         except AxrlError as exc:
             errors.append(exc)
 

@@ -17,14 +17,15 @@ from remote_helpers import PATCH, RECORDED, git
 
 from axrl_spike_replay.cli import main
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.experiment.mitigations import config_id, parse_config
+from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
-from axrl_spike_replay.investigation.request import ReplayRequest, replay_request
+from axrl_spike_replay.investigation.request import ReplayRequest, What, Where, replay_request
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.remote.workspace_config import parse_workspace_config
-from axrl_spike_replay.replay.mitigations import config_id, parse_config
-from axrl_spike_replay.replay.result import ReplayResult, SweepResult
 from axrl_spike_replay.vocabulary import Backend, Verdict
 from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
-from axrl_spike_replay.workspace.task_state import open_task, read_state
+from axrl_spike_replay.workspace.task_state import read_state
 
 USER_REPLAY = """\
 import argparse, json, pathlib, sys
@@ -107,7 +108,11 @@ def test_a_sweep_runs_the_baseline_once_and_judges_each_config_as_the_engine_doe
     open_task(workspace, "cmd-job", snapshot=snapshot)
     configs = [{"mismatch_token_clip_max": 2}, {"mismatch_token_clip_max": "0.01"}]
     sweep = replay_elsewhere(
-        replay_request(snapshot, verb="sweep", backend="command", configs=configs, workspace=workspace)
+        replay_request(
+            What(snapshot, verb="sweep", configs=configs),
+            where=Where(backend="command"),
+            workspace=workspace,
+        )
     )
     assert isinstance(sweep, SweepResult)
 
@@ -136,7 +141,7 @@ def test_a_sweep_runs_the_baseline_once_and_judges_each_config_as_the_engine_doe
     assert SweepResult.from_json(json.loads((out / "sweep_result.json").read_text())).results == sweep.results
 
     # the task's rows: one per run, in the engine's vocabulary
-    rows = read_state(workspace, "cmd-job")["experiments"]
+    rows = read_state(workspace, "cmd-job").experiments
     assert [(r["config_id"], r["verdict"], r["is_baseline"], r["backend"]) for r in rows] == [
         ("baseline", "reproduced", True, "command"),
         ("mismatch_token_clip_max=2", "partial", False, "command"),
@@ -155,7 +160,11 @@ def test_a_sweep_runs_the_baseline_once_and_judges_each_config_as_the_engine_doe
 def test_a_replay_with_a_mitigation_runs_the_baseline_then_the_override(
     workspace: Path, snapshot: Path, runs_log: Path
 ) -> None:
-    request = replay_request(snapshot, backend="command", mitigations={"routing_replay": "off"}, workspace=workspace)
+    request = replay_request(
+        What(snapshot, mitigations={"routing_replay": "off"}),
+        where=Where(backend="command"),
+        workspace=workspace,
+    )
     result = replayed(request)
     assert result.verdict is Verdict.WORSE and result.grad_norm == pytest.approx(RECORDED * 1.2)
     assert result.baseline_grad_norm == RECORDED and result.mitigations == {"routing_replay": "off"}
@@ -170,7 +179,11 @@ def test_an_unmapped_mitigation_is_refused_by_name_before_anything_runs(
     configs = [{"mismatch_token_clip_max": 2}, {"advantage_clip": 1, "kl_coef": 0}]
     with pytest.raises(ConfigError) as info:
         replay_elsewhere(
-            replay_request(snapshot, verb="sweep", backend="command", configs=configs, workspace=workspace)
+            replay_request(
+                What(snapshot, verb="sweep", configs=configs),
+                where=Where(backend="command"),
+                workspace=workspace,
+            )
         )
     message = str(info.value)
     assert info.value.parameter == "mitigations"
@@ -179,7 +192,11 @@ def test_an_unmapped_mitigation_is_refused_by_name_before_anything_runs(
     assert runs(runs_log) == [] and not (workspace / "tmp").exists()
     # a value the mitigation's parser refuses never gets this far either
     with pytest.raises(ConfigError, match="mitigation mismatch_token_clip_max: must be > 0"):
-        replay_request(snapshot, backend="command", mitigations={"mismatch_token_clip_max": -1}, workspace=workspace)
+        replay_request(
+            What(snapshot, mitigations={"mismatch_token_clip_max": -1}),
+            where=Where(backend="command"),
+            workspace=workspace,
+        )
 
 
 def test_first_moe_layer_is_refused_before_anything_runs_even_when_mapped(
@@ -190,7 +207,11 @@ def test_first_moe_layer_is_refused_before_anything_runs_even_when_mapped(
     configs = [{"mismatch_token_clip_max": 2}, {"current_routing_layers": "first"}]
     with pytest.raises(ConfigError, match="cannot tell which layer is its first MoE layer") as info:
         replay_elsewhere(
-            replay_request(snapshot, verb="sweep", backend="command", configs=configs, workspace=workspace)
+            replay_request(
+                What(snapshot, verb="sweep", configs=configs),
+                where=Where(backend="command"),
+                workspace=workspace,
+            )
         )
     assert info.value.parameter == "mitigations"
     assert runs(runs_log) == [] and not (workspace / "tmp").exists()
@@ -200,7 +221,11 @@ def test_two_patches_combine_in_order(
     workspace: Path, snapshot: Path, runs_log: Path, training_checkout: Path, tmp_path: Path
 ) -> None:
     a, b = patch_file(tmp_path, "a.diff", PATCH_A), patch_file(tmp_path, "b.diff", PATCH_B)
-    result = replayed(replay_request(snapshot, backend="command", patch=[a, b], workspace=workspace))
+    result = replayed(replay_request(
+        What(snapshot),
+        where=Where(backend="command", patches=(a, b)),
+        workspace=workspace,
+    ))
     assert result.verdict is Verdict.CLEARED and result.grad_norm == pytest.approx(RECORDED * 0.01)
     both = (PATCH_A + PATCH_B).encode()
     assert result.patch_sha256 == hashlib.sha256(both).hexdigest()
@@ -214,8 +239,11 @@ def test_a_second_patch_that_does_not_apply_fails_by_name_and_nothing_runs(
 ) -> None:
     a, stale = patch_file(tmp_path, "a.diff", PATCH_A), patch_file(tmp_path, "stale b.diff", PATCH)
     configs = [{"mismatch_token_clip_max": 2}]
-    request = replay_request(snapshot, verb="sweep", backend="command", configs=configs, patches=[a, stale],
-                             workspace=workspace)  # fmt: skip
+    request = replay_request(
+        What(snapshot, verb="sweep", configs=configs),
+        where=Where(backend="command", patches=(a, stale)),
+        workspace=workspace,
+    )  # fmt: skip
     with pytest.raises(AxrlError) as info:
         replay_elsewhere(request)
     assert f"`patch` {stale} (patch 2 of 2): does not apply" in str(info.value)
@@ -231,7 +259,11 @@ def test_a_value_with_shell_metacharacters_reaches_the_trainer_as_one_literal_wo
     workspace: Path, snapshot: Path, runs_log: Path, tmp_path: Path
 ) -> None:
     hostile = str(tmp_path / "init $(touch PWNED1); `touch PWNED2` | touch PWNED3 'q\" \\x")
-    request = replay_request(snapshot, backend="command", mitigations={"initial_model": hostile}, workspace=workspace)
+    request = replay_request(
+        What(snapshot, mitigations={"initial_model": hostile}),
+        where=Where(backend="command"),
+        workspace=workspace,
+    )
     result = replayed(request)
     assert result.verdict is Verdict.NO_EFFECT  # this toy trainer ignores it
     assert runs(runs_log)[1][4:] == [f"--init={hostile}"]

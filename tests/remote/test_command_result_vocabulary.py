@@ -10,7 +10,7 @@ from remote_helpers import workspace_with
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.investigation.request import What, Where, replay_request
 from axrl_spike_replay.vocabulary import Fidelity, Verdict
 
 SCRIPT = """\
@@ -32,12 +32,12 @@ def test_an_unknown_fidelity_in_the_commands_result_fails_the_run_by_name(
 
     script.write_text(SCRIPT.replace("FIDELITY", json.dumps("half\x1b[2J")))
     with pytest.raises(AxrlError, match=r"replay failed: fidelity in the command's result must be one of full, "):
-        replay_elsewhere(replay_request(snapshot, backend="command", workspace=ws))
+        replay_elsewhere(replay_request(What(snapshot), where=Where(backend="command"), workspace=ws))
     (run,) = (ws / "tmp" / "spike-replay" / "cmd-job").iterdir()
     failed = json.loads((run / "replay_result.json").read_text())
     assert failed["verdict"] == "failed" and failed["grad_norm"] is None
     assert failed["error"] == "fidelity in the command's result must be one of full, reduced, got 'half\\x1b[2J'"
 
     script.write_text(SCRIPT.replace("FIDELITY", json.dumps("reduced")))
-    result = replay_elsewhere(replay_request(snapshot, backend="command", workspace=ws))
+    result = replay_elsewhere(replay_request(What(snapshot), where=Where(backend="command"), workspace=ws))
     assert result.verdict is Verdict.REPRODUCED and result.fidelity is Fidelity.REDUCED

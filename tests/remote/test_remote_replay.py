@@ -10,11 +10,10 @@ import pytest
 from ssh_loopback import SSHD, LoopbackServer
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
-from axrl_spike_replay.investigation.request import ReplayRequest, replay_request
+from axrl_spike_replay.investigation.request import How, ReplayRequest, What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.result import ReplayResult
-from axrl_spike_replay.replay.sweep import SweepResult
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
 SNAPSHOT = FIXTURE / "checkpoints" / "spike_snapshots" / "iter_0000021"
@@ -30,11 +29,19 @@ def node(request: pytest.FixtureRequest) -> LoopbackServer:
 def local_baseline(tmp_path_factory: pytest.TempPathFactory) -> ReplayResult:
     if not SNAPSHOT.is_dir():
         pytest.skip("fixture snapshot missing (scripts/make_fixtures.py)")
-    return run_request(replay_request(SNAPSHOT, workspace=tmp_path_factory.mktemp("local-ws")))
+    return run_request(replay_request(What(SNAPSHOT), workspace=tmp_path_factory.mktemp("local-ws")))
 
 
-def remote(node: LoopbackServer, workspace: Path, **options: object) -> ReplayRequest:
-    return replay_request(SNAPSHOT, target=node.spec(), workspace=workspace, remote_python=sys.executable, **options)  # type: ignore[arg-type]
+def remote(
+    node: LoopbackServer,
+    workspace: Path,
+    what: What | None = None,
+    how: How | None = None,
+    timeout_s: float | None = None,
+    **recorded: object,
+) -> ReplayRequest:
+    where = Where(target=node.spec(), remote_python=sys.executable, timeout_s=timeout_s)
+    return replay_request(what or What(SNAPSHOT), where, how, workspace=workspace, **recorded)  # type: ignore[arg-type]
 
 
 def test_a_remote_replay_matches_the_local_one_exactly(
@@ -62,7 +69,7 @@ def test_a_remote_sweep_brings_every_result_home(
     node: LoopbackServer, local_baseline: ReplayResult, tmp_path: Path
 ) -> None:
     configs = [{"advantage_clip": 0.5}, {"mismatch_token_clip_max": 2.0}]
-    result = replay_elsewhere(remote(node, tmp_path, verb="sweep", configs=configs))
+    result = replay_elsewhere(remote(node, tmp_path, What(SNAPSHOT, verb="sweep", configs=configs)))
     assert isinstance(result, SweepResult) and len(result.results) == 2
     assert result.baseline.grad_norm == local_baseline.grad_norm
     out = Path(result.output_dir)
@@ -84,4 +91,4 @@ def test_a_remote_timeout_is_a_failed_result_with_partial_logs(node: LoopbackSer
 
 def test_cuda_on_a_node_without_gpus_is_refused_before_running(node: LoopbackServer, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="has no GPU"):
-        replay_elsewhere(remote(node, tmp_path, device="cuda"))
+        replay_elsewhere(remote(node, tmp_path, how=How(device="cuda")))

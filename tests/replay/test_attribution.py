@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tiny_snapshot import BURST
 
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.replay.attribution import attribute_spike
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
@@ -55,7 +55,7 @@ def test_one_jvp_agrees_with_one_backward_per_sample(tiny_snapshot: Path, tiny_a
 
 
 def test_a_ratio_outlier_capture_is_carried_by_its_outlier_samples(spike_snapshot: Path, workspace: Path) -> None:
-    a = run_request(replay_request(spike_snapshot, verb="attribute", top=3, workspace=workspace))
+    a = run_request(replay_request(What(spike_snapshot, verb="attribute", top=3), workspace=workspace))
     assert a.sum_rel_error <= 1e-4 and len(a.samples) == 3
     assert sum(s.share for s in a.samples) > 0.8  # a few samples carry the spike
     for s in a.samples:

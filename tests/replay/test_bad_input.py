@@ -12,10 +12,11 @@ import torch
 import yaml
 
 from axrl_spike_replay.errors import AxrlError, ConfigError, SnapshotError
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, RUN_CONFIG
-from axrl_spike_replay.workspace.task_state import open_task, show_task
+from axrl_spike_replay.workspace.task_state import show_task
 from hostile_snapshot import declare_checkpoint_tensor, edit_routing_payload
 
 
@@ -33,12 +34,12 @@ def test_rank_files_that_do_not_match_the_world_size(snapshot_copy: Callable[[],
     snap = snapshot_copy()
     (snap / "batch_rank1.pt").unlink()
     with pytest.raises(SnapshotError, match=r"saved world size is 2 but missing batch_rank<r>.pt for ranks \[1\]"):
-        run_request(replay_request(snap, workspace=workspace))
+        run_request(replay_request(What(snap), workspace=workspace))
     snap = snapshot_copy()
     for kind in ("batch", "grad_info"):
         (snap / f"{kind}_rank2.pt").write_bytes((snap / f"{kind}_rank1.pt").read_bytes())
     with pytest.raises(SnapshotError, match=r"unexpected batch files for ranks \[2\]"):
-        run_request(replay_request(snap, workspace=workspace))
+        run_request(replay_request(What(snap), workspace=workspace))
     assert nothing_written(workspace)
 
 
@@ -46,10 +47,14 @@ def test_missing_routing_payload_while_routing_replay_is_on(snapshot_copy: Calla
     snap = snapshot_copy()
     (snap / "routing_payload_rank1.pt").unlink()
     with pytest.raises(SnapshotError, match=r"routing replay is 'all' \(the saved config\) but ranks \[1\] have no"):
-        run_request(replay_request(snap, nproc=1, workspace=workspace))
+        run_request(replay_request(What(snap), how=How(nproc=1), workspace=workspace))
     # a mitigation cannot stand in for the baseline, which replays the recorded routes
     with pytest.raises(SnapshotError, match=r"routing_payload_rank<r>\.pt"):
-        run_request(replay_request(snap, nproc=1, workspace=workspace, mitigations={"routing_replay": "off"}))
+        run_request(replay_request(
+            What(snap, mitigations={"routing_replay": "off"}),
+            how=How(nproc=1),
+            workspace=workspace,
+        ))
     assert nothing_written(workspace)
 
 
@@ -71,7 +76,7 @@ def test_config_keys_the_engine_does_not_know(
     snap = snapshot_copy()
     edit_yaml(snap / RUN_CONFIG, change)
     with pytest.raises(ConfigError, match=message):
-        run_request(replay_request(snap, workspace=workspace))
+        run_request(replay_request(What(snap), workspace=workspace))
     assert nothing_written(workspace)
 
 
@@ -83,32 +88,32 @@ def test_layouts_the_torch_backend_cannot_rebuild_point_to_the_command_backend(
     meta["parallel"].update(tp=2, world_size=4)
     (snap / AXRL_METADATA).write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match=r"tp=2.*`backend` command"):
-        run_request(replay_request(snap, workspace=workspace))
+        run_request(replay_request(What(snap), workspace=workspace))
     assert nothing_written(workspace)
 
 
 @pytest.mark.parametrize(
-    ("options", "message"),
+    ("what", "how", "message"),
     [
-        ({"nproc": 3}, "`nproc` 3 is larger than the saved world size 2"),
-        ({"repeat": 0}, "`repeat` must be an integer >= 1"),
-        ({"device": "tpu"}, "`device` must be one of cpu, cuda"),
-        ({"mitigations": {"advantage_clamp": 1}}, "valid mitigations:"),
-        ({"mitigations": {"advantage_clip": "big"}}, "advantage_clip: expected a number"),
-        ({"mitigations": {"current_routing_layers": [5]}}, r"\[5\] are not MoE layers"),
-        ({"mitigations": {"initial_model": "/nonexistent/ckpt"}}, "is not a directory"),
+        ({}, How(nproc=3), "`nproc` 3 is larger than the saved world size 2"),
+        ({"repeat": 0}, How(), "`repeat` must be an integer from 1 to 100, got 0"),
+        ({}, How(device="tpu"), "`device` must be one of cpu, cuda"),  # type: ignore[arg-type]
+        ({"mitigations": {"advantage_clamp": 1}}, How(), "valid mitigations:"),
+        ({"mitigations": {"advantage_clip": "big"}}, How(), "advantage_clip: expected a number"),
+        ({"mitigations": {"current_routing_layers": [5]}}, How(), r"\[5\] are not MoE layers"),
+        ({"mitigations": {"initial_model": "/nonexistent/ckpt"}}, How(), "is not a directory"),
     ],
 )
-def test_bad_options(spike_snapshot: Path, workspace: Path, options: dict, message: str) -> None:
+def test_bad_options(spike_snapshot: Path, workspace: Path, what: dict, how: How, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        run_request(replay_request(spike_snapshot, workspace=workspace, **options))
+        run_request(replay_request(What(spike_snapshot, **what), how=how, workspace=workspace))
     assert nothing_written(workspace)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_asked_on_a_machine_without_it(spike_snapshot: Path, workspace: Path) -> None:
     with pytest.raises(ConfigError, match="CUDA is not available on this machine"):
-        run_request(replay_request(spike_snapshot, device="cuda", workspace=workspace))
+        run_request(replay_request(What(spike_snapshot), how=How(device="cuda"), workspace=workspace))
     assert nothing_written(workspace)
 
 
@@ -119,7 +124,7 @@ def test_a_mitigation_needing_a_field_the_batch_lacks(snapshot_copy: Callable[[]
         del batch["ref_logprobs"]
         torch.save(batch, snap / f"batch_rank{rank}.pt")
     with pytest.raises(ConfigError, match="the saved config: the rank batches have no 'ref_logprobs'"):
-        run_request(replay_request(snap, workspace=workspace))  # the saved loss has kl_coef > 0
+        run_request(replay_request(What(snap), workspace=workspace))  # the saved loss has kl_coef > 0
     assert nothing_written(workspace)
 
 
@@ -134,7 +139,7 @@ def test_zeroed_weights_of_the_right_size_are_refused_before_anything_is_written
     for shard in snap.glob("*.distcp"):
         shard.write_bytes(bytes(shard.stat().st_size))
     with pytest.raises(SnapshotError, match=r"__0_0\.distcp \(entry of 'model\..*not a torch archive"):
-        run_request(replay_request(snap, workspace=workspace))
+        run_request(replay_request(What(snap), workspace=workspace))
     assert nothing_written(workspace)
 
 
@@ -146,7 +151,7 @@ def test_a_replay_that_fails_midway_records_a_failed_result(
     open_task(workspace, "fixture-moe", snap)
     edit_routing_payload(snap, 1, _expert_past_the_model)  # found only when a process reads the routes' values
     with pytest.raises(AxrlError, match=r"replay failed: .*routing_payload_rank1\.pt: routed_experts holds") as err:
-        run_request(replay_request(snap, nproc=nproc, workspace=workspace))
+        run_request(replay_request(What(snap), how=How(nproc=nproc), workspace=workspace))
     assert "Traceback" not in str(err.value)
     [run_dir] = (workspace / "tmp" / "spike-replay" / "fixture-moe").iterdir()
     doc = json.loads((run_dir / "replay_result.json").read_text())
@@ -165,7 +170,9 @@ def test_a_failed_sweep_records_one_failed_result_for_the_run(
     with pytest.raises(AxrlError, match="sweep failed"):
         run_request(
             replay_request(
-                snap, verb="sweep", configs=[{"advantage_clip": 1}, {"kl_coef": 0}], nproc=1, workspace=workspace
+                What(snap, verb="sweep", configs=[{"advantage_clip": 1}, {"kl_coef": 0}]),
+                how=How(nproc=1),
+                workspace=workspace,
             )
         )
     [run_dir] = (workspace / "tmp" / "spike-replay" / "fixture-moe").iterdir()
@@ -185,7 +192,10 @@ def test_initial_model_weights_that_do_not_fit_the_model(spike_snapshot: Path, w
     dcp.save({f"model.{k}": v for k, v in other.state_dict().items()}, checkpoint_id=str(tmp_path / "w"), no_dist=True)
     with pytest.raises(SnapshotError, match=r"initial_model does not fit the run config's model: .*model needs"):
         run_request(
-            replay_request(spike_snapshot, workspace=workspace, mitigations={"initial_model": str(tmp_path / "w")})
+            replay_request(
+                What(spike_snapshot, mitigations={"initial_model": str(tmp_path / "w")}),
+                workspace=workspace,
+            )
         )
     assert nothing_written(workspace)
 
@@ -207,7 +217,7 @@ def test_run_config_values_of_the_wrong_type_or_size(
     snap = snapshot_copy()
     edit_yaml(snap / RUN_CONFIG, change)
     with pytest.raises(ConfigError, match=message):
-        run_request(replay_request(snap, workspace=workspace))
+        run_request(replay_request(What(snap), workspace=workspace))
     run = cli("replay", snap, "--workspace", workspace)
     assert run.code == 2 and str(snap / RUN_CONFIG) in run.err and "Traceback" not in run.err
     assert nothing_written(workspace)
@@ -238,7 +248,7 @@ def test_checkpoint_and_metadata_declaring_what_is_not_on_disk(
     snap = snapshot_copy()
     damage(snap)
     with pytest.raises(SnapshotError, match=message):
-        run_request(replay_request(snap, workspace=workspace))
+        run_request(replay_request(What(snap), workspace=workspace))
     run = cli("replay", snap, "--workspace", workspace)
     assert run.code == 2 and str(snap) in run.err and "Traceback" not in run.err
     assert nothing_written(workspace)
@@ -252,7 +262,7 @@ def test_a_checkpoint_whose_data_files_do_not_back_the_model_s_shapes(
     for shard in snap.glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(SnapshotError, match=r"is declared at bytes .*\.distcp, which holds"):
-        run_request(replay_request(snap, workspace=workspace))
+        run_request(replay_request(What(snap), workspace=workspace))
     assert nothing_written(workspace)
 
 
@@ -264,5 +274,5 @@ def test_a_malformed_routing_payload_is_refused_before_any_rank_process(
     payload["moe_layers"] = "ab"
     torch.save(payload, snap / "routing_payload_rank1.pt")
     with pytest.raises(SnapshotError, match=r"routing_payload_rank1\.pt: 'moe_layers' must be a list"):
-        run_request(replay_request(snap, workspace=workspace))
+        run_request(replay_request(What(snap), workspace=workspace))
     assert nothing_written(workspace)

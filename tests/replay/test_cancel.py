@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.rank_processes import RunCancelled, check_cancel
 
@@ -22,7 +22,7 @@ def test_cancelling_a_full_fidelity_replay_stops_its_processes(spike_snapshot: P
 
     def replay() -> None:
         try:
-            run_request(replay_request(spike_snapshot, workspace=tmp_path, job="cancel-me", cancel=cancel))
+            run_request(replay_request(What(spike_snapshot), workspace=tmp_path, job="cancel-me", cancel=cancel))
         except BaseException as exc:  # the assertion below says what was expected
             outcome["error"] = exc
 
@@ -65,7 +65,7 @@ def test_a_cancelled_attribution_stops_before_its_gradient_pass(spike_snapshot: 
 
 
 def test_a_cancelled_log_scan_stops_between_files(tmp_path: Path) -> None:
-    from axrl_spike_replay.analysis.log_scan import scan_logs
+    from axrl_spike_replay.diagnosis.log_scan import scan_logs
 
     log = tmp_path / "train.log"
     log.write_text(" iteration        1/      10 | lm loss: 1.0E-01 | grad norm: 0.5 |\n")

@@ -13,19 +13,19 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
+from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.result import ReplayResult, SweepResult
-from axrl_spike_replay.replay.sample_masks import SampleFilter, TokenDrop, filtered_batch
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.policy_loss import local_counts, policy_loss
+from axrl_spike_replay.training.sample_masks import SampleFilter, TokenDrop, filtered_batch
 from axrl_spike_replay.training.verl_convention import response_horizon
 from axrl_spike_replay.vocabulary import Verdict
 from axrl_spike_replay.workspace.methods import list_methods
 from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
-from axrl_spike_replay.workspace.task_state import open_task
 
 if TYPE_CHECKING:
     from axrl_spike_replay.capture.reference_trainer import CaptureResult
@@ -51,7 +51,7 @@ def investigated(spike_snapshot: Path, tmp_path_factory: pytest.TempPathFactory)
     """A full-fidelity sweep of the ratio_outliers capture, logged in a task."""
     ws = tmp_path_factory.mktemp("clean-ws")
     open_task(ws, JOB, spike_snapshot)
-    return run_request(replay_request(spike_snapshot, verb="sweep", configs=CONFIGS, workspace=ws)), ws
+    return run_request(replay_request(What(spike_snapshot, verb="sweep", configs=CONFIGS), workspace=ws)), ws
 
 
 def _by_change(sweep: SweepResult) -> dict[str, ReplayResult]:
@@ -118,7 +118,7 @@ def test_a_spike_no_minority_of_tokens_carries_is_reported_as_not_reached(
     negative_advantage_run: CaptureResult,
 ) -> None:
     snapshot = negative_advantage_run.snapshot_dirs[-1]
-    result = run_request(replay_request(snapshot, mitigations={"balance_negative_advantages": True}))
+    result = run_request(replay_request(What(snapshot, mitigations={"balance_negative_advantages": True})))
     assert result.verdict == Verdict.CLEARED
     clean = result.clean_gradient
     assert clean is not None and clean["reached"] is False

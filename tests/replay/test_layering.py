@@ -1,6 +1,7 @@
-"""The arrows point down: the replay engine imports no orchestration, remote, workspace or analysis code, the
-snapshot layer only the ground modules, and the library never imports its faces. Checked on the source (every
-import, including those inside functions)."""
+"""The arrows point down: every module imports only its own package, or packages on the floors below its own,
+and no two modules import each other, however far round. Checked on the source (every import, including those
+inside functions and under TYPE_CHECKING), against the floors README's layout table and the design brief list.
+"""
 
 from __future__ import annotations
 
@@ -11,108 +12,154 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "mcp_server" / "axrl_spike_replay"
 FACES = ("cli", "mcp_faces", "server", "__main__")
-ABOVE_THE_ENGINE = ("workspace", "remote", "investigation", "analysis", *FACES)
 GROUND = (
     "errors", "vocabulary", "jsonable", "atomic", "display", "untrusted_bytes", "untrusted_json", "untrusted_yaml",
-    "containment", "locks", "resources", "rank_processes", "temp_janitor", "percent",
+    "containment", "locks", "resources", "rank_processes", "temp_janitor", "names", "private_files", "percent",
 )  # fmt: skip
-# The log line reader: plain text parsing over the ground modules (checked below), used by snapshot.log_point to
-# check a snapshot against its training log. The one module above the snapshot layer that it and replay/ import.
-LOG_TEXT_READER = (
-    "analysis.log_reader", "analysis.log_lines", "analysis.log_series", "analysis.log_values", "analysis.log_columns",
-    "analysis.log_blocks", "analysis.log_kv",
-)  # fmt: skip
-
-
-def imported_packages(path: Path) -> dict[str, int]:
-    """{first package under axrl_spike_replay: line} for every import of this package in a module."""
-    found: dict[str, int] = {}
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        names = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        elif isinstance(node, ast.ImportFrom) and node.level > 0:
-            names = ["axrl_spike_replay.<relative>"]  # relative imports are not used here; refuse them below
-        elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "axrl_spike_replay" and len(parts) > 1:
-                found.setdefault(parts[1], getattr(node, "lineno", 0))
-    return found
+# Top floor first. A module may import its own package and anything on a lower floor; on a floor of several
+# packages, none imports another (diagnosis never imports workspace, remote never imports the record). On the
+# floors marked FLAT the modules are single files that may import each other (still without a circle).
+FLOORS: tuple[tuple[str, ...], ...] = (
+    FACES,
+    ("demo", "agent_install", "skill_pack"),  # beside the faces: the whole procedure, installing the skills
+    ("investigation",),  # orchestration: run a request here or elsewhere, open a task with its diagnosis
+    ("diagnosis", "remote", "workspace"),
+    ("testing",),  # public test support: records snapshots with the capture side
+    ("replay", "capture"),
+    ("experiment",),  # what engine, remote, record and diagnosis share: mitigations, results, verdicts, run dirs
+    ("training",),
+    ("analysis", "models"),
+    ("snapshot",),
+    ("logs",),
+    GROUND,
+)
+FLAT = (FACES, FLOORS[1], GROUND)
 
 
 def imported_modules(path: Path) -> dict[str, int]:
-    """{module path under axrl_spike_replay (`snapshot.layout`): line} for every import of this package."""
+    """{module path under axrl_spike_replay (`snapshot.layout`): line} for every import of this package; a name
+    imported from a package (`from axrl_spike_replay.diagnosis import causes`) counts as its module."""
     found: dict[str, int] = {}
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            found.setdefault("<relative>", node.lineno)  # relative imports are not used here; refused below
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         elif isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         else:
             continue
         for name in names:
             parts = name.split(".")
-            if parts[0] == "axrl_spike_replay" and len(parts) > 1:
-                found.setdefault(".".join(parts[1:]), node.lineno)
+            if parts[0] != "axrl_spike_replay" or len(parts) < 2:
+                continue
+            module = ".".join(parts[1:])
+            if _is_module(module):
+                found.setdefault(module, node.lineno)
     return found
 
 
-def _within(name: str, packages: tuple[str, ...]) -> bool:
-    return name.split(".")[0] in packages or name in LOG_TEXT_READER
+def _is_module(module: str) -> bool:
+    path = PACKAGE / module.replace(".", "/")
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
-def modules(*under: str) -> list[Path]:
-    return sorted(p for sub in under for p in (PACKAGE / sub).rglob("*.py"))
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def library_modules() -> list[Path]:
-    return [
-        p for p in sorted(PACKAGE.rglob("*.py")) if p.relative_to(PACKAGE).parts[0].removesuffix(".py") not in FACES
-    ]
+    return sorted(PACKAGE.rglob("*.py"))
 
 
-@pytest.mark.parametrize("module", modules("replay"), ids=lambda p: p.relative_to(PACKAGE).as_posix())
-def test_the_replay_engine_imports_nothing_above_it(module: Path) -> None:
-    found = imported_packages(module)
-    wrong = {f"{pkg} (line {line})" for pkg, line in found.items() if pkg in (*ABOVE_THE_ENGINE, "<relative>")}
-    wrong -= {f"analysis (line {line})" for name, line in imported_modules(module).items() if name in LOG_TEXT_READER}
-    assert not wrong, f"{module.relative_to(PACKAGE)} imports {sorted(wrong)}: replay/ is the pure engine"
-
-
-@pytest.mark.parametrize("module", modules("models", "training"), ids=lambda p: p.relative_to(PACKAGE).as_posix())
-def test_models_and_the_training_math_import_nothing_from_the_engine_or_above(module: Path) -> None:
-    found = imported_packages(module)
-    above = ("replay", *ABOVE_THE_ENGINE, "<relative>")
-    wrong = {f"{pkg} (line {line})" for pkg, line in found.items() if pkg in above}
-    assert not wrong, f"{module.relative_to(PACKAGE)} imports {sorted(wrong)}: models/ and training/ sit below replay/"
-
-
-@pytest.mark.parametrize("module", modules("snapshot"), ids=lambda p: p.relative_to(PACKAGE).as_posix())
-def test_the_snapshot_layer_imports_only_itself_the_ground_and_the_log_text_reader(module: Path) -> None:
-    found = imported_modules(module)
-    wrong = {f"{n} (line {line})" for n, line in found.items() if not _within(n, ("snapshot", *GROUND))}
-    assert not wrong, f"{module.relative_to(PACKAGE)} imports {sorted(wrong)}: snapshot/ sits on the ground modules"
-
-
-@pytest.mark.parametrize("name", LOG_TEXT_READER)
-def test_the_log_text_reader_rests_on_the_ground_modules_alone(name: str) -> None:
-    module = PACKAGE / (name.replace(".", "/") + ".py")
-    found = imported_modules(module)
-    wrong = {f"{n} (line {line})" for n, line in found.items() if not _within(n, GROUND)}
-    assert not wrong, f"{name} imports {sorted(wrong)}: snapshot/ and replay/ may only use it while it stays plain"
+def floor_of(module: str) -> int:
+    top = module.split(".")[0]
+    for number, packages in enumerate(FLOORS):
+        if top in packages:
+            return number
+    raise AssertionError(f"{module}: its package {top!r} is on no floor; add it to FLOORS (and to the README's table)")
 
 
 @pytest.mark.parametrize("module", library_modules(), ids=lambda p: p.relative_to(PACKAGE).as_posix())
-def test_the_library_never_imports_its_faces(module: Path) -> None:
-    found = imported_packages(module)
-    wrong = {f"{pkg} (line {line})" for pkg, line in found.items() if pkg in FACES}
-    assert not wrong, f"{module.relative_to(PACKAGE)} imports the faces {sorted(wrong)}"
+def test_every_import_points_down(module: Path) -> None:
+    name = module_name(module)
+    if name == "":
+        return  # the package's own __init__ (its version)
+    own_top, own_floor = name.split(".")[0], floor_of(name)
+    wrong = []
+    for target, line in imported_modules(module).items():
+        if target == "<relative>":
+            wrong.append(f"a relative import (line {line})")
+            continue
+        top, floor = target.split(".")[0], floor_of(target)
+        if top == own_top or floor > own_floor or (floor == own_floor and FLOORS[floor] in FLAT):
+            continue
+        wrong.append(f"{target} (line {line}, floor {floor} {'/'.join(FLOORS[floor])})")
+    assert not wrong, f"{name} (floor {own_floor} {'/'.join(FLOORS[own_floor])}) imports upward or sideways: {wrong}"
 
 
-def test_the_check_sees_imports_inside_functions(tmp_path: Path) -> None:
+def test_no_two_modules_import_each_other() -> None:
+    graph = {module_name(p): set(imported_modules(p)) for p in library_modules()}
+    circles = _strongly_connected(graph)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_every_package_is_on_a_floor() -> None:
+    packages = {p.name.removesuffix(".py") for p in PACKAGE.iterdir() if p.suffix == ".py" or p.is_dir()}
+    packages -= {"__init__", "__pycache__", "_data"}
+    on_floors = {name for floor in FLOORS for name in floor}
+    assert packages <= on_floors, f"not on a floor: {sorted(packages - on_floors)}"
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm: the sets of modules that import each other round a loop (self-imports ignored)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target == node or target not in graph:
+                continue
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            members = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                members.append(member)
+                if member == node:
+                    break
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_check_sees_imports_inside_functions_and_through_packages(tmp_path: Path) -> None:
     module = tmp_path / "lazy.py"
-    module.write_text("def f():\n    from axrl_spike_replay.workspace.task_log import record_replay\n")
-    assert imported_packages(module) == {"workspace": 2}
-    assert imported_modules(module) == {"workspace.task_log": 2}
+    module.write_text(
+        "def f():\n"
+        "    from axrl_spike_replay.workspace.task_log import record_replay\n"
+        "    from axrl_spike_replay.diagnosis import causes\n"
+    )
+    assert imported_modules(module) == {"workspace.task_log": 2, "diagnosis": 3, "diagnosis.causes": 3}
+
+
+def test_the_circle_check_finds_a_loop_of_three() -> None:
+    loop = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _strongly_connected(loop) == [["a", "b", "c"]]

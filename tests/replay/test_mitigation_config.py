@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.replay.mitigations import (
+from axrl_spike_replay.experiment.mitigations import (
     MITIGATIONS,
     apply_config,
     check_distinct,

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.command_overrides import check_concrete
-from axrl_spike_replay.replay.mitigation_sets import SEED_WORKFLOW_METHODS
-from axrl_spike_replay.replay.mitigations import (
+from axrl_spike_replay.experiment.mitigation_sets import SEED_WORKFLOW_METHODS
+from axrl_spike_replay.experiment.mitigations import (
     apply_config,
     config_id,
     mitigation_args,
     parse_config,
     parse_mitigation_args,
 )
+from axrl_spike_replay.remote.command_overrides import check_concrete
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config

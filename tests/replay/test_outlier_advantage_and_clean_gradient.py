@@ -10,11 +10,11 @@ import torch
 from tiny_snapshot import record_tiny_snapshot
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+from axrl_spike_replay.experiment.result import SweepResult
+from axrl_spike_replay.investigation.request import What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.mitigations import parse_mitigation_args
-from axrl_spike_replay.replay.result import SweepResult
-from axrl_spike_replay.replay.sample_masks import outlier_samples, robust_z
+from axrl_spike_replay.training.sample_masks import outlier_samples, robust_z
 from axrl_spike_replay.vocabulary import Verdict
 
 OUTLIER = (0, 1, 200.0)  # rank 0 sample 1: its advantage scaled 200x
@@ -35,7 +35,7 @@ def outlier_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def sweep(outlier_snapshot: Path) -> SweepResult:
-    return run_request(replay_request(outlier_snapshot, verb="sweep", configs=CONFIGS))
+    return run_request(replay_request(What(outlier_snapshot, verb="sweep", configs=CONFIGS)))
 
 
 def _by_id(sweep: SweepResult) -> dict[str, object]:
@@ -84,7 +84,9 @@ def test_a_clear_threshold_of_the_users_changes_the_verdict(outlier_snapshot: Pa
     clipped = sweep.results[3]
     assert clipped.verdict == Verdict.CLEARED and clipped.verdict_basis["threshold_source"] == "detector"
     strict = clipped.spike_ratio * 0.9  # under the user's stricter threshold the clipped spike is not cleared
-    result = run_request(replay_request(outlier_snapshot, mitigations={"advantage_clip": 1}, clear_threshold=strict))
+    result = run_request(replay_request(
+        What(outlier_snapshot, mitigations={"advantage_clip": 1}, clear_threshold=strict),
+    ))
     assert result.verdict == Verdict.PARTIAL
     assert result.threshold == pytest.approx(strict)
     basis = result.verdict_basis
@@ -113,6 +115,6 @@ def test_bad_values_are_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="rank:sample"):
         parse_mitigation_args(["drop_samples=0-1"])
     with pytest.raises(ConfigError, match="clear_threshold"):
-        replay_request("/nowhere", clear_threshold=0)
+        replay_request(What("/nowhere", clear_threshold=0))
     with pytest.raises(ConfigError, match="clear_threshold"):
-        replay_request("/nowhere", clear_threshold=2.0, target="root@node")
+        replay_request(What("/nowhere", clear_threshold=2.0), where=Where(target="root@node"))

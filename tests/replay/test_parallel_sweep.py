@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from result_files import result_files, stable
 
@@ -20,8 +20,6 @@ CONFIGS = [
 ]
 
 
-
-
 @pytest.mark.slow  # two sweeps, one of them with a spawned replay process
 def test_a_sweep_on_two_pools_matches_the_sweep_on_one(spike_snapshot: Path, tmp_path: Path) -> None:
     runs = {}
@@ -30,11 +28,8 @@ def test_a_sweep_on_two_pools_matches_the_sweep_on_one(spike_snapshot: Path, tmp
         ws = tmp_path / f"ws{pools}"
         ws.mkdir()
         request = replay_request(
-            spike_snapshot,
-            verb="sweep",
-            configs=CONFIGS,
-            nproc=1,
-            parallel_configs=pools,
+            What(spike_snapshot, verb="sweep", configs=CONFIGS),
+            how=How(nproc=1, parallel_configs=pools),
             workspace=ws,
             progress=lines.append if pools == 2 else None,
         )

@@ -9,32 +9,34 @@ import pytest
 
 from axrl_spike_replay.cli import main
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.investigation.request import How, What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 
 
 @pytest.mark.parametrize(
-    ("arguments", "parameter"),
+    ("what", "where", "how", "parameter"),
     [
-        ({"verb": "attribute", "top": 0}, "top"),
-        ({"device": "tpu"}, "device"),
-        ({"nproc": 0}, "nproc"),
-        ({"repeat": 0}, "repeat"),
-        ({"timeout_s": 5.0}, "timeout_s"),
-        ({"backend": "command", "verb": "attribute"}, "target"),
-        ({"patch": "fix.diff"}, "patch"),
+        ({"verb": "attribute", "top": 0}, Where(), How(), "top"),
+        ({}, Where(), How(device="tpu"), "device"),  # type: ignore[arg-type]
+        ({}, Where(), How(nproc=0), "nproc"),
+        ({"repeat": 0}, Where(), How(), "repeat"),
+        ({}, Where(timeout_s=5.0), How(), "timeout_s"),
+        ({"verb": "attribute"}, Where(backend="command"), How(), "target"),  # type: ignore[arg-type]
+        ({}, Where(patches=("fix.diff",)), How(), "patch"),
     ],
 )
-def test_the_request_names_the_parameter_it_refuses(spike_snapshot: Path, arguments: dict, parameter: str) -> None:
+def test_the_request_names_the_parameter_it_refuses(
+    spike_snapshot: Path, what: dict, where: Where, how: How, parameter: str
+) -> None:
     with pytest.raises(ConfigError) as info:
-        replay_request(spike_snapshot, **arguments)
+        replay_request(What(spike_snapshot, **what), where, how)
     assert info.value.parameter == parameter
     assert f"`{parameter}`" in str(info.value) and "--" not in str(info.value)
 
 
 def test_the_engine_names_the_parameter_too(spike_snapshot: Path) -> None:
     with pytest.raises(ConfigError, match="`nproc` 3 is larger than the saved world size 2") as info:
-        run_request(replay_request(spike_snapshot, nproc=3))
+        run_request(replay_request(What(spike_snapshot), how=How(nproc=3)))
     assert info.value.parameter == "nproc"
 
 

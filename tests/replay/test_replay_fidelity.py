@@ -12,19 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.experiment.result import ReplayResult
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.result import ReplayResult
 from axrl_spike_replay.replay.sweep import run_sweep
-from axrl_spike_replay.workspace.task_state import open_task, show_task
+from axrl_spike_replay.workspace.task_state import show_task
 
 
 @pytest.fixture(scope="module")
 def full_replay(spike_snapshot: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[ReplayResult, Path]:
     """The spike replayed at its saved world size (two gloo processes), twice for the determinism check."""
     ws = tmp_path_factory.mktemp("full-ws")
-    return run_request(replay_request(spike_snapshot, nproc=2, repeat=2, workspace=ws)), ws
+    return run_request(replay_request(What(spike_snapshot, repeat=2), how=How(nproc=2), workspace=ws)), ws
 
 
 def test_full_fidelity_reproduces_the_recorded_grad_norm(full_replay: tuple[ReplayResult, Path]) -> None:
@@ -94,7 +95,11 @@ def test_legacy_snapshot_replays_without_being_touched(legacy_snapshot: Path) ->
 def test_a_replay_is_logged_in_the_open_task(spike_snapshot: Path, workspace: Path) -> None:
     open_task(workspace, "fixture-moe", spike_snapshot)
     result = run_request(
-        replay_request(spike_snapshot, nproc=1, workspace=workspace, mitigations={"mismatch_token_clip_max": 2})
+        replay_request(
+            What(spike_snapshot, mitigations={"mismatch_token_clip_max": 2}),
+            how=How(nproc=1),
+            workspace=workspace,
+        )
     )
     assert result.verdict == "cleared"
     # a reduced baseline of a golden fixture: within the reduced tolerance, not bit for bit

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from axrl_spike_replay.analysis.diagnose import diagnose_snapshot
+from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
 from axrl_spike_replay.errors import AxrlError, SnapshotError
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.models.policy import routing_shape
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
@@ -52,7 +52,7 @@ def test_a_payload_that_does_not_fit_is_refused_before_any_replay(
     edit_routing_payload(snap, 0, change)
 
     with pytest.raises(SnapshotError, match=PAYLOAD) as refused:
-        run_request(replay_request(snap, nproc=1, workspace=workspace))
+        run_request(replay_request(What(snap), how=How(nproc=1), workspace=workspace))
     assert message in str(refused.value)
     assert not (workspace / "tmp").exists()  # refused before the run's output dir was made
 
@@ -73,7 +73,7 @@ def test_expert_ids_the_model_lacks_are_refused_naming_the_file(
     edit_routing_payload(snap, 0, change)
 
     with pytest.raises(AxrlError, match=PAYLOAD) as refused:
-        run_request(replay_request(snap, nproc=1, workspace=workspace))
+        run_request(replay_request(What(snap), how=How(nproc=1), workspace=workspace))
     assert message in str(refused.value)
     assert "Traceback" not in str(refused.value) and "IndexError" not in str(refused.value)
 
@@ -90,7 +90,13 @@ def test_diagnose_lists_a_payload_it_cannot_replay_instead_of_failing(snapshot_c
 
 def _payload(routes: torch.Tensor, layers: list[int] | None) -> RoutingPayload:
     listed = layers is not None
-    return RoutingPayload(routes, layers if listed else list(range(routes.shape[2])), "rollout", Path("p.pt"), listed)
+    return RoutingPayload(
+        routed_experts=routes,
+        moe_layers=layers if listed else list(range(routes.shape[2])),
+        source="rollout",
+        file=Path("p.pt"),
+        layers_listed=listed,
+    )
 
 
 def test_routes_that_fit_pass_and_every_mismatch_is_named() -> None:

@@ -7,15 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.result import SweepResult
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import ReplayOptions
-from axrl_spike_replay.replay.mitigations import apply_config, parse_config
-from axrl_spike_replay.replay.sweep import SweepResult
 from axrl_spike_replay.replay.worker import _groups
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.routing_replay import RoutingConfig
-from axrl_spike_replay.workspace.task_state import open_task, show_task
+from axrl_spike_replay.workspace.task_state import show_task
 
 CONFIGS = [
     {"mismatch_token_clip_max": 2},
@@ -34,7 +35,11 @@ CONFIGS = [
 def sweep(spike_snapshot: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[SweepResult, Path]:
     ws = tmp_path_factory.mktemp("sweep-ws")
     open_task(ws, "fixture-moe", spike_snapshot)
-    return run_request(replay_request(spike_snapshot, verb="sweep", configs=CONFIGS, nproc=1, workspace=ws)), ws
+    return run_request(replay_request(
+        What(spike_snapshot, verb="sweep", configs=CONFIGS),
+        how=How(nproc=1),
+        workspace=ws,
+    )), ws
 
 
 def test_every_config_gets_a_result_in_order_with_its_verdict(sweep: tuple[SweepResult, Path]) -> None:

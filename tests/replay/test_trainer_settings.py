@@ -15,12 +15,11 @@ import yaml
 
 from axrl_spike_replay.capture.run_config import build_run_config, parse_run_config
 from axrl_spike_replay.capture.verl_loss_section import section_from_actor_config
-from axrl_spike_replay.replay.mitigations import MITIGATIONS, apply_config, parse_config
-from axrl_spike_replay.replay.trainer_changes import trainer_changes
-from axrl_spike_replay.replay.trainer_settings import TRAINERS, snapshot_trainer, trainer_of
-from axrl_spike_replay.training.loss_config import LossConfig
+from axrl_spike_replay.experiment.mitigations import MITIGATIONS, apply_config, parse_config
+from axrl_spike_replay.experiment.trainer_changes import trainer_changes
+from axrl_spike_replay.experiment.trainer_settings import TRAINERS, snapshot_trainer, trainer_of
+from axrl_spike_replay.training.loss_config import LossConfig, rejection_options, rollout_is_setting
 from axrl_spike_replay.training.routing_config import RoutingConfig
-from axrl_spike_replay.training.verl_settings import rejection_options, rollout_is_setting
 
 # One value per mitigation, as a user would write it (a new mitigation must be added here, and so checked).
 SAMPLES: dict[str, Any] = {

@@ -11,20 +11,21 @@ import pytest
 
 from axrl_spike_replay.cli import main
 from axrl_spike_replay.errors import AxrlError, ConfigError, SnapshotError
-from axrl_spike_replay.investigation.request import replay_request
-from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.layout_plan import plan_layout
-from axrl_spike_replay.replay.verdict import (
+from axrl_spike_replay.experiment.verdict import (
     baseline_verdict,
     mitigation_verdict,
     ratio_threshold,
     tolerance,
     writable_problem,
 )
+from axrl_spike_replay.investigation.request import What, replay_request
+from axrl_spike_replay.investigation.runs import run_request
+from axrl_spike_replay.investigation.task_opening import open_task
+from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.layout_plan import plan_layout
 from axrl_spike_replay.snapshot.metadata import DetectorSpec
 from axrl_spike_replay.workspace.methods import add_method
-from axrl_spike_replay.workspace.task_state import open_task, show_task
+from axrl_spike_replay.workspace.task_state import show_task
 
 
 def test_baseline_is_reproduced_within_the_layouts_tolerance() -> None:
@@ -129,7 +130,7 @@ def test_a_no_op_on_a_snapshot_whose_threshold_was_raised_is_not_a_method(
     snapshot = _with_detector(snapshot_copy(), threshold=1000)
     open_task(workspace, "fixture-moe", snapshot)
 
-    result = run_request(replay_request(snapshot, workspace=workspace, mitigations={"clip_eps_low": 0.2}))
+    result = run_request(replay_request(What(snapshot, mitigations={"clip_eps_low": 0.2}), workspace=workspace))
 
     assert result.fidelity == "full" and result.change_vs_baseline == 0.0
     assert result.threshold == 1000 and result.spike_ratio is not None and result.spike_ratio < 1000

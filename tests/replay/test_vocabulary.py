@@ -10,7 +10,7 @@ import yaml
 
 from axrl_spike_replay.capture.spike_guard import SpikeGuard
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.replay.result import VERDICTS, ReplayResult
+from axrl_spike_replay.experiment.result import VERDICTS, ReplayResult
 from axrl_spike_replay.vocabulary import Backend, Fidelity, GuardAction, Verdict
 
 RESULT = {

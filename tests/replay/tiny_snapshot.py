@@ -1,7 +1,7 @@
 """Tiny spike snapshots for the replay tests, recorded with the trainer's own step functions.
 
 One process builds the seeded policy, makes each rank's batch (a few samples carry a rollout-logprob
-mismatch: the burst), computes every rank's gradients with `replay.rank_step` (summed, then divided
+mismatch: the burst), computes every rank's gradients with `training.rank_step` (summed, then divided
 by the world size as `reduce_gradients` does) and writes the snapshot with `write_snapshot`, which
 takes every rank's payload from a single process. Under `loss.normalization: global` every rank
 normalises by the step's counts, summed over the ranks' batches as the trainer's all-reduce sums
@@ -18,7 +18,6 @@ import torch
 
 from axrl_spike_replay.capture.snapshot_writer import RankPayload, write_snapshot
 from axrl_spike_replay.models.tiny_moe import RoutingControl, TinyMoEConfig, TinyMoEPolicy, token_logprobs
-from axrl_spike_replay.replay.sample_masks import SampleFilter, filtered_batch
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, DetectorSpec, ParallelLayout
 from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY, GlobalCounts
 from axrl_spike_replay.training.policy_loss import LossConfig, local_counts
@@ -29,6 +28,7 @@ from axrl_spike_replay.training.rank_step import (
     reduce_gradients,
 )
 from axrl_spike_replay.training.routing_replay import RoutingConfig, routing_control
+from axrl_spike_replay.training.sample_masks import SampleFilter, filtered_batch
 
 MODEL = TinyMoEConfig(vocab_size=16, d_model=16, n_layers=2, n_heads=2, d_ff=32, n_experts=4, top_k=2, max_seq_len=16)
 LOSS = {"kl_coef": 0.01, "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "is_base_logprobs": "rollout"}

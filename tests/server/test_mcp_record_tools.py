@@ -8,7 +8,7 @@ from pathlib import Path
 
 from server_helpers import ITERATION, JOB, MEDIAN, RECORDED, SpikeOutputs, call, error_text, ok, with_client
 
-from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.server import create_server
 from axrl_spike_replay.workspace.task_log import record_replay
 

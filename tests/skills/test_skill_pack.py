@@ -83,7 +83,7 @@ def test_the_workflow_skill_names_a_tool_for_every_step() -> None:
 
 
 def test_the_mitigation_catalogue_matches_the_registry() -> None:
-    from axrl_spike_replay.replay.mitigations import MITIGATIONS
+    from axrl_spike_replay.experiment.mitigations import MITIGATIONS
 
     text = (skills_dir() / "axrl-spike-replay" / "references" / "mitigation-catalogue.md").read_text()
     rows = set(re.findall(r"^\| `([a-z_]+)` \|", text, flags=re.MULTILINE))

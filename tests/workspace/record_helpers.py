@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.experiment.result import ReplayResult
 
 JOB = "fixture-moe"
 ITERATION = 5

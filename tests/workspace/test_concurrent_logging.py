@@ -8,8 +8,9 @@ from pathlib import Path
 
 from record_helpers import JOB, replay_result
 
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.workspace.task_log import record_failure, record_replay
-from axrl_spike_replay.workspace.task_state import open_task, show_task
+from axrl_spike_replay.workspace.task_state import show_task
 
 WRITERS = 4
 ROWS_EACH = 6

@@ -210,8 +210,8 @@ def test_investigation_from_open_to_report(tmp_path: Path, spike_run: SpikeRun, 
 
 
 def test_report_shows_the_baseline_computed_alongside_a_mitigated_replay(tmp_path: Path, spike_run: SpikeRun) -> None:
+    from axrl_spike_replay.investigation.task_opening import open_task
     from axrl_spike_replay.workspace.report import write_report
-    from axrl_spike_replay.workspace.task_state import open_task
 
     open_task(tmp_path, JOB, snapshot=spike_run.snapshot)
     result = replay_result(spike_run.snapshot, 3.9, "cleared", mitigations={"mismatch_token_clip_max": 2.5})
@@ -224,7 +224,7 @@ def test_report_shows_the_baseline_computed_alongside_a_mitigated_replay(tmp_pat
 
 
 def test_task_show_gives_the_change_as_the_files_do(tmp_path: Path, spike_run: SpikeRun, capsys) -> None:
-    from axrl_spike_replay.workspace.task_state import open_task
+    from axrl_spike_replay.investigation.task_opening import open_task
 
     open_task(tmp_path, JOB, snapshot=spike_run.snapshot)
     result = replay_result(spike_run.snapshot, 3.9, "cleared", mitigations={"mismatch_token_clip_max": 2.5})

@@ -13,10 +13,11 @@ import pytest
 from record_helpers import JOB, SpikeRun, replay_result, save_result
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.workspace.methods import add_method, list_methods, rank_key
 from axrl_spike_replay.workspace.report import write_report
 from axrl_spike_replay.workspace.task_log import record_replay
-from axrl_spike_replay.workspace.task_state import open_task, read_state, set_command
+from axrl_spike_replay.workspace.task_state import read_state, set_command
 
 BASE = 37.42
 
@@ -121,11 +122,11 @@ def test_the_task_and_report_show_the_replay_command_actually_used(
 ) -> None:
     workspace, _ = investigated
     state = read_state(workspace, JOB)
-    assert state["command"] == f"axrl-spike-replay replay {spike_run.snapshot}"
+    assert state.command == f"axrl-spike-replay replay {spike_run.snapshot}"
     assert "None recorded yet" not in (workspace / "agent-task" / "spike-replay" / f"{JOB}.md").read_text()
     set_command(workspace, JOB, "my own command")
     _log(workspace, spike_run.snapshot, "again", BASE, {}, None, 0.0, command="axrl-spike-replay replay other")
-    assert read_state(workspace, JOB)["command"] == "my own command"  # what the user set stays
+    assert read_state(workspace, JOB).command == "my own command"  # what the user set stays
 
 
 def test_a_cosine_against_a_clean_gradient_that_never_got_under_the_bar_ranks_by_footprint_after_the_others() -> None:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 from record_helpers import JOB, RECORDED, THRESHOLD, SpikeRun, replay_result, save_result
 
-from axrl_spike_replay.replay.verdict import threshold_label, verdict_basis
+from axrl_spike_replay.experiment.verdict import threshold_label, verdict_basis
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.workspace.methods import add_method
 from axrl_spike_replay.workspace.task_log import record_replay
-from axrl_spike_replay.workspace.task_state import open_task
 
 BASE = 37.4189
 MEDIAN = 2.91

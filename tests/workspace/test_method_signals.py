@@ -14,9 +14,9 @@ import pytest
 from record_helpers import JOB, RECORDED, SpikeRun, replay_result, save_result
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.workspace.methods import add_method
 from axrl_spike_replay.workspace.task_log import record_replay
-from axrl_spike_replay.workspace.task_state import open_task
 
 BASE = 37.4189
 CLEARED = 3.812
@@ -98,12 +98,12 @@ def test_without_a_diagnosis_or_attribution_the_method_file_says_what_was_not_me
 
 @pytest.mark.slow
 def test_an_attribution_of_the_snapshot_in_the_jobs_runs_is_quoted(tmp_path: Path, spike_run: SpikeRun) -> None:
-    from axrl_spike_replay.investigation.request import replay_request
+    from axrl_spike_replay.investigation.request import What, replay_request
     from axrl_spike_replay.investigation.runs import run_request
 
     attempt = _investigate(tmp_path, spike_run.snapshot)
     attribution = run_request(
-        replay_request(spike_run.snapshot, verb="attribute", top=2, workspace=tmp_path, job=JOB)
+        replay_request(What(spike_run.snapshot, verb="attribute", top=2), workspace=tmp_path, job=JOB)
     )  # a real attribution, written into the job's runs as `attribute --job` writes it
     written = Path(attribution.output_dir) / "attribution.json"
     assert written.is_file()

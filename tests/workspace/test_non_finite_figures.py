@@ -12,10 +12,11 @@ from record_helpers import JOB, SpikeRun, replay_result
 
 from axrl_spike_replay.cli import main
 from axrl_spike_replay.investigation.recording import new_run_dir
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.workspace.evidence import row_result
 from axrl_spike_replay.workspace.task_log import record_replay
-from axrl_spike_replay.workspace.task_state import open_task, read_state
+from axrl_spike_replay.workspace.task_state import read_state
 
 
 def strict_json(text: str) -> object:
@@ -48,7 +49,7 @@ def test_an_overflowed_replay_is_null_in_the_result_file_the_task_and_json(
     assert doc["grad_norm"] is None and doc["spike_ratio"] is None and doc["verdict"] == "worse"
 
     assert record_replay(tmp_path, JOB, result, path) == "E1"
-    [row] = read_state(tmp_path, JOB)["experiments"]
+    [row] = read_state(tmp_path, JOB).experiments
     assert row["grad_norm"] is None and row["rel_diff"] is None and row["change_vs_baseline"] is None
     assert row["baseline_grad_norm"] == 37.0
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from axrl_spike_replay.investigation.request import replay_request
+from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
+from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.workspace.report import write_report
-from axrl_spike_replay.workspace.task_state import open_task
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
 JOB = "fixture-moe"
@@ -31,7 +31,7 @@ def test_the_report_shows_the_baseline_replays_consistency_and_its_named_problem
     workspace = tmp_path / "ws"
     workspace.mkdir()
     open_task(workspace, JOB, snapshot)  # static evidence: no replay, so the edit goes unseen here
-    baseline = run_request(replay_request(snapshot, workspace=workspace, job=JOB))
+    baseline = run_request(replay_request(What(snapshot), workspace=workspace, job=JOB))
     assert baseline.verdict == "reproduced"  # the grad norm still matches: the replay "reproduces"
 
     report = write_report(workspace, JOB)

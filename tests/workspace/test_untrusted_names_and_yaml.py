@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.remote.workspace_config import load_workspace_config
 from axrl_spike_replay.skill_pack import parse_skill
 from axrl_spike_replay.snapshot.layout import parse_iteration, parse_output_dir_name
 from axrl_spike_replay.workspace import front_matter
-from axrl_spike_replay.workspace.paths import check_plain_name
 
 FIXTURE_SNAPSHOT = (
     Path(__file__).resolve().parents[1]

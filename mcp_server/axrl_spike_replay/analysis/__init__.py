@@ -1,1 +1,1 @@
-"""Reading what a snapshot and its logs say: batch signals, outliers, gradient info, routing, log scans, plots."""
+"""Signals from a snapshot alone: batch and routing signals, outliers, gradient info, plots."""

@@ -3,7 +3,7 @@
 `capture_reference_run` trains for a few dozen steps (one process per data-parallel rank), injects
 a preset's burst of bad data, and lets the spike guard write snapshots of the spike steps under
 `<out>/<run>~<job>__actor/checkpoints/spike_snapshots/`, with Megatron-style logs in `logs/train.log`.
-Gradients come from `replay.rank_step`, so a replay of a snapshot recomputes them exactly.
+Gradients come from `training.rank_step`, so a replay of a snapshot recomputes them exactly.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""One reference-trainer step on one rank: rollout, advantages, gradients (via `replay.rank_step`), update.
+"""One reference-trainer step on one rank: rollout, advantages, gradients (via `training.rank_step`), update.
 
 Each step a rank samples a group of responses per prompt from a bf16 copy of the policy (the
 rollout engine, which also records logprobs and routes), scores them, computes advantages, takes
-the fp32 old and reference logprobs, and computes its gradients with `replay.rank_step` — the
+the fp32 old and reference logprobs, and computes its gradients with `training.rank_step` — the
 same code a replay runs — then the DP mean and the global pre-clip grad norm. The loop in
 `reference_trainer` puts the spike guard between the gradients and the update.
 """

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.training.loss_config import KL_ESTIMATORS, UNREPRODUCED_KEY, VERL_VERSION, LossConfig
+from axrl_spike_replay.training.loss_config import KL_ESTIMATORS, UNREPRODUCED_KEY, LossConfig
+from axrl_spike_replay.training.verl_settings import VERL_VERSION
 
 VERL_LOSS_FUNCTION = "ppo_loss"  # verl.workers.utils.losses.ppo_loss: the loss the verl convention reproduces
 # verl's kl_penalty names our list spells otherwise: "kl" is k1, and k2's "+" variant is k2 itself.

@@ -177,7 +177,7 @@ def _grads(args: argparse.Namespace) -> int:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.analysis.diagnose import diagnose_snapshot, render_diagnosis
+    from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot, render_diagnosis
 
     result = diagnose_snapshot(
         args.snapshot, attribution=args.attribution, logs=args.logs, model=args.model, top=args.top
@@ -187,7 +187,7 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.analysis.log_scan import MAX_LINE_CHARS, scan_logs, with_sampled_series
+    from axrl_spike_replay.diagnosis.log_scan import MAX_LINE_CHARS, scan_logs, with_sampled_series
 
     result = scan_logs(args.paths, args.dest, window=args.window, threshold=args.threshold, warmup=args.warmup)
     if args.json:  # one compact document, its size bounded unless every point is asked for

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from axrl_spike_replay.vocabulary import Backend
+
 if TYPE_CHECKING:
+    from axrl_spike_replay.investigation.request import Where
     from axrl_spike_replay.remote.options import RemoteOptions
 
 
@@ -43,7 +46,7 @@ def add_remote_options(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--backend",
-        choices=("torch", "command"),
+        choices=Backend.values(),
         default="torch",
         help="torch: the built-in engine; command: the external replay command of spike-replay.yaml",
     )
@@ -75,4 +78,19 @@ def remote_options_from_args(args: argparse.Namespace) -> RemoteOptions:
         accept_new_host_key=bool(getattr(args, "accept_new_host_key", False)),
         timeout_s=getattr(args, "timeout", None),
         patches=tuple(getattr(args, "patch", None) or ()),
+    )
+
+
+def where_from_args(args: argparse.Namespace) -> Where:
+    """Where a `replay`, `sweep` or `attribute` of parsed arguments runs (the request's `Where` part)."""
+    from axrl_spike_replay.investigation.request import LOCAL, Where
+
+    return Where(
+        target=getattr(args, "target", None) or LOCAL,
+        backend=Backend(getattr(args, "backend", Backend.TORCH)),
+        patches=tuple(getattr(args, "patch", None) or ()),
+        remote_python=getattr(args, "remote_python", None),
+        known_hosts=getattr(args, "known_hosts", None),
+        accept_new_host_key=bool(getattr(args, "accept_new_host_key", False)),
+        timeout_s=getattr(args, "timeout", None),
     )

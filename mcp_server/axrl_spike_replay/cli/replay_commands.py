@@ -11,7 +11,9 @@ from axrl_spike_replay.cli.output import add_json_flag, emit, progress, table
 from axrl_spike_replay.cli.remote_options import add_remote_options
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.investigation.request import MAX_REPEAT
 from axrl_spike_replay.percent import pct, pct_plain
+from axrl_spike_replay.vocabulary import Device, Verb
 
 if TYPE_CHECKING:
     from axrl_spike_replay.investigation.request import ReplayRequest
@@ -23,7 +25,7 @@ def _common(parser: argparse.ArgumentParser, layout: bool = True) -> None:
         parser.add_argument(
             "--nproc", type=int, default=None, help="replay processes (default: the saved world size = full fidelity)"
         )
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to recompute (default cpu)")
+    parser.add_argument("--device", choices=Device.values(), default="cpu", help="where to recompute (default cpu)")
     parser.add_argument(
         "--workspace", default=".", help="workspace root; output goes to tmp/spike-replay/<job>/<timestamp>/"
     )
@@ -69,7 +71,12 @@ def register(sub: Any) -> None:
         help="replay-only mitigation; repeat to combine (e.g. mismatch_token_clip_max=2); an unknown NAME lists "
         "the valid ones",
     )
-    p.add_argument("--repeat", type=int, default=1, help="recompute N times and report the spread (determinism)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help=f"recompute N times (at most {MAX_REPEAT}) and report the spread (determinism)",
+    )
     _clear_threshold(p)
     p.set_defaults(handler=_replay)
 
@@ -111,32 +118,32 @@ def register(sub: Any) -> None:
     a.set_defaults(handler=_attribute)
 
 
-def _request(args: argparse.Namespace, verb: str, **what: Any) -> ReplayRequest:
-    """The library's ReplayRequest for parsed arguments: this face only maps its options onto it."""
-    from axrl_spike_replay.investigation.request import replay_request
+def _request(args: argparse.Namespace, verb: Verb, **what: Any) -> ReplayRequest:
+    """The library's ReplayRequest for parsed arguments: this face only maps its options onto the request's parts."""
+    from axrl_spike_replay.cli.remote_options import where_from_args
+    from axrl_spike_replay.investigation.request import How, What, replay_request
 
     return replay_request(
-        args.snapshot,
-        verb=verb,
-        nproc=getattr(args, "nproc", None),
-        device=args.device,
-        repeat=getattr(args, "repeat", 1),
-        clear_threshold=getattr(args, "clear_threshold", None),
+        What(
+            Path(args.snapshot),
+            verb=verb,
+            repeat=getattr(args, "repeat", 1),
+            clear_threshold=getattr(args, "clear_threshold", None),
+            **what,
+        ),
+        where_from_args(args),
+        How(
+            nproc=getattr(args, "nproc", None),
+            device=Device(args.device),
+            parallel_configs=getattr(args, "parallel_configs", None),
+        ),
         workspace=Path(args.workspace),
         job=args.job,
         progress=progress,
-        target=getattr(args, "target", None),
-        backend=getattr(args, "backend", "torch"),
-        patch=getattr(args, "patch", None),
-        remote_python=getattr(args, "remote_python", None),
-        known_hosts=getattr(args, "known_hosts", None),
-        accept_new_host_key=bool(getattr(args, "accept_new_host_key", False)),
-        timeout_s=getattr(args, "timeout", None),
-        **what,
     )
 
 
-def _run(args: argparse.Namespace, request: ReplayRequest) -> Any:
+def _run(args: argparse.Namespace, request: ReplayRequest) -> dict[str, Any]:
     """The result document of `request`: run here as always, or on the warm service with --warm / --server."""
     from axrl_spike_replay.jsonable import to_jsonable
 
@@ -150,21 +157,21 @@ def _run(args: argparse.Namespace, request: ReplayRequest) -> Any:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.replay.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
 
-    result = _run(args, _request(args, "replay", mitigations=parse_mitigation_args(args.mitigation)))
+    result = _run(args, _request(args, Verb.REPLAY, mitigations=parse_mitigation_args(args.mitigation)))
     emit(result, args.json, render_replay)
     return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.replay.mitigations import load_mitigation_set, parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigations import load_mitigation_set, parse_mitigation_args
 
     if args.mitigation_set:
         configs = load_mitigation_set(args.mitigation_set)
     else:
         configs = [parse_mitigation_args(_sweep_items(item)) for item in args.mitigation]
-    result = _run(args, _request(args, "sweep", configs=configs, parallel_configs=args.parallel_configs))
+    result = _run(args, _request(args, Verb.SWEEP, configs=tuple(configs)))
     emit(result, args.json, render_sweep)
     return 0
 
@@ -180,9 +187,9 @@ def _sweep_items(option: str) -> list[str]:
 
 
 def _attribute(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.replay.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
 
-    request = _request(args, "attribute", top=args.top, mitigations=parse_mitigation_args(args.mitigation))
+    request = _request(args, Verb.ATTRIBUTE, top=args.top, mitigations=parse_mitigation_args(args.mitigation))
     emit(_run(args, request), args.json, render_attribution)
     return 0
 
@@ -208,7 +215,7 @@ def _threshold_label(doc: dict[str, Any]) -> str:
 
 def render_replay(doc: dict[str, Any]) -> str:
     """A replay result for people."""
-    from axrl_spike_replay.replay.result import describe_clean_gradient
+    from axrl_spike_replay.experiment.result import describe_clean_gradient
 
     lines = [
         f"replay of {doc['snapshot']} (job {doc['job_name']}, iteration {doc['iteration']}, {doc['device']})",

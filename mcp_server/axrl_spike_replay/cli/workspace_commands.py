@@ -108,7 +108,7 @@ def _with_workspace(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _task_open(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.workspace.task_state import open_task
+    from axrl_spike_replay.investigation.task_opening import open_task
 
     emit(open_task(args.workspace, args.job, snapshot=args.snapshot, diagnosis=args.diagnosis), args.json, _render_task)
     return 0

@@ -1,1 +1,2 @@
-"""Orchestration: run a replay request here or on a node and record it in the investigation's task."""
+"""Orchestration: run a replay request here or on a node, record it through one recorder, open a task with its
+diagnosis."""

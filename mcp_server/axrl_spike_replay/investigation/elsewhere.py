@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.investigation.recording import new_run_dir
-from axrl_spike_replay.investigation.request import ReplayRequest
+from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
+from axrl_spike_replay.investigation.recording import WorkspaceRecorder
+from axrl_spike_replay.investigation.request import LOCAL, ReplayRequest
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.command_backend import CommandRequest, run_command_backend, run_command_sweep
 from axrl_spike_replay.remote.command_overrides import check_concrete, check_mapped
@@ -27,14 +28,9 @@ from axrl_spike_replay.remote.options import RemoteOptions
 from axrl_spike_replay.remote.remote_replay import RemoteReplayRequest, plan_processes, run_remote_torch
 from axrl_spike_replay.remote.results import snapshot_facts
 from axrl_spike_replay.remote.session import RemoteSession, open_session
-from axrl_spike_replay.remote.workspace_config import (
-    CONFIG_FILE,
-    ResolvedTarget,
-    load_workspace_config,
-    resolve_target,
-)
-from axrl_spike_replay.replay.result import ReplayResult
-from axrl_spike_replay.replay.sweep import SweepResult
+from axrl_spike_replay.remote.target_config import ResolvedTarget
+from axrl_spike_replay.remote.workspace_config import CONFIG_FILE, load_workspace_config, resolve_target
+from axrl_spike_replay.vocabulary import Backend, Verb
 
 T = TypeVar("T")
 
@@ -43,14 +39,14 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
     """Run a replay or a sweep on an SSH target and/or with the command backend; results written locally."""
     if request.runs_here:
         raise ConfigError("the torch backend on target 'local' runs in this process tree (investigation.runs)")
-    options, remote, verb = request, request.remote_options(), request.verb
-    snapshot = request.snapshot
-    facts = snapshot_facts(snapshot)
+    what, where, how = request.what, request.where, request.how
+    remote, verb = remote_options(request), what.verb
+    facts = snapshot_facts(what.snapshot)
     workspace = request.workspace if request.workspace is not None else Path(".")
     config = load_workspace_config(workspace)
-    mitigations = dict(request.mitigations)
-    normalised = [dict(c) for c in request.configs]
-    if options.backend == "command":
+    mitigations = dict(what.mitigations)
+    normalised = [dict(c) for c in what.configs]
+    if where.backend == Backend.COMMAND:
         if config.command_backend is None:
             raise ConfigError(
                 f"`backend` command needs a command_backend section in {workspace / 'spike-replay.yaml'} "
@@ -60,24 +56,25 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
         # every mitigation must map onto the trainer's own override, refused by name before anything runs
         check_mapped(config.command_backend.mitigations, [mitigations, *normalised], str(workspace / CONFIG_FILE))
         check_concrete([mitigations, *normalised])
-    resolved = None if options.target == "local" else resolve_target(options.target, config, remote.remote_python)
-    job = options.job or facts.job
+    resolved = None if where.target == LOCAL else resolve_target(where.target, config, remote.remote_python)
+    job = request.job or facts.job
     async with _session(resolved, remote) as session:
-        torch_here = options.backend == "torch"
+        torch_here = where.backend == Backend.TORCH
         node = None
         if resolved is not None:  # one round trip: host, GPUs and (torch backend) the node's temp workspace
             node = await probe(session, with_python=False, temp_prefix="axrl-ws-" if torch_here else None)
-        nproc = options.nproc
+        nproc = how.nproc
         if torch_here and node is not None:
             try:
-                nproc = plan_processes(options.device, options.nproc, facts.world_size, node)
+                nproc = plan_processes(how.device, how.nproc, facts.world_size, node)
             except ConfigError:
                 if node.temp_dir:
                     await session.remove_temp_dir(node.temp_dir)
                 raise
-        run = new_run_dir(workspace, job)
-        on_line = _echo(options, session.label)
-        if options.backend == "command":
+        recorder = WorkspaceRecorder(workspace, target=session.label)  # as a local run records: one recorder
+        run = recorder.open_run(job)
+        on_line = _echo(request, session.label)
+        if where.backend == Backend.COMMAND:
             if config.command_backend is None:  # the request's validation already says so; this narrows the type
                 raise ConfigError("`backend` command needs a command_backend section in spike-replay.yaml", "backend")
             command_request = CommandRequest(
@@ -91,19 +88,19 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
                 node=node.node_field() if node else None,
             )
             result: ReplayResult | SweepResult
-            if verb == "sweep":
+            if verb == Verb.SWEEP:
                 result = await run_command_sweep(
                     session,
                     command_request,
                     normalised,
                     run,
-                    workspace=workspace,
+                    recorder=recorder,
                     on_line=on_line,
-                    progress=options.progress,
+                    progress=request.progress,
                 )
             else:
                 result = await run_command_backend(
-                    session, command_request, run, workspace=workspace, on_line=on_line, progress=options.progress
+                    session, command_request, run, recorder=recorder, on_line=on_line, progress=request.progress
                 )
         else:
             assert isinstance(session, RemoteSession) and resolved is not None and node is not None
@@ -112,17 +109,17 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
                 python=resolved.python,
                 verb=verb,
                 job=job,
-                device=options.device,
+                device=how.device,
                 nproc=nproc,
                 mitigations=mitigations,
                 configs=normalised,
-                repeat=options.repeat,
+                repeat=what.repeat,
                 setup=resolved.setup,
                 timeout_s=remote.timeout_s,
                 target=session.label,
             )
             result = await run_remote_torch(
-                session, request_t, run, node, workspace=workspace, on_line=on_line, progress=options.progress
+                session, request_t, run, node, recorder=recorder, on_line=on_line, progress=request.progress
             )
     failed = result.baseline if isinstance(result, SweepResult) and result.baseline.verdict == "failed" else result
     if isinstance(failed, ReplayResult) and failed.verdict == "failed":
@@ -134,6 +131,19 @@ def replay_elsewhere(request: ReplayRequest) -> ReplayResult | SweepResult:
     """Synchronous `replay_elsewhere_async`. Ctrl-C, or setting `request.cancel`, stops the run: the remote
     process group is killed and the failed result (with the partial logs) is written."""
     return asyncio.run(_cancellable(replay_elsewhere_async(request), request.cancel))
+
+
+def remote_options(request: ReplayRequest) -> RemoteOptions:
+    """The connection and external-command settings of a run on a node or with the command backend."""
+    where = request.where
+    return RemoteOptions(
+        remote_python=where.remote_python,
+        known_hosts=where.known_hosts,
+        accept_new_host_key=where.accept_new_host_key,
+        timeout_s=where.timeout_s,
+        patches=where.patches,
+        cancel=request.cancel,
+    )
 
 
 async def _cancellable(work: Awaitable[T], cancel: threading.Event | None) -> T:
@@ -164,12 +174,12 @@ async def _session(resolved: ResolvedTarget | None, remote: RemoteOptions) -> As
         await run_to_completion(session.close())
 
 
-def _echo(options: ReplayRequest, label: str) -> LineCallback | None:
+def _echo(request: ReplayRequest, label: str) -> LineCallback | None:
     """Mirror the run's stderr (and a command's stdout) as progress lines, tagged with the target."""
-    if options.progress is None:
+    if request.progress is None:
         return None
-    progress = options.progress
-    command = options.backend == "command"
+    progress = request.progress
+    command = request.where.backend == Backend.COMMAND
 
     def echo(stream: str, line: str) -> None:
         if stream == "stderr" or command:

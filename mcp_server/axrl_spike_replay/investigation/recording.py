@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from axrl_spike_replay.replay.result import ReplayResult
-from axrl_spike_replay.replay.run_dir import RunDir
-from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
+from axrl_spike_replay.experiment.result import ReplayResult
+from axrl_spike_replay.experiment.run_dir import RunDir
+from axrl_spike_replay.names import check_plain_name
+from axrl_spike_replay.workspace.paths import check_workspace, job_tmp_dir
 from axrl_spike_replay.workspace.task_log import record_failure, record_replay
 
 

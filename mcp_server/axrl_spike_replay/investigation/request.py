@@ -1,9 +1,12 @@
-"""One replay request, built and validated in one place; the CLI and MCP faces only map their arguments onto it.
+"""One replay request, built and validated in one place; the CLI and MCP faces only fill its parts.
 
-A request says what to replay (snapshot, mitigations, repeat; a sweep's configs; an attribution's top
-and method), where (here, an SSH target, the external command backend, and how to connect) and how
-(processes, device). `replay_request` checks every field and every combination of them before
-anything connects or is written. Adding an option is one field here and one check in `_check`.
+A request is three parts and where it is recorded: `What` to replay (the verb, the snapshot, mitigations and
+repeats; a sweep's configs; an attribution's top and method), `Where` it runs (here, an SSH target, the
+trainer's own command, and how to reach the node) and `How` (processes, device, pools). `replay_request`
+checks every field and every combination of them before anything connects or is written, and gives the
+vocabulary fields as members (`Verb`, `Backend`, `Device`, `Method`). Adding an option is one field in its
+part and one check here. `request_document` / `request_of_document` carry a request as JSON (the CLI's warm
+service).
 """
 
 from __future__ import annotations
@@ -11,44 +14,66 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from axrl_spike_replay.display import shown
-from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.jsonable import to_jsonable
+from axrl_spike_replay.vocabulary import Backend, Device, Method, Verb, Vocabulary
 
-VERBS = ("replay", "sweep", "attribute")
-BACKENDS = ("torch", "command")
-DEVICES = ("cpu", "cuda")
-METHODS = ("jvp", "per_sample_backward")
+LOCAL = "local"  # the target that means this machine
+
+_V = TypeVar("_V", bound=Vocabulary)
+MAX_REPEAT = 100  # a determinism check needs a handful of recomputations; each one is a whole replay
 
 
-@dataclass(frozen=True, kw_only=True)
-class ReplayRequest:
-    """What to replay, where and how. Build it with `replay_request`, which validates it."""
+@dataclass(frozen=True)
+class What:
+    """What to replay: the verb and snapshot; mitigations and repeats (replay), configs (sweep), top and method
+    (attribute), and the verdicts' threshold."""
 
-    verb: str = "replay"  # replay | sweep | attribute
     snapshot: Path
-    # what
+    _: KW_ONLY
+    verb: Verb = Verb.REPLAY
     mitigations: Mapping[str, Any] = field(default_factory=dict)  # one config {name: value}, normalised
     repeat: int = 1
     configs: tuple[Mapping[str, Any], ...] = ()  # sweep: the configs to compare, normalised and distinct
     clear_threshold: float | None = None  # replay/sweep: spike-ratio threshold for verdicts (None: the detector's)
     top: int = 10  # attribute: samples to list
-    method: str = "jvp"  # attribute: jvp | per_sample_backward
-    # where
-    target: str = "local"  # "local" or an SSH target (a spike-replay.yaml name or as typed)
-    backend: str = "torch"  # torch (built-in engine) | command (the workspace's external replay command)
+    method: Method = Method.JVP  # attribute: jvp | per_sample_backward
+
+
+@dataclass(frozen=True, kw_only=True)
+class Where:
+    """Where it runs: here (`local`) or an SSH target, with the built-in engine or the trainer's own command."""
+
+    target: str = LOCAL  # "local" or an SSH target (a spike-replay.yaml name or as typed)
+    backend: Backend = Backend.TORCH  # torch (built-in engine) | command (the workspace's external replay command)
     patches: tuple[str, ...] = ()  # unified diffs applied in order in a temporary worktree (command backend)
     remote_python: str | None = None
     known_hosts: str | None = None
     accept_new_host_key: bool = False
     timeout_s: float | None = None  # kill the run (its process group) after this many seconds
-    # how
+
+
+@dataclass(frozen=True, kw_only=True)
+class How:
+    """How it computes: replay processes, device, and pools running a sweep's configs side by side."""
+
     nproc: int | None = None  # None: the saved world size (full fidelity)
-    device: str = "cpu"
+    device: Device = Device.CPU
     parallel_configs: int | None = None  # sweep: pools running configs side by side (None: 1 on CPU, GPUs/nproc)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayRequest:
+    """What to replay, where and how, and where it is recorded. Build it with `replay_request`, which validates it."""
+
+    what: What
+    where: Where = field(default_factory=Where)
+    how: How = field(default_factory=How)
     # recorded where
     workspace: Path | None = None  # None: nothing is written
     job: str | None = None  # default: the snapshot's job name
@@ -59,60 +84,14 @@ class ReplayRequest:
     @property
     def runs_here(self) -> bool:
         """True for the built-in torch engine on this machine; False for a node or the command backend."""
-        return self.backend == "torch" and self.target == "local"
-
-    def engine_options(self) -> Any:
-        """The engine's options for a local torch run."""
-        from axrl_spike_replay.replay.engine import ReplayOptions
-
-        return ReplayOptions(
-            nproc=self.nproc,
-            device=self.device,
-            parallel_configs=self.parallel_configs,
-            mitigations=dict(self.mitigations),
-            repeat=self.repeat,
-            clear_threshold=self.clear_threshold,
-            job=self.job,
-            command=self.command,
-            progress=self.progress,
-            cancel=self.cancel,
-        )
-
-    def remote_options(self) -> Any:
-        """The connection and external-command settings for a run on a node or with the command backend."""
-        from axrl_spike_replay.remote.options import RemoteOptions
-
-        return RemoteOptions(
-            remote_python=self.remote_python,
-            known_hosts=self.known_hosts,
-            accept_new_host_key=self.accept_new_host_key,
-            timeout_s=self.timeout_s,
-            patches=self.patches,
-            cancel=self.cancel,
-        )
+        return self.where.backend == Backend.TORCH and self.where.target == LOCAL
 
 
 def replay_request(
-    snapshot: str | Path,
+    what: What,
+    where: Where | None = None,
+    how: How | None = None,
     *,
-    verb: str = "replay",
-    mitigations: Mapping[str, Any] | None = None,
-    repeat: int = 1,
-    configs: Sequence[Mapping[str, Any]] = (),
-    clear_threshold: float | None = None,
-    top: int = 10,
-    method: str = "jvp",
-    target: str | None = None,
-    backend: str = "torch",
-    patch: str | Path | Sequence[str | Path] | None = None,
-    patches: Sequence[str | Path] = (),
-    remote_python: str | None = None,
-    known_hosts: str | Path | None = None,
-    accept_new_host_key: bool = False,
-    timeout_s: float | None = None,
-    nproc: int | None = None,
-    device: str = "cpu",
-    parallel_configs: int | None = None,
     workspace: str | Path | None = None,
     job: str | None = None,
     command: str | None = None,
@@ -121,38 +100,43 @@ def replay_request(
 ) -> ReplayRequest:
     """The validated request for a replay, sweep or attribution; ConfigError (naming the parameter) otherwise.
 
-    `patch` (one path or several) and `patches` combine, in that order, into one patch set.
-    """
-    from axrl_spike_replay.replay.mitigations import check_distinct, parse_config
+    The parts may hold plain strings for their vocabulary fields (`device="cuda"`); the request holds members."""
+    from axrl_spike_replay.experiment.mitigations import check_distinct, parse_config
 
-    _check(verb, backend, device, nproc, repeat, top, method, timeout_s)
-    where = target or "local"
-    patch_set = _patch_set(patch, patches)
-    _check_combination(verb, where, backend, patch_set, timeout_s)
-    _check_clear_threshold(clear_threshold, verb, where, backend)
-    _check_parallel_configs(parallel_configs, verb, where, backend)
-    normalised = tuple(parse_config(c, f"config {i + 1}") for i, c in enumerate(configs))
-    if verb == "sweep":
+    where, how = where or Where(), how or How()
+    verb = _member(Verb, what.verb, "verb", None)
+    backend = _member(Backend, where.backend, "`backend`", "backend")
+    device = _member(Device, how.device, "`device`", "device")
+    _check(how.nproc, what.repeat, what.top)
+    method = _member(Method, what.method, "`method`", "method")
+    _check_timeout(where.timeout_s)
+    target = where.target or LOCAL
+    patches = _patch_set(where.patches)
+    _check_combination(verb, target, backend, patches, where.timeout_s)
+    _check_clear_threshold(what.clear_threshold, verb, target, backend)
+    _check_parallel_configs(how.parallel_configs, verb, target, backend)
+    normalised = tuple(parse_config(c, f"config {i + 1}") for i, c in enumerate(what.configs))
+    if verb == Verb.SWEEP:
         check_distinct(normalised)
     return ReplayRequest(
-        verb=verb,
-        snapshot=Path(snapshot),
-        mitigations=parse_config(mitigations) if mitigations else {},
-        repeat=repeat,
-        configs=normalised,
-        clear_threshold=float(clear_threshold) if clear_threshold is not None else None,
-        top=top,
-        method=method,
-        target=where,
-        backend=backend,
-        patches=patch_set,
-        remote_python=remote_python,
-        known_hosts=str(known_hosts) if known_hosts else None,
-        accept_new_host_key=bool(accept_new_host_key),
-        timeout_s=timeout_s,
-        nproc=nproc,
-        device=device,
-        parallel_configs=parallel_configs,
+        what=replace(
+            what,
+            snapshot=Path(what.snapshot),
+            verb=verb,
+            mitigations=parse_config(what.mitigations) if what.mitigations else {},
+            configs=normalised,
+            clear_threshold=float(what.clear_threshold) if what.clear_threshold is not None else None,
+            method=method,
+        ),
+        where=replace(
+            where,
+            target=target,
+            backend=backend,
+            patches=patches,
+            known_hosts=str(where.known_hosts) if where.known_hosts else None,
+            accept_new_host_key=bool(where.accept_new_host_key),
+        ),
+        how=replace(how, device=device),
         workspace=Path(workspace) if workspace is not None else None,
         job=job,
         command=command,
@@ -161,57 +145,100 @@ def replay_request(
     )
 
 
-def _check(
-    verb: str, backend: str, device: str, nproc: Any, repeat: Any, top: Any, method: str, timeout_s: Any
-) -> None:
-    """Each field on its own."""
-    if verb not in VERBS:
-        raise ConfigError(f"verb must be one of {', '.join(VERBS)}, got {shown(verb)}")
-    if backend not in BACKENDS:
-        raise ConfigError(f"`backend` must be one of {', '.join(BACKENDS)}, got {shown(backend)}", "backend")
-    if device not in DEVICES:
-        raise ConfigError(f"`device` must be one of {', '.join(DEVICES)}, got {shown(device)}", "device")
+def request_document(request: ReplayRequest) -> dict[str, Any]:
+    """The request as a JSON document: its parts and where it is recorded (progress and cancel stay behind)."""
+    doc: dict[str, Any] = {name: asdict(getattr(request, name)) for name in ("what", "where", "how")}
+    doc["what"]["snapshot"] = str(request.what.snapshot)
+    doc |= {"workspace": str(request.workspace) if request.workspace is not None else None}
+    doc |= {"job": request.job, "command": request.command}
+    return to_jsonable(doc)
+
+
+def request_of_document(
+    doc: Mapping[str, Any], progress: Callable[[str], None] | None = None, cancel: threading.Event | None = None
+) -> ReplayRequest:
+    """The validated request a `request_document` describes; ConfigError naming what is wrong otherwise."""
+    parts = {"what": What, "where": Where, "how": How}
+    unknown = sorted(set(doc) - {*parts, "workspace", "job", "command"})
+    if unknown:
+        raise ConfigError(f"the request has unknown field(s) {', '.join(shown(u) for u in unknown[:5])}")
+    values: dict[str, Any] = {}
+    for name, part in parts.items():
+        given = doc.get(name) or {}
+        known = {f.name for f in fields(part)} - {"_"}
+        if not isinstance(given, Mapping) or set(given) - known:
+            extra = sorted(set(given) - known) if isinstance(given, Mapping) else [type(given).__name__]
+            raise ConfigError(f"the request's `{name}` has unknown field(s) {', '.join(map(str, extra[:5]))}")
+        values[name] = dict(given)
+    snapshot = values["what"].pop("snapshot", None)
+    if not isinstance(snapshot, str) or not snapshot:
+        raise ConfigError("the request names no snapshot", "snapshot")
+    values["what"]["configs"] = tuple(values["what"].get("configs") or ())
+    values["where"]["patches"] = tuple(values["where"].get("patches") or ())
+    return replay_request(
+        What(Path(snapshot), **values["what"]),
+        Where(**values["where"]),
+        How(**values["how"]),
+        workspace=doc.get("workspace"),
+        job=doc.get("job"),
+        command=doc.get("command"),
+        progress=progress,
+        cancel=cancel,
+    )
+
+
+def _member(vocabulary: type[_V], value: Any, what: str, parameter: str | None) -> _V:
+    """The member whose value `value` is; ConfigError naming the parameter and the allowed values otherwise."""
+    try:
+        return vocabulary.parse(value, what)
+    except AxrlError:
+        raise ConfigError(
+            f"{what} must be one of {', '.join(vocabulary.values())}, got {shown(value)}", parameter
+        ) from None
+
+
+def _check(nproc: Any, repeat: Any, top: Any) -> None:
+    """The counts, each on its own."""
     if nproc is not None and (not _is_int(nproc) or nproc < 1):
         raise ConfigError(f"`nproc` must be an integer >= 1, got {shown(nproc)}", "nproc")
-    if not _is_int(repeat) or repeat < 1:
-        raise ConfigError(f"`repeat` must be an integer >= 1, got {shown(repeat)}", "repeat")
+    if not _is_int(repeat) or not 1 <= repeat <= MAX_REPEAT:
+        raise ConfigError(f"`repeat` must be an integer from 1 to {MAX_REPEAT}, got {shown(repeat)}", "repeat")
     if not _is_int(top) or top < 1:
         raise ConfigError(f"`top` must be an integer >= 1, got {shown(top)}", "top")
-    if method not in METHODS:
-        raise ConfigError(f"`method` must be one of {', '.join(METHODS)}, got {shown(method)}", "method")
+
+
+def _check_timeout(timeout_s: Any) -> None:
     if timeout_s is not None and (
         isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0
     ):
         raise ConfigError(f"`timeout_s` must be a positive number of seconds, got {shown(timeout_s)}", "timeout_s")
 
 
-def _patch_set(patch: Any, patches: Any) -> tuple[str, ...]:
-    """`patch` (a path or a sequence of them) then `patches`, as one ordered tuple of path strings."""
-    items: list[Any] = []
-    for value in (patch, patches):
-        if value is None or value == "":
-            continue
-        items += [value] if isinstance(value, (str, Path)) else list(value)
+def _patch_set(patches: Any) -> tuple[str, ...]:
+    """The patch set as one ordered tuple of path strings (a single path counts as a set of one)."""
+    if patches is None or patches == "":
+        return ()
+    items: Sequence[Any] = [patches] if isinstance(patches, (str, Path)) else list(patches)
     for item in items:
         if not isinstance(item, (str, Path)) or not str(item).strip():
             raise ConfigError(f"`patch` must be the path of a unified diff file, got {shown(item)}", "patch")
     return tuple(str(item) for item in items)
 
 
-def _check_combination(verb: str, target: str, backend: str, patches: tuple[str, ...], timeout_s: Any) -> None:
+def _check_combination(verb: Verb, target: str, backend: Backend, patches: tuple[str, ...], timeout_s: Any) -> None:
     """Options that cannot work together, refused before anything connects or is written. (Which mitigations
     the command backend can run is the workspace's `spike-replay.yaml`'s to say: `investigation.elsewhere`.)"""
-    if verb == "attribute" and (target != "local" or backend != "torch"):
+    if verb == Verb.ATTRIBUTE and (target != LOCAL or backend != Backend.TORCH):
         raise ConfigError("`target`: attribution runs here with the built-in torch engine", "target")
-    if backend != "command" and patches:
+    if backend != Backend.COMMAND and patches:
         raise ConfigError(
             "`patch` applies to the training checkout the command backend runs; add `backend` command", "patch"
         )
-    if target == "local" and backend == "torch" and timeout_s is not None:
+    if target == LOCAL and backend == Backend.TORCH and timeout_s is not None:
         raise ConfigError("`timeout_s` applies to runs on a `target` or with `backend` command", "timeout_s")
 
 
-def _check_clear_threshold(value: Any, verb: str, target: str, backend: str) -> None:
+def _check_clear_threshold(value: Any, verb: Verb, target: str, backend: Backend) -> None:
     """The user's verdict threshold: a finite ratio > 0, for replays and sweeps of the local torch engine."""
     if value is None:
         return
@@ -220,11 +247,11 @@ def _check_clear_threshold(value: Any, verb: str, target: str, backend: str) -> 
             f"`clear_threshold` must be a finite spike ratio > 0 (grad norm / median), got {shown(value)}",
             "clear_threshold",
         )
-    if verb == "attribute":
+    if verb == Verb.ATTRIBUTE:
         raise ConfigError(
             "`clear_threshold` judges replays and sweeps; attribution gives no verdict", "clear_threshold"
         )
-    if target != "local" or backend != "torch":
+    if target != LOCAL or backend != Backend.TORCH:
         raise ConfigError(
             "`clear_threshold` applies to the built-in torch engine run here; a run on a `target` or with `backend` "
             "command is judged by the snapshot's detector threshold",
@@ -232,13 +259,13 @@ def _check_clear_threshold(value: Any, verb: str, target: str, backend: str) -> 
         )
 
 
-def _check_parallel_configs(value: Any, verb: str, target: str, backend: str) -> None:
+def _check_parallel_configs(value: Any, verb: Verb, target: str, backend: Backend) -> None:
     """Pools for a sweep's configs: an integer >= 1, for sweeps of the built-in torch engine run here."""
     if value is None:
         return
     if not _is_int(value) or value < 1:
         raise ConfigError(f"`parallel_configs` must be an integer >= 1, got {shown(value)}", "parallel_configs")
-    if verb != "sweep" or target != "local" or backend != "torch":
+    if verb != Verb.SWEEP or target != LOCAL or backend != Backend.TORCH:
         raise ConfigError(
             "`parallel_configs` spreads a sweep's configs over pools of the built-in torch engine run here",
             "parallel_configs",

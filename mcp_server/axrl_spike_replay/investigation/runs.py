@@ -1,59 +1,77 @@
-"""Run a request here or on a node: the one place a replay, sweep or attribution picks where it runs.
+"""Run a request where it says: the one place a replay, sweep or attribution picks here or elsewhere.
 
 `torch` on target `local` runs the built-in engine in this process tree; everything else (the torch
 engine on an SSH target, the `command` backend) goes to `investigation.elsewhere`. Either way the
 run's files land in the workspace and each result is logged in the job's task file when one is open.
+The CLI, the MCP tools, the CLI's warm service and the demo all call `run_request`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from axrl_spike_replay.experiment.result import RunResult
 from axrl_spike_replay.investigation.recording import recorder_for
 from axrl_spike_replay.investigation.request import ReplayRequest
+from axrl_spike_replay.vocabulary import Verb
 
-if TYPE_CHECKING:
-    from axrl_spike_replay.replay.engine import JobRunner
+if TYPE_CHECKING:  # torch-free at import: the faces import this before anything runs
+    from axrl_spike_replay.replay.launch import JobRunner
 
 
-def run_here(request: ReplayRequest, runner: JobRunner | None = None) -> Any:
-    """Run a local torch request with the engine (ReplayResult, SweepResult or Attribution by verb).
+def run_request(request: ReplayRequest, runner: JobRunner | None = None) -> RunResult:
+    """Run `request` here or elsewhere; its result (ReplayResult, SweepResult or Attribution, by its verb).
 
-    `runner` runs replay and sweep jobs (a server's warm pools); default: processes started for this run.
-    """
-    from dataclasses import replace
+    `runner` runs a local replay's or sweep's jobs (a server's warm pools); default: processes started for
+    this run. A run elsewhere stops when `request.cancel` is set, as a local one does."""
+    from axrl_spike_replay.rank_processes import refuse_in_spawned_import
 
-    options = replace(request.engine_options(), recorder=recorder_for(request.workspace), runner=runner)
-    if request.verb == "attribute":
+    refuse_in_spawned_import(f"the {request.what.verb}")  # before it writes anything: a script without a main guard
+    if not request.runs_here:
+        from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
+
+        return replay_elsewhere(request)
+    return _run_here(request, runner)
+
+
+def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
+    """The engine in this process tree."""
+    from axrl_spike_replay.replay.engine import ReplayOptions
+
+    what, how = request.what, request.how
+    recorder = recorder_for(request.workspace)
+    if what.verb == Verb.ATTRIBUTE:
         from axrl_spike_replay.replay.attribution import attribute_spike
 
         return attribute_spike(
-            request.snapshot,
-            request.top,
-            mitigations=dict(request.mitigations),
-            device=request.device,
-            method=request.method,
-            recorder=options.recorder,
+            what.snapshot,
+            what.top,
+            mitigations=dict(what.mitigations),
+            device=how.device,
+            method=what.method,
+            recorder=recorder,
             job=request.job,
             command=request.command,
             cancel=request.cancel,
         )
-    if request.verb == "sweep":
+    options = ReplayOptions(
+        nproc=how.nproc,
+        device=how.device,
+        parallel_configs=how.parallel_configs,
+        mitigations=dict(what.mitigations),
+        repeat=what.repeat,
+        clear_threshold=what.clear_threshold,
+        job=request.job,
+        command=request.command,
+        progress=request.progress,
+        cancel=request.cancel,
+        recorder=recorder,
+        runner=runner,
+    )
+    if what.verb == Verb.SWEEP:
         from axrl_spike_replay.replay.sweep import run_sweep
 
-        return run_sweep(request.snapshot, list(request.configs), options)
+        return run_sweep(what.snapshot, list(what.configs), options)
     from axrl_spike_replay.replay.engine import run_replay
 
-    return run_replay(request.snapshot, options)
-
-
-def run_request(request: ReplayRequest) -> Any:
-    """Run a request where it says, here or elsewhere; its result (the verb's result type)."""
-    from axrl_spike_replay.rank_processes import refuse_in_spawned_import
-
-    refuse_in_spawned_import(f"the {request.verb}")  # before it writes anything: a script without a main guard
-    if request.runs_here:
-        return run_here(request)
-    from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
-
-    return replay_elsewhere(request)
+    return run_replay(what.snapshot, options)

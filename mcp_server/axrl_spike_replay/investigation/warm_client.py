@@ -12,13 +12,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.investigation.request import ReplayRequest
+from axrl_spike_replay.investigation.request import ReplayRequest, request_document
 from axrl_spike_replay.investigation.warm_socket import (
     Lines,
     WarmPaths,
@@ -27,7 +25,6 @@ from axrl_spike_replay.investigation.warm_socket import (
     socket_paths,
     warm_paths,
 )
-from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.private_files import private_dir
 
 START_TIMEOUT_S = 120.0
@@ -35,23 +32,6 @@ START_TIMEOUT_S = 120.0
 
 class WarmServiceCrash(Exception):
     """The service failed with an unexpected error (not an AxrlError): its traceback, as a cold run would show."""
-
-
-def request_fields(request: ReplayRequest) -> dict[str, Any]:
-    """The request's fields as JSON values (what `warm_daemon.request_from` reads back)."""
-    out: dict[str, Any] = {}
-    for f in fields(request):
-        if f.name in ("progress", "cancel"):
-            continue
-        value = getattr(request, f.name)
-        if isinstance(value, Path):
-            value = str(value)
-        elif isinstance(value, Mapping):
-            value = dict(value)
-        elif isinstance(value, tuple):
-            value = [dict(v) if isinstance(v, Mapping) else v for v in value]
-        out[f.name] = to_jsonable(value)
-    return out
 
 
 def _connect(paths: WarmPaths) -> socket.socket | None:
@@ -135,7 +115,8 @@ def run_on_service(request: ReplayRequest, server: str | Path | None = None) -> 
     as the same AxrlError (ConfigError with its parameter) a cold run raises."""
     if not request.runs_here:
         raise ConfigError("`warm` applies to the built-in torch engine run here (no `target`, no `backend` command)")
-    workspace = Path(request.workspace if request.workspace is not None else ".").expanduser().resolve()
+    cwd = _current_dir()
+    workspace = Path(cwd, request.workspace if request.workspace is not None else ".").expanduser().resolve()
     paths = socket_paths(server) if server is not None else warm_paths(workspace)
     for attempt in range(2):
         conn = _connect(paths)
@@ -147,7 +128,7 @@ def run_on_service(request: ReplayRequest, server: str | Path | None = None) -> 
             if conn is None:
                 raise AxrlError(f"the warm replay service at {paths.socket} does not accept connections")
         with conn:
-            send(conn, {"op": "run", "cwd": os.getcwd(), "request": request_fields(request)})
+            send(conn, {"op": "run", "cwd": cwd, "request": request_document(request)})
             lines = Lines(conn)
             heard = False
             while (message := lines.next()) is not None:
@@ -161,6 +142,17 @@ def run_on_service(request: ReplayRequest, server: str | Path | None = None) -> 
                 raise AxrlError(f"the warm replay service stopped before answering (see {paths.log})")
         time.sleep(0.2)  # it closed without a word: it was stopping (idle) as we came; start a fresh one
     raise AssertionError("unreachable")
+
+
+def _current_dir() -> str:
+    """This process's working directory; AxrlError when it was deleted (the service runs requests there)."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise AxrlError(
+            "the current directory no longer exists (it was deleted or moved away); cd to an existing directory "
+            "and run again"
+        ) from None
 
 
 def _answer(message: dict[str, Any]) -> dict[str, Any]:

@@ -10,13 +10,14 @@ from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
 from axrl_spike_replay.analysis.batch_signals import BatchAnalysis, analyze_snapshot
-from axrl_spike_replay.analysis.diagnose import Diagnosis, diagnose_snapshot
 from axrl_spike_replay.analysis.grad_info import GradReport, top_param_grads
-from axrl_spike_replay.analysis.log_scan import LogScan, default_name, scan_logs, with_sampled_series
-from axrl_spike_replay.analysis.series_sampling import DEFAULT_LIMIT
+from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
+from axrl_spike_replay.diagnosis.log_scan import LogScan, default_name, scan_logs, with_sampled_series
+from axrl_spike_replay.logs.series_sampling import DEFAULT_LIMIT
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
-from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg
-from axrl_spike_replay.workspace.paths import TMP_DIR, check_plain_name
+from axrl_spike_replay.mcp_faces.config import SnapshotArg, TopArg, WorkspaceArg, server_config
+from axrl_spike_replay.names import check_plain_name
+from axrl_spike_replay.workspace.paths import TMP_DIR
 
 READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 
@@ -30,139 +31,157 @@ LogsArg = Annotated[
 ]
 
 
-def register(server: MCPServer, config: ServerConfig) -> None:
-    """Add the analysis tools to `server`."""
+async def copy_and_scan_logs_tool(
+    logs: LogsArg,
+    ctx: Context,
+    job: Annotated[
+        str | None,
+        Field(description="Job name for the copy's folder tmp/spike-replay/<job>/logs; default: from the paths."),
+    ] = None,
+    window: Annotated[
+        int | None,
+        Field(description="Detector window: iterations in the rolling median; default: the run's, else 20.", ge=1),
+    ] = None,
+    threshold: Annotated[
+        float | None,
+        Field(
+            description="Detector threshold: a spike is grad norm > threshold x median; default: the run's, else 5.0.",
+            gt=1,
+        ),
+    ] = None,
+    warmup: Annotated[
+        int | None, Field(description="Iterations before the detector may trip; default: the run's, else 10.", ge=0)
+    ] = None,
+    full_series: Annotated[
+        bool,
+        Field(
+            description="Return every point of the series (default: a sample of about 2000, the spikes and "
+            "their neighbourhoods exact; `series_total` says how many there are)."
+        ),
+    ] = False,
+    plot: Annotated[bool, Field(description="Also return a PNG of the grad-norm series, spikes marked.")] = True,
+    workspace: WorkspaceArg = None,
+) -> Annotated[CallToolResult, LogScan]:
+    """Copy training logs into the workspace (tmp/spike-replay/<job>/logs/) and scan the copies: the
+    per-iteration grad-norm and loss series (Megatron `iteration N/ ... grad norm: X |` and key=value lines),
+    the spikes the spike guard's detector flags (with the run's own detector settings from its snapshots'
+    `run_config.yaml` unless given), and error lines (tracebacks, NaN/inf, CUDA/NCCL errors).
+    Returns a plot of the series with the spikes marked."""
+    config = server_config(ctx)
+    root = config.workspace_for(workspace)
+    paths = [str(config.path(p)) for p in logs]
 
-    @server.tool(
+    def work(progress: Progress, cancel: threading.Event) -> tuple[LogScan, list[bytes]]:
+        # a name derived from a directory is as untrusted as one given: both become a path
+        if job:
+            name = check_plain_name(job, "job name")
+        else:
+            name = check_plain_name(default_name(paths), "job name derived from the log paths (pass `job`)")
+        progress.message(f"copying and scanning {len(paths)} path(s)")
+        scan = scan_logs(
+            paths,
+            root / TMP_DIR / name / "logs",
+            window=window,
+            threshold=threshold,
+            warmup=warmup,
+            progress=progress.message,
+            cancel=cancel,
+            root=root,
+        )
+        images = []
+        if plot:
+            from axrl_spike_replay.analysis.plots import grad_norm_series_png
+
+            progress.message(f"plotting {len(scan.series_points)} points")
+            images.append(
+                grad_norm_series_png(
+                    [(p["iteration"], p["grad_norm"]) for p in scan.series_points],
+                    [(s["iteration"], s["grad_norm"]) for s in scan.spikes],
+                    title=f"{scan.name}: grad norm per iteration",
+                )
+            )
+        return with_sampled_series(scan, None if full_series else DEFAULT_LIMIT), images
+
+    scan, images = await call_library(ctx, work)
+    return structured(LogScan, scan, images)
+
+
+async def analyze_batch_tool(snapshot: SnapshotArg, ctx: Context, top: TopArg = 10) -> BatchAnalysis:
+    """Per-sample and per-token signals of the snapshot's batch across ranks, over loss tokens: advantages
+    and their sign balance (negative vs positive magnitude), old/ref/rollout logprobs, rollout-vs-old
+    importance ratios and log-ratios, loss-mask lengths, turn indexes, rewards, routing; summary statistics;
+    the top outlier tokens and samples by |log-ratio| and |advantage| with rank, sample, position, token id,
+    turn. Field names of verl, slime, OpenRLHF and NeMo-RL batches are understood."""
+    config = server_config(ctx)
+    return await call_library(ctx, lambda progress, cancel: analyze_snapshot(config.path(snapshot), top=top))
+
+
+async def top_param_grads_tool(snapshot: SnapshotArg, ctx: Context, top: TopArg = 10) -> GradReport:
+    """The largest parameter grad norms recorded at the spike step, per rank (local, before the data-parallel
+    reduction) and merged across ranks: which layers (router, one MoE layer's experts, embeddings) and which
+    rank carry the spike."""
+    config = server_config(ctx)
+    return await call_library(ctx, lambda progress, cancel: top_param_grads(config.path(snapshot), top=top))
+
+
+async def diagnose_spike_tool(
+    snapshot: SnapshotArg,
+    ctx: Context,
+    attribution: Annotated[
+        str | None,
+        Field(
+            description="An attribution.json from attribute_samples (absolute or relative to the workspace); "
+            "default: computed here when the model is small."
+        ),
+    ] = None,
+    logs: Annotated[
+        list[str] | None,
+        Field(description="The job's log files; default: the logs of the job output dir the snapshot sits in."),
+    ] = None,
+    model: Annotated[
+        Literal["auto", "always", "never"],
+        Field(description="Compute attribution and route agreement here: auto (small checkpoints), always, never."),
+    ] = "auto",
+    top: TopArg = 10,
+) -> Diagnosis:
+    """Call this first on a spike: the likely causes ranked (rollout/trainer log-prob mismatch, outlier
+    advantage on a few samples, negative-advantage dominance, routing mismatch per MoE layer, one rank's
+    data, non-finite values; or none found, with what was checked), each with its evidence as numbers, and
+    `next_steps`: ready `--mitigation NAME=VALUE` items for replay/sweep, least invasive first. Also says
+    whether the snapshot agrees with itself and with the training log (`consistency`)."""
+    config = server_config(ctx)
+    att = str(config.path(attribution)) if attribution else None
+    paths = [str(config.path(p)) for p in logs] if logs else None
+    return await call_library(
+        ctx,
+        lambda progress, cancel: diagnose_snapshot(
+            config.path(snapshot), attribution=att, logs=paths, model=model, top=top
+        ),
+    )
+
+
+def register(server: MCPServer) -> None:
+    """Add the analysis tools to `server`."""
+    server.add_tool(
+        copy_and_scan_logs_tool,
         name="copy_and_scan_logs",
         title="Copy a job's logs to tmp/ and scan them",
         annotations=ToolAnnotations(
             read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=False
         ),
     )
-    async def copy_and_scan_logs_tool(
-        logs: LogsArg,
-        ctx: Context,
-        job: Annotated[
-            str | None,
-            Field(description="Job name for the copy's folder tmp/spike-replay/<job>/logs; default: from the paths."),
-        ] = None,
-        window: Annotated[
-            int | None,
-            Field(description="Detector window: iterations in the rolling median; default: the run's, else 20.", ge=1),
-        ] = None,
-        threshold: Annotated[
-            float | None,
-            Field(
-                description="Detector threshold: a spike is grad norm > threshold x median; default: the run's, "
-                "else 5.0.",
-                gt=1,
-            ),
-        ] = None,
-        warmup: Annotated[
-            int | None, Field(description="Iterations before the detector may trip; default: the run's, else 10.", ge=0)
-        ] = None,
-        full_series: Annotated[
-            bool,
-            Field(
-                description="Return every point of the series (default: a sample of about 2000, the spikes and "
-                "their neighbourhoods exact; `series_total` says how many there are)."
-            ),
-        ] = False,
-        plot: Annotated[bool, Field(description="Also return a PNG of the grad-norm series, spikes marked.")] = True,
-        workspace: WorkspaceArg = None,
-    ) -> Annotated[CallToolResult, LogScan]:
-        """Copy training logs into the workspace (tmp/spike-replay/<job>/logs/) and scan the copies: the
-        per-iteration grad-norm and loss series (Megatron `iteration N/ ... grad norm: X |` and key=value lines),
-        the spikes the spike guard's detector flags (with the run's own detector settings from its snapshots'
-        `run_config.yaml` unless given), and error lines (tracebacks, NaN/inf, CUDA/NCCL errors).
-        Returns a plot of the series with the spikes marked."""
-        root = config.workspace_for(workspace)
-        paths = [str(config.path(p)) for p in logs]
-
-        def work(progress: Progress, cancel: threading.Event) -> tuple[LogScan, list[bytes]]:
-            # a name derived from a directory is as untrusted as one given: both become a path
-            if job:
-                name = check_plain_name(job, "job name")
-            else:
-                name = check_plain_name(default_name(paths), "job name derived from the log paths (pass `job`)")
-            progress.message(f"copying and scanning {len(paths)} path(s)")
-            scan = scan_logs(
-                paths,
-                root / TMP_DIR / name / "logs",
-                window=window,
-                threshold=threshold,
-                warmup=warmup,
-                progress=progress.message,
-                cancel=cancel,
-                root=root,
-            )
-            images = []
-            if plot:
-                from axrl_spike_replay.analysis.plots import grad_norm_series_png
-
-                progress.message(f"plotting {len(scan.series_points)} points")
-                images.append(
-                    grad_norm_series_png(
-                        [(p["iteration"], p["grad_norm"]) for p in scan.series_points],
-                        [(s["iteration"], s["grad_norm"]) for s in scan.spikes],
-                        title=f"{scan.name}: grad norm per iteration",
-                    )
-                )
-            return with_sampled_series(scan, None if full_series else DEFAULT_LIMIT), images
-
-        scan, images = await call_library(ctx, work)
-        return structured(LogScan, scan, images)
-
-    @server.tool(name="analyze_batch", title="Per-sample and per-token signals of a snapshot", annotations=READ_ONLY)
-    async def analyze_batch_tool(snapshot: SnapshotArg, ctx: Context, top: TopArg = 10) -> BatchAnalysis:
-        """Per-sample and per-token signals of the snapshot's batch across ranks, over loss tokens: advantages
-        and their sign balance (negative vs positive magnitude), old/ref/rollout logprobs, rollout-vs-old
-        importance ratios and log-ratios, loss-mask lengths, turn indexes, rewards, routing; summary statistics;
-        the top outlier tokens and samples by |log-ratio| and |advantage| with rank, sample, position, token id,
-        turn. Field names of verl, slime, OpenRLHF and NeMo-RL batches are understood."""
-        return await call_library(ctx, lambda progress, cancel: analyze_snapshot(config.path(snapshot), top=top))
-
-    @server.tool(name="top_param_grads", title="Largest parameter grad norms", annotations=READ_ONLY)
-    async def top_param_grads_tool(snapshot: SnapshotArg, ctx: Context, top: TopArg = 10) -> GradReport:
-        """The largest parameter grad norms recorded at the spike step, per rank (local, before the data-parallel
-        reduction) and merged across ranks: which layers (router, one MoE layer's experts, embeddings) and which
-        rank carry the spike."""
-        return await call_library(ctx, lambda progress, cancel: top_param_grads(config.path(snapshot), top=top))
-
-    @server.tool(
-        name="diagnose_spike", title="Likely causes of a spike, ranked, with experiments", annotations=READ_ONLY
+    server.add_tool(
+        analyze_batch_tool,
+        name="analyze_batch",
+        title="Per-sample and per-token signals of a snapshot",
+        annotations=READ_ONLY,
     )
-    async def diagnose_spike_tool(
-        snapshot: SnapshotArg,
-        ctx: Context,
-        attribution: Annotated[
-            str | None,
-            Field(
-                description="An attribution.json from attribute_samples (absolute or relative to the workspace); "
-                "default: computed here when the model is small."
-            ),
-        ] = None,
-        logs: Annotated[
-            list[str] | None,
-            Field(description="The job's log files; default: the logs of the job output dir the snapshot sits in."),
-        ] = None,
-        model: Annotated[
-            Literal["auto", "always", "never"],
-            Field(description="Compute attribution and route agreement here: auto (small checkpoints), always, never."),
-        ] = "auto",
-        top: TopArg = 10,
-    ) -> Diagnosis:
-        """Call this first on a spike: the likely causes ranked (rollout/trainer log-prob mismatch, outlier
-        advantage on a few samples, negative-advantage dominance, routing mismatch per MoE layer, one rank's
-        data, non-finite values; or none found, with what was checked), each with its evidence as numbers, and
-        `next_steps`: ready `--mitigation NAME=VALUE` items for replay/sweep, least invasive first. Also says
-        whether the snapshot agrees with itself and with the training log (`consistency`)."""
-        att = str(config.path(attribution)) if attribution else None
-        paths = [str(config.path(p)) for p in logs] if logs else None
-        return await call_library(
-            ctx,
-            lambda progress, cancel: diagnose_snapshot(
-                config.path(snapshot), attribution=att, logs=paths, model=model, top=top
-            ),
-        )
+    server.add_tool(
+        top_param_grads_tool, name="top_param_grads", title="Largest parameter grad norms", annotations=READ_ONLY
+    )
+    server.add_tool(
+        diagnose_spike_tool,
+        name="diagnose_spike",
+        title="Likely causes of a spike, ranked, with experiments",
+        annotations=READ_ONLY,
+    )

@@ -1,11 +1,13 @@
-"""What every tool module shares: the server's settings and the argument types used by many tools."""
+"""What every tool module shares: the server's settings (`server_config(ctx)` in a tool) and the argument types used
+by many tools."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
+from mcp.server.mcpserver import Context
 from pydantic import Field
 
 from axrl_spike_replay.mcp_faces.bridge import resolve_in
@@ -32,6 +34,14 @@ class ServerConfig:
     def path(self, given: str) -> Path:
         """A path argument: absolute as given, else relative to the server's workspace."""
         return resolve_in(self.workspace, given)
+
+
+def server_config(ctx: Context[Any, Any]) -> ServerConfig:
+    """The settings of the server a tool call came to (`server.SpikeReplayServer.config`)."""
+    config = getattr(ctx.mcp_server, "config", None)
+    if not isinstance(config, ServerConfig):
+        raise TypeError(f"{type(ctx.mcp_server).__name__} carries no ServerConfig: build it with create_server")
+    return config
 
 
 SnapshotArg = Annotated[

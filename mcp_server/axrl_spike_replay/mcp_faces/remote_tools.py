@@ -10,7 +10,7 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from axrl_spike_replay.mcp_faces.bridge import call_async_library
-from axrl_spike_replay.mcp_faces.config import ServerConfig, WorkspaceArg
+from axrl_spike_replay.mcp_faces.config import WorkspaceArg, server_config
 from axrl_spike_replay.mcp_faces.replay_tools import AcceptNewKeyArg, RemotePythonArg
 from axrl_spike_replay.remote.node_probe import NodeReport
 
@@ -18,41 +18,43 @@ from axrl_spike_replay.remote.node_probe import NodeReport
 PROBE = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=True)
 
 
-def register(server: MCPServer, config: ServerConfig) -> None:
+async def probe_node_tool(
+    target: Annotated[
+        str,
+        Field(
+            description="The node, as typed: `ssh -p 26461 root@10.100.4.23`, `user@host:port`, "
+            "`ssh://user@host:port`, a ~/.ssh/config alias, or a target name from spike-replay.yaml.",
+            min_length=1,
+        ),
+    ],
+    ctx: Context,
+    snapshot: Annotated[
+        str | None,
+        Field(description="A snapshot to plan for: does a full-fidelity replay fit (one GPU per saved rank)?"),
+    ] = None,
+    remote_python: RemotePythonArg = None,
+    accept_new_host_key: AcceptNewKeyArg = False,
+    workspace: WorkspaceArg = None,
+) -> NodeReport:
+    """Probe a GPU node over SSH (one connection, host key verified): GPU count, names and memory, driver,
+    Python and torch versions, CUDA availability, whether axrl_spike_replay is importable there; with a
+    snapshot, whether a full-fidelity replay fits or it will be reduced, and the plan. Run it before
+    replaying on a node."""
+    config = server_config(ctx)
+    root = config.workspace_for(workspace)
+    path = str(config.path(snapshot)) if snapshot else None
+
+    async def work(report: Callable[[str], None]) -> NodeReport:
+        from axrl_spike_replay.remote.node import probe_node_async
+        from axrl_spike_replay.remote.options import RemoteOptions
+
+        report(f"connecting to {target}")
+        options = RemoteOptions(accept_new_host_key=accept_new_host_key)
+        return await probe_node_async(target, remote_python, path, options=options, workspace=root, progress=report)
+
+    return await call_async_library(ctx, work)
+
+
+def register(server: MCPServer) -> None:
     """Add the node tools to `server`."""
-
-    @server.tool(name="probe_node", title="What a GPU node offers", annotations=PROBE)
-    async def probe_node_tool(
-        target: Annotated[
-            str,
-            Field(
-                description="The node, as typed: `ssh -p 26461 root@10.100.4.23`, `user@host:port`, "
-                "`ssh://user@host:port`, a ~/.ssh/config alias, or a target name from spike-replay.yaml.",
-                min_length=1,
-            ),
-        ],
-        ctx: Context,
-        snapshot: Annotated[
-            str | None,
-            Field(description="A snapshot to plan for: does a full-fidelity replay fit (one GPU per saved rank)?"),
-        ] = None,
-        remote_python: RemotePythonArg = None,
-        accept_new_host_key: AcceptNewKeyArg = False,
-        workspace: WorkspaceArg = None,
-    ) -> NodeReport:
-        """Probe a GPU node over SSH (one connection, host key verified): GPU count, names and memory, driver,
-        Python and torch versions, CUDA availability, whether axrl_spike_replay is importable there; with a
-        snapshot, whether a full-fidelity replay fits or it will be reduced, and the plan. Run it before
-        replaying on a node."""
-        root = config.workspace_for(workspace)
-        path = str(config.path(snapshot)) if snapshot else None
-
-        async def work(report: Callable[[str], None]) -> NodeReport:
-            from axrl_spike_replay.remote.node import probe_node_async
-            from axrl_spike_replay.remote.options import RemoteOptions
-
-            report(f"connecting to {target}")
-            options = RemoteOptions(accept_new_host_key=accept_new_host_key)
-            return await probe_node_async(target, remote_python, path, options=options, workspace=root, progress=report)
-
-        return await call_async_library(ctx, work)
+    server.add_tool(probe_node_tool, name="probe_node", title="What a GPU node offers", annotations=PROBE)

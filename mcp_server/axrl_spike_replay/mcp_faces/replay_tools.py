@@ -5,21 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from collections.abc import Awaitable
+from typing import Annotated, Any, Literal
 
 import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
-from axrl_spike_replay.mcp_faces.bridge import Progress, call_async_library, call_library, structured
-from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg
-from axrl_spike_replay.replay.mitigations import MITIGATIONS
-from axrl_spike_replay.replay.result import Attribution, ReplayResult, SweepResult
-
-if TYPE_CHECKING:
-    from axrl_spike_replay.investigation.request import ReplayRequest
+from axrl_spike_replay.experiment.mitigations import MITIGATIONS
+from axrl_spike_replay.experiment.result import Attribution, ReplayResult, RunResult, SweepResult
+from axrl_spike_replay.investigation.request import LOCAL, MAX_REPEAT, How, ReplayRequest, What, Where
+from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
+from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg, server_config
+from axrl_spike_replay.vocabulary import Backend, Device, Method, Verb
 
 _NAMES = ", ".join(MITIGATIONS)
 
@@ -116,35 +115,29 @@ TimeoutArg = Annotated[
 ]
 
 
-async def _run(ctx: Context, request: ReplayRequest, config: ServerConfig) -> Any:
-    """A request `investigation.runs` keeps here: the engine in a worker thread. Anything else (SSH target,
-    command backend): awaited in the event loop, so a cancelled call cancels its session, which kills the
-    process group it started."""
-    if request.runs_here:
+async def _run(ctx: Context, request: ReplayRequest, config: ServerConfig, first: str | None = None) -> RunResult:
+    """Run the request where it says (`investigation.runs.run_request`, the CLI's function) in a worker thread:
+    a local replay uses the server's warm pools; a cancelled call sets the request's cancel event, which stops a
+    local run's processes or a remote run's session (and the process group it started)."""
+    runner = config.warm.run_job if config.warm is not None else None
 
-        def here(progress: Progress, cancel: threading.Event) -> Any:
-            from axrl_spike_replay.investigation.runs import run_here
+    def work(progress: Progress, cancel: threading.Event) -> RunResult:
+        from axrl_spike_replay.investigation.runs import run_request
 
-            runner = config.warm.run_job if config.warm is not None else None
-            return run_here(dataclasses.replace(request, progress=progress.message, cancel=cancel), runner)
+        if first is not None:
+            progress.message(first)
+        return run_request(dataclasses.replace(request, progress=progress.message, cancel=cancel), runner)
 
-        return await call_library(ctx, here)
-
-    async def elsewhere(report: Callable[[str], None]) -> Any:
-        from axrl_spike_replay.investigation.elsewhere import replay_elsewhere_async
-
-        return await replay_elsewhere_async(dataclasses.replace(request, progress=report))
-
-    return await call_async_library(ctx, elsewhere)
+    return await call_library(ctx, work)
 
 
-def _request(ctx: Context, **arguments: Any) -> Awaitable[ReplayRequest]:
+def _request(ctx: Context, what: What, where: Where, how: How, **recorded: Any) -> Awaitable[ReplayRequest]:
     """The library's ReplayRequest for a tool's arguments (built in a worker thread: it may read config files)."""
 
     def build(progress: Progress, cancel: threading.Event) -> ReplayRequest:
         from axrl_spike_replay.investigation.request import replay_request
 
-        return replay_request(**arguments)
+        return replay_request(what, where, how, **recorded)
 
     return call_library(ctx, build)
 
@@ -159,158 +152,181 @@ ClearThresholdArg = Annotated[
 ]
 
 
-def register(server: MCPServer, config: ServerConfig) -> None:
-    """Add the replay tools to `server`."""
-
-    @server.tool(name="replay", title="Replay the spike step (baseline or one mitigation config)", annotations=REPLAYS)
-    async def replay_tool(
-        snapshot: SnapshotArg,
-        ctx: Context,
-        mitigations: MitigationsArg = {},  # noqa: B006
-        target: TargetArg = None,
-        nproc: NprocArg = None,
-        device: DeviceArg = "cpu",
-        repeat: Annotated[
-            int, Field(description="Recompute this many times and report the spread (determinism check).", ge=1)
-        ] = 1,
-        clear_threshold: ClearThresholdArg = None,
-        backend: BackendArg = "torch",
-        patch: PatchArg = None,
-        patches: PatchesArg = [],  # noqa: B006
-        remote_python: RemotePythonArg = None,
-        accept_new_host_key: AcceptNewKeyArg = False,
-        timeout_s: TimeoutArg = None,
-        job: JobOptArg = None,
-        workspace: WorkspaceArg = None,
-    ) -> ReplayResult:
-        """Recompute the spike step's gradients from the snapshot's weights, batches and routing payloads (no
-        optimizer step), reduce them across data-parallel ranks as the trainer did, and compare the global
-        pre-clip grad norm with the recorded one — here, or on a GPU node over SSH (`target`). Without
-        mitigations: the baseline (`reproduced` / `not_reproduced`). With a config: a replay-only experiment
-        judged against the baseline at the same layout (`cleared` / `partial` / `no_effect` / `worse`, or
-        `baseline_not_a_spike` when the baseline is under the threshold). Writes
-        tmp/spike-replay/<job>/<timestamp>/ (command.txt, logs, replay_result.json) and logs the attempt in the
-        job's task file. Reports progress; cancelling the call stops a remote run (its process group)."""
-        request = await _request(
-            ctx,
-            snapshot=config.path(snapshot),
-            verb="replay",
+async def replay_tool(
+    snapshot: SnapshotArg,
+    ctx: Context,
+    mitigations: MitigationsArg = {},  # noqa: B006
+    target: TargetArg = None,
+    nproc: NprocArg = None,
+    device: DeviceArg = "cpu",
+    repeat: Annotated[
+        int,
+        Field(description="Recompute this many times and report the spread (determinism check).", ge=1, le=MAX_REPEAT),
+    ] = 1,
+    clear_threshold: ClearThresholdArg = None,
+    backend: BackendArg = "torch",
+    patch: PatchArg = None,
+    patches: PatchesArg = [],  # noqa: B006
+    remote_python: RemotePythonArg = None,
+    accept_new_host_key: AcceptNewKeyArg = False,
+    timeout_s: TimeoutArg = None,
+    job: JobOptArg = None,
+    workspace: WorkspaceArg = None,
+) -> ReplayResult:
+    """Recompute the spike step's gradients from the snapshot's weights, batches and routing payloads (no
+    optimizer step), reduce them across data-parallel ranks as the trainer did, and compare the global
+    pre-clip grad norm with the recorded one — here, or on a GPU node over SSH (`target`). Without
+    mitigations: the baseline (`reproduced` / `not_reproduced`). With a config: a replay-only experiment
+    judged against the baseline at the same layout (`cleared` / `partial` / `no_effect` / `worse`, or
+    `baseline_not_a_spike` when the baseline is under the threshold). Writes
+    tmp/spike-replay/<job>/<timestamp>/ (command.txt, logs, replay_result.json) and logs the attempt in the
+    job's task file. Reports progress; cancelling the call stops a remote run (its process group)."""
+    config = server_config(ctx)
+    request = await _request(
+        ctx,
+        What(
+            config.path(snapshot),
+            verb=Verb.REPLAY,
             mitigations=mitigations,
             repeat=repeat,
             clear_threshold=clear_threshold,
-            target=target,
-            backend=backend,
-            patch=config.path(patch) if patch else None,
-            patches=[config.path(p) for p in patches],
-            remote_python=remote_python,
-            accept_new_host_key=accept_new_host_key,
-            timeout_s=timeout_s,
-            nproc=nproc,
-            device=device,
-            workspace=config.workspace_for(workspace),
-            job=job,
-        )
-        return await _run(ctx, request, config)
+        ),
+        _where(
+            config,
+            target,
+            backend,
+            [patch, *patches] if patch else patches,
+            remote_python,
+            accept_new_host_key,
+            timeout_s,
+        ),
+        How(nproc=nproc, device=Device(device)),
+        workspace=config.workspace_for(workspace),
+        job=job,
+    )
+    result = await _run(ctx, request, config)
+    assert isinstance(result, ReplayResult)
+    return result
 
-    @server.tool(name="sweep", title="Compare many mitigation configs on one snapshot", annotations=REPLAYS)
-    async def sweep_tool(
-        snapshot: SnapshotArg,
-        configs: ConfigsArg,
-        ctx: Context,
-        target: TargetArg = None,
-        nproc: NprocArg = None,
-        device: DeviceArg = "cpu",
-        parallel_configs: ParallelConfigsArg = None,
-        clear_threshold: ClearThresholdArg = None,
-        backend: BackendArg = "torch",
-        patches: PatchesArg = [],  # noqa: B006
-        remote_python: RemotePythonArg = None,
-        accept_new_host_key: AcceptNewKeyArg = False,
-        timeout_s: TimeoutArg = None,
-        job: JobOptArg = None,
-        plot: Annotated[bool, Field(description="Also return a PNG bar chart of grad norm per config.")] = True,
-        workspace: WorkspaceArg = None,
-    ) -> Annotated[CallToolResult, SweepResult]:
-        """Replay the baseline and every config in one run (weights loaded once; loss-level configs share one
-        forward pass), here or on a GPU node (`target`, one SSH connection): grad norm, ratio to the median,
-        change vs baseline and verdict per config. With `backend` command: the baseline runs once, then each
-        config is one run of the node's replay command with its mapped overrides (and `patches`, if any).
-        Each config's replay_result.json lands under one tmp/spike-replay/<job>/<timestamp>/ and every config is
-        logged in the task file. `parallel_configs` runs the configs on several pools side by side (warm or not),
-        with the same results. Returns a bar chart of the grad norms. Reports progress; cancelling the call
-        stops a remote run."""
-        request = await _request(
-            ctx,
-            snapshot=config.path(snapshot),
-            verb="sweep",
-            configs=configs,
-            clear_threshold=clear_threshold,
-            target=target,
-            backend=backend,
-            patches=[config.path(p) for p in patches],
-            remote_python=remote_python,
-            accept_new_host_key=accept_new_host_key,
-            timeout_s=timeout_s,
-            nproc=nproc,
-            device=device,
-            parallel_configs=parallel_configs,
-            workspace=config.workspace_for(workspace),
-            job=job,
-        )
-        result = await _run(ctx, request, config)
-        images = [await anyio.to_thread.run_sync(_sweep_png, result)] if plot else []
-        return structured(SweepResult, result, images)
 
-    @server.tool(
+async def sweep_tool(
+    snapshot: SnapshotArg,
+    configs: ConfigsArg,
+    ctx: Context,
+    target: TargetArg = None,
+    nproc: NprocArg = None,
+    device: DeviceArg = "cpu",
+    parallel_configs: ParallelConfigsArg = None,
+    clear_threshold: ClearThresholdArg = None,
+    backend: BackendArg = "torch",
+    patches: PatchesArg = [],  # noqa: B006
+    remote_python: RemotePythonArg = None,
+    accept_new_host_key: AcceptNewKeyArg = False,
+    timeout_s: TimeoutArg = None,
+    job: JobOptArg = None,
+    plot: Annotated[bool, Field(description="Also return a PNG bar chart of grad norm per config.")] = True,
+    workspace: WorkspaceArg = None,
+) -> Annotated[CallToolResult, SweepResult]:
+    """Replay the baseline and every config in one run (weights loaded once; loss-level configs share one
+    forward pass), here or on a GPU node (`target`, one SSH connection): grad norm, ratio to the median,
+    change vs baseline and verdict per config. With `backend` command: the baseline runs once, then each
+    config is one run of the node's replay command with its mapped overrides (and `patches`, if any).
+    Each config's replay_result.json lands under one tmp/spike-replay/<job>/<timestamp>/ and every config is
+    logged in the task file. `parallel_configs` runs the configs on several pools side by side (warm or not),
+    with the same results. Returns a bar chart of the grad norms. Reports progress; cancelling the call
+    stops a remote run."""
+    config = server_config(ctx)
+    request = await _request(
+        ctx,
+        What(config.path(snapshot), verb=Verb.SWEEP, configs=tuple(configs), clear_threshold=clear_threshold),
+        _where(config, target, backend, patches, remote_python, accept_new_host_key, timeout_s),
+        How(nproc=nproc, device=Device(device), parallel_configs=parallel_configs),
+        workspace=config.workspace_for(workspace),
+        job=job,
+    )
+    result = await _run(ctx, request, config)
+    assert isinstance(result, SweepResult)
+    images = [await anyio.to_thread.run_sync(_sweep_png, result)] if plot else []
+    return structured(SweepResult, result, images)
+
+
+async def attribute_spike_tool(
+    snapshot: SnapshotArg,
+    ctx: Context,
+    top: TopArg = 10,
+    mitigations: Annotated[
+        dict[str, Any],
+        Field(description=f"Attribute under a mitigation config instead of the baseline. Names: {_NAMES}."),
+    ] = {},  # noqa: B006
+    device: DeviceArg = "cpu",
+    method: Annotated[
+        Literal["jvp", "per_sample_backward"],
+        Field(description="jvp (fast, one pass) or per_sample_backward (one backward per sample, a check)."),
+    ] = "jvp",
+    job: JobOptArg = None,
+    workspace: WorkspaceArg = None,
+) -> Attribution:
+    """Each sample's contribution to the global gradient, c_s = <g_s, g> / ||g|| (they sum to ||g||), ranked,
+    with the sample's signals (advantage, reward, max |log-ratio|, loss tokens, rank). Usually a few samples
+    carry the spike; cross-check them with analyze_batch's outliers. Writes attribution.json under
+    tmp/spike-replay/<job>/<timestamp>/."""
+    config = server_config(ctx)
+    target = config.path(snapshot)
+    request = await _request(
+        ctx,
+        What(target, verb=Verb.ATTRIBUTE, top=top, mitigations=mitigations, method=Method(method)),
+        Where(),
+        How(device=Device(device)),
+        workspace=config.workspace_for(workspace),
+        job=job,
+    )
+    result = await _run(ctx, request, config, f"attributing the spike of {target} to its samples ({method})")
+    assert isinstance(result, Attribution)
+    return result
+
+
+def register(server: MCPServer) -> None:
+    """Add the replay tools to `server`."""
+    server.add_tool(
+        replay_tool,
+        name="replay",
+        title="Replay the spike step (baseline or one mitigation config)",
+        annotations=REPLAYS,
+    )
+    server.add_tool(
+        sweep_tool, name="sweep", title="Compare many mitigation configs on one snapshot", annotations=REPLAYS
+    )
+    server.add_tool(
+        attribute_spike_tool,
         name="attribute_spike",
         title="Which samples carry the spike",
         annotations=ToolAnnotations(
             read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False
         ),
     )
-    async def attribute_spike_tool(
-        snapshot: SnapshotArg,
-        ctx: Context,
-        top: TopArg = 10,
-        mitigations: Annotated[
-            dict[str, Any],
-            Field(description=f"Attribute under a mitigation config instead of the baseline. Names: {_NAMES}."),
-        ] = {},  # noqa: B006
-        device: DeviceArg = "cpu",
-        method: Annotated[
-            Literal["jvp", "per_sample_backward"],
-            Field(description="jvp (fast, one pass) or per_sample_backward (one backward per sample, a check)."),
-        ] = "jvp",
-        job: JobOptArg = None,
-        workspace: WorkspaceArg = None,
-    ) -> Attribution:
-        """Each sample's contribution to the global gradient, c_s = <g_s, g> / ||g|| (they sum to ||g||), ranked,
-        with the sample's signals (advantage, reward, max |log-ratio|, loss tokens, rank). Usually a few samples
-        carry the spike; cross-check them with analyze_batch's outliers. Writes attribution.json under
-        tmp/spike-replay/<job>/<timestamp>/."""
-        target = config.path(snapshot)
-        request = await _request(
-            ctx,
-            snapshot=target,
-            verb="attribute",
-            top=top,
-            mitigations=mitigations,
-            method=method,
-            device=device,
-            workspace=config.workspace_for(workspace),
-            job=job,
-        )
-
-        def work(progress: Progress, cancel: threading.Event) -> Any:
-            from axrl_spike_replay.investigation.runs import run_here
-
-            progress.message(f"attributing the spike of {target} to its samples ({method})")
-            return run_here(dataclasses.replace(request, cancel=cancel))
-
-        return await call_library(ctx, work)
 
 
-def _sweep_png(sweep: Any) -> bytes:
+def _where(
+    config: ServerConfig,
+    target: str | None,
+    backend: str,
+    patches: list[str],
+    remote_python: str | None,
+    accept_new_host_key: bool,
+    timeout_s: float | None,
+) -> Where:
+    """The request's `Where` part for a tool's arguments (patch paths relative to the workspace)."""
+    return Where(
+        target=target or LOCAL,
+        backend=Backend(backend),
+        patches=tuple(str(config.path(p)) for p in patches),
+        remote_python=remote_python,
+        accept_new_host_key=accept_new_host_key,
+        timeout_s=timeout_s,
+    )
+
+
+def _sweep_png(sweep: SweepResult) -> bytes:
     from axrl_spike_replay.analysis.plots import sweep_png
 
     rows = [sweep.baseline, *sweep.results]

@@ -13,9 +13,10 @@ from pydantic import Field
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.mcp_faces.config import ServerConfig
+from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.skill_pack import Skill, list_skills, render_skill
 from axrl_spike_replay.workspace.methods import shipped_methods_dir
-from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_plain_name, methods_dir, task_md_path
+from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, methods_dir, task_md_path
 
 TASK_URI = "axrl://task/{job}"
 METHOD_URI = "axrl://method/{slug}"
@@ -116,7 +117,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         description="Every mitigation name the replay, sweep and attribute_spike tools accept, its values and effect",
     )
     def mitigations() -> str:
-        from axrl_spike_replay.replay.mitigations import valid_mitigations
+        from axrl_spike_replay.experiment.mitigations import valid_mitigations
 
         return "Mitigations (replay-only; each off unless named in a config {NAME: VALUE}):\n" + valid_mitigations()
 

@@ -11,7 +11,7 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library
-from axrl_spike_replay.mcp_faces.config import JobArg, OutputDirArg, ServerConfig, SnapshotArg
+from axrl_spike_replay.mcp_faces.config import JobArg, OutputDirArg, SnapshotArg, server_config
 from axrl_spike_replay.snapshot.discovery import OUTPUT_ROOTS_ENV, JobResolution, resolve_job
 from axrl_spike_replay.snapshot.inspect import SnapshotInspection, inspect_snapshot
 from axrl_spike_replay.snapshot.legacy import PreparedSnapshot, prepare_replay_dir
@@ -34,93 +34,117 @@ IterationArg = Annotated[
 ]
 
 
-def register(server: MCPServer, config: ServerConfig) -> None:
+async def resolve_job_tool(job: JobArg, ctx: Context, roots: RootsArg = []) -> JobResolution:  # noqa: B006
+    """Find every role output directory (`<run>~<job>__<role>`: actor, critic, ...) of a job and its log
+    files. Start here; then list_snapshots on the role's output_dir."""
+    config = server_config(ctx)
+    search = [str(config.path(r)) for r in roots]
+    if not search and not os.environ.get(OUTPUT_ROOTS_ENV):
+        search = [str(config.workspace)]
+    return await call_library(ctx, lambda progress, cancel: resolve_job(job, search))
+
+
+async def list_snapshots_tool(output_dir: OutputDirArg, ctx: Context) -> SnapshotListing:
+    """List the spike snapshots of one output dir: the rotating ones (checkpoints/spike_snapshots, deleted by
+    rotation) and preserved copies (checkpoints/spike_snapshots-active), with iteration, size, grad norm
+    and spike ratio. Preserve the one you investigate at once with preserve_snapshots."""
+    config = server_config(ctx)
+    return await call_library(ctx, lambda progress, cancel: list_snapshots(config.path(output_dir)))
+
+
+async def preserve_snapshots_tool(
+    output_dir: OutputDirArg, ctx: Context, iteration: IterationArg = None
+) -> PreserveResult:
+    """Preserve retained snapshots (one iteration, or all) as hardlinked copies under
+    checkpoints/spike_snapshots-active/, which rotation never deletes. Do this first, at once. Cheap
+    (hardlinks; a real copy only across filesystems), idempotent, never modifies the source. Work on the
+    preserved path from then on; release_preserved removes the copy at the very end."""
+    config = server_config(ctx)
+
+    def work(progress: Progress, cancel: threading.Event) -> PreserveResult:
+        what = f"iteration {iteration}" if iteration is not None else "every retained snapshot"
+        progress.message(f"preserving {what} of {output_dir}")
+        result = preserve(config.path(output_dir), iteration, progress=progress.message)
+        progress.message(f"preserved {len(result.preserved)}, failed {len(result.failed)}")
+        return result
+
+    return await call_library(ctx, work)
+
+
+async def release_preserved_tool(
+    output_dir: OutputDirArg, ctx: Context, iteration: IterationArg = None
+) -> ReleaseResult:
+    """Delete preserved copies made by preserve_snapshots (one iteration, or all) — only at the very end,
+    after write_report. Refuses anything that is not a preserved copy made by this tool; retained
+    snapshots under checkpoints/spike_snapshots are never touched."""
+    config = server_config(ctx)
+    return await call_library(ctx, lambda progress, cancel: release(config.path(output_dir), iteration))
+
+
+async def inspect_snapshot_tool(snapshot: SnapshotArg, ctx: Context) -> SnapshotInspection:
+    """Read a snapshot's metadata (iteration, job, role, world size, tp/pp/dp/ep/etp/cp, grad norm, median
+    norm, spike ratio, legacy layout or not), per-rank batch and routing-payload counts and the model size
+    from the checkpoint metadata, and list its problems (missing rank files, inconsistent world size, ...).
+    Reads headers only, so it is fast on snapshots of hundreds of GB."""
+    config = server_config(ctx)
+    return await call_library(ctx, lambda progress, cancel: inspect_snapshot(config.path(snapshot)))
+
+
+async def prepare_replay_dir_tool(
+    snapshot: SnapshotArg,
+    ctx: Context,
+    dest: Annotated[
+        str | None,
+        Field(
+            description="Empty or new directory for the replay dir (relative to the workspace); "
+            "default: a new temporary directory."
+        ),
+    ] = None,
+) -> PreparedSnapshot:
+    """For a legacy snapshot (AXRL keys in metadata.json, which breaks checkpoint loading), make a replay
+    dir of hardlinks with a restored checkpoint metadata.json and axrl_metadata.json; the original is never
+    touched. A current-layout snapshot needs nothing (replay_dir is the snapshot). replay calls this
+    itself when needed."""
+    config = server_config(ctx)
+    target = config.path(dest) if dest else None
+    return await call_library(ctx, lambda progress, cancel: prepare_replay_dir(config.path(snapshot), target))
+
+
+def register(server: MCPServer) -> None:
     """Add the snapshot tools to `server`."""
-
-    @server.tool(name="resolve_job", title="Find a job's output directories", annotations=READ_ONLY)
-    async def resolve_job_tool(job: JobArg, ctx: Context, roots: RootsArg = []) -> JobResolution:  # noqa: B006
-        """Find every role output directory (`<run>~<job>__<role>`: actor, critic, ...) of a job and its log
-        files. Start here; then list_snapshots on the role's output_dir."""
-        search = [str(config.path(r)) for r in roots]
-        if not search and not os.environ.get(OUTPUT_ROOTS_ENV):
-            search = [str(config.workspace)]
-        return await call_library(ctx, lambda progress, cancel: resolve_job(job, search))
-
-    @server.tool(name="list_snapshots", title="List a role's spike snapshots", annotations=READ_ONLY)
-    async def list_snapshots_tool(output_dir: OutputDirArg, ctx: Context) -> SnapshotListing:
-        """List the spike snapshots of one output dir: the rotating ones (checkpoints/spike_snapshots, deleted by
-        rotation) and preserved copies (checkpoints/spike_snapshots-active), with iteration, size, grad norm
-        and spike ratio. Preserve the one you investigate at once with preserve_snapshots."""
-        return await call_library(ctx, lambda progress, cancel: list_snapshots(config.path(output_dir)))
-
-    @server.tool(
+    server.add_tool(
+        resolve_job_tool, name="resolve_job", title="Find a job's output directories", annotations=READ_ONLY
+    )
+    server.add_tool(
+        list_snapshots_tool, name="list_snapshots", title="List a role's spike snapshots", annotations=READ_ONLY
+    )
+    server.add_tool(
+        preserve_snapshots_tool,
         name="preserve_snapshots",
         title="Preserve snapshots before rotation deletes them",
         annotations=ToolAnnotations(
             read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=False
         ),
     )
-    async def preserve_snapshots_tool(
-        output_dir: OutputDirArg, ctx: Context, iteration: IterationArg = None
-    ) -> PreserveResult:
-        """Preserve retained snapshots (one iteration, or all) as hardlinked copies under
-        checkpoints/spike_snapshots-active/, which rotation never deletes. Do this first, at once. Cheap
-        (hardlinks; a real copy only across filesystems), idempotent, never modifies the source. Work on the
-        preserved path from then on; release_preserved removes the copy at the very end."""
-
-        def work(progress: Progress, cancel: threading.Event) -> PreserveResult:
-            what = f"iteration {iteration}" if iteration is not None else "every retained snapshot"
-            progress.message(f"preserving {what} of {output_dir}")
-            result = preserve(config.path(output_dir), iteration, progress=progress.message)
-            progress.message(f"preserved {len(result.preserved)}, failed {len(result.failed)}")
-            return result
-
-        return await call_library(ctx, work)
-
-    @server.tool(
+    server.add_tool(
+        release_preserved_tool,
         name="release_preserved",
         title="Delete preserved copies (end of investigation)",
         annotations=ToolAnnotations(
             read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False
         ),
     )
-    async def release_preserved_tool(
-        output_dir: OutputDirArg, ctx: Context, iteration: IterationArg = None
-    ) -> ReleaseResult:
-        """Delete preserved copies made by preserve_snapshots (one iteration, or all) — only at the very end,
-        after write_report. Refuses anything that is not a preserved copy made by this tool; retained
-        snapshots under checkpoints/spike_snapshots are never touched."""
-        return await call_library(ctx, lambda progress, cancel: release(config.path(output_dir), iteration))
-
-    @server.tool(name="inspect_snapshot", title="Read a snapshot's metadata and files", annotations=READ_ONLY)
-    async def inspect_snapshot_tool(snapshot: SnapshotArg, ctx: Context) -> SnapshotInspection:
-        """Read a snapshot's metadata (iteration, job, role, world size, tp/pp/dp/ep/etp/cp, grad norm, median
-        norm, spike ratio, legacy layout or not), per-rank batch and routing-payload counts and the model size
-        from the checkpoint metadata, and list its problems (missing rank files, inconsistent world size, ...).
-        Reads headers only, so it is fast on snapshots of hundreds of GB."""
-        return await call_library(ctx, lambda progress, cancel: inspect_snapshot(config.path(snapshot)))
-
-    @server.tool(
+    server.add_tool(
+        inspect_snapshot_tool,
+        name="inspect_snapshot",
+        title="Read a snapshot's metadata and files",
+        annotations=READ_ONLY,
+    )
+    server.add_tool(
+        prepare_replay_dir_tool,
         name="prepare_replay_dir",
         title="Prepare a legacy snapshot for replay",
         annotations=ToolAnnotations(
             read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False
         ),
     )
-    async def prepare_replay_dir_tool(
-        snapshot: SnapshotArg,
-        ctx: Context,
-        dest: Annotated[
-            str | None,
-            Field(
-                description="Empty or new directory for the replay dir (relative to the workspace); "
-                "default: a new temporary directory."
-            ),
-        ] = None,
-    ) -> PreparedSnapshot:
-        """For a legacy snapshot (AXRL keys in metadata.json, which breaks checkpoint loading), make a replay
-        dir of hardlinks with a restored checkpoint metadata.json and axrl_metadata.json; the original is never
-        touched. A current-layout snapshot needs nothing (replay_dir is the snapshot). replay calls this
-        itself when needed."""
-        target = config.path(dest) if dest else None
-        return await call_library(ctx, lambda progress, cancel: prepare_replay_dir(config.path(snapshot), target))

@@ -1,1 +1,1 @@
-"""Reference models the project can build from a snapshot's `run_config.yaml`."""
+"""The policies a replay builds from a snapshot's `run_config.yaml`: the tiny MoE, and each declared architecture."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.models.architectures import ARCHITECTURES, MAX_EXPERT_WIDTH, MAX_EXPERTS
 from axrl_spike_replay.untrusted_bytes import read_bounded
 from axrl_spike_replay.untrusted_json import UntrustedJsonError, parse_untrusted_json
 
@@ -22,27 +23,24 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "gpt_oss")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("eager",)  # pinned: results depend on it, and eager is the one with no kernel choice
 # transformers' experts implementations that run on CPU and GPU alike (deepgemm and sonicmoe need GPU kernels).
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 BACKEND_HINT = "replay it with `--backend command` and the trainer's own replay command"
-# Sizes a hostile config could inflate; every other integer is bounded by GENERIC_INT_LIMIT.
+# Sizes a hostile config could inflate: those every architecture has, then each declared architecture's own
+# (experts, expert widths); every other integer is bounded by GENERIC_INT_LIMIT.
 SIZE_LIMITS: dict[str, int] = {
     "num_hidden_layers": 1024,
     "hidden_size": 1 << 16,
     "vocab_size": 1 << 20,
-    "num_experts": 4096,
-    "num_local_experts": 4096,
-    "n_routed_experts": 4096,
     "num_attention_heads": 1024,
     "num_key_value_heads": 1024,
-    "num_experts_per_tok": 4096,
-    "intermediate_size": 1 << 18,
-    "moe_intermediate_size": 1 << 18,
-    "shared_expert_intermediate_size": 1 << 18,
+    "num_experts_per_tok": MAX_EXPERTS,
+    "intermediate_size": MAX_EXPERT_WIDTH,
 }
+for _spec in ARCHITECTURES.values():
+    SIZE_LIMITS.update(_spec.size_limits)
 GENERIC_INT_LIMIT = 1 << 24
 MAX_MODEL_PARAMETERS = 1 << 33  # 8G parameters: the same ceiling as the tiny model's
 MAX_CONFIG_JSON_BYTES = 1 << 20
@@ -333,7 +331,7 @@ def _meta_layout(key: str) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...],
         object.__setattr__(spec, name, value)
     model = instantiate(spec, "meta")
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    routers: dict[int, Any] = dict(find_routers(model))  # transformers' router classes: top_k is an int
+    routers: dict[int, Any] = dict(find_routers(model, architecture))  # transformers' routers: top_k is an int
     first = next(iter(routers.values()), None)
     decoder: Any = model.model  # transformers' decoder: its layers are an nn.ModuleList
     layers = len(decoder.layers)

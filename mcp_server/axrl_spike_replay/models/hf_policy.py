@@ -37,9 +37,9 @@ class HFPolicy(nn.Module):
         object.__setattr__(self, "causal_lm", causal_lm)  # not a submodule: its children are ours, names unprefixed
         for name, child in causal_lm.named_children():
             self.add_module(name, child)
-        self.moe_layer_ids = tuple(sorted(find_routers(causal_lm)))
+        self.moe_layer_ids = tuple(sorted(find_routers(causal_lm, spec.architecture)))
         self.n_layers = len(causal_lm.model.layers)
-        routers: list[Any] = list(find_routers(causal_lm).values())
+        routers: list[Any] = list(find_routers(causal_lm, spec.architecture).values())
         self.n_experts = int(routers[0].num_experts) if routers else 0
         self.recorder = RouteRecorder()
         install_route_hooks(causal_lm, spec.architecture, self.recorder)

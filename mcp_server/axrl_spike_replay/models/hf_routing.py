@@ -2,13 +2,13 @@
 
 In transformers 5 every router of the supported architectures returns `(router_logits, topk_weights,
 topk_indices)`. The hook keeps the logits, swaps in the recorded indices and recomputes the weights from the
-current logits with the architecture's own rule, so the router keeps its gradient. With no replay the router's
-output is passed through untouched, so forcing a token's own routes reproduces the forward bit for bit.
+current logits with the architecture's own rule (`models.architectures`), so the router keeps its gradient. With
+no replay the router's output is passed through untouched, so forcing a token's own routes reproduces the
+forward bit for bit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,60 +16,22 @@ import torch
 from torch import nn
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.models.architectures import ARCHITECTURES
 
 
-def find_routers(model: nn.Module) -> dict[int, nn.Module]:
-    """{absolute decoder layer: router module} for the layers that route (dense layers have none)."""
+def find_routers(model: nn.Module, architecture: str) -> dict[int, nn.Module]:
+    """{absolute decoder layer: router module} for the layers that route (dense layers have none): each layer's
+    `mlp.<router>` as the architecture declares it (`models.architectures`)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ConfigError(f"{type(model).__name__}: no decoder layers at model.layers")
+    name = ARCHITECTURES[architecture].router
     routers: dict[int, nn.Module] = {}
     for index, layer in enumerate(layers):
-        mlp = getattr(layer, "mlp", None)
-        for name in ("gate", "router"):
-            router = getattr(mlp, name, None)
-            if isinstance(router, nn.Module) and type(router).__name__.endswith("Router"):
-                routers[index] = router
+        router = getattr(getattr(layer, "mlp", None), name, None)
+        if isinstance(router, nn.Module) and type(router).__name__.endswith("Router"):
+            routers[index] = router
     return routers
-
-
-# Gate weights from the current router logits [N, E] and chosen expert ids [N, K]: each architecture's own rule,
-# written as its router computes them (same ops, same dtypes) so its own routes give bit-identical weights.
-def _softmax_topk(router: Any, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
-    weights = probs.gather(-1, chosen)
-    if router.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype)
-
-
-def _mixtral(router: Any, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    probs = torch.nn.functional.softmax(logits.float(), dim=-1)
-    weights = probs.gather(-1, chosen)
-    return weights / weights.sum(dim=-1, keepdim=True)
-
-
-def _deepseek_v3(router: Any, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    # sigmoid scores; the correction bias and group limit only choose experts, they never weight them
-    weights = logits.sigmoid().gather(1, chosen)
-    if router.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * router.routed_scaling_factor
-
-
-def _gpt_oss(router: Any, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    top = logits.gather(-1, chosen)
-    return torch.nn.functional.softmax(top, dim=1, dtype=top.dtype)
-
-
-WEIGHT_RULES: dict[str, Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "qwen3_moe": _softmax_topk,
-    "qwen2_moe": _softmax_topk,
-    "olmoe": _softmax_topk,
-    "mixtral": _mixtral,
-    "deepseek_v3": _deepseek_v3,
-    "gpt_oss": _gpt_oss,
-}
 
 
 @dataclass
@@ -89,9 +51,9 @@ class RouteRecorder:
 
 def install_route_hooks(model: nn.Module, architecture: str, recorder: RouteRecorder) -> list[Any]:
     """A forward hook on every router that forces `recorder.forced[layer]` and records logits and routes."""
-    rule = WEIGHT_RULES[architecture]
+    rule = ARCHITECTURES[architecture].weight_rule
     handles = []
-    for layer, router in find_routers(model).items():
+    for layer, router in find_routers(model, architecture).items():
 
         def hook(module: nn.Module, args: Any, output: Any, layer: int = layer) -> Any:
             logits, weights, chosen = output

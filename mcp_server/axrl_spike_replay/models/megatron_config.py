@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.models.hf_config import ARCHITECTURES, BACKEND_HINT, HFModelConfig
+from axrl_spike_replay.models.architectures import ARCHITECTURES
+from axrl_spike_replay.models.hf_config import BACKEND_HINT, HFModelConfig
 
 if TYPE_CHECKING:
     import torch

@@ -31,15 +31,16 @@ Names are unique across `targets`, `multinode` and `slurm`, so one name picks wh
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Protocol
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.remote.launch_job import LaunchNode
 from axrl_spike_replay.remote.slurm_command import SlurmSettings
+from axrl_spike_replay.remote.target_config import TargetConfig, resolve_named
 from axrl_spike_replay.remote.torchrun_command import DEFAULT_RENDEZVOUS_TIMEOUT_S, is_host_text
-from axrl_spike_replay.remote.workspace_config import TargetConfig, WorkspaceConfig, resolve_target
 
 LOCAL_LOGIN = "local"
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -94,16 +95,24 @@ def parse_launch_config(doc: dict[str, Any], source: str, targets: dict[str, Tar
     return LaunchConfig(multinode=multinode, slurm=slurm)
 
 
-def multinode_nodes(config: MultiNodeConfig, workspace: WorkspaceConfig) -> tuple[LaunchNode, ...]:
+class Targets(Protocol):
+    """What the launch sections resolve their node names in: the parsed file's `targets` (a `WorkspaceConfig`)."""
+
+    @property
+    def targets(self) -> Mapping[str, TargetConfig]: ...
+
+
+def multinode_nodes(config: MultiNodeConfig, workspace: Targets) -> tuple[LaunchNode, ...]:
     """The nodes of a `multinode:` entry, each with its target's ssh, python and setup lines."""
     return tuple(
-        LaunchNode(node, resolve_target(node, workspace), address=config.addresses.get(node)) for node in config.nodes
+        LaunchNode(node, resolve_named(node, workspace.targets), address=config.addresses.get(node))
+        for node in config.nodes
     )
 
 
-def slurm_login(config: SlurmConfig, workspace: WorkspaceConfig) -> LaunchNode:
+def slurm_login(config: SlurmConfig, workspace: Targets) -> LaunchNode:
     """The login node of a `slurm:` entry (python and setup of the entry, else of its target)."""
-    target = None if config.login == LOCAL_LOGIN else resolve_target(config.login, workspace)
+    target = None if config.login == LOCAL_LOGIN else resolve_named(config.login, workspace.targets)
     return LaunchNode(config.login, target, python=config.python or "", setup=config.setup)
 
 

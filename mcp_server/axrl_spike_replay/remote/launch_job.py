@@ -22,8 +22,8 @@ from axrl_spike_replay.remote.node_probe import NodeReport
 from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
 from axrl_spike_replay.untrusted_json import parse_untrusted_json
 
-if TYPE_CHECKING:  # workspace_config reads the launch settings, which use this module
-    from axrl_spike_replay.remote.workspace_config import ResolvedTarget
+if TYPE_CHECKING:
+    from axrl_spike_replay.remote.target_config import ResolvedTarget
 
 LAUNCH_ID_ENV = "AXRL_LAUNCH_ID"  # every process of a job carries it, so a sweep can find leftovers by it
 REQUEST_FORMAT = "axrl-launch-request"

@@ -12,7 +12,8 @@ from axrl_spike_replay.remote.node_probe import NodeReport, probe
 from axrl_spike_replay.remote.options import RemoteOptions
 from axrl_spike_replay.remote.session import open_session
 from axrl_spike_replay.remote.target import SshTarget
-from axrl_spike_replay.remote.workspace_config import ResolvedTarget, load_workspace_config, resolve_target
+from axrl_spike_replay.remote.target_config import ResolvedTarget
+from axrl_spike_replay.remote.workspace_config import load_workspace_config, resolve_target
 
 
 async def probe_node_async(

@@ -21,17 +21,16 @@ import yaml
 
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.experiment.mitigations import mitigation_args
+from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
+from axrl_spike_replay.experiment.run_dir import RESULT_FILE, SWEEP_FILE, RunDir, RunRecorder, write_and_record
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.job import JobOutcome, LineCallback
 from axrl_spike_replay.remote.node_probe import NodeReport
-from axrl_spike_replay.remote.results import SnapshotFacts, base_result, tail, write_and_record
+from axrl_spike_replay.remote.results import SnapshotFacts, base_result, tail
 from axrl_spike_replay.remote.session import RemoteSession
 from axrl_spike_replay.remote.shell import job_script
-from axrl_spike_replay.replay.mitigations import mitigation_args
-from axrl_spike_replay.replay.result import ReplayResult, SweepResult
-from axrl_spike_replay.replay.run_dir import RESULT_FILE, RunDir
-from axrl_spike_replay.replay.sweep import SWEEP_FILE
 from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
 
 REMOTE_SET_FILE = "mitigation_set.yaml"
@@ -90,7 +89,7 @@ async def run_remote_torch(
     run: RunDir,
     node: NodeReport,
     *,
-    workspace: str | Path | None = None,
+    recorder: RunRecorder | None = None,
     on_line: LineCallback | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ReplayResult | SweepResult:
@@ -124,12 +123,12 @@ async def run_remote_torch(
             timeout=request.timeout_s,
             on_line=on_line,
         )
-        result = await _bring_home(session, request, outcome, remote_ws, run, node, workspace, common)
+        result = await _bring_home(session, request, outcome, remote_ws, run, node, recorder, common)
     except BaseException as exc:
         reason = str(exc) if isinstance(exc, Exception) else "cancelled (Ctrl-C or a cancelled call)"
         failed = base_result(request.facts, backend=Backend.TORCH, error=reason, **common)
         failed.timings = {"total": round(time.perf_counter() - started, 3)}
-        write_and_record(run, failed, workspace, request.job)
+        write_and_record(run, failed, recorder, request.job)
         if isinstance(exc, Exception) and not isinstance(exc, ConfigError):
             return failed
         raise
@@ -157,7 +156,7 @@ async def _bring_home(
     remote_ws: str,
     run: RunDir,
     node: NodeReport,
-    workspace: str | Path | None,
+    recorder: RunRecorder | None,
     common: dict[str, Any],
 ) -> ReplayResult | SweepResult:
     assert run.path is not None
@@ -179,11 +178,11 @@ async def _bring_home(
         else:
             failed.error = f"{error}\n{failed.error or ''}".strip()
         failed.timings = {**failed.timings, "remote_command": outcome.seconds}
-        write_and_record(run, failed, workspace, request.job)
+        write_and_record(run, failed, recorder, request.job)
         return failed
     for sub, result in results.items():
         result.timings = {**result.timings, "remote_command": outcome.seconds}
-        write_and_record(run, result, workspace, request.job, sub or None)
+        write_and_record(run, result, recorder, request.job, sub or None)
     if request.verb == "sweep":
         sweep = SweepResult.from_json(doc)
         sweep.baseline = results.get("baseline", sweep.baseline)

@@ -1,4 +1,4 @@
-"""Replay results of remote and command-backend runs: snapshot facts, failed results, writing and logging."""
+"""Replay results of remote and command-backend runs: snapshot facts, judged and failed results, log tails."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.replay.result import ReplayResult
-from axrl_spike_replay.replay.run_dir import RunDir, now_iso
-from axrl_spike_replay.replay.verdict import baseline_verdict, mitigation_verdict, ratio_threshold, rel_diff
+from axrl_spike_replay.experiment.result import ReplayResult
+from axrl_spike_replay.experiment.run_dir import now_iso
+from axrl_spike_replay.experiment.verdict import baseline_verdict, mitigation_verdict, ratio_threshold, rel_diff
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, read_metadata
 from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
 
@@ -102,20 +102,6 @@ def judged_result(
         **extra,
         **fields,
     )
-
-
-def write_and_record(
-    run: RunDir, result: ReplayResult, workspace: str | Path | None, job: str, sub: str | None = None
-) -> Path | None:
-    """Write `replay_result.json` (atomically) and log it in the job's task file when one is open."""
-    path = run.write_result(result, sub)
-    if path is not None and workspace is not None:
-        from axrl_spike_replay.workspace.task_log import record_replay
-
-        exp_id = record_replay(Path(workspace), job, result, path)
-        if exp_id:
-            run.log(f"{result.config_id}: logged in the task file of job {job} as {exp_id}")
-    return path
 
 
 def tail(path: Path, lines: int = 15) -> str:

@@ -10,8 +10,8 @@ targets:
 command_backend:
   workdir: /root/axrl                     # the node's training checkout (a git repo)
   command: "python tools/reproduce_spike.py --snapshot {snapshot} --out {out}"
-  result_json: "{out}/replay_result.json" # read grad_norm from here if it exists, else:
-  grad_norm_regex: "grad_norm[=: ]+([0-9.eE+-]+)"
+  result_json: "{out}/replay_result.json" # read grad_norm from here if it exists, else (per line):
+  grad_norm_regex: '\\bgrad_norm[=: ]+([-+]?(?:[0-9]+\\.?[0-9]*|\\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?(?:nan|inf))'
   env: {NCCL_DEBUG: WARN}                 # optional
   mitigations:                            # optional: our mitigation names -> the trainer's overrides
     mismatch_token_clip_max: "--actor.mismatch_token_clip_max={value}"
@@ -26,36 +26,24 @@ import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.target import SshTarget, parse_target
+from axrl_spike_replay.remote.launch_config import LaunchConfig, parse_launch_config
+from axrl_spike_replay.remote.target import parse_target
+from axrl_spike_replay.remote.target_config import DEFAULT_PYTHON, ResolvedTarget, TargetConfig, resolve_named
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
-if TYPE_CHECKING:
-    from axrl_spike_replay.remote.launch_config import LaunchConfig
-
 CONFIG_FILE = "spike-replay.yaml"
-DEFAULT_PYTHON = "python3"
-DEFAULT_GRAD_NORM_REGEX = r"grad_norm[=: ]+([0-9.eE+-]+)"
+# `grad_norm` as a whole word (`actor/grad_norm:`, not `max_grad_norm: 1.0`), then a number, nan or inf
+DEFAULT_GRAD_NORM_REGEX = r"\bgrad_norm[=: ]+([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?(?:nan|inf))"
 PLACEHOLDERS = ("snapshot", "out")
 COMMAND_PLACEHOLDERS = (*PLACEHOLDERS, "overrides")
 _TARGET_KEYS = {"ssh", "python", "setup", "known_hosts"}
 _BACKEND_KEYS = {"workdir", "command", "result_json", "grad_norm_regex", "env", "mitigations"}
 _TOP_KEYS = {"targets", "command_backend", "multinode", "slurm"}
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` lets "\n" through
-
-
-@dataclass(frozen=True)
-class TargetConfig:
-    """A named node: how to reach it and how to run Python there."""
-
-    name: str
-    ssh: SshTarget
-    python: str = DEFAULT_PYTHON
-    setup: tuple[str, ...] = ()
-    known_hosts: str | None = None
 
 
 @dataclass(frozen=True)
@@ -122,8 +110,6 @@ def parse_workspace_config(doc: Any, source: str) -> WorkspaceConfig:
     backend = None
     if doc.get("command_backend") is not None:
         backend = _parse_backend(_mapping(doc["command_backend"], source, "command_backend"), source)
-    from axrl_spike_replay.remote.launch_config import parse_launch_config  # it resolves targets with this module
-
     launch = parse_launch_config(doc, source, targets)
     return WorkspaceConfig(targets=targets, command_backend=backend, path=source, launch=launch)
 
@@ -237,31 +223,6 @@ def _optional_string(value: Any, source: str, where: str) -> str | None:
     return None if value is None else _string(value, source, where)
 
 
-@dataclass(frozen=True)
-class ResolvedTarget:
-    """What `--target` names: a configured target, or a literal ssh string (python and setup by default)."""
-
-    ssh: SshTarget
-    python: str = DEFAULT_PYTHON
-    setup: tuple[str, ...] = ()
-    known_hosts: str | None = None
-    name: str | None = None
-
-    @property
-    def label(self) -> str:
-        """The target as given: its name in spike-replay.yaml, else the ssh text."""
-        return self.name or self.ssh.spec or self.ssh.label
-
-
 def resolve_target(text: str, config: WorkspaceConfig, remote_python: str | None = None) -> ResolvedTarget:
     """A target name from `spike-replay.yaml`, else a literal ssh string; `remote_python` overrides python."""
-    configured = config.targets.get(text.strip()) if isinstance(text, str) else None
-    if configured is not None:
-        return ResolvedTarget(
-            ssh=configured.ssh,
-            python=remote_python or configured.python,
-            setup=configured.setup,
-            known_hosts=configured.known_hosts,
-            name=configured.name,
-        )
-    return ResolvedTarget(ssh=parse_target(text), python=remote_python or DEFAULT_PYTHON)
+    return resolve_named(text, config.targets, remote_python)

@@ -23,24 +23,21 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, parse_config
+from axrl_spike_replay.experiment.result import ATTRIBUTION_FILE, Attribution, SampleContribution
+from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line
+from axrl_spike_replay.experiment.verdict import rel_diff
 from axrl_spike_replay.models.policy import policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
-from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, parse_config
 from axrl_spike_replay.replay.outcome_figures import jvp_policy
-from axrl_spike_replay.replay.result import ATTRIBUTION_FILE, Attribution, SampleContribution
-from axrl_spike_replay.replay.run_dir import RunDir, RunRecorder, command_line
-from axrl_spike_replay.replay.sample_masks import check_ranks, filtered_batch
-from axrl_spike_replay.replay.verdict import rel_diff
 from axrl_spike_replay.replay.worker import RankInputs, build_model, step_counts
 from axrl_spike_replay.training.policy_loss import expand_advantages, policy_loss
 from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
-from axrl_spike_replay.vocabulary import Fidelity
-
-METHODS = ("jvp", "per_sample_backward")
-SUM_TOLERANCE = 1e-4
+from axrl_spike_replay.training.sample_masks import check_ranks, filtered_batch
+from axrl_spike_replay.vocabulary import Fidelity, Method
 
 
 @dataclass
@@ -238,8 +235,8 @@ def attribute_spike(
 
     `recorder` opens the output dir (None: nothing written). Setting `cancel` stops the work between
     its stages (RunCancelled). `investigation.request` validates top and method for the faces."""
-    if method not in METHODS:
-        raise ConfigError(f"`method` must be one of {', '.join(METHODS)}, got {method!r}", "method")
+    if method not in Method.values():
+        raise ConfigError(f"`method` must be one of {', '.join(Method.values())}, got {method!r}", "method")
     if not isinstance(top, int) or top < 1:
         raise ConfigError(f"`top` must be an integer >= 1, got {top!r}", "top")
     check_device(device)

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from axrl_spike_replay.replay.verdict import is_spike
+from axrl_spike_replay.experiment.verdict import is_spike
 
 MAX_LEFT_OUT_FRACTION = 0.5  # of the baseline's loss tokens
 CLEAN_DEFINITION = (

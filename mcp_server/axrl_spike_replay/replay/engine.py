@@ -18,19 +18,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.percent import pct
-from axrl_spike_replay.replay.clean_gradient import spike_bar
-from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
-from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
-from axrl_spike_replay.replay.mitigations import AppliedConfig, apply_config, mitigation_args, parse_config
-from axrl_spike_replay.replay.outcome_figures import DEFINITION
-from axrl_spike_replay.replay.result import ReplayResult
-from axrl_spike_replay.replay.run_dir import RunDir, RunRecorder, command_line, now_iso
-from axrl_spike_replay.replay.sample_masks import check_ranks
-from axrl_spike_replay.replay.verdict import (
+from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, mitigation_args, parse_config
+from axrl_spike_replay.experiment.result import ReplayResult
+from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line, now_iso
+from axrl_spike_replay.experiment.verdict import (
     baseline_verdict,
     is_spike,
     mitigation_verdict,
@@ -40,24 +34,15 @@ from axrl_spike_replay.replay.verdict import (
     verdict_basis,
     verdict_threshold,
 )
+from axrl_spike_replay.percent import pct
+from axrl_spike_replay.replay.clean_gradient import spike_bar
+from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
+from axrl_spike_replay.replay.launch import JobRunner, run_job
+from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
+from axrl_spike_replay.replay.outcome_figures import DEFINITION
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
-from axrl_spike_replay.vocabulary import Backend, Verdict
-
-DEVICES = ("cpu", "cuda")
-
-
-class JobRunner(Protocol):
-    """Runs a WorkerJob and returns its outcomes (`launch.run_job`, `warm_pool.WarmService.run_job`)."""
-
-    def __call__(
-        self,
-        job: WorkerJob,
-        timeout_s: float = ...,
-        cancel: threading.Event | None = ...,
-        *,
-        progress: Callable[[str], None] | None = ...,
-        slot: int = ...,  # which of several pools of one layout (a sweep running configs in parallel)
-    ) -> list[ConfigOutcome]: ...
+from axrl_spike_replay.training.sample_masks import check_ranks
+from axrl_spike_replay.vocabulary import Backend, Device, Verdict
 
 
 @dataclass(frozen=True)
@@ -84,8 +69,8 @@ class ReplayOptions:
 
 def check_device(device: str) -> str:
     """`device` when this machine has it; ConfigError otherwise."""
-    if device not in DEVICES:
-        raise ConfigError(f"`device` must be one of {', '.join(DEVICES)}, got {device!r}", "device")
+    if device not in Device.values():
+        raise ConfigError(f"`device` must be one of {', '.join(Device.values())}, got {device!r}", "device")
     if device == "cuda":
         import torch
 
@@ -143,8 +128,6 @@ class ReplaySession:
 
     def execute(self) -> tuple[ReplayResult, list[ReplayResult]]:
         """(baseline, mitigated results in config order), all at this session's layout."""
-        from axrl_spike_replay.replay.launch import run_job
-
         o, inputs = self.options, self.inputs
         job = WorkerJob(
             replay_dir=inputs.replay_dir,

@@ -9,11 +9,11 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError, SnapshotError
+from axrl_spike_replay.experiment.mitigations import AppliedConfig, check_current_layers
 from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.megatron_weights import check_saved_layout
 from axrl_spike_replay.models.policy import ModelSpec, check_policy_weights, parse_model_config, routing_shape
-from axrl_spike_replay.replay.mitigations import AppliedConfig, check_current_layers
 from axrl_spike_replay.replay.route_check import check_route_shapes
 from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_text, ranks_text
 from axrl_spike_replay.snapshot.layout import RUN_CONFIG, batch_file, rank_files

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import AxrlError
@@ -24,10 +24,21 @@ from axrl_spike_replay.rank_processes import RankProcessError, spawn_ranks
 from axrl_spike_replay.replay.worker import ConfigOutcome, ModelSource, WorkerJob, compute
 from axrl_spike_replay.temp_janitor import owned_temp_dir
 
-if TYPE_CHECKING:
-    from axrl_spike_replay.replay.engine import JobRunner
-
 _OUTCOMES = "outcomes.json"
+
+
+class JobRunner(Protocol):
+    """Runs a WorkerJob and returns its outcomes (`launch.run_job`, `warm_pool.WarmService.run_job`)."""
+
+    def __call__(
+        self,
+        job: WorkerJob,
+        timeout_s: float = ...,
+        cancel: threading.Event | None = ...,
+        *,
+        progress: Callable[[str], None] | None = ...,
+        slot: int = ...,  # which of several pools of one layout (a sweep running configs in parallel)
+    ) -> list[ConfigOutcome]: ...
 
 
 def process_device(device: str, process: int) -> str:

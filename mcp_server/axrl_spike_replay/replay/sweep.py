@@ -14,11 +14,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from axrl_spike_replay.experiment.mitigations import check_distinct, parse_config
+from axrl_spike_replay.experiment.result import SweepResult
+from axrl_spike_replay.experiment.run_dir import SWEEP_FILE
 from axrl_spike_replay.replay.engine import ReplayOptions, replay_session
-from axrl_spike_replay.replay.mitigations import check_distinct, parse_config
-from axrl_spike_replay.replay.result import SweepResult
-
-SWEEP_FILE = "sweep_result.json"
 
 
 def run_sweep(

@@ -228,7 +228,6 @@ class RankPool:
         import torch.multiprocessing as mp
 
         self.key = key
-        self.jobs = 0
         self.last_used = time.monotonic()
         self.lock = threading.Lock()
         self._stack = ExitStack()
@@ -286,7 +285,6 @@ class RankPool:
         if not self.alive():
             raise _PoolDied("a warm replay process is gone")
         self._cancel.clear()
-        self.jobs += 1
         try:
             for conn in self.conns:
                 conn.send(job)

@@ -2,7 +2,7 @@
 
 Configs that differ only in the loss share one forward pass per rank batch: the loss of each config
 is backpropagated from the same graph (`retain_graph`) into its own gradient buffers. Reduction and
-norms use `replay.rank_step` exactly as the trainer does, so the baseline reproduces training.
+norms use `training.rank_step` exactly as the trainer does, so the baseline reproduces training.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from axrl_spike_replay.errors import SnapshotError
+from axrl_spike_replay.experiment.mitigations import AppliedConfig
 from axrl_spike_replay.models.policy import (
     ModelSpec,
     RoutingShape,
@@ -28,16 +29,15 @@ from axrl_spike_replay.models.policy import (
 )
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.clean_gradient import SpikeBar, not_reached_reason, smallest_count, token_order
-from axrl_spike_replay.replay.mitigations import AppliedConfig
 from axrl_spike_replay.replay.outcome_figures import RankTrace, cosine, footprint_counts, grads_of, merge_footprint
 from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
-from axrl_spike_replay.replay.sample_masks import SampleFilter, TokenDrop, filtered_batch
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts, all_reduce_counts
 from axrl_spike_replay.training.policy_loss import local_counts, policy_loss
 from axrl_spike_replay.training.rank_step import global_grad_norm, gradient_norms, param_grad_norms, reduce_gradients
 from axrl_spike_replay.training.routing_replay import routing_control
+from axrl_spike_replay.training.sample_masks import SampleFilter, TokenDrop, filtered_batch
 
 
 @dataclass(frozen=True)

@@ -138,11 +138,6 @@ def scan_iteration_dirs(parent: Path, root: Path | None = None) -> tuple[dict[st
     return dict(sorted(found.items(), key=lambda item: snapshot_order(item[0]))), skipped
 
 
-def iteration_dirs(parent: Path, root: Path | None = None) -> dict[str, Path]:
-    """{name: path} of the complete snapshot dirs in `parent`, none reached through a symlink out of `root`."""
-    return scan_iteration_dirs(parent, root)[0]
-
-
 def directory_bytes(path: Path) -> int:
     """Apparent size of every file below `path` (hardlinked files count in each copy)."""
     total = 0

@@ -2,8 +2,8 @@
 loss and neighbourhood there. Read in place (no copy), streaming, with the same line reader as `logs`.
 
 Lives beside the snapshot code because `inspect` and the baseline replay check a snapshot against its log.
-The line reader it uses (`analysis.log_reader`, with `log_lines` and `log_series`) is plain text parsing over
-the ground modules only; tests/replay/test_layering.py holds both to that.
+The line reader it uses (`logs/`) sits below the snapshot layer, on the ground modules alone
+(tests/replay/test_layering.py holds it there).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def log_point(
         if size > (AUTO_LOG_BYTES if limit is None else limit):
             point.note = f"job logs are {size / 2**20:.0f} MiB: not read here (give them to `diagnose --logs`)"
             return point
-    from axrl_spike_replay.analysis.log_reader import LogTally, scan_file  # text parsing only, imported for logs
+    from axrl_spike_replay.logs.log_reader import LogTally, scan_file  # numpy, imported only when there are logs
 
     tally = LogTally()
     try:

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from axrl_spike_replay.capture.model_choice import HF_CAPTURE_MODELS, hf_model_section
 from axrl_spike_replay.capture.snapshot_writer import RankPayload, write_snapshot
+from axrl_spike_replay.models.architectures import ARCHITECTURES
 from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.policy import build_policy, parse_model_config, policy_forward
 from axrl_spike_replay.models.tiny_moe import RoutingControl
@@ -31,12 +31,10 @@ from axrl_spike_replay.training.rank_step import (
 )
 from axrl_spike_replay.training.routing_replay import RoutingConfig, routing_control
 
-ARCHITECTURES = HF_CAPTURE_MODELS  # the tiny configs are the ones the reference trainer captures with
-
 
 def tiny_config(architecture: str) -> dict[str, Any]:
-    """The HF config dict of a tiny `architecture` model."""
-    config = dict(hf_model_section(architecture)["config"])
+    """The HF config dict of a tiny `architecture` model (as the reference trainer captures it)."""
+    config = ARCHITECTURES[architecture].tiny_config()
     config.pop("model_type")
     return config
 

@@ -9,31 +9,23 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.training.verl_settings import (
+    ROLLOUT_IS_LEVELS,
+    VERL_VERSION,
+    RejectionOption,
+    parse_is_threshold,
+    parse_rs,
+)
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 LOGPROB_BASES = ("old", "rollout")
 CONVENTIONS = ("axrl", "verl")  # whose loss a replay computes: this tool's own, or verl's (VERL_VERSION)
 NORMALIZATIONS = ("per_rank", "global")  # each rank by its own counts, or by the step's global counts
-VERL_VERSION = "0.9.1"  # the verl release whose policy loss the verl convention reproduces
 # A trainer's settings its capture could not represent under any convention (each with the reason): a loss section
 # listing any describes another loss than the one the step was computed with, so it is refused, never replayed.
 UNREPRODUCED_KEY = "unreproduced"
 # verl's kl_loss_type values (core_algos.kl_penalty); a trailing "+" is its straight-through k2 gradient.
 KL_ESTIMATORS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+", "low_var_kl+", "abs+")
-ROLLOUT_IS_LEVELS = ("token", "sequence")
-ROLLOUT_RS_OPTIONS = (
-    "token_k1",
-    "token_k2",
-    "token_k3",
-    "seq_sum_k1",
-    "seq_sum_k2",
-    "seq_sum_k3",
-    "seq_mean_k1",
-    "seq_mean_k2",
-    "seq_mean_k3",
-    "seq_max_k2",
-    "seq_max_k3",
-)
 
 
 @dataclass(frozen=True)
@@ -115,8 +107,6 @@ class LossConfig:
         ):
             raise ConfigError(f"loss.loss_scale_factor must be a number > 0, got {self.loss_scale_factor!r}")
         if self.convention == "verl":
-            from axrl_spike_replay.training.verl_settings import check_verl_settings
-
             if self.convention_version is None:
                 object.__setattr__(self, "convention_version", VERL_VERSION)  # frozen: set once, here
             check_verl_settings(self)
@@ -177,3 +167,60 @@ def _refuse_unreproduced(listed: Any, section: str) -> None:
         "would compute another loss than the step's, so it is refused; replay with the trainer's own code "
         "(the command backend)"
     )
+
+
+# What the `verl` convention makes of a LossConfig: our mitigations mapped onto verl's own mechanisms (see
+# verl_settings' docstring), and the settings with no meaning under it refused.
+
+
+def rollout_is_setting(cfg: LossConfig) -> tuple[str, float, float | None] | None:
+    """(level, upper, lower) of the IS correction applied, or None; `mismatch_token_clip_max` is token TIS."""
+    if cfg.mismatch_token_clip_max is not None:
+        return "token", float(cfg.mismatch_token_clip_max), None
+    if cfg.rollout_is is None:
+        return None
+    upper, lower = parse_is_threshold(cfg.rollout_is_threshold)
+    return cfg.rollout_is, upper, lower
+
+
+def rejection_options(cfg: LossConfig) -> list[RejectionOption]:
+    """Every rejection criterion applied: the trainer's `rollout_rs`, then `ratio_outlier_mask` mapped onto k1."""
+    out = parse_rs(cfg.rollout_rs, cfg.rollout_rs_threshold) if cfg.rollout_rs is not None else []
+    mask = cfg.ratio_outlier_mask
+    if mask is not None:
+        # ours keeps pi/pi_rollout in [low, high]; verl's k1 bounds are on pi_rollout/pi_train
+        upper = math.inf if mask.low == 0 else 1.0 / mask.low
+        option = "token_k1" if mask.level == "token" else "seq_mean_k1"
+        out.append(RejectionOption(option, upper, 1.0 / mask.high))
+    return out
+
+
+def check_verl_settings(cfg: LossConfig) -> None:
+    """ConfigError for a setting that verl 0.9.1 has no counterpart for, naming it and saying why."""
+    if cfg.convention_version != VERL_VERSION:
+        raise ConfigError(
+            f"loss.convention_version {cfg.convention_version!r}: this tool reproduces verl {VERL_VERSION}'s loss "
+            "only; replay a snapshot of another verl release with the command backend"
+        )
+    if cfg.is_base_logprobs != "old":
+        raise ConfigError(
+            "mitigation is_base_logprobs=rollout has no meaning under convention verl: verl's PPO ratio is always "
+            "against old_log_probs; its bypass mode (old := rollout) uses another loss (compute_policy_loss_"
+            "bypass_mode) that this convention does not reproduce"
+        )
+    mask = cfg.ratio_outlier_mask
+    if mask is not None and mask.base != "rollout":
+        raise ConfigError(
+            "mitigation ratio_outlier_mask with base old has no meaning under convention verl: verl's rejection "
+            "sampling compares the trainer's old logprobs with the rollout's (use base rollout)"
+        )
+    if cfg.balance_negative_advantages and cfg.normalization == "global":
+        raise ConfigError(
+            "mitigation balance_negative_advantages has no meaning under convention verl with normalization global: "
+            "it balances each rank's own sums, while verl normalises over the global batch, so no rank could "
+            "compute the step's balance on its own"
+        )
+    if cfg.rollout_is is not None and cfg.rollout_is not in ROLLOUT_IS_LEVELS:
+        raise ConfigError(f"loss.rollout_is must be one of {ROLLOUT_IS_LEVELS}, got {cfg.rollout_is!r}")
+    rollout_is_setting(cfg)
+    rejection_options(cfg)

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.training.loss_config import LOSS_AGG_MODES, LossConfig
+from axrl_spike_replay.training.loss_config import LOSS_AGG_MODES, LossConfig, rejection_options, rollout_is_setting
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.verl_convention import masked, verl_local_counts, verl_policy_loss
-from axrl_spike_replay.training.verl_settings import rejection_options, rollout_is_setting
 
 
 @dataclass

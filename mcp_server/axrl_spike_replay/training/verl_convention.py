@@ -28,14 +28,9 @@ import torch
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.snapshot.fields import ROLLOUT_IS_WEIGHTS
-from axrl_spike_replay.training.loss_config import LossConfig
+from axrl_spike_replay.training.loss_config import LossConfig, rejection_options, rollout_is_setting
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
-from axrl_spike_replay.training.verl_settings import (
-    VERL_DUAL_CLIP_C,
-    RejectionOption,
-    rejection_options,
-    rollout_is_setting,
-)
+from axrl_spike_replay.training.verl_settings import VERL_DUAL_CLIP_C, RejectionOption
 
 SAFETY_BOUND = 20.0  # verl clamps log-ratios to +-20 before exp (ppo ratio, k3, rollout correction)
 KL_CLAMP = 10.0  # verl clamps the k3 / low_var_kl estimate to +-10

@@ -1,5 +1,7 @@
-"""What the `verl` loss convention means for a `LossConfig`: its knobs parsed as verl 0.9.1 parses them, our
-named mitigations mapped onto verl's own mechanisms, and the settings with no meaning under it refused.
+"""verl 0.9.1's own loss knobs, parsed as verl parses them: the release reproduced, its rollout-correction levels
+and rejection-sampling options, its IS and rejection thresholds. Knows nothing of `LossConfig`, which checks its
+settings against these (`loss_config.check_verl_settings`) and maps our mitigations onto them
+(`loss_config.rollout_is_setting`, `loss_config.rejection_options`).
 
 Torch-free (the mitigation registry validates configs through `LossConfig`). The math is in
 `training/verl_convention.py`.
@@ -17,15 +19,25 @@ Mapping of our mitigations onto verl 0.9.1:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from axrl_spike_replay.errors import ConfigError
 
-if TYPE_CHECKING:
-    from axrl_spike_replay.training.loss_config import LossConfig
-
+VERL_VERSION = "0.9.1"  # the verl release whose policy loss the verl convention reproduces
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_RS_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
 VERL_DUAL_CLIP_C = 3.0  # verl's clip_ratio_c default: dual-clip is on unless configured otherwise
 
 
@@ -68,8 +80,6 @@ def parse_is_threshold(spec: float | str, what: str = "rollout_is_threshold") ->
 
 def parse_rs(options: str, spec: float | str | None) -> list[RejectionOption]:
     """verl's rejection-sampling options with their thresholds (its `_parse_rollout_rs_thresholds` rules)."""
-    from axrl_spike_replay.training.loss_config import ROLLOUT_RS_OPTIONS
-
     names: list[str] = []
     for name in (part.strip() for part in options.split(",")):
         if name and name not in names:
@@ -105,58 +115,3 @@ def parse_rs(options: str, spec: float | str | None) -> list[RejectionOption]:
                 raise ConfigError(f"loss.rollout_rs_threshold for {name}: must be positive, got {text!r}")
             out.append(RejectionOption(name, upper))
     return out
-
-
-def rollout_is_setting(cfg: LossConfig) -> tuple[str, float, float | None] | None:
-    """(level, upper, lower) of the IS correction applied, or None; `mismatch_token_clip_max` is token TIS."""
-    if cfg.mismatch_token_clip_max is not None:
-        return "token", float(cfg.mismatch_token_clip_max), None
-    if cfg.rollout_is is None:
-        return None
-    upper, lower = parse_is_threshold(cfg.rollout_is_threshold)
-    return cfg.rollout_is, upper, lower
-
-
-def rejection_options(cfg: LossConfig) -> list[RejectionOption]:
-    """Every rejection criterion applied: the trainer's `rollout_rs`, then `ratio_outlier_mask` mapped onto k1."""
-    out = parse_rs(cfg.rollout_rs, cfg.rollout_rs_threshold) if cfg.rollout_rs is not None else []
-    mask = cfg.ratio_outlier_mask
-    if mask is not None:
-        # ours keeps pi/pi_rollout in [low, high]; verl's k1 bounds are on pi_rollout/pi_train
-        upper = math.inf if mask.low == 0 else 1.0 / mask.low
-        option = "token_k1" if mask.level == "token" else "seq_mean_k1"
-        out.append(RejectionOption(option, upper, 1.0 / mask.high))
-    return out
-
-
-def check_verl_settings(cfg: LossConfig) -> None:
-    """ConfigError for a setting that verl 0.9.1 has no counterpart for, naming it and saying why."""
-    from axrl_spike_replay.training.loss_config import ROLLOUT_IS_LEVELS, VERL_VERSION
-
-    if cfg.convention_version != VERL_VERSION:
-        raise ConfigError(
-            f"loss.convention_version {cfg.convention_version!r}: this tool reproduces verl {VERL_VERSION}'s loss "
-            "only; replay a snapshot of another verl release with the command backend"
-        )
-    if cfg.is_base_logprobs != "old":
-        raise ConfigError(
-            "mitigation is_base_logprobs=rollout has no meaning under convention verl: verl's PPO ratio is always "
-            "against old_log_probs; its bypass mode (old := rollout) uses another loss (compute_policy_loss_"
-            "bypass_mode) that this convention does not reproduce"
-        )
-    mask = cfg.ratio_outlier_mask
-    if mask is not None and mask.base != "rollout":
-        raise ConfigError(
-            "mitigation ratio_outlier_mask with base old has no meaning under convention verl: verl's rejection "
-            "sampling compares the trainer's old logprobs with the rollout's (use base rollout)"
-        )
-    if cfg.balance_negative_advantages and cfg.normalization == "global":
-        raise ConfigError(
-            "mitigation balance_negative_advantages has no meaning under convention verl with normalization global: "
-            "it balances each rank's own sums, while verl normalises over the global batch, so no rank could "
-            "compute the step's balance on its own"
-        )
-    if cfg.rollout_is is not None and cfg.rollout_is not in ROLLOUT_IS_LEVELS:
-        raise ConfigError(f"loss.rollout_is must be one of {ROLLOUT_IS_LEVELS}, got {cfg.rollout_is!r}")
-    rollout_is_setting(cfg)
-    rejection_options(cfg)

@@ -6,11 +6,12 @@ import hashlib
 import json
 from typing import Any
 
-from axrl_spike_replay.replay.mitigations import canonical, normal_form
+from axrl_spike_replay.experiment.mitigations import canonical, normal_form
 
 
 def normalise_config(mitigations: dict[str, Any] | None) -> dict[str, Any]:
-    """The mitigation config in the one normal form (`replay.mitigations.normal_form`, as `parse_config` returns)."""
+    """The mitigation config in the one normal form (`experiment.mitigations.normal_form`, as `parse_config`
+    returns)."""
     return normal_form(mitigations)
 
 

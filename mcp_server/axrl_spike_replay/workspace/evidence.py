@@ -7,24 +7,25 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.snapshot.consistency import consistency_line
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, parse_iteration
+from axrl_spike_replay.workspace.task import TaskState
 
 
-def find_attempt(state: dict[str, Any], attempt_id: str) -> dict[str, Any]:
+def find_attempt(state: TaskState, attempt_id: str) -> dict[str, Any]:
     """The experiment row `attempt_id` (case-insensitive); AxrlError naming the known ids otherwise."""
     wanted = str(attempt_id).strip().upper()
-    for row in state["experiments"]:
+    for row in state.experiments:
         if row["id"].upper() == wanted:
             return row
-    for failed in state["failed"]:
+    for failed in state.failed:
         if failed["id"].upper() == wanted:
             raise AxrlError(
-                f"attempt {failed['id']} of job {state['job']!r} failed ({failed['reason']}); nothing to write up"
+                f"attempt {failed['id']} of job {state.job!r} failed ({failed['reason']}); nothing to write up"
             )
-    known = ", ".join(row["id"] for row in state["experiments"]) or "none yet"
-    raise AxrlError(f"unknown attempt id {attempt_id!r} for job {state['job']!r} (experiments: {known})")
+    known = ", ".join(row["id"] for row in state.experiments) or "none yet"
+    raise AxrlError(f"unknown attempt id {attempt_id!r} for job {state.job!r} (experiments: {known})")
 
 
 def result_doc(row: dict[str, Any]) -> tuple[ReplayResult, str | None]:
@@ -89,12 +90,12 @@ def recorded_consistency(row: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def baseline_rows(state: dict[str, Any]) -> list[dict[str, Any]]:
+def baseline_rows(state: TaskState) -> list[dict[str, Any]]:
     """Experiments that changed nothing (no mitigation, no patch) and ran."""
-    return [row for row in state["experiments"] if row.get("is_baseline") and row["verdict"] != "failed"]
+    return [row for row in state.experiments if row.get("is_baseline") and row["verdict"] != "failed"]
 
 
-def baseline_for(state: dict[str, Any], row: dict[str, Any], result: ReplayResult) -> dict[str, Any]:
+def baseline_for(state: TaskState, row: dict[str, Any], result: ReplayResult) -> dict[str, Any]:
     """The baseline the attempt is compared with: the task's latest baseline replay of the same snapshot and
     layout (same world size, backend, target, in that order of preference), else the attempt's own baseline."""
     same_snapshot = [b for b in baseline_rows(state) if b["snapshot"] == row["snapshot"] and b["id"] != row["id"]]
@@ -106,7 +107,7 @@ def baseline_for(state: dict[str, Any], row: dict[str, Any], result: ReplayResul
             int(b["target"] == row["target"]),
         )
 
-    best = max(same_snapshot, key=lambda b: (score(b), state["experiments"].index(b))) if same_snapshot else None
+    best = max(same_snapshot, key=lambda b: (score(b), state.experiments.index(b))) if same_snapshot else None
     other_layout = best is not None and best.get("world_size_used") != row.get("world_size_used")
     if best is not None and not (other_layout and result.baseline_grad_norm is not None):
         base, _ = result_doc(best)

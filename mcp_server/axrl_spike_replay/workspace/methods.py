@@ -9,20 +9,22 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.experiment.mitigations import MITIGATIONS, diagnostic_reasons, mitigation_args
+from axrl_spike_replay.experiment.result import ReplayResult, describe_clean_gradient
+from axrl_spike_replay.experiment.trainer_changes import trainer_changes
+from axrl_spike_replay.experiment.trainer_settings import TRAINERS, snapshot_trainer
+from axrl_spike_replay.experiment.verdict import WRITABLE_VERDICTS, threshold_label, writable_problem
 from axrl_spike_replay.locks import held_lock
-from axrl_spike_replay.replay.mitigations import MITIGATIONS, diagnostic_reasons, mitigation_args
-from axrl_spike_replay.replay.result import ReplayResult, describe_clean_gradient
-from axrl_spike_replay.replay.trainer_changes import trainer_changes
-from axrl_spike_replay.replay.trainer_settings import TRAINERS, snapshot_trainer
-from axrl_spike_replay.replay.verdict import WRITABLE_VERDICTS, threshold_label, writable_problem
+from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.vocabulary import Fidelity, Verdict
 from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
 from axrl_spike_replay.workspace.evidence import baseline_for, find_attempt, output_dir_of, result_doc
-from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_plain_name, check_workspace, methods_dir
+from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_workspace, methods_dir
 from axrl_spike_replay.workspace.preserved_copies import source_of_copy
 from axrl_spike_replay.workspace.render import fmt, pct, render
 from axrl_spike_replay.workspace.signals import recorded_signals
+from axrl_spike_replay.workspace.task import TaskState
 from axrl_spike_replay.workspace.task_state import now, read_state, update_task, write_file
 from axrl_spike_replay.workspace.views import MethodAdded, MethodEntry
 
@@ -110,7 +112,7 @@ def add_method(
     written: list[tuple[dict[str, Any], Path]] = []
     signals: dict[str, list[str]] = {}
 
-    def change(state: dict[str, Any]) -> None:
+    def change(state: TaskState) -> None:
         row = find_attempt(state, attempt_id)
         result, result_note = result_doc(row)
         baseline = baseline_for(state, row, result)
@@ -124,8 +126,8 @@ def add_method(
             path = methods_dir(root) / f"{slug}.md"
             write_file(path, front_matter.dump(doc["front_matter"]) + render("method.md.j2", m=doc), "method file")
             write_index(root)
-        state["methods"] = [m for m in state["methods"] if m["slug"] != slug]
-        state["methods"].append({"slug": slug, "attempt": row["id"], "status": doc["status"], "time": now()})
+        state.methods = [m for m in state.methods if m["slug"] != slug]
+        state.methods.append({"slug": slug, "attempt": row["id"], "status": doc["status"], "time": now()})
         written.append((doc["front_matter"], path))
 
     update_task(root, job, change)
@@ -282,7 +284,7 @@ def _check_not_duplicate(root: Path, slug: str, result: ReplayResult, replace: b
 
 
 def _method_doc(
-    state: dict[str, Any],
+    state: TaskState,
     row: dict[str, Any],
     result: ReplayResult,
     result_note: str | None,
@@ -304,8 +306,8 @@ def _method_doc(
         "slug": slug,
         "status": status,
         "summary": summary,
-        "job": state["job"],
-        "job_name": result.job_name or state["job"],
+        "job": state.job,
+        "job_name": result.job_name or state.job,
         "role": result.role,
         "iteration": result.iteration,
         "snapshot": result.snapshot,

@@ -10,6 +10,7 @@ never the last copy of a snapshot (its rotating `iter_<N>` gone) unless `release
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, parse_iteration
 from axrl_spike_replay.workspace.evidence import output_dir_of
-from axrl_spike_replay.workspace.paths import TASKS_DIR
+from axrl_spike_replay.workspace.task import TaskState
 
 LAST_COPY_FLAG = "--release-last-copy"
 
@@ -58,7 +59,7 @@ def _marker_time(path: str) -> str | None:
     return str((marker or {}).get("created_at", ""))
 
 
-def note_preserved_copy(state: dict[str, Any], snapshot: str | Path | None, time: str) -> None:
+def note_preserved_copy(state: TaskState, snapshot: str | Path | None, time: str) -> None:
     """Record in `state` the preserved copy of `snapshot` when one made by this tool exists now."""
     copy = copy_of(snapshot)
     if copy is None:
@@ -66,19 +67,19 @@ def note_preserved_copy(state: dict[str, Any], snapshot: str | Path | None, time
     created = _marker_time(copy["path"])
     if created is None:
         return
-    noted = state.setdefault("preserved_copies", [])
+    noted = state.preserved_copies
     if any(e.get("path") == copy["path"] and e.get("created_at") == created for e in noted):
         return
     noted.append({**copy, "snapshot": str(snapshot), "created_at": created, "time": time})
 
 
-def copies_in_use(state: dict[str, Any]) -> list[dict[str, Any]]:
+def copies_in_use(state: TaskState) -> list[dict[str, Any]]:
     """The noted copies of the task's current snapshot that still exist as the same copy (plain entries)."""
-    current = copy_of(state.get("snapshot"))
+    current = copy_of(state.snapshot)
     if current is None:
         return []
     out: dict[str, dict[str, Any]] = {}
-    for entry in state.get("preserved_copies") or []:
+    for entry in state.preserved_copies:
         if not isinstance(entry, dict) or entry.get("path") != current["path"]:
             continue
         if _marker_time(current["path"]) == entry.get("created_at"):
@@ -86,13 +87,13 @@ def copies_in_use(state: dict[str, Any]) -> list[dict[str, Any]]:
     return list(out.values())
 
 
-def copies_kept(state: dict[str, Any], in_use: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def copies_kept(state: TaskState, in_use: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Preserved copies of the task's other snapshots that exist now: never released by this task; why."""
     used = {e["path"] for e in in_use}
-    current = copy_of(state.get("snapshot"))
+    current = copy_of(state.snapshot)
     seen: dict[str, dict[str, Any]] = {}
-    snapshots = [e.get("snapshot") for e in state.get("snapshot_history") or []]
-    snapshots += [row.get("snapshot") for row in state.get("experiments") or []] + [state.get("snapshot")]
+    snapshots = [e.get("snapshot") for e in state.snapshot_history]
+    snapshots += [row.get("snapshot") for row in state.experiments] + [state.snapshot]
     for snapshot in snapshots:
         copy = copy_of(snapshot)
         if copy is None or copy["path"] in used or copy["path"] in seen or not Path(copy["path"]).is_dir():
@@ -111,32 +112,16 @@ def is_last_copy(entry: dict[str, Any]) -> bool:
     return source.is_symlink() or not source.is_dir()
 
 
-def _used_elsewhere(workspace: Path, job: str, path: str) -> str | None:
-    """The job of another open task in `workspace` whose current snapshot is `path`'s copy, else None."""
-    from axrl_spike_replay.workspace.task_state import read_state
-
-    for state_file in sorted((workspace / TASKS_DIR).glob("*.json")):
-        if state_file.stem == job:
-            continue
-        try:
-            other = read_state(workspace, state_file.stem)
-        except AxrlError:
-            continue
-        current = copy_of(other.get("snapshot"))
-        if current is not None and current["path"] == path:
-            return state_file.stem
-    return None
-
-
 def release_copies(
-    workspace: Path, job: str, copies: list[dict[str, Any]], release_last_copy: bool = False
+    copies: list[dict[str, Any]], release_last_copy: bool = False, used_by: Mapping[str, str] | None = None
 ) -> list[dict[str, Any]]:
-    """Release each copy through the snapshot library (which removes only copies it made); one entry per copy."""
+    """Release each copy through the snapshot library (which removes only copies it made); one entry per copy.
+    `used_by` {copy path: job}: copies another open task still points at, which are kept."""
     from axrl_spike_replay.snapshot.preserve import release
 
     out = []
     for entry in copies:
-        other = _used_elsewhere(workspace, job, entry["path"])
+        other = (used_by or {}).get(entry["path"])
         if other is not None:
             out.append({**entry, "released": False, "error": f"task {other!r} still uses it; kept"})
             continue

@@ -8,10 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.replay.trainer_settings import SETTING_KINDS, TRAINERS
+from axrl_spike_replay.experiment.trainer_settings import SETTING_KINDS, TRAINERS
+from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of, recorded_consistency, with_runs
 from axrl_spike_replay.workspace.methods import RANKING, method_files, rank_key
-from axrl_spike_replay.workspace.paths import check_plain_name, check_workspace, job_tmp_dir
+from axrl_spike_replay.workspace.paths import check_workspace, job_tmp_dir
 from axrl_spike_replay.workspace.preserved_copies import (
     copies_in_use,
     copies_kept,
@@ -20,18 +21,26 @@ from axrl_spike_replay.workspace.preserved_copies import (
     source_of,
 )
 from axrl_spike_replay.workspace.render import render
+from axrl_spike_replay.workspace.task import TaskState
 from axrl_spike_replay.workspace.task_diagnosis import report_diagnosis
-from axrl_spike_replay.workspace.task_state import now, read_state, set_task_snapshot, update_task, write_file
+from axrl_spike_replay.workspace.task_state import (
+    now,
+    read_state,
+    set_task_snapshot,
+    update_task,
+    used_by_other_tasks,
+    write_file,
+)
 from axrl_spike_replay.workspace.trainer_advice import trainer_advice
 from axrl_spike_replay.workspace.views import ReportResult
 
 REPORT_NAME = "report.md"
 
 
-def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
+def report_context(workspace: Path, state: TaskState) -> dict[str, Any]:
     """Everything the report shows, as plain data for its template (and, with the file, `ReportResult`)."""
-    snapshot = state.get("snapshot")
-    experiments = state["experiments"]
+    snapshot = state.snapshot
+    experiments = state.experiments
     # each with the consistency its replay recorded: the task-open diagnosis is not the only verdict on the snapshot
     baselines = [{**row, "consistency": recorded_consistency(row)} for row in baseline_rows(state)]
     attempts = [row for row in experiments if not row.get("is_baseline")]
@@ -39,36 +48,36 @@ def report_context(workspace: Path, state: dict[str, Any]) -> dict[str, Any]:
     methods = sorted(
         (
             {**entry, **by_slug.get(entry["slug"], {"path": None, "summary": "(file removed)"})}
-            for entry in state["methods"]
+            for entry in state.methods
         ),
         key=rank_key,
     )
     preserved = [{**copy, "last_copy": is_last_copy(copy)} for copy in copies_in_use(state)]
     return {
-        "job": state["job"],
+        "job": state.job,
         "generated_at": now(),
         "snapshot": snapshot,
         "snapshot_exists": bool(snapshot) and Path(str(snapshot)).is_dir(),
         "output_dir": output_dir_of(snapshot) or _first_output_dir(experiments),
-        "snapshot_history": state["snapshot_history"],
-        "command": state.get("command"),
+        "snapshot_history": state.snapshot_history,
+        "command": state.command,
         "diagnosis": report_diagnosis(state),
         "fidelity": fidelity_by_target(experiments),
         "baselines": with_runs(baselines, attempts),
         "same_baseline_norm": len({row.get("grad_norm") for row in baselines}) == 1,
         "attempt_baselines": [] if baselines else attempt_baselines(experiments),
         "attempts": attempts,
-        "failed": state["failed"],
+        "failed": state.failed,
         "methods": methods,
         "ranking": RANKING,
         "trainer": trainer_advice(methods, snapshot),
         "trainers": TRAINERS,
         "setting_kinds": SETTING_KINDS,
-        "observations": state["observations"],
-        "next_steps": state["next_steps"],
+        "observations": state.observations,
+        "next_steps": state.next_steps,
         "preserved": preserved,
         "preserved_kept": copies_kept(state, preserved),
-        "counts": {"experiments": len(experiments), "failed": len(state["failed"]), "methods": len(methods)},
+        "counts": {"experiments": len(experiments), "failed": len(state.failed), "methods": len(methods)},
     }
 
 
@@ -125,10 +134,10 @@ def write_report(
     context = _context(root, state, release, release_last_copy, [])
     path = write_file(job_tmp_dir(root, job) / REPORT_NAME, context["text"], "report")
     preserved = [{k: v for k, v in copy.items() if k != "last_copy"} for copy in context["preserved"]]
-    released = release_copies(root, job, preserved, release_last_copy) if release else []
+    released = release_copies(preserved, release_last_copy, used_by_other_tasks(root, job)) if release else []
 
-    def change(current: dict[str, Any]) -> None:
-        current["reports"].append({"time": context["generated_at"], "path": str(path), "released": released})
+    def change(current: TaskState) -> None:
+        current.reports.append({"time": context["generated_at"], "path": str(path), "released": released})
         follow_released_snapshot(current, released)
 
     after, _ = update_task(root, job, change)
@@ -163,9 +172,14 @@ def write_report(
     )
 
 
+def task_diagnosis(workspace: str | Path, job: str) -> dict[str, Any] | None:
+    """The diagnosis the report would show for the task of `job` (see `task_diagnosis.report_diagnosis`)."""
+    return report_diagnosis(read_state(check_workspace(workspace), check_plain_name(job, "job name")))
+
+
 def _context(
     root: Path,
-    state: dict[str, Any],
+    state: TaskState,
     release: bool,
     release_last_copy: bool,
     released: list[dict[str, Any]],
@@ -183,19 +197,19 @@ def _context(
     return context
 
 
-def follow_released_snapshot(state: dict[str, Any], released: list[dict[str, Any]]) -> None:
+def follow_released_snapshot(state: TaskState, released: list[dict[str, Any]]) -> None:
     """After the task's own preserved copy is released, point its snapshot and replay command at the rotating
     `iter_<N>` it was copied from, when that still exists (so the task never names a deleted directory)."""
     for entry in released:
-        if not entry.get("released") or entry.get("path") != state.get("snapshot"):
+        if not entry.get("released") or entry.get("path") != state.snapshot:
             continue
         source = source_of(entry)
         if not source.is_dir():
             continue
         old = str(entry["path"])
         set_task_snapshot(state, source)
-        if isinstance(state.get("command"), str):
-            state["command"] = state["command"].replace(old, str(state["snapshot"]))
+        if isinstance(state.command, str):
+            state.command = state.command.replace(old, str(state.snapshot))
 
 
 def _first_output_dir(experiments: list[dict[str, Any]]) -> str | None:

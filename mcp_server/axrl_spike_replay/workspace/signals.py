@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.replay.result import ATTRIBUTION_FILE, ReplayResult
+from axrl_spike_replay.experiment.result import ATTRIBUTION_FILE, ReplayResult
 from axrl_spike_replay.snapshot.consistency import consistency_line
 from axrl_spike_replay.workspace.paths import job_tmp_dir
+from axrl_spike_replay.workspace.task import TaskState
 
 MAX_LINES = 12
 MAX_PROBLEMS = 3  # named consistency problems quoted; the rest are counted
@@ -33,7 +34,7 @@ MAX_PROBLEMS = 3  # named consistency problems quoted; the rest are counted
 
 def recorded_signals(
     root: Path,
-    state: dict[str, Any],
+    state: TaskState,
     row: dict[str, Any],
     result: ReplayResult,
     baseline: dict[str, Any],
@@ -47,7 +48,7 @@ def recorded_signals(
         notes.append(f"snapshot {result.snapshot} is no longer there; the figures here are those recorded while it was")
     lines += _baseline_lines(baseline, notes)
     lines += _diagnosis_lines(state, result, notes)
-    lines += _attribution_lines(root, state["job"], row, result, top, notes)
+    lines += _attribution_lines(root, state.job, row, result, top, notes)
     return {"lines": lines[:MAX_LINES], "notes": notes}
 
 
@@ -89,7 +90,7 @@ def _baseline_lines(baseline: dict[str, Any], notes: list[str]) -> list[str]:
     return lines
 
 
-def _diagnosis_lines(state: dict[str, Any], result: ReplayResult, notes: list[str]) -> list[str]:
+def _diagnosis_lines(state: TaskState, result: ReplayResult, notes: list[str]) -> list[str]:
     """The likely causes of the task's diagnosis of this snapshot, each with its evidence (the batch signals)."""
     entry = diagnosis_of(state, result.snapshot)
     if entry is None:
@@ -111,10 +112,10 @@ def _diagnosis_lines(state: dict[str, Any], result: ReplayResult, notes: list[st
     return lines
 
 
-def diagnosis_of(state: dict[str, Any], snapshot: str) -> dict[str, Any] | None:
+def diagnosis_of(state: TaskState, snapshot: str) -> dict[str, Any] | None:
     """The task's latest diagnosis of `snapshot` (paths compared once resolved), None when it holds none."""
     wanted = _real(snapshot)
-    found = [d for d in state.get("diagnoses") or [] if isinstance(d, dict) and _real(d.get("snapshot")) == wanted]
+    found = [d for d in state.diagnoses or [] if isinstance(d, dict) and _real(d.get("snapshot")) == wanted]
     return found[-1] if found else None
 
 

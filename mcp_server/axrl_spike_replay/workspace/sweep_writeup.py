@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.replay.mitigation_sets import DIAGNOSTIC_ONLY, SEED_WORKFLOW_METHODS
-from axrl_spike_replay.replay.mitigations import MITIGATIONS, config_id
-from axrl_spike_replay.replay.result import ReplayResult, SweepResult
-from axrl_spike_replay.replay.verdict import threshold_label
+from axrl_spike_replay.experiment.mitigation_sets import DIAGNOSTIC_ONLY, SEED_WORKFLOW_METHODS
+from axrl_spike_replay.experiment.mitigations import MITIGATIONS, config_id
+from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
+from axrl_spike_replay.experiment.verdict import threshold_label
 from axrl_spike_replay.vocabulary import Fidelity
 from axrl_spike_replay.workspace.methods import add_method
 from axrl_spike_replay.workspace.task_state import show_task

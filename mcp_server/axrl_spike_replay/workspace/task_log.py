@@ -6,12 +6,13 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.jsonable import to_jsonable
-from axrl_spike_replay.replay.result import ReplayResult
+from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.vocabulary import Verdict
 from axrl_spike_replay.workspace.changes import describe_change, is_baseline, normalise_config
-from axrl_spike_replay.workspace.paths import check_plain_name
 from axrl_spike_replay.workspace.preserved_copies import note_preserved_copy
+from axrl_spike_replay.workspace.task import TaskState
 from axrl_spike_replay.workspace.task_state import now, task_exists, update_task
 
 
@@ -74,16 +75,16 @@ def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_
 
     command = command_of(result_path)
 
-    def change(state: dict[str, Any]) -> str:
-        exp_id = f"E{len(state['experiments']) + 1}"
-        state["experiments"].append({**experiment_row(exp_id, result, result_path), "command": command})
-        if command and state.get("command_source") != "user":  # the command actually used, unless one was set
-            state["command"] = command
-            state["command_source"] = "replay"
-        if not state.get("snapshot"):
-            state["snapshot"] = result.snapshot
-            state["snapshot_history"].append({"time": now(), "snapshot": result.snapshot})
-        if result.snapshot == state["snapshot"]:
+    def change(state: TaskState) -> str:
+        exp_id = f"E{len(state.experiments) + 1}"
+        state.experiments.append({**experiment_row(exp_id, result, result_path), "command": command})
+        if command and state.command_source != "user":  # the command actually used, unless one was set
+            state.command = command
+            state.command_source = "replay"
+        if not state.snapshot:
+            state.snapshot = result.snapshot
+            state.snapshot_history.append({"time": now(), "snapshot": result.snapshot})
+        if result.snapshot == state.snapshot:
             note_preserved_copy(state, result.snapshot, now())
         return exp_id
 
@@ -106,9 +107,9 @@ def record_failure(
     if root is None:
         return None
 
-    def change(state: dict[str, Any]) -> str:
-        fail_id = f"F{len(state['failed']) + 1}"
-        state["failed"].append(
+    def change(state: TaskState) -> str:
+        fail_id = f"F{len(state.failed) + 1}"
+        state.failed.append(
             {
                 "id": fail_id,
                 "time": now(),

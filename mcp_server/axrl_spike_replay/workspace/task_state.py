@@ -1,4 +1,5 @@
-"""An investigation's task: structured state in `<job>.json`, rendered to `<job>.md`, under a file lock."""
+"""An investigation's task on disk: its state (`workspace.task.TaskState`) in `<job>.json`, rendered to `<job>.md`,
+under a file lock; and the verbs that change it (open, note, set snapshot, set command, show)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from typing import Any, TypeVar
 from axrl_spike_replay.atomic import atomic_write_text
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.locks import held_lock
-from axrl_spike_replay.workspace.paths import TASKS_DIR, check_plain_name, check_workspace, task_json_path, task_md_path
+from axrl_spike_replay.names import check_plain_name
+from axrl_spike_replay.workspace.paths import TASKS_DIR, check_workspace, task_json_path, task_md_path
+from axrl_spike_replay.workspace.preserved_copies import copy_of, note_preserved_copy
 from axrl_spike_replay.workspace.render import render
+from axrl_spike_replay.workspace.task import TaskState
+from axrl_spike_replay.workspace.task_diagnosis import add_diagnosis, has_diagnosis
 from axrl_spike_replay.workspace.views import TaskView
 
-STATE_VERSION = 1
 LOCK_TIMEOUT_S = 120.0
 SECTIONS = {"observations": "observations", "next-steps": "next_steps", "next_steps": "next_steps"}
 
@@ -28,26 +32,9 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def new_state(job: str) -> dict[str, Any]:
+def new_state(job: str) -> TaskState:
     """An empty task: no snapshot, no command, no experiments."""
-    stamp = now()
-    return {
-        "format_version": STATE_VERSION,
-        "job": job,
-        "created_at": stamp,
-        "updated_at": stamp,
-        "snapshot": None,
-        "snapshot_history": [],
-        "command": None,
-        "experiments": [],
-        "failed": [],
-        "observations": [],
-        "next_steps": [],
-        "methods": [],
-        "reports": [],
-        "preserved_copies": [],  # preserved snapshot copies this investigation uses (workspace.preserved_copies)
-        "diagnoses": [],  # `diagnose` results, one per snapshot diagnosed (workspace.task_diagnosis)
-    }
+    return TaskState.new(job, now())
 
 
 @contextmanager
@@ -64,7 +51,7 @@ def task_exists(workspace: Path, job: str) -> bool:
     return task_json_path(workspace, job).is_file()
 
 
-def read_state(workspace: Path, job: str) -> dict[str, Any]:
+def read_state(workspace: Path, job: str) -> TaskState:
     """The task's state; AxrlError naming the job and the open tasks when there is none."""
     path = task_json_path(workspace, job)
     if not path.is_file():
@@ -74,21 +61,18 @@ def read_state(workspace: Path, job: str) -> dict[str, Any]:
             f"unknown job {job!r}: no task file {path} ({hint}); run `axrl-spike-replay task open {job}` first"
         )
     try:
-        state = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise AxrlError(f"task state {path} is unreadable: {exc}") from exc
-    if not isinstance(state, dict) or state.get("format_version") != STATE_VERSION:
-        raise AxrlError(f"task state {path} is not a version-{STATE_VERSION} task state")
-    base = new_state(job)
-    base.update(state)
-    return base
+    return TaskState.from_json(doc, str(path), job, now())
 
 
-def write_state(workspace: Path, job: str, state: dict[str, Any]) -> None:
+def write_state(workspace: Path, job: str, state: TaskState) -> None:
     """Render the markdown first (so a template error writes nothing), then replace both files atomically."""
-    state["updated_at"] = now()
+    state.updated_at = now()
     text = render_task(state, workspace)
-    write_file(task_json_path(workspace, job), json.dumps(state, indent=2, default=str) + "\n", "task state")
+    doc = json.dumps(state.to_json(), indent=2, default=str) + "\n"
+    write_file(task_json_path(workspace, job), doc, "task state")
     write_file(task_md_path(workspace, job), text, "task file")
 
 
@@ -102,7 +86,7 @@ def write_file(path: Path, text: str, what: str) -> Path:
         ) from exc
 
 
-def render_task(state: dict[str, Any], workspace: Path | None = None) -> str:
+def render_task(state: TaskState, workspace: Path | None = None) -> str:
     """The task file's markdown from its state; table paths inside `workspace` are shown relative to it."""
 
     def rel(path: Any) -> Any:
@@ -113,12 +97,12 @@ def render_task(state: dict[str, Any], workspace: Path | None = None) -> str:
         except ValueError:
             return path
 
-    return render("task.md.j2", task=state, rel=rel)
+    return render("task.md.j2", task=state.to_json(), rel=rel)
 
 
 def update_task(
-    workspace: str | Path, job: str, change: Callable[[dict[str, Any]], T], *, create: bool = False
-) -> tuple[dict[str, Any], T]:
+    workspace: str | Path, job: str, change: Callable[[TaskState], T], *, create: bool = False
+) -> tuple[TaskState, T]:
     """Under the lock: read the state (or start one when `create`), apply `change`, write it back."""
     root = check_workspace(workspace)
     check_plain_name(job, "job name")
@@ -129,35 +113,44 @@ def update_task(
     return state, value
 
 
-def open_task(
-    workspace: str | Path, job: str, snapshot: str | Path | None = None, *, diagnosis: str = "never"
+def open_task_file(
+    workspace: str | Path, job: str, snapshot: str | Path | None = None, *, diagnosis: dict[str, Any] | None = None
 ) -> TaskView:
-    """Open (or re-open, keeping its history) the task for `job`; optionally set its active snapshot.
+    """Open (or re-open, keeping its history) the task file for `job`; optionally set its active snapshot, and keep
+    `diagnosis` (an entry of `diagnosis.task_entry`) in Observations and Next steps unless the task already holds
+    one of that snapshot. Opening with a fresh diagnosis is `investigation.task_opening.open_task`."""
 
-    A snapshot the task has not diagnosed yet is diagnosed (`diagnose` with model evidence `diagnosis`: never,
-    the default, reads the static evidence only, without loading the weights; auto and always add attribution and route
-    agreement; off skips it) and the result written into Observations and Next steps (workspace/task_diagnosis.py)."""
-    from axrl_spike_replay.workspace.task_diagnosis import check_mode, diagnose_for_task, has_diagnosis
-
-    check_mode(diagnosis)
-    entry = None
-    if snapshot is not None and diagnosis != "off":
-        root = check_workspace(workspace)
-        known = read_state(root, job) if task_exists(root, check_plain_name(job, "job name")) else new_state(job)
-        target = _resolved(snapshot)
-        if not has_diagnosis(known, target):  # outside the lock: it may take seconds
-            entry = {**diagnose_for_task(target, diagnosis), "snapshot": target}
-
-    def change(state: dict[str, Any]) -> None:
+    def change(state: TaskState) -> None:
         if snapshot is not None:
             set_task_snapshot(state, snapshot)
-        if entry is not None and not has_diagnosis(state, entry["snapshot"]):
-            from axrl_spike_replay.workspace.task_diagnosis import add_diagnosis
-
-            add_diagnosis(state, entry, now())
+        if diagnosis is not None and not has_diagnosis(state, diagnosis["snapshot"]):
+            add_diagnosis(state, diagnosis, now())
 
     state, _ = update_task(workspace, job, change, create=True)
     return show(state, check_workspace(workspace))
+
+
+def diagnosed(workspace: str | Path, job: str, snapshot: str) -> bool:
+    """True when the task of `job` is open and already holds a diagnosis of `snapshot` (as `recorded_snapshot` gives
+    it)."""
+    root = check_workspace(workspace)
+    return task_exists(root, check_plain_name(job, "job name")) and has_diagnosis(read_state(root, job), snapshot)
+
+
+def used_by_other_tasks(workspace: Path, job: str) -> dict[str, str]:
+    """{preserved copy path: job} for the copies of the current snapshots of the workspace's other open tasks."""
+    out: dict[str, str] = {}
+    for state_file in sorted((workspace / TASKS_DIR).glob("*.json")):
+        if state_file.stem == job:
+            continue
+        try:
+            other = read_state(workspace, state_file.stem)
+        except AxrlError:
+            continue
+        current = copy_of(other.snapshot)
+        if current is not None:
+            out.setdefault(current["path"], state_file.stem)
+    return out
 
 
 def note(workspace: str | Path, job: str, section: str, text: str) -> TaskView:
@@ -167,7 +160,12 @@ def note(workspace: str | Path, job: str, section: str, text: str) -> TaskView:
         raise ConfigError(f"section {section!r} is not one of: observations, next-steps")
     if not text or not text.strip():
         raise ConfigError(f"note for {section} is empty")
-    state, _ = update_task(workspace, job, lambda s: s[key].append({"time": now(), "text": text.strip("\n")}))
+
+    def change(state: TaskState) -> None:
+        rows = state.observations if key == "observations" else state.next_steps
+        rows.append({"time": now(), "text": text.strip("\n")})
+
+    state, _ = update_task(workspace, job, change)
     return show(state, check_workspace(workspace))
 
 
@@ -182,9 +180,9 @@ def set_command(workspace: str | Path, job: str, command: str) -> TaskView:
     if not command or not command.strip():
         raise ConfigError("replay command is empty")
 
-    def change(state: dict[str, Any]) -> None:
-        state["command"] = command.strip()
-        state["command_source"] = "user"  # replays no longer replace it with the command they ran
+    def change(state: TaskState) -> None:
+        state.command = command.strip()
+        state.command_source = "user"  # replays no longer replace it with the command they ran
 
     state, _ = update_task(workspace, job, change)
     return show(state, check_workspace(workspace))
@@ -196,30 +194,29 @@ def show_task(workspace: str | Path, job: str) -> TaskView:
     return show(read_state(root, check_plain_name(job, "job name")), root)
 
 
-def show(state: dict[str, Any], workspace: Path) -> TaskView:
+def show(state: TaskState, workspace: Path) -> TaskView:
     """State plus where its files are."""
-    job = state["job"]
     return TaskView(
-        format_version=state["format_version"],
-        job=job,
-        created_at=state["created_at"],
-        updated_at=state["updated_at"],
-        snapshot=state["snapshot"],
-        snapshot_history=state["snapshot_history"],
-        command=state["command"],
-        experiments=state["experiments"],
-        failed=state["failed"],
-        observations=state["observations"],
-        next_steps=state["next_steps"],
-        methods=state["methods"],
-        reports=state["reports"],
-        preserved_copies=state["preserved_copies"],
-        task_file=str(task_md_path(workspace, job)),
-        state_file=str(task_json_path(workspace, job)),
+        format_version=state.format_version,
+        job=state.job,
+        created_at=state.created_at,
+        updated_at=state.updated_at,
+        snapshot=state.snapshot,
+        snapshot_history=state.snapshot_history,
+        command=state.command,
+        experiments=state.experiments,
+        failed=state.failed,
+        observations=state.observations,
+        next_steps=state.next_steps,
+        methods=state.methods,
+        reports=state.reports,
+        preserved_copies=state.preserved_copies,
+        task_file=str(task_md_path(workspace, state.job)),
+        state_file=str(task_json_path(workspace, state.job)),
     )
 
 
-def _resolved(snapshot: str | Path) -> str:
+def recorded_snapshot(snapshot: str | Path) -> str:
     """The snapshot path as the task records it (resolved when it exists)."""
     text = str(snapshot).strip()
     if not text:
@@ -228,13 +225,11 @@ def _resolved(snapshot: str | Path) -> str:
     return str(path.resolve()) if path.exists() else text
 
 
-def set_task_snapshot(state: dict[str, Any], snapshot: str | Path) -> None:
+def set_task_snapshot(state: TaskState, snapshot: str | Path) -> None:
     """Make `snapshot` the task's active snapshot in `state` (history kept; a preserved copy of it noted)."""
-    resolved = _resolved(snapshot)
-    from axrl_spike_replay.workspace.preserved_copies import note_preserved_copy
-
+    resolved = recorded_snapshot(snapshot)
     note_preserved_copy(state, resolved, now())  # also when set again: adopts a copy made since
-    if state.get("snapshot") == resolved:
+    if state.snapshot == resolved:
         return
-    state["snapshot"] = resolved
-    state["snapshot_history"].append({"time": now(), "snapshot": resolved})
+    state.snapshot = resolved
+    state.snapshot_history.append({"time": now(), "snapshot": resolved})

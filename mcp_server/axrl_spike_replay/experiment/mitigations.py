@@ -5,8 +5,8 @@ A mitigation's declaration holds everything about it: its name, what it changes,
 in words, its parser (value type and range), what it does, when to try it, and the function that
 applies it to the replay's loss (`LossConfig`), routing (`RoutingConfig`) or starting weights. The
 server's tool descriptions, `axrl://mitigations`, the skill's mitigation catalogue and docs/mitigations.md
-are all generated from it (`replay/mitigation_catalogue.py`, `scripts/render_mitigation_catalogue.py`), and so is
-what each trainer sets to make the same change in training (`settings`, see `replay/trainer_settings.py`).
+are all generated from it (`experiment/mitigation_catalogue.py`, `scripts/render_mitigation_catalogue.py`), and so is
+what each trainer sets to make the same change in training (`settings`, see `experiment/trainer_settings.py`).
 Torch-free: the server imports this module to describe its tools.
 
 Each mitigation is off unless named in a config. A config is a mapping {name: value}; its one normal
@@ -37,8 +37,7 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.replay.sample_masks import SCOPES, SampleFilter, pairs_of, parse_pairs
-from axrl_spike_replay.replay.trainer_settings import (
+from axrl_spike_replay.experiment.trainer_settings import (
     NO_MEGATRON_FLAG,
     TrainerSetting,
     flow,
@@ -51,6 +50,7 @@ from axrl_spike_replay.replay.trainer_settings import (
 )
 from axrl_spike_replay.training.loss_config import LOGPROB_BASES, LOSS_AGG_MODES, LossConfig, RatioOutlierMask
 from axrl_spike_replay.training.routing_config import ROUTING_REPLAY_MODES, RoutingConfig
+from axrl_spike_replay.training.sample_masks import SCOPES, SampleFilter, pairs_of, parse_pairs
 from axrl_spike_replay.untrusted_yaml import load_untrusted_yaml, read_untrusted_yaml
 
 _TRUE = ("true", "yes", "on", "1")
@@ -92,7 +92,7 @@ class Mitigation:
     id_value: Callable[[Any], Any] | None = None  # how its value shows in a config id (default: the value)
     diagnostic: str | None = None  # why it is a diagnostic only (never written up as a method); None: a real fix
     caveat: str = ""  # when not to use it (method files quote it)
-    settings: tuple[TrainerSetting, ...] = ()  # the same change in each trainer's own config (replay.trainer_settings)
+    settings: tuple[TrainerSetting, ...] = ()  # the same change in each trainer's own config (trainer_settings)
 
 
 # The symptoms the catalogue groups its advice under, in order: key -> the paragraph that opens the group.
@@ -850,10 +850,6 @@ def normal_form(config: Mapping[str, Any] | None) -> dict[str, Any]:
         if value is not None and value != {} and value != []:
             out[key] = value
     return dict(sorted(out.items()))
-
-
-_INT_RE = re.compile(r"^[+-]?\d+$")
-_FLOAT_RE = re.compile(r"^[+-]?(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?$")
 
 
 def canonical(value: Any) -> Any:

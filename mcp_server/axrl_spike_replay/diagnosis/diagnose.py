@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.analysis import diagnose_causes as causes
-from axrl_spike_replay.analysis.diagnose_causes import Cause, Evidence, Experiment
-from axrl_spike_replay.analysis.diagnose_logs import LogPoint, log_point
-from axrl_spike_replay.analysis.diagnose_model import RouteAgreement
+from axrl_spike_replay.diagnosis import causes
+from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment
+from axrl_spike_replay.diagnosis.model_evidence import RouteAgreement
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.replay.result import Attribution
-from axrl_spike_replay.replay.verdict import tolerance
+from axrl_spike_replay.experiment.result import Attribution
+from axrl_spike_replay.experiment.verdict import tolerance
 from axrl_spike_replay.snapshot.consistency import Consistency, check_replayed_norm, check_snapshot
+from axrl_spike_replay.snapshot.log_point import LogPoint, log_point
 from axrl_spike_replay.vocabulary import Fidelity
 
 MODEL_MODES = ("auto", "always", "never")
@@ -71,7 +71,7 @@ class Diagnosis:
 def _model_evidence(
     snapshot: Path, attribution: Any, model: str, top: int, not_checked: list[str]
 ) -> tuple[Attribution | None, RouteAgreement | None]:
-    from axrl_spike_replay.analysis import diagnose_model as dm
+    from axrl_spike_replay.diagnosis import model_evidence as dm
 
     att = dm.read_attribution(attribution) if attribution is not None else None
     if model == "never":

@@ -1,7 +1,8 @@
 """A replay's output dir (in a workspace: `tmp/spike-replay/<job>/<timestamp>/`) with command, log and results.
 
-The engine writes into a dir it is given; where that dir lies and who is told about the run is the
-caller's business (`RunRecorder`; `investigation.recording` puts it in the workspace and the task file).
+The engine, and the runs on a node or with the command backend, write into a dir they are given; where that dir
+lies and who is told about the run is the caller's business (`RunRecorder`; `investigation.recording` puts it in
+the workspace and the task file).
 
 Results are written atomically and only once the replay has finished: a reader sees a complete
 `replay_result.json` or none. A run that fails after its dir exists writes a result whose verdict
@@ -16,12 +17,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from axrl_spike_replay.atomic import atomic_write_json, atomic_write_text
+from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.jsonable import to_jsonable
-from axrl_spike_replay.replay.result import ReplayResult
 
 RESULT_FILE = "replay_result.json"
 COMMAND_FILE = "command.txt"
 LOG_FILE = "replay.log"
+SWEEP_FILE = "sweep_result.json"  # a sweep's summary, beside its configs' dirs
 
 
 def now_iso() -> str:
@@ -98,6 +100,18 @@ class RunRecorder(Protocol):
         """A run that failed after its output dir was made; the id it was recorded under, if any."""
         ...
 
+
+def write_and_record(
+    run: RunDir, result: ReplayResult, recorder: RunRecorder | None, job: str, sub: str | None = None
+) -> Path | None:
+    """Write `replay_result.json` (atomically, under `sub/` when given), then hand it to the recorder: the way a
+    run on a node or with the command backend records, as the engine's own runs do (`ReplaySession.record`)."""
+    path = run.write_result(result, sub)
+    if path is not None and recorder is not None:
+        exp_id = recorder.replayed(job, result, path)
+        if exp_id:
+            run.log(f"{result.config_id}: logged in the task file of job {job} as {exp_id}")
+    return path
 
 
 def command_line(verb: str, snapshot: str, options: dict[str, Any]) -> str:

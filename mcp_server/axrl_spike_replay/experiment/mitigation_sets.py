@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from axrl_spike_replay.replay.mitigations import FIRST_MOE_LAYER
+from axrl_spike_replay.experiment.mitigations import FIRST_MOE_LAYER
 
 # The methods the seed workflow asks to try on every spike; `routing_replay=off` is diagnostic only. Each config
 # must apply to every model: `first` is each model's own first MoE layer (layer 0 is dense on deepseek_v3).

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from axrl_spike_replay.analysis.log_series import SeriesPoints
+from axrl_spike_replay.logs.log_series import SeriesPoints
 
 DEFAULT_LIMIT = 2000
 DEFAULT_AROUND = 20

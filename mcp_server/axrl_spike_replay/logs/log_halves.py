@@ -19,8 +19,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import BinaryIO
 
-from axrl_spike_replay.analysis.log_reader import MAX_ERRORS, LogTally, scan_handle
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.logs.log_reader import MAX_ERRORS, LogTally, scan_handle
 from axrl_spike_replay.rank_processes import die_with_parent
 
 SPLIT_BYTES = 64 * 1024 * 1024  # a smaller log is scanned whole: a fork and a merge cost more than half of it

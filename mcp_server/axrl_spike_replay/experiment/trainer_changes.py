@@ -1,5 +1,5 @@
 """A mitigation config as changes to each trainer's own configuration, from the declarations
-(`replay.mitigations.MITIGATIONS[name].settings`, see `replay.trainer_settings`)."""
+(`experiment.mitigations.MITIGATIONS[name].settings`, see `experiment.trainer_settings`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from axrl_spike_replay.replay.mitigations import MITIGATIONS
-from axrl_spike_replay.replay.trainer_settings import TRAINERS, flow
+from axrl_spike_replay.experiment.mitigations import MITIGATIONS
+from axrl_spike_replay.experiment.trainer_settings import TRAINERS, flow
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.replay.result import Attribution, SampleContribution
+from axrl_spike_replay.experiment.result import Attribution, SampleContribution
 from axrl_spike_replay.snapshot.metadata import read_json_document
 
 AUTO_MODEL_BYTES = 256 * 1024 * 1024  # above this, a CPU pass costs minutes: ask for an attribution instead

@@ -15,8 +15,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-from axrl_spike_replay.analysis.diagnose_model import RouteAgreement
-from axrl_spike_replay.replay.result import Attribution
+from axrl_spike_replay.diagnosis.model_evidence import RouteAgreement
+from axrl_spike_replay.experiment.result import Attribution
 
 LIKELY = 0.3
 OUTLIER_Z = 10.0  # robust z of a sample's advantage that makes it an outlier

@@ -1,4 +1,4 @@
-"""The documentation generated from the mitigation declarations (`replay.mitigations.MITIGATIONS`).
+"""The documentation generated from the mitigation declarations (`experiment.mitigations.MITIGATIONS`).
 
 Blocks, each between `<!-- NAME:begin -->` and `<!-- NAME:end -->` markers: the table of names and values,
 the "when to try what" advice and the table of each mitigation's setting in the trainers (skills/axrl-spike-replay/
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.replay.mitigations import MITIGATIONS, SYMPTOMS
-from axrl_spike_replay.replay.trainer_settings import TRAINERS
+from axrl_spike_replay.experiment.mitigations import MITIGATIONS, SYMPTOMS
+from axrl_spike_replay.experiment.trainer_settings import TRAINERS
 
 CATALOGUE = Path("skills") / "axrl-spike-replay" / "references" / "mitigation-catalogue.md"
 DOCS = Path("docs") / "mitigations.md"
@@ -67,8 +67,8 @@ def advice_block() -> str:
 
 def settings_block() -> str:
     """Each mitigation, at an example value, as each trainer's own setting (or why it has none)."""
-    from axrl_spike_replay.replay.mitigations import parse_config
-    from axrl_spike_replay.replay.trainer_changes import trainer_changes
+    from axrl_spike_replay.experiment.mitigations import parse_config
+    from axrl_spike_replay.experiment.trainer_changes import trainer_changes
 
     missing = sorted(set(MITIGATIONS) - set(EXAMPLES))
     if missing:

@@ -14,7 +14,7 @@ ATTRIBUTION_FILE = "attribution.json"  # what `attribute` writes into its run di
 # Read by pydantic when a tool returns one of these: attribute docstrings become field descriptions.
 _SCHEMA_CONFIG = {"use_attribute_docstrings": True}
 
-# baseline: reproduced / not_reproduced; mitigated: see vocabulary.MITIGATION_VERDICTS; failed: it did not run.
+# baseline: reproduced / not_reproduced; mitigated: cleared ... baseline_not_a_spike (experiment.verdict); failed.
 VERDICTS = Verdict.values()
 
 
@@ -242,3 +242,6 @@ class Attribution:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+RunResult = ReplayResult | SweepResult | Attribution  # what a request gives, by its verb: replay, sweep, attribute

@@ -1,6 +1,6 @@
 """Where a mitigation lives in the trainers' own configuration: what to change in training once a replay proved it.
 
-Each mitigation declares its settings in its one declaration (`replay.mitigations.MITIGATIONS`, field
+Each mitigation declares its settings in its one declaration (`experiment.mitigations.MITIGATIONS`, field
 `settings`), one `TrainerSetting` per trainer that has one, and one with `setting=None` and a note where the
 trainer has none (a patch, or a replay-only diagnostic). The trainers:
 
@@ -120,8 +120,7 @@ def verl_rejection(value: Any) -> str | None:
     """`ratio_outlier_mask` as verl's rejection sampling, mapped as the verl convention maps it in a replay
     (`training.verl_settings.rejection_options`): our bounds on pi/pi_rollout become verl's k1 bounds on
     pi_rollout/pi_old. None when verl cannot express it (base old; an unbounded side, low 0)."""
-    from axrl_spike_replay.training.loss_config import LossConfig, RatioOutlierMask
-    from axrl_spike_replay.training.verl_settings import rejection_options
+    from axrl_spike_replay.training.loss_config import LossConfig, RatioOutlierMask, rejection_options
 
     mask = RatioOutlierMask(**value) if isinstance(value, Mapping) else RatioOutlierMask()
     if mask.base != "rollout":

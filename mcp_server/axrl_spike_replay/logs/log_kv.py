@@ -25,8 +25,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from axrl_spike_replay.analysis.log_lines import error_kind, key_values, pair_spans, parse_line, plan
-from axrl_spike_replay.analysis.log_series import SeriesBuilder
+from axrl_spike_replay.logs.log_lines import error_kind, key_values, pair_spans, parse_line, plan
+from axrl_spike_replay.logs.log_series import SeriesBuilder
 
 MAX_PROTOTYPE_BYTES = 4096  # longer lines are read by the reference parsers alone (bounded pattern size)
 _DIGITS = b"0123456789"

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from axrl_spike_replay.analysis.log_values import read_column_floats, read_column_integers
+from axrl_spike_replay.logs.log_values import read_column_floats, read_column_integers
 
 _NEWLINE, _ZERO, _NINE = 10, 48, 57
 

@@ -1,0 +1,1 @@
+"""Causes ranked from evidence: the stored signals against the replay, per rank; the job's log scan; experiments."""
