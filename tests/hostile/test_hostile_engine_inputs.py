@@ -91,6 +91,51 @@ def test_a_distcp_bomb_is_refused_by_every_verb_within_the_memory_cap():
             assert "is compressed" in outcome.err + outcome.out, verb
 
 
+def _route_fill(value: int):
+    def change(doc: dict) -> None:
+        doc["routed_experts"] = doc["routed_experts"].masked_fill(doc["routed_experts"] == 1, value)
+
+    return change
+
+
+COMPUTED_ON = {  # what is edited, the file the refusal names, what it says
+    "chunks leaving half a tensor out": (
+        lambda s: set_checkpoint_chunks(s, "model.embed.weight", [((0, 0), (8, 16))]),
+        ".metadata",
+        "has chunks covering 128 of its 256 elements: the rest is in no chunk",
+    ),
+    "an expert id past the model's": (
+        lambda s: edit_routing_payload(s, 0, _route_fill(9)),
+        "routing_payload_rank0.pt",
+        "routed_experts holds expert id 9",
+    ),
+    "moe_layers naming a layer the model lacks": (
+        lambda s: edit_routing_payload(s, 0, lambda d: d.__setitem__("moe_layers", [0, 5])),
+        "routing_payload_rank0.pt",
+        "moe_layers names layers [5] the model lacks",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", COMPUTED_ON, ids=list(COMPUTED_ON))
+def test_every_verb_that_computes_refuses_what_does_not_fit_by_name(case):
+    edit, name, message = COMPUTED_ON[case]
+    with scene() as world:
+        edit(world.snapshot)
+        for verb in ("replay", "attribute", "diagnose"):
+            args = ("--workspace", world.workspace) if verb != "diagnose" else ("--model", "always")
+            outcome = run_cli(verb, world.snapshot, *args)
+            assert_clear_refusal_or_success(outcome, name)
+            said = outcome.err + outcome.out
+            assert message in said and name in said, (verb, said[-1500:])
+            if verb == "diagnose":  # the rest of the diagnosis stands; the model evidence is listed as not checked
+                assert outcome.code == 0 and "model evidence (" in outcome.out
+            else:  # expert ids are read where a rank reads the routes: that replay is recorded as failed
+                assert outcome.code == 2, verb
+        if name == ".metadata":  # inspect reads no model: the routes are the model-reading verbs' to check
+            assert message in run_cli("inspect", world.snapshot).out
+
+
 routes = st.one_of(
     st.integers(-3, 9).map(lambda v: ("fill", v)),
     st.sampled_from([("width", 1), ("width", 3), ("seq", 1), ("batch", 1), ("slots", 1), ("dtype", 0)]),

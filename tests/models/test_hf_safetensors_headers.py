@@ -9,11 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.hf_weights import load_hf_weights, safetensors_shapes
 from axrl_spike_replay.models.policy import build_policy, check_policy_weights, parse_model_config
 from axrl_spike_replay.testing.hf_snapshot import model_section
+from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 from hostile_snapshot import edit_safetensors_header
 
 
@@ -82,3 +84,27 @@ def test_a_malformed_header_is_refused_by_name(edit: str, hf_dir: Path, tmp_path
 def test_a_header_transformers_wrote_passes(hf_dir: Path) -> None:
     shapes = safetensors_shapes(hf_dir)
     assert shapes["lm_head.weight"] == ((1024, 64), "float32")
+
+
+def test_replay_and_diagnose_name_a_malformed_header_of_the_weights_the_run_config_names(
+    hf_snapshot: Path, hf_dir: Path, tmp_path: Path, cli
+) -> None:
+    """A snapshot without weights of its own replays from `model.path`: that directory's header is refused by the
+    verbs that build the model, by name, before any process starts (never a raw error from safetensors)."""
+    snap = shutil.copytree(hf_snapshot, tmp_path / "job" / hf_snapshot.name)
+    for data in [snap / ".metadata", *snap.glob("*.distcp")]:
+        data.unlink()
+    directory = shutil.copytree(hf_dir, tmp_path / "hf")
+    [file] = directory.glob("*.safetensors")
+    edit_safetensors_header(file, _shape([-1, 64]))
+    config = read_untrusted_yaml(snap / "run_config.yaml")
+    config["model"] = {"kind": "hf", "architecture": "qwen3_moe", "path": str(directory)}
+    (snap / "run_config.yaml").write_text(yaml.safe_dump(config))
+
+    replay = cli("replay", snap, "--nproc", "1", "--workspace", tmp_path / "ws")
+    assert replay.code == 2 and f"{file}: tensor" in replay.err and "has a bad shape [-1, 64]" in replay.err
+    assert "Traceback" not in replay.err and not (tmp_path / "ws" / "tmp").exists()
+    diagnose = cli("diagnose", snap, "--model", "always")
+    assert diagnose.code == 0 and "Traceback" not in diagnose.err
+    [line] = [n for n in diagnose.out.splitlines() if n.strip().startswith("model evidence (")]
+    assert f"{file}: tensor" in line and "has a bad shape [-1, 64]" in line
