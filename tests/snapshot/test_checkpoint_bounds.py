@@ -15,6 +15,7 @@ import torch
 
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.policy import check_policy_weights, parse_model_config
+from axrl_spike_replay.snapshot import checkpoint_entries
 from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, load_model_state, summarize_checkpoint
 from axrl_spike_replay.snapshot.checkpoint_tiling import tiling_problem
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
@@ -120,6 +121,24 @@ def test_a_chunk_without_its_storage_entry_is_named(snap: Path) -> None:
 
     problems = "\n".join(inspect_snapshot(snap).problems)
     assert "tensor 'model.embed.weight' has a chunk at offsets (8, 0) with no storage entry" in problems
+
+
+def test_entries_sharing_bytes_are_refused_and_read_once(snap: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sixteen chunks, each named with the tensor's one entry: the entry is read once, the sharers refused (not the
+    same zip directory parsed again for each name that points at it, as often as a `.metadata` can repeat it)."""
+    set_checkpoint_chunks(snap, "model.embed.weight", [((row, 0), (1, 16)) for row in range(16)])
+    read: list[str] = []
+    real = checkpoint_entries._entry_problem
+    monkeypatch.setattr(
+        checkpoint_entries,
+        "_entry_problem",
+        lambda fd, path, name, *span: read.append(name) or real(fd, path, name, *span),
+    )
+
+    problems = "\n".join(check_checkpoint_storage(snap))
+    assert "__0_0.distcp: entry of 'model.embed.weight' at bytes" in problems
+    assert "overlaps the entry of 'model.embed.weight' at bytes" in problems
+    assert read.count("model.embed.weight") == 1
 
 
 @pytest.mark.parametrize(

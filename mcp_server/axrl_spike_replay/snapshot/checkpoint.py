@@ -9,11 +9,13 @@ allocates anything. Tensor data (`*.distcp`) is read by DCP with `weights_only=T
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import io
 import pickle
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -144,21 +146,33 @@ def _read_metadata(path: Path, records: bool) -> Any:
             data = handle.read(MAX_DCP_METADATA_BYTES + 1)
     except OSError as exc:
         raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    with _no_collection():
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data), records).load()
+        except UnsafeFileError as exc:
+            raise UnsafeFileError(f"{path}: refused to load: {exc}; nothing in it was run") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError) as exc:
+            raise SnapshotError(f"{path}: truncated or corrupt checkpoint metadata ({shown(str(exc), 200)})") from None
+        except (MemoryError, RecursionError, OverflowError) as exc:
+            raise SnapshotError(
+                f"{path}: checkpoint metadata too large or deep to read ({type(exc).__name__})"
+            ) from None
+        _check_structure(metadata, path)
+    return metadata
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """The garbage collector off while a pass makes an object or two per checkpoint entry (a `.metadata` may name
+    hundreds of thousands): each collection it triggers would walk torch's whole heap, several times the pass's own
+    work. Nothing made here holds a reference cycle."""
     collecting = gc.isenabled()
-    gc.disable()  # unpickling creates thousands of small objects: each young-generation pass then walks torch's heap
+    gc.disable()
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data), records).load()
-    except UnsafeFileError as exc:
-        raise UnsafeFileError(f"{path}: refused to load: {exc}; nothing in it was run") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError) as exc:
-        raise SnapshotError(f"{path}: truncated or corrupt checkpoint metadata ({shown(str(exc), 200)})") from None
-    except (MemoryError, RecursionError, OverflowError) as exc:
-        raise SnapshotError(f"{path}: checkpoint metadata too large or deep to read ({type(exc).__name__})") from None
+        yield
     finally:
         if collecting:
             gc.enable()
-    _check_structure(metadata, path)
-    return metadata
 
 
 def _check_structure(metadata: Any, path: Path) -> None:
@@ -277,7 +291,11 @@ def _identity(path: Path) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=8)
 def _storage_problems(name: str, _identity: tuple[Any, ...]) -> tuple[str, ...]:
-    directory = Path(name)
+    with _no_collection():
+        return _storage_problems_of(Path(name))
+
+
+def _storage_problems_of(directory: Path) -> tuple[str, ...]:
     path = directory / DCP_METADATA
     metadata = read_checkpoint_metadata(directory, records=True)
     problems: list[str] = []

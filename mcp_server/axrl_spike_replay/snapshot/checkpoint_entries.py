@@ -5,7 +5,8 @@ DCP stores a tensor as a `torch.save` archive at (offset, length) of a `.distcp`
 can commit 4 GiB. The same record in a `.pt` file is refused (`safe_load.archive_problem`); here each entry's zip
 directory is read in place (one read of the entry's tail, where torch writes it) and held to that same rule. An
 entry DCP would pass through a stream transform (its zstd extension) is refused too: what it inflates to is not
-known before it is read. Nothing is allocated but the entries' directories.
+known before it is read. Entries of one file must not share bytes (DCP writes each after the one before): a shared
+entry is refused, not read again for each name that points at it. Nothing is allocated but the entries' directories.
 """
 
 from __future__ import annotations
@@ -90,10 +91,22 @@ def entry_problems(directory: Path, entries: Iterable[tuple[str, Any]], limit: i
             problems.append(f"{path}: cannot read ({exc.strerror or exc})")
             continue
         try:
-            for name, info in sorted(items, key=lambda item: item[1].offset):  # one pass along the file
-                problem = _entry_problem(fd, path, name, info.offset, info.length)
-                if problem:
-                    problems.append(problem)
+            before: tuple[str, int, int] | None = None  # the entry before, along the file: (name, start, end)
+            for name, info in sorted(items, key=lambda item: (item[1].offset, item[1].length)):  # one pass
+                start, end = info.offset, info.offset + info.length
+                if before is not None and start < before[2]:
+                    # DCP writes each entry after the one before: shared bytes would load one tensor's data into
+                    # another, and checking each sharer again would repeat one entry's work as often as it is named
+                    problems.append(
+                        f"{path}: entry of {shown(name, 120)} at bytes {start}-{end} overlaps the entry of "
+                        f"{shown(before[0], 120)} at bytes {before[1]}-{before[2]}; each entry has bytes of its own"
+                    )
+                else:
+                    problem = _entry_problem(fd, path, name, info.offset, info.length)
+                    if problem:
+                        problems.append(problem)
+                if before is None or end > before[2]:
+                    before = (name, start, end)
                 if len(problems) >= limit:
                     return problems
         finally:
