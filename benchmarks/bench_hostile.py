@@ -1,11 +1,17 @@
-"""Benchmark: `inspect` of a snapshot whose files declare huge sizes vs the same snapshot honest, side by side.
+"""Benchmark: reading verbs on snapshots whose files declare huge sizes vs the same snapshots honest, side by side.
 
-The hostile copy declares a world size of 10^9 in its metadata, holds a grad info whose tensor is a
-zip bomb (a few MB deflating to --bomb-gib GiB) and one whose pickle declares a 3 GiB tensor over
-4 MiB of data, and a checkpoint `.metadata` declaring a 10^6 x 10^6 tensor. Each inspect runs in its
-own fresh Python process (limited to --limit-gib of address space, so an unbounded reader fails
-instead of swapping a shared machine) and reports its wall time and peak RSS (VmHWM). Target: the
-hostile snapshot costs at most 1.5x the honest one in peak memory.
+`inspect`: the hostile copy of a synthetic snapshot declares a world size of 10^9 in its metadata, holds a grad
+info whose tensor is a zip bomb (a few MB deflating to --bomb-gib GiB), one whose pickle declares a 3 GiB tensor
+over 4 MiB of data, a checkpoint `.metadata` declaring a 10^6 x 10^6 tensor, and a `.distcp` entry that is a zip
+bomb (the tensor's own values over a storage deflating to --bomb-gib GiB).
+
+`replay` and `diagnose`: the golden fixture snapshot (a real capture, replayable) vs a copy whose embedding's
+`.distcp` entry is that zip bomb: DCP's reader would inflate it whole and then load the right values, so a replay
+that does not check the entries reproduces the spike at the cost of the inflated storage.
+
+Each verb runs in its own fresh Python process (limited to --limit-gib of address space, so an unbounded reader
+fails instead of swapping a shared machine) and reports its wall time and peak RSS (VmHWM). Target: a hostile
+snapshot costs at most 1.5x the honest one in peak memory, for every verb.
 
 Then the worst case of each hostile class on the other surfaces, beside the honest case of the same size
 (`hostile_surfaces.py`): a 100 MB output line without a newline from the command backend's job, a 64 MiB
@@ -37,6 +43,7 @@ from hostile_snapshot import (  # noqa: E402
     declare_checkpoint_tensor,
     declare_world_size,
     write_compressed_tensor_file,
+    write_distcp_bomb,
     write_lying_tensor_file,
 )
 from hostile_surfaces import logs_dir_rows, output_line_rows, print_rows, warm_frame_rows  # noqa: E402
@@ -62,12 +69,45 @@ print(json.dumps({'seconds': t, 'peak_rss_kib': hwm, **outcome}))
 """
 
 
-def run_child(snapshot: Path, package: Path, limit: int) -> dict:
-    """inspect `snapshot` in a fresh interpreter importing the package under `package`; its JSON report."""
+# replay (one process, in the child) or diagnose (model evidence: the attribution replay) of a snapshot
+RUN = """
+import json, os, resource, sys, time
+limit = int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+os.chdir(sys.argv[4])  # a workspace of its own: nothing is written into the checkout
+import torch
+t0 = time.perf_counter()
+try:
+    if sys.argv[3] == "replay":
+        from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+        r = run_replay(sys.argv[1], ReplayOptions(nproc=1))
+        outcome = {"outcome": f"{r.verdict}, grad norm {r.grad_norm:.6g}"}
+    else:
+        from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
+        d = diagnose_snapshot(sys.argv[1], model="always")
+        left = [n for n in d.not_checked if n.startswith("model evidence")]
+        outcome = {"outcome": left[0] if left else f"attribution replayed, top cause {d.causes[0].family}"}
+except BaseException as exc:
+    outcome = {"failed": f"{type(exc).__name__}: {str(exc)}"}
+t = time.perf_counter() - t0
+hwm = [int(line.split()[1]) for line in open('/proc/self/status') if line.startswith('VmHWM:')][0]
+print(json.dumps({'seconds': t, 'peak_rss_kib': hwm, **outcome}))
+"""
+
+
+def run_child(snapshot: Path, package: Path, limit: int, verb: str = "inspect") -> dict:
+    """Run `verb` on `snapshot` in a fresh interpreter importing the package under `package`; its JSON report."""
     env = {**os.environ, "PYTHONPATH": str(package)}
-    done = subprocess.run(
-        [sys.executable, "-c", INSPECT, str(snapshot), str(limit)], capture_output=True, text=True, env=env, check=False
-    )
+    if verb == "inspect":
+        argv = [sys.executable, "-c", INSPECT, str(snapshot), str(limit)]
+    else:
+        workspace = tempfile.mkdtemp(prefix="axrl-bench-hostile-ws-")
+        argv = [sys.executable, "-c", RUN, str(snapshot), str(limit), verb, workspace]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+    finally:
+        if verb != "inspect":
+            shutil.rmtree(workspace, ignore_errors=True)
     lines = done.stdout.strip().splitlines()
     if not lines:
         return {"seconds": float("nan"), "peak_rss_kib": 0, "failed": f"exit {done.returncode}: {done.stderr[-300:]}"}
@@ -84,7 +124,43 @@ def make_pair(workdir: Path, bomb_gib: float) -> tuple[Path, Path]:
     write_compressed_tensor_file(hostile / "grad_info_rank0.pt", "grad_norm", int(bomb_gib * GIB))
     write_lying_tensor_file(hostile / "grad_info_rank1.pt", "grad_norm", 3 * GIB)
     declare_checkpoint_tensor(hostile, (10**6, 10**6))
+    write_distcp_bomb(hostile, int(bomb_gib * GIB), name="model.head.weight")
     return honest, hostile
+
+
+def make_replayable_pair(workdir: Path, bomb_gib: float) -> tuple[Path, Path, int]:
+    """(honest, hostile, entry bytes): copies of the golden fixture job, the hostile one's embedding entry a bomb."""
+    job = REPO / "tests" / "fixtures" / "outputs" / "fx~fixture-moe__actor"
+    pair = []
+    for label in ("honest", "bomb"):
+        out = workdir / label / job.name
+        shutil.copytree(job, out)
+        pair.append(out / SNAPSHOTS_DIR / "iter_0000021")
+    size = write_distcp_bomb(pair[1], int(bomb_gib * GIB))
+    return pair[0], pair[1], size
+
+
+def _outcome(r: dict) -> str:
+    text = r.get("failed") or r.get("outcome")
+    if text:
+        return text if len(text) <= 150 else "…" + text[-150:]  # a refusal's reason comes after its file name
+    return f"{r['ranks']} rank rows, {r['problems']} problems (longest {r['longest']} chars)"
+
+
+def _table(rows: list[tuple[str, dict]]) -> None:
+    print(f"{'snapshot':<22} {'seconds':>9} {'peak RSS MiB':>13}  outcome")
+    for label, r in rows:
+        print(f"{label:<22} {r['seconds']:>9.3f} {r['peak_rss_kib'] / 1024:>13.0f}  {_outcome(r)}")
+
+
+def _ratio(label: str, honest: dict, hostile: dict) -> float:
+    measured = hostile["peak_rss_kib"] and honest["peak_rss_kib"]  # 0: the child died before it could report
+    memory = hostile["peak_rss_kib"] / honest["peak_rss_kib"] if measured else float("inf")
+    print(
+        f"{label}: peak memory hostile / honest {memory:.2f}x (target <= 1.5x), "
+        f"time {hostile['seconds'] / honest['seconds']:.2f}x"
+    )
+    return memory
 
 
 def main() -> int:
@@ -104,28 +180,34 @@ def main() -> int:
     try:
         honest, hostile = make_pair(workdir, args.bomb_gib)
         bomb = (hostile / "grad_info_rank0.pt").stat().st_size
-        rows = []
-        for label, snapshot in (("honest", honest), ("hostile", hostile), ("honest, again", honest)):
-            rows.append((label, run_child(snapshot, Path(args.package), limit)))
+        package = Path(args.package)
+        rows = [
+            (label, run_child(snap, package, limit))
+            for label, snap in (("honest", honest), ("hostile", hostile), ("honest, again", honest))
+        ]
         print(f"package: {args.package}")
         print(
-            f"hostile: world size 10^9 (4 rank files), grad_info_rank0.pt {bomb / 2**20:.1f} MiB deflating to "
-            f"{args.bomb_gib:g} GiB, grad_info_rank1.pt declaring 3 GiB, .metadata declaring a 10^6 x 10^6 tensor"
+            f"inspect. hostile: world size 10^9 (4 rank files), grad_info_rank0.pt {bomb / 2**20:.1f} MiB deflating "
+            f"to {args.bomb_gib:g} GiB, grad_info_rank1.pt declaring 3 GiB, .metadata declaring a 10^6 x 10^6 "
+            f"tensor, a .distcp entry deflating to {args.bomb_gib:g} GiB"
         )
-        print(f"{'snapshot':<16} {'seconds':>9} {'peak RSS MiB':>13}  outcome")
-        for label, r in rows:
-            outcome = (
-                r.get("failed") or f"{r['ranks']} rank rows, {r['problems']} problems (longest {r['longest']} chars)"
-            )
-            print(f"{label:<16} {r['seconds']:>9.3f} {r['peak_rss_kib'] / 1024:>13.0f}  {outcome}")
-        honest_rss = min(rows[0][1]["peak_rss_kib"], rows[2][1]["peak_rss_kib"])
-        honest_s = min(rows[0][1]["seconds"], rows[2][1]["seconds"])
-        hostile_r = rows[1][1]
-        memory = hostile_r["peak_rss_kib"] / honest_rss if "failed" not in hostile_r else float("inf")
-        print(f"peak memory hostile / honest: {memory:.2f}x (target <= 1.5x)")
-        print(f"time hostile / honest: {hostile_r['seconds'] / honest_s:.2f}x")
-        ratios = [memory, *surface_ratios(args)]
-        return 0 if max(ratios) <= 1.5 else 1
+        _table(rows)
+        best = min((rows[0][1], rows[2][1]), key=lambda r: r["peak_rss_kib"])
+        worst = [_ratio("inspect", best, rows[1][1])]
+        replay_honest, replay_bomb, entry = make_replayable_pair(workdir, args.bomb_gib)
+        print(
+            f"\nreplay (1 process) and diagnose (model evidence). hostile: the golden fixture with its embedding's "
+            f".distcp entry a {entry / 2**20:.1f} MiB zip bomb deflating to {args.bomb_gib:g} GiB"
+        )
+        for verb in ("replay", "diagnose"):
+            pair = [
+                (f"{verb}, {label}", run_child(snap, package, limit, verb))
+                for label, snap in (("honest", replay_honest), ("bomb", replay_bomb))
+            ]
+            _table(pair)
+            worst.append(_ratio(verb, pair[0][1], pair[1][1]))
+        worst.extend(surface_ratios(args))
+        return 0 if max(worst) <= 1.5 else 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -81,3 +81,95 @@ def declare_checkpoint_tensor(snapshot: Path, shape: tuple[int, ...], name: str 
     item.size = torch.Size(shape)
     item.chunks[0].sizes = torch.Size(shape)
     path.write_bytes(pickle.dumps(metadata))
+
+
+def _checkpoint_entry(snapshot: Path, name: str) -> tuple[object, object, object]:
+    """(metadata, its storage index, its storage info) of tensor `name`'s single entry (the test's own fixture:
+    the `.metadata` is trusted here)."""
+    metadata = pickle.loads((snapshot / ".metadata").read_bytes())
+    [(index, info)] = [(i, s) for i, s in metadata.storage_data.items() if i.fqn == name]
+    return metadata, index, info
+
+
+def write_distcp_bomb(
+    snapshot: Path, expanded_bytes: int, name: str = "model.embed.weight", compresslevel: int | None = None
+) -> int:
+    """Make tensor `name`'s `.distcp` entry a zip bomb: the same tensor, its values intact, as a view over a storage
+    of `expanded_bytes` deflated to a few MB (appended to the data file; `.metadata` points at it). DCP's reader
+    would inflate the whole storage and then load the right values. Returns the new entry's length."""
+    import io
+
+    metadata, _, info = _checkpoint_entry(snapshot, name)
+    distcp = snapshot / info.relative_path
+    data = distcp.read_bytes()
+    tensor = torch.load(io.BytesIO(data[info.offset : info.offset + info.length]), weights_only=True)
+    itemsize = tensor.element_size()
+    numel = expanded_bytes // itemsize
+    assert tensor.numel() <= _SEED_NUMEL and numel < 2**31  # BININT holds the storage's numel
+    seed = torch.zeros(_SEED_NUMEL, dtype=tensor.dtype)
+    seed[: tensor.numel()] = tensor.reshape(-1)
+    buffer = io.BytesIO()
+    torch.save(seed[: tensor.numel()].view(tensor.shape), buffer)  # saves the whole seed storage
+    with zipfile.ZipFile(buffer) as archive:
+        infos = archive.infolist()
+        records = {i.filename: archive.read(i.filename) for i in infos}
+    pkl = next(n for n in records if n.endswith("data.pkl"))
+    storage = next(n for n in records if "/data/" in n)
+    seed_numel = b"J" + struct.pack("<i", _SEED_NUMEL)
+    assert records[pkl].count(seed_numel) == 1  # the storage's numel (the view's shape is the tensor's)
+    records[pkl] = records[pkl].replace(seed_numel, b"J" + struct.pack("<i", numel))
+    entry = io.BytesIO()
+    chunk = bytes(16 * 1024 * 1024)
+    with zipfile.ZipFile(
+        entry, "w", compression=zipfile.ZIP_DEFLATED, allowZip64=True, compresslevel=compresslevel
+    ) as out:
+        for i in infos:
+            if i.filename != storage:
+                out.writestr(i.filename, records[i.filename])
+                continue
+            with out.open(i.filename, "w", force_zip64=True) as stream:
+                stream.write(records[storage][: tensor.numel() * itemsize])
+                left = numel * itemsize - tensor.numel() * itemsize
+                while left:
+                    stream.write(chunk[: min(left, len(chunk))])
+                    left -= min(left, len(chunk))
+    payload = entry.getvalue()
+    with distcp.open("ab") as handle:
+        handle.write(payload)
+    info.offset, info.length = len(data), len(payload)
+    (snapshot / ".metadata").write_bytes(pickle.dumps(metadata))
+    return len(payload)
+
+
+def set_checkpoint_chunks(snapshot: Path, name: str, chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+    """Make the checkpoint's `.metadata` declare `chunks` ((offsets, sizes) each) for tensor `name`; each chunk
+    gets a storage entry (the tensor's own entry, so every declared byte is backed; what DCP reads no longer fits)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    metadata, index, info = _checkpoint_entry(snapshot, name)
+    item = metadata.state_dict_metadata[name]
+    item.chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks]
+    if chunks:  # with none, the tensor's entry stays: its bytes are on disk, no chunk says where they go
+        del metadata.storage_data[index]
+    for i, (offsets, _) in enumerate(chunks):
+        metadata.storage_data[MetadataIndex(name, torch.Size(offsets), i)] = info
+    (snapshot / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def edit_routing_payload(snapshot: Path, rank: int, change) -> None:
+    """Rewrite `routing_payload_rank<rank>.pt` as `change(doc)` leaves it (the test's own fixture: trusted here)."""
+    path = snapshot / f"routing_payload_rank{rank}.pt"
+    doc = torch.load(path, weights_only=True)
+    change(doc)
+    torch.save(doc, path)
+
+
+def edit_safetensors_header(path: Path, change) -> None:
+    """Rewrite a `.safetensors` file's JSON header as `change(header)` leaves it; the tensor data stays as it was."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads its header to 8 bytes
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])

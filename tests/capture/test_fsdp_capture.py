@@ -49,6 +49,7 @@ def test_the_weights_are_a_sharded_dcp_checkpoint_one_chunk_per_rank(fsdp_run: C
     assert [tuple(c.offsets) for c in embed.chunks] == [(0, 0), (embed.size[0] // 2, 0)]
     files = {info.relative_path for info in metadata.storage_data.values()}
     assert files == {"__0_0.distcp", "__1_0.distcp"}
+    assert metadata.storage_meta.checkpoint_id == snapshot.name  # not the writer's staging path
 
 
 def test_replay_at_the_saved_layout_is_bit_identical(fsdp_run: CaptureResult) -> None:
@@ -57,12 +58,17 @@ def test_replay_at_the_saved_layout_is_bit_identical(fsdp_run: CaptureResult) ->
     assert result.fidelity == "full"
     assert result.grad_norm == result.recorded_grad_norm
     assert result.rel_diff == 0.0
+    # each rank's norms of its shard of the reduced gradient, merged, are the replay's per-parameter norms
+    assert result.consistency is not None and "param_grad_norms_vs_replay" in result.consistency["checked"]
+    assert result.consistency["self_consistent"], result.consistency["problems"]
 
 
 def test_replay_in_one_process_loads_the_shards_unsharded(fsdp_run: CaptureResult) -> None:
     result = run_replay(fsdp_run.snapshot_dirs[0], ReplayOptions(nproc=1))
     assert result.fidelity == "reduced"  # one process for two saved ranks, labelled as such
     assert result.rel_diff is not None and result.rel_diff <= 1e-5
+    assert result.consistency is not None and "param_grad_norms_vs_replay" in result.consistency["checked"]
+    assert result.consistency["self_consistent"], result.consistency["problems"]
 
 
 def test_fsdp_own_norm_is_recorded_beside_the_guard_norm(fsdp_run: CaptureResult) -> None:

@@ -189,6 +189,7 @@ def _two_ranks_one_failing(rank: int, world_size: int, out: str) -> None:
         1, 64 * 1024, lambda: guard.snapshot(guard.observe(2, 100.0), model.state_dict(), _payload(rank, 32 * 1024))
     )
     seen["rank1_fails"] = [str(first) if first else None, sorted(os.listdir(root))]
+    torch.distributed.barrier()  # every rank has looked before rank 0 opens the next snapshot's staging dir
     # rank 0 cannot complete the dir (its run_config past its limit) after every rank wrote its files
     config = {"note": "x" * 200_000}
     second = limited(
@@ -197,6 +198,7 @@ def _two_ranks_one_failing(rank: int, world_size: int, out: str) -> None:
         lambda: guard.snapshot(guard.observe(3, 100.0), model.state_dict(), _payload(rank, 5), run_config=config),
     )
     seen["rank0_fails"] = [str(second) if second else None, sorted(os.listdir(root))]
+    torch.distributed.barrier()
     third = guard.snapshot(guard.observe(4, 100.0), model.state_dict(), _payload(rank, 5))  # still in step
     seen["written"] = [str(third) if third else None, sorted(os.listdir(root))]
     seen["failures"] = guard.write_failures

@@ -17,7 +17,7 @@ from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, RUN_CONFIG
 from axrl_spike_replay.workspace.task_state import show_task
-from hostile_snapshot import declare_checkpoint_tensor
+from hostile_snapshot import declare_checkpoint_tensor, edit_routing_payload
 
 
 def nothing_written(workspace: Path) -> bool:
@@ -149,23 +149,37 @@ def test_a_mitigation_needing_a_field_the_batch_lacks(snapshot_copy: Callable[[]
     assert nothing_written(workspace)
 
 
+def _expert_past_the_model(doc: dict) -> None:
+    doc["routed_experts"] = doc["routed_experts"].masked_fill(doc["routed_experts"] == 1, 4)  # 4 experts: 0-3
+
+
+def test_zeroed_weights_of_the_right_size_are_refused_before_anything_is_written(
+    snapshot_copy: Callable[[], Path], workspace: Path
+) -> None:
+    snap = snapshot_copy()
+    for shard in snap.glob("*.distcp"):
+        shard.write_bytes(bytes(shard.stat().st_size))
+    with pytest.raises(SnapshotError, match=r"__0_0\.distcp \(entry of 'model\..*not a torch archive"):
+        run_request(replay_request(What(snap), workspace=workspace))
+    assert nothing_written(workspace)
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_replay_that_fails_midway_records_a_failed_result(
     snapshot_copy: Callable[[], Path], workspace: Path, nproc: int
 ) -> None:
     snap = snapshot_copy()
     open_task(workspace, "fixture-moe", snap)
-    for shard in snap.glob("*.distcp"):
-        shard.write_bytes(bytes(shard.stat().st_size))  # zeroed weights of the right size: found only when loading
-    with pytest.raises(AxrlError, match=r"replay failed: .*cannot load checkpoint tensors") as err:
+    edit_routing_payload(snap, 1, _expert_past_the_model)  # found only when a process reads the routes' values
+    with pytest.raises(AxrlError, match=r"replay failed: .*routing_payload_rank1\.pt: routed_experts holds") as err:
         run_request(replay_request(What(snap), how=How(nproc=nproc), workspace=workspace))
     assert "Traceback" not in str(err.value)
     [run_dir] = (workspace / "tmp" / "spike-replay" / "fixture-moe").iterdir()
     doc = json.loads((run_dir / "replay_result.json").read_text())
-    assert doc["verdict"] == "failed" and doc["grad_norm"] is None and "checkpoint" in doc["error"]
+    assert doc["verdict"] == "failed" and doc["grad_norm"] is None and "routing_payload_rank1.pt" in doc["error"]
     assert "failed" in (run_dir / "replay.log").read_text()
     failed = show_task(workspace, "fixture-moe").failed
-    assert len(failed) == 1 and "checkpoint" in failed[0]["reason"]
+    assert len(failed) == 1 and "expert id" in failed[0]["reason"]
     assert failed[0]["result_path"] == str(run_dir / "replay_result.json")
 
 
@@ -173,8 +187,7 @@ def test_a_failed_sweep_records_one_failed_result_for_the_run(
     snapshot_copy: Callable[[], Path], workspace: Path
 ) -> None:
     snap = snapshot_copy()
-    for shard in snap.glob("*.distcp"):
-        shard.write_bytes(bytes(shard.stat().st_size))
+    edit_routing_payload(snap, 0, _expert_past_the_model)
     with pytest.raises(AxrlError, match="sweep failed"):
         run_request(
             replay_request(

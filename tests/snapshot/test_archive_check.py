@@ -41,7 +41,12 @@ def _edit_entry(path: Path, record: str, field: str, value: int) -> None:
     data = bytearray(path.read_bytes())
     at, size = _central_directory(path)
     end = at + size
-    where = {"compress_type": (10, "<H"), "compress_size": (20, "<L"), "file_size": (24, "<L")}[field]
+    where = {
+        "extract_version": (6, "<H"),
+        "compress_type": (10, "<H"),
+        "compress_size": (20, "<L"),
+        "file_size": (24, "<L"),
+    }[field]
     while at < end:
         name_len, extra_len, comment_len = struct.unpack_from("<3H", data, at + 28)
         name = bytes(data[at + 46 : at + 46 + name_len]).decode()
@@ -79,3 +84,11 @@ def test_a_torch_shaped_archive_with_a_huge_pickle_is_refused(tmp_path: Path) ->
         _check_archive(path, size)
     with pytest.raises(SnapshotError, match=r"its pickle is 20\.0 MiB, more than the 16\.0 MiB limit"):
         _check_archive(path, 64 * 1024 * 1024)  # as if the file were large enough to hold it
+
+
+def test_a_zip_version_zipfile_cannot_read_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "grad_info_rank0.pt"
+    torch.save({"grad_norm": 1.0, "t": torch.ones(4)}, path)
+    _edit_entry(path, "data/0", "extract_version", 64)  # "zip file version 6.4": zipfile raises NotImplementedError
+    with pytest.raises(SnapshotError, match=r"grad_info_rank0\.pt: truncated or corrupt torch file"):
+        load_pt(path)

@@ -39,7 +39,7 @@ def test_the_report_shows_the_baseline_replays_consistency_and_its_named_problem
     assert "self-consistent: **yes**" in diagnosis  # what the task-open diagnosis could see
     section = report.text.split("## Baseline replay", 1)[1].split("\n## ", 1)[0]
     assert "- E1: self-consistent: **no**; agrees with the training log: **yes**" in section
-    assert "(snapshot 1 self-inconsistencies; agrees with the training log (7 checks))" in section
+    assert "(snapshot 1 self-inconsistencies; agrees with the training log (8 checks))" in section
     assert "  - [rank_loss_vs_replay] rank 1 recorded loss " in section
     (row,) = report.baselines
     assert row["consistency"]["self_consistent"] is False

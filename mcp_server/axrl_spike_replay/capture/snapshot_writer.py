@@ -13,7 +13,6 @@ import io
 import logging
 import os
 import shutil
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from axrl_spike_replay.atomic import atomic_write_json, atomic_write_text
+from axrl_spike_replay.capture.checkpoint_writer import save_model_checkpoint
 from axrl_spike_replay.capture.rank_agreement import agree, describe, failures
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.snapshot.layout import (
@@ -157,14 +157,10 @@ def write_snapshot(
 
     error = None
     try:
-        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
         if weights_writer is not None:
             weights_writer(staging)
-        else:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp_save(state, checkpoint_id=str(staging), no_dist=not _dist_active())
+        else:  # records the snapshot's name as the checkpoint id, not the staging path
+            save_model_checkpoint(state, staging, name=final.name, distributed=_dist_active())
         for r, payload in ranks.items():
             _save(payload.batch, staging / batch_file(r))
             _save(payload.grad_info, staging / grad_info_file(r))

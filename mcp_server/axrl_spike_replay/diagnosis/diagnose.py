@@ -133,6 +133,10 @@ def _check_replayed_norm(consistency: Consistency, recorded: float, att: Attribu
     # one process replays every saved rank, so its summation order differs from training's as a reduced replay's does
     tol = tolerance(Fidelity.REDUCED, att.device)
     check_replayed_norm(consistency, recorded, att.grad_norm, tol, f"the attribution's replay ({att.device})")
+    not_checked.append(
+        "param_grad_norms_vs_replay (the attribution keeps only the global norm; `replay` compares the recorded "
+        "per-parameter norms with its own)"
+    )
 
 
 def diagnose_snapshot(

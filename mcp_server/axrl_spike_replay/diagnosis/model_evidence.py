@@ -82,9 +82,11 @@ def route_agreement(snapshot: str | Path) -> RouteAgreement:
     recorded one (the other layers replaying the recorded routes, so each layer is judged on its own)."""
     import torch
 
+    from axrl_spike_replay.models.policy import routing_shape
     from axrl_spike_replay.models.tiny_moe import RoutingControl
     from axrl_spike_replay.replay.engine import replay_dir_for
     from axrl_spike_replay.replay.inputs import load_inputs
+    from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
     from axrl_spike_replay.replay.worker import build_model
     from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 
@@ -94,6 +96,7 @@ def route_agreement(snapshot: str | Path) -> RouteAgreement:
         if not inputs.routing_ranks:
             return result
         model = build_model(inputs.model, replay_dir, "cpu")
+        shape = routing_shape(inputs.model)
         counts: dict[int, list[int]] = {}  # layer -> [loss differ, loss total, other differ, other total]
         with torch.no_grad():
             for rank in inputs.routing_ranks:
@@ -101,9 +104,9 @@ def route_agreement(snapshot: str | Path) -> RouteAgreement:
                 payload = load_rank_routes(replay_dir, rank, batch=batch)
                 if payload is None:
                     continue
+                check_route_shapes(payload, shape, tuple(batch["tokens"].shape))
+                check_route_values(payload, shape)
                 recorded = payload.routed_experts.long()
-                if tuple(recorded.shape[:2]) != tuple(batch["tokens"].shape):
-                    continue
                 loss = batch["loss_mask"] != 0
                 for i, layer in enumerate(payload.moe_layers[:MAX_ROUTE_LAYERS]):
                     control = RoutingControl(routes=recorded, current_layers=frozenset({layer}))

@@ -99,6 +99,7 @@ class HFModelConfig:
                 f"model.config says model_type {shown(model_type, 40)} but model.architecture is {self.architecture}"
             )
         expected_hf_shapes(self)  # built on the meta device: a config transformers refuses is named here
+        _check_routers(_meta_layout(self.key)[3])  # top_k beyond the experts, named when the config is read
 
     @property
     def key(self) -> str:
@@ -110,7 +111,8 @@ class HFModelConfig:
 
     @property
     def n_layers(self) -> int:
-        return int(self.config.get("num_hidden_layers", 0))
+        """Decoder layers, as the model is built."""
+        return _meta_layout(self.key)[3].decoder_layers
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
@@ -120,6 +122,11 @@ class HFModelConfig:
     @property
     def top_k(self) -> int:
         return _meta_layout(self.key)[2]
+
+    @property
+    def n_experts(self) -> int:
+        """Routed experts per MoE layer, as the routers are built (0 without MoE layers)."""
+        return _meta_layout(self.key)[3].num_experts
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -273,9 +280,45 @@ def instantiate(spec: HFModelConfig, device: str = "cpu") -> nn.Module:
     return model
 
 
+@dataclass(frozen=True)
+class BuiltSizes:
+    """What the model was built with: its decoder layers and its routers' sizes (the config's own names differ per
+    architecture, and a config may leave them to the config class's defaults)."""
+
+    decoder_layers: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    num_group: int | None = None  # deepseek_v3: experts are chosen within the best `topk_group` of `num_group`
+    topk_group: int | None = None
+
+
+def _check_routers(sizes: BuiltSizes) -> None:
+    """ConfigError for a routing the router cannot run: transformers would fail only at the first forward
+    (after the weights are loaded), inside a rank process."""
+    if sizes.num_experts == 0:
+        return
+    if sizes.top_k > sizes.num_experts:
+        raise ConfigError(
+            f"model.config: num_experts_per_tok (top-k) is {sizes.top_k}, more than the {sizes.num_experts} routed "
+            "experts per layer"
+        )
+    groups, chosen = sizes.num_group, sizes.topk_group
+    if groups is None or chosen is None:
+        return
+    if groups < 1 or sizes.num_experts % groups or sizes.num_experts // groups < 2:
+        raise ConfigError(
+            f"model.config: n_group {groups} must split the {sizes.num_experts} routed experts into groups of at "
+            "least 2"
+        )
+    if not 1 <= chosen <= groups or sizes.top_k > chosen * (sizes.num_experts // groups):
+        raise ConfigError(
+            f"model.config: topk_group {chosen} of n_group {groups} leaves too few experts for top-k {sizes.top_k}"
+        )
+
+
 @functools.lru_cache(maxsize=8)
-def _meta_layout(key: str) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...], int]:
-    """(state shapes, MoE layer ids, top-k) of a spec, from a build on the meta device."""
+def _meta_layout(key: str) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...], int, BuiltSizes]:
+    """(state shapes, MoE layer ids, top-k, router sizes) of a spec, from a build on the meta device."""
     from axrl_spike_replay.models.hf_routing import find_routers
 
     architecture, config, dtype, attn, experts = json.loads(key)
@@ -293,8 +336,21 @@ def _meta_layout(key: str) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...],
     model = instantiate(spec, "meta")
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     routers: dict[int, Any] = dict(find_routers(model, architecture))  # transformers' routers: top_k is an int
-    top_k = next((int(r.top_k) for r in routers.values()), 0)
-    return shapes, tuple(sorted(routers)), top_k
+    first = next(iter(routers.values()), None)
+    decoder: Any = model.model  # transformers' decoder: its layers are an nn.ModuleList
+    layers = len(decoder.layers)
+    sizes = BuiltSizes(decoder_layers=layers)
+    if first is not None:
+        group = getattr(first, "num_group", None)
+        chosen = getattr(first, "topk_group", None)
+        sizes = BuiltSizes(
+            decoder_layers=layers,
+            num_experts=int(first.num_experts),
+            top_k=int(first.top_k),
+            num_group=int(group) if isinstance(group, int) else None,
+            topk_group=int(chosen) if isinstance(chosen, int) else None,
+        )
+    return shapes, tuple(sorted(routers)), sizes.top_k, sizes
 
 
 def expected_hf_shapes(spec: HFModelConfig) -> dict[str, tuple[int, ...]]:

@@ -15,6 +15,7 @@ import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.checkpoint import (
     DCP_METADATA,
@@ -22,6 +23,7 @@ from axrl_spike_replay.snapshot.checkpoint import (
     load_model_state,
     summarize_checkpoint,
 )
+from axrl_spike_replay.snapshot.safe_load import human_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -131,43 +133,95 @@ def _meta_tensors(shapes: dict[str, tuple[tuple[int, ...], str]]) -> dict[str, t
 
 
 MAX_SAFETENSORS_HEADER = 100 << 20
+SAFETENSORS_DTYPES = {"F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2), "F64": ("float64", 8)}
+SAFETENSORS_DTYPES["I64"] = ("int64", 8)
+MAX_SAFETENSORS_DIMS = 16
 
 
 def safetensors_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    """{name: (shape, dtype)} of an HF directory's `*.safetensors`, from their headers; every tensor's bytes are
-    checked to lie inside its file before anything is read."""
-    from axrl_spike_replay.untrusted_json import UntrustedJsonError, parse_untrusted_json
+    """{name: (shape, dtype)} of an HF directory's `*.safetensors`, from their headers, read as untrusted input.
 
-    dtypes = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64"}
+    Every header entry is checked before anything is built or mapped: a shape of non-negative integers whose
+    bytes are exactly its `data_offsets` span, and spans that tile the file's data (no overlap, no hole), as the
+    format requires. Anything else is a SnapshotError naming the file and the tensor.
+    """
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     for path in safetensors_files(directory):
-        size = path.stat().st_size
-        with path.open("rb") as handle:
-            head = handle.read(8)
-            if len(head) < 8:
-                raise SnapshotError(f"{path}: not a safetensors file (no header)")
-            (length,) = struct.unpack("<Q", head)
-            if length > min(MAX_SAFETENSORS_HEADER, size - 8):
-                raise SnapshotError(f"{path}: safetensors header of {length} bytes does not fit the file")
-            try:
-                header = parse_untrusted_json(handle.read(length), max_depth=4)
-            except UntrustedJsonError as exc:
-                raise SnapshotError(f"{path}: safetensors header {exc}") from None
-        if not isinstance(header, dict):
-            raise SnapshotError(f"{path}: safetensors header is not an object")
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                shape = tuple(int(d) for d in info["shape"])
-                begin, end = (int(x) for x in info["data_offsets"])
-                dtype = dtypes[info["dtype"]]
-            except (KeyError, TypeError, ValueError):
-                raise SnapshotError(f"{path}: tensor {name!r} has an unusable header entry") from None
-            if not 0 <= begin <= end <= size - 8 - length:
-                raise SnapshotError(f"{path}: tensor {name!r} lies outside the file")
-            shapes[name] = (shape, dtype)
+        shapes.update(_file_shapes(path))
     return shapes
+
+
+def _file_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    from axrl_spike_replay.untrusted_json import UntrustedJsonError, parse_untrusted_json
+
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise SnapshotError(f"{path}: not a safetensors file (no header)")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(MAX_SAFETENSORS_HEADER, size - 8):
+            raise SnapshotError(f"{path}: safetensors header of {length} bytes does not fit the file")
+        try:
+            header = parse_untrusted_json(handle.read(length), max_depth=4)
+        except UntrustedJsonError as exc:
+            raise SnapshotError(f"{path}: safetensors header {exc}") from None
+    if not isinstance(header, dict):
+        raise SnapshotError(f"{path}: safetensors header is not an object")
+    data = size - 8 - length
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    spans: list[tuple[int, int, str]] = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise SnapshotError(f"{path}: safetensors __metadata__ must map names to strings")
+            continue
+        shape, dtype, begin, end = _entry(path, name, info, data)
+        shapes[name] = (shape, dtype)
+        spans.append((begin, end, name))
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            where = "overlaps the tensor before it" if begin < at else f"leaves bytes {at}-{begin} of the data unused"
+            raise SnapshotError(f"{path}: tensor {shown(name, 120)} at bytes {begin}-{end} {where}")
+        at = end
+    if at != data:
+        raise SnapshotError(
+            f"{path}: its tensors end at byte {at} of its {data} data bytes (a truncated or padded file)"
+        )
+    return shapes
+
+
+def _entry(path: Path, name: str, info: Any, data: int) -> tuple[tuple[int, ...], str, int, int]:
+    """(shape, dtype, begin, end) of one header entry, each checked."""
+    if not isinstance(info, dict):
+        raise SnapshotError(f"{path}: tensor {shown(name, 120)} has an unusable header entry")
+    shape, dtype, offsets = info.get("shape"), info.get("dtype"), info.get("data_offsets")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_SAFETENSORS_DIMS
+        or not all(type(d) is int and d >= 0 for d in shape)
+    ):
+        raise SnapshotError(f"{path}: tensor {shown(name, 120)} has a bad shape {shown(shape, 80)}")
+    if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+        raise SnapshotError(
+            f"{path}: tensor {shown(name, 120)} has dtype {shown(dtype, 40)} (read: {', '.join(SAFETENSORS_DTYPES)})"
+        )
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(x) is int for x in offsets):
+        raise SnapshotError(f"{path}: tensor {shown(name, 120)} has bad data_offsets {shown(offsets, 80)}")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data:
+        raise SnapshotError(f"{path}: tensor {shown(name, 120)} lies outside the file")
+    torch_dtype, itemsize = SAFETENSORS_DTYPES[dtype]
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * itemsize != end - begin:
+        raise SnapshotError(
+            f"{path}: tensor {shown(name, 120)} declares shape {tuple(shape)} of {dtype} "
+            f"({human_bytes(numel * itemsize)}) over {end - begin} bytes of data"
+        )
+    return tuple(shape), torch_dtype, begin, end
 
 
 def safetensors_files(directory: Path) -> list[Path]:
@@ -229,14 +283,17 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
         state = {n: torch.empty(shape, dtype=getattr(torch, dtype)) for n, (shape, dtype) in shapes.items()}
         load_model_state(directory, state)
         return state
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     safetensors_shapes(directory)  # bounds every tensor by its file before safetensors maps it
     state = {}
     for path in safetensors_files(directory):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                state[name] = handle.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    state[name] = handle.get_tensor(name)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # changed since its header was read
+            raise SnapshotError(f"{path}: cannot read its tensors ({shown(str(exc), 200, quote=False)})") from None
     return state
 
 

@@ -111,6 +111,29 @@ def check_policy_weights(directory: Path, spec: ModelSpec, label: str) -> None:
     check_tiny_moe_weights(directory, spec, label)
 
 
+@dataclass(frozen=True)
+class RoutingShape:
+    """What recorded routes must fit to be replayed on a spec's model: experts per layer, top-k, its MoE layers
+    (absolute decoder ids, in order) out of `n_layers`; `absolute_slots`: a payload may also hold one slot per
+    decoder layer (the transformers policy indexes such a payload by absolute layer)."""
+
+    n_experts: int
+    top_k: int
+    moe_layers: tuple[int, ...]
+    n_layers: int
+    absolute_slots: bool
+
+
+def routing_shape(spec: ModelSpec) -> RoutingShape:
+    """The spec's routing, from its config (an HF spec: its routers as built on the meta device, cached; a Megatron
+    spec: the transformers model it replays on)."""
+    if isinstance(spec, MegatronModelConfig):
+        spec = spec.hf
+    if isinstance(spec, HFModelConfig):
+        return RoutingShape(spec.n_experts, spec.top_k, spec.moe_layer_ids, spec.n_layers, absolute_slots=True)
+    return RoutingShape(spec.n_experts, spec.top_k, spec.moe_layer_ids, spec.n_layers, absolute_slots=False)
+
+
 @dataclass
 class PolicyOutput:
     """A forward's per-token log-probs [B, T] (fp32; 0 where nothing is predicted), entropies and router losses."""

@@ -27,7 +27,7 @@ from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config
 from axrl_spike_replay.experiment.result import ATTRIBUTION_FILE, Attribution, SampleContribution
 from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line
 from axrl_spike_replay.experiment.verdict import rel_diff
-from axrl_spike_replay.models.policy import policy_forward
+from axrl_spike_replay.models.policy import policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
@@ -272,7 +272,7 @@ def _attribute(
 ) -> Attribution:
     world_size = inputs.world_size
     model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device)
-    ranks = RankInputs(inputs.replay_dir, range(world_size), device)
+    ranks = RankInputs(inputs.replay_dir, range(world_size), device, routing_shape(inputs.model))
     check_cancel(cancel, "attribution")
     t0 = time.perf_counter()
     passes, router_sum = _gradient_pass(model, ranks, cfg)

@@ -240,11 +240,20 @@ class ReplaySession:
         from axrl_spike_replay.jsonable import to_jsonable
         from axrl_spike_replay.snapshot.consistency import check_replayed_losses, check_snapshot
         from axrl_spike_replay.snapshot.log_point import job_logs, log_point
+        from axrl_spike_replay.snapshot.replayed_param_norms import check_replayed_param_norms
 
         meta = self.inputs.metadata
         point = log_point(self.inputs.replay_dir, meta.iteration, job_logs(self.inputs.snapshot))
         found = check_snapshot(self.inputs.replay_dir, log_grad_norm=point.grad_norm, log_source=point.source)
         check_replayed_losses(found, self.inputs.replay_dir, outcome.rank_metrics)
+        check_replayed_param_norms(
+            found,
+            self.inputs.replay_dir,
+            outcome.param_grad_norms,
+            outcome.rank_param_grad_norms,
+            self.tolerance,
+            f"the replay ({self.plan.fidelity} fidelity, {self.options.device})",
+        )
         return to_jsonable(found)
 
     def failed(self, error: str, verb: str = "replay") -> ReplayResult:

@@ -13,7 +13,8 @@ from axrl_spike_replay.experiment.mitigations import AppliedConfig, check_curren
 from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.megatron_weights import check_saved_layout
-from axrl_spike_replay.models.policy import ModelSpec, check_policy_weights, parse_model_config
+from axrl_spike_replay.models.policy import ModelSpec, check_policy_weights, parse_model_config, routing_shape
+from axrl_spike_replay.replay.route_check import check_route_shapes
 from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_text, ranks_text
 from axrl_spike_replay.snapshot.layout import RUN_CONFIG, batch_file, rank_files
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
@@ -154,9 +155,7 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
     # before any rank process starts, not a failure inside one.
     batches = [load_rank_batch(directory, rank, meta=True) for rank in range(ranks)]
     batch = batches[0]  # _check_ranks found a batch file for each rank
-    routing_ranks = tuple(
-        rank for rank in range(ranks) if load_rank_routes(directory, rank, meta=True, batch=batches[rank]) is not None
-    )
+    routing_ranks = _routing_ranks(directory, model, batches)
     counts = recorded_counts(directory, ranks) if loss.normalization == "global" else None
     return ReplayInputs(
         counts=counts,
@@ -171,6 +170,19 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
         routing_ranks=routing_ranks,
         batch_fields=frozenset(batch),
     )
+
+
+def _routing_ranks(directory: Path, model: ModelSpec, batches: list[dict[str, Any]]) -> tuple[int, ...]:
+    """The ranks with recorded routes, each payload's shape and layers checked against the model and its batch
+    (meta tensors: nothing but the pickles is read)."""
+    shape = routing_shape(model)
+    ranks = []
+    for rank, batch in enumerate(batches):
+        payload = load_rank_routes(directory, rank, meta=True, batch=batch)
+        if payload is not None:
+            check_route_shapes(payload, shape, tuple(batch["tokens"].shape))
+            ranks.append(rank)
+    return tuple(ranks)
 
 
 def recorded_counts(directory: Path, world_size: int) -> GlobalCounts | None:

@@ -34,11 +34,12 @@ from axrl_spike_replay.experiment.step_evidence import (
     TermFigures,
     TermRank,
 )
-from axrl_spike_replay.models.policy import policy_forward
+from axrl_spike_replay.models.policy import policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
+from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
 from axrl_spike_replay.replay.worker import RankInputs, build_model, loss_batch, step_counts
 from axrl_spike_replay.snapshot.rank_data import load_rank_routes
 from axrl_spike_replay.training.policy_loss import policy_loss
@@ -67,7 +68,7 @@ def step_evidence(
         torch.set_num_threads(1)
         try:
             model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device)
-            ranks = RankInputs(inputs.replay_dir, range(inputs.world_size), device)
+            ranks = RankInputs(inputs.replay_dir, range(inputs.world_size), device, routing_shape(inputs.model))
             signals = signal_check(model, ranks, inputs, cfg, cancel)
             check_cancel(cancel, "diagnosis")
             terms = loss_channel(model, ranks, inputs, cfg, cancel) if channel else None
@@ -119,15 +120,16 @@ def _rank_pairs(
 
 
 def _rank_routes(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], replay_dir: str, rank: int
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], ranks: RankInputs, rank: int
 ) -> list[LayerRoutes]:
-    """Per MoE layer: the model's own routing there (recorded routes elsewhere) against the recorded routes."""
-    payload = load_rank_routes(replay_dir, rank, batch=batch)
+    """Per MoE layer: the model's own routing there (recorded routes elsewhere) against the recorded routes, which
+    are held to the model first (replayed in the other layers, an id past its experts would fail inside a kernel)."""
+    payload = load_rank_routes(ranks.replay_dir, rank, batch=batch)
     if payload is None:
         return []
+    check_route_shapes(payload, ranks.shape, tuple(batch["tokens"].shape))
+    check_route_values(payload, ranks.shape)
     recorded = payload.routed_experts.long().to(batch["tokens"].device)
-    if tuple(recorded.shape[:2]) != tuple(batch["tokens"].shape):
-        return []
     loss = batch["loss_mask"] > 0
     attended = batch["attention_mask"] > 0 if "attention_mask" in batch else torch.ones_like(loss)
     out = []
@@ -166,7 +168,7 @@ def signal_check(
             own = policy_forward(model, batch, RoutingControl(), need_entropy=False).logprobs if replays else None
             signals = RankSignals(rank=rank, pairs=_rank_pairs(batch, current, own), samples=int(current.shape[0]))
             if rank in inputs.routing_ranks:
-                signals.routes = _rank_routes(model, batch, inputs.replay_dir, rank)
+                signals.routes = _rank_routes(model, batch, ranks, rank)
             result.ranks.append(signals)
     return result
 

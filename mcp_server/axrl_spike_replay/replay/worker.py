@@ -20,15 +20,23 @@ from torch import nn
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
 from axrl_spike_replay.experiment.recompute import Recompute
-from axrl_spike_replay.models.policy import ModelSpec, build_policy, load_policy_weights, policy_forward
+from axrl_spike_replay.models.policy import (
+    ModelSpec,
+    RoutingShape,
+    build_policy,
+    load_policy_weights,
+    policy_forward,
+    routing_shape,
+)
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.clean_gradient import SpikeBar, not_reached_reason, smallest_count, token_order
 from axrl_spike_replay.replay.outcome_figures import RankTrace, cosine, footprint_counts, grads_of, merge_footprint
+from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts, all_reduce_counts
 from axrl_spike_replay.training.policy_loss import local_counts, policy_loss
-from axrl_spike_replay.training.rank_step import global_grad_norm, param_grad_norms, reduce_gradients
+from axrl_spike_replay.training.rank_step import global_grad_norm, gradient_norms, param_grad_norms, reduce_gradients
 from axrl_spike_replay.training.routing_replay import routing_control
 from axrl_spike_replay.training.sample_masks import SampleFilter, TokenDrop, filtered_batch
 
@@ -61,6 +69,14 @@ class ConfigOutcome:
     footprint: dict[str, Any] | None = None  # mitigated configs: loss tokens / samples masked or changed
     cosine_to_clean: float | None = None  # mitigated configs: cosine of the gradient with the clean gradient
     clean_gradient: dict[str, Any] | None = None  # how the clean gradient was made (the same for every config)
+    # the baseline: its per-parameter norms, of the reduced gradient and of each saved rank's own gradient (what the
+    # recorded ones are checked against; kept off the result file)
+    param_grad_norms: dict[str, float] | None = None
+    rank_param_grad_norms: dict[int, dict[str, float]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank_param_grad_norms:  # read back from JSON (spawned processes): ranks are keys again
+            self.rank_param_grad_norms = {int(rank): norms for rank, norms in self.rank_param_grad_norms.items()}
 
 
 @dataclass
@@ -115,11 +131,13 @@ def _gather(obj: Any) -> list[Any]:
 
 
 class RankInputs:
-    """A process's saved ranks: batches on the device, routing payloads read on first use."""
+    """A process's saved ranks: batches on the device, routing payloads read on first use and held to the
+    model's routing (`shape`) before they reach the device."""
 
-    def __init__(self, replay_dir: str, ranks: Sequence[int], device: str) -> None:
+    def __init__(self, replay_dir: str, ranks: Sequence[int], device: str, shape: RoutingShape) -> None:
         self.replay_dir = replay_dir
         self.device = device
+        self.shape = shape
         self.batches = {r: _to_device(load_rank_batch(replay_dir, r), device) for r in ranks}
         self._routes: dict[int, torch.Tensor] = {}
 
@@ -128,6 +146,8 @@ class RankInputs:
             payload = load_rank_routes(self.replay_dir, rank, batch=self.batches[rank])
             if payload is None:  # load_inputs checked every rank a config replays routes of has some
                 raise SnapshotError(f"{self.replay_dir}: rank {rank} has no recorded routes")
+            check_route_shapes(payload, self.shape, tuple(self.batches[rank]["tokens"].shape))
+            check_route_values(payload, self.shape)
             self._routes[rank] = payload.routed_experts.to(self.device)
         return self._routes[rank]
 
@@ -187,12 +207,15 @@ def forward_group(
     group: Sequence[AppliedConfig],
     figures: _Figures | None = None,
     counts: Mapping[str, GlobalCounts | None] | None = None,
+    local_norms: dict[int, dict[str, float]] | None = None,
 ) -> tuple[dict[str, list[torch.Tensor | None]], dict[str, list[dict[str, Any]]]]:
     """Local (unreduced) gradients per config of a group, summed over this process's saved ranks.
 
     With `figures`, the baseline's traces and dLoss/dlogprobs are kept there, and every mitigated config's
-    footprint against them lands in its rank metrics (`_footprint`)."""
+    footprint against them lands in its rank metrics (`_footprint`). With `local_norms`, each saved rank's
+    per-parameter norms of its own baseline gradient (before the sum) land there."""
     counts = counts or {}
+    names = [name for name, _ in model.named_parameters()]
     params = list(model.parameters())
     grads: dict[str, list[torch.Tensor | None]] = {cfg.config_id: [None] * len(params) for cfg in group}
     metrics: dict[str, list[dict[str, Any]]] = {cfg.config_id: [] for cfg in group}
@@ -222,6 +245,8 @@ def forward_group(
                     local = local[:-1]
                 elif cfg.mitigations and rank in figures.traces:
                     extra["_footprint"] = footprint_counts(figures.traces[rank], trace)
+            if local_norms is not None and cfg.config_id == "baseline" and not cfg.mitigations:
+                local_norms[rank] = gradient_norms(zip(names, local[: len(names)], strict=True))
             buffers = grads[cfg.config_id]
             for j, g in enumerate(local):
                 if g is None:
@@ -243,9 +268,9 @@ def reduce_and_measure(
     world_size: int,
     top: int,
     after: Callable[[nn.Module], None] | None = None,
-) -> tuple[float, list[dict[str, Any]]]:
-    """Put a config's local gradients in `.grad`, reduce them as the trainer does, and measure (`after` sees the
-    reduced gradients before they are cleared)."""
+) -> tuple[float, list[dict[str, Any]], dict[str, float]]:
+    """Put a config's local gradients in `.grad`, reduce them as the trainer does, and measure: (global norm, the
+    `top` parameters' norms, every parameter's norm); `after` sees the reduced gradients before they are cleared."""
     for p, g in zip(model.parameters(), grads, strict=True):
         p.grad = g
     reduce_gradients(model, world_size)
@@ -255,7 +280,7 @@ def reduce_and_measure(
     if after is not None:
         after(model)
     model.zero_grad(set_to_none=True)
-    return norm, top_params
+    return norm, top_params, norms
 
 
 def _probe(
@@ -272,7 +297,7 @@ def _probe(
     counts = {"clean": step_counts(inputs, cfg, baseline.loss, job.counts, job.world_size)}
     grads, _ = forward_group(model, inputs, [cfg], counts=counts)
     kept = _Kept()
-    norm, _ = reduce_and_measure(model, grads["clean"], job.world_size, 0, kept)
+    norm, _, _ = reduce_and_measure(model, grads["clean"], job.world_size, 0, kept)
     return norm, kept.grads
 
 
@@ -394,7 +419,7 @@ def compute(
     """
     say = progress or (lambda line: None)
     start = time.perf_counter()
-    inputs = RankInputs(job.replay_dir, job.assignment[process], job.device)
+    inputs = RankInputs(job.replay_dir, job.assignment[process], job.device, routing_shape(job.model))
     outcomes = {cfg.config_id: ConfigOutcome(cfg.config_id) for cfg in job.configs}
     load_s = time.perf_counter() - start
     say(f"process {process}: loaded {len(inputs.batches)} rank batch(es) in {load_s:.2f} s")
@@ -413,12 +438,16 @@ def compute(
         t1 = time.perf_counter()
         for rep in range(job.repeat):
             traced = figures if rep == 0 else None
-            grads, metrics = forward_group(model, inputs, group, traced, counts)
+            local_norms: dict[int, dict[str, float]] = {}
+            grads, metrics = forward_group(model, inputs, group, traced, counts, local_norms if rep == 0 else None)
             for cfg in group:
                 check_cancel(cancel, "replay")
                 outcome = outcomes[cfg.config_id]
                 kept = _Kept() if traced is not None and (cfg is baseline or cfg.mitigations) else None
-                norm, top_params = reduce_and_measure(model, grads[cfg.config_id], job.world_size, job.top, kept)
+                norm, top_params, norms = reduce_and_measure(model, grads[cfg.config_id], job.world_size, job.top, kept)
+                if rep == 0 and cfg.config_id == "baseline" and not cfg.mitigations:  # a collective: every process
+                    outcome.param_grad_norms = norms
+                    outcome.rank_param_grad_norms = {r: n for part in _gather(local_norms) for r, n in part.items()}
                 if kept is not None and cfg is baseline:
                     assert traced is not None
                     t2 = time.perf_counter()

@@ -9,17 +9,21 @@ allocates anything. Tensor data (`*.distcp`) is read by DCP with `weights_only=T
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import io
 import pickle
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError, UnsafeFileError
+from axrl_spike_replay.snapshot.checkpoint_entries import entry_problems, torch_reason, unreadable_entry
+from axrl_spike_replay.snapshot.checkpoint_tiling import tiling_problem
 from axrl_spike_replay.snapshot.layout import DCP_METADATA
 from axrl_spike_replay.snapshot.safe_load import human_bytes
 
@@ -142,21 +146,33 @@ def _read_metadata(path: Path, records: bool) -> Any:
             data = handle.read(MAX_DCP_METADATA_BYTES + 1)
     except OSError as exc:
         raise SnapshotError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    with _no_collection():
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data), records).load()
+        except UnsafeFileError as exc:
+            raise UnsafeFileError(f"{path}: refused to load: {exc}; nothing in it was run") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError) as exc:
+            raise SnapshotError(f"{path}: truncated or corrupt checkpoint metadata ({shown(str(exc), 200)})") from None
+        except (MemoryError, RecursionError, OverflowError) as exc:
+            raise SnapshotError(
+                f"{path}: checkpoint metadata too large or deep to read ({type(exc).__name__})"
+            ) from None
+        _check_structure(metadata, path)
+    return metadata
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """The garbage collector off while a pass makes an object or two per checkpoint entry (a `.metadata` may name
+    hundreds of thousands): each collection it triggers would walk torch's whole heap, several times the pass's own
+    work. Nothing made here holds a reference cycle."""
     collecting = gc.isenabled()
-    gc.disable()  # unpickling creates thousands of small objects: each young-generation pass then walks torch's heap
+    gc.disable()
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data), records).load()
-    except UnsafeFileError as exc:
-        raise UnsafeFileError(f"{path}: refused to load: {exc}; nothing in it was run") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError) as exc:
-        raise SnapshotError(f"{path}: truncated or corrupt checkpoint metadata ({shown(str(exc), 200)})") from None
-    except (MemoryError, RecursionError, OverflowError) as exc:
-        raise SnapshotError(f"{path}: checkpoint metadata too large or deep to read ({type(exc).__name__})") from None
+        yield
     finally:
         if collecting:
             gc.enable()
-    _check_structure(metadata, path)
-    return metadata
 
 
 def _check_structure(metadata: Any, path: Path) -> None:
@@ -250,16 +266,44 @@ def summarize_checkpoint(checkpoint_dir: str | Path) -> CheckpointSummary:
 def check_checkpoint_storage(checkpoint_dir: str | Path) -> list[str]:
     """What the checkpoint's `.metadata` declares beyond its data files: empty when every size is backed.
 
-    Each storage entry must lie inside its `.distcp` file, and each tensor's declared bytes (its chunks'
-    elements x element size) must fit in the storage entries recorded for it. Missing data files are
-    left to the caller (they are reported as missing); nothing is allocated or read but file sizes.
+    Each storage entry must lie inside its `.distcp` file, and each tensor entry there must be a torch archive
+    whose records are stored, not deflated (`checkpoint_entries`); each tensor's chunks must tile it exactly
+    (`checkpoint_tiling`), each with its storage entry, and its bytes must fit in the storage entries recorded
+    for it. Missing data files are left to the caller (they are reported as missing); nothing is allocated or
+    read but file sizes and the entries' zip directories.
     """
     directory = Path(checkpoint_dir)
+    metadata = read_checkpoint_metadata(directory, records=True)
+    # inspect, the weights check and the load each ask: the same files (same inodes, sizes, times) give the same
+    # answer, so the entries' directories are read once
+    files = sorted({info.relative_path for info in metadata.storage_data.values()})
+    identity = tuple((name, *_identity(directory / name)) for name in [DCP_METADATA, *files])
+    return list(_storage_problems(str(directory), identity))
+
+
+def _identity(path: Path) -> tuple[int, ...]:
+    try:
+        stat = path.lstat()
+    except OSError:
+        return ()
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+
+
+@functools.lru_cache(maxsize=8)
+def _storage_problems(name: str, _identity: tuple[Any, ...]) -> tuple[str, ...]:
+    with _no_collection():
+        return _storage_problems_of(Path(name))
+
+
+def _storage_problems_of(directory: Path) -> tuple[str, ...]:
     path = directory / DCP_METADATA
     metadata = read_checkpoint_metadata(directory, records=True)
     problems: list[str] = []
     file_sizes: dict[str, int | None] = {}
     stored: dict[str, int] = {}
+    entries: set[tuple[str, tuple[int, ...]]] = set()
+    readable: list[tuple[str, Any]] = []  # tensor entries inside their files, for the archive check
+    tensors = {name for name, item in metadata.state_dict_metadata.items() if _is_tensor(item)}
     for index, info in metadata.storage_data.items():
         name = info.relative_path
         if name not in file_sizes:
@@ -271,24 +315,50 @@ def check_checkpoint_storage(checkpoint_dir: str | Path) -> list[str]:
                 f"{path}: {shown(index.fqn, 120)} is declared at bytes {info.offset}-{info.offset + info.length} "
                 f"of {directory / name}, which holds {have}"
             )
+        elif have is not None and index.fqn in tensors:
+            readable.append((index.fqn, info))
         stored[index.fqn] = stored.get(index.fqn, 0) + info.length
+        entries.add((index.fqn, _offsets(getattr(index, "offset", None))))
     for name, item in metadata.state_dict_metadata.items():
-        if type(item).__name__ != "TensorStorageMetadata":
+        if not _is_tensor(item):
             continue
-        itemsize = _dtype(item, path, name).itemsize
-        declared = sum(_numel(tuple(chunk.sizes)) for chunk in item.chunks) * itemsize
-        whole = _numel(tuple(item.size)) * itemsize
-        if declared < whole:
-            declared = whole  # chunks that do not cover the tensor still make DCP allocate all of it
-        if declared > stored.get(name, 0):
-            problems.append(
-                f"{path}: tensor {shown(name, 120)} declares shape {tuple(item.size)} ({human_bytes(declared)}) but "
-                f"its data files hold {human_bytes(stored.get(name, 0))} for it"
-            )
+        problem = _tensor_problem(path, name, item, stored.get(name, 0), entries)
+        if problem:
+            problems.append(problem)
         if len(problems) >= 20:
             problems.append(f"{path}: more size problems not listed")
-            break
-    return problems
+            return tuple(problems)
+    return tuple(problems + entry_problems(directory, readable, limit=20 - len(problems)))
+
+
+def _is_tensor(item: Any) -> bool:
+    return type(item).__name__ == "TensorStorageMetadata"
+
+
+def _offsets(value: Any) -> tuple[int, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else ()
+
+
+def _tensor_problem(
+    path: Path, name: str, item: Any, stored: int, entries: set[tuple[str, tuple[int, ...]]]
+) -> str | None:
+    """Why one tensor's chunks or declared bytes are refused, or None."""
+    shape = tuple(item.size)
+    chunks = [(tuple(chunk.offsets), tuple(chunk.sizes)) for chunk in item.chunks]
+    tiling = tiling_problem(shape, chunks)
+    if tiling:
+        return f"{path}: tensor {shown(name, 120)} of shape {shape} {tiling}; refused (it would load partly)"
+    unstored = next((offsets for offsets, _ in chunks if (name, offsets) not in entries), None)
+    if unstored is not None:
+        return f"{path}: tensor {shown(name, 120)} has a chunk at offsets {unstored} with no storage entry"
+    itemsize = _dtype(item, path, name).itemsize
+    declared = _numel(shape) * itemsize  # the chunks tile the tensor: their bytes are the tensor's
+    if declared > stored:
+        return (
+            f"{path}: tensor {shown(name, 120)} declares shape {shape} ({human_bytes(declared)}) but "
+            f"its data files hold {human_bytes(stored)} for it"
+        )
+    return None
 
 
 def safe_reader(checkpoint_dir: Path) -> Any:
@@ -317,11 +387,19 @@ def load_model_state(checkpoint_dir: str | Path, state_dict: dict[str, torch.Ten
     oversized = check_checkpoint_storage(directory)
     if oversized:
         raise SnapshotError(oversized[0])
-    available = set(read_checkpoint_metadata(directory).state_dict_metadata)
+    available = read_checkpoint_metadata(directory, records=True).state_dict_metadata
     missing = [name for name in state_dict if f"{prefix}{name}" not in available]
     if missing:
-        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise SnapshotError(f"{directory}: checkpoint lacks {len(missing)} model tensors ({shown})")
+        listed = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise SnapshotError(f"{directory}: checkpoint lacks {len(missing)} model tensors ({listed})")
+    # DCP reads an entry declared as bytes with `torch.load(weights_only=False)`: a model tensor saved as bytes
+    # would run whatever its pickle says, so it is refused here, before DCP sees the name
+    not_tensors = [name for name in state_dict if not _is_tensor(available[f"{prefix}{name}"])]
+    if not_tensors:
+        raise SnapshotError(
+            f"{directory / DCP_METADATA}: {shown(prefix + not_tensors[0], 120)} is saved as bytes, not a tensor; "
+            "refused (DCP would unpickle it without restrictions)"
+        )
     wrapped = {f"{prefix}{name}": tensor for name, tensor in state_dict.items()}
     try:
         with warnings.catch_warnings():
@@ -330,8 +408,16 @@ def load_model_state(checkpoint_dir: str | Path, state_dict: dict[str, torch.Ten
     except SnapshotError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP raises CheckpointException, a BaseException
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
-        reason = lines[-1] if isinstance(exc, CheckpointException) else lines[0]  # the underlying error comes last
+        metadata = read_checkpoint_metadata(directory, records=True)
+        read = [(index.fqn, info) for index, info in metadata.storage_data.items() if index.fqn in wrapped]
+        culprit = unreadable_entry(directory, read)  # DCP's error does not say which entry it could not read
+        if culprit:
+            raise SnapshotError(culprit) from None
+        text = str(exc)
+        if isinstance(exc, CheckpointException) and "WeightsUnpickler error:" not in text:
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            text = lines[-1] if lines else type(exc).__name__  # the underlying error comes last
+        reason = shown(torch_reason(RuntimeError(text)), 300, quote=False)
         raise SnapshotError(f"{directory}: cannot load checkpoint tensors ({reason})") from None
     for name, tensor in wrapped.items():
         state_dict[name.removeprefix(prefix)] = tensor

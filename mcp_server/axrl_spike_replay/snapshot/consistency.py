@@ -173,14 +173,18 @@ def _check_param_norms(
     )
 
 
-def _check_run_config(directory: Path, meta: AxrlMetadata, out: Consistency) -> None:
+NOT_READ: Any = object()  # `check_snapshot(run_config=...)`: the caller has not read the run config
+
+
+def _check_run_config(directory: Path, meta: AxrlMetadata, out: Consistency, doc: Any = NOT_READ) -> None:
     path = directory / RUN_CONFIG
-    if not path.is_file():
-        return
-    try:
-        doc = read_untrusted_yaml(path)
-    except AxrlError:
-        return  # inspect and replay report an unreadable run config themselves
+    if doc is NOT_READ:
+        if not path.is_file():
+            return
+        try:
+            doc = read_untrusted_yaml(path)
+        except AxrlError:
+            return  # inspect and replay report an unreadable run config themselves
     parallel = doc.get("parallel") if isinstance(doc, dict) else None
     if not isinstance(parallel, dict):
         return
@@ -226,11 +230,13 @@ def check_snapshot(
     grad_infos: dict[int, dict[str, Any]] | None = None,
     meta: AxrlMetadata | None = None,
     files: dict[str, dict[int, Path]] | None = None,
+    run_config: Any = NOT_READ,
 ) -> Consistency:
     """Check a snapshot against itself and, when `log_grad_norm` is given, the training log's value at its
     iteration. Reads the metadata, run config and grad info only; what the caller has read already in this call
     is not read again (`grad_infos`: ranks' grad info, by `load_grad_info`; `meta`: the snapshot's metadata, by
-    `read_metadata`; `files`: its rank files, by `rank_files`)."""
+    `read_metadata`; `files`: its rank files, by `rank_files`; `run_config`: its run config as read, None when it
+    is missing or unreadable)."""
     directory = Path(snapshot_dir)
     if meta is None:
         meta, _ = read_metadata(directory)
@@ -249,7 +255,7 @@ def check_snapshot(
                 )
             )
     _check_files(meta, out, files)
-    _check_run_config(directory, meta, out)
+    _check_run_config(directory, meta, out, run_config)
     _check_param_norms(directory, meta, out, grad_infos, files)
     if log_grad_norm is not None:
         check_log(out, meta.grad_norm, log_grad_norm, log_source, meta.iteration)

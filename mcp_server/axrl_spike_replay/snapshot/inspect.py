@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.errors import SnapshotError
+from axrl_spike_replay.errors import AxrlError, SnapshotError
 from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, summarize_checkpoint
 from axrl_spike_replay.snapshot.completeness import checkpoint_data_files, missing_ranks, rank_ranges_text, ranks_text
 from axrl_spike_replay.snapshot.consistency import Consistency, check_snapshot
@@ -38,6 +38,7 @@ from axrl_spike_replay.snapshot.megatron_checkpoint import (
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_grad_info, load_grad_norm, load_routing_payload
 from axrl_spike_replay.snapshot.safe_load import load_pt
+from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
 
 @dataclass
@@ -164,6 +165,19 @@ def _collect(problems: list[str], step: Callable[..., None], *args: Any) -> None
         problems.append(str(exc))
 
 
+def _read_run_config(path: Path, problems: list[str]) -> Any:
+    """The run config as read (None when unreadable: the reason is a problem). It must read as YAML we accept (no
+    aliases, bounded) and be a mapping of sections; what the sections hold is the replay's to check."""
+    try:
+        doc = read_untrusted_yaml(path, "run config")
+    except AxrlError as exc:
+        problems.append(str(exc))
+        return None
+    if not isinstance(doc, dict):
+        problems.append(f"run config {path}: expected a mapping of sections, got {type(doc).__name__}")
+    return doc
+
+
 def _check_rank_sets(directory: Path, files: dict[str, dict[int, Path]], world_size: int, problems: list[str]) -> None:
     """Rank files against the declared world size; work and messages grow with the files, not the world size."""
     for kind in ("batch", "grad_info"):
@@ -218,8 +232,11 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
         problems.append(
             f"spike_ratio {meta.spike_ratio:.6g} != grad_norm / median_norm = {meta.grad_norm / meta.median_norm:.6g}"
         )
+    run_config = None
     if not (directory / RUN_CONFIG).is_file():
         problems.append(f"{directory / RUN_CONFIG}: missing (replay needs the run's config)")
+    else:
+        run_config = _read_run_config(directory / RUN_CONFIG, problems)
     files = rank_files(directory)
     _check_rank_sets(directory, files, par.data_ranks, problems)
 
@@ -245,7 +262,7 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
             )
         ranks.append(info)
 
-    consistency = _consistency(directory, meta, files, problems, infos)
+    consistency = _consistency(directory, meta, files, problems, infos, run_config)
     model = _check_model(directory, problems)
     return SnapshotInspection(
         path=str(directory),
@@ -306,9 +323,11 @@ def _consistency(
     files: dict[str, dict[int, Path]],
     problems: list[str],
     infos: dict[int, dict[str, Any]],
+    run_config: Any,
 ) -> Consistency | None:
     """Consistency checks against the per-parameter norms, the run config and the job's log (when found next to
-    the snapshot and small enough to read here). The metadata, rank files and grad info are this call's."""
+    the snapshot and small enough to read here). The metadata, rank files, grad info and run config are this
+    call's."""
     try:
         point = log_point(directory, meta.iteration)
         found = check_snapshot(
@@ -318,6 +337,7 @@ def _consistency(
             grad_infos=infos,
             meta=meta,
             files=files,
+            run_config=run_config,
         )
     except SnapshotError:
         return None  # the files' own problems are listed already

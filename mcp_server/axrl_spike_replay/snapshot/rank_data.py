@@ -126,6 +126,8 @@ class RoutingPayload:
     moe_layers: list[int]
     source: str
     format: str = "axrl"  # or MEGATRON_ROUTES_FORMAT: Megatron's router-replay lists, read as routes [B, T, L, K]
+    file: Path | None = None  # the file the routes were read from (a routing payload, or a verl batch)
+    layers_listed: bool = True  # False: the file names no layers (`moe_layers` is then 0..L-1, the slots in order)
 
 
 MAX_LAYER_ID = 1 << 16  # a global layer id; real models have at most a few hundred layers
@@ -150,6 +152,7 @@ def load_routing_payload(snapshot_dir: str | Path, rank: int, *, meta: bool = Fa
     ):
         shape = tuple(routes.shape) if isinstance(routes, torch.Tensor) else type(routes).__name__
         raise SnapshotError(f"{path}: 'routed_experts' must be an int tensor [B, T, L, K], got {shape}")
+    listed = doc.get("moe_layers") is not None
     layers = _layers(doc, path, routes.shape[2])
     if len(layers) != routes.shape[2]:
         raise SnapshotError(f"{path}: 'moe_layers' lists {len(layers)} layers but routed_experts has {routes.shape[2]}")
@@ -159,7 +162,12 @@ def load_routing_payload(snapshot_dir: str | Path, rank: int, *, meta: bool = Fa
     if not isinstance(source, str) or len(source) > 64:
         raise SnapshotError(f"{path}: 'source' must be a short string ('rollout' or 'train'), got {shown(source, 60)}")
     return RoutingPayload(
-        routed_experts=routes, moe_layers=layers, source=source, format=MEGATRON_ROUTES_FORMAT if megatron else "axrl"
+        routed_experts=routes,
+        moe_layers=layers,
+        source=source,
+        format=MEGATRON_ROUTES_FORMAT if megatron else "axrl",
+        file=path,
+        layers_listed=listed,
     )
 
 
@@ -200,4 +208,10 @@ def load_rank_routes(
             f"{Path(snapshot_dir) / batch_file(rank)}: 'routed_experts' has shape {tuple(routes.shape)}, "
             f"expected [{tokens.shape[0]}, {tokens.shape[1]}, layers, top_k] like the tokens"
         )
-    return RoutingPayload(routed_experts=routes, moe_layers=list(range(routes.shape[2])), source="rollout")
+    return RoutingPayload(
+        routed_experts=routes,
+        moe_layers=list(range(routes.shape[2])),
+        source="rollout",
+        file=Path(snapshot_dir) / batch_file(rank),
+        layers_listed=False,
+    )

@@ -12,6 +12,7 @@ format cannot be memory-mapped and may declare any storage size: they are refuse
 from __future__ import annotations
 
 import pickle
+import struct
 import zipfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -43,37 +44,42 @@ def _check_archive(file: Path, size: int) -> None:
     """SnapshotError unless `file` is a torch zip archive whose records are stored, bounded and inside it."""
     try:
         with zipfile.ZipFile(file) as archive:  # one read of the end records and the central directory
-            records = archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
-        _refuse_unreadable_archive(file, exc)
-    problem = _record_problem(
-        file,
-        size,
-        [(i.filename, i.compress_type, i.compress_size, i.file_size, i.header_offset) for i in records],
-    )
+            problem = archive_problem(archive, str(file), size)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, struct.error) as exc:
+        _refuse_unreadable_archive(file, exc)  # NotImplementedError: a zip version or feature zipfile lacks
     if problem:
         raise SnapshotError(problem)
 
 
-def _record_problem(file: Path, size: int, records: list[tuple[str, int, int, int, int]]) -> str | None:
-    """Why the records are refused (the first reason), or None."""
+def archive_problem(archive: zipfile.ZipFile, label: str, size: int) -> str | None:
+    """Why an open torch archive of `size` bytes is refused (the first reason, worded with `label`), or None.
+
+    The rule for every torch archive we read, a `.pt` file or an entry of a `.distcp` file: at most
+    MAX_PT_RECORDS records, each stored uncompressed and inside the archive, and a pickle of at most
+    MAX_PT_PICKLE_BYTES. Torch inflates a deflated record whole before it checks the record's size, so a
+    few MB could commit GBs; a stored record's size is bounded by the bytes on disk.
+    """
+    records = archive.infolist()
     if len(records) > MAX_PT_RECORDS:
-        return f"{file}: {len(records)} archive records, more than the {MAX_PT_RECORDS} limit"
-    for name, compress_type, compressed, plain, offset in records:
-        if compress_type != zipfile.ZIP_STORED:
+        return f"{label}: {len(records)} archive records, more than the {MAX_PT_RECORDS} limit"
+    deflated = [record for record in records if record.compress_type != zipfile.ZIP_STORED]
+    if deflated:
+        largest = max(deflated, key=lambda record: record.file_size)  # the record that would cost the most
+        return (
+            f"{label}: record {shown(largest.filename, 120)} is compressed ({largest.file_size} bytes from "
+            f"{largest.compress_size}); torch stores records uncompressed, so it is refused rather than expanded"
+        )
+    for record in records:
+        name, plain, compressed = record.filename, record.file_size, record.compress_size
+        if plain != compressed or record.header_offset + plain > size:
             return (
-                f"{file}: record {shown(name, 120)} is compressed ({plain} bytes from {compressed}); "
-                "torch stores records uncompressed, so it is refused rather than expanded"
-            )
-        if plain != compressed or offset + plain > size:
-            return (
-                f"{file}: record {shown(name, 120)} declares {human_bytes(plain)}, beyond the file's "
+                f"{label}: record {shown(name, 120)} declares {human_bytes(plain)}, beyond the file's "
                 f"{human_bytes(size)}"
             )
         is_pickle = name.endswith("/data.pkl") or name == "data.pkl"
         if is_pickle and plain > MAX_PT_PICKLE_BYTES:
             return (
-                f"{file}: its pickle is {human_bytes(plain)}, more than the "
+                f"{label}: its pickle is {human_bytes(plain)}, more than the "
                 f"{human_bytes(MAX_PT_PICKLE_BYTES)} limit (rank files hold tensors and small dicts)"
             )
     return None

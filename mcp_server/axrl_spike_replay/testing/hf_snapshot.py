@@ -178,10 +178,6 @@ def record_hf_snapshot(root: Path, architecture: str = "qwen3_moe", world_size: 
 
 def save_dcp(directory: Path, state: dict[str, torch.Tensor]) -> None:
     """A DCP checkpoint of `state` under `model.`, as the snapshot writer saves model weights."""
-    import warnings
+    from axrl_spike_replay.capture.checkpoint_writer import save_model_checkpoint
 
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp_save({f"model.{k}": v.detach().cpu() for k, v in state.items()}, checkpoint_id=str(directory), no_dist=True)
+    save_model_checkpoint({f"model.{k}": v.detach().cpu() for k, v in state.items()}, directory)

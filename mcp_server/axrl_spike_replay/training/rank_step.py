@@ -7,6 +7,7 @@ training computed.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -41,10 +42,12 @@ def rank_forward_backward(
 
 def param_grad_norms(model: nn.Module) -> dict[str, float]:
     """L2 norm of each parameter's current gradient (0 where it has none)."""
-    return {
-        name: (float(p.grad.detach().float().norm()) if p.grad is not None else 0.0)
-        for name, p in model.named_parameters()
-    }
+    return gradient_norms((name, p.grad) for name, p in model.named_parameters())
+
+
+def gradient_norms(named: Iterable[tuple[str, torch.Tensor | None]]) -> dict[str, float]:
+    """{name: L2 norm} of named gradients (0 for None), computed as the trainer records its per-parameter norms."""
+    return {name: (float(g.detach().float().norm()) if g is not None else 0.0) for name, g in named}
 
 
 def reduce_gradients(model: nn.Module, world_size: int) -> None:
