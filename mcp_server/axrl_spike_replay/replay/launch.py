@@ -81,15 +81,16 @@ def run_job(
 ) -> list[ConfigOutcome]:
     """Outcomes of `job` (one per config, process 0's view after the reduction).
 
-    One process in slot 0 runs here, in the calling process (no spawn); `models` and `progress` apply to it
-    (see `worker.compute`). Otherwise processes are spawned for this job and stopped after it; slot `s`
-    (a sweep running configs in parallel) computes on devices `s * nproc ...`.
+    One process in slot 0 runs here, in the calling process (no spawn), unless it shards (FSDP needs a process
+    group, even of one); `models` and `progress` apply to it (see `worker.compute`). Otherwise processes are
+    spawned for this job and stopped after it; slot `s` (a sweep running configs in parallel) computes on devices
+    `s * nproc ...`.
     """
     import torch
 
     nproc = len(job.assignment)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    if nproc == 1 and slot == 0 and not _dist_initialized():
+    if nproc == 1 and slot == 0 and not job.shard and not _dist_initialized():
         threads = torch.get_num_threads()
         deterministic = torch.are_deterministic_algorithms_enabled()
         torch.set_num_threads(1)
