@@ -7,7 +7,12 @@ own fresh Python process (limited to --limit-gib of address space, so an unbound
 instead of swapping a shared machine) and reports its wall time and peak RSS (VmHWM). Target: the
 hostile snapshot costs at most 1.5x the honest one in peak memory.
 
+Then the worst case of each hostile class on the other surfaces, beside the honest case of the same size
+(`hostile_surfaces.py`): a 100 MB output line without a newline from the command backend's job, a 64 MiB
+warm-service frame, a logs dir of 16k files. Same target for each: at most 1.5x the honest case's peak memory.
+
     .venv/bin/python benchmarks/bench_hostile.py [--bomb-gib 3] [--package DIR] [--dir DIR]
+        [--surfaces line,frame,logs|none] [--line-mb 100] [--frame-mib 64] [--log-files 16000]
 
 `--package DIR` runs the children against another checkout's `mcp_server` (e.g. to measure before a fix).
 """
@@ -34,6 +39,7 @@ from hostile_snapshot import (  # noqa: E402
     write_compressed_tensor_file,
     write_lying_tensor_file,
 )
+from hostile_surfaces import logs_dir_rows, output_line_rows, print_rows, warm_frame_rows  # noqa: E402
 
 GIB = 1 << 30
 
@@ -87,6 +93,11 @@ def main() -> int:
     parser.add_argument("--limit-gib", type=float, default=8.0, help="address-space limit of each child")
     parser.add_argument("--package", default=str(REPO / "mcp_server"), help="the mcp_server dir to measure")
     parser.add_argument("--dir", default=None, help="where to write the snapshots (default: a temp dir)")
+    parser.add_argument("--surfaces", default="line,frame,logs", help="other hostile classes to measure, or none")
+    parser.add_argument("--line-mb", type=int, default=100, help="the output line without a newline, in MB")
+    parser.add_argument("--frame-mib", type=int, default=64, help="the warm-service frame without a newline, in MiB")
+    parser.add_argument("--log-files", type=int, default=16000, help="files in the hostile logs dir")
+    parser.add_argument("--surface-timeout", type=float, default=900.0, help="seconds for each of those cases")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="axrl-bench-hostile-", dir=args.dir))
     limit = int(args.limit_gib * GIB)
@@ -113,9 +124,26 @@ def main() -> int:
         memory = hostile_r["peak_rss_kib"] / honest_rss if "failed" not in hostile_r else float("inf")
         print(f"peak memory hostile / honest: {memory:.2f}x (target <= 1.5x)")
         print(f"time hostile / honest: {hostile_r['seconds'] / honest_s:.2f}x")
-        return 0 if memory <= 1.5 else 1
+        ratios = [memory, *surface_ratios(args)]
+        return 0 if max(ratios) <= 1.5 else 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def surface_ratios(args: argparse.Namespace) -> list[float]:
+    """Measure and print the other surfaces' hostile classes; their peak-memory ratios hostile / honest."""
+    package, chosen, timeout_s = Path(args.package), set(args.surfaces.split(",")), args.surface_timeout
+    ratios = []
+    if "line" in chosen:
+        rows = output_line_rows(package, args.line_mb, timeout_s)
+        ratios.append(print_rows("command output through the job pump (the session's process):", rows, "outcome"))
+    if "frame" in chosen:
+        rows = warm_frame_rows(package, args.frame_mib, timeout_s)
+        ratios.append(print_rows("warm service reading one message (the service's process):", rows, "outcome"))
+    if "logs" in chosen:
+        rows = logs_dir_rows(package, args.log_files, timeout_s)
+        ratios.append(print_rows("logs DIR (the logs process):", rows, "outcome"))
+    return ratios
 
 
 if __name__ == "__main__":

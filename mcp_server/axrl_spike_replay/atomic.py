@@ -4,17 +4,29 @@ The temp file gets the mode a plain `open()` would have given the file (0666 les
 existing file's mode), not mkstemp's 0600: teammates on shared storage must be able to read results.
 A copy of a file is the exception: it is never more readable than its source (`copy_mode`), whatever
 the umask or a file it replaces would allow.
+
+A writer killed mid-write (SIGKILL, OOM, a node lost) leaves its temp file `.<name>.XXXXXXXX.tmp` behind.
+Each temp file is locked (`flock`) by its writer for as long as it is open, so the next atomic write of
+the same file tells a dead writer's debris (unlocked) from a live writer's temp (locked) and removes the
+debris first (`sweep_debris`): nothing half-written stays beside a method file, a report or a result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+
+TEMP_SUFFIXES = (".tmp", ".part")
+_MKSTEMP_NAME = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_")  # tempfile's random names: 8 of these
+_UNLOCKED_GRACE_S = 10.0  # an empty temp file this young may belong to a writer between creating and locking it
 
 
 def current_umask() -> int:
@@ -48,12 +60,69 @@ def copy_mode(source_mode: int) -> int:
     return stat.S_IMODE(source_mode) & 0o777 & ~current_umask()
 
 
-def temp_beside(target: Path, suffix: str = ".tmp", mode: int | None = None) -> tuple[int, Path]:
+def temp_beside(
+    target: Path, suffix: str = ".tmp", mode: int | None = None, *, sweep: bool = False
+) -> tuple[int, Path]:
     """A temp file next to `target` (same filesystem, so rename is atomic) with `mode`, by default the plain-open
-    mode. It is created 0600 and only then given its mode, so it is never wider than that."""
+    mode. It is created 0600 and only then given its mode, so it is never wider than that. It is locked by this
+    writer while its descriptor is open (keep it open until the rename). `sweep`: first remove the temp files
+    killed writers left beside `target` (`sweep_debris`)."""
+    if sweep:
+        sweep_debris(target)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
+    with contextlib.suppress(OSError):  # no locks on this filesystem: the sweep cannot tell, so leaves it alone
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     os.fchmod(fd, plain_open_mode(target) if mode is None else mode)
     return fd, Path(tmp)
+
+
+def sweep_debris(target: Path) -> int:
+    """Remove the temp files (`.<name>.XXXXXXXX.tmp` / `.part`) that writers of `target` left when they were
+    killed: those no live writer holds locked. How many were removed; never raises."""
+    prefix = f".{target.name}."
+    removed = 0
+    try:
+        entries = os.scandir(target.parent)
+    except OSError:
+        return 0
+    with entries:
+        for entry in entries:
+            name = entry.name
+            if not name.startswith(prefix):
+                continue
+            rest = name[len(prefix) :]
+            suffix = next((s for s in TEMP_SUFFIXES if rest.endswith(s)), None)
+            if suffix is None or len(rest) != 8 + len(suffix) or not _MKSTEMP_NAME.issuperset(rest[:8]):
+                continue
+            removed += _remove_if_abandoned(entry.path)
+    return removed
+
+
+def _remove_if_abandoned(path: str) -> bool:
+    """Unlink `path` when it is a regular file nobody holds locked (its writer is gone), checked under our lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return False
+        if info.st_size == 0 and time.time() - info.st_mtime < _UNLOCKED_GRACE_S:
+            return False  # maybe a writer that has created it and not locked it yet
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # a live writer holds it (or this filesystem has no locks: cannot tell)
+        now = os.stat(path, follow_symlinks=False)
+        if (now.st_dev, now.st_ino) != (info.st_dev, info.st_ino):
+            return False
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def copy_bytes(source: int, out: int, size: int | None = None) -> int:
@@ -81,13 +150,13 @@ def atomic_copy(source: str | os.PathLike[str], target: str | os.PathLike[str], 
         info = os.fstat(src.fileno())
         if not stat.S_ISREG(info.st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(source))
-        fd, tmp = temp_beside(target_path, suffix=".part", mode=copy_mode(info.st_mode))
+        fd, tmp = temp_beside(target_path, suffix=".part", mode=copy_mode(info.st_mode), sweep=True)
         try:
             with os.fdopen(fd, "wb") as out:
                 copy_bytes(src.fileno(), out.fileno())
-            if keep_times:
-                os.utime(tmp, ns=(info.st_atime_ns, info.st_mtime_ns))
-            os.replace(tmp, target_path)
+                if keep_times:
+                    os.utime(tmp, ns=(info.st_atime_ns, info.st_mtime_ns))
+                os.replace(tmp, target_path)  # still open, so still locked: a sweep never takes it for debris
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -96,16 +165,17 @@ def atomic_copy(source: str | os.PathLike[str], target: str | os.PathLike[str], 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int | None = None) -> Path:
     """Write `data` to `path` through a temp file in the same directory, fsync and rename. `mode`: the file's
-    permission bits (default: what a plain `open()` would give it)."""
+    permission bits (default: what a plain `open()` would give it). Temp files left beside `path` by writers that
+    were killed are removed first."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temp_beside(target, mode=mode)
+    fd, tmp = temp_beside(target, mode=mode, sweep=True)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, target)
+            os.replace(tmp, target)  # still open, so still locked: a sweep never takes it for debris
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

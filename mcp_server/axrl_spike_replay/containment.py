@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -25,6 +26,23 @@ def is_inside(path: str | os.PathLike[str], root: str | os.PathLike[str]) -> boo
     except (OSError, RuntimeError):  # RuntimeError: pathlib's "Symlink loop" (Python < 3.13)
         return False
     return resolved == resolved_root or resolved_root in resolved.parents
+
+
+def inside_of(root: str | os.PathLike[str]) -> Callable[[str | os.PathLike[str]], bool]:
+    """`is_inside(path, root)` for many paths under one root: the root is resolved once, not per path."""
+    try:
+        resolved_root = Path(root).resolve()
+    except (OSError, RuntimeError):
+        return lambda _path: False
+
+    def inside(path: str | os.PathLike[str]) -> bool:
+        try:
+            resolved = Path(path).resolve()
+        except (OSError, RuntimeError):
+            return False
+        return resolved == resolved_root or resolved_root in resolved.parents
+
+    return inside
 
 
 def link_leaving(entry: str | os.PathLike[str], root: str | os.PathLike[str]) -> str | None:

@@ -23,6 +23,7 @@ from mcp.server.auth.provider import TokenVerifier
 from mcp.server.auth.settings import AuthSettings
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError, UnexpectedToolError
+from mcp.server.stdio import stdio_server
 from mcp.types import Resource, Tool
 from pydantic import AnyHttpUrl
 
@@ -39,6 +40,7 @@ from axrl_spike_replay.mcp_faces import (
 )
 from axrl_spike_replay.mcp_faces.bridge import crash_error
 from axrl_spike_replay.mcp_faces.config import ServerConfig
+from axrl_spike_replay.mcp_faces.stdio_replies import AnsweringReadStream
 
 if TYPE_CHECKING:
     from axrl_spike_replay.mcp_faces.http_access import HttpAccess
@@ -84,6 +86,14 @@ class SpikeReplayServer(MCPServer):
         )
         self.config = config
         self.sessions = 0  # open lifespans (stdio: one; in-process clients: one each)
+
+    async def run_stdio_async(self) -> None:
+        """Serve over stdio, answering every request line, even one the SDK's transport cannot decode (a lone
+        surrogate in a string): see `mcp_faces.stdio_replies`. The rest is the SDK's own `run_stdio_async`."""
+        async with stdio_server() as (read_stream, write_stream):
+            lowlevel = self._lowlevel_server  # what the SDK's own run_stdio_async runs
+            options = lowlevel.create_initialization_options()
+            await lowlevel.run(AnsweringReadStream(read_stream, write_stream), write_stream, options)
 
     async def list_tools(self) -> list[Tool]:
         """Every tool; a read-only server lists only those whose annotations say they only read."""

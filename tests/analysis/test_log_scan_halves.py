@@ -39,7 +39,10 @@ try:
 except AxrlError as exc:
     scan, stopped = None, str(exc)
 def parent(pid):
-    return open(f"/proc/{pid}/stat").read().split(") ")[-1].split()[1]
+    try:
+        return open(f"/proc/{pid}/stat").read().split(") ")[-1].split()[1]
+    except OSError:  # a process of someone else's that ended since the listing
+        return None
 
 children = [p for p in os.listdir("/proc") if p.isdigit() and parent(p) == str(os.getpid())]
 if scan is None:

@@ -16,9 +16,22 @@ from hypothesis import strategies as st
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 METADATA_KEYS = [
-    ("format_version",), ("job_name",), ("role",), ("iteration",), ("grad_norm",), ("median_norm",),
-    ("spike_ratio",), ("detector",), ("detector", "kind"), ("detector", "window"), ("detector", "threshold"),
-    ("parallel",), ("parallel", "world_size"), ("parallel", "dp"), ("parallel", "tp"), ("created_at",),
+    ("format_version",),
+    ("job_name",),
+    ("role",),
+    ("iteration",),
+    ("grad_norm",),
+    ("median_norm",),
+    ("spike_ratio",),
+    ("detector",),
+    ("detector", "kind"),
+    ("detector", "window"),
+    ("detector", "threshold"),
+    ("parallel",),
+    ("parallel", "world_size"),
+    ("parallel", "dp"),
+    ("parallel", "tp"),
+    ("created_at",),
 ]
 READING_VERBS = ("inspect", "analyze", "grads")
 
@@ -60,8 +73,15 @@ def test_an_edited_metadata_field_is_read_or_refused_by_name(key, value):
 @FUZZ
 @given(
     name=st.sampled_from(
-        ["axrl_metadata.json", "metadata.json", ".metadata", "batch_rank0.pt", "grad_info_rank1.pt",
-         "routing_payload_rank0.pt", "run_config.yaml"]
+        [
+            "axrl_metadata.json",
+            "metadata.json",
+            ".metadata",
+            "batch_rank0.pt",
+            "grad_info_rank1.pt",
+            "routing_payload_rank0.pt",
+            "run_config.yaml",
+        ]
     ),
     cut=st.floats(min_value=0.0, max_value=1.0),
     noise=st.binary(max_size=64),

@@ -10,10 +10,18 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-ALIAS_BOMB = "&a [x,x,x,x,x,x,x,x,x]" + "".join(f", &{c} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]"
-                                               for p, c in zip("abcdefg", "bcdefgh", strict=True))
-MITIGATION_NAMES = ["advantage_clip", "ratio_outlier_mask", "current_routing_layers", "loss_agg_mode",
-                    "mismatch_token_clip_max", "initial_model", "no_such_mitigation"]
+ALIAS_BOMB = "&a [x,x,x,x,x,x,x,x,x]" + "".join(
+    f", &{c} [*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p},*{p}]" for p, c in zip("abcdefg", "bcdefgh", strict=True)
+)
+MITIGATION_NAMES = [
+    "advantage_clip",
+    "ratio_outlier_mask",
+    "current_routing_layers",
+    "loss_agg_mode",
+    "mismatch_token_clip_max",
+    "initial_model",
+    "no_such_mitigation",
+]
 yaml_ish = st.text(alphabet=st.sampled_from(list("{}[]&*:,'\"!-|> \n\t#0123456789.eE+abx\x1b\x00")), max_size=60)
 
 
@@ -42,18 +50,39 @@ def test_a_mitigation_set_file_is_loaded_or_refused_by_name(text):
     with scene() as world:
         mitigation_set = world.workspace / "set.yaml"
         mitigation_set.write_bytes(text.encode("utf-8", errors="surrogateescape"))
-        outcome = run_cli("sweep", world.snapshot, "--mitigation-set", mitigation_set, "--workspace", world.workspace,
-                          "--nproc", "1", "--json")
+        outcome = run_cli(
+            "sweep",
+            world.snapshot,
+            "--mitigation-set",
+            mitigation_set,
+            "--workspace",
+            world.workspace,
+            "--nproc",
+            "1",
+            "--json",
+        )
         if outcome.code == 0:
             return  # a valid set really ran
         assert_clear_refusal_or_success(outcome, "set.yaml", "mitigation")
 
 
-line_parts = st.sampled_from([
-    "iteration 7/ 100 | grad norm: 3.5 | loss: 1.0 |", "step=3 grad_norm=2.5 loss=0.1",
-    "Traceback (most recent call last)",
-    "a=" * 50, "x" * 2000, "grad_norm: nan", "ValueError:", "ERROR", "=" * 300, " ", "\x1b[31m", ":" * 100, "1e" * 40,
-])
+line_parts = st.sampled_from(
+    [
+        "iteration 7/ 100 | grad norm: 3.5 | loss: 1.0 |",
+        "step=3 grad_norm=2.5 loss=0.1",
+        "Traceback (most recent call last)",
+        "a=" * 50,
+        "x" * 2000,
+        "grad_norm: nan",
+        "ValueError:",
+        "ERROR",
+        "=" * 300,
+        " ",
+        "\x1b[31m",
+        ":" * 100,
+        "1e" * 40,
+    ]
+)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

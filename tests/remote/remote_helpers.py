@@ -106,3 +106,14 @@ def wait_until_gone(marker: str, seconds: float = 10.0) -> list[str]:
     while (left := remote_processes(marker)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
+
+
+def kill_marked(marker: str) -> None:
+    """SIGKILL the live processes mentioning `marker` (what a failing run left behind; none when it passed)."""
+    import contextlib
+    import os
+    import signal
+
+    for line in remote_processes(marker):
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(line.split()[0]), signal.SIGKILL)

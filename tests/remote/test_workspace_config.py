@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.command_backend import grad_norm_from_text, render_command, render_path
+from axrl_spike_replay.remote.command_backend import render_command, render_path
+from axrl_spike_replay.remote.command_result import grad_norm_from_stdout
 from axrl_spike_replay.remote.workspace_config import (
     DEFAULT_GRAD_NORM_REGEX,
     load_workspace_config,
@@ -24,7 +26,7 @@ command_backend:
   workdir: /root/axrl
   command: "python tools/reproduce_spike.py --snapshot {snapshot} --out {out}"
   result_json: "{out}/replay_result.json"
-  grad_norm_regex: "grad_norm[=: ]+([0-9.eE+-]+)"
+  grad_norm_regex: '\\bgrad_norm[=: ]+([-+]?(?:[0-9]+\\.?[0-9]*|\\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?(?:nan|inf))'
 """
 
 
@@ -91,7 +93,20 @@ def test_placeholders_are_shell_quoted_in_commands_and_literal_in_paths() -> Non
     assert render_path("{out}/replay_result.json", "/s", "/o'ut") == "/o'ut/replay_result.json"
 
 
-def test_the_last_grad_norm_printed_wins() -> None:
-    text = "step 1 grad_norm=1.5\nwarning: grad_norm: nan?\nfinal grad_norm = 3.25e+01\n"
-    assert grad_norm_from_text(text, DEFAULT_GRAD_NORM_REGEX) == 32.5
-    assert grad_norm_from_text("nothing here", DEFAULT_GRAD_NORM_REGEX) is None
+def test_the_last_grad_norm_printed_wins(tmp_path: Path) -> None:
+    log = tmp_path / "stdout.log"
+    log.write_text("step 1 grad_norm=1.5\nwarning: grad_norm: n/a\nfinal grad_norm = 3.25e+01\n")
+    assert grad_norm_from_stdout(log, DEFAULT_GRAD_NORM_REGEX) == 32.5
+    log.write_text("nothing here\n")
+    assert grad_norm_from_stdout(log, DEFAULT_GRAD_NORM_REGEX) is None
+
+
+def test_the_default_pattern_reads_grad_norm_as_a_whole_word(tmp_path: Path) -> None:
+    """A trainer prints its config before the step: `max_grad_norm: 1.0` is a setting, not the step's norm."""
+    log = tmp_path / "stdout.log"
+    log.write_text("step 1 - actor/grad_norm:56.75 - actor/lr:1e-6\nconfig: max_grad_norm: 1.0 clip_grad_norm=2\n")
+    assert grad_norm_from_stdout(log, DEFAULT_GRAD_NORM_REGEX) == 56.75
+    log.write_text("config: max_grad_norm: 1.0\ngrad_norm_clip: 3\n")
+    assert grad_norm_from_stdout(log, DEFAULT_GRAD_NORM_REGEX) is None
+    log.write_text("grad_norm: nan\n")
+    assert math.isnan(grad_norm_from_stdout(log, DEFAULT_GRAD_NORM_REGEX) or 0.0)

@@ -96,7 +96,7 @@ def test_layouts_the_torch_backend_cannot_rebuild_point_to_the_command_backend(
     ("what", "how", "message"),
     [
         ({}, How(nproc=3), "`nproc` 3 is larger than the saved world size 2"),
-        ({"repeat": 0}, How(), "`repeat` must be an integer >= 1"),
+        ({"repeat": 0}, How(), "`repeat` must be an integer from 1 to 100, got 0"),
         ({}, How(device="tpu"), "`device` must be one of cpu, cuda"),  # type: ignore[arg-type]
         ({"mitigations": {"advantage_clamp": 1}}, How(), "valid mitigations:"),
         ({"mitigations": {"advantage_clip": "big"}}, How(), "advantage_clip: expected a number"),

@@ -54,7 +54,8 @@ def _start_long_replay(snapshot: Path, tmp_path: Path) -> tuple[subprocess.Popen
     workspace.mkdir()
     env = {**os.environ, "TMPDIR": str(temp_root), "PYTHONPATH": str(PACKAGE_ROOT)}
     argv = [sys.executable, "-m", "axrl_spike_replay", "replay", str(snapshot), "--workspace", str(workspace)]
-    cli = subprocess.Popen([*argv, "--repeat", "1000000"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # the most repeats allowed: seconds of replaying, far longer than the kill below takes to land
+    cli = subprocess.Popen([*argv, "--repeat", "100"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     # the ranks have met (their FileStore exists) and are replaying
     _eventually(lambda: any(temp_root.glob("axrl-ranks-*/store")), "the replay never started its rank processes")
     return cli, temp_root

@@ -20,8 +20,6 @@ CONFIGS = [
 ]
 
 
-
-
 @pytest.mark.slow  # two sweeps, one of them with a spawned replay process
 def test_a_sweep_on_two_pools_matches_the_sweep_on_one(spike_snapshot: Path, tmp_path: Path) -> None:
     runs = {}

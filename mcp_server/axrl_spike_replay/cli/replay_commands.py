@@ -11,6 +11,7 @@ from axrl_spike_replay.cli.output import add_json_flag, emit, progress, table
 from axrl_spike_replay.cli.remote_options import add_remote_options
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.investigation.request import MAX_REPEAT
 from axrl_spike_replay.percent import pct, pct_plain
 from axrl_spike_replay.vocabulary import Device, Verb
 
@@ -70,7 +71,12 @@ def register(sub: Any) -> None:
         help="replay-only mitigation; repeat to combine (e.g. mismatch_token_clip_max=2); an unknown NAME lists "
         "the valid ones",
     )
-    p.add_argument("--repeat", type=int, default=1, help="recompute N times and report the spread (determinism)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help=f"recompute N times (at most {MAX_REPEAT}) and report the spread (determinism)",
+    )
     _clear_threshold(p)
     p.set_defaults(handler=_replay)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.investigation.warm_socket import DEFAULT_SEND_TIMEOUT_S
 from axrl_spike_replay.replay.warm_pool import DEFAULT_IDLE_S
 
 
@@ -127,6 +128,14 @@ def register(sub: Any) -> None:
     )
     serve.add_argument("--workspace", default=".", help="the workspace whose CLI calls it serves (default: .)")
     serve.add_argument("--stop", action="store_true", help="stop the service of this workspace and exit")
+    serve.add_argument(
+        "--send-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_SEND_TIMEOUT_S,
+        metavar="S",
+        help="a client that leaves a reply unread this long (stopped, hung) counts as gone and its run is "
+        f"cancelled (default {DEFAULT_SEND_TIMEOUT_S:g})",
+    )
     _add_warm_options(serve, "the service")
     serve.set_defaults(handler=_serve)
 
@@ -264,7 +273,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     memory = parse_size(args.warm_memory) if args.warm_memory is not None else None
     with contextlib.suppress(KeyboardInterrupt):  # SIGTERM or Ctrl-C: a clean stop (serve_warm stops what it started)
-        serve_warm(paths, ServiceSettings(idle_s=args.warm_idle_timeout, memory_bytes=memory), progress)
+        settings = ServiceSettings(idle_s=args.warm_idle_timeout, memory_bytes=memory, send_timeout_s=args.send_timeout)
+        serve_warm(paths, settings, progress)
     return 0
 
 

@@ -16,8 +16,10 @@ read or the copy dir written.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
+import stat
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from axrl_spike_replay.capture.detectors import Detector, MedianRatioDetector, make_detector
-from axrl_spike_replay.containment import is_inside, resolved_text
+from axrl_spike_replay.containment import resolved_text
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.logs.log_copy import CopyBeside, PlannedCopy, plan_copies
@@ -38,8 +40,9 @@ from axrl_spike_replay.logs.log_reader import MAX_ERRORS, MAX_LINE_CHARS, LogTal
 from axrl_spike_replay.logs.log_series import SeriesPoints
 from axrl_spike_replay.logs.series_sampling import DEFAULT_LIMIT, sampled_series
 from axrl_spike_replay.names import check_plain_name
-from axrl_spike_replay.snapshot.discovery import split_logs
+from axrl_spike_replay.snapshot.discovery import classify_logs, log_entries
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, RUN_CONFIG, SNAPSHOTS_DIR, parse_output_dir_name
+from axrl_spike_replay.untrusted_bytes import UntrustedInputError, file_kind, open_regular
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
 MAX_SKIPPED = 200
@@ -99,27 +102,34 @@ def _leaves(entry: Path, root: Path) -> str:
 
 def _log_files(paths: Sequence[str | Path]) -> tuple[list[tuple[Path, Path]], list[dict[str, str]]]:
     """(log file, path relative to the copy dest) for each given file, or each log in a given dir; and the
-    entries of given dirs skipped because they lead out of that dir."""
+    entries of given dirs skipped: leading out of that dir, or no regular file (a FIFO is never opened)."""
     found: list[tuple[Path, Path]] = []
     skipped: list[dict[str, str]] = []
     for given in paths:
         path = Path(given)
-        if path.is_file():
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                raise AxrlError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+            why = " (a symlink that is broken or a loop)" if path.is_symlink() else ""
+            raise AxrlError(f"{path}: log file or directory not found{why}") from None
+        if stat.S_ISREG(mode):
             found.append((Path(os.path.abspath(path)), Path(path.name)))  # named by the caller: read as given
-        elif path.is_dir():
-            inside, leaving = split_logs(path)
-            if not inside and not leaving:
-                logs = sorted(p for p in path.rglob("*.log") if p.is_file())
-                inside = [p for p in logs if is_inside(p, path)]
-                leaving = [p for p in logs if p not in inside]
-            skipped += [{"path": str(log), "reason": _leaves(log, path)} for log in leaving]
-            if not inside and not leaving:
+        elif stat.S_ISDIR(mode):
+            entries = log_entries(path)
+            if not (entries.inside or entries.leaving or entries.not_regular):
+                entries = classify_logs(path.rglob("*.log"), path)
+            skipped += [{"path": str(log), "reason": _leaves(log, path)} for log in entries.leaving]
+            skipped += [
+                {"path": str(log), "reason": f"is {kind}, not a log file; not read"}
+                for log, kind in entries.not_regular
+            ]
+            if not entries.inside and not entries.leaving and not entries.not_regular:
                 raise AxrlError(f"{path}: no *.log files in it or under its logs/")
-            found += [(Path(os.path.abspath(log)), Path(path.name) / log.relative_to(path)) for log in inside]
-        elif path.is_symlink():
-            raise AxrlError(f"{path}: log file or directory not found (a symlink that is broken or a loop)")
+            found += [(Path(os.path.abspath(log)), Path(path.name) / log.relative_to(path)) for log in entries.inside]
         else:
-            raise AxrlError(f"{path}: log file or directory not found")
+            raise AxrlError(f"{path}: is {file_kind(mode)}, not a log file or directory; refusing to read it")
     return found, skipped
 
 
@@ -251,13 +261,17 @@ def _check_cancel(cancel: threading.Event | None, where: str) -> None:
 def _copy_and_scan(copy: PlannedCopy, tally: LogTally, cancel: threading.Event | None) -> None:
     """Scan one log while a thread copies it (`log_copy`), a large one on two cores (`log_halves`); a scan that
     fails stops the copy (no file left) and the other half."""
-    with copy.source.open("rb") as handle:
+    try:
+        opened = open_regular(copy.source)  # never waits on a FIFO put in the log's place since it was listed
+    except UntrustedInputError as exc:
+        raise AxrlError(f"{copy.source}: {exc}; not read") from None
+    with opened as handle:
         size = os.fstat(handle.fileno()).st_size
         cut = cut_point(handle.fileno(), size) if can_fork() else None
         second = SecondHalf(handle, cut, size, copy.target) if cut is not None else None  # forked before any thread
         copier = None if copy.in_place else CopyBeside(handle, copy.source, copy.target, size, cancel)
         if copier is not None:
-            copier.start()
+            copier.begin()
         try:
             scan_handle(handle, copy.target, tally, cancel, limit=size if cut is None else cut)
             if second is not None:
@@ -266,8 +280,7 @@ def _copy_and_scan(copy: PlannedCopy, tally: LogTally, cancel: threading.Event |
             if second is not None:
                 second.stop()
             if copier is not None:
-                copier.stopped.set()
-                copier.join()
+                copier.end()
             raise
         if copier is not None:
             copier.finish()

@@ -26,6 +26,7 @@ from axrl_spike_replay.vocabulary import Backend, Device, Method, Verb, Vocabula
 LOCAL = "local"  # the target that means this machine
 
 _V = TypeVar("_V", bound=Vocabulary)
+MAX_REPEAT = 100  # a determinism check needs a handful of recomputations; each one is a whole replay
 
 
 @dataclass(frozen=True)
@@ -200,8 +201,8 @@ def _check(nproc: Any, repeat: Any, top: Any) -> None:
     """The counts, each on its own."""
     if nproc is not None and (not _is_int(nproc) or nproc < 1):
         raise ConfigError(f"`nproc` must be an integer >= 1, got {shown(nproc)}", "nproc")
-    if not _is_int(repeat) or repeat < 1:
-        raise ConfigError(f"`repeat` must be an integer >= 1, got {shown(repeat)}", "repeat")
+    if not _is_int(repeat) or not 1 <= repeat <= MAX_REPEAT:
+        raise ConfigError(f"`repeat` must be an integer from 1 to {MAX_REPEAT}, got {shown(repeat)}", "repeat")
     if not _is_int(top) or top < 1:
         raise ConfigError(f"`top` must be an integer >= 1, got {shown(top)}", "top")
 

@@ -115,7 +115,8 @@ def run_on_service(request: ReplayRequest, server: str | Path | None = None) -> 
     as the same AxrlError (ConfigError with its parameter) a cold run raises."""
     if not request.runs_here:
         raise ConfigError("`warm` applies to the built-in torch engine run here (no `target`, no `backend` command)")
-    workspace = Path(request.workspace if request.workspace is not None else ".").expanduser().resolve()
+    cwd = _current_dir()
+    workspace = Path(cwd, request.workspace if request.workspace is not None else ".").expanduser().resolve()
     paths = socket_paths(server) if server is not None else warm_paths(workspace)
     for attempt in range(2):
         conn = _connect(paths)
@@ -127,7 +128,7 @@ def run_on_service(request: ReplayRequest, server: str | Path | None = None) -> 
             if conn is None:
                 raise AxrlError(f"the warm replay service at {paths.socket} does not accept connections")
         with conn:
-            send(conn, {"op": "run", "cwd": os.getcwd(), "request": request_document(request)})
+            send(conn, {"op": "run", "cwd": cwd, "request": request_document(request)})
             lines = Lines(conn)
             heard = False
             while (message := lines.next()) is not None:
@@ -141,6 +142,17 @@ def run_on_service(request: ReplayRequest, server: str | Path | None = None) -> 
                 raise AxrlError(f"the warm replay service stopped before answering (see {paths.log})")
         time.sleep(0.2)  # it closed without a word: it was stopping (idle) as we came; start a fresh one
     raise AssertionError("unreachable")
+
+
+def _current_dir() -> str:
+    """This process's working directory; AxrlError when it was deleted (the service runs requests there)."""
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise AxrlError(
+            "the current directory no longer exists (it was deleted or moved away); cd to an existing directory "
+            "and run again"
+        ) from None
 
 
 def _answer(message: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,9 @@ The service (`axrl-spike-replay serve`) listens on a Unix socket with the worksp
 permissions: `<workspace>/tmp/spike-replay-warm/serve.sock`, or, when that path is too long for a
 socket, `$XDG_RUNTIME_DIR/axrl-spike-replay-<hash of the workspace>/serve.sock` (the system temp dir
 without XDG_RUNTIME_DIR). The dir is 0700 and the socket 0600; a dir or socket owned by another user,
-or a symlink in their place, is refused. Messages are one JSON object per line, UTF-8.
+or a symlink in their place, is refused. Messages are one JSON object per line, UTF-8, read in linear
+time up to a cap (`MAX_REQUEST` for what the service reads, `MAX_REPLY` for what a client reads); a
+message over its cap, not UTF-8, not JSON or not an object is a `FrameError`.
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.untrusted_json import UntrustedJsonError, parse_untrusted_json
+from axrl_spike_replay.untrusted_bytes import UntrustedInputError
+from axrl_spike_replay.untrusted_json import parse_untrusted_json
 
 SOCKET_NAME = "serve.sock"
 WARM_DIR = Path("tmp") / "spike-replay-warm"
 _MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes; keep a margin
-MAX_MESSAGE = 64 << 20  # a sweep's result document is far smaller
+MAX_REQUEST = 1 << 20  # a request names a snapshot and its configs: a sweep of a thousand configs is ~100 KB
+MAX_REPLY = 64 << 20  # a sweep's result document is far smaller
 _MAX_DEPTH = 64
+DEFAULT_SEND_TIMEOUT_S = 30.0  # the service: a client that leaves a reply unread this long counts as gone
+_CHUNK = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -84,32 +90,51 @@ def check_socket(path: Path) -> None:
         raise AxrlError(f"the socket {path} can be used by other users (mode {st.st_mode & 0o777:o}); refusing it")
 
 
+class FrameError(AxrlError):
+    """A message that cannot be read: over the size cap, not UTF-8, not JSON, or not a JSON object."""
+
+
 def send(conn: socket.socket, message: dict[str, Any]) -> None:
-    """One message: a JSON object on one line."""
+    """One message: a JSON object on one line (within the socket's timeout, when it has one)."""
     conn.sendall(json.dumps(message, separators=(",", ":"), allow_nan=False).encode() + b"\n")
 
 
 class Lines:
-    """Reads the messages of one connection, one JSON object per line, bounded in size and depth."""
+    """Reads the messages of one connection, one JSON object per line, bounded in size (`limit` bytes) and depth.
 
-    def __init__(self, conn: socket.socket) -> None:
+    The newline is searched for only in bytes not searched before, and the buffer grows in place: a message
+    of n bytes costs O(n) time, and at most `limit` plus one chunk is held.
+    """
+
+    def __init__(self, conn: socket.socket, limit: int = MAX_REPLY) -> None:
         self.conn = conn
-        self.buffer = b""
+        self.limit = limit
+        self.buffer = bytearray()
+        self._searched = 0  # bytes of `buffer` known to hold no newline
 
     def next(self) -> dict[str, Any] | None:
-        """The next message; None when the other end closed the connection."""
-        while b"\n" not in self.buffer:
-            if len(self.buffer) > MAX_MESSAGE:
-                raise AxrlError(f"warm service message longer than {MAX_MESSAGE >> 20} MiB")
-            chunk = self.conn.recv(1 << 16)
+        """The next message; None when the other end closed the connection (a partial message is dropped)."""
+        while (end := self.buffer.find(b"\n", self._searched)) < 0:
+            self._searched = len(self.buffer)
+            if self._searched > self.limit:
+                raise FrameError(f"warm service message longer than {_size(self.limit)}")
+            chunk = self.conn.recv(_CHUNK)
             if not chunk:
                 return None
             self.buffer += chunk
-        line, self.buffer = self.buffer.split(b"\n", 1)
+        if end > self.limit:
+            raise FrameError(f"warm service message longer than {_size(self.limit)}")
+        line = bytes(self.buffer[:end])
+        del self.buffer[: end + 1]
+        self._searched = 0
         try:
             doc = parse_untrusted_json(line, _MAX_DEPTH)
-        except UntrustedJsonError as exc:
-            raise AxrlError(f"warm service message {exc}") from None
+        except UntrustedInputError as exc:  # not UTF-8, not JSON, too deep
+            raise FrameError(f"warm service message {exc}") from None
         if not isinstance(doc, dict):
-            raise AxrlError("warm service message is not a JSON object")
+            raise FrameError("warm service message is not a JSON object")
         return doc
+
+
+def _size(limit: int) -> str:
+    return f"{limit >> 20} MiB" if limit >= 1 << 20 and not limit % (1 << 20) else f"{limit} bytes"

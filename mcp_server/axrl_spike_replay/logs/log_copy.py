@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 from axrl_spike_replay.atomic import copy_mode, temp_beside
-from axrl_spike_replay.containment import is_inside, resolved_text
+from axrl_spike_replay.containment import inside_of, is_inside, resolved_text
 from axrl_spike_replay.errors import AxrlError
 
 _COPY_BYTES = 64 * 1024 * 1024  # per sendfile call: the copy checks for cancellation between them
 _BUFFER_BYTES = 1024 * 1024
+INLINE_COPY_BYTES = 1 << 20  # a smaller log is copied before its scan, without a thread
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,14 @@ def plan_copies(
     planned: list[PlannedCopy] = []
     taken: set[Path] = set()
     skipped: list[dict[str, str]] = []
+    within_dest = inside_of(dest)
     for source, rel in files:
         target = dest / rel
         stem, n = target, 2
         while target in taken:
             target = stem.with_name(f"{stem.stem}-{n}{stem.suffix}")
             n += 1
-        if not is_inside(target.parent, dest):
+        if not within_dest(target.parent):
             skipped.append(
                 {"path": str(source), "reason": f"its copy's folder {target.parent} leads outside {dest}; not copied"}
             )
@@ -73,8 +75,8 @@ def _check_cancel(cancel: threading.Event | None, where: str) -> None:
 
 
 class CopyBeside(threading.Thread):
-    """Copies the first `size` bytes of the open `handle` to `target` (through a temp file) in a thread; `stop`
-    ends it early, leaving no file. `finish` waits and raises what went wrong (AxrlError)."""
+    """Copies the first `size` bytes of the open `handle` to `target` (through a temp file) in a thread (`begin`);
+    `end` stops it early, leaving no file. `finish` waits and raises what went wrong (AxrlError)."""
 
     def __init__(self, handle: BinaryIO, source: Path, target: Path, size: int, cancel: threading.Event | None):
         super().__init__(name=f"copy {target.name}", daemon=True)
@@ -88,9 +90,9 @@ class CopyBeside(threading.Thread):
         try:
             with os.fdopen(fd, "wb") as out:
                 self._copy(out.fileno())
-            if self.stopped.is_set():
-                raise AxrlError(f"copy of {self.source} stopped")
-            os.replace(tmp, self.target)  # no fsync: the copy can be made again from the run's logs
+                if self.stopped.is_set():
+                    raise AxrlError(f"copy of {self.source} stopped")
+                os.replace(tmp, self.target)  # no fsync: the copy can be made again; renamed while still locked
         except BaseException as exc:  # handed to `finish`, in the scanning thread
             tmp.unlink(missing_ok=True)
             self.error = exc
@@ -108,9 +110,24 @@ class CopyBeside(threading.Thread):
                 break
             done += sent
 
+    def begin(self) -> None:
+        """Start the copy: in the thread, or, for a log of at most `INLINE_COPY_BYTES`, here and now (a thread
+        costs more than such a copy, and a job's logs dir may hold tens of thousands of small files)."""
+        if self.size <= INLINE_COPY_BYTES:
+            self.run()
+        else:
+            self.start()
+
+    def end(self) -> None:
+        """Stop the copy early (no file is left) and wait for it."""
+        self.stopped.set()
+        if self.ident is not None:
+            self.join()
+
     def finish(self) -> None:
         """Wait for the copy; raise what stopped it."""
-        self.join()
+        if self.ident is not None:
+            self.join()
         if isinstance(self.error, OSError):
             raise AxrlError(f"{self.error.filename or self.target}: cannot copy the logs ({self.error.strerror})")
         if self.error is not None:

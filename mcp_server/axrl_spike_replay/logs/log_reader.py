@@ -28,12 +28,14 @@ from typing import Any
 
 import numpy as np
 
+from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.logs.log_blocks import HEAD_BYTES, MAX_LINE_CHARS, ByteSource, LineBlocks
 from axrl_spike_replay.logs.log_columns import Run, column_values, lines_of_width, same_but_digits
 from axrl_spike_replay.logs.log_kv import KeyValueRuns
 from axrl_spike_replay.logs.log_lines import error_kind, parse_line
 from axrl_spike_replay.logs.log_series import SeriesBuilder
 from axrl_spike_replay.logs.log_values import has_marker, head_starts, read_floats, read_heads
+from axrl_spike_replay.untrusted_bytes import UntrustedInputError, open_regular
 
 MAX_ERRORS = 200
 
@@ -139,7 +141,11 @@ class LogTally:
 
 def scan_file(path: Path, tally: LogTally, cancel: threading.Event | None = None) -> None:
     """Add the lines of the log at `path` to `tally`; `cancel` stops the read within one block (AxrlError)."""
-    with path.open("rb") as handle:
+    try:
+        opened = open_regular(path)  # a FIFO is never waited on
+    except UntrustedInputError as exc:
+        raise AxrlError(f"{path}: {exc}; not read") from None
+    with opened as handle:
         scan_handle(handle, path, tally, cancel, limit=os.fstat(handle.fileno()).st_size)
 
 

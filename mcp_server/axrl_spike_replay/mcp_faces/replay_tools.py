@@ -15,7 +15,7 @@ from pydantic import Field
 
 from axrl_spike_replay.experiment.mitigations import MITIGATIONS
 from axrl_spike_replay.experiment.result import Attribution, ReplayResult, RunResult, SweepResult
-from axrl_spike_replay.investigation.request import LOCAL, How, ReplayRequest, What, Where
+from axrl_spike_replay.investigation.request import LOCAL, MAX_REPEAT, How, ReplayRequest, What, Where
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
 from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg, server_config
 from axrl_spike_replay.vocabulary import Backend, Device, Method, Verb
@@ -160,7 +160,8 @@ async def replay_tool(
     nproc: NprocArg = None,
     device: DeviceArg = "cpu",
     repeat: Annotated[
-        int, Field(description="Recompute this many times and report the spread (determinism check).", ge=1)
+        int,
+        Field(description="Recompute this many times and report the spread (determinism check).", ge=1, le=MAX_REPEAT),
     ] = 1,
     clear_threshold: ClearThresholdArg = None,
     backend: BackendArg = "torch",

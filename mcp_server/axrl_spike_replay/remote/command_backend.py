@@ -3,18 +3,19 @@
 For AXRL the command wraps `MegatronWorker.reproduce_spike(snapshot_dir)`. `{snapshot}` and `{out}` in
 the configured command are replaced by shell-quoted paths, `{overrides}` by a mitigation config mapped
 onto the trainer's own options (`remote.command_overrides`); the grad norm comes from `result_json` when
-the command wrote it, else from `grad_norm_regex` matched on its stdout. Each config is one run of the
-command; a replay with a config and a sweep run the baseline once first and judge every config against
-it, with the engine's verdicts. The runs get the same output layout (`command.txt`, `stdout.log`,
-`stderr.log`, `replay_result.json`, a sweep's `<config_id>/` dirs and `sweep_result.json`) as the torch backend.
+the command wrote it, else from `grad_norm_regex` matched on its stdout (`remote.command_result` reads both
+as untrusted input). The command runs under the job reaper: it and every process it started end with it.
+Each config is one run of the command; a replay with a config and a sweep run the baseline once first
+and judge every config against it, with the engine's verdicts. The runs get the same output layout
+(`command.txt`, `stdout.log`, `stderr.log`, `replay_result.json`, a sweep's `<config_id>/` dirs and
+`sweep_result.json`) as the torch backend.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import json
 import math
-import re
 import shlex
 import string
 import time
@@ -31,13 +32,19 @@ from axrl_spike_replay.experiment.run_dir import RESULT_FILE, SWEEP_FILE, RunDir
 from axrl_spike_replay.experiment.verdict import tolerance
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.command_overrides import render_overrides
+from axrl_spike_replay.remote.command_result import (
+    MAX_RESULT_BYTES,
+    CommandReport,
+    grad_norm_from_stdout,
+    read_command_result,
+)
 from axrl_spike_replay.remote.errors import RemoteError
 from axrl_spike_replay.remote.job import JobOutcome, LineCallback, Session
 from axrl_spike_replay.remote.patch_worktree import patch_set_text, patched_worktree
 from axrl_spike_replay.remote.results import SnapshotFacts, base_result, judged_result, tail
 from axrl_spike_replay.remote.shell import job_script
 from axrl_spike_replay.remote.workspace_config import CommandBackendConfig
-from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
+from axrl_spike_replay.vocabulary import Backend, Verdict
 
 COMMAND_RESULT_FILE = "command_result.json"
 PATCH_FILE = "patch.diff"  # the patch set as applied, beside the result it produced
@@ -77,24 +84,6 @@ def _render(template: str, values: dict[str, str]) -> str:
         if name is not None:
             pieces.append(values[name])
     return "".join(pieces)
-
-
-def grad_norm_from_doc(doc: Any) -> float | None:
-    """`grad_norm` of a result document (a number, or "nan"/"inf" spelled out), else None."""
-    if not isinstance(doc, dict) or "grad_norm" not in doc:
-        return None
-    try:
-        return float(doc["grad_norm"])
-    except (TypeError, ValueError):
-        return None
-
-
-def grad_norm_from_text(text: str, regex: str) -> float | None:
-    """The last match of `regex` (its first group) in `text` that parses as a number, else None."""
-    for match in reversed(list(re.finditer(regex, text))):
-        with contextlib.suppress(TypeError, ValueError):
-            return float(match.group(1))
-    return None
 
 
 @dataclass
@@ -300,8 +289,13 @@ async def _run_one(
         result.timings = {"command": round(outcome.seconds, 3)}
     except AxrlError as exc:
         result = base_result(request.facts, error=str(exc), **common)
-    except BaseException:
+    except (asyncio.CancelledError, KeyboardInterrupt):
         result = base_result(request.facts, error="cancelled (Ctrl-C or a cancelled call)", **common)
+        result.timings = {"total": round(time.perf_counter() - started, 3)}
+        ctx.write(run, result)
+        raise
+    except Exception as exc:  # a defect of ours: the run is still recorded as what it is, a failure
+        result = base_result(request.facts, error=f"the run failed: {type(exc).__name__}: {exc}", **common)
         result.timings = {"total": round(time.perf_counter() - started, 3)}
         ctx.write(run, result)
         raise
@@ -372,34 +366,30 @@ async def _judge(
         error = f"the replay command failed: {outcome.reason}"
         last = tail(outcome.stderr_path)
         return base_result(facts, error=error + (f"\n{last}" if last else ""), **common)
-    doc: dict[str, Any] = {}
+    report = CommandReport()
     if config.result_json:
         remote_json = render_path(config.result_json, facts.snapshot, out_dir)
         if await session.exists(remote_json):
-            local_json = await session.fetch(remote_json, run.path / COMMAND_RESULT_FILE)
+            local_json = await session.fetch(remote_json, run.path / COMMAND_RESULT_FILE, MAX_RESULT_BYTES)
             try:
-                doc = json.loads(local_json.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as exc:
-                return base_result(facts, error=f"{remote_json}: not valid JSON ({exc.msg})", **common)
-    grad_norm = grad_norm_from_doc(doc)
+                report = read_command_result(local_json, remote_json)
+            except AxrlError as exc:
+                return base_result(facts, error=str(exc), **common)
+    grad_norm = report.grad_norm
     if grad_norm is None:
-        grad_norm = grad_norm_from_text(
-            outcome.stdout_path.read_text(encoding="utf-8", errors="replace"), config.grad_norm_regex
-        )
+        grad_norm = grad_norm_from_stdout(outcome.stdout_path, config.grad_norm_regex)
     if grad_norm is None:
         where = f"{config.result_json} has no grad_norm and " if config.result_json else ""
         error = f"no grad norm: {where}grad_norm_regex {config.grad_norm_regex!r} matched nothing in stdout"
         return base_result(facts, error=error, **common)
-    try:
-        fidelity = Fidelity.parse(doc.get("fidelity", "full"), "fidelity in the command's result")
-    except AxrlError as exc:
-        return base_result(facts, error=str(exc), **common)
-    device = str(doc.get("device", "cuda" if (request.node or {}).get("gpu_count") else "cpu"))
+    device = report.device or ("cuda" if (request.node or {}).get("gpu_count") else "cpu")
+    tol = tolerance(report.fidelity, device)  # ours, whatever the command says about itself
+    if report.ignored:
+        run.log(f"the command's result gives {', '.join(report.ignored)}: not used; the verdict's tolerance is {tol:g}")
     extra = {
-        "fidelity": fidelity,
-        "world_size_used": int(doc.get("world_size_used", facts.world_size)),
+        "fidelity": report.fidelity,
+        "world_size_used": report.world_size_used or facts.world_size,
         "device": device,
-        "top_params": doc.get("top_params", []) if isinstance(doc.get("top_params"), list) else [],
+        "top_params": report.top_params,
     }
-    tol = float(doc["tolerance"]) if isinstance(doc.get("tolerance"), (int, float)) else tolerance(fidelity, device)
     return judged_result(facts, grad_norm, tol, changed, baseline_norm, **common, **extra)

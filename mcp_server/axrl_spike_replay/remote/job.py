@@ -10,6 +10,8 @@ from typing import BinaryIO, Protocol
 LineCallback = Callable[[str, str], None]  # (stream "stdout"|"stderr", line without newline)
 KILL_GRACE_S = 5.0  # a stopped job's process group: SIGTERM, then SIGKILL after this long (local and SSH alike)
 _CHUNK = 1 << 16
+MAX_LINE_BYTES = 64 << 10  # a longer output line is cut here, with TRUNCATED_MARK
+TRUNCATED_MARK = b" ... [%d more bytes of this line dropped]"
 
 
 class ChunkReader(Protocol):
@@ -60,8 +62,9 @@ class Session(Protocol):
         """Run a short shell script and return its output."""
         ...
 
-    async def fetch(self, path: str, local_path: Path) -> Path:
-        """Copy a file of the session's machine to `local_path` (atomically)."""
+    async def fetch(self, path: str, local_path: Path, max_bytes: int | None = None) -> Path:
+        """Copy a file of the session's machine to `local_path` (atomically); RemoteError when it is not a regular
+        file or is larger than `max_bytes` (checked before copying)."""
         ...
 
     async def put(self, local_path: Path, path: str) -> None:
@@ -94,31 +97,64 @@ async def pump_lines(
 ) -> None:
     """Copy `reader` into `sink` line by line (flushed after each line) until EOF; a last partial line too.
 
-    A line for which `intercept` returns True is consumed (not written, not reported).
+    A line for which `intercept` returns True is consumed (not written, not reported). A line longer than
+    `MAX_LINE_BYTES` keeps its first `MAX_LINE_BYTES` and ends with a marker saying how much was dropped:
+    a command printing a 100 MB line costs linear time and bounded memory, and is never echoed whole.
     """
     if reader is None:  # a stream that was not piped: nothing to copy
         return
-    pending = b""
+    line = _LineBuffer()
+
+    def emit() -> None:
+        text = line.take()
+        if intercept is not None and intercept(text):
+            return
+        sink.write(text + b"\n")
+        sink.flush()
+        if on_line is not None:
+            on_line(stream, text.decode("utf-8", "replace"))
+
     while True:
         chunk = await reader.read(_CHUNK)
         if not chunk:
             break
         if isinstance(chunk, str):
             chunk = chunk.encode("utf-8", "replace")
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            if intercept is not None and intercept(line):
-                continue
-            sink.write(line + b"\n")
-            sink.flush()
-            if on_line is not None:
-                on_line(stream, line.decode("utf-8", "replace"))
-    if pending:
-        sink.write(pending)
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            line.add(chunk, start, end)
+            emit()
+            start = end + 1
+        line.add(chunk, start, len(chunk))
+    if line.size or line.dropped:
+        text = line.take()
+        sink.write(text)
         sink.flush()
         if on_line is not None:
-            on_line(stream, pending.decode("utf-8", "replace"))
+            on_line(stream, text.decode("utf-8", "replace"))
+
+
+class _LineBuffer:
+    """The line being read: at most `MAX_LINE_BYTES` kept, the rest counted."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.dropped = 0
+
+    def add(self, chunk: bytes, start: int, end: int) -> None:
+        keep = min(end - start, MAX_LINE_BYTES - self.size)
+        if keep > 0:
+            self.parts.append(chunk[start : start + keep])
+            self.size += keep
+        self.dropped += end - start - max(keep, 0)
+
+    def take(self) -> bytes:
+        text = b"".join(self.parts)
+        if self.dropped:
+            text += TRUNCATED_MARK % self.dropped
+        self.parts, self.size, self.dropped = [], 0, 0
+        return text
 
 
 def check_temp_dir(path: str) -> str:

@@ -1,4 +1,5 @@
-"""The same session interface on this machine: jobs in their own process group, killed as a group."""
+"""The same session interface on this machine: each job under a reaper (`remote.job_reaper`) in its own session, so
+the job and every process it started, `setsid` children included, end with it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -24,6 +26,9 @@ from axrl_spike_replay.remote.job import (
     exit_reason,
     pump_lines,
 )
+from axrl_spike_replay.remote.shell import reaper_argv
+
+DRAIN_AFTER_EXIT_S = 5.0  # output still arriving once the job has ended
 
 
 def _shell() -> str:
@@ -50,17 +55,16 @@ class LocalSession:
         timeout: float | None = None,
         on_line: LineCallback | None = None,
     ) -> JobOutcome:
-        """Run `script` in a new session (process group); on timeout or cancel kill the group, keep partial logs."""
+        """Run `script` under the job reaper in a new session; on timeout or cancel stop the job and everything it
+        started, keep partial logs. When the script ends, processes it left running are stopped too."""
         started = time.monotonic()
         stdout_path.parent.mkdir(parents=True, exist_ok=True)
         stderr_path.parent.mkdir(parents=True, exist_ok=True)
         with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
             try:
                 process = await asyncio.create_subprocess_exec(
-                    _shell(),
-                    "-c",
-                    script,
-                    stdin=asyncio.subprocess.DEVNULL,
+                    *reaper_argv(sys.executable, _shell(), script, watch=True),
+                    stdin=asyncio.subprocess.PIPE,  # never written: its EOF tells the reaper we are gone
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
                     start_new_session=True,
@@ -76,11 +80,13 @@ class LocalSession:
                 await asyncio.wait_for(asyncio.shield(finished), timeout)
             except asyncio.TimeoutError:
                 await run_to_completion(_stop(process, finished))
-                reason = f"timed out after {timeout:g} s; the process group was killed"
+                reason = f"timed out after {timeout:g} s; the command and every process it started were killed"
                 return JobOutcome(False, process.returncode, reason, stdout_path, stderr_path, _since(started))
             except asyncio.CancelledError:
                 await run_to_completion(_stop(process, finished))
                 raise
+            finally:
+                _close_stdin(process)
         code = process.returncode
         reason = exit_reason(code) if code is None or code >= 0 else f"killed by signal {-code}"
         return JobOutcome(reason is None, code, reason, stdout_path, stderr_path, _since(started))
@@ -106,12 +112,14 @@ class LocalSession:
             raise RemoteError(f"local command did not finish within {timeout:g} s: {script[:200]}") from None
         return Captured(process.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
 
-    async def fetch(self, path: str, local_path: Path) -> Path:
+    async def fetch(self, path: str, local_path: Path, max_bytes: int | None = None) -> Path:
         """Copy `path` to `local_path` atomically (nothing to do when they are the same file); the copy is no more
         readable than `path`."""
         source = Path(path)
         if not source.is_file():
-            raise RemoteError(f"{path} does not exist")
+            raise RemoteError(f"{path} does not exist" if not source.exists() else f"{path} is not a regular file")
+        if max_bytes is not None and (size := source.stat().st_size) > max_bytes:
+            raise RemoteError(f"{path} is {size} bytes, more than the {max_bytes}-byte limit")
         if local_path.exists() and source.resolve() == local_path.resolve():
             return local_path
         local_path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,8 +145,19 @@ class LocalSession:
 
 
 async def _finish(process: asyncio.subprocess.Process, pumps: Sequence[asyncio.Future[None]]) -> None:
-    await asyncio.gather(*pumps, return_exceptions=True)
+    """The job's end: the reaper's exit, then its output drained. The reaper takes the job's processes with it,
+    so the pipes close; a process outside its reach holding them (none is known) is waited on for a bounded time."""
     await process.wait()
+    _done, pending = await asyncio.wait(pumps, timeout=DRAIN_AFTER_EXIT_S)
+    for pump in pending:
+        pump.cancel()
+    await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def _close_stdin(process: asyncio.subprocess.Process) -> None:
+    if process.stdin is not None:
+        with contextlib.suppress(Exception):
+            process.stdin.close()
 
 
 async def _stop(process: asyncio.subprocess.Process, finished: asyncio.Future) -> None:

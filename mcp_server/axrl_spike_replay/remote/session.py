@@ -143,30 +143,40 @@ class RemoteSession:
                 raise RemoteError(f"{self.label}: cannot start SFTP: {exc}") from None
         return self._sftp
 
-    async def fetch(self, path: str, local_path: Path) -> Path:
+    async def fetch(self, path: str, local_path: Path, max_bytes: int | None = None) -> Path:
         """Copy node file `path` to `local_path` over SFTP, atomically (temp file, then rename); the copy is no
-        more readable than the node's file (its mode less the local umask)."""
+        more readable than the node's file (its mode less the local umask). RemoteError when it is not a regular
+        file or is larger than `max_bytes`."""
         sftp = await self.sftp()
+        attrs = await self._stat(sftp, path)
+        if max_bytes is not None:
+            if attrs.type != FILEXFER_TYPE_REGULAR:
+                raise RemoteError(f"{self.label}: {path} is not a regular file")
+            if attrs.size is not None and attrs.size > max_bytes:
+                raise RemoteError(f"{self.label}: {path} is {attrs.size} bytes, more than the {max_bytes}-byte limit")
         local_path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            permissions = (await sftp.stat(path)).permissions
-        except asyncssh.SFTPNoSuchFile:
-            raise RemoteError(f"{self.label}: {path} does not exist on the node") from None
-        except (asyncssh.Error, OSError) as exc:
-            raise RemoteError(self._lost_or(f"{self.label}: cannot fetch {path}: {exc}")) from None
         # a server that does not say keeps the copy private
-        fd, tmp = temp_beside(local_path, suffix=".part", mode=copy_mode(permissions if permissions else 0o600))
-        os.close(fd)
+        mode = copy_mode(attrs.permissions if attrs.permissions else 0o600)
+        fd, tmp = temp_beside(local_path, suffix=".part", mode=mode, sweep=True)
         try:
-            await sftp.get(path, tmp)
+            await sftp.get(path, tmp)  # our descriptor keeps the temp locked until it is renamed
             os.replace(tmp, local_path)
         except asyncssh.SFTPNoSuchFile:
             raise RemoteError(f"{self.label}: {path} does not exist on the node") from None
         except (asyncssh.Error, OSError) as exc:
             raise RemoteError(self._lost_or(f"{self.label}: cannot fetch {path}: {exc}")) from None
         finally:
+            os.close(fd)
             Path(tmp).unlink(missing_ok=True)
         return local_path
+
+    async def _stat(self, sftp: asyncssh.SFTPClient, path: str) -> asyncssh.SFTPAttrs:
+        try:
+            return await sftp.stat(path)
+        except asyncssh.SFTPNoSuchFile:
+            raise RemoteError(f"{self.label}: {path} does not exist on the node") from None
+        except (asyncssh.Error, OSError) as exc:
+            raise RemoteError(self._lost_or(f"{self.label}: cannot fetch {path}: {exc}")) from None
 
     async def fetch_tree(self, path: str, local_dir: Path, skip: tuple[str, ...] = ()) -> list[Path]:
         """Copy every regular file under node dir `path` into `local_dir` (same relative paths); the local files."""

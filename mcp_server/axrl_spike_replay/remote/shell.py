@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from axrl_spike_replay.errors import ConfigError
 
@@ -65,13 +66,27 @@ def parse_pgid_marker(line: bytes) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def reaper_source() -> str:
+    """The text of `remote.job_reaper`, run as `python3 -c` (a node need not have this package)."""
+    from axrl_spike_replay.remote import job_reaper
+
+    return Path(job_reaper.__file__).read_text(encoding="utf-8")
+
+
+def reaper_argv(python: str, shell: str, script: str, *, watch: bool = False) -> list[str]:
+    """The argv that runs `script` with `shell` under the job reaper (`watch`: also stop when stdin closes)."""
+    return [python, "-I", "-S", "-c", reaper_source(), shell, script, *(["watch"] if watch else [])]
+
+
 def detached_command(script: str) -> str:
-    """The command line sent to sshd: run `script` under `setsid` (own session and process group).
+    """The command line sent to sshd: run `script` under `setsid` (own session and process group), under the
+    job reaper (`remote.job_reaper`) when the node has `python3`, so processes that leave the group are stopped
+    too; a node without python3 gets the group alone.
 
     The job's process-group id is announced as the line `@@axrl-pgid <id>` on stderr (the client keeps it
     out of the log), so a second channel can kill the whole group (sshd ignores signal requests for root
-    sessions before OpenSSH 9.8). A watchdog kills the group when the channel's stdin closes, i.e. when the
-    client went away without cleaning up.
+    sessions before OpenSSH 9.8); the reaper, in that group, stops the rest. A watchdog kills the group when
+    the channel's stdin closes, i.e. when the client went away without cleaning up.
     """
     wrapper = (
         "if command -v bash >/dev/null 2>&1; then _sh=bash; else _sh=sh; fi\n"
@@ -79,7 +94,11 @@ def detached_command(script: str) -> str:
         "exec 3<&0\n"
         # Backgrounded by a non-interactive shell, the child is no group leader, so setsid does not fork:
         # its pid is the new session's and group's id.
-        'setsid "$_sh" -c "$1" axrl-job </dev/null 3<&- &\n'
+        "if command -v python3 >/dev/null 2>&1; then\n"
+        '  setsid python3 -I -S -c "$2" "$_sh" "$1" </dev/null 3<&- &\n'
+        "else\n"
+        '  setsid "$_sh" -c "$1" axrl-job </dev/null 3<&- &\n'
+        "fi\n"
         "_pid=$!\n"
         f'echo "{PGID_MARKER.decode()}$_pid" >&2\n'
         '( cat <&3 >/dev/null 2>&1; kill -TERM -"$_pid" ) >/dev/null 2>&1 &\n'
@@ -89,7 +108,7 @@ def detached_command(script: str) -> str:
         'kill "$_watch" 2>/dev/null\n'
         'exit "$_rc"\n'
     )
-    return f"sh -c {shlex.quote(wrapper)} axrl-wrap {shlex.quote(script)}"
+    return f"sh -c {shlex.quote(wrapper)} axrl-wrap {shlex.quote(script)} {shlex.quote(reaper_source())}"
 
 
 def kill_group_command(pgid: int, grace_s: float = 5.0) -> str:

@@ -10,8 +10,8 @@ targets:
 command_backend:
   workdir: /root/axrl                     # the node's training checkout (a git repo)
   command: "python tools/reproduce_spike.py --snapshot {snapshot} --out {out}"
-  result_json: "{out}/replay_result.json" # read grad_norm from here if it exists, else:
-  grad_norm_regex: "grad_norm[=: ]+([0-9.eE+-]+)"
+  result_json: "{out}/replay_result.json" # read grad_norm from here if it exists, else (per line):
+  grad_norm_regex: '\\bgrad_norm[=: ]+([-+]?(?:[0-9]+\\.?[0-9]*|\\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?(?:nan|inf))'
   env: {NCCL_DEBUG: WARN}                 # optional
   mitigations:                            # optional: our mitigation names -> the trainer's overrides
     mismatch_token_clip_max: "--actor.mismatch_token_clip_max={value}"
@@ -36,7 +36,8 @@ from axrl_spike_replay.remote.target_config import DEFAULT_PYTHON, ResolvedTarge
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
 CONFIG_FILE = "spike-replay.yaml"
-DEFAULT_GRAD_NORM_REGEX = r"grad_norm[=: ]+([0-9.eE+-]+)"
+# `grad_norm` as a whole word (`actor/grad_norm:`, not `max_grad_norm: 1.0`), then a number, nan or inf
+DEFAULT_GRAD_NORM_REGEX = r"\bgrad_norm[=: ]+([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?(?:nan|inf))"
 PLACEHOLDERS = ("snapshot", "out")
 COMMAND_PLACEHOLDERS = (*PLACEHOLDERS, "overrides")
 _TARGET_KEYS = {"ssh", "python", "setup", "known_hosts"}

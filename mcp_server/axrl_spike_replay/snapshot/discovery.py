@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from axrl_spike_replay.containment import is_inside
+from axrl_spike_replay.containment import inside_of
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.snapshot.layout import parse_output_dir_name
+from axrl_spike_replay.untrusted_bytes import file_kind
 
 OUTPUT_ROOTS_ENV = "AXRL_OUTPUT_ROOTS"
 
@@ -45,18 +47,55 @@ def output_roots(roots: Iterable[str | Path] = ()) -> list[Path]:
     return unique
 
 
+@dataclass(frozen=True)
+class LogEntries:
+    """The entries named `*.log` of an output dir (`*.log` in it, `logs/**/*.log` below it), sorted, by kind."""
+
+    inside: list[Path]  # regular files that stay inside the dir
+    leaving: list[Path]  # entries whose path leads out of the dir through a symlink: never read
+    not_regular: list[tuple[Path, str]]  # FIFOs, sockets, devices named *.log, with what each is: never opened
+
+
+def log_entries(output_dir: str | Path) -> LogEntries:
+    """The `*.log` entries of an output dir (see `LogEntries`); one stat and one resolve per entry."""
+    directory = Path(output_dir)
+    candidates = _named_logs(directory)
+    logs_dir = directory / "logs"
+    if logs_dir.is_dir():
+        candidates += logs_dir.rglob("*.log")
+    return classify_logs(candidates, directory)
+
+
+def classify_logs(candidates: Iterable[Path], directory: Path) -> LogEntries:
+    """Sort `candidates` found under `directory` into regular logs inside it, entries leading out, and entries
+    that are no regular file (a broken symlink or a vanished entry is left out)."""
+    within = inside_of(directory)
+    inside: list[Path] = []
+    leaving: list[Path] = []
+    odd: list[tuple[Path, str]] = []
+    for path in candidates:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            continue
+        if stat.S_ISDIR(mode):
+            continue
+        if not within(path):
+            leaving.append(path)
+        elif stat.S_ISREG(mode):
+            inside.append(path)
+        else:
+            odd.append((path, file_kind(mode)))
+    return LogEntries(sorted(inside), sorted(leaving), sorted(odd))
+
+
 def split_logs(output_dir: str | Path) -> tuple[list[Path], list[Path]]:
     """Log files of an output dir (`*.log` in it, `logs/**/*.log` below it), sorted: (inside, leading out).
 
     A log (or the `logs` dir) that is a symlink leading out of the output dir is in the second list: never read.
     """
-    directory = Path(output_dir)
-    logs = [p for p in _named_logs(directory) if p.is_file()]
-    logs_dir = directory / "logs"
-    if logs_dir.is_dir():
-        logs += [p for p in logs_dir.rglob("*.log") if p.is_file()]
-    inside = [p for p in logs if is_inside(p, directory)]
-    return sorted(inside), sorted(p for p in logs if p not in inside)
+    entries = log_entries(output_dir)
+    return entries.inside, entries.leaving
 
 
 def _named_logs(directory: Path) -> list[Path]:
