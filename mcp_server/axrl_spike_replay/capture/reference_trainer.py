@@ -122,6 +122,9 @@ def capture_reference_run(
     )
     if parallel != "ddp":
         config["parallel"]["strategy"] = parallel
+    # what this trainer computes and reduces in (DDP and FSDP2 alike: no mixed precision), so a replay runs the same
+    dtype = str(config["model"].get("dtype", "float32"))
+    config["precision"] = {"param_dtype": dtype, "reduce_dtype": dtype, "output_dtype": None}
     (output_dir / "logs").mkdir(parents=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="axrl-capture-") as tmp:

@@ -58,6 +58,7 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
         nproc=how.nproc,
         device=how.device,
         parallel_configs=how.parallel_configs,
+        shard=how.shard,
         mitigations=dict(what.mitigations),
         repeat=what.repeat,
         clear_threshold=what.clear_threshold,

@@ -67,6 +67,17 @@ def fits_one_process(spec: ModelSpec, precision: PrecisionPolicy, device: str, p
     return bytes_whole(spec, precision) <= available_bytes(device, processes)
 
 
+def check_whole_fits(spec: ModelSpec, precision: PrecisionPolicy, device: str, what: str) -> None:
+    """Refuse, by name and before anything loads, work that needs the whole model in one process (attribution's
+    per-sample gradients, diagnose's route agreement) when the model does not fit one process here."""
+    need, have = bytes_whole(spec, precision), available_bytes(device, 1)
+    if need > have:
+        raise ConfigError(
+            f"{what} needs the whole model in one process and cannot run sharded: the model and one gradient "
+            f"take {_gib(need)}, one process here has {_gib(have)}; replay or sweep it sharded (`shard` on)"
+        )
+
+
 def choose_shard(mode: str, spec: ModelSpec, precision: PrecisionPolicy, device: str, processes: int) -> ShardChoice:
     """Sharded or whole for `mode` (on, off, auto); ConfigError when sharding cannot run on this device."""
     mode = Shard.parse(mode, "`shard`") if not isinstance(mode, Shard) else mode

@@ -59,8 +59,8 @@ def _distributed() -> bool:
 
 
 def reduce_grads(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor | None],
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
     world_size: int,
     reduce_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
