@@ -77,9 +77,7 @@ def test_a_sharded_toy_sweep_gives_the_unsharded_norms_and_verdicts(
 
 
 @pytest.mark.parametrize("architecture", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: a shared expert per layer
-def test_a_sharded_transformers_sweep_gives_the_unsharded_norms_and_verdicts(
-    architecture: str, tmp_path: Path
-) -> None:
+def test_a_sharded_transformers_sweep_gives_the_unsharded_norms_and_verdicts(architecture: str, tmp_path: Path) -> None:
     snapshot = record_hf_snapshot(tmp_path, architecture, world_size=4)
     whole = _sweep(snapshot, 2, "off")
     for nproc in (1, 2, 4):
@@ -165,3 +163,44 @@ def test_a_warm_pool_replays_sharded_and_keeps_its_shards_and_a_cancel_leaves_it
         assert list(warm.pools().values()) == [pids]
     finally:
         warm.close()
+
+
+def test_processes_torchrun_starts_run_their_share_of_a_sharded_replay(
+    toy_world4: tuple[Path, SweepResult], tmp_path: Path
+) -> None:
+    """The seam a launcher uses: a `runner` that hands the engine's job to processes torchrun started, each calling
+    `replay.launch.run_share`; rank 0's outcomes come back to the engine, which writes the result as usual."""
+    import json
+    import pickle
+    import subprocess
+    import sys
+
+    from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+
+    snapshot, whole = toy_world4
+    worker = Path(__file__).with_name("torchrun_share_worker.py")
+
+    def torchrun(job: WorkerJob, timeout_s: float = 600.0, cancel: object = None, **_: object) -> list[ConfigOutcome]:
+        job_file, outcomes = tmp_path / "job.pkl", tmp_path / "outcomes.json"
+        job_file.write_bytes(pickle.dumps(job))
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        done = subprocess.run(
+            [*argv, str(worker), str(job_file), str(outcomes)], capture_output=True, text=True, timeout=timeout_s
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [ConfigOutcome(**item) for item in json.loads(outcomes.read_text(encoding="utf-8"))]
+
+    result = run_replay(snapshot, ReplayOptions(nproc=2, shard="on", runner=torchrun))
+    assert result.sharded is True and result.fidelity == "reduced" and result.verdict == "reproduced"
+    assert _rel(result.grad_norm, whole.baseline.grad_norm) <= REL
+
+
+def test_the_cli_shards_on_request_and_records_it(toy_world4: tuple[Path, SweepResult], tmp_path: Path, cli) -> None:
+    snapshot, whole = toy_world4
+    run = cli("replay", snapshot, "--nproc", "2", "--shard", "on", "--workspace", tmp_path, "--json")
+    assert run.code == 0, run.err
+    doc = run.json()
+    assert isinstance(doc, dict) and doc["sharded"] is True
+    assert _rel(doc["grad_norm"], whole.baseline.grad_norm) <= REL
+    command = (Path(doc["output_dir"]) / "command.txt").read_text(encoding="utf-8")
+    assert "--shard on" in command  # the command that reproduces this run says it sharded
