@@ -87,10 +87,10 @@ def test_demo_leaves_a_task_file_method_files_and_a_report(demo_run: dict) -> No
 def test_demo_report_names_the_cause_and_the_method_that_cleared_it(demo_run: dict) -> None:
     assert demo_run["causes"][0] == "rollout/trainer log-prob mismatch"
     task = Path(demo_run["task_file"]).read_text()
-    assert "cause 1 of 1: rollout/trainer log-prob mismatch" in task.split("## Observations", 1)[1]
+    assert "cause 1 of 2: rollout/trainer log-prob mismatch" in task.split("## Observations", 1)[1]
     report = Path(demo_run["report"]).read_text()
     diagnosis = report.split("## Diagnosis", 1)[1].split("\n## ", 1)[0]
-    assert "1. **rollout/trainer log-prob mismatch** (`logprob_mismatch`" in diagnosis
+    assert "1. **rollout/trainer log-prob mismatch** (`engine_mismatch`" in diagnosis
     assert "self-consistent: **yes**; agrees with the training log: **yes**" in diagnosis
     suggested = _table_rows(report, "## Diagnosis")
     assert suggested[0]["mitigation"] == "mismatch_token_clip_max=2"  # the first experiment it suggests ...

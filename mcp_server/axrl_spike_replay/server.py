@@ -32,6 +32,7 @@ from axrl_spike_replay.agent_install import SERVER_NAME
 from axrl_spike_replay.mcp_faces import (
     analysis_tools,
     capture_tools,
+    plan_tools,
     record_tools,
     remote_tools,
     replay_tools,
@@ -56,7 +57,7 @@ Paths may be absolute or relative to the workspace. The prompt `axrl-spike-repla
 resources axrl://task/{job} and axrl://method/{slug} show the record.
 """
 
-TOOL_MODULES = (snapshot_tools, analysis_tools, replay_tools, remote_tools, record_tools, capture_tools)
+TOOL_MODULES = (snapshot_tools, analysis_tools, replay_tools, plan_tools, remote_tools, record_tools, capture_tools)
 
 # The token is made by this server itself: no OAuth endpoint is served (no provider, no resource URL), so
 # the issuer named here appears nowhere; the SDK's settings only require one.

@@ -68,10 +68,12 @@ class Fidelity(Vocabulary):
 
 
 class Backend(Vocabulary):
-    """Who recomputes the step: the built-in `torch` engine, or the trainer's own replay `command`."""
+    """Who recomputes the step: the built-in `torch` engine, Megatron-core's own GPTModel (`megatron`, route 2 of a
+    Megatron snapshot: the `megatron` extra), or the trainer's own replay `command`."""
 
     TORCH = "torch"
     COMMAND = "command"
+    MEGATRON = "megatron"
 
 
 class Verb(Vocabulary):

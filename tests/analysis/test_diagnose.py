@@ -1,5 +1,5 @@
 """`diagnose` names the cause of each kind of spike first, with its evidence as numbers and experiments to run;
-a clean step gives "none found" with what was checked; a snapshot edited after the fact is caught by the
+a clean step gives `natural_spike` with what was checked; a snapshot edited after the fact is caught by the
 consistency checks even though its replay reproduces."""
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ def test_a_log_prob_mismatch_spike_is_diagnosed_as_such_with_the_carrying_sample
     snapshot = captured_run.snapshot_dirs[0]
     d = diagnose_snapshot(snapshot)
     top = d.causes[0]
-    assert top.family == "logprob_mismatch"
-    assert top.figures["max_abs_log_ratio"] > 5 and top.figures["fraction_outside_0.5_2"] > 0.5
+    assert top.family == "engine_mismatch" and top.strength == 1.0 and top.ranks == []  # spread over the ranks
+    assert top.figures["max_abs_log_ratio_current_vs_rollout"] > 5
+    assert top.figures["fraction_outside_0.5_2_current_vs_rollout"] > 0.5
+    assert any("old agrees with the replay on rank" in line for line in top.evidence)  # the witness
     carrier = d.attribution_top[0]
     assert f"rank {carrier['rank']} sample {carrier['sample']} carries" in top.evidence[0]
     assert d.mitigation_items()[0] == "mismatch_token_clip_max=2"
@@ -31,7 +33,9 @@ def test_a_log_prob_mismatch_spike_is_diagnosed_as_such_with_the_carrying_sample
     run = cli("diagnose", snapshot, "--model", "never")
     assert run.code == 0 and "rollout/trainer log-prob mismatch" in run.out
     assert "--mitigation mismatch_token_clip_max=2" in run.out and "per-sample attribution" in run.out
-    assert cli("diagnose", snapshot, "--json", "--model", "never").json()["causes"][0]["family"] == "logprob_mismatch"
+    doc = cli("diagnose", snapshot, "--json", "--model", "never").json()
+    assert doc["causes"][0]["family"] == "engine_mismatch"
+    assert doc["causes"][0]["tied_with"] == ["stale_old_logprobs"]  # without the replay the two cannot be told apart
 
 
 def test_a_negative_advantage_spike_is_diagnosed_as_negative_dominance(negative_advantage_run) -> None:
@@ -41,13 +45,18 @@ def test_a_negative_advantage_spike_is_diagnosed_as_negative_dominance(negative_
     assert d.mitigation_items()[0] == "balance_negative_advantages=true"
 
 
-def test_a_clean_step_gives_none_found_and_says_what_was_checked(tmp_path: Path) -> None:
+def test_a_clean_step_gives_a_natural_spike_and_says_what_was_checked(tmp_path: Path) -> None:
     from tiny_spike import write_tiny_spike
 
     snapshot = write_tiny_spike(tmp_path, job="clean", iteration=5, recorded=1.0, median=1.0)
-    d = diagnose_snapshot(snapshot)
-    assert d.causes[0].family == "none_found"
-    assert "checked:" in d.causes[0].evidence[0] and "rollout-vs-old log-ratios" in d.causes[0].evidence[0]
+    # its stored log-probs are placeholders (0 on every loss token): against the replay they cover nothing
+    with_model = diagnose_snapshot(snapshot)
+    assert with_model.causes[0].family == "mask_misalignment"
+    assert {c.family for c in with_model.causes} & {"stale_old_logprobs", "bad_ref_logprobs"} == set()
+    d = diagnose_snapshot(snapshot, model="never")
+    assert d.causes[0].family == "natural_spike"
+    assert "checked:" in d.causes[0].evidence[0]
+    assert "the stored old log-probs against the replay" in d.causes[0].evidence[0]
     assert any(line.startswith("outlier_advantage:") for line in d.checked)
 
 

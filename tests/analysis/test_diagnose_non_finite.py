@@ -14,7 +14,7 @@ from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
 from axrl_spike_replay.analysis.grad_info import top_param_grads
 from axrl_spike_replay.diagnosis import causes
 from axrl_spike_replay.diagnosis.causes import Evidence
-from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
+from axrl_spike_replay.diagnosis.diagnose import RULES, diagnose_snapshot
 from axrl_spike_replay.diagnosis.model_evidence import LayerAgreement, RouteAgreement
 from axrl_spike_replay.experiment.result import Attribution, SampleContribution
 
@@ -32,10 +32,10 @@ def test_one_nan_advantage_is_reported_as_non_finite_and_makes_no_cause_strong(t
 
     d = diagnose_snapshot(snapshot, model="never")
     strengths = _families(d)
-    assert d.causes[0].family == "logprob_mismatch"  # the real cause stays first
+    assert d.causes[0].family == "engine_mismatch"  # the real cause stays first
     assert "negative_advantage_dominance" not in strengths  # was 1.00 from min(1.0, nan)
     non_finite = next(c for c in d.causes if c.family == "non_finite")
-    assert non_finite.strength == causes.NON_FINITE_INPUTS < strengths["logprob_mismatch"]
+    assert non_finite.strength == causes.NON_FINITE_INPUTS < strengths["engine_mismatch"]
     assert non_finite.evidence[0] == "8 non-finite advantages on loss tokens"
     assert "recorded grad norm 56.78 is finite" in non_finite.evidence[1]
     assert "drop_samples=0:2" in d.mitigation_items()
@@ -49,7 +49,7 @@ def test_nan_rollout_logprobs_do_not_pass_for_a_log_prob_mismatch(tmp_path: Path
     d = diagnose_snapshot(snapshot, model="never")
     strengths = _families(d)
     # analyze counts the NaN log-ratios as outside [0.5, 2] (6 % of loss tokens): judged on the finite ones, none is
-    assert "logprob_mismatch" not in strengths
+    assert "engine_mismatch" not in strengths and "stale_old_logprobs" not in strengths
     assert d.causes[0].family == "non_finite" and d.causes[0].strength == causes.NON_FINITE_INPUTS
     assert d.causes[0].evidence[0].endswith("non-finite rollout logprobs on loss tokens")
     assert "drop_samples=1:5" in d.mitigation_items()
@@ -89,9 +89,9 @@ def test_no_family_turns_a_nan_figure_into_a_strong_cause(tmp_path: Path) -> Non
     no_mismatch(snapshot)
     edit_batch(snapshot, 1, lambda b: b["advantages"].__setitem__(3, b["advantages"][3] * 200.0))
     ev = _with_nan_evidence(snapshot)
-    found = {f.__name__: f(ev) for f in causes.FAMILIES}
-    assert found["routing_mismatch"] is None  # a NaN disagreement is no disagreement (was min(1.0, nan) = 1.0)
-    assert found["one_rank"] is None  # NaN shares carry nothing
+    found = {f.__name__: f(ev) for f in RULES}
+    assert found["routing_payload"] is None  # a NaN disagreement is no disagreement (was min(1.0, nan) = 1.0)
+    assert found["one_rank_data"] is None  # NaN shares carry nothing
     outlier = found["outlier_advantage"]
     assert outlier is not None and outlier.strength == pytest.approx(0.4)  # NaN share: nothing carried (was 1.0)
     assert outlier.figures["samples"] == [[1, 3]]

@@ -45,7 +45,7 @@ def assert_ready_items(d: Diagnosis) -> None:
 
 def test_the_log_prob_mismatch_suggestions_parse_verbatim(tmp_path: Path) -> None:
     d = diagnose_snapshot(_copy(tmp_path), model="never")
-    assert d.causes[0].family == "logprob_mismatch" and d.mitigation_items()[0] == "mismatch_token_clip_max=2"
+    assert d.causes[0].family == "engine_mismatch" and d.mitigation_items()[0] == "mismatch_token_clip_max=2"
     assert_ready_items(d)
 
 
@@ -66,7 +66,7 @@ def test_two_pairs_read_as_diagnose_writes_them() -> None:
 
 
 @pytest.mark.slow
-def test_a_stale_route_table_in_one_layer_is_diagnosed_as_routing_mismatch(tmp_path: Path) -> None:
+def test_a_stale_route_table_in_one_layer_is_diagnosed_as_a_routing_payload_fault(tmp_path: Path) -> None:
     """The reference engine's `stale_route_layer` fault, applied to a captured snapshot: layer 1's recorded
     routes come from a stale expert table (every expert id shifted by one), so they disagree with the trainer's
     router on nearly every token while layer 0 agrees."""
@@ -78,14 +78,17 @@ def test_a_stale_route_table_in_one_layer_is_diagnosed_as_routing_mismatch(tmp_p
         routes[:, :, 1, :] = torch.where(layer >= 0, (layer + 1) % 4, layer)
         torch.save(payload, path)
     d = diagnose_snapshot(snapshot, model="always")
-    routing = next(c for c in d.causes if c.family == "routing_mismatch")
+    routing = next(c for c in d.causes if c.family == "routing_payload")
     assert routing.strength >= 0.3 and routing in d.causes[:2]
+    assert routing.ranks == []  # every rank: the table, not one rank's payload
+    # the witness: the stored old log-probs agree with the model's own routing, not with the recorded routes
+    assert any("agree with the model's own routing" in line for line in routing.evidence)
     assert d.routes is not None
     by_layer = {x.layer: x for x in d.routes.layers}
     assert by_layer[1].loss_disagreement is not None and by_layer[1].loss_disagreement > 0.9
     assert by_layer[1].other_disagreement is not None and by_layer[1].other_disagreement > 0.9
     assert (by_layer[0].loss_disagreement or 0.0) < 0.2
-    assert routing.figures["layer"] == 1 and routing.figures["loss_disagreement"] > 0.9
-    assert "layer 0:" in routing.evidence[1] and "of non-loss tokens" in routing.evidence[1]
+    assert routing.figures["layers"] == [1]
+    assert "layer 0: 0.0 % of loss tokens" in routing.evidence[0] and "layer 1: 100.0 % of loss" in routing.evidence[0]
     assert "current_routing_layers=1" in d.mitigation_items()
     assert_ready_items(d)

@@ -93,3 +93,27 @@ def mbridge_to_hf(section: dict[str, Any], tensors: dict[str, torch.Tensor], hf_
         names, values = bridge._weight_to_hf_format(name, tensor)
         per_expert.update(zip(names, values, strict=True))
     return to_model_layout(hf_model, per_expert)
+
+
+def build_mla_locally(rank: int, world: int, payload: None) -> None:
+    """Megatron-core's GPTModel with Multi-Latent Attention (DeepSeek-V3's) on the local spec: no Transformer
+    Engine, CPU. Raises what megatron-core raises."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import MLATransformerConfig
+
+    from axrl_spike_replay.models.megatron_cpu import initialize_cpu_rng, megatron_on_cpu
+    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, init_parallel
+
+    with megatron_on_cpu():
+        init_parallel(MegatronParallel())
+        config = MLATransformerConfig(
+            num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, q_lora_rank=32,
+            kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, num_moe_experts=8,
+            moe_ffn_hidden_size=32, moe_router_topk=2, moe_layer_freq=[0, 1], normalization="RMSNorm",
+            qk_layernorm=True, use_cpu_initialization=True, moe_token_dispatcher_type="allgather", rope_type="rope",
+            persist_layer_norm=False, add_bias_linear=False, gated_linear_unit=True,
+        )  # fmt: skip
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        initialize_cpu_rng(0)
+        GPTModel(config=config, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=64)

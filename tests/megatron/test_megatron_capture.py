@@ -16,9 +16,11 @@ from megatron_trainer import load_hook
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
+from axrl_spike_replay.snapshot.legacy import prepare_replay_dir
 from axrl_spike_replay.snapshot.megatron_routes import MEGATRON_ROUTES_FORMAT
 from axrl_spike_replay.snapshot.rank_data import load_routing_payload
 from axrl_spike_replay.snapshot.safe_load import load_pt
+from axrl_spike_replay.vocabulary import Backend
 
 pytestmark = pytest.mark.slow
 
@@ -57,14 +59,20 @@ def test_the_snapshot_replays_to_reproduced(megatron_capture: Path) -> None:
 
 
 def test_a_legacy_megatron_snapshot_is_repaired_and_replays(megatron_capture: Path, tmp_path: Path) -> None:
-    """AXRL metadata in Megatron's metadata.json: the repair rule restores the checkpoint's file in a replay dir."""
+    """AXRL metadata in Megatron's metadata.json: the repair rule restores the checkpoint's file in a replay dir,
+    as megatron-core wrote it, and megatron-core's own loader (route 2) reads the repaired checkpoint."""
+    written_by_megatron = json.loads((megatron_capture / "metadata.json").read_text())
     legacy = shutil.copytree(megatron_capture, tmp_path / "iter_0000006")
     (legacy / "metadata.json").write_text((legacy / "axrl_metadata.json").read_text())
     (legacy / "axrl_metadata.json").unlink()
     found = inspect_snapshot(legacy)
     assert found.legacy_metadata and found.problems == [] and found.megatron is not None
+    prepared = prepare_replay_dir(legacy, tmp_path / "replay")
+    assert json.loads((Path(prepared.replay_dir) / "metadata.json").read_text()) == written_by_megatron
     result = run_replay(legacy, ReplayOptions())
     assert result.verdict == "reproduced" and result.legacy_layout
+    native = run_replay(legacy, ReplayOptions(backend=Backend.MEGATRON))  # dist_checkpointing.load reads it
+    assert native.verdict == "reproduced" and native.legacy_layout
     assert json.loads((legacy / "metadata.json").read_text())["job_name"] == "megatron-ep2"  # untouched
 
 

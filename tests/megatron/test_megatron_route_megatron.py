@@ -1,19 +1,25 @@
-"""Replay route 2 (megatron-core's own GPTModel, loaded with `dist_checkpointing.load`, routes forced through its
-router replay) and the cross-check against route 1 (the transformers model) on the same captured snapshot."""
+"""Replay route 2 (`backend` megatron: megatron-core's own GPTModel, loaded with `dist_checkpointing.load`, routes
+forced through its router replay) and the cross-check against route 1 (the transformers model) on the same captured
+snapshot."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from axrl_spike_replay.errors import SnapshotError
+from axrl_spike_replay.errors import ConfigError, SnapshotError
+from axrl_spike_replay.experiment.result import ReplayResult
+from axrl_spike_replay.investigation.request import What, Where, replay_request
+from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.megatron_route import replay_with_megatron
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.snapshot.safe_load import load_pt
+from axrl_spike_replay.vocabulary import Backend
 
 pytestmark = pytest.mark.slow
 
@@ -32,16 +38,30 @@ def _rewrite(path: Path, doc: dict) -> None:
 CROSS_CHECK_RTOL = 1e-6
 
 
+def replay_with_megatron(snapshot: Path, **options: object) -> ReplayResult:
+    return run_replay(snapshot, ReplayOptions(backend=Backend.MEGATRON, **options))  # type: ignore[arg-type]
+
+
 def test_route_2_reproduces_the_step_and_agrees_with_route_1(megatron_capture: Path) -> None:
     native = replay_with_megatron(megatron_capture)
-    assert native.rel_diff < CROSS_CHECK_RTOL, (native.grad_norm, native.recorded_grad_norm)
-    assert "decoder.layers.0.mlp.experts.local_experts.7.linear_fc1.weight" in native.param_grad_norms
+    assert native.backend == "megatron" and native.verdict == "reproduced"
+    assert native.rel_diff is not None and native.rel_diff < CROSS_CHECK_RTOL, native.verdict_basis
+    assert native.top_params[0]["name"].startswith(("decoder.layers.", "embedding.", "output_layer."))  # Megatron's
     transformers = run_replay(megatron_capture, ReplayOptions())
-    assert transformers.grad_norm is not None
+    assert transformers.backend == "torch" and transformers.grad_norm is not None and native.grad_norm is not None
     assert abs(transformers.grad_norm - native.grad_norm) / native.grad_norm < CROSS_CHECK_RTOL
     losses = {m["rank"]: m["loss"] for m in transformers.rank_metrics}
-    assert losses.keys() == native.rank_losses.keys()
-    assert all(abs(losses[r] - native.rank_losses[r]) < 1e-5 * abs(native.rank_losses[r]) for r in losses)
+    native_losses = {m["rank"]: m["loss"] for m in native.rank_metrics}
+    assert losses.keys() == native_losses.keys() == {0, 1}
+    assert all(abs(losses[r] - native_losses[r]) < 1e-5 * abs(native_losses[r]) for r in losses)
+    assert native.consistency is not None and native.consistency["self_consistent"]
+
+
+def test_route_2_refuses_what_only_route_1_does(megatron_capture: Path) -> None:
+    with pytest.raises(ConfigError, match="mitigations run on the built-in `backend` torch"):
+        replay_with_megatron(megatron_capture, mitigations={"advantage_clip": 0.5})
+    with pytest.raises(ConfigError, match=r"`nproc` 1: `backend` megatron runs one process per saved"):
+        replay_with_megatron(megatron_capture, nproc=1)
 
 
 def test_no_route_sentinels_take_the_current_router_on_both_routes(megatron_capture: Path, tmp_path: Path) -> None:
@@ -54,7 +74,7 @@ def test_no_route_sentinels_take_the_current_router_on_both_routes(megatron_capt
         doc["topk_indices"][0][::3] = -1  # every third token of the first MoE layer
         _rewrite(path, doc)
     assert int((load_rank_routes(snapshot, 0).routed_experts < 0).sum()) > 0  # type: ignore[union-attr]
-    assert replay_with_megatron(snapshot).rel_diff < CROSS_CHECK_RTOL
+    assert replay_with_megatron(snapshot).verdict == "reproduced"
     assert run_replay(snapshot, ReplayOptions()).verdict == "reproduced"
 
 
@@ -79,3 +99,25 @@ def test_a_payload_that_does_not_fit_the_batch_is_refused_by_name(megatron_captu
     _rewrite(path, doc)
     with pytest.raises(SnapshotError, match=r"topk_indices\[0\] \(layer 0\) has shape \(100, 2\)"):
         load_rank_routes(snapshot, 1, batch=batch)
+
+
+@pytest.mark.parametrize("backend", [Backend.TORCH, Backend.MEGATRON])
+def test_a_layout_the_shards_contradict_is_refused_before_anything_is_written(
+    megatron_capture: Path, tmp_path: Path, backend: Backend
+) -> None:
+    """The run config and metadata say TP=2, the checkpoint's shards were saved at TP=1: either route refuses,
+    naming the file, what disagrees and the command backend, and writes nothing."""
+    snapshot = shutil.copytree(megatron_capture, tmp_path / "iter_0000006")
+    config = yaml.safe_load((snapshot / "run_config.yaml").read_text())
+    config["parallel"].update(tp=2, world_size=4)
+    (snapshot / "run_config.yaml").write_text(yaml.safe_dump(config))
+    metadata = json.loads((snapshot / "axrl_metadata.json").read_text())
+    metadata["parallel"].update(tp=2, world_size=4)
+    (snapshot / "axrl_metadata.json").write_text(json.dumps(metadata))
+    workspace = tmp_path / "ws"
+    request = replay_request(What(snapshot), Where(backend=backend), workspace=workspace)
+    with pytest.raises(
+        SnapshotError, match=r"\.metadata: linear_qkv is saved in 1 tensor-parallel shards but .* tp=2.*--backend comm"
+    ):
+        run_request(request)
+    assert not workspace.exists()

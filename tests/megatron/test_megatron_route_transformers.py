@@ -38,12 +38,15 @@ def _batch() -> dict[str, torch.Tensor]:
     return {"tokens": tokens, "loss_mask": mask, "attention_mask": attention}
 
 
+@pytest.mark.parametrize("router", [0.0, 0.01])
 def test_transformers_model_computes_what_megatron_computes(
-    megatron_checkpoints: dict[str, Path], tmp_path: Path
+    megatron_checkpoints: dict[str, Path], tmp_path: Path, router: float
 ) -> None:
+    """With `router` > 0 the loss (its router z- and aux losses) reaches the left-padded prompt's positions: their
+    attention rows see no key, and route 1 must pass them no gradient, as Megatron's filled scores do."""
     section, batch = tiny_section(), _batch()
     out = tmp_path / "megatron.pt"
-    spawn_ranks(forward_backward, 1, (section, str(megatron_checkpoints["tp1"]), batch, str(out), None, 0.0))
+    spawn_ranks(forward_backward, 1, (section, str(megatron_checkpoints["tp1"]), batch, str(out), None, router))
     megatron = torch.load(out, weights_only=True)
 
     spec = parse_model_config(section)
@@ -52,7 +55,7 @@ def test_transformers_model_computes_what_megatron_computes(
     ours = policy_forward(policy, batch, RoutingControl(), need_entropy=False)
     assert torch.equal(ours.routes, megatron["routes"])  # every token to the same experts
     assert (ours.logprobs - megatron["logprobs"]).abs().max() < LOGPROB_ATOL
-    simple_loss(ours, batch).backward()
+    simple_loss(ours, batch, router).backward()
 
     theirs = mbridge_to_hf(section, megatron["grads"], policy)
     grads = {name: p.grad for name, p in policy.named_parameters()}

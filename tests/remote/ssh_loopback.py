@@ -173,7 +173,9 @@ class AsyncsshServer:
 class OpenSshServer:
     """Debian's sshd on 127.0.0.1:<free port> with its own host key, authorized key and config."""
 
-    def __init__(self, directory: Path, keys: Keys) -> None:
+    def __init__(self, directory: Path, keys: Keys, prefix: tuple[str, ...] = ()) -> None:
+        """`prefix` wraps sshd's command line (e.g. `unshare -m sh -c '...; exec "$@"' sh`: a node with its own
+        mounts)."""
         assert SSHD is not None
         self.directory = directory
         self.port = free_port()
@@ -200,7 +202,8 @@ class OpenSshServer:
             )
         )
         self.log = open(directory / "sshd.log", "wb")  # noqa: SIM115 - kept open while the server runs
-        self.process = subprocess.Popen([SSHD, "-f", str(config), "-D", "-e"], stdout=self.log, stderr=self.log)
+        argv = [*prefix, SSHD, "-f", str(config), "-D", "-e"]
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=self.log)
         deadline = time.monotonic() + 15
         while True:
             if self.process.poll() is not None:

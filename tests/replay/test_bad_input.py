@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from axrl_spike_replay.errors import AxrlError, ConfigError, SnapshotError
-from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.investigation.request import How, What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, RUN_CONFIG
@@ -107,6 +107,27 @@ def test_layouts_the_torch_backend_cannot_rebuild_point_to_the_command_backend(
 def test_bad_options(spike_snapshot: Path, workspace: Path, what: dict, how: How, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         run_request(replay_request(What(spike_snapshot, **what), how=how, workspace=workspace))
+    assert nothing_written(workspace)
+
+
+@pytest.mark.parametrize(
+    ("what", "where", "how", "message"),
+    [
+        ({"verb": "sweep", "configs": [{"advantage_clip": 1}]}, {}, How(), "a sweep runs on the built-in `backend`"),
+        ({"mitigations": {"advantage_clip": 1}}, {}, How(), "mitigations run on the built-in `backend` torch"),
+        ({}, {"target": "gpu-node"}, How(), "megatron runs Megatron-core's GPTModel here, on CPU; a `target` runs"),
+        ({}, {}, How(device="cuda"), "local spec on CPU here; use `device` cpu"),
+        ({}, {}, How(), r"model kind megatron\); .* holds a model of kind tiny_moe: replay it with the built-in"),
+    ],
+)
+def test_what_the_megatron_backend_does_not_do_is_refused_by_name(
+    spike_snapshot: Path, workspace: Path, what: dict, where: dict, how: How, message: str
+) -> None:
+    """`backend` megatron (route 2 of a Megatron snapshot) replays a Megatron snapshot's baseline here, on CPU."""
+    with pytest.raises(ConfigError, match=message):
+        run_request(
+            replay_request(What(spike_snapshot, **what), Where(backend="megatron", **where), how, workspace=workspace)
+        )
     assert nothing_written(workspace)
 
 

@@ -40,13 +40,18 @@ ISSUE_NAMES = {
     "advantage_outlier_mask",
     "drop_samples",
     "initial_model",
+    "drop_ranks",
+    "keep_ranks",
+    "recompute",
+    "kl_estimator",
+    "kl_clamp",
 }
 
 
 def test_the_registry_names_every_mitigation_with_its_values_and_doc() -> None:
     assert set(MITIGATIONS) == ISSUE_NAMES
     for m in MITIGATIONS.values():
-        assert m.values and m.doc and m.target in ("loss", "routing", "weights")
+        assert m.values and m.doc and m.target in ("loss", "routing", "weights", "signals")
 
 
 def test_cli_items_and_yaml_spellings_normalise_to_one_config(tmp_path: Path) -> None:

@@ -42,6 +42,11 @@ SAMPLES: dict[str, Any] = {
     "advantage_outlier_mask": 5,
     "drop_samples": "0:1",
     "initial_model": "/nonexistent/initial",
+    "drop_ranks": "1",
+    "keep_ranks": "0,2",
+    "recompute": "routes:rank1,old_logprobs:rank1",
+    "kl_estimator": "low_var_kl",
+    "kl_clamp": 10,
 }
 
 

@@ -57,7 +57,7 @@ def test_every_verdict_value_is_kept() -> None:
         "baseline_not_a_spike",
         "failed",
     )
-    assert Backend.values() == ("torch", "command") and Fidelity.values() == ("full", "reduced")
+    assert Backend.values() == ("torch", "command", "megatron") and Fidelity.values() == ("full", "reduced")
     assert GuardAction.values() == ("proceed", "log", "skip", "rollback")
 
 
@@ -66,7 +66,7 @@ def test_every_verdict_value_is_kept() -> None:
     [
         ("verdict", "obliterated", r"result verdict must be one of reproduced, .*failed, got 'obliterated'"),
         ("fidelity", "\x1b[2Jhalf", r"result fidelity must be one of full, reduced, got '\\x1b\[2Jhalf'"),
-        ("backend", None, r"result backend must be one of torch, command, got None"),
+        ("backend", None, r"result backend must be one of torch, command, megatron, got None"),
     ],
 )
 def test_a_result_file_with_a_value_outside_its_vocabulary_is_refused_by_name(

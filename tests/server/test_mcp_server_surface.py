@@ -24,6 +24,7 @@ ALL_TOOLS = {
     "top_param_grads",
     "prepare_replay_dir",
     "probe_node",
+    "plan_replay",
     "replay",
     "sweep",
     "attribute_spike",
@@ -48,7 +49,7 @@ READ_ONLY = {
 }
 # replay and sweep: with the command backend they run the node's trainer, with a patch the caller chose
 DESTRUCTIVE = {"release_preserved", "write_report", "replay", "sweep"}
-OPEN_WORLD = {"probe_node", "replay", "sweep"}
+OPEN_WORLD = {"probe_node", "plan_replay", "replay", "sweep"}
 
 
 def stdio_params(workspace: Path) -> StdioServerParameters:

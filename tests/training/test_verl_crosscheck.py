@@ -94,3 +94,34 @@ def test_grpo_advantages_take_verls_bessel_corrected_group_std(verl: dict[str, A
     assert torch.allclose(ours.double(), theirs[:, 0], rtol=1e-6, atol=0)
     population = grpo_advantages(rewards.double(), group_size=4)  # axrl keeps the population std
     assert not torch.allclose(population.double(), theirs[:, 0], rtol=1e-3)
+
+
+def test_every_kl_estimator_choice_is_verls_kl_penalty(verl: dict[str, Any]) -> None:
+    """The `kl_estimator` lever under the axrl convention: every estimator but axrl's own k3 is verl's kl_penalty,
+    forward and gradient; `kl_clamp: 10` on low_var_kl is verl's own clamp; axrl's k3 is the unclamped formula."""
+    from axrl_spike_replay.training.loss_config import KL_ESTIMATORS, LossConfig
+    from axrl_spike_replay.training.policy_loss import axrl_kl
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.cat([torch.randn(64, generator=g, dtype=torch.float64) * 4, torch.tensor([-30.0, 12.0, 30.0])])
+    base = -torch.rand(ref.shape, generator=g, dtype=torch.float64) * 3
+    for estimator in KL_ESTIMATORS:
+        if estimator == "k3":
+            continue
+        ours_lp, theirs_lp = base.clone().requires_grad_(), base.clone().requires_grad_()
+        ours = axrl_kl(ours_lp, ref, LossConfig(kl_estimator=estimator))
+        theirs = verl["core_algos"].kl_penalty(logprob=theirs_lp, ref_logprob=ref, kl_penalty=estimator)
+        ours.sum().backward()
+        theirs.sum().backward()
+        assert torch.allclose(ours, theirs, rtol=1e-12, atol=0), estimator
+        assert ours_lp.grad is not None and theirs_lp.grad is not None
+        assert torch.allclose(ours_lp.grad, theirs_lp.grad, rtol=1e-12, atol=0), estimator
+    clamped = axrl_kl(base, ref, LossConfig(kl_estimator="low_var_kl", kl_clamp=10.0))
+    assert torch.equal(clamped, verl["core_algos"].kl_penalty(logprob=base, ref_logprob=ref, kl_penalty="low_var_kl"))
+    delta = ref - base
+    own = axrl_kl(base, ref, LossConfig())
+    assert torch.allclose(own, delta.exp() - delta - 1.0) and float(own.max()) > KL_CLAMP  # unclamped
+    bound = axrl_kl(base, ref, LossConfig(kl_clamp=2.0))
+    assert float(bound.max()) == 2.0 and torch.equal(bound, own.clamp(max=2.0))
+    for estimator in ("k1", "k2", "abs"):  # the other estimators take the clamp alike
+        assert float(axrl_kl(base, ref, LossConfig(kl_estimator=estimator, kl_clamp=1.5)).abs().max()) <= 1.5

@@ -33,7 +33,7 @@ def test_task_open_writes_the_cause_and_the_experiments_into_the_task_file(spike
     opened = run.json()
     assert isinstance(opened, dict)
     cause = opened["observations"][0]["text"]
-    assert cause.startswith("diagnose (iteration 21): cause 1 of 1: rollout/trainer log-prob mismatch")
+    assert cause.startswith("diagnose (iteration 21): cause 1 of 2: rollout/trainer log-prob mismatch")
     assert "of loss tokens have π_old/π_rollout outside [0.5, 2]" in cause
     steps = [n["text"] for n in opened["next_steps"]]
     assert steps[0].startswith("replay `--mitigation mismatch_token_clip_max=2`: truncated importance sampling")
@@ -49,12 +49,12 @@ def test_task_open_writes_the_cause_and_the_experiments_into_the_task_file(spike
     assert isinstance(report, dict)
     text = Path(report["path"]).read_text()
     section = text.split("## Diagnosis", 1)[1].split("\n## ", 1)[0]
-    assert "1. **rollout/trainer log-prob mismatch** (`logprob_mismatch`, strength" in section
+    assert "1. **rollout/trainer log-prob mismatch** (`engine_mismatch`, strength" in section
     assert "max |log(π_old/π_rollout)| on loss tokens 6.93" in section
     assert "self-consistent: **yes**; agrees with the training log: **yes**" in section
     assert "| 1 | mismatch_token_clip_max=2 |" in section
     assert "| not tried |" in section
-    assert report["diagnosis"]["likely"][0]["family"] == "logprob_mismatch"
+    assert report["diagnosis"]["likely"][0]["family"] == "engine_mismatch"
 
 
 def test_every_suggested_experiment_is_a_ready_mitigation_item(spike: Path, tmp_path: Path) -> None:

@@ -40,15 +40,20 @@ def add_remote_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("where and how to run (GPU node over SSH, external command)")
     group.add_argument(
         "--target",
-        default="local",
-        help="'local' (default), a target name from spike-replay.yaml, or an ssh target as you would type it: "
-        "'ssh -p 2222 root@10.0.0.5', user@host:port, ssh://user@host:port or a ~/.ssh/config Host",
+        action="append",
+        default=None,
+        help="'local' (default), a target name from spike-replay.yaml (a node, a multinode: group or a slurm: "
+        "cluster), or an ssh target as you would type it: 'ssh -p 2222 root@10.0.0.5', user@host:port, "
+        "ssh://user@host:port or a ~/.ssh/config Host; repeat it to run on several nodes (one torchrun agent on each, "
+        "one rendezvous)",
     )
     group.add_argument(
         "--backend",
         choices=Backend.values(),
         default="torch",
-        help="torch: the built-in engine; command: the external replay command of spike-replay.yaml",
+        help="torch: the built-in engine; megatron: Megatron-core's own GPTModel recomputes the baseline of a "
+        "Megatron snapshot (the megatron extra; the cross-check of torch); command: the external replay command "
+        "of spike-replay.yaml",
     )
     group.add_argument(
         "--patch",
@@ -66,6 +71,43 @@ def add_remote_options(parser: argparse.ArgumentParser) -> None:
         help="kill the run (its whole process group) after this many seconds; partial logs are kept",
     )
     add_connection_options(group)
+    add_slurm_options(parser)
+
+
+SLURM_OPTIONS = ("partition", "account", "time", "nodes", "gpus_per_node", "nproc_per_node", "cpus_per_task")
+
+
+def add_slurm_options(parser: argparse.ArgumentParser) -> None:
+    """--slurm and the allocation's settings (over those of the `slurm:` entry --target names)."""
+    group = parser.add_argument_group("Slurm (sbatch from the --target login node, or this machine: srun → torchrun)")
+    group.add_argument(
+        "--slurm",
+        action="store_true",
+        help="run the replay as a Slurm job submitted from --target (a login node; 'local': this machine), with the "
+        "settings below; a --target naming a slurm: entry of spike-replay.yaml needs no --slurm",
+    )
+    group.add_argument("--partition", default=None, help="sbatch --partition (default: the cluster's default)")
+    group.add_argument("--account", default=None, help="sbatch --account")
+    group.add_argument("--time", default=None, metavar="HH:MM:SS", help="sbatch --time")
+    group.add_argument("--nodes", type=int, default=None, help="nodes to allocate (default 1)")
+    group.add_argument("--gpus-per-node", type=int, default=None, metavar="N", help="sbatch --gpus-per-node")
+    group.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="replay processes per node (default: GPUs per node)",
+    )
+    group.add_argument("--cpus-per-task", type=int, default=None, metavar="N", help="CPUs for each node's processes")
+
+
+def slurm_from_args(args: argparse.Namespace) -> dict[str, object] | None:
+    """The Slurm settings given as arguments (None: no Slurm option given)."""
+    given = {name: getattr(args, name, None) for name in SLURM_OPTIONS}
+    given = {name: value for name, value in given.items() if value is not None}
+    if not given and not getattr(args, "slurm", False):
+        return None
+    return given
 
 
 def remote_options_from_args(args: argparse.Namespace) -> RemoteOptions:
@@ -85,8 +127,11 @@ def where_from_args(args: argparse.Namespace) -> Where:
     """Where a `replay`, `sweep` or `attribute` of parsed arguments runs (the request's `Where` part)."""
     from axrl_spike_replay.investigation.request import LOCAL, Where
 
+    targets = list(getattr(args, "target", None) or [])
     return Where(
-        target=getattr(args, "target", None) or LOCAL,
+        target=targets[0] if len(targets) == 1 else LOCAL,
+        targets=tuple(targets) if len(targets) > 1 else (),
+        slurm=slurm_from_args(args),
         backend=Backend(getattr(args, "backend", Backend.TORCH)),
         patches=tuple(getattr(args, "patch", None) or ()),
         remote_python=getattr(args, "remote_python", None),

@@ -11,12 +11,16 @@ pass for the strongest signal), and a strength is never NaN (`_unit`)."""
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 from axrl_spike_replay.diagnosis.model_evidence import RouteAgreement
+from axrl_spike_replay.diagnosis.signal_reading import SignalReading
 from axrl_spike_replay.experiment.result import Attribution
+from axrl_spike_replay.experiment.step_evidence import LossChannel
+from axrl_spike_replay.training.loss_config import LossConfig
+from axrl_spike_replay.training.routing_config import RoutingConfig
+from axrl_spike_replay.training.sample_masks import outlier_z
 
 LIKELY = 0.3
 OUTLIER_Z = 10.0  # robust z of a sample's advantage that makes it an outlier
@@ -26,21 +30,29 @@ LN2 = math.log(2.0)
 
 @dataclass
 class Experiment:
-    """One replay to run: `mitigation` is a ready `--mitigation NAME=VALUE` item."""
+    """One replay to run: `mitigation` is a ready `--mitigation NAME=VALUE` item; `refutes`: the outcome that would
+    refute the cause it tests."""
 
     mitigation: str
     why: str
     diagnostic_only: bool = False
+    refutes: str = ""
 
 
 @dataclass
 class Cause:
+    """One cause family's reading of the evidence (see the package doc for each field)."""
+
     family: str
     title: str
     strength: float
     evidence: list[str] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict)
     experiments: list[Experiment] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    samples: list[tuple[int, int]] = field(default_factory=list)
+    term: str | None = None
+    tied_with: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -52,6 +64,10 @@ class Evidence:
     attribution: Attribution | None
     routes: RouteAgreement | None
     world_size: int
+    reading: SignalReading | None = None  # the per-rank signal check, read (model evidence)
+    channel: LossChannel | None = None  # the gradient by loss term (model evidence)
+    loss: LossConfig | None = None  # the run's loss config (None: unreadable)
+    routing: RoutingConfig | None = None
 
 
 def _pct(x: float) -> str:
@@ -150,54 +166,6 @@ def _non_finite_row(row: dict[str, Any], a: Any) -> bool:
     return bool(ratio_bad or advantage_bad)
 
 
-def logprob_mismatch(ev: Evidence) -> Cause | None:
-    a = ev.analysis
-    if not a.ratio.get("available"):
-        return None
-    top = a.ratio["abs_log_ratio"].get("max") or 0.0  # of the finite values (stats.describe)
-    outside = _finite_fraction_outside(a.ratio)
-    if outside is None:
-        return None  # no finite log-ratio: the non_finite family reports it
-    strength = 0.5 * min(1.0, outside / 0.05) + 0.3 * min(1.0, top / math.log(10.0))
-    evidence = [
-        f"max |log(π_old/π_rollout)| on loss tokens {top:.3g} (ratio up to {math.exp(min(top, 700)):.3g}x)",
-        f"{_pct(outside)} of loss tokens have π_old/π_rollout outside [0.5, 2]",
-    ]
-    carriers = _carriers(ev.attribution)
-    carried: list[str] = []  # largest share first, ahead of the batch-wide figures
-    for s in carriers:
-        row = _row(a, s.rank, s.sample)
-        lr = row["max_abs_log_ratio"] if row else None
-        if _finite(lr) and lr > LN2:
-            strength += 0.2 / len(carriers)
-            carried.append(
-                f"rank {s.rank} sample {s.sample} carries {_pct(s.share)} of ‖g‖; its tokens' "
-                f"|log(π_old/π_rollout)| up to {lr:.3g}"
-            )
-    evidence = carried + evidence
-    if strength < 0.05:
-        return None
-    return Cause(
-        "logprob_mismatch",
-        "rollout/trainer log-prob mismatch",
-        _unit(strength),
-        evidence,
-        {"max_abs_log_ratio": top, "fraction_outside_0.5_2": outside},
-        [
-            Experiment(
-                "mismatch_token_clip_max=2",
-                "truncated importance sampling: caps each token's weight min(π_old/π_rollout, 2), the standard fix",
-            ),
-            Experiment("ratio_outlier_mask=token", "masks the tokens whose ratio leaves [0.5, 2] instead of capping"),
-            Experiment(
-                "is_base_logprobs=old",
-                "takes the PPO ratio against the trainer's own logprobs: shows "
-                "whether the rollout logprobs are the problem",
-            ),
-        ],
-    )
-
-
 def _finite_fraction_outside(ratio: dict[str, Any]) -> float | None:
     """The fraction of finite loss-token log-ratios outside [ln 0.5, ln 2] (analyze counts a non-finite one as
     outside; here it is left out); None when no log-ratio is finite."""
@@ -210,23 +178,20 @@ def _finite_fraction_outside(ratio: dict[str, Any]) -> float | None:
     return max(0, outside) / finite
 
 
-def _robust_z(values: list[float]) -> list[float]:
-    med = statistics.median(values)
-    dev = [abs(v - med) for v in values]
-    scale = 1.4826 * statistics.median(dev)
-    if scale <= 0:
-        nonzero = [d for d in dev if d > 0]
-        scale = statistics.fmean(dev) if nonzero else 0.0
-    scale = max(scale, 1e-3 * max(abs(med), 1e-12))  # all but equal: no outlier
-    return [d / scale for d in dev]
-
-
 def _outliers(a: Any) -> tuple[list[dict[str, Any]], list[float], list[int]]:
-    """(samples with loss tokens and an advantage, their robust z, indexes of the few outliers by z)."""
+    """(samples with loss tokens and an advantage, their robust z, indexes of the few outliers by z). The z is
+    `advantage_outlier_mask`'s own (`outlier_z` over each saved rank's batch, with its prompt groups), so the
+    threshold a suggestion names is judged on the figure the mask measures."""
     rows = [r for r in a.samples["rows"] if _finite(r["advantage"]) and r["loss_tokens"]]
-    if len(rows) < 3:
-        return rows, [], []
-    z = _robust_z([r["advantage"] for r in rows])
+    z = [0.0] * len(rows)
+    by_rank: dict[int, list[int]] = {}
+    for i, r in enumerate(rows):
+        by_rank.setdefault(r["rank"], []).append(i)
+    for index in by_rank.values():
+        groups = [rows[i].get("group") for i in index]
+        keys = groups if all(g is not None for g in groups) else None
+        for i, score in zip(index, outlier_z([rows[i]["advantage"] for i in index], keys), strict=True):
+            z[i] = score
     outliers = sorted((i for i in range(len(rows)) if z[i] >= OUTLIER_Z), key=lambda i: -z[i])
     if len(outliers) > max(1, int(FEW * len(rows))):
         return rows, z, []
@@ -244,7 +209,7 @@ def outlier_advantage(ev: Evidence) -> Cause | None:
     if not outliers:
         return None
     order = sorted(range(len(rows)), key=lambda i: -z[i])
-    rest = max((z[i] for i in order if z[i] < OUTLIER_Z), default=1.0)
+    rest = max((z[i] for i in order if z[i] < OUTLIER_Z), default=1.0)  # the mask flags z > threshold
     threshold = max(5, round(math.sqrt(max(rest, 1.0) * z[outliers[-1]])))  # between the rest and the outliers
     pairs = [(rows[i]["rank"], rows[i]["sample"]) for i in outliers]
     advs = [rows[i]["advantage"] for i in outliers]
@@ -281,22 +246,29 @@ def outlier_advantage(ev: Evidence) -> Cause | None:
         [
             Experiment(
                 f"advantage_outlier_mask={threshold}",
-                f"masks samples whose advantage is a robust outlier (z above {threshold}) within its group or batch",
+                f"masks samples whose advantage is a robust outlier (z above {threshold}) within its rank's batch: "
+                f"these samples' z {', '.join(f'{z[i]:.3g}' for i in outliers)}, the others' at most {rest:.3g}",
+                refutes="the spike stays within 20 % of the baseline",
             ),
             Experiment(
                 f"drop_samples={_pairs(pairs)}",
                 "leaves these samples out: if the spike goes, they are the cause (diagnostic, not a production method)",
                 True,
+                refutes="the spike stays within 20 % of the baseline",
             ),
             Experiment(
                 f"advantage_clip={max(1.0, round(max(others, default=1.0), 2)):g}",
                 "clamps every advantage to the healthy samples' range",
+                refutes="the spike stays within 20 % of the baseline",
             ),
         ],
+        ranks=sorted({r for r, _ in pairs}),
+        samples=pairs,
+        term="policy",
     )
 
 
-def negative_dominance(ev: Evidence) -> Cause | None:
+def negative_advantage_dominance(ev: Evidence) -> Cause | None:
     s = ev.analysis.sign_balance
     if not s:
         return None
@@ -341,89 +313,3 @@ def negative_dominance(ev: Evidence) -> Cause | None:
             Experiment("dual_clip_c=3", "caps the loss of negative-advantage tokens with large ratios"),
         ],
     )
-
-
-def routing_mismatch(ev: Evidence) -> Cause | None:
-    if ev.routes is None or not ev.routes.layers:
-        return None
-    layers = [x for x in ev.routes.layers if _finite(x.loss_disagreement)]
-    if not layers:
-        return None
-    worst = max(layers, key=lambda x: x.loss_disagreement or 0.0)
-    d = worst.loss_disagreement or 0.0
-    rest = [x.loss_disagreement or 0.0 for x in layers if x is not worst]
-    typical = statistics.median(rest) if rest else 0.0
-    if d < 0.1 or (rest and d < 3 * typical):
-        return None
-    per_layer = "; ".join(
-        f"layer {x.layer}: {_pct(x.loss_disagreement or 0.0)} of loss tokens, "
-        + (f"{_pct(x.other_disagreement)} of non-loss tokens" if x.other_disagreement is not None else "no non-loss")
-        for x in layers
-    )
-    evidence = [
-        f"the model's own routing differs from the recorded routes in layer {worst.layer} on "
-        f"{_pct(d)} of loss tokens (median of the other layers {_pct(typical)})",
-        f"route disagreement per MoE layer: {per_layer}",
-        f"routing replay in the run: {ev.routes.routing_replay}",
-    ]
-    return Cause(
-        "routing_mismatch",
-        "routing mismatch (recorded routes vs the trainer's router)",
-        _unit(d / 0.3),
-        evidence,
-        {"layer": worst.layer, "loss_disagreement": d, "median_other_layers": typical},
-        [
-            Experiment(
-                f"current_routing_layers={worst.layer}",
-                f"routes layer {worst.layer} on current scores, replaying the recorded routes elsewhere",
-            ),
-            Experiment("routing_replay=loss_tokens", "replays recorded routes only where the loss is taken"),
-            Experiment("routing_replay=off", "if the spike grows, routing replay was helping; never a fix", True),
-        ],
-    )
-
-
-def one_rank(ev: Evidence) -> Cause | None:
-    if ev.world_size < 2:
-        return None
-    shares: dict[int, float] = {}
-    if ev.attribution is not None:
-        for s in ev.attribution.samples:
-            if _finite(s.share):
-                shares[s.rank] = shares.get(s.rank, 0.0) + s.share
-    local = {k.rank: k.local_grad_norm for k in ev.grads.ranks} if ev.grads is not None else {}
-    finite = {r: v for r, v in local.items() if math.isfinite(v)}
-    evidence, strength, rank = [], 0.0, None
-    if len(finite) >= 2:
-        largest = max(finite, key=lambda r: finite[r])
-        others = statistics.median(v for r, v in finite.items() if r != largest)
-        factor = finite[largest] / others if others > 0 else math.inf
-        if factor >= 3:  # only then is it that rank's (a merely largest rank must not veto the shares below)
-            rank = largest
-            strength = min(0.6, 0.2 * math.log2(factor))
-            evidence.append(
-                f"rank {rank}'s local grad norm {finite[rank]:.4g} is {factor:.3g}x the other ranks' "
-                f"median {others:.4g}"
-            )
-    if shares:
-        top_rank = max(shares, key=lambda r: shares[r])
-        if shares[top_rank] >= 0.8 and (rank is None or rank == top_rank):
-            rank = top_rank
-            strength = max(strength, 0.5)
-            evidence.append(f"rank {top_rank}'s top samples carry {_pct(shares[top_rank])} of ‖g‖")
-    if rank is None or not evidence:
-        return None
-    samples = [(s.rank, s.sample) for s in _carriers(ev.attribution, 0.8) if s.rank == rank]
-    experiments = []
-    if samples:
-        experiments.append(
-            Experiment(
-                f"drop_samples={_pairs(samples)}",
-                f"leaves out rank {rank}'s top samples: whether the spike is that rank's data",
-                True,
-            )
-        )
-    return Cause("one_rank", f"one rank's data (rank {rank})", strength, evidence, {"rank": rank}, experiments)
-
-
-FAMILIES = (non_finite, logprob_mismatch, outlier_advantage, negative_dominance, routing_mismatch, one_rank)

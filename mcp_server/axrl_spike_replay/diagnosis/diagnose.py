@@ -3,7 +3,13 @@ experiments to run (ready `--mitigation NAME=VALUE` items, least invasive first)
 
 Evidence read: the batch signals (`analyze`), the per-rank grad info (`grads`), the snapshot's consistency
 checks, the job's log at the iteration (when its logs are known) and, from the model, per-sample
-attribution and route agreement per MoE layer.
+attribution, every stored signal against the replay per rank (`signal_reading` names the odd one out) and the
+gradient by loss term per rank (the channel).
+
+Families that fit equally (strengths within TIE, both likely) are capped at TIED and name each other in
+`tied_with`; an experiment that would not change the snapshot's own config (`is_base_logprobs=old` on a run
+whose base is already old) is never suggested. Nothing likely: `natural_spike`, stronger when the model
+evidence was checked and every stored signal agrees.
 
 Attribution needs a replay of the step. `diagnose` takes one the caller already has (`attribution`: the
 object, its JSON or an `attribution.json` path, e.g. from `attribute`); without one it runs it here on the
@@ -20,11 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.diagnosis import causes
+from axrl_spike_replay.diagnosis import causes, signal_causes
 from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment
 from axrl_spike_replay.diagnosis.model_evidence import RouteAgreement
+from axrl_spike_replay.diagnosis.no_ops import no_op_reason, run_configs
+from axrl_spike_replay.diagnosis.signal_reading import SignalReading, read_signals
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.result import Attribution
+from axrl_spike_replay.experiment.step_evidence import StepEvidence
 from axrl_spike_replay.experiment.verdict import tolerance
 from axrl_spike_replay.snapshot.consistency import Consistency, check_replayed_norm, check_snapshot
 from axrl_spike_replay.snapshot.log_point import LogPoint, log_point
@@ -33,17 +42,33 @@ from axrl_spike_replay.vocabulary import Fidelity
 MODEL_MODES = ("auto", "always", "never")
 CHECKED = {
     "non_finite": "non-finite grad norms, logprobs and advantages",
-    "logprob_mismatch": "rollout-vs-old log-ratios of loss tokens (|log(π_old/π_rollout)|, share outside [0.5, 2])",
-    "outlier_advantage": f"per-sample advantages against the batch (robust z ≥ {causes.OUTLIER_Z:g} on a few samples)",
+    "engine_mismatch": "rollout log-probs against the replay (the old ones without the model), per rank",
+    "stale_old_logprobs": "the stored old log-probs against the replay at the snapshot's weights, per rank",
+    "bad_ref_logprobs": "the stored reference log-probs against the replay, per rank, and the KL term's share",
+    "routing_payload": "recorded routes against the model's own routing, per rank and MoE layer, loss and other tokens",
+    "mask_misalignment": "loss tokens that no stored signal covers (every stored log-prob a 0 fill), per rank",
+    "outlier_advantage": f"per-sample advantages against their rank's batch (robust z ≥ {causes.OUTLIER_Z:g}, a few)",
     "negative_advantage_dominance": "the sign balance of advantages over loss tokens",
-    "routing_mismatch": "recorded routes against the model's own routing, per MoE layer, loss vs non-loss tokens",
-    "one_rank": "per-rank local grad norms and per-rank share of the attributed norm",
+    "one_rank_data": "per-rank local grad norms, shares of the attributed norm and of each loss term",
 }
+RULES = (
+    causes.non_finite,
+    signal_causes.engine_mismatch,
+    signal_causes.stale_old_logprobs,
+    signal_causes.bad_ref_logprobs,
+    signal_causes.routing_payload,
+    signal_causes.mask_misalignment,
+    causes.outlier_advantage,
+    causes.negative_advantage_dominance,
+    signal_causes.one_rank_data,
+)
+TIE = 0.1  # likely causes whose strengths are this close fit equally
+TIED = 0.7  # the most a tied cause keeps
 
 
 @dataclass
 class Diagnosis:
-    """What `diagnose` reports: `causes` ranked (strongest first; `none_found` alone when nothing is likely),
+    """What `diagnose` reports: `causes` ranked (strongest first; `natural_spike` first when nothing is likely),
     `next_steps` the experiments of the likely causes in order, `checked` and `not_checked` what was looked at."""
 
     snapshot: str
@@ -58,6 +83,8 @@ class Diagnosis:
     log: LogPoint | None = None
     attribution_top: list[dict[str, Any]] = field(default_factory=list)  # rank, sample, share, advantage
     routes: RouteAgreement | None = None
+    step: StepEvidence | None = None  # the per-rank signal check and the loss channel (model evidence)
+    reading: SignalReading | None = None  # the odd stored signals, read off `step`
 
     @property
     def top(self) -> Cause:
@@ -70,30 +97,30 @@ class Diagnosis:
 
 def _model_evidence(
     snapshot: Path, attribution: Any, model: str, top: int, not_checked: list[str]
-) -> tuple[Attribution | None, RouteAgreement | None]:
+) -> tuple[Attribution | None, StepEvidence | None]:
     from axrl_spike_replay.diagnosis import model_evidence as dm
 
     att = dm.read_attribution(attribution) if attribution is not None else None
     if model == "never":
-        not_checked.append("route agreement (model evidence off)")
+        not_checked.append("stored signals against the replay, route agreement, loss channel (model evidence off)")
         if att is None:
             not_checked.append("per-sample attribution (model evidence off; pass an attribution)")
         return att, None
     size = dm.model_bytes(snapshot)
     if model == "auto" and (size is None or size > dm.AUTO_MODEL_BYTES):
         why = "checkpoint unreadable" if size is None else f"checkpoint {size / 2**20:.0f} MiB is not cheap here"
-        not_checked.append(f"route agreement ({why})")
+        not_checked.append(f"stored signals against the replay, route agreement, loss channel ({why})")
         if att is None:
             not_checked.append(f"per-sample attribution ({why}; run `attribute` and pass its attribution.json)")
         return att, None
-    routes = None
+    step = None
     try:
         if att is None:
             att = dm.run_attribution(snapshot, top)
-        routes = dm.route_agreement(snapshot)
+        step = dm.run_step_evidence(snapshot)
     except AxrlError as exc:  # a snapshot the torch engine cannot rebuild: the static evidence still stands
         not_checked.append(f"model evidence ({exc})")
-    return att, routes
+    return att, step
 
 
 def _check_replayed_norm(consistency: Consistency, recorded: float, att: Attribution, not_checked: list[str]) -> None:
@@ -140,35 +167,41 @@ def diagnose_snapshot(
     if point.grad_norm is None:
         not_checked.append(f"training log ({point.note})")
     consistency = check_snapshot(directory, log_grad_norm=point.grad_norm, log_source=point.source)
-    att, routes = _model_evidence(directory, attribution, model, top, not_checked)
+    att, step = _model_evidence(directory, attribution, model, top, not_checked)
     if att is not None:
         _check_replayed_norm(consistency, analysis.grad_norm, att, not_checked)
+    from axrl_spike_replay.diagnosis.model_evidence import routes_of
+
+    routes = routes_of(step.signals) if step is not None else None
+    reading = read_signals(step.signals) if step is not None else None
+    loss, routing, moe_layers = run_configs(directory, not_checked)
     world = len(analysis.ranks)
-    ev = Evidence(analysis=analysis, grads=grads, attribution=att, routes=routes, world_size=world)
-    found = [c for family in causes.FAMILIES if (c := family(ev)) is not None]
+    ev = Evidence(
+        analysis=analysis,
+        grads=grads,
+        attribution=att,
+        routes=routes,
+        world_size=world,
+        reading=reading,
+        channel=step.channel if step is not None else None,
+        loss=loss,
+        routing=routing,
+    )
+    found = [c for rule in RULES if (c := rule(ev)) is not None]
+    for cause in found:
+        cause.experiments = [
+            e for e in cause.experiments if no_op_reason(e.mitigation, loss, routing, moe_layers) is None
+        ]
+    _mark_ties(found)
     found.sort(key=lambda c: -c.strength)
     likely = [c for c in found if c.strength >= causes.LIKELY]
     checked = [f"{name}: {what}" for name, what in CHECKED.items()]
     checked.append(f"consistency: {', '.join(consistency.checked)}")
     if not likely:
-        weak = "; ".join(f"{c.title} {c.strength:.2f}" for c in found) or "no signal in any family"
-        none = Cause(
-            "none_found",
-            "no likely cause found",
-            0.0,
-            [
-                f"checked: {'; '.join(CHECKED.values())}",
-                f"weaker signals (strength < {causes.LIKELY}): {weak}",
-                "whether the batch alone causes it: replay with `--mitigation initial_model=PATH` (the run's initial "
-                "checkpoint); if the spike reproduces from the initial weights, the batch is the cause",
-            ],
-            {},
-            [],  # every suggested experiment is a ready `--mitigation` item; this one needs the user's path
-        )
-        likely = [none, *found]
+        likely = [_natural(found, reading), *found]
     steps: list[Experiment] = []
     for cause in likely:
-        if cause.strength < causes.LIKELY and cause.family != "none_found":
+        if cause.strength < causes.LIKELY and cause.family != "natural_spike":
             continue
         steps += [e for e in cause.experiments if e.mitigation not in {s.mitigation for s in steps}]
     top_rows = [
@@ -186,7 +219,7 @@ def diagnose_snapshot(
         iteration=analysis.iteration,
         grad_norm=analysis.grad_norm,
         spike_ratio=analysis.spike_ratio,
-        causes=likely if likely[0].family == "none_found" else found,
+        causes=likely if likely[0].family == "natural_spike" else found,
         next_steps=steps,
         checked=checked,
         not_checked=not_checked,
@@ -194,18 +227,67 @@ def diagnose_snapshot(
         log=point,
         attribution_top=top_rows,
         routes=routes,
+        step=step,
+        reading=reading,
     )
+
+
+def _mark_ties(found: list[Cause]) -> None:
+    """Likely causes of different families whose strengths are within TIE, neither separated by a witness (1.0)
+    nor on different ranks: capped at TIED, each naming the other."""
+    likely = [c for c in found if c.strength >= causes.LIKELY]
+    for a in likely:
+        for b in likely:
+            if a is b or abs(a.strength - b.strength) >= TIE or b.family in a.tied_with:
+                continue
+            if a.strength >= 1.0 or b.strength >= 1.0:
+                continue  # a witness separated each: two broken parts, not two readings of one
+            if a.ranks and b.ranks and not set(a.ranks) & set(b.ranks):
+                continue  # different ranks: two broken parts
+            a.tied_with.append(b.family)
+    for c in likely:
+        if c.tied_with:
+            c.strength = min(c.strength, TIED)
+            c.evidence.append(f"fits the evidence as well as: {', '.join(c.tied_with)} (the experiments separate them)")
+
+
+def _natural(found: list[Cause], reading: SignalReading | None) -> Cause:
+    """No broken part found: the fallback, with what was checked."""
+    weak = "; ".join(f"{c.title} {c.strength:.2f}" for c in found) or "no signal in any family"
+    agree = reading is not None and not reading.odd
+    evidence = [
+        f"checked: {'; '.join(CHECKED.values())}",
+        f"weaker signals (strength < {causes.LIKELY}): {weak}",
+        "every stored signal agrees with the replay on every rank"
+        if agree
+        else "the stored signals were not compared with the replay (no model evidence): a broken part may be missed"
+        if reading is None
+        else "stored signals out of line: " + "; ".join(f"{o.signal} on rank {o.ranks}" for o in reading.odd),
+        "whether the batch alone causes it: replay with `--mitigation initial_model=PATH` (the run's initial "
+        "checkpoint); if the spike reproduces from the initial weights, the batch is the cause",
+    ]
+    strength = 0.5 if agree and not found else (0.35 if agree else 0.15)
+    return Cause("natural_spike", "no broken part found: the batch is simply hard", strength, evidence, {}, [])
 
 
 def render_diagnosis(d: Diagnosis) -> str:
     """Readable summary: the causes with their evidence, the experiments, consistency, what was not checked."""
     lines = [f"iteration {d.iteration}: grad norm {d.grad_norm:.6g} ({d.spike_ratio:.2f}x median)"]
     for i, cause in enumerate(d.causes, start=1):
-        if cause.family != "none_found" and cause.strength < causes.LIKELY:
+        if cause.family != "natural_spike" and cause.strength < causes.LIKELY:
             lines.append(f"  (weak) {cause.title}: strength {cause.strength:.2f}")
             continue
-        lines.append(f"{i}. {cause.title} [{cause.family}] strength {cause.strength:.2f}")
+        where = f" ranks {','.join(str(r) for r in cause.ranks)}" if cause.ranks else ""
+        term = f" term {cause.term}" if cause.term else ""
+        tied = f" (tied with {', '.join(cause.tied_with)})" if cause.tied_with else ""
+        lines.append(f"{i}. {cause.title} [{cause.family}] strength {cause.strength:.2f}{where}{term}{tied}")
         lines += [f"   - {e}" for e in cause.evidence]
+    channel = d.step.channel if d.step is not None else None
+    if channel is not None and channel.terms:
+        lines += ["", "gradient by loss term (share of ‖g‖², per rank):"]
+        for t in sorted(channel.terms, key=lambda t: -abs(t.share)):
+            per_rank = ", ".join(f"rank {x.rank} {x.share:.3g}" for x in t.ranks)
+            lines.append(f"  {t.term}: {t.share:.3g} ({per_rank})")
     if d.next_steps:
         lines += ["", "experiments, least invasive first:"]
         lines += [

@@ -1,4 +1,5 @@
-"""Evidence that needs the model: per-sample attribution and route agreement per MoE layer.
+"""Evidence that needs the model: per-sample attribution, the per-rank signal check with the loss channel
+(`replay.step_evidence`), and route agreement per MoE layer merged over the ranks (read off the signal check).
 
 Both rebuild the snapshot's model with the replay engine (CPU, one process): attribution is one gradient
 pass plus one forward-mode pass over every rank batch (see replay/attribution.py), route agreement one
@@ -15,6 +16,7 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.result import Attribution, SampleContribution
+from axrl_spike_replay.experiment.step_evidence import SignalCheck, StepEvidence
 from axrl_spike_replay.snapshot.metadata import read_json_document
 
 AUTO_MODEL_BYTES = 256 * 1024 * 1024  # above this, a CPU pass costs minutes: ask for an attribution instead
@@ -127,3 +129,35 @@ def route_agreement(snapshot: str | Path) -> RouteAgreement:
                 )
             )
         return result
+
+
+def run_step_evidence(snapshot: str | Path) -> StepEvidence:
+    """The signal check and the loss channel of the step, here (CPU, nothing written)."""
+    from axrl_spike_replay.replay.step_evidence import step_evidence
+
+    return step_evidence(snapshot)
+
+
+def routes_of(check: SignalCheck) -> RouteAgreement:
+    """The per-rank route comparison of a signal check, merged over the ranks per MoE layer (token-weighted)."""
+    counts: dict[int, list[float]] = {}  # layer -> [loss differ, loss total, other differ, other total]
+    for rank in check.ranks:
+        for x in rank.routes:
+            c = counts.setdefault(x.layer, [0.0, 0.0, 0.0, 0.0])
+            c[0] += (x.loss_disagreement or 0.0) * x.loss_tokens
+            c[1] += x.loss_tokens
+            c[2] += (x.other_disagreement or 0.0) * x.other_tokens
+            c[3] += x.other_tokens
+    result = RouteAgreement(routing_replay=check.routing_replay)
+    for layer in sorted(counts):
+        d_loss, n_loss, d_other, n_other = counts[layer]
+        result.layers.append(
+            LayerAgreement(
+                layer,
+                int(n_loss),
+                int(n_other),
+                d_loss / n_loss if n_loss else None,
+                d_other / n_other if n_other else None,
+            )
+        )
+    return result

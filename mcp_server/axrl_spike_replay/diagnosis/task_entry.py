@@ -59,12 +59,19 @@ def diagnosis_entry(d: Diagnosis, mode: str) -> dict[str, Any]:
             "family": c.family,
             "title": c.title,
             "strength": c.strength,
-            "likely": c.family == "none_found" or c.strength >= LIKELY,
+            "likely": c.family == "natural_spike" or c.strength >= LIKELY,
             "evidence": list(c.evidence),
+            "ranks": list(c.ranks),
+            "samples": [list(p) for p in c.samples],
+            "term": c.term,
+            "tied_with": list(c.tied_with),
         }
         for c in d.causes
     ]
-    steps = [{"mitigation": e.mitigation, "why": e.why, "diagnostic_only": e.diagnostic_only} for e in d.next_steps]
+    steps = [
+        {"mitigation": e.mitigation, "why": e.why, "diagnostic_only": e.diagnostic_only, "refutes": e.refutes}
+        for e in d.next_steps
+    ]
     return to_jsonable(
         {
             "snapshot": d.snapshot,

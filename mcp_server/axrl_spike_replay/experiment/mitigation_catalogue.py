@@ -41,6 +41,11 @@ EXAMPLES: dict[str, Any] = {
     "advantage_outlier_mask": 5,
     "drop_samples": "0:3",
     "initial_model": "/path/to/initial/checkpoint",
+    "drop_ranks": "1",
+    "keep_ranks": "0",
+    "recompute": "routes:rank1,old_logprobs:rank1",
+    "kl_estimator": "low_var_kl",
+    "kl_clamp": 10,
 }
 
 

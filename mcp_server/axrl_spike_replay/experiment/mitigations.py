@@ -37,6 +37,7 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.experiment.recompute import Recompute, parse_recompute, recompute_of
 from axrl_spike_replay.experiment.trainer_settings import (
     NO_MEGATRON_FLAG,
     TrainerSetting,
@@ -48,9 +49,15 @@ from axrl_spike_replay.experiment.trainer_settings import (
     verl_kl,
     verl_rejection,
 )
-from axrl_spike_replay.training.loss_config import LOGPROB_BASES, LOSS_AGG_MODES, LossConfig, RatioOutlierMask
+from axrl_spike_replay.training.loss_config import (
+    KL_ESTIMATORS,
+    LOGPROB_BASES,
+    LOSS_AGG_MODES,
+    LossConfig,
+    RatioOutlierMask,
+)
 from axrl_spike_replay.training.routing_config import ROUTING_REPLAY_MODES, RoutingConfig
-from axrl_spike_replay.training.sample_masks import SCOPES, SampleFilter, pairs_of, parse_pairs
+from axrl_spike_replay.training.sample_masks import SCOPES, SampleFilter, pairs_of, parse_pairs, parse_ranks
 from axrl_spike_replay.untrusted_yaml import load_untrusted_yaml, read_untrusted_yaml
 
 _TRUE = ("true", "yes", "on", "1")
@@ -67,6 +74,7 @@ class ReplaySetup:
     weights: str | None = None
     samples: SampleFilter = field(default_factory=SampleFilter)
     moe_layers: tuple[int, ...] = ()
+    recompute: Recompute = field(default_factory=Recompute)
 
 
 @dataclass(frozen=True)
@@ -82,7 +90,7 @@ class Mitigation:
     """One named knob, declared once: everything the tool, its faces and its docs know about it."""
 
     name: str
-    target: str  # what it changes: loss | routing | weights
+    target: str  # what it changes: loss | routing | weights | signals (the stored signals a replay reads)
     values: str  # the accepted values, in words (help, errors, the catalogue)
     doc: str  # what it does
     parse: Callable[[str, Any], Any]  # value type and range: (name, raw) -> value, ConfigError otherwise
@@ -107,6 +115,12 @@ SYMPTOMS: dict[str, str] = {
     "outlier_advantage": "**Outlier advantage on a few samples** — attribution puts most of the norm on one or two "
     "samples whose |advantage| is far beyond the rest of their batch or group (a mis-scaled reward or advantage):",
     "from_the_start": "**Spike present from the start** — is it the batch or the drifted policy?",
+    "one_rank": "**One rank carries it** — one saved rank's share of the gradient, or one rank's stored signal out "
+    "of line with the replay (`diagnose` compares every stored signal per rank):",
+    "stored_signal": "**A stored signal is the odd one out** — on some rank the replayed policy disagrees with one "
+    "stored signal (old log-probs, routes) while the others agree with it:",
+    "kl": "**The KL term carries it** — `diagnose`'s channel puts the gradient on the KL term (a wrong reference, or "
+    "routes that moved the policy far from it on a few tokens):",
 }
 
 
@@ -335,6 +349,35 @@ def _apply_advantage_outlier(setup: ReplaySetup, value: Any) -> ReplaySetup:
 
 def _apply_drop_samples(setup: ReplaySetup, value: Any) -> ReplaySetup:
     return dataclasses.replace(setup, samples=dataclasses.replace(setup.samples, drop=pairs_of(value)))
+
+
+def _apply_drop_ranks(setup: ReplaySetup, value: Any) -> ReplaySetup:
+    ranks = frozenset(int(v) for v in value)
+    return dataclasses.replace(setup, samples=dataclasses.replace(setup.samples, drop_ranks=ranks))
+
+
+def _apply_keep_ranks(setup: ReplaySetup, value: Any) -> ReplaySetup:
+    ranks = frozenset(int(v) for v in value)
+    return dataclasses.replace(setup, samples=dataclasses.replace(setup.samples, keep_ranks=ranks))
+
+
+def _apply_recompute(setup: ReplaySetup, value: Any) -> ReplaySetup:
+    return dataclasses.replace(setup, recompute=recompute_of(value))
+
+
+def _ranks_id(value: Any) -> Any:
+    return "-".join(f"r{v}" for v in value)
+
+
+def _recompute_id(value: Any) -> Any:
+    return "-".join(
+        str(v)
+        .replace("old_logprobs", "old")
+        .replace("rollout_logprobs", "rollout")
+        .replace(":rank", "r")
+        .replace(":layer", "l")
+        for v in value
+    )
 
 
 def _outlier_id(value: Any) -> Any:
@@ -774,6 +817,117 @@ MITIGATIONS: dict[str, Mitigation] = {
             caveat="never as a fix: it names samples of one step by hand",
         ),
         Mitigation(
+            "drop_ranks",
+            "loss",
+            "saved DP rank ids, e.g. 1 or 0,2",
+            "leave every sample of the named saved ranks out of the loss (the DP mean still divides by the saved world "
+            "size) — a diagnostic: is the spike that rank's batch or one of its stored signals?",
+            parse_ranks,
+            _apply_drop_ranks,
+            advice=(
+                Advice(
+                    "one_rank",
+                    "`drop_ranks: <the rank diagnose names>` — **diagnostic only**: if leaving that rank out clears "
+                    "the spike, the cause is on that rank; then find which of its stored signals is broken.",
+                ),
+            ),
+            id_value=_ranks_id,
+            diagnostic="it leaves whole ranks of one replayed step out: it locates the cause, no trainer rule",
+            caveat="never as a fix: it throws away a rank's batch",
+        ),
+        Mitigation(
+            "keep_ranks",
+            "loss",
+            "saved DP rank ids, e.g. 0,2",
+            "keep only the named saved ranks' samples in the loss (the others' samples left out; the DP mean still "
+            "divides by the saved world size) — a diagnostic",
+            parse_ranks,
+            _apply_keep_ranks,
+            id_value=_ranks_id,
+            diagnostic="it leaves whole ranks of one replayed step out: it locates the cause, no trainer rule",
+            caveat="never as a fix: it throws away the other ranks' batches",
+        ),
+        Mitigation(
+            "recompute",
+            "signals",
+            "old_logprobs[:rankR] | rollout_logprobs[:rankR] | routes[:rankR][:layerL], comma-separated",
+            "replace a stored signal by what the snapshot's weights give on the named ranks (every rank without "
+            ":rankR): `old_logprobs` by the replay's own log-probs (the trainer's old log-probs at these weights), "
+            "`rollout_logprobs` likewise (an engine that agreed with the trainer), `routes` by the model's own "
+            "routing (every MoE layer without :layerL) — a diagnostic: is that stored signal the broken part?",
+            parse_recompute,
+            _apply_recompute,
+            advice=(
+                Advice(
+                    "stored_signal",
+                    "`recompute: old_logprobs:rank<R>` — **diagnostic only**: if the spike goes, rank R's stored old "
+                    "log-probs were stale or misaligned (recompute them in the trainer at the step's weights).",
+                ),
+                Advice(
+                    "stored_signal",
+                    "`recompute: routes:rank<R>,old_logprobs:rank<R>` — **diagnostic only**: rank R routes as the "
+                    "model does, with the old log-probs taken under those routes; if the spike goes, rank R's routing "
+                    "payload was the broken part. Without `old_logprobs` the stored old log-probs (computed under the "
+                    "recorded routes) disagree with the new routes and the spike grows whatever the payload: that "
+                    "growth is no evidence for the payload.",
+                ),
+            ),
+            id_value=_recompute_id,
+            diagnostic="it replaces a stored signal of one replayed step: it says which signal is broken, the fix is "
+            "in the trainer that stored it",
+            caveat="never as a fix: the trainer must store the right signal",
+        ),
+        Mitigation(
+            "kl_estimator",
+            "loss",
+            " | ".join(KL_ESTIMATORS),
+            "the KL estimator of the KL term, as verl's `kl_penalty` computes it: k1/kl (log p - log ref), abs, "
+            "k2/mse (half the squared log-ratio), k3/low_var_kl (exp(ref - logp) - (ref - logp) - 1, clamped at +-10 "
+            "as verl does; the axrl convention's own k3 is unclamped), a trailing + takes k2's gradient",
+            _choice(KL_ESTIMATORS),
+            _loss("kl_estimator", str),
+            advice=(
+                Advice(
+                    "kl",
+                    "`kl_estimator: k2` (or `k1`) — when the KL term carries the spike through k3's exp(ref - logp) "
+                    "on a few tokens: k2's gradient grows linearly in the log-ratio, k1's not at all.",
+                ),
+            ),
+            caveat="k1's and abs's gradients ignore how far the policy is from the reference; k3 without a clamp "
+            "explodes where ref - logp is tens of nats",
+            settings=(
+                run_config_key("loss.kl_estimator"),
+                override("actor_rollout_ref.actor.kl_loss_type={value}", "verl's actor KL loss estimator"),
+                NO_MEGATRON_FLAG,
+            ),
+        ),
+        Mitigation(
+            "kl_clamp",
+            "loss",
+            "float C > 0",
+            "clamp each token's KL estimate to [-C, C] (a clamped token's KL has no gradient), as verl clamps k3 / "
+            "low_var_kl at 10; C replaces verl's 10 and bounds the other estimators alike",
+            _positive,
+            _loss("kl_clamp"),
+            advice=(
+                Advice(
+                    "kl",
+                    "`kl_clamp: 10` (verl's own bound; under verl's k3 a smaller C) — when a few tokens' "
+                    "exp(ref - logp) carries the KL term's gradient.",
+                ),
+            ),
+            caveat="it silences the KL term exactly where the policy left the reference furthest",
+            settings=(
+                run_config_key("loss.kl_clamp"),
+                none(
+                    "verl",
+                    "no setting in verl 0.9.1: core_algos.kl_penalty_forward clamps k3 / low_var_kl at +-10, fixed "
+                    "in its code (a patch there; or kl_loss_type=low_var_kl where another estimator is used)",
+                ),
+                NO_MEGATRON_FLAG,
+            ),
+        ),
+        Mitigation(
             "initial_model",
             "weights",
             "path to a DCP checkpoint dir or a snapshot dir",
@@ -799,15 +953,18 @@ MITIGATIONS: dict[str, Mitigation] = {
 }
 
 
-def valid_mitigations() -> str:
-    """`name (values)` for every mitigation, one per line, for error messages and help."""
+def valid_mitigations(docs: bool = True) -> str:
+    """`name (values): doc` for every mitigation, one per line, for help; without `docs`, `name (values)` only (an
+    error names what is valid; the docs are in the catalogue and the help)."""
+    if not docs:
+        return "\n".join(f"  {m.name} ({m.values})" for m in MITIGATIONS.values())
     return "\n".join(f"  {m.name} ({m.values}): {m.doc}" for m in MITIGATIONS.values())
 
 
 def _lookup(name: str) -> Mitigation:
     key = str(name).strip()
     if key not in MITIGATIONS:
-        raise ConfigError(f"unknown mitigation {shown(key)}; valid mitigations:\n{valid_mitigations()}")
+        raise ConfigError(f"unknown mitigation {shown(key)}; valid mitigations:\n{valid_mitigations(docs=False)}")
     return MITIGATIONS[key]
 
 
@@ -973,6 +1130,7 @@ class AppliedConfig:
     weights: str | None  # None: the snapshot's own weights
     samples: SampleFilter = field(default_factory=SampleFilter)  # samples left out of the loss
     resolved: dict[str, Any] = field(default_factory=dict)  # values named symbolically, as resolved: {name: ids}
+    recompute: Recompute = field(default_factory=Recompute)  # stored signals replaced from the snapshot's weights
 
     @property
     def label(self) -> str:
@@ -980,9 +1138,9 @@ class AppliedConfig:
         return "the saved config" if not self.mitigations else f"config {self.config_id}"
 
     @property
-    def forward_key(self) -> tuple[RoutingConfig, str | None]:
+    def forward_key(self) -> tuple[RoutingConfig, str | None, frozenset[Any]]:
         """Configs with equal keys share one forward pass (they differ in the loss only)."""
-        return (self.routing, self.weights)
+        return (self.routing, self.weights, self.recompute.routes)
 
     @property
     def needs_entropy(self) -> bool:
@@ -1002,6 +1160,11 @@ def apply_config(
     resolved: dict[str, Any] = {}
     if config.get("current_routing_layers") == FIRST_MOE_LAYER:
         resolved["current_routing_layers"] = list(setup.routing.current_routing_layers)
+    if setup.recompute.routes and setup.routing.replay == "off":
+        raise ConfigError(
+            "mitigation recompute: routes are not replayed (routing replay off): every rank already routes as the "
+            "model does, so there is no recorded route to recompute"
+        )
     return AppliedConfig(
         config_id=config_id(config),
         mitigations=dict(config),
@@ -1010,6 +1173,7 @@ def apply_config(
         weights=setup.weights,
         samples=setup.samples,
         resolved=resolved,
+        recompute=setup.recompute,
     )
 
 
@@ -1019,6 +1183,9 @@ def check_current_layers(cfg: AppliedConfig, moe_layers: Iterable[int]) -> None:
     bad = sorted(set(cfg.routing.current_routing_layers) - known)
     if bad:
         raise ConfigError(f"{cfg.label}: current_routing_layers {bad} are not MoE layers (MoE layers: {sorted(known)})")
+    bad = sorted(cfg.recompute.layers() - known)
+    if bad:
+        raise ConfigError(f"{cfg.label}: recompute names layers {bad}, not MoE layers (MoE layers: {sorted(known)})")
 
 
 def diagnostic_reasons(config: Mapping[str, Any]) -> list[str]:

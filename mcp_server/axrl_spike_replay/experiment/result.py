@@ -103,12 +103,19 @@ def describe_clean_gradient(clean: dict[str, Any]) -> str:
     if "tokens_left_out" not in clean:
         return f"the baseline without its top-attributed samples {named or 'none'}"
     tokens, total = clean.get("tokens_left_out") or 0, clean.get("loss_tokens")
+    recomputed = [str(s) for s in clean.get("recomputed") or []]
+    base = (
+        f"the on-policy gradient (the stored {' and '.join(s.replace('_', ' ') for s in recomputed)} recomputed at "
+        "the snapshot's weights)"
+        if recomputed
+        else "the baseline"
+    )
     if not tokens:
-        what = "the baseline itself (nothing left out)"
+        what = f"{base} itself (nothing left out)" if not recomputed else base
     else:
         share = clean.get("token_share_left_out")
         of = f" ({share:.1%} of {total})" if isinstance(share, float) and total else ""
-        what = f"the baseline without its {tokens} highest-pull loss tokens{of}, in samples {named}"
+        what = f"{base} without its {tokens} highest-pull loss tokens{of}, in samples {named}"
     norm, ratio = clean.get("grad_norm"), clean.get("ratio_to_median")
     size = f"grad norm {norm:.4g}" if isinstance(norm, (int, float)) else "no grad norm"
     if isinstance(ratio, (int, float)):

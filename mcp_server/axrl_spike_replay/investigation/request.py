@@ -27,6 +27,7 @@ LOCAL = "local"  # the target that means this machine
 
 _V = TypeVar("_V", bound=Vocabulary)
 MAX_REPEAT = 100  # a determinism check needs a handful of recomputations; each one is a whole replay
+_HERE = (Backend.TORCH, Backend.MEGATRON)  # backends the built-in engine runs in this process tree
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,11 @@ class What:
 class Where:
     """Where it runs: here (`local`) or an SSH target, with the built-in engine or the trainer's own command."""
 
-    target: str = LOCAL  # "local" or an SSH target (a spike-replay.yaml name or as typed)
+    target: str = LOCAL  # "local", an SSH target (a spike-replay.yaml name or as typed), or a multinode/slurm entry
+    targets: tuple[str, ...] = ()  # several SSH nodes: one torchrun agent on each, one rendezvous
+    # Slurm: sbatch from `target` as the login node ("local": this machine), with these settings over those of the
+    # slurm: entry `target` names (partition, account, time, nodes, gpus_per_node, nproc_per_node, cpus_per_task, ...)
+    slurm: Mapping[str, Any] | None = None
     backend: Backend = Backend.TORCH  # torch (built-in engine) | command (the workspace's external replay command)
     patches: tuple[str, ...] = ()  # unified diffs applied in order in a temporary worktree (command backend)
     remote_python: str | None = None
@@ -84,8 +89,15 @@ class ReplayRequest:
 
     @property
     def runs_here(self) -> bool:
-        """True for the built-in torch engine on this machine; False for a node or the command backend."""
-        return self.where.backend == Backend.TORCH and self.where.target == LOCAL
+        """True for the built-in engine on this machine (its torch models, or Megatron-core's GPTModel with
+        `backend` megatron); False for a node, launched processes (several nodes, Slurm) or the command backend."""
+        where = self.where
+        return where.backend in _HERE and where.target == LOCAL and not where.targets and where.slurm is None
+
+    @property
+    def launched(self) -> bool:
+        """True when the engine runs here and torchrun starts its processes on several nodes or under Slurm."""
+        return launch_kind(self.where, self.workspace) is not None
 
 
 def replay_request(
@@ -112,10 +124,14 @@ def replay_request(
     _check(how.nproc, what.repeat, what.top)
     method = _member(Method, what.method, "`method`", "method")
     _check_timeout(where.timeout_s)
-    target = where.target or LOCAL
+    target, targets = _targets(where.target, where.targets)
+    slurm = _slurm_settings(where.slurm)
     patches = _patch_set(where.patches)
-    _check_combination(verb, target, backend, patches, where.timeout_s)
-    _check_clear_threshold(what.clear_threshold, verb, target, backend)
+    placed = replace(where, target=target, targets=targets, slurm=slurm)
+    launched = launch_kind(placed, Path(workspace) if workspace is not None else None) is not None
+    _check_combination(verb, target, backend, patches, where.timeout_s, launched or bool(targets) or slurm is not None)
+    _check_megatron(verb, what, device, target, backend, launched or bool(targets) or slurm is not None)
+    _check_clear_threshold(what.clear_threshold, verb, target, backend, launched)
     _check_parallel_configs(how.parallel_configs, verb, target, backend)
     _check_shard(shard, verb, backend)
     normalised = tuple(parse_config(c, f"config {i + 1}") for i, c in enumerate(what.configs))
@@ -132,8 +148,7 @@ def replay_request(
             method=method,
         ),
         where=replace(
-            where,
-            target=target,
+            placed,
             backend=backend,
             patches=patches,
             known_hosts=str(where.known_hosts) if where.known_hosts else None,
@@ -178,6 +193,7 @@ def request_of_document(
         raise ConfigError("the request names no snapshot", "snapshot")
     values["what"]["configs"] = tuple(values["what"].get("configs") or ())
     values["where"]["patches"] = tuple(values["where"].get("patches") or ())
+    values["where"]["targets"] = tuple(values["where"].get("targets") or ())
     return replay_request(
         What(Path(snapshot), **values["what"]),
         Where(**values["where"]),
@@ -228,20 +244,118 @@ def _patch_set(patches: Any) -> tuple[str, ...]:
     return tuple(str(item) for item in items)
 
 
-def _check_combination(verb: Verb, target: str, backend: Backend, patches: tuple[str, ...], timeout_s: Any) -> None:
+def launch_kind(where: Where, workspace: Path | None) -> str | None:
+    """ "torchrun" when the run's processes are torchrun agents on several SSH nodes (`targets`, or a `multinode:`
+    entry of the workspace's spike-replay.yaml named as `target`), "slurm" for a Slurm allocation (`slurm`
+    settings, or a `slurm:` entry), None otherwise (here, one node, the command backend)."""
+    if where.backend == Backend.COMMAND:
+        return None
+    if where.slurm is not None:
+        return "slurm"
+    if len(where.targets) > 1:
+        return "torchrun"
+    if where.target == LOCAL:
+        return None
+    from axrl_spike_replay.remote.workspace_config import load_workspace_config
+
+    launch = load_workspace_config(workspace if workspace is not None else Path(".")).launch
+    if launch is not None and where.target in launch.slurm:
+        return "slurm"
+    if launch is not None and where.target in launch.multinode:
+        return "torchrun"
+    return None
+
+
+def _targets(target: Any, targets: Any) -> tuple[str, tuple[str, ...]]:
+    """(target, targets): one node given in `targets` is the `target`; both at once are refused."""
+    target = target or LOCAL
+    items = [targets] if isinstance(targets, str) else list(targets or ())
+    for item in items:
+        if not isinstance(item, str) or not item.strip():
+            raise ConfigError(f"`targets` must be SSH targets or target names, got {shown(item)}", "targets")
+    if len(set(items)) != len(items):
+        raise ConfigError(f"`targets` names a node twice: {shown(items)}", "targets")
+    if items and target != LOCAL:
+        raise ConfigError(
+            "give `target` (one node or a configured group) or `targets` (several nodes), not both", "targets"
+        )
+    if len(items) == 1:
+        return items[0], ()
+    return target, tuple(items)
+
+
+def _slurm_settings(slurm: Any) -> dict[str, Any] | None:
+    """The Slurm settings given with the request (checked as sbatch will get them), or None."""
+    if slurm is None:
+        return None
+    if not isinstance(slurm, Mapping):
+        raise ConfigError(f"`slurm` must be a mapping of Slurm settings, got {shown(slurm)}", "slurm")
+    from axrl_spike_replay.remote.slurm_command import SlurmSettings
+
+    allowed = {f.name for f in fields(SlurmSettings)} - {"poll_s"}
+    unknown = sorted(str(k) for k in slurm if k not in allowed)
+    if unknown:
+        raise ConfigError(
+            f"`slurm`: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(allowed))}", "slurm"
+        )
+    values: dict[str, Any] = {str(k): tuple(v) if isinstance(v, list) else v for k, v in slurm.items() if v is not None}
+    try:
+        SlurmSettings(**values)
+    except ConfigError as exc:
+        raise ConfigError(f"`slurm`: {exc}", "slurm") from None
+    except TypeError as exc:
+        raise ConfigError(f"`slurm`: {exc}", "slurm") from None
+    return values
+
+
+def _check_combination(
+    verb: Verb, target: str, backend: Backend, patches: tuple[str, ...], timeout_s: Any, launched: bool
+) -> None:
     """Options that cannot work together, refused before anything connects or is written. (Which mitigations
     the command backend can run is the workspace's `spike-replay.yaml`'s to say: `investigation.elsewhere`.)"""
-    if verb == Verb.ATTRIBUTE and (target != LOCAL or backend != Backend.TORCH):
+    if verb == Verb.ATTRIBUTE and (target != LOCAL or backend != Backend.TORCH or launched):
         raise ConfigError("`target`: attribution runs here with the built-in torch engine", "target")
+    if launched and backend == Backend.COMMAND:
+        raise ConfigError(
+            "`backend` command runs the trainer's replay command on one node; several nodes and Slurm run the "
+            "built-in torch engine",
+            "backend",
+        )
     if backend != Backend.COMMAND and patches:
         raise ConfigError(
             "`patch` applies to the training checkout the command backend runs; add `backend` command", "patch"
         )
-    if target == LOCAL and backend == Backend.TORCH and timeout_s is not None:
+    if target == LOCAL and backend in _HERE and timeout_s is not None and not launched:
         raise ConfigError("`timeout_s` applies to runs on a `target` or with `backend` command", "timeout_s")
 
 
-def _check_clear_threshold(value: Any, verb: Verb, target: str, backend: Backend) -> None:
+def _check_megatron(verb: Verb, what: What, device: Device, target: str, backend: Backend, launched: bool) -> None:
+    """`backend` megatron (route 2 of a Megatron snapshot) replays the baseline here, on CPU; the rest is route 1's."""
+    if backend != Backend.MEGATRON:
+        return
+    if verb != Verb.REPLAY:
+        raise ConfigError(
+            f"`backend` megatron replays the baseline; a {verb} runs on the built-in `backend` torch", "backend"
+        )
+    if what.mitigations:
+        raise ConfigError(
+            "`backend` megatron replays the baseline; mitigations run on the built-in `backend` torch (route 1)",
+            "mitigation",
+        )
+    if target != LOCAL or launched:
+        raise ConfigError(
+            "`backend` megatron runs Megatron-core's GPTModel here, on CPU; a `target` runs the torch or command "
+            "backend",
+            "target",
+        )
+    if device != Device.CPU:
+        raise ConfigError(
+            "`backend` megatron runs Megatron-core's GPTModel with the local spec on CPU here; use `device` cpu",
+            "device",
+        )
+
+
+def _check_clear_threshold(value: Any, verb: Verb, target: str, backend: Backend, launched: bool) -> None:
     """The user's verdict threshold: a finite ratio > 0, for replays and sweeps of the local torch engine."""
     if value is None:
         return
@@ -254,10 +368,11 @@ def _check_clear_threshold(value: Any, verb: Verb, target: str, backend: Backend
         raise ConfigError(
             "`clear_threshold` judges replays and sweeps; attribution gives no verdict", "clear_threshold"
         )
-    if target != LOCAL or backend != Backend.TORCH:
+    if (target != LOCAL or backend not in _HERE) and not launched:
         raise ConfigError(
-            "`clear_threshold` applies to the built-in torch engine run here; a run on a `target` or with `backend` "
-            "command is judged by the snapshot's detector threshold",
+            "`clear_threshold` applies to the built-in engine run here (its processes here, on several nodes or "
+            "under Slurm); a run on one `target` node or with `backend` command is judged by the snapshot's detector "
+            "threshold",
             "clear_threshold",
         )
 

@@ -1,7 +1,9 @@
 """Run a request where it says: the one place a replay, sweep or attribution picks here or elsewhere.
 
-`torch` on target `local` runs the built-in engine in this process tree; everything else (the torch
-engine on an SSH target, the `command` backend) goes to `investigation.elsewhere`. Either way the
+`torch` (and `megatron`, route 2 of a Megatron snapshot) on target `local` runs the built-in engine in this
+process tree; on several nodes or under Slurm the engine runs here and torchrun starts its processes there
+(`investigation.launched`); everything else (the torch engine on one SSH target, the `command` backend) goes to
+`investigation.elsewhere`. Either way the
 run's files land in the workspace and each result is logged in the job's task file when one is open.
 The CLI, the MCP tools, the CLI's warm service and the demo all call `run_request`.
 """
@@ -28,6 +30,10 @@ def run_request(request: ReplayRequest, runner: JobRunner | None = None) -> RunR
 
     refuse_in_spawned_import(f"the {request.what.verb}")  # before it writes anything: a script without a main guard
     if not request.runs_here:
+        if request.launched:  # several nodes or Slurm: the engine here, its processes started by torchrun there
+            from axrl_spike_replay.investigation.launched import replay_launched
+
+            return replay_launched(request)
         from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
 
         return replay_elsewhere(request)
@@ -36,9 +42,14 @@ def run_request(request: ReplayRequest, runner: JobRunner | None = None) -> RunR
 
 def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     """The engine in this process tree."""
+    from axrl_spike_replay.investigation.planning import refuse_what_cannot_fit
     from axrl_spike_replay.replay.engine import ReplayOptions
 
     what, how = request.what, request.how
+    nproc = 1 if what.verb == Verb.ATTRIBUTE else how.nproc
+    configs = 1 + (len(what.configs) if what.verb == Verb.SWEEP else int(bool(what.mitigations)))
+    shard = "off" if what.verb == Verb.ATTRIBUTE else str(how.shard)  # attribution holds the whole model
+    refuse_what_cannot_fit(what.snapshot, nproc, str(how.device), configs, shard)
     recorder = recorder_for(request.workspace)
     if what.verb == Verb.ATTRIBUTE:
         from axrl_spike_replay.replay.attribution import attribute_spike
@@ -68,6 +79,7 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
         cancel=request.cancel,
         recorder=recorder,
         runner=runner,
+        backend=request.where.backend,
     )
     if what.verb == Verb.SWEEP:
         from axrl_spike_replay.replay.sweep import run_sweep

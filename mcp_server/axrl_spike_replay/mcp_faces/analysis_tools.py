@@ -140,15 +140,22 @@ async def diagnose_spike_tool(
     ] = None,
     model: Annotated[
         Literal["auto", "always", "never"],
-        Field(description="Compute attribution and route agreement here: auto (small checkpoints), always, never."),
+        Field(
+            description="Compute the model evidence here (attribution, stored signals per rank, loss channel): "
+            "auto (small checkpoints), always, never."
+        ),
     ] = "auto",
     top: TopArg = 10,
 ) -> Diagnosis:
-    """Call this first on a spike: the likely causes ranked (rollout/trainer log-prob mismatch, outlier
-    advantage on a few samples, negative-advantage dominance, routing mismatch per MoE layer, one rank's
-    data, non-finite values; or none found, with what was checked), each with its evidence as numbers, and
-    `next_steps`: ready `--mitigation NAME=VALUE` items for replay/sweep, least invasive first. Also says
-    whether the snapshot agrees with itself and with the training log (`consistency`)."""
+    """Call this first on a spike: the likely causes ranked by cause family (engine_mismatch,
+    stale_old_logprobs, bad_ref_logprobs, routing_payload, outlier_advantage, mask_misalignment,
+    negative_advantage_dominance, one_rank_data, non_finite; natural_spike when no broken part is found), each
+    naming its ranks, samples and the loss term that carries the gradient, with its evidence as numbers and
+    `tied_with` when another family fits as well. With the model (`model` auto on a small checkpoint, or
+    always) every stored signal is compared with the replay per rank (`reading.odd`: the odd one out and its
+    witnesses) and the gradient is split by loss term (`step.channel`). `next_steps`: ready
+    `--mitigation NAME=VALUE` items for replay/sweep, least invasive first, never a no-op for the run's config.
+    Also says whether the snapshot agrees with itself and with the training log (`consistency`)."""
     config = server_config(ctx)
     att = str(config.path(attribution)) if attribution else None
     paths = [str(config.path(p)) for p in logs] if logs else None

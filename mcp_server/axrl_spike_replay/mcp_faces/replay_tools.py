@@ -66,10 +66,31 @@ TargetArg = Annotated[
         "The snapshot must be at the same path there (shared storage). Omit to run here.",
     ),
 ]
-BackendArg = Annotated[
-    Literal["torch", "command"],
+TargetsArg = Annotated[
+    list[str],
     Field(
-        description="torch: the built-in engine; command: the node's own replay command from spike-replay.yaml "
+        description="Several nodes to run one replay on (targets as for `target`): one torchrun agent on each, one "
+        "c10d rendezvous on the first, results gathered on rank 0; `nproc` spreads evenly over them. Every node "
+        "must see the snapshot at the same path. A `multinode:` entry of spike-replay.yaml named as `target` "
+        "does the same.",
+    ),
+]
+SlurmArg = Annotated[
+    dict[str, Any] | None,
+    Field(
+        description="Run as a Slurm job (sbatch, then srun -> torchrun on each allocated node) submitted from "
+        "`target` as the login node (omit `target`: this machine). Settings: partition, account, time "
+        "(HH:MM:SS), nodes, gpus_per_node, nproc_per_node, cpus_per_task, job_dir, sbatch_args, "
+        "schedule_timeout_s; they override those of the `slurm:` entry `target` names. Cancel and `timeout_s` "
+        "scancel the job.",
+    ),
+]
+BackendArg = Annotated[
+    Literal["torch", "megatron", "command"],
+    Field(
+        description="torch: the built-in engine; megatron: Megatron-core's own GPTModel recomputes the baseline "
+        "of a Megatron snapshot here (replay only, no mitigations; the megatron extra), the cross-check of torch; "
+        "command: the node's own replay command from spike-replay.yaml "
         "(trainers the engine cannot rebuild, e.g. TP/PP/EP > 1): mitigations run as the trainer's own overrides "
         "mapped in spike-replay.yaml's command_backend.mitigations (an unmapped one is refused by name), "
         "optionally with `patch`/`patches`.",
@@ -165,6 +186,8 @@ async def replay_tool(
     ctx: Context,
     mitigations: MitigationsArg = {},  # noqa: B006
     target: TargetArg = None,
+    targets: TargetsArg = [],  # noqa: B006
+    slurm: SlurmArg = None,
     nproc: NprocArg = None,
     device: DeviceArg = "cpu",
     shard: ShardArg = "auto",
@@ -208,6 +231,8 @@ async def replay_tool(
             remote_python,
             accept_new_host_key,
             timeout_s,
+            targets,
+            slurm,
         ),
         How(nproc=nproc, device=Device(device), shard=Shard(shard)),
         workspace=config.workspace_for(workspace),
@@ -223,6 +248,8 @@ async def sweep_tool(
     configs: ConfigsArg,
     ctx: Context,
     target: TargetArg = None,
+    targets: TargetsArg = [],  # noqa: B006
+    slurm: SlurmArg = None,
     nproc: NprocArg = None,
     device: DeviceArg = "cpu",
     parallel_configs: ParallelConfigsArg = None,
@@ -249,7 +276,7 @@ async def sweep_tool(
     request = await _request(
         ctx,
         What(config.path(snapshot), verb=Verb.SWEEP, configs=tuple(configs), clear_threshold=clear_threshold),
-        _where(config, target, backend, patches, remote_python, accept_new_host_key, timeout_s),
+        _where(config, target, backend, patches, remote_python, accept_new_host_key, timeout_s, targets, slurm),
         How(nproc=nproc, device=Device(device), parallel_configs=parallel_configs, shard=Shard(shard)),
         workspace=config.workspace_for(workspace),
         job=job,
@@ -324,10 +351,14 @@ def _where(
     remote_python: str | None,
     accept_new_host_key: bool,
     timeout_s: float | None,
+    targets: list[str] | None = None,
+    slurm: dict[str, Any] | None = None,
 ) -> Where:
     """The request's `Where` part for a tool's arguments (patch paths relative to the workspace)."""
     return Where(
         target=target or LOCAL,
+        targets=tuple(targets or ()),
+        slurm=slurm,
         backend=Backend(backend),
         patches=tuple(str(config.path(p)) for p in patches),
         remote_python=remote_python,

@@ -42,7 +42,9 @@ SIZE_LIMITS: dict[str, int] = {
 for _spec in ARCHITECTURES.values():
     SIZE_LIMITS.update(_spec.size_limits)
 GENERIC_INT_LIMIT = 1 << 24
-MAX_MODEL_PARAMETERS = 1 << 33  # 8G parameters: the same ceiling as the tiny model's
+# 8G parameters: the same ceiling as the tiny model's, for a model built with memory; a config above it still
+# parses and builds on the meta device, so `plan` can say what a replay of it needs
+MAX_MODEL_PARAMETERS = 1 << 33
 MAX_CONFIG_JSON_BYTES = 1 << 20
 # Keys that would make transformers run code or quantise: refused, not ignored.
 REFUSED_KEYS = ("auto_map", "quantization_config")
@@ -96,9 +98,7 @@ class HFModelConfig:
             raise ConfigError(
                 f"model.config says model_type {shown(model_type, 40)} but model.architecture is {self.architecture}"
             )
-        parameters = sum(_numel(shape) for shape in expected_hf_shapes(self).values())
-        if parameters > MAX_MODEL_PARAMETERS:
-            raise ConfigError(f"model: {parameters} parameters, more than the {MAX_MODEL_PARAMETERS} limit")
+        expected_hf_shapes(self)  # built on the meta device: a config transformers refuses is named here
 
     @property
     def key(self) -> str:
@@ -248,6 +248,10 @@ def instantiate(spec: HFModelConfig, device: str = "cpu") -> nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    if device != "meta":  # shapes cost nothing; memory is committed only below the ceiling (`plan` says the rest)
+        parameters = sum(_numel(shape) for shape in expected_hf_shapes(spec).values())
+        if parameters > MAX_MODEL_PARAMETERS:
+            raise ConfigError(f"model: {parameters} parameters, more than the {MAX_MODEL_PARAMETERS} limit")
     config = hf_config_object(spec)
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity(logging.ERROR)  # config-consistency warnings of tiny test configs are not ours

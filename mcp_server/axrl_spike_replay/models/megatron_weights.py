@@ -141,17 +141,25 @@ def check_saved_layout(directory: Path, layout: ParallelLayout) -> None:
     problems = layout_problems(read_megatron_checkpoint(directory), layout)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise SnapshotError(f"{problems[0]}{more}")
+        hint = f"; fix the run config's `parallel:`, or {COMMAND_BACKEND_HINT}"
+        hint = "" if COMMAND_BACKEND_HINT in problems[0] else hint
+        raise SnapshotError(f"{problems[0]}{more}{hint}")
 
 
 def megatron_semantics(policy: nn.Module) -> nn.Module:
-    """The transformers policy computing what Megatron's GPTModel computes where the two differ by design:
-    transformers' embedding keeps the pad token's row out of every gradient (`padding_idx`), Megatron's
-    `VocabParallelEmbedding` has no such row, so a loss that reaches pad positions (the router z-loss counts
-    every token) moves it there. Route 1 follows Megatron."""
+    """The transformers policy computing what Megatron's GPTModel computes where the two differ by design, both
+    visible only where a loss reaches pad positions (the router z-loss counts every token). Transformers'
+    embedding keeps the pad token's row out of every gradient (`padding_idx`), Megatron's
+    `VocabParallelEmbedding` has no such row; transformers' eager attention adds its mask to the scores, Megatron
+    fills them (`models.megatron_attention`). Route 1 follows Megatron."""
+    from axrl_spike_replay.models.megatron_attention import use_megatron_attention
+
     embedding = getattr(getattr(policy, "model", None), "embed_tokens", None)
     if embedding is not None and getattr(embedding, "padding_idx", None) is not None:
         embedding.padding_idx = None
+    config = getattr(getattr(policy, "causal_lm", policy), "config", None)  # HFPolicy keeps the model aside
+    if config is not None:
+        use_megatron_attention(config)
     return policy
 
 

@@ -1,15 +1,16 @@
 """What a launched job is, whichever engine starts it (torchrun over SSH, Slurm): the worker each process runs, the
 request it reads, the result rank 0 writes, how it ended, and errors that name the node.
 
-The worker-side half of the contract is `launch_worker`: torchrun's environment gives each process its rank and
-world, argv[1] is the request file, and rank 0 writes the result file atomically. The launcher reads that file only
-after every agent (or the Slurm job) ended successfully.
+The worker-side half of the contract is the ground module `launch_worker` (the engine's own worker reads through it):
+torchrun's environment gives each process its rank and world, argv[1] is the request file, and rank 0 writes the
+result file atomically. The launcher reads that file only after every agent (or the Slurm job) ended successfully.
 """
 
 from __future__ import annotations
 
 import re
 import secrets
+import shlex
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import clean_text, shown
+from axrl_spike_replay.launch_worker import REQUEST_FORMAT, REQUEST_VERSION
 from axrl_spike_replay.remote.errors import RemoteError
 from axrl_spike_replay.remote.node_probe import NodeReport
 from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
@@ -25,9 +27,8 @@ from axrl_spike_replay.untrusted_json import parse_untrusted_json
 if TYPE_CHECKING:
     from axrl_spike_replay.remote.target_config import ResolvedTarget
 
+FILE_MARK = "@@axrl-file"
 LAUNCH_ID_ENV = "AXRL_LAUNCH_ID"  # every process of a job carries it, so a sweep can find leftovers by it
-REQUEST_FORMAT = "axrl-launch-request"
-REQUEST_VERSION = 1
 REQUEST_FILE = "request.json"
 RESULT_FILE = "result.json"
 MAX_RESULT_BYTES = 64 << 20
@@ -171,3 +172,46 @@ def tail_text(path: Path, lines: int = 12, limit: int = 2000) -> str:
     ]
     joined = " | ".join(kept[-lines:])
     return joined if len(joined) <= limit else "…" + joined[-limit:]
+
+
+def shared_files_script(files: Mapping[str, int]) -> str:
+    """A POSIX sh script printing, for each of `files` (by its index), its size on the node or why it has none."""
+    lines = []
+    for index, path in enumerate(files):
+        quoted = shlex.quote(path)
+        lines.append(
+            f'if _s=$(stat -L -c %s -- {quoted} 2>&1); then echo "{FILE_MARK} {index} $_s"; '
+            f'else echo "{FILE_MARK} {index} missing $_s"; fi'
+        )
+    return "\n".join(lines) + "\n"
+
+
+def shared_files_problems(output: str, files: Mapping[str, int]) -> list[str]:
+    """What a node's `shared_files_script` output says is wrong: a file it does not see, or sees at another size."""
+    paths = list(files)
+    seen: dict[int, str] = {}
+    for line in output.splitlines():
+        words = line.split(maxsplit=2)
+        if words[:1] == [FILE_MARK] and len(words) == 3 and words[1].isdigit():
+            seen[int(words[1])] = words[2]
+    problems = []
+    for index, path in enumerate(paths):
+        said = seen.get(index)
+        if said is None:
+            problems.append(f"{path}: could not be checked there")
+        elif said.startswith("missing"):
+            why = said.removeprefix("missing").strip().rsplit(": ", 1)[-1] or "not found"
+            problems.append(f"{path}: {clean_text(why)}")
+        elif not said.strip().isdigit() or int(said) != files[path]:
+            problems.append(f"{path}: {clean_text(said.strip())} bytes there, {files[path]} here")
+    return problems
+
+
+def shared_files_error(node: str, host: str | None, problems: list[str], where: str = "node") -> LaunchError:
+    """The error for a node that does not see the job's shared files as this machine does."""
+    at = f" ({host})" if host else ""
+    return LaunchError(
+        f"{where} {node!r}{at} does not see the snapshot as this machine does: {'; '.join(problems)}. Every node "
+        "must read the snapshot at the same path (shared storage mounted there, the same files)",
+        node=node,
+    )

@@ -34,6 +34,9 @@ from axrl_spike_replay.remote.launch_job import (
     new_launch_id,
     read_result,
     request_document,
+    shared_files_error,
+    shared_files_problems,
+    shared_files_script,
     tail_text,
 )
 from axrl_spike_replay.remote.local_session import LocalSession
@@ -74,6 +77,8 @@ class SlurmJob:
     payload: Mapping[str, Any] = field(default_factory=dict)
     timeout_s: float | None = None  # the run, from the job starting on its nodes
     env: Mapping[str, str] = field(default_factory=dict)  # exported for the agents and their workers
+    # path -> size the login node must see (the snapshot; the compute nodes' workers check it themselves)
+    shared_files: Mapping[str, int] = field(default_factory=dict)
 
 
 async def launch_slurm(
@@ -169,6 +174,11 @@ async def _check_login(session: Session, job: SlurmJob) -> None:
             "Add what loads Slurm's environment to the target's `setup:` lines",
             node=login.name,
         )
+    if job.shared_files:
+        got = await session.capture(bash_command(shared_files_script(job.shared_files)))
+        problems = shared_files_problems(got.stdout, job.shared_files)
+        if problems:
+            raise shared_files_error(login.name, report.hostname, problems, where="Slurm login node")
 
 
 async def _make_job_dir(session: Session, job: SlurmJob) -> str:

@@ -36,6 +36,9 @@ from axrl_spike_replay.remote.launch_job import (
     new_launch_id,
     read_result,
     request_document,
+    shared_files_error,
+    shared_files_problems,
+    shared_files_script,
     tail_text,
 )
 from axrl_spike_replay.remote.local_session import LocalSession
@@ -73,6 +76,7 @@ class TorchrunJob:
     rendezvous_timeout_s: float = DEFAULT_RENDEZVOUS_TIMEOUT_S
     timeout_s: float | None = None  # the whole run, from the agents' start
     env: Mapping[str, str] = field(default_factory=dict)  # exported for the agents and their workers
+    shared_files: Mapping[str, int] = field(default_factory=dict)  # path -> size every node must see (the snapshot)
 
     def __post_init__(self) -> None:
         names = [node.name for node in self.nodes]
@@ -207,8 +211,28 @@ async def _prepare(agents: Sequence[_Agent], job: TorchrunJob, launch_id: str, s
                 raise LaunchError(f"node {agent.node.name!r}: cannot create a temp directory", node=agent.node.name)
         except LaunchError as exc:
             problems.append(exc)
+    if not problems and job.shared_files:
+        problems += await _check_shared_files(agents, job.shared_files)
     if problems:
         raise LaunchError("; ".join(str(p) for p in problems), node=problems[0].node)
+
+
+async def _check_shared_files(agents: Sequence[_Agent], files: Mapping[str, int]) -> list[LaunchError]:
+    """Every node sees `files` at the same paths with the same sizes as this machine (one round trip each)."""
+    script = bash_command(shared_files_script(files))
+    got = await asyncio.gather(*(a.session.capture(script) for a in agents), return_exceptions=True)
+    problems: list[LaunchError] = []
+    for agent, captured in zip(agents, got, strict=True):
+        name = agent.node.name
+        if isinstance(captured, BaseException):
+            if not isinstance(captured, Exception):
+                raise captured
+            problems.append(LaunchError(f"node {name!r}: cannot check the snapshot there: {captured}", node=name))
+            continue
+        found = shared_files_problems(captured.stdout, files)
+        if found:
+            problems.append(shared_files_error(name, agent.report.hostname if agent.report else None, found))
+    return problems
 
 
 async def _rendezvous(agents: Sequence[_Agent], job: TorchrunJob, launch_id: str) -> Rendezvous | None:

@@ -35,10 +35,10 @@ from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_in
 from axrl_spike_replay.replay.model_build import build_model
 from axrl_spike_replay.replay.outcome_figures import jvp_policy
 from axrl_spike_replay.replay.shard_choice import check_whole_fits
-from axrl_spike_replay.replay.worker import RankInputs, step_counts
+from axrl_spike_replay.replay.worker import RankInputs, loss_batch, step_counts
 from axrl_spike_replay.training.policy_loss import expand_advantages, policy_loss
 from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
-from axrl_spike_replay.training.sample_masks import check_ranks, filtered_batch
+from axrl_spike_replay.training.sample_masks import check_ranks
 from axrl_spike_replay.vocabulary import Fidelity, Method
 
 
@@ -100,9 +100,9 @@ def _gradient_pass(
     passes = {}
     router_sum: list[torch.Tensor] | None = None
     for rank, saved in ranks.batches.items():
-        batch = filtered_batch(saved, rank, cfg.samples)
         # the forward sees the saved batch and the loss the filtered one, as in a replay
         out = policy_forward(model, saved, ranks.routing(cfg, rank), need_entropy=need_entropy)
+        batch = loss_batch(saved, rank, cfg, out.logprobs)
         out.logprobs.retain_grad()
         if out.entropy is not None:
             out.entropy.retain_grad()

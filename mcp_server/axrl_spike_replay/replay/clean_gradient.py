@@ -1,12 +1,25 @@
-"""The clean gradient: the baseline gradient with the loss tokens that carry the spike left out of the loss.
+"""The clean gradient: the on-policy gradient at the snapshot's weights, with the loss tokens that carry the spike
+left out of the loss.
 
-Definition. Every loss token t of the baseline (its loss mask, after any rejection the saved loss applies)
-is weighed by its pull w_t = |dL_r/dlogp_t|: how hard rank r's loss pulls on the token's log-prob, with
-everything the loss does to that token in it (advantage, importance ratio and its clip, IS weight, KL
-penalty, aggregation denominator; an entropy term's pull is not counted). Token t adds
-(dL_r/dlogp_t) grad(logp_t) / W to the DP-mean gradient, and in a spike the pull is what goes wrong by
-orders of magnitude (a ratio of 1e3, an advantage scaled 200x, a KL term exp(ref - logp) with ref - logp
-tens of nats), so the tokens are ranked by w_t, largest first, over every saved rank (tokens with no pull,
+On-policy first. The baseline's stored old and rollout log-probs are recomputed as the forward's own (the
+`recompute` mitigation's `old_logprobs,rollout_logprobs`): at the step's first update a sound trainer's old
+log-probs are exactly that, so every ratio and IS weight is 1 and no stored log-prob signal is left in the
+reference. Leaving tokens out alone could not do this: a stale or wrong stored signal on one rank also takes
+gradient away (its positive-advantage tokens clipped to no pull), so a reference made by leaving tokens out
+still holds the contaminated rank, and scored a full fix (recomputing the signal) below a partial one (a
+log-ratio clip that leaves out the same tokens the reference does). When the on-policy gradient is under the
+spike bar it is the clean gradient (nothing left out); otherwise the tokens are left out of it as below
+(an outlier advantage, a wrong reference's KL term, routes: what recomputing the log-probs does not touch).
+Under normalization global with rejection sampling the counts need the log-probs before the forward, so there
+the baseline's own loss is the reference, as before (`recomputed` empty).
+
+Definition of the tokens left out. Every loss token t of the baseline (its loss mask, after any rejection the
+saved loss applies) is weighed by its pull w_t = |dL_r/dlogp_t|: how hard rank r's loss pulls on the token's
+log-prob, with everything the loss does to that token in it (advantage, importance ratio and its clip, IS
+weight, KL penalty, aggregation denominator; an entropy term's pull is not counted). Token t adds
+(dL_r/dlogp_t) grad(logp_t) / W to the DP-mean gradient, and in a spike the pull is what goes wrong by orders
+of magnitude (a ratio of 1e3, an advantage scaled 200x, a KL term exp(ref - logp) with ref - logp tens of
+nats), so the tokens are ranked by w_t, largest first, over every saved rank (tokens with no pull,
 e.g. clipped ones, are never left out). The clean gradient leaves the first k tokens
 of that order out of the loss, masked exactly as the loss masks a token (out of the sum and out of its
 token/sequence denominators; under `normalization: global` the step's counts are recounted), with k the
@@ -49,7 +62,9 @@ from axrl_spike_replay.experiment.verdict import is_spike
 
 MAX_LEFT_OUT_FRACTION = 0.5  # of the baseline's loss tokens
 CLEAN_DEFINITION = (
-    "clean gradient: the baseline gradient with its highest-pull loss tokens left out of the loss (masked as the "
+    "clean gradient: the on-policy gradient (the baseline's stored old and rollout log-probs recomputed at the "
+    "snapshot's weights, every ratio 1; `recomputed` names them), and when that is still a spike, with its "
+    "highest-pull loss tokens left out of the loss (masked as the "
     "loss masks a token, denominators and global counts included); pull: |dL/dlogp_t| of the baseline's loss; "
     "left out: the smallest count, largest pull first, whose gradient is under the spike bar (grad norm / median "
     "< the verdict threshold), found by galloping then bisection (one forward + backward per probe) and capped at "

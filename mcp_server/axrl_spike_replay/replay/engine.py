@@ -40,7 +40,7 @@ from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_in
 from axrl_spike_replay.replay.launch import JobRunner, run_job
 from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.outcome_figures import DEFINITION
-from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard
+from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard, planned_shard
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 from axrl_spike_replay.training.sample_masks import check_ranks
 from axrl_spike_replay.vocabulary import Backend, Device, Shard, Verdict
@@ -67,6 +67,9 @@ class ReplayOptions:
     parallel_configs: int | None = None
     # Runs the job (default `launch.run_job`: fresh processes); a server passes its warm pools' `run_job`.
     runner: JobRunner | None = field(default=None, compare=False, repr=False)
+    # torch: the engine's own models (route 1 for a Megatron snapshot); megatron: Megatron-core's GPTModel computes
+    # the baseline (route 2, `replay.megatron_route`), judged and recorded the same way
+    backend: Backend = Backend.TORCH
 
 
 def check_device(device: str) -> str:
@@ -156,7 +159,7 @@ class ReplaySession:
             f"fidelity {self.plan.fidelity} (saved world size {inputs.world_size}), "
             f"{'sharded' if self.shard.shard else 'whole model per process'}, precision {self.precision_label}"
         )
-        outcomes = (o.runner or run_job)(job, o.timeout_s, o.cancel, progress=o.progress)
+        outcomes = _runner(o)(job, o.timeout_s, o.cancel, progress=o.progress)
         baseline = self.result(self.configs[0], outcomes[0], None)
         results = [
             self.result(c, out, baseline.grad_norm) for c, out in zip(self.configs[1:], outcomes[1:], strict=True)
@@ -188,7 +191,7 @@ class ReplaySession:
         meta = self.inputs.metadata
         return {
             "snapshot": self.inputs.snapshot,
-            "backend": Backend.TORCH,
+            "backend": self.options.backend,
             "target": "local",
             "fidelity": self.plan.fidelity,
             "world_size_saved": self.inputs.world_size,
@@ -286,6 +289,15 @@ class ReplaySession:
         return exp_id
 
 
+def _runner(options: ReplayOptions) -> JobRunner:
+    """Who computes the job: Megatron-core for `backend` megatron, else the given runner or fresh processes."""
+    if options.backend == Backend.MEGATRON:
+        from axrl_spike_replay.replay.megatron_route import run_megatron_job
+
+        return run_megatron_job
+    return options.runner or run_job
+
+
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3g}"
 
@@ -293,6 +305,13 @@ def _fmt(value: float | None) -> str:
 def _check_options(options: ReplayOptions) -> None:
     """What only this machine can tell (the request checked every field): is the device here? (And `shard`, for
     library callers that build options themselves.)"""
+    if options.backend not in (Backend.TORCH, Backend.MEGATRON):
+        raise ConfigError(f"`backend` {options.backend} does not run in the built-in engine", "backend")
+    if options.backend == Backend.MEGATRON and options.device != Device.CPU:
+        raise ConfigError(
+            "`backend` megatron runs Megatron-core's GPTModel with the local spec on CPU here; use `device` cpu",
+            "device",
+        )
     check_device(options.device)
     if options.shard not in Shard.values():
         raise ConfigError(f"`shard` must be one of {', '.join(Shard.values())}, got {options.shard!r}", "shard")
@@ -316,8 +335,19 @@ def replay_session(
         check_configs(inputs, applied)
         for cfg in applied:
             check_ranks(cfg.samples, inputs.world_size)
+        if options.backend == Backend.MEGATRON:
+            from axrl_spike_replay.replay.megatron_route import check_megatron_job
+
+            check_megatron_job(
+                inputs.model, str(snapshot), mitigations=bool(configs), nproc=options.nproc, world=inputs.world_size
+            )
         plan = plan_layout(inputs.world_size, options.nproc)
-        shard = choose_shard(options.shard, inputs.model, inputs.effective_precision, options.device, plan.nproc)
+        planned = None
+        if options.shard == Shard.AUTO and plan.nproc > 1:
+            planned = planned_shard(str(snapshot), plan.nproc, str(options.device), len(applied))
+        shard = choose_shard(
+            options.shard, inputs.model, inputs.effective_precision, options.device, plan.nproc, planned
+        )
         session = ReplaySession(inputs, plan, applied, options, shard)
         session.run = options.recorder.open_run(session.job) if options.recorder else RunDir(None)
         if verb == "replay":
@@ -331,6 +361,7 @@ def replay_session(
                 "nproc": options.nproc,
                 "device": options.device,
                 "shard": options.shard if options.shard != "auto" else None,
+                "backend": options.backend if options.backend != Backend.TORCH else None,
                 "mitigation": mitigation,
                 "repeat": options.repeat if options.repeat > 1 else None,
                 "clear_threshold": options.clear_threshold,

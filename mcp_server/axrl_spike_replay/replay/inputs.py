@@ -259,6 +259,19 @@ def check_configs(inputs: ReplayInputs, configs: Iterable[AppliedConfig]) -> Non
                     "run config has routing.replay: off)"
                 )
         check_current_layers(cfg, moe_layers)
+        bad = sorted(r for r in cfg.recompute.ranks() if r >= inputs.world_size)
+        if bad:
+            raise ConfigError(
+                f"{label}: recompute names rank {bad[0]}, not in the snapshot (saved ranks 0..{inputs.world_size - 1})"
+            )
+        if cfg.recompute.routes and set(cfg.recompute.ranks() or range(inputs.world_size)) - set(inputs.routing_ranks):
+            raise ConfigError(f"{label}: recompute=routes names a rank with no recorded routes to recompute")
+        recounted = cfg.loss.normalization == "global" and (cfg.loss.rollout_rs or cfg.loss.ratio_outlier_mask)
+        if cfg.recompute.recomputes_logprobs and recounted:
+            raise ConfigError(
+                f"{label}: recompute of log-probs with rejection sampling under normalization global: the step's "
+                "token count would need the recomputed log-probs before the forward that computes them"
+            )
         if cfg.weights is not None:
             weights = Path(cfg.weights)
             if not weights.is_dir():

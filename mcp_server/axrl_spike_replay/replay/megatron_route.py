@@ -1,82 +1,106 @@
 """Replay route 2: a Megatron snapshot's spike step recomputed by Megatron-core's own GPTModel (the `megatron` extra).
 
-One gloo process per saved data-parallel rank builds the GPTModel from the snapshot's `model:` section (TP=PP=EP=1,
-local spec: the CPU route; a GPU node runs the trainer's spec), loads the checkpoint with Megatron's own
-`dist_checkpointing.load` (which reshards from the saved TP/PP/EP layout), forces the rank's recorded routes
-through Megatron's router replay (`RouterReplay`, REPLAY_FORWARD), takes the log-probs and the snapshot's loss
-(`training.policy_loss`, as route 1 does), backpropagates and reduces as the trainer did (the data-parallel mean).
-The baseline grad norm is then judged against the recorded one as the torch engine judges route 1.
+`backend: megatron` of a replay request. The engine (`replay.engine`) validates the snapshot, opens the run dir,
+judges the verdict and records the run as for the torch backend; only the job runner differs: `run_megatron_job`
+starts one gloo process per saved data-parallel rank, each building the GPTModel from the snapshot's `model:`
+section (TP=PP=EP=1, local spec: the CPU route; a GPU node runs the trainer's spec), loading the checkpoint with
+Megatron's own `dist_checkpointing.load` (which reshards from the saved TP/PP/EP layout), forcing the rank's
+recorded routes through Megatron's router replay (`RouterReplay`, REPLAY_FORWARD), taking the log-probs and the
+snapshot's loss (`training.policy_loss`, as route 1 does), backpropagating and reducing as the trainer did (the
+data-parallel mean).
 
-It answers the cross-check: route 1 (the transformers model) and route 2 must give the same grad norm. Mitigations
-and sweeps run on route 1.
+It is the cross-check of route 1 (the transformers model): the two must give the same grad norm. Mitigations,
+sweeps and attribution run on route 1; `check_megatron_job` refuses them here by name.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
+from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+
+ROUTE_1 = "the built-in `backend` torch (route 1: the transformers model)"
 
 
-@dataclass(frozen=True)
-class MegatronReplay:
-    """Route 2's baseline: the recomputed global grad norm against the recorded one, per-rank losses and the
-    per-parameter norms under Megatron's own parameter names."""
+def megatron_unavailable() -> str | None:
+    """Why route 2 cannot run here (megatron-core missing or an unchecked release), or None."""
+    from axrl_spike_replay.models.megatron_cpu import megatron_unavailable_reason
 
-    snapshot: str
-    grad_norm: float
-    recorded_grad_norm: float
-    rel_diff: float
-    rank_losses: dict[int, float] = field(default_factory=dict)
-    param_grad_norms: dict[str, float] = field(default_factory=dict)
-    seconds: float = 0.0
-    megatron_version: str = ""
+    return megatron_unavailable_reason()
 
 
-def replay_with_megatron(snapshot: str | Path, *, timeout_s: float = 600.0) -> MegatronReplay:
-    """Recompute the snapshot's spike step with megatron-core's GPTModel (baseline, saved routing and loss)."""
-    from axrl_spike_replay.models.megatron_cpu import megatron_core_version, megatron_unavailable_reason
+def check_megatron_job(model: Any, snapshot: str, *, mitigations: bool, nproc: int | None, world: int) -> None:
+    """ConfigError naming what route 2 cannot do for this snapshot and request, before anything is written."""
+    if not isinstance(model, MegatronModelConfig):
+        from axrl_spike_replay.models.hf_config import HFModelConfig
+
+        kind = "hf" if isinstance(model, HFModelConfig) else "tiny_moe"
+        raise ConfigError(
+            f"`backend` megatron replays snapshots of Megatron-core trainers (model kind megatron); {snapshot} "
+            f"holds a model of kind {kind}: replay it with {ROUTE_1}",
+            "backend",
+        )
+    if mitigations:
+        raise ConfigError(f"`backend` megatron replays the baseline; mitigations run on {ROUTE_1}", "backend")
+    if nproc is not None and nproc != world:
+        raise ConfigError(
+            f"`nproc` {nproc}: `backend` megatron runs one process per saved data-parallel rank ({world}); "
+            "leave `nproc` out",
+            "nproc",
+        )
+    reason = megatron_unavailable()
+    if reason is not None:
+        raise ConfigError(f"`backend` megatron needs megatron-core: {reason}", "backend")
+
+
+def run_megatron_job(
+    job: WorkerJob,
+    timeout_s: float = 1800.0,
+    cancel: threading.Event | None = None,
+    *,
+    progress: Callable[[str], None] | None = None,
+    slot: int = 0,
+) -> list[ConfigOutcome]:
+    """The baseline outcome of `job` computed by Megatron-core's GPTModel (a `replay.launch.JobRunner`)."""
     from axrl_spike_replay.rank_processes import spawn_ranks
-    from axrl_spike_replay.replay.engine import replay_dir_for
-    from axrl_spike_replay.replay.inputs import load_inputs
     from axrl_spike_replay.temp_janitor import owned_temp_dir
 
-    reason = megatron_unavailable_reason()
-    if reason is not None:
-        raise ConfigError(f"replay route 2 needs megatron-core: {reason}")
-    started = time.perf_counter()
-    with replay_dir_for(snapshot) as (replay_dir, legacy):
-        inputs = load_inputs(snapshot, replay_dir, legacy)
-        if not isinstance(inputs.model, MegatronModelConfig):
-            raise ConfigError(f"{snapshot}: model kind is not megatron; route 2 replays Megatron snapshots")
-        if inputs.loss.entropy_coef:
-            raise ConfigError("route 2 does not compute the entropy term yet (loss.entropy_coef); replay on route 1")
-        with owned_temp_dir("axrl-megatron-route-") as tmp:
-            out = Path(tmp) / "result.json"
-            payload = (replay_dir, inputs.model.to_dict(), inputs.loss, inputs.routing, inputs.counts, str(out))
-            spawn_ranks(_replay_rank, inputs.world_size, payload, timeout_s=timeout_s, label="megatron replay")
+    del slot  # one pool: route 2 replays the baseline only
+    (baseline,) = job.configs
+    model = job.model
+    if not isinstance(model, MegatronModelConfig):  # check_megatron_job said so already; this narrows the type
+        raise ConfigError("`backend` megatron replays snapshots of Megatron-core trainers", "backend")
+    if baseline.loss.entropy_coef:
+        raise ConfigError(
+            f"`backend` megatron does not compute the entropy term (loss.entropy_coef); replay on {ROUTE_1}",
+            "backend",
+        )
+    outcome = ConfigOutcome(config_id=baseline.config_id)
+    with owned_temp_dir("axrl-megatron-route-") as tmp:
+        for rep in range(job.repeat):
+            out = Path(tmp) / f"result{rep}.json"
+            payload = (job.replay_dir, model.to_dict(), baseline, job.counts, job.top, str(out))
+            if progress is not None:
+                progress(f"megatron-core: {job.world_size} process(es), repeat {rep + 1} of {job.repeat}")
+            spawn_ranks(_replay_rank, job.world_size, payload, timeout_s=timeout_s, label="megatron", cancel=cancel)
             doc = json.loads(out.read_text())
-    recorded = inputs.metadata.grad_norm
-    norm = float(doc["grad_norm"])
-    return MegatronReplay(
-        snapshot=str(snapshot),
-        grad_norm=norm,
-        recorded_grad_norm=recorded,
-        rel_diff=abs(norm - recorded) / abs(recorded) if recorded and math.isfinite(recorded) else math.inf,
-        rank_losses={int(k): float(v) for k, v in doc["rank_losses"].items()},
-        param_grad_norms=dict(doc["param_grad_norms"]),
-        seconds=time.perf_counter() - started,
-        megatron_version=megatron_core_version() or "",
-    )
+            outcome.grad_norms.append(float(doc["grad_norm"]))
+            if rep == 0:
+                outcome.top_params = doc["top_params"]
+                outcome.rank_metrics = doc["rank_metrics"]
+                outcome.timings = {k: float(v) for k, v in doc["timings"].items()}
+    return [outcome]
 
 
-def _replay_rank(rank: int, world: int, payload: tuple[str, dict[str, Any], Any, Any, Any, str]) -> None:
+def _replay_rank(rank: int, world: int, payload: tuple[str, dict[str, Any], Any, Any, int, str]) -> None:
+    """One saved data-parallel rank's forward and backward on Megatron-core's GPTModel; rank 0 writes the result."""
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
@@ -90,9 +114,11 @@ def _replay_rank(rank: int, world: int, payload: tuple[str, dict[str, Any], Any,
     from axrl_spike_replay.training.policy_loss import policy_loss
     from axrl_spike_replay.training.rank_step import global_grad_norm, param_grad_norms, reduce_gradients
 
-    replay_dir, section, loss, routing, counts, out = payload
+    replay_dir, section, baseline, counts, top, out = payload
+    routing, loss = baseline.routing, baseline.loss
     spec = MegatronModelConfig.from_dict(section)
     with megatron_on_cpu():
+        t0 = time.perf_counter()
         init_parallel(MegatronParallel())
         model = build_gpt_model(spec)
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), replay_dir), strict=False)
@@ -109,6 +135,7 @@ def _replay_rank(rank: int, world: int, payload: tuple[str, dict[str, Any], Any,
             for layer in routing.current_routing_layers:
                 routes[:, :, recorded.moe_layers.index(layer)] = -1
             forced = dict(zip(recorded.moe_layers, to_router_replay(routes), strict=True))
+        t1 = time.perf_counter()
         force_routes(model, forced)
         result = megatron_logprobs(model, trace, batch, spec.temperature)
         loss_out = policy_loss(
@@ -116,14 +143,18 @@ def _replay_rank(rank: int, world: int, payload: tuple[str, dict[str, Any], Any,
         )
         loss_out.loss.backward()
         reduce_gradients(model, world)
-        losses: list[Any] = [None] * world
-        dist.all_gather_object(losses, float(loss_out.loss.detach()))
+        norm = global_grad_norm(model)
+        t2 = time.perf_counter()
+        rows: list[Any] = [None] * world
+        dist.all_gather_object(rows, {"rank": rank, "loss": float(loss_out.loss.detach()), **loss_out.metrics})
         if rank == 0:
+            norms = sorted(param_grad_norms(model).items(), key=lambda kv: -kv[1])[:top]
             atomic_write_json(
                 Path(out),
                 {
-                    "grad_norm": global_grad_norm(model),
-                    "rank_losses": {str(r): v for r, v in enumerate(losses)},
-                    "param_grad_norms": param_grad_norms(model),
+                    "grad_norm": norm,
+                    "top_params": [{"name": n, "grad_norm": v} for n, v in norms],
+                    "rank_metrics": rows,
+                    "timings": {"load": t1 - t0, "compute": t2 - t1},
                 },
             )

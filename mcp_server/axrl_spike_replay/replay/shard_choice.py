@@ -78,8 +78,28 @@ def check_whole_fits(spec: ModelSpec, precision: PrecisionPolicy, device: str, w
         )
 
 
-def choose_shard(mode: str, spec: ModelSpec, precision: PrecisionPolicy, device: str, processes: int) -> ShardChoice:
-    """Sharded or whole for `mode` (on, off, auto); ConfigError when sharding cannot run on this device."""
+def planned_shard(snapshot: str, processes: int, device: str, configs: int) -> bool | None:
+    """Whether the replay plan (`replay.replay_plan`, activations and batches counted) shards `processes` processes
+    under `shard: auto`; None when the plan cannot read the snapshot (the engine names what is wrong)."""
+    from axrl_spike_replay.replay.replay_plan import plan_replay
+
+    try:
+        chosen = plan_replay(snapshot, nproc=processes, device=device, shard="auto", configs=configs).chosen
+    except Exception:  # a snapshot the plan cannot read: the engine's own checks say why
+        return None
+    return None if chosen is None else chosen.sharded
+
+
+def choose_shard(
+    mode: str,
+    spec: ModelSpec,
+    precision: PrecisionPolicy,
+    device: str,
+    processes: int,
+    planned: bool | None = None,
+) -> ShardChoice:
+    """Sharded or whole for `mode` (on, off, auto); ConfigError when sharding cannot run on this device. Under auto,
+    `planned` (the replay plan's choice, when known) shards too when the plan's fuller memory model says so."""
     mode = Shard.parse(mode, "`shard`") if not isinstance(mode, Shard) else mode
     if mode == Shard.OFF:
         return ShardChoice(False, "shard off: every process holds the whole model")
@@ -88,6 +108,11 @@ def choose_shard(mode: str, spec: ModelSpec, precision: PrecisionPolicy, device:
         return ShardChoice(True, f"shard on: FSDP2 over {processes} process(es)")
     need = bytes_whole(spec, precision)
     have = available_bytes(device, processes)
+    if planned and processes > 1:
+        _check_device(device, processes)
+        return ShardChoice(
+            True, f"shard auto: the replay plan says the whole model does not fit: FSDP2 over {processes}"
+        )
     if need <= have:
         return ShardChoice(False, f"shard auto: the whole model ({_gib(need)}) fits one process ({_gib(have)} each)")
     if processes == 1:

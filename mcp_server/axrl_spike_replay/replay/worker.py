@@ -19,6 +19,7 @@ from torch import nn
 
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
+from axrl_spike_replay.experiment.recompute import Recompute
 from axrl_spike_replay.models.policy import ModelSpec, policy_forward
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.clean_gradient import SpikeBar, not_reached_reason, smallest_count, token_order
@@ -107,7 +108,7 @@ def _groups(configs: Sequence[AppliedConfig]) -> list[list[AppliedConfig]]:
     """Configs grouped by weights, then by forward (routing): snapshot weights first, order kept."""
     groups: dict[tuple[Any, ...], list[AppliedConfig]] = {}
     for cfg in sorted(configs, key=lambda c: c.weights is not None):
-        groups.setdefault((cfg.weights, cfg.routing), []).append(cfg)
+        groups.setdefault(cfg.forward_key, []).append(cfg)
     return list(groups.values())
 
 
@@ -140,7 +141,24 @@ class RankInputs:
 
     def routing(self, cfg: AppliedConfig, rank: int) -> Any:
         routes = self.routes(rank) if cfg.routing.replay != "off" else None
-        return routing_control(cfg.routing, self.batches[rank], routes)
+        control = routing_control(cfg.routing, self.batches[rank], routes)
+        own = cfg.recompute.route_layers(rank)  # recompute=routes: this rank routes as the model does there
+        if own is None:
+            return dataclasses.replace(control, routes=None, replay_tokens=None)
+        if own:
+            return dataclasses.replace(control, current_layers=control.current_layers | own)
+        return control
+
+
+def loss_batch(saved: dict[str, torch.Tensor], rank: int, cfg: AppliedConfig, logprobs: torch.Tensor) -> dict[str, Any]:
+    """The batch a config's loss sees on `rank`: its samples filtered (`filtered_batch`) and, under
+    `recompute=old_logprobs` (`rollout_logprobs`), those log-probs replaced by the forward's own (detached)."""
+    batch = filtered_batch(saved, rank, cfg.samples)
+    for name in ("old_logprobs", "rollout_logprobs"):
+        if cfg.recompute.logprobs(name, rank):
+            dtype = saved[name].dtype if name in saved else logprobs.dtype
+            batch = {**batch, name: logprobs.detach().to(dtype)}
+    return batch
 
 
 def _same_mask(a: LossConfig, b: LossConfig) -> bool:
@@ -196,7 +214,7 @@ def forward_group(
         out = policy_forward(model, saved, routing, need_entropy=entropy_needed)
         for i, cfg in enumerate(group):
             retain = i < len(group) - 1
-            batch = filtered_batch(saved, first if rank is None else rank, cfg.samples)
+            batch = loss_batch(saved, first if rank is None else rank, cfg, out.logprobs)
             result = policy_loss(
                 out.logprobs,
                 batch,
@@ -247,11 +265,13 @@ def _probe(
     space: GradientSpace,
     inputs: RankInputs,
     baseline: AppliedConfig,
-    masks: dict[int, torch.Tensor],
+    masks: dict[int, torch.Tensor] | None,
     job: WorkerJob,
 ) -> tuple[float, list[torch.Tensor]]:
-    """The reduced baseline gradient with the `masks`' tokens left out of the loss: (grad norm, gradient)."""
-    cfg = dataclasses.replace(baseline, config_id="clean", samples=SampleFilter(tokens=TokenDrop(masks)))
+    """The reduced gradient of `baseline` (the clean reference's config) with the `masks`' tokens left out of the
+    loss (None: none): (grad norm, gradient)."""
+    samples = SampleFilter(tokens=TokenDrop(masks)) if masks is not None else baseline.samples
+    cfg = dataclasses.replace(baseline, config_id="clean", samples=samples)
     counts = {"clean": step_counts(inputs, cfg, baseline.loss, job.counts, job.world_size)}
     grads, _ = forward_group(model, space, inputs, [cfg], counts=counts)
     kept = _Kept()
@@ -298,6 +318,19 @@ def clean_gradient(
         figures.clean = g if bar is not None else None
         figures.info = _own_baseline(space, g, grad_norm, bar)
         return
+    reference, recomputed = on_policy(baseline)
+    if recomputed:  # first the on-policy gradient: no stored log-prob signal left in it
+        check_cancel(cancel, "replay")
+        norm0, grads0 = _probe(model, space, inputs, reference, None, job)
+        if not bar.is_spike(norm0):
+            figures.clean = grads0
+            figures.info = {
+                **_own_baseline(space, grads0, norm0, bar),
+                "recomputed": list(recomputed),
+                "baseline_cosine": space.cosine(g, grads0),
+                "passes": 1,
+            }
+            return
     pulls, masks = {}, {}
     own = {rank: (figures.grad_logprobs[rank].cpu(), figures.traces[rank].mask.cpu()) for rank in inputs.batches}
     for part in _gather(own):
@@ -310,7 +343,7 @@ def clean_gradient(
 
     def under(count: int) -> bool:
         check_cancel(cancel, "replay")
-        norm, grads = _probe(model, space, inputs, baseline, order.masks(count, shapes, inputs.device), job)
+        norm, grads = _probe(model, space, inputs, reference, order.masks(count, shapes, inputs.device), job)
         norms[count] = norm
         below = not bar.is_spike(norm)
         if below or count == order.cap:  # the search only moves down from a probe under the bar: keep the last
@@ -329,8 +362,9 @@ def clean_gradient(
         "grad_norm": clean_norm,
         "ratio_to_median": clean_norm / bar.median_norm,
         "baseline_cosine": space.cosine(g, clean),
-        "passes": len(norms),
+        "passes": len(norms) + bool(recomputed),
         "probe_norms": {str(k): v for k, v in sorted(norms.items())},  # tokens left out -> grad norm
+        "recomputed": list(recomputed),
     }
 
 
@@ -346,6 +380,20 @@ def _held(model: nn.Module, job: WorkerJob) -> str:
     local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
     whole = sum(p.numel() for p in model.parameters())
     return f" (sharded: {local:,} of {whole:,} parameters here)"
+
+
+def on_policy(baseline: AppliedConfig) -> tuple[AppliedConfig, tuple[str, ...]]:
+    """The clean reference's config: the baseline with its stored old and rollout log-probs recomputed as the
+    forward's own (every ratio and IS weight 1, as at the step's first update with sound signals), and the names
+    recomputed; the baseline itself when the loss cannot take them (rejection sampling under normalization
+    global counts its tokens before the forward)."""
+    loss = baseline.loss
+    if loss.normalization == "global" and (loss.rollout_rs or loss.ratio_outlier_mask):
+        return baseline, ()
+    names = ("old_logprobs", "rollout_logprobs")
+    items = frozenset((name, None, None) for name in names) | baseline.recompute.items
+    return dataclasses.replace(baseline, recompute=Recompute(items)), names
+
 
 
 def compute(

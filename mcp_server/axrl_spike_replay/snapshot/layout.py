@@ -16,7 +16,14 @@ DCP_METADATA = ".metadata"
 RUN_CONFIG = "run_config.yaml"
 PRESERVE_MARKER = ".axrl_preserved.json"
 
-CHECKPOINT_METADATA_CONTENT = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+# Megatron's `metadata.json` as megatron-core writes it (`dist_checkpointing.core.CheckpointingConfig`, 0.16.1): what
+# our writer puts there, and what a legacy snapshot's replay dir restores (tests/megatron compares the two).
+CHECKPOINT_METADATA_CONTENT = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 
 # A snapshot dir is `iter_<N>` or `iter_<N>-<tag>`: the tag (a run id, say) keeps two runs' snapshots of one
 # iteration apart. Matched with fullmatch: `$` would also accept a trailing newline.

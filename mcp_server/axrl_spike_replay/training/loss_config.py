@@ -69,7 +69,8 @@ class LossConfig:
     convention: str = "axrl"
     convention_version: str | None = None  # verl: the release reproduced (VERL_VERSION, recorded in the snapshot)
     normalization: str = "per_rank"
-    kl_estimator: str = "k3"  # verl's kl_loss_type; axrl knows k3 only
+    kl_estimator: str = "k3"  # verl's kl_loss_type (axrl's k3 is unclamped; its low_var_kl is verl's clamped k3)
+    kl_clamp: float | None = None  # clamp of the per-token KL estimate to [-C, C] (None: the convention's own)
     loss_scale_factor: float | None = None  # verl: seq-mean-token-sum-norm divisor (None: the response horizon)
     rollout_is: str | None = None  # verl rollout correction: token | sequence truncated IS against the rollout
     rollout_is_threshold: float | str = 2.0  # verl's spec: an upper bound (TIS) or "lower_upper" (IcePop)
@@ -102,6 +103,10 @@ class LossConfig:
             raise ConfigError(f"loss.normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.kl_clamp is not None and (
+            isinstance(self.kl_clamp, bool) or not isinstance(self.kl_clamp, (int, float)) or not self.kl_clamp > 0
+        ):
+            raise ConfigError(f"loss.kl_clamp must be a number > 0, got {self.kl_clamp!r}")
         if self.loss_scale_factor is not None and (
             not isinstance(self.loss_scale_factor, (int, float)) or not self.loss_scale_factor > 0
         ):
@@ -113,7 +118,6 @@ class LossConfig:
             return
         verl_only = {
             "convention_version": self.convention_version is not None,
-            "kl_estimator": self.kl_estimator != "k3",
             "loss_agg_mode token-sum": self.loss_agg_mode == "token-sum",
             "loss_scale_factor": self.loss_scale_factor is not None,
             "rollout_is": self.rollout_is is not None,

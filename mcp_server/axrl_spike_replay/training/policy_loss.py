@@ -16,7 +16,7 @@ import torch
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.training.loss_config import LOSS_AGG_MODES, LossConfig, rejection_options, rollout_is_setting
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
-from axrl_spike_replay.training.verl_convention import masked, verl_local_counts, verl_policy_loss
+from axrl_spike_replay.training.verl_convention import kl_penalty, masked, verl_local_counts, verl_policy_loss
 
 
 @dataclass
@@ -167,8 +167,7 @@ def policy_loss(
     kl_value = 0.0
     if cfg.kl_coef:
         ref_lp = _require(batch, "ref_logprobs", "kl_coef")
-        delta = ref_lp - logprobs
-        kl = delta.exp() - delta - 1.0  # k3 estimator, >= 0
+        kl = axrl_kl(logprobs, ref_lp, cfg)
         per_token = per_token + cfg.kl_coef * kl
         kl_value = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1.0))
     if cfg.entropy_coef:
@@ -195,6 +194,16 @@ def policy_loss(
         }
     per_token_out = masked(per_token.detach(), mask > 0)
     return LossOutput(loss=loss, policy_loss=pg, per_token=per_token_out, mask=mask, metrics=metrics)
+
+
+def axrl_kl(logprobs: torch.Tensor, ref: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """The axrl convention's per-token KL: k3 = exp(ref - logp) - (ref - logp) - 1, unclamped, by default; any other
+    `kl_estimator` is verl's `kl_penalty` (so `low_var_kl` is verl's k3, clamped at +-10); `kl_clamp` bounds it."""
+    if cfg.kl_estimator == "k3":
+        delta = ref - logprobs
+        kl = delta.exp() - delta - 1.0  # >= 0
+        return kl if cfg.kl_clamp is None else kl.clamp(-cfg.kl_clamp, cfg.kl_clamp)
+    return kl_penalty(logprobs, ref, cfg.kl_estimator, cfg.kl_clamp)
 
 
 def _with_router_losses(

@@ -5,17 +5,33 @@ leave the loss and its denominator exactly as if the trainer had masked them (th
 untouched).
 
 `advantage_outlier_mask` flags a sample when its advantage (the mean over its loss tokens) is an
-outlier by a robust z-score: |A - median| / (1.4826 * MAD) > threshold, where median and MAD (the
-median absolute deviation from the median) are taken over the samples with loss tokens in its scope:
-the saved rank's whole batch (`scope: batch`, the default) or its prompt group (`scope: group`, from
-the batch's `group_index`; without one the batch is the group). 1.4826 * MAD estimates the standard
-deviation of normal data, so the threshold reads in standard deviations. When MAD is 0 (half the
-scope shares one advantage) the mean absolute deviation * 1.2533 stands in; when that is 0 too no
-sample is an outlier. A scope of fewer than 3 samples never flags one.
+outlier: |A - median| / scale > threshold, over the samples with loss tokens in its scope: the saved rank's
+whole batch (`scope: batch`, the default) or its prompt group (`scope: group`, from the batch's `group_index`;
+without one the batch is the group). `outlier_z` computes it, for this mask and for `diagnose` alike:
 
-`drop_samples` leaves the named `rank:sample` pairs out: a diagnostic (is the spike those samples?),
-never a production method. The clean gradient (`replay.clean_gradient`) leaves single loss tokens out the
-same way (`TokenDrop`); no mitigation does.
+- the median is the true one (the mean of the two middle values; `torch.median` takes the lower one, which in a
+  two-valued GRPO group is one of the two values itself, so every sample of the other value looked far out);
+- deviations within float noise of the batch's magnitude (NOISE times its RMS, at least NOISE) count as 0: two
+  advantages that differ by 2.8e-5 are a tie, not a spread of 2.8e-5;
+- scale = max(1.4826 * MAD, the spread of the other groups): 1.4826 * MAD estimates the standard deviation of
+  normal data, so the threshold reads in standard deviations. Group-normalised GRPO advantages are discrete (a
+  group of n with one correct answer has one value of about sqrt(n - 1) and n - 1 equal ones), so their MAD
+  collapses to 0 or to the gap between two such values; with the batch's `group_index` the floor is the median,
+  over the batch's other prompt groups with a spread, of each group's RMS about its own mean: what an ordinary
+  advantage of this batch looks like (about 1 after group normalisation; a median, so a few broken groups do
+  not raise it). With no other such group the MAD alone judges, and only a value further out than group
+  normalisation can put one (sqrt(n) from its group's mean, for a group of n) is judged at all: a lone correct
+  answer in one group of ten beside four tied groups had z 6.7 against the batch's spread, diluted by the tied
+  groups; a sample scaled by a broken reward is far beyond sqrt(n). Without a `group_index`
+  the data is taken as continuous and the MAD alone is the scale;
+- no spread left (the scale within noise) or fewer than 3 samples in the scope: nothing is flagged (there is
+  nothing to judge by; the old mean-absolute-deviation fallback gave a lone correct answer a z of 8-17).
+
+`drop_samples` leaves the named `rank:sample` pairs out, `drop_ranks` every sample of the named saved ranks and
+`keep_ranks` every sample of the others (the DP mean still divides by the saved world size, as when those ranks'
+samples are masked in training): diagnostics (is the spike those samples, that rank?), never production methods.
+The clean gradient (`replay.clean_gradient`) leaves single loss tokens (or whole ranks) out the same way
+(`TokenDrop`); no mitigation does.
 
 Masking changes which columns hold loss tokens, never the response width verl's
 `seq-mean-token-sum-norm` divides by: the batch's horizon is pinned (`response_width`) before the mask is.
@@ -23,7 +39,9 @@ Masking changes which columns hold loss tokens, never the response width verl's
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+import statistics
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +52,8 @@ if TYPE_CHECKING:  # torch-free at import: the mitigation registry (and the serv
     import torch
 
 MAD_SCALE = 1.4826  # 1 / Phi^-1(3/4): MAD * this estimates the standard deviation of normal data
-MEAN_AD_SCALE = 1.2533  # sqrt(pi / 2): the same for the mean absolute deviation (used when MAD is 0)
+NOISE = 1e-4  # deviations below this times the batch's RMS advantage (at least 1) are float noise: a tie
+FAR = 50.0  # a robust z above this leaves the value out of the spread the others are judged by
 MIN_SCOPE = 3  # fewer samples than this in a scope: no robust statistic, nothing flagged
 SCOPES = ("batch", "group")
 
@@ -62,10 +81,19 @@ class SampleFilter:
     outlier_scope: str = "batch"  # batch | group
     drop: frozenset[tuple[int, int]] = frozenset()  # drop_samples: (saved rank, sample index)
     tokens: TokenDrop | None = None  # single loss tokens left out (the clean gradient's)
+    drop_ranks: frozenset[int] = frozenset()  # drop_ranks: every sample of these saved ranks
+    keep_ranks: frozenset[int] | None = None  # keep_ranks: every sample of the other saved ranks is left out
 
     @property
     def drops_samples(self) -> bool:
-        return self.outlier_threshold is not None or bool(self.drop)
+        return self.outlier_threshold is not None or bool(self.drop) or self.drops_ranks
+
+    @property
+    def drops_ranks(self) -> bool:
+        return bool(self.drop_ranks) or self.keep_ranks is not None
+
+    def keeps_rank(self, rank: int) -> bool:
+        return rank not in self.drop_ranks and (self.keep_ranks is None or rank in self.keep_ranks)
 
     @property
     def active(self) -> bool:
@@ -83,37 +111,72 @@ def sample_advantages(batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, 
     return per_sample, tokens > 0
 
 
-def robust_z(values: torch.Tensor) -> torch.Tensor:
-    """|v - median| / (1.4826 MAD) for each value (MAD 0: mean absolute deviation * 1.2533; both 0: zeros)."""
-    import torch
+def _rms(values: Sequence[float]) -> float:
+    return math.sqrt(math.fsum(v * v for v in values) / len(values)) if values else 0.0
 
-    values = values.double()
-    if values.numel() < MIN_SCOPE:
-        return torch.zeros_like(values)
-    deviation = (values - values.median()).abs()
-    scale = MAD_SCALE * float(deviation.median())
-    if scale == 0.0:
-        scale = MEAN_AD_SCALE * float(deviation.mean())
-    if scale == 0.0:
-        return torch.zeros_like(values)
-    return deviation / scale
+
+def _spread(values: Sequence[float]) -> float:
+    """The RMS of `values` about their mean."""
+    mean = math.fsum(values) / len(values)
+    return _rms([v - mean for v in values])
+
+
+def outlier_z(values: Sequence[float], groups: Sequence[Hashable] | None = None, scope: str = "batch") -> list[float]:
+    """Each value's outlier score |v - median| / scale in its scope (see the module doc); 0 where there is no
+    spread to judge by. `groups`: each value's prompt group (None: no group structure known); `scope`: batch or
+    group (with `groups`)."""
+    n = len(values)
+    if groups is not None and len(groups) != n:
+        raise ValueError(f"{len(groups)} group ids for {n} values")
+    tol = NOISE * max(_rms(values), 1.0)
+    members: dict[Hashable, list[int]] = {}
+    for i, key in enumerate(groups if groups is not None else [0] * n):
+        members.setdefault(key, []).append(i)
+    spreads = {key: _spread([values[i] for i in index]) for key, index in members.items() if len(index) >= 2}
+    spreads = {key: s for key, s in spreads.items() if s > tol}
+    means = {key: math.fsum(values[i] for i in index) / len(index) for key, index in members.items()}
+    scopes = members if scope == "group" and groups is not None else {0: list(range(n))}
+    z = [0.0] * n
+    for index in scopes.values():
+        if len(index) < MIN_SCOPE:
+            continue
+        center = statistics.median(values[i] for i in index)
+        deviation = {i: abs(values[i] - center) for i in index}
+        deviation = {i: (d if d > tol else 0.0) for i, d in deviation.items()}
+        mad = MAD_SCALE * statistics.median(deviation.values())
+        for i in index:
+            floor = 0.0
+            if groups is not None:
+                others = [s for key, s in spreads.items() if key != groups[i]]
+                if others:
+                    floor = statistics.median(others)
+                elif abs(values[i] - means[groups[i]]) <= math.sqrt(len(members[groups[i]])):
+                    # no other group with a spread, and within what group normalisation gives a group of n (at
+                    # most sqrt(n) from its mean): its own group cannot tell a lone correct answer from a scaled one
+                    continue
+            scale = max(mad, floor)
+            z[i] = deviation[i] / scale if scale > tol and scale > 0 else 0.0
+    return z
 
 
 def outlier_samples(batch: Mapping[str, torch.Tensor], threshold: float, scope: str = "batch") -> torch.Tensor:
-    """[B] bool: samples whose advantage is a robust outlier (z > threshold) in their scope."""
+    """[B] bool: samples whose advantage is an outlier (`outlier_z` > threshold) in their scope."""
     import torch
 
     adv, has_tokens = sample_advantages(batch)
     flagged = torch.zeros(adv.shape[0], dtype=torch.bool, device=adv.device)
-    groups = batch.get("group_index") if scope == "group" else None
-    keys = groups.reshape(-1).tolist() if groups is not None and groups.numel() == adv.shape[0] else [0] * len(adv)
-    for key in sorted(set(keys)):
-        members = [i for i, k in enumerate(keys) if k == key and bool(has_tokens[i])]
-        if not members:
-            continue
-        index = torch.tensor(members, device=adv.device)
-        z = robust_z(adv[index])
-        flagged[index] = (z > threshold).to(adv.device)
+    index = [i for i in range(adv.shape[0]) if bool(has_tokens[i])]
+    if not index:
+        return flagged
+    values = adv.double().cpu()[index].tolist()
+    groups = batch.get("group_index")
+    keys = None
+    if groups is not None and groups.numel() == adv.shape[0]:
+        every = groups.reshape(-1).tolist()
+        keys = [every[i] for i in index]
+    z = outlier_z(values, keys, scope)
+    for i, score in zip(index, z, strict=True):
+        flagged[i] = score > threshold
     return flagged
 
 
@@ -125,6 +188,8 @@ def kept_samples(batch: Mapping[str, torch.Tensor], rank: int, samples: SampleFi
         return None
     n = batch["loss_mask"].shape[0]
     drop = torch.zeros(n, dtype=torch.bool, device=batch["loss_mask"].device)
+    if not samples.keeps_rank(rank):
+        return torch.zeros(n, device=drop.device)
     for r, s in samples.drop:
         if r == rank:
             if s >= n:
@@ -185,9 +250,41 @@ def pairs_of(value: Iterable[str]) -> frozenset[tuple[int, int]]:
 
 
 def check_ranks(samples: SampleFilter, world_size: int) -> None:
-    """ConfigError when `drop_samples` names a rank the snapshot does not have."""
-    bad = sorted(r for r, _ in samples.drop if r >= world_size)
-    if bad:
-        raise ConfigError(
-            f"drop_samples: rank {bad[0]} is not in the snapshot (saved ranks 0..{world_size - 1})", "mitigations"
-        )
+    """ConfigError when `drop_samples`, `drop_ranks` or `keep_ranks` names a rank the snapshot does not have, or
+    the ranks named leave no rank in the loss."""
+    for name, ranks in (
+        ("drop_samples", {r for r, _ in samples.drop}),
+        ("drop_ranks", set(samples.drop_ranks)),
+        ("keep_ranks", set(samples.keep_ranks or ())),
+    ):
+        bad = sorted(r for r in ranks if r >= world_size)
+        if bad:
+            raise ConfigError(
+                f"{name}: rank {bad[0]} is not in the snapshot (saved ranks 0..{world_size - 1})", "mitigations"
+            )
+    if samples.drops_ranks and not any(samples.keeps_rank(r) for r in range(world_size)):
+        raise ConfigError("drop_ranks / keep_ranks leave no saved rank in the loss", "mitigations")
+
+
+def parse_ranks(name: str, raw: Any) -> list[int]:
+    """Saved DP ranks from `1`, `0,2`, `rank1` or a list; a sorted list of distinct integers >= 0."""
+    if isinstance(raw, bool):
+        raise ConfigError(f"mitigation {name}: expected rank ids such as 1 or 0,2, got {shown(raw)}")
+    items: Iterable[Any]
+    if isinstance(raw, int):
+        items = [raw]
+    elif isinstance(raw, str):
+        items = [part for part in raw.replace(";", ",").strip("[] ").split(",") if part.strip()]
+    elif isinstance(raw, (list, tuple)):
+        items = raw
+    else:
+        raise ConfigError(f"mitigation {name}: expected rank ids such as 1 or 0,2, got {shown(raw)}")
+    ranks = set()
+    for item in items:
+        text = str(item).strip().lower().removeprefix("rank")
+        if isinstance(item, bool) or not text.isdigit():
+            raise ConfigError(f"mitigation {name}: {shown(item)} is not a rank id (an integer >= 0)")
+        ranks.add(int(text))
+    if not ranks:
+        raise ConfigError(f"mitigation {name}: name at least one rank")
+    return sorted(ranks)

@@ -90,8 +90,11 @@ def agg_loss(
     raise ConfigError(f"loss_agg_mode {mode!r} is not one of verl's")
 
 
-def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str) -> torch.Tensor:
-    """verl's `kl_penalty`: the forward estimate, with a k2 gradient for the `+` variants."""
+def kl_penalty(
+    logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str, clamp: float | None = None
+) -> torch.Tensor:
+    """verl's `kl_penalty`: the forward estimate, with a k2 gradient for the `+` variants. `clamp` (the replay's
+    `kl_clamp`) replaces verl's +-10 on k3 / low_var_kl and bounds the other estimates alike."""
     base = estimator[:-1] if estimator.endswith("+") else estimator
     if base in ("kl", "k1"):
         forward = logprob - ref_logprob
@@ -101,9 +104,12 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str)
         forward = 0.5 * (logprob - ref_logprob).square()
     elif base in ("low_var_kl", "k3"):
         kl = (ref_logprob - logprob).clamp(-SAFETY_BOUND, SAFETY_BOUND)
-        forward = (kl.exp() - kl - 1).clamp(-KL_CLAMP, KL_CLAMP)
+        bound = KL_CLAMP if clamp is None else clamp
+        forward = (kl.exp() - kl - 1).clamp(-bound, bound)
     else:
         raise ConfigError(f"kl_estimator {estimator!r} is not one of verl's")
+    if clamp is not None and base not in ("low_var_kl", "k3"):
+        forward = forward.clamp(-clamp, clamp)
     if not estimator.endswith("+") or estimator in ("mse", "k2"):
         return forward
     backward = 0.5 * (logprob - ref_logprob).square()
@@ -225,7 +231,9 @@ def verl_policy_loss(
         metrics["entropy_loss"] = float(entropy_loss.detach())
     if cfg.kl_coef:
         ref = masked(batch["ref_logprobs"].to(dtype), mask)
-        kl_loss = agg_loss(kl_penalty(logprobs, ref, cfg.kl_estimator), mask, cfg.loss_agg_mode, counts, horizon)
+        kl_loss = agg_loss(
+            kl_penalty(logprobs, ref, cfg.kl_estimator, cfg.kl_clamp), mask, cfg.loss_agg_mode, counts, horizon
+        )
         loss = loss + kl_loss * cfg.kl_coef
         metrics["kl"] = float(kl_loss.detach())
     with torch.no_grad():

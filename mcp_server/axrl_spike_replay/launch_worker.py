@@ -1,4 +1,6 @@
 """The worker's half of the launch contract, for a module started by torchrun (directly, over SSH or under srun).
+A ground module: the engine's own worker (`replay.torchrun_worker`) reads its request through it, and the launchers
+(`remote.launch_job`) write requests in the format it defines.
 
     ctx = worker_context()                          # rank and world from torchrun's environment, argv[1] = request
     torch.distributed.init_process_group(backend, init_method="env://")
@@ -20,10 +22,11 @@ from typing import Any
 
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.launch_job import REQUEST_FORMAT, REQUEST_VERSION
 from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
 from axrl_spike_replay.untrusted_json import parse_untrusted_json
 
+REQUEST_FORMAT = "axrl-launch-request"
+REQUEST_VERSION = 1
 MAX_REQUEST_BYTES = 16 << 20
 _ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

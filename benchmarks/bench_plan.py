@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""The replay plan's predicted peak memory per process vs the measured one, for N = 1, 2, 4 replay processes.
+
+A qwen3_moe spike snapshot saved at world size 4 is made from the tests' recorded one, with a larger model
+(hidden 1024, 8 experts of width 1024, vocab 32000: ~125M parameters, float32) and longer rank batches (4 x 512
+tokens; routing replay off, so no routes are needed). For each N, in a fresh process, `plan` predicts the peak of
+one replay process (whole model in each: the engine of this branch), then the CLI runs `replay --nproc N` and the
+measured peak is the largest `ru_maxrss` of that run's processes (the CLI process itself at N = 1, which replays
+in process; the largest rank process otherwise). Prints predicted, measured, their ratio, and the plan's parts.
+
+The target: predicted within 20 % of measured for each N.
+
+Usage: .venv/bin/python benchmarks/bench_plan.py [--hidden 1024] [--seq 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHONPATH = str(REPO / "mcp_server")
+
+MAKE = r"""
+import sys, shutil
+from pathlib import Path
+import torch, yaml
+from axrl_spike_replay.models.policy import build_policy, parse_model_config
+from axrl_spike_replay.snapshot.layout import batch_file, RUN_CONFIG
+from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot, save_dcp
+root, hidden, seq = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+snap = record_hf_snapshot(root, "qwen3_moe", world_size=4)
+cfg = yaml.safe_load((snap / RUN_CONFIG).read_text())
+cfg["model"]["config"].update(hidden_size=hidden, moe_intermediate_size=hidden, intermediate_size=hidden,
+    num_attention_heads=16, num_key_value_heads=4, head_dim=hidden // 16, vocab_size=32000,
+    max_position_embeddings=4096)
+cfg["routing"] = {"replay": "off"}
+(snap / RUN_CONFIG).write_text(yaml.safe_dump(cfg))
+spec = parse_model_config(cfg["model"])
+torch.manual_seed(0)
+model = build_policy(spec)
+for p in snap.glob("*.distcp"):
+    p.unlink()
+(snap / ".metadata").unlink()
+save_dcp(snap, model.state_dict())
+for p in snap.glob("routing_payload_rank*.pt"):
+    p.unlink()
+gen = torch.Generator().manual_seed(0)
+b, prompt = 4, 16
+for rank in range(4):
+    tokens = torch.randint(3, 32000, (b, seq), generator=gen)
+    mask = torch.zeros(b, seq); mask[:, prompt:] = 1.0
+    old = -(torch.rand(b, seq, generator=gen) + 0.5) * mask
+    batch = {"tokens": tokens, "loss_mask": mask, "attention_mask": torch.ones(b, seq, dtype=torch.long),
+             "advantages": torch.randn(b, generator=gen), "old_logprobs": old, "ref_logprobs": old,
+             "rollout_logprobs": old, "rewards": torch.rand(b, generator=gen)}
+    torch.save(batch, snap / batch_file(rank))
+print(snap)
+"""
+
+MEASURE = r"""
+import resource, subprocess, sys
+done = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+if done.returncode:
+    sys.exit("replay failed:\n" + done.stderr[-3000:])
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+"""
+
+PLAN = r"""
+import json, sys
+from axrl_spike_replay.replay.replay_plan import plan_replay
+plan = plan_replay(sys.argv[1], nproc=int(sys.argv[2]), shard="off")
+m = plan.chosen.memory
+print(json.dumps({"peak": m.peak, "parameters": m.parameters, "gradients": m.gradients,
+                  "activations": m.activations, "runtime": m.runtime, "loading": m.loading,
+                  "model": plan.model, "params": plan.parameters, "tokens": plan.tokens_per_rank}))
+"""
+
+
+def _python(code: str, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, check=False)
+    if done.returncode:
+        raise SystemExit(done.stderr[-3000:])
+    return done.stdout.strip().splitlines()[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=512)
+    args = parser.parse_args()
+    gib = 1 << 30
+    with tempfile.TemporaryDirectory(prefix="bench-plan-") as tmp:
+        snap = _python(MAKE, tmp, str(args.hidden), str(args.seq))
+        workspace = Path(tmp) / "ws"
+        workspace.mkdir()
+        rows = []
+        for nproc in (1, 2, 4):
+            plan = json.loads(_python(PLAN, snap, str(nproc)))
+            cli = [sys.executable, "-m", "axrl_spike_replay", "replay", snap, "--nproc", str(nproc)]
+            measured = int(_python(MEASURE, *cli, "--workspace", str(workspace), "--json"))
+            rows.append((nproc, plan, measured))
+        first = rows[0][1]
+        print(f"model {first['model']}: {first['params'] / 1e6:.0f}M parameters, {first['tokens']} tokens per rank")
+        print(f"{'N':>3} {'predicted':>10} {'measured':>10} {'ratio':>6}   parts (GiB)")
+        worst = 0.0
+        for nproc, plan, measured in rows:
+            ratio = plan["peak"] / measured
+            worst = max(worst, abs(ratio - 1))
+            parts = ", ".join(
+                f"{k} {plan[k] / gib:.2f}" for k in ("parameters", "gradients", "activations", "runtime", "loading")
+            )
+            print(f"{nproc:>3} {plan['peak'] / gib:>9.2f}G {measured / gib:>9.2f}G {ratio:>6.2f}   {parts}")
+        print(f"largest deviation {worst:.1%} (target: within 20%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,601 @@
+"""The cause families that name a stored signal or a rank: engine/trainer mismatch, stale old log-probs, a wrong
+reference, a corrupt routing payload, misaligned masks, one rank's data. Each is a pure function of the evidence.
+
+With the model evidence they read `signal_reading` (which stored signal is the odd one out, on which ranks, with
+which witness) and the loss channel (which term carries the gradient); a family reaches 1.0 only with a witness that
+separates it from the others. Without the model only the old-vs-rollout log-ratios of the batch are known: they
+cannot say which of the two is wrong, so `engine_mismatch` and `stale_old_logprobs` then name each other as tied.
+
+A family whose signal does not enter the run's loss (old log-probs under a rollout-based ratio without truncated IS,
+a reference with `kl_coef` 0, recorded routes without routing replay) is capped at LIKELY: it is out of line, but
+cannot be what the gradient carries.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+from axrl_spike_replay.diagnosis.causes import (
+    LIKELY,
+    LN2,
+    Cause,
+    Evidence,
+    Experiment,
+    _carriers,
+    _finite,
+    _pairs,
+    _pct,
+    _unit,
+)
+from axrl_spike_replay.diagnosis.signal_reading import OddSignal, outside_fraction
+
+REFUTE_STAYS = "the spike stays within 20 % of the baseline"
+KL_CARRIES = 0.5  # share of the gradient that makes a term the carrier
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def _base(ev: Evidence) -> str:
+    return ev.loss.is_base_logprobs if ev.loss is not None else "old"
+
+
+def _uses(ev: Evidence, signal: str) -> bool:
+    """Whether a stored log-prob signal enters the run's loss (unknown config: assumed it does)."""
+    loss = ev.loss
+    if loss is None:
+        return True
+    if signal == "old":
+        return loss.is_base_logprobs == "old" or loss.mismatch_token_clip_max is not None
+    if signal == "rollout":
+        return (
+            loss.is_base_logprobs == "rollout"
+            or loss.mismatch_token_clip_max is not None
+            or loss.rollout_is is not None
+            or loss.rollout_rs is not None
+        )
+    return bool(loss.kl_coef)
+
+
+def _replays_routes(ev: Evidence) -> bool:
+    return ev.routing is None or ev.routing.replay != "off"
+
+
+def _channel_lines(ev: Evidence, ranks: Sequence[int]) -> tuple[str | None, list[str]]:
+    """(the carrying term, sentences on the channel for `ranks`)."""
+    c = ev.channel
+    if c is None or not c.terms:
+        return None, []
+    carrier = c.carrier
+    if carrier is None:
+        return None, []
+    lines = [
+        "the loss terms' shares of ‖g‖²-projection: "
+        + ", ".join(f"{t.term} {t.share:.3g}" for t in sorted(c.terms, key=lambda t: -abs(t.share)))
+    ]
+    for r in ranks:
+        parts = [(t.term, x.share) for t in c.terms for x in t.ranks if x.rank == r]
+        if parts:
+            lines.append(f"rank {r}'s terms carry " + ", ".join(f"{t} {s:.3g}" for t, s in parts) + " of it")
+    tokens = [t for t in carrier.top_tokens if not ranks or t["rank"] in ranks][:3]
+    if tokens:
+        lines.append(
+            f"the {carrier.term} term pulls hardest on "
+            + ", ".join(f"rank {t['rank']} sample {t['sample']} position {t['position']}" for t in tokens)
+        )
+    return carrier.term, lines
+
+
+def _rank_share(ev: Evidence, ranks: Sequence[int]) -> float | None:
+    """The share of the gradient the named ranks' terms carry (channel), None without it."""
+    if ev.channel is None:
+        return None
+    return math.fsum(x.share for t in ev.channel.terms for x in t.ranks if x.rank in ranks)
+
+
+def _off_static(ev: Evidence) -> dict[int, float]:
+    """Per rank, the share of samples whose max |log(π_old/π_rollout)| leaves [ln 0.5, ln 2] (no model)."""
+    a = ev.analysis
+    if not a.ratio.get("available"):
+        return {}
+    by: dict[int, list[float]] = {}
+    for row in a.samples["rows"]:
+        v = row["max_abs_log_ratio"]
+        if row["loss_tokens"] and _finite(v):
+            by.setdefault(row["rank"], []).append(v)
+    return {r: sum(v > LN2 for v in vs) / len(vs) for r, vs in by.items() if vs}
+
+
+def _static_figures(ev: Evidence) -> tuple[float, float] | None:
+    """(max |log(π_old/π_rollout)|, share of loss tokens outside [0.5, 2]) from the batch, None without them."""
+    from axrl_spike_replay.diagnosis.causes import _finite_fraction_outside
+
+    a = ev.analysis
+    if not a.ratio.get("available"):
+        return None
+    outside = _finite_fraction_outside(a.ratio)
+    if outside is None:
+        return None
+    return a.ratio["abs_log_ratio"].get("max") or 0.0, outside
+
+
+def _mismatch_experiments(ev: Evidence, outside_vs_rollout: float | None, label: str) -> list[Experiment]:
+    out = [
+        Experiment(
+            "mismatch_token_clip_max=2",
+            "truncated importance sampling: the ratio against the trainer's old log-probs, each token weighted by "
+            "min(π_old/π_rollout, 2)",
+            refutes=REFUTE_STAYS,
+        )
+    ]
+    if _base(ev) != "old":
+        out.append(
+            Experiment(
+                "is_base_logprobs=old",
+                "takes the PPO ratio against the trainer's own log-probs instead of the rollout's",
+                refutes=REFUTE_STAYS,
+            )
+        )
+    if outside_vs_rollout is not None and outside_vs_rollout > 0:
+        out.append(
+            Experiment(
+                "ratio_outlier_mask=token",
+                f"masks the tokens whose π/π_rollout leaves [0.5, 2]: {_pct(outside_vs_rollout)} of loss tokens "
+                f"({label})",
+                refutes=REFUTE_STAYS,
+            )
+        )
+    return out
+
+
+def engine_mismatch(ev: Evidence) -> Cause | None:
+    """The rollout engine's log-probs disagree with the trainer, spread over the ranks."""
+    if ev.reading is not None:
+        return _engine_from_reading(ev)
+    figures = _static_figures(ev)
+    if figures is None:
+        return None
+    top, outside = figures
+    per_rank = _off_static(ev)
+    strength = 0.5 * min(1.0, outside / 0.05) + 0.3 * min(1.0, top / math.log(10.0))
+    carried = _carried_by_ratio(ev)
+    strength += 0.2 * carried
+    if strength < 0.05:
+        return None
+    spread = len(per_rank) > 1 and min(per_rank.values()) >= 0.5 * max(per_rank.values())
+    evidence = [
+        f"max |log(π_old/π_rollout)| on loss tokens {top:.3g} (ratio up to {math.exp(min(top, 700)):.3g}x)",
+        f"{_pct(outside)} of loss tokens have π_old/π_rollout outside [0.5, 2]",
+        "per rank, samples with a token outside [0.5, 2]: "
+        + ", ".join(f"rank {r} {_pct(v)}" for r, v in sorted(per_rank.items())),
+        "without the replay the old and rollout log-probs cannot be told apart: `diagnose --model always` (or "
+        "`recompute=old_logprobs`) says which one is off",
+    ]
+    strength = _unit(strength) * (1.0 if spread else 0.6)
+    cause = Cause(
+        "engine_mismatch",
+        "rollout/trainer log-prob mismatch",
+        min(strength, 0.8),
+        evidence,
+        {"max_abs_log_ratio_old_vs_rollout": top, "fraction_outside_0.5_2_old_vs_rollout": outside},
+        # no ratio_outlier_mask: it measures π/π_rollout, unknown without the replay (old vs rollout is not it when
+        # the old log-probs are the broken ones, and the mask then masks nothing)
+        _mismatch_experiments(ev, None, ""),
+        tied_with=["stale_old_logprobs"],
+    )
+    if not _uses(ev, "rollout"):
+        _not_in_loss(cause, "the rollout log-probs", "the run's ratio is taken against the old log-probs")
+    return cause
+
+
+def _carried_by_ratio(ev: Evidence) -> float:
+    """The fraction of the top carriers whose tokens' old/rollout log-ratio leaves [ln 0.5, ln 2]."""
+    carriers = _carriers(ev.attribution)
+    if not carriers:
+        return 0.0
+    rows = {(r["rank"], r["sample"]): r for r in ev.analysis.samples["rows"]}
+    hit = 0
+    for s in carriers:
+        row = rows.get((s.rank, s.sample))
+        lr = row["max_abs_log_ratio"] if row else None
+        hit += bool(_finite(lr) and lr > LN2)
+    return hit / len(carriers)
+
+
+def _engine_from_reading(ev: Evidence) -> Cause | None:
+    assert ev.reading is not None
+    odd = ev.reading.odd_signal("rollout")
+    if odd is None:
+        return None
+    ranks = odd.ranks
+    spread = odd.spread or len(ranks) == len(ev.reading.levels.get("rollout", {}))
+    strength = (0.6 if spread else 0.4) + (0.4 if odd.separated else 0.0)
+    outside = outside_fraction(ev.reading, "rollout")
+    term, channel = _channel_lines(ev, [] if spread else ranks)
+    cause = Cause(
+        "engine_mismatch",
+        "rollout/trainer log-prob mismatch" + ("" if spread else f" on rank {_ranks(ranks)}"),
+        _unit(strength),
+        _carried(ev, "rollout") + odd.evidence + odd.witnesses + channel,
+        {
+            "levels": odd.levels,
+            "fraction_outside_0.5_2_current_vs_rollout": outside,
+            "max_abs_log_ratio_current_vs_rollout": max(
+                (lv.current_pair.max_abs for lv in ev.reading.levels["rollout"].values() if lv.current_pair),
+                default=0.0,
+            ),
+        },
+        _mismatch_experiments(ev, outside, "current vs rollout at the snapshot's weights, as the mask measures it"),
+        ranks=[] if spread else ranks,
+        samples=odd.samples[:8],
+        term=term,
+    )
+    if not _uses(ev, "rollout"):
+        _not_in_loss(cause, "the rollout log-probs", "the run's ratio is taken against the old log-probs")
+    return cause
+
+
+def _carried(ev: Evidence, signal: str, ranks: Sequence[int] = ()) -> list[str]:
+    """The samples carrying most of ‖g‖ (attribution), each with how far its stored `signal` is from the replay."""
+    if ev.reading is None:
+        return []
+    by = ev.reading.levels.get(signal, {})
+    lines = []
+    for s in _carriers(ev.attribution):
+        if ranks and s.rank not in ranks:
+            continue
+        lv = by.get(s.rank)
+        pair = lv.current_pair if lv is not None else None
+        peaks = pair.samples_max_abs if pair is not None else []
+        peak = peaks[s.sample] if s.sample < len(peaks) else None
+        if peak is not None and peak > LN2:
+            lines.append(
+                f"rank {s.rank} sample {s.sample} carries {_pct(s.share)} of ‖g‖; its tokens' |log π - log π_{signal}| "
+                f"up to {peak:.3g}"
+            )
+    return lines
+
+
+def _not_in_loss(cause: Cause, what: str, why: str) -> None:
+    cause.strength = min(cause.strength, LIKELY - 0.05)
+    cause.evidence.append(
+        f"{what} do not enter this run's loss ({why}): out of line, but not what the gradient carries"
+    )
+
+
+def _drop_ranks(ranks: Sequence[int], what: str) -> Experiment:
+    return Experiment(
+        f"drop_ranks={_ranks(ranks)}",
+        f"leaves rank {_ranks(ranks)}'s samples out: if the spike goes, {what} is on that rank",
+        True,
+        refutes=REFUTE_STAYS,
+    )
+
+
+def stale_old_logprobs(ev: Evidence) -> Cause | None:
+    """The stored old log-probs disagree with the policy at the snapshot's weights on some ranks."""
+    if ev.reading is None:
+        return _stale_static(ev)
+    odd = ev.reading.odd_signal("old")
+    if odd is None:
+        return None
+    all_ranks = len(odd.ranks) == len(ev.reading.levels.get("old", {}))
+    strength = 1.0 if odd.separated and not all_ranks else (0.8 if odd.separated else 0.45)
+    term, channel = _channel_lines(ev, odd.ranks)
+    item = "old_logprobs" if all_ranks else ",".join(f"old_logprobs:rank{r}" for r in odd.ranks)
+    experiments = [
+        Experiment(
+            f"recompute={item}",
+            "takes the old log-probs from the snapshot's weights on those ranks: if the spike goes, the stored ones "
+            "were stale or misaligned",
+            True,
+            refutes=REFUTE_STAYS,
+        )
+    ]
+    if not all_ranks:
+        experiments.append(_drop_ranks(odd.ranks, "the cause"))
+    rollout = ev.reading.levels.get("rollout", {})
+    if _base(ev) == "old" and rollout and all(r in rollout and rollout[r].level < 1.0 for r in odd.ranks):
+        experiments.append(
+            Experiment(
+                "is_base_logprobs=rollout",
+                "takes the ratio against the rollout log-probs, which agree with the replay on those ranks",
+                refutes=REFUTE_STAYS,
+            )
+        )
+    cause = Cause(
+        "stale_old_logprobs",
+        f"stale or misaligned old log-probs on rank {_ranks(odd.ranks)}",
+        strength,
+        _carried(ev, "old", odd.ranks) + odd.evidence + odd.witnesses + channel,
+        {"levels": odd.levels, "zero_filled": odd.zero_filled},
+        experiments,
+        ranks=odd.ranks,
+        samples=odd.samples[:8],
+        term=term,
+    )
+    if not _uses(ev, "old"):
+        _not_in_loss(cause, "the old log-probs", "the run's ratio is taken against the rollout log-probs")
+    return cause
+
+
+def _stale_static(ev: Evidence) -> Cause | None:
+    """Without the model: old vs rollout off on some ranks and not on others; tied with engine_mismatch."""
+    per_rank = _off_static(ev)
+    if len(per_rank) < 2:
+        return None
+    off = sorted(r for r, v in per_rank.items() if v >= 0.25)
+    calm = [r for r, v in per_rank.items() if v * 3 <= min((per_rank[o] for o in off), default=0.0)]
+    if not off:
+        return None
+    if not calm:  # off on every rank: a mismatch spread over the ranks is likelier, stale old log-probs still fit
+        figures = _static_figures(ev)
+        return Cause(
+            "stale_old_logprobs",
+            "stale old log-probs on every rank (or a rollout engine mismatch)",
+            0.6,
+            [
+                f"{_pct(figures[1] if figures else 0.0)} of loss tokens have π_old/π_rollout outside [0.5, 2] on "
+                "every rank: without the replay it is not known whether the old or the rollout log-probs are off",
+            ],
+            {"per_rank_fraction_off": per_rank},
+            [
+                Experiment(
+                    "recompute=old_logprobs",
+                    "takes the old log-probs from the snapshot's weights: if the spike goes, they were stale",
+                    True,
+                    refutes=REFUTE_STAYS,
+                )
+            ],
+            tied_with=["engine_mismatch"],
+        )
+    return Cause(
+        "stale_old_logprobs",
+        f"old or rollout log-probs off on rank {_ranks(off)} only",
+        0.5,
+        [
+            "per rank, samples with a token whose π_old/π_rollout leaves [0.5, 2]: "
+            + ", ".join(f"rank {r} {_pct(v)}" for r, v in sorted(per_rank.items())),
+            "without the replay it is not known which of the two is off on those ranks",
+        ],
+        {"per_rank_fraction_off": per_rank},
+        [
+            Experiment(
+                "recompute=" + ",".join(f"old_logprobs:rank{r}" for r in off),
+                "takes the old log-probs from the snapshot's weights on those ranks",
+                True,
+                refutes=REFUTE_STAYS,
+            ),
+            _drop_ranks(off, "the cause"),
+        ],
+        ranks=off,
+        tied_with=["engine_mismatch"],
+    )
+
+
+def kl_levers(ev: Evidence) -> list[Experiment]:
+    """The KL term's levers (verl's estimators and clamp), for a cause whose gradient the KL term carries."""
+    estimator = ev.loss.kl_estimator if ev.loss is not None else "k3"
+    return [
+        Experiment(
+            "kl_estimator=k2" if estimator not in ("k2", "mse") else "kl_estimator=k1",
+            "a KL estimator whose gradient grows at most linearly in log π - log π_ref",
+            refutes=REFUTE_STAYS,
+        ),
+        Experiment("kl_clamp=10", "bounds each token's KL estimate (verl clamps its k3 at 10)", refutes=REFUTE_STAYS),
+        Experiment("kl_coef=0", "removes the KL term: if the spike goes, the KL term carries it", True, REFUTE_STAYS),
+    ]
+
+
+def bad_ref_logprobs(ev: Evidence) -> Cause | None:
+    """The stored reference log-probs are off on some ranks (the KL term then carries the spike)."""
+    if ev.reading is None:
+        return None
+    odd = ev.reading.odd_signal("ref")
+    if odd is None:
+        return None
+    all_ranks = len(odd.ranks) == len(ev.reading.levels.get("ref", {}))
+    term, channel = _channel_lines(ev, odd.ranks)
+    kl = ev.channel.term("kl") if ev.channel is not None else None
+    strength = 1.0 if odd.separated and not all_ranks else 0.35  # off everywhere: the policy may simply have moved
+    if kl is not None and kl.share >= KL_CARRIES:
+        strength = max(strength, 0.6)
+    elif kl is not None and abs(kl.share) < 0.05:
+        strength *= 0.6
+        channel.append(f"the KL term carries {kl.share:.3g} of the gradient: the reference is off but not carrying it")
+    experiments = kl_levers(ev)
+    if not all_ranks:
+        experiments.insert(0, _drop_ranks(odd.ranks, "the cause"))
+    cause = Cause(
+        "bad_ref_logprobs",
+        f"wrong or misaligned reference log-probs on rank {_ranks(odd.ranks)}",
+        strength,
+        _carried(ev, "ref", odd.ranks) + odd.evidence + odd.witnesses + channel,
+        {"levels": odd.levels, "kl_share": kl.share if kl is not None else None},
+        experiments,
+        ranks=odd.ranks,
+        samples=odd.samples[:8],
+        term="kl" if term == "kl" or kl is not None else term,
+    )
+    if not _uses(ev, "ref"):
+        _not_in_loss(cause, "the reference log-probs", "kl_coef is 0")
+    return cause
+
+
+def routing_payload(ev: Evidence) -> Cause | None:
+    """The recorded routes of some ranks (or of one layer everywhere) disagree with the model's own routing."""
+    if ev.reading is None:
+        return _routes_from_layers(ev)
+    odd = ev.reading.odd_signal("routes")
+    if odd is None:
+        return None
+    all_ranks = odd.spread or len(odd.ranks) == len(ev.reading.routes)
+    strength = 1.0 if odd.separated and not all_ranks else (0.7 if odd.separated else 0.5)
+    term, channel = _channel_lines(ev, odd.ranks)
+    return _routing_cause(ev, odd, strength, odd.evidence + odd.witnesses + channel, term, all_ranks)
+
+
+def _routing_cause(
+    ev: Evidence, odd: OddSignal, strength: float, evidence: list[str], term: str | None, all_ranks: bool
+) -> Cause:
+    experiments = []
+    if _replays_routes(ev):
+        if all_ranks:
+            item = "routes,old_logprobs"
+        else:
+            item = ",".join(f"routes:rank{r},old_logprobs:rank{r}" for r in odd.ranks)
+        experiments.append(
+            Experiment(
+                f"recompute={item}",
+                "those ranks route as the model does, with old log-probs taken under those routes: if the spike "
+                "goes, the recorded routes were the broken part (routing_replay=off alone is no test: signals stored "
+                "under the recorded routes then disagree with the forward, and the spike grows whatever the payload)",
+                True,
+                refutes=REFUTE_STAYS,
+            )
+        )
+        if odd.layers:
+            experiments.append(
+                Experiment(
+                    f"current_routing_layers={','.join(str(x) for x in odd.layers)}",
+                    f"routes layer {','.join(str(x) for x in odd.layers)} on current scores on every rank",
+                    refutes=REFUTE_STAYS,
+                )
+            )
+    if not all_ranks:
+        experiments.append(_drop_ranks(odd.ranks, "the cause"))
+    if term == "kl":  # routes that moved the policy far from a reference taken under other routes
+        experiments += kl_levers(ev)
+    cause = Cause(
+        "routing_payload",
+        "corrupt or misaligned routing payload" + ("" if all_ranks else f" on rank {_ranks(odd.ranks)}"),
+        _unit(strength),
+        evidence,
+        {"levels": odd.levels, "layers": odd.layers},
+        experiments,
+        ranks=[] if all_ranks else odd.ranks,
+        term=term,
+    )
+    if not _replays_routes(ev):
+        cause.strength = min(cause.strength, LIKELY - 0.05)
+        cause.evidence.append("the run does not replay recorded routes: they do not enter its forward")
+    return cause
+
+
+def _routes_from_layers(ev: Evidence) -> Cause | None:
+    """Merged route agreement only (an attribution passed in, no signal check): one layer far off."""
+    if ev.routes is None or not ev.routes.layers:
+        return None
+    layers = [x for x in ev.routes.layers if _finite(x.loss_disagreement)]
+    if not layers:
+        return None
+    worst = max(layers, key=lambda x: x.loss_disagreement or 0.0)
+    d = worst.loss_disagreement or 0.0
+    rest = [x.loss_disagreement or 0.0 for x in layers if x is not worst]
+    typical = statistics.median(rest) if rest else 0.0
+    if d < 0.1 or (rest and d < 3 * typical):
+        return None
+    odd = OddSignal("routes", [], {}, True, layers=[worst.layer])
+    evidence = [
+        f"the model's own routing differs from the recorded routes in layer {worst.layer} on {_pct(d)} of loss "
+        f"tokens (median of the other layers {_pct(typical)}), merged over the ranks",
+    ]
+    return _routing_cause(ev, odd, _unit(d / 0.3) * 0.8, evidence, None, True)
+
+
+def mask_misalignment(ev: Evidence) -> Cause | None:
+    """Loss masks over tokens no stored signal covers (every stored log-prob a 0 fill there)."""
+    if ev.reading is None or not ev.reading.mask_ranks:
+        return None
+    ranks = sorted(ev.reading.mask_ranks)
+    every = len(ranks) == len({r for by in ev.reading.levels.values() for r in by})
+    evidence = [
+        f"rank {r}: {_pct(v)} of loss tokens hold 0 in every stored log-prob signal while the policy's log-prob there "
+        "is far from 0: the loss mask covers tokens no signal was stored for (shifted or truncated against them)"
+        for r, v in ev.reading.mask_ranks.items()
+    ]
+    experiments = [] if every else [_drop_ranks(ranks, "the misaligned mask")]
+    return Cause(
+        "mask_misalignment",
+        "loss mask misaligned with the stored signals" + ("" if every else f" on rank {_ranks(ranks)}"),
+        0.7 if every else 0.95,
+        evidence,
+        {"zero_filled": ev.reading.mask_ranks},
+        experiments,
+        ranks=[] if every else ranks,
+    )
+
+
+def one_rank_data(ev: Evidence) -> Cause | None:
+    """One rank's batch carries the spike, with none of its stored signals out of line."""
+    if ev.world_size < 2:
+        return None
+    shares: dict[int, float] = {}
+    if ev.attribution is not None:
+        for s in ev.attribution.samples:
+            if _finite(s.share):
+                shares[s.rank] = shares.get(s.rank, 0.0) + s.share
+    local = {k.rank: k.local_grad_norm for k in ev.grads.ranks} if ev.grads is not None else {}
+    finite = {r: v for r, v in local.items() if math.isfinite(v)}
+    evidence: list[str] = []
+    strength, rank = 0.0, None
+    if len(finite) >= 2:
+        largest = max(finite, key=lambda r: finite[r])
+        others = statistics.median(v for r, v in finite.items() if r != largest)
+        factor = finite[largest] / others if others > 0 else math.inf
+        if factor >= 3:  # only then is it that rank's (a merely largest rank must not veto the shares below)
+            rank = largest
+            strength = min(0.6, 0.2 * math.log2(factor))
+            evidence.append(
+                f"rank {rank}'s local grad norm {finite[rank]:.4g} is {factor:.3g}x the other ranks' "
+                f"median {others:.4g}"
+            )
+    if shares:
+        top_rank = max(shares, key=lambda r: shares[r])
+        if shares[top_rank] >= 0.8 and (rank is None or rank == top_rank):
+            rank = top_rank
+            strength = max(strength, 0.5)
+            evidence.append(f"rank {top_rank}'s top samples carry {_pct(shares[top_rank])} of ‖g‖")
+    if ev.channel is not None:
+        by_rank = {r: _rank_share(ev, [r]) or 0.0 for r in range(ev.world_size)}
+        top_rank = max(by_rank, key=lambda r: by_rank[r])
+        if by_rank[top_rank] >= 0.8 and (rank is None or rank == top_rank):
+            rank = top_rank
+            strength = max(strength, 0.6)
+            evidence.append(f"rank {top_rank}'s loss terms carry {by_rank[top_rank]:.3g} of the gradient")
+    if rank is None or not evidence:
+        return None
+    if ev.reading is not None:
+        odd = [o.signal for o in ev.reading.odd if rank in o.ranks]
+        if odd:  # that rank's stored signal explains it: the data is not the broken part
+            return None
+        strength = min(1.0, strength + 0.2)
+        evidence.append(f"every stored signal of rank {rank} agrees with the replay")
+    samples = [(s.rank, s.sample) for s in _carriers(ev.attribution, 0.8) if s.rank == rank]
+    experiments = [_drop_ranks([rank], "the spike")]
+    if samples:
+        experiments.append(
+            Experiment(
+                f"drop_samples={_pairs(samples)}",
+                f"leaves out rank {rank}'s top samples: whether the spike is those samples",
+                True,
+                refutes=REFUTE_STAYS,
+            )
+        )
+    term, channel = _channel_lines(ev, [rank])
+    if term == "kl":
+        experiments += kl_levers(ev)
+    return Cause(
+        "one_rank_data",
+        f"one rank's data (rank {rank})",
+        strength,
+        evidence + channel,
+        {"rank": rank},
+        experiments,
+        ranks=[rank],
+        samples=samples,
+        term=term,
+    )

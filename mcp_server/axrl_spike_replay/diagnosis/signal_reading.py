@@ -1,0 +1,270 @@
+"""Which stored signal is the odd one out, and on which ranks: a reading of the per-rank signal check
+(`experiment.step_evidence.SignalCheck`) that names no fault, only disagreement and its witnesses.
+
+Each stored signal S (old, rollout, ref log-probs; the recorded routes) is judged per rank by how far it is from
+the replay at the snapshot's weights, in units where 1 is clearly off: `level = max(mean |Δ| / 0.3 nats,
+share of loss tokens with |Δ| > ln 2 / 5 %)`. Log-prob signals take the better of the two forwards (the run's
+routing, `current`, and the model's own routing, `own`): a stored signal computed under either routing is then
+judged fairly, and a rank where only `own` agrees points at the routes, not at S.
+
+S is odd on rank r when its level there is at least 1 and a witness says the replay is right there:
+
+- a rank witness: S agrees (level below a third of r's, and below 1) on some other rank;
+- a signal witness: another stored log-prob signal agrees with the replay on rank r (the forward is sound there);
+- for routes, the model's own routing makes a stored log-prob signal agree where the recorded routes do not.
+
+An odd signal on every rank with no witness is `spread` (an engine/trainer mismatch looks like that); without any
+witness nothing is separated, and the reading says so (`witnesses` empty). Loss tokens where a stored signal is
+exactly 0 while the policy's log-prob is far from 0 are `zero_filled`: a padded value, not a log-prob (all the stored
+signals zero there at once: the loss mask covers tokens no signal was stored for).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from axrl_spike_replay.experiment.step_evidence import PairFigures, RankSignals, SignalCheck
+
+MEAN_OFF = 0.3  # nats of mean |Δ| that count as clearly off
+OUTSIDE_OFF = 0.05  # share of loss tokens with the ratio outside [0.5, 2] that counts as clearly off
+ROUTES_OFF = 0.2  # share of routed tokens whose expert set differs that counts as clearly off
+WITNESS_RATIO = 3.0  # an agreeing rank is at most a third as far off
+ZERO_FILLED = 0.02  # share of a rank's loss tokens zero-filled in a stored signal that counts
+LOGPROB_SIGNALS = ("old", "rollout", "ref")
+
+
+def pair_level(p: PairFigures | None) -> float | None:
+    """How far off a pair is, 1 = clearly off (see the module doc); None when not compared."""
+    if p is None or p.tokens == 0:
+        return None
+    return max(p.mean_abs / MEAN_OFF, p.outside / OUTSIDE_OFF)
+
+
+@dataclass
+class SignalLevels:
+    """One stored signal on one rank: its level against the replay, and against each forward."""
+
+    rank: int
+    signal: str
+    level: float
+    current: float | None  # against the run's routing
+    own: float | None  # against the model's own routing (routing replay on)
+    pair: PairFigures | None = None  # the better-agreeing pair
+    zero_filled: float = 0.0  # share of loss tokens where the stored value is a 0 fill
+    current_pair: PairFigures | None = None  # against the run's routing (what the loss and its masks see)
+
+
+@dataclass
+class OddSignal:
+    """A stored signal out of line with the replay on some ranks, with what shows the replay is right there."""
+
+    signal: str  # old | rollout | ref | routes
+    ranks: list[int]
+    levels: dict[int, float]
+    spread: bool  # off on every rank
+    witnesses: list[str] = field(default_factory=list)
+    evidence: list[str] = field(default_factory=list)
+    samples: list[tuple[int, int]] = field(default_factory=list)  # the worst samples on the odd ranks
+    layers: list[int] = field(default_factory=list)  # routes: the MoE layers off on those ranks
+    zero_filled: bool = False
+
+    @property
+    def separated(self) -> bool:
+        return bool(self.witnesses)
+
+
+@dataclass
+class SignalReading:
+    levels: dict[str, dict[int, SignalLevels]] = field(default_factory=dict)  # signal -> rank -> levels
+    routes: dict[int, float] = field(default_factory=dict)  # rank -> route level (disagreement / ROUTES_OFF)
+    odd: list[OddSignal] = field(default_factory=list)
+    mask_ranks: dict[int, float] = field(default_factory=dict)  # rank -> share of loss tokens no signal covers
+
+    def odd_signal(self, signal: str) -> OddSignal | None:
+        return next((o for o in self.odd if o.signal == signal), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "odd": [
+                {
+                    "signal": o.signal,
+                    "ranks": o.ranks,
+                    "spread": o.spread,
+                    "levels": {str(r): v for r, v in o.levels.items()},
+                    "witnesses": o.witnesses,
+                    "layers": o.layers,
+                    "zero_filled": o.zero_filled,
+                }
+                for o in self.odd
+            ],
+            "levels": {s: {str(r): v.level for r, v in by.items()} for s, by in self.levels.items()},
+            "route_levels": {str(r): v for r, v in self.routes.items()},
+        }
+
+
+def _levels(rank: RankSignals, signal: str) -> SignalLevels | None:
+    cur, own = rank.pairs.get(f"current_vs_{signal}"), rank.pairs.get(f"own_vs_{signal}")
+    lc, lo = pair_level(cur), pair_level(own)
+    known = [(v, p) for v, p in ((lc, cur), (lo, own)) if v is not None]
+    if not known:
+        return None
+    level, pair = min(known, key=lambda x: x[0])
+    filled = (cur.zeros / cur.tokens) if cur is not None and cur.tokens else 0.0
+    return SignalLevels(rank.rank, signal, level, lc, lo, pair, filled, cur)
+
+
+def _route_level(rank: RankSignals) -> float | None:
+    d = rank.route_disagreement()
+    return None if d is None else d / ROUTES_OFF
+
+
+def _witnessed(levels: dict[int, float], r: int) -> list[int]:
+    """The other ranks where the signal agrees, as the module doc defines it."""
+    return [o for o, v in levels.items() if o != r and v < 1.0 and v * WITNESS_RATIO <= levels[r]]
+
+
+def _worst_samples(pair: PairFigures | None, rank: int, n: int = 3) -> list[tuple[int, int]]:
+    if pair is None:
+        return []
+    scored = [(v, i) for i, v in enumerate(pair.samples_mean_abs) if v is not None and v > math.log(2.0) / 2]
+    return [(rank, i) for _, i in sorted(scored, reverse=True)[:n]]
+
+
+def read_signals(check: SignalCheck) -> SignalReading:
+    """The odd stored signals of a signal check (see the module doc)."""
+    reading = SignalReading()
+    for rank in check.ranks:
+        for signal in LOGPROB_SIGNALS:
+            lv = _levels(rank, signal)
+            if lv is not None:
+                reading.levels.setdefault(signal, {})[rank.rank] = lv
+        route = _route_level(rank)
+        if route is not None:
+            reading.routes[rank.rank] = route
+    _mask(reading)
+    for signal in LOGPROB_SIGNALS:
+        odd = _odd_logprobs(reading, signal)
+        if odd is not None:
+            reading.odd.append(odd)
+    routes = _odd_routes(reading, check)
+    if routes is not None:
+        reading.odd.append(routes)
+    return reading
+
+
+def _odd_logprobs(reading: SignalReading, signal: str) -> OddSignal | None:
+    by = reading.levels.get(signal, {})
+    levels = {r: v.level for r, v in by.items()}
+    # a rank whose mask covers tokens no signal was stored for: every signal is off there, the mask explains it
+    off = sorted(r for r, v in levels.items() if v >= 1.0 and r not in reading.mask_ranks)
+    if not off:
+        return None
+    witnesses: list[str] = []
+    for r in off:
+        for o in _witnessed(levels, r):
+            witnesses.append(f"{signal} agrees with the replay on rank {o} (level {levels[o]:.2f} vs {levels[r]:.2f})")
+        for other in LOGPROB_SIGNALS:
+            lv = reading.levels.get(other, {}).get(r)
+            if other != signal and lv is not None and lv.level < 1.0 and lv.level * WITNESS_RATIO <= levels[r]:
+                witnesses.append(f"{other} agrees with the replay on rank {r} (level {lv.level:.2f})")
+    spread = len(off) == len(levels) and len(levels) > 1
+    if spread:  # off everywhere: only the ranks far beyond the others are singled out
+        median = statistics.median(levels.values())
+        far = [r for r in off if levels[r] >= WITNESS_RATIO * max(median, 1.0)]
+        if far and len(far) < len(off):
+            off, spread = far, False
+    odd = OddSignal(signal, off, {r: levels[r] for r in off}, spread, witnesses)
+    for r in off:
+        lv = by[r]
+        p = lv.pair
+        if p is None:
+            continue
+        forward = "own routing" if p.pair.startswith("own_") else "the run's routing"
+        odd.evidence.append(
+            f"rank {r}: stored {signal} log-probs vs the replay ({forward}): mean |Δ| {p.mean_abs:.3g} nats, max "
+            f"{p.max_abs:.3g}, {100 * p.outside:.1f} % of {p.tokens} loss tokens outside ratio [0.5, 2]"
+        )
+        if lv.zero_filled >= ZERO_FILLED:
+            odd.zero_filled = True
+            odd.evidence.append(
+                f"rank {r}: {100 * lv.zero_filled:.1f} % of loss tokens hold a stored {signal} log-prob of exactly 0 "
+                "where the policy's is far from 0 (a padded value, not a log-prob)"
+            )
+        if lv.current is not None and lv.own is not None and lv.own * WITNESS_RATIO <= lv.current:
+            odd.evidence.append(f"rank {r}: agrees better under the model's own routing than under the recorded routes")
+        odd.samples += _worst_samples(p, r)
+    agree = [r for r, v in levels.items() if r not in off]
+    if agree:
+        odd.evidence.append(
+            "agreeing ranks: "
+            + ", ".join(f"rank {r} mean |Δ| {p.mean_abs:.3g}" for r in agree if (p := by[r].pair) is not None)
+        )
+    return odd
+
+
+def _odd_routes(reading: SignalReading, check: SignalCheck) -> OddSignal | None:
+    levels = reading.routes
+    off = sorted(r for r, v in levels.items() if v >= 1.0)
+    if not off:
+        return None
+    witnesses = []
+    for r in off:
+        for o in _witnessed(levels, r):
+            witnesses.append(
+                f"rank {o}'s recorded routes agree with the model's routing ({levels[o] * ROUTES_OFF:.0%})"
+            )
+        for signal in LOGPROB_SIGNALS:  # the model's own routing makes a stored signal agree where the routes do not
+            lv = reading.levels.get(signal, {}).get(r)
+            if lv is None or lv.own is None or lv.current is None:
+                continue
+            if lv.own < 1.0 and lv.own * WITNESS_RATIO <= lv.current and lv.current > 0.1:
+                witnesses.append(
+                    f"rank {r}: stored {signal} log-probs agree with the model's own routing (level {lv.own:.2f}) "
+                    f"better than with the recorded routes (level {lv.current:.2f})"
+                )
+    spread = len(off) == len(levels) and len(levels) > 1
+    odd = OddSignal("routes", off, {r: levels[r] for r in off}, spread, witnesses)
+    for r in off:
+        rank = check.rank(r)
+        if rank is None:
+            continue
+        layers = [x for x in rank.routes if (x.loss_disagreement or 0.0) >= ROUTES_OFF]
+        odd.layers = sorted(set(odd.layers) | {x.layer for x in layers})
+        odd.evidence.append(
+            f"rank {r}: the model's own routing picks other experts than the recorded routes on "
+            + "; ".join(
+                f"layer {x.layer}: {_pct(x.loss_disagreement)} of loss tokens, {_pct(x.other_disagreement)} of others"
+                for x in rank.routes
+            )
+        )
+    agree = [r for r in levels if r not in off]
+    if agree:
+        odd.evidence.append(
+            "agreeing ranks: "
+            + ", ".join(f"rank {r} {levels[r] * ROUTES_OFF:.0%} of routed tokens differ" for r in agree)
+        )
+    return odd
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
+def _mask(reading: SignalReading) -> None:
+    """Ranks where every stored log-prob signal is a 0 fill on the same share of loss tokens."""
+    ranks = set().union(*(by.keys() for by in reading.levels.values())) if reading.levels else set()
+    for r in ranks:
+        fills = [by[r].zero_filled for by in reading.levels.values() if r in by]
+        if len(fills) >= 2 and min(fills) >= ZERO_FILLED:
+            reading.mask_ranks[r] = min(fills)
+
+
+def outside_fraction(reading: SignalReading, signal: str) -> float | None:
+    """The share of every rank's loss tokens where π/π_signal (the run's routing) leaves [0.5, 2]: what a
+    `ratio_outlier_mask` against that signal masks."""
+    pairs = [v.current_pair for v in reading.levels.get(signal, {}).values() if v.current_pair is not None]
+    tokens = sum(p.tokens for p in pairs)
+    return sum(p.outside * p.tokens for p in pairs) / tokens if tokens else None

@@ -1,0 +1,139 @@
+"""What a forward at the snapshot's weights says about the stored signals and the loss terms (`replay.step_evidence`
+computes it; `diagnose` judges it). Torch-free: the MCP face names these types without loading the engine.
+
+Signals, per saved rank (never merged): the replayed current log-probs (`current`: the policy at the snapshot's
+weights under the routing the run replays) and, when the run replays recorded routes, the same policy under its own
+routing (`own`), against the stored `old`, `rollout` and `ref` log-probs, and `old` against `rollout`; each pair
+over the rank's loss tokens and per sample. Routes: per rank and MoE layer, how often the model's own routing in
+that layer (the recorded routes replayed in the others) picks another expert set than the recorded one, on loss
+and on other tokens.
+
+Channel: the step's DP-mean gradient split by loss term (`policy`: the PPO ratio term with its IS weights and
+clips; `kl`; `entropy`; `aux` and `z`: the router losses), each term's gradient taken by its own backward at the
+same forward, in the loss's own convention; per rank, each term's part of the reduced gradient (g_term,r / W),
+its norm and its share <g_term,r / W, g> / ||g||^2 (the shares over every term and rank sum to 1), and the loss
+tokens that pull hardest in it (|d term / d log p_t|).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SIGNALS = ("old", "rollout", "ref")  # the stored log-prob signals
+PAIRS = (
+    "current_vs_old",
+    "current_vs_rollout",
+    "current_vs_ref",
+    "old_vs_rollout",
+    "own_vs_old",
+    "own_vs_rollout",
+    "own_vs_ref",
+)
+TERMS = ("policy", "kl", "entropy", "aux", "z")
+
+
+@dataclass
+class PairFigures:
+    """One pair of log-prob signals (a - b) on one rank's loss tokens."""
+
+    pair: str
+    tokens: int
+    mean_abs: float  # mean |a - b| (nats)
+    max_abs: float
+    outside: float  # fraction of tokens with |a - b| > ln 2 (the ratio outside [0.5, 2])
+    mean: float  # signed mean of a - b
+    zeros: int = 0  # tokens where b is exactly 0 (a padded value, not a log-prob) while |a| > ln 2
+    samples_mean_abs: list[float | None] = field(default_factory=list)  # per sample (None: no loss token)
+    samples_max_abs: list[float | None] = field(default_factory=list)
+
+
+@dataclass
+class LayerRoutes:
+    """Recorded routes against the model's own routing in one MoE layer, on one rank."""
+
+    layer: int
+    loss_tokens: int
+    other_tokens: int
+    loss_disagreement: float | None  # fraction of routed loss tokens whose expert set differs
+    other_disagreement: float | None
+
+
+@dataclass
+class RankSignals:
+    rank: int
+    pairs: dict[str, PairFigures] = field(default_factory=dict)
+    routes: list[LayerRoutes] = field(default_factory=list)
+    samples: int = 0
+
+    def route_disagreement(self) -> float | None:
+        """The rank's disagreement over its layers, loss and other tokens together (None: no routes compared)."""
+        differ = total = 0.0
+        for x in self.routes:
+            for frac, n in ((x.loss_disagreement, x.loss_tokens), (x.other_disagreement, x.other_tokens)):
+                if frac is not None and n:
+                    differ, total = differ + frac * n, total + n
+        return differ / total if total else None
+
+
+@dataclass
+class SignalCheck:
+    """Every stored signal against the replay, per rank."""
+
+    ranks: list[RankSignals] = field(default_factory=list)
+    routing_replay: str = "off"  # the run's mode: `current` replays recorded routes unless "off"
+    base: str = "old"  # the logprobs the run's PPO ratio is taken against
+    has_own: bool = False  # whether `own_vs_*` pairs were taken (the run replays routes)
+
+    def rank(self, rank: int) -> RankSignals | None:
+        return next((r for r in self.ranks if r.rank == rank), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class TermRank:
+    rank: int
+    grad_norm: float  # ||g_term,r|| / W: this rank's part of the term in the reduced gradient
+    share: float  # <g_term,r, g> / (W ||g||^2)
+
+
+@dataclass
+class TermFigures:
+    term: str
+    coef: float
+    grad_norm: float  # ||sum_r g_term,r|| / W
+    share: float  # <g_term, g> / ||g||^2
+    ranks: list[TermRank] = field(default_factory=list)
+    top_tokens: list[dict[str, Any]] = field(default_factory=list)  # rank, sample, position, pull
+    top_samples: list[dict[str, Any]] = field(default_factory=list)  # rank, sample, share of the term's pull
+
+
+@dataclass
+class LossChannel:
+    """The spike's gradient by loss term, per rank."""
+
+    grad_norm: float
+    terms: list[TermFigures] = field(default_factory=list)
+    sum_rel_error: float = 0.0  # ||sum of the terms' gradients - g|| / ||g||
+
+    def term(self, name: str) -> TermFigures | None:
+        return next((t for t in self.terms if t.term == name), None)
+
+    @property
+    def carrier(self) -> TermFigures | None:
+        """The term with the largest share of the gradient."""
+        return max(self.terms, key=lambda t: t.share, default=None)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class StepEvidence:
+    """Both, from one load of the model."""
+
+    signals: SignalCheck
+    channel: LossChannel | None
+    seconds: float = 0.0

@@ -1,0 +1,165 @@
+"""`plan`: what a replay of a snapshot needs, against where it would run: this machine, an SSH node (its GPUs
+from the node probe), a `multinode:` group (its first node probed, the others taken to be alike), or a node
+described by its GPUs. The faces call `plan_for`; a replay here is refused by `refuse_what_cannot_fit`, a CUDA
+replay launched on several nodes by `refuse_on_nodes` (a Slurm allocation's GPUs are known only once it runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.remote.options import RemoteOptions
+from axrl_spike_replay.remote.target_config import ResolvedTarget
+from axrl_spike_replay.replay.replay_plan import (
+    GPU_USABLE,
+    HERE,
+    Capacity,
+    PlanRefused,
+    ReplayPlan,
+    check_fits,
+    node_capacity,
+    plan_replay,
+)
+
+LOCAL = "local"
+
+
+def plan_for(
+    snapshot: str | Path,
+    *,
+    target: str | None = None,
+    nproc: int | None = None,
+    device: str = "cpu",
+    shard: str = "auto",
+    gpus: int | None = None,
+    gpu_memory_gib: float | None = None,
+    workspace: str | Path = ".",
+    options: RemoteOptions | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> ReplayPlan:
+    """The replay plan of `snapshot` where `target` says (see the module docstring); no weight is read. For a
+    `slurm:` entry with `gpus_per_node`, `gpu_memory_gib` alone describes its nodes."""
+    if gpus is None and gpu_memory_gib is not None and target not in (None, LOCAL):
+        gpus = _slurm_gpus(str(target), workspace)
+    if (gpus is None) != (gpu_memory_gib is None):
+        raise ConfigError("give `gpus` and `gpu_memory_gib` together (a node described by its GPUs)", "gpus")
+    capacity: Capacity | str | None = HERE
+    nodes = 1
+    notes: list[str] = []
+    if gpus is not None and gpu_memory_gib is not None:
+        if gpus < 1 or not gpu_memory_gib > 0:
+            raise ConfigError("`gpus` must be at least 1 and `gpu_memory_gib` positive", "gpus")
+        device = "cuda"
+        capacity = Capacity(
+            "the node described", "cuda", gpus, int(gpu_memory_gib * (1 << 30) * GPU_USABLE), "arguments"
+        )
+    if target not in (None, LOCAL):
+        assert target is not None
+        found, nodes, notes = _target_capacity(target, device, workspace, options, progress, gpus is not None)
+        if gpus is None:
+            capacity = found
+    plan = plan_replay(snapshot, nproc=nproc, device=device, capacity=capacity, shard=shard, nodes=nodes)
+    plan.notes += notes
+    return plan
+
+
+def _slurm_gpus(target: str, workspace: str | Path) -> int | None:
+    """`gpus_per_node` of the `slurm:` entry `target` names (None: no such entry, or it does not say)."""
+    from axrl_spike_replay.remote.workspace_config import load_workspace_config
+
+    launch = load_workspace_config(Path(workspace)).launch
+    return launch.slurm[target].settings.gpus_per_node if launch is not None and target in launch.slurm else None
+
+
+def _target_capacity(
+    target: str,
+    device: str,
+    workspace: str | Path,
+    options: RemoteOptions | None,
+    progress: Callable[[str], None] | None,
+    described: bool = False,
+) -> tuple[Capacity | None, int, list[str]]:
+    """(capacity of one node, nodes, notes) of a target: an SSH node or a `multinode:` or `slurm:` entry. With its
+    GPUs `described`, only how many nodes it has (nothing probed)."""
+    from axrl_spike_replay.remote.node import probe_node
+    from axrl_spike_replay.remote.workspace_config import load_workspace_config
+
+    options = options or RemoteOptions()
+    launch = load_workspace_config(Path(workspace)).launch
+    if launch is not None and target in launch.slurm:
+        settings = launch.slurm[target].settings
+        if described:
+            return None, settings.nodes, [f"Slurm entry {target!r}: {settings.nodes} node(s) of the GPUs described"]
+        note = (
+            f"Slurm entry {target!r}: {settings.nodes} node(s); the GPUs' memory is known only once the job runs: "
+            "give `gpu_memory_gib` (and `gpus` unless the entry says gpus_per_node) to plan against them"
+        )
+        return None, settings.nodes, [note]
+    nodes, first = 1, target
+    notes: list[str] = []
+    if described and (launch is None or target not in launch.multinode):
+        return None, 1, []
+    if launch is not None and target in launch.multinode:
+        entry = launch.multinode[target]
+        nodes, first = len(entry.nodes), entry.nodes[0]
+        if described:
+            return None, nodes, [f"multinode entry {target!r}: {nodes} node(s) of the GPUs described"]
+        notes.append(f"multinode entry {target!r}: {first} probed; its other {nodes - 1} node(s) taken to be alike")
+    report = probe_node(first, options.remote_python, options=options, workspace=workspace, progress=progress)
+    capacity = node_capacity(report, device)
+    if capacity is None:
+        notes.append(f"{first}: a CPU replay's memory there is not probed; capacity unknown")
+    return capacity, nodes, notes
+
+
+def refuse_what_cannot_fit(
+    snapshot: str | Path, nproc: int | None, device: str, configs: int = 1, shard: str = "off"
+) -> None:
+    """PlanRefused, with the plan, when a replay of this engine on `nproc` processes here cannot fit this machine
+    (`shard`: off, the whole model in each process; on, FSDP2; auto, sharded when the whole model does not fit).
+    A snapshot the plan cannot read passes: the engine names what is wrong with it."""
+    try:
+        plan = plan_replay(snapshot, nproc=nproc, device=device, shard=shard, configs=configs)
+    except PlanRefused:
+        raise
+    except Exception:  # a snapshot the plan cannot read is the engine's to name, by its own rules
+        return
+    if plan.capacity is not None and plan.capacity.devices == 0:
+        return  # CUDA asked where there is none: the engine says so
+    check_fits(plan)
+
+
+def refuse_on_nodes(
+    snapshot: str | Path,
+    first: ResolvedTarget,
+    *,
+    nproc: int,
+    nodes: int,
+    configs: int = 1,
+    options: RemoteOptions | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> None:
+    """Before a CUDA replay is launched on `nodes` nodes like `first`: probe `first` (one SSH round trip) and refuse
+    by name a node without GPUs, or, with the plan, a layout that does not fit them."""
+    from axrl_spike_replay.remote.node import probe_node
+
+    options = options or RemoteOptions()
+    report = probe_node(first, options.remote_python, options=options, progress=progress)
+    capacity = node_capacity(report, "cuda")
+    if capacity is None or capacity.devices == 0:
+        raise ConfigError(
+            f"`device` cuda: node {report.target!r} has no GPU (nvidia-smi: {report.nvidia_smi}); replay on CPU "
+            "(`device` cpu) or on nodes with GPUs",
+            "device",
+        )
+    try:
+        plan = plan_replay(snapshot, nproc=nproc, device="cuda", capacity=capacity, shard="off", configs=configs,
+                           nodes=nodes)  # fmt: skip
+    except PlanRefused:
+        raise
+    except AxrlError:
+        return  # the engine names what is wrong with the snapshot
+    if nodes > 1:
+        plan.notes.append(f"{report.target} probed; the other {nodes - 1} node(s) taken to be alike")
+    check_fits(plan)

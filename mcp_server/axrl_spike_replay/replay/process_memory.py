@@ -1,0 +1,213 @@
+"""One replay process's memory, by part, for N processes, from a model's element counts and widths (its meta
+build: no weight read). `replay_plan` adds where it runs and what fits.
+
+Per process, in the precision that runs (the model's dtype for parameters and gradients today):
+
+- parameters: P x bytes, whole; sharded (FSDP2) P/N plus the largest decoder layer gathered for its turn;
+- gradients: one copy per config sharing the forward (a baseline replay: 1), one more while a process that runs
+  several saved ranks adds the next rank's gradient into the sum; sharded: 1/N of that plus one layer's unsharded
+  gradient before it is reduce-scattered. A backward frees the forward's activations as it makes the gradient, so
+  the step's peak holds the earlier copies plus the larger of the two;
+- activations: what autograd keeps for one saved rank's forward (a process runs its ranks one after another), from
+  the architecture's widths and the rank's tokens (`activation_bytes`; eager attention keeps the [T, T] scores);
+- runtime: the interpreter, torch and this package (CPU), or the CUDA context (GPU);
+- loading (transient): a whole replay builds the model, then fills a copy of its state from the checkpoint: twice
+  the parameters, in host memory, before the step starts.
+
+The peak is the larger of loading and the step. `benchmarks/bench_plan.py` checks it against measured peaks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from axrl_spike_replay.models.hf_config import HFModelConfig
+from axrl_spike_replay.models.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.policy import ModelSpec
+from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+RUNTIME_CPU_BYTES = 300 << 20  # python + torch + this package + transformers in a replay process (measured: ~250 MiB)
+CUDA_CONTEXT_BYTES = 600 << 20  # the CUDA context and torch's kernels on each GPU a process uses
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the plan needs of a model, from its meta build: element counts and widths."""
+
+    description: str
+    parameters: int
+    largest_layer: int  # elements of the largest decoder layer (a sharded replay gathers one at a time)
+    dtype: str
+    layers: int
+    hidden: int
+    q_width: int  # query heads x their head dim
+    kv_width: int  # key/value heads x their head dim (each of k and v)
+    heads: int
+    dense_width: int  # the dense MLP's intermediate size (0: none)
+    dense_layers: int
+    expert_width: int
+    experts: int
+    top_k: int
+    shared_width: int  # shared experts' total intermediate size (0: none)
+    vocab: int
+
+
+@dataclass
+class ProcessMemory:
+    """One replay process's memory in bytes, by part."""
+
+    parameters: int
+    gradients: int
+    activations: int
+    runtime: int
+    loading: int  # transient, while the weights load (host memory)
+
+    held_gradients: int = 0  # the part of `gradients` kept from earlier ranks or configs while one more is computed
+
+    @property
+    def step(self) -> int:
+        """During a backward: the held gradients, plus the larger of what the forward kept (at its start) and the
+        new gradient (at its end; the activations are freed as it is made)."""
+        fresh = self.gradients - self.held_gradients
+        return self.runtime + self.parameters + self.held_gradients + max(self.activations, fresh)
+
+    @property
+    def peak(self) -> int:
+        return max(self.step, self.runtime + self.loading)
+
+
+def model_facts(spec: ModelSpec) -> ModelFacts:
+    """Element counts and widths of a spec's model (HF kinds from a meta build; the tiny model from its shapes)."""
+    if isinstance(spec, MegatronModelConfig):
+        return model_facts(spec.hf)
+    if isinstance(spec, HFModelConfig):
+        return _hf_facts(spec)
+    return _tiny_facts(spec)
+
+
+def _tiny_facts(spec: TinyMoEConfig) -> ModelFacts:
+    from axrl_spike_replay.models.tiny_moe import expected_state_shapes
+
+    shapes = expected_state_shapes(spec)
+    total = sum(math.prod(s) for s in shapes.values())
+    per_layer = [
+        sum(math.prod(s) for n, s in shapes.items() if n.startswith(f"blocks.{i}.")) for i in range(spec.n_layers)
+    ]
+    moe = len(spec.moe_layer_ids)
+    return ModelFacts(
+        description=f"tiny_moe ({spec.n_layers} layers, {spec.n_experts} experts)",
+        parameters=total,
+        largest_layer=max(per_layer, default=0),
+        dtype="float32",
+        layers=spec.n_layers,
+        hidden=spec.d_model,
+        q_width=spec.d_model,
+        kv_width=spec.d_model,
+        heads=spec.n_heads,
+        dense_width=spec.d_ff,
+        dense_layers=spec.n_layers - moe,
+        expert_width=spec.d_ff,
+        experts=spec.n_experts,
+        top_k=spec.top_k,
+        shared_width=0,
+        vocab=spec.vocab_size,
+    )
+
+
+def _hf_facts(spec: HFModelConfig) -> ModelFacts:
+    from axrl_spike_replay.models.hf_config import expected_hf_shapes
+
+    shapes = expected_hf_shapes(spec)
+    total = sum(math.prod(s) for s in shapes.values())
+    layers: dict[str, int] = {}
+    for name, shape in shapes.items():
+        parts = name.split(".")
+        if "layers" in parts:
+            key = ".".join(parts[: parts.index("layers") + 2])
+            layers[key] = layers.get(key, 0) + math.prod(shape)
+    c = spec.config
+    hidden = int(c.get("hidden_size", 0))
+    heads = int(c.get("num_attention_heads", 1))
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or 0) or hidden // max(heads, 1)
+    if "qk_nope_head_dim" in c:  # multi-head latent attention (DeepSeek): per-head q/k and v widths
+        qk = int(c.get("qk_nope_head_dim", 0)) + int(c.get("qk_rope_head_dim", 0))
+        q_width, kv_width = heads * qk, heads * max(qk, int(c.get("v_head_dim") or qk))
+    else:
+        q_width, kv_width = heads * head_dim, kv_heads * head_dim
+    experts = int(c.get("num_experts") or c.get("n_routed_experts") or c.get("num_local_experts") or 0)
+    moe_layers = len(spec.moe_layer_ids)
+    expert_width = int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0)
+    shared = int(c.get("shared_expert_intermediate_size") or 0)
+    if not shared and c.get("n_shared_experts"):
+        shared = int(c["n_shared_experts"]) * expert_width
+    return ModelFacts(
+        description=f"{spec.architecture} ({spec.n_layers} layers, {experts} experts, top-{spec.top_k})",
+        parameters=total,
+        largest_layer=max(layers.values(), default=0),
+        dtype=spec.dtype,
+        layers=spec.n_layers,
+        hidden=hidden,
+        q_width=q_width,
+        kv_width=kv_width,
+        heads=heads,
+        dense_width=int(c.get("intermediate_size") or 0),
+        dense_layers=spec.n_layers - moe_layers,
+        expert_width=expert_width,
+        experts=experts,
+        top_k=spec.top_k,
+        shared_width=shared,
+        vocab=int(c.get("vocab_size", 0)),
+    )
+
+
+def activation_bytes(facts: ModelFacts, batch: int, seq: int) -> int:
+    """What autograd keeps for one forward of a [batch, seq] rank batch, in bytes.
+
+    Per token and decoder layer: the norms' inputs and outputs and the residuals (6 x hidden), q, k, v and their
+    rotary copies and the attention output (2 x q + 4 x kv widths... see below), eager attention's scores and
+    probabilities (2 x heads x seq), and the MLP: a dense one's gate, up, activation and product (4 x width), or the
+    router's logits and probabilities (float32) and, for each of the top-k experts, the token's input, gate, up,
+    activation, product and output (2 x hidden + 4 x expert width), plus the shared experts. At the head: the
+    logits in the model dtype and three float32 copies (upcast, temperature, log-softmax) per vocabulary entry."""
+    b = DTYPE_BYTES[facts.dtype]
+    h = facts.hidden
+    attention = 6 * h + 3 * facts.q_width + 4 * facts.kv_width + 2 * facts.heads * seq
+    dense = 4 * facts.dense_width
+    moe = facts.top_k * (2 * h + 4 * facts.expert_width) + 4 * facts.shared_width
+    router = 2 * facts.experts * 4 // b  # float32
+    moe_layers = facts.layers - facts.dense_layers
+    per_token = facts.layers * attention + facts.dense_layers * dense + moe_layers * (moe + router)
+    head = facts.vocab + 3 * facts.vocab * 4 // b
+    return batch * seq * (per_token + head + 2 * h) * b
+
+
+def process_memory(
+    facts: ModelFacts,
+    nproc: int,
+    world_size: int,
+    batch: int,
+    seq: int,
+    *,
+    sharded: bool,
+    device: str,
+    configs: int = 1,
+) -> ProcessMemory:
+    """One of `nproc` replay processes' memory (see the module docstring)."""
+    pb = gb = DTYPE_BYTES[facts.dtype]
+    ranks = math.ceil(world_size / nproc)
+    copies = configs + (1 if ranks > 1 else 0)
+    params = facts.parameters * pb
+    grads = facts.parameters * gb * copies
+    held = facts.parameters * gb * (copies - 1)
+    if sharded and nproc > 1:
+        params = math.ceil(params / nproc) + facts.largest_layer * pb
+        grads = math.ceil(grads / nproc) + facts.largest_layer * gb
+        held = math.ceil(held / nproc)
+        loading = params
+    else:
+        loading = 2 * facts.parameters * pb
+    runtime = CUDA_CONTEXT_BYTES if device == "cuda" else RUNTIME_CPU_BYTES
+    return ProcessMemory(params, grads, activation_bytes(facts, batch, seq), runtime, loading, held)

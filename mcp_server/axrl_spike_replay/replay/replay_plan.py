@@ -1,0 +1,312 @@
+"""A replay's plan before anything loads: how much memory each process needs for N processes
+(`process_memory`), whether that fits where the replay would run, the smallest N at full fidelity and the layout
+it suggests.
+
+Read from the snapshot: its metadata (saved world size), the run config's `model:` section (the model is built on
+the meta device: shapes only, no weights read, no memory) and the shapes of each rank's batch (meta tensors: no
+data read). So `plan` works on a config-only snapshot of a model far larger than this machine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from axrl_spike_replay.errors import ConfigError, SnapshotError
+from axrl_spike_replay.replay.process_memory import ModelFacts, ProcessMemory, model_facts, process_memory
+
+GPU_USABLE = 0.92  # of a GPU's total memory: the rest is the allocator's fragmentation and NCCL's buffers
+HOST_USABLE = 0.9  # of this machine's available memory
+GIB = 1 << 30
+HERE = "here"  # plan against this machine's memory
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Memory where the replay would run: `devices` of `bytes_each` (GPUs), or one host's memory."""
+
+    where: str  # "this machine" or the target's name
+    device: str  # cpu | cuda
+    devices: int  # GPUs (cuda), 1 (cpu)
+    bytes_each: int  # usable bytes of one GPU, or of the host
+    source: str  # how it was learned
+
+
+@dataclass
+class PlanRow:
+    """The replay on `nproc` processes."""
+
+    nproc: int
+    ranks_per_process: int
+    fidelity: str  # full | reduced
+    sharded: bool
+    memory: ProcessMemory
+    processes_per_device: int
+    per_device: int  # bytes on one GPU (or the host) for its processes
+    fits: bool | None  # None: no capacity known
+
+
+@dataclass
+class ReplayPlan:
+    """The plan of a snapshot's replay; `text()` says it for people and errors."""
+
+    snapshot: str
+    model: str
+    parameters: int
+    param_dtype: str
+    grad_dtype: str
+    world_size: int
+    tokens_per_rank: int
+    seq_len: int
+    configs: int
+    shard: str  # on | off | auto: which rows the choice is made from
+    capacity: Capacity | None
+    rows: list[PlanRow] = field(default_factory=list)
+    chosen: PlanRow | None = None  # for the requested nproc (default: the saved world size)
+    smallest_full_fidelity: PlanRow | None = None  # fewest processes holding every saved rank that fits
+    layout: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.chosen is None else self.chosen.fits
+
+    def to_json(self) -> dict[str, Any]:
+        doc = asdict(self)
+        for row, key in ((self.chosen, "chosen"), (self.smallest_full_fidelity, "smallest_full_fidelity")):
+            if row is not None:
+                doc[key]["memory"]["peak"] = row.memory.peak
+        for row, item in zip(self.rows, doc["rows"], strict=True):
+            item["memory"]["peak"] = row.memory.peak
+        doc["fits"] = self.fits
+        return doc
+
+    def text(self) -> str:
+        """The plan in a few lines."""
+        lines = [
+            f"{self.model}: {self.parameters / 1e9:.3g}B parameters ({self.param_dtype}, gradients "
+            f"{self.grad_dtype}); saved world size {self.world_size}, {self.tokens_per_rank} tokens per rank "
+            f"(sequence {self.seq_len})",
+        ]
+        cap = self.capacity
+        if cap is not None:
+            what = f"{cap.devices} GPU(s) of {_gib(cap.bytes_each)} usable" if cap.device == "cuda" else None
+            lines.append(
+                f"capacity on {cap.where}: {what or _gib(cap.bytes_each) + ' of host memory usable'} ({cap.source})"
+            )
+        for label, row in (("requested", self.chosen), ("smallest full fidelity", self.smallest_full_fidelity)):
+            if row is not None:
+                lines.append(f"{label}: {_row_text(row)}")
+        if self.layout:
+            lines.append(f"layout: {self.layout}")
+        lines += self.notes
+        return "\n".join(lines)
+
+
+def _row_text(row: PlanRow) -> str:
+    m = row.memory
+    how = "sharded (FSDP2)" if row.sharded else "whole model in each process"
+    fits = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown"}[row.fits]
+    return (
+        f"{row.nproc} process(es), {row.fidelity} fidelity, {how}: per process parameters {_gib(m.parameters)}, "
+        f"gradients {_gib(m.gradients)}, activations {_gib(m.activations)}, runtime {_gib(m.runtime)}, "
+        f"loading {_gib(m.loading)} -> peak {_gib(m.peak)}; {row.processes_per_device} per device = "
+        f"{_gib(row.per_device)}: {fits}"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+class PlanRefused(ConfigError):
+    """A replay that cannot fit where it would run, refused before anything loads; the plan is in the message."""
+
+    def __init__(self, plan: ReplayPlan) -> None:
+        super().__init__(
+            "the replay does not fit where it would run, so nothing was loaded. The plan:\n" + plan.text(), "nproc"
+        )
+        self.plan = plan
+
+
+def snapshot_shapes(snapshot: Path, world_size: int) -> tuple[int, int]:
+    """(batch, seq) of the largest rank batch (by tokens), from the batch files' shapes only (no data read)."""
+    from axrl_spike_replay.snapshot.rank_data import load_rank_batch
+
+    best = (0, 0)
+    for rank in range(world_size):
+        try:
+            tokens = load_rank_batch(snapshot, rank, meta=True)["tokens"]
+        except (OSError, KeyError) as exc:
+            raise SnapshotError(f"{snapshot}: rank {rank}'s batch cannot be read for the plan ({exc})") from None
+        shape = tuple(tokens.shape)
+        if len(shape) == 2 and shape[0] * shape[1] > best[0] * best[1]:
+            best = (int(shape[0]), int(shape[1]))
+    return best
+
+
+def machine_capacity(device: str) -> Capacity:
+    """This machine's memory for a replay: its GPUs' (cuda) or its available host memory (cpu)."""
+    if device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count:
+            total = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+            return Capacity("this machine", "cuda", count, int(total * GPU_USABLE), "torch.cuda")
+        return Capacity("this machine", "cuda", 0, 0, "no GPU visible to torch")
+    return Capacity("this machine", "cpu", 1, int(available_memory() * HOST_USABLE), "MemAvailable of /proc/meminfo")
+
+
+def node_capacity(report: Any, device: str) -> Capacity | None:
+    """A probed node's GPUs (`remote.node_probe.NodeReport`); None for a CPU replay (the probe reads no host
+    memory)."""
+    if device != "cuda":
+        return None
+    sizes = [g.memory_total_mib for g in report.gpus if g.memory_total_mib]
+    bytes_each = int(min(sizes) * (1 << 20) * GPU_USABLE) if sizes else 0
+    return Capacity(report.target, "cuda", report.gpu_count, bytes_each, "nvidia-smi on the node")
+
+
+def available_memory() -> int:
+    """MemAvailable of /proc/meminfo, in bytes (the physical memory where that cannot be read)."""
+    import os
+
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _row(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], sharded: bool, cap: Capacity | None,
+         device: str, configs: int, nodes: int) -> PlanRow:  # fmt: skip
+    memory = process_memory(facts, nproc, world, *shape, sharded=sharded, device=device, configs=configs)
+    if cap is None:
+        per_device, fits, share = memory.peak, None, 1
+    elif cap.device == "cuda":
+        gpus = max(cap.devices * nodes, 1)
+        share = math.ceil(nproc / gpus)
+        per_device = share * memory.step  # loading happens in host memory
+        fits = cap.devices > 0 and per_device <= cap.bytes_each
+    else:
+        share = math.ceil(nproc / nodes)
+        per_device = share * memory.peak
+        fits = per_device <= cap.bytes_each
+    return PlanRow(nproc, math.ceil(world / nproc), "full" if nproc == world else "reduced", sharded, memory, share,
+                   per_device, fits)  # fmt: skip
+
+
+def _choose(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], shard: str, cap: Capacity | None,
+            device: str, configs: int, nodes: int) -> PlanRow:  # fmt: skip
+    whole = _row(facts, nproc, world, shape, False, cap, device, configs, nodes)
+    if shard == "off" or nproc == 1 or (shard == "auto" and whole.fits is not False):
+        return whole
+    return _row(facts, nproc, world, shape, True, cap, device, configs, nodes)
+
+
+def plan_replay(
+    snapshot: str | Path,
+    *,
+    nproc: int | None = None,
+    device: str = "cpu",
+    capacity: Capacity | str | None = HERE,
+    shard: str = "auto",
+    configs: int = 1,
+    nodes: int = 1,
+) -> ReplayPlan:
+    """The plan of a replay of `snapshot` on `nproc` processes (default: the saved world size) over `nodes` nodes,
+    against `capacity` (default: this machine's; None: unknown, nothing judged). `shard`: off (the whole model in
+    each process), on (FSDP2), or auto (whole when it fits). Reads metadata, the run config and batch shapes; never
+    a weight."""
+    from axrl_spike_replay.models.policy import parse_model_config
+    from axrl_spike_replay.replay.inputs import read_run_config
+    from axrl_spike_replay.snapshot.metadata import read_metadata
+
+    if shard not in ("on", "off", "auto"):
+        raise ConfigError(f"`shard` must be on, off or auto, got {shard!r}", "shard")
+    path = Path(snapshot).expanduser().resolve()
+    meta, _legacy = read_metadata(path)
+    world = meta.parallel.data_ranks
+    spec = parse_model_config(read_run_config(path)["model"])
+    facts = model_facts(spec)
+    shape = snapshot_shapes(path, world)
+    cap = machine_capacity(device) if isinstance(capacity, str) else capacity
+    wanted = nproc or world
+    if not 1 <= wanted <= world:
+        raise ConfigError(f"`nproc` {wanted}: give 1 to the saved world size {world}", "nproc")
+    candidates = sorted({n for n in range(1, world + 1) if world % n == 0 and n % nodes == 0} | {wanted})
+    rows = [_choose(facts, n, world, shape, shard, cap, device, configs, nodes) for n in candidates]
+    chosen = next(r for r in rows if r.nproc == wanted)
+    full = next((r for r in rows if r.nproc == world and r.fits is not False), None)
+    plan = ReplayPlan(
+        snapshot=str(path),
+        model=facts.description,
+        parameters=facts.parameters,
+        param_dtype=facts.dtype,
+        grad_dtype=facts.dtype,
+        world_size=world,
+        tokens_per_rank=shape[0] * shape[1],
+        seq_len=shape[1],
+        configs=configs,
+        shard=shard,
+        capacity=cap,
+        rows=rows,
+        chosen=chosen,
+        smallest_full_fidelity=full,
+    )
+    plan.layout = _layout(plan, nodes)
+    return plan
+
+
+def _layout(plan: ReplayPlan, nodes: int) -> str:
+    """The layout the plan suggests, in words."""
+    row, cap = plan.smallest_full_fidelity, plan.capacity
+    if row is None:
+        fitting = [r for r in plan.rows if r.fits]
+        said = (
+            f"full fidelity ({plan.world_size} processes) does not fit; the largest fitting layout is "
+            f"{max(fitting, key=lambda r: r.nproc).nproc} process(es) at reduced fidelity"
+            if fitting
+            else f"no layout fits here: no number of processes from 1 to {plan.world_size} is under the memory"
+        )
+        return f"{said}; {_more_nodes(plan)}"
+    how = "sharded over them (FSDP2)" if row.sharded else "each with the whole model"
+    if cap is not None and cap.device == "cuda" and cap.devices:
+        per_node = math.ceil(row.nproc / nodes)
+        return f"{row.nproc} processes ({nodes} node(s) x {per_node}), {row.processes_per_device} per GPU, {how}" + (
+            f": torchrun --nnodes {nodes} --nproc-per-node {per_node}" if nodes > 1 else ""
+        )
+    return f"{row.nproc} processes on {nodes} node(s), {how}"
+
+
+def _more_nodes(plan: ReplayPlan) -> str:
+    """What full fidelity needs beyond the capacity planned against: how many nodes like it, on GPUs."""
+    cap = plan.capacity
+    full = next((r for r in plan.rows if r.nproc == plan.world_size), None)
+    if cap is None or cap.device != "cuda" or not cap.devices or full is None:
+        return "replay on more nodes or GPUs (a multinode: or slurm: target), or use `--backend command`"
+    per_gpu = cap.bytes_each // max(full.memory.step, 1)
+    how = "sharded (FSDP2)" if full.sharded else "each with the whole model"
+    if per_gpu < 1:
+        return (
+            f"one full-fidelity process ({_gib(full.memory.step)}, {how}) is over a GPU's {_gib(cap.bytes_each)}: "
+            "no number of such GPUs holds it; use `--backend command` (the trainer's own model parallelism)"
+        )
+    gpus = math.ceil(plan.world_size / per_gpu)
+    nodes = math.ceil(gpus / cap.devices)
+    return (
+        f"full fidelity needs {nodes} node(s) like {cap.where} ({plan.world_size} processes, {per_gpu} per GPU, "
+        f"{how}): a multinode: or slurm: target"
+    )
+
+
+def check_fits(plan: ReplayPlan) -> None:
+    """PlanRefused when the requested layout does not fit (unknown capacity passes: nothing to say)."""
+    if plan.fits is False:
+        raise PlanRefused(plan)

@@ -1,0 +1,324 @@
+"""Every stored signal against a forward at the snapshot's weights, per rank, and the step's gradient by loss term
+(`experiment.step_evidence` has the definitions). One load of the model, in this process (CPU or one GPU):
+
+- signals: per saved rank, one no-grad forward under the run's routing (the current log-probs), one under the
+  model's own routing when the run replays routes, and one per MoE layer with that layer on its own routing and
+  the recorded routes replayed in the others (so each layer is judged on its own);
+- channel: per saved rank, one forward with the graph kept and one backward per loss term (the term's loss in
+  the run's own convention: `training.policy_loss` with the other terms' coefficients at 0, the KL and entropy
+  terms as the difference to the policy-only loss, the router losses as the trainer adds them), summed over ranks
+  and divided by the saved world size as the trainer reduces; then the same again to take each rank's term
+  against the reduced gradient (memory: two copies of the gradient per term, never one per rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, parse_config
+from axrl_spike_replay.experiment.step_evidence import (
+    LayerRoutes,
+    LossChannel,
+    PairFigures,
+    RankSignals,
+    SignalCheck,
+    StepEvidence,
+    TermFigures,
+    TermRank,
+)
+from axrl_spike_replay.models.policy import policy_forward
+from axrl_spike_replay.models.tiny_moe import RoutingControl
+from axrl_spike_replay.rank_processes import check_cancel
+from axrl_spike_replay.replay.engine import check_device, replay_dir_for
+from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
+from axrl_spike_replay.replay.worker import RankInputs, build_model, loss_batch, step_counts
+from axrl_spike_replay.snapshot.rank_data import load_rank_routes
+from axrl_spike_replay.training.policy_loss import policy_loss
+
+LN2 = math.log(2.0)
+MAX_ROUTE_LAYERS = 64  # one forward per MoE layer and rank
+TOP_TOKENS = 5
+
+
+def step_evidence(
+    snapshot: str | Path,
+    *,
+    mitigations: dict[str, Any] | None = None,
+    device: str = "cpu",
+    channel: bool = True,
+    cancel: threading.Event | None = None,
+) -> StepEvidence:
+    """The signal check (and, with `channel`, the loss-term channel) of a snapshot's step; nothing written."""
+    check_device(device)
+    start = time.perf_counter()
+    with replay_dir_for(snapshot) as (replay_dir, legacy):
+        inputs = load_inputs(snapshot, replay_dir, legacy)
+        cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing, inputs.model.moe_layer_ids)
+        check_configs(inputs, [cfg])
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device)
+            ranks = RankInputs(inputs.replay_dir, range(inputs.world_size), device)
+            signals = signal_check(model, ranks, inputs, cfg, cancel)
+            check_cancel(cancel, "diagnosis")
+            terms = loss_channel(model, ranks, inputs, cfg, cancel) if channel else None
+        finally:
+            torch.set_num_threads(threads)
+    return StepEvidence(signals=signals, channel=terms, seconds=time.perf_counter() - start)
+
+
+# ---- signals ----
+
+
+def _pair(name: str, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> PairFigures:
+    """a - b on the mask's tokens (non-finite differences left out: the non-finite family reports them)."""
+    d = (a.double() - b.double()).cpu()
+    on = mask.cpu() & torch.isfinite(d)
+    values = d[on]
+    n = int(values.numel())
+    per_abs = torch.where(on, d.abs(), torch.zeros_like(d))
+    counts = on.sum(dim=-1)
+    means = (per_abs.sum(dim=-1) / counts.clamp(min=1)).tolist()
+    peaks = per_abs.amax(dim=-1).tolist()
+    has = counts.tolist()
+    return PairFigures(
+        pair=name,
+        tokens=n,
+        mean_abs=float(values.abs().mean()) if n else 0.0,
+        max_abs=float(values.abs().max()) if n else 0.0,
+        outside=float((values.abs() > LN2).double().mean()) if n else 0.0,
+        mean=float(values.mean()) if n else 0.0,
+        zeros=int((on & (b.cpu() == 0) & (a.double().cpu().abs() > LN2)).sum()),
+        samples_mean_abs=[m if c else None for m, c in zip(means, has, strict=True)],
+        samples_max_abs=[p if c else None for p, c in zip(peaks, has, strict=True)],
+    )
+
+
+def _rank_pairs(
+    batch: dict[str, torch.Tensor], current: torch.Tensor, own: torch.Tensor | None
+) -> dict[str, PairFigures]:
+    mask = batch["loss_mask"] > 0
+    stored = {s: batch[f"{s}_logprobs"].float() for s in ("old", "rollout", "ref") if f"{s}_logprobs" in batch}
+    pairs = {}
+    for name, value in stored.items():
+        pairs[f"current_vs_{name}"] = _pair(f"current_vs_{name}", current, value, mask)
+        if own is not None:
+            pairs[f"own_vs_{name}"] = _pair(f"own_vs_{name}", own, value, mask)
+    if "old" in stored and "rollout" in stored:
+        pairs["old_vs_rollout"] = _pair("old_vs_rollout", stored["old"], stored["rollout"], mask)
+    return pairs
+
+
+def _rank_routes(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], replay_dir: str, rank: int
+) -> list[LayerRoutes]:
+    """Per MoE layer: the model's own routing there (recorded routes elsewhere) against the recorded routes."""
+    payload = load_rank_routes(replay_dir, rank, batch=batch)
+    if payload is None:
+        return []
+    recorded = payload.routed_experts.long().to(batch["tokens"].device)
+    if tuple(recorded.shape[:2]) != tuple(batch["tokens"].shape):
+        return []
+    loss = batch["loss_mask"] > 0
+    attended = batch["attention_mask"] > 0 if "attention_mask" in batch else torch.ones_like(loss)
+    out = []
+    for i, layer in enumerate(payload.moe_layers[:MAX_ROUTE_LAYERS]):
+        control = RoutingControl(routes=recorded, current_layers=frozenset({layer}))
+        chosen = policy_forward(model, batch, control, need_entropy=False).routes[:, :, i, :]
+        have = (recorded[:, :, i, :] >= 0).all(dim=-1) & attended
+        differ = (chosen.sort(dim=-1).values != recorded[:, :, i, :].sort(dim=-1).values).any(dim=-1)
+        n_loss, n_other = int((have & loss).sum()), int((have & ~loss).sum())
+        out.append(
+            LayerRoutes(
+                layer=int(layer),
+                loss_tokens=n_loss,
+                other_tokens=n_other,
+                loss_disagreement=int((differ & have & loss).sum()) / n_loss if n_loss else None,
+                other_disagreement=int((differ & have & ~loss).sum()) / n_other if n_other else None,
+            )
+        )
+    return out
+
+
+def signal_check(
+    model: torch.nn.Module,
+    ranks: RankInputs,
+    inputs: ReplayInputs,
+    cfg: AppliedConfig,
+    cancel: threading.Event | None = None,
+) -> SignalCheck:
+    """Per saved rank: the replayed log-probs against every stored one, and the recorded routes per layer."""
+    replays = cfg.routing.replay != "off"
+    result = SignalCheck(routing_replay=cfg.routing.replay, base=cfg.loss.is_base_logprobs, has_own=replays)
+    with torch.no_grad():
+        for rank, batch in ranks.batches.items():
+            check_cancel(cancel, "diagnosis")
+            current = policy_forward(model, batch, ranks.routing(cfg, rank), need_entropy=False).logprobs
+            own = policy_forward(model, batch, RoutingControl(), need_entropy=False).logprobs if replays else None
+            signals = RankSignals(rank=rank, pairs=_rank_pairs(batch, current, own), samples=int(current.shape[0]))
+            if rank in inputs.routing_ranks:
+                signals.routes = _rank_routes(model, batch, inputs.replay_dir, rank)
+            result.ranks.append(signals)
+    return result
+
+
+# ---- channel ----
+
+
+def _term_configs(cfg: AppliedConfig) -> dict[str, Any]:
+    loss = cfg.loss
+    policy = dataclasses.replace(loss, kl_coef=0.0, entropy_coef=0.0, aux_loss_coef=0.0, z_loss_coef=0.0)
+    out: dict[str, Any] = {"policy": policy}
+    if loss.kl_coef:
+        out["kl"] = dataclasses.replace(policy, kl_coef=loss.kl_coef)
+    if loss.entropy_coef:
+        out["entropy"] = dataclasses.replace(policy, entropy_coef=loss.entropy_coef)
+    return out
+
+
+def _rank_terms(
+    model: torch.nn.Module, ranks: RankInputs, cfg: AppliedConfig, rank: int, counts: Any
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """The rank's loss split into its terms (scalars on one graph; `_loss`: the whole loss) and the forward."""
+    saved = ranks.batches[rank]
+    out = policy_forward(model, saved, ranks.routing(cfg, rank), need_entropy=bool(cfg.loss.entropy_coef))
+    batch = loss_batch(saved, rank, cfg, out.logprobs)
+    out.logprobs.retain_grad()
+    configs = _term_configs(cfg)
+    losses = {}
+    for name, loss_cfg in configs.items():
+        entropy = out.entropy if name == "entropy" else None
+        losses[name] = policy_loss(out.logprobs, batch, loss_cfg, entropy=entropy, counts=counts).loss
+    terms = {"policy": losses["policy"]}
+    for name in ("kl", "entropy"):
+        if name in losses:
+            terms[name] = losses[name] - losses["policy"]
+    for name, coef, value in (("aux", cfg.loss.aux_loss_coef, out.aux_loss), ("z", cfg.loss.z_loss_coef, out.z_loss)):
+        if coef and value.requires_grad:
+            terms[name] = coef * value
+    whole = policy_loss(
+        out.logprobs, batch, cfg.loss, entropy=out.entropy, aux_loss=out.aux_loss, z_loss=out.z_loss, counts=counts
+    )
+    terms["_loss"] = whole.loss
+    return terms, out
+
+
+def _grads(
+    term: torch.Tensor, params: Sequence[torch.Tensor], extra: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    got = torch.autograd.grad(term, [*params, *extra], retain_graph=True, allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, got[: len(params)], strict=True)]
+    return grads, list(got[len(params) :])
+
+
+def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    return math.fsum(float((x.double() * y.double()).sum()) for x, y in zip(a, b, strict=True))
+
+
+def _pull_of(parts: list[torch.Tensor | None], shape: torch.Size) -> torch.Tensor:
+    pull = torch.zeros(shape, dtype=torch.float64)
+    for part in parts:
+        if part is not None:
+            pull += part.detach().double().abs().cpu()
+    return pull
+
+
+def loss_channel(
+    model: torch.nn.Module,
+    ranks: RankInputs,
+    inputs: ReplayInputs,
+    cfg: AppliedConfig,
+    cancel: threading.Event | None = None,
+) -> LossChannel:
+    """The reduced gradient split by loss term, per rank (see the module doc)."""
+    world = inputs.world_size
+    params = [p for p in model.parameters() if p.requires_grad]
+    counts = step_counts(ranks, cfg, inputs.loss, inputs.counts, world)
+    sums: dict[str, list[torch.Tensor]] = {}
+    norms: dict[str, dict[int, float]] = {}
+    pulls: dict[str, dict[int, torch.Tensor]] = {}
+    for rank in ranks.batches:
+        check_cancel(cancel, "diagnosis")
+        terms, out = _rank_terms(model, ranks, cfg, rank, counts)
+        terms.pop("_loss")
+        extra = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
+        for name, term in terms.items():
+            grads, wrt = _grads(term, params, extra)
+            norms.setdefault(name, {})[rank] = math.sqrt(_dot(grads, grads)) / world
+            pulls.setdefault(name, {})[rank] = _pull_of(wrt, out.logprobs.shape)
+            total = sums.get(name)
+            sums[name] = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
+        del terms, out
+    g = [torch.zeros_like(p) for p in params]
+    for grads in sums.values():
+        g = [a + b / world for a, b in zip(g, grads, strict=True)]
+    g_sq = _dot(g, g)
+    shares: dict[str, dict[int, float]] = {}
+    full = [torch.zeros_like(p) for p in params]
+    for rank in ranks.batches:  # second pass: each rank's terms against the reduced gradient
+        check_cancel(cancel, "diagnosis")
+        terms, out = _rank_terms(model, ranks, cfg, rank, counts)
+        for name, term in terms.items():
+            grads, _ = _grads(term, params, [])
+            shares.setdefault(name, {})[rank] = _dot(grads, g) / world / g_sq if g_sq > 0 else 0.0
+        whole, _ = _grads(terms.pop("_loss"), params, [])
+        full = [a + b / world for a, b in zip(full, whole, strict=True)]
+        del terms, out
+    channel = LossChannel(grad_norm=math.sqrt(g_sq))
+    coefs = {"kl": cfg.loss.kl_coef, "entropy": cfg.loss.entropy_coef, "aux": cfg.loss.aux_loss_coef}
+    coefs["z"] = cfg.loss.z_loss_coef
+    for name, grads in sums.items():
+        term_g = [x / world for x in grads]
+        channel.terms.append(
+            TermFigures(
+                term=name,
+                coef=float(coefs.get(name, 1.0)),
+                grad_norm=math.sqrt(_dot(term_g, term_g)),
+                share=_dot(term_g, g) / g_sq if g_sq > 0 else 0.0,
+                ranks=[TermRank(r, norms[name][r], shares[name][r]) for r in sorted(norms[name])],
+                top_tokens=_top_tokens(pulls.get(name, {}), ranks),
+                top_samples=_top_samples(pulls.get(name, {})),
+            )
+        )
+    diff = [a - b for a, b in zip(full, g, strict=True)]  # the terms add up to the loss's own gradient
+    channel.sum_rel_error = math.sqrt(_dot(diff, diff) / g_sq) if g_sq > 0 else 0.0
+    return channel
+
+
+def _top_tokens(pulls: dict[int, torch.Tensor], ranks: RankInputs) -> list[dict[str, Any]]:
+    rows = []
+    for rank, pull in pulls.items():
+        mask = ranks.batches[rank]["loss_mask"].cpu() > 0
+        values = torch.where(mask, pull, torch.zeros_like(pull)).reshape(-1)
+        k = min(TOP_TOKENS, int((values > 0).sum()))
+        if k == 0:
+            continue
+        top = values.topk(k)
+        width = pull.shape[-1]
+        for value, index in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+            rows.append({"rank": rank, "sample": index // width, "position": index % width, "pull": value})
+    rows.sort(key=lambda r: -r["pull"])
+    return rows[:TOP_TOKENS]
+
+
+def _top_samples(pulls: dict[int, torch.Tensor]) -> list[dict[str, Any]]:
+    total = math.fsum(float(p.sum()) for p in pulls.values())
+    if total <= 0:
+        return []
+    rows = [
+        {"rank": rank, "sample": s, "share_of_pull": float(v) / total}
+        for rank, pull in pulls.items()
+        for s, v in enumerate(pull.sum(dim=-1).tolist())
+        if v > 0
+    ]
+    rows.sort(key=lambda r: -r["share_of_pull"])
+    return rows[:TOP_TOKENS]

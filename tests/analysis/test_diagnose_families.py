@@ -1,0 +1,193 @@
+"""Faults planted by hand in copies of the golden snapshot, none of them a capture preset: `diagnose` finds which
+stored signal is the odd one out, on which rank, from the per-rank comparison with the replay (a witness that
+agrees where the named signal does not), names the family of the broken part first, and suggests experiments that
+test it and are never no-ops for the snapshot's own config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from snapshot_edits import copy_fixture, edit_batch, no_mismatch, set_loss, shift_routes, stale_old_logprobs
+
+from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
+from axrl_spike_replay.diagnosis.families import FAMILIES
+from axrl_spike_replay.diagnosis.no_ops import no_op_reason
+from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.training.loss_config import LossConfig
+from axrl_spike_replay.training.routing_config import RoutingConfig
+
+
+def _check_suggestions(d: Diagnosis) -> None:
+    """Every family is of the shared vocabulary; every suggestion parses and changes the run's config."""
+    for cause in d.causes:
+        assert cause.family in FAMILIES
+        assert 0.0 <= cause.strength <= 1.0
+    for item in d.mitigation_items():
+        parse_mitigation_args([item])
+
+
+def test_stale_old_log_probs_on_one_rank_are_named_with_their_rank(tmp_path: Path) -> None:
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    set_loss(snapshot, is_base_logprobs="old")
+    stale_old_logprobs(snapshot, rank=1)
+    d = diagnose_snapshot(snapshot, model="always")
+    top = d.top
+    assert top.family == "stale_old_logprobs" and top.ranks == [1] and top.strength == 1.0
+    assert top.term == "policy"
+    assert any("old agrees with the replay on rank 0" in line for line in top.evidence)  # the rank witness
+    assert any("rollout agrees with the replay on rank 1" in line for line in top.evidence)  # the signal witness
+    items = d.mitigation_items()
+    assert items[:2] == ["recompute=old_logprobs:rank1", "drop_ranks=1"]
+    assert "is_base_logprobs=rollout" in items and "is_base_logprobs=old" not in items  # old is already the base
+    assert d.reading is not None and [o.signal for o in d.reading.odd] == ["old"]
+    _check_suggestions(d)
+
+
+def test_stale_old_log_probs_that_the_loss_never_reads_are_not_the_cause(tmp_path: Path) -> None:
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)  # the ratio stays against the rollout log-probs
+    stale_old_logprobs(snapshot, rank=1)
+    d = diagnose_snapshot(snapshot, model="always")
+    stale = next(c for c in d.causes if c.family == "stale_old_logprobs")
+    assert stale.strength < 0.3 and d.top.family == "natural_spike"
+    assert any("do not enter this run's loss" in line for line in stale.evidence)
+
+
+def test_a_shifted_routing_payload_on_one_rank_is_a_routing_payload_fault_not_a_log_prob_mismatch(
+    tmp_path: Path,
+) -> None:
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    shift_routes(snapshot, rank=1)
+    d = diagnose_snapshot(snapshot, model="always")
+    top = d.top
+    assert top.family == "routing_payload" and top.ranks == [1] and top.strength == 1.0
+    assert any("agree with the model's own routing" in line for line in top.evidence)
+    assert {c.family for c in d.causes if c.strength >= 0.3} == {"routing_payload"}
+    assert d.mitigation_items()[0] == "recompute=routes:rank1,old_logprobs:rank1"
+    assert "routing_replay=off" not in d.mitigation_items()  # no test of the payload (see its why)
+    _check_suggestions(d)
+
+
+def test_a_wrong_reference_on_one_rank_is_named_and_the_kl_term_carries_it(tmp_path: Path) -> None:
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    set_loss(snapshot, kl_coef=0.1, entropy_coef=0.01)
+    # rank 1's reference taken from another sample's tokens, and 8 nats too high on some: k3's exp(ref - logp)
+    edit_batch(snapshot, 1, lambda b: b.__setitem__("ref_logprobs", b["ref_logprobs"].roll(1, dims=0) + 8.0))
+    d = diagnose_snapshot(snapshot, model="always")
+    top = d.top
+    assert top.family == "bad_ref_logprobs" and top.ranks == [1] and top.strength == 1.0
+    assert top.term == "kl" and d.step is not None and d.step.channel is not None
+    kl = d.step.channel.term("kl")
+    assert kl is not None and kl.share > 0.5
+    rank1 = next(x for x in kl.ranks if x.rank == 1)
+    assert rank1.share > 0.9 * kl.share  # rank 1's KL carries it
+    channel = d.step.channel
+    assert {t.term for t in channel.terms} == {"policy", "kl", "entropy", "aux", "z"}
+    assert channel.sum_rel_error < 1e-5  # the terms' gradients add up to the loss's own
+    assert sum(t.share for t in channel.terms) == pytest.approx(1.0, abs=1e-5)
+    assert sum(x.share for t in channel.terms for x in t.ranks) == pytest.approx(1.0, abs=1e-5)
+    assert kl.top_tokens and all(t["rank"] == 1 for t in kl.top_tokens)  # through rank 1's tokens
+    items = d.mitigation_items()
+    assert items[0] == "drop_ranks=1" and "kl_estimator=k2" in items and "kl_clamp=10" in items
+    _check_suggestions(d)
+
+
+def test_a_loss_mask_shifted_into_the_prompt_is_a_mask_fault_not_three_bad_signals(tmp_path: Path) -> None:
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+
+    def response_only(b: dict[str, torch.Tensor]) -> None:  # as trainers that keep log-probs for the response only
+        for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
+            b[name] = b[name] * b["loss_mask"]
+
+    for rank in (0, 1):
+        edit_batch(snapshot, rank, response_only)
+    edit_batch(snapshot, 1, lambda b: b.__setitem__("loss_mask", b["loss_mask"].roll(-3, dims=-1)))
+    d = diagnose_snapshot(snapshot, model="always")
+    assert d.top.family == "mask_misalignment" and d.top.ranks == [1]
+    assert not {"stale_old_logprobs", "bad_ref_logprobs", "engine_mismatch"} & {c.family for c in d.causes}
+    _check_suggestions(d)
+
+
+def test_the_engine_mismatch_spread_over_ranks_is_separated_from_stale_old_log_probs_by_the_replay(
+    tmp_path: Path,
+) -> None:
+    snapshot = copy_fixture(tmp_path)  # the capture's own fault: rollout log-probs at the wrong temperature
+    never = diagnose_snapshot(snapshot, model="never")
+    assert never.top.family == "engine_mismatch" and never.top.tied_with == ["stale_old_logprobs"]
+    assert never.top.strength <= 0.7  # two families fit the batch alone: neither at full strength
+    # the mask measures π/π_rollout, which the batch alone does not give: not suggested on old-vs-rollout figures
+    assert not any(item.startswith("ratio_outlier_mask") for item in never.mitigation_items())
+    d = diagnose_snapshot(snapshot, model="always")
+    assert d.top.family == "engine_mismatch" and d.top.strength == 1.0 and d.top.ranks == []
+    assert "stale_old_logprobs" not in {c.family for c in d.causes}
+    mask = next(e for e in d.next_steps if e.mitigation == "ratio_outlier_mask=token")
+    # the figure it quotes is what the mask measures: current vs rollout at the snapshot's weights
+    assert d.step is not None
+    pairs = [r.pairs["current_vs_rollout"] for r in d.step.signals.ranks]
+    measured = sum(p.outside * p.tokens for p in pairs) / sum(p.tokens for p in pairs)
+    assert f"{100 * measured:.1f} % of loss tokens" in mask.why
+    masked = run_replay(snapshot, ReplayOptions(nproc=1, mitigations={"ratio_outlier_mask": "token"})).footprint
+    assert masked is not None and masked["masked_token_fraction"] == pytest.approx(measured, abs=1e-9)
+
+
+def test_a_clean_step_has_every_stored_signal_agreeing_and_is_a_natural_spike(tmp_path: Path) -> None:
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    d = diagnose_snapshot(snapshot, model="always")
+    assert d.top.family == "natural_spike" and d.top.strength == 0.5
+    assert "every stored signal agrees with the replay on every rank" in d.top.evidence
+    assert d.reading is not None and d.reading.odd == []
+
+
+@pytest.mark.parametrize(
+    ("item", "loss", "routing", "why"),
+    [
+        ("is_base_logprobs=old", {}, {}, "as it is"),
+        ("is_base_logprobs=rollout", {"is_base_logprobs": "rollout"}, {}, "as it is"),
+        ("kl_estimator=k2", {"kl_coef": 0.0}, {}, "no KL term"),
+        ("kl_clamp=10", {"kl_coef": 0.0}, {}, "no KL term"),
+        ("routing_replay=all", {}, {"replay": "all"}, "as it is"),
+        ("current_routing_layers=1", {}, {"replay": "off"}, "routing replay off"),
+        ("current_routing_layers=1", {}, {"replay": "all"}, None),
+        ("kl_estimator=k2", {"kl_coef": 0.1}, {}, None),
+        ("is_base_logprobs=rollout", {}, {}, None),
+        ("drop_ranks=1", {}, {}, None),
+    ],
+)
+def test_a_suggestion_that_would_change_nothing_is_named_a_no_op(
+    item: str, loss: dict[str, object], routing: dict[str, object], why: str | None
+) -> None:
+    reason = no_op_reason(item, LossConfig(**loss), RoutingConfig(**routing))  # type: ignore[arg-type]
+    assert (reason is None) if why is None else (reason is not None and why in reason)
+
+
+def test_the_shared_vocabulary_is_what_diagnose_names() -> None:
+    from axrl_spike_replay.diagnosis import FAMILIES as EXPORTED
+    from axrl_spike_replay.diagnosis.diagnose import RULES
+
+    assert EXPORTED == FAMILIES and len(set(FAMILIES)) == 10
+    assert {rule.__name__ for rule in RULES} | {"natural_spike"} == set(FAMILIES)
+    # the fault presets (a lower floor, so a copy of their own) plant exactly these families
+    from axrl_spike_replay.capture import presets
+
+    assert tuple(getattr(presets, "FAULT_FAMILIES", FAMILIES)) == FAMILIES
+
+
+def test_two_broken_parts_each_with_a_witness_are_both_named_at_full_strength(tmp_path: Path) -> None:
+    """The capture's engine mismatch (every rank) and stale old log-probs on rank 1 (the ratio against them under
+    truncated IS): two broken parts, each separated by its own witness, not two readings of one."""
+    snapshot = copy_fixture(tmp_path)
+    set_loss(snapshot, is_base_logprobs="old", mismatch_token_clip_max=2.0)
+    stale_old_logprobs(snapshot, rank=1)
+    d = diagnose_snapshot(snapshot, model="always")
+    strong = {c.family: c for c in d.causes if c.strength == 1.0}
+    assert set(strong) == {"engine_mismatch", "stale_old_logprobs"}
+    assert strong["stale_old_logprobs"].ranks == [1] and strong["engine_mismatch"].ranks == []
+    assert all(not c.tied_with for c in strong.values())

@@ -1,0 +1,117 @@
+"""The replay's plan before anything loads: parameter counts as the model's builders and its publishers give them,
+the memory per process for N processes, whether it fits, the smallest full-fidelity N and its layout; a config-only
+snapshot of a 671B model is planned without a weight; a replay that cannot fit is refused with the plan, nothing
+loaded or written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from axrl_spike_replay.cli import main
+from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.investigation.request import What, replay_request
+from axrl_spike_replay.investigation.runs import run_request
+from axrl_spike_replay.models.policy import build_policy, parse_model_config
+from axrl_spike_replay.replay.inputs import read_run_config
+from axrl_spike_replay.replay.process_memory import model_facts
+from axrl_spike_replay.replay.replay_plan import Capacity, PlanRefused, plan_replay
+from axrl_spike_replay.testing.config_only_snapshot import DEEPSEEK_V3, QWEN3_30B_A3B, write_config_only_snapshot
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
+SNAPSHOT = FIXTURE / "checkpoints" / "spike_snapshots" / "iter_0000021"  # tiny MoE, saved world size 2
+H200_NODE = Capacity("8xH200", "cuda", 8, int(141 * (1 << 30) * 0.92), "test")
+
+
+def test_the_fixture_plan_counts_the_built_model_and_fits_here() -> None:
+    spec = parse_model_config(read_run_config(SNAPSHOT)["model"])
+    built = sum(p.numel() for p in build_policy(spec).parameters())
+    plan = plan_replay(SNAPSHOT, capacity=Capacity("here", "cpu", 1, 8 << 30, "test"))
+    assert plan.parameters == built and plan.world_size == 2 and plan.param_dtype == "float32"
+    assert [r.nproc for r in plan.rows] == [1, 2]
+    one, two = plan.rows
+    assert one.fidelity == "reduced" and one.ranks_per_process == 2 and two.fidelity == "full"
+    assert one.memory.gradients == 2 * two.memory.gradients  # a second copy while the next rank's is added
+    assert plan.chosen is two and plan.smallest_full_fidelity is two and plan.fits
+    assert two.memory.parameters == built * 4 and two.memory.activations > 0
+    assert plan.layout == "2 processes on 1 node(s), each with the whole model"
+    tight = plan_replay(SNAPSHOT, capacity=Capacity("here", "cpu", 1, two.per_device - 1, "test"), shard="off")
+    assert tight.fits is False and tight.smallest_full_fidelity is None
+    assert "largest fitting layout is 1 process(es) at reduced fidelity" in tight.layout
+    auto = plan_replay(SNAPSHOT, capacity=Capacity("here", "cpu", 1, two.per_device - 1, "test"))
+    assert auto.fits and auto.chosen is not None and auto.chosen.sharded  # auto shards what does not fit whole
+
+
+def test_published_sizes_from_config_only_snapshots_with_no_weights(tmp_path: Path) -> None:
+    qwen = write_config_only_snapshot(tmp_path / "qwen", "qwen3_moe", QWEN3_30B_A3B, world_size=64, batch=1, seq=1024)
+    deepseek = write_config_only_snapshot(tmp_path / "ds", "deepseek_v3", DEEPSEEK_V3, world_size=64, batch=1, seq=1024)
+    assert not list(qwen.glob("*.distcp")) and not list(deepseek.glob("*.distcp"))
+    q = plan_replay(qwen, device="cuda", capacity=H200_NODE)
+    d = plan_replay(deepseek, device="cuda", capacity=H200_NODE)
+    assert q.parameters == pytest.approx(30.5e9, rel=0.01)  # the model card: 30.5B in total
+    assert d.parameters == pytest.approx(671e9, rel=0.01)  # DeepSeek-V3's paper: 671B (without the MTP module)
+    assert q.param_dtype == d.param_dtype == "bfloat16" and q.tokens_per_rank == 1024
+    whole = plan_replay(qwen, device="cuda", capacity=H200_NODE, shard="off").chosen
+    assert whole is not None and not whole.fits and whole.processes_per_device == 8
+    assert whole.memory.parameters == q.parameters * 2  # bfloat16, the whole model in each process
+    sharded = q.chosen
+    assert sharded is not None and sharded.sharded and sharded.memory.parameters < whole.memory.parameters / 16
+    assert sharded.fits is False and "the largest fitting layout is 32 process(es) at reduced fidelity" in q.layout
+    assert "full fidelity needs 2 node(s) like 8xH200" in q.layout  # 7 sharded processes per GPU: 10 GPUs
+    assert d.chosen is not None and d.chosen.fits is False and "no layout fits here" in d.layout
+    assert "full fidelity needs 8 node(s) like 8xH200 (64 processes, 1 per GPU" in d.layout
+    assert "671B parameters" in d.text() and "DOES NOT FIT" in d.text()
+
+
+def test_a_replay_that_cannot_fit_is_refused_before_loading_with_the_plan(tmp_path: Path) -> None:
+    big = write_config_only_snapshot(tmp_path / "snap", "qwen3_moe", QWEN3_30B_A3B, world_size=2, batch=1, seq=64)
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    with pytest.raises(PlanRefused) as caught:
+        run_request(replay_request(What(big), workspace=workspace))
+    message = str(caught.value)
+    assert "does not fit where it would run, so nothing was loaded" in message
+    assert "qwen3_moe (48 layers, 128 experts, top-8): 30.5B parameters" in message and "DOES NOT FIT" in message
+    assert caught.value.plan.chosen is not None and caught.value.plan.chosen.nproc == 2
+    assert list(workspace.iterdir()) == []  # no run dir, no task row
+
+
+def test_the_plan_verb_describes_a_node_and_says_it_as_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    snap = write_config_only_snapshot(tmp_path / "q", "qwen3_moe", QWEN3_30B_A3B, world_size=16, batch=1, seq=256)
+    assert main(["plan", str(snap), "--gpus", "8", "--gpu-memory", "141", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["capacity"]["devices"] == 8 and doc["capacity"]["device"] == "cuda" and doc["world_size"] == 16
+    assert doc["chosen"]["nproc"] == 16 and doc["chosen"]["processes_per_device"] == 2
+    assert doc["fits"] is True and doc["smallest_full_fidelity"]["nproc"] == 16
+    assert "16 processes (1 node(s) x 16), 2 per GPU" in doc["layout"]
+    assert main(["plan", str(snap), "--gpus", "8"]) == 2
+    assert "give `gpus` and `gpu_memory_gib` together" in capsys.readouterr().err.replace(
+        "--gpu-memory", "`gpu_memory_gib`"
+    )
+
+
+def test_bad_plan_arguments_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="`nproc` 3: give 1 to the saved world size 2"):
+        plan_replay(SNAPSHOT, nproc=3)
+    with pytest.raises(ConfigError, match="`shard` must be on, off or auto"):
+        plan_replay(SNAPSHOT, shard="maybe")
+    assert model_facts(parse_model_config(read_run_config(SNAPSHOT)["model"])).top_k == 2
+
+
+def test_plan_against_a_slurm_entry_from_its_gpus_per_node(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    snap = write_config_only_snapshot(tmp_path / "q", "qwen3_moe", QWEN3_30B_A3B, world_size=64, batch=1, seq=1024)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    entry = {"login": "local", "partition": "gpu", "nodes": 2, "gpus_per_node": 8}
+    (ws / "spike-replay.yaml").write_text(json.dumps({"slurm": {"hpc": entry}}))  # JSON is YAML
+    argv = ["plan", str(snap), "--target", "hpc", "--workspace", str(ws), "--json"]
+    assert main([*argv, "--gpu-memory", "141"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["capacity"]["devices"] == 8 and doc["fits"] is True and doc["chosen"]["processes_per_device"] == 4
+    assert doc["layout"].startswith("64 processes (2 node(s) x 32), 4 per GPU, sharded over them (FSDP2)")
+    assert "Slurm entry 'hpc': 2 node(s) of the GPUs described" in doc["notes"]
+    assert main(argv) == 0  # without the GPUs' memory: nothing judged, and said why
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["fits"] is None and "the GPUs' memory is known only once the job runs" in doc["notes"][0]
