@@ -18,6 +18,7 @@ from typing import Any
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
+from axrl_spike_replay.experiment.recompute import Recompute
 from axrl_spike_replay.models.policy import parse_model_config
 from axrl_spike_replay.replay.clean_gradient import SpikeBar
 from axrl_spike_replay.replay.worker import WorkerJob
@@ -121,9 +122,18 @@ def _config_document(cfg: AppliedConfig) -> dict[str, Any]:
             "outlier_threshold": samples.outlier_threshold,
             "outlier_scope": samples.outlier_scope,
             "drop": sorted([rank, index] for rank, index in samples.drop),
+            "drop_ranks": sorted(samples.drop_ranks),
+            "keep_ranks": sorted(samples.keep_ranks) if samples.keep_ranks is not None else None,
         },
+        "recompute": [list(item) for item in sorted(cfg.recompute.items, key=_item_order)],
         "resolved": dict(cfg.resolved),
     }
+
+
+def _item_order(item: tuple[str, int | None, int | None]) -> tuple[str, int, int]:
+    """A recompute item's place in the document (None, for every rank or layer, first)."""
+    name, rank, layer = item
+    return name, -1 if rank is None else rank, -1 if layer is None else layer
 
 
 def _config_of(doc: Mapping[str, Any]) -> AppliedConfig:
@@ -139,6 +149,14 @@ def _config_of(doc: Mapping[str, Any]) -> AppliedConfig:
             outlier_threshold=samples.get("outlier_threshold"),
             outlier_scope=samples.get("outlier_scope", "batch"),
             drop=frozenset((int(r), int(i)) for r, i in samples.get("drop") or ()),
+            drop_ranks=frozenset(int(r) for r in samples.get("drop_ranks") or ()),
+            keep_ranks=frozenset(int(r) for r in keep) if (keep := samples.get("keep_ranks")) is not None else None,
+        ),
+        recompute=Recompute(
+            frozenset(
+                (str(name), None if rank is None else int(rank), None if layer is None else int(layer))
+                for name, rank, layer in doc.get("recompute") or ()
+            )
         ),
         resolved=dict(doc.get("resolved") or {}),
     )

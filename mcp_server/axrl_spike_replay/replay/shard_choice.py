@@ -132,7 +132,8 @@ def _check_device(device: str, processes: int) -> None:
     if device.startswith("cuda"):
         import torch
 
-        if torch.cuda.device_count() < processes:
+        # where this machine has no CUDA the processes run on launched nodes (a local CUDA replay was refused before)
+        if torch.cuda.is_available() and torch.cuda.device_count() < processes:
             raise ConfigError(
                 f"`shard`: a sharded replay on CUDA needs a GPU per process (NCCL); {processes} processes, "
                 f"{torch.cuda.device_count()} GPU(s) visible: use `nproc` {max(torch.cuda.device_count(), 1)} or fewer",
