@@ -48,11 +48,13 @@ def local_replay(workspace: Path) -> float:
 def remote_replay(spec: str, workspace: Path) -> float:
     workspace.mkdir()
     start = time.perf_counter()
-    replay_elsewhere(replay_request(
-        What(SNAPSHOT),
-        where=Where(target=spec, remote_python=sys.executable),
-        workspace=workspace,
-    ))
+    replay_elsewhere(
+        replay_request(
+            What(SNAPSHOT),
+            where=Where(target=spec, remote_python=sys.executable),
+            workspace=workspace,
+        )
+    )
     return time.perf_counter() - start
 
 

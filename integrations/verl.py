@@ -199,7 +199,29 @@ def run_config(world_size: int, engine: Any = None, data: Any = None) -> dict[st
         if model is not None:
             doc["model"] = model
         doc["routing"] = routing_section(getattr(engine, "engine_config", None))
+        precision = precision_section(getattr(engine, "engine_config", None))
+        if precision is not None:
+            doc["precision"] = precision
     return doc
+
+
+def precision_section(engine_config: Any) -> dict[str, Any] | None:
+    """The `precision:` section of an FSDP engine: `fsdp_config.mixed_precision` read with verl's own defaults
+    (param bf16, reduce fp32; `FSDPEngine._build_fsdp_module`), so a replay computes in the trainer's precision;
+    None for an engine that is not FSDP's."""
+    from axrl_spike_replay.training.precision import PrecisionPolicy
+
+    if engine_config is None or getattr(engine_config, "strategy", None) not in ("fsdp", "fsdp2"):
+        return None
+    given = getattr(engine_config, "mixed_precision", None) or {}
+    policy = PrecisionPolicy.from_dict(
+        {
+            "param_dtype": given.get("param_dtype", "bf16"),
+            "reduce_dtype": given.get("reduce_dtype", "fp32"),
+        },
+        "verl fsdp_config.mixed_precision",
+    )
+    return policy.to_dict()
 
 
 def _warn_once(engine: Any) -> None:

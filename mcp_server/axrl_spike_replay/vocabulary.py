@@ -91,6 +91,14 @@ class Device(Vocabulary):
     CUDA = "cuda"
 
 
+class Shard(Vocabulary):
+    """Whether a replay shards the policy over its processes (FSDP2): when it does not fit one, always, never."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
 class Method(Vocabulary):
     """How an attribution gets each sample's gradient: one forward-mode pass, or one backward per sample (a check)."""
 

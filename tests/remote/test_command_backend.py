@@ -103,11 +103,13 @@ def test_a_failing_command_is_a_failed_result_with_its_stderr(
 def test_refused_combinations_say_what_to_do(training_checkout: Path, snapshot: Path, tmp_path: Path) -> None:
     ws = workspace_with(tmp_path, training_checkout, None)
     with pytest.raises(ConfigError, match="express the change as `patch`"):
-        replay_elsewhere(replay_request(
-            What(snapshot, mitigations={"advantage_clip": 1}),
-            where=Where(backend="command"),
-            workspace=ws,
-        ))
+        replay_elsewhere(
+            replay_request(
+                What(snapshot, mitigations={"advantage_clip": 1}),
+                where=Where(backend="command"),
+                workspace=ws,
+            )
+        )
     with pytest.raises(ConfigError, match="add `backend` command"):
         replay_elsewhere(replay_request(What(snapshot), where=Where(target="loop", patches=("x.diff",)), workspace=ws))
     (ws / "spike-replay.yaml").write_text("targets: {}\n")
@@ -128,12 +130,14 @@ def test_setting_the_cancel_event_stops_a_run_from_another_thread(
 
     def work() -> None:
         try:
-            replay_elsewhere(replay_request(
-                What(snapshot),
-                where=Where(backend="command"),
-                workspace=ws,
-                cancel=cancel,
-            ))
+            replay_elsewhere(
+                replay_request(
+                    What(snapshot),
+                    where=Where(backend="command"),
+                    workspace=ws,
+                    cancel=cancel,
+                )
+            )
         except AxrlError as exc:
             errors.append(exc)
 

@@ -221,11 +221,13 @@ def test_two_patches_combine_in_order(
     workspace: Path, snapshot: Path, runs_log: Path, training_checkout: Path, tmp_path: Path
 ) -> None:
     a, b = patch_file(tmp_path, "a.diff", PATCH_A), patch_file(tmp_path, "b.diff", PATCH_B)
-    result = replayed(replay_request(
-        What(snapshot),
-        where=Where(backend="command", patches=(a, b)),
-        workspace=workspace,
-    ))
+    result = replayed(
+        replay_request(
+            What(snapshot),
+            where=Where(backend="command", patches=(a, b)),
+            workspace=workspace,
+        )
+    )
     assert result.verdict is Verdict.CLEARED and result.grad_norm == pytest.approx(RECORDED * 0.01)
     both = (PATCH_A + PATCH_B).encode()
     assert result.patch_sha256 == hashlib.sha256(both).hexdigest()

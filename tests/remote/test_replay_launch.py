@@ -273,3 +273,15 @@ def test_plan_against_a_target_probes_its_gpus(two_nodes: Path, capsys: pytest.C
     doc = json.loads(capsys.readouterr().out)
     assert doc["capacity"] is None and doc["fits"] is None and doc["chosen"]["nproc"] == 2
     assert "node-b: a CPU replay's memory there is not probed; capacity unknown" in doc["notes"]
+
+
+def test_a_sharded_job_launched_by_torchrun_gives_the_spawned_sharded_outcomes(tmp_path: Path) -> None:
+    job = dataclasses.replace(_job(SNAPSHOT, CONFIGS), shard=True)  # FSDP2 over the two launched processes
+    spawned = run_job(job)
+    runner = LaunchedRunner(Placement("here", nodes=(LaunchNode("here"),), nproc_per_node=2))
+    launched = runner(job)
+    for a, b in zip(spawned, launched, strict=True):
+        assert _figures(b) == _figures(a), a.config_id
+    whole = run_job(dataclasses.replace(job, shard=False))
+    assert abs(launched[0].grad_norms[0] - whole[0].grad_norms[0]) <= 1e-6 * whole[0].grad_norms[0]
+    assert replay_workers() == {}

@@ -50,11 +50,13 @@ def test_missing_routing_payload_while_routing_replay_is_on(snapshot_copy: Calla
         run_request(replay_request(What(snap), how=How(nproc=1), workspace=workspace))
     # a mitigation cannot stand in for the baseline, which replays the recorded routes
     with pytest.raises(SnapshotError, match=r"routing_payload_rank<r>\.pt"):
-        run_request(replay_request(
-            What(snap, mitigations={"routing_replay": "off"}),
-            how=How(nproc=1),
-            workspace=workspace,
-        ))
+        run_request(
+            replay_request(
+                What(snap, mitigations={"routing_replay": "off"}),
+                how=How(nproc=1),
+                workspace=workspace,
+            )
+        )
     assert nothing_written(workspace)
 
 

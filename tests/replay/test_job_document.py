@@ -83,3 +83,14 @@ def test_a_field_without_a_json_form_is_refused_by_name(spike_snapshot: Path) ->
     doc = job_document(job)
     with pytest.raises(ConfigError, match="unknown field"):
         job_of_document({**doc, "shard_plan": {"x": 1}})
+
+
+def test_a_sharded_job_in_the_trainers_precision_arrives_as_sent(spike_snapshot: Path) -> None:
+    from axrl_spike_replay.training.precision import PrecisionPolicy
+
+    precision = PrecisionPolicy(param_dtype="bfloat16", reduce_dtype="float32")
+    job = _job(spike_snapshot, [{"advantage_clip": 0.5}], shard=True, precision=precision)
+    arrived = _through_json(job)
+    assert arrived == job and arrived.shard is True and arrived.precision == precision
+    unrecorded = _job(spike_snapshot, [], precision=PrecisionPolicy.of_model("float32"))
+    assert _through_json(unrecorded).precision == PrecisionPolicy.of_model("float32")  # its source kept

@@ -35,11 +35,13 @@ CONFIGS = [
 def sweep(spike_snapshot: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[SweepResult, Path]:
     ws = tmp_path_factory.mktemp("sweep-ws")
     open_task(ws, "fixture-moe", spike_snapshot)
-    return run_request(replay_request(
-        What(spike_snapshot, verb="sweep", configs=CONFIGS),
-        how=How(nproc=1),
-        workspace=ws,
-    )), ws
+    return run_request(
+        replay_request(
+            What(spike_snapshot, verb="sweep", configs=CONFIGS),
+            how=How(nproc=1),
+            workspace=ws,
+        )
+    ), ws
 
 
 def test_every_config_gets_a_result_in_order_with_its_verdict(sweep: tuple[SweepResult, Path]) -> None:

@@ -192,3 +192,24 @@ def test_the_hook_warns_at_the_first_step_when_a_snapshot_could_not_be_replayed(
     warned = [r.getMessage() for r in caplog.records if r.name == "axrl_spike_replay.verl_hook"]
     warned = [m for m in warned if "loss setting" in m]  # (it also says once that no global step is on the batch)
     assert len(warned) == 1 and "loss_mode=sapo" in warned[0]
+
+
+@pytest.mark.parametrize(
+    ("engine_config", "expected"),
+    [
+        (  # verl's FSDP engine with no mixed_precision: its own defaults, bf16 parameters and fp32 reduction
+            SimpleNamespace(strategy="fsdp2", mixed_precision=None),
+            {"param_dtype": "bfloat16", "reduce_dtype": "float32", "output_dtype": None},
+        ),
+        (
+            SimpleNamespace(strategy="fsdp", mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32"}),
+            {"param_dtype": "float32", "reduce_dtype": "float32", "output_dtype": None},
+        ),
+        (SimpleNamespace(strategy="megatron", mixed_precision=None), None),  # not an FSDP engine: nothing recorded
+    ],
+)
+def test_the_hook_records_the_fsdp_engines_mixed_precision(engine_config: Any, expected: Any) -> None:
+    hook = _load_hook()
+    engine = SimpleNamespace(module=_actor(), engine_config=engine_config, _autocast_dtype=torch.bfloat16)
+    doc = hook.run_config(2, engine)
+    assert doc.get("precision") == expected

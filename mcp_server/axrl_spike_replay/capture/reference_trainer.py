@@ -132,6 +132,9 @@ def capture_reference_run(
         config["parallel"]["strategy"] = parallel
     if faults:  # the caller's own faults, on record beside the preset's (a built-in one by its spec)
         config["train"]["fault"]["planted"] = [_fault_record(f) for f in faults]
+    # what this trainer computes and reduces in (DDP and FSDP2 alike: no mixed precision), so a replay runs the same
+    dtype = str(config["model"].get("dtype", "float32"))
+    config["precision"] = {"param_dtype": dtype, "reduce_dtype": dtype, "output_dtype": None}
     (output_dir / "logs").mkdir(parents=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="axrl-capture-") as tmp:

@@ -13,7 +13,7 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.investigation.request import MAX_REPEAT
 from axrl_spike_replay.percent import pct, pct_plain
-from axrl_spike_replay.vocabulary import Device, Verb
+from axrl_spike_replay.vocabulary import Device, Shard, Verb
 
 if TYPE_CHECKING:
     from axrl_spike_replay.investigation.request import ReplayRequest
@@ -24,6 +24,13 @@ def _common(parser: argparse.ArgumentParser, layout: bool = True) -> None:
     if layout:
         parser.add_argument(
             "--nproc", type=int, default=None, help="replay processes (default: the saved world size = full fidelity)"
+        )
+        parser.add_argument(
+            "--shard",
+            choices=Shard.values(),
+            default="auto",
+            help="shard the policy over the processes with FSDP2, each holding 1/N of the weights and gradients "
+            "(default auto: when the whole model does not fit one process)",
         )
     parser.add_argument("--device", choices=Device.values(), default="cpu", help="where to recompute (default cpu)")
     parser.add_argument(
@@ -136,6 +143,7 @@ def _request(args: argparse.Namespace, verb: Verb, **what: Any) -> ReplayRequest
             nproc=getattr(args, "nproc", None),
             device=Device(args.device),
             parallel_configs=getattr(args, "parallel_configs", None),
+            shard=Shard(getattr(args, "shard", "auto")),
         ),
         workspace=Path(args.workspace),
         job=args.job,

@@ -86,8 +86,9 @@ def route_agreement(snapshot: str | Path) -> RouteAgreement:
     from axrl_spike_replay.models.tiny_moe import RoutingControl
     from axrl_spike_replay.replay.engine import replay_dir_for
     from axrl_spike_replay.replay.inputs import load_inputs
+    from axrl_spike_replay.replay.model_build import build_model
     from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
-    from axrl_spike_replay.replay.worker import build_model
+    from axrl_spike_replay.replay.shard_choice import check_whole_fits
     from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 
     with replay_dir_for(snapshot) as (replay_dir, legacy):
@@ -95,6 +96,7 @@ def route_agreement(snapshot: str | Path) -> RouteAgreement:
         result = RouteAgreement(routing_replay=inputs.routing.replay)
         if not inputs.routing_ranks:
             return result
+        check_whole_fits(inputs.model, inputs.effective_precision, "cpu", "route agreement")
         model = build_model(inputs.model, replay_dir, "cpu")
         shape = routing_shape(inputs.model)
         counts: dict[int, list[int]] = {}  # layer -> [loss differ, loss total, other differ, other total]

@@ -67,6 +67,11 @@ class ReplayResult:
     # values the config names symbolically, as resolved against the snapshot's model (current_routing_layers:
     # first -> [1] on deepseek_v3); {} when every value was concrete, or for results written before
     resolved_mitigations: dict[str, Any] = field(default_factory=dict)
+    # how the replay held the model: sharded with FSDP2 over its processes, or whole in each (None: not recorded)
+    sharded: bool | None = None
+    # the precision that ran: param / reduce / output dtypes and their source (the snapshot's recorded policy, or
+    # the model's own dtype when none was recorded); None for results written before it was recorded
+    precision: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Results are also rebuilt from files and task rows: the vocabulary fields always hold members.

@@ -111,6 +111,7 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
                 job=job,
                 device=how.device,
                 nproc=nproc,
+                shard=str(how.shard),
                 mitigations=mitigations,
                 configs=normalised,
                 repeat=what.repeat,

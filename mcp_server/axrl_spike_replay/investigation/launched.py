@@ -28,7 +28,7 @@ from axrl_spike_replay.remote.options import RemoteOptions
 from axrl_spike_replay.remote.replay_launch import LaunchedRunner, Placement
 from axrl_spike_replay.remote.slurm_command import SlurmSettings
 from axrl_spike_replay.remote.workspace_config import WorkspaceConfig, load_workspace_config, resolve_target
-from axrl_spike_replay.vocabulary import Device, Verb
+from axrl_spike_replay.vocabulary import Device, Shard, Verb
 
 
 def placement_for(request: ReplayRequest, config: WorkspaceConfig, world_size: int) -> Placement:
@@ -218,6 +218,9 @@ def replay_launched(request: ReplayRequest) -> ReplayResult | SweepResult:
     engine = ReplayOptions(
         nproc=placement.processes,
         device=how.device,
+        # on request only: `auto` would judge this machine's memory, not the nodes' (the nodes' plan refuses what
+        # does not fit whole; `shard` on shards over every launched process)
+        shard=Shard.ON if how.shard == Shard.ON else Shard.OFF,
         mitigations=dict(what.mitigations),
         repeat=what.repeat,
         clear_threshold=what.clear_threshold,

@@ -113,12 +113,14 @@ def _target_capacity(
     return capacity, nodes, notes
 
 
-def refuse_what_cannot_fit(snapshot: str | Path, nproc: int | None, device: str, configs: int = 1) -> None:
-    """PlanRefused, with the plan, when a replay of this engine (the whole model in each process) on `nproc`
-    processes here cannot fit this machine. A snapshot the plan cannot read passes: the engine names what is
-    wrong with it."""
+def refuse_what_cannot_fit(
+    snapshot: str | Path, nproc: int | None, device: str, configs: int = 1, shard: str = "off"
+) -> None:
+    """PlanRefused, with the plan, when a replay of this engine on `nproc` processes here cannot fit this machine
+    (`shard`: off, the whole model in each process; on, FSDP2; auto, sharded when the whole model does not fit).
+    A snapshot the plan cannot read passes: the engine names what is wrong with it."""
     try:
-        plan = plan_replay(snapshot, nproc=nproc, device=device, shard="off", configs=configs)
+        plan = plan_replay(snapshot, nproc=nproc, device=device, shard=shard, configs=configs)
     except PlanRefused:
         raise
     except Exception:  # a snapshot the plan cannot read is the engine's to name, by its own rules

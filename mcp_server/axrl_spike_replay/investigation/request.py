@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.jsonable import to_jsonable
-from axrl_spike_replay.vocabulary import Backend, Device, Method, Verb, Vocabulary
+from axrl_spike_replay.vocabulary import Backend, Device, Method, Shard, Verb, Vocabulary
 
 LOCAL = "local"  # the target that means this machine
 
@@ -70,6 +70,7 @@ class How:
     nproc: int | None = None  # None: the saved world size (full fidelity)
     device: Device = Device.CPU
     parallel_configs: int | None = None  # sweep: pools running configs side by side (None: 1 on CPU, GPUs/nproc)
+    shard: Shard = Shard.AUTO  # FSDP2 over the processes: auto (when the model does not fit one) | on | off
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +120,7 @@ def replay_request(
     verb = _member(Verb, what.verb, "verb", None)
     backend = _member(Backend, where.backend, "`backend`", "backend")
     device = _member(Device, how.device, "`device`", "device")
+    shard = _member(Shard, how.shard, "`shard`", "shard")
     _check(how.nproc, what.repeat, what.top)
     method = _member(Method, what.method, "`method`", "method")
     _check_timeout(where.timeout_s)
@@ -131,6 +133,7 @@ def replay_request(
     _check_megatron(verb, what, device, target, backend, launched or bool(targets) or slurm is not None)
     _check_clear_threshold(what.clear_threshold, verb, target, backend, launched)
     _check_parallel_configs(how.parallel_configs, verb, target, backend)
+    _check_shard(shard, verb, backend)
     normalised = tuple(parse_config(c, f"config {i + 1}") for i, c in enumerate(what.configs))
     if verb == Verb.SWEEP:
         check_distinct(normalised)
@@ -151,7 +154,7 @@ def replay_request(
             known_hosts=str(where.known_hosts) if where.known_hosts else None,
             accept_new_host_key=bool(where.accept_new_host_key),
         ),
-        how=replace(how, device=device),
+        how=replace(how, device=device, shard=shard),
         workspace=Path(workspace) if workspace is not None else None,
         job=job,
         command=command,
@@ -371,6 +374,20 @@ def _check_clear_threshold(value: Any, verb: Verb, target: str, backend: Backend
             "under Slurm); a run on one `target` node or with `backend` command is judged by the snapshot's detector "
             "threshold",
             "clear_threshold",
+        )
+
+
+def _check_shard(shard: Shard, verb: Verb, backend: Backend) -> None:
+    """Sharding is the built-in engine's; attribution takes per-sample gradients of one whole model."""
+    if shard == Shard.ON and backend == Backend.COMMAND:
+        raise ConfigError(
+            "`shard` applies to the built-in torch engine; the trainer's own command shards as it does", "shard"
+        )
+    if shard == Shard.ON and verb == Verb.ATTRIBUTE:
+        raise ConfigError(
+            "`shard`: attribution cannot run sharded: its per-sample gradients (forward-mode JVPs, or one backward "
+            "per sample) need the whole model in one process; replay or sweep sharded, attribute unsharded",
+            "shard",
         )
 
 

@@ -48,7 +48,8 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     what, how = request.what, request.how
     nproc = 1 if what.verb == Verb.ATTRIBUTE else how.nproc
     configs = 1 + (len(what.configs) if what.verb == Verb.SWEEP else int(bool(what.mitigations)))
-    refuse_what_cannot_fit(what.snapshot, nproc, str(how.device), configs)
+    shard = "off" if what.verb == Verb.ATTRIBUTE else str(how.shard)  # attribution holds the whole model
+    refuse_what_cannot_fit(what.snapshot, nproc, str(how.device), configs, shard)
     recorder = recorder_for(request.workspace)
     if what.verb == Verb.ATTRIBUTE:
         from axrl_spike_replay.replay.attribution import attribute_spike
@@ -68,6 +69,7 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
         nproc=how.nproc,
         device=how.device,
         parallel_configs=how.parallel_configs,
+        shard=how.shard,
         mitigations=dict(what.mitigations),
         repeat=what.repeat,
         clear_threshold=what.clear_threshold,

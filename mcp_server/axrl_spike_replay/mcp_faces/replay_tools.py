@@ -18,7 +18,7 @@ from axrl_spike_replay.experiment.result import Attribution, ReplayResult, RunRe
 from axrl_spike_replay.investigation.request import LOCAL, MAX_REPEAT, How, ReplayRequest, What, Where
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
 from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg, server_config
-from axrl_spike_replay.vocabulary import Backend, Device, Method, Verb
+from axrl_spike_replay.vocabulary import Backend, Device, Method, Shard, Verb
 
 _NAMES = ", ".join(MITIGATIONS)
 
@@ -131,6 +131,14 @@ ParallelConfigsArg = Annotated[
         "Built-in torch engine run here only.",
     ),
 ]
+ShardArg = Annotated[
+    Literal["auto", "on", "off"],
+    Field(
+        description="Shard the policy over the replay's processes with FSDP2 (each holds 1/N of the weights and "
+        "gradients, loaded straight into its shards): auto = when the whole model does not fit one process; "
+        "the same grad norm and verdicts either way.",
+    ),
+]
 TimeoutArg = Annotated[
     float | None, Field(description="Kill the run (its whole process group) after this many seconds.", gt=0)
 ]
@@ -182,6 +190,7 @@ async def replay_tool(
     slurm: SlurmArg = None,
     nproc: NprocArg = None,
     device: DeviceArg = "cpu",
+    shard: ShardArg = "auto",
     repeat: Annotated[
         int,
         Field(description="Recompute this many times and report the spread (determinism check).", ge=1, le=MAX_REPEAT),
@@ -225,7 +234,7 @@ async def replay_tool(
             targets,
             slurm,
         ),
-        How(nproc=nproc, device=Device(device)),
+        How(nproc=nproc, device=Device(device), shard=Shard(shard)),
         workspace=config.workspace_for(workspace),
         job=job,
     )
@@ -244,6 +253,7 @@ async def sweep_tool(
     nproc: NprocArg = None,
     device: DeviceArg = "cpu",
     parallel_configs: ParallelConfigsArg = None,
+    shard: ShardArg = "auto",
     clear_threshold: ClearThresholdArg = None,
     backend: BackendArg = "torch",
     patches: PatchesArg = [],  # noqa: B006
@@ -267,7 +277,7 @@ async def sweep_tool(
         ctx,
         What(config.path(snapshot), verb=Verb.SWEEP, configs=tuple(configs), clear_threshold=clear_threshold),
         _where(config, target, backend, patches, remote_python, accept_new_host_key, timeout_s, targets, slurm),
-        How(nproc=nproc, device=Device(device), parallel_configs=parallel_configs),
+        How(nproc=nproc, device=Device(device), parallel_configs=parallel_configs, shard=Shard(shard)),
         workspace=config.workspace_for(workspace),
         job=job,
     )

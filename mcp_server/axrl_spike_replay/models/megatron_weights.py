@@ -161,3 +161,52 @@ def megatron_semantics(policy: nn.Module) -> nn.Module:
     if config is not None:
         use_megatron_attention(config)
     return policy
+
+
+def load_megatron_shards(model: nn.Module, spec: MegatronModelConfig, directory: Path) -> None:
+    """Fill a sharded transformers policy (FSDP2, rows of each parameter per process) from the Megatron checkpoint:
+    each process reads only the region of each checkpoint key its rows come from, one layer at a time. A fused
+    QKV is read a layer at a time (its query groups interleave the three projections' rows) and split here."""
+    import torch
+
+    from axrl_spike_replay.models.sharded_weights import local_rows
+
+    check_megatron_weights(directory, spec, "the checkpoint")
+    ckpt = read_megatron_checkpoint(directory)
+    heads = heads_of(spec)
+    state = dict(model.state_dict(keep_vars=True))
+    rules = _rules(spec)
+    covered = {id(state[n]) for r in rules for layer in range(spec.n_layers) for n in hf_names(r, layer) if n in state}
+    unfilled = sorted(n for n, t in state.items() if id(t) not in covered)
+    if unfilled:  # built on the meta device, an unmapped tensor would hold whatever memory it was given
+        raise SnapshotError(
+            f"{directory}: the {spec.architecture} mapping fills no value for {shown(unfilled[:4], 200)}"
+        )
+    with torch.no_grad():
+        for layer in (None, *range(spec.n_layers)):
+            regions: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+            copies: list[tuple[torch.Tensor, str]] = []
+            for rule in (r for r in rules if r.stacked == (layer is not None)):
+                shape, dtype = ckpt.tensors[rule.megatron]
+                lead = () if layer is None else (layer,)
+                if rule.split == "qkv":
+                    regions[rule.megatron] = (lead + (0,) * (len(shape) - len(lead)), _buffer((1, *shape[1:]), dtype))
+                    continue
+                (name,) = hf_names(rule, layer)
+                row, local = local_rows(state[name])
+                if local.numel() == 0:
+                    continue
+                size = (1, *local.shape) if layer is not None else tuple(local.shape)
+                offsets = lead + (row,) + (0,) * (local.dim() - 1)
+                regions[rule.megatron] = (offsets, _buffer(size, dtype))
+                copies.append((local, rule.megatron))
+            load_regions(directory, regions)
+            for local, key in copies:
+                buffer = regions[key][1]
+                local.copy_(buffer[0] if layer is not None else buffer)
+            for rule in (r for r in rules if r.stacked == (layer is not None) and r.split == "qkv"):
+                fused = regions[rule.megatron][1][0]
+                for name, part in zip(hf_names(rule, layer), split_qkv(fused, heads), strict=True):
+                    row, local = local_rows(state[name])
+                    if local.numel():
+                        local.copy_(part[row : row + local.shape[0]])

@@ -61,7 +61,53 @@ def build_policy(spec: ModelSpec, device: str = "cpu") -> nn.Module:
         return HFPolicy(spec, device)
     from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy
 
+    if device == "meta":
+        import torch
+
+        with torch.device("meta"):  # shapes only: nothing allocated, nothing initialised
+            return TinyMoEPolicy(spec)
     return TinyMoEPolicy(spec).to(device)
+
+
+def parameter_count(spec: ModelSpec) -> int:
+    """Elements of the spec's parameters and persistent buffers, from its declared shapes (nothing built)."""
+    from axrl_spike_replay.models.hf_config import expected_hf_shapes
+    from axrl_spike_replay.models.tiny_moe import expected_state_shapes
+
+    if isinstance(spec, MegatronModelConfig):
+        spec = spec.hf
+    shapes = expected_hf_shapes(spec) if isinstance(spec, HFModelConfig) else expected_state_shapes(spec)
+    total = 0
+    for shape in shapes.values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules a sharded replay makes FSDP units of, in forward order (the root holds the rest): the
+    decoder layers, as FSDP trainers wrap them (verl's transformer-layer wrap policy)."""
+    from axrl_spike_replay.models.hf_policy import HFPolicy
+
+    if isinstance(model, HFPolicy):
+        return list(model.causal_lm.model.layers)
+    blocks = getattr(model, "blocks", None)
+    return list(blocks) if blocks is not None else []
+
+
+def restore_buffers(model: nn.Module) -> None:
+    """Recompute the buffers no checkpoint holds (non-persistent: rotary inverse frequencies) after a model built on
+    the meta device got its memory (`to_empty`), with transformers' own initialisation of those modules."""
+    from axrl_spike_replay.models.hf_policy import HFPolicy
+
+    if not isinstance(model, HFPolicy):
+        return
+    lm = model.causal_lm
+    for module in lm.modules():
+        if "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq"):
+            lm._init_weights(module)
 
 
 def load_policy_weights(model: nn.Module, spec: ModelSpec, weights_dir: str | Path) -> None:
@@ -82,6 +128,24 @@ def load_policy_weights(model: nn.Module, spec: ModelSpec, weights_dir: str | Pa
     state = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     load_model_state(weights_dir, state)
     model.load_state_dict(state, strict=True)
+
+
+def load_policy_shards(model: nn.Module, spec: ModelSpec, weights_dir: str | Path) -> None:
+    """Fill a sharded policy (FSDP2 `Shard(0)` parameters) with the rows each process holds, reading only those
+    (`models.sharded_weights`): from a DCP checkpoint, an HF directory, verl FSDP shards or a Megatron checkpoint."""
+    from axrl_spike_replay.models.sharded_weights import DcpSource, load_sharded, open_source
+
+    directory = Path(weights_dir)
+    if isinstance(spec, MegatronModelConfig):
+        from axrl_spike_replay.models.megatron_weights import load_megatron_shards
+
+        load_megatron_shards(model, spec, directory)
+        return
+    if isinstance(spec, HFModelConfig):
+        source_dir = hf_weights_dir(spec, directory)
+        load_sharded(model, open_source(source_dir), str(source_dir))
+        return
+    load_sharded(model, DcpSource(directory), str(directory))
 
 
 def hf_weights_dir(spec: HFModelConfig, directory: Path) -> Path:

@@ -230,6 +230,19 @@ class Block(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, dim))
 
+    def forward(
+        self, x: torch.Tensor, replay: torch.Tensor | None = None, replay_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """(output, aux loss, z-loss, chosen experts) of the block; the last three None for a dense block.
+
+        One call per block, so a block can be its own FSDP unit (its parameters gathered around this call)."""
+        x = x + self.attention(self.norm1(x))
+        h = self.norm2(x)
+        if isinstance(self.ffn, MoEFeedForward):
+            out, aux, z_loss, chosen = self.ffn(h, replay, replay_tokens)
+            return x + out, aux, z_loss, chosen
+        return x + self.ffn(h), None, None, None
+
 
 class TinyMoEPolicy(nn.Module):
     """Decoder-only policy: embeddings, pre-norm blocks (attention + MoE or dense FFN), LM head."""
@@ -256,19 +269,15 @@ class TinyMoEPolicy(nn.Module):
         aux_total, z_total, routes = zero, zero, []
         moe_index = 0
         for layer_id, block in enumerate(self.layers):
-            x = x + block.attention(block.norm1(x))
-            h = block.norm2(x)
-            if isinstance(block.ffn, MoEFeedForward):
-                replay = None
-                if routing.routes is not None and layer_id not in routing.current_layers:
-                    replay = routing.routes[:, :, moe_index, :].to(tokens.device)
-                out, aux, z_loss, chosen = block.ffn(h, replay, routing.replay_tokens)
+            replay = None
+            moe = isinstance(block.ffn, MoEFeedForward)
+            if moe and routing.routes is not None and layer_id not in routing.current_layers:
+                replay = routing.routes[:, :, moe_index, :].to(tokens.device)
+            x, aux, z_loss, chosen = block(x, replay, routing.replay_tokens)
+            if aux is not None and z_loss is not None and chosen is not None:
                 aux_total, z_total = aux_total + aux, z_total + z_loss
                 routes.append(chosen)
                 moe_index += 1
-            else:
-                out = block.ffn(h)
-            x = x + out
         logits = self.head(self.norm(x))
         stacked = torch.stack(routes, dim=2) if routes else tokens.new_zeros((batch, seq, 0, self.cfg.top_k))
         return ModelOutput(logits=logits, aux_loss=aux_total, z_loss=z_total, routes=stacked)

@@ -46,6 +46,7 @@ class RemoteReplayRequest:
     job: str = "spike"
     device: str = "cpu"
     nproc: int | None = None  # None: as many processes as the layout can use on this node
+    shard: str = "auto"  # FSDP2 over the node's replay processes: auto | on | off
     mitigations: Mapping[str, Any] = field(default_factory=dict)  # replay
     configs: Sequence[Mapping[str, Any]] = ()  # sweep
     repeat: int = 1
@@ -73,6 +74,8 @@ def remote_argv(request: RemoteReplayRequest, workspace: str, nproc: int, mitiga
     """The command line run on the node (every word is shell-quoted when sent)."""
     argv = [request.python, "-m", "axrl_spike_replay", request.verb, request.facts.snapshot, "--json"]
     argv += ["--workspace", workspace, "--job", request.job, "--device", request.device, "--nproc", str(nproc)]
+    if request.shard != "auto":
+        argv += ["--shard", request.shard]
     if request.verb == "replay":
         for item in mitigation_args(request.mitigations):
             argv += ["--mitigation", item]

@@ -32,8 +32,10 @@ from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
+from axrl_spike_replay.replay.model_build import build_model
 from axrl_spike_replay.replay.outcome_figures import jvp_policy
-from axrl_spike_replay.replay.worker import RankInputs, build_model, loss_batch, step_counts
+from axrl_spike_replay.replay.shard_choice import check_whole_fits
+from axrl_spike_replay.replay.worker import RankInputs, loss_batch, step_counts
 from axrl_spike_replay.training.policy_loss import expand_advantages, policy_loss
 from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
 from axrl_spike_replay.training.sample_masks import check_ranks
@@ -246,6 +248,7 @@ def attribute_spike(
         cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing, inputs.model.moe_layer_ids)
         check_configs(inputs, [cfg])
         check_ranks(cfg.samples, inputs.world_size)
+        check_whole_fits(inputs.model, inputs.effective_precision, device, "attribution")
         job_name = job or inputs.job_name or "spike"
         run = recorder.open_run(job_name) if recorder is not None else RunDir(None)
         run.write_command(command or command_line("attribute", str(snapshot), {"top": top, "device": device}))

@@ -40,9 +40,10 @@ from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_in
 from axrl_spike_replay.replay.launch import JobRunner, run_job
 from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.outcome_figures import DEFINITION
+from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard, planned_shard
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 from axrl_spike_replay.training.sample_masks import check_ranks
-from axrl_spike_replay.vocabulary import Backend, Device, Verdict
+from axrl_spike_replay.vocabulary import Backend, Device, Shard, Verdict
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class ReplayOptions:
 
     nproc: int | None = None  # replay processes; None: the saved world size (full fidelity)
     device: str = "cpu"
+    shard: str = "auto"  # FSDP2 over the processes: auto (when the model does not fit one) | on | off
     mitigations: Mapping[str, Any] = field(default_factory=dict)  # one config {name: value}
     repeat: int = 1  # >1: recompute that many times and report the spread (determinism check)
     job: str | None = None  # default: the snapshot's job name
@@ -106,12 +108,18 @@ class ReplaySession:
     """A validated replay: inputs, layout, configs and output dir; `execute` runs every config once."""
 
     def __init__(
-        self, inputs: ReplayInputs, plan: LayoutPlan, configs: list[AppliedConfig], options: ReplayOptions
+        self,
+        inputs: ReplayInputs,
+        plan: LayoutPlan,
+        configs: list[AppliedConfig],
+        options: ReplayOptions,
+        shard: ShardChoice | None = None,
     ) -> None:
         self.inputs = inputs
         self.plan = plan
         self.configs = configs
         self.options = options
+        self.shard = shard or ShardChoice(False, "shard off")
         self.job = options.job or inputs.job_name or "spike"
         self.threshold, self.threshold_source = verdict_threshold(inputs.metadata.detector, options.clear_threshold)
         try:
@@ -143,10 +151,13 @@ class ReplaySession:
             top=o.top_params,
             counts=inputs.counts,
             spike_bar=spike_bar(inputs.metadata.median_norm, self.threshold),
+            shard=self.shard.shard,
+            precision=inputs.precision,
         )
         self.log(
             f"replaying {len(self.configs)} config(s) on {self.plan.nproc} process(es), {o.device}, "
-            f"fidelity {self.plan.fidelity} (saved world size {inputs.world_size})"
+            f"fidelity {self.plan.fidelity} (saved world size {inputs.world_size}), "
+            f"{'sharded' if self.shard.shard else 'whole model per process'}, precision {self.precision_label}"
         )
         outcomes = _runner(o)(job, o.timeout_s, o.cancel, progress=o.progress)
         baseline = self.result(self.configs[0], outcomes[0], None)
@@ -170,6 +181,11 @@ class ReplaySession:
             )
         return baseline, results
 
+    @property
+    def precision_label(self) -> str:
+        precision = self.inputs.effective_precision
+        return precision.label + ("" if precision.recorded else " (none recorded: the model's own dtype)")
+
     def _fields(self, cfg: AppliedConfig, config_id: str) -> dict[str, Any]:
         """What every result of this session says, whatever its outcome."""
         meta = self.inputs.metadata
@@ -192,6 +208,8 @@ class ReplaySession:
             "config_id": config_id,
             "created_at": now_iso(),
             "legacy_layout": self.inputs.legacy,
+            "sharded": self.shard.shard,
+            "precision": self.inputs.effective_precision.describe(),
         }
 
     def result(self, cfg: AppliedConfig, outcome: ConfigOutcome, baseline_norm: float | None) -> ReplayResult:
@@ -294,7 +312,8 @@ def _fmt(value: float | None) -> str:
 
 
 def _check_options(options: ReplayOptions) -> None:
-    """What only this machine can tell (the request checked every field): is the device here?"""
+    """What only this machine can tell (the request checked every field): is the device here? (And `shard`, for
+    library callers that build options themselves.)"""
     if options.backend not in (Backend.TORCH, Backend.MEGATRON):
         raise ConfigError(f"`backend` {options.backend} does not run in the built-in engine", "backend")
     if options.backend == Backend.MEGATRON and options.device != Device.CPU:
@@ -303,6 +322,8 @@ def _check_options(options: ReplayOptions) -> None:
             "device",
         )
     check_device(options.device)
+    if options.shard not in Shard.values():
+        raise ConfigError(f"`shard` must be one of {', '.join(Shard.values())}, got {options.shard!r}", "shard")
 
 
 @contextmanager
@@ -330,7 +351,13 @@ def replay_session(
                 inputs.model, str(snapshot), mitigations=bool(configs), nproc=options.nproc, world=inputs.world_size
             )
         plan = plan_layout(inputs.world_size, options.nproc)
-        session = ReplaySession(inputs, plan, applied, options)
+        planned = None
+        if options.shard == Shard.AUTO and plan.nproc > 1:
+            planned = planned_shard(str(snapshot), plan.nproc, str(options.device), len(applied))
+        shard = choose_shard(
+            options.shard, inputs.model, inputs.effective_precision, options.device, plan.nproc, planned
+        )
+        session = ReplaySession(inputs, plan, applied, options, shard)
         session.run = options.recorder.open_run(session.job) if options.recorder else RunDir(None)
         if verb == "replay":
             mitigation = [item for c in applied[1:] for item in mitigation_args(c.mitigations)]
@@ -342,6 +369,7 @@ def replay_session(
             {
                 "nproc": options.nproc,
                 "device": options.device,
+                "shard": options.shard if options.shard != "auto" else None,
                 "backend": options.backend if options.backend != Backend.TORCH else None,
                 "mitigation": mitigation,
                 "repeat": options.repeat if options.repeat > 1 else None,
@@ -350,6 +378,7 @@ def replay_session(
         )
         session.run.write_command(command)
         session.log(f"{verb} {snapshot}" + (f" (legacy layout, read through {replay_dir})" if legacy else ""))
+        session.log(shard.reason)
         try:
             yield session
         except Exception as exc:

@@ -21,12 +21,14 @@ from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, re
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY, GlobalCounts
 from axrl_spike_replay.training.policy_loss import LossConfig
+from axrl_spike_replay.training.precision import PrecisionPolicy
 from axrl_spike_replay.training.routing_replay import RoutingConfig
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
 # Sections the engine rebuilds from, and sections it reads but need not rebuild (the trainer's own).
 ENGINE_SECTIONS = ("model", "loss", "routing", "parallel")
 INFO_SECTIONS = ("train", "detector")
+OPTIONAL_SECTIONS = ("precision",)  # the trainer's mixed-precision policy (absent: the model's own dtype)
 COMMAND_BACKEND_HINT = "use the command backend (`backend` command) with the trainer's own replay command"
 
 
@@ -45,10 +47,19 @@ class ReplayInputs:
     routing_ranks: tuple[int, ...]  # saved ranks with recorded routes (a routing payload, or in a verl batch)
     batch_fields: frozenset[str]
     counts: GlobalCounts | None = None  # the step's global counts, recorded by the trainer (normalization global)
+    precision: PrecisionPolicy | None = None  # the run config's `precision:` section (None: none recorded)
 
     @property
     def job_name(self) -> str:
         return self.metadata.job_name
+
+    @property
+    def effective_precision(self) -> PrecisionPolicy:
+        """The precision the replay computes in: the recorded policy, else the model's own dtype throughout."""
+        if self.precision is not None:
+            return self.precision
+        spec = self.model.hf if isinstance(self.model, MegatronModelConfig) else self.model
+        return PrecisionPolicy.of_model(spec.dtype if isinstance(spec, HFModelConfig) else "float32")
 
 
 def read_run_config(snapshot_dir: Path) -> dict[str, Any]:
@@ -62,9 +73,9 @@ def read_run_config(snapshot_dir: Path) -> dict[str, Any]:
     doc = read_untrusted_yaml(path, "run config")
     if not isinstance(doc, dict):
         raise ConfigError(f"run config {path}: expected a mapping of sections, got {type(doc).__name__}")
-    unknown = sorted(str(k) for k in set(doc) - set(ENGINE_SECTIONS) - set(INFO_SECTIONS))
+    unknown = sorted(str(k) for k in set(doc) - set(ENGINE_SECTIONS) - set(INFO_SECTIONS) - set(OPTIONAL_SECTIONS))
     if unknown:
-        known = sorted((*ENGINE_SECTIONS, *INFO_SECTIONS))
+        known = sorted((*ENGINE_SECTIONS, *INFO_SECTIONS, *OPTIONAL_SECTIONS))
         raise ConfigError(
             f"{path}: unknown sections {shown(unknown, 120)} the torch engine cannot replay (known: {known})"
         )
@@ -146,6 +157,9 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
     layout = _parallel(doc["parallel"], path, metadata, model_parallel_ok=isinstance(model, MegatronModelConfig))
     loss = _section_config(LossConfig.from_dict, dict(doc["loss"]), path, "loss")
     routing = _section_config(RoutingConfig.from_dict, dict(doc["routing"]), path, "routing")
+    precision = None
+    if doc.get("precision") is not None:
+        precision = _section_config(PrecisionPolicy.from_dict, doc["precision"], path, "precision")
     ranks = layout.data_ranks  # the saved ranks whose batches replay (the data-parallel ones)
     _check_ranks(directory, ranks)
     check_policy_weights(directory, model, "the snapshot's checkpoint")
@@ -158,6 +172,7 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
     routing_ranks = _routing_ranks(directory, model, batches)
     counts = recorded_counts(directory, ranks) if loss.normalization == "global" else None
     return ReplayInputs(
+        precision=precision,
         counts=counts,
         snapshot=str(snapshot),
         replay_dir=str(directory),

@@ -18,17 +18,19 @@ from typing import Any
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
+from axrl_spike_replay.experiment.recompute import Recompute
 from axrl_spike_replay.models.policy import parse_model_config
 from axrl_spike_replay.replay.clean_gradient import SpikeBar
 from axrl_spike_replay.replay.worker import WorkerJob
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
+from axrl_spike_replay.training.precision import PrecisionPolicy
 from axrl_spike_replay.training.routing_config import RoutingConfig
 from axrl_spike_replay.training.sample_masks import SampleFilter
 
 JOB_FORMAT = "axrl-replay-job"
 JOB_VERSION = 1
-_OWN_RULES = {"model", "configs", "assignment", "counts", "spike_bar"}
+_OWN_RULES = {"model", "configs", "assignment", "counts", "spike_bar", "precision"}
 
 
 def job_document(job: WorkerJob) -> dict[str, Any]:
@@ -46,6 +48,8 @@ def job_document(job: WorkerJob) -> dict[str, Any]:
             doc["counts"] = value.to_doc() if value is not None else None
         elif item.name == "spike_bar":
             doc["spike_bar"] = dataclasses.asdict(value) if value is not None else None
+        elif item.name == "precision":
+            doc["precision"] = value.describe() if value is not None else None
         elif _plain(value):
             doc[item.name] = list(value) if isinstance(value, tuple) else value
         else:
@@ -75,10 +79,20 @@ def job_of_document(doc: Mapping[str, Any]) -> WorkerJob:
     values["counts"] = GlobalCounts.from_doc(counts, "the replay job", "counts") if counts is not None else None
     bar = doc.get("spike_bar")
     values["spike_bar"] = SpikeBar(float(bar["median_norm"]), float(bar["threshold"])) if bar is not None else None
+    precision = doc.get("precision")
+    values["precision"] = _precision_of(precision) if precision is not None else None
     try:
         return WorkerJob(**values)
     except TypeError as exc:
         raise ConfigError(f"the replay job is incomplete ({exc})") from None
+
+
+def _precision_of(doc: Any) -> PrecisionPolicy:
+    """The precision policy a job document carries (its `describe()`: the three dtypes and their source)."""
+    if not isinstance(doc, Mapping):
+        raise ConfigError("the replay job's `precision` is not a mapping")
+    policy = PrecisionPolicy.from_dict({k: v for k, v in doc.items() if k != "source"}, "the replay job's precision")
+    return dataclasses.replace(policy, source=str(doc.get("source", policy.source)))
 
 
 def _plain(value: Any) -> bool:
@@ -108,9 +122,18 @@ def _config_document(cfg: AppliedConfig) -> dict[str, Any]:
             "outlier_threshold": samples.outlier_threshold,
             "outlier_scope": samples.outlier_scope,
             "drop": sorted([rank, index] for rank, index in samples.drop),
+            "drop_ranks": sorted(samples.drop_ranks),
+            "keep_ranks": sorted(samples.keep_ranks) if samples.keep_ranks is not None else None,
         },
+        "recompute": [list(item) for item in sorted(cfg.recompute.items, key=_item_order)],
         "resolved": dict(cfg.resolved),
     }
+
+
+def _item_order(item: tuple[str, int | None, int | None]) -> tuple[str, int, int]:
+    """A recompute item's place in the document (None, for every rank or layer, first)."""
+    name, rank, layer = item
+    return name, -1 if rank is None else rank, -1 if layer is None else layer
 
 
 def _config_of(doc: Mapping[str, Any]) -> AppliedConfig:
@@ -126,6 +149,14 @@ def _config_of(doc: Mapping[str, Any]) -> AppliedConfig:
             outlier_threshold=samples.get("outlier_threshold"),
             outlier_scope=samples.get("outlier_scope", "batch"),
             drop=frozenset((int(r), int(i)) for r, i in samples.get("drop") or ()),
+            drop_ranks=frozenset(int(r) for r in samples.get("drop_ranks") or ()),
+            keep_ranks=frozenset(int(r) for r in keep) if (keep := samples.get("keep_ranks")) is not None else None,
+        ),
+        recompute=Recompute(
+            frozenset(
+                (str(name), None if rank is None else int(rank), None if layer is None else int(layer))
+                for name, rank, layer in doc.get("recompute") or ()
+            )
         ),
         resolved=dict(doc.get("resolved") or {}),
     )

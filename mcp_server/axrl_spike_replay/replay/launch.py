@@ -81,15 +81,16 @@ def run_job(
 ) -> list[ConfigOutcome]:
     """Outcomes of `job` (one per config, process 0's view after the reduction).
 
-    One process in slot 0 runs here, in the calling process (no spawn); `models` and `progress` apply to it
-    (see `worker.compute`). Otherwise processes are spawned for this job and stopped after it; slot `s`
-    (a sweep running configs in parallel) computes on devices `s * nproc ...`.
+    One process in slot 0 runs here, in the calling process (no spawn), unless it shards (FSDP needs a process
+    group, even of one); `models` and `progress` apply to it (see `worker.compute`). Otherwise processes are
+    spawned for this job and stopped after it; slot `s` (a sweep running configs in parallel) computes on devices
+    `s * nproc ...`.
     """
     import torch
 
     nproc = len(job.assignment)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    if nproc == 1 and slot == 0 and not _dist_initialized():
+    if nproc == 1 and slot == 0 and not job.shard and not _dist_initialized():
         threads = torch.get_num_threads()
         deterministic = torch.are_deterministic_algorithms_enabled()
         torch.set_num_threads(1)
@@ -182,10 +183,42 @@ def _prepare_process(process: int, payload: tuple[WorkerJob, str, Any, int]) -> 
 
 def _process(process: int, nproc: int, payload: tuple[WorkerJob, str, Any, int]) -> None:
     job, outcomes_path, lines, first_device = payload
-    local = WorkerJob(**{**_fields(job), "device": process_device(job.device, first_device + process)})
-    outcomes = compute(local, process, progress=lines.put if lines is not None else None)
-    if process == 0:
+    run_share(
+        job,
+        outcomes_path,
+        device=process_device(job.device, first_device + process),
+        progress=lines.put if lines is not None else None,
+    )
+
+
+def run_share(
+    job: WorkerJob,
+    outcomes_path: str | None = None,
+    *,
+    device: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[ConfigOutcome]:
+    """This process's share of a replay job, in a process group someone else started (our spawn, a warm pool,
+    torchrun, `srun`): process `dist.get_rank()` of `len(job.assignment)` replays its saved ranks (whole or its
+    shards, as `job.shard` says) and takes part in the reduction; process 0 writes the outcomes to `outcomes_path`
+    (JSON, atomically) when given. Every process returns the same outcomes.
+
+    `device`: this process's device (default: `job.device`, with `cuda` meaning the GPU of `LOCAL_RANK`)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise AxrlError("a replay process runs in an initialised process group (torch.distributed.init_process_group)")
+    process, size = dist.get_rank(), dist.get_world_size()
+    if size != len(job.assignment):
+        raise AxrlError(f"the replay job is laid out for {len(job.assignment)} processes; the group has {size}")
+    if device is None:
+        device = process_device(job.device, int(os.environ.get("LOCAL_RANK", process)))
+        prepare_device(device)
+    local = WorkerJob(**{**_fields(job), "device": device})
+    outcomes = compute(local, process, progress=progress)
+    if process == 0 and outcomes_path is not None:
         atomic_write_json(outcomes_path, [asdict(o) for o in outcomes])
+    return outcomes
 
 
 def parallel_slots(nproc: int, device: str, requested: int | None) -> int:

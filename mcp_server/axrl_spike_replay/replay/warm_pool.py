@@ -99,22 +99,25 @@ class ModelCache:
         self.hits = 0
         self.loads = 0
 
-    def model(self, cfg: Any, weights_dir: str, device: str) -> Any:
-        """The policy for these weights: from the cache while the files are unchanged, else built (`build_model`)."""
-        from axrl_spike_replay.replay.worker import build_model
+    def model(self, cfg: Any, weights_dir: str, device: str, placement: Any = None) -> Any:
+        """The policy for these weights: from the cache while the files are unchanged, else built (`build_model`).
+
+        A sharded model (its placement says so) lives in the pool's process group, which outlives it: every rank
+        of the pool keeps its own shards under the same key, so all hit or all build together."""
+        from axrl_spike_replay.replay.model_build import build_model
 
         signature = files_signature(weights_dir)
         hf_path = getattr(cfg, "path", None)  # an HF model may read its weights from the spec's own directory
         if hf_path is not None and Path(hf_path).is_dir():
             signature += files_signature(str(hf_path))
-        key = (repr(cfg), device, signature)
+        key = (repr(cfg), device, repr(placement), signature)
         if key in self._models:
             self._models.move_to_end(key)
             self.hits += 1
             return self._models[key][0]
-        model = build_model(cfg, weights_dir, device)
+        model = build_model(cfg, weights_dir, device, placement)
         self.loads += 1
-        size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        size = _held_bytes(model)
         if size <= self.budget_bytes:
             self._models[key] = (model, size)
             while sum(s for _, s in self._models.values()) > self.budget_bytes:
@@ -123,6 +126,19 @@ class ModelCache:
 
     def __len__(self) -> int:
         return len(self._models)
+
+
+def _held_bytes(model: Any) -> int:
+    """Bytes a process holds of a model's state: a sharded one's whole size over the group (the same number on
+    every rank, so every rank of a pool caches, evicts and rebuilds it alike: a build is a collective)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    state = model.state_dict().values()
+    total = sum(t.numel() * t.element_size() for t in state)
+    if any(isinstance(t, DTensor) for t in state) and dist.is_initialized():
+        return -(-total // dist.get_world_size())
+    return total
 
 
 class _AgreedCancel(threading.Event):
@@ -395,7 +411,7 @@ class WarmService:
         from axrl_spike_replay.replay.launch import run_job
 
         nproc = len(job.assignment)
-        if nproc == 1 and slot == 0:
+        if nproc == 1 and slot == 0 and not job.shard:  # a sharded one needs a process group: a pool of one
             with self._local_lock:  # the cache and torch's thread settings are this process's
                 return run_job(job, timeout_s, cancel, models=self.local_cache.model, progress=progress)
         key = PoolKey(nproc, job.device, timeout_s, slot)

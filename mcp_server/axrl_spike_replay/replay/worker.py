@@ -20,23 +20,19 @@ from torch import nn
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
 from axrl_spike_replay.experiment.recompute import Recompute
-from axrl_spike_replay.models.policy import (
-    ModelSpec,
-    RoutingShape,
-    build_policy,
-    load_policy_weights,
-    policy_forward,
-    routing_shape,
-)
+from axrl_spike_replay.models.policy import ModelSpec, RoutingShape, policy_forward, routing_shape
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.clean_gradient import SpikeBar, not_reached_reason, smallest_count, token_order
-from axrl_spike_replay.replay.outcome_figures import RankTrace, cosine, footprint_counts, grads_of, merge_footprint
+from axrl_spike_replay.replay.gradient_space import GradientSpace, Sharded, Whole, accumulate
+from axrl_spike_replay.replay.model_build import Placement, build_model
+from axrl_spike_replay.replay.outcome_figures import RankTrace, footprint_counts, merge_footprint
 from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts, all_reduce_counts
 from axrl_spike_replay.training.policy_loss import local_counts, policy_loss
-from axrl_spike_replay.training.rank_step import global_grad_norm, gradient_norms, param_grad_norms, reduce_gradients
+from axrl_spike_replay.training.precision import PrecisionPolicy
+from axrl_spike_replay.training.rank_step import gradient_norms
 from axrl_spike_replay.training.routing_replay import routing_control
 from axrl_spike_replay.training.sample_masks import SampleFilter, TokenDrop, filtered_batch
 
@@ -55,6 +51,12 @@ class WorkerJob:
     top: int = 10
     counts: GlobalCounts | None = None  # the step's recorded global counts (normalization global)
     spike_bar: SpikeBar | None = None  # the verdict's bar the clean gradient is cleaned under (None: no median)
+    shard: bool = False  # FSDP2 over the replay's processes (`replay.model_build`); False: each holds the whole model
+    precision: PrecisionPolicy | None = None  # the trainer's recorded policy (None: the model's own dtype)
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(shard=self.shard, precision=self.precision)
 
 
 @dataclass
@@ -91,21 +93,21 @@ class _Figures:
 
 
 class _Kept:
-    """Keeps a copy of the reduced gradients `reduce_and_measure` hands it."""
+    """Keeps the reduced gradients `reduce_and_measure` hands it (this process's shards, when sharded)."""
 
     def __init__(self) -> None:
         self.grads: list[torch.Tensor] = []
 
-    def __call__(self, model: nn.Module) -> None:
-        self.grads = grads_of(model)
+    def __call__(self, grads: list[torch.Tensor]) -> None:
+        self.grads = [g.detach() for g in grads]
 
 
-def build_model(cfg: ModelSpec, weights_dir: str, device: str) -> nn.Module:
-    """The policy with weights from a DCP checkpoint dir (a snapshot or another checkpoint), or for an HF model
-    an HF directory (the weights dir itself, or the spec's `path` when the snapshot holds no checkpoint)."""
-    model = build_policy(cfg, "cpu")
-    load_policy_weights(model, cfg, weights_dir)
-    return model.to(device)
+def gradient_space(model: nn.Module, job: WorkerJob) -> GradientSpace:
+    """How this process's gradients are taken and reduced for `job` (whole or sharded; see `gradient_space`)."""
+    if job.shard:
+        return Sharded(model, max(len(ranks) for ranks in job.assignment))
+    recorded = job.precision is not None and job.precision.recorded
+    return Whole(model, job.precision.torch_dtype("reduce_dtype") if recorded and job.precision else None)
 
 
 def _to_device(batch: dict[str, Any], device: str) -> dict[str, Any]:
@@ -203,27 +205,32 @@ def step_counts(
 
 def forward_group(
     model: nn.Module,
+    space: GradientSpace,
     inputs: RankInputs,
     group: Sequence[AppliedConfig],
     figures: _Figures | None = None,
     counts: Mapping[str, GlobalCounts | None] | None = None,
     local_norms: dict[int, dict[str, float]] | None = None,
 ) -> tuple[dict[str, list[torch.Tensor | None]], dict[str, list[dict[str, Any]]]]:
-    """Local (unreduced) gradients per config of a group, summed over this process's saved ranks.
+    """Gradients per config of a group over this process's saved ranks, as `space` keeps them: local sums (whole)
+    or this process's rows of the sums over every process (sharded). One forward per pass serves every config.
 
     With `figures`, the baseline's traces and dLoss/dlogprobs are kept there, and every mitigated config's
     footprint against them lands in its rank metrics (`_footprint`). With `local_norms`, each saved rank's
     per-parameter norms of its own baseline gradient (before the sum) land there."""
     counts = counts or {}
     names = [name for name, _ in model.named_parameters()]
-    params = list(model.parameters())
-    grads: dict[str, list[torch.Tensor | None]] = {cfg.config_id: [None] * len(params) for cfg in group}
+    grads: dict[str, list[torch.Tensor | None]] = {cfg.config_id: [None] * len(names) for cfg in group}
     metrics: dict[str, list[dict[str, Any]]] = {cfg.config_id: [] for cfg in group}
     entropy_needed = any(cfg.needs_entropy for cfg in group)
-    for rank, saved in inputs.batches.items():
-        out = policy_forward(model, saved, inputs.routing(group[0], rank), need_entropy=entropy_needed)
+    first = next(iter(inputs.batches))
+    for rank in space.passes(list(inputs.batches)):
+        saved = inputs.batches[first if rank is None else rank]
+        routing = inputs.routing(group[0], first if rank is None else rank)
+        out = policy_forward(model, saved, routing, need_entropy=entropy_needed)
         for i, cfg in enumerate(group):
-            batch = loss_batch(saved, rank, cfg, out.logprobs)
+            retain = i < len(group) - 1
+            batch = loss_batch(saved, first if rank is None else rank, cfg, out.logprobs)
             result = policy_loss(
                 out.logprobs,
                 batch,
@@ -233,29 +240,24 @@ def forward_group(
                 z_loss=out.z_loss,
                 counts=counts.get(cfg.config_id),
             )
+            if rank is None:  # a pass that keeps the collectives in step: it adds nothing of its own
+                accumulate(grads[cfg.config_id], space.zero_backward(result.loss, retain))
+                continue
             keep_logprobs = figures is not None and not cfg.mitigations and cfg.config_id == "baseline"
-            wrt = [*params, out.logprobs] if keep_logprobs else params
-            local = torch.autograd.grad(result.loss, wrt, retain_graph=i < len(group) - 1, allow_unused=True)
+            local, grad_logprobs = space.backward(result.loss, out.logprobs if keep_logprobs else None, retain)
             extra: dict[str, Any] = {}
             if figures is not None:
                 trace = RankTrace(mask=result.mask.detach(), per_token=result.per_token.detach())
-                if keep_logprobs:
+                if keep_logprobs and grad_logprobs is not None:
                     figures.traces[rank] = trace
-                    figures.grad_logprobs[rank] = local[-1].detach()
-                    local = local[:-1]
+                    figures.grad_logprobs[rank] = grad_logprobs.detach()
                 elif cfg.mitigations and rank in figures.traces:
                     extra["_footprint"] = footprint_counts(figures.traces[rank], trace)
-            if local_norms is not None and cfg.config_id == "baseline" and not cfg.mitigations:
+            # each saved rank's own gradient exists only whole; a sharded pass holds rows of the sum over processes
+            whole_rank = rank is not None and not space.sharded
+            if local_norms is not None and whole_rank and cfg.config_id == "baseline" and not cfg.mitigations:
                 local_norms[rank] = gradient_norms(zip(names, local[: len(names)], strict=True))
-            buffers = grads[cfg.config_id]
-            for j, g in enumerate(local):
-                if g is None:
-                    continue
-                current = buffers[j]
-                if current is None:
-                    buffers[j] = g
-                else:
-                    current.add_(g)
+            accumulate(grads[cfg.config_id], local)
             metrics[cfg.config_id].append(
                 {"rank": rank, "loss": float(result.loss.detach()), **result.metrics, **extra}
             )
@@ -263,28 +265,25 @@ def forward_group(
 
 
 def reduce_and_measure(
-    model: nn.Module,
+    space: GradientSpace,
     grads: list[torch.Tensor | None],
     world_size: int,
     top: int,
-    after: Callable[[nn.Module], None] | None = None,
+    after: Callable[[list[torch.Tensor]], None] | None = None,
 ) -> tuple[float, list[dict[str, Any]], dict[str, float]]:
-    """Put a config's local gradients in `.grad`, reduce them as the trainer does, and measure: (global norm, the
-    `top` parameters' norms, every parameter's norm); `after` sees the reduced gradients before they are cleared."""
-    for p, g in zip(model.parameters(), grads, strict=True):
-        p.grad = g
-    reduce_gradients(model, world_size)
-    norm = global_grad_norm(model)
-    norms = param_grad_norms(model)
+    """Reduce a config's gradients as the trainer does and measure them: (global norm, the `top` parameters' norms,
+    every parameter's norm); `after` sees the reduced gradients."""
+    reduced = space.reduce(grads, world_size)
+    norm, norms = space.norms(reduced)
     top_params = [{"name": n, "grad_norm": v} for n, v in sorted(norms.items(), key=lambda kv: -kv[1])[:top]]
     if after is not None:
-        after(model)
-    model.zero_grad(set_to_none=True)
+        after(reduced)
     return norm, top_params, norms
 
 
 def _probe(
     model: nn.Module,
+    space: GradientSpace,
     inputs: RankInputs,
     baseline: AppliedConfig,
     masks: dict[int, torch.Tensor] | None,
@@ -295,13 +294,15 @@ def _probe(
     samples = SampleFilter(tokens=TokenDrop(masks)) if masks is not None else baseline.samples
     cfg = dataclasses.replace(baseline, config_id="clean", samples=samples)
     counts = {"clean": step_counts(inputs, cfg, baseline.loss, job.counts, job.world_size)}
-    grads, _ = forward_group(model, inputs, [cfg], counts=counts)
+    grads, _ = forward_group(model, space, inputs, [cfg], counts=counts)
     kept = _Kept()
-    norm, _, _ = reduce_and_measure(model, grads["clean"], job.world_size, 0, kept)
+    norm, _, _ = reduce_and_measure(space, grads["clean"], job.world_size, 0, kept)
     return norm, kept.grads
 
 
-def _own_baseline(g: list[torch.Tensor], grad_norm: float, bar: SpikeBar | None) -> dict[str, Any]:
+def _own_baseline(
+    space: GradientSpace, g: list[torch.Tensor], grad_norm: float, bar: SpikeBar | None
+) -> dict[str, Any]:
     """The clean gradient's figures when nothing is left out: the baseline is under the bar, or there is no bar."""
     return {
         "left_out": [],
@@ -313,13 +314,14 @@ def _own_baseline(g: list[torch.Tensor], grad_norm: float, bar: SpikeBar | None)
         "bar": None if bar is None else bar.value,
         "grad_norm": grad_norm if bar is not None else None,
         "ratio_to_median": grad_norm / bar.median_norm if bar is not None else None,
-        "baseline_cosine": cosine(g, g) if bar is not None else None,
+        "baseline_cosine": space.cosine(g, g) if bar is not None else None,
         "passes": 0,
     }
 
 
 def clean_gradient(
     model: nn.Module,
+    space: GradientSpace,
     inputs: RankInputs,
     baseline: AppliedConfig,
     figures: _Figures,
@@ -335,18 +337,18 @@ def clean_gradient(
     bar = job.spike_bar
     if bar is None or not bar.is_spike(grad_norm):
         figures.clean = g if bar is not None else None
-        figures.info = _own_baseline(g, grad_norm, bar)
+        figures.info = _own_baseline(space, g, grad_norm, bar)
         return
     reference, recomputed = on_policy(baseline)
     if recomputed:  # first the on-policy gradient: no stored log-prob signal left in it
         check_cancel(cancel, "replay")
-        norm0, grads0 = _probe(model, inputs, reference, None, job)
+        norm0, grads0 = _probe(model, space, inputs, reference, None, job)
         if not bar.is_spike(norm0):
             figures.clean = grads0
             figures.info = {
-                **_own_baseline(grads0, norm0, bar),
+                **_own_baseline(space, grads0, norm0, bar),
                 "recomputed": list(recomputed),
-                "baseline_cosine": cosine(g, grads0),
+                "baseline_cosine": space.cosine(g, grads0),
                 "passes": 1,
             }
             return
@@ -362,7 +364,7 @@ def clean_gradient(
 
     def under(count: int) -> bool:
         check_cancel(cancel, "replay")
-        norm, grads = _probe(model, inputs, reference, order.masks(count, shapes, inputs.device), job)
+        norm, grads = _probe(model, space, inputs, reference, order.masks(count, shapes, inputs.device), job)
         norms[count] = norm
         below = not bar.is_spike(norm)
         if below or count == order.cap:  # the search only moves down from a probe under the bar: keep the last
@@ -380,11 +382,25 @@ def clean_gradient(
         "bar": bar.value,
         "grad_norm": clean_norm,
         "ratio_to_median": clean_norm / bar.median_norm,
-        "baseline_cosine": cosine(g, clean),
+        "baseline_cosine": space.cosine(g, clean),
         "passes": len(norms) + bool(recomputed),
         "probe_norms": {str(k): v for k, v in sorted(norms.items())},  # tokens left out -> grad norm
         "recomputed": list(recomputed),
     }
+
+
+ModelSource = Callable[[ModelSpec, str, str, Placement], nn.Module]  # (config, weights dir, device, placement)
+
+
+def _held(model: nn.Module, job: WorkerJob) -> str:
+    """What this process holds of the model, for the progress line."""
+    if not job.shard:
+        return ""
+    from torch.distributed.tensor import DTensor
+
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+    whole = sum(p.numel() for p in model.parameters())
+    return f" (sharded: {local:,} of {whole:,} parameters here)"
 
 
 def on_policy(baseline: AppliedConfig) -> tuple[AppliedConfig, tuple[str, ...]]:
@@ -398,9 +414,6 @@ def on_policy(baseline: AppliedConfig) -> tuple[AppliedConfig, tuple[str, ...]]:
     names = ("old_logprobs", "rollout_logprobs")
     items = frozenset((name, None, None) for name in names) | baseline.recompute.items
     return dataclasses.replace(baseline, recompute=Recompute(items)), names
-
-
-ModelSource = Callable[[ModelSpec, str, str], nn.Module]  # (config, weights dir, device) -> model
 
 
 def compute(
@@ -427,34 +440,39 @@ def compute(
     counts = {cfg.config_id: step_counts(inputs, cfg, baseline.loss, job.counts, job.world_size) for cfg in job.configs}
     figures = _Figures() if len(job.configs) > 1 and not baseline.mitigations else None
     model, weights = None, object()
+    space: GradientSpace | None = None
     for group in _groups(job.configs):
         check_cancel(cancel, "replay")
         t0 = time.perf_counter()
-        if group[0].weights != weights or model is None:
+        if group[0].weights != weights or model is None or space is None:
             weights = group[0].weights
-            model = (models or build_model)(job.model, weights or job.replay_dir, job.device)
+            model = (models or build_model)(job.model, weights or job.replay_dir, job.device, job.placement)
+            space = gradient_space(model, job)
             load_s += time.perf_counter() - t0
-            say(f"process {process}: weights ready in {time.perf_counter() - t0:.2f} s")
+            say(f"process {process}: weights ready in {time.perf_counter() - t0:.2f} s" + _held(model, job))
         t1 = time.perf_counter()
         for rep in range(job.repeat):
             traced = figures if rep == 0 else None
             local_norms: dict[int, dict[str, float]] = {}
-            grads, metrics = forward_group(model, inputs, group, traced, counts, local_norms if rep == 0 else None)
+            grads, metrics = forward_group(
+                model, space, inputs, group, traced, counts, local_norms if rep == 0 else None
+            )
             for cfg in group:
                 check_cancel(cancel, "replay")
                 outcome = outcomes[cfg.config_id]
                 kept = _Kept() if traced is not None and (cfg is baseline or cfg.mitigations) else None
-                norm, top_params, norms = reduce_and_measure(model, grads[cfg.config_id], job.world_size, job.top, kept)
+                norm, top_params, norms = reduce_and_measure(space, grads[cfg.config_id], job.world_size, job.top, kept)
+                grads[cfg.config_id] = []  # this config's gradient is measured: free it before the next
                 if rep == 0 and cfg.config_id == "baseline" and not cfg.mitigations:  # a collective: every process
                     outcome.param_grad_norms = norms
                     outcome.rank_param_grad_norms = {r: n for part in _gather(local_norms) for r, n in part.items()}
                 if kept is not None and cfg is baseline:
                     assert traced is not None
                     t2 = time.perf_counter()
-                    clean_gradient(model, inputs, baseline, traced, kept.grads, norm, job, cancel)
+                    clean_gradient(model, space, inputs, baseline, traced, kept.grads, norm, job, cancel)
                     traced.seconds = time.perf_counter() - t2
                 elif kept is not None and traced is not None and traced.clean is not None:
-                    outcome.cosine_to_clean = cosine(kept.grads, traced.clean)
+                    outcome.cosine_to_clean = space.cosine(kept.grads, traced.clean)
                 outcome.grad_norms.append(norm)
                 if rep == 0:
                     outcome.top_params = top_params

@@ -69,9 +69,13 @@ def run_config(spec: HFModelConfig, world_size: int) -> dict[str, Any]:
     }
 
 
-def seeded_policy(architecture: str, seed: int = 0) -> tuple[HFModelConfig, torch.nn.Module]:
-    """The tiny architecture's policy, seeded, with sharp routers (so a wrong expert changes the output)."""
-    spec = parse_model_config(model_section(architecture))
+def seeded_policy(
+    architecture: str, seed: int = 0, config: dict[str, Any] | None = None
+) -> tuple[HFModelConfig, torch.nn.Module]:
+    """The tiny architecture's policy (or one of HF `config`), seeded, with sharp routers (so a wrong expert
+    changes the output)."""
+    section = model_section(architecture) if config is None else model_section(architecture, config=dict(config))
+    spec = parse_model_config(section)
     assert isinstance(spec, HFModelConfig)
     torch.manual_seed(seed)
     model = build_policy(spec)
@@ -121,12 +125,19 @@ def make_batch(
     return batch, routes.to(torch.int32)
 
 
-def record_hf_snapshot(root: Path, architecture: str = "qwen3_moe", world_size: int = 2, seed: int = 0) -> Path:
-    """Record a spike snapshot of the tiny `architecture` under `root`; its `iter_*` dir.
+def record_hf_snapshot(
+    root: Path,
+    architecture: str = "qwen3_moe",
+    world_size: int = 2,
+    seed: int = 0,
+    config: dict[str, Any] | None = None,
+) -> Path:
+    """Record a spike snapshot of the tiny `architecture` (or of HF `config`, for benchmarks at real sizes) under
+    `root`; its `iter_*` dir.
 
     The policy pins deterministic algorithms while it records; the process gets its own setting back."""
     deterministic = torch.are_deterministic_algorithms_enabled()
-    spec, model = seeded_policy(architecture, seed)
+    spec, model = seeded_policy(architecture, seed, config)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cfg = run_config(spec, world_size)
     loss_cfg = LossConfig.from_dict(cfg["loss"])

@@ -1,0 +1,219 @@
+"""Sharded replay: the policy split with FSDP2 over 1, 2 or 4 gloo processes gives the unsharded replay's grad norms
+and verdicts, for the toy model and for transformers MoE architectures (qwen2_moe has shared experts).
+
+Each sweep runs the baseline, two loss-level mitigations sharing its forward, and one that changes the forward
+(routing replay off), so the clean gradient, the footprints and the cosine to the clean gradient are all computed
+from sharded gradients too. The unsharded replay at the saved world size is the reference.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from tiny_snapshot import record_tiny_snapshot
+
+from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.experiment.result import SweepResult
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.sweep import run_sweep
+from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
+
+pytestmark = pytest.mark.slow  # several 1-4 process replays per model: minutes on two cores
+
+REL = 1e-6
+CONFIGS = [{"mismatch_token_clip_max": 2}, {"advantage_clip": 0.5}, {"routing_replay": "off"}]
+
+
+def _rel(a: float | None, b: float | None) -> float:
+    assert a is not None and b is not None
+    return abs(a - b) / abs(b)
+
+
+def _same_sweep(sharded: SweepResult, whole: SweepResult) -> None:
+    """Every config's grad norm within REL, the same verdicts, the same clean-gradient figures."""
+    rows = [sharded.baseline, *sharded.results]
+    reference = [whole.baseline, *whole.results]
+    for got, want in zip(rows, reference, strict=True):
+        assert got.config_id == want.config_id
+        assert _rel(got.grad_norm, want.grad_norm) <= REL, (got.config_id, got.grad_norm, want.grad_norm)
+        assert got.verdict == want.verdict, got.config_id
+        assert got.sharded is True and want.sharded is False
+        assert [p["name"] for p in got.top_params[:3]] == [p["name"] for p in want.top_params[:3]]
+        for p, q in zip(got.top_params, want.top_params, strict=True):
+            assert math.isclose(p["grad_norm"], q["grad_norm"], rel_tol=1e-5, abs_tol=1e-9)
+        if want.cosine_to_clean is not None:
+            assert got.cosine_to_clean is not None and abs(got.cosine_to_clean - want.cosine_to_clean) <= 1e-6
+        if want.footprint:
+            assert got.footprint == want.footprint
+    clean, want_clean = sharded.results[0].clean_gradient, whole.results[0].clean_gradient
+    assert want_clean is not None and clean is not None
+    assert clean["left_out"] == want_clean["left_out"]
+
+
+def _sweep(snapshot: Path, nproc: int, shard: str) -> SweepResult:
+    return run_sweep(snapshot, CONFIGS, ReplayOptions(nproc=nproc, shard=shard))
+
+
+@pytest.fixture(scope="module")
+def toy_world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SweepResult]:
+    """The toy model's spike at saved world size 4, swept unsharded at full fidelity."""
+    snapshot = record_tiny_snapshot(tmp_path_factory.mktemp("toy4") / "spike_snapshots", world_size=4)
+    return snapshot, _sweep(snapshot, 4, "off")
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_a_sharded_toy_sweep_gives_the_unsharded_norms_and_verdicts(
+    toy_world4: tuple[Path, SweepResult], nproc: int
+) -> None:
+    snapshot, whole = toy_world4
+    sharded = _sweep(snapshot, nproc, "on")
+    _same_sweep(sharded, whole)
+    assert sharded.baseline.fidelity == ("full" if nproc == 4 else "reduced")
+    assert sharded.baseline.world_size_used == nproc
+    assert sharded.baseline.verdict == "reproduced"
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: a shared expert per layer
+def test_a_sharded_transformers_sweep_gives_the_unsharded_norms_and_verdicts(architecture: str, tmp_path: Path) -> None:
+    snapshot = record_hf_snapshot(tmp_path, architecture, world_size=4)
+    whole = _sweep(snapshot, 2, "off")
+    for nproc in (1, 2, 4):
+        sharded = _sweep(snapshot, nproc, "on")
+        _same_sweep(sharded, whole)
+        assert sharded.baseline.fidelity == ("full" if nproc == 4 else "reduced")
+
+
+def test_sharding_auto_stays_whole_when_the_model_fits(toy_world4: tuple[Path, SweepResult]) -> None:
+    snapshot, whole = toy_world4
+    result = run_replay(snapshot, ReplayOptions(nproc=2))  # shard auto: a toy model fits any process
+    assert result.sharded is False
+    assert _rel(result.grad_norm, whole.baseline.grad_norm) <= REL
+
+
+def test_a_replay_that_does_not_fit_shards_by_itself(
+    toy_world4: tuple[Path, SweepResult], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from axrl_spike_replay.replay import shard_choice
+
+    snapshot, whole = toy_world4
+    monkeypatch.setattr(shard_choice, "available_memory_bytes", lambda: 1 << 10)  # a machine with 1 KiB free
+    result = run_replay(snapshot, ReplayOptions(nproc=2))
+    assert result.sharded is True
+    assert _rel(result.grad_norm, whole.baseline.grad_norm) <= REL
+
+
+def test_attribution_cannot_run_sharded_and_says_so(toy_world4: tuple[Path, SweepResult]) -> None:
+    snapshot, _ = toy_world4
+    with pytest.raises(ConfigError, match="attribution cannot run sharded") as caught:
+        replay_request(What(snapshot, verb="attribute"), how=How(shard="on"))
+    assert caught.value.parameter == "shard"
+
+
+def test_attribution_of_a_model_too_big_for_one_process_is_refused_before_it_loads(
+    toy_world4: tuple[Path, SweepResult], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from axrl_spike_replay.replay import shard_choice
+    from axrl_spike_replay.replay.attribution import attribute_spike
+
+    snapshot, _ = toy_world4
+    monkeypatch.setattr(shard_choice, "available_memory_bytes", lambda: 1 << 10)
+    with pytest.raises(ConfigError, match="needs the whole model in one process"):
+        attribute_spike(snapshot, top=3)
+
+
+def test_a_bad_shard_value_names_the_option(toy_world4: tuple[Path, SweepResult]) -> None:
+    snapshot, _ = toy_world4
+    with pytest.raises(ConfigError, match="`shard` must be one of auto, on, off") as caught:
+        replay_request(What(snapshot), how=How(shard="sometimes"))  # type: ignore[arg-type]
+    assert caught.value.parameter == "shard"
+
+
+def test_a_warm_pool_replays_sharded_and_keeps_its_shards_and_a_cancel_leaves_it_usable(
+    toy_world4: tuple[Path, SweepResult],
+) -> None:
+    import threading
+
+    from axrl_spike_replay.rank_processes import RunCancelled
+    from axrl_spike_replay.replay.warm_pool import WarmService
+
+    snapshot, whole = toy_world4
+    warm = WarmService()
+    try:
+        lines: list[str] = []
+        first = run_replay(snapshot, ReplayOptions(nproc=2, shard="on", runner=warm.run_job, progress=lines.append))
+        [pids] = warm.pools().values()
+        assert first.sharded is True and _rel(first.grad_norm, whole.baseline.grad_norm) <= REL
+        assert any("sharded:" in line and "parameters here" in line for line in lines), lines
+        cancel = threading.Event()
+
+        def cancel_once_loaded(line: str) -> None:
+            if "loaded" in line:
+                cancel.set()
+
+        with pytest.raises(RunCancelled):
+            run_replay(
+                snapshot,
+                ReplayOptions(nproc=2, shard="on", runner=warm.run_job, cancel=cancel, progress=cancel_once_loaded),
+            )
+        again = run_replay(snapshot, ReplayOptions(nproc=2, shard="on", runner=warm.run_job))
+        assert again.grad_norm == first.grad_norm  # the same processes and shards: bit for bit
+        assert list(warm.pools().values()) == [pids]
+    finally:
+        warm.close()
+
+
+def test_processes_torchrun_starts_run_their_share_of_a_sharded_replay(
+    toy_world4: tuple[Path, SweepResult], tmp_path: Path
+) -> None:
+    """The seam a launcher uses: a `runner` that hands the engine's job to processes torchrun started, each calling
+    `replay.launch.run_share`; rank 0's outcomes come back to the engine, which writes the result as usual."""
+    import json
+    import pickle
+    import subprocess
+    import sys
+
+    from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+
+    snapshot, whole = toy_world4
+    worker = Path(__file__).with_name("torchrun_share_worker.py")
+
+    def torchrun(job: WorkerJob, timeout_s: float = 600.0, cancel: object = None, **_: object) -> list[ConfigOutcome]:
+        job_file, outcomes = tmp_path / "job.pkl", tmp_path / "outcomes.json"
+        job_file.write_bytes(pickle.dumps(job))
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        done = subprocess.run(
+            [*argv, str(worker), str(job_file), str(outcomes)], capture_output=True, text=True, timeout=timeout_s
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [ConfigOutcome(**item) for item in json.loads(outcomes.read_text(encoding="utf-8"))]
+
+    result = run_replay(snapshot, ReplayOptions(nproc=2, shard="on", runner=torchrun))
+    assert result.sharded is True and result.fidelity == "reduced" and result.verdict == "reproduced"
+    assert _rel(result.grad_norm, whole.baseline.grad_norm) <= REL
+
+
+def test_the_cli_shards_on_request_and_records_it(toy_world4: tuple[Path, SweepResult], tmp_path: Path, cli) -> None:
+    snapshot, whole = toy_world4
+    run = cli("replay", snapshot, "--nproc", "2", "--shard", "on", "--workspace", tmp_path, "--json")
+    assert run.code == 0, run.err
+    doc = run.json()
+    assert isinstance(doc, dict) and doc["sharded"] is True
+    assert _rel(doc["grad_norm"], whole.baseline.grad_norm) <= REL
+    command = (Path(doc["output_dir"]) / "command.txt").read_text(encoding="utf-8")
+    assert "--shard on" in command  # the command that reproduces this run says it sharded
+
+
+def test_diagnose_says_why_its_model_evidence_was_not_computed_for_a_model_that_does_not_fit(
+    toy_world4: tuple[Path, SweepResult], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
+    from axrl_spike_replay.replay import shard_choice
+
+    snapshot, _ = toy_world4
+    monkeypatch.setattr(shard_choice, "available_memory_bytes", lambda: 1 << 10)
+    d = diagnose_snapshot(snapshot, model="always")
+    assert d.routes is None
+    assert any("needs the whole model in one process" in line for line in d.not_checked), d.not_checked

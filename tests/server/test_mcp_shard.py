@@ -1,0 +1,39 @@
+"""The MCP face takes `shard` on replay and sweep: a real client session asks for a sharded replay and gets the
+unsharded grad norm, with `sharded: true` and the precision that ran in the result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp import Client
+from server_helpers import SpikeOutputs, ok, with_client
+
+from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.server import create_server
+
+
+def test_replay_and_sweep_offer_shard(workspace: Path) -> None:
+    server = create_server(workspace)
+    tools = {t.name: t for t in with_client(server, lambda client: client.list_tools()).tools}
+    for name in ("replay", "sweep"):
+        shard = tools[name].input_schema["properties"]["shard"]
+        assert shard["enum"] == ["auto", "on", "off"] and shard["default"] == "auto"
+
+
+@pytest.mark.slow  # two replays of the fixture spike
+def test_a_sharded_mcp_replay_gives_the_unsharded_grad_norm(spike_outputs: SpikeOutputs, workspace: Path) -> None:
+    server = create_server(workspace)
+
+    async def body(client: Client) -> dict[str, Any]:
+        args = {"snapshot": str(spike_outputs.snapshot), "nproc": 1, "shard": "on"}
+        return ok(await client.call_tool("replay", args))
+
+    sharded = with_client(server, body)
+    whole = run_replay(spike_outputs.snapshot, ReplayOptions(nproc=1, shard="off"))
+    assert sharded["sharded"] is True and whole.sharded is False
+    assert whole.grad_norm is not None
+    assert abs(sharded["grad_norm"] - whole.grad_norm) <= 1e-6 * whole.grad_norm
+    assert sharded["verdict"] == whole.verdict
+    assert sharded["precision"]["source"] in ("run_config", "model_dtype")
