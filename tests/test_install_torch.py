@@ -78,10 +78,7 @@ def test_without_a_gpu_torch_comes_from_pytorchs_cpu_index(
     assert run.returncode == 0, run.stderr
     assert log.read_text().split() == ["install", "-q", "--index-url", cpu_index, "torch==2.13.0"]
     said = " ".join(run.stderr.split())
-    assert (
-        f"no NVIDIA GPU here: installing torch==2.13.0, the CPU build (~200 MB), from PyTorch's CPU wheel index {cpu_index}"
-        in said
-    )  # noqa: E501
+    assert f"no NVIDIA GPU here: installing torch==2.13.0, the CPU build (~200 MB), from PyTorch's CPU wheel index {cpu_index}" in said  # noqa: E501
     assert "setup: installed torch 2.13.0+cpu" in run.stderr
 
 
