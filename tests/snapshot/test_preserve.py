@@ -301,3 +301,12 @@ def test_a_required_file_symlinked_out_of_the_snapshot_fails_that_snapshot(make_
     assert "no batch_rank<r>.pt for ranks [0]" in failure.error
     assert not (out / PRESERVED_DIR / "iter_0000041").exists()
     assert not list((out / PRESERVED_DIR).glob(".iter_0000041*"))
+
+
+def test_an_output_dir_without_snapshots_is_left_as_it_was(tmp_path: Path) -> None:
+    outside = tmp_path / "not-a-job"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep")
+    result = preserve(outside)
+    assert result.preserved == [] and result.failed == []
+    assert sorted(p.name for p in outside.rglob("*")) == ["precious.txt"]  # no preserved dir, no lock file

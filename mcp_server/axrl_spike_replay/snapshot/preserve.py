@@ -282,6 +282,8 @@ def preserve(
                 f"{directory / SNAPSHOTS_DIR / asked}: no retained snapshot for "
                 f"{'snapshot ' + name if name else f'iteration {iteration}'} (retained: {have})"
             )
+    if not retained and not refused:  # nothing to keep: an output dir without snapshots is left as it was
+        return PreserveResult(output_dir=str(directory))
     preserved_root = _preserved_root(directory, create=True)
     result = PreserveResult(output_dir=str(directory))
     for entry in refused:  # an iter_<N> symlinked out of its dir: reported, never followed
