@@ -34,6 +34,8 @@ from axrl_spike_replay.diagnosis.signal_reading import OddSignal, outside_fracti
 REFUTE_STAYS = "the spike stays within 20 % of the baseline"
 KL_READS = 0.05  # share of the gradient below which the loss barely reads a signal's term on its ranks
 DRIFT = 0.2  # a reference off alike on every rank: the policy's drift, weak
+DATA_NATS = 1.0  # a rank's typical sample this much less likely per token (mean log π) than the others': other data
+DATA_SCALE = 3.0  # ... or its typical |advantage| this many times the others' (or a third of it)
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -542,6 +544,39 @@ def mask_misalignment(ev: Evidence) -> Cause | None:
     )
 
 
+def _median_abs_advantage(ev: Evidence) -> dict[int, float]:
+    by: dict[int, list[float]] = {}
+    for row in ev.analysis.samples["rows"]:
+        if row["loss_tokens"] and _finite(row["advantage"]):
+            by.setdefault(row["rank"], []).append(abs(row["advantage"]))
+    return {r: statistics.median(v) for r, v in by.items() if v}
+
+
+def _data_differs(ev: Evidence, rank: int) -> list[str]:
+    """How `rank`'s batch differs from the other ranks' in what it was fed, each a sentence ([]: alike, or not
+    known): its typical sample (median over samples of the mean log π on loss tokens, at the snapshot's weights)
+    DATA_NATS less likely per token, or its typical |advantage| DATA_SCALE times larger or smaller. Unknown (no
+    per-rank likelihood): the rank is given the benefit of the doubt, as before the comparison existed."""
+    assert ev.reading is not None
+    found: list[str] = []
+    typical = ev.reading.likelihood
+    if rank not in typical or len(typical) < 2:
+        return ["(how likely each rank's data is was not compared)"]
+    others = statistics.median(v for r, v in typical.items() if r != rank)
+    if others - typical[rank] >= DATA_NATS:
+        found.append(
+            f"rank {rank}'s typical sample has mean log π {typical[rank]:.3g} per loss token against "
+            f"{others:.3g} on the other ranks: the policy finds what that rank was fed far less likely"
+        )
+    adv = _median_abs_advantage(ev)
+    if rank in adv and len(adv) >= 2:
+        rest = statistics.median(v for r, v in adv.items() if r != rank)
+        a = adv[rank]
+        if (rest > 0 and a >= DATA_SCALE * rest) or (a > 0 and rest >= DATA_SCALE * a):
+            found.append(f"rank {rank}'s typical |advantage| {a:.3g} against {rest:.3g} on the other ranks")
+    return found
+
+
 def one_rank_data(ev: Evidence) -> Cause | None:
     """One rank's batch carries the spike, with none of its stored signals out of line."""
     if ev.world_size < 2:
@@ -588,6 +623,22 @@ def one_rank_data(ev: Evidence) -> Cause | None:
         # from the reference, singles out no rank): the data is not the broken part
         if any(rank in o.ranks and o.separated for o in ev.reading.odd):
             return None
+        differs = _data_differs(ev, rank)
+        if not differs:
+            return Cause(
+                "one_rank_data",
+                f"one rank's data (rank {rank})?",
+                LIKELY - 0.05,
+                [
+                    *evidence,
+                    f"rank {rank}'s data is alike the other ranks' (its typical sample as likely to the policy, its "
+                    "advantages of the same scale): a few hard samples that landed on that rank, not what it was fed",
+                ],
+                {"rank": rank},
+                [_drop_ranks([rank], "the spike")],
+                ranks=[rank],
+            )
+        evidence += differs
         strength = min(1.0, strength + 0.2)
         drift = [o.signal for o in ev.reading.odd if rank in o.ranks]
         evidence.append(

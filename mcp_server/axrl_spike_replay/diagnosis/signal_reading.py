@@ -88,6 +88,7 @@ class SignalReading:
     routes: dict[int, float] = field(default_factory=dict)  # rank -> route level (disagreement / ROUTES_OFF)
     odd: list[OddSignal] = field(default_factory=list)
     mask_ranks: dict[int, float] = field(default_factory=dict)  # rank -> share of loss tokens no signal covers
+    likelihood: dict[int, float] = field(default_factory=dict)  # rank -> its typical sample's mean log π (replay)
 
     def odd_signal(self, signal: str) -> OddSignal | None:
         return next((o for o in self.odd if o.signal == signal), None)
@@ -108,6 +109,7 @@ class SignalReading:
             ],
             "levels": {s: {str(r): v.level for r, v in by.items()} for s, by in self.levels.items()},
             "route_levels": {str(r): v for r, v in self.routes.items()},
+            "typical_logprob": {str(r): v for r, v in self.likelihood.items()},
         }
 
 
@@ -147,6 +149,9 @@ def read_signals(check: SignalCheck) -> SignalReading:
             lv = _levels(rank, signal)
             if lv is not None:
                 reading.levels.setdefault(signal, {})[rank.rank] = lv
+        typical = rank.typical_logprob()
+        if typical is not None:
+            reading.likelihood[rank.rank] = typical
         route = _route_level(rank)
         if route is not None:
             reading.routes[rank.rank] = route
