@@ -257,3 +257,22 @@ def test_a_reference_wrong_on_one_rank_whose_kl_term_the_loss_barely_reads_is_no
     assert ref.ranks == [1] and ref.strength < 0.3  # singled out on rank 1, but its KL term carries ~nothing
     assert any("barely reads the reference" in line for line in ref.evidence)
     assert d.top.family != "bad_ref_logprobs"
+
+
+def test_a_dual_clip_that_binds_on_no_token_is_not_suggested(tmp_path: Path) -> None:
+    """Every advantage negative, the ratio against the old log-probs 1 on every token (the replay is on-policy):
+    the dual clip caps only tokens whose ratio exceeds c, so it would change nothing and is not suggested."""
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    set_loss(snapshot, is_base_logprobs="old")
+    for rank in (0, 1):
+        edit_batch(snapshot, rank, lambda b: b.__setitem__("advantages", -b["advantages"].abs() - 0.5))
+    d = diagnose_snapshot(snapshot, model="always")
+    cause = next(c for c in d.causes if c.family == "negative_advantage_dominance")
+    assert cause.strength == 1.0
+    assert not any(e.mitigation.startswith("dual_clip_c") for e in cause.experiments)
+    assert any("dual_clip_c=3 would change nothing" in line for line in cause.evidence)
+    # the claim is the replay's: the dual clip leaves the gradient as it is
+    base = run_replay(snapshot, ReplayOptions(nproc=1)).grad_norm
+    clipped = run_replay(snapshot, ReplayOptions(nproc=1, mitigations={"dual_clip_c": 3.0})).grad_norm
+    assert clipped == pytest.approx(base, rel=1e-6)
