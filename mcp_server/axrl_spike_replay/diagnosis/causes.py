@@ -157,7 +157,12 @@ def non_finite(ev: Evidence) -> Cause | None:
             )
         )
     strength = 1.0 if norm_bad else NON_FINITE_INPUTS
-    return Cause("non_finite", "non-finite values", strength, found, figures, experiments)
+    # the ranks that hold them (none named when every saved rank does: nothing to single out)
+    hit = {r for r, _ in bad}
+    if ev.grads is not None:
+        hit |= {k.rank for k in ev.grads.ranks if not math.isfinite(k.local_grad_norm)}
+    ranks = sorted(hit) if len(hit) < len(a.ranks) else []
+    return Cause("non_finite", "non-finite values", strength, found, figures, experiments, ranks=ranks)
 
 
 def _non_finite_row(row: dict[str, Any], a: Any) -> bool:
