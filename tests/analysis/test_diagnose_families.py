@@ -191,3 +191,88 @@ def test_two_broken_parts_each_with_a_witness_are_both_named_at_full_strength(tm
     assert set(strong) == {"engine_mismatch", "stale_old_logprobs"}
     assert strong["stale_old_logprobs"].ranks == [1] and strong["engine_mismatch"].ranks == []
     assert all(not c.tied_with for c in strong.values())
+
+
+def _drift_reference(snapshot: Path, nats: float = 1.5) -> None:
+    """Every rank's reference as a model the policy has moved away from (what the KL term bounds): the stored
+    values are right for that model, the distance to the replay is alike on every rank."""
+    for rank in (0, 1):
+        generator = torch.Generator().manual_seed(rank)
+
+        def drift(b: dict[str, torch.Tensor], g: torch.Generator = generator) -> None:
+            ref = b["ref_logprobs"]
+            noise = torch.randn(ref.shape, generator=g, dtype=ref.dtype)
+            b["ref_logprobs"] = (ref - nats + 0.5 * noise).clamp(max=0.0)
+
+        edit_batch(snapshot, rank, drift)
+
+
+def test_a_reference_the_policy_drifted_from_alike_on_every_rank_is_not_a_broken_reference(tmp_path: Path) -> None:
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    set_loss(snapshot, kl_coef=0.1)
+    _drift_reference(snapshot)
+    d = diagnose_snapshot(snapshot, model="always")
+    ref = next(c for c in d.causes if c.family == "bad_ref_logprobs")
+    assert ref.strength < 0.3 and ref.ranks == []  # old and rollout agreeing on a rank is no witness against a drift
+    assert d.top.family == "natural_spike" and d.top.strength >= 0.3  # a drift singles out no broken part
+    assert any("no stored signal is singled out on a rank (ref off alike" in line for line in d.top.evidence)
+    assert "drop_ranks=0" not in d.mitigation_items() and "drop_ranks=1" not in d.mitigation_items()
+    assert d.reading is not None
+    odd = d.reading.odd_signal("ref")
+    assert odd is not None and odd.spread and not odd.separated
+    _check_suggestions(d)
+
+
+def test_a_mask_shifted_on_one_rank_is_not_read_as_a_wrong_reference_on_the_healthy_rank(tmp_path: Path) -> None:
+    """The reference drifted alike on both ranks; rank 1's mask shifted into the prompt. Leaving the mask-broken
+    rank out of the comparison must not leave the healthy rank's drift standing alone as a 'wrong reference'."""
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    set_loss(snapshot, kl_coef=0.1)
+    _drift_reference(snapshot)
+
+    def response_only(b: dict[str, torch.Tensor]) -> None:  # as trainers that keep log-probs for the response only
+        for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
+            b[name] = b[name] * b["loss_mask"]
+
+    for rank in (0, 1):
+        edit_batch(snapshot, rank, response_only)
+    edit_batch(snapshot, 1, lambda b: b.__setitem__("loss_mask", b["loss_mask"].roll(-3, dims=-1)))
+    d = diagnose_snapshot(snapshot, model="always")
+    assert d.top.family == "mask_misalignment" and d.top.ranks == [1]
+    likely = {c.family for c in d.causes if c.strength >= 0.3}
+    assert "bad_ref_logprobs" not in likely and "one_rank_data" not in likely
+    assert "drop_ranks=0" not in d.mitigation_items()  # the healthy rank is no suspect
+    _check_suggestions(d)
+
+
+def test_a_reference_wrong_on_one_rank_whose_kl_term_the_loss_barely_reads_is_not_the_cause(tmp_path: Path) -> None:
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    set_loss(snapshot, kl_coef=1e-6)
+    edit_batch(snapshot, 1, lambda b: b.__setitem__("ref_logprobs", b["ref_logprobs"].roll(1, dims=0) + 8.0))
+    d = diagnose_snapshot(snapshot, model="always")
+    ref = next(c for c in d.causes if c.family == "bad_ref_logprobs")
+    assert ref.ranks == [1] and ref.strength < 0.3  # singled out on rank 1, but its KL term carries ~nothing
+    assert any("barely reads the reference" in line for line in ref.evidence)
+    assert d.top.family != "bad_ref_logprobs"
+
+
+def test_a_dual_clip_that_binds_on_no_token_is_not_suggested(tmp_path: Path) -> None:
+    """Every advantage negative, the ratio against the old log-probs 1 on every token (the replay is on-policy):
+    the dual clip caps only tokens whose ratio exceeds c, so it would change nothing and is not suggested."""
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    set_loss(snapshot, is_base_logprobs="old")
+    for rank in (0, 1):
+        edit_batch(snapshot, rank, lambda b: b.__setitem__("advantages", -b["advantages"].abs() - 0.5))
+    d = diagnose_snapshot(snapshot, model="always")
+    cause = next(c for c in d.causes if c.family == "negative_advantage_dominance")
+    assert cause.strength == 1.0
+    assert not any(e.mitigation.startswith("dual_clip_c") for e in cause.experiments)
+    assert any("dual_clip_c=3 would change nothing" in line for line in cause.evidence)
+    # the claim is the replay's: the dual clip leaves the gradient as it is
+    base = run_replay(snapshot, ReplayOptions(nproc=1)).grad_norm
+    clipped = run_replay(snapshot, ReplayOptions(nproc=1, mitigations={"dual_clip_c": 3.0})).grad_norm
+    assert clipped == pytest.approx(base, rel=1e-6)

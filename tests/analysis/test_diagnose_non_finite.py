@@ -39,6 +39,7 @@ def test_one_nan_advantage_is_reported_as_non_finite_and_makes_no_cause_strong(t
     assert non_finite.evidence[0] == "8 non-finite advantages on loss tokens"
     assert "recorded grad norm 56.78 is finite" in non_finite.evidence[1]
     assert "drop_samples=0:2" in d.mitigation_items()
+    assert non_finite.ranks == [0]
     assert all(math.isfinite(s) for s in strengths.values())
 
 
@@ -53,6 +54,7 @@ def test_nan_rollout_logprobs_do_not_pass_for_a_log_prob_mismatch(tmp_path: Path
     assert d.causes[0].family == "non_finite" and d.causes[0].strength == causes.NON_FINITE_INPUTS
     assert d.causes[0].evidence[0].endswith("non-finite rollout logprobs on loss tokens")
     assert "drop_samples=1:5" in d.mitigation_items()
+    assert d.causes[0].ranks == [1]  # the rank that holds them
 
 
 def test_a_non_finite_recorded_norm_is_the_strongest_cause(tmp_path: Path) -> None:
@@ -63,6 +65,7 @@ def test_a_non_finite_recorded_norm_is_the_strongest_cause(tmp_path: Path) -> No
     assert top.family == "non_finite" and top.strength == 1.0
     assert "rank 1's recorded per-parameter grad norms are not finite" in top.evidence
     assert top.figures["recorded_norm_finite"] is False
+    assert top.ranks == [1]
     assert d.mitigation_items()[0] == "log_ratio_clip=5"
 
 

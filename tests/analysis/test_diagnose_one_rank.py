@@ -58,3 +58,57 @@ def test_one_ranks_samples_carrying_the_norm_name_that_rank_with_its_samples(tmp
     whole, item = [e.mitigation for e in cause.experiments]
     assert whole == "drop_ranks=0"
     assert item.startswith("drop_samples=0:") and all(p.startswith("0:") for p in item.split("=")[1].split(","))
+
+
+def _kl_carried_by_rank_1(typical: dict[int, float], advantages: dict[int, float]):
+    """Evidence as the replay reads it: rank 1's KL term carries 95 % of the gradient; the reference is off alike on
+    both ranks (the policy's drift, unwitnessed); `typical` each rank's typical mean log π, `advantages` each rank's
+    |advantage| (signs alternate over its 8 samples)."""
+    from types import SimpleNamespace
+
+    from axrl_spike_replay.diagnosis.causes import Evidence
+    from axrl_spike_replay.diagnosis.signal_reading import OddSignal, SignalReading
+    from axrl_spike_replay.experiment.step_evidence import LossChannel, TermFigures, TermRank
+
+    rows = [
+        {"rank": r, "sample": i, "loss_tokens": 8, "advantage": (-1) ** i * advantages[r]}
+        for r in (0, 1)
+        for i in range(8)
+    ]
+    kl = TermFigures("kl", 0.01, 1.0, 1.0, ranks=[TermRank(0, 0.2, 0.05), TermRank(1, 0.9, 0.95)])
+    reading = SignalReading(likelihood=typical, odd=[OddSignal("ref", [0, 1], {0: 15.0, 1: 16.0}, spread=True)])
+    return Evidence(
+        analysis=SimpleNamespace(samples={"rows": rows}),
+        grads=None,
+        attribution=None,
+        routes=None,
+        world_size=2,
+        reading=reading,
+        channel=LossChannel(grad_norm=1.0, terms=[kl]),
+    )
+
+
+def test_a_rank_fed_data_the_policy_finds_far_less_likely_is_one_ranks_data_despite_a_drifted_reference() -> None:
+    from axrl_spike_replay.diagnosis.signal_causes import one_rank_data
+
+    cause = one_rank_data(_kl_carried_by_rank_1({0: -0.1, 1: -9.8}, {0: 0.5, 1: 0.5}))
+    assert cause is not None and cause.ranks == [1] and cause.strength >= 0.7
+    assert any("far less likely" in line for line in cause.evidence)
+    assert any("ref off alike on every rank" in line for line in cause.evidence)  # the drift vetoes nothing
+
+
+def test_hard_samples_that_landed_on_one_rank_whose_data_is_alike_the_others_are_not_that_ranks_data() -> None:
+    from dataclasses import replace
+
+    from axrl_spike_replay.diagnosis.signal_causes import one_rank_data
+
+    ev = _kl_carried_by_rank_1({0: -9.7, 1: -9.8}, {0: 0.5, 1: 0.5})
+    assert ev.reading is not None
+    ev = replace(ev, reading=replace(ev.reading, odd=[]))  # every stored signal agrees
+    cause = one_rank_data(ev)
+    assert cause is not None and cause.strength < 0.3  # reported, but not likely
+    assert any("alike the other ranks'" in line for line in cause.evidence)
+    # the same rank with advantages 10x the others' scale: what it was fed differs
+    scaled = replace(ev, analysis=_kl_carried_by_rank_1({0: -9.7, 1: -9.8}, {0: 0.5, 1: 5.0}).analysis)
+    cause = one_rank_data(scaled)
+    assert cause is not None and cause.strength >= 0.7 and cause.ranks == [1]

@@ -39,13 +39,16 @@ FAMILIES, with the broken part each names:
 - `stale_old_logprobs`: the stored old log-probs disagree with the policy at the snapshot's weights while the
   rollout (or reference) log-probs agree with it, on some ranks (stale or misaligned old log-probs);
 - `bad_ref_logprobs`: the stored reference log-probs are wrong or misaligned on some ranks (the KL term carries
-  the spike);
+  the spike); the reference is another model, so a distance to it alike on every rank is the policy's drift and
+  singles out no rank, and a reference whose ranks' KL term carries almost none of the gradient is not the cause;
 - `routing_payload`: the recorded routes of some ranks disagree with the model's own routing while the other
   ranks' agree (a corrupt or misaligned routing payload);
 - `outlier_advantage`: a few samples' advantages are far beyond the rest (incl. a reward-scale bug);
 - `mask_misalignment`: loss masks that are truncated or shifted against the tokens they belong to;
 - `negative_advantage_dominance`: negative advantages outweigh positive ones over the loss tokens;
-- `one_rank_data`: one rank's batch carries the spike with no stored signal out of line (its data);
+- `one_rank_data`: one rank's batch carries the spike with no stored signal singled out there, and what it was
+  fed differs from the other ranks' (its typical sample far less likely to the policy, or its advantages of
+  another scale); data alike the others' is a few hard samples that landed on that rank (`natural_spike`);
 - `non_finite`: non-finite values in the batch or the gradient;
 - `natural_spike`: no broken part found: the batch is simply hard (the fallback, weak unless the model evidence
   was checked and every stored signal agrees).

@@ -26,6 +26,7 @@ LIKELY = 0.3
 OUTLIER_Z = 10.0  # robust z of a sample's advantage that makes it an outlier
 FEW = 0.1  # "a few samples": at most this fraction of the batch (and at least one)
 LN2 = math.log(2.0)
+DUAL_CLIP_C = 3.0  # the dual clip suggested (verl's default clip_ratio_c)
 
 
 @dataclass
@@ -156,7 +157,12 @@ def non_finite(ev: Evidence) -> Cause | None:
             )
         )
     strength = 1.0 if norm_bad else NON_FINITE_INPUTS
-    return Cause("non_finite", "non-finite values", strength, found, figures, experiments)
+    # the ranks that hold them (none named when every saved rank does: nothing to single out)
+    hit = {r for r, _ in bad}
+    if ev.grads is not None:
+        hit |= {k.rank for k in ev.grads.ranks if not math.isfinite(k.local_grad_norm)}
+    ranks = sorted(hit) if len(hit) < len(a.ranks) else []
+    return Cause("non_finite", "non-finite values", strength, found, figures, experiments, ranks=ranks)
 
 
 def _non_finite_row(row: dict[str, Any], a: Any) -> bool:
@@ -301,15 +307,43 @@ def negative_advantage_dominance(ev: Evidence) -> Cause | None:
         evidence.append(
             f"negative-advantage samples among the top {len(ev.attribution.samples)} carry {_pct(neg)} of ‖g‖"
         )
+    experiments = [
+        Experiment("balance_negative_advantages=true", "scales negative advantages to the positives' total"),
+        Experiment("advantage_clip=1", "clamps advantages to [-1, 1]"),
+    ]
+    peak = _peak_log_ratio(ev)
+    if peak is None or peak > math.log(DUAL_CLIP_C):
+        experiments.append(
+            Experiment(
+                f"dual_clip_c={DUAL_CLIP_C:g}",
+                "caps the loss of negative-advantage tokens whose ratio exceeds "
+                f"{DUAL_CLIP_C:g}"
+                + ("" if peak is None else f" (max |log π - log π_base| at the snapshot's weights {peak:.3g})"),
+            )
+        )
+    else:  # the ratio stays within [1/c, c] on every loss token: the cap would bind nowhere
+        evidence.append(
+            f"every loss token's ratio π/π_base stays within [1/{DUAL_CLIP_C:g}, {DUAL_CLIP_C:g}] at the snapshot's "
+            f"weights (max |log-ratio| {peak:.3g}): dual_clip_c={DUAL_CLIP_C:g} would change nothing"
+        )
     return Cause(
         "negative_advantage_dominance",
         "negative-advantage dominance",
         strength,
         evidence,
         {"negative_to_positive": ratio, "negative_token_fraction": neg_tokens},
-        [
-            Experiment("balance_negative_advantages=true", "scales negative advantages to the positives' total"),
-            Experiment("advantage_clip=1", "clamps advantages to [-1, 1]"),
-            Experiment("dual_clip_c=3", "caps the loss of negative-advantage tokens with large ratios"),
-        ],
+        experiments,
     )
+
+
+def _peak_log_ratio(ev: Evidence) -> float | None:
+    """The largest |log π - log π_base| over every rank's loss tokens at the snapshot's weights, where π_base is the
+    log-prob the run's PPO ratio is taken against (None: no replay, or that signal was not compared)."""
+    if ev.reading is None:
+        return None
+    loss = ev.loss
+    base = "old"
+    if loss is not None and loss.convention != "verl" and loss.mismatch_token_clip_max is None:
+        base = loss.is_base_logprobs
+    pairs = [v.current_pair for v in ev.reading.levels.get(base, {}).values() if v.current_pair is not None]
+    return max((p.max_abs for p in pairs), default=None) if pairs else None

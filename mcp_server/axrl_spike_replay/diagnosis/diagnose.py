@@ -258,11 +258,15 @@ def _mark_ties(found: list[Cause]) -> None:
 def _natural(found: list[Cause], reading: SignalReading | None) -> Cause:
     """No broken part found: the fallback, with what was checked."""
     weak = "; ".join(f"{c.title} {c.strength:.2f}" for c in found) or "no signal in any family"
-    agree = reading is not None and not reading.odd
+    # a signal off alike on every rank with no witness (the policy's drift from the reference) singles nothing out
+    agree = reading is not None and not any(o.separated for o in reading.odd)
+    drift = [o.signal for o in reading.odd] if reading is not None else []
     evidence = [
         f"checked: {'; '.join(CHECKED.values())}",
         f"weaker signals (strength < {causes.LIKELY}): {weak}",
         "every stored signal agrees with the replay on every rank"
+        if agree and not drift
+        else f"no stored signal is singled out on a rank ({', '.join(drift)} off alike on every rank, unwitnessed)"
         if agree
         else "the stored signals were not compared with the replay (no model evidence): a broken part may be missed"
         if reading is None

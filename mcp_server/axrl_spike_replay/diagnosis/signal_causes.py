@@ -32,7 +32,10 @@ from axrl_spike_replay.diagnosis.causes import (
 from axrl_spike_replay.diagnosis.signal_reading import OddSignal, outside_fraction
 
 REFUTE_STAYS = "the spike stays within 20 % of the baseline"
-KL_CARRIES = 0.5  # share of the gradient that makes a term the carrier
+KL_READS = 0.05  # share of the gradient below which the loss barely reads a signal's term on its ranks
+DRIFT = 0.2  # a reference off alike on every rank: the policy's drift, weak
+DATA_NATS = 1.0  # a rank's typical sample this much less likely per token (mean log π) than the others': other data
+DATA_SCALE = 3.0  # ... or its typical |advantage| this many times the others' (or a third of it)
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -391,7 +394,12 @@ def kl_levers(ev: Evidence) -> list[Experiment]:
 
 
 def bad_ref_logprobs(ev: Evidence) -> Cause | None:
-    """The stored reference log-probs are off on some ranks (the KL term then carries the spike)."""
+    """The stored reference log-probs are off on some ranks (the KL term then carries the spike).
+
+    The reference is another model: the policy's distance to it alike on every rank is drift, not a broken part
+    (weak, DRIFT). A reference singled out on some ranks is the cause only as far as the loss reads it there: when
+    those ranks' KL term carries under KL_READS of the gradient, it is out of line but not what the gradient
+    carries (capped below LIKELY)."""
     if ev.reading is None:
         return None
     odd = ev.reading.odd_signal("ref")
@@ -400,28 +408,35 @@ def bad_ref_logprobs(ev: Evidence) -> Cause | None:
     all_ranks = len(odd.ranks) == len(ev.reading.levels.get("ref", {}))
     term, channel = _channel_lines(ev, odd.ranks)
     kl = ev.channel.term("kl") if ev.channel is not None else None
-    strength = 1.0 if odd.separated and not all_ranks else 0.35  # off everywhere: the policy may simply have moved
-    if kl is not None and kl.share >= KL_CARRIES:
-        strength = max(strength, 0.6)
-    elif kl is not None and abs(kl.share) < 0.05:
-        strength *= 0.6
-        channel.append(f"the KL term carries {kl.share:.3g} of the gradient: the reference is off but not carrying it")
+    read = math.fsum(x.share for x in kl.ranks if x.rank in odd.ranks) if kl is not None else None
+    strength = 1.0 if odd.separated else DRIFT
+    if not odd.separated:
+        channel.append(
+            "the policy's distance to the reference is alike on every rank: drift the KL term bounds, or a reference "
+            "wrong everywhere; nothing here tells them apart (`kl_coef=0` says whether the KL term carries the spike)"
+        )
     experiments = kl_levers(ev)
-    if not all_ranks:
+    if odd.separated and not all_ranks:
         experiments.insert(0, _drop_ranks(odd.ranks, "the cause"))
     cause = Cause(
         "bad_ref_logprobs",
         f"wrong or misaligned reference log-probs on rank {_ranks(odd.ranks)}",
         strength,
         _carried(ev, "ref", odd.ranks) + odd.evidence + odd.witnesses + channel,
-        {"levels": odd.levels, "kl_share": kl.share if kl is not None else None},
+        {"levels": odd.levels, "kl_share": kl.share if kl is not None else None, "kl_share_on_ranks": read},
         experiments,
-        ranks=odd.ranks,
+        ranks=odd.ranks if odd.separated else [],
         samples=odd.samples[:8],
         term="kl" if term == "kl" or kl is not None else term,
     )
     if not _uses(ev, "ref"):
         _not_in_loss(cause, "the reference log-probs", "kl_coef is 0")
+    elif read is not None and abs(read) < KL_READS:
+        cause.strength = min(cause.strength, LIKELY - 0.05)
+        cause.evidence.append(
+            f"the KL term on rank {_ranks(odd.ranks)} carries {read:.3g} of the gradient: the loss barely reads the "
+            "reference there; out of line, but not what the gradient carries"
+        )
     return cause
 
 
@@ -529,6 +544,39 @@ def mask_misalignment(ev: Evidence) -> Cause | None:
     )
 
 
+def _median_abs_advantage(ev: Evidence) -> dict[int, float]:
+    by: dict[int, list[float]] = {}
+    for row in ev.analysis.samples["rows"]:
+        if row["loss_tokens"] and _finite(row["advantage"]):
+            by.setdefault(row["rank"], []).append(abs(row["advantage"]))
+    return {r: statistics.median(v) for r, v in by.items() if v}
+
+
+def _data_differs(ev: Evidence, rank: int) -> list[str]:
+    """How `rank`'s batch differs from the other ranks' in what it was fed, each a sentence ([]: alike, or not
+    known): its typical sample (median over samples of the mean log π on loss tokens, at the snapshot's weights)
+    DATA_NATS less likely per token, or its typical |advantage| DATA_SCALE times larger or smaller. Unknown (no
+    per-rank likelihood): the rank is given the benefit of the doubt, as before the comparison existed."""
+    assert ev.reading is not None
+    found: list[str] = []
+    typical = ev.reading.likelihood
+    if rank not in typical or len(typical) < 2:
+        return ["(how likely each rank's data is was not compared)"]
+    others = statistics.median(v for r, v in typical.items() if r != rank)
+    if others - typical[rank] >= DATA_NATS:
+        found.append(
+            f"rank {rank}'s typical sample has mean log π {typical[rank]:.3g} per loss token against "
+            f"{others:.3g} on the other ranks: the policy finds what that rank was fed far less likely"
+        )
+    adv = _median_abs_advantage(ev)
+    if rank in adv and len(adv) >= 2:
+        rest = statistics.median(v for r, v in adv.items() if r != rank)
+        a = adv[rank]
+        if (rest > 0 and a >= DATA_SCALE * rest) or (a > 0 and rest >= DATA_SCALE * a):
+            found.append(f"rank {rank}'s typical |advantage| {a:.3g} against {rest:.3g} on the other ranks")
+    return found
+
+
 def one_rank_data(ev: Evidence) -> Cause | None:
     """One rank's batch carries the spike, with none of its stored signals out of line."""
     if ev.world_size < 2:
@@ -569,11 +617,36 @@ def one_rank_data(ev: Evidence) -> Cause | None:
     if rank is None or not evidence:
         return None
     if ev.reading is not None:
-        odd = [o.signal for o in ev.reading.odd if rank in o.ranks]
-        if odd:  # that rank's stored signal explains it: the data is not the broken part
+        if rank in ev.reading.mask_ranks:  # its loss mask covers tokens no signal was stored for: the mask explains it
             return None
+        # a stored signal singled out on that rank explains it (one off alike on every rank, as the policy's drift
+        # from the reference, singles out no rank): the data is not the broken part
+        if any(rank in o.ranks and o.separated for o in ev.reading.odd):
+            return None
+        differs = _data_differs(ev, rank)
+        if not differs:
+            return Cause(
+                "one_rank_data",
+                f"one rank's data (rank {rank})?",
+                LIKELY - 0.05,
+                [
+                    *evidence,
+                    f"rank {rank}'s data is alike the other ranks' (its typical sample as likely to the policy, its "
+                    "advantages of the same scale): a few hard samples that landed on that rank, not what it was fed",
+                ],
+                {"rank": rank},
+                [_drop_ranks([rank], "the spike")],
+                ranks=[rank],
+            )
+        evidence += differs
         strength = min(1.0, strength + 0.2)
-        evidence.append(f"every stored signal of rank {rank} agrees with the replay")
+        drift = [o.signal for o in ev.reading.odd if rank in o.ranks]
+        evidence.append(
+            f"no stored signal of rank {rank} is singled out against the replay ({', '.join(drift)} off alike on "
+            "every rank)"
+            if drift
+            else f"every stored signal of rank {rank} agrees with the replay"
+        )
     samples = [(s.rank, s.sample) for s in _carriers(ev.attribution, 0.8) if s.rank == rank]
     experiments = [_drop_ranks([rank], "the spike")]
     if samples:

@@ -13,6 +13,9 @@ S is odd on rank r when its level there is at least 1 and a witness says the rep
 - a signal witness: another stored log-prob signal agrees with the replay on rank r (the forward is sound there);
 - for routes, the model's own routing makes a stored log-prob signal agree where the recorded routes do not.
 
+The reference is another model's: the policy is expected to have moved from it, so for it the agreeing stored
+signals are no witness; only a rank far beyond the others, or 0 fills in it alone, single it out (`_odd_drifting`).
+
 An odd signal on every rank with no witness is `spread` (an engine/trainer mismatch looks like that); without any
 witness nothing is separated, and the reading says so (`witnesses` empty). Loss tokens where a stored signal is
 exactly 0 while the policy's log-prob is far from 0 are `zero_filled`: a padded value, not a log-prob (all the stored
@@ -34,6 +37,9 @@ ROUTES_OFF = 0.2  # share of routed tokens whose expert set differs that counts 
 WITNESS_RATIO = 3.0  # an agreeing rank is at most a third as far off
 ZERO_FILLED = 0.02  # share of a rank's loss tokens zero-filled in a stored signal that counts
 LOGPROB_SIGNALS = ("old", "rollout", "ref")
+# signals of another model: the policy is expected to have moved from them (what the KL term bounds), so only
+# a rank far beyond the others, or values that are no log-prob at all, single one out
+DRIFTING = ("ref",)
 
 
 def pair_level(p: PairFigures | None) -> float | None:
@@ -82,6 +88,7 @@ class SignalReading:
     routes: dict[int, float] = field(default_factory=dict)  # rank -> route level (disagreement / ROUTES_OFF)
     odd: list[OddSignal] = field(default_factory=list)
     mask_ranks: dict[int, float] = field(default_factory=dict)  # rank -> share of loss tokens no signal covers
+    likelihood: dict[int, float] = field(default_factory=dict)  # rank -> its typical sample's mean log π (replay)
 
     def odd_signal(self, signal: str) -> OddSignal | None:
         return next((o for o in self.odd if o.signal == signal), None)
@@ -102,6 +109,7 @@ class SignalReading:
             ],
             "levels": {s: {str(r): v.level for r, v in by.items()} for s, by in self.levels.items()},
             "route_levels": {str(r): v for r, v in self.routes.items()},
+            "typical_logprob": {str(r): v for r, v in self.likelihood.items()},
         }
 
 
@@ -141,6 +149,9 @@ def read_signals(check: SignalCheck) -> SignalReading:
             lv = _levels(rank, signal)
             if lv is not None:
                 reading.levels.setdefault(signal, {})[rank.rank] = lv
+        typical = rank.typical_logprob()
+        if typical is not None:
+            reading.likelihood[rank.rank] = typical
         route = _route_level(rank)
         if route is not None:
             reading.routes[rank.rank] = route
@@ -162,6 +173,8 @@ def _odd_logprobs(reading: SignalReading, signal: str) -> OddSignal | None:
     off = sorted(r for r, v in levels.items() if v >= 1.0 and r not in reading.mask_ranks)
     if not off:
         return None
+    if signal in DRIFTING:
+        return _odd_drifting(reading, signal, off)
     witnesses: list[str] = []
     for r in off:
         for o in _witnessed(levels, r):
@@ -202,6 +215,58 @@ def _odd_logprobs(reading: SignalReading, signal: str) -> OddSignal | None:
             "agreeing ranks: "
             + ", ".join(f"rank {r} mean |Δ| {p.mean_abs:.3g}" for r in agree if (p := by[r].pair) is not None)
         )
+    return odd
+
+
+def _odd_drifting(reading: SignalReading, signal: str, off: list[int]) -> OddSignal:
+    """A signal of another model (the reference): its distance to the replay is the policy's drift wherever the
+    stored values are right, alike on every rank. The replay agreeing with the other stored signals on a rank says
+    the forward is sound there, not that this signal is wrong, so it is no witness here. A rank is singled out by
+    a rank witness (the signal at least WITNESS_RATIO times further off than on every other rank whose mask is
+    sound) or by its own 0 fills (a padded value, not a log-prob, in this signal alone). Off on every rank alike:
+    `spread`, unseparated (drift, or a reference wrong everywhere; the channel's KL share says what it weighs)."""
+    by = reading.levels.get(signal, {})
+    levels = {r: v.level for r, v in by.items()}
+    sound = {r: v for r, v in levels.items() if r not in reading.mask_ranks}
+    singled: list[int] = []
+    witnesses: list[str] = []
+    for r in off:
+        others = [v for o, v in sound.items() if o != r]
+        if others and levels[r] >= WITNESS_RATIO * max(others):
+            singled.append(r)
+            witnesses.append(
+                f"{signal} is {levels[r] / max(max(others), 1e-12):.3g}x further off on rank {r} than on every other "
+                f"rank (level {levels[r]:.2f} vs at most {max(others):.2f}): the policy's drift is alike on every rank"
+            )
+        if by[r].zero_filled >= ZERO_FILLED:
+            if r not in singled:
+                singled.append(r)
+            witnesses.append(
+                f"rank {r}: {100 * by[r].zero_filled:.1f} % of loss tokens hold a stored {signal} log-prob of exactly "
+                "0 where the policy's is far from 0, and no other stored signal does (a padded value, not a log-prob)"
+            )
+    if singled:
+        odd = OddSignal(signal, sorted(singled), {r: levels[r] for r in singled}, False, witnesses)
+    else:
+        # off on every sound rank alike (or on a lone sound rank beside mask-broken ones): nothing singles it out
+        odd = OddSignal(signal, off, {r: levels[r] for r in off}, True, [])
+        odd.evidence.append(
+            f"stored {signal} log-probs are off alike on rank {', '.join(str(r) for r in off)}: the policy's "
+            f"distance to the {signal} model, not a rank's broken signal (levels "
+            + ", ".join(f"rank {r} {v:.2f}" for r, v in sorted(levels.items()))
+            + ")"
+        )
+    for r in odd.ranks:
+        p = by[r].pair
+        if p is None:
+            continue
+        odd.evidence.append(
+            f"rank {r}: stored {signal} log-probs vs the replay: mean |Δ| {p.mean_abs:.3g} nats, max {p.max_abs:.3g}, "
+            f"{100 * p.outside:.1f} % of {p.tokens} loss tokens outside ratio [0.5, 2]"
+        )
+        if by[r].zero_filled >= ZERO_FILLED:
+            odd.zero_filled = True
+        odd.samples += _worst_samples(p, r)
     return odd
 
 

@@ -6,7 +6,8 @@ weights under the routing the run replays) and, when the run replays recorded ro
 routing (`own`), against the stored `old`, `rollout` and `ref` log-probs, and `old` against `rollout`; each pair
 over the rank's loss tokens and per sample. Routes: per rank and MoE layer, how often the model's own routing in
 that layer (the recorded routes replayed in the others) picks another expert set than the recorded one, on loss
-and on other tokens.
+and on other tokens. Data: per sample, the replayed policy's mean log-prob over its loss tokens (how likely what the
+rank was fed is to the policy).
 
 Channel: the step's DP-mean gradient split by loss term (`policy`: the PPO ratio term with its IS weights and
 clips; `kl`; `entropy`; `aux` and `z`: the router losses), each term's gradient taken by its own backward at the
@@ -17,6 +18,7 @@ tokens that pull hardest in it (|d term / d log p_t|).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -65,6 +67,13 @@ class RankSignals:
     pairs: dict[str, PairFigures] = field(default_factory=dict)
     routes: list[LayerRoutes] = field(default_factory=list)
     samples: int = 0
+    # per sample, the replayed policy's mean log π over its loss tokens: how likely the rank's data is to the policy
+    samples_mean_logprob: list[float | None] = field(default_factory=list)
+
+    def typical_logprob(self) -> float | None:
+        """The median over samples of their mean log π (None: no sample with a finite loss token)."""
+        known = sorted(v for v in self.samples_mean_logprob if v is not None)
+        return statistics.median(known) if known else None
 
     def route_disagreement(self) -> float | None:
         """The rank's disagreement over its layers, loss and other tokens together (None: no routes compared)."""

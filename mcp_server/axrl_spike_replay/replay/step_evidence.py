@@ -104,6 +104,15 @@ def _pair(name: str, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> Pa
     )
 
 
+def _samples_mean(values: torch.Tensor, mask: torch.Tensor) -> list[float | None]:
+    """Per sample, the mean of `values` over its finite loss tokens (None: none)."""
+    v = values.double().cpu()
+    on = mask.cpu() & torch.isfinite(v)
+    counts = on.sum(dim=-1).tolist()
+    sums = torch.where(on, v, torch.zeros_like(v)).sum(dim=-1).tolist()
+    return [s / c if c else None for s, c in zip(sums, counts, strict=True)]
+
+
 def _rank_pairs(
     batch: dict[str, torch.Tensor], current: torch.Tensor, own: torch.Tensor | None
 ) -> dict[str, PairFigures]:
@@ -167,6 +176,7 @@ def signal_check(
             current = policy_forward(model, batch, ranks.routing(cfg, rank), need_entropy=False).logprobs
             own = policy_forward(model, batch, RoutingControl(), need_entropy=False).logprobs if replays else None
             signals = RankSignals(rank=rank, pairs=_rank_pairs(batch, current, own), samples=int(current.shape[0]))
+            signals.samples_mean_logprob = _samples_mean(current, batch["loss_mask"] > 0)
             if rank in inputs.routing_ranks:
                 signals.routes = _rank_routes(model, batch, ranks, rank)
             result.ranks.append(signals)
