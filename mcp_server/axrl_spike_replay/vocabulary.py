@@ -1,5 +1,5 @@
 """The tool's fixed vocabularies: verdicts, fidelity, what a request asks (verb, backend, device, attribution
-method) and spike-guard actions.
+method), spike-guard actions, and the cause families a diagnosis names.
 
 Each is a `str` enum: a member *is* its string value, so JSON output, result files, task files,
 templates and messages show exactly the strings they always did ("cleared", "full", "torch",
@@ -117,3 +117,19 @@ class GuardAction(Vocabulary):
 
 WRITABLE_VERDICTS = (Verdict.CLEARED, Verdict.PARTIAL)  # a mitigation that did something to a real spike
 GUARD_ACTIONS = (GuardAction.LOG, GuardAction.SKIP, GuardAction.ROLLBACK)  # what a tripped guard may do
+
+
+# The cause families `diagnose` names, each for a broken part (diagnosis' package doc says what each means): shared
+# by the diagnosis, the capture faults that plant them, the fault-matrix benchmark and the skill evals.
+CAUSE_FAMILIES = (
+    "engine_mismatch",
+    "stale_old_logprobs",
+    "bad_ref_logprobs",
+    "routing_payload",
+    "outlier_advantage",
+    "mask_misalignment",
+    "negative_advantage_dominance",
+    "one_rank_data",
+    "non_finite",
+    "natural_spike",
+)

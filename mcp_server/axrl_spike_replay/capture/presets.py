@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.vocabulary import CAUSE_FAMILIES
 
 
 @dataclass(frozen=True)
@@ -110,18 +111,7 @@ class Preset:
 
 
 # The cause families a fault plants: the diagnosis's families (a preset's `family`, the fault matrix's answer).
-FAULT_FAMILIES = (
-    "engine_mismatch",
-    "stale_old_logprobs",
-    "bad_ref_logprobs",
-    "routing_payload",
-    "outlier_advantage",
-    "mask_misalignment",
-    "negative_advantage_dominance",
-    "one_rank_data",
-    "non_finite",
-    "natural_spike",
-)
+FAULT_FAMILIES = CAUSE_FAMILIES
 LAST = (-1,)  # the last data-parallel rank (rank 1 at world size 2; rank 0 alone at world size 1)
 # A policy as peaked as a trained LLM's (most sampled tokens near-certain), its routers and experts as initialised:
 # a log-prob taken from the wrong token or the wrong weights is then off by nats, as in a real run.
