@@ -13,11 +13,15 @@ Each verb runs in its own fresh Python process (limited to --limit-gib of addres
 fails instead of swapping a shared machine) and reports its wall time and peak RSS (VmHWM). Target: a hostile
 snapshot costs at most 1.5x the honest one in peak memory, for every verb.
 
+`inspect` and `replay` on a chunk table: the golden fixture whose `.metadata` declares --chunks chunks of the
+embedding, all pointing at the embedding's one `.distcp` entry (refused: chunks that overlap, entries that share
+bytes; each entry is checked once).
+
 Then the worst case of each hostile class on the other surfaces, beside the honest case of the same size
 (`hostile_surfaces.py`): a 100 MB output line without a newline from the command backend's job, a 64 MiB
 warm-service frame, a logs dir of 16k files. Same target for each: at most 1.5x the honest case's peak memory.
 
-    .venv/bin/python benchmarks/bench_hostile.py [--bomb-gib 3] [--package DIR] [--dir DIR]
+    .venv/bin/python benchmarks/bench_hostile.py [--bomb-gib 3] [--chunks 65536] [--package DIR] [--dir DIR]
         [--surfaces line,frame,logs|none] [--line-mb 100] [--frame-mib 64] [--log-files 16000]
 
 `--package DIR` runs the children against another checkout's `mcp_server` (e.g. to measure before a fix).
@@ -42,6 +46,7 @@ from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_sy
 from hostile_snapshot import (  # noqa: E402
     declare_checkpoint_tensor,
     declare_world_size,
+    set_checkpoint_chunks,
     write_compressed_tensor_file,
     write_distcp_bomb,
     write_lying_tensor_file,
@@ -140,6 +145,24 @@ def make_replayable_pair(workdir: Path, bomb_gib: float) -> tuple[Path, Path, in
     return pair[0], pair[1], size
 
 
+def make_chunk_table_pair(workdir: Path, chunks: int) -> tuple[Path, Path]:
+    """(honest, hostile): copies of the golden fixture job, the hostile one's `.metadata` declaring `chunks` chunks
+    of one embedding row each, every one pointing at the embedding's one entry (the worst chunk table: each chunk
+    names the same bytes, so a reader that checks entry by entry inflates the same entry `chunks` times)."""
+    import pickle
+
+    job = REPO / "tests" / "fixtures" / "outputs" / "fx~fixture-moe__actor"
+    pair = []
+    for label in ("honest", "chunks"):
+        out = workdir / f"table-{label}" / job.name
+        shutil.copytree(job, out)
+        pair.append(out / SNAPSHOTS_DIR / "iter_0000021")
+    name = "model.embed.weight"
+    rows, cols = pickle.loads((pair[1] / ".metadata").read_bytes()).state_dict_metadata[name].size
+    set_checkpoint_chunks(pair[1], name, [((i % rows, 0), (1, cols)) for i in range(chunks)])
+    return pair[0], pair[1]
+
+
 def _outcome(r: dict) -> str:
     text = r.get("failed") or r.get("outcome")
     if text:
@@ -169,6 +192,7 @@ def main() -> int:
     parser.add_argument("--limit-gib", type=float, default=8.0, help="address-space limit of each child")
     parser.add_argument("--package", default=str(REPO / "mcp_server"), help="the mcp_server dir to measure")
     parser.add_argument("--dir", default=None, help="where to write the snapshots (default: a temp dir)")
+    parser.add_argument("--chunks", type=int, default=65536, help="chunks the hostile chunk table declares")
     parser.add_argument("--surfaces", default="line,frame,logs", help="other hostile classes to measure, or none")
     parser.add_argument("--line-mb", type=int, default=100, help="the output line without a newline, in MB")
     parser.add_argument("--frame-mib", type=int, default=64, help="the warm-service frame without a newline, in MiB")
@@ -206,6 +230,19 @@ def main() -> int:
             ]
             _table(pair)
             worst.append(_ratio(verb, pair[0][1], pair[1][1]))
+        table_honest, table = make_chunk_table_pair(workdir, args.chunks)
+        size = (table / ".metadata").stat().st_size
+        print(
+            f"\ninspect and replay. hostile: the golden fixture with a .metadata of {size / 2**20:.1f} MiB declaring "
+            f"{args.chunks} chunks of the embedding, every one pointing at the embedding's one .distcp entry"
+        )
+        for verb in ("inspect", "replay"):
+            pair = [
+                (f"{verb}, {label}", run_child(snap, package, limit, verb))
+                for label, snap in (("honest", table_honest), ("chunk table", table))
+            ]
+            _table(pair)
+            worst.append(_ratio(f"{verb}, chunk table", pair[0][1], pair[1][1]))
         worst.extend(surface_ratios(args))
         return 0 if max(worst) <= 1.5 else 1
     finally:
