@@ -37,11 +37,14 @@ _LAUNCH_ID_RE = re.compile(r"axrl-[0-9a-f]{12}")
 
 
 class LaunchError(RemoteError):
-    """A launched job failed to start, to rendezvous or to finish; `node` names the node at fault when known."""
+    """A launched job failed to start, to rendezvous or to finish; `node` names the node at fault when known;
+    `timed_out` when it ran past its timeout (then the job was stopped, and what its processes said as they were
+    stopped is a consequence, not the cause)."""
 
-    def __init__(self, message: str, node: str | None = None) -> None:
+    def __init__(self, message: str, node: str | None = None, *, timed_out: bool = False) -> None:
         super().__init__(message)
         self.node = node
+        self.timed_out = timed_out
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,7 @@ class LaunchedRunner:
 def replay_error(exc: LaunchError, out: Path, placement: Placement) -> LaunchError:
     """`exc`, or, when a replay process printed why it stopped, an error that says that and names the node."""
     said = _worker_lines(out, placement)
-    if not said:
+    if not said or exc.timed_out:  # stopped for its timeout: what processes said as they were stopped came after
         return exc
     # expected failures before crashes (a peer's broken connection is a consequence), the failed node's own first
     node, _rank, text = min(said, key=lambda item: (item[1], item[0] != exc.node))

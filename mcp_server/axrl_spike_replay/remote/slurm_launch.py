@@ -264,6 +264,7 @@ async def _follow(
                     f"Slurm job {job_id} on {status.nodes or '?'} did not finish within {job.timeout_s:g} s; "
                     "it was cancelled (scancel) on every node",
                     node=status.nodes or None,
+                    timed_out=True,
                 )
         else:
             start = running_since if running_since is not None else now

@@ -73,6 +73,7 @@ def timeout_error(states: Sequence[AgentState], launch_id: str, timeout_s: float
         f"job {launch_id} on {len(states)} node(s) did not finish within {timeout_s:g} s{where}; "
         "it was stopped on every node",
         node=missing[0].name if missing else None,
+        timed_out=True,
     )
 
 
