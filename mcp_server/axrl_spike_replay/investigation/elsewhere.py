@@ -17,6 +17,7 @@ from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.investigation.recording import WorkspaceRecorder
 from axrl_spike_replay.investigation.request import LOCAL, ReplayRequest
+from axrl_spike_replay.remote.cancellable import cancellable
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.command_backend import CommandRequest, run_command_backend, run_command_sweep
 from axrl_spike_replay.remote.command_overrides import check_concrete, check_mapped
@@ -149,15 +150,7 @@ def remote_options(request: ReplayRequest) -> RemoteOptions:
 
 async def _cancellable(work: Awaitable[T], cancel: threading.Event | None) -> T:
     """Await `work`, cancelling it when `cancel` gets set (a cancelled MCP call sets it from another thread)."""
-    task = asyncio.ensure_future(work)
-    while cancel is not None and not task.done():
-        await asyncio.wait({task}, timeout=0.2)
-        if cancel.is_set() and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise AxrlError("cancelled: the run was stopped and its partial output kept")
-    return await task
+    return await cancellable(work, cancel, AxrlError("cancelled: the run was stopped and its partial output kept"))
 
 
 @contextlib.asynccontextmanager

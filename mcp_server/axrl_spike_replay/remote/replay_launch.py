@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from axrl_spike_replay.display import clean_text
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.rank_processes import RunCancelled
+from axrl_spike_replay.remote.cancellable import cancellable
 from axrl_spike_replay.remote.launch_job import LaunchError, LaunchNode, LaunchOutcome, WorkerEntry
 from axrl_spike_replay.remote.options import RemoteOptions
 from axrl_spike_replay.remote.slurm_command import SlurmSettings
@@ -210,16 +211,5 @@ def _worker_lines(out: Path, placement: Placement) -> list[tuple[str | None, int
 def run_cancellable(work: Awaitable[T], cancel: threading.Event | None) -> T:
     """Run `work` to its end in a fresh event loop; setting `cancel` (a cancelled MCP call) stops it as Ctrl-C does
     (the work's own clean-up runs) and raises RunCancelled."""
-
-    async def watched() -> T:
-        task = asyncio.ensure_future(work)
-        while cancel is not None and not task.done():
-            await asyncio.wait({task}, timeout=0.2)
-            if cancel.is_set() and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                raise RunCancelled("replay cancelled: its processes were stopped on every node")
-        return await task
-
-    return asyncio.run(watched())
+    stopped = RunCancelled("replay cancelled: its processes were stopped on every node")
+    return asyncio.run(cancellable(work, cancel, stopped))
