@@ -53,7 +53,8 @@ class ReplayResult:
     tolerance: float | None = None  # rel_diff a baseline may show and still count as reproduced
     repeat_grad_norms: list[float] = field(default_factory=list)  # one per repeat (`--repeat N`)
     repeat_spread: float | None = None  # max - min of repeat_grad_norms (0.0: deterministic)
-    rank_metrics: list[dict[str, Any]] = field(default_factory=list)  # per saved rank: loss, loss_tokens, ...
+    # per saved rank: loss, loss_tokens, ..., max_abs_log_ratio_current_vs_<base>, kl_current_vs_ref (figure_names)
+    rank_metrics: list[dict[str, Any]] = field(default_factory=list)
     legacy_layout: bool = False  # replayed through a temporary replay dir (legacy snapshot)
     output_dir: str = ""  # where this result's files were written ("" when none)
     # baseline: does the snapshot agree with itself, its replay (per-rank loss) and the training log?
