@@ -33,3 +33,15 @@ def test_attribute_spike_answers_with_the_file_it_wrote_and_an_old_file_still_re
         (s["rank"], s["sample"], s["max_abs_log_ratio_current_vs_base"]) for s in written["samples"]
     ]
     assert {r["log_ratio_base"] for r in top} == {written["log_ratio_base"]}
+
+
+def test_replay_answers_with_the_rank_metrics_it_wrote_named_for_their_base(
+    spike_outputs: SpikeOutputs, workspace: Path
+) -> None:
+    snapshot = str(spike_outputs.snapshot)
+    answer = ok(call(workspace, "replay", {"snapshot": snapshot, "mitigations": {"is_base_logprobs": "old"}}))
+    written = json.loads((Path(answer["output_dir"]) / "replay_result.json").read_text())
+    assert answer["rank_metrics"] == written["rank_metrics"] and len(written["rank_metrics"]) == 2
+    for metrics in written["rank_metrics"]:
+        assert {"max_abs_log_ratio_current_vs_old", "kl_current_vs_ref"} <= set(metrics)
+        assert not {"max_abs_log_ratio", "kl", "max_abs_log_ratio_current_vs_rollout"} & set(metrics)
