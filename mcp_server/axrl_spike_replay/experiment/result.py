@@ -201,8 +201,8 @@ class SampleContribution:
     """The sample's reward"""
     max_abs_log_ratio_current_vs_base: float
     """Largest |log(pi / pi_base)| on its loss tokens: the replayed current policy against the attribution's
-    `log_ratio_base` (old or rollout log-probs; not analyze's max_abs_log_ratio_old_vs_rollout). Files written before
-    it was named so call it `max_abs_log_ratio`"""
+    `log_ratio_base` (old or rollout log-probs), not the batch analysis's max_abs_log_ratio_old_vs_rollout (stored old
+    against stored rollout). Files written before it was named so call it `max_abs_log_ratio`"""
     loss_tokens: int
     """Tokens of it in the loss"""
     group: int | None = None
