@@ -48,7 +48,7 @@ def test_an_attribution_written_now_names_both_sides_of_its_log_ratio(written: d
 
 
 def test_an_old_attribution_file_still_reads_in_diagnose_the_report_and_the_cli(
-    spike_snapshot: Path, written: dict, old_shape: tuple[Path, dict]
+    spike_snapshot: Path, written: dict, old_shape: tuple[Path, dict], cli, tmp_path: Path
 ) -> None:
     path, doc = old_shape
     values = [s[NEW] for s in written["samples"]]
@@ -57,6 +57,10 @@ def test_an_old_attribution_file_still_reads_in_diagnose_the_report_and_the_cli(
     assert [row[NEW] for row in diagnosis.attribution_top] == values[: len(diagnosis.attribution_top)]
     assert {row["log_ratio_base"] for row in diagnosis.attribution_top} == {written["log_ratio_base"]}
     assert "max_abs_log_ratio_vs_base" not in diagnosis.attribution_top[0]  # diagnose's own old name is gone too
+    run = cli("diagnose", spike_snapshot, "--attribution", path, "--model", "never", "--workspace", tmp_path, "--json")
+    assert run.code == 0 and [row[NEW] for row in run.json()["attribution_top"]] == [
+        row[NEW] for row in diagnosis.attribution_top
+    ]
 
     base = written["log_ratio_base"]
     report_line = summarise_attribution(doc, 1)[0]
