@@ -14,7 +14,8 @@ Where each is written (old name in brackets):
 - `diagnose`'s `attribution_top`: the same (`max_abs_log_ratio_vs_base`), with `log_ratio_base`;
 - `analyze`'s sample rows and outliers: `max_abs_log_ratio_old_vs_rollout`, `seq_log_ratio_old_vs_rollout`,
   `log_ratio_old_vs_rollout`, `ratio_old_vs_rollout`, `tokens_by_abs_log_ratio_old_vs_rollout`,
-  `samples_by_abs_log_ratio_old_vs_rollout`, the section `ratio_old_vs_rollout` (the same names without the suffix);
+  `samples_by_abs_log_ratio_old_vs_rollout`, the section `ratio_old_vs_rollout` (each was its name without the
+  suffix; code still reads the section as `BatchAnalysis.ratio`);
 - a replay's `rank_metrics`: `max_abs_log_ratio_current_vs_old` or `_current_vs_rollout` (`max_abs_log_ratio`),
   `kl_current_vs_ref` (`kl`).
 
