@@ -157,7 +157,7 @@ def run_demo(
     info = inspect_snapshot(snapshot)
     analysis = analyze_snapshot(snapshot, top=3)
     balance = analysis.sign_balance or {}
-    outliers = analysis.outliers.get("tokens_by_abs_log_ratio", [])[:3]
+    outliers = analysis.outliers.get("tokens_by_abs_log_ratio_old_vs_rollout", [])[:3]
     step(
         "inspect, analyze",
         [
@@ -175,7 +175,8 @@ def run_demo(
             f"{_fmt(balance.get('positive_total'))} (ratio {_fmt(balance.get('negative_to_positive'))})",
             *(
                 f"outlier token: rank {o['rank']} sample {o['sample']} pos {o['position']} token {o['token_id']}: "
-                f"log-ratio {_fmt(o.get('log_ratio'))} (old {_fmt(o.get('old_logprob'))}, rollout "
+                f"log(pi_old/pi_rollout) {_fmt(o.get('log_ratio_old_vs_rollout'))} "
+                f"(old {_fmt(o.get('old_logprob'))}, rollout "
                 f"{_fmt(o.get('rollout_logprob'))}), advantage {_fmt(o.get('advantage'))}"
                 for o in outliers
             ),
@@ -245,7 +246,8 @@ def run_demo(
         [f"grad norm {_fmt(attribution.grad_norm)}; contributions sum within {attribution.sum_rel_error:.1e}"]
         + [
             f"rank {s.rank} sample {s.sample}: contribution {_fmt(s.contribution)} ({pct_plain(s.share)}), "
-            f"advantage {_fmt(s.advantage)}, max |log(pi/pi_base)| {_fmt(s.max_abs_log_ratio)}"
+            f"advantage {_fmt(s.advantage)}, max |log(pi/pi_{attribution.log_ratio_base})| "
+            f"{_fmt(s.max_abs_log_ratio_current_vs_base)}"
             for s in attribution.samples
         ],
     )

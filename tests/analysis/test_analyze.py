@@ -18,16 +18,16 @@ from axrl_spike_replay.testing.synthetic_snapshot import OUTLIER_ADVANTAGE, OUTL
 def test_planted_outliers_are_found_with_where_they_sit(synthetic) -> None:
     result = analyze_snapshot(synthetic(), top=3)
 
-    top_token = result.outliers["tokens_by_abs_log_ratio"][0]
+    top_token = result.outliers["tokens_by_abs_log_ratio_old_vs_rollout"][0]
     assert (top_token["rank"], top_token["sample"], top_token["position"], top_token["turn"]) == (1, 2, 9, 1)
-    assert top_token["log_ratio"] == pytest.approx(OUTLIER_LOG_RATIO, abs=1e-5)
-    assert top_token["ratio"] == pytest.approx(math.exp(OUTLIER_LOG_RATIO), rel=1e-4)
+    assert top_token["log_ratio_old_vs_rollout"] == pytest.approx(OUTLIER_LOG_RATIO, abs=1e-5)
+    assert top_token["ratio_old_vs_rollout"] == pytest.approx(math.exp(OUTLIER_LOG_RATIO), rel=1e-4)
     assert isinstance(top_token["token_id"], int)
     top_sample = result.outliers["samples_by_abs_advantage"][0]
     assert (top_sample["rank"], top_sample["sample"], top_sample["advantage"]) == (0, 1, OUTLIER_ADVANTAGE)
     adv_token = result.outliers["tokens_by_abs_advantage"][0]
     assert (adv_token["rank"], adv_token["sample"], adv_token["advantage"]) == (0, 1, OUTLIER_ADVANTAGE)
-    assert result.outliers["samples_by_abs_log_ratio"][0]["position"] == 9
+    assert result.outliers["samples_by_abs_log_ratio_old_vs_rollout"][0]["position"] == 9
     assert all(len(v) == 3 for v in result.outliers.values())
     assert result.missing == []
 
@@ -46,8 +46,8 @@ def test_summary_statistics_and_sign_balance_match_the_batch(synthetic) -> None:
 
     assert result.samples["count"] == 8 and result.tokens["loss_tokens"] == int(sum(m.sum() for m in masks))
     assert result.samples["loss_tokens"]["min"] == 6 and result.samples["loss_tokens"]["max"] == 10
-    assert result.ratio["log_ratio"]["max"] == pytest.approx(float(lr.max()))
-    assert result.ratio["abs_log_ratio"]["mean"] == pytest.approx(float(lr.abs().mean()))
+    assert result.ratio_old_vs_rollout["log_ratio"]["max"] == pytest.approx(float(lr.max()))
+    assert result.ratio_old_vs_rollout["abs_log_ratio"]["mean"] == pytest.approx(float(lr.abs().mean()))
     balance = result.sign_balance
     assert balance["positive_total"] == pytest.approx(float(adv.clamp(min=0).sum()))
     assert balance["negative_total"] == pytest.approx(float((-adv).clamp(min=0).sum()))
@@ -65,7 +65,7 @@ def test_golden_capture_agrees_with_a_direct_computation(golden_snapshot: Path, 
     run = cli("analyze", golden_snapshot, "--top", "4", "--json")
     assert run.code == 0
     doc = run.json()
-    assert set(doc) >= {"samples", "tokens", "ratio", "advantages", "sign_balance", "outliers"}
+    assert set(doc) >= {"samples", "tokens", "ratio_old_vs_rollout", "advantages", "sign_balance", "outliers"}
     best = (-1.0, None)
     for rank in (0, 1):
         batch = torch.load(golden_snapshot / f"batch_rank{rank}.pt", weights_only=True)
@@ -73,10 +73,10 @@ def test_golden_capture_agrees_with_a_direct_computation(golden_snapshot: Path, 
         flat = int(lr.argmax())
         if float(lr.max()) > best[0]:
             best = (float(lr.max()), (rank, flat // lr.shape[1], flat % lr.shape[1]))
-    top = doc["outliers"]["tokens_by_abs_log_ratio"][0]
+    top = doc["outliers"]["tokens_by_abs_log_ratio_old_vs_rollout"][0]
     assert (top["rank"], top["sample"], top["position"]) == best[1]
-    assert abs(top["log_ratio"]) == pytest.approx(best[0], rel=1e-5)
-    assert len(doc["outliers"]["tokens_by_abs_log_ratio"]) == 4
+    assert abs(top["log_ratio_old_vs_rollout"]) == pytest.approx(best[0], rel=1e-5)
+    assert len(doc["outliers"]["tokens_by_abs_log_ratio_old_vs_rollout"]) == 4
 
 
 def test_verl_field_names_give_the_same_analysis(synthetic) -> None:
@@ -92,8 +92,12 @@ def test_verl_field_names_give_the_same_analysis(synthetic) -> None:
         "rollout_logprobs": "rollout_log_probs",
         "rewards": "token_level_rewards",
     }
-    where = ("rank", "sample", "position", "token_id", "log_ratio")
-    for key in ("tokens_by_abs_log_ratio", "samples_by_abs_log_ratio", "samples_by_abs_advantage"):
+    where = ("rank", "sample", "position", "token_id", "log_ratio_old_vs_rollout")
+    for key in (
+        "tokens_by_abs_log_ratio_old_vs_rollout",
+        "samples_by_abs_log_ratio_old_vs_rollout",
+        "samples_by_abs_advantage",
+    ):
         assert [[r[k] for k in where if k in r] for r in verl.outliers[key]] == [
             [r[k] for k in where if k in r] for r in canonical.outliers[key]
         ], key
@@ -111,8 +115,8 @@ def test_openrlhf_names_without_rollout_logprobs_say_what_is_missing(synthetic, 
     assert result.fields["tokens"] == "sequences" and result.fields["loss_mask"] == "action_mask"
     assert result.fields["old_logprobs"] == "action_log_probs"
     assert result.fields["ref_logprobs"] == "base_action_log_probs"
-    assert result.ratio["available"] is False
-    assert result.outliers["tokens_by_abs_log_ratio"] == []
+    assert result.ratio_old_vs_rollout["available"] is False
+    assert result.outliers["tokens_by_abs_log_ratio_old_vs_rollout"] == []
     assert any(m.startswith("rollout_logprobs") and "no rollout-vs-old importance ratio" in m for m in result.missing)
     assert any(m.startswith("rewards") for m in result.missing)
     assert result.outliers["samples_by_abs_advantage"][0]["advantage"] == OUTLIER_ADVANTAGE
@@ -134,7 +138,7 @@ def test_a_batch_without_advantages_or_routing_still_analyses(synthetic, tmp_pat
 
     assert result.advantages is None and result.sign_balance is None
     assert result.outliers["tokens_by_abs_advantage"] == []
-    assert result.outliers["tokens_by_abs_log_ratio"][0]["advantage"] is None
+    assert result.outliers["tokens_by_abs_log_ratio_old_vs_rollout"][0]["advantage"] is None
     assert any(m.startswith("advantages") for m in result.missing)
     assert any(m.startswith("routing payloads") for m in result.missing)
     assert result.routing["available"] is False
@@ -147,7 +151,7 @@ def test_micro_batches_are_flattened(synthetic, tmp_path: Path) -> None:
         batch = torch.load(snap / f"batch_rank{rank}.pt", weights_only=True)
         halves = [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}]
         torch.save({"micro_batches": halves}, snap / f"batch_rank{rank}.pt")
-    top = analyze_snapshot(snap).outliers["tokens_by_abs_log_ratio"][0]
+    top = analyze_snapshot(snap).outliers["tokens_by_abs_log_ratio_old_vs_rollout"][0]
     assert (top["rank"], top["sample"], top["position"]) == (1, 2, 9)
 
 
@@ -168,7 +172,7 @@ def test_readable_summary_leads_with_the_mismatch(synthetic, cli) -> None:
     out = cli("analyze", synthetic(), "--top", "2").out
     lines = out.splitlines()
     assert lines[0].startswith("iteration 42: grad norm 40")
-    assert any(line.startswith("rollout-vs-old log-ratio: max |.| 3") for line in lines)
+    assert any(line.startswith("old-vs-rollout log-ratio log(pi_old/pi_rollout): max |.| 3") for line in lines)
     assert "sign balance: negative" in out and "top tokens by |log(pi_old/pi_rollout)|" in out
     bad = cli("analyze", synthetic(), "--top", "0")
     assert bad.code == 2 and "--top must be >= 1" in bad.err
@@ -183,12 +187,12 @@ def test_non_finite_logprobs_rank_first_and_are_counted(synthetic, tmp_path: Pat
 
     result = analyze_snapshot(snap, top=2)
 
-    first = result.outliers["tokens_by_abs_log_ratio"][0]
-    assert (first["rank"], first["sample"], first["position"], first["log_ratio"]) == (0, 3, 7, None)
-    assert result.ratio["log_ratio"]["non_finite"] == 1
-    assert result.outliers["samples_by_abs_log_ratio"][0]["sample"] == 3
+    first = result.outliers["tokens_by_abs_log_ratio_old_vs_rollout"][0]
+    assert (first["rank"], first["sample"], first["position"], first["log_ratio_old_vs_rollout"]) == (0, 3, 7, None)
+    assert result.ratio_old_vs_rollout["log_ratio"]["non_finite"] == 1
+    assert result.outliers["samples_by_abs_log_ratio_old_vs_rollout"][0]["sample"] == 3
     run = cli("analyze", snap, "--json")
-    assert run.code == 0 and run.json()["ratio"]["log_ratio"]["non_finite"] == 1
+    assert run.code == 0 and run.json()["ratio_old_vs_rollout"]["log_ratio"]["non_finite"] == 1
 
 
 @pytest.mark.parametrize(

@@ -74,7 +74,7 @@ def _with_nan_evidence(snapshot: Path) -> Evidence:
     analysis = analyze_snapshot(snapshot)
     nan_sample = SampleContribution(
         rank=1, sample=3, contribution=math.nan, share=math.nan, advantage=200.0, reward=None,
-        max_abs_log_ratio=math.nan, loss_tokens=8,
+        max_abs_log_ratio_current_vs_base=math.nan, loss_tokens=8,
     )  # fmt: skip
     samples = [nan_sample, dataclasses.replace(nan_sample, rank=0, sample=1)]
     attribution = Attribution(

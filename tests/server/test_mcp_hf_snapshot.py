@@ -45,7 +45,7 @@ def test_the_tools_read_replay_sweep_and_attribute_an_hf_snapshot(hf_snapshot: P
     assert (seen["job_name"], seen["world_size"], seen["problems"]) == (JOB, 2, [])
     assert [r["routing_payload_counts"] for r in seen["ranks"]] == [{"0": 160, "1": 160}] * 2  # per MoE layer
     assert batch["routing"]["moe_layers"] == [0, 1] and batch["routing"]["num_experts_seen"] == 8
-    worst = batch["outliers"]["tokens_by_abs_log_ratio"]
+    worst = batch["outliers"]["tokens_by_abs_log_ratio_old_vs_rollout"]
     assert {(t["rank"], t["sample"]) for t in worst} <= set(BURST)  # the samples whose rollout logprobs are off
 
     assert replay["fidelity"] == "full" and replay["world_size_used"] == 2

@@ -88,7 +88,7 @@ def test_analyze_reads_a_verl_snapshot_under_our_names(tmp_path: Path) -> None:
     assert jagged.fields["ref_logprobs"] == "ref_log_prob" and jagged.fields["rollout_logprobs"] == "rollout_log_probs"
     assert not [m for m in jagged.missing if not m.startswith(("turn_index", "rewards"))]
     assert jagged.tokens["loss_tokens"] == 2 * (6 + 2 + 0 + 4)
-    assert jagged.advantages == padded.advantages and jagged.ratio == padded.ratio
+    assert jagged.advantages == padded.advantages and jagged.ratio_old_vs_rollout == padded.ratio_old_vs_rollout
     assert jagged.logprobs == padded.logprobs
 
 

@@ -1,7 +1,9 @@
 """Per-sample and per-token signals of a snapshot's batch across ranks, with summaries and top-K outliers.
 
-The importance ratio analysed is the rollout-vs-old one: log_ratio = old_logprobs - rollout_logprobs
-per loss token (the trainer's recomputed logprobs against the inference engine's), ratio = exp(log_ratio).
+The importance ratio analysed is the rollout-vs-old one: log_ratio_old_vs_rollout = old_logprobs - rollout_logprobs
+per loss token (the trainer's recomputed logprobs against the inference engine's), ratio_old_vs_rollout =
+exp(log_ratio_old_vs_rollout); the per-sample figures and outlier lists carry the same `_old_vs_rollout` suffix
+(experiment/figure_names.py: the replayed policy's own log-ratios are `current_vs_*`).
 Signals are taken over loss tokens only. Fields are read under any accepted alias (verl, slime,
 OpenRLHF, NeMo-RL names); a field absent from any rank is listed in `missing` with what it costs.
 """
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from axrl_spike_replay.analysis.outliers import TokenTable, concat_tables, top_k_indices
+from axrl_spike_replay.analysis.outliers import LOG_RATIO, TokenTable, concat_tables, top_k_indices
 from axrl_spike_replay.analysis.routing_signals import routing_signals
 from axrl_spike_replay.analysis.stats import describe
 from axrl_spike_replay.errors import ConfigError, SnapshotError
@@ -50,13 +52,18 @@ class BatchAnalysis:
     samples: dict[str, Any]
     tokens: dict[str, Any]
     logprobs: dict[str, Any]
-    ratio: dict[str, Any]
+    ratio_old_vs_rollout: dict[str, Any]  # the stored old against the stored rollout log-probs, per loss token
     advantages: dict[str, Any] | None
     sign_balance: dict[str, Any] | None
     rewards: dict[str, Any] | None
     routing: dict[str, Any]
     outliers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     top: int = 10
+
+    @property
+    def ratio(self) -> dict[str, Any]:
+        """`ratio_old_vs_rollout` under its old name."""
+        return self.ratio_old_vs_rollout
 
 
 @dataclass
@@ -116,7 +123,7 @@ def _rank_tables(r: _Rank, use: set[str]) -> tuple[TokenTable, dict[str, torch.T
         if f"{name}_logprobs" in use:
             per_tok[f"{name}_logprob"] = b[f"{name}_logprobs"].double()
     if "old_logprob" in per_tok and "rollout_logprob" in per_tok:
-        per_tok["log_ratio"] = per_tok["old_logprob"] - per_tok["rollout_logprob"]
+        per_tok[LOG_RATIO] = per_tok["old_logprob"] - per_tok["rollout_logprob"]
     turn = b["turn_index"].long() if "turn_index" in use else None
     table = TokenTable(
         rank=torch.full((rows.numel(),), r.rank, dtype=torch.long),
@@ -128,7 +135,7 @@ def _rank_tables(r: _Rank, use: set[str]) -> tuple[TokenTable, dict[str, torch.T
     )
 
     nan = torch.full((n,), math.nan, dtype=torch.float64)
-    lr = per_tok.get("log_ratio")
+    lr = per_tok.get(LOG_RATIO)
     peak_lr = _peak(lr, mask) if lr is not None else None
     if "advantage" in per_tok and b["advantages"].dim() == 2:
         # the largest |advantage| in the sample; among equal ones the largest |log-ratio|
@@ -143,8 +150,10 @@ def _rank_tables(r: _Rank, use: set[str]) -> tuple[TokenTable, dict[str, torch.T
         "loss_tokens": mask.sum(dim=1),
         "advantage": _masked_mean(per_tok["advantage"], mask) if "advantage" in per_tok else nan,
         "reward": _per_sample(b["rewards"], n) if "rewards" in use else nan,
-        "seq_log_ratio": _masked_mean(lr, mask) if lr is not None else nan,
-        "max_abs_log_ratio": _gather(lr.abs(), peak_lr) if lr is not None and peak_lr is not None else nan,
+        "seq_log_ratio_old_vs_rollout": _masked_mean(lr, mask) if lr is not None else nan,
+        "max_abs_log_ratio_old_vs_rollout": _gather(lr.abs(), peak_lr)
+        if lr is not None and peak_lr is not None
+        else nan,
         "peak_lr": peak_lr if peak_lr is not None else torch.full((n,), -1, dtype=torch.long),
         "peak_adv": peak_adv,
         "num_turns": _num_turns(turn, mask) if turn is not None else torch.full((n,), -1, dtype=torch.long),
@@ -197,8 +206,8 @@ def _sample_row(part: dict[str, torch.Tensor], i: int, peak: str) -> dict[str, A
         "loss_tokens": int(part["loss_tokens"][i]),
         "advantage": num("advantage"),
         "reward": num("reward"),
-        "seq_log_ratio": num("seq_log_ratio"),
-        "max_abs_log_ratio": num("max_abs_log_ratio"),
+        "seq_log_ratio_old_vs_rollout": num("seq_log_ratio_old_vs_rollout"),
+        "max_abs_log_ratio_old_vs_rollout": num("max_abs_log_ratio_old_vs_rollout"),
         "position": position if position >= 0 else None,
         "token_id": int(part["_tokens"][i, position]) if position >= 0 else None,
         "turn": int(part["_turn"][i, position]) if position >= 0 and int(part["_turn"][i, position]) >= 0 else None,
@@ -219,9 +228,9 @@ def _top_samples(samples: list[dict[str, torch.Tensor]], column: str, peak: str,
     # NaN ranks first (a NaN logprob is the outlier to see), except in samples without loss tokens
     values = torch.where(empty, torch.zeros_like(values), values)
     owners = [(j, i) for j, p in enumerate(samples) for i in range(p["rank"].numel())]
-    secondary = torch.cat([p["max_abs_log_ratio"] for p in samples])
+    secondary = torch.cat([p["max_abs_log_ratio_old_vs_rollout"] for p in samples])
     secondary = torch.where(empty, torch.zeros_like(secondary), secondary)
-    chosen = top_k_indices(values, k, None if column == "max_abs_log_ratio" else secondary)
+    chosen = top_k_indices(values, k, None if column == "max_abs_log_ratio_old_vs_rollout" else secondary)
     return [_sample_row(samples[owners[c][0]], owners[c][1], peak) for c in chosen.tolist()]
 
 
@@ -307,14 +316,14 @@ def analyze_snapshot(path: str | Path, top: int = 10) -> BatchAnalysis:
         delta = values["ref_logprob"] - values["old_logprob"]
         logprobs["old_vs_ref_kl_k3"] = float((delta.exp() - delta - 1).nanmean()) if delta.numel() else None
 
-    ratio: dict[str, Any] = {"available": "log_ratio" in values, "basis": "log_ratio = old_logprobs - rollout_logprobs"}
-    if "log_ratio" in values:
-        lr = values["log_ratio"]
+    ratio: dict[str, Any] = {"available": LOG_RATIO in values, "basis": "log_ratio = old_logprobs - rollout_logprobs"}
+    if LOG_RATIO in values:
+        lr = values[LOG_RATIO]
         ratio.update(
             log_ratio=describe(lr),
             abs_log_ratio=describe(lr.abs()),
             ratio=describe(lr.clamp(max=700).exp()),
-            seq_log_ratio=describe(torch.cat([p["seq_log_ratio"] for p in sample_parts])),
+            seq_log_ratio=describe(torch.cat([p["seq_log_ratio_old_vs_rollout"] for p in sample_parts])),
             fraction_outside={
                 "0.5-2.0": float(((lr.abs() > math.log(2.0)) | torch.isnan(lr)).double().mean()) if lr.numel() else 0,
                 "0.8-1.25": float(((lr.abs() > math.log(1.25)) | torch.isnan(lr)).double().mean()) if lr.numel() else 0,
@@ -334,17 +343,19 @@ def analyze_snapshot(path: str | Path, top: int = 10) -> BatchAnalysis:
 
     rewards = describe(torch.cat([p["reward"] for p in sample_parts])) if "rewards" in use else None
     outliers: dict[str, list[dict[str, Any]]] = {
-        "tokens_by_abs_log_ratio": [],
+        "tokens_by_abs_log_ratio_old_vs_rollout": [],
         "tokens_by_abs_advantage": [],
-        "samples_by_abs_log_ratio": [],
+        "samples_by_abs_log_ratio_old_vs_rollout": [],
         "samples_by_abs_advantage": [],
     }
-    if "log_ratio" in values:
-        chosen = top_k_indices(values["log_ratio"], top, values.get("advantage"))
-        outliers["tokens_by_abs_log_ratio"] = table.records(chosen)
-        outliers["samples_by_abs_log_ratio"] = _top_samples(sample_parts, "max_abs_log_ratio", "peak_lr", top)
+    if LOG_RATIO in values:
+        chosen = top_k_indices(values[LOG_RATIO], top, values.get("advantage"))
+        outliers["tokens_by_abs_log_ratio_old_vs_rollout"] = table.records(chosen)
+        outliers["samples_by_abs_log_ratio_old_vs_rollout"] = _top_samples(
+            sample_parts, "max_abs_log_ratio_old_vs_rollout", "peak_lr", top
+        )
     if "advantage" in values:
-        chosen = top_k_indices(values["advantage"], top, values.get("log_ratio"))
+        chosen = top_k_indices(values["advantage"], top, values.get(LOG_RATIO))
         outliers["tokens_by_abs_advantage"] = table.records(chosen)
         outliers["samples_by_abs_advantage"] = _top_samples(sample_parts, "advantage", "peak_adv", top)
 
@@ -368,7 +379,7 @@ def analyze_snapshot(path: str | Path, top: int = 10) -> BatchAnalysis:
         },
         tokens=tokens_doc,
         logprobs=logprobs,
-        ratio=ratio,
+        ratio_old_vs_rollout=ratio,
         advantages=adv_doc,
         sign_balance=sign,
         rewards=rewards,

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-TOKEN_COLUMNS = ("advantage", "log_ratio", "old_logprob", "rollout_logprob", "ref_logprob")
+LOG_RATIO = "log_ratio_old_vs_rollout"  # old - rollout per loss token: the two stored log-probs it compares
+TOKEN_COLUMNS = ("advantage", LOG_RATIO, "old_logprob", "rollout_logprob", "ref_logprob")
 
 
 def _key(values: torch.Tensor) -> torch.Tensor:
@@ -51,7 +52,8 @@ class TokenTable:
     values: dict[str, torch.Tensor]  # TOKEN_COLUMNS present
 
     def records(self, indices: torch.Tensor) -> list[dict[str, Any]]:
-        """One dict per index: rank, sample, position, token_id, turn, the value columns and ratio (None if absent)."""
+        """One dict per index: rank, sample, position, token_id, turn, the value columns and ratio_old_vs_rollout
+        (None if absent)."""
         rows = []
         for i in indices.tolist():
             row: dict[str, Any] = {
@@ -65,7 +67,7 @@ class TokenTable:
                 column = self.values.get(name)
                 value = float(column[i]) if column is not None else math.nan
                 row[name] = None if math.isnan(value) else value
-            row["ratio"] = math.exp(min(row["log_ratio"], 700.0)) if row["log_ratio"] is not None else None
+            row["ratio_old_vs_rollout"] = math.exp(min(row[LOG_RATIO], 700.0)) if row[LOG_RATIO] is not None else None
             rows.append(row)
         return rows
 

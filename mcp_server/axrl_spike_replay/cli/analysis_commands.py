@@ -97,7 +97,15 @@ def _analyze(args: argparse.Namespace) -> int:
 
 def _token_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
     return [
-        [r["rank"], r["sample"], r["position"], r["token_id"], r["turn"], r.get("log_ratio"), r.get("advantage")]
+        [
+            r["rank"],
+            r["sample"],
+            r["position"],
+            r["token_id"],
+            r["turn"],
+            r.get("log_ratio_old_vs_rollout"),
+            r.get("advantage"),
+        ]
         for r in records
     ]
 
@@ -109,11 +117,11 @@ def render_analysis(r: Any) -> str:
         f"{r.samples['count']} samples, {r.tokens['loss_tokens']} loss tokens of {r.tokens['total']}"
     ]
     lines += [f"missing: {m}" for m in r.missing]
-    if r.ratio.get("available"):
-        abs_lr, outside = r.ratio["abs_log_ratio"], r.ratio["fraction_outside"]
+    if r.ratio_old_vs_rollout.get("available"):
+        abs_lr, outside = r.ratio_old_vs_rollout["abs_log_ratio"], r.ratio_old_vs_rollout["fraction_outside"]
         lines.append(
-            f"rollout-vs-old log-ratio: max |.| {_f(abs_lr['max'])}, p99 {_f(abs_lr.get('p99'))}, "
-            f"mean {_f(abs_lr['mean'])}"
+            f"old-vs-rollout log-ratio log(pi_old/pi_rollout): max |.| {_f(abs_lr['max'])}, "
+            f"p99 {_f(abs_lr.get('p99'))}, mean {_f(abs_lr['mean'])}"
             f"; ratio outside [0.5, 2]: {outside['0.5-2.0']:.2%}, outside [0.8, 1.25]: {outside['0.8-1.25']:.2%}"
         )
     if r.advantages:
@@ -129,20 +137,28 @@ def render_analysis(r: Any) -> str:
     if r.routing.get("available"):
         imbalance = ", ".join(f"L{k}:{_f(v, '.2f')}" for k, v in r.routing["load_imbalance"].items())
         lines.append(f"routing ({', '.join(r.routing['sources'])}): expert load max/mean per layer {imbalance}")
-    headers = ["rank", "sample", "pos", "token", "turn", "log-ratio", "advantage"]
+    headers = ["rank", "sample", "pos", "token", "turn", "log(pi_old/pi_rollout)", "advantage"]
     for key, title in (
-        ("tokens_by_abs_log_ratio", "|log(pi_old/pi_rollout)|"),
+        ("tokens_by_abs_log_ratio_old_vs_rollout", "|log(pi_old/pi_rollout)|"),
         ("tokens_by_abs_advantage", "|advantage|"),
     ):
         if r.outliers.get(key):
             lines += ["", f"top tokens by {title}:", table(headers, _token_rows(r.outliers[key]))]
-    samples = r.outliers.get("samples_by_abs_log_ratio") or r.outliers.get("samples_by_abs_advantage")
+    by_ratio = r.outliers.get("samples_by_abs_log_ratio_old_vs_rollout")
+    samples = by_ratio or r.outliers.get("samples_by_abs_advantage")
     if samples:
         rows = [
-            [s["rank"], s["sample"], s["loss_tokens"], s["advantage"], s["seq_log_ratio"], s["max_abs_log_ratio"]]
+            [
+                s["rank"],
+                s["sample"],
+                s["loss_tokens"],
+                s["advantage"],
+                s["seq_log_ratio_old_vs_rollout"],
+                s["max_abs_log_ratio_old_vs_rollout"],
+            ]
             for s in samples
         ]
-        by = "max |log(pi_old/pi_rollout)|" if r.outliers.get("samples_by_abs_log_ratio") else "|advantage|"
+        by = "max |log(pi_old/pi_rollout)|" if by_ratio else "|advantage|"
         lines += ["", f"top samples by {by}:"]
         lines.append(
             table(

@@ -11,6 +11,7 @@ from axrl_spike_replay.cli.output import add_json_flag, emit, progress, table
 from axrl_spike_replay.cli.remote_options import add_remote_options
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.experiment.figure_names import ATTRIBUTION_SAMPLE, with_current_names
 from axrl_spike_replay.investigation.request import MAX_REPEAT
 from axrl_spike_replay.percent import pct, pct_plain
 from axrl_spike_replay.vocabulary import Device, Shard, Verb
@@ -312,10 +313,10 @@ def render_attribution(doc: dict[str, Any]) -> str:
             pct_plain(s["share"]),
             s["advantage"],
             s["reward"],
-            s["max_abs_log_ratio"],
+            s["max_abs_log_ratio_current_vs_base"],
             s["loss_tokens"],
         ]
-        for s in doc["samples"]
+        for s in (with_current_names(s, ATTRIBUTION_SAMPLE) for s in doc["samples"])
     ]
     fidelity = "full" if doc["fidelity"] == "full" else "REDUCED (one process for all saved ranks)"
     lines = [

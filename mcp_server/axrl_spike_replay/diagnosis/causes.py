@@ -167,7 +167,7 @@ def non_finite(ev: Evidence) -> Cause | None:
 
 def _non_finite_row(row: dict[str, Any], a: Any) -> bool:
     """A sample whose log-ratio or advantage is non-finite (a NaN is stored as None in the sample rows)."""
-    ratio_bad = a.ratio.get("available") and not _finite(row["max_abs_log_ratio"])
+    ratio_bad = a.ratio_old_vs_rollout.get("available") and not _finite(row["max_abs_log_ratio_old_vs_rollout"])
     advantage_bad = a.advantages is not None and not _finite(row["advantage"])
     return bool(ratio_bad or advantage_bad)
 

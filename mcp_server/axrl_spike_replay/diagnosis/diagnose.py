@@ -81,7 +81,7 @@ class Diagnosis:
     not_checked: list[str] = field(default_factory=list)
     consistency: Consistency | None = None
     log: LogPoint | None = None
-    attribution_top: list[dict[str, Any]] = field(default_factory=list)  # rank, sample, share, advantage
+    attribution_top: list[dict[str, Any]] = field(default_factory=list)  # rank, sample, share, advantage, log-ratio
     routes: RouteAgreement | None = None
     step: StepEvidence | None = None  # the per-rank signal check and the loss channel (model evidence)
     reading: SignalReading | None = None  # the odd stored signals, read off `step`
@@ -208,13 +208,15 @@ def diagnose_snapshot(
         if cause.strength < causes.LIKELY and cause.family != "natural_spike":
             continue
         steps += [e for e in cause.experiments if e.mitigation not in {s.mitigation for s in steps}]
+    base = att.log_ratio_base if att else None  # what the samples' log-ratio is taken against
     top_rows = [
         {
             "rank": s.rank,
             "sample": s.sample,
             "share": s.share,
             "advantage": s.advantage,
-            "max_abs_log_ratio_vs_base": s.max_abs_log_ratio,
+            "max_abs_log_ratio_current_vs_base": s.max_abs_log_ratio_current_vs_base,
+            "log_ratio_base": base,
         }
         for s in (att.samples[:5] if att else [])
     ]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.experiment.result import Attribution, SampleContribution
+from axrl_spike_replay.experiment.result import Attribution
 from axrl_spike_replay.experiment.step_evidence import SignalCheck, StepEvidence
 from axrl_spike_replay.snapshot.metadata import read_json_document
 
@@ -49,13 +49,8 @@ def read_attribution(value: Attribution | dict[str, Any] | str | Path) -> Attrib
     if not isinstance(doc, dict) or not isinstance(doc.get("samples"), list):
         raise AxrlError("attribution: expected an attribution.json document with `samples`")
     try:
-        samples = [
-            SampleContribution(**{k: s[k] for k in SampleContribution.__dataclass_fields__ if k in s})
-            for s in doc["samples"]
-        ]
-        known = {k: doc[k] for k in Attribution.__dataclass_fields__ if k in doc and k != "samples"}
-        return Attribution(samples=samples, **known)
-    except (TypeError, KeyError) as exc:
+        return Attribution.from_json(doc)  # also one written under the old figure names
+    except (TypeError, KeyError, AttributeError) as exc:
         raise AxrlError(f"attribution: not an attribution document ({exc})") from None
 
 

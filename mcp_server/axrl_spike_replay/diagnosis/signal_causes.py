@@ -102,11 +102,11 @@ def _rank_share(ev: Evidence, ranks: Sequence[int]) -> float | None:
 def _off_static(ev: Evidence) -> dict[int, float]:
     """Per rank, the share of samples whose max |log(π_old/π_rollout)| leaves [ln 0.5, ln 2] (no model)."""
     a = ev.analysis
-    if not a.ratio.get("available"):
+    if not a.ratio_old_vs_rollout.get("available"):
         return {}
     by: dict[int, list[float]] = {}
     for row in a.samples["rows"]:
-        v = row["max_abs_log_ratio"]
+        v = row["max_abs_log_ratio_old_vs_rollout"]
         if row["loss_tokens"] and _finite(v):
             by.setdefault(row["rank"], []).append(v)
     return {r: sum(v > LN2 for v in vs) / len(vs) for r, vs in by.items() if vs}
@@ -117,12 +117,12 @@ def _static_figures(ev: Evidence) -> tuple[float, float] | None:
     from axrl_spike_replay.diagnosis.causes import _finite_fraction_outside
 
     a = ev.analysis
-    if not a.ratio.get("available"):
+    if not a.ratio_old_vs_rollout.get("available"):
         return None
-    outside = _finite_fraction_outside(a.ratio)
+    outside = _finite_fraction_outside(a.ratio_old_vs_rollout)
     if outside is None:
         return None
-    return a.ratio["abs_log_ratio"].get("max") or 0.0, outside
+    return a.ratio_old_vs_rollout["abs_log_ratio"].get("max") or 0.0, outside
 
 
 def _mismatch_experiments(ev: Evidence, outside_vs_rollout: float | None, label: str) -> list[Experiment]:
@@ -203,7 +203,7 @@ def _carried_by_ratio(ev: Evidence) -> float:
     hit = 0
     for s in carriers:
         row = rows.get((s.rank, s.sample))
-        lr = row["max_abs_log_ratio"] if row else None
+        lr = row["max_abs_log_ratio_old_vs_rollout"] if row else None
         hit += bool(_finite(lr) and lr > LN2)
     return hit / len(carriers)
 

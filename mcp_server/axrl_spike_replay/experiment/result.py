@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from axrl_spike_replay.experiment.figure_names import ATTRIBUTION_SAMPLE, with_current_names
 from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
 
 ATTRIBUTION_FILE = "attribution.json"  # what `attribute` writes into its run dir
@@ -52,7 +53,8 @@ class ReplayResult:
     tolerance: float | None = None  # rel_diff a baseline may show and still count as reproduced
     repeat_grad_norms: list[float] = field(default_factory=list)  # one per repeat (`--repeat N`)
     repeat_spread: float | None = None  # max - min of repeat_grad_norms (0.0: deterministic)
-    rank_metrics: list[dict[str, Any]] = field(default_factory=list)  # per saved rank: loss, loss_tokens, ...
+    # per saved rank: loss, loss_tokens, ..., max_abs_log_ratio_current_vs_<base>, kl_current_vs_ref (figure_names)
+    rank_metrics: list[dict[str, Any]] = field(default_factory=list)
     legacy_layout: bool = False  # replayed through a temporary replay dir (legacy snapshot)
     output_dir: str = ""  # where this result's files were written ("" when none)
     # baseline: does the snapshot agree with itself, its replay (per-rank loss) and the training log?
@@ -197,13 +199,20 @@ class SampleContribution:
     """The sample's advantage"""
     reward: float | None
     """The sample's reward"""
-    max_abs_log_ratio: float
-    """Largest |log(pi / pi_base)| on its loss tokens: the current policy against `log_ratio_base` (not analyze's
-    old-vs-rollout log-ratio)"""
+    max_abs_log_ratio_current_vs_base: float
+    """Largest |log(pi / pi_base)| on its loss tokens: the replayed current policy against the attribution's
+    `log_ratio_base` (old or rollout log-probs), not the batch analysis's max_abs_log_ratio_old_vs_rollout (stored old
+    against stored rollout). Files written before it was named so call it `max_abs_log_ratio`"""
     loss_tokens: int
     """Tokens of it in the loss"""
     group: int | None = None
     """Prompt group"""
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> SampleContribution:
+        """A sample row of `attribution.json`, also one written under the old figure names."""
+        row = with_current_names(doc, ATTRIBUTION_SAMPLE)
+        return cls(**{k: row[k] for k in cls.__dataclass_fields__ if k in row})
 
 
 @dataclass
@@ -238,7 +247,8 @@ class Attribution:
     method: str = "jvp"
     """How contributions were computed"""
     log_ratio_base: str = "old"
-    """Logprobs the log-ratio signal is taken against"""
+    """The log-probs the samples' max_abs_log_ratio_current_vs_base is taken against: old or rollout (the loss's
+    ratio base)"""
     mitigations: dict[str, Any] = field(default_factory=dict)
     """Mitigations applied before attributing"""
     resolved_mitigations: dict[str, Any] = field(default_factory=dict)
@@ -254,6 +264,12 @@ class Attribution:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Attribution:
+        """An `attribution.json` document, also one written under the old figure names."""
+        samples = [SampleContribution.from_json(s) for s in doc["samples"]]
+        return cls(samples=samples, **{k: doc[k] for k in cls.__dataclass_fields__ if k in doc and k != "samples"})
 
 
 RunResult = ReplayResult | SweepResult | Attribution  # what a request gives, by its verb: replay, sweep, attribute

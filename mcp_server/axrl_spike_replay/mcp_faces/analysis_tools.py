@@ -109,10 +109,11 @@ async def copy_and_scan_logs_tool(
 
 async def analyze_batch_tool(snapshot: SnapshotArg, ctx: Context, top: TopArg = 10) -> BatchAnalysis:
     """Per-sample and per-token signals of the snapshot's batch across ranks, over loss tokens: advantages
-    and their sign balance (negative vs positive magnitude), old/ref/rollout logprobs, rollout-vs-old
-    importance ratios and log-ratios, loss-mask lengths, turn indexes, rewards, routing; summary statistics;
-    the top outlier tokens and samples by |log-ratio| and |advantage| with rank, sample, position, token id,
-    turn. Field names of verl, slime, OpenRLHF and NeMo-RL batches are understood."""
+    and their sign balance (negative vs positive magnitude), old/ref/rollout logprobs, the stored old against
+    the stored rollout log-probs (`ratio_old_vs_rollout`, `*_log_ratio_old_vs_rollout`: not the replayed policy,
+    which attribute_spike and diagnose_spike compare), loss-mask lengths, turn indexes, rewards, routing; summary
+    statistics; the top outlier tokens and samples by |log(pi_old/pi_rollout)| and |advantage| with rank, sample,
+    position, token id, turn. Field names of verl, slime, OpenRLHF and NeMo-RL batches are understood."""
     config = server_config(ctx)
     return await call_library(ctx, lambda progress, cancel: analyze_snapshot(config.path(snapshot), top=top))
 

@@ -304,8 +304,10 @@ async def attribute_spike_tool(
     workspace: WorkspaceArg = None,
 ) -> Attribution:
     """Each sample's contribution to the global gradient, c_s = <g_s, g> / ||g|| (they sum to ||g||), ranked,
-    with the sample's signals (advantage, reward, max |log-ratio|, loss tokens, rank). Usually a few samples
-    carry the spike; cross-check them with analyze_batch's outliers. Writes attribution.json under
+    with the sample's signals (advantage, reward, loss tokens, rank, and max_abs_log_ratio_current_vs_base: the
+    largest |log pi - log pi_base| of the replayed policy against `log_ratio_base`, the old or rollout log-probs
+    its loss's ratio is taken against). Usually a few samples carry the spike; cross-check them with
+    analyze_batch's outliers (old against rollout). Writes attribution.json under
     tmp/spike-replay/<job>/<timestamp>/."""
     config = server_config(ctx)
     target = config.path(snapshot)

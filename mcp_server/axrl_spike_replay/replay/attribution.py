@@ -65,7 +65,7 @@ def _signals(
             "sample": s,
             "advantage": float((adv[s] * mask[s]).sum() / tokens[s]) if tokens[s] > 0 else float(adv[s].mean()),
             "reward": float(rewards[s]) if rewards is not None else None,
-            "max_abs_log_ratio": float(log_ratio[s]),
+            "max_abs_log_ratio_current_vs_base": float(log_ratio[s]),
             "loss_tokens": int(tokens[s]),
             "group": int(groups[s]) if groups is not None else None,
         }

@@ -188,9 +188,10 @@ def policy_loss(
             "clip_fraction": float(((ratio.detach() - 1).abs() > cfg.clip_eps_high).float()[on].mean())
             if on.any()
             else 0.0,
-            "max_abs_log_ratio": float(lr[on].abs().max()) if on.any() else 0.0,
+            # named for what they compare (experiment/figure_names.py): this figure's base is the ratio's own
+            f"max_abs_log_ratio_current_vs_{base_name}": float(lr[on].abs().max()) if on.any() else 0.0,
             "mean_weight": float(weight[on].mean()) if on.any() else 1.0,
-            "kl": kl_value,
+            "kl_current_vs_ref": kl_value,
         }
     per_token_out = masked(per_token.detach(), mask > 0)
     return LossOutput(loss=loss, policy_loss=pg, per_token=per_token_out, mask=mask, metrics=metrics)
@@ -243,9 +244,9 @@ def _verl(
             "loss_tokens": float(on.sum()),
             "policy_loss": float(out.pg_loss.detach()),
             "clip_fraction": out.metrics["pg_clipfrac"],
-            "max_abs_log_ratio": float(lr[on].abs().max()) if on.any() else 0.0,
+            "max_abs_log_ratio_current_vs_old": float(lr[on].abs().max()) if on.any() else 0.0,
             "mean_weight": out.metrics["mean_is_weight"],
-            "kl": out.metrics.get("kl", 0.0),
+            "kl_current_vs_ref": out.metrics.get("kl", 0.0),
             "rejected_tokens": out.metrics["rejected_tokens"],
         }
     return LossOutput(loss=loss, policy_loss=out.pg_loss, per_token=out.per_token, mask=mask, metrics=metrics)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.experiment.figure_names import ATTRIBUTION_SAMPLE, with_current_names
 from axrl_spike_replay.experiment.result import ATTRIBUTION_FILE, ReplayResult
 from axrl_spike_replay.snapshot.consistency import consistency_line
 from axrl_spike_replay.workspace.paths import job_tmp_dir
@@ -185,10 +186,12 @@ def summarise_attribution(doc: dict[str, Any], top: int) -> list[str]:
     base = doc.get("log_ratio_base") or "old"
     if not samples:
         return summarise("attribution", doc, top)
+    rows = [with_current_names(s, ATTRIBUTION_SAMPLE) for s in samples[:top] if isinstance(s, dict)]
     cells = [
         f"rank {s.get('rank')} sample {s.get('sample')}: {_pct(s.get('share'))} "
-        f"(advantage {_short(s.get('advantage'))}, max |log(pi/pi_{base})| {_short(s.get('max_abs_log_ratio'))})"
-        for s in samples[:top]
+        f"(advantage {_short(s.get('advantage'))}, max |log(pi/pi_{base})| "
+        f"{_short(s.get('max_abs_log_ratio_current_vs_base'))})"
+        for s in rows
     ]
     lines = [f"samples carrying the grad norm (of {doc.get('total_samples')}): " + "; ".join(cells)]
     lines.append(
