@@ -111,7 +111,9 @@ def _model_evidence(
         why = "checkpoint unreadable" if size is None else f"checkpoint {size / 2**20:.0f} MiB is not cheap here"
         not_checked.append(f"stored signals against the replay, route agreement, loss channel ({why})")
         if att is None:
-            not_checked.append(f"per-sample attribution ({why}; run `attribute` and pass its attribution.json)")
+            not_checked.append(
+                f"per-sample attribution ({why}; run `attribute`, MCP `attribute_spike`, and pass its attribution.json)"
+            )
         return att, None
     step = None
     try:

@@ -133,7 +133,8 @@ def _attribution_lines(
     if left and isinstance(clean.get("share_left_out"), (int, float)):
         notes.append(
             "per-sample attribution: only the samples carrying the norm were recorded (by this replay's clean "
-            "gradient), not their advantages or log-ratios; `attribute SNAPSHOT --job JOB` measures them"
+            "gradient), not their advantages or log-ratios; `attribute SNAPSHOT --job JOB` (MCP `attribute_spike`) "
+            "measures them"
         )
         return [
             f"samples carrying the baseline grad norm (this replay's clean-gradient attribution): "
@@ -141,7 +142,7 @@ def _attribution_lines(
         ]
     notes.append(
         "per-sample attribution: not measured (no attribution.json of this snapshot in the job's runs); "
-        "`attribute SNAPSHOT --job JOB` measures it"
+        "`attribute SNAPSHOT --job JOB` (MCP `attribute_spike`) measures it"
     )
     return []
 
