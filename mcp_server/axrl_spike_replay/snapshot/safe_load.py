@@ -59,7 +59,12 @@ def archive_problem(archive: zipfile.ZipFile, label: str, size: int) -> str | No
     MAX_PT_PICKLE_BYTES. Torch inflates a deflated record whole before it checks the record's size, so a
     few MB could commit GBs; a stored record's size is bounded by the bytes on disk.
     """
-    records = archive.infolist()
+    return records_problem(archive.infolist(), label, size)
+
+
+def records_problem(records: Sequence[Any], label: str, size: int) -> str | None:
+    """`archive_problem`'s rule over an archive's directory records: anything with a `ZipInfo`'s `filename`,
+    `compress_type`, `file_size`, `compress_size` and `header_offset`."""
     if len(records) > MAX_PT_RECORDS:
         return f"{label}: {len(records)} archive records, more than the {MAX_PT_RECORDS} limit"
     deflated = [record for record in records if record.compress_type != zipfile.ZIP_STORED]
