@@ -10,8 +10,8 @@ spike snapshot (metadata, run config, a batch and grad info per rank). Then, sid
   fresh process that builds the GPTModel and runs `dist_checkpointing.load` of the same checkpoint (the naive way
   to see what is in it). The time of the call itself on both sides (start-up and model build not counted), each
   side the best of its fresh processes (`--inspect-runs`, `--load-runs`): on a shared box one run of either can
-  wait seconds for a core. Our own format's `bench_inspect.py` uses a 2.25 GiB snapshot; `--experts 64
-  --expert-ffn 1536` gives a Megatron checkpoint of 2.39 GiB to compare at that size.
+  wait seconds for a core. Each side's CPU time is printed too. Our own format's `bench_inspect.py` uses a 2.25 GiB
+  snapshot; `--experts 64 --expert-ffn 1536` gives a Megatron checkpoint of 2.39 GiB to compare at that size.
 - compute: in one gloo process, the same batch (4 x 256 tokens, routes forced) through route 1 (the transformers
   model loaded from the checkpoint by `models.megatron_weights`: forward, the snapshot's loss, backward) and
   through megatron-core's GPTModel (its forward, the same loss, backward), alternating, median of `--runs`.
@@ -113,10 +113,10 @@ import json, sys, time
 import torch  # start-up, as the load's side has its imports and model built before its clock starts
 sys.path.insert(0, {src!r})
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 found = inspect_snapshot({snapshot!r})
-print(json.dumps({{"seconds": time.perf_counter() - start, "problems": found.problems,
-                  "tensors": len(found.megatron["tensors"])}}))
+print(json.dumps({{"seconds": time.perf_counter() - start, "cpu": time.process_time() - cpu,
+                  "problems": found.problems, "tensors": len(found.megatron["tensors"])}}))
 """
 
 
@@ -142,11 +142,11 @@ def _load_rank(rank: int, world: int, payload: tuple[dict[str, Any], str, str]) 
     with megatron_on_cpu():
         init_parallel(MegatronParallel())
         model = build_gpt_model(MegatronModelConfig.from_dict(doc))
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         state = dist_checkpointing.load(model.sharded_state_dict(), checkpoint)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         count = sum(t.numel() for t in state.values() if hasattr(t, "numel"))
-    Path(out).write_text(json.dumps({"seconds": seconds, "elements": count}))
+    Path(out).write_text(json.dumps({"seconds": seconds, "cpu": cpu, "elements": count}))
 
 
 def _compute_rank(rank: int, world: int, payload: tuple[dict[str, Any], str, str, int]) -> None:
@@ -249,6 +249,11 @@ def main() -> None:
         f"  every run: inspect {', '.join(f'{t:.4f}' for t in inspect_times)} s; "
         f"load {', '.join(f'{t:.3f}' for t in load_times)} s; "
         f"medians {statistics.median(load_times) / statistics.median(inspect_times):.0f}x"
+    )
+    inspect_cpu, load_cpu = min(found["cpu"] for found in inspections), min(found["cpu"] for found in loads)
+    print(
+        f"  CPU time (what a loaded box's wall time hides): inspect {inspect_cpu:.4f} s vs load {load_cpu:.3f} s: "
+        f"{load_cpu / inspect_cpu:.0f}x"
     )
     if compute is None:
         return
