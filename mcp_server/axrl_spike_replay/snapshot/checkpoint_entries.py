@@ -7,6 +7,12 @@ directory is read in place (one read of the entry's tail, where torch writes it)
 entry DCP would pass through a stream transform (its zstd extension) is refused too: what it inflates to is not
 known before it is read. Entries of one file must not share bytes (DCP writes each after the one before): a shared
 entry is refused, not read again for each name that points at it. Nothing is allocated but the entries' directories.
+
+A Megatron checkpoint has an entry per layer and expert (hundreds to hundreds of thousands), and `zipfile.ZipFile`
+costs ~50 us an entry (a lock, a `ZipInfo` per record, end records found by seeking). So the directory of an entry
+laid out exactly as torch writes it (the central directory, then zip64 end record, locator and end record, no
+comment, no extra fields, nothing before the archive) is read from the entry's tail with zipfile's own record
+formats (`_torch_directory`); anything else is read by `zipfile`. Either way the same rule judges the records.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.display import shown
-from axrl_spike_replay.snapshot.safe_load import archive_problem
+from axrl_spike_replay.snapshot.safe_load import ZipRecord, records_problem, zip_records
 
 TAIL_BYTES = 4096  # torch's end records and central directory for one tensor: ~700 bytes
 
@@ -116,13 +122,90 @@ def entry_problems(directory: Path, entries: Iterable[tuple[str, Any]], limit: i
 
 def _entry_problem(fd: int, path: Path, name: str, offset: int, length: int) -> str | None:
     try:
-        with _EntryView(fd, offset, length) as view, zipfile.ZipFile(view) as archive:
-            problem = archive_problem(archive, _LABEL, length)
+        tail_start = max(0, length - TAIL_BYTES)
+        records = _torch_directory(os.pread(fd, length - tail_start, offset + tail_start), tail_start, length)
+        if records is None:  # not torch's own layout: zipfile reads it (and raises what it raises)
+            with _EntryView(fd, offset, length) as view, zipfile.ZipFile(view) as archive:
+                records = zip_records(archive)
+        problem = records_problem(records, _LABEL, length)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError, NotImplementedError, struct.error) as exc:
         problem = f"{_LABEL}: not a torch archive, truncated or corrupt ({shown(str(exc), 120, quote=False)})"
     if problem is None:
         return None
     return problem.replace(_LABEL, f"{path} (entry of {shown(name, 120)}, bytes {offset}-{offset + length})", 1)
+
+
+# The ZIP format's end records, as zipfile's module constants spell them (those are not in its typed API): end of
+# central directory, zip64 end locator and zip64 end record, each a signature and its struct.
+_END_SIG, _END = b"PK\x05\x06", struct.Struct("<4s4H2LH")
+_LOCATOR_SIG, _LOCATOR = b"PK\x06\x07", struct.Struct("<4sLQL")
+_END64_SIG, _END64 = b"PK\x06\x06", struct.Struct("<4sQ2H2L4Q")
+_CENTRAL_SIG = b"PK\x01\x02"
+_MAX_EXTRACT_VERSION = 63  # zipfile raises NotImplementedError beyond it
+# zipfile's central directory record (`zipfile.structCentralDir`) with only the fields read here: signature, version
+# needed to extract, flags, method, compressed and plain size, name, extra and comment lengths, local header offset
+_CENTRAL = struct.Struct("<4s2xBxHH8xLLHHH8xL")
+_ENDS = _END64.size + _LOCATOR.size + _END.size  # what torch writes after the central directory
+_UTF8_NAME = 0x800  # general purpose flag: the file name is UTF-8 (else cp437)
+_ZIP64_MARK = 0xFFFFFFFF  # a 32-bit field whose value lives in a zip64 extra field
+
+
+def _torch_directory(tail: bytes, tail_start: int, length: int) -> list[ZipRecord] | None:
+    """The central directory records of an entry of `length` bytes whose bytes from `tail_start` on are `tail`, if
+    it is laid out exactly as torch's writer lays it out (see the module doc); None for any other layout, garbled
+    or not, which `zipfile` then reads. Every field that would change how zipfile reads the records (a comment,
+    extra fields, bytes before the archive, a directory not where the end records say) sends it there."""
+    end = len(tail)
+    if end < _ENDS:
+        return None
+    (sig, disk, disk_dir, count, count_total, dir_size, dir_offset, comment) = _END.unpack_from(tail, end - _END.size)
+    if sig != _END_SIG or comment or disk or disk_dir or count != count_total:
+        return None
+    sig, zip64_disk, zip64_at, disks = _LOCATOR.unpack_from(tail, end - _END.size - _LOCATOR.size)
+    if sig != _LOCATOR_SIG or zip64_disk or disks != 1 or zip64_at != length - _ENDS:
+        return None
+    sig, record_size, _, _, disk, disk_dir, count, count_total, dir_size, dir_offset = _END64.unpack_from(
+        tail, end - _ENDS
+    )
+    if (
+        sig != _END64_SIG
+        or record_size != _END64.size - 12  # the record's size counts neither its signature nor this field
+        or disk
+        or disk_dir
+        or count != count_total
+        or dir_offset + dir_size != length - _ENDS  # nothing between the directory and the end records
+        or dir_offset < tail_start
+    ):
+        return None
+    records: list[ZipRecord] = []
+    unpack, size = _CENTRAL.unpack_from, _CENTRAL.size
+    at, stop = dir_offset - tail_start, end - _ENDS
+    while at < stop:
+        if at + size > stop:
+            return None
+        sig, version, flags, method, compressed, plain, name_len, extra_len, comment_len, header_offset = unpack(
+            tail, at
+        )
+        if (
+            sig != _CENTRAL_SIG
+            or version > _MAX_EXTRACT_VERSION
+            or extra_len
+            or _ZIP64_MARK in (compressed, plain, header_offset)
+        ):
+            return None
+        name_at = at + size
+        at = name_at + name_len + comment_len
+        if at > stop:
+            return None
+        raw = tail[name_at : name_at + name_len]
+        try:  # ASCII reads alike in both encodings, and its codec is several times faster than cp437's table
+            name = raw.decode("ascii" if raw.isascii() else "utf-8" if flags & _UTF8_NAME else "cp437")
+        except UnicodeDecodeError:
+            return None
+        if "\0" in name:
+            name = name[: name.index("\0")]  # as ZipInfo cuts it
+        records.append((name, method, plain, compressed, header_offset))
+    return records if len(records) == count else None
 
 
 _LABEL = "\0entry\0"  # stands for the entry's label until a problem needs it (most entries have none)

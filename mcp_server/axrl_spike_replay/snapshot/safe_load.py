@@ -59,19 +59,30 @@ def archive_problem(archive: zipfile.ZipFile, label: str, size: int) -> str | No
     MAX_PT_PICKLE_BYTES. Torch inflates a deflated record whole before it checks the record's size, so a
     few MB could commit GBs; a stored record's size is bounded by the bytes on disk.
     """
-    records = archive.infolist()
+    return records_problem(zip_records(archive), label, size)
+
+
+ZipRecord = tuple[str, int, int, int, int]  # a directory record: name, method, plain size, stored size, header offset
+
+
+def zip_records(archive: zipfile.ZipFile) -> list[ZipRecord]:
+    """The directory records of an open archive, as `records_problem` reads them."""
+    return [(r.filename, r.compress_type, r.file_size, r.compress_size, r.header_offset) for r in archive.infolist()]
+
+
+def records_problem(records: Sequence[ZipRecord], label: str, size: int) -> str | None:
+    """`archive_problem`'s rule over an archive's directory records (`ZipRecord`s)."""
     if len(records) > MAX_PT_RECORDS:
         return f"{label}: {len(records)} archive records, more than the {MAX_PT_RECORDS} limit"
-    deflated = [record for record in records if record.compress_type != zipfile.ZIP_STORED]
+    deflated = [record for record in records if record[1] != zipfile.ZIP_STORED]
     if deflated:
-        largest = max(deflated, key=lambda record: record.file_size)  # the record that would cost the most
+        name, _, plain, compressed, _ = max(deflated, key=lambda record: record[2])  # what would cost the most
         return (
-            f"{label}: record {shown(largest.filename, 120)} is compressed ({largest.file_size} bytes from "
-            f"{largest.compress_size}); torch stores records uncompressed, so it is refused rather than expanded"
+            f"{label}: record {shown(name, 120)} is compressed ({plain} bytes from {compressed}); torch stores "
+            "records uncompressed, so it is refused rather than expanded"
         )
-    for record in records:
-        name, plain, compressed = record.filename, record.file_size, record.compress_size
-        if plain != compressed or record.header_offset + plain > size:
+    for name, _, plain, compressed, header_offset in records:
+        if plain != compressed or header_offset + plain > size:
             return (
                 f"{label}: record {shown(name, 120)} declares {human_bytes(plain)}, beyond the file's "
                 f"{human_bytes(size)}"
