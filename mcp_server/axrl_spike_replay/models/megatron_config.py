@@ -142,7 +142,8 @@ def _unmapped(architecture: str) -> str:
 
 def check_mappable(hf: HFModelConfig) -> None:
     """ConfigError unless the HF config is one whose Megatron-core model we map layer for layer: every decoder
-    layer an MoE layer, no biases, no sliding window, default RoPE."""
+    layer an MoE layer (DeepSeek-V3: its dense first layers too), no biases, no sliding window, default RoPE
+    (DeepSeek-V3: yarn too), and for DeepSeek-V3 what `_deepseek_problems` checks."""
     if hf.architecture not in MAPPED_ARCHITECTURES:
         raise ConfigError(_unmapped(hf.architecture))
     config = hf.config
@@ -154,7 +155,8 @@ def check_mappable(hf: HFModelConfig) -> None:
     if config.get("sliding_window") is not None and config.get("use_sliding_window", True):
         problems.append("sliding-window attention")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if kind != "default" and not (hf.architecture == "deepseek_v3" and kind == "yarn"):  # MLA's yarn is mapped
         problems.append(f"RoPE scaling {shown(rope.get('rope_type', rope.get('type')), 40)}")
     if hf.architecture == "deepseek_v3":
         problems.extend(_deepseek_problems(config))
@@ -179,4 +181,15 @@ def _deepseek_problems(config: dict[str, Any]) -> list[str]:
         problems.append("group-limited routing whose groups Megatron scores by other than their top 2 experts")
     if topk > 1 and config.get("norm_topk_prob") is False:
         problems.append("norm_topk_prob false (Megatron's sigmoid router always renormalises its top-k)")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "yarn":
+        # megatron-core's YarnRotaryEmbedding: cos/sin scaled by mscale(f, mscale) / mscale(f, mscale_all_dim)
+        # always, transformers' only when both are set (else by mscale(f)); no `attention_factor`, always truncated
+        mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if not (mscale and all_dim) and mscale not in (None, 1, 1.0):
+            problems.append("yarn with an mscale but no mscale_all_dim (the two scale cos/sin differently)")
+        if rope.get("attention_factor") is not None or rope.get("truncate", True) is False:
+            problems.append("yarn with attention_factor or truncate false (megatron-core has neither)")
+        if rope.get("factor") is None:
+            problems.append("yarn without a factor")
     return problems

@@ -57,10 +57,26 @@ def deepseek_config_kwargs(config: dict[str, Any]) -> dict[str, Any]:
         "qk_head_dim": int(config["qk_nope_head_dim"]),
         "qk_pos_emb_head_dim": int(config["qk_rope_head_dim"]),
         "v_head_dim": int(config["v_head_dim"]),
-        "rope_type": "rope",  # yarn is refused by name (models.megatron_config.check_mappable)
-        "rotary_scaling_factor": 1.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
+        **rope_kwargs(config),
+    }
+
+
+def rope_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """MLA's RoPE: plain, or yarn with the config's factor, correction range and mscales (mbridge's keys)."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if kind != "yarn":
+        return {"rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    return {
+        "rope_type": "yarn",
+        "rotary_scaling_factor": float(rope["factor"]),
+        "original_max_position_embeddings": int(
+            rope.get("original_max_position_embeddings") or config["max_position_embeddings"]
+        ),
+        "beta_fast": float(rope.get("beta_fast") or 32.0),
+        "beta_slow": float(rope.get("beta_slow") or 1.0),
+        "mscale": float(rope.get("mscale") or 1.0),
+        "mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
     }
 
 
