@@ -119,20 +119,15 @@ def test_what_does_not_map_is_refused_by_name(deepseek_checkpoints: dict[str, Pa
         check_megatron_weights(deepseek_checkpoints["tp1"], no_dense, "the snapshot's checkpoint")
 
 
-def test_yarn_rope_scaling_maps_as_deepseek_v3_sets_it(tmp_path: Path) -> None:
-    """DeepSeek-V3's released RoPE: yarn with its factor 40, mscales and correction range, here from an original
-    length of 16 so the 40-token batch lies beyond it. Megatron's YarnRotaryEmbedding and MLA softmax scale and
-    transformers' yarn give the same routes, log-probs and gradients."""
+def _agrees_with_megatron(section: dict, tmp_path: Path, seq: int) -> None:
+    """Save `section`'s model with megatron-core, load it into transformers: the same routes, log-probs, gradients."""
     from axrl_spike_replay.testing.megatron_checkpoints import LAYOUTS, save_checkpoints
 
-    yarn = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1}
-    yarn.update(mscale=1.0, mscale_all_dim=1.0)
-    section = tiny_section("deepseek_v3", config=dict(tiny_section("deepseek_v3")["config"], rope_scaling=yarn))
-    checkpoint = tmp_path / "yarn"
+    checkpoint = tmp_path / "checkpoint"
     save_checkpoints(section, [(LAYOUTS["tp1"], checkpoint)], None)
     gen = torch.Generator().manual_seed(1)
-    batch = {"tokens": torch.randint(3, 1024, (2, 40), generator=gen), "loss_mask": torch.ones(2, 40)}
-    batch["attention_mask"] = torch.ones(2, 40, dtype=torch.long)
+    batch = {"tokens": torch.randint(3, 1024, (2, seq), generator=gen), "loss_mask": torch.ones(2, seq)}
+    batch["attention_mask"] = torch.ones(2, seq, dtype=torch.long)
     out = tmp_path / "megatron.pt"
     spawn_ranks(forward_backward, 1, (section, str(checkpoint), batch, str(out), None, 0.0))
     megatron = torch.load(out, weights_only=True)
@@ -148,6 +143,22 @@ def test_yarn_rope_scaling_maps_as_deepseek_v3_sets_it(tmp_path: Path) -> None:
         assert param.grad is not None
         rel = float((param.grad - theirs[name]).norm() / theirs[name].norm())
         assert rel < GRAD_RTOL, f"{name}: relative difference {rel:.2e}"
+
+
+def test_yarn_rope_scaling_maps_as_deepseek_v3_sets_it(tmp_path: Path) -> None:
+    """DeepSeek-V3's released RoPE: yarn with its factor 40, mscales and correction range, here from an original
+    length of 16 so the 40-token batch lies beyond it. Megatron's YarnRotaryEmbedding and MLA softmax scale and
+    transformers' yarn agree."""
+    yarn = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1}
+    yarn.update(mscale=1.0, mscale_all_dim=1.0)
+    config = dict(tiny_section("deepseek_v3")["config"], rope_scaling=yarn)
+    _agrees_with_megatron(tiny_section("deepseek_v3", config=config), tmp_path, 40)
+
+
+def test_a_query_without_lora_maps_too(tmp_path: Path) -> None:
+    """q_lora_rank null (DeepSeek-V2-Lite's shape): one query projection, megatron-core's linear_q_proj."""
+    config = dict(tiny_section("deepseek_v3")["config"], q_lora_rank=None)
+    _agrees_with_megatron(tiny_section("deepseek_v3", config=config), tmp_path, 24)
 
 
 def _check_shards(rank: int, world_size: int, payload: tuple[str, str]) -> None:
