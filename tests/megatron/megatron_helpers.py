@@ -128,3 +128,35 @@ def mbridge_deepseek_to_hf(section: dict[str, Any], tensors: dict[str, torch.Ten
         names, values = bridge._weight_to_hf_format(name, tensor)
         per_expert.update(zip(names, values, strict=True))
     return to_model_layout(hf_model, per_expert)
+
+
+def save_with_mtp(rank: int, world: int, out: str) -> None:
+    """The tiny DeepSeek-V3 GPTModel with one multi-token-prediction layer (megatron-core's local MTP block spec),
+    saved by `dist_checkpointing.save` to `out`."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer import MLATransformerConfig
+
+    from axrl_spike_replay.models.megatron_cpu import initialize_cpu_rng, megatron_on_cpu
+    from axrl_spike_replay.models.megatron_deepseek import deepseek_block_spec
+    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, init_parallel, transformer_config_kwargs
+    from axrl_spike_replay.testing.megatron_checkpoints import tiny_spec
+
+    spec = tiny_spec("deepseek_v3")
+    with megatron_on_cpu():
+        init_parallel(MegatronParallel())
+        config = MLATransformerConfig(**transformer_config_kwargs(spec, MegatronParallel()), mtp_num_layers=1)
+        block = deepseek_block_spec(config)
+        mtp = get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=False)
+        initialize_cpu_rng(0)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=1024,
+            max_sequence_length=256,
+            position_embedding_type="rope",
+            mtp_block_spec=mtp,
+        )
+        Path(out).mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(model.sharded_state_dict(), out)

@@ -119,6 +119,17 @@ def test_what_does_not_map_is_refused_by_name(deepseek_checkpoints: dict[str, Pa
         check_megatron_weights(deepseek_checkpoints["tp1"], no_dense, "the snapshot's checkpoint")
 
 
+def test_a_checkpoint_with_multi_token_prediction_layers_is_refused_by_them(tmp_path: Path) -> None:
+    """megatron-core saves DeepSeek-V3 with an MTP layer (its `mtp.` keys); transformers' model has none, so route 1
+    refuses the checkpoint naming them rather than replaying without their loss."""
+    from megatron_helpers import save_with_mtp
+
+    spawn_ranks(save_with_mtp, 1, str(tmp_path / "mtp"))
+    spec = MegatronModelConfig.from_dict(tiny_section("deepseek_v3"))
+    with pytest.raises(SnapshotError, match=r"mtp\.layers\.0\..*multi-token prediction layers.*--backend command"):
+        check_megatron_weights(tmp_path / "mtp", spec, "the snapshot's checkpoint")
+
+
 def _agrees_with_megatron(section: dict, tmp_path: Path, seq: int) -> None:
     """Save `section`'s model with megatron-core, load it into transformers: the same routes, log-probs, gradients."""
     from axrl_spike_replay.testing.megatron_checkpoints import LAYOUTS, save_checkpoints

@@ -91,9 +91,15 @@ def check_megatron_weights(directory: Path, spec: MegatronModelConfig, label: st
         raise SnapshotError(f"{directory}: {label} does not fit the run config's model: {'; '.join(wrong[:4])}")
     unplaced = sorted(k for k in ckpt.tensors if k not in expected)
     if unplaced:
+        # multi-token prediction layers: transformers' models build none, so route 1 would drop their loss
+        mtp = (
+            " (multi-token prediction layers, which transformers' model does not build)"
+            if any(k.startswith("mtp.") for k in unplaced)
+            else ""
+        )
         raise SnapshotError(
             f"{directory}: {label} holds tensors the {spec.architecture} mapping does not place "
-            f"({shown(unplaced[:4], 200)}): a model Megatron builds that is not mapped onto transformers here; "
+            f"({shown(unplaced[:4], 200)}){mtp}: a model Megatron builds that is not mapped onto transformers here; "
             f"{COMMAND_BACKEND_HINT}"
         )
 
