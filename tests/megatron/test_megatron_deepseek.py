@@ -221,3 +221,19 @@ def test_a_deepseek_spike_replays_on_both_routes_alike(deepseek_capture: Path, t
     assert sharded.sharded is True and whole.sharded is False
     assert sharded.grad_norm is not None
     assert abs(sharded.grad_norm - native.grad_norm) / native.grad_norm < CROSS_CHECK_RTOL
+
+
+def test_a_layout_the_deepseek_shards_contradict_is_refused(deepseek_capture: Path, tmp_path: Path) -> None:
+    """The run config and metadata say TP=2, the per-layer keys were saved at TP=1: refused before any replay,
+    naming the attention projection the shards were read from."""
+    import yaml
+
+    snapshot = shutil.copytree(deepseek_capture, tmp_path / "iter_0000006")
+    config = yaml.safe_load((snapshot / "run_config.yaml").read_text())
+    config["parallel"].update(tp=2, world_size=4)
+    (snapshot / "run_config.yaml").write_text(yaml.safe_dump(config))
+    metadata = json.loads((snapshot / "axrl_metadata.json").read_text())
+    metadata["parallel"].update(tp=2, world_size=4)
+    (snapshot / "axrl_metadata.json").write_text(json.dumps(metadata))
+    with pytest.raises(SnapshotError, match=r"linear_proj is saved in 1 tensor-parallel shards but .* tp=2"):
+        run_replay(snapshot, ReplayOptions())

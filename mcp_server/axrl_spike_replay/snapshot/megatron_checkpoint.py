@@ -193,8 +193,9 @@ def layout_problems(ckpt: MegatronCheckpoint, layout: ParallelLayout) -> list[st
     where = Path(ckpt.directory) / DCP_METADATA
     problems: list[str] = []
     if ckpt.tp is not None and ckpt.tp != layout.tp:
+        attention = "linear_qkv" if QKV in ckpt.tensors else "linear_proj"  # MLA has no fused QKV
         problems.append(
-            f"{where}: linear_qkv is saved in {ckpt.tp} tensor-parallel shards but the snapshot's layout says "
+            f"{where}: {attention} is saved in {ckpt.tp} tensor-parallel shards but the snapshot's layout says "
             f"tp={layout.tp}"
         )
     if ckpt.etp is not None and ckpt.etp != layout.etp:
