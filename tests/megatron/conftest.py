@@ -42,3 +42,33 @@ def megatron_capture(megatron_checkpoints: dict[str, Path], tmp_path_factory: py
     snapshots = sorted(root.glob("iter_*"))
     assert [p.name for p in snapshots] == ["iter_0000006"], "the guard trips at the burst step only"
     return snapshots[0]
+
+
+@pytest.fixture(scope="session")
+def deepseek_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """{layout: checkpoint dir} of a tiny DeepSeek-V3 GPTModel (MLA with q/kv LoRA ranks, a dense first layer,
+    a shared expert, a sigmoid router with expert bias and group-limited top-k) saved by `dist_checkpointing.save`
+    at TP=1, EP=2 and TP=2 (with ETP=2): the same global weights in each. Shared: copy before editing."""
+    if REASON is not None:
+        pytest.skip(REASON)
+    from axrl_spike_replay.testing.megatron_checkpoints import save_layouts, tiny_section
+
+    root = tmp_path_factory.mktemp("deepseek-checkpoints")
+    return save_layouts(root, tiny_section("deepseek_v3"), ("tp1", "ep2", "tp2"))
+
+
+@pytest.fixture(scope="session")
+def deepseek_capture(deepseek_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The snapshot the Megatron spike guard wrote when megatron-core's own DeepSeek-V3 model, trained at EP=2 over
+    two gloo processes, spiked at step 6. Shared: copy before editing."""
+    from megatron_trainer import train
+
+    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
+
+    root = tmp_path_factory.mktemp("deepseek-capture") / "checkpoints" / "spike_snapshots"
+    payload = (tiny_section("deepseek_v3"), str(deepseek_checkpoints["tp1"]), str(root), 8, 6, 2, "deepseek-ep2")
+    spawn_ranks(train, 2, payload, timeout_s=600.0, label="megatron training")
+    snapshots = sorted(root.glob("iter_*"))
+    assert [p.name for p in snapshots] == ["iter_0000006"], "the guard trips at the burst step only"
+    return snapshots[0]

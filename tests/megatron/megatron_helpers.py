@@ -95,25 +95,68 @@ def mbridge_to_hf(section: dict[str, Any], tensors: dict[str, torch.Tensor], hf_
     return to_model_layout(hf_model, per_expert)
 
 
-def build_mla_locally(rank: int, world: int, payload: None) -> None:
-    """Megatron-core's GPTModel with Multi-Latent Attention (DeepSeek-V3's) on the local spec: no Transformer
-    Engine, CPU. Raises what megatron-core raises."""
+# DeepSeek-V3's local-spec names as Transformer Engine's MLA spec (and mbridge) name them: the q / kv LoRA norms fused
+# into the up projections, experts as grouped-GEMM names. A dense layer's pre-MLP norm mbridge takes under both names.
+_TE_MLA_NAMES = (
+    (re.compile(r"\.self_attention\.q_layernorm\.weight$"), ".self_attention.linear_q_up_proj.layer_norm_weight"),
+    (re.compile(r"\.self_attention\.kv_layernorm\.weight$"), ".self_attention.linear_kv_up_proj.layer_norm_weight"),
+    (re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$"), r".mlp.experts.\2.weight\1"),
+)
+
+
+def mbridge_deepseek_to_hf(section: dict[str, Any], tensors: dict[str, torch.Tensor], hf_model: Any) -> dict[str, Any]:
+    """A live DeepSeek-V3 Megatron model's tensors (local spec names, TP=PP=EP=1) under transformers' names and
+    layout, by mbridge's DeepseekV3Bridge mapping and gate/up split. Its constructor builds a Transformer Engine
+    config, so the bridge is made without it: the mapping reads only the HF config and the MTP layer count."""
+    from types import SimpleNamespace
+
+    from mbridge.models.deepseek_v3 import DeepseekV3Bridge
+
+    from axrl_spike_replay.models.hf_config import hf_config_object
+    from axrl_spike_replay.models.hf_weights import to_model_layout
+    from axrl_spike_replay.models.megatron_config import MegatronModelConfig
+
+    spec = MegatronModelConfig.from_dict(section)
+    bridge = DeepseekV3Bridge.__new__(DeepseekV3Bridge)
+    bridge.hf_config = hf_config_object(spec.hf)
+    bridge.config = SimpleNamespace(mtp_num_layers=None, num_layers=spec.n_layers)
+    bridge.make_vocab_size_divisible_by = None  # type: ignore[assignment] - its constructor's default
+    per_expert: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        for pattern, replacement in _TE_MLA_NAMES:
+            name = pattern.sub(replacement, name)
+        names, values = bridge._weight_to_hf_format(name, tensor)
+        per_expert.update(zip(names, values, strict=True))
+    return to_model_layout(hf_model, per_expert)
+
+
+def save_with_mtp(rank: int, world: int, out: str) -> None:
+    """The tiny DeepSeek-V3 GPTModel with one multi-token-prediction layer (megatron-core's local MTP block spec),
+    saved by `dist_checkpointing.save` to `out`."""
+    from megatron.core import dist_checkpointing
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer import MLATransformerConfig
 
     from axrl_spike_replay.models.megatron_cpu import initialize_cpu_rng, megatron_on_cpu
-    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, init_parallel
+    from axrl_spike_replay.models.megatron_deepseek import deepseek_block_spec
+    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, init_parallel, transformer_config_kwargs
+    from axrl_spike_replay.testing.megatron_checkpoints import tiny_spec
 
+    spec = tiny_spec("deepseek_v3")
     with megatron_on_cpu():
         init_parallel(MegatronParallel())
-        config = MLATransformerConfig(
-            num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, q_lora_rank=32,
-            kv_lora_rank=16, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, num_moe_experts=8,
-            moe_ffn_hidden_size=32, moe_router_topk=2, moe_layer_freq=[0, 1], normalization="RMSNorm",
-            qk_layernorm=True, use_cpu_initialization=True, moe_token_dispatcher_type="allgather", rope_type="rope",
-            persist_layer_norm=False, add_bias_linear=False, gated_linear_unit=True,
-        )  # fmt: skip
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        config = MLATransformerConfig(**transformer_config_kwargs(spec, MegatronParallel()), mtp_num_layers=1)
+        block = deepseek_block_spec(config)
+        mtp = get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=False)
         initialize_cpu_rng(0)
-        GPTModel(config=config, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=64)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            vocab_size=1024,
+            max_sequence_length=256,
+            position_embedding_type="rope",
+            mtp_block_spec=mtp,
+        )
+        Path(out).mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(model.sharded_state_dict(), out)

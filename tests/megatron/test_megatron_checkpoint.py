@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_helpers import REASON
 
 from axrl_spike_replay.errors import ConfigError, SnapshotError, UnsafeFileError
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
@@ -107,9 +106,9 @@ def test_an_unsupported_checkpoint_format_or_release_is_refused(
 def test_a_model_megatron_builds_but_we_do_not_map_is_refused() -> None:
     with pytest.raises(
         ConfigError,
-        match=r"deepseek_v3.*Megatron-core builds it.*Multi-Latent Attention.*mapped: qwen3_moe, mixtral.*--backend",
+        match=r"olmoe.*Megatron-core builds it.*mapped: qwen3_moe, mixtral, deepseek_v3.*--backend",
     ):
-        MegatronModelConfig.from_dict({**tiny_section(), "architecture": "deepseek_v3"})
+        MegatronModelConfig.from_dict({**tiny_section(), "architecture": "olmoe"})
     with pytest.raises(ConfigError, match="dense MLP layers"):
         MegatronModelConfig.from_dict(tiny_section(config={**tiny_section()["config"], "mlp_only_layers": [0]}))
 
@@ -121,16 +120,3 @@ def test_common_state_is_read_weights_only(megatron_checkpoints: dict[str, Path]
     torch.save({"iteration": 7, "opaque": Path("x")}, directory / "common.pt")  # a class outside our allowlist
     with pytest.raises(UnsafeFileError):
         read_common_state(directory)
-
-
-def test_why_deepseek_v3_is_refused_still_holds() -> None:
-    """The refusal says megatron-core cannot build DeepSeek-V3's attention without Transformer Engine; when a
-    release can, this test fails and the mapping can be written and tested against Megatron's own model."""
-    if REASON is not None:
-        pytest.skip(REASON)
-    from megatron_helpers import build_mla_locally
-
-    from axrl_spike_replay.rank_processes import RankProcessError, spawn_ranks
-
-    with pytest.raises(RankProcessError, match=r"DotProductAttention.*unexpected keyword argument 'k_channels'"):
-        spawn_ranks(build_mla_locally, 1, None, timeout_s=300.0, label="megatron MLA")

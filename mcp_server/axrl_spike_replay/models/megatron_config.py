@@ -33,19 +33,13 @@ if TYPE_CHECKING:
     import torch
 
 # transformers architectures whose Megatron-core checkpoint we map (models.megatron_mapping declares each).
-MAPPED_ARCHITECTURES = ("qwen3_moe", "mixtral")
+MAPPED_ARCHITECTURES = ("qwen3_moe", "mixtral", "deepseek_v3")
 CHECKPOINT_FORMATS = ("torch_dist",)
 # megatron-core release series whose checkpoints and modules were checked (see models/megatron_cpu.py).
 SUPPORTED_MEGATRON_SERIES = ("0.16",)
 MEGATRON_KEYS = ("megatron_version", "checkpoint_format")
 # Why an architecture Megatron-core builds is not mapped, where the reason is known (checked on megatron-core 0.16.1).
-UNMAPPED_WHY = {
-    # tests/megatron/test_megatron_checkpoint.py checks the first reason still holds
-    "deepseek_v3": "its Multi-Latent Attention does not build without Transformer Engine in megatron-core 0.16.1 "
-    "(the local spec passes DotProductAttention a `k_channels` it does not take), so neither route can run "
-    "Megatron's model on CPU to test a mapping against; it would also need its dense first layers, shared experts "
-    "and sigmoid routing with expert bias mapped",
-}
+UNMAPPED_WHY: dict[str, str] = {}
 
 
 def _supported_version(version: str) -> bool:
@@ -148,7 +142,8 @@ def _unmapped(architecture: str) -> str:
 
 def check_mappable(hf: HFModelConfig) -> None:
     """ConfigError unless the HF config is one whose Megatron-core model we map layer for layer: every decoder
-    layer an MoE layer, no biases, no sliding window, default RoPE."""
+    layer an MoE layer (DeepSeek-V3: its dense first layers too), no biases, no sliding window, default RoPE
+    (DeepSeek-V3: yarn too), and for DeepSeek-V3 what `_deepseek_problems` checks."""
     if hf.architecture not in MAPPED_ARCHITECTURES:
         raise ConfigError(_unmapped(hf.architecture))
     config = hf.config
@@ -160,10 +155,41 @@ def check_mappable(hf: HFModelConfig) -> None:
     if config.get("sliding_window") is not None and config.get("use_sliding_window", True):
         problems.append("sliding-window attention")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if kind != "default" and not (hf.architecture == "deepseek_v3" and kind == "yarn"):  # MLA's yarn is mapped
         problems.append(f"RoPE scaling {shown(rope.get('rope_type', rope.get('type')), 40)}")
+    if hf.architecture == "deepseek_v3":
+        problems.extend(_deepseek_problems(config))
     if problems:
         raise ConfigError(
             f"model: a {hf.architecture} Megatron checkpoint with {'; '.join(problems)} is not mapped here; "
             f"{BACKEND_HINT}"
         )
+
+
+def _deepseek_problems(config: dict[str, Any]) -> list[str]:
+    """What of a DeepSeek-V3 config Megatron-core's model and transformers' compute differently (megatron-core 0.16.1,
+    transformers 5): each refused by name rather than mapped approximately."""
+    problems = []
+    if config.get("rope_interleave", True) is False:
+        # both de-interleave the RoPE dims of MLA (megatron: `multi_latent_attention` in rope_utils); without
+        # rope_interleave transformers rotates them as laid out, and the q_b / kv_a rows would need permuting
+        problems.append("rope_interleave false (Megatron's MLA always de-interleaves the RoPE dims)")
+    topk, groups = int(config.get("num_experts_per_tok") or 1), int(config.get("n_group") or 1)
+    if groups > 1 and topk // int(config.get("topk_group") or 1) != 2:
+        # transformers scores a group by its top 2 experts, megatron-core by its top topk // topk_group
+        problems.append("group-limited routing whose groups Megatron scores by other than their top 2 experts")
+    if topk > 1 and config.get("norm_topk_prob") is False:
+        problems.append("norm_topk_prob false (Megatron's sigmoid router always renormalises its top-k)")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "yarn":
+        # megatron-core's YarnRotaryEmbedding: cos/sin scaled by mscale(f, mscale) / mscale(f, mscale_all_dim)
+        # always, transformers' only when both are set (else by mscale(f)); no `attention_factor`, always truncated
+        mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if not (mscale and all_dim) and mscale not in (None, 1, 1.0):
+            problems.append("yarn with an mscale but no mscale_all_dim (the two scale cos/sin differently)")
+        if rope.get("attention_factor") is not None or rope.get("truncate", True) is False:
+            problems.append("yarn with attention_factor or truncate false (megatron-core has neither)")
+        if rope.get("factor") is None:
+            problems.append("yarn without a factor")
+    return problems

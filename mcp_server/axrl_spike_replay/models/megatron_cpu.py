@@ -8,6 +8,13 @@ torch 2.13 CPU; none is needed to *load* a checkpoint. They are set on entry and
 never at import, so nothing outside the `with` block sees them. On a GPU node none is applied
 (`megatron_on_cpu` is a no-op when CUDA is available).
 
+DeepSeek-V3's Multi-Latent Attention needs two more (megatron-core 0.16.1): `MultiLatentAttention` builds its core
+attention with `k_channels` / `v_channels`, which only Transformer Engine's attention takes (the local spec's
+`DotProductAttention` refuses them), and it tests `isinstance(linear_proj, TELinear)` behind a `HAVE_TE` that is
+True whenever `megatron.core.extensions.transformer_engine` imports, which it does without Transformer Engine
+(its names are then MagicMock placeholders). `mla_core_attention()` is Megatron's own `DotProductAttention`, taking
+the two widths; `megatron_on_cpu` sets the module's `HAVE_TE` to what the extension says.
+
 Known limits on CPU (megatron-core 0.16.1), which is why the CPU routes run TP=PP=1 forwards:
 - a TP>1 forward in training mode needs sequence parallel, which the torch norm fallback refuses;
 - pipeline-parallel schedules hard-code `device="cuda"` (`pipeline_parallel/schedules.py`);
@@ -17,6 +24,7 @@ Known limits on CPU (megatron-core 0.16.1), which is why the CPU routes run TP=P
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import importlib.util
 from collections.abc import Iterator
@@ -101,6 +109,7 @@ def megatron_on_cpu() -> Iterator[None]:
         # Without Transformer Engine `moe_utils` never defines `te_general_gemm`, yet the router's
         # `RouterGatingLinearFunction.forward` reads it (a megatron-core bug): None takes the torch.mm path. 0.16.1.
         patches.set(moe_utils, "te_general_gemm", None)
+        _patch_mla(patches)
         yield
     finally:
         patches.restore()
@@ -114,3 +123,36 @@ def initialize_cpu_rng(seed: int = 0) -> None:
 
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(seed)
+
+
+def _patch_mla(patches: _Patches) -> None:
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+
+    # `multi_latent_attention.HAVE_TE` is True when the extension module imports, and it imports without Transformer
+    # Engine (TELinear is then a MagicMock, and `isinstance(self.linear_proj, TELinear)` in
+    # `MultiLatentAttention.__init__` raises TypeError). The extension's own flag says whether TE is there. 0.16.1.
+    patches.set(multi_latent_attention, "HAVE_TE", bool(getattr(transformer_engine, "HAVE_TE", False)))
+
+
+@functools.cache
+def mla_core_attention() -> type:
+    """Megatron's local-spec core attention (`DotProductAttention`) taking the key and value widths Multi-Latent
+    Attention passes it (`k_channels`, `v_channels`, as Transformer Engine's attention takes them).
+
+    Checked against megatron-core 0.16.1: `DotProductAttention.forward` already works for keys and values of
+    different widths (scores `baddbmm` over the key width, context `bmm` over the value width, both read from the
+    tensors); only its constructor refuses the two arguments and sizes its output view from `kv_channels`. So the
+    widths are accepted and the output width is the value width times the local heads; the softmax scale MLA
+    passes (`softmax_scale`, its own 1/sqrt(qk_head_dim + rope dim) with yarn's mscale) is used as is."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.utils import divide
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:  # `Attention.__init__` builds one without widths first, MLA then rebuilds
+                heads = self.config.num_attention_heads
+                self.hidden_size_per_partition = divide(v_channels * heads, self.tp_group.size())
+
+    return MLADotProductAttention

@@ -61,7 +61,7 @@ def transformer_config_kwargs(spec: MegatronModelConfig, parallel: MegatronParal
     """TransformerConfig arguments for the spec: the model's own (as mbridge maps them) and the CPU-run ones."""
     c = hf_config_values(spec)
     heads = int(c["num_attention_heads"])
-    experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+    experts = int(c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts") or 0)
     expert_ffn = int(c.get("moe_intermediate_size") or c["intermediate_size"])
     dtype = spec.torch_dtype
     kwargs: dict[str, Any] = {
@@ -111,6 +111,10 @@ def transformer_config_kwargs(spec: MegatronModelConfig, parallel: MegatronParal
         "gradient_accumulation_fusion": False,
         "apply_rope_fusion": False,
     }
+    if spec.architecture == "deepseek_v3":
+        from axrl_spike_replay.models.megatron_deepseek import deepseek_config_kwargs
+
+        kwargs.update(deepseek_config_kwargs(c), rotary_base=_rope_theta(c))
     return kwargs
 
 
@@ -119,21 +123,27 @@ def build_gpt_model(spec: MegatronModelConfig, parallel: MegatronParallel | None
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     from axrl_spike_replay.models.megatron_cpu import initialize_cpu_rng
+    from axrl_spike_replay.models.megatron_deepseek import deepseek_block_spec
 
     parallel = parallel or MegatronParallel()
     kwargs = transformer_config_kwargs(spec, parallel)
+    mla = bool(kwargs.get("multi_latent_attention"))
     try:
-        config = TransformerConfig(**kwargs)
+        config = (MLATransformerConfig if mla else TransformerConfig)(**kwargs)
     except (AssertionError, ValueError, TypeError) as exc:
         raise ConfigError(f"model: megatron-core's TransformerConfig refuses the spec ({exc})") from None
-    layer_spec = get_gpt_layer_local_spec(
-        num_experts=kwargs["num_moe_experts"],
-        moe_grouped_gemm=False,
-        qk_layernorm=kwargs["qk_layernorm"],
-        normalization="RMSNorm",
+    layer_spec = (
+        deepseek_block_spec(config)
+        if mla
+        else get_gpt_layer_local_spec(
+            num_experts=kwargs["num_moe_experts"],
+            moe_grouped_gemm=False,
+            qk_layernorm=kwargs["qk_layernorm"],
+            normalization="RMSNorm",
+        )
     )
     initialize_cpu_rng(seed)
     c = hf_config_values(spec)

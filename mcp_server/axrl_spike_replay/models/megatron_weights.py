@@ -16,7 +16,7 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.hf_config import expected_hf_shapes, hf_config_object
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-from axrl_spike_replay.models.megatron_mapping import Heads, Rule, hf_names, rules_for, split_qkv
+from axrl_spike_replay.models.megatron_mapping import Heads, Rule, hf_names, rules_for, split_value
 from axrl_spike_replay.snapshot.megatron_checkpoint import (
     COMMAND_BACKEND_HINT,
     check_megatron_storage,
@@ -42,18 +42,26 @@ def heads_of(spec: MegatronModelConfig) -> Heads:
 
 def _rules(spec: MegatronModelConfig) -> tuple[Rule, ...]:
     tied = bool(hf_config_object(spec.hf).tie_word_embeddings)
-    return tuple(r for r in rules_for(spec.architecture) if not (r.optional and tied))
+    return tuple(r for r in rules_for(spec.architecture, spec.config) if not (r.optional and tied))
+
+
+def _layer_rules(spec: MegatronModelConfig, layer: int | None) -> list[Rule]:
+    """The rules with a key for decoder layer `layer` (None: the global keys)."""
+    if layer is None:
+        return [r for r in _rules(spec) if not r.layered]
+    moe = frozenset(spec.moe_layer_ids)
+    return [r for r in _rules(spec) if r.layered and r.applies(layer, moe)]
 
 
 @functools.lru_cache(maxsize=8)
 def _expected(spec: MegatronModelConfig) -> dict[str, tuple[int, ...]]:
     hf = expected_hf_shapes(spec.hf)
     shapes: dict[str, tuple[int, ...]] = {}
-    for rule in _rules(spec):
-        names = hf_names(rule, 0 if rule.stacked else None)
-        parts = [hf[name] for name in names]
-        shape = (sum(p[0] for p in parts), *parts[0][1:]) if rule.split == "qkv" else parts[0]
-        shapes[rule.megatron] = (spec.n_layers, *shape) if rule.stacked else shape
+    for layer in (None, *range(spec.n_layers)):
+        for rule in _layer_rules(spec, layer):
+            parts = [hf[name] for name in hf_names(rule, layer)]
+            shape = (sum(p[0] for p in parts), *parts[0][1:]) if rule.split != "copy" else parts[0]
+            shapes[rule.key(layer)] = (spec.n_layers, *shape) if rule.stacked else shape
     return shapes
 
 
@@ -83,9 +91,15 @@ def check_megatron_weights(directory: Path, spec: MegatronModelConfig, label: st
         raise SnapshotError(f"{directory}: {label} does not fit the run config's model: {'; '.join(wrong[:4])}")
     unplaced = sorted(k for k in ckpt.tensors if k not in expected)
     if unplaced:
+        # multi-token prediction layers: transformers' models build none, so route 1 would drop their loss
+        mtp = (
+            " (multi-token prediction layers, which transformers' model does not build)"
+            if any(k.startswith("mtp.") for k in unplaced)
+            else ""
+        )
         raise SnapshotError(
             f"{directory}: {label} holds tensors the {spec.architecture} mapping does not place "
-            f"({shown(unplaced[:4], 200)}): a model Megatron builds that is not mapped onto transformers here; "
+            f"({shown(unplaced[:4], 200)}){mtp}: a model Megatron builds that is not mapped onto transformers here; "
             f"{COMMAND_BACKEND_HINT}"
         )
 
@@ -98,7 +112,7 @@ def _buffer(shape: tuple[int, ...], dtype: str) -> torch.Tensor:
 
 def _place(rule: Rule, layer: int | None, value: torch.Tensor, heads: Heads, params: dict[str, torch.Tensor]) -> None:
     names = hf_names(rule, layer)
-    values = split_qkv(value, heads) if rule.split == "qkv" else (value,)
+    values = split_value(rule, value, heads)
     for name, part in zip(names, values, strict=True):
         target = params[name]
         if tuple(target.shape) != tuple(part.shape):  # checked against the table already: a table error
@@ -114,25 +128,18 @@ def load_megatron_weights(model: nn.Module, spec: MegatronModelConfig, directory
     ckpt = read_megatron_checkpoint(directory)
     heads = heads_of(spec)
     params = dict(model.state_dict(keep_vars=True))
-    rules = _rules(spec)
     with torch.no_grad():
-        whole = {r.megatron: r for r in rules if not r.stacked}
-        buffers = {k: _buffer(*ckpt.tensors[k]) for k in whole}
-        load_regions(directory, {k: ((0,) * len(b.shape), b) for k, b in buffers.items()})
-        for key, rule in whole.items():
-            _place(rule, None, buffers[key], heads, params)
-        stacked = [r for r in rules if r.stacked]
-        for layer in range(spec.n_layers):
+        for layer in (None, *range(spec.n_layers)):
             regions = {}
-            for rule in stacked:
-                shape, dtype = ckpt.tensors[rule.megatron]
-                regions[rule.megatron] = (
-                    (layer,) + (0,) * (len(shape) - 1),
-                    _buffer((1, *shape[1:]), dtype),
-                )
+            for rule in _layer_rules(spec, layer):
+                key = rule.key(layer)
+                shape, dtype = ckpt.tensors[key]
+                size = (1, *shape[1:]) if rule.stacked else shape
+                regions[key] = ((layer if rule.stacked else 0,) + (0,) * (len(shape) - 1), _buffer(size, dtype))
             load_regions(directory, regions)
-            for rule in stacked:
-                _place(rule, layer, regions[rule.megatron][1][0], heads, params)
+            for rule in _layer_rules(spec, layer):
+                value = regions[rule.key(layer)][1]
+                _place(rule, layer, value[0] if rule.stacked else value, heads, params)
 
 
 def check_saved_layout(directory: Path, layout: ParallelLayout) -> None:
@@ -176,7 +183,13 @@ def load_megatron_shards(model: nn.Module, spec: MegatronModelConfig, directory:
     heads = heads_of(spec)
     state = dict(model.state_dict(keep_vars=True))
     rules = _rules(spec)
-    covered = {id(state[n]) for r in rules for layer in range(spec.n_layers) for n in hf_names(r, layer) if n in state}
+    covered = {
+        id(state[n])
+        for layer in (None, *range(spec.n_layers))
+        for r in _layer_rules(spec, layer)
+        for n in hf_names(r, layer)
+        if n in state
+    }
     unfilled = sorted(n for n, t in state.items() if id(t) not in covered)
     if unfilled:  # built on the meta device, an unmapped tensor would hold whatever memory it was given
         raise SnapshotError(
@@ -186,27 +199,31 @@ def load_megatron_shards(model: nn.Module, spec: MegatronModelConfig, directory:
         for layer in (None, *range(spec.n_layers)):
             regions: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
             copies: list[tuple[torch.Tensor, str]] = []
-            for rule in (r for r in rules if r.stacked == (layer is not None)):
-                shape, dtype = ckpt.tensors[rule.megatron]
-                lead = () if layer is None else (layer,)
-                if rule.split == "qkv":
-                    regions[rule.megatron] = (lead + (0,) * (len(shape) - len(lead)), _buffer((1, *shape[1:]), dtype))
+            rules = _layer_rules(spec, layer)
+            for rule in rules:
+                key = rule.key(layer)
+                shape, dtype = ckpt.tensors[key]
+                lead = (layer,) if rule.stacked and layer is not None else ()
+                if rule.split != "copy":  # fused rows interleave the parts: read the layer's whole tensor
+                    size = (1, *shape[1:]) if lead else shape
+                    regions[key] = (lead + (0,) * (len(shape) - len(lead)), _buffer(size, dtype))
                     continue
                 (name,) = hf_names(rule, layer)
                 row, local = local_rows(state[name])
                 if local.numel() == 0:
                     continue
-                size = (1, *local.shape) if layer is not None else tuple(local.shape)
+                size = (1, *local.shape) if lead else tuple(local.shape)
                 offsets = lead + (row,) + (0,) * (local.dim() - 1)
-                regions[rule.megatron] = (offsets, _buffer(size, dtype))
-                copies.append((local, rule.megatron))
+                regions[key] = (offsets, _buffer(size, dtype))
+                copies.append((local, key))
             load_regions(directory, regions)
             for local, key in copies:
                 buffer = regions[key][1]
-                local.copy_(buffer[0] if layer is not None else buffer)
-            for rule in (r for r in rules if r.stacked == (layer is not None) and r.split == "qkv"):
-                fused = regions[rule.megatron][1][0]
-                for name, part in zip(hf_names(rule, layer), split_qkv(fused, heads), strict=True):
+                local.copy_(buffer[0] if layer is not None and buffer.dim() > local.dim() else buffer)
+            for rule in (r for r in rules if r.split != "copy"):
+                fused = regions[rule.key(layer)][1]
+                fused = fused[0] if rule.stacked else fused
+                for name, part in zip(hf_names(rule, layer), split_value(rule, fused, heads), strict=True):
                     row, local = local_rows(state[name])
                     if local.numel():
                         local.copy_(part[row : row + local.shape[0]])

@@ -8,7 +8,9 @@ every shard a chunk at its global offset. So the tensor-parallel sizes show in t
 along its output rows: TP; the experts' `linear_fc2` along its input columns: ETP), and which data file holds each
 layer shows which pipeline stage's files a checkpoint needs. Expert, pipeline and data-parallel sizes leave no
 trace in the chunks (experts and layers are one chunk each whatever the layout): they come from the snapshot's
-metadata and run config.
+metadata and run config. Where layers differ (DeepSeek-V3's dense first layers: a `moe_layer_freq` list),
+megatron-core saves each layer under its own key instead (`decoder.layers.<i>.…`, experts [E, ...]); those are
+read the same way, the layer index taken from the key.
 
 Everything is read as untrusted: `.metadata` through `snapshot.checkpoint`'s allowlisted unpickler (sizes bounded
 by the data files), `metadata.json` bounded, `common.pt` with `weights_only=True`. `load_regions` reads any
@@ -48,6 +50,7 @@ QKV = "decoder.layers.self_attention.linear_qkv.weight"
 EXPERT_FC2 = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
 COMMAND_BACKEND_HINT = "replay it with `--backend command` and the trainer's own replay command"
 _DATA_FILE_RE = re.compile(r"__(\d+)_(\d+)\.distcp")
+_PER_LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.*)")  # a layer saved under its own key (non-homogeneous)
 # Megatron-LM's common.pt can carry its argparse Namespace and RNG states besides plain containers.
 COMMON_ALLOWED = ("argparse.Namespace",)
 
@@ -71,8 +74,8 @@ class MegatronCheckpoint:
 
     @property
     def stacked(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """The layer-stacked tensors (keys under `decoder.layers.`)."""
-        return {k: v for k, v in self.tensors.items() if k.startswith(LAYERS)}
+        """The layer-stacked tensors (keys under `decoder.layers.`, per-layer keys left out)."""
+        return {k: v for k, v in self.tensors.items() if k.startswith(LAYERS) and not _PER_LAYER_RE.fullmatch(k)}
 
 
 def read_backend(directory: Path) -> dict[str, Any]:
@@ -131,8 +134,11 @@ def read_megatron_checkpoint(directory: str | Path) -> MegatronCheckpoint:
     metadata = read_checkpoint_metadata(path, records=True)
     summary = summarize_checkpoint(path)
     items = metadata.state_dict_metadata
-    stacked = [shape for name, (shape, _) in summary.shapes.items() if name.startswith(LAYERS) and shape]
+    per_layer = {k: m for k in summary.shapes if (m := _PER_LAYER_RE.fullmatch(k))}
+    stacked = [s for n, (s, _) in summary.shapes.items() if n.startswith(LAYERS) and s and n not in per_layer]
     layers = {shape[0] for shape in stacked}
+    if per_layer:
+        layers.add(1 + max(int(m.group(1)) for m in per_layer.values()))
     if len(layers) > 1:
         raise SnapshotError(f"{path / DCP_METADATA}: the stacked decoder.layers.* keys disagree on the layer count")
     num_layers = layers.pop() if layers else None
@@ -140,13 +146,21 @@ def read_megatron_checkpoint(directory: str | Path) -> MegatronCheckpoint:
     num_experts = fc2[0][1] if fc2 and len(fc2[0]) == 4 else None
     tp = _splits(items[QKV], 1, (0,)) if QKV in items else None
     etp = _splits(items[EXPERT_FC2], 3, (0, 0)) if EXPERT_FC2 in items else None
+    for key, match in sorted(per_layer.items(), key=lambda kv: int(kv[1].group(1))):
+        name = match.group(2)
+        if name == "mlp.experts.experts.linear_fc2.weight" and etp is None:  # [E, H, F], ETP splits F
+            num_experts, etp = summary.shapes[key][0][0], _splits(items[key], 2, (0,))
+        if name == "self_attention.linear_proj.weight" and tp is None:  # row-parallel: TP splits its input columns
+            tp = _splits(items[key], 1, ())
     writers: set[int] = set()
     layer_files: dict[int, set[str]] = {}
     files: set[str] = set()
     for index, info in metadata.storage_data.items():
         files.add(info.relative_path)
         offset = _offset(index)
-        if index.fqn.startswith(LAYERS) and offset:
+        if (match := _PER_LAYER_RE.fullmatch(index.fqn)) is not None:
+            layer_files.setdefault(int(match.group(1)), set()).add(info.relative_path)
+        elif index.fqn.startswith(LAYERS) and offset:
             layer_files.setdefault(offset[0], set()).add(info.relative_path)
     for name in files:
         match = _DATA_FILE_RE.fullmatch(name)
@@ -179,8 +193,9 @@ def layout_problems(ckpt: MegatronCheckpoint, layout: ParallelLayout) -> list[st
     where = Path(ckpt.directory) / DCP_METADATA
     problems: list[str] = []
     if ckpt.tp is not None and ckpt.tp != layout.tp:
+        attention = "linear_qkv" if QKV in ckpt.tensors else "linear_proj"  # MLA has no fused QKV
         problems.append(
-            f"{where}: linear_qkv is saved in {ckpt.tp} tensor-parallel shards but the snapshot's layout says "
+            f"{where}: {attention} is saved in {ckpt.tp} tensor-parallel shards but the snapshot's layout says "
             f"tp={layout.tp}"
         )
     if ckpt.etp is not None and ckpt.etp != layout.etp:

@@ -16,7 +16,7 @@ from typing import Any
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.megatron_gpt import MegatronParallel, init_parallel
 
-TINY_MODELS = ("qwen3_moe", "mixtral")
+TINY_MODELS = ("qwen3_moe", "mixtral", "deepseek_v3")
 
 
 def tiny_section(architecture: str = "qwen3_moe", **overrides: Any) -> dict[str, Any]:
@@ -57,7 +57,8 @@ LAYOUTS = {
 
 
 def sharpen_routers(model: Any, seed: int) -> None:
-    """Router weights N(0, 1), the same on every layout (seeded per router): a wrong expert shows in the output."""
+    """Router weights N(0, 1), the same on every layout (seeded per router): a wrong expert shows in the output.
+    A router with an expert bias (DeepSeek-V3's) gets one too, large enough to change which experts win."""
     import torch
 
     from axrl_spike_replay.models.megatron_policy import routers
@@ -66,6 +67,9 @@ def sharpen_routers(model: Any, seed: int) -> None:
         for layer, router in routers(model).items():
             gen = torch.Generator().manual_seed(seed * 1000 + layer)
             router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+            bias = getattr(router, "expert_bias", None)
+            if bias is not None:
+                bias.copy_(0.3 * torch.randn(bias.shape, generator=gen))
 
 
 def _save_ranks(
