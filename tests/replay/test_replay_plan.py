@@ -41,7 +41,10 @@ def test_the_fixture_plan_counts_the_built_model_and_fits_here() -> None:
     assert tight.fits is False and tight.smallest_full_fidelity is None
     assert "largest fitting layout is 1 process(es) at reduced fidelity" in tight.layout
     auto = plan_replay(SNAPSHOT, capacity=Capacity("here", "cpu", 1, two.per_device - 1, "test"))
-    assert auto.fits and auto.chosen is not None and auto.chosen.sharded  # auto shards what does not fit whole
+    assert auto.chosen is not None and auto.chosen.sharded  # auto shards what does not fit whole
+    assert auto.whole is not None and auto.whole.fits is False and auto.whole.per_device == two.per_device
+    # a model this small gains nothing: the root's and two gathered units' parameters outweigh the halved rest
+    assert auto.chosen.memory.parameters > two.memory.parameters and auto.fits is False
 
 
 def test_published_sizes_from_config_only_snapshots_with_no_weights(tmp_path: Path) -> None:
@@ -61,7 +64,9 @@ def test_published_sizes_from_config_only_snapshots_with_no_weights(tmp_path: Pa
     assert sharded.fits is False and "the largest fitting layout is 32 process(es) at reduced fidelity" in q.layout
     assert "full fidelity needs 2 node(s) like 8xH200" in q.layout  # 7 sharded processes per GPU: 10 GPUs
     assert d.chosen is not None and d.chosen.fits is False and "no layout fits here" in d.layout
-    assert "full fidelity needs 8 node(s) like 8xH200 (64 processes, 1 per GPU" in d.layout
+    # sharded over 64, one process's parameters, gradients and activations are over one GPU: no node count helps
+    assert "one full-fidelity process (" in d.layout and "sharded (FSDP2)) is over a GPU's" in d.layout
+    assert "`--backend command`" in d.layout
     assert "671B parameters" in d.text() and "DOES NOT FIT" in d.text()
 
 

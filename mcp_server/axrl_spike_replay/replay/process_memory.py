@@ -3,10 +3,14 @@ build: no weight read). `replay_plan` adds where it runs and what fits.
 
 Per process, in the precision that runs (the model's dtype for parameters and gradients today):
 
-- parameters: P x bytes, whole; sharded (FSDP2) P/N plus the largest decoder layer gathered for its turn;
+- parameters: P x bytes, whole. Sharded (FSDP2, units as `models.policy.shard_units` makes them: the decoder
+  layers, and untied embeddings and output head): P/N, plus what is gathered at once: the root unit's own
+  parameters (FSDP2 keeps them from the forward through the backward; with untied embeddings only the final norm)
+  and two units (the one computing and the next, which FSDP2 prefetches in the backward);
 - gradients: one copy per config sharing the forward (a baseline replay: 1), one more while a process that runs
-  several saved ranks adds the next rank's gradient into the sum; sharded: 1/N of that plus one layer's unsharded
-  gradient before it is reduce-scattered. A backward frees the forward's activations as it makes the gradient, so
+  several saved ranks adds the next rank's gradient into the sum (each pass's own is freed once added); sharded:
+  1/N of that, plus the root's unsharded gradient (reduce-scattered last) and a unit's unsharded gradient with the
+  flat copy its reduce-scatter sends. A backward frees the forward's activations as it makes the gradient, so
   the step's peak holds the earlier copies plus the larger of the two;
 - activations: what autograd keeps for one saved rank's forward (a process runs its ranks one after another), from
   the architecture's widths and the rank's tokens (`activation_bytes`; eager attention keeps the [T, T] scores);
@@ -28,7 +32,9 @@ from axrl_spike_replay.models.policy import ModelSpec
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-RUNTIME_CPU_BYTES = 300 << 20  # python + torch + this package + transformers in a replay process (measured: ~250 MiB)
+# a replay process's imports before it builds anything: python, torch with FSDP2 and DCP, transformers' modelling and
+# this package (measured: 353 MiB peak RSS, torch 2.13 CPU and transformers 5, of which this package ~5 MiB)
+RUNTIME_CPU_BYTES = 350 << 20
 CUDA_CONTEXT_BYTES = 600 << 20  # the CUDA context and torch's kernels on each GPU a process uses
 
 
@@ -38,7 +44,8 @@ class ModelFacts:
 
     description: str
     parameters: int
-    largest_layer: int  # elements of the largest decoder layer (a sharded replay gathers one at a time)
+    largest_unit: int  # elements of the largest FSDP unit (`models.policy.shard_units`: gathered one at a time)
+    root: int  # elements FSDP2's root unit holds itself (outside every unit): gathered for the whole step
     dtype: str
     layers: int
     hidden: int
@@ -99,7 +106,8 @@ def _tiny_facts(spec: TinyMoEConfig) -> ModelFacts:
     return ModelFacts(
         description=f"tiny_moe ({spec.n_layers} layers, {spec.n_experts} experts)",
         parameters=total,
-        largest_layer=max(per_layer, default=0),
+        largest_unit=max(per_layer, default=0),
+        root=total - sum(per_layer),
         dtype="float32",
         layers=spec.n_layers,
         hidden=spec.d_model,
@@ -117,16 +125,23 @@ def _tiny_facts(spec: TinyMoEConfig) -> ModelFacts:
 
 
 def _hf_facts(spec: HFModelConfig) -> ModelFacts:
-    from axrl_spike_replay.models.hf_config import expected_hf_shapes
+    from axrl_spike_replay.models.hf_config import expected_hf_shapes, hf_config_object
 
     shapes = expected_hf_shapes(spec)
+    tied = bool(getattr(hf_config_object(spec), "tie_word_embeddings", False))
+    if tied:  # one matrix, held by the root (the state dict names it twice)
+        shapes = {n: s for n, s in shapes.items() if n != "lm_head.weight"}
     total = sum(math.prod(s) for s in shapes.values())
-    layers: dict[str, int] = {}
+    units: dict[str, int] = {}  # as `models.policy.shard_units` makes them: decoder layers, untied ends
     for name, shape in shapes.items():
         parts = name.split(".")
         if "layers" in parts:
             key = ".".join(parts[: parts.index("layers") + 2])
-            layers[key] = layers.get(key, 0) + math.prod(shape)
+        elif not tied and ("embed_tokens" in parts or parts[0] == "lm_head"):
+            key = "embed_tokens" if "embed_tokens" in parts else "lm_head"
+        else:
+            continue
+        units[key] = units.get(key, 0) + math.prod(shape)
     c = spec.config
     hidden = int(c.get("hidden_size", 0))
     heads = int(c.get("num_attention_heads", 1))
@@ -146,7 +161,8 @@ def _hf_facts(spec: HFModelConfig) -> ModelFacts:
     return ModelFacts(
         description=f"{spec.architecture} ({spec.n_layers} layers, {experts} experts, top-{spec.top_k})",
         parameters=total,
-        largest_layer=max(layers.values(), default=0),
+        largest_unit=max(units.values(), default=0),
+        root=total - sum(units.values()),
         dtype=spec.dtype,
         layers=spec.n_layers,
         hidden=hidden,
@@ -202,9 +218,14 @@ def process_memory(
     params = facts.parameters * pb
     grads = facts.parameters * gb * copies
     held = facts.parameters * gb * (copies - 1)
-    if sharded and nproc > 1:
-        params = math.ceil(params / nproc) + facts.largest_layer * pb
-        grads = math.ceil(grads / nproc) + facts.largest_layer * gb
+    if sharded:
+        # this process's shards, the root's own parameters (gathered for the whole step) and two units gathered at
+        # once (the one computing and the one FSDP2 prefetches in the backward)
+        gathered = facts.root + 2 * facts.largest_unit
+        params = math.ceil(params / nproc) + gathered * pb
+        # the sharded sums, the root's unsharded gradient (reduce-scattered last) and a unit's unsharded gradient
+        # with the flat copy its reduce-scatter sends
+        grads = math.ceil(grads / nproc) + gathered * gb
         held = math.ceil(held / nproc)
         loading = params
     else:
