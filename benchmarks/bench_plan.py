@@ -103,16 +103,25 @@ def main() -> None:
         snap = _python(MAKE, tmp, str(args.hidden), str(args.seq))
         workspace = Path(tmp) / "ws"
         workspace.mkdir()
-        rows = []
+        measured_rows = []
         for shard in ("off", "on"):
             for nproc in (1, 2, 4):
-                plan = json.loads(_python(PLAN, snap, str(nproc), shard))
                 cli = [sys.executable, "-m", "axrl_spike_replay", "replay", snap, "--nproc", str(nproc)]
                 cli += ["--shard", shard, "--workspace", str(workspace), "--json"]
                 started = time.perf_counter()
                 measured = int(_python(MEASURE, *cli))
-                rows.append((shard, nproc, plan, measured, time.perf_counter() - started))
-                print(f"measured shard {shard} N={nproc} in {rows[-1][-1]:.0f} s", file=sys.stderr, flush=True)
+                measured_rows.append((shard, nproc, measured))
+                wall = time.perf_counter() - started
+                print(
+                    f"measured shard {shard} N={nproc}: {measured / gib:.2f} GiB in {wall:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        # the plan reads no weight and runs nothing: made for every layout once the runs are measured
+        rows = [
+            (shard, nproc, json.loads(_python(PLAN, snap, str(nproc), shard)), measured, 0.0)
+            for shard, nproc, measured in measured_rows
+        ]
         first = rows[0][2]
         print(f"model {first['model']}: {first['params'] / 1e6:.0f}M parameters, {first['tokens']} tokens per rank")
         print(f"{'replay':>8} {'N':>3} {'predicted':>10} {'measured':>10} {'ratio':>6}   parts (GiB)")

@@ -30,7 +30,7 @@ def _verl_targets(causal_lm: Any) -> list[nn.Module]:
 def test_the_replay_shards_the_units_verl_wraps(architecture: str, tied: bool) -> None:
     config = {**tiny_config(architecture), "tie_word_embeddings": tied}
     policy = build_policy(HFModelConfig(architecture=architecture, config=config), "meta")
-    lm: Any = policy.causal_lm  # type: ignore[attr-defined]
+    lm: Any = policy.causal_lm
     units = shard_units(policy)
     assert [id(m) for m in units] == [id(m) for m in _verl_targets(lm)]
     ends = {id(lm.model.embed_tokens), id(lm.lm_head)}
