@@ -4,14 +4,16 @@ build: no weight read). `replay_plan` adds where it runs and what fits.
 Per process, in the precision that runs (the model's dtype for parameters and gradients today):
 
 - parameters: P x bytes, whole. Sharded (FSDP2, units as `models.policy.shard_units` makes them: the decoder
-  layers, and untied embeddings and output head): P/N, plus what is gathered at once: the root unit's own
-  parameters (FSDP2 keeps them from the forward through the backward; with untied embeddings only the final norm)
-  and two units (the one computing and the next, which FSDP2 prefetches in the backward);
+  layers, and untied embeddings and output head): P/N, plus the root unit's own parameters, which FSDP2 keeps
+  gathered from the forward through the backward (with untied embeddings only the final norm). Every other unit
+  is resharded after its forward, so none is gathered when the activations peak, at the forward's end;
 - gradients: one copy per config sharing the forward (a baseline replay: 1), one more while a process that runs
   several saved ranks adds the next rank's gradient into the sum (each pass's own is freed once added); sharded:
-  1/N of that, plus the root's unsharded gradient (reduce-scattered last) and a unit's unsharded gradient with the
-  flat copy its reduce-scatter sends. A backward frees the forward's activations as it makes the gradient, so
-  the step's peak holds the earlier copies plus the larger of the two;
+  1/N of that, plus the root's unsharded gradient (reduce-scattered last). A backward frees the forward's
+  activations as it makes the gradient, so the step's peak holds the earlier copies plus the larger of the two;
+- gathered (sharded, transient in the backward): three of the largest unit at once: the unit computing, the next
+  one FSDP2 prefetches, and the unit's unsharded gradient (then the flat copy its reduce-scatter sends, once the
+  unit itself is resharded); it adds to the new gradient's side of the step;
 - activations: what autograd keeps for one saved rank's forward (a process runs its ranks one after another), from
   the architecture's widths and the rank's tokens (`activation_bytes`; eager attention keeps the [T, T] scores);
 - runtime: the interpreter, torch and this package (CPU), or the CUDA context (GPU);
@@ -72,13 +74,14 @@ class ProcessMemory:
     loading: int  # transient, while the weights load (host memory)
 
     held_gradients: int = 0  # the part of `gradients` kept from earlier ranks or configs while one more is computed
+    gathered: int = 0  # sharded: units gathered in the backward, parameters and gradient in flight (transient)
 
     @property
     def step(self) -> int:
         """During a backward: the held gradients, plus the larger of what the forward kept (at its start) and the
-        new gradient (at its end; the activations are freed as it is made)."""
+        new gradient with the units gathered to make it (at its end; the activations are freed as it is made)."""
         fresh = self.gradients - self.held_gradients
-        return self.runtime + self.parameters + self.held_gradients + max(self.activations, fresh)
+        return self.runtime + self.parameters + self.held_gradients + max(self.activations, fresh + self.gathered)
 
     @property
     def peak(self) -> int:
@@ -218,17 +221,19 @@ def process_memory(
     params = facts.parameters * pb
     grads = facts.parameters * gb * copies
     held = facts.parameters * gb * (copies - 1)
+    gathered = 0
     if sharded:
-        # this process's shards, the root's own parameters (gathered for the whole step) and two units gathered at
-        # once (the one computing and the one FSDP2 prefetches in the backward)
-        gathered = facts.root + 2 * facts.largest_unit
-        params = math.ceil(params / nproc) + gathered * pb
-        # the sharded sums, the root's unsharded gradient (reduce-scattered last) and a unit's unsharded gradient
-        # with the flat copy its reduce-scatter sends
-        grads = math.ceil(grads / nproc) + gathered * gb
+        # this process's shards and the root's own parameters (gathered for the whole step); every other unit is
+        # resharded after its forward, so none is gathered when the activations peak (the forward's end)
+        params = math.ceil(params / nproc) + facts.root * pb
+        # the sharded sums and the root's unsharded gradient (reduce-scattered last)
+        grads = math.ceil(grads / nproc) + facts.root * gb
         held = math.ceil(held / nproc)
+        # in the backward, three units' worth at once: the unit computing, the next one FSDP2 prefetches, and the
+        # unit's unsharded gradient (then its reduce-scatter's flat copy, the unit itself resharded by then)
+        gathered = 3 * facts.largest_unit * max(pb, gb)
         loading = params
     else:
         loading = 2 * facts.parameters * pb
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else RUNTIME_CPU_BYTES
-    return ProcessMemory(params, grads, activation_bytes(facts, batch, seq), runtime, loading, held)
+    return ProcessMemory(params, grads, activation_bytes(facts, batch, seq), runtime, loading, held, gathered)

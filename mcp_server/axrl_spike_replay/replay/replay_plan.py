@@ -116,9 +116,10 @@ def _row_text(row: PlanRow) -> str:
     fits = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown"}[row.fits]
     return (
         f"{row.nproc} process(es), {row.fidelity} fidelity, {how}: per process parameters {_gib(m.parameters)}, "
-        f"gradients {_gib(m.gradients)}, activations {_gib(m.activations)}, runtime {_gib(m.runtime)}, "
-        f"loading {_gib(m.loading)} -> peak {_gib(m.peak)}; {row.processes_per_device} per device = "
-        f"{_gib(row.per_device)}: {fits}"
+        f"gradients {_gib(m.gradients)}, activations {_gib(m.activations)}, "
+        + (f"units gathered in the backward {_gib(m.gathered)}, " if m.gathered else "")
+        + f"runtime {_gib(m.runtime)}, loading {_gib(m.loading)} -> peak {_gib(m.peak)}; "
+        f"{row.processes_per_device} per device = {_gib(row.per_device)}: {fits}"
     )
 
 
