@@ -163,10 +163,26 @@ def machine_capacity(device: str) -> Capacity:
             total = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
             return Capacity("this machine", "cuda", count, int(total * GPU_USABLE), "torch.cuda")
         return Capacity("this machine", "cuda", 0, 0, "no GPU visible to torch")
-    from axrl_spike_replay.replay import shard_choice
-
-    usable = int(shard_choice.available_memory_bytes() * HOST_USABLE)
+    usable = int(available_memory() * HOST_USABLE)
     return Capacity("this machine", "cpu", 1, usable, "MemAvailable of /proc/meminfo")
+
+
+def available_memory() -> int:
+    """This machine's available memory in bytes (`MemAvailable` of /proc/meminfo; the physical memory where that
+    cannot be read)."""
+    import os
+
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
 
 
 def node_capacity(report: Any, device: str) -> Capacity | None:

@@ -52,21 +52,10 @@ def available_bytes(device: str, processes: int) -> int:
 
 
 def available_memory_bytes() -> int:
-    """This machine's available memory (`MemAvailable` of /proc/meminfo; the physical memory where that cannot be
-    read)."""
-    import os
+    """This machine's available memory (the replay plan's reading of it)."""
+    from axrl_spike_replay.replay.replay_plan import available_memory
 
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 4 << 30
+    return available_memory()
 
 
 def check_whole_fits(spec: ModelSpec, precision: PrecisionPolicy, device: str, what: str) -> None:
