@@ -80,7 +80,7 @@ plan = plan_replay(sys.argv[1], nproc=int(sys.argv[2]), shard=sys.argv[3])
 m = plan.chosen.memory
 assert plan.chosen.sharded == (sys.argv[3] == "on"), plan.text()
 print(json.dumps({"peak": m.peak, "parameters": m.parameters, "gradients": m.gradients,
-                  "activations": m.activations, "runtime": m.runtime, "loading": m.loading,
+                  "activations": m.activations, "gathered": m.gathered, "runtime": m.runtime, "loading": m.loading,
                   "model": plan.model, "params": plan.parameters, "tokens": plan.tokens_per_rank}))
 """
 
@@ -130,7 +130,8 @@ def main() -> None:
             ratio = plan["peak"] / measured
             worst = max(worst, abs(ratio - 1))
             parts = ", ".join(
-                f"{k} {plan[k] / gib:.2f}" for k in ("parameters", "gradients", "activations", "runtime", "loading")
+                f"{k} {plan[k] / gib:.2f}"
+                for k in ("parameters", "gradients", "activations", "gathered", "runtime", "loading")
             )
             how = "sharded" if shard == "on" else "whole"
             print(f"{how:>8} {nproc:>3} {plan['peak'] / gib:>9.2f}G {measured / gib:>9.2f}G {ratio:>6.2f}   {parts}")
