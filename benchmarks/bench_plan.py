@@ -3,10 +3,11 @@
 
 A qwen3_moe spike snapshot saved at world size 4 is made from the tests' recorded one, with a larger model
 (hidden 1024, 8 experts of width 1024, vocab 32000: ~125M parameters, float32) and longer rank batches (4 x 512
-tokens; routing replay off, so no routes are needed). For each N, in a fresh process, `plan` predicts the peak of
-one replay process (whole model in each: the engine of this branch), then the CLI runs `replay --nproc N` and the
-measured peak is the largest `ru_maxrss` of that run's processes (the CLI process itself at N = 1, which replays
-in process; the largest rank process otherwise). Prints predicted, measured, their ratio, and the plan's parts.
+tokens; routing replay off, so no routes are needed). For each layout, whole model in each process (`--shard off`)
+and sharded with FSDP2 (`--shard on`), each on N = 1, 2, 4, in a fresh process, `plan` predicts the peak of one
+replay process, then the CLI runs `replay --nproc N --shard ...` and the measured peak is the largest `ru_maxrss`
+of that run's processes (the CLI process itself for the whole model at N = 1, which replays in process; the
+largest rank process otherwise). Prints predicted, measured, their ratio, and the plan's parts.
 
 The target: predicted within 20 % of measured for each N.
 
@@ -21,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -74,10 +76,11 @@ print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
 PLAN = r"""
 import json, sys
 from axrl_spike_replay.replay.replay_plan import plan_replay
-plan = plan_replay(sys.argv[1], nproc=int(sys.argv[2]), shard="off")
+plan = plan_replay(sys.argv[1], nproc=int(sys.argv[2]), shard=sys.argv[3])
 m = plan.chosen.memory
+assert plan.chosen.sharded == (sys.argv[3] == "on"), plan.text()
 print(json.dumps({"peak": m.peak, "parameters": m.parameters, "gradients": m.gradients,
-                  "activations": m.activations, "runtime": m.runtime, "loading": m.loading,
+                  "activations": m.activations, "gathered": m.gathered, "runtime": m.runtime, "loading": m.loading,
                   "model": plan.model, "params": plan.parameters, "tokens": plan.tokens_per_rank}))
 """
 
@@ -91,7 +94,7 @@ def _python(code: str, *args: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--seq", type=int, default=512)
     args = parser.parse_args()
@@ -100,23 +103,38 @@ def main() -> None:
         snap = _python(MAKE, tmp, str(args.hidden), str(args.seq))
         workspace = Path(tmp) / "ws"
         workspace.mkdir()
-        rows = []
-        for nproc in (1, 2, 4):
-            plan = json.loads(_python(PLAN, snap, str(nproc)))
-            cli = [sys.executable, "-m", "axrl_spike_replay", "replay", snap, "--nproc", str(nproc)]
-            measured = int(_python(MEASURE, *cli, "--workspace", str(workspace), "--json"))
-            rows.append((nproc, plan, measured))
-        first = rows[0][1]
+        measured_rows = []
+        for shard in ("off", "on"):
+            for nproc in (1, 2, 4):
+                cli = [sys.executable, "-m", "axrl_spike_replay", "replay", snap, "--nproc", str(nproc)]
+                cli += ["--shard", shard, "--workspace", str(workspace), "--json"]
+                started = time.perf_counter()
+                measured = int(_python(MEASURE, *cli))
+                measured_rows.append((shard, nproc, measured))
+                wall = time.perf_counter() - started
+                print(
+                    f"measured shard {shard} N={nproc}: {measured / gib:.2f} GiB in {wall:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        # the plan reads no weight and runs nothing: made for every layout once the runs are measured
+        rows = [
+            (shard, nproc, json.loads(_python(PLAN, snap, str(nproc), shard)), measured, 0.0)
+            for shard, nproc, measured in measured_rows
+        ]
+        first = rows[0][2]
         print(f"model {first['model']}: {first['params'] / 1e6:.0f}M parameters, {first['tokens']} tokens per rank")
-        print(f"{'N':>3} {'predicted':>10} {'measured':>10} {'ratio':>6}   parts (GiB)")
+        print(f"{'replay':>8} {'N':>3} {'predicted':>10} {'measured':>10} {'ratio':>6}   parts (GiB)")
         worst = 0.0
-        for nproc, plan, measured in rows:
+        for shard, nproc, plan, measured, _wall in rows:
             ratio = plan["peak"] / measured
             worst = max(worst, abs(ratio - 1))
             parts = ", ".join(
-                f"{k} {plan[k] / gib:.2f}" for k in ("parameters", "gradients", "activations", "runtime", "loading")
+                f"{k} {plan[k] / gib:.2f}"
+                for k in ("parameters", "gradients", "activations", "gathered", "runtime", "loading")
             )
-            print(f"{nproc:>3} {plan['peak'] / gib:>9.2f}G {measured / gib:>9.2f}G {ratio:>6.2f}   {parts}")
+            how = "sharded" if shard == "on" else "whole"
+            print(f"{how:>8} {nproc:>3} {plan['peak'] / gib:>9.2f}G {measured / gib:>9.2f}G {ratio:>6.2f}   {parts}")
         print(f"largest deviation {worst:.1%} (target: within 20%)")
 
 

@@ -42,6 +42,7 @@ def test_the_fixture_plan_counts_the_built_model_and_fits_here() -> None:
     assert "largest fitting layout is 1 process(es) at reduced fidelity" in tight.layout
     auto = plan_replay(SNAPSHOT, capacity=Capacity("here", "cpu", 1, two.per_device - 1, "test"))
     assert auto.fits and auto.chosen is not None and auto.chosen.sharded  # auto shards what does not fit whole
+    assert auto.whole is not None and auto.whole.fits is False and auto.whole.per_device == two.per_device
 
 
 def test_published_sizes_from_config_only_snapshots_with_no_weights(tmp_path: Path) -> None:
@@ -115,3 +116,22 @@ def test_plan_against_a_slurm_entry_from_its_gpus_per_node(tmp_path: Path, capsy
     assert main(argv) == 0  # without the GPUs' memory: nothing judged, and said why
     doc = json.loads(capsys.readouterr().out)
     assert doc["fits"] is None and "the GPUs' memory is known only once the job runs" in doc["notes"][0]
+
+
+def test_a_sharded_process_counts_what_fsdp2_gathers(tmp_path: Path) -> None:
+    """Qwen3-30B-A3B sharded over 64: its shards, the root's own parameters (the final norm: embeddings and head
+    are units of their own), and in the backward three of its largest unit at once."""
+    from axrl_spike_replay.replay.process_memory import process_memory
+
+    qwen = write_config_only_snapshot(tmp_path / "qwen", "qwen3_moe", QWEN3_30B_A3B, world_size=64, batch=1, seq=1024)
+    facts = model_facts(parse_model_config(read_run_config(qwen)["model"]))
+    hidden, vocab = QWEN3_30B_A3B["hidden_size"], QWEN3_30B_A3B["vocab_size"]
+    assert facts.root == hidden  # model.norm.weight
+    layer = facts.largest_unit
+    assert layer > vocab * hidden  # a decoder layer of 128 experts outweighs the embedding
+    m = process_memory(facts, 64, 64, 1, 1024, sharded=True, device="cuda")
+    assert m.parameters == -(-facts.parameters * 2 // 64) + hidden * 2
+    assert m.gathered == 3 * layer * 2 and m.held_gradients == 0
+    whole = process_memory(facts, 64, 64, 1, 1024, sharded=False, device="cuda")
+    assert whole.gathered == 0 and m.activations == whole.activations
+    assert m.step == m.runtime + m.parameters + max(m.activations, m.gradients + m.gathered)

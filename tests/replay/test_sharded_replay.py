@@ -90,19 +90,27 @@ def test_sharding_auto_stays_whole_when_the_model_fits(toy_world4: tuple[Path, S
     snapshot, whole = toy_world4
     result = run_replay(snapshot, ReplayOptions(nproc=2))  # shard auto: a toy model fits any process
     assert result.sharded is False
+    assert result.shard_reason.startswith("shard auto: the replay plan's whole-model peak")
+    assert "fits (" in result.shard_reason and "this machine" in result.shard_reason
     assert _rel(result.grad_norm, whole.baseline.grad_norm) <= REL
 
 
-def test_a_replay_that_does_not_fit_shards_by_itself(
-    toy_world4: tuple[Path, SweepResult], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from axrl_spike_replay.replay import shard_choice
+def test_a_replay_that_does_not_fit_shards_by_itself(toy_world4: tuple[Path, SweepResult]) -> None:
+    from axrl_spike_replay.replay.replay_plan import Capacity, plan_replay
 
     snapshot, whole = toy_world4
-    monkeypatch.setattr(shard_choice, "available_memory_bytes", lambda: 1 << 10)  # a machine with 1 KiB free
-    result = run_replay(snapshot, ReplayOptions(nproc=2))
+    roomy = Capacity("a large machine", "cpu", 1, 1 << 40, "test")
+    need = plan_replay(snapshot, nproc=2, capacity=roomy, shard="off").chosen
+    assert need is not None
+    small = Capacity("a small machine", "cpu", 1, need.per_device - 1, "test")  # two whole processes do not fit
+    result = run_replay(snapshot, ReplayOptions(nproc=2, capacity=small))
     assert result.sharded is True
+    assert "does not fit" in result.shard_reason and "a small machine" in result.shard_reason
     assert _rel(result.grad_norm, whole.baseline.grad_norm) <= REL
+    kept = run_replay(
+        snapshot, ReplayOptions(nproc=2, capacity=Capacity("a large machine", "cpu", 1, need.per_device, "test"))
+    )
+    assert kept.sharded is False and "fits (" in kept.shard_reason
 
 
 def test_attribution_cannot_run_sharded_and_says_so(toy_world4: tuple[Path, SweepResult]) -> None:

@@ -71,6 +71,7 @@ class ReplayResult:
     resolved_mitigations: dict[str, Any] = field(default_factory=dict)
     # how the replay held the model: sharded with FSDP2 over its processes, or whole in each (None: not recorded)
     sharded: bool | None = None
+    shard_reason: str = ""  # why: `shard` on/off as asked, or auto's reading of the replay plan
     # the precision that ran: param / reduce / output dtypes and their source (the snapshot's recorded policy, or
     # the model's own dtype when none was recorded); None for results written before it was recorded
     precision: dict[str, Any] | None = None

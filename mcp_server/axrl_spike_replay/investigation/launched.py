@@ -28,7 +28,7 @@ from axrl_spike_replay.remote.options import RemoteOptions
 from axrl_spike_replay.remote.replay_launch import LaunchedRunner, Placement
 from axrl_spike_replay.remote.slurm_command import SlurmSettings
 from axrl_spike_replay.remote.workspace_config import WorkspaceConfig, load_workspace_config, resolve_target
-from axrl_spike_replay.vocabulary import Device, Shard, Verb
+from axrl_spike_replay.vocabulary import Device, Verb
 
 
 def placement_for(request: ReplayRequest, config: WorkspaceConfig, world_size: int) -> Placement:
@@ -199,11 +199,12 @@ def replay_launched(request: ReplayRequest) -> ReplayResult | SweepResult:
         timeout_s=where.timeout_s,
     )
     first = placement.nodes[0].target if placement.nodes else None
+    capacity = None  # a node's memory, where it is probed: what `shard: auto` plans against
     if how.device == Device.CUDA and first is not None:  # a Slurm allocation's GPUs are known once it runs
         from axrl_spike_replay.investigation.planning import refuse_on_nodes
 
         configs = 1 + (len(what.configs) if what.verb == Verb.SWEEP else int(bool(what.mitigations)))
-        refuse_on_nodes(
+        capacity = refuse_on_nodes(
             what.snapshot,
             first,
             nproc=placement.processes,
@@ -211,6 +212,7 @@ def replay_launched(request: ReplayRequest) -> ReplayResult | SweepResult:
             configs=configs,
             options=options,
             progress=request.progress,
+            shard=str(how.shard),
         )
     recorder = LaunchRecorder(workspace, runner) if request.workspace is not None else None
     if recorder is not None:
@@ -218,9 +220,11 @@ def replay_launched(request: ReplayRequest) -> ReplayResult | SweepResult:
     engine = ReplayOptions(
         nproc=placement.processes,
         device=how.device,
-        # on request only: `auto` would judge this machine's memory, not the nodes' (the nodes' plan refuses what
-        # does not fit whole; `shard` on shards over every launched process)
-        shard=Shard.ON if how.shard == Shard.ON else Shard.OFF,
+        # `auto` plans against the probed node's GPUs, never this machine's memory; where no node was probed (CPU,
+        # Slurm) the capacity is unknown and the whole model stays. `on` shards over every launched process
+        shard=how.shard,
+        capacity=capacity,
+        nodes=placement.node_count,
         mitigations=dict(what.mitigations),
         repeat=what.repeat,
         clear_threshold=what.clear_threshold,

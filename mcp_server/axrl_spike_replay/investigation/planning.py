@@ -139,9 +139,11 @@ def refuse_on_nodes(
     configs: int = 1,
     options: RemoteOptions | None = None,
     progress: Callable[[str], None] | None = None,
-) -> None:
+    shard: str = "off",
+) -> Capacity:
     """Before a CUDA replay is launched on `nodes` nodes like `first`: probe `first` (one SSH round trip) and refuse
-    by name a node without GPUs, or, with the plan, a layout that does not fit them."""
+    by name a node without GPUs, or, with the plan, a layout that does not fit them (`shard` as the replay asks).
+    The probed node's capacity, for the engine's `shard: auto`."""
     from axrl_spike_replay.remote.node import probe_node
 
     options = options or RemoteOptions()
@@ -154,12 +156,13 @@ def refuse_on_nodes(
             "device",
         )
     try:
-        plan = plan_replay(snapshot, nproc=nproc, device="cuda", capacity=capacity, shard="off", configs=configs,
+        plan = plan_replay(snapshot, nproc=nproc, device="cuda", capacity=capacity, shard=shard, configs=configs,
                            nodes=nodes)  # fmt: skip
     except PlanRefused:
         raise
     except AxrlError:
-        return  # the engine names what is wrong with the snapshot
+        return capacity  # the engine names what is wrong with the snapshot
     if nodes > 1:
         plan.notes.append(f"{report.target} probed; the other {nodes - 1} node(s) taken to be alike")
     check_fits(plan)
+    return capacity

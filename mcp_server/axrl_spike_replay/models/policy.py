@@ -88,11 +88,19 @@ def parameter_count(spec: ModelSpec) -> int:
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The submodules a sharded replay makes FSDP units of, in forward order (the root holds the rest): the
-    decoder layers, as FSDP trainers wrap them (verl's transformer-layer wrap policy)."""
+    decoder layers, and for a transformers model with untied embeddings the input embedding and the output head
+    too, as verl's FSDP2 wraps them (`verl.utils.fsdp_utils._select_fsdp2_wrap_targets`). The root keeps its own
+    parameters gathered from the forward through the backward, so a unit of its own lets each of those
+    vocabulary-sized matrices be resharded when it is not in use."""
     from axrl_spike_replay.models.hf_policy import HFPolicy
 
     if isinstance(model, HFPolicy):
-        return list(model.causal_lm.model.layers)
+        lm = model.causal_lm
+        layers = list(lm.model.layers)
+        if getattr(lm.config, "tie_word_embeddings", False):
+            return layers
+        ends = [lm.model.embed_tokens], [lm.lm_head]
+        return [*ends[0], *layers, *ends[1]]
     blocks = getattr(model, "blocks", None)
     return list(blocks) if blocks is not None else []
 

@@ -40,6 +40,7 @@ from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_in
 from axrl_spike_replay.replay.launch import JobRunner, run_job
 from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.outcome_figures import DEFINITION
+from axrl_spike_replay.replay.replay_plan import HERE, Capacity
 from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard, planned_shard
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 from axrl_spike_replay.training.sample_masks import check_ranks
@@ -70,6 +71,10 @@ class ReplayOptions:
     # torch: the engine's own models (route 1 for a Megatron snapshot); megatron: Megatron-core's GPTModel computes
     # the baseline (route 2, `replay.megatron_route`), judged and recorded the same way
     backend: Backend = Backend.TORCH
+    # what `shard: auto` plans against: the memory where the processes run ("here": this machine's; None: unknown,
+    # so the whole model stays), over `nodes` nodes
+    capacity: Capacity | str | None = HERE
+    nodes: int = 1
 
 
 def check_device(device: str) -> str:
@@ -209,6 +214,7 @@ class ReplaySession:
             "created_at": now_iso(),
             "legacy_layout": self.inputs.legacy,
             "sharded": self.shard.shard,
+            "shard_reason": self.shard.reason,
             "precision": self.inputs.effective_precision.describe(),
         }
 
@@ -352,11 +358,11 @@ def replay_session(
             )
         plan = plan_layout(inputs.world_size, options.nproc)
         planned = None
-        if options.shard == Shard.AUTO and plan.nproc > 1:
-            planned = planned_shard(str(snapshot), plan.nproc, str(options.device), len(applied))
-        shard = choose_shard(
-            options.shard, inputs.model, inputs.effective_precision, options.device, plan.nproc, planned
-        )
+        if options.shard == Shard.AUTO:
+            planned = planned_shard(
+                str(snapshot), plan.nproc, str(options.device), len(applied), options.capacity, options.nodes
+            )
+        shard = choose_shard(options.shard, options.device, plan.nproc, planned)
         session = ReplaySession(inputs, plan, applied, options, shard)
         session.run = options.recorder.open_run(session.job) if options.recorder else RunDir(None)
         if verb == "replay":

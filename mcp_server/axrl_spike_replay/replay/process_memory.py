@@ -3,11 +3,17 @@ build: no weight read). `replay_plan` adds where it runs and what fits.
 
 Per process, in the precision that runs (the model's dtype for parameters and gradients today):
 
-- parameters: P x bytes, whole; sharded (FSDP2) P/N plus the largest decoder layer gathered for its turn;
+- parameters: P x bytes, whole. Sharded (FSDP2, units as `models.policy.shard_units` makes them: the decoder
+  layers, and untied embeddings and output head): P/N, plus the root unit's own parameters, which FSDP2 keeps
+  gathered from the forward through the backward (with untied embeddings only the final norm). Every other unit
+  is resharded after its forward, so none is gathered when the activations peak, at the forward's end;
 - gradients: one copy per config sharing the forward (a baseline replay: 1), one more while a process that runs
-  several saved ranks adds the next rank's gradient into the sum; sharded: 1/N of that plus one layer's unsharded
-  gradient before it is reduce-scattered. A backward frees the forward's activations as it makes the gradient, so
-  the step's peak holds the earlier copies plus the larger of the two;
+  several saved ranks adds the next rank's gradient into the sum (each pass's own is freed once added); sharded:
+  1/N of that, plus the root's unsharded gradient (reduce-scattered last). A backward frees the forward's
+  activations as it makes the gradient, so the step's peak holds the earlier copies plus the larger of the two;
+- gathered (sharded, transient in the backward): three of the largest unit at once: the unit computing, the next
+  one FSDP2 prefetches, and the unit's unsharded gradient (then the flat copy its reduce-scatter sends, once the
+  unit itself is resharded); it adds to the new gradient's side of the step;
 - activations: what autograd keeps for one saved rank's forward (a process runs its ranks one after another), from
   the architecture's widths and the rank's tokens (`activation_bytes`; eager attention keeps the [T, T] scores);
 - runtime: the interpreter, torch and this package (CPU), or the CUDA context (GPU);
@@ -28,7 +34,9 @@ from axrl_spike_replay.models.policy import ModelSpec
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-RUNTIME_CPU_BYTES = 300 << 20  # python + torch + this package + transformers in a replay process (measured: ~250 MiB)
+# a replay process's imports before it builds anything: python, torch with FSDP2 and DCP, transformers' modelling and
+# this package (measured: 353 MiB peak RSS, torch 2.13 CPU and transformers 5, of which this package ~5 MiB)
+RUNTIME_CPU_BYTES = 350 << 20
 CUDA_CONTEXT_BYTES = 600 << 20  # the CUDA context and torch's kernels on each GPU a process uses
 
 
@@ -38,7 +46,8 @@ class ModelFacts:
 
     description: str
     parameters: int
-    largest_layer: int  # elements of the largest decoder layer (a sharded replay gathers one at a time)
+    largest_unit: int  # elements of the largest FSDP unit (`models.policy.shard_units`: gathered one at a time)
+    root: int  # elements FSDP2's root unit holds itself (outside every unit): gathered for the whole step
     dtype: str
     layers: int
     hidden: int
@@ -65,13 +74,14 @@ class ProcessMemory:
     loading: int  # transient, while the weights load (host memory)
 
     held_gradients: int = 0  # the part of `gradients` kept from earlier ranks or configs while one more is computed
+    gathered: int = 0  # sharded: units gathered in the backward, parameters and gradient in flight (transient)
 
     @property
     def step(self) -> int:
         """During a backward: the held gradients, plus the larger of what the forward kept (at its start) and the
-        new gradient (at its end; the activations are freed as it is made)."""
+        new gradient with the units gathered to make it (at its end; the activations are freed as it is made)."""
         fresh = self.gradients - self.held_gradients
-        return self.runtime + self.parameters + self.held_gradients + max(self.activations, fresh)
+        return self.runtime + self.parameters + self.held_gradients + max(self.activations, fresh + self.gathered)
 
     @property
     def peak(self) -> int:
@@ -99,7 +109,8 @@ def _tiny_facts(spec: TinyMoEConfig) -> ModelFacts:
     return ModelFacts(
         description=f"tiny_moe ({spec.n_layers} layers, {spec.n_experts} experts)",
         parameters=total,
-        largest_layer=max(per_layer, default=0),
+        largest_unit=max(per_layer, default=0),
+        root=total - sum(per_layer),
         dtype="float32",
         layers=spec.n_layers,
         hidden=spec.d_model,
@@ -117,16 +128,23 @@ def _tiny_facts(spec: TinyMoEConfig) -> ModelFacts:
 
 
 def _hf_facts(spec: HFModelConfig) -> ModelFacts:
-    from axrl_spike_replay.models.hf_config import expected_hf_shapes
+    from axrl_spike_replay.models.hf_config import expected_hf_shapes, hf_config_object
 
     shapes = expected_hf_shapes(spec)
+    tied = bool(getattr(hf_config_object(spec), "tie_word_embeddings", False))
+    if tied:  # one matrix, held by the root (the state dict names it twice)
+        shapes = {n: s for n, s in shapes.items() if n != "lm_head.weight"}
     total = sum(math.prod(s) for s in shapes.values())
-    layers: dict[str, int] = {}
+    units: dict[str, int] = {}  # as `models.policy.shard_units` makes them: decoder layers, untied ends
     for name, shape in shapes.items():
         parts = name.split(".")
         if "layers" in parts:
             key = ".".join(parts[: parts.index("layers") + 2])
-            layers[key] = layers.get(key, 0) + math.prod(shape)
+        elif not tied and ("embed_tokens" in parts or parts[0] == "lm_head"):
+            key = "embed_tokens" if "embed_tokens" in parts else "lm_head"
+        else:
+            continue
+        units[key] = units.get(key, 0) + math.prod(shape)
     c = spec.config
     hidden = int(c.get("hidden_size", 0))
     heads = int(c.get("num_attention_heads", 1))
@@ -146,7 +164,8 @@ def _hf_facts(spec: HFModelConfig) -> ModelFacts:
     return ModelFacts(
         description=f"{spec.architecture} ({spec.n_layers} layers, {experts} experts, top-{spec.top_k})",
         parameters=total,
-        largest_layer=max(layers.values(), default=0),
+        largest_unit=max(units.values(), default=0),
+        root=total - sum(units.values()),
         dtype=spec.dtype,
         layers=spec.n_layers,
         hidden=hidden,
@@ -202,12 +221,19 @@ def process_memory(
     params = facts.parameters * pb
     grads = facts.parameters * gb * copies
     held = facts.parameters * gb * (copies - 1)
-    if sharded and nproc > 1:
-        params = math.ceil(params / nproc) + facts.largest_layer * pb
-        grads = math.ceil(grads / nproc) + facts.largest_layer * gb
+    gathered = 0
+    if sharded:
+        # this process's shards and the root's own parameters (gathered for the whole step); every other unit is
+        # resharded after its forward, so none is gathered when the activations peak (the forward's end)
+        params = math.ceil(params / nproc) + facts.root * pb
+        # the sharded sums and the root's unsharded gradient (reduce-scattered last)
+        grads = math.ceil(grads / nproc) + facts.root * gb
         held = math.ceil(held / nproc)
+        # in the backward, three units' worth at once: the unit computing, the next one FSDP2 prefetches, and the
+        # unit's unsharded gradient (then its reduce-scatter's flat copy, the unit itself resharded by then)
+        gathered = 3 * facts.largest_unit * max(pb, gb)
         loading = params
     else:
         loading = 2 * facts.parameters * pb
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else RUNTIME_CPU_BYTES
-    return ProcessMemory(params, grads, activation_bytes(facts, batch, seq), runtime, loading, held)
+    return ProcessMemory(params, grads, activation_bytes(facts, batch, seq), runtime, loading, held, gathered)

@@ -65,6 +65,7 @@ class ReplayPlan:
     capacity: Capacity | None
     rows: list[PlanRow] = field(default_factory=list)
     chosen: PlanRow | None = None  # for the requested nproc (default: the saved world size)
+    whole: PlanRow | None = None  # the whole-model row of the requested nproc (what `auto` judges)
     smallest_full_fidelity: PlanRow | None = None  # fewest processes holding every saved rank that fits
     layout: str = ""
     notes: list[str] = field(default_factory=list)
@@ -75,7 +76,11 @@ class ReplayPlan:
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
-        for row, key in ((self.chosen, "chosen"), (self.smallest_full_fidelity, "smallest_full_fidelity")):
+        for row, key in (
+            (self.chosen, "chosen"),
+            (self.whole, "whole"),
+            (self.smallest_full_fidelity, "smallest_full_fidelity"),
+        ):
             if row is not None:
                 doc[key]["memory"]["peak"] = row.memory.peak
         for row, item in zip(self.rows, doc["rows"], strict=True):
@@ -111,9 +116,10 @@ def _row_text(row: PlanRow) -> str:
     fits = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown"}[row.fits]
     return (
         f"{row.nproc} process(es), {row.fidelity} fidelity, {how}: per process parameters {_gib(m.parameters)}, "
-        f"gradients {_gib(m.gradients)}, activations {_gib(m.activations)}, runtime {_gib(m.runtime)}, "
-        f"loading {_gib(m.loading)} -> peak {_gib(m.peak)}; {row.processes_per_device} per device = "
-        f"{_gib(row.per_device)}: {fits}"
+        f"gradients {_gib(m.gradients)}, activations {_gib(m.activations)}, "
+        + (f"units gathered in the backward {_gib(m.gathered)}, " if m.gathered else "")
+        + f"runtime {_gib(m.runtime)}, loading {_gib(m.loading)} -> peak {_gib(m.peak)}; "
+        f"{row.processes_per_device} per device = {_gib(row.per_device)}: {fits}"
     )
 
 
@@ -157,7 +163,26 @@ def machine_capacity(device: str) -> Capacity:
             total = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
             return Capacity("this machine", "cuda", count, int(total * GPU_USABLE), "torch.cuda")
         return Capacity("this machine", "cuda", 0, 0, "no GPU visible to torch")
-    return Capacity("this machine", "cpu", 1, int(available_memory() * HOST_USABLE), "MemAvailable of /proc/meminfo")
+    usable = int(available_memory() * HOST_USABLE)
+    return Capacity("this machine", "cpu", 1, usable, "MemAvailable of /proc/meminfo")
+
+
+def available_memory() -> int:
+    """This machine's available memory in bytes (`MemAvailable` of /proc/meminfo; the physical memory where that
+    cannot be read)."""
+    import os
+
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
 
 
 def node_capacity(report: Any, device: str) -> Capacity | None:
@@ -168,20 +193,6 @@ def node_capacity(report: Any, device: str) -> Capacity | None:
     sizes = [g.memory_total_mib for g in report.gpus if g.memory_total_mib]
     bytes_each = int(min(sizes) * (1 << 20) * GPU_USABLE) if sizes else 0
     return Capacity(report.target, "cuda", report.gpu_count, bytes_each, "nvidia-smi on the node")
-
-
-def available_memory() -> int:
-    """MemAvailable of /proc/meminfo, in bytes (the physical memory where that cannot be read)."""
-    import os
-
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def _row(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], sharded: bool, cap: Capacity | None,
@@ -205,7 +216,7 @@ def _row(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], shar
 def _choose(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], shard: str, cap: Capacity | None,
             device: str, configs: int, nodes: int) -> PlanRow:  # fmt: skip
     whole = _row(facts, nproc, world, shape, False, cap, device, configs, nodes)
-    if shard == "off" or nproc == 1 or (shard == "auto" and whole.fits is not False):
+    if shard == "off" or (shard == "auto" and (nproc == 1 or whole.fits is not False)):
         return whole
     return _row(facts, nproc, world, shape, True, cap, device, configs, nodes)
 
@@ -258,6 +269,7 @@ def plan_replay(
         capacity=cap,
         rows=rows,
         chosen=chosen,
+        whole=chosen if not chosen.sharded else _row(facts, wanted, world, shape, False, cap, device, configs, nodes),
         smallest_full_fidelity=full,
     )
     plan.layout = _layout(plan, nodes)

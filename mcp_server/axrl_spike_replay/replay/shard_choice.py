@@ -1,20 +1,27 @@
-"""Whether a replay shards the policy: `shard: on | off | auto`, auto deciding by `fits_one_process`.
+"""Whether a replay shards the policy: `shard: on | off | auto`, auto deciding from the replay plan.
 
-`fits_one_process` is a bytes estimate: the parameters and one gradient in the precision that runs, against the
-memory one process of this machine can have (CPU: available RAM shared by the replay's processes; CUDA: a GPU's
-free memory, shared when there are fewer GPUs than processes). It leaves out activations and the snapshot's
-batches, so it says "fits" generously; a replay plan that predicts activations too can replace it (same
-arguments, same answer type).
+Under auto the replay plan (`replay.replay_plan`: parameters, gradients, activations, runtime and loading per
+process, in the layout that will run) is made against the memory where the processes run (this machine's by
+default, or a capacity the caller knows: a probed node's GPUs). Its choice is the replay's: whole while the
+whole-model row fits, sharded (FSDP2) otherwise; one process stays whole (sharding it gains nothing). The reason
+says the plan's figures, and is logged and kept in the result.
+
+`check_whole_fits` guards work that cannot shard at all (attribution, route agreement) by a bytes estimate of the
+model and one gradient, before anything loads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.policy import ModelSpec, parameter_count
 from axrl_spike_replay.training.precision import PrecisionPolicy
 from axrl_spike_replay.vocabulary import Shard
+
+if TYPE_CHECKING:
+    from axrl_spike_replay.replay.replay_plan import Capacity, ReplayPlan
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -45,26 +52,10 @@ def available_bytes(device: str, processes: int) -> int:
 
 
 def available_memory_bytes() -> int:
-    """This machine's available memory (`MemAvailable` of /proc/meminfo; the physical memory where that cannot be
-    read)."""
-    import os
+    """This machine's available memory (the replay plan's reading of it)."""
+    from axrl_spike_replay.replay.replay_plan import available_memory
 
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 4 << 30
-
-
-def fits_one_process(spec: ModelSpec, precision: PrecisionPolicy, device: str, processes: int) -> bool:
-    """Whether the whole model fits each of `processes` replay processes on `device` (see the module docstring)."""
-    return bytes_whole(spec, precision) <= available_bytes(device, processes)
+    return available_memory()
 
 
 def check_whole_fits(spec: ModelSpec, precision: PrecisionPolicy, device: str, what: str) -> None:
@@ -78,53 +69,53 @@ def check_whole_fits(spec: ModelSpec, precision: PrecisionPolicy, device: str, w
         )
 
 
-def planned_shard(snapshot: str, processes: int, device: str, configs: int) -> bool | None:
-    """Whether the replay plan (`replay.replay_plan`, activations and batches counted) shards `processes` processes
-    under `shard: auto`; None when the plan cannot read the snapshot (the engine names what is wrong)."""
+def planned_shard(
+    snapshot: str, processes: int, device: str, configs: int, capacity: Capacity | str | None = "here", nodes: int = 1
+) -> ReplayPlan | None:
+    """The replay plan under `shard: auto` for `processes` processes over `nodes` nodes, against `capacity` ("here":
+    this machine's memory; None: unknown, so the whole model stays); None when the plan cannot read the snapshot
+    (the engine names what is wrong)."""
     from axrl_spike_replay.replay.replay_plan import plan_replay
 
     try:
-        chosen = plan_replay(snapshot, nproc=processes, device=device, shard="auto", configs=configs).chosen
+        return plan_replay(
+            snapshot, nproc=processes, device=device, capacity=capacity, shard="auto", configs=configs, nodes=nodes
+        )
     except Exception:  # a snapshot the plan cannot read: the engine's own checks say why
         return None
-    return None if chosen is None else chosen.sharded
 
 
-def choose_shard(
-    mode: str,
-    spec: ModelSpec,
-    precision: PrecisionPolicy,
-    device: str,
-    processes: int,
-    planned: bool | None = None,
-) -> ShardChoice:
-    """Sharded or whole for `mode` (on, off, auto); ConfigError when sharding cannot run on this device. Under auto,
-    `planned` (the replay plan's choice, when known) shards too when the plan's fuller memory model says so."""
+def choose_shard(mode: str, device: str, processes: int, plan: ReplayPlan | None = None) -> ShardChoice:
+    """Sharded or whole for `mode` (on, off, auto); ConfigError when sharding cannot run on this device. Under
+    auto, `plan` (the replay plan made with `shard: auto` for these processes) decides."""
     mode = Shard.parse(mode, "`shard`") if not isinstance(mode, Shard) else mode
     if mode == Shard.OFF:
         return ShardChoice(False, "shard off: every process holds the whole model")
     if mode == Shard.ON:
         _check_device(device, processes)
         return ShardChoice(True, f"shard on: FSDP2 over {processes} process(es)")
-    need = bytes_whole(spec, precision)
-    have = available_bytes(device, processes)
-    if planned and processes > 1:
-        _check_device(device, processes)
-        return ShardChoice(
-            True, f"shard auto: the replay plan says the whole model does not fit: FSDP2 over {processes}"
+    row = plan.chosen if plan is not None else None
+    if plan is None or row is None:
+        return ShardChoice(False, "shard auto: no replay plan could be made for this snapshot: whole model")
+    cap = plan.capacity
+    where = "capacity unknown" if cap is None else f"{_gib(cap.bytes_each)} usable on {cap.where}"
+    if not row.sharded:
+        said = {True: "fits", False: "does not fit", None: "cannot be judged"}[row.fits]
+        reason = (
+            f"shard auto: the replay plan's whole-model peak, {_gib(row.memory.peak)} per process "
+            f"({row.processes_per_device} per device: {_gib(row.per_device)}), {said} ({where})"
         )
-    if need <= have:
-        return ShardChoice(False, f"shard auto: the whole model ({_gib(need)}) fits one process ({_gib(have)} each)")
-    if processes == 1:
-        return ShardChoice(
-            False,
-            f"shard auto: the whole model ({_gib(need)}) does not fit one process ({_gib(have)}), and one process "
-            "gains nothing from sharding; replay on more processes (`nproc`) to shard",
-        )
+        if row.fits is False and processes == 1:
+            reason += "; one process gains nothing from sharding: replay on more processes (`nproc`) to shard"
+        return ShardChoice(False, reason + ": whole model in each process")
     _check_device(device, processes)
+    unsharded = plan.whole or row
     return ShardChoice(
         True,
-        f"shard auto: the whole model ({_gib(need)}) does not fit one process ({_gib(have)}): FSDP2 over {processes}",
+        f"shard auto: the replay plan's whole-model peak, {_gib(unsharded.memory.peak)} per process "
+        f"({unsharded.processes_per_device} per device: {_gib(unsharded.per_device)}), does not fit ({where}): "
+        f"FSDP2 over {processes}, {_gib(row.memory.peak)} per process"
+        + ("" if row.fits else " (over the memory too: the plan's refusal applies where it is checked)"),
     )
 
 

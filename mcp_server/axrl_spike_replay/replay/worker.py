@@ -258,6 +258,9 @@ def forward_group(
             if local_norms is not None and whole_rank and cfg.config_id == "baseline" and not cfg.mitigations:
                 local_norms[rank] = gradient_norms(zip(names, local[: len(names)], strict=True))
             accumulate(grads[cfg.config_id], local)
+            # the pass's own gradient is in the sum now: a name still bound to it would keep a third copy alive
+            # through the next pass's forward and backward (the sum, this one, and the next)
+            del local, grad_logprobs
             metrics[cfg.config_id].append(
                 {"rank": rank, "loss": float(result.loss.detach()), **result.metrics, **extra}
             )
