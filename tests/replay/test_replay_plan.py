@@ -135,3 +135,37 @@ def test_a_sharded_process_counts_what_fsdp2_gathers(tmp_path: Path) -> None:
     whole = process_memory(facts, 64, 64, 1, 1024, sharded=False, device="cuda")
     assert whole.gathered == 0 and m.activations == whole.activations
     assert m.step == m.runtime + m.parameters + max(m.activations, m.gradients + m.gathered)
+
+
+def test_a_recorded_mixed_precision_policy_plans_float32_master_shards_and_bf16_compute(tmp_path: Path) -> None:
+    """verl's defaults (bf16 parameters, fp32 reduction) recorded in the snapshot: sharded, each process holds
+    float32 master shards and float32 gradient sums, and computes in bf16; the same model with no policy recorded
+    replays in its own bf16 throughout. The plan says which."""
+    import yaml
+
+    plain = write_config_only_snapshot(tmp_path / "plain", "qwen3_moe", QWEN3_30B_A3B, world_size=64, batch=1, seq=1024)
+    mixed = write_config_only_snapshot(tmp_path / "mixed", "qwen3_moe", QWEN3_30B_A3B, world_size=64, batch=1, seq=1024)
+    run_config = mixed / "run_config.yaml"
+    doc = yaml.safe_load(run_config.read_text())
+    doc["precision"] = {"param_dtype": "bf16", "reduce_dtype": "fp32"}
+    run_config.write_text(yaml.safe_dump(doc))
+    before, after = (plan_replay(s, capacity=H200_NODE, shard="on") for s in (plain, mixed))
+    assert before.param_dtype == "bfloat16" and before.grad_dtype == "bfloat16"
+    assert after.param_dtype.startswith("bfloat16, float32 master") and after.grad_dtype == "float32"
+    p = after.parameters
+    one, other = after.chosen.memory, before.chosen.memory
+    assert one.parameters - other.parameters == -(-p * 4 // 64) - -(-p * 2 // 64)  # master shards twice as wide
+    assert one.gradients - other.gradients == -(-p * 4 // 64) - -(-p * 2 // 64)
+    assert one.activations == other.activations  # bf16 compute both ways
+    layer = model_facts(parse_model_config(read_run_config(mixed)["model"])).largest_unit
+    assert one.gathered == layer * (2 * 2 + 4) and other.gathered == 3 * layer * 2  # the reduce-scatter in fp32
+    whole_mixed = plan_replay(mixed, capacity=H200_NODE, shard="off").chosen.memory
+    whole_plain = plan_replay(plain, capacity=H200_NODE, shard="off").chosen.memory
+    assert whole_mixed.parameters == whole_plain.parameters  # held in bf16 once cast
+    assert whole_mixed.gradients == 2 * whole_plain.gradients  # the sums in float32
+    assert whole_mixed.loading == 2 * whole_plain.loading  # built and filled in float32, then cast
+    bad = yaml.safe_load(run_config.read_text())
+    bad["precision"] = {"param_dtype": "int4"}
+    run_config.write_text(yaml.safe_dump(bad))
+    with pytest.raises(ConfigError, match=r"precision\.param_dtype must be one of"):
+        plan_replay(mixed, capacity=H200_NODE)

@@ -1,7 +1,10 @@
 """One replay process's memory, by part, for N processes, from a model's element counts and widths (its meta
 build: no weight read). `replay_plan` adds where it runs and what fits.
 
-Per process, in the precision that runs (the model's dtype for parameters and gradients today):
+Per process, in the precision that runs (`StepDtypes`): the model's own dtype throughout when the snapshot records
+no precision policy; under a recorded one (`training.precision`), parameters held in `param_dtype` whole and as
+float32 master shards sharded, the units gathered and the activations in `param_dtype`, the gradient sums in
+`reduce_dtype` (sharded: in the larger of it and the master dtype, FSDP2's sharded gradients' dtype):
 
 - parameters: P x bytes, whole. Sharded (FSDP2, units as `models.policy.shard_units` makes them: the decoder
   layers, and untied embeddings and output head): P/N, plus the root unit's own parameters, which FSDP2 keeps
@@ -32,12 +35,35 @@ from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.policy import ModelSpec
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
+from axrl_spike_replay.training.precision import PrecisionPolicy
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # a replay process's imports before it builds anything: python, torch with FSDP2 and DCP, transformers' modelling and
 # this package (measured: 353 MiB peak RSS, torch 2.13 CPU and transformers 5, of which this package ~5 MiB)
 RUNTIME_CPU_BYTES = 350 << 20
 CUDA_CONTEXT_BYTES = 600 << 20  # the CUDA context and torch's kernels on each GPU a process uses
+
+
+@dataclass(frozen=True)
+class StepDtypes:
+    """Bytes per element of what a replay process holds, in the precision that runs."""
+
+    compute: int  # parameters whole, the units FSDP2 gathers, a pass's gradient, the activations
+    master: int  # the parameters' shards (float32 master weights under a recorded policy)
+    reduce: int  # the gradient sums
+    params: str  # in words, for the plan
+    grads: str
+
+
+def step_dtypes(model_dtype: str, precision: PrecisionPolicy | None) -> StepDtypes:
+    """What runs: the model's own dtype throughout when no policy is recorded, else the policy's dtypes."""
+    if precision is None or not precision.recorded:
+        b = DTYPE_BYTES[model_dtype]
+        return StepDtypes(b, b, b, model_dtype, model_dtype)
+    compute, reduce = DTYPE_BYTES[precision.param_dtype], DTYPE_BYTES[precision.reduce_dtype]
+    master = DTYPE_BYTES["float32"]
+    params = precision.param_dtype + ("" if compute == master else ", float32 master weights when sharded")
+    return StepDtypes(compute, master, reduce, params, precision.reduce_dtype)
 
 
 @dataclass(frozen=True)
@@ -182,7 +208,7 @@ def _hf_facts(spec: HFModelConfig) -> ModelFacts:
     )
 
 
-def activation_bytes(facts: ModelFacts, batch: int, seq: int) -> int:
+def activation_bytes(facts: ModelFacts, batch: int, seq: int, element: int | None = None) -> int:
     """What autograd keeps for one forward of a [batch, seq] rank batch, in bytes.
 
     Per token and decoder layer: the norms' inputs and outputs and the residuals (6 x hidden), q, k, v and their
@@ -190,8 +216,9 @@ def activation_bytes(facts: ModelFacts, batch: int, seq: int) -> int:
     probabilities (2 x heads x seq), and the MLP: a dense one's gate, up, activation and product (4 x width), or the
     router's logits and probabilities (float32) and, for each of the top-k experts, the token's input, gate, up,
     activation, product and output (2 x hidden + 4 x expert width), plus the shared experts. At the head: the
-    logits in the model dtype and three float32 copies (upcast, temperature, log-softmax) per vocabulary entry."""
-    b = DTYPE_BYTES[facts.dtype]
+    logits in the compute dtype and three float32 copies (upcast, temperature, log-softmax) per vocabulary entry.
+    `element`: the compute dtype's bytes (default: the model's dtype)."""
+    b = element or DTYPE_BYTES[facts.dtype]
     h = facts.hidden
     attention = 6 * h + 3 * facts.q_width + 4 * facts.kv_width + 2 * facts.heads * seq
     dense = 4 * facts.dense_width
@@ -213,27 +240,32 @@ def process_memory(
     sharded: bool,
     device: str,
     configs: int = 1,
+    dtypes: StepDtypes | None = None,
 ) -> ProcessMemory:
-    """One of `nproc` replay processes' memory (see the module docstring)."""
-    pb = gb = DTYPE_BYTES[facts.dtype]
+    """One of `nproc` replay processes' memory (see the module docstring); `dtypes`: the precision that runs
+    (default: the model's own dtype throughout)."""
+    d = dtypes or step_dtypes(facts.dtype, None)
     ranks = math.ceil(world_size / nproc)
     copies = configs + (1 if ranks > 1 else 0)
-    params = facts.parameters * pb
-    grads = facts.parameters * gb * copies
-    held = facts.parameters * gb * (copies - 1)
+    params = facts.parameters * d.compute
+    grads = facts.parameters * d.reduce * copies
+    held = facts.parameters * d.reduce * (copies - 1)
     gathered = 0
     if sharded:
+        shard_grad = max(d.master, d.reduce)
         # this process's shards and the root's own parameters (gathered for the whole step); every other unit is
         # resharded after its forward, so none is gathered when the activations peak (the forward's end)
-        params = math.ceil(params / nproc) + facts.root * pb
+        params = math.ceil(facts.parameters * d.master / nproc) + facts.root * d.compute
         # the sharded sums and the root's unsharded gradient (reduce-scattered last)
-        grads = math.ceil(grads / nproc) + facts.root * gb
-        held = math.ceil(held / nproc)
+        grads = math.ceil(facts.parameters * shard_grad * copies / nproc) + facts.root * d.compute
+        held = math.ceil(facts.parameters * shard_grad * (copies - 1) / nproc)
         # in the backward, three units' worth at once: the unit computing, the next one FSDP2 prefetches, and the
-        # unit's unsharded gradient (then its reduce-scatter's flat copy, the unit itself resharded by then)
-        gathered = 3 * facts.largest_unit * max(pb, gb)
+        # unit's unsharded gradient (then its reduce-scatter's flat copy, in the reduce dtype, the unit itself
+        # resharded by then)
+        gathered = facts.largest_unit * (2 * d.compute + max(d.compute, d.reduce))
         loading = params
     else:
-        loading = 2 * facts.parameters * pb
+        loading = 2 * facts.parameters * d.master  # built and filled in the master dtype, then cast
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else RUNTIME_CPU_BYTES
-    return ProcessMemory(params, grads, activation_bytes(facts, batch, seq), runtime, loading, held, gathered)
+    activations = activation_bytes(facts, batch, seq, d.compute)
+    return ProcessMemory(params, grads, activations, runtime, loading, held, gathered)

@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import ConfigError, SnapshotError
-from axrl_spike_replay.replay.process_memory import ModelFacts, ProcessMemory, model_facts, process_memory
+from axrl_spike_replay.replay.process_memory import (
+    ModelFacts,
+    ProcessMemory,
+    StepDtypes,
+    model_facts,
+    process_memory,
+    step_dtypes,
+)
+from axrl_spike_replay.training.precision import PrecisionPolicy
 
 GPU_USABLE = 0.92  # of a GPU's total memory: the rest is the allocator's fragmentation and NCCL's buffers
 HOST_USABLE = 0.9  # of this machine's available memory
@@ -196,8 +204,9 @@ def node_capacity(report: Any, device: str) -> Capacity | None:
 
 
 def _row(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], sharded: bool, cap: Capacity | None,
-         device: str, configs: int, nodes: int) -> PlanRow:  # fmt: skip
-    memory = process_memory(facts, nproc, world, *shape, sharded=sharded, device=device, configs=configs)
+         device: str, configs: int, nodes: int, dtypes: StepDtypes) -> PlanRow:  # fmt: skip
+    memory = process_memory(facts, nproc, world, *shape, sharded=sharded, device=device, configs=configs,
+                            dtypes=dtypes)  # fmt: skip
     if cap is None:
         per_device, fits, share = memory.peak, None, 1
     elif cap.device == "cuda":
@@ -214,11 +223,11 @@ def _row(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], shar
 
 
 def _choose(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], shard: str, cap: Capacity | None,
-            device: str, configs: int, nodes: int) -> PlanRow:  # fmt: skip
-    whole = _row(facts, nproc, world, shape, False, cap, device, configs, nodes)
+            device: str, configs: int, nodes: int, dtypes: StepDtypes) -> PlanRow:  # fmt: skip
+    whole = _row(facts, nproc, world, shape, False, cap, device, configs, nodes, dtypes)
     if shard == "off" or (shard == "auto" and (nproc == 1 or whole.fits is not False)):
         return whole
-    return _row(facts, nproc, world, shape, True, cap, device, configs, nodes)
+    return _row(facts, nproc, world, shape, True, cap, device, configs, nodes, dtypes)
 
 
 def plan_replay(
@@ -244,23 +253,27 @@ def plan_replay(
     path = Path(snapshot).expanduser().resolve()
     meta, _legacy = read_metadata(path)
     world = meta.parallel.data_ranks
-    spec = parse_model_config(read_run_config(path)["model"])
+    run_config = read_run_config(path)
+    spec = parse_model_config(run_config["model"])
     facts = model_facts(spec)
+    recorded = run_config.get("precision")
+    precision = None if recorded is None else PrecisionPolicy.from_dict(recorded, f"{path}: precision")
+    dtypes = step_dtypes(facts.dtype, precision)
     shape = snapshot_shapes(path, world)
     cap = machine_capacity(device) if isinstance(capacity, str) else capacity
     wanted = nproc or world
     if not 1 <= wanted <= world:
         raise ConfigError(f"`nproc` {wanted}: give 1 to the saved world size {world}", "nproc")
     candidates = sorted({n for n in range(1, world + 1) if world % n == 0 and n % nodes == 0} | {wanted})
-    rows = [_choose(facts, n, world, shape, shard, cap, device, configs, nodes) for n in candidates]
+    rows = [_choose(facts, n, world, shape, shard, cap, device, configs, nodes, dtypes) for n in candidates]
     chosen = next(r for r in rows if r.nproc == wanted)
     full = next((r for r in rows if r.nproc == world and r.fits is not False), None)
     plan = ReplayPlan(
         snapshot=str(path),
         model=facts.description,
         parameters=facts.parameters,
-        param_dtype=facts.dtype,
-        grad_dtype=facts.dtype,
+        param_dtype=dtypes.params,
+        grad_dtype=dtypes.grads,
         world_size=world,
         tokens_per_rank=shape[0] * shape[1],
         seq_len=shape[1],
@@ -269,7 +282,9 @@ def plan_replay(
         capacity=cap,
         rows=rows,
         chosen=chosen,
-        whole=chosen if not chosen.sharded else _row(facts, wanted, world, shape, False, cap, device, configs, nodes),
+        whole=chosen
+        if not chosen.sharded
+        else _row(facts, wanted, world, shape, False, cap, device, configs, nodes, dtypes),
         smallest_full_fidelity=full,
     )
     plan.layout = _layout(plan, nodes)
