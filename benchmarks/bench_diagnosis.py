@@ -257,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="", help="only these case names (comma-separated)")
     ap.add_argument("--no-experiments", action="store_true", help="do not replay the suggested experiments")
     ap.add_argument("--json", default="", metavar="PATH", help="write every case run and the totals here")
+    ap.add_argument(
+        "--keep", default="", metavar="DIR", help="capture under DIR and keep the snapshots (default: a temporary dir)"
+    )
     args = ap.parse_args(argv)
     cases = matrix_cases(tuple(p for p in args.provenance.split(",") if p))
     if args.cases:
@@ -265,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[CaseRun] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-diagnosis-") as tmp:
+        if args.keep:
+            tmp = args.keep
+            Path(tmp).mkdir(parents=True, exist_ok=True)
         for model in [m for m in args.models.split(",") if m]:
             for seed in [int(s) for s in args.seeds.split(",") if s]:
                 for case in cases:
@@ -281,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                         file=sys.stderr,
                         flush=True,
                     )
+                    if args.json:  # after every case, so a run stopped part-way keeps what it measured
+                        Path(args.json).write_text(json.dumps({"runs": [asdict(r) for r in runs]}, indent=1))
     totals = report(runs)
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": [asdict(r) for r in runs], "totals": totals}, indent=1))

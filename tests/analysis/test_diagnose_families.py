@@ -276,3 +276,24 @@ def test_a_dual_clip_that_binds_on_no_token_is_not_suggested(tmp_path: Path) -> 
     base = run_replay(snapshot, ReplayOptions(nproc=1)).grad_norm
     clipped = run_replay(snapshot, ReplayOptions(nproc=1, mitigations={"dual_clip_c": 3.0})).grad_norm
     assert clipped == pytest.approx(base, rel=1e-6)
+
+
+def test_a_rank_whose_per_parameter_norms_overflowed_under_a_finite_global_norm_is_no_non_finite_fault(
+    tmp_path: Path,
+) -> None:
+    """A gradient of 1e30 is finite, but its float32 per-parameter norm overflows to inf. The recorded global norm
+    (the DP-reduced gradient, which holds every rank's) is finite, so no rank's gradient was non-finite: the
+    overflowed norm is not a finding, and the step's finite inputs name no non-finite cause."""
+    from snapshot_edits import edit_grad_info
+
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+
+    def overflow(info: dict[str, object]) -> None:
+        norms = info["param_grad_norms"]
+        assert isinstance(norms, dict)
+        norms[next(iter(norms))] = float("inf")
+
+    edit_grad_info(snapshot, 1, overflow)
+    d = diagnose_snapshot(snapshot, model="never")
+    assert "non_finite" not in {c.family for c in d.causes}

@@ -118,7 +118,11 @@ def _pairs(samples: list[tuple[int, int]]) -> str:
 
 def non_finite(ev: Evidence) -> Cause | None:
     """Non-finite grad norms or batch values. Strength 1.0 when a recorded norm is not finite; non-finite batch
-    values under a finite recorded norm are NON_FINITE_INPUTS: they did not reach that gradient as saved."""
+    values under a finite recorded norm are NON_FINITE_INPUTS: they did not reach that gradient as saved.
+
+    A rank's per-parameter norms that are not finite under a finite recorded global norm are no finding: the
+    DP-reduced gradient holds every rank's, so that rank's gradient was finite and only its norm (the trainer's
+    float32 per-parameter norm of a huge gradient) overflowed; the spike's size is what the other families read."""
     a, found = ev.analysis, []
     norm_bad = not math.isfinite(a.grad_norm)
     if norm_bad:
@@ -129,11 +133,16 @@ def non_finite(ev: Evidence) -> Cause | None:
     logprobs_bad = len(found) > int(norm_bad)
     if a.advantages and a.advantages["tokens"].get("non_finite"):
         found.append(f"{a.advantages['tokens']['non_finite']} non-finite advantages on loss tokens")
+    overflowed: list[int] = []
     if ev.grads is not None:
         for k in ev.grads.ranks:
-            if not math.isfinite(k.local_grad_norm):
-                norm_bad = True
-                found.append(f"rank {k.rank}'s recorded per-parameter grad norms are not finite")
+            if math.isfinite(k.local_grad_norm):
+                continue
+            if math.isfinite(a.grad_norm):  # the DP-reduced gradient is finite, so this rank's was too
+                overflowed.append(k.rank)
+                continue
+            norm_bad = True
+            found.append(f"rank {k.rank}'s recorded per-parameter grad norms are not finite")
     if not found:
         return None
     figures = {"findings": len(found), "recorded_norm_finite": not norm_bad}
@@ -160,7 +169,7 @@ def non_finite(ev: Evidence) -> Cause | None:
     # the ranks that hold them (none named when every saved rank does: nothing to single out)
     hit = {r for r, _ in bad}
     if ev.grads is not None:
-        hit |= {k.rank for k in ev.grads.ranks if not math.isfinite(k.local_grad_norm)}
+        hit |= {k.rank for k in ev.grads.ranks if not math.isfinite(k.local_grad_norm) and k.rank not in overflowed}
     ranks = sorted(hit) if len(hit) < len(a.ranks) else []
     return Cause("non_finite", "non-finite values", strength, found, figures, experiments, ranks=ranks)
 
