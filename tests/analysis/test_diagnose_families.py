@@ -284,10 +284,16 @@ def test_a_rank_whose_per_parameter_norms_overflowed_under_a_finite_global_norm_
     """A gradient of 1e30 is finite, but its float32 per-parameter norm overflows to inf. The recorded global norm
     (the DP-reduced gradient, which holds every rank's) is finite, so no rank's gradient was non-finite: the
     overflowed norm is not a finding, and the step's finite inputs name no non-finite cause."""
+    import json
+
     from snapshot_edits import edit_grad_info
 
     snapshot = copy_fixture(tmp_path)
     no_mismatch(snapshot)
+    meta_path = snapshot / "axrl_metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["grad_norm"], meta["spike_ratio"] = 1e30, 1e30 / meta["median_norm"]  # as the capture's float64 norm
+    meta_path.write_text(json.dumps(meta))
 
     def overflow(info: dict[str, object]) -> None:
         norms = info["param_grad_norms"]
@@ -297,3 +303,40 @@ def test_a_rank_whose_per_parameter_norms_overflowed_under_a_finite_global_norm_
     edit_grad_info(snapshot, 1, overflow)
     d = diagnose_snapshot(snapshot, model="never")
     assert "non_finite" not in {c.family for c in d.causes}
+
+
+def _truncate_mask(snapshot: Path, rank: int, keep: int) -> None:
+    """Rank `rank`'s loss mask cut after each sample's first `keep` loss tokens; every stored signal left as it is
+    (the engine generated the rest and scored it; the loss leaves it out)."""
+
+    def edit(b: dict[str, torch.Tensor]) -> None:
+        mask = b["loss_mask"]
+        b["loss_mask"] = mask * (mask.cumsum(dim=-1) <= keep).to(mask.dtype)
+
+    edit_batch(snapshot, rank, edit)
+
+
+def test_a_loss_mask_truncated_on_one_rank_with_nothing_else_out_of_line_is_a_mask_fault(tmp_path: Path) -> None:
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    _truncate_mask(snapshot, rank=1, keep=2)
+    d = diagnose_snapshot(snapshot, model="always")
+    top = d.top
+    assert top.family == "mask_misalignment" and top.ranks == [1] and top.strength > 0.5
+    assert any("the loss mask stops before the last token the engine generated" in line for line in top.evidence)
+    assert d.reading is not None and d.reading.truncated == [1]
+    assert d.reading.tails[1][0] == 1.0 and d.reading.tails[0][0] == 0.0
+    assert "drop_ranks=1" in d.mitigation_items()
+    assert "one_rank_data" not in {c.family for c in d.causes if c.strength >= 0.3}
+    _check_suggestions(d)
+
+
+def test_masks_that_stop_short_alike_on_every_rank_single_out_no_rank(tmp_path: Path) -> None:
+    """Every rank's loss leaves the same tail out (a last turn the run never trains on): the run's own masking."""
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    for rank in (0, 1):
+        _truncate_mask(snapshot, rank=rank, keep=4)
+    d = diagnose_snapshot(snapshot, model="always")
+    assert d.reading is not None and d.reading.truncated == [] and d.reading.tails[0][0] == 1.0
+    assert "mask_misalignment" not in {c.family for c in d.causes}

@@ -22,6 +22,7 @@ from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
 from axrl_spike_replay.training.sample_masks import outlier_z
 
+F32_NORM_OVERFLOW = math.sqrt(3.4028234663852886e38)  # a float32 sum of squares overflows past this norm
 LIKELY = 0.3
 OUTLIER_Z = 10.0  # robust z of a sample's advantage that makes it an outlier
 FEW = 0.1  # "a few samples": at most this fraction of the batch (and at least one)
@@ -120,9 +121,11 @@ def non_finite(ev: Evidence) -> Cause | None:
     """Non-finite grad norms or batch values. Strength 1.0 when a recorded norm is not finite; non-finite batch
     values under a finite recorded norm are NON_FINITE_INPUTS: they did not reach that gradient as saved.
 
-    A rank's per-parameter norms that are not finite under a finite recorded global norm are no finding: the
-    DP-reduced gradient holds every rank's, so that rank's gradient was finite and only its norm (the trainer's
-    float32 per-parameter norm of a huge gradient) overflowed; the spike's size is what the other families read."""
+    A rank's per-parameter norms that are not finite under a finite recorded global norm large enough for a
+    float32 norm to overflow (F32_NORM_OVERFLOW, with the rank's part at most world size times the mean) are no
+    finding: the DP-reduced gradient holds every rank's, so that rank's gradient was finite and only its norm (the
+    trainer's float32 per-parameter norm of a huge gradient) overflowed; the spike's size is what the other
+    families read. Under a small global norm an infinite local norm is inconsistent, and reported."""
     a, found = ev.analysis, []
     norm_bad = not math.isfinite(a.grad_norm)
     if norm_bad:
@@ -138,7 +141,7 @@ def non_finite(ev: Evidence) -> Cause | None:
         for k in ev.grads.ranks:
             if math.isfinite(k.local_grad_norm):
                 continue
-            if math.isfinite(a.grad_norm):  # the DP-reduced gradient is finite, so this rank's was too
+            if math.isfinite(a.grad_norm) and a.grad_norm * max(ev.world_size, 1) >= F32_NORM_OVERFLOW:
                 overflowed.append(k.rank)
                 continue
             norm_bad = True

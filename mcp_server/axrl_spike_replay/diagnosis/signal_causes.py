@@ -36,6 +36,8 @@ KL_READS = 0.05  # share of the gradient below which the loss barely reads a sig
 DRIFT = 0.2  # a reference off alike on every rank: the policy's drift, weak
 DATA_NATS = 1.0  # a rank's typical sample this much less likely per token (mean log π) than the others': other data
 DATA_SCALE = 3.0  # ... or its typical |advantage| this many times the others' (or a third of it)
+TRUNCATED_BASE = 0.6  # a mask truncated on some ranks, its share of the gradient unknown or under half
+TRUNCATED_CARRIES = 0.9  # ... those ranks carrying at least half of the gradient
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -522,9 +524,16 @@ def _routes_from_layers(ev: Evidence) -> Cause | None:
 
 
 def mask_misalignment(ev: Evidence) -> Cause | None:
-    """Loss masks over tokens no stored signal covers (every stored log-prob a 0 fill there)."""
-    if ev.reading is None or not ev.reading.mask_ranks:
+    """Loss masks over tokens no stored signal covers (every stored log-prob a 0 fill there), or masks that stop
+    short of what was generated on some ranks where the others' run to the end (truncated).
+
+    A misaligned mask is read off the stored values themselves (0.95 on some ranks). A truncated one only says the
+    loss leaves tokens out there; it is the cause as far as those ranks carry the gradient (TRUNCATED_BASE;
+    TRUNCATED_CARRIES when they carry at least half of it)."""
+    if ev.reading is None or not (ev.reading.mask_ranks or ev.reading.truncated):
         return None
+    if not ev.reading.mask_ranks:
+        return _truncated_mask(ev)
     ranks = sorted(ev.reading.mask_ranks)
     every = len(ranks) == len({r for by in ev.reading.levels.values() for r in by})
     evidence = [
@@ -541,6 +550,36 @@ def mask_misalignment(ev: Evidence) -> Cause | None:
         {"zero_filled": ev.reading.mask_ranks},
         experiments,
         ranks=[] if every else ranks,
+    )
+
+
+def _truncated_mask(ev: Evidence) -> Cause:
+    assert ev.reading is not None
+    ranks = sorted(ev.reading.truncated)
+    tails = ev.reading.tails
+    evidence = [
+        f"rank {r}: on {_pct(tails[r][0])} of samples the loss mask stops before the last token the engine generated "
+        f"(a stored rollout log-prob), {tails[r][1]:.3g} tokens left out per sample on average"
+        for r in ranks
+    ]
+    whole = [f"rank {r} ({_pct(v[0])} of samples stop short)" for r, v in sorted(tails.items()) if r not in ranks]
+    evidence.append("ranks whose masks run to the end: " + ", ".join(whole))
+    share = _rank_share(ev, ranks)
+    strength = TRUNCATED_BASE
+    if share is not None:
+        evidence.append(f"rank {_ranks(ranks)}'s loss terms carry {share:.3g} of the gradient")
+        if share >= 0.5:
+            strength = TRUNCATED_CARRIES
+    term, channel = _channel_lines(ev, ranks)
+    return Cause(
+        "mask_misalignment",
+        f"loss mask truncated on rank {_ranks(ranks)}",
+        strength,
+        evidence + channel,
+        {"truncated": {r: {"samples": tails[r][0], "tokens": tails[r][1]} for r in ranks}, "rank_share": share},
+        [_drop_ranks(ranks, "the truncated mask")],
+        ranks=ranks,
+        term=term,
     )
 
 
@@ -618,6 +657,8 @@ def one_rank_data(ev: Evidence) -> Cause | None:
         return None
     if ev.reading is not None:
         if rank in ev.reading.mask_ranks:  # its loss mask covers tokens no signal was stored for: the mask explains it
+            return None
+        if rank in ev.reading.truncated:  # its loss masks stop short where the others' do not: the mask explains it
             return None
         # a stored signal singled out on that rank explains it (one off alike on every rank, as the policy's drift
         # from the reference, singles out no rank): the data is not the broken part

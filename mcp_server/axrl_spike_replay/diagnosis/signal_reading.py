@@ -19,7 +19,9 @@ signals are no witness; only a rank far beyond the others, or 0 fills in it alon
 An odd signal on every rank with no witness is `spread` (an engine/trainer mismatch looks like that); without any
 witness nothing is separated, and the reading says so (`witnesses` empty). Loss tokens where a stored signal is
 exactly 0 while the policy's log-prob is far from 0 are `zero_filled`: a padded value, not a log-prob (all the stored
-signals zero there at once: the loss mask covers tokens no signal was stored for).
+signals zero there at once: the loss mask covers tokens no signal was stored for). A rank whose loss masks stop
+before the last token the engine generated (a stored rollout log-prob, attended) on most samples, where another
+rank's run to the end, is `truncated`: its loss leaves out tokens the others train on.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ OUTSIDE_OFF = 0.05  # share of loss tokens with the ratio outside [0.5, 2] that 
 ROUTES_OFF = 0.2  # share of routed tokens whose expert set differs that counts as clearly off
 WITNESS_RATIO = 3.0  # an agreeing rank is at most a third as far off
 ZERO_FILLED = 0.02  # share of a rank's loss tokens zero-filled in a stored signal that counts
+TRUNCATED = 0.5  # share of a rank's samples whose loss mask stops before the last generated token that counts
 LOGPROB_SIGNALS = ("old", "rollout", "ref")
 # signals of another model: the policy is expected to have moved from them (what the KL term bounds), so only
 # a rank far beyond the others, or values that are no log-prob at all, single one out
@@ -89,6 +92,9 @@ class SignalReading:
     odd: list[OddSignal] = field(default_factory=list)
     mask_ranks: dict[int, float] = field(default_factory=dict)  # rank -> share of loss tokens no signal covers
     likelihood: dict[int, float] = field(default_factory=dict)  # rank -> its typical sample's mean log π (replay)
+    # rank -> (share of its samples whose loss mask stops before what was generated, mean tokens left out)
+    tails: dict[int, tuple[float, float]] = field(default_factory=dict)
+    truncated: list[int] = field(default_factory=list)  # ranks whose masks stop short where another rank's do not
 
     def odd_signal(self, signal: str) -> OddSignal | None:
         return next((o for o in self.odd if o.signal == signal), None)
@@ -110,6 +116,8 @@ class SignalReading:
             "levels": {s: {str(r): v.level for r, v in by.items()} for s, by in self.levels.items()},
             "route_levels": {str(r): v for r, v in self.routes.items()},
             "typical_logprob": {str(r): v for r, v in self.likelihood.items()},
+            "mask_tails": {str(r): {"samples": v[0], "tokens": v[1]} for r, v in self.tails.items()},
+            "truncated_masks": self.truncated,
         }
 
 
@@ -155,7 +163,11 @@ def read_signals(check: SignalCheck) -> SignalReading:
         route = _route_level(rank)
         if route is not None:
             reading.routes[rank.rank] = route
+        if rank.samples_tail:
+            tails = rank.samples_tail
+            reading.tails[rank.rank] = (sum(t > 0 for t in tails) / len(tails), sum(tails) / len(tails))
     _mask(reading)
+    _truncated(reading)
     for signal in LOGPROB_SIGNALS:
         odd = _odd_logprobs(reading, signal)
         if odd is not None:
@@ -325,6 +337,17 @@ def _mask(reading: SignalReading) -> None:
         fills = [by[r].zero_filled for by in reading.levels.values() if r in by]
         if len(fills) >= 2 and min(fills) >= ZERO_FILLED:
             reading.mask_ranks[r] = min(fills)
+
+
+def _truncated(reading: SignalReading) -> None:
+    """Ranks whose loss masks stop short of what was generated on most samples (TRUNCATED) where another rank's run
+    to the end (a rank witness). Alike on every rank it is the run's own masking (a last turn the loss never
+    trains on, say), singled out nowhere."""
+    for r, (share, _) in reading.tails.items():
+        if share < TRUNCATED:
+            continue
+        if any(o != r and other * WITNESS_RATIO <= share for o, (other, _) in reading.tails.items()):
+            reading.truncated.append(r)
 
 
 def outside_fraction(reading: SignalReading, signal: str) -> float | None:

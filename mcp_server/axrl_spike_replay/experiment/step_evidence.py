@@ -7,7 +7,7 @@ routing (`own`), against the stored `old`, `rollout` and `ref` log-probs, and `o
 over the rank's loss tokens and per sample. Routes: per rank and MoE layer, how often the model's own routing in
 that layer (the recorded routes replayed in the others) picks another expert set than the recorded one, on loss
 and on other tokens. Data: per sample, the replayed policy's mean log-prob over its loss tokens (how likely what the
-rank was fed is to the policy).
+rank was fed is to the policy). Masks: per sample, the generated tokens after its last loss token (`samples_tail`).
 
 Channel: the step's DP-mean gradient split by loss term (`policy`: the PPO ratio term with its IS weights and
 clips; `kl`; `entropy`; `aux` and `z`: the router losses), each term's gradient taken by its own backward at the
@@ -69,6 +69,9 @@ class RankSignals:
     samples: int = 0
     # per sample, the replayed policy's mean log π over its loss tokens: how likely the rank's data is to the policy
     samples_mean_logprob: list[float | None] = field(default_factory=list)
+    # per sample, the tokens after its last loss token that still hold a stored rollout log-prob (a token the engine
+    # generated, attended, not a 0 fill): 0 when the loss mask runs to the end of what was generated
+    samples_tail: list[int] = field(default_factory=list)
 
     def typical_logprob(self) -> float | None:
         """The median over samples of their mean log π (None: no sample with a finite loss token)."""
