@@ -340,3 +340,34 @@ def test_masks_that_stop_short_alike_on_every_rank_single_out_no_rank(tmp_path: 
     d = diagnose_snapshot(snapshot, model="always")
     assert d.reading is not None and d.reading.truncated == [] and d.reading.tails[0][0] == 1.0
     assert "mask_misalignment" not in {c.family for c in d.causes}
+
+
+def test_a_reference_off_alike_by_level_but_whose_kl_term_carries_the_spike_on_one_rank_is_named_there(
+    tmp_path: Path,
+) -> None:
+    """Every rank's reference drifted alike from the policy; rank 1's reference worker also scored a third of its
+    tokens with an over-confident model (log-prob -0.05). By level the reference is off alike on both ranks, but
+    k3's exp(ref - log π) makes rank 1's KL term carry the gradient while its data is as likely to the policy: the
+    per-rank channel singles its reference out."""
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    set_loss(snapshot, kl_coef=1.0)
+    _drift_reference(snapshot)
+    g = torch.Generator().manual_seed(1)
+
+    def confident(b: dict[str, torch.Tensor]) -> None:
+        ref = b["ref_logprobs"]
+        hit = torch.rand(ref.shape, generator=g) < 0.3
+        b["ref_logprobs"] = torch.where(hit, torch.full_like(ref, -0.05), ref)
+
+    edit_batch(snapshot, 1, confident)
+    d = diagnose_snapshot(snapshot, model="always")
+    assert d.reading is not None
+    levels = d.reading.levels["ref"]
+    assert levels[1].level < 3 * levels[0].level  # the stored values alone do not separate it
+    top = d.top
+    assert top.family == "bad_ref_logprobs" and top.ranks == [1] and top.strength >= 0.9 and top.term == "kl"
+    assert any("the KL term on rank 1 carries" in line for line in top.evidence)
+    items = d.mitigation_items()
+    assert items[0] == "drop_ranks=1" and "kl_estimator=k2" in items
+    _check_suggestions(d)

@@ -63,3 +63,31 @@ def test_a_corrupt_routing_payload_on_one_rank_carried_by_the_kl_term_is_named_w
     assert items[0] == "recompute=routes:rank1,old_logprobs:rank1"
     for item in items:
         parse_mitigation_args([item])
+
+
+@pytest.mark.slow
+def test_routes_off_on_few_tokens_that_make_one_ranks_data_far_less_likely_are_the_routing_payload(
+    tmp_path: Path,
+) -> None:
+    """A stale expert-id table on a tenth of one rank's tokens: its routes differ on fewer tokens than count as
+    clearly off, but on an expert-sensitive policy they cost that rank's samples over a nat per token against the
+    model's own routing (nothing on the other rank). That is the payload, not that rank's data."""
+    run = capture_reference_run(
+        tmp_path,
+        run="few-stale-routes",
+        world_size=2,
+        steps=24,
+        preset="expert_sensitive",
+        faults=[make_fault(FaultSpec("routes_stale_layer", ranks=(1,), params={"fraction": 0.1}))],
+        hide_fault=True,
+    )
+    snapshots = burst_snapshots(run, "expert_sensitive")
+    assert snapshots, f"no spike at the burst: {run.grad_norms}"
+    d = diagnose_snapshot(snapshots[0], model="always")
+    assert d.reading is not None
+    assert d.reading.routes[1] < 1.0 and d.reading.routes[0] < 0.1  # under the clearly-off share of tokens
+    top = d.top
+    assert top.family == "routing_payload" and top.ranks == [1] and top.strength == 1.0
+    assert any("less likely under its recorded routes than under the model's own routing" in x for x in top.evidence)
+    assert "one_rank_data" not in {c.family for c in d.causes if c.strength >= 0.3}
+    assert "drop_ranks=1" in d.mitigation_items()

@@ -29,13 +29,15 @@ from axrl_spike_replay.diagnosis.causes import (
     _pct,
     _unit,
 )
-from axrl_spike_replay.diagnosis.signal_reading import OddSignal, outside_fraction
+from axrl_spike_replay.diagnosis.signal_reading import WITNESS_RATIO, OddSignal, outside_fraction
 
 REFUTE_STAYS = "the spike stays within 20 % of the baseline"
 KL_READS = 0.05  # share of the gradient below which the loss barely reads a signal's term on its ranks
 DRIFT = 0.2  # a reference off alike on every rank: the policy's drift, weak
 DATA_NATS = 1.0  # a rank's typical sample this much less likely per token (mean log π) than the others': other data
 DATA_SCALE = 3.0  # ... or its typical |advantage| this many times the others' (or a third of it)
+KL_CARRIES = 0.5  # share of the gradient one rank's KL term carries that singles its reference out (see _kl_witness)
+KL_WITNESSED = 0.9  # a reference singled out by its KL term alone (the stored values alone do not separate it)
 TRUNCATED_BASE = 0.6  # a mask truncated on some ranks, its share of the gradient unknown or under half
 TRUNCATED_CARRIES = 0.9  # ... those ranks carrying at least half of the gradient
 
@@ -417,17 +419,24 @@ def bad_ref_logprobs(ev: Evidence) -> Cause | None:
             "the policy's distance to the reference is alike on every rank: drift the KL term bounds, or a reference "
             "wrong everywhere; nothing here tells them apart (`kl_coef=0` says whether the KL term carries the spike)"
         )
+    ranks = odd.ranks if odd.separated else []
+    witnessed = [] if odd.separated else _kl_witness(ev)
+    if witnessed:
+        rank, line = witnessed[0]
+        ranks, strength, all_ranks = [rank], KL_WITNESSED, False
+        read = next((x.share for x in kl.ranks if x.rank == rank), None) if kl is not None else None
+        channel = [line, *(c for c in channel if not c.startswith("the policy's distance to the reference is alike"))]
     experiments = kl_levers(ev)
-    if odd.separated and not all_ranks:
-        experiments.insert(0, _drop_ranks(odd.ranks, "the cause"))
+    if ranks and not all_ranks:
+        experiments.insert(0, _drop_ranks(ranks, "the cause"))
     cause = Cause(
         "bad_ref_logprobs",
-        f"wrong or misaligned reference log-probs on rank {_ranks(odd.ranks)}",
+        f"wrong or misaligned reference log-probs on rank {_ranks(ranks or odd.ranks)}",
         strength,
         _carried(ev, "ref", odd.ranks) + odd.evidence + odd.witnesses + channel,
         {"levels": odd.levels, "kl_share": kl.share if kl is not None else None, "kl_share_on_ranks": read},
         experiments,
-        ranks=odd.ranks if odd.separated else [],
+        ranks=ranks,
         samples=odd.samples[:8],
         term="kl" if term == "kl" or kl is not None else term,
     )
@@ -440,6 +449,42 @@ def bad_ref_logprobs(ev: Evidence) -> Cause | None:
             "reference there; out of line, but not what the gradient carries"
         )
     return cause
+
+
+def _kl_witness(ev: Evidence) -> list[tuple[int, str]]:
+    """A reference off on every rank, but whose KL term on one rank carries KL_CARRIES of the gradient and
+    WITNESS_RATIO times what it carries on any other rank, while that rank's data is as likely to the policy and no
+    other stored signal or mask of it is out of line: the policy's drift from the reference is alike on every rank,
+    so what its KL pulls should be too; there the reference itself differs ([(rank, sentence)] or [])."""
+    assert ev.reading is not None
+    kl = ev.channel.term("kl") if ev.channel is not None else None
+    levels = ev.reading.levels.get("ref", {})
+    if kl is None or len(kl.ranks) < 2:
+        return []
+    shares = {x.rank: x.share for x in kl.ranks}
+    for r, share in shares.items():
+        others = [abs(v) for o, v in shares.items() if o != r]
+        if share < KL_CARRIES or share < WITNESS_RATIO * max(others) or r not in levels:
+            continue
+        if any(lv.level >= levels[r].level for o, lv in levels.items() if o != r):
+            continue  # the reference is not furthest off there
+        if r in ev.reading.mask_ranks or r in ev.reading.truncated:
+            continue
+        if any(r in o.ranks and o.separated for o in ev.reading.odd if o.signal != "ref"):
+            continue  # that rank's forward or another signal is off: the KL term carries that
+        typical = ev.reading.likelihood
+        rest = [v for o, v in typical.items() if o != r]
+        if r in typical and rest and statistics.median(rest) - typical[r] >= DATA_NATS:
+            continue  # its data is far less likely: hard data pulls the KL term too
+        return [
+            (
+                r,
+                f"the KL term on rank {r} carries {share:.3g} of the gradient against at most {max(others):.3g} on "
+                f"the other ranks, while its data is as likely to the policy and its other signals agree: the "
+                f"reference differs on rank {r}, beyond the drift alike on every rank",
+            )
+        ]
+    return []
 
 
 def routing_payload(ev: Evidence) -> Cause | None:

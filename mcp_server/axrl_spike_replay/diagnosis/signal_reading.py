@@ -13,6 +13,11 @@ S is odd on rank r when its level there is at least 1 and a witness says the rep
 - a signal witness: another stored log-prob signal agrees with the replay on rank r (the forward is sound there);
 - for routes, the model's own routing makes a stored log-prob signal agree where the recorded routes do not.
 
+Routes that differ on fewer tokens than clearly off (but on ROUTES_FLOOR of it) are odd on a rank when they cost it:
+its typical sample is COSTLY_ROUTES nats per token less likely under them than under the model's own routing, and
+WITNESS_RATIO times what the recorded routes cost every other rank (a few tokens on the wrong experts of an
+expert-sensitive model move the log-probs by nats).
+
 The reference is another model's: the policy is expected to have moved from it, so for it the agreeing stored
 signals are no witness; only a rank far beyond the others, or 0 fills in it alone, single it out (`_odd_drifting`).
 
@@ -38,6 +43,8 @@ OUTSIDE_OFF = 0.05  # share of loss tokens with the ratio outside [0.5, 2] that 
 ROUTES_OFF = 0.2  # share of routed tokens whose expert set differs that counts as clearly off
 WITNESS_RATIO = 3.0  # an agreeing rank is at most a third as far off
 ZERO_FILLED = 0.02  # share of a rank's loss tokens zero-filled in a stored signal that counts
+ROUTES_FLOOR = 0.25  # a route level (a quarter of ROUTES_OFF) below which routes are not judged by what they cost
+COSTLY_ROUTES = 1.0  # nats per loss token the recorded routes cost a rank's typical sample that count
 TRUNCATED = 0.5  # share of a rank's samples whose loss mask stops before the last generated token that counts
 LOGPROB_SIGNALS = ("old", "rollout", "ref")
 # signals of another model: the policy is expected to have moved from them (what the KL term bounds), so only
@@ -92,6 +99,7 @@ class SignalReading:
     odd: list[OddSignal] = field(default_factory=list)
     mask_ranks: dict[int, float] = field(default_factory=dict)  # rank -> share of loss tokens no signal covers
     likelihood: dict[int, float] = field(default_factory=dict)  # rank -> its typical sample's mean log π (replay)
+    likelihood_own: dict[int, float] = field(default_factory=dict)  # ... under the model's own routing
     # rank -> (share of its samples whose loss mask stops before what was generated, mean tokens left out)
     tails: dict[int, tuple[float, float]] = field(default_factory=dict)
     truncated: list[int] = field(default_factory=list)  # ranks whose masks stop short where another rank's do not
@@ -116,6 +124,7 @@ class SignalReading:
             "levels": {s: {str(r): v.level for r, v in by.items()} for s, by in self.levels.items()},
             "route_levels": {str(r): v for r, v in self.routes.items()},
             "typical_logprob": {str(r): v for r, v in self.likelihood.items()},
+            "typical_logprob_own_routing": {str(r): v for r, v in self.likelihood_own.items()},
             "mask_tails": {str(r): {"samples": v[0], "tokens": v[1]} for r, v in self.tails.items()},
             "truncated_masks": self.truncated,
         }
@@ -160,6 +169,9 @@ def read_signals(check: SignalCheck) -> SignalReading:
         typical = rank.typical_logprob()
         if typical is not None:
             reading.likelihood[rank.rank] = typical
+        typical_own = rank.typical_logprob_own()
+        if typical_own is not None:
+            reading.likelihood_own[rank.rank] = typical_own
         route = _route_level(rank)
         if route is not None:
             reading.routes[rank.rank] = route
@@ -282,12 +294,37 @@ def _odd_drifting(reading: SignalReading, signal: str, off: list[int]) -> OddSig
     return odd
 
 
+def route_cost(reading: SignalReading, rank: int) -> float | None:
+    """How much less likely the rank's typical sample is under its recorded routes than under the model's own
+    routing (nats per loss token; None: not both known)."""
+    own, current = reading.likelihood_own.get(rank), reading.likelihood.get(rank)
+    return None if own is None or current is None else own - current
+
+
+def _costly(reading: SignalReading, rank: int) -> bool:
+    """Recorded routes that differ on fewer tokens than ROUTES_OFF but make the rank's data COSTLY_ROUTES nats per
+    token less likely than its own routing does, WITNESS_RATIO times what they cost on every other rank."""
+    cost = route_cost(reading, rank)
+    if cost is None or cost < COSTLY_ROUTES or reading.routes.get(rank, 0.0) < ROUTES_FLOOR:
+        return False
+    others = [c for o in reading.routes if o != rank and (c := route_cost(reading, o)) is not None]
+    return bool(others) and all(max(c, 0.0) * WITNESS_RATIO <= cost for c in others)
+
+
 def _odd_routes(reading: SignalReading, check: SignalCheck) -> OddSignal | None:
     levels = reading.routes
-    off = sorted(r for r, v in levels.items() if v >= 1.0)
+    off = sorted(r for r, v in levels.items() if v >= 1.0 or _costly(reading, r))
     if not off:
         return None
     witnesses = []
+    for r in off:
+        cost = route_cost(reading, r)
+        if cost is not None and _costly(reading, r):
+            witnesses.append(
+                f"rank {r}'s typical sample is {cost:.3g} nats per loss token less likely under its recorded routes "
+                "than under the model's own routing, against at most "
+                + ", ".join(f"{route_cost(reading, o) or 0.0:.3g} on rank {o}" for o in levels if o != r)
+            )
     for r in off:
         for o in _witnessed(levels, r):
             witnesses.append(

@@ -69,6 +69,7 @@ class RankSignals:
     samples: int = 0
     # per sample, the replayed policy's mean log π over its loss tokens: how likely the rank's data is to the policy
     samples_mean_logprob: list[float | None] = field(default_factory=list)
+    samples_mean_logprob_own: list[float | None] = field(default_factory=list)  # ... under the model's own routing
     # per sample, the tokens after its last loss token that still hold a stored rollout log-prob (a token the engine
     # generated, attended, not a 0 fill): 0 when the loss mask runs to the end of what was generated
     samples_tail: list[int] = field(default_factory=list)
@@ -76,6 +77,11 @@ class RankSignals:
     def typical_logprob(self) -> float | None:
         """The median over samples of their mean log π (None: no sample with a finite loss token)."""
         known = sorted(v for v in self.samples_mean_logprob if v is not None)
+        return statistics.median(known) if known else None
+
+    def typical_logprob_own(self) -> float | None:
+        """As `typical_logprob`, under the model's own routing (None: not taken, the run replays no routes)."""
+        known = sorted(v for v in self.samples_mean_logprob_own if v is not None)
         return statistics.median(known) if known else None
 
     def route_disagreement(self) -> float | None:

@@ -195,6 +195,8 @@ def signal_check(
             signals = RankSignals(rank=rank, pairs=_rank_pairs(batch, current, own), samples=int(current.shape[0]))
             signals.samples_mean_logprob = _samples_mean(current, batch["loss_mask"] > 0)
             signals.samples_tail = _tails(batch)
+            if own is not None:
+                signals.samples_mean_logprob_own = _samples_mean(own, batch["loss_mask"] > 0)
             if rank in inputs.routing_ranks:
                 signals.routes = _rank_routes(model, batch, ranks, rank)
             result.ranks.append(signals)
