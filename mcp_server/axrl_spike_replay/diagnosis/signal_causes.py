@@ -29,12 +29,11 @@ from axrl_spike_replay.diagnosis.causes import (
     _pct,
     _unit,
 )
-from axrl_spike_replay.diagnosis.signal_reading import WITNESS_RATIO, OddSignal, outside_fraction
+from axrl_spike_replay.diagnosis.signal_reading import DATA_NATS, WITNESS_RATIO, OddSignal, outside_fraction
 
 REFUTE_STAYS = "the spike stays within 20 % of the baseline"
 KL_READS = 0.05  # share of the gradient below which the loss barely reads a signal's term on its ranks
 DRIFT = 0.2  # a reference off alike on every rank: the policy's drift, weak
-DATA_NATS = 1.0  # a rank's typical sample this much less likely per token (mean log π) than the others': other data
 DATA_SCALE = 3.0  # ... or its typical |advantage| this many times the others' (or a third of it)
 KL_CARRIES = 0.5  # share of the gradient one rank's KL term carries that singles its reference out (see _kl_witness)
 KL_WITNESSED = 0.9  # a reference singled out by its KL term alone (the stored values alone do not separate it)

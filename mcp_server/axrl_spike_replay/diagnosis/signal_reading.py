@@ -19,7 +19,8 @@ WITNESS_RATIO times what the recorded routes cost every other rank (a few tokens
 expert-sensitive model move the log-probs by nats).
 
 The reference is another model's: the policy is expected to have moved from it, so for it the agreeing stored
-signals are no witness; only a rank far beyond the others, or 0 fills in it alone, single it out (`_odd_drifting`).
+signals are no witness; only a rank far beyond the others (whose data the policy does not find far less likely:
+there it has drifted furthest), or 0 fills in it alone, single it out (`_odd_drifting`).
 
 An odd signal on every rank with no witness is `spread` (an engine/trainer mismatch looks like that); without any
 witness nothing is separated, and the reading says so (`witnesses` empty). Loss tokens where a stored signal is
@@ -45,6 +46,7 @@ WITNESS_RATIO = 3.0  # an agreeing rank is at most a third as far off
 ZERO_FILLED = 0.02  # share of a rank's loss tokens zero-filled in a stored signal that counts
 ROUTES_FLOOR = 0.25  # a route level (a quarter of ROUTES_OFF) below which routes are not judged by what they cost
 COSTLY_ROUTES = 1.0  # nats per loss token the recorded routes cost a rank's typical sample that count
+DATA_NATS = 1.0  # a rank's typical sample this much less likely per token (mean log π) than the others': other data
 TRUNCATED = 0.5  # share of a rank's samples whose loss mask stops before the last generated token that counts
 LOGPROB_SIGNALS = ("old", "rollout", "ref")
 # signals of another model: the policy is expected to have moved from them (what the KL term bounds), so only
@@ -256,7 +258,7 @@ def _odd_drifting(reading: SignalReading, signal: str, off: list[int]) -> OddSig
     witnesses: list[str] = []
     for r in off:
         others = [v for o, v in sound.items() if o != r]
-        if others and levels[r] >= WITNESS_RATIO * max(others):
+        if others and levels[r] >= WITNESS_RATIO * max(others) and not _less_likely(reading, r):
             singled.append(r)
             witnesses.append(
                 f"{signal} is {levels[r] / max(max(others), 1e-12):.3g}x further off on rank {r} than on every other "
@@ -309,6 +311,15 @@ def _costly(reading: SignalReading, rank: int) -> bool:
         return False
     others = [c for o in reading.routes if o != rank and (c := route_cost(reading, o)) is not None]
     return bool(others) and all(max(c, 0.0) * WITNESS_RATIO <= cost for c in others)
+
+
+def _less_likely(reading: SignalReading, rank: int) -> bool:
+    """Whether the rank's typical sample is DATA_NATS per token less likely to the policy than the other ranks':
+    data the policy finds unlikely is where it has moved furthest from its reference, so a reference further off
+    there is that data's, not a broken reference (its 0 fills still single it out)."""
+    typical = reading.likelihood
+    rest = [v for o, v in typical.items() if o != rank]
+    return rank in typical and bool(rest) and statistics.median(rest) - typical[rank] >= DATA_NATS
 
 
 def _odd_routes(reading: SignalReading, check: SignalCheck) -> OddSignal | None:
