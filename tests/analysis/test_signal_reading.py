@@ -34,3 +34,12 @@ def test_the_same_reference_gap_on_a_rank_fed_alike_data_singles_its_reference_o
     reading = read_signals(check)
     ref = reading.odd_signal("ref")
     assert ref is not None and ref.separated and ref.ranks == [1]
+
+
+def test_a_ranks_surprise_is_how_far_its_tokens_are_past_the_policys_own_entropy() -> None:
+    on_policy = _rank(0, 1.0, 0.28, -0.4)
+    on_policy.samples_mean_entropy = [0.5] * 8
+    foreign = _rank(1, 1.0, 0.28, -9.5)
+    foreign.samples_mean_entropy = [0.5] * 8
+    reading = read_signals(SignalCheck(ranks=[on_policy, foreign]))
+    assert abs(reading.surprise[0] - (-0.1)) < 1e-9 and abs(reading.surprise[1] - 9.0) < 1e-9

@@ -454,7 +454,9 @@ def _kl_witness(ev: Evidence) -> list[tuple[int, str]]:
     """A reference off on every rank, but whose KL term on one rank carries KL_CARRIES of the gradient and
     WITNESS_RATIO times what it carries on any other rank, while that rank's data is as likely to the policy and no
     other stored signal or mask of it is out of line: the policy's drift from the reference is alike on every rank,
-    so what its KL pulls should be too; there the reference itself differs ([(rank, sentence)] or [])."""
+    so what its KL pulls should be too; there the reference itself differs ([(rank, sentence)] or []). Not on a
+    rank whose tokens are DATA_NATS per token less likely than the policy's own samples would be (its surprise past
+    its entropy): there k3's exp(ref - log π) is carried by a few hard tokens, and a rank's share is chance."""
     assert ev.reading is not None
     kl = ev.channel.term("kl") if ev.channel is not None else None
     levels = ev.reading.levels.get("ref", {})
@@ -475,12 +477,15 @@ def _kl_witness(ev: Evidence) -> list[tuple[int, str]]:
         rest = [v for o, v in typical.items() if o != r]
         if r in typical and rest and statistics.median(rest) - typical[r] >= DATA_NATS:
             continue  # its data is far less likely: hard data pulls the KL term too
+        if ev.reading.surprise.get(r, 0.0) >= DATA_NATS:
+            continue  # its tokens are not the policy's own samples: a few of them fill k3's tail, whatever the ref
         return [
             (
                 r,
                 f"the KL term on rank {r} carries {share:.3g} of the gradient against at most {max(others):.3g} on "
-                f"the other ranks, while its data is as likely to the policy and its other signals agree: the "
-                f"reference differs on rank {r}, beyond the drift alike on every rank",
+                f"the other ranks, while its data is as likely to the policy as the others' and as its own samples "
+                f"would be, and its other signals agree: the reference differs on rank {r}, beyond the drift alike on "
+                "every rank",
             )
         ]
     return []

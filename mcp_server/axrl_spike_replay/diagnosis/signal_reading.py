@@ -102,6 +102,7 @@ class SignalReading:
     mask_ranks: dict[int, float] = field(default_factory=dict)  # rank -> share of loss tokens no signal covers
     likelihood: dict[int, float] = field(default_factory=dict)  # rank -> its typical sample's mean log π (replay)
     likelihood_own: dict[int, float] = field(default_factory=dict)  # ... under the model's own routing
+    surprise: dict[int, float] = field(default_factory=dict)  # rank -> nats per token past the policy's entropy
     # rank -> (share of its samples whose loss mask stops before what was generated, mean tokens left out)
     tails: dict[int, tuple[float, float]] = field(default_factory=dict)
     truncated: list[int] = field(default_factory=list)  # ranks whose masks stop short where another rank's do not
@@ -127,6 +128,7 @@ class SignalReading:
             "route_levels": {str(r): v for r, v in self.routes.items()},
             "typical_logprob": {str(r): v for r, v in self.likelihood.items()},
             "typical_logprob_own_routing": {str(r): v for r, v in self.likelihood_own.items()},
+            "typical_surprise": {str(r): v for r, v in self.surprise.items()},
             "mask_tails": {str(r): {"samples": v[0], "tokens": v[1]} for r, v in self.tails.items()},
             "truncated_masks": self.truncated,
         }
@@ -171,6 +173,9 @@ def read_signals(check: SignalCheck) -> SignalReading:
         typical = rank.typical_logprob()
         if typical is not None:
             reading.likelihood[rank.rank] = typical
+        surprise = rank.typical_surprise()
+        if surprise is not None:
+            reading.surprise[rank.rank] = surprise
         typical_own = rank.typical_logprob_own()
         if typical_own is not None:
             reading.likelihood_own[rank.rank] = typical_own

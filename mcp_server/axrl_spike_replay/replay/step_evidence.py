@@ -190,11 +190,14 @@ def signal_check(
     with torch.no_grad():
         for rank, batch in ranks.batches.items():
             check_cancel(cancel, "diagnosis")
-            current = policy_forward(model, batch, ranks.routing(cfg, rank), need_entropy=False).logprobs
+            forward = policy_forward(model, batch, ranks.routing(cfg, rank), need_entropy=True)
+            current = forward.logprobs
             own = policy_forward(model, batch, RoutingControl(), need_entropy=False).logprobs if replays else None
             signals = RankSignals(rank=rank, pairs=_rank_pairs(batch, current, own), samples=int(current.shape[0]))
             signals.samples_mean_logprob = _samples_mean(current, batch["loss_mask"] > 0)
             signals.samples_tail = _tails(batch)
+            if forward.entropy is not None:
+                signals.samples_mean_entropy = _samples_mean(forward.entropy, batch["loss_mask"] > 0)
             if own is not None:
                 signals.samples_mean_logprob_own = _samples_mean(own, batch["loss_mask"] > 0)
             if rank in inputs.routing_ranks:
