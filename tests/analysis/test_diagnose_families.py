@@ -371,3 +371,28 @@ def test_a_reference_off_alike_by_level_but_whose_kl_term_carries_the_spike_on_o
     items = d.mitigation_items()
     assert items[0] == "drop_ranks=1" and "kl_estimator=k2" in items
     _check_suggestions(d)
+
+
+def test_a_reward_on_another_scale_is_an_outlier_beside_a_group_whose_one_right_answer_reads_as_z_12(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's verifier returned one reward x100 (advantage 106); on rank 0 one GRPO group holds a lone right
+    answer whose robust z (12) also passes the threshold. Two past it is not "a few" of 16, but one stands 250x
+    beyond the other: that one is the outlier."""
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    advantages = {
+        0: [-0.032, -0.064, 0.124, -0.032, -0.032, -0.001, -0.032, -0.032],
+        1: [0.03, -0.001, 0.03, 106.186, -0.064, -0.001, 0.03, -0.032],
+    }
+    for rank, values in advantages.items():
+
+        def edit(b: dict[str, torch.Tensor], values: list[float] = values) -> None:
+            b["advantages"] = torch.tensor(values, dtype=b["advantages"].dtype).reshape(b["advantages"].shape)
+            b["group_index"] = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+
+        edit_batch(snapshot, rank, edit)
+    d = diagnose_snapshot(snapshot, model="never")
+    cause = next((c for c in d.causes if c.family == "outlier_advantage"), None)
+    assert cause is not None and cause.figures["samples"] == [[1, 3]]
+    assert d.top.family == "outlier_advantage"

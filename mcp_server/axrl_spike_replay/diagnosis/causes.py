@@ -22,6 +22,7 @@ from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
 from axrl_spike_replay.training.sample_masks import outlier_z
 
+OUTLIER_GAP = 10.0  # a few outliers whose z is this many times the next one's stand out from many past OUTLIER_Z
 F32_NORM_OVERFLOW = math.sqrt(3.4028234663852886e38)  # a float32 sum of squares overflows past this norm
 LIKELY = 0.3
 OUTLIER_Z = 10.0  # robust z of a sample's advantage that makes it an outlier
@@ -211,8 +212,12 @@ def _outliers(a: Any) -> tuple[list[dict[str, Any]], list[float], list[int]]:
         for i, score in zip(index, outlier_z([rows[i]["advantage"] for i in index], keys), strict=True):
             z[i] = score
     outliers = sorted((i for i in range(len(rows)) if z[i] >= OUTLIER_Z), key=lambda i: -z[i])
-    if len(outliers) > max(1, int(FEW * len(rows))):
-        return rows, z, []
+    few = max(1, int(FEW * len(rows)))
+    if len(outliers) > few:
+        # many past the threshold: still a few outliers when those few stand OUTLIER_GAP times beyond the rest
+        # (a reward on another scale beside a group whose one right answer reads as z 12)
+        cut = next((k for k in range(1, few + 1) if z[outliers[k - 1]] >= OUTLIER_GAP * z[outliers[k]]), None)
+        return rows, z, outliers[:cut] if cut is not None else []
     return rows, z, outliers
 
 
