@@ -135,7 +135,8 @@ def non_finite(ev: Evidence) -> Cause | None:
         if isinstance(doc, dict) and doc.get("non_finite"):
             found.append(f"{doc['non_finite']} non-finite {name} logprobs on loss tokens")
     logprobs_bad = len(found) > int(norm_bad)
-    if a.advantages and a.advantages["tokens"].get("non_finite"):
+    advantages_bad = bool(a.advantages and a.advantages["tokens"].get("non_finite"))
+    if advantages_bad:
         found.append(f"{a.advantages['tokens']['non_finite']} non-finite advantages on loss tokens")
     overflowed: list[int] = []
     if ev.grads is not None:
@@ -157,7 +158,8 @@ def non_finite(ev: Evidence) -> Cause | None:
         )
     bad = [(r["rank"], r["sample"]) for r in a.samples["rows"] if r["loss_tokens"] and _non_finite_row(r, a)]
     experiments = []
-    if norm_bad or logprobs_bad:  # exp() of a log-ratio may have overflowed
+    # exp() of a log-ratio may have overflowed; not when non-finite advantages explain the norm (no clip reaches them)
+    if logprobs_bad or (norm_bad and not advantages_bad):
         experiments.append(
             Experiment("log_ratio_clip=5", "clamps the log-ratio before exp(): an overflow becomes finite")
         )
