@@ -17,6 +17,7 @@ fault's failure to spike on that model and seed, not the diagnosis's.
 
 Usage: .venv/bin/python benchmarks/bench_diagnosis.py [--models tiny_moe,qwen2_moe,olmoe] [--seeds 0]
        [--provenance preset,variant,held_out] [--cases NAME,...] [--no-experiments] [--json PATH]
+       [--keep DIR [--reuse]]   (keep the captures; --reuse diagnoses kept ones again after a change)
 """
 
 from __future__ import annotations
@@ -125,16 +126,34 @@ def _experiments(snapshot: Path, mitigations: list[str]) -> list[dict[str, Any]]
     return rows
 
 
-def run_case(case: MatrixCase, model: str, seed: int, root: Path, experiments: bool) -> CaseRun:
-    """Capture, diagnose and (optionally) test the suggestions of one case."""
+def kept_snapshots(case_dir: Path) -> list[Path]:
+    """The snapshots a kept capture took at its burst (its run config names the burst), earliest first."""
+    import yaml
+
+    from axrl_spike_replay.snapshot.metadata import read_metadata
+
+    found = []
+    for snapshot in sorted(case_dir.glob("*/checkpoints/spike_snapshots/iter_*")):
+        burst = (yaml.safe_load((snapshot / "run_config.yaml").read_text())["train"] or {}).get("burst") or ()
+        if read_metadata(snapshot)[0].iteration in burst:
+            found.append(snapshot)
+    return found
+
+
+def run_case(case: MatrixCase, model: str, seed: int, root: Path, experiments: bool, reuse: bool = False) -> CaseRun:
+    """Capture (or, with `reuse`, take the kept capture under `root`), diagnose and optionally test the suggestions
+    of one case."""
     from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
     from axrl_spike_replay.snapshot.metadata import read_metadata
 
     started = time.perf_counter()
     out = CaseRun(case.name, case.provenance, model, seed, case.family, case.expected_ranks(2))
+    case_dir = root / f"{case.name.replace(':', '-')}-{model}-s{seed}"
     try:
-        result = capture_case(case, root / f"{case.name.replace(':', '-')}-{model}-s{seed}", model=model, seed=seed)
-        snapshots = burst_snapshots(result, case.preset)
+        if reuse and case_dir.is_dir():
+            snapshots = kept_snapshots(case_dir)
+        else:
+            snapshots = burst_snapshots(capture_case(case, case_dir, model=model, seed=seed), case.preset)
         if not snapshots:
             return out
         snapshot = snapshots[0]
@@ -257,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="", help="only these case names (comma-separated)")
     ap.add_argument("--no-experiments", action="store_true", help="do not replay the suggested experiments")
     ap.add_argument("--json", default="", metavar="PATH", help="write every case run and the totals here")
+    ap.add_argument(
+        "--keep", default="", metavar="DIR", help="capture under DIR and keep the snapshots (default: a temporary dir)"
+    )
+    ap.add_argument(
+        "--reuse", action="store_true", help="diagnose the captures already kept under --keep DIR (capture the rest)"
+    )
     args = ap.parse_args(argv)
     cases = matrix_cases(tuple(p for p in args.provenance.split(",") if p))
     if args.cases:
@@ -265,10 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[CaseRun] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench-diagnosis-") as tmp:
+        if args.keep:
+            tmp = args.keep
+            Path(tmp).mkdir(parents=True, exist_ok=True)
         for model in [m for m in args.models.split(",") if m]:
             for seed in [int(s) for s in args.seeds.split(",") if s]:
                 for case in cases:
-                    run = run_case(case, model, seed, Path(tmp), not args.no_experiments)
+                    reuse = args.reuse and bool(args.keep)
+                    run = run_case(case, model, seed, Path(tmp), not args.no_experiments, reuse)
                     runs.append(run)
                     state = (
                         "error"
@@ -281,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
                         file=sys.stderr,
                         flush=True,
                     )
+                    if args.json:  # after every case, so a run stopped part-way keeps what it measured
+                        Path(args.json).write_text(json.dumps({"runs": [asdict(r) for r in runs]}, indent=1))
     totals = report(runs)
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": [asdict(r) for r in runs], "totals": totals}, indent=1))

@@ -276,3 +276,123 @@ def test_a_dual_clip_that_binds_on_no_token_is_not_suggested(tmp_path: Path) -> 
     base = run_replay(snapshot, ReplayOptions(nproc=1)).grad_norm
     clipped = run_replay(snapshot, ReplayOptions(nproc=1, mitigations={"dual_clip_c": 3.0})).grad_norm
     assert clipped == pytest.approx(base, rel=1e-6)
+
+
+def test_a_rank_whose_per_parameter_norms_overflowed_under_a_finite_global_norm_is_no_non_finite_fault(
+    tmp_path: Path,
+) -> None:
+    """A gradient of 1e30 is finite, but its float32 per-parameter norm overflows to inf. The recorded global norm
+    (the DP-reduced gradient, which holds every rank's) is finite, so no rank's gradient was non-finite: the
+    overflowed norm is not a finding, and the step's finite inputs name no non-finite cause."""
+    import json
+
+    from snapshot_edits import edit_grad_info
+
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    meta_path = snapshot / "axrl_metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["grad_norm"], meta["spike_ratio"] = 1e30, 1e30 / meta["median_norm"]  # as the capture's float64 norm
+    meta_path.write_text(json.dumps(meta))
+
+    def overflow(info: dict[str, object]) -> None:
+        norms = info["param_grad_norms"]
+        assert isinstance(norms, dict)
+        norms[next(iter(norms))] = float("inf")
+
+    edit_grad_info(snapshot, 1, overflow)
+    d = diagnose_snapshot(snapshot, model="never")
+    assert "non_finite" not in {c.family for c in d.causes}
+
+
+def _truncate_mask(snapshot: Path, rank: int, keep: int) -> None:
+    """Rank `rank`'s loss mask cut after each sample's first `keep` loss tokens; every stored signal left as it is
+    (the engine generated the rest and scored it; the loss leaves it out)."""
+
+    def edit(b: dict[str, torch.Tensor]) -> None:
+        mask = b["loss_mask"]
+        b["loss_mask"] = mask * (mask.cumsum(dim=-1) <= keep).to(mask.dtype)
+
+    edit_batch(snapshot, rank, edit)
+
+
+def test_a_loss_mask_truncated_on_one_rank_with_nothing_else_out_of_line_is_a_mask_fault(tmp_path: Path) -> None:
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    _truncate_mask(snapshot, rank=1, keep=2)
+    d = diagnose_snapshot(snapshot, model="always")
+    top = d.top
+    assert top.family == "mask_misalignment" and top.ranks == [1] and top.strength > 0.5
+    assert any("the loss mask stops before the last token the engine generated" in line for line in top.evidence)
+    assert d.reading is not None and d.reading.truncated == [1]
+    assert d.reading.tails[1][0] == 1.0 and d.reading.tails[0][0] == 0.0
+    assert "drop_ranks=1" in d.mitigation_items()
+    assert "one_rank_data" not in {c.family for c in d.causes if c.strength >= 0.3}
+    _check_suggestions(d)
+
+
+def test_masks_that_stop_short_alike_on_every_rank_single_out_no_rank(tmp_path: Path) -> None:
+    """Every rank's loss leaves the same tail out (a last turn the run never trains on): the run's own masking."""
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    for rank in (0, 1):
+        _truncate_mask(snapshot, rank=rank, keep=4)
+    d = diagnose_snapshot(snapshot, model="always")
+    assert d.reading is not None and d.reading.truncated == [] and d.reading.tails[0][0] == 1.0
+    assert "mask_misalignment" not in {c.family for c in d.causes}
+
+
+def test_a_reference_off_alike_by_level_but_whose_kl_term_carries_the_spike_on_one_rank_is_named_there(
+    tmp_path: Path,
+) -> None:
+    """Every rank's reference drifted alike from the policy; rank 1's reference worker also scored a third of its
+    tokens with an over-confident model (log-prob -0.05). By level the reference is off alike on both ranks, but
+    k3's exp(ref - log π) makes rank 1's KL term carry the gradient while its data is as likely to the policy: the
+    per-rank channel singles its reference out."""
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    set_loss(snapshot, kl_coef=1.0)
+    _drift_reference(snapshot)
+    g = torch.Generator().manual_seed(1)
+
+    def confident(b: dict[str, torch.Tensor]) -> None:
+        ref = b["ref_logprobs"]
+        hit = torch.rand(ref.shape, generator=g) < 0.3
+        b["ref_logprobs"] = torch.where(hit, torch.full_like(ref, -0.05), ref)
+
+    edit_batch(snapshot, 1, confident)
+    d = diagnose_snapshot(snapshot, model="always")
+    assert d.reading is not None
+    levels = d.reading.levels["ref"]
+    assert levels[1].level < 3 * levels[0].level  # the stored values alone do not separate it
+    top = d.top
+    assert top.family == "bad_ref_logprobs" and top.ranks == [1] and top.strength >= 0.9 and top.term == "kl"
+    assert any("the KL term on rank 1 carries" in line for line in top.evidence)
+    items = d.mitigation_items()
+    assert items[0] == "drop_ranks=1" and "kl_estimator=k2" in items
+    _check_suggestions(d)
+
+
+def test_a_reward_on_another_scale_is_an_outlier_beside_a_group_whose_one_right_answer_reads_as_z_12(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's verifier returned one reward x100 (advantage 106); on rank 0 one GRPO group holds a lone right
+    answer whose robust z (12) also passes the threshold. Two past it is not "a few" of 16, but one stands 250x
+    beyond the other: that one is the outlier."""
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    advantages = {
+        0: [-0.032, -0.064, 0.124, -0.032, -0.032, -0.001, -0.032, -0.032],
+        1: [0.03, -0.001, 0.03, 106.186, -0.064, -0.001, 0.03, -0.032],
+    }
+    for rank, values in advantages.items():
+
+        def edit(b: dict[str, torch.Tensor], values: list[float] = values) -> None:
+            b["advantages"] = torch.tensor(values, dtype=b["advantages"].dtype).reshape(b["advantages"].shape)
+            b["group_index"] = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+
+        edit_batch(snapshot, rank, edit)
+    d = diagnose_snapshot(snapshot, model="never")
+    cause = next((c for c in d.causes if c.family == "outlier_advantage"), None)
+    assert cause is not None and cause.figures["samples"] == [[1, 3]]
+    assert d.top.family == "outlier_advantage"

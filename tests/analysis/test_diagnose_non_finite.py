@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 from snapshot_edits import copy_fixture, edit_batch, edit_grad_info, no_mismatch
@@ -100,3 +101,26 @@ def test_no_family_turns_a_nan_figure_into_a_strong_cause(tmp_path: Path) -> Non
     assert outlier.figures["samples"] == [[1, 3]]
     for cause in found.values():
         assert cause is None or 0.0 <= cause.strength <= 1.0
+
+
+def test_a_nan_reward_that_made_the_step_non_finite_gets_no_log_ratio_clip(tmp_path: Path) -> None:
+    """A NaN reward makes its group's advantages NaN and the step's norm NaN; no clip of the log-ratio reaches an
+    advantage, so `log_ratio_clip` would be a no-op (the matrix's verifier_nan replays measured no effect)."""
+    import json
+
+    snapshot = copy_fixture(tmp_path)
+
+    def nan_advantage(b: dict[str, Any]) -> None:
+        b["advantages"] = b["advantages"].clone()
+        b["advantages"][5] = float("nan")
+
+    edit_batch(snapshot, 1, nan_advantage)
+    meta_path = snapshot / "axrl_metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["grad_norm"] = float("nan")
+    meta_path.write_text(json.dumps(meta))
+    d = diagnose_snapshot(snapshot, model="never")
+    cause = next(c for c in d.causes if c.family == "non_finite")
+    assert cause.strength == 1.0
+    assert "log_ratio_clip=5" not in [e.mitigation for e in cause.experiments]
+    assert any(e.mitigation.startswith("drop_samples=") for e in cause.experiments)

@@ -192,7 +192,8 @@ class RoutesShift(BuiltinFault):
 
 class RoutesStaleLayer(BuiltinFault):
     """routing payload: this rank's routes of one MoE layer come from a stale expert-id table (every id off by
-    one), as when an expert-parallel re-sharding is not applied to the recorded payload."""
+    one), as when an expert-parallel re-sharding is not applied to the recorded payload. `fraction` (default 1):
+    the share of tokens whose routes pass through the stale table (the experts the re-sharding moved)."""
 
     stage = "rollout"
     part = "routed_experts"
@@ -202,8 +203,11 @@ class RoutesStaleLayer(BuiltinFault):
         routes = parts.routed_experts.clone()
         n_experts = _n_experts(parts.trainer.model)
         layers = self.param("layers", None)
+        fraction = float(self.param("fraction", 1.0))
+        hit = torch.rand(routes.shape[:2], generator=parts.generator) < fraction if fraction < 1.0 else None
         for layer in range(routes.shape[2]) if layers is None else layers:
-            routes[:, :, layer] = (routes[:, :, layer] + 1) % n_experts
+            stale = (routes[:, :, layer] + 1) % n_experts
+            routes[:, :, layer] = stale if hit is None else torch.where(hit[..., None], stale, routes[:, :, layer])
         parts.routed_experts = routes
 
 
@@ -379,6 +383,26 @@ class LogprobWrongModel(StoredLogprobFault):
         return out
 
 
+class RefOwnRouting(BuiltinFault):
+    """A reference worker that does not replay the recorded routes (routing replay wired into the actor only): its
+    log-probs are the reference model's under its own routing. Harmless while the recorded routes are the model's
+    own; beside a corrupt routing payload, the policy (replaying it) and its reference route differently, and the
+    KL term carries the difference."""
+
+    stage = "batch"
+    part = "ref_logprobs"
+
+    def corrupt(self, parts: StepParts) -> None:
+        from axrl_spike_replay.models.policy import policy_forward
+        from axrl_spike_replay.models.tiny_moe import RoutingControl
+
+        assert parts.trainer is not None
+        with torch.no_grad():
+            own = policy_forward(parts.trainer.ref_model, parts.batch, RoutingControl(), need_entropy=False)
+        rows = self.rows(own.logprobs.shape[0])
+        parts.batch["ref_logprobs"][rows] = own.logprobs.float()[rows]
+
+
 class MaskShift(BuiltinFault):
     """truncated / misaligned masks: the stack keeps log-probs for the response only (zero elsewhere, as when the
     response is sliced out and padded back), and during the burst this rank's loss mask starts `shift` positions
@@ -422,6 +446,7 @@ FAULT_KINDS: dict[str, Callable[[FaultSpec], BuiltinFault]] = {
     "logprob_permuted": LogprobPermuted,
     "logprob_wrong_model": LogprobWrongModel,
     "mask_shift": MaskShift,
+    "ref_own_routing": RefOwnRouting,
 }
 
 

@@ -22,6 +22,8 @@ from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
 from axrl_spike_replay.training.sample_masks import outlier_z
 
+OUTLIER_GAP = 10.0  # a few outliers whose z is this many times the next one's stand out from many past OUTLIER_Z
+F32_NORM_OVERFLOW = math.sqrt(3.4028234663852886e38)  # a float32 sum of squares overflows past this norm
 LIKELY = 0.3
 OUTLIER_Z = 10.0  # robust z of a sample's advantage that makes it an outlier
 FEW = 0.1  # "a few samples": at most this fraction of the batch (and at least one)
@@ -118,7 +120,13 @@ def _pairs(samples: list[tuple[int, int]]) -> str:
 
 def non_finite(ev: Evidence) -> Cause | None:
     """Non-finite grad norms or batch values. Strength 1.0 when a recorded norm is not finite; non-finite batch
-    values under a finite recorded norm are NON_FINITE_INPUTS: they did not reach that gradient as saved."""
+    values under a finite recorded norm are NON_FINITE_INPUTS: they did not reach that gradient as saved.
+
+    A rank's per-parameter norms that are not finite under a finite recorded global norm large enough for a
+    float32 norm to overflow (F32_NORM_OVERFLOW, with the rank's part at most world size times the mean) are no
+    finding: the DP-reduced gradient holds every rank's, so that rank's gradient was finite and only its norm (the
+    trainer's float32 per-parameter norm of a huge gradient) overflowed; the spike's size is what the other
+    families read. Under a small global norm an infinite local norm is inconsistent, and reported."""
     a, found = ev.analysis, []
     norm_bad = not math.isfinite(a.grad_norm)
     if norm_bad:
@@ -127,13 +135,19 @@ def non_finite(ev: Evidence) -> Cause | None:
         if isinstance(doc, dict) and doc.get("non_finite"):
             found.append(f"{doc['non_finite']} non-finite {name} logprobs on loss tokens")
     logprobs_bad = len(found) > int(norm_bad)
-    if a.advantages and a.advantages["tokens"].get("non_finite"):
+    advantages_bad = bool(a.advantages and a.advantages["tokens"].get("non_finite"))
+    if advantages_bad:
         found.append(f"{a.advantages['tokens']['non_finite']} non-finite advantages on loss tokens")
+    overflowed: list[int] = []
     if ev.grads is not None:
         for k in ev.grads.ranks:
-            if not math.isfinite(k.local_grad_norm):
-                norm_bad = True
-                found.append(f"rank {k.rank}'s recorded per-parameter grad norms are not finite")
+            if math.isfinite(k.local_grad_norm):
+                continue
+            if math.isfinite(a.grad_norm) and a.grad_norm * max(ev.world_size, 1) >= F32_NORM_OVERFLOW:
+                overflowed.append(k.rank)
+                continue
+            norm_bad = True
+            found.append(f"rank {k.rank}'s recorded per-parameter grad norms are not finite")
     if not found:
         return None
     figures = {"findings": len(found), "recorded_norm_finite": not norm_bad}
@@ -144,7 +158,8 @@ def non_finite(ev: Evidence) -> Cause | None:
         )
     bad = [(r["rank"], r["sample"]) for r in a.samples["rows"] if r["loss_tokens"] and _non_finite_row(r, a)]
     experiments = []
-    if norm_bad or logprobs_bad:  # exp() of a log-ratio may have overflowed
+    # exp() of a log-ratio may have overflowed; not when non-finite advantages explain the norm (no clip reaches them)
+    if logprobs_bad or (norm_bad and not advantages_bad):
         experiments.append(
             Experiment("log_ratio_clip=5", "clamps the log-ratio before exp(): an overflow becomes finite")
         )
@@ -160,7 +175,7 @@ def non_finite(ev: Evidence) -> Cause | None:
     # the ranks that hold them (none named when every saved rank does: nothing to single out)
     hit = {r for r, _ in bad}
     if ev.grads is not None:
-        hit |= {k.rank for k in ev.grads.ranks if not math.isfinite(k.local_grad_norm)}
+        hit |= {k.rank for k in ev.grads.ranks if not math.isfinite(k.local_grad_norm) and k.rank not in overflowed}
     ranks = sorted(hit) if len(hit) < len(a.ranks) else []
     return Cause("non_finite", "non-finite values", strength, found, figures, experiments, ranks=ranks)
 
@@ -199,8 +214,12 @@ def _outliers(a: Any) -> tuple[list[dict[str, Any]], list[float], list[int]]:
         for i, score in zip(index, outlier_z([rows[i]["advantage"] for i in index], keys), strict=True):
             z[i] = score
     outliers = sorted((i for i in range(len(rows)) if z[i] >= OUTLIER_Z), key=lambda i: -z[i])
-    if len(outliers) > max(1, int(FEW * len(rows))):
-        return rows, z, []
+    few = max(1, int(FEW * len(rows)))
+    if len(outliers) > few:
+        # many past the threshold: still a few outliers when those few stand OUTLIER_GAP times beyond the rest
+        # (a reward on another scale beside a group whose one right answer reads as z 12)
+        cut = next((k for k in range(1, few + 1) if z[outliers[k - 1]] >= OUTLIER_GAP * z[outliers[k]]), None)
+        return rows, z, outliers[:cut] if cut is not None else []
     return rows, z, outliers
 
 

@@ -29,13 +29,16 @@ from axrl_spike_replay.diagnosis.causes import (
     _pct,
     _unit,
 )
-from axrl_spike_replay.diagnosis.signal_reading import OddSignal, outside_fraction
+from axrl_spike_replay.diagnosis.signal_reading import DATA_NATS, WITNESS_RATIO, OddSignal, outside_fraction
 
 REFUTE_STAYS = "the spike stays within 20 % of the baseline"
 KL_READS = 0.05  # share of the gradient below which the loss barely reads a signal's term on its ranks
 DRIFT = 0.2  # a reference off alike on every rank: the policy's drift, weak
-DATA_NATS = 1.0  # a rank's typical sample this much less likely per token (mean log π) than the others': other data
 DATA_SCALE = 3.0  # ... or its typical |advantage| this many times the others' (or a third of it)
+KL_CARRIES = 0.5  # share of the gradient one rank's KL term carries that singles its reference out (see _kl_witness)
+KL_WITNESSED = 0.9  # a reference singled out by its KL term alone (the stored values alone do not separate it)
+TRUNCATED_BASE = 0.6  # a mask truncated on some ranks, its share of the gradient unknown or under half
+TRUNCATED_CARRIES = 0.9  # ... those ranks carrying at least half of the gradient
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -415,17 +418,24 @@ def bad_ref_logprobs(ev: Evidence) -> Cause | None:
             "the policy's distance to the reference is alike on every rank: drift the KL term bounds, or a reference "
             "wrong everywhere; nothing here tells them apart (`kl_coef=0` says whether the KL term carries the spike)"
         )
+    ranks = odd.ranks if odd.separated else []
+    witnessed = [] if odd.separated else _kl_witness(ev)
+    if witnessed:
+        rank, line = witnessed[0]
+        ranks, strength, all_ranks = [rank], KL_WITNESSED, False
+        read = next((x.share for x in kl.ranks if x.rank == rank), None) if kl is not None else None
+        channel = [line, *(c for c in channel if not c.startswith("the policy's distance to the reference is alike"))]
     experiments = kl_levers(ev)
-    if odd.separated and not all_ranks:
-        experiments.insert(0, _drop_ranks(odd.ranks, "the cause"))
+    if ranks and not all_ranks:
+        experiments.insert(0, _drop_ranks(ranks, "the cause"))
     cause = Cause(
         "bad_ref_logprobs",
-        f"wrong or misaligned reference log-probs on rank {_ranks(odd.ranks)}",
+        f"wrong or misaligned reference log-probs on rank {_ranks(ranks or odd.ranks)}",
         strength,
         _carried(ev, "ref", odd.ranks) + odd.evidence + odd.witnesses + channel,
         {"levels": odd.levels, "kl_share": kl.share if kl is not None else None, "kl_share_on_ranks": read},
         experiments,
-        ranks=odd.ranks if odd.separated else [],
+        ranks=ranks,
         samples=odd.samples[:8],
         term="kl" if term == "kl" or kl is not None else term,
     )
@@ -438,6 +448,47 @@ def bad_ref_logprobs(ev: Evidence) -> Cause | None:
             "reference there; out of line, but not what the gradient carries"
         )
     return cause
+
+
+def _kl_witness(ev: Evidence) -> list[tuple[int, str]]:
+    """A reference off on every rank, but whose KL term on one rank carries KL_CARRIES of the gradient and
+    WITNESS_RATIO times what it carries on any other rank, while that rank's data is as likely to the policy and no
+    other stored signal or mask of it is out of line: the policy's drift from the reference is alike on every rank,
+    so what its KL pulls should be too; there the reference itself differs ([(rank, sentence)] or []). Not on a
+    rank whose tokens are DATA_NATS per token less likely than the policy's own samples would be (its surprise past
+    its entropy): there k3's exp(ref - log π) is carried by a few hard tokens, and a rank's share is chance."""
+    assert ev.reading is not None
+    kl = ev.channel.term("kl") if ev.channel is not None else None
+    levels = ev.reading.levels.get("ref", {})
+    if kl is None or len(kl.ranks) < 2:
+        return []
+    shares = {x.rank: x.share for x in kl.ranks}
+    for r, share in shares.items():
+        others = [abs(v) for o, v in shares.items() if o != r]
+        if share < KL_CARRIES or share < WITNESS_RATIO * max(others) or r not in levels:
+            continue
+        if any(lv.level >= levels[r].level for o, lv in levels.items() if o != r):
+            continue  # the reference is not furthest off there
+        if r in ev.reading.mask_ranks or r in ev.reading.truncated:
+            continue
+        if any(r in o.ranks and o.separated for o in ev.reading.odd if o.signal != "ref"):
+            continue  # that rank's forward or another signal is off: the KL term carries that
+        typical = ev.reading.likelihood
+        rest = [v for o, v in typical.items() if o != r]
+        if r in typical and rest and statistics.median(rest) - typical[r] >= DATA_NATS:
+            continue  # its data is far less likely: hard data pulls the KL term too
+        if ev.reading.surprise.get(r, 0.0) >= DATA_NATS:
+            continue  # its tokens are not the policy's own samples: a few of them fill k3's tail, whatever the ref
+        return [
+            (
+                r,
+                f"the KL term on rank {r} carries {share:.3g} of the gradient against at most {max(others):.3g} on "
+                f"the other ranks, while its data is as likely to the policy as the others' and as its own samples "
+                f"would be, and its other signals agree: the reference differs on rank {r}, beyond the drift alike on "
+                "every rank",
+            )
+        ]
+    return []
 
 
 def routing_payload(ev: Evidence) -> Cause | None:
@@ -522,9 +573,16 @@ def _routes_from_layers(ev: Evidence) -> Cause | None:
 
 
 def mask_misalignment(ev: Evidence) -> Cause | None:
-    """Loss masks over tokens no stored signal covers (every stored log-prob a 0 fill there)."""
-    if ev.reading is None or not ev.reading.mask_ranks:
+    """Loss masks over tokens no stored signal covers (every stored log-prob a 0 fill there), or masks that stop
+    short of what was generated on some ranks where the others' run to the end (truncated).
+
+    A misaligned mask is read off the stored values themselves (0.95 on some ranks). A truncated one only says the
+    loss leaves tokens out there; it is the cause as far as those ranks carry the gradient (TRUNCATED_BASE;
+    TRUNCATED_CARRIES when they carry at least half of it)."""
+    if ev.reading is None or not (ev.reading.mask_ranks or ev.reading.truncated):
         return None
+    if not ev.reading.mask_ranks:
+        return _truncated_mask(ev)
     ranks = sorted(ev.reading.mask_ranks)
     every = len(ranks) == len({r for by in ev.reading.levels.values() for r in by})
     evidence = [
@@ -541,6 +599,36 @@ def mask_misalignment(ev: Evidence) -> Cause | None:
         {"zero_filled": ev.reading.mask_ranks},
         experiments,
         ranks=[] if every else ranks,
+    )
+
+
+def _truncated_mask(ev: Evidence) -> Cause:
+    assert ev.reading is not None
+    ranks = sorted(ev.reading.truncated)
+    tails = ev.reading.tails
+    evidence = [
+        f"rank {r}: on {_pct(tails[r][0])} of samples the loss mask stops before the last token the engine generated "
+        f"(a stored rollout log-prob), {tails[r][1]:.3g} tokens left out per sample on average"
+        for r in ranks
+    ]
+    whole = [f"rank {r} ({_pct(v[0])} of samples stop short)" for r, v in sorted(tails.items()) if r not in ranks]
+    evidence.append("ranks whose masks run to the end: " + ", ".join(whole))
+    share = _rank_share(ev, ranks)
+    strength = TRUNCATED_BASE
+    if share is not None:
+        evidence.append(f"rank {_ranks(ranks)}'s loss terms carry {share:.3g} of the gradient")
+        if share >= 0.5:
+            strength = TRUNCATED_CARRIES
+    term, channel = _channel_lines(ev, ranks)
+    return Cause(
+        "mask_misalignment",
+        f"loss mask truncated on rank {_ranks(ranks)}",
+        strength,
+        evidence + channel,
+        {"truncated": {r: {"samples": tails[r][0], "tokens": tails[r][1]} for r in ranks}, "rank_share": share},
+        [_drop_ranks(ranks, "the truncated mask")],
+        ranks=ranks,
+        term=term,
     )
 
 
@@ -618,6 +706,8 @@ def one_rank_data(ev: Evidence) -> Cause | None:
         return None
     if ev.reading is not None:
         if rank in ev.reading.mask_ranks:  # its loss mask covers tokens no signal was stored for: the mask explains it
+            return None
+        if rank in ev.reading.truncated:  # its loss masks stop short where the others' do not: the mask explains it
             return None
         # a stored signal singled out on that rank explains it (one off alike on every rank, as the policy's drift
         # from the reference, singles out no rank): the data is not the broken part

@@ -13,13 +13,21 @@ S is odd on rank r when its level there is at least 1 and a witness says the rep
 - a signal witness: another stored log-prob signal agrees with the replay on rank r (the forward is sound there);
 - for routes, the model's own routing makes a stored log-prob signal agree where the recorded routes do not.
 
+Routes that differ on fewer tokens than clearly off (but on ROUTES_FLOOR of it) are odd on a rank when they cost it:
+its typical sample is COSTLY_ROUTES nats per token less likely under them than under the model's own routing, and
+WITNESS_RATIO times what the recorded routes cost every other rank (a few tokens on the wrong experts of an
+expert-sensitive model move the log-probs by nats).
+
 The reference is another model's: the policy is expected to have moved from it, so for it the agreeing stored
-signals are no witness; only a rank far beyond the others, or 0 fills in it alone, single it out (`_odd_drifting`).
+signals are no witness; only a rank far beyond the others (whose data the policy does not find far less likely:
+there it has drifted furthest), or 0 fills in it alone, single it out (`_odd_drifting`).
 
 An odd signal on every rank with no witness is `spread` (an engine/trainer mismatch looks like that); without any
 witness nothing is separated, and the reading says so (`witnesses` empty). Loss tokens where a stored signal is
 exactly 0 while the policy's log-prob is far from 0 are `zero_filled`: a padded value, not a log-prob (all the stored
-signals zero there at once: the loss mask covers tokens no signal was stored for).
+signals zero there at once: the loss mask covers tokens no signal was stored for). A rank whose loss masks stop
+before the last token the engine generated (a stored rollout log-prob, attended) on most samples, where another
+rank's run to the end, is `truncated`: its loss leaves out tokens the others train on.
 """
 
 from __future__ import annotations
@@ -36,6 +44,10 @@ OUTSIDE_OFF = 0.05  # share of loss tokens with the ratio outside [0.5, 2] that 
 ROUTES_OFF = 0.2  # share of routed tokens whose expert set differs that counts as clearly off
 WITNESS_RATIO = 3.0  # an agreeing rank is at most a third as far off
 ZERO_FILLED = 0.02  # share of a rank's loss tokens zero-filled in a stored signal that counts
+ROUTES_FLOOR = 0.25  # a route level (a quarter of ROUTES_OFF) below which routes are not judged by what they cost
+COSTLY_ROUTES = 1.0  # nats per loss token the recorded routes cost a rank's typical sample that count
+DATA_NATS = 1.0  # a rank's typical sample this much less likely per token (mean log π) than the others': other data
+TRUNCATED = 0.5  # share of a rank's samples whose loss mask stops before the last generated token that counts
 LOGPROB_SIGNALS = ("old", "rollout", "ref")
 # signals of another model: the policy is expected to have moved from them (what the KL term bounds), so only
 # a rank far beyond the others, or values that are no log-prob at all, single one out
@@ -89,6 +101,11 @@ class SignalReading:
     odd: list[OddSignal] = field(default_factory=list)
     mask_ranks: dict[int, float] = field(default_factory=dict)  # rank -> share of loss tokens no signal covers
     likelihood: dict[int, float] = field(default_factory=dict)  # rank -> its typical sample's mean log π (replay)
+    likelihood_own: dict[int, float] = field(default_factory=dict)  # ... under the model's own routing
+    surprise: dict[int, float] = field(default_factory=dict)  # rank -> nats per token past the policy's entropy
+    # rank -> (share of its samples whose loss mask stops before what was generated, mean tokens left out)
+    tails: dict[int, tuple[float, float]] = field(default_factory=dict)
+    truncated: list[int] = field(default_factory=list)  # ranks whose masks stop short where another rank's do not
 
     def odd_signal(self, signal: str) -> OddSignal | None:
         return next((o for o in self.odd if o.signal == signal), None)
@@ -110,6 +127,10 @@ class SignalReading:
             "levels": {s: {str(r): v.level for r, v in by.items()} for s, by in self.levels.items()},
             "route_levels": {str(r): v for r, v in self.routes.items()},
             "typical_logprob": {str(r): v for r, v in self.likelihood.items()},
+            "typical_logprob_own_routing": {str(r): v for r, v in self.likelihood_own.items()},
+            "typical_surprise": {str(r): v for r, v in self.surprise.items()},
+            "mask_tails": {str(r): {"samples": v[0], "tokens": v[1]} for r, v in self.tails.items()},
+            "truncated_masks": self.truncated,
         }
 
 
@@ -152,10 +173,20 @@ def read_signals(check: SignalCheck) -> SignalReading:
         typical = rank.typical_logprob()
         if typical is not None:
             reading.likelihood[rank.rank] = typical
+        surprise = rank.typical_surprise()
+        if surprise is not None:
+            reading.surprise[rank.rank] = surprise
+        typical_own = rank.typical_logprob_own()
+        if typical_own is not None:
+            reading.likelihood_own[rank.rank] = typical_own
         route = _route_level(rank)
         if route is not None:
             reading.routes[rank.rank] = route
+        if rank.samples_tail:
+            tails = rank.samples_tail
+            reading.tails[rank.rank] = (sum(t > 0 for t in tails) / len(tails), sum(tails) / len(tails))
     _mask(reading)
+    _truncated(reading)
     for signal in LOGPROB_SIGNALS:
         odd = _odd_logprobs(reading, signal)
         if odd is not None:
@@ -232,7 +263,7 @@ def _odd_drifting(reading: SignalReading, signal: str, off: list[int]) -> OddSig
     witnesses: list[str] = []
     for r in off:
         others = [v for o, v in sound.items() if o != r]
-        if others and levels[r] >= WITNESS_RATIO * max(others):
+        if others and levels[r] >= WITNESS_RATIO * max(others) and not _less_likely(reading, r):
             singled.append(r)
             witnesses.append(
                 f"{signal} is {levels[r] / max(max(others), 1e-12):.3g}x further off on rank {r} than on every other "
@@ -270,12 +301,46 @@ def _odd_drifting(reading: SignalReading, signal: str, off: list[int]) -> OddSig
     return odd
 
 
+def route_cost(reading: SignalReading, rank: int) -> float | None:
+    """How much less likely the rank's typical sample is under its recorded routes than under the model's own
+    routing (nats per loss token; None: not both known)."""
+    own, current = reading.likelihood_own.get(rank), reading.likelihood.get(rank)
+    return None if own is None or current is None else own - current
+
+
+def _costly(reading: SignalReading, rank: int) -> bool:
+    """Recorded routes that differ on fewer tokens than ROUTES_OFF but make the rank's data COSTLY_ROUTES nats per
+    token less likely than its own routing does, WITNESS_RATIO times what they cost on every other rank."""
+    cost = route_cost(reading, rank)
+    if cost is None or cost < COSTLY_ROUTES or reading.routes.get(rank, 0.0) < ROUTES_FLOOR:
+        return False
+    others = [c for o in reading.routes if o != rank and (c := route_cost(reading, o)) is not None]
+    return bool(others) and all(max(c, 0.0) * WITNESS_RATIO <= cost for c in others)
+
+
+def _less_likely(reading: SignalReading, rank: int) -> bool:
+    """Whether the rank's typical sample is DATA_NATS per token less likely to the policy than the other ranks':
+    data the policy finds unlikely is where it has moved furthest from its reference, so a reference further off
+    there is that data's, not a broken reference (its 0 fills still single it out)."""
+    typical = reading.likelihood
+    rest = [v for o, v in typical.items() if o != rank]
+    return rank in typical and bool(rest) and statistics.median(rest) - typical[rank] >= DATA_NATS
+
+
 def _odd_routes(reading: SignalReading, check: SignalCheck) -> OddSignal | None:
     levels = reading.routes
-    off = sorted(r for r, v in levels.items() if v >= 1.0)
+    off = sorted(r for r, v in levels.items() if v >= 1.0 or _costly(reading, r))
     if not off:
         return None
     witnesses = []
+    for r in off:
+        cost = route_cost(reading, r)
+        if cost is not None and _costly(reading, r):
+            witnesses.append(
+                f"rank {r}'s typical sample is {cost:.3g} nats per loss token less likely under its recorded routes "
+                "than under the model's own routing, against at most "
+                + ", ".join(f"{route_cost(reading, o) or 0.0:.3g} on rank {o}" for o in levels if o != r)
+            )
     for r in off:
         for o in _witnessed(levels, r):
             witnesses.append(
@@ -325,6 +390,17 @@ def _mask(reading: SignalReading) -> None:
         fills = [by[r].zero_filled for by in reading.levels.values() if r in by]
         if len(fills) >= 2 and min(fills) >= ZERO_FILLED:
             reading.mask_ranks[r] = min(fills)
+
+
+def _truncated(reading: SignalReading) -> None:
+    """Ranks whose loss masks stop short of what was generated on most samples (TRUNCATED) where another rank's run
+    to the end (a rank witness). Alike on every rank it is the run's own masking (a last turn the loss never
+    trains on, say), singled out nowhere."""
+    for r, (share, _) in reading.tails.items():
+        if share < TRUNCATED:
+            continue
+        if any(o != r and other * WITNESS_RATIO <= share for o, (other, _) in reading.tails.items()):
+            reading.truncated.append(r)
 
 
 def outside_fraction(reading: SignalReading, signal: str) -> float | None:

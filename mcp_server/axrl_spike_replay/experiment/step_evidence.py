@@ -7,7 +7,7 @@ routing (`own`), against the stored `old`, `rollout` and `ref` log-probs, and `o
 over the rank's loss tokens and per sample. Routes: per rank and MoE layer, how often the model's own routing in
 that layer (the recorded routes replayed in the others) picks another expert set than the recorded one, on loss
 and on other tokens. Data: per sample, the replayed policy's mean log-prob over its loss tokens (how likely what the
-rank was fed is to the policy).
+rank was fed is to the policy). Masks: per sample, the generated tokens after its last loss token (`samples_tail`).
 
 Channel: the step's DP-mean gradient split by loss term (`policy`: the PPO ratio term with its IS weights and
 clips; `kl`; `entropy`; `aux` and `z`: the router losses), each term's gradient taken by its own backward at the
@@ -69,10 +69,31 @@ class RankSignals:
     samples: int = 0
     # per sample, the replayed policy's mean log π over its loss tokens: how likely the rank's data is to the policy
     samples_mean_logprob: list[float | None] = field(default_factory=list)
+    samples_mean_logprob_own: list[float | None] = field(default_factory=list)  # ... under the model's own routing
+    # per sample, the replayed policy's mean entropy over its loss tokens: -log π of its own samples, on average
+    samples_mean_entropy: list[float | None] = field(default_factory=list)
+    # per sample, the tokens after its last loss token that still hold a stored rollout log-prob (a token the engine
+    # generated, attended, not a 0 fill): 0 when the loss mask runs to the end of what was generated
+    samples_tail: list[int] = field(default_factory=list)
 
     def typical_logprob(self) -> float | None:
         """The median over samples of their mean log π (None: no sample with a finite loss token)."""
         known = sorted(v for v in self.samples_mean_logprob if v is not None)
+        return statistics.median(known) if known else None
+
+    def typical_surprise(self) -> float | None:
+        """The median over samples of (mean -log π - mean entropy) on loss tokens: how many nats per token less
+        likely the rank's tokens are than the policy's own samples at those positions would be (0 on-policy)."""
+        known = sorted(
+            -lp - h
+            for lp, h in zip(self.samples_mean_logprob, self.samples_mean_entropy, strict=False)
+            if lp is not None and h is not None
+        )
+        return statistics.median(known) if known else None
+
+    def typical_logprob_own(self) -> float | None:
+        """As `typical_logprob`, under the model's own routing (None: not taken, the run replays no routes)."""
+        known = sorted(v for v in self.samples_mean_logprob_own if v is not None)
         return statistics.median(known) if known else None
 
     def route_disagreement(self) -> float | None:

@@ -113,6 +113,23 @@ def _samples_mean(values: torch.Tensor, mask: torch.Tensor) -> list[float | None
     return [s / c if c else None for s, c in zip(sums, counts, strict=True)]
 
 
+def _tails(batch: dict[str, torch.Tensor]) -> list[int]:
+    """Per sample, the tokens after its last loss token that hold a stored rollout log-prob (finite, not a 0 fill)
+    and are attended: what the engine generated and the loss mask stops short of ([] without rollout log-probs)."""
+    stored = batch.get("rollout_logprobs")
+    if stored is None:
+        return []
+    mask = (batch["loss_mask"] > 0).cpu()
+    positions = torch.arange(mask.shape[-1]).expand_as(mask)
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).amax(dim=-1, keepdim=True)
+    value = stored.detach().cpu()
+    generated = torch.isfinite(value) & (value != 0)
+    if "attention_mask" in batch:
+        generated &= batch["attention_mask"].cpu() > 0
+    after = (positions > last) & (last >= 0)
+    return [int(n) for n in (generated & after).sum(dim=-1).tolist()]
+
+
 def _rank_pairs(
     batch: dict[str, torch.Tensor], current: torch.Tensor, own: torch.Tensor | None
 ) -> dict[str, PairFigures]:
@@ -173,10 +190,16 @@ def signal_check(
     with torch.no_grad():
         for rank, batch in ranks.batches.items():
             check_cancel(cancel, "diagnosis")
-            current = policy_forward(model, batch, ranks.routing(cfg, rank), need_entropy=False).logprobs
+            forward = policy_forward(model, batch, ranks.routing(cfg, rank), need_entropy=True)
+            current = forward.logprobs
             own = policy_forward(model, batch, RoutingControl(), need_entropy=False).logprobs if replays else None
             signals = RankSignals(rank=rank, pairs=_rank_pairs(batch, current, own), samples=int(current.shape[0]))
             signals.samples_mean_logprob = _samples_mean(current, batch["loss_mask"] > 0)
+            signals.samples_tail = _tails(batch)
+            if forward.entropy is not None:
+                signals.samples_mean_entropy = _samples_mean(forward.entropy, batch["loss_mask"] > 0)
+            if own is not None:
+                signals.samples_mean_logprob_own = _samples_mean(own, batch["loss_mask"] > 0)
             if rank in inputs.routing_ranks:
                 signals.routes = _rank_routes(model, batch, ranks, rank)
             result.ranks.append(signals)
