@@ -143,8 +143,27 @@ _DEEPSEEK_V3_FULL_Q = (
     _mla("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight"),
 )
 
+# Qwen2-MoE: QKV biases (fused and split per query group as the weight), and a shared expert whose output
+# a sigmoid gate [1, H] scales (megatron-core's `moe_shared_expert_gate`, transformers' `shared_expert_gate`).
+_QKV_BIAS = Rule(
+    "decoder.layers.self_attention.linear_qkv.bias",
+    (_layer("self_attn.q_proj.bias"), _layer("self_attn.k_proj.bias"), _layer("self_attn.v_proj.bias")),
+    split="qkv",
+)
+_QWEN2_MOE = (
+    *_COMMON,
+    Rule(
+        "decoder.layers.mlp.shared_experts.linear_fc1.weight",
+        (_layer("mlp.shared_expert.gate_proj.weight"), _layer("mlp.shared_expert.up_proj.weight")),
+        split="halves",
+    ),
+    Rule("decoder.layers.mlp.shared_experts.linear_fc2.weight", (_layer("mlp.shared_expert.down_proj.weight"),)),
+    Rule("decoder.layers.mlp.shared_experts.gate_weight", (_layer("mlp.shared_expert_gate.weight"),)),
+)
+
 MAPPINGS: dict[str, tuple[Rule, ...]] = {
     "qwen3_moe": _COMMON + _QK_NORMS,
+    "qwen2_moe": _QWEN2_MOE,
     "mixtral": _COMMON,
     "deepseek_v3": _DEEPSEEK_V3,
 }
@@ -159,6 +178,8 @@ def rules_for(architecture: str, config: dict[str, Any] | None = None) -> tuple[
         raise ConfigError(_unmapped(architecture))
     if architecture == "deepseek_v3" and config is not None and config.get("q_lora_rank") is None:
         return _DEEPSEEK_V3_FULL_Q
+    if architecture == "qwen2_moe" and (config is None or config.get("qkv_bias", True)):
+        return (*_QWEN2_MOE, _QKV_BIAS)
     return MAPPINGS[architecture]
 
 
