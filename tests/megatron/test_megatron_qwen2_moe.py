@@ -36,10 +36,11 @@ CROSS_CHECK_RTOL = 1e-6
 
 @pytest.fixture(scope="module")
 def qwen2_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """{layout: dir} of the tiny Qwen2-MoE GPTModel saved at TP=1 (one process) and EP=2 (two): the same weights."""
+    """{layout: dir} of the tiny Qwen2-MoE GPTModel saved at TP=1 (one process), EP=2 and TP=2 with ETP=2 (two;
+    TP splits the QKV bias by query groups): the same weights in each."""
     if REASON is not None:
         pytest.skip(REASON)
-    return save_layouts(tmp_path_factory.mktemp("qwen2-moe"), tiny_section("qwen2_moe"), ("tp1", "ep2"))
+    return save_layouts(tmp_path_factory.mktemp("qwen2-moe"), tiny_section("qwen2_moe"), ("tp1", "ep2", "tp2"))
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -96,7 +97,10 @@ def test_every_saved_qwen2_moe_layout_loads_the_same_model(qwen2_checkpoints: di
         policy = build_policy(spec)
         load_policy_weights(policy, spec, directory)
         states[name] = policy.state_dict()
-    assert all(torch.equal(states["ep2"][k], v) for k, v in states["tp1"].items())
+    reference = states.pop("tp1")
+    assert states.keys() == {"ep2", "tp2"}
+    for name, state in states.items():
+        assert all(torch.equal(state[k], v) for k, v in reference.items()), name
 
 
 @pytest.fixture(scope="module")

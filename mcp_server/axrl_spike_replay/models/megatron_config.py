@@ -161,7 +161,8 @@ def _unmapped(architecture: str) -> str:
 
 def check_mappable(hf: HFModelConfig) -> None:
     """ConfigError unless the HF config is one whose Megatron-core model we map layer for layer: every decoder
-    layer an MoE layer (DeepSeek-V3: its dense first layers too), no biases, no sliding window, default RoPE
+    layer an MoE layer (DeepSeek-V3: its dense first layers too), no biases but Qwen2-MoE's QKV bias, no sliding
+    window, default RoPE
     (DeepSeek-V3: yarn too), and for DeepSeek-V3 what `_deepseek_problems` checks."""
     if hf.architecture not in MAPPED_ARCHITECTURES:
         raise ConfigError(_unmapped(hf.architecture))

@@ -14,6 +14,9 @@ Layouts (megatron-core 0.16.1):
   value head (D rows each); transformers keeps q_proj [Q*D, H], k_proj [G*D, H], v_proj [G*D, H].
 - experts' `linear_fc1.weight` [L, E, 2F, H]: gate rows then up rows, as transformers' `gate_up_proj` [E, 2F, H];
   `linear_fc2.weight` [L, E, H, F] is `down_proj` [E, H, F]; the router [L, E, H] is `mlp.gate.weight`.
+- Qwen2-MoE: `linear_qkv.bias` [L, G*(Q/G+2)*D] is grouped as the weight's rows; the shared expert's
+  `shared_experts.linear_fc1.weight` [L, 2S, H] is gate rows then up rows, `shared_experts.gate_weight` [L, 1, H]
+  is `shared_expert_gate.weight`.
 - DeepSeek-V3: its layers differ (dense first layers), so megatron-core saves each under its own key
   (`decoder.layers.<i>.…`, experts [E, ...]). MLA's projections keep transformers' layouts (q_a / q_b,
   kv_a_proj_with_mqa with its RoPE rows last, kv_b per head [nope | v]); both sides de-interleave the RoPE dims
