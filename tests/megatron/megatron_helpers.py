@@ -75,6 +75,7 @@ def mbridge_to_hf(section: dict[str, Any], tensors: dict[str, torch.Tensor], hf_
     """A live Megatron model's tensors (local spec names, TP=PP=EP=1) under transformers' names and layout, by
     mbridge's mapping and QKV / gate-up split (per-expert names merged by transformers' own conversion)."""
     from mbridge.core.parallel_states import ParallelStates
+    from mbridge.models.qwen2moe import Qwen2MoEBridge
     from mbridge.models.qwen3moe import Qwen3MoEBridge
 
     from axrl_spike_replay.models.hf_config import hf_config_object
@@ -82,10 +83,13 @@ def mbridge_to_hf(section: dict[str, Any], tensors: dict[str, torch.Tensor], hf_
     from axrl_spike_replay.models.megatron_config import MegatronModelConfig
 
     spec = MegatronModelConfig.from_dict(section)
-    assert spec.architecture == "qwen3_moe", (
-        "the peer check maps Qwen3-MoE (mbridge's Mixtral keeps transformers 4 names)"
+    bridges = {"qwen3_moe": Qwen3MoEBridge, "qwen2_moe": Qwen2MoEBridge}
+    assert spec.architecture in bridges, (
+        "the peer check maps Qwen3-MoE and Qwen2-MoE (mbridge's Mixtral keeps transformers 4 names)"
     )
-    bridge = Qwen3MoEBridge(hf_config_object(spec.hf), dtype=torch.float32, parallel_states=ParallelStates())
+    bridge = bridges[spec.architecture](
+        hf_config_object(spec.hf), dtype=torch.float32, parallel_states=ParallelStates()
+    )
     per_expert: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         for pattern, replacement in _TE_NAMES:

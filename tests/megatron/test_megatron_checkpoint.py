@@ -103,12 +103,27 @@ def test_an_unsupported_checkpoint_format_or_release_is_refused(
         MegatronModelConfig.from_dict(tiny_section(megatron_version="0.8.0"))
 
 
-def test_a_model_megatron_builds_but_we_do_not_map_is_refused() -> None:
+def test_olmoe_is_refused_naming_the_norm_megatron_cannot_build() -> None:
+    """OLMoE's q/k norms span the whole projection; megatron-core 0.16.1's qk_layernorm is per head."""
     with pytest.raises(
         ConfigError,
-        match=r"olmoe.*Megatron-core builds it.*mapped: qwen3_moe, mixtral, deepseek_v3.*--backend",
+        match=r"olmoe.*cannot build OLMoE.*all heads at once.*normalises each head"
+        r".*mapped: qwen3_moe, qwen2_moe, mixtral, deepseek_v3.*--backend command",
     ):
-        MegatronModelConfig.from_dict({**tiny_section(), "architecture": "olmoe"})
+        MegatronModelConfig.from_dict(tiny_section("olmoe"))
+
+
+def test_gpt_oss_is_refused_naming_what_route_1_does_not_map() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"gpt_oss.*attention sinks.*sliding-window.*clamped SwiGLU.*interleaves.*gate/up.*--backend command",
+    ):
+        MegatronModelConfig.from_dict(tiny_section("gpt_oss"))
+
+
+def test_a_model_we_do_not_know_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"'llama'.*not mapped onto a transformers model.*--backend command"):
+        MegatronModelConfig.from_dict({**tiny_section(), "architecture": "llama"})
     with pytest.raises(ConfigError, match="dense MLP layers"):
         MegatronModelConfig.from_dict(tiny_section(config={**tiny_section()["config"], "mlp_only_layers": [0]}))
 

@@ -33,13 +33,30 @@ if TYPE_CHECKING:
     import torch
 
 # transformers architectures whose Megatron-core checkpoint we map (models.megatron_mapping declares each).
-MAPPED_ARCHITECTURES = ("qwen3_moe", "mixtral", "deepseek_v3")
+MAPPED_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 CHECKPOINT_FORMATS = ("torch_dist",)
 # megatron-core release series whose checkpoints and modules were checked (see models/megatron_cpu.py).
 SUPPORTED_MEGATRON_SERIES = ("0.16",)
 MEGATRON_KEYS = ("megatron_version", "checkpoint_format")
 # Why an architecture Megatron-core builds is not mapped, where the reason is known (checked on megatron-core 0.16.1).
-UNMAPPED_WHY: dict[str, str] = {}
+UNMAPPED_WHY: dict[str, str] = {
+    # transformers' OlmoeAttention: q_norm = RMSNorm(hidden_size) over the whole query projection, k_norm over all
+    # KV heads at once; megatron-core's q_layernorm / k_layernorm are built with hidden_size_per_attention_head
+    # (attention.py, SelfAttention) and no config field widens them: the two models normalise differently.
+    "olmoe": (
+        "megatron-core 0.16.1 cannot build OLMoE as transformers defines it: OLMoE's q_norm and k_norm normalise "
+        "the whole query and key projections (all heads at once), megatron-core's qk_layernorm normalises each head"
+    ),
+    # megatron-core 0.16.1 has the parts (softmax_type "learnable" for the sinks, window_size with
+    # window_attn_skip_freq, activation_func_clamp_value and glu_linear_offset for the clamped SwiGLU, biases with
+    # add_bias_linear), but no mapping of ours is checked against a GPTModel built from them.
+    "gpt_oss": (
+        "megatron-core 0.16.1 builds its parts (attention sinks as a learnable softmax offset, alternating "
+        "sliding-window layers, the clamped SwiGLU with its +1 offset, biases on every projection, expert and "
+        "router), but route 1 has no mapping checked against it: transformers interleaves gpt-oss's expert "
+        "gate/up columns where Megatron stacks gate then up rows, and the sinks and biases have no rule here"
+    ),
+}
 
 
 def _supported_version(version: str) -> bool:
@@ -132,17 +149,20 @@ class MegatronModelConfig:
 
 
 def _unmapped(architecture: str) -> str:
+    mapped = f"(mapped: {', '.join(MAPPED_ARCHITECTURES)}); {BACKEND_HINT}"
+    if architecture in UNMAPPED_WHY:
+        return f"model.architecture {shown(architecture, 60)}: {UNMAPPED_WHY[architecture]} {mapped}"
     built = "Megatron-core builds it, but " if architecture in ARCHITECTURES else ""
-    why = f" ({UNMAPPED_WHY[architecture]})" if architecture in UNMAPPED_WHY else ""
     return (
         f"model.architecture {shown(architecture, 60)}: {built}its Megatron checkpoint is not mapped onto a "
-        f"transformers model here{why} (mapped: {', '.join(MAPPED_ARCHITECTURES)}); {BACKEND_HINT}"
+        f"transformers model here {mapped}"
     )
 
 
 def check_mappable(hf: HFModelConfig) -> None:
     """ConfigError unless the HF config is one whose Megatron-core model we map layer for layer: every decoder
-    layer an MoE layer (DeepSeek-V3: its dense first layers too), no biases, no sliding window, default RoPE
+    layer an MoE layer (DeepSeek-V3: its dense first layers too), no biases but Qwen2-MoE's QKV bias, no sliding
+    window, default RoPE
     (DeepSeek-V3: yarn too), and for DeepSeek-V3 what `_deepseek_problems` checks."""
     if hf.architecture not in MAPPED_ARCHITECTURES:
         raise ConfigError(_unmapped(hf.architecture))

@@ -111,6 +111,14 @@ def transformer_config_kwargs(spec: MegatronModelConfig, parallel: MegatronParal
         "gradient_accumulation_fusion": False,
         "apply_rope_fusion": False,
     }
+    if spec.architecture == "qwen2_moe":
+        # a shared expert of its own width whose output a sigmoid gate scales (mbridge's Qwen2MoEBridge sets the
+        # width and the QKV bias but not the gate, which transformers' Qwen2-MoE always has)
+        kwargs.update(
+            add_qkv_bias=bool(c.get("qkv_bias", True)),
+            moe_shared_expert_intermediate_size=int(c["shared_expert_intermediate_size"]),
+            moe_shared_expert_gate=True,
+        )
     if spec.architecture == "deepseek_v3":
         from axrl_spike_replay.models.megatron_deepseek import deepseek_config_kwargs
 

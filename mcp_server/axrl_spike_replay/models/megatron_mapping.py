@@ -14,6 +14,9 @@ Layouts (megatron-core 0.16.1):
   value head (D rows each); transformers keeps q_proj [Q*D, H], k_proj [G*D, H], v_proj [G*D, H].
 - experts' `linear_fc1.weight` [L, E, 2F, H]: gate rows then up rows, as transformers' `gate_up_proj` [E, 2F, H];
   `linear_fc2.weight` [L, E, H, F] is `down_proj` [E, H, F]; the router [L, E, H] is `mlp.gate.weight`.
+- Qwen2-MoE: `linear_qkv.bias` [L, G*(Q/G+2)*D] is grouped as the weight's rows; the shared expert's
+  `shared_experts.linear_fc1.weight` [L, 2S, H] is gate rows then up rows, `shared_experts.gate_weight` [L, 1, H]
+  is `shared_expert_gate.weight`.
 - DeepSeek-V3: its layers differ (dense first layers), so megatron-core saves each under its own key
   (`decoder.layers.<i>.…`, experts [E, ...]). MLA's projections keep transformers' layouts (q_a / q_b,
   kv_a_proj_with_mqa with its RoPE rows last, kv_b per head [nope | v]); both sides de-interleave the RoPE dims
@@ -143,8 +146,27 @@ _DEEPSEEK_V3_FULL_Q = (
     _mla("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight"),
 )
 
+# Qwen2-MoE: QKV biases (fused and split per query group as the weight), and a shared expert whose output
+# a sigmoid gate [1, H] scales (megatron-core's `moe_shared_expert_gate`, transformers' `shared_expert_gate`).
+_QKV_BIAS = Rule(
+    "decoder.layers.self_attention.linear_qkv.bias",
+    (_layer("self_attn.q_proj.bias"), _layer("self_attn.k_proj.bias"), _layer("self_attn.v_proj.bias")),
+    split="qkv",
+)
+_QWEN2_MOE = (
+    *_COMMON,
+    Rule(
+        "decoder.layers.mlp.shared_experts.linear_fc1.weight",
+        (_layer("mlp.shared_expert.gate_proj.weight"), _layer("mlp.shared_expert.up_proj.weight")),
+        split="halves",
+    ),
+    Rule("decoder.layers.mlp.shared_experts.linear_fc2.weight", (_layer("mlp.shared_expert.down_proj.weight"),)),
+    Rule("decoder.layers.mlp.shared_experts.gate_weight", (_layer("mlp.shared_expert_gate.weight"),)),
+)
+
 MAPPINGS: dict[str, tuple[Rule, ...]] = {
     "qwen3_moe": _COMMON + _QK_NORMS,
+    "qwen2_moe": _QWEN2_MOE,
     "mixtral": _COMMON,
     "deepseek_v3": _DEEPSEEK_V3,
 }
@@ -159,6 +181,8 @@ def rules_for(architecture: str, config: dict[str, Any] | None = None) -> tuple[
         raise ConfigError(_unmapped(architecture))
     if architecture == "deepseek_v3" and config is not None and config.get("q_lora_rank") is None:
         return _DEEPSEEK_V3_FULL_Q
+    if architecture == "qwen2_moe" and (config is None or config.get("qkv_bias", True)):
+        return (*_QWEN2_MOE, _QKV_BIAS)
     return MAPPINGS[architecture]
 
 

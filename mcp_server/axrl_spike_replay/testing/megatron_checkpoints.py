@@ -16,7 +16,7 @@ from typing import Any
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.megatron_gpt import MegatronParallel, init_parallel
 
-TINY_MODELS = ("qwen3_moe", "mixtral", "deepseek_v3")
+TINY_MODELS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 
 
 def tiny_section(architecture: str = "qwen3_moe", **overrides: Any) -> dict[str, Any]:
@@ -28,6 +28,8 @@ def tiny_section(architecture: str = "qwen3_moe", **overrides: Any) -> dict[str,
     config = dict(doc["config"])
     if architecture == "mixtral":
         config.update(head_dim=16, num_key_value_heads=2)
+    if architecture == "qwen2_moe":  # every layer an MoE layer (Megatron stacks them under one key)
+        config.update(num_hidden_layers=2, mlp_only_layers=[], num_key_value_heads=2)
     doc.update(kind="megatron", config=config, megatron_version="0.16.1", checkpoint_format="torch_dist")
     doc.update(overrides)
     return doc
@@ -70,6 +72,10 @@ def sharpen_routers(model: Any, seed: int) -> None:
             bias = getattr(router, "expert_bias", None)
             if bias is not None:
                 bias.copy_(0.3 * torch.randn(bias.shape, generator=gen))
+        # megatron-core starts QKV biases (Qwen2-MoE's) at zero, where a misplaced query group would not show
+        for name, param in model.named_parameters():
+            if name.endswith("linear_qkv.bias"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)))
 
 
 def _save_ranks(
