@@ -302,18 +302,21 @@ async def attribute_spike_tool(
     ] = "jvp",
     job: JobOptArg = None,
     workspace: WorkspaceArg = None,
+    nproc: NprocArg = None,
+    shard: ShardArg = "auto",
 ) -> Attribution:
     """Each sample's contribution to the global gradient, c_s = <g_s, g> / ||g|| (they sum to ||g||), ranked,
     with the sample's signals (advantage, reward, max |log-ratio|, loss tokens, rank). Usually a few samples
-    carry the spike; cross-check them with analyze_batch's outliers. Writes attribution.json under
-    tmp/spike-replay/<job>/<timestamp>/."""
+    carry the spike; cross-check them with analyze_batch's outliers. A model that does not fit one process is
+    attributed sharded over `nproc` processes (one backward per sample; `method` does not apply). Writes
+    attribution.json under tmp/spike-replay/<job>/<timestamp>/."""
     config = server_config(ctx)
     target = config.path(snapshot)
     request = await _request(
         ctx,
         What(target, verb=Verb.ATTRIBUTE, top=top, mitigations=mitigations, method=Method(method)),
         Where(),
-        How(device=Device(device)),
+        How(nproc=nproc, device=Device(device), shard=Shard(shard)),
         workspace=config.workspace_for(workspace),
         job=job,
     )

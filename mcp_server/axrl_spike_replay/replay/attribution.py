@@ -32,14 +32,15 @@ from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
+from axrl_spike_replay.replay.layout_plan import plan_layout
 from axrl_spike_replay.replay.model_build import build_model
 from axrl_spike_replay.replay.outcome_figures import jvp_policy
-from axrl_spike_replay.replay.shard_choice import check_whole_fits
+from axrl_spike_replay.replay.shard_choice import ShardChoice, check_whole_fits, choose_shard, fits_one_process
 from axrl_spike_replay.replay.worker import RankInputs, loss_batch, step_counts
 from axrl_spike_replay.training.policy_loss import expand_advantages, policy_loss
 from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
 from axrl_spike_replay.training.sample_masks import check_ranks
-from axrl_spike_replay.vocabulary import Fidelity, Method
+from axrl_spike_replay.vocabulary import Fidelity, Method, Shard
 
 
 @dataclass
@@ -51,9 +52,11 @@ class _RankPass:
     signals: list[dict[str, Any]]
 
 
-def _signals(
+def rank_signals(
     rank: int, batch: dict[str, torch.Tensor], logprobs: torch.Tensor, mask: torch.Tensor, base: str
 ) -> list[dict[str, Any]]:
+    """Per sample of a rank batch: what the attribution reports beside its contribution (advantage, reward, the
+    largest |log-prob - base log-prob| on its loss tokens, loss tokens, group)."""
     adv = expand_advantages(batch["advantages"], logprobs.shape)
     tokens = mask.sum(dim=-1)
     log_ratio = ((logprobs - batch[f"{base}_logprobs"].float()).abs() * (mask > 0)).amax(dim=-1)
@@ -73,11 +76,12 @@ def _signals(
     ]
 
 
-def _base_name(cfg: AppliedConfig) -> str:
+def base_name(cfg: AppliedConfig) -> str:
+    """The stored log-probs the per-sample log-ratio is taken against under `cfg`."""
     return "old" if cfg.loss.mismatch_token_clip_max is not None else cfg.loss.is_base_logprobs
 
 
-def _router_loss(cfg: AppliedConfig, out: Any) -> torch.Tensor | None:
+def router_loss(cfg: AppliedConfig, out: Any) -> torch.Tensor | None:
     """The rank's batch-level router losses as the policy loss adds them (None when both are off)."""
     loss = None
     if cfg.loss.aux_loss_coef:
@@ -109,13 +113,13 @@ def _gradient_pass(
         result = policy_loss(
             out.logprobs, batch, cfg.loss, entropy=out.entropy, aux_loss=out.aux_loss, z_loss=out.z_loss, counts=counts
         )
-        router = _router_loss(cfg, out)
+        router = router_loss(cfg, out)
         if router is not None:
             grads = torch.autograd.grad(router, params, retain_graph=True, allow_unused=True)
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
             router_sum = grads if router_sum is None else [a + b for a, b in zip(router_sum, grads, strict=True)]
         result.loss.backward()
-        signals = _signals(rank, batch, out.logprobs.detach(), result.mask, _base_name(cfg))
+        signals = rank_signals(rank, batch, out.logprobs.detach(), result.mask, base_name(cfg))
         passes[rank] = _RankPass(
             batch=saved,
             grad_logprobs=_grad_or_zeros(out.logprobs),
@@ -221,6 +225,19 @@ def _dot_rows(rank_pass: _RankPass, d_logprobs: torch.Tensor, d_entropy: torch.T
     return dots.cpu()
 
 
+def attribution_shard(mode: str, inputs: ReplayInputs, device: str, processes: int) -> ShardChoice:
+    """Whether an attribution shards (`shard` on, off or auto). Whole, it runs in this one process, so auto shards
+    when the whole model does not fit one process here, over `processes` processes (several: one gains nothing)."""
+    spec, precision = inputs.model, inputs.effective_precision
+    if Shard.parse(mode, "`shard`") != Shard.AUTO:
+        return choose_shard(mode, spec, precision, device, processes)
+    if fits_one_process(spec, precision, device, 1):
+        return ShardChoice(False, "shard auto: the whole model fits this process")
+    if processes == 1:
+        return ShardChoice(False, "shard auto: the whole model does not fit one process, and one process cannot shard")
+    return choose_shard(Shard.ON, spec, precision, device, processes)
+
+
 def attribute_spike(
     snapshot: str | Path,
     top: int = 10,
@@ -232,9 +249,15 @@ def attribute_spike(
     job: str | None = None,
     command: str | None = None,
     cancel: threading.Event | None = None,
+    shard: str = "auto",
+    nproc: int | None = None,
+    timeout_s: float = 1800.0,
 ) -> Attribution:
     """Rank the samples of a snapshot's step by their contribution to the replayed global grad norm.
 
+    `shard`: off, the whole model in this process (one forward-mode pass, or one backward per sample with `method`
+    per_sample_backward); on, FSDP2 over `nproc` spawned processes (default: the saved world size), one backward per
+    sample (`replay.sharded_attribution`); auto, sharded when the whole model does not fit one process here.
     `recorder` opens the output dir (None: nothing written). Setting `cancel` stops the work between
     its stages (RunCancelled). `investigation.request` validates top and method for the faces."""
     if method not in Method.values():
@@ -248,16 +271,26 @@ def attribute_spike(
         cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing, inputs.model.moe_layer_ids)
         check_configs(inputs, [cfg])
         check_ranks(cfg.samples, inputs.world_size)
-        check_whole_fits(inputs.model, inputs.effective_precision, device, "attribution")
+        layout = plan_layout(inputs.world_size, nproc)
+        sharded = attribution_shard(shard, inputs, device, layout.nproc)
+        if not sharded.shard:
+            check_whole_fits(inputs.model, inputs.effective_precision, device, "attribution")
         job_name = job or inputs.job_name or "spike"
         run = recorder.open_run(job_name) if recorder is not None else RunDir(None)
-        run.write_command(command or command_line("attribute", str(snapshot), {"top": top, "device": device}))
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            attribution = _attribute(inputs, cfg, top, device, method, start, cancel)
-        finally:
-            torch.set_num_threads(threads)
+        options = {"top": top, "device": device, "shard": shard if shard != "auto" else None, "nproc": nproc}
+        run.write_command(command or command_line("attribute", str(snapshot), options))
+        run.log(sharded.reason)
+        if sharded.shard:
+            if method != Method.PER_SAMPLE_BACKWARD:
+                run.log("sharded: forward-mode JVPs do not run through FSDP2; one backward per sample instead")
+            attribution = _attribute_sharded(inputs, cfg, top, device, layout.assignment, start, timeout_s, cancel)
+        else:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                attribution = _attribute(inputs, cfg, top, device, method, start, cancel)
+            finally:
+                torch.set_num_threads(threads)
     attribution.output_dir = str(run.path or "")
     run.log(f"attribution: grad norm {attribution.grad_norm:.6g}, sum check rel error {attribution.sum_rel_error:.2e}")
     run.write_json(ATTRIBUTION_FILE, attribution.to_json())
@@ -285,12 +318,62 @@ def _attribute(
     t1 = time.perf_counter()
     dots, router = _contributions(model, passes, router_sum, world_size, method)
     t2 = time.perf_counter()
+    signals = {rank: rank_pass.signals for rank, rank_pass in passes.items()}
+    timings = {"load": t0 - start, "gradient": t1 - t0, "attribution": t2 - t1, "total": time.perf_counter() - start}
+    per_rank = {rank: values.tolist() for rank, values in dots.items()}
+    return _assembled(inputs, cfg, top, device, method, grad_norm, router, per_rank, signals, timings)
+
+
+def _attribute_sharded(
+    inputs: ReplayInputs,
+    cfg: AppliedConfig,
+    top: int,
+    device: str,
+    assignment: tuple[tuple[int, ...], ...],
+    start: float,
+    timeout_s: float,
+    cancel: threading.Event | None,
+) -> Attribution:
+    from axrl_spike_replay.replay.sharded_attribution import AttributionJob, run_sharded_attribution
+
+    job = AttributionJob(inputs.replay_dir, inputs.model, cfg, inputs.world_size, assignment, device)
+    figures = run_sharded_attribution(job, timeout_s, cancel)
+    timings = {**figures.timings, "total": time.perf_counter() - start}
+    attribution = _assembled(
+        inputs,
+        cfg,
+        top,
+        device,
+        Method.PER_SAMPLE_BACKWARD,
+        figures.grad_norm,
+        figures.router,
+        figures.dots,
+        figures.signals,
+        timings,
+    )
+    attribution.sharded, attribution.world_size_used = True, len(assignment)
+    return attribution
+
+
+def _assembled(
+    inputs: ReplayInputs,
+    cfg: AppliedConfig,
+    top: int,
+    device: str,
+    method: str,
+    grad_norm: float,
+    router: float,
+    dots: dict[int, list[float]],
+    signals: dict[int, list[dict[str, Any]]],
+    timings: dict[str, float],
+) -> Attribution:
+    """The Attribution of per-sample <g_s, g> (`dots`, per saved rank) and the router losses' <., g>."""
     rows = []
-    for rank, rank_pass in passes.items():
-        for signals, dot in zip(rank_pass.signals, dots[rank].tolist(), strict=True):
+    for rank in sorted(signals):
+        for sample_signals, dot in zip(signals[rank], dots[rank], strict=True):
             contribution = dot / grad_norm if grad_norm > 0 else 0.0
             share = contribution / grad_norm if grad_norm > 0 else 0.0
-            rows.append(SampleContribution(contribution=contribution, share=share, **signals))
+            rows.append(SampleContribution(contribution=contribution, share=share, **sample_signals))
     router_term = router / grad_norm if grad_norm > 0 else 0.0
     total = math.fsum(r.contribution for r in rows) + router_term
     rows.sort(key=lambda r: -r.contribution)
@@ -301,16 +384,16 @@ def _attribute(
         recorded_grad_norm=meta.grad_norm,
         rel_diff=rel_diff(grad_norm, meta.grad_norm),
         fidelity=Fidelity.FULL,  # every saved rank's batch, reduced over the saved world size
-        world_size_saved=world_size,
+        world_size_saved=inputs.world_size,
         total_samples=len(rows),
         samples=rows[:top],
         router_term=router_term,
         contribution_sum=total,
         sum_rel_error=abs(total - grad_norm) / grad_norm if grad_norm > 0 else 0.0,
         method=method,
-        log_ratio_base=_base_name(cfg),
+        log_ratio_base=base_name(cfg),
         mitigations=dict(cfg.mitigations),
         device=device,
         resolved_mitigations=dict(cfg.resolved),
-        timings={"load": t0 - start, "gradient": t1 - t0, "attribution": t2 - t1, "total": time.perf_counter() - start},
+        timings=timings,
     )

@@ -68,13 +68,13 @@ def fits_one_process(spec: ModelSpec, precision: PrecisionPolicy, device: str, p
 
 
 def check_whole_fits(spec: ModelSpec, precision: PrecisionPolicy, device: str, what: str) -> None:
-    """Refuse, by name and before anything loads, work that needs the whole model in one process (attribution's
-    per-sample gradients, diagnose's route agreement) when the model does not fit one process here."""
+    """Refuse, by name and before anything loads, work asked to hold the whole model in one process (an
+    attribution or diagnose's model evidence, unsharded) when the model does not fit one process here."""
     need, have = bytes_whole(spec, precision), available_bytes(device, 1)
     if need > have:
         raise ConfigError(
-            f"{what} needs the whole model in one process and cannot run sharded: the model and one gradient "
-            f"take {_gib(need)}, one process here has {_gib(have)}; replay or sweep it sharded (`shard` on)"
+            f"{what} with the whole model in one process does not fit: the model and one gradient take "
+            f"{_gib(need)}, one process here has {_gib(have)}; run it sharded (`shard` on, `nproc` > 1)"
         )
 
 
