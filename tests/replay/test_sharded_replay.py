@@ -185,16 +185,3 @@ def test_the_cli_shards_on_request_and_records_it(toy_world4: tuple[Path, SweepR
     assert _rel(doc["grad_norm"], whole.baseline.grad_norm) <= REL
     command = (Path(doc["output_dir"]) / "command.txt").read_text(encoding="utf-8")
     assert "--shard on" in command  # the command that reproduces this run says it sharded
-
-
-def test_diagnose_says_why_its_model_evidence_was_not_computed_for_a_model_that_does_not_fit(
-    toy_world4: tuple[Path, SweepResult], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
-    from axrl_spike_replay.replay import shard_choice
-
-    snapshot, _ = toy_world4
-    monkeypatch.setattr(shard_choice, "available_memory_bytes", lambda: 1 << 10)
-    d = diagnose_snapshot(snapshot, model="always")
-    assert d.routes is None
-    assert any("needs the whole model in one process" in line for line in d.not_checked), d.not_checked

@@ -35,12 +35,12 @@ from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_in
 from axrl_spike_replay.replay.layout_plan import plan_layout
 from axrl_spike_replay.replay.model_build import build_model
 from axrl_spike_replay.replay.outcome_figures import jvp_policy
-from axrl_spike_replay.replay.shard_choice import ShardChoice, check_whole_fits, choose_shard, fits_one_process
+from axrl_spike_replay.replay.shard_choice import check_whole_fits, whole_or_sharded
 from axrl_spike_replay.replay.worker import RankInputs, loss_batch, step_counts
 from axrl_spike_replay.training.policy_loss import expand_advantages, policy_loss
 from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
 from axrl_spike_replay.training.sample_masks import check_ranks
-from axrl_spike_replay.vocabulary import Fidelity, Method, Shard
+from axrl_spike_replay.vocabulary import Fidelity, Method
 
 
 @dataclass
@@ -225,19 +225,6 @@ def _dot_rows(rank_pass: _RankPass, d_logprobs: torch.Tensor, d_entropy: torch.T
     return dots.cpu()
 
 
-def attribution_shard(mode: str, inputs: ReplayInputs, device: str, processes: int) -> ShardChoice:
-    """Whether an attribution shards (`shard` on, off or auto). Whole, it runs in this one process, so auto shards
-    when the whole model does not fit one process here, over `processes` processes (several: one gains nothing)."""
-    spec, precision = inputs.model, inputs.effective_precision
-    if Shard.parse(mode, "`shard`") != Shard.AUTO:
-        return choose_shard(mode, spec, precision, device, processes)
-    if fits_one_process(spec, precision, device, 1):
-        return ShardChoice(False, "shard auto: the whole model fits this process")
-    if processes == 1:
-        return ShardChoice(False, "shard auto: the whole model does not fit one process, and one process cannot shard")
-    return choose_shard(Shard.ON, spec, precision, device, processes)
-
-
 def attribute_spike(
     snapshot: str | Path,
     top: int = 10,
@@ -272,7 +259,7 @@ def attribute_spike(
         check_configs(inputs, [cfg])
         check_ranks(cfg.samples, inputs.world_size)
         layout = plan_layout(inputs.world_size, nproc)
-        sharded = attribution_shard(shard, inputs, device, layout.nproc)
+        sharded = whole_or_sharded(shard, inputs, device, layout.nproc)
         if not sharded.shard:
             check_whole_fits(inputs.model, inputs.effective_precision, device, "attribution")
         job_name = job or inputs.job_name or "spike"

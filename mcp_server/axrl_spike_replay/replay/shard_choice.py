@@ -10,11 +10,15 @@ arguments, same answer type).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.policy import ModelSpec, parameter_count
 from axrl_spike_replay.training.precision import PrecisionPolicy
 from axrl_spike_replay.vocabulary import Shard
+
+if TYPE_CHECKING:
+    from axrl_spike_replay.replay.inputs import ReplayInputs
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -76,6 +80,19 @@ def check_whole_fits(spec: ModelSpec, precision: PrecisionPolicy, device: str, w
             f"{what} with the whole model in one process does not fit: the model and one gradient take "
             f"{_gib(need)}, one process here has {_gib(have)}; run it sharded (`shard` on, `nproc` > 1)"
         )
+
+
+def whole_or_sharded(mode: str, inputs: ReplayInputs, device: str, processes: int) -> ShardChoice:
+    """For work that, whole, runs in this one process (attribution, diagnose's model evidence): auto shards when the
+    whole model does not fit one process here, over `processes` processes (one cannot shard); on and off as said."""
+    spec, precision = inputs.model, inputs.effective_precision
+    if Shard.parse(mode, "`shard`") != Shard.AUTO:
+        return choose_shard(mode, spec, precision, device, processes)
+    if fits_one_process(spec, precision, device, 1):
+        return ShardChoice(False, "shard auto: the whole model fits this process")
+    if processes == 1:
+        return ShardChoice(False, "shard auto: the whole model does not fit one process, and one process cannot shard")
+    return choose_shard(Shard.ON, spec, precision, device, processes)
 
 
 def planned_shard(snapshot: str, processes: int, device: str, configs: int) -> bool | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,15 +84,16 @@ class _Kept:
     routes: torch.Tensor
 
 
-def _row(batch: dict[str, torch.Tensor], s: int) -> dict[str, torch.Tensor]:
+def one_row(batch: dict[str, torch.Tensor], s: int) -> dict[str, torch.Tensor]:
+    """Sample `s` of a rank batch as a batch of one, with what a forward reads."""
     return {k: batch[k][s : s + 1] for k in _ROW_KEYS if k in batch}
 
 
-def _local_dot(grads: Grads, g: list[torch.Tensor]) -> float:
+def local_dot(grads: Sequence[torch.Tensor | None], g: Sequence[torch.Tensor | None]) -> float:
     """Sum over this process's rows of <grads, g>, float64 (a missing gradient is zero)."""
     total = torch.zeros((), dtype=torch.float64)
     for a, b in zip(grads, g, strict=True):
-        if a is not None:
+        if a is not None and b is not None:
             total += (a.double() * b.double()).sum().cpu()
     return float(total)
 
@@ -176,14 +178,14 @@ def _sample_dots(
 
     need_entropy = any(k.grad_entropy is not None for k in kept.values())
     filler_rank = next(iter(inputs.batches))
-    filler = _row(inputs.batches[filler_rank], 0)
+    filler = one_row(inputs.batches[filler_rank], 0)
     dots: dict[tuple[int, int], float] = {}
     for owner, rank, s in _turns(inputs, kept):
         check_cancel(cancel, "attribution")
         if owner == process:
             k = kept[rank]
             out = policy_forward(
-                model, _row(k.batch, s), RoutingControl(routes=k.routes[s : s + 1]), need_entropy=need_entropy
+                model, one_row(k.batch, s), RoutingControl(routes=k.routes[s : s + 1]), need_entropy=need_entropy
             )
             rows = [k.grad_logprobs[s : s + 1]] + ([k.grad_entropy[s : s + 1]] if k.grad_entropy is not None else [])
         else:  # a turn of another process's sample: take part in its collectives, add nothing
@@ -192,11 +194,12 @@ def _sample_dots(
                 [torch.zeros_like(out.entropy)] if out.entropy is not None else []
             )
         outputs = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
-        dots[(rank, s)] = _local_dot(space.outputs_backward(outputs, rows, retain=False), g)
+        dots[(rank, s)] = local_dot(space.outputs_backward(outputs, rows, retain=False), g)
     return dots
 
 
-def _all_reduce(values: list[float], device: str) -> list[float]:
+def all_reduce_sum(values: list[float], device: str) -> list[float]:
+    """`values` summed over the process group, in float64 (as they are, outside one)."""
     import torch.distributed as dist
 
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
@@ -221,8 +224,8 @@ def attribute_share(job: AttributionJob, process: int, cancel: threading.Event |
     t1 = time.perf_counter()
     dots = _sample_dots(model, space, inputs, kept, g, process, cancel)
     order = sorted(dots)
-    router_local = _local_dot(router_sum, g) if router_sum is not None else 0.0
-    summed = _all_reduce([dots[key] for key in order] + [router_local], job.device)
+    router_local = local_dot(router_sum, g) if router_sum is not None else 0.0
+    summed = all_reduce_sum([dots[key] for key in order] + [router_local], job.device)
     t2 = time.perf_counter()
     per_rank: dict[int, list[float]] = {}
     for (rank, _), value in zip(order, summed[:-1], strict=True):
