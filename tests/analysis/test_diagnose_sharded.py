@@ -20,18 +20,18 @@ pytestmark = pytest.mark.slow  # each sharded diagnosis starts 1-2 processes: te
 REL = 1e-6
 
 
-def _close(got: Any, want: Any, path: str = "") -> None:
-    """The same document, floats within REL (relative, or absolute near zero)."""
+def _close(got: Any, want: Any, path: str = "", near_zero: float = 1e-12) -> None:
+    """The same document, floats within REL (relative, or `near_zero` absolute)."""
     if isinstance(want, dict):
         assert isinstance(got, dict) and set(got) == set(want), path
         for key in want:
-            _close(got[key], want[key], f"{path}.{key}")
+            _close(got[key], want[key], f"{path}.{key}", near_zero)
     elif isinstance(want, list):
         assert isinstance(got, list) and len(got) == len(want), path
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            _close(a, b, f"{path}[{i}]")
+            _close(a, b, f"{path}[{i}]", near_zero)
     elif isinstance(want, float) and not isinstance(got, bool):
-        assert math.isclose(got, want, rel_tol=REL, abs_tol=1e-12), (path, got, want)
+        assert math.isclose(got, want, rel_tol=REL, abs_tol=near_zero), (path, got, want)
     else:
         assert got == want, (path, got, want)
 
@@ -43,7 +43,8 @@ def _same_diagnosis(sharded: Diagnosis, whole: Diagnosis) -> None:
     _close(sharded.step.channel.to_json(), whole.step.channel.to_json(), "channel")
     assert sharded.routes is not None and whole.routes is not None
     _close([vars(x) for x in sharded.routes.layers], [vars(x) for x in whole.routes.layers], "routes")
-    _close(sharded.attribution_top, whole.attribution_top, "attribution_top")
+    # shares of the grad norm: the sharded attribution's are within 1e-6 of the norm, not of each share
+    _close(sharded.attribution_top, whole.attribution_top, "attribution_top", REL)
     got = [(c.family, c.ranks, round(c.strength, 6)) for c in sharded.causes]
     assert got == [(c.family, c.ranks, round(c.strength, 6)) for c in whole.causes]
 
@@ -93,7 +94,8 @@ def test_sharded_model_evidence_of_a_qwen3_moe_with_a_shifted_payload(tmp_path: 
     routes = payload["routed_experts"]
     payload["routed_experts"] = torch.where(routes >= 0, (routes + 1) % (int(routes.max()) + 1), routes)
     torch.save(payload, path)
+    no_mismatch(snapshot)  # the recorder's own engine mismatch taken out
     whole = diagnose_snapshot(snapshot, model="always", shard="off")
     sharded = diagnose_snapshot(snapshot, model="always", shard="on", nproc=2)
     _same_diagnosis(sharded, whole)
-    assert sharded.top.family == "routing_payload" and sharded.top.ranks == [1]
+    assert any(c.family == "routing_payload" and c.ranks == [1] and c.strength == 1.0 for c in sharded.causes)
