@@ -81,7 +81,7 @@ def run_attribution(snapshot: str | Path, top: int, shard: str = "auto", nproc: 
 def run_step_evidence(snapshot: str | Path, shard: str = "auto", nproc: int | None = None) -> StepEvidence:
     """The signal check and the loss channel of the step, here (CPU, nothing written): whole, or sharded over `nproc`
     processes (`shard`)."""
-    from axrl_spike_replay.replay.step_evidence import step_evidence
+    from axrl_spike_replay.replay.step_evidence_run import step_evidence
 
     return step_evidence(snapshot, shard=shard, nproc=nproc)
 

@@ -40,6 +40,7 @@ from axrl_spike_replay.models.policy import ModelSpec, policy_forward, routing_s
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.replay.gradient_space import Grads, Sharded, accumulate
 from axrl_spike_replay.replay.model_build import Placement, build_model
+from axrl_spike_replay.replay.sample_signals import base_name, rank_signals, router_loss
 from axrl_spike_replay.replay.worker import RankInputs, loss_batch, step_counts
 from axrl_spike_replay.training.policy_loss import policy_loss
 
@@ -103,8 +104,6 @@ def _gradient_pass(
 ) -> tuple[Grads, Grads | None, dict[int, _Kept], dict[int, list[dict[str, Any]]]]:
     """Step 1 of the module doc: (this process's rows of the summed gradient, of the router losses' summed gradient
     (None: no router loss), each own rank's kept figures, each own rank's signals)."""
-    from axrl_spike_replay.replay.attribution import base_name, rank_signals, router_loss
-
     cfg = job.cfg
     counts = step_counts(inputs, cfg, cfg.loss, None, job.world_size)  # a collective, as the whole path's own count
     need_entropy = bool(cfg.loss.entropy_coef)

@@ -16,32 +16,26 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, parse_config
+from axrl_spike_replay.experiment.mitigations import AppliedConfig
 from axrl_spike_replay.experiment.step_evidence import (
     LayerRoutes,
     LossChannel,
     PairFigures,
     RankSignals,
     SignalCheck,
-    StepEvidence,
     TermFigures,
     TermRank,
 )
 from axrl_spike_replay.models.policy import policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
-from axrl_spike_replay.replay.engine import check_device, replay_dir_for
-from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
-from axrl_spike_replay.replay.layout_plan import plan_layout
+from axrl_spike_replay.replay.inputs import ReplayInputs
 from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
-from axrl_spike_replay.replay.shard_choice import check_whole_fits, whole_or_sharded
 from axrl_spike_replay.replay.worker import RankInputs, build_model, loss_batch, step_counts
 from axrl_spike_replay.snapshot.rank_data import load_rank_routes
 from axrl_spike_replay.training.policy_loss import policy_loss
@@ -51,46 +45,22 @@ MAX_ROUTE_LAYERS = 64  # one forward per MoE layer and rank
 TOP_TOKENS = 5
 
 
-def step_evidence(
-    snapshot: str | Path,
-    *,
-    mitigations: dict[str, Any] | None = None,
-    device: str = "cpu",
-    channel: bool = True,
-    cancel: threading.Event | None = None,
-    shard: str = "auto",
-    nproc: int | None = None,
-    timeout_s: float = 1800.0,
-) -> StepEvidence:
-    """The signal check (and, with `channel`, the loss-term channel) of a snapshot's step; nothing written.
-
-    `shard`: off, the whole model in this process; on, FSDP2 over `nproc` spawned processes (default: the saved world
-    size; `replay.sharded_evidence`); auto, sharded when the whole model does not fit one process here."""
-    check_device(device)
-    start = time.perf_counter()
-    with replay_dir_for(snapshot) as (replay_dir, legacy):
-        inputs = load_inputs(snapshot, replay_dir, legacy)
-        cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing, inputs.model.moe_layer_ids)
-        check_configs(inputs, [cfg])
-        layout = plan_layout(inputs.world_size, nproc)
-        if whole_or_sharded(shard, inputs, device, layout.nproc).shard:
-            from axrl_spike_replay.replay.sharded_evidence import EvidenceJob, run_sharded_evidence
-
-            job = EvidenceJob(inputs, cfg, layout.assignment, device, channel)
-            signals, terms = run_sharded_evidence(job, timeout_s, cancel)
-            return StepEvidence(signals=signals, channel=terms, seconds=time.perf_counter() - start)
-        check_whole_fits(inputs.model, inputs.effective_precision, device, "diagnose's model evidence")
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device)
-            ranks = RankInputs(inputs.replay_dir, range(inputs.world_size), device, routing_shape(inputs.model))
-            signals = signal_check(model, ranks, inputs, cfg, cancel)
-            check_cancel(cancel, "diagnosis")
-            terms = loss_channel(model, ranks, inputs, cfg, cancel) if channel else None
-        finally:
-            torch.set_num_threads(threads)
-    return StepEvidence(signals=signals, channel=terms, seconds=time.perf_counter() - start)
+def whole_evidence(
+    inputs: ReplayInputs, cfg: AppliedConfig, device: str, channel: bool, cancel: threading.Event | None = None
+) -> tuple[SignalCheck, LossChannel | None]:
+    """The signal check (and, with `channel`, the loss-term channel) with the whole model in this process
+    (`replay.step_evidence_run.step_evidence` is the entry that decides whole or sharded)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device)
+        ranks = RankInputs(inputs.replay_dir, range(inputs.world_size), device, routing_shape(inputs.model))
+        signals = signal_check(model, ranks, inputs, cfg, cancel)
+        check_cancel(cancel, "diagnosis")
+        terms = loss_channel(model, ranks, inputs, cfg, cancel) if channel else None
+    finally:
+        torch.set_num_threads(threads)
+    return signals, terms
 
 
 # ---- signals ----
