@@ -114,3 +114,21 @@ def test_a_sharded_qwen3_moe_attribution_at_world_size_4(tmp_path: Path) -> None
     snapshot = record_hf_snapshot(tmp_path, "qwen3_moe", world_size=4)
     whole = attribute_spike(snapshot, top=100, shard="off")
     _same_attribution(attribute_spike(snapshot, top=100, shard="on", nproc=4), whole)
+
+
+def test_a_cancelled_sharded_attribution_stops_its_processes(toy_world4: tuple[Path, Attribution]) -> None:
+    import multiprocessing
+    import threading
+
+    from axrl_spike_replay.rank_processes import RunCancelled
+
+    snapshot, _ = toy_world4
+    cancel = threading.Event()
+    timer = threading.Timer(3.0, cancel.set)  # the processes are starting or loading by then
+    timer.start()
+    try:
+        with pytest.raises(RunCancelled):
+            attribute_spike(snapshot, shard="on", nproc=2, cancel=cancel)
+    finally:
+        timer.cancel()
+    assert multiprocessing.active_children() == []

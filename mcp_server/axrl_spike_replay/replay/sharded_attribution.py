@@ -38,10 +38,11 @@ from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
 from axrl_spike_replay.models.policy import ModelSpec, policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
+from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.gradient_space import Grads, Sharded, accumulate
 from axrl_spike_replay.replay.model_build import Placement, build_model
 from axrl_spike_replay.replay.sample_signals import base_name, rank_signals, router_loss
-from axrl_spike_replay.replay.worker import RankInputs, loss_batch, step_counts
+from axrl_spike_replay.replay.worker import RankInputs, _gather, loss_batch, step_counts
 from axrl_spike_replay.training.policy_loss import policy_loss
 
 _ROW_KEYS = ("tokens", "loss_mask", "attention_mask")  # what a forward reads of a batch (`attribution._JVP_KEYS`)
@@ -107,7 +108,7 @@ def _gradient_pass(
     cfg = job.cfg
     counts = step_counts(inputs, cfg, cfg.loss, None, job.world_size)  # a collective, as the whole path's own count
     need_entropy = bool(cfg.loss.entropy_coef)
-    params = list(model.parameters())
+    params = space.params
     total: Grads = [None] * len(params)
     router_sum: Grads = [None] * len(params)
     has_router = False
@@ -152,8 +153,6 @@ def _gradient_pass(
 
 def _turns(inputs: RankInputs, kept: dict[int, _Kept]) -> list[tuple[int, int, int]]:
     """Every sample of the world as (process, saved rank, sample), in the same order on every process."""
-    from axrl_spike_replay.replay.worker import _gather
-
     own = [(rank, int(k.grad_logprobs.shape[0])) for rank, k in kept.items()]
     turns = []
     for process, part in enumerate(_gather(own)):
@@ -173,8 +172,6 @@ def _sample_dots(
 ) -> dict[tuple[int, int], float]:
     """Step 2 of the module doc: this process's rows of <g_s, g> * W for every sample of the world (the caller
     all-reduces them)."""
-    from axrl_spike_replay.rank_processes import check_cancel
-
     need_entropy = any(k.grad_entropy is not None for k in kept.values())
     filler_rank = next(iter(inputs.batches))
     filler = one_row(inputs.batches[filler_rank], 0)
@@ -210,8 +207,6 @@ def all_reduce_sum(values: list[float], device: str) -> list[float]:
 def attribute_share(job: AttributionJob, process: int, cancel: threading.Event | None = None) -> ShardedFigures:
     """This process's part of a sharded attribution (a collective: every process of the group calls it with the
     same job); every process returns the same figures."""
-    from axrl_spike_replay.replay.worker import _gather
-
     start = time.perf_counter()
     inputs = RankInputs(job.replay_dir, job.assignment[process], job.device, routing_shape(job.model))
     model = build_model(job.model, job.cfg.weights or job.replay_dir, job.device, Placement(shard=True))
