@@ -40,7 +40,10 @@ def _same_diagnosis(sharded: Diagnosis, whole: Diagnosis) -> None:
     assert sharded.step is not None and whole.step is not None
     _close(sharded.step.signals.to_json(), whole.step.signals.to_json(), "signals")
     assert sharded.step.channel is not None and whole.step.channel is not None
-    _close(sharded.step.channel.to_json(), whole.step.channel.to_json(), "channel")
+    got, want = sharded.step.channel.to_json(), whole.step.channel.to_json()
+    # the terms' sum against g: float noise itself (~1e-7), in a summation order that may differ
+    assert got.pop("sum_rel_error") <= 1e-6 and want.pop("sum_rel_error") <= 1e-6
+    _close(got, want, "channel")
     assert sharded.routes is not None and whole.routes is not None
     _close([vars(x) for x in sharded.routes.layers], [vars(x) for x in whole.routes.layers], "routes")
     # shares of the grad norm: the sharded attribution's are within 1e-6 of the norm, not of each share

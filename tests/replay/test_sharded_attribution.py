@@ -52,7 +52,7 @@ def toy_world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Attribut
     return snapshot, attribute_spike(snapshot, top=100, shard="off")
 
 
-@pytest.mark.parametrize("nproc", [1, 2, 4])
+@pytest.mark.parametrize("nproc", [1, 2, 3, 4])  # 3: saved ranks 0 | 1 | 2, 3, the first two pad with zero passes
 def test_a_sharded_toy_attribution_gives_the_unsharded_figures(
     toy_world4: tuple[Path, Attribution], nproc: int
 ) -> None:

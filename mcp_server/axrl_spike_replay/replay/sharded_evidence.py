@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.atomic import atomic_write_json
+from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
 from axrl_spike_replay.experiment.step_evidence import (
     LayerRoutes,
@@ -45,8 +46,16 @@ from axrl_spike_replay.replay.gradient_space import Grads, Sharded, accumulate
 from axrl_spike_replay.replay.inputs import ReplayInputs
 from axrl_spike_replay.replay.model_build import Placement, build_model
 from axrl_spike_replay.replay.sharded_attribution import all_reduce_sum, local_dot, one_row
-from axrl_spike_replay.replay.step_evidence import pull_of, rank_terms, signal_check, top_samples, top_tokens
+from axrl_spike_replay.replay.step_evidence import (
+    MAX_ROUTE_LAYERS,
+    pull_of,
+    rank_terms,
+    signal_check,
+    top_samples,
+    top_tokens,
+)
 from axrl_spike_replay.replay.worker import RankInputs, _gather, step_counts
+from axrl_spike_replay.snapshot.rank_data import load_rank_routes
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,11 @@ def _all_reduce_max(value: int, device: str) -> int:
 def sharded_signals(
     model: torch.nn.Module, ranks: RankInputs, job: EvidenceJob, cancel: threading.Event | None = None
 ) -> SignalCheck:
-    """The signal check of every saved rank, each process forwarding its own (see the module doc)."""
+    """The signal check of every saved rank, each process forwarding its own (see the module doc). The count of
+    forwards is agreed before the first: FSDP2 gathers the root's parameters on the first no-grad forward only, so
+    padding after another collective would meet the others' forwards out of order."""
+    planned = _planned_forwards(ranks, job)
+    most = _all_reduce_max(planned, ranks.device)
     forwards = [0]
 
     def count(*_: Any) -> None:
@@ -83,12 +96,27 @@ def sharded_signals(
         own = signal_check(model, ranks, job.inputs, job.cfg, cancel)
     finally:
         handle.remove()
+    if forwards[0] != planned:
+        raise AxrlError(f"sharded signal check: {forwards[0]} forwards made, {planned} planned (the processes' differ)")
     filler = one_row(next(iter(ranks.batches.values())), 0)
     with torch.no_grad():
-        for _ in range(_all_reduce_max(forwards[0], ranks.device) - forwards[0]):
+        for _ in range(most - planned):
             policy_forward(model, filler, RoutingControl(), need_entropy=False)
     rows = sorted((r for part in _gather(own.ranks) for r in part), key=lambda r: r.rank)
     return replace(own, ranks=rows)
+
+
+def _planned_forwards(ranks: RankInputs, job: EvidenceJob) -> int:
+    """The forwards `step_evidence.signal_check` makes for this process's ranks: the run's routing, the model's own
+    when the run replays routes, and one per recorded MoE layer of a rank with routes."""
+    replays = job.cfg.routing.replay != "off"
+    total = 0
+    for rank, batch in ranks.batches.items():
+        total += 1 + int(replays)
+        if rank in job.inputs.routing_ranks:
+            payload = load_rank_routes(ranks.replay_dir, rank, batch=batch)
+            total += len(payload.moe_layers[:MAX_ROUTE_LAYERS]) if payload is not None else 0
+    return total
 
 
 def _turn(space: Sharded, term: torch.Tensor, whole: torch.Tensor, mine: bool) -> Grads:
