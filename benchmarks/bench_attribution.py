@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""Spike attribution: one forward-mode pass (JVP) per rank batch vs one backward pass per sample, side by side.
+"""Spike attribution: one forward-mode pass (JVP) per rank batch vs one backward pass per sample, side by side;
+and the sharded attribution (FSDP2 over 1 and 2 gloo processes) against the unsharded one.
 
-Both attribute the demo's spike (reference run, ratio_outliers, world size 2, 8 samples per rank)
-with `attribute_spike`; both first replay the step once for g. `jvp` then runs one dual-number
+All attribute the demo's spike (reference run, ratio_outliers, world size 2, 8 samples per rank)
+with `attribute_spike`; all first replay the step once for g. `jvp` then runs one dual-number
 forward per rank batch; `per_sample_backward` runs one backward per sample (plus one for the router
-losses) on the retained graph. Runs alternate; medians of 5 after a warm-up. Contributions must agree.
+losses) on the retained graph; `sharded` (no forward-mode AD through FSDP2) forwards and backpropagates one
+sample at a time over the processes, its gradient reduce-scattered into the shards. The sharded runs' whole call
+includes starting their processes and loading the shards. Runs alternate; medians of 5 after a warm-up.
+Contributions must agree.
 
-Usage: .venv/bin/python benchmarks/bench_attribution.py [--runs 5]
+Usage: .venv/bin/python benchmarks/bench_attribution.py [--runs 5] [--no-sharded]
 """
 
 from __future__ import annotations
@@ -22,16 +26,22 @@ from replay_spike import capture_demo_spike, median
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=5)
-    runs = parser.parse_args().runs
+    parser.add_argument("--no-sharded", action="store_true", help="leave out the sharded rows")
+    args = parser.parse_args()
+    runs, layouts = args.runs, ([] if args.no_sharded else [1, 2])
     with tempfile.TemporaryDirectory(prefix="bench-attribution-") as tmp:
         snapshot = capture_demo_spike(Path(tmp))
-        times: dict[str, dict[str, list[float]]] = {m: {"attribution": [], "total": []} for m in ("jvp", "naive")}
+        keys = ["jvp", "naive", *(f"sharded{n}" for n in layouts)]
+        times: dict[str, dict[str, list[float]]] = {m: {"attribution": [], "total": []} for m in keys}
+        sharded = {}
         for method in ("jvp", "per_sample_backward"):  # warm-up (imports, allocator)
             attribute_spike(snapshot, method=method)
         for _ in range(runs):
             fast = attribute_spike(snapshot, top=100, method="jvp")
             naive = attribute_spike(snapshot, top=100, method="per_sample_backward")
-            for key, result in (("jvp", fast), ("naive", naive)):
+            for n in layouts:
+                sharded[n] = attribute_spike(snapshot, top=100, shard="on", nproc=n)
+            for key, result in (("jvp", fast), ("naive", naive), *((f"sharded{n}", sharded[n]) for n in layouts)):
                 times[key]["attribution"].append(result.timings["attribution"])
                 times[key]["total"].append(result.timings["total"])
         by_sample = {(s.rank, s.sample): s.contribution for s in naive.samples}
@@ -50,6 +60,19 @@ def main() -> int:
         f"whole call (load, replay for g, attribution): {t_fast * 1e3:7.1f} ms vs {t_naive * 1e3:7.1f} ms "
         f"-> {t_naive / t_fast:.1f}x"
     )
+    by_fast = {(s.rank, s.sample): s.contribution for s in fast.samples}
+    for n in layouts:
+        result = sharded[n]
+        gap = max(abs(s.contribution - by_fast[(s.rank, s.sample)]) for s in result.samples) / fast.grad_norm
+        same = [(s.rank, s.sample) for s in result.samples] == [(s.rank, s.sample) for s in fast.samples]
+        a_sh, t_sh = median(times[f"sharded{n}"]["attribution"]), median(times[f"sharded{n}"]["total"])
+        print(
+            f"sharded over {n}: per-sample part {a_sh * 1e3:7.1f} ms ({a_sh / a_fast:.1f}x the jvp's, "
+            f"{a_sh / a_naive:.2f}x one backward per sample whole), whole call {t_sh * 1e3:7.1f} ms "
+            f"({t_sh / t_fast:.1f}x the unsharded jvp's); grad norm rel diff "
+            f"{abs(result.grad_norm - fast.grad_norm) / fast.grad_norm:.1e}, max |sharded - jvp| / ||g|| {gap:.1e}, "
+            f"same ranking {same}"
+        )
     return 0
 
 

@@ -113,25 +113,6 @@ def test_a_replay_that_does_not_fit_shards_by_itself(toy_world4: tuple[Path, Swe
     assert kept.sharded is False and "fits (" in kept.shard_reason
 
 
-def test_attribution_cannot_run_sharded_and_says_so(toy_world4: tuple[Path, SweepResult]) -> None:
-    snapshot, _ = toy_world4
-    with pytest.raises(ConfigError, match="attribution cannot run sharded") as caught:
-        replay_request(What(snapshot, verb="attribute"), how=How(shard="on"))
-    assert caught.value.parameter == "shard"
-
-
-def test_attribution_of_a_model_too_big_for_one_process_is_refused_before_it_loads(
-    toy_world4: tuple[Path, SweepResult], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from axrl_spike_replay.replay import shard_choice
-    from axrl_spike_replay.replay.attribution import attribute_spike
-
-    snapshot, _ = toy_world4
-    monkeypatch.setattr(shard_choice, "available_memory_bytes", lambda: 1 << 10)
-    with pytest.raises(ConfigError, match="needs the whole model in one process"):
-        attribute_spike(snapshot, top=3)
-
-
 def test_a_bad_shard_value_names_the_option(toy_world4: tuple[Path, SweepResult]) -> None:
     snapshot, _ = toy_world4
     with pytest.raises(ConfigError, match="`shard` must be one of auto, on, off") as caught:
@@ -212,16 +193,3 @@ def test_the_cli_shards_on_request_and_records_it(toy_world4: tuple[Path, SweepR
     assert _rel(doc["grad_norm"], whole.baseline.grad_norm) <= REL
     command = (Path(doc["output_dir"]) / "command.txt").read_text(encoding="utf-8")
     assert "--shard on" in command  # the command that reproduces this run says it sharded
-
-
-def test_diagnose_says_why_its_model_evidence_was_not_computed_for_a_model_that_does_not_fit(
-    toy_world4: tuple[Path, SweepResult], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
-    from axrl_spike_replay.replay import shard_choice
-
-    snapshot, _ = toy_world4
-    monkeypatch.setattr(shard_choice, "available_memory_bytes", lambda: 1 << 10)
-    d = diagnose_snapshot(snapshot, model="always")
-    assert d.routes is None
-    assert any("needs the whole model in one process" in line for line in d.not_checked), d.not_checked

@@ -37,3 +37,33 @@ def test_a_sharded_mcp_replay_gives_the_unsharded_grad_norm(spike_outputs: Spike
     assert abs(sharded["grad_norm"] - whole.grad_norm) <= 1e-6 * whole.grad_norm
     assert sharded["verdict"] == whole.verdict
     assert sharded["precision"]["source"] in ("run_config", "model_dtype")
+
+
+def test_attribute_spike_and_diagnose_spike_offer_shard(workspace: Path) -> None:
+    server = create_server(workspace)
+    tools = {t.name: t for t in with_client(server, lambda client: client.list_tools()).tools}
+    for name in ("attribute_spike", "diagnose_spike"):
+        properties = tools[name].input_schema["properties"]
+        assert properties["shard"]["enum"] == ["auto", "on", "off"] and properties["shard"]["default"] == "auto"
+        assert "nproc" in properties
+
+
+@pytest.mark.slow  # an unsharded and a two-process sharded attribution of the fixture spike
+def test_a_sharded_mcp_attribution_gives_the_unsharded_figures(spike_outputs: SpikeOutputs, workspace: Path) -> None:
+    from axrl_spike_replay.replay.attribution import attribute_spike
+
+    server = create_server(workspace)
+
+    async def body(client: Client) -> dict[str, Any]:
+        args = {"snapshot": str(spike_outputs.snapshot), "top": 100, "nproc": 2, "shard": "on"}
+        return ok(await client.call_tool("attribute_spike", args))
+
+    sharded = with_client(server, body)
+    whole = attribute_spike(spike_outputs.snapshot, top=100, shard="off")
+    assert sharded["sharded"] is True and sharded["world_size_used"] == 2 and whole.sharded is False
+    norm = whole.grad_norm
+    assert abs(sharded["grad_norm"] - norm) <= 1e-6 * norm
+    want = whole.to_json()["samples"]
+    assert [(s["rank"], s["sample"]) for s in sharded["samples"]] == [(s["rank"], s["sample"]) for s in want]
+    for got, ref in zip(sharded["samples"], want, strict=True):
+        assert abs(got["contribution"] - ref["contribution"]) <= 1e-6 * norm

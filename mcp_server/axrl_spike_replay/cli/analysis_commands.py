@@ -54,6 +54,14 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--top", type=int, default=10, metavar="K", help="samples to attribute (default 10)")
     p.add_argument(
+        "--shard",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="compute the model evidence sharded with FSDP2 over --nproc processes (default auto: when the whole "
+        "model does not fit one process)",
+    )
+    p.add_argument("--nproc", type=int, default=None, help="processes when sharded (default: the saved world size)")
+    p.add_argument(
         "--workspace",
         default=".",
         help="workspace root: with a task open there for the snapshot's job, the diagnosis is kept in it (the "
@@ -203,7 +211,14 @@ def _diagnose(args: argparse.Namespace) -> int:
     from axrl_spike_replay.investigation.task_opening import diagnose_into_task
 
     result = diagnose_into_task(
-        args.workspace, args.snapshot, attribution=args.attribution, logs=args.logs, model=args.model, top=args.top
+        args.workspace,
+        args.snapshot,
+        attribution=args.attribution,
+        logs=args.logs,
+        model=args.model,
+        top=args.top,
+        shard=args.shard,
+        nproc=args.nproc,
     )
     emit(result, args.json, render_diagnosis)
     return 0

@@ -20,19 +20,18 @@ if TYPE_CHECKING:
     from axrl_spike_replay.investigation.request import ReplayRequest
 
 
-def _common(parser: argparse.ArgumentParser, layout: bool = True) -> None:
+def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("snapshot", help="spike snapshot directory (iter_<N>)")
-    if layout:
-        parser.add_argument(
-            "--nproc", type=int, default=None, help="replay processes (default: the saved world size = full fidelity)"
-        )
-        parser.add_argument(
-            "--shard",
-            choices=Shard.values(),
-            default="auto",
-            help="shard the policy over the processes with FSDP2, each holding 1/N of the weights and gradients "
-            "(default auto: when the whole model does not fit one process)",
-        )
+    parser.add_argument(
+        "--nproc", type=int, default=None, help="replay processes (default: the saved world size = full fidelity)"
+    )
+    parser.add_argument(
+        "--shard",
+        choices=Shard.values(),
+        default="auto",
+        help="shard the policy over the processes with FSDP2, each holding 1/N of the weights and gradients "
+        "(default auto: when the whole model does not fit one process)",
+    )
     parser.add_argument("--device", choices=Device.values(), default="cpu", help="where to recompute (default cpu)")
     parser.add_argument(
         "--workspace", default=".", help="workspace root; output goes to tmp/spike-replay/<job>/<timestamp>/"
@@ -120,7 +119,7 @@ def register(sub: Any) -> None:
         description="Each sample's contribution c_s = <g_s, g>/||g|| to the global grad norm, ranked, with its "
         "signals.",
     )
-    _common(a, layout=False)
+    _common(a)
     a.add_argument("--top", type=int, default=10, help="how many samples to list (default 10)")
     a.add_argument("--mitigation", action="append", default=[], metavar="NAME[=VALUE]", help="attribute under a config")
     a.set_defaults(handler=_attribute)

@@ -96,7 +96,7 @@ class Diagnosis:
 
 
 def _model_evidence(
-    snapshot: Path, attribution: Any, model: str, top: int, not_checked: list[str]
+    snapshot: Path, attribution: Any, model: str, top: int, not_checked: list[str], shard: str, nproc: int | None
 ) -> tuple[Attribution | None, StepEvidence | None]:
     from axrl_spike_replay.diagnosis import model_evidence as dm
 
@@ -118,8 +118,8 @@ def _model_evidence(
     step = None
     try:
         if att is None:
-            att = dm.run_attribution(snapshot, top)
-        step = dm.run_step_evidence(snapshot)
+            att = dm.run_attribution(snapshot, top, shard, nproc)
+        step = dm.run_step_evidence(snapshot, shard, nproc)
     except AxrlError as exc:  # a snapshot the torch engine cannot rebuild: the static evidence still stands
         not_checked.append(f"model evidence ({exc})")
     return att, step
@@ -148,12 +148,15 @@ def diagnose_snapshot(
     logs: Sequence[str | Path] | None = None,
     model: str = "auto",
     top: int = 10,
+    shard: str = "auto",
+    nproc: int | None = None,
 ) -> Diagnosis:
     """Rank the likely causes of the spike in `snapshot` with their evidence and the experiments to run.
 
     `attribution`: an existing attribution (object, JSON document or `attribution.json` path); `logs`: the
     job's log files (default: those of the job output dir the snapshot sits in); `model`: auto | always |
-    never, whether to compute attribution and route agreement here (see the module doc)."""
+    never, whether to compute attribution and route agreement here (see the module doc); `shard` (auto: when the
+    whole model does not fit one process) and `nproc`, whether they run sharded with FSDP2 over several processes."""
     from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
     from axrl_spike_replay.analysis.grad_info import top_param_grads
 
@@ -173,7 +176,7 @@ def diagnose_snapshot(
     if point.grad_norm is None:
         not_checked.append(f"training log ({point.note})")
     consistency = check_snapshot(directory, log_grad_norm=point.grad_norm, log_source=point.source)
-    att, step = _model_evidence(directory, attribution, model, top, not_checked)
+    att, step = _model_evidence(directory, attribution, model, top, not_checked, shard, nproc)
     if att is not None:
         _check_replayed_norm(consistency, analysis.grad_norm, att, not_checked)
     from axrl_spike_replay.diagnosis.model_evidence import routes_of

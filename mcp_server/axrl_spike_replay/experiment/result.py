@@ -258,6 +258,10 @@ class Attribution:
     """How to read router_term"""
     device: str = "cpu"
     """Where it was computed (cpu or cuda): how closely its grad_norm can match the recorded one"""
+    sharded: bool = False
+    """The policy was sharded with FSDP2 over world_size_used processes (each sample's gradient by a backward)"""
+    world_size_used: int = 1
+    """Processes that computed it"""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds"""
     output_dir: str = ""

@@ -134,6 +134,10 @@ def replay_request(
     _check_clear_threshold(what.clear_threshold, verb, target, backend, launched)
     _check_parallel_configs(how.parallel_configs, verb, target, backend)
     _check_shard(shard, verb, backend)
+    if verb == Verb.ATTRIBUTE and shard == Shard.OFF and how.nproc not in (None, 1):
+        raise ConfigError(
+            "`nproc`: an unsharded attribution runs in this one process; shard it (`shard` on) to use more", "nproc"
+        )
     normalised = tuple(parse_config(c, f"config {i + 1}") for i, c in enumerate(what.configs))
     if verb == Verb.SWEEP:
         check_distinct(normalised)
@@ -378,16 +382,10 @@ def _check_clear_threshold(value: Any, verb: Verb, target: str, backend: Backend
 
 
 def _check_shard(shard: Shard, verb: Verb, backend: Backend) -> None:
-    """Sharding is the built-in engine's; attribution takes per-sample gradients of one whole model."""
+    """Sharding is the built-in engine's (an attribution shards too: one backward per sample over the shards)."""
     if shard == Shard.ON and backend == Backend.COMMAND:
         raise ConfigError(
             "`shard` applies to the built-in torch engine; the trainer's own command shards as it does", "shard"
-        )
-    if shard == Shard.ON and verb == Verb.ATTRIBUTE:
-        raise ConfigError(
-            "`shard`: attribution cannot run sharded: its per-sample gradients (forward-mode JVPs, or one backward "
-            "per sample) need the whole model in one process; replay or sweep sharded, attribute unsharded",
-            "shard",
         )
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from axrl_spike_replay.experiment.result import RunResult
 from axrl_spike_replay.investigation.recording import recorder_for
 from axrl_spike_replay.investigation.request import ReplayRequest
-from axrl_spike_replay.vocabulary import Verb
+from axrl_spike_replay.vocabulary import Shard, Verb
 
 if TYPE_CHECKING:  # torch-free at import: the faces import this before anything runs
     from axrl_spike_replay.replay.launch import JobRunner
@@ -46,10 +46,12 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     from axrl_spike_replay.replay.engine import ReplayOptions
 
     what, how = request.what, request.how
-    nproc = 1 if what.verb == Verb.ATTRIBUTE else how.nproc
+    # an unsharded attribution holds the whole model in one process; sharded (on, or auto when the whole model does
+    # not fit one), it lays its processes out as a replay does, and the plan refuses only what fits neither way
+    whole = what.verb == Verb.ATTRIBUTE and how.shard == Shard.OFF
+    nproc = 1 if whole else how.nproc
     configs = 1 + (len(what.configs) if what.verb == Verb.SWEEP else int(bool(what.mitigations)))
-    shard = "off" if what.verb == Verb.ATTRIBUTE else str(how.shard)  # attribution holds the whole model
-    refuse_what_cannot_fit(what.snapshot, nproc, str(how.device), configs, shard)
+    refuse_what_cannot_fit(what.snapshot, nproc, str(how.device), configs, str(how.shard))
     recorder = recorder_for(request.workspace)
     if what.verb == Verb.ATTRIBUTE:
         from axrl_spike_replay.replay.attribution import attribute_spike
@@ -64,6 +66,8 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
             job=request.job,
             command=request.command,
             cancel=request.cancel,
+            shard=str(how.shard),
+            nproc=how.nproc,
         )
     options = ReplayOptions(
         nproc=how.nproc,

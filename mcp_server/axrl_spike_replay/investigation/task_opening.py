@@ -48,12 +48,16 @@ def diagnose_into_task(
     logs: Sequence[str | Path] | None = None,
     model: str = "auto",
     top: int = 10,
+    shard: str = "auto",
+    nproc: int | None = None,
 ) -> Diagnosis:
     """`diagnose_snapshot`, and the result kept in the task of the snapshot's job when `workspace` has one open
     (nothing is written otherwise; a task that cannot be written to leaves the diagnosis as it is)."""
     from axrl_spike_replay.snapshot.metadata import read_metadata
 
-    result = diagnose_snapshot(snapshot, attribution=attribution, logs=logs, model=model, top=top)
+    result = diagnose_snapshot(
+        snapshot, attribution=attribution, logs=logs, model=model, top=top, shard=shard, nproc=nproc
+    )
     if workspace is None:
         return result
     try:

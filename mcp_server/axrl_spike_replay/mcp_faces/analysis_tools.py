@@ -148,6 +148,16 @@ async def diagnose_spike_tool(
         ),
     ] = "auto",
     top: TopArg = 10,
+    shard: Annotated[
+        Literal["auto", "on", "off"],
+        Field(
+            description="Compute the model evidence sharded with FSDP2 over `nproc` processes: auto = when the whole "
+            "model does not fit one process; the same figures either way."
+        ),
+    ] = "auto",
+    nproc: Annotated[
+        int | None, Field(description="Processes when sharded; default the saved world size.", ge=1)
+    ] = None,
 ) -> Diagnosis:
     """Call this first on a spike: the likely causes ranked by cause family (engine_mismatch,
     stale_old_logprobs, bad_ref_logprobs, routing_payload, outlier_advantage, mask_misalignment,
@@ -173,6 +183,8 @@ async def diagnose_spike_tool(
             logs=paths,
             model=model,
             top=top,
+            shard=shard,
+            nproc=nproc,
         ),
     )
 

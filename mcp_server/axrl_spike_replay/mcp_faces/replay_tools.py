@@ -302,12 +302,15 @@ async def attribute_spike_tool(
     ] = "jvp",
     job: JobOptArg = None,
     workspace: WorkspaceArg = None,
+    nproc: NprocArg = None,
+    shard: ShardArg = "auto",
 ) -> Attribution:
     """Each sample's contribution to the global gradient, c_s = <g_s, g> / ||g|| (they sum to ||g||), ranked,
     with the sample's signals (advantage, reward, loss tokens, rank, and max_abs_log_ratio_current_vs_base: the
     largest |log pi - log pi_base| of the replayed policy against `log_ratio_base`, the old or rollout log-probs
     its loss's ratio is taken against). Usually a few samples carry the spike; cross-check them with
-    analyze_batch's outliers (old against rollout). Writes attribution.json under
+    analyze_batch's outliers (old against rollout). A model that does not fit one process is attributed sharded
+    over `nproc` processes (one backward per sample; `method` does not apply). Writes attribution.json under
     tmp/spike-replay/<job>/<timestamp>/."""
     config = server_config(ctx)
     target = config.path(snapshot)
@@ -315,7 +318,7 @@ async def attribute_spike_tool(
         ctx,
         What(target, verb=Verb.ATTRIBUTE, top=top, mitigations=mitigations, method=Method(method)),
         Where(),
-        How(device=Device(device)),
+        How(nproc=nproc, device=Device(device), shard=Shard(shard)),
         workspace=config.workspace_for(workspace),
         job=job,
     )

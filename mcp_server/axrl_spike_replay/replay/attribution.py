@@ -32,11 +32,13 @@ from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
+from axrl_spike_replay.replay.layout_plan import plan_layout
 from axrl_spike_replay.replay.model_build import build_model
 from axrl_spike_replay.replay.outcome_figures import jvp_policy
-from axrl_spike_replay.replay.shard_choice import check_whole_fits
+from axrl_spike_replay.replay.sample_signals import base_name, rank_signals, router_loss
+from axrl_spike_replay.replay.shard_choice import check_whole_fits, whole_or_sharded
 from axrl_spike_replay.replay.worker import RankInputs, loss_batch, step_counts
-from axrl_spike_replay.training.policy_loss import expand_advantages, policy_loss
+from axrl_spike_replay.training.policy_loss import policy_loss
 from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
 from axrl_spike_replay.training.sample_masks import check_ranks
 from axrl_spike_replay.vocabulary import Fidelity, Method
@@ -49,43 +51,6 @@ class _RankPass:
     grad_entropy: torch.Tensor | None  # [B, T] dLoss_r/dentropy; None when the loss has no entropy term
     routes: RoutingControl  # replays the experts this pass used, so later passes route the same
     signals: list[dict[str, Any]]
-
-
-def _signals(
-    rank: int, batch: dict[str, torch.Tensor], logprobs: torch.Tensor, mask: torch.Tensor, base: str
-) -> list[dict[str, Any]]:
-    adv = expand_advantages(batch["advantages"], logprobs.shape)
-    tokens = mask.sum(dim=-1)
-    log_ratio = ((logprobs - batch[f"{base}_logprobs"].float()).abs() * (mask > 0)).amax(dim=-1)
-    rewards = batch.get("rewards")
-    groups = batch.get("group_index")
-    return [
-        {
-            "rank": rank,
-            "sample": s,
-            "advantage": float((adv[s] * mask[s]).sum() / tokens[s]) if tokens[s] > 0 else float(adv[s].mean()),
-            "reward": float(rewards[s]) if rewards is not None else None,
-            "max_abs_log_ratio_current_vs_base": float(log_ratio[s]),
-            "loss_tokens": int(tokens[s]),
-            "group": int(groups[s]) if groups is not None else None,
-        }
-        for s in range(logprobs.shape[0])
-    ]
-
-
-def _base_name(cfg: AppliedConfig) -> str:
-    return "old" if cfg.loss.mismatch_token_clip_max is not None else cfg.loss.is_base_logprobs
-
-
-def _router_loss(cfg: AppliedConfig, out: Any) -> torch.Tensor | None:
-    """The rank's batch-level router losses as the policy loss adds them (None when both are off)."""
-    loss = None
-    if cfg.loss.aux_loss_coef:
-        loss = cfg.loss.aux_loss_coef * out.aux_loss
-    if cfg.loss.z_loss_coef:
-        term = cfg.loss.z_loss_coef * out.z_loss
-        loss = term if loss is None else loss + term
-    return loss if loss is not None and loss.requires_grad else None
 
 
 def _gradient_pass(
@@ -109,13 +74,13 @@ def _gradient_pass(
         result = policy_loss(
             out.logprobs, batch, cfg.loss, entropy=out.entropy, aux_loss=out.aux_loss, z_loss=out.z_loss, counts=counts
         )
-        router = _router_loss(cfg, out)
+        router = router_loss(cfg, out)
         if router is not None:
             grads = torch.autograd.grad(router, params, retain_graph=True, allow_unused=True)
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
             router_sum = grads if router_sum is None else [a + b for a, b in zip(router_sum, grads, strict=True)]
         result.loss.backward()
-        signals = _signals(rank, batch, out.logprobs.detach(), result.mask, _base_name(cfg))
+        signals = rank_signals(rank, batch, out.logprobs.detach(), result.mask, base_name(cfg))
         passes[rank] = _RankPass(
             batch=saved,
             grad_logprobs=_grad_or_zeros(out.logprobs),
@@ -232,9 +197,15 @@ def attribute_spike(
     job: str | None = None,
     command: str | None = None,
     cancel: threading.Event | None = None,
+    shard: str = "auto",
+    nproc: int | None = None,
+    timeout_s: float = 1800.0,
 ) -> Attribution:
     """Rank the samples of a snapshot's step by their contribution to the replayed global grad norm.
 
+    `shard`: off, the whole model in this process (one forward-mode pass, or one backward per sample with `method`
+    per_sample_backward); on, FSDP2 over `nproc` spawned processes (default: the saved world size), one backward per
+    sample (`replay.sharded_attribution`); auto, sharded when the whole model does not fit one process here.
     `recorder` opens the output dir (None: nothing written). Setting `cancel` stops the work between
     its stages (RunCancelled). `investigation.request` validates top and method for the faces."""
     if method not in Method.values():
@@ -248,16 +219,26 @@ def attribute_spike(
         cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing, inputs.model.moe_layer_ids)
         check_configs(inputs, [cfg])
         check_ranks(cfg.samples, inputs.world_size)
-        check_whole_fits(inputs.model, inputs.effective_precision, device, "attribution")
+        layout = plan_layout(inputs.world_size, nproc)
+        sharded = whole_or_sharded(shard, inputs, device, layout.nproc)
+        if not sharded.shard:
+            check_whole_fits(inputs.model, inputs.effective_precision, device, "attribution")
         job_name = job or inputs.job_name or "spike"
         run = recorder.open_run(job_name) if recorder is not None else RunDir(None)
-        run.write_command(command or command_line("attribute", str(snapshot), {"top": top, "device": device}))
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            attribution = _attribute(inputs, cfg, top, device, method, start, cancel)
-        finally:
-            torch.set_num_threads(threads)
+        options = {"top": top, "device": device, "shard": shard if shard != "auto" else None, "nproc": nproc}
+        run.write_command(command or command_line("attribute", str(snapshot), options))
+        run.log(sharded.reason)
+        if sharded.shard:
+            if method != Method.PER_SAMPLE_BACKWARD:
+                run.log("sharded: forward-mode JVPs do not run through FSDP2; one backward per sample instead")
+            attribution = _attribute_sharded(inputs, cfg, top, device, layout.assignment, start, timeout_s, cancel)
+        else:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                attribution = _attribute(inputs, cfg, top, device, method, start, cancel)
+            finally:
+                torch.set_num_threads(threads)
     attribution.output_dir = str(run.path or "")
     run.log(f"attribution: grad norm {attribution.grad_norm:.6g}, sum check rel error {attribution.sum_rel_error:.2e}")
     run.write_json(ATTRIBUTION_FILE, attribution.to_json())
@@ -285,12 +266,62 @@ def _attribute(
     t1 = time.perf_counter()
     dots, router = _contributions(model, passes, router_sum, world_size, method)
     t2 = time.perf_counter()
+    signals = {rank: rank_pass.signals for rank, rank_pass in passes.items()}
+    timings = {"load": t0 - start, "gradient": t1 - t0, "attribution": t2 - t1, "total": time.perf_counter() - start}
+    per_rank = {rank: values.tolist() for rank, values in dots.items()}
+    return _assembled(inputs, cfg, top, device, method, grad_norm, router, per_rank, signals, timings)
+
+
+def _attribute_sharded(
+    inputs: ReplayInputs,
+    cfg: AppliedConfig,
+    top: int,
+    device: str,
+    assignment: tuple[tuple[int, ...], ...],
+    start: float,
+    timeout_s: float,
+    cancel: threading.Event | None,
+) -> Attribution:
+    from axrl_spike_replay.replay.sharded_attribution import AttributionJob, run_sharded_attribution
+
+    job = AttributionJob(inputs.replay_dir, inputs.model, cfg, inputs.world_size, assignment, device)
+    figures = run_sharded_attribution(job, timeout_s, cancel)
+    timings = {**figures.timings, "total": time.perf_counter() - start}
+    attribution = _assembled(
+        inputs,
+        cfg,
+        top,
+        device,
+        Method.PER_SAMPLE_BACKWARD,
+        figures.grad_norm,
+        figures.router,
+        figures.dots,
+        figures.signals,
+        timings,
+    )
+    attribution.sharded, attribution.world_size_used = True, len(assignment)
+    return attribution
+
+
+def _assembled(
+    inputs: ReplayInputs,
+    cfg: AppliedConfig,
+    top: int,
+    device: str,
+    method: str,
+    grad_norm: float,
+    router: float,
+    dots: dict[int, list[float]],
+    signals: dict[int, list[dict[str, Any]]],
+    timings: dict[str, float],
+) -> Attribution:
+    """The Attribution of per-sample <g_s, g> (`dots`, per saved rank) and the router losses' <., g>."""
     rows = []
-    for rank, rank_pass in passes.items():
-        for signals, dot in zip(rank_pass.signals, dots[rank].tolist(), strict=True):
+    for rank in sorted(signals):
+        for sample_signals, dot in zip(signals[rank], dots[rank], strict=True):
             contribution = dot / grad_norm if grad_norm > 0 else 0.0
             share = contribution / grad_norm if grad_norm > 0 else 0.0
-            rows.append(SampleContribution(contribution=contribution, share=share, **signals))
+            rows.append(SampleContribution(contribution=contribution, share=share, **sample_signals))
     router_term = router / grad_norm if grad_norm > 0 else 0.0
     total = math.fsum(r.contribution for r in rows) + router_term
     rows.sort(key=lambda r: -r.contribution)
@@ -301,16 +332,16 @@ def _attribute(
         recorded_grad_norm=meta.grad_norm,
         rel_diff=rel_diff(grad_norm, meta.grad_norm),
         fidelity=Fidelity.FULL,  # every saved rank's batch, reduced over the saved world size
-        world_size_saved=world_size,
+        world_size_saved=inputs.world_size,
         total_samples=len(rows),
         samples=rows[:top],
         router_term=router_term,
         contribution_sum=total,
         sum_rel_error=abs(total - grad_norm) / grad_norm if grad_norm > 0 else 0.0,
         method=method,
-        log_ratio_base=_base_name(cfg),
+        log_ratio_base=base_name(cfg),
         mitigations=dict(cfg.mitigations),
         device=device,
         resolved_mitigations=dict(cfg.resolved),
-        timings={"load": t0 - start, "gradient": t1 - t0, "attribution": t2 - t1, "total": time.perf_counter() - start},
+        timings=timings,
     )

@@ -151,6 +151,14 @@ class Sharded:
         loss.backward(torch.zeros_like(loss), retain_graph=retain)
         return self._take()
 
+    def outputs_backward(
+        self, outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor], retain: bool
+    ) -> Grads:
+        """A backward from `outputs` with `grad_outputs` (zeros on a process that adds nothing to the pass); this
+        process's rows of the pass's sum over every process (attribution's one sample at a time)."""
+        torch.autograd.backward(list(outputs), list(grad_outputs), retain_graph=retain)
+        return self._take()
+
     def reduce(self, grads: Grads, world_size: int) -> list[torch.Tensor]:
         out = []
         for p, g in zip(self.params, grads, strict=True):

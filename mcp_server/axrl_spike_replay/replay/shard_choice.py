@@ -6,8 +6,10 @@ default, or a capacity the caller knows: a probed node's GPUs). Its choice is th
 whole-model row fits, sharded (FSDP2) otherwise; one process stays whole (sharding it gains nothing). The reason
 says the plan's figures, and is logged and kept in the result.
 
-`check_whole_fits` guards work that cannot shard at all (attribution, route agreement) by a bytes estimate of the
-model and one gradient, before anything loads.
+Attribution and diagnose's model evidence, which whole run in the calling process, choose by `whole_or_sharded`:
+under auto a bytes estimate of the model and one gradient against this process's memory (their per-sample passes
+are not what the replay plan models). `check_whole_fits` refuses, with the same estimate and before anything loads,
+such work asked to run whole when it does not fit.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from axrl_spike_replay.training.precision import PrecisionPolicy
 from axrl_spike_replay.vocabulary import Shard
 
 if TYPE_CHECKING:
+    from axrl_spike_replay.replay.inputs import ReplayInputs
     from axrl_spike_replay.replay.replay_plan import Capacity, ReplayPlan
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -59,14 +62,35 @@ def available_memory_bytes() -> int:
 
 
 def check_whole_fits(spec: ModelSpec, precision: PrecisionPolicy, device: str, what: str) -> None:
-    """Refuse, by name and before anything loads, work that needs the whole model in one process (attribution's
-    per-sample gradients, diagnose's route agreement) when the model does not fit one process here."""
+    """Refuse, by name and before anything loads, work asked to hold the whole model in one process (an
+    attribution or diagnose's model evidence, unsharded) when the model does not fit one process here."""
     need, have = bytes_whole(spec, precision), available_bytes(device, 1)
     if need > have:
         raise ConfigError(
-            f"{what} needs the whole model in one process and cannot run sharded: the model and one gradient "
-            f"take {_gib(need)}, one process here has {_gib(have)}; replay or sweep it sharded (`shard` on)"
+            f"{what} with the whole model in one process does not fit: the model and one gradient take "
+            f"{_gib(need)}, one process here has {_gib(have)}; run it sharded (`shard` on, `nproc` > 1)"
         )
+
+
+def whole_or_sharded(mode: str, inputs: ReplayInputs, device: str, processes: int) -> ShardChoice:
+    """For work that, whole, runs in this one process (attribution, diagnose's model evidence): auto shards over
+    `processes` processes when the whole model and a gradient do not fit this process (one cannot shard); on and
+    off as said."""
+    if Shard.parse(mode, "`shard`") != Shard.AUTO:
+        return choose_shard(mode, device, processes)
+    need, have = bytes_whole(inputs.model, inputs.effective_precision), available_bytes(device, 1)
+    if need <= have:
+        return ShardChoice(False, f"shard auto: the whole model and a gradient ({_gib(need)}) fit this process")
+    if processes == 1:
+        return ShardChoice(
+            False, f"shard auto: the whole model and a gradient ({_gib(need)}) do not fit, and one process cannot shard"
+        )
+    _check_device(device, processes)
+    return ShardChoice(
+        True,
+        f"shard auto: the whole model and a gradient ({_gib(need)}) do not fit this process ({_gib(have)}): "
+        f"FSDP2 over {processes}",
+    )
 
 
 def planned_shard(

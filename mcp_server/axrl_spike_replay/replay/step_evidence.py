@@ -16,29 +16,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, parse_config
+from axrl_spike_replay.experiment.mitigations import AppliedConfig
 from axrl_spike_replay.experiment.step_evidence import (
     LayerRoutes,
     LossChannel,
     PairFigures,
     RankSignals,
     SignalCheck,
-    StepEvidence,
     TermFigures,
     TermRank,
 )
 from axrl_spike_replay.models.policy import policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
-from axrl_spike_replay.replay.engine import check_device, replay_dir_for
-from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
+from axrl_spike_replay.replay.inputs import ReplayInputs
 from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
 from axrl_spike_replay.replay.worker import RankInputs, build_model, loss_batch, step_counts
 from axrl_spike_replay.snapshot.rank_data import load_rank_routes
@@ -49,32 +45,22 @@ MAX_ROUTE_LAYERS = 64  # one forward per MoE layer and rank
 TOP_TOKENS = 5
 
 
-def step_evidence(
-    snapshot: str | Path,
-    *,
-    mitigations: dict[str, Any] | None = None,
-    device: str = "cpu",
-    channel: bool = True,
-    cancel: threading.Event | None = None,
-) -> StepEvidence:
-    """The signal check (and, with `channel`, the loss-term channel) of a snapshot's step; nothing written."""
-    check_device(device)
-    start = time.perf_counter()
-    with replay_dir_for(snapshot) as (replay_dir, legacy):
-        inputs = load_inputs(snapshot, replay_dir, legacy)
-        cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing, inputs.model.moe_layer_ids)
-        check_configs(inputs, [cfg])
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device)
-            ranks = RankInputs(inputs.replay_dir, range(inputs.world_size), device, routing_shape(inputs.model))
-            signals = signal_check(model, ranks, inputs, cfg, cancel)
-            check_cancel(cancel, "diagnosis")
-            terms = loss_channel(model, ranks, inputs, cfg, cancel) if channel else None
-        finally:
-            torch.set_num_threads(threads)
-    return StepEvidence(signals=signals, channel=terms, seconds=time.perf_counter() - start)
+def whole_evidence(
+    inputs: ReplayInputs, cfg: AppliedConfig, device: str, channel: bool, cancel: threading.Event | None = None
+) -> tuple[SignalCheck, LossChannel | None]:
+    """The signal check (and, with `channel`, the loss-term channel) with the whole model in this process
+    (`replay.step_evidence_run.step_evidence` is the entry that decides whole or sharded)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device)
+        ranks = RankInputs(inputs.replay_dir, range(inputs.world_size), device, routing_shape(inputs.model))
+        signals = signal_check(model, ranks, inputs, cfg, cancel)
+        check_cancel(cancel, "diagnosis")
+        terms = loss_channel(model, ranks, inputs, cfg, cancel) if channel else None
+    finally:
+        torch.set_num_threads(threads)
+    return signals, terms
 
 
 # ---- signals ----
@@ -220,7 +206,7 @@ def _term_configs(cfg: AppliedConfig) -> dict[str, Any]:
     return out
 
 
-def _rank_terms(
+def rank_terms(
     model: torch.nn.Module, ranks: RankInputs, cfg: AppliedConfig, rank: int, counts: Any
 ) -> tuple[dict[str, torch.Tensor], Any]:
     """The rank's loss split into its terms (scalars on one graph; `_loss`: the whole loss) and the forward."""
@@ -259,7 +245,8 @@ def _dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     return math.fsum(float((x.double() * y.double()).sum()) for x, y in zip(a, b, strict=True))
 
 
-def _pull_of(parts: list[torch.Tensor | None], shape: torch.Size) -> torch.Tensor:
+def pull_of(parts: list[torch.Tensor | None], shape: torch.Size) -> torch.Tensor:
+    """|dTerm/dlogprobs| (+ |dTerm/dentropy|) per token, float64 on the CPU."""
     pull = torch.zeros(shape, dtype=torch.float64)
     for part in parts:
         if part is not None:
@@ -283,13 +270,13 @@ def loss_channel(
     pulls: dict[str, dict[int, torch.Tensor]] = {}
     for rank in ranks.batches:
         check_cancel(cancel, "diagnosis")
-        terms, out = _rank_terms(model, ranks, cfg, rank, counts)
+        terms, out = rank_terms(model, ranks, cfg, rank, counts)
         terms.pop("_loss")
         extra = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
         for name, term in terms.items():
             grads, wrt = _grads(term, params, extra)
             norms.setdefault(name, {})[rank] = math.sqrt(_dot(grads, grads)) / world
-            pulls.setdefault(name, {})[rank] = _pull_of(wrt, out.logprobs.shape)
+            pulls.setdefault(name, {})[rank] = pull_of(wrt, out.logprobs.shape)
             total = sums.get(name)
             sums[name] = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
         del terms, out
@@ -301,7 +288,7 @@ def loss_channel(
     full = [torch.zeros_like(p) for p in params]
     for rank in ranks.batches:  # second pass: each rank's terms against the reduced gradient
         check_cancel(cancel, "diagnosis")
-        terms, out = _rank_terms(model, ranks, cfg, rank, counts)
+        terms, out = rank_terms(model, ranks, cfg, rank, counts)
         for name, term in terms.items():
             grads, _ = _grads(term, params, [])
             shares.setdefault(name, {})[rank] = _dot(grads, g) / world / g_sq if g_sq > 0 else 0.0
@@ -320,8 +307,8 @@ def loss_channel(
                 grad_norm=math.sqrt(_dot(term_g, term_g)),
                 share=_dot(term_g, g) / g_sq if g_sq > 0 else 0.0,
                 ranks=[TermRank(r, norms[name][r], shares[name][r]) for r in sorted(norms[name])],
-                top_tokens=_top_tokens(pulls.get(name, {}), ranks),
-                top_samples=_top_samples(pulls.get(name, {})),
+                top_tokens=top_tokens(pulls.get(name, {}), {r: b["loss_mask"] for r, b in ranks.batches.items()}),
+                top_samples=top_samples(pulls.get(name, {})),
             )
         )
     diff = [a - b for a, b in zip(full, g, strict=True)]  # the terms add up to the loss's own gradient
@@ -329,10 +316,11 @@ def loss_channel(
     return channel
 
 
-def _top_tokens(pulls: dict[int, torch.Tensor], ranks: RankInputs) -> list[dict[str, Any]]:
+def top_tokens(pulls: dict[int, torch.Tensor], masks: dict[int, torch.Tensor]) -> list[dict[str, Any]]:
+    """The loss tokens a term pulls on hardest, over every rank (`masks`: each rank's loss mask)."""
     rows = []
     for rank, pull in pulls.items():
-        mask = ranks.batches[rank]["loss_mask"].cpu() > 0
+        mask = masks[rank].cpu() > 0
         values = torch.where(mask, pull, torch.zeros_like(pull)).reshape(-1)
         k = min(TOP_TOKENS, int((values > 0).sum()))
         if k == 0:
@@ -345,7 +333,8 @@ def _top_tokens(pulls: dict[int, torch.Tensor], ranks: RankInputs) -> list[dict[
     return rows[:TOP_TOKENS]
 
 
-def _top_samples(pulls: dict[int, torch.Tensor]) -> list[dict[str, Any]]:
+def top_samples(pulls: dict[int, torch.Tensor]) -> list[dict[str, Any]]:
+    """The samples with the largest shares of a term's pull over every rank."""
     total = math.fsum(float(p.sum()) for p in pulls.values())
     if total <= 0:
         return []

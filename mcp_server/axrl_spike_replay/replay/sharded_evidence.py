@@ -1,0 +1,322 @@
+"""Diagnose's model evidence (`replay.step_evidence`) with the policy sharded by FSDP2 over several processes: the
+per-rank signal check and the loss channel, each process on its own saved ranks, gathered on process 0. No process
+holds the whole model or a whole gradient.
+
+- **Signals** (forward only): each process runs the signal check of its own ranks (`step_evidence.signal_check`).
+  Every FSDP2 forward is a collective, whatever batch and routing it computes, so the processes only need to make
+  the same number of forwards: each counts its own, and those with fewer make one-row forwards until all have made
+  the most. The per-rank rows are gathered on every process.
+- **Channel**: a term's gradient on one saved rank exists only as a sum over processes in the shards, so each rank's
+  term is taken in its own turn: its process backpropagates the term, the others zeros, and the shards then hold that
+  rank's term (its float64 sum of squares and dot with g are local sums, all-reduced). The terms summed over ranks,
+  and g, build up from the same turns. A second round of turns takes each rank's term against g, as the unsharded
+  channel does, and the whole loss once per pass (every process at once: only its sum is needed).
+  A backward always carries the whole loss at zero beside its term: a router loss alone reaches a unit's parameters
+  without passing through the unit's output, where FSDP2 gathers them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from axrl_spike_replay.atomic import atomic_write_json
+from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.experiment.mitigations import AppliedConfig
+from axrl_spike_replay.experiment.step_evidence import (
+    LayerRoutes,
+    LossChannel,
+    PairFigures,
+    RankSignals,
+    SignalCheck,
+    TermFigures,
+    TermRank,
+)
+from axrl_spike_replay.models.policy import policy_forward, routing_shape
+from axrl_spike_replay.models.tiny_moe import RoutingControl
+from axrl_spike_replay.rank_processes import check_cancel
+from axrl_spike_replay.replay.gradient_space import Grads, Sharded, accumulate
+from axrl_spike_replay.replay.inputs import ReplayInputs
+from axrl_spike_replay.replay.model_build import Placement, build_model
+from axrl_spike_replay.replay.sharded_attribution import all_reduce_sum, local_dot, one_row
+from axrl_spike_replay.replay.step_evidence import (
+    MAX_ROUTE_LAYERS,
+    pull_of,
+    rank_terms,
+    signal_check,
+    top_samples,
+    top_tokens,
+)
+from axrl_spike_replay.replay.worker import RankInputs, _gather, step_counts
+from axrl_spike_replay.snapshot.rank_data import load_rank_routes
+
+
+@dataclass(frozen=True)
+class EvidenceJob:
+    """What every process of a sharded model-evidence run needs (pickled into the spawned processes)."""
+
+    inputs: ReplayInputs
+    cfg: AppliedConfig
+    assignment: tuple[tuple[int, ...], ...]  # saved ranks per process
+    device: str = "cpu"
+    channel: bool = True
+
+
+def _all_reduce_max(value: int, device: str) -> int:
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def sharded_signals(
+    model: torch.nn.Module, ranks: RankInputs, job: EvidenceJob, cancel: threading.Event | None = None
+) -> SignalCheck:
+    """The signal check of every saved rank, each process forwarding its own (see the module doc). The count of
+    forwards is agreed before the first: FSDP2 gathers the root's parameters on the first no-grad forward only, so
+    padding after another collective would meet the others' forwards out of order."""
+    planned = _planned_forwards(ranks, job)
+    most = _all_reduce_max(planned, ranks.device)
+    forwards = [0]
+
+    def count(*_: Any) -> None:
+        forwards[0] += 1
+
+    handle = model.register_forward_pre_hook(count)
+    try:
+        own = signal_check(model, ranks, job.inputs, job.cfg, cancel)
+    finally:
+        handle.remove()
+    if forwards[0] != planned:
+        raise AxrlError(f"sharded signal check: {forwards[0]} forwards made, {planned} planned (the processes' differ)")
+    filler = one_row(next(iter(ranks.batches.values())), 0)
+    with torch.no_grad():
+        for _ in range(most - planned):
+            policy_forward(model, filler, RoutingControl(), need_entropy=False)
+    rows = sorted((r for part in _gather(own.ranks) for r in part), key=lambda r: r.rank)
+    return replace(own, ranks=rows)
+
+
+def _planned_forwards(ranks: RankInputs, job: EvidenceJob) -> int:
+    """The forwards `step_evidence.signal_check` makes for this process's ranks: the run's routing, the model's own
+    when the run replays routes, and one per recorded MoE layer of a rank with routes."""
+    replays = job.cfg.routing.replay != "off"
+    total = 0
+    for rank, batch in ranks.batches.items():
+        total += 1 + int(replays)
+        if rank in job.inputs.routing_ranks:
+            payload = load_rank_routes(ranks.replay_dir, rank, batch=batch)
+            total += len(payload.moe_layers[:MAX_ROUTE_LAYERS]) if payload is not None else 0
+    return total
+
+
+def _turn(space: Sharded, term: torch.Tensor, whole: torch.Tensor, mine: bool) -> Grads:
+    """One backward of `term` (zeros unless `mine`), the whole loss riding along at zero (see the module doc)."""
+    scale = torch.ones_like(term) if mine else torch.zeros_like(term)
+    return space.outputs_backward([term, whole], [scale, torch.zeros_like(whole)], retain=True)
+
+
+def _rows(param: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped as this process's rows of a parameter."""
+    from torch.distributed.tensor import DTensor
+
+    return torch.zeros_like(param.to_local() if isinstance(param, DTensor) else param)
+
+
+def _local(grads: Grads, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [_rows(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+
+
+def sharded_channel(
+    model: torch.nn.Module,
+    space: Sharded,
+    ranks: RankInputs,
+    job: EvidenceJob,
+    process: int,
+    cancel: threading.Event | None = None,
+) -> LossChannel:
+    """The reduced gradient split by loss term, per rank, from the shards (see the module doc)."""
+    inputs, cfg = job.inputs, job.cfg
+    world = inputs.world_size
+    params = space.params
+    counts = step_counts(ranks, cfg, inputs.loss, inputs.counts, world)  # a collective
+    passes = space.passes(list(ranks.batches))
+    owners = [[(p, own[k]) for p, own in enumerate(job.assignment) if k < len(own)] for k in range(len(passes))]
+    first = next(iter(ranks.batches))
+    sums: dict[str, Grads] = {}
+    squares: dict[tuple[str, int], float] = {}
+    pulls: dict[str, dict[int, torch.Tensor]] = {}
+    for k, rank in enumerate(passes):
+        check_cancel(cancel, "diagnosis")
+        terms, out = rank_terms(model, ranks, cfg, first if rank is None else rank, counts)
+        whole = terms.pop("_loss")
+        extra = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
+        for name, term in terms.items():
+            if rank is not None:
+                wrt = torch.autograd.grad(term, extra, retain_graph=True, allow_unused=True)
+                pulls.setdefault(name, {})[rank] = pull_of(list(wrt), out.logprobs.shape)
+            for p, owned in owners[k]:
+                got = _turn(space, term, whole, p == process)
+                squares[(name, owned)] = local_dot(got, got)
+                accumulate(sums.setdefault(name, [None] * len(params)), got)
+        del terms, out, whole
+    keys = sorted(squares)
+    names = list(sums)
+    term_g = {name: [x / world for x in _local(sums[name], params)] for name in names}
+    g = [_rows(p) for p in params]
+    for name in names:
+        g = [a + b for a, b in zip(g, term_g[name], strict=True)]
+    figures = [local_dot(g, g)]
+    for name in names:
+        figures += [local_dot(term_g[name], term_g[name]), local_dot(term_g[name], g)]
+    summed = all_reduce_sum([squares[key] for key in keys] + figures, ranks.device)
+    norms = {key: math.sqrt(v) / world for key, v in zip(keys, summed[: len(keys)], strict=True)}
+    g_sq = summed[len(keys)]
+    per_term = summed[len(keys) + 1 :]
+    dots, full = _second_round(model, space, ranks, job, process, g, counts, passes, owners, cancel)
+    diff = [a / world - b for a, b in zip(_local(full, params), g, strict=True)]
+    against = all_reduce_sum([dots[key] for key in keys] + [local_dot(diff, diff)], ranks.device)
+    shares = {key: v / world / g_sq if g_sq > 0 else 0.0 for key, v in zip(keys, against[:-1], strict=True)}
+    masks = {r: b["loss_mask"].cpu() for r, b in ranks.batches.items()}
+    all_pulls: dict[str, dict[int, torch.Tensor]] = {}
+    all_masks: dict[int, torch.Tensor] = {}
+    for part_pulls, part_masks in _gather((pulls, masks)):
+        for name, by_rank in part_pulls.items():
+            all_pulls.setdefault(name, {}).update(by_rank)
+        all_masks.update(part_masks)
+    coefs = {"kl": cfg.loss.kl_coef, "entropy": cfg.loss.entropy_coef, "aux": cfg.loss.aux_loss_coef}
+    coefs["z"] = cfg.loss.z_loss_coef
+    channel = LossChannel(grad_norm=math.sqrt(g_sq), sum_rel_error=math.sqrt(against[-1] / g_sq) if g_sq > 0 else 0.0)
+    for i, name in enumerate(names):
+        t_sq, t_dot = per_term[2 * i], per_term[2 * i + 1]
+        owned = sorted(r for n, r in keys if n == name)
+        channel.terms.append(
+            TermFigures(
+                term=name,
+                coef=float(coefs.get(name, 1.0)),
+                grad_norm=math.sqrt(t_sq),
+                share=t_dot / g_sq if g_sq > 0 else 0.0,
+                ranks=[TermRank(r, norms[(name, r)], shares[(name, r)]) for r in owned],
+                top_tokens=top_tokens(all_pulls.get(name, {}), all_masks),
+                top_samples=top_samples(all_pulls.get(name, {})),
+            )
+        )
+    return channel
+
+
+def _second_round(
+    model: torch.nn.Module,
+    space: Sharded,
+    ranks: RankInputs,
+    job: EvidenceJob,
+    process: int,
+    g: list[torch.Tensor],
+    counts: Any,
+    passes: list[int | None],
+    owners: list[list[tuple[int, int]]],
+    cancel: threading.Event | None,
+) -> tuple[dict[tuple[str, int], float], Grads]:
+    """Each rank's terms against g (this process's rows of the dots), and the whole loss summed over ranks."""
+    first = next(iter(ranks.batches))
+    dots: dict[tuple[str, int], float] = {}
+    full: Grads = [None] * len(g)
+    for k, rank in enumerate(passes):
+        check_cancel(cancel, "diagnosis")
+        terms, _ = rank_terms(model, ranks, job.cfg, first if rank is None else rank, counts)
+        whole = terms.pop("_loss")
+        for name, term in terms.items():
+            for p, owned in owners[k]:
+                dots[(name, owned)] = local_dot(_turn(space, term, whole, p == process), g)
+        scale = torch.ones_like(whole) if rank is not None else torch.zeros_like(whole)
+        accumulate(full, space.outputs_backward([whole], [scale], retain=False))
+        del terms, whole
+    return dots, full
+
+
+def evidence_share(
+    job: EvidenceJob, process: int, cancel: threading.Event | None = None
+) -> tuple[SignalCheck, LossChannel | None]:
+    """This process's part of the sharded model evidence (a collective: every process calls it with the same job);
+    every process returns the same figures."""
+    inputs = job.inputs
+    ranks = RankInputs(inputs.replay_dir, job.assignment[process], job.device, routing_shape(inputs.model))
+    model = build_model(inputs.model, job.cfg.weights or inputs.replay_dir, job.device, Placement(shard=True))
+    # the parameters are taken now, as shards: after a no-grad forward FSDP2 leaves the root's unsharded
+    space = Sharded(model, max(len(own) for own in job.assignment))
+    signals = sharded_signals(model, ranks, job, cancel)
+    if not job.channel:
+        return signals, None
+    return signals, sharded_channel(model, space, ranks, job, process, cancel)
+
+
+def signal_check_of(doc: dict[str, Any]) -> SignalCheck:
+    """A SignalCheck from its `to_json` document (our own file, from the sharded processes)."""
+    rows = [
+        RankSignals(
+            rank=r["rank"],
+            pairs={k: PairFigures(**v) for k, v in r["pairs"].items()},
+            routes=[LayerRoutes(**x) for x in r["routes"]],
+            samples=r["samples"],
+            samples_mean_logprob=r["samples_mean_logprob"],
+        )
+        for r in doc["ranks"]
+    ]
+    return SignalCheck(ranks=rows, routing_replay=doc["routing_replay"], base=doc["base"], has_own=doc["has_own"])
+
+
+def loss_channel_of(doc: dict[str, Any]) -> LossChannel:
+    """A LossChannel from its `to_json` document."""
+    terms = [TermFigures(**{**t, "ranks": [TermRank(**r) for r in t["ranks"]]}) for t in doc["terms"]]
+    return LossChannel(grad_norm=doc["grad_norm"], terms=terms, sum_rel_error=doc["sum_rel_error"])
+
+
+def run_sharded_evidence(
+    job: EvidenceJob, timeout_s: float = 1800.0, cancel: threading.Event | None = None
+) -> tuple[SignalCheck, LossChannel | None]:
+    """The model evidence on `len(job.assignment)` spawned processes (gloo on CPU; nccl with a GPU per process)."""
+    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.replay.launch import backend_for
+    from axrl_spike_replay.temp_janitor import owned_temp_dir
+
+    nproc = len(job.assignment)
+    with owned_temp_dir("axrl-evidence-") as tmp:
+        path = str(Path(tmp) / "evidence.json")
+        spawn_ranks(
+            _process,
+            nproc,
+            (job, path),
+            backend=backend_for(job.device, nproc),
+            timeout_s=timeout_s,
+            prepare=_prepare,
+            label="diagnosis",
+            cancel=cancel,
+            native_crash_retries=1,  # it only reads the snapshot: rerunning it is safe
+        )
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    channel = loss_channel_of(doc["channel"]) if doc["channel"] is not None else None
+    return signal_check_of(doc["signals"]), channel
+
+
+def _prepare(process: int, payload: tuple[EvidenceJob, str]) -> None:
+    from axrl_spike_replay.replay.launch import prepare_device, process_device
+
+    prepare_device(process_device(payload[0].device, process))
+
+
+def _process(process: int, nproc: int, payload: tuple[EvidenceJob, str]) -> None:
+    from axrl_spike_replay.replay.launch import process_device
+
+    job, path = payload
+    torch.set_num_threads(1)
+    signals, channel = evidence_share(replace(job, device=process_device(job.device, process)), process)
+    if process == 0:
+        atomic_write_json(path, {"signals": signals.to_json(), "channel": channel.to_json() if channel else None})
