@@ -267,6 +267,9 @@ def signal_check_of(doc: dict[str, Any]) -> SignalCheck:
             routes=[LayerRoutes(**x) for x in r["routes"]],
             samples=r["samples"],
             samples_mean_logprob=r["samples_mean_logprob"],
+            samples_mean_logprob_own=r["samples_mean_logprob_own"],
+            samples_mean_entropy=r["samples_mean_entropy"],
+            samples_tail=r["samples_tail"],
         )
         for r in doc["ranks"]
     ]
