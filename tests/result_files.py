@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-VOLATILE = {"timings", "created_at", "output_dir"}  # when and where it ran, not what it found
+# when and where it ran, not what it found (`shard_reason` quotes the memory the machine had free at that moment)
+VOLATILE = {"timings", "created_at", "output_dir", "shard_reason"}
 
 
 def stable(doc: Any) -> Any:
