@@ -43,6 +43,20 @@ def grpo_batches(draw: st.DrawFn) -> dict[str, torch.Tensor]:
     }
 
 
+def test_a_lone_right_answer_beside_a_group_of_near_tied_rewards_is_not_an_outlier() -> None:
+    """The property test's counterexample: group 0's rewards tie to within the normaliser's epsilon (advantages
+    spread 0.05), group 1 is an ordinary group of four with one right answer (1.68)."""
+    adv = torch.tensor([-0.0240, -0.0240, -0.0240, 0.0719, -0.7625, -0.7625, 1.6775, -0.1525])
+    batch = {"advantages": adv[:, None], "loss_mask": torch.ones(8, 1), "group_index": torch.tensor([0] * 4 + [1] * 4)}
+    for scope in ("batch", "group"):
+        assert not outlier_samples(batch, THRESHOLD, scope).any()
+    scaled = adv.clone()
+    scaled[6] = 106.0  # a reward-scale bug's advantage is still found
+    assert outlier_samples({**batch, "advantages": scaled[:, None]}, THRESHOLD, "batch").tolist() == [
+        i == 6 for i in range(8)
+    ]
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=grpo_batches(), scope=st.sampled_from(["batch", "group"]))
 def test_an_ordinary_grpo_batch_masks_nothing(batch: dict[str, torch.Tensor], scope: str) -> None:

@@ -19,10 +19,11 @@ without one the batch is the group). `outlier_z` computes it, for this mask and 
   collapses to 0 or to the gap between two such values; with the batch's `group_index` the floor is the median,
   over the batch's other prompt groups with a spread, of each group's RMS about its own mean: what an ordinary
   advantage of this batch looks like (about 1 after group normalisation; a median, so a few broken groups do
-  not raise it). With no other such group the MAD alone judges, and only a value further out than group
-  normalisation can put one (sqrt(n) from its group's mean, for a group of n) is judged at all: a lone correct
-  answer in one group of ten beside four tied groups had z 6.7 against the batch's spread, diluted by the tied
-  groups; a sample scaled by a broken reward is far beyond sqrt(n). Without a `group_index`
+  not raise it). With a `group_index`, only a value further out than group normalisation can put one (sqrt(n)
+  from its group's mean, for a group of n) is judged at all: a lone correct answer in one group of ten beside four
+  tied groups had z 6.7 against the batch's spread, diluted by the tied groups, and one beside a group of
+  near-tied rewards (its std under the normaliser's epsilon, its spread 0.05) had z 10; a sample scaled by a
+  broken reward is far beyond sqrt(n). Without a `group_index`
   the data is taken as continuous and the MAD alone is the scale;
 - no spread left (the scale within noise) or fewer than 3 samples in the scope: nothing is flagged (there is
   nothing to judge by; the old mean-absolute-deviation fallback gave a lone correct answer a z of 8-17).
@@ -147,13 +148,15 @@ def outlier_z(values: Sequence[float], groups: Sequence[Hashable] | None = None,
         for i in index:
             floor = 0.0
             if groups is not None:
+                if abs(values[i] - means[groups[i]]) <= math.sqrt(len(members[groups[i]])):
+                    # within what group normalisation gives a group of n (at most sqrt(n) from its mean): an
+                    # ordinary advantage whatever the other groups' spread (a group of near-tied rewards, its std
+                    # below the normaliser's epsilon, has a spread far under 1 and made a lone right answer
+                    # elsewhere look far out)
+                    continue
                 others = [s for key, s in spreads.items() if key != groups[i]]
                 if others:
                     floor = statistics.median(others)
-                elif abs(values[i] - means[groups[i]]) <= math.sqrt(len(members[groups[i]])):
-                    # no other group with a spread, and within what group normalisation gives a group of n (at
-                    # most sqrt(n) from its mean): its own group cannot tell a lone correct answer from a scaled one
-                    continue
             scale = max(mad, floor)
             z[i] = deviation[i] / scale if scale > tol and scale > 0 else 0.0
     return z
