@@ -61,7 +61,7 @@ def shifted_routes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Diag
     return snapshot, diagnose_snapshot(snapshot, model="always", shard="off")
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.matrix), 2])
 def test_sharded_model_evidence_gives_the_unsharded_figures_and_causes(
     shifted_routes: tuple[Path, Diagnosis], nproc: int
 ) -> None:

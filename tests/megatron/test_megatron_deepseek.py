@@ -156,6 +156,7 @@ def _agrees_with_megatron(section: dict, tmp_path: Path, seq: int) -> None:
         assert rel < GRAD_RTOL, f"{name}: relative difference {rel:.2e}"
 
 
+@pytest.mark.matrix
 def test_yarn_rope_scaling_maps_as_deepseek_v3_sets_it(tmp_path: Path) -> None:
     """DeepSeek-V3's released RoPE: yarn with its factor 40, mscales and correction range, here from an original
     length of 16 so the 40-token batch lies beyond it. Megatron's YarnRotaryEmbedding and MLA softmax scale and
@@ -166,6 +167,7 @@ def test_yarn_rope_scaling_maps_as_deepseek_v3_sets_it(tmp_path: Path) -> None:
     _agrees_with_megatron(tiny_section("deepseek_v3", config=config), tmp_path, 40)
 
 
+@pytest.mark.matrix
 def test_a_query_without_lora_maps_too(tmp_path: Path) -> None:
     """q_lora_rank null (DeepSeek-V2-Lite's shape): one query projection, megatron-core's linear_q_proj."""
     config = dict(tiny_section("deepseek_v3")["config"], q_lora_rank=None)
@@ -190,6 +192,7 @@ def _check_shards(rank: int, world_size: int, payload: tuple[str, str]) -> None:
     Path(f"{report}.{rank}").write_text(json.dumps([held, sum(p.numel() for p in whole.parameters())]))
 
 
+@pytest.mark.matrix
 def test_each_process_reads_its_rows_of_a_deepseek_checkpoint(
     deepseek_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -201,6 +204,7 @@ def test_each_process_reads_its_rows_of_a_deepseek_checkpoint(
     assert sum(h for h, _ in rows) == rows[0][1] and all(h < whole for h, whole in rows)
 
 
+@pytest.mark.matrix
 def test_a_deepseek_spike_replays_on_both_routes_alike(deepseek_capture: Path, tmp_path: Path) -> None:
     """Megatron-core's own DeepSeek-V3 training at EP=2 tripped the guard; route 1 (transformers, whole and FSDP2
     sharded) and route 2 (megatron-core) reproduce the step and agree on the norm."""

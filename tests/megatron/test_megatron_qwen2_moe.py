@@ -117,6 +117,7 @@ def qwen2_capture(qwen2_checkpoints: dict[str, Path], tmp_path_factory: pytest.T
     return snapshots[0]
 
 
+@pytest.mark.matrix
 def test_a_qwen2_moe_spike_replays_on_both_routes_alike(qwen2_capture: Path, tmp_path: Path) -> None:
     """Route 2 (megatron-core, the routes forced through its RouterReplay) and route 1 (transformers, whole and
     FSDP2-sharded) reproduce the captured step and agree on the norm within the engine's 1e-6 bar."""

@@ -90,6 +90,7 @@ def test_the_checkpoint_is_checked_against_the_model_before_loading(megatron_che
         check_megatron_weights(megatron_checkpoints["tp1"], mixtral, "the snapshot's checkpoint")
 
 
+@pytest.mark.matrix
 def test_a_mixtral_checkpoint_maps_too(tmp_path: Path) -> None:
     """The second mapped architecture: megatron-core saves a Mixtral-shaped GPTModel (no QK norms, softmax then
     renormalised top-k), route 1 gives Megatron's routes and log-probs from it."""

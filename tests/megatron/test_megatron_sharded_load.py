@@ -35,7 +35,9 @@ def _check_shards(rank: int, world_size: int, payload: tuple[str, str]) -> None:
     Path(f"{report}.{rank}").write_text(json.dumps([held, sum(p.numel() for p in whole.parameters())]))
 
 
-@pytest.mark.parametrize("layout", ["tp1", "ep2", "tp2"])
+@pytest.mark.parametrize(
+    "layout", [pytest.param("tp1", marks=pytest.mark.matrix), "ep2", pytest.param("tp2", marks=pytest.mark.matrix)]
+)
 def test_each_process_reads_its_rows_of_a_megatron_checkpoint(
     megatron_checkpoints: dict[str, Path], layout: str, tmp_path: Path
 ) -> None:

@@ -52,7 +52,15 @@ def toy_world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Attribut
     return snapshot, attribute_spike(snapshot, top=100, shard="off")
 
 
-@pytest.mark.parametrize("nproc", [1, 2, 3, 4])  # 3: saved ranks 0 | 1 | 2, 3, the first two pad with zero passes
+@pytest.mark.parametrize(
+    "nproc",
+    [
+        pytest.param(1, marks=pytest.mark.matrix),
+        2,
+        pytest.param(3, marks=pytest.mark.matrix),
+        pytest.param(4, marks=pytest.mark.matrix),
+    ],
+)  # 3: saved ranks 0 | 1 | 2, 3, the first two pad with zero passes
 def test_a_sharded_toy_attribution_gives_the_unsharded_figures(
     toy_world4: tuple[Path, Attribution], nproc: int
 ) -> None:
@@ -104,12 +112,13 @@ def test_an_unsharded_attribution_on_several_processes_is_refused(toy_world4: tu
     assert caught.value.parameter == "nproc"
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.matrix), 2])
 def test_a_sharded_qwen3_moe_attribution_gives_the_unsharded_figures(hf_snapshot: Path, nproc: int) -> None:
     whole = attribute_spike(hf_snapshot, top=100, shard="off")
     _same_attribution(attribute_spike(hf_snapshot, top=100, shard="on", nproc=nproc), whole)
 
 
+@pytest.mark.matrix
 def test_a_sharded_qwen3_moe_attribution_at_world_size_4(tmp_path: Path) -> None:
     snapshot = record_hf_snapshot(tmp_path, "qwen3_moe", world_size=4)
     whole = attribute_spike(snapshot, top=100, shard="off")

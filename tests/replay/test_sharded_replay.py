@@ -64,7 +64,9 @@ def toy_world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SweepRes
     return snapshot, _sweep(snapshot, 4, "off")
 
 
-@pytest.mark.parametrize("nproc", [1, 2, 4])
+@pytest.mark.parametrize(
+    "nproc", [pytest.param(1, marks=pytest.mark.matrix), 2, pytest.param(4, marks=pytest.mark.matrix)]
+)
 def test_a_sharded_toy_sweep_gives_the_unsharded_norms_and_verdicts(
     toy_world4: tuple[Path, SweepResult], nproc: int
 ) -> None:
@@ -76,7 +78,9 @@ def test_a_sharded_toy_sweep_gives_the_unsharded_norms_and_verdicts(
     assert sharded.baseline.verdict == "reproduced"
 
 
-@pytest.mark.parametrize("architecture", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: a shared expert per layer
+@pytest.mark.parametrize(
+    "architecture", ["qwen3_moe", pytest.param("qwen2_moe", marks=pytest.mark.matrix)]
+)  # qwen2_moe: a shared expert per layer
 def test_a_sharded_transformers_sweep_gives_the_unsharded_norms_and_verdicts(architecture: str, tmp_path: Path) -> None:
     snapshot = record_hf_snapshot(tmp_path, architecture, world_size=4)
     whole = _sweep(snapshot, 2, "off")
