@@ -24,17 +24,14 @@ pass; `benchmarks/bench_attribution.py` measures both.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
 from axrl_spike_replay.models.policy import ModelSpec, policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
@@ -42,6 +39,7 @@ from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.gradient_space import Grads, Sharded, accumulate
 from axrl_spike_replay.replay.model_build import Placement, build_model
 from axrl_spike_replay.replay.sample_signals import base_name, rank_signals, router_loss
+from axrl_spike_replay.replay.share_processes import run_share_processes
 from axrl_spike_replay.replay.worker import RankInputs, _gather, loss_batch, step_counts
 from axrl_spike_replay.training.policy_loss import policy_loss
 
@@ -239,41 +237,8 @@ def run_sharded_attribution(
 ) -> ShardedFigures:
     """The figures of a sharded attribution on `len(job.assignment)` spawned processes (gloo on CPU; nccl on CUDA
     with a GPU per process); process 0's view. Setting `cancel` stops every process (RunCancelled)."""
-    from axrl_spike_replay.rank_processes import spawn_ranks
-    from axrl_spike_replay.replay.launch import backend_for
-    from axrl_spike_replay.temp_janitor import owned_temp_dir
-
-    nproc = len(job.assignment)
-    with owned_temp_dir("axrl-attribution-") as tmp:
-        path = str(Path(tmp) / "figures.json")
-        spawn_ranks(
-            _process,
-            nproc,
-            (job, path),
-            backend=backend_for(job.device, nproc),
-            timeout_s=timeout_s,
-            prepare=_prepare,
-            label="attribution",
-            cancel=cancel,
-            native_crash_retries=1,  # it only reads the snapshot: rerunning it is safe
-        )
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    return ShardedFigures(**doc)
+    return ShardedFigures(**run_share_processes(_figures, job, "attribution", timeout_s, cancel))
 
 
-def _prepare(process: int, payload: tuple[AttributionJob, str]) -> None:
-    from axrl_spike_replay.replay.launch import prepare_device, process_device
-
-    prepare_device(process_device(payload[0].device, process))
-
-
-def _process(process: int, nproc: int, payload: tuple[AttributionJob, str]) -> None:
-    from dataclasses import replace
-
-    from axrl_spike_replay.replay.launch import process_device
-
-    job, path = payload
-    torch.set_num_threads(1)
-    figures = attribute_share(replace(job, device=process_device(job.device, process)), process)
-    if process == 0:
-        atomic_write_json(path, asdict(figures))
+def _figures(job: AttributionJob, process: int) -> dict[str, Any]:
+    return asdict(attribute_share(job, process))

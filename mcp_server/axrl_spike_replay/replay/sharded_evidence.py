@@ -17,17 +17,14 @@ holds the whole model or a whole gradient.
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
 from axrl_spike_replay.experiment.step_evidence import (
@@ -46,6 +43,7 @@ from axrl_spike_replay.replay.gradient_space import Grads, Sharded, accumulate
 from axrl_spike_replay.replay.inputs import ReplayInputs
 from axrl_spike_replay.replay.model_build import Placement, build_model
 from axrl_spike_replay.replay.sharded_attribution import all_reduce_sum, local_dot, one_row
+from axrl_spike_replay.replay.share_processes import run_share_processes
 from axrl_spike_replay.replay.step_evidence import (
     MAX_ROUTE_LAYERS,
     pull_of,
@@ -286,40 +284,11 @@ def run_sharded_evidence(
     job: EvidenceJob, timeout_s: float = 1800.0, cancel: threading.Event | None = None
 ) -> tuple[SignalCheck, LossChannel | None]:
     """The model evidence on `len(job.assignment)` spawned processes (gloo on CPU; nccl with a GPU per process)."""
-    from axrl_spike_replay.rank_processes import spawn_ranks
-    from axrl_spike_replay.replay.launch import backend_for
-    from axrl_spike_replay.temp_janitor import owned_temp_dir
-
-    nproc = len(job.assignment)
-    with owned_temp_dir("axrl-evidence-") as tmp:
-        path = str(Path(tmp) / "evidence.json")
-        spawn_ranks(
-            _process,
-            nproc,
-            (job, path),
-            backend=backend_for(job.device, nproc),
-            timeout_s=timeout_s,
-            prepare=_prepare,
-            label="diagnosis",
-            cancel=cancel,
-            native_crash_retries=1,  # it only reads the snapshot: rerunning it is safe
-        )
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    doc = run_share_processes(_evidence, job, "diagnosis", timeout_s, cancel)
     channel = loss_channel_of(doc["channel"]) if doc["channel"] is not None else None
     return signal_check_of(doc["signals"]), channel
 
 
-def _prepare(process: int, payload: tuple[EvidenceJob, str]) -> None:
-    from axrl_spike_replay.replay.launch import prepare_device, process_device
-
-    prepare_device(process_device(payload[0].device, process))
-
-
-def _process(process: int, nproc: int, payload: tuple[EvidenceJob, str]) -> None:
-    from axrl_spike_replay.replay.launch import process_device
-
-    job, path = payload
-    torch.set_num_threads(1)
-    signals, channel = evidence_share(replace(job, device=process_device(job.device, process)), process)
-    if process == 0:
-        atomic_write_json(path, {"signals": signals.to_json(), "channel": channel.to_json() if channel else None})
+def _evidence(job: EvidenceJob, process: int) -> dict[str, Any]:
+    signals, channel = evidence_share(job, process)
+    return {"signals": signals.to_json(), "channel": channel.to_json() if channel else None}
