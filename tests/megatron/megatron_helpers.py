@@ -28,6 +28,19 @@ def load_gpt(section: dict[str, Any], checkpoint: str) -> Any:
     return model
 
 
+def left_padded_batch() -> dict[str, torch.Tensor]:
+    """Three rows of 24 tokens, the second a left-padded prompt, the first with loss-free tokens at its end."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 1024, (3, 24), generator=gen)
+    attention = torch.ones(3, 24, dtype=torch.long)
+    attention[1, :3] = 0  # a left-padded prompt
+    tokens[1, :3] = 0
+    mask = torch.zeros(3, 24)
+    mask[:, 8:] = 1.0
+    mask[0, -3:] = 0.0
+    return {"tokens": tokens, "loss_mask": mask, "attention_mask": attention}
+
+
 def simple_loss(out: Any, batch: dict[str, torch.Tensor], router: float = 0.0) -> torch.Tensor:
     """A loss with a gradient through every log-prob the mask keeps, plus `router` x (aux + z loss)."""
     mask = batch["loss_mask"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_helpers import forward_backward, mbridge_deepseek_to_hf, simple_loss
+from megatron_helpers import forward_backward, left_padded_batch, mbridge_deepseek_to_hf, simple_loss
 
 from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
@@ -38,23 +38,11 @@ GRAD_RTOL = 1e-5
 CROSS_CHECK_RTOL = 1e-6
 
 
-def _batch() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, 1024, (3, 24), generator=gen)
-    attention = torch.ones(3, 24, dtype=torch.long)
-    attention[1, :3] = 0  # a left-padded prompt
-    tokens[1, :3] = 0
-    mask = torch.zeros(3, 24)
-    mask[:, 8:] = 1.0
-    mask[0, -3:] = 0.0
-    return {"tokens": tokens, "loss_mask": mask, "attention_mask": attention}
-
-
 def test_transformers_deepseek_v3_computes_what_megatron_computes(
     deepseek_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     """The router losses reach the left-padded prompt, so padding rows' gradients are compared too."""
-    section, batch, router = tiny_section("deepseek_v3"), _batch(), 0.01
+    section, batch, router = tiny_section("deepseek_v3"), left_padded_batch(), 0.01
     out = tmp_path / "megatron.pt"
     spawn_ranks(forward_backward, 1, (section, str(deepseek_checkpoints["tp1"]), batch, str(out), None, router))
     megatron = torch.load(out, weights_only=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_helpers import REASON, forward_backward, mbridge_to_hf, simple_loss
+from megatron_helpers import REASON, forward_backward, left_padded_batch, mbridge_to_hf, simple_loss
 
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.megatron_weights import check_megatron_weights, expected_megatron_shapes
@@ -43,24 +43,12 @@ def qwen2_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
     return save_layouts(tmp_path_factory.mktemp("qwen2-moe"), tiny_section("qwen2_moe"), ("tp1", "ep2", "tp2"))
 
 
-def _batch() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, 1024, (3, 24), generator=gen)
-    attention = torch.ones(3, 24, dtype=torch.long)
-    attention[1, :3] = 0  # a left-padded prompt
-    tokens[1, :3] = 0
-    mask = torch.zeros(3, 24)
-    mask[:, 8:] = 1.0
-    mask[0, -3:] = 0.0
-    return {"tokens": tokens, "loss_mask": mask, "attention_mask": attention}
-
-
 def test_transformers_qwen2_moe_computes_what_megatron_computes(
     qwen2_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     """Router losses reach the left-padded prompt, so padding rows' gradients are compared too; the shared expert's
     gate and the QKV biases get their gradients from both models."""
-    section, batch, router = tiny_section("qwen2_moe"), _batch(), 0.01
+    section, batch, router = tiny_section("qwen2_moe"), left_padded_batch(), 0.01
     out = tmp_path / "megatron.pt"
     spawn_ranks(forward_backward, 1, (section, str(qwen2_checkpoints["tp1"]), batch, str(out), None, router))
     megatron = torch.load(out, weights_only=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_helpers import forward_backward, mbridge_to_hf, simple_loss
+from megatron_helpers import forward_backward, left_padded_batch, mbridge_to_hf, simple_loss
 
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.megatron_weights import check_megatron_weights, expected_megatron_shapes
@@ -26,25 +26,13 @@ LOGPROB_ATOL = 1e-5
 GRAD_RTOL = 1e-5
 
 
-def _batch() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, 1024, (3, 24), generator=gen)
-    attention = torch.ones(3, 24, dtype=torch.long)
-    attention[1, :3] = 0  # a left-padded prompt
-    tokens[1, :3] = 0
-    mask = torch.zeros(3, 24)
-    mask[:, 8:] = 1.0
-    mask[0, -3:] = 0.0
-    return {"tokens": tokens, "loss_mask": mask, "attention_mask": attention}
-
-
 @pytest.mark.parametrize("router", [0.0, 0.01])
 def test_transformers_model_computes_what_megatron_computes(
     megatron_checkpoints: dict[str, Path], tmp_path: Path, router: float
 ) -> None:
     """With `router` > 0 the loss (its router z- and aux losses) reaches the left-padded prompt's positions: their
     attention rows see no key, and route 1 must pass them no gradient, as Megatron's filled scores do."""
-    section, batch = tiny_section(), _batch()
+    section, batch = tiny_section(), left_padded_batch()
     out = tmp_path / "megatron.pt"
     spawn_ranks(forward_backward, 1, (section, str(megatron_checkpoints["tp1"]), batch, str(out), None, router))
     megatron = torch.load(out, weights_only=True)
@@ -96,7 +84,7 @@ def test_a_mixtral_checkpoint_maps_too(tmp_path: Path) -> None:
     renormalised top-k), route 1 gives Megatron's routes and log-probs from it."""
     from axrl_spike_replay.testing.megatron_checkpoints import LAYOUTS, save_checkpoints
 
-    section, batch = tiny_section("mixtral"), _batch()
+    section, batch = tiny_section("mixtral"), left_padded_batch()
     checkpoint = tmp_path / "mixtral"
     save_checkpoints(section, [(LAYOUTS["tp1"], checkpoint)], None)
     out = tmp_path / "megatron.pt"
