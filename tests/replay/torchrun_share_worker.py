@@ -19,6 +19,7 @@ def main() -> None:
         with open(sys.argv[1], "rb") as handle:
             job = pickle.load(handle)  # written by the test that started this process
         run_share(job, sys.argv[2])
+        dist.barrier()  # every process is done with the group before any tears it down (gloo aborts otherwise)
     finally:
         dist.destroy_process_group()
 

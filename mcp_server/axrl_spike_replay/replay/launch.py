@@ -201,7 +201,9 @@ def run_share(
     """This process's share of a replay job, in a process group someone else started (our spawn, a warm pool,
     torchrun, `srun`): process `dist.get_rank()` of `len(job.assignment)` replays its saved ranks (whole or its
     shards, as `job.shard` says) and takes part in the reduction; process 0 writes the outcomes to `outcomes_path`
-    (JSON, atomically) when given. Every process returns the same outcomes.
+    (JSON, atomically) when given. Every process returns the same outcomes. The caller owns the group: it calls
+    `dist.barrier()` before `destroy_process_group`, since a process that tears gloo down while a peer is still
+    in the job's last collective aborts.
 
     `device`: this process's device (default: `job.device`, with `cuda` meaning the GPU of `LOCAL_RANK`)."""
     import torch.distributed as dist
