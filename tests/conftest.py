@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +27,11 @@ FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 
 # One intra-op thread: deterministic reductions (as in every rank process) and no oversubscription.
 torch.set_num_threads(1)
+
+# A suite started as a background job of a non-interactive shell inherits SIGINT ignored, and so would every process
+# it starts: the Ctrl-C tests send SIGINT to a child as a person's terminal would, so it must not arrive ignored.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # Fixtures that run a training capture, rank processes or an SSH server: a test using one is `heavy`.
