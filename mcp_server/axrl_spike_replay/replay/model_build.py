@@ -1,15 +1,18 @@
 """The policy a replay process computes with: whole, or sharded with FSDP2 over the replay's processes, in the
 trainer's precision.
 
+Either way the process first gives freed host memory back to the system (`replay.host_allocator`).
+
 Whole: built on the CPU, every weight loaded, then (a recorded precision policy) cast as FSDP would
 (`training.precision.cast_for_compute`) and moved to the device.
 
-Sharded: built on the meta device (no memory), each decoder layer made an FSDP unit with `fully_shard` and the
-root last, with the trainer's `MixedPrecisionPolicy`; then each process gets memory for its own shards only
-(`to_empty`) and reads their rows from the weights (`models.sharded_weights`). No process ever holds the whole
-model. The units' reduce-scatter sums (no division, `gradient_divide_factor` 1): the replay divides by the saved
-data-parallel world size itself, as `training.rank_step.reduce_grads` does. Every process of the default process
-group takes part, whoever started them (our spawn launcher, a warm pool, torchrun).
+Sharded: built on the meta device (no memory), each decoder layer made an FSDP unit with `fully_shard` and the root
+last, with the trainer's `MixedPrecisionPolicy` and no backward prefetch (one unit gathered at a time); then each
+process gets memory for its own shards only (`to_empty`) and reads their rows from the weights
+(`models.sharded_weights`). No process ever holds the whole model. The units' reduce-scatter sums (no division,
+`gradient_divide_factor` 1): the replay divides by the saved data-parallel world size itself, as
+`training.rank_step.reduce_grads` does. Every process of the default process group takes part, whoever started them (our
+spawn launcher, a warm pool, torchrun).
 
 With a recorded precision policy the parameters are held in float32, the trainer's master weights, whatever
 dtype the model section names (verl records its compute dtype there).
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.hf_config import HFModelConfig
@@ -32,6 +35,7 @@ from axrl_spike_replay.models.policy import (
     restore_buffers,
     shard_units,
 )
+from axrl_spike_replay.replay.host_allocator import return_freed_host_memory
 from axrl_spike_replay.training.precision import PrecisionPolicy, cast_for_compute
 
 if TYPE_CHECKING:
@@ -63,6 +67,7 @@ def build_model(spec: ModelSpec, weights_dir: str, device: str, placement: Place
     an HF directory or verl shards (the weights dir itself, or the spec's `path` when the snapshot holds no
     checkpoint), or a Megatron checkpoint; whole or sharded as `placement` says."""
     placement = placement or Placement()
+    return_freed_host_memory()
     if placement.shard:
         return build_sharded(spec, weights_dir, device, placement.precision)
     model = build_policy(master_spec(spec, placement.precision), "cpu")
@@ -89,8 +94,13 @@ def build_sharded(spec: ModelSpec, weights_dir: str, device: str, precision: Pre
     model = build_policy(built, "meta")
     mesh = init_device_mesh(_mesh_device(device), (dist.get_world_size(),))
     policy = (precision or PrecisionPolicy.of_model("float32")).fsdp_policy()
-    for unit in shard_units(model):
+    units = shard_units(model)
+    for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
+        # no backward prefetch: a unit's only prefetch target is itself, already gathered (FSDP2 otherwise gathers
+        # the next unit during this one's backward, one unit more at the step's peak, for an overlap a one-step
+        # replay does not need)
+        cast(FSDPModule, unit).set_modules_to_backward_prefetch([cast(FSDPModule, unit)])
     fully_shard(model, mesh=mesh, mp_policy=policy)
     model.to_empty(device=torch.device(device))
     restore_buffers(model)

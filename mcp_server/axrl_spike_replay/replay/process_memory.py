@@ -14,12 +14,13 @@ float32 master shards sharded, the units gathered and the activations in `param_
   several saved ranks adds the next rank's gradient into the sum (each pass's own is freed once added); sharded:
   1/N of that, plus the root's unsharded gradient (reduce-scattered last). A backward frees the forward's
   activations as it makes the gradient, so the step's peak holds the earlier copies plus the larger of the two;
-- gathered (sharded, transient in the backward): three of the largest unit at once: the unit computing, the next
-  one FSDP2 prefetches, and the unit's unsharded gradient (then the flat copy its reduce-scatter sends, once the
-  unit itself is resharded); it adds to the new gradient's side of the step;
+- gathered (sharded, transient in the backward): three of the largest unit at once: the unit computing, its
+  unsharded gradient, and the flat buffer FSDP2 gathers the unit into (or reduce-scatters its gradient from); no
+  unit is prefetched. It adds to the new gradient's side of the step;
 - activations: what autograd keeps for one saved rank's forward (a process runs its ranks one after another), from
   the architecture's widths and the rank's tokens (`activation_bytes`; eager attention keeps the [T, T] scores);
-- runtime: the interpreter, torch and this package (CPU), or the CUDA context (GPU);
+- runtime: the interpreter, torch and this package (CPU), or the CUDA context (GPU). Freed host memory is given
+  back (`replay.host_allocator`), so nothing is counted for what the allocator would otherwise keep;
 - loading (transient): a whole replay builds the model, then fills a copy of its state from the checkpoint: twice
   the parameters, in host memory, before the step starts.
 
@@ -259,9 +260,9 @@ def process_memory(
         # the sharded sums and the root's unsharded gradient (reduce-scattered last)
         grads = math.ceil(facts.parameters * shard_grad * copies / nproc) + facts.root * d.compute
         held = math.ceil(facts.parameters * shard_grad * (copies - 1) / nproc)
-        # in the backward, three units' worth at once: the unit computing, the next one FSDP2 prefetches, and the
-        # unit's unsharded gradient (then its reduce-scatter's flat copy, in the reduce dtype, the unit itself
-        # resharded by then)
+        # in the backward, three units' worth at once: the unit computing, its unsharded gradient, and the flat
+        # buffer FSDP2 gathers the unit into before copying it out (or reduce-scatters the gradient from, in the
+        # reduce dtype); no unit is prefetched (`replay.model_build`)
         gathered = facts.largest_unit * (2 * d.compute + max(d.compute, d.reduce))
         loading = params
     else:
