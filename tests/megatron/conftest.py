@@ -7,9 +7,13 @@ installed, or is a release these routes were not checked against, they skip and 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from megatron_helpers import REASON
+from megatron_helpers import REASON, more_layouts
+
+if TYPE_CHECKING:
+    from axrl_spike_replay.experiment.result import ReplayResult
 
 
 @pytest.fixture(scope="session")
@@ -45,16 +49,33 @@ def megatron_capture(megatron_checkpoints: dict[str, Path], tmp_path_factory: py
 
 
 @pytest.fixture(scope="session")
+def megatron_route1_replay(megatron_capture: Path) -> ReplayResult:
+    """The default replay (route 1: the snapshot's checkpoint in the transformers policy) of `megatron_capture`,
+    run once for the tests that read it or hold another replay against it. It writes nothing."""
+    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+
+    return run_replay(megatron_capture, ReplayOptions())
+
+
+@pytest.fixture(scope="session")
 def deepseek_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """{layout: checkpoint dir} of a tiny DeepSeek-V3 GPTModel (MLA with q/kv LoRA ranks, a dense first layer,
+    """{"tp1": checkpoint dir} of a tiny DeepSeek-V3 GPTModel (MLA with q/kv LoRA ranks, a dense first layer,
     a shared expert, a sigmoid router with expert bias and group-limited top-k) saved by `dist_checkpointing.save`
-    at TP=1, EP=2 and TP=2 (with ETP=2): the same global weights in each. Shared: copy before editing."""
+    from one process. Shared: copy before editing."""
     if REASON is not None:
         pytest.skip(REASON)
     from axrl_spike_replay.testing.megatron_checkpoints import save_layouts, tiny_section
 
-    root = tmp_path_factory.mktemp("deepseek-checkpoints")
-    return save_layouts(root, tiny_section("deepseek_v3"), ("tp1", "ep2", "tp2"))
+    return save_layouts(tmp_path_factory.mktemp("deepseek-checkpoints"), tiny_section("deepseek_v3"), ("tp1",))
+
+
+@pytest.fixture(scope="session")
+def deepseek_layouts(
+    deepseek_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """`deepseek_checkpoints` and the same weights saved at EP=2 and TP=2 (with ETP=2) by two processes, for the
+    matrix's layout tests. Shared: copy before editing."""
+    return more_layouts("deepseek_v3", deepseek_checkpoints, tmp_path_factory.mktemp("deepseek-layouts"))
 
 
 @pytest.fixture(scope="session")
