@@ -4,6 +4,7 @@ importable module-level functions), and mbridge's mapping of a live Megatron mod
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +187,12 @@ def more_layouts(architecture: str, checkpoints: dict[str, Path], root: Path) ->
     more = {name: root / name for name in ("ep2", "tp2")}
     save_checkpoints(tiny_section(architecture), [(LAYOUTS[n], d) for n, d in more.items()], checkpoints["tp1"])
     return {**checkpoints, **more}
+
+
+@dataclass(frozen=True)
+class CliRun:
+    """A CLI call's workspace, its argv before `--workspace` and `--json`, and the JSON document it printed."""
+
+    workspace: Path
+    argv: list[str]
+    doc: dict[str, Any]
