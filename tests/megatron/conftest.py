@@ -6,10 +6,18 @@ installed, or is a release these routes were not checked against, they skip and 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from megatron_helpers import REASON
+from megatron_helpers import REASON, CliRun, more_layouts
+
+if TYPE_CHECKING:
+    from axrl_spike_replay.experiment.result import ReplayResult
 
 
 @pytest.fixture(scope="session")
@@ -45,16 +53,51 @@ def megatron_capture(megatron_checkpoints: dict[str, Path], tmp_path_factory: py
 
 
 @pytest.fixture(scope="session")
+def megatron_route1_replay(megatron_capture: Path) -> ReplayResult:
+    """The default replay (route 1: the snapshot's checkpoint in the transformers policy) of `megatron_capture`,
+    run once for the tests that read it or hold another replay against it. It writes nothing."""
+    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+
+    return run_replay(megatron_capture, ReplayOptions())
+
+
+@pytest.fixture(scope="session")
+def megatron_cli_route2(megatron_capture: Path, tmp_path_factory: pytest.TempPathFactory) -> CliRun:
+    """`axrl-spike-replay replay SNAPSHOT --backend megatron --workspace WS --json` of `megatron_capture`, run once
+    (a subprocess): the CLI face's route 2 (test_megatron_faces) and the cold run a warm one must equal
+    (test_megatron_warm). Its workspace holds that one run; add nothing to it."""
+    workspace = tmp_path_factory.mktemp("megatron-cli-route2") / "ws"
+    workspace.mkdir()
+    script = Path(sys.executable).parent / "axrl-spike-replay"
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "axrl_spike_replay"]
+    argv += ["replay", str(megatron_capture), "--backend", "megatron"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [*argv, "--workspace", str(workspace), "--json"], cwd=workspace, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return CliRun(workspace, argv, json.loads(done.stdout))
+
+
+@pytest.fixture(scope="session")
 def deepseek_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """{layout: checkpoint dir} of a tiny DeepSeek-V3 GPTModel (MLA with q/kv LoRA ranks, a dense first layer,
+    """{"tp1": checkpoint dir} of a tiny DeepSeek-V3 GPTModel (MLA with q/kv LoRA ranks, a dense first layer,
     a shared expert, a sigmoid router with expert bias and group-limited top-k) saved by `dist_checkpointing.save`
-    at TP=1, EP=2 and TP=2 (with ETP=2): the same global weights in each. Shared: copy before editing."""
+    from one process. Shared: copy before editing."""
     if REASON is not None:
         pytest.skip(REASON)
     from axrl_spike_replay.testing.megatron_checkpoints import save_layouts, tiny_section
 
-    root = tmp_path_factory.mktemp("deepseek-checkpoints")
-    return save_layouts(root, tiny_section("deepseek_v3"), ("tp1", "ep2", "tp2"))
+    return save_layouts(tmp_path_factory.mktemp("deepseek-checkpoints"), tiny_section("deepseek_v3"), ("tp1",))
+
+
+@pytest.fixture(scope="session")
+def deepseek_layouts(
+    deepseek_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """`deepseek_checkpoints` and the same weights saved at EP=2 and TP=2 (with ETP=2) by two processes, for the
+    matrix's layout tests. Shared: copy before editing."""
+    return more_layouts("deepseek_v3", deepseek_checkpoints, tmp_path_factory.mktemp("deepseek-layouts"))
 
 
 @pytest.fixture(scope="session")

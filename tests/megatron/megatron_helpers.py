@@ -4,6 +4,7 @@ importable module-level functions), and mbridge's mapping of a live Megatron mod
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +178,21 @@ def save_with_mtp(rank: int, world: int, out: str) -> None:
         )
         Path(out).mkdir(parents=True, exist_ok=True)
         dist_checkpointing.save(model.sharded_state_dict(), out)
+
+
+def more_layouts(architecture: str, checkpoints: dict[str, Path], root: Path) -> dict[str, Path]:
+    """`checkpoints` (its "tp1" the reference) and the reference's weights saved at EP=2 and TP=2 under `root`."""
+    from axrl_spike_replay.testing.megatron_checkpoints import LAYOUTS, save_checkpoints, tiny_section
+
+    more = {name: root / name for name in ("ep2", "tp2")}
+    save_checkpoints(tiny_section(architecture), [(LAYOUTS[n], d) for n, d in more.items()], checkpoints["tp1"])
+    return {**checkpoints, **more}
+
+
+@dataclass(frozen=True)
+class CliRun:
+    """A CLI call's workspace, its argv before `--workspace` and `--json`, and the JSON document it printed."""
+
+    workspace: Path
+    argv: list[str]
+    doc: dict[str, Any]

@@ -14,6 +14,7 @@ import torch
 from megatron_trainer import load_hook
 
 from axrl_spike_replay.errors import SnapshotError
+from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
 from axrl_spike_replay.snapshot.legacy import prepare_replay_dir
@@ -52,8 +53,8 @@ def test_the_routes_are_saved_as_megatron_records_them(megatron_capture: Path) -
     assert torch.equal(routes[3, 17, 1], doc["topk_indices"][1][17 * 4 + 3])
 
 
-def test_the_snapshot_replays_to_reproduced(megatron_capture: Path) -> None:
-    result = run_replay(megatron_capture, ReplayOptions())
+def test_the_snapshot_replays_to_reproduced(megatron_route1_replay: ReplayResult) -> None:
+    result = megatron_route1_replay
     assert result.verdict == "reproduced", (result.grad_norm, result.recorded_grad_norm)
     assert result.rel_diff is not None and result.rel_diff < 1e-6
 

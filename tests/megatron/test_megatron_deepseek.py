@@ -66,19 +66,24 @@ def test_transformers_deepseek_v3_computes_what_megatron_computes(
         assert rel < GRAD_RTOL, f"{name}: relative difference {rel:.2e}"
 
 
-def test_every_saved_deepseek_layout_loads_the_same_model(deepseek_checkpoints: dict[str, Path]) -> None:
-    spec = MegatronModelConfig.from_dict(tiny_section("deepseek_v3"))
-    shapes = expected_megatron_shapes(spec)
+def test_the_deepseek_checkpoint_has_the_expected_shapes() -> None:
+    shapes = expected_megatron_shapes(MegatronModelConfig.from_dict(tiny_section("deepseek_v3")))
     assert shapes["decoder.layers.0.mlp.linear_fc1.weight"] == (256, 64)  # the dense first layer: gate | up rows
     assert shapes["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"] == (8, 64, 64)
     assert "decoder.layers.0.mlp.router.weight" not in shapes
+
+
+@pytest.mark.matrix  # the layouts' row of the default run: test_megatron_route_transformers (Qwen3-MoE)
+def test_every_saved_deepseek_layout_loads_the_same_model(deepseek_layouts: dict[str, Path]) -> None:
+    spec = MegatronModelConfig.from_dict(tiny_section("deepseek_v3"))
     states = {}
-    for name, directory in deepseek_checkpoints.items():
+    for name, directory in deepseek_layouts.items():
         check_megatron_weights(directory, spec, "the snapshot's checkpoint")
         policy = build_policy(spec)
         load_policy_weights(policy, spec, directory)
         states[name] = policy.state_dict()
     reference = states.pop("tp1")
+    assert states.keys() == {"ep2", "tp2"}
     for name, state in states.items():
         assert all(torch.equal(state[k], reference[k]) for k in reference), name
 
@@ -182,12 +187,12 @@ def _check_shards(rank: int, world_size: int, payload: tuple[str, str]) -> None:
 
 @pytest.mark.matrix
 def test_each_process_reads_its_rows_of_a_deepseek_checkpoint(
-    deepseek_checkpoints: dict[str, Path], tmp_path: Path
+    deepseek_layouts: dict[str, Path], tmp_path: Path
 ) -> None:
     """FSDP2 over two gloo processes: each reads its rows of the per-layer keys (the fused gate | up rows of the
     dense MLP and shared expert split per layer)."""
     report = tmp_path / "held"
-    spawn_ranks(_check_shards, 2, (str(deepseek_checkpoints["ep2"]), str(report)))
+    spawn_ranks(_check_shards, 2, (str(deepseek_layouts["ep2"]), str(report)))
     rows = [json.loads(Path(f"{report}.{r}").read_text()) for r in range(2)]
     assert sum(h for h, _ in rows) == rows[0][1] and all(h < whole for h, whole in rows)
 

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import pytest
 from mcp import Client, StdioServerParameters
+from megatron_helpers import CliRun
 
 pytestmark = pytest.mark.slow
 
@@ -28,13 +29,8 @@ def _record(workspace: Path) -> tuple[str, dict[str, Any]]:
     return (result.parent / "command.txt").read_text(), json.loads(result.read_text())
 
 
-def test_the_cli_replays_a_megatron_snapshot_with_megatron_core(megatron_capture: Path, tmp_path: Path) -> None:
-    workspace = tmp_path / "ws"
-    workspace.mkdir()
-    argv = [*_console_script(), "replay", str(megatron_capture), "--backend", "megatron"]
-    done = subprocess.run([*argv, "--workspace", str(workspace), "--json"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    doc = json.loads(done.stdout)
+def test_the_cli_replays_a_megatron_snapshot_with_megatron_core(megatron_cli_route2: CliRun) -> None:
+    workspace, argv, doc = megatron_cli_route2.workspace, megatron_cli_route2.argv, megatron_cli_route2.doc
     assert (doc["backend"], doc["verdict"], doc["fidelity"], doc["world_size_used"]) == (
         "megatron",
         "reproduced",

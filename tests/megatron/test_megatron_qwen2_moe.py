@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_helpers import REASON, forward_backward, left_padded_batch, mbridge_to_hf, simple_loss
+from megatron_helpers import (
+    REASON,
+    forward_backward,
+    left_padded_batch,
+    mbridge_to_hf,
+    more_layouts,
+    simple_loss,
+)
 
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.megatron_weights import check_megatron_weights, expected_megatron_shapes
@@ -36,11 +43,17 @@ CROSS_CHECK_RTOL = 1e-6
 
 @pytest.fixture(scope="module")
 def qwen2_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """{layout: dir} of the tiny Qwen2-MoE GPTModel saved at TP=1 (one process), EP=2 and TP=2 with ETP=2 (two;
-    TP splits the QKV bias by query groups): the same weights in each."""
+    """{"tp1": dir} of the tiny Qwen2-MoE GPTModel saved from one process."""
     if REASON is not None:
         pytest.skip(REASON)
-    return save_layouts(tmp_path_factory.mktemp("qwen2-moe"), tiny_section("qwen2_moe"), ("tp1", "ep2", "tp2"))
+    return save_layouts(tmp_path_factory.mktemp("qwen2-moe"), tiny_section("qwen2_moe"), ("tp1",))
+
+
+@pytest.fixture(scope="module")
+def qwen2_layouts(qwen2_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """`qwen2_checkpoints` and the same weights saved at EP=2 and TP=2 with ETP=2 (two processes; TP splits the QKV
+    bias by query groups)."""
+    return more_layouts("qwen2_moe", qwen2_checkpoints, tmp_path_factory.mktemp("qwen2-moe-layouts"))
 
 
 def test_transformers_qwen2_moe_computes_what_megatron_computes(
@@ -73,14 +86,18 @@ def test_transformers_qwen2_moe_computes_what_megatron_computes(
         assert rel < GRAD_RTOL, f"{name}: relative difference {rel:.2e}"
 
 
-def test_every_saved_qwen2_moe_layout_loads_the_same_model(qwen2_checkpoints: dict[str, Path]) -> None:
-    spec = MegatronModelConfig.from_dict(tiny_section("qwen2_moe"))
-    shapes = expected_megatron_shapes(spec)
+def test_the_qwen2_moe_checkpoint_has_the_expected_shapes() -> None:
+    shapes = expected_megatron_shapes(MegatronModelConfig.from_dict(tiny_section("qwen2_moe")))
     assert shapes["decoder.layers.mlp.shared_experts.gate_weight"] == (2, 1, 64)
     assert shapes["decoder.layers.mlp.shared_experts.linear_fc1.weight"] == (2, 128, 64)
     assert shapes["decoder.layers.self_attention.linear_qkv.bias"] == (2, (4 + 2 * 2) * 16)
+
+
+@pytest.mark.matrix  # the layouts' row of the default run: test_megatron_route_transformers (Qwen3-MoE)
+def test_every_saved_qwen2_moe_layout_loads_the_same_model(qwen2_layouts: dict[str, Path]) -> None:
+    spec = MegatronModelConfig.from_dict(tiny_section("qwen2_moe"))
     states = {}
-    for name, directory in qwen2_checkpoints.items():
+    for name, directory in qwen2_layouts.items():
         check_megatron_weights(directory, spec, "the snapshot's checkpoint")
         policy = build_policy(spec)
         load_policy_weights(policy, spec, directory)

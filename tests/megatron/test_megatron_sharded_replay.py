@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 
 pytestmark = pytest.mark.slow
@@ -22,8 +23,10 @@ pytestmark = pytest.mark.slow
 SHARDED_RTOL = 1e-6
 
 
-def test_a_sharded_replay_reproduces_the_whole_model_replay(megatron_capture: Path) -> None:
-    whole = run_replay(megatron_capture, ReplayOptions(shard="off"))
+def test_a_sharded_replay_reproduces_the_whole_model_replay(
+    megatron_capture: Path, megatron_route1_replay: ReplayResult
+) -> None:
+    whole = megatron_route1_replay  # shard auto: the tiny model fits, so whole
     sharded = run_replay(megatron_capture, ReplayOptions(shard="on"))
     assert whole.verdict == sharded.verdict == "reproduced", (sharded.grad_norm, sharded.recorded_grad_norm)
     assert sharded.sharded and not whole.sharded

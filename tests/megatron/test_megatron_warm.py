@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from megatron_helpers import CliRun
 
 from axrl_spike_replay.investigation.warm_client import service_pid, stop_service
 from axrl_spike_replay.investigation.warm_socket import warm_paths
@@ -47,11 +48,13 @@ def _replay(snapshot: Path, workspace: Path, *extra: str) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
-def test_warm_replays_of_a_megatron_snapshot_on_both_routes(megatron_capture: Path, tmp_path: Path) -> None:
+def test_warm_replays_of_a_megatron_snapshot_on_both_routes(
+    megatron_capture: Path, megatron_cli_route2: CliRun, tmp_path: Path
+) -> None:
     cold_ws, warm_ws = tmp_path / "cold", tmp_path / "warm"
     cold_ws.mkdir()
     warm_ws.mkdir()
-    cold = {route: _replay(megatron_capture, cold_ws, "--backend", route) for route in ("torch", "megatron")}
+    cold = {"torch": _replay(megatron_capture, cold_ws, "--backend", "torch"), "megatron": megatron_cli_route2.doc}
     paths = warm_paths(warm_ws)
     try:
         first = _replay(megatron_capture, warm_ws, "--warm")  # starts the service and its warm rank processes

@@ -6,11 +6,15 @@ import getpass
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from remote_helpers import make_command_snapshot, make_training_checkout
 from slurm_loopback import SlurmCluster, SlurmUnavailable, start_cluster
 from ssh_loopback import SSHD, AsyncsshServer, Keys, LoopbackServer, OpenSshServer, write_known_hosts
+
+if TYPE_CHECKING:
+    from axrl_spike_replay.experiment.result import ReplayResult
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -63,6 +67,21 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
     yield cluster
     left = cluster.stop()
     assert not left, f"Slurm processes outlived the cluster: {left}"
+
+
+@pytest.fixture(scope="session")
+def local_replay() -> ReplayResult:
+    """The local replay of replay_launch_helpers.SNAPSHOT (nothing written), run once: the launched replays'
+    reference."""
+    from replay_launch_helpers import SNAPSHOT
+
+    from axrl_spike_replay.experiment.result import ReplayResult
+    from axrl_spike_replay.investigation.request import What, replay_request
+    from axrl_spike_replay.investigation.runs import run_request
+
+    result = run_request(replay_request(What(SNAPSHOT)))
+    assert isinstance(result, ReplayResult)
+    return result
 
 
 @pytest.fixture(params=["asyncssh", "openssh"])

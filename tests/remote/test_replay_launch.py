@@ -35,7 +35,7 @@ from axrl_spike_replay.replay.clean_gradient import spike_bar
 from axrl_spike_replay.replay.inputs import load_inputs
 from axrl_spike_replay.replay.launch import run_job
 from axrl_spike_replay.replay.layout_plan import plan_layout
-from axrl_spike_replay.replay.worker import WorkerJob
+from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 
 pytestmark = pytest.mark.slow
 CONFIGS = [{"advantage_clip": 0.5}, {"drop_samples": "1:0"}, {"routing_replay": "off", "kl_coef": 0.02}]
@@ -62,9 +62,14 @@ def _figures(outcome: object) -> dict:
     return doc
 
 
-def test_torchrun_gives_the_spawn_launchers_outcomes_bit_for_bit(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def spawned() -> list[ConfigOutcome]:
+    """The outcomes of _job(SNAPSHOT, CONFIGS) from our spawn launcher, whole model: the launched runs' reference."""
+    return run_job(_job(SNAPSHOT, CONFIGS))
+
+
+def test_torchrun_gives_the_spawn_launchers_outcomes_bit_for_bit(spawned: list[ConfigOutcome]) -> None:
     job = _job(SNAPSHOT, CONFIGS)
-    spawned = run_job(job)
     runner = LaunchedRunner(Placement("here", nodes=(LaunchNode("here"),), nproc_per_node=2))
     said: list[str] = []
     launched = runner(job, progress=said.append)
@@ -86,8 +91,10 @@ def two_nodes(openssh_server: LoopbackServer, tmp_path: Path) -> Path:
     return write_workspace(tmp_path / "ws", nodes, multinode={"pair": pair()})
 
 
-def test_a_world_size_2_capture_replays_over_two_nodes_and_reproduces(two_nodes: Path, tmp_path: Path) -> None:
-    local = run_request(replay_request(What(SNAPSHOT)))
+def test_a_world_size_2_capture_replays_over_two_nodes_and_reproduces(
+    two_nodes: Path, tmp_path: Path, local_replay: ReplayResult
+) -> None:
+    local = local_replay
     said: list[str] = []
     request = replay_request(What(SNAPSHOT), Where(target="pair"), workspace=two_nodes, progress=said.append)
     result = run_request(request)
@@ -275,13 +282,15 @@ def test_plan_against_a_target_probes_its_gpus(two_nodes: Path, capsys: pytest.C
     assert "node-b: a CPU replay's memory there is not probed; capacity unknown" in doc["notes"]
 
 
-def test_a_sharded_job_launched_by_torchrun_gives_the_spawned_sharded_outcomes(tmp_path: Path) -> None:
+def test_a_sharded_job_launched_by_torchrun_gives_the_spawned_sharded_outcomes(
+    spawned: list[ConfigOutcome],
+) -> None:
     job = dataclasses.replace(_job(SNAPSHOT, CONFIGS), shard=True)  # FSDP2 over the two launched processes
-    spawned = run_job(job)
+    spawned_sharded = run_job(job)
     runner = LaunchedRunner(Placement("here", nodes=(LaunchNode("here"),), nproc_per_node=2))
     launched = runner(job)
-    for a, b in zip(spawned, launched, strict=True):
+    for a, b in zip(spawned_sharded, launched, strict=True):
         assert _figures(b) == _figures(a), a.config_id
-    whole = run_job(dataclasses.replace(job, shard=False))
+    whole = spawned  # the same job, each process holding the whole model
     assert abs(launched[0].grad_norms[0] - whole[0].grad_norms[0]) <= 1e-6 * whole[0].grad_norms[0]
     assert replay_workers() == {}

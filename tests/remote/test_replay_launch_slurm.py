@@ -40,8 +40,10 @@ def cluster_ws(slurm_cluster: SlurmCluster, tmp_path: Path) -> Path:
     return write_workspace(tmp_path / "ws", {}, slurm={"here": entry})
 
 
-def test_a_slurm_replay_runs_under_srun_and_reproduces(slurm_cluster: SlurmCluster, cluster_ws: Path) -> None:
-    local = run_request(replay_request(What(SNAPSHOT)))
+def test_a_slurm_replay_runs_under_srun_and_reproduces(
+    slurm_cluster: SlurmCluster, cluster_ws: Path, local_replay: ReplayResult
+) -> None:
+    local = local_replay
     result = run_request(replay_request(What(SNAPSHOT), Where(target="here"), workspace=cluster_ws))
     assert isinstance(result, ReplayResult)
     assert result.verdict == "reproduced" and result.fidelity == "full" and result.grad_norm == local.grad_norm

@@ -52,15 +52,10 @@ def toy_world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Attribut
     return snapshot, attribute_spike(snapshot, top=100, shard="off")
 
 
-@pytest.mark.parametrize(
-    "nproc",
-    [
-        pytest.param(1, marks=pytest.mark.matrix),
-        2,
-        pytest.param(3, marks=pytest.mark.matrix),
-        pytest.param(4, marks=pytest.mark.matrix),
-    ],
-)  # 3: saved ranks 0 | 1 | 2, 3, the first two pad with zero passes
+# In the default run the two-process case is test_an_attribution_that_does_not_fit_one_process_shards_by_itself (shard
+# auto: the same sharded attribution, the same assertions) and the CLI's explicit `--shard on --nproc 2`.
+@pytest.mark.matrix
+@pytest.mark.parametrize("nproc", [1, 2, 3, 4])  # 3: saved ranks 0 | 1 | 2, 3, the first two pad with zero passes
 def test_a_sharded_toy_attribution_gives_the_unsharded_figures(
     toy_world4: tuple[Path, Attribution], nproc: int
 ) -> None:
@@ -88,6 +83,8 @@ def test_an_attribution_that_does_not_fit_one_process_shards_by_itself(
     monkeypatch.setattr(shard_choice, "available_memory_bytes", lambda: 1 << 10)  # a machine with 1 KiB free
     sharded = attribute_spike(snapshot, top=100, nproc=2)  # shard auto
     _same_attribution(sharded, whole)
+    assert sharded.world_size_used == 2
+    assert {(s.rank, s.sample) for s in sharded.samples[:2]} == set(BURST)  # the planted samples carry it
     with pytest.raises(ConfigError, match=r"does not fit: .*run it sharded \(`shard` on, `nproc` > 1\)"):
         attribute_spike(snapshot, top=3, nproc=1)  # one process cannot shard: refused before it loads
 

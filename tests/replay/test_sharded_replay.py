@@ -78,16 +78,31 @@ def test_a_sharded_toy_sweep_gives_the_unsharded_norms_and_verdicts(
     assert sharded.baseline.verdict == "reproduced"
 
 
+@pytest.fixture(scope="module")
+def hf_world4(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SweepResult]:
+    """The tiny transformers model `request.param` (an architecture) spiking at saved world size 4, swept unsharded
+    over two processes."""
+    snapshot = record_hf_snapshot(tmp_path_factory.mktemp(request.param), request.param, world_size=4)
+    return snapshot, _sweep(snapshot, 2, "off")
+
+
 @pytest.mark.parametrize(
-    "architecture", ["qwen3_moe", pytest.param("qwen2_moe", marks=pytest.mark.matrix)]
-)  # qwen2_moe: a shared expert per layer
-def test_a_sharded_transformers_sweep_gives_the_unsharded_norms_and_verdicts(architecture: str, tmp_path: Path) -> None:
-    snapshot = record_hf_snapshot(tmp_path, architecture, world_size=4)
-    whole = _sweep(snapshot, 2, "off")
-    for nproc in (1, 2, 4):
-        sharded = _sweep(snapshot, nproc, "on")
-        _same_sweep(sharded, whole)
-        assert sharded.baseline.fidelity == ("full" if nproc == 4 else "reduced")
+    ("hf_world4", "nproc"),
+    [
+        ("qwen3_moe", 2),
+        *(pytest.param("qwen3_moe", n, marks=pytest.mark.matrix) for n in (1, 4)),
+        *(pytest.param("qwen2_moe", n, marks=pytest.mark.matrix) for n in (1, 2, 4)),  # a shared expert per layer
+    ],
+    indirect=["hf_world4"],
+)
+def test_a_sharded_transformers_sweep_gives_the_unsharded_norms_and_verdicts(
+    hf_world4: tuple[Path, SweepResult], nproc: int
+) -> None:
+    snapshot, whole = hf_world4
+    sharded = _sweep(snapshot, nproc, "on")
+    _same_sweep(sharded, whole)
+    assert sharded.baseline.fidelity == ("full" if nproc == 4 else "reduced")
+    assert sharded.baseline.world_size_used == nproc
 
 
 def test_sharding_auto_stays_whole_when_the_model_fits(toy_world4: tuple[Path, SweepResult]) -> None:

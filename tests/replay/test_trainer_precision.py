@@ -80,7 +80,15 @@ def bf16_snapshot(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("nproc", "shard"), [(1, "off"), (2, "off"), (1, "on"), (2, "on")])
+@pytest.mark.parametrize(
+    ("nproc", "shard"),
+    [
+        (1, "off"),
+        pytest.param(2, "off", marks=pytest.mark.matrix),
+        pytest.param(1, "on", marks=pytest.mark.matrix),
+        (2, "on"),
+    ],
+)  # one process whole and two sharded in the default run
 def test_a_bf16_trainer_is_replayed_in_bf16_with_fp32_reduction(
     bf16_snapshot: tuple[Path, float, float], nproc: int, shard: str
 ) -> None:

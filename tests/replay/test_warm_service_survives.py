@@ -77,7 +77,9 @@ def stop(service: Service) -> None:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    running = start_service(tmp_path_factory.mktemp("warm") / "ws", "--warm-idle-timeout", "300")
+    # a send timeout past GUARD_S: a connection that ends only when it runs out fails the test instead of waiting
+    workspace = tmp_path_factory.mktemp("warm") / "ws"
+    running = start_service(workspace, "--warm-idle-timeout", "300", "--send-timeout", "600")
     yield running
     stop(running)
 

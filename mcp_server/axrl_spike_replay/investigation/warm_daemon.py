@@ -201,6 +201,10 @@ class _Service:
             try:
                 self.run(conn, message)
             finally:
+                # shutdown first: it wakes the run's watcher thread blocked in recv (a plain close would not,
+                # and the client would see the end of the connection only when that recv timed out)
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
                 conn.close()
                 self.last_active = time.monotonic()
 
