@@ -35,10 +35,9 @@ from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_in
 from axrl_spike_replay.replay.layout_plan import plan_layout
 from axrl_spike_replay.replay.model_build import build_model
 from axrl_spike_replay.replay.outcome_figures import jvp_policy
-from axrl_spike_replay.replay.sample_signals import base_name, rank_signals, router_loss
+from axrl_spike_replay.replay.sample_signals import base_name, grad_or_zeros, rank_loss, rank_signals
 from axrl_spike_replay.replay.shard_choice import check_whole_fits, whole_or_sharded
-from axrl_spike_replay.replay.worker import RankInputs, loss_batch, step_counts
-from axrl_spike_replay.training.policy_loss import policy_loss
+from axrl_spike_replay.replay.worker import RankInputs, step_counts
 from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
 from axrl_spike_replay.training.sample_masks import check_ranks
 from axrl_spike_replay.vocabulary import Fidelity, Method
@@ -61,38 +60,25 @@ def _gradient_pass(
     params = list(model.parameters())
     # every saved rank is here: the step's counts are this process's own (the recorded ones, recounted)
     counts = step_counts(ranks, cfg, cfg.loss, None, len(ranks.batches))
-    need_entropy = bool(cfg.loss.entropy_coef)
     passes = {}
     router_sum: list[torch.Tensor] | None = None
     for rank, saved in ranks.batches.items():
-        # the forward sees the saved batch and the loss the filtered one, as in a replay
-        out = policy_forward(model, saved, ranks.routing(cfg, rank), need_entropy=need_entropy)
-        batch = loss_batch(saved, rank, cfg, out.logprobs)
-        out.logprobs.retain_grad()
-        if out.entropy is not None:
-            out.entropy.retain_grad()
-        result = policy_loss(
-            out.logprobs, batch, cfg.loss, entropy=out.entropy, aux_loss=out.aux_loss, z_loss=out.z_loss, counts=counts
-        )
-        router = router_loss(cfg, out)
-        if router is not None:
-            grads = torch.autograd.grad(router, params, retain_graph=True, allow_unused=True)
+        step = rank_loss(model, ranks, cfg, rank, counts)
+        out = step.out
+        if step.router is not None:
+            grads = torch.autograd.grad(step.router, params, retain_graph=True, allow_unused=True)
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
             router_sum = grads if router_sum is None else [a + b for a, b in zip(router_sum, grads, strict=True)]
-        result.loss.backward()
-        signals = rank_signals(rank, batch, out.logprobs.detach(), result.mask, base_name(cfg))
+        step.result.loss.backward()
+        signals = rank_signals(rank, step.batch, out.logprobs.detach(), step.result.mask, base_name(cfg))
         passes[rank] = _RankPass(
             batch=saved,
-            grad_logprobs=_grad_or_zeros(out.logprobs),
-            grad_entropy=_grad_or_zeros(out.entropy) if out.entropy is not None else None,
+            grad_logprobs=grad_or_zeros(out.logprobs),
+            grad_entropy=grad_or_zeros(out.entropy) if out.entropy is not None else None,
             routes=RoutingControl(routes=out.routes.detach()),
             signals=signals,
         )
     return passes, router_sum
-
-
-def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
-    return t.grad.detach() if t.grad is not None else torch.zeros_like(t).detach()
 
 
 _JVP_KEYS = ("tokens", "loss_mask", "attention_mask")

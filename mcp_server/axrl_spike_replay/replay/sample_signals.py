@@ -3,12 +3,15 @@ separately: shared by the whole (`replay.attribution`) and the sharded (`replay.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
-from axrl_spike_replay.training.policy_loss import expand_advantages
+from axrl_spike_replay.models.policy import policy_forward
+from axrl_spike_replay.replay.worker import RankInputs, loss_batch
+from axrl_spike_replay.training.policy_loss import LossOutput, expand_advantages, policy_loss
 
 
 def rank_signals(
@@ -49,3 +52,33 @@ def router_loss(cfg: AppliedConfig, out: Any) -> torch.Tensor | None:
         term = cfg.loss.z_loss_coef * out.z_loss
         loss = term if loss is None else loss + term
     return loss if loss is not None and loss.requires_grad else None
+
+
+@dataclass
+class RankLoss:
+    """One saved rank's forward and loss as an attribution takes them."""
+
+    out: Any  # the policy's output; its log-probs (and entropy) keep their gradients after a backward
+    batch: dict[str, torch.Tensor]  # what the loss saw (the saved batch filtered by the config)
+    result: LossOutput
+    router: torch.Tensor | None  # the batch-level router losses (`router_loss`)
+
+
+def rank_loss(model: torch.nn.Module, inputs: RankInputs, cfg: AppliedConfig, rank: int, counts: Any) -> RankLoss:
+    """Saved rank `rank`'s forward (the saved batch, the config's routing) and the config's loss on the filtered
+    batch, as in a replay, with dLoss/dlogprobs and dLoss/dentropy kept for the attribution."""
+    saved = inputs.batches[rank]
+    out = policy_forward(model, saved, inputs.routing(cfg, rank), need_entropy=bool(cfg.loss.entropy_coef))
+    batch = loss_batch(saved, rank, cfg, out.logprobs)
+    out.logprobs.retain_grad()
+    if out.entropy is not None:
+        out.entropy.retain_grad()
+    result = policy_loss(
+        out.logprobs, batch, cfg.loss, entropy=out.entropy, aux_loss=out.aux_loss, z_loss=out.z_loss, counts=counts
+    )
+    return RankLoss(out, batch, result, router_loss(cfg, out))
+
+
+def grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s gradient after a backward, zeros where none reached it."""
+    return t.grad.detach() if t.grad is not None else torch.zeros_like(t).detach()

@@ -38,10 +38,9 @@ from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.gradient_space import Grads, Sharded, accumulate
 from axrl_spike_replay.replay.model_build import Placement, build_model
-from axrl_spike_replay.replay.sample_signals import base_name, rank_signals, router_loss
+from axrl_spike_replay.replay.sample_signals import base_name, grad_or_zeros, rank_loss, rank_signals
 from axrl_spike_replay.replay.share_processes import run_share_processes
-from axrl_spike_replay.replay.worker import RankInputs, _gather, loss_batch, step_counts
-from axrl_spike_replay.training.policy_loss import policy_loss
+from axrl_spike_replay.replay.worker import RankInputs, _gather, step_counts
 
 _ROW_KEYS = ("tokens", "loss_mask", "attention_mask")  # what a forward reads of a batch (`attribution._JVP_KEYS`)
 
@@ -105,7 +104,6 @@ def _gradient_pass(
     (None: no router loss), each own rank's kept figures, each own rank's signals)."""
     cfg = job.cfg
     counts = step_counts(inputs, cfg, cfg.loss, None, job.world_size)  # a collective, as the whole path's own count
-    need_entropy = bool(cfg.loss.entropy_coef)
     params = space.params
     total: Grads = [None] * len(params)
     router_sum: Grads = [None] * len(params)
@@ -114,17 +112,8 @@ def _gradient_pass(
     signals: dict[int, list[dict[str, Any]]] = {}
     first = next(iter(inputs.batches))
     for rank in space.passes(list(inputs.batches)):
-        own = first if rank is None else rank
-        saved = inputs.batches[own]
-        out = policy_forward(model, saved, inputs.routing(cfg, own), need_entropy=need_entropy)
-        batch = loss_batch(saved, own, cfg, out.logprobs)
-        out.logprobs.retain_grad()
-        if out.entropy is not None:
-            out.entropy.retain_grad()
-        result = policy_loss(
-            out.logprobs, batch, cfg.loss, entropy=out.entropy, aux_loss=out.aux_loss, z_loss=out.z_loss, counts=counts
-        )
-        router = router_loss(cfg, out)
+        step = rank_loss(model, inputs, cfg, first if rank is None else rank, counts)
+        out, result, router = step.out, step.result, step.router
         scale = torch.ones_like(result.loss) if rank is not None else torch.zeros_like(result.loss)
         accumulate(total, space.outputs_backward([result.loss], [scale], retain=router is not None))
         if router is not None:  # the same on every process: the config and the model decide it
@@ -135,17 +124,13 @@ def _gradient_pass(
             accumulate(router_sum, got)
         if rank is None:
             continue
-        grad_lp = out.logprobs.grad
-        grad_ent = out.entropy.grad if out.entropy is not None else None
         kept[rank] = _Kept(
-            batch=saved,
-            grad_logprobs=(grad_lp if grad_lp is not None else torch.zeros_like(out.logprobs)).detach(),
-            grad_entropy=None
-            if out.entropy is None
-            else (grad_ent if grad_ent is not None else torch.zeros_like(out.entropy)).detach(),
+            batch=inputs.batches[rank],
+            grad_logprobs=grad_or_zeros(out.logprobs),
+            grad_entropy=grad_or_zeros(out.entropy) if out.entropy is not None else None,
             routes=out.routes.detach(),
         )
-        signals[rank] = rank_signals(rank, batch, out.logprobs.detach(), result.mask, base_name(cfg))
+        signals[rank] = rank_signals(rank, step.batch, out.logprobs.detach(), result.mask, base_name(cfg))
     return total, (router_sum if has_router else None), kept, signals
 
 
