@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, parse_config
+from axrl_spike_replay.experiment.mitigations import AppliedConfig
 from axrl_spike_replay.experiment.result import ATTRIBUTION_FILE, Attribution, SampleContribution
 from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line
 from axrl_spike_replay.experiment.verdict import rel_diff
@@ -31,7 +31,7 @@ from axrl_spike_replay.models.policy import policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
-from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
+from axrl_spike_replay.replay.inputs import ReplayInputs, load_inputs, one_config
 from axrl_spike_replay.replay.layout_plan import plan_layout
 from axrl_spike_replay.replay.model_build import build_model
 from axrl_spike_replay.replay.outcome_figures import jvp_policy
@@ -202,8 +202,7 @@ def attribute_spike(
     start = time.perf_counter()
     with replay_dir_for(snapshot) as (replay_dir, legacy):
         inputs = load_inputs(snapshot, replay_dir, legacy)
-        cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing, inputs.model.moe_layer_ids)
-        check_configs(inputs, [cfg])
+        cfg = one_config(inputs, mitigations)
         check_ranks(cfg.samples, inputs.world_size)
         layout = plan_layout(inputs.world_size, nproc)
         sharded = whole_or_sharded(shard, inputs, device, layout.nproc)

@@ -9,7 +9,7 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError, SnapshotError
-from axrl_spike_replay.experiment.mitigations import AppliedConfig, check_current_layers
+from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, check_current_layers, parse_config
 from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.megatron_weights import check_saved_layout
@@ -251,6 +251,13 @@ def _needed_fields(loss: LossConfig) -> dict[str, str]:
     if loss.convention == "verl" and (loss.rollout_is is not None or loss.rollout_rs is not None):
         needed.setdefault("rollout_logprobs", "verl's rollout correction")
     return needed
+
+
+def one_config(inputs: ReplayInputs, mitigations: dict[str, Any] | None) -> AppliedConfig:
+    """The config `mitigations` make of this snapshot's recorded step (none: the step as recorded), checked to run."""
+    cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing, inputs.model.moe_layer_ids)
+    check_configs(inputs, [cfg])
+    return cfg
 
 
 def check_configs(inputs: ReplayInputs, configs: Iterable[AppliedConfig]) -> None:

@@ -8,10 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
 from axrl_spike_replay.experiment.step_evidence import StepEvidence
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
-from axrl_spike_replay.replay.inputs import check_configs, load_inputs
+from axrl_spike_replay.replay.inputs import load_inputs, one_config
 from axrl_spike_replay.replay.layout_plan import plan_layout
 from axrl_spike_replay.replay.shard_choice import check_whole_fits, whole_or_sharded
 from axrl_spike_replay.replay.sharded_evidence import EvidenceJob, run_sharded_evidence
@@ -37,8 +36,7 @@ def step_evidence(
     start = time.perf_counter()
     with replay_dir_for(snapshot) as (replay_dir, legacy):
         inputs = load_inputs(snapshot, replay_dir, legacy)
-        cfg = apply_config(parse_config(mitigations or {}), inputs.loss, inputs.routing, inputs.model.moe_layer_ids)
-        check_configs(inputs, [cfg])
+        cfg = one_config(inputs, mitigations)
         layout = plan_layout(inputs.world_size, nproc)
         if whole_or_sharded(shard, inputs, device, layout.nproc).shard:
             job = EvidenceJob(inputs, cfg, layout.assignment, device, channel)
