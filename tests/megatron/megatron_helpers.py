@@ -49,6 +49,36 @@ def simple_loss(out: Any, batch: dict[str, torch.Tensor], router: float = 0.0) -
     return -(out.logprobs * mask * weights).sum() / mask.sum() + router * (out.aux_loss + out.z_loss)
 
 
+LOGPROB_ATOL = 1e-5  # transformers' log-probs against megatron-core's, same weights and batch (float32)
+GRAD_RTOL = 1e-5  # each parameter's gradient, relative to megatron-core's
+
+
+def assert_computes_what_megatron_computes(
+    policy: Any,
+    batch: dict[str, torch.Tensor],
+    megatron: dict[str, Any],
+    to_hf: Any,
+    router: float = 0.0,
+) -> None:
+    """The transformers policy, loaded from megatron-core's checkpoint, computes what megatron-core computed on
+    `batch` (`forward_backward`'s saved output): the same routes, log-probs within LOGPROB_ATOL, and every
+    parameter's gradient within GRAD_RTOL of megatron-core's, mapped to HF names by mbridge (`to_hf(grads, policy)`)."""
+    from axrl_spike_replay.models.policy import policy_forward
+    from axrl_spike_replay.models.tiny_moe import RoutingControl
+
+    ours = policy_forward(policy, batch, RoutingControl(), need_entropy=False)
+    assert torch.equal(ours.routes, megatron["routes"])  # every token to the same experts
+    assert (ours.logprobs - megatron["logprobs"]).abs().max() < LOGPROB_ATOL
+    simple_loss(ours, batch, router).backward()
+    theirs = to_hf(megatron["grads"], policy)
+    grads = {name: p.grad for name, p in policy.named_parameters()}
+    assert theirs.keys() == grads.keys()
+    for name, grad in grads.items():
+        assert grad is not None
+        rel = float((grad - theirs[name]).norm() / theirs[name].norm())
+        assert rel < GRAD_RTOL, f"{name}: relative difference {rel:.2e}"
+
+
 def forward_backward(
     rank: int, world: int, payload: tuple[dict[str, Any], str, dict[str, torch.Tensor], str, Any, float]
 ) -> None:

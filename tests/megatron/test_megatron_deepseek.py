@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from megatron_helpers import forward_backward, left_padded_batch, mbridge_deepseek_to_hf, simple_loss
+from megatron_helpers import (
+    assert_computes_what_megatron_computes,
+    forward_backward,
+    left_padded_batch,
+    mbridge_deepseek_to_hf,
+)
 
 from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.megatron_weights import check_megatron_weights, expected_megatron_shapes
-from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config, policy_forward
-from axrl_spike_replay.models.tiny_moe import RoutingControl
+from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config
 from axrl_spike_replay.rank_processes import spawn_ranks
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
@@ -30,8 +35,6 @@ pytestmark = pytest.mark.slow
 # both, but with positions counted from the row start by Megatron and from the first real token by transformers on
 # a left-padded row; experts' token order; RMSNorm's rsqrt placement), so values agree to float32 ulps, not bit
 # for bit. Measured: log-probs within 4.8e-7, gradients within 4.8e-7 relative; the bounds leave a 20x margin.
-LOGPROB_ATOL = 1e-5
-GRAD_RTOL = 1e-5
 # As for Qwen3-MoE (test_megatron_route_megatron): the torch engine's own bar for a full-fidelity CPU replay.
 # Measured: route 2 within 1.6e-11 of the recorded norm, route 1 (whole and FSDP2-sharded alike) within 3.5e-9 of
 # route 2; per-rank losses equal to float32 print precision.
@@ -52,18 +55,8 @@ def test_transformers_deepseek_v3_computes_what_megatron_computes(
     load_policy_weights(policy, spec, deepseek_checkpoints["tp1"])
     bias = policy.state_dict()["model.layers.1.mlp.gate.e_score_correction_bias"]
     assert bias.abs().min() > 0, "the checkpoint's expert bias reaches transformers' router"
-    ours = policy_forward(policy, batch, RoutingControl(), need_entropy=False)
-    assert torch.equal(ours.routes, megatron["routes"])  # every token to the same experts in layers 1 and 2
-    assert (ours.logprobs - megatron["logprobs"]).abs().max() < LOGPROB_ATOL
-    simple_loss(ours, batch, router).backward()
-
-    theirs = mbridge_deepseek_to_hf(section, megatron["grads"], policy)
-    grads = {name: p.grad for name, p in policy.named_parameters()}
-    assert theirs.keys() == grads.keys()
-    for name, grad in grads.items():
-        assert grad is not None
-        rel = float((grad - theirs[name]).norm() / theirs[name].norm())
-        assert rel < GRAD_RTOL, f"{name}: relative difference {rel:.2e}"
+    # layers 1 and 2 (the MoE ones) route alike
+    assert_computes_what_megatron_computes(policy, batch, megatron, partial(mbridge_deepseek_to_hf, section), router)
 
 
 def test_the_deepseek_checkpoint_has_the_expected_shapes() -> None:
@@ -138,15 +131,7 @@ def _agrees_with_megatron(section: dict, tmp_path: Path, seq: int) -> None:
     spec = parse_model_config(section)
     policy = build_policy(spec)
     load_policy_weights(policy, spec, checkpoint)
-    ours = policy_forward(policy, batch, RoutingControl(), need_entropy=False)
-    assert torch.equal(ours.routes, megatron["routes"])
-    assert (ours.logprobs - megatron["logprobs"]).abs().max() < LOGPROB_ATOL
-    simple_loss(ours, batch).backward()
-    theirs = mbridge_deepseek_to_hf(section, megatron["grads"], policy)
-    for name, param in policy.named_parameters():
-        assert param.grad is not None
-        rel = float((param.grad - theirs[name]).norm() / theirs[name].norm())
-        assert rel < GRAD_RTOL, f"{name}: relative difference {rel:.2e}"
+    assert_computes_what_megatron_computes(policy, batch, megatron, partial(mbridge_deepseek_to_hf, section))
 
 
 @pytest.mark.matrix

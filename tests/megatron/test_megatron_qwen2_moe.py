@@ -7,23 +7,23 @@ mbridge's Qwen2MoEBridge mapping."""
 from __future__ import annotations
 
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from megatron_helpers import (
     REASON,
+    assert_computes_what_megatron_computes,
     forward_backward,
     left_padded_batch,
     mbridge_to_hf,
     more_layouts,
-    simple_loss,
 )
 
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.megatron_weights import check_megatron_weights, expected_megatron_shapes
-from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config, policy_forward
-from axrl_spike_replay.models.tiny_moe import RoutingControl
+from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config
 from axrl_spike_replay.rank_processes import spawn_ranks
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.testing.megatron_checkpoints import save_layouts, tiny_section
@@ -34,8 +34,6 @@ pytestmark = pytest.mark.slow
 # fp32 on CPU, one thread: the two models sum in different orders (fused QKV vs split projections, experts' token
 # order, RMSNorm's rsqrt placement), so values agree to float32 ulps, not bit for bit. Measured: log-probs within
 # 4.8e-7, gradients within 2.1e-6 relative (the last layer's query projection and its bias; most under 5e-7).
-LOGPROB_ATOL = 1e-5
-GRAD_RTOL = 1e-5
 # The torch engine's own bar for a full-fidelity CPU replay, as for Qwen3-MoE and DeepSeek-V3. Measured: route 2
 # within 8e-13 of the recorded norm, route 1 (whole and FSDP2-sharded alike) within 2e-8 of route 2.
 CROSS_CHECK_RTOL = 1e-6
@@ -72,18 +70,7 @@ def test_transformers_qwen2_moe_computes_what_megatron_computes(
     state = policy.state_dict()
     assert state["model.layers.1.mlp.shared_expert_gate.weight"].abs().min() > 0
     assert state["model.layers.0.self_attn.k_proj.bias"].abs().max() > 0  # megatron-core initialises biases to 0
-    ours = policy_forward(policy, batch, RoutingControl(), need_entropy=False)
-    assert torch.equal(ours.routes, megatron["routes"])
-    assert (ours.logprobs - megatron["logprobs"]).abs().max() < LOGPROB_ATOL
-    simple_loss(ours, batch, router).backward()
-
-    theirs = mbridge_to_hf(section, megatron["grads"], policy)
-    grads = {name: p.grad for name, p in policy.named_parameters()}
-    assert theirs.keys() == grads.keys()
-    for name, grad in grads.items():
-        assert grad is not None
-        rel = float((grad - theirs[name]).norm() / theirs[name].norm())
-        assert rel < GRAD_RTOL, f"{name}: relative difference {rel:.2e}"
+    assert_computes_what_megatron_computes(policy, batch, megatron, partial(mbridge_to_hf, section), router)
 
 
 def test_the_qwen2_moe_checkpoint_has_the_expected_shapes() -> None:

@@ -4,11 +4,18 @@ compared under mbridge's mapping of Megatron's names (an independent peer of our
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
-from megatron_helpers import forward_backward, left_padded_batch, mbridge_to_hf, simple_loss
+from megatron_helpers import (
+    LOGPROB_ATOL,
+    assert_computes_what_megatron_computes,
+    forward_backward,
+    left_padded_batch,
+    mbridge_to_hf,
+)
 
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.megatron_weights import check_megatron_weights, expected_megatron_shapes
@@ -22,8 +29,6 @@ pytestmark = pytest.mark.slow
 # fp32 on CPU, one thread: the two models sum in different orders (fused QKV vs three projections, experts'
 # token order, RMSNorm's rsqrt placement), so values agree to a few float32 ulps, not bit for bit. Measured:
 # log-probs within 5e-7, gradients within 5e-7 relative; the bounds leave a 20x margin.
-LOGPROB_ATOL = 1e-5
-GRAD_RTOL = 1e-5
 
 
 @pytest.mark.parametrize("router", [pytest.param(0.0, marks=pytest.mark.matrix), 0.01])  # 0.01 checks 0.0's facts too
@@ -40,18 +45,7 @@ def test_transformers_model_computes_what_megatron_computes(
     spec = parse_model_config(section)
     policy = build_policy(spec)
     load_policy_weights(policy, spec, megatron_checkpoints["tp1"])
-    ours = policy_forward(policy, batch, RoutingControl(), need_entropy=False)
-    assert torch.equal(ours.routes, megatron["routes"])  # every token to the same experts
-    assert (ours.logprobs - megatron["logprobs"]).abs().max() < LOGPROB_ATOL
-    simple_loss(ours, batch, router).backward()
-
-    theirs = mbridge_to_hf(section, megatron["grads"], policy)
-    grads = {name: p.grad for name, p in policy.named_parameters()}
-    assert theirs.keys() == grads.keys()
-    for name, grad in grads.items():
-        assert grad is not None
-        rel = float((grad - theirs[name]).norm() / theirs[name].norm())
-        assert rel < GRAD_RTOL, f"{name}: relative difference {rel:.2e}"
+    assert_computes_what_megatron_computes(policy, batch, megatron, partial(mbridge_to_hf, section), router)
 
 
 def test_every_saved_layout_loads_the_same_transformers_model(megatron_checkpoints: dict[str, Path]) -> None:
