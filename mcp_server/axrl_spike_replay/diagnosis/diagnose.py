@@ -85,6 +85,7 @@ class Diagnosis:
     routes: RouteAgreement | None = None
     step: StepEvidence | None = None  # the per-rank signal check and the loss channel (model evidence)
     reading: SignalReading | None = None  # the odd stored signals, read off `step`
+    record: str | None = None  # where the diagnosis was kept (a workspace's task file), or why not; None: not asked
 
     @property
     def top(self) -> Cause:
@@ -314,4 +315,6 @@ def render_diagnosis(d: Diagnosis) -> str:
         lines += [f"  problem [{p.name}]: {p.message}" for p in d.consistency.problems]
     if d.not_checked:
         lines += ["", "not checked:"] + [f"  {n}" for n in d.not_checked]
+    if d.record:
+        lines += ["", d.record]
     return "\n".join(lines)
