@@ -221,7 +221,7 @@ def _render_method_added(method: MethodAdded, workspace: Path) -> str:
     text = f"{method.status} method {method.slug} in workspace {workspace} -> {method.path}\n{method.summary}"
     if method.confirms_shipped:
         text += f"\nsame change as the shipped method {method.confirms_shipped}: this spike confirms it"
-    return text
+    return text + "".join(f"\nwarning: {w}" for w in method.warnings)
 
 
 def _render_methods(methods: list[MethodEntry]) -> str:

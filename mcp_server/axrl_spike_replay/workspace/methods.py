@@ -21,6 +21,7 @@ from axrl_spike_replay.vocabulary import Fidelity, Verdict
 from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
 from axrl_spike_replay.workspace.evidence import baseline_for, find_attempt, output_dir_of, result_doc
+from axrl_spike_replay.workspace.method_names import name_warning
 from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_workspace, in_workspace, methods_dir
 from axrl_spike_replay.workspace.preserved_copies import source_of_copy
 from axrl_spike_replay.workspace.render import fmt, pct, render
@@ -135,6 +136,7 @@ def add_method(
 
     update_task(root, job, change)
     fields, path = written[-1]
+    warning = name_warning(slug, fields["mitigations"] or {}, known_method_names(root))
     return MethodAdded(
         axrl_method=fields[front_matter.MARKER],
         slug=fields["slug"],
@@ -165,7 +167,19 @@ def add_method(
         token_fraction=fields.get("token_fraction"),
         sample_fraction=fields.get("sample_fraction"),
         rank=next((m.rank for m in list_methods(root) if Path(m.path) == Path(path)), 0),
+        warnings=[warning] if warning else [],
     )
+
+
+def known_method_names(workspace: Path) -> dict[str, dict[str, Any]]:
+    """{slug: normalised config} of the methods whose names people know: the shipped ones and the seed workflow's."""
+    from axrl_spike_replay.experiment.mitigation_sets import SEED_WORKFLOW_METHODS
+
+    known = {slug: normalise_config(config) for slug, config in SEED_WORKFLOW_METHODS.items()}
+    for path, fields in _shipped_front_matters(workspace):
+        if isinstance(fields.get("mitigations"), dict):
+            known[str(fields.get("slug") or path.stem)] = fields["mitigations"]
+    return known
 
 
 def as_sentence(text: str) -> str:
