@@ -225,22 +225,47 @@ def _render_method_added(method: MethodAdded, workspace: Path) -> str:
 
 
 def _render_methods(methods: list[MethodEntry]) -> str:
+    """The workspace's methods, then the shipped ones apart: those were measured on the reference trainer's spikes,
+    not on this workspace's, and a shipped change this workspace confirmed is said so rather than shown as new."""
     if not methods:
         return "no method files"
-    rows = [
-        [
-            m.rank,
-            m.slug,
-            m.status,
-            m.source,
-            _figure(m.front_matter.get("cosine_to_clean"), "{:.4f}")
-            + (" (rough)" if m.front_matter.get("clean_reached") is False else ""),
-            _figure(m.front_matter.get("token_fraction"), "{:.1%}"),
-            m.summary,
+    own = [m for m in methods if m.source != "shipped"]
+    shipped = [m for m in methods if m.source == "shipped"]
+    confirmed = {
+        str(m.front_matter.get("confirms_shipped")): m.slug for m in own if m.front_matter.get("confirms_shipped")
+    }
+    heads = ("rank", "method", "status", "cos to clean", "tokens touched", "summary")
+    lines = []
+    if own:
+        lines += [
+            "methods of this workspace (measured on its spikes; rank: one ranking with the shipped ones):",
+            table(heads, [_method_row(m) for m in own]),
         ]
-        for m in methods
+    if shipped:
+        rows = [
+            [*_method_row(m)[:-1], f"(same change as this workspace's {confirmed[m.slug]}) {m.summary}"]
+            if m.slug in confirmed
+            else _method_row(m)
+            for m in shipped
+        ]
+        lines += ["" if own else None, "shipped with the tool (measured on the reference trainer's spikes, not on "
+                  "yours; job: the reference run):", table((*heads[:-1], "job", "summary"),
+                  [[*r[:-1], m.front_matter.get("job_name") or m.front_matter.get("job"), r[-1]]
+                   for r, m in zip(rows, shipped, strict=True)])]  # fmt: skip
+    return "\n".join(line for line in lines if line is not None)
+
+
+def _method_row(m: MethodEntry) -> list[Any]:
+    """rank (in the one ranking of both lists), name, status, cosine to clean, footprint, summary."""
+    return [
+        m.rank,
+        m.slug,
+        m.status,
+        _figure(m.front_matter.get("cosine_to_clean"), "{:.4f}")
+        + (" (rough)" if m.front_matter.get("clean_reached") is False else ""),
+        _figure(m.front_matter.get("token_fraction"), "{:.1%}"),
+        m.summary,
     ]
-    return table(("rank", "method", "status", "source", "cos to clean", "tokens touched", "summary"), rows)
 
 
 def _figure(value: object, spec: str) -> str:
