@@ -12,8 +12,8 @@ from axrl_spike_replay.experiment.trainer_settings import NO_MEGATRON_FLAG, TRAI
 
 def trainer_advice(methods: list[dict[str, Any]], snapshot: str | None) -> dict[str, Any]:
     """{trainer, label, known, methods: [{slug, status, settings, notes, path}], no_megatron_flag: [slug]} for the
-    ranked `methods` (front matter rows). The trainer is the one the method files recorded, else the task snapshot's, else this tool's own
-    run config (`known` False: the snapshot's run config could not be read)."""
+    ranked `methods` (front matter rows). The trainer is the one the method files recorded, else the task
+    snapshot's, else this tool's own run config (`known` False: the snapshot's run config could not be read)."""
     recorded = [m.get("trainer") for m in methods if m.get("trainer") in TRAINERS]
     trainer = recorded[0] if recorded else snapshot_trainer(snapshot)
     known = trainer is not None
