@@ -58,7 +58,7 @@ def _drop_settled_steps(state: TaskState, entry: dict[str, Any], where: str, tim
     ]
     if not settled:
         return
-    state.next_steps = [row for row in state.next_steps if row not in settled]
+    state.next_steps[:] = [row for row in state.next_steps if row not in settled]  # the caller holds the list
     items = ", ".join(f"`{row['mitigation']}`" for row in settled)
     state.observations.append(
         {
