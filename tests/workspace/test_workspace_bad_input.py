@@ -64,7 +64,7 @@ def test_existing_method_name_is_refused_unless_replacing(task: Path) -> None:
     with pytest.raises(AxrlError, match="duplicate method"):
         add_method(task, JOB, "E2", "tis-again", "same change, new name")
     again = add_method(task, JOB, "E2", "tis", "regenerated reason", replace=True)
-    assert again.path == first.path and "Regenerated reason" in Path(again.path).read_text()
+    assert again.path == first.path and "regenerated reason" in Path(again.path).read_text()
     assert [m["slug"] for m in show_task(task, JOB).methods] == ["tis"]
 
 

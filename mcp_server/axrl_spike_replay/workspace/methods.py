@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ from axrl_spike_replay.workspace.task_state import now, read_state, update_task,
 from axrl_spike_replay.workspace.views import MethodAdded, MethodEntry
 
 STATUSES = ("proven", "partial", "diagnostic")
-_PROSE_WORD_RE = re.compile(r"[a-z][a-z'-]*(?:[\s,.:;]|$)")  # a first word in lower-case letters only
 SIGNAL_TOP = 3
 RELEASED_LATER = "which is released when the investigation ends (`report --release`)"  # `released_methods` edits it
 SHIPPED_DIR = "spike-mitigation-methods"  # the methods that ship with the tool (packaged data, or the checkout's)
@@ -124,7 +122,7 @@ def add_method(
         signals.update(recorded_signals(root, state, row, result, baseline, top=SIGNAL_TOP))
         with held_lock(root / TASKS_DIR / ".methods.lock", 120, "method files"):
             confirms = _check_not_duplicate(root, slug, result, replace)
-            doc = _method_doc(root, state, row, result, result_note, baseline, slug, as_sentence(rationale), signals)
+            doc = _method_doc(root, state, row, result, result_note, baseline, slug, rationale.strip(), signals)
             if confirms is not None:
                 doc["front_matter"]["confirms_shipped"] = confirms
             path = methods_dir(root) / f"{slug}.md"
@@ -180,13 +178,6 @@ def known_method_names(workspace: Path) -> dict[str, dict[str, Any]]:
         if isinstance(fields.get("mitigations"), dict):
             known[str(fields.get("slug") or path.stem)] = fields["mitigations"]
     return known
-
-
-def as_sentence(text: str) -> str:
-    """`text` stripped, its first letter upper case (a rationale is read as prose: `mask tokens ...` -> `Mask
-    tokens ...`); a first word that is code (`ratio_outlier_mask ...`, in backticks) or has capitals is left as is."""
-    text = text.strip()
-    return text[0].upper() + text[1:] if _PROSE_WORD_RE.match(text) else text
 
 
 def list_methods(workspace: str | Path) -> list[MethodEntry]:
