@@ -14,8 +14,9 @@ rc="${AXRL_RC_DIR:-/etc}"
 policy="${AXRL_POLICY_RC:-/usr/sbin/policy-rc.d}"
 export DEBIAN_FRONTEND=noninteractive
 
-boot_links() {  # every unit or SysV script enabled at boot, one per line
-  { find "$units" -path '*.wants/*' -type l 2>/dev/null; find "$rc"/rc?.d -name 'S*' -type l 2>/dev/null; } | sort
+boot_links() {  # every unit or SysV script enabled at boot, one per line (none where a directory is missing)
+  { find "$units" -path '*.wants/*' -type l 2>/dev/null || true
+    find "$rc"/rc?.d -name 'S*' -type l 2>/dev/null || true; } | sort
 }
 
 say "$why"

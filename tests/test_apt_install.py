@@ -98,3 +98,11 @@ def test_an_existing_policy_is_kept(tmp_path: Path) -> None:
     run = subprocess.run(["bash", str(SCRIPT), "why", "openssh-server"], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert policy.read_text() == "#!/bin/sh\nexit 101\n"
+
+
+def test_a_machine_without_systemd_or_rc_dirs_installs_all_the_same(tmp_path: Path) -> None:
+    env, _, _ = _fakes(tmp_path)
+    env["AXRL_SYSTEMD_DIR"], env["AXRL_RC_DIR"] = str(tmp_path / "none"), str(tmp_path / "none")
+    run = subprocess.run(["bash", str(SCRIPT), "why", "openssh-server"], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "RECORDER: apt-get install -y" in run.stderr and "not enabled at boot" not in run.stderr
