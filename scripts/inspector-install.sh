@@ -11,6 +11,8 @@ if ! command -v npm >/dev/null || ! command -v node >/dev/null; then
   echo "node/npm not found: the MCP Inspector test will be skipped" >&2
   exit 0
 fi
+echo "inspector-install: installing the MCP Inspector $VERSION (npm, into $DIR, not system-wide): the HTTP client" \
+  "test connects it to \`mcp --http\` with the bearer header" >&2
 mkdir -p "$DIR"
 timeout 600 npm install --prefix "$DIR" --no-audit --no-fund --loglevel=error \
   "@modelcontextprotocol/inspector@$VERSION" >&2 \

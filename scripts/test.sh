@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
 # Sets everything up, then runs the lint, the type checker and the test suite. Extra arguments go to pytest.
+# Beyond .venv (scripts/setup.sh), it installs what the tests of the remote paths need, each script saying on stderr
+# what it installs, upgrades and why before it does: as root with apt-get, Debian's OpenSSH server
+# (scripts/sshd-install.sh) and slurm-wlm with munge (scripts/slurm-install.sh), system-wide, with no daemon started
+# or enabled at boot (the tests start their own, on loopback, with their own config); with npm, the MCP Inspector's
+# CLI into .venv/mcp-inspector (scripts/inspector-install.sh). Where one cannot be installed its tests are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

@@ -118,11 +118,51 @@ def test_the_commands_the_demo_leaves_still_run_after_it_released_its_copy(demo_
         assert method[2] == demo_run["snapshot"] and Path(method[2]).is_dir(), path
     tis = Path(demo_run["workspace"]) / "spike-mitigation-methods" / "token-mismatch-tis-clip-2.md"
     method = shlex.split(_code_after(tis.read_text(), "## Replay it"))
-    assert method[3:] == ["--mitigation", "mismatch_token_clip_max=2.0"]
+    assert method[3:] == ["--mitigation", "mismatch_token_clip_max=2.0", "--workspace", demo_run["workspace"]]
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main([*method[1:], "--workspace", demo_run["workspace"], "--json"]) == 0
-    assert json.loads(out.getvalue())["verdict"] == "cleared"
+    with contextlib.redirect_stdout(out):  # as copied, from this test's directory: it records in the demo's workspace
+        assert main([*method[1:], "--json"]) == 0
+    doc = json.loads(out.getvalue())
+    assert doc["verdict"] == "cleared" and doc["output_dir"].startswith(demo_run["workspace"] + "/tmp/spike-replay/")
+
+
+def test_demo_says_what_it_planted_and_reports_the_diagnosis_the_model_evidence_makes(demo_run: dict) -> None:
+    """The static diagnosis cannot tell stale old log-probs from a rollout engine mismatch; the demo replays the step
+    anyway, so the report carries the diagnosis with the model evidence, and what the demo planted to check it by."""
+    assert demo_run["planted"] == demo_run["diagnosed"] == "engine_mismatch"
+    run_config = (Path(demo_run["snapshot"]) / "run_config.yaml").read_text()
+    assert "ratio_outliers" not in run_config and "preset: hidden" in run_config  # the answer is not on disk
+    report = Path(demo_run["report"]).read_text()
+    diagnosis = report.split("## Diagnosis", 1)[1].split("\n## ", 1)[0]
+    assert "model evidence `auto`" in diagnosis and "old agrees with the replay on rank 0" in diagnosis
+    assert "1. **rollout/trainer log-prob mismatch** (`engine_mismatch`, strength 1.00)" in diagnosis
+    assert "recompute=old_logprobs" not in report.split("## Next steps", 1)[-1].split("\n## ", 1)[0]
+    assert "no longer suggests `recompute=old_logprobs`" in report
+    observations = report.split("## Observations", 1)[1].split("\n## ", 1)[0]
+    assert "- **Planted by the demo:** preset `ratio_outliers`, cause family `engine_mismatch`: " in observations
+    assert "the diagnosis names it first" in observations
+
+
+def test_the_demos_record_reads_cleanly(demo_run: dict) -> None:
+    """What a first hour with the demo turned up: noise, wording, commands that only run from one directory, files
+    naming the released copy."""
+    workspace = demo_run["workspace"]
+    report = Path(demo_run["report"]).read_text()
+    task = Path(demo_run["task_file"]).read_text()
+    for text in (report, task):
+        assert "missing field: turn_index" not in text  # the reference trainer's batches are single-turn
+    assert "5 methods written up" in report and "read them.\nBest-ranked first" in report  # no "them.Best"
+    assert "**On Megatron-LM:**" in report and "no flag for\nthese methods" in report
+    assert f"--workspace {workspace}" in _code_after(task, "## Replay command")
+    for path in demo_run["methods"]:
+        text = Path(path).read_text()
+        fields = text.split("---\n", 2)[1]
+        assert f"\nsnapshot: {demo_run['snapshot']}\n" in fields, path  # not the released copy
+        assert f"\nreleased_copy: {demo_run['preserved']}\n" in fields, path
+        assert f"| snapshot | {demo_run['snapshot']} |" in text and "which was released 20" in text
+        assert _code_after(text, "## Replay it").endswith(f"--workspace {workspace}")
+        rationale = text.split("## Rationale\n\n", 1)[1]
+        assert rationale[0].isupper(), path
 
 
 def test_demo_trains_the_model_it_is_given(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -131,7 +171,7 @@ def test_demo_trains_the_model_it_is_given(tmp_path: Path, capsys: pytest.Captur
     err = capsys.readouterr().err
     assert "the reference run of qwen3_moe (preset 'none', 2 steps) tripped no spike guard" in err
     [log] = tmp_path.glob("*/outputs/*~demo-moe-grpo__actor/logs/train.log")
-    assert ", model qwen3_moe, preset none, world size 1," in log.read_text()  # what the capture's rank built
+    assert ", model qwen3_moe, preset hidden, world size 1," in log.read_text()  # what the capture's rank built
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,56 @@ def test_the_readme_points_to_a_page_per_face_and_the_snapshot_format() -> None:
     text = README.read_text(encoding="utf-8")
     for page in ("cli", "mcp", "snapshot-format", "mitigations", "safety", "models"):
         assert f"(docs/{page}.md)" in text and (DOCS / f"{page}.md").is_file()
-    assert "npx @modelcontextprotocol/inspector .venv/bin/axrl-spike-replay mcp" in text
+    assert f"npx -y @modelcontextprotocol/inspector@{_inspector_version()} .venv/bin/axrl-spike-replay mcp" in text
+
+
+def _inspector_version() -> str:
+    """The MCP Inspector version test.sh installs (scripts/inspector-install.sh)."""
+    script = (REPO / "scripts" / "inspector-install.sh").read_text(encoding="utf-8")
+    found = re.search(r'^VERSION="([0-9.]+)"', script, re.M)
+    assert found is not None
+    return found.group(1)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_inspector_command_runs_non_interactively_at_the_tested_version(page: Path) -> None:
+    """Without `-y`, npx asks before it installs and a non-interactive shell fails; the version is the one the tests
+    run."""
+    lines = [line for line in page.read_text(encoding="utf-8").splitlines() if "npx " in line]
+    wanted = f"npx -y @modelcontextprotocol/inspector@{_inspector_version()} "
+    assert [line for line in lines if wanted not in line] == []
+
+
+def test_the_readme_documentation_table_lists_every_page() -> None:
+    table = README.read_text(encoding="utf-8").split("## Documentation", 1)[1]
+    assert [p.name for p in sorted(DOCS.glob("*.md")) if f"(docs/{p.name})" not in table] == []
+
+
+def test_the_readme_example_writes_up_the_attempt_its_name_says() -> None:
+    """"On your own spike", followed in order: `replay` logs E1, `sweep` one attempt per `--mitigation` (E2, E3, ...);
+    the method it writes up is named after what that attempt ran (`method add` warns otherwise)."""
+    import shlex
+
+    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+    from axrl_spike_replay.workspace.changes import normalise_config
+    from axrl_spike_replay.workspace.method_names import name_warning, said_by
+    from axrl_spike_replay.workspace.methods import known_method_names
+
+    block = README.read_text(encoding="utf-8").split("## On your own spike", 1)[1].split("```bash\n", 1)[1]
+    commands = [shlex.split(line, comments=True) for line in block.split("\n```", 1)[0].splitlines()]
+    attempts: dict[str, dict] = {}
+    for words in commands:
+        if words[:2] == ["axrl-spike-replay", "replay"] and "--mitigation" not in words:
+            attempts[f"E{len(attempts) + 1}"] = {}
+        if words[:2] == ["axrl-spike-replay", "sweep"]:
+            for i, word in enumerate(words[:-1]):
+                if word == "--mitigation":
+                    attempts[f"E{len(attempts) + 1}"] = normalise_config(parse_mitigation_args(words[i + 1].split()))
+    [add] = [w for w in commands if w[:3] == ["axrl-spike-replay", "method", "add"]]
+    attempt, name = add[add.index("--attempt") + 1], add[add.index("--name") + 1]
+    ran = attempts[attempt]
+    known = known_method_names(REPO)
+    assert ran and set(ran) <= said_by(name, known) and name_warning(name, ran, known) is None
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
@@ -81,3 +130,27 @@ def test_the_snapshot_format_page_names_every_file_and_batch_field() -> None:
              layout.SNAPSHOTS_DIR.as_posix(), layout.PRESERVED_DIR.as_posix()]  # fmt: skip
     assert [f for f in files if f"`{f}" not in text and f not in text] == []
     assert [name for names in FIELD_ALIASES.values() for name in names if f"`{name}`" not in text] == []
+
+
+def test_the_spike_guard_snippet_runs_as_written(tmp_path: Path) -> None:
+    """docs/capture.md's loop is what people paste into their trainer first: it runs as it is, and the snapshot it
+    writes is one the tool reads."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    text = (DOCS / "capture.md").read_text(encoding="utf-8")
+    snippet = text.split("```python\n", 1)[1].split("\n```", 1)[0]
+    assert "SpikeGuard(" in snippet and "guard.snapshot(" in snippet
+    env = {**os.environ, "PYTHONPATH": str(REPO / "mcp_server")}
+    run = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    snapshot = tmp_path / "outputs" / "run1~my-job__actor" / layout.SNAPSHOTS_DIR / "iter_0000030-r1"
+    assert run.stdout.strip() == f"[PosixPath('{snapshot.relative_to(tmp_path)}')]"
+    meta = json.loads((snapshot / layout.AXRL_METADATA).read_text())
+    assert meta["iteration"] == 30 and meta["job_name"] == "my-job" and meta["spike_ratio"] > 5
+    from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
+
+    assert analyze_snapshot(snapshot).ratio_old_vs_rollout["log_ratio"]["max"] == 8.0  # the planted 8 nats

@@ -1,8 +1,12 @@
 """The demo: the whole procedure on a spike captured right now by the reference trainer.
 
 capture → resolve → open the task → list → preserve → diagnose into the task → inspect → analyze → scan logs →
-replay the baseline → sweep mitigations → attribute → write up what proved out → report → release.
-Every figure shown comes from the step that computed it.
+replay the baseline → sweep mitigations → attribute → diagnose again with the model evidence → write up what proved
+out → report → release. Every figure shown comes from the step that computed it.
+
+The demo knows the fault it planted (its preset's), and the snapshots and the log do not name it (the capture hides
+it), so the diagnosis cannot read the answer there: the report's Observations then say what was planted and whether
+the diagnosis named it, for a user to check the tool against.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class DemoSummary:
     steps: list[DemoStep]
     seconds: float
     causes: list[str] = field(default_factory=list)  # diagnose's likely causes, strongest first
+    planted: str | None = None  # the cause family the demo's preset planted (None: a preset without one)
+    diagnosed: str | None = None  # the family the diagnosis with the model evidence ranked first
 
 
 def _fmt(value: float | None, digits: int = 4) -> str:
@@ -68,13 +74,15 @@ def run_demo(
     `progress` receives a line as each step starts and the replays' own progress lines as they run; the capture's
     rank processes then stream theirs to stderr."""
     from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
+    from axrl_spike_replay.capture.presets import get_preset
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+    from axrl_spike_replay.diagnosis.causes import LIKELY
     from axrl_spike_replay.diagnosis.log_scan import scan_logs
     from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
     from axrl_spike_replay.experiment.result import Attribution, ReplayResult, SweepResult
     from axrl_spike_replay.investigation.request import What, replay_request
     from axrl_spike_replay.investigation.runs import run_request
-    from axrl_spike_replay.investigation.task_opening import open_task
+    from axrl_spike_replay.investigation.task_opening import diagnose_into_task, open_task
     from axrl_spike_replay.snapshot.discovery import resolve_job
     from axrl_spike_replay.snapshot.inspect import inspect_snapshot
     from axrl_spike_replay.snapshot.listing import list_snapshots
@@ -109,6 +117,7 @@ def run_demo(
         preset=preset,
         model=model,
         progress=progress is not None,
+        hide_fault=True,  # the snapshots and the log do not name the fault: the diagnosis must find it
     )
     if not capture.snapshot_dirs:
         raise AxrlError(
@@ -252,6 +261,35 @@ def run_demo(
         ],
     )
 
+    # the step's own evidence settles what the static diagnosis left open (old or rollout log-probs off?): the
+    # report shows the strongest diagnosis, and the demo says what it planted so the answer can be checked
+    starting("diagnose again, with the model evidence (reusing the attribution)")
+    strong = diagnose_into_task(root, snapshot, attribution=attribution, model="auto")
+    planted = get_preset(preset)
+    diagnosed = strong.top.family if strong.causes else None
+    verdict = (
+        "the diagnosis names it first"
+        if diagnosed == planted.family
+        else f"the diagnosis ranks {diagnosed or 'nothing'} first, NOT the planted family"
+    )
+    check = (
+        f"**Planted by the demo:** preset `{preset}`, cause family `{planted.family}`: {planted.description}. The "
+        f"snapshots and the log do not name it, so the diagnosis could not read it there; {verdict} "
+        f"({strong.top.title}, strength {strong.top.strength:.2f}, with the model evidence)."
+        if planted.family
+        else f"**Planted by the demo:** preset `{preset}`, no cause family: {planted.description}."
+    )
+    note(root, DEMO_JOB, "observations", check)
+    step(
+        "diagnose (with the model evidence)",
+        [
+            f"likely cause: {c.title} [{c.family}] (strength {c.strength:.2f})"
+            for c in strong.causes
+            if c.family == "natural_spike" or c.strength >= LIKELY
+        ]
+        + [f"planted: {planted.family or 'no cause family'} (preset {preset}): {verdict}"],
+    )
+
     # 5. write up what proved out, report, release
     starting("write up the methods that cleared it, report, release the preserved copy")
     writeups = write_up_sweep(root, DEMO_JOB, sweep)
@@ -289,4 +327,6 @@ def run_demo(
         steps=done,
         seconds=time.perf_counter() - started,
         causes=causes,
+        planted=planted.family,
+        diagnosed=diagnosed,
     )

@@ -105,7 +105,7 @@ def test_verl_field_names_give_the_same_analysis(synthetic) -> None:
     assert verl.sign_balance["negative_total"] == pytest.approx(canonical.sign_balance["negative_total"])
     assert verl.rewards["mean"] == pytest.approx(canonical.rewards["mean"])
     assert verl.advantages["per_token"] is True
-    assert [m.split(" ")[0] for m in verl.missing] == ["turn_index"]
+    assert verl.missing == []  # verl's batches are single-turn: no turn_index is no gap
 
 
 def test_openrlhf_names_without_rollout_logprobs_say_what_is_missing(synthetic, cli) -> None:
@@ -123,6 +123,21 @@ def test_openrlhf_names_without_rollout_logprobs_say_what_is_missing(synthetic, 
     assert result.logprobs["old_vs_ref_kl_k3"] is not None
     out = cli("analyze", snap).out
     assert "missing: rollout_logprobs" in out and "top tokens by |advantage|" in out
+
+
+def test_the_reference_trainers_single_turn_batch_misses_nothing(golden_snapshot: Path, tmp_path: Path) -> None:
+    """`turn_index` is optional: a batch with none on any rank is single-turn, not missing a field; one that has it
+    on some ranks only is still reported."""
+    assert "turn_index" not in torch.load(golden_snapshot / "batch_rank0.pt", weights_only=True)
+    assert analyze_snapshot(golden_snapshot).missing == []
+    snap = tmp_path / golden_snapshot.name
+    shutil.copytree(golden_snapshot, snap)
+    batch = torch.load(snap / "batch_rank0.pt", weights_only=True)
+    batch["turn_index"] = torch.zeros_like(batch["loss_mask"], dtype=torch.long)
+    torch.save(batch, snap / "batch_rank0.pt")
+    assert [m.split(" (")[0] + m.split(")")[1].split(":")[0] for m in analyze_snapshot(snap).missing] == [
+        "turn_index not found on ranks [1]"
+    ]
 
 
 def test_a_batch_without_advantages_or_routing_still_analyses(synthetic, tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ import os
 import stat
 from pathlib import Path
 
-import asyncssh
 import pytest
 from ssh_loopback import Keys, LoopbackServer, free_port
 
@@ -15,6 +14,7 @@ from axrl_spike_replay.remote.connect import ConnectSettings
 from axrl_spike_replay.remote.errors import HostKeyError, RemoteError
 from axrl_spike_replay.remote.host_keys import HostKeyPolicy, record_host_key
 from axrl_spike_replay.remote.session import open_session
+from axrl_spike_replay.remote.ssh_library import asyncssh
 
 
 def connect_and_run(spec: str, settings: ConnectSettings | None = None) -> tuple[str, int]:

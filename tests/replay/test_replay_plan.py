@@ -17,12 +17,20 @@ from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.models.policy import build_policy, parse_model_config
 from axrl_spike_replay.replay.inputs import read_run_config
 from axrl_spike_replay.replay.process_memory import model_facts
-from axrl_spike_replay.replay.replay_plan import Capacity, PlanRefused, plan_replay
+from axrl_spike_replay.replay.replay_plan import Capacity, PlanRefused, parameter_count, plan_replay
 from axrl_spike_replay.testing.config_only_snapshot import DEEPSEEK_V3, QWEN3_30B_A3B, write_config_only_snapshot
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
 SNAPSHOT = FIXTURE / "checkpoints" / "spike_snapshots" / "iter_0000021"  # tiny MoE, saved world size 2
 H200_NODE = Capacity("8xH200", "cuda", 8, int(141 * (1 << 30) * 0.92), "test")
+
+
+@pytest.mark.parametrize(
+    ("count", "text"),
+    [(512, "512"), (43_790, "43.8K"), (999_600, "1M"), (1_234_567, "1.23M"), (30.53e9, "30.5B"), (671e9, "671B")],
+)
+def test_parameter_counts_read_as_people_write_them(count: float, text: str) -> None:
+    assert parameter_count(count) == text
 
 
 def test_the_fixture_plan_counts_the_built_model_and_fits_here() -> None:
@@ -37,6 +45,7 @@ def test_the_fixture_plan_counts_the_built_model_and_fits_here() -> None:
     assert plan.chosen is two and plan.smallest_full_fidelity is two and plan.fits
     assert two.memory.parameters == built * 4 and two.memory.activations > 0
     assert plan.layout == "2 processes on 1 node(s), each with the whole model"
+    assert f"tiny_moe (2 layers, 4 experts): {built / 1e3:.3g}K parameters (" in plan.text()  # not 4.38e-05B
     tight = plan_replay(SNAPSHOT, capacity=Capacity("here", "cpu", 1, two.per_device - 1, "test"), shard="off")
     assert tight.fits is False and tight.smallest_full_fidelity is None
     assert "largest fitting layout is 1 process(es) at reduced fidelity" in tight.layout

@@ -24,6 +24,7 @@ def test_the_mcp_page_lists_every_tool_and_resource_the_server_offers(workspace:
 
 def test_the_mcp_page_shows_the_inspector_command_lines_and_links_the_http_setup() -> None:
     text = PAGE.read_text(encoding="utf-8")
-    assert "npx @modelcontextprotocol/inspector .venv/bin/axrl-spike-replay mcp\n" in text
-    assert "npx @modelcontextprotocol/inspector --cli .venv/bin/axrl-spike-replay mcp --method tools/list" in text
+    npx = "npx -y @modelcontextprotocol/inspector@0.22.0"  # the version test.sh installs, without a prompt
+    assert f"{npx} .venv/bin/axrl-spike-replay mcp\n" in text
+    assert f"{npx} --cli .venv/bin/axrl-spike-replay mcp --method tools/list" in text
     assert "(mcp-http.md)" in text

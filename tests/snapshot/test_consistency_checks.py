@@ -114,3 +114,28 @@ def test_the_param_norm_bound_is_named_with_its_numbers(golden_snapshot: Path, t
     assert result.merged_param_norm_bounds == pytest.approx([0.1 * low, 0.1 * high])
     (problem,) = result.problems
     assert f"it must lie in [{0.1 * low:.6g}, {0.1 * high:.6g}]" in problem.message
+
+
+def test_a_check_not_made_is_named_with_why(golden_snapshot: Path, tmp_path: Path) -> None:
+    """Runs make different sets of checks (no log value here, no replay): the line names each made and each not made,
+    with the reason, so that one run's "6 checks" and another's "8" can be told apart."""
+    snapshot = tmp_path / golden_snapshot.name
+    shutil.copytree(golden_snapshot, snapshot)
+    (snapshot / "run_config.yaml").unlink()
+    _edit_grad_info(snapshot, 1, lambda info: info.update(param_grad_norms={}))
+    result = check_snapshot(snapshot, log_note="no log file beside the snapshot")
+    assert result.checked == ["spike_ratio_vs_norms", "ranks_vs_files", "rank_grad_norm_vs_metadata"]
+    assert result.skipped == {
+        "metadata_vs_run_config": "no run_config.yaml",
+        "grad_norm_vs_param_norms": "needs every data-parallel rank's per-parameter norms: 1 of 2 grad info file(s) "
+        "hold them, data-parallel size 2",
+        "grad_norm_vs_log": "no log file beside the snapshot",
+    }
+    assert result.summary() == (
+        "snapshot agrees with itself; no log value (3 checks: spike_ratio_vs_norms, ranks_vs_files, "
+        "rank_grad_norm_vs_metadata; not made: metadata_vs_run_config: no run_config.yaml; grad_norm_vs_param_norms: "
+        "needs every data-parallel rank's per-parameter norms: 1 of 2 grad info file(s) hold them, data-parallel size "
+        "2; grad_norm_vs_log: no log file beside the snapshot; rank_loss_vs_replay, param_grad_norms_vs_replay: made "
+        "by `replay` (against the step it replays); grad_norm_vs_replay: made by `diagnose` with model evidence (a "
+        "replay judges the global norm in its verdict))"
+    )

@@ -41,6 +41,21 @@ def test_golden_capture_json(golden_outputs: Path, cli) -> None:
         assert entry["preserved"] is False and entry["spike_ratio"] > 5
 
 
+def test_the_table_lists_the_worst_snapshot_first(golden_outputs: Path, cli) -> None:
+    """As the README says: worst first (the order to investigate), or by iteration when asked."""
+    out = golden_outputs / "fx~fixture-moe__actor"
+
+    def table_rows(*flags: str) -> list[tuple[int, float]]:
+        lines = cli("snapshots", out, *flags).out.split("\n\n")[0].splitlines()[2:]
+        return [(int(line.split()[0]), float(line.split()[2])) for line in lines]
+
+    worst_first = table_rows()
+    assert len(worst_first) >= 2 and [r for _, r in worst_first] == sorted((r for _, r in worst_first), reverse=True)
+    assert worst_first[0][0] == cli("snapshots", out, "--json").json()["ranking"][0]["iteration"]
+    assert [i for i, _ in table_rows("--by-iteration")] == sorted(i for i, _ in worst_first)
+    assert [i for i, _ in worst_first] != sorted(i for i, _ in worst_first)  # the fixture's worst is not its first
+
+
 def test_unreadable_metadata_is_reported_not_fatal(make_output_dir) -> None:
     out = make_output_dir()
     (out / SNAPSHOTS_DIR / "iter_0000041" / "axrl_metadata.json").write_text("{ not json")

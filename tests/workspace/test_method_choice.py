@@ -123,7 +123,8 @@ def test_the_task_and_report_show_the_replay_command_actually_used(
 ) -> None:
     workspace, _ = investigated
     state = read_state(workspace, JOB)
-    assert state.command == f"axrl-spike-replay replay {spike_run.snapshot}"
+    # as people rerun it from anywhere: the workspace named (the default is the directory it is run in)
+    assert state.command == f"axrl-spike-replay replay {spike_run.snapshot} --workspace {workspace.resolve()}"
     assert "None recorded yet" not in (workspace / "agent-task" / "spike-replay" / f"{JOB}.md").read_text()
     set_command(workspace, JOB, "my own command")
     _log(workspace, spike_run.snapshot, "again", BASE, {}, None, 0.0, command="axrl-spike-replay replay other")

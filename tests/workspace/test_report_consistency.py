@@ -37,9 +37,18 @@ def test_the_report_shows_the_baseline_replays_consistency_and_its_named_problem
     report = write_report(workspace, JOB)
     diagnosis = report.text.split("## Diagnosis", 1)[1].split("\n## ", 1)[0]
     assert "self-consistent: **yes**" in diagnosis  # what the task-open diagnosis could see
+    static = ("spike_ratio_vs_norms, ranks_vs_files, metadata_vs_run_config, rank_grad_norm_vs_metadata, "
+              "grad_norm_vs_param_norms, grad_norm_vs_log")  # fmt: skip
+    # each names the checks it made and why the others were not: the counts differ for a reason one can read
+    not_made = "not made: rank_loss_vs_replay, param_grad_norms_vs_replay: made by `replay`"
+    assert f"(6 checks: {static}; {not_made}" in diagnosis
     section = report.text.split("## Baseline replay", 1)[1].split("\n## ", 1)[0]
     assert "- E1: self-consistent: **no**; agrees with the training log: **yes**" in section
-    assert "(snapshot 1 self-inconsistencies; agrees with the training log (8 checks))" in section
+    assert (
+        f"(snapshot 1 self-inconsistencies; agrees with the training log (8 checks: {static}, rank_loss_vs_replay, "
+        "param_grad_norms_vs_replay; not made: grad_norm_vs_replay: made by `diagnose` with model evidence (a replay "
+        "judges the global norm in its verdict)))"
+    ) in section
     assert "  - [rank_loss_vs_replay] rank 1 recorded loss " in section
     (row,) = report.baselines
     assert row["consistency"]["self_consistent"] is False

@@ -183,7 +183,7 @@ def test_a_kept_copy_says_how_people_and_agents_release_it(
     ours, ws = _task_on_a_preserved_copy(two_jobs_template, tmp_path)
     _, report, _ = _report(capsys, ws)
     line = next(x for x in report["text"].splitlines() if str(_copy(ours)) in x and x.startswith("- "))
-    assert f"people run `axrl-spike-replay report {JOB} --release`" in line
+    assert f"people run `axrl-spike-replay report {JOB} --release --workspace {ws.resolve()}`" in line
     assert "agents call the MCP tool `write_report` with `release: true`" in line
 
 

@@ -36,6 +36,9 @@ OPTIONAL_FIELDS = {
     "rewards": "no reward statistics",
     "turn_index": "turn shown as null",
 }
+# Absent on every rank, these say the batch has no such structure (a single-turn batch has no turn index): nothing
+# is missing then. Present on some ranks only, they are reported as the others are.
+ABSENT_MEANS_NONE = frozenset({"turn_index"})
 
 
 @dataclass
@@ -280,6 +283,8 @@ def analyze_snapshot(path: str | Path, top: int = 10) -> BatchAnalysis:
         have = [r.rank for r in ranks if name in r.batch]
         if len(have) == len(ranks):
             use.add(name)
+            continue
+        if not have and name in ABSENT_MEANS_NONE:
             continue
         where = "on any rank" if not have else f"on ranks {[r.rank for r in ranks if name not in r.batch]}"
         missing.append(f"{name} (accepted names: {', '.join(FIELD_ALIASES[name])}) not found {where}: {cost}")

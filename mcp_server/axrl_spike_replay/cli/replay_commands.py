@@ -224,6 +224,7 @@ def _threshold_label(doc: dict[str, Any]) -> str:
 def render_replay(doc: dict[str, Any]) -> str:
     """A replay result for people."""
     from axrl_spike_replay.experiment.result import describe_clean_gradient
+    from axrl_spike_replay.snapshot.consistency import checks_line
 
     lines = [
         f"replay of {doc['snapshot']} (job {doc['job_name']}, iteration {doc['iteration']}, {doc['device']})",
@@ -267,6 +268,7 @@ def render_replay(doc: dict[str, Any]) -> str:
         own = "agrees with itself" if consistency["self_consistent"] else "DISAGREES with itself"
         log = {True: "agrees with", False: "CONTRADICTS", None: "no value in"}[consistency.get("agrees_with_log")]
         lines.append(f"  snapshot      {own}; {log} the training log")
+        lines.append(f"  checks        {checks_line(consistency.get('checked') or [], consistency.get('skipped'))}")
         lines += [f"  problem       [{p['name']}] {p['message']}" for p in consistency["problems"]]
     if doc.get("top_params"):
         tops = ", ".join(f"{p['name']} {_num(p['grad_norm'], 4)}" for p in doc["top_params"][:3])

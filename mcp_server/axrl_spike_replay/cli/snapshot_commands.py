@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, table
@@ -21,8 +22,14 @@ def register(sub: Any) -> None:
     add_json_flag(p)
     p.set_defaults(handler=_resolve)
 
-    p = sub.add_parser("snapshots", help="list an output dir's retained and preserved snapshots")
+    p = sub.add_parser(
+        "snapshots",
+        help="list an output dir's retained and preserved snapshots, worst first",
+        description="List the retained and preserved snapshots of an output dir, in the order to investigate them: "
+        "the largest spike ratio first (a preserved copy beside its rotating source), unreadable metadata last.",
+    )
     p.add_argument("output_dir", help="a role output dir (<run>~<job>__<role>)")
+    p.add_argument("--by-iteration", action="store_true", help="order the table by iteration instead")
     add_json_flag(p)
     p.set_defaults(handler=_snapshots)
 
@@ -106,9 +113,15 @@ def _snapshots(args: argparse.Namespace) -> int:
         if not r.snapshots:
             empty = f"{r.output_dir}: no snapshots (looked in checkpoints/spike_snapshots and -active)"
             return "\n".join([empty, *skipped])
+        place = {Path(k.path).name: k.order for k in r.ranking}  # worst first: the order to investigate
+        listed = (
+            r.snapshots
+            if args.by_iteration
+            else sorted(r.snapshots, key=lambda s: (place.get(Path(s.path).name, len(place) + 1), not s.preserved))
+        )
         rows = [
             [s.iteration, "preserved" if s.preserved else "retained", s.spike_ratio, s.grad_norm, size(s.bytes), s.path]
-            for s in r.snapshots
+            for s in listed
         ]
         lines = [table(["iteration", "kind", "spike ratio", "grad norm", "size", "path"], rows)]
         lines += [f"problem: {s.problem}" for s in r.snapshots if s.problem] + skipped

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, table
@@ -110,35 +112,39 @@ def _with_workspace(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _task_open(args: argparse.Namespace) -> int:
     from axrl_spike_replay.investigation.task_opening import open_task
 
-    emit(open_task(args.workspace, args.job, snapshot=args.snapshot, diagnosis=args.diagnosis), args.json, _render_task)
+    emit(
+        open_task(args.workspace, args.job, snapshot=args.snapshot, diagnosis=args.diagnosis),
+        args.json,
+        _task_renderer(args),
+    )
     return 0
 
 
 def _task_note(args: argparse.Namespace) -> int:
     from axrl_spike_replay.workspace.task_state import note
 
-    emit(note(args.workspace, args.job, args.section, args.text), args.json, _render_task)
+    emit(note(args.workspace, args.job, args.section, args.text), args.json, _task_renderer(args))
     return 0
 
 
 def _task_set_snapshot(args: argparse.Namespace) -> int:
     from axrl_spike_replay.workspace.task_state import set_snapshot
 
-    emit(set_snapshot(args.workspace, args.job, args.snapshot), args.json, _render_task)
+    emit(set_snapshot(args.workspace, args.job, args.snapshot), args.json, _task_renderer(args))
     return 0
 
 
 def _task_set_command(args: argparse.Namespace) -> int:
     from axrl_spike_replay.workspace.task_state import set_command
 
-    emit(set_command(args.workspace, args.job, args.command_text), args.json, _render_task)
+    emit(set_command(args.workspace, args.job, args.command_text), args.json, _task_renderer(args))
     return 0
 
 
 def _task_show(args: argparse.Namespace) -> int:
     from axrl_spike_replay.workspace.task_state import show_task
 
-    emit(show_task(args.workspace, args.job), args.json, _render_task)
+    emit(show_task(args.workspace, args.job), args.json, _task_renderer(args))
     return 0
 
 
@@ -154,7 +160,7 @@ def _method_add(args: argparse.Namespace) -> int:
         allow_reduced=args.allow_reduced,
         replace=args.replace,
     )
-    emit(result, args.json, _render_method_added)
+    emit(result, args.json, lambda m: _render_method_added(m, _workspace(args)))
     return 0
 
 
@@ -169,7 +175,7 @@ def _report(args: argparse.Namespace) -> int:
     from axrl_spike_replay.workspace.report import write_report
 
     result = write_report(args.workspace, args.job, release=args.release, release_last_copy=args.release_last_copy)
-    emit(result, args.json, _render_report)
+    emit(result, args.json, lambda r: _render_report(r, _workspace(args)))
     return 1 if any(not entry["released"] for entry in result.released) else 0
 
 
@@ -180,8 +186,17 @@ def _change(row: dict[str, Any]) -> str:
     return "" if row.get("is_baseline") else pct(row.get("change_vs_baseline"))
 
 
-def _render_task(task: TaskView) -> str:
-    lines = [f"task {task.job}: {task.task_file}", f"snapshot: {task.snapshot or '(none)'}"]
+def _workspace(args: argparse.Namespace) -> Path:
+    """The workspace a verb used, as people should read it: absolute (the default is the current directory)."""
+    return Path(args.workspace).expanduser().resolve()
+
+
+def _task_renderer(args: argparse.Namespace) -> Callable[[TaskView], str]:
+    return lambda task: _render_task(task, _workspace(args))
+
+
+def _render_task(task: TaskView, workspace: Path) -> str:
+    lines = [f"task {task.job} in workspace {workspace}: {task.task_file}", f"snapshot: {task.snapshot or '(none)'}"]
     lines.append(f"command:  {task.command or '(none)'}")
     if task.experiments:
         cols = ("id", "fidelity", "change", "grad_norm", "ratio_to_median", "change vs baseline", "verdict")
@@ -192,42 +207,73 @@ def _render_task(task: TaskView) -> str:
         lines += ["", table(("id", "target", "reason"), [[f["id"], f["target"], f["reason"]] for f in task.failed])]
     for title, notes in (("observations", task.observations), ("next steps", task.next_steps)):
         if notes:
-            lines += ["", f"{title}:"] + [f"  - {n['text']}" for n in notes]
+            lines += ["", f"{title}:"] + [_bullet(n["text"]) for n in notes]
     return "\n".join(lines)
 
 
-def _render_method_added(method: MethodAdded) -> str:
-    text = f"{method.status} method {method.slug} -> {method.path}\n{method.summary}"
+def _bullet(text: str) -> str:
+    """A note as one bullet; its own lines (a cause's evidence, each a `- ...`) indented under it."""
+    first, *rest = str(text).splitlines() or [""]
+    return "\n".join([f"  - {first}", *(f"    {line.strip()}" for line in rest if line.strip())])
+
+
+def _render_method_added(method: MethodAdded, workspace: Path) -> str:
+    text = f"{method.status} method {method.slug} in workspace {workspace} -> {method.path}\n{method.summary}"
     if method.confirms_shipped:
         text += f"\nsame change as the shipped method {method.confirms_shipped}: this spike confirms it"
-    return text
+    return text + "".join(f"\nwarning: {w}" for w in method.warnings)
 
 
 def _render_methods(methods: list[MethodEntry]) -> str:
+    """The workspace's methods, then the shipped ones apart: those were measured on the reference trainer's spikes,
+    not on this workspace's, and a shipped change this workspace confirmed is said so rather than shown as new."""
     if not methods:
         return "no method files"
-    rows = [
-        [
-            m.rank,
-            m.slug,
-            m.status,
-            m.source,
-            _figure(m.front_matter.get("cosine_to_clean"), "{:.4f}")
-            + (" (rough)" if m.front_matter.get("clean_reached") is False else ""),
-            _figure(m.front_matter.get("token_fraction"), "{:.1%}"),
-            m.summary,
+    own = [m for m in methods if m.source != "shipped"]
+    shipped = [m for m in methods if m.source == "shipped"]
+    confirmed = {
+        str(m.front_matter.get("confirms_shipped")): m.slug for m in own if m.front_matter.get("confirms_shipped")
+    }
+    heads = ("rank", "method", "status", "cos to clean", "tokens touched", "summary")
+    lines = []
+    if own:
+        lines += [
+            "methods of this workspace (measured on its spikes; rank: one ranking with the shipped ones):",
+            table(heads, [_method_row(m) for m in own]),
         ]
-        for m in methods
+    if shipped:
+        rows = [
+            [*_method_row(m)[:-1], f"(same change as this workspace's {confirmed[m.slug]}) {m.summary}"]
+            if m.slug in confirmed
+            else _method_row(m)
+            for m in shipped
+        ]
+        lines += ["" if own else None, "shipped with the tool (measured on the reference trainer's spikes, not on "
+                  "yours; job: the reference run):", table((*heads[:-1], "job", "summary"),
+                  [[*r[:-1], m.front_matter.get("job_name") or m.front_matter.get("job"), r[-1]]
+                   for r, m in zip(rows, shipped, strict=True)])]  # fmt: skip
+    return "\n".join(line for line in lines if line is not None)
+
+
+def _method_row(m: MethodEntry) -> list[Any]:
+    """rank (in the one ranking of both lists), name, status, cosine to clean, footprint, summary."""
+    return [
+        m.rank,
+        m.slug,
+        m.status,
+        _figure(m.front_matter.get("cosine_to_clean"), "{:.4f}")
+        + (" (rough)" if m.front_matter.get("clean_reached") is False else ""),
+        _figure(m.front_matter.get("token_fraction"), "{:.1%}"),
+        m.summary,
     ]
-    return table(("rank", "method", "status", "source", "cos to clean", "tokens touched", "summary"), rows)
 
 
 def _figure(value: object, spec: str) -> str:
     return spec.format(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else "n/a"
 
 
-def _render_report(result: ReportResult) -> str:
-    lines = [result.text.rstrip("\n"), "", f"report written to {result.path}"]
+def _render_report(result: ReportResult, workspace: Path) -> str:
+    lines = [result.text.rstrip("\n"), "", f"report of workspace {workspace} written to {result.path}"]
     for entry in result.released:
         state = "released" if entry["released"] else f"NOT released: {entry['error']}"
         lines.append(f"preserved copy {entry['path']}: {state}")

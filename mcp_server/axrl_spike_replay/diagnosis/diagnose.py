@@ -85,6 +85,7 @@ class Diagnosis:
     routes: RouteAgreement | None = None
     step: StepEvidence | None = None  # the per-rank signal check and the loss channel (model evidence)
     reading: SignalReading | None = None  # the odd stored signals, read off `step`
+    record: str | None = None  # where the diagnosis was kept (a workspace's task file), or why not; None: not asked
 
     @property
     def top(self) -> Cause:
@@ -128,17 +129,16 @@ def _model_evidence(
 def _check_replayed_norm(consistency: Consistency, recorded: float, att: Attribution, not_checked: list[str]) -> None:
     """The attribution replayed the step: its grad norm against the recorded one is a consistency check."""
     if att.mitigations:
-        not_checked.append(
-            "grad_norm_vs_replay (the attribution ran under mitigations: its norm is another gradient's)"
-        )
+        why = "the attribution ran under mitigations: its norm is another gradient's"
+        consistency.skip("grad_norm_vs_replay", why)
+        not_checked.append(f"grad_norm_vs_replay ({why})")
         return
     # one process replays every saved rank, so its summation order differs from training's as a reduced replay's does
     tol = tolerance(Fidelity.REDUCED, att.device)
     check_replayed_norm(consistency, recorded, att.grad_norm, tol, f"the attribution's replay ({att.device})")
-    not_checked.append(
-        "param_grad_norms_vs_replay (the attribution keeps only the global norm; `replay` compares the recorded "
-        "per-parameter norms with its own)"
-    )
+    why = "the attribution keeps only the global norm; `replay` compares the recorded per-parameter norms with its own"
+    consistency.skip("param_grad_norms_vs_replay", why)
+    not_checked.append(f"param_grad_norms_vs_replay ({why})")
 
 
 def diagnose_snapshot(
@@ -175,7 +175,7 @@ def diagnose_snapshot(
     point = log_point(directory, analysis.iteration, logs)
     if point.grad_norm is None:
         not_checked.append(f"training log ({point.note})")
-    consistency = check_snapshot(directory, log_grad_norm=point.grad_norm, log_source=point.source)
+    consistency = check_snapshot(directory, log_grad_norm=point.grad_norm, log_source=point.source, log_note=point.note)
     att, step = _model_evidence(directory, attribution, model, top, not_checked, shard, nproc)
     if att is not None:
         _check_replayed_norm(consistency, analysis.grad_norm, att, not_checked)
@@ -314,4 +314,6 @@ def render_diagnosis(d: Diagnosis) -> str:
         lines += [f"  problem [{p.name}]: {p.message}" for p in d.consistency.problems]
     if d.not_checked:
         lines += ["", "not checked:"] + [f"  {n}" for n in d.not_checked]
+    if d.record:
+        lines += ["", d.record]
     return "\n".join(lines)

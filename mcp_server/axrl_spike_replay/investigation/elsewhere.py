@@ -72,7 +72,7 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
                 if node.temp_dir:
                     await session.remove_temp_dir(node.temp_dir)
                 raise
-        recorder = WorkspaceRecorder(workspace, target=session.label)  # as a local run records: one recorder
+        recorder = WorkspaceRecorder(workspace, target=session.label, progress=request.progress)  # as here
         run = recorder.open_run(job)
         on_line = _echo(request, session.label)
         if where.backend == Backend.COMMAND:

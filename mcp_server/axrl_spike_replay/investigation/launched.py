@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -137,8 +138,8 @@ class _StampedRunDir(RunDir):
 class LaunchRecorder:
     """The workspace recorder for a launched replay: the one recorder, its run dir stamping the launch."""
 
-    def __init__(self, workspace: Path, runner: LaunchedRunner) -> None:
-        self.inner = WorkspaceRecorder(workspace, target=runner.placement.name)
+    def __init__(self, workspace: Path, runner: LaunchedRunner, progress: Callable[[str], None] | None = None) -> None:
+        self.inner = WorkspaceRecorder(workspace, target=runner.placement.name, progress=progress)
         self.runner = runner
         self.run: RunDir | None = None
 
@@ -214,7 +215,7 @@ def replay_launched(request: ReplayRequest) -> ReplayResult | SweepResult:
             progress=request.progress,
             shard=str(how.shard),
         )
-    recorder = LaunchRecorder(workspace, runner) if request.workspace is not None else None
+    recorder = LaunchRecorder(workspace, runner, request.progress) if request.workspace is not None else None
     if recorder is not None:
         runner.out_dir = lambda: recorder.run.path if recorder.run is not None else None
     engine = ReplayOptions(

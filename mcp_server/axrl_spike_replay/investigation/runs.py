@@ -52,7 +52,7 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     nproc = 1 if whole else how.nproc
     configs = 1 + (len(what.configs) if what.verb == Verb.SWEEP else int(bool(what.mitigations)))
     refuse_what_cannot_fit(what.snapshot, nproc, str(how.device), configs, str(how.shard))
-    recorder = recorder_for(request.workspace)
+    recorder = recorder_for(request.workspace, request.progress)
     if what.verb == Verb.ATTRIBUTE:
         from axrl_spike_replay.replay.attribution import attribute_spike
 

@@ -18,6 +18,7 @@ from typing import Any
 from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
 from axrl_spike_replay.diagnosis.task_entry import check_mode, diagnose_for_task, diagnosis_entry
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.workspace.paths import check_workspace, task_md_path
 from axrl_spike_replay.workspace.task_log import record_diagnosis
 from axrl_spike_replay.workspace.task_state import diagnosed, open_task_file, recorded_snapshot
 from axrl_spike_replay.workspace.views import TaskView
@@ -62,9 +63,16 @@ def diagnose_into_task(
         return result
     try:
         job = read_metadata(result.snapshot)[0].job_name
+        root = check_workspace(workspace)
         if job:
             entry = {**diagnosis_entry(result, model), "snapshot": recorded_snapshot(snapshot)}
-            record_diagnosis(workspace, job, entry)
-    except AxrlError:
-        pass  # the diagnosis stands without its record
+            kept = record_diagnosis(root, job, entry)
+            result.record = (
+                f"kept in the task file {task_md_path(root, job)} (workspace {root})"
+                if kept
+                else f"not kept: no task is open for job {job} in workspace {root} "
+                f"(`axrl-spike-replay task open {job} --workspace {root}` opens one)"
+            )
+    except AxrlError as exc:
+        result.record = f"not kept: {exc}"  # the diagnosis stands without its record
     return result

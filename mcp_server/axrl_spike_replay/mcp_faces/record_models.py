@@ -95,6 +95,10 @@ class MethodAdded(MethodEntry):
     verdict: Verdict = Field(description="The attempt's verdict")
     fidelity: Fidelity = Field(description="The attempt's fidelity")
     signals: dict[str, Any] = Field(default_factory=dict, description="Key signals quoted in the file")
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="Written, but worth a look: e.g. a name that says another mitigation than the attempt ran",
+    )
 
 
 class ReportWritten(_Open):

@@ -10,12 +10,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import asyncssh
-from asyncssh.config import SSHClientConfig, SSHConfig
-
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.remote.errors import HostKeyError, RemoteError
 from axrl_spike_replay.remote.host_keys import HostKeyCheck, HostKeyPolicy, known_hosts_files, system_known_hosts
+from axrl_spike_replay.remote.ssh_library import SSHClientConfig, SSHConfig, asyncssh
 from axrl_spike_replay.remote.target import SshTarget, parse_target
 
 DEFAULT_KEEPALIVE_INTERVAL = 15.0

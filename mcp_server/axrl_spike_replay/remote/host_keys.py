@@ -7,11 +7,10 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import asyncssh
-
 from axrl_spike_replay.atomic import atomic_write_text
 from axrl_spike_replay.locks import held_lock
 from axrl_spike_replay.remote.errors import HostKeyError
+from axrl_spike_replay.remote.ssh_library import asyncssh
 
 DEFAULT_KNOWN_HOSTS = Path("~/.ssh/known_hosts")
 GLOBAL_KNOWN_HOSTS = Path("/etc/ssh/ssh_known_hosts")

@@ -9,9 +9,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import asyncssh
-from asyncssh.constants import FILEXFER_TYPE_DIRECTORY, FILEXFER_TYPE_REGULAR
-
 from axrl_spike_replay.atomic import copy_mode, temp_beside
 from axrl_spike_replay.remote.cleanup import run_to_completion
 from axrl_spike_replay.remote.connect import ConnectSettings, SshConnection, open_connection
@@ -26,6 +23,7 @@ from axrl_spike_replay.remote.job import (
     pump_lines,
 )
 from axrl_spike_replay.remote.shell import detached_command, kill_group_command, parse_pgid_marker
+from axrl_spike_replay.remote.ssh_library import FILEXFER_TYPE_DIRECTORY, FILEXFER_TYPE_REGULAR, asyncssh
 from axrl_spike_replay.remote.target import SshTarget, parse_target
 
 DRAIN_AFTER_KILL_S = 10.0

@@ -268,7 +268,9 @@ class ReplaySession:
 
         meta = self.inputs.metadata
         point = log_point(self.inputs.replay_dir, meta.iteration, job_logs(self.inputs.snapshot))
-        found = check_snapshot(self.inputs.replay_dir, log_grad_norm=point.grad_norm, log_source=point.source)
+        found = check_snapshot(
+            self.inputs.replay_dir, log_grad_norm=point.grad_norm, log_source=point.source, log_note=point.note
+        )
         check_replayed_losses(found, self.inputs.replay_dir, outcome.rank_metrics)
         check_replayed_param_norms(
             found,

@@ -99,7 +99,7 @@ class ReplayPlan:
     def text(self) -> str:
         """The plan in a few lines."""
         lines = [
-            f"{self.model}: {self.parameters / 1e9:.3g}B parameters ({self.param_dtype}, gradients "
+            f"{self.model}: {parameter_count(self.parameters)} parameters ({self.param_dtype}, gradients "
             f"{self.grad_dtype}); saved world size {self.world_size}, {self.tokens_per_rank} tokens per rank "
             f"(sequence {self.seq_len})",
         ]
@@ -116,6 +116,14 @@ class ReplayPlan:
             lines.append(f"layout: {self.layout}")
         lines += self.notes
         return "\n".join(lines)
+
+
+def parameter_count(n: float) -> str:
+    """A parameter count for people, 3 significant digits and a suffix: 512, 43.8K, 1.2M, 30.5B, 671B, 1.5T."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale * 0.9995:  # 999,600 reads 1M, not 1e+03K
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:.3g}"
 
 
 def _row_text(row: PlanRow) -> str:

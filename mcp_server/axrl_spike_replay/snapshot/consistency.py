@@ -19,12 +19,19 @@ Checks (each listed in `checked` when it could be made, so "no problem" says wha
   the replayed one, within the tolerance of that replay's layout. A mismatch means the snapshot does not reproduce:
   its batch or weights differ from what produced the recorded norm.
 - `grad_norm_vs_log` (when the job's log has the iteration): the recorded norm against the log's.
+- `param_grad_norms_vs_replay` (with a replay's per-parameter norms): `snapshot.replayed_param_norms`.
+
+Which checks a run makes depends on what it has: every run makes the snapshot's own five and, with a log value,
+the log's; a `replay` adds the two against its replayed step (losses, per-parameter norms) and judges the global
+norm in its verdict; `diagnose` with model evidence adds `grad_norm_vs_replay` from its attribution's replay. So
+`checked` lists the checks made by name, `skipped` why a check this run could have made was not, and every line
+for people (`summary_line`) names both, so that two runs' different counts explain themselves.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +48,29 @@ LOSS_TOLERANCE = 1e-3  # relative (plus LOSS_ABS_TOLERANCE): fp32 replay of the 
 LOSS_ABS_TOLERANCE = 1e-6
 LOG_TOLERANCE = 1e-4  # logs print about 6 significant digits
 PARALLEL_KEYS = ("world_size", "tp", "pp", "dp", "ep", "etp", "cp")
+# every check, in the order the runs make them
+CHECKS = (
+    "spike_ratio_vs_norms",
+    "ranks_vs_files",
+    "metadata_vs_run_config",
+    "rank_grad_norm_vs_metadata",
+    "grad_norm_vs_param_norms",
+    "grad_norm_vs_log",
+    "rank_loss_vs_replay",
+    "param_grad_norms_vs_replay",
+    "grad_norm_vs_replay",
+)
+_BY_REPLAY = "made by `replay` (against the step it replays)"
+# why a check was not made, when the run says nothing more precise (`Consistency.skipped`)
+WHY_NOT = {
+    "metadata_vs_run_config": "no parallel section in run_config.yaml",
+    "rank_grad_norm_vs_metadata": "no readable grad info",
+    "grad_norm_vs_param_norms": "needs every data-parallel rank's per-parameter norms",
+    "grad_norm_vs_log": "no training log value at this iteration",
+    "rank_loss_vs_replay": _BY_REPLAY,
+    "param_grad_norms_vs_replay": _BY_REPLAY,
+    "grad_norm_vs_replay": "made by `diagnose` with model evidence (a replay judges the global norm in its verdict)",
+}
 
 
 @dataclass
@@ -64,6 +94,7 @@ class Consistency:
     log_grad_norm: float | None = None
     log_source: str | None = None
     merged_param_norm_bounds: list[float] | None = None  # [low, high] the recorded global norm must lie in
+    skipped: dict[str, str] = field(default_factory=dict)  # check -> why this run could not make it
 
     def add(self, problem: ConsistencyProblem) -> None:
         self.problems.append(problem)
@@ -73,18 +104,48 @@ class Consistency:
             self.self_consistent = False
 
     def summary(self) -> str:
-        """One line: agreement with itself and with the log."""
-        return summary_line(self.self_consistent, self.agrees_with_log, len(self.checked), len(self.own_problems()))
+        """One line: agreement with itself and with the log, the checks made and those not made, with why."""
+        return summary_line(
+            self.self_consistent, self.agrees_with_log, self.checked, len(self.own_problems()), self.skipped
+        )
+
+    def skip(self, name: str, reason: str) -> None:
+        """Say why check `name` was not made (a run that could have made it)."""
+        self.skipped[name] = reason
 
     def own_problems(self) -> list[ConsistencyProblem]:
         return [p for p in self.problems if p.name != "grad_norm_vs_log"]
 
 
-def summary_line(self_consistent: bool, agrees_with_log: bool | None, checks: int, own_problems: int) -> str:
-    """`Consistency.summary`'s line from its figures."""
+def summary_line(
+    self_consistent: bool,
+    agrees_with_log: bool | None,
+    checked: Sequence[str],
+    own_problems: int,
+    skipped: Mapping[str, str] | None = None,
+) -> str:
+    """`Consistency.summary`'s line from its figures: `snapshot agrees with itself; agrees with the training log (6
+    checks: spike_ratio_vs_norms, ...; not made: rank_loss_vs_replay, param_grad_norms_vs_replay: made by ...)`."""
     own = "agrees with itself" if self_consistent else f"{own_problems} self-inconsistencies"
     log = {True: "agrees with the training log", False: "contradicts the training log", None: "no log value"}
-    return f"snapshot {own}; {log[agrees_with_log]} ({checks} checks)"
+    return f"snapshot {own}; {log[agrees_with_log]} ({checks_line(checked, skipped)})"
+
+
+def checks_line(checked: Sequence[str], skipped: Mapping[str, str] | None = None) -> str:
+    """`6 checks: spike_ratio_vs_norms, ...; not made: rank_loss_vs_replay, ...: made by ...`: the checks a run made
+    by name and those it did not, grouped by why (two runs' different counts explain themselves)."""
+    made = f"{len(checked)} check{'' if len(checked) == 1 else 's'}" + (f": {', '.join(checked)}" if checked else "")
+    groups: dict[str, list[str]] = {}
+    for name, why in not_made(checked, skipped).items():
+        groups.setdefault(why, []).append(name)
+    later = "; ".join(f"{', '.join(names)}: {why}" for why, names in groups.items())
+    return made + (f"; not made: {later}" if later else "")
+
+
+def not_made(checked: Sequence[str], skipped: Mapping[str, str] | None = None) -> dict[str, str]:
+    """{check: why not} for each check of `CHECKS` not in `checked`: the run's own reason, else the usual one."""
+    done = set(checked)
+    return {name: (skipped or {}).get(name) or WHY_NOT.get(name, "not made") for name in CHECKS if name not in done}
 
 
 def consistency_line(doc: dict[str, Any]) -> str:
@@ -93,7 +154,9 @@ def consistency_line(doc: dict[str, Any]) -> str:
     own = [p for p in problems if p.get("name") != "grad_norm_vs_log"]
     agrees = doc.get("agrees_with_log")
     log = agrees if isinstance(agrees, bool) else None
-    return summary_line(doc.get("self_consistent") is True, log, len(doc.get("checked") or []), len(own))
+    checked = [str(c) for c in doc.get("checked") or []]
+    skipped = doc.get("skipped") if isinstance(doc.get("skipped"), dict) else {}
+    return summary_line(doc.get("self_consistent") is True, log, checked, len(own), skipped)
 
 
 def _close(a: float, b: float, rel: float, abs_tol: float = 0.0) -> bool:
@@ -134,6 +197,8 @@ def _check_param_norms(
         except SnapshotError:
             continue  # inspect reports the unreadable file itself
     if not infos:
+        out.skip("rank_grad_norm_vs_metadata", "no readable grad info file")
+        out.skip("grad_norm_vs_param_norms", "no readable grad info file")
         return
     out.checked.append("rank_grad_norm_vs_metadata")
     for rank, info in infos.items():
@@ -146,11 +211,20 @@ def _check_param_norms(
                 )
             )
     with_norms = {r: i["param_grad_norms"] for r, i in infos.items() if i["param_grad_norms"]}
-    if len(with_norms) != meta.parallel.dp or len(with_norms) != len(infos) or not math.isfinite(meta.grad_norm):
-        return  # bounds need every data-parallel rank's norms (and a finite norm to compare)
+    if len(with_norms) != meta.parallel.dp or len(with_norms) != len(infos):  # bounds need every DP rank's norms
+        out.skip(
+            "grad_norm_vs_param_norms",
+            f"needs every data-parallel rank's per-parameter norms: {len(with_norms)} of {len(infos)} grad info "
+            f"file(s) hold them, data-parallel size {meta.parallel.dp}",
+        )
+        return
+    if not math.isfinite(meta.grad_norm):
+        out.skip("grad_norm_vs_param_norms", "the recorded global norm is not finite (the diagnosis reports it)")
+        return
     local = {r: math.sqrt(math.fsum(v * v for v in norms.values())) for r, norms in with_norms.items()}
     if not all(math.isfinite(v) for v in local.values()):
-        return  # a non-finite local norm bounds nothing; the diagnosis reports it
+        out.skip("grad_norm_vs_param_norms", "a rank's local norm is not finite (the diagnosis reports it)")
+        return
     first = next(iter(with_norms.values()))
     reduced = len(with_norms) > 1 and all(norms == first for norms in with_norms.values())
     sharded = all(info.get("param_grad_norms_kind") == SHARDS_OF_THE_REDUCED for info in infos.values())
@@ -180,13 +254,16 @@ def _check_run_config(directory: Path, meta: AxrlMetadata, out: Consistency, doc
     path = directory / RUN_CONFIG
     if doc is NOT_READ:
         if not path.is_file():
+            out.skip("metadata_vs_run_config", f"no {RUN_CONFIG}")
             return
         try:
             doc = read_untrusted_yaml(path)
         except AxrlError:
-            return  # inspect and replay report an unreadable run config themselves
+            out.skip("metadata_vs_run_config", f"{RUN_CONFIG} unreadable (inspect and replay say why)")
+            return
     parallel = doc.get("parallel") if isinstance(doc, dict) else None
     if not isinstance(parallel, dict):
+        out.skip("metadata_vs_run_config", f"no `parallel` section in {RUN_CONFIG}" if doc else f"no {RUN_CONFIG}")
         return
     out.checked.append("metadata_vs_run_config")
     for key in PARALLEL_KEYS:
@@ -227,13 +304,15 @@ def check_snapshot(
     *,
     log_grad_norm: float | None = None,
     log_source: str | None = None,
+    log_note: str | None = None,
     grad_infos: dict[int, dict[str, Any]] | None = None,
     meta: AxrlMetadata | None = None,
     files: dict[str, dict[int, Path]] | None = None,
     run_config: Any = NOT_READ,
 ) -> Consistency:
     """Check a snapshot against itself and, when `log_grad_norm` is given, the training log's value at its
-    iteration. Reads the metadata, run config and grad info only; what the caller has read already in this call
+    iteration (`log_note`: why there is none, for `skipped`). Reads the metadata, run config and grad info only;
+    what the caller has read already in this call
     is not read again (`grad_infos`: ranks' grad info, by `load_grad_info`; `meta`: the snapshot's metadata, by
     `read_metadata`; `files`: its rank files, by `rank_files`; `run_config`: its run config as read, None when it
     is missing or unreadable)."""
@@ -259,6 +338,8 @@ def check_snapshot(
     _check_param_norms(directory, meta, out, grad_infos, files)
     if log_grad_norm is not None:
         check_log(out, meta.grad_norm, log_grad_norm, log_source, meta.iteration)
+    else:
+        out.skip("grad_norm_vs_log", log_note or f"no training log value at iteration {meta.iteration}")
     return out
 
 
@@ -331,4 +412,6 @@ def check_replayed_losses(
             )
     if compared:
         out.checked.append("rank_loss_vs_replay")
+    else:
+        out.skip("rank_loss_vs_replay", "no rank's grad info records its loss (or the replay kept no per-rank loss)")
     return out

@@ -334,6 +334,7 @@ def _consistency(
             directory,
             log_grad_norm=point.grad_norm,
             log_source=point.source,
+            log_note=point.note,
             grad_infos=infos,
             meta=meta,
             files=files,

@@ -66,10 +66,12 @@ def check_replayed_param_norms(
         try:
             infos[rank] = load_grad_info(directory, rank)
         except SnapshotError:
-            return out  # inspect reports the unreadable file itself
+            out.skip(NAME, f"grad info of rank {rank} unreadable (inspect says why)")
+            return out
     recorded = {r: {plain_name(k): v for k, v in i["param_grad_norms"].items()} for r, i in infos.items()}
     if not infos or not all(recorded.values()):
-        return out  # nothing recorded to compare with
+        out.skip(NAME, "not every rank's grad info records per-parameter norms")
+        return out
     kinds = {info.get("param_grad_norms_kind") for info in infos.values()}
     first = next(iter(recorded.values()))
     if kinds == {SHARDS_OF_THE_REDUCED}:
@@ -81,7 +83,8 @@ def check_replayed_param_norms(
         pairs = [(rank, norms, (local or {}).get(rank)) for rank, norms in recorded.items()]
     found = [_compare(rank, norms, ours, tolerance, replay) for rank, norms, ours in pairs if ours]
     if not any(compared for compared, _ in found):
-        return out  # no recorded name is a parameter of the replayed model: nothing compared
+        out.skip(NAME, "no recorded parameter name is a parameter of the replayed model (e.g. FSDP1's flat ones)")
+        return out
     out.checked.append(NAME)
     for _, problem in found:
         if problem is not None:

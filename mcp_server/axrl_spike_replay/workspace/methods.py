@@ -20,7 +20,8 @@ from axrl_spike_replay.vocabulary import Fidelity, Verdict
 from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
 from axrl_spike_replay.workspace.evidence import baseline_for, find_attempt, output_dir_of, result_doc
-from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_workspace, methods_dir
+from axrl_spike_replay.workspace.method_names import name_warning
+from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_workspace, in_workspace, methods_dir
 from axrl_spike_replay.workspace.preserved_copies import source_of_copy
 from axrl_spike_replay.workspace.render import fmt, pct, render
 from axrl_spike_replay.workspace.signals import recorded_signals
@@ -30,6 +31,7 @@ from axrl_spike_replay.workspace.views import MethodAdded, MethodEntry
 
 STATUSES = ("proven", "partial", "diagnostic")
 SIGNAL_TOP = 3
+RELEASED_LATER = "which is released when the investigation ends (`report --release`)"  # `released_methods` edits it
 SHIPPED_DIR = "spike-mitigation-methods"  # the methods that ship with the tool (packaged data, or the checkout's)
 RANKING = (
     "proven before partial before diagnostic; then the larger cosine to the clean gradient (the healthy gradient "
@@ -120,7 +122,7 @@ def add_method(
         signals.update(recorded_signals(root, state, row, result, baseline, top=SIGNAL_TOP))
         with held_lock(root / TASKS_DIR / ".methods.lock", 120, "method files"):
             confirms = _check_not_duplicate(root, slug, result, replace)
-            doc = _method_doc(state, row, result, result_note, baseline, slug, rationale.strip(), signals)
+            doc = _method_doc(root, state, row, result, result_note, baseline, slug, rationale.strip(), signals)
             if confirms is not None:
                 doc["front_matter"]["confirms_shipped"] = confirms
             path = methods_dir(root) / f"{slug}.md"
@@ -132,6 +134,7 @@ def add_method(
 
     update_task(root, job, change)
     fields, path = written[-1]
+    warning = name_warning(slug, fields["mitigations"] or {}, known_method_names(root))
     return MethodAdded(
         axrl_method=fields[front_matter.MARKER],
         slug=fields["slug"],
@@ -162,7 +165,19 @@ def add_method(
         token_fraction=fields.get("token_fraction"),
         sample_fraction=fields.get("sample_fraction"),
         rank=next((m.rank for m in list_methods(root) if Path(m.path) == Path(path)), 0),
+        warnings=[warning] if warning else [],
     )
+
+
+def known_method_names(workspace: Path) -> dict[str, dict[str, Any]]:
+    """{slug: normalised config} of the methods whose names people know: the shipped ones and the seed workflow's."""
+    from axrl_spike_replay.experiment.mitigation_sets import SEED_WORKFLOW_METHODS
+
+    known = {slug: normalise_config(config) for slug, config in SEED_WORKFLOW_METHODS.items()}
+    for path, fields in _shipped_front_matters(workspace):
+        if isinstance(fields.get("mitigations"), dict):
+            known[str(fields.get("slug") or path.stem)] = fields["mitigations"]
+    return known
 
 
 def list_methods(workspace: str | Path) -> list[MethodEntry]:
@@ -289,6 +304,7 @@ def _check_not_duplicate(root: Path, slug: str, result: ReplayResult, replace: b
 
 
 def _method_doc(
+    workspace: Path,
     state: TaskState,
     row: dict[str, Any],
     result: ReplayResult,
@@ -333,7 +349,7 @@ def _method_doc(
         "result_path": row.get("result_path"),
         "created_at": now(),
     }
-    replay = replay_it(result)
+    replay = replay_it(result, workspace, state.job)
     fields["source_snapshot"] = replay["source"]
     trainer = snapshot_trainer(result.snapshot)
     changes = in_your_trainer(result, trainer)
@@ -384,11 +400,11 @@ def in_your_trainer(result: ReplayResult, trainer: str | None) -> list[dict[str,
     ]
 
 
-def replay_it(result: ReplayResult) -> dict[str, Any]:
+def replay_it(result: ReplayResult, workspace: Path, job: str) -> dict[str, Any]:
     """The command that replays this change, on a snapshot that outlives the investigation: a preserved copy is
     released when it ends (`report --release`), so the command names the rotating `iter_<N>` the copy was made
-    from when that exists. {command, snapshot (the path the command names), source (the rotating path or None),
-    note}."""
+    from when that exists; it records into `workspace` (the task of `job`) from any directory. {command, snapshot
+    (the path the command names), source (the rotating path or None), note}."""
     source = source_of_copy(result.snapshot)
     path = str(source) if source is not None and source.is_dir() else result.snapshot
     args = ["axrl-spike-replay", "replay", path]
@@ -400,13 +416,12 @@ def replay_it(result: ReplayResult) -> dict[str, Any]:
         note = "PATCH.diff: the patch above (its sha256 must match), run by the trainer's own replay command"
     if path != result.snapshot:
         moved = (
-            f"Replayed from the preserved copy `{result.snapshot}`, which is released when the investigation ends "
-            f"(`report --release`); the command names the rotating snapshot it was copied from, which stays until "
-            "the job's rotation removes it"
+            f"Replayed from the preserved copy `{result.snapshot}`, {RELEASED_LATER}; the command names the rotating "
+            "snapshot it was copied from, which stays until the job's rotation removes it"
         )
         note = f"{moved}. {note}" if note else moved
     return {
-        "command": shlex.join(args),
+        "command": in_workspace(shlex.join(args), workspace, job, result.job_name),
         "snapshot": path,
         "source": None if source is None else str(source),
         "note": note,

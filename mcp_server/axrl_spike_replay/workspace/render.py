@@ -78,6 +78,11 @@ def fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def counted(n: Any, noun: str, plural: str | None = None) -> str:
+    """`1 method`, `5 methods`, `0 methods`: a count with its noun in the right number."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
 @lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
     """The shared jinja2 environment over `templates/` (strict: a missing field is an error)."""
@@ -90,7 +95,15 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters.update(
-        cell=md_cell, code=md_code, block=md_block, item=md_item, para=md_para, fmt=fmt, pct=pct, pct_plain=pct_plain
+        cell=md_cell,
+        code=md_code,
+        block=md_block,
+        item=md_item,
+        para=md_para,
+        fmt=fmt,
+        pct=pct,
+        pct_plain=pct_plain,
+        counted=counted,
     )
     return env
 

@@ -5,6 +5,7 @@ Only the preserved copies this investigation uses are released (see `workspace.p
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from axrl_spike_replay.workspace.preserved_copies import (
     release_copies,
     source_of,
 )
+from axrl_spike_replay.workspace.released_methods import follow_released_copies
 from axrl_spike_replay.workspace.render import render
 from axrl_spike_replay.workspace.task import TaskState
 from axrl_spike_replay.workspace.task_diagnosis import open_steps, report_diagnosis
@@ -55,6 +57,7 @@ def report_context(workspace: Path, state: TaskState) -> dict[str, Any]:
     preserved = [{**copy, "last_copy": is_last_copy(copy)} for copy in copies_in_use(state)]
     return {
         "job": state.job,
+        "ws": f" --workspace {shlex.quote(str(workspace))}",  # in the commands it prints: they run from anywhere
         "generated_at": now(),
         "snapshot": snapshot,
         "snapshot_exists": bool(snapshot) and Path(str(snapshot)).is_dir(),
@@ -128,7 +131,8 @@ def write_report(
 
     The report is written before anything is released (it stays if the release fails half-way), then written again
     from the task as the release left it: its snapshot and replay command then name the rotating `iter_<N>` the
-    released copy was made from, and it says what was released, so no command in it points at a deleted copy."""
+    released copy was made from, and it says what was released, so no command in it points at a deleted copy; the
+    method files replayed from that copy are pointed there too (`released_methods`)."""
     root = check_workspace(workspace)
     state = read_state(root, check_plain_name(job, "job name"))
     context = _context(root, state, release, release_last_copy, [])
@@ -141,6 +145,7 @@ def write_report(
         follow_released_snapshot(current, released)
 
     after, _ = update_task(root, job, change)
+    follow_released_copies(root, released, context["generated_at"])  # method files name what still exists
     if any(entry.get("released") for entry in released):
         context = _context(root, after, release, release_last_copy, released, context["generated_at"])
         write_file(path, context["text"], "report")

@@ -28,6 +28,9 @@ class WriteUp:
     skipped: str | None = None
 
 
+_PROSE_WORD_RE = re.compile(r"[a-z][a-z'-]*(?:[\s,.:;]|$)")  # a first word in lower-case letters only
+
+
 def method_name(cfg_id: str) -> str:
     """The seed workflow's name for a config it records, else a slug of the config id."""
     names = {config_id(c): name for name, c in SEED_WORKFLOW_METHODS.items()}
@@ -35,13 +38,19 @@ def method_name(cfg_id: str) -> str:
 
 
 def rationale_for(result: ReplayResult, threshold: float, context: str = "") -> str:
-    """Why the change works, from the mitigations' own documentation and the replay's figures."""
+    """Why the change works, from the mitigations' own documentation and the replay's figures, as a sentence."""
     docs = "; ".join(MITIGATIONS[name].doc for name in result.mitigations if name in MITIGATIONS)
-    return (
+    return as_sentence(
         f"{context}{docs}. Replayed at {result.fidelity} fidelity, it took the spike step's grad norm from "
         f"{result.baseline_grad_norm:.4g} to {result.grad_norm:.4g} (ratio to median {result.spike_ratio:.3g}, "
         f"{threshold_label(result.verdict_basis)} {threshold:g})."
     )
+
+
+def as_sentence(text: str) -> str:
+    """`text` with its first letter upper case when its first word is plain lower-case prose (a mitigation's
+    documentation reads `mask tokens ...`); a first word that is code (`ratio_outlier_mask`) is left as it is."""
+    return text[0].upper() + text[1:] if _PROSE_WORD_RE.match(text) else text
 
 
 def write_up_sweep(

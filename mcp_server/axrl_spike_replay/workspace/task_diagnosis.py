@@ -33,13 +33,40 @@ def add_diagnosis(state: TaskState, entry: dict[str, Any], time: str) -> None:
         observations.append({"time": time, "text": "\n".join(lines)})
     if entry.get("not_checked"):
         observations.append({"time": time, "text": f"diagnose did not check: {'; '.join(entry['not_checked'])}"})
+    _drop_settled_steps(state, entry, where, time)
     listed = {_step_mitigation(row) for row in steps}
     for step in entry["next_steps"]:
         if step["mitigation"] in listed:  # an earlier diagnosis suggested it already
             continue
         note = " (diagnostic only, never a production method)" if step["diagnostic_only"] else ""
         text = f"replay `--mitigation {step['mitigation']}`: {step['why']}{note}"
-        steps.append({"time": time, "text": text, "mitigation": step["mitigation"]})
+        steps.append({"time": time, "text": text, "mitigation": step["mitigation"], "snapshot": entry["snapshot"]})
+
+
+def _drop_settled_steps(state: TaskState, entry: dict[str, Any], where: str, time: str) -> None:
+    """When `entry` (just kept) is the strongest diagnosis of its snapshot, the experiments an earlier, weaker one of
+    that snapshot suggested and this one does not are settled (the model evidence told the old from the rollout
+    log-probs, say): they leave Next steps, and Observations says so."""
+    own = [d for d in state.diagnoses if d.get("snapshot") == entry["snapshot"]]
+    if len(own) < 2 or strongest(own) is not state.diagnoses[-1]:
+        return
+    suggested = {step["mitigation"] for step in entry["next_steps"]}
+    settled = [
+        row
+        for row in state.next_steps
+        if row.get("snapshot") == entry["snapshot"] and row.get("mitigation") and row["mitigation"] not in suggested
+    ]
+    if not settled:
+        return
+    state.next_steps[:] = [row for row in state.next_steps if row not in settled]  # the caller holds the list
+    items = ", ".join(f"`{row['mitigation']}`" for row in settled)
+    state.observations.append(
+        {
+            "time": time,
+            "text": f"diagnose ({where}, model evidence {entry.get('model')}) no longer suggests {items}, which an "
+            "earlier diagnosis of this snapshot with less evidence did: left out of Next steps",
+        }
+    )
 
 
 _STEP_RE = re.compile(r"^replay `--mitigation ([^`]+)`")

@@ -11,6 +11,7 @@ from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.vocabulary import Verdict
 from axrl_spike_replay.workspace.changes import describe_change, is_baseline, normalise_config
+from axrl_spike_replay.workspace.paths import in_workspace
 from axrl_spike_replay.workspace.preserved_copies import note_preserved_copy
 from axrl_spike_replay.workspace.task import TaskState
 from axrl_spike_replay.workspace.task_diagnosis import add_diagnosis
@@ -75,7 +76,7 @@ def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_
             result_path=Path(result_path) if result_path is not None else None,
         )
 
-    command = command_of(result_path)
+    command = in_workspace(command_of(result_path), root, job, result.job_name)
 
     def change(state: TaskState) -> str:
         repeated = repeated_baseline(state, result)

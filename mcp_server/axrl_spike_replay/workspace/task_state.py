@@ -4,6 +4,7 @@ under a file lock; and the verbs that change it (open, note, set snapshot, set c
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -97,7 +98,9 @@ def render_task(state: TaskState, workspace: Path | None = None) -> str:
         except ValueError:
             return path
 
-    return render("task.md.j2", task={**state.to_json(), "next_steps": open_steps(state)}, rel=rel)
+    # commands people copy name the workspace: the default, the current directory, is wherever they run them
+    flag = f" --workspace {shlex.quote(str(workspace))}" if workspace is not None else ""
+    return render("task.md.j2", task={**state.to_json(), "next_steps": open_steps(state)}, rel=rel, ws=flag)
 
 
 def update_task(

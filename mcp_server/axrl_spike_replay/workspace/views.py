@@ -8,7 +8,7 @@ failures, notes, preserved copies) are records of the task file and stay plain J
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 Row = dict[str, Any]
@@ -87,6 +87,7 @@ class MethodAdded:
     token_fraction: float | None = None
     sample_fraction: float | None = None
     rank: int = 0
+    warnings: list[str] = field(default_factory=list)  # e.g. a name that says another mitigation than the attempt's
 
 
 @dataclass(frozen=True, kw_only=True)
