@@ -155,8 +155,8 @@ class RemoteSession:
             if attrs.size is not None and attrs.size > max_bytes:
                 raise RemoteError(f"{self.label}: {path} is {attrs.size} bytes, more than the {max_bytes}-byte limit")
         local_path.parent.mkdir(parents=True, exist_ok=True)
-        # a server that does not say keeps the copy private
-        mode = copy_mode(attrs.permissions if attrs.permissions else 0o600)
+        # a server that does not say keeps the copy private; the node's groups are not this machine's
+        mode = copy_mode(attrs.permissions if attrs.permissions else 0o600, same_group=False)
         fd, tmp = temp_beside(local_path, suffix=".part", mode=mode, sweep=True)
         try:
             await sftp.get(path, tmp)  # our descriptor keeps the temp locked until it is renamed
