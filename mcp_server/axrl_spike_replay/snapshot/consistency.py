@@ -182,7 +182,7 @@ def _check_run_config(directory: Path, meta: AxrlMetadata, out: Consistency, doc
         if not path.is_file():
             return
         try:
-            doc = read_untrusted_yaml(path)
+            doc = read_untrusted_yaml(path, "run config", within=directory)
         except AxrlError:
             return  # inspect and replay report an unreadable run config themselves
     parallel = doc.get("parallel") if isinstance(doc, dict) else None
