@@ -109,9 +109,11 @@ def _beyond_allowed(value: Any) -> str | None:
 def bytes_entry_problems(directory: Path, entries: Iterable[tuple[str, Any]], limit: int = 20) -> list[str]:
     """Why bytes entries are refused, at most `limit` of them: `entries` are (name, DCP `_StorageInfo`) whose offset
     and length lie inside their `.distcp` file (the caller checked). Each entry is read once and its pickle scanned
-    without being run; entries with the same bytes share one verdict."""
+    without being run; entries with the same bytes share one verdict, and so do pickles with the same bytes (Transformer
+    Engine's extra states differ in their tensors' values, not in their pickles)."""
     problems: list[str] = []
     verdicts: dict[bytes, str | None] = {}  # digest of an entry's bytes -> its problem, labelled with _LABEL
+    scanned: dict[bytes, str | None] = {}  # digest of a pickle's bytes -> what it does beyond the allow-list
     by_file: dict[str, list[tuple[str, Any]]] = {}
     for name, info in entries:
         by_file.setdefault(info.relative_path, []).append((name, info))
@@ -130,7 +132,7 @@ def bytes_entry_problems(directory: Path, entries: Iterable[tuple[str, Any]], li
                     data = os.pread(fd, info.length, info.offset)
                     digest = hashlib.blake2b(data, digest_size=16).digest()
                     if digest not in verdicts:
-                        verdicts[digest] = _problem(data)
+                        verdicts[digest] = _problem(data, scanned)
                     verdict = verdicts[digest]
                 if verdict:
                     problems.append(verdict.replace(_LABEL, entry_label(path, name, info.offset, info.length), 1))
@@ -141,8 +143,9 @@ def bytes_entry_problems(directory: Path, entries: Iterable[tuple[str, Any]], li
     return problems
 
 
-def _problem(data: bytes) -> str | None:
-    """Why the entry `data` is refused (worded with _LABEL), or None: its archive, then its pickle, read, not run."""
+def _problem(data: bytes, scanned: dict[bytes, str | None]) -> str | None:
+    """Why the entry `data` is refused (worded with _LABEL), or None: its archive, then its pickle, read, not run
+    (`scanned`: the verdicts of pickles already read, by digest)."""
     try:
         records = archive_records(data)
         problem = records_problem(records, _LABEL, len(data))
@@ -151,7 +154,10 @@ def _problem(data: bytes) -> str | None:
         pickled = _pickle_of(data, records)
         if pickled is None:
             return f"{_LABEL}: a bytes entry with no pickle (data.pkl): not what torch.save writes{_REFUSED}"
-        beyond = _named_beyond_allowed(pickled)
+        digest = hashlib.blake2b(pickled, digest_size=16).digest()
+        if digest not in scanned:
+            scanned[digest] = _named_beyond_allowed(pickled)
+        beyond = scanned[digest]
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, KeyError, NotImplementedError, struct.error) as exc:
         reason = shown(str(exc), 120, quote=False)
         return f"{_LABEL}: refused: not a torch archive, truncated or corrupt ({reason}){_REFUSED}"
