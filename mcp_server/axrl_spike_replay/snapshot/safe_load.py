@@ -7,6 +7,9 @@ record could expand a few MB into GBs), the pickle must be small, and every tens
 bytes the file holds (a broadcast view can declare 10^10 elements over a 4-byte storage). Tensors
 are memory-mapped, so only the ones a verb touches are ever read. Files in torch's legacy (pre-zip)
 format cannot be memory-mapped and may declare any storage size: they are refused with a clear error.
+A file is read only where it resolves inside its own directory (`containment.file_inside`): a symlink out of a
+snapshot is refused by name, never read through. `load_pt_bytes` holds an archive held in memory (a checkpoint's
+bytes entry) to the same rule.
 """
 
 from __future__ import annotations
