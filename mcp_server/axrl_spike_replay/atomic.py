@@ -60,7 +60,7 @@ def copy_mode(source_mode: int, *, same_group: bool = True) -> int:
     copier, who read the source) keeps the source's owner bits. Anyone who reads the copy by its group or other
     bits may be, for the source, its owner, a member of its group or neither, so those bits are the ones every such
     class has on the source: its other bits at most its group bits, and when the copy's group is not the source's
-    (`same_group` False: a setgid directory, a file fetched from another machine) its group bits at most its other
+    (`same_group` False: a setgid directory, a node's file of another group id) its group bits at most its other
     bits. A 0600 source gives a 0600 copy under any umask; a 0640 one 0600 where the group changes."""
     bits = stat.S_IMODE(source_mode) & 0o777
     owner, group, other = bits >> 6, (bits >> 3) & 7, bits & 7
