@@ -21,6 +21,7 @@ from hostile_surfaces import _child
 
 BYTES_CHECK = """
 import json, sys, time
+import torch  # imported before the clock starts, as in bench_hostile's children
 from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage
 t0 = time.perf_counter()
 problems = check_checkpoint_storage(sys.argv[1])
@@ -32,6 +33,7 @@ print(json.dumps({"seconds": t, "peak_rss_kib": hwm, "problems": len(problems),
 
 INSPECT = """
 import json, sys, time
+import torch
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
 t0 = time.perf_counter()
 result = inspect_snapshot(sys.argv[1])
