@@ -18,11 +18,14 @@ embedding, all pointing at the embedding's one `.distcp` entry (refused: chunks 
 bytes; each entry is checked once).
 
 Then the worst case of each hostile class on the other surfaces, beside the honest case of the same size
-(`hostile_surfaces.py`): a 100 MB output line without a newline from the command backend's job, a 64 MiB
-warm-service frame, a logs dir of 16k files. Same target for each: at most 1.5x the honest case's peak memory.
+(`hostile_surfaces.py`, `hostile_reads.py`): a 100 MB output line without a newline from the command backend's job,
+a 64 MiB warm-service frame, a logs dir of 16k files, a checkpoint of 20k Megatron extra states (bytes entries) whose
+last would run code, a snapshot whose run config and rank files all link out of it. Same target for each: at most
+1.5x the honest case's peak memory.
 
     .venv/bin/python benchmarks/bench_hostile.py [--bomb-gib 3] [--chunks 65536] [--package DIR] [--dir DIR]
-        [--surfaces line,frame,logs|none] [--line-mb 100] [--frame-mib 64] [--log-files 16000]
+        [--surfaces line,frame,logs,bytes,links|none] [--line-mb 100] [--frame-mib 64] [--log-files 16000]
+        [--bytes-entries 20000] [--link-ranks 64]
 
 `--package DIR` runs the children against another checkout's `mcp_server` (e.g. to measure before a fix).
 """
@@ -43,6 +46,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the hostile-file writers the regressi
 
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR  # noqa: E402
 from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot  # noqa: E402
+from hostile_reads import bytes_entry_rows, link_rows  # noqa: E402
 from hostile_snapshot import (  # noqa: E402
     declare_checkpoint_tensor,
     declare_world_size,
@@ -193,10 +197,14 @@ def main() -> int:
     parser.add_argument("--package", default=str(REPO / "mcp_server"), help="the mcp_server dir to measure")
     parser.add_argument("--dir", default=None, help="where to write the snapshots (default: a temp dir)")
     parser.add_argument("--chunks", type=int, default=65536, help="chunks the hostile chunk table declares")
-    parser.add_argument("--surfaces", default="line,frame,logs", help="other hostile classes to measure, or none")
+    parser.add_argument(
+        "--surfaces", default="line,frame,logs,bytes,links", help="other hostile classes to measure, or none"
+    )
     parser.add_argument("--line-mb", type=int, default=100, help="the output line without a newline, in MB")
     parser.add_argument("--frame-mib", type=int, default=64, help="the warm-service frame without a newline, in MiB")
     parser.add_argument("--log-files", type=int, default=16000, help="files in the hostile logs dir")
+    parser.add_argument("--bytes-entries", type=int, default=20000, help="bytes entries (extra states) to check")
+    parser.add_argument("--link-ranks", type=int, default=64, help="ranks of the snapshot whose files link out")
     parser.add_argument("--surface-timeout", type=float, default=900.0, help="seconds for each of those cases")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="axrl-bench-hostile-", dir=args.dir))
@@ -262,6 +270,13 @@ def surface_ratios(args: argparse.Namespace) -> list[float]:
     if "logs" in chosen:
         rows = logs_dir_rows(package, args.log_files, timeout_s)
         ratios.append(print_rows("logs DIR (the logs process):", rows, "outcome"))
+    if "bytes" in chosen:
+        rows = bytes_entry_rows(package, args.bytes_entries, timeout_s)
+        title = "checkpoint bytes entries, weights-only (check_checkpoint_storage; ran: the pickle's marker exists):"
+        ratios.append(print_rows(title, rows, "outcome"))
+    if "links" in chosen:
+        rows = link_rows(package, args.link_ranks, timeout_s)
+        ratios.append(print_rows("snapshot files linked out of it (inspect):", rows, "outcome"))
     return ratios
 
 

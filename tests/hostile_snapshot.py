@@ -173,3 +173,29 @@ def edit_safetensors_header(path: Path, change) -> None:
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)  # safetensors pads its header to 8 bytes
     path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + length :])
+
+
+def save_bytes_entries(directory: Path, objects: dict[str, bytes]) -> None:
+    """A DCP checkpoint of one tensor and a bytes entry per {name: bytes}, stored as they are: how megatron-core's
+    save planner stores each ShardedObject (`_extra_state`) it has `torch.save`d itself."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class AsSerialized(DefaultSavePlanner):
+        def transform_object(self, write_item: object, object: object) -> object:
+            return object  # already serialized, as megatron-core's MCoreSavePlanner hands them over
+
+    state: dict[str, object] = {"embedding.word_embeddings.weight": torch.zeros(64, 16)}
+    state.update({name: io.BytesIO(data) for name, data in objects.items()})
+    dcp.save(state, checkpoint_id=str(directory), planner=AsSerialized(), no_dist=True)
+
+
+def torch_saved(value: object, protocol: int = 2) -> bytes:
+    """`value` as `torch.save` writes it (DCP and megatron-core save with protocol 2)."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer, pickle_protocol=protocol)
+    return buffer.getvalue()

@@ -3,7 +3,7 @@
 The temp file gets the mode a plain `open()` would have given the file (0666 less the umask, or the
 existing file's mode), not mkstemp's 0600: teammates on shared storage must be able to read results.
 A copy of a file is the exception: it is never more readable than its source (`copy_mode`), whatever
-the umask or a file it replaces would allow.
+the umask, the group a setgid directory gives it or a file it replaces would allow.
 
 A writer killed mid-write (SIGKILL, OOM, a node lost) leaves its temp file `.<name>.XXXXXXXX.tmp` behind.
 Each temp file is locked (`flock`) by its writer for as long as it is open, so the next atomic write of
@@ -54,24 +54,41 @@ def plain_open_mode(target: Path) -> int:
     return 0o666 & ~current_umask()
 
 
-def copy_mode(source_mode: int) -> int:
-    """The permission bits of a copy of a file whose `st_mode` is `source_mode`: the source's own permission
-    bits less the umask (set-id and sticky bits dropped). A 0600 source gives a 0600 copy under any umask."""
-    return stat.S_IMODE(source_mode) & 0o777 & ~current_umask()
+def copy_mode(source_mode: int, *, same_group: bool = True) -> int:
+    """The permission bits of a copy of a file whose `st_mode` is `source_mode`, less the umask (set-id and sticky
+    bits dropped): nobody may read or write the copy who could not do so to the source. The copy's owner (the
+    copier, who read the source) keeps the source's owner bits. Anyone who reads the copy by its group or other
+    bits may be, for the source, its owner, a member of its group or neither, so those bits are the ones every such
+    class has on the source: its other bits at most its group bits, and when the copy's group is not the source's
+    (`same_group` False: a setgid directory, a node's file of another group id) its group bits at most its other
+    bits. A 0600 source gives a 0600 copy under any umask; a 0640 one 0600 where the group changes."""
+    bits = stat.S_IMODE(source_mode) & 0o777
+    owner, group, other = bits >> 6, (bits >> 3) & 7, bits & 7
+    group &= owner if same_group else owner & other
+    other &= owner & group
+    return ((owner << 6) | (group << 3) | other) & ~current_umask()
 
 
 def temp_beside(
-    target: Path, suffix: str = ".tmp", mode: int | None = None, *, sweep: bool = False
+    target: Path,
+    suffix: str = ".tmp",
+    mode: int | None = None,
+    *,
+    sweep: bool = False,
+    copy_of: os.stat_result | None = None,
 ) -> tuple[int, Path]:
     """A temp file next to `target` (same filesystem, so rename is atomic) with `mode`, by default the plain-open
-    mode. It is created 0600 and only then given its mode, so it is never wider than that. It is locked by this
-    writer while its descriptor is open (keep it open until the rename). `sweep`: first remove the temp files
-    killed writers left beside `target` (`sweep_debris`)."""
+    mode; `copy_of`: the mode of a copy of the file so stat'ed (`copy_mode`, judged against the group the temp file
+    got: a setgid directory gives its own). It is created 0600 and only then given its mode, so it is never wider
+    than that. It is locked by this writer while its descriptor is open (keep it open until the rename). `sweep`:
+    first remove the temp files killed writers left beside `target` (`sweep_debris`)."""
     if sweep:
         sweep_debris(target)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=suffix, dir=target.parent)
     with contextlib.suppress(OSError):  # no locks on this filesystem: the sweep cannot tell, so leaves it alone
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if copy_of is not None:
+        mode = copy_mode(copy_of.st_mode, same_group=os.fstat(fd).st_gid == copy_of.st_gid)
     os.fchmod(fd, plain_open_mode(target) if mode is None else mode)
     return fd, Path(tmp)
 
@@ -150,7 +167,7 @@ def atomic_copy(source: str | os.PathLike[str], target: str | os.PathLike[str], 
         info = os.fstat(src.fileno())
         if not stat.S_ISREG(info.st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(source))
-        fd, tmp = temp_beside(target_path, suffix=".part", mode=copy_mode(info.st_mode), sweep=True)
+        fd, tmp = temp_beside(target_path, suffix=".part", copy_of=info, sweep=True)
         try:
             with os.fdopen(fd, "wb") as out:
                 copy_bytes(src.fileno(), out.fileno())
@@ -163,13 +180,16 @@ def atomic_copy(source: str | os.PathLike[str], target: str | os.PathLike[str], 
     return target_path
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int | None = None) -> Path:
+def atomic_write_bytes(
+    path: str | os.PathLike[str], data: bytes, mode: int | None = None, *, copy_of: os.stat_result | None = None
+) -> Path:
     """Write `data` to `path` through a temp file in the same directory, fsync and rename. `mode`: the file's
-    permission bits (default: what a plain `open()` would give it). Temp files left beside `path` by writers that
+    permission bits (default: what a plain `open()` would give it); `copy_of`: `data` comes from the file so
+    stat'ed, and the file is no more readable than it (`copy_mode`). Temp files left beside `path` by writers that
     were killed are removed first."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temp_beside(target, mode=mode, sweep=True)
+    fd, tmp = temp_beside(target, mode=mode, sweep=True, copy_of=copy_of)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -182,11 +202,16 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int | No
     return target
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int | None = None) -> Path:
-    """Write UTF-8 text atomically."""
-    return atomic_write_bytes(path, text.encode("utf-8"), mode)
+def atomic_write_text(
+    path: str | os.PathLike[str], text: str, mode: int | None = None, *, copy_of: os.stat_result | None = None
+) -> Path:
+    """Write UTF-8 text atomically (`mode`, `copy_of`: as `atomic_write_bytes`)."""
+    return atomic_write_bytes(path, text.encode("utf-8"), mode, copy_of=copy_of)
 
 
-def atomic_write_json(path: str | os.PathLike[str], payload: Any, mode: int | None = None) -> Path:
-    """Write JSON (indented, trailing newline) atomically."""
-    return atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n", mode)
+def atomic_write_json(
+    path: str | os.PathLike[str], payload: Any, mode: int | None = None, *, copy_of: os.stat_result | None = None
+) -> Path:
+    """Write JSON (indented, trailing newline) atomically (`mode`, `copy_of`: as `atomic_write_bytes`)."""
+    text = json.dumps(payload, indent=2, sort_keys=False, default=str) + "\n"
+    return atomic_write_text(path, text, mode, copy_of=copy_of)

@@ -6,6 +6,7 @@ from typing import Any
 
 import yaml
 
+from axrl_spike_replay.containment import file_inside
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
@@ -95,10 +96,13 @@ def _short_yaml_error(exc: yaml.YAMLError) -> str:
     return shown(str(problem), 160, quote=False) + where
 
 
-def read_untrusted_yaml(path: Any, what: str = "YAML file") -> Any:
-    """Read and parse a YAML file we did not write; ConfigError naming the file when unreadable or bad."""
+def read_untrusted_yaml(path: Any, what: str = "YAML file", within: Any = None) -> Any:
+    """Read and parse a YAML file we did not write; ConfigError naming the file when unreadable or bad. With
+    `within` (a file of a tree we read, such as a snapshot's run config), a symlink that leads out of that
+    directory is refused (`containment.file_inside`); a file a person names alone is read where it leads."""
     try:
-        data = read_bounded(path, MAX_YAML_BYTES)
+        target = path if within is None else file_inside(path, within)
+        data = read_bounded(target, MAX_YAML_BYTES, follow_symlinks=within is None)
     except UntrustedInputError as exc:
         raise ConfigError(f"{what} {path}: {exc}") from None
     except OSError as exc:

@@ -16,17 +16,22 @@ REASON = megatron_unavailable_reason()
 
 
 def load_gpt(section: dict[str, Any], checkpoint: str) -> Any:
-    """Megatron-core's GPTModel for the section (TP=PP=EP=1), its weights loaded by `dist_checkpointing.load`."""
-    from megatron.core import dist_checkpointing
-
+    """Megatron-core's GPTModel for the section (TP=PP=EP=1), its weights loaded by `dist_checkpointing.load` as
+    route 2 loads them (`snapshot.megatron_load`)."""
     from axrl_spike_replay.models.megatron_config import MegatronModelConfig
     from axrl_spike_replay.models.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
+    from axrl_spike_replay.snapshot.megatron_load import load_megatron_model
 
     init_parallel(MegatronParallel())
     model = build_gpt_model(MegatronModelConfig.from_dict(section))
-    state = dist_checkpointing.load(model.sharded_state_dict(), checkpoint)
-    model.load_state_dict(state, strict=False)
+    load_megatron_model(model, checkpoint)
     return model
+
+
+def load_gpt_rank(rank: int, world: int, payload: tuple[dict[str, Any], str]) -> None:
+    """`load_gpt` in a rank process (spawn_ranks): payload (section, checkpoint dir)."""
+    del rank, world
+    load_gpt(*payload)
 
 
 def left_padded_batch() -> dict[str, torch.Tensor]:

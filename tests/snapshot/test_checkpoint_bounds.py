@@ -168,9 +168,20 @@ def test_chunks_too_irregular_to_check_are_refused_not_searched(monkeypatch: pyt
     )
 
 
-def test_a_model_tensor_saved_as_bytes_is_refused_before_dcp_unpickles_it(snap: Path, tmp_path: Path) -> None:
+def _save_as_bytes(snap: Path, fqn: str, payload: bytes) -> None:
+    """Declare the checkpoint's `fqn` a bytes entry holding `payload` (appended to its data file)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+    metadata = pickle.loads((snap / ".metadata").read_bytes())
+    metadata.state_dict_metadata[fqn] = BytesStorageMetadata()
+    info = next(i for k, i in metadata.storage_data.items() if k.fqn == fqn)
+    data = (snap / info.relative_path).read_bytes()
+    (snap / info.relative_path).write_bytes(data + payload)
+    info.offset, info.length = len(data), len(payload)
+    (snap / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def test_a_model_tensor_saved_as_bytes_is_refused_before_dcp_unpickles_it(snap: Path, tmp_path: Path) -> None:
     marker = tmp_path / "ran"
 
     class RunsACommand:
@@ -179,18 +190,22 @@ def test_a_model_tensor_saved_as_bytes_is_refused_before_dcp_unpickles_it(snap: 
 
             return (os.system, (f"touch {marker}",))
 
-    payload = pickle.dumps(RunsACommand())
-    metadata = pickle.loads((snap / ".metadata").read_bytes())
-    metadata.state_dict_metadata["model.head.weight"] = BytesStorageMetadata()
-    info = next(i for k, i in metadata.storage_data.items() if k.fqn == "model.head.weight")
-    data = (snap / info.relative_path).read_bytes()
-    (snap / info.relative_path).write_bytes(data + payload)
-    info.offset, info.length = len(data), len(payload)
-    (snap / ".metadata").write_bytes(pickle.dumps(metadata))
-
+    for payload in (pickle.dumps(RunsACommand()), _torch_saved(RunsACommand())):  # a bare pickle, a torch archive
+        hostile = shutil.copytree(snap, tmp_path / f"hostile{len(payload)}")
+        _save_as_bytes(hostile, "model.head.weight", payload)
+        with pytest.raises(SnapshotError, match=r"entry of 'model\.head\.weight', bytes \d+-\d+\): refused"):
+            load_model_state(hostile, {"head.weight": torch.zeros(16, 16)})
+    assert not marker.exists()
+    # bytes that hold nothing hostile are still no tensor: DCP would unpickle them, so the name is refused first
+    _save_as_bytes(snap, "model.head.weight", _torch_saved([None]))
     with pytest.raises(SnapshotError, match=r"'model\.head\.weight' is saved as bytes, not a tensor; refused"):
         load_model_state(snap, {"head.weight": torch.zeros(16, 16)})
-    assert not marker.exists()
+
+
+def _torch_saved(value: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def test_an_entry_whose_pickle_is_garbled_is_named_when_the_load_fails(snap: Path) -> None:

@@ -21,7 +21,7 @@ from axrl_spike_replay.capture.model_choice import (
 )
 from axrl_spike_replay.capture.presets import get_preset
 from axrl_spike_replay.capture.toy_task import ADVANTAGE_ESTIMATORS
-from axrl_spike_replay.display import shown
+from axrl_spike_replay.display import shown, shown_names
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.policy import ModelSpec, parse_model_config
@@ -172,7 +172,7 @@ def _known(doc: Mapping[str, Any], cls: type, section: str) -> dict[str, Any]:
     known = {f.name for f in fields(cls)}
     unknown = sorted(str(k) for k in set(doc) - known)
     if unknown:
-        raise ConfigError(f"{section}: unknown keys {shown(unknown, 120)} (known: {sorted(known)})")
+        raise ConfigError(f"{section}: unknown keys {shown_names(unknown)} (known: {sorted(known)})")
     return dict(doc)
 
 

@@ -160,7 +160,7 @@ def run_detector_config(paths: Sequence[str | Path]) -> tuple[dict[str, Any], st
             if not config.is_file():  # a FIFO or device would block or never end
                 continue
             try:
-                doc = read_untrusted_yaml(config, "run config") or {}
+                doc = read_untrusted_yaml(config, "run config", within=config.parent) or {}
             except AxrlError:
                 continue
             section = doc.get("detector") if isinstance(doc, dict) else None

@@ -111,7 +111,7 @@ def snapshot_trainer(snapshot: str | Path | None) -> str | None:
         return None
     path = Path(str(snapshot)) / RUN_CONFIG
     try:
-        return trainer_of(read_untrusted_yaml(path, "run config")) if path.is_file() else None
+        return trainer_of(read_untrusted_yaml(path, "run config", within=path.parent)) if path.is_file() else None
     except (AxrlError, OSError):
         return None
 

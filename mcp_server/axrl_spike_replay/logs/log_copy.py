@@ -5,8 +5,9 @@ Each log is opened once. A thread copies its first N bytes (its size when opened
 bytes from the same open file: the copy and the scan see the same bytes, a line appended meanwhile is in
 neither, and the copy's time is hidden behind the scan's on a second core. The copy goes through a temp file
 renamed over the target (a symlink at the target is replaced, never written through) only once it is whole.
-The copy is never more readable than the log: it gets the log's permission bits less the umask (`copy_mode`),
-from its first byte on.
+The copy is never more readable than the log, from its first byte on: it gets the log's permission bits less the
+umask, its group bits dropped to what others may do where its group is not the log's, as in a setgid workspace
+(`atomic.copy_mode`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from axrl_spike_replay.atomic import copy_mode, temp_beside
+from axrl_spike_replay.atomic import temp_beside
 from axrl_spike_replay.containment import inside_of, is_inside, resolved_text
 from axrl_spike_replay.errors import AxrlError
 
@@ -83,10 +84,10 @@ class CopyBeside(threading.Thread):
         self.handle, self.source, self.target, self.size, self.cancel = handle, source, target, size, cancel
         self.stopped = threading.Event()
         self.error: BaseException | None = None
-        self.mode = copy_mode(os.fstat(handle.fileno()).st_mode)  # of the file opened: the one the copy holds
+        self.source_stat = os.fstat(handle.fileno())  # of the file opened: the one the copy holds
 
     def run(self) -> None:
-        fd, tmp = temp_beside(self.target, mode=self.mode)
+        fd, tmp = temp_beside(self.target, copy_of=self.source_stat)
         try:
             with os.fdopen(fd, "wb") as out:
                 self._copy(out.fileno())

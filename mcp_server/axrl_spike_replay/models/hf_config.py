@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from axrl_spike_replay.display import shown
+from axrl_spike_replay.display import shown, shown_names
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.architectures import ARCHITECTURES, MAX_EXPERT_WIDTH, MAX_EXPERTS
 from axrl_spike_replay.untrusted_bytes import read_bounded
@@ -156,7 +156,7 @@ class HFModelConfig:
         known.update(("temperature", "deterministic_algorithms"))
         unknown = sorted(str(k) for k in set(doc) - known)
         if unknown:
-            raise ConfigError(f"model: unknown keys {shown(unknown, 120)} (known: {sorted(known)})")
+            raise ConfigError(f"model: unknown keys {shown_names(unknown)} (known: {sorted(known)})")
         if "architecture" not in doc:
             raise ConfigError(f"model: kind hf needs `architecture` (one of {', '.join(ARCHITECTURES)})")
         inline, path = doc.get("config"), doc.get("path")

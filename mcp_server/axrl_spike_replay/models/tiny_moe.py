@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from axrl_spike_replay.display import shown
+from axrl_spike_replay.display import shown, shown_names
 from axrl_spike_replay.errors import ConfigError
 
 # Limits on the `model:` section of a run config we did not write, checked before anything is built:
@@ -94,7 +94,7 @@ class TinyMoEConfig:
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(str(k) for k in set(values) - known)
         if unknown:
-            raise ConfigError(f"model: unknown keys {shown(unknown, 120)} (known: {sorted(known)})")
+            raise ConfigError(f"model: unknown keys {shown_names(unknown)} (known: {sorted(known)})")
         layers = values.get("moe_layers")
         if layers is not None:
             if not isinstance(layers, (list, tuple)) or len(layers) > MODEL_LIMITS["n_layers"]:

@@ -153,9 +153,11 @@ class RemoteSession:
             if attrs.size is not None and attrs.size > max_bytes:
                 raise RemoteError(f"{self.label}: {path} is {attrs.size} bytes, more than the {max_bytes}-byte limit")
         local_path.parent.mkdir(parents=True, exist_ok=True)
-        # a server that does not say keeps the copy private
-        mode = copy_mode(attrs.permissions if attrs.permissions else 0o600)
-        fd, tmp = temp_beside(local_path, suffix=".part", mode=mode, sweep=True)
+        fd, tmp = temp_beside(local_path, suffix=".part", mode=0o600, sweep=True)
+        # a server that does not say keeps the copy private; a group is the node's where the ids match (a cluster's
+        # shared group database), else the copy's group bits fall to what the node's file gives others
+        same_group = attrs.gid is not None and attrs.gid == os.fstat(fd).st_gid
+        os.fchmod(fd, copy_mode(attrs.permissions if attrs.permissions else 0o600, same_group=same_group))
         try:
             await sftp.get(path, tmp)  # our descriptor keeps the temp locked until it is renamed
             os.replace(tmp, local_path)

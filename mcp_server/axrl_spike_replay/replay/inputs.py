@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.display import shown
+from axrl_spike_replay.display import shown, shown_names
 from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, check_current_layers, parse_config
 from axrl_spike_replay.models.hf_config import HFModelConfig
@@ -70,14 +70,14 @@ def read_run_config(snapshot_dir: Path) -> dict[str, Any]:
     path = snapshot_dir / RUN_CONFIG
     if not path.is_file():
         raise SnapshotError(f"{path}: run config not found (the torch backend rebuilds the model from it)")
-    doc = read_untrusted_yaml(path, "run config")
+    doc = read_untrusted_yaml(path, "run config", within=snapshot_dir)
     if not isinstance(doc, dict):
         raise ConfigError(f"run config {path}: expected a mapping of sections, got {type(doc).__name__}")
     unknown = sorted(str(k) for k in set(doc) - set(ENGINE_SECTIONS) - set(INFO_SECTIONS) - set(OPTIONAL_SECTIONS))
     if unknown:
         known = sorted((*ENGINE_SECTIONS, *INFO_SECTIONS, *OPTIONAL_SECTIONS))
         raise ConfigError(
-            f"{path}: unknown sections {shown(unknown, 120)} the torch engine cannot replay (known: {known})"
+            f"{path}: unknown sections {shown_names(unknown)} the torch engine cannot replay (known: {known})"
         )
     for section in ENGINE_SECTIONS:
         if not isinstance(doc.get(section), dict):
@@ -92,7 +92,7 @@ def _parallel(doc: dict[str, Any], path: Path, meta: AxrlMetadata, model_paralle
     known = {f.name for f in fields(ParallelLayout)} | {"strategy"}  # strategy: ddp | fsdp, how weights were spread
     unknown = sorted(str(k) for k in set(doc) - known)
     if unknown:
-        raise ConfigError(f"{path}: parallel: unknown keys {shown(unknown, 120)} (known: {sorted(known)})")
+        raise ConfigError(f"{path}: parallel: unknown keys {shown_names(unknown)} (known: {sorted(known)})")
     strategy = doc.get("strategy", "ddp")
     if strategy not in ("ddp", "fsdp"):
         raise ConfigError(f"{path}: parallel.strategy must be ddp or fsdp, got {shown(strategy, 40)}")
@@ -272,10 +272,10 @@ def check_configs(inputs: ReplayInputs, configs: Iterable[AppliedConfig]) -> Non
             missing = sorted(set(range(inputs.world_size)) - set(inputs.routing_ranks))
             if missing:
                 raise SnapshotError(
-                    f"{inputs.snapshot}: routing replay is {cfg.routing.replay!r} ({label}) but ranks {missing} "
-                    "have no routing_payload_rank<r>.pt (nor routed_experts in their batch); the spike step cannot be "
-                    "recomputed without the recorded routes (restore the payload files, or replay a snapshot whose "
-                    "run config has routing.replay: off)"
+                    f"{inputs.snapshot}: routing replay is {shown(cfg.routing.replay, 60)} ({label}) but ranks "
+                    f"{missing} have no routing_payload_rank<r>.pt (nor routed_experts in their batch); the spike step "
+                    "cannot be recomputed without the recorded routes (restore the payload files, or replay a snapshot "
+                    "whose run config has routing.replay: off)"
                 )
         check_current_layers(cfg, moe_layers)
         bad = sorted(r for r in cfg.recompute.ranks() if r >= inputs.world_size)

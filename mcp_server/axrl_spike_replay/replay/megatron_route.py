@@ -4,7 +4,8 @@
 judges the verdict and records the run as for the torch backend; only the job runner differs: `run_megatron_job`
 starts one gloo process per saved data-parallel rank, each building the GPTModel from the snapshot's `model:`
 section (TP=PP=EP=1, local spec: the CPU route; a GPU node runs the trainer's spec), loading the checkpoint with
-Megatron's own `dist_checkpointing.load` (which reshards from the saved TP/PP/EP layout), forcing the rank's
+Megatron's own `dist_checkpointing.load` (which reshards from the saved TP/PP/EP layout; every pickle in the checkpoint
+read weights-only, `snapshot.megatron_load`), forcing the rank's
 recorded routes through Megatron's router replay (`RouterReplay`, REPLAY_FORWARD), taking the log-probs and the
 snapshot's loss (`training.policy_loss`, as route 1 does), backpropagating and reducing as the trainer did (the
 data-parallel mean).
@@ -103,12 +104,12 @@ def _replay_rank(rank: int, world: int, payload: tuple[str, dict[str, Any], Any,
     """One saved data-parallel rank's forward and backward on Megatron-core's GPTModel; rank 0 writes the result."""
     import torch
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
 
     from axrl_spike_replay.atomic import atomic_write_json
     from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu
     from axrl_spike_replay.models.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
     from axrl_spike_replay.models.megatron_policy import force_routes, install_trace, megatron_logprobs
+    from axrl_spike_replay.snapshot.megatron_load import load_megatron_model
     from axrl_spike_replay.snapshot.megatron_routes import to_router_replay
     from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
     from axrl_spike_replay.training.policy_loss import policy_loss
@@ -121,7 +122,7 @@ def _replay_rank(rank: int, world: int, payload: tuple[str, dict[str, Any], Any,
         t0 = time.perf_counter()
         init_parallel(MegatronParallel())
         model = build_gpt_model(spec)
-        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), replay_dir), strict=False)
+        load_megatron_model(model, replay_dir)
         trace = install_trace(model)
         batch = load_rank_batch(replay_dir, rank)
         forced = None

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError, UnsafeFileError
+from axrl_spike_replay.snapshot.checkpoint_bytes import bytes_entry_problems
 from axrl_spike_replay.snapshot.checkpoint_entries import entry_problems, torch_reason, unreadable_entry
 from axrl_spike_replay.snapshot.checkpoint_tiling import tiling_problem
 from axrl_spike_replay.snapshot.layout import DCP_METADATA
-from axrl_spike_replay.snapshot.safe_load import human_bytes
+from axrl_spike_replay.snapshot.safe_load import human_bytes, inside_its_tree
 
 if TYPE_CHECKING:
     import torch
@@ -117,6 +118,7 @@ def read_checkpoint_metadata(checkpoint_dir: str | Path, *, records: bool = Fals
     `records=True` gives light stand-ins of DCP's classes (same attributes) without importing DCP.
     """
     path = Path(checkpoint_dir) / DCP_METADATA
+    inside_its_tree(path)  # never read through a symlink out of the checkpoint dir
     if not path.is_file():
         raise SnapshotError(f"{path}: checkpoint metadata not found (no distributed checkpoint here)")
     try:
@@ -267,7 +269,9 @@ def check_checkpoint_storage(checkpoint_dir: str | Path) -> list[str]:
     """What the checkpoint's `.metadata` declares beyond its data files: empty when every size is backed.
 
     Each storage entry must lie inside its `.distcp` file, and each tensor entry there must be a torch archive
-    whose records are stored, not deflated (`checkpoint_entries`); each tensor's chunks must tile it exactly
+    whose records are stored, not deflated (`checkpoint_entries`); each bytes entry (a Megatron `_extra_state`)
+    must load weights-only and hold only what the allow-list admits (`checkpoint_bytes`, tensors on the meta
+    device); each tensor's chunks must tile it exactly
     (`checkpoint_tiling`), each with its storage entry, and its bytes must fit in the storage entries recorded
     for it. Missing data files are left to the caller (they are reported as missing); nothing is allocated or
     read but file sizes and the entries' zip directories.
@@ -282,11 +286,15 @@ def check_checkpoint_storage(checkpoint_dir: str | Path) -> list[str]:
 
 
 def _identity(path: Path) -> tuple[int, ...]:
-    try:
-        stat = path.lstat()
-    except OSError:
-        return ()
-    return stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns
+    """The file as it is now: the name itself and, for a symlink, what it leads to."""
+    found: tuple[int, ...] = ()
+    for follow in (False, True):
+        try:
+            stat = path.stat(follow_symlinks=follow)
+        except OSError:
+            return found
+        found += (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    return found
 
 
 @functools.lru_cache(maxsize=8)
@@ -303,20 +311,20 @@ def _storage_problems_of(directory: Path) -> tuple[str, ...]:
     stored: dict[str, int] = {}
     entries: set[tuple[str, tuple[int, ...]]] = set()
     readable: list[tuple[str, Any]] = []  # tensor entries inside their files, for the archive check
+    objects: list[tuple[str, Any]] = []  # bytes entries inside their files, for the weights-only check
     tensors = {name for name, item in metadata.state_dict_metadata.items() if _is_tensor(item)}
     for index, info in metadata.storage_data.items():
         name = info.relative_path
         if name not in file_sizes:
-            target = directory / name
-            file_sizes[name] = target.stat().st_size if target.is_file() and not target.is_symlink() else None
+            file_sizes[name] = _data_file_size(directory / name, problems)
         have = file_sizes[name]
         if have is not None and info.offset + info.length > have:
             problems.append(
                 f"{path}: {shown(index.fqn, 120)} is declared at bytes {info.offset}-{info.offset + info.length} "
                 f"of {directory / name}, which holds {have}"
             )
-        elif have is not None and index.fqn in tensors:
-            readable.append((index.fqn, info))
+        elif have is not None:
+            (readable if index.fqn in tensors else objects).append((index.fqn, info))
         stored[index.fqn] = stored.get(index.fqn, 0) + info.length
         entries.add((index.fqn, _offsets(getattr(index, "offset", None))))
     for name, item in metadata.state_dict_metadata.items():
@@ -328,7 +336,21 @@ def _storage_problems_of(directory: Path) -> tuple[str, ...]:
         if len(problems) >= 20:
             problems.append(f"{path}: more size problems not listed")
             return tuple(problems)
-    return tuple(problems + entry_problems(directory, readable, limit=20 - len(problems)))
+    problems += entry_problems(directory, readable, limit=20 - len(problems))
+    if len(problems) < 20:
+        problems += bytes_entry_problems(directory, objects, limit=20 - len(problems))
+    return tuple(problems)
+
+
+def _data_file_size(path: Path, problems: list[str]) -> int | None:
+    """The size of a `.distcp` file, None when it is missing; a symlink out of the checkpoint dir is a problem (DCP
+    would read through it), one between the checkpoint's own files is followed."""
+    try:
+        target = inside_its_tree(path)
+    except SnapshotError as exc:
+        problems.append(str(exc))
+        return None
+    return target.stat().st_size if target.is_file() else None
 
 
 def _is_tensor(item: Any) -> bool:

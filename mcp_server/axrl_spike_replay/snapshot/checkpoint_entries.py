@@ -211,6 +211,17 @@ def _torch_directory(tail: bytes, tail_start: int, length: int) -> list[ZipRecor
 _LABEL = "\0entry\0"  # stands for the entry's label until a problem needs it (most entries have none)
 
 
+def archive_records(data: bytes) -> list[ZipRecord]:
+    """The directory records of a torch archive held in memory (a checkpoint entry): read from its tail as torch
+    lays it out (`_torch_directory`), else by `zipfile`, which raises what it raises for garbled bytes."""
+    tail_start = max(0, len(data) - TAIL_BYTES)
+    records = _torch_directory(data[tail_start:], tail_start, len(data))
+    if records is None:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            records = zip_records(archive)
+    return records
+
+
 def unreadable_entry(directory: Path, entries: Iterable[tuple[str, Any]]) -> str | None:
     """Why the first of `entries` ((tensor name, `_StorageInfo`)) that torch cannot read as a tensor fails, in words
     naming its file and bytes; None when each one reads. What a failed DCP load calls to say which entry it could not

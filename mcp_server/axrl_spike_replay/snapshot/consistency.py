@@ -257,7 +257,7 @@ def _check_run_config(directory: Path, meta: AxrlMetadata, out: Consistency, doc
             out.skip("metadata_vs_run_config", f"no {RUN_CONFIG}")
             return
         try:
-            doc = read_untrusted_yaml(path)
+            doc = read_untrusted_yaml(path, "run config", within=directory)
         except AxrlError:
             out.skip("metadata_vs_run_config", f"{RUN_CONFIG} unreadable (inspect and replay say why)")
             return

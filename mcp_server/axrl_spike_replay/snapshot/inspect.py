@@ -169,7 +169,7 @@ def _read_run_config(path: Path, problems: list[str]) -> Any:
     """The run config as read (None when unreadable: the reason is a problem). It must read as YAML we accept (no
     aliases, bounded) and be a mapping of sections; what the sections hold is the replay's to check."""
     try:
-        doc = read_untrusted_yaml(path, "run config")
+        doc = read_untrusted_yaml(path, "run config", within=path.parent)
     except AxrlError as exc:
         problems.append(str(exc))
         return None

@@ -6,6 +6,10 @@ impossible (the temp dir is on another filesystem) a symlink is made instead: re
 and a snapshot of hundreds of GB is never copied. New files are written, never written through a
 link, so the snapshot's own files cannot change. The caller removes the replay dir when done
 (`shutil.rmtree` removes the links only).
+
+A snapshot file that is a symlink out of the snapshot is refused, never linked (the rule of every snapshot
+reader, `containment.file_inside`). The replay dir is private (0700) and marked as links into the snapshot
+(`containment.link_into`): readers follow its symlinks into that snapshot and nowhere else.
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from axrl_spike_replay.atomic import atomic_write_json, copy_mode
+from axrl_spike_replay.atomic import atomic_write_json
+from axrl_spike_replay.containment import LINKS_INTO, link_into
 from axrl_spike_replay.errors import AxrlError, SnapshotError
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, CHECKPOINT_METADATA, CHECKPOINT_METADATA_CONTENT
 from axrl_spike_replay.snapshot.metadata import read_json_document, read_metadata
+from axrl_spike_replay.snapshot.safe_load import inside_its_tree
 
 _NO_LINK_ERRNOS = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
 
@@ -51,14 +57,16 @@ def _link(src: Path, dst: Path) -> bool:
 
 def _fill(snapshot: Path, target: Path) -> tuple[int, int]:
     linked = symlinked = 0
+    link_into(target, snapshot)  # what readers check the symlinks below against (containment.file_inside)
     for dirpath, _, names in os.walk(snapshot):
         rel_dir = Path(dirpath).relative_to(snapshot)
         (target / rel_dir).mkdir(parents=True, exist_ok=True)
         for name in names:
             rel = rel_dir / name
-            if rel in (Path(CHECKPOINT_METADATA), Path(AXRL_METADATA)):
-                continue  # replaced below by new files, never written through a link
-            if _link(snapshot / rel, target / rel):
+            if rel in (Path(CHECKPOINT_METADATA), Path(AXRL_METADATA), Path(LINKS_INTO)):
+                continue  # replaced by new files, never written through a link
+            # the file itself, never what a link out of the snapshot leads to (os.link would follow it)
+            if _link(inside_its_tree(snapshot / rel, snapshot), target / rel):
                 linked += 1
             else:
                 symlinked += 1
@@ -78,21 +86,22 @@ def prepare_replay_dir(path: str | Path, dest: str | Path | None = None) -> Prep
         )
     legacy_meta = snapshot / CHECKPOINT_METADATA
     doc = read_json_document(legacy_meta)  # bounded and parsed again; read_metadata validated its fields
-    mode = copy_mode(os.stat(legacy_meta).st_mode)  # what is written from it is no more readable than it
+    source = os.stat(legacy_meta)  # what is written from it is no more readable than it
     if dest is None:
-        target = Path(tempfile.mkdtemp(prefix=f"axrl-replay-{snapshot.name}-"))
+        target = Path(tempfile.mkdtemp(prefix=f"axrl-replay-{snapshot.name}-"))  # private (0700)
     else:
         target = Path(os.path.abspath(dest))
         if target.resolve().is_relative_to(snapshot.resolve()):
             raise AxrlError(f"{target}: the replay dir must be outside the snapshot {snapshot}")
-        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        if target.is_symlink() or (target.exists() and (not target.is_dir() or any(target.iterdir()))):
             raise AxrlError(f"{target}: replay dir must not exist or be empty")
         target.mkdir(parents=True, exist_ok=True)
+        os.chmod(target, 0o700)  # private, as a temp one: readers follow its links only then (linked_tree)
 
     try:
         linked, symlinked = _fill(snapshot, target)
-        atomic_write_json(target / CHECKPOINT_METADATA, CHECKPOINT_METADATA_CONTENT, mode)
-        atomic_write_json(target / AXRL_METADATA, doc, mode)
+        atomic_write_json(target / CHECKPOINT_METADATA, CHECKPOINT_METADATA_CONTENT, copy_of=source)
+        atomic_write_json(target / AXRL_METADATA, doc, copy_of=source)
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)  # only links and files we wrote
         raise

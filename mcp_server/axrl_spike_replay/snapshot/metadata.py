@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.display import shown
+from axrl_spike_replay.containment import file_inside
+from axrl_spike_replay.display import shown, shown_names
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, CHECKPOINT_METADATA, FORMAT_VERSION
 from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
@@ -100,7 +101,7 @@ def _section(value: Any, name: str, source: Path | str, known: set[str]) -> dict
         raise SnapshotError(f"{source}: {name!r} must be an object, got {type(value).__name__} {shown(value, 60)}")
     unknown = sorted(str(k) for k in value if k not in known)
     if unknown:
-        raise SnapshotError(f"{source}: {name}: unknown keys {shown(unknown, 120)} (known: {sorted(known)})")
+        raise SnapshotError(f"{source}: {name}: unknown keys {shown_names(unknown)} (known: {sorted(known)})")
     return value
 
 
@@ -174,9 +175,11 @@ def _text(doc: dict[str, Any], key: str, source: Path | str, default: str, prefi
 
 
 def read_json_document(path: Path) -> dict[str, Any]:
-    """A JSON object from an untrusted file: size, depth and integers bounded; SnapshotError naming `path`."""
+    """A JSON object from an untrusted file: size, depth and integers bounded, never read through a symlink out of
+    its directory (`containment.file_inside`); SnapshotError naming `path`."""
     try:
-        doc = parse_untrusted_json(read_bounded(path, MAX_METADATA_BYTES), MAX_JSON_DEPTH)
+        target = file_inside(path)
+        doc = parse_untrusted_json(read_bounded(target, MAX_METADATA_BYTES, follow_symlinks=False), MAX_JSON_DEPTH)
     except UntrustedInputError as exc:
         raise SnapshotError(f"{path}: {exc}") from None
     except OSError as exc:

@@ -7,10 +7,14 @@ record could expand a few MB into GBs), the pickle must be small, and every tens
 bytes the file holds (a broadcast view can declare 10^10 elements over a 4-byte storage). Tensors
 are memory-mapped, so only the ones a verb touches are ever read. Files in torch's legacy (pre-zip)
 format cannot be memory-mapped and may declare any storage size: they are refused with a clear error.
+A file is read only where it resolves inside its own directory (`containment.file_inside`): a symlink out of a
+snapshot is refused by name, never read through. `load_pt_bytes` holds an archive held in memory (a checkpoint's
+bytes entry) to the same rule.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 import struct
 import zipfile
@@ -19,8 +23,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
+from axrl_spike_replay.containment import file_inside
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError, UnsafeFileError
+from axrl_spike_replay.untrusted_bytes import UntrustedInputError
 
 # Limits on what a rank file may declare (all far above what a trainer writes).
 MAX_PT_PICKLE_BYTES = 16 * 1024 * 1024  # data.pkl holds tensor headers and small dicts: kilobytes in practice
@@ -40,13 +46,15 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _check_archive(file: Path, size: int) -> None:
-    """SnapshotError unless `file` is a torch zip archive whose records are stored, bounded and inside it."""
+def _check_archive(file: Path, size: int, label: str | None = None) -> None:
+    """SnapshotError unless `file` is a torch zip archive whose records are stored, bounded and inside it; messages
+    name it `label` (the path it was asked for, where `file` is that path with its links resolved)."""
+    label = str(file) if label is None else label
     try:
         with zipfile.ZipFile(file) as archive:  # one read of the end records and the central directory
-            problem = archive_problem(archive, str(file), size)
+            problem = archive_problem(archive, label, size)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, struct.error) as exc:
-        _refuse_unreadable_archive(file, exc)  # NotImplementedError: a zip version or feature zipfile lacks
+        _refuse_unreadable_archive(file, exc, label)  # NotImplementedError: a zip version or feature zipfile lacks
     if problem:
         raise SnapshotError(problem)
 
@@ -96,24 +104,24 @@ def records_problem(records: Sequence[ZipRecord], label: str, size: int) -> str 
     return None
 
 
-def _refuse_unreadable_archive(file: Path, exc: Exception) -> NoReturn:
+def _refuse_unreadable_archive(file: Path, exc: Exception, label: str) -> NoReturn:
     """The SnapshotError for a file `zipfile` could not open: not a zip at all, or a broken one."""
     if not zipfile.is_zipfile(file):
         with open(file, "rb") as handle:
             head = handle.read(4)
         if head == _ZIP_MAGIC:
-            raise SnapshotError(f"{file}: truncated or corrupt torch file (the zip archive is incomplete)") from None
+            raise SnapshotError(f"{label}: truncated or corrupt torch file (the zip archive is incomplete)") from None
         raise SnapshotError(
-            f"{file}: refused to load: not in torch's zip format (a legacy or raw-pickle file cannot be "
+            f"{label}: refused to load: not in torch's zip format (a legacy or raw-pickle file cannot be "
             "memory-mapped and may declare any size); nothing in it was run; re-save it with torch.save"
         ) from None
-    raise SnapshotError(f"{file}: truncated or corrupt torch file ({exc})") from None
+    raise SnapshotError(f"{label}: truncated or corrupt torch file ({_first_line(exc)})") from None
 
 
 _NO_TENSORS = frozenset({float, int, bool, str, bytes, type(None)})  # leaves that hold no tensor (exact types)
 
 
-def check_tensors(value: Any, file: Path, size: int, where: str = "", depth: int = 0) -> None:
+def check_tensors(value: Any, file: str | Path, size: int, where: str = "", depth: int = 0) -> None:
     """SnapshotError unless every tensor in `value` fits in the `size` bytes of `file`.
 
     A tensor's storage (as declared, for meta tensors) and its logical size (elements x element size)
@@ -151,18 +159,23 @@ def check_tensors(value: Any, file: Path, size: int, where: str = "", depth: int
                 check_tensors(item, file, size, f"{where}[{i}]", depth + 1)
 
 
-def _storage_problem(file: Path, size: int) -> str:
+def _opened(source: Path | bytes) -> Path | io.BytesIO:
+    return source if isinstance(source, Path) else io.BytesIO(source)
+
+
+def _storage_problem(source: Path | bytes, label: str, size: int) -> str:
     """Why torch could not map a tensor's storage: the tensor whose declared storage exceeds the file."""
     import torch
 
     try:
-        declared = torch.load(file, map_location="meta", weights_only=True)
-        check_tensors(declared, file, size)
+        with _only_globals([]):
+            declared = torch.load(_opened(source), map_location="meta", weights_only=True)
+        check_tensors(declared, label, size)
     except SnapshotError as exc:
         return str(exc)
     except Exception:
         pass
-    return f"{file}: a tensor's declared storage runs past its record in the file; refused"
+    return f"{label}: a tensor's declared storage runs past its record in the file; refused"
 
 
 def load_pt(path: str | Path, *, meta: bool = False, allowed_globals: Sequence[Any] = ()) -> Any:
@@ -171,41 +184,74 @@ def load_pt(path: str | Path, *, meta: bool = False, allowed_globals: Sequence[A
     `meta=True` gives meta tensors (shapes and dtypes, no data read); otherwise tensors map the file,
     so only the tensors that are touched are read. A file whose pickle asks for anything beyond
     tensors and plain containers raises UnsafeFileError; nothing in it runs. A file whose records or
-    tensors declare more than it holds raises SnapshotError naming the file and the tensor.
+    tensors declare more than it holds raises SnapshotError naming the file and the tensor; so does a
+    symlink that leads out of the file's directory (`containment.file_inside`).
     `allowed_globals` admits a few more classes for this one load (e.g. DTensor's, for FSDP shards).
     """
-    import torch
-
     file = Path(path)
-    if not file.is_file():
+    target = inside_its_tree(file)
+    if not target.is_file():
         raise SnapshotError(f"{file}: file not found")
     try:
-        size = file.stat().st_size
-        _check_archive(file, size)
+        size = target.stat().st_size
+        _check_archive(target, size, str(file))
     except OSError as exc:
         raise SnapshotError(f"{file}: cannot read ({exc.strerror or exc})") from None
+    return _load_checked(target, str(file), size, meta, list(allowed_globals))
+
+
+def inside_its_tree(file: Path, root: Path | None = None) -> Path:
+    """`containment.file_inside(file, root)` for a snapshot file: its resolved path, or a SnapshotError naming
+    it when it leads out of its tree (the snapshot dir)."""
     try:
-        with _only_globals(list(allowed_globals)):
-            loaded = torch.load(file, mmap=True, weights_only=True, map_location="meta" if meta else "cpu")
+        return file_inside(file, root)
+    except UntrustedInputError as exc:
+        raise SnapshotError(f"{file}: {exc}") from None
+
+
+def load_pt_bytes(data: bytes, label: str, *, meta: bool = False) -> Any:
+    """`load_pt`'s rule for a torch archive held in memory (an entry of a checkpoint file), worded with `label`:
+    weights-only, its records stored and inside `data`, every tensor within its bytes. Tensors are copied out of
+    `data` (or on the meta device with `meta=True`)."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            problem = archive_problem(archive, label, len(data))
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError, struct.error) as exc:
+        problem = f"{label}: refused to load: not a torch archive, truncated or corrupt ({_first_line(exc)})"
+    if problem:
+        raise SnapshotError(problem)
+    return _load_checked(data, label, len(data), meta, [])
+
+
+def _load_checked(source: Path | bytes, label: str, size: int, meta: bool, allowed: list[Any]) -> Any:
+    """torch.load of `source` (a file, mapped, or an archive's `size` bytes) weights-only, with only `allowed`
+    beyond torch's own globals; every failure a SnapshotError worded with `label`, a refused global an
+    UnsafeFileError."""
+    import torch
+
+    mmap = isinstance(source, Path)
+    try:
+        with _only_globals(allowed):
+            loaded = torch.load(_opened(source), mmap=mmap, weights_only=True, map_location="meta" if meta else "cpu")
     except pickle.UnpicklingError as exc:
         text = str(exc)
         if "weights_only" in text.lower() or "unsupported global" in text.lower():
             first = text.strip().splitlines()[0] if text.strip() else "unsupported content"
-            detail = _unsupported_global(text) or first
+            detail = _unsupported_global(text) or _weights_only_reason(text) or first
             raise UnsafeFileError(
-                f"{file}: refused to load: it holds a pickled object beyond plain tensors and "
+                f"{label}: refused to load: it holds a pickled object beyond plain tensors and "
                 f"containers ({shown(detail, 300, quote=False)}); nothing in it was run"
             ) from None
         raise SnapshotError(
-            f"{file}: not a readable torch file ({shown(text.strip(), 300, quote=False) or 'unpickling failed'})"
+            f"{label}: not a readable torch file ({shown(text.strip(), 300, quote=False) or 'unpickling failed'})"
         ) from None
     except RuntimeError as exc:
         if "not resizable" in str(exc) or "out of bounds for storage" in str(exc):
-            raise SnapshotError(_storage_problem(file, size)) from None
-        raise SnapshotError(f"{file}: truncated or corrupt torch file ({_first_line(exc)})") from None
+            raise SnapshotError(_storage_problem(source, label, size)) from None
+        raise SnapshotError(f"{label}: truncated or corrupt torch file ({_first_line(exc)})") from None
     except (EOFError, ValueError, OverflowError, MemoryError, RecursionError, zipfile.BadZipFile, OSError) as exc:
-        raise SnapshotError(f"{file}: truncated or corrupt torch file ({_first_line(exc)})") from None
-    check_tensors(loaded, file, size)
+        raise SnapshotError(f"{label}: truncated or corrupt torch file ({_first_line(exc)})") from None
+    check_tensors(loaded, label, size)
     return loaded
 
 
@@ -239,8 +285,17 @@ def _first_line(exc: BaseException) -> str:
     return shown(text.splitlines()[0], 300, quote=False) if text else type(exc).__name__
 
 
+def _weights_only_reason(text: str) -> str | None:
+    """What torch's weights-only unpickler said is wrong (its error wraps the reason in advice), or None."""
+    if "WeightsUnpickler error:" not in text:
+        return None
+    lines = [line.strip() for line in text.split("WeightsUnpickler error:", 1)[1].splitlines() if line.strip()]
+    return lines[0] if lines else None
+
+
 def _unsupported_global(text: str) -> str | None:
+    """The line of torch's weights-only error naming the refused global, without its advice to allow it."""
     for line in text.splitlines():
         if "GLOBAL" in line or "Unsupported global" in line:
-            return line.strip()
+            return line.split(". Please use `torch.serialization.add_safe_globals", 1)[0].strip()
     return None

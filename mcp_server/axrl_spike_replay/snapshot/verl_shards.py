@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from axrl_spike_replay.containment import file_inside
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.safe_load import load_pt
@@ -87,7 +88,7 @@ def read_fsdp_config(directory: str | Path) -> VerlCheckpoint:
     if not path.is_file():
         raise SnapshotError(f"{path}: not found (a verl FSDP checkpoint has fsdp_config.json beside its shards)")
     try:
-        doc = parse_untrusted_json(read_bounded(path, MAX_FSDP_CONFIG_BYTES), max_depth=4)
+        doc = parse_untrusted_json(read_bounded(file_inside(path), MAX_FSDP_CONFIG_BYTES), max_depth=4)
     except UntrustedInputError as exc:
         raise SnapshotError(f"{path}: {exc}") from None
     except OSError as exc:

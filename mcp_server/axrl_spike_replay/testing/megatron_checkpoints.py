@@ -3,8 +3,9 @@ gloo process groups at several layouts: for tests and benchmarks. Needs megatron
 
 The reference is saved from one process (TP=PP=EP=1) after seeding, with sharp routers (a wrong expert changes
 the output). Every other layout is made as a trainer would reshard: each of its processes builds its shard of
-the GPTModel, loads the reference with `dist_checkpointing.load` and saves with `dist_checkpointing.save`. So
-all layouts hold the same global weights, each saved in its own chunks and data files.
+the GPTModel, loads the reference with `dist_checkpointing.load` (as route 2 does: `snapshot.megatron_load`) and
+saves with `dist_checkpointing.save`. So all layouts hold the same global weights, each saved in its own chunks and
+data files.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def _save_ranks(
 
     from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu
     from axrl_spike_replay.models.megatron_gpt import build_gpt_model
+    from axrl_spike_replay.snapshot.megatron_load import load_megatron_model
 
     section, jobs, reference, seed = payload
     spec = MegatronModelConfig.from_dict(section)
@@ -97,8 +99,7 @@ def _save_ranks(
             if reference is None:
                 sharpen_routers(model, seed)
             else:
-                state = dist_checkpointing.load(model.sharded_state_dict(), reference)
-                model.load_state_dict(state, strict=False)  # extra states are Transformer Engine's, absent here
+                load_megatron_model(model, reference)
             Path(out).mkdir(parents=True, exist_ok=True)
             torch.distributed.barrier()
             dist_checkpointing.save(model.sharded_state_dict(), out)

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from axrl_spike_replay.display import shown
+from axrl_spike_replay.display import shown, shown_names
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.training.verl_settings import (
     ROLLOUT_IS_LEVELS,
@@ -39,9 +39,9 @@ class RatioOutlierMask:
 
     def __post_init__(self) -> None:
         if self.level not in ("token", "sequence"):
-            raise ConfigError(f"ratio_outlier_mask.level must be 'token' or 'sequence', got {self.level!r}")
+            raise ConfigError(f"ratio_outlier_mask.level must be 'token' or 'sequence', got {shown(self.level, 60)}")
         if self.base not in LOGPROB_BASES:
-            raise ConfigError(f"ratio_outlier_mask.base must be one of {LOGPROB_BASES}, got {self.base!r}")
+            raise ConfigError(f"ratio_outlier_mask.base must be one of {LOGPROB_BASES}, got {shown(self.base, 60)}")
         if not 0 <= self.low < self.high:
             raise ConfigError(f"ratio_outlier_mask needs 0 <= low < high, got low={self.low}, high={self.high}")
 
@@ -80,37 +80,41 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ConfigError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
+            raise ConfigError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {shown(self.loss_agg_mode, 60)}")
         if self.is_base_logprobs not in LOGPROB_BASES:
-            raise ConfigError(f"is_base_logprobs must be one of {LOGPROB_BASES}, got {self.is_base_logprobs!r}")
+            raise ConfigError(
+                f"is_base_logprobs must be one of {LOGPROB_BASES}, got {shown(self.is_base_logprobs, 60)}"
+            )
         for name in ("clip_eps_low", "clip_eps_high", "kl_coef", "entropy_coef", "aux_loss_coef", "z_loss_coef"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
-                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+                raise ConfigError(f"{name} must be a finite number >= 0, got {shown(value, 60)}")
         for name in ("mismatch_token_clip_max", "advantage_clip", "log_ratio_clip"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or value <= 0):
-                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+                raise ConfigError(f"{name} must be a number > 0, got {shown(value, 60)}")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
-            raise ConfigError(f"dual_clip_c must be > 1, got {self.dual_clip_c!r}")
+            raise ConfigError(f"dual_clip_c must be > 1, got {shown(self.dual_clip_c, 60)}")
         self._check_convention()
 
     def _check_convention(self) -> None:
         """The convention's own knobs, and the settings that have no meaning under it (refused with the reason)."""
         if self.convention not in CONVENTIONS:
-            raise ConfigError(f"loss.convention must be one of {CONVENTIONS}, got {self.convention!r}")
+            raise ConfigError(f"loss.convention must be one of {CONVENTIONS}, got {shown(self.convention, 60)}")
         if self.normalization not in NORMALIZATIONS:
-            raise ConfigError(f"loss.normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}")
+            raise ConfigError(
+                f"loss.normalization must be one of {NORMALIZATIONS}, got {shown(self.normalization, 60)}"
+            )
         if self.kl_estimator not in KL_ESTIMATORS:
-            raise ConfigError(f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+            raise ConfigError(f"loss.kl_estimator must be one of {KL_ESTIMATORS}, got {shown(self.kl_estimator, 60)}")
         if self.kl_clamp is not None and (
             isinstance(self.kl_clamp, bool) or not isinstance(self.kl_clamp, (int, float)) or not self.kl_clamp > 0
         ):
-            raise ConfigError(f"loss.kl_clamp must be a number > 0, got {self.kl_clamp!r}")
+            raise ConfigError(f"loss.kl_clamp must be a number > 0, got {shown(self.kl_clamp, 60)}")
         if self.loss_scale_factor is not None and (
             not isinstance(self.loss_scale_factor, (int, float)) or not self.loss_scale_factor > 0
         ):
-            raise ConfigError(f"loss.loss_scale_factor must be a number > 0, got {self.loss_scale_factor!r}")
+            raise ConfigError(f"loss.loss_scale_factor must be a number > 0, got {shown(self.loss_scale_factor, 60)}")
         if self.convention == "verl":
             if self.convention_version is None:
                 object.__setattr__(self, "convention_version", VERL_VERSION)  # frozen: set once, here
@@ -150,7 +154,7 @@ class LossConfig:
         known = {f.name for f in fields(cls)} - {"extra"}
         unknown = sorted(set(doc) - known)
         if unknown:
-            raise ConfigError(f"{section}: unknown keys {unknown} (known: {sorted(known)})")
+            raise ConfigError(f"{section}: unknown keys {shown_names(unknown)} (known: {sorted(known)})")
         values = dict(doc)
         mask = values.get("ratio_outlier_mask")
         if isinstance(mask, dict):
@@ -203,8 +207,8 @@ def check_verl_settings(cfg: LossConfig) -> None:
     """ConfigError for a setting that verl 0.9.1 has no counterpart for, naming it and saying why."""
     if cfg.convention_version != VERL_VERSION:
         raise ConfigError(
-            f"loss.convention_version {cfg.convention_version!r}: this tool reproduces verl {VERL_VERSION}'s loss "
-            "only; replay a snapshot of another verl release with the command backend"
+            f"loss.convention_version {shown(cfg.convention_version, 60)}: this tool reproduces verl "
+            f"{VERL_VERSION}'s loss only; replay a snapshot of another verl release with the command backend"
         )
     if cfg.is_base_logprobs != "old":
         raise ConfigError(
@@ -225,6 +229,6 @@ def check_verl_settings(cfg: LossConfig) -> None:
             "compute the step's balance on its own"
         )
     if cfg.rollout_is is not None and cfg.rollout_is not in ROLLOUT_IS_LEVELS:
-        raise ConfigError(f"loss.rollout_is must be one of {ROLLOUT_IS_LEVELS}, got {cfg.rollout_is!r}")
+        raise ConfigError(f"loss.rollout_is must be one of {ROLLOUT_IS_LEVELS}, got {shown(cfg.rollout_is, 60)}")
     rollout_is_setting(cfg)
     rejection_options(cfg)

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.verl_batch import VERL_COUNT_KEYS as COUNT_KEYS  # verl's names for the counts
 
@@ -43,9 +44,9 @@ class GlobalCounts:
         for key in COUNT_KEYS:
             value = doc.get(key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise SnapshotError(f"{where}: {entry}.{key} must be a finite number, got {value!r}")
+                raise SnapshotError(f"{where}: {entry}.{key} must be a finite number, got {shown(value, 60)}")
             if value < 0 or (key == "dp_size" and (value < 1 or value != int(value))):
-                raise SnapshotError(f"{where}: {entry}.{key} is out of range ({value!r})")
+                raise SnapshotError(f"{where}: {entry}.{key} is out of range ({shown(value, 60)})")
             values[key] = value
         return cls(int(values["dp_size"]), float(values["batch_num_tokens"]), float(values["global_batch_size"]))
 

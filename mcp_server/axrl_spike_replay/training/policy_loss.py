@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.training.loss_config import LOSS_AGG_MODES, LossConfig, rejection_options, rollout_is_setting
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
@@ -69,7 +70,7 @@ def aggregate(
         return values.sum(dim=-1).sum() / n_seqs
     if mode == "seq-mean-token-sum-norm":
         return values.sum() / float(mask.shape[-1])  # no count in it: the same under either normalisation
-    raise ConfigError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {mode!r}")
+    raise ConfigError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {shown(mode, 60)}")
 
 
 def local_counts(batch: dict[str, torch.Tensor], cfg: LossConfig) -> tuple[float, float]:

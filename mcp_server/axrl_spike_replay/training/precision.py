@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from axrl_spike_replay.display import shown
+from axrl_spike_replay.display import shown, shown_names
 from axrl_spike_replay.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class PrecisionPolicy:
             raise ConfigError(f"{where}: expected a mapping of {', '.join(KEYS)}, got {type(doc).__name__}")
         unknown = sorted(str(k) for k in set(doc) - set(KEYS))
         if unknown:
-            raise ConfigError(f"{where}: unknown keys {shown(unknown, 120)} (known: {', '.join(KEYS)})")
+            raise ConfigError(f"{where}: unknown keys {shown_names(unknown)} (known: {', '.join(KEYS)})")
         param = dtype_name(doc.get("param_dtype", "float32"), f"{where}.param_dtype")
         reduce = dtype_name(doc.get("reduce_dtype", param), f"{where}.reduce_dtype")
         output = dtype_name(doc.get("output_dtype"), f"{where}.output_dtype", optional=True)

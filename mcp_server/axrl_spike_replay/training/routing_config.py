@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from axrl_spike_replay.display import shown, shown_names
 from axrl_spike_replay.errors import ConfigError
 
 ROUTING_REPLAY_MODES = ("off", "all", "loss_tokens")
@@ -20,7 +21,7 @@ class RoutingConfig:
 
     def __post_init__(self) -> None:
         if self.replay not in ROUTING_REPLAY_MODES:
-            raise ConfigError(f"routing.replay must be one of {ROUTING_REPLAY_MODES}, got {self.replay!r}")
+            raise ConfigError(f"routing.replay must be one of {ROUTING_REPLAY_MODES}, got {shown(self.replay, 60)}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"replay": self.replay, "current_routing_layers": list(self.current_routing_layers)}
@@ -30,7 +31,7 @@ class RoutingConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(doc) - known)
         if unknown:
-            raise ConfigError(f"{section}: unknown keys {unknown} (known: {sorted(known)})")
+            raise ConfigError(f"{section}: unknown keys {shown_names(unknown)} (known: {sorted(known)})")
         values = dict(doc)
         if "current_routing_layers" in values:
             values["current_routing_layers"] = tuple(int(x) for x in values["current_routing_layers"] or ())

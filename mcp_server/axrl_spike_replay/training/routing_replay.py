@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.training.routing_config import RoutingConfig
@@ -16,7 +17,7 @@ def routing_control(
     if cfg.replay == "off":
         return RoutingControl(current_layers=frozenset(cfg.current_routing_layers))
     if routed_experts is None:
-        raise ConfigError(f"routing.replay={cfg.replay!r} needs a routing payload, and this rank has none")
+        raise ConfigError(f"routing.replay={shown(cfg.replay, 60)} needs a routing payload, and this rank has none")
     replay_tokens = batch["loss_mask"] > 0 if cfg.replay == "loss_tokens" else None
     return RoutingControl(
         routes=routed_experts.long(),

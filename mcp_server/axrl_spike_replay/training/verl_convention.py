@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.snapshot.fields import ROLLOUT_IS_WEIGHTS
 from axrl_spike_replay.training.loss_config import LossConfig, rejection_options, rollout_is_setting
@@ -87,7 +88,7 @@ def agg_loss(
         if mode == "seq-mean-token-sum-norm":
             loss = loss / horizon
         return loss
-    raise ConfigError(f"loss_agg_mode {mode!r} is not one of verl's")
+    raise ConfigError(f"loss_agg_mode {shown(mode, 60)} is not one of verl's")
 
 
 def kl_penalty(
@@ -107,7 +108,7 @@ def kl_penalty(
         bound = KL_CLAMP if clamp is None else clamp
         forward = (kl.exp() - kl - 1).clamp(-bound, bound)
     else:
-        raise ConfigError(f"kl_estimator {estimator!r} is not one of verl's")
+        raise ConfigError(f"kl_estimator {shown(estimator, 60)} is not one of verl's")
     if clamp is not None and base not in ("low_var_kl", "k3"):
         forward = forward.clamp(-clamp, clamp)
     if not estimator.endswith("+") or estimator in ("mse", "k2"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 
 VERL_VERSION = "0.9.1"  # the verl release whose policy loss the verl convention reproduces
@@ -54,13 +55,13 @@ def _number(text: str, what: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise ConfigError(f"loss.{what}: {text!r} is not a number") from None
+        raise ConfigError(f"loss.{what}: {shown(text, 60)} is not a number") from None
 
 
 def parse_is_threshold(spec: float | str, what: str = "rollout_is_threshold") -> tuple[float, float | None]:
     """(upper, lower or None) from verl's IS threshold spec: a number (TIS) or "lower_upper" (IcePop)."""
     if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
-        raise ConfigError(f"loss.{what} must be a number or a 'lower_upper' string, got {spec!r}")
+        raise ConfigError(f"loss.{what} must be a number or a 'lower_upper' string, got {shown(spec, 60)}")
     lower: float | None = None
     if isinstance(spec, str):
         text = spec.strip()
@@ -72,9 +73,9 @@ def parse_is_threshold(spec: float | str, what: str = "rollout_is_threshold") ->
     else:
         upper = float(spec)
     if not upper > 0 or (lower is not None and not lower > 0):
-        raise ConfigError(f"loss.{what}: bounds must be positive, got {spec!r}")
+        raise ConfigError(f"loss.{what}: bounds must be positive, got {shown(spec, 60)}")
     if lower is not None and lower > upper:
-        raise ConfigError(f"loss.{what}: lower bound must be <= upper bound, got {spec!r}")
+        raise ConfigError(f"loss.{what}: lower bound must be <= upper bound, got {shown(spec, 60)}")
     return upper, lower
 
 
@@ -84,12 +85,16 @@ def parse_rs(options: str, spec: float | str | None) -> list[RejectionOption]:
     for name in (part.strip() for part in options.split(",")):
         if name and name not in names:
             if name not in ROLLOUT_RS_OPTIONS:
-                raise ConfigError(f"loss.rollout_rs: {name!r} is not one of verl's options {ROLLOUT_RS_OPTIONS}")
+                raise ConfigError(
+                    f"loss.rollout_rs: {shown(name, 60)} is not one of verl's options {ROLLOUT_RS_OPTIONS}"
+                )
             names.append(name)
     if not names:
         raise ConfigError("loss.rollout_rs: name at least one option")
     if spec is None or isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
-        raise ConfigError(f"loss.rollout_rs_threshold is needed with rollout_rs (a number or string), got {spec!r}")
+        raise ConfigError(
+            f"loss.rollout_rs_threshold is needed with rollout_rs (a number or string), got {shown(spec, 60)}"
+        )
     specs = [str(spec)] if not isinstance(spec, str) else [p.strip() for p in spec.split(",") if p.strip()]
     if len(specs) == 1:
         specs = specs * len(names)
@@ -105,13 +110,15 @@ def parse_rs(options: str, spec: float | str | None) -> list[RejectionOption]:
                 upper = _number(text, "rollout_rs_threshold")
                 lower = 1.0 / upper if upper else 0.0
             if not (lower > 0 and upper > 0 and lower <= upper):
-                raise ConfigError(f"loss.rollout_rs_threshold for {name}: need 0 < lower <= upper, got {text!r}")
+                raise ConfigError(
+                    f"loss.rollout_rs_threshold for {name}: need 0 < lower <= upper, got {shown(text, 60)}"
+                )
             out.append(RejectionOption(name, upper, lower))
         else:
             if "_" in text:
-                raise ConfigError(f"loss.rollout_rs_threshold for {name}: one upper bound, got {text!r}")
+                raise ConfigError(f"loss.rollout_rs_threshold for {name}: one upper bound, got {shown(text, 60)}")
             upper = _number(text, "rollout_rs_threshold")
             if not upper > 0:
-                raise ConfigError(f"loss.rollout_rs_threshold for {name}: must be positive, got {text!r}")
+                raise ConfigError(f"loss.rollout_rs_threshold for {name}: must be positive, got {shown(text, 60)}")
             out.append(RejectionOption(name, upper))
     return out
