@@ -215,15 +215,14 @@ def _no_access() -> Any:
 
 def _announce(args: argparse.Namespace, access: Any) -> None:
     """What a person starting an HTTP server must know: where it listens, who may use it, how clients get in."""
-    from axrl_spike_replay.mcp_faces.http_access import is_loopback
+    from axrl_spike_replay.mcp_faces.http_access import is_loopback, url_host
 
     user = f"{getpass.getuser()} (uid {os.getuid()})"
     if args.socket is not None:
         progress(f"MCP server (streamable HTTP) on the Unix socket {args.socket}: http://localhost/mcp over it")
         progress(f"only {user} may connect (socket mode 0600, each peer's user id checked)")
     else:
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        progress(f"MCP server (streamable HTTP) at http://{host}:{args.port}/mcp")
+        progress(f"MCP server (streamable HTTP) at http://{url_host(args.host)}:{args.port}/mcp")
     if access.token is not None:
         which = f"--token-file {access.token_file}" if args.token_file is not None else f"--port {args.port}"
         progress(f"bearer token in {access.token_file} (readable by {user} only); clients send the header")
