@@ -16,7 +16,9 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.untrusted_bytes import UntrustedInputError, utf8_text
 
 MAX_JSON_INT_DIGITS = 20  # any count or id fits in 64 bits; Python refuses ints over 4300 digits anyway
-_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+# A string runs to its closing quote, or to the end of an unterminated one (then the text is no JSON, and the
+# scan ends there): every match succeeds from its quote, so no text is scanned twice and the count stays linear.
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*+(?:"|\\?\Z)|[\[\]{}]', re.DOTALL)
 
 
 class UntrustedJsonError(UntrustedInputError):
