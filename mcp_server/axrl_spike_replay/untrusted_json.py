@@ -38,6 +38,27 @@ def json_depth(text: str) -> int:
     return deepest
 
 
+def json_cut_below(text: str, limit: int) -> str:
+    """`text` with each array or object nested deeper than `limit` replaced by `null` (strings skipped), in one
+    pass: what is left parses within `limit` levels, and what is cut is never parsed."""
+    pieces: list[str] = []
+    depth, copied, cut_at = 0, 0, -1
+    for match in _JSON_TOKEN.finditer(text):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+            if depth == limit + 1:
+                pieces.append(text[copied : match.start()])
+                cut_at = match.start()
+        elif token in "]}":
+            if depth == limit + 1 and cut_at >= 0:
+                pieces.append("null")
+                copied, cut_at = match.end(), -1
+            depth -= 1
+    pieces.append(text[copied:] if cut_at < 0 else "null")
+    return "".join(pieces)
+
+
 def _bounded_int(digits: str) -> int:
     if len(digits.lstrip("-")) > MAX_JSON_INT_DIGITS:
         raise UntrustedJsonError(f"holds an integer of {len(digits)} digits (more than {MAX_JSON_INT_DIGITS})")
