@@ -44,7 +44,7 @@ from mcp.types import INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, ErrorData, J
 from pydantic import ValidationError
 
 from axrl_spike_replay.display import shown
-from axrl_spike_replay.untrusted_json import json_cut_below, json_depth
+from axrl_spike_replay.untrusted_json import json_within
 
 MAX_DEPTH = 64  # read back this deep; deeper parts of a refused line are cut (the SDK refuses about 200 levels)
 MAX_BATCH_REPLIES = 1024  # requests of one batch answered by id; the rest are said in one reply with id null
@@ -173,9 +173,9 @@ def _replies_from_error(exc: Exception) -> list[SessionMessage] | None:
 def _replies(line: str, exc: ValidationError | None) -> list[SessionMessage]:
     if not line.strip():
         return []  # a blank line carries no message
-    deep = json_depth(line) > MAX_DEPTH
+    shallow, deep = json_within(line, MAX_DEPTH)
     try:
-        doc = json.loads(json_cut_below(line, MAX_DEPTH) if deep else line)
+        doc = json.loads(shallow)
     except (ValueError, RecursionError):
         return [_reply(None, PARSE_ERROR, "the line is not JSON")]
     if isinstance(doc, list):
@@ -218,9 +218,8 @@ def _what_is_wrong(doc: dict[str, Any], deep: bool, exc: ValidationError | None)
 
 def _bad_id_replies(line: str) -> list[SessionMessage] | None:
     """A notification to the transport whose line has an `id` it could not take: an Invalid Request, id null."""
-    deep = json_depth(line) > MAX_DEPTH
     try:
-        doc = json.loads(json_cut_below(line, MAX_DEPTH) if deep else line)
+        doc = json.loads(json_within(line, MAX_DEPTH)[0])
     except (ValueError, RecursionError):
         return None
     if not isinstance(doc, dict) or "id" not in doc or _readable_id(doc["id"]):
