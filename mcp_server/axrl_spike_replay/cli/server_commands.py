@@ -90,7 +90,7 @@ def register(sub: Any) -> None:
         default=None,
         metavar="PATH",
         help="serve streamable HTTP on a Unix socket at PATH instead (mode 0600; connections from other users "
-        "are refused); clients use http://localhost/mcp over it",
+        "are refused; only a socket of yours left at PATH is replaced); clients use http://localhost/mcp over it",
     )
     mcp.add_argument(
         "--read-only",
@@ -122,7 +122,8 @@ def register(sub: Any) -> None:
         help="run the warm replay service that `replay`/`sweep`/`attribute --warm` use (foreground)",
         description="Keep replay processes (torch imported, process group up) and snapshot weights loaded for "
         "later CLI calls with --warm, which reach this service over a Unix socket only this user can use "
-        "(WORKSPACE/tmp/spike-replay-warm/serve.sock, or under $XDG_RUNTIME_DIR for a long path). `--warm` "
+        "(WORKSPACE/tmp/spike-replay-warm/serve.sock, or in this user's runtime dir, $XDG_RUNTIME_DIR or "
+        "/tmp/axrl-spike-replay-UID, for a long path). `--warm` "
         "starts one on first use. It stops after --warm-idle-timeout seconds without a request, on --stop, "
         "SIGTERM or Ctrl-C, and its replay processes stop with it.",
     )
