@@ -2,8 +2,9 @@
 honest input of the same size, each in its own fresh process importing the package under test (see bench_hostile.py):
 
 - stdio line: one request line of `line_kib` KiB nested as deep as it goes (`{"arguments": {"a": [[[...]]]}}`), and
-  one nesting a level per 3 bytes (`[[][[]...`), vs a `ping` whose parameter is a string of the same size; a fresh
-  `mcp` server process for each, its CPU seconds for the line (from when it is sent to its reply) and its peak RSS;
+  one nesting a level per 5 bytes (`[[],[[],...]]`), vs a `ping` whose parameter is a string of the same size; a
+  fresh `mcp` server process for each, its CPU seconds for the line (from when it is sent to its reply) and its peak
+  RSS;
 - fault spec: a `--fault` of `spec_kib` KiB nested as deep as it goes, and one holding an unterminated string of
   escaped quotes (`"\\"\\"\\"...`), each vs a valid spec padded with spaces to the same size; what `capture` does with
   it before training (`capture_commands._faults`): wall time and peak RSS of that process;
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -44,10 +46,12 @@ def _stdio_case(package: Path, line: str, timeout_s: float) -> dict[str, Any]:
         started = time.perf_counter()
         proc.stdin.write(line.encode() + b"\n")
         proc.stdin.flush()
-        reply = proc.stdout.readline()
+        ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+        reply = proc.stdout.readline() if ready else b""
         seconds = time.perf_counter() - started
         if not reply:
-            return {"failed": "the server ended without a reply"}
+            ended = "ended" if proc.poll() is not None else f"gave no reply within {timeout_s:g} s"
+            return {"failed": f"the server {ended}"}
         cpu1, hwm = _cpu_and_hwm(proc.pid)
         answer = json.loads(reply)
         said = answer.get("error", {}).get("message", "result") if "error" in answer else "result"
@@ -61,20 +65,21 @@ def _stdio_case(package: Path, line: str, timeout_s: float) -> dict[str, Any]:
 
 def stdio_line_rows(package: Path, line_kib: int, timeout_s: float) -> list[list[tuple[str, dict[str, Any]]]]:
     """Two tables: the server's cost for an honest `ping` line beside a line nested as deep as it is long, and beside
-    one that nests one level per 3 bytes (`[[][[]...`: the most bracket runs the scan can be made to read), of
-    `line_kib` KiB each."""
+    one that nests a level per 5 bytes (`[[],[[],...]]`: valid JSON, as many bracket runs as the scan can be made to
+    read), of `line_kib` KiB each."""
     size = line_kib << 10
     head = (
         '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "inspect_snapshot", "arguments": {"a": '
     )
     depth = (size - len(head) - 3) // 2
     deep = head + "[" * depth + "]" * depth + "}}}"
-    runs = head + "[[]" * ((size - len(head)) // 3)
+    levels = (size - len(head) - 3) // 5
+    runs = head + "[[]," * levels + "]" * levels + "}}}"  # valid JSON, a level per 5 bytes, two bracket runs each
     honest = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "ping", "params": {"pad": "x" * (size - 60)}})
     ping = (f"{line_kib} KiB ping", _stdio_case(package, honest, timeout_s))
     return [
         [ping, (f"{line_kib} KiB, {depth} deep", _stdio_case(package, deep, timeout_s))],
-        [ping, (f"{line_kib} KiB of [[]", _stdio_case(package, runs, timeout_s))],
+        [ping, (f"{line_kib} KiB of [[],", _stdio_case(package, runs, timeout_s))],
     ]
 
 

@@ -173,11 +173,10 @@ def _replies_from_error(exc: Exception) -> list[SessionMessage] | None:
 def _replies(line: str, exc: ValidationError | None) -> list[SessionMessage]:
     if not line.strip():
         return []  # a blank line carries no message
-    shallow, deep = json_within(line, MAX_DEPTH)
-    try:
-        doc = json.loads(shallow)
-    except (ValueError, RecursionError):
+    read = _read_back(line, exc)
+    if read is None:
         return [_reply(None, PARSE_ERROR, "the line is not JSON")]
+    doc, deep = read
     if isinstance(doc, list):
         return _batch_replies(doc)
     if not isinstance(doc, dict):
@@ -216,10 +215,36 @@ def _what_is_wrong(doc: dict[str, Any], deep: bool, exc: ValidationError | None)
     return INVALID_REQUEST, f"the request is not a valid JSON-RPC message{said}"
 
 
-def _bad_id_replies(line: str) -> list[SessionMessage] | None:
-    """A notification to the transport whose line has an `id` it could not take: an Invalid Request, id null."""
+def _read_back(line: str, exc: ValidationError | None) -> tuple[Any, bool] | None:
+    """The line's document, and whether arrays and objects nested deeper than MAX_DEPTH were cut from it (then
+    read back from `json_within`); None for a line that is no JSON. Python's parser goes first: it stops at the
+    first byte that is no JSON, and raises RecursionError (caught) where a line nests deeper than it recurses; a
+    line the transport found too deep is cut whatever its depth here, so no walk below recurses far."""
     try:
-        doc = json.loads(json_within(line, MAX_DEPTH)[0])
+        doc = json.loads(line)
+    except RecursionError:
+        doc = None
+    except ValueError:
+        return None
+    if doc is not None and not _too_deep_for_the_transport(exc):
+        return doc, False
+    try:
+        return json.loads(json_within(line, MAX_DEPTH)[0]), True
+    except (ValueError, RecursionError):
+        return None
+
+
+def _too_deep_for_the_transport(exc: ValidationError | None) -> bool:
+    """Whether the transport refused the line for nesting past its parser's recursion limit."""
+    errors = exc.errors(include_url=False) if exc is not None else []
+    return bool(errors) and errors[0].get("type") == "json_invalid" and "recursion" in str(errors[0].get("msg"))
+
+
+def _bad_id_replies(line: str) -> list[SessionMessage] | None:
+    """A notification to the transport whose line has an `id` it could not take: an Invalid Request, id null.
+    (The transport parsed the line: it nests no deeper than its parser recurses, well within Python's.)"""
+    try:
+        doc = json.loads(line)
     except (ValueError, RecursionError):
         return None
     if not isinstance(doc, dict) or "id" not in doc or _readable_id(doc["id"]):
@@ -253,24 +278,28 @@ def _reply(request_id: int | str | None, code: int, message: str) -> SessionMess
     return SessionMessage(JSONRPCError(jsonrpc="2.0", id=request_id, error=ErrorData(code=code, message=message)))
 
 
-def _surrogate_at(value: Any, path: str = "") -> str | None:
-    """Where in `value` the first string (or key) holding a lone surrogate is, as `params.arguments.name`."""
-    if isinstance(value, str):
-        return path if _lone_surrogate(value) else None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            name = shown(key, 60) if _lone_surrogate(key) or not key.isidentifier() else key
-            where = f"{path}.{name}" if path else name
-            if _lone_surrogate(key):
-                return f"the name {where}"
-            found = _surrogate_at(item, where)
-            if found is not None:
-                return found
-    if isinstance(value, list):
-        for index, item in enumerate(value):
-            found = _surrogate_at(item, f"{path}[{index}]")
-            if found is not None:
-                return found
+def _surrogate_at(value: Any) -> str | None:
+    """Where in `value` the first string (or key) holding a lone surrogate is, as `params.arguments.name`; walked
+    in document order with a stack of its own, never by recursion."""
+    stack: list[tuple[str, Any, bool]] = [("", value, False)]  # (path, item, whether item is a key)
+    while stack:
+        path, item, is_key = stack.pop()
+        if isinstance(item, str):
+            if _lone_surrogate(item):
+                return f"the name {path}" if is_key else path
+        elif isinstance(item, dict):
+            entries: list[tuple[str, Any, bool]] = []
+            for key, child in item.items():
+                name = (
+                    shown(key, 60)
+                    if not isinstance(key, str) or _lone_surrogate(key) or not key.isidentifier()
+                    else key
+                )
+                where = f"{path}.{name}" if path else name
+                entries += [(where, key, True), (where, child, False)]
+            stack.extend(reversed(entries))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{index}]", child, False) for index, child in reversed(list(enumerate(item))))
     return None
 
 
