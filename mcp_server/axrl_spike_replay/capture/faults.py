@@ -40,13 +40,26 @@ verifier that returns another scale or NaN, a weight sync that stopped.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
 
+from axrl_spike_replay.capture.fault_params import (
+    BY,
+    FRACTION,
+    MAX_SCALE,
+    MAX_SHIFT,
+    SHIFT,
+    SIGNAL,
+    ParamRule,
+    check_params,
+    flag,
+    layer_list,
+    number,
+    whole,
+)
 from axrl_spike_replay.capture.presets import FaultSpec
 from axrl_spike_replay.capture.rollout import shifted_routes
 from axrl_spike_replay.capture.toy_task import TASK_ALPHABET
@@ -91,63 +104,6 @@ def apply_faults(faults: Sequence[Fault], parts: StepParts) -> None:
     for fault in faults:
         if fault.stage == parts.stage:
             fault(parts)
-
-
-# --- the parameters of the built-in faults, checked when a spec is parsed (`make_fault`) ---------------------------
-
-MAX_SHIFT = 65536  # positions: beyond any sequence the reference trainer makes
-MAX_SCALE = 1e9  # factors, offsets and penalties: finite, and far from overflowing a float32 reward
-MAX_LAYERS = 1024
-STORED_SIGNALS = ("old_logprobs", "ref_logprobs")
-ParamRule = Callable[[Any], str | None]  # None: the value is good; else what is wrong with it
-
-
-def _whole(lo: int, hi: int) -> ParamRule:
-    def rule(value: Any) -> str | None:
-        ok = isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
-        return None if ok else f"must be a whole number from {lo} to {hi}"
-
-    return rule
-
-
-def _number(lo: float, hi: float) -> ParamRule:
-    def rule(value: Any) -> str | None:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        return None if ok and lo <= value <= hi else f"must be a number from {lo:g} to {hi:g}"
-
-    return rule
-
-
-def _one_of(*names: str) -> ParamRule:
-    return lambda value: None if value in names else f"must be one of {', '.join(names)}"
-
-
-def _flag(value: Any) -> str | None:
-    return None if isinstance(value, bool) else "must be true or false"
-
-
-def _layers(value: Any) -> str | None:
-    whole = _whole(0, MAX_LAYERS - 1)
-    ok = value is None or (isinstance(value, list) and 0 < len(value) <= MAX_LAYERS and not any(map(whole, value)))
-    return None if ok else f"must be a list of MoE layer indexes from 0 to {MAX_LAYERS - 1}"
-
-
-SHIFT = {"shift": _whole(1, MAX_SHIFT)}
-BY = {"by": _whole(-MAX_SHIFT, MAX_SHIFT)}
-FRACTION = {"fraction": _number(0.0, 1.0)}
-SIGNAL = {"signal": _one_of(*STORED_SIGNALS)}
-
-
-def check_params(kind: str, params: dict[str, Any], rules: dict[str, ParamRule]) -> None:
-    """ConfigError naming the first parameter of a `kind` fault that it does not take or whose value is wrong."""
-    unknown = sorted(set(params) - set(rules), key=str)
-    if unknown:
-        known = ", ".join(rules) or "none"
-        raise ConfigError(f"fault {kind}: unknown params {shown(unknown, 80)} (known: {known})")
-    for name, value in params.items():
-        wrong = rules[name](value)
-        if wrong is not None:
-            raise ConfigError(f"fault {kind}: `params.{name}` {wrong}, got {shown(value, 80)}")
 
 
 # --- the built-in faults -----------------------------------------------------------------------------------------
@@ -262,7 +218,7 @@ class RoutesStaleLayer(BuiltinFault):
     stage = "rollout"
     part = "routed_experts"
 
-    PARAMS: ClassVar[dict[str, ParamRule]] = {"layers": _layers, **FRACTION}
+    PARAMS: ClassVar[dict[str, ParamRule]] = {"layers": layer_list, **FRACTION}
 
     def corrupt(self, parts: StepParts) -> None:
         assert parts.routed_experts is not None and parts.trainer is not None
@@ -330,8 +286,8 @@ class RewardScale(BuiltinFault):
     part = "rewards"
 
     PARAMS: ClassVar[dict[str, ParamRule]] = {
-        "factor": _number(-MAX_SCALE, MAX_SCALE),
-        "offset": _number(-MAX_SCALE, MAX_SCALE),
+        "factor": number(-MAX_SCALE, MAX_SCALE),
+        "offset": number(-MAX_SCALE, MAX_SCALE),
     }
 
     def corrupt(self, parts: StepParts) -> None:
@@ -348,7 +304,7 @@ class RewardPenalty(BuiltinFault):
     stage = "rewards"
     part = "rewards"
 
-    PARAMS: ClassVar[dict[str, ParamRule]] = {"penalty": _number(-MAX_SCALE, MAX_SCALE)}
+    PARAMS: ClassVar[dict[str, ParamRule]] = {"penalty": number(-MAX_SCALE, MAX_SCALE)}
 
     def corrupt(self, parts: StepParts) -> None:
         rewards = parts.batch["rewards"].clone()
@@ -376,7 +332,7 @@ class RolloutLogprobNegInf(BuiltinFault):
     stage = "rollout"
     part = "rollout_logprobs"
 
-    PARAMS: ClassVar[dict[str, ParamRule]] = {"position": _whole(0, MAX_SHIFT)}
+    PARAMS: ClassVar[dict[str, ParamRule]] = {"position": whole(0, MAX_SHIFT)}
 
     def corrupt(self, parts: StepParts) -> None:
         lp = parts.batch["rollout_logprobs"].clone()
@@ -429,7 +385,7 @@ class LogprobScale(StoredLogprobFault):
     """A stored log-prob tensor multiplied by `factor` on this rank: 2 when its worker accumulates into a buffer it
     never zeroes (each log-prob counted twice), 0 when the buffer is never filled and stays at its zeros."""
 
-    PARAMS: ClassVar[dict[str, ParamRule]] = {**SIGNAL, "factor": _number(-MAX_SCALE, MAX_SCALE)}
+    PARAMS: ClassVar[dict[str, ParamRule]] = {**SIGNAL, "factor": number(-MAX_SCALE, MAX_SCALE)}
 
     def corrupted(self, parts: StepParts, values: torch.Tensor, rows: list[int]) -> torch.Tensor:
         out = values.clone()
@@ -451,7 +407,7 @@ class LogprobWrongModel(StoredLogprobFault):
     """A stored log-prob tensor computed by the wrong weights on this rank (its reference worker loaded a freshly
     initialised model: a checkpoint path that did not resolve, silently)."""
 
-    PARAMS: ClassVar[dict[str, ParamRule]] = {**SIGNAL, "seed": _whole(0, 2**63 - 1)}
+    PARAMS: ClassVar[dict[str, ParamRule]] = {**SIGNAL, "seed": whole(0, 2**63 - 1)}
 
     def corrupted(self, parts: StepParts, values: torch.Tensor, rows: list[int]) -> torch.Tensor:
         from axrl_spike_replay.models.policy import build_policy, policy_forward
@@ -500,7 +456,7 @@ class MaskShift(BuiltinFault):
     stage = "batch"
     part = "loss_mask"
 
-    PARAMS: ClassVar[dict[str, ParamRule]] = {**SHIFT, "truncate": _flag}
+    PARAMS: ClassVar[dict[str, ParamRule]] = {**SHIFT, "truncate": flag}
 
     def __call__(self, parts: StepParts) -> None:
         response = _response(parts)
