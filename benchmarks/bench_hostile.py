@@ -18,14 +18,16 @@ embedding, all pointing at the embedding's one `.distcp` entry (refused: chunks 
 bytes; each entry is checked once).
 
 Then the worst case of each hostile class on the other surfaces, beside the honest case of the same size
-(`hostile_surfaces.py`, `hostile_reads.py`): a 100 MB output line without a newline from the command backend's job,
-a 64 MiB warm-service frame, a logs dir of 16k files, a checkpoint of 20k Megatron extra states (bytes entries) whose
-last would run code, a snapshot whose run config and rank files all link out of it. Same target for each: at most
-1.5x the honest case's peak memory.
+(`hostile_surfaces.py`, `hostile_reads.py`, `hostile_inputs.py`): a 100 MB output line without a newline from the
+command backend's job, a 64 MiB warm-service frame, a logs dir of 16k files, a checkpoint of 20k Megatron extra
+states (bytes entries) whose last would run code, a snapshot whose run config and rank files all link out of it, a
+1 MiB MCP stdio line nested as deep as it is long, a 1 MiB `capture --fault` spec nested as deep (and one of escaped
+quotes), the skill eval scorer on 20,000 blank lines. Same target for each: at most 1.5x the honest case's peak memory.
 
     .venv/bin/python benchmarks/bench_hostile.py [--bomb-gib 3] [--chunks 65536] [--package DIR] [--dir DIR]
-        [--surfaces line,frame,logs,bytes,links|none] [--line-mb 100] [--frame-mib 64] [--log-files 16000]
-        [--bytes-entries 20000] [--link-ranks 64]
+        [--surfaces line,frame,logs,bytes,links,stdio,fault,scorer|none] [--line-mb 100] [--frame-mib 64]
+        [--log-files 16000] [--bytes-entries 20000] [--link-ranks 64] [--stdio-kib 1024] [--fault-kib 1024]
+        [--report-lines 20000] [--surfaces-only]
 
 `--package DIR` runs the children against another checkout's `mcp_server` (e.g. to measure before a fix).
 """
@@ -46,6 +48,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the hostile-file writers the regressi
 
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR  # noqa: E402
 from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot  # noqa: E402
+from hostile_inputs import fault_spec_rows, scorer_rows, stdio_line_rows  # noqa: E402
 from hostile_reads import bytes_entry_rows, link_rows  # noqa: E402
 from hostile_snapshot import (  # noqa: E402
     declare_checkpoint_tensor,
@@ -198,18 +201,28 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="where to write the snapshots (default: a temp dir)")
     parser.add_argument("--chunks", type=int, default=65536, help="chunks the hostile chunk table declares")
     parser.add_argument(
-        "--surfaces", default="line,frame,logs,bytes,links", help="other hostile classes to measure, or none"
+        "--surfaces",
+        default="line,frame,logs,bytes,links,stdio,fault,scorer",
+        help="other hostile classes to measure, or none",
     )
     parser.add_argument("--line-mb", type=int, default=100, help="the output line without a newline, in MB")
     parser.add_argument("--frame-mib", type=int, default=64, help="the warm-service frame without a newline, in MiB")
     parser.add_argument("--log-files", type=int, default=16000, help="files in the hostile logs dir")
     parser.add_argument("--bytes-entries", type=int, default=20000, help="bytes entries (extra states) to check")
     parser.add_argument("--link-ranks", type=int, default=64, help="ranks of the snapshot whose files link out")
+    parser.add_argument("--stdio-kib", type=int, default=1024, help="the MCP stdio request line, in KiB")
+    parser.add_argument("--fault-kib", type=int, default=1024, help="the capture --fault spec, in KiB")
+    parser.add_argument("--report-lines", type=int, default=20000, help="lines of the report the scorer reads")
     parser.add_argument("--surface-timeout", type=float, default=900.0, help="seconds for each of those cases")
+    parser.add_argument("--surfaces-only", action="store_true", help="measure only the --surfaces, no snapshot")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="axrl-bench-hostile-", dir=args.dir))
     limit = int(args.limit_gib * GIB)
     try:
+        if args.surfaces_only:
+            print(f"package: {args.package}")
+            worst = surface_ratios(args, workdir)
+            return 0 if max(worst, default=0.0) <= 1.5 else 1
         honest, hostile = make_pair(workdir, args.bomb_gib)
         bomb = (hostile / "grad_info_rank0.pt").stat().st_size
         package = Path(args.package)
@@ -251,13 +264,13 @@ def main() -> int:
             ]
             _table(pair)
             worst.append(_ratio(f"{verb}, chunk table", pair[0][1], pair[1][1]))
-        worst.extend(surface_ratios(args))
+        worst.extend(surface_ratios(args, workdir))
         return 0 if max(worst) <= 1.5 else 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def surface_ratios(args: argparse.Namespace) -> list[float]:
+def surface_ratios(args: argparse.Namespace, workdir: Path) -> list[float]:
     """Measure and print the other surfaces' hostile classes; their peak-memory ratios hostile / honest."""
     package, chosen, timeout_s = Path(args.package), set(args.surfaces.split(",")), args.surface_timeout
     ratios = []
@@ -277,6 +290,18 @@ def surface_ratios(args: argparse.Namespace) -> list[float]:
     if "links" in chosen:
         rows = link_rows(package, args.link_ranks, timeout_s)
         ratios.append(print_rows("snapshot files linked out of it (inspect):", rows, "outcome"))
+    if "stdio" in chosen:
+        for rows in stdio_line_rows(package, args.stdio_kib, timeout_s):
+            title = "MCP server over stdio reading one request line (the server's process):"
+            ratios.append(print_rows(title, rows, "answer"))
+    if "fault" in chosen:
+        for rows in fault_spec_rows(package, args.fault_kib, workdir, timeout_s):
+            ratios.append(
+                print_rows("capture --fault, the spec checked before training (the CLI's process):", rows, "outcome")
+            )
+    if "scorer" in chosen:
+        rows = scorer_rows(package, args.report_lines, workdir, timeout_s)
+        ratios.append(print_rows("evals/score.py on one report (the scorer's process):", rows, "score"))
     return ratios
 
 

@@ -97,15 +97,30 @@ def peer_uid(conn: socket.socket | TransportSocket) -> int | None:
     return uid
 
 
+MAX_SOCKET_PATH_BYTES = 107  # sun_path holds 108 bytes with the terminating NUL (Linux)
+
+
 def bind_private_socket(path: Path) -> socket.socket:
-    """A Unix stream socket bound at `path` (a file left there is replaced) that only this user can connect to:
-    created 0600, never briefly wider. The caller listens on it and checks each peer with `peer_uid`."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    """A Unix stream socket bound at `path` that only this user can connect to: created 0600, never briefly wider.
+    A socket of this user left there (by a server that died) is replaced; anything else there (a file, a dir, a
+    symlink, another user's socket) is refused and left alone, and so are a missing parent dir and a path too long
+    for a socket (AxrlError naming the path). The caller listens on it and checks each peer with `peer_uid`."""
+    size = len(os.fsencode(path))
+    if size > MAX_SOCKET_PATH_BYTES:
+        raise AxrlError(
+            f"socket path {path} is {size} bytes; a Unix socket's path holds at most {MAX_SOCKET_PATH_BYTES}: "
+            "choose a shorter one"
+        )
+    if not path.parent.is_dir():
+        raise AxrlError(f"cannot create the socket {path}: no directory {path.parent}")
+    _remove_stale_socket(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o177)
     try:
         listener.bind(str(path))
+    except OSError as exc:
+        listener.close()
+        raise AxrlError(f"cannot create the socket {path}: {exc.strerror or exc}") from None
     except BaseException:
         listener.close()
         raise
@@ -113,3 +128,18 @@ def bind_private_socket(path: Path) -> socket.socket:
         os.umask(old_umask)
     os.chmod(path, 0o600)
     return listener
+
+
+def _remove_stale_socket(path: Path) -> None:
+    """Remove a socket of this user at `path`; AxrlError, removing nothing, for anything else there."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a symlink" if stat.S_ISLNK(st.st_mode) else "a file"
+        raise AxrlError(f"{path} is {kind}, not a socket; refusing to replace it (name a new path for the socket)")
+    if st.st_uid != os.getuid():
+        raise AxrlError(f"the socket {path} belongs to another user (uid {st.st_uid}); refusing to replace it")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

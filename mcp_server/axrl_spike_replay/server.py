@@ -41,7 +41,7 @@ from axrl_spike_replay.mcp_faces import (
 )
 from axrl_spike_replay.mcp_faces.bridge import crash_error
 from axrl_spike_replay.mcp_faces.config import ServerConfig
-from axrl_spike_replay.mcp_faces.stdio_replies import AnsweringReadStream
+from axrl_spike_replay.mcp_faces.stdio_replies import AnsweringReadStream, RecordingLines, claimed_stdin
 
 if TYPE_CHECKING:
     from axrl_spike_replay.mcp_faces.http_access import HttpAccess
@@ -89,12 +89,16 @@ class SpikeReplayServer(MCPServer):
         self.sessions = 0  # open lifespans (stdio: one; in-process clients: one each)
 
     async def run_stdio_async(self) -> None:
-        """Serve over stdio, answering every request line, even one the SDK's transport cannot decode (a lone
-        surrogate in a string): see `mcp_faces.stdio_replies`. The rest is the SDK's own `run_stdio_async`."""
-        async with stdio_server() as (read_stream, write_stream):
-            lowlevel = self._lowlevel_server  # what the SDK's own run_stdio_async runs
-            options = lowlevel.create_initialization_options()
-            await lowlevel.run(AnsweringReadStream(read_stream, write_stream), write_stream, options)
+        """Serve over stdio, answering every request line, even one the SDK's transport cannot take (a lone
+        surrogate, deep nesting, no method, a batch, an object id): see `mcp_faces.stdio_replies`, which also
+        reads the lines the transport reads. The rest is the SDK's own `run_stdio_async`."""
+        with claimed_stdin() as wire:
+            stdin = RecordingLines(wire)
+            async with stdio_server(stdin=stdin) as (read_stream, write_stream):
+                lowlevel = self._lowlevel_server  # what the SDK's own run_stdio_async runs
+                options = lowlevel.create_initialization_options()
+                answering = AnsweringReadStream(read_stream, write_stream, stdin.lines)
+                await lowlevel.run(answering, write_stream, options)
 
     async def list_tools(self) -> list[Tool]:
         """Every tool; a read-only server lists only those whose annotations say they only read."""

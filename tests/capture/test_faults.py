@@ -166,7 +166,42 @@ def test_capture_refuses_a_bad_fault_before_training(tmp_path, cli) -> None:
     run = cli("capture", "--out", tmp_path, "--preset", "peaked", "--fault", '{"kind": "nope"}')
     assert run.code != 0 and "fault kind 'nope' is not known" in run.err
     run = cli("capture", "--out", tmp_path, "--preset", "peaked", "--fault", "{kind")
-    assert run.code != 0 and "--fault 1: not JSON" in run.err
+    assert run.code == 2 and "--fault 1 is not valid JSON" in run.err
     run = cli("capture", "--out", tmp_path, "--fault", '{"kind": "reward_nan"}', "--preset", "none")
     assert run.code != 0 and "preset none has none" in run.err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        (
+            '{"kind": "logprob_shift", "params": {"signal": "../../etc/passwd"}}',
+            "fault logprob_shift: `params.signal` must be one of old_logprobs, ref_logprobs, got '../../etc/passwd'",
+        ),
+        ('{"kind": "logprob_scale", "params": {"factor": 1e999}}', "`params.factor` must be a number from -1e+09"),
+        ('{"kind": "mask_shift", "params": {"shift": 0}}', "`params.shift` must be a whole number from 1 to 65536"),
+        ('{"kind": "routes_stale_layer", "params": {"fraction": 2}}', "`params.fraction` must be a number from 0 to 1"),
+        (
+            '{"kind": "reward_nan", "params": {"factor": 2}}',
+            "fault reward_nan: unknown params ['factor'] (known: none)",
+        ),
+        ('{"kind": "reward_nan", "ranks": [' + "1," * 5000 + "1]}", "`ranks` must be a list of integers (at most"),
+        ('{"kind": "reward_nan", "params": {"x": ' + "[" * 3000 + "]" * 3000 + "}}", "nests deeper than 8 levels"),
+        ('{"kind": "reward_nan", "ranks": [1' + "0" * 400 + "]}", "holds an integer of 401 digits"),
+    ],
+)
+def test_a_hostile_fault_spec_is_an_exit_2_message_before_training(tmp_path, cli, spec: str, says: str) -> None:
+    """Each spec is checked when it is parsed: once a bad `signal` ran the whole run up to the burst, then raised a
+    KeyError, and 3,000 nested brackets raised a RecursionError."""
+    run = cli("capture", "--out", tmp_path, "--preset", "peaked", "--steps", "2", "--fault", spec)
+    assert run.code == 2 and says in run.err, run.err
+    assert len(run.err) < 1000 and not any(tmp_path.iterdir())
+
+
+def test_every_built_in_fault_spec_the_project_ships_passes_its_checks() -> None:
+    shipped = [p.injected for p in PRESETS.values() if p.injected is not None]
+    shipped += [spec for case in matrix_cases() for spec in case.faults]
+    assert len(shipped) > 10
+    for spec in shipped:
+        make_fault(spec)

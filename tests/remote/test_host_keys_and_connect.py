@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from ssh_loopback import Keys, LoopbackServer, free_port
 
+from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.remote.connect import ConnectSettings
 from axrl_spike_replay.remote.errors import HostKeyError, RemoteError
 from axrl_spike_replay.remote.host_keys import HostKeyPolicy, record_host_key
@@ -71,16 +74,28 @@ def test_a_changed_host_key_is_refused_even_with_accept_new(server: LoopbackServ
     assert known.read_text() == before
 
 
+@contextmanager
+def users_ssh_config(text: str) -> Iterator[None]:
+    """`text` as the user's ~/.ssh/config (the tests' own home) for the block."""
+    config = Path.home() / ".ssh" / "config"
+    config.parent.mkdir(exist_ok=True)
+    config.write_text(text)
+    try:
+        yield
+    finally:
+        config.unlink()
+
+
 def test_known_hosts_flag_overrides_the_ssh_config(server: LoopbackServer, tmp_path: Path) -> None:
-    config = tmp_path / "ssh_config"
-    config.write_text(
-        f"Host gpu-node\n  HostName 127.0.0.1\n  Port {server.port}\n  User {server.user}\n"
+    alias = f"gpu-node-{server.kind}"
+    with users_ssh_config(
+        f"Host {alias}\n  HostName 127.0.0.1\n  Port {server.port}\n  User {server.user}\n"
         f"  IdentityFile {server.keys.client_key}\n  UserKnownHostsFile {server.known_hosts}\n"
-    )
-    assert connect_and_run(f"ssh -F {config} gpu-node") == ("ok", 0)
-    other = tmp_path / "other_known_hosts"
-    with pytest.raises(HostKeyError, match=f"not in known_hosts \\({other}\\)"):
-        connect_and_run(f"ssh -F {config} gpu-node", ConnectSettings(host_keys=HostKeyPolicy(known_hosts=str(other))))
+    ):
+        assert connect_and_run(alias) == ("ok", 0)
+        other = tmp_path / "other_known_hosts"
+        with pytest.raises(HostKeyError, match=f"not in known_hosts \\({other}\\)"):
+            connect_and_run(alias, ConnectSettings(host_keys=HostKeyPolicy(known_hosts=str(other))))
 
 
 def test_a_host_alias_from_the_users_ssh_config(server: LoopbackServer) -> None:
@@ -99,14 +114,13 @@ def test_a_host_alias_from_the_users_ssh_config(server: LoopbackServer) -> None:
 
 def test_a_jump_host_from_the_command_line_or_the_config(openssh_server: LoopbackServer, tmp_path: Path) -> None:
     server = openssh_server
-    config = tmp_path / "ssh_config"
     common = (
         f"  HostName 127.0.0.1\n  Port {server.port}\n  User {server.user}\n"
         f"  IdentityFile {server.keys.client_key}\n  UserKnownHostsFile {server.known_hosts}\n"
     )
-    config.write_text(f"Host bastion\n{common}Host inner\n{common}  ProxyJump bastion\nHost direct\n{common}")
-    assert connect_and_run(f"ssh -F {config} inner") == ("ok", 1)
-    assert connect_and_run(f"ssh -F {config} -J bastion direct") == ("ok", 1)
+    with users_ssh_config(f"Host bastion\n{common}Host inner\n{common}  ProxyJump bastion\nHost direct\n{common}"):
+        assert connect_and_run("inner") == ("ok", 1)
+        assert connect_and_run("ssh -J bastion direct") == ("ok", 1)
 
 
 def test_a_wrong_key_fails_with_a_clear_message(server: LoopbackServer, tmp_path: Path) -> None:
@@ -123,9 +137,13 @@ def test_an_unreachable_port_fails_with_a_clear_message(keys: Keys, tmp_path: Pa
     assert "connection refused" in str(info.value) and f"-p {port}" in str(info.value)
 
 
-def test_a_missing_config_file_is_named(tmp_path: Path) -> None:
-    with pytest.raises(RemoteError, match=r"config file .*nope not found"):
-        connect_and_run(f"ssh -F {tmp_path / 'nope'} node")
+def test_a_config_file_is_refused_before_anything_in_it_runs(tmp_path: Path) -> None:
+    ran = [tmp_path / "match-exec-ran", tmp_path / "proxy-command-ran"]
+    config = tmp_path / "ssh_config"
+    config.write_text(f'Match exec "touch {ran[0]}"\nHost *\n  ProxyCommand touch {ran[1]}\n')
+    with pytest.raises(ConfigError, match=r"-F \(an ssh config file\) is refused"):
+        connect_and_run(f"ssh -F {config} node")
+    assert not any(path.exists() for path in ran)
 
 
 def test_recording_keeps_existing_lines_and_the_file_mode(tmp_path: Path) -> None:

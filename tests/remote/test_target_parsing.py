@@ -59,10 +59,22 @@ def test_first_value_wins_like_openssh() -> None:
     assert (target.port, target.user) == (1111, "first")
 
 
-def test_config_file_and_several_keys() -> None:
-    target = parse_target("ssh -F ./ssh_config -i a.key -i b.key -o IdentityFile=c.key node")
-    assert target.config_file == "./ssh_config"
+def test_several_keys() -> None:
+    target = parse_target("ssh -i a.key -i b.key -o IdentityFile=c.key node")
     assert target.identity_files == ("a.key", "b.key", "c.key")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["ssh -F ./ssh_config node", "ssh -Fcfg node", "ssh -vF cfg node", "-F cfg node", "ssh -J 'x -F cfg' node"],
+)
+def test_a_config_file_is_refused_for_what_it_could_run(spec: str) -> None:
+    """An ssh config file can hold ProxyCommand, LocalCommand and `Match exec`: a target names none of them."""
+    with pytest.raises(ConfigError) as info:
+        target = parse_target(spec)
+        if target.jump:  # a jump host's spec is parsed when the connection is opened
+            parse_target(target.jump)
+    assert "-F (an ssh config file) is refused" in str(info.value) and "~/.ssh/config" in str(info.value)
 
 
 def test_label_shows_user_host_and_port() -> None:

@@ -97,9 +97,26 @@ def test_the_plan_verb_describes_a_node_and_says_it_as_json(tmp_path: Path, caps
     assert doc["fits"] is True and doc["smallest_full_fidelity"]["nproc"] == 16
     assert "16 processes (1 node(s) x 16), 2 per GPU" in doc["layout"]
     assert main(["plan", str(snap), "--gpus", "8"]) == 2
-    assert "give `gpus` and `gpu_memory_gib` together" in capsys.readouterr().err.replace(
-        "--gpu-memory", "`gpu_memory_gib`"
-    )
+    assert "give --gpus and --gpu-memory together" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("gpus", "memory", "says"),
+    [
+        ("1", "inf", "--gpu-memory must be a number of GiB above 0 and at most 65536, got inf"),
+        ("1", "1e300", "--gpu-memory must be a number of GiB above 0 and at most 65536, got 1e+300"),
+        ("1", "nan", "--gpu-memory must be a number of GiB above 0 and at most 65536, got nan"),
+        ("1000000000000", "80", "--gpus must be a whole number from 1 to 4096, got 1000000000000"),
+        ("9" * 400, "80", "--gpus must be a whole number from 1 to 4096, got an integer of 400 digits"),
+        ("0", "80", "--gpus must be a whole number from 1 to 4096, got 0"),
+    ],
+)
+def test_a_described_node_out_of_bounds_is_an_exit_2_message(
+    gpus: str, memory: str, says: str, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["plan", str(SNAPSHOT), "--gpus", gpus, "--gpu-memory", memory]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
 
 
 def test_bad_plan_arguments_are_named(tmp_path: Path) -> None:

@@ -76,9 +76,9 @@ def _wait_until(ready: Callable[[], bool], proc: subprocess.Popen[str], what: st
     raise AssertionError(f"the server never got {what}")
 
 
-def _listens(port: int) -> bool:
+def _listens(port: int, host: str = "127.0.0.1") -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        with socket.create_connection((host.strip("[]"), port), timeout=0.5):
             return True
     except OSError:
         return False
@@ -90,11 +90,14 @@ def server_env(state: Path) -> dict[str, str]:
 
 
 @contextmanager
-def http_server(workspace: Path, state: Path, *args: str, socket_path: Path | None = None) -> Iterator[HttpServer]:
-    """`mcp --http` on a free loopback port (or `mcp --socket PATH`) with `args`, stopped (SIGTERM) afterwards."""
+def http_server(
+    workspace: Path, state: Path, *args: str, socket_path: Path | None = None, host: str = "127.0.0.1"
+) -> Iterator[HttpServer]:
+    """`mcp --http` on a free port of the loopback address `host` (or `mcp --socket PATH`) with `args`, stopped
+    (SIGTERM) afterwards."""
     if socket_path is None:
         port = free_port()
-        where = ["--http", "--port", str(port)]
+        where = ["--http", "--port", str(port), *(["--host", host] if host != "127.0.0.1" else [])]
     else:
         port = 0
         where = ["--socket", str(socket_path)]
@@ -102,9 +105,10 @@ def http_server(workspace: Path, state: Path, *args: str, socket_path: Path | No
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=server_env(state))
     try:
         if socket_path is None:
-            _wait_until(lambda: _listens(port), proc, f"to listen on 127.0.0.1:{port}")
+            _wait_until(lambda: _listens(port, host), proc, f"to listen on {host}:{port}")
             token_file = None if "--no-auth" in args else state / "axrl-spike-replay" / f"mcp-http-{port}.token"
-            yield HttpServer(proc, f"http://127.0.0.1:{port}/mcp", token_file)
+            bare = host.strip("[]")
+            yield HttpServer(proc, f"http://{f'[{bare}]' if ':' in bare else bare}:{port}/mcp", token_file)
         else:
             _wait_until(socket_path.is_socket, proc, f"a socket at {socket_path}")
             yield HttpServer(proc, "http://localhost/mcp", None, socket_path)

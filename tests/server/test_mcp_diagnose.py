@@ -6,7 +6,9 @@ import json
 import re
 from pathlib import Path
 
-from server_helpers import call, ok, with_client
+from mcp import Client
+from mcp.types import CallToolResult
+from server_helpers import call, error_text, ok, with_client
 
 from axrl_spike_replay.diagnosis import FAMILIES
 from axrl_spike_replay.experiment.mitigations import MITIGATIONS
@@ -42,6 +44,29 @@ def test_a_read_only_server_diagnoses_without_writing_into_the_open_task(capture
     )
     assert ok(result)["causes"][0]["family"] == "engine_mismatch"
     assert state_file.read_bytes() == before  # a server that only reads wrote nothing
+
+
+def test_a_read_only_server_runs_no_replay_for_the_model_evidence(captured_run, workspace: Path) -> None:
+    """The model evidence replays the step (here, or on rank processes with `nproc`): a read-only server runs none."""
+    snapshot = str(captured_run.snapshot_dirs[0])
+    read_only = create_server(workspace, read_only=True)
+
+    async def calls(client: Client) -> tuple[CallToolResult, list[CallToolResult]]:
+        plain = await client.call_tool("diagnose_spike", {"snapshot": snapshot})  # auto: a small model
+        refused = [
+            await client.call_tool("diagnose_spike", {"snapshot": snapshot, **asked})
+            for asked in ({"model": "always"}, {"model": "auto", "nproc": 2}, {"shard": "on"})
+        ]
+        return plain, refused
+
+    plain, refused = with_client(read_only, calls)
+    doc = ok(plain)
+    assert doc["step"] is None and doc["attribution_top"] == [] and doc["routes"] is None
+    assert doc["causes"][0]["family"] == "engine_mismatch"  # the static evidence still names it
+    assert any("read-only" in line and "runs no replay" in line for line in doc["not_checked"])
+    for result, named in zip(refused, ("`model` always", "`nproc` 2", "`shard` on"), strict=True):
+        text = error_text(result)
+        assert named in text and "runs no replay" in text, text
 
 
 def test_tool_texts_name_only_tools_that_exist(workspace: Path) -> None:

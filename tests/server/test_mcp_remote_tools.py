@@ -122,3 +122,16 @@ def test_cancelling_a_remote_call_kills_its_process_group(
         assert time.monotonic() < deadline, "the cancelled attempt never reached the task file"
         time.sleep(0.05)
     assert any("cancel" in f["reason"] for f in failed), failed
+
+
+def test_a_target_s_config_file_is_refused_before_anything_in_it_runs(workspace: Path, tmp_path: Path) -> None:
+    """`-F FILE` would hand asyncssh a file whose ProxyCommand (and `Match exec`, run while the file is read) runs
+    here as the server's user: `-o ProxyCommand` is refused, and so is the file that says the same."""
+    ran = [tmp_path / "match-exec-ran", tmp_path / "proxy-command-ran"]
+    config = tmp_path / "ssh_config"
+    config.write_text(f'Match exec "touch {ran[0]}"\nHost *\n  ProxyCommand touch {ran[1]}\n')
+    for tool in ("probe_node", "plan_replay"):
+        arguments = {"target": f"ssh -F {config} gpu-node"} | ({"snapshot": "s"} if tool == "plan_replay" else {})
+        text = error_text(call(workspace, tool, arguments))
+        assert "-F (an ssh config file) is refused" in text and "~/.ssh/config" in text, text
+    assert not any(path.exists() for path in ran)

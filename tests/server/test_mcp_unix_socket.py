@@ -58,3 +58,35 @@ def test_another_user_is_refused_by_its_user_id_even_through_an_open_socket(
         assert mine.stdout.startswith("HTTP/1.1 200")
     said = server.stderr()  # the server's log (wrapped to the terminal's width)
     assert "refused a connection from user id" in said and "65534" in said
+
+
+def _start_on(path: Path, workspace: Path) -> subprocess.CompletedProcess[str]:
+    argv = [*server_command(), "mcp", "--socket", str(path), "--workspace", str(workspace), "--no-warm"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def test_what_is_not_a_socket_at_the_path_is_refused_and_left_alone(short_dir: Path, workspace: Path) -> None:
+    """`--socket PATH` once removed whatever was at PATH: a file, a dir, a symlink are refused by name, unchanged."""
+    kept = short_dir / "precious.txt"
+    kept.write_text("keep me\n")
+    folder = short_dir / "folder"
+    folder.mkdir()
+    (folder / "inside").write_text("x")
+    link = short_dir / "link"
+    link.symlink_to(kept)
+    for path, kind in ((kept, "a file"), (folder, "a directory"), (link, "a symlink")):
+        done = _start_on(path, workspace)
+        assert done.returncode == 2, done.stderr
+        assert f"{path} is {kind}, not a socket" in done.stderr and "Traceback" not in done.stderr
+    assert kept.read_text() == "keep me\n" and (folder / "inside").read_text() == "x" and link.is_symlink()
+
+
+def test_a_missing_dir_or_a_path_too_long_for_a_socket_is_a_clear_error(short_dir: Path, workspace: Path) -> None:
+    missing = short_dir / "no-such-dir" / "mcp.sock"
+    done = _start_on(missing, workspace)
+    assert done.returncode == 2 and f"no directory {missing.parent}" in done.stderr, done.stderr
+    long = short_dir / ("d" * 100) / "mcp.sock"
+    long.parent.mkdir()
+    done = _start_on(long, workspace)
+    assert done.returncode == 2 and "at most 107" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not long.exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -108,3 +109,67 @@ def test_the_scorer_command_scores_a_directory_of_reports(doc, tmp_path) -> None
         capture_output=True, text=True,
     )  # fmt: skip
     assert bad.returncode == 2 and "--eval 999: no such eval" in bad.stderr
+
+
+def test_a_shotgun_list_of_fixes_fails_the_fix_check_and_only_the_right_fix_passes(doc) -> None:
+    score = load(EVALS / "score.py")
+    case = next(e for e in doc["evals"] if e["snapshot"]["case"] == "stale_old_logprobs")
+    every = sorted({f for family in doc["families"].values() for f in family["fixes"]})
+    assert len(every) == 18
+    shotgun = REPORT.replace("Fix: drop_ranks=1", "Fix: " + ", ".join(f"{f}=1" for f in every))
+    graded = score.score_report(shotgun, case, doc["families"])
+    assert graded["checks"]["fix"] is False and graded["shotgun"] is True and graded["score"] < 1.0
+    # without a Fix line, every NAME=VALUE of the report counts: listing them all fails the same way
+    loose = score.score_report(REPORT.replace("Fix: drop_ranks=1", " ".join(f"{f}=1" for f in every)), case,
+                               doc["families"])  # fmt: skip
+    assert loose["checks"]["fix"] is False
+    wrong = score.score_report(REPORT.replace("Fix: drop_ranks=1", "Fix: advantage_clip=5"), case, doc["families"])
+    assert wrong["checks"]["fix"] is False  # a real mitigation, of another family
+    mixed = score.score_report(REPORT.replace("Fix: drop_ranks=1", "Fix: drop_ranks=1 kl_coef=0"), case,
+                               doc["families"])  # fmt: skip
+    assert mixed["checks"]["fix"] is False  # one right, one wrong: not the right fix
+    pair = score.score_report(REPORT.replace("Fix: drop_ranks=1", "Fix: drop_ranks=1 recompute=old_logprobs"), case,
+                              doc["families"])  # fmt: skip
+    assert pair["checks"]["fix"] is True and pair["fixes"] == ["drop_ranks", "recompute"]
+    noted = score.score_report(REPORT.replace("Fix: drop_ranks=1", "Fix: drop_ranks=1 (grad_norm=0.9 after)"), case,
+                               doc["families"])  # fmt: skip
+    assert noted["checks"]["fix"] is True and noted["fixes"] == ["drop_ranks"]  # grad_norm is no mitigation
+
+
+class _CountingPattern:
+    """A compiled pattern that counts the characters it is handed (the regex engine's work is bounded by them times
+    the pattern's own size when the pattern cannot run past its text, which one line is)."""
+
+    def __init__(self, pattern: re.Pattern[str], handed: list[str]) -> None:
+        self.pattern, self.handed = pattern, handed
+
+    def match(self, text: str, *args: object) -> re.Match[str] | None:
+        self.handed.append(text)
+        return self.pattern.match(text, *args)  # type: ignore[arg-type]
+
+    def search(self, text: str, *args: object) -> re.Match[str] | None:
+        self.handed.append(text)
+        return self.pattern.search(text, *args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("blank", ["\n", " \n", "> \n", "*\t\n"])
+def test_the_scorer_reads_a_report_in_linear_work(doc, blank: str) -> None:
+    """A report of 20,000 blank lines took 5.8 s: each `^[\\s>*_-]*` attempt ran on over every following line break.
+    Now each pattern is handed one line at a time: each character and each line go to each of the 3 patterns at most
+    once, and ten times the report is at most ten times the work. Counted, never timed."""
+    score = load(EVALS / "score.py")
+    case = next(e for e in doc["evals"] if e["snapshot"]["case"] == "stale_old_logprobs")
+    handed: list[str] = []
+    for name in [n for n in vars(score) if n.endswith("_RE") and n != "_ITEM_RE"]:  # the answer patterns, by any name
+        setattr(score, name, _CountingPattern(getattr(score, name), handed))
+    if hasattr(score, "_ANSWERS"):
+        score._ANSWERS = {k: _CountingPattern(p, handed) for k, p in score._ANSWERS.items()}
+    work = []
+    for lines in (2_000, 20_000):
+        handed.clear()
+        report = blank * lines + REPORT
+        assert score.score_report(report, case, doc["families"])["score"] == 1.0
+        assert handed and not any("\n" in text for text in handed)  # no pattern sees past a line's end
+        work.append(sum(len(text) + 1 for text in handed))
+        assert work[-1] <= 3 * (len(report) + report.count("\n") + 1)  # each character and each call, once a pattern
+    assert work[1] <= 10 * work[0] + 3 * len(REPORT)

@@ -42,13 +42,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
+from axrl_spike_replay.capture.fault_params import (
+    BY,
+    FRACTION,
+    MAX_SCALE,
+    MAX_SHIFT,
+    SHIFT,
+    SIGNAL,
+    ParamRule,
+    check_params,
+    flag,
+    layer_list,
+    number,
+    whole,
+)
 from axrl_spike_replay.capture.presets import FaultSpec
 from axrl_spike_replay.capture.rollout import shifted_routes
 from axrl_spike_replay.capture.toy_task import TASK_ALPHABET
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 
 STAGES = ("prompts", "rollout", "rewards", "advantages", "batch")
@@ -102,6 +117,7 @@ class BuiltinFault:
 
     stage = "batch"
     part = "batch"
+    PARAMS: ClassVar[dict[str, ParamRule]] = {}  # the parameters it takes, each with its rule
 
     def __call__(self, parts: StepParts) -> None:
         if parts.in_burst and self.hits(parts.rank, parts.world_size):
@@ -153,6 +169,8 @@ class RolloutLogprobShift(BuiltinFault):
     stage = "rollout"
     part = "rollout_logprobs"
 
+    PARAMS: ClassVar[dict[str, ParamRule]] = SHIFT
+
     def corrupt(self, parts: StepParts) -> None:
         lp = parts.batch["rollout_logprobs"]
         parts.batch["rollout_logprobs"] = _shift_right(lp, int(self.param("shift", 1)), self.rows(lp.shape[0]))
@@ -185,6 +203,8 @@ class RoutesShift(BuiltinFault):
     stage = "rollout"
     part = "routed_experts"
 
+    PARAMS: ClassVar[dict[str, ParamRule]] = SHIFT
+
     def corrupt(self, parts: StepParts) -> None:
         assert parts.routed_experts is not None
         parts.routed_experts = shifted_routes(parts.routed_experts, int(self.param("shift", 1)))
@@ -197,6 +217,8 @@ class RoutesStaleLayer(BuiltinFault):
 
     stage = "rollout"
     part = "routed_experts"
+
+    PARAMS: ClassVar[dict[str, ParamRule]] = {"layers": layer_list, **FRACTION}
 
     def corrupt(self, parts: StepParts) -> None:
         assert parts.routed_experts is not None and parts.trainer is not None
@@ -218,6 +240,8 @@ class RoutesPermuted(BuiltinFault):
     stage = "rollout"
     part = "routed_experts"
 
+    PARAMS: ClassVar[dict[str, ParamRule]] = BY
+
     def corrupt(self, parts: StepParts) -> None:
         assert parts.routed_experts is not None
         parts.routed_experts = torch.roll(parts.routed_experts, shifts=int(self.param("by", 1)), dims=0).contiguous()
@@ -230,6 +254,8 @@ class OffPolicyResponses(BuiltinFault):
 
     stage = "rollout"
     part = "tokens"
+
+    PARAMS: ClassVar[dict[str, ParamRule]] = FRACTION
 
     def corrupt(self, parts: StepParts) -> None:
         from axrl_spike_replay.capture.rollout import rollout_engine
@@ -259,6 +285,11 @@ class RewardScale(BuiltinFault):
     stage = "rewards"
     part = "rewards"
 
+    PARAMS: ClassVar[dict[str, ParamRule]] = {
+        "factor": number(-MAX_SCALE, MAX_SCALE),
+        "offset": number(-MAX_SCALE, MAX_SCALE),
+    }
+
     def corrupt(self, parts: StepParts) -> None:
         rewards = parts.batch["rewards"].clone()
         rows = self.rows(rewards.shape[0])
@@ -272,6 +303,8 @@ class RewardPenalty(BuiltinFault):
 
     stage = "rewards"
     part = "rewards"
+
+    PARAMS: ClassVar[dict[str, ParamRule]] = {"penalty": number(-MAX_SCALE, MAX_SCALE)}
 
     def corrupt(self, parts: StepParts) -> None:
         rewards = parts.batch["rewards"].clone()
@@ -299,6 +332,8 @@ class RolloutLogprobNegInf(BuiltinFault):
     stage = "rollout"
     part = "rollout_logprobs"
 
+    PARAMS: ClassVar[dict[str, ParamRule]] = {"position": whole(0, MAX_SHIFT)}
+
     def corrupt(self, parts: StepParts) -> None:
         lp = parts.batch["rollout_logprobs"].clone()
         position = parts.prompt_len + int(self.param("position", 2))
@@ -312,6 +347,8 @@ class StoredLogprobFault(BuiltinFault):
 
     part = "old_logprobs"
 
+    PARAMS: ClassVar[dict[str, ParamRule]] = SIGNAL
+
     def corrupt(self, parts: StepParts) -> None:
         name = str(self.param("signal", self.part))
         values = parts.batch[name]
@@ -324,6 +361,8 @@ class StoredLogprobFault(BuiltinFault):
 class LogprobShift(StoredLogprobFault):
     """A stored log-prob tensor one position late on this rank (an off-by-one when the response is sliced out of
     the full sequence): old log-probs (`signal: old_logprobs`) or reference log-probs (`signal: ref_logprobs`)."""
+
+    PARAMS: ClassVar[dict[str, ParamRule]] = {**SIGNAL, **SHIFT}
 
     def corrupted(self, parts: StepParts, values: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return _shift_right(values, int(self.param("shift", 1)), rows)
@@ -346,6 +385,8 @@ class LogprobScale(StoredLogprobFault):
     """A stored log-prob tensor multiplied by `factor` on this rank: 2 when its worker accumulates into a buffer it
     never zeroes (each log-prob counted twice), 0 when the buffer is never filled and stays at its zeros."""
 
+    PARAMS: ClassVar[dict[str, ParamRule]] = {**SIGNAL, "factor": number(-MAX_SCALE, MAX_SCALE)}
+
     def corrupted(self, parts: StepParts, values: torch.Tensor, rows: list[int]) -> torch.Tensor:
         out = values.clone()
         out[rows] = values[rows] * float(self.param("factor", 2.0))
@@ -356,6 +397,8 @@ class LogprobPermuted(StoredLogprobFault):
     """A stored log-prob tensor whose rows belong to other samples of the rank's batch (the worker that computed
     them returned its micro-batches out of order)."""
 
+    PARAMS: ClassVar[dict[str, ParamRule]] = {**SIGNAL, **BY}
+
     def corrupted(self, parts: StepParts, values: torch.Tensor, rows: list[int]) -> torch.Tensor:
         return torch.roll(values, shifts=int(self.param("by", 1)), dims=0).contiguous()
 
@@ -363,6 +406,8 @@ class LogprobPermuted(StoredLogprobFault):
 class LogprobWrongModel(StoredLogprobFault):
     """A stored log-prob tensor computed by the wrong weights on this rank (its reference worker loaded a freshly
     initialised model: a checkpoint path that did not resolve, silently)."""
+
+    PARAMS: ClassVar[dict[str, ParamRule]] = {**SIGNAL, "seed": whole(0, 2**63 - 1)}
 
     def corrupted(self, parts: StepParts, values: torch.Tensor, rows: list[int]) -> torch.Tensor:
         from axrl_spike_replay.models.policy import build_policy, policy_forward
@@ -411,6 +456,8 @@ class MaskShift(BuiltinFault):
     stage = "batch"
     part = "loss_mask"
 
+    PARAMS: ClassVar[dict[str, ParamRule]] = {**SHIFT, "truncate": flag}
+
     def __call__(self, parts: StepParts) -> None:
         response = _response(parts)
         for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
@@ -451,11 +498,13 @@ FAULT_KINDS: dict[str, Callable[[FaultSpec], BuiltinFault]] = {
 
 
 def make_fault(spec: FaultSpec) -> BuiltinFault:
-    """The built-in fault `spec` names; ConfigError listing the known kinds otherwise."""
+    """The built-in fault `spec` names, its parameters checked (names, types, ranges) before any step runs;
+    ConfigError listing the known kinds, or naming the parameter and what is wrong, otherwise."""
     try:
         kind = FAULT_KINDS[spec.kind]
     except KeyError:
-        raise ConfigError(f"fault kind {spec.kind!r} is not known (known: {', '.join(FAULT_KINDS)})") from None
+        raise ConfigError(f"fault kind {shown(spec.kind, 80)} is not known (known: {', '.join(FAULT_KINDS)})") from None
+    check_params(spec.kind, spec.params, getattr(kind, "PARAMS", {}))
     return kind(spec)
 
 

@@ -7,8 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.vocabulary import CAUSE_FAMILIES
+
+MAX_FAULT_INDEXES = 4096  # ranks or samples a fault names
+FAULT_SPEC_DEPTH = 8  # a spec nests 3 levels ({"params": {"layers": [...]}}); deeper is refused before parsing
 
 
 @dataclass(frozen=True)
@@ -36,21 +40,28 @@ class FaultSpec:
         """A FaultSpec from its `to_dict` form; ConfigError naming `source` and the bad key otherwise (the kind
         itself is checked when the fault is built: `faults.make_fault`)."""
         if not isinstance(doc, dict) or not isinstance(doc.get("kind"), str) or not doc["kind"]:
-            raise ConfigError(f"{source}: expected a mapping with a `kind` (a fault name), got {doc!r:.120}")
+            raise ConfigError(f"{source}: expected a mapping with a `kind` (a fault name), got {shown(doc, 120)}")
         unknown = set(doc) - {"kind", "ranks", "samples", "params"}
         if unknown:
-            raise ConfigError(f"{source}: unknown keys {sorted(unknown)} (known: kind, ranks, samples, params)")
+            raise ConfigError(
+                f"{source}: unknown keys {shown(sorted(map(str, unknown)), 120)} (known: kind, ranks, samples, params)"
+            )
         lists: dict[str, tuple[int, ...] | None] = {}
         for key in ("ranks", "samples"):
             value = doc.get(key)
             if value is not None and (
-                not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+                not isinstance(value, list)
+                or len(value) > MAX_FAULT_INDEXES
+                or not all(isinstance(x, int) and not isinstance(x, bool) and abs(x) < 2**31 for x in value)
             ):
-                raise ConfigError(f"{source}: `{key}` must be a list of integers, got {value!r:.80}")
+                raise ConfigError(
+                    f"{source}: `{key}` must be a list of integers (at most {MAX_FAULT_INDEXES}, each below 2^31 in "
+                    f"size), got {shown(value, 80)}"
+                )
             lists[key] = None if value is None else tuple(value)
         params = doc.get("params") or {}
         if not isinstance(params, dict):
-            raise ConfigError(f"{source}: `params` must be a mapping, got {params!r:.80}")
+            raise ConfigError(f"{source}: `params` must be a mapping, got {shown(params, 80)}")
         return cls(doc["kind"], lists["ranks"], lists["samples"], dict(params))
 
     def to_dict(self) -> dict[str, Any]:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Any
 
 from axrl_spike_replay.capture.model_choice import CAPTURE_MODELS
-from axrl_spike_replay.capture.presets import PRESETS
+from axrl_spike_replay.capture.presets import FAULT_SPEC_DEPTH, PRESETS
 from axrl_spike_replay.capture.strategies import PARALLEL_STRATEGIES
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress, table
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.untrusted_bytes import UntrustedInputError
+from axrl_spike_replay.untrusted_json import parse_untrusted_json
 
 
 def register(sub: Any) -> None:
@@ -127,8 +131,6 @@ def _faults(items: list[str]) -> list[Any]:
     """The `--fault` items as built-in faults; AxrlError naming the bad item."""
     if not items:
         return []
-    import json
-
     from axrl_spike_replay.capture.faults import make_fault
     from axrl_spike_replay.capture.presets import FaultSpec
     from axrl_spike_replay.errors import ConfigError
@@ -136,9 +138,9 @@ def _faults(items: list[str]) -> list[Any]:
     faults = []
     for n, item in enumerate(items, 1):
         try:
-            doc = json.loads(item)
-        except json.JSONDecodeError as exc:
-            raise AxrlError(f"--fault {n}: not JSON ({exc.msg} at column {exc.colno}): {item[:80]}") from None
+            doc = parse_untrusted_json(os.fsencode(item), FAULT_SPEC_DEPTH)
+        except UntrustedInputError as exc:
+            raise AxrlError(f"--fault {n} {exc}: {shown(item, 80)}") from None
         try:
             faults.append(make_fault(FaultSpec.from_dict(doc, f"--fault {n}")))
         except ConfigError as exc:

@@ -10,6 +10,7 @@ _FLAGS = {
     "configs": "--mitigation",
     "timeout_s": "--timeout",
     "roots": "--root",
+    "gpu_memory_gib": "--gpu-memory",
 }
 # fields with no option of the same name on any verb stay as the library wrote them
 _PARAMETERS = {
@@ -34,6 +35,7 @@ _PARAMETERS = {
     "http",
     "token_file",
     "no_auth",
+    "gpus",
     *_FLAGS,
 }
 _NAMED = re.compile(r"`([a-z_]+)`")

@@ -90,7 +90,7 @@ def register(sub: Any) -> None:
         default=None,
         metavar="PATH",
         help="serve streamable HTTP on a Unix socket at PATH instead (mode 0600; connections from other users "
-        "are refused); clients use http://localhost/mcp over it",
+        "are refused; only a socket of yours left at PATH is replaced); clients use http://localhost/mcp over it",
     )
     mcp.add_argument(
         "--read-only",
@@ -122,7 +122,8 @@ def register(sub: Any) -> None:
         help="run the warm replay service that `replay`/`sweep`/`attribute --warm` use (foreground)",
         description="Keep replay processes (torch imported, process group up) and snapshot weights loaded for "
         "later CLI calls with --warm, which reach this service over a Unix socket only this user can use "
-        "(WORKSPACE/tmp/spike-replay-warm/serve.sock, or under $XDG_RUNTIME_DIR for a long path). `--warm` "
+        "(WORKSPACE/tmp/spike-replay-warm/serve.sock, or in this user's runtime dir, $XDG_RUNTIME_DIR or "
+        "/tmp/axrl-spike-replay-UID, for a long path). `--warm` "
         "starts one on first use. It stops after --warm-idle-timeout seconds without a request, on --stop, "
         "SIGTERM or Ctrl-C, and its replay processes stop with it.",
     )
@@ -215,15 +216,14 @@ def _no_access() -> Any:
 
 def _announce(args: argparse.Namespace, access: Any) -> None:
     """What a person starting an HTTP server must know: where it listens, who may use it, how clients get in."""
-    from axrl_spike_replay.mcp_faces.http_access import is_loopback
+    from axrl_spike_replay.mcp_faces.http_access import is_loopback, url_host
 
     user = f"{getpass.getuser()} (uid {os.getuid()})"
     if args.socket is not None:
         progress(f"MCP server (streamable HTTP) on the Unix socket {args.socket}: http://localhost/mcp over it")
         progress(f"only {user} may connect (socket mode 0600, each peer's user id checked)")
     else:
-        host = f"[{args.host}]" if ":" in args.host else args.host
-        progress(f"MCP server (streamable HTTP) at http://{host}:{args.port}/mcp")
+        progress(f"MCP server (streamable HTTP) at http://{url_host(args.host)}:{args.port}/mcp")
     if access.token is not None:
         which = f"--token-file {access.token_file}" if args.token_file is not None else f"--port {args.port}"
         progress(f"bearer token in {access.token_file} (readable by {user} only); clients send the header")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.investigation.node_description import check_described_node
 from axrl_spike_replay.remote.options import RemoteOptions
 from axrl_spike_replay.remote.target_config import ResolvedTarget
 from axrl_spike_replay.replay.replay_plan import (
@@ -48,8 +49,7 @@ def plan_for(
     nodes = 1
     notes: list[str] = []
     if gpus is not None and gpu_memory_gib is not None:
-        if gpus < 1 or not gpu_memory_gib > 0:
-            raise ConfigError("`gpus` must be at least 1 and `gpu_memory_gib` positive", "gpus")
+        check_described_node(gpus, gpu_memory_gib)
         device = "cuda"
         capacity = Capacity(
             "the node described", "cuda", gpus, int(gpu_memory_gib * (1 << 30) * GPU_USABLE), "arguments"

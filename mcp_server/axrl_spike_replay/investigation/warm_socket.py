@@ -2,11 +2,16 @@
 
 The service (`axrl-spike-replay serve`) listens on a Unix socket with the workspace's user-only
 permissions: `<workspace>/tmp/spike-replay-warm/serve.sock`, or, when that path is too long for a
-socket, `$XDG_RUNTIME_DIR/axrl-spike-replay-<hash of the workspace>/serve.sock` (the system temp dir
-without XDG_RUNTIME_DIR). The dir is 0700 and the socket 0600; a dir or socket owned by another user,
-or a symlink in their place, is refused. Messages are one JSON object per line, UTF-8, read in linear
-time up to a cap (`MAX_REQUEST` for what the service reads, `MAX_REPLY` for what a client reads); a
-message over its cap, not UTF-8, not JSON or not an object is a `FrameError`.
+socket, `<runtime dir>/axrl-spike-replay-<hash of the workspace>/serve.sock` in this user's runtime dir
+(`runtime_dir`): `$XDG_RUNTIME_DIR` when it is a dir of this user that no one else may write, else
+`<system temp dir>/axrl-spike-replay-<uid>`, a 0700 dir of this user. Nothing is put under a name in the
+shared temp dir that another user could create first, except that runtime dir, which is refused by name
+when another user holds it. The dirs are 0700 and the socket 0600; a dir or socket owned by another user,
+or a symlink in their place, is refused.
+
+Messages are one JSON object per line, UTF-8, read in linear time up to a cap (`MAX_REQUEST` for what the
+service reads, `MAX_REPLY` for what a client reads); a message over its cap, not UTF-8, not JSON or not an
+object is a `FrameError`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.private_files import private_dir
 from axrl_spike_replay.untrusted_bytes import UntrustedInputError
 from axrl_spike_replay.untrusted_json import parse_untrusted_json
 
@@ -56,14 +62,44 @@ class WarmPaths:
 
 
 def warm_paths(workspace: str | Path) -> WarmPaths:
-    """The service dir of a workspace (absolute; the same for every caller of that workspace)."""
+    """The service dir of a workspace (absolute; the same for every caller of that workspace): inside it, or, for
+    a path too long for a socket, in this user's runtime dir (`runtime_dir`, which this may create)."""
     root = Path(workspace).expanduser().resolve()
     inside = root / WARM_DIR
     if len(os.fsencode(inside / SOCKET_NAME)) <= _MAX_SOCKET_PATH:
         return WarmPaths(inside)
     digest = hashlib.sha256(os.fsencode(root)).hexdigest()[:16]
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return WarmPaths(Path(base) / f"axrl-spike-replay-{digest}")
+    name = f"axrl-spike-replay-{digest}"
+    base = runtime_dir(fits=len(os.fsencode(f"/{name}/{SOCKET_NAME}")))
+    return WarmPaths(base / name)
+
+
+def runtime_dir(fits: int = 0) -> Path:
+    """This user's runtime dir, where no other user can create or replace anything: `$XDG_RUNTIME_DIR` when it is
+    a dir of this user without group or other write permission and `fits` more bytes still make a socket path; else
+    `<system temp dir>/axrl-spike-replay-<uid>`, made 0700 when missing. AxrlError when that one is another user's,
+    a symlink or no dir (someone took the name: the message says how to choose another)."""
+    given = os.environ.get("XDG_RUNTIME_DIR")
+    fitting = given and os.path.isabs(given) and len(os.fsencode(given)) + fits <= _MAX_SOCKET_PATH
+    if given and fitting and _own_unshared_dir(Path(given)):
+        return Path(given)
+    path = Path(tempfile.gettempdir()) / f"axrl-spike-replay-{os.getuid()}"
+    try:
+        return private_dir(path, create=True, purpose="this user's runtime dir")
+    except AxrlError as exc:
+        raise AxrlError(
+            f"{exc}. Set XDG_RUNTIME_DIR to a dir of your own that only you can write (e.g. mkdir -m 700 "
+            "~/.run), or use a workspace with a shorter path"
+        ) from None
+
+
+def _own_unshared_dir(path: Path) -> bool:
+    """Whether `path` is a dir of this user that group and others cannot write (so no one else makes names in it)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def socket_paths(socket_path: str | Path) -> WarmPaths:

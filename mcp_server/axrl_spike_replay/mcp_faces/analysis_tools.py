@@ -13,6 +13,7 @@ from axrl_spike_replay.analysis.batch_signals import BatchAnalysis, analyze_snap
 from axrl_spike_replay.analysis.grad_info import GradReport, top_param_grads
 from axrl_spike_replay.diagnosis.diagnose import Diagnosis
 from axrl_spike_replay.diagnosis.log_scan import LogScan, default_name, scan_logs, with_sampled_series
+from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.investigation.task_opening import diagnose_into_task
 from axrl_spike_replay.logs.series_sampling import DEFAULT_LIMIT
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
@@ -169,24 +170,46 @@ async def diagnose_spike_tool(
     `--mitigation NAME=VALUE` items for replay/sweep, least invasive first, never a no-op for the run's config.
     Also says whether the snapshot agrees with itself and with the training log (`consistency`). With a task
     open for the snapshot's job (`task_open`), the diagnosis is kept there (not by a read-only server): the report
-    shows the strongest one run."""
+    shows the strongest one run. A read-only server (`mcp --read-only`) runs no replay: it computes no model
+    evidence (`model` always, `shard` on or `nproc` are refused) but reads a given `attribution`."""
     config = server_config(ctx)
     att = str(config.path(attribution)) if attribution else None
     paths = [str(config.path(p)) for p in logs] if logs else None
-    return await call_library(
-        ctx,
-        lambda progress, cancel: diagnose_into_task(
+
+    def work(progress: Progress, cancel: threading.Event) -> Diagnosis:
+        if config.read_only:
+            _refuse_replays_when_read_only(model, shard, nproc)
+        result = diagnose_into_task(
             # a read-only server reads: its diagnosis is returned, never written into the task
             None if config.read_only else config.workspace,
             config.path(snapshot),
             attribution=att,
             logs=paths,
-            model=model,
+            model="never" if config.read_only else model,
             top=top,
             shard=shard,
             nproc=nproc,
-        ),
-    )
+        )
+        if config.read_only:
+            result.not_checked.append(f"model evidence: {_READ_ONLY_RUNS_NO_REPLAY}")
+        return result
+
+    return await call_library(ctx, work)
+
+
+_READ_ONLY_RUNS_NO_REPLAY = (
+    "this server runs read-only (`mcp --read-only`), which runs no replay; pass an `attribution` from "
+    "attribute_spike on a server that may"
+)
+
+
+def _refuse_replays_when_read_only(model: str, shard: str, nproc: int | None) -> None:
+    """ConfigError for the arguments of `diagnose_spike` that ask for a replay (the model evidence runs one)."""
+    asked = [f"`{name}` {value}" for name, value, replays in (
+        ("model", model, model == "always"), ("shard", shard, shard == "on"), ("nproc", nproc, nproc is not None)
+    ) if replays]  # fmt: skip
+    if asked:
+        raise ConfigError(f"{', '.join(asked)} asks for the model evidence, a replay: {_READ_ONLY_RUNS_NO_REPLAY}")
 
 
 def register(server: MCPServer) -> None:

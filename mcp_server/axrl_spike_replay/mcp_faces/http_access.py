@@ -14,6 +14,10 @@ user already; over TCP any local user could connect. So HTTP requires a bearer t
   middleware, `TokenVerifier`).
 
 `--no-auth` is allowed on a loopback bind only; a non-loopback bind always needs the token.
+
+Whatever the bind, the SDK's Host and Origin checks (DNS rebinding) are on, with the names a client of that bind
+uses (`bound_security`): the SDK turns them on by itself only for the exact strings 127.0.0.1, localhost and ::1,
+so a server on 127.0.0.2 or [::1] would otherwise answer a page of any origin whose name resolves there.
 """
 
 from __future__ import annotations
@@ -23,11 +27,13 @@ import hmac
 import ipaddress
 import os
 import secrets
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from mcp.server.auth.provider import AccessToken
+from mcp.server.transport_security import TransportSecuritySettings
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.private_files import private_dir, read_private_text, write_private_text
@@ -46,6 +52,63 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a host name: it may resolve to anything
+
+
+def url_host(host: str) -> str:
+    """`host` as it stands in a URL or a Host header: an IPv6 address in brackets (given with or without them)."""
+    bare = host.strip("[]")
+    return f"[{bare}]" if ":" in bare else bare
+
+
+def bound_names(host: str) -> list[str]:
+    """The names a client of a server bound to `host` may put in its Host header (without the port):
+    - a loopback address: that address, and `localhost` where it resolves there (127.0.0.1, ::1);
+    - `localhost`: itself and 127.0.0.1 (the address it is bound as);
+    - a wildcard (0.0.0.0, ::): this machine's loopback names, its host name, fully qualified name and
+      their addresses; a client reaching it through another name or address is refused;
+    - another address or a host name: itself, and the addresses a host name resolves to."""
+    bare = host.strip("[]").lower()
+    if bare == "localhost":
+        return ["localhost", "127.0.0.1"]
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        return _unique([bare, *_addresses(bare)])
+    if ip.is_unspecified:
+        machine = [socket.gethostname().lower(), socket.getfqdn().lower()]
+        loopback = ["localhost", "127.0.0.1", *(["::1"] if ip.version == 6 else [])]
+        return _unique([*loopback, *machine, *(a for name in machine for a in _addresses(name))])
+    names = [url_host(ip.compressed)]
+    if ip in (ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")):
+        names.append("localhost")
+    return names
+
+
+def bound_security(host: str, port: int) -> TransportSecuritySettings:
+    """The SDK's Host/Origin checks (DNS rebinding protection) for a server bound to `host:port`: a request is
+    served only when its Host header, and its Origin when it sends one, name this server (`bound_names`); others
+    get 421 or 403 before any session exists."""
+    hosts = [f"{name}:{port}" for name in bound_names(host)]
+    if port == 80:  # a client leaves out the default port
+        hosts += bound_names(host)
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True,
+        allowed_hosts=hosts,
+        allowed_origins=[f"http://{h}" for h in hosts],
+    )
+
+
+def _addresses(name: str) -> list[str]:
+    """The addresses `name` resolves to here, as a Host header writes them; none when it does not resolve."""
+    try:
+        infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return []
+    return [url_host(str(info[4][0]).split("%")[0]) for info in infos]
+
+
+def _unique(items: list[str]) -> list[str]:
+    return [x for x in dict.fromkeys(items) if x]
 
 
 def state_dir() -> Path:

@@ -24,6 +24,7 @@ from mcp.server.mcpserver import MCPServer
 from mcp.server.transport_security import TransportSecuritySettings
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.mcp_faces.http_access import bound_security
 from axrl_spike_replay.private_files import bind_private_socket, peer_uid
 
 log = logging.getLogger("axrl_spike_replay.mcp")
@@ -43,7 +44,8 @@ def http_app(
     security: TransportSecuritySettings | None = None,
     on_stop: Callable[[], None] | None = None,
 ) -> Any:
-    """The SDK's streamable HTTP app at /mcp (`security` None: the SDK's Host/Origin checks for a loopback `host`);
+    """The SDK's streamable HTTP app at /mcp with the Host/Origin checks `security` (None: those of `host`, which the
+    SDK makes only for 127.0.0.1, localhost and ::1; serve_tcp passes the bound address's, `bound_security`);
     `on_stop` runs when uvicorn shuts it down, before it re-raises a signal that stopped it (which would end
     the process without running any `finally`)."""
     app = server.streamable_http_app(host=host, transport_security=security)
@@ -78,7 +80,8 @@ def serve_tcp(
     try:
         if ready is not None:
             ready()
-        config = uvicorn.Config(http_app(server, host=host, on_stop=on_stop), log_level="warning")
+        app = http_app(server, host=host, security=bound_security(host, port), on_stop=on_stop)
+        config = uvicorn.Config(app, log_level="warning")
         anyio.run(lambda: uvicorn.Server(config).serve(sockets=[listener]))
     finally:
         listener.close()

@@ -10,6 +10,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ToolAnnotations
 from pydantic import Field
 
+from axrl_spike_replay.investigation.node_description import MAX_GPU_MEMORY_GIB, MAX_GPUS
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library
 from axrl_spike_replay.mcp_faces.config import SnapshotArg, WorkspaceArg, server_config
 from axrl_spike_replay.mcp_faces.replay_tools import AcceptNewKeyArg, DeviceArg, NprocArg, RemotePythonArg
@@ -36,9 +37,13 @@ async def plan_replay_tool(
         Field(description="off: the whole model in each process; on: sharded (FSDP2); auto: whole when it fits."),
     ] = "auto",
     gpus: Annotated[
-        int | None, Field(description="Plan for a node of this many GPUs (with gpu_memory_gib).", ge=1)
+        int | None,
+        Field(description="Plan for a node of this many GPUs (with gpu_memory_gib).", ge=1, le=MAX_GPUS),
     ] = None,
-    gpu_memory_gib: Annotated[float | None, Field(description="Each GPU's memory in GiB (with gpus).", gt=0)] = None,
+    gpu_memory_gib: Annotated[
+        float | None,
+        Field(description="Each GPU's memory in GiB (with gpus).", gt=0, le=MAX_GPU_MEMORY_GIB, allow_inf_nan=False),
+    ] = None,
     remote_python: RemotePythonArg = None,
     accept_new_host_key: AcceptNewKeyArg = False,
     workspace: WorkspaceArg = None,

@@ -6,7 +6,7 @@ import asyncio
 import getpass
 import os
 import socket
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +77,8 @@ class SshConnection:
 
 
 def config_paths(target: SshTarget) -> list[str]:
-    """The ssh config files asyncssh reads for `target`: `-F FILE`, else ~/.ssh/config when readable."""
-    if target.config_file:
-        path = Path(os.path.expanduser(target.config_file))
-        if not path.is_file():
-            raise RemoteError(f"SSH target {target.spec or target.host!r}: config file {path} not found")
-        return [str(path)]
+    """The ssh config files asyncssh reads for `target`: the user's own ~/.ssh/config when readable (a target
+    names no other: `-F` is refused by `parse_target`)."""
     default = Path("~/.ssh/config").expanduser()
     return [str(default)] if os.access(default, os.R_OK) else []
 
@@ -109,7 +105,7 @@ async def open_connection(
     jump = target.jump if target.jump is not None else config.get("ProxyJump")
     if _tunnel is None and isinstance(jump, str) and jump and jump.lower() != "none":
         for hop_spec in jump.split(","):
-            hop_target = replace(parse_target(hop_spec.strip()), config_file=target.config_file)
+            hop_target = parse_target(hop_spec.strip())
             tunnel = await open_connection(hop_target, settings, _tunnel=tunnel)
             hops.append(tunnel)
     files = known_hosts_files(settings.host_keys, target.option("UserKnownHostsFile"), config.get("UserKnownHostsFile"))

@@ -1,4 +1,10 @@
-"""SSH targets as people type them: an `ssh ...` command line, `user@host:port`, `ssh://...` or a config alias."""
+"""SSH targets as people type them: an `ssh ...` command line, `user@host:port`, `ssh://...` or a config alias.
+
+A target names where to connect and as whom, never a command to run on this machine: the `-o` options are an
+allow-list without ProxyCommand, LocalCommand or KnownHostsCommand, and `-F FILE` is refused, because an ssh config
+file can hold those and `Match exec`, which runs while the file is read. The user's own `~/.ssh/config` is read as
+ssh reads it: Host blocks there (or files it `Include`s) are how a target gets settings beyond the allow-list.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +21,6 @@ _VALUE_FLAGS = {
     "l": "login name",
     "J": "jump host",
     "o": "option",
-    "F": "config file",
 }
 _PLAIN_FLAGS = set("46CqTv")
 _REFUSED_HINTS = {
@@ -33,6 +38,11 @@ _REFUSED_HINTS = {
     "S": "connection sharing",
     "O": "connection sharing",
 }
+_CONFIG_FILE_REFUSED = (
+    "-F (an ssh config file) is refused: a config file can run commands on this machine (ProxyCommand, "
+    "LocalCommand, Match exec), which a target may not. Put its Host block in ~/.ssh/config (or `Include` the file "
+    "there) and name the Host, or give -p, -i, -l, -J and -o Key=Value"
+)
 
 # `-o Key=Value` options understood, by lower-case name -> canonical name (as in ssh_config(5)).
 _OPTIONS = {
@@ -70,7 +80,6 @@ class SshTarget:
     port: int | None = None
     identity_files: tuple[str, ...] = ()
     jump: str | None = None  # ProxyJump: [user@]host[:port][,...]
-    config_file: str | None = None  # -F FILE (default: ~/.ssh/config when it exists)
     options: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # other -o options, canonical names
     spec: str = ""  # the target as given
 
@@ -88,7 +97,8 @@ class SshTarget:
 
 
 def parse_target(spec: str) -> SshTarget:
-    """Parse `ssh [-p PORT] [-i KEY] [-l USER] [-J JUMP] [-o K=V] [-F CFG] dest`, `ssh://...`, `[user@]host[:port]`."""
+    """Parse `ssh [-p PORT] [-i KEY] [-l USER] [-J JUMP] [-o K=V] dest`, `ssh://...`, `[user@]host[:port]`;
+    ConfigError naming what is refused (`-F`, forwarding, options outside the allow-list, checking turned off)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ConfigError("SSH target is empty; give e.g. 'ssh -p 2222 user@host', 'user@host:2222' or a Host alias")
     text = spec.strip()
@@ -107,7 +117,7 @@ def parse_target(spec: str) -> SshTarget:
 
 
 def _parse_command_line(words: list[str], spec: str) -> SshTarget:
-    values: dict[str, list[str]] = {"p": [], "i": [], "l": [], "J": [], "o": [], "F": []}
+    values: dict[str, list[str]] = {"p": [], "i": [], "l": [], "J": [], "o": []}
     destination: str | None = None
     index = 0
     while index < len(words):
@@ -138,11 +148,13 @@ def _parse_command_line(words: list[str], spec: str) -> SshTarget:
                     index += 1
                 values[flag].append(value)
                 break
+            if flag == "F":
+                raise ConfigError(f"SSH target {spec!r}: {_CONFIG_FILE_REFUSED}")
             if flag not in _PLAIN_FLAGS:
                 hint = f" ({_REFUSED_HINTS[flag]} is not part of a target)" if flag in _REFUSED_HINTS else ""
                 raise ConfigError(
                     f"SSH target {spec!r}: unsupported ssh option -{flag}{hint}; "
-                    "supported: -p PORT, -i KEY, -l USER, -J JUMP, -o Key=Value, -F CONFIG, -4 -6 -C -q -T -v"
+                    "supported: -p PORT, -i KEY, -l USER, -J JUMP, -o Key=Value, -4 -6 -C -q -T -v"
                 )
     if destination is None:
         raise ConfigError(f"SSH target {spec!r}: no destination host (e.g. user@host)")
@@ -185,7 +197,6 @@ def _merge(target: SshTarget, values: dict[str, list[str]], options: list[tuple[
         port=port,
         identity_files=tuple(identities),
         jump=jump,
-        config_file=values["F"][0] if values["F"] else None,
         options=tuple(sorted(extra.items())),
     )
 

@@ -12,8 +12,13 @@ such as `logprob_mismatch`, counts as the family it stood for). Three checks, ea
 
 - `cause`: the family named is the planted one;
 - `ranks`: the ranks named are the ones the fault hit (a fault on every rank: the report names none);
-- `fix`: a mitigation named on the `Fix:` line (or, without one, anywhere as NAME=VALUE) is of the planted
-  family's fixes.
+- `fix`: the mitigations named on the `Fix:` line (or, without one, anywhere as NAME=VALUE; only names of
+  evals.json's fixes count) are at most MAX_FIXES, every one of them of the planted family's fixes: a report that
+  lists many (`shotgun`) fails however many of them are right.
+
+Each answer line is found by matching one line at a time (`answer_lines`), so the work is linear in the report's
+length whatever it holds (a pattern anchored at every line start that could run on past line breaks once made
+20,000 blank lines quadratic).
 
 Usage:
     score.py evals.json REPORT_DIR [--json]    # REPORT_DIR/<id>.md for each eval that has a report
@@ -30,18 +35,35 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_CAUSE_RE = re.compile(r"^[\s>*_-]*cause(?: family)?[*_]*\s*:[*_\s]*`?([A-Za-z_]+)`?", re.IGNORECASE | re.MULTILINE)
-_RANKS_RE = re.compile(r"^[\s>*_-]*ranks?[*_]*\s*:[*_\s]*(.*)$", re.IGNORECASE | re.MULTILINE)
-_FIX_RE = re.compile(r"^[\s>*_-]*fix(?:es)?[*_]*\s*:[*_\s]*(.*)$", re.IGNORECASE | re.MULTILINE)
+# Matched against one line at a time (never across a line break), from the line's start: markdown quote, bullet
+# and emphasis marks, then the label, then the answer.
+_ANSWERS = {
+    "cause": re.compile(r"[ \t>*_-]*cause(?: family)?[*_]*[ \t]*:[*_ \t]*`?([A-Za-z_]+)`?", re.IGNORECASE),
+    "ranks": re.compile(r"[ \t>*_-]*ranks?[*_]*[ \t]*:[*_ \t]*(.*)", re.IGNORECASE),
+    "fix": re.compile(r"[ \t>*_-]*fix(?:es)?[*_]*[ \t]*:[*_ \t]*(.*)", re.IGNORECASE),
+}
 _ITEM_RE = re.compile(r"\b([a-z][a-z0-9_]*)=")
+MAX_FIXES = 2  # a fix and at most one companion (a mitigation set); more is a list of guesses
 
 
-def declared_family(report: str, families: dict[str, Any]) -> str | None:
+def answer_lines(report: str) -> dict[str, str]:
+    """The answer of each first `Cause family:`, `Ranks:` and `Fix:` line, by label (absent: no such line)."""
+    found: dict[str, str] = {}
+    for line in report.splitlines():
+        for label, pattern in _ANSWERS.items():
+            if label not in found and (match := pattern.match(line)):
+                found[label] = match.group(1)
+        if len(found) == len(_ANSWERS):
+            break
+    return found
+
+
+def declared_family(report: str, families: dict[str, Any], answers: dict[str, str] | None = None) -> str | None:
     """The family the report names: its `Cause family:` line, else the family whose words appear first."""
     aliases = {old: fam for fam, doc in families.items() for old in doc.get("old_ids", [])}
-    match = _CAUSE_RE.search(report)
-    if match:
-        name = match.group(1).lower()
+    named = (answer_lines(report) if answers is None else answers).get("cause")
+    if named is not None:
+        name = named.lower()
         return aliases.get(name, name)
     text = report.lower()
     first: tuple[int, str] | None = None
@@ -53,31 +75,35 @@ def declared_family(report: str, families: dict[str, Any]) -> str | None:
     return first[1] if first else None
 
 
-def declared_ranks(report: str) -> list[int] | None:
+def declared_ranks(report: str, answers: dict[str, str] | None = None) -> list[int] | None:
     """The ranks of the `Ranks:` line ([] for none / all / every), None without the line."""
-    match = _RANKS_RE.search(report)
-    if not match:
+    line = (answer_lines(report) if answers is None else answers).get("ranks")
+    if line is None:
         return None
-    return sorted({int(n) for n in re.findall(r"\d+", match.group(1))})
+    return sorted({int(n) for n in re.findall(r"\d+", line) if len(n) <= 9})  # no rank has 10 digits
 
 
-def declared_fixes(report: str) -> list[str]:
-    """Mitigation names of the `Fix:` line, else of every NAME=VALUE in the report."""
-    match = _FIX_RE.search(report)
-    return _ITEM_RE.findall(match.group(1) if match else report)
+def declared_fixes(report: str, known: set[str] | None = None, answers: dict[str, str] | None = None) -> list[str]:
+    """Mitigation names of the `Fix:` line, else of every NAME=VALUE in the report, each once in order; with
+    `known`, only those names (a `grad_norm=3.1` beside the fix is no mitigation)."""
+    line = (answer_lines(report) if answers is None else answers).get("fix")
+    names = _ITEM_RE.findall(report if line is None else line)
+    return [n for n in dict.fromkeys(names) if known is None or n in known]
 
 
 def score_report(report: str, case: dict[str, Any], families: dict[str, Any]) -> dict[str, Any]:
     """The three checks of one report against its eval, and the fraction passed."""
     expected = case["expected"]
-    family = declared_family(report, families)
-    ranks = declared_ranks(report)
-    fixes = declared_fixes(report)
+    answers = answer_lines(report)  # one pass over the report's lines
+    family = declared_family(report, families, answers)
+    ranks = declared_ranks(report, answers)
+    fixes = declared_fixes(report, {f for doc in families.values() for f in doc["fixes"]}, answers)
     good_fixes = set(families[expected["family"]]["fixes"])
+    shotgun = len(fixes) > MAX_FIXES
     checks = {
         "cause": family == expected["family"],
         "ranks": ranks is not None and ranks == sorted(expected["ranks"]),
-        "fix": any(f in good_fixes for f in fixes),
+        "fix": bool(fixes) and not shotgun and all(f in good_fixes for f in fixes),
     }
     return {
         "id": case["id"],
@@ -85,6 +111,7 @@ def score_report(report: str, case: dict[str, Any], families: dict[str, Any]) ->
         "named": family,
         "ranks": ranks,
         "fixes": fixes,
+        "shotgun": shotgun,
         "checks": checks,
         "score": sum(checks.values()) / len(checks),
     }
