@@ -84,6 +84,20 @@ def _listens(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
+def _accepts(path: Path) -> bool:
+    """Whether the server listens on the Unix socket `path`: it sets the socket's mode before it listens, so a test
+    that changes the mode after this sees its own change stay."""
+    if not path.is_socket():
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 def server_env(state: Path) -> dict[str, str]:
     """The server's environment: its token files under `state` (not the user's ~/.local/state)."""
     return {**os.environ, "XDG_STATE_HOME": str(state)}
@@ -110,7 +124,7 @@ def http_server(
             bare = host.strip("[]")
             yield HttpServer(proc, f"http://{f'[{bare}]' if ':' in bare else bare}:{port}/mcp", token_file)
         else:
-            _wait_until(socket_path.is_socket, proc, f"a socket at {socket_path}")
+            _wait_until(lambda: _accepts(socket_path), proc, f"to listen on {socket_path}")
             yield HttpServer(proc, "http://localhost/mcp", None, socket_path)
     finally:
         if proc.poll() is None:
