@@ -40,6 +40,14 @@ def add_diagnosis(state: TaskState, entry: dict[str, Any], time: str) -> None:
         note = " (diagnostic only, never a production method)" if step["diagnostic_only"] else ""
         text = f"replay `--mitigation {step['mitigation']}`: {step['why']}{note}"
         steps.append({"time": time, "text": text, "mitigation": step["mitigation"]})
+    for step in entry.get("hypotheses") or []:
+        if step["mitigation"] in listed:
+            continue
+        text = (
+            f"replay the hypothesis `{step['mitigation']}` (`--mitigation {step['mitigation']}`), judged against the "
+            f"recording: {step['why']}"
+        )
+        steps.append({"time": time, "text": text, "mitigation": step["mitigation"], "hypothesis": True})
 
 
 _STEP_RE = re.compile(r"^replay `--mitigation ([^`]+)`")
@@ -54,12 +62,17 @@ def _step_mitigation(row: dict[str, Any]) -> str | None:
 
 
 def tried_configs(state: TaskState) -> set[str]:
-    """The config keys of the mitigated replays the task has logged."""
+    """The config keys of the mitigated and hypothesis replays the task has logged."""
     return {
-        config_key(row.get("mitigations"))
+        config_key(_config_of(row))
         for row in state.experiments
         if not row.get("is_baseline") and not row.get("patch_sha256")
     }
+
+
+def _config_of(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The config a logged row replayed: its hypothesis, or its mitigations."""
+    return row.get("hypothesis") or row.get("mitigations")
 
 
 def open_steps(state: TaskState) -> list[dict[str, Any]]:
@@ -99,16 +112,19 @@ def report_diagnosis(state: TaskState) -> dict[str, Any] | None:
     tried: dict[str, list[dict[str, Any]]] = {}
     for row in state.experiments:
         if not row.get("is_baseline") and not row.get("patch_sha256"):
-            tried.setdefault(config_key(row.get("mitigations")), []).append(row)
-    steps = []
-    for step in entry.get("next_steps", []):
+            tried.setdefault(config_key(_config_of(row)), []).append(row)
+
+    def with_attempts(step: dict[str, Any]) -> dict[str, Any]:
         rows = tried.get(_key_of(step["mitigation"]) or "", [])
-        attempts = ", ".join(f"{r['id']} {r['verdict']}" for r in rows)
-        steps.append({**step, "attempts": attempts or "not tried"})
+        attempts = ", ".join(f"{r['id']} {r.get('finding') or r['verdict']}" for r in rows)
+        return {**step, "attempts": attempts or "not tried"}
+
+    steps = [with_attempts(step) for step in entry.get("next_steps", [])]
+    hypotheses = [with_attempts(step) for step in entry.get("hypotheses") or []]
     defaults = {"error": None, "consistency": None, "not_checked": [], "causes": [], "time": None}
     defaults |= {"iteration": None, "grad_norm": None, "spike_ratio": None, "model": None}
     likely = [c for c in entry.get("causes", []) if c.get("likely")]
-    return {**defaults, **entry, "next_steps": steps, "likely": likely}
+    return {**defaults, **entry, "next_steps": steps, "hypotheses": hypotheses, "likely": likely}
 
 
 def _key_of(item: str) -> str | None:
