@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from leave_out_check import check_leave_out_invariance
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from leave_out_check import check_leave_out_invariance
 
 from axrl_spike_replay.models.architectures import ARCHITECTURES
 from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
+from leave_out_check import check_leave_out_invariance
 
 
 @pytest.mark.slow

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from leave_out_check import check_leave_out_invariance
 
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from leave_out_check import check_leave_out_invariance
 
 
 @pytest.mark.slow

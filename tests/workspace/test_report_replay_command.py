@@ -63,7 +63,8 @@ def test_a_what_if_run_first_shows_the_baselines_command(tmp_path: Path, cli) ->
     ws = tmp_path / "ws"
     ws.mkdir()
     view = open_task(ws, JOB, spike, diagnosis="off")
-    run = cli("sweep", spike, "--nproc", "1", "--mitigation", "dual_clip_c=3", "--workspace", ws, "--job", JOB, "--json")
+    options = ("--nproc", "1", "--workspace", ws, "--job", JOB)
+    run = cli("sweep", spike, "--mitigation", "dual_clip_c=3", *options, "--json")
     assert run.code == 0, run.err
     run = cli("replay", spike, "--nproc", "1", "--mitigation", "advantage_clip=1", "--workspace", ws, "--job", JOB)
     assert run.code == 0, run.err
