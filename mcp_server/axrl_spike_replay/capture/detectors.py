@@ -214,9 +214,8 @@ def make_detector(
     max_norm: float | None = None,
 ) -> MedianRatioDetector | ZScoreDetector:
     """A detector by kind name (`median_ratio` or `zscore`), armed from step 1 unless `warmup_ratio` is None."""
-    early = {"warmup_ratio": warmup_ratio, "max_norm": max_norm}
     if kind == "median_ratio":
-        return MedianRatioDetector(window=window, threshold=threshold, warmup=warmup, **early)
+        return MedianRatioDetector(window, threshold, warmup, warmup_ratio=warmup_ratio, max_norm=max_norm)
     if kind == "zscore":
-        return ZScoreDetector(window=window, threshold=threshold, warmup=warmup, **early)
+        return ZScoreDetector(window, threshold, warmup, warmup_ratio=warmup_ratio, max_norm=max_norm)
     raise ConfigError(f"detector kind must be 'median_ratio' or 'zscore', got {kind!r}")
