@@ -63,15 +63,19 @@ def trips(norms: list[float], ratio: float | None) -> list[int]:
     return [step for step, norm in enumerate(norms, start=1) if detector.observe(norm).tripped]
 
 
+def ratio_before(norms: list[float], step: int) -> float:
+    """Step `step`'s norm / the median of the norms before it (what the armed warm-up compares)."""
+    before = sorted(norms[: step - 1])
+    if not before:
+        return math.nan
+    mid = len(before) // 2
+    median = before[mid] if len(before) % 2 else (before[mid - 1] + before[mid]) / 2
+    return norms[step - 1] / median if median > 0 else math.inf
+
+
 def first_steps_ratio(norms: list[float], warmup: int) -> float:
     """The largest norm / median of the norms before it over the warm-up: how close a healthy run came to a bar."""
-    worst = 0.0
-    for i in range(1, min(warmup, len(norms))):
-        before = sorted(norms[:i])
-        mid = len(before) // 2
-        median = before[mid] if len(before) % 2 else (before[mid - 1] + before[mid]) / 2
-        worst = max(worst, norms[i] / median if median > 0 else math.inf)
-    return worst
+    return max(ratio_before(norms, step) for step in range(2, min(warmup, len(norms)) + 1))
 
 
 @dataclass
@@ -145,7 +149,9 @@ def main() -> int:
     print()
     print("per burst run (steps tripped by the default guard / the blind one):")
     for model, preset, seed, burst, faulty, spikes in bursts:
-        ratios = ", ".join(f"step {s}: {faulty[s - 1]:.3g}" for s in burst)
+        ratios = ", ".join(
+            f"step {s}: norm {faulty[s - 1]:.3g}, {ratio_before(faulty, s):.3g}x the median before" for s in burst
+        )
         print(
             f"  {model} {preset} seed {seed}, burst {list(burst)} ({ratios}; true spikes {spikes}): "
             f"{trips(faulty, DEFAULT_WARMUP_RATIO)} / {trips(faulty, None)}"

@@ -19,6 +19,7 @@ from axrl_spike_replay.experiment.mitigations import (
     parse_mitigation_args,
 )
 from axrl_spike_replay.experiment.rank_scope import REQUIRED, is_hypothesis
+from axrl_spike_replay.remote.command_overrides import check_concrete
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.training.loss_config import LossConfig
@@ -97,6 +98,12 @@ def test_a_scoped_setting_changes_the_named_ranks_loss_only() -> None:
 def test_bad_scoped_input_is_refused_by_name(items: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_mitigation_args(items)
+
+
+def test_the_command_backend_refuses_a_scoped_setting_by_name() -> None:
+    """A trainer's own overrides set its loss for every rank: a hypothesis replays in the torch engine only."""
+    with pytest.raises(ConfigError, match=r"aux_loss_coef scoped to ranks.*torch engine only"):
+        check_concrete([{}, parse_mitigation_args(["aux_loss_coef=1@1"])])
 
 
 def test_a_scope_naming_a_rank_the_snapshot_lacks_is_refused(spike_snapshot: Path) -> None:
