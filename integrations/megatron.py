@@ -167,13 +167,13 @@ class MegatronSpikeGuard:
     def guard(self) -> Any:
         """The SpikeGuard deciding on each step (built on first use)."""
         if self._guard is None:
-            from axrl_spike_replay.capture.detectors import MedianRatioDetector
+            from axrl_spike_replay.capture.guard_settings import guard_detector
             from axrl_spike_replay.capture.spike_guard import SpikeGuard
 
             self._guard = SpikeGuard(
                 self.snapshots_root,
                 action="skip" if self._action == "rollback" else self._action,  # Megatron owns its checkpoints
-                detector=self._detector or MedianRatioDetector(),
+                detector=self._detector or guard_detector(),  # the hooks' shared default: armed from step 1
                 keep_last=self._keep_last,
                 job_name=self.job_name,
             )

@@ -29,7 +29,9 @@ Loaded by file path (`AXRL_VERL_HOOK=/path/to/integrations/verl.py`; a module na
 sys.path would shadow verl itself). Settings: `AXRL_SPIKE_DIR` (snapshot root, default
 `checkpoints/spike_snapshots`), `AXRL_SPIKE_ACTION` (skip | log | rollback | rollback-as-skip, default skip;
 verl owns its checkpoints, so rollback skips), `AXRL_SPIKE_THRESHOLD` (5), `AXRL_SPIKE_WINDOW` (20),
-`AXRL_SPIKE_WARMUP` (10), `AXRL_JOB_NAME`, `AXRL_RUN_ID` (default: the UTC start time and four hex digits).
+`AXRL_SPIKE_WARMUP` (10), `AXRL_SPIKE_WARMUP_RATIO` (10; `off` for a blind warm-up), `AXRL_SPIKE_MAX_NORM` (none),
+`AXRL_JOB_NAME`, `AXRL_RUN_ID` (default: the UTC start time and four hex digits). The guard is the hooks' shared one
+(`capture.guard_settings.guard_detector`): armed from step 1, see docs/capture.md.
 Needs torch and axrl_spike_replay; verl itself is never imported here.
 """
 
@@ -66,8 +68,7 @@ def _report_once(kind: str, message: str, *args: Any, level: int = logging.WARNI
 
 def _guard() -> Any:
     if "guard" not in _state:
-        from axrl_spike_replay.capture.detectors import MedianRatioDetector
-        from axrl_spike_replay.capture.guard_settings import settings_from_env
+        from axrl_spike_replay.capture.guard_settings import guard_detector, settings_from_env
         from axrl_spike_replay.capture.spike_guard import SpikeGuard
 
         settings = settings_from_env(os.environ, _ACTIONS)
@@ -78,7 +79,7 @@ def _guard() -> Any:
         _state["guard"] = SpikeGuard(
             settings.snapshots_root,
             action=settings.action,
-            detector=MedianRatioDetector(window=settings.window, threshold=settings.threshold, warmup=settings.warmup),
+            detector=guard_detector(settings),  # armed from step 1 unless AXRL_SPIKE_WARMUP_RATIO=off
             job_name=settings.job_name,
             run_id=settings.run_id,
         )

@@ -1,7 +1,8 @@
 """The levers that test a hypothesis about one rank or one stored signal, each against the replay it must equal:
-`drop_ranks` / `keep_ranks` as that rank's loss mask zeroed; `recompute=old_logprobs:rankR` on stale old log-probs
-as the snapshot before they went stale; `recompute=routes:rankR,old_logprobs:rankR` on a shifted routing payload
-as the snapshot before it was shifted."""
+`drop_ranks` / `keep_ranks` as that rank's loss mask zeroed (and its router losses left out, a part of this step too
+small to show at 1e-6: tests/replay/test_leave_out_ranks.py holds that to the bit); `recompute=old_logprobs:rankR`
+on stale old log-probs as the snapshot before they went stale; `recompute=routes:rankR,old_logprobs:rankR` on a
+shifted routing payload as the snapshot before it was shifted."""
 
 from __future__ import annotations
 

@@ -95,3 +95,24 @@ def test_missing_paths_are_clear_errors(tmp_path: Path, cli) -> None:
     (tmp_path / "empty").mkdir()
     run = cli("logs", tmp_path / "empty", "--dest", tmp_path / "out")
     assert run.code == 2 and "no *.log files" in run.err and "Traceback" not in run.err
+
+
+def test_a_spike_in_the_warm_up_part_of_a_log_is_flagged_as_the_guard_flags_it(tmp_path: Path, cli) -> None:
+    """The log scan runs the guard's detector, armed from step 1: a step at 35x the first steps' median inside the
+    warm-up is a spike (`warm_up: true`); `--warmup-ratio off` scans with the blind warm-up the guard used to have."""
+    log = tmp_path / "train.log"
+    norms = [1.0, 1.1, 0.9, 35.0, 1.0, 1.05, 0.95, 1.0, 1.02, 0.98, 1.0, 1.01, 0.99, 40.0, 1.0]
+    log.write_text("".join(f"step={i} grad_norm={g} loss=0.5\n" for i, g in enumerate(norms, start=1)))
+    run = cli("logs", log, "--dest", tmp_path / "armed", "--json")
+    assert run.code == 0, run.err
+    spikes = run.json()["spikes"]
+    assert [(s["iteration"], s["warm_up"], s["rule"]) for s in spikes] == [
+        (4, True, "warmup_ratio"),
+        (14, False, "detector"),
+    ]
+    assert spikes[0]["spike_ratio"] == pytest.approx(35.0 / 1.0)
+    assert run.json()["detector"]["warmup_ratio"] == 10.0
+    blind = cli("logs", log, "--dest", tmp_path / "blind", "--warmup-ratio", "off", "--json")
+    assert [s["iteration"] for s in blind.json()["spikes"]] == [14]
+    bad = cli("logs", log, "--dest", tmp_path / "bad", "--warmup-ratio", "often")
+    assert bad.code == 2 and "warmup-ratio" in bad.err and "often" in bad.err

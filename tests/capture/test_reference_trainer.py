@@ -75,7 +75,14 @@ def test_run_config_rebuilds_model_loss_and_routing(captured_run) -> None:
     assert spec.loss.is_base_logprobs == "rollout"
     assert spec.routing == RoutingConfig(replay="all")
     assert cfg["train"]["preset"] == "ratio_outliers" and cfg["train"]["burst"] == BURST
-    assert cfg["detector"] == {"kind": "median_ratio", "window": 10, "threshold": 5.0, "warmup": 8}
+    assert cfg["detector"] == {
+        "kind": "median_ratio",
+        "window": 10,
+        "threshold": 5.0,
+        "warmup": 8,
+        "warmup_ratio": 10.0,  # armed from step 1
+        "max_norm": None,
+    }
     assert cfg["parallel"] == {"world_size": 2, "tp": 1, "pp": 1, "dp": 2, "ep": 1, "etp": 1, "cp": 1}
 
 

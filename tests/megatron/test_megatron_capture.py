@@ -94,6 +94,18 @@ def test_the_guard_never_raises_into_training(caplog: pytest.LogCaptureFixture, 
     assert not any(tmp_path.iterdir())
 
 
+def test_the_guard_is_armed_from_step_1_by_default(tmp_path: Path) -> None:
+    """Without a detector of the caller's, the hook's guard is the hooks' shared one (`guard_settings.guard_detector`):
+    a spike on the second step, inside the warm-up, is skipped."""
+    from axrl_spike_replay.capture.detectors import DEFAULT_WARMUP_RATIO
+
+    hook = load_hook()
+    guard = hook.MegatronSpikeGuard(tmp_path, model_section={}, loss_section={})
+    assert guard.guard.detector.warmup_ratio == DEFAULT_WARMUP_RATIO
+    broken = object()  # no Megatron model: the snapshot fails (logged), the decision stands
+    assert [guard.step(step, broken, norm, {}) for step, norm in ((1, 1.0), (2, 1.2), (3, 35.0))] == [True, True, False]
+
+
 def test_a_saved_layout_the_shards_contradict_is_refused_before_any_replay(
     megatron_capture: Path, tmp_path: Path
 ) -> None:

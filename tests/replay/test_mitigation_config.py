@@ -45,6 +45,7 @@ ISSUE_NAMES = {
     "recompute",
     "kl_estimator",
     "kl_clamp",
+    "loss_scale",
 }
 
 

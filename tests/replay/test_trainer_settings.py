@@ -47,6 +47,7 @@ SAMPLES: dict[str, Any] = {
     "recompute": "routes:rank1,old_logprobs:rank1",
     "kl_estimator": "low_var_kl",
     "kl_clamp": 10,
+    "loss_scale": "2@1",  # per rank only: a hypothesis about one rank's loss, no trainer setting
 }
 
 
@@ -70,7 +71,7 @@ def test_the_run_config_setting_is_the_replayed_change(name: str) -> None:
     base = build_run_config(preset="none", steps=2)
     spec = parse_run_config(base)
     if change.setting is None:
-        assert name in ("advantage_outlier_mask", "initial_model") and change.note  # no key; the note says why
+        assert name in ("advantage_outlier_mask", "initial_model", "loss_scale") and change.note  # the note says why
         return
     key, _, text = change.setting.partition(": ")
     section, field = key.split(".")

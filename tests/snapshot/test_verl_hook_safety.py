@@ -86,6 +86,8 @@ def quick(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setenv("AXRL_SPIKE_WARMUP", "3")
     for name in ("AXRL_SPIKE_ACTION", "AXRL_SPIKE_THRESHOLD", "AXRL_RUN_ID", "AXRL_JOB_NAME"):
         monkeypatch.delenv(name, raising=False)
+    for name in ("AXRL_SPIKE_WARMUP_RATIO", "AXRL_SPIKE_MAX_NORM"):
+        monkeypatch.delenv(name, raising=False)
     return root
 
 
@@ -256,3 +258,34 @@ def test_the_verl_side_shim_never_raises_either(monkeypatch: pytest.MonkeyPatch,
         assert all(shim.guard_step(SimpleNamespace(), torch.tensor(1.0)) for _ in range(3))
     said = [r for r in caplog.records if "AXRL_VERL_HOOK" in r.getMessage()]
     assert len(said) == 1 and "moved-away" in said[0].getMessage()
+
+
+def test_the_guard_is_armed_from_step_1_and_its_warm_up_settings_are_read(
+    quick: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A spike on the second step, inside the warm-up, is skipped and snapshotted (the guard's shared default,
+    `guard_settings.guard_detector`); `AXRL_SPIKE_WARMUP_RATIO=off` gives the blind warm-up back; a bad value is
+    logged once and takes the default."""
+    monkeypatch.setenv("AXRL_SPIKE_WARMUP", "5")
+    hook, engine = _load_hook(), _engine()
+    assert _step(hook, engine, 1)[0]
+    assert _step(hook, engine, 2, scale=1e3)[0] is False  # 10^6 x the first step's norm, in the warm-up
+    assert hook._state["guard"].detector.warmup_ratio == 10.0
+    assert len(list(quick.glob("iter_*"))) == 1
+
+    monkeypatch.setenv("AXRL_SPIKE_WARMUP_RATIO", "off")
+    monkeypatch.setenv("AXRL_SPIKE_DIR", str(quick.parent / "blind"))
+    hook, engine = _load_hook(), _engine()
+    assert _step(hook, engine, 1)[0] and _step(hook, engine, 2, scale=1e3)[0]  # blind: the spike goes through
+    assert hook._state["guard"].detector.warmup_ratio is None
+
+    monkeypatch.setenv("AXRL_SPIKE_WARMUP_RATIO", "0.5")
+    monkeypatch.setenv("AXRL_SPIKE_MAX_NORM", "abc")
+    hook, engine = _load_hook(), _engine()
+    with caplog.at_level(logging.WARNING, logger=HOOK_LOG):
+        assert _step(hook, engine, 1)[0]
+    detector = hook._state["guard"].detector
+    assert (detector.warmup_ratio, detector.max_norm) == (10.0, None)
+    said = _warnings(caplog)
+    assert any("AXRL_SPIKE_WARMUP_RATIO='0.5'" in m and "a finite number > 1" in m for m in said), said
+    assert any("AXRL_SPIKE_MAX_NORM='abc'" in m for m in said), said

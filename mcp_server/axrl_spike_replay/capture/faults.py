@@ -9,7 +9,7 @@ one every fault of the run is called with the step's parts as they stand (`StepP
 - `rewards`: `rewards` [B]: the reward function or verifier;
 - `advantages`: `advantages` [B]: the advantage estimator;
 - `batch`: everything, with the trainer's `old_logprobs` and `ref_logprobs`: the old / reference log-prob workers,
-  the masks.
+  the masks; and `parts.loss`, the loss settings the rank's step computes with (a setting that reached one rank).
 
 A fault is any picklable callable with a `stage` (when it is called) and a `part` (what it corrupts, for the record);
 it changes `parts.batch` (or `parts.routed_experts`) in place. It decides itself whether to act: `parts.in_burst`
@@ -65,6 +65,7 @@ from axrl_spike_replay.capture.rollout import shifted_routes
 from axrl_spike_replay.capture.toy_task import TASK_ALPHABET
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.training.loss_config import LossConfig
 
 STAGES = ("prompts", "rollout", "rewards", "advantages", "batch")
 
@@ -85,6 +86,7 @@ class StepParts:
     generator: torch.Generator | None = None  # the step's seeded stream: a fault that draws stays reproducible
     # the rank's `trainer_step.RankTrainer` (its policy and reference; typed loosely: that module imports this one)
     trainer: Any = field(default=None, repr=False)
+    loss: LossConfig | None = None  # the loss settings this rank's step computes with (the run's, unless a fault)
 
 
 class Fault(Protocol):
@@ -448,6 +450,27 @@ class RefOwnRouting(BuiltinFault):
         parts.batch["ref_logprobs"][rows] = own.logprobs.float()[rows]
 
 
+class LossSetting(BuiltinFault):
+    """a loss setting that reached some ranks only: during the burst this rank's step computes its loss with other
+    settings than the run's (`params`: {setting: value}, e.g. {aux_loss_coef: 10.24}): a config override read from
+    one node's environment, a rank-dependent branch in the trainer. The snapshot records the run's settings, so the
+    step does not reproduce; a hypothesis replay (`aux_loss_coef=10.24@1`) does."""
+
+    stage = "batch"
+    part = "loss"
+
+    def corrupt(self, parts: StepParts) -> None:
+        import dataclasses
+
+        if parts.loss is None:
+            return
+        known = {f.name for f in dataclasses.fields(LossConfig)} - {"extra"}
+        unknown = sorted(set(self.spec.params) - known)
+        if unknown:
+            raise ConfigError(f"fault loss_setting: {unknown} are no loss settings (known: {sorted(known)})")
+        parts.loss = dataclasses.replace(parts.loss, **self.spec.params)
+
+
 class MaskShift(BuiltinFault):
     """truncated / misaligned masks: the stack keeps log-probs for the response only (zero elsewhere, as when the
     response is sliced out and padded back), and during the burst this rank's loss mask starts `shift` positions
@@ -494,6 +517,7 @@ FAULT_KINDS: dict[str, Callable[[FaultSpec], BuiltinFault]] = {
     "logprob_wrong_model": LogprobWrongModel,
     "mask_shift": MaskShift,
     "ref_own_routing": RefOwnRouting,
+    "loss_setting": LossSetting,
 }
 
 

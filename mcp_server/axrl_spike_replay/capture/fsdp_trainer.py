@@ -80,7 +80,7 @@ class FsdpRankTrainer(RankTrainer):
         """Forward/backward with FSDP's reduce-scatter (the DP mean), then the global pre-clip norm."""
         self.model.zero_grad(set_to_none=True)
         routing = routing_control(self.spec.routing, step.batch, step.routed_experts)
-        out = rank_forward_backward(self.model, step.batch, self.spec.loss, routing)
+        out = rank_forward_backward(self.model, step.batch, step.loss or self.spec.loss, routing)
         total = 0.0
         shard_norms: dict[str, float] = {}
         grads: list[torch.Tensor] = []

@@ -1,4 +1,8 @@
-"""The spike guard's settings from environment variables (`AXRL_SPIKE_*`, read by the trainer hooks), never raising.
+"""The spike guard's settings from environment variables (`AXRL_SPIKE_*`, read by the trainer hooks), never raising,
+and the detector every hook's guard runs with (`guard_detector`: armed from step 1, docs/capture.md).
+
+`AXRL_SPIKE_WARMUP_RATIO` (default 10; `off` for a blind warm-up) and `AXRL_SPIKE_MAX_NORM` (default none) arm the
+guard during its warm-up, beside `AXRL_SPIKE_WINDOW`, `AXRL_SPIKE_THRESHOLD` and `AXRL_SPIKE_WARMUP`.
 
 A malformed value is reported once, naming the variable and the value, and that one setting takes its default;
 the others keep theirs. A typo in one setting should not cost the run its guard: turning the guard off would
@@ -14,7 +18,9 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
+from axrl_spike_replay.capture.detectors import DEFAULT_WARMUP_RATIO, MedianRatioDetector
 from axrl_spike_replay.capture.spike_guard import RUN_ID_MAX
 from axrl_spike_replay.snapshot.layout import is_valid_tag
 from axrl_spike_replay.snapshot.metadata import MAX_TEXT_CHARS
@@ -25,7 +31,9 @@ DEFAULT_WINDOW = 20
 DEFAULT_THRESHOLD = 5.0
 DEFAULT_WARMUP = 10
 DEFAULT_JOB = "verl-job"
+OFF = ("off", "none", "blind")  # AXRL_SPIKE_WARMUP_RATIO values that leave the warm-up blind (the old guard)
 _Bad = Callable[[str, str, str, object], None]
+_D = TypeVar("_D", float, None)
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,24 @@ class GuardSettings:
     run_id: str
     problems: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # armed from step 1 (capture.detectors): the warm-up's ratio to the steps seen so far (None: a blind warm-up)
+    # and an absolute bar until the window has filled (None: none)
+    warmup_ratio: float | None = DEFAULT_WARMUP_RATIO
+    max_norm: float | None = None
+
+
+def guard_detector(settings: GuardSettings | None = None) -> MedianRatioDetector:
+    """The detector every trainer hook's guard runs with (the verl and Megatron hooks alike): the median-ratio
+    detector of `settings` (None: the defaults), armed from step 1 unless its warm-up ratio is off."""
+    if settings is None:
+        return MedianRatioDetector(window=DEFAULT_WINDOW, threshold=DEFAULT_THRESHOLD, warmup=DEFAULT_WARMUP)
+    return MedianRatioDetector(
+        window=settings.window,
+        threshold=settings.threshold,
+        warmup=settings.warmup,
+        warmup_ratio=settings.warmup_ratio,
+        max_norm=settings.max_norm,
+    )
 
 
 def new_run_id() -> str:
@@ -71,6 +97,14 @@ def settings_from_env(env: Mapping[str, str], actions: Mapping[str, str]) -> Gua
     if warmup > window:
         problems.append(f"AXRL_SPIKE_WARMUP={warmup} is longer than the window ({window}); using {window}")
         warmup = window
+    warmup_ratio: float | None = DEFAULT_WARMUP_RATIO
+    raw_ratio = env.get("AXRL_SPIKE_WARMUP_RATIO")
+    if raw_ratio is not None and raw_ratio.strip().lower() in OFF:
+        warmup_ratio = None
+        notes.append(f"AXRL_SPIKE_WARMUP_RATIO={raw_ratio.strip()}: the warm-up is blind (only non-finite norms trip)")
+    elif raw_ratio is not None:
+        warmup_ratio = _positive(env, "AXRL_SPIKE_WARMUP_RATIO", DEFAULT_WARMUP_RATIO, bad, above=1.0)
+    max_norm = _positive(env, "AXRL_SPIKE_MAX_NORM", None, bad) if env.get("AXRL_SPIKE_MAX_NORM") else None
 
     root = env.get("AXRL_SPIKE_DIR", "").strip() or DEFAULT_DIR
     job = env.get("AXRL_JOB_NAME", DEFAULT_JOB)
@@ -93,6 +127,8 @@ def settings_from_env(env: Mapping[str, str], actions: Mapping[str, str]) -> Gua
         run_id=run_id or new_run_id(),
         problems=tuple(problems),
         notes=tuple(notes),
+        warmup_ratio=warmup_ratio,
+        max_norm=max_norm,
     )
 
 
@@ -110,7 +146,7 @@ def _integer(env: Mapping[str, str], name: str, default: int, minimum: int, bad:
     return number
 
 
-def _positive(env: Mapping[str, str], name: str, default: float, bad: _Bad) -> float:
+def _positive(env: Mapping[str, str], name: str, default: _D, bad: _Bad, above: float = 0.0) -> float | _D:
     value = env.get(name)
     if value is None:
         return default
@@ -118,7 +154,7 @@ def _positive(env: Mapping[str, str], name: str, default: float, bad: _Bad) -> f
         number = float(value.strip())
     except ValueError:
         number = math.nan
-    if not math.isfinite(number) or number <= 0:
-        bad(name, value, "a finite number > 0", default)
+    if not math.isfinite(number) or number <= above:
+        bad(name, value, f"a finite number > {above:g}", default)
         return default
     return number

@@ -210,7 +210,14 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
     guard = SpikeGuard(
         out / SNAPSHOTS_DIR,
         action=t.guard_action,
-        detector=make_detector(det.kind, window=det.window, threshold=det.threshold, warmup=det.warmup),
+        detector=make_detector(
+            det.kind,
+            window=det.window,
+            threshold=det.threshold,
+            warmup=det.warmup,
+            warmup_ratio=det.warmup_ratio,
+            max_norm=det.max_norm,
+        ),
         keep_last=t.keep_last,
         job_name=plan.job_name,
         role="actor",
@@ -277,11 +284,14 @@ def train_rank(rank: int, world_size: int, plan: RankPlan) -> None:
                     f"({time.perf_counter() - started:.1f} s)"
                 )
             if decision.tripped:
+                early = decision.rule == "warmup_ratio"
+                bar = f"warm-up ratio {det.warmup_ratio}" if early else f"threshold {det.threshold}"
+                median = "the median of the steps seen so far" if decision.warming_up else "the rolling median"
                 _log(
                     log,
                     f"[spike guard] iteration {iteration}: grad norm {decision.grad_norm:.6f} is "
-                    f"{decision.spike_ratio:.2f}x the rolling median {decision.median_norm:.6f} "
-                    f"(threshold {det.threshold}); snapshot {where}; action: {decision.action}",
+                    f"{decision.spike_ratio:.2f}x {median} {decision.median_norm:.6f} "
+                    f"({bar}); snapshot {where}; action: {decision.action}",
                 )
     finally:
         if log is not None:

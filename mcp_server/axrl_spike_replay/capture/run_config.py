@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from axrl_spike_replay.capture.detectors import DEFAULT_WARMUP_RATIO
 from axrl_spike_replay.capture.model_choice import (
     DEFAULT_CAPTURE_MODEL,
     HF_RESPONSE_LEN,
@@ -126,6 +127,10 @@ class DetectorSettings:
     window: int = 10
     threshold: float = 5.0
     warmup: int = 8
+    # armed from step 1 (capture.detectors): in the warm-up, a norm this many times the median of the norms seen so
+    # far trips (None: a blind warm-up); `max_norm`: an absolute bar until the window has filled (None: none)
+    warmup_ratio: float | None = DEFAULT_WARMUP_RATIO
+    max_norm: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in DETECTOR_KINDS:
@@ -136,6 +141,10 @@ class DetectorSettings:
                 raise ConfigError(f"detector.{name} must be an integer >= 1, got {shown(value, 60)}")
         if not _is_number(self.threshold) or not math.isfinite(self.threshold) or self.threshold <= 0:
             raise ConfigError(f"detector.threshold must be a finite number > 0, got {shown(self.threshold, 60)}")
+        for name, low in (("warmup_ratio", 1.0), ("max_norm", 0.0)):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or not math.isfinite(value) or value <= low):
+                raise ConfigError(f"detector.{name} must be a finite number > {low:g} or null, got {shown(value, 60)}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -4,6 +4,7 @@ Example (one process or every data-parallel rank alike)::
 
     guard = SpikeGuard(out_dir / SNAPSHOTS_DIR, action="skip", job_name="my-job", run_id=run_id,
                        detector=MedianRatioDetector(window=20, threshold=5.0, warmup=10), keep_last=3)
+                       # armed from step 1: non-finite norms, and > 10x the median of the steps seen in warm-up
     guard.checkpoint(0, model, optimizer)               # only needed for action="rollback"
     for step, batch in enumerate(loader, start=1):
         loss = compute_loss(model, batch)
@@ -71,6 +72,7 @@ class GuardDecision:
     tripped: bool
     warming_up: bool
     action: GuardAction
+    rule: str = ""  # which rule tripped (`detectors.RULES`): the detector's own, or in the warm-up `warmup_ratio` ...
 
     @property
     def apply_update(self) -> bool:
@@ -142,21 +144,30 @@ class SpikeGuard:
             tripped=seen.tripped,
             warming_up=seen.warming_up,
             action=self.action if seen.tripped else GuardAction.PROCEED,
+            rule=seen.rule,
         )
         if decision.tripped:
             self.trips.append(decision)
         if decision.tripped and _rank() == 0:
-            log.warning(
-                "spike at step %d: grad norm %.6g is %.3gx the rolling median %.6g (%s threshold %g); action: %s",
-                step,
-                decision.grad_norm,
-                decision.spike_ratio,
-                decision.median_norm,
-                self.detector.kind,
-                self.detector.threshold,
-                self.action,
-            )
+            log.warning("spike at step %d: %s; action: %s", step, self._why(decision), self.action)
         return decision
+
+    def _why(self, decision: GuardDecision) -> str:
+        """What tripped, in words, for the log line."""
+        norm = f"grad norm {decision.grad_norm:.6g}"
+        if decision.rule == "non_finite":
+            return f"{norm} is not finite"
+        if decision.rule == "max_norm":
+            return f"{norm} is above the guard's max_norm {getattr(self.detector, 'max_norm', None)} (warm-up)"
+        if decision.rule == "warmup_ratio":
+            return (
+                f"{norm} is {decision.spike_ratio:.3g}x the median {decision.median_norm:.6g} of the steps seen so far "
+                f"(warm-up ratio {getattr(self.detector, 'warmup_ratio', None)})"
+            )
+        return (
+            f"{norm} is {decision.spike_ratio:.3g}x the rolling median {decision.median_norm:.6g} "
+            f"({self.detector.kind} threshold {self.detector.threshold:g})"
+        )
 
     def snapshot(
         self,

@@ -28,6 +28,7 @@ from axrl_spike_replay.capture.toy_task import (
 )
 from axrl_spike_replay.models.policy import ModelSpec, build_policy, policy_forward
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, TinyMoEPolicy
+from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY, GlobalCounts, all_reduce_counts
 from axrl_spike_replay.training.policy_loss import local_counts
 from axrl_spike_replay.training.rank_step import (
@@ -46,6 +47,7 @@ class StepBatch:
     batch: dict[str, torch.Tensor]
     routed_experts: torch.Tensor
     global_reward_mean: float
+    loss: LossConfig | None = None  # the loss settings this step computes with (None: the run's)
 
 
 @dataclass
@@ -138,6 +140,7 @@ class RankTrainer:
             previous=self.previous,
             generator=torch.Generator().manual_seed(_stream_seed(t.seed, iteration, self.rank) + 1),
             trainer=self,
+            loss=self.spec.loss,
         )
         prompts = make_prompts(generator, t.prompts_per_rank, t.prompt_len, vocab_size(self.spec.model))
         parts.batch["prompts"] = prompts.repeat_interleave(t.group_size, dim=0)
@@ -185,7 +188,8 @@ class RankTrainer:
         order = ("tokens", "loss_mask", "advantages", "rollout_logprobs", "rewards", "group_index")
         batch = {**{k: parts.batch[k] for k in order if k in parts.batch}, **parts.batch}  # the saved field order
         self.previous = dict(batch)
-        return StepBatch(batch=batch, routed_experts=routed_experts, global_reward_mean=global_mean)
+        loss = parts.loss if parts.loss != self.spec.loss else None
+        return StepBatch(batch=batch, routed_experts=routed_experts, global_reward_mean=global_mean, loss=loss)
 
     def _fault(self, stage: str, parts: StepParts) -> None:
         if self.faults:
@@ -197,9 +201,10 @@ class RankTrainer:
         self.model.zero_grad(set_to_none=True)
         routing = routing_control(self.spec.routing, step.batch, step.routed_experts)
         counts = None
-        if self.spec.loss.normalization == "global":  # every rank normalises by the step's counts
-            counts = all_reduce_counts(*local_counts(step.batch, self.spec.loss), self.world_size)
-        out = rank_forward_backward(self.model, step.batch, self.spec.loss, routing, counts=counts)
+        loss_cfg = step.loss or self.spec.loss
+        if loss_cfg.normalization == "global":  # every rank normalises by the step's counts
+            counts = all_reduce_counts(*local_counts(step.batch, loss_cfg), self.world_size)
+        out = rank_forward_backward(self.model, step.batch, loss_cfg, routing, counts=counts)
         local = param_grad_norms(self.model)
         reduce_gradients(self.model, self.world_size)
         grad_norm = global_grad_norm(self.model)

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, table
+from axrl_spike_replay.errors import ConfigError
 
 
 def register(sub: Any) -> None:
@@ -82,6 +83,20 @@ def register(sub: Any) -> None:
     p.add_argument("--window", type=int, default=None, help="detector window (default: the run's, else 20)")
     p.add_argument("--threshold", type=float, default=None, help="detector threshold (default: the run's, else 5.0)")
     p.add_argument("--warmup", type=int, default=None, help="detector warm-up points (default: the run's, else 10)")
+    p.add_argument(
+        "--warmup-ratio",
+        default=None,
+        metavar="R|off",
+        help="during the warm-up, flag a norm more than R times the median of the steps before it, as the guard "
+        "does (default: the run's, else 10); off: a blind warm-up (non-finite norms only)",
+    )
+    p.add_argument(
+        "--max-norm",
+        type=float,
+        default=None,
+        metavar="M",
+        help="flag any norm above M until the detector window has filled (default: the run's, else none)",
+    )
     p.add_argument(
         "--full-series",
         action="store_true",
@@ -227,7 +242,15 @@ def _diagnose(args: argparse.Namespace) -> int:
 def _logs(args: argparse.Namespace) -> int:
     from axrl_spike_replay.diagnosis.log_scan import MAX_LINE_CHARS, scan_logs, with_sampled_series
 
-    result = scan_logs(args.paths, args.dest, window=args.window, threshold=args.threshold, warmup=args.warmup)
+    result = scan_logs(
+        args.paths,
+        args.dest,
+        window=args.window,
+        threshold=args.threshold,
+        warmup=args.warmup,
+        warmup_ratio=_ratio_option(args.warmup_ratio),
+        max_norm=args.max_norm,
+    )
     if args.json:  # one compact document, its size bounded unless every point is asked for
         _write_compact_json(result if args.full_series else with_sampled_series(result))
         return 0
@@ -238,8 +261,11 @@ def _logs(args: argparse.Namespace) -> int:
             f"with grad norm / loss"
         ]
         if r.spikes:
-            rows = [[s["iteration"], s["grad_norm"], s["spike_ratio"], s["median_norm"]] for s in r.spikes]
-            lines += ["", "spikes:", table(["iteration", "grad norm", "x median", "median"], rows)]
+            rows = [
+                [s["iteration"], s["grad_norm"], s["spike_ratio"], s["median_norm"], "yes" if s.get("warm_up") else ""]
+                for s in r.spikes
+            ]
+            lines += ["", "spikes:", table(["iteration", "grad norm", "x median", "median", "warm-up"], rows)]
         else:
             lines.append("no spikes")
         if r.errors:
@@ -254,6 +280,16 @@ def _logs(args: argparse.Namespace) -> int:
 
     emit(result, args.json, render)
     return 0
+
+
+def _ratio_option(value: str | None) -> float | str | None:
+    """`--warmup-ratio` as scan_logs takes it: a number, `off`, or None (the run's); ConfigError naming it otherwise."""
+    if value is None or value.strip().lower() == "off":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"--warmup-ratio must be a number > 1 or off, got {value!r}", "warmup_ratio") from None
 
 
 def _write_compact_json(scan: Any) -> None:

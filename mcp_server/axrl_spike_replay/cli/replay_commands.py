@@ -246,7 +246,15 @@ def render_replay(doc: dict[str, Any]) -> str:
             f"  vs baseline   grad norm {_num(doc.get('baseline_grad_norm'), 8)} -> {_num(doc['grad_norm'], 8)} "
             f"({pct(change)})"
         )
-    lines.append(f"  verdict       {doc['verdict']}" + (f": {doc['error']}" if doc.get("error") else ""))
+    if doc.get("hypothesis"):  # judged against the recording, rank by rank: no mitigation
+        for row in (doc.get("verdict_basis") or {}).get("rank_losses") or []:
+            said = {True: "matches", False: "DIFFERS", None: "not compared"}[row.get("matches")]
+            lines.append(
+                f"  rank {row['rank']} loss   {_num(row.get('replayed_loss'), 10)} (recorded "
+                f"{_num(row.get('recorded_loss'), 10)}): {said}"
+            )
+    verdict = doc.get("finding") or doc["verdict"]
+    lines.append(f"  verdict       {verdict}" + (f": {doc['error']}" if doc.get("error") else ""))
     footprint, cos = doc.get("footprint"), doc.get("cosine_to_clean")
     if footprint:
         lines.append(
@@ -290,7 +298,7 @@ def render_sweep(doc: dict[str, Any]) -> str:
                 r["grad_norm"],
                 r["spike_ratio"],
                 "" if change is None else pct(change),
-                r["verdict"],
+                r.get("finding") or r["verdict"],
             ]
         )
     head = [

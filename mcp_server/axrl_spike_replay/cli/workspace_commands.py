@@ -183,7 +183,7 @@ def _change(row: dict[str, Any]) -> str:
     """A mitigated row's change vs its baseline as the task file and report show it (`-99.7%`)."""
     from axrl_spike_replay.workspace.render import pct
 
-    return "" if row.get("is_baseline") else pct(row.get("change_vs_baseline"))
+    return "" if row.get("is_baseline") or row.get("hypothesis") else pct(row.get("change_vs_baseline"))
 
 
 def _workspace(args: argparse.Namespace) -> Path:
@@ -201,7 +201,10 @@ def _render_task(task: TaskView, workspace: Path) -> str:
     if task.experiments:
         cols = ("id", "fidelity", "change", "grad_norm", "ratio_to_median", "change vs baseline", "verdict")
         fields = ("id", "fidelity", "change", "grad_norm", "ratio_to_median")
-        rows = [[*(row.get(f) for f in fields), _change(row), row.get("verdict")] for row in task.experiments]
+        rows = [
+            [*(row.get(f) for f in fields), _change(row), row.get("finding") or row.get("verdict")]
+            for row in task.experiments
+        ]
         lines += ["", table(cols, rows)]
     if task.failed:
         lines += ["", table(("id", "target", "reason"), [[f["id"], f["target"], f["reason"]] for f in task.failed])]

@@ -1,5 +1,6 @@
 """`diagnose SNAPSHOT`: the likely causes of a spike, ranked, each with its evidence as numbers and the
-experiments to run (ready `--mitigation NAME=VALUE` items, least invasive first).
+experiments to run (ready `--mitigation NAME=VALUE` items, least invasive first), and, when a rank's recorded
+loss is not what the replay gives it, the hypothesis replays that would prove what that rank computed.
 
 Evidence read: the batch signals (`analyze`), the per-rank grad info (`grads`), the snapshot's consistency
 checks, the job's log at the iteration (when its logs are known) and, from the model, per-sample
@@ -28,6 +29,7 @@ from typing import Any
 
 from axrl_spike_replay.diagnosis import causes, signal_causes
 from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment
+from axrl_spike_replay.diagnosis.hypotheses import loss_hypotheses, rank_mismatches
 from axrl_spike_replay.diagnosis.model_evidence import RouteAgreement
 from axrl_spike_replay.diagnosis.no_ops import no_op_reason, run_configs
 from axrl_spike_replay.diagnosis.signal_reading import SignalReading, read_signals
@@ -35,8 +37,14 @@ from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.result import Attribution
 from axrl_spike_replay.experiment.step_evidence import StepEvidence
 from axrl_spike_replay.experiment.verdict import tolerance
-from axrl_spike_replay.snapshot.consistency import Consistency, check_replayed_norm, check_snapshot
+from axrl_spike_replay.snapshot.consistency import (
+    Consistency,
+    check_replayed_losses,
+    check_replayed_norm,
+    check_snapshot,
+)
 from axrl_spike_replay.snapshot.log_point import LogPoint, log_point
+from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 from axrl_spike_replay.vocabulary import Fidelity
 
 MODEL_MODES = ("auto", "always", "never")
@@ -86,6 +94,10 @@ class Diagnosis:
     step: StepEvidence | None = None  # the per-rank signal check and the loss channel (model evidence)
     reading: SignalReading | None = None  # the odd stored signals, read off `step`
     record: str | None = None  # where the diagnosis was kept (a workspace's task file), or why not; None: not asked
+    # when a rank's recorded loss is not what the replay gives: the hypothesis replays (loss settings scoped to that
+    # rank, `diagnosis.hypotheses`) that would each make it come out as recorded; the one the step reproduces under
+    # is the proof
+    hypotheses: list[Experiment] = field(default_factory=list)
 
     @property
     def top(self) -> Cause:
@@ -185,6 +197,7 @@ def diagnose_snapshot(
     reading = read_signals(step.signals) if step is not None else None
     loss, routing, moe_layers = run_configs(directory, not_checked)
     world = len(analysis.ranks)
+    hypotheses = _hypotheses(directory, step, loss, world, consistency)
     ev = Evidence(
         analysis=analysis,
         grads=grads,
@@ -240,7 +253,26 @@ def diagnose_snapshot(
         routes=routes,
         step=step,
         reading=reading,
+        hypotheses=hypotheses,
     )
+
+
+def _hypotheses(
+    directory: Path, step: StepEvidence | None, loss: Any, world: int, consistency: Consistency
+) -> list[Experiment]:
+    """Each rank's recorded loss against the replay's (a consistency check), and for a rank where they differ the
+    hypothesis replays that would prove what it computed (`diagnosis.hypotheses`); none without the loss channel."""
+    channel = step.channel if step is not None else None
+    if channel is None or not channel.rank_losses:
+        return []
+    check_replayed_losses(consistency, directory, channel.rank_losses)
+    if loss is None:
+        return []
+    recorded = {rank: recorded_rank_loss(directory, rank) for rank in range(world)}
+    out: list[Experiment] = []
+    for mismatch in rank_mismatches(channel, recorded):
+        out += loss_hypotheses(channel, mismatch, loss)
+    return out
 
 
 def _mark_ties(found: list[Cause]) -> None:
@@ -303,6 +335,14 @@ def render_diagnosis(d: Diagnosis) -> str:
         for t in sorted(channel.terms, key=lambda t: -abs(t.share)):
             per_rank = ", ".join(f"rank {x.rank} {x.share:.3g}" for x in t.ranks)
             lines.append(f"  {t.term}: {t.share:.3g} ({per_rank})")
+    if d.hypotheses:
+        lines += [
+            "",
+            "the step does not reproduce on some rank (its recorded loss is not the replay's): hypotheses, each "
+            "making that rank's loss come out as recorded; the one the replay reproduces under (grad norm and every "
+            "rank's loss) proves what the rank computed:",
+        ]
+        lines += [f"  --mitigation {e.mitigation}  # {e.why}" for e in d.hypotheses]
     if d.next_steps:
         lines += ["", "experiments, least invasive first:"]
         lines += [

@@ -6,7 +6,9 @@ series held by `log_series` (typed arrays, a few bytes per iteration; `SeriesPoi
 
 Spikes are found by the spike guard's own detector (`capture.detectors`, ratio to the rolling
 median of healthy norms by default), with the run's own detector settings where its snapshots
-hold them, run over the series in iteration order.
+hold them, run over the series in iteration order: armed from step 1 as the guard is, so a spike in the
+warm-up part of a log (a norm far above the first steps' median, or a non-finite one) is flagged the same way
+(`warm_up: true`); `warmup_ratio: off` scans with a blind warm-up.
 
 Logs are untrusted text: every pattern runs in time linear in the line, a line is never held past
 `MAX_LINE_CHARS` (longer ones are counted and skipped), and no symlink is followed out of the log dirs
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from axrl_spike_replay.capture.detectors import Detector, MedianRatioDetector, make_detector
+from axrl_spike_replay.capture.detectors import DEFAULT_WARMUP_RATIO, Detector, MedianRatioDetector, make_detector
 from axrl_spike_replay.containment import resolved_text
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError, ConfigError
@@ -46,7 +48,16 @@ from axrl_spike_replay.untrusted_bytes import UntrustedInputError, file_kind, op
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
 MAX_SKIPPED = 200
-_DEFAULT_DETECTOR: dict[str, Any] = {"kind": "median_ratio", "window": 20, "threshold": 5.0, "warmup": 10}
+# the guard's defaults, armed from step 1 as it is (capture.detectors): a spike in the warm-up part of a log is flagged
+_DEFAULT_DETECTOR: dict[str, Any] = {
+    "kind": "median_ratio",
+    "window": 20,
+    "threshold": 5.0,
+    "warmup": 10,
+    "warmup_ratio": DEFAULT_WARMUP_RATIO,
+    "max_norm": None,
+}
+_DETECTOR_KEYS = tuple(_DEFAULT_DETECTOR)
 
 __all__ = [
     "MAX_ERRORS",
@@ -165,8 +176,7 @@ def run_detector_config(paths: Sequence[str | Path]) -> tuple[dict[str, Any], st
                 continue
             section = doc.get("detector") if isinstance(doc, dict) else None
             if isinstance(section, dict):
-                keys = ("kind", "window", "threshold", "warmup")
-                return {k: section[k] for k in keys if k in section}, str(config)
+                return {k: section[k] for k in _DETECTOR_KEYS if k in section}, str(config)
         break
     return {}, None
 
@@ -199,7 +209,7 @@ def _spikes(series: Sequence[dict[str, Any]], detector: Detector) -> list[dict[s
         history = quick.history if quick is not None else None
         if (
             history is not None
-            and len(history) >= detector.warmup
+            and detector.settled  # past the warm-up's own rules (and a max_norm's window)
             and (stretch > _FIRST_STRETCH or _quiet(float(array[at]), history, below))
         ):
             chunk = array[at : at + stretch]
@@ -218,6 +228,8 @@ def _spikes(series: Sequence[dict[str, Any]], detector: Detector) -> list[dict[s
                     "grad_norm": seen.grad_norm,
                     "spike_ratio": seen.spike_ratio,
                     "median_norm": None if math.isnan(seen.median_norm) else seen.median_norm,
+                    "warm_up": seen.warming_up,  # flagged by the warm-up's own rule, or a non-finite norm there
+                    "rule": seen.rule,
                 }
             )
         at += 1
@@ -293,6 +305,8 @@ def scan_logs(
     window: int | None = None,
     threshold: float | None = None,
     warmup: int | None = None,
+    warmup_ratio: float | str | None = None,
+    max_norm: float | None = None,
     progress: Callable[[str], None] | None = None,
     cancel: threading.Event | None = None,
     root: str | Path | None = None,
@@ -310,14 +324,21 @@ def scan_logs(
         raise AxrlError("give at least one log file or directory")
     found, source = run_detector_config(paths)
     settings = {**_DEFAULT_DETECTOR, **found}
-    given = {"window": window, "threshold": threshold, "warmup": warmup}
+    given = {"window": window, "threshold": threshold, "warmup": warmup, "warmup_ratio": warmup_ratio}
     settings.update({k: v for k, v in given.items() if v is not None})
+    if max_norm is not None:
+        settings["max_norm"] = max_norm
+    if isinstance(settings["warmup_ratio"], str) and settings["warmup_ratio"].strip().lower() == "off":
+        settings["warmup_ratio"] = None  # a blind warm-up, as the guard had before it was armed from step 1
     try:
+        ratio, ceiling = settings["warmup_ratio"], settings["max_norm"]
         detector = make_detector(
             str(settings["kind"]),
             window=int(settings["window"]),
             threshold=float(settings["threshold"]),
             warmup=int(settings["warmup"]),
+            warmup_ratio=float(ratio) if ratio is not None else None,
+            max_norm=float(ceiling) if ceiling is not None else None,
         )
     except (TypeError, ValueError) as exc:
         problem = shown(str(exc), quote=False)

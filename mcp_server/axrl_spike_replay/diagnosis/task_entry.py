@@ -81,6 +81,7 @@ def diagnosis_entry(d: Diagnosis, mode: str) -> dict[str, Any]:
             "model": mode,
             "causes": causes,
             "next_steps": steps,
+            "hypotheses": [{"mitigation": e.mitigation, "why": e.why} for e in d.hypotheses],
             "consistency": consistency,
             "not_checked": list(d.not_checked),
         }

@@ -46,6 +46,7 @@ EXAMPLES: dict[str, Any] = {
     "recompute": "routes:rank1,old_logprobs:rank1",
     "kl_estimator": "low_var_kl",
     "kl_clamp": 10,
+    "loss_scale": "2@1",
 }
 
 
@@ -53,10 +54,16 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+PER_RANK = {"": "", "optional": "yes", "required": "only"}  # `per_rank` as the table's column shows it
+
+
 def table_block() -> str:
-    """The catalogue's table: name, accepted values, what it changes, what it does."""
-    lines = ["| name | values | changes | what it does |", "|---|---|---|---|"]
-    lines += [f"| `{m.name}` | {_cell(m.values)} | {m.target} | {_cell(m.doc)} |" for m in MITIGATIONS.values()]
+    """The catalogue's table: name, accepted values, what it changes, whether it takes `@RANKS`, what it does."""
+    lines = ["| name | values | changes | per rank (`@RANKS`) | what it does |", "|---|---|---|---|---|"]
+    lines += [
+        f"| `{m.name}` | {_cell(m.values)} | {m.target} | {PER_RANK[m.per_rank]} | {_cell(m.doc)} |"
+        for m in MITIGATIONS.values()
+    ]
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ from axrl_spike_replay.experiment.mitigation_values import (
     recompute_id,
     set_loss,
 )
+from axrl_spike_replay.experiment.rank_scope import OPTIONAL, REQUIRED
 from axrl_spike_replay.experiment.recompute import parse_recompute
 from axrl_spike_replay.experiment.trainer_settings import (
     NO_MEGATRON_FLAG,
@@ -83,6 +84,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 ),
                 NO_MEGATRON_FLAG,
             ),
+            per_rank=OPTIONAL,
         ),
         Mitigation(
             "ratio_outlier_mask",
@@ -133,6 +135,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 none("verl", "no setting in verl 0.9.1: clamp the advantages where they are computed (a patch)"),
                 NO_MEGATRON_FLAG,
             ),
+            per_rank=OPTIONAL,
         ),
         Mitigation(
             "log_ratio_clip",
@@ -152,6 +155,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 ),
                 NO_MEGATRON_FLAG,
             ),
+            per_rank=OPTIONAL,
         ),
         Mitigation(
             "loss_agg_mode",
@@ -175,6 +179,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 override("actor_rollout_ref.actor.loss_agg_mode={value}"),
                 NO_MEGATRON_FLAG,
             ),
+            per_rank=OPTIONAL,
         ),
         Mitigation(
             "is_base_logprobs",
@@ -206,6 +211,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 ),
                 NO_MEGATRON_FLAG,
             ),
+            per_rank=OPTIONAL,
         ),
         Mitigation(
             "clip_eps_low",
@@ -221,6 +227,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 override("actor_rollout_ref.actor.clip_ratio_low={value}"),
                 NO_MEGATRON_FLAG,
             ),
+            per_rank=OPTIONAL,
         ),
         Mitigation(
             "clip_eps_high",
@@ -236,6 +243,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 override("actor_rollout_ref.actor.clip_ratio_high={value}"),
                 NO_MEGATRON_FLAG,
             ),
+            per_rank=OPTIONAL,
         ),
         Mitigation(
             "dual_clip_c",
@@ -256,6 +264,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 override("actor_rollout_ref.actor.clip_ratio_c={value}", "verl's dual clip, on by default with c = 3"),
                 NO_MEGATRON_FLAG,
             ),
+            per_rank=OPTIONAL,
         ),
         Mitigation(
             "kl_coef",
@@ -275,6 +284,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 ),
                 NO_MEGATRON_FLAG,
             ),
+            per_rank=OPTIONAL,
         ),
         Mitigation(
             "entropy_coef",
@@ -289,6 +299,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 override("actor_rollout_ref.actor.entropy_coeff={value}"),
                 NO_MEGATRON_FLAG,
             ),
+            per_rank=OPTIONAL,
         ),
         Mitigation(
             "aux_loss_coef",
@@ -311,6 +322,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 ),
                 override("--moe-aux-loss-coeff {value}", trainer="megatron"),
             ),
+            per_rank=OPTIONAL,
         ),
         Mitigation(
             "z_loss_coef",
@@ -329,6 +341,24 @@ MITIGATIONS: dict[str, Mitigation] = {
                 ),
                 override("--moe-z-loss-coeff {value}", trainer="megatron"),
             ),
+            per_rank=OPTIONAL,
+        ),
+        Mitigation(
+            "loss_scale",
+            "loss",
+            "float s > 0, scoped to ranks: s@R (e.g. 2@1)",
+            "multiply the named saved ranks' whole loss (policy and router terms) by s — a hypothesis about one rank's "
+            "loss (a rank that weighted its loss differently, counted its micro-batches twice), judged against the "
+            "recording",
+            parse_positive,
+            set_loss("loss_scale"),
+            caveat="a hypothesis about what a rank computed, never a fix: scaling a loss only scales its gradient",
+            settings=(
+                none("axrl", "a hypothesis about one rank's loss, no training setting"),
+                none("verl", "a hypothesis about one rank's loss, no training setting"),
+                none("megatron", "a hypothesis about one rank's loss, no training setting"),
+            ),
+            per_rank=REQUIRED,
         ),
         Mitigation(
             "routing_replay",
@@ -419,6 +449,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 none("verl", "no setting in verl 0.9.1: rescale the advantages where they are computed (a patch)"),
                 NO_MEGATRON_FLAG,
             ),
+            per_rank=OPTIONAL,
         ),
         Mitigation(
             "advantage_outlier_mask",
@@ -557,6 +588,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 override("actor_rollout_ref.actor.kl_loss_type={value}", "verl's actor KL loss estimator"),
                 NO_MEGATRON_FLAG,
             ),
+            per_rank=OPTIONAL,
         ),
         Mitigation(
             "kl_clamp",
@@ -583,6 +615,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                 ),
                 NO_MEGATRON_FLAG,
             ),
+            per_rank=OPTIONAL,
         ),
         Mitigation(
             "initial_model",

@@ -25,6 +25,7 @@ against the snapshot's model; `AppliedConfig.resolved` holds the ids used, which
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -38,13 +39,24 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigation_declaration import SYMPTOMS, Advice, Mitigation, ReplaySetup
 from axrl_spike_replay.experiment.mitigation_table import MITIGATIONS
-from axrl_spike_replay.experiment.mitigation_values import FIRST_MOE_LAYER, resolve_layers
+from axrl_spike_replay.experiment.mitigation_values import FIRST_MOE_LAYER, ranks_id, resolve_layers
+from axrl_spike_replay.experiment.rank_scope import (
+    REQUIRED,
+    SEPARATOR,
+    check_hypothesis,
+    hypothesis_text,
+    is_hypothesis,
+    is_scoped,
+    scope_error,
+    scope_text,
+    split_scope,
+)
 from axrl_spike_replay.experiment.recompute import Recompute
 from axrl_spike_replay.training.loss_config import (
     LossConfig,
 )
 from axrl_spike_replay.training.routing_config import RoutingConfig
-from axrl_spike_replay.training.sample_masks import SampleFilter
+from axrl_spike_replay.training.sample_masks import SampleFilter, parse_ranks
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
 __all__ = ["FIRST_MOE_LAYER", "MITIGATIONS", "SYMPTOMS", "Advice", "Mitigation", "ReplaySetup", "resolve_layers"]
@@ -76,10 +88,32 @@ def parse_config(doc: Mapping[str, Any], source: str = "mitigation config") -> d
             if mitigation.bare is None:
                 raise ConfigError(f"{source}: mitigation {mitigation.name} needs a value ({mitigation.values})")
             raw = mitigation.bare
-        out[mitigation.name] = mitigation.parse(mitigation.name, raw)
+        out[mitigation.name] = _parse_value(mitigation, raw)
     if out.get("balance_negative_advantages") is False:
         del out["balance_negative_advantages"]  # false is the default: off
+    check_hypothesis(out, source)
     return dict(sorted(out.items()))
+
+
+def _parse_value(mitigation: Mitigation, raw: Any) -> Any:
+    """A raw value in normal form: the mitigation's own, or {ranks, value} when scoped to ranks (`VALUE@RANKS`)."""
+    name = mitigation.name
+    scope = split_scope(raw) if mitigation.target == "loss" else None
+    if scope is not None and not mitigation.per_rank:
+        raise scope_error(name, raw)
+    if scope is None:
+        if mitigation.per_rank == REQUIRED:
+            raise ConfigError(
+                f"mitigation {name} only has a meaning on some ranks: name them after {SEPARATOR!r}, e.g. "
+                f"{name}=2{SEPARATOR}1 ({mitigation.values})",
+                "mitigations",
+            )
+        return mitigation.parse(name, raw)
+    value, ranks = scope
+    return {
+        "ranks": parse_ranks(f"{name} (its ranks after {SEPARATOR!r})", ranks),
+        "value": mitigation.parse(name, value),
+    }
 
 
 _INT_RE = re.compile(r"^[+-]?\d+$")
@@ -100,7 +134,7 @@ def normal_form(config: Mapping[str, Any] | None) -> dict[str, Any]:
         mitigation = MITIGATIONS.get(key)
         if mitigation is not None and value is not None:
             with contextlib.suppress(ConfigError):  # a record is kept as written, never refused
-                value = mitigation.parse(key, raw)
+                value = _parse_value(mitigation, raw)
         if value is not None and value != {} and value != []:
             out[key] = value
     return dict(sorted(out.items()))
@@ -206,10 +240,18 @@ def config_id(config: Mapping[str, Any]) -> str:
     parts = []
     for name, value in config.items():
         mitigation = MITIGATIONS.get(name)
+        if is_scoped(value):
+            own = (
+                value["value"]
+                if mitigation is None or mitigation.id_value is None
+                else mitigation.id_value(value["value"])
+            )
+            parts.append(f"{name}={_slug(own)}{SEPARATOR}{ranks_id(value['ranks'])}")
+            continue
         if mitigation is not None and mitigation.id_value is not None:
             value = mitigation.id_value(value)
         parts.append(name if value is True else f"{name}={_slug(value)}")
-    text = re.sub(r"[^A-Za-z0-9._=+-]+", "-", "+".join(parts)).strip("-")
+    text = re.sub(r"[^A-Za-z0-9._=+@-]+", "-", "+".join(parts)).strip("-")
     if len(text) > 80:
         digest = hashlib.sha256(repr(sorted(config.items())).encode()).hexdigest()[:10]
         text = f"{text[:68]}~{digest}"
@@ -228,11 +270,28 @@ class AppliedConfig:
     samples: SampleFilter = field(default_factory=SampleFilter)  # samples left out of the loss
     resolved: dict[str, Any] = field(default_factory=dict)  # values named symbolically, as resolved: {name: ids}
     recompute: Recompute = field(default_factory=Recompute)  # stored signals replaced from the snapshot's weights
+    # a hypothesis (settings scoped to ranks, `experiment.rank_scope`): the loss each named saved rank computes with
+    rank_losses: dict[int, LossConfig] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
         """How errors name this config."""
+        if self.is_hypothesis:
+            return f"the hypothesis {hypothesis_text(self.mitigations)}"
         return "the saved config" if not self.mitigations else f"config {self.config_id}"
+
+    @property
+    def is_hypothesis(self) -> bool:
+        """Whether this config is a hypothesis about what some ranks computed (judged against the recording)."""
+        return is_hypothesis(self.mitigations)
+
+    def loss_of(self, rank: int) -> LossConfig:
+        """The loss saved rank `rank` computes with: its own under a hypothesis that names it, else the config's."""
+        return self.rank_losses.get(rank, self.loss)
+
+    def losses(self) -> list[LossConfig]:
+        """Every loss this config computes with: the config's, then each named rank's."""
+        return [self.loss, *self.rank_losses.values()]
 
     @property
     def forward_key(self) -> tuple[RoutingConfig, str | None, frozenset[Any]]:
@@ -241,7 +300,7 @@ class AppliedConfig:
 
     @property
     def needs_entropy(self) -> bool:
-        return bool(self.loss.entropy_coef)
+        return any(loss.entropy_coef for loss in self.losses())
 
 
 def apply_config(
@@ -253,7 +312,14 @@ def apply_config(
     resolves against (ConfigError when it is named and none are given)."""
     setup = ReplaySetup(loss=loss, routing=routing, moe_layers=tuple(moe_layers))
     for name, value in config.items():
-        setup = _lookup(name).apply(setup, value)
+        if not is_scoped(value):
+            setup = _lookup(name).apply(setup, value)
+    rank_losses: dict[int, LossConfig] = {}
+    for name, value in config.items():  # on top of the whole step's settings (none, in a hypothesis)
+        if is_scoped(value):
+            for rank in value["ranks"]:
+                own = dataclasses.replace(setup, loss=rank_losses.get(int(rank), setup.loss))
+                rank_losses[int(rank)] = _lookup(name).apply(own, value["value"]).loss
     resolved: dict[str, Any] = {}
     if config.get("current_routing_layers") == FIRST_MOE_LAYER:
         resolved["current_routing_layers"] = list(setup.routing.current_routing_layers)
@@ -271,6 +337,7 @@ def apply_config(
         samples=setup.samples,
         resolved=resolved,
         recompute=setup.recompute,
+        rank_losses=dict(sorted(rank_losses.items())),
     )
 
 
@@ -295,7 +362,9 @@ def mitigation_args(config: Mapping[str, Any]) -> list[str]:
     """`NAME=VALUE` items that parse back to `config` (for command lines)."""
     items = []
     for name, value in config.items():
-        if isinstance(value, dict):
+        if is_scoped(value):
+            text = scope_text(value)
+        elif isinstance(value, dict):
             text = ",".join(f"{k}:{v}" for k, v in value.items())
         elif isinstance(value, list):
             text = ",".join(str(v) for v in value)

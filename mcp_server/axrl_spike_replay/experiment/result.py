@@ -75,6 +75,11 @@ class ReplayResult:
     # the precision that ran: param / reduce / output dtypes and their source (the snapshot's recorded policy, or
     # the model's own dtype when none was recorded); None for results written before it was recorded
     precision: dict[str, Any] | None = None
+    # a hypothesis replay (loss settings scoped to ranks, `experiment.rank_scope`): the hypothesis in normal form
+    # (`mitigations` is then {}: a hypothesis is no mitigation) and its finding, judged against the recording as a
+    # baseline is: "reproduced under `aux_loss_coef=10.24@1`"
+    hypothesis: dict[str, Any] = field(default_factory=dict)
+    finding: str | None = None
 
     def __post_init__(self) -> None:
         # Results are also rebuilt from files and task rows: the vocabulary fields always hold members.

@@ -22,6 +22,7 @@ from axrl_spike_replay.jsonable import to_jsonable
 
 RESULT_FILE = "replay_result.json"
 COMMAND_FILE = "command.txt"
+BASELINE_COMMAND_FILE = "baseline_command.txt"  # beside a mitigated or hypothesis run: the same replay, no configs
 LOG_FILE = "replay.log"
 SWEEP_FILE = "sweep_result.json"  # a sweep's summary, beside its configs' dirs
 
@@ -52,9 +53,13 @@ class RunDir:
                 continue
         raise FileExistsError(f"{parent}: no free timestamp dir for {stamp}")
 
-    def write_command(self, command: str) -> None:
+    def write_command(self, command: str, baseline: str | None = None) -> None:
+        """Write the run's command line; `baseline`: the baseline's (the same replay without its configs), when the
+        run replays configs beside the baseline."""
         if self.path is not None:
             atomic_write_text(self.path / COMMAND_FILE, command.rstrip("\n") + "\n")
+            if baseline is not None:
+                atomic_write_text(self.path / BASELINE_COMMAND_FILE, baseline.rstrip("\n") + "\n")
 
     def log(self, line: str) -> None:
         """Append a line to the run's log (written out by `flush_log`)."""

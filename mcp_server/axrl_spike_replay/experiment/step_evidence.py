@@ -12,8 +12,9 @@ rank was fed is to the policy). Masks: per sample, the generated tokens after it
 Channel: the step's DP-mean gradient split by loss term (`policy`: the PPO ratio term with its IS weights and
 clips; `kl`; `entropy`; `aux` and `z`: the router losses), each term's gradient taken by its own backward at the
 same forward, in the loss's own convention; per rank, each term's part of the reduced gradient (g_term,r / W),
-its norm and its share <g_term,r / W, g> / ||g||^2 (the shares over every term and rank sum to 1), and the loss
-tokens that pull hardest in it (|d term / d log p_t|).
+its norm and its share <g_term,r / W, g> / ||g||^2 (the shares over every term and rank sum to 1), the term's value
+in the rank's loss, and the loss tokens that pull hardest in it (|d term / d log p_t|); and each rank's whole loss,
+what its recorded loss is compared with.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class TermRank:
     rank: int
     grad_norm: float  # ||g_term,r|| / W: this rank's part of the term in the reduced gradient
     share: float  # <g_term,r, g> / (W ||g||^2)
+    value: float | None = None  # the term's value in the rank's loss (None: not recorded)
 
 
 @dataclass
@@ -147,6 +149,12 @@ class LossChannel:
     grad_norm: float
     terms: list[TermFigures] = field(default_factory=list)
     sum_rel_error: float = 0.0  # ||sum of the terms' gradients - g|| / ||g||
+    # each saved rank's whole loss as the replay computes it ({rank, loss}): what its recorded loss is compared with
+    rank_losses: list[dict[str, Any]] = field(default_factory=list)
+
+    def rank_loss(self, rank: int) -> float | None:
+        """Saved rank `rank`'s replayed whole loss (None: not recorded)."""
+        return next((float(x["loss"]) for x in self.rank_losses if x.get("rank") == rank), None)
 
     def term(self, name: str) -> TermFigures | None:
         return next((t for t in self.terms if t.term == name), None)

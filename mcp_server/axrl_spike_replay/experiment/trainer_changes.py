@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from axrl_spike_replay.experiment.mitigations import MITIGATIONS
+from axrl_spike_replay.experiment.rank_scope import is_scoped, scope_text
 from axrl_spike_replay.experiment.trainer_settings import TRAINERS, flow
+
+SCOPED_NOTE = "scoped to ranks: a hypothesis about what those ranks computed, not a setting of the trainer"
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,9 @@ def trainer_changes(
             used = (resolved or {}).get(name, value)
             if mitigation is None:
                 out.append(TrainerChange(trainer, name, flow(value), None, "not a mitigation of this tool"))
+                continue
+            if is_scoped(value):  # a hypothesis, never a fix: a trainer sets its loss for every rank
+                out.append(TrainerChange(trainer, name, scope_text(value), None, SCOPED_NOTE))
                 continue
             if mitigation.diagnostic:
                 note = f"diagnostic only, no setting: {mitigation.diagnostic}"

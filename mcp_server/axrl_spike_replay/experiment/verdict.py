@@ -1,14 +1,16 @@
 """Verdicts: did the baseline reproduce the spike, and what did a mitigation do to it.
 
 A baseline replay is `reproduced` when its grad norm matches the recorded one within the layout's
-tolerance. A mitigated replay is judged against the baseline replay of the same snapshot at the
-same layout, and only when that baseline is itself a spike (its ratio to the snapshot's median
-norm at or above the threshold): otherwise the verdict is `baseline_not_a_spike` (nothing to clear;
-a detector threshold raised in the metadata cannot make a no-op look like a fix). Against a spike
-baseline: `worse` when the grad norm grew by more than WORSE_MARGIN (or is not finite), `no_effect`
-when it is not measurably (MEASURABLE_DROP) below the baseline's, else `cleared` when the spike
-ratio is under the threshold, `partial` when the grad norm is at most half the baseline's but still
-above, `no_effect` otherwise.
+tolerance. A hypothesis replay (loss settings scoped to ranks, `experiment.rank_scope`) is judged the same
+way, against the recording, and also rank by rank: each rank's replayed loss against its recorded one.
+
+A mitigated replay is judged against the baseline replay of the same snapshot at the same layout, and only
+when that baseline is itself a spike (its ratio to the snapshot's median norm at or above the threshold):
+otherwise the verdict is `baseline_not_a_spike` (nothing to clear; a detector threshold raised in the
+metadata cannot make a no-op look like a fix). Against a spike baseline: `worse` when the grad norm grew by
+more than WORSE_MARGIN (or is not finite), `no_effect` when it is not measurably (MEASURABLE_DROP) below the
+baseline's, else `cleared` when the spike ratio is under the threshold, `partial` when the grad norm is at
+most half the baseline's but still above, `no_effect` otherwise.
 
 The threshold is the snapshot detector's (a median ratio; DEFAULT_RATIO_THRESHOLD for other detectors)
 unless the user gives their own (`--clear-threshold X`, MCP `clear_threshold`): then X decides both
@@ -19,6 +21,8 @@ it was judged by (`verdict_basis`).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
@@ -139,6 +143,38 @@ def baseline_verdict(grad_norm: float, recorded: float, tol: float) -> Verdict:
         return Verdict.REPRODUCED if not math.isfinite(grad_norm) else Verdict.NOT_REPRODUCED
     diff = rel_diff(grad_norm, recorded)
     return Verdict.REPRODUCED if diff is not None and diff <= tol else Verdict.NOT_REPRODUCED
+
+
+HYPOTHESIS_RULE = (
+    "reproduced under the hypothesis when |grad_norm - recorded| / recorded <= tolerance and every rank's replayed "
+    "loss matches its recorded one (|replayed - recorded| <= tolerance * max(1, |recorded|)); not_reproduced otherwise"
+)
+
+
+def hypothesis_verdict(
+    grad_norm: float, recorded: float, tol: float, rank_losses: Mapping[int, tuple[float | None, float | None]]
+) -> tuple[Verdict, dict[str, Any]]:
+    """A hypothesis replay judged against the recording, as a baseline is, and also rank by rank: `reproduced` when
+    its grad norm matches the recorded one within `tol` (`baseline_verdict`) and so does every rank's loss that was
+    recorded (`rank_losses`: {rank: (recorded, replayed)}); the verdict and the numbers it was judged by."""
+    verdict = baseline_verdict(grad_norm, recorded, tol)
+    rows = []
+    for rank, (was, now) in sorted(rank_losses.items()):
+        if was is None or now is None:
+            rows.append({"rank": rank, "recorded_loss": was, "replayed_loss": now, "matches": None})
+            continue
+        diff = abs(now - was)
+        matches = math.isfinite(diff) and diff <= tol * max(1.0, abs(was))
+        rows.append({"rank": rank, "recorded_loss": was, "replayed_loss": now, "abs_diff": diff, "matches": matches})
+    if any(row["matches"] is False for row in rows):
+        verdict = Verdict.NOT_REPRODUCED
+    basis = {
+        "rel_diff": rel_diff(grad_norm, recorded),
+        "tolerance": tol,
+        "rank_losses": rows,
+        "rule": HYPOTHESIS_RULE,
+    }
+    return verdict, basis
 
 
 def mitigation_verdict(grad_norm: float, baseline_grad_norm: float, median_norm: float, threshold: float) -> Verdict:

@@ -52,7 +52,23 @@ async def copy_and_scan_logs_tool(
         ),
     ] = None,
     warmup: Annotated[
-        int | None, Field(description="Iterations before the detector may trip; default: the run's, else 10.", ge=0)
+        int | None,
+        Field(description="Iterations before the detector's own statistic judges; default: the run's, else 10.", ge=0),
+    ] = None,
+    warmup_ratio: Annotated[
+        float | None,
+        Field(
+            description="During the warm-up, flag a norm more than this many times the median of the steps before it, "
+            "as the guard does; default: the run's, else 10. `blind_warmup` turns it off.",
+            gt=1,
+        ),
+    ] = None,
+    blind_warmup: Annotated[
+        bool, Field(description="Flag nothing in the warm-up but non-finite norms (the guard before it was armed).")
+    ] = False,
+    max_norm: Annotated[
+        float | None,
+        Field(description="Flag any norm above this until the detector window has filled; default: none.", gt=0),
     ] = None,
     full_series: Annotated[
         bool,
@@ -67,7 +83,8 @@ async def copy_and_scan_logs_tool(
     """Copy training logs into the workspace (tmp/spike-replay/<job>/logs/) and scan the copies: the
     per-iteration grad-norm and loss series (Megatron `iteration N/ ... grad norm: X |` and key=value lines),
     the spikes the spike guard's detector flags (with the run's own detector settings from its snapshots'
-    `run_config.yaml` unless given), and error lines (tracebacks, NaN/inf, CUDA/NCCL errors).
+    `run_config.yaml` unless given; armed from step 1 as the guard is, so a spike in the warm-up is flagged too,
+    `warm_up: true`), and error lines (tracebacks, NaN/inf, CUDA/NCCL errors).
     Returns a plot of the series with the spikes marked."""
     config = server_config(ctx)
     root = config.workspace_for(workspace)
@@ -86,6 +103,8 @@ async def copy_and_scan_logs_tool(
             window=window,
             threshold=threshold,
             warmup=warmup,
+            warmup_ratio="off" if blind_warmup else warmup_ratio,
+            max_norm=max_norm,
             progress=progress.message,
             cancel=cancel,
             root=root,

@@ -25,15 +25,21 @@ class Note(_Open):
 class ExperimentRow(_Open):
     id: str = Field(description="Attempt id, e.g. E3 — what method_add takes as `attempt`")
     verdict: Verdict = Field(
-        description="reproduced / not_reproduced (baseline); cleared / partial / no_effect / worse / "
-        "baseline_not_a_spike (mitigated)"
+        description="reproduced / not_reproduced (baseline, and a hypothesis judged against the recording); "
+        "cleared / partial / no_effect / worse / baseline_not_a_spike (mitigated)"
     )
     fidelity: Fidelity = Field(description="full, or reduced (a diagnostic)")
-    change: str = Field(description="The mitigations (or patch) in words; 'baseline' for none")
+    change: str = Field(
+        description="The mitigations (or patch, or 'hypothesis NAME=VALUE@RANKS') in words; 'baseline' for none"
+    )
     grad_norm: Number = Field(None, description="Replayed global grad norm")
     ratio_to_median: Number = Field(None, description="grad_norm / the saved median norm")
     change_vs_baseline: Number = Field(None, description="grad_norm / baseline grad norm - 1")
     mitigations: dict[str, Any] = Field(default_factory=dict, description="Normalised mitigation config")
+    hypothesis: dict[str, Any] = Field(
+        default_factory=dict, description="A hypothesis replay's loss settings scoped to ranks (no mitigation)"
+    )
+    finding: str | None = Field(None, description="A hypothesis: 'reproduced under `aux_loss_coef=10.24@1`' or not")
     result_path: str | None = Field(None, description="Its replay_result.json")
 
 

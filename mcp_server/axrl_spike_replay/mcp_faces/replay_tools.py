@@ -32,6 +32,8 @@ MitigationsArg = Annotated[
     Field(
         description="One mitigation config {NAME: VALUE}; empty = the baseline replay. Names: "
         f"{_NAMES}. Example: {{'mismatch_token_clip_max': 2, 'routing_replay': 'loss_tokens'}}. "
+        "A loss setting scoped to saved ranks, {'aux_loss_coef': '10.24@1'}, is a hypothesis about what those "
+        "ranks computed, judged against the recording (`finding`: 'reproduced under ...'). "
         "Values and meaning: resource axrl://mitigations.",
     ),
 ]
@@ -210,7 +212,9 @@ async def replay_tool(
     pre-clip grad norm with the recorded one — here, or on a GPU node over SSH (`target`). Without
     mitigations: the baseline (`reproduced` / `not_reproduced`). With a config: a replay-only experiment
     judged against the baseline at the same layout (`cleared` / `partial` / `no_effect` / `worse`, or
-    `baseline_not_a_spike` when the baseline is under the threshold). Writes
+    `baseline_not_a_spike` when the baseline is under the threshold). With loss settings scoped to saved ranks
+    (`{'aux_loss_coef': '10.24@1'}`): a hypothesis about what those ranks computed, judged against the recording
+    as the baseline is, grad norm and every rank's loss (`finding`: "reproduced under `aux_loss_coef=10.24@1`"). Writes
     tmp/spike-replay/<job>/<timestamp>/ (command.txt, logs, replay_result.json) and logs the attempt in the
     job's task file. Reports progress; cancelling the call stops a remote run (its process group)."""
     config = server_config(ctx)

@@ -18,6 +18,7 @@ from typing import Any
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigations import FIRST_MOE_LAYER, MITIGATIONS
+from axrl_spike_replay.experiment.rank_scope import is_scoped
 
 VALUE = "value"
 
@@ -91,8 +92,16 @@ def check_mapped(mapping: Mapping[str, str], configs: Sequence[Mapping[str, Any]
 
 def check_concrete(configs: Sequence[Mapping[str, Any]]) -> None:
     """ConfigError (parameter `mitigations`) when a config names a layer the trainer's command cannot resolve: only
-    the torch engine builds the model, so `current_routing_layers: first` needs the layer ids here."""
+    the torch engine builds the model, so `current_routing_layers: first` needs the layer ids here; or a setting
+    scoped to ranks, which no trainer's override can express."""
     for config in configs:
+        scoped = sorted(name for name, value in config.items() if is_scoped(value))
+        if scoped:
+            raise ConfigError(
+                f"`mitigations` {', '.join(scoped)} scoped to ranks: a trainer's command sets its loss for every "
+                "rank, so a hypothesis about some ranks' loss replays in the torch engine only (`backend` torch)",
+                "mitigations",
+            )
         if config.get("current_routing_layers") == FIRST_MOE_LAYER:
             raise ConfigError(
                 f"`mitigations` current_routing_layers={FIRST_MOE_LAYER}: the command backend does not build the "

@@ -65,11 +65,12 @@ def _gradient_pass(
     for rank, saved in ranks.batches.items():
         step = rank_loss(model, ranks, cfg, rank, counts)
         out = step.out
-        if step.router is not None:
+        if step.router is not None and step.kept:
             grads = torch.autograd.grad(step.router, params, retain_graph=True, allow_unused=True)
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
             router_sum = grads if router_sum is None else [a + b for a, b in zip(router_sum, grads, strict=True)]
-        step.result.loss.backward()
+        if step.kept:  # a rank the config leaves out adds nothing to the step
+            step.result.loss.backward()
         signals = rank_signals(rank, step.batch, out.logprobs.detach(), step.result.mask, base_name(cfg))
         passes[rank] = _RankPass(
             batch=saved,

@@ -22,10 +22,12 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, mitigation_args, parse_config
+from axrl_spike_replay.experiment.rank_scope import finding
 from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line, now_iso
 from axrl_spike_replay.experiment.verdict import (
     baseline_verdict,
+    hypothesis_verdict,
     is_spike,
     mitigation_verdict,
     ratio_threshold,
@@ -43,6 +45,7 @@ from axrl_spike_replay.replay.outcome_figures import DEFINITION
 from axrl_spike_replay.replay.replay_plan import HERE, Capacity
 from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard, planned_shard
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 from axrl_spike_replay.training.sample_masks import check_ranks
 from axrl_spike_replay.vocabulary import Backend, Device, Shard, Verdict
 
@@ -201,7 +204,9 @@ class ReplaySession:
             "fidelity": self.plan.fidelity,
             "world_size_saved": self.inputs.world_size,
             "world_size_used": self.plan.nproc,
-            "mitigations": dict(cfg.mitigations),
+            # a hypothesis is no mitigation: it is kept as `hypothesis`, judged against the recording
+            "mitigations": {} if cfg.is_hypothesis else dict(cfg.mitigations),
+            "hypothesis": dict(cfg.mitigations) if cfg.is_hypothesis else {},
             "resolved_mitigations": dict(cfg.resolved),
             "recorded_grad_norm": meta.grad_norm,
             "median_norm": meta.median_norm,
@@ -221,6 +226,8 @@ class ReplaySession:
     def result(self, cfg: AppliedConfig, outcome: ConfigOutcome, baseline_norm: float | None) -> ReplayResult:
         """The ReplayResult of one config's outcome."""
         meta, norm = self.inputs.metadata, outcome.grad_norms[0]
+        if cfg.is_hypothesis:
+            return self._hypothesis_result(cfg, outcome)
         if cfg.mitigations:
             verdict = mitigation_verdict(norm, baseline_norm or math.nan, meta.median_norm, self.threshold)
             change = norm / baseline_norm - 1.0 if baseline_norm else None
@@ -259,6 +266,33 @@ class ReplaySession:
             verdict_basis=basis,
         )
 
+    def _hypothesis_result(self, cfg: AppliedConfig, outcome: ConfigOutcome) -> ReplayResult:
+        """A hypothesis replay's result: judged against the recording, the grad norm and every rank's loss."""
+        meta, norm = self.inputs.metadata, outcome.grad_norms[0]
+        replayed = {m["rank"]: m.get("loss") for m in outcome.rank_metrics if isinstance(m.get("rank"), int)}
+        losses = {
+            rank: (recorded_rank_loss(self.inputs.replay_dir, rank), replayed.get(rank))
+            for rank in range(self.inputs.world_size)
+        }
+        verdict, basis = hypothesis_verdict(norm, meta.grad_norm, self.tolerance, losses)
+        basis |= {"threshold": self.threshold, "threshold_source": self.threshold_source}
+        spread = max(outcome.grad_norms) - min(outcome.grad_norms) if len(outcome.grad_norms) > 1 else None
+        return ReplayResult(
+            **self._fields(cfg, cfg.config_id),
+            grad_norm=norm,
+            rel_diff=rel_diff(norm, meta.grad_norm),
+            spike_ratio=norm / meta.median_norm if meta.median_norm > 0 else None,
+            verdict=verdict,
+            top_params=outcome.top_params,
+            timings={**outcome.timings, "total": time.perf_counter() - self.started},
+            tolerance=self.tolerance,
+            repeat_grad_norms=list(outcome.grad_norms) if len(outcome.grad_norms) > 1 else [],
+            repeat_spread=spread,
+            rank_metrics=outcome.rank_metrics,
+            verdict_basis=basis,
+            finding=finding(verdict, cfg.mitigations),
+        )
+
     def _consistency(self, outcome: ConfigOutcome) -> dict[str, Any]:
         """The snapshot's consistency checks, with the replayed per-rank losses and the job's log."""
         from axrl_spike_replay.jsonable import to_jsonable
@@ -293,6 +327,7 @@ class ReplaySession:
             verdict=Verdict.FAILED,
             timings={"total": time.perf_counter() - self.started},
             error=error,
+            finding=finding(Verdict.FAILED, cfg.mitigations) if cfg.is_hypothesis else None,
         )
 
     def record(self, result: ReplayResult, path: Path | None) -> str | None:
@@ -371,20 +406,25 @@ def replay_session(
             mitigation = [item for c in applied[1:] for item in mitigation_args(c.mitigations)]
         else:
             mitigation = [shlex.join(mitigation_args(c.mitigations)) for c in applied[1:]]
+        layout = {
+            "nproc": options.nproc,
+            "device": options.device,
+            "shard": options.shard if options.shard != "auto" else None,
+            "backend": options.backend if options.backend != Backend.TORCH else None,
+        }
         command = options.command or command_line(
             verb,
             str(snapshot),
             {
-                "nproc": options.nproc,
-                "device": options.device,
-                "shard": options.shard if options.shard != "auto" else None,
-                "backend": options.backend if options.backend != Backend.TORCH else None,
+                **layout,
                 "mitigation": mitigation,
                 "repeat": options.repeat if options.repeat > 1 else None,
                 "clear_threshold": options.clear_threshold,
             },
         )
-        session.run.write_command(command)
+        # the baseline these configs ran beside, as its own command: what the task shows as the step's replay command
+        baseline = command_line("replay", str(snapshot), layout) if configs else None
+        session.run.write_command(command, baseline)
         session.log(f"{verb} {snapshot}" + (f" (legacy layout, read through {replay_dir})" if legacy else ""))
         session.log(shard.reason)
         try:

@@ -265,9 +265,16 @@ def check_configs(inputs: ReplayInputs, configs: Iterable[AppliedConfig]) -> Non
     moe_layers = set(inputs.model.moe_layer_ids)
     for cfg in configs:
         label = cfg.label
-        for name, why in _needed_fields(cfg.loss).items():
-            if name not in inputs.batch_fields:
-                raise ConfigError(f"{label}: the rank batches have no {name!r}, needed for {why}")
+        for loss in cfg.losses():
+            for name, why in _needed_fields(loss).items():
+                if name not in inputs.batch_fields:
+                    raise ConfigError(f"{label}: the rank batches have no {name!r}, needed for {why}")
+        scoped = sorted(r for r in cfg.rank_losses if r >= inputs.world_size)
+        if scoped:
+            raise ConfigError(
+                f"{label}: names rank {scoped[0]}, not in the snapshot (saved ranks 0..{inputs.world_size - 1})",
+                "mitigations",
+            )
         if cfg.routing.replay != "off":
             missing = sorted(set(range(inputs.world_size)) - set(inputs.routing_ranks))
             if missing:
@@ -285,7 +292,9 @@ def check_configs(inputs: ReplayInputs, configs: Iterable[AppliedConfig]) -> Non
             )
         if cfg.recompute.routes and set(cfg.recompute.ranks() or range(inputs.world_size)) - set(inputs.routing_ranks):
             raise ConfigError(f"{label}: recompute=routes names a rank with no recorded routes to recompute")
-        recounted = cfg.loss.normalization == "global" and (cfg.loss.rollout_rs or cfg.loss.ratio_outlier_mask)
+        recounted = any(
+            loss.normalization == "global" and (loss.rollout_rs or loss.ratio_outlier_mask) for loss in cfg.losses()
+        )
         if cfg.recompute.recomputes_logprobs and recounted:
             raise ConfigError(
                 f"{label}: recompute of log-probs with rejection sampling under normalization global: the step's "

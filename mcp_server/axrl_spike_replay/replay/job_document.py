@@ -127,6 +127,7 @@ def _config_document(cfg: AppliedConfig) -> dict[str, Any]:
         },
         "recompute": [list(item) for item in sorted(cfg.recompute.items, key=_item_order)],
         "resolved": dict(cfg.resolved),
+        "rank_losses": [[rank, loss.to_dict()] for rank, loss in sorted(cfg.rank_losses.items())],
     }
 
 
@@ -159,6 +160,10 @@ def _config_of(doc: Mapping[str, Any]) -> AppliedConfig:
             )
         ),
         resolved=dict(doc.get("resolved") or {}),
+        rank_losses={
+            int(rank): LossConfig.from_dict(dict(own), f"the replay job's loss of rank {rank}")
+            for rank, own in doc.get("rank_losses") or ()
+        },
     )
 
 

@@ -10,8 +10,8 @@ import torch
 
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
 from axrl_spike_replay.models.policy import policy_forward
-from axrl_spike_replay.replay.worker import RankInputs, loss_batch
-from axrl_spike_replay.training.policy_loss import LossOutput, expand_advantages, policy_loss
+from axrl_spike_replay.replay.worker import RankInputs, config_loss, loss_batch
+from axrl_spike_replay.training.policy_loss import LossOutput, expand_advantages
 
 
 def rank_signals(
@@ -43,15 +43,17 @@ def base_name(cfg: AppliedConfig) -> str:
     return "old" if cfg.loss.mismatch_token_clip_max is not None else cfg.loss.is_base_logprobs
 
 
-def router_loss(cfg: AppliedConfig, out: Any) -> torch.Tensor | None:
-    """The rank's batch-level router losses as the policy loss adds them (None when both are off)."""
-    loss = None
-    if cfg.loss.aux_loss_coef:
-        loss = cfg.loss.aux_loss_coef * out.aux_loss
-    if cfg.loss.z_loss_coef:
-        term = cfg.loss.z_loss_coef * out.z_loss
-        loss = term if loss is None else loss + term
-    return loss if loss is not None and loss.requires_grad else None
+def router_loss(cfg: AppliedConfig, out: Any, rank: int) -> torch.Tensor | None:
+    """Saved rank `rank`'s batch-level router losses as its loss adds them (its own coefficients and scale under a
+    hypothesis); None when no loss of the config has any, so every rank (and process) agrees on whether there is one.
+    On a rank the config leaves out it is still returned: the caller adds nothing of it (`RankLoss.kept`)."""
+    if not any(loss.aux_loss_coef or loss.z_loss_coef for loss in cfg.losses()):
+        return None
+    own = cfg.loss_of(rank)
+    loss = own.aux_loss_coef * out.aux_loss + own.z_loss_coef * out.z_loss
+    if own.loss_scale is not None:
+        loss = loss * own.loss_scale
+    return loss if loss.requires_grad else None
 
 
 @dataclass
@@ -62,21 +64,20 @@ class RankLoss:
     batch: dict[str, torch.Tensor]  # what the loss saw (the saved batch filtered by the config)
     result: LossOutput
     router: torch.Tensor | None  # the batch-level router losses (`router_loss`)
+    kept: bool = True  # False: the config leaves this rank out, and nothing of it (router terms included) counts
 
 
 def rank_loss(model: torch.nn.Module, inputs: RankInputs, cfg: AppliedConfig, rank: int, counts: Any) -> RankLoss:
     """Saved rank `rank`'s forward (the saved batch, the config's routing) and the config's loss on the filtered
-    batch, as in a replay, with dLoss/dlogprobs and dLoss/dentropy kept for the attribution."""
+    batch, as in a replay (`worker.config_loss`), with dLoss/dlogprobs and dLoss/dentropy kept for the attribution."""
     saved = inputs.batches[rank]
-    out = policy_forward(model, saved, inputs.routing(cfg, rank), need_entropy=bool(cfg.loss.entropy_coef))
+    out = policy_forward(model, saved, inputs.routing(cfg, rank), need_entropy=cfg.needs_entropy)
     batch = loss_batch(saved, rank, cfg, out.logprobs)
     out.logprobs.retain_grad()
     if out.entropy is not None:
         out.entropy.retain_grad()
-    result = policy_loss(
-        out.logprobs, batch, cfg.loss, entropy=out.entropy, aux_loss=out.aux_loss, z_loss=out.z_loss, counts=counts
-    )
-    return RankLoss(out, batch, result, router_loss(cfg, out))
+    result = config_loss(out, batch, cfg, rank, counts)
+    return RankLoss(out, batch, result, router_loss(cfg, out, rank), cfg.samples.keeps_rank(rank))
 
 
 def grad_or_zeros(t: torch.Tensor) -> torch.Tensor:

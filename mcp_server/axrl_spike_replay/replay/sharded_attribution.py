@@ -114,7 +114,9 @@ def _gradient_pass(
     for rank in space.passes(list(inputs.batches)):
         step = rank_loss(model, inputs, cfg, first if rank is None else rank, counts)
         out, result, router = step.out, step.result, step.router
-        scale = torch.ones_like(result.loss) if rank is not None else torch.zeros_like(result.loss)
+        # a padding pass, or a rank the config leaves out: its backwards add nothing but keep the collectives in step
+        adds = rank is not None and step.kept
+        scale = torch.ones_like(result.loss) if adds else torch.zeros_like(result.loss)
         accumulate(total, space.outputs_backward([result.loss], [scale], retain=router is not None))
         if router is not None:  # the same on every process: the config and the model decide it
             has_router = True

@@ -153,13 +153,17 @@ def sharded_channel(
     sums: dict[str, Grads] = {}
     squares: dict[tuple[str, int], float] = {}
     pulls: dict[str, dict[int, torch.Tensor]] = {}
+    values: dict[tuple[str, int], float] = {}  # this process's own ranks' term values, and `_loss`
     for k, rank in enumerate(passes):
         check_cancel(cancel, "diagnosis")
         terms, out = rank_terms(model, ranks, cfg, first if rank is None else rank, counts)
         whole = terms.pop("_loss")
+        if rank is not None:
+            values[("_loss", rank)] = float(whole.detach())
         extra = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
         for name, term in terms.items():
             if rank is not None:
+                values[(name, rank)] = float(term.detach())
                 wrt = torch.autograd.grad(term, extra, retain_graph=True, allow_unused=True)
                 pulls.setdefault(name, {})[rank] = pull_of(list(wrt), out.logprobs.shape)
             for p, owned in owners[k]:
@@ -187,13 +191,16 @@ def sharded_channel(
     masks = {r: b["loss_mask"].cpu() for r, b in ranks.batches.items()}
     all_pulls: dict[str, dict[int, torch.Tensor]] = {}
     all_masks: dict[int, torch.Tensor] = {}
-    for part_pulls, part_masks in _gather((pulls, masks)):
+    all_values: dict[tuple[str, int], float] = {}
+    for part_pulls, part_masks, part_values in _gather((pulls, masks, values)):
         for name, by_rank in part_pulls.items():
             all_pulls.setdefault(name, {}).update(by_rank)
         all_masks.update(part_masks)
+        all_values.update(part_values)
     coefs = {"kl": cfg.loss.kl_coef, "entropy": cfg.loss.entropy_coef, "aux": cfg.loss.aux_loss_coef}
     coefs["z"] = cfg.loss.z_loss_coef
     channel = LossChannel(grad_norm=math.sqrt(g_sq), sum_rel_error=math.sqrt(against[-1] / g_sq) if g_sq > 0 else 0.0)
+    channel.rank_losses = [{"rank": r, "loss": v} for (n, r), v in sorted(all_values.items()) if n == "_loss"]
     for i, name in enumerate(names):
         t_sq, t_dot = per_term[2 * i], per_term[2 * i + 1]
         owned = sorted(r for n, r in keys if n == name)
@@ -203,7 +210,7 @@ def sharded_channel(
                 coef=float(coefs.get(name, 1.0)),
                 grad_norm=math.sqrt(t_sq),
                 share=t_dot / g_sq if g_sq > 0 else 0.0,
-                ranks=[TermRank(r, norms[(name, r)], shares[(name, r)]) for r in owned],
+                ranks=[TermRank(r, norms[(name, r)], shares[(name, r)], all_values.get((name, r))) for r in owned],
                 top_tokens=top_tokens(all_pulls.get(name, {}), all_masks),
                 top_samples=top_samples(all_pulls.get(name, {})),
             )
@@ -277,7 +284,12 @@ def signal_check_of(doc: dict[str, Any]) -> SignalCheck:
 def loss_channel_of(doc: dict[str, Any]) -> LossChannel:
     """A LossChannel from its `to_json` document."""
     terms = [TermFigures(**{**t, "ranks": [TermRank(**r) for r in t["ranks"]]}) for t in doc["terms"]]
-    return LossChannel(grad_norm=doc["grad_norm"], terms=terms, sum_rel_error=doc["sum_rel_error"])
+    return LossChannel(
+        grad_norm=doc["grad_norm"],
+        terms=terms,
+        sum_rel_error=doc["sum_rel_error"],
+        rank_losses=list(doc.get("rank_losses") or []),
+    )
 
 
 def run_sharded_evidence(

@@ -36,8 +36,9 @@ from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.inputs import ReplayInputs
 from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
-from axrl_spike_replay.replay.worker import RankInputs, build_model, loss_batch, step_counts
+from axrl_spike_replay.replay.worker import RankInputs, build_model, config_loss, loss_batch, step_counts
 from axrl_spike_replay.snapshot.rank_data import load_rank_routes
+from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.policy_loss import policy_loss
 
 LN2 = math.log(2.0)
@@ -195,8 +196,7 @@ def signal_check(
 # ---- channel ----
 
 
-def _term_configs(cfg: AppliedConfig) -> dict[str, Any]:
-    loss = cfg.loss
+def _term_configs(loss: LossConfig) -> dict[str, Any]:
     policy = dataclasses.replace(loss, kl_coef=0.0, entropy_coef=0.0, aux_loss_coef=0.0, z_loss_coef=0.0)
     out: dict[str, Any] = {"policy": policy}
     if loss.kl_coef:
@@ -209,27 +209,28 @@ def _term_configs(cfg: AppliedConfig) -> dict[str, Any]:
 def rank_terms(
     model: torch.nn.Module, ranks: RankInputs, cfg: AppliedConfig, rank: int, counts: Any
 ) -> tuple[dict[str, torch.Tensor], Any]:
-    """The rank's loss split into its terms (scalars on one graph; `_loss`: the whole loss) and the forward."""
+    """The rank's loss split into its terms (scalars on one graph; `_loss`: the whole loss, as `worker.config_loss`
+    computes it) and the forward. The rank's own loss settings under a hypothesis; on a rank the config leaves out,
+    no router term (its policy terms are masked to nothing)."""
     saved = ranks.batches[rank]
-    out = policy_forward(model, saved, ranks.routing(cfg, rank), need_entropy=bool(cfg.loss.entropy_coef))
+    out = policy_forward(model, saved, ranks.routing(cfg, rank), need_entropy=cfg.needs_entropy)
     batch = loss_batch(saved, rank, cfg, out.logprobs)
     out.logprobs.retain_grad()
-    configs = _term_configs(cfg)
+    own = cfg.loss_of(rank)
     losses = {}
-    for name, loss_cfg in configs.items():
+    for name, loss_cfg in _term_configs(own).items():
         entropy = out.entropy if name == "entropy" else None
         losses[name] = policy_loss(out.logprobs, batch, loss_cfg, entropy=entropy, counts=counts).loss
     terms = {"policy": losses["policy"]}
     for name in ("kl", "entropy"):
         if name in losses:
             terms[name] = losses[name] - losses["policy"]
-    for name, coef, value in (("aux", cfg.loss.aux_loss_coef, out.aux_loss), ("z", cfg.loss.z_loss_coef, out.z_loss)):
-        if coef and value.requires_grad:
-            terms[name] = coef * value
-    whole = policy_loss(
-        out.logprobs, batch, cfg.loss, entropy=out.entropy, aux_loss=out.aux_loss, z_loss=out.z_loss, counts=counts
-    )
-    terms["_loss"] = whole.loss
+    scale = own.loss_scale if own.loss_scale is not None else 1.0
+    if cfg.samples.keeps_rank(rank):
+        for name, coef, value in (("aux", own.aux_loss_coef, out.aux_loss), ("z", own.z_loss_coef, out.z_loss)):
+            if coef and value.requires_grad:
+                terms[name] = coef * value if scale == 1.0 else coef * value * scale
+    terms["_loss"] = config_loss(out, batch, cfg, rank, counts).loss
     return terms, out
 
 
@@ -268,12 +269,15 @@ def loss_channel(
     sums: dict[str, list[torch.Tensor]] = {}
     norms: dict[str, dict[int, float]] = {}
     pulls: dict[str, dict[int, torch.Tensor]] = {}
+    values: dict[tuple[str, int], float] = {}
+    losses: list[dict[str, Any]] = []
     for rank in ranks.batches:
         check_cancel(cancel, "diagnosis")
         terms, out = rank_terms(model, ranks, cfg, rank, counts)
-        terms.pop("_loss")
+        losses.append({"rank": rank, "loss": float(terms.pop("_loss").detach())})
         extra = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
         for name, term in terms.items():
+            values[(name, rank)] = float(term.detach())
             grads, wrt = _grads(term, params, extra)
             norms.setdefault(name, {})[rank] = math.sqrt(_dot(grads, grads)) / world
             pulls.setdefault(name, {})[rank] = pull_of(wrt, out.logprobs.shape)
@@ -295,7 +299,7 @@ def loss_channel(
         whole, _ = _grads(terms.pop("_loss"), params, [])
         full = [a + b / world for a, b in zip(full, whole, strict=True)]
         del terms, out
-    channel = LossChannel(grad_norm=math.sqrt(g_sq))
+    channel = LossChannel(grad_norm=math.sqrt(g_sq), rank_losses=losses)
     coefs = {"kl": cfg.loss.kl_coef, "entropy": cfg.loss.entropy_coef, "aux": cfg.loss.aux_loss_coef}
     coefs["z"] = cfg.loss.z_loss_coef
     for name, grads in sums.items():
@@ -306,7 +310,7 @@ def loss_channel(
                 coef=float(coefs.get(name, 1.0)),
                 grad_norm=math.sqrt(_dot(term_g, term_g)),
                 share=_dot(term_g, g) / g_sq if g_sq > 0 else 0.0,
-                ranks=[TermRank(r, norms[name][r], shares[name][r]) for r in sorted(norms[name])],
+                ranks=[TermRank(r, norms[name][r], shares[name][r], values[(name, r)]) for r in sorted(norms[name])],
                 top_tokens=top_tokens(pulls.get(name, {}), {r: b["loss_mask"] for r, b in ranks.batches.items()}),
                 top_samples=top_samples(pulls.get(name, {})),
             )

@@ -30,7 +30,7 @@ from axrl_spike_replay.replay.route_check import check_route_shapes, check_route
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts, all_reduce_counts
-from axrl_spike_replay.training.policy_loss import local_counts, policy_loss
+from axrl_spike_replay.training.policy_loss import LossOutput, local_counts, policy_loss
 from axrl_spike_replay.training.precision import PrecisionPolicy
 from axrl_spike_replay.training.rank_step import gradient_norms
 from axrl_spike_replay.training.routing_replay import routing_control
@@ -175,6 +175,24 @@ def loss_batch(saved: dict[str, torch.Tensor], rank: int, cfg: AppliedConfig, lo
     return batch
 
 
+def config_loss(
+    out: Any, batch: dict[str, Any], cfg: AppliedConfig, rank: int, counts: GlobalCounts | None, entropy: bool = True
+) -> LossOutput:
+    """The loss saved rank `rank` computes under `cfg` from its forward `out` on its (filtered) `batch`: with the
+    rank's own settings under a hypothesis, and without the batch-level router losses on a rank the config leaves
+    out (its samples are masked by `loss_batch`: a left-out rank contributes nothing to the step)."""
+    kept = cfg.samples.keeps_rank(rank)
+    return policy_loss(
+        out.logprobs,
+        batch,
+        cfg.loss_of(rank),
+        entropy=out.entropy if entropy else None,
+        aux_loss=out.aux_loss if kept else None,
+        z_loss=out.z_loss if kept else None,
+        counts=counts,
+    )
+
+
 def _same_mask(a: LossConfig, b: LossConfig) -> bool:
     """Whether two loss configs count the same loss tokens (rejection sampling is what changes them)."""
     keys = ("convention", "rollout_rs", "rollout_rs_threshold", "ratio_outlier_mask")
@@ -191,14 +209,13 @@ def step_counts(
     """The global counts a config normalises by: the recorded ones, or, when the config leaves out other tokens
     than the saved loss (rejection sampling, masked or dropped samples) or none were recorded, recounted over
     every saved rank (a collective: every process calls it for the same configs, and each counts its own ranks)."""
-    loss = cfg.loss
-    if loss.normalization != "global":
+    if cfg.loss.normalization != "global":
         return None
-    if recorded is not None and _same_mask(loss, saved) and not cfg.samples.active:
+    if recorded is not None and all(_same_mask(loss, saved) for loss in cfg.losses()) and not cfg.samples.active:
         return recorded
     tokens = sequences = 0.0
     for rank, batch in inputs.batches.items():
-        t, s = local_counts(filtered_batch(batch, rank, cfg.samples), loss)
+        t, s = local_counts(filtered_batch(batch, rank, cfg.samples), cfg.loss_of(rank))
         tokens, sequences = tokens + t, sequences + s
     return all_reduce_counts(tokens, sequences, world_size)
 
@@ -230,28 +247,27 @@ def forward_group(
         out = policy_forward(model, saved, routing, need_entropy=entropy_needed)
         for i, cfg in enumerate(group):
             retain = i < len(group) - 1
-            batch = loss_batch(saved, first if rank is None else rank, cfg, out.logprobs)
-            result = policy_loss(
-                out.logprobs,
-                batch,
-                cfg.loss,
-                entropy=out.entropy if cfg.needs_entropy else None,
-                aux_loss=out.aux_loss,
-                z_loss=out.z_loss,
-                counts=counts.get(cfg.config_id),
-            )
+            own = first if rank is None else rank
+            batch = loss_batch(saved, own, cfg, out.logprobs)
+            result = config_loss(out, batch, cfg, own, counts.get(cfg.config_id), cfg.needs_entropy)
             if rank is None:  # a pass that keeps the collectives in step: it adds nothing of its own
                 accumulate(grads[cfg.config_id], space.zero_backward(result.loss, retain))
                 continue
             keep_logprobs = figures is not None and not cfg.mitigations and cfg.config_id == "baseline"
-            local, grad_logprobs = space.backward(result.loss, out.logprobs if keep_logprobs else None, retain)
             extra: dict[str, Any] = {}
+            if not cfg.samples.keeps_rank(rank):  # left out: nothing of this rank reaches the step, router terms too
+                if space.sharded:
+                    accumulate(grads[cfg.config_id], space.zero_backward(result.loss, retain))
+                local, grad_logprobs = [], None
+                extra["left_out"] = True
+            else:
+                local, grad_logprobs = space.backward(result.loss, out.logprobs if keep_logprobs else None, retain)
             if figures is not None:
                 trace = RankTrace(mask=result.mask.detach(), per_token=result.per_token.detach())
                 if keep_logprobs and grad_logprobs is not None:
                     figures.traces[rank] = trace
                     figures.grad_logprobs[rank] = grad_logprobs.detach()
-                elif cfg.mitigations and rank in figures.traces:
+                elif cfg.mitigations and not cfg.is_hypothesis and rank in figures.traces:
                     extra["_footprint"] = footprint_counts(figures.traces[rank], trace)
             # each saved rank's own gradient exists only whole; a sharded pass holds rows of the sum over processes
             whole_rank = rank is not None and not space.sharded
@@ -441,7 +457,9 @@ def compute(
     say(f"process {process}: loaded {len(inputs.batches)} rank batch(es) in {load_s:.2f} s")
     baseline = job.configs[0]  # the engine puts the baseline (the saved loss) first
     counts = {cfg.config_id: step_counts(inputs, cfg, baseline.loss, job.counts, job.world_size) for cfg in job.configs}
-    figures = _Figures() if len(job.configs) > 1 and not baseline.mitigations else None
+    # the outcome figures (footprint, the clean gradient) are a mitigation's: a hypothesis is judged by the record
+    fixes = [cfg for cfg in job.configs[1:] if cfg.mitigations and not cfg.is_hypothesis]
+    figures = _Figures() if fixes and not baseline.mitigations else None
     model, weights = None, object()
     space: GradientSpace | None = None
     for group in _groups(job.configs):
@@ -463,7 +481,8 @@ def compute(
             for cfg in group:
                 check_cancel(cancel, "replay")
                 outcome = outcomes[cfg.config_id]
-                kept = _Kept() if traced is not None and (cfg is baseline or cfg.mitigations) else None
+                mitigated = bool(cfg.mitigations) and not cfg.is_hypothesis  # a hypothesis is judged by the record
+                kept = _Kept() if traced is not None and (cfg is baseline or mitigated) else None
                 norm, top_params, norms = reduce_and_measure(space, grads[cfg.config_id], job.world_size, job.top, kept)
                 grads[cfg.config_id] = []  # this config's gradient is measured: free it before the next
                 if rep == 0 and cfg.config_id == "baseline" and not cfg.mitigations:  # a collective: every process
@@ -484,7 +503,7 @@ def compute(
                     parts = [m.pop("_footprint") for m in rows if "_footprint" in m]
                     if parts:
                         outcome.footprint = merge_footprint(parts)
-                    if traced is not None and cfg.mitigations:
+                    if traced is not None and mitigated:
                         outcome.clean_gradient = traced.info
                         outcome.timings["clean_gradient"] = traced.seconds
                     outcome.rank_metrics = rows

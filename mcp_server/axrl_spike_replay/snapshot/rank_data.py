@@ -102,6 +102,14 @@ def load_grad_info(snapshot_dir: str | Path, rank: int) -> dict[str, Any]:
     return out
 
 
+def recorded_rank_loss(snapshot_dir: str | Path, rank: int) -> float | None:
+    """Rank `rank`'s recorded loss (grad info `loss`); None when it was not recorded or cannot be read."""
+    try:
+        return load_grad_info(snapshot_dir, rank)["loss"]
+    except SnapshotError:
+        return None
+
+
 def _name(key: Any, path: Path) -> str:
     if not isinstance(key, str):
         raise SnapshotError(f"{path}: parameter names must be strings, got {type(key).__name__} {shown(key, 60)}")

@@ -65,6 +65,7 @@ class LossConfig:
     log_ratio_clip: float | None = None
     ratio_outlier_mask: RatioOutlierMask | None = None
     balance_negative_advantages: bool = False
+    loss_scale: float | None = None  # the rank's whole loss times this (None: 1); a per-rank hypothesis, `loss_scale`
     # the trainer's convention (see training/verl_convention.py for what `verl` means)
     convention: str = "axrl"
     convention_version: str | None = None  # verl: the release reproduced (VERL_VERSION, recorded in the snapshot)
@@ -89,7 +90,7 @@ class LossConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0 or not math.isfinite(value):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {shown(value, 60)}")
-        for name in ("mismatch_token_clip_max", "advantage_clip", "log_ratio_clip"):
+        for name in ("mismatch_token_clip_max", "advantage_clip", "log_ratio_clip", "loss_scale"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or value <= 0):
                 raise ConfigError(f"{name} must be a number > 0, got {shown(value, 60)}")

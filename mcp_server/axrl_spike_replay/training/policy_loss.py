@@ -216,6 +216,8 @@ def _with_router_losses(
         loss = loss + cfg.aux_loss_coef * aux_loss
     if z_loss is not None and cfg.z_loss_coef:
         loss = loss + cfg.z_loss_coef * z_loss
+    if cfg.loss_scale is not None:
+        loss = loss * cfg.loss_scale
     return loss
 
 

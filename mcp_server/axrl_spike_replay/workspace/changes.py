@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from axrl_spike_replay.experiment.mitigations import canonical, normal_form
+from axrl_spike_replay.experiment.rank_scope import hypothesis_text, is_scoped, scope_text
 
 
 def normalise_config(mitigations: dict[str, Any] | None) -> dict[str, Any]:
@@ -22,23 +23,32 @@ def config_key(mitigations: dict[str, Any] | None) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def describe_change(mitigations: dict[str, Any] | None, patch_sha256: str | None = None) -> str:
-    """`mismatch_token_clip_max=2, routing.replay=loss_tokens`, `patch 1a2b3c4d5e6f`, or `baseline`."""
+def describe_change(
+    mitigations: dict[str, Any] | None, patch_sha256: str | None = None, hypothesis: dict[str, Any] | None = None
+) -> str:
+    """`mismatch_token_clip_max=2, routing.replay=loss_tokens`, `patch 1a2b3c4d5e6f`, `hypothesis aux_loss_coef=10.24@1`
+    or `baseline`."""
+    if hypothesis:
+        return f"hypothesis {hypothesis_text(normalise_config(hypothesis))}"
     parts = [f"{key}={_short(value)}" for key, value in _flatten(normalise_config(mitigations))]
     if patch_sha256:
         parts.insert(0, f"patch {patch_sha256[:12]}")
     return ", ".join(parts) or "baseline"
 
 
-def is_baseline(mitigations: dict[str, Any] | None, patch_sha256: str | None = None) -> bool:
-    """True when nothing was changed: no mitigation knob set and no patch."""
-    return not normalise_config(mitigations) and not patch_sha256
+def is_baseline(
+    mitigations: dict[str, Any] | None, patch_sha256: str | None = None, hypothesis: dict[str, Any] | None = None
+) -> bool:
+    """True when nothing was changed: no mitigation knob set, no patch and no hypothesis."""
+    return not normalise_config(mitigations) and not patch_sha256 and not hypothesis
 
 
 def _flatten(doc: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     for key, value in doc.items():
-        if isinstance(value, dict):
+        if is_scoped(value):
+            out.append((f"{prefix}{key}", scope_text(value)))
+        elif isinstance(value, dict):
             out += _flatten(value, f"{prefix}{key}.")
         else:
             out.append((f"{prefix}{key}", value))

@@ -45,7 +45,8 @@ def report_context(workspace: Path, state: TaskState) -> dict[str, Any]:
     experiments = state.experiments
     # each with the consistency its replay recorded: the task-open diagnosis is not the only verdict on the snapshot
     baselines = [{**row, "consistency": recorded_consistency(row)} for row in baseline_rows(state)]
-    attempts = [row for row in experiments if not row.get("is_baseline")]
+    attempts = [row for row in experiments if not row.get("is_baseline") and not row.get("hypothesis")]
+    hypotheses = [row for row in experiments if row.get("hypothesis")]
     by_slug = {m["slug"]: m for m in method_files(workspace)}
     methods = sorted(
         (
@@ -70,6 +71,7 @@ def report_context(workspace: Path, state: TaskState) -> dict[str, Any]:
         "same_baseline_norm": len({row.get("grad_norm") for row in baselines}) == 1,
         "attempt_baselines": [] if baselines else attempt_baselines(experiments),
         "attempts": attempts,
+        "hypotheses": hypotheses,
         "failed": state.failed,
         "methods": methods,
         "ranking": RANKING,
@@ -89,7 +91,7 @@ def attempt_baselines(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]
     out = []
     for row in experiments:
         base, recorded = row.get("baseline_grad_norm"), row.get("recorded_grad_norm")
-        if row.get("is_baseline") or not isinstance(base, (int, float)):
+        if row.get("is_baseline") or row.get("hypothesis") or not isinstance(base, (int, float)):
             continue
         rel = abs(base - recorded) / recorded if isinstance(recorded, (int, float)) and recorded else None
         ratio = (
@@ -162,6 +164,7 @@ def write_report(
         baselines=context["baselines"],
         attempt_baselines=context["attempt_baselines"],
         attempts=context["attempts"],
+        hypotheses=context["hypotheses"],
         failed=context["failed"],
         methods=context["methods"],
         observations=context["observations"],

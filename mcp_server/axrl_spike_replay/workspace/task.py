@@ -37,7 +37,7 @@ class TaskState:
     reports: list[Row] = field(default_factory=list)
     preserved_copies: list[Row] = field(default_factory=list)  # the copies it uses (workspace.preserved_copies)
     diagnoses: list[Row] = field(default_factory=list)  # one per snapshot diagnosed (diagnosis.task_entry)
-    command_source: str | None = None  # "user": set by hand, replays keep it; "replay": the last one run
+    command_source: str | None = None  # "user": set by hand, replays keep it; "replay": the last baseline replay run
     unknown: dict[str, Any] = field(default_factory=dict)  # keys this version does not know, kept as written
 
     @classmethod

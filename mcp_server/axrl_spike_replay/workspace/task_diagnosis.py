@@ -41,6 +41,22 @@ def add_diagnosis(state: TaskState, entry: dict[str, Any], time: str) -> None:
         note = " (diagnostic only, never a production method)" if step["diagnostic_only"] else ""
         text = f"replay `--mitigation {step['mitigation']}`: {step['why']}{note}"
         steps.append({"time": time, "text": text, "mitigation": step["mitigation"], "snapshot": entry["snapshot"]})
+    for step in entry.get("hypotheses") or []:
+        if step["mitigation"] in listed:
+            continue
+        text = (
+            f"replay the hypothesis `{step['mitigation']}` (`--mitigation {step['mitigation']}`), judged against the "
+            f"recording: {step['why']}"
+        )
+        steps.append(
+            {
+                "time": time,
+                "text": text,
+                "mitigation": step["mitigation"],
+                "hypothesis": True,
+                "snapshot": entry["snapshot"],
+            }
+        )
 
 
 def _drop_settled_steps(state: TaskState, entry: dict[str, Any], where: str, time: str) -> None:
@@ -50,7 +66,7 @@ def _drop_settled_steps(state: TaskState, entry: dict[str, Any], where: str, tim
     own = [d for d in state.diagnoses if d.get("snapshot") == entry["snapshot"]]
     if len(own) < 2 or strongest(own) is not state.diagnoses[-1]:
         return
-    suggested = {step["mitigation"] for step in entry["next_steps"]}
+    suggested = {step["mitigation"] for step in [*entry["next_steps"], *(entry.get("hypotheses") or [])]}
     settled = [
         row
         for row in state.next_steps
@@ -81,12 +97,17 @@ def _step_mitigation(row: dict[str, Any]) -> str | None:
 
 
 def tried_configs(state: TaskState) -> set[str]:
-    """The config keys of the mitigated replays the task has logged."""
+    """The config keys of the mitigated and hypothesis replays the task has logged."""
     return {
-        config_key(row.get("mitigations"))
+        config_key(_config_of(row))
         for row in state.experiments
         if not row.get("is_baseline") and not row.get("patch_sha256")
     }
+
+
+def _config_of(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The config a logged row replayed: its hypothesis, or its mitigations."""
+    return row.get("hypothesis") or row.get("mitigations")
 
 
 def open_steps(state: TaskState) -> list[dict[str, Any]]:
@@ -126,16 +147,19 @@ def report_diagnosis(state: TaskState) -> dict[str, Any] | None:
     tried: dict[str, list[dict[str, Any]]] = {}
     for row in state.experiments:
         if not row.get("is_baseline") and not row.get("patch_sha256"):
-            tried.setdefault(config_key(row.get("mitigations")), []).append(row)
-    steps = []
-    for step in entry.get("next_steps", []):
+            tried.setdefault(config_key(_config_of(row)), []).append(row)
+
+    def with_attempts(step: dict[str, Any]) -> dict[str, Any]:
         rows = tried.get(_key_of(step["mitigation"]) or "", [])
-        attempts = ", ".join(f"{r['id']} {r['verdict']}" for r in rows)
-        steps.append({**step, "attempts": attempts or "not tried"})
+        attempts = ", ".join(f"{r['id']} {r.get('finding') or r['verdict']}" for r in rows)
+        return {**step, "attempts": attempts or "not tried"}
+
+    steps = [with_attempts(step) for step in entry.get("next_steps", [])]
+    hypotheses = [with_attempts(step) for step in entry.get("hypotheses") or []]
     defaults = {"error": None, "consistency": None, "not_checked": [], "causes": [], "time": None}
     defaults |= {"iteration": None, "grad_norm": None, "spike_ratio": None, "model": None}
     likely = [c for c in entry.get("causes", []) if c.get("likely")]
-    return {**defaults, **entry, "next_steps": steps, "likely": likely}
+    return {**defaults, **entry, "next_steps": steps, "hypotheses": hypotheses, "likely": likely}
 
 
 def _key_of(item: str) -> str | None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.result import ReplayResult
+from axrl_spike_replay.experiment.run_dir import BASELINE_COMMAND_FILE
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.vocabulary import Verdict
@@ -32,8 +33,12 @@ def experiment_row(exp_id: str, result: ReplayResult, result_path: Path | str | 
         "fidelity": result.fidelity,
         "mitigations": normalise_config(result.mitigations),
         "patch_sha256": result.patch_sha256,
-        "change": describe_change(result.mitigations, result.patch_sha256),
-        "is_baseline": is_baseline(result.mitigations, result.patch_sha256),
+        "change": describe_change(result.mitigations, result.patch_sha256, result.hypothesis),
+        "is_baseline": is_baseline(result.mitigations, result.patch_sha256, result.hypothesis),
+        # a hypothesis replay: judged against the recording ("reproduced under `aux_loss_coef=10.24@1`")
+        "hypothesis": normalise_config(result.hypothesis),
+        "finding": result.finding,
+        "rank_losses_match": _rank_losses_match(result),
         "config_id": result.config_id,
         "grad_norm": _float(result.grad_norm),
         "recorded_grad_norm": _float(result.recorded_grad_norm),
@@ -66,30 +71,36 @@ def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_
     if root is None:
         return None
     if result.verdict == Verdict.FAILED:
+        what = describe_change(result.mitigations, result.patch_sha256, result.hypothesis)
         return record_failure(
             root,
             job,
             reason=result.error or "replay failed",
-            command=f"{result.backend} replay ({describe_change(result.mitigations, result.patch_sha256)})",
+            command=f"{result.backend} replay ({what})",
             snapshot=result.snapshot,
             target=result.target,
             result_path=Path(result_path) if result_path is not None else None,
         )
 
     command = in_workspace(command_of(result_path), root, job, result.job_name)
+    baseline_command = in_workspace(baseline_command_of(result_path), root, job, result.job_name)
 
     def change(state: TaskState) -> str:
         repeated = repeated_baseline(state, result)
         if repeated is not None:
             return repeated
         exp_id = f"E{len(state.experiments) + 1}"
-        row = {**experiment_row(exp_id, result, result_path), "command": command}
+        row = experiment_row(exp_id, result, result_path)
+        # each row keeps its own command (a sweep's baseline: the baseline's, not the sweep's); the task's replay
+        # command is the baseline's (what reproduces the step), unless one was set by hand
+        row["command"] = (baseline_command or command) if row["is_baseline"] else command
         judged_by = baseline_row_of(state, row)
         if judged_by is not None:
             row["baseline"] = judged_by
         state.experiments.append(row)
-        if command and state.command_source != "user":  # the command actually used, unless one was set
-            state.command = command
+        shown = row["command"] if row["is_baseline"] else baseline_command
+        if shown and state.command_source != "user":
+            state.command = shown
             state.command_source = "replay"
         if not state.snapshot:
             state.snapshot = result.snapshot
@@ -178,6 +189,29 @@ def command_of(result_path: Path | str | None) -> str | None:
         except OSError:
             continue
     return None
+
+
+def baseline_command_of(result_path: Path | str | None) -> str | None:
+    """The baseline's command line a run recorded beside a mitigated or hypothesis replay (`baseline_command.txt`
+    in its run dir; a sweep's one level up): the same replay without its configs. None when none was recorded."""
+    if result_path is None:
+        return None
+    folder = Path(result_path).parent
+    for candidate in (folder / BASELINE_COMMAND_FILE, folder.parent / BASELINE_COMMAND_FILE):
+        try:
+            if candidate.is_file():
+                text = candidate.read_text(encoding="utf-8", errors="replace").strip()
+                return text[:4000] or None
+        except OSError:
+            continue
+    return None
+
+
+def _rank_losses_match(result: ReplayResult) -> bool | None:
+    """A hypothesis replay: whether every recorded rank loss matched the replayed one (None: none compared)."""
+    rows = (result.verdict_basis or {}).get("rank_losses") or []
+    judged = [row.get("matches") for row in rows if isinstance(row, dict) and row.get("matches") is not None]
+    return all(judged) if judged else None
 
 
 def record_diagnosis(workspace: Path | str, job: str, entry: dict[str, Any]) -> bool:

@@ -103,7 +103,7 @@ class ReportResult:
     fidelity: list[Row]
     baselines: list[Row]
     attempt_baselines: list[Row]
-    attempts: list[Row]
+    attempts: list[Row]  # mitigation attempts, each judged against its run's baseline
     failed: list[Row]
     methods: list[Row]
     observations: list[Row]
@@ -119,3 +119,6 @@ class ReportResult:
     diagnosis: Row | None = None  # `diagnose` on the task's snapshot, its experiments with the attempts that ran them
     # what to change in the trainer that wrote the snapshot: {trainer, label, known, methods: [{slug, settings, ...}]}
     trainer: Row | None = None
+    # hypothesis replays (loss settings scoped to ranks), each judged against the recording: its `finding` reads
+    # "reproduced under `aux_loss_coef=10.24@1`"
+    hypotheses: list[Row] = field(default_factory=list)
