@@ -33,7 +33,12 @@ def test_a_batch_edited_after_the_fact_does_not_reproduce_and_is_named(tmp_path:
     assert "problem [grad_norm_vs_replay]: the snapshot does not reproduce" in render_diagnosis(d)
     entry = diagnosis_entry(d, "always")  # what the task and the report keep
     assert entry["consistency"]["self_consistent"] is False
-    assert [p["name"] for p in entry["consistency"]["problems"]] == ["grad_norm_vs_replay"]
+    names = [p["name"] for p in entry["consistency"]["problems"]]
+    assert names[0] == "grad_norm_vs_replay"
+    # both ranks' batches were edited (no_mismatch rewrites each rank's rollout log-probs), so each rank's recorded
+    # loss disagrees with its replay too, and the per-rank check names them
+    ranks = [p.figures["rank"] for p in d.consistency.problems if p.name == "rank_loss_vs_replay"]
+    assert names[1:] == ["rank_loss_vs_replay"] * len(ranks) and sorted(ranks) == [0, 1]
 
 
 def test_the_unedited_snapshot_reproduces_and_an_attribution_under_mitigations_is_not_compared(

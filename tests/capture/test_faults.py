@@ -186,6 +186,8 @@ def test_capture_refuses_a_bad_fault_before_training(tmp_path, cli) -> None:
             '{"kind": "reward_nan", "params": {"factor": 2}}',
             "fault reward_nan: unknown params ['factor'] (known: none)",
         ),
+        ('{"kind": "loss_setting", "params": {"aux_loss_cof": 2}}', "['aux_loss_cof'] are no loss settings"),
+        ('{"kind": "loss_setting", "params": {"aux_loss_coef": -1}}', "aux_loss_coef must be a finite number >= 0"),
         ('{"kind": "reward_nan", "ranks": [' + "1," * 5000 + "1]}", "`ranks` must be a list of integers (at most"),
         ('{"kind": "reward_nan", "params": {"x": ' + "[" * 3000 + "]" * 3000 + "}}", "nests deeper than 8 levels"),
         ('{"kind": "reward_nan", "ranks": [1' + "0" * 400 + "]}", "holds an integer of 401 digits"),

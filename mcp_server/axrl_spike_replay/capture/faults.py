@@ -40,7 +40,8 @@ verifier that returns another scale or NaN, a weight sync that stopped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -139,6 +140,11 @@ class BuiltinFault:
 
     def param(self, name: str, default: Any) -> Any:
         return self.spec.params.get(name, default)
+
+    @classmethod
+    def check_spec(cls, spec: FaultSpec) -> None:
+        """ConfigError naming the first parameter of `spec` this fault does not take, or whose value is wrong."""
+        check_params(spec.kind, spec.params, cls.PARAMS)
 
     def corrupt(self, parts: StepParts) -> None:
         raise NotImplementedError
@@ -459,15 +465,23 @@ class LossSetting(BuiltinFault):
     stage = "batch"
     part = "loss"
 
-    def corrupt(self, parts: StepParts) -> None:
-        import dataclasses
+    @classmethod
+    def check_spec(cls, spec: FaultSpec) -> None:
+        """Its params are loss settings: `LossConfig` field names, each value checked as the run config's is."""
+        known = {f.name for f in dataclasses.fields(LossConfig)} - {"extra"}
+        unknown = sorted(set(spec.params) - known, key=str)
+        if unknown:
+            raise ConfigError(f"fault loss_setting: {shown(unknown, 80)} are no loss settings (known: {sorted(known)})")
+        if not spec.params:
+            raise ConfigError("fault loss_setting: `params` names no loss setting (e.g. {aux_loss_coef: 10.24})")
+        try:
+            LossConfig(**spec.params)
+        except (ConfigError, TypeError, ValueError) as err:
+            raise ConfigError(f"fault loss_setting: {err}") from None
 
+    def corrupt(self, parts: StepParts) -> None:
         if parts.loss is None:
             return
-        known = {f.name for f in dataclasses.fields(LossConfig)} - {"extra"}
-        unknown = sorted(set(self.spec.params) - known)
-        if unknown:
-            raise ConfigError(f"fault loss_setting: {unknown} are no loss settings (known: {sorted(known)})")
         parts.loss = dataclasses.replace(parts.loss, **self.spec.params)
 
 
@@ -499,7 +513,7 @@ class MaskShift(BuiltinFault):
         parts.batch["loss_mask"] = mask
 
 
-FAULT_KINDS: dict[str, Callable[[FaultSpec], BuiltinFault]] = {
+FAULT_KINDS: dict[str, type[BuiltinFault]] = {
     "rollout_logprob_shift": RolloutLogprobShift,
     "rollout_stale_engine": RolloutStaleEngine,
     "rollout_logprob_neg_inf": RolloutLogprobNegInf,
@@ -528,7 +542,7 @@ def make_fault(spec: FaultSpec) -> BuiltinFault:
         kind = FAULT_KINDS[spec.kind]
     except KeyError:
         raise ConfigError(f"fault kind {shown(spec.kind, 80)} is not known (known: {', '.join(FAULT_KINDS)})") from None
-    check_params(spec.kind, spec.params, getattr(kind, "PARAMS", {}))
+    kind.check_spec(spec)
     return kind(spec)
 
 
