@@ -169,3 +169,36 @@ def test_an_unknown_micro_batch_setting_is_refused_naming_the_run_config(snapsho
     bad = with_section(snapshot, tmp_path, {"split": "size"})
     with pytest.raises(ConfigError, match=r"run_config\.yaml: micro_batches\.split size needs micro_batches\.size"):
         run_replay(bad, ReplayOptions())
+
+
+def test_attribution_ranks_samples_across_the_micro_batches_of_the_trainers_step(snapshot: Path) -> None:
+    """Attribution computes each rank's loss micro-batch by micro-batch: its gradient is the trainer's, and the
+    samples' contributions, each from its own micro-batch, add up to it."""
+    from axrl_spike_replay.replay.attribution import attribute_spike
+
+    expected = trainer_grad_norm(snapshot, SPLITS)
+    attribution = attribute_spike(snapshot, top=3)
+    assert _rel(attribution.grad_norm, expected) <= SAME
+    assert attribution.sum_rel_error <= 1e-5
+    per_sample = attribute_spike(snapshot, top=3, method="per_sample_backward")
+    assert [(s.rank, s.sample) for s in per_sample.samples] == [(s.rank, s.sample) for s in attribution.samples]
+
+
+def test_sharded_attribution_refuses_ranks_of_different_micro_batch_counts(snapshot: Path) -> None:
+    from axrl_spike_replay.errors import AxrlError
+    from axrl_spike_replay.replay.attribution import attribute_spike
+
+    with pytest.raises(AxrlError, match="same number of micro-batches"):
+        attribute_spike(snapshot, top=3, shard="on", nproc=2)
+
+
+def test_the_step_evidence_reads_the_trainers_rank_losses(snapshot: Path) -> None:
+    """The diagnosis' loss channel splits the micro-batched loss: each rank's loss is the replay's."""
+    from axrl_spike_replay.replay.step_evidence_run import step_evidence
+
+    replay = run_replay(snapshot, ReplayOptions())
+    evidence = step_evidence(snapshot, shard="off")
+    replayed = {m["rank"]: m["loss"] for m in replay.rank_metrics}
+    assert evidence.channel is not None
+    for row in evidence.channel.rank_losses:
+        assert abs(row["loss"] - replayed[row["rank"]]) <= 1e-6 * abs(replayed[row["rank"]])

@@ -301,10 +301,13 @@ def take_routing(control: Any, mb: MicroBatch, size: int) -> Any:
     return replace(control, **changes) if changes else control
 
 
-def stitch(parts: Sequence[torch.Tensor], plan: Sequence[MicroBatch], size: int, width: int) -> torch.Tensor:
-    """Per-micro-batch [b, w, ...] tensors put back at their rows of a [size, width, ...] one (0 where none)."""
+def stitch(
+    parts: Sequence[torch.Tensor], plan: Sequence[MicroBatch], size: int, width: int, fill: float = 0
+) -> torch.Tensor:
+    """Per-micro-batch [b, w, ...] tensors put back at their rows of a [size, width, ...] one (`fill` where none);
+    differentiable: gradients of the whole reach each part."""
     first = parts[0]
-    out = torch.zeros((size, width, *first.shape[2:]), dtype=first.dtype, device=first.device)
+    out = torch.full((size, width, *first.shape[2:]), fill, dtype=first.dtype, device=first.device)
     for part, mb in zip(parts, plan, strict=True):
         index = torch.tensor(mb.rows, dtype=torch.long, device=first.device)
         out[index, : part.shape[1]] = part
