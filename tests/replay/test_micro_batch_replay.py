@@ -54,9 +54,10 @@ def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return snap
 
 
-def trainer_grad_norm(snap: Path, sizes: dict[int, tuple[int, ...]]) -> float:
+def trainer_grad_norm(snap: Path, sizes: dict[int, tuple[int, ...]], weights: dict[int, float] | None = None) -> float:
     """The global grad norm of the trainer that ran each rank in `sizes`' micro-batches (Megatron-core's schedule:
-    each micro-batch's loss over the micro-batch count, accumulated; then the DP mean)."""
+    each micro-batch's loss over the micro-batch count, accumulated; then the DP mean); `weights` multiply a rank's
+    whole loss (a hypothesis' `loss_scale`; 0: the rank left out)."""
     torch.manual_seed(0)  # the policy record_tiny_snapshot builds, with the weights it saved
     model = TinyMoEPolicy(MODEL)
     doc = yaml.safe_load((snap / "run_config.yaml").read_text())
@@ -75,7 +76,7 @@ def trainer_grad_norm(snap: Path, sizes: dict[int, tuple[int, ...]]) -> float:
             rank_forward_backward(model, take(batch, mb), loss, take_routing(control, mb, len(batch["tokens"])))
             for t, p in zip(total, model.parameters(), strict=True):
                 if p.grad is not None:
-                    t.add_(p.grad, alpha=mb.scale)
+                    t.add_(p.grad, alpha=mb.scale * (weights or {}).get(rank, 1.0))
     for p, t in zip(model.parameters(), total, strict=True):
         p.grad = t / len(sizes)
     return global_grad_norm(model)
@@ -202,3 +203,16 @@ def test_the_step_evidence_reads_the_trainers_rank_losses(snapshot: Path) -> Non
     assert evidence.channel is not None
     for row in evidence.channel.rank_losses:
         assert abs(row["loss"] - replayed[row["rank"]]) <= 1e-6 * abs(replayed[row["rank"]])
+
+
+@pytest.mark.parametrize(
+    ("mitigations", "weights"),
+    [({"loss_scale": "2.5@1"}, {1: 2.5}), ({"drop_ranks": "1"}, {1: 0.0})],
+)
+def test_per_rank_hypotheses_and_left_out_ranks_go_through_the_same_micro_batches(
+    snapshot: Path, mitigations: dict[str, str], weights: dict[int, float]
+) -> None:
+    """A hypothesis scaling one rank's loss, and a rank left out, on the micro-batched step: each micro-batch of
+    that rank scaled (or left out) as a whole rank's loss would be."""
+    result = run_replay(snapshot, ReplayOptions(nproc=1, mitigations=mitigations))
+    assert _rel(result.grad_norm, trainer_grad_norm(snapshot, SPLITS, weights)) <= SAME
