@@ -216,3 +216,17 @@ def test_per_rank_hypotheses_and_left_out_ranks_go_through_the_same_micro_batche
     that rank scaled (or left out) as a whole rank's loss would be."""
     result = run_replay(snapshot, ReplayOptions(nproc=1, mitigations=mitigations))
     assert _rel(result.grad_norm, trainer_grad_norm(snapshot, SPLITS, weights)) <= SAME
+
+
+def test_the_plan_counts_one_micro_batchs_activations(snapshot: Path, tmp_path: Path) -> None:
+    """The plan holds a process to one micro-batch's activations (the largest: 4 of rank 0's 6 sequences), and
+    says so; flattened, it counts the whole rank's."""
+    from axrl_spike_replay.replay.replay_plan import plan_replay
+
+    micro = plan_replay(snapshot, nproc=1, capacity=None, shard="off")
+    whole = plan_replay(with_section(snapshot, tmp_path, {"split": "whole"}), nproc=1, capacity=None, shard="off")
+    assert micro.chosen is not None and whole.chosen is not None
+    assert micro.tokens_per_rank == whole.tokens_per_rank == 6 * 12
+    assert micro.chosen.memory.activations < whole.chosen.memory.activations
+    assert any("one micro-batch of 4 x 12 tokens" in note for note in micro.notes), micro.notes
+    assert not any("micro-batch" in note for note in whole.notes)
