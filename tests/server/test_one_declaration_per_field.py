@@ -6,20 +6,22 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import MISSING, replace
+from dataclasses import MISSING, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
 from mcp.types import TextResourceContents
+from pydantic import TypeAdapter, ValidationError
 from server_helpers import SpikeOutputs, with_client
 
 from axrl_spike_replay.cli import build_parser, main
-from axrl_spike_replay.cli.request_options import option_help
+from axrl_spike_replay.cli.request_options import add_request_options, option_help, request_values
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.investigation.request import How, ReplayRequest, What, Where, replay_request
-from axrl_spike_replay.investigation.request_fields import Declared, declared_fields
+from axrl_spike_replay.investigation.request_fields import Declared, check_declared, declare, declared_fields
 from axrl_spike_replay.jsonable import to_jsonable
+from axrl_spike_replay.mcp_faces.shared_arguments import schema_field
 from axrl_spike_replay.server import create_server
 from axrl_spike_replay.vocabulary import Verb
 
@@ -151,3 +153,41 @@ def test_an_option_declared_on_the_request_reaches_the_cli_with_no_cli_code(
         main([*argv, "--method", "guess"])
     err = capsys.readouterr().err
     assert "--method: invalid choice: 'guess'" in err and "per_sample_backward" in err
+
+
+@dataclass(frozen=True, kw_only=True)
+class _NewPart:
+    """A part with one field declared the way a new replay option is: nothing else is written for either face."""
+
+    warmup_steps: int | None = field(
+        default=None,
+        metadata=declare(
+            summary="Steps to warm up first.",
+            help="Warm-up steps before the replayed one.",
+            kind="int",
+            ge=0,
+            le=8,
+            verbs=(Verb.REPLAY,),
+            metavar="N",
+        ),
+    )
+
+
+def test_a_newly_declared_field_appears_in_both_faces_from_its_declaration_alone() -> None:
+    parser = argparse.ArgumentParser(prog="replay")
+    add_request_options(parser, Verb.REPLAY, _NewPart)
+    assert request_values(parser.parse_args(["--warmup-steps", "3"]), _NewPart) == {"warmup_steps": 3}
+    assert request_values(parser.parse_args([]), _NewPart) == {"warmup_steps": None}
+    assert "Warm-up steps before the replayed one." in parser.format_help()
+    attribute = argparse.ArgumentParser(prog="attribute")
+    add_request_options(attribute, Verb.ATTRIBUTE, _NewPart)  # not a verb that takes it
+    assert "--warmup-steps" not in attribute.format_help()
+
+    ((name, declaration, _),) = declared_fields(_NewPart)
+    adapter = TypeAdapter(Annotated[int | None, schema_field(declaration)])
+    assert adapter.json_schema()["anyOf"][0] == {"type": "integer", "minimum": 0, "maximum": 8}
+    assert adapter.json_schema()["description"] == "Steps to warm up first."
+    with pytest.raises(ValidationError):
+        adapter.validate_python(9)
+    with pytest.raises(ConfigError, match=r"^`warmup_steps` must be an integer from 0 to 8, got 9$"):
+        check_declared(name, declaration, 9)

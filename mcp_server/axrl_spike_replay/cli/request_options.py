@@ -34,7 +34,13 @@ def option_help(declaration: Declared, default: Any) -> str:
 def add_declared_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str) -> None:
     """The option that sets the request field `name`, as its declaration says."""
     found = {field: (d, default) for field, d, default in declared_fields(*_PARTS)}
-    declaration, default = found[name]
+    add_option(parser, name, *found[name])
+
+
+def add_option(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str, declaration: Declared, default: Any
+) -> None:
+    """The option for a field `name` of this declaration and default: its flag, type, choices, metavar and help."""
     kwargs: dict[str, Any] = {"dest": name, "help": option_help(declaration, default)}
     if declaration.kind == "bool":
         kwargs |= {"action": "store_true"}
@@ -50,9 +56,9 @@ def add_declared_option(parser: argparse.ArgumentParser | argparse._ArgumentGrou
 
 
 def add_request_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, verb: Verb, *parts: type) -> None:
-    """Every generated option of `parts` (default: all three) that `verb` takes, in declaration order."""
-    for name, _, _ in generated_options(verb, *(parts or _PARTS)):
-        add_declared_option(parser, name)
+    """Every generated option of `parts` (default: the request's three) that `verb` takes, in declaration order."""
+    for name, declaration, default in generated_options(verb, *(parts or _PARTS)):
+        add_option(parser, name, declaration, default)
 
 
 def request_values(args: argparse.Namespace, part: type) -> dict[str, Any]:

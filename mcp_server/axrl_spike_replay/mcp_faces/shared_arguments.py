@@ -29,13 +29,18 @@ GUIDE |= {name: d.help for name, d in DECLARED.items()}
 
 
 def declared_field(name: str, **schema: Any) -> Any:
-    """The pydantic `Field` of a tool parameter that sets the request field `name`: its one-line summary and, where
-    the declaration puts them in the schema, its bounds (`schema`: what only the schema says, e.g. `min_length`)."""
-    d = DECLARED[name]
-    if d.summary:
-        schema["description"] = d.summary
-    if d.schema_bounds:
-        schema |= {key: value for key in ("ge", "le", "gt") if (value := getattr(d, key)) is not None}
+    """The pydantic `Field` of a tool parameter that sets the request field `name` (`schema`: what only the schema
+    says, e.g. `min_length`)."""
+    return schema_field(DECLARED[name], **schema)
+
+
+def schema_field(declaration: Declared, **schema: Any) -> Any:
+    """The pydantic `Field` a declaration gives a tool parameter: its one-line summary and, where the declaration
+    puts them in the schema, its bounds."""
+    if declaration.summary:
+        schema["description"] = declaration.summary
+    if declaration.schema_bounds:
+        schema |= {key: value for key in ("ge", "le", "gt") if (value := getattr(declaration, key)) is not None}
     return Field(**schema)
 
 
