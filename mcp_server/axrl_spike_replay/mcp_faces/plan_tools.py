@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ToolAnnotations
@@ -18,6 +18,7 @@ from axrl_spike_replay.mcp_faces.shared_arguments import (
     DeviceArg,
     NprocArg,
     RemotePythonArg,
+    ShardArg,
     SnapshotArg,
     WorkspaceArg,
 )
@@ -32,16 +33,11 @@ async def plan_replay_tool(
     ctx: Context,
     target: Annotated[
         str | None,
-        Field(
-            description="Plan for this node's GPUs (probed over SSH); omit: this machine."
-        ),
+        Field(description="Plan for this node's GPUs (probed over SSH); omit: this machine."),
     ] = None,
     nproc: NprocArg = None,
     device: DeviceArg = "cpu",
-    shard: Annotated[
-        Literal["auto", "on", "off"],
-        Field(description="Shard the model over the processes (FSDP2)."),
-    ] = "auto",
+    shard: ShardArg = "auto",
     gpus: Annotated[
         int | None,
         Field(description="A node of this many GPUs (with gpu_memory_gib).", ge=1, le=MAX_GPUS),

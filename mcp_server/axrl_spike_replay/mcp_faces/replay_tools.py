@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Awaitable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
@@ -14,9 +14,9 @@ from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
 from axrl_spike_replay.experiment.result import Attribution, ReplayResult, RunResult, SweepResult
-from axrl_spike_replay.investigation.request import LOCAL, MAX_REPEAT, How, ReplayRequest, What, Where
+from axrl_spike_replay.investigation.request import LOCAL, How, ReplayRequest, What, Where
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
-from axrl_spike_replay.mcp_faces.config import ServerConfig, TopArg, server_config
+from axrl_spike_replay.mcp_faces.config import ServerConfig, server_config
 from axrl_spike_replay.mcp_faces.shared_arguments import (
     AcceptNewKeyArg,
     BackendArg,
@@ -24,12 +24,15 @@ from axrl_spike_replay.mcp_faces.shared_arguments import (
     ConfigsArg,
     DeviceArg,
     JobOptArg,
+    MethodArg,
     MitigationsArg,
     NprocArg,
     ParallelConfigsArg,
     PatchArg,
     PatchesArg,
     RemotePythonArg,
+    RepeatArg,
+    SamplesTopArg,
     ShardArg,
     SlurmArg,
     SnapshotArg,
@@ -82,10 +85,7 @@ async def replay_tool(
     nproc: NprocArg = None,
     device: DeviceArg = "cpu",
     shard: ShardArg = "auto",
-    repeat: Annotated[
-        int,
-        Field(description="Recompute this many times (the spread).", ge=1, le=MAX_REPEAT),
-    ] = 1,
+    repeat: RepeatArg = 1,
     clear_threshold: ClearThresholdArg = None,
     backend: BackendArg = "torch",
     patch: PatchArg = None,
@@ -188,16 +188,10 @@ async def sweep_tool(
 async def attribute_spike_tool(
     snapshot: SnapshotArg,
     ctx: Context,
-    top: TopArg = 10,
-    mitigations: Annotated[
-        dict[str, Any],
-        Field(description="Attribute under this mitigation config."),
-    ] = {},  # noqa: B006
+    top: SamplesTopArg = 10,
+    mitigations: MitigationsArg = {},  # noqa: B006
     device: DeviceArg = "cpu",
-    method: Annotated[
-        Literal["jvp", "per_sample_backward"],
-        Field(description="jvp (one pass) or per_sample_backward (a check)."),
-    ] = "jvp",
+    method: MethodArg = "jvp",
     job: JobOptArg = None,
     workspace: WorkspaceArg = None,
     nproc: NprocArg = None,
@@ -235,9 +229,7 @@ def register(server: MCPServer) -> None:
         title="Replay the spike step",
         annotations=REPLAYS,
     )
-    server.add_tool(
-        sweep_tool, name="sweep", title="Compare mitigation configs", annotations=REPLAYS
-    )
+    server.add_tool(sweep_tool, name="sweep", title="Compare mitigation configs", annotations=REPLAYS)
     server.add_tool(
         attribute_spike_tool,
         name="attribute_spike",
