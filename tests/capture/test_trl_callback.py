@@ -169,3 +169,37 @@ def test_a_snapshot_that_cannot_be_written_never_stops_training(tmp_path: Path) 
     assert len(callback.guard.write_failures) == 2 and callback.guard.snapshots == []
     assert not callback.off  # a failed write is the guard's own business: it stays on
     assert run.state.global_step == 2
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_two_processes_over_gloo_write_one_snapshot_that_replays_on_one_process_and_on_two(tmp_path: Path) -> None:
+    """torchrun starts two processes of the run (trl_two_process.py); accelerate joins them over gloo, TRL's DDP
+    averages their gradients and gathers `num_items_in_batch`. Each process writes its own batch, routes and grad
+    info into the one snapshot; the replay reproduces the step on two processes (full fidelity) and on one."""
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent / "trl_two_process.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(script), str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "TRIPPED [5]" in done.stdout, done.stdout[-2000:]
+    snapshot = next((tmp_path / "spikes").glob("iter_*"))
+    for rank in (0, 1):
+        assert (snapshot / f"batch_rank{rank}.pt").is_file() and (snapshot / f"routing_payload_rank{rank}.pt").is_file()
+    config = yaml.safe_load((snapshot / "run_config.yaml").read_text(encoding="utf-8"))
+    assert config["loss"]["trl"]["num_processes"] == 2 and config["parallel"]["world_size"] == 2
+    for nproc, fidelity in ((2, "full"), (1, "reduced")):
+        result = run_replay(snapshot, ReplayOptions(nproc=nproc))
+        print(f"two-process TRL snapshot on {nproc}: rel_diff {result.rel_diff}")
+        assert result.verdict == "reproduced" and result.fidelity == fidelity, (result.rel_diff, result.error)
