@@ -298,7 +298,7 @@ def our_side(
     out = policy_loss(leaf, batch, cfg, entropy=entropy)
     out.loss.backward()
     assert leaf.grad is not None
-    return float(out.loss), leaf.grad[:, PROMPT:]
+    return float(out.loss.detach()), leaf.grad[:, PROMPT:]
 
 
 def compare(case: Case, seed: int = 0) -> dict[str, float]:

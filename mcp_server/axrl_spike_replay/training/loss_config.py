@@ -272,7 +272,9 @@ def trl_rollout_correction(cfg: LossConfig) -> RolloutCorrection | None:
     s = cfg.trl
     if s is None or s.rollout_correction is None:
         return None
-    return RolloutCorrection(s.rollout_correction, s.rollout_correction_min, s.rollout_correction_max, recorded=True)
+    return RolloutCorrection(
+        s.rollout_correction, s.rollout_correction_min, s.rollout_correction_max, s.rollout_correction_recorded
+    )
 
 
 def check_trl_settings(cfg: LossConfig) -> None:

@@ -52,6 +52,9 @@ class TrlSettings:
     rollout_correction: str | None = None  # vllm_importance_sampling_mode, when TRL applied the correction
     rollout_correction_min: float | None = None  # vllm_importance_sampling_clip_min
     rollout_correction_max: float | None = 3.0  # vllm_importance_sampling_clip_max
+    # the ratio TRL's loss consumed is in the batch (the trainer's own correction); False when a mitigation set the
+    # correction, whose ratio the replay computes from old vs rollout log-probs as TRL's generation step does
+    rollout_correction_recorded: bool = True
     max_completion_length: int = 512  # dr_grpo's constant normaliser
     gradient_accumulation_steps: int = 1  # the step's micro-batches per process (TRL's current_gradient_...)
     steps_per_generation: int = 1
