@@ -203,3 +203,29 @@ def test_two_processes_over_gloo_write_one_snapshot_that_replays_on_one_process_
         result = run_replay(snapshot, ReplayOptions(nproc=nproc))
         print(f"two-process TRL snapshot on {nproc}: rel_diff {result.rel_diff}")
         assert result.verdict == "reproduced" and result.fidelity == fidelity, (result.rel_diff, result.error)
+
+
+def test_a_sweep_runs_trls_objectives_beside_todays_mitigations_on_the_captured_spike(trl_run: Any) -> None:
+    """The spike is a reward burst (advantages 1000x): the objectives that bound ratios cannot clear it (the ratios
+    are 1: one update per generation), an advantage clip does. Each result says so, with its cosine to the clean
+    gradient and the tokens it touched."""
+    from axrl_spike_replay.replay.sweep import run_sweep
+
+    callback, _ = trl_run
+    configs = [
+        {"importance_sampling_level": "sequence"},
+        {"trl_loss_type": "cispo"},
+        {"trl_loss_type": "sapo"},
+        {"trl_loss_type": "dr_grpo"},
+        {"delta": 1.5},
+        {"advantage_clip": 1},
+    ]
+    sweep = run_sweep(callback.guard.snapshots[0], configs, ReplayOptions(nproc=1))
+    assert sweep.baseline.verdict == "reproduced"
+    verdicts = {}
+    for config, result in zip(configs, sweep.results, strict=True):
+        print(f"{config}: {result.verdict}, change {result.change_vs_baseline}, cosine {result.cosine_to_clean}")
+        assert result.verdict != "failed", result.error
+        verdicts[next(iter(config))] = result.verdict
+    assert verdicts["advantage_clip"] == "cleared"
+    assert verdicts["delta"] == "no_effect"  # every ratio is 1: a cap at 1.5 touches nothing
