@@ -75,3 +75,17 @@ def test_a_bad_rollout_correction_is_named() -> None:
     for bad in ("token", "token_mask:x", "token_mask:2:1", "token_mask:1:2:3"):
         with pytest.raises(ConfigError, match="mitigation rollout_correction"):
             parse_config({"rollout_correction": bad})
+
+
+def test_the_command_lines_spellings_parse_as_the_yaml_ones() -> None:
+    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+
+    cli = ["delta=1.5", "importance_sampling_level=sequence", "trl_loss_type=cispo", "rollout_correction=token_mask:2"]
+    assert parse_mitigation_args(cli) == parse_config(
+        {
+            "delta": 1.5,
+            "importance_sampling_level": "sequence",
+            "trl_loss_type": "cispo",
+            "rollout_correction": "token_mask:2",
+        }
+    )

@@ -15,6 +15,7 @@ from typing import Any
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigation_declaration import Advice, Mitigation, ReplaySetup
+from axrl_spike_replay.experiment.mitigation_values import parse_number
 from axrl_spike_replay.experiment.trainer_settings import NO_MEGATRON_FLAG, none, per_value
 from axrl_spike_replay.training.trl_settings import ROLLOUT_CORRECTION_MODES, TRL_IS_LEVELS, TRL_LOSS_TYPES, TrlSettings
 
@@ -48,9 +49,10 @@ def _choice(options: tuple[str, ...]) -> Callable[[str, Any], str]:
 
 
 def _above_one(name: str, raw: Any) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 1 < raw < float("inf"):
+    value = parse_number(name, raw)  # a number, or its text from the command line
+    if not 1 < value < float("inf"):
         raise ConfigError(f"mitigation {name}: must be a number > 1, got {shown(raw)}")
-    return float(raw)
+    return value
 
 
 def parse_rollout_correction(name: str, raw: Any) -> str:
