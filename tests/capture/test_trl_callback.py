@@ -229,3 +229,25 @@ def test_a_sweep_runs_trls_objectives_beside_todays_mitigations_on_the_captured_
         verdicts[next(iter(config))] = result.verdict
     assert verdicts["advantage_clip"] == "cleared"
     assert verdicts["delta"] == "no_effect"  # every ratio is 1: a cap at 1.5 touches nothing
+
+
+class BrokenDetector(MedianRatioDetector):
+    """A detector that fails on its second step (an unexpected error inside the guard)."""
+
+    def __init__(self) -> None:
+        super().__init__(window=4, threshold=5.0, warmup=3)
+        self.calls = 0
+
+    def observe(self, grad_norm: float) -> Any:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("detector failure")
+        return super().observe(grad_norm)
+
+
+def test_an_unexpected_error_turns_the_guard_off_and_training_goes_on(tmp_path: Path) -> None:
+    run = trainer(tmp_path, RunSpec(steps=3, burst_at=None))
+    callback = attach_spike_guard(run, tmp_path / "spikes", detector=BrokenDetector())
+    run.train()
+    assert callback.off and len(callback.decisions) == 1  # judged step 1, failed on step 2, off from then on
+    assert run.state.global_step == 3
