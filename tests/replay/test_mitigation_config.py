@@ -46,6 +46,10 @@ ISSUE_NAMES = {
     "kl_estimator",
     "kl_clamp",
     "loss_scale",
+    "importance_sampling_level",  # TRL's objectives (issue 34)
+    "trl_loss_type",
+    "delta",
+    "rollout_correction",
 }
 
 

@@ -48,6 +48,10 @@ SAMPLES: dict[str, Any] = {
     "kl_estimator": "low_var_kl",
     "kl_clamp": 10,
     "loss_scale": "2@1",  # per rank only: a hypothesis about one rank's loss, no trainer setting
+    "importance_sampling_level": "sequence",  # TRL's objectives: loss.trl keys of a TRL snapshot
+    "trl_loss_type": "cispo",
+    "delta": 1.5,
+    "rollout_correction": "sequence_mask",
 }
 
 
@@ -71,7 +75,8 @@ def test_the_run_config_setting_is_the_replayed_change(name: str) -> None:
     base = build_run_config(preset="none", steps=2)
     spec = parse_run_config(base)
     if change.setting is None:
-        assert name in ("advantage_outlier_mask", "initial_model", "loss_scale") and change.note  # the note says why
+        trl_objectives = ("importance_sampling_level", "trl_loss_type", "delta", "rollout_correction")
+        assert name in ("advantage_outlier_mask", "initial_model", "loss_scale", *trl_objectives) and change.note
         return
     key, _, text = change.setting.partition(": ")
     section, field = key.split(".")

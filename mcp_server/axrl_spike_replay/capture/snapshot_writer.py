@@ -58,7 +58,7 @@ class SnapshotWriteError(AxrlError):
 class RankPayload:
     """What one data-parallel rank contributes to a snapshot."""
 
-    batch: dict[str, torch.Tensor]
+    batch: dict[str, Any]  # a dict of tensors, or {"micro_batches": [dict of tensors, ...]}
     grad_info: dict[str, Any]
     routing_payload: dict[str, Any] | None = None
 

@@ -33,6 +33,7 @@ from axrl_spike_replay.diagnosis.hypotheses import loss_hypotheses, rank_mismatc
 from axrl_spike_replay.diagnosis.model_evidence import RouteAgreement
 from axrl_spike_replay.diagnosis.no_ops import no_op_reason, run_configs
 from axrl_spike_replay.diagnosis.signal_reading import SignalReading, read_signals
+from axrl_spike_replay.diagnosis.trl_experiments import in_convention
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.result import Attribution
 from axrl_spike_replay.experiment.step_evidence import StepEvidence
@@ -212,7 +213,9 @@ def diagnose_snapshot(
     found = [c for rule in RULES if (c := rule(ev)) is not None]
     for cause in found:
         cause.experiments = [
-            e for e in cause.experiments if no_op_reason(e.mitigation, loss, routing, moe_layers) is None
+            e
+            for e in in_convention(cause.experiments, loss, routing)
+            if no_op_reason(e.mitigation, loss, routing, moe_layers) is None
         ]
     _mark_ties(found)
     found.sort(key=lambda c: -c.strength)

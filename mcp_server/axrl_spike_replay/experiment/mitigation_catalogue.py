@@ -47,6 +47,10 @@ EXAMPLES: dict[str, Any] = {
     "kl_estimator": "low_var_kl",
     "kl_clamp": 10,
     "loss_scale": "2@1",
+    "importance_sampling_level": "sequence",
+    "trl_loss_type": "cispo",
+    "delta": 1.5,
+    "rollout_correction": "sequence_mask",
 }
 
 

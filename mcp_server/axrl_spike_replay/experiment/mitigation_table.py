@@ -45,6 +45,7 @@ from axrl_spike_replay.experiment.trainer_settings import (
     verl_kl,
     verl_rejection,
 )
+from axrl_spike_replay.experiment.trl_mitigations import TRL_OBJECTIVES
 from axrl_spike_replay.training.loss_config import (
     KL_ESTIMATORS,
     LOGPROB_BASES,
@@ -639,5 +640,6 @@ MITIGATIONS: dict[str, Mitigation] = {
                 none("megatron", "a diagnostic (batch or drifted policy?), no training setting"),
             ),
         ),
+        *TRL_OBJECTIVES,
     )
 }

@@ -80,6 +80,9 @@ class ReplayResult:
     # baseline is: "reproduced under `aux_loss_coef=10.24@1`"
     hypothesis: dict[str, Any] = field(default_factory=dict)
     finding: str | None = None
+    # the trainer release the snapshot was captured with, when the loss convention reproduces another one (a TRL
+    # snapshot of a release other than the one checked); None when they are the same
+    trainer_version_note: str | None = None
 
     def __post_init__(self) -> None:
         # Results are also rebuilt from files and task rows: the vocabulary fields always hold members.

@@ -221,6 +221,7 @@ class ReplaySession:
             "sharded": self.shard.shard,
             "shard_reason": self.shard.reason,
             "precision": self.inputs.effective_precision.describe(),
+            "trainer_version_note": cfg.loss.trl.version_note() if cfg.loss.trl is not None else None,
         }
 
     def result(self, cfg: AppliedConfig, outcome: ConfigOutcome, baseline_norm: float | None) -> ReplayResult:

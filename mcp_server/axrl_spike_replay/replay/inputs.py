@@ -24,6 +24,7 @@ from axrl_spike_replay.training.micro_batches import MicroBatchSpec, plan_micro_
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.precision import PrecisionPolicy
 from axrl_spike_replay.training.routing_replay import RoutingConfig
+from axrl_spike_replay.training.trl_settings import NUM_ITEMS_LOSS_TYPES
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
 # Sections the engine rebuilds from, and sections it reads but need not rebuild (the trainer's own).
@@ -269,7 +270,10 @@ def _needed_fields(loss: LossConfig) -> dict[str, str]:
     if loss.mismatch_token_clip_max is not None:
         needed["old_logprobs"] = needed["rollout_logprobs"] = "mismatch_token_clip_max"
         base = "old"
-    needed.setdefault(f"{base}_logprobs", f"is_base_logprobs={base}")
+    if loss.convention != "trl":  # TRL's ratio is against the current log-probs (detached) when it kept no old ones
+        needed.setdefault(f"{base}_logprobs", f"is_base_logprobs={base}")
+    elif loss.trl is not None and loss.trl.loss_type in NUM_ITEMS_LOSS_TYPES:
+        needed["num_items_in_batch"] = f"TRL's loss_type {loss.trl.loss_type} (its normaliser)"
     if loss.ratio_outlier_mask is not None:
         needed.setdefault(f"{loss.ratio_outlier_mask.base}_logprobs", "ratio_outlier_mask")
     if loss.kl_coef:

@@ -18,10 +18,13 @@ def rank_signals(
     rank: int, batch: dict[str, torch.Tensor], logprobs: torch.Tensor, mask: torch.Tensor, base: str
 ) -> list[dict[str, Any]]:
     """Per sample of a rank batch: what the attribution reports beside its contribution (advantage, reward, the
-    largest |log-prob - base log-prob| on its loss tokens, loss tokens, group)."""
+    largest |log-prob - base log-prob| on its loss tokens, loss tokens, group). A batch without its base log-probs
+    (TRL's, when it kept no old ones: its ratio is against the current log-probs) shows 0."""
     adv = expand_advantages(batch["advantages"], logprobs.shape)
     tokens = mask.sum(dim=-1)
-    log_ratio = ((logprobs - batch[f"{base}_logprobs"].float()).abs() * (mask > 0)).amax(dim=-1)
+    stored = batch.get(f"{base}_logprobs")
+    base_logprobs = logprobs if stored is None else stored.float()
+    log_ratio = ((logprobs - base_logprobs).abs() * (mask > 0)).amax(dim=-1)
     rewards = batch.get("rewards")
     groups = batch.get("group_index")
     return [

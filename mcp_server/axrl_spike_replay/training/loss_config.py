@@ -9,6 +9,7 @@ from typing import Any
 
 from axrl_spike_replay.display import shown, shown_names
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.training.trl_settings import TrlSettings
 from axrl_spike_replay.training.verl_settings import (
     ROLLOUT_IS_LEVELS,
     VERL_VERSION,
@@ -19,7 +20,8 @@ from axrl_spike_replay.training.verl_settings import (
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 LOGPROB_BASES = ("old", "rollout")
-CONVENTIONS = ("axrl", "verl")  # whose loss a replay computes: this tool's own, or verl's (VERL_VERSION)
+# whose loss a replay computes: this tool's own, verl's (VERL_VERSION) or TRL's GRPOTrainer (TRL_VERSION)
+CONVENTIONS = ("axrl", "verl", "trl")
 NORMALIZATIONS = ("per_rank", "global")  # each rank by its own counts, or by the step's global counts
 # A trainer's settings its capture could not represent under any convention (each with the reason): a loss section
 # listing any describes another loss than the one the step was computed with, so it is refused, never replayed.
@@ -77,6 +79,7 @@ class LossConfig:
     rollout_is_threshold: float | str = 2.0  # verl's spec: an upper bound (TIS) or "lower_upper" (IcePop)
     rollout_rs: str | None = None  # verl rejection sampling: comma-separated ROLLOUT_RS_OPTIONS
     rollout_rs_threshold: float | str | None = None  # verl's spec, one per option or shared
+    trl: TrlSettings | None = None  # convention trl: TRL's GRPOConfig loss settings (None: TRL's defaults)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +124,16 @@ class LossConfig:
                 object.__setattr__(self, "convention_version", VERL_VERSION)  # frozen: set once, here
             check_verl_settings(self)
             return
+        if self.convention == "trl":
+            if self.trl is None:
+                object.__setattr__(self, "trl", TrlSettings())  # frozen: set once, here
+            check_trl_settings(self)
+            return
+        if self.trl is not None:
+            raise ConfigError(
+                f"loss: trl belongs to convention trl; convention {self.convention} has no such setting "
+                "(set loss.convention: trl, or leave it out)"
+            )
         verl_only = {
             "convention_version": self.convention_version is not None,
             "loss_agg_mode token-sum": self.loss_agg_mode == "token-sum",
@@ -160,6 +173,8 @@ class LossConfig:
         mask = values.get("ratio_outlier_mask")
         if isinstance(mask, dict):
             values["ratio_outlier_mask"] = RatioOutlierMask(**mask)
+        if values.get("trl") is not None:
+            values["trl"] = TrlSettings.from_dict(values["trl"])
         return cls(**values)
 
 
@@ -174,7 +189,7 @@ def _refuse_unreproduced(listed: Any, section: str) -> None:
     raise ConfigError(
         f"{section}: the trainer used settings this tool's loss does not reproduce: {items}{more}. A torch replay "
         "would compute another loss than the step's, so it is refused; replay with the trainer's own code "
-        "(the command backend)"
+        "(the command backend, --backend command)"
     )
 
 
@@ -233,3 +248,59 @@ def check_verl_settings(cfg: LossConfig) -> None:
         raise ConfigError(f"loss.rollout_is must be one of {ROLLOUT_IS_LEVELS}, got {shown(cfg.rollout_is, 60)}")
     rollout_is_setting(cfg)
     rejection_options(cfg)
+
+
+# What the `trl` convention makes of a LossConfig (training/trl_convention.py has the math).
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """TRL's rollout correction as a replay applies it: the mode, its caps, and whether the batch's recorded ratio
+    (the one TRL's loss consumed) is used, or the ratio is computed from old vs rollout log-probs (a mitigation)."""
+
+    mode: str
+    low: float | None
+    high: float | None
+    recorded: bool
+
+
+def trl_rollout_correction(cfg: LossConfig) -> RolloutCorrection | None:
+    """The correction applied under convention trl: `mismatch_token_clip_max: C` is TRL's token_truncate with cap
+    C, computed; else the trainer's own `trl.rollout_correction`, as recorded; None when neither is set."""
+    if cfg.mismatch_token_clip_max is not None:
+        return RolloutCorrection("token_truncate", None, float(cfg.mismatch_token_clip_max), recorded=False)
+    s = cfg.trl
+    if s is None or s.rollout_correction is None:
+        return None
+    return RolloutCorrection(
+        s.rollout_correction, s.rollout_correction_min, s.rollout_correction_max, s.rollout_correction_recorded
+    )
+
+
+def check_trl_settings(cfg: LossConfig) -> None:
+    """ConfigError for a setting that TRL 1.16's GRPOTrainer has no counterpart for, naming it and the route."""
+    route = "replay this snapshot with the trainer's own code (--backend command)"
+    named = {
+        "dual_clip_c": (cfg.dual_clip_c is not None, "TRL has no dual clip (its two-sided clip is loss.trl.delta)"),
+        "loss_agg_mode": (cfg.loss_agg_mode != "token-mean", "TRL aggregates by loss.trl.loss_type"),
+        "normalization": (cfg.normalization != "per_rank", "TRL normalises by loss.trl.loss_type"),
+        "kl_estimator": (cfg.kl_estimator != "k3", "TRL's KL term is k3, unclamped"),
+        "kl_clamp": (cfg.kl_clamp is not None, "TRL's KL term is k3, unclamped"),
+        "is_base_logprobs": (cfg.is_base_logprobs != "old", "TRL's ratio is against its old log-probs"),
+        "ratio_outlier_mask": (cfg.ratio_outlier_mask is not None, "use loss.trl.rollout_correction token_mask"),
+        "convention_version": (cfg.convention_version is not None, "the TRL release is loss.trl.version"),
+        "z_loss_coef": (bool(cfg.z_loss_coef), "TRL adds no router z-loss"),
+        "loss_scale_factor": (cfg.loss_scale_factor is not None, "it is verl's seq-mean-token-sum-norm divisor"),
+        "rollout_is": (cfg.rollout_is is not None, "TRL's rollout correction is loss.trl.rollout_correction"),
+        "rollout_rs": (cfg.rollout_rs is not None, "TRL's rollout correction is loss.trl.rollout_correction"),
+    }
+    for name, (is_set, why) in named.items():
+        if is_set:
+            raise ConfigError(f"loss.{name} has no meaning under convention trl: {why}")
+    s = cfg.trl
+    assert s is not None
+    if cfg.aux_loss_coef and s.gradient_accumulation_steps > 1:
+        raise ConfigError(
+            "loss.aux_loss_coef (TRL's router_aux_loss_coef) with loss.trl.gradient_accumulation_steps > 1: TRL adds "
+            "each micro-batch's router loss on its own, which a replay of the step's whole batch does not; " + route
+        )

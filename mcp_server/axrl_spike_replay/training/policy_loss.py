@@ -17,6 +17,7 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.training.loss_config import LOSS_AGG_MODES, LossConfig, rejection_options, rollout_is_setting
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
+from axrl_spike_replay.training.trl_convention import trl_policy_loss
 from axrl_spike_replay.training.verl_convention import kl_penalty, masked, verl_local_counts, verl_policy_loss
 
 
@@ -116,13 +117,15 @@ def policy_loss(
     mask = batch["loss_mask"].float()
     on_mask = mask > 0
     adv = expand_advantages(_require(batch, "advantages", "the policy loss"), logprobs.shape)
-    if cfg.convention == "verl":  # verl keeps the advantages' precision (float64 in the cross-check)
+    if cfg.convention in ("verl", "trl"):  # both keep the advantages' precision (float64 in the cross-checks)
         adv = expand_advantages(batch["advantages"], logprobs.shape, logprobs.dtype)
     adv = masked(adv, on_mask)
     if cfg.balance_negative_advantages:
         adv = balance_negatives(adv, mask)
     if cfg.advantage_clip is not None:
         adv = adv.clamp(-cfg.advantage_clip, cfg.advantage_clip)
+    if cfg.convention == "trl":
+        return _trl(logprobs, batch, cfg, adv, entropy, aux_loss)
     if cfg.convention == "verl":
         return _verl(logprobs, batch, cfg, adv, entropy, aux_loss, z_loss, step_counts)
     # Values off the mask (padding: -inf logprobs, NaN) are zeroed before any arithmetic, so neither
@@ -252,4 +255,33 @@ def _verl(
             "kl_current_vs_ref": out.metrics.get("kl", 0.0),
             "rejected_tokens": out.metrics["rejected_tokens"],
         }
+    return LossOutput(loss=loss, policy_loss=out.pg_loss, per_token=out.per_token, mask=mask, metrics=metrics)
+
+
+def _trl(
+    logprobs: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    cfg: LossConfig,
+    adv: torch.Tensor,
+    entropy: torch.Tensor | None,
+    aux_loss: torch.Tensor | None,
+) -> LossOutput:
+    """The trl convention's loss plus TRL's router loss (one micro-batch: `check_trl_settings`), in this module's
+    output shape."""
+    if cfg.kl_coef:
+        _require(batch, "ref_logprobs", "kl_coef (TRL's beta)")
+    out = trl_policy_loss(logprobs, batch, cfg, adv, entropy)
+    loss = _with_router_losses(out.loss, cfg, aux_loss, None)
+    on = batch["loss_mask"] > 0
+    with torch.no_grad():
+        base = batch.get("old_logprobs")
+        lr = logprobs.detach() - (base.to(logprobs.dtype) if base is not None else logprobs.detach())
+        metrics = {
+            "loss_tokens": float(on.sum()),
+            "policy_loss": float(out.pg_loss.detach()),
+            "clip_fraction": out.metrics["clip_fraction"],
+            "max_abs_log_ratio_current_vs_old": float(lr[on].abs().max()) if on.any() else 0.0,
+            "kl_current_vs_ref": out.metrics["kl"],
+        }
+    mask = on.to(logprobs.dtype)
     return LossOutput(loss=loss, policy_loss=out.pg_loss, per_token=out.per_token, mask=mask, metrics=metrics)
