@@ -50,6 +50,10 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     # not fit one), it lays its processes out as a replay does, and the plan refuses only what fits neither way
     whole = what.verb == Verb.ATTRIBUTE and how.shard == Shard.OFF
     nproc = 1 if whole else how.nproc
+    if runner is None and not whole and _starts_processes(request):
+        from axrl_spike_replay.process_starts import warm_up
+
+        warm_up()  # the process server imports torch while this process does: the ranks fork as soon as they are due
     configs = 1 + (len(what.configs) if what.verb == Verb.SWEEP else int(bool(what.mitigations)))
     refuse_what_cannot_fit(what.snapshot, nproc, str(how.device), configs, str(how.shard))
     recorder = recorder_for(request.workspace, request.progress)
@@ -92,3 +96,20 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     from axrl_spike_replay.replay.engine import run_replay
 
     return run_replay(what.snapshot, options)
+
+
+def _starts_processes(request: ReplayRequest) -> bool:
+    """Whether a run here will start rank processes: more than one, or a sharded group (of one too). Without
+    `nproc`, the snapshot's saved data ranks (its metadata, read cheaply); a snapshot that cannot be read: no."""
+    how = request.how
+    if how.shard == Shard.ON:
+        return True
+    if how.nproc is not None:
+        return how.nproc > 1
+    from axrl_spike_replay.errors import AxrlError
+    from axrl_spike_replay.snapshot.metadata import read_metadata
+
+    try:
+        return read_metadata(request.what.snapshot)[0].parallel.data_ranks > 1
+    except (AxrlError, OSError, ValueError):
+        return False  # the engine names what is wrong with it
