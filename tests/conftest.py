@@ -22,6 +22,7 @@ from shared_capture import left_as_recorded
 
 if TYPE_CHECKING:
     from axrl_spike_replay.capture.reference_trainer import CaptureResult
+    from axrl_spike_replay.replay.launch import JobRunner
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 
@@ -101,6 +102,20 @@ def hf_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     check = left_as_recorded(root)
     yield snapshot
     check()
+
+
+@pytest.fixture(scope="session")
+def warm_runner() -> Iterator[JobRunner]:
+    """The session's warm replay processes (`WarmService.run_job`, as the MCP server runs replays), for the tests
+    that check what a replay computes, not how its processes start: a pool stays up between tests, with the weights
+    it loaded. A warm replay gives a cold one's numbers bit for bit (tests/server/test_warm_replay.py); the launcher
+    tests (tests/test_rank_processes.py, tests/replay/test_killed_replay.py) start their own processes.
+    """
+    from axrl_spike_replay.replay.warm_pool import WarmService
+
+    service = WarmService(memory_bytes=1 << 30)
+    yield service.run_job
+    service.close()
 
 
 @pytest.fixture(scope="session")
