@@ -42,18 +42,18 @@ def run_request(request: ReplayRequest, runner: JobRunner | None = None) -> RunR
 
 def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     """The engine in this process tree."""
-    from axrl_spike_replay.investigation.planning import refuse_what_cannot_fit
-    from axrl_spike_replay.replay.engine import ReplayOptions
-
     what, how = request.what, request.how
     # an unsharded attribution holds the whole model in one process; sharded (on, or auto when the whole model does
     # not fit one), it lays its processes out as a replay does, and the plan refuses only what fits neither way
     whole = what.verb == Verb.ATTRIBUTE and how.shard == Shard.OFF
-    nproc = 1 if whole else how.nproc
     if runner is None and not whole and _starts_processes(request):
         from axrl_spike_replay.process_starts import warm_up
 
-        warm_up()  # the process server imports torch while this process does: the ranks fork as soon as they are due
+        warm_up()  # before this process imports torch: the server imports it meanwhile, the ranks fork when due
+    from axrl_spike_replay.investigation.planning import refuse_what_cannot_fit
+    from axrl_spike_replay.replay.engine import ReplayOptions
+
+    nproc = 1 if whole else how.nproc
     configs = 1 + (len(what.configs) if what.verb == Verb.SWEEP else int(bool(what.mitigations)))
     refuse_what_cannot_fit(what.snapshot, nproc, str(how.device), configs, str(how.shard))
     recorder = recorder_for(request.workspace, request.progress)
