@@ -22,6 +22,7 @@ from shared_capture import left_as_recorded
 
 if TYPE_CHECKING:
     from axrl_spike_replay.capture.reference_trainer import CaptureResult
+    from axrl_spike_replay.replay.launch import JobRunner
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 
@@ -34,23 +35,24 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-# Fixtures that run a training capture, rank processes or an SSH server: a test using one is `heavy`.
-_HEAVY_FIXTURES = {"captured_run", "negative_advantage_run", "hf_snapshot", "ssh_node"}
-# Files whose tests train a capture or start rank processes themselves, without one of those fixtures.
-_HEAVY_FILES = {"test_demo.py", "test_rank_processes.py"}
+# Files whose tests start processes of their own (a training capture, rank processes, the demo); other tests that do
+# say so with `pytestmark = pytest.mark.processes` or the `slow`, `sshd` and `slurm` marks.
+_PROCESS_FILES = {"test_demo.py", "test_rank_processes.py"}
+_HEAVY_MARKS = ("processes", "slow", "sshd", "slurm")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the heavy tests (captures, slow ones, SSH loopback) so `-m "not heavy"` gives a quick run.
+    """Mark the heavy tests by what they do (start processes, a capture, sshd, Slurm, or take long), so that
+    `-m "not heavy"` gives a quick run. A test that only reads a session fixture's capture or replays on the session's
+    warm runner is not heavy: the fixture is made once, whichever test asks first.
 
     The default run (scripts/test.sh) still runs every test; the marker only lets a person leave them out.
     """
     for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
         path = Path(str(item.fspath))
-        in_capture = path.parent.name == "capture" or path.name in _HEAVY_FILES
-        marked = item.get_closest_marker("slow") or item.get_closest_marker("sshd") or item.get_closest_marker("slurm")
-        if in_capture or fixtures & _HEAVY_FIXTURES or marked:
+        if path.parent.name == "capture" or path.name in _PROCESS_FILES:
+            item.add_marker(pytest.mark.processes)
+        if any(item.get_closest_marker(name) for name in _HEAVY_MARKS):
             item.add_marker(pytest.mark.heavy)
 
 
@@ -101,6 +103,20 @@ def hf_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     check = left_as_recorded(root)
     yield snapshot
     check()
+
+
+@pytest.fixture(scope="session")
+def warm_runner() -> Iterator[JobRunner]:
+    """The session's warm replay processes (`WarmService.run_job`, as the MCP server runs replays), for the tests
+    that check what a replay computes, not how its processes start: a pool stays up between tests, with the weights
+    it loaded. A warm replay gives a cold one's numbers bit for bit (tests/server/test_warm_replay.py); the launcher
+    tests (tests/test_rank_processes.py, tests/replay/test_killed_replay.py) start their own processes.
+    """
+    from axrl_spike_replay.replay.warm_pool import WarmService
+
+    service = WarmService(memory_bytes=1 << 30)
+    yield service.run_job
+    service.close()
 
 
 @pytest.fixture(scope="session")

@@ -101,3 +101,131 @@ def test_ranks_that_die_while_starting_say_so(tmp_path: Path) -> None:
     with pytest.raises(RankProcessError, match="rank processes died while starting") as raised:
         spawn_ranks(_all_reduce_ranks, 2, _Payload())
     assert "before any ran its work" in str(raised.value)
+
+
+def _report_parent(rank: int, nproc: int, out: str) -> None:
+    Path(out, f"parent{rank}.txt").write_text(str(os.getppid()))
+
+
+def _process_server() -> int:
+    """The process server this process launched (multiprocessing's forkserver), by its command line."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or f"\nPPid:\t{os.getpid()}\n" not in (entry / "status").read_text():
+                continue
+            if b"multiprocessing.forkserver" in (entry / "cmdline").read_bytes():
+                return int(entry.name)
+        except OSError:
+            continue
+    raise AssertionError("no process server among this process's children")
+
+
+def test_ranks_fork_from_a_server_that_has_torch_loaded_and_runs_one_thread(tmp_path: Path) -> None:
+    """The server imports torch once and runs nothing: no intra-op pool, no thread to lose at the fork."""
+    spawn_ranks(_report_parent, 2, str(tmp_path))
+    server = _process_server()
+    assert {p.read_text() for p in tmp_path.glob("parent*.txt")} == {str(server)}  # forked there, not here
+    assert "libtorch_cpu" in Path(f"/proc/{server}/maps").read_text()  # torch is imported in the server ...
+    assert len(list(Path(f"/proc/{server}/task").iterdir())) == 1  # ... and it runs a single thread
+
+
+def test_spawn_is_used_when_asked_and_its_ranks_meet_as_well(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback where no process server can run: each rank a fresh Python, a child of this process."""
+    monkeypatch.setenv("AXRL_START_METHOD", "spawn")
+    spawn_ranks(_all_reduce_ranks, 2, str(tmp_path))
+    spawn_ranks(_report_parent, 2, str(tmp_path))
+    assert sorted(p.read_text() for p in tmp_path.glob("rank*.txt")) == ["3", "3"]
+    assert {p.read_text() for p in tmp_path.glob("parent*.txt")} == {str(os.getpid())}
+
+
+def test_an_unknown_start_method_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AXRL_START_METHOD", "fork")
+    with pytest.raises(AxrlError, match=r"AXRL_START_METHOD='fork'.*forkserver, spawn"):
+        spawn_ranks(_all_reduce_ranks, 2, str(tmp_path))
+
+
+def test_ranks_see_the_launcher_s_environment_as_it_is_when_they_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server was started earlier, with the environment of then: a rank still sees this one."""
+    spawn_ranks(_report_parent, 1, str(tmp_path))  # the server runs
+    monkeypatch.setenv("AXRL_TEST_MARK", str(tmp_path))
+    spawn_ranks(_report_environment, 2, str(tmp_path))
+    assert {p.read_text() for p in tmp_path.glob("mark*.txt")} == {str(tmp_path)}
+
+
+def _report_environment(rank: int, nproc: int, out: str) -> None:
+    Path(out, f"mark{rank}.txt").write_text(os.environ.get("AXRL_TEST_MARK", "unset"))
+
+
+LAUNCHER = """
+import sys, time
+from pathlib import Path
+from axrl_spike_replay.rank_processes import spawn_ranks
+
+def wait_forever(rank, nproc, out):
+    Path(out, f"up{rank}").touch()
+    time.sleep(600)
+
+if __name__ == "__main__":
+    spawn_ranks(wait_forever, 2, sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_launcher_killed_with_sigkill_takes_the_server_and_every_rank_with_it(tmp_path: Path, method: str) -> None:
+    """No orphan: the ranks' parent is the server (or the launcher, under spawn), and both go with the launcher."""
+    import signal
+    import time
+
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "mcp_server")}
+    launcher = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env={**env, "AXRL_START_METHOD": method})
+    deadline = time.monotonic() + 300
+    while len(list(tmp_path.glob("up*"))) < 2:
+        assert launcher.poll() is None and time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.05)
+    started = _descendants(launcher.pid)
+    ranks = [pid for pid in started if _parent(pid) != launcher.pid]
+    assert len(ranks) == (2 if method == "forkserver" else 0), started  # forked by the server, or children here
+
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while (left := [pid for pid in started if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in left]
+
+
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int:
+    line = next((x for x in _status(pid).splitlines() if x.startswith("PPid:")), "PPid:\t0")
+    return int(line.split()[1])
+
+
+def _alive(pid: int) -> bool:
+    """In the process table and not a zombie (a zombie has exited; only its parent's bookkeeping is left)."""
+    status = _status(pid)
+    return bool(status) and "\nState:\tZ" not in status
+
+
+def _descendants(root: int) -> list[int]:
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    children: dict[int, list[int]] = {}
+    for pid in pids:
+        if _alive(pid):
+            children.setdefault(_parent(pid), []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

@@ -1,30 +1,27 @@
 """Run a function in one process per rank under torch.distributed (the trainer's and the replay's launcher).
 
-Processes are spawned with torch.multiprocessing and meet over a FileStore in a private temp dir.
-They die with the launcher however it dies (on Linux the kernel sends them SIGKILL; elsewhere a
-watchdog thread notices the launcher is gone), and the temp dir is removed by a watcher process if
-the launcher cannot (see `temp_janitor`): a killed replay never leaves ranks holding GPUs. Each runs
-with one intra-op thread, so reductions are deterministic and match between capture and replay.
-Every rank passes a barrier before tearing the group down: a rank that leaves while a peer still
-talks to it can abort in gloo's teardown.
+Processes come from `process_starts` (forked from a server that imported torch once, or spawned where that is
+unavailable) and meet over a FileStore in a private temp dir. They die with the launcher however it dies (see
+`process_starts.die_with_launcher`), and the temp dir is removed by a watcher process if the launcher cannot
+(see `temp_janitor`): a killed replay never leaves ranks holding GPUs. Each runs with one intra-op thread, so
+reductions are deterministic and match between capture and replay. Every rank passes a barrier before tearing
+the group down: a rank that leaves while a peer still talks to it can abort in gloo's teardown.
 
-A spawned process imports the launcher's main module again before it runs anything of ours. A script
-that starts a run at module level (no `if __name__ == "__main__":`) would start it again in every
-rank process; `refuse_in_spawned_import` stops that in the child (the library's entry points call it
-first) and leaves a note the launcher turns into the one message that says what to do.
+A started process imports the launcher's main module again before it runs anything of ours (forkserver and
+spawn both do). A script that starts a run at module level (no `if __name__ == "__main__":`) would start it
+again in every rank process; `refuse_in_spawned_import` stops that in the child (the library's entry points
+call it first) and leaves a note in the run's temp dir (named in the process's name) that the launcher turns
+into the one message that says what to do.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import faulthandler
 import logging
-import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -33,19 +30,18 @@ from typing import Any
 
 from axrl_spike_replay.atomic import atomic_write_text
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.process_starts import adopt_environment, die_with_launcher, launcher_environment, rank_context
 from axrl_spike_replay.temp_janitor import owned_temp_dir
 
 RankFn = Callable[[int, int, Any], None]
 log = logging.getLogger("axrl_spike_replay.ranks")
 _POLL_S = 0.2
 _GRACE_S = 5.0
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-# Set in the launcher's environment only while it starts processes: a child re-importing the main module finds
-# the run's temp dir here and leaves its note (REIMPORT_NOTE) for the launcher.
-_RUN_DIR_ENV = "AXRL_RANKS_RUN_DIR"
+# A rank process is named "<label> <rank> @ <run's temp dir>": a child re-importing the main module (multiprocessing
+# sets the name before that import) finds the run's temp dir there and leaves its note (REIMPORT_NOTE) for the launcher.
+_RUN_DIR_MARK = " @ "
 _REIMPORT_NOTE = "reimport.txt"
 _STARTED = "started-{rank:05d}"  # written by each rank first thing: it got past the import of the main module
-_ENV_LOCK = threading.Lock()
 
 
 class RankProcessError(AxrlError):
@@ -78,8 +74,8 @@ def main_guard_advice(what: str) -> str:
     """What to do when a spawned process re-imports a main module that starts `what` at import."""
     return (
         f"{what} was started again while a rank process imported your main module {_main_module() or '__main__'}: "
-        "torch starts rank processes with `spawn`, which imports the main module anew in each. Put the code that "
-        'starts it under `if __name__ == "__main__":` in that script'
+        "each rank process imports the main module anew (multiprocessing's forkserver and spawn both do). Put the "
+        'code that starts it under `if __name__ == "__main__":` in that script'
     )
 
 
@@ -91,7 +87,8 @@ def refuse_in_spawned_import(what: str) -> None:
     if not getattr(multiprocessing.current_process(), "_inheriting", False):
         return
     message = main_guard_advice(what)
-    run_dir = os.environ.get(_RUN_DIR_ENV)
+    name = multiprocessing.current_process().name
+    run_dir = name.partition(_RUN_DIR_MARK)[2] if _RUN_DIR_MARK in name else ""
     if run_dir and Path(run_dir).is_dir():
         with contextlib.suppress(OSError):
             atomic_write_text(Path(run_dir, _REIMPORT_NOTE), message)
@@ -149,45 +146,61 @@ def _spawn_once(
     label: str,
     cancel: threading.Event | None,
 ) -> None:
-    # torch.multiprocessing re-exports these without listing them in __all__: import them where they are defined
-    from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException, start_processes
+    import torch.multiprocessing  # noqa: F401  (its pickling of tensors: shared memory, as torch's own spawn uses)
 
+    context = rank_context()
+    environment = launcher_environment()
     with owned_temp_dir("axrl-ranks-") as tmp:
-        args = (fn, nproc, payload, backend, tmp, timeout_s, prepare, label, os.getpid())
-        with _ENV_LOCK:  # the children inherit the environment as it is while they start
-            previous = os.environ.get(_RUN_DIR_ENV)
-            os.environ[_RUN_DIR_ENV] = tmp
-            try:
-                context = start_processes(_entry, args=args, nprocs=nproc, join=False, start_method="spawn")
-            finally:
-                if previous is None:
-                    os.environ.pop(_RUN_DIR_ENV, None)
-                else:
-                    os.environ[_RUN_DIR_ENV] = previous
-        if context is None:  # only join=True returns None
-            raise RuntimeError(f"{label}: torch did not return the started processes")
+        processes: list[Any] = []
         try:
-            while not context.join(timeout=_POLL_S):
-                if cancel is not None and cancel.is_set():
-                    _stop(context.processes)
-                    raise RunCancelled(f"{label} processes cancelled and stopped")
-        except (ProcessRaisedException, ProcessExitedException) as exc:
+            for rank in range(nproc):
+                args = (rank, fn, nproc, payload, backend, tmp, timeout_s, prepare, label, environment)
+                process = context.Process(target=_entry, args=args, name=f"{label} {rank}{_RUN_DIR_MARK}{tmp}")
+                process.start()
+                processes.append(process)
+            failed = _join(processes, cancel, label)
+            if failed is None:
+                return
             # Before we stop the others: which ranks a signal killed (a native crash), as opposed to ranks that
             # then failed in Python because a peer vanished (those report a trace, which must not win the race).
-            # torch's join already sent SIGTERM to the rest, so only a crash signal, or the signal of the rank
-            # that torch saw die first, counts.
-            exitcodes = [(process.exitcode if process is not None else None) or 0 for process in context.processes]
+            exitcodes = [process.exitcode or 0 for process in processes]
             signalled = [rank for rank, code in enumerate(exitcodes) if -code in _CRASH_SIGNALS]
-            if isinstance(exc, ProcessExitedException) and exc.signal_name and exc.error_index not in signalled:
-                signalled.append(exc.error_index)
-            _stop(context.processes)
+            if exitcodes[failed] < 0 and failed not in signalled:
+                signalled.append(failed)
+            _stop(processes)
             crashed = [rank for rank in signalled if not list(Path(tmp).glob(f"*-{rank:05d}.txt"))]
             if crashed:
                 raise _native_crash(Path(tmp), crashed[0], exitcodes[crashed[0]], label) from None
-            raise _collect_error(Path(tmp), exc, label) from None
+            raise _collect_error(Path(tmp), _exit_description(failed, exitcodes[failed]), label) from None
         except BaseException:
-            _stop(context.processes)  # Ctrl-C, SIGTERM (see `terminate_as_interrupt`), any bug: no rank outlives us
+            _stop(processes)  # Ctrl-C, SIGTERM (see `terminate_as_interrupt`), any bug: no rank outlives us
             raise
+
+
+def _join(processes: list[Any], cancel: threading.Event | None, label: str) -> int | None:
+    """Wait for every process: None when all exited cleanly, else the first seen to fail (others still running)."""
+    from multiprocessing.connection import wait
+
+    while True:
+        if cancel is not None and cancel.is_set():
+            _stop(processes)
+            raise RunCancelled(f"{label} processes cancelled and stopped")
+        codes = [process.exitcode for process in processes]
+        failed = next((rank for rank, code in enumerate(codes) if code not in (None, 0)), None)
+        if failed is not None:
+            return failed
+        if all(code == 0 for code in codes):
+            return None
+        wait([process.sentinel for process in processes if process.exitcode is None], timeout=_POLL_S)
+
+
+def _exit_description(rank: int, code: int) -> str:
+    if code < 0:
+        try:
+            return f"process {rank} was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"process {rank} was killed by signal {-code}"
+    return f"process {rank} exited with code {code}"
 
 
 def terminate_as_interrupt() -> None:
@@ -201,30 +214,6 @@ def terminate_as_interrupt() -> None:
         raise KeyboardInterrupt(f"terminated by signal {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, interrupt)
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """End this process as soon as `parent_pid` (its launcher) is no longer its parent.
-
-    On Linux the kernel sends SIGKILL when the parent dies (PR_SET_PDEATHSIG); the parent may have
-    died before that was set, so the parent pid is checked after. A watchdog thread is the fallback
-    where prctl is missing (and covers a parent that dies while this process holds the GIL in C).
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
-
-
-def _watch_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(_POLL_S)
-    os._exit(1)  # the launcher is gone: nobody will read our results, and we may hold a GPU
 
 
 def _stop(processes: list[Any]) -> None:
@@ -248,7 +237,7 @@ def _native_crash(tmp: Path, rank: int, exitcode: int, label: str) -> _NativeCra
     return _NativeCrash(f"{label} process {rank} died from {name} (a crash in native code)", others)
 
 
-def _collect_error(tmp: Path, exc: Exception, label: str) -> RankProcessError:
+def _collect_error(tmp: Path, exit_description: str, label: str) -> RankProcessError:
     note = tmp / _REIMPORT_NOTE
     if note.is_file():  # a rank re-ran the script's run at import: the one thing to say
         return RankProcessError(note.read_text(encoding="utf-8", errors="replace").strip())
@@ -260,21 +249,21 @@ def _collect_error(tmp: Path, exc: Exception, label: str) -> RankProcessError:
         text = traces[0].read_text(encoding="utf-8")
         last = text.strip().splitlines()[-1] if text.strip() else "unknown error"
         return RankProcessError(f"{label} {traces[0].stem.removeprefix('trace-')}: {last}", text)
-    first = str(exc).strip().splitlines()[0]
+    first = exit_description
     if not list(tmp.glob("started-*")):  # no rank got past importing the main module and its function
         main = _main_module()
         hint = (
-            f" Each imports your main module {main} again first (torch starts them with `spawn`): if it starts a "
-            'run when imported, put that code under `if __name__ == "__main__":`'
+            f" Each imports your main module {main} again first: if it starts a run when imported, put that code "
+            'under `if __name__ == "__main__":`'
             if main
             else ""
         )
         return RankProcessError(
             f"the {label} processes died while starting ({first}), before any ran its work; their output above "
             f"says why.{hint}",
-            str(exc),
+            exit_description,
         )
-    return RankProcessError(f"a {label} process died: {first}", str(exc))
+    return RankProcessError(f"a {label} process died: {first}", exit_description)
 
 
 def _entry(
@@ -287,9 +276,10 @@ def _entry(
     timeout_s: float,
     prepare: Callable[[int, Any], None] | None,
     label: str,
-    parent_pid: int,
+    environment: dict[str, str],
 ) -> None:
-    die_with_parent(parent_pid)
+    die_with_launcher()
+    adopt_environment(environment)
     Path(tmp, _STARTED.format(rank=rank)).touch()  # past the import of the main module and of `fn`
     import torch
     import torch.distributed as dist
@@ -304,12 +294,12 @@ def _entry(
         dist.init_process_group(backend, store=store, rank=rank, world_size=nproc, timeout=timedelta(seconds=timeout_s))
         fn(rank, nproc, payload)
         dist.barrier()  # every rank is done with the group before any tears it down
-    except AxrlError as exc:
+    except AxrlError as exc:  # expected: its message is the report, no traceback on the terminal
         atomic_write_text(Path(tmp, f"error-{rank:05d}.txt"), f"{label} {rank}: {exc}")
-        raise
+        sys.exit(1)
     except BaseException:
         atomic_write_text(Path(tmp, f"trace-{rank:05d}.txt"), traceback.format_exc())
-        raise
+        sys.exit(1)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

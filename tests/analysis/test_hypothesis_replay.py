@@ -20,6 +20,7 @@ from axrl_spike_replay.capture.reference_trainer import capture_reference_run
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot, render_diagnosis
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.launch import JobRunner
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 
 HYPOTHESIS = "aux_loss_coef=40.96@1"
@@ -46,11 +47,13 @@ def raised_coefficient(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
 
 
 @pytest.mark.slow
-def test_the_hypothesis_replay_reproduces_the_norm_and_every_ranks_loss(raised_coefficient: Path) -> None:
+def test_the_hypothesis_replay_reproduces_the_norm_and_every_ranks_loss(
+    raised_coefficient: Path, warm_runner: JobRunner
+) -> None:
     snapshot = raised_coefficient
     baseline = run_replay(snapshot, ReplayOptions(nproc=1))
     assert baseline.verdict == "not_reproduced"
-    result = run_replay(snapshot, ReplayOptions(mitigations={"aux_loss_coef": "40.96@1"}))
+    result = run_replay(snapshot, ReplayOptions(mitigations={"aux_loss_coef": "40.96@1"}, runner=warm_runner))
     assert result.verdict == "reproduced" and result.finding == f"reproduced under `{HYPOTHESIS}`"
     assert result.mitigations == {} and result.hypothesis == {"aux_loss_coef": {"ranks": [1], "value": 40.96}}
     assert result.fidelity == "full" and result.rel_diff is not None and result.rel_diff <= 1e-6  # the recorded norm

@@ -42,6 +42,16 @@ def _children(parent: int) -> list[int]:
     return sorted(found)
 
 
+def _descendants(root: int) -> list[int]:
+    """The live processes below `root`: the process server it started and the warm rank processes forked there."""
+    found, todo = [], [root]
+    while todo:
+        for child in _children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return sorted(found)
+
+
 def _replay(snapshot: Path, workspace: Path, *extra: str) -> dict[str, Any]:
     done = _cli("replay", snapshot, "--workspace", workspace, "--json", *extra, cwd=workspace)
     assert done.returncode == 0, done.stderr
@@ -60,12 +70,12 @@ def test_warm_replays_of_a_megatron_snapshot_on_both_routes(
         first = _replay(megatron_capture, warm_ws, "--warm")  # starts the service and its warm rank processes
         service = service_pid(paths)
         assert service is not None
-        pool = _children(service)
+        pool = _descendants(service)
         assert len(pool) >= 2
         native = _replay(megatron_capture, warm_ws, "--warm", "--backend", "megatron")
-        assert _children(service) == pool  # Megatron-core ran in processes of its own, gone with the call
+        assert _descendants(service) == pool  # Megatron-core ran in processes of its own, gone with the call
         again = _replay(megatron_capture, warm_ws, "--warm")
-        assert _children(service) == pool  # the warm processes served the next route 1 call
+        assert _descendants(service) == pool  # the warm processes served the next route 1 call
         for doc in (first, again):
             assert stable(doc) == stable(cold["torch"])  # bit-identical norms, top params, rank metrics, verdict
             assert result_files(doc["output_dir"]) == result_files(cold["torch"]["output_dir"])

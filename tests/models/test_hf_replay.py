@@ -15,13 +15,14 @@ import pytest
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.architectures import ARCHITECTURES
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.launch import JobRunner
 from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
 
 
 @pytest.mark.slow
-def test_full_replay_is_bit_identical_to_the_recorded_step(hf_snapshot: Path) -> None:
-    result = run_replay(hf_snapshot, ReplayOptions(nproc=2))
+def test_full_replay_is_bit_identical_to_the_recorded_step(hf_snapshot: Path, warm_runner: JobRunner) -> None:
+    result = run_replay(hf_snapshot, ReplayOptions(nproc=2, runner=warm_runner))
     assert result.fidelity == "full"
     assert result.grad_norm == result.recorded_grad_norm
     assert result.verdict == "reproduced"

@@ -1,4 +1,5 @@
-"""A replay killed mid-run (SIGTERM or SIGKILL) leaves no rank process running and no temp dir behind.
+"""A replay killed mid-run (SIGTERM or SIGKILL) leaves no process running and no temp dir behind: not its rank
+processes, not the process server they were forked from (nor anything else it started).
 
 On a GPU node a leftover rank would hold its GPU until the end of a long replay.
 """
@@ -26,6 +27,16 @@ def _children(pid: int) -> set[int]:
     return {child for child in pids if _alive(child) and (_parent_and_state(child) or (0, ""))[0] == pid}
 
 
+def _descendants(root: int) -> set[int]:
+    """Pids of the live processes below `root`: its children, theirs, and so on."""
+    found, todo = set(), [root]
+    while todo:
+        for child in _children(todo.pop()):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
 def _parent_and_state(pid: int) -> tuple[int, str] | None:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -47,12 +58,14 @@ def _eventually(check, what: str) -> None:  # type: ignore[no-untyped-def]
         time.sleep(0.1)
 
 
-def _start_long_replay(snapshot: Path, tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
+def _start_long_replay(
+    snapshot: Path, tmp_path: Path, method: str = "forkserver"
+) -> tuple[subprocess.Popen[bytes], Path]:
     temp_root = tmp_path / "tmpdir"
     temp_root.mkdir()
     workspace = tmp_path / "workspace"
     workspace.mkdir()
-    env = {**os.environ, "TMPDIR": str(temp_root), "PYTHONPATH": str(PACKAGE_ROOT)}
+    env = {**os.environ, "TMPDIR": str(temp_root), "PYTHONPATH": str(PACKAGE_ROOT), "AXRL_START_METHOD": method}
     argv = [sys.executable, "-m", "axrl_spike_replay", "replay", str(snapshot), "--workspace", str(workspace)]
     # the most repeats allowed: seconds of replaying, far longer than the kill below takes to land
     cli = subprocess.Popen([*argv, "--repeat", "100"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -62,13 +75,21 @@ def _start_long_replay(snapshot: Path, tmp_path: Path) -> tuple[subprocess.Popen
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize(
+    ("sig", "method"),
+    [(signal.SIGKILL, "forkserver"), (signal.SIGTERM, "forkserver"), (signal.SIGKILL, "spawn")],
+    ids=["SIGKILL", "SIGTERM", "SIGKILL-spawned"],
+)
 def test_a_killed_replay_leaves_no_rank_process_and_no_temp_dir(
-    spike_snapshot: Path, tmp_path: Path, sig: signal.Signals
+    spike_snapshot: Path, tmp_path: Path, sig: signal.Signals, method: str
 ) -> None:
-    cli, temp_root = _start_long_replay(spike_snapshot, tmp_path)
-    spawned = _children(cli.pid)
-    assert len(spawned) >= 2, "expected the two rank processes of the saved world size"
+    cli, temp_root = _start_long_replay(spike_snapshot, tmp_path, method)
+    spawned = _descendants(cli.pid)
+    if method == "forkserver":  # forked by the process server, a child of the CLI
+        ranks = spawned - _children(cli.pid)
+    else:  # spawned by the CLI itself
+        ranks = {pid for pid in spawned if b"multiprocessing.spawn" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+    assert len(ranks) >= 2, "expected the two rank processes of the saved world size"
 
     cli.send_signal(sig)
     cli.wait(timeout=GENEROUS_S)
@@ -85,7 +106,7 @@ def test_a_killed_replay_leaves_no_rank_process_and_no_temp_dir(
 def test_a_killed_replay_of_a_legacy_snapshot_leaves_no_linked_copy(legacy_snapshot: Path, tmp_path: Path) -> None:
     cli, temp_root = _start_long_replay(legacy_snapshot, tmp_path)
     assert list(temp_root.glob(f"axrl-replay-{legacy_snapshot.name}-*")), "the legacy replay dir was not made"
-    spawned = _children(cli.pid)
+    spawned = _descendants(cli.pid)
 
     cli.kill()
     cli.wait(timeout=GENEROUS_S)

@@ -17,15 +17,19 @@ from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.launch import JobRunner
 from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.workspace.task_state import show_task
 
 
 @pytest.fixture(scope="module")
-def full_replay(spike_snapshot: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[ReplayResult, Path]:
+def full_replay(
+    spike_snapshot: Path, tmp_path_factory: pytest.TempPathFactory, warm_runner: JobRunner
+) -> tuple[ReplayResult, Path]:
     """The spike replayed at its saved world size (two gloo processes), twice for the determinism check."""
     ws = tmp_path_factory.mktemp("full-ws")
-    return run_request(replay_request(What(spike_snapshot, repeat=2), how=How(nproc=2), workspace=ws)), ws
+    request = replay_request(What(spike_snapshot, repeat=2), how=How(nproc=2), workspace=ws)
+    return run_request(request, warm_runner), ws
 
 
 def test_full_fidelity_reproduces_the_recorded_grad_norm(full_replay: tuple[ReplayResult, Path]) -> None:
@@ -39,9 +43,10 @@ def test_full_fidelity_reproduces_the_recorded_grad_norm(full_replay: tuple[Repl
     assert [m["rank"] for m in result.rank_metrics] == [0, 1]
 
 
-def test_no_mitigation_replay_is_bit_identical_to_training(captured_run) -> None:
+def test_no_mitigation_replay_is_bit_identical_to_training(captured_run, warm_runner: JobRunner) -> None:
     worst = captured_run.snapshot_dirs[captured_run.spike_ratios.index(max(captured_run.spike_ratios))]
-    result = run_replay(worst, ReplayOptions(nproc=2))  # captured here, replayed here, at the saved world size
+    # captured here, replayed here, at the saved world size
+    result = run_replay(worst, ReplayOptions(nproc=2, runner=warm_runner))
     assert result.fidelity == "full"
     assert result.grad_norm == result.recorded_grad_norm
     assert result.rel_diff == 0.0

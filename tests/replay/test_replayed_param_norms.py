@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.launch import JobRunner
 from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.replayed_param_norms import check_replayed_param_norms, plain_name
 from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot
@@ -44,8 +45,10 @@ def _record_as_if_trained(snapshot: Path, grad_norm: float, losses: dict[int, fl
 
 
 @pytest.mark.parametrize("nproc", [1, 2], ids=["reduced", "full"])
-def test_an_honest_snapshot_matches_parameter_by_parameter(spike_snapshot: Path, nproc: int) -> None:
-    result = run_replay(spike_snapshot, ReplayOptions(nproc=nproc))
+def test_an_honest_snapshot_matches_parameter_by_parameter(
+    spike_snapshot: Path, nproc: int, warm_runner: JobRunner
+) -> None:
+    result = run_replay(spike_snapshot, ReplayOptions(nproc=nproc, runner=warm_runner))
     assert result.verdict == "reproduced"
     assert result.consistency is not None and "param_grad_norms_vs_replay" in result.consistency["checked"]
     assert result.consistency["self_consistent"], result.consistency["problems"]

@@ -20,6 +20,7 @@ from tiny_snapshot import record_tiny_snapshot
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.launch import JobRunner
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.rank_step import rank_forward_backward
@@ -90,10 +91,10 @@ def bf16_snapshot(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float
     ],
 )  # one process whole and two sharded in the default run
 def test_a_bf16_trainer_is_replayed_in_bf16_with_fp32_reduction(
-    bf16_snapshot: tuple[Path, float, float], nproc: int, shard: str
+    bf16_snapshot: tuple[Path, float, float], nproc: int, shard: str, warm_runner: JobRunner
 ) -> None:
     snapshot, fsdp2_norm, fp32_norm = bf16_snapshot
-    result = run_replay(snapshot, ReplayOptions(nproc=nproc, shard=shard))
+    result = run_replay(snapshot, ReplayOptions(nproc=nproc, shard=shard, runner=warm_runner))
     assert result.precision == {
         "param_dtype": "bfloat16",
         "reduce_dtype": "float32",

@@ -22,6 +22,7 @@ from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.launch import JobRunner
 from axrl_spike_replay.replay.layout_plan import plan_layout
 from axrl_spike_replay.snapshot.metadata import DetectorSpec
 from axrl_spike_replay.workspace.methods import add_method
@@ -124,13 +125,14 @@ def _with_detector(snapshot: Path, **detector: object) -> Path:
 
 
 def test_a_no_op_on_a_snapshot_whose_threshold_was_raised_is_not_a_method(
-    snapshot_copy: Callable[[], Path], workspace: Path, capsys: pytest.CaptureFixture[str]
+    snapshot_copy: Callable[[], Path], workspace: Path, capsys: pytest.CaptureFixture[str], warm_runner: JobRunner
 ) -> None:
     """The issue's case: detector.threshold raised to 1000, clip_eps_low=0.2 (the saved value: +0.0%)."""
     snapshot = _with_detector(snapshot_copy(), threshold=1000)
     open_task(workspace, "fixture-moe", snapshot)
 
-    result = run_request(replay_request(What(snapshot, mitigations={"clip_eps_low": 0.2}), workspace=workspace))
+    request = replay_request(What(snapshot, mitigations={"clip_eps_low": 0.2}), workspace=workspace)
+    result = run_request(request, warm_runner)
 
     assert result.fidelity == "full" and result.change_vs_baseline == 0.0
     assert result.threshold == 1000 and result.spike_ratio is not None and result.spike_ratio < 1000

@@ -21,6 +21,7 @@ from tiny_snapshot import record_tiny_snapshot
 
 from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.launch import JobRunner
 from axrl_spike_replay.snapshot.fields import canonicalize_batch
 from axrl_spike_replay.snapshot.verl_batch import verl_routes
 from verl_layouts import jagged_like_verl, padded_like_verl
@@ -109,7 +110,9 @@ def test_a_mitigation_gives_the_same_verdict_in_every_layout(layouts: dict[str, 
 
 
 @pytest.mark.slow
-def test_full_fidelity_reads_the_jagged_batches_in_each_rank_process(layouts: dict[str, Path]) -> None:
-    result = run_replay(layouts["verl jagged"], ReplayOptions(nproc=2))
+def test_full_fidelity_reads_the_jagged_batches_in_each_rank_process(
+    layouts: dict[str, Path], warm_runner: JobRunner
+) -> None:
+    result = run_replay(layouts["verl jagged"], ReplayOptions(nproc=2, runner=warm_runner))
     assert result.fidelity == "full"
     assert result.grad_norm == result.recorded_grad_norm

@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.launch import JobRunner
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
 from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY
 
@@ -54,8 +55,8 @@ def test_the_snapshot_records_the_convention_and_the_steps_global_counts(verl_sn
 
 
 @pytest.mark.slow
-def test_full_fidelity_replay_is_bit_identical(verl_snapshot: Path) -> None:
-    result = run_replay(verl_snapshot, ReplayOptions(nproc=2))
+def test_full_fidelity_replay_is_bit_identical(verl_snapshot: Path, warm_runner: JobRunner) -> None:
+    result = run_replay(verl_snapshot, ReplayOptions(nproc=2, runner=warm_runner))
     assert result.fidelity == "full"
     assert result.grad_norm == result.recorded_grad_norm
 
@@ -68,12 +69,12 @@ def test_reduced_replay_gets_the_global_counts_and_stays_close(verl_snapshot: Pa
 
 
 @pytest.mark.slow
-def test_a_mitigated_config_replays_alike_at_every_layout(verl_snapshot: Path) -> None:
+def test_a_mitigated_config_replays_alike_at_every_layout(verl_snapshot: Path, warm_runner: JobRunner) -> None:
     # On this capture pi_old/pi_rollout is within 1 % of 1 on every loss token (a [0.99, 1.01] mask rejects none),
     # so no rejection changes the counts; test_global_normalization_replay.py has a mitigation that masks tokens,
     # and checks the replay recounts them.
     mitigation = {"ratio_outlier_mask": "token"}
-    full = run_replay(verl_snapshot, ReplayOptions(nproc=2, mitigations=mitigation))
+    full = run_replay(verl_snapshot, ReplayOptions(nproc=2, mitigations=mitigation, runner=warm_runner))
     reduced = run_replay(verl_snapshot, ReplayOptions(nproc=1, mitigations=mitigation))
     assert full.grad_norm is not None and reduced.grad_norm is not None
     assert abs(full.grad_norm - reduced.grad_norm) <= 1e-5 * full.grad_norm

@@ -42,6 +42,16 @@ def _children(parent: int) -> list[int]:
     return found
 
 
+def _descendants(root: int) -> list[int]:
+    """The processes below `root`: the process server it started and the warm rank processes forked there."""
+    found, todo = [], [root]
+    while todo:
+        for child in _children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
@@ -86,7 +96,7 @@ def test_two_warm_cli_replays_match_a_cold_one_on_the_same_processes(spike_snaps
             done = _cli("replay", spike_snapshot, "--workspace", warm_ws, "--warm", "--json", cwd=tmp_path)
             assert done.returncode == 0, done.stderr
             warm.append(done)
-            ranks.append(sorted(_children(service.pid)))
+            ranks.append(sorted(pid for pid in _descendants(service.pid) if _alive(pid)))
         assert "starting 2 warm replay process(es)" in warm[0].stderr
         assert "starting" not in warm[1].stderr and "weights ready" in warm[1].stderr  # progress streamed back
         assert len(ranks[0]) >= 2 and ranks[0] == ranks[1]  # the second call ran on the same rank processes

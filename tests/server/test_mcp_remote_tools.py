@@ -10,10 +10,13 @@ import time
 from pathlib import Path
 
 import anyio
+import pytest
 from mcp import Client
 from server_helpers import SpikeOutputs, call, error_text, ok
 
 from axrl_spike_replay.server import create_server
+
+pytestmark = pytest.mark.processes  # an SSH server on loopback, and the replays and commands it runs
 
 
 def _processes(marker: str) -> list[str]:

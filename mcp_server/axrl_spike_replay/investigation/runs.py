@@ -42,13 +42,17 @@ def run_request(request: ReplayRequest, runner: JobRunner | None = None) -> RunR
 
 def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     """The engine in this process tree."""
-    from axrl_spike_replay.investigation.planning import refuse_what_cannot_fit
-    from axrl_spike_replay.replay.engine import ReplayOptions
-
     what, how = request.what, request.how
     # an unsharded attribution holds the whole model in one process; sharded (on, or auto when the whole model does
     # not fit one), it lays its processes out as a replay does, and the plan refuses only what fits neither way
     whole = what.verb == Verb.ATTRIBUTE and how.shard == Shard.OFF
+    if runner is None and not whole and _starts_processes(request):
+        from axrl_spike_replay.process_starts import warm_up
+
+        warm_up()  # before this process imports torch: the server imports it meanwhile, the ranks fork when due
+    from axrl_spike_replay.investigation.planning import refuse_what_cannot_fit
+    from axrl_spike_replay.replay.engine import ReplayOptions
+
     nproc = 1 if whole else how.nproc
     configs = 1 + (len(what.configs) if what.verb == Verb.SWEEP else int(bool(what.mitigations)))
     refuse_what_cannot_fit(what.snapshot, nproc, str(how.device), configs, str(how.shard))
@@ -92,3 +96,20 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     from axrl_spike_replay.replay.engine import run_replay
 
     return run_replay(what.snapshot, options)
+
+
+def _starts_processes(request: ReplayRequest) -> bool:
+    """Whether a run here will start rank processes: more than one, or a sharded group (of one too). Without
+    `nproc`, the snapshot's saved data ranks (its metadata, read cheaply); a snapshot that cannot be read: no."""
+    how = request.how
+    if how.shard == Shard.ON:
+        return True
+    if how.nproc is not None:
+        return how.nproc > 1
+    from axrl_spike_replay.errors import AxrlError
+    from axrl_spike_replay.snapshot.metadata import read_metadata
+
+    try:
+        return read_metadata(request.what.snapshot)[0].parallel.data_ranks > 1
+    except (AxrlError, OSError, ValueError):
+        return False  # the engine names what is wrong with it

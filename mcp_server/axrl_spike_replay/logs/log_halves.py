@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.logs.log_reader import MAX_ERRORS, LogTally, scan_handle
-from axrl_spike_replay.rank_processes import die_with_parent
+from axrl_spike_replay.process_starts import die_with_launcher
 
 SPLIT_BYTES = 64 * 1024 * 1024  # a smaller log is scanned whole: a fork and a merge cost more than half of it
 _CUT_WINDOW = 1024 * 1024  # a newline is looked for this far past the middle; none: the log is scanned whole
@@ -56,8 +56,8 @@ def can_fork() -> bool:
     return hasattr(os, "fork") and threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods()
 
 
-def _scan_second_half(fd: int, start: int, size: int, path: Path, parent: int, results: Connection) -> None:
-    die_with_parent(parent)
+def _scan_second_half(fd: int, start: int, size: int, path: Path, results: Connection) -> None:
+    die_with_launcher()
     tally = LogTally()
     try:
         scan_handle(_PositionalReader(fd, start), path, tally, limit=size - start)
@@ -75,7 +75,7 @@ class SecondHalf:
         self._results, sending = context.Pipe(duplex=False)
         self._process = context.Process(
             target=_scan_second_half,
-            args=(handle.fileno(), start, size, path, os.getpid(), sending),
+            args=(handle.fileno(), start, size, path, sending),
             name=f"scan {path.name} from byte {start}",
             daemon=True,
         )

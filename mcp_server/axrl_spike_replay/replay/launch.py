@@ -1,8 +1,8 @@
 """Run a replay job: one process per replay rank with torch.distributed, or in this process for one.
 
-Processes are spawned with torch.multiprocessing and meet over a FileStore in a private temp dir
-(gloo on CPU; nccl on CUDA when every process has its own GPU, else gloo). They die with this
-process and the temp dirs go even if it is killed (see `rank_processes`). Each runs with one
+Processes come from `process_starts` (forked from a server that imported torch once, else spawned) and meet
+over a FileStore in a private temp dir (gloo on CPU; nccl on CUDA when every process has its own GPU, else
+gloo). They die with this process and the temp dirs go even if it is killed (see `rank_processes`). Each runs with one
 intra-op thread, as the reference trainer's ranks do, so reductions are deterministic.
 """
 
@@ -126,9 +126,9 @@ def _spawn(
     progress: Callable[[str], None] | None,
     first_device: int = 0,
 ) -> list[ConfigOutcome]:
-    import torch.multiprocessing as mp
+    from axrl_spike_replay.process_starts import rank_context
 
-    lines = mp.get_context("spawn").SimpleQueue() if progress is not None else None
+    lines = rank_context().SimpleQueue() if progress is not None else None
     relay = _Relay(lines, progress) if lines is not None and progress is not None else None
     with owned_temp_dir("axrl-replay-") as tmp:  # removed even if this process is killed
         outcomes_path = str(Path(tmp) / _OUTCOMES)

@@ -16,9 +16,11 @@ the results are bit-identical to a cold run) on a pool of processes that stay up
 - A pool whose process died is restarted and the job rerun once (a replay only reads its inputs).
 - A one-process job runs in the calling process (no spawn at all), with the same weight cache.
 
-Rank processes die with the server (see `rank_processes.die_with_parent`); `close` stops them. The kernel
-ties that to the thread that started them, so pools are started from one long-lived thread of the
-service, never from a caller's (short-lived worker threads would take their pools with them).
+Pool processes come from `process_starts` (forked from a server that imported torch once: a pool starts in a
+fraction of a second after the first) and die with the server however it dies (see
+`process_starts.die_with_launcher`); `close` stops them. Where they are spawned instead, the kernel ties that to
+the thread that started them, so pools are started from one long-lived thread of the service, never from a
+caller's (short-lived worker threads would take their pools with them).
 """
 
 from __future__ import annotations
@@ -172,15 +174,16 @@ def _serve_rank(
     store_dir: str,
     timeout_s: float,
     budget_bytes: int,
-    parent_pid: int,
+    environment: dict[str, str],
     first_device: int = 0,
 ) -> None:
     """A pool process: join the group, then run jobs from `conn` until told to stop (None) or orphaned."""
     import faulthandler
 
-    from axrl_spike_replay.rank_processes import die_with_parent
+    from axrl_spike_replay.process_starts import adopt_environment, die_with_launcher
 
-    die_with_parent(parent_pid)
+    die_with_launcher()
+    adopt_environment(environment)
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint  # the import a cold replay pays on every call
@@ -241,14 +244,17 @@ class RankPool:
     """`nproc` long-lived processes in one process group, running one job at a time."""
 
     def __init__(self, key: PoolKey, budget_bytes: int) -> None:
-        import torch.multiprocessing as mp
+        import torch.multiprocessing  # noqa: F401  (its pickling of tensors, as torch's own spawn uses)
+
+        from axrl_spike_replay.process_starts import launcher_environment, rank_context
 
         self.key = key
         self.last_used = time.monotonic()
         self.lock = threading.Lock()
         self._stack = ExitStack()
         store_dir = self._stack.enter_context(owned_temp_dir("axrl-warm-"))
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
+        environment = launcher_environment()
         self._cancel = ctx.Event()
         self.conns: list[Any] = []
         self.processes: list[Any] = []
@@ -258,7 +264,7 @@ class RankPool:
                 args = (rank, key.nproc, child, self._cancel, key.device, store_dir, key.timeout_s)
                 process = ctx.Process(
                     target=_serve_rank,
-                    args=(*args, max(budget_bytes // key.nproc, 0), os.getpid(), key.slot * key.nproc),
+                    args=(*args, max(budget_bytes // key.nproc, 0), environment, key.slot * key.nproc),
                     name=f"axrl-warm-{rank}",
                     daemon=True,
                 )

@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Starting rank processes: forked from a server that imported torch once vs spawned (a Python start and a torch
+import per process), side by side.
+
+1. The library: 2 do-nothing rank processes through `spawn_ranks` (a gloo group formed and torn down), the first
+   and the second start from one process that has imported torch, for each start method (each in a fresh process,
+   `AXRL_START_METHOD` picking the method).
+2. A warm pool (the MCP server's and `serve`'s): the first and a second start of a 2-process pool, for each method.
+3. The CLI: a cold `replay --nproc 1` and `--nproc 2` of the golden fixture's spike snapshot (world size 2), wall
+   each, in fresh processes, for each method; the ratio nproc 2 / nproc 1 (goal: ≤ 1.5 with the forkserver).
+
+Runs alternate between the methods; medians of --runs. Usage:
+    .venv/bin/python benchmarks/bench_process_starts.py [--runs 3] [--skip-cli]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAPSHOT = ROOT / "tests/fixtures/outputs/fx~fixture-moe__actor/checkpoints/spike_snapshots/iter_0000021"
+METHODS = ("spawn", "forkserver")
+
+_LIBRARY = """
+import json, time
+import torch  # the launcher has torch, as a replay or a capture has by the time it starts its ranks
+from axrl_spike_replay.rank_processes import spawn_ranks
+from bench_process_starts import do_nothing
+times = []
+for _ in range(2):
+    start = time.perf_counter()
+    spawn_ranks(do_nothing, 2, None)
+    times.append(time.perf_counter() - start)
+print(json.dumps(times))
+"""
+
+_POOL = """
+import json, time
+import torch
+from axrl_spike_replay.replay.warm_pool import PoolKey, RankPool
+times = []
+for _ in range(2):
+    start = time.perf_counter()
+    pool = RankPool(PoolKey(2, "cpu", 60.0), 1 << 30)
+    times.append(time.perf_counter() - start)
+    pool.close()
+print(json.dumps(times))
+"""
+
+
+def do_nothing(rank: int, nproc: int, payload: object) -> None:
+    """A rank's work that takes no time: what is left is starting the process and forming the group."""
+
+
+def _env(method: str) -> dict[str, str]:
+    path = os.pathsep.join((str(ROOT / "mcp_server"), str(Path(__file__).resolve().parent)))
+    return {**os.environ, "AXRL_START_METHOD": method, "PYTHONPATH": path}
+
+
+def _in_fresh_process(code: str, method: str) -> list[float]:
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=_env(method), capture_output=True, text=True, timeout=900, check=False
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{method}: {done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _cli_wall(method: str, nproc: int, workspace: Path) -> float:
+    argv = [sys.executable, "-m", "axrl_spike_replay", "replay", str(SNAPSHOT), "--nproc", str(nproc)]
+    start = time.perf_counter()
+    done = subprocess.run(
+        [*argv, "--workspace", str(workspace), "--json"], env=_env(method), capture_output=True, text=True, timeout=900
+    )
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"replay --nproc {nproc} ({method}): {done.stderr}")
+    return wall
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--skip-cli", action="store_true", help="leave out part 3 (cold CLI replays)")
+    args = parser.parse_args()
+    median = statistics.median
+    library: dict[str, list[list[float]]] = {m: [] for m in METHODS}
+    pool: dict[str, list[list[float]]] = {m: [] for m in METHODS}
+    cli: dict[tuple[str, int], list[float]] = {(m, n): [] for m in METHODS for n in (1, 2)}
+    with tempfile.TemporaryDirectory(prefix="bench-starts-") as tmp:
+        for _ in range(args.runs):
+            for method in METHODS:
+                library[method].append(_in_fresh_process(_LIBRARY, method))
+                pool[method].append(_in_fresh_process(_POOL, method))
+                if not args.skip_cli:
+                    for nproc in (1, 2):
+                        cli[method, nproc].append(_cli_wall(method, nproc, Path(tmp)))
+
+    print(f"starting 2 rank processes, medians of {args.runs} (first start / second start in one process):")
+    for name, table in (("spawn_ranks", library), ("warm pool  ", pool)):
+        first = {m: median(t[0] for t in table[m]) for m in METHODS}
+        second = {m: median(t[1] for t in table[m]) for m in METHODS}
+        print(
+            f"  {name}: spawn {first['spawn']:.2f} s / {second['spawn']:.2f} s;  forkserver "
+            f"{first['forkserver']:.2f} s / {second['forkserver']:.3f} s;  second start spawn / forkserver "
+            f"{second['spawn'] / second['forkserver']:.0f}x (goal: forkserver second start < 0.5 s)"
+        )
+    if not args.skip_cli:
+        print(f"cold CLI replay of {SNAPSHOT.name} (saved world size 2), wall, medians of {args.runs}:")
+        for method in METHODS:
+            one, two = median(cli[method, 1]), median(cli[method, 2])
+            print(f"  {method:10}: --nproc 1 {one:.2f} s, --nproc 2 {two:.2f} s: {two / one:.2f}x (goal ≤ 1.5x)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
