@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 from mcp import Client, StdioServerParameters
 from server_helpers import server_command
 
 JOB = "demo-moe-grpo"
+pytestmark = pytest.mark.processes  # a stdio server, and the replays of both faces start rank processes
 
 
 async def _call(client: Client, tool: str, arguments: dict[str, Any]) -> dict[str, Any]:
