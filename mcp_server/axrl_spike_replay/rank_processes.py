@@ -5,8 +5,14 @@ They die with the launcher however it dies (on Linux the kernel sends them SIGKI
 watchdog thread notices the launcher is gone), and the temp dir is removed by a watcher process if
 the launcher cannot (see `temp_janitor`): a killed replay never leaves ranks holding GPUs. Each runs
 with one intra-op thread, so reductions are deterministic and match between capture and replay.
-Every rank passes a barrier before tearing the group down: a rank that leaves while a peer still
-talks to it can abort in gloo's teardown.
+
+Teardown is ordered. A rank that closes its gloo connections while a peer is still inside a collective with it
+can make that peer abort in gloo's native code (`terminate called without an active exception`, SIGABRT). A
+barrier alone does not prevent it: the first rank out of the final barrier may tear down while its peer has not yet
+returned from that barrier. So every rank passes the barrier, then says so in the FileStore (which needs no socket)
+and waits until every rank has said so; only then does any rank destroy the group. Each rank then leaves a `done`
+file: a rank killed by a signal after every rank's work was done (an abort in teardown or at exit) loses nothing,
+so the launcher logs it and the run succeeds instead of failing after its results were written.
 
 A spawned process imports the launcher's main module again before it runs anything of ours. A script
 that starts a run at module level (no `if __name__ == "__main__":`) would start it again in every
@@ -45,6 +51,8 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _RUN_DIR_ENV = "AXRL_RANKS_RUN_DIR"
 _REIMPORT_NOTE = "reimport.txt"
 _STARTED = "started-{rank:05d}"  # written by each rank first thing: it got past the import of the main module
+_DONE = "done-{rank:05d}"  # written by each rank once every rank finished its work, before the group is torn down
+_LEFT_KEY = "axrl-left-collectives"  # FileStore counter: ranks that returned from their last collective
 _ENV_LOCK = threading.Lock()
 
 
@@ -181,6 +189,17 @@ def _spawn_once(
             if isinstance(exc, ProcessExitedException) and exc.signal_name and exc.error_index not in signalled:
                 signalled.append(exc.error_index)
             _stop(context.processes)
+            if _all_done(Path(tmp), nproc) and not list(Path(tmp).glob("*-*.txt")):
+                # every rank's work was done and agreed before any teardown: the results stand
+                log.warning(
+                    "%s process(es) %s died from a signal while tearing down, after every %s finished its work "
+                    "(exit codes %s); the run's results are complete",
+                    label,
+                    ", ".join(str(r) for r, code in enumerate(exitcodes) if code),
+                    label,
+                    exitcodes,
+                )
+                return
             crashed = [rank for rank in signalled if not list(Path(tmp).glob(f"*-{rank:05d}.txt"))]
             if crashed:
                 raise _native_crash(Path(tmp), crashed[0], exitcodes[crashed[0]], label) from None
@@ -188,6 +207,21 @@ def _spawn_once(
         except BaseException:
             _stop(context.processes)  # Ctrl-C, SIGTERM (see `terminate_as_interrupt`), any bug: no rank outlives us
             raise
+
+
+def _all_done(tmp: Path, nproc: int) -> bool:
+    return all(Path(tmp, _DONE.format(rank=rank)).exists() for rank in range(nproc))
+
+
+def _leave_collectives(store: Any, nproc: int, timeout_s: float) -> None:
+    """Say in the store that this rank left its last collective, and wait until every rank has: then no rank tears
+    down its connections while a peer may still be inside a collective with it."""
+    store.add(_LEFT_KEY, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(_LEFT_KEY, 0) < nproc:
+        if time.monotonic() > deadline:
+            raise RankProcessError(f"the other ranks did not finish within {timeout_s:g} s of this one")
+        time.sleep(0.005)
 
 
 def terminate_as_interrupt() -> None:
@@ -303,7 +337,9 @@ def _entry(
         store = dist.FileStore(str(Path(tmp) / "store"), nproc)  # pyright: ignore[reportPrivateImportUsage]
         dist.init_process_group(backend, store=store, rank=rank, world_size=nproc, timeout=timedelta(seconds=timeout_s))
         fn(rank, nproc, payload)
-        dist.barrier()  # every rank is done with the group before any tears it down
+        dist.barrier()  # every rank is done with its work
+        _leave_collectives(store, nproc, timeout_s)  # and has returned from that barrier: teardown may start
+        Path(tmp, _DONE.format(rank=rank)).touch()
     except AxrlError as exc:
         atomic_write_text(Path(tmp, f"error-{rank:05d}.txt"), f"{label} {rank}: {exc}")
         raise
