@@ -78,7 +78,12 @@ def _zero_replica(replica_id: Any) -> bool:
 
 def parameter_norms(model: Any) -> dict[str, float]:
     """{checkpoint key[layer(,expert)]: grad norm} over the whole model: each shard counted once (the main
-    replica, as Megatron saves it), merged over every rank. Collective."""
+    replica, as Megatron saves it), merged over every rank. Collective.
+
+    Exact when every replica of a shard holds the same gradient, as after Megatron's `finalize_model_grads` (the
+    data-parallel reduction, and at TP>1 the all-reduce of the layer-norm and router gradients that sequence
+    parallelism leaves partial on each tensor-parallel rank). Replicas that disagree are logged once (up to three
+    names): the merge then holds the main replica's partial gradient, not the step's."""
     import math
 
     import torch
@@ -87,13 +92,20 @@ def parameter_norms(model: Any) -> dict[str, float]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     sums: dict[str, float] = {}
+    replicas: dict[str, dict[str, float]] = {}  # shard (name and offset) -> {replica id: its sum of squares}
 
     def add(shard: Any, grad: Any) -> None:
-        if not isinstance(shard, ShardedTensor) or grad is None or not _zero_replica(shard.replica_id):
+        if not isinstance(shard, ShardedTensor) or grad is None:
             return
         index = ",".join(str(int(o)) for o in shard.global_offset[: shard.prepend_axis_num])
         name = f"{shard.key}[{index}]" if index else shard.key
-        sums[name] = sums.get(name, 0.0) + float(grad.detach().double().pow(2).sum())
+        square = float(grad.detach().double().pow(2).sum())
+        ids = shard.replica_id if isinstance(shard.replica_id, tuple) else (shard.replica_id,)
+        piece = replicas.setdefault(f"{name}@{tuple(int(o) for o in shard.global_offset)}", {})
+        replica = ",".join(str(int(i)) for i in ids)
+        piece[replica] = piece.get(replica, 0.0) + square
+        if _zero_replica(shard.replica_id):
+            sums[name] = sums.get(name, 0.0) + square
 
     for item in unwrap(model).sharded_state_dict().values():
         param = getattr(item, "data", None)
@@ -107,11 +119,27 @@ def parameter_norms(model: Any) -> dict[str, float]:
         else:
             add(item, grad)
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sums)
+    dist.all_gather_object(gathered, (sums, replicas))
     merged: dict[str, float] = {}
-    for part in gathered:
+    every: dict[str, dict[str, float]] = {}
+    for part, pieces in gathered:
         for name, value in part.items():
             merged[name] = merged.get(name, 0.0) + value
+        for piece, values in pieces.items():
+            every.setdefault(piece, {}).update(values)
+    differ = sorted(
+        piece.split("@")[0]
+        for piece, values in every.items()
+        if len(values) > 1 and max(values.values()) - min(values.values()) > 1e-9 * max(values.values())
+    )
+    if differ and dist.get_rank() == 0:
+        log.warning(
+            "axrl spike guard: the gradient of %s differs between its replicas (%d shard(s) in all): gradients are "
+            "not reduced over every replica yet (at TP>1 call megatron's finalize_model_grads before the guard, "
+            "as its training loop does); the recorded per-parameter norms are the main replica's",
+            ", ".join(sorted(set(differ))[:3]),
+            len(differ),
+        )
     return {name: math.sqrt(value) for name, value in sorted(merged.items())}
 
 
