@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import subprocess
 import sys
@@ -30,6 +32,12 @@ def _abort_once(rank: int, nproc: int, out: str) -> None:
     Path(out, f"rank{rank}.txt").write_text("done")
 
 
+def _abort_in_teardown(rank: int, nproc: int, out: str) -> None:
+    _all_reduce_ranks(rank, nproc, out)
+    if rank == 1:  # after its work, the final barrier and the group's teardown: a native abort as the process exits
+        atexit.register(os.abort)
+
+
 def _refuse(rank: int, nproc: int, out: str) -> None:
     raise AxrlError(f"rank {rank} found nothing to do in {out}")
 
@@ -42,6 +50,17 @@ def test_every_rank_joins_one_process_group(tmp_path: Path) -> None:
 def test_a_native_crash_is_reported_with_its_signal(tmp_path: Path) -> None:
     with pytest.raises(RankProcessError, match="SIGABRT"):
         spawn_ranks(_abort_once, 2, str(tmp_path))
+
+
+def test_a_rank_that_aborts_in_teardown_after_every_rank_finished_loses_no_work(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The capture's exit crash: every rank wrote its results, then one died from SIGABRT while tearing down. The
+    run stands (its results are complete) and the launcher says what happened."""
+    with caplog.at_level(logging.WARNING, logger="axrl_spike_replay.ranks"):
+        spawn_ranks(_abort_in_teardown, 2, str(tmp_path))
+    assert sorted(p.read_text() for p in tmp_path.glob("rank*.txt")) == ["3", "3"]
+    assert "died from a signal while tearing down, after every rank finished its work" in caplog.text
 
 
 def test_side_effect_free_work_survives_one_native_crash(tmp_path: Path) -> None:

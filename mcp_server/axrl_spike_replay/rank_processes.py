@@ -4,8 +4,15 @@ Processes come from `process_starts` (forked from a server that imported torch o
 unavailable) and meet over a FileStore in a private temp dir. They die with the launcher however it dies (see
 `process_starts.die_with_launcher`), and the temp dir is removed by a watcher process if the launcher cannot
 (see `temp_janitor`): a killed replay never leaves ranks holding GPUs. Each runs with one intra-op thread, so
-reductions are deterministic and match between capture and replay. Every rank passes a barrier before tearing
-the group down: a rank that leaves while a peer still talks to it can abort in gloo's teardown.
+reductions are deterministic and match between capture and replay.
+
+Teardown is ordered. A rank that closes its gloo connections while a peer is still inside a collective with it
+can make that peer abort in gloo's native code (`terminate called without an active exception`, SIGABRT). A
+barrier alone does not prevent it: the first rank out of the final barrier may tear down while its peer has not yet
+returned from that barrier. So every rank passes the barrier, then says so in the FileStore (which needs no socket)
+and waits until every rank has said so; only then does any rank destroy the group. Each rank then leaves a `done`
+file: a rank killed by a signal after every rank's work was done (an abort in teardown or at exit) loses nothing,
+so the launcher logs it and the run succeeds instead of failing after its results were written.
 
 A started process imports the launcher's main module again before it runs anything of ours (forkserver and
 spawn both do). A script that starts a run at module level (no `if __name__ == "__main__":`) would start it
@@ -22,6 +29,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -42,6 +50,8 @@ _GRACE_S = 5.0
 _RUN_DIR_MARK = " @ "
 _REIMPORT_NOTE = "reimport.txt"
 _STARTED = "started-{rank:05d}"  # written by each rank first thing: it got past the import of the main module
+_DONE = "done-{rank:05d}"  # written by each rank once every rank finished its work, before the group is torn down
+_LEFT_KEY = "axrl-left-collectives"  # FileStore counter: ranks that returned from their last collective
 
 
 class RankProcessError(AxrlError):
@@ -168,6 +178,17 @@ def _spawn_once(
             if exitcodes[failed] < 0 and failed not in signalled:
                 signalled.append(failed)
             _stop(processes)
+            if _all_done(Path(tmp), nproc) and not list(Path(tmp).glob("*-*.txt")):
+                # every rank's work was done and agreed before any teardown: the results stand
+                log.warning(
+                    "%s process(es) %s died from a signal while tearing down, after every %s finished its work "
+                    "(exit codes %s); the run's results are complete",
+                    label,
+                    ", ".join(str(r) for r, code in enumerate(exitcodes) if code),
+                    label,
+                    exitcodes,
+                )
+                return
             crashed = [rank for rank in signalled if not list(Path(tmp).glob(f"*-{rank:05d}.txt"))]
             if crashed:
                 raise _native_crash(Path(tmp), crashed[0], exitcodes[crashed[0]], label) from None
@@ -201,6 +222,21 @@ def _exit_description(rank: int, code: int) -> str:
         except ValueError:
             return f"process {rank} was killed by signal {-code}"
     return f"process {rank} exited with code {code}"
+
+
+def _all_done(tmp: Path, nproc: int) -> bool:
+    return all(Path(tmp, _DONE.format(rank=rank)).exists() for rank in range(nproc))
+
+
+def _leave_collectives(store: Any, nproc: int, timeout_s: float) -> None:
+    """Say in the store that this rank left its last collective, and wait until every rank has: then no rank tears
+    down its connections while a peer may still be inside a collective with it."""
+    store.add(_LEFT_KEY, 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add(_LEFT_KEY, 0) < nproc:
+        if time.monotonic() > deadline:
+            raise RankProcessError(f"the other ranks did not finish within {timeout_s:g} s of this one")
+        time.sleep(0.005)
 
 
 def terminate_as_interrupt() -> None:
@@ -293,7 +329,9 @@ def _entry(
         store = dist.FileStore(str(Path(tmp) / "store"), nproc)  # pyright: ignore[reportPrivateImportUsage]
         dist.init_process_group(backend, store=store, rank=rank, world_size=nproc, timeout=timedelta(seconds=timeout_s))
         fn(rank, nproc, payload)
-        dist.barrier()  # every rank is done with the group before any tears it down
+        dist.barrier()  # every rank is done with its work
+        _leave_collectives(store, nproc, timeout_s)  # and has returned from that barrier: teardown may start
+        Path(tmp, _DONE.format(rank=rank)).touch()
     except AxrlError as exc:  # expected: its message is the report, no traceback on the terminal
         atomic_write_text(Path(tmp, f"error-{rank:05d}.txt"), f"{label} {rank}: {exc}")
         sys.exit(1)

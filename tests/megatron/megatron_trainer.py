@@ -1,4 +1,4 @@
-"""A small RL training loop on megatron-core's own model with the Megatron spike guard (integrations/megatron.py).
+"""A small RL training loop on megatron-core's own model with the Megatron spike guard (integrations.megatron).
 
 Each of `world` gloo processes holds its shard of the GPTModel (EP=2: four of the eight experts each), wrapped in
 Megatron's DistributedDataParallel; the weights start from a checkpoint `dist_checkpointing.load` reshards. Every
@@ -10,7 +10,6 @@ samples carry rollout log-probs far below the policy's with negative advantages:
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 from typing import Any
@@ -23,12 +22,10 @@ BATCH, PROMPT, RESPONSE = 4, 8, 24
 
 
 def load_hook() -> Any:
-    """integrations/megatron.py, loaded by path as a trainer would."""
-    spec = importlib.util.spec_from_file_location("axrl_megatron_hook", REPO / "integrations" / "megatron.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The hook's module, imported from the installed package as a trainer imports it."""
+    import axrl_spike_replay.integrations.megatron as hook
+
+    return hook
 
 
 def make_batch(model: Any, trace: Any, dp_rank: int, step: int, burst: bool) -> dict[str, torch.Tensor]:
@@ -119,7 +116,8 @@ def train(rank: int, world: int, payload: tuple[dict[str, Any], str, str, int, i
             result.loss.backward()
             model.finish_grad_sync()
             norm = grad_norm(params)
-            if guard.step(step, model, norm, batch):
+            tokens = result.metrics["loss_tokens"]
+            if guard.step(step, model, norm, batch, loss=result.loss, num_tokens=tokens):
                 with torch.no_grad():
                     for p in params:
                         p.add_(p.main_grad, alpha=-1e-3)

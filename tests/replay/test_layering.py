@@ -25,7 +25,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("demo", "agent_install", "skill_pack"),  # beside the faces: the whole procedure, installing the skills
     ("investigation",),  # orchestration: run a request here or elsewhere, open a task with its diagnosis
     ("diagnosis", "remote", "workspace"),
-    ("testing",),  # public test support: records snapshots with the capture side
+    ("testing", "integrations"),  # test support recording snapshots; hooks in trainers we did not write
     ("replay", "capture"),
     ("experiment",),  # what engine, remote, record and diagnosis share: mitigations, results, verdicts, run dirs
     ("training",),

@@ -116,6 +116,26 @@ def test_the_param_norm_bound_is_named_with_its_numbers(golden_snapshot: Path, t
     assert f"it must lie in [{0.1 * low:.6g}, {0.1 * high:.6g}]" in problem.message
 
 
+@pytest.mark.parametrize(("gap", "flagged"), [(7e-4, True), (2e-6, False)])
+def test_norms_merged_from_the_reduced_gradient_are_held_to_their_own_tolerance(
+    golden_snapshot: Path, tmp_path: Path, gap: float, flagged: bool
+) -> None:
+    """Per-parameter norms of the reduced gradient, as the Megatron hook merges them over its TP, EP and PP shards:
+    a shard missed or counted twice moves their sum by far more than float32 summation does (a 7e-4 gap passed the
+    local norms' 1e-3 tolerance); float32 rounding of the trainer's own norm stays well inside."""
+    snapshot = tmp_path / golden_snapshot.name
+    shutil.copytree(golden_snapshot, snapshot)
+    norms = torch.load(snapshot / "grad_info_rank0.pt", weights_only=True)["param_grad_norms"]
+    scale = RECORDED / (1 + gap) / sum(v * v for v in norms.values()) ** 0.5
+    reduced = {k: v * scale for k, v in norms.items()}
+    for rank in (0, 1):
+        _edit_grad_info(snapshot, rank, lambda i: i.update(param_grad_norms=reduced, param_grad_norms_kind="reduced"))
+    problems = [p for p in check_snapshot(snapshot).problems if p.name == "grad_norm_vs_param_norms"]
+    assert bool(problems) is flagged
+    if flagged:
+        assert "relative tolerance 1e-05" in problems[0].message and problems[0].figures["tolerance"] == 1e-5
+
+
 def test_a_check_not_made_is_named_with_why(golden_snapshot: Path, tmp_path: Path) -> None:
     """Runs make different sets of checks (no log value here, no replay): the line names each made and each not made,
     with the reason, so that one run's "6 checks" and another's "8" can be told apart."""

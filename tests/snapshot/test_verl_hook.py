@@ -1,8 +1,8 @@
 """The verl spike hook: the documented patch applies to verl 0.9.1's installed files and they still compile.
 
-integrations/verl-0.9.1.diff puts the spike guard into the FSDP engine's `optimizer_step` (after the
+the shipped patch verl-0.9.1.diff puts the spike guard into the FSDP engine's `optimizer_step` (after the
 pre-clip norm, before `optimizer.step()`) and keeps each rank's mini-batch from `forward_backward_batch`;
-integrations/verl.py, loaded by path as the patch does, needs neither verl nor its dependencies.
+axrl_spike_replay/integrations/verl.py, loaded by path as the patch does, needs neither verl nor its dependencies.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import pytest
 import torch
 from verl_engine_step import PATCHED_FILES, SHIM, patched_tree
 
-REPO = Path(__file__).resolve().parents[2]
+from axrl_spike_replay.integrations import VERL_PATCH
+
+VERL_HOOK_FILE = VERL_PATCH.with_name("verl.py")  # the hook shipped in the package, loaded by path as a copy
 _VERL_SPEC = importlib.util.find_spec("verl")
 VERL = Path(_VERL_SPEC.origin).parent if _VERL_SPEC and _VERL_SPEC.origin else None
 ENGINE = Path("verl/workers/engine/fsdp/transformer_impl.py")
@@ -41,7 +43,7 @@ def test_the_patch_applies_to_the_installed_verl_and_the_modules_compile(tmp_pat
 
 
 def _load_hook():
-    spec = importlib.util.spec_from_file_location("axrl_verl_hook", REPO / "integrations" / "verl.py")
+    spec = importlib.util.spec_from_file_location("axrl_verl_hook", VERL_HOOK_FILE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

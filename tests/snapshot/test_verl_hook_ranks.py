@@ -42,7 +42,9 @@ def _load_hook(name: str) -> Any:
 def _fp16_rank(rank: int, world_size: int, out: str) -> None:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    os.environ.update(AXRL_VERL_HOOK=str(HOOK), AXRL_SPIKE_DIR=str(Path(out) / "spikes"), AXRL_RUN_ID="fp16")
+    # the shim imports the hook from the installed package by its module name, as docs/verl.md sets it
+    os.environ.update(AXRL_VERL_HOOK="axrl_spike_replay.integrations.verl", AXRL_SPIKE_DIR=str(Path(out) / "spikes"))
+    os.environ.update(AXRL_RUN_ID="fp16")
     os.environ.update(AXRL_SPIKE_WINDOW="5", AXRL_SPIKE_WARMUP="3")
     step_fn = optimizer_step(Path(out) / "src")
     torch.manual_seed(0)

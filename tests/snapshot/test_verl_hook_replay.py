@@ -34,6 +34,7 @@ import pytest
 import torch
 import yaml
 
+from axrl_spike_replay.integrations import VERL_PATCH
 from axrl_spike_replay.models.policy import build_policy, parse_model_config, policy_forward
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
@@ -45,6 +46,7 @@ from axrl_spike_replay.testing.hf_snapshot import model_section
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 
 REPO = Path(__file__).resolve().parents[2]
+VERL_HOOK_FILE = VERL_PATCH.with_name("verl.py")  # the hook shipped in the package, loaded by path as a copy
 PROMPTS, RESPONSES = (4, 2, 3, 1, 4, 3), (8, 5, 7, 0, 3, 8)  # per sample; sample 3 has an empty response
 PROMPT, RESPONSE = max(PROMPTS), max(RESPONSES)
 ADVANTAGES = (1.0, -0.5, 0.8, 0.3, -2.0, 0.6)
@@ -90,7 +92,7 @@ def verl() -> dict[str, Any]:
 
 
 def _load_hook() -> Any:
-    spec = importlib.util.spec_from_file_location("axrl_verl_hook_replay", REPO / "integrations" / "verl.py")
+    spec = importlib.util.spec_from_file_location("axrl_verl_hook_replay", VERL_HOOK_FILE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

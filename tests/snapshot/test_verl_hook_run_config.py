@@ -15,17 +15,18 @@ from typing import Any
 import pytest
 import torch
 
+from axrl_spike_replay.integrations import VERL_PATCH
 from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.policy import build_policy, parse_model_config
 from axrl_spike_replay.testing.hf_snapshot import tiny_config
 from axrl_spike_replay.training.routing_config import RoutingConfig
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
-REPO = Path(__file__).resolve().parents[2]
+VERL_HOOK_FILE = VERL_PATCH.with_name("verl.py")  # the hook shipped in the package, loaded by path as a copy
 
 
 def _load_hook():
-    spec = importlib.util.spec_from_file_location("axrl_verl_hook_rc", REPO / "integrations" / "verl.py")
+    spec = importlib.util.spec_from_file_location("axrl_verl_hook_rc", VERL_HOOK_FILE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

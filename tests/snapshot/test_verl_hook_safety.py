@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from axrl_spike_replay.integrations import VERL_PATCH
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
 from axrl_spike_replay.snapshot.listing import list_snapshots
 from axrl_spike_replay.snapshot.metadata import read_metadata
@@ -28,7 +29,7 @@ from axrl_spike_replay.snapshot.rank_data import load_grad_info
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 from disk_full import run_on_full_disk
 
-REPO = Path(__file__).resolve().parents[2]
+VERL_HOOK_FILE = VERL_PATCH.with_name("verl.py")  # the hook shipped in the package, loaded by path as a copy
 HOOK_LOG = "axrl_spike_replay.verl_hook"
 _loaded = 0
 
@@ -37,7 +38,7 @@ def _load_hook() -> Any:
     """A fresh copy of the hook, as a new training process loads it (its state starts empty)."""
     global _loaded
     _loaded += 1
-    spec = importlib.util.spec_from_file_location(f"axrl_verl_hook_safety_{_loaded}", REPO / "integrations" / "verl.py")
+    spec = importlib.util.spec_from_file_location(f"axrl_verl_hook_safety_{_loaded}", VERL_HOOK_FILE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -174,7 +175,7 @@ print(json.dumps({"taken": taken, "left": sorted(p.name for p in root.iterdir())
 
 
 def test_a_full_disk_never_reaches_training_and_leaves_nothing(tmp_path: Path) -> None:
-    out = run_on_full_disk(_FULL_DISK_HOOK, tmp_path / "disk", 128, str(REPO / "integrations" / "verl.py"))
+    out = run_on_full_disk(_FULL_DISK_HOOK, tmp_path / "disk", 128, str(VERL_HOOK_FILE))
     print(f"full disk under the hook: {out['failures'][0]}")
     assert out["taken"] == [True, True, True, True, False, False] and out["left"] == [] and not out["off"]
     assert "No space left on device" in out["failures"][0] or "MB free on its filesystem" in out["failures"][0]

@@ -1,4 +1,4 @@
-"""verl 0.9.1's `FSDPEngine.optimizer_step` as integrations/verl-0.9.1.diff patches it, run from the patched file.
+"""verl 0.9.1's `FSDPEngine.optimizer_step` as the shipped patch verl-0.9.1.diff patches it, run from the patched file.
 
 The engine itself cannot be built here (ray, GPUs, its process groups), so the method is taken from the patched
 `transformer_impl.py` (its source, compiled as is) and bound to a stand-in object that carries what it reads:
@@ -20,9 +20,11 @@ import types
 from pathlib import Path
 from typing import Any
 
+from axrl_spike_replay.integrations import VERL_PATCH
+
 REPO = Path(__file__).resolve().parents[2]
-DIFF = REPO / "integrations" / "verl-0.9.1.diff"
-HOOK = REPO / "integrations" / "verl.py"
+DIFF = VERL_PATCH  # shipped in the package: axrl_spike_replay/integrations/verl-0.9.1.diff
+HOOK = VERL_PATCH.with_name("verl.py")
 PATCHED_FILES = (
     Path("verl/workers/engine/fsdp/transformer_impl.py"),
     Path("verl/trainer/ppo/ray_trainer.py"),

@@ -240,8 +240,8 @@ def parse_run_config(doc: Mapping[str, Any]) -> RunSpec:
     model = parse_model_config(dict(doc["model"]))
     if not isinstance(model, (TinyMoEConfig, HFModelConfig)):  # kind megatron: Megatron trains it, not us
         raise ConfigError(
-            "model: kind megatron is captured inside the Megatron-core trainer (integrations/megatron.py); the "
-            "reference trainer trains tiny_moe and hf models"
+            "model: kind megatron is captured inside the Megatron-core trainer "
+            "(axrl_spike_replay.integrations.megatron); the reference trainer trains tiny_moe and hf models"
         )
     spec = RunSpec(
         model=model,

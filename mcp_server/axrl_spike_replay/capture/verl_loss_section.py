@@ -36,8 +36,8 @@ VERL_LOSS_FUNCTION = "ppo_loss"  # verl.workers.utils.losses.ppo_loss: the loss 
 # verl's kl_penalty names our list spells otherwise: "kl" is k1, and k2's "+" variant is k2 itself.
 _KL_SPELLINGS = {"kl+": "k1+", "mse+": "k2", "k2+": "k2"}
 _NOT_SEEN = (
-    "the actor's loss settings: the engine kept no loss function (apply the current integrations/verl-0.9.1.diff, "
-    "which keeps it beside the mini-batch)"
+    "the actor's loss settings: the engine kept no loss function (apply the current patch "
+    "axrl_spike_replay/integrations/verl-0.9.1.diff, which keeps it beside the mini-batch)"
 )
 
 

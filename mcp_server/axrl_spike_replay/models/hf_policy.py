@@ -7,6 +7,8 @@ transformers' (`model.layers.0.mlp.gate.weight`, `lm_head.weight`): checkpoints 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -23,6 +25,32 @@ from axrl_spike_replay.models.hf_routing import (
     router_z_loss,
 )
 from axrl_spike_replay.models.tiny_moe import ModelOutput, RoutingControl
+
+# transformers' experts kernels that forward-mode AD runs through; `grouped_mm` (a custom op) has no forward-AD formula
+FORWARD_AD_EXPERTS = ("eager", "batched_mm")
+
+
+@contextmanager
+def experts_for_forward_ad(model: nn.Module) -> Iterator[str | None]:
+    """Within: a transformers policy computes its experts with a kernel forward-mode AD runs through.
+
+    transformers' `grouped_mm` experts (route 1's default for Megatron snapshots, `models.megatron_config`) have no
+    forward-AD formula: a forward-mode pass through them raises NotImplementedError. Such a policy computes its
+    experts eagerly inside, the same function in another summation order, and gets its kernel back after. Yields the
+    kernel it switched from; None when nothing was switched (not a transformers policy, or already such a kernel)."""
+    causal_lm: Any = model.causal_lm if isinstance(model, HFPolicy) else None
+    if causal_lm is None or not hasattr(causal_lm, "get_experts_implementation"):
+        yield None
+        return
+    before: dict[str, str | None] = causal_lm.get_experts_implementation()
+    if all(kernel is None or kernel in FORWARD_AD_EXPERTS for kernel in before.values()):
+        yield None
+        return
+    causal_lm.set_experts_implementation("eager")
+    try:
+        yield before.get("")
+    finally:
+        causal_lm.set_experts_implementation(before)
 
 
 class HFPolicy(nn.Module):

@@ -123,14 +123,18 @@ def jvp_policy(
     need_entropy: bool = False,
 ) -> tuple[Any, Any]:
     """J g for the per-token log-probs [B, T] (and entropies, else None): one forward pass with dual numbers
-    (parameter, tangent = g). Any policy kind: the outputs are `policy_forward`'s."""
+    (parameter, tangent = g). Any policy kind: the outputs are `policy_forward`'s. Kernels without forward-mode AD
+    are swapped for ones with it for this pass: the math attention kernel, eager experts for transformers'
+    `grouped_mm` (`models.hf_policy.experts_for_forward_ad`)."""
     import torch.autograd.forward_ad as fwad
     from torch.func import functional_call
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from axrl_spike_replay.models.hf_policy import experts_for_forward_ad
+
     wrapped = _PolicyOutputsOf(model, batch, routing, need_entropy)
     # the fused CPU attention kernel has no forward-mode AD; the math kernel has
-    with sdpa_kernel(SDPBackend.MATH), torch.no_grad(), fwad.dual_level():
+    with sdpa_kernel(SDPBackend.MATH), experts_for_forward_ad(model), torch.no_grad(), fwad.dual_level():
         with warnings.catch_warnings():  # torch registers its forward-AD decompositions with torch.jit.script
             warnings.filterwarnings("ignore", message=".*torch.jit.script.* is deprecated", category=DeprecationWarning)
             duals = {

@@ -2,7 +2,7 @@
 
 `RouterReplay` (megatron/core/transformer/moe/router_replay.py) keeps, per MoE layer of a pipeline stage, the
 top-k expert ids of the layer's last forward: int64 [tokens, K], tokens in Megatron's sequence-major order
-(hidden states are [S, B, H]: token s*B + b). The Megatron spike guard (integrations/megatron.py) saves each
+(hidden states are [S, B, H]: token s*B + b). The Megatron spike guard (integrations.megatron) saves each
 data-parallel rank's lists, every stage's layers in pipeline order, as
 
     {"format": "megatron_router_replay", "topk_indices": [int64 [S*B, K], ...], "moe_layers": [global ids],

@@ -1,4 +1,4 @@
-"""The spike guard inside verl 0.9.1's FSDP engine (applied with integrations/verl-0.9.1.diff).
+"""The spike guard inside verl 0.9.1's FSDP engine (applied with the patch `verl-0.9.1.diff` beside this file).
 
 The patched `FSDPEngine.forward_backward_batch` keeps the rank's mini-batch and the loss function it trains with
 (`partial(ppo_loss, config=actor_config)`); the patched `optimizer_step` calls `guard_step(engine, grad_norm)`
@@ -25,8 +25,8 @@ default; a snapshot that cannot be written on any rank (a full disk, an unwritab
 alike with nothing left behind, logged once, and the step is handled as the guard decided; anything else turns the
 guard off for the rest of the run, logged once with its traceback, and verl's step goes on unguarded.
 
-Loaded by file path (`AXRL_VERL_HOOK=/path/to/integrations/verl.py`; a module named `verl` on
-sys.path would shadow verl itself). Settings: `AXRL_SPIKE_DIR` (snapshot root, default
+Turned on by `AXRL_VERL_HOOK=axrl_spike_replay.integrations.verl` (the patch imports it from the installed
+package; a path to a copy of this file is loaded by path instead). Settings: `AXRL_SPIKE_DIR` (snapshot root, default
 `checkpoints/spike_snapshots`), `AXRL_SPIKE_ACTION` (skip | log | rollback | rollback-as-skip, default skip;
 verl owns its checkpoints, so rollback skips), `AXRL_SPIKE_THRESHOLD` (5), `AXRL_SPIKE_WINDOW` (20),
 `AXRL_SPIKE_WARMUP` (10), `AXRL_SPIKE_WARMUP_RATIO` (10; `off` for a blind warm-up), `AXRL_SPIKE_MAX_NORM` (none),
@@ -304,7 +304,7 @@ def _iteration(data: Any) -> tuple[int, int, bool]:
     if step is None:
         _report_once(
             "no global step",
-            "verl's global step is not on the mini-batch (is the trainer part of integrations/verl-0.9.1.diff "
+            "verl's global step is not on the mini-batch (is the trainer part of the patch verl-0.9.1.diff "
             "applied?); snapshots are numbered by this process's optimizer updates",
         )
         return _state["updates"], 1, False

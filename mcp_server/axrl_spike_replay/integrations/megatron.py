@@ -1,12 +1,15 @@
 """The spike guard inside a Megatron-core training loop: detect a grad-norm spike, snapshot the step, skip it.
 
+    from axrl_spike_replay.integrations.megatron import MegatronSpikeGuard
+
+
     guard = MegatronSpikeGuard("checkpoints/spike_snapshots", model_section=..., loss_section=..., job_name="j")
     for iteration in range(start, end):
         guard.begin_step(model)                 # this step's forwards record their routes (Megatron's RouterReplay)
         loss = forward_backward(model, batch)   # one micro-batch per step
         model.finish_grad_sync()                # Megatron DDP: the data-parallel mean
         grad_norm = ...                         # global pre-clip norm, the same on every rank
-        if guard.step(iteration, model, grad_norm, batch):
+        if guard.step(iteration, model, grad_norm, batch, loss=loss, num_tokens=tokens):  # this rank's loss
             optimizer.step()                    # False: a spike, snapshotted and skipped
 
 A tripped guard writes the snapshot collectively, on every rank of every parallel group:
@@ -17,7 +20,9 @@ A tripped guard writes the snapshot collectively, on every rank of every paralle
   [S*B, K], the pipeline stages' layers in order (`snapshot.megatron_routes`); the snapshot's run config then
   replays them (`routing.replay: all`), so a replay takes the routes the step took;
 - grad info: the global norm and every parameter's norm under its checkpoint key (`key[layer]`,
-  `key[layer,expert]`), merged over the shards that hold it (the reduced gradient: the same on every rank);
+  `key[layer,expert]`), merged over the shards that hold it (the reduced gradient: the same on every rank); and
+  the data-parallel rank's `loss` and `num_tokens` as `step` was given them (from the last pipeline stage, which
+  computes the loss), so the replay's per-rank loss check compares them with the losses it recomputes;
 - `run_config.yaml` (`model:` kind megatron as given, `loss:`, `routing:`, the parallel layout).
 
 It never raises into training: any failure is logged once (with its traceback) and the step goes on as if the
@@ -73,7 +78,12 @@ def _zero_replica(replica_id: Any) -> bool:
 
 def parameter_norms(model: Any) -> dict[str, float]:
     """{checkpoint key[layer(,expert)]: grad norm} over the whole model: each shard counted once (the main
-    replica, as Megatron saves it), merged over every rank. Collective."""
+    replica, as Megatron saves it), merged over every rank. Collective.
+
+    Exact when every replica of a shard holds the same gradient, as after Megatron's `finalize_model_grads` (the
+    data-parallel reduction, and at TP>1 the all-reduce of the layer-norm and router gradients that sequence
+    parallelism leaves partial on each tensor-parallel rank). Replicas that disagree are logged once (up to three
+    names): the merge then holds the main replica's partial gradient, not the step's."""
     import math
 
     import torch
@@ -82,13 +92,20 @@ def parameter_norms(model: Any) -> dict[str, float]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     sums: dict[str, float] = {}
+    replicas: dict[str, dict[str, float]] = {}  # shard (name and offset) -> {replica id: its sum of squares}
 
     def add(shard: Any, grad: Any) -> None:
-        if not isinstance(shard, ShardedTensor) or grad is None or not _zero_replica(shard.replica_id):
+        if not isinstance(shard, ShardedTensor) or grad is None:
             return
         index = ",".join(str(int(o)) for o in shard.global_offset[: shard.prepend_axis_num])
         name = f"{shard.key}[{index}]" if index else shard.key
-        sums[name] = sums.get(name, 0.0) + float(grad.detach().double().pow(2).sum())
+        square = float(grad.detach().double().pow(2).sum())
+        ids = shard.replica_id if isinstance(shard.replica_id, tuple) else (shard.replica_id,)
+        piece = replicas.setdefault(f"{name}@{tuple(int(o) for o in shard.global_offset)}", {})
+        replica = ",".join(str(int(i)) for i in ids)
+        piece[replica] = piece.get(replica, 0.0) + square
+        if _zero_replica(shard.replica_id):
+            sums[name] = sums.get(name, 0.0) + square
 
     for item in unwrap(model).sharded_state_dict().values():
         param = getattr(item, "data", None)
@@ -102,12 +119,49 @@ def parameter_norms(model: Any) -> dict[str, float]:
         else:
             add(item, grad)
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sums)
+    dist.all_gather_object(gathered, (sums, replicas))
     merged: dict[str, float] = {}
-    for part in gathered:
+    every: dict[str, dict[str, float]] = {}
+    for part, pieces in gathered:
         for name, value in part.items():
             merged[name] = merged.get(name, 0.0) + value
+        for piece, values in pieces.items():
+            every.setdefault(piece, {}).update(values)
+    differ = sorted(
+        piece.split("@")[0]
+        for piece, values in every.items()
+        if len(values) > 1 and max(values.values()) - min(values.values()) > 1e-9 * max(values.values())
+    )
+    if differ and dist.get_rank() == 0:
+        log.warning(
+            "axrl spike guard: the gradient of %s differs between its replicas (%d shard(s) in all): gradients are "
+            "not reduced over every replica yet (at TP>1 call megatron's finalize_model_grads before the guard, "
+            "as its training loop does); the recorded per-parameter norms are the main replica's",
+            ", ".join(sorted(set(differ))[:3]),
+            len(differ),
+        )
     return {name: math.sqrt(value) for name, value in sorted(merged.items())}
+
+
+def _scalar(value: Any) -> float | None:
+    """A loss or token count as a float (a tensor detached), None when not given."""
+    if value is None:
+        return None
+    return float(value.detach().float().sum()) if hasattr(value, "detach") else float(value)
+
+
+def _last_stage_loss(loss: float | None, num_tokens: float | None) -> tuple[float | None, float | None]:
+    """The loss and token count the last pipeline stage was given, on every stage of this pipeline. Collective over
+    the pipeline group (nothing to gather without pipeline parallelism)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return loss, num_tokens
+    group: Any = ps.get_pipeline_model_parallel_group()  # one group (no virtual pipeline lists here)
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, (loss, num_tokens), group=group)
+    return parts[-1]
 
 
 def parallel_layout() -> Any:
@@ -123,7 +177,7 @@ def parallel_layout() -> Any:
         pp=ps.get_pipeline_model_parallel_world_size(),
         dp=ps.get_data_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(),
-        etp=ps.get_expert_tensor_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size() or 1,
         cp=ps.get_context_parallel_world_size(),
     )
 
@@ -207,9 +261,23 @@ class MegatronSpikeGuard:
 
         return hook
 
-    def step(self, iteration: int, model: Any, grad_norm: Any, batch: Mapping[str, Any]) -> bool:
+    def step(
+        self,
+        iteration: int,
+        model: Any,
+        grad_norm: Any,
+        batch: Mapping[str, Any],
+        *,
+        loss: Any = None,
+        num_tokens: Any = None,
+    ) -> bool:
         """Judge the step's global pre-clip grad norm; on a spike snapshot it (collective). True: take the
-        optimizer step. A failure anywhere logs once and answers True."""
+        optimizer step. A failure anywhere logs once and answers True.
+
+        `loss`: the loss this data-parallel rank backpropagated (a float or a scalar tensor: the sum over its
+        micro-batches as the gradient saw it), and `num_tokens` the loss tokens it counted; recorded in grad info
+        (`loss`, `num_tokens`) for the replay's per-rank loss check. Only the last pipeline stage has them: other
+        stages pass None. Without them the snapshot records no loss and that check is skipped."""
         try:
             decision = self.guard.observe(iteration, float(grad_norm))
         except Exception:
@@ -217,12 +285,14 @@ class MegatronSpikeGuard:
             return True
         if decision.tripped:
             try:
-                self._snapshot(decision, model, batch)
+                self._snapshot(decision, model, batch, _scalar(loss), _scalar(num_tokens))
             except Exception:
                 self._fail("snapshot")
         return bool(decision.apply_update)
 
-    def _snapshot(self, decision: Any, model: Any, batch: Mapping[str, Any]) -> None:
+    def _snapshot(
+        self, decision: Any, model: Any, batch: Mapping[str, Any], loss: float | None, num_tokens: float | None
+    ) -> None:
         from megatron.core import dist_checkpointing
         from megatron.core import parallel_state as ps
 
@@ -235,11 +305,14 @@ class MegatronSpikeGuard:
             layout = parallel_layout()
             routes = self._gather_routes(model, batch)
             norms = parameter_norms(model)
+            loss, num_tokens = _last_stage_loss(loss, num_tokens)
             if ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0:
                 grad_info = {
                     "grad_norm": float(decision.grad_norm),
                     "param_grad_norms": norms,
                     "param_grad_norms_kind": "reduced",
+                    "loss": loss,
+                    "num_tokens": num_tokens,
                 }
                 cpu_batch = {k: v.detach().cpu() for k, v in batch.items() if hasattr(v, "detach")}
                 ranks[ps.get_data_parallel_rank()] = RankPayload(cpu_batch, grad_info, routes)
@@ -247,9 +320,9 @@ class MegatronSpikeGuard:
             self._fail("preparing the snapshot")
             problem = f"preparing the Megatron snapshot: {type(exc).__name__}: {exc}"
         self.guard.parallel = layout
-        gpt = unwrap(model) if problem is None else None
+        gpt: Any = unwrap(model) if problem is None else None
 
-        def write_weights(directory: Path) -> None:
+        def write_weights(directory: Path) -> None:  # called only when every rank prepared its part
             dist_checkpointing.save(gpt.sharded_state_dict(), str(directory))
 
         # Collective: a rank that could not prepare its part says so (`local_error`) and every rank abandons the
@@ -270,7 +343,7 @@ class MegatronSpikeGuard:
         from axrl_spike_replay.snapshot.megatron_routes import megatron_payload
 
         local = {layer: ids.cpu() for layer, ids in self._routes.items()}
-        group = ps.get_model_parallel_group()
+        group: Any = ps.get_model_parallel_group()
         parts: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, (ps.get_tensor_model_parallel_rank(), local), group=group)
         sequence_parallel = bool(getattr(unwrap(model).config, "sequence_parallel", False))
