@@ -98,3 +98,15 @@ def test_a_legacy_snapshot_is_read_and_prepared_without_touching_it(fixture_outp
     assert prepared["legacy"] is True and Path(prepared["replay_dir"]) == workspace / "replay-dir"
     assert (workspace / "replay-dir" / "axrl_metadata.json").is_file()
     assert (snapshot / "metadata.json").read_text() == before
+
+
+def test_inspect_snapshot_shows_the_run_configs_loss_routing_parallel_and_detector(
+    spike_outputs: SpikeOutputs, workspace: Path
+) -> None:
+    import yaml
+
+    recorded = yaml.safe_load((spike_outputs.snapshot / "run_config.yaml").read_text())
+    seen = ok(call(workspace, "inspect_snapshot", {"snapshot": str(spike_outputs.snapshot)}))
+    for name in ("loss", "routing", "parallel"):
+        assert seen["settings"][name] == recorded[name]
+    assert seen["settings"]["detector"]["kind"] == (recorded.get("detector") or {}).get("kind", "median_ratio")

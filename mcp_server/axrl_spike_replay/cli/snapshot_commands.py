@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, table
+from axrl_spike_replay.display import shown
 
 
 def register(sub: Any) -> None:
@@ -193,11 +194,26 @@ def render_inspection(r: Any) -> str:
         rows.append([k.rank, k.num_samples, k.num_loss_tokens, k.seq_len, k.grad_norm, routed_text])
     lines.append(table(["rank", "samples", "loss tokens", "seq len", "grad norm", "routed tokens per MoE layer"], rows))
     lines.append("")
+    lines += _settings_lines(r.settings)
     lines += [f"problem: {p}" for p in r.problems] or ["no problems found"]
     if r.consistency is not None:
         lines.append(r.consistency.summary())
         lines += [f"  [{p.name}] {p.message}" for p in r.consistency.problems if p.name == "grad_norm_vs_param_norms"]
     return "\n".join(lines)
+
+
+def _settings_lines(settings: dict[str, Any]) -> list[str]:
+    """The recorded loss, routing, parallel and detector settings, one line per section (`key=value, ...`)."""
+    lines = []
+    for name, section in settings.items():
+        if isinstance(section, dict):
+            text = (
+                ", ".join(f"{shown(str(k), 40, quote=False)}={shown(v, 60)}" for k, v in section.items()) or "(empty)"
+            )
+        else:
+            text = shown(section, 120)
+        lines.append(f"{shown(name, 40, quote=False)}: {text}")
+    return [*lines, ""] if lines else ["no run config settings recorded", ""]
 
 
 def _prepare(args: argparse.Namespace) -> int:

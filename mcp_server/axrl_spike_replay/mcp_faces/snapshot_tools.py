@@ -83,8 +83,9 @@ async def release_preserved_tool(
 
 async def inspect_snapshot_tool(snapshot: SnapshotArg, ctx: Context) -> SnapshotInspection:
     """Read a snapshot's metadata (iteration, job, role, world size, tp/pp/dp/ep/etp/cp, grad norm, median
-    norm, spike ratio, legacy layout or not), per-rank batch and routing-payload counts and the model size
-    from the checkpoint metadata, and list its problems (missing rank files, inconsistent world size, ...).
+    norm, spike ratio, legacy layout or not), per-rank batch and routing-payload counts, the model size
+    from the checkpoint metadata, the run config's loss, routing and parallel sections and the detector as
+    recorded (`settings`), and list its problems (missing rank files, inconsistent world size, ...).
     Reads headers only, so it is fast on snapshots of hundreds of GB."""
     config = server_config(ctx)
     return await call_library(ctx, lambda progress, cancel: inspect_snapshot(config.path(snapshot)))
