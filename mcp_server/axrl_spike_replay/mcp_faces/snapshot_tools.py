@@ -33,6 +33,14 @@ IterationArg = Annotated[
     Field(description="Iteration number N of `iter_<N>` (as list_snapshots shows it); omit for all.", ge=0),
 ]
 
+IntoWorkspaceArg = Annotated[
+    bool,
+    Field(
+        description="Write nothing under the output root (the user asked for no writes there, or it is shared): "
+        "preserve into the workspace instead."
+    ),
+]
+
 
 async def resolve_job_tool(job: JobArg, ctx: Context, roots: RootsArg = []) -> JobResolution:  # noqa: B006
     """Find every role output directory (`<run>~<job>__<role>`: actor, critic, ...) of a job and its log
@@ -53,18 +61,30 @@ async def list_snapshots_tool(output_dir: OutputDirArg, ctx: Context) -> Snapsho
 
 
 async def preserve_snapshots_tool(
-    output_dir: OutputDirArg, ctx: Context, iteration: IterationArg = None
+    output_dir: OutputDirArg,
+    ctx: Context,
+    iteration: IterationArg = None,
+    into_workspace: IntoWorkspaceArg = False,
 ) -> PreserveResult:
     """Preserve retained snapshots (one iteration, or all) as hardlinked copies under
     checkpoints/spike_snapshots-active/, which rotation never deletes. Do this first, at once. Cheap
     (hardlinks; a real copy only across filesystems), idempotent, never modifies the source. Work on the
-    preserved path from then on; release_preserved removes the copy at the very end."""
+    preserved path from then on; release_preserved removes the copy at the very end. When the output root is
+    not writable, or with into_workspace (the user asked for no writes there), the copies go into the workspace
+    (preserved-snapshots/<output dir name>/): hardlinks where the filesystem allows, copies otherwise, free
+    space checked first; `in_workspace` and `reason` say so."""
     config = server_config(ctx)
 
     def work(progress: Progress, cancel: threading.Event) -> PreserveResult:
         what = f"iteration {iteration}" if iteration is not None else "every retained snapshot"
         progress.message(f"preserving {what} of {output_dir}")
-        result = preserve(config.path(output_dir), iteration, progress=progress.message)
+        result = preserve(
+            config.path(output_dir),
+            iteration,
+            progress=progress.message,
+            workspace=config.workspace,
+            no_writes=into_workspace,
+        )
         progress.message(f"preserved {len(result.preserved)}, failed {len(result.failed)}")
         return result
 
@@ -72,13 +92,21 @@ async def preserve_snapshots_tool(
 
 
 async def release_preserved_tool(
-    output_dir: OutputDirArg, ctx: Context, iteration: IterationArg = None
+    output_dir: OutputDirArg,
+    ctx: Context,
+    iteration: IterationArg = None,
+    in_workspace: Annotated[
+        bool, Field(description="Release the copies preserve_snapshots made in the workspace for this output dir.")
+    ] = False,
 ) -> ReleaseResult:
     """Delete preserved copies made by preserve_snapshots (one iteration, or all) — only at the very end,
     after write_report. Refuses anything that is not a preserved copy made by this tool; retained
     snapshots under checkpoints/spike_snapshots are never touched."""
     config = server_config(ctx)
-    return await call_library(ctx, lambda progress, cancel: release(config.path(output_dir), iteration))
+    workspace = config.workspace if in_workspace else None
+    return await call_library(
+        ctx, lambda progress, cancel: release(config.path(output_dir), iteration, workspace=workspace)
+    )
 
 
 async def inspect_snapshot_tool(snapshot: SnapshotArg, ctx: Context) -> SnapshotInspection:
