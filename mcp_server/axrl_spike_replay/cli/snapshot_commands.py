@@ -180,9 +180,9 @@ def _release(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.snapshot.inspect import inspect_snapshot
+    from axrl_spike_replay.replay.input_checks import inspect_with_inputs
 
-    emit(inspect_snapshot(args.snapshot), args.json, render_inspection)
+    emit(inspect_with_inputs(args.snapshot), args.json, render_inspection)
     return 0
 
 

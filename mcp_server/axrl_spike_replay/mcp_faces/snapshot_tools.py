@@ -12,8 +12,9 @@ from pydantic import Field
 
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library
 from axrl_spike_replay.mcp_faces.config import JobArg, OutputDirArg, SnapshotArg, server_config
+from axrl_spike_replay.replay.input_checks import inspect_with_inputs
 from axrl_spike_replay.snapshot.discovery import OUTPUT_ROOTS_ENV, JobResolution, resolve_job
-from axrl_spike_replay.snapshot.inspect import SnapshotInspection, inspect_snapshot
+from axrl_spike_replay.snapshot.inspect import SnapshotInspection
 from axrl_spike_replay.snapshot.legacy import PreparedSnapshot, prepare_replay_dir
 from axrl_spike_replay.snapshot.listing import SnapshotListing, list_snapshots
 from axrl_spike_replay.snapshot.preserve import PreserveResult, ReleaseResult, preserve, release
@@ -116,7 +117,7 @@ async def inspect_snapshot_tool(snapshot: SnapshotArg, ctx: Context) -> Snapshot
     recorded (`settings`), and list its problems (missing rank files, inconsistent world size, ...).
     Reads headers only, so it is fast on snapshots of hundreds of GB."""
     config = server_config(ctx)
-    return await call_library(ctx, lambda progress, cancel: inspect_snapshot(config.path(snapshot)))
+    return await call_library(ctx, lambda progress, cancel: inspect_with_inputs(config.path(snapshot)))
 
 
 async def prepare_replay_dir_tool(
