@@ -76,6 +76,7 @@ def test_expert_ids_the_model_lacks_are_refused_naming_the_file(
     assert message in str(refused.value) and "the model has 4 experts per layer" in str(refused.value)
     assert "Run instead: drop_ranks=0, recompute=routes:rank0,old_logprobs:rank0" in str(refused.value)
     assert "Traceback" not in str(refused.value) and "IndexError" not in str(refused.value)
+    assert not (workspace / "tmp").exists()  # the values are read before the run's output dir is made
 
 
 def test_one_expert_twice_in_a_tokens_top_k_is_computable_and_replays_as_recorded() -> None:
