@@ -108,3 +108,26 @@ def test_an_expert_id_past_the_model_refuses_the_steps_replay_and_its_experiment
     result = json.loads(run.out)
     assert result["verdict"] == "cleared" and result["baseline_grad_norm"] == result["recorded_grad_norm"]
     assert any("expert ids [4]" in f for f in result["input_findings"])
+
+
+@pytest.mark.slow
+def test_diagnose_leads_with_the_corrupt_input_on_its_rank_and_its_experiments(
+    duplicated_routes: Path, tmp_path: Path
+) -> None:
+    from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
+
+    d = diagnose_snapshot(duplicated_routes, model="always")
+    top = d.top
+    assert top.family == "routing_payload" and top.ranks == [1]
+    assert top.evidence[0].startswith("rank 1 routed_experts (") and "healthy: ranks 0" in top.evidence[0]
+    assert {RECOMPUTE, "drop_ranks=1"} <= {e.mitigation for e in top.experiments}
+    assert not [n for n in d.not_checked if n.startswith("model evidence")]  # the step replays: evidence is read
+
+    snap = Path(shutil.copytree(duplicated_routes, tmp_path / duplicated_routes.name))
+    edit_routing_payload(snap, 1, lambda doc: doc.__setitem__("routed_experts", doc["routed_experts"].masked_fill(
+        doc["routed_experts"] == 3, 4)))  # fmt: skip
+    d = diagnose_snapshot(snap, model="always")
+    assert d.top.family == "routing_payload" and d.top.ranks == [1]
+    assert any("expert ids [4]" in line for line in d.top.evidence)
+    [refused] = [n for n in d.not_checked if n.startswith("model evidence")]
+    assert "Run instead: drop_ranks=1" in refused  # the step's own replay is undefined: its evidence names why
