@@ -114,7 +114,7 @@ def refusal(findings: list[InputFinding], rank: int, what: str) -> str | None:
     offers = sorted({e for f in bad for e in f.experiments})
     return (
         f"{what} is refused: "
-        + "; ".join(f.message for f in bad)
+        + "; ".join(f.describe(experiments=False) for f in bad)
         + (f". Run instead: {', '.join(offers)}" if offers else "")
     )
 
