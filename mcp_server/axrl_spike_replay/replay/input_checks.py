@@ -139,25 +139,38 @@ class _RouteStats:
 
 
 def _route_stats(routes: torch.Tensor, shape: RoutingShape) -> _RouteStats:
+    """The payload's id range, ids past the model, and repeats within a token's top-k; one layer slot at a time
+    (a sort of [B, T, K], never of the whole payload)."""
     import torch
 
     if routes.numel() == 0:
         return _RouteStats(-1, -1, [], 0, [], 0, 0, [], 0)
     low, high = (int(v) for v in torch.aminmax(routes))
-    bad = (routes < -1) | (routes >= shape.n_experts)
-    out = sorted({int(v) for v in routes[bad].unique()[:64]})
-    slots = sorted({int(s) for s in bad.any(dim=-1).nonzero()[:, 2].unique()}) if bool(bad.any()) else []
-    ordered = routes.sort(dim=-1).values
-    same = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)  # [B, T, L, K-1]
-    tokens = int(same.any(dim=-1).sum())
-    experts: list[int] = []
-    most = 0
-    if tokens:
-        repeated = ordered[..., 1:][same]
-        values, counts = repeated.unique(return_counts=True)
-        experts = [int(v) for _, v in sorted(zip(counts.tolist(), values.tolist(), strict=True), reverse=True)]
-        most = int(same.sum(dim=-1).max()) + 1
-    return _RouteStats(low, high, out, int(bad.sum()), slots, tokens, most, experts, int(routes[..., 0].numel()))
+    out: set[int] = set()
+    slots: list[int] = []
+    bad_entries = tokens = most = 0
+    repeats: dict[int, int] = {}
+    for slot in range(routes.shape[2]):
+        layer = routes[:, :, slot, :]
+        bad = (layer < -1) | (layer >= shape.n_experts)
+        if bool(bad.any()):
+            slots.append(slot)
+            bad_entries += int(bad.sum())
+            out |= {int(v) for v in layer[bad].unique()[:64]}
+        ordered = layer.sort(dim=-1).values
+        same = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)  # [B, T, K-1]
+        if not bool(same.any()):
+            continue
+        tokens += int(same.any(dim=-1).sum())
+        values, counts = ordered[..., 1:][same].unique(return_counts=True)
+        for v, n in zip(values.tolist(), counts.tolist(), strict=True):
+            repeats[int(v)] = repeats.get(int(v), 0) + int(n)
+        listed = torch.stack(
+            [(ordered == ordered[..., k, None]).sum(dim=-1) * (ordered[..., k] >= 0) for k in range(ordered.shape[-1])]
+        )
+        most = max(most, int(listed.max()))  # the most times one expert is listed for one token
+    experts = [v for v, _ in sorted(repeats.items(), key=lambda kv: -kv[1])]
+    return _RouteStats(low, high, sorted(out), bad_entries, slots, tokens, most, experts, int(routes[..., 0].numel()))
 
 
 def _route_experiments(rank: int) -> list[str]:
