@@ -41,6 +41,7 @@ from axrl_spike_replay.mcp_faces import (
 )
 from axrl_spike_replay.mcp_faces.bridge import crash_error
 from axrl_spike_replay.mcp_faces.config import ServerConfig
+from axrl_spike_replay.mcp_faces.lean_tools import lean_tool
 from axrl_spike_replay.mcp_faces.stdio_replies import AnsweringReadStream, RecordingLines, claimed_stdin
 
 if TYPE_CHECKING:
@@ -53,8 +54,11 @@ Order of work: resolve_job -> list_snapshots -> preserve_snapshots (at once, bef
 GPU node is given) -> replay (baseline; full fidelity when the node allows, else clearly reduced) -> sweep or
 replay with mitigations (replay-only experiments, every attempt is logged in the task file) -> attribute_spike
 -> method_add (proven, non-duplicate methods only) -> write_report -> release_preserved (at the very end).
-Paths may be absolute or relative to the workspace. The prompt `axrl-spike-replay` holds the whole workflow;
-resources axrl://task/{job} and axrl://method/{slug} show the record.
+Paths may be absolute or relative to the workspace; `workspace`, which most tools take, defaults to the server's.
+The prompt `axrl-spike-replay` holds the whole workflow; resources axrl://task/{job} and axrl://method/{slug} show
+the record. Tools are listed in brief: resource axrl://tool/{name} holds a tool's whole description and schemas,
+axrl://arguments explains the arguments many tools share (placement, backend, Slurm, fidelity), and
+axrl://mitigations every mitigation.
 """
 
 TOOL_MODULES = (snapshot_tools, analysis_tools, replay_tools, plan_tools, remote_tools, record_tools, capture_tools)
@@ -101,9 +105,14 @@ class SpikeReplayServer(MCPServer):
                 await lowlevel.run(answering, write_stream, options)
 
     async def list_tools(self) -> list[Tool]:
-        """Every tool; a read-only server lists only those whose annotations say they only read."""
-        tools = await super().list_tools()
+        """Every tool, lean (`mcp_faces.lean_tools`: the whole of each is the resource `axrl://tool/{name}`); a
+        read-only server lists only those whose annotations say they only read."""
+        tools = [lean_tool(t) for t in await self.full_tools()]
         return [t for t in tools if reads_only(t)] if self.config.read_only else tools
+
+    async def full_tools(self) -> list[Tool]:
+        """Every tool as registered: whole descriptions and schemas."""
+        return await super().list_tools()
 
     async def list_resources(self) -> list[Resource]:
         """Static resources, then `axrl://task/<job>` and `axrl://method/<slug>` for each file there."""

@@ -9,6 +9,7 @@ import anyio
 from mcp import Client, StdioServerParameters
 from server_helpers import JOB, SpikeOutputs, error_text, server_command, with_client
 
+from axrl_spike_replay.mcp_faces.lean_tools import hint
 from axrl_spike_replay.server import create_server
 
 READ_ONLY = {
@@ -79,10 +80,8 @@ def test_the_docs_table_of_tools_says_what_their_annotations_say(workspace: Path
     async def annotations() -> dict[str, tuple[bool, bool, bool]]:
         async with Client(create_server(workspace)) as client:
             tools = (await client.list_tools()).tools
-        return {
-            t.name: (bool(a.read_only_hint), bool(a.destructive_hint), bool(a.open_world_hint))
-            for t in tools
-            if (a := t.annotations) is not None
-        }
+        # a hint the list leaves out says MCP's default (destructive, open world)
+        names = ("read_only_hint", "destructive_hint", "open_world_hint")
+        return {t.name: tuple(hint(t.annotations, name) for name in names) for t in tools}
 
     assert rows == anyio.run(annotations)

@@ -47,4 +47,6 @@ def test_the_tools_schemas_describe_the_library_results_themselves(workspace: Pa
     attribution = tools["attribute_spike"].output_schema or {}
     assert {"samples", "router_term", "sum_rel_error"} <= set(attribution["properties"])
     description = tools["replay"].input_schema["properties"]["mitigations"]["description"]
-    assert all(name in description for name in MITIGATIONS)
+    assert "axrl://mitigations" in description  # the list points at the resource that names them all
+    text = with_client(create_server(workspace), lambda client: client.read_resource("axrl://mitigations"))
+    assert all(name in text.contents[0].text for name in MITIGATIONS)

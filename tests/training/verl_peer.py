@@ -69,7 +69,8 @@ def verl_dir() -> Path:
 
 
 def load_verl() -> dict[str, Any]:
-    """{"core_algos": ..., "rollout_corr": ..., "losses": ..., "version": str} executed from the installed files."""
+    """{"core_algos", "rollout_corr", "losses", "seqlen_balancing", "engine_utils": modules, "version": str},
+    executed from the installed files."""
     # imported before the snapshot of sys.modules below: the test builds its TensorDicts with this copy
     if importlib.util.find_spec("tensordict") is None:
         raise ModuleNotFoundError("tensordict is not installed (scripts/setup.sh installs it, 0.15.3 --no-deps)")
@@ -101,7 +102,14 @@ def load_verl() -> dict[str, Any]:
         # verl's packages, without their __init__ (which import ray and the config machinery)
         package("verl", root)
         package("verl.utils", root / "utils", as_torch_index=_Unavailable, group_mean_std=_Unavailable)
-        package("verl.utils.device", get_device_name=_Unavailable, get_torch_device=_Unavailable)
+        package(
+            "verl.utils.device",
+            get_device_name=_Unavailable,  # seqlen_balancing asks for it only under torch.distributed
+            get_torch_device=_Unavailable,
+            is_npu_available=False,
+            manual_seed=_Unavailable,
+            manual_seed_all=_Unavailable,
+        )
         package("verl.trainer", root / "trainer")
         package("verl.trainer.ppo", root / "trainer" / "ppo")
         package("verl.trainer.config", root / "trainer" / "config", AlgoConfig=type("AlgoConfig", (), {}))
@@ -119,11 +127,23 @@ def load_verl() -> dict[str, Any]:
         rollout_corr = load("verl.trainer.ppo.rollout_corr_helper", "trainer/ppo/rollout_corr_helper.py")
         # its own imports (tensordict_utils, metric, dataset_utils, padding) load from verl's files
         losses = load("verl.workers.utils.losses", "workers/utils/losses.py")
+        # the engines' micro-batch split (`prepare_micro_batches`, `rearrange_micro_batches`); the engine package's
+        # own __init__ registers every backend, so only its utils module is loaded
+        package("verl.workers.engine", root / "workers" / "engine")
+        seqlen = load("verl.utils.seqlen_balancing", "utils/seqlen_balancing.py")
+        engine_utils = load("verl.workers.engine.utils", "workers/engine/utils.py")
         version = (root / "version" / "version").read_text(encoding="utf-8").strip()
     finally:
         sys.modules.clear()
         sys.modules.update(saved)
-    return {"core_algos": core_algos, "rollout_corr": rollout_corr, "losses": losses, "version": version}
+    return {
+        "core_algos": core_algos,
+        "rollout_corr": rollout_corr,
+        "losses": losses,
+        "seqlen_balancing": seqlen,
+        "engine_utils": engine_utils,
+        "version": version,
+    }
 
 
 class ActorConfigStandIn(dict):

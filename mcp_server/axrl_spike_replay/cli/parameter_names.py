@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import re
 
+from axrl_spike_replay.investigation.request import How, What, Where
+from axrl_spike_replay.investigation.request_fields import declared_fields
+
+# the request fields whose CLI options are generated from their declarations: each option as declared
+_DECLARED = {name: d.option(name) for name, d, _ in declared_fields(What, Where, How) if d.cli}
 # request field -> the CLI option that sets it, where the two differ in more than `--` and dashes
 _FLAGS = {
     "mitigations": "--mitigation",
     "configs": "--mitigation",
-    "timeout_s": "--timeout",
     "roots": "--root",
     "gpu_memory_gib": "--gpu-memory",
+    **{name: flag for name, flag in _DECLARED.items() if flag != "--" + name.replace("_", "-")},
 }
 # fields with no option of the same name on any verb stay as the library wrote them
 _PARAMETERS = {
@@ -37,6 +42,7 @@ _PARAMETERS = {
     "no_auth",
     "gpus",
     *_FLAGS,
+    *_DECLARED,
 }
 _NAMED = re.compile(r"`([a-z_]+)`")
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress
 from axrl_spike_replay.cli.remote_options import add_connection_options, remote_options_from_args
-from axrl_spike_replay.vocabulary import Device
+from axrl_spike_replay.cli.request_options import add_declared_option
 
 
 def register(sub: Any) -> None:
@@ -23,14 +23,8 @@ def register(sub: Any) -> None:
     )
     p.add_argument("snapshot", help="spike snapshot directory (iter_<N>); a config-only one is enough")
     p.add_argument("--target", default=None, help="an SSH target, or a multinode: or slurm: entry of spike-replay.yaml")
-    p.add_argument("--nproc", type=int, default=None, help="replay processes (default: the saved world size)")
-    p.add_argument("--device", choices=Device.values(), default="cpu", help="where the replay computes (default cpu)")
-    p.add_argument(
-        "--shard",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="off: the whole model in each process; on: sharded (FSDP2); auto: whole when it fits (default)",
-    )
+    for name in ("nproc", "device", "shard"):  # as a replay takes them
+        add_declared_option(p, name)
     p.add_argument("--gpus", type=int, default=None, metavar="N", help="plan for a node of N GPUs (with --gpu-memory)")
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB", help="each GPU's memory, in GiB")
     p.add_argument("--workspace", default=".", help="workspace root holding spike-replay.yaml (default .)")

@@ -5,38 +5,23 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from axrl_spike_replay.vocabulary import Backend
+from axrl_spike_replay.cli.request_options import add_declared_option, add_request_options
+from axrl_spike_replay.investigation.request import Where
+from axrl_spike_replay.vocabulary import Backend, Verb
 
 if TYPE_CHECKING:
-    from axrl_spike_replay.investigation.request import Where
     from axrl_spike_replay.remote.options import RemoteOptions
 
 
 def add_connection_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """--remote-python, --known-hosts, --accept-new-host-key."""
-    parser.add_argument(
-        "--remote-python",
-        metavar="PATH",
-        default=None,
-        help="the node's Python interpreter (default: the target's python in spike-replay.yaml, else python3)",
-    )
-    parser.add_argument(
-        "--known-hosts",
-        metavar="FILE",
-        default=None,
-        help="known_hosts file to verify the node's host key against (default: UserKnownHostsFile of the ssh "
-        "config, else ~/.ssh/known_hosts)",
-    )
-    parser.add_argument(
-        "--accept-new-host-key",
-        action="store_true",
-        help="record the host key of a node not yet in known_hosts (like OpenSSH's accept-new); a changed key "
-        "is always refused",
-    )
+    """--remote-python, --known-hosts, --accept-new-host-key (as the request declares them)."""
+    for name in ("remote_python", "known_hosts", "accept_new_host_key"):
+        add_declared_option(parser, name)
 
 
-def add_remote_options(parser: argparse.ArgumentParser) -> None:
-    """--target, --backend, --patch, --timeout and the connection options."""
+def add_remote_options(parser: argparse.ArgumentParser, verb: Verb) -> None:
+    """--target, --patch and the Slurm options (mapped here), and the options the request declares for `verb`'s
+    `Where`: --backend, --timeout and the connection options."""
     group = parser.add_argument_group("where and how to run (GPU node over SSH, external command)")
     group.add_argument(
         "--target",
@@ -48,14 +33,6 @@ def add_remote_options(parser: argparse.ArgumentParser) -> None:
         "one rendezvous)",
     )
     group.add_argument(
-        "--backend",
-        choices=Backend.values(),
-        default="torch",
-        help="torch: the built-in engine; megatron: Megatron-core's own GPTModel recomputes the baseline of a "
-        "Megatron snapshot (the megatron extra; the cross-check of torch); command: the external replay command "
-        "of spike-replay.yaml",
-    )
-    group.add_argument(
         "--patch",
         metavar="FILE.diff",
         action="append",
@@ -63,14 +40,7 @@ def add_remote_options(parser: argparse.ArgumentParser) -> None:
         help="apply this unified diff in a temporary git worktree of the training checkout (--backend command); "
         "repeat to apply several, in order",
     )
-    group.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="kill the run (its whole process group) after this many seconds; partial logs are kept",
-    )
-    add_connection_options(group)
+    add_request_options(group, verb, Where)
     add_slurm_options(parser)
 
 
@@ -118,14 +88,14 @@ def remote_options_from_args(args: argparse.Namespace) -> RemoteOptions:
         remote_python=getattr(args, "remote_python", None),
         known_hosts=getattr(args, "known_hosts", None),
         accept_new_host_key=bool(getattr(args, "accept_new_host_key", False)),
-        timeout_s=getattr(args, "timeout", None),
+        timeout_s=getattr(args, "timeout_s", None),
         patches=tuple(getattr(args, "patch", None) or ()),
     )
 
 
 def where_from_args(args: argparse.Namespace) -> Where:
     """Where a `replay`, `sweep` or `attribute` of parsed arguments runs (the request's `Where` part)."""
-    from axrl_spike_replay.investigation.request import LOCAL, Where
+    from axrl_spike_replay.investigation.request import LOCAL
 
     targets = list(getattr(args, "target", None) or [])
     return Where(
@@ -137,5 +107,5 @@ def where_from_args(args: argparse.Namespace) -> Where:
         remote_python=getattr(args, "remote_python", None),
         known_hosts=getattr(args, "known_hosts", None),
         accept_new_host_key=bool(getattr(args, "accept_new_host_key", False)),
-        timeout_s=getattr(args, "timeout", None),
+        timeout_s=getattr(args, "timeout_s", None),
     )

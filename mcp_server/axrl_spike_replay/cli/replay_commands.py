@@ -9,30 +9,21 @@ from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress, table
 from axrl_spike_replay.cli.remote_options import add_remote_options
+from axrl_spike_replay.cli.request_options import add_request_options, request_values
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.figure_names import ATTRIBUTION_SAMPLE, with_current_names
-from axrl_spike_replay.investigation.request import MAX_REPEAT
+from axrl_spike_replay.investigation.request import How, What
 from axrl_spike_replay.percent import pct, pct_plain
-from axrl_spike_replay.vocabulary import Device, Shard, Verb
+from axrl_spike_replay.vocabulary import Verb
 
 if TYPE_CHECKING:
     from axrl_spike_replay.investigation.request import ReplayRequest
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def _common(parser: argparse.ArgumentParser, verb: Verb) -> None:
     parser.add_argument("snapshot", help="spike snapshot directory (iter_<N>)")
-    parser.add_argument(
-        "--nproc", type=int, default=None, help="replay processes (default: the saved world size = full fidelity)"
-    )
-    parser.add_argument(
-        "--shard",
-        choices=Shard.values(),
-        default="auto",
-        help="shard the policy over the processes with FSDP2, each holding 1/N of the weights and gradients "
-        "(default auto: when the whole model does not fit one process)",
-    )
-    parser.add_argument("--device", choices=Device.values(), default="cpu", help="where to recompute (default cpu)")
+    add_request_options(parser, verb, How)
     parser.add_argument(
         "--workspace", default=".", help="workspace root; output goes to tmp/spike-replay/<job>/<timestamp>/"
     )
@@ -49,17 +40,6 @@ def _common(parser: argparse.ArgumentParser) -> None:
     add_json_flag(parser)
 
 
-def _clear_threshold(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--clear-threshold",
-        type=float,
-        default=None,
-        metavar="X",
-        help="spike ratio (grad norm / median) under which a mitigation counts as cleared, and at or above which "
-        "the baseline counts as a spike (default: the snapshot's detector threshold)",
-    )
-
-
 def register(sub: Any) -> None:
     """Add `replay`, `sweep` and `attribute`."""
     p = sub.add_parser(
@@ -68,8 +48,8 @@ def register(sub: Any) -> None:
         description="Recompute the spike step's gradients from the snapshot and compare the global pre-clip grad "
         "norm with the recorded one. With --mitigation, also judge the mitigation against the baseline.",
     )
-    _common(p)
-    add_remote_options(p)
+    _common(p, Verb.REPLAY)
+    add_remote_options(p, Verb.REPLAY)
     p.add_argument(
         "--mitigation",
         action="append",
@@ -78,13 +58,7 @@ def register(sub: Any) -> None:
         help="replay-only mitigation; repeat to combine (e.g. mismatch_token_clip_max=2); an unknown NAME lists "
         "the valid ones",
     )
-    p.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        help=f"recompute N times (at most {MAX_REPEAT}) and report the spread (determinism)",
-    )
-    _clear_threshold(p)
+    add_request_options(p, Verb.REPLAY, What)
     p.set_defaults(handler=_replay)
 
     s = sub.add_parser(
@@ -92,8 +66,8 @@ def register(sub: Any) -> None:
         help="run many mitigation configs on one snapshot in one run (weights loaded once)",
         description="Replay the baseline and every mitigation config in one job and judge each against the baseline.",
     )
-    _common(s)
-    add_remote_options(s)
+    _common(s, Verb.SWEEP)
+    add_remote_options(s, Verb.SWEEP)
     group = s.add_mutually_exclusive_group(required=True)
     group.add_argument("--mitigation-set", metavar="FILE.yaml", help="YAML list of configs: - {NAME: VALUE, ...}")
     group.add_argument(
@@ -102,15 +76,7 @@ def register(sub: Any) -> None:
         metavar="'NAME=VALUE [NAME=VALUE ...]'",
         help="one config per option (several NAME=VALUE items in one option combine)",
     )
-    _clear_threshold(s)
-    s.add_argument(
-        "--parallel-configs",
-        type=int,
-        default=None,
-        metavar="N",
-        help="run the configs on N pools of --nproc processes side by side, each also computing the baseline "
-        "(default: 1 on CPU; on CUDA as many as the GPUs hold); the same results as one pool",
-    )
+    add_request_options(s, Verb.SWEEP, What)
     s.set_defaults(handler=_sweep)
 
     a = sub.add_parser(
@@ -119,8 +85,8 @@ def register(sub: Any) -> None:
         description="Each sample's contribution c_s = <g_s, g>/||g|| to the global grad norm, ranked, with its "
         "signals.",
     )
-    _common(a)
-    a.add_argument("--top", type=int, default=10, help="how many samples to list (default 10)")
+    _common(a, Verb.ATTRIBUTE)
+    add_request_options(a, Verb.ATTRIBUTE, What)
     a.add_argument("--mitigation", action="append", default=[], metavar="NAME[=VALUE]", help="attribute under a config")
     a.set_defaults(handler=_attribute)
 
@@ -128,23 +94,12 @@ def register(sub: Any) -> None:
 def _request(args: argparse.Namespace, verb: Verb, **what: Any) -> ReplayRequest:
     """The library's ReplayRequest for parsed arguments: this face only maps its options onto the request's parts."""
     from axrl_spike_replay.cli.remote_options import where_from_args
-    from axrl_spike_replay.investigation.request import How, What, replay_request
+    from axrl_spike_replay.investigation.request import replay_request
 
     return replay_request(
-        What(
-            Path(args.snapshot),
-            verb=verb,
-            repeat=getattr(args, "repeat", 1),
-            clear_threshold=getattr(args, "clear_threshold", None),
-            **what,
-        ),
+        What(Path(args.snapshot), verb=verb, **request_values(args, What), **what),
         where_from_args(args),
-        How(
-            nproc=getattr(args, "nproc", None),
-            device=Device(args.device),
-            parallel_configs=getattr(args, "parallel_configs", None),
-            shard=Shard(getattr(args, "shard", "auto")),
-        ),
+        How(**request_values(args, How)),
         workspace=Path(args.workspace),
         job=args.job,
         progress=progress,
@@ -197,7 +152,7 @@ def _sweep_items(option: str) -> list[str]:
 def _attribute(args: argparse.Namespace) -> int:
     from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
 
-    request = _request(args, Verb.ATTRIBUTE, top=args.top, mitigations=parse_mitigation_args(args.mitigation))
+    request = _request(args, Verb.ATTRIBUTE, mitigations=parse_mitigation_args(args.mitigation))
     emit(_run(args, request), args.json, render_attribution)
     return 0
 

@@ -17,7 +17,8 @@ from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.investigation.task_opening import diagnose_into_task
 from axrl_spike_replay.logs.series_sampling import DEFAULT_LIMIT
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
-from axrl_spike_replay.mcp_faces.config import SnapshotArg, TopArg, WorkspaceArg, server_config
+from axrl_spike_replay.mcp_faces.config import TopArg, server_config
+from axrl_spike_replay.mcp_faces.shared_arguments import SnapshotArg, WorkspaceArg
 from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.workspace.paths import TMP_DIR
 
@@ -26,8 +27,7 @@ READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempot
 LogsArg = Annotated[
     list[str],
     Field(
-        description="Log files, or directories holding `*.log` / `logs/**/*.log` (e.g. a role output dir from "
-        "resolve_job); absolute or relative to the workspace.",
+        description="Log files, or dirs holding *.log (e.g. a role output dir).",
         min_length=1,
     ),
 ]
@@ -38,49 +38,46 @@ async def copy_and_scan_logs_tool(
     ctx: Context,
     job: Annotated[
         str | None,
-        Field(description="Job name for the copy's folder tmp/spike-replay/<job>/logs; default: from the paths."),
+        Field(description="Job the copies go under; default: from the paths."),
     ] = None,
     window: Annotated[
         int | None,
-        Field(description="Detector window: iterations in the rolling median; default: the run's, else 20.", ge=1),
+        Field(description="Detector window (steps in the median); default: the run's.", ge=1),
     ] = None,
     threshold: Annotated[
         float | None,
         Field(
-            description="Detector threshold: a spike is grad norm > threshold x median; default: the run's, else 5.0.",
+            description="A spike is a norm over threshold x median; default: the run's.",
             gt=1,
         ),
     ] = None,
     warmup: Annotated[
         int | None,
-        Field(description="Iterations before the detector's own statistic judges; default: the run's, else 10.", ge=0),
+        Field(description="Steps before the median judges; default: the run's.", ge=0),
     ] = None,
     warmup_ratio: Annotated[
         float | None,
         Field(
-            description="During the warm-up, flag a norm more than this many times the median of the steps before it, "
-            "as the guard does; default: the run's, else 10. `blind_warmup` turns it off.",
+            description="In the warm-up, flag a norm this many times the median so far; default: the run's.",
             gt=1,
         ),
     ] = None,
-    blind_warmup: Annotated[
-        bool, Field(description="Flag nothing in the warm-up but non-finite norms (the guard before it was armed).")
-    ] = False,
+    blind_warmup: Annotated[bool, Field(description="Flag only non-finite norms in the warm-up.")] = False,
     max_norm: Annotated[
         float | None,
-        Field(description="Flag any norm above this until the detector window has filled; default: none.", gt=0),
+        Field(description="Flag any norm above this until the window fills.", gt=0),
     ] = None,
     full_series: Annotated[
         bool,
-        Field(
-            description="Return every point of the series (default: a sample of about 2000, the spikes and "
-            "their neighbourhoods exact; `series_total` says how many there are)."
-        ),
+        Field(description="Every point (default: ~2000, spikes and their neighbours exact)."),
     ] = False,
-    plot: Annotated[bool, Field(description="Also return a PNG of the grad-norm series, spikes marked.")] = True,
+    plot: Annotated[bool, Field(description="Also return a PNG of the series.")] = True,
     workspace: WorkspaceArg = None,
 ) -> Annotated[CallToolResult, LogScan]:
-    """Copy training logs into the workspace (tmp/spike-replay/<job>/logs/) and scan the copies: the
+    """Copy training logs into the workspace and scan them: grad-norm and loss series, the spikes the detector
+    flags, error lines.
+
+    Copy training logs into the workspace (tmp/spike-replay/<job>/logs/) and scan the copies: the
     per-iteration grad-norm and loss series (Megatron `iteration N/ ... grad norm: X |` and key=value lines),
     the spikes the spike guard's detector flags (with the run's own detector settings from its snapshots'
     `run_config.yaml` unless given; armed from step 1 as the guard is, so a spike in the warm-up is flagged too,
@@ -128,7 +125,10 @@ async def copy_and_scan_logs_tool(
 
 
 async def analyze_batch_tool(snapshot: SnapshotArg, ctx: Context, top: TopArg = 10) -> BatchAnalysis:
-    """Per-sample and per-token signals of the snapshot's batch across ranks, over loss tokens: advantages
+    """Per-sample and per-token signals of the snapshot's batch across ranks (advantages, stored log-probs, masks,
+    rewards, routing) and its outliers.
+
+    Per-sample and per-token signals of the snapshot's batch across ranks, over loss tokens: advantages
     and their sign balance (negative vs positive magnitude), old/ref/rollout logprobs, the stored old against
     the stored rollout log-probs (`ratio_old_vs_rollout`, `*_log_ratio_old_vs_rollout`: not the replayed policy,
     which attribute_spike and diagnose_spike compare), loss-mask lengths, turn indexes, rewards, routing; summary
@@ -139,7 +139,9 @@ async def analyze_batch_tool(snapshot: SnapshotArg, ctx: Context, top: TopArg = 
 
 
 async def top_param_grads_tool(snapshot: SnapshotArg, ctx: Context, top: TopArg = 10) -> GradReport:
-    """The largest parameter grad norms recorded at the spike step, per rank (local, before the data-parallel
+    """The largest recorded parameter grad norms, per rank and merged: which layers and ranks carry the spike.
+
+    The largest parameter grad norms recorded at the spike step, per rank (local, before the data-parallel
     reduction) and merged across ranks: which layers (router, one MoE layer's experts, embeddings) and which
     rank carry the spike."""
     config = server_config(ctx)
@@ -151,35 +153,27 @@ async def diagnose_spike_tool(
     ctx: Context,
     attribution: Annotated[
         str | None,
-        Field(
-            description="An attribution.json from attribute_spike (absolute or relative to the workspace); "
-            "default: computed here when the model is small."
-        ),
+        Field(description="An attribution.json from attribute_spike; default: computed here when small."),
     ] = None,
     logs: Annotated[
         list[str] | None,
-        Field(description="The job's log files; default: the logs of the job output dir the snapshot sits in."),
+        Field(description="The job's logs; default: those beside the snapshot."),
     ] = None,
     model: Annotated[
         Literal["auto", "always", "never"],
-        Field(
-            description="Compute the model evidence here (attribution, stored signals per rank, loss channel): "
-            "auto (small checkpoints), always, never."
-        ),
+        Field(description="Compute the model evidence: auto (small checkpoints), always, never."),
     ] = "auto",
     top: TopArg = 10,
     shard: Annotated[
         Literal["auto", "on", "off"],
-        Field(
-            description="Compute the model evidence sharded with FSDP2 over `nproc` processes: auto = when the whole "
-            "model does not fit one process; the same figures either way."
-        ),
+        Field(description="Shard the model evidence's replay (FSDP2)."),
     ] = "auto",
-    nproc: Annotated[
-        int | None, Field(description="Processes when sharded; default the saved world size.", ge=1)
-    ] = None,
+    nproc: Annotated[int | None, Field(description="Processes when sharded.", ge=1)] = None,
 ) -> Diagnosis:
-    """Call this first on a spike: the likely causes ranked by cause family (engine_mismatch,
+    """Call this first on a spike: likely causes ranked, each with its ranks, samples, evidence and ready next steps
+    for replay/sweep; and whether the snapshot agrees with itself.
+
+    Call this first on a spike: the likely causes ranked by cause family (engine_mismatch,
     stale_old_logprobs, bad_ref_logprobs, routing_payload, outlier_advantage, mask_misalignment,
     negative_advantage_dominance, one_rank_data, non_finite; natural_spike when no broken part is found), each
     naming its ranks, samples and the loss term that carries the gradient, with its evidence as numbers and
@@ -244,7 +238,7 @@ def register(server: MCPServer) -> None:
     server.add_tool(
         analyze_batch_tool,
         name="analyze_batch",
-        title="Per-sample and per-token signals of a snapshot",
+        title="Signals of a snapshot's batch",
         annotations=READ_ONLY,
     )
     server.add_tool(
@@ -253,6 +247,6 @@ def register(server: MCPServer) -> None:
     server.add_tool(
         diagnose_spike_tool,
         name="diagnose_spike",
-        title="Likely causes of a spike, ranked, with experiments",
+        title="Likely causes of a spike",
         annotations=READ_ONLY,
     )

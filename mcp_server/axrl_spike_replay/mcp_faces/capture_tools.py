@@ -22,7 +22,9 @@ async def checkpoint_interval_tool(
     step_time_s: Annotated[float, Field(description="Seconds per training step.", gt=0)],
     ctx: Context,
 ) -> CheckpointIntervalAdvice:
-    """How often to checkpoint when spikes force rollbacks: the Young-Daly optimum
+    """How often to checkpoint when spikes force rollbacks (Young-Daly), with the overhead around the optimum.
+
+    How often to checkpoint when spikes force rollbacks: the Young-Daly optimum
     K* = sqrt(2 * checkpoint_cost * mtbf_steps / step_time) steps, with the expected overhead (checkpoint
     writing plus rework after a rollback) at K* and at a few intervals around it. Example: 20 s checkpoints,
     a spike every 2000 steps, 1 s steps -> K* ~ 283."""

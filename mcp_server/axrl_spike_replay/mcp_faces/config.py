@@ -44,31 +44,15 @@ def server_config(ctx: Context[Any, Any]) -> ServerConfig:
     return config
 
 
-SnapshotArg = Annotated[
-    str,
-    Field(
-        description="Snapshot directory `.../checkpoints/spike_snapshots[-active]/iter_<N>` "
-        "(absolute, or relative to the workspace). Prefer the preserved copy under spike_snapshots-active.",
-        min_length=1,
-    ),
-]
 OutputDirArg = Annotated[
     str,
     Field(
-        description="A role output directory `<run>~<job>__<role>` as returned by resolve_job "
-        "(absolute, or relative to the workspace).",
+        description="A role output dir `<run>~<job>__<role>` (from resolve_job).",
         min_length=1,
     ),
 ]
 JobArg = Annotated[
     str,
-    Field(description="Job name, e.g. `axrl-v002-052915-math-moe-r3` (a plain name, not a path).", min_length=1),
+    Field(description="Job name (a plain name).", min_length=1),
 ]
-WorkspaceArg = Annotated[
-    str | None,
-    Field(
-        description="Workspace root holding agent-task/, tmp/ and spike-mitigation-methods/; "
-        "default: the server's workspace (`mcp --workspace`, else its working directory).",
-    ),
-]
-TopArg = Annotated[int, Field(description="How many of the largest entries to return.", ge=1, le=1000)]
+TopArg = Annotated[int, Field(description="How many to return.", ge=1, le=1000)]

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ToolAnnotations
@@ -12,8 +12,16 @@ from pydantic import Field
 
 from axrl_spike_replay.investigation.node_description import MAX_GPU_MEMORY_GIB, MAX_GPUS
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library
-from axrl_spike_replay.mcp_faces.config import SnapshotArg, WorkspaceArg, server_config
-from axrl_spike_replay.mcp_faces.replay_tools import AcceptNewKeyArg, DeviceArg, NprocArg, RemotePythonArg
+from axrl_spike_replay.mcp_faces.config import server_config
+from axrl_spike_replay.mcp_faces.shared_arguments import (
+    AcceptNewKeyArg,
+    DeviceArg,
+    NprocArg,
+    RemotePythonArg,
+    ShardArg,
+    SnapshotArg,
+    WorkspaceArg,
+)
 
 # Reads the snapshot's metadata and shapes; with a target, probes that node over SSH (open world), and may record
 # its new host key when asked to (so, as `probe_node`, not read-only).
@@ -25,20 +33,14 @@ async def plan_replay_tool(
     ctx: Context,
     target: Annotated[
         str | None,
-        Field(
-            description="Plan against this target's GPUs (node probe over SSH): an SSH target, or a multinode: "
-            "or slurm: entry of spike-replay.yaml. Omit to plan against this machine."
-        ),
+        Field(description="Plan for this node's GPUs (probed over SSH); omit: this machine."),
     ] = None,
     nproc: NprocArg = None,
     device: DeviceArg = "cpu",
-    shard: Annotated[
-        Literal["auto", "on", "off"],
-        Field(description="off: the whole model in each process; on: sharded (FSDP2); auto: whole when it fits."),
-    ] = "auto",
+    shard: ShardArg = "auto",
     gpus: Annotated[
         int | None,
-        Field(description="Plan for a node of this many GPUs (with gpu_memory_gib).", ge=1, le=MAX_GPUS),
+        Field(description="A node of this many GPUs (with gpu_memory_gib).", ge=1, le=MAX_GPUS),
     ] = None,
     gpu_memory_gib: Annotated[
         float | None,
@@ -48,7 +50,10 @@ async def plan_replay_tool(
     accept_new_host_key: AcceptNewKeyArg = False,
     workspace: WorkspaceArg = None,
 ) -> dict[str, Any]:
-    """Before a replay: parameters, gradients and peak activation memory per process for N processes in the
+    """Before a replay: memory per process for N processes, whether it fits here or on a node, and the smallest
+    full-fidelity layout.
+
+    Before a replay: parameters, gradients and peak activation memory per process for N processes in the
     precision that runs (model built on the meta device from the snapshot's run config; no weight read, so a
     config-only snapshot is enough); whether that fits this machine, the target's GPUs or the node described;
     the smallest N for full fidelity and the layout it suggests. `summary` says it in words. A replay that

@@ -11,8 +11,9 @@ from pydantic import Field
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.mcp_faces.bridge import call_library
-from axrl_spike_replay.mcp_faces.config import JobArg, WorkspaceArg, server_config
+from axrl_spike_replay.mcp_faces.config import JobArg, server_config
 from axrl_spike_replay.mcp_faces.record_models import MethodAdded, MethodList, ReportWritten, TaskView
+from axrl_spike_replay.mcp_faces.shared_arguments import WorkspaceArg
 from axrl_spike_replay.workspace.methods import add_method, list_methods
 from axrl_spike_replay.workspace.report import write_report
 from axrl_spike_replay.workspace.task_state import note, show_task
@@ -24,20 +25,16 @@ WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempoten
 async def task_open_tool(
     job: JobArg,
     ctx: Context,
-    snapshot: Annotated[
-        str | None, Field(description="Set the active snapshot (the preserved path); earlier ones stay in history.")
-    ] = None,
+    snapshot: Annotated[str | None, Field(description="Set the active snapshot (the preserved path).")] = None,
     diagnosis: Annotated[
         Literal["never", "auto", "always", "off"],
-        Field(
-            description="Diagnose a new snapshot into Observations and Next steps: never (static evidence, the "
-            "weights are not loaded), auto (adds attribution and route agreement for a checkpoint of at most "
-            "256 MiB), always, or off."
-        ),
+        Field(description="Diagnose a new snapshot into the task: never (no weights loaded), auto, always, off."),
     ] = "never",
     workspace: WorkspaceArg = None,
 ) -> TaskView:
-    """Open (or re-open, keeping its history) the task file agent-task/spike-replay/<job>.md with sections
+    """Open (or re-open) the job's task file; a new snapshot is diagnosed into it. Every replay then logs itself there.
+
+    Open (or re-open, keeping its history) the task file agent-task/spike-replay/<job>.md with sections
     Active snapshot, Replay command, Experiment table, Observations, Failed attempts, Next steps. A snapshot
     not diagnosed yet is diagnosed (as `diagnose_spike`): its likely causes go under Observations, the
     experiments to run under Next steps. Once open, every replay and sweep of the job logs itself into it."""
@@ -58,7 +55,9 @@ async def task_note_tool(
     ctx: Context,
     workspace: WorkspaceArg = None,
 ) -> TaskView:
-    """Append a line to the Observations or Next steps of the job's task file (what the signals showed, why
+    """Add a line to the task file's Observations or Next steps (replays log their own rows).
+
+    Append a line to the Observations or Next steps of the job's task file (what the signals showed, why
     an attempt was dropped, what to try next). Replays log their own rows; use this for everything else."""
     config = server_config(ctx)
     root = config.workspace_for(workspace)
@@ -66,7 +65,9 @@ async def task_note_tool(
 
 
 async def task_show_tool(job: JobArg, ctx: Context, workspace: WorkspaceArg = None) -> TaskView:
-    """The job's task as data: active snapshot, experiments (id, verdict, grad norm, fidelity, change ...),
+    """The job's task as data: snapshot, experiments, failed attempts, notes, methods.
+
+    The job's task as data: active snapshot, experiments (id, verdict, grad norm, fidelity, change ...),
     failed attempts, observations, next steps, methods written. The markdown is the resource
     axrl://task/<job>."""
     config = server_config(ctx)
@@ -77,20 +78,18 @@ async def task_show_tool(job: JobArg, ctx: Context, workspace: WorkspaceArg = No
 async def method_add_tool(
     job: JobArg,
     attempt: Annotated[str, Field(description="Experiment id from the task table, e.g. E4.", min_length=1)],
-    name: Annotated[
-        str, Field(description="Method slug, a plain file name such as `tis-clip-2` (no path).", min_length=1)
-    ],
-    rationale: Annotated[
-        str, Field(description="Why it works, from the signals (outlier tokens, attribution, ...).", min_length=1)
-    ],
+    name: Annotated[str, Field(description="Method slug, a plain name such as `tis-clip-2`.", min_length=1)],
+    rationale: Annotated[str, Field(description="Why it works, from the signals.", min_length=1)],
     ctx: Context,
     allow_reduced: Annotated[
         bool,
-        Field(description="Accept a reduced-fidelity attempt; the file is then marked diagnostic, not proven."),
+        Field(description="Accept a reduced-fidelity attempt (marked diagnostic)."),
     ] = False,
     workspace: WorkspaceArg = None,
 ) -> MethodAdded:
-    """Write spike-mitigation-methods/<name>.md from a logged attempt: job/role, snapshot, key signals (quoted
+    """Write a method file from a logged attempt that cleared the spike (refuses unproven or duplicate ones).
+
+    Write spike-mitigation-methods/<name>.md from a logged attempt: job/role, snapshot, key signals (quoted
     from the replay results, the task's diagnosis and an attribution.json of the snapshot in the job's runs;
     nothing is recomputed, what none holds is named as not measured), the config or patch, baseline vs
     mitigated replay, residual spike status, rationale; regenerate the index.
@@ -107,7 +106,9 @@ async def method_add_tool(
 
 
 async def method_list_tool(ctx: Context, workspace: WorkspaceArg = None) -> MethodList:
-    """Every method file in spike-mitigation-methods/ with its status (proven / partial / diagnostic) and
+    """Every method file with its status and summary; check it before method_add.
+
+    Every method file in spike-mitigation-methods/ with its status (proven / partial / diagnostic) and
     one-line summary. Check it before method_add; read one with the resource axrl://method/<slug>."""
     config = server_config(ctx)
     root = config.workspace_for(workspace)
@@ -119,16 +120,16 @@ async def method_list_tool(ctx: Context, workspace: WorkspaceArg = None) -> Meth
 async def write_report_tool(
     job: JobArg,
     ctx: Context,
-    release: Annotated[
-        bool, Field(description="After writing, release the preserved copies of the task's current snapshot.")
-    ] = False,
+    release: Annotated[bool, Field(description="Then release the preserved copies of its snapshot.")] = False,
     release_last_copy: Annotated[
         bool,
-        Field(description="With release: also delete a copy that is the last one (its source rotated away)."),
+        Field(description="With release: also a copy that is the last one."),
     ] = False,
     workspace: WorkspaceArg = None,
 ) -> ReportWritten:
-    """Render tmp/spike-replay/<job>/report.md from the task: output dir and snapshot, whether full fidelity
+    """Render the investigation's report from the task; at the very end with release=true.
+
+    Render tmp/spike-replay/<job>/report.md from the task: output dir and snapshot, whether full fidelity
     was possible, the baseline grad norm and rel_diff, every attempt with its metrics, the methods added.
     At the very end, call it with release=true to release the preserved copies this investigation uses
     (only its current snapshot's); the last remaining copy of a snapshot is kept unless release_last_copy."""

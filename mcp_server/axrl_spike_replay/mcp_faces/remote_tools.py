@@ -10,8 +10,8 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from axrl_spike_replay.mcp_faces.bridge import call_async_library
-from axrl_spike_replay.mcp_faces.config import WorkspaceArg, server_config
-from axrl_spike_replay.mcp_faces.replay_tools import AcceptNewKeyArg, RemotePythonArg
+from axrl_spike_replay.mcp_faces.config import server_config
+from axrl_spike_replay.mcp_faces.shared_arguments import AcceptNewKeyArg, RemotePythonArg, WorkspaceArg
 from axrl_spike_replay.remote.node_probe import NodeReport
 
 # Probing changes nothing on the node; it may record a new host key locally when asked to.
@@ -22,21 +22,23 @@ async def probe_node_tool(
     target: Annotated[
         str,
         Field(
-            description="The node, as typed: `ssh -p 26461 root@10.100.4.23`, `user@host:port`, "
-            "`ssh://user@host:port`, a ~/.ssh/config alias, or a target name from spike-replay.yaml.",
+            description="The node, as typed (`ssh -p 22 user@host`, an alias, a spike-replay.yaml name).",
             min_length=1,
         ),
     ],
     ctx: Context,
     snapshot: Annotated[
         str | None,
-        Field(description="A snapshot to plan for: does a full-fidelity replay fit (one GPU per saved rank)?"),
+        Field(description="A snapshot: does its full-fidelity replay fit there?"),
     ] = None,
     remote_python: RemotePythonArg = None,
     accept_new_host_key: AcceptNewKeyArg = False,
     workspace: WorkspaceArg = None,
 ) -> NodeReport:
-    """Probe a GPU node over SSH (one connection, host key verified): GPU count, names and memory, driver,
+    """Probe a GPU node over SSH (GPUs, versions, whether the package imports); with a snapshot, whether it fits.
+    Run before replaying there.
+
+    Probe a GPU node over SSH (one connection, host key verified): GPU count, names and memory, driver,
     Python and torch versions, CUDA availability, whether axrl_spike_replay is importable there; with a
     snapshot, whether a full-fidelity replay fits or it will be reduced, and the plan. Run it before
     replaying on a node."""

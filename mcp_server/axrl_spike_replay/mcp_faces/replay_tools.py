@@ -6,144 +6,46 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Awaitable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
-from axrl_spike_replay.experiment.mitigations import MITIGATIONS
 from axrl_spike_replay.experiment.result import Attribution, ReplayResult, RunResult, SweepResult
-from axrl_spike_replay.investigation.request import LOCAL, MAX_REPEAT, How, ReplayRequest, What, Where
+from axrl_spike_replay.investigation.request import LOCAL, How, ReplayRequest, What, Where
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
-from axrl_spike_replay.mcp_faces.config import ServerConfig, SnapshotArg, TopArg, WorkspaceArg, server_config
+from axrl_spike_replay.mcp_faces.config import ServerConfig, server_config
+from axrl_spike_replay.mcp_faces.shared_arguments import (
+    AcceptNewKeyArg,
+    BackendArg,
+    ClearThresholdArg,
+    ConfigsArg,
+    DeviceArg,
+    JobOptArg,
+    MethodArg,
+    MitigationsArg,
+    NprocArg,
+    ParallelConfigsArg,
+    PatchArg,
+    PatchesArg,
+    RemotePythonArg,
+    RepeatArg,
+    SamplesTopArg,
+    ShardArg,
+    SlurmArg,
+    SnapshotArg,
+    TargetArg,
+    TargetsArg,
+    TimeoutArg,
+    WorkspaceArg,
+)
 from axrl_spike_replay.vocabulary import Backend, Device, Method, Shard, Verb
-
-_NAMES = ", ".join(MITIGATIONS)
-
 
 # Replays write new run dirs and task rows, and may run on a node over SSH (open world). Destructive: with the
 # `command` backend they run the node's trainer command, with a `patch` the caller chose: whatever that code does.
 REPLAYS = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=True)
-
-MitigationsArg = Annotated[
-    dict[str, Any],
-    Field(
-        description="One mitigation config {NAME: VALUE}; empty = the baseline replay. Names: "
-        f"{_NAMES}. Example: {{'mismatch_token_clip_max': 2, 'routing_replay': 'loss_tokens'}}. "
-        "A loss setting scoped to saved ranks, {'aux_loss_coef': '10.24@1'}, is a hypothesis about what those "
-        "ranks computed, judged against the recording (`finding`: 'reproduced under ...'). "
-        "Values and meaning: resource axrl://mitigations.",
-    ),
-]
-ConfigsArg = Annotated[
-    list[dict[str, Any]],
-    Field(
-        description="Mitigation configs to compare, each {NAME: VALUE, ...} (distinct, none empty: the baseline "
-        f"always runs). Names: {_NAMES}. Example: [{{'mismatch_token_clip_max': 2}}, {{'advantage_clip': 1}}].",
-        min_length=1,
-    ),
-]
-NprocArg = Annotated[
-    int | None,
-    Field(
-        description="Replay processes; default the saved world size (full fidelity). Fewer gives a reduced-fidelity "
-        "diagnostic, labelled as such.",
-        ge=1,
-    ),
-]
-DeviceArg = Annotated[Literal["cpu", "cuda"], Field(description="Where the replay processes compute.")]
-JobOptArg = Annotated[
-    str | None,
-    Field(description="Job whose task file logs the attempt; default: the snapshot's job_name."),
-]
-
-
-TargetArg = Annotated[
-    str | None,
-    Field(
-        description="GPU node to run on, as typed: `ssh -p 26461 root@10.100.4.23`, `user@host:port`, "
-        "`ssh://user@host:port`, a ~/.ssh/config alias, or a target name from the workspace's spike-replay.yaml. "
-        "The snapshot must be at the same path there (shared storage). Omit to run here.",
-    ),
-]
-TargetsArg = Annotated[
-    list[str],
-    Field(
-        description="Several nodes to run one replay on (targets as for `target`): one torchrun agent on each, one "
-        "c10d rendezvous on the first, results gathered on rank 0; `nproc` spreads evenly over them. Every node "
-        "must see the snapshot at the same path. A `multinode:` entry of spike-replay.yaml named as `target` "
-        "does the same.",
-    ),
-]
-SlurmArg = Annotated[
-    dict[str, Any] | None,
-    Field(
-        description="Run as a Slurm job (sbatch, then srun -> torchrun on each allocated node) submitted from "
-        "`target` as the login node (omit `target`: this machine). Settings: partition, account, time "
-        "(HH:MM:SS), nodes, gpus_per_node, nproc_per_node, cpus_per_task, job_dir, sbatch_args, "
-        "schedule_timeout_s; they override those of the `slurm:` entry `target` names. Cancel and `timeout_s` "
-        "scancel the job.",
-    ),
-]
-BackendArg = Annotated[
-    Literal["torch", "megatron", "command"],
-    Field(
-        description="torch: the built-in engine; megatron: Megatron-core's own GPTModel recomputes the baseline "
-        "of a Megatron snapshot here (replay only, no mitigations; the megatron extra), the cross-check of torch; "
-        "command: the node's own replay command from spike-replay.yaml "
-        "(trainers the engine cannot rebuild, e.g. TP/PP/EP > 1): mitigations run as the trainer's own overrides "
-        "mapped in spike-replay.yaml's command_backend.mitigations (an unmapped one is refused by name), "
-        "optionally with `patch`/`patches`.",
-    ),
-]
-PatchArg = Annotated[
-    str | None,
-    Field(
-        description="Unified diff (file path) applied in a temporary git worktree of the node's training checkout "
-        "for this run only (backend command); the checkout itself is never modified. The patched code runs on "
-        "the node as its SSH user: it can do whatever that user can.",
-    ),
-]
-PatchesArg = Annotated[
-    list[str],
-    Field(
-        description="Several unified diffs (file paths) applied in this order in one temporary git worktree "
-        "(backend command), after `patch` when both are given; one that does not apply fails the run by name "
-        "and nothing runs.",
-    ),
-]
-RemotePythonArg = Annotated[
-    str | None, Field(description="The node's Python interpreter; default: spike-replay.yaml's, else python3.")
-]
-AcceptNewKeyArg = Annotated[
-    bool,
-    Field(
-        description="Record the host key of a node not yet in known_hosts (like OpenSSH accept-new); only after "
-        "the user confirmed the fingerprint. A changed key is always refused."
-    ),
-]
-# No bounds here: the request builder checks the value and names `parallel_configs`, as for the CLI.
-ParallelConfigsArg = Annotated[
-    int | None,
-    Field(
-        description="Run the configs on this many pools of `nproc` processes side by side, each also computing the "
-        "baseline; the same results as one pool. Default: 1 on CPU, on CUDA as many pools as the GPUs hold. "
-        "Built-in torch engine run here only.",
-    ),
-]
-ShardArg = Annotated[
-    Literal["auto", "on", "off"],
-    Field(
-        description="Shard the policy over the replay's processes with FSDP2 (each holds 1/N of the weights and "
-        "gradients, loaded straight into its shards): auto = when the whole model does not fit one process; "
-        "the same grad norm and verdicts either way.",
-    ),
-]
-TimeoutArg = Annotated[
-    float | None, Field(description="Kill the run (its whole process group) after this many seconds.", gt=0)
-]
 
 
 async def _run(ctx: Context, request: ReplayRequest, config: ServerConfig, first: str | None = None) -> RunResult:
@@ -173,16 +75,6 @@ def _request(ctx: Context, what: What, where: Where, how: How, **recorded: Any) 
     return call_library(ctx, build)
 
 
-ClearThresholdArg = Annotated[
-    float | None,
-    Field(
-        description="Spike ratio (grad norm / median) for verdicts: a mitigation clears the spike under it, the "
-        "baseline is a spike at or above it. Default: the snapshot's detector threshold.",
-        gt=0,
-    ),
-]
-
-
 async def replay_tool(
     snapshot: SnapshotArg,
     ctx: Context,
@@ -193,10 +85,7 @@ async def replay_tool(
     nproc: NprocArg = None,
     device: DeviceArg = "cpu",
     shard: ShardArg = "auto",
-    repeat: Annotated[
-        int,
-        Field(description="Recompute this many times and report the spread (determinism check).", ge=1, le=MAX_REPEAT),
-    ] = 1,
+    repeat: RepeatArg = 1,
     clear_threshold: ClearThresholdArg = None,
     backend: BackendArg = "torch",
     patch: PatchArg = None,
@@ -207,7 +96,10 @@ async def replay_tool(
     job: JobOptArg = None,
     workspace: WorkspaceArg = None,
 ) -> ReplayResult:
-    """Recompute the spike step's gradients from the snapshot's weights, batches and routing payloads (no
+    """Recompute the spike step's gradients and compare the grad norm with the recorded one (baseline: reproduced or
+    not), or judge a mitigation config or per-rank hypothesis against it; here or on a node.
+
+    Recompute the spike step's gradients from the snapshot's weights, batches and routing payloads (no
     optimizer step), reduce them across data-parallel ranks as the trainer did, and compare the global
     pre-clip grad norm with the recorded one — here, or on a GPU node over SSH (`target`). Without
     mitigations: the baseline (`reproduced` / `not_reproduced`). With a config: a replay-only experiment
@@ -268,10 +160,12 @@ async def sweep_tool(
     accept_new_host_key: AcceptNewKeyArg = False,
     timeout_s: TimeoutArg = None,
     job: JobOptArg = None,
-    plot: Annotated[bool, Field(description="Also return a PNG bar chart of grad norm per config.")] = True,
+    plot: Annotated[bool, Field(description="Also return a PNG bar chart.")] = True,
     workspace: WorkspaceArg = None,
 ) -> Annotated[CallToolResult, SweepResult]:
-    """Replay the baseline and every config in one run (weights loaded once; loss-level configs share one
+    """Replay the baseline and many mitigation configs in one run and compare them (verdict per config, a bar chart).
+
+    Replay the baseline and every config in one run (weights loaded once; loss-level configs share one
     forward pass), here or on a GPU node (`target`, one SSH connection): grad norm, ratio to the median,
     change vs baseline and verdict per config. With `backend` command: the baseline runs once, then each
     config is one run of the node's replay command with its mapped overrides (and `patches`, if any).
@@ -297,22 +191,18 @@ async def sweep_tool(
 async def attribute_spike_tool(
     snapshot: SnapshotArg,
     ctx: Context,
-    top: TopArg = 10,
-    mitigations: Annotated[
-        dict[str, Any],
-        Field(description=f"Attribute under a mitigation config instead of the baseline. Names: {_NAMES}."),
-    ] = {},  # noqa: B006
+    top: SamplesTopArg = 10,
+    mitigations: MitigationsArg = {},  # noqa: B006
     device: DeviceArg = "cpu",
-    method: Annotated[
-        Literal["jvp", "per_sample_backward"],
-        Field(description="jvp (fast, one pass) or per_sample_backward (one backward per sample, a check)."),
-    ] = "jvp",
+    method: MethodArg = "jvp",
     job: JobOptArg = None,
     workspace: WorkspaceArg = None,
     nproc: NprocArg = None,
     shard: ShardArg = "auto",
 ) -> Attribution:
-    """Each sample's contribution to the global gradient, c_s = <g_s, g> / ||g|| (they sum to ||g||), ranked,
+    """Each sample's contribution to the spike's gradient, ranked, with its signals: which few samples carry it.
+
+    Each sample's contribution to the global gradient, c_s = <g_s, g> / ||g|| (they sum to ||g||), ranked,
     with the sample's signals (advantage, reward, loss tokens, rank, and max_abs_log_ratio_current_vs_base: the
     largest |log pi - log pi_base| of the replayed policy against `log_ratio_base`, the old or rollout log-probs
     its loss's ratio is taken against). Usually a few samples carry the spike; cross-check them with
@@ -339,12 +229,10 @@ def register(server: MCPServer) -> None:
     server.add_tool(
         replay_tool,
         name="replay",
-        title="Replay the spike step (baseline or one mitigation config)",
+        title="Replay the spike step",
         annotations=REPLAYS,
     )
-    server.add_tool(
-        sweep_tool, name="sweep", title="Compare many mitigation configs on one snapshot", annotations=REPLAYS
-    )
+    server.add_tool(sweep_tool, name="sweep", title="Compare mitigation configs", annotations=REPLAYS)
     server.add_tool(
         attribute_spike_tool,
         name="attribute_spike",

@@ -11,8 +11,11 @@ from mcp.server.mcpserver.prompts import Prompt
 from mcp.types import Resource
 from pydantic import Field
 
+from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.mcp_faces.config import ServerConfig
+from axrl_spike_replay.mcp_faces.lean_tools import TOOL_URI, full_tool_doc
+from axrl_spike_replay.mcp_faces.shared_arguments import ARGUMENTS_URI, MITIGATIONS_URI, guide_text
 from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.skill_pack import Skill, list_skills, render_skill
 from axrl_spike_replay.workspace.methods import shipped_methods_dir
@@ -21,7 +24,6 @@ from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, methods_
 TASK_URI = "axrl://task/{job}"
 METHOD_URI = "axrl://method/{slug}"
 METHODS_INDEX_URI = "axrl://methods"
-MITIGATIONS_URI = "axrl://mitigations"
 
 
 def _read(path: Path, missing: str) -> str:
@@ -120,6 +122,31 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         from axrl_spike_replay.experiment.mitigations import valid_mitigations
 
         return "Mitigations (replay-only; each off unless named in a config {NAME: VALUE}):\n" + valid_mitigations()
+
+    @server.resource(
+        ARGUMENTS_URI,
+        name="arguments",
+        title="Arguments many tools share",
+        mime_type="text/plain",
+        description="Placement (target, targets, slurm), backend and patches, fidelity (nproc, shard), and the rest",
+    )
+    def arguments() -> str:
+        return guide_text()
+
+    @server.resource(
+        TOOL_URI,
+        name="tool",
+        title="A tool in full",
+        mime_type="application/json",
+        description="One tool's whole description, input schema and output schema (tools/list carries a summary)",
+    )
+    async def tool_in_full(name: str) -> str:
+        tools = {t.name: t for t in await server.list_tools()}  # a read-only server shows only what it offers
+        if name not in tools:
+            raise ResourceNotFoundError(f"no tool {shown(name, 60)}; tools/list names them")
+        full = getattr(server, "full_tools", None)
+        whole = {t.name: t for t in await full()} if full is not None else tools
+        return full_tool_doc(whole[name])
 
     for skill in list_skills():
         server.add_prompt(_skill_prompt(skill))

@@ -11,7 +11,8 @@ from mcp.types import ToolAnnotations
 from pydantic import Field
 
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library
-from axrl_spike_replay.mcp_faces.config import JobArg, OutputDirArg, SnapshotArg, server_config
+from axrl_spike_replay.mcp_faces.config import JobArg, OutputDirArg, server_config
+from axrl_spike_replay.mcp_faces.shared_arguments import SnapshotArg
 from axrl_spike_replay.replay.input_checks import inspect_with_inputs
 from axrl_spike_replay.snapshot.discovery import OUTPUT_ROOTS_ENV, JobResolution, resolve_job
 from axrl_spike_replay.snapshot.inspect import SnapshotInspection
@@ -24,27 +25,25 @@ READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempot
 RootsArg = Annotated[
     list[str],
     Field(
-        description="Directories that hold the job's output dirs (`<run>~<job>__<role>`). "
-        "Also searched: $AXRL_OUTPUT_ROOTS (colon-separated); the workspace when neither is given.",
+        description="Dirs holding the job's output dirs; also $AXRL_OUTPUT_ROOTS, else the workspace.",
     ),
 ]
 
 IterationArg = Annotated[
     int | None,
-    Field(description="Iteration number N of `iter_<N>` (as list_snapshots shows it); omit for all.", ge=0),
+    Field(description="N of iter_<N>; omit for all.", ge=0),
 ]
 
 IntoWorkspaceArg = Annotated[
     bool,
-    Field(
-        description="Write nothing under the output root (the user asked for no writes there, or it is shared): "
-        "preserve into the workspace instead."
-    ),
+    Field(description="Preserve into the workspace: nothing written under the output root."),
 ]
 
 
 async def resolve_job_tool(job: JobArg, ctx: Context, roots: RootsArg = []) -> JobResolution:  # noqa: B006
-    """Find every role output directory (`<run>~<job>__<role>`: actor, critic, ...) of a job and its log
+    """Find a job's role output dirs and log files. Start here.
+
+    Find every role output directory (`<run>~<job>__<role>`: actor, critic, ...) of a job and its log
     files. Start here; then list_snapshots on the role's output_dir."""
     config = server_config(ctx)
     search = [str(config.path(r)) for r in roots]
@@ -54,7 +53,9 @@ async def resolve_job_tool(job: JobArg, ctx: Context, roots: RootsArg = []) -> J
 
 
 async def list_snapshots_tool(output_dir: OutputDirArg, ctx: Context) -> SnapshotListing:
-    """List the spike snapshots of one output dir: the rotating ones (checkpoints/spike_snapshots, deleted by
+    """List an output dir's spike snapshots (rotating and preserved) with iteration, grad norm and spike ratio.
+
+    List the spike snapshots of one output dir: the rotating ones (checkpoints/spike_snapshots, deleted by
     rotation) and preserved copies (checkpoints/spike_snapshots-active), with iteration, size, grad norm
     and spike ratio. Preserve the one you investigate at once with preserve_snapshots."""
     config = server_config(ctx)
@@ -67,7 +68,9 @@ async def preserve_snapshots_tool(
     iteration: IterationArg = None,
     into_workspace: IntoWorkspaceArg = False,
 ) -> PreserveResult:
-    """Preserve retained snapshots (one iteration, or all) as hardlinked copies under
+    """Preserve snapshots as hardlinked copies that rotation never deletes. Do it first, at once; work on the copy.
+
+    Preserve retained snapshots (one iteration, or all) as hardlinked copies under
     checkpoints/spike_snapshots-active/, which rotation never deletes. Do this first, at once. Cheap
     (hardlinks; a real copy only across filesystems), idempotent, never modifies the source. Work on the
     preserved path from then on; release_preserved removes the copy at the very end. When the output root is
@@ -96,11 +99,11 @@ async def release_preserved_tool(
     output_dir: OutputDirArg,
     ctx: Context,
     iteration: IterationArg = None,
-    in_workspace: Annotated[
-        bool, Field(description="Release the copies preserve_snapshots made in the workspace for this output dir.")
-    ] = False,
+    in_workspace: Annotated[bool, Field(description="Release the copies made in the workspace.")] = False,
 ) -> ReleaseResult:
-    """Delete preserved copies made by preserve_snapshots (one iteration, or all) — only at the very end,
+    """Delete preserved copies made by preserve_snapshots, only at the very end (after write_report).
+
+    Delete preserved copies made by preserve_snapshots (one iteration, or all) — only at the very end,
     after write_report. Refuses anything that is not a preserved copy made by this tool; retained
     snapshots under checkpoints/spike_snapshots are never touched."""
     config = server_config(ctx)
@@ -111,11 +114,15 @@ async def release_preserved_tool(
 
 
 async def inspect_snapshot_tool(snapshot: SnapshotArg, ctx: Context) -> SnapshotInspection:
-    """Read a snapshot's metadata (iteration, job, role, world size, tp/pp/dp/ep/etp/cp, grad norm, median
+    """Read a snapshot's metadata, settings, per-rank contents and model size; list its problems (no weights read).
+
+    Read a snapshot's metadata (iteration, job, role, world size, tp/pp/dp/ep/etp/cp, grad norm, median
     norm, spike ratio, legacy layout or not), per-rank batch and routing-payload counts, the model size
     from the checkpoint metadata, the run config's loss, routing and parallel sections and the detector as
-    recorded (`settings`), and list its problems (missing rank files, inconsistent world size, ...).
-    Reads headers only, so it is fast on snapshots of hundreds of GB."""
+    recorded (`settings`), and list its problems (missing rank files, inconsistent world size, and `[input]`
+    lines: a rank's routes, tokens, mask or stored log-probs failing a check against the run config's model,
+    also under `input_findings`). Reads headers and those small tensors only, so it is fast on snapshots of
+    hundreds of GB."""
     config = server_config(ctx)
     return await call_library(ctx, lambda progress, cancel: inspect_with_inputs(config.path(snapshot)))
 
@@ -125,13 +132,12 @@ async def prepare_replay_dir_tool(
     ctx: Context,
     dest: Annotated[
         str | None,
-        Field(
-            description="Empty or new directory for the replay dir (relative to the workspace); "
-            "default: a new temporary directory."
-        ),
+        Field(description="Empty or new dir for it; default: a new temporary dir."),
     ] = None,
 ) -> PreparedSnapshot:
-    """For a legacy snapshot (AXRL keys in metadata.json, which breaks checkpoint loading), make a replay
+    """Make a replay dir for a legacy-layout snapshot (replay calls it itself when needed).
+
+    For a legacy snapshot (AXRL keys in metadata.json, which breaks checkpoint loading), make a replay
     dir of hardlinks with a restored checkpoint metadata.json and axrl_metadata.json; the original is never
     touched. A current-layout snapshot needs nothing (replay_dir is the snapshot). replay calls this
     itself when needed."""
@@ -151,7 +157,7 @@ def register(server: MCPServer) -> None:
     server.add_tool(
         preserve_snapshots_tool,
         name="preserve_snapshots",
-        title="Preserve snapshots before rotation deletes them",
+        title="Preserve snapshots",
         annotations=ToolAnnotations(
             read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=False
         ),
@@ -159,7 +165,7 @@ def register(server: MCPServer) -> None:
     server.add_tool(
         release_preserved_tool,
         name="release_preserved",
-        title="Delete preserved copies (end of investigation)",
+        title="Delete preserved copies",
         annotations=ToolAnnotations(
             read_only_hint=False, destructive_hint=True, idempotent_hint=True, open_world_hint=False
         ),

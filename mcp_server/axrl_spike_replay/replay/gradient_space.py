@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 Grads = list[torch.Tensor | None]
+T = TypeVar("T")
 
 
 class GradientSpace(Protocol):
@@ -62,6 +63,21 @@ class GradientSpace(Protocol):
     def cosine(self, a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float | None:
         """Cosine of two reduced gradients over every parameter (float64)."""
         ...
+
+
+def padded_passes(space: GradientSpace, items: Sequence[T]) -> list[T | None]:
+    """The passes this process makes over `items` (its ranks' micro-batches): themselves when whole; sharded, then
+    `None` passes up to the most any process makes (agreed by an all-reduce: every process calls it together)."""
+    if not space.sharded:
+        return list(items)
+    import torch.distributed as dist
+
+    params = getattr(space, "params", [])
+    device = params[0].device if params else torch.device("cpu")
+    count = torch.tensor([len(items)], dtype=torch.int64, device=device)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return [*items, *([None] * (int(count.item()) - len(items)))]
 
 
 def accumulate(into: Grads, grads: Sequence[torch.Tensor | None]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from axrl_spike_replay.snapshot.layout import RUN_CONFIG, batch_file, rank_files
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY, GlobalCounts
+from axrl_spike_replay.training.micro_batches import MicroBatchSpec, plan_micro_batches
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.precision import PrecisionPolicy
 from axrl_spike_replay.training.routing_replay import RoutingConfig
@@ -28,7 +29,8 @@ from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 # Sections the engine rebuilds from, and sections it reads but need not rebuild (the trainer's own).
 ENGINE_SECTIONS = ("model", "loss", "routing", "parallel")
 INFO_SECTIONS = ("train", "detector")
-OPTIONAL_SECTIONS = ("precision",)  # the trainer's mixed-precision policy (absent: the model's own dtype)
+# the trainer's mixed-precision policy (absent: the model's own dtype); its micro-batches (absent: as recorded)
+OPTIONAL_SECTIONS = ("precision", "micro_batches")
 COMMAND_BACKEND_HINT = "use the command backend (`backend` command) with the trainer's own replay command"
 
 
@@ -49,6 +51,8 @@ class ReplayInputs:
     counts: GlobalCounts | None = None  # the step's global counts, recorded by the trainer (normalization global)
     precision: PrecisionPolicy | None = None  # the run config's `precision:` section (None: none recorded)
     findings: tuple[InputFinding, ...] = ()  # ranks' inputs that fail a check against the model (input_checks)
+    # how each rank's step was split (`training.micro_batches`)
+    micro_batches: MicroBatchSpec = field(default_factory=MicroBatchSpec)
 
     @property
     def job_name(self) -> str:
@@ -161,6 +165,7 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
     precision = None
     if doc.get("precision") is not None:
         precision = _section_config(PrecisionPolicy.from_dict, doc["precision"], path, "precision")
+    micro = read_micro_batches(directory, doc)
     ranks = layout.data_ranks  # the saved ranks whose batches replay (the data-parallel ones)
     _check_ranks(directory, ranks)
     check_policy_weights(directory, model, "the snapshot's checkpoint")
@@ -172,8 +177,10 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
     batch = batches[0]  # _check_ranks found a batch file for each rank
     routing_ranks = _routing_ranks(directory, batches)
     findings = tuple(input_findings(directory, model, ranks))
+    _check_micro_batches(directory, batches, micro, loss.to_dict())
     counts = recorded_counts(directory, ranks) if loss.normalization == "global" else None
     return ReplayInputs(
+        micro_batches=micro,
         precision=precision,
         counts=counts,
         snapshot=str(snapshot),
@@ -188,6 +195,25 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
         batch_fields=frozenset(batch),
         findings=findings,
     )
+
+
+def read_micro_batches(directory: Path, doc: dict[str, Any] | None = None) -> MicroBatchSpec:
+    """The run config's `micro_batches:` section (absent: each rank's batch file as it was split); ConfigError
+    naming the file when it is malformed."""
+    doc = read_run_config(directory) if doc is None else doc
+    return _section_config(MicroBatchSpec.from_dict, doc.get("micro_batches"), directory / RUN_CONFIG, "micro_batches")
+
+
+def _check_micro_batches(
+    directory: Path, batches: list[dict[str, Any]], spec: MicroBatchSpec, loss: dict[str, Any]
+) -> None:
+    """Every rank's split fits its batch (a recorded split tiles it, a size divides it, no sequence breaks the
+    token budget), checked before any process starts; SnapshotError naming the batch file and the field."""
+    for rank, batch in enumerate(batches):
+        rows = batch.get("micro_batch_rows")
+        if spec.split == "token_budget" or getattr(rows, "is_meta", False):
+            batch = load_rank_batch(directory, rank)  # lengths (or a file's own split) are data, not shapes
+        plan_micro_batches(batch, spec, loss, directory / batch_file(rank))
 
 
 def _routing_ranks(directory: Path, batches: list[dict[str, Any]]) -> tuple[int, ...]:

@@ -7,8 +7,8 @@ section (TP=PP=EP=1, local spec: the CPU route; a GPU node runs the trainer's sp
 Megatron's own `dist_checkpointing.load` (which reshards from the saved TP/PP/EP layout; every pickle in the checkpoint
 read weights-only, `snapshot.megatron_load`), forcing the rank's
 recorded routes through Megatron's router replay (`RouterReplay`, REPLAY_FORWARD), taking the log-probs and the
-snapshot's loss (`training.policy_loss`, as route 1 does), backpropagating and reducing as the trainer did (the
-data-parallel mean).
+snapshot's loss (`training.policy_loss`, as route 1 does) micro-batch by micro-batch as the trainer split and
+scaled them (`training.micro_batches`), backpropagating and reducing as the trainer did (the data-parallel mean).
 
 It is the cross-check of route 1 (the transformers model): the two must give the same grad norm. Mitigations,
 sweeps and attribution run on route 1; `check_megatron_job` refuses them here by name.
@@ -109,9 +109,14 @@ def _replay_rank(rank: int, world: int, payload: tuple[str, dict[str, Any], Any,
     from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu
     from axrl_spike_replay.models.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
     from axrl_spike_replay.models.megatron_policy import force_routes, install_trace, megatron_logprobs
+    from axrl_spike_replay.models.tiny_moe import RoutingControl
+    from axrl_spike_replay.replay.inputs import read_micro_batches
+    from axrl_spike_replay.replay.worker import rank_step_metrics
+    from axrl_spike_replay.snapshot.layout import batch_file
     from axrl_spike_replay.snapshot.megatron_load import load_megatron_model
     from axrl_spike_replay.snapshot.megatron_routes import to_router_replay
     from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
+    from axrl_spike_replay.training.micro_batches import plan_micro_batches, take, take_routing
     from axrl_spike_replay.training.policy_loss import policy_loss
     from axrl_spike_replay.training.rank_step import global_grad_norm, param_grad_norms, reduce_gradients
 
@@ -125,7 +130,7 @@ def _replay_rank(rank: int, world: int, payload: tuple[str, dict[str, Any], Any,
         load_megatron_model(model, replay_dir)
         trace = install_trace(model)
         batch = load_rank_batch(replay_dir, rank)
-        forced = None
+        routes, layers = None, []
         if routing.replay != "off":
             recorded = load_rank_routes(replay_dir, rank, batch=batch)
             if recorded is None:
@@ -135,19 +140,30 @@ def _replay_rank(rank: int, world: int, payload: tuple[str, dict[str, Any], Any,
                 routes = torch.where(batch["loss_mask"][..., None, None] > 0, routes, torch.full_like(routes, -1))
             for layer in routing.current_routing_layers:
                 routes[:, :, recorded.moe_layers.index(layer)] = -1
-            forced = dict(zip(recorded.moe_layers, to_router_replay(routes), strict=True))
-        t1 = time.perf_counter()
-        force_routes(model, forced)
-        result = megatron_logprobs(model, trace, batch, spec.temperature)
-        loss_out = policy_loss(
-            result.logprobs, batch, loss, aux_loss=result.aux_loss, z_loss=result.z_loss, counts=counts
+            layers = recorded.moe_layers
+        plan = plan_micro_batches(
+            batch, read_micro_batches(Path(replay_dir)), loss.to_dict(), Path(replay_dir) / batch_file(rank)
         )
-        loss_out.loss.backward()
+        t1 = time.perf_counter()
+        results = []
+        for mb in plan:  # the trainer's micro-batches, each loss scaled as it scaled it (`training.micro_batches`)
+            forced = None
+            if routes is not None:
+                cut = take_routing(RoutingControl(routes=routes), mb, int(batch["tokens"].shape[0])).routes
+                forced = dict(zip(layers, to_router_replay(cut), strict=True))
+            force_routes(model, forced)
+            part = take(batch, mb)
+            result = megatron_logprobs(model, trace, part, spec.temperature)
+            loss_out = policy_loss(
+                result.logprobs, part, loss, aux_loss=result.aux_loss, z_loss=result.z_loss, counts=counts
+            )
+            (loss_out.loss * mb.scale if mb.scale != 1.0 else loss_out.loss).backward()
+            results.append((loss_out, mb.scale))
         reduce_gradients(model, world)
         norm = global_grad_norm(model)
         t2 = time.perf_counter()
         rows: list[Any] = [None] * world
-        dist.all_gather_object(rows, {"rank": rank, "loss": float(loss_out.loss.detach()), **loss_out.metrics})
+        dist.all_gather_object(rows, {"rank": rank, **rank_step_metrics(results)})
         if rank == 0:
             norms = sorted(param_grad_norms(model).items(), key=lambda kv: -kv[1])[:top]
             atomic_write_json(

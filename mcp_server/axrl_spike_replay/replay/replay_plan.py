@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.replay.process_memory import (
@@ -24,6 +24,9 @@ from axrl_spike_replay.replay.process_memory import (
     step_dtypes,
 )
 from axrl_spike_replay.training.precision import PrecisionPolicy
+
+if TYPE_CHECKING:
+    from axrl_spike_replay.training.micro_batches import MicroBatchSpec
 
 GPU_USABLE = 0.92  # of a GPU's total memory: the rest is the allocator's fragmentation and NCCL's buffers
 HOST_USABLE = 0.9  # of this machine's available memory
@@ -155,18 +158,44 @@ class PlanRefused(ConfigError):
 
 def snapshot_shapes(snapshot: Path, world_size: int) -> tuple[int, int]:
     """(batch, seq) of the largest rank batch (by tokens), from the batch files' shapes only (no data read)."""
+    return max((shapes[0] for shapes in _rank_shapes(snapshot, world_size)), key=lambda s: s[0] * s[1])
+
+
+def micro_batch_shapes(snapshot: Path, world_size: int, spec: MicroBatchSpec) -> tuple[int, int]:
+    """(batch, seq) of the largest micro-batch any rank is replayed in (`training.micro_batches`: the batch files'
+    own split, or the run config's `size`), from shapes only; a token budget's split needs the sequences' lengths,
+    so it counts the whole rank."""
+    best = (0, 0)
+    for rank_shape, parts in _rank_shapes(snapshot, world_size):
+        if spec.split == "size" and spec.size is not None:
+            parts = [(min(spec.size, rank_shape[0]), rank_shape[1])]
+        elif spec.split != "recorded":
+            parts = [rank_shape]
+        for shape in parts:
+            if shape[0] * shape[1] > best[0] * best[1]:
+                best = shape
+    return best
+
+
+def _rank_shapes(snapshot: Path, world_size: int) -> list[tuple[tuple[int, int], list[tuple[int, int]]]]:
+    """Per rank: (its batch's (batch, seq), each recorded micro-batch's (batch, seq)), shapes only."""
+    from axrl_spike_replay.snapshot.fields import MICRO_BATCH_ROWS, MICRO_BATCH_WIDTHS
     from axrl_spike_replay.snapshot.rank_data import load_rank_batch
 
-    best = (0, 0)
+    out = []
     for rank in range(world_size):
         try:
-            tokens = load_rank_batch(snapshot, rank, meta=True)["tokens"]
+            batch = load_rank_batch(snapshot, rank, meta=True)
+            tokens = batch["tokens"]
         except (OSError, KeyError) as exc:
             raise SnapshotError(f"{snapshot}: rank {rank}'s batch cannot be read for the plan ({exc})") from None
-        shape = tuple(tokens.shape)
-        if len(shape) == 2 and shape[0] * shape[1] > best[0] * best[1]:
-            best = (int(shape[0]), int(shape[1]))
-    return best
+        shape = (int(tokens.shape[0]), int(tokens.shape[1])) if tokens.dim() == 2 else (0, 0)
+        rows, widths = batch.get(MICRO_BATCH_ROWS), batch.get(MICRO_BATCH_WIDTHS)  # made by the reader: real
+        parts = [shape]
+        if rows is not None and widths is not None and not rows.is_meta and not widths.is_meta:
+            parts = [(int(r), int(w)) for r, w in zip(rows.tolist(), widths.tolist(), strict=False)] or [shape]
+        out.append((shape, parts))
+    return out
 
 
 def machine_capacity(device: str) -> Capacity:
@@ -253,7 +282,7 @@ def plan_replay(
     each process), on (FSDP2), or auto (whole when it fits). Reads metadata, the run config and batch shapes; never
     a weight."""
     from axrl_spike_replay.models.policy import parse_model_config
-    from axrl_spike_replay.replay.inputs import read_run_config
+    from axrl_spike_replay.replay.inputs import read_micro_batches, read_run_config
     from axrl_spike_replay.snapshot.metadata import read_metadata
 
     if shard not in ("on", "off", "auto"):
@@ -267,7 +296,9 @@ def plan_replay(
     recorded = run_config.get("precision")
     precision = None if recorded is None else PrecisionPolicy.from_dict(recorded, f"{path}: precision")
     dtypes = step_dtypes(facts.dtype, precision)
-    shape = snapshot_shapes(path, world)
+    rank_shape = snapshot_shapes(path, world)
+    # what one forward holds at a time
+    shape = micro_batch_shapes(path, world, read_micro_batches(path, run_config))
     cap = machine_capacity(device) if isinstance(capacity, str) else capacity
     wanted = nproc or world
     if not 1 <= wanted <= world:
@@ -283,8 +314,8 @@ def plan_replay(
         param_dtype=dtypes.params,
         grad_dtype=dtypes.grads,
         world_size=world,
-        tokens_per_rank=shape[0] * shape[1],
-        seq_len=shape[1],
+        tokens_per_rank=rank_shape[0] * rank_shape[1],
+        seq_len=rank_shape[1],
         configs=configs,
         shard=shard,
         capacity=cap,
@@ -296,6 +327,11 @@ def plan_replay(
         smallest_full_fidelity=full,
     )
     plan.layout = _layout(plan, nodes)
+    if shape != rank_shape:
+        plan.notes.append(
+            f"activations counted for one micro-batch of {shape[0]} x {shape[1]} tokens: the replay runs each "
+            "rank's step micro-batch by micro-batch, as the trainer split it"
+        )
     return plan
 
 

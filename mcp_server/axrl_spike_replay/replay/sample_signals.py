@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
-from axrl_spike_replay.models.policy import policy_forward
+from axrl_spike_replay.replay.rank_micro_batches import rank_forward, rank_loss_of
 from axrl_spike_replay.replay.worker import RankInputs, config_loss, loss_batch
 from axrl_spike_replay.training.policy_loss import LossOutput, expand_advantages
 
@@ -69,14 +69,15 @@ class RankLoss:
 
 def rank_loss(model: torch.nn.Module, inputs: RankInputs, cfg: AppliedConfig, rank: int, counts: Any) -> RankLoss:
     """Saved rank `rank`'s forward (the saved batch, the config's routing) and the config's loss on the filtered
-    batch, as in a replay (`worker.config_loss`), with dLoss/dlogprobs and dLoss/dentropy kept for the attribution."""
+    batch, as in a replay (`worker.config_loss`, micro-batch by micro-batch: `rank_micro_batches`), with
+    dLoss/dlogprobs and dLoss/dentropy kept for the attribution."""
     saved = inputs.batches[rank]
-    out = policy_forward(model, saved, inputs.routing(cfg, rank), need_entropy=cfg.needs_entropy)
+    out = rank_forward(model, inputs, cfg, rank, cfg.needs_entropy)
     batch = loss_batch(saved, rank, cfg, out.logprobs)
     out.logprobs.retain_grad()
     if out.entropy is not None:
         out.entropy.retain_grad()
-    result = config_loss(out, batch, cfg, rank, counts)
+    result = rank_loss_of(out, saved, rank, cfg, lambda view, part: config_loss(view, part, cfg, rank, counts))
     return RankLoss(out, batch, result, router_loss(cfg, out, rank), cfg.samples.keeps_rank(rank))
 
 

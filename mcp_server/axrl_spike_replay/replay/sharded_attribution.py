@@ -38,6 +38,7 @@ from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.gradient_space import Grads, Sharded, accumulate
 from axrl_spike_replay.replay.model_build import Placement, build_model
+from axrl_spike_replay.replay.rank_micro_batches import check_same_counts
 from axrl_spike_replay.replay.sample_signals import base_name, grad_or_zeros, rank_loss, rank_signals
 from axrl_spike_replay.replay.share_processes import run_share_processes
 from axrl_spike_replay.replay.worker import RankInputs, _gather, step_counts
@@ -111,7 +112,9 @@ def _gradient_pass(
     kept: dict[int, _Kept] = {}
     signals: dict[int, list[dict[str, Any]]] = {}
     first = next(iter(inputs.batches))
-    for rank in space.passes(list(inputs.batches)):
+    passes = space.passes(list(inputs.batches))
+    check_same_counts(inputs, passes, "attribution", inputs.device)  # a collective: every process checks
+    for rank in passes:
         step = rank_loss(model, inputs, cfg, first if rank is None else rank, counts)
         out, result, router = step.out, step.result, step.router
         # a padding pass, or a rank the config leaves out: its backwards add nothing but keep the collectives in step

@@ -42,6 +42,7 @@ from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.gradient_space import Grads, Sharded, accumulate
 from axrl_spike_replay.replay.inputs import ReplayInputs
 from axrl_spike_replay.replay.model_build import Placement, build_model
+from axrl_spike_replay.replay.rank_micro_batches import check_same_counts
 from axrl_spike_replay.replay.sharded_attribution import all_reduce_sum, local_dot, one_row
 from axrl_spike_replay.replay.share_processes import run_share_processes
 from axrl_spike_replay.replay.step_evidence import (
@@ -110,7 +111,7 @@ def _planned_forwards(ranks: RankInputs, job: EvidenceJob) -> int:
     replays = job.cfg.routing.replay != "off"
     total = 0
     for rank, batch in ranks.batches.items():
-        total += 1 + int(replays)
+        total += (1 + int(replays)) * len(ranks.plan(rank))  # a forward per micro-batch (`rank_micro_batches`)
         if rank in job.inputs.routing_ranks:
             payload = load_rank_routes(ranks.replay_dir, rank, batch=batch)
             total += len(payload.moe_layers[:MAX_ROUTE_LAYERS]) if payload is not None else 0
@@ -148,6 +149,7 @@ def sharded_channel(
     params = space.params
     counts = step_counts(ranks, cfg, inputs.loss, inputs.counts, world)  # a collective
     passes = space.passes(list(ranks.batches))
+    check_same_counts(ranks, passes, "the loss channel", ranks.device)  # a collective: every process checks
     owners = [[(p, own[k]) for p, own in enumerate(job.assignment) if k < len(own)] for k in range(len(passes))]
     first = next(iter(ranks.batches))
     sums: dict[str, Grads] = {}

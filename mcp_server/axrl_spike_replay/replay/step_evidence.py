@@ -35,11 +35,12 @@ from axrl_spike_replay.models.policy import policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.inputs import ReplayInputs
+from axrl_spike_replay.replay.rank_micro_batches import rank_forward, rank_loss_of
 from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
-from axrl_spike_replay.replay.worker import RankInputs, build_model, config_loss, loss_batch, step_counts
+from axrl_spike_replay.replay.worker import RankInputs, build_model, config_loss, step_counts
 from axrl_spike_replay.snapshot.rank_data import load_rank_routes
 from axrl_spike_replay.training.loss_config import LossConfig
-from axrl_spike_replay.training.policy_loss import policy_loss
+from axrl_spike_replay.training.policy_loss import LossOutput, policy_loss
 
 LN2 = math.log(2.0)
 MAX_ROUTE_LAYERS = 64  # one forward per MoE layer and rank
@@ -177,9 +178,9 @@ def signal_check(
     with torch.no_grad():
         for rank, batch in ranks.batches.items():
             check_cancel(cancel, "diagnosis")
-            forward = policy_forward(model, batch, ranks.routing(cfg, rank), need_entropy=True)
+            forward = rank_forward(model, ranks, cfg, rank, True)
             current = forward.logprobs
-            own = policy_forward(model, batch, RoutingControl(), need_entropy=False).logprobs if replays else None
+            own = rank_forward(model, ranks, cfg, rank, False, RoutingControl()).logprobs if replays else None
             signals = RankSignals(rank=rank, pairs=_rank_pairs(batch, current, own), samples=int(current.shape[0]))
             signals.samples_mean_logprob = _samples_mean(current, batch["loss_mask"] > 0)
             signals.samples_tail = _tails(batch)
@@ -213,14 +214,17 @@ def rank_terms(
     computes it) and the forward. The rank's own loss settings under a hypothesis; on a rank the config leaves out,
     no router term (its policy terms are masked to nothing)."""
     saved = ranks.batches[rank]
-    out = policy_forward(model, saved, ranks.routing(cfg, rank), need_entropy=cfg.needs_entropy)
-    batch = loss_batch(saved, rank, cfg, out.logprobs)
+    out = rank_forward(model, ranks, cfg, rank, cfg.needs_entropy)
     out.logprobs.retain_grad()
     own = cfg.loss_of(rank)
     losses = {}
     for name, loss_cfg in _term_configs(own).items():
-        entropy = out.entropy if name == "entropy" else None
-        losses[name] = policy_loss(out.logprobs, batch, loss_cfg, entropy=entropy, counts=counts).loss
+
+        def term(view: Any, batch: dict[str, Any], loss_cfg: LossConfig = loss_cfg, name: str = name) -> LossOutput:
+            entropy = view.entropy if name == "entropy" else None
+            return policy_loss(view.logprobs, batch, loss_cfg, entropy=entropy, counts=counts)
+
+        losses[name] = rank_loss_of(out, saved, rank, cfg, term).loss
     terms = {"policy": losses["policy"]}
     for name in ("kl", "entropy"):
         if name in losses:
@@ -230,7 +234,7 @@ def rank_terms(
         for name, coef, value in (("aux", own.aux_loss_coef, out.aux_loss), ("z", own.z_loss_coef, out.z_loss)):
             if coef and value.requires_grad:
                 terms[name] = coef * value if scale == 1.0 else coef * value * scale
-    terms["_loss"] = config_loss(out, batch, cfg, rank, counts).loss
+    terms["_loss"] = rank_loss_of(out, saved, rank, cfg, lambda view, b: config_loss(view, b, cfg, rank, counts)).loss
     return terms, out
 
 

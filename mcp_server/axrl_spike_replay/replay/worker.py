@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,13 +25,16 @@ from axrl_spike_replay.models.policy import ModelSpec, RoutingShape, policy_forw
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.clean_gradient import SpikeBar, not_reached_reason, smallest_count, token_order
-from axrl_spike_replay.replay.gradient_space import GradientSpace, Sharded, Whole, accumulate
+from axrl_spike_replay.replay.gradient_space import GradientSpace, Sharded, Whole, accumulate, padded_passes
+from axrl_spike_replay.replay.inputs import read_micro_batches, read_run_config
 from axrl_spike_replay.replay.model_build import Placement, build_model
 from axrl_spike_replay.replay.outcome_figures import RankTrace, footprint_counts, merge_footprint
 from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
+from axrl_spike_replay.snapshot.layout import batch_file
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts, all_reduce_counts
+from axrl_spike_replay.training.micro_batches import MicroBatch, plan_micro_batches, stitch, take, take_routing
 from axrl_spike_replay.training.policy_loss import LossOutput, local_counts, policy_loss
 from axrl_spike_replay.training.precision import PrecisionPolicy
 from axrl_spike_replay.training.rank_step import gradient_norms
@@ -143,6 +147,17 @@ class RankInputs:
         self.shape = shape
         self.batches = {r: _to_device(load_rank_batch(replay_dir, r), device) for r in ranks}
         self._routes: dict[int, torch.Tensor] = {}
+        doc = read_run_config(Path(replay_dir))
+        spec = read_micro_batches(Path(replay_dir), doc)
+        loss = dict(doc.get("loss") or {})
+        self.plans = {
+            r: plan_micro_batches(batch, spec, loss, Path(replay_dir) / batch_file(r))
+            for r, batch in self.batches.items()
+        }
+
+    def plan(self, rank: int) -> list[MicroBatch]:
+        """Rank `rank`'s micro-batches, as the trainer split its step (`training.micro_batches`)."""
+        return self.plans[rank]
 
     def routes(self, rank: int) -> torch.Tensor:
         if rank not in self._routes:
@@ -170,10 +185,19 @@ class RankInputs:
         return control
 
 
-def loss_batch(saved: dict[str, torch.Tensor], rank: int, cfg: AppliedConfig, logprobs: torch.Tensor) -> dict[str, Any]:
-    """The batch a config's loss sees on `rank`: its samples filtered (`filtered_batch`) and, under
+def loss_batch(
+    saved: dict[str, torch.Tensor],
+    rank: int,
+    cfg: AppliedConfig,
+    logprobs: torch.Tensor,
+    mb: MicroBatch | None = None,
+) -> dict[str, Any]:
+    """The batch a config's loss sees on `rank`: its samples filtered (`filtered_batch`, over the rank's whole
+    batch), cut to the micro-batch `mb` the forward ran (None: the whole batch) and, under
     `recompute=old_logprobs` (`rollout_logprobs`), those log-probs replaced by the forward's own (detached)."""
     batch = filtered_batch(saved, rank, cfg.samples)
+    if mb is not None:
+        batch = take(batch, mb)
     for name in ("old_logprobs", "rollout_logprobs"):
         if cfg.recompute.logprobs(name, rank):
             dtype = saved[name].dtype if name in saved else logprobs.dtype
@@ -236,7 +260,11 @@ def forward_group(
     local_norms: dict[int, dict[str, float]] | None = None,
 ) -> tuple[dict[str, list[torch.Tensor | None]], dict[str, list[dict[str, Any]]]]:
     """Gradients per config of a group over this process's saved ranks, as `space` keeps them: local sums (whole)
-    or this process's rows of the sums over every process (sharded). One forward per pass serves every config.
+    or this process's rows of the sums over every process (sharded).
+
+    Each rank's step is replayed as the trainer ran it, micro-batch by micro-batch (`inputs.plan`): one forward
+    per micro-batch serves every config, each config's loss on it is scaled as the trainer scaled it and
+    backpropagated, and the gradients add up; a process's peak holds one micro-batch's activations.
 
     With `figures`, the baseline's traces and dLoss/dlogprobs are kept there, and every mitigated config's
     footprint against them lands in its rank metrics (`_footprint`). With `local_norms`, each saved rank's
@@ -247,47 +275,126 @@ def forward_group(
     metrics: dict[str, list[dict[str, Any]]] = {cfg.config_id: [] for cfg in group}
     entropy_needed = any(cfg.needs_entropy for cfg in group)
     first = next(iter(inputs.batches))
-    for rank in space.passes(list(inputs.batches)):
-        saved = inputs.batches[first if rank is None else rank]
-        own = first if rank is None else rank
-        routing = inputs.routing(group[0], own, left_out=not any(cfg.samples.keeps_rank(own) for cfg in group))
-        out = policy_forward(model, saved, routing, need_entropy=entropy_needed)
+    items = [(rank, mb) for rank in inputs.batches for mb in inputs.plan(rank)]
+    steps: dict[str, _RankStep] = {}
+    for item in padded_passes(space, items):
+        rank, mb = item if item is not None else (first, inputs.plan(first)[0])
+        saved = inputs.batches[rank]
+        size = int(saved["tokens"].shape[0])
+        left_out = not any(cfg.samples.keeps_rank(rank) for cfg in group)  # nothing of it reaches the step
+        routing = take_routing(inputs.routing(group[0], rank, left_out=left_out), mb, size)
+        out = policy_forward(model, take(saved, mb), routing, need_entropy=entropy_needed)
         for i, cfg in enumerate(group):
             retain = i < len(group) - 1
-            own = first if rank is None else rank
-            batch = loss_batch(saved, own, cfg, out.logprobs)
-            result = config_loss(out, batch, cfg, own, counts.get(cfg.config_id), cfg.needs_entropy)
-            if rank is None:  # a pass that keeps the collectives in step: it adds nothing of its own
-                accumulate(grads[cfg.config_id], space.zero_backward(result.loss, retain))
+            batch = loss_batch(saved, rank, cfg, out.logprobs, mb)
+            result = config_loss(out, batch, cfg, rank, counts.get(cfg.config_id), cfg.needs_entropy)
+            loss = result.loss * mb.scale if mb.scale != 1.0 else result.loss
+            if item is None:  # a pass that keeps the collectives in step: it adds nothing of its own
+                accumulate(grads[cfg.config_id], space.zero_backward(loss, retain))
                 continue
             keep_logprobs = figures is not None and not cfg.mitigations and cfg.config_id == "baseline"
-            extra: dict[str, Any] = {}
+            step = steps.setdefault(cfg.config_id, _RankStep(rank, inputs.plan(rank)))
             if not cfg.samples.keeps_rank(rank):  # left out: nothing of this rank reaches the step, router terms too
                 if space.sharded:
-                    accumulate(grads[cfg.config_id], space.zero_backward(result.loss, retain))
+                    accumulate(grads[cfg.config_id], space.zero_backward(loss, retain))
                 local, grad_logprobs = [], None
-                extra["left_out"] = True
+                step.extra["left_out"] = True
             else:
-                local, grad_logprobs = space.backward(result.loss, out.logprobs if keep_logprobs else None, retain)
-            if figures is not None:
-                trace = RankTrace(mask=result.mask.detach(), per_token=result.per_token.detach())
-                if keep_logprobs and grad_logprobs is not None:
-                    figures.traces[rank] = trace
-                    figures.grad_logprobs[rank] = grad_logprobs.detach()
-                elif cfg.mitigations and not cfg.is_hypothesis and rank in figures.traces:
-                    extra["_footprint"] = footprint_counts(figures.traces[rank], trace)
+                local, grad_logprobs = space.backward(loss, out.logprobs if keep_logprobs else None, retain)
+            step.add(result, mb.scale, grad_logprobs)
             # each saved rank's own gradient exists only whole; a sharded pass holds rows of the sum over processes
-            whole_rank = rank is not None and not space.sharded
-            if local_norms is not None and whole_rank and cfg.config_id == "baseline" and not cfg.mitigations:
-                local_norms[rank] = gradient_norms(zip(names, local[: len(names)], strict=True))
+            if local_norms is not None and not space.sharded and cfg.config_id == "baseline" and not cfg.mitigations:
+                step.keep_own(local, len(names))
+            if step.done:  # measured before the sum takes this pass's gradient in (it may add into it in place)
+                del steps[cfg.config_id]
+                metrics[cfg.config_id].append(step.finish(cfg, figures, keep_logprobs, names, local_norms))
             accumulate(grads[cfg.config_id], local)
             # the pass's own gradient is in the sum now: a name still bound to it would keep a third copy alive
             # through the next pass's forward and backward (the sum, this one, and the next)
-            del local, grad_logprobs
-            metrics[cfg.config_id].append(
-                {"rank": rank, "loss": float(result.loss.detach()), **result.metrics, **extra}
-            )
+            del local, grad_logprobs, step
     return grads, metrics
+
+
+class _RankStep:
+    """One config's outputs over one rank's micro-batches, put together into the rank's once the last is in."""
+
+    def __init__(self, rank: int, plan: Sequence[MicroBatch]) -> None:
+        self.rank, self.plan = rank, list(plan)
+        self.results: list[tuple[LossOutput, float]] = []
+        self.grad_logprobs: list[torch.Tensor] = []
+        self.own: list[torch.Tensor | None] = []  # the rank's own gradient (for its per-parameter norms)
+        self.extra: dict[str, Any] = {}
+
+    @property
+    def done(self) -> bool:
+        return len(self.results) == len(self.plan)
+
+    def keep_own(self, local: Sequence[torch.Tensor | None], count: int) -> None:
+        """Add a micro-batch's gradient to the rank's own (one micro-batch: that gradient itself, no copy)."""
+        if len(self.plan) == 1:
+            self.own = list(local)
+            return
+        if not self.own:
+            self.own = [None] * count
+        accumulate(self.own, [g.clone() if g is not None else None for g in local])
+
+    def add(self, result: LossOutput, scale: float, grad_logprobs: torch.Tensor | None) -> None:
+        self.results.append((result, scale))
+        if grad_logprobs is not None:
+            self.grad_logprobs.append(grad_logprobs.detach())
+
+    def finish(
+        self,
+        cfg: AppliedConfig,
+        figures: _Figures | None,
+        keep_logprobs: bool,
+        names: Sequence[str],
+        local_norms: dict[int, dict[str, float]] | None,
+    ) -> dict[str, Any]:
+        """The rank's metrics row; its trace (and dLoss/dlogprobs, and own norms) kept where asked for."""
+        rank, extra = self.rank, self.extra
+        if figures is not None:
+            size, width = _shape_of(self.plan)
+            trace = RankTrace(
+                mask=stitch([r.mask.detach() for r, _ in self.results], self.plan, size, width),
+                per_token=stitch([r.per_token.detach() for r, _ in self.results], self.plan, size, width),
+            )
+            if keep_logprobs and len(self.grad_logprobs) == len(self.plan):
+                figures.traces[rank] = trace
+                figures.grad_logprobs[rank] = stitch(self.grad_logprobs, self.plan, size, width)
+            elif cfg.mitigations and not cfg.is_hypothesis and rank in figures.traces:
+                extra["_footprint"] = footprint_counts(figures.traces[rank], trace)
+        if local_norms is not None and self.own:
+            local_norms[rank] = gradient_norms(zip(names, self.own[: len(names)], strict=False))
+        return {"rank": rank, **rank_step_metrics(self.results), **extra}
+
+
+def _shape_of(plan: Sequence[MicroBatch]) -> tuple[int, int]:
+    return sum(len(mb.rows) for mb in plan), max(mb.width for mb in plan)
+
+
+def rank_step_metrics(results: Sequence[tuple[LossOutput, float]]) -> dict[str, Any]:
+    """A rank's metrics from its micro-batches' (loss output, scale): its loss the scaled sum, as the trainer's;
+    token counts summed; maxima the largest; the other figures weighted by loss tokens. One micro-batch: its own."""
+    if len(results) == 1 and results[0][1] == 1.0:
+        result = results[0][0]
+        return {"loss": float(result.loss.detach()), **result.metrics}
+    out: dict[str, Any] = {"loss": sum(float(r.loss.detach()) * scale for r, scale in results)}
+    keys = [k for k in results[0][0].metrics if all(k in r.metrics for r, _ in results)]
+    tokens = [float(r.metrics.get("loss_tokens", 0.0)) for r, _ in results]
+    for key in keys:
+        values = [float(r.metrics[key]) for r, _ in results]
+        if key == "policy_loss":
+            out[key] = sum(v * scale for v, (_, scale) in zip(values, results, strict=True))
+        elif key in ("loss_tokens", "rejected_tokens"):
+            out[key] = sum(values)
+        elif key.startswith("max_"):
+            out[key] = max(values)
+        else:
+            total = sum(tokens)
+            weights = tokens if total > 0 else [1.0] * len(values)
+            out[key] = sum(v * w for v, w in zip(values, weights, strict=True)) / max(sum(weights), 1e-300)
+    return out
 
 
 def reduce_and_measure(

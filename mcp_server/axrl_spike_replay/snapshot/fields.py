@@ -36,6 +36,9 @@ PER_TOKEN_FIELDS = ("loss_mask", "old_logprobs", "ref_logprobs", "rollout_logpro
 # verl's rollout-correction IS weights, `[B, R]` per response token, as its driver computed them before the update
 # (decoupled mode); kept under verl's name (no other stack has them) and right-aligned like the per-token fields.
 ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
+# a flattened `micro_batches` file's split: each part's sequences and token width (`training.micro_batches`)
+MICRO_BATCH_ROWS = "micro_batch_rows"
+MICRO_BATCH_WIDTHS = "micro_batch_widths"
 
 
 def find_field(raw: Mapping[str, Any], canonical: str) -> tuple[str, Any] | None:
@@ -53,7 +56,9 @@ def canonicalize_batch(raw: Mapping[str, Any], source: Path | str) -> dict[str, 
     tokens end up at the last R columns (response token j at column P + j, where the policy's log-prob of
     it is), `RESPONSE_WIDTH` keeps R, and a batch with an `attention_mask` (left-padded prompts) gets
     `position_ids` counted from it when it has none (a jagged batch's are rebuilt from the padded layout).
-    `{"micro_batches": [...]}` is flattened into one batch (sequences padded on the right).
+    `{"micro_batches": [...]}` is flattened into one batch (sequences padded on the right), which keeps the split:
+    each part's sequence count under `micro_batch_rows` and its token width under `micro_batch_widths` (1-D long
+    tensors; `training.micro_batches` replays the rank part by part from them).
     Unknown keys are kept under their own names.
     """
     import torch
@@ -74,7 +79,10 @@ def canonicalize_batch(raw: Mapping[str, Any], source: Path | str) -> dict[str, 
                     f"{source}: micro_batches[{i}] must be a dict of tensors (not nested micro_batches)"
                 )
         parts = [canonicalize_batch(part, f"{source} micro_batches[{i}]") for i, part in enumerate(micro)]
-        return _concat_micro_batches(parts, source)
+        merged = _concat_micro_batches(parts, source)
+        merged[MICRO_BATCH_ROWS] = torch.tensor([int(p["tokens"].shape[0]) for p in parts], dtype=torch.long)
+        merged[MICRO_BATCH_WIDTHS] = torch.tensor([int(p["tokens"].shape[1]) for p in parts], dtype=torch.long)
+        return merged
 
     batch: dict[str, torch.Tensor] = {}
     taken: set[str] = set()
