@@ -44,6 +44,20 @@ extra = {"problems": result.problems, "loss_tokens": sum(r.num_loss_tokens for r
     + _REPORT
 )
 
+# what the `inspect` faces run: the above plus every rank's routes, tokens, masks and stored log-probs held to the
+# run config's model (replay.input_checks: values of those tensors read, no weight loaded)
+WITH_INPUTS = (
+    """
+import sys, time, torch
+from axrl_spike_replay.replay.input_checks import inspect_with_inputs
+t0 = time.perf_counter()
+result = inspect_with_inputs(sys.argv[1])
+t = time.perf_counter() - t0
+extra = {"problems": result.problems}
+"""
+    + _REPORT
+)
+
 INSPECT_COLD = (
     """
 import sys, time, torch
@@ -92,6 +106,7 @@ def main() -> int:
         naive = run_child(NAIVE, str(snapshot))  # also warms the page cache for both ways
         ours = run_child(INSPECT, str(snapshot))
         cold = run_child(INSPECT_COLD, str(snapshot))
+        inputs = run_child(WITH_INPUTS, str(snapshot))
         if ours["problems"]:
             raise SystemExit(f"inspect reported problems: {ours['problems']}")
         speedup = naive["seconds"] / ours["seconds"]
@@ -107,7 +122,13 @@ def main() -> int:
         print(f"{'inspect_snapshot, second call':<44} {ours['again']:>9.4f} {'':>13}")
         cold_rss = cold["peak_rss_kib"] / 1024
         print(f"{'inspect_snapshot incl. its lazy imports':<44} {cold['seconds']:>9.4f} {cold_rss:>13.0f}")
+        inputs_rss = inputs["peak_rss_kib"] / 1024
+        print(f"{'inspect with input checks (the faces)':<44} {inputs['seconds']:>9.4f} {inputs_rss:>13.0f}")
         print(f"speedup: {speedup:.0f}x (target >= 100x)")
+        print(
+            f"with the input checks: {naive['seconds'] / inputs['seconds']:.0f}x, peak memory "
+            f"{inputs['peak_rss_kib'] / bare['peak_rss_kib']:.2f}x bare (problems: {len(inputs['problems'])})"
+        )
         print(
             f"including inspect's own lazy imports (paid once per process): {cold_speedup:.0f}x at this size; "
             "it grows with the snapshot, the imports do not"

@@ -107,7 +107,7 @@ COMPUTED_ON = {  # what is edited, the file the refusal names, what it says
     "an expert id past the model's": (
         lambda s: edit_routing_payload(s, 0, _route_fill(9)),
         "routing_payload_rank0.pt",
-        "routed_experts holds expert id 9",
+        "expert ids [9] in layer slots",
     ),
     "moe_layers naming a layer the model lacks": (
         lambda s: edit_routing_payload(s, 0, lambda d: d.__setitem__("moe_layers", [0, 5])),
@@ -130,7 +130,7 @@ def test_every_verb_that_computes_refuses_what_does_not_fit_by_name(case):
             assert message in said and name in said, (verb, said[-1500:])
             if verb == "diagnose":  # the rest of the diagnosis stands; the model evidence is listed as not checked
                 assert outcome.code == 0 and "model evidence (" in outcome.out
-            else:  # expert ids are read where a rank reads the routes: that replay is recorded as failed
+            else:  # refused (input_checks reads the expert ids before any process starts), exit status 2
                 assert outcome.code == 2, verb
         if name == ".metadata":  # inspect reads no model: the routes are the model-reading verbs' to check
             assert message in run_cli("inspect", world.snapshot).out

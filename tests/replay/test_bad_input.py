@@ -172,9 +172,17 @@ def test_a_replay_that_fails_midway_records_a_failed_result(
 ) -> None:
     snap = snapshot_copy()
     open_task(workspace, "fixture-moe", snap)
-    edit_routing_payload(snap, 1, _expert_past_the_model)  # found only when a process reads the routes' values
+
+    def rewritten_under_the_replay(line: str) -> None:
+        # the payload read sound when the replay checked its inputs; it is rewritten before the processes read it
+        # (shared storage changing under a run): the process's own check finds it, after the output dir exists
+        if line.startswith("replaying "):
+            edit_routing_payload(snap, 1, _expert_past_the_model)
+
     with pytest.raises(AxrlError, match=r"replay failed: .*routing_payload_rank1\.pt: routed_experts holds") as err:
-        run_request(replay_request(What(snap), how=How(nproc=nproc), workspace=workspace))
+        run_request(
+            replay_request(What(snap), how=How(nproc=nproc), workspace=workspace, progress=rewritten_under_the_replay)
+        )
     assert "Traceback" not in str(err.value)
     [run_dir] = (workspace / "tmp" / "spike-replay" / "fixture-moe").iterdir()
     doc = json.loads((run_dir / "replay_result.json").read_text())
@@ -189,13 +197,18 @@ def test_a_failed_sweep_records_one_failed_result_for_the_run(
     snapshot_copy: Callable[[], Path], workspace: Path
 ) -> None:
     snap = snapshot_copy()
-    edit_routing_payload(snap, 0, _expert_past_the_model)
+
+    def rewritten_under_the_sweep(line: str) -> None:  # as above: sound when checked, broken when read
+        if line.startswith("replaying "):
+            edit_routing_payload(snap, 0, _expert_past_the_model)
+
     with pytest.raises(AxrlError, match="sweep failed"):
         run_request(
             replay_request(
                 What(snap, verb="sweep", configs=[{"advantage_clip": 1}, {"kl_coef": 0}]),
                 how=How(nproc=1),
                 workspace=workspace,
+                progress=rewritten_under_the_sweep,
             )
         )
     [run_dir] = (workspace / "tmp" / "spike-replay" / "fixture-moe").iterdir()

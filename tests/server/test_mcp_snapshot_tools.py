@@ -98,3 +98,31 @@ def test_a_legacy_snapshot_is_read_and_prepared_without_touching_it(fixture_outp
     assert prepared["legacy"] is True and Path(prepared["replay_dir"]) == workspace / "replay-dir"
     assert (workspace / "replay-dir" / "axrl_metadata.json").is_file()
     assert (snapshot / "metadata.json").read_text() == before
+
+
+def test_inspect_snapshot_shows_the_run_configs_loss_routing_parallel_and_detector(
+    spike_outputs: SpikeOutputs, workspace: Path
+) -> None:
+    import yaml
+
+    recorded = yaml.safe_load((spike_outputs.snapshot / "run_config.yaml").read_text())
+    seen = ok(call(workspace, "inspect_snapshot", {"snapshot": str(spike_outputs.snapshot)}))
+    for name in ("loss", "routing", "parallel"):
+        assert seen["settings"][name] == recorded[name]
+    assert seen["settings"]["detector"]["kind"] == (recorded.get("detector") or {}).get("kind", "median_ratio")
+
+
+def test_preserve_into_the_workspace_writes_nothing_under_the_output_root(
+    spike_outputs: SpikeOutputs, workspace: Path
+) -> None:
+    out = str(spike_outputs.output_dir)
+    before = sorted(p.relative_to(spike_outputs.output_dir) for p in spike_outputs.output_dir.rglob("*"))
+    preserved = ok(call(workspace, "preserve_snapshots", {"output_dir": out, "into_workspace": True}))
+    assert preserved["in_workspace"] and "no writes" in preserved["reason"]
+    [copy] = preserved["preserved"]
+    assert Path(copy["path"]).is_relative_to(workspace) and copy["linked_files"] > 0
+    assert sorted(p.relative_to(spike_outputs.output_dir) for p in spike_outputs.output_dir.rglob("*")) == before
+    seen = ok(call(workspace, "inspect_snapshot", {"snapshot": copy["path"]}))
+    assert seen["problems"] == []
+    released = ok(call(workspace, "release_preserved", {"output_dir": out, "in_workspace": True}))
+    assert [r["path"] for r in released["released"]] == [copy["path"]] and not Path(copy["path"]).exists()

@@ -255,6 +255,31 @@ class RoutesPermuted(BuiltinFault):
         parts.routed_experts = torch.roll(parts.routed_experts, shifts=int(self.param("by", 1)), dims=0).contiguous()
 
 
+class RoutesDuplicate(BuiltinFault):
+    """routing payload: on this rank a share of tokens list one expert twice among their top-k (an id remap that
+    folds two experts onto one, or an engine top-k that lost its de-duplication), and the trainer replays them as
+    recorded: that expert's output counts twice, with both gates. `fraction` (default 1): the share of tokens hit;
+    `layers`: the MoE layer slots (default: every one)."""
+
+    stage = "rollout"
+    part = "routed_experts"
+
+    PARAMS: ClassVar[dict[str, ParamRule]] = {"layers": layer_list, **FRACTION}
+
+    def corrupt(self, parts: StepParts) -> None:
+        assert parts.routed_experts is not None
+        routes = parts.routed_experts.clone()
+        if routes.shape[-1] < 2:
+            return  # top-1 routing has no second slot to repeat
+        fraction = float(self.param("fraction", 1.0))
+        hit = torch.rand(routes.shape[:2], generator=parts.generator) < fraction
+        layers = self.param("layers", None)
+        for layer in range(routes.shape[2]) if layers is None else layers:
+            first = routes[:, :, layer, 0]
+            routes[:, :, layer, 1] = torch.where(hit & (first >= 0), first, routes[:, :, layer, 1])
+        parts.routed_experts = routes
+
+
 class OffPolicyResponses(BuiltinFault):
     """a hard (or foreign) batch: the responses are not the policy's own samples but tokens drawn uniformly from the
     task's alphabet (a replay buffer, a teacher, another data source), scored consistently: the engine's rollout
@@ -520,6 +545,7 @@ FAULT_KINDS: dict[str, type[BuiltinFault]] = {
     "routes_shift": RoutesShift,
     "routes_stale_layer": RoutesStaleLayer,
     "routes_permuted": RoutesPermuted,
+    "routes_duplicate": RoutesDuplicate,
     "off_policy_responses": OffPolicyResponses,
     "reward_scale": RewardScale,
     "reward_penalty": RewardPenalty,

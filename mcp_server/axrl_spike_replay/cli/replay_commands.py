@@ -210,6 +210,7 @@ def render_replay(doc: dict[str, Any]) -> str:
             )
     verdict = doc.get("finding") or doc["verdict"]
     lines.append(f"  verdict       {verdict}" + (f": {doc['error']}" if doc.get("error") else ""))
+    lines += [f"  {line}" for line in _input_lines(doc)]
     footprint, cos = doc.get("footprint"), doc.get("cosine_to_clean")
     if footprint:
         lines.append(
@@ -262,8 +263,16 @@ def render_sweep(doc: dict[str, Any]) -> str:
         f"{_threshold_label(base)} {_num(doc['threshold'], 4)} x median {_num(base['median_norm'], 6)}",
         "",
     ]
-    tail = [""] + ([f"output {doc['output_dir']}"] if doc.get("output_dir") else [])
+    tail = ["", *_input_lines(base)]
+    if base.get("error"):
+        tail.append(f"baseline {base['verdict']}: {base['error']}; the configs are judged against the recorded step")
+    tail += [f"output {doc['output_dir']}"] if doc.get("output_dir") else []
     return "\n".join([*head, table(["config", "grad norm", "x median", "vs baseline", "verdict"], rows), *tail])
+
+
+def _input_lines(doc: dict[str, Any]) -> list[str]:
+    """A result's input findings (a rank's input failing a check against the model), one line each."""
+    return [f"input finding: {line}" for line in doc.get("input_findings") or []]
 
 
 def render_attribution(doc: dict[str, Any]) -> str:

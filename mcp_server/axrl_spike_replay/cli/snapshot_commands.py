@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, table
+from axrl_spike_replay.display import shown
 
 
 def register(sub: Any) -> None:
@@ -38,10 +39,14 @@ def register(sub: Any) -> None:
         help="hardlink snapshots into checkpoints/spike_snapshots-active/ so rotation cannot delete them",
         description="Preserve retained snapshot N (default: every retained one) as a hardlinked copy under "
         "checkpoints/spike_snapshots-active/ (a real copy only across filesystems). Idempotent; the source is "
-        "only read. Exit status 1 when a snapshot could not be preserved (e.g. rotated away mid-copy).",
+        "only read. Exit status 1 when a snapshot could not be preserved (e.g. rotated away mid-copy). Where the "
+        "output root is not writable, or with --into-workspace, the copies go into WORKSPACE/preserved-snapshots/"
+        "<output dir name>/ instead (hardlinks where the filesystem allows, copies otherwise, free space checked "
+        "first).",
     )
     p.add_argument("output_dir", help="a role output dir")
     p.add_argument("--iteration", type=int, default=None, metavar="N", help="only this iteration")
+    _add_workspace_options(p, "--into-workspace", "write nothing under the output root: preserve into the workspace")
     add_json_flag(p)
     p.set_defaults(handler=_preserve)
 
@@ -53,6 +58,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("output_dir", help="a role output dir")
     p.add_argument("--iteration", type=int, default=None, metavar="N", help="only this iteration")
+    _add_workspace_options(p, "--in-workspace", "release the copies preserve made in the workspace for this dir")
     add_json_flag(p)
     p.set_defaults(handler=_release)
 
@@ -71,6 +77,11 @@ def register(sub: Any) -> None:
     p.add_argument("--dest", default=None, metavar="DIR", help="replay dir to create (default: a new temp dir)")
     add_json_flag(p)
     p.set_defaults(handler=_prepare)
+
+
+def _add_workspace_options(p: argparse.ArgumentParser, flag: str, help_text: str) -> None:
+    p.add_argument(flag, dest="workspace_copies", action="store_true", help=help_text)
+    p.add_argument("--workspace", default=".", metavar="DIR", help="the workspace for copies made there (default: .)")
 
 
 def size(n: int | None) -> str:
@@ -135,10 +146,10 @@ def _snapshots(args: argparse.Namespace) -> int:
 def _preserve(args: argparse.Namespace) -> int:
     from axrl_spike_replay.snapshot.preserve import preserve
 
-    result = preserve(args.output_dir, args.iteration)
+    result = preserve(args.output_dir, args.iteration, workspace=args.workspace, no_writes=args.workspace_copies)
 
     def render(r: Any) -> str:
-        lines = []
+        lines = [f"preserving into the workspace ({r.preserved_root}): {r.reason}"] if r.in_workspace else []
         for c in r.preserved:
             if c.status == "already_preserved":
                 lines.append(f"iter {c.iteration}: already preserved at {c.path}")
@@ -157,7 +168,7 @@ def _preserve(args: argparse.Namespace) -> int:
 def _release(args: argparse.Namespace) -> int:
     from axrl_spike_replay.snapshot.preserve import release
 
-    result = release(args.output_dir, args.iteration)
+    result = release(args.output_dir, args.iteration, workspace=args.workspace if args.workspace_copies else None)
 
     def render(r: Any) -> str:
         lines = [f"released iter {c.iteration}: {c.path}" for c in r.released]
@@ -169,9 +180,9 @@ def _release(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.snapshot.inspect import inspect_snapshot
+    from axrl_spike_replay.replay.input_checks import inspect_with_inputs
 
-    emit(inspect_snapshot(args.snapshot), args.json, render_inspection)
+    emit(inspect_with_inputs(args.snapshot), args.json, render_inspection)
     return 0
 
 
@@ -193,11 +204,26 @@ def render_inspection(r: Any) -> str:
         rows.append([k.rank, k.num_samples, k.num_loss_tokens, k.seq_len, k.grad_norm, routed_text])
     lines.append(table(["rank", "samples", "loss tokens", "seq len", "grad norm", "routed tokens per MoE layer"], rows))
     lines.append("")
+    lines += _settings_lines(r.settings)
     lines += [f"problem: {p}" for p in r.problems] or ["no problems found"]
     if r.consistency is not None:
         lines.append(r.consistency.summary())
         lines += [f"  [{p.name}] {p.message}" for p in r.consistency.problems if p.name == "grad_norm_vs_param_norms"]
     return "\n".join(lines)
+
+
+def _settings_lines(settings: dict[str, Any]) -> list[str]:
+    """The recorded loss, routing, parallel and detector settings, one line per section (`key=value, ...`)."""
+    lines = []
+    for name, section in settings.items():
+        if isinstance(section, dict):
+            text = (
+                ", ".join(f"{shown(str(k), 40, quote=False)}={shown(v, 60)}" for k, v in section.items()) or "(empty)"
+            )
+        else:
+            text = shown(section, 120)
+        lines.append(f"{shown(name, 40, quote=False)}: {text}")
+    return [*lines, ""] if lines else ["no run config settings recorded", ""]
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ from typing import Any
 from axrl_spike_replay.diagnosis import causes, signal_causes
 from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment
 from axrl_spike_replay.diagnosis.hypotheses import loss_hypotheses, rank_mismatches
+from axrl_spike_replay.diagnosis.input_causes import input_causes, merge_input_causes
 from axrl_spike_replay.diagnosis.model_evidence import RouteAgreement
 from axrl_spike_replay.diagnosis.no_ops import no_op_reason, run_configs
 from axrl_spike_replay.diagnosis.signal_reading import SignalReading, read_signals
@@ -211,6 +212,7 @@ def diagnose_snapshot(
         routing=routing,
     )
     found = [c for rule in RULES if (c := rule(ev)) is not None]
+    found = merge_input_causes(found, input_causes(directory, world, not_checked))  # a corrupt input leads
     for cause in found:
         cause.experiments = [
             e

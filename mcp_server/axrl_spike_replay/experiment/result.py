@@ -83,6 +83,10 @@ class ReplayResult:
     # the trainer release the snapshot was captured with, when the loss convention reproduces another one (a TRL
     # snapshot of a release other than the one checked); None when they are the same
     trainer_version_note: str | None = None
+    # a rank's input that fails a check against the model (replay.input_checks): rank, field, what fails and how
+    # often, the healthy ranks as witnesses, the experiments that remove it; the baseline of a step whose input is
+    # undefined for the model is refused (`error`) and the experiments are judged against the recorded step
+    input_findings: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Results are also rebuilt from files and task rows: the vocabulary fields always hold members.

@@ -62,18 +62,14 @@ async def copy_and_scan_logs_tool(
             gt=1,
         ),
     ] = None,
-    blind_warmup: Annotated[
-        bool, Field(description="Flag only non-finite norms in the warm-up.")
-    ] = False,
+    blind_warmup: Annotated[bool, Field(description="Flag only non-finite norms in the warm-up.")] = False,
     max_norm: Annotated[
         float | None,
         Field(description="Flag any norm above this until the window fills.", gt=0),
     ] = None,
     full_series: Annotated[
         bool,
-        Field(
-            description="Every point (default: ~2000, spikes and their neighbours exact)."
-        ),
+        Field(description="Every point (default: ~2000, spikes and their neighbours exact)."),
     ] = False,
     plot: Annotated[bool, Field(description="Also return a PNG of the series.")] = True,
     workspace: WorkspaceArg = None,
@@ -157,9 +153,7 @@ async def diagnose_spike_tool(
     ctx: Context,
     attribution: Annotated[
         str | None,
-        Field(
-            description="An attribution.json from attribute_spike; default: computed here when small."
-        ),
+        Field(description="An attribution.json from attribute_spike; default: computed here when small."),
     ] = None,
     logs: Annotated[
         list[str] | None,
@@ -167,20 +161,14 @@ async def diagnose_spike_tool(
     ] = None,
     model: Annotated[
         Literal["auto", "always", "never"],
-        Field(
-            description="Compute the model evidence: auto (small checkpoints), always, never."
-        ),
+        Field(description="Compute the model evidence: auto (small checkpoints), always, never."),
     ] = "auto",
     top: TopArg = 10,
     shard: Annotated[
         Literal["auto", "on", "off"],
-        Field(
-            description="Shard the model evidence's replay (FSDP2)."
-        ),
+        Field(description="Shard the model evidence's replay (FSDP2)."),
     ] = "auto",
-    nproc: Annotated[
-        int | None, Field(description="Processes when sharded.", ge=1)
-    ] = None,
+    nproc: Annotated[int | None, Field(description="Processes when sharded.", ge=1)] = None,
 ) -> Diagnosis:
     """Call this first on a spike: likely causes ranked, each with its ranks, samples, evidence and ready next steps
     for replay/sweep; and whether the snapshot agrees with itself.

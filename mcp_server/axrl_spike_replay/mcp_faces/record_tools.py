@@ -25,14 +25,10 @@ WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempoten
 async def task_open_tool(
     job: JobArg,
     ctx: Context,
-    snapshot: Annotated[
-        str | None, Field(description="Set the active snapshot (the preserved path).")
-    ] = None,
+    snapshot: Annotated[str | None, Field(description="Set the active snapshot (the preserved path).")] = None,
     diagnosis: Annotated[
         Literal["never", "auto", "always", "off"],
-        Field(
-            description="Diagnose a new snapshot into the task: never (no weights loaded), auto, always, off."
-        ),
+        Field(description="Diagnose a new snapshot into the task: never (no weights loaded), auto, always, off."),
     ] = "never",
     workspace: WorkspaceArg = None,
 ) -> TaskView:
@@ -82,12 +78,8 @@ async def task_show_tool(job: JobArg, ctx: Context, workspace: WorkspaceArg = No
 async def method_add_tool(
     job: JobArg,
     attempt: Annotated[str, Field(description="Experiment id from the task table, e.g. E4.", min_length=1)],
-    name: Annotated[
-        str, Field(description="Method slug, a plain name such as `tis-clip-2`.", min_length=1)
-    ],
-    rationale: Annotated[
-        str, Field(description="Why it works, from the signals.", min_length=1)
-    ],
+    name: Annotated[str, Field(description="Method slug, a plain name such as `tis-clip-2`.", min_length=1)],
+    rationale: Annotated[str, Field(description="Why it works, from the signals.", min_length=1)],
     ctx: Context,
     allow_reduced: Annotated[
         bool,
@@ -128,9 +120,7 @@ async def method_list_tool(ctx: Context, workspace: WorkspaceArg = None) -> Meth
 async def write_report_tool(
     job: JobArg,
     ctx: Context,
-    release: Annotated[
-        bool, Field(description="Then release the preserved copies of its snapshot.")
-    ] = False,
+    release: Annotated[bool, Field(description="Then release the preserved copies of its snapshot.")] = False,
     release_last_copy: Annotated[
         bool,
         Field(description="With release: also a copy that is the last one."),

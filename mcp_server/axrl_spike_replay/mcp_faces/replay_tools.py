@@ -106,7 +106,10 @@ async def replay_tool(
     judged against the baseline at the same layout (`cleared` / `partial` / `no_effect` / `worse`, or
     `baseline_not_a_spike` when the baseline is under the threshold). With loss settings scoped to saved ranks
     (`{'aux_loss_coef': '10.24@1'}`): a hypothesis about what those ranks computed, judged against the recording
-    as the baseline is, grad norm and every rank's loss (`finding`: "reproduced under `aux_loss_coef=10.24@1`"). Writes
+    as the baseline is, grad norm and every rank's loss (`finding`: "reproduced under `aux_loss_coef=10.24@1`").
+    `input_findings`: a rank's routes, tokens, mask or stored log-probs failing a check against the model (rank,
+    what fails, how often, the experiments that remove it); the step still replays as the trainer ran it, and where
+    no computation is defined on that input the error names it and the experiments to run instead. Writes
     tmp/spike-replay/<job>/<timestamp>/ (command.txt, logs, replay_result.json) and logs the attempt in the
     job's task file. Reports progress; cancelling the call stops a remote run (its process group)."""
     config = server_config(ctx)

@@ -13,8 +13,9 @@ from pydantic import Field
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library
 from axrl_spike_replay.mcp_faces.config import JobArg, OutputDirArg, server_config
 from axrl_spike_replay.mcp_faces.shared_arguments import SnapshotArg
+from axrl_spike_replay.replay.input_checks import inspect_with_inputs
 from axrl_spike_replay.snapshot.discovery import OUTPUT_ROOTS_ENV, JobResolution, resolve_job
-from axrl_spike_replay.snapshot.inspect import SnapshotInspection, inspect_snapshot
+from axrl_spike_replay.snapshot.inspect import SnapshotInspection
 from axrl_spike_replay.snapshot.legacy import PreparedSnapshot, prepare_replay_dir
 from axrl_spike_replay.snapshot.listing import SnapshotListing, list_snapshots
 from axrl_spike_replay.snapshot.preserve import PreserveResult, ReleaseResult, preserve, release
@@ -31,6 +32,11 @@ RootsArg = Annotated[
 IterationArg = Annotated[
     int | None,
     Field(description="N of iter_<N>; omit for all.", ge=0),
+]
+
+IntoWorkspaceArg = Annotated[
+    bool,
+    Field(description="Preserve into the workspace: nothing written under the output root."),
 ]
 
 
@@ -57,20 +63,32 @@ async def list_snapshots_tool(output_dir: OutputDirArg, ctx: Context) -> Snapsho
 
 
 async def preserve_snapshots_tool(
-    output_dir: OutputDirArg, ctx: Context, iteration: IterationArg = None
+    output_dir: OutputDirArg,
+    ctx: Context,
+    iteration: IterationArg = None,
+    into_workspace: IntoWorkspaceArg = False,
 ) -> PreserveResult:
     """Preserve snapshots as hardlinked copies that rotation never deletes. Do it first, at once; work on the copy.
 
     Preserve retained snapshots (one iteration, or all) as hardlinked copies under
     checkpoints/spike_snapshots-active/, which rotation never deletes. Do this first, at once. Cheap
     (hardlinks; a real copy only across filesystems), idempotent, never modifies the source. Work on the
-    preserved path from then on; release_preserved removes the copy at the very end."""
+    preserved path from then on; release_preserved removes the copy at the very end. When the output root is
+    not writable, or with into_workspace (the user asked for no writes there), the copies go into the workspace
+    (preserved-snapshots/<output dir name>/): hardlinks where the filesystem allows, copies otherwise, free
+    space checked first; `in_workspace` and `reason` say so."""
     config = server_config(ctx)
 
     def work(progress: Progress, cancel: threading.Event) -> PreserveResult:
         what = f"iteration {iteration}" if iteration is not None else "every retained snapshot"
         progress.message(f"preserving {what} of {output_dir}")
-        result = preserve(config.path(output_dir), iteration, progress=progress.message)
+        result = preserve(
+            config.path(output_dir),
+            iteration,
+            progress=progress.message,
+            workspace=config.workspace,
+            no_writes=into_workspace,
+        )
         progress.message(f"preserved {len(result.preserved)}, failed {len(result.failed)}")
         return result
 
@@ -78,7 +96,10 @@ async def preserve_snapshots_tool(
 
 
 async def release_preserved_tool(
-    output_dir: OutputDirArg, ctx: Context, iteration: IterationArg = None
+    output_dir: OutputDirArg,
+    ctx: Context,
+    iteration: IterationArg = None,
+    in_workspace: Annotated[bool, Field(description="Release the copies made in the workspace.")] = False,
 ) -> ReleaseResult:
     """Delete preserved copies made by preserve_snapshots, only at the very end (after write_report).
 
@@ -86,18 +107,24 @@ async def release_preserved_tool(
     after write_report. Refuses anything that is not a preserved copy made by this tool; retained
     snapshots under checkpoints/spike_snapshots are never touched."""
     config = server_config(ctx)
-    return await call_library(ctx, lambda progress, cancel: release(config.path(output_dir), iteration))
+    workspace = config.workspace if in_workspace else None
+    return await call_library(
+        ctx, lambda progress, cancel: release(config.path(output_dir), iteration, workspace=workspace)
+    )
 
 
 async def inspect_snapshot_tool(snapshot: SnapshotArg, ctx: Context) -> SnapshotInspection:
-    """Read a snapshot's metadata, per-rank contents and model size, and list its problems (headers only: fast).
+    """Read a snapshot's metadata, settings, per-rank contents and model size; list its problems (no weights read).
 
     Read a snapshot's metadata (iteration, job, role, world size, tp/pp/dp/ep/etp/cp, grad norm, median
-    norm, spike ratio, legacy layout or not), per-rank batch and routing-payload counts and the model size
-    from the checkpoint metadata, and list its problems (missing rank files, inconsistent world size, ...).
-    Reads headers only, so it is fast on snapshots of hundreds of GB."""
+    norm, spike ratio, legacy layout or not), per-rank batch and routing-payload counts, the model size
+    from the checkpoint metadata, the run config's loss, routing and parallel sections and the detector as
+    recorded (`settings`), and list its problems (missing rank files, inconsistent world size, and `[input]`
+    lines: a rank's routes, tokens, mask or stored log-probs failing a check against the run config's model,
+    also under `input_findings`). Reads headers and those small tensors only, so it is fast on snapshots of
+    hundreds of GB."""
     config = server_config(ctx)
-    return await call_library(ctx, lambda progress, cancel: inspect_snapshot(config.path(snapshot)))
+    return await call_library(ctx, lambda progress, cancel: inspect_with_inputs(config.path(snapshot)))
 
 
 async def prepare_replay_dir_tool(
@@ -105,9 +132,7 @@ async def prepare_replay_dir_tool(
     ctx: Context,
     dest: Annotated[
         str | None,
-        Field(
-            description="Empty or new dir for it; default: a new temporary dir."
-        ),
+        Field(description="Empty or new dir for it; default: a new temporary dir."),
     ] = None,
 ) -> PreparedSnapshot:
     """Make a replay dir for a legacy-layout snapshot (replay calls it itself when needed).

@@ -38,7 +38,7 @@ from axrl_spike_replay.experiment.verdict import (
 )
 from axrl_spike_replay.percent import pct
 from axrl_spike_replay.replay.clean_gradient import spike_bar
-from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, load_inputs
+from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, input_refusal, load_inputs
 from axrl_spike_replay.replay.launch import JobRunner, run_job
 from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.outcome_figures import DEFINITION
@@ -139,6 +139,9 @@ class ReplaySession:
         self.tolerance = tolerance(plan.fidelity, options.device)
         self.run = RunDir(None)
         self.started = time.perf_counter()
+        # the recorded step's own replay, refused: an input of it no computation is defined on (input_checks); the
+        # configs are then the experiments that remove that input, judged against the recorded step
+        self.baseline_refused: str | None = None
 
     def log(self, line: str) -> None:
         self.run.log(line)
@@ -168,6 +171,8 @@ class ReplaySession:
             f"{'sharded' if self.shard.shard else 'whole model per process'}, precision {self.precision_label}"
         )
         outcomes = _runner(o)(job, o.timeout_s, o.cancel, progress=o.progress)
+        if self.baseline_refused is not None:
+            return self._without_baseline(outcomes)
         baseline = self.result(self.configs[0], outcomes[0], None)
         results = [
             self.result(c, out, baseline.grad_norm) for c, out in zip(self.configs[1:], outcomes[1:], strict=True)
@@ -186,6 +191,21 @@ class ReplaySession:
             self.log(
                 f"{r.config_id}: grad norm {r.grad_norm:.9g} ({pct(r.change_vs_baseline)} vs baseline, ratio to "
                 f"median {_fmt(r.spike_ratio)}, threshold {self.threshold:g}) -> {r.verdict}"
+            )
+        return baseline, results
+
+    def _without_baseline(self, outcomes: Sequence[ConfigOutcome]) -> tuple[ReplayResult, list[ReplayResult]]:
+        """(the refused baseline, the experiments judged against the recorded step's grad norm)."""
+        refused = self.baseline_refused or ""
+        baseline = self.failed(refused, "replay", apply_config({}, self.inputs.loss, self.inputs.routing))
+        recorded = self.inputs.metadata.grad_norm
+        self.log(f"baseline refused: {refused}")
+        self.log(f"each experiment is judged against the recorded step (grad norm {recorded:.9g})")
+        results = [self.result(c, out, recorded) for c, out in zip(self.configs, outcomes, strict=True)]
+        for r in results:
+            self.log(
+                f"{r.config_id}: grad norm {r.grad_norm:.9g} ({pct(r.change_vs_baseline)} vs the recorded step, ratio "
+                f"to median {_fmt(r.spike_ratio)}, threshold {self.threshold:g}) -> {r.verdict}"
             )
         return baseline, results
 
@@ -222,6 +242,7 @@ class ReplaySession:
             "shard_reason": self.shard.reason,
             "precision": self.inputs.effective_precision.describe(),
             "trainer_version_note": cfg.loss.trl.version_note() if cfg.loss.trl is not None else None,
+            "input_findings": [f.message for f in self.inputs.findings],
         }
 
     def result(self, cfg: AppliedConfig, outcome: ConfigOutcome, baseline_norm: float | None) -> ReplayResult:
@@ -317,9 +338,11 @@ class ReplaySession:
         )
         return to_jsonable(found)
 
-    def failed(self, error: str, verb: str = "replay") -> ReplayResult:
-        """The result recorded for a run that failed after its output dir was made (a sweep: one for all)."""
-        cfg = self.configs[-1] if verb == "replay" else apply_config({}, self.inputs.loss, self.inputs.routing)
+    def failed(self, error: str, verb: str = "replay", cfg: AppliedConfig | None = None) -> ReplayResult:
+        """The result recorded for a run that failed after its output dir was made (a sweep: one for all), or
+        for `cfg`, refused."""
+        if cfg is None:
+            cfg = self.configs[-1] if verb == "replay" else apply_config({}, self.inputs.loss, self.inputs.routing)
         return ReplayResult(
             **self._fields(cfg, cfg.config_id if verb == "replay" else verb),
             grad_norm=None,
@@ -385,6 +408,10 @@ def replay_session(
         moe_layers = inputs.model.moe_layer_ids  # what `current_routing_layers: first` resolves against
         applied = [apply_config({}, inputs.loss, inputs.routing)]
         applied += [apply_config(parse_config(c), inputs.loss, inputs.routing, moe_layers) for c in configs]
+        # an input the model cannot compute with refuses the step's own replay; experiments that remove it still run
+        baseline_refused = input_refusal(inputs, applied[0])
+        if baseline_refused is not None and configs:
+            applied = applied[1:]
         check_configs(inputs, applied)
         for cfg in applied:
             check_ranks(cfg.samples, inputs.world_size)
@@ -402,6 +429,7 @@ def replay_session(
             )
         shard = choose_shard(options.shard, options.device, plan.nproc, planned)
         session = ReplaySession(inputs, plan, applied, options, shard)
+        session.baseline_refused = baseline_refused
         session.run = options.recorder.open_run(session.job) if options.recorder else RunDir(None)
         if verb == "replay":
             mitigation = [item for c in applied[1:] for item in mitigation_args(c.mitigations)]

@@ -13,8 +13,8 @@ from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config
 from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.megatron_weights import check_saved_layout
-from axrl_spike_replay.models.policy import ModelSpec, check_policy_weights, parse_model_config, routing_shape
-from axrl_spike_replay.replay.route_check import check_route_shapes
+from axrl_spike_replay.models.policy import ModelSpec, check_policy_weights, parse_model_config
+from axrl_spike_replay.replay.input_checks import InputFinding, input_findings, refusal
 from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_text, ranks_text
 from axrl_spike_replay.snapshot.layout import RUN_CONFIG, batch_file, rank_files
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
@@ -51,6 +51,7 @@ class ReplayInputs:
     batch_fields: frozenset[str]
     counts: GlobalCounts | None = None  # the step's global counts, recorded by the trainer (normalization global)
     precision: PrecisionPolicy | None = None  # the run config's `precision:` section (None: none recorded)
+    findings: tuple[InputFinding, ...] = ()  # ranks' inputs that fail a check against the model (input_checks)
     # how each rank's step was split (`training.micro_batches`)
     micro_batches: MicroBatchSpec = field(default_factory=MicroBatchSpec)
 
@@ -175,7 +176,8 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
     # before any rank process starts, not a failure inside one.
     batches = [load_rank_batch(directory, rank, meta=True) for rank in range(ranks)]
     batch = batches[0]  # _check_ranks found a batch file for each rank
-    routing_ranks = _routing_ranks(directory, model, batches)
+    routing_ranks = _routing_ranks(directory, batches)
+    findings = tuple(input_findings(directory, model, ranks))
     _check_micro_batches(directory, batches, micro, loss.to_dict())
     counts = recorded_counts(directory, ranks) if loss.normalization == "global" else None
     return ReplayInputs(
@@ -192,6 +194,7 @@ def load_inputs(snapshot: str | Path, replay_dir: str | Path, legacy: bool) -> R
         world_size=ranks,
         routing_ranks=routing_ranks,
         batch_fields=frozenset(batch),
+        findings=findings,
     )
 
 
@@ -214,17 +217,41 @@ def _check_micro_batches(
         plan_micro_batches(batch, spec, loss, directory / batch_file(rank))
 
 
-def _routing_ranks(directory: Path, model: ModelSpec, batches: list[dict[str, Any]]) -> tuple[int, ...]:
-    """The ranks with recorded routes, each payload's shape and layers checked against the model and its batch
-    (meta tensors: nothing but the pickles is read)."""
-    shape = routing_shape(model)
-    ranks = []
-    for rank, batch in enumerate(batches):
-        payload = load_rank_routes(directory, rank, meta=True, batch=batch)
-        if payload is not None:
-            check_route_shapes(payload, shape, tuple(batch["tokens"].shape))
-            ranks.append(rank)
-    return tuple(ranks)
+def _routing_ranks(directory: Path, batches: list[dict[str, Any]]) -> tuple[int, ...]:
+    """The ranks with recorded routes (meta tensors: nothing but the pickles is read). Their shapes and values
+    against the model are `input_findings`' (a payload that does not fit refuses the configs that replay it)."""
+    return tuple(
+        rank
+        for rank, batch in enumerate(batches)
+        if load_rank_routes(directory, rank, meta=True, batch=batch) is not None
+    )
+
+
+def uses_input(cfg: AppliedConfig, finding: InputFinding) -> bool:
+    """Whether `cfg` computes with the input `finding` is about: a rank it leaves out uses none of its inputs
+    (its forward runs on the model's own routing, and nothing of it reaches the step); recomputed routes or
+    log-probs replace the stored ones."""
+    rank = finding.rank
+    if finding.field == "tokens":
+        return True  # every saved rank's forward runs, a left-out one's too (it keeps the passes in step)
+    if not cfg.samples.keeps_rank(rank):
+        return False
+    if finding.field == "routed_experts":
+        return cfg.routing.replay != "off" and cfg.recompute.route_layers(rank) is not None
+    if finding.field in ("old_logprobs", "rollout_logprobs"):
+        return not cfg.recompute.logprobs(finding.field, rank)
+    return True
+
+
+def input_refusal(inputs: ReplayInputs, cfg: AppliedConfig) -> str | None:
+    """Why `cfg` cannot be computed on this snapshot's inputs (an input no computation is defined on, which it
+    uses), naming the finding and the experiments that remove the bad part; None when it can."""
+    for rank in sorted({f.rank for f in inputs.findings if not f.defined}):
+        used = [f for f in inputs.findings if f.rank == rank and uses_input(cfg, f)]
+        why = refusal(used, rank, cfg.label)
+        if why is not None:
+            return why
+    return None
 
 
 def recorded_counts(directory: Path, world_size: int) -> GlobalCounts | None:
@@ -295,6 +322,9 @@ def check_configs(inputs: ReplayInputs, configs: Iterable[AppliedConfig]) -> Non
     moe_layers = set(inputs.model.moe_layer_ids)
     for cfg in configs:
         label = cfg.label
+        refused = input_refusal(inputs, cfg)
+        if refused is not None:
+            raise SnapshotError(f"{inputs.snapshot}: {refused}")
         for loss in cfg.losses():
             for name, why in _needed_fields(loss).items():
                 if name not in inputs.batch_fields:

@@ -5,20 +5,16 @@ top-k width, a sequence or a batch of 1 fills the whole batch), an expert id pas
 inside a C++ kernel on a rank, and `moe_layers` naming layers the model lacks would be accepted and the routes
 applied to whichever layers come in order. Shapes and layers are checked on meta tensors before any process
 starts (`check_route_shapes`, from `load_inputs`); expert ids need the values, so they are checked where a
-process reads them, before its first forward (`check_route_values`). Every refusal names the file.
+process reads them, before its first forward (`check_route_values`). Every refusal names the file. A payload the
+trainer could compute with (one expert twice in a token's top-k) is not refused: `input_checks` reports it.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.policy import RoutingShape
 from axrl_spike_replay.snapshot.rank_data import RoutingPayload
-
-if TYPE_CHECKING:
-    import torch
 
 
 def _where(payload: RoutingPayload) -> str:
@@ -77,9 +73,11 @@ def _check_layers(payload: RoutingPayload, model: RoutingShape, slots: int) -> N
     )
 
 
-def check_route_values(payload: RoutingPayload, model: RoutingShape) -> None:
-    """SnapshotError unless every expert id is in [0, n_experts) or -1 (no route), and no token is routed to one
-    expert twice in a layer. Reads the routes once, one layer slot at a time."""
+def check_route_values(payload: RoutingPayload, model: RoutingShape, rank: int | None = None) -> None:
+    """SnapshotError unless every expert id is in [0, n_experts) or -1 (no route): past the model's experts no
+    computation is defined (the refusal offers the experiments that remove the routes: recompute them, drop the
+    rank). A token listing one expert twice in its top-k is defined (that expert counts twice, as the trainer's
+    forced routes ran it): it is reported by `input_checks`, not refused here. Reads the routes once."""
     import torch
 
     routes = payload.routed_experts
@@ -89,25 +87,13 @@ def check_route_values(payload: RoutingPayload, model: RoutingShape) -> None:
     if low < -1 or high >= model.n_experts:
         bad = (routes < -1) | (routes >= model.n_experts)
         at = [int(i) for i in bad.nonzero()[0]]
+        offer = (
+            f"; replay without them: recompute=routes:rank{rank},old_logprobs:rank{rank} or drop_ranks={rank}"
+            if rank is not None
+            else ""
+        )
         raise SnapshotError(
             f"{_where(payload)}: routed_experts holds expert id {int(routes[tuple(at)])} at [sample, position, slot, "
-            f"k] = {at}; the model has {model.n_experts} experts per layer (ids 0-{model.n_experts - 1}, -1 for none)"
+            f"k] = {at}; the model has {model.n_experts} experts per layer (ids 0-{model.n_experts - 1}, -1 for "
+            f"none): no computation is defined on those routes{offer}"
         )
-    for slot in range(routes.shape[2]):
-        twice = _repeated(routes[:, :, slot, :])
-        if twice is not None:
-            sample, position, expert = twice
-            raise SnapshotError(
-                f"{_where(payload)}: routed_experts routes sample {sample} position {position} to expert {expert} "
-                f"twice in layer slot {slot}"
-            )
-
-
-def _repeated(routes: torch.Tensor) -> tuple[int, int, int] | None:
-    """(sample, position, expert) of the first token routed twice to one expert in these [B, T, K] routes."""
-    ordered = routes.sort(dim=-1).values
-    same = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
-    if not bool(same.any()):
-        return None
-    sample, position, k = (int(i) for i in same.nonzero()[0])
-    return sample, position, int(ordered[sample, position, k])

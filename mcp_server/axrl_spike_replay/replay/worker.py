@@ -22,6 +22,7 @@ from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
 from axrl_spike_replay.experiment.recompute import Recompute
 from axrl_spike_replay.models.policy import ModelSpec, RoutingShape, policy_forward, routing_shape
+from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.clean_gradient import SpikeBar, not_reached_reason, smallest_count, token_order
 from axrl_spike_replay.replay.gradient_space import GradientSpace, Sharded, Whole, accumulate, padded_passes
@@ -164,14 +165,19 @@ class RankInputs:
             if payload is None:  # load_inputs checked every rank a config replays routes of has some
                 raise SnapshotError(f"{self.replay_dir}: rank {rank} has no recorded routes")
             check_route_shapes(payload, self.shape, tuple(self.batches[rank]["tokens"].shape))
-            check_route_values(payload, self.shape)
+            check_route_values(payload, self.shape, rank)
             self._routes[rank] = payload.routed_experts.to(self.device)
         return self._routes[rank]
 
-    def routing(self, cfg: AppliedConfig, rank: int) -> Any:
+    def routing(self, cfg: AppliedConfig, rank: int, left_out: bool = False) -> Any:
+        """The forward's routing on saved rank `rank` under `cfg`. A rank whose every route is recomputed, or that
+        every config of the forward leaves out (`left_out`: nothing of it reaches the step), routes as the model
+        does: its recorded routes are not read, so a payload no computation is defined on does not stop them."""
+        own = cfg.recompute.route_layers(rank)  # recompute=routes: this rank routes as the model does there
+        if cfg.routing.replay != "off" and (own is None or left_out):
+            return RoutingControl(current_layers=frozenset(cfg.routing.current_routing_layers))
         routes = self.routes(rank) if cfg.routing.replay != "off" else None
         control = routing_control(cfg.routing, self.batches[rank], routes)
-        own = cfg.recompute.route_layers(rank)  # recompute=routes: this rank routes as the model does there
         if own is None:
             return dataclasses.replace(control, routes=None, replay_tokens=None)
         if own:
@@ -275,7 +281,8 @@ def forward_group(
         rank, mb = item if item is not None else (first, inputs.plan(first)[0])
         saved = inputs.batches[rank]
         size = int(saved["tokens"].shape[0])
-        routing = take_routing(inputs.routing(group[0], rank), mb, size)
+        left_out = not any(cfg.samples.keeps_rank(rank) for cfg in group)  # nothing of it reaches the step
+        routing = take_routing(inputs.routing(group[0], rank, left_out=left_out), mb, size)
         out = policy_forward(model, take(saved, mb), routing, need_entropy=entropy_needed)
         for i, cfg in enumerate(group):
             retain = i < len(group) - 1

@@ -90,6 +90,11 @@ class SnapshotInspection:
     created_at: str = ""
     consistency: Consistency | None = None  # agreement with itself and with the training log (named problems)
     megatron: dict[str, Any] | None = None  # a Megatron torch_dist checkpoint: what its shards and keys say
+    # the run config's sections a person checks first, as the trainer recorded them: loss, routing, parallel, and
+    # the detector (the run config's own section, else the metadata's); a section the config lacks is absent
+    settings: dict[str, Any] = field(default_factory=dict)
+    # every rank's inputs held to the run config's model (replay.input_checks, through `inspect_with_inputs`)
+    input_findings: list[str] = field(default_factory=list)
 
 
 def _batch_parts(raw: Any, path: Path) -> list[Any]:
@@ -287,7 +292,26 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
         created_at=meta.created_at,
         consistency=consistency,
         megatron=_megatron(directory, par, problems) if model is not None else None,
+        settings=recorded_settings(run_config, meta),
     )
+
+
+SETTINGS_SECTIONS = ("loss", "routing", "parallel")
+
+
+def recorded_settings(run_config: Any, meta: AxrlMetadata) -> dict[str, Any]:
+    """The run config's loss, routing and parallel sections and the detector, as recorded (no defaults filled
+    in: what the trainer wrote is what a person checks). The detector is the run config's `detector` section
+    when it has one, else the metadata's."""
+    doc = run_config if isinstance(run_config, dict) else {}
+    settings = {name: doc[name] for name in SETTINGS_SECTIONS if name in doc}
+    detector = doc.get("detector")
+    settings["detector"] = (
+        detector
+        if isinstance(detector, dict)
+        else {"kind": meta.detector.kind, "window": meta.detector.window, "threshold": meta.detector.threshold}
+    )
+    return settings
 
 
 def _megatron(directory: Path, layout: ParallelLayout, problems: list[str]) -> dict[str, Any] | None:

@@ -9,6 +9,8 @@ FORMAT_VERSION = 1
 
 SNAPSHOTS_DIR = Path("checkpoints") / "spike_snapshots"
 PRESERVED_DIR = Path("checkpoints") / "spike_snapshots-active"
+# in a workspace, when the output root is not to be written: <workspace>/<this>/<output dir name>/iter_<N>
+WORKSPACE_PRESERVED = Path("preserved-snapshots")
 
 AXRL_METADATA = "axrl_metadata.json"
 CHECKPOINT_METADATA = "metadata.json"

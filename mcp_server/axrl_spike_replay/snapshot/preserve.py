@@ -7,6 +7,10 @@ release the preserved copies again.
 looks complete. A file is hardlinked; where the filesystem cannot link it (another filesystem,
 EXDEV; or links not allowed) it is copied. The source is only read.
 
+Where the output root is not writable, or no writes there are wanted, the copies go into the workspace instead
+(`preserve_target`): hardlinks where the filesystem allows, copies otherwise, the bytes to copy held to the free
+space first.
+
 `release` deletes preserved copies only, and only those this tool made (see `preserved_marker`: marker
 present, naming this tool and this iteration, and no file in the dir that the marker does not list);
 a bad marker makes its copy refused by name and the other copies proceed.
@@ -37,11 +41,18 @@ from axrl_spike_replay.snapshot.layout import (
     PRESERVE_MARKER,
     PRESERVED_DIR,
     SNAPSHOTS_DIR,
+    WORKSPACE_PRESERVED,
     iteration_dir_name,
     parse_iteration,
     parse_snapshot_name,
 )
 from axrl_spike_replay.snapshot.listing import SkippedEntry, scan_iteration_dirs
+from axrl_spike_replay.snapshot.preserve_target import (
+    PreserveTarget,
+    check_space,
+    preserve_target,
+    same_filesystem,
+)
 from axrl_spike_replay.snapshot.preserved_marker import MADE_BY, preserved_copy_problem, read_marker
 
 _LOCK_NAME = ".axrl_preserve.lock"
@@ -78,6 +89,9 @@ class PreserveResult:
     preserved: list[PreservedCopy] = field(default_factory=list)
     failed: list[PreserveFailure] = field(default_factory=list)
     skipped: list[SkippedEntry] = field(default_factory=list)
+    preserved_root: str = ""  # where the copies are (empty: nothing to preserve)
+    in_workspace: bool = False  # the copies are in the workspace, not under the output root
+    reason: str = ""  # why in the workspace
 
 
 @dataclass
@@ -125,6 +139,7 @@ def _link_or_copy(src: Path, dst: Path) -> bool:
     except OSError as exc:
         if exc.errno not in _NO_LINK_ERRNOS:
             raise
+    check_space(src.stat().st_size, dst.parent, f"copying {src}")
     atomic_copy(src, dst, keep_times=True)
     return False
 
@@ -171,12 +186,21 @@ def _file_problem(path: Path, source: Path) -> str | None:
     return None
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0  # rotated away: found missing while linking
+
+
 def _build_copy(source: Path, staging: Path, iteration: int, skipped: list[SkippedEntry]) -> tuple[int, int]:
     """Link/copy every regular file of `source` into `staging`, check completeness, write the marker."""
     if not source.is_dir():
         raise _SourceVanished(f"{source}: no longer exists")
     files, not_followed = _source_files(source, iteration)
     skipped += not_followed
+    if not same_filesystem(source, staging.parent):  # every byte is copied: it must fit before one is written
+        check_space(sum(_size(source / rel) for rel in files), staging.parent, f"a copy of {source}")
     staging.mkdir()
     linked = copied = 0
     for rel in files:
@@ -255,9 +279,15 @@ def preserve(
     progress: Callable[[str], None] | None = None,
     *,
     name: str | None = None,
+    workspace: str | Path | None = None,
+    no_writes: bool = False,
 ) -> PreserveResult:
     """Preserve the retained snapshots of `iteration` (every run's: `iter_<N>` and `iter_<N>-<tag>`), or the one
     dir `name`, or every retained snapshot when both are None (cheap: hardlinks). A copy keeps its source's name.
+
+    The copies go under the output root, or into `workspace` (`preserved-snapshots/<output dir name>/`) when
+    `no_writes` asks for no writes under the output root or that root is not writable (`preserve_target`); the
+    result says where and why. Bytes that must be copied are held to the target's free space first.
 
     `progress` receives a line per snapshot done (for long copies across filesystems).
     Idempotent: an existing preserved copy is reported as "already_preserved". A source rotated away
@@ -284,8 +314,14 @@ def preserve(
             )
     if not retained and not refused:  # nothing to keep: an output dir without snapshots is left as it was
         return PreserveResult(output_dir=str(directory))
-    preserved_root = _preserved_root(directory, create=True)
-    result = PreserveResult(output_dir=str(directory))
+    target = _created_target(directory, Path(workspace) if workspace is not None else None, no_writes)
+    preserved_root = target.root
+    result = PreserveResult(
+        output_dir=str(directory),
+        preserved_root=str(preserved_root),
+        in_workspace=target.in_workspace,
+        reason=target.reason,
+    )
     for entry in refused:  # an iter_<N> symlinked out of its dir: reported, never followed
         error = f"{entry.path} {entry.reason}; nothing was preserved"
         result.failed.append(PreserveFailure(entry.iteration or 0, entry.path, error))
@@ -322,15 +358,33 @@ def _what(dir_name: str) -> str:
     return f"iteration {_label(dir_name)}"
 
 
-def _preserved_root(directory: Path, create: bool = False) -> Path:
-    """`<output dir>/checkpoints/spike_snapshots-active` (it may be a symlink an admin made to another filesystem)."""
-    preserved_root = directory / PRESERVED_DIR
-    if create:
-        try:
-            preserved_root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise AxrlError(f"{preserved_root}: cannot create the preserved dir ({exc.strerror or exc})") from None
-    return preserved_root
+def _created_target(directory: Path, workspace: Path | None, no_writes: bool) -> PreserveTarget:
+    """The preserved dir, created: `<output dir>/checkpoints/spike_snapshots-active` (it may be a symlink an admin
+    made to another filesystem), or the workspace's when the output root is not to be written or cannot be (a
+    read-only mount refuses even a superuser whom `os.access` let through: then the workspace is used too, when
+    one is named)."""
+    target = preserve_target(directory, workspace, no_writes)
+    try:
+        target.root.mkdir(parents=True, exist_ok=True)
+        return target
+    except OSError as exc:
+        refused = exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+        if not refused or target.in_workspace or workspace is None:
+            raise AxrlError(f"{target.root}: cannot create the preserved dir ({exc.strerror or exc})") from None
+        reason = f"{target.root} cannot be created ({exc.strerror or exc})"
+    fallback = PreserveTarget(_preserved_root(directory, workspace), True, reason)
+    try:
+        fallback.root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise AxrlError(f"{fallback.root}: cannot create the preserved dir ({exc.strerror or exc})") from None
+    return fallback
+
+
+def _preserved_root(directory: Path, workspace: Path | None = None) -> Path:
+    """Where the preserved copies of `directory` are: under it, or in `workspace` when given."""
+    if workspace is not None:
+        return Path(os.path.abspath(workspace)) / WORKSPACE_PRESERVED / directory.name
+    return directory / PRESERVED_DIR
 
 
 def _release_one(path: Path, snapshots_root: Path) -> str | None:
@@ -348,15 +402,22 @@ def _release_one(path: Path, snapshots_root: Path) -> str | None:
     return None
 
 
-def release(output_dir: str | Path, iteration: int | None = None, *, name: str | None = None) -> ReleaseResult:
+def release(
+    output_dir: str | Path,
+    iteration: int | None = None,
+    *,
+    name: str | None = None,
+    workspace: str | Path | None = None,
+) -> ReleaseResult:
     """Delete the preserved copies of `iteration` (every run's), or the one copy `name`, or every preserved copy
-    when both are None; never anything else.
+    when both are None; never anything else. With `workspace`: the copies `preserve` made there for this output
+    dir instead of those under it.
 
     A copy that is not provably ours is refused: raises AxrlError for a requested iteration or name, or is
     listed in `refused` when releasing all. Retained snapshots are never touched.
     """
     directory = _output_dir(output_dir)
-    preserved_root = _preserved_root(directory)
+    preserved_root = _preserved_root(directory, Path(workspace) if workspace is not None else None)
     found, skipped = scan_iteration_dirs(preserved_root)
     iteration = parse_iteration(name) if name is not None else iteration
     wanted = iteration is not None

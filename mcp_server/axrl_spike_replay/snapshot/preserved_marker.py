@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.display import shown
-from axrl_spike_replay.snapshot.layout import PRESERVE_MARKER, PRESERVED_DIR, iteration_dir_name, parse_iteration
+from axrl_spike_replay.snapshot.layout import (
+    PRESERVE_MARKER,
+    PRESERVED_DIR,
+    WORKSPACE_PRESERVED,
+    iteration_dir_name,
+    parse_iteration,
+)
 from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
 from axrl_spike_replay.untrusted_json import parse_untrusted_json
 
@@ -70,8 +76,9 @@ def preserved_copy_problem(path: str | Path) -> str | None:
     directory = Path(path)
     if directory.is_symlink() or not directory.is_dir():
         return "is not a directory (or is a symlink)"
-    if directory.parent.name != PRESERVED_DIR.name:
-        return f"is not inside {PRESERVED_DIR}"
+    in_workspace = directory.parent.parent.name == WORKSPACE_PRESERVED.name  # <workspace>/<this>/<output dir>/
+    if directory.parent.name != PRESERVED_DIR.name and not in_workspace:
+        return f"is not inside {PRESERVED_DIR} (or a workspace's {WORKSPACE_PRESERVED}/<output dir>)"
     marker, problem = read_marker(directory)
     if marker is None:
         return f"{problem} (not made by {MADE_BY})"
