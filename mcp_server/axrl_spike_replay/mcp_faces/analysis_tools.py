@@ -125,8 +125,7 @@ async def copy_and_scan_logs_tool(
 
 
 async def analyze_batch_tool(snapshot: SnapshotArg, ctx: Context, top: TopArg = 10) -> BatchAnalysis:
-    """Per-sample and per-token signals of the snapshot's batch across ranks (advantages, stored log-probs, masks,
-    rewards, routing) and its outliers.
+    """Per-sample and per-token signals of the snapshot's batch across ranks, and its outliers.
 
     Per-sample and per-token signals of the snapshot's batch across ranks, over loss tokens: advantages
     and their sign balance (negative vs positive magnitude), old/ref/rollout logprobs, the stored old against
@@ -170,8 +169,7 @@ async def diagnose_spike_tool(
     ] = "auto",
     nproc: Annotated[int | None, Field(description="Processes when sharded.", ge=1)] = None,
 ) -> Diagnosis:
-    """Call this first on a spike: likely causes ranked, each with its ranks, samples, evidence and ready next steps
-    for replay/sweep; and whether the snapshot agrees with itself.
+    """Call this first on a spike: likely causes ranked, with their ranks, evidence and the experiments to run.
 
     Call this first on a spike: the likely causes ranked by cause family (engine_mismatch,
     stale_old_logprobs, bad_ref_logprobs, routing_payload, outlier_advantage, mask_misalignment,

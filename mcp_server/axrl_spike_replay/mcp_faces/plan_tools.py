@@ -50,8 +50,7 @@ async def plan_replay_tool(
     accept_new_host_key: AcceptNewKeyArg = False,
     workspace: WorkspaceArg = None,
 ) -> dict[str, Any]:
-    """Before a replay: memory per process for N processes, whether it fits here or on a node, and the smallest
-    full-fidelity layout.
+    """Before a replay: memory per process, whether it fits here or on a node, the smallest full-fidelity layout.
 
     Before a replay: parameters, gradients and peak activation memory per process for N processes in the
     precision that runs (model built on the meta device from the snapshot's run config; no weight read, so a

@@ -35,8 +35,7 @@ async def probe_node_tool(
     accept_new_host_key: AcceptNewKeyArg = False,
     workspace: WorkspaceArg = None,
 ) -> NodeReport:
-    """Probe a GPU node over SSH (GPUs, versions, whether the package imports); with a snapshot, whether it fits.
-    Run before replaying there.
+    """Probe a GPU node over SSH (GPUs, versions, this package); with a snapshot, whether its replay fits there.
 
     Probe a GPU node over SSH (one connection, host key verified): GPU count, names and memory, driver,
     Python and torch versions, CUDA availability, whether axrl_spike_replay is importable there; with a

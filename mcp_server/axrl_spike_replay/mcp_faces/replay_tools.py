@@ -96,8 +96,8 @@ async def replay_tool(
     job: JobOptArg = None,
     workspace: WorkspaceArg = None,
 ) -> ReplayResult:
-    """Recompute the spike step's gradients and compare the grad norm with the recorded one (baseline: reproduced or
-    not), or judge a mitigation config or per-rank hypothesis against it; here or on a node.
+    """Recompute the spike step's gradients: the baseline against the recording, or a mitigation config or per-rank
+    hypothesis against the baseline; here or on a node.
 
     Recompute the spike step's gradients from the snapshot's weights, batches and routing payloads (no
     optimizer step), reduce them across data-parallel ranks as the trainer did, and compare the global
