@@ -172,8 +172,9 @@ def test_the_shared_vocabulary_is_what_diagnose_names() -> None:
     from axrl_spike_replay.diagnosis import FAMILIES as EXPORTED
     from axrl_spike_replay.diagnosis.diagnose import RULES
 
-    assert EXPORTED == FAMILIES and len(set(FAMILIES)) == 10
-    assert {rule.__name__ for rule in RULES} | {"natural_spike"} == set(FAMILIES)
+    assert EXPORTED == FAMILIES and len(set(FAMILIES)) == 11
+    # step_not_reproduced is planted by the matrix's unseen faults, measured before a rule reads it (its rule follows)
+    assert {rule.__name__ for rule in RULES} | {"natural_spike"} == set(FAMILIES) - {"step_not_reproduced"}
     # the fault presets (a lower floor, so a copy of their own) plant exactly these families
     from axrl_spike_replay.capture import presets
 
