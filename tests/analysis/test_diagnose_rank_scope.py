@@ -29,7 +29,9 @@ def test_a_cause_claiming_every_rank_against_figures_that_show_one_is_scoped_or_
     engine = Cause("engine_mismatch", "engine/trainer mismatch", 0.9)
     right = Cause("one_rank_data", "rank 2's data", 0.6, ranks=[2])
     wrong_rank = Cause("routing_payload", "rank 0's routes", 0.8, ranks=[0])
-    hold_to_ranks([stale, engine, right, wrong_rank], singled_out(local_norms(0.25, 0.25, 50.0, 0.25), world=4))
+    wide = Cause("bad_ref_logprobs", "reference on ranks 1, 2", 1.0, ranks=[1, 2])
+    hold_to_ranks([stale, engine, right, wrong_rank, wide], singled_out(local_norms(0.25, 0.25, 50.0, 0.25), world=4))
+    assert wide.ranks == [2] and "not rank 1" in wide.evidence[-1]
     assert stale.ranks == [2] and stale.strength == 0.6 and "scoped to rank 2" in stale.evidence[-1]
     assert engine.ranks == [] and engine.strength == UNSCOPED and "claims every rank" in engine.evidence[-1]
     assert right.strength == 0.6 and right.evidence == []

@@ -4,10 +4,10 @@ The per-rank figures `diagnose` has single out ranks in several ways: a rank who
 others' (`SINGLE_NORM` times their median), a rank whose recorded loss or norms the replay does not give
 (`reproduction`), a stored signal out of line on some ranks only with a witness on the others (`signal_reading`), a
 rank whose terms carry most of the reduced gradient. When they do, a cause that names no rank (it claims every
-rank) or other ranks is either scoped to the singled-out ones, where its family's broken part is a rank's own (a
-stored signal, a batch, a value), or says why not and is weakened to `UNSCOPED`: a spread cause cannot account for a
-spike the figures put on one rank. A cause a witness separates (strength 1.0) says so and keeps its strength: it is
-a second broken part. `step_not_reproduced` is scoped by the record comparison itself.
+rank), other ranks or more ranks is either scoped to the singled-out ones, where its family's broken part is a
+rank's own (a stored signal, a batch, a value), or says why not and is weakened to `UNSCOPED`: a spread cause
+cannot account for a spike the figures put on one rank. A cause a witness separates (strength 1.0) says so and keeps
+its strength: it is a second broken part. `step_not_reproduced` is scoped by the record comparison itself.
 """
 
 from __future__ import annotations
@@ -99,7 +99,16 @@ def hold_to_ranks(found: list[Cause], singled: Singled) -> None:
     for cause in found:
         if cause.strength < LIKELY or cause.family == "step_not_reproduced":  # its ranks are the record's own
             continue
-        if cause.ranks and set(cause.ranks) & set(singled.ranks):
+        inside = set(cause.ranks) & set(singled.ranks)
+        if inside and cause.family in RANK_OWN and len(inside) < len(cause.ranks):
+            left = sorted(set(cause.ranks) - inside)
+            cause.ranks = sorted(inside)
+            cause.evidence.append(
+                f"scoped to rank {', '.join(map(str, cause.ranks))}: the per-rank figures single it out ({figures}), "
+                f"not rank {', '.join(map(str, left))}"
+            )
+            continue
+        if inside:
             continue
         if not cause.ranks and cause.family in RANK_OWN:
             cause.ranks = list(singled.ranks)
