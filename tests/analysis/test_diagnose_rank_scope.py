@@ -49,3 +49,20 @@ def test_tied_causes_name_the_comparison_that_separates_them() -> None:
     )
     assert name_comparisons([a, b]) == [(a, b)]
     assert "replay `recompute=old_logprobs:rank2` against `drop_ranks=2`" in a.evidence[-1] == b.evidence[-1]
+
+
+def test_diagnose_runs_the_comparison_of_tied_causes_and_separates_them(tmp_path) -> None:
+    """One sweep beside the baseline on a copy of the golden snapshot: dropping rank 1 moves the spike, an advantage
+    clip far beyond every advantage does not; the first cause gets back its strength, the other says why not."""
+    from snapshot_edits import copy_fixture
+
+    from axrl_spike_replay.diagnosis.tie_break import run_comparisons
+
+    snapshot = copy_fixture(tmp_path)
+    a = Cause("one_rank_data", "rank 1's data", 0.7, experiments=[Experiment("drop_ranks=1", "")], tied_with=["x"])
+    b = Cause("outlier_advantage", "outliers", 0.7, experiments=[Experiment("advantage_clip=1000", "")],
+              tied_with=["one_rank_data"])  # fmt: skip
+    a.tied_with = ["outlier_advantage"]
+    assert run_comparisons(snapshot, [(a, b)], {id(a): 0.9, id(b): 0.8}) == []
+    assert a.strength == 0.9 and a.tied_with == [] and "the spike answers to this cause" in a.evidence[-1]
+    assert b.strength == 0.7 and "the spike answers to one_rank_data" in b.evidence[-1]
