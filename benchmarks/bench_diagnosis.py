@@ -9,14 +9,21 @@ suggested experiment is replayed in one sweep beside the baseline. Printed per c
 - top-1: the strongest cause's family is the planted one (earlier cause ids are read as their family);
 - ranks: the ranks the top cause names against those the fault hit (`-` when the fault hit every rank);
 - calibration: accuracy per band of the top cause's strength (a strength of 1.0 should be right every time);
+- right rank named: the top cause's ranks are exactly the ranks the faults hit (none named for a fault on every rank);
 - experiments: the fraction that clear the spike, that clear or move it (grad norm changed by >= 1 %), and the
-  no-ops (grad norm unchanged within the replay tolerance; goal: 0).
+  no-ops (grad norm unchanged within the replay tolerance; goal: 0);
+- experiment proves the cause: a replay that settles the planted family: one of the suggestions clears the spike, or,
+  for a step that does not reproduce, a hypothesis replay reproduces it, or the top cause's prediction of the
+  recorded grad norm from the replay's per-rank gradients holds (within the replay tolerance).
+
+`--provenance unseen` runs the faults written before the rules that read them (each on its own model and world
+size): the held-out figure.
 
 A case whose run trips no spike guard at the burst is listed as `no spike` and left out of the accuracy: that is the
 fault's failure to spike on that model and seed, not the diagnosis's.
 
 Usage: .venv/bin/python benchmarks/bench_diagnosis.py [--models tiny_moe,qwen2_moe,olmoe] [--seeds 0]
-       [--provenance preset,variant,held_out] [--cases NAME,...] [--no-experiments] [--json PATH]
+       [--provenance preset,variant,held_out,unseen] [--cases NAME,...] [--no-experiments] [--json PATH]
        [--keep DIR [--reuse]]   (keep the captures; --reuse diagnoses kept ones again after a change)
 """
 
@@ -68,12 +75,34 @@ class CaseRun:
     runner_up: str | None = None
     planted_position: int | None = None  # 1-based position of the planted family among the causes (None: absent)
     experiments: list[dict[str, Any]] = field(default_factory=list)
+    hypotheses: list[dict[str, Any]] = field(default_factory=list)  # the diagnosis's hypothesis replays, run
+    prediction: dict[str, Any] | None = None  # the top cause's predicted recorded grad norm, when it makes one
+    world_size: int = 2
     error: str | None = None
     seconds: float = 0.0
 
     @property
     def correct(self) -> bool:
         return self.top == self.planted
+
+    @property
+    def right_rank(self) -> bool:
+        """The top cause names exactly the ranks hit (none for a fault on every rank)."""
+        return (self.ranks_named or []) == self.expected_ranks
+
+    @property
+    def proved(self) -> bool:
+        """A replay settles the planted family (see the module doc)."""
+        if not self.correct:
+            return False
+        if self.planted == "step_not_reproduced":
+            if any(h.get("verdict") == "reproduced" for h in self.hypotheses):
+                return True
+            # an exact prediction that holds (bounds, where a rank has no scale to apply, prove nothing)
+            return bool(
+                self.prediction and self.prediction.get("holds") and self.prediction.get("predicted") is not None
+            )
+        return any(e.get("verdict") == "cleared" for e in self.experiments)
 
 
 def _ranks_named(cause: Any) -> list[int] | None:
@@ -126,6 +155,22 @@ def _experiments(snapshot: Path, mitigations: list[str]) -> list[dict[str, Any]]
     return rows
 
 
+def _hypotheses(snapshot: Path, items: list[str]) -> list[dict[str, Any]]:
+    """Replay each hypothesis on its own (a hypothesis replay is judged against the recording, not a baseline)."""
+    from axrl_spike_replay.errors import AxrlError
+    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+
+    rows: list[dict[str, Any]] = []
+    for item in items:
+        try:
+            result = run_replay(snapshot, ReplayOptions(mitigations=parse_mitigation_args([item])))
+            rows.append({"mitigation": item, "verdict": str(result.verdict), "grad_norm": result.grad_norm})
+        except AxrlError as exc:
+            rows.append({"mitigation": item, "error": str(exc)})
+    return rows
+
+
 def kept_snapshots(case_dir: Path) -> list[Path]:
     """The snapshots a kept capture took at its burst (its run config names the burst), earliest first."""
     import yaml
@@ -147,7 +192,8 @@ def run_case(case: MatrixCase, model: str, seed: int, root: Path, experiments: b
     from axrl_spike_replay.snapshot.metadata import read_metadata
 
     started = time.perf_counter()
-    out = CaseRun(case.name, case.provenance, model, seed, case.family, case.expected_ranks(2))
+    world = case.world_size
+    out = CaseRun(case.name, case.provenance, model, seed, case.family, case.expected_ranks(world), world_size=world)
     case_dir = root / f"{case.name.replace(':', '-')}-{model}-s{seed}"
     try:
         if reuse and case_dir.is_dir():
@@ -167,8 +213,17 @@ def run_case(case: MatrixCase, model: str, seed: int, root: Path, experiments: b
         out.planted_position = families.index(case.family) + 1 if case.family in families else None
         out.ranks_named = _ranks_named(top)
         out.samples_named = _samples_named(top, diagnosis)
+        figures = top.figures or {}
+        if "predicted_grad_norm" in figures:
+            out.prediction = {
+                "predicted": figures.get("predicted_grad_norm"),
+                "recorded": figures.get("recorded_grad_norm"),
+                "holds": figures.get("prediction_holds"),
+            }
         if experiments:
             out.experiments = _experiments(snapshot, [e.mitigation for e in diagnosis.next_steps])
+            hypotheses = [e.mitigation for e in getattr(diagnosis, "hypotheses", [])][:4]
+            out.hypotheses = _hypotheses(snapshot, hypotheses)
     except Exception as exc:  # a benchmark reports a failing case and goes on
         out.error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -198,6 +253,7 @@ def report(runs: list[CaseRun]) -> dict[str, Any]:
         print(
             f"{r.case:40s} {r.model:11s} {r.seed} {r.planted:28s} {top:36s} "
             f"{r.expected_ranks or '-'!s:7s} {r.ranks_named if r.ranks_named is not None else '-'!s:7s} {exps}"
+            + (" proved" if r.proved else "")
         )
     judged = [r for r in runs if r.spiked and not r.error]
     correct = [r for r in judged if r.correct]
@@ -227,6 +283,12 @@ def report(runs: list[CaseRun]) -> dict[str, Any]:
     ranked = [r for r in judged if r.expected_ranks]
     rank_ok = sum(r.ranks_named == r.expected_ranks for r in ranked)
     print(f"faulty rank named by the top cause (one-rank faults): {_pct(rank_ok, len(ranked))}")
+    right_rank = sum(r.right_rank for r in judged)
+    print(f"right rank named (the ranks hit, none for every rank): {_pct(right_rank, len(judged))}")
+    proved = sum(r.proved for r in judged)
+    print(f"experiment proves the cause: {_pct(proved, len(judged))}")
+    strong = [r for r in judged if r.strength is not None and r.strength >= 0.8]
+    print(f"top causes at strength >= 0.8 that are right: {_pct(sum(r.correct for r in strong), len(strong))}")
     exps = [e for r in judged for e in r.experiments if "error" not in e or e.get("verdict")]
     cleared = sum(e.get("verdict") == "cleared" for e in exps)
     moved = sum(
@@ -260,6 +322,8 @@ def report(runs: list[CaseRun]) -> dict[str, Any]:
         "cases": len(runs),
         "judged": len(judged),
         "top1": len(correct),
+        "right_rank": right_rank,
+        "proved": proved,
         "calibration": calibration,
         "experiments": len(exps),
         "cleared": cleared,
@@ -272,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--models", default="tiny_moe,qwen2_moe,olmoe", help="comma-separated capture models")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds")
-    ap.add_argument("--provenance", default=",".join(PROVENANCES), help="which cases: preset, variant, held_out")
+    ap.add_argument(
+        "--provenance", default=",".join(PROVENANCES), help="which cases: preset, variant, held_out, unseen"
+    )
     ap.add_argument("--cases", default="", help="only these case names (comma-separated)")
     ap.add_argument("--no-experiments", action="store_true", help="do not replay the suggested experiments")
     ap.add_argument("--json", default="", metavar="PATH", help="write every case run and the totals here")
@@ -296,8 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         for model in [m for m in args.models.split(",") if m]:
             for seed in [int(s) for s in args.seeds.split(",") if s]:
                 for case in cases:
+                    if case.model is not None and model != args.models.split(",")[0]:
+                        continue  # a case of its own model runs once
                     reuse = args.reuse and bool(args.keep)
-                    run = run_case(case, model, seed, Path(tmp), not args.no_experiments, reuse)
+                    run = run_case(case, case.model or model, seed, Path(tmp), not args.no_experiments, reuse)
                     runs.append(run)
                     state = (
                         "error"
@@ -305,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                         else ("no spike" if not run.spiked else f"{'ok' if run.correct else 'MISS'} {run.top}")
                     )
                     print(
-                        f"[{time.perf_counter() - started:7.0f} s] {case.name} {model} s{seed}: {state} "
+                        f"[{time.perf_counter() - started:7.0f} s] {case.name} {run.model} s{seed}: {state} "
                         f"({run.seconds:.0f} s)",
                         file=sys.stderr,
                         flush=True,

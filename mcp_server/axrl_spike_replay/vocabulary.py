@@ -131,5 +131,6 @@ CAUSE_FAMILIES = (
     "negative_advantage_dominance",
     "one_rank_data",
     "non_finite",
+    "step_not_reproduced",
     "natural_spike",
 )

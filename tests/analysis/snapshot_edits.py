@@ -70,3 +70,38 @@ def shift_routes(snapshot: Path, rank: int, experts: int = 4) -> None:
     routes = payload["routed_experts"]
     payload["routed_experts"] = torch.where(routes >= 0, (routes + 1) % experts, routes)
     torch.save(payload, path)
+
+
+def rerecord(snapshot: Path) -> None:
+    """Record the edited step as a trainer that trained on the edited batches would have: each rank's grad info
+    (global norm, local per-parameter norms, loss) and the metadata's grad norm and spike ratio, from the replay of
+    the edited snapshot. A hand edit then plants a fault the trainer ran, as a captured one is, not a stored batch
+    that is not the one it trained on (which `diagnose` reads as a step that does not reproduce)."""
+    import json
+
+    from axrl_spike_replay.replay.step_evidence_run import step_evidence
+
+    channel = step_evidence(snapshot, shard="off").channel
+    assert channel is not None
+    for path in sorted(snapshot.glob("grad_info_rank*.pt")):
+        rank = int(path.stem.removeprefix("grad_info_rank"))
+        info = torch.load(path, weights_only=True)
+        norms = channel.param_norms_of(rank)
+        assert norms is not None
+        info["grad_norm"] = channel.grad_norm
+        info["param_grad_norms"] = {name: norms[name] for name in info["param_grad_norms"]}
+        info["loss"] = channel.rank_loss(rank)
+        torch.save(info, path)
+    meta_path = snapshot / "axrl_metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["grad_norm"] = channel.grad_norm
+    meta["spike_ratio"] = channel.grad_norm / meta["median_norm"]
+    meta_path.write_text(json.dumps(meta, indent=1))
+
+
+def diagnosed(snapshot: Path, **options: Any) -> Any:
+    """`diagnose_snapshot` of a hand-edited snapshot, its step first recorded as trained (`rerecord`)."""
+    from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
+
+    rerecord(snapshot)
+    return diagnose_snapshot(snapshot, **options)

@@ -51,7 +51,8 @@ def test_a_clean_step_gives_a_natural_spike_and_says_what_was_checked(tmp_path: 
     snapshot = write_tiny_spike(tmp_path, job="clean", iteration=5, recorded=1.0, median=1.0)
     # its stored log-probs are placeholders (0 on every loss token): against the replay they cover nothing
     with_model = diagnose_snapshot(snapshot)
-    assert with_model.causes[0].family == "mask_misalignment"
+    # its recorded figures are made up (grad norm 1.0): the step does not reproduce, and that is said first
+    assert [c.family for c in with_model.causes[:2]] == ["step_not_reproduced", "mask_misalignment"]
     assert {c.family for c in with_model.causes} & {"stale_old_logprobs", "bad_ref_logprobs"} == set()
     d = diagnose_snapshot(snapshot, model="never")
     assert d.causes[0].family == "natural_spike"

@@ -1,4 +1,5 @@
-"""Faults planted by hand in copies of the golden snapshot, none of them a capture preset: `diagnose` finds which
+"""Faults planted by hand in copies of the golden snapshot (recorded as trained, `snapshot_edits.rerecord`, where the
+test is of the fault and not of the record), none of them a capture preset: `diagnose` finds which
 stored signal is the odd one out, on which rank, from the per-rank comparison with the replay (a witness that
 agrees where the named signal does not), names the family of the broken part first, and suggests experiments that
 test it and are never no-ops for the snapshot's own config."""
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from snapshot_edits import copy_fixture, edit_batch, no_mismatch, set_loss, shift_routes, stale_old_logprobs
+from snapshot_edits import copy_fixture, diagnosed, edit_batch, no_mismatch, set_loss, shift_routes, stale_old_logprobs
 
 from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
 from axrl_spike_replay.diagnosis.families import FAMILIES
@@ -34,7 +35,7 @@ def test_stale_old_log_probs_on_one_rank_are_named_with_their_rank(tmp_path: Pat
     no_mismatch(snapshot)
     set_loss(snapshot, is_base_logprobs="old")
     stale_old_logprobs(snapshot, rank=1)
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     top = d.top
     assert top.family == "stale_old_logprobs" and top.ranks == [1] and top.strength == 1.0
     assert top.term == "policy"
@@ -51,7 +52,7 @@ def test_stale_old_log_probs_that_the_loss_never_reads_are_not_the_cause(tmp_pat
     snapshot = copy_fixture(tmp_path)
     no_mismatch(snapshot)  # the ratio stays against the rollout log-probs
     stale_old_logprobs(snapshot, rank=1)
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     stale = next(c for c in d.causes if c.family == "stale_old_logprobs")
     assert stale.strength < 0.3 and d.top.family == "natural_spike"
     assert any("do not enter this run's loss" in line for line in stale.evidence)
@@ -63,7 +64,7 @@ def test_a_shifted_routing_payload_on_one_rank_is_a_routing_payload_fault_not_a_
     snapshot = copy_fixture(tmp_path)
     no_mismatch(snapshot)
     shift_routes(snapshot, rank=1)
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     top = d.top
     assert top.family == "routing_payload" and top.ranks == [1] and top.strength == 1.0
     assert any("agree with the model's own routing" in line for line in top.evidence)
@@ -79,7 +80,7 @@ def test_a_wrong_reference_on_one_rank_is_named_and_the_kl_term_carries_it(tmp_p
     set_loss(snapshot, kl_coef=0.1, entropy_coef=0.01)
     # rank 1's reference taken from another sample's tokens, and 8 nats too high on some: k3's exp(ref - logp)
     edit_batch(snapshot, 1, lambda b: b.__setitem__("ref_logprobs", b["ref_logprobs"].roll(1, dims=0) + 8.0))
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     top = d.top
     assert top.family == "bad_ref_logprobs" and top.ranks == [1] and top.strength == 1.0
     assert top.term == "kl" and d.step is not None and d.step.channel is not None
@@ -109,7 +110,7 @@ def test_a_loss_mask_shifted_into_the_prompt_is_a_mask_fault_not_three_bad_signa
     for rank in (0, 1):
         edit_batch(snapshot, rank, response_only)
     edit_batch(snapshot, 1, lambda b: b.__setitem__("loss_mask", b["loss_mask"].roll(-3, dims=-1)))
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     assert d.top.family == "mask_misalignment" and d.top.ranks == [1]
     assert not {"stale_old_logprobs", "bad_ref_logprobs", "engine_mismatch"} & {c.family for c in d.causes}
     _check_suggestions(d)
@@ -124,7 +125,7 @@ def test_the_engine_mismatch_spread_over_ranks_is_separated_from_stale_old_log_p
     assert never.top.strength <= 0.7  # two families fit the batch alone: neither at full strength
     # the mask measures π/π_rollout, which the batch alone does not give: not suggested on old-vs-rollout figures
     assert not any(item.startswith("ratio_outlier_mask") for item in never.mitigation_items())
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     assert d.top.family == "engine_mismatch" and d.top.strength == 1.0 and d.top.ranks == []
     assert "stale_old_logprobs" not in {c.family for c in d.causes}
     mask = next(e for e in d.next_steps if e.mitigation == "ratio_outlier_mask=token")
@@ -140,7 +141,7 @@ def test_the_engine_mismatch_spread_over_ranks_is_separated_from_stale_old_log_p
 def test_a_clean_step_has_every_stored_signal_agreeing_and_is_a_natural_spike(tmp_path: Path) -> None:
     snapshot = copy_fixture(tmp_path)
     no_mismatch(snapshot)
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     assert d.top.family == "natural_spike" and d.top.strength == 0.5
     assert "every stored signal agrees with the replay on every rank" in d.top.evidence
     assert d.reading is not None and d.reading.odd == []
@@ -172,7 +173,7 @@ def test_the_shared_vocabulary_is_what_diagnose_names() -> None:
     from axrl_spike_replay.diagnosis import FAMILIES as EXPORTED
     from axrl_spike_replay.diagnosis.diagnose import RULES
 
-    assert EXPORTED == FAMILIES and len(set(FAMILIES)) == 10
+    assert EXPORTED == FAMILIES and len(set(FAMILIES)) == 11
     assert {rule.__name__ for rule in RULES} | {"natural_spike"} == set(FAMILIES)
     # the fault presets (a lower floor, so a copy of their own) plant exactly these families
     from axrl_spike_replay.capture import presets
@@ -186,7 +187,7 @@ def test_two_broken_parts_each_with_a_witness_are_both_named_at_full_strength(tm
     snapshot = copy_fixture(tmp_path)
     set_loss(snapshot, is_base_logprobs="old", mismatch_token_clip_max=2.0)
     stale_old_logprobs(snapshot, rank=1)
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     strong = {c.family: c for c in d.causes if c.strength == 1.0}
     assert set(strong) == {"engine_mismatch", "stale_old_logprobs"}
     assert strong["stale_old_logprobs"].ranks == [1] and strong["engine_mismatch"].ranks == []
@@ -212,7 +213,7 @@ def test_a_reference_the_policy_drifted_from_alike_on_every_rank_is_not_a_broken
     no_mismatch(snapshot)
     set_loss(snapshot, kl_coef=0.1)
     _drift_reference(snapshot)
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     ref = next(c for c in d.causes if c.family == "bad_ref_logprobs")
     assert ref.strength < 0.3 and ref.ranks == []  # old and rollout agreeing on a rank is no witness against a drift
     assert d.top.family == "natural_spike" and d.top.strength >= 0.3  # a drift singles out no broken part
@@ -239,7 +240,7 @@ def test_a_mask_shifted_on_one_rank_is_not_read_as_a_wrong_reference_on_the_heal
     for rank in (0, 1):
         edit_batch(snapshot, rank, response_only)
     edit_batch(snapshot, 1, lambda b: b.__setitem__("loss_mask", b["loss_mask"].roll(-3, dims=-1)))
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     assert d.top.family == "mask_misalignment" and d.top.ranks == [1]
     likely = {c.family for c in d.causes if c.strength >= 0.3}
     assert "bad_ref_logprobs" not in likely and "one_rank_data" not in likely
@@ -252,7 +253,7 @@ def test_a_reference_wrong_on_one_rank_whose_kl_term_the_loss_barely_reads_is_no
     no_mismatch(snapshot)
     set_loss(snapshot, kl_coef=1e-6)
     edit_batch(snapshot, 1, lambda b: b.__setitem__("ref_logprobs", b["ref_logprobs"].roll(1, dims=0) + 8.0))
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     ref = next(c for c in d.causes if c.family == "bad_ref_logprobs")
     assert ref.ranks == [1] and ref.strength < 0.3  # singled out on rank 1, but its KL term carries ~nothing
     assert any("barely reads the reference" in line for line in ref.evidence)
@@ -267,7 +268,7 @@ def test_a_dual_clip_that_binds_on_no_token_is_not_suggested(tmp_path: Path) -> 
     set_loss(snapshot, is_base_logprobs="old")
     for rank in (0, 1):
         edit_batch(snapshot, rank, lambda b: b.__setitem__("advantages", -b["advantages"].abs() - 0.5))
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     cause = next(c for c in d.causes if c.family == "negative_advantage_dominance")
     assert cause.strength == 1.0
     assert not any(e.mitigation.startswith("dual_clip_c") for e in cause.experiments)
@@ -320,7 +321,7 @@ def test_a_loss_mask_truncated_on_one_rank_with_nothing_else_out_of_line_is_a_ma
     snapshot = copy_fixture(tmp_path)
     no_mismatch(snapshot)
     _truncate_mask(snapshot, rank=1, keep=2)
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     top = d.top
     assert top.family == "mask_misalignment" and top.ranks == [1] and top.strength > 0.5
     assert any("the loss mask stops before the last token the engine generated" in line for line in top.evidence)
@@ -337,7 +338,7 @@ def test_masks_that_stop_short_alike_on_every_rank_single_out_no_rank(tmp_path: 
     no_mismatch(snapshot)
     for rank in (0, 1):
         _truncate_mask(snapshot, rank=rank, keep=4)
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     assert d.reading is not None and d.reading.truncated == [] and d.reading.tails[0][0] == 1.0
     assert "mask_misalignment" not in {c.family for c in d.causes}
 
@@ -361,7 +362,7 @@ def test_a_reference_off_alike_by_level_but_whose_kl_term_carries_the_spike_on_o
         b["ref_logprobs"] = torch.where(hit, torch.full_like(ref, -0.05), ref)
 
     edit_batch(snapshot, 1, confident)
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")
     assert d.reading is not None
     levels = d.reading.levels["ref"]
     assert levels[1].level < 3 * levels[0].level  # the stored values alone do not separate it

@@ -27,7 +27,7 @@ def test_a_batch_edited_after_the_fact_does_not_reproduce_and_is_named(tmp_path:
     assert problem.figures["recorded_grad_norm"] == pytest.approx(RECORDED)
     assert problem.figures["replayed_grad_norm"] == pytest.approx(20.99, abs=0.01)
     assert problem.figures["rel_diff"] > problem.figures["tolerance"] == 1e-5
-    assert "the snapshot does not reproduce" in problem.message and "its batch or weights differ" in problem.message
+    assert "the snapshot does not reproduce" in problem.message and "batch or weights differ" in problem.message
     assert d.consistency.self_consistent is False  # it said "agrees with itself"
     assert "agrees with itself" not in d.consistency.summary()
     assert "problem [grad_norm_vs_replay]: the snapshot does not reproduce" in render_diagnosis(d)
@@ -36,9 +36,12 @@ def test_a_batch_edited_after_the_fact_does_not_reproduce_and_is_named(tmp_path:
     names = [p["name"] for p in entry["consistency"]["problems"]]
     assert names[0] == "grad_norm_vs_replay"
     # both ranks' batches were edited (no_mismatch rewrites each rank's rollout log-probs), so each rank's recorded
-    # loss disagrees with its replay too, and the per-rank check names them
+    # loss and per-parameter norms disagree with its replay too, and the per-rank checks name them
     ranks = [p.figures["rank"] for p in d.consistency.problems if p.name == "rank_loss_vs_replay"]
-    assert names[1:] == ["rank_loss_vs_replay"] * len(ranks) and sorted(ranks) == [0, 1]
+    assert names[1 : 1 + len(ranks)] == ["rank_loss_vs_replay"] * len(ranks) and sorted(ranks) == [0, 1]
+    assert names[1 + len(ranks) :] == ["param_grad_norms_vs_replay"] * 2
+    # the diagnosis explains it first: both ranks' records differ from the replay, neither by a scale
+    assert d.top.family == "step_not_reproduced" and d.top.figures["matching_ranks"] == []
 
 
 def test_the_unedited_snapshot_reproduces_and_an_attribution_under_mitigations_is_not_compared(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from snapshot_edits import diagnosed
 
 from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
 from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
@@ -77,7 +78,7 @@ def test_a_stale_route_table_in_one_layer_is_diagnosed_as_a_routing_payload_faul
         layer = routes[:, :, 1, :]
         routes[:, :, 1, :] = torch.where(layer >= 0, (layer + 1) % 4, layer)
         torch.save(payload, path)
-    d = diagnose_snapshot(snapshot, model="always")
+    d = diagnosed(snapshot, model="always")  # recorded as trained on the stale table
     routing = next(c for c in d.causes if c.family == "routing_payload")
     assert routing.strength >= 0.3 and routing in d.causes[:2]
     assert routing.ranks == []  # every rank: the table, not one rank's payload

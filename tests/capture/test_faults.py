@@ -53,7 +53,7 @@ def test_every_matrix_case_builds_and_held_out_faults_are_kinds_no_preset_uses()
         assert case.family in FAMILIES
         for spec in case.specs():
             make_fault(spec)
-        if case.provenance == "held_out":
+        if case.provenance in ("held_out", "unseen"):
             assert {s.kind for s in case.faults}.isdisjoint(used_by_presets), case.name
 
 
@@ -207,3 +207,69 @@ def test_every_built_in_fault_spec_the_project_ships_passes_its_checks() -> None
     assert len(shipped) > 10
     for spec in shipped:
         make_fault(spec)
+
+
+class Grads(torch.nn.Module):
+    """A stand-in for a rank trainer: a policy whose parameters are named as our tiny_moe's, with gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.ModuleDict(
+            {"blocks": torch.nn.ModuleList([torch.nn.ModuleDict({"qkv": torch.nn.Linear(2, 2)}) for _ in range(2)])}
+        )
+        for p in self.model.parameters():
+            p.grad = torch.ones_like(p)
+
+
+def grads_of(trainer: Grads) -> dict[str, float]:
+    return {name: float(p.grad.abs().max()) for name, p in trainer.model.named_parameters() if p.grad is not None}
+
+
+def test_unrecorded_gradient_faults_scale_their_rank_s_gradients_whole_or_by_layer() -> None:
+    whole, layer = Grads(), Grads()
+    step = parts("gradients", rank=1)
+    step.trainer = whole
+    apply_faults([make_fault(FaultSpec("grad_scale", ranks=(1,), params={"factor": 4.0}))], step)
+    assert set(grads_of(whole).values()) == {4.0}
+    step.trainer = layer
+    apply_faults([make_fault(FaultSpec("layer_grad_scale", ranks=(1,), params={"layers": [1], "factor": 8.0}))], step)
+    assert grads_of(layer) == {
+        "blocks.0.qkv.weight": 1.0, "blocks.0.qkv.bias": 1.0, "blocks.1.qkv.weight": 8.0, "blocks.1.qkv.bias": 8.0
+    }  # fmt: skip
+    spared = Grads()
+    other = parts("gradients", rank=0)
+    other.trainer = spared
+    apply_faults([make_fault(FaultSpec("grad_scale", ranks=(1,), params={"factor": 4.0}))], other)
+    assert set(grads_of(spared).values()) == {1.0}
+
+
+def test_a_stored_batch_fault_changes_what_is_stored_and_not_what_was_trained() -> None:
+    fault = make_fault(FaultSpec("stored_advantages_before_scale", ranks=(1,), params={"factor": 10.0}))
+    trained = parts("advantages")
+    before = trained.batch["advantages"].clone()
+    apply_faults([fault], trained)
+    assert torch.allclose(trained.batch["advantages"], before * 10)
+    stored = parts("stored")
+    stored.batch["advantages"] = trained.batch["advantages"].clone()
+    apply_faults([fault], stored)
+    assert torch.allclose(stored.batch["advantages"], before)
+    stale = parts("stored")
+    stale.previous = {**parts("batch", rank=0).batch, "tokens": torch.zeros(B, T, dtype=torch.long)}
+    apply_faults([make_fault(FaultSpec("stored_batch_previous", ranks=(1,)))], stale)
+    assert stale.batch["tokens"].eq(0).all()
+
+
+def test_an_unrecorded_fault_spec_is_checked_and_a_gradient_fault_is_refused_under_fsdp(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"fault grad_scale: `params.factor` must be a number"):
+        make_fault(FaultSpec("grad_scale", params={"factor": -1.0}))
+    with pytest.raises(ConfigError, match=r"family_grad_sum: `params.family` must be one of experts"):
+        make_fault(FaultSpec("family_grad_sum", params={"family": "nope"}))
+    with pytest.raises(ConfigError, match=r"FSDP never holds whole"):
+        capture_reference_run(
+            tmp_path,
+            world_size=2,
+            steps=2,
+            preset="peaked",
+            parallel="fsdp",
+            faults=[make_fault(FaultSpec("grad_scale"))],
+        )

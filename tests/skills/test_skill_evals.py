@@ -115,7 +115,7 @@ def test_a_shotgun_list_of_fixes_fails_the_fix_check_and_only_the_right_fix_pass
     score = load(EVALS / "score.py")
     case = next(e for e in doc["evals"] if e["snapshot"]["case"] == "stale_old_logprobs")
     every = sorted({f for family in doc["families"].values() for f in family["fixes"]})
-    assert len(every) == 18
+    assert len(every) == 19
     shotgun = REPORT.replace("Fix: drop_ranks=1", "Fix: " + ", ".join(f"{f}=1" for f in every))
     graded = score.score_report(shotgun, case, doc["families"])
     assert graded["checks"]["fix"] is False and graded["shotgun"] is True and graded["score"] < 1.0

@@ -32,6 +32,8 @@ class HalfRewards:              # a verifier that halves every reward of rank 1 
 capture_reference_run(out, world_size=2, preset="none", faults=[HalfRewards()], overrides={"train": {"burst": [20]}})
 ```
 
+`FAULT_KINDS` are the built-in faults of the step's inputs (the presets use them); `fault_kinds()` adds those of
+`unrecorded_faults` (a scale the run config does not record, a stored batch that is not the one trained on).
 `FAULT_KINDS` are the built-in faults the presets use (`presets.FaultSpec` names one with its ranks, samples and
 parameters); `make_fault` builds one. Every built-in fault is a bug a real RL stack has had: an off-by-one between a
 tensor and the tokens it belongs to, a buffer reused from the previous step, a worker that answers out of order, a
@@ -41,12 +43,11 @@ verifier that returns another scale or NaN, a weight sync that stopped.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import ClassVar
 
 import torch
 
+from axrl_spike_replay.capture.fault_base import STAGES, BuiltinFault, Fault, StepParts, apply_faults
 from axrl_spike_replay.capture.fault_params import (
     BY,
     FRACTION,
@@ -55,7 +56,6 @@ from axrl_spike_replay.capture.fault_params import (
     SHIFT,
     SIGNAL,
     ParamRule,
-    check_params,
     flag,
     layer_list,
     number,
@@ -64,90 +64,12 @@ from axrl_spike_replay.capture.fault_params import (
 from axrl_spike_replay.capture.presets import FaultSpec
 from axrl_spike_replay.capture.rollout import shifted_routes
 from axrl_spike_replay.capture.toy_task import TASK_ALPHABET
+from axrl_spike_replay.capture.unrecorded_faults import UNRECORDED_KINDS
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.training.loss_config import LossConfig
 
-STAGES = ("prompts", "rollout", "rewards", "advantages", "batch")
-
-
-@dataclass
-class StepParts:
-    """One rank's step as a fault sees it at `stage` (see the module doc for what `batch` holds at each stage)."""
-
-    stage: str
-    iteration: int
-    rank: int
-    world_size: int
-    in_burst: bool
-    prompt_len: int
-    batch: dict[str, torch.Tensor]
-    routed_experts: torch.Tensor | None = None  # from `rollout` on
-    previous: dict[str, torch.Tensor] | None = None  # this rank's batch of the previous step, as the loss consumed it
-    generator: torch.Generator | None = None  # the step's seeded stream: a fault that draws stays reproducible
-    # the rank's `trainer_step.RankTrainer` (its policy and reference; typed loosely: that module imports this one)
-    trainer: Any = field(default=None, repr=False)
-    loss: LossConfig | None = None  # the loss settings this rank's step computes with (the run's, unless a fault)
-
-
-class Fault(Protocol):
-    """A trainer bug: called after each `stage` of every step with the step's parts; corrupts `part` in place."""
-
-    @property
-    def stage(self) -> str: ...
-
-    @property
-    def part(self) -> str: ...
-
-    def __call__(self, parts: StepParts) -> None: ...
-
-
-def apply_faults(faults: Sequence[Fault], parts: StepParts) -> None:
-    """Call every fault of `parts.stage` on `parts` (in the order given)."""
-    for fault in faults:
-        if fault.stage == parts.stage:
-            fault(parts)
-
-
-# --- the built-in faults -----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class BuiltinFault:
-    """A built-in fault: it acts during the burst on its ranks (None: every rank), on its samples (None: all)."""
-
-    spec: FaultSpec
-
-    stage = "batch"
-    part = "batch"
-    PARAMS: ClassVar[dict[str, ParamRule]] = {}  # the parameters it takes, each with its rule
-
-    def __call__(self, parts: StepParts) -> None:
-        if parts.in_burst and self.hits(parts.rank, parts.world_size):
-            self.corrupt(parts)
-
-    def hits(self, rank: int, world_size: int) -> bool:
-        """Whether this fault acts on `rank` (a negative rank counts from the last one)."""
-        if self.spec.ranks is None:
-            return True
-        return any(r % world_size == rank for r in self.spec.ranks)
-
-    def rows(self, batch_size: int) -> list[int]:
-        """The samples (rows of this rank's batch) it corrupts."""
-        if self.spec.samples is None:
-            return list(range(batch_size))
-        return sorted({s % batch_size for s in self.spec.samples})
-
-    def param(self, name: str, default: Any) -> Any:
-        return self.spec.params.get(name, default)
-
-    @classmethod
-    def check_spec(cls, spec: FaultSpec) -> None:
-        """ConfigError naming the first parameter of `spec` this fault does not take, or whose value is wrong."""
-        check_params(spec.kind, spec.params, cls.PARAMS)
-
-    def corrupt(self, parts: StepParts) -> None:
-        raise NotImplementedError
+__all__ = ["STAGES", "BuiltinFault", "Fault", "StepParts", "apply_faults", "fault_kinds", "make_fault"]
 
 
 def _response(parts: StepParts) -> torch.Tensor:
@@ -561,13 +483,20 @@ FAULT_KINDS: dict[str, type[BuiltinFault]] = {
 }
 
 
+def fault_kinds() -> dict[str, type[BuiltinFault]]:
+    """Every built-in fault kind: this module's (the step's inputs) and `unrecorded_faults`' (what the trainer does
+    that its run config does not record: its gradients, the batch it stores)."""
+    return {**FAULT_KINDS, **UNRECORDED_KINDS}
+
+
 def make_fault(spec: FaultSpec) -> BuiltinFault:
     """The built-in fault `spec` names, its parameters checked (names, types, ranges) before any step runs;
     ConfigError listing the known kinds, or naming the parameter and what is wrong, otherwise."""
+    kinds = fault_kinds()
     try:
-        kind = FAULT_KINDS[spec.kind]
+        kind = kinds[spec.kind]
     except KeyError:
-        raise ConfigError(f"fault kind {shown(spec.kind, 80)} is not known (known: {', '.join(FAULT_KINDS)})") from None
+        raise ConfigError(f"fault kind {shown(spec.kind, 80)} is not known (known: {', '.join(kinds)})") from None
     kind.check_spec(spec)
     return kind(spec)
 

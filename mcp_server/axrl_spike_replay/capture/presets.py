@@ -271,6 +271,16 @@ _FAMILY_PRESETS = (
         family="non_finite",
     ),
     Preset(
+        name="one_rank_loss_scale",
+        description=(
+            "the last rank computes its loss with a loss scale of 16 the run config does not record (a setting read "
+            "from one node's environment): its loss, recorded as computed, and its gradient are 16 times what the "
+            "snapshot's batch and weights give; the step does not reproduce"
+        ),
+        injected=FaultSpec("loss_setting", ranks=LAST, params={"loss_scale": 16.0}),
+        family="step_not_reproduced",
+    ),
+    Preset(
         name="hard_batch",
         description=(
             "no broken part: every rank's burst batch holds responses the policy finds very unlikely (as after a "

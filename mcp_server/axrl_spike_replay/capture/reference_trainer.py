@@ -119,6 +119,11 @@ def capture_reference_run(
         raise ConfigError(f"seed must be an integer >= 0, got {seed!r}")
     if parallel not in PARALLEL_STRATEGIES:
         raise ConfigError(f"parallel must be one of {', '.join(PARALLEL_STRATEGIES)}, got {parallel!r}")
+    if parallel == "fsdp" and any("gradients" in getattr(f, "stages", (f.stage,)) for f in faults):
+        raise ConfigError(
+            "a fault at the `gradients` stage scales a rank's own gradients, which FSDP never holds whole: "
+            "capture it with parallel ddp"
+        )
     root = Path(out)
     if root.exists() and not root.is_dir():
         raise ConfigError(f"out {root}: exists and is not a directory")

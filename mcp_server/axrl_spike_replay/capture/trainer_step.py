@@ -48,6 +48,11 @@ class StepBatch:
     routed_experts: torch.Tensor
     global_reward_mean: float
     loss: LossConfig | None = None  # the loss settings this step computes with (None: the run's)
+    iteration: int = 0
+    in_burst: bool = False
+    # the rank's previous step (batch and routes), for a fault at the `stored` stage that writes it instead
+    previous: dict[str, torch.Tensor] | None = None
+    previous_routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -100,6 +105,7 @@ class RankTrainer:
         # trainer bugs called at each stage of a step (`capture.faults`): the preset's, then any the caller adds
         self.faults: list[Fault] = [make_fault(self.preset.injected)] if self.preset.injected else []
         self.previous: dict[str, torch.Tensor] | None = None  # the last step's batch (a stale-buffer fault reads it)
+        self.previous_routes: torch.Tensor | None = None  # ... and its recorded routes
 
     def copy_policy(self, model: torch.nn.Module) -> torch.nn.Module:
         """A copy of the policy with its own routing hooks (a transformers policy is rebuilt, then loaded)."""
@@ -187,14 +193,44 @@ class RankTrainer:
         assert routed_experts is not None, "a fault removed the recorded routes"
         order = ("tokens", "loss_mask", "advantages", "rollout_logprobs", "rewards", "group_index")
         batch = {**{k: parts.batch[k] for k in order if k in parts.batch}, **parts.batch}  # the saved field order
-        self.previous = dict(batch)
+        previous, previous_routes = self.previous, self.previous_routes
+        self.previous, self.previous_routes = dict(batch), routed_experts
         loss = parts.loss if parts.loss != self.spec.loss else None
-        return StepBatch(batch=batch, routed_experts=routed_experts, global_reward_mean=global_mean, loss=loss)
+        return StepBatch(
+            batch=batch,
+            routed_experts=routed_experts,
+            global_reward_mean=global_mean,
+            loss=loss,
+            iteration=iteration,
+            in_burst=burst,
+            previous=previous,
+            previous_routes=previous_routes,
+        )
 
     def _fault(self, stage: str, parts: StepParts) -> None:
         if self.faults:
             parts.stage = stage
             apply_faults(self.faults, parts)
+
+    def _late_fault(self, stage: str, step: StepBatch, batch: dict[str, torch.Tensor]) -> StepParts:
+        """Call the faults of a stage after the rollout (`gradients`, `stored`) on `batch` (a copy of the step's)."""
+        parts = StepParts(
+            stage=stage,
+            iteration=step.iteration,
+            rank=self.rank,
+            world_size=self.world_size,
+            in_burst=step.in_burst,
+            prompt_len=self.train.prompt_len,
+            batch=batch,
+            routed_experts=step.routed_experts,
+            previous=step.previous,
+            trainer=self,
+            loss=step.loss or self.spec.loss,
+        )
+        if stage == "stored" and step.previous_routes is not None:
+            parts.previous = {**(step.previous or {}), "_routed_experts": step.previous_routes}
+        self._fault(stage, parts)
+        return parts
 
     def gradients(self, step: StepBatch) -> StepGrads:
         """This rank's forward/backward, the DP mean of the gradients and the global pre-clip norm."""
@@ -205,6 +241,7 @@ class RankTrainer:
         if loss_cfg.normalization == "global":  # every rank normalises by the step's counts
             counts = all_reduce_counts(*local_counts(step.batch, loss_cfg), self.world_size)
         out = rank_forward_backward(self.model, step.batch, loss_cfg, routing, counts=counts)
+        self._late_fault("gradients", step, step.batch)  # a fault scales this rank's own gradients (unrecorded)
         local = param_grad_norms(self.model)
         reduce_gradients(self.model, self.world_size)
         grad_norm = global_grad_norm(self.model)
@@ -243,12 +280,14 @@ class RankTrainer:
         }
         if grads.counts is not None:  # what a replay, at any layout, normalises every rank by
             grad_info[GRAD_INFO_KEY] = grads.counts.to_doc()
+        stored = self._late_fault("stored", step, dict(step.batch))  # a fault stores another batch (unrecorded)
+        assert stored.routed_experts is not None
         routing_payload = {
-            "routed_experts": step.routed_experts.to(torch.int32),
+            "routed_experts": stored.routed_experts.to(torch.int32),
             "moe_layers": list(self.spec.model.moe_layer_ids),  # absolute decoder layers (dense ones left out)
             "source": "rollout",
         }
-        return RankPayload(batch=step.batch, grad_info=grad_info, routing_payload=routing_payload)
+        return RankPayload(batch=stored.batch, grad_info=grad_info, routing_payload=routing_payload)
 
 
 def specialise_policy(model: torch.nn.Module, how: Specialisation) -> None:

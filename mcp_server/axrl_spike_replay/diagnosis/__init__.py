@@ -50,6 +50,10 @@ FAMILIES, with the broken part each names:
   fed differs from the other ranks' (its typical sample far less likely to the policy, or its advantages of
   another scale); data alike the others' is a few hard samples that landed on that rank (`natural_spike`);
 - `non_finite`: non-finite values in the batch or the gradient;
+- `step_not_reproduced`: the replay does not give the recorded step; each rank's recorded loss and per-parameter
+  norms against the replay's say which ranks differ and how (one factor: a loss or gradient scale outside the
+  recorded config; a factor per layer or parameter family; no pattern: a stored batch that is not the one trained
+  on), and the recorded norm is predicted from them (`reproduction`); first whenever the step does not reproduce;
 - `natural_spike`: no broken part found: the batch is simply hard (the fallback, weak unless the model evidence
   was checked and every stored signal agrees).
 """

@@ -71,6 +71,7 @@ class Evidence:
     channel: LossChannel | None = None  # the gradient by loss term (model evidence)
     loss: LossConfig | None = None  # the run's loss config (None: unreadable)
     routing: RoutingConfig | None = None
+    reproduction: Any | None = None  # each rank's record against the replay (`reproduction.Reproduction`)
 
 
 def _pct(x: float) -> str:

@@ -7,9 +7,12 @@ checks, the job's log at the iteration (when its logs are known) and, from the m
 attribution, every stored signal against the replay per rank (`signal_reading` names the odd one out) and the
 gradient by loss term per rank (the channel).
 
-Families that fit equally (strengths within TIE, both likely) are capped at TIED and name each other in
-`tied_with`; an experiment that would not change the snapshot's own config (`is_base_logprobs=old` on a run
-whose base is already old) is never suggested. Nothing likely: `natural_spike`, stronger when the model
+Every cause is held to the per-rank figures (`rank_scope`): scoped to the ranks they single out, or weakened with
+the reason it cannot be scoped. Families that fit equally (strengths within TIE, both likely) are capped at TIED,
+name each other in `tied_with` and the comparison that would separate them, which runs here when the model evidence
+did (`tie_break`); a step that does not reproduce is explained first (`reproduction`); an experiment that would
+not change the snapshot's own config (`is_base_logprobs=old` on a run whose base is already old) is never
+suggested. Nothing likely: `natural_spike`, stronger when the model
 evidence was checked and every stored signal agrees.
 
 Attribution needs a replay of the step. `diagnose` takes one the caller already has (`attribution`: the
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.diagnosis import causes, signal_causes
+from axrl_spike_replay.diagnosis import causes, rank_scope, reproduction, signal_causes, tie_break
 from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment
 from axrl_spike_replay.diagnosis.hypotheses import loss_hypotheses, rank_mismatches
 from axrl_spike_replay.diagnosis.input_causes import input_causes, merge_input_causes
@@ -45,6 +48,7 @@ from axrl_spike_replay.snapshot.consistency import (
     check_replayed_norm,
     check_snapshot,
 )
+from axrl_spike_replay.snapshot.layout import rank_files
 from axrl_spike_replay.snapshot.log_point import LogPoint, log_point
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 from axrl_spike_replay.vocabulary import Fidelity
@@ -60,6 +64,8 @@ CHECKED = {
     "outlier_advantage": f"per-sample advantages against their rank's batch (robust z ≥ {causes.OUTLIER_Z:g}, a few)",
     "negative_advantage_dominance": "the sign balance of advantages over loss tokens",
     "one_rank_data": "per-rank local grad norms, shares of the attributed norm and of each loss term",
+    "step_not_reproduced": "each rank's recorded loss and per-parameter norms against the replay's, the factor per "
+    "rank, layer and parameter family, and the recorded global norm predicted from them",
 }
 RULES = (
     causes.non_finite,
@@ -71,6 +77,7 @@ RULES = (
     causes.outlier_advantage,
     causes.negative_advantage_dominance,
     signal_causes.one_rank_data,
+    reproduction.step_not_reproduced,
 )
 TIE = 0.1  # likely causes whose strengths are this close fit equally
 TIED = 0.7  # the most a tied cause keeps
@@ -200,6 +207,7 @@ def diagnose_snapshot(
     loss, routing, moe_layers = run_configs(directory, not_checked)
     world = len(analysis.ranks)
     hypotheses = _hypotheses(directory, step, loss, world, consistency)
+    compared = _compare_ranks(directory, step, analysis.grad_norm, consistency, not_checked)
     ev = Evidence(
         analysis=analysis,
         grads=grads,
@@ -210,6 +218,7 @@ def diagnose_snapshot(
         channel=step.channel if step is not None else None,
         loss=loss,
         routing=routing,
+        reproduction=compared,
     )
     found = [c for rule in RULES if (c := rule(ev)) is not None]
     found = merge_input_causes(found, input_causes(directory, world, not_checked))  # a corrupt input leads
@@ -219,8 +228,14 @@ def diagnose_snapshot(
             for e in in_convention(cause.experiments, loss, routing)
             if no_op_reason(e.mitigation, loss, routing, moe_layers) is None
         ]
+    rank_scope.hold_to_ranks(found, rank_scope.singled_out(ev, world))
+    untied = {id(c): c.strength for c in found}
     _mark_ties(found)
+    pairs = tie_break.name_comparisons(found)
+    if pairs and step is not None and model == "auto":  # the model evidence ran here: a replay of it is cheap
+        not_checked += tie_break.run_comparisons(directory, pairs, untied)
     found.sort(key=lambda c: -c.strength)
+    _not_reproduced_first(found)
     likely = [c for c in found if c.strength >= causes.LIKELY]
     checked = [f"{name}: {what}" for name, what in CHECKED.items()]
     checked.append(f"consistency: {', '.join(consistency.checked)}")
@@ -280,10 +295,49 @@ def _hypotheses(
     return out
 
 
+def _compare_ranks(
+    directory: Path, step: StepEvidence | None, recorded: float, consistency: Consistency, not_checked: list[str]
+) -> reproduction.Reproduction | None:
+    """Each rank's recorded loss and per-parameter norms against the replay's (the replay's own per-rank check,
+    `param_grad_norms_vs_replay`, made here too); None without the loss channel's per-rank norms."""
+    from axrl_spike_replay.snapshot.rank_data import load_grad_info
+    from axrl_spike_replay.snapshot.replayed_param_norms import NAME, check_replayed_param_norms
+
+    channel = step.channel if step is not None else None
+    if channel is None or not channel.rank_param_norms:
+        return None
+    infos: dict[int, dict[str, Any]] = {}
+    for rank in sorted(rank_files(directory)["grad_info"]):
+        try:
+            infos[rank] = load_grad_info(directory, rank)
+        except AxrlError:
+            not_checked.append(f"rank {rank}'s record against the replay (grad info unreadable)")
+            return None
+    local = {r: n for r in infos if (n := channel.param_norms_of(r)) is not None}
+    consistency.skipped.pop(NAME, None)
+    if NAME in not_checked:
+        not_checked.remove(NAME)
+    not_checked[:] = [n for n in not_checked if not n.startswith(NAME)]
+    check_replayed_param_norms(
+        consistency, directory, None, local, reproduction.MATCH_TOLERANCE, "diagnose's replay (cpu, per rank)"
+    )
+    return reproduction.compare_ranks(infos, channel, recorded)
+
+
+def _not_reproduced_first(found: list[Cause]) -> None:
+    """A step that does not reproduce is explained before anything else is read into it (reproduction's doc)."""
+    head = next(
+        (c for c in found if c.family == "step_not_reproduced" and c.strength >= reproduction.UNEXPLAINED), None
+    )
+    if head is not None:
+        found.remove(head)
+        found.insert(0, head)
+
+
 def _mark_ties(found: list[Cause]) -> None:
     """Likely causes of different families whose strengths are within TIE, neither separated by a witness (1.0)
     nor on different ranks: capped at TIED, each naming the other."""
-    likely = [c for c in found if c.strength >= causes.LIKELY]
+    likely = [c for c in found if c.strength >= causes.LIKELY and c.family != "step_not_reproduced"]
     for a in likely:
         for b in likely:
             if a is b or abs(a.strength - b.strength) >= TIE or b.family in a.tied_with:

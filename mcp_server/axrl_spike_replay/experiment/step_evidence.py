@@ -13,8 +13,9 @@ Channel: the step's DP-mean gradient split by loss term (`policy`: the PPO ratio
 clips; `kl`; `entropy`; `aux` and `z`: the router losses), each term's gradient taken by its own backward at the
 same forward, in the loss's own convention; per rank, each term's part of the reduced gradient (g_term,r / W),
 its norm and its share <g_term,r / W, g> / ||g||^2 (the shares over every term and rank sum to 1), the term's value
-in the rank's loss, and the loss tokens that pull hardest in it (|d term / d log p_t|); and each rank's whole loss,
-what its recorded loss is compared with.
+in the rank's loss, and the loss tokens that pull hardest in it (|d term / d log p_t|); and each rank's whole loss and
+per-parameter norms before the mean, what its recorded loss and norms are compared with, with the ranks' gradients'
+dots per parameter (the reduced norm under any per-rank scale follows from them).
 """
 
 from __future__ import annotations
@@ -151,6 +152,17 @@ class LossChannel:
     sum_rel_error: float = 0.0  # ||sum of the terms' gradients - g|| / ||g||
     # each saved rank's whole loss as the replay computes it ({rank, loss}): what its recorded loss is compared with
     rank_losses: list[dict[str, Any]] = field(default_factory=list)
+    # each saved rank's per-parameter norms of its own whole-loss gradient, before the data-parallel mean ({rank,
+    # norms: {name: norm}}): what its recorded per-parameter norms are compared with (empty: not computed)
+    rank_param_norms: list[dict[str, Any]] = field(default_factory=list)
+    # per parameter, the dots <g_r, g_q> of the ranks' own gradients ({"ranks": [r...], "params": {name: W x W}}):
+    # enough to compute the reduced norm under any per-rank, per-parameter scale (empty: not computed)
+    param_gram: dict[str, Any] = field(default_factory=dict)
+
+    def param_norms_of(self, rank: int) -> dict[str, float] | None:
+        """Saved rank `rank`'s replayed per-parameter norms before the mean (None: not computed)."""
+        row = next((x for x in self.rank_param_norms if x.get("rank") == rank), None)
+        return None if row is None else {str(k): float(v) for k, v in row["norms"].items()}
 
     def rank_loss(self, rank: int) -> float | None:
         """Saved rank `rank`'s replayed whole loss (None: not recorded)."""

@@ -44,6 +44,7 @@ from axrl_spike_replay.training.policy_loss import LossOutput, policy_loss
 
 LN2 = math.log(2.0)
 MAX_ROUTE_LAYERS = 64  # one forward per MoE layer and rank
+GRAM_BYTES = 512 * 2**20  # every rank's gradient kept (float64) for the per-parameter dots up to this
 TOP_TOKENS = 5
 
 
@@ -294,6 +295,10 @@ def loss_channel(
     g_sq = _dot(g, g)
     shares: dict[str, dict[int, float]] = {}
     full = [torch.zeros_like(p) for p in params]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    keep = len(ranks.batches) * sum(p.numel() * 8 for p in params) <= GRAM_BYTES
+    kept: dict[int, list[torch.Tensor]] = {}
+    rank_norms: list[dict[str, Any]] = []
     for rank in ranks.batches:  # second pass: each rank's terms against the reduced gradient
         check_cancel(cancel, "diagnosis")
         terms, out = rank_terms(model, ranks, cfg, rank, counts)
@@ -302,8 +307,15 @@ def loss_channel(
             shares.setdefault(name, {})[rank] = _dot(grads, g) / world / g_sq if g_sq > 0 else 0.0
         whole, _ = _grads(terms.pop("_loss"), params, [])
         full = [a + b / world for a, b in zip(full, whole, strict=True)]
+        rank_norms.append(
+            {"rank": rank, "norms": {n: float(w.detach().float().norm()) for n, w in zip(names, whole, strict=True)}}
+        )
+        if keep:
+            kept[rank] = [w.detach().double().cpu() for w in whole]
         del terms, out
-    channel = LossChannel(grad_norm=math.sqrt(g_sq), rank_losses=losses)
+    channel = LossChannel(grad_norm=math.sqrt(g_sq), rank_losses=losses, rank_param_norms=rank_norms)
+    if keep:
+        channel.param_gram = param_gram(names, kept)
     coefs = {"kl": cfg.loss.kl_coef, "entropy": cfg.loss.entropy_coef, "aux": cfg.loss.aux_loss_coef}
     coefs["z"] = cfg.loss.z_loss_coef
     for name, grads in sums.items():
@@ -322,6 +334,16 @@ def loss_channel(
     diff = [a - b for a, b in zip(full, g, strict=True)]  # the terms add up to the loss's own gradient
     channel.sum_rel_error = math.sqrt(_dot(diff, diff) / g_sq) if g_sq > 0 else 0.0
     return channel
+
+
+def param_gram(names: Sequence[str], grads: dict[int, list[torch.Tensor]]) -> dict[str, Any]:
+    """Per parameter, the W x W dots of the ranks' own gradients (float64), ranks in `grads`' order."""
+    order = list(grads)
+    params: dict[str, list[list[float]]] = {}
+    for i, name in enumerate(names):
+        flat = torch.stack([grads[r][i].reshape(-1) for r in order])
+        params[name] = (flat @ flat.T).tolist()
+    return {"ranks": order, "params": params}
 
 
 def top_tokens(pulls: dict[int, torch.Tensor], masks: dict[int, torch.Tensor]) -> list[dict[str, Any]]:

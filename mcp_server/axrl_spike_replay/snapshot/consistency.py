@@ -19,7 +19,7 @@ Checks (each listed in `checked` when it could be made, so "no problem" says wha
 - `rank_loss_vs_replay` (with a replay's per-rank metrics): each rank's recorded loss against the replayed one.
 - `grad_norm_vs_replay` (when `diagnose` replays the step for its attribution): the recorded global norm against
   the replayed one, within the tolerance of that replay's layout. A mismatch means the snapshot does not reproduce:
-  its batch or weights differ from what produced the recorded norm.
+  a scale the run config does not record, or a batch or weights other than those that produced the recorded norm.
 - `grad_norm_vs_log` (when the job's log has the iteration): the recorded norm against the log's.
 - `param_grad_norms_vs_replay` (with a replay's per-parameter norms): `snapshot.replayed_param_norms`.
 
@@ -392,8 +392,9 @@ def check_replayed_norm(
         ConsistencyProblem(
             "grad_norm_vs_replay",
             f"the snapshot does not reproduce: {replay} gives grad norm {replayed:.6g} from its weights and batch, "
-            f"the recorded one is {recorded:.6g} (rel diff {diff:.3g}, tolerance {tolerance:.0e}); its batch or "
-            "weights differ from what produced the recorded norm",
+            f"the recorded one is {recorded:.6g} (rel diff {diff:.3g}, tolerance {tolerance:.0e}); the trainer "
+            "computed something its run config does not record (a loss or gradient scale on some rank), or its stored "
+            "batch or weights differ from what produced the recorded norm (`diagnose` compares each rank's record)",
             {"recorded_grad_norm": recorded, "replayed_grad_norm": replayed, "rel_diff": diff, "tolerance": tolerance},
         )
     )

@@ -125,7 +125,8 @@ def _compare(
         NAME,
         f"{whose} differ from those {replay} computes in {len(rows)} of {compared} parameters beyond tolerance "
         f"{tolerance:.0e} "
-        f"({listed}); the recorded norms are not those of the snapshot's weights and batch (the batch, the "
-        "weights or the recorded norms were edited)",
+        f"({listed}); the recorded norms are not those of the snapshot's weights and batch: a loss or gradient "
+        "scale the run config does not record (one factor on every parameter, or one per layer or parameter family), "
+        "a stored batch that is not the one the rank trained on, or edited weights or norms (`diagnose` reads which)",
         {"rank": rank, "compared": compared, "differing": len(rows), "tolerance": tolerance, "worst": worst},
     )

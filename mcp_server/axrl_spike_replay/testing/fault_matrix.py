@@ -8,6 +8,9 @@ Three provenances:
 - `variant`: a family preset's fault with other parameters or ranks;
 - `held_out`: a built-in fault no preset uses (another way to break the same part), planted on a healthy base
   preset (`peaked`, `expert_sensitive`). A diagnosis built on the presets alone has not seen these.
+- `unseen`: faults of `capture.unrecorded_faults` (a kind no preset uses, most of a family no earlier rule read:
+  steps that do not reproduce), written and measured before the rules that read them; on two architectures and two
+  world sizes, one case with two faults on two ranks. Each names its own model and world size.
 
 `capture_command` is the same run as an `axrl-spike-replay capture` command line. `capture_case` records a case
 with `hide_fault`, so the snapshots and the log do not name the preset or the fault:
@@ -23,7 +26,7 @@ from typing import Any
 
 from axrl_spike_replay.capture.presets import FAMILY_PRESETS, FAULT_FAMILIES, LAST, FaultSpec, get_preset
 
-PROVENANCES = ("preset", "variant", "held_out")
+PROVENANCES = ("preset", "variant", "held_out", "unseen")
 MATRIX_WORLD_SIZE = 2  # one faulty rank beside a healthy one: the witness a per-rank comparison needs
 MATRIX_STEPS = 24  # the burst is at iterations 20-22
 
@@ -35,8 +38,10 @@ class MatrixCase:
     name: str
     family: str  # the cause family planted (one of presets.FAULT_FAMILIES)
     preset: str
-    provenance: str  # preset | variant | held_out
+    provenance: str  # preset | variant | held_out | unseen
     faults: tuple[FaultSpec, ...] = ()  # planted on top of the preset's own fault
+    world_size: int = MATRIX_WORLD_SIZE
+    model: str | None = None  # the one model the case runs on (None: each model the matrix is run on)
 
     def specs(self) -> list[FaultSpec]:
         """Every fault the case plants: the preset's, then its own."""
@@ -148,12 +153,80 @@ _HELD_OUT = (
 )
 
 
+_UNSEEN = (
+    MatrixCase(
+        "unseen:grad_accumulation_not_divided",
+        "step_not_reproduced",
+        "peaked",
+        "unseen",
+        (FaultSpec("grad_scale", ranks=LAST, params={"factor": 16.0}),),
+    ),
+    MatrixCase(
+        "unseen:one_layer_grad_scaled_ws4",
+        "step_not_reproduced",
+        "peaked",
+        "unseen",
+        (FaultSpec("layer_grad_scale", ranks=(2,), params={"layers": [1], "factor": 64.0}),),
+        world_size=4,
+    ),
+    MatrixCase(
+        "unseen:expert_grads_summed",
+        "step_not_reproduced",
+        "peaked",
+        "unseen",
+        (FaultSpec("family_grad_sum", ranks=(0,), params={"family": "experts", "factor": 64.0}),),
+    ),
+    MatrixCase(
+        "unseen:loss_summed_over_micro_batches",
+        "step_not_reproduced",
+        "peaked",
+        "unseen",
+        (FaultSpec("loss_sum_not_mean", ranks=LAST, params={"factor": 16.0}),),
+    ),
+    MatrixCase(
+        "unseen:advantages_stored_before_scale",
+        "step_not_reproduced",
+        "peaked",
+        "unseen",
+        (FaultSpec("stored_advantages_before_scale", ranks=LAST, params={"factor": 32.0}),),
+    ),
+    MatrixCase(
+        "unseen:layer_scale_and_stale_stored_batch_ws4",
+        "step_not_reproduced",
+        "peaked",
+        "unseen",
+        (
+            FaultSpec("layer_grad_scale", ranks=(0,), params={"layers": [0], "factor": 64.0}),
+            FaultSpec("stored_batch_previous", ranks=(3,)),
+        ),
+        world_size=4,
+    ),
+    MatrixCase(
+        "unseen:qwen2_moe_grad_accumulation_not_divided",
+        "step_not_reproduced",
+        "peaked",
+        "unseen",
+        (FaultSpec("grad_scale", ranks=LAST, params={"factor": 16.0}),),
+        model="qwen2_moe",
+    ),
+    MatrixCase(
+        "unseen:qwen2_moe_loss_summed_ws4",
+        "step_not_reproduced",
+        "peaked",
+        "unseen",
+        (FaultSpec("loss_sum_not_mean", ranks=(1,), params={"factor": 32.0}),),
+        world_size=4,
+        model="qwen2_moe",
+    ),
+)
+
+
 def matrix_cases(provenances: tuple[str, ...] = PROVENANCES) -> list[MatrixCase]:
     """The matrix's cases of the given provenances, presets first."""
     unknown = set(provenances) - set(PROVENANCES)
     if unknown:
         raise ValueError(f"unknown provenance {sorted(unknown)} (known: {', '.join(PROVENANCES)})")
-    cases = [*_preset_cases(), *_VARIANTS, *_HELD_OUT]
+    cases = [*_preset_cases(), *_VARIANTS, *_HELD_OUT, *_UNSEEN]
     return [c for c in cases if c.provenance in provenances]
 
 
@@ -170,16 +243,17 @@ def capture_case(
     *,
     model: str = "tiny_moe",
     seed: int = 0,
-    world_size: int = MATRIX_WORLD_SIZE,
+    world_size: int | None = None,
     steps: int = MATRIX_STEPS,
 ) -> Any:
-    """Record `case` under `out` with the fault hidden from the snapshots (a `CaptureResult`)."""
+    """Record `case` under `out` with the fault hidden from the snapshots (a `CaptureResult`); `world_size` None:
+    the case's."""
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
 
     return capture_reference_run(
         out,
         run=f"{case.name.replace(':', '-')}-s{seed}",
-        world_size=world_size,
+        world_size=case.world_size if world_size is None else world_size,
         steps=steps,
         seed=seed,
         preset=case.preset,
@@ -195,7 +269,7 @@ def capture_command(case: MatrixCase, out: str, *, model: str = "tiny_moe", seed
     import shlex
 
     words = [
-        "axrl-spike-replay", "capture", "--out", out, "--world-size", str(MATRIX_WORLD_SIZE),
+        "axrl-spike-replay", "capture", "--out", out, "--world-size", str(case.world_size),
         "--steps", str(MATRIX_STEPS), "--seed", str(seed), "--preset", case.preset, "--model", model, "--hide-fault",
     ]  # fmt: skip
     for spec in case.faults:
