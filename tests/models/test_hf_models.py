@@ -206,7 +206,7 @@ def test_a_hostile_hf_config_is_refused_before_anything_is_built(change: dict, m
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("architecture", "jamba"), ("experts_implementation", "deepgemm"), ("attn_implementation", "sdpa")],
+    [("architecture", "jamba"), ("experts_implementation", "deepgemm"), ("attn_implementation", "flex_attention")],
 )
 def test_what_the_engine_cannot_build_points_to_the_command_backend(key: str, value: str) -> None:
     from axrl_spike_replay.errors import ConfigError

@@ -67,6 +67,7 @@ def build_model(spec: ModelSpec, weights_dir: str, device: str, placement: Place
     an HF directory or verl shards (the weights dir itself, or the spec's `path` when the snapshot holds no
     checkpoint), or a Megatron checkpoint; whole or sharded as `placement` says."""
     placement = placement or Placement()
+    check_kernels_run(spec, device)
     return_freed_host_memory()
     if placement.shard:
         return build_sharded(spec, weights_dir, device, placement.precision)
@@ -75,6 +76,15 @@ def build_model(spec: ModelSpec, weights_dir: str, device: str, placement: Place
     if placement.precision is not None and placement.precision.recorded:
         cast_for_compute(model, shard_units(model), placement.precision)
     return model.to(device)
+
+
+def check_kernels_run(spec: ModelSpec, device: str) -> None:
+    """ConfigError, before anything loads, when the spec's attention kernel cannot run on `device` here
+    (`models.attention_kernels`)."""
+    from axrl_spike_replay.models.attention_kernels import check_attention_runs
+
+    if isinstance(spec, HFModelConfig):
+        check_attention_runs(spec.attn_implementation, spec.dtype, device)
 
 
 def _mesh_device(device: str) -> str:
