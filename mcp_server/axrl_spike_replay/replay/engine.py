@@ -161,6 +161,7 @@ class ReplaySession:
             spike_bar=spike_bar(inputs.metadata.median_norm, self.threshold),
             shard=self.shard.shard,
             precision=inputs.precision,
+            checkpoint_layers=self.shard.checkpoint,
         )
         self.log(
             f"replaying {len(self.configs)} config(s) on {self.plan.nproc} process(es), {o.device}, "

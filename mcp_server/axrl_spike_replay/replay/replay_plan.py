@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import ConfigError, SnapshotError
+from axrl_spike_replay.models.chunked_head import chunk_tokens
 from axrl_spike_replay.replay.process_memory import (
     ModelFacts,
     ProcessMemory,
@@ -54,6 +55,7 @@ class PlanRow:
     processes_per_device: int
     per_device: int  # bytes on one GPU (or the host) for its processes
     fits: bool | None  # None: no capacity known
+    checkpointed: bool = False  # decoder layers recompute their activations in the backward
 
 
 @dataclass
@@ -77,6 +79,9 @@ class ReplayPlan:
     smallest_full_fidelity: PlanRow | None = None  # fewest processes holding every saved rank that fits
     layout: str = ""
     notes: list[str] = field(default_factory=list)
+    attention: str = "eager"  # the attention kernel replayed (`models.attention_kernels`)
+    micro_batch: tuple[int, int] = (0, 0)  # [sequences, tokens] of the largest micro-batch: what one forward holds
+    head_chunk: int = 0  # tokens per chunk of the head (`models.chunked_head`)
 
     @property
     def fits(self) -> bool | None:
@@ -102,6 +107,8 @@ class ReplayPlan:
             f"{self.model}: {parameter_count(self.parameters)} parameters ({self.param_dtype}, gradients "
             f"{self.grad_dtype}); saved world size {self.world_size}, {self.tokens_per_rank} tokens per rank "
             f"(sequence {self.seq_len})",
+            f"one forward holds a micro-batch of {self.micro_batch[0]} x {self.micro_batch[1]} tokens; attention "
+            f"{self.attention}; the head in chunks of {self.head_chunk} tokens",
         ]
         cap = self.capacity
         if cap is not None:
@@ -129,6 +136,7 @@ def parameter_count(n: float) -> str:
 def _row_text(row: PlanRow) -> str:
     m = row.memory
     how = "sharded (FSDP2)" if row.sharded else "whole model in each process"
+    how += ", decoder layers checkpointed" if row.checkpointed else ""
     fits = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown"}[row.fits]
     return (
         f"{row.nproc} process(es), {row.fidelity} fidelity, {how}: per process parameters {_gib(m.parameters)}, "
@@ -155,18 +163,39 @@ class PlanRefused(ConfigError):
 
 def snapshot_shapes(snapshot: Path, world_size: int) -> tuple[int, int]:
     """(batch, seq) of the largest rank batch (by tokens), from the batch files' shapes only (no data read)."""
-    from axrl_spike_replay.snapshot.rank_data import load_rank_batch
+    return max((_rank_shapes(snapshot, rank) for rank in range(world_size)), key=lambda s: s[0][0] * s[0][1])[0]
 
-    best = (0, 0)
-    for rank in range(world_size):
-        try:
-            tokens = load_rank_batch(snapshot, rank, meta=True)["tokens"]
-        except (OSError, KeyError) as exc:
-            raise SnapshotError(f"{snapshot}: rank {rank}'s batch cannot be read for the plan ({exc})") from None
-        shape = tuple(tokens.shape)
-        if len(shape) == 2 and shape[0] * shape[1] > best[0] * best[1]:
-            best = (int(shape[0]), int(shape[1]))
-    return best
+
+def micro_batch_shape(snapshot: Path, world_size: int) -> tuple[int, int]:
+    """(batch, seq) of the largest micro-batch of any rank (by tokens): the batch file's own `micro_batches`, or the
+    rank's whole batch when it holds none. Shapes only (no data read)."""
+    return max((_rank_shapes(snapshot, rank)[1] for rank in range(world_size)), key=lambda s: s[0] * s[1])
+
+
+def _rank_shapes(snapshot: Path, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((batch, seq) of rank `rank`'s whole batch, of its largest micro-batch)."""
+    from axrl_spike_replay.snapshot.fields import FIELD_ALIASES
+    from axrl_spike_replay.snapshot.layout import batch_file
+    from axrl_spike_replay.snapshot.rank_data import load_rank_batch
+    from axrl_spike_replay.snapshot.safe_load import load_pt
+
+    try:
+        tokens = load_rank_batch(snapshot, rank, meta=True)["tokens"]
+        raw = load_pt(snapshot / batch_file(rank), meta=True)
+    except (OSError, KeyError) as exc:
+        raise SnapshotError(f"{snapshot}: rank {rank}'s batch cannot be read for the plan ({exc})") from None
+    shape = tuple(tokens.shape)
+    whole = (int(shape[0]), int(shape[1])) if len(shape) == 2 else (0, 0)
+    micro = whole
+    parts = raw.get("micro_batches") if isinstance(raw, dict) else None
+    if isinstance(parts, list) and parts:
+        shapes = []
+        for part in parts:
+            found = next((part[n] for n in FIELD_ALIASES["tokens"] if isinstance(part, dict) and n in part), None)
+            if found is not None and len(found.shape) == 2:
+                shapes.append((int(found.shape[0]), int(found.shape[1])))
+        micro = max(shapes, key=lambda s: s[0] * s[1], default=whole)
+    return whole, micro
 
 
 def machine_capacity(device: str) -> Capacity:
@@ -212,9 +241,9 @@ def node_capacity(report: Any, device: str) -> Capacity | None:
 
 
 def _row(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], sharded: bool, cap: Capacity | None,
-         device: str, configs: int, nodes: int, dtypes: StepDtypes) -> PlanRow:  # fmt: skip
+         device: str, configs: int, nodes: int, dtypes: StepDtypes, checkpointed: bool = False) -> PlanRow:  # fmt: skip
     memory = process_memory(facts, nproc, world, *shape, sharded=sharded, device=device, configs=configs,
-                            dtypes=dtypes)  # fmt: skip
+                            dtypes=dtypes, checkpointed=checkpointed)  # fmt: skip
     if cap is None:
         per_device, fits, share = memory.peak, None, 1
     elif cap.device == "cuda":
@@ -227,15 +256,19 @@ def _row(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], shar
         per_device = share * memory.peak
         fits = per_device <= cap.bytes_each
     return PlanRow(nproc, math.ceil(world / nproc), "full" if nproc == world else "reduced", sharded, memory, share,
-                   per_device, fits)  # fmt: skip
+                   per_device, fits, checkpointed)  # fmt: skip
 
 
 def _choose(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], shard: str, cap: Capacity | None,
             device: str, configs: int, nodes: int, dtypes: StepDtypes) -> PlanRow:  # fmt: skip
-    whole = _row(facts, nproc, world, shape, False, cap, device, configs, nodes, dtypes)
-    if shard == "off" or (shard == "auto" and (nproc == 1 or whole.fits is not False)):
-        return whole
-    return _row(facts, nproc, world, shape, True, cap, device, configs, nodes, dtypes)
+    """The first layout that fits, in this order: the whole model, then with checkpointed layers, then sharded (when
+    `shard` allows it and there is more than one process), then sharded and checkpointed; the last one tried when
+    none fits. Unknown capacity keeps the whole model, not checkpointed."""
+    ways = [] if shard == "on" else [(False, False), (False, True)]
+    if shard == "on" or (shard == "auto" and nproc > 1):
+        ways += [(True, False), (True, True)]
+    rows = [_row(facts, nproc, world, shape, sh, cap, device, configs, nodes, dtypes, ck) for sh, ck in ways]
+    return next((row for row in rows if row.fits is not False), rows[-1])
 
 
 def plan_replay(
@@ -267,7 +300,8 @@ def plan_replay(
     recorded = run_config.get("precision")
     precision = None if recorded is None else PrecisionPolicy.from_dict(recorded, f"{path}: precision")
     dtypes = step_dtypes(facts.dtype, precision)
-    shape = snapshot_shapes(path, world)
+    whole_shape = snapshot_shapes(path, world)
+    shape = micro_batch_shape(path, world)  # one forward holds one micro-batch
     cap = machine_capacity(device) if isinstance(capacity, str) else capacity
     wanted = nproc or world
     if not 1 <= wanted <= world:
@@ -283,16 +317,19 @@ def plan_replay(
         param_dtype=dtypes.params,
         grad_dtype=dtypes.grads,
         world_size=world,
-        tokens_per_rank=shape[0] * shape[1],
-        seq_len=shape[1],
+        tokens_per_rank=whole_shape[0] * whole_shape[1],
+        seq_len=whole_shape[1],
         configs=configs,
+        attention=facts.attention,
+        micro_batch=shape,
+        head_chunk=chunk_tokens(facts.vocab),
         shard=shard,
         capacity=cap,
         rows=rows,
         chosen=chosen,
         whole=chosen
         if not chosen.sharded
-        else _row(facts, wanted, world, shape, False, cap, device, configs, nodes, dtypes),
+        else _choose(facts, wanted, world, shape, "off", cap, device, configs, nodes, dtypes),
         smallest_full_fidelity=full,
     )
     plan.layout = _layout(plan, nodes)
