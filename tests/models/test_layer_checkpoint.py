@@ -113,3 +113,24 @@ def test_checkpointing_is_idempotent_and_keeps_parameter_names():
     assert [n for n, _ in model.named_parameters()] == names
     with torch.no_grad():  # no autograd, no checkpoint: the plain forward
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_a_replay_placement_checkpoints_the_layers_of_the_model_it_builds():
+    """What the worker builds when the plan chose checkpointed layers: the snapshot's model, its layers patched, the
+    rank's step the same as the plain build's."""
+    from pathlib import Path
+
+    from axrl_spike_replay.replay.inputs import read_run_config
+    from axrl_spike_replay.replay.model_build import Placement, build_model
+    from axrl_spike_replay.snapshot.rank_data import load_rank_batch
+
+    snapshot = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
+    snapshot = snapshot / "checkpoints" / "spike_snapshots" / "iter_0000021"
+    spec = parse_model_config(read_run_config(snapshot)["model"])
+    plain = build_model(spec, str(snapshot), "cpu")
+    ckpt = build_model(spec, str(snapshot), "cpu", Placement(checkpoint_layers=True))
+    assert all(is_checkpointed(b) for b in ckpt.blocks) and not any(is_checkpointed(b) for b in plain.blocks)
+    batch = load_rank_batch(snapshot, 0)
+    want, got = (_step(m, batch, RoutingControl()) for m in (plain, ckpt))
+    for name, g in want[4].items():
+        assert float((got[4][name] - g).norm() / g.norm().clamp_min(1e-30)) <= 1e-6, name
