@@ -9,7 +9,8 @@ import torch
 import yaml
 
 from axrl_spike_replay.capture.run_config import parse_run_config
-from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, TinyMoEPolicy, token_logprobs
+from axrl_spike_replay.models.policy import policy_forward
+from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, TinyMoEPolicy
 from axrl_spike_replay.snapshot.checkpoint import load_model_state
 from axrl_spike_replay.snapshot.layout import rank_files
 from axrl_spike_replay.snapshot.metadata import read_metadata
@@ -111,7 +112,7 @@ def test_rollout_logprobs_are_the_broken_engine_s_and_old_logprobs_the_trainer_s
     routes = load_routing_payload(snapshot, 0).routed_experts
     with torch.no_grad():
         control = routing_control(RoutingConfig.from_dict(cfg["routing"]), batch, routes)
-        fp32 = token_logprobs(model(batch["tokens"], control).logits, batch["tokens"])
+        fp32 = policy_forward(model, batch, control, need_entropy=False).logprobs  # as the trainer takes them
     on = batch["loss_mask"] > 0
     assert torch.equal(fp32[on], batch["old_logprobs"][on])
     log_ratio = (batch["old_logprobs"] - batch["rollout_logprobs"])[on]

@@ -16,7 +16,7 @@ from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.models.policy import build_policy, parse_model_config
 from axrl_spike_replay.replay.inputs import read_run_config
-from axrl_spike_replay.replay.process_memory import model_facts
+from axrl_spike_replay.replay.process_memory import model_facts, process_memory
 from axrl_spike_replay.replay.replay_plan import Capacity, PlanRefused, parameter_count, plan_replay
 from axrl_spike_replay.testing.config_only_snapshot import DEEPSEEK_V3, QWEN3_30B_A3B, write_config_only_snapshot
 
@@ -46,12 +46,18 @@ def test_the_fixture_plan_counts_the_built_model_and_fits_here() -> None:
     assert two.memory.parameters == built * 4 and two.memory.activations > 0
     assert plan.layout == "2 processes on 1 node(s), each with the whole model"
     assert f"tiny_moe (2 layers, 4 experts): {built / 1e3:.3g}K parameters (" in plan.text()  # not 4.38e-05B
-    tight = plan_replay(SNAPSHOT, capacity=Capacity("here", "cpu", 1, two.per_device - 1, "test"), shard="off")
+    assert not two.checkpointed  # it fits: the layers keep their activations
+    # below two whole processes with checkpointed layers (the smallest whole layout), nothing whole fits
+    checkpointed = process_memory(model_facts(spec), 2, 2, *plan.micro_batch, sharded=False, device="cpu",
+                                  checkpointed=True)  # fmt: skip
+    assert checkpointed.activations < two.memory.activations
+    below = Capacity("here", "cpu", 1, 2 * checkpointed.peak - 1, "test")
+    tight = plan_replay(SNAPSHOT, capacity=below, shard="off")
     assert tight.fits is False and tight.smallest_full_fidelity is None
     assert "largest fitting layout is 1 process(es) at reduced fidelity" in tight.layout
-    auto = plan_replay(SNAPSHOT, capacity=Capacity("here", "cpu", 1, two.per_device - 1, "test"))
+    auto = plan_replay(SNAPSHOT, capacity=below)
     assert auto.fits and auto.chosen is not None and auto.chosen.sharded  # auto shards what does not fit whole
-    assert auto.whole is not None and auto.whole.fits is False and auto.whole.per_device == two.per_device
+    assert auto.whole is not None and auto.whole.fits is False and auto.whole.checkpointed
 
 
 def test_published_sizes_from_config_only_snapshots_with_no_weights(tmp_path: Path) -> None:
@@ -68,8 +74,10 @@ def test_published_sizes_from_config_only_snapshots_with_no_weights(tmp_path: Pa
     assert whole.memory.parameters == q.parameters * 2  # bfloat16, the whole model in each process
     sharded = q.chosen
     assert sharded is not None and sharded.sharded and sharded.memory.parameters < whole.memory.parameters / 16
-    assert sharded.fits is False and "the largest fitting layout is 32 process(es) at reduced fidelity" in q.layout
-    assert "full fidelity needs 2 node(s) like 8xH200" in q.layout  # 7 sharded processes per GPU: 10 GPUs
+    # with its decoder layers checkpointed (their activations recomputed in the backward), 8 sharded processes per GPU
+    assert sharded.fits and sharded.checkpointed and sharded.nproc == 64 and sharded.processes_per_device == 8
+    assert "64 processes (1 node(s) x 64), 8 per GPU, sharded over them (FSDP2)" in q.layout
+    assert "decoder layers checkpointed" in q.text() and "attention eager; the head in chunks of 441 tokens" in q.text()
     assert d.chosen is not None and d.chosen.fits is False and "no layout fits here" in d.layout
     assert "full fidelity needs 8 node(s) like 8xH200 (64 processes, 1 per GPU" in d.layout
     assert "671B parameters" in d.text() and "DOES NOT FIT" in d.text()
@@ -175,7 +183,7 @@ def test_a_recorded_mixed_precision_policy_plans_float32_master_shards_and_bf16_
     doc = yaml.safe_load(run_config.read_text())
     doc["precision"] = {"param_dtype": "bf16", "reduce_dtype": "fp32"}
     run_config.write_text(yaml.safe_dump(doc))
-    before, after = (plan_replay(s, capacity=H200_NODE, shard="on") for s in (plain, mixed))
+    before, after = (plan_replay(s, capacity=None, shard="on") for s in (plain, mixed))  # nothing checkpointed
     assert before.param_dtype == "bfloat16" and before.grad_dtype == "bfloat16"
     assert after.param_dtype.startswith("bfloat16, float32 master") and after.grad_dtype == "float32"
     p = after.parameters

@@ -83,14 +83,16 @@ def test_a_hook_written_run_config_names_a_model_the_replay_can_parse(
 
 def test_a_flash_attention_actor_is_recorded_as_it_ran_and_refused_with_the_reason() -> None:
     from axrl_spike_replay.errors import ConfigError
+    from axrl_spike_replay.models.attention_kernels import check_attention_runs
 
     hook = _load_hook()
     actor = _actor()
     actor.config._attn_implementation = "flash_attention_2"  # what verl loads actors with on GPUs
     section = hook.model_section(actor, torch.bfloat16)
     assert section["attn_implementation"] == "flash_attention_2"
-    with pytest.raises(ConfigError, match="--backend command"):
-        parse_model_config(section)
+    spec = parse_model_config(section)  # read as it ran: `plan` counts it anywhere
+    with pytest.raises(ConfigError, match=r"flash_attention_2 cannot run here.*nearest kernel that runs here is sdpa"):
+        check_attention_runs(spec.attn_implementation, spec.dtype, "cpu")  # what a replay here checks first
 
 
 def ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None) -> Any:

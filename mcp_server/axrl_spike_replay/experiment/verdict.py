@@ -21,7 +21,7 @@ it was judged by (`verdict_basis`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from axrl_spike_replay.display import shown
@@ -31,6 +31,9 @@ from axrl_spike_replay.vocabulary import WRITABLE_VERDICTS, Fidelity, Verdict
 
 TOLERANCE = {Fidelity.FULL: 1e-6, Fidelity.REDUCED: 1e-5}
 CUDA_TOLERANCE = 1e-4  # a GPU replay of a CPU-recorded step: different kernels and summation order
+# a step recorded in a 16-bit compute dtype: its grad norm is known to about this much (bfloat16 keeps 8 bits)
+PRECISION_TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3}
+SPREAD_FACTOR = 3.0  # a replay's repeats that differ (kernels not bit-deterministic): this many times their range
 PARTIAL_FACTOR = 0.5  # `partial`: grad norm at most this fraction of the baseline's
 WORSE_MARGIN = 0.05  # `worse`: grad norm more than 5% above the baseline's
 MEASURABLE_DROP = 0.01  # a mitigation must lower the grad norm by at least 1% to count at all
@@ -41,6 +44,34 @@ def tolerance(fidelity: Fidelity, device: str = "cpu") -> float:
     """The rel_diff a baseline replay may show and still count as `reproduced`."""
     base = TOLERANCE.get(fidelity, TOLERANCE[Fidelity.REDUCED])
     return max(base, CUDA_TOLERANCE) if device.startswith("cuda") else base
+
+
+def tolerance_rule(
+    fidelity: Fidelity, device: str = "cpu", compute_dtype: str = "float32", repeats: Sequence[float] = ()
+) -> tuple[float, str]:
+    """(the rel_diff a baseline may show and count as `reproduced`, the rule that set it), the loosest that applies:
+
+    - the layout's (`tolerance`): float32 kernels on CPU give the same numbers run after run;
+    - the GPU's: its kernels sum in another order than the recording's, and some (atomics in the backward of
+      attention and scatter) differ from run to run;
+    - the recorded precision's: a bfloat16 or float16 step is rounded at every op, so its grad norm is known only to
+      that precision (`PRECISION_TOLERANCE`);
+    - the replay's own spread: over `repeats` (the grad norm of each repeat of one config), SPREAD_FACTOR times its
+      relative range, where the kernels are not bit-deterministic and that range is the larger."""
+    value = tolerance(fidelity, device)
+    rule = f"the {fidelity} fidelity layout's"
+    if device.startswith("cuda") and value == CUDA_TOLERANCE:
+        rule = "GPU kernels' (another summation order than the recording's)"
+    precision = PRECISION_TOLERANCE.get(compute_dtype, 0.0)
+    if precision > value:
+        value, rule = precision, f"the recorded precision's ({compute_dtype})"
+    finite = [r for r in repeats if math.isfinite(r)]
+    if len(finite) > 1 and sum(finite) > 0:
+        spread = (max(finite) - min(finite)) / (sum(finite) / len(finite))
+        if SPREAD_FACTOR * spread > value:
+            value = SPREAD_FACTOR * spread
+            rule = f"the replay's own spread over {len(finite)} repeats ({spread:.3g} relative, x{SPREAD_FACTOR:g})"
+    return value, rule
 
 
 def ratio_threshold(detector: DetectorSpec) -> float:

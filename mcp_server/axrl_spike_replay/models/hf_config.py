@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTN_IMPLEMENTATIONS = ("eager",)  # pinned: results depend on it, and eager is the one with no kernel choice
+# the trainer's attention kernel, recorded and replayed (`models.attention_kernels`: where each runs, its bound)
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 # transformers' experts implementations that run on CPU and GPU alike (deepgemm and sonicmoe need GPU kernels).
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
 BACKEND_HINT = "replay it with `--backend command` and the trainer's own replay command"
@@ -260,13 +261,16 @@ def instantiate(spec: HFModelConfig, device: str = "cpu") -> nn.Module:
         if parameters > MAX_MODEL_PARAMETERS:
             raise ConfigError(f"model: {parameters} parameters, more than the {MAX_MODEL_PARAMETERS} limit")
     config = hf_config_object(spec)
+    attention = spec.attn_implementation
+    if device == "meta" and attention == "flash_attention_2":  # shapes only: flash_attn is checked where it runs
+        attention = config._attn_implementation = "eager"
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity(logging.ERROR)  # config-consistency warnings of tiny test configs are not ours
     try:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(
                 config,
-                attn_implementation=spec.attn_implementation,
+                attn_implementation=attention,
                 experts_implementation=spec.experts_implementation,
                 dtype=spec.torch_dtype,
             )

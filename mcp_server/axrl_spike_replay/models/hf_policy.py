@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.models.chunked_head import ChunkedHead, HeadRequest, as_chunked_head
 from axrl_spike_replay.models.hf_config import HFModelConfig, instantiate
 from axrl_spike_replay.models.hf_routing import (
     RouteRecorder,
@@ -24,7 +24,7 @@ from axrl_spike_replay.models.hf_routing import (
     load_balancing_loss,
     router_z_loss,
 )
-from axrl_spike_replay.models.tiny_moe import ModelOutput, RoutingControl
+from axrl_spike_replay.models.tiny_moe import ModelOutput, RoutingControl, head_output
 
 # transformers' experts kernels that forward-mode AD runs through; `grouped_mm` (a custom op) has no forward-AD formula
 FORWARD_AD_EXPERTS = ("eager", "batched_mm")
@@ -65,12 +65,18 @@ class HFPolicy(nn.Module):
         object.__setattr__(self, "causal_lm", causal_lm)  # not a submodule: its children are ours, names unprefixed
         for name, child in causal_lm.named_children():
             self.add_module(name, child)
+        as_chunked_head(causal_lm.lm_head)  # the same module (`lm_head.weight`), its call also taking targets
         self.moe_layer_ids = tuple(sorted(find_routers(causal_lm, spec.architecture)))
         self.n_layers = len(causal_lm.model.layers)
         routers: list[Any] = list(find_routers(causal_lm, spec.architecture).values())
         self.n_experts = int(routers[0].num_experts) if routers else 0
         self.recorder = RouteRecorder()
         install_route_hooks(causal_lm, spec.architecture, self.recorder)
+
+    @property
+    def head(self) -> ChunkedHead:
+        """The output head (`lm_head`), chunked."""
+        return cast(ChunkedHead, self.causal_lm.lm_head)
 
     def _forced(self, routing: RoutingControl, batch: int, seq: int) -> dict[int, torch.Tensor]:
         """{absolute layer: [B*T, K] forced ids (-1: current)} from the control's recorded routes."""
@@ -107,21 +113,23 @@ class HFPolicy(nn.Module):
         *,
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        head: HeadRequest | None = None,
     ) -> ModelOutput:
-        """Logits (the last `logits_to_keep` positions, all when 0), router losses from the routes used, routes."""
+        """Logits (the last `logits_to_keep` positions, all when 0), router losses from the routes used, routes;
+        with a `head` request, the chunked head's log-probs (and entropies) instead of the logits.
+
+        The decoder runs as transformers' causal LM runs it (`model.model`), then the head on its last hidden
+        state, as the causal LM's own forward does for the supported architectures (none scales its logits)."""
         routing = routing or RoutingControl()
         batch, seq = tokens.shape
         self.recorder.reset(self._forced(routing, batch, seq))
         mask = attention_mask if attention_mask is not None else torch.ones_like(tokens)
         # left-padded prompts: positions count real tokens only, as RL trainers compute them
         position_ids = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
-        out = self.causal_lm(
-            input_ids=tokens,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            logits_to_keep=logits_to_keep,
+        decoded = self.causal_lm.model(
+            input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
+        out_logits, logprobs, entropy = head_output(self.head, decoded.last_hidden_state, tokens, head, logits_to_keep)
         layers = sorted(self.recorder.logits)
         logits = [self.recorder.logits[i] for i in layers]
         chosen = [self.recorder.chosen[i] for i in layers]
@@ -131,9 +139,9 @@ class HFPolicy(nn.Module):
             z_loss = router_z_loss(logits)
             routes = torch.stack([c.reshape(batch, seq, -1) for c in chosen], dim=2)
         else:
-            aux = z_loss = out.logits.new_zeros((), dtype=torch.float32)
+            aux = z_loss = decoded.last_hidden_state.new_zeros((), dtype=torch.float32)
             routes = tokens.new_zeros((batch, seq, 0, 1))
-        return ModelOutput(logits=out.logits, aux_loss=aux, z_loss=z_loss, routes=routes)
+        return ModelOutput(out_logits, aux, z_loss, routes, logprobs, entropy)
 
 
 def response_start(loss_mask: torch.Tensor) -> int:
@@ -147,17 +155,10 @@ def hf_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None, ModelOutput]:
     """[B, T] log-probs (and entropies) of the tokens from the first response position on; 0 before it.
 
-    Only the logits that predict response tokens are materialised (`logits_to_keep`), divided by the
-    temperature before the log-softmax in fp32.
+    The head runs in chunks of tokens (`models.chunked_head`) over the positions that predict response tokens only,
+    its logits divided by the temperature before the log-softmax in fp32: no [T, V] float32 tensor is held.
     """
     tokens = batch["tokens"]
-    seq = tokens.shape[1]
-    start = response_start(batch["loss_mask"])
-    out = model(tokens, routing, attention_mask=batch.get("attention_mask"), logits_to_keep=seq - start + 1)
-    logits = out.logits[:, :-1].float()
-    if model.spec.temperature != 1.0:
-        logits = logits / model.spec.temperature
-    logp_all = logits.log_softmax(dim=-1)
-    logp = F.pad(logp_all.gather(-1, tokens[:, start:, None]).squeeze(-1), (start, 0))
-    entropy = F.pad(-(logp_all.exp() * logp_all).sum(dim=-1), (start, 0)) if need_entropy else None
-    return logp, entropy, out
+    request = HeadRequest(response_start(batch["loss_mask"]), float(model.spec.temperature), need_entropy)
+    out = model(tokens, routing, attention_mask=batch.get("attention_mask"), head=request)
+    return cast(torch.Tensor, out.logprobs), out.entropy, out  # a head request always gives log-probs

@@ -9,6 +9,8 @@ forward bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,9 +46,25 @@ class RouteRecorder:
     forced: dict[int, torch.Tensor] = field(default_factory=dict)
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
     chosen: dict[int, torch.Tensor] = field(default_factory=dict)
+    # a checkpointed layer's recompute (`models.layer_checkpoint`): {layer: its first forward's routes}, forced again,
+    # and nothing recorded
+    recompute: dict[int, torch.Tensor] = field(default_factory=dict)
+    # layers are checkpointed: every route goes through the weight rule, in the forward as in the recompute, so the
+    # two save the same tensors even where a router would choose otherwise the second time
+    checkpointed: bool = False
 
     def reset(self, forced: dict[int, torch.Tensor]) -> None:
         self.forced, self.logits, self.chosen = forced, {}, {}
+
+    @contextlib.contextmanager
+    def recomputing(self, layer: int, routes: torch.Tensor | None) -> Iterator[None]:
+        """While a checkpointed layer recomputes: force `routes` (its first forward's) and record nothing."""
+        if routes is not None:
+            self.recompute[layer] = routes
+        try:
+            yield
+        finally:
+            self.recompute.pop(layer, None)
 
 
 def install_route_hooks(model: nn.Module, architecture: str, recorder: RouteRecorder) -> list[Any]:
@@ -57,7 +75,13 @@ def install_route_hooks(model: nn.Module, architecture: str, recorder: RouteReco
 
         def hook(module: nn.Module, args: Any, output: Any, layer: int = layer) -> Any:
             logits, weights, chosen = output
+            again = recorder.recompute.get(layer)
+            if again is not None:  # a checkpointed layer's recompute: the first forward's routes, not recorded
+                routes = again.to(chosen.device)
+                return logits, rule(module, logits, routes), routes
             forced = recorder.forced.get(layer)
+            if forced is None and recorder.checkpointed:  # the rule's weights in both runs of a checkpointed layer
+                forced = torch.full_like(chosen, -1)
             if forced is not None:
                 forced = forced.to(chosen.device)
                 chosen = torch.where(forced >= 0, forced.clamp(min=0), chosen)

@@ -220,15 +220,16 @@ class PolicyOutput:
 def policy_forward(
     model: nn.Module, batch: dict[str, Any], routing: RoutingControl, *, need_entropy: bool
 ) -> PolicyOutput:
-    """Forward a rank's batch and take its per-token log-probs, the same way in training and in replay."""
+    """Forward a rank's batch and take its per-token log-probs, the same way in training and in replay: the head in
+    chunks of tokens (`models.chunked_head`), never a [T, V] float32 tensor."""
     from axrl_spike_replay.models.hf_policy import HFPolicy, hf_logprobs
 
     if isinstance(model, HFPolicy):
         logprobs, entropy, out = hf_logprobs(model, batch, routing, need_entropy)
-    else:
-        from axrl_spike_replay.models.tiny_moe import token_entropy, token_logprobs
+        return PolicyOutput(logprobs, entropy, out.aux_loss, out.z_loss, out.routes)
+    from axrl_spike_replay.models.chunked_head import HeadRequest
 
-        out = model(batch["tokens"], routing)
-        logprobs = token_logprobs(out.logits, batch["tokens"])
-        entropy = token_entropy(out.logits) if need_entropy else None
-    return PolicyOutput(logprobs, entropy, out.aux_loss, out.z_loss, out.routes)
+    out = model(batch["tokens"], routing, HeadRequest(1, 1.0, need_entropy))
+    if out.logprobs is None:
+        raise TypeError(f"{type(model).__name__} gave no log-probs for a head request")
+    return PolicyOutput(out.logprobs, out.entropy, out.aux_loss, out.z_loss, out.routes)

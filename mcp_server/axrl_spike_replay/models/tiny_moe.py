@@ -16,6 +16,7 @@ from torch import nn
 
 from axrl_spike_replay.display import shown, shown_names
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.models.chunked_head import ChunkedHead, HeadRequest, sequence_logprobs
 
 # Limits on the `model:` section of a run config we did not write, checked before anything is built:
 # the torch backend rebuilds a *tiny* policy, and every dimension must also match the checkpoint's
@@ -160,10 +161,23 @@ class RoutingControl:
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [B, T, V]
+    logits: torch.Tensor  # [B, T, V]; [B, 0, V] when the forward ended in the chunked head (`logprobs` given)
     aux_loss: torch.Tensor  # load-balancing loss summed over MoE layers
     z_loss: torch.Tensor  # router z-loss summed over MoE layers
     routes: torch.Tensor  # [B, T, L_moe, K] expert ids actually used
+    logprobs: torch.Tensor | None = None  # [B, T] float32, from the chunked head (`models.chunked_head`)
+    entropy: torch.Tensor | None = None  # [B, T] float32, when the head request asked for it
+
+
+def head_output(
+    head: ChunkedHead, hidden: torch.Tensor, tokens: torch.Tensor, request: HeadRequest | None, keep: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(logits, log-probs, entropies) at the end of a forward: the logits of the last `keep` positions (all when
+    0) without a request; with one, no logits ([B, 0, V]) and the chunked head's log-probs and entropies."""
+    if request is None:
+        return head(hidden[:, -keep:] if keep else hidden), None, None
+    logprobs, entropy = sequence_logprobs(head, hidden, tokens, request)
+    return hidden.new_empty((hidden.shape[0], 0, head.out_features)), logprobs, entropy
 
 
 class MoEFeedForward(nn.Module):
@@ -256,9 +270,13 @@ class TinyMoEPolicy(nn.Module):
         self.layers: list[Block] = [Block(cfg, moe=i in moe_ids) for i in range(cfg.n_layers)]  # typed view
         self.blocks = nn.ModuleList(self.layers)  # registers them (parameter names blocks.<i>.*)
         self.norm = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head = ChunkedHead(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor, routing: RoutingControl | None = None) -> ModelOutput:
+    def forward(
+        self, tokens: torch.Tensor, routing: RoutingControl | None = None, head: HeadRequest | None = None
+    ) -> ModelOutput:
+        """Logits, router losses and routes; with a `head` request, the chunked head's log-probs (and entropies)
+        instead of the logits."""
         routing = routing or RoutingControl()
         batch, seq = tokens.shape
         if seq > self.cfg.max_seq_len:
@@ -278,9 +296,9 @@ class TinyMoEPolicy(nn.Module):
                 aux_total, z_total = aux_total + aux, z_total + z_loss
                 routes.append(chosen)
                 moe_index += 1
-        logits = self.head(self.norm(x))
+        logits, logprobs, entropy = head_output(self.head, self.norm(x), tokens, head)
         stacked = torch.stack(routes, dim=2) if routes else tokens.new_zeros((batch, seq, 0, self.cfg.top_k))
-        return ModelOutput(logits=logits, aux_loss=aux_total, z_loss=z_total, routes=stacked)
+        return ModelOutput(logits, aux_total, z_total, stacked, logprobs, entropy)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from axrl_spike_replay.experiment.verdict import (
     ratio_threshold,
     rel_diff,
     tolerance,
+    tolerance_rule,
     verdict_basis,
     verdict_threshold,
 )
@@ -164,6 +165,7 @@ class ReplaySession:
             spike_bar=spike_bar(inputs.metadata.median_norm, self.threshold),
             shard=self.shard.shard,
             precision=inputs.precision,
+            checkpoint_layers=self.shard.checkpoint,
         )
         self.log(
             f"replaying {len(self.configs)} config(s) on {self.plan.nproc} process(es), {o.device}, "
@@ -250,6 +252,7 @@ class ReplaySession:
         meta, norm = self.inputs.metadata, outcome.grad_norms[0]
         if cfg.is_hypothesis:
             return self._hypothesis_result(cfg, outcome)
+        judged = self.tolerance
         if cfg.mitigations:
             verdict = mitigation_verdict(norm, baseline_norm or math.nan, meta.median_norm, self.threshold)
             change = norm / baseline_norm - 1.0 if baseline_norm else None
@@ -257,10 +260,14 @@ class ReplaySession:
                 norm, baseline_norm, meta.median_norm, self.threshold, self.threshold_source, self.detector_threshold
             )
         else:
-            verdict, change = baseline_verdict(norm, meta.grad_norm, self.tolerance), None
+            judged, judged_by = tolerance_rule(
+                self.plan.fidelity, self.options.device, self.inputs.effective_precision.param_dtype, outcome.grad_norms
+            )
+            verdict, change = baseline_verdict(norm, meta.grad_norm, judged), None
             basis = {
                 "rel_diff": rel_diff(norm, meta.grad_norm),
-                "tolerance": self.tolerance,
+                "tolerance": judged,
+                "tolerance_rule": judged_by,
                 "rule": "reproduced when |grad_norm - recorded| / recorded <= tolerance",
                 "threshold": self.threshold,
                 "threshold_source": self.threshold_source,
@@ -277,7 +284,7 @@ class ReplaySession:
             change_vs_baseline=change,
             top_params=outcome.top_params,
             timings={**outcome.timings, "total": time.perf_counter() - self.started},
-            tolerance=self.tolerance,
+            tolerance=judged,
             repeat_grad_norms=list(outcome.grad_norms) if len(outcome.grad_norms) > 1 else [],
             repeat_spread=spread,
             rank_metrics=outcome.rank_metrics,

@@ -49,6 +49,7 @@ class Placement:
 
     shard: bool = False
     precision: PrecisionPolicy | None = None
+    checkpoint_layers: bool = False  # each decoder layer recomputed in the backward (`models.layer_checkpoint`)
 
 
 def master_spec(spec: ModelSpec, precision: PrecisionPolicy | None) -> ModelSpec:
@@ -67,14 +68,30 @@ def build_model(spec: ModelSpec, weights_dir: str, device: str, placement: Place
     an HF directory or verl shards (the weights dir itself, or the spec's `path` when the snapshot holds no
     checkpoint), or a Megatron checkpoint; whole or sharded as `placement` says."""
     placement = placement or Placement()
+    check_kernels_run(spec, device)
     return_freed_host_memory()
     if placement.shard:
-        return build_sharded(spec, weights_dir, device, placement.precision)
-    model = build_policy(master_spec(spec, placement.precision), "cpu")
-    load_policy_weights(model, spec, weights_dir)
-    if placement.precision is not None and placement.precision.recorded:
-        cast_for_compute(model, shard_units(model), placement.precision)
-    return model.to(device)
+        model = build_sharded(spec, weights_dir, device, placement.precision)
+    else:
+        model = build_policy(master_spec(spec, placement.precision), "cpu")
+        load_policy_weights(model, spec, weights_dir)
+        if placement.precision is not None and placement.precision.recorded:
+            cast_for_compute(model, shard_units(model), placement.precision)
+        model = model.to(device)
+    if placement.checkpoint_layers:
+        from axrl_spike_replay.models.layer_checkpoint import checkpoint_layers
+
+        checkpoint_layers(model)
+    return model
+
+
+def check_kernels_run(spec: ModelSpec, device: str) -> None:
+    """ConfigError, before anything loads, when the spec's attention kernel cannot run on `device` here
+    (`models.attention_kernels`)."""
+    from axrl_spike_replay.models.attention_kernels import check_attention_runs
+
+    if isinstance(spec, HFModelConfig):
+        check_attention_runs(spec.attn_implementation, spec.dtype, device)
 
 
 def _mesh_device(device: str) -> str:

@@ -17,8 +17,10 @@ float32 master shards sharded, the units gathered and the activations in `param_
 - gathered (sharded, transient in the backward): three of the largest unit at once: the unit computing, its
   unsharded gradient, and the flat buffer FSDP2 gathers the unit into (or reduce-scatters its gradient from); no
   unit is prefetched. It adds to the new gradient's side of the step;
-- activations: what autograd keeps for one saved rank's forward (a process runs its ranks one after another), from
-  the architecture's widths and the rank's tokens (`activation_bytes`; eager attention keeps the [T, T] scores);
+- activations: what autograd keeps for one micro-batch's forward (a process runs its ranks, and a rank its
+  micro-batches, one after another), from the architecture's widths and the micro-batch's tokens
+  (`activation_bytes`): eager attention keeps the [T, T] scores, sdpa and flash do not; checkpointed decoder layers
+  keep their inputs only, plus one layer recomputed; the head in chunks keeps one chunk's [chunk, V] tensors;
 - runtime: the interpreter, torch and this package (CPU), or the CUDA context (GPU). Freed host memory is given
   back (`replay.host_allocator`), so nothing is counted for what the allocator would otherwise keep;
 - loading (transient): a whole replay builds the model, then fills a copy of its state from the checkpoint: twice
@@ -29,6 +31,7 @@ The peak is the larger of loading and the step. `benchmarks/bench_plan.py` check
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -88,6 +91,7 @@ class ModelFacts:
     top_k: int
     shared_width: int  # shared experts' total intermediate size (0: none)
     vocab: int
+    attention: str = "eager"  # the attention kernel the replay runs (`models.attention_kernels`)
 
 
 @dataclass
@@ -117,8 +121,8 @@ class ProcessMemory:
 
 def model_facts(spec: ModelSpec) -> ModelFacts:
     """Element counts and widths of a spec's model (HF kinds from a meta build; the tiny model from its shapes)."""
-    if isinstance(spec, MegatronModelConfig):
-        return model_facts(spec.hf)
+    if isinstance(spec, MegatronModelConfig):  # route 1 runs Megatron's unfused attention (`megatron_attention`)
+        return dataclasses.replace(model_facts(spec.hf), attention="eager")
     if isinstance(spec, HFModelConfig):
         return _hf_facts(spec)
     return _tiny_facts(spec)
@@ -151,6 +155,7 @@ def _tiny_facts(spec: TinyMoEConfig) -> ModelFacts:
         top_k=spec.top_k,
         shared_width=0,
         vocab=spec.vocab_size,
+        attention="sdpa",  # the tiny model's attention is F.scaled_dot_product_attention
     )
 
 
@@ -206,29 +211,61 @@ def _hf_facts(spec: HFModelConfig) -> ModelFacts:
         top_k=spec.top_k,
         shared_width=shared,
         vocab=int(c.get("vocab_size", 0)),
+        attention=spec.attn_implementation,
     )
 
 
-def activation_bytes(facts: ModelFacts, batch: int, seq: int, element: int | None = None) -> int:
-    """What autograd keeps for one forward of a [batch, seq] rank batch, in bytes.
+def layer_elements(facts: ModelFacts, seq: int, attention: str, element: int) -> tuple[int, int]:
+    """(a dense layer's, an MoE layer's) elements autograd keeps per token, in the compute dtype.
 
-    Per token and decoder layer: the norms' inputs and outputs and the residuals (6 x hidden), q, k, v and their
-    rotary copies and the attention output (2 x q + 4 x kv widths... see below), eager attention's scores and
-    probabilities (2 x heads x seq), and the MLP: a dense one's gate, up, activation and product (4 x width), or the
-    router's logits and probabilities (float32) and, for each of the top-k experts, the token's input, gate, up,
-    activation, product and output (2 x hidden + 4 x expert width), plus the shared experts. At the head: the
-    logits in the compute dtype and three float32 copies (upcast, temperature, log-softmax) per vocabulary entry.
-    `element`: the compute dtype's bytes (default: the model's dtype)."""
-    b = element or DTYPE_BYTES[facts.dtype]
+    Per token: the norms' inputs and outputs and the residuals (6 x hidden), q, k, v, their rotary copies and the
+    attention output (3 x q + 4 x kv widths); eager attention's scores and probabilities (2 x heads x seq), where a
+    fused kernel (sdpa, flash) keeps one float32 log-sum-exp per head instead; then the MLP: a dense one's gate, up,
+    activation and product (4 x width), or the router's logits and probabilities (float32) and, for each of the
+    top-k experts, the token's input, gate, up, activation, product and output (2 x hidden + 4 x expert width),
+    plus the shared experts."""
+    from axrl_spike_replay.models.attention_kernels import LINEAR_MEMORY_KERNELS
+
     h = facts.hidden
-    attention = 6 * h + 3 * facts.q_width + 4 * facts.kv_width + 2 * facts.heads * seq
-    dense = 4 * facts.dense_width
-    moe = facts.top_k * (2 * h + 4 * facts.expert_width) + 4 * facts.shared_width
-    router = 2 * facts.experts * 4 // b  # float32
+    scores = facts.heads * 4 // element if attention in LINEAR_MEMORY_KERNELS else 2 * facts.heads * seq
+    attention_part = 6 * h + 3 * facts.q_width + 4 * facts.kv_width + scores
+    moe = facts.top_k * (2 * h + 4 * facts.expert_width) + 4 * facts.shared_width + 2 * facts.experts * 4 // element
+    return attention_part + 4 * facts.dense_width, attention_part + moe
+
+
+def activation_bytes(
+    facts: ModelFacts,
+    batch: int,
+    seq: int,
+    element: int | None = None,
+    *,
+    attention: str = "eager",
+    checkpointed: bool = False,
+) -> int:
+    """What autograd keeps for one forward of a [batch, seq] micro-batch, in bytes, at its peak.
+
+    Each decoder layer keeps `layer_elements` per token; a checkpointed one (`models.layer_checkpoint`) keeps only
+    its input (hidden), and the backward holds one layer's full activations again while it recomputes it. Eager
+    attention also builds one [batch, 1, seq, seq] additive mask in the compute dtype (a fused kernel: a boolean
+    one at most). The head runs in chunks (`models.chunked_head`): per token the final norm's input and output
+    (2 x hidden) and two float32 numbers (log-sum-exp, entropy); one chunk's [chunk, vocab] float32 tensors
+    (`CHUNK_COPIES` of them) at a time. `element`: the compute dtype's bytes (default: the model's dtype)."""
+    from axrl_spike_replay.models.attention_kernels import LINEAR_MEMORY_KERNELS
+    from axrl_spike_replay.models.chunked_head import CHUNK_COPIES, chunk_tokens
+
+    b = element or DTYPE_BYTES[facts.dtype]
+    dense, moe = layer_elements(facts, seq, attention, b)
     moe_layers = facts.layers - facts.dense_layers
-    per_token = facts.layers * attention + facts.dense_layers * dense + moe_layers * (moe + router)
-    head = facts.vocab + 3 * facts.vocab * 4 // b
-    return batch * seq * (per_token + head + 2 * h) * b
+    if checkpointed:
+        largest = moe if moe_layers else dense
+        layers = facts.layers * facts.hidden + largest
+    else:
+        layers = facts.dense_layers * dense + moe_layers * moe
+    head = 2 * facts.hidden + 2 * 4 // b
+    tokens = batch * seq
+    mask = batch * seq * seq * (1 if attention in LINEAR_MEMORY_KERNELS else b)
+    chunk = min(chunk_tokens(facts.vocab), tokens) * facts.vocab * 4 * CHUNK_COPIES
+    return tokens * (layers + head) * b + mask + chunk
 
 
 def process_memory(
@@ -242,9 +279,13 @@ def process_memory(
     device: str,
     configs: int = 1,
     dtypes: StepDtypes | None = None,
+    attention: str | None = None,
+    checkpointed: bool = False,
 ) -> ProcessMemory:
-    """One of `nproc` replay processes' memory (see the module docstring); `dtypes`: the precision that runs
-    (default: the model's own dtype throughout)."""
+    """One of `nproc` replay processes' memory (see the module docstring) for a [batch, seq] micro-batch;
+    `dtypes`: the precision that runs (default: the model's own dtype throughout); `attention`: the kernel (default:
+    the model's);
+    `checkpointed`: decoder layers recompute their activations in the backward."""
     d = dtypes or step_dtypes(facts.dtype, None)
     ranks = math.ceil(world_size / nproc)
     copies = configs + (1 if ranks > 1 else 0)
@@ -268,5 +309,6 @@ def process_memory(
     else:
         loading = 2 * facts.parameters * d.master  # built and filled in the master dtype, then cast
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else RUNTIME_CPU_BYTES
-    activations = activation_bytes(facts, batch, seq, d.compute)
+    kernel = attention or facts.attention
+    activations = activation_bytes(facts, batch, seq, d.compute, attention=kernel, checkpointed=checkpointed)
     return ProcessMemory(params, grads, activations, runtime, loading, held, gathered)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.errors import ConfigError, SnapshotError
+from axrl_spike_replay.models.chunked_head import chunk_tokens
 from axrl_spike_replay.replay.process_memory import (
     ModelFacts,
     ProcessMemory,
@@ -57,6 +58,7 @@ class PlanRow:
     processes_per_device: int
     per_device: int  # bytes on one GPU (or the host) for its processes
     fits: bool | None  # None: no capacity known
+    checkpointed: bool = False  # decoder layers recompute their activations in the backward
 
 
 @dataclass
@@ -80,6 +82,9 @@ class ReplayPlan:
     smallest_full_fidelity: PlanRow | None = None  # fewest processes holding every saved rank that fits
     layout: str = ""
     notes: list[str] = field(default_factory=list)
+    attention: str = "eager"  # the attention kernel replayed (`models.attention_kernels`)
+    micro_batch: tuple[int, int] = (0, 0)  # [sequences, tokens] of the largest micro-batch: what one forward holds
+    head_chunk: int = 0  # tokens per chunk of the head (`models.chunked_head`)
 
     @property
     def fits(self) -> bool | None:
@@ -105,6 +110,8 @@ class ReplayPlan:
             f"{self.model}: {parameter_count(self.parameters)} parameters ({self.param_dtype}, gradients "
             f"{self.grad_dtype}); saved world size {self.world_size}, {self.tokens_per_rank} tokens per rank "
             f"(sequence {self.seq_len})",
+            f"one forward holds a micro-batch of {self.micro_batch[0]} x {self.micro_batch[1]} tokens; attention "
+            f"{self.attention}; the head in chunks of {self.head_chunk} tokens",
         ]
         cap = self.capacity
         if cap is not None:
@@ -132,6 +139,7 @@ def parameter_count(n: float) -> str:
 def _row_text(row: PlanRow) -> str:
     m = row.memory
     how = "sharded (FSDP2)" if row.sharded else "whole model in each process"
+    how += ", decoder layers checkpointed" if row.checkpointed else ""
     fits = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown"}[row.fits]
     return (
         f"{row.nproc} process(es), {row.fidelity} fidelity, {how}: per process parameters {_gib(m.parameters)}, "
@@ -241,9 +249,9 @@ def node_capacity(report: Any, device: str) -> Capacity | None:
 
 
 def _row(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], sharded: bool, cap: Capacity | None,
-         device: str, configs: int, nodes: int, dtypes: StepDtypes) -> PlanRow:  # fmt: skip
+         device: str, configs: int, nodes: int, dtypes: StepDtypes, checkpointed: bool = False) -> PlanRow:  # fmt: skip
     memory = process_memory(facts, nproc, world, *shape, sharded=sharded, device=device, configs=configs,
-                            dtypes=dtypes)  # fmt: skip
+                            dtypes=dtypes, checkpointed=checkpointed)  # fmt: skip
     if cap is None:
         per_device, fits, share = memory.peak, None, 1
     elif cap.device == "cuda":
@@ -256,15 +264,19 @@ def _row(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], shar
         per_device = share * memory.peak
         fits = per_device <= cap.bytes_each
     return PlanRow(nproc, math.ceil(world / nproc), "full" if nproc == world else "reduced", sharded, memory, share,
-                   per_device, fits)  # fmt: skip
+                   per_device, fits, checkpointed)  # fmt: skip
 
 
 def _choose(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], shard: str, cap: Capacity | None,
             device: str, configs: int, nodes: int, dtypes: StepDtypes) -> PlanRow:  # fmt: skip
-    whole = _row(facts, nproc, world, shape, False, cap, device, configs, nodes, dtypes)
-    if shard == "off" or (shard == "auto" and (nproc == 1 or whole.fits is not False)):
-        return whole
-    return _row(facts, nproc, world, shape, True, cap, device, configs, nodes, dtypes)
+    """The first layout that fits, in this order: the whole model, then with checkpointed layers, then sharded (when
+    `shard` allows it and there is more than one process), then sharded and checkpointed; the last one tried when
+    none fits. Unknown capacity keeps the whole model, not checkpointed."""
+    ways = [] if shard == "on" else [(False, False), (False, True)]
+    if shard == "on" or (shard == "auto" and nproc > 1):
+        ways += [(True, False), (True, True)]
+    rows = [_row(facts, nproc, world, shape, sh, cap, device, configs, nodes, dtypes, ck) for sh, ck in ways]
+    return next((row for row in rows if row.fits is not False), rows[-1])
 
 
 def plan_replay(
@@ -317,13 +329,16 @@ def plan_replay(
         tokens_per_rank=rank_shape[0] * rank_shape[1],
         seq_len=rank_shape[1],
         configs=configs,
+        attention=facts.attention,
+        micro_batch=shape,
+        head_chunk=chunk_tokens(facts.vocab),
         shard=shard,
         capacity=cap,
         rows=rows,
         chosen=chosen,
         whole=chosen
         if not chosen.sharded
-        else _row(facts, wanted, world, shape, False, cap, device, configs, nodes, dtypes),
+        else _choose(facts, wanted, world, shape, "off", cap, device, configs, nodes, dtypes),
         smallest_full_fidelity=full,
     )
     plan.layout = _layout(plan, nodes)

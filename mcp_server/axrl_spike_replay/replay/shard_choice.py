@@ -24,7 +24,7 @@ from axrl_spike_replay.vocabulary import Shard
 
 if TYPE_CHECKING:
     from axrl_spike_replay.replay.inputs import ReplayInputs
-    from axrl_spike_replay.replay.replay_plan import Capacity, ReplayPlan
+    from axrl_spike_replay.replay.replay_plan import Capacity, PlanRow, ReplayPlan
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -35,6 +35,7 @@ class ShardChoice:
 
     shard: bool
     reason: str
+    checkpoint: bool = False  # decoder layers checkpointed (`models.layer_checkpoint`), as the plan's row says
 
 
 def bytes_whole(spec: ModelSpec, precision: PrecisionPolicy) -> int:
@@ -131,7 +132,7 @@ def choose_shard(mode: str, device: str, processes: int, plan: ReplayPlan | None
         )
         if row.fits is False and processes == 1:
             reason += "; one process gains nothing from sharding: replay on more processes (`nproc`) to shard"
-        return ShardChoice(False, reason + ": whole model in each process")
+        return ShardChoice(False, reason + ": whole model in each process" + _checkpointed(row), row.checkpointed)
     _check_device(device, processes)
     unsharded = plan.whole or row
     return ShardChoice(
@@ -139,8 +140,14 @@ def choose_shard(mode: str, device: str, processes: int, plan: ReplayPlan | None
         f"shard auto: the replay plan's whole-model peak, {_gib(unsharded.memory.peak)} per process "
         f"({unsharded.processes_per_device} per device: {_gib(unsharded.per_device)}), does not fit ({where}): "
         f"FSDP2 over {processes}, {_gib(row.memory.peak)} per process"
-        + ("" if row.fits else " (over the memory too: the plan's refusal applies where it is checked)"),
+        + ("" if row.fits else " (over the memory too: the plan's refusal applies where it is checked)")
+        + _checkpointed(row),
+        row.checkpointed,
     )
+
+
+def _checkpointed(row: PlanRow) -> str:
+    return ", decoder layers checkpointed (their activations recomputed in the backward)" if row.checkpointed else ""
 
 
 def _check_device(device: str, processes: int) -> None:

@@ -58,10 +58,11 @@ class WorkerJob:
     spike_bar: SpikeBar | None = None  # the verdict's bar the clean gradient is cleaned under (None: no median)
     shard: bool = False  # FSDP2 over the replay's processes (`replay.model_build`); False: each holds the whole model
     precision: PrecisionPolicy | None = None  # the trainer's recorded policy (None: the model's own dtype)
+    checkpoint_layers: bool = False  # decoder layers recompute their activations in the backward (the plan's choice)
 
     @property
     def placement(self) -> Placement:
-        return Placement(shard=self.shard, precision=self.precision)
+        return Placement(shard=self.shard, precision=self.precision, checkpoint_layers=self.checkpoint_layers)
 
 
 @dataclass

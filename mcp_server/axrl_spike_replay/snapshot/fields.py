@@ -69,6 +69,7 @@ def canonicalize_batch(raw: Mapping[str, Any], source: Path | str) -> dict[str, 
 
     if is_verl_jagged_batch(raw):
         raw = verl_padded_batch(raw, source)  # verl's engine mini-batch: jagged sequences back to padded
+    refuse_packed(raw, source)
     if "micro_batches" in raw:
         micro = raw["micro_batches"]
         if not isinstance(micro, (list, tuple)) or not micro:
@@ -129,6 +130,33 @@ def canonicalize_batch(raw: Mapping[str, Any], source: Path | str) -> dict[str, 
         batch[RESPONSE_WIDTH] = torch.tensor(response_width)
     _position_ids(batch, source)
     return batch
+
+
+PACKED_KEYS = ("cu_seqlens", "cu_seq_lens", "cu_seqlens_q", "cu_seq_lens_q", "max_seqlen", "max_seqlen_in_batch")
+
+
+def refuse_packed(raw: Mapping[str, Any], source: Path | str) -> None:
+    """SnapshotError, naming the file and the field, for packed sequences (several sequences in one row, verl's
+    remove-padding layout with `cu_seqlens`, or position ids that restart within a row): replayed as one row, each
+    sequence would attend to the ones before it."""
+    import torch
+
+    for key in PACKED_KEYS:
+        if key in raw:
+            raise SnapshotError(
+                f"{source}: field {key!r}: packed sequences (verl's use_remove_padding, Megatron's THD) are not "
+                "replayed by the torch engine; save the batch padded, one sequence per row (verl's "
+                "left_right_2_no_padding inverse), or replay with `--backend command`"
+            )
+    positions = raw.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.device.type == "meta":  # meta: shapes only, no data
+        return
+    if positions.dim() == 2 and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) < 0).any()):
+        raise SnapshotError(
+            f"{source}: field 'position_ids' restarts within a row: packed sequences (verl's use_remove_padding, "
+            "Megatron's THD) are not replayed by the torch engine; save the batch padded, one sequence per row, "
+            "or replay with `--backend command`"
+        )
 
 
 def _position_ids(batch: dict[str, Any], source: Path | str) -> None:

@@ -72,9 +72,12 @@ def write_config_only_snapshot(
     batch: int,
     seq: int,
     dtype: str = "bfloat16",
+    attention: str = "eager",
+    micro_batches: int = 1,
 ) -> Path:
     """A snapshot dir `directory` (created) for an HF `architecture` with `config`, saved at `world_size`, each
-    rank's batch [batch, seq]; no weights."""
+    rank's batch [batch, seq] (in `micro_batches` micro-batches of [batch / micro_batches, seq], as the trainer ran
+    them), its attention kernel `attention`; no weights."""
     import torch
 
     directory.mkdir(parents=True, exist_ok=False)
@@ -90,14 +93,24 @@ def write_config_only_snapshot(
     )
     (directory / AXRL_METADATA).write_text(json.dumps(meta.to_json()))
     run_config = {
-        "model": {"kind": "hf", "architecture": architecture, "config": config, "dtype": dtype},
+        "model": {
+            "kind": "hf",
+            "architecture": architecture,
+            "config": config,
+            "dtype": dtype,
+            "attn_implementation": attention,
+        },
         "loss": {},
         "routing": {},
         "parallel": {"world_size": world_size, "dp": world_size},
     }
     (directory / RUN_CONFIG).write_text(yaml.safe_dump(run_config, sort_keys=False))
-    mask = torch.ones(batch, seq)
-    tokens = torch.zeros(batch, seq, dtype=torch.long)
+    if micro_batches < 1 or batch % micro_batches:
+        raise ValueError(f"{micro_batches} micro-batches do not split a batch of {batch}")
+    part = batch // micro_batches
+    mask = torch.ones(part, seq)
+    tokens = torch.zeros(part, seq, dtype=torch.long)
+    parts = [{"tokens": tokens, "loss_mask": mask} for _ in range(micro_batches)]
     for rank in range(world_size):
-        torch.save({"tokens": tokens, "loss_mask": mask}, directory / batch_file(rank))
+        torch.save(parts[0] if micro_batches == 1 else {"micro_batches": parts}, directory / batch_file(rank))
     return directory
