@@ -31,6 +31,11 @@ LN2 = math.log(2.0)
 DUAL_CLIP_C = 3.0  # the dual clip suggested (verl's default clip_ratio_c)
 
 
+# A cause's figure set by a rule that found its part out of line but the run's loss not (or barely) reading it: what a
+# check of the input alone cannot know, so a corrupt input of that part does not lift it back (`input_causes`)
+LOSS_READS_LITTLE = "loss_reads_little"
+
+
 @dataclass
 class Experiment:
     """One replay to run: `mitigation` is a ready `--mitigation NAME=VALUE` item; `refutes`: the outcome that would

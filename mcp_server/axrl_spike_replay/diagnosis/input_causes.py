@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from axrl_spike_replay.diagnosis.causes import Cause, Experiment
+from axrl_spike_replay.diagnosis.causes import LOSS_READS_LITTLE, Cause, Experiment
 from axrl_spike_replay.errors import AxrlError
 
 # the broken part each checked field names, as a cause family
@@ -75,7 +75,10 @@ def merge_input_causes(found: list[Cause], inputs: list[Cause]) -> list[Cause]:
         if same is None:
             found.append(extra)
             continue
-        same.strength = max(same.strength, extra.strength)
+        if same.figures.get(LOSS_READS_LITTLE):  # the input is corrupt, but the loss barely reads it: not the cause
+            extra.evidence.append("the input fails its check, but this run's loss barely reads it (see below)")
+        else:
+            same.strength = max(same.strength, extra.strength)
         same.evidence = [*extra.evidence, *same.evidence]
         same.figures = {**same.figures, **extra.figures}
         same.ranks = list(extra.ranks)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from axrl_spike_replay.diagnosis.causes import (
     LIKELY,
     LN2,
+    LOSS_READS_LITTLE,
     Cause,
     Evidence,
     Experiment,
@@ -267,6 +268,7 @@ def _carried(ev: Evidence, signal: str, ranks: Sequence[int] = ()) -> list[str]:
 
 def _not_in_loss(cause: Cause, what: str, why: str) -> None:
     cause.strength = min(cause.strength, LIKELY - 0.05)
+    cause.figures[LOSS_READS_LITTLE] = True
     cause.evidence.append(
         f"{what} do not enter this run's loss ({why}): out of line, but not what the gradient carries"
     )
@@ -443,6 +445,7 @@ def bad_ref_logprobs(ev: Evidence) -> Cause | None:
         _not_in_loss(cause, "the reference log-probs", "kl_coef is 0")
     elif read is not None and abs(read) < KL_READS:
         cause.strength = min(cause.strength, LIKELY - 0.05)
+        cause.figures[LOSS_READS_LITTLE] = True
         cause.evidence.append(
             f"the KL term on rank {_ranks(odd.ranks)} carries {read:.3g} of the gradient: the loss barely reads the "
             "reference there; out of line, but not what the gradient carries"
@@ -547,6 +550,7 @@ def _routing_cause(
     )
     if not _replays_routes(ev):
         cause.strength = min(cause.strength, LIKELY - 0.05)
+        cause.figures[LOSS_READS_LITTLE] = True
         cause.evidence.append("the run does not replay recorded routes: they do not enter its forward")
     return cause
 
