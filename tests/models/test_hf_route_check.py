@@ -45,11 +45,14 @@ def hf_copy(hf_snapshot: Path, tmp_path: Path) -> Path:
 def test_a_payload_of_the_wrong_width_or_layers_is_refused_before_any_replay(hf_copy: Path) -> None:
     original = (hf_copy / "routing_payload_rank0.pt").read_bytes()
     edit_routing_payload(hf_copy, 0, lambda d: d.__setitem__("routed_experts", d["routed_experts"][..., :1].clone()))
-    with pytest.raises(SnapshotError, match=r"routing_payload_rank0\.pt: routed_experts holds 1 experts per token"):
+    # a finding about rank 0's input (the file named), with the experiments that replay around it
+    width = r"routing_payload_rank0\.pt\): routed_experts holds 1 experts per token but the model routes to top-k 2"
+    with pytest.raises(SnapshotError, match=width) as refused:
         run_replay(hf_copy, ReplayOptions(nproc=1))
+    assert "Run instead: drop_ranks=0, recompute=routes:rank0" in str(refused.value)
     (hf_copy / "routing_payload_rank0.pt").write_bytes(original)
     edit_routing_payload(hf_copy, 1, lambda d: d.__setitem__("moe_layers", [0, 7]))
-    with pytest.raises(SnapshotError, match=r"routing_payload_rank1\.pt: moe_layers names layers \[7\] the model"):
+    with pytest.raises(SnapshotError, match=r"routing_payload_rank1\.pt\): moe_layers names layers \[7\] the model"):
         run_replay(hf_copy, ReplayOptions(nproc=1))
 
 
@@ -57,8 +60,10 @@ def test_an_expert_id_past_the_routers_experts_is_refused_naming_the_file(hf_cop
     edit_routing_payload(
         hf_copy, 1, lambda d: d.__setitem__("routed_experts", d["routed_experts"].masked_fill(torch.tensor(True), 8))
     )
-    with pytest.raises(AxrlError, match=r"routing_payload_rank1\.pt: routed_experts holds expert id 8 at") as refused:
+    past = r"routing_payload_rank1\.pt\): expert ids \[8\] in layer slots \[0, 1\]; the model has 8 experts per layer"
+    with pytest.raises(AxrlError, match=past) as refused:
         run_replay(hf_copy, ReplayOptions(nproc=1))
+    assert "Run instead: drop_ranks=1, recompute=routes:rank1" in str(refused.value)
     assert "IndexError" not in str(refused.value) and "CUDA" not in str(refused.value)
 
 
