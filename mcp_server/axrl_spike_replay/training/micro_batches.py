@@ -21,8 +21,8 @@ The scale (`scale`) each micro-batch's loss is multiplied by before its backward
 - `sum` (1): verl 0.9.1's engines (FSDP: each micro-batch's `ppo_loss` is already normalised by the step's
   global counts and backpropagated as it is; Megatron: multiplied by the micro-batch count, which Megatron's
   schedule divides back out), and Megatron-core with `calculate_per_token_loss` (token sums, divided by the
-  step's token count: `normalization: global`, `token-mean`). The default under convention verl, and under
-  `normalization: global`.
+  step's token count: `normalization: global`, `token-mean`). The default under conventions verl and trl (TRL's
+  loss of a micro-batch is already divided by its accumulation steps), and under `normalization: global`.
 - `mean` (1 / number of micro-batches): Megatron-core's schedule dividing each micro-batch's own loss by
   `num_microbatches`. The default under convention axrl with `normalization: per_rank`.
 """
@@ -75,10 +75,12 @@ class MicroBatchSpec:
 
     def scale_for(self, convention: str, normalization: str) -> str:
         """The scale in force: the recorded one, else the trainer's: `sum` under convention verl (its engines never
-        rescale a micro-batch's `ppo_loss`) or normalization global, `mean` (Megatron-core's schedule) otherwise."""
+        rescale a micro-batch's `ppo_loss`), under convention trl (its loss of a micro-batch already holds TRL's
+        division by the accumulation steps, `training.trl_convention`) or normalization global, `mean`
+        (Megatron-core's schedule) otherwise."""
         if self.scale is not None:
             return self.scale
-        return "sum" if convention == "verl" or normalization == "global" else "mean"
+        return "sum" if convention in ("verl", "trl") or normalization == "global" else "mean"
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
