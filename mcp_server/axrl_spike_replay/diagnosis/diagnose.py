@@ -235,6 +235,7 @@ def diagnose_snapshot(
     if pairs and step is not None and model == "auto":  # the model evidence ran here: a replay of it is cheap
         not_checked += tie_break.run_comparisons(directory, pairs, untied)
     found.sort(key=lambda c: -c.strength)
+    _routes_before_what_they_move(found)
     _not_reproduced_first(found)
     likely = [c for c in found if c.strength >= causes.LIKELY]
     checked = [f"{name}: {what}" for name, what in CHECKED.items()]
@@ -322,6 +323,35 @@ def _compare_ranks(
         consistency, directory, None, local, reproduction.MATCH_TOLERANCE, "diagnose's replay (cpu, per rank)"
     )
     return reproduction.compare_ranks(infos, channel, recorded)
+
+
+# stored signals a replay compares under the recorded routes: where those routes are off, the signal differs there too
+ROUTE_MOVED = ("bad_ref_logprobs", "stale_old_logprobs", "engine_mismatch")
+
+
+def _routes_before_what_they_move(found: list[Cause]) -> None:
+    """A corrupt routing payload on ranks R comes before an equally strong stored-signal cause confined to R: the
+    replay there runs the corrupt routes, so a signal the trainer computed with other routes (a reference worker
+    routing on its own) differs from it there as well; `recompute=routes` on R separates the two readings."""
+    routes = next((c for c in found if c.family == "routing_payload" and c.strength >= causes.LIKELY and c.ranks), None)
+    if routes is None:
+        return
+    on = set(routes.ranks)
+    moved = [
+        c
+        for c in found[: found.index(routes)]
+        if c.family in ROUTE_MOVED and c.strength <= routes.strength and c.ranks and set(c.ranks) <= on
+    ]
+    if not moved:
+        return
+    found.remove(routes)
+    found.insert(found.index(moved[0]), routes)
+    where = ", ".join(str(r) for r in routes.ranks)
+    for cause in moved:
+        cause.evidence.append(
+            f"on rank {where}, whose routing payload is off: the replay there runs those routes, so this signal "
+            f"differs there as well; `recompute=routes:rank{routes.ranks[0]}` tells whether the routes alone explain it"
+        )
 
 
 def _not_reproduced_first(found: list[Cause]) -> None:
