@@ -12,19 +12,31 @@ import pytest
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigation_catalogue import EXAMPLES
 from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.trl_mitigations import TRL_OBJECTIVES
 from axrl_spike_replay.replay.clean_gradient import SpikeBar
 from axrl_spike_replay.replay.inputs import load_inputs
 from axrl_spike_replay.replay.job_document import job_document, job_of_document
 from axrl_spike_replay.replay.layout_plan import plan_layout
 from axrl_spike_replay.replay.worker import WorkerJob
+from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.sample_masks import SampleFilter, TokenDrop
+from axrl_spike_replay.training.trl_settings import TrlSettings
+
+TRL_NAMES = {m.name for m in TRL_OBJECTIVES}
 
 
 def _job(snapshot: Path, configs: list[dict], **fields: object) -> WorkerJob:
     inputs = load_inputs(snapshot, snapshot, False)
+    # TRL's objectives have a meaning on a TRL snapshot only: they are applied to the same loss under convention trl
+    trl = LossConfig(convention="trl", trl=TrlSettings())
     applied = [apply_config({}, inputs.loss, inputs.routing)]
-    applied += [apply_config(parse_config(c), inputs.loss, inputs.routing, inputs.model.moe_layer_ids) for c in configs]
+    applied += [
+        apply_config(
+            parse_config(c), trl if set(c) & TRL_NAMES else inputs.loss, inputs.routing, inputs.model.moe_layer_ids
+        )
+        for c in configs
+    ]
     values: dict = {
         "replay_dir": str(snapshot),
         "model": inputs.model,
