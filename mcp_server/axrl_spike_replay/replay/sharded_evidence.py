@@ -164,9 +164,12 @@ def sharded_channel(
             values[("_loss", rank)] = float(whole.detach())
         extra = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
         for name, term in terms.items():
+            # every process takes this backward on every pass, a padding one too: the log-probs are an output of the
+            # sharded model (the chunked head ends its forward), so FSDP2's final callback reduces after it, a
+            # collective every process must join
+            wrt = torch.autograd.grad(term, extra, retain_graph=True, allow_unused=True)
             if rank is not None:
                 values[(name, rank)] = float(term.detach())
-                wrt = torch.autograd.grad(term, extra, retain_graph=True, allow_unused=True)
                 pulls.setdefault(name, {})[rank] = pull_of(list(wrt), out.logprobs.shape)
             for p, owned in owners[k]:
                 got = _turn(space, term, whole, p == process)
