@@ -120,8 +120,12 @@ def test_a_replay_that_does_not_fit_shards_by_itself(toy_world4: tuple[Path, Swe
     snapshot, whole = toy_world4
     roomy = Capacity("a large machine", "cpu", 1, 1 << 40, "test")
     need = plan_replay(snapshot, nproc=2, capacity=roomy, shard="off").chosen
-    assert need is not None
-    small = Capacity("a small machine", "cpu", 1, need.per_device - 1, "test")  # two whole processes do not fit
+    assert need is not None and not need.checkpointed
+    # just below that, the whole model still fits with its decoder layers checkpointed; below both, it shards
+    tight = Capacity("a tight machine", "cpu", 1, need.per_device - 1, "test")
+    checkpointed = plan_replay(snapshot, nproc=2, capacity=tight, shard="off").chosen
+    assert checkpointed is not None and checkpointed.checkpointed and checkpointed.per_device < need.per_device
+    small = Capacity("a small machine", "cpu", 1, checkpointed.per_device - 1, "test")  # no whole process fits
     result = run_replay(snapshot, ReplayOptions(nproc=2, capacity=small))
     assert result.sharded is True
     assert "does not fit" in result.shard_reason and "a small machine" in result.shard_reason
