@@ -104,10 +104,11 @@ def test_bad_input_exits_2_with_a_message(
 
 @pytest.mark.parametrize(("nproc", "spawns"), [(1, False), (2, True)])
 def test_a_one_process_replay_runs_in_the_calling_process(spike_snapshot: Path, nproc: int, spawns: bool) -> None:
-    children_seen: list[int] = []  # child processes alive whenever a progress line arrives
+    children_seen: list[int] = []  # child processes of this replay alive whenever a progress line arrives
+    before = {child.pid for child in multiprocessing.active_children()}  # the session's warm pools, if up
 
     def progress(line: str) -> None:
-        children_seen.append(len(multiprocessing.active_children()))
+        children_seen.append(len({child.pid for child in multiprocessing.active_children()} - before))
 
     result = run_replay(spike_snapshot, ReplayOptions(nproc=nproc, progress=progress))
     assert result.verdict == "reproduced" and children_seen
