@@ -125,16 +125,26 @@ def test_a_sharded_qwen3_moe_attribution_at_world_size_4(tmp_path: Path) -> None
 def test_a_cancelled_sharded_attribution_stops_its_processes(toy_world4: tuple[Path, Attribution]) -> None:
     import multiprocessing
     import threading
+    import time
 
     from axrl_spike_replay.rank_processes import RunCancelled
 
     snapshot, _ = toy_world4
+    before = {child.pid for child in multiprocessing.active_children()}  # the session's warm pools, if up
     cancel = threading.Event()
-    timer = threading.Timer(3.0, cancel.set)  # the processes are starting or loading by then
-    timer.start()
+
+    def cancel_once_started() -> None:  # as soon as its rank processes exist (they start in well under a second)
+        while not cancel.is_set():
+            if {child.pid for child in multiprocessing.active_children()} - before:
+                cancel.set()
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=cancel_once_started, daemon=True)
+    watcher.start()
     try:
         with pytest.raises(RunCancelled):
             attribute_spike(snapshot, shard="on", nproc=2, cancel=cancel)
     finally:
-        timer.cancel()
-    assert multiprocessing.active_children() == []
+        cancel.set()
+        watcher.join(timeout=10)
+    assert {child.pid for child in multiprocessing.active_children()} - before == set()
