@@ -13,7 +13,6 @@ from pydantic import Field
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library
 from axrl_spike_replay.mcp_faces.config import JobArg, OutputDirArg, server_config
 from axrl_spike_replay.mcp_faces.shared_arguments import SnapshotArg
-from axrl_spike_replay.replay.input_checks import inspect_with_inputs
 from axrl_spike_replay.snapshot.discovery import OUTPUT_ROOTS_ENV, JobResolution, resolve_job
 from axrl_spike_replay.snapshot.inspect import SnapshotInspection
 from axrl_spike_replay.snapshot.legacy import PreparedSnapshot, prepare_replay_dir
@@ -124,6 +123,8 @@ async def inspect_snapshot_tool(snapshot: SnapshotArg, ctx: Context) -> Snapshot
     also under `input_findings`). Reads headers and those small tensors only, so it is fast on snapshots of
     hundreds of GB."""
     config = server_config(ctx)
+    from axrl_spike_replay.replay.input_checks import inspect_with_inputs  # imports torch: only when it runs
+
     return await call_library(ctx, lambda progress, cancel: inspect_with_inputs(config.path(snapshot)))
 
 
