@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import subprocess
@@ -34,8 +33,16 @@ def _abort_once(rank: int, nproc: int, out: str) -> None:
 
 def _abort_in_teardown(rank: int, nproc: int, out: str) -> None:
     _all_reduce_ranks(rank, nproc, out)
-    if rank == 1:  # after its work, the final barrier and the group's teardown: a native abort as the process exits
-        atexit.register(os.abort)
+    if rank == 1:  # after its work and the final barrier: a native abort in the group's teardown
+        import torch.distributed as dist
+
+        destroy = dist.destroy_process_group
+
+        def destroy_then_abort(*args: object, **kwargs: object) -> None:
+            destroy(*args, **kwargs)  # type: ignore[arg-type]
+            os.abort()
+
+        dist.destroy_process_group = destroy_then_abort  # the launcher's teardown calls it through the module
 
 
 def _refuse(rank: int, nproc: int, out: str) -> None:
