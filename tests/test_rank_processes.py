@@ -255,3 +255,19 @@ def _descendants(root: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def _say_rank(rank: int, nproc: int, out: str) -> None:
+    print(f"rank {rank} of {nproc} says hello", file=sys.stderr, flush=True)
+
+
+def test_ranks_print_to_the_launcher_s_stderr_as_it_is_when_they_start(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The process server may have started under other streams (an earlier run, before a redirect); a rank still
+    prints where its launcher's standard error goes now, as a spawned one would."""
+    with capfd.disabled():  # the server starts (if it is not up yet) under the streams before this capture
+        spawn_ranks(_all_reduce_ranks, 2, str(tmp_path))
+    spawn_ranks(_say_rank, 2, str(tmp_path))
+    err = capfd.readouterr().err
+    assert "rank 0 of 2 says hello" in err and "rank 1 of 2 says hello" in err

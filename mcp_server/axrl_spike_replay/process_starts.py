@@ -16,7 +16,9 @@ killed with SIGKILL takes the server and every process with it.
 
 The environment a process sees is the launcher's at the start (`launcher_environment`, applied by
 `adopt_environment`), not the server's, as under `spawn`. Variables read while torch is imported are the
-server's: the launcher's when the server started.
+server's: the launcher's when the server started. Its standard output and error are the launcher's at the start
+too (`LauncherStreams`, applied by `adopt_streams`): a launcher that redirected them after the server started
+(a test capturing them, a service writing a log) sees what its processes print.
 
 Fallback: `spawn` where the forkserver is missing (not POSIX) or failed to start, or when
 AXRL_START_METHOD=spawn asks for it (each start reads it).
@@ -35,6 +37,7 @@ import tempfile
 import threading
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
 
@@ -120,6 +123,48 @@ def adopt_environment(environment: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(environment)
     tempfile.tempdir = None  # TMPDIR may differ: the temp dir is looked up again
+
+
+class LauncherStreams:
+    """The launcher's standard output and error as they are when a process starts, for that process: pickled as
+    the start method passes descriptors (`multiprocessing.reduction.DupFd`), applied there by `adopt_streams`."""
+
+    FDS = (1, 2)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        from multiprocessing import reduction
+
+        sent = tuple((fd, reduction.DupFd(fd)) for fd in self.FDS if _is_open(fd))
+        return (ReceivedStreams, (sent,))
+
+
+class ReceivedStreams:
+    """The launcher's descriptors as a started process received them (see `LauncherStreams`)."""
+
+    def __init__(self, sent: tuple[tuple[int, Any], ...]) -> None:
+        self.fds = [(target, dup.detach()) for target, dup in sent]
+
+
+def adopt_streams(streams: LauncherStreams | ReceivedStreams | None) -> None:
+    """Make this process's standard output and error the launcher's (a process forked from the server has the
+    server's). Nothing to do when `streams` did not come through a start (the launcher's own object)."""
+    if not isinstance(streams, ReceivedStreams):
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    for target, fd in streams.fds:
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 def die_with_launcher() -> None:

@@ -38,7 +38,14 @@ from typing import Any
 
 from axrl_spike_replay.atomic import atomic_write_text
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.process_starts import adopt_environment, die_with_launcher, launcher_environment, rank_context
+from axrl_spike_replay.process_starts import (
+    LauncherStreams,
+    adopt_environment,
+    adopt_streams,
+    die_with_launcher,
+    launcher_environment,
+    rank_context,
+)
 from axrl_spike_replay.temp_janitor import owned_temp_dir
 
 RankFn = Callable[[int, int, Any], None]
@@ -160,11 +167,12 @@ def _spawn_once(
 
     context = rank_context()
     environment = launcher_environment()
+    streams = LauncherStreams()
     with owned_temp_dir("axrl-ranks-") as tmp:
         processes: list[Any] = []
         try:
             for rank in range(nproc):
-                args = (rank, fn, nproc, payload, backend, tmp, timeout_s, prepare, label, environment)
+                args = (rank, fn, nproc, payload, backend, tmp, timeout_s, prepare, label, environment, streams)
                 process = context.Process(target=_entry, args=args, name=f"{label} {rank}{_RUN_DIR_MARK}{tmp}")
                 process.start()
                 processes.append(process)
@@ -313,9 +321,11 @@ def _entry(
     prepare: Callable[[int, Any], None] | None,
     label: str,
     environment: dict[str, str],
+    streams: LauncherStreams | None = None,
 ) -> None:
     die_with_launcher()
     adopt_environment(environment)
+    adopt_streams(streams)
     Path(tmp, _STARTED.format(rank=rank)).touch()  # past the import of the main module and of `fn`
     import torch
     import torch.distributed as dist
