@@ -133,6 +133,14 @@ def test_a_lean_output_schema_accepts_what_the_full_one_accepts(instance: dict[s
     jsonschema.validate(instance, lean_output_schema(FULL))
 
 
+def test_a_non_finite_figure_sent_as_null_meets_the_lean_schema() -> None:
+    """A NaN grad norm goes out as null (JSON has no NaN): a `float` field admits it, or a client refuses the result."""
+    schema = {"type": "object", "properties": {"grad_norm": {"type": "number"}}, "required": ["grad_norm"]}
+    jsonschema.validate({"grad_norm": None}, lean_output_schema(schema))
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"grad_norm": "nan"}, lean_output_schema(schema))
+
+
 @pytest.mark.parametrize(
     "instance",
     [

@@ -122,6 +122,8 @@ def _top_field(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     kinds = _types(node, defs)
     if kinds is None:
         return {}  # any JSON value
+    if "number" in kinds and "null" not in kinds:
+        kinds = [*kinds, "null"]  # a non-finite figure (a NaN grad norm) is sent as null (`bridge.structured`)
     field: dict[str, Any] = {"type": kinds[0] if len(kinds) == 1 else kinds}
     enum = _enum(node, defs)
     if enum is not None:
