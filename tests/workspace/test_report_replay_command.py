@@ -77,3 +77,23 @@ def test_a_what_if_run_first_shows_the_baselines_command(tmp_path: Path, cli) ->
     assert baseline["is_baseline"] and baseline["command"] == expected  # the sweep's baseline row: its own command
     assert state["command"] == expected
     assert "sweep" in attempts[0]["command"] and "advantage_clip=1" in attempts[1]["command"]
+
+
+@pytest.mark.slow
+def test_a_replay_of_another_iteration_leaves_the_active_snapshots_command(tmp_path: Path, cli) -> None:
+    """An investigation checks the spike's neighbouring iteration beside the active one: the task's (and the
+    report's) replay command still replays the active snapshot."""
+    spike = _spike(tmp_path)  # iter_0000021, the task's active snapshot
+    other = spike.parent / "iter_0000020"
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    view = open_task(ws, JOB, spike, diagnosis="off")
+    for snapshot in (spike, other):
+        run = cli("replay", snapshot, "--nproc", "1", "--workspace", ws, "--job", JOB, "--json")
+        assert run.code == 0, run.err
+    state = json.loads(Path(view.state_file).read_text())
+    assert state["experiments"][0]["command"] == state["command"]
+    assert str(spike) in state["command"] and str(other) not in state["command"]
+    run = cli("report", JOB, "--workspace", ws, "--json")
+    assert run.code == 0, run.err
+    assert str(spike) in _report_command(run.json()["text"])

@@ -98,13 +98,14 @@ def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_
         if judged_by is not None:
             row["baseline"] = judged_by
         state.experiments.append(row)
-        shown = row["command"] if row["is_baseline"] else baseline_command
-        if shown and state.command_source != "user":
-            state.command = shown
-            state.command_source = "replay"
         if not state.snapshot:
             state.snapshot = result.snapshot
             state.snapshot_history.append({"time": now(), "snapshot": result.snapshot})
+        shown = row["command"] if row["is_baseline"] else baseline_command
+        # the task's command replays its active snapshot: a replay of another iteration (checked beside it) keeps it
+        if shown and state.command_source != "user" and result.snapshot == state.snapshot:
+            state.command = shown
+            state.command_source = "replay"
         if result.snapshot == state.snapshot:
             note_preserved_copy(state, result.snapshot, now())
         return exp_id
