@@ -236,7 +236,7 @@ def _all_done(tmp: Path, nproc: int) -> bool:
     return all(Path(tmp, _DONE.format(rank=rank)).exists() for rank in range(nproc))
 
 
-def _leave_collectives(store: Any, nproc: int, timeout_s: float) -> None:
+def leave_collectives(store: Any, nproc: int, timeout_s: float) -> None:
     """Say in the store that this rank left its last collective, and wait until every rank has: then no rank tears
     down its connections while a peer may still be inside a collective with it."""
     store.add(_LEFT_KEY, 1)
@@ -340,7 +340,7 @@ def _entry(
         dist.init_process_group(backend, store=store, rank=rank, world_size=nproc, timeout=timedelta(seconds=timeout_s))
         fn(rank, nproc, payload)
         dist.barrier()  # every rank is done with its work
-        _leave_collectives(store, nproc, timeout_s)  # and has returned from that barrier: teardown may start
+        leave_collectives(store, nproc, timeout_s)  # and has returned from that barrier: teardown may start
         Path(tmp, _DONE.format(rank=rank)).touch()
     except AxrlError as exc:  # expected: its message is the report, no traceback on the terminal
         atomic_write_text(Path(tmp, f"error-{rank:05d}.txt"), f"{label} {rank}: {exc}")

@@ -77,6 +77,7 @@ def run(ctx: WorkerContext) -> list[dict[str, Any]]:
     import torch
     import torch.distributed as dist
 
+    from axrl_spike_replay.rank_processes import leave_collectives
     from axrl_spike_replay.replay.job_document import job_of_document
     from axrl_spike_replay.replay.launch import prepare_device, process_device
     from axrl_spike_replay.replay.worker import compute
@@ -104,7 +105,9 @@ def run(ctx: WorkerContext) -> list[dict[str, Any]]:
         where = {"rank": ctx.rank, "host": socket.gethostname(), "device": local.device}
         placed: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(placed, where)
-        dist.barrier()  # every process is done with the group before any tears it down
+        dist.barrier()  # every process is done with its work
+        # and has returned from that barrier before any tears the group down (`rank_processes`' ordered teardown)
+        leave_collectives(dist.distributed_c10d._get_default_store(), ctx.world_size, timeout.total_seconds())
     finally:
         dist.destroy_process_group()
     if ctx.is_rank0:
