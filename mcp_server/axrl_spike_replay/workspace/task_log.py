@@ -179,10 +179,21 @@ def record_failure(
 
 def command_of(result_path: Path | str | None) -> str | None:
     """The command line recorded beside a replay result (`command.txt` in its run dir; a sweep's one level up)."""
+    return _recorded_line(result_path, "command.txt")
+
+
+def baseline_command_of(result_path: Path | str | None) -> str | None:
+    """The baseline's command line a run recorded beside a mitigated or hypothesis replay (`baseline_command.txt`
+    in its run dir; a sweep's one level up): the same replay without its configs. None when none was recorded."""
+    return _recorded_line(result_path, BASELINE_COMMAND_FILE)
+
+
+def _recorded_line(result_path: Path | str | None, name: str) -> str | None:
+    """The text of file `name` in a result's run dir, or one level up (a sweep's), cut to 4,000 characters."""
     if result_path is None:
         return None
     folder = Path(result_path).parent
-    for candidate in (folder / "command.txt", folder.parent / "command.txt"):
+    for candidate in (folder / name, folder.parent / name):
         try:
             if candidate.is_file():
                 text = candidate.read_text(encoding="utf-8", errors="replace").strip()
@@ -190,13 +201,6 @@ def command_of(result_path: Path | str | None) -> str | None:
         except OSError:
             continue
     return None
-
-
-def baseline_command_of(result_path: Path | str | None) -> str | None:
-    """The baseline's command line a run recorded beside a mitigated or hypothesis replay (`baseline_command.txt`
-    in its run dir; a sweep's one level up): the same replay without its configs. None when none was recorded."""
-    if result_path is None:
-        return None
     folder = Path(result_path).parent
     for candidate in (folder / BASELINE_COMMAND_FILE, folder.parent / BASELINE_COMMAND_FILE):
         try:
