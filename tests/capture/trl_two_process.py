@@ -9,10 +9,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import torch.distributed as dist
 from trl_run import RunSpec, trainer
 
 from axrl_spike_replay.capture.detectors import MedianRatioDetector
 from axrl_spike_replay.capture.trl_callback import attach_spike_guard
+from axrl_spike_replay.rank_processes import leave_collectives
 
 
 def main() -> None:
@@ -25,6 +27,17 @@ def main() -> None:
     tripped = [d.step for d in callback.decisions if d.tripped]
     if run.accelerator.process_index == 0:
         print(f"TRIPPED {tripped} SNAPSHOTS {[str(p) for p in callback.guard.snapshots]}", flush=True)
+    end_in_order()
+
+
+def end_in_order() -> None:
+    """Tear the group down only once every process has left its last collective: a process that exits while its
+    peer is still inside one makes the peer abort in gloo (`terminate called without an active exception`)."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    leave_collectives(dist.distributed_c10d._get_default_store(), dist.get_world_size(), 120.0)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
