@@ -48,6 +48,11 @@ def test_each_objective_sets_the_conventions_own_setting(convention: str) -> Non
         applied = _apply({"trl_loss_type": loss_type}, base)
         assert (applied.policy_loss_mode, applied.loss_agg_mode) == ("vanilla", agg)
     assert _apply({"delta": 1.5}, base).dual_clip_c == 1.5
+    # a snapshot trained with one objective replays another in its place, or PPO's clip again
+    recorded = LossConfig(convention=convention, policy_loss_mode="gspo")
+    assert _apply({"trl_loss_type": "sapo"}, recorded).policy_loss_mode == "sapo"
+    assert _apply({"importance_sampling_level": "token"}, recorded).policy_loss_mode == "vanilla"
+    assert _apply({"trl_loss_type": "dapo"}, recorded).policy_loss_mode == "gspo"  # TRL's dapo keeps GSPO's ratio
     tis = _apply({"rollout_correction": "token_truncate:2"}, base)
     assert (tis.rollout_is, tis.rollout_is_threshold) == ("token", "2")
     icepop = _apply({"rollout_correction": "sequence_mask:0.5:2"}, base)
@@ -62,7 +67,7 @@ def test_each_objective_sets_the_conventions_own_setting(convention: str) -> Non
         ({"delta": 1.1}, r"delta >= 1 \+ clip_eps_high = 1\.2"),
         ({"rollout_correction": "token_truncate:0.5:2"}, r"truncates above only"),
         ({"rollout_correction": "sequence_mask:3"}, r"masks between two bounds"),
-        ({"importance_sampling_level": "sequence", "trl_loss_type": "cispo"}, r"one policy objective at a time"),
+        ({"importance_sampling_level": "sequence", "trl_loss_type": "cispo"}, r"computes one policy objective"),
         ({"trl_loss_type": "sapo", "delta": 1.5}, r"delta has no meaning with policy_loss_mode sapo"),
     ],
 )

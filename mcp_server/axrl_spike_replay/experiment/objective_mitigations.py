@@ -49,27 +49,29 @@ def _on_trl(loss: LossConfig, fields: dict[str, Any]) -> LossConfig:
     return dataclasses.replace(loss, trl=dataclasses.replace(loss.trl or TrlSettings(), **fields))
 
 
-def _objective(loss: LossConfig, mode: str, name: str) -> LossConfig:
-    """`loss` with verl's policy loss `mode`; the dual clip (PPO's, read by no other verl loss) is dropped."""
+def _objective(loss: LossConfig, mode: str) -> LossConfig:
+    """`loss` with verl's policy loss `mode` in place of the snapshot's; the dual clip (PPO's, read by no other verl
+    loss) is dropped when leaving vanilla."""
     if mode == loss.policy_loss_mode:
         return loss
-    if loss.policy_loss_mode != "vanilla" and mode != "vanilla":
-        raise ConfigError(
-            f"mitigation {name}: convention {loss.convention} computes one policy objective at a time (verl's "
-            f"policy_loss.loss_mode) and this config already sets {loss.policy_loss_mode}; TRL combines them, "
-            "verl does not"
-        )
     return dataclasses.replace(loss, policy_loss_mode=mode, dual_clip_c=None if mode != "vanilla" else loss.dual_clip_c)
 
 
 def refuse_unread_dual_clip(config: Mapping[str, Any], loss: LossConfig) -> None:
-    """ConfigError when a config asks for the dual clip (`dual_clip_c`, or `delta` outside convention trl) and also
-    for an objective that does not read it: switching the objective drops the snapshot's own dual clip, never the
-    one the config asks for."""
-    if loss.convention == "trl" or loss.policy_loss_mode == "vanilla":
+    """ConfigError, outside convention trl, for a config asking for two policy objectives (GSPO with cispo or sapo:
+    TRL combines them, verl's loss mode is one), or for the dual clip (`dual_clip_c`, `delta`) beside an objective
+    that does not read it: switching the objective drops the snapshot's own dual clip, never one the config asks
+    for."""
+    if loss.convention == "trl":
         return
+    if config.get("importance_sampling_level") == "sequence" and config.get("trl_loss_type") in ("cispo", "sapo"):
+        raise ConfigError(
+            f"mitigations importance_sampling_level=sequence and trl_loss_type={config['trl_loss_type']} have no "
+            f"meaning together under convention {loss.convention}: it computes one policy objective (verl's "
+            "policy_loss.loss_mode); TRL combines them, verl does not"
+        )
     named = [n for n in ("dual_clip_c", "delta") if n in config]
-    if named:
+    if named and loss.policy_loss_mode != "vanilla":
         raise ConfigError(
             f"mitigation {named[0]} has no meaning with policy_loss_mode {loss.policy_loss_mode}: it is PPO's dual "
             "clip, which verl's gspo, cispo and sapo losses do not read"
@@ -90,8 +92,8 @@ def objective(name: str, on_trl: Callable[[Any], dict[str, Any]], on_verl: Calla
 
 def _sequence_level(loss: LossConfig, value: str) -> LossConfig:
     if value == "sequence":
-        return _objective(loss, "gspo", "importance_sampling_level")
-    return _objective(loss, "vanilla", "importance_sampling_level") if loss.policy_loss_mode == "gspo" else loss
+        return _objective(loss, "gspo")
+    return _objective(loss, "vanilla") if loss.policy_loss_mode == "gspo" else loss
 
 
 def _loss_type(loss: LossConfig, value: str) -> LossConfig:
@@ -100,9 +102,10 @@ def _loss_type(loss: LossConfig, value: str) -> LossConfig:
             f"mitigation trl_loss_type=vespo has no meaning under convention {loss.convention}: {NO_VESPO}"
         )
     mode, agg = AS_VERL[value]
-    loss = _objective(loss, mode or "vanilla", "trl_loss_type") if mode or loss.policy_loss_mode == "cispo" else loss
-    if loss.policy_loss_mode == "sapo" and mode != "sapo":
-        loss = _objective(loss, "vanilla", "trl_loss_type")
+    if mode is not None:
+        loss = _objective(loss, mode)
+    elif loss.policy_loss_mode in ("cispo", "sapo"):  # TRL's other loss types are PPO's clip (GSPO's stays)
+        loss = _objective(loss, "vanilla")
     if agg is not None and not (mode == "sapo" and loss.convention == "verl"):  # verl's SAPO aggregates on its own
         loss = dataclasses.replace(loss, loss_agg_mode=agg)
     return loss
