@@ -56,7 +56,7 @@ def test_each_objective_sets_the_conventions_own_setting(convention: str) -> Non
     tis = _apply({"rollout_correction": "token_truncate:2"}, base)
     assert (tis.rollout_is, tis.rollout_is_threshold) == ("token", "2")
     icepop = _apply({"rollout_correction": "sequence_mask:0.5:2"}, base)
-    assert (icepop.rollout_is, icepop.rollout_is_threshold) == ("sequence", "0.5_2")
+    assert (icepop.rollout_is, icepop.rollout_is_threshold) == ("sequence", "0.5_2.0")
 
 
 @pytest.mark.parametrize("convention", ["axrl", "verl"])

@@ -194,7 +194,8 @@ def test_the_verl_rollout_correction_settings_are_the_replays_verl_mapping() -> 
     verl_rs = LossConfig(
         convention="verl",
         rollout_rs=rs["algorithm.rollout_correction.rollout_rs"],
-        rollout_rs_threshold=rs["algorithm.rollout_correction.rollout_rs_threshold"],
+        # read as Hydra and YAML read an override's value: `0.5_2` would be the number 0.52
+        rollout_rs_threshold=yaml.safe_load(rs["algorithm.rollout_correction.rollout_rs_threshold"]),
     )
     replayed = apply_config(_config("ratio_outlier_mask"), LossConfig(convention="verl"), RoutingConfig()).loss
     assert rejection_options(verl_rs) == pytest.approx(rejection_options(replayed))

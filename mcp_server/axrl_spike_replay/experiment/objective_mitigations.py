@@ -24,6 +24,7 @@ from axrl_spike_replay.experiment.mitigation_values import parse_number
 from axrl_spike_replay.experiment.trainer_settings import NO_MEGATRON_FLAG, TrainerSetting, override, per_value
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.trl_settings import ROLLOUT_CORRECTION_MODES, TRL_IS_LEVELS, TRL_LOSS_TYPES, TrlSettings
+from axrl_spike_replay.training.verl_settings import bounds_spec
 
 ACTOR = "actor_rollout_ref.actor."
 VERL_LOSS_MODE = ACTOR + "policy_loss.loss_mode={}"
@@ -141,7 +142,7 @@ def rollout_correction_threshold(value: str) -> tuple[str, str] | None:
     level, kind = mode.split("_")
     if kind == "truncate":
         return None if low is not None else (level, f"{high:g}")
-    return None if low is None else (level, f"{low:g}_{high:g}")
+    return None if low is None else (level, bounds_spec(low, high))
 
 
 def _rollout_correction(loss: LossConfig, value: str) -> LossConfig:
@@ -229,18 +230,14 @@ def _grpo_config_correction(value: str) -> str:
     return f"vllm_importance_sampling_mode={mode}{low_text} vllm_importance_sampling_clip_max={high:g}"
 
 
-def _quoted(threshold: str) -> str:
-    return f"'{threshold}'" if "_" in threshold else threshold
-
-
 def _verl_correction(value: str) -> str | None:
     mapped = rollout_correction_threshold(value)
-    return None if mapped is None else VERL_ROLLOUT_IS.format(mapped[0], _quoted(mapped[1]))
+    return None if mapped is None else VERL_ROLLOUT_IS.format(mapped[0], mapped[1])
 
 
 def _run_config_correction(value: str) -> str | None:
     mapped = rollout_correction_threshold(value)
-    return None if mapped is None else f"loss.rollout_is: {mapped[0]}, loss.rollout_is_threshold: {_quoted(mapped[1])}"
+    return None if mapped is None else f"loss.rollout_is: {mapped[0]}, loss.rollout_is_threshold: {mapped[1]}"
 
 
 def _loss_type_run_config(value: str) -> str | None:

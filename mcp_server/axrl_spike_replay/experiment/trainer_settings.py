@@ -127,6 +127,7 @@ def verl_rejection(value: Any) -> str | None:
     (`training.verl_settings.rejection_options`): our bounds on pi/pi_rollout become verl's k1 bounds on
     pi_rollout/pi_old. None when verl cannot express it (base old; an unbounded side, low 0)."""
     from axrl_spike_replay.training.loss_config import LossConfig, RatioOutlierMask, rejection_options
+    from axrl_spike_replay.training.verl_settings import bounds_spec
 
     mask = RatioOutlierMask(**value) if isinstance(value, Mapping) else RatioOutlierMask()
     if mask.base != "rollout":
@@ -136,7 +137,7 @@ def verl_rejection(value: Any) -> str | None:
         return None
     return (
         f"algorithm.rollout_correction.rollout_rs={option.option} "
-        f"algorithm.rollout_correction.rollout_rs_threshold={option.lower:g}_{option.upper:g}"
+        f"algorithm.rollout_correction.rollout_rs_threshold={bounds_spec(option.lower, option.upper)}"
     )
 
 
