@@ -142,3 +142,27 @@ def test_a_clear_threshold_that_is_no_spike_ratio_is_refused_by_name(
     assert status == 2 and "--clear-threshold must be a finite spike ratio > 0" in err  # spelled as the option
     assert "`" not in err and "Traceback" not in err
     assert not (workspace / "tmp").exists()  # refused before anything ran
+
+
+def test_the_cli_renders_the_typed_result_and_its_json_round_trips_byte_for_byte(
+    spike_snapshot: Path, workspace: Path, capsys
+) -> None:
+    from axrl_spike_replay.cli.replay_commands import render_replay
+    from axrl_spike_replay.experiment.result import ReplayResult
+    from axrl_spike_replay.jsonable import to_jsonable
+    from axrl_spike_replay.snapshot.consistency import Consistency
+
+    assert main(["replay", str(spike_snapshot), "--nproc", "1", "--workspace", str(workspace), "--json"]) == 0
+    text = (Path(json.loads(capsys.readouterr().out)["output_dir"]) / "replay_result.json").read_text()
+    doc = json.loads(text)
+    result = ReplayResult.from_json(doc)
+    assert isinstance(result.consistency, Consistency) and result.consistency.checked == doc["consistency"]["checked"]
+    assert json.dumps(to_jsonable(result), indent=2) + "\n" == text  # the result file, key for key, from the typed one
+
+    shown = render_replay(result).splitlines()
+    own = "agrees with itself" if doc["consistency"]["self_consistent"] else "DISAGREES with itself"
+    assert any(line.startswith(f"  snapshot      {own}; ") for line in shown)
+    [checks] = [line for line in shown if line.startswith("  checks        ")]
+    assert checks.startswith(f"  checks        {len(doc['consistency']['checked'])} checks: ")
+    problems = [line for line in shown if line.startswith("  problem       [")]
+    assert problems == [f"  problem       [{p['name']}] {p['message']}" for p in doc["consistency"]["problems"]]

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from axrl_spike_replay.experiment.figure_names import ATTRIBUTION_SAMPLE, with_current_names
+from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
 
 ATTRIBUTION_FILE = "attribution.json"  # what `attribute` writes into its run dir
@@ -57,9 +58,9 @@ class ReplayResult:
     rank_metrics: list[dict[str, Any]] = field(default_factory=list)
     legacy_layout: bool = False  # replayed through a temporary replay dir (legacy snapshot)
     output_dir: str = ""  # where this result's files were written ("" when none)
-    # baseline: does the snapshot agree with itself, its replay (per-rank loss) and the training log?
-    # `verdict` says only whether the replay matched the recorded norm (snapshot/consistency.py)
-    consistency: dict[str, Any] | None = None
+    # baseline: does the snapshot agree with itself, its replay (per-rank loss) and the training log? Typed here; its
+    # JSON is the dataclass's. `verdict` says only whether the replay matched the recorded norm
+    consistency: Consistency | None = None
     # mitigated replays: what the config changed besides the spike (replay.outcome_figures has the definitions)
     footprint: dict[str, Any] | None = None  # loss tokens / samples masked or changed; token_fraction, sample_fraction
     cosine_to_clean: float | None = None  # cosine of this gradient with the clean gradient (in [-1, 1])
@@ -93,6 +94,8 @@ class ReplayResult:
         self.backend = Backend.parse(self.backend, "result backend")
         self.fidelity = Fidelity.parse(self.fidelity, "result fidelity")
         self.verdict = Verdict.parse(self.verdict, "result verdict")
+        if isinstance(self.consistency, dict):  # as a result file keeps it
+            self.consistency = Consistency.from_json(self.consistency)
 
     def to_json(self) -> dict[str, Any]:
         """The `replay_result.json` document (vocabulary members are their string values)."""

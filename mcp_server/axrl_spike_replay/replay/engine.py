@@ -46,6 +46,7 @@ from axrl_spike_replay.replay.outcome_figures import DEFINITION
 from axrl_spike_replay.replay.replay_plan import HERE, Capacity
 from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard, planned_shard
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 from axrl_spike_replay.training.sample_masks import check_ranks
 from axrl_spike_replay.vocabulary import Backend, Device, Shard, Verdict
@@ -322,9 +323,8 @@ class ReplaySession:
             finding=finding(verdict, cfg.mitigations),
         )
 
-    def _consistency(self, outcome: ConfigOutcome) -> dict[str, Any]:
+    def _consistency(self, outcome: ConfigOutcome) -> Consistency:
         """The snapshot's consistency checks, with the replayed per-rank losses and the job's log."""
-        from axrl_spike_replay.jsonable import to_jsonable
         from axrl_spike_replay.snapshot.consistency import check_replayed_losses, check_snapshot
         from axrl_spike_replay.snapshot.log_point import job_logs, log_point
         from axrl_spike_replay.snapshot.replayed_param_norms import check_replayed_param_norms
@@ -343,7 +343,7 @@ class ReplaySession:
             self.tolerance,
             f"the replay ({self.plan.fidelity} fidelity, {self.options.device})",
         )
-        return to_jsonable(found)
+        return found
 
     def failed(self, error: str, verb: str = "replay", cfg: AppliedConfig | None = None) -> ReplayResult:
         """The result recorded for a run that failed after its output dir was made (a sweep: one for all), or

@@ -8,7 +8,6 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.result import ReplayResult
-from axrl_spike_replay.snapshot.consistency import consistency_line
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, parse_iteration
 from axrl_spike_replay.workspace.experiment_row import ExperimentRow
 from axrl_spike_replay.workspace.task import TaskState
@@ -84,15 +83,14 @@ def recorded_consistency(row: ExperimentRow) -> dict[str, Any] | None:
         result, _ = result_doc(row)
     except AxrlError as exc:
         return {"summary": None, "note": str(exc), "problems": []}
-    doc = result.consistency
-    if not isinstance(doc, dict):
+    found = result.consistency
+    if found is None:
         return None
-    problems = [p for p in doc.get("problems") or [] if isinstance(p, dict)]
     return {
-        "summary": consistency_line(doc),
-        "self_consistent": doc.get("self_consistent"),
-        "agrees_with_log": doc.get("agrees_with_log"),
-        "problems": [{"name": str(p.get("name")), "message": str(p.get("message"))} for p in problems],
+        "summary": found.summary(),
+        "self_consistent": found.self_consistent,
+        "agrees_with_log": found.agrees_with_log,
+        "problems": [{"name": p.name, "message": p.message} for p in found.problems],
         "note": None,
     }
 
