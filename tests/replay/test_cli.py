@@ -166,3 +166,27 @@ def test_the_cli_renders_the_typed_result_and_its_json_round_trips_byte_for_byte
     assert checks.startswith(f"  checks        {len(doc['consistency']['checked'])} checks: ")
     problems = [line for line in shown if line.startswith("  problem       [")]
     assert problems == [f"  problem       [{p['name']}] {p['message']}" for p in doc["consistency"]["problems"]]
+
+
+def test_a_mitigated_results_footprint_and_precision_are_typed_and_written_as_before(
+    spike_snapshot: Path, workspace: Path, capsys
+) -> None:
+    from axrl_spike_replay.cli.replay_commands import render_replay
+    from axrl_spike_replay.experiment.result import Footprint, ReplayResult
+    from axrl_spike_replay.jsonable import to_jsonable
+    from axrl_spike_replay.training.precision import PrecisionPolicy
+
+    args = ["replay", str(spike_snapshot), "--nproc", "1", "--workspace", str(workspace), "--json"]
+    assert main([*args, "--mitigation", "mismatch_token_clip_max=2"]) == 0
+    text = (Path(json.loads(capsys.readouterr().out)["output_dir"]) / "replay_result.json").read_text()
+    doc = json.loads(text)
+    result = ReplayResult.from_json(doc)
+    assert isinstance(result.footprint, Footprint) and isinstance(result.precision, PrecisionPolicy)
+    assert list(doc["footprint"]) == list(vars(result.footprint))  # the keys the file has always held, in order
+    assert isinstance(doc["footprint"]["loss_tokens"], int) and result.footprint.loss_tokens > 0
+    assert list(doc["precision"]) == ["param_dtype", "reduce_dtype", "output_dtype", "source"]
+    assert json.dumps(to_jsonable(result), indent=2) + "\n" == text
+    f = result.footprint
+    assert f.token_fraction == (f.masked_tokens + f.changed_tokens) / f.loss_tokens
+    [line] = [line for line in render_replay(result).splitlines() if line.startswith("  footprint     ")]
+    assert f"({f.masked_tokens} masked, {f.changed_tokens} changed of {f.loss_tokens})" in line

@@ -46,7 +46,7 @@ def test_the_outlier_advantage_spike_is_cleared_by_masking_outlier_advantages(sw
     assert sweep.baseline.spike_ratio is not None and sweep.baseline.spike_ratio > 5
     masked = sweep.results[0]
     assert masked.verdict == Verdict.CLEARED
-    assert masked.footprint is not None and masked.footprint["masked_samples"] == 1  # only the outlier
+    assert masked.footprint is not None and masked.footprint.masked_samples == 1  # only the outlier
 
 
 @pytest.mark.slow
@@ -72,11 +72,11 @@ def test_every_mitigated_replay_reports_its_footprint_and_cosine(sweep: SweepRes
     for result in sweep.results:
         assert result.footprint is not None and result.cosine_to_clean is not None
         for key in ("token_fraction", "sample_fraction", "masked_token_fraction", "masked_sample_fraction"):
-            assert 0.0 <= result.footprint[key] <= 1.0
+            assert 0.0 <= getattr(result.footprint, key) <= 1.0
         assert -1.0 <= result.cosine_to_clean <= 1.0
         assert "definition" in (result.clean_gradient or {})
     no_op, clipped = sweep.results[2], sweep.results[3]
-    assert no_op.footprint is not None and no_op.footprint["token_fraction"] == 0.0
+    assert no_op.footprint is not None and no_op.footprint.token_fraction == 0.0
     # the no-op keeps the spike: its gradient is the baseline's, far from the clean one
     assert no_op.cosine_to_clean is not None and no_op.cosine_to_clean < 0.5
     assert no_op.cosine_to_clean == pytest.approx(no_op.clean_gradient["baseline_cosine"], rel=1e-9)

@@ -210,9 +210,9 @@ def render_replay(result: ReplayResult) -> str:
     footprint = r.footprint
     if footprint:
         lines.append(
-            f"  footprint     {pct_plain(footprint['token_fraction'])} of loss tokens masked or changed "
-            f"({footprint['masked_tokens']} masked, {footprint['changed_tokens']} changed of "
-            f"{footprint['loss_tokens']}), {pct_plain(footprint['sample_fraction'])} of samples touched"
+            f"  footprint     {pct_plain(footprint.token_fraction)} of loss tokens masked or changed "
+            f"({footprint.masked_tokens} masked, {footprint.changed_tokens} changed of "
+            f"{footprint.loss_tokens}), {pct_plain(footprint.sample_fraction)} of samples touched"
         )
     if r.clean_gradient:
         lines.append(

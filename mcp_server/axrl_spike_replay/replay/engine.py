@@ -243,7 +243,7 @@ class ReplaySession:
             "legacy_layout": self.inputs.legacy,
             "sharded": self.shard.shard,
             "shard_reason": self.shard.reason,
-            "precision": self.inputs.effective_precision.describe(),
+            "precision": self.inputs.effective_precision,
             "trainer_version_note": cfg.loss.trl.version_note() if cfg.loss.trl is not None else None,
             "input_findings": [f.message for f in self.inputs.findings],
         }

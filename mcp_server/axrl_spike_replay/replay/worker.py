@@ -21,6 +21,7 @@ from torch import nn
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
 from axrl_spike_replay.experiment.recompute import Recompute
+from axrl_spike_replay.experiment.result import Footprint
 from axrl_spike_replay.models.policy import ModelSpec, RoutingShape, policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
@@ -74,7 +75,7 @@ class ConfigOutcome:
     top_params: list[dict[str, Any]] = field(default_factory=list)
     rank_metrics: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-    footprint: dict[str, Any] | None = None  # mitigated configs: loss tokens / samples masked or changed
+    footprint: Footprint | None = None  # mitigated configs: loss tokens / samples masked or changed
     cosine_to_clean: float | None = None  # mitigated configs: cosine of the gradient with the clean gradient
     clean_gradient: dict[str, Any] | None = None  # how the clean gradient was made (the same for every config)
     # the baseline: its per-parameter norms, of the reduced gradient and of each saved rank's own gradient (what the

@@ -345,8 +345,8 @@ def _method_doc(
         "threshold": result.threshold,
         "cosine_to_clean": result.cosine_to_clean,
         "clean_reached": (result.clean_gradient or {}).get("reached"),
-        "token_fraction": (result.footprint or {}).get("token_fraction"),
-        "sample_fraction": (result.footprint or {}).get("sample_fraction"),
+        "token_fraction": result.footprint.token_fraction if result.footprint else None,
+        "sample_fraction": result.footprint.sample_fraction if result.footprint else None,
         "result_path": row.result_path,
         "created_at": now(),
     }
@@ -444,9 +444,9 @@ def _evidence(result: ReplayResult, baseline: dict[str, Any]) -> list[str]:
     footprint = result.footprint
     if footprint:
         lines.append(
-            f"footprint: {footprint.get('masked_tokens')} loss tokens masked and {footprint.get('changed_tokens')} "
-            f"changed of {footprint.get('loss_tokens')} ({pct(footprint.get('token_fraction')).lstrip('+')}); "
-            f"{footprint.get('touched_samples')} of {footprint.get('samples')} samples touched"
+            f"footprint: {footprint.masked_tokens} loss tokens masked and {footprint.changed_tokens} "
+            f"changed of {footprint.loss_tokens} ({pct(footprint.token_fraction).lstrip('+')}); "
+            f"{footprint.touched_samples} of {footprint.samples} samples touched"
         )
     return lines
 
