@@ -149,6 +149,7 @@ def test_the_cli_renders_the_typed_result_and_its_json_round_trips_byte_for_byte
 ) -> None:
     from axrl_spike_replay.cli.replay_commands import render_replay
     from axrl_spike_replay.experiment.result import ReplayResult
+    from axrl_spike_replay.experiment.verdict import BaselineBasis
     from axrl_spike_replay.jsonable import to_jsonable
     from axrl_spike_replay.snapshot.consistency import Consistency
 
@@ -157,6 +158,7 @@ def test_the_cli_renders_the_typed_result_and_its_json_round_trips_byte_for_byte
     doc = json.loads(text)
     result = ReplayResult.from_json(doc)
     assert isinstance(result.consistency, Consistency) and result.consistency.checked == doc["consistency"]["checked"]
+    assert isinstance(result.verdict_basis, BaselineBasis) and result.verdict_basis.tolerance == doc["tolerance"]
     assert json.dumps(to_jsonable(result), indent=2) + "\n" == text  # the result file, key for key, from the typed one
 
     shown = render_replay(result).splitlines()
@@ -173,6 +175,7 @@ def test_a_mitigated_results_footprint_and_precision_are_typed_and_written_as_be
 ) -> None:
     from axrl_spike_replay.cli.replay_commands import render_replay
     from axrl_spike_replay.experiment.result import Footprint, ReplayResult
+    from axrl_spike_replay.experiment.verdict import MitigatedBasis
     from axrl_spike_replay.jsonable import to_jsonable
     from axrl_spike_replay.training.precision import PrecisionPolicy
 
@@ -182,6 +185,9 @@ def test_a_mitigated_results_footprint_and_precision_are_typed_and_written_as_be
     doc = json.loads(text)
     result = ReplayResult.from_json(doc)
     assert isinstance(result.footprint, Footprint) and isinstance(result.precision, PrecisionPolicy)
+    assert isinstance(result.verdict_basis, MitigatedBasis) and list(doc["verdict_basis"]) == list(
+        vars(result.verdict_basis)
+    )
     assert list(doc["footprint"]) == list(vars(result.footprint))  # the keys the file has always held, in order
     assert isinstance(doc["footprint"]["loss_tokens"], int) and result.footprint.loss_tokens > 0
     assert list(doc["precision"]) == ["param_dtype", "reduce_dtype", "output_dtype", "source"]

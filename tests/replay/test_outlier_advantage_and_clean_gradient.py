@@ -11,6 +11,7 @@ from tiny_snapshot import record_tiny_snapshot
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
 from axrl_spike_replay.experiment.result import SweepResult
+from axrl_spike_replay.experiment.verdict import MitigatedBasis
 from axrl_spike_replay.investigation.request import What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.vocabulary import Verdict
@@ -87,7 +88,7 @@ def test_every_mitigated_replay_reports_its_footprint_and_cosine(sweep: SweepRes
 @pytest.mark.slow
 def test_a_clear_threshold_of_the_users_changes_the_verdict(outlier_snapshot: Path, sweep: SweepResult) -> None:
     clipped = sweep.results[3]
-    assert clipped.verdict == Verdict.CLEARED and clipped.verdict_basis["threshold_source"] == "detector"
+    assert clipped.verdict == Verdict.CLEARED and clipped.verdict_basis.threshold_source == "detector"
     strict = clipped.spike_ratio * 0.9  # under the user's stricter threshold the clipped spike is not cleared
     result = run_request(
         replay_request(
@@ -97,9 +98,10 @@ def test_a_clear_threshold_of_the_users_changes_the_verdict(outlier_snapshot: Pa
     assert result.verdict == Verdict.PARTIAL
     assert result.threshold == pytest.approx(strict)
     basis = result.verdict_basis
-    assert basis["threshold_source"] == "clear_threshold" and basis["detector_threshold"] == 5.0
-    assert basis["ratio_to_median"] == pytest.approx(result.spike_ratio)
-    assert "partial" in basis["rule"]
+    assert isinstance(basis, MitigatedBasis)
+    assert basis.threshold_source == "clear_threshold" and basis.detector_threshold == 5.0
+    assert basis.ratio_to_median == pytest.approx(result.spike_ratio)
+    assert "partial" in basis.rule
     # the clean gradient is cleaned under the same, stricter bar
     assert result.clean_gradient is not None and result.median_norm is not None
     assert result.clean_gradient["bar"] == pytest.approx(strict * result.median_norm)

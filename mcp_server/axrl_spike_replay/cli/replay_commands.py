@@ -13,6 +13,7 @@ from axrl_spike_replay.cli.request_options import add_request_options, request_v
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.result import Attribution, ReplayResult, RunResult, SweepResult
+from axrl_spike_replay.experiment.verdict import basis_field
 from axrl_spike_replay.investigation.request import How, What
 from axrl_spike_replay.percent import pct, pct_plain
 from axrl_spike_replay.vocabulary import Verb
@@ -174,8 +175,8 @@ def fidelity_label(result: ReplayResult | SweepResult) -> str:
 
 
 def _threshold_label(result: ReplayResult) -> str:
-    basis = result.verdict_basis or {}
-    return "your clear threshold" if basis.get("threshold_source") == "clear_threshold" else "detector threshold"
+    source = basis_field(result.verdict_basis, "threshold_source")
+    return "your clear threshold" if source == "clear_threshold" else "detector threshold"
 
 
 def render_replay(result: ReplayResult) -> str:
@@ -199,7 +200,7 @@ def render_replay(result: ReplayResult) -> str:
             f"({pct(r.change_vs_baseline)})"
         )
     if r.hypothesis:  # judged against the recording, rank by rank: no mitigation
-        for row in (r.verdict_basis or {}).get("rank_losses") or []:
+        for row in basis_field(r.verdict_basis, "rank_losses") or []:
             said = {True: "matches", False: "DIFFERS", None: "not compared"}[row.get("matches")]
             lines.append(
                 f"  rank {row['rank']} loss   {_num(row.get('replayed_loss'), 10)} (recorded "

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from axrl_spike_replay.experiment.figure_names import ATTRIBUTION_SAMPLE, with_current_names
+from axrl_spike_replay.experiment.verdict import VerdictBasis, basis_from_json
 from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.training.precision import PrecisionPolicy
 from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
@@ -109,7 +110,8 @@ class ReplayResult:
     cosine_to_clean: float | None = None  # cosine of this gradient with the clean gradient (in [-1, 1])
     # the clean gradient (replay.clean_gradient): tokens and samples left out, reached (under the spike bar), definition
     clean_gradient: dict[str, Any] | None = None
-    verdict_basis: dict[str, Any] | None = None  # the numbers and rule the verdict was judged by
+    # the numbers and rule the verdict was judged by (a shape of an earlier version: the JSON object as read)
+    verdict_basis: VerdictBasis | dict[str, Any] | None = None
     # values the config names symbolically, as resolved against the snapshot's model (current_routing_layers:
     # first -> [1] on deepseek_v3); {} when every value was concrete, or for results written before
     resolved_mitigations: dict[str, Any] = field(default_factory=dict)
@@ -142,6 +144,8 @@ class ReplayResult:
             self.consistency = Consistency.from_json(self.consistency)
         if isinstance(self.footprint, dict):
             self.footprint = Footprint.from_json(self.footprint) if self.footprint else None
+        if isinstance(self.verdict_basis, dict):
+            self.verdict_basis = basis_from_json(self.verdict_basis)
         if isinstance(self.precision, dict):
             self.precision = PrecisionPolicy.from_result(self.precision)
 

@@ -26,6 +26,7 @@ from axrl_spike_replay.experiment.rank_scope import finding
 from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line, now_iso
 from axrl_spike_replay.experiment.verdict import (
+    BaselineBasis,
     baseline_verdict,
     hypothesis_verdict,
     is_spike,
@@ -265,14 +266,14 @@ class ReplaySession:
                 self.plan.fidelity, self.options.device, self.inputs.effective_precision.param_dtype, outcome.grad_norms
             )
             verdict, change = baseline_verdict(norm, meta.grad_norm, judged), None
-            basis = {
-                "rel_diff": rel_diff(norm, meta.grad_norm),
-                "tolerance": judged,
-                "tolerance_rule": judged_by,
-                "rule": "reproduced when |grad_norm - recorded| / recorded <= tolerance",
-                "threshold": self.threshold,
-                "threshold_source": self.threshold_source,
-            }
+            basis = BaselineBasis(
+                rel_diff=rel_diff(norm, meta.grad_norm),
+                tolerance=judged,
+                tolerance_rule=judged_by,
+                rule="reproduced when |grad_norm - recorded| / recorded <= tolerance",
+                threshold=self.threshold,
+                threshold_source=self.threshold_source,
+            )
         clean = {**outcome.clean_gradient, "definition": DEFINITION} if outcome.clean_gradient else None
         spread = max(outcome.grad_norms) - min(outcome.grad_norms) if len(outcome.grad_norms) > 1 else None
         return ReplayResult(
@@ -305,7 +306,7 @@ class ReplaySession:
             for rank in range(self.inputs.world_size)
         }
         verdict, basis = hypothesis_verdict(norm, meta.grad_norm, self.tolerance, losses)
-        basis |= {"threshold": self.threshold, "threshold_source": self.threshold_source}
+        basis.threshold, basis.threshold_source = self.threshold, self.threshold_source
         spread = max(outcome.grad_norms) - min(outcome.grad_norms) if len(outcome.grad_norms) > 1 else None
         return ReplayResult(
             **self._fields(cfg, cfg.config_id),

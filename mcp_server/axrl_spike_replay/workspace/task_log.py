@@ -8,6 +8,7 @@ from typing import Any
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.experiment.run_dir import BASELINE_COMMAND_FILE
+from axrl_spike_replay.experiment.verdict import basis_field
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.vocabulary import Verdict
@@ -224,7 +225,7 @@ def _recorded_line(result_path: Path | str | None, name: str) -> str | None:
 
 def _rank_losses_match(result: ReplayResult) -> bool | None:
     """A hypothesis replay: whether every recorded rank loss matched the replayed one (None: none compared)."""
-    rows = (result.verdict_basis or {}).get("rank_losses") or []
+    rows = basis_field(result.verdict_basis, "rank_losses") or []
     judged = [row.get("matches") for row in rows if isinstance(row, dict) and row.get("matches") is not None]
     return all(judged) if judged else None
 
