@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.percent import pct, pct_plain
@@ -24,6 +24,7 @@ from axrl_spike_replay.vocabulary import Fidelity, Verb, Verdict
 if TYPE_CHECKING:
     from axrl_spike_replay.experiment.result import Attribution, ReplayResult, SweepResult
     from axrl_spike_replay.investigation.request import What
+    from axrl_spike_replay.snapshot.listing import SnapshotEntry
 
 DEMO_JOB = "demo-moe-grpo"
 _R = TypeVar("_R")
@@ -91,7 +92,7 @@ class _Found:
     """What step 2 found and kept: the job's role, its worst snapshot and the preserved copy."""
 
     output_dir: str
-    worst: Any  # snapshot.listing's entry for the worst iteration
+    worst: SnapshotEntry  # the worst iteration's
     snapshot: str  # the preserved copy, which the rest of the demo reads
     task_file: str
 
@@ -127,11 +128,11 @@ def run_demo(
     root = Path(workspace).resolve() / time.strftime("%Y%m%d-%H%M%S")
     root.mkdir(parents=True, exist_ok=False)
     run = _Run(root, show, progress)
-    capture_spike(run, preset=preset, world_size=world_size, seed=seed, steps=steps, model=model)
-    found = find_and_preserve(run)
-    causes = read_snapshot(run, found)
-    done = reproduce_and_mitigate(run, found.snapshot, preset)
-    cleared, methods, report = write_up(run, done.sweep)
+    _capture_spike(run, preset=preset, world_size=world_size, seed=seed, steps=steps, model=model)
+    found = _find_and_preserve(run)
+    causes = _read_snapshot(run, found)
+    done = _reproduce_and_mitigate(run, found.snapshot, preset)
+    cleared, methods, report = _write_up(run, done.sweep)
     return DemoSummary(
         model=model,
         workspace=str(root),
@@ -155,7 +156,7 @@ def run_demo(
     )
 
 
-def capture_spike(run: _Run, *, preset: str, world_size: int, seed: int, steps: int, model: str) -> None:
+def _capture_spike(run: _Run, *, preset: str, world_size: int, seed: int, steps: int, model: str) -> None:
     """Step 1: a reference training run that hits a spike (the fault hidden from its snapshots and log)."""
     from axrl_spike_replay.capture.reference_trainer import capture_reference_run
 
@@ -188,7 +189,7 @@ def capture_spike(run: _Run, *, preset: str, world_size: int, seed: int, steps: 
     )
 
 
-def find_and_preserve(run: _Run) -> _Found:
+def _find_and_preserve(run: _Run) -> _Found:
     """Step 2: find the job, open the task, list its snapshots and preserve the worst (which diagnoses it)."""
     from axrl_spike_replay.investigation.task_opening import open_task
     from axrl_spike_replay.snapshot.discovery import resolve_job
@@ -222,7 +223,7 @@ def find_and_preserve(run: _Run) -> _Found:
     return _Found(role.output_dir, worst, snapshot, opened.task_file)
 
 
-def read_snapshot(run: _Run, found: _Found) -> list[str]:
+def _read_snapshot(run: _Run, found: _Found) -> list[str]:
     """Step 3: inspect and analyze the preserved snapshot, show the task's diagnosis and scan the logs; the likely
     causes' titles."""
     from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
@@ -281,7 +282,7 @@ def read_snapshot(run: _Run, found: _Found) -> list[str]:
     return [c["title"] for c in diagnosis.get("likely", [])]
 
 
-def reproduce_and_mitigate(run: _Run, snapshot: str, preset: str) -> _Reproduced:
+def _reproduce_and_mitigate(run: _Run, snapshot: str, preset: str) -> _Reproduced:
     """Step 4: replay the baseline, sweep the default mitigations, attribute the norm to samples, and diagnose again
     with the model evidence, saying whether the planted fault was named."""
     from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
@@ -336,7 +337,9 @@ def _request(run: _Run, what: What, kind: type[_R]) -> _R:
     return result
 
 
-def _diagnose_with_model(run: _Run, snapshot: str, attribution: Attribution, preset: str) -> tuple[str | None, ...]:
+def _diagnose_with_model(
+    run: _Run, snapshot: str, attribution: Attribution, preset: str
+) -> tuple[str | None, str | None]:
     """The step's own evidence settles what the static diagnosis left open (old or rollout log-probs off?): the
     report shows the strongest diagnosis, and the demo notes what it planted so the answer can be checked.
     (planted family, family ranked first)."""
@@ -374,7 +377,7 @@ def _diagnose_with_model(run: _Run, snapshot: str, attribution: Attribution, pre
     return planted.family, diagnosed
 
 
-def write_up(run: _Run, sweep: SweepResult) -> tuple[list[str], list[str], str]:
+def _write_up(run: _Run, sweep: SweepResult) -> tuple[list[str], list[str], str]:
     """Step 5: write up the methods that cleared the spike, write the report and release the preserved copy;
     (cleared configs, method files, report path)."""
     from axrl_spike_replay.workspace.report import write_report
