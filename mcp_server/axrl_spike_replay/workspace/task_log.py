@@ -212,15 +212,6 @@ def _recorded_line(result_path: Path | str | None, name: str) -> str | None:
         except OSError:
             continue
     return None
-    folder = Path(result_path).parent
-    for candidate in (folder / BASELINE_COMMAND_FILE, folder.parent / BASELINE_COMMAND_FILE):
-        try:
-            if candidate.is_file():
-                text = candidate.read_text(encoding="utf-8", errors="replace").strip()
-                return text[:4000] or None
-        except OSError:
-            continue
-    return None
 
 
 def _rank_losses_match(result: ReplayResult) -> bool | None:
