@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.diagnosis import causes, rank_scope, reproduction, signal_causes, tie_break
+from axrl_spike_replay.diagnosis import causes, rank_inputs, rank_scope, reproduction, signal_causes, tie_break
 from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment
 from axrl_spike_replay.diagnosis.hypotheses import loss_hypotheses, rank_mismatches
 from axrl_spike_replay.diagnosis.input_causes import input_causes, merge_input_causes
@@ -60,8 +60,10 @@ CHECKED = {
     "stale_old_logprobs": "the stored old log-probs against the replay at the snapshot's weights, per rank",
     "bad_ref_logprobs": "the stored reference log-probs against the replay, per rank, and the KL term's share",
     "routing_payload": "recorded routes against the model's own routing, per rank and MoE layer, loss and other tokens",
-    "mask_misalignment": "loss tokens that no stored signal covers (every stored log-prob a 0 fill), per rank",
-    "outlier_advantage": f"per-sample advantages against their rank's batch (robust z ≥ {causes.OUTLIER_Z:g}, a few)",
+    "mask_misalignment": "loss tokens that no stored signal covers (every stored log-prob a 0 fill), and where each "
+    "rank's loss masks start and stop against the tokens the engine generated, per rank",
+    "outlier_advantage": f"per-sample advantages against their rank's batch (robust z ≥ {causes.OUTLIER_Z:g}, a few), "
+    "and each rank's typical |advantage| against the other ranks'",
     "negative_advantage_dominance": "the sign balance of advantages over loss tokens",
     "one_rank_data": "per-rank local grad norms, shares of the attributed norm and of each loss term",
     "step_not_reproduced": "each rank's recorded loss and per-parameter norms against the replay's, the factor per "
@@ -74,7 +76,9 @@ RULES = (
     signal_causes.bad_ref_logprobs,
     signal_causes.routing_payload,
     signal_causes.mask_misalignment,
+    rank_inputs.mask_over_prompt,
     causes.outlier_advantage,
+    rank_inputs.rank_advantage_scale,
     causes.negative_advantage_dominance,
     signal_causes.one_rank_data,
     reproduction.step_not_reproduced,

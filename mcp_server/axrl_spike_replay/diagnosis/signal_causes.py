@@ -30,6 +30,7 @@ from axrl_spike_replay.diagnosis.causes import (
     _pct,
     _unit,
 )
+from axrl_spike_replay.diagnosis.rank_inputs import mask_ranks, scaled_ranks
 from axrl_spike_replay.diagnosis.signal_reading import DATA_NATS, WITNESS_RATIO, OddSignal, outside_fraction
 
 REFUTE_STAYS = "the spike stays within 20 % of the baseline"
@@ -707,6 +708,8 @@ def one_rank_data(ev: Evidence) -> Cause | None:
             strength = max(strength, 0.6)
             evidence.append(f"rank {top_rank}'s loss terms carry {by_rank[top_rank]:.3g} of the gradient")
     if rank is None or not evidence:
+        return None
+    if rank in mask_ranks(ev) or rank in scaled_ranks(ev):  # its mask or its advantages differ: those explain it
         return None
     if ev.reading is not None:
         if rank in ev.reading.mask_ranks:  # its loss mask covers tokens no signal was stored for: the mask explains it
