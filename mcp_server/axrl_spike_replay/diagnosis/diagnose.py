@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.diagnosis import causes, rank_inputs, rank_scope, reproduction, signal_causes, tie_break
+from axrl_spike_replay.diagnosis import causes, rank_scope, reproduction, signal_causes, tie_break
 from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment
 from axrl_spike_replay.diagnosis.hypotheses import loss_hypotheses, rank_mismatches
 from axrl_spike_replay.diagnosis.input_causes import input_causes, merge_input_causes
@@ -76,9 +76,7 @@ RULES = (
     signal_causes.bad_ref_logprobs,
     signal_causes.routing_payload,
     signal_causes.mask_misalignment,
-    rank_inputs.mask_over_prompt,
-    causes.outlier_advantage,
-    rank_inputs.rank_advantage_scale,
+    signal_causes.outlier_advantage,
     causes.negative_advantage_dominance,
     signal_causes.one_rank_data,
     reproduction.step_not_reproduced,
