@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from axrl_spike_replay.errors import SnapshotError
+from axrl_spike_replay.experiment.run_dir import COMMAND_FILE
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.replay.input_checks import inspect_with_inputs
-from axrl_spike_replay.replay.sweep import run_sweep
+from axrl_spike_replay.vocabulary import Verb
 
 
 def _edit_batch(snapshot: Path, rank: int, edit: Callable[[dict[str, Any]], None]) -> None:
@@ -63,10 +64,15 @@ def test_a_token_past_the_vocabulary_refuses_the_replay_naming_it(
 
     # the experiment that removes the bad part runs and has a verdict, judged against the recorded step; in a sweep
     # an experiment that still computes with rank 0's tokens is refused by name and the others run
-    dropped = run_request(replay_request(What(snap, mitigations={"drop_ranks": 0}), how=How(nproc=1)))
+    drop_request = replay_request(What(snap, mitigations={"drop_ranks": 0}), how=How(nproc=1), workspace=workspace)
+    dropped = run_request(drop_request)
     assert dropped.verdict not in ("failed", None) and dropped.grad_norm is not None
+    assert "drop_ranks=0" in next((workspace / "tmp").rglob(COMMAND_FILE)).read_text()  # the replay as asked
     assert any("token ids [16]" in f for f in dropped.input_findings)
-    sweep = run_sweep(snap, [{"advantage_clip": 1.0}, {"drop_ranks": 0}])
+    what = What(snap, verb=Verb.SWEEP, configs=({"advantage_clip": 1.0}, {"drop_ranks": 0}))
+    sweep = run_request(replay_request(what, how=How(nproc=1), workspace=workspace))
+    command = (Path(sweep.output_dir) / COMMAND_FILE).read_text()
+    assert "advantage_clip=1" in command and "drop_ranks=0" in command  # the sweep as asked, the refused one too
     clip, drop = sweep.results
     assert clip.verdict == "failed" and clip.error is not None and "is refused: rank 0 tokens" in clip.error
     assert "advantage_clip" in clip.error  # the experiment named

@@ -447,6 +447,7 @@ def replay_session(
         moe_layers = inputs.model.moe_layer_ids  # what `current_routing_layers: first` resolves against
         applied = [apply_config({}, inputs.loss, inputs.routing)]
         applied += [apply_config(parse_config(c), inputs.loss, inputs.routing, moe_layers) for c in configs]
+        asked = list(applied[1:])  # the experiments as asked: the command line names each, run or refused
         # an input the model cannot compute with refuses the step's own replay; experiments that remove it still run
         baseline_refused = input_refusal(inputs, applied[0])
         if baseline_refused is not None and configs:
@@ -473,9 +474,9 @@ def replay_session(
         session.refused = refused
         session.run = options.recorder.open_run(session.job) if options.recorder else RunDir(None)
         if verb == "replay":
-            mitigation = [item for c in applied[1:] for item in mitigation_args(c.mitigations)]
+            mitigation = [item for c in asked for item in mitigation_args(c.mitigations)]
         else:
-            mitigation = [shlex.join(mitigation_args(c.mitigations)) for c in applied[1:]]
+            mitigation = [shlex.join(mitigation_args(c.mitigations)) for c in asked]
         layout = {
             "nproc": options.nproc,
             "device": options.device,
