@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from axrl_spike_replay.errors import SnapshotError
+from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.experiment.run_dir import COMMAND_FILE
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
@@ -66,11 +67,13 @@ def test_a_token_past_the_vocabulary_refuses_the_replay_naming_it(
     # an experiment that still computes with rank 0's tokens is refused by name and the others run
     drop_request = replay_request(What(snap, mitigations={"drop_ranks": 0}), how=How(nproc=1), workspace=workspace)
     dropped = run_request(drop_request)
+    assert isinstance(dropped, ReplayResult)
     assert dropped.verdict not in ("failed", None) and dropped.grad_norm is not None
     assert "drop_ranks=0" in next((workspace / "tmp").rglob(COMMAND_FILE)).read_text()  # the replay as asked
     assert any("token ids [16]" in f for f in dropped.input_findings)
     what = What(snap, verb=Verb.SWEEP, configs=({"advantage_clip": 1.0}, {"drop_ranks": 0}))
     sweep = run_request(replay_request(what, how=How(nproc=1), workspace=workspace))
+    assert isinstance(sweep, SweepResult)
     command = (Path(sweep.output_dir) / COMMAND_FILE).read_text()
     assert "advantage_clip=1" in command and "drop_ranks=0" in command  # the sweep as asked, the refused one too
     clip, drop = sweep.results

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from mcp import Client
-from mcp.types import CallToolResult
+from mcp.types import CallToolResult, TextResourceContents
 from server_helpers import call, error_text, ok, with_client
 
 from axrl_spike_replay.diagnosis import FAMILIES
@@ -94,8 +94,9 @@ def test_diagnose_spike_returns_the_per_rank_step_evidence_only_when_asked(captu
     async def calls(client: Client) -> tuple[CallToolResult, CallToolResult, dict]:
         lean = await client.call_tool("diagnose_spike", {"snapshot": snapshot})  # auto: the model evidence runs
         full = await client.call_tool("diagnose_spike", {"snapshot": snapshot, "detail": True})
-        whole = await client.read_resource("axrl://tool/diagnose_spike")
-        return lean, full, json.loads(whole.contents[0].text)
+        whole = (await client.read_resource("axrl://tool/diagnose_spike")).contents[0]
+        assert isinstance(whole, TextResourceContents)
+        return lean, full, json.loads(whole.text)
 
     lean, full, tool = with_client(create_server(workspace), calls)
     lean_doc, full_doc = ok(lean), ok(full)
