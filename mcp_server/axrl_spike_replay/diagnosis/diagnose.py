@@ -62,8 +62,10 @@ CHECKED = {
     "stale_old_logprobs": "the stored old log-probs against the replay at the snapshot's weights, per rank",
     "bad_ref_logprobs": "the stored reference log-probs against the replay, per rank, and the KL term's share",
     "routing_payload": "recorded routes against the model's own routing, per rank and MoE layer, loss and other tokens",
-    "mask_misalignment": "loss tokens that no stored signal covers (every stored log-prob a 0 fill), per rank",
-    "outlier_advantage": f"per-sample advantages against their rank's batch (robust z ≥ {causes.OUTLIER_Z:g}, a few)",
+    "mask_misalignment": "loss tokens that no stored signal covers (every stored log-prob a 0 fill), and where each "
+    "rank's loss masks start and stop against the tokens the engine generated, per rank",
+    "outlier_advantage": f"per-sample advantages against their rank's batch (robust z ≥ {causes.OUTLIER_Z:g}, a few), "
+    "and each rank's typical |advantage| against the other ranks'",
     "negative_advantage_dominance": "the sign balance of advantages over loss tokens",
     "one_rank_data": "per-rank local grad norms, shares of the attributed norm and of each loss term",
     "step_not_reproduced": "each rank's recorded loss and per-parameter norms against the replay's, the factor per "
@@ -76,7 +78,7 @@ RULES = (
     signal_causes.bad_ref_logprobs,
     signal_causes.routing_payload,
     signal_causes.mask_misalignment,
-    causes.outlier_advantage,
+    signal_causes.outlier_advantage,
     causes.negative_advantage_dominance,
     signal_causes.one_rank_data,
     reproduction.step_not_reproduced,

@@ -17,6 +17,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
+from axrl_spike_replay.diagnosis import causes
 from axrl_spike_replay.diagnosis.causes import (
     LIKELY,
     LN2,
@@ -30,6 +31,7 @@ from axrl_spike_replay.diagnosis.causes import (
     top_carriers,
     unit_strength,
 )
+from axrl_spike_replay.diagnosis.rank_inputs import mask_over_prompt, mask_ranks, rank_advantage_scale, scaled_ranks
 from axrl_spike_replay.diagnosis.signal_reading import DATA_NATS, WITNESS_RATIO, OddSignal, outside_fraction
 
 REFUTE_STAYS = "the spike stays within 20 % of the baseline"
@@ -579,7 +581,23 @@ def _routes_from_layers(ev: Evidence) -> Cause | None:
     return _routing_cause(ev, odd, unit_strength(d / 0.3) * 0.8, evidence, None, True)
 
 
+def _strongest(*found: Cause | None) -> Cause | None:
+    return max((c for c in found if c is not None), key=lambda c: c.strength, default=None)
+
+
 def mask_misalignment(ev: Evidence) -> Cause | None:
+    """The stronger of the stored signals' reading of the masks (`_signal_masks`) and the per-rank comparison of
+    where the masks start (`rank_inputs.mask_over_prompt`)."""
+    return _strongest(_signal_masks(ev), mask_over_prompt(ev))
+
+
+def outlier_advantage(ev: Evidence) -> Cause | None:
+    """The stronger of a few samples' outlier advantages (`causes.outlier_advantage`) and one rank's advantages on
+    another scale (`rank_inputs.rank_advantage_scale`)."""
+    return _strongest(causes.outlier_advantage(ev), rank_advantage_scale(ev))
+
+
+def _signal_masks(ev: Evidence) -> Cause | None:
     """Loss masks over tokens no stored signal covers (every stored log-prob a 0 fill there), or masks that stop
     short of what was generated on some ranks where the others' run to the end (truncated).
 
@@ -714,6 +732,8 @@ def one_rank_data(ev: Evidence) -> Cause | None:
             strength = max(strength, 0.6)
             evidence.append(f"rank {top_rank}'s loss terms carry {by_rank[top_rank]:.3g} of the gradient")
     if rank is None or not evidence:
+        return None
+    if rank in mask_ranks(ev) or rank in scaled_ranks(ev):  # its mask or its advantages differ: those explain it
         return None
     if ev.reading is not None:
         if rank in ev.reading.mask_ranks:  # its loss mask covers tokens no signal was stored for: the mask explains it

@@ -10,7 +10,9 @@ holds the whole model or a whole gradient.
   term is taken in its own turn: its process backpropagates the term, the others zeros, and the shards then hold that
   rank's term (its float64 sum of squares and dot with g are local sums, all-reduced). The terms summed over ranks,
   and g, build up from the same turns. A second round of turns takes each rank's term against g, as the unsharded
-  channel does, and the whole loss once per pass (every process at once: only its sum is needed).
+  channel does, and the whole loss once per pass (every process at once: only its sum is needed). Each rank's own
+  per-parameter norms (its terms' turns summed: its whole-loss gradient before the mean, what its recorded norms are
+  compared with) are float64 sums of squares per parameter over the shards, all-reduced once.
   A backward always carries the whole loss at zero beside its term: a router loss alone reaches a unit's parameters
   without passing through the unit's output, where FSDP2 gathers them.
 """
@@ -156,6 +158,7 @@ def sharded_channel(
     squares: dict[tuple[str, int], float] = {}
     pulls: dict[str, dict[int, torch.Tensor]] = {}
     values: dict[tuple[str, int], float] = {}  # this process's own ranks' term values, and `_loss`
+    param_squares: dict[int, list[float]] = {}  # per saved rank, this process's rows of ||g_r,param||^2
     for k, rank in enumerate(passes):
         check_cancel(cancel, "diagnosis")
         terms, out = rank_terms(model, ranks, cfg, first if rank is None else rank, counts)
@@ -163,6 +166,7 @@ def sharded_channel(
         if rank is not None:
             values[("_loss", rank)] = float(whole.detach())
         extra = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
+        own_whole: dict[int, Grads] = {}  # each owned rank's whole-loss gradient (the sum of its terms'), my rows
         for name, term in terms.items():
             # every process takes this backward on every pass, a padding one too: the log-probs are an output of the
             # sharded model (the chunked head ends its forward), so FSDP2's final callback reduces after it, a
@@ -175,7 +179,12 @@ def sharded_channel(
                 got = _turn(space, term, whole, p == process)
                 squares[(name, owned)] = local_dot(got, got)
                 accumulate(sums.setdefault(name, [None] * len(params)), got)
-        del terms, out, whole
+                accumulate(
+                    own_whole.setdefault(owned, [None] * len(params)), [None if x is None else x.clone() for x in got]
+                )
+        for owned, grads in own_whole.items():
+            param_squares[owned] = [0.0 if x is None else float(x.double().pow(2).sum()) for x in grads]
+        del terms, out, whole, own_whole
     keys = sorted(squares)
     names = list(sums)
     term_g = {name: [x / world for x in _local(sums[name], params)] for name in names}
@@ -206,6 +215,7 @@ def sharded_channel(
     coefs["z"] = cfg.loss.z_loss_coef
     channel = LossChannel(grad_norm=math.sqrt(g_sq), sum_rel_error=math.sqrt(against[-1] / g_sq) if g_sq > 0 else 0.0)
     channel.rank_losses = [{"rank": r, "loss": v} for (n, r), v in sorted(all_values.items()) if n == "_loss"]
+    channel.rank_param_norms = _rank_param_norms(space, param_squares, ranks.device)
     for i, name in enumerate(names):
         t_sq, t_dot = per_term[2 * i], per_term[2 * i + 1]
         owned = sorted(r for n, r in keys if n == name)
@@ -221,6 +231,23 @@ def sharded_channel(
             )
         )
     return channel
+
+
+def _rank_param_norms(space: Sharded, squares: dict[int, list[float]], device: str) -> list[dict[str, Any]]:
+    """Each saved rank's per-parameter norms of its own whole-loss gradient (before the data-parallel mean), summed
+    over every process's rows: what its recorded per-parameter norms are compared with (`diagnosis.reproduction`)."""
+    owned = sorted(squares)
+    count = len(space.params)
+    summed = all_reduce_sum([v for r in owned for v in squares[r]], device)
+    return [
+        {
+            "rank": r,
+            "norms": {
+                n: math.sqrt(max(0.0, v)) for n, v in zip(space.names, summed[i * count : (i + 1) * count], strict=True)
+            },
+        }
+        for i, r in enumerate(owned)
+    ]
 
 
 def _second_round(
@@ -294,6 +321,7 @@ def loss_channel_of(doc: dict[str, Any]) -> LossChannel:
         terms=terms,
         sum_rel_error=doc["sum_rel_error"],
         rank_losses=list(doc.get("rank_losses") or []),
+        rank_param_norms=list(doc.get("rank_param_norms") or []),
     )
 
 

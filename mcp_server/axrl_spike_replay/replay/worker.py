@@ -27,6 +27,7 @@ from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.clean_gradient import SpikeBar, not_reached_reason, smallest_count, token_order
 from axrl_spike_replay.replay.gradient_space import GradientSpace, Sharded, Whole, accumulate, padded_passes
+from axrl_spike_replay.replay.input_checks import blank_tokens
 from axrl_spike_replay.replay.inputs import read_micro_batches, read_run_config
 from axrl_spike_replay.replay.model_build import Placement, build_model
 from axrl_spike_replay.replay.outcome_figures import RankTrace, footprint_counts, merge_footprint
@@ -569,6 +570,12 @@ def compute(
     say = progress or (lambda line: None)
     start = time.perf_counter()
     inputs = RankInputs(job.replay_dir, job.assignment[process], job.device, routing_shape(job.model))
+    for rank, batch in inputs.batches.items():  # a rank every config leaves out: token ids it cannot embed blanked
+        if not any(cfg.samples.keeps_rank(rank) for cfg in job.configs) and blank_tokens(batch, job.model):
+            say(
+                f"process {process}: rank {rank} is left out by every config; its token ids outside the vocabulary "
+                "blanked"
+            )
     outcomes = {cfg.config_id: ConfigOutcome(cfg.config_id) for cfg in job.configs}
     load_s = time.perf_counter() - start
     say(f"process {process}: loaded {len(inputs.batches)} rank batch(es) in {load_s:.2f} s")
