@@ -22,7 +22,7 @@ from shared_capture import left_as_recorded
 
 if TYPE_CHECKING:
     from axrl_spike_replay.capture.reference_trainer import CaptureResult
-    from axrl_spike_replay.replay.launch import JobRunner
+    from axrl_spike_replay.replay.job_runner import JobRunner
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 

@@ -53,7 +53,7 @@ PRELOAD = (
     "torch.multiprocessing",
     "axrl_spike_replay.rank_processes",
     "axrl_spike_replay.replay.worker",
-    "axrl_spike_replay.replay.launch",
+    "axrl_spike_replay.replay.job_runner",
     "axrl_spike_replay.replay.warm_pool",
     "axrl_spike_replay.capture.reference_trainer",
 )

@@ -14,8 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "mcp_server" / "axrl_spike_repla
 FACES = ("cli", "mcp_faces", "server", "__main__")
 GROUND = (
     "errors", "vocabulary", "jsonable", "atomic", "display", "untrusted_bytes", "untrusted_json", "untrusted_yaml",
-    "containment", "locks", "resources", "rank_processes", "process_starts", "temp_janitor", "names", "private_files",
-    "percent", "launch_worker",
+    "containment", "locks", "package_data", "rank_processes", "process_starts", "temp_janitor", "names",
+    "private_files", "percent", "launch_worker",
 )  # fmt: skip
 # Top floor first. A module may import its own package and anything on a lower floor; on a floor of several
 # packages, none imports another (diagnosis never imports workspace, remote never imports the record). On the

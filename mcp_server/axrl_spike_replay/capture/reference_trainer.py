@@ -26,10 +26,10 @@ from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.capture.detectors import make_detector
 from axrl_spike_replay.capture.faults import Fault
 from axrl_spike_replay.capture.fsdp_trainer import make_rank_trainer
-from axrl_spike_replay.capture.launch import launch
 from axrl_spike_replay.capture.run_config import build_run_config, parse_run_config
 from axrl_spike_replay.capture.spike_guard import GuardDecision, SpikeGuard
 from axrl_spike_replay.capture.strategies import PARALLEL_STRATEGIES, parallel_strategy
+from axrl_spike_replay.capture.trainer_ranks import launch
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.rank_processes import refuse_in_spawned_import
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR

@@ -1,5 +1,5 @@
 """Evidence that needs the model: per-sample attribution, the per-rank signal check with the loss channel
-(`replay.step_evidence`), and route agreement per MoE layer merged over the ranks (read off the signal check).
+(`replay.step_evidence_forward`), and route agreement per MoE layer merged over the ranks (read off the signal check).
 
 Both rebuild the snapshot's model with the replay engine on CPU: in this process, or, when the whole model does
 not fit one process (or `shard` on), sharded with FSDP2 over several (`replay.sharded_attribution`,

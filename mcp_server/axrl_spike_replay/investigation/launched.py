@@ -1,6 +1,6 @@
 """Replays whose processes torchrun starts elsewhere: on several SSH nodes (one agent each, one rendezvous), or
 under `srun` in a Slurm allocation. The engine runs here, as for a local replay (the snapshot is read here and on
-every node at the same path: shared storage); only where its processes run differs (`remote.replay_launch`).
+every node at the same path: shared storage); only where its processes run differs (`remote.launchers.replay_launch`).
 
 The run dir, its results and the task-file rows are the one recorder's (`investigation.recording`), as for any
 run; each result names the placement as its `target` and records, as its `node`, the launcher, the nodes and
@@ -23,11 +23,11 @@ from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.experiment.run_dir import RunDir, command_line
 from axrl_spike_replay.investigation.recording import WorkspaceRecorder
 from axrl_spike_replay.investigation.request import LOCAL, ReplayRequest
-from axrl_spike_replay.remote.launch_config import LOCAL_LOGIN, multinode_nodes, slurm_login
-from axrl_spike_replay.remote.launch_job import LaunchNode
-from axrl_spike_replay.remote.options import RemoteOptions
-from axrl_spike_replay.remote.replay_launch import LaunchedRunner, Placement
-from axrl_spike_replay.remote.slurm_command import SlurmSettings
+from axrl_spike_replay.remote.launchers.launch_config import LOCAL_LOGIN, multinode_nodes, slurm_login
+from axrl_spike_replay.remote.launchers.launch_job import LaunchNode
+from axrl_spike_replay.remote.launchers.replay_launch import LaunchedRunner, Placement
+from axrl_spike_replay.remote.launchers.slurm_command import SlurmSettings
+from axrl_spike_replay.remote.transport.options import RemoteOptions
 from axrl_spike_replay.remote.workspace_config import WorkspaceConfig, load_workspace_config, resolve_target
 from axrl_spike_replay.vocabulary import Device, Verb
 
@@ -179,7 +179,7 @@ def launch_record(runner: LaunchedRunner) -> dict[str, Any]:
 
 def replay_launched(request: ReplayRequest) -> ReplayResult | SweepResult:
     """Run a replay or sweep with its processes launched on several nodes or under Slurm; results recorded here."""
-    from axrl_spike_replay.remote.results import snapshot_facts
+    from axrl_spike_replay.remote.nodes.results import snapshot_facts
     from axrl_spike_replay.replay.engine import ReplayOptions
 
     what, where, how = request.what, request.where, request.how

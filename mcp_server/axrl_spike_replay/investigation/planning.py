@@ -10,8 +10,8 @@ from pathlib import Path
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.investigation.node_description import check_described_node
-from axrl_spike_replay.remote.options import RemoteOptions
-from axrl_spike_replay.remote.target_config import ResolvedTarget
+from axrl_spike_replay.remote.transport.options import RemoteOptions
+from axrl_spike_replay.remote.transport.target_config import ResolvedTarget
 from axrl_spike_replay.replay.replay_plan import (
     GPU_USABLE,
     HERE,

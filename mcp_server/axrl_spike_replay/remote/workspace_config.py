@@ -30,9 +30,9 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.launch_config import LaunchConfig, parse_launch_config
-from axrl_spike_replay.remote.target import parse_target
-from axrl_spike_replay.remote.target_config import DEFAULT_PYTHON, ResolvedTarget, TargetConfig, resolve_named
+from axrl_spike_replay.remote.launchers.launch_config import LaunchConfig, parse_launch_config
+from axrl_spike_replay.remote.transport.target import parse_target
+from axrl_spike_replay.remote.transport.target_config import DEFAULT_PYTHON, ResolvedTarget, TargetConfig, resolve_named
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
 CONFIG_FILE = "spike-replay.yaml"
@@ -146,7 +146,7 @@ def _parse_backend(entry: dict[str, Any], source: str) -> CommandBackendConfig:
 
 def _parse_mitigations(doc: Any, command: str, source: str, where: str) -> dict[str, str]:
     """{mitigation name: override template}; the command must say where the overrides go."""
-    from axrl_spike_replay.remote.command_overrides import check_override_template
+    from axrl_spike_replay.remote.command.command_overrides import check_override_template
 
     out: dict[str, str] = {}
     for name, template in _mapping(doc, source, where).items():

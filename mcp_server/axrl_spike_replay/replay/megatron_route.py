@@ -69,7 +69,7 @@ def run_megatron_job(
     progress: Callable[[str], None] | None = None,
     slot: int = 0,
 ) -> list[ConfigOutcome]:
-    """The baseline outcome of `job` computed by Megatron-core's GPTModel (a `replay.launch.JobRunner`)."""
+    """The baseline outcome of `job` computed by Megatron-core's GPTModel (a `replay.job_runner.JobRunner`)."""
     from axrl_spike_replay.rank_processes import spawn_ranks
     from axrl_spike_replay.temp_janitor import owned_temp_dir
 

@@ -239,7 +239,7 @@ def available_memory() -> int:
 
 
 def node_capacity(report: Any, device: str) -> Capacity | None:
-    """A probed node's GPUs (`remote.node_probe.NodeReport`); None for a CPU replay (the probe reads no host
+    """A probed node's GPUs (`remote.nodes.node_probe.NodeReport`); None for a CPU replay (the probe reads no host
     memory)."""
     if device != "cuda":
         return None

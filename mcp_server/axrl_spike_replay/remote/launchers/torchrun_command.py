@@ -10,8 +10,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from axrl_spike_replay.remote.launch_job import LAUNCH_ID_ENV, WorkerEntry, check_launch_id
-from axrl_spike_replay.remote.shell import job_script, quote_argv
+from axrl_spike_replay.remote.launchers.launch_job import LAUNCH_ID_ENV, WorkerEntry, check_launch_id
+from axrl_spike_replay.remote.transport.shell import job_script, quote_argv
 
 TORCHRUN_MODULE = "torch.distributed.run"
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 300.0  # torchrun's own join timeout is 600 s

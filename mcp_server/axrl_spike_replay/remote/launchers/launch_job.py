@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import clean_text, shown
 from axrl_spike_replay.launch_worker import REQUEST_FORMAT, REQUEST_VERSION
-from axrl_spike_replay.remote.errors import RemoteError
-from axrl_spike_replay.remote.node_probe import NodeReport
+from axrl_spike_replay.remote.nodes.node_probe import NodeReport
+from axrl_spike_replay.remote.transport.remote_errors import RemoteError
 from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
 from axrl_spike_replay.untrusted_json import parse_untrusted_json
 
 if TYPE_CHECKING:
-    from axrl_spike_replay.remote.target_config import ResolvedTarget
+    from axrl_spike_replay.remote.transport.target_config import ResolvedTarget
 
 FILE_MARK = "@@axrl-file"
 LAUNCH_ID_ENV = "AXRL_LAUNCH_ID"  # every process of a job carries it, so a sweep can find leftovers by it

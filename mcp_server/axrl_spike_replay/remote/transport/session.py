@@ -10,10 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from axrl_spike_replay.atomic import copy_mode, temp_beside
-from axrl_spike_replay.remote.cleanup import run_to_completion
-from axrl_spike_replay.remote.connect import ConnectSettings, SshConnection, open_connection
-from axrl_spike_replay.remote.errors import RemoteError
-from axrl_spike_replay.remote.job import (
+from axrl_spike_replay.remote.transport.cleanup import run_to_completion
+from axrl_spike_replay.remote.transport.connect import ConnectSettings, SshConnection, open_connection
+from axrl_spike_replay.remote.transport.job import (
     KILL_GRACE_S,
     Captured,
     JobOutcome,
@@ -22,9 +21,10 @@ from axrl_spike_replay.remote.job import (
     exit_reason,
     pump_lines,
 )
-from axrl_spike_replay.remote.shell import detached_command, kill_group_command, parse_pgid_marker
-from axrl_spike_replay.remote.ssh_library import FILEXFER_TYPE_DIRECTORY, FILEXFER_TYPE_REGULAR, asyncssh
-from axrl_spike_replay.remote.target import SshTarget, parse_target
+from axrl_spike_replay.remote.transport.remote_errors import RemoteError
+from axrl_spike_replay.remote.transport.shell import detached_command, kill_group_command, parse_pgid_marker
+from axrl_spike_replay.remote.transport.ssh_library import FILEXFER_TYPE_DIRECTORY, FILEXFER_TYPE_REGULAR, asyncssh
+from axrl_spike_replay.remote.transport.target import SshTarget, parse_target
 
 DRAIN_AFTER_KILL_S = 10.0
 

@@ -37,10 +37,10 @@ from typing import Any, Protocol
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.launch_job import LaunchNode
-from axrl_spike_replay.remote.slurm_command import SlurmSettings
-from axrl_spike_replay.remote.target_config import TargetConfig, resolve_named
-from axrl_spike_replay.remote.torchrun_command import DEFAULT_RENDEZVOUS_TIMEOUT_S, is_host_text
+from axrl_spike_replay.remote.launchers.launch_job import LaunchNode
+from axrl_spike_replay.remote.launchers.slurm_command import SlurmSettings
+from axrl_spike_replay.remote.launchers.torchrun_command import DEFAULT_RENDEZVOUS_TIMEOUT_S, is_host_text
+from axrl_spike_replay.remote.transport.target_config import TargetConfig, resolve_named
 
 LOCAL_LOGIN = "local"
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

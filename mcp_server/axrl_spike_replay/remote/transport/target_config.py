@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from axrl_spike_replay.remote.target import SshTarget, parse_target
+from axrl_spike_replay.remote.transport.target import SshTarget, parse_target
 
 DEFAULT_PYTHON = "python3"
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.cleanup import run_to_completion
-from axrl_spike_replay.remote.errors import RemoteError
-from axrl_spike_replay.remote.job import Session
+from axrl_spike_replay.remote.transport.cleanup import run_to_completion
+from axrl_spike_replay.remote.transport.job import Session
+from axrl_spike_replay.remote.transport.remote_errors import RemoteError
 
 
 @dataclass(frozen=True)

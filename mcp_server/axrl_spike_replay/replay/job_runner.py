@@ -28,7 +28,7 @@ _OUTCOMES = "outcomes.json"
 
 
 class JobRunner(Protocol):
-    """Runs a WorkerJob and returns its outcomes (`launch.run_job`, `warm_pool.WarmService.run_job`)."""
+    """Runs a WorkerJob and returns its outcomes (`job_runner.run_job`, `warm_pool.WarmService.run_job`)."""
 
     def __call__(
         self,

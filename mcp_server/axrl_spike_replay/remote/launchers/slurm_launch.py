@@ -19,11 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.atomic import atomic_write_json, atomic_write_text
-from axrl_spike_replay.remote.cleanup import run_to_completion
-from axrl_spike_replay.remote.connect import connect_settings
-from axrl_spike_replay.remote.errors import RemoteError
-from axrl_spike_replay.remote.job import Captured, Session
-from axrl_spike_replay.remote.launch_job import (
+from axrl_spike_replay.remote.launchers.launch_job import (
     REQUEST_FILE,
     RESULT_FILE,
     LaunchError,
@@ -39,12 +35,7 @@ from axrl_spike_replay.remote.launch_job import (
     shared_files_script,
     tail_text,
 )
-from axrl_spike_replay.remote.local_session import LocalSession
-from axrl_spike_replay.remote.node_probe import probe
-from axrl_spike_replay.remote.options import RemoteOptions
-from axrl_spike_replay.remote.session import open_session
-from axrl_spike_replay.remote.shell import bash_command, job_script, quote_argv
-from axrl_spike_replay.remote.slurm_command import (
+from axrl_spike_replay.remote.launchers.slurm_command import (
     BATCH_FILE,
     JobStatus,
     SlurmSettings,
@@ -62,6 +53,15 @@ from axrl_spike_replay.remote.slurm_command import (
     scontrol_argv,
     squeue_argv,
 )
+from axrl_spike_replay.remote.nodes.node_probe import probe
+from axrl_spike_replay.remote.transport.cleanup import run_to_completion
+from axrl_spike_replay.remote.transport.connect import connect_settings
+from axrl_spike_replay.remote.transport.job import Captured, Session
+from axrl_spike_replay.remote.transport.local_session import LocalSession
+from axrl_spike_replay.remote.transport.options import RemoteOptions
+from axrl_spike_replay.remote.transport.remote_errors import RemoteError
+from axrl_spike_replay.remote.transport.session import open_session
+from axrl_spike_replay.remote.transport.shell import bash_command, job_script, quote_argv
 
 SLURM_COMMANDS = ("sbatch", "squeue", "scancel", "scontrol")
 CANCEL_WAIT_S = 120.0  # scancel, then until Slurm no longer runs the job (KillWait is 30 s by default)

@@ -21,11 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.atomic import atomic_write_json, atomic_write_text
-from axrl_spike_replay.remote.cleanup import run_to_completion
-from axrl_spike_replay.remote.connect import connect_settings
-from axrl_spike_replay.remote.errors import RemoteError
-from axrl_spike_replay.remote.job import JobOutcome, LineCallback, Session
-from axrl_spike_replay.remote.launch_job import (
+from axrl_spike_replay.remote.launchers.launch_job import (
     REQUEST_FILE,
     RESULT_FILE,
     LaunchError,
@@ -41,12 +37,7 @@ from axrl_spike_replay.remote.launch_job import (
     shared_files_script,
     tail_text,
 )
-from axrl_spike_replay.remote.local_session import LocalSession
-from axrl_spike_replay.remote.node_probe import NodeReport, probe
-from axrl_spike_replay.remote.options import RemoteOptions
-from axrl_spike_replay.remote.session import open_session
-from axrl_spike_replay.remote.shell import bash_command
-from axrl_spike_replay.remote.torchrun_command import (
+from axrl_spike_replay.remote.launchers.torchrun_command import (
     AGENT_STARTED,
     DEFAULT_RENDEZVOUS_TIMEOUT_S,
     Rendezvous,
@@ -57,7 +48,16 @@ from axrl_spike_replay.remote.torchrun_command import (
     sweep_script,
     torchrun_argv,
 )
-from axrl_spike_replay.remote.torchrun_failure import AgentState, explain_failure, timeout_error
+from axrl_spike_replay.remote.launchers.torchrun_failure import AgentState, explain_failure, timeout_error
+from axrl_spike_replay.remote.nodes.node_probe import NodeReport, probe
+from axrl_spike_replay.remote.transport.cleanup import run_to_completion
+from axrl_spike_replay.remote.transport.connect import connect_settings
+from axrl_spike_replay.remote.transport.job import JobOutcome, LineCallback, Session
+from axrl_spike_replay.remote.transport.local_session import LocalSession
+from axrl_spike_replay.remote.transport.options import RemoteOptions
+from axrl_spike_replay.remote.transport.remote_errors import RemoteError
+from axrl_spike_replay.remote.transport.session import open_session
+from axrl_spike_replay.remote.transport.shell import bash_command
 
 SWEEP_GRACE_S = 5
 CLEANUP_TIMEOUT_S = 60.0

@@ -2,8 +2,8 @@
 
 For AXRL the command wraps `MegatronWorker.reproduce_spike(snapshot_dir)`. `{snapshot}` and `{out}` in
 the configured command are replaced by shell-quoted paths, `{overrides}` by a mitigation config mapped
-onto the trainer's own options (`remote.command_overrides`); the grad norm comes from `result_json` when
-the command wrote it, else from `grad_norm_regex` matched on its stdout (`remote.command_result` reads both
+onto the trainer's own options (`remote.command.command_overrides`); the grad norm comes from `result_json` when
+the command wrote it, else from `grad_norm_regex` matched on its stdout (`remote.command.command_result` reads both
 as untrusted input). The command runs under the job reaper: it and every process it started end with it.
 Each config is one run of the command; a replay with a config and a sweep run the baseline once first
 and judge every config against it, with the engine's verdicts. The runs get the same output layout
@@ -30,19 +30,19 @@ from axrl_spike_replay.experiment.mitigations import config_id
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.experiment.run_dir import RESULT_FILE, SWEEP_FILE, RunDir, RunRecorder, write_and_record
 from axrl_spike_replay.experiment.verdict import tolerance
-from axrl_spike_replay.remote.cleanup import run_to_completion
-from axrl_spike_replay.remote.command_overrides import render_overrides
-from axrl_spike_replay.remote.command_result import (
+from axrl_spike_replay.remote.command.command_overrides import render_overrides
+from axrl_spike_replay.remote.command.command_result import (
     MAX_RESULT_BYTES,
     CommandReport,
     grad_norm_from_stdout,
     read_command_result,
 )
-from axrl_spike_replay.remote.errors import RemoteError
-from axrl_spike_replay.remote.job import JobOutcome, LineCallback, Session
-from axrl_spike_replay.remote.patch_worktree import patch_set_text, patched_worktree
-from axrl_spike_replay.remote.results import SnapshotFacts, base_result, judged_result, tail
-from axrl_spike_replay.remote.shell import job_script
+from axrl_spike_replay.remote.command.patch_worktree import patch_set_text, patched_worktree
+from axrl_spike_replay.remote.nodes.results import SnapshotFacts, base_result, judged_result, tail
+from axrl_spike_replay.remote.transport.cleanup import run_to_completion
+from axrl_spike_replay.remote.transport.job import JobOutcome, LineCallback, Session
+from axrl_spike_replay.remote.transport.remote_errors import RemoteError
+from axrl_spike_replay.remote.transport.shell import job_script
 from axrl_spike_replay.remote.workspace_config import CommandBackendConfig
 from axrl_spike_replay.vocabulary import Backend, Verdict
 

@@ -67,8 +67,8 @@ def parse_pgid_marker(line: bytes) -> int | None:
 
 
 def reaper_source() -> str:
-    """The text of `remote.job_reaper`, run as `python3 -c` (a node need not have this package)."""
-    from axrl_spike_replay.remote import job_reaper
+    """The text of `remote.transport.job_reaper`, run as `python3 -c` (a node need not have this package)."""
+    from axrl_spike_replay.remote.transport import job_reaper
 
     return Path(job_reaper.__file__).read_text(encoding="utf-8")
 
@@ -80,8 +80,8 @@ def reaper_argv(python: str, shell: str, script: str, *, watch: bool = False) ->
 
 def detached_command(script: str) -> str:
     """The command line sent to sshd: run `script` under `setsid` (own session and process group), under the
-    job reaper (`remote.job_reaper`) when the node has `python3`, so processes that leave the group are stopped
-    too; a node without python3 gets the group alone.
+    job reaper (`remote.transport.job_reaper`) when the node has `python3`, so processes that leave the group are
+    stopped too; a node without python3 gets the group alone.
 
     The job's process-group id is announced as the line `@@axrl-pgid <id>` on stderr (the client keeps it
     out of the log), so a second channel can kill the whole group (sshd ignores signal requests for root

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from axrl_spike_replay.atomic import atomic_write_text
 from axrl_spike_replay.locks import held_lock
-from axrl_spike_replay.remote.errors import HostKeyError
-from axrl_spike_replay.remote.ssh_library import asyncssh
+from axrl_spike_replay.remote.transport.remote_errors import HostKeyError
+from axrl_spike_replay.remote.transport.ssh_library import asyncssh
 
 DEFAULT_KNOWN_HOSTS = Path("~/.ssh/known_hosts")
 GLOBAL_KNOWN_HOSTS = Path("/etc/ssh/ssh_known_hosts")

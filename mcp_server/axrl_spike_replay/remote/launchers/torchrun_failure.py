@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from axrl_spike_replay.remote.launch_job import LaunchError
-from axrl_spike_replay.remote.torchrun_command import Rendezvous
+from axrl_spike_replay.remote.launchers.launch_job import LaunchError
+from axrl_spike_replay.remote.launchers.torchrun_command import Rendezvous
 
 
 @dataclass(frozen=True)

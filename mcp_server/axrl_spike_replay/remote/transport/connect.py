@@ -11,10 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.display import shown
-from axrl_spike_replay.remote.errors import HostKeyError, RemoteError
-from axrl_spike_replay.remote.host_keys import HostKeyCheck, HostKeyPolicy, known_hosts_files, system_known_hosts
-from axrl_spike_replay.remote.ssh_library import SSHClientConfig, SSHConfig, asyncssh
-from axrl_spike_replay.remote.target import SshTarget, parse_target
+from axrl_spike_replay.remote.transport.host_keys import (
+    HostKeyCheck,
+    HostKeyPolicy,
+    known_hosts_files,
+    system_known_hosts,
+)
+from axrl_spike_replay.remote.transport.remote_errors import HostKeyError, RemoteError
+from axrl_spike_replay.remote.transport.ssh_library import SSHClientConfig, SSHConfig, asyncssh
+from axrl_spike_replay.remote.transport.target import SshTarget, parse_target
 
 DEFAULT_KEEPALIVE_INTERVAL = 15.0
 DEFAULT_KEEPALIVE_COUNT_MAX = 3

@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.remote.job import Session
-from axrl_spike_replay.remote.shell import bash_command
+from axrl_spike_replay.remote.transport.job import Session
+from axrl_spike_replay.remote.transport.shell import bash_command
 
 NVIDIA_SMI_QUERY = "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader"
 _MARK = "@@axrl-probe"
@@ -221,7 +221,7 @@ async def probe(
     got = await session.capture(bash_command(script), timeout=120.0)
     parse_probe(got.stdout + got.stderr, report)
     if snapshot is not None:
-        from axrl_spike_replay.remote.results import snapshot_facts
+        from axrl_spike_replay.remote.nodes.results import snapshot_facts
 
         facts = snapshot_facts(snapshot)
         plan_for_snapshot(report, facts.world_size, facts.snapshot)

@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.launch_job import LAUNCH_ID_ENV, WorkerEntry, check_launch_id
-from axrl_spike_replay.remote.shell import job_script
-from axrl_spike_replay.remote.torchrun_command import DEFAULT_RENDEZVOUS_TIMEOUT_S, torchrun_argv
+from axrl_spike_replay.remote.launchers.launch_job import LAUNCH_ID_ENV, WorkerEntry, check_launch_id
+from axrl_spike_replay.remote.launchers.torchrun_command import DEFAULT_RENDEZVOUS_TIMEOUT_S, torchrun_argv
+from axrl_spike_replay.remote.transport.shell import job_script
 
 DEFAULT_JOB_DIR = "~/.axrl-spike-replay/slurm-jobs"
 BATCH_FILE = "batch.sh"

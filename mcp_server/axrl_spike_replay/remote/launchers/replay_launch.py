@@ -1,7 +1,7 @@
 """The replay's processes started by the engines users run training with: torchrun agents on SSH nodes (one
 c10d rendezvous), or `srun` → torchrun inside a Slurm allocation.
 
-`LaunchedRunner` is a `replay.launch.JobRunner`: the engine hands it the same `WorkerJob` it hands our spawn
+`LaunchedRunner` is a `replay.job_runner.JobRunner`: the engine hands it the same `WorkerJob` it hands our spawn
 launcher, and gets back the same outcomes, computed by `replay.torchrun_worker` in processes torchrun started.
 The job travels as JSON (`replay.job_document`); every node must see the snapshot at the same path (checked
 before anything starts: the checkpoint metadata's size there against the one here). A failure names the node
@@ -23,13 +23,13 @@ from typing import Any, TypeVar
 from axrl_spike_replay.display import clean_text
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.rank_processes import RunCancelled
-from axrl_spike_replay.remote.cancellable import cancellable
-from axrl_spike_replay.remote.launch_job import LaunchError, LaunchNode, LaunchOutcome, WorkerEntry
-from axrl_spike_replay.remote.options import RemoteOptions
-from axrl_spike_replay.remote.slurm_command import SlurmSettings
-from axrl_spike_replay.remote.slurm_launch import SlurmJob, launch_slurm
-from axrl_spike_replay.remote.torchrun_command import DEFAULT_RENDEZVOUS_TIMEOUT_S
-from axrl_spike_replay.remote.torchrun_launch import TorchrunJob, launch_torchrun
+from axrl_spike_replay.remote.launchers.launch_job import LaunchError, LaunchNode, LaunchOutcome, WorkerEntry
+from axrl_spike_replay.remote.launchers.slurm_command import SlurmSettings
+from axrl_spike_replay.remote.launchers.slurm_launch import SlurmJob, launch_slurm
+from axrl_spike_replay.remote.launchers.torchrun_command import DEFAULT_RENDEZVOUS_TIMEOUT_S
+from axrl_spike_replay.remote.launchers.torchrun_launch import TorchrunJob, launch_torchrun
+from axrl_spike_replay.remote.transport.cancellable import cancellable
+from axrl_spike_replay.remote.transport.options import RemoteOptions
 from axrl_spike_replay.replay.job_document import job_document
 from axrl_spike_replay.replay.torchrun_worker import CRASH_MARK, ERROR_MARK, RESULT_KIND, payload_for, snapshot_check
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob

@@ -1,5 +1,5 @@
-"""The same session interface on this machine: each job under a reaper (`remote.job_reaper`) in its own session, so
-the job and every process it started, `setsid` children included, end with it."""
+"""The same session interface on this machine: each job under a reaper (`remote.transport.job_reaper`) in its
+own session, so the job and every process it started, `setsid` children included, end with it."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from axrl_spike_replay.atomic import atomic_copy
-from axrl_spike_replay.remote.cleanup import run_to_completion
-from axrl_spike_replay.remote.errors import RemoteError
-from axrl_spike_replay.remote.job import (
+from axrl_spike_replay.remote.transport.cleanup import run_to_completion
+from axrl_spike_replay.remote.transport.job import (
     KILL_GRACE_S,
     Captured,
     JobOutcome,
@@ -26,7 +25,8 @@ from axrl_spike_replay.remote.job import (
     exit_reason,
     pump_lines,
 )
-from axrl_spike_replay.remote.shell import reaper_argv
+from axrl_spike_replay.remote.transport.remote_errors import RemoteError
+from axrl_spike_replay.remote.transport.shell import reaper_argv
 
 DRAIN_AFTER_EXIT_S = 5.0  # output still arriving once the job has ended
 
