@@ -30,6 +30,7 @@ from axrl_spike_replay.experiment.mitigations import config_id
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.experiment.run_dir import RESULT_FILE, SWEEP_FILE, RunDir, RunRecorder, write_and_record
 from axrl_spike_replay.experiment.verdict import tolerance
+from axrl_spike_replay.remote.command.command_config import CommandBackendConfig
 from axrl_spike_replay.remote.command.command_overrides import render_overrides
 from axrl_spike_replay.remote.command.command_result import (
     MAX_RESULT_BYTES,
@@ -43,7 +44,6 @@ from axrl_spike_replay.remote.transport.cleanup import run_to_completion
 from axrl_spike_replay.remote.transport.job import JobOutcome, LineCallback, Session
 from axrl_spike_replay.remote.transport.remote_errors import RemoteError
 from axrl_spike_replay.remote.transport.shell import job_script
-from axrl_spike_replay.remote.workspace_config import CommandBackendConfig
 from axrl_spike_replay.vocabulary import Backend, Verdict
 
 COMMAND_RESULT_FILE = "command_result.json"

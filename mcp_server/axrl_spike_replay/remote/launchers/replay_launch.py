@@ -24,10 +24,11 @@ from axrl_spike_replay.display import clean_text
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.rank_processes import RunCancelled
 from axrl_spike_replay.remote.launchers.launch_job import LaunchError, LaunchNode, LaunchOutcome, WorkerEntry
+from axrl_spike_replay.remote.launchers.launcher import DryRun, Launcher
 from axrl_spike_replay.remote.launchers.slurm_command import SlurmSettings
-from axrl_spike_replay.remote.launchers.slurm_launch import SlurmJob, launch_slurm
+from axrl_spike_replay.remote.launchers.slurm_launch import SlurmJob, SlurmLauncher
 from axrl_spike_replay.remote.launchers.torchrun_command import DEFAULT_RENDEZVOUS_TIMEOUT_S
-from axrl_spike_replay.remote.launchers.torchrun_launch import TorchrunJob, launch_torchrun
+from axrl_spike_replay.remote.launchers.torchrun_launch import TorchrunJob, TorchrunLauncher
 from axrl_spike_replay.remote.transport.cancellable import cancellable
 from axrl_spike_replay.remote.transport.options import RemoteOptions
 from axrl_spike_replay.replay.job_document import job_document
@@ -84,6 +85,34 @@ class Placement:
             )
         names = ", ".join(n.name for n in self.nodes)
         return f"torchrun on {names}: {self.node_count} node(s) x {self.per_node} process(es)"
+
+    def launcher_for(self, options: RemoteOptions | None = None) -> Launcher[Any]:
+        """The launcher that starts this placement's processes."""
+        return SlurmLauncher(options) if self.slurm is not None else TorchrunLauncher(options)
+
+    def job_for(
+        self, payload: Mapping[str, Any], timeout_s: float | None = None, shared: Mapping[str, int] | None = None
+    ) -> TorchrunJob | SlurmJob:
+        """The replay worker's job on this placement: `payload` in its request, `shared` files every node sees."""
+        shared = dict(shared or {})
+        if self.slurm is not None:
+            assert self.login is not None
+            return SlurmJob(self.login, REPLAY_WORKER, self.slurm, payload=payload, timeout_s=timeout_s,
+                            shared_files=shared)  # fmt: skip
+        return TorchrunJob(
+            nodes=self.nodes,
+            worker=REPLAY_WORKER,
+            nproc_per_node=self.nproc_per_node,
+            payload=payload,
+            rendezvous_port=self.rendezvous_port,
+            rendezvous_timeout_s=self.rendezvous_timeout_s,
+            timeout_s=timeout_s,
+            shared_files=shared,
+        )
+
+    def dry_run(self, options: RemoteOptions | None = None) -> DryRun:
+        """What launching a replay here would run (the job itself travels in the request file)."""
+        return self.launcher_for(options).dry_run(self.job_for({}))
 
 
 @dataclass
@@ -146,33 +175,14 @@ class LaunchedRunner:
     ) -> LaunchOutcome:
         placement = self.placement
         try:
-            if placement.slurm is not None:
-                assert placement.login is not None
-                slurm_job = SlurmJob(
-                    placement.login,
-                    REPLAY_WORKER,
-                    placement.slurm,
-                    payload=payload,
-                    timeout_s=self.timeout_s,
-                    shared_files=shared,
-                )
-                return await launch_slurm(slurm_job, out, options=self.options, progress=say)
-            torchrun_job = TorchrunJob(
-                nodes=placement.nodes,
-                worker=REPLAY_WORKER,
-                nproc_per_node=placement.nproc_per_node,
-                payload=payload,
-                rendezvous_port=placement.rendezvous_port,
-                rendezvous_timeout_s=placement.rendezvous_timeout_s,
-                timeout_s=self.timeout_s,
-                shared_files=shared,
-            )
+            launcher = placement.launcher_for(self.options)
+            job = placement.job_for(payload, self.timeout_s, shared)
 
             def line(stream: str, text: str) -> None:
                 if stream == "stderr" and "@@axrl" not in text:
                     say(text)
 
-            return await launch_torchrun(torchrun_job, out, options=self.options, progress=say, on_line=line)
+            return await launcher.launch(job, out, progress=say, on_line=line)
         except LaunchError as exc:
             raise replay_error(exc, out, placement) from None
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.atomic import atomic_write_json, atomic_write_text
+from axrl_spike_replay.atomic import atomic_write_text
 from axrl_spike_replay.remote.launchers.launch_job import (
     REQUEST_FILE,
     RESULT_FILE,
@@ -29,11 +29,15 @@ from axrl_spike_replay.remote.launchers.launch_job import (
     check_node_ready,
     new_launch_id,
     read_result,
-    request_document,
-    shared_files_error,
-    shared_files_problems,
-    shared_files_script,
     tail_text,
+)
+from axrl_spike_replay.remote.launchers.launcher import (
+    DryRun,
+    Launcher,
+    LaunchStatus,
+    elapsed,
+    shared_files_seen,
+    write_request,
 )
 from axrl_spike_replay.remote.launchers.slurm_command import (
     BATCH_FILE,
@@ -55,12 +59,9 @@ from axrl_spike_replay.remote.launchers.slurm_command import (
 )
 from axrl_spike_replay.remote.nodes.node_probe import probe
 from axrl_spike_replay.remote.transport.cleanup import run_to_completion
-from axrl_spike_replay.remote.transport.connect import connect_settings
-from axrl_spike_replay.remote.transport.job import Captured, Session
-from axrl_spike_replay.remote.transport.local_session import LocalSession
+from axrl_spike_replay.remote.transport.job import Captured, LineCallback, Session
 from axrl_spike_replay.remote.transport.options import RemoteOptions
 from axrl_spike_replay.remote.transport.remote_errors import RemoteError
-from axrl_spike_replay.remote.transport.session import open_session
 from axrl_spike_replay.remote.transport.shell import bash_command, job_script, quote_argv
 
 SLURM_COMMANDS = ("sbatch", "squeue", "scancel", "scontrol")
@@ -81,6 +82,85 @@ class SlurmJob:
     shared_files: Mapping[str, int] = field(default_factory=dict)
 
 
+class SlurmLauncher(Launcher[SlurmJob]):
+    """`sbatch` from a login node: the batch script starts one torchrun agent per allocated node with `srun`."""
+
+    name = "slurm"
+
+    def dry_run(self, job: SlurmJob) -> DryRun:
+        """The `sbatch` command line on the login node and the batch script it submits (the job dir and the job's
+        id are made at launch)."""
+        launch_id = new_launch_id()
+        job_dir = f"{job.settings.job_dir}/JOB_DIR"
+        script = batch_script(
+            job.settings,
+            job.login.python,
+            job.worker,
+            f"{job_dir}/{REQUEST_FILE}",
+            launch_id,
+            setup=job.login.setup,
+            env=job.env,
+        )
+        submit = f"# Slurm login node: {job.login.name}\n{quote_argv(sbatch_argv(job.settings, job_dir, launch_id))}"
+        notes = (
+            f"JOB_DIR: a fresh directory under {job.settings.job_dir} (on storage the compute nodes share)",
+            f"{launch_id}: an example of the job's id; each launch gets a fresh one",
+        )
+        where = f"Slurm from {job.login.name} ({_asked(job.settings)})"
+        processes = job.settings.nodes * job.settings.processes_per_node
+        return DryRun(self.name, where, processes, (submit, f"# {BATCH_FILE}\n{script}"), notes)
+
+    async def run(
+        self,
+        job: SlurmJob,
+        out_dir: Path,
+        status: LaunchStatus,
+        *,
+        progress: Callable[[str], None],
+        on_line: LineCallback | None = None,
+    ) -> LaunchOutcome:
+        """Submit `job`, wait for it, bring rank 0's result to `out_dir`. LaunchError names the node or partition."""
+        launch_id, say = status.launch_id, progress
+        began = time.monotonic()
+        login = job.login
+        session = await self.open_node(login, "Slurm login node")
+        job_dir: str | None = None
+        live: str | None = None  # the job id while Slurm may still run it
+        try:
+            await _check_login(session, job)
+            job_dir = await _make_job_dir(session, job)
+            job_id = live = status.job_id = await _submit(session, job, job_dir, launch_id, out_dir)
+            status.state = "pending"
+            say(f"{launch_id}: Slurm job {job_id} submitted from {login.name} ({_asked(job.settings)})")
+            slurm_status, start_s = await _follow(session, job, job_id, began, say, status)
+            live = None
+            if not slurm_status.succeeded:
+                raise await _failure(session, job, job_id, job_dir, slurm_status, out_dir)
+            remote = f"{job_dir}/{RESULT_FILE}"
+            if not await session.exists(remote):
+                raise LaunchError(f"Slurm job {job_id} completed but rank 0 wrote no result file ({remote})")
+            result_path = await session.fetch(remote, out_dir / RESULT_FILE)
+            result = read_result(result_path, f"Slurm job {job_id}")
+            logs = await _fetch_output(session, job_dir, job_id, out_dir)
+            nodes = await _hostnames(session, login, slurm_status.nodes)
+        except BaseException:
+            await run_to_completion(_end(session, job, live, job_dir, out_dir, say))
+            raise
+        await run_to_completion(_end(session, job, None, job_dir, out_dir, say))
+        return LaunchOutcome(
+            launcher=self.name,
+            launch_id=launch_id,
+            nodes=nodes,
+            result=result,
+            result_path=result_path,
+            out_dir=out_dir,
+            seconds=elapsed(began),
+            start_s=start_s,
+            job_id=job_id,
+            logs=logs,
+        )
+
+
 async def launch_slurm(
     job: SlurmJob,
     out_dir: Path,
@@ -90,59 +170,7 @@ async def launch_slurm(
     progress: Callable[[str], None] | None = None,
 ) -> LaunchOutcome:
     """Submit `job`, wait for it, bring rank 0's result to `out_dir`. LaunchError names the node or partition."""
-    options = options or RemoteOptions()
-    launch_id = launch_id or new_launch_id()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    say = progress or (lambda _message: None)
-    began = time.monotonic()
-    login = job.login
-    session = await _open(login, options)
-    job_dir: str | None = None
-    live: str | None = None  # the job id while Slurm may still run it
-    try:
-        await _check_login(session, job)
-        job_dir = await _make_job_dir(session, job)
-        job_id = live = await _submit(session, job, job_dir, launch_id, out_dir)
-        say(f"{launch_id}: Slurm job {job_id} submitted from {login.name} ({_asked(job.settings)})")
-        status, start_s = await _follow(session, job, job_id, began, say)
-        live = None
-        if not status.succeeded:
-            raise await _failure(session, job, job_id, job_dir, status, out_dir)
-        remote = f"{job_dir}/{RESULT_FILE}"
-        if not await session.exists(remote):
-            raise LaunchError(f"Slurm job {job_id} completed but rank 0 wrote no result file ({remote})")
-        result_path = await session.fetch(remote, out_dir / RESULT_FILE)
-        result = read_result(result_path, f"Slurm job {job_id}")
-        logs = await _fetch_output(session, job_dir, job_id, out_dir)
-        nodes = await _hostnames(session, login, status.nodes)
-    except BaseException:
-        await run_to_completion(_end(session, job, live, job_dir, out_dir, say))
-        raise
-    await run_to_completion(_end(session, job, None, job_dir, out_dir, say))
-    return LaunchOutcome(
-        launcher="slurm",
-        launch_id=launch_id,
-        nodes=nodes,
-        result=result,
-        result_path=result_path,
-        out_dir=out_dir,
-        seconds=round(time.monotonic() - began, 3),
-        start_s=start_s,
-        job_id=job_id,
-        logs=logs,
-    )
-
-
-async def _open(login: LaunchNode, options: RemoteOptions) -> Session:
-    if login.target is None:
-        return LocalSession()
-    settings = connect_settings(options.known_hosts or login.target.known_hosts, options.accept_new_host_key)
-    try:
-        session = await open_session(login.target.ssh, settings)
-    except RemoteError as exc:
-        raise LaunchError(f"Slurm login node {login.name!r}: cannot connect: {exc}", node=login.name) from None
-    session.label = login.name
-    return session
+    return await SlurmLauncher(options).launch(job, out_dir, launch_id=launch_id, progress=progress)
 
 
 async def _run(session: Session, login: LaunchNode, argv: Sequence[str], timeout: float = 60.0) -> Captured:
@@ -175,10 +203,9 @@ async def _check_login(session: Session, job: SlurmJob) -> None:
             node=login.name,
         )
     if job.shared_files:
-        got = await session.capture(bash_command(shared_files_script(job.shared_files)))
-        problems = shared_files_problems(got.stdout, job.shared_files)
-        if problems:
-            raise shared_files_error(login.name, report.hostname, problems, where="Slurm login node")
+        unseen = await shared_files_seen(session, job.shared_files, login.name, report.hostname, "Slurm login node")
+        if unseen is not None:
+            raise unseen
 
 
 async def _make_job_dir(session: Session, job: SlurmJob) -> str:
@@ -196,7 +223,7 @@ async def _make_job_dir(session: Session, job: SlurmJob) -> str:
 async def _submit(session: Session, job: SlurmJob, job_dir: str, launch_id: str, out_dir: Path) -> str:
     """Put the request and batch script in the job dir, then `sbatch`; its refusal is the error."""
     request = out_dir / REQUEST_FILE
-    atomic_write_json(request, request_document(launch_id, f"{job_dir}/{RESULT_FILE}", job.payload))
+    write_request(request, launch_id, f"{job_dir}/{RESULT_FILE}", job.payload)
     script = batch_script(
         job.settings,
         job.login.python,
@@ -237,7 +264,7 @@ async def _status(session: Session, login: LaunchNode, job_id: str) -> JobStatus
 
 
 async def _follow(
-    session: Session, job: SlurmJob, job_id: str, began: float, say: Callable[[str], None]
+    session: Session, job: SlurmJob, job_id: str, began: float, say: Callable[[str], None], launch: LaunchStatus
 ) -> tuple[JobStatus, float]:
     """Poll until the job ended: its final status and the seconds until it started running."""
     settings, submitted = job.settings, time.monotonic()
@@ -258,6 +285,7 @@ async def _follow(
         elif status.running:
             if running_since is None:
                 running_since = now
+                launch.state = "running"
                 say(f"Slurm job {job_id} running on {status.nodes or '?'}")
             if job.timeout_s is not None and now - running_since > job.timeout_s:
                 raise LaunchError(

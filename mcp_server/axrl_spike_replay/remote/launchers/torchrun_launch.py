@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.atomic import atomic_write_json, atomic_write_text
+from axrl_spike_replay.atomic import atomic_write_text
 from axrl_spike_replay.remote.launchers.launch_job import (
     REQUEST_FILE,
     RESULT_FILE,
@@ -29,13 +29,16 @@ from axrl_spike_replay.remote.launchers.launch_job import (
     LaunchOutcome,
     WorkerEntry,
     check_node_ready,
-    new_launch_id,
     read_result,
-    request_document,
-    shared_files_error,
-    shared_files_problems,
-    shared_files_script,
     tail_text,
+)
+from axrl_spike_replay.remote.launchers.launcher import (
+    DryRun,
+    Launcher,
+    LaunchStatus,
+    elapsed,
+    shared_files_seen,
+    write_request,
 )
 from axrl_spike_replay.remote.launchers.torchrun_command import (
     AGENT_STARTED,
@@ -51,12 +54,9 @@ from axrl_spike_replay.remote.launchers.torchrun_command import (
 from axrl_spike_replay.remote.launchers.torchrun_failure import AgentState, explain_failure, timeout_error
 from axrl_spike_replay.remote.nodes.node_probe import NodeReport, probe
 from axrl_spike_replay.remote.transport.cleanup import run_to_completion
-from axrl_spike_replay.remote.transport.connect import connect_settings
 from axrl_spike_replay.remote.transport.job import JobOutcome, LineCallback, Session
-from axrl_spike_replay.remote.transport.local_session import LocalSession
 from axrl_spike_replay.remote.transport.options import RemoteOptions
 from axrl_spike_replay.remote.transport.remote_errors import RemoteError
-from axrl_spike_replay.remote.transport.session import open_session
 from axrl_spike_replay.remote.transport.shell import bash_command
 
 SWEEP_GRACE_S = 5
@@ -108,6 +108,98 @@ class _Agent:
         return f"node{self.index}-{_FILE_SAFE.sub('_', self.node.name)[:40]}"
 
 
+class TorchrunLauncher(Launcher[TorchrunJob]):
+    """One torchrun agent per node over SSH (or here), meeting at one c10d rendezvous."""
+
+    name = "torchrun"
+
+    def dry_run(self, job: TorchrunJob) -> DryRun:
+        """Each node's torchrun command line; the rendezvous port and the nodes' temp dirs are chosen at launch."""
+        first = job.nodes[0]
+        several = len(job.nodes) > 1 or job.rendezvous_port is not None
+        port = str(job.rendezvous_port) if job.rendezvous_port is not None else "PORT"
+        endpoint = f"{first.address or first.name}:{port}" if several else None
+        commands = []
+        for index, node in enumerate(job.nodes):
+            argv = torchrun_argv(
+                node.python,
+                job.worker,
+                f"TEMP/{REQUEST_FILE}",
+                nproc_per_node=job.nproc_per_node,
+                nnodes=len(job.nodes),
+                endpoint=endpoint,
+                run_id="LAUNCH_ID" if several else None,
+                timeout_s=job.rendezvous_timeout_s if several else None,
+                is_host=(index == 0) if several else None,
+                local_addr=node.address,
+            )
+            setup = "".join(f"{line}\n" for line in node.setup)
+            commands.append(f"# node {node.name}\n{setup}{' '.join(argv)}")
+        notes = ["TEMP: a temp dir each node makes when it is probed; LAUNCH_ID: the job's fresh id"]
+        if several and job.rendezvous_port is None:
+            notes.append(f"PORT: a port free on {first.name} when the job starts")
+        if several and not first.address:
+            notes.append(f"{first.name}: its host name as the probe reports it (give `address` to fix it)")
+        names = ", ".join(n.name for n in job.nodes)
+        where = f"torchrun on {names}: {len(job.nodes)} node(s) x {job.nproc_per_node} process(es)"
+        return DryRun(self.name, where, len(job.nodes) * job.nproc_per_node, tuple(commands), tuple(notes))
+
+    async def run(
+        self,
+        job: TorchrunJob,
+        out_dir: Path,
+        status: LaunchStatus,
+        *,
+        progress: Callable[[str], None],
+        on_line: LineCallback | None = None,
+    ) -> LaunchOutcome:
+        """Probe every node, choose the rendezvous, start the agents, wait for all of them, fetch rank 0's result."""
+        launch_id, say = status.launch_id, progress
+        began = time.monotonic()
+        agents = await self._connect(job)
+        try:
+            await _prepare(agents, job, launch_id, say)
+            rendezvous = await _rendezvous(agents, job, launch_id)
+            _start(agents, job, launch_id, rendezvous, out_dir, on_line, say)
+            status.state = "running"
+            start_s = await _wait(agents, job, rendezvous, launch_id, began)
+            say(f"{launch_id}: every agent ended successfully; fetching rank 0's result")
+            result_path, result = await _fetch_result(agents, out_dir)
+        except BaseException:
+            await run_to_completion(_cleanup(agents, launch_id, say))
+            raise
+        await run_to_completion(_cleanup(agents, launch_id, say))
+        return LaunchOutcome(
+            launcher=self.name,
+            launch_id=launch_id,
+            nodes=tuple(a.node.name for a in agents),
+            result=result,
+            result_path=result_path,
+            out_dir=out_dir,
+            seconds=elapsed(began),
+            start_s=start_s,
+            rendezvous=rendezvous.endpoint if rendezvous is not None else None,
+            logs={f"{a.log_stem}.{s}": out_dir / f"{a.log_stem}.{s}.log" for a in agents for s in ("stdout", "stderr")},
+        )
+
+    async def _connect(self, job: TorchrunJob) -> list[_Agent]:
+        """A session per node (opened together); if one cannot be reached, the others are closed and it is named."""
+        tasks = [asyncio.ensure_future(self.open_node(node)) for node in job.nodes]
+        try:
+            await asyncio.wait(tasks)
+        finally:  # a failed or cancelled start closes what did open
+            failures = [t.exception() if not t.cancelled() else asyncio.CancelledError() for t in tasks if t.done()]
+            failures = [f for f in failures if f is not None]
+            if failures or not all(t.done() for t in tasks):
+                for task in tasks:
+                    task.cancel()
+                await run_to_completion(_close_opened(tasks))
+        if failures:
+            raise failures[0]
+        pairs = enumerate(zip(job.nodes, tasks, strict=True))
+        return [_Agent(node, index, task.result()) for index, (node, task) in pairs]
+
+
 async def launch_torchrun(
     job: TorchrunJob,
     out_dir: Path,
@@ -118,64 +210,8 @@ async def launch_torchrun(
     on_line: LineCallback | None = None,
 ) -> LaunchOutcome:
     """Run `job`; its logs, request and result go to `out_dir`. LaunchError (naming the node) when it fails."""
-    options = options or RemoteOptions()
-    launch_id = launch_id or new_launch_id()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    say = progress or (lambda _message: None)
-    began = time.monotonic()
-    agents = await _connect(job, options)
-    try:
-        await _prepare(agents, job, launch_id, say)
-        rendezvous = await _rendezvous(agents, job, launch_id)
-        _start(agents, job, launch_id, rendezvous, out_dir, on_line, say)
-        start_s = await _wait(agents, job, rendezvous, launch_id, began)
-        say(f"{launch_id}: every agent ended successfully; fetching rank 0's result")
-        result_path, result = await _fetch_result(agents, out_dir)
-    except BaseException:
-        await run_to_completion(_cleanup(agents, launch_id, say))
-        raise
-    await run_to_completion(_cleanup(agents, launch_id, say))
-    return LaunchOutcome(
-        launcher="torchrun",
-        launch_id=launch_id,
-        nodes=tuple(a.node.name for a in agents),
-        result=result,
-        result_path=result_path,
-        out_dir=out_dir,
-        seconds=round(time.monotonic() - began, 3),
-        start_s=start_s,
-        rendezvous=rendezvous.endpoint if rendezvous is not None else None,
-        logs={f"{a.log_stem}.{s}": out_dir / f"{a.log_stem}.{s}.log" for a in agents for s in ("stdout", "stderr")},
-    )
-
-
-async def _connect(job: TorchrunJob, options: RemoteOptions) -> list[_Agent]:
-    """A session per node (opened together); if one cannot be reached, the others are closed and it is named."""
-
-    async def one(node: LaunchNode) -> Session:
-        if node.target is None:
-            return LocalSession()
-        settings = connect_settings(options.known_hosts or node.target.known_hosts, options.accept_new_host_key)
-        try:
-            session = await open_session(node.target.ssh, settings)
-        except RemoteError as exc:
-            raise LaunchError(f"node {node.name!r}: cannot connect: {exc}", node=node.name) from None
-        session.label = node.name
-        return session
-
-    tasks = [asyncio.ensure_future(one(node)) for node in job.nodes]
-    try:
-        await asyncio.wait(tasks)
-    finally:  # a failed or cancelled start closes what did open
-        failures = [t.exception() if not t.cancelled() else asyncio.CancelledError() for t in tasks if t.done()]
-        failures = [f for f in failures if f is not None]
-        if failures or not all(t.done() for t in tasks):
-            for task in tasks:
-                task.cancel()
-            await run_to_completion(_close_opened(tasks))
-    if failures:
-        raise failures[0]
-    return [_Agent(node, index, task.result()) for index, (node, task) in enumerate(zip(job.nodes, tasks, strict=True))]
+    launcher = TorchrunLauncher(options)
+    return await launcher.launch(job, out_dir, launch_id=launch_id, progress=progress, on_line=on_line)
 
 
 async def _close_opened(tasks: Sequence[asyncio.Future[Session]]) -> None:
@@ -219,19 +255,19 @@ async def _prepare(agents: Sequence[_Agent], job: TorchrunJob, launch_id: str, s
 
 async def _check_shared_files(agents: Sequence[_Agent], files: Mapping[str, int]) -> list[LaunchError]:
     """Every node sees `files` at the same paths with the same sizes as this machine (one round trip each)."""
-    script = bash_command(shared_files_script(files))
-    got = await asyncio.gather(*(a.session.capture(script) for a in agents), return_exceptions=True)
+    got = await asyncio.gather(
+        *(shared_files_seen(a.session, files, a.node.name, a.report.hostname if a.report else None) for a in agents),
+        return_exceptions=True,
+    )
     problems: list[LaunchError] = []
-    for agent, captured in zip(agents, got, strict=True):
+    for agent, seen in zip(agents, got, strict=True):
         name = agent.node.name
-        if isinstance(captured, BaseException):
-            if not isinstance(captured, Exception):
-                raise captured
-            problems.append(LaunchError(f"node {name!r}: cannot check the snapshot there: {captured}", node=name))
-            continue
-        found = shared_files_problems(captured.stdout, files)
-        if found:
-            problems.append(shared_files_error(name, agent.report.hostname if agent.report else None, found))
+        if isinstance(seen, BaseException) and not isinstance(seen, Exception):
+            raise seen
+        if isinstance(seen, Exception):
+            problems.append(LaunchError(f"node {name!r}: cannot check the snapshot there: {seen}", node=name))
+        elif seen is not None:
+            problems.append(seen)
     return problems
 
 
@@ -302,7 +338,7 @@ async def _run_agent(
     """Put the request on the node, then run its agent to the end (killed as a group when cancelled)."""
     assert agent.temp_dir is not None
     local_request = out_dir / f"{agent.log_stem}.{REQUEST_FILE}"
-    atomic_write_json(local_request, request_document(launch_id, f"{agent.temp_dir}/{RESULT_FILE}", job.payload))
+    write_request(local_request, launch_id, f"{agent.temp_dir}/{RESULT_FILE}", job.payload)
     await agent.session.put(local_request, request_path)
 
     def line(stream: str, text: str) -> None:
