@@ -74,8 +74,8 @@ def run_demo(
     `progress` receives a line as each step starts and the replays' own progress lines as they run; the capture's
     rank processes then stream theirs to stderr."""
     from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
-    from axrl_spike_replay.capture.presets import get_preset
-    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+    from axrl_spike_replay.capture.reference.presets import get_preset
+    from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
     from axrl_spike_replay.diagnosis.causes import LIKELY
     from axrl_spike_replay.diagnosis.log_scan import scan_logs
     from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
@@ -86,7 +86,7 @@ def run_demo(
     from axrl_spike_replay.snapshot.discovery import resolve_job
     from axrl_spike_replay.snapshot.inspect import inspect_snapshot
     from axrl_spike_replay.snapshot.listing import list_snapshots
-    from axrl_spike_replay.snapshot.preserve import preserve
+    from axrl_spike_replay.snapshot.preservation.preserve import preserve
     from axrl_spike_replay.workspace.report import task_diagnosis, write_report
     from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
     from axrl_spike_replay.workspace.task_state import note, set_command, show_task

@@ -55,7 +55,7 @@ PRELOAD = (
     "axrl_spike_replay.replay.worker",
     "axrl_spike_replay.replay.job_runner",
     "axrl_spike_replay.replay.warm_pool",
-    "axrl_spike_replay.capture.reference_trainer",
+    "axrl_spike_replay.capture.reference.reference_trainer",
 )
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _SERVER_ENV = {"OMP_NUM_THREADS": "1"}  # the server's own: importing torch starts no OpenMP thread there

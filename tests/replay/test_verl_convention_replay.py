@@ -28,7 +28,7 @@ VERL_LOSS = {
 # Its own capture, not the session's negative_advantage_dominance run: trained under verl's loss convention.
 @pytest.fixture(scope="module")
 def verl_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+    from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 
     logging.getLogger("axrl_spike_replay.guard").setLevel(logging.ERROR)
     out = tmp_path_factory.mktemp("verl-capture")

@@ -58,7 +58,7 @@ def read_attribution(value: Attribution | dict[str, Any] | str | Path) -> Attrib
 def model_bytes(snapshot: str | Path) -> int | None:
     """The checkpoint's tensor bytes, None when unreadable."""
     from axrl_spike_replay.errors import SnapshotError
-    from axrl_spike_replay.snapshot.checkpoint import summarize_checkpoint
+    from axrl_spike_replay.snapshot.dcp.checkpoint import summarize_checkpoint
 
     try:
         return summarize_checkpoint(Path(snapshot)).bytes

@@ -14,9 +14,9 @@ Two readers, one rule:
   load) reads the entry's pickle without running it: every global it names must be one of the few a tensor or an
   OrderedDict pickles as (`ALLOWED_GLOBALS`); a name it cannot read statically (a STACK_GLOBAL not fed by literal
   strings, an extension code) is refused too. About 20x cheaper than unpickling, and nothing is built;
-- `bytes_entry_value` (what route 2's load reads instead of DCP's `torch.load`, `snapshot.megatron_load`) loads it
-  with `weights_only=True` (`safe_load.load_pt_bytes`: tensors within the entry's bytes) and walks the value against
-  the allow-list, iteratively, nested at most MAX_PT_NESTING deep.
+- `bytes_entry_value` (what route 2's load reads instead of DCP's `torch.load`,
+  `snapshot.trainer_formats.megatron_load`) loads it with `weights_only=True` (`safe_load.load_pt_bytes`: tensors within
+  the entry's bytes) and walks the value against the allow-list, iteratively, nested at most MAX_PT_NESTING deep.
 Entries with the same bytes (a model's `[None]`s are identical) are judged once.
 """
 
@@ -33,7 +33,7 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError, UnsafeFileError
-from axrl_spike_replay.snapshot.checkpoint_entries import archive_records
+from axrl_spike_replay.snapshot.dcp.checkpoint_entries import archive_records
 from axrl_spike_replay.snapshot.safe_load import MAX_PT_NESTING, human_bytes, load_pt_bytes, records_problem
 
 MAX_BYTES_ENTRY = 64 * 1024 * 1024  # an extra state is bytes to kilobytes; an FP8 recipe's history a few MB at most

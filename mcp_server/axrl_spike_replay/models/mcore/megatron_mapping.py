@@ -23,7 +23,7 @@ Layouts (megatron-core 0.16.1):
   (megatron's `apply_rotary_pos_emb(multi_latent_attention=True)`, transformers' `rope_interleave`). A dense MLP's
   and the shared experts' `linear_fc1` [2F, H] are gate rows then up rows (`gate_proj`, `up_proj`). The router's
   `expert_bias` is transformers' `e_score_correction_bias`. The names are mbridge 0.15.1's (`DeepseekV3Bridge`,
-  Transformer Engine's spec), which megatron-core's local spec is saved under (`models.megatron_deepseek`).
+  Transformer Engine's spec), which megatron-core's local spec is saved under (`models.mcore.megatron_deepseek`).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def rules_for(architecture: str, config: dict[str, Any] | None = None) -> tuple[
     """The architecture's table (for DeepSeek-V3 without a query LoRA, its full query projection); ConfigError for
     one we do not map."""
     if architecture not in MAPPINGS:
-        from axrl_spike_replay.models.megatron_config import _unmapped
+        from axrl_spike_replay.models.mcore.megatron_config import _unmapped
 
         raise ConfigError(_unmapped(architecture))
     if architecture == "deepseek_v3" and config is not None and config.get("q_lora_rank") is None:

@@ -47,13 +47,13 @@ from axrl_spike_replay.snapshot.layout import (
     parse_snapshot_name,
 )
 from axrl_spike_replay.snapshot.listing import SkippedEntry, scan_iteration_dirs
-from axrl_spike_replay.snapshot.preserve_target import (
+from axrl_spike_replay.snapshot.preservation.preserve_target import (
     PreserveTarget,
     check_space,
     preserve_target,
     same_filesystem,
 )
-from axrl_spike_replay.snapshot.preserved_marker import MADE_BY, preserved_copy_problem, read_marker
+from axrl_spike_replay.snapshot.preservation.preserved_marker import MADE_BY, preserved_copy_problem, read_marker
 
 _LOCK_NAME = ".axrl_preserve.lock"
 # errnos where a hardlink is impossible but a copy works: other filesystem, links not supported/allowed

@@ -18,9 +18,9 @@ import math
 
 import torch
 
-from axrl_spike_replay.capture.run_config import RunSpec
+from axrl_spike_replay.capture.reference.run_config import RunSpec
+from axrl_spike_replay.capture.reference.trainer_step import RankTrainer, StepBatch, StepGrads, _all_reduce_sum
 from axrl_spike_replay.capture.snapshot_writer import RankPayload
-from axrl_spike_replay.capture.trainer_step import RankTrainer, StepBatch, StepGrads, _all_reduce_sum
 from axrl_spike_replay.models.policy import build_policy
 from axrl_spike_replay.training.rank_step import rank_forward_backward
 from axrl_spike_replay.training.routing_replay import routing_control

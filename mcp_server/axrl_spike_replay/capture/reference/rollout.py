@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from axrl_spike_replay.capture.presets import EngineFaults
+from axrl_spike_replay.capture.reference.presets import EngineFaults
 from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy, token_logprobs
 
 

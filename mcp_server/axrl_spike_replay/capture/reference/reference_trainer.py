@@ -24,12 +24,12 @@ import torch
 
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.capture.detectors import make_detector
-from axrl_spike_replay.capture.faults import Fault
-from axrl_spike_replay.capture.fsdp_trainer import make_rank_trainer
-from axrl_spike_replay.capture.run_config import build_run_config, parse_run_config
+from axrl_spike_replay.capture.fault_injection.faults import Fault
+from axrl_spike_replay.capture.reference.fsdp_trainer import make_rank_trainer
+from axrl_spike_replay.capture.reference.run_config import build_run_config, parse_run_config
+from axrl_spike_replay.capture.reference.strategies import PARALLEL_STRATEGIES, parallel_strategy
+from axrl_spike_replay.capture.reference.trainer_ranks import launch
 from axrl_spike_replay.capture.spike_guard import GuardDecision, SpikeGuard
-from axrl_spike_replay.capture.strategies import PARALLEL_STRATEGIES, parallel_strategy
-from axrl_spike_replay.capture.trainer_ranks import launch
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.rank_processes import refuse_in_spawned_import
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
@@ -102,9 +102,9 @@ def capture_reference_run(
     as `parallel.strategy` in the run config when it is not the default. `model` is `tiny_moe` or one of the
     transformers architectures of `model_choice.HF_CAPTURE_MODELS` at a tiny size (`model: {kind: hf, ...}`).
     `progress` streams a line to stderr as the rank processes start and every few iterations (rank 0, flushed).
-    `faults` are trainer bugs of your own (`capture.faults.Fault`: picklable, called at their stage of every step,
-    after the preset's); `hide_fault` keeps the preset's name and fault out of what the snapshots and the log say
-    (`train.preset: hidden`, no `train.fault`), so a diagnosis judged on them cannot read the answer there.
+    `faults` are trainer bugs of your own (`capture.fault_injection.faults.Fault`: picklable, called at their stage of
+    every step, after the preset's); `hide_fault` keeps the preset's name and fault out of what the snapshots and the
+    log say (`train.preset: hidden`, no `train.fault`), so a diagnosis judged on them cannot read the answer there.
     """
     refuse_in_spawned_import("the capture")  # before anything is written: a script without a main guard
     run = run or f"ref-s{seed}"
@@ -192,7 +192,7 @@ class RankPlan:
     final_state_path: str | None = None
     legacy_layout: bool = False
     progress: bool = False  # rank 0 streams progress lines to stderr
-    faults: tuple[Fault, ...] = ()  # the caller's own trainer bugs (capture.faults), after the preset's
+    faults: tuple[Fault, ...] = ()  # the caller's own trainer bugs (capture.fault_injection.faults), after the preset's
     hide_fault: bool = False  # snapshots and log do not name the preset or its fault
 
     def recorded_config(self) -> dict[str, Any]:

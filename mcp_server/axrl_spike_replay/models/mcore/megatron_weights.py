@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.hf_config import expected_hf_shapes, hf_config_object
-from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-from axrl_spike_replay.models.megatron_mapping import Heads, Rule, hf_names, rules_for, split_value
-from axrl_spike_replay.snapshot.megatron_checkpoint import (
+from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.mcore.megatron_mapping import Heads, Rule, hf_names, rules_for, split_value
+from axrl_spike_replay.snapshot.trainer_formats.megatron_checkpoint import (
     COMMAND_BACKEND_HINT,
     check_megatron_storage,
     layout_problems,
@@ -158,8 +158,8 @@ def megatron_semantics(policy: nn.Module) -> nn.Module:
     visible only where a loss reaches pad positions (the router z-loss counts every token). Transformers'
     embedding keeps the pad token's row out of every gradient (`padding_idx`), Megatron's
     `VocabParallelEmbedding` has no such row; transformers' eager attention adds its mask to the scores, Megatron
-    fills them (`models.megatron_attention`). Route 1 follows Megatron."""
-    from axrl_spike_replay.models.megatron_attention import use_megatron_attention
+    fills them (`models.mcore.megatron_attention`). Route 1 follows Megatron."""
+    from axrl_spike_replay.models.mcore.megatron_attention import use_megatron_attention
 
     embedding = getattr(getattr(policy, "model", None), "embed_tokens", None)
     if embedding is not None and getattr(embedding, "padding_idx", None) is not None:

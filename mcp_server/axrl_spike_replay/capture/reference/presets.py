@@ -26,8 +26,8 @@ class EngineFaults:
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """A built-in fault of `capture.faults` (torch-free, so the presets list without loading torch): its `kind`
-    (a key of `faults.FAULT_KINDS`), the data-parallel ranks it hits (None: every rank; negative: from the last),
+    """A built-in fault of `capture.fault_injection.faults` (torch-free, so the presets list without loading torch): its
+    `kind` (a key of `faults.FAULT_KINDS`), the data-parallel ranks it hits (None: every rank; negative: from the last),
     the samples of those ranks' batches (None: all) and its parameters."""
 
     kind: str
@@ -102,7 +102,7 @@ class Preset:
     faults: EngineFaults | None = None  # rollout engine bugs during the burst
     reward_penalty: float | None = None  # broken reward function during the burst: -penalty for every sample
     specialise: Specialisation | None = None  # policy made expert-sensitive at init, so a wrong expert matters
-    injected: FaultSpec | None = None  # a built-in fault of `capture.faults`, called at its stage of every step
+    injected: FaultSpec | None = None  # a built-in fault of `fault_injection.faults`, called at its stage of every step
     family: str | None = None  # the cause family the fault plants (the diagnosis families; see FAULT_FAMILIES)
 
     def fault_summary(self) -> dict[str, Any]:
@@ -173,7 +173,7 @@ _LEGACY = (
     ),
 )
 
-# One preset per cause family, each a trainer bug injected through `capture.faults` during the burst.
+# One preset per cause family, each a trainer bug injected through `capture.fault_injection.faults` during the burst.
 _FAMILY_PRESETS = (
     Preset(
         name="engine_logprob_offset",
@@ -298,7 +298,7 @@ _BASES = (
         name="peaked",
         description=(
             "no injected fault, on a policy as peaked as a trained LLM's: the base for a fault of your own "
-            "(`capture.faults`) that corrupts a log-prob, a mask or the data"
+            "(`capture.fault_injection.faults`) that corrupts a log-prob, a mask or the data"
         ),
         specialise=PEAKED,
     ),

@@ -1,5 +1,6 @@
-"""The parameters each built-in fault of `capture.faults` takes, and the rule each value must meet: checked when a
-spec is parsed (`faults.make_fault`), so a bad one is refused before any training step, never at the burst."""
+"""The parameters each built-in fault of `capture.fault_injection.faults` takes, and the rule each value must meet:
+checked when a spec is parsed (`faults.make_fault`), so a bad one is refused before any training step, never at the
+burst."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Megatron-core's DeepSeek-V3: the TransformerConfig a transformers DeepSeek-V3 config gives, and its layer specs on
-the local (no Transformer Engine) backend (needs megatron-core; the CPU patches are `models.megatron_cpu`'s).
+the local (no Transformer Engine) backend (needs megatron-core; the CPU patches are `models.mcore.megatron_cpu`'s).
 
 The config follows mbridge 0.15.1 (`DeepseekV3Bridge._build_config`): Multi-Latent Attention with q/kv LoRA ranks
 and a RoPE head part, the first `first_k_dense_replace` layers dense (`moe_layer_freq`), shared experts as one
@@ -86,7 +86,7 @@ def deepseek_block_spec(config: Any) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    from axrl_spike_replay.models.megatron_cpu import mla_core_attention
+    from axrl_spike_replay.models.mcore.megatron_cpu import mla_core_attention
 
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     specs = []

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.hf_policy import response_start
 from axrl_spike_replay.models.hf_routing import load_balancing_loss, router_z_loss
-from axrl_spike_replay.models.megatron_gpt import causal_padding_mask, position_ids
+from axrl_spike_replay.models.mcore.megatron_gpt import causal_padding_mask, position_ids
 
 
 def routers(model: Any) -> dict[int, Any]:

@@ -10,8 +10,8 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from axrl_spike_replay.capture.fault_params import ParamRule, check_params
-from axrl_spike_replay.capture.presets import FaultSpec
+from axrl_spike_replay.capture.fault_injection.fault_params import ParamRule, check_params
+from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.training.loss_config import LossConfig
 
 STAGES = (

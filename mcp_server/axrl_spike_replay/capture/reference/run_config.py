@@ -14,14 +14,14 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from axrl_spike_replay.capture.detectors import DEFAULT_WARMUP_RATIO
-from axrl_spike_replay.capture.model_choice import (
+from axrl_spike_replay.capture.reference.model_choice import (
     DEFAULT_CAPTURE_MODEL,
     HF_RESPONSE_LEN,
     check_capture_model,
     hf_model_section,
 )
-from axrl_spike_replay.capture.presets import get_preset
-from axrl_spike_replay.capture.toy_task import ADVANTAGE_ESTIMATORS
+from axrl_spike_replay.capture.reference.presets import get_preset
+from axrl_spike_replay.capture.reference.toy_task import ADVANTAGE_ESTIMATORS
 from axrl_spike_replay.display import shown, shown_names
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.hf_config import HFModelConfig

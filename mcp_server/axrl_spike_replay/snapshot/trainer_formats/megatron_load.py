@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, SnapshotError
-from axrl_spike_replay.snapshot.checkpoint import safe_reader
-from axrl_spike_replay.snapshot.checkpoint_bytes import bytes_entry_value, entry_label
-from axrl_spike_replay.snapshot.megatron_checkpoint import read_common_state
+from axrl_spike_replay.snapshot.dcp.checkpoint import safe_reader
+from axrl_spike_replay.snapshot.dcp.checkpoint_bytes import bytes_entry_value, entry_label
+from axrl_spike_replay.snapshot.trainer_formats.megatron_checkpoint import read_common_state
 
 EXTRA_STATE = "_extra_state"
 

@@ -4,7 +4,7 @@ stores another batch than the one it trained on. A replay of such a snapshot doe
 what the replay's per-rank comparison shows (which ranks, one factor or a pattern by layer or parameter family) is
 the evidence.
 
-Two stages beyond the five of `capture.faults` serve them:
+Two stages beyond the five of `capture.fault_injection.faults` serve them:
 
 - `gradients`: after the rank's backward, before its local norms are measured and the gradients reduced:
   `parts.trainer.model`'s `.grad` are the rank's own gradients (a fault scales them in place);
@@ -26,8 +26,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from axrl_spike_replay.capture.fault_base import BuiltinFault, StepParts
-from axrl_spike_replay.capture.fault_params import MAX_SCALE, ParamRule, layer_list, number, one_of
+from axrl_spike_replay.capture.fault_injection.fault_base import BuiltinFault, StepParts
+from axrl_spike_replay.capture.fault_injection.fault_params import MAX_SCALE, ParamRule, layer_list, number, one_of
 from axrl_spike_replay.models.param_groups import family_of, layer_of
 
 FACTOR = {"factor": number(1e-6, MAX_SCALE)}

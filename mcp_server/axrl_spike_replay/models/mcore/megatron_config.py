@@ -14,8 +14,8 @@ snapshot's Megatron `torch_dist` checkpoint, read in any saved TP/PP/EP layout.
       checkpoint_format: torch_dist
 
 Replay route 1 (built in) rebuilds the transformers model and maps the checkpoint onto it
-(`models.megatron_weights`); route 2 (the `megatron` extra) rebuilds Megatron-core's own `GPTModel`
-(`models.megatron_policy`). Architectures Megatron builds but we do not map are refused here, naming
+(`models.mcore.megatron_weights`); route 2 (the `megatron` extra) rebuilds Megatron-core's own `GPTModel`
+(`models.mcore.megatron_policy`). Architectures Megatron builds but we do not map are refused here, naming
 the command backend.
 """
 
@@ -32,10 +32,10 @@ from axrl_spike_replay.models.hf_config import BACKEND_HINT, HFModelConfig
 if TYPE_CHECKING:
     import torch
 
-# transformers architectures whose Megatron-core checkpoint we map (models.megatron_mapping declares each).
+# transformers architectures whose Megatron-core checkpoint we map (models.mcore.megatron_mapping declares each).
 MAPPED_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 CHECKPOINT_FORMATS = ("torch_dist",)
-# megatron-core release series whose checkpoints and modules were checked (see models/megatron_cpu.py).
+# megatron-core release series whose checkpoints and modules were checked (see models/mcore/megatron_cpu.py).
 SUPPORTED_MEGATRON_SERIES = ("0.16",)
 MEGATRON_KEYS = ("megatron_version", "checkpoint_format")
 # Why an architecture Megatron-core builds is not mapped, where the reason is known (checked on megatron-core 0.16.1).

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.models.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def transformer_config_kwargs(spec: MegatronModelConfig, parallel: MegatronParal
             moe_shared_expert_gate=True,
         )
     if spec.architecture == "deepseek_v3":
-        from axrl_spike_replay.models.megatron_deepseek import deepseek_config_kwargs
+        from axrl_spike_replay.models.mcore.megatron_deepseek import deepseek_config_kwargs
 
         kwargs.update(deepseek_config_kwargs(c), rotary_base=_rope_theta(c))
     return kwargs
@@ -133,8 +133,8 @@ def build_gpt_model(spec: MegatronModelConfig, parallel: MegatronParallel | None
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    from axrl_spike_replay.models.megatron_cpu import initialize_cpu_rng
-    from axrl_spike_replay.models.megatron_deepseek import deepseek_block_spec
+    from axrl_spike_replay.models.mcore.megatron_cpu import initialize_cpu_rng
+    from axrl_spike_replay.models.mcore.megatron_deepseek import deepseek_block_spec
 
     parallel = parallel or MegatronParallel()
     kwargs = transformer_config_kwargs(spec, parallel)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
-from axrl_spike_replay.snapshot.verl_shards import _load_rank, _placement, read_fsdp_config
+from axrl_spike_replay.snapshot.trainer_formats.verl_shards import _load_rank, _placement, read_fsdp_config
 
 if TYPE_CHECKING:
     import torch

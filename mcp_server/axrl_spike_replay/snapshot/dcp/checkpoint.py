@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError, UnsafeFileError
-from axrl_spike_replay.snapshot.checkpoint_bytes import bytes_entry_problems
-from axrl_spike_replay.snapshot.checkpoint_entries import entry_problems, torch_reason, unreadable_entry
-from axrl_spike_replay.snapshot.checkpoint_tiling import tiling_problem
+from axrl_spike_replay.snapshot.dcp.checkpoint_bytes import bytes_entry_problems
+from axrl_spike_replay.snapshot.dcp.checkpoint_entries import entry_problems, torch_reason, unreadable_entry
+from axrl_spike_replay.snapshot.dcp.checkpoint_tiling import tiling_problem
 from axrl_spike_replay.snapshot.layout import DCP_METADATA
 from axrl_spike_replay.snapshot.safe_load import human_bytes, inside_its_tree
 

@@ -14,18 +14,18 @@ from dataclasses import dataclass
 
 import torch
 
-from axrl_spike_replay.capture.faults import Fault, StepParts, apply_faults, make_fault
-from axrl_spike_replay.capture.presets import Specialisation, get_preset
-from axrl_spike_replay.capture.rollout import generate, rollout_engine
-from axrl_spike_replay.capture.run_config import RunSpec
-from axrl_spike_replay.capture.snapshot_writer import RankPayload
-from axrl_spike_replay.capture.toy_task import (
+from axrl_spike_replay.capture.fault_injection.faults import Fault, StepParts, apply_faults, make_fault
+from axrl_spike_replay.capture.reference.presets import Specialisation, get_preset
+from axrl_spike_replay.capture.reference.rollout import generate, rollout_engine
+from axrl_spike_replay.capture.reference.run_config import RunSpec
+from axrl_spike_replay.capture.reference.toy_task import (
     baseline_advantages,
     broken_reward,
     echo_reward,
     grpo_advantages,
     make_prompts,
 )
+from axrl_spike_replay.capture.snapshot_writer import RankPayload
 from axrl_spike_replay.models.policy import ModelSpec, build_policy, policy_forward
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, TinyMoEPolicy
 from axrl_spike_replay.training.loss_config import LossConfig
@@ -102,7 +102,8 @@ class RankTrainer:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=spec.train.lr)
         self.param_numel = {name: p.numel() for name, p in self.model.named_parameters()}
         self.baseline: float | None = None
-        # trainer bugs called at each stage of a step (`capture.faults`): the preset's, then any the caller adds
+        # trainer bugs called at each stage of a step (`capture.fault_injection.faults`): the preset's, then any the
+        # caller adds
         self.faults: list[Fault] = [make_fault(self.preset.injected)] if self.preset.injected else []
         self.previous: dict[str, torch.Tensor] | None = None  # the last step's batch (a stale-buffer fault reads it)
         self.previous_routes: torch.Tensor | None = None  # ... and its recorded routes

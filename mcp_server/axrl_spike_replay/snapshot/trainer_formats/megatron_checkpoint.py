@@ -12,7 +12,7 @@ metadata and run config. Where layers differ (DeepSeek-V3's dense first layers: 
 megatron-core saves each layer under its own key instead (`decoder.layers.<i>.…`, experts [E, ...]); those are
 read the same way, the layer index taken from the key.
 
-Everything is read as untrusted: `.metadata` through `snapshot.checkpoint`'s allowlisted unpickler (sizes bounded
+Everything is read as untrusted: `.metadata` through `snapshot.dcp.checkpoint`'s allowlisted unpickler (sizes bounded
 by the data files), `metadata.json` bounded, `common.pt` with `weights_only=True`. `load_regions` reads any
 rectangular region of any tensor into a tensor the caller allocated (DCP reads just the chunks that overlap it).
 """
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
-from axrl_spike_replay.snapshot.checkpoint import (
+from axrl_spike_replay.snapshot.dcp.checkpoint import (
     check_checkpoint_storage,
     read_checkpoint_metadata,
     safe_reader,

@@ -18,7 +18,7 @@ The snapshot then holds the corrupted batch exactly as the loss consumed it, as 
 
 ```python
 from dataclasses import dataclass
-from axrl_spike_replay.capture.faults import StepParts
+from axrl_spike_replay.capture.fault_injection.faults import StepParts
 
 @dataclass(frozen=True)
 class HalfRewards:              # a verifier that halves every reward of rank 1 during the burst
@@ -47,8 +47,8 @@ from typing import ClassVar
 
 import torch
 
-from axrl_spike_replay.capture.fault_base import STAGES, BuiltinFault, Fault, StepParts, apply_faults
-from axrl_spike_replay.capture.fault_params import (
+from axrl_spike_replay.capture.fault_injection.fault_base import STAGES, BuiltinFault, Fault, StepParts, apply_faults
+from axrl_spike_replay.capture.fault_injection.fault_params import (
     BY,
     FRACTION,
     MAX_SCALE,
@@ -61,10 +61,10 @@ from axrl_spike_replay.capture.fault_params import (
     number,
     whole,
 )
-from axrl_spike_replay.capture.presets import FaultSpec
-from axrl_spike_replay.capture.rollout import shifted_routes
-from axrl_spike_replay.capture.toy_task import TASK_ALPHABET
-from axrl_spike_replay.capture.unrecorded_faults import UNRECORDED_KINDS
+from axrl_spike_replay.capture.fault_injection.unrecorded_faults import UNRECORDED_KINDS
+from axrl_spike_replay.capture.reference.presets import FaultSpec
+from axrl_spike_replay.capture.reference.rollout import shifted_routes
+from axrl_spike_replay.capture.reference.toy_task import TASK_ALPHABET
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.training.loss_config import LossConfig
@@ -114,7 +114,7 @@ class RolloutStaleEngine(BuiltinFault):
     part = "rollout_logprobs"
 
     def corrupt(self, parts: StepParts) -> None:
-        from axrl_spike_replay.capture.rollout import rollout_engine
+        from axrl_spike_replay.capture.reference.rollout import rollout_engine
         from axrl_spike_replay.models.tiny_moe import token_logprobs
 
         assert parts.trainer is not None
@@ -213,7 +213,7 @@ class OffPolicyResponses(BuiltinFault):
     PARAMS: ClassVar[dict[str, ParamRule]] = FRACTION
 
     def corrupt(self, parts: StepParts) -> None:
-        from axrl_spike_replay.capture.rollout import rollout_engine
+        from axrl_spike_replay.capture.reference.rollout import rollout_engine
         from axrl_spike_replay.models.tiny_moe import token_logprobs
 
         assert parts.trainer is not None
