@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.remote.launchers.launch_job import LaunchOutcome
@@ -19,7 +20,9 @@ from axrl_spike_replay.remote.launchers.launcher import DryRun, Launcher, Launch
 from axrl_spike_replay.remote.transport.cleanup import run_to_completion
 from axrl_spike_replay.remote.transport.job import LineCallback
 from axrl_spike_replay.replay.torchrun_worker import RESULT_KIND
-from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+
+if TYPE_CHECKING:  # the engine's types; this module stays light for `plan` and `--dry-run`
+    from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 
 LOG_FILE = "spawn.log"
 SPAWN_RESULT_FILE = "result.json"
@@ -42,7 +45,7 @@ def _device(device: str, process: int) -> str:
     return f"cuda:{process} (modulo the visible GPUs)" if device == "cuda" else device
 
 
-class SpawnLauncher(Launcher[WorkerJob]):
+class SpawnLauncher(Launcher["WorkerJob"]):
     """Rank processes on this machine, meeting over a FileStore in a private temp dir."""
 
     name = "spawn"
