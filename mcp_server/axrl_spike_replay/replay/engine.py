@@ -26,6 +26,7 @@ from axrl_spike_replay.experiment.rank_scope import finding
 from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line, now_iso
 from axrl_spike_replay.experiment.verdict import (
+    BaselineBasis,
     baseline_verdict,
     hypothesis_verdict,
     is_spike,
@@ -46,6 +47,7 @@ from axrl_spike_replay.replay.outcome_figures import DEFINITION
 from axrl_spike_replay.replay.replay_plan import HERE, Capacity
 from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard, planned_shard
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 from axrl_spike_replay.training.sample_masks import check_ranks
 from axrl_spike_replay.vocabulary import Backend, Device, Shard, Verdict
@@ -242,7 +244,7 @@ class ReplaySession:
             "legacy_layout": self.inputs.legacy,
             "sharded": self.shard.shard,
             "shard_reason": self.shard.reason,
-            "precision": self.inputs.effective_precision.describe(),
+            "precision": self.inputs.effective_precision,
             "trainer_version_note": cfg.loss.trl.version_note() if cfg.loss.trl is not None else None,
             "input_findings": [f.message for f in self.inputs.findings],
         }
@@ -264,14 +266,14 @@ class ReplaySession:
                 self.plan.fidelity, self.options.device, self.inputs.effective_precision.param_dtype, outcome.grad_norms
             )
             verdict, change = baseline_verdict(norm, meta.grad_norm, judged), None
-            basis = {
-                "rel_diff": rel_diff(norm, meta.grad_norm),
-                "tolerance": judged,
-                "tolerance_rule": judged_by,
-                "rule": "reproduced when |grad_norm - recorded| / recorded <= tolerance",
-                "threshold": self.threshold,
-                "threshold_source": self.threshold_source,
-            }
+            basis = BaselineBasis(
+                rel_diff=rel_diff(norm, meta.grad_norm),
+                tolerance=judged,
+                tolerance_rule=judged_by,
+                rule="reproduced when |grad_norm - recorded| / recorded <= tolerance",
+                threshold=self.threshold,
+                threshold_source=self.threshold_source,
+            )
         clean = {**outcome.clean_gradient, "definition": DEFINITION} if outcome.clean_gradient else None
         spread = max(outcome.grad_norms) - min(outcome.grad_norms) if len(outcome.grad_norms) > 1 else None
         return ReplayResult(
@@ -304,7 +306,7 @@ class ReplaySession:
             for rank in range(self.inputs.world_size)
         }
         verdict, basis = hypothesis_verdict(norm, meta.grad_norm, self.tolerance, losses)
-        basis |= {"threshold": self.threshold, "threshold_source": self.threshold_source}
+        basis.threshold, basis.threshold_source = self.threshold, self.threshold_source
         spread = max(outcome.grad_norms) - min(outcome.grad_norms) if len(outcome.grad_norms) > 1 else None
         return ReplayResult(
             **self._fields(cfg, cfg.config_id),
@@ -322,9 +324,8 @@ class ReplaySession:
             finding=finding(verdict, cfg.mitigations),
         )
 
-    def _consistency(self, outcome: ConfigOutcome) -> dict[str, Any]:
+    def _consistency(self, outcome: ConfigOutcome) -> Consistency:
         """The snapshot's consistency checks, with the replayed per-rank losses and the job's log."""
-        from axrl_spike_replay.jsonable import to_jsonable
         from axrl_spike_replay.snapshot.consistency import check_replayed_losses, check_snapshot
         from axrl_spike_replay.snapshot.log_point import job_logs, log_point
         from axrl_spike_replay.snapshot.replayed_param_norms import check_replayed_param_norms
@@ -343,7 +344,7 @@ class ReplaySession:
             self.tolerance,
             f"the replay ({self.plan.fidelity} fidelity, {self.options.device})",
         )
-        return to_jsonable(found)
+        return found
 
     def failed(self, error: str, verb: str = "replay", cfg: AppliedConfig | None = None) -> ReplayResult:
         """The result recorded for a run that failed after its output dir was made (a sweep: one for all), or

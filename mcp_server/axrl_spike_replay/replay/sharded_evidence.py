@@ -53,7 +53,7 @@ from axrl_spike_replay.replay.step_evidence_forward import (
     top_samples,
     top_tokens,
 )
-from axrl_spike_replay.replay.worker import RankInputs, _gather, step_counts
+from axrl_spike_replay.replay.worker import RankInputs, gather_objects, step_counts
 from axrl_spike_replay.snapshot.rank_data import load_rank_routes
 
 
@@ -101,7 +101,7 @@ def sharded_signals(
     with torch.no_grad():
         for _ in range(most - planned):
             policy_forward(model, filler, RoutingControl(), need_entropy=False)
-    rows = sorted((r for part in _gather(own.ranks) for r in part), key=lambda r: r.rank)
+    rows = sorted((r for part in gather_objects(own.ranks) for r in part), key=lambda r: r.rank)
     return replace(own, ranks=rows)
 
 
@@ -197,7 +197,7 @@ def sharded_channel(
     all_pulls: dict[str, dict[int, torch.Tensor]] = {}
     all_masks: dict[int, torch.Tensor] = {}
     all_values: dict[tuple[str, int], float] = {}
-    for part_pulls, part_masks, part_values in _gather((pulls, masks, values)):
+    for part_pulls, part_masks, part_values in gather_objects((pulls, masks, values)):
         for name, by_rank in part_pulls.items():
             all_pulls.setdefault(name, {}).update(by_rank)
         all_masks.update(part_masks)
