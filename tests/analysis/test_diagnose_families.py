@@ -135,7 +135,7 @@ def test_the_engine_mismatch_spread_over_ranks_is_separated_from_stale_old_log_p
     measured = sum(p.outside * p.tokens for p in pairs) / sum(p.tokens for p in pairs)
     assert f"{100 * measured:.1f} % of loss tokens" in mask.why
     masked = run_replay(snapshot, ReplayOptions(nproc=1, mitigations={"ratio_outlier_mask": "token"})).footprint
-    assert masked is not None and masked["masked_token_fraction"] == pytest.approx(measured, abs=1e-9)
+    assert masked is not None and masked.masked_token_fraction == pytest.approx(measured, abs=1e-9)
 
 
 def test_a_clean_step_has_every_stored_signal_agreeing_and_is_a_natural_spike(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.replay.job_runner import JobRunner
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.policy_loss import LossConfig
+from axrl_spike_replay.training.precision import PrecisionPolicy
 from axrl_spike_replay.training.rank_step import rank_forward_backward
 from axrl_spike_replay.training.routing_replay import RoutingConfig, routing_control
 
@@ -95,12 +96,7 @@ def test_a_bf16_trainer_is_replayed_in_bf16_with_fp32_reduction(
 ) -> None:
     snapshot, fsdp2_norm, fp32_norm = bf16_snapshot
     result = run_replay(snapshot, ReplayOptions(nproc=nproc, shard=shard, runner=warm_runner))
-    assert result.precision == {
-        "param_dtype": "bfloat16",
-        "reduce_dtype": "float32",
-        "output_dtype": None,
-        "source": "run_config",
-    }
+    assert result.precision == PrecisionPolicy("bfloat16", "float32", None, "run_config")
     assert result.grad_norm is not None
     assert abs(result.grad_norm - fsdp2_norm) <= 1e-6 * fsdp2_norm  # FSDP2's own mixed precision, whole or sharded
     assert abs(result.grad_norm - fp32_norm) > 1e-6 * fp32_norm  # and not the float32 step: bf16 did run
@@ -108,12 +104,7 @@ def test_a_bf16_trainer_is_replayed_in_bf16_with_fp32_reduction(
 
 def test_a_snapshot_without_a_precision_section_replays_in_the_models_dtype(tiny_snapshot: Path) -> None:
     result = run_replay(tiny_snapshot, ReplayOptions(nproc=1))
-    assert result.precision == {
-        "param_dtype": "float32",
-        "reduce_dtype": "float32",
-        "output_dtype": None,
-        "source": "model_dtype",
-    }
+    assert result.precision == PrecisionPolicy("float32", "float32", None, "model_dtype")
 
 
 @pytest.mark.parametrize(
