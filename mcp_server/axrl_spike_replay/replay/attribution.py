@@ -33,10 +33,10 @@ from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.inputs import ReplayInputs, load_inputs, one_config
 from axrl_spike_replay.replay.layout_plan import plan_layout
-from axrl_spike_replay.replay.model_build import build_model
+from axrl_spike_replay.replay.model_build import Placement, build_model
 from axrl_spike_replay.replay.outcome_figures import jvp_policy
 from axrl_spike_replay.replay.sample_signals import RankGather, base_name, cut_rows, micro_steps
-from axrl_spike_replay.replay.shard_choice import check_whole_fits, whole_or_sharded
+from axrl_spike_replay.replay.shard_choice import check_whole_fits, whole_or_sharded_planned
 from axrl_spike_replay.replay.worker import RankInputs, step_counts
 from axrl_spike_replay.training.micro_batches import MicroBatch, stitch, take, take_routing
 from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
@@ -241,12 +241,15 @@ def attribute_spike(
     shard: str = "auto",
     nproc: int | None = None,
     timeout_s: float = 1800.0,
+    checkpoint: bool | None = None,
 ) -> Attribution:
     """Rank the samples of a snapshot's step by their contribution to the replayed global grad norm.
 
     `shard`: off, the whole model in this process (one forward-mode pass, or one backward per sample with `method`
     per_sample_backward); on, FSDP2 over `nproc` spawned processes (default: the saved world size), one backward per
     sample (`replay.sharded_attribution`); auto, sharded when the whole model does not fit one process here.
+    Each rank's step goes micro-batch by micro-batch as the trainer split it, the head in chunks, the decoder layers
+    checkpointed as `checkpoint` says (None: as the replay plan of the layout says).
     `recorder` opens the output dir (None: nothing written). Setting `cancel` stops the work between
     its stages (RunCancelled). `investigation.request` validates top and method for the faces."""
     if method not in Method.values():
@@ -260,7 +263,7 @@ def attribute_spike(
         cfg = one_config(inputs, mitigations)
         check_ranks(cfg.samples, inputs.world_size)
         layout = plan_layout(inputs.world_size, nproc)
-        sharded = whole_or_sharded(shard, inputs, device, layout.nproc)
+        sharded = whole_or_sharded_planned(shard, inputs, device, layout.nproc, checkpoint)
         if not sharded.shard:
             check_whole_fits(inputs.model, inputs.effective_precision, device, "attribution")
         job_name = job or inputs.job_name or "spike"
@@ -271,12 +274,14 @@ def attribute_spike(
         if sharded.shard:
             if method != Method.PER_SAMPLE_BACKWARD:
                 run.log("sharded: forward-mode JVPs do not run through FSDP2; one backward per sample instead")
-            attribution = _attribute_sharded(inputs, cfg, top, device, layout.assignment, start, timeout_s, cancel)
+            attribution = _attribute_sharded(
+                inputs, cfg, top, device, layout.assignment, start, timeout_s, cancel, sharded.checkpoint
+            )
         else:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                attribution = _attribute(inputs, cfg, top, device, method, start, cancel)
+                attribution = _attribute(inputs, cfg, top, device, method, start, cancel, sharded.checkpoint)
             finally:
                 torch.set_num_threads(threads)
     attribution.output_dir = str(run.path or "")
@@ -293,9 +298,11 @@ def _attribute(
     method: str,
     start: float,
     cancel: threading.Event | None = None,
+    checkpoint: bool = False,
 ) -> Attribution:
     world_size = inputs.world_size
-    model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device)
+    placement = Placement(checkpoint_layers=checkpoint)
+    model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device, placement)
     ranks = RankInputs(inputs.replay_dir, range(world_size), device, routing_shape(inputs.model))
     check_cancel(cancel, "attribution")
     t0 = time.perf_counter()
@@ -321,10 +328,11 @@ def _attribute_sharded(
     start: float,
     timeout_s: float,
     cancel: threading.Event | None,
+    checkpoint: bool = False,
 ) -> Attribution:
     from axrl_spike_replay.replay.sharded_attribution import AttributionJob, run_sharded_attribution
 
-    job = AttributionJob(inputs.replay_dir, inputs.model, cfg, inputs.world_size, assignment, device)
+    job = AttributionJob(inputs.replay_dir, inputs.model, cfg, inputs.world_size, assignment, device, checkpoint)
     figures = run_sharded_attribution(job, timeout_s, cancel)
     timings = {**figures.timings, "total": time.perf_counter() - start}
     attribution = _assembled(

@@ -44,7 +44,7 @@ from axrl_spike_replay.replay.launch import JobRunner, run_job
 from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.outcome_figures import DEFINITION
 from axrl_spike_replay.replay.replay_plan import HERE, Capacity
-from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard, planned_shard
+from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard, planned_shard, with_checkpoint
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 from axrl_spike_replay.training.sample_masks import check_ranks
@@ -79,6 +79,9 @@ class ReplayOptions:
     # so the whole model stays), over `nodes` nodes
     capacity: Capacity | str | None = HERE
     nodes: int = 1
+    # decoder layers checkpointed (`models.layer_checkpoint`): True / False as asked; None: as the replay plan's row
+    # for the layout says, under every `shard` (the plan checkpoints when the layout does not fit without it)
+    checkpoint: bool | None = None
 
 
 def check_device(device: str) -> str:
@@ -430,11 +433,19 @@ def replay_session(
             )
         plan = plan_layout(inputs.world_size, options.nproc)
         planned = None
-        if options.shard == Shard.AUTO:
+        if options.checkpoint is None or options.shard == Shard.AUTO:
             planned = planned_shard(
-                str(snapshot), plan.nproc, str(options.device), len(applied), options.capacity, options.nodes
+                str(snapshot),
+                plan.nproc,
+                str(options.device),
+                len(applied),
+                options.capacity,
+                options.nodes,
+                shard=str(options.shard),
             )
-        shard = choose_shard(options.shard, options.device, plan.nproc, planned)
+        shard = with_checkpoint(
+            choose_shard(options.shard, options.device, plan.nproc, planned), None, options.checkpoint
+        )
         session = ReplaySession(inputs, plan, applied, options, shard)
         session.baseline_refused = baseline_refused
         session.run = options.recorder.open_run(session.job) if options.recorder else RunDir(None)

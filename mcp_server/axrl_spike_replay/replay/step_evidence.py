@@ -37,6 +37,7 @@ from axrl_spike_replay.models.policy import policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.inputs import ReplayInputs
+from axrl_spike_replay.replay.model_build import Placement
 from axrl_spike_replay.replay.rank_micro_batches import micro_forwards, micro_loss, rank_forward
 from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
 from axrl_spike_replay.replay.worker import RankInputs, build_model, config_loss, step_counts
@@ -52,14 +53,20 @@ TOP_TOKENS = 5
 
 
 def whole_evidence(
-    inputs: ReplayInputs, cfg: AppliedConfig, device: str, channel: bool, cancel: threading.Event | None = None
+    inputs: ReplayInputs,
+    cfg: AppliedConfig,
+    device: str,
+    channel: bool,
+    cancel: threading.Event | None = None,
+    checkpoint: bool = False,
 ) -> tuple[SignalCheck, LossChannel | None]:
     """The signal check (and, with `channel`, the loss-term channel) with the whole model in this process
     (`replay.step_evidence_run.step_evidence` is the entry that decides whole or sharded)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device)
+        placement = Placement(checkpoint_layers=checkpoint)
+        model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device, placement)
         ranks = RankInputs(inputs.replay_dir, range(inputs.world_size), device, routing_shape(inputs.model))
         signals = signal_check(model, ranks, inputs, cfg, cancel)
         check_cancel(cancel, "diagnosis")
