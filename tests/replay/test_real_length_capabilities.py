@@ -70,7 +70,7 @@ def _whole_graph(snap: Path, checkpoint: bool) -> tuple[dict[int, torch.Tensor],
         for rank, saved in ranks.batches.items():
             out = rank_forward(model, ranks, cfg, rank, cfg.needs_entropy)
             out.logprobs.retain_grad()
-            result = rank_loss_of(out, saved, rank, cfg, lambda view, b: config_loss(view, b, cfg, rank, counts))
+            result = rank_loss_of(out, saved, rank, cfg, lambda view, b, r=rank: config_loss(view, b, cfg, r, counts))
             result.loss.backward()
             assert out.logprobs.grad is not None
             grad_logprobs[rank] = out.logprobs.grad.detach().clone()
