@@ -268,13 +268,17 @@ def _row(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], shar
 
 
 def _choose(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], shard: str, cap: Capacity | None,
-            device: str, configs: int, nodes: int, dtypes: StepDtypes) -> PlanRow:  # fmt: skip
+            device: str, configs: int, nodes: int, dtypes: StepDtypes,
+            checkpoint: bool | None = None) -> PlanRow:  # fmt: skip
     """The first layout that fits, in this order: the whole model, then with checkpointed layers, then sharded (when
     `shard` allows it and there is more than one process), then sharded and checkpointed; the last one tried when
-    none fits. Unknown capacity keeps the whole model, not checkpointed."""
+    none fits. Unknown capacity keeps the whole model, not checkpointed. `checkpoint` True / False: only the
+    layouts with (without) checkpointed layers."""
     ways = [] if shard == "on" else [(False, False), (False, True)]
     if shard == "on" or (shard == "auto" and nproc > 1):
         ways += [(True, False), (True, True)]
+    if checkpoint is not None:
+        ways = [(sh, ck) for sh, ck in ways if ck == checkpoint]
     rows = [_row(facts, nproc, world, shape, sh, cap, device, configs, nodes, dtypes, ck) for sh, ck in ways]
     return next((row for row in rows if row.fits is not False), rows[-1])
 
@@ -288,11 +292,13 @@ def plan_replay(
     shard: str = "auto",
     configs: int = 1,
     nodes: int = 1,
+    checkpoint: bool | None = None,
 ) -> ReplayPlan:
     """The plan of a replay of `snapshot` on `nproc` processes (default: the saved world size) over `nodes` nodes,
     against `capacity` (default: this machine's; None: unknown, nothing judged). `shard`: off (the whole model in
-    each process), on (FSDP2), or auto (whole when it fits). Reads metadata, the run config and batch shapes; never
-    a weight."""
+    each process), on (FSDP2), or auto (whole when it fits). `checkpoint`: decoder layers checkpointed (True), not
+    (False), or where the layout needs it (None). Reads metadata, the run config and batch shapes; never a
+    weight."""
     from axrl_spike_replay.models.policy import parse_model_config
     from axrl_spike_replay.replay.inputs import read_micro_batches, read_run_config
     from axrl_spike_replay.snapshot.metadata import read_metadata
@@ -316,7 +322,7 @@ def plan_replay(
     if not 1 <= wanted <= world:
         raise ConfigError(f"`nproc` {wanted}: give 1 to the saved world size {world}", "nproc")
     candidates = sorted({n for n in range(1, world + 1) if world % n == 0 and n % nodes == 0} | {wanted})
-    rows = [_choose(facts, n, world, shape, shard, cap, device, configs, nodes, dtypes) for n in candidates]
+    rows = [_choose(facts, n, world, shape, shard, cap, device, configs, nodes, dtypes, checkpoint) for n in candidates]
     chosen = next(r for r in rows if r.nproc == wanted)
     full = next((r for r in rows if r.nproc == world and r.fits is not False), None)
     plan = ReplayPlan(
@@ -338,7 +344,7 @@ def plan_replay(
         chosen=chosen,
         whole=chosen
         if not chosen.sharded
-        else _choose(facts, wanted, world, shape, "off", cap, device, configs, nodes, dtypes),
+        else _choose(facts, wanted, world, shape, "off", cap, device, configs, nodes, dtypes, checkpoint),
         smallest_full_fidelity=full,
     )
     plan.layout = _layout(plan, nodes)
