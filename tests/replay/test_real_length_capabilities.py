@@ -158,3 +158,20 @@ def test_checkpointing_runs_under_shard_off_where_the_plan_or_the_request_says(s
     assert base.grad_norm is not None
     for other in (planned, asked):
         assert _rel(other.grad_norm or 0.0, base.grad_norm) <= SAME
+
+
+def test_a_checkpointed_sweep_shares_its_forward_and_equals_the_plain_one(snapshot: Path) -> None:
+    """A sweep's loss-level configs share one forward per micro-batch; checkpointed, each config's backward
+    recomputes the layers (with the first forward's routes) and drops them again: every config's grad norm is the
+    plain sweep's, a routing config (its own forward) too."""
+    from axrl_spike_replay.replay.sweep import run_sweep
+
+    configs = [{"advantage_clip": 0.5}, {"entropy_coef": 0.0}, {"routing_replay": "off"}]
+    plain = run_sweep(snapshot, configs, ReplayOptions(nproc=1, shard="off", checkpoint=False))
+    ckpt = run_sweep(snapshot, configs, ReplayOptions(nproc=1, shard="off", checkpoint=True))
+    assert plain.baseline.grad_norm is not None and ckpt.baseline.grad_norm is not None
+    assert _rel(ckpt.baseline.grad_norm, plain.baseline.grad_norm) <= SAME
+    assert len(plain.results) == len(ckpt.results) == 3
+    for a, b in zip(plain.results, ckpt.results, strict=True):
+        assert a.grad_norm is not None and b.grad_norm is not None and a.config_id == b.config_id
+        assert _rel(b.grad_norm, a.grad_norm) <= SAME, a.config_id
