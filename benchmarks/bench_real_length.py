@@ -18,7 +18,7 @@ Then: whether eager attention with the whole model and no checkpointing (the eng
 `--tokens` (the plan against this machine's available memory; its refusal printed when it does not fit); at
 `--check-tokens` (1,024), where both fit, the new path's grad norm against eager's (<= 1e-5 relative); and memory
 against sequence length: one forward + backward's activation bytes (the resident high-water mark of that step above
-the resident size before it, less the gradient it makes) at `--check-tokens` and 4x that, for eager with the
+the resident size before it, the gradients allocated beforehand) at `--check-tokens` and 4x that, for eager with the
 full-vocabulary head and for sdpa + chunked head + checkpointed layers (linear: 4x the tokens, <= 4.5x the bytes).
 
 Usage: .venv/bin/python benchmarks/bench_real_length.py [--tokens 4096] [--check-tokens 1024] [--hidden 2048]
@@ -199,8 +199,9 @@ def _status(key: str) -> int:
 
 
 def side(config: dict[str, Any], name: str, n: int) -> dict[str, Any]:
-    """One forward + backward of one n-token sequence: the step's resident high-water mark above the resident size
-    before it, less the gradient it makes (what the activations took)."""
+    """One forward + backward of one n-token sequence into gradients that already exist: the step's resident
+    high-water mark above the resident size before it (the activations, and the backward's transient per-parameter
+    gradients before they are added in)."""
     import ctypes
     import gc
 
@@ -223,7 +224,8 @@ def side(config: dict[str, Any], name: str, n: int) -> dict[str, Any]:
     mask = torch.zeros(1, n)
     mask[:, n // 4 :] = 1.0
     batch = {"tokens": tokens, "loss_mask": mask, "attention_mask": torch.ones_like(tokens)}
-    grads = sum(p.numel() * 4 for p in model.parameters())
+    for p in model.parameters():  # the gradient exists before the step: what the step adds is its activations
+        p.grad = torch.zeros_like(p)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     before = _status("VmRSS:")
@@ -237,7 +239,7 @@ def side(config: dict[str, Any], name: str, n: int) -> dict[str, Any]:
         out = policy_forward(model, batch, RoutingControl(), need_entropy=False)
         loss = -(out.logprobs * mask).sum() / mask.sum() + 1e-3 * out.z_loss + 1e-2 * out.aux_loss
     loss.backward()
-    return {"activations": _status("VmHWM:") - before - grads}
+    return {"activations": _status("VmHWM:") - before}
 
 
 # ---- parent ----
@@ -280,6 +282,7 @@ def main() -> None:
     parser.add_argument("--expert-width", type=int, default=768)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--child", nargs="+", default=None)
+    parser.add_argument("--sections", default="rows,eager,check,sides", help="which parts to run (comma-separated)")
     args = parser.parse_args()
     config = hf_config(args)
     if args.child:
@@ -308,10 +311,11 @@ def main() -> None:
         f"{parameter_count(spec):,} parameters, float32; saved world size 2; CPU, 2 threads",
         flush=True,
     )
+    sections = set(args.sections.split(","))
     rows = {"one sequence": [n], "two uneven micro-batches": [n * 5 // 8, n - n * 5 // 8]}
     print(f"{'row':>26} {'tokens/rank':>11} {'peak RSS':>10} {'plan':>10} {'plan/meas':>9} {'wall':>8} {'rel_diff':>9}")
     first = ""
-    for label, parts in rows.items():
+    for label, parts in rows.items() if sections & {"rows", "eager"} else ():
         rec = _child("record", str(work / label.replace(" ", "-")), str(n), "sdpa", *map(str, parts), *geometry)
         first = first or rec["snapshot"]
         out = _child("replay", rec["snapshot"], "1", *geometry)
@@ -323,9 +327,11 @@ def main() -> None:
             f"{out['wall']:>7.1f}s {out['rel_diff']:>9.2e}   (recorded in {rec['wall']:.0f}s)",
             flush=True,
         )
-    eager = _with_attention(first, "eager", work)
-    plan = plan_replay(eager, nproc=1, device="cpu", shard="off", checkpoint=False)
+    eager = _with_attention(first, "eager", work) if "eager" in sections else ""
+    plan = plan_replay(eager, nproc=1, device="cpu", shard="off", checkpoint=False) if eager else None
     try:
+        if plan is None:
+            raise LookupError
         check_fits(plan)
         row = plan.chosen
         assert row is not None
@@ -334,6 +340,17 @@ def main() -> None:
         )
     except PlanRefused as refused:
         print(f"eager at {n} tokens, whole model, no checkpointing, refused by the plan:\n{refused}")
+    except LookupError:
+        pass
+    if "check" in sections:
+        _check(work, check, geometry)
+    if "sides" in sections:
+        _sides(check, geometry)
+    if args.workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _check(work: Path, check: int, geometry: list[str]) -> None:
     rec = _child("record", str(work / "check"), str(check), "sdpa", str(check), *geometry)
     new = _child("replay", rec["snapshot"], "1", *geometry)
     old = _child("replay", _with_attention(rec["snapshot"], "eager", work), "0", *geometry)
@@ -344,6 +361,9 @@ def main() -> None:
         f"peak {old['peak'] / MIB:.0f}M); new against eager {between:.2e} (bound 1e-5)",
         flush=True,
     )
+
+
+def _sides(check: int, geometry: list[str]) -> None:
     print(f"activations of one forward + backward, {check} and {4 * check} tokens:")
     for name in ("sdpa_chunked_ckpt", "eager_full_head"):
         low = _child("side", name, str(check), *geometry)["activations"]
@@ -351,8 +371,6 @@ def main() -> None:
         print(
             f"  {name:>18}: {low / MIB:>8.0f}M -> {high / MIB:>8.0f}M: {high / low:.2f}x for 4x the tokens", flush=True
         )
-    if args.workdir is None:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
