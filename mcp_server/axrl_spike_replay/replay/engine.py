@@ -140,7 +140,7 @@ class ReplaySession:
             if options.clear_threshold is None:
                 raise
             self.detector_threshold = None  # the user's threshold stands in for an unusable one
-        self.tolerance = tolerance(plan.fidelity, options.device)
+        self.tolerance = tolerance(plan.tolerance_class, options.device)
         self.run = RunDir(None)
         self.started = time.perf_counter()
         # the recorded step's own replay, refused: an input of it no computation is defined on (input_checks); the
@@ -264,7 +264,10 @@ class ReplaySession:
             )
         else:
             judged, judged_by = tolerance_rule(
-                self.plan.fidelity, self.options.device, self.inputs.effective_precision.param_dtype, outcome.grad_norms
+                self.plan.tolerance_class,
+                self.options.device,
+                self.inputs.effective_precision.param_dtype,
+                outcome.grad_norms,
             )
             verdict, change = baseline_verdict(norm, meta.grad_norm, judged), None
             basis = {

@@ -37,6 +37,13 @@ class LayoutPlan:
     def ranks_per_process(self) -> int:
         return max(len(ranks) for ranks in self.assignment)
 
+    @property
+    def tolerance_class(self) -> Fidelity:
+        """Whose tolerance a baseline is held to (`experiment.verdict.tolerance`): full's where each process replays
+        one saved rank; where a process sums several in turn, the data-parallel sum's float summation order is not
+        the trainer's, and the looser rule (reduced's: 1e-5 on CPU) applies, the fidelity staying full."""
+        return Fidelity.FULL if self.ranks_per_process == 1 else Fidelity.REDUCED
+
 
 def plan_layout(world_size_saved: int, nproc: int | None = None) -> LayoutPlan:
     """Blocks of saved ranks for `nproc` processes (default: the saved world size, one each); every saved rank is
