@@ -17,13 +17,16 @@ suggested experiment is replayed in one sweep beside the baseline. Printed per c
   recorded grad norm from the replay's per-rank gradients holds (within the replay tolerance).
 
 `--provenance unseen` runs the faults written before the rules that read them (each on its own model and world
-size): the held-out figure.
+size): the first held-out figure, spent since (rules were written after seeing it). `--provenance held_out_ii` runs
+the second held-out set (`capture.held_out_faults`: six kinds no preset and no earlier held-out case uses, two
+architectures, world sizes 2 and 4, one case with two faults on two ranks), committed before any rule was run on it:
+the held-out figure now.
 
 A case whose run trips no spike guard at the burst is listed as `no spike` and left out of the accuracy: that is the
 fault's failure to spike on that model and seed, not the diagnosis's.
 
 Usage: .venv/bin/python benchmarks/bench_diagnosis.py [--models tiny_moe,qwen2_moe,olmoe] [--seeds 0]
-       [--provenance preset,variant,held_out,unseen] [--cases NAME,...] [--no-experiments] [--json PATH]
+       [--provenance preset,variant,held_out,unseen,held_out_ii] [--cases NAME,...] [--no-experiments] [--json PATH]
        [--keep DIR [--reuse]]   (keep the captures; --reuse diagnoses kept ones again after a change)
 """
 
@@ -337,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="tiny_moe,qwen2_moe,olmoe", help="comma-separated capture models")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds")
     ap.add_argument(
-        "--provenance", default=",".join(PROVENANCES), help="which cases: preset, variant, held_out, unseen"
+        "--provenance",
+        default=",".join(PROVENANCES),
+        help="which cases: preset, variant, held_out, unseen, held_out_ii",
     )
     ap.add_argument("--cases", default="", help="only these case names (comma-separated)")
     ap.add_argument("--no-experiments", action="store_true", help="do not replay the suggested experiments")

@@ -49,8 +49,8 @@ def workspace_with_a_cleared_replay(root: Path) -> tuple[Path, str]:
     open_task(root, JOB, snapshot)
     run_request(replay_request(What(snapshot), workspace=root, job=JOB))
     run_request(replay_request(What(snapshot, mitigations={"mismatch_token_clip_max": 2}), workspace=root, job=JOB))
-    cleared = [e for e in show_task(root, JOB).experiments if e["verdict"] == "cleared"]
-    return snapshot, cleared[-1]["id"]
+    cleared = [e for e in show_task(root, JOB).experiments if e.verdict == "cleared"]
+    return snapshot, cleared[-1].id
 
 
 def main() -> int:

@@ -98,9 +98,9 @@ def test_an_edited_snapshot_reproduces_yet_is_flagged_and_its_outlier_advantage_
     replay = run_replay(snapshot)
     assert replay.verdict == "reproduced"
     assert replay.consistency is not None
-    names = {p["name"] for p in replay.consistency["problems"]}
+    names = {p.name for p in replay.consistency.problems}
     assert {"grad_norm_vs_log", "rank_loss_vs_replay"} <= names
-    assert replay.consistency["self_consistent"] is False and replay.consistency["agrees_with_log"] is False
+    assert replay.consistency.self_consistent is False and replay.consistency.agrees_with_log is False
 
     inspection = inspect_snapshot(snapshot)
     assert any(p.startswith("[grad_norm_vs_log]") for p in inspection.problems)

@@ -47,7 +47,8 @@ def test_one_rank_stays_silent_on_balanced_ranks(tmp_path: Path) -> None:
 def test_one_ranks_samples_carrying_the_norm_name_that_rank_with_its_samples(tmp_path: Path) -> None:
     snapshot = copy_fixture(tmp_path)
     no_mismatch(snapshot)
-    edit_batch(snapshot, 0, lambda b: b.__setitem__("advantages", b["advantages"] * 50.0))  # all of rank 0's
+    # all of rank 0's advantages 8x (10x and beyond: a scale of its own, see test_diagnose_rank_inputs)
+    edit_batch(snapshot, 0, lambda b: b.__setitem__("advantages", b["advantages"] * 8.0))
     d = diagnose_snapshot(snapshot, model="always")
     cause = next(c for c in d.causes if c.family == "one_rank_data")
     assert cause.figures == {"rank": 0} and cause.strength >= 0.7  # and every stored signal of rank 0 agrees
@@ -108,7 +109,15 @@ def test_hard_samples_that_landed_on_one_rank_whose_data_is_alike_the_others_are
     cause = one_rank_data(ev)
     assert cause is not None and cause.strength < 0.3  # reported, but not likely
     assert any("alike the other ranks'" in line for line in cause.evidence)
-    # the same rank with advantages 10x the others' scale: what it was fed differs
-    scaled = replace(ev, analysis=_kl_carried_by_rank_1({0: -9.7, 1: -9.8}, {0: 0.5, 1: 5.0}).analysis)
+    # the same rank with advantages 4x the others' scale: what it was fed differs
+    scaled = replace(ev, analysis=_kl_carried_by_rank_1({0: -9.7, 1: -9.8}, {0: 0.5, 1: 2.0}).analysis)
     cause = one_rank_data(scaled)
     assert cause is not None and cause.strength >= 0.7 and cause.ranks == [1]
+    # ... 10x and above every advantage of the others, its data alike: the advantages are the broken part there
+    from axrl_spike_replay.diagnosis.rank_inputs import rank_advantage_scale
+
+    other = replace(ev, analysis=_kl_carried_by_rank_1({0: -9.7, 1: -9.8}, {0: 0.5, 1: 5.0}).analysis)
+    assert one_rank_data(other) is None
+    cause = rank_advantage_scale(other)
+    assert cause is not None and cause.family == "outlier_advantage" and cause.ranks == [1]
+    assert cause.strength == 0.9  # rank 1's terms carry the gradient (the channel)

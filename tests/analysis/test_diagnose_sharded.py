@@ -43,17 +43,18 @@ def _same_diagnosis(sharded: Diagnosis, whole: Diagnosis) -> None:
     got, want = sharded.step.channel.to_json(), whole.step.channel.to_json()
     # the terms' sum against g: float noise itself (~1e-7), in a summation order that may differ
     assert got.pop("sum_rel_error") <= 1e-6 and want.pop("sum_rel_error") <= 1e-6
-    # each rank's own per-parameter norms and their dots are the whole evidence's alone (the sharded one says so)
-    assert got.pop("rank_param_norms") == [] and got.pop("param_gram") == {}
-    assert want.pop("rank_param_norms") and want.pop("param_gram")
-    assert any(n.startswith("param_grad_norms_vs_replay") for n in sharded.not_checked)
+    # each rank's own per-parameter norms: the whole evidence's, summed over the shards (float noise apart); their
+    # dots are the whole evidence's alone
+    _close(got.pop("rank_param_norms"), want.pop("rank_param_norms"), "rank_param_norms", 1e-9)
+    assert got.pop("param_gram") == {} and want.pop("param_gram")
+    assert not any(n.startswith("param_grad_norms_vs_replay") for n in sharded.not_checked), sharded.not_checked
     _close(got, want, "channel")
     assert sharded.routes is not None and whole.routes is not None
     _close([vars(x) for x in sharded.routes.layers], [vars(x) for x in whole.routes.layers], "routes")
     # shares of the grad norm: the sharded attribution's are within 1e-6 of the norm, not of each share
     _close(sharded.attribution_top, whole.attribution_top, "attribution_top", REL)
     got = [(c.family, c.ranks, round(c.strength, 6)) for c in sharded.causes]
-    assert got == [(c.family, c.ranks, round(c.strength, 6)) for c in whole.causes if c.family != "step_not_reproduced"]
+    assert got == [(c.family, c.ranks, round(c.strength, 6)) for c in whole.causes]
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,9 @@ def test_sharded_model_evidence_gives_the_unsharded_figures_and_causes(
     snapshot, whole = shifted_routes
     sharded = diagnose_snapshot(snapshot, model="always", shard="on", nproc=nproc)
     _same_diagnosis(sharded, whole)
-    assert sharded.top.family == "routing_payload" and sharded.top.ranks == [1]
+    # the payload was edited after the capture: the step does not reproduce (first), the routes on rank 1 are found
+    assert sharded.top.family == whole.top.family == "step_not_reproduced"
+    assert any(c.family == "routing_payload" and c.ranks == [1] for c in sharded.causes)
     ranks = {r.rank: r.route_disagreement() for r in sharded.step.signals.ranks} if sharded.step else {}
     assert ranks[1] is not None and ranks[1] > 0.5 and ranks[0] == 0.0  # the planted rank, and its witness
 
@@ -89,7 +92,9 @@ def test_a_model_that_does_not_fit_one_process_is_diagnosed_sharded(
     monkeypatch.setattr(shard_choice, "available_memory_bytes", lambda: 1 << 10)  # a machine with 1 KiB free
     sharded = diagnose_snapshot(snapshot, model="always")  # shard auto, over the saved world size
     _same_diagnosis(sharded, whole)
-    assert sharded.top.family == "routing_payload" and sharded.top.ranks == [1]
+    # the payload was edited after the capture: the step does not reproduce (first), the routes on rank 1 are found
+    assert sharded.top.family == whole.top.family == "step_not_reproduced"
+    assert any(c.family == "routing_payload" and c.ranks == [1] for c in sharded.causes)
     ranks = {r.rank: r.route_disagreement() for r in sharded.step.signals.ranks} if sharded.step else {}
     assert ranks[1] is not None and ranks[1] > 0.5 and ranks[0] == 0.0  # the planted rank, and its witness
     assert not any("model evidence" in line for line in sharded.not_checked), sharded.not_checked

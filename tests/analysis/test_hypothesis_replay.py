@@ -60,7 +60,7 @@ def test_the_hypothesis_replay_reproduces_the_norm_and_every_ranks_loss(
     for row in result.rank_metrics:  # ... and each rank's recorded loss
         recorded = recorded_rank_loss(snapshot, row["rank"])
         assert recorded is not None and abs(row["loss"] - recorded) <= 1e-6 * max(1.0, abs(recorded)), row
-    assert all(row["matches"] for row in result.verdict_basis["rank_losses"])
+    assert all(row["matches"] for row in result.verdict_basis.rank_losses)
     wrong = run_replay(snapshot, ReplayOptions(nproc=1, mitigations={"aux_loss_coef": "40.96@0"}))
     assert wrong.verdict == "not_reproduced" and wrong.finding == "not reproduced under `aux_loss_coef=40.96@0`"
 
@@ -78,7 +78,7 @@ def test_diagnose_suggests_the_hypothesis_that_proves_it(raised_coefficient: Pat
     # every suggestion gives rank 1's recorded loss; only the replay tells which also gives the grad norm
     name, value = items[1].split("=")
     result = run_replay(raised_coefficient, ReplayOptions(nproc=1, mitigations={name: value}))
-    rank1 = next(r for r in result.verdict_basis["rank_losses"] if r["rank"] == 1)
+    rank1 = next(r for r in result.verdict_basis.rank_losses if r["rank"] == 1)
     assert math.isclose(rank1["replayed_loss"], rank1["recorded_loss"], rel_tol=1e-5)
     assert result.verdict == "not_reproduced"
 

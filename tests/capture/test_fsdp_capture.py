@@ -59,16 +59,16 @@ def test_replay_at_the_saved_layout_is_bit_identical(fsdp_run: CaptureResult) ->
     assert result.grad_norm == result.recorded_grad_norm
     assert result.rel_diff == 0.0
     # each rank's norms of its shard of the reduced gradient, merged, are the replay's per-parameter norms
-    assert result.consistency is not None and "param_grad_norms_vs_replay" in result.consistency["checked"]
-    assert result.consistency["self_consistent"], result.consistency["problems"]
+    assert result.consistency is not None and "param_grad_norms_vs_replay" in result.consistency.checked
+    assert result.consistency.self_consistent, result.consistency.problems
 
 
 def test_replay_in_one_process_loads_the_shards_unsharded(fsdp_run: CaptureResult) -> None:
     result = run_replay(fsdp_run.snapshot_dirs[0], ReplayOptions(nproc=1))
     assert result.fidelity == "full"  # one process for both saved ranks: every saved rank replayed
     assert result.rel_diff is not None and result.rel_diff <= 1e-5
-    assert result.consistency is not None and "param_grad_norms_vs_replay" in result.consistency["checked"]
-    assert result.consistency["self_consistent"], result.consistency["problems"]
+    assert result.consistency is not None and "param_grad_norms_vs_replay" in result.consistency.checked
+    assert result.consistency.self_consistent, result.consistency.problems
 
 
 def test_fsdp_own_norm_is_recorded_beside_the_guard_norm(fsdp_run: CaptureResult) -> None:

@@ -189,7 +189,7 @@ def test_a_deepseek_spike_replays_on_both_routes_alike(deepseek_capture: Path, t
     native = run_replay(deepseek_capture, ReplayOptions(backend=Backend.MEGATRON))
     assert native.verdict == "reproduced", native.verdict_basis
     assert native.rel_diff is not None and native.rel_diff < CROSS_CHECK_RTOL
-    assert native.consistency is not None and native.consistency["self_consistent"]
+    assert native.consistency is not None and native.consistency.self_consistent
     whole = run_replay(deepseek_capture, ReplayOptions())
     assert whole.verdict == "reproduced", whole.verdict_basis
     assert whole.grad_norm is not None and native.grad_norm is not None

@@ -45,8 +45,8 @@ def test_the_hook_records_each_rank_s_loss_and_the_replay_checks_it(capture: Pat
     assert infos[0]["loss"] != infos[1]["loss"]  # each data-parallel rank's own
     result = run_replay(capture, ReplayOptions())
     assert result.consistency is not None
-    assert "rank_loss_vs_replay" in result.consistency["checked"]
-    assert not [p for p in result.consistency["problems"] if p["name"] == "rank_loss_vs_replay"]
+    assert "rank_loss_vs_replay" in result.consistency.checked
+    assert not [p for p in result.consistency.problems if p.name == "rank_loss_vs_replay"]
     for info, metrics in zip(infos, sorted(result.rank_metrics, key=lambda m: m["rank"]), strict=True):
         assert metrics["loss"] == pytest.approx(info["loss"], rel=1e-4)
 

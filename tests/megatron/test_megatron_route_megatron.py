@@ -56,7 +56,7 @@ def test_route_2_reproduces_the_step_and_agrees_with_route_1(
     native_losses = {m["rank"]: m["loss"] for m in native.rank_metrics}
     assert losses.keys() == native_losses.keys() == {0, 1}
     assert all(abs(losses[r] - native_losses[r]) < 1e-5 * abs(native_losses[r]) for r in losses)
-    assert native.consistency is not None and native.consistency["self_consistent"]
+    assert native.consistency is not None and native.consistency.self_consistent
 
 
 def test_route_2_refuses_what_only_route_1_does(megatron_capture: Path) -> None:

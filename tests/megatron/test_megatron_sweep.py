@@ -48,7 +48,7 @@ def test_a_sweep_of_two_mitigations_on_a_megatron_snapshot(megatron_capture: Pat
     for r in result.results:
         assert json.loads((out / r.config_id / "replay_result.json").read_text())["grad_norm"] == r.grad_norm
     rows = show_task(workspace, JOB).experiments
-    assert [row["config_id"] for row in rows] == ["baseline"] + [r.config_id for r in result.results]
+    assert [row.config_id for row in rows] == ["baseline"] + [r.config_id for r in result.results]
 
     alone = run_replay(megatron_capture, ReplayOptions(mitigations=dict(CONFIGS[0])))
     swept = result.results[0].grad_norm

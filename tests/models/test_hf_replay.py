@@ -38,8 +38,8 @@ def test_reduced_replay_and_mitigations_on_an_hf_model(hf_snapshot: Path) -> Non
     base = sweep.baseline
     assert base.fidelity == "full" and base.rel_diff is not None and base.rel_diff <= 1e-5
     assert base.verdict == "reproduced"
-    assert base.consistency is not None and "param_grad_norms_vs_replay" in base.consistency["checked"]
-    assert base.consistency["self_consistent"], base.consistency["problems"]  # parameter by parameter, reduced
+    assert base.consistency is not None and "param_grad_norms_vs_replay" in base.consistency.checked
+    assert base.consistency.self_consistent, base.consistency.problems  # parameter by parameter, reduced
     for row in sweep.results:
         assert row.grad_norm != base.grad_norm, row.mitigations
     first = sweep.results[1]

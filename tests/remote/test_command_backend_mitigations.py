@@ -142,14 +142,12 @@ def test_a_sweep_runs_the_baseline_once_and_judges_each_config_as_the_engine_doe
 
     # the task's rows: one per run, in the engine's vocabulary
     rows = read_state(workspace, "cmd-job").experiments
-    assert [(r["config_id"], r["verdict"], r["is_baseline"], r["backend"]) for r in rows] == [
+    assert [(r.config_id, r.verdict, r.is_baseline, r.backend) for r in rows] == [
         ("baseline", "reproduced", True, "command"),
         ("mismatch_token_clip_max=2", "partial", False, "command"),
         ("mismatch_token_clip_max=0.01", "cleared", False, "command"),
     ]
-    assert rows[2]["change"] == "mismatch_token_clip_max=0.01" and rows[2]["mitigations"] == {
-        "mismatch_token_clip_max": 0.01
-    }
+    assert rows[2].change == "mismatch_token_clip_max=0.01" and rows[2].mitigations == {"mismatch_token_clip_max": 0.01}
 
     # and the sweep writes up as a torch sweep does: a method file for the config that cleared
     (written,) = [w for w in write_up_sweep(workspace, "cmd-job", sweep) if w.path]

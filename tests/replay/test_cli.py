@@ -142,3 +142,57 @@ def test_a_clear_threshold_that_is_no_spike_ratio_is_refused_by_name(
     assert status == 2 and "--clear-threshold must be a finite spike ratio > 0" in err  # spelled as the option
     assert "`" not in err and "Traceback" not in err
     assert not (workspace / "tmp").exists()  # refused before anything ran
+
+
+def test_the_cli_renders_the_typed_result_and_its_json_round_trips_byte_for_byte(
+    spike_snapshot: Path, workspace: Path, capsys
+) -> None:
+    from axrl_spike_replay.cli.replay_commands import render_replay
+    from axrl_spike_replay.experiment.result import ReplayResult
+    from axrl_spike_replay.experiment.verdict import BaselineBasis
+    from axrl_spike_replay.jsonable import to_jsonable
+    from axrl_spike_replay.snapshot.consistency import Consistency
+
+    assert main(["replay", str(spike_snapshot), "--nproc", "1", "--workspace", str(workspace), "--json"]) == 0
+    text = (Path(json.loads(capsys.readouterr().out)["output_dir"]) / "replay_result.json").read_text()
+    doc = json.loads(text)
+    result = ReplayResult.from_json(doc)
+    assert isinstance(result.consistency, Consistency) and result.consistency.checked == doc["consistency"]["checked"]
+    assert isinstance(result.verdict_basis, BaselineBasis) and result.verdict_basis.tolerance == doc["tolerance"]
+    assert json.dumps(to_jsonable(result), indent=2) + "\n" == text  # the result file, key for key, from the typed one
+
+    shown = render_replay(result).splitlines()
+    own = "agrees with itself" if doc["consistency"]["self_consistent"] else "DISAGREES with itself"
+    assert any(line.startswith(f"  snapshot      {own}; ") for line in shown)
+    [checks] = [line for line in shown if line.startswith("  checks        ")]
+    assert checks.startswith(f"  checks        {len(doc['consistency']['checked'])} checks: ")
+    problems = [line for line in shown if line.startswith("  problem       [")]
+    assert problems == [f"  problem       [{p['name']}] {p['message']}" for p in doc["consistency"]["problems"]]
+
+
+def test_a_mitigated_results_footprint_and_precision_are_typed_and_written_as_before(
+    spike_snapshot: Path, workspace: Path, capsys
+) -> None:
+    from axrl_spike_replay.cli.replay_commands import render_replay
+    from axrl_spike_replay.experiment.result import Footprint, ReplayResult
+    from axrl_spike_replay.experiment.verdict import MitigatedBasis
+    from axrl_spike_replay.jsonable import to_jsonable
+    from axrl_spike_replay.training.precision import PrecisionPolicy
+
+    args = ["replay", str(spike_snapshot), "--nproc", "1", "--workspace", str(workspace), "--json"]
+    assert main([*args, "--mitigation", "mismatch_token_clip_max=2"]) == 0
+    text = (Path(json.loads(capsys.readouterr().out)["output_dir"]) / "replay_result.json").read_text()
+    doc = json.loads(text)
+    result = ReplayResult.from_json(doc)
+    assert isinstance(result.footprint, Footprint) and isinstance(result.precision, PrecisionPolicy)
+    assert isinstance(result.verdict_basis, MitigatedBasis) and list(doc["verdict_basis"]) == list(
+        vars(result.verdict_basis)
+    )
+    assert list(doc["footprint"]) == list(vars(result.footprint))  # the keys the file has always held, in order
+    assert isinstance(doc["footprint"]["loss_tokens"], int) and result.footprint.loss_tokens > 0
+    assert list(doc["precision"]) == ["param_dtype", "reduce_dtype", "output_dtype", "source"]
+    assert json.dumps(to_jsonable(result), indent=2) + "\n" == text
+    f = result.footprint
+    assert f.token_fraction == (f.masked_tokens + f.changed_tokens) / f.loss_tokens
+    [line] = [line for line in render_replay(result).splitlines() if line.startswith("  footprint     ")]
+    assert f"({f.masked_tokens} masked, {f.changed_tokens} changed of {f.loss_tokens})" in line

@@ -12,6 +12,7 @@ import pytest
 from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
 from axrl_spike_replay.cli.replay_commands import render_attribution
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
+from axrl_spike_replay.experiment.result import Attribution
 from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
@@ -66,7 +67,7 @@ def test_an_old_attribution_file_still_reads_in_diagnose_the_report_and_the_cli(
     report_line = summarise_attribution(doc, 1)[0]
     assert f"max |log(pi/pi_{base})| {values[0]:.4g}" in report_line
     assert summarise_attribution(doc, 3) == summarise_attribution(written, 3)  # old and new shape read alike
-    assert render_attribution(doc) == render_attribution(written)
+    assert render_attribution(Attribution.from_json(doc)) == render_attribution(Attribution.from_json(written))
 
 
 def test_the_batch_analysis_names_its_figures_old_vs_rollout(spike_snapshot: Path) -> None:

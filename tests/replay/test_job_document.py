@@ -12,7 +12,7 @@ import pytest
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigation_catalogue import EXAMPLES
 from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
-from axrl_spike_replay.experiment.trl_mitigations import TRL_OBJECTIVES
+from axrl_spike_replay.experiment.objective_mitigations import OBJECTIVES
 from axrl_spike_replay.replay.clean_gradient import SpikeBar
 from axrl_spike_replay.replay.inputs import load_inputs
 from axrl_spike_replay.replay.job_document import job_document, job_of_document
@@ -23,7 +23,7 @@ from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.sample_masks import SampleFilter, TokenDrop
 from axrl_spike_replay.training.trl_settings import TrlSettings
 
-TRL_NAMES = {m.name for m in TRL_OBJECTIVES}
+TRL_NAMES = {m.name for m in OBJECTIVES}
 
 
 def _job(snapshot: Path, configs: list[dict], **fields: object) -> WorkerJob:

@@ -31,5 +31,5 @@ def test_a_left_out_rank_is_marked_and_its_loss_is_nothing(spike_snapshot: Path)
     left = [m for m in result.rank_metrics if m["rank"] == 1]
     assert left and left[0]["left_out"] is True and left[0]["loss"] == 0.0 and left[0]["loss_tokens"] == 0.0
     assert not result.rank_metrics[0].get("left_out")
-    assert result.footprint is not None and result.footprint["masked_tokens"] > 0  # its tokens count as masked
+    assert result.footprint is not None and result.footprint.masked_tokens > 0  # its tokens count as masked
     assert torch.isfinite(torch.tensor(result.grad_norm))

@@ -46,8 +46,9 @@ ISSUE_NAMES = {
     "kl_estimator",
     "kl_clamp",
     "loss_scale",
-    "importance_sampling_level",  # TRL's objectives (issue 34)
+    "importance_sampling_level",  # the newer objectives (experiment/objective_mitigations.py)
     "trl_loss_type",
+    "sapo_temperatures",
     "delta",
     "rollout_correction",
 }

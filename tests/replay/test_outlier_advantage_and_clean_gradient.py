@@ -11,6 +11,7 @@ from tiny_snapshot import record_tiny_snapshot
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
 from axrl_spike_replay.experiment.result import SweepResult
+from axrl_spike_replay.experiment.verdict import MitigatedBasis
 from axrl_spike_replay.investigation.request import What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.vocabulary import Verdict
@@ -46,7 +47,7 @@ def test_the_outlier_advantage_spike_is_cleared_by_masking_outlier_advantages(sw
     assert sweep.baseline.spike_ratio is not None and sweep.baseline.spike_ratio > 5
     masked = sweep.results[0]
     assert masked.verdict == Verdict.CLEARED
-    assert masked.footprint is not None and masked.footprint["masked_samples"] == 1  # only the outlier
+    assert masked.footprint is not None and masked.footprint.masked_samples == 1  # only the outlier
 
 
 @pytest.mark.slow
@@ -72,11 +73,11 @@ def test_every_mitigated_replay_reports_its_footprint_and_cosine(sweep: SweepRes
     for result in sweep.results:
         assert result.footprint is not None and result.cosine_to_clean is not None
         for key in ("token_fraction", "sample_fraction", "masked_token_fraction", "masked_sample_fraction"):
-            assert 0.0 <= result.footprint[key] <= 1.0
+            assert 0.0 <= getattr(result.footprint, key) <= 1.0
         assert -1.0 <= result.cosine_to_clean <= 1.0
         assert "definition" in (result.clean_gradient or {})
     no_op, clipped = sweep.results[2], sweep.results[3]
-    assert no_op.footprint is not None and no_op.footprint["token_fraction"] == 0.0
+    assert no_op.footprint is not None and no_op.footprint.token_fraction == 0.0
     # the no-op keeps the spike: its gradient is the baseline's, far from the clean one
     assert no_op.cosine_to_clean is not None and no_op.cosine_to_clean < 0.5
     assert no_op.cosine_to_clean == pytest.approx(no_op.clean_gradient["baseline_cosine"], rel=1e-9)
@@ -87,7 +88,7 @@ def test_every_mitigated_replay_reports_its_footprint_and_cosine(sweep: SweepRes
 @pytest.mark.slow
 def test_a_clear_threshold_of_the_users_changes_the_verdict(outlier_snapshot: Path, sweep: SweepResult) -> None:
     clipped = sweep.results[3]
-    assert clipped.verdict == Verdict.CLEARED and clipped.verdict_basis["threshold_source"] == "detector"
+    assert clipped.verdict == Verdict.CLEARED and clipped.verdict_basis.threshold_source == "detector"
     strict = clipped.spike_ratio * 0.9  # under the user's stricter threshold the clipped spike is not cleared
     result = run_request(
         replay_request(
@@ -97,9 +98,10 @@ def test_a_clear_threshold_of_the_users_changes_the_verdict(outlier_snapshot: Pa
     assert result.verdict == Verdict.PARTIAL
     assert result.threshold == pytest.approx(strict)
     basis = result.verdict_basis
-    assert basis["threshold_source"] == "clear_threshold" and basis["detector_threshold"] == 5.0
-    assert basis["ratio_to_median"] == pytest.approx(result.spike_ratio)
-    assert "partial" in basis["rule"]
+    assert isinstance(basis, MitigatedBasis)
+    assert basis.threshold_source == "clear_threshold" and basis.detector_threshold == 5.0
+    assert basis.ratio_to_median == pytest.approx(result.spike_ratio)
+    assert "partial" in basis.rule
     # the clean gradient is cleaned under the same, stricter bar
     assert result.clean_gradient is not None and result.median_norm is not None
     assert result.clean_gradient["bar"] == pytest.approx(strict * result.median_norm)

@@ -130,7 +130,7 @@ def test_a_hypothesis_is_judged_against_the_recording_and_on_every_rank_equals_t
     assert everywhere.finding == "not reproduced under `kl_coef=0.5@0,1`"
     assert everywhere.footprint is None and everywhere.clean_gradient is None  # a mitigation's figures, not its
     assert mitigation.finding is None and mitigation.mitigations == {"kl_coef": 0.5}
-    losses = {row["rank"]: row for row in one.verdict_basis["rank_losses"]}
+    losses = {row["rank"]: row for row in one.verdict_basis.rank_losses}
     assert losses[0]["matches"] is True and losses[0]["abs_diff"] == 0.0  # rank 0 computes the recorded loss
     assert losses[1]["matches"] is False
     base = {m["rank"]: m["loss"] for m in sweep.baseline.rank_metrics}

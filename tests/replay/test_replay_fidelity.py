@@ -112,5 +112,5 @@ def test_a_replay_is_logged_in_the_open_task(spike_snapshot: Path, workspace: Pa
     # a reduced baseline of a golden fixture: within the reduced tolerance, not bit for bit
     assert result.baseline_grad_norm == pytest.approx(result.recorded_grad_norm, rel=1e-5)
     rows = show_task(workspace, "fixture-moe").experiments
-    assert [(r["config_id"], r["verdict"]) for r in rows] == [("mismatch_token_clip_max=2", "cleared")]
-    assert rows[0]["result_path"] == str(Path(result.output_dir) / "replay_result.json")
+    assert [(r.config_id, r.verdict) for r in rows] == [("mismatch_token_clip_max=2", "cleared")]
+    assert rows[0].result_path == str(Path(result.output_dir) / "replay_result.json")

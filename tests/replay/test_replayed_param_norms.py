@@ -50,8 +50,8 @@ def test_an_honest_snapshot_matches_parameter_by_parameter(
 ) -> None:
     result = run_replay(spike_snapshot, ReplayOptions(nproc=nproc, runner=warm_runner))
     assert result.verdict == "reproduced"
-    assert result.consistency is not None and "param_grad_norms_vs_replay" in result.consistency["checked"]
-    assert result.consistency["self_consistent"], result.consistency["problems"]
+    assert result.consistency is not None and "param_grad_norms_vs_replay" in result.consistency.checked
+    assert result.consistency.self_consistent, result.consistency.problems
 
 
 def test_a_tampered_advantage_with_forged_norms_is_a_named_problem(snapshot_copy: Callable[[], Path]) -> None:
@@ -64,15 +64,15 @@ def test_a_tampered_advantage_with_forged_norms_is_a_named_problem(snapshot_copy
 
     assert result.verdict == "reproduced"  # the global norm alone is fooled, and the static checks pass
     consistency = result.consistency
-    assert consistency is not None and not consistency["self_consistent"]
-    problems = [p for p in consistency["problems"] if p["name"] == "param_grad_norms_vs_replay"]
-    assert [p["figures"]["rank"] for p in problems] == [0, 1]  # rank 1's batch is honest, its norms are forged
-    assert [p["name"] for p in consistency["problems"]] == ["param_grad_norms_vs_replay"] * 2
+    assert consistency is not None and not consistency.self_consistent
+    problems = [p for p in consistency.problems if p.name == "param_grad_norms_vs_replay"]
+    assert [p.figures["rank"] for p in problems] == [0, 1]  # rank 1's batch is honest, its norms are forged
+    assert [p.name for p in consistency.problems] == ["param_grad_norms_vs_replay"] * 2
     assert (
         "rank 0's recorded per-parameter grad norms (before the data-parallel mean) differ from those the replay"
-        in (problems[0]["message"])
+        in (problems[0].message)
     )
-    assert problems[0]["figures"]["differing"] > problems[0]["figures"]["compared"] // 2
+    assert problems[0].figures["differing"] > problems[0].figures["compared"] // 2
 
 
 def test_one_edited_parameter_norm_is_named(snapshot_copy: Callable[[], Path]) -> None:
@@ -83,8 +83,8 @@ def test_one_edited_parameter_norm_is_named(snapshot_copy: Callable[[], Path]) -
     )
     consistency = run_replay(snap, ReplayOptions(nproc=1)).consistency
     assert consistency is not None
-    [problem] = consistency["problems"]
-    assert problem["figures"]["differing"] == 1 and problem["figures"]["worst"][0]["name"] == "head.weight"
+    [problem] = consistency.problems
+    assert problem.figures["differing"] == 1 and problem.figures["worst"][0]["name"] == "head.weight"
 
 
 def _with_norms(tmp_path: Path, norms: dict[int, dict[str, float]], kind: str | None) -> Path:

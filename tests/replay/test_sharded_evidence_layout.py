@@ -40,10 +40,12 @@ def test_uneven_sharded_evidence_gives_the_unsharded_figures(tmp_path: Path) -> 
     got, want = sharded.channel.to_json(), whole.channel.to_json()
     # the terms' sum against g: float noise itself (~1e-7), in a summation order that differs
     assert got.pop("sum_rel_error") <= 1e-6 and want.pop("sum_rel_error") <= 1e-6
-    # each rank's own per-parameter norms (the record comparison's) are computed unsharded only, as yet: the
-    # sharded channel says so by holding none, and diagnose lists the comparison under not checked
-    assert got.pop("rank_param_norms") == [] and got.pop("param_gram", {}) == {}
-    assert want.pop("rank_param_norms")
+    # each rank's own per-parameter norms (the record comparison's): summed over uneven shards, the unsharded ones;
+    # their dots (the prediction's) are computed unsharded only
+    norms = got.pop("rank_param_norms")
+    assert [r["rank"] for r in norms] == [0, 1, 2, 3]
+    _close(norms, want.pop("rank_param_norms"), "rank_param_norms")
+    assert got.pop("param_gram", {}) == {}
     want.pop("param_gram", None)
     _close(got, want, "channel")
     assert [r.rank for r in sharded.signals.ranks] == [0, 1, 2, 3]

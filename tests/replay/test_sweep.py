@@ -76,7 +76,7 @@ def test_each_config_has_its_result_file_under_the_same_timestamp(sweep: tuple[S
 def test_every_config_is_logged_in_the_open_task(sweep: tuple[SweepResult, Path]) -> None:
     result, ws = sweep
     rows = show_task(ws, "fixture-moe").experiments
-    assert [r["config_id"] for r in rows] == ["baseline"] + [r.config_id for r in result.results]
+    assert [r.config_id for r in rows] == ["baseline"] + [r.config_id for r in result.results]
 
 
 def test_loss_level_configs_share_the_baselines_forward() -> None:

@@ -7,6 +7,7 @@ the actor's loss knobs map back through the verl hook's own reading of verl's ac
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +49,11 @@ SAMPLES: dict[str, Any] = {
     "kl_estimator": "low_var_kl",
     "kl_clamp": 10,
     "loss_scale": "2@1",  # per rank only: a hypothesis about one rank's loss, no trainer setting
-    "importance_sampling_level": "sequence",  # TRL's objectives: loss.trl keys of a TRL snapshot
-    "trl_loss_type": "cispo",
+    "importance_sampling_level": "sequence",  # the newer objectives (experiment/objective_mitigations.py)
+    "trl_loss_type": "sapo",
+    "sapo_temperatures": "1:2",
     "delta": 1.5,
-    "rollout_correction": "sequence_mask",
+    "rollout_correction": "sequence_mask:0.5:2",
 }
 
 
@@ -75,12 +77,13 @@ def test_the_run_config_setting_is_the_replayed_change(name: str) -> None:
     base = build_run_config(preset="none", steps=2)
     spec = parse_run_config(base)
     if change.setting is None:
-        trl_objectives = ("importance_sampling_level", "trl_loss_type", "delta", "rollout_correction")
-        assert name in ("advantage_outlier_mask", "initial_model", "loss_scale", *trl_objectives) and change.note
+        assert name in ("advantage_outlier_mask", "initial_model", "loss_scale") and change.note
         return
-    key, _, text = change.setting.partition(": ")
-    section, field = key.split(".")
-    doc = {**base, section: {**base[section], field: yaml.safe_load(text)}}
+    doc = dict(base)
+    for one in re.split(r", (?=(?:loss|routing)\.)", change.setting):  # one or more `section.key: value`
+        key, _, text = one.partition(": ")
+        section, field = key.split(".")
+        doc[section] = {**doc[section], field: yaml.safe_load(text)}
     trained = parse_run_config(doc)
     replayed = apply_config(_config(name), spec.loss, spec.routing, moe_layers=(0, 1))
     assert trained.loss == replayed.loss and trained.routing == replayed.routing
@@ -128,6 +131,28 @@ def test_the_verl_settings_are_keys_of_verl_0_9_1s_own_config() -> None:
     assert seen >= 15
 
 
+def test_the_trl_settings_are_fields_of_trls_grpo_config() -> None:
+    """Each `name=value` of a TRL setting is a GRPOConfig field that takes the value."""
+    pytest.importorskip("trl", reason="TRL is not installed (scripts/setup.sh installs the trl extra)")
+    import dataclasses
+
+    from trl.trainer.grpo_config import GRPOConfig
+
+    names = {f.name for f in dataclasses.fields(GRPOConfig)}
+    seen = 0
+    for name in MITIGATIONS:
+        for change in trainer_changes(_config(name), trainers=("trl",)):
+            if change.setting is None:
+                continue
+            values = {}
+            for word in re.findall(r"(\w+)=(\{.*\}|\S+)", change.setting):
+                assert word[0] in names, f"{name}: {word[0]} is not a GRPOConfig field"
+                values[word[0]] = yaml.safe_load(word[1])
+            GRPOConfig(output_dir="unused", use_cpu=True, report_to=[], **values)  # TRL takes the values
+            seen += 1
+    assert seen >= 10
+
+
 def _verl_overrides(name: str) -> dict[str, str]:
     [change] = trainer_changes(_config(name), trainers=("verl",))
     assert change.setting is not None
@@ -169,7 +194,8 @@ def test_the_verl_rollout_correction_settings_are_the_replays_verl_mapping() -> 
     verl_rs = LossConfig(
         convention="verl",
         rollout_rs=rs["algorithm.rollout_correction.rollout_rs"],
-        rollout_rs_threshold=rs["algorithm.rollout_correction.rollout_rs_threshold"],
+        # read as Hydra and YAML read an override's value: `0.5_2` would be the number 0.52
+        rollout_rs_threshold=yaml.safe_load(rs["algorithm.rollout_correction.rollout_rs_threshold"]),
     )
     replayed = apply_config(_config("ratio_outlier_mask"), LossConfig(convention="verl"), RoutingConfig()).loss
     assert rejection_options(verl_rs) == pytest.approx(rejection_options(replayed))

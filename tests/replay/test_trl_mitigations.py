@@ -1,7 +1,7 @@
 """The newer GRPO objectives as mitigations on a TRL snapshot: each replays exactly the loss TRL's own GRPOConfig
 setting would have trained with (the section `capture.trl_loss_section` writes for a real GRPOConfig with that
-setting, whose loss tests/training/test_trl_crosscheck.py checks against TRL's `_compute_loss`), and each is
-refused on a snapshot of another convention, naming why."""
+setting, whose loss tests/training/test_trl_crosscheck.py checks against TRL's `_compute_loss`). Their meaning
+under the axrl and verl conventions is tests/replay/test_objective_mitigations.py's."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "sapo": ({"trl_loss_type": "sapo"}, {"loss_type": "sapo"}),
     "dr_grpo": ({"trl_loss_type": "dr_grpo"}, {"loss_type": "dr_grpo"}),
     "delta": ({"delta": 1.5}, {"delta": 1.5}),
+    "sapo temperatures": (
+        {"trl_loss_type": "sapo", "sapo_temperatures": "0.5:2"},
+        {"loss_type": "sapo", "sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0},
+    ),
     "token_mask": (
         {"rollout_correction": "token_mask:0.5:2"},
         {
@@ -61,14 +65,6 @@ def test_each_objective_replays_the_loss_its_grpo_config_setting_trains_with(nam
         assert got.pop("rollout_correction_recorded") is False and want.pop("rollout_correction_recorded") is True
     assert got == want
     assert applied.loss.to_dict() | {"trl": None} == expected.to_dict() | {"trl": None}
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_each_objective_is_refused_on_a_snapshot_of_another_convention(name: str) -> None:
-    mitigation, _ = CASES[name]
-    for convention in ("axrl", "verl"):
-        with pytest.raises(ConfigError, match=r"TRL's GRPO objectives.*convention trl"):
-            apply_config(parse_config(mitigation), LossConfig(convention=convention), RoutingConfig())
 
 
 def test_a_bad_rollout_correction_is_named() -> None:

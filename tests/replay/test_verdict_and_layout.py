@@ -141,15 +141,15 @@ def test_a_no_op_on_a_snapshot_whose_threshold_was_raised_is_not_a_method(
     on_disk = Path(result.output_dir) / "replay_result.json"
     assert json.loads(on_disk.read_text())["verdict"] == "baseline_not_a_spike"
     (row,) = show_task(workspace, "fixture-moe").experiments
-    assert row["verdict"] == "baseline_not_a_spike"
+    assert row.verdict == "baseline_not_a_spike"
     assert "baseline is not a spike" in (Path(result.output_dir) / "replay.log").read_text()
 
     with pytest.raises(AxrlError, match="verdict 'baseline_not_a_spike'"):
-        add_method(workspace, "fixture-moe", row["id"], "clip-low", "it cleared the spike")
+        add_method(workspace, "fixture-moe", row.id, "clip-low", "it cleared the spike")
     # A result written before this check, claiming `cleared`, is refused on its figures.
     doc = json.loads(on_disk.read_text())
     on_disk.write_text(json.dumps({**doc, "verdict": "cleared"}))
-    argv = ["method", "add", "--job", "fixture-moe", "--attempt", row["id"], "--name", "clip-low"]
+    argv = ["method", "add", "--job", "fixture-moe", "--attempt", row.id, "--name", "clip-low"]
     status = main([*argv, "--rationale", "it cleared the spike", "--workspace", str(workspace)])
     err = capsys.readouterr().err
     assert status == 2 and "baseline was not a spike" in err and "Traceback" not in err

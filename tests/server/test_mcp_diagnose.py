@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from mcp import Client
-from mcp.types import CallToolResult
+from mcp.types import CallToolResult, TextResourceContents
 from server_helpers import call, error_text, ok, with_client
 
 from axrl_spike_replay.diagnosis import FAMILIES
@@ -82,3 +82,30 @@ def test_tool_texts_name_only_tools_that_exist(workspace: Path) -> None:
         ]
         for word in re.findall(verbs, " ".join(texts)):
             assert word in names | params | not_tools, f"{tool.name} names {word!r}, which is no tool"
+
+
+def test_diagnose_spike_returns_the_per_rank_step_evidence_only_when_asked(captured_run, workspace: Path) -> None:
+    """The model evidence's figures (`step`, most of the reply) come back with `detail` only; the lean reply meets
+    the tool's whole output schema (as its resource gives it) and keeps the causes and `reading`."""
+    import jsonschema
+
+    snapshot = str(captured_run.snapshot_dirs[0])
+
+    async def calls(client: Client) -> tuple[CallToolResult, CallToolResult, dict]:
+        lean = await client.call_tool("diagnose_spike", {"snapshot": snapshot})  # auto: the model evidence runs
+        full = await client.call_tool("diagnose_spike", {"snapshot": snapshot, "detail": True})
+        whole = (await client.read_resource("axrl://tool/diagnose_spike")).contents[0]
+        assert isinstance(whole, TextResourceContents)
+        return lean, full, json.loads(whole.text)
+
+    lean, full, tool = with_client(create_server(workspace), calls)
+    lean_doc, full_doc = ok(lean), ok(full)
+    assert lean_doc["step"] is None and full_doc["step"] is not None and full_doc["step"]["signals"]
+    assert lean_doc["reading"] is not None and lean_doc["reading"] == full_doc["reading"]
+    assert [(c["family"], c["strength"]) for c in lean_doc["causes"]] == [
+        (c["family"], c["strength"]) for c in full_doc["causes"]
+    ]
+    size, whole = len(json.dumps(lean_doc)), len(json.dumps(full_doc))
+    assert size < 0.6 * whole, (size, whole)
+    for doc in (lean_doc, full_doc):
+        jsonschema.validate(doc, tool["output_schema"])

@@ -164,3 +164,18 @@ def test_each_skill_passes_the_agent_skills_reference_validator(name: str) -> No
     assert validator.exists(), "skills-ref is a dev dependency: scripts/setup.sh installs it"
     run = subprocess.run([str(validator), "validate", str(REPO / "skills" / name)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_skill_the_tool_and_the_docs_say_what_method_add_does_with_a_shipped_change() -> None:
+    """`method_add` writes the same change as a shipped method, marked `confirms_shipped` (tests/workspace/
+    test_method_choice.py proves it), and refuses the workspace's own duplicates: every text an agent reads says so."""
+    from axrl_spike_replay.mcp_faces.record_tools import method_add_tool
+
+    skill = (skills_dir() / "axrl-spike-replay" / "SKILL.md").read_text()
+    tool = " ".join((method_add_tool.__doc__ or "").split())
+    cli = " ".join((REPO / "docs" / "cli.md").read_text().split())
+    for text in (" ".join(skill.split()), tool, cli):
+        assert "confirms_shipped" in text
+    assert "duplicates of a workspace method" in tool
+    assert "do not add a duplicate of the workspace's own methods" in " ".join(skill.split())
+    assert "refused as a duplicate" in cli

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,3 +128,35 @@ def test_a_workspace_without_room_for_the_copy_is_refused_before_a_byte_is_writt
     root = small_filesystem / WORKSPACE_PRESERVED / out.name
     assert [p.name for p in root.iterdir() if p.name != ".axrl_preserve.lock"] == []  # no staging dir left
     assert result.preserved == []
+
+
+def test_a_workspace_copy_is_listed_marked_and_finds_its_job_logs(make_output_dir, tmp_path: Path, cli) -> None:
+    """After `preserve --into-workspace`, `snapshots` lists the copy (marked) and the steps that read the job's log
+    by default (`inspect`, the replay's and the diagnosis's log point) find the output dir's log from the copy."""
+    from axrl_spike_replay.snapshot.listing import list_snapshots
+    from axrl_spike_replay.snapshot.log_point import job_logs, log_point
+
+    out = make_output_dir()
+    log = out / "logs" / "train.log"
+    log.write_text("".join(f"step={i} grad_norm={1.0 + i / 100:.2f} loss=0.5\n" for i in range(30, 43)))
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    [copy] = preserve(out, 42, workspace=workspace, no_writes=True).preserved
+    target = Path(copy.path)
+
+    assert not any(e.in_workspace for e in list_snapshots(out).snapshots)  # no workspace named: not looked at
+    listed = [e for e in list_snapshots(out, workspace=workspace).snapshots if e.in_workspace]
+    assert [(Path(e.path), e.preserved, e.iteration) for e in listed] == [(target, True, 42)]
+    shown = cli("snapshots", out, "--workspace", workspace)
+    assert "preserved (workspace)" in shown.out and str(target) in shown.out
+
+    assert job_logs(target) == [log]
+    point = log_point(target, 42)
+    assert point.grad_norm == pytest.approx(1.42) and point.source == str(log)
+    consistency = inspect_snapshot(target).consistency
+    assert consistency is not None and consistency.log_source == str(log) and consistency.log_grad_norm == 1.42
+
+    other = make_output_dir("elsewhere")  # another output dir: its name differs, so its copies never show here
+    shutil.copytree(target, workspace / WORKSPACE_PRESERVED / other.name / target.name)
+    assert not any(e.in_workspace for e in list_snapshots(other, workspace=workspace).snapshots)
+    assert any("another output dir" in s.reason for s in list_snapshots(other, workspace=workspace).skipped)

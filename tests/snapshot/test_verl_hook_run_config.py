@@ -151,10 +151,29 @@ def test_verl_s_actor_settings_map_onto_the_loss_section_the_replay_parses() -> 
     assert (cfg.kl_coef, cfg.kl_estimator) == (0.001, "k1+")  # verl's "kl" is k1
 
 
+@pytest.mark.parametrize("mode", ["gspo", "cispo", "sapo"])
+def test_verl_s_gspo_cispo_and_sapo_losses_are_recorded_as_the_policy_objective(mode: str) -> None:
+    """verl's other registered policy losses the convention computes (checked against verl's own in
+    tests/training/test_verl_objectives.py): recorded, with SAPO's temperatures, and without the dual clip they do
+    not read."""
+    from functools import partial
+
+    from axrl_spike_replay.capture.verl_loss_section import loss_section
+    from axrl_spike_replay.training.loss_config import LossConfig
+
+    config = actor_config(policy_loss={"loss_mode": mode}, tau_pos=0.5, tau_neg=2.0)
+    doc = loss_section(partial(ppo_loss, config=config))
+    assert "unreproduced" not in doc
+    cfg = LossConfig.from_dict(doc)
+    assert (cfg.policy_loss_mode, cfg.dual_clip_c) == (mode, None)
+    taus = (0.5, 2.0) if mode == "sapo" else (1.0, 1.05)
+    assert (cfg.sapo_tau_pos, cfg.sapo_tau_neg) == taus
+
+
 @pytest.mark.parametrize(
     ("function", "overrides", "named"),
     [
-        (ppo_loss, {"policy_loss": {"loss_mode": "gspo"}}, "loss_mode=gspo"),
+        (ppo_loss, {"policy_loss": {"loss_mode": "geo_mean"}}, "loss_mode=geo_mean"),
         (ppo_loss, {"policy_loss": {"loss_mode": "bypass_mode"}}, "bypass mode"),
         (ppo_loss, {"entropy_coeff": -0.01}, "entropy_coef must be a finite number >= 0"),
         (ppo_loss, {"use_kl_loss": True, "kl_loss_type": "full"}, "kl_loss_type=full"),
@@ -188,13 +207,13 @@ def test_the_hook_warns_at_the_first_step_when_a_snapshot_could_not_be_replayed(
     engine = SimpleNamespace(
         module=actor,
         optimizer=torch.optim.SGD(actor.parameters(), lr=0.0),
-        _axrl_spike_loss_fn=partial(ppo_loss, config=actor_config(policy_loss={"loss_mode": "sapo"})),
+        _axrl_spike_loss_fn=partial(ppo_loss, config=actor_config(policy_loss={"loss_mode": "clip_cov"})),
     )
     with caplog.at_level("WARNING", logger="axrl_spike_replay.verl_hook"):
         assert hook.guard_step(engine, torch.tensor(1.0)) and hook.guard_step(engine, torch.tensor(1.0))
     warned = [r.getMessage() for r in caplog.records if r.name == "axrl_spike_replay.verl_hook"]
     warned = [m for m in warned if "loss setting" in m]  # (it also says once that no global step is on the batch)
-    assert len(warned) == 1 and "loss_mode=sapo" in warned[0]
+    assert len(warned) == 1 and "loss_mode=clip_cov" in warned[0]
 
 
 @pytest.mark.parametrize(

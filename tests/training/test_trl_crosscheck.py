@@ -78,3 +78,12 @@ def test_a_grpo_config_setting_the_convention_does_not_cover_is_refused_naming_i
     section["trl"]["top_entropy_quantile"] = 0.8
     with pytest.raises(ConfigError, match=r"top_entropy_quantile.*--backend command"):
         trl_loss_config(section)
+
+
+def test_a_snapshot_of_another_trl_release_gets_a_note_naming_both_releases() -> None:
+    """The replay result carries it (`trainer_version_note`; end to end in tests/capture/test_trl_callback.py)."""
+    from axrl_spike_replay.training.trl_settings import TrlSettings
+
+    assert TrlSettings().version_note() is None
+    note = TrlSettings(version="1.15.2").version_note()
+    assert note is not None and "TRL 1.15.2" in note and f"TRL {TRL_VERSION}" in note

@@ -37,6 +37,8 @@ class Case:
     rollout_is: tuple[str, float | str] | None = None
     rollout_rs: tuple[str, float | str] | None = None
     loss_scale_factor: float | None = None
+    loss_mode: str = "vanilla"  # verl's policy_loss.loss_mode (ours: policy_loss_mode in `ours`)
+    taus: tuple[float, float] = (1.0, 1.05)  # verl's SAPO tau_pos, tau_neg
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -171,12 +173,9 @@ def _ours_layout(r: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def our_config(case: Case) -> LossConfig:
-    return LossConfig(
-        convention="verl",
-        normalization=case.normalization,
-        loss_agg_mode=case.mode,
-        **{"clip_eps_low": case.clip[0], "clip_eps_high": case.clip[1], **case.ours},
-    )
+    """Our config of the case: convention verl unless `ours` names another."""
+    values = {"convention": "verl", "normalization": case.normalization, "loss_agg_mode": case.mode}
+    return LossConfig(**{**values, "clip_eps_low": case.clip[0], "clip_eps_high": case.clip[1], **case.ours})
 
 
 def ours_step(case: Case, ranks: list[dict[str, torch.Tensor]]) -> list[tuple[float, torch.Tensor]]:
@@ -283,6 +282,8 @@ def verl_step(
             loss_scale_factor=case.loss_scale_factor,
             entropy_coeff=case.entropy_coeff,
             kl=case.kl,
+            loss_mode=case.loss_mode,
+            taus=case.taus,
         )
         loss, _ = losses.ppo_loss(config, model_output, data)
         loss.backward()
@@ -293,9 +294,12 @@ def verl_step(
     return out
 
 
-def compare(case: Case, peer: dict[str, Any], seed: int = 0) -> dict[str, float]:
-    """Our and verl's summed-over-ranks loss, and the worst relative difference of loss and gradient."""
-    ranks = [rank_batch(r, seed) for r in range(DP)]
+def compare(
+    case: Case, peer: dict[str, Any], seed: int = 0, ranks: list[dict[str, torch.Tensor]] | None = None
+) -> dict[str, float]:
+    """Our and verl's summed-over-ranks loss, and the worst relative difference of loss and gradient (on `ranks`,
+    by default `rank_batch`'s of `seed`)."""
+    ranks = ranks if ranks is not None else [rank_batch(r, seed) for r in range(DP)]
     ours, theirs = ours_step(case, ranks), verl_step(case, ranks, peer)
     loss_rel = grad_rel = 0.0
     for (lo, go), (lv, gv) in zip(ours, theirs, strict=True):

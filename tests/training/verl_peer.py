@@ -8,11 +8,13 @@ verl is installed with --no-deps, and tensordict (pure Python) beside it: script
 by importlib under minimal stand-in modules for exactly the imports that are unavailable or would pull
 ray in: verl's package `__init__`s, omegaconf, `verl.utils.device`, the config classes, `DataProto`.
 Every function the test calls — `ppo_loss` (with `no_padding_2_padding`, `tensordict_utils`, the
-`Metric` class and tensordict's own `TensorDict` it uses), `agg_loss`, `compute_policy_loss_vanilla`,
+`Metric` class and tensordict's own `TensorDict` it uses), `agg_loss`, `compute_policy_loss_vanilla` (and the
+`gspo`, `cispo` and `sapo` policy losses `ppo_loss` dispatches to by `policy_loss.loss_mode`),
 `kl_penalty`, `compute_rollout_correction_weights`, `compute_rollout_rejection_mask`,
 `compute_grpo_outcome_advantage`, and verl_F's `masked_sum` / `masked_mean` — is verl's code as
-installed. The one stand-in that is used is the actor config `ppo_loss` reads (`ActorConfigStandIn`):
-verl's `ActorConfig` is a dataclass behind that ray import chain, and the loss reads only its fields.
+installed. The one stand-in that is used is the actor config `ppo_loss` reads (`ActorConfigStandIn`, also the
+`ActorConfig` class the policy losses check their config against): verl's `ActorConfig` is a dataclass behind that
+ray import chain, and the loss reads only its fields.
 Other stand-ins raise if anything calls into them. `sys.modules` is restored afterwards: the loaded
 functions keep their own module globals.
 """
@@ -115,7 +117,9 @@ def load_verl() -> dict[str, Any]:
         package("verl.trainer.config", root / "trainer" / "config", AlgoConfig=type("AlgoConfig", (), {}))
         package("verl.trainer.config.algorithm", RolloutCorrectionConfig=_Unavailable)
         package("verl.workers", root / "workers")
-        package("verl.workers.config", root / "workers" / "config", ActorConfig=_Unavailable, CriticConfig=_Unavailable)
+        # the actor config's class is the stand-in: verl's gspo, cispo and sapo losses assert isinstance(config, it)
+        config = root / "workers" / "config"
+        package("verl.workers.config", config, ActorConfig=ActorConfigStandIn, CriticConfig=_Unavailable)
         # verl.utils.dataset's __init__ loads the RL datasets (and `datasets`); losses.py needs only dataset_utils
         package("verl.utils.dataset", root / "utils" / "dataset")
         package("verl.workers.config.actor", PolicyLossConfig=_Unavailable)
@@ -165,13 +169,16 @@ class ActorConfigStandIn(dict):
         loss_scale_factor: float | None = None,
         entropy_coeff: float = 0.0,
         kl: tuple[str, float] | None = None,
+        loss_mode: str = "vanilla",
+        taus: tuple[float, float] = (1.0, 1.05),
     ) -> None:
         super().__init__(clip_ratio_c=clip_ratio_c)
         self.clip_ratio = clip_low
         self.clip_ratio_low = clip_low
         self.clip_ratio_high = clip_high
         self.clip_ratio_c = clip_ratio_c
-        self.policy_loss = {"loss_mode": "vanilla"}
+        self.policy_loss = {"loss_mode": loss_mode}
+        self.tau_pos, self.tau_neg = taus  # SAPO's temperatures (verl's defaults 1.0 and 1.05)
         self.loss_agg_mode = loss_agg_mode
         self.loss_scale_factor = loss_scale_factor
         self.entropy_coeff = entropy_coeff

@@ -41,11 +41,11 @@ def test_concurrent_writers_lose_no_row(tmp_path: Path) -> None:
     task = show_task(tmp_path, JOB)
     rows = task.experiments
     assert len(rows) == WRITERS * ROWS_EACH
-    assert [row["id"] for row in rows] == [f"E{i}" for i in range(1, WRITERS * ROWS_EACH + 1)]
-    logged = sorted(row["mitigations"]["advantage_clip"] for row in rows)
+    assert [row.id for row in rows] == [f"E{i}" for i in range(1, WRITERS * ROWS_EACH + 1)]
+    logged = sorted(row.mitigations["advantage_clip"] for row in rows)
     assert logged == sorted(w * 100 + i for w in range(WRITERS) for i in range(ROWS_EACH))
     assert sorted(f["reason"] for f in task.failed) == [f"writer {w} node unreachable" for w in range(WRITERS)]
     # The markdown beside it was rendered from the final state: every row is there too.
     md = Path(task.task_file).read_text()
-    assert all(f"| {row['id']} |" in md for row in rows)
-    assert json.loads(Path(task.state_file).read_text())["experiments"] == rows
+    assert all(f"| {row.id} |" in md for row in rows)
+    assert json.loads(Path(task.state_file).read_text())["experiments"] == [row.to_json() for row in rows]

@@ -99,7 +99,7 @@ def test_the_commands_written_for_people_name_the_workspace(investigated: tuple[
     root = ws.resolve()
     state = read_state(root, JOB)
     assert state.command == f"axrl-spike-replay replay {shlex.quote(str(copy))} --workspace {root}"
-    assert all(row["command"].endswith(f" --workspace {root}") for row in state.experiments)
+    assert all(str(row.command).endswith(f" --workspace {root}") for row in state.experiments)
     task = (root / "agent-task" / "spike-replay" / f"{JOB}.md").read_text()
     assert f"CLI: `axrl-spike-replay task ... --workspace {root}`" in task
     method = add_method(ws, JOB, "E2", "tis-clip-2", "Truncates the importance weights at 2.")

@@ -53,7 +53,8 @@ def test_a_method_on_our_own_run_config_says_the_run_config_key_first(tmp_path: 
     assert rows[2].startswith("| verl 0.9.1 |") and (
         "`algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=2`" in rows[2]
     )
-    assert rows[3].startswith("| Megatron-LM |") and "| none |" in rows[3]
+    assert rows[3].startswith("| TRL 1.16 GRPOConfig |") and "vllm_importance_sampling_mode=token_truncate" in rows[3]
+    assert rows[4].startswith("| Megatron-LM |") and "| none |" in rows[4]
 
     report = write_report(tmp_path, JOB)
     advice = _section(report.text, "## What to change in your trainer")
@@ -125,3 +126,24 @@ def test_a_sweep_reuses_the_logged_baseline_and_a_baseline_at_another_layout_is_
     assert "Why 2 rows: every `replay` and every `sweep` replays the baseline itself" in section
     assert "reuses its row" in section
     assert "They agree to every digit: the replay is deterministic." in section
+
+
+def test_a_method_on_a_trl_snapshot_gives_grpo_config_fields_first(tmp_path: Path, spike_run: SpikeRun) -> None:
+    outputs = tmp_path / "outputs" / spike_run.output_dir.name
+    shutil.copytree(spike_run.output_dir, outputs)
+    snapshot = outputs / spike_run.snapshot.relative_to(spike_run.output_dir)
+    config = yaml.safe_load((snapshot / RUN_CONFIG).read_text())
+    config["loss"]["convention"] = "trl"  # as the TRL callback writes it
+    (snapshot / RUN_CONFIG).write_text(yaml.safe_dump(config))
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    _investigate(workspace, snapshot, {"gspo": {"importance_sampling_level": "sequence"}})
+
+    method = (workspace / "spike-mitigation-methods" / "gspo.md").read_text()
+    rows = [line for line in _section(method, "## In your trainer").splitlines() if line.startswith("| ")]
+    assert rows[1].startswith("| **TRL 1.16 GRPOConfig** (this snapshot's) | importance_sampling_level |")
+    assert "`importance_sampling_level=sequence`" in rows[1]
+    assert "records `loss.convention: trl`" in _section(method, "## In your trainer")
+    advice = _section(write_report(workspace, JOB).text, "## What to change in your trainer")
+    assert "by TRL's GRPOTrainer" in advice and "fields of TRL's GRPOConfig" in advice
+    assert "**gspo** (proven): `importance_sampling_level=sequence`" in advice

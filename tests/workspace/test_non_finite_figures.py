@@ -15,6 +15,7 @@ from axrl_spike_replay.investigation.recording import new_run_dir
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.workspace.evidence import row_result
+from axrl_spike_replay.workspace.experiment_row import ExperimentRow
 from axrl_spike_replay.workspace.task_log import record_replay
 from axrl_spike_replay.workspace.task_state import read_state
 
@@ -50,8 +51,8 @@ def test_an_overflowed_replay_is_null_in_the_result_file_the_task_and_json(
 
     assert record_replay(tmp_path, JOB, result, path) == "E1"
     [row] = read_state(tmp_path, JOB).experiments
-    assert row["grad_norm"] is None and row["rel_diff"] is None and row["change_vs_baseline"] is None
-    assert row["baseline_grad_norm"] == 37.0
+    assert row.grad_norm is None and row.rel_diff is None and row.change_vs_baseline is None
+    assert row.baseline_grad_norm == 37.0
 
     assert main(["task", "show", JOB, "--workspace", str(tmp_path), "--json"]) == 0
     shown = strict_json(capsys.readouterr().out)
@@ -77,5 +78,5 @@ def test_a_task_row_written_with_spelled_out_figures_still_reads_back(spike_run:
         "median_norm": 2.91,
         "threshold": 5.0,
     }
-    result = row_result(row)
+    result = row_result(ExperimentRow.from_json(row))
     assert result.grad_norm == math.inf and math.isnan(result.rel_diff or 0.0)

@@ -154,5 +154,5 @@ def test_disk_full_leaves_the_old_task_file_intact(task: Path, monkeypatch) -> N
     monkeypatch.undo()
     after = {p.name: p.read_bytes() for p in folder.iterdir()}
     assert after == before  # same files, same bytes, no temp file left behind
-    assert [row["id"] for row in show_task(task, JOB).experiments] == ["E1", "E2"]
+    assert [row.id for row in show_task(task, JOB).experiments] == ["E1", "E2"]
     assert not (task / "tmp" / "spike-replay" / JOB / "report.md").exists()

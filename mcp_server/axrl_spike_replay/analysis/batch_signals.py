@@ -160,12 +160,22 @@ def _rank_tables(r: _Rank, use: set[str]) -> tuple[TokenTable, dict[str, torch.T
         "peak_lr": peak_lr if peak_lr is not None else torch.full((n,), -1, dtype=torch.long),
         "peak_adv": peak_adv,
         "num_turns": _num_turns(turn, mask) if turn is not None else torch.full((n,), -1, dtype=torch.long),
+        "first_loss_position": _first_loss_position(mask),
         "_tokens": tokens.long(),
         "_turn": turn if turn is not None else torch.full((n, t), -1, dtype=torch.long),
     }
     if "group_index" in b and isinstance(b["group_index"], torch.Tensor) and b["group_index"].numel() == n:
         samples["group"] = b["group_index"].long().reshape(n)
     return table, samples
+
+
+def _first_loss_position(mask: torch.Tensor) -> torch.Tensor:
+    """[B] float64: each sample's first loss position (NaN for a sample without loss tokens)."""
+    import torch
+
+    positions = torch.arange(mask.shape[-1]).expand_as(mask)
+    first = torch.where(mask, positions, torch.full_like(positions, mask.shape[-1])).amin(dim=-1).double()
+    return torch.where(mask.any(dim=-1), first, torch.full_like(first, math.nan))
 
 
 def _per_sample(value: torch.Tensor, n: int) -> torch.Tensor:
@@ -215,6 +225,7 @@ def _sample_row(part: dict[str, torch.Tensor], i: int, peak: str) -> dict[str, A
         "token_id": int(part["_tokens"][i, position]) if position >= 0 else None,
         "turn": int(part["_turn"][i, position]) if position >= 0 and int(part["_turn"][i, position]) >= 0 else None,
         "num_turns": int(part["num_turns"][i]) if int(part["num_turns"][i]) >= 0 else None,
+        "first_loss_position": None if (first := num("first_loss_position")) is None else int(first),
     }
     if "group" in part:
         row["group"] = int(part["group"][i])

@@ -20,7 +20,7 @@ import torch
 
 from axrl_spike_replay.capture.run_config import RunSpec
 from axrl_spike_replay.capture.snapshot_writer import RankPayload
-from axrl_spike_replay.capture.trainer_step import RankTrainer, StepBatch, StepGrads, _all_reduce_sum
+from axrl_spike_replay.capture.trainer_step import RankTrainer, StepBatch, StepGrads, all_reduce_sum
 from axrl_spike_replay.models.policy import build_policy
 from axrl_spike_replay.training.rank_step import rank_forward_backward
 from axrl_spike_replay.training.routing_replay import routing_control
@@ -92,7 +92,7 @@ class FsdpRankTrainer(RankTrainer):
             total += float(_full(p.grad).detach().double().pow(2).sum())  # same order as global_grad_norm
         fsdp_norm = float(_full(torch.nn.utils.get_total_norm(grads)))
         loss = float(out.loss.detach())
-        (loss_sum,) = _all_reduce_sum([loss])
+        (loss_sum,) = all_reduce_sum([loss])
         self._fsdp_norm = fsdp_norm
         return StepGrads(
             grad_norm=math.sqrt(total),

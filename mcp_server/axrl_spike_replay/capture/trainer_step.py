@@ -67,7 +67,8 @@ class StepGrads:
     counts: GlobalCounts | None = None  # the step's global counts (normalization global)
 
 
-def _all_reduce_sum(values: list[float]) -> list[float]:
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """The values summed over the process group in float64 (unchanged in a single process)."""
     import torch.distributed as dist
 
     tensor = torch.tensor(values, dtype=torch.float64)
@@ -170,7 +171,7 @@ class RankTrainer:
             batch["rewards"] = echo_reward(batch["tokens"], t.prompt_len)
         self._fault("rewards", parts)
         rewards = batch["rewards"]
-        reward_sum, count = _all_reduce_sum([float(rewards.sum()), float(rewards.numel())])
+        reward_sum, count = all_reduce_sum([float(rewards.sum()), float(rewards.numel())])
         global_mean = reward_sum / count
         if t.advantage_estimator == "grpo":
             advantages = grpo_advantages(rewards, t.group_size, unbiased=self.spec.loss.convention == "verl")
@@ -246,7 +247,7 @@ class RankTrainer:
         reduce_gradients(self.model, self.world_size)
         grad_norm = global_grad_norm(self.model)
         loss = float(out.loss.detach())
-        (loss_sum,) = _all_reduce_sum([loss])
+        (loss_sum,) = all_reduce_sum([loss])
         return StepGrads(
             grad_norm=grad_norm,
             local_param_norms=local,

@@ -7,7 +7,9 @@ The patched FSDP engine keeps the loss function it trained with: `functools.part
 | verl (actor config)                          | our `loss:` key                                   |
 |----------------------------------------------|---------------------------------------------------|
 | `clip_ratio_low` / `clip_ratio_high` (else `clip_ratio`) | `clip_eps_low` / `clip_eps_high`      |
-| `clip_ratio_c` (dual clip, default 3)        | `dual_clip_c`                                     |
+| `clip_ratio_c` (dual clip, default 3)        | `dual_clip_c` (vanilla only: no other loss reads it) |
+| `policy_loss.loss_mode` gspo / cispo / sapo  | `policy_loss_mode` (training/policy_objectives.py) |
+| `tau_pos` / `tau_neg` (sapo)                 | `sapo_tau_pos` / `sapo_tau_neg`                   |
 | `loss_agg_mode`, `loss_scale_factor`         | `loss_agg_mode`, `loss_scale_factor`              |
 | `entropy_coeff`                              | `entropy_coef`                                    |
 | `use_kl_loss`, `kl_loss_coef`, `kl_loss_type`| `kl_coef` (0 without `use_kl_loss`), `kl_estimator` |
@@ -17,9 +19,9 @@ Rollout correction (`algorithm.rollout_correction`: `rollout_is`, `rollout_rs`, 
 `rollout_is_batch_normalize`) is not the actor's: in verl's decoupled mode the driver applies it before the update,
 so the mini-batch the engine trains on already holds its effect (`response_mask` after rejection sampling,
 `rollout_is_weights`), and a replay uses those as recorded. The section therefore leaves `rollout_is` /
-`rollout_rs` unset. Bypass mode (`policy_loss.loss_mode: bypass_mode`) and every other loss mode or loss function
-are settings this convention does not reproduce: they are listed under `unreproduced`, which the replay refuses
-with the list (see `LossConfig.from_dict`), never dropped.
+`rollout_rs` unset. Bypass mode (`policy_loss.loss_mode: bypass_mode`) and every loss mode beside vanilla, gspo,
+cispo and sapo, or another loss function, are settings this convention does not reproduce: they are listed under
+`unreproduced`, which the replay refuses with the list (see `LossConfig.from_dict`), never dropped.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.training.loss_config import KL_ESTIMATORS, UNREPRODUCED_KEY, LossConfig
+from axrl_spike_replay.training.loss_config import KL_ESTIMATORS, POLICY_LOSS_MODES, UNREPRODUCED_KEY, LossConfig
 from axrl_spike_replay.training.verl_settings import VERL_VERSION
 
 VERL_LOSS_FUNCTION = "ppo_loss"  # verl.workers.utils.losses.ppo_loss: the loss the verl convention reproduces
@@ -94,11 +96,14 @@ def section_from_actor_config(config: Any) -> VerlLossSection:
 
 def _mapped(config: Any, unreproduced: list[str]) -> dict[str, Any]:
     mode = setting(setting(config, "policy_loss", {}), "loss_mode", "vanilla")
-    if mode != "vanilla":
+    if mode not in POLICY_LOSS_MODES:
         why = "verl's bypass mode (old := rollout logprobs) " if mode == "bypass_mode" else ""
-        unreproduced.append(f"policy_loss.loss_mode={mode}: {why}the verl convention reproduces the vanilla PPO loss")
+        unreproduced.append(
+            f"policy_loss.loss_mode={mode}: {why}the verl convention reproduces the {', '.join(POLICY_LOSS_MODES)} "
+            "policy losses"
+        )
     scale = setting(config, "loss_scale_factor")
-    return {
+    section = {
         "convention": "verl",
         "convention_version": VERL_VERSION,
         "normalization": "global",  # verl's engine always passes the step's global counts to agg_loss
@@ -111,6 +116,13 @@ def _mapped(config: Any, unreproduced: list[str]) -> dict[str, Any]:
         **_clip(config),
         **_kl(config, unreproduced),
     }
+    if mode in POLICY_LOSS_MODES and mode != "vanilla":
+        section["policy_loss_mode"] = mode
+        section.pop("dual_clip_c")  # verl's gspo, cispo and sapo losses read no clip_ratio_c
+        if mode == "sapo":
+            section["sapo_tau_pos"] = float(setting(config, "tau_pos", 1.0))
+            section["sapo_tau_neg"] = float(setting(config, "tau_neg", 1.05))
+    return section
 
 
 def section_from_loss_function(loss_function: Any) -> VerlLossSection:

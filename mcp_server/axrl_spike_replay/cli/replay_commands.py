@@ -12,13 +12,15 @@ from axrl_spike_replay.cli.remote_options import add_remote_options
 from axrl_spike_replay.cli.request_options import add_request_options, request_values
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.figure_names import ATTRIBUTION_SAMPLE, with_current_names
+from axrl_spike_replay.experiment.result import Attribution, ReplayResult, RunResult, SweepResult
+from axrl_spike_replay.experiment.verdict import basis_field
 from axrl_spike_replay.investigation.request import How, What
 from axrl_spike_replay.percent import pct, pct_plain
 from axrl_spike_replay.vocabulary import Verb
 
 if TYPE_CHECKING:
     from axrl_spike_replay.investigation.request import ReplayRequest
+    from axrl_spike_replay.snapshot.consistency import Consistency
 
 
 def _common(parser: argparse.ArgumentParser, verb: Verb) -> None:
@@ -106,17 +108,18 @@ def _request(args: argparse.Namespace, verb: Verb, **what: Any) -> ReplayRequest
     )
 
 
-def _run(args: argparse.Namespace, request: ReplayRequest) -> dict[str, Any]:
-    """The result document of `request`: run here as always, or on the warm service with --warm / --server."""
-    from axrl_spike_replay.jsonable import to_jsonable
-
+def _run(args: argparse.Namespace, request: ReplayRequest) -> RunResult:
+    """The result of `request`: run here as always, or on the warm service with --warm / --server (its document
+    read back into the result of the request's verb)."""
     if args.warm or args.server:
         from axrl_spike_replay.investigation.warm_client import run_on_service
 
-        return run_on_service(request, args.server)
+        doc = run_on_service(request, args.server)
+        kind = {Verb.SWEEP: SweepResult, Verb.ATTRIBUTE: Attribution}.get(request.what.verb, ReplayResult)
+        return kind.from_json(doc)
     from axrl_spike_replay.investigation.runs import run_request
 
-    return to_jsonable(run_request(request))
+    return run_request(request)
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -163,142 +166,138 @@ def _num(value: Any, digits: int = 6) -> str:
     return "n/a" if value is None else str(value)
 
 
-def fidelity_label(doc: dict[str, Any]) -> str:
+def fidelity_label(result: ReplayResult | SweepResult) -> str:
     """`full` or `REDUCED (diagnostic: ...)`: a reduced replay is always labelled as such."""
-    saved, used = doc.get("world_size_saved"), doc.get("world_size_used")
-    if doc.get("fidelity") == "full":
+    saved, used = result.world_size_saved, result.world_size_used
+    if result.fidelity == "full":
         if used == saved:
             return f"full ({used} process(es) = saved world size {saved})"
         return f"full ({used} process(es) replay the {saved} saved ranks, several each in turn)"
     return f"REDUCED, a diagnostic ({used} process(es) replay {saved} saved ranks; summation order differs)"
 
 
-def _threshold_label(doc: dict[str, Any]) -> str:
-    basis = doc.get("verdict_basis") or {}
-    return "your clear threshold" if basis.get("threshold_source") == "clear_threshold" else "detector threshold"
+def _threshold_label(result: ReplayResult) -> str:
+    source = basis_field(result.verdict_basis, "threshold_source")
+    return "your clear threshold" if source == "clear_threshold" else "detector threshold"
 
 
-def render_replay(doc: dict[str, Any]) -> str:
+def render_replay(result: ReplayResult) -> str:
     """A replay result for people."""
     from axrl_spike_replay.experiment.result import describe_clean_gradient
-    from axrl_spike_replay.snapshot.consistency import checks_line
 
+    r = result
     lines = [
-        f"replay of {doc['snapshot']} (job {doc['job_name']}, iteration {doc['iteration']}, {doc['device']})",
-        f"  fidelity      {fidelity_label(doc)}",
-        f"  grad norm     {_num(doc['grad_norm'], 10)}  (recorded {_num(doc['recorded_grad_norm'], 10)}"
-        + (
-            f", rel_diff {_num(doc['rel_diff'], 3)}, tolerance {_num(doc.get('tolerance'), 3)})"
-            if not doc["mitigations"]
-            else ")"
-        ),
-        f"  spike ratio   {_num(doc['spike_ratio'], 4)} x median {_num(doc['median_norm'], 6)} "
-        f"({_threshold_label(doc)} {_num(doc['threshold'], 4)})",
+        f"replay of {r.snapshot} (job {r.job_name}, iteration {r.iteration}, {r.device})",
+        f"  fidelity      {fidelity_label(r)}",
+        f"  grad norm     {_num(r.grad_norm, 10)}  (recorded {_num(r.recorded_grad_norm, 10)}"
+        + (f", rel_diff {_num(r.rel_diff, 3)}, tolerance {_num(r.tolerance, 3)})" if not r.mitigations else ")"),
+        f"  spike ratio   {_num(r.spike_ratio, 4)} x median {_num(r.median_norm, 6)} "
+        f"({_threshold_label(r)} {_num(r.threshold, 4)})",
     ]
-    if doc["mitigations"]:
-        items = ", ".join(f"{k}={v}" for k, v in doc["mitigations"].items())
-        change = doc.get("change_vs_baseline")
+    if r.mitigations:
+        items = ", ".join(f"{k}={v}" for k, v in r.mitigations.items())
         lines.append(f"  mitigations   {items}")
         lines.append(
-            f"  vs baseline   grad norm {_num(doc.get('baseline_grad_norm'), 8)} -> {_num(doc['grad_norm'], 8)} "
-            f"({pct(change)})"
+            f"  vs baseline   grad norm {_num(r.baseline_grad_norm, 8)} -> {_num(r.grad_norm, 8)} "
+            f"({pct(r.change_vs_baseline)})"
         )
-    if doc.get("hypothesis"):  # judged against the recording, rank by rank: no mitigation
-        for row in (doc.get("verdict_basis") or {}).get("rank_losses") or []:
+    if r.hypothesis:  # judged against the recording, rank by rank: no mitigation
+        for row in basis_field(r.verdict_basis, "rank_losses") or []:
             said = {True: "matches", False: "DIFFERS", None: "not compared"}[row.get("matches")]
             lines.append(
                 f"  rank {row['rank']} loss   {_num(row.get('replayed_loss'), 10)} (recorded "
                 f"{_num(row.get('recorded_loss'), 10)}): {said}"
             )
-    verdict = doc.get("finding") or doc["verdict"]
-    lines.append(f"  verdict       {verdict}" + (f": {doc['error']}" if doc.get("error") else ""))
-    lines += [f"  {line}" for line in _input_lines(doc)]
-    footprint, cos = doc.get("footprint"), doc.get("cosine_to_clean")
+    lines.append(f"  verdict       {r.finding or r.verdict}" + (f": {r.error}" if r.error else ""))
+    lines += [f"  {line}" for line in _input_lines(r)]
+    footprint = r.footprint
     if footprint:
         lines.append(
-            f"  footprint     {pct_plain(footprint['token_fraction'])} of loss tokens masked or changed "
-            f"({footprint['masked_tokens']} masked, {footprint['changed_tokens']} changed of "
-            f"{footprint['loss_tokens']}), {pct_plain(footprint['sample_fraction'])} of samples touched"
+            f"  footprint     {pct_plain(footprint.token_fraction)} of loss tokens masked or changed "
+            f"({footprint.masked_tokens} masked, {footprint.changed_tokens} changed of "
+            f"{footprint.loss_tokens}), {pct_plain(footprint.sample_fraction)} of samples touched"
         )
-    if doc.get("clean_gradient"):
+    if r.clean_gradient:
         lines.append(
-            f"  cos to clean  {_num(cos, 4)} (clean gradient: {describe_clean_gradient(doc['clean_gradient'])})"
+            f"  cos to clean  {_num(r.cosine_to_clean, 4)} "
+            f"(clean gradient: {describe_clean_gradient(r.clean_gradient)})"
         )
-    if doc.get("repeat_grad_norms"):
+    if r.repeat_grad_norms:
         lines.append(
-            f"  repeat        {len(doc['repeat_grad_norms'])} runs, spread {_num(doc.get('repeat_spread'), 3)}"
-            + (" (deterministic)" if doc.get("repeat_spread") == 0 else "")
+            f"  repeat        {len(r.repeat_grad_norms)} runs, spread {_num(r.repeat_spread, 3)}"
+            + (" (deterministic)" if r.repeat_spread == 0 else "")
         )
-    consistency = doc.get("consistency")
-    if consistency:
-        own = "agrees with itself" if consistency["self_consistent"] else "DISAGREES with itself"
-        log = {True: "agrees with", False: "CONTRADICTS", None: "no value in"}[consistency.get("agrees_with_log")]
-        lines.append(f"  snapshot      {own}; {log} the training log")
-        lines.append(f"  checks        {checks_line(consistency.get('checked') or [], consistency.get('skipped'))}")
-        lines += [f"  problem       [{p['name']}] {p['message']}" for p in consistency["problems"]]
-    if doc.get("top_params"):
-        tops = ", ".join(f"{p['name']} {_num(p['grad_norm'], 4)}" for p in doc["top_params"][:3])
+    lines += _consistency_lines(r.consistency)
+    if r.top_params:
+        tops = ", ".join(f"{p['name']} {_num(p['grad_norm'], 4)}" for p in r.top_params[:3])
         lines.append(f"  top params    {tops}")
-    if doc.get("output_dir"):
-        lines.append(f"  output        {doc['output_dir']}")
+    if r.output_dir:
+        lines.append(f"  output        {r.output_dir}")
     return "\n".join(lines)
 
 
-def render_sweep(doc: dict[str, Any]) -> str:
+def _consistency_lines(found: Consistency | None) -> list[str]:
+    """The snapshot's agreement with itself and the training log, the checks made and each problem."""
+    from axrl_spike_replay.snapshot.consistency import checks_line
+
+    if found is None:
+        return []
+    own = "agrees with itself" if found.self_consistent else "DISAGREES with itself"
+    log = {True: "agrees with", False: "CONTRADICTS", None: "no value in"}[found.agrees_with_log]
+    return [
+        f"  snapshot      {own}; {log} the training log",
+        f"  checks        {checks_line(found.checked, found.skipped)}",
+        *(f"  problem       [{p.name}] {p.message}" for p in found.problems),
+    ]
+
+
+def render_sweep(sweep: SweepResult) -> str:
     """A sweep as a table: one row per config, the baseline first."""
-    base = doc["baseline"]
-    rows = [["baseline", base["grad_norm"], base["spike_ratio"], "", base["verdict"]]]
-    for r in doc["results"]:
-        change = r.get("change_vs_baseline")
-        rows.append(
-            [
-                r["config_id"],
-                r["grad_norm"],
-                r["spike_ratio"],
-                "" if change is None else pct(change),
-                r.get("finding") or r["verdict"],
-            ]
-        )
+    base = sweep.baseline
+    rows = [["baseline", base.grad_norm, base.spike_ratio, "", base.verdict]]
+    for r in sweep.results:
+        change = r.change_vs_baseline
+        shown_change = "" if change is None else pct(change)
+        rows.append([r.config_id, r.grad_norm, r.spike_ratio, shown_change, r.finding or r.verdict])
     head = [
-        f"sweep of {doc['snapshot']} ({doc['device']}), fidelity {fidelity_label(doc)}",
-        f"recorded grad norm {_num(base['recorded_grad_norm'], 8)}, baseline rel_diff {_num(base['rel_diff'], 3)}, "
-        f"{_threshold_label(base)} {_num(doc['threshold'], 4)} x median {_num(base['median_norm'], 6)}",
+        f"sweep of {sweep.snapshot} ({sweep.device}), fidelity {fidelity_label(sweep)}",
+        f"recorded grad norm {_num(base.recorded_grad_norm, 8)}, baseline rel_diff {_num(base.rel_diff, 3)}, "
+        f"{_threshold_label(base)} {_num(sweep.threshold, 4)} x median {_num(base.median_norm, 6)}",
         "",
     ]
     tail = ["", *_input_lines(base)]
-    if base.get("error"):
-        tail.append(f"baseline {base['verdict']}: {base['error']}; the configs are judged against the recorded step")
-    tail += [f"output {doc['output_dir']}"] if doc.get("output_dir") else []
+    if base.error:
+        tail.append(f"baseline {base.verdict}: {base.error}; the configs are judged against the recorded step")
+    tail += [f"output {sweep.output_dir}"] if sweep.output_dir else []
     return "\n".join([*head, table(["config", "grad norm", "x median", "vs baseline", "verdict"], rows), *tail])
 
 
-def _input_lines(doc: dict[str, Any]) -> list[str]:
+def _input_lines(result: ReplayResult) -> list[str]:
     """A result's input findings (a rank's input failing a check against the model), one line each."""
-    return [f"input finding: {line}" for line in doc.get("input_findings") or []]
+    return [f"input finding: {line}" for line in result.input_findings]
 
 
-def render_attribution(doc: dict[str, Any]) -> str:
+def render_attribution(att: Attribution) -> str:
     """The top samples by contribution to the global grad norm."""
-    norm = doc["grad_norm"]
     rows = [
         [
-            s["rank"],
-            s["sample"],
-            s["contribution"],
-            pct_plain(s["share"]),
-            s["advantage"],
-            s["reward"],
-            s["max_abs_log_ratio_current_vs_base"],
-            s["loss_tokens"],
+            s.rank,
+            s.sample,
+            s.contribution,
+            pct_plain(s.share),
+            s.advantage,
+            s.reward,
+            s.max_abs_log_ratio_current_vs_base,
+            s.loss_tokens,
         ]
-        for s in (with_current_names(s, ATTRIBUTION_SAMPLE) for s in doc["samples"])
+        for s in att.samples
     ]
-    fidelity = "full" if doc["fidelity"] == "full" else "REDUCED (one process for all saved ranks)"
+    fidelity = "full" if att.fidelity == "full" else "REDUCED (one process for all saved ranks)"
     lines = [
-        f"attribution of {doc['snapshot']}: grad norm {_num(norm, 8)} (recorded {_num(doc['recorded_grad_norm'], 8)}, "
-        f"fidelity {fidelity})",
-        f"sum of contributions {_num(doc['contribution_sum'], 8)} incl. router term {_num(doc['router_term'], 4)} "
-        f"(rel error {_num(doc['sum_rel_error'], 2)}); top {len(rows)} of {doc['total_samples']} samples:",
+        f"attribution of {att.snapshot}: grad norm {_num(att.grad_norm, 8)} "
+        f"(recorded {_num(att.recorded_grad_norm, 8)}, fidelity {fidelity})",
+        f"sum of contributions {_num(att.contribution_sum, 8)} incl. router term {_num(att.router_term, 4)} "
+        f"(rel error {_num(att.sum_rel_error, 2)}); top {len(rows)} of {att.total_samples} samples:",
         "",
         table(
             [
@@ -308,12 +307,12 @@ def render_attribution(doc: dict[str, Any]) -> str:
                 "share",
                 "advantage",
                 "reward",
-                f"max |log(pi/pi_{doc['log_ratio_base']})|",
+                f"max |log(pi/pi_{att.log_ratio_base})|",
                 "tokens",
             ],
             rows,
         ),
     ]
-    if doc.get("output_dir"):
-        lines += ["", f"output {doc['output_dir']}"]
+    if att.output_dir:
+        lines += ["", f"output {att.output_dir}"]
     return "\n".join(lines)

@@ -31,6 +31,9 @@ def register(sub: Any) -> None:
     )
     p.add_argument("output_dir", help="a role output dir (<run>~<job>__<role>)")
     p.add_argument("--by-iteration", action="store_true", help="order the table by iteration instead")
+    p.add_argument(
+        "--workspace", default=".", metavar="DIR", help="also list copies preserved into this workspace (default: .)"
+    )
     add_json_flag(p)
     p.set_defaults(handler=_snapshots)
 
@@ -117,7 +120,7 @@ def _resolve(args: argparse.Namespace) -> int:
 def _snapshots(args: argparse.Namespace) -> int:
     from axrl_spike_replay.snapshot.listing import list_snapshots
 
-    result = list_snapshots(args.output_dir)
+    result = list_snapshots(args.output_dir, workspace=args.workspace)
 
     def render(r: Any) -> str:
         skipped = [f"skipped {x.path}: {x.reason}" for x in r.skipped]
@@ -130,10 +133,7 @@ def _snapshots(args: argparse.Namespace) -> int:
             if args.by_iteration
             else sorted(r.snapshots, key=lambda s: (place.get(Path(s.path).name, len(place) + 1), not s.preserved))
         )
-        rows = [
-            [s.iteration, "preserved" if s.preserved else "retained", s.spike_ratio, s.grad_norm, size(s.bytes), s.path]
-            for s in listed
-        ]
+        rows = [[s.iteration, _kind(s), s.spike_ratio, s.grad_norm, size(s.bytes), s.path] for s in listed]
         lines = [table(["iteration", "kind", "spike ratio", "grad norm", "size", "path"], rows)]
         lines += [f"problem: {s.problem}" for s in r.snapshots if s.problem] + skipped
         lines += ["", "order to investigate:"] + [f"{k.order}. iteration {k.iteration}: {k.reason}" for k in r.ranking]
@@ -141,6 +141,13 @@ def _snapshots(args: argparse.Namespace) -> int:
 
     emit(result, args.json, render)
     return 0
+
+
+def _kind(entry: Any) -> str:
+    """How a listed snapshot is kept: rotating, preserved under the output root, or copied into the workspace."""
+    if entry.in_workspace:
+        return "preserved (workspace)"
+    return "preserved" if entry.preserved else "retained"
 
 
 def _preserve(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, table
+from axrl_spike_replay.workspace.experiment_row import ExperimentRow
 from axrl_spike_replay.workspace.views import MethodAdded, MethodEntry, ReportResult, TaskView
 
 
@@ -179,11 +180,11 @@ def _report(args: argparse.Namespace) -> int:
     return 1 if any(not entry["released"] for entry in result.released) else 0
 
 
-def _change(row: dict[str, Any]) -> str:
+def _change(row: ExperimentRow) -> str:
     """A mitigated row's change vs its baseline as the task file and report show it (`-99.7%`)."""
     from axrl_spike_replay.workspace.render import pct
 
-    return "" if row.get("is_baseline") or row.get("hypothesis") else pct(row.get("change_vs_baseline"))
+    return "" if row.is_baseline or row.hypothesis else pct(row.change_vs_baseline)
 
 
 def _workspace(args: argparse.Namespace) -> Path:
@@ -200,10 +201,9 @@ def _render_task(task: TaskView, workspace: Path) -> str:
     lines.append(f"command:  {task.command or '(none)'}")
     if task.experiments:
         cols = ("id", "fidelity", "change", "grad_norm", "ratio_to_median", "change vs baseline", "verdict")
-        fields = ("id", "fidelity", "change", "grad_norm", "ratio_to_median")
         rows = [
-            [*(row.get(f) for f in fields), _change(row), row.get("finding") or row.get("verdict")]
-            for row in task.experiments
+            [r.id, r.fidelity, r.change, r.grad_norm, r.ratio_to_median, _change(r), r.finding or r.verdict]
+            for r in task.experiments
         ]
         lines += ["", table(cols, rows)]
     if task.failed:

@@ -43,12 +43,14 @@ FAMILIES, with the broken part each names:
   singles out no rank, and a reference whose ranks' KL term carries almost none of the gradient is not the cause;
 - `routing_payload`: the recorded routes of some ranks disagree with the model's own routing while the other
   ranks' agree (a corrupt or misaligned routing payload);
-- `outlier_advantage`: a few samples' advantages are far beyond the rest (incl. a reward-scale bug);
-- `mask_misalignment`: loss masks that are truncated or shifted against the tokens they belong to;
+- `outlier_advantage`: a few samples' advantages are far beyond the rest (incl. a reward-scale bug), or one rank's
+  advantages are on another scale than the others' while its data is alike (`rank_inputs`);
+- `mask_misalignment`: loss masks that are truncated or shifted against the tokens they belong to, or that start
+  before every other rank's on some ranks (`rank_inputs`);
 - `negative_advantage_dominance`: negative advantages outweigh positive ones over the loss tokens;
 - `one_rank_data`: one rank's batch carries the spike with no stored signal singled out there, and what it was
-  fed differs from the other ranks' (its typical sample far less likely to the policy, or its advantages of
-  another scale); data alike the others' is a few hard samples that landed on that rank (`natural_spike`);
+  fed differs from the other ranks' (its typical sample far less likely to the policy, or its advantages a few
+  times the others'); data alike the others' is a few hard samples that landed on that rank (`natural_spike`);
 - `non_finite`: non-finite values in the batch or the gradient;
 - `step_not_reproduced`: the replay does not give the recorded step; each rank's recorded loss and per-parameter
   norms against the replay's say which ranks differ and how (one factor: a loss or gradient scale outside the

@@ -6,7 +6,7 @@ grad norm, every advantage negative), LIKELY (0.3) the least that is reported as
 
 Non-finite values are the non_finite family's evidence and no other's: every other family judges the finite
 values only (a NaN compares false with every threshold and `min(1.0, nan)` is 1.0, so one NaN would otherwise
-pass for the strongest signal), and a strength is never NaN (`_unit`)."""
+pass for the strongest signal), and a strength is never NaN (`unit_strength`)."""
 
 from __future__ import annotations
 
@@ -79,16 +79,17 @@ class Evidence:
     reproduction: Any | None = None  # each rank's record against the replay (`reproduction.Reproduction`)
 
 
-def _pct(x: float) -> str:
+def percent_text(x: float) -> str:
+    """A share as a percentage with one decimal (`12.5 %`), as cause evidence reads."""
     return f"{100 * x:.1f} %"
 
 
-def _finite(x: Any) -> TypeGuard[float]:
+def is_finite(x: Any) -> TypeGuard[float]:
     """A finite number (not a bool, not None)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _unit(x: float) -> float:
+def unit_strength(x: float) -> float:
     """A strength in [0, 1]: NaN (from a non-finite figure that slipped through) counts as no signal."""
     return 0.0 if math.isnan(x) else min(1.0, max(0.0, x))
 
@@ -96,13 +97,13 @@ def _unit(x: float) -> float:
 NON_FINITE_INPUTS = 0.6  # non-finite batch values under a finite recorded norm: likely, but not the spike itself
 
 
-def _carriers(att: Attribution | None, cover: float = 0.5) -> list[Any]:
+def top_carriers(att: Attribution | None, cover: float = 0.5) -> list[Any]:
     """The top-attributed samples that together carry `cover` of the norm (at most 5)."""
     if att is None:
         return []
     out, total = [], 0.0
     for s in att.samples[:5]:
-        if not _finite(s.share):
+        if not is_finite(s.share):
             continue
         if s.share <= 0:
             break
@@ -120,7 +121,8 @@ def _row(a: Any, rank: int, sample: int) -> dict[str, Any] | None:
     return None
 
 
-def _pairs(samples: list[tuple[int, int]]) -> str:
+def sample_pairs(samples: list[tuple[int, int]]) -> str:
+    """Samples as `rank:sample` pairs joined by commas, as the mask mitigations take them."""
     return ",".join(f"{r}:{s}" for r, s in samples)
 
 
@@ -172,7 +174,7 @@ def non_finite(ev: Evidence) -> Cause | None:
     if bad and len(bad) <= max(1, int(FEW * len(a.samples["rows"]))):
         experiments.append(
             Experiment(
-                f"drop_samples={_pairs(bad[:8])}",
+                f"drop_samples={sample_pairs(bad[:8])}",
                 "leave out the samples with non-finite values: if the step is finite without them, they are the cause",
                 True,
             )
@@ -188,12 +190,12 @@ def non_finite(ev: Evidence) -> Cause | None:
 
 def _non_finite_row(row: dict[str, Any], a: Any) -> bool:
     """A sample whose log-ratio or advantage is non-finite (a NaN is stored as None in the sample rows)."""
-    ratio_bad = a.ratio_old_vs_rollout.get("available") and not _finite(row["max_abs_log_ratio_old_vs_rollout"])
-    advantage_bad = a.advantages is not None and not _finite(row["advantage"])
+    ratio_bad = a.ratio_old_vs_rollout.get("available") and not is_finite(row["max_abs_log_ratio_old_vs_rollout"])
+    advantage_bad = a.advantages is not None and not is_finite(row["advantage"])
     return bool(ratio_bad or advantage_bad)
 
 
-def _finite_fraction_outside(ratio: dict[str, Any]) -> float | None:
+def finite_fraction_outside(ratio: dict[str, Any]) -> float | None:
     """The fraction of finite loss-token log-ratios outside [ln 0.5, ln 2] (analyze counts a non-finite one as
     outside; here it is left out); None when no log-ratio is finite."""
     stats = ratio["log_ratio"]
@@ -209,7 +211,7 @@ def _outliers(a: Any) -> tuple[list[dict[str, Any]], list[float], list[int]]:
     """(samples with loss tokens and an advantage, their robust z, indexes of the few outliers by z). The z is
     `advantage_outlier_mask`'s own (`outlier_z` over each saved rank's batch, with its prompt groups), so the
     threshold a suggestion names is judged on the figure the mask measures."""
-    rows = [r for r in a.samples["rows"] if _finite(r["advantage"]) and r["loss_tokens"]]
+    rows = [r for r in a.samples["rows"] if is_finite(r["advantage"]) and r["loss_tokens"]]
     z = [0.0] * len(rows)
     by_rank: dict[int, list[int]] = {}
     for i, r in enumerate(rows):
@@ -255,14 +257,14 @@ def outlier_advantage(ev: Evidence) -> Cause | None:
     ]
     strength = 0.6
     shares = [s.share for s in (ev.attribution.samples if ev.attribution else []) if (s.rank, s.sample) in pairs]
-    carried = math.fsum(x for x in shares if _finite(x))
+    carried = math.fsum(x for x in shares if is_finite(x))
     if ev.attribution is not None:
         evidence.insert(
             0,
-            f"{'sample' if len(pairs) == 1 else 'these samples'} {_pairs(pairs)} carr"
-            f"{'ies' if len(pairs) == 1 else 'y'} {_pct(carried)} of ‖g‖",
+            f"{'sample' if len(pairs) == 1 else 'these samples'} {sample_pairs(pairs)} carr"
+            f"{'ies' if len(pairs) == 1 else 'y'} {percent_text(carried)} of ‖g‖",
         )
-        strength = 0.4 + 0.6 * _unit(carried)
+        strength = 0.4 + 0.6 * unit_strength(carried)
     return Cause(
         "outlier_advantage",
         "outlier advantage on a few samples",
@@ -282,7 +284,7 @@ def outlier_advantage(ev: Evidence) -> Cause | None:
                 refutes="the spike stays within 20 % of the baseline",
             ),
             Experiment(
-                f"drop_samples={_pairs(pairs)}",
+                f"drop_samples={sample_pairs(pairs)}",
                 "leaves these samples out: if the spike goes, they are the cause (diagnostic, not a production method)",
                 True,
                 refutes="the spike stays within 20 % of the baseline",
@@ -311,26 +313,26 @@ def negative_advantage_dominance(ev: Evidence) -> Cause | None:
         rest = [
             r
             for r in ev.analysis.samples["rows"]
-            if (r["rank"], r["sample"]) not in outliers and _finite(r["advantage"])
+            if (r["rank"], r["sample"]) not in outliers and is_finite(r["advantage"])
         ]
         pos = math.fsum(max(0.0, r["advantage"]) * r["loss_tokens"] for r in rest)
         neg = math.fsum(max(0.0, -r["advantage"]) * r["loss_tokens"] for r in rest)
         ratio = neg / pos if pos else (math.inf if neg else 0.0)
         if ratio < 1.5:
             return None
-    strength = 1.0 if math.isinf(ratio) else _unit((ratio - 1.0) / 4.0)
+    strength = 1.0 if math.isinf(ratio) else unit_strength((ratio - 1.0) / 4.0)
     neg_tokens = s["negative_tokens"] / max(1, s["negative_tokens"] + s["positive_tokens"] + s["zero_tokens"])
     skipped = s.get("non_finite_tokens") or 0
     evidence = [
         f"negative advantages outweigh positive ones {'entirely' if math.isinf(ratio) else f'{ratio:.3g}x'} "
         f"(totals per loss token {s['negative_total']:.4g} vs {s['positive_total']:.4g}); "
-        f"{_pct(neg_tokens)} of loss tokens have a negative advantage"
+        f"{percent_text(neg_tokens)} of loss tokens have a negative advantage"
         + (f" ({skipped} non-finite left out)" if skipped else "")
     ]
     if ev.attribution is not None:
-        neg = math.fsum(x.share for x in ev.attribution.samples if x.advantage < 0 and _finite(x.share))
+        neg = math.fsum(x.share for x in ev.attribution.samples if x.advantage < 0 and is_finite(x.share))
         evidence.append(
-            f"negative-advantage samples among the top {len(ev.attribution.samples)} carry {_pct(neg)} of ‖g‖"
+            f"negative-advantage samples among the top {len(ev.attribution.samples)} carry {percent_text(neg)} of ‖g‖"
         )
     experiments = [
         Experiment("balance_negative_advantages=true", "scales negative advantages to the positives' total"),

@@ -32,12 +32,13 @@ from typing import Any
 
 from axrl_spike_replay.diagnosis import causes, rank_scope, reproduction, signal_causes, tie_break
 from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment
+from axrl_spike_replay.diagnosis.convention_experiments import in_convention
 from axrl_spike_replay.diagnosis.hypotheses import loss_hypotheses, rank_mismatches
 from axrl_spike_replay.diagnosis.input_causes import input_causes, merge_input_causes
 from axrl_spike_replay.diagnosis.model_evidence import RouteAgreement
 from axrl_spike_replay.diagnosis.no_ops import no_op_reason, run_configs
+from axrl_spike_replay.diagnosis.ratio_shape import RatioShape, read_ratio_shape
 from axrl_spike_replay.diagnosis.signal_reading import SignalReading, read_signals
-from axrl_spike_replay.diagnosis.trl_experiments import in_convention
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.result import Attribution
 from axrl_spike_replay.experiment.step_evidence import StepEvidence
@@ -51,6 +52,7 @@ from axrl_spike_replay.snapshot.consistency import (
 from axrl_spike_replay.snapshot.layout import rank_files
 from axrl_spike_replay.snapshot.log_point import LogPoint, log_point
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
+from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.vocabulary import Fidelity
 
 MODEL_MODES = ("auto", "always", "never")
@@ -60,8 +62,10 @@ CHECKED = {
     "stale_old_logprobs": "the stored old log-probs against the replay at the snapshot's weights, per rank",
     "bad_ref_logprobs": "the stored reference log-probs against the replay, per rank, and the KL term's share",
     "routing_payload": "recorded routes against the model's own routing, per rank and MoE layer, loss and other tokens",
-    "mask_misalignment": "loss tokens that no stored signal covers (every stored log-prob a 0 fill), per rank",
-    "outlier_advantage": f"per-sample advantages against their rank's batch (robust z ≥ {causes.OUTLIER_Z:g}, a few)",
+    "mask_misalignment": "loss tokens that no stored signal covers (every stored log-prob a 0 fill), and where each "
+    "rank's loss masks start and stop against the tokens the engine generated, per rank",
+    "outlier_advantage": f"per-sample advantages against their rank's batch (robust z ≥ {causes.OUTLIER_Z:g}, a few), "
+    "and each rank's typical |advantage| against the other ranks'",
     "negative_advantage_dominance": "the sign balance of advantages over loss tokens",
     "one_rank_data": "per-rank local grad norms, shares of the attributed norm and of each loss term",
     "step_not_reproduced": "each rank's recorded loss and per-parameter norms against the replay's, the factor per "
@@ -74,7 +78,7 @@ RULES = (
     signal_causes.bad_ref_logprobs,
     signal_causes.routing_payload,
     signal_causes.mask_misalignment,
-    causes.outlier_advantage,
+    signal_causes.outlier_advantage,
     causes.negative_advantage_dominance,
     signal_causes.one_rank_data,
     reproduction.step_not_reproduced,
@@ -145,6 +149,20 @@ def _model_evidence(
     except AxrlError as exc:  # a snapshot the torch engine cannot rebuild: the static evidence still stands
         not_checked.append(f"model evidence ({exc})")
     return att, step
+
+
+def _ratio_shape(directory: Path, loss: LossConfig | None, not_checked: list[str]) -> RatioShape | None:
+    """The stored old-vs-rollout ratios' shape, against the loss's clip range (the evidence for the newer
+    objectives); None, said in `not_checked`, where the batches lack those log-probs."""
+    low, high = (1.0 - loss.clip_eps_low, 1.0 + loss.clip_eps_high) if loss is not None else (0.8, 1.2)
+    try:
+        shape = read_ratio_shape(directory, low, high)
+    except AxrlError as exc:
+        not_checked.append(f"the stored ratios' shape for GSPO / CISPO ({exc})")
+        return None
+    if shape is None:
+        not_checked.append("the stored ratios' shape for GSPO / CISPO (no old and rollout log-probs on every rank)")
+    return shape
 
 
 def _check_replayed_norm(consistency: Consistency, recorded: float, att: Attribution, not_checked: list[str]) -> None:
@@ -222,10 +240,11 @@ def diagnose_snapshot(
     )
     found = [c for rule in RULES if (c := rule(ev)) is not None]
     found = merge_input_causes(found, input_causes(directory, world, not_checked))  # a corrupt input leads
+    shape = _ratio_shape(directory, loss, not_checked)
     for cause in found:
         cause.experiments = [
             e
-            for e in in_convention(cause.experiments, loss, routing)
+            for e in in_convention(cause.experiments, loss, routing, shape)
             if no_op_reason(e.mitigation, loss, routing, moe_layers) is None
         ]
     rank_scope.hold_to_ranks(found, rank_scope.singled_out(ev, world))

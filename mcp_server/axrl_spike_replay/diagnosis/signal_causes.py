@@ -17,6 +17,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
+from axrl_spike_replay.diagnosis import causes
 from axrl_spike_replay.diagnosis.causes import (
     LIKELY,
     LN2,
@@ -24,12 +25,13 @@ from axrl_spike_replay.diagnosis.causes import (
     Cause,
     Evidence,
     Experiment,
-    _carriers,
-    _finite,
-    _pairs,
-    _pct,
-    _unit,
+    is_finite,
+    percent_text,
+    sample_pairs,
+    top_carriers,
+    unit_strength,
 )
+from axrl_spike_replay.diagnosis.rank_inputs import mask_over_prompt, mask_ranks, rank_advantage_scale, scaled_ranks
 from axrl_spike_replay.diagnosis.signal_reading import DATA_NATS, WITNESS_RATIO, OddSignal, outside_fraction
 
 REFUTE_STAYS = "the spike stays within 20 % of the baseline"
@@ -111,19 +113,19 @@ def _off_static(ev: Evidence) -> dict[int, float]:
     by: dict[int, list[float]] = {}
     for row in a.samples["rows"]:
         v = row["max_abs_log_ratio_old_vs_rollout"]
-        if row["loss_tokens"] and _finite(v):
+        if row["loss_tokens"] and is_finite(v):
             by.setdefault(row["rank"], []).append(v)
     return {r: sum(v > LN2 for v in vs) / len(vs) for r, vs in by.items() if vs}
 
 
 def _static_figures(ev: Evidence) -> tuple[float, float] | None:
     """(max |log(π_old/π_rollout)|, share of loss tokens outside [0.5, 2]) from the batch, None without them."""
-    from axrl_spike_replay.diagnosis.causes import _finite_fraction_outside
+    from axrl_spike_replay.diagnosis.causes import finite_fraction_outside
 
     a = ev.analysis
     if not a.ratio_old_vs_rollout.get("available"):
         return None
-    outside = _finite_fraction_outside(a.ratio_old_vs_rollout)
+    outside = finite_fraction_outside(a.ratio_old_vs_rollout)
     if outside is None:
         return None
     return a.ratio_old_vs_rollout["abs_log_ratio"].get("max") or 0.0, outside
@@ -150,7 +152,8 @@ def _mismatch_experiments(ev: Evidence, outside_vs_rollout: float | None, label:
         out.append(
             Experiment(
                 "ratio_outlier_mask=token",
-                f"masks the tokens whose π/π_rollout leaves [0.5, 2]: {_pct(outside_vs_rollout)} of loss tokens "
+                f"masks the tokens whose π/π_rollout leaves [0.5, 2]: {percent_text(outside_vs_rollout)} of loss "
+                "tokens "
                 f"({label})",
                 refutes=REFUTE_STAYS,
             )
@@ -175,13 +178,13 @@ def engine_mismatch(ev: Evidence) -> Cause | None:
     spread = len(per_rank) > 1 and min(per_rank.values()) >= 0.5 * max(per_rank.values())
     evidence = [
         f"max |log(π_old/π_rollout)| on loss tokens {top:.3g} (ratio up to {math.exp(min(top, 700)):.3g}x)",
-        f"{_pct(outside)} of loss tokens have π_old/π_rollout outside [0.5, 2]",
+        f"{percent_text(outside)} of loss tokens have π_old/π_rollout outside [0.5, 2]",
         "per rank, samples with a token outside [0.5, 2]: "
-        + ", ".join(f"rank {r} {_pct(v)}" for r, v in sorted(per_rank.items())),
+        + ", ".join(f"rank {r} {percent_text(v)}" for r, v in sorted(per_rank.items())),
         "without the replay the old and rollout log-probs cannot be told apart: `diagnose --model always` (or "
         "`recompute=old_logprobs`) says which one is off",
     ]
-    strength = _unit(strength) * (1.0 if spread else 0.6)
+    strength = unit_strength(strength) * (1.0 if spread else 0.6)
     cause = Cause(
         "engine_mismatch",
         "rollout/trainer log-prob mismatch",
@@ -200,7 +203,7 @@ def engine_mismatch(ev: Evidence) -> Cause | None:
 
 def _carried_by_ratio(ev: Evidence) -> float:
     """The fraction of the top carriers whose tokens' old/rollout log-ratio leaves [ln 0.5, ln 2]."""
-    carriers = _carriers(ev.attribution)
+    carriers = top_carriers(ev.attribution)
     if not carriers:
         return 0.0
     rows = {(r["rank"], r["sample"]): r for r in ev.analysis.samples["rows"]}
@@ -208,7 +211,7 @@ def _carried_by_ratio(ev: Evidence) -> float:
     for s in carriers:
         row = rows.get((s.rank, s.sample))
         lr = row["max_abs_log_ratio_old_vs_rollout"] if row else None
-        hit += bool(_finite(lr) and lr > LN2)
+        hit += bool(is_finite(lr) and lr > LN2)
     return hit / len(carriers)
 
 
@@ -225,7 +228,7 @@ def _engine_from_reading(ev: Evidence) -> Cause | None:
     cause = Cause(
         "engine_mismatch",
         "rollout/trainer log-prob mismatch" + ("" if spread else f" on rank {_ranks(ranks)}"),
-        _unit(strength),
+        unit_strength(strength),
         _carried(ev, "rollout") + odd.evidence + odd.witnesses + channel,
         {
             "levels": odd.levels,
@@ -251,7 +254,7 @@ def _carried(ev: Evidence, signal: str, ranks: Sequence[int] = ()) -> list[str]:
         return []
     by = ev.reading.levels.get(signal, {})
     lines = []
-    for s in _carriers(ev.attribution):
+    for s in top_carriers(ev.attribution):
         if ranks and s.rank not in ranks:
             continue
         lv = by.get(s.rank)
@@ -260,7 +263,8 @@ def _carried(ev: Evidence, signal: str, ranks: Sequence[int] = ()) -> list[str]:
         peak = peaks[s.sample] if s.sample < len(peaks) else None
         if peak is not None and peak > LN2:
             lines.append(
-                f"rank {s.rank} sample {s.sample} carries {_pct(s.share)} of ‖g‖; its tokens' |log π - log π_{signal}| "
+                f"rank {s.rank} sample {s.sample} carries {percent_text(s.share)} of ‖g‖; "
+                f"its tokens' |log π - log π_{signal}| "
                 f"up to {peak:.3g}"
             )
     return lines
@@ -346,7 +350,8 @@ def _stale_static(ev: Evidence) -> Cause | None:
             "stale old log-probs on every rank (or a rollout engine mismatch)",
             0.6,
             [
-                f"{_pct(figures[1] if figures else 0.0)} of loss tokens have π_old/π_rollout outside [0.5, 2] on "
+                f"{percent_text(figures[1] if figures else 0.0)} of loss tokens have π_old/π_rollout outside "
+                "[0.5, 2] on "
                 "every rank: without the replay it is not known whether the old or the rollout log-probs are off",
             ],
             {"per_rank_fraction_off": per_rank},
@@ -366,7 +371,7 @@ def _stale_static(ev: Evidence) -> Cause | None:
         0.5,
         [
             "per rank, samples with a token whose π_old/π_rollout leaves [0.5, 2]: "
-            + ", ".join(f"rank {r} {_pct(v)}" for r, v in sorted(per_rank.items())),
+            + ", ".join(f"rank {r} {percent_text(v)}" for r, v in sorted(per_rank.items())),
             "without the replay it is not known which of the two is off on those ranks",
         ],
         {"per_rank_fraction_off": per_rank},
@@ -541,7 +546,7 @@ def _routing_cause(
     cause = Cause(
         "routing_payload",
         "corrupt or misaligned routing payload" + ("" if all_ranks else f" on rank {_ranks(odd.ranks)}"),
-        _unit(strength),
+        unit_strength(strength),
         evidence,
         {"levels": odd.levels, "layers": odd.layers},
         experiments,
@@ -559,7 +564,7 @@ def _routes_from_layers(ev: Evidence) -> Cause | None:
     """Merged route agreement only (an attribution passed in, no signal check): one layer far off."""
     if ev.routes is None or not ev.routes.layers:
         return None
-    layers = [x for x in ev.routes.layers if _finite(x.loss_disagreement)]
+    layers = [x for x in ev.routes.layers if is_finite(x.loss_disagreement)]
     if not layers:
         return None
     worst = max(layers, key=lambda x: x.loss_disagreement or 0.0)
@@ -570,13 +575,29 @@ def _routes_from_layers(ev: Evidence) -> Cause | None:
         return None
     odd = OddSignal("routes", [], {}, True, layers=[worst.layer])
     evidence = [
-        f"the model's own routing differs from the recorded routes in layer {worst.layer} on {_pct(d)} of loss "
-        f"tokens (median of the other layers {_pct(typical)}), merged over the ranks",
+        f"the model's own routing differs from the recorded routes in layer {worst.layer} on {percent_text(d)} of loss "
+        f"tokens (median of the other layers {percent_text(typical)}), merged over the ranks",
     ]
-    return _routing_cause(ev, odd, _unit(d / 0.3) * 0.8, evidence, None, True)
+    return _routing_cause(ev, odd, unit_strength(d / 0.3) * 0.8, evidence, None, True)
+
+
+def _strongest(*found: Cause | None) -> Cause | None:
+    return max((c for c in found if c is not None), key=lambda c: c.strength, default=None)
 
 
 def mask_misalignment(ev: Evidence) -> Cause | None:
+    """The stronger of the stored signals' reading of the masks (`_signal_masks`) and the per-rank comparison of
+    where the masks start (`rank_inputs.mask_over_prompt`)."""
+    return _strongest(_signal_masks(ev), mask_over_prompt(ev))
+
+
+def outlier_advantage(ev: Evidence) -> Cause | None:
+    """The stronger of a few samples' outlier advantages (`causes.outlier_advantage`) and one rank's advantages on
+    another scale (`rank_inputs.rank_advantage_scale`)."""
+    return _strongest(causes.outlier_advantage(ev), rank_advantage_scale(ev))
+
+
+def _signal_masks(ev: Evidence) -> Cause | None:
     """Loss masks over tokens no stored signal covers (every stored log-prob a 0 fill there), or masks that stop
     short of what was generated on some ranks where the others' run to the end (truncated).
 
@@ -590,7 +611,8 @@ def mask_misalignment(ev: Evidence) -> Cause | None:
     ranks = sorted(ev.reading.mask_ranks)
     every = len(ranks) == len({r for by in ev.reading.levels.values() for r in by})
     evidence = [
-        f"rank {r}: {_pct(v)} of loss tokens hold 0 in every stored log-prob signal while the policy's log-prob there "
+        f"rank {r}: {percent_text(v)} of loss tokens hold 0 in every stored log-prob signal while the policy's "
+        "log-prob there "
         "is far from 0: the loss mask covers tokens no signal was stored for (shifted or truncated against them)"
         for r, v in ev.reading.mask_ranks.items()
     ]
@@ -611,11 +633,14 @@ def _truncated_mask(ev: Evidence) -> Cause:
     ranks = sorted(ev.reading.truncated)
     tails = ev.reading.tails
     evidence = [
-        f"rank {r}: on {_pct(tails[r][0])} of samples the loss mask stops before the last token the engine generated "
+        f"rank {r}: on {percent_text(tails[r][0])} of samples the loss mask stops before the last token the "
+        "engine generated "
         f"(a stored rollout log-prob), {tails[r][1]:.3g} tokens left out per sample on average"
         for r in ranks
     ]
-    whole = [f"rank {r} ({_pct(v[0])} of samples stop short)" for r, v in sorted(tails.items()) if r not in ranks]
+    whole = [
+        f"rank {r} ({percent_text(v[0])} of samples stop short)" for r, v in sorted(tails.items()) if r not in ranks
+    ]
     evidence.append("ranks whose masks run to the end: " + ", ".join(whole))
     share = _rank_share(ev, ranks)
     strength = TRUNCATED_BASE
@@ -639,7 +664,7 @@ def _truncated_mask(ev: Evidence) -> Cause:
 def _median_abs_advantage(ev: Evidence) -> dict[int, float]:
     by: dict[int, list[float]] = {}
     for row in ev.analysis.samples["rows"]:
-        if row["loss_tokens"] and _finite(row["advantage"]):
+        if row["loss_tokens"] and is_finite(row["advantage"]):
             by.setdefault(row["rank"], []).append(abs(row["advantage"]))
     return {r: statistics.median(v) for r, v in by.items() if v}
 
@@ -676,7 +701,7 @@ def one_rank_data(ev: Evidence) -> Cause | None:
     shares: dict[int, float] = {}
     if ev.attribution is not None:
         for s in ev.attribution.samples:
-            if _finite(s.share):
+            if is_finite(s.share):
                 shares[s.rank] = shares.get(s.rank, 0.0) + s.share
     local = {k.rank: k.local_grad_norm for k in ev.grads.ranks} if ev.grads is not None else {}
     finite = {r: v for r, v in local.items() if math.isfinite(v)}
@@ -698,7 +723,7 @@ def one_rank_data(ev: Evidence) -> Cause | None:
         if shares[top_rank] >= 0.8 and (rank is None or rank == top_rank):
             rank = top_rank
             strength = max(strength, 0.5)
-            evidence.append(f"rank {top_rank}'s top samples carry {_pct(shares[top_rank])} of ‖g‖")
+            evidence.append(f"rank {top_rank}'s top samples carry {percent_text(shares[top_rank])} of ‖g‖")
     if ev.channel is not None:
         by_rank = {r: _rank_share(ev, [r]) or 0.0 for r in range(ev.world_size)}
         top_rank = max(by_rank, key=lambda r: by_rank[r])
@@ -707,6 +732,8 @@ def one_rank_data(ev: Evidence) -> Cause | None:
             strength = max(strength, 0.6)
             evidence.append(f"rank {top_rank}'s loss terms carry {by_rank[top_rank]:.3g} of the gradient")
     if rank is None or not evidence:
+        return None
+    if rank in mask_ranks(ev) or rank in scaled_ranks(ev):  # its mask or its advantages differ: those explain it
         return None
     if ev.reading is not None:
         if rank in ev.reading.mask_ranks:  # its loss mask covers tokens no signal was stored for: the mask explains it
@@ -741,12 +768,12 @@ def one_rank_data(ev: Evidence) -> Cause | None:
             if drift
             else f"every stored signal of rank {rank} agrees with the replay"
         )
-    samples = [(s.rank, s.sample) for s in _carriers(ev.attribution, 0.8) if s.rank == rank]
+    samples = [(s.rank, s.sample) for s in top_carriers(ev.attribution, 0.8) if s.rank == rank]
     experiments = [_drop_ranks([rank], "the spike")]
     if samples:
         experiments.append(
             Experiment(
-                f"drop_samples={_pairs(samples)}",
+                f"drop_samples={sample_pairs(samples)}",
                 f"leaves out rank {rank}'s top samples: whether the spike is those samples",
                 True,
                 refutes=REFUTE_STAYS,

@@ -49,8 +49,9 @@ EXAMPLES: dict[str, Any] = {
     "loss_scale": "2@1",
     "importance_sampling_level": "sequence",
     "trl_loss_type": "cispo",
+    "sapo_temperatures": "1:2",
     "delta": 1.5,
-    "rollout_correction": "sequence_mask",
+    "rollout_correction": "sequence_mask:0.5:2",
 }
 
 

@@ -32,10 +32,12 @@ from axrl_spike_replay.experiment.mitigation_values import (
     recompute_id,
     set_loss,
 )
+from axrl_spike_replay.experiment.objective_mitigations import OBJECTIVES
 from axrl_spike_replay.experiment.rank_scope import OPTIONAL, REQUIRED
 from axrl_spike_replay.experiment.recompute import parse_recompute
 from axrl_spike_replay.experiment.trainer_settings import (
     NO_MEGATRON_FLAG,
+    NO_TRL_ROUTING,
     TrainerSetting,
     flow,
     none,
@@ -45,7 +47,6 @@ from axrl_spike_replay.experiment.trainer_settings import (
     verl_kl,
     verl_rejection,
 )
-from axrl_spike_replay.experiment.trl_mitigations import TRL_OBJECTIVES
 from axrl_spike_replay.training.loss_config import (
     KL_ESTIMATORS,
     LOGPROB_BASES,
@@ -83,6 +84,11 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "algorithm.rollout_correction.rollout_is_threshold={value}",
                     "verl's token-level truncated importance sampling in decoupled mode: the same weights",
                 ),
+                override(
+                    "vllm_importance_sampling_mode=token_truncate vllm_importance_sampling_clip_max={value}",
+                    "TRL's token truncation, with use_vllm (TRL corrects only what vLLM generated)",
+                    "trl",
+                ),
                 NO_MEGATRON_FLAG,
             ),
             per_rank=OPTIONAL,
@@ -116,6 +122,11 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "verl's rejection sampling, whose k1 bounds are on pi_rollout/pi_old: ours on pi/pi_rollout, "
                     "inverted; base old and low 0 have no verl form",
                 ),
+                none(
+                    "trl",
+                    "no GRPOConfig setting: TRL's masks are on pi_old/pi_rollout (mitigation rollout_correction "
+                    "token_mask), not on the current policy's ratio",
+                ),
                 NO_MEGATRON_FLAG,
             ),
         ),
@@ -134,6 +145,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             settings=(
                 run_config_key("loss.advantage_clip"),
                 none("verl", "no setting in verl 0.9.1: clamp the advantages where they are computed (a patch)"),
+                none("trl", "no GRPOConfig setting: clamp the advantages where TRL computes them (a patch)"),
                 NO_MEGATRON_FLAG,
             ),
             per_rank=OPTIONAL,
@@ -154,6 +166,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "no setting in verl 0.9.1: compute_policy_loss_vanilla clamps the log-ratio at +-20, fixed in its "
                     "code (a patch there)",
                 ),
+                none("trl", "no GRPOConfig setting: TRL's _compute_loss has no log-ratio clamp (a patch there)"),
                 NO_MEGATRON_FLAG,
             ),
             per_rank=OPTIONAL,
@@ -178,6 +191,16 @@ MITIGATIONS: dict[str, Mitigation] = {
             settings=(
                 run_config_key("loss.loss_agg_mode"),
                 override("actor_rollout_ref.actor.loss_agg_mode={value}"),
+                per_value(
+                    "trl",
+                    {
+                        "token-mean": "loss_type=dapo",
+                        "seq-mean-token-mean": "loss_type=grpo",
+                        "seq-mean-token-sum": "loss_type=luspo",
+                        "seq-mean-token-sum-norm": "loss_type=dr_grpo",
+                    },
+                    "TRL's loss_type sets the aggregation (mitigation trl_loss_type on a TRL snapshot)",
+                ),
                 NO_MEGATRON_FLAG,
             ),
             per_rank=OPTIONAL,
@@ -210,6 +233,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "decoupled mode, verl's default, takes the PPO ratio against old_log_probs; bypass mode "
                     "against the rollout's, with verl's bypass loss",
                 ),
+                none("trl", "no setting: TRL's ratio is always against its old log-probs"),
                 NO_MEGATRON_FLAG,
             ),
             per_rank=OPTIONAL,
@@ -226,6 +250,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             settings=(
                 run_config_key("loss.clip_eps_low"),
                 override("actor_rollout_ref.actor.clip_ratio_low={value}"),
+                override("epsilon={value}", trainer="trl"),
                 NO_MEGATRON_FLAG,
             ),
             per_rank=OPTIONAL,
@@ -242,6 +267,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             settings=(
                 run_config_key("loss.clip_eps_high"),
                 override("actor_rollout_ref.actor.clip_ratio_high={value}"),
+                override("epsilon_high={value}", trainer="trl"),
                 NO_MEGATRON_FLAG,
             ),
             per_rank=OPTIONAL,
@@ -263,6 +289,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             settings=(
                 run_config_key("loss.dual_clip_c"),
                 override("actor_rollout_ref.actor.clip_ratio_c={value}", "verl's dual clip, on by default with c = 3"),
+                override("delta={value}", "TRL's two-sided clip: the same loss when delta >= 1 + epsilon_high", "trl"),
                 NO_MEGATRON_FLAG,
             ),
             per_rank=OPTIONAL,
@@ -283,6 +310,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     verl_kl,
                     "the KL loss against the reference policy; kl_loss_type low_var_kl is k3",
                 ),
+                override("beta={value}", "TRL's KL term is k3, unclamped (use_bias_correction_kl)", "trl"),
                 NO_MEGATRON_FLAG,
             ),
             per_rank=OPTIONAL,
@@ -298,6 +326,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             settings=(
                 run_config_key("loss.entropy_coef"),
                 override("actor_rollout_ref.actor.entropy_coeff={value}"),
+                override("entropy_coef={value}", trainer="trl"),
                 NO_MEGATRON_FLAG,
             ),
             per_rank=OPTIONAL,
@@ -321,6 +350,11 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "actor_rollout_ref.model.override_config.router_aux_loss_coef={value}",
                     "FSDP engine: the HF model config's field, in qwen*_moe, mixtral, olmoe",
                 ),
+                override(
+                    'model_init_kwargs={{"router_aux_loss_coef": {value}, "output_router_logits": true}}',
+                    "the policy's transformers config, whose router loss GRPOTrainer adds",
+                    "trl",
+                ),
                 override("--moe-aux-loss-coeff {value}", trainer="megatron"),
             ),
             per_rank=OPTIONAL,
@@ -340,6 +374,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "actor_rollout_ref.actor.megatron.override_transformer_config.moe_z_loss_coeff={value}",
                     "Megatron engine: a Megatron-core TransformerConfig field",
                 ),
+                none("trl", "no setting: TRL adds no router z-loss"),
                 override("--moe-z-loss-coeff {value}", trainer="megatron"),
             ),
             per_rank=OPTIONAL,
@@ -357,6 +392,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             settings=(
                 none("axrl", "a hypothesis about one rank's loss, no training setting"),
                 none("verl", "a hypothesis about one rank's loss, no training setting"),
+                none("trl", "a hypothesis about one rank's loss, no training setting"),
                 none("megatron", "a hypothesis about one rank's loss, no training setting"),
             ),
             per_rank=REQUIRED,
@@ -391,6 +427,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     },
                     "Megatron engine: R3 replays the rollout's routes in training; verl has no loss-tokens-only mode",
                 ),
+                NO_TRL_ROUTING,
                 per_value(
                     "megatron",
                     {"all": "--moe-enable-routing-replay", "off": "(leave out --moe-enable-routing-replay)"},
@@ -429,6 +466,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "layer ids; a replay resolves `first` against the model and records them as resolved_mitigations",
                 ),
                 none("verl", "no setting: verl replays the routes of every MoE layer alike (a patch)"),
+                NO_TRL_ROUTING,
                 none("megatron", "no flag: routing replay covers every MoE layer alike (a patch)"),
             ),
         ),
@@ -448,6 +486,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             settings=(
                 run_config_key("loss.balance_negative_advantages"),
                 none("verl", "no setting in verl 0.9.1: rescale the advantages where they are computed (a patch)"),
+                none("trl", "no GRPOConfig setting: rescale the advantages where TRL computes them (a patch)"),
                 NO_MEGATRON_FLAG,
             ),
             per_rank=OPTIONAL,
@@ -481,6 +520,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "computed (a patch to the trainer)",
                 ),
                 none("verl", "no setting in verl 0.9.1: drop such samples where advantages are computed (a patch)"),
+                none("trl", "no GRPOConfig setting: drop such samples where TRL computes advantages (a patch)"),
                 NO_MEGATRON_FLAG,
             ),
         ),
@@ -587,6 +627,7 @@ MITIGATIONS: dict[str, Mitigation] = {
             settings=(
                 run_config_key("loss.kl_estimator"),
                 override("actor_rollout_ref.actor.kl_loss_type={value}", "verl's actor KL loss estimator"),
+                none("trl", "no setting: TRL's KL term is k3 (weighted by the ratio under use_bias_correction_kl)"),
                 NO_MEGATRON_FLAG,
             ),
             per_rank=OPTIONAL,
@@ -614,6 +655,7 @@ MITIGATIONS: dict[str, Mitigation] = {
                     "no setting in verl 0.9.1: core_algos.kl_penalty_forward clamps k3 / low_var_kl at +-10, fixed "
                     "in its code (a patch there; or kl_loss_type=low_var_kl where another estimator is used)",
                 ),
+                none("trl", "no setting: TRL's k3 is unclamped (a patch to _compute_loss)"),
                 NO_MEGATRON_FLAG,
             ),
             per_rank=OPTIONAL,
@@ -637,9 +679,10 @@ MITIGATIONS: dict[str, Mitigation] = {
             settings=(
                 none("axrl", "a diagnostic (batch or drifted policy?), no training setting"),
                 none("verl", "a diagnostic (batch or drifted policy?), no training setting"),
+                none("trl", "a diagnostic (batch or drifted policy?), no training setting"),
                 none("megatron", "a diagnostic (batch or drifted policy?), no training setting"),
             ),
         ),
-        *TRL_OBJECTIVES,
+        *OBJECTIVES,
     )
 }

@@ -40,6 +40,7 @@ from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigation_declaration import SYMPTOMS, Advice, Mitigation, ReplaySetup
 from axrl_spike_replay.experiment.mitigation_table import MITIGATIONS
 from axrl_spike_replay.experiment.mitigation_values import FIRST_MOE_LAYER, ranks_id, resolve_layers
+from axrl_spike_replay.experiment.objective_mitigations import refuse_unread_dual_clip
 from axrl_spike_replay.experiment.rank_scope import (
     REQUIRED,
     SEPARATOR,
@@ -314,6 +315,7 @@ def apply_config(
     for name, value in config.items():
         if not is_scoped(value):
             setup = _lookup(name).apply(setup, value)
+    refuse_unread_dual_clip(config, setup.loss)
     rank_losses: dict[int, LossConfig] = {}
     for name, value in config.items():  # on top of the whole step's settings (none, in a hypothesis)
         if is_scoped(value):

@@ -4,10 +4,14 @@ Field docstrings become the descriptions of the tools' output schemas (`__pydant
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from axrl_spike_replay.experiment.figure_names import ATTRIBUTION_SAMPLE, with_current_names
+from axrl_spike_replay.experiment.verdict import VerdictBasis, basis_from_json
+from axrl_spike_replay.snapshot.consistency import Consistency
+from axrl_spike_replay.training.precision import PrecisionPolicy
 from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
 
 ATTRIBUTION_FILE = "attribution.json"  # what `attribute` writes into its run dir
@@ -17,6 +21,47 @@ _SCHEMA_CONFIG = {"use_attribute_docstrings": True}
 
 # baseline: reproduced / not_reproduced; mitigated: cleared ... baseline_not_a_spike (experiment.verdict); failed.
 VERDICTS = Verdict.values()
+
+
+FOOTPRINT_COUNTS = ("loss_tokens", "masked_tokens", "changed_tokens", "samples", "masked_samples", "touched_samples")
+
+
+@dataclass
+class Footprint:
+    """What a mitigated config changed besides the spike, summed over the saved ranks: loss tokens masked (off the
+    mask) or changed (another per-token loss), samples masked whole or touched, and the fractions the method ranking
+    uses (`token_fraction`: masked or changed; `sample_fraction`: touched). `replay.outcome_figures` counts them."""
+
+    loss_tokens: int
+    masked_tokens: int
+    changed_tokens: int
+    samples: int
+    masked_samples: int
+    touched_samples: int
+    token_fraction: float
+    masked_token_fraction: float
+    sample_fraction: float
+    masked_sample_fraction: float
+
+    @classmethod
+    def of_counts(cls, counts: Mapping[str, Any]) -> Footprint:
+        """The footprint of these counts (a count missing is 0), its fractions computed from them."""
+        c = {k: int(counts.get(k) or 0) for k in FOOTPRINT_COUNTS}
+        tokens, samples = c["loss_tokens"], c["samples"]
+        return cls(
+            **c,
+            token_fraction=(c["masked_tokens"] + c["changed_tokens"]) / tokens if tokens else 0.0,
+            masked_token_fraction=c["masked_tokens"] / tokens if tokens else 0.0,
+            sample_fraction=c["touched_samples"] / samples if samples else 0.0,
+            masked_sample_fraction=c["masked_samples"] / samples if samples else 0.0,
+        )
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Footprint:
+        """A footprint as a result file keeps it (a fraction it lacks, from a file written before it, is computed)."""
+        computed = asdict(cls.of_counts(doc))
+        kept = {k: doc[k] for k in computed if k not in FOOTPRINT_COUNTS and isinstance(doc.get(k), (int, float))}
+        return cls(**{**computed, **kept})
 
 
 @dataclass
@@ -57,15 +102,16 @@ class ReplayResult:
     rank_metrics: list[dict[str, Any]] = field(default_factory=list)
     legacy_layout: bool = False  # replayed through a temporary replay dir (legacy snapshot)
     output_dir: str = ""  # where this result's files were written ("" when none)
-    # baseline: does the snapshot agree with itself, its replay (per-rank loss) and the training log?
-    # `verdict` says only whether the replay matched the recorded norm (snapshot/consistency.py)
-    consistency: dict[str, Any] | None = None
+    # baseline: does the snapshot agree with itself, its replay (per-rank loss) and the training log? Typed here; its
+    # JSON is the dataclass's. `verdict` says only whether the replay matched the recorded norm
+    consistency: Consistency | None = None
     # mitigated replays: what the config changed besides the spike (replay.outcome_figures has the definitions)
-    footprint: dict[str, Any] | None = None  # loss tokens / samples masked or changed; token_fraction, sample_fraction
+    footprint: Footprint | None = None  # loss tokens / samples masked or changed; token_fraction, sample_fraction
     cosine_to_clean: float | None = None  # cosine of this gradient with the clean gradient (in [-1, 1])
     # the clean gradient (replay.clean_gradient): tokens and samples left out, reached (under the spike bar), definition
     clean_gradient: dict[str, Any] | None = None
-    verdict_basis: dict[str, Any] | None = None  # the numbers and rule the verdict was judged by
+    # the numbers and rule the verdict was judged by (a shape of an earlier version: the JSON object as read)
+    verdict_basis: VerdictBasis | dict[str, Any] | None = None
     # values the config names symbolically, as resolved against the snapshot's model (current_routing_layers:
     # first -> [1] on deepseek_v3); {} when every value was concrete, or for results written before
     resolved_mitigations: dict[str, Any] = field(default_factory=dict)
@@ -74,7 +120,7 @@ class ReplayResult:
     shard_reason: str = ""  # why: `shard` on/off as asked, or auto's reading of the replay plan
     # the precision that ran: param / reduce / output dtypes and their source (the snapshot's recorded policy, or
     # the model's own dtype when none was recorded); None for results written before it was recorded
-    precision: dict[str, Any] | None = None
+    precision: PrecisionPolicy | None = None
     # a hypothesis replay (loss settings scoped to ranks, `experiment.rank_scope`): the hypothesis in normal form
     # (`mitigations` is then {}: a hypothesis is no mitigation) and its finding, judged against the recording as a
     # baseline is: "reproduced under `aux_loss_coef=10.24@1`"
@@ -93,6 +139,15 @@ class ReplayResult:
         self.backend = Backend.parse(self.backend, "result backend")
         self.fidelity = Fidelity.parse(self.fidelity, "result fidelity")
         self.verdict = Verdict.parse(self.verdict, "result verdict")
+        # the sub-records as a result file keeps them
+        if isinstance(self.consistency, dict):
+            self.consistency = Consistency.from_json(self.consistency)
+        if isinstance(self.footprint, dict):
+            self.footprint = Footprint.from_json(self.footprint) if self.footprint else None
+        if isinstance(self.verdict_basis, dict):
+            self.verdict_basis = basis_from_json(self.verdict_basis)
+        if isinstance(self.precision, dict):
+            self.precision = PrecisionPolicy.from_result(self.precision)
 
     def to_json(self) -> dict[str, Any]:
         """The `replay_result.json` document (vocabulary members are their string values)."""

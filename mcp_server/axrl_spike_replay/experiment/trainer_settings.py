@@ -11,11 +11,13 @@ trainer has none (a patch, or a replay-only diagnostic). The trainers:
   (tests/replay/test_trainer_settings.py); the actor's loss knobs under `actor_rollout_ref.actor`, the rollout
   correction under `algorithm.rollout_correction`, the Megatron engine's model knobs under
   `actor_rollout_ref.actor.megatron.override_transformer_config` (Megatron-core `TransformerConfig` fields);
+- `trl`: TRL 1.16's `GRPOConfig` fields (and the policy's transformers config for its router loss), as the trl
+  convention reads them back from a TRL snapshot's `loss.trl` (capture/trl_loss_section.py);
 - `megatron`: Megatron-LM's command-line flags, only where a well-known flag exists (the MoE router's losses and
   routing replay; Megatron-LM has no RL loss of its own).
 
 Which trainer wrote a snapshot is read from its run config: `loss.convention: verl` is verl (the verl hook writes
-it), anything else this tool's own convention (`snapshot_trainer`). Torch-free.
+it), `trl` TRL (its callback writes it), anything else this tool's own convention (`snapshot_trainer`). Torch-free.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from axrl_spike_replay.errors import AxrlError
 TRAINERS: dict[str, str] = {  # key -> how people name it
     "axrl": "run_config.yaml (this tool's convention)",
     "verl": "verl 0.9.1",
+    "trl": "TRL 1.16 GRPOConfig",
     "megatron": "Megatron-LM",
 }
 # What a trainer's settings are, for the sentence that introduces them.
 SETTING_KINDS: dict[str, str] = {
     "axrl": "run_config.yaml keys (`loss:`, `routing:`), as the reference trainer and the replay read them",
     "verl": "Hydra overrides of verl's trainer config",
+    "trl": "fields of TRL's GRPOConfig",
     "megatron": "Megatron-LM command-line flags",
 }
 
@@ -58,6 +62,7 @@ def none(trainer: str, note: str) -> TrainerSetting:
 
 # Megatron-LM trains the model; the RL loss lives in the trainer on top of it (verl, this tool's convention, ...).
 NO_MEGATRON_FLAG = none("megatron", "no flag: Megatron-LM has no RL loss; set it in the RL trainer on top")
+NO_TRL_ROUTING = none("trl", "no setting: TRL 1.16 has no routing replay (transformers generation returns no routes)")
 
 
 def scalar(value: Any) -> str:
@@ -97,9 +102,10 @@ def per_value(trainer: str, settings: Mapping[Any, str | None], note: str = "") 
 
 
 def trainer_of(run_config: Any) -> str:
-    """The trainer that wrote a run config: `verl` for `loss.convention: verl`, else `axrl`."""
+    """The trainer that wrote a run config: `verl` or `trl` for that `loss.convention`, else `axrl`."""
     loss = run_config.get("loss") if isinstance(run_config, Mapping) else None
-    return "verl" if isinstance(loss, Mapping) and loss.get("convention") == "verl" else "axrl"
+    convention = loss.get("convention") if isinstance(loss, Mapping) else None
+    return convention if convention in ("verl", "trl") else "axrl"
 
 
 def snapshot_trainer(snapshot: str | Path | None) -> str | None:
@@ -121,6 +127,7 @@ def verl_rejection(value: Any) -> str | None:
     (`training.verl_settings.rejection_options`): our bounds on pi/pi_rollout become verl's k1 bounds on
     pi_rollout/pi_old. None when verl cannot express it (base old; an unbounded side, low 0)."""
     from axrl_spike_replay.training.loss_config import LossConfig, RatioOutlierMask, rejection_options
+    from axrl_spike_replay.training.verl_settings import bounds_spec
 
     mask = RatioOutlierMask(**value) if isinstance(value, Mapping) else RatioOutlierMask()
     if mask.base != "rollout":
@@ -130,7 +137,7 @@ def verl_rejection(value: Any) -> str | None:
         return None
     return (
         f"algorithm.rollout_correction.rollout_rs={option.option} "
-        f"algorithm.rollout_correction.rollout_rs_threshold={option.lower:g}_{option.upper:g}"
+        f"algorithm.rollout_correction.rollout_rs_threshold={bounds_spec(option.lower, option.upper)}"
     )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from axrl_spike_replay.display import shown
@@ -96,6 +97,66 @@ def verdict_threshold(detector: DetectorSpec, clear_threshold: float | None = No
     return ratio_threshold(detector), "detector" if detector.kind == "median_ratio" else "default"
 
 
+@dataclass
+class MitigatedBasis:
+    """What a mitigated replay's verdict was judged by: its ratio and the baseline's against the threshold, the
+    change against the baseline, the margins of `partial`, `no_effect` and `worse`, and the rule in words."""
+
+    threshold: float
+    threshold_source: str  # detector, clear_threshold or default (`threshold_label`)
+    detector_threshold: float | None
+    ratio_to_median: float | None
+    baseline_ratio_to_median: float | None
+    change_vs_baseline: float | None
+    partial_factor: float = PARTIAL_FACTOR
+    measurable_drop: float = MEASURABLE_DROP
+    worse_margin: float = WORSE_MARGIN
+    rule: str = ""
+
+
+@dataclass
+class BaselineBasis:
+    """What a baseline's verdict was judged by: its rel diff against the recording within a tolerance, and why that
+    tolerance (`tolerance_rule`)."""
+
+    rel_diff: float | None
+    tolerance: float
+    tolerance_rule: str
+    rule: str
+    threshold: float
+    threshold_source: str
+
+
+@dataclass
+class HypothesisBasis:
+    """What a hypothesis replay's verdict was judged by: as a baseline's, and each recorded rank loss against the
+    replayed one (`rank_losses`: rank, recorded_loss, replayed_loss, abs_diff when both are known, matches)."""
+
+    rel_diff: float | None
+    tolerance: float
+    rank_losses: list[dict[str, Any]] = field(default_factory=list)
+    rule: str = ""
+    threshold: float | None = None
+    threshold_source: str | None = None
+
+
+VerdictBasis = MitigatedBasis | BaselineBasis | HypothesisBasis
+
+
+def basis_from_json(doc: Mapping[str, Any]) -> VerdictBasis | dict[str, Any]:
+    """The basis a result file keeps, typed by its kind when it holds exactly that kind's keys in their order (so
+    it is written back as read); a shape of an earlier version stays as it was read."""
+    for kind in (HypothesisBasis, BaselineBasis, MitigatedBasis):
+        if list(doc) == list(kind.__dataclass_fields__):
+            return kind(**dict(doc))
+    return dict(doc)
+
+
+def basis_field(basis: VerdictBasis | Mapping[str, Any] | None, name: str) -> Any:
+    """Field `name` of a verdict basis, typed or as an earlier version wrote it (None when it has none)."""
+    return basis.get(name) if isinstance(basis, Mapping) else getattr(basis, name, None)
+
+
 def verdict_basis(
     grad_norm: float | None,
     baseline_grad_norm: float | None,
@@ -103,28 +164,25 @@ def verdict_basis(
     threshold: float,
     source: str,
     detector_threshold: float | None,
-) -> dict[str, float | str | None]:
+) -> MitigatedBasis:
     """The numbers a mitigated verdict is judged by, and the rule, for `replay_result.json`."""
-    return {
-        "threshold": threshold,
-        "threshold_source": source,
-        "detector_threshold": detector_threshold,
-        "ratio_to_median": ratio_to_median(grad_norm, median_norm),
-        "baseline_ratio_to_median": ratio_to_median(baseline_grad_norm, median_norm),
-        "change_vs_baseline": grad_norm / baseline_grad_norm - 1.0
+    return MitigatedBasis(
+        threshold=threshold,
+        threshold_source=source,
+        detector_threshold=detector_threshold,
+        ratio_to_median=ratio_to_median(grad_norm, median_norm),
+        baseline_ratio_to_median=ratio_to_median(baseline_grad_norm, median_norm),
+        change_vs_baseline=grad_norm / baseline_grad_norm - 1.0
         if grad_norm is not None and baseline_grad_norm
         else None,
-        "partial_factor": PARTIAL_FACTOR,
-        "measurable_drop": MEASURABLE_DROP,
-        "worse_margin": WORSE_MARGIN,
-        "rule": RULE,
-    }
+        rule=RULE,
+    )
 
 
-def threshold_label(basis: dict[str, object] | None) -> str:
+def threshold_label(basis: VerdictBasis | Mapping[str, Any] | None) -> str:
     """What the threshold a result was judged by is, from its `verdict_basis`: the detector's, a clear threshold
     given for the replay, or the default ratio threshold; plain "threshold" when the result does not say."""
-    source = (basis or {}).get("threshold_source")
+    source = basis_field(basis, "threshold_source")
     labels = {
         "detector": "detector threshold",
         "clear_threshold": "clear threshold given for the replay",
@@ -184,7 +242,7 @@ HYPOTHESIS_RULE = (
 
 def hypothesis_verdict(
     grad_norm: float, recorded: float, tol: float, rank_losses: Mapping[int, tuple[float | None, float | None]]
-) -> tuple[Verdict, dict[str, Any]]:
+) -> tuple[Verdict, HypothesisBasis]:
     """A hypothesis replay judged against the recording, as a baseline is, and also rank by rank: `reproduced` when
     its grad norm matches the recorded one within `tol` (`baseline_verdict`) and so does every rank's loss that was
     recorded (`rank_losses`: {rank: (recorded, replayed)}); the verdict and the numbers it was judged by."""
@@ -199,13 +257,7 @@ def hypothesis_verdict(
         rows.append({"rank": rank, "recorded_loss": was, "replayed_loss": now, "abs_diff": diff, "matches": matches})
     if any(row["matches"] is False for row in rows):
         verdict = Verdict.NOT_REPRODUCED
-    basis = {
-        "rel_diff": rel_diff(grad_norm, recorded),
-        "tolerance": tol,
-        "rank_losses": rows,
-        "rule": HYPOTHESIS_RULE,
-    }
-    return verdict, basis
+    return verdict, HypothesisBasis(rel_diff(grad_norm, recorded), tol, rows, HYPOTHESIS_RULE)
 
 
 def mitigation_verdict(grad_norm: float, baseline_grad_norm: float, median_norm: float, threshold: float) -> Verdict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Annotated, Literal
 
@@ -168,6 +169,7 @@ async def diagnose_spike_tool(
         Field(description="Shard the model evidence's replay (FSDP2)."),
     ] = "auto",
     nproc: Annotated[int | None, Field(description="Processes when sharded.", ge=1)] = None,
+    detail: Annotated[bool, Field(description="Also return `step`.")] = False,
 ) -> Diagnosis:
     """Call this first on a spike: likely causes ranked, with their ranks, evidence and the experiments to run.
 
@@ -182,7 +184,8 @@ async def diagnose_spike_tool(
     Also says whether the snapshot agrees with itself and with the training log (`consistency`). With a task
     open for the snapshot's job (`task_open`), the diagnosis is kept there (not by a read-only server): the report
     shows the strongest one run. A read-only server (`mcp --read-only`) runs no replay: it computes no model
-    evidence (`model` always, `shard` on or `nproc` are refused) but reads a given `attribution`."""
+    evidence (`model` always, `shard` on or `nproc` are refused) but reads a given `attribution`. The per-rank
+    figures behind the causes (`step`, tens of KB) come back with `detail` true only; `reading` summarises them."""
     config = server_config(ctx)
     att = str(config.path(attribution)) if attribution else None
     paths = [str(config.path(p)) for p in logs] if logs else None
@@ -203,7 +206,7 @@ async def diagnose_spike_tool(
         )
         if config.read_only:
             result.not_checked.append(f"model evidence: {_READ_ONLY_RUNS_NO_REPLAY}")
-        return result
+        return result if detail else dataclasses.replace(result, step=None)
 
     return await call_library(ctx, work)
 

@@ -93,8 +93,8 @@ async def method_add_tool(
     from the replay results, the task's diagnosis and an attribution.json of the snapshot in the job's runs;
     nothing is recomputed, what none holds is named as not measured), the config or patch, baseline vs
     mitigated replay, residual spike status, rationale; regenerate the index.
-    Refuses attempts that are not cleared/partial, reduced fidelity unless allowed, and duplicates of an
-    existing method (it names the file)."""
+    Refuses attempts that are not cleared/partial, reduced fidelity unless allowed, and duplicates of a
+    workspace method (it names the file); a shipped method's change is written as confirms_shipped."""
     config = server_config(ctx)
     root = config.workspace_for(workspace)
     return await call_library(

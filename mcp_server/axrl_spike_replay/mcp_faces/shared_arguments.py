@@ -23,6 +23,9 @@ _FACE_GUIDE = {
     "spike-mitigation-methods/ (method files). Default: the server's workspace (`mcp --workspace`, else its working "
     "directory); a relative path is taken from there.",
     "patch": "One unified diff (file path), applied before `patches` (see there).",
+    "detail": "diagnose_spike: also return `step`, the model evidence behind the causes (every rank's stored signal "
+    "against the replay, pair by pair, and the gradient by loss term and rank; tens of KB). Default false: the causes, "
+    "their evidence, `reading` (what those figures single out) and the rest are returned whole, `step` is null.",
 }
 GUIDE: dict[str, str] = {"snapshot": DECLARED["snapshot"].help, **_FACE_GUIDE}
 GUIDE |= {name: d.help for name, d in DECLARED.items()}

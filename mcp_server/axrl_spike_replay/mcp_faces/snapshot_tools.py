@@ -55,10 +55,13 @@ async def list_snapshots_tool(output_dir: OutputDirArg, ctx: Context) -> Snapsho
     """List an output dir's spike snapshots (rotating and preserved) with iteration, grad norm and spike ratio.
 
     List the spike snapshots of one output dir: the rotating ones (checkpoints/spike_snapshots, deleted by
-    rotation) and preserved copies (checkpoints/spike_snapshots-active), with iteration, size, grad norm
-    and spike ratio. Preserve the one you investigate at once with preserve_snapshots."""
+    rotation) and preserved copies (checkpoints/spike_snapshots-active, and those preserve_snapshots made in
+    the workspace, marked `in_workspace`), with iteration, size, grad norm and spike ratio. Preserve the one you
+    investigate at once with preserve_snapshots."""
     config = server_config(ctx)
-    return await call_library(ctx, lambda progress, cancel: list_snapshots(config.path(output_dir)))
+    return await call_library(
+        ctx, lambda progress, cancel: list_snapshots(config.path(output_dir), workspace=config.workspace)
+    )
 
 
 async def preserve_snapshots_tool(

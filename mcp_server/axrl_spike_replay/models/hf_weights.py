@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from axrl_spike_replay.models.hf_config import HFModelConfig
 
 
-def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
+def weight_conversions(model: nn.Module) -> tuple[list[Any], list[Any]]:
     """transformers' (renamings, converters) for the model, as `from_pretrained` would apply them."""
     lm: Any = getattr(model, "causal_lm", model)  # an HFPolicy: the same names as its causal LM
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -51,7 +51,7 @@ def to_model_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[st
     """
     from transformers.core_model_loading import dot_natural_key, rename_source_key
 
-    renamings, converters = _conversions(model)
+    renamings, converters = weight_conversions(model)
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
     out: dict[str, torch.Tensor] = {}
     pending: dict[str, Any] = {}

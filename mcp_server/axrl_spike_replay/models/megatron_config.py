@@ -133,7 +133,7 @@ class MegatronModelConfig:
                 raise ConfigError(f"model.{key} must be a string, got {shown(value, 60)}")
         architecture = doc.get("architecture")
         if isinstance(architecture, str) and architecture not in MAPPED_ARCHITECTURES:
-            raise ConfigError(_unmapped(architecture))
+            raise ConfigError(unmapped_message(architecture))
         hf_doc = {k: v for k, v in doc.items() if k not in MEGATRON_KEYS}
         hf_doc["kind"] = "hf"
         # Megatron's experts are separate parameters; transformers' eager loop indexes one fused tensor per
@@ -148,7 +148,8 @@ class MegatronModelConfig:
         return replace(self, hf=replace(self.hf, **changes))
 
 
-def _unmapped(architecture: str) -> str:
+def unmapped_message(architecture: str) -> str:
+    """Why an architecture's Megatron checkpoint cannot be mapped onto transformers, and what to use."""
     mapped = f"(mapped: {', '.join(MAPPED_ARCHITECTURES)}); {BACKEND_HINT}"
     if architecture in UNMAPPED_WHY:
         return f"model.architecture {shown(architecture, 60)}: {UNMAPPED_WHY[architecture]} {mapped}"
@@ -165,7 +166,7 @@ def check_mappable(hf: HFModelConfig) -> None:
     window, default RoPE
     (DeepSeek-V3: yarn too), and for DeepSeek-V3 what `_deepseek_problems` checks."""
     if hf.architecture not in MAPPED_ARCHITECTURES:
-        raise ConfigError(_unmapped(hf.architecture))
+        raise ConfigError(unmapped_message(hf.architecture))
     config = hf.config
     problems = []
     if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:

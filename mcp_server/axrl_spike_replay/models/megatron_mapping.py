@@ -176,9 +176,9 @@ def rules_for(architecture: str, config: dict[str, Any] | None = None) -> tuple[
     """The architecture's table (for DeepSeek-V3 without a query LoRA, its full query projection); ConfigError for
     one we do not map."""
     if architecture not in MAPPINGS:
-        from axrl_spike_replay.models.megatron_config import _unmapped
+        from axrl_spike_replay.models.megatron_config import unmapped_message
 
-        raise ConfigError(_unmapped(architecture))
+        raise ConfigError(unmapped_message(architecture))
     if architecture == "deepseek_v3" and config is not None and config.get("q_lora_rank") is None:
         return _DEEPSEEK_V3_FULL_Q
     if architecture == "qwen2_moe" and (config is None or config.get("qkv_bias", True)):

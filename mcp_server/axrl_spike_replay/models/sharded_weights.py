@@ -164,9 +164,9 @@ def _renamer(model: nn.Module) -> Callable[[str], tuple[str, str | None]]:
         return lambda key: (key, None)
     from transformers.core_model_loading import rename_source_key
 
-    from axrl_spike_replay.models.hf_weights import _conversions
+    from axrl_spike_replay.models.hf_weights import weight_conversions
 
-    renamings, converters = _conversions(model)
+    renamings, converters = weight_conversions(model)
     return lambda key: rename_source_key(key, renamings, converters)
 
 

@@ -26,6 +26,7 @@ from axrl_spike_replay.experiment.rank_scope import finding
 from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line, now_iso
 from axrl_spike_replay.experiment.verdict import (
+    BaselineBasis,
     baseline_verdict,
     hypothesis_verdict,
     is_spike,
@@ -46,6 +47,7 @@ from axrl_spike_replay.replay.outcome_figures import DEFINITION
 from axrl_spike_replay.replay.replay_plan import HERE, Capacity
 from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard, planned_shard, with_checkpoint
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 from axrl_spike_replay.training.sample_masks import check_ranks
 from axrl_spike_replay.vocabulary import Backend, Device, Shard, Verdict
@@ -146,6 +148,9 @@ class ReplaySession:
         # the recorded step's own replay, refused: an input of it no computation is defined on (input_checks); the
         # configs are then the experiments that remove that input, judged against the recorded step
         self.baseline_refused: str | None = None
+        # a sweep's experiments refused for an input they would compute with (their place among the experiments,
+        # the config, why): reported by name beside the others, which still run
+        self.refused: list[tuple[int, AppliedConfig, str]] = []
 
     def log(self, line: str) -> None:
         self.run.log(line)
@@ -177,7 +182,8 @@ class ReplaySession:
         )
         outcomes = _runner(o)(job, o.timeout_s, o.cancel, progress=o.progress)
         if self.baseline_refused is not None:
-            return self._without_baseline(outcomes)
+            baseline, results = self._without_baseline(outcomes)
+            return baseline, self._with_refused(results)
         baseline = self.result(self.configs[0], outcomes[0], None)
         results = [
             self.result(c, out, baseline.grad_norm) for c, out in zip(self.configs[1:], outcomes[1:], strict=True)
@@ -197,7 +203,15 @@ class ReplaySession:
                 f"{r.config_id}: grad norm {r.grad_norm:.9g} ({pct(r.change_vs_baseline)} vs baseline, ratio to "
                 f"median {_fmt(r.spike_ratio)}, threshold {self.threshold:g}) -> {r.verdict}"
             )
-        return baseline, results
+        return baseline, self._with_refused(results)
+
+    def _with_refused(self, results: list[ReplayResult]) -> list[ReplayResult]:
+        """`results` with each refused experiment's result put back in its place (verdict failed, the refusal)."""
+        out = list(results)
+        for place, cfg, why in self.refused:
+            self.log(f"{cfg.config_id}: {why}")
+            out.insert(place, self.failed(why, "replay", cfg))
+        return out
 
     def _without_baseline(self, outcomes: Sequence[ConfigOutcome]) -> tuple[ReplayResult, list[ReplayResult]]:
         """(the refused baseline, the experiments judged against the recorded step's grad norm)."""
@@ -245,7 +259,7 @@ class ReplaySession:
             "legacy_layout": self.inputs.legacy,
             "sharded": self.shard.shard,
             "shard_reason": self.shard.reason,
-            "precision": self.inputs.effective_precision.describe(),
+            "precision": self.inputs.effective_precision,
             "trainer_version_note": cfg.loss.trl.version_note() if cfg.loss.trl is not None else None,
             "input_findings": [f.message for f in self.inputs.findings],
         }
@@ -270,14 +284,14 @@ class ReplaySession:
                 outcome.grad_norms,
             )
             verdict, change = baseline_verdict(norm, meta.grad_norm, judged), None
-            basis = {
-                "rel_diff": rel_diff(norm, meta.grad_norm),
-                "tolerance": judged,
-                "tolerance_rule": judged_by,
-                "rule": "reproduced when |grad_norm - recorded| / recorded <= tolerance",
-                "threshold": self.threshold,
-                "threshold_source": self.threshold_source,
-            }
+            basis = BaselineBasis(
+                rel_diff=rel_diff(norm, meta.grad_norm),
+                tolerance=judged,
+                tolerance_rule=judged_by,
+                rule="reproduced when |grad_norm - recorded| / recorded <= tolerance",
+                threshold=self.threshold,
+                threshold_source=self.threshold_source,
+            )
         clean = {**outcome.clean_gradient, "definition": DEFINITION} if outcome.clean_gradient else None
         spread = max(outcome.grad_norms) - min(outcome.grad_norms) if len(outcome.grad_norms) > 1 else None
         return ReplayResult(
@@ -310,7 +324,7 @@ class ReplaySession:
             for rank in range(self.inputs.world_size)
         }
         verdict, basis = hypothesis_verdict(norm, meta.grad_norm, self.tolerance, losses)
-        basis |= {"threshold": self.threshold, "threshold_source": self.threshold_source}
+        basis.threshold, basis.threshold_source = self.threshold, self.threshold_source
         spread = max(outcome.grad_norms) - min(outcome.grad_norms) if len(outcome.grad_norms) > 1 else None
         return ReplayResult(
             **self._fields(cfg, cfg.config_id),
@@ -328,9 +342,8 @@ class ReplaySession:
             finding=finding(verdict, cfg.mitigations),
         )
 
-    def _consistency(self, outcome: ConfigOutcome) -> dict[str, Any]:
+    def _consistency(self, outcome: ConfigOutcome) -> Consistency:
         """The snapshot's consistency checks, with the replayed per-rank losses and the job's log."""
-        from axrl_spike_replay.jsonable import to_jsonable
         from axrl_spike_replay.snapshot.consistency import check_replayed_losses, check_snapshot
         from axrl_spike_replay.snapshot.log_point import job_logs, log_point
         from axrl_spike_replay.snapshot.replayed_param_norms import check_replayed_param_norms
@@ -349,7 +362,7 @@ class ReplaySession:
             self.tolerance,
             f"the replay ({self.plan.fidelity} fidelity, {self.options.device})",
         )
-        return to_jsonable(found)
+        return found
 
     def failed(self, error: str, verb: str = "replay", cfg: AppliedConfig | None = None) -> ReplayResult:
         """The result recorded for a run that failed after its output dir was made (a sweep: one for all), or
@@ -406,6 +419,26 @@ def _check_options(options: ReplayOptions) -> None:
         raise ConfigError(f"`shard` must be one of {', '.join(Shard.values())}, got {options.shard!r}", "shard")
 
 
+def _refused_experiments(
+    inputs: ReplayInputs, applied: list[AppliedConfig], first: int, verb: str
+) -> tuple[list[AppliedConfig], list[tuple[int, AppliedConfig, str]]]:
+    """A sweep's configs without the experiments an input refuses (each with its place among the experiments and
+    why), so the others still run; a replay's, or a sweep whose every experiment is refused, as they are (the check
+    then refuses them)."""
+    if verb != "sweep":
+        return applied, []
+    kept, refused = applied[:first], []
+    for place, cfg in enumerate(applied[first:]):
+        why = input_refusal(inputs, cfg)
+        if why is None:
+            kept.append(cfg)
+        else:
+            refused.append((place, cfg, f"{inputs.snapshot}: {why}"))
+    if len(kept) == first:
+        return applied, []
+    return kept, refused
+
+
 @contextmanager
 def replay_session(
     snapshot: str | Path, options: ReplayOptions, configs: Sequence[Mapping[str, Any]], verb: str
@@ -421,10 +454,12 @@ def replay_session(
         moe_layers = inputs.model.moe_layer_ids  # what `current_routing_layers: first` resolves against
         applied = [apply_config({}, inputs.loss, inputs.routing)]
         applied += [apply_config(parse_config(c), inputs.loss, inputs.routing, moe_layers) for c in configs]
+        asked = list(applied[1:])  # the experiments as asked: the command line names each, run or refused
         # an input the model cannot compute with refuses the step's own replay; experiments that remove it still run
         baseline_refused = input_refusal(inputs, applied[0])
         if baseline_refused is not None and configs:
             applied = applied[1:]
+        applied, refused = _refused_experiments(inputs, applied, 0 if baseline_refused is not None else 1, verb)
         check_configs(inputs, applied)
         for cfg in applied:
             check_ranks(cfg.samples, inputs.world_size)
@@ -451,11 +486,12 @@ def replay_session(
         )
         session = ReplaySession(inputs, plan, applied, options, shard)
         session.baseline_refused = baseline_refused
+        session.refused = refused
         session.run = options.recorder.open_run(session.job) if options.recorder else RunDir(None)
         if verb == "replay":
-            mitigation = [item for c in applied[1:] for item in mitigation_args(c.mitigations)]
+            mitigation = [item for c in asked for item in mitigation_args(c.mitigations)]
         else:
-            mitigation = [shlex.join(mitigation_args(c.mitigations)) for c in applied[1:]]
+            mitigation = [shlex.join(mitigation_args(c.mitigations)) for c in asked]
         layout = {
             "nproc": options.nproc,
             "device": options.device,

@@ -119,6 +119,23 @@ def refusal(findings: list[InputFinding], rank: int, what: str) -> str | None:
     )
 
 
+def blank_tokens(batch: dict[str, Any], spec: ModelSpec) -> bool:
+    """Token ids of `batch` outside the model's vocabulary set to 0, in place; whether any was. Only for a rank that
+    every config of a job leaves out: its forward runs to keep the passes in step, and nothing of it reaches the
+    step, so the ids no computation is defined on never meet the embedding."""
+    import torch
+
+    vocab = _vocab(spec)
+    tokens = batch.get("tokens")
+    if vocab is None or not isinstance(tokens, torch.Tensor) or not tokens.numel():
+        return False
+    bad = (tokens < 0) | (tokens >= vocab)
+    if not bool(bad.any()):
+        return False
+    batch["tokens"] = tokens.masked_fill(bad, 0)
+    return True
+
+
 def _vocab(spec: ModelSpec) -> int | None:
     model = spec.hf if isinstance(spec, MegatronModelConfig) else spec
     value = model.config.get("vocab_size") if isinstance(model, HFModelConfig) else getattr(model, "vocab_size", None)
@@ -235,7 +252,7 @@ def _batch_findings(batch: dict[str, Any], rank: int, vocab: int | None) -> list
 
     found = []
     tokens = batch["tokens"]
-    drop: list[str] = []  # a left-out rank's forward still runs on its tokens: no experiment removes them yet
+    drop: list[str] = []
     if vocab is not None and tokens.numel():
         bad = (tokens < 0) | (tokens >= vocab)
         if bool(bad.any()):
@@ -243,7 +260,8 @@ def _batch_findings(batch: dict[str, Any], rank: int, vocab: int | None) -> list
             found.append(
                 InputFinding(
                     rank, "tokens", "token_id_range", False, int(bad.sum()), int(tokens.numel()),
-                    f"token ids {shown(ids, 80)} outside the model's vocabulary of {vocab}", experiments=drop,
+                    f"token ids {shown(ids, 80)} outside the model's vocabulary of {vocab}",
+                    experiments=[f"drop_ranks={rank}"],  # a left-out rank's tokens reach nothing (`blank_tokens`)
                 )
             )  # fmt: skip
     mask = batch.get("loss_mask")

@@ -229,12 +229,12 @@ def _routing_ranks(directory: Path, batches: list[dict[str, Any]]) -> tuple[int,
 
 def uses_input(cfg: AppliedConfig, finding: InputFinding) -> bool:
     """Whether `cfg` computes with the input `finding` is about: a rank it leaves out uses none of its inputs
-    (its forward runs on the model's own routing, and nothing of it reaches the step); recomputed routes or
-    log-probs replace the stored ones."""
+    (its forward runs on the model's own routing and blanked token ids, and nothing of it reaches the step);
+    recomputed routes or log-probs replace the stored ones."""
     rank = finding.rank
-    if finding.field == "tokens":
-        return True  # every saved rank's forward runs, a left-out one's too (it keeps the passes in step)
     if not cfg.samples.keeps_rank(rank):
+        # a left-out rank's forward still runs (it keeps the passes in step) on its tokens with ids outside the
+        # vocabulary blanked (`input_checks.blank_tokens`): nothing of it reaches the step
         return False
     if finding.field == "routed_experts":
         return cfg.routing.replay != "off" and cfg.recompute.route_layers(rank) is not None

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from axrl_spike_replay.experiment.result import FOOTPRINT_COUNTS, Footprint
 from axrl_spike_replay.replay.clean_gradient import CLEAN_DEFINITION
 
 CHANGE_RTOL = 1e-5
@@ -65,18 +66,9 @@ def footprint_counts(base: RankTrace, cfg: RankTrace) -> dict[str, int]:
     }
 
 
-def merge_footprint(parts: Sequence[Mapping[str, int]]) -> dict[str, Any]:
+def merge_footprint(parts: Sequence[Mapping[str, int]]) -> Footprint:
     """Counts summed over ranks, with the fractions the ranking uses (`token_fraction`, `sample_fraction`)."""
-    keys = ("loss_tokens", "masked_tokens", "changed_tokens", "samples", "masked_samples", "touched_samples")
-    total = {k: sum(int(p.get(k, 0)) for p in parts) for k in keys}
-    tokens, samples = total["loss_tokens"], total["samples"]
-    return {
-        **total,
-        "token_fraction": (total["masked_tokens"] + total["changed_tokens"]) / tokens if tokens else 0.0,
-        "masked_token_fraction": total["masked_tokens"] / tokens if tokens else 0.0,
-        "sample_fraction": total["touched_samples"] / samples if samples else 0.0,
-        "masked_sample_fraction": total["masked_samples"] / samples if samples else 0.0,
-    }
+    return Footprint.of_counts({k: sum(int(p.get(k, 0)) for p in parts) for k in FOOTPRINT_COUNTS})
 
 
 def grads_of(model: torch.nn.Module) -> list[torch.Tensor]:

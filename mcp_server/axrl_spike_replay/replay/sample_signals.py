@@ -51,7 +51,7 @@ def base_name(cfg: AppliedConfig) -> str:
 def router_loss(cfg: AppliedConfig, out: Any, rank: int) -> torch.Tensor | None:
     """Saved rank `rank`'s batch-level router losses as its loss adds them (its own coefficients and scale under a
     hypothesis); None when no loss of the config has any, so every rank (and process) agrees on whether there is one.
-    On a rank the config leaves out it is still returned: the caller adds nothing of it (`RankLoss.kept`)."""
+    On a rank the config leaves out it is still returned: the caller adds nothing of it (`MicroStep.kept`)."""
     if not any(loss.aux_loss_coef or loss.z_loss_coef for loss in cfg.losses()):
         return None
     own = cfg.loss_of(rank)

@@ -42,7 +42,7 @@ from axrl_spike_replay.replay.model_build import Placement, build_model
 from axrl_spike_replay.replay.rank_micro_batches import check_same_counts
 from axrl_spike_replay.replay.sample_signals import RankGather, micro_steps
 from axrl_spike_replay.replay.share_processes import run_share_processes
-from axrl_spike_replay.replay.worker import RankInputs, _gather, step_counts
+from axrl_spike_replay.replay.worker import RankInputs, gather_objects, step_counts
 
 _ROW_KEYS = ("tokens", "loss_mask", "attention_mask")  # what a forward reads of a batch (`attribution._JVP_KEYS`)
 
@@ -153,7 +153,7 @@ def _turns(inputs: RankInputs, kept: dict[int, _Kept]) -> list[tuple[int, int, i
     """Every sample of the world as (process, saved rank, sample), in the same order on every process."""
     own = [(rank, int(k.grad_logprobs.shape[0])) for rank, k in kept.items()]
     turns = []
-    for process, part in enumerate(_gather(own)):
+    for process, part in enumerate(gather_objects(own)):
         for rank, samples in part:
             turns.extend((process, rank, s) for s in range(samples))
     return turns
@@ -223,7 +223,7 @@ def attribute_share(job: AttributionJob, process: int, cancel: threading.Event |
     per_rank: dict[int, list[float]] = {}
     for (rank, _), value in zip(order, summed[:-1], strict=True):
         per_rank.setdefault(rank, []).append(value / job.world_size)
-    all_signals = {rank: rows for part in _gather(signals) for rank, rows in part.items()}
+    all_signals = {rank: rows for part in gather_objects(signals) for rank, rows in part.items()}
     return ShardedFigures(
         grad_norm=grad_norm,
         router=summed[-1] / job.world_size,

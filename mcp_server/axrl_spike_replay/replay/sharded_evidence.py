@@ -12,7 +12,9 @@ holds the whole model or a whole gradient.
   the shards then hold that rank's term (its float64 sum of squares and dot with g are local sums, all-reduced).
   The terms summed over ranks, and g, build up from the same turns. A second round of turns takes each rank's term
   against g, as the unsharded channel does, and the whole loss once per pass (every process at once: only its sum
-  is needed).
+  is needed). Each rank's own per-parameter norms (its terms' turns summed: its whole-loss gradient before the
+  mean, what its recorded norms are compared with) are float64 sums of squares per parameter over the shards,
+  all-reduced once.
   A backward always carries the whole loss at zero beside its term: a router loss alone reaches a unit's parameters
   without passing through the unit's output, where FSDP2 gathers them.
 """
@@ -55,7 +57,7 @@ from axrl_spike_replay.replay.step_evidence import (
     top_samples,
     top_tokens,
 )
-from axrl_spike_replay.replay.worker import RankInputs, _gather, step_counts
+from axrl_spike_replay.replay.worker import RankInputs, gather_objects, step_counts
 from axrl_spike_replay.snapshot.rank_data import load_rank_routes
 
 
@@ -104,7 +106,7 @@ def sharded_signals(
     with torch.no_grad():
         for _ in range(most - planned):
             policy_forward(model, filler, RoutingControl(), need_entropy=False)
-    rows = sorted((r for part in _gather(own.ranks) for r in part), key=lambda r: r.rank)
+    rows = sorted((r for part in gather_objects(own.ranks) for r in part), key=lambda r: r.rank)
     return replace(own, ranks=rows)
 
 
@@ -159,6 +161,7 @@ def sharded_channel(
     squares: dict[tuple[str, int], float] = {}
     pulls: dict[str, dict[int, torch.Tensor]] = {}
     values: dict[tuple[str, int], float] = {}  # this process's own ranks' term values, and `_loss`
+    param_squares: dict[int, list[float]] = {}  # per saved rank, this process's rows of ||g_r,param||^2
     for k, rank in enumerate(passes):
         check_cancel(cancel, "diagnosis")
         own = first if rank is None else rank
@@ -186,10 +189,16 @@ def sharded_channel(
             del terms, out, whole
         if rank is not None:
             values[("_loss", rank)] = loss
+        own_whole: dict[int, Grads] = {}  # each owned rank's whole-loss gradient (the sum of its terms'), my rows
         for (name, owned), got in turns.items():
             squares[(name, owned)] = local_dot(got, got)
+            accumulate(
+                own_whole.setdefault(owned, [None] * len(params)), [None if x is None else x.clone() for x in got]
+            )
             accumulate(sums.setdefault(name, [None] * len(params)), got)
-        del turns
+        for owned, grads in own_whole.items():
+            param_squares[owned] = [0.0 if x is None else float(x.double().pow(2).sum()) for x in grads]
+        del turns, own_whole
     keys = sorted(squares)
     names = list(sums)
     term_g = {name: [x / world for x in _local(sums[name], params)] for name in names}
@@ -211,7 +220,7 @@ def sharded_channel(
     all_pulls: dict[str, dict[int, torch.Tensor]] = {}
     all_masks: dict[int, torch.Tensor] = {}
     all_values: dict[tuple[str, int], float] = {}
-    for part_pulls, part_masks, part_values in _gather((pulls, masks, values)):
+    for part_pulls, part_masks, part_values in gather_objects((pulls, masks, values)):
         for name, by_rank in part_pulls.items():
             all_pulls.setdefault(name, {}).update(by_rank)
         all_masks.update(part_masks)
@@ -220,6 +229,7 @@ def sharded_channel(
     coefs["z"] = cfg.loss.z_loss_coef
     channel = LossChannel(grad_norm=math.sqrt(g_sq), sum_rel_error=math.sqrt(against[-1] / g_sq) if g_sq > 0 else 0.0)
     channel.rank_losses = [{"rank": r, "loss": v} for (n, r), v in sorted(all_values.items()) if n == "_loss"]
+    channel.rank_param_norms = _rank_param_norms(space, param_squares, ranks.device)
     for i, name in enumerate(names):
         t_sq, t_dot = per_term[2 * i], per_term[2 * i + 1]
         owned = sorted(r for n, r in keys if n == name)
@@ -235,6 +245,23 @@ def sharded_channel(
             )
         )
     return channel
+
+
+def _rank_param_norms(space: Sharded, squares: dict[int, list[float]], device: str) -> list[dict[str, Any]]:
+    """Each saved rank's per-parameter norms of its own whole-loss gradient (before the data-parallel mean), summed
+    over every process's rows: what its recorded per-parameter norms are compared with (`diagnosis.reproduction`)."""
+    owned = sorted(squares)
+    count = len(space.params)
+    summed = all_reduce_sum([v for r in owned for v in squares[r]], device)
+    return [
+        {
+            "rank": r,
+            "norms": {
+                n: math.sqrt(max(0.0, v)) for n, v in zip(space.names, summed[i * count : (i + 1) * count], strict=True)
+            },
+        }
+        for i, r in enumerate(owned)
+    ]
 
 
 def _second_round(
@@ -310,6 +337,7 @@ def loss_channel_of(doc: dict[str, Any]) -> LossChannel:
         terms=terms,
         sum_rel_error=doc["sum_rel_error"],
         rank_losses=list(doc.get("rank_losses") or []),
+        rank_param_norms=list(doc.get("rank_param_norms") or []),
     )
 
 

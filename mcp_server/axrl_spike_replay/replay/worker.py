@@ -21,11 +21,13 @@ from torch import nn
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig
 from axrl_spike_replay.experiment.recompute import Recompute
+from axrl_spike_replay.experiment.result import Footprint
 from axrl_spike_replay.models.policy import ModelSpec, RoutingShape, policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.clean_gradient import SpikeBar, not_reached_reason, smallest_count, token_order
 from axrl_spike_replay.replay.gradient_space import GradientSpace, Sharded, Whole, accumulate, padded_passes
+from axrl_spike_replay.replay.input_checks import blank_tokens
 from axrl_spike_replay.replay.inputs import read_micro_batches, read_run_config
 from axrl_spike_replay.replay.model_build import Placement, build_model
 from axrl_spike_replay.replay.outcome_figures import RankTrace, footprint_counts, merge_footprint
@@ -74,7 +76,7 @@ class ConfigOutcome:
     top_params: list[dict[str, Any]] = field(default_factory=list)
     rank_metrics: list[dict[str, Any]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-    footprint: dict[str, Any] | None = None  # mitigated configs: loss tokens / samples masked or changed
+    footprint: Footprint | None = None  # mitigated configs: loss tokens / samples masked or changed
     cosine_to_clean: float | None = None  # mitigated configs: cosine of the gradient with the clean gradient
     clean_gradient: dict[str, Any] | None = None  # how the clean gradient was made (the same for every config)
     # the baseline: its per-parameter norms, of the reduced gradient and of each saved rank's own gradient (what the
@@ -128,7 +130,8 @@ def _groups(configs: Sequence[AppliedConfig]) -> list[list[AppliedConfig]]:
     return list(groups.values())
 
 
-def _gather(obj: Any) -> list[Any]:
+def gather_objects(obj: Any) -> list[Any]:
+    """Every process's `obj`, in process order (`[obj]` in a single process)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -488,7 +491,7 @@ def clean_gradient(
             return
     pulls, masks = {}, {}
     own = {rank: (figures.grad_logprobs[rank].cpu(), figures.traces[rank].mask.cpu()) for rank in inputs.batches}
-    for part in _gather(own):
+    for part in gather_objects(own):
         for rank, (pull, mask) in part.items():
             pulls[rank], masks[rank] = pull, mask
     order = token_order(pulls, masks)
@@ -567,6 +570,12 @@ def compute(
     say = progress or (lambda line: None)
     start = time.perf_counter()
     inputs = RankInputs(job.replay_dir, job.assignment[process], job.device, routing_shape(job.model))
+    for rank, batch in inputs.batches.items():  # a rank every config leaves out: token ids it cannot embed blanked
+        if not any(cfg.samples.keeps_rank(rank) for cfg in job.configs) and blank_tokens(batch, job.model):
+            say(
+                f"process {process}: rank {rank} is left out by every config; its token ids outside the vocabulary "
+                "blanked"
+            )
     outcomes = {cfg.config_id: ConfigOutcome(cfg.config_id) for cfg in job.configs}
     load_s = time.perf_counter() - start
     say(f"process {process}: loaded {len(inputs.batches)} rank batch(es) in {load_s:.2f} s")
@@ -602,7 +611,8 @@ def compute(
                 grads[cfg.config_id] = []  # this config's gradient is measured: free it before the next
                 if rep == 0 and cfg.config_id == "baseline" and not cfg.mitigations:  # a collective: every process
                     outcome.param_grad_norms = norms
-                    outcome.rank_param_grad_norms = {r: n for part in _gather(local_norms) for r, n in part.items()}
+                    parts = gather_objects(local_norms)
+                    outcome.rank_param_grad_norms = {r: n for part in parts for r, n in part.items()}
                 if kept is not None and cfg is baseline:
                     assert traced is not None
                     t2 = time.perf_counter()
@@ -613,7 +623,7 @@ def compute(
                 outcome.grad_norms.append(norm)
                 if rep == 0:
                     outcome.top_params = top_params
-                    gathered = _gather(metrics[cfg.config_id])
+                    gathered = gather_objects(metrics[cfg.config_id])
                     rows = sorted((m for part in gathered for m in part), key=lambda m: m["rank"])
                     parts = [m.pop("_footprint") for m in rows if "_footprint" in m]
                     if parts:

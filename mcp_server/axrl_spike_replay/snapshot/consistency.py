@@ -88,6 +88,12 @@ class ConsistencyProblem:
     message: str
     figures: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> ConsistencyProblem:
+        """A problem as a replay result keeps it (`replay_result.json` `consistency.problems`)."""
+        figures = doc.get("figures")
+        return cls(str(doc.get("name")), str(doc.get("message")), dict(figures) if isinstance(figures, Mapping) else {})
+
 
 @dataclass
 class Consistency:
@@ -121,7 +127,25 @@ class Consistency:
         self.skipped[name] = reason
 
     def own_problems(self) -> list[ConsistencyProblem]:
+        """The problems of the snapshot with itself (the training log's disagreement left out)."""
         return [p for p in self.problems if p.name != "grad_norm_vs_log"]
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Consistency:
+        """The checks as a replay result keeps them (`replay_result.json` `consistency`), also one written before a
+        field existed (it takes its default); a value of the wrong kind reads as `consistency_line` reads it."""
+        agrees, norm, bounds = doc.get("agrees_with_log"), doc.get("log_grad_norm"), doc.get("merged_param_norm_bounds")
+        skipped = doc.get("skipped")
+        return cls(
+            checked=[str(c) for c in doc.get("checked") or []],
+            problems=[ConsistencyProblem.from_json(p) for p in doc.get("problems") or [] if isinstance(p, Mapping)],
+            self_consistent=doc.get("self_consistent") is True,
+            agrees_with_log=agrees if isinstance(agrees, bool) else None,
+            log_grad_norm=float(norm) if isinstance(norm, (int, float)) and not isinstance(norm, bool) else None,
+            log_source=None if doc.get("log_source") is None else str(doc.get("log_source")),
+            merged_param_norm_bounds=[float(b) for b in bounds] if isinstance(bounds, list) else None,
+            skipped={str(k): str(v) for k, v in skipped.items()} if isinstance(skipped, Mapping) else {},
+        )
 
 
 def summary_line(

@@ -13,6 +13,7 @@ from axrl_spike_replay.snapshot.layout import (
     CHECKPOINT_METADATA,
     PRESERVED_DIR,
     SNAPSHOTS_DIR,
+    WORKSPACE_PRESERVED,
     parse_iteration,
     snapshot_order,
 )
@@ -31,6 +32,7 @@ class SnapshotEntry:
     grad_norm: float | None = None
     legacy_metadata: bool = False
     problem: str | None = None
+    in_workspace: bool = False  # a preserved copy in the workspace (`preserve --into-workspace`), not the output root
 
 
 @dataclass
@@ -170,8 +172,10 @@ def _entry(path: Path, iteration: int, preserved: bool) -> SnapshotEntry:
     return entry
 
 
-def list_snapshots(output_dir: str | Path) -> SnapshotListing:
-    """Retained (`checkpoints/spike_snapshots/`) and preserved (`checkpoints/spike_snapshots-active/`) snapshots."""
+def list_snapshots(output_dir: str | Path, workspace: str | Path | None = None) -> SnapshotListing:
+    """Retained (`checkpoints/spike_snapshots/`) and preserved (`checkpoints/spike_snapshots-active/`) snapshots, and
+    with `workspace` the copies preserved into it for this output dir (`in_workspace`; a copy whose marker names
+    another output dir as its source is skipped, with the reason)."""
     directory = Path(os.path.abspath(output_dir))
     if not directory.is_dir():
         raise AxrlError(f"{directory}: output directory not found")
@@ -181,6 +185,35 @@ def list_snapshots(output_dir: str | Path) -> SnapshotListing:
         for name, path in found.items():
             listing.snapshots.append(_entry(path, parse_iteration(name) or 0, preserved))
         listing.skipped += skipped
-    listing.snapshots.sort(key=lambda e: (snapshot_order(Path(e.path).name), e.preserved))
+    if workspace is not None:
+        _add_workspace_copies(listing, directory, Path(os.path.abspath(workspace)))
+    listing.snapshots.sort(key=lambda e: (snapshot_order(Path(e.path).name), e.preserved, e.in_workspace))
     listing.ranking = rank_snapshots(listing.snapshots)
     return listing
+
+
+def _add_workspace_copies(listing: SnapshotListing, directory: Path, workspace: Path) -> None:
+    """The copies `preserve` made of `directory`'s snapshots in `workspace` (`preserved-snapshots/<dir name>/`)."""
+    from axrl_spike_replay.snapshot.preserved_marker import read_marker
+
+    parent = workspace / WORKSPACE_PRESERVED / directory.name
+    found, skipped = scan_iteration_dirs(parent, root=workspace)
+    listing.skipped += skipped
+    for name, path in found.items():
+        marker, _ = read_marker(path)
+        source = str(marker.get("source") or "") if marker else ""
+        if source and not _is_under(Path(source), directory):
+            why = f"a workspace copy of another output dir's snapshot ({source}); not listed here"
+            listing.skipped.append(SkippedEntry(str(path), why, parse_iteration(name)))
+            continue
+        entry = _entry(path, parse_iteration(name) or 0, True)
+        entry.in_workspace = True
+        listing.snapshots.append(entry)
+
+
+def _is_under(path: Path, directory: Path) -> bool:
+    try:
+        path.resolve().relative_to(directory.resolve())
+    except (OSError, ValueError):
+        return False
+    return True

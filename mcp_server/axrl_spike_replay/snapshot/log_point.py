@@ -17,7 +17,7 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.snapshot.discovery import find_logs
-from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR
+from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, WORKSPACE_PRESERVED
 
 # Logs found next to a snapshot are read on every `inspect` / `replay`: above this much, skip and say so.
 AUTO_LOG_BYTES = 256 * 1024 * 1024
@@ -38,14 +38,34 @@ class LogPoint:
 
 
 def job_logs(snapshot_dir: str | Path) -> list[Path]:
-    """The logs of the job output dir a snapshot sits in (`<out>/checkpoints/spike_snapshots[-active]/iter_N`);
-    none when the snapshot is not in such a place."""
+    """The logs of the job output dir a snapshot sits in (`<out>/checkpoints/spike_snapshots[-active]/iter_N`), or,
+    for a copy `preserve` made in a workspace (`<workspace>/preserved-snapshots/<out name>/iter_N`), of the output
+    dir its marker names as its source; none when the snapshot is in neither place."""
     directory = Path(snapshot_dir).absolute()
     container = directory.parent
     for layout_dir in (SNAPSHOTS_DIR, PRESERVED_DIR):
         depth = len(layout_dir.parts)
         if container.parts[-depth:] == layout_dir.parts:
             return find_logs(container.parents[depth - 1])
+    if container.parent.name == WORKSPACE_PRESERVED.name:
+        return _source_logs(directory)
+    return []
+
+
+def _source_logs(copy: Path) -> list[Path]:
+    """The job logs of the snapshot a workspace copy was made from (its marker's `source`, read as untrusted)."""
+    from axrl_spike_replay.snapshot.preserved_marker import read_marker
+
+    marker, _ = read_marker(copy)
+    source = str(marker.get("source") or "") if marker else ""
+    if not source:
+        return []
+    origin = Path(source)
+    for layout_dir in (SNAPSHOTS_DIR, PRESERVED_DIR):
+        depth = len(layout_dir.parts)
+        if origin.parent.parts[-depth:] == layout_dir.parts:
+            output_dir = origin.parent.parents[depth - 1]
+            return find_logs(output_dir) if output_dir.is_dir() else []
     return []
 
 

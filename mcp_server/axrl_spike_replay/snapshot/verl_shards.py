@@ -132,7 +132,7 @@ def _fp32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _placement(value: Any, file: Path, key: str) -> tuple[str, int]:
+def shard_placement(value: Any, file: Path, key: str) -> tuple[str, int]:
     """("shard", dim) or ("replicate", -1) of a 1-D-mesh DTensor (a leading replicated `ddp` dim is dropped)."""
     placements = tuple(getattr(value, "placements", ()))
     names = getattr(getattr(value, "device_mesh", None), "mesh_dim_names", None) or ()
@@ -151,7 +151,8 @@ def _placement(value: Any, file: Path, key: str) -> tuple[str, int]:
     raise SnapshotError(f"{file}: {shown(key, 120)} has placement {shown(placement, 60)}, which cannot be merged")
 
 
-def _load_rank(file: Path) -> dict[str, Any]:
+def load_rank_state(file: Path) -> dict[str, Any]:
+    """One rank's FSDP state dict (name -> tensor or DTensor), loaded weights-only."""
     state = load_pt(file, allowed_globals=dtensor_globals())
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise SnapshotError(f"{file}: expected a state dict of name -> tensor, got {type(state).__name__}")
@@ -174,7 +175,7 @@ def load_verl_shards(directory: str | Path) -> dict[str, torch.Tensor]:
     names: list[str] | None = None
     for rank in range(checkpoint.world_size):
         file = checkpoint.rank_file(rank)
-        state = _load_rank(file)
+        state = load_rank_state(file)
         if names is None:
             names = list(state)
         elif set(state) != set(names):
@@ -193,7 +194,7 @@ def load_verl_shards(directory: str | Path) -> dict[str, torch.Tensor]:
                         f"{file}: {shown(key, 120)} is sharded over {mesh_size} ranks but fsdp_config.json "
                         f"says world_size {checkpoint.world_size}"
                     )
-                kind, dim = _placement(value, file, key)
+                kind, dim = shard_placement(value, file, key)
                 declared = (kind, dim, tuple(value.shape))
                 if layout.setdefault(key, declared) != declared:
                     raise SnapshotError(

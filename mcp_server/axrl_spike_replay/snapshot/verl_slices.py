@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
-from axrl_spike_replay.snapshot.verl_shards import _load_rank, _placement, read_fsdp_config
+from axrl_spike_replay.snapshot.verl_shards import load_rank_state, read_fsdp_config, shard_placement
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +43,7 @@ class VerlSlices:
         names: set[str] | None = None
         for rank in range(self.checkpoint.world_size):
             file = self.checkpoint.rank_file(rank)
-            state = _load_rank(file)
+            state = load_rank_state(file)
             if names is None:
                 names = set(state)
             elif set(state) != names:
@@ -57,7 +57,7 @@ class VerlSlices:
                 if not isinstance(value, _tensor_type()):
                     raise SnapshotError(f"{file}: {shown(key, 120)} is a {type(value).__name__}, not a tensor")
                 if isinstance(value, DTensor):
-                    kind, dim = _placement(value, file, key)
+                    kind, dim = shard_placement(value, file, key)
                     declared = (kind, dim, tuple(value.shape))
                     if layouts.setdefault(key, declared) != declared:
                         raise SnapshotError(

@@ -11,6 +11,11 @@ Three provenances:
 - `unseen`: faults of `capture.unrecorded_faults` (a kind no preset uses, most of a family no earlier rule read:
   steps that do not reproduce), written and measured before the rules that read them; on two architectures and two
   world sizes, one case with two faults on two ranks. Each names its own model and world size.
+- `held_out_ii`: faults of `capture.held_out_faults`, a second held-out set (kinds no preset, no `held_out` and no
+  `unseen` case uses: the stored old log-probs at the sampling temperature, shard-local expert ids, an advantage std
+  over an axis of length one, an L2 penalty in one rank's gradients, a stale layer shard after a resume, a loss mask
+  over the prompt), written and committed before any rule was run on them: on two architectures and two world
+  sizes, one case with two faults on two ranks.
 
 `capture_command` is the same run as an `axrl-spike-replay capture` command line. `capture_case` records a case
 with `hide_fault`, so the snapshots and the log do not name the preset or the fault:
@@ -26,7 +31,7 @@ from typing import Any
 
 from axrl_spike_replay.capture.presets import FAMILY_PRESETS, FAULT_FAMILIES, LAST, FaultSpec, get_preset
 
-PROVENANCES = ("preset", "variant", "held_out", "unseen")
+PROVENANCES = ("preset", "variant", "held_out", "unseen", "held_out_ii")
 MATRIX_WORLD_SIZE = 2  # one faulty rank beside a healthy one: the witness a per-rank comparison needs
 MATRIX_STEPS = 24  # the burst is at iterations 20-22
 
@@ -38,7 +43,7 @@ class MatrixCase:
     name: str
     family: str  # the cause family planted (one of presets.FAULT_FAMILIES)
     preset: str
-    provenance: str  # preset | variant | held_out | unseen
+    provenance: str  # preset | variant | held_out | unseen | held_out_ii
     faults: tuple[FaultSpec, ...] = ()  # planted on top of the preset's own fault
     world_size: int = MATRIX_WORLD_SIZE
     model: str | None = None  # the one model the case runs on (None: each model the matrix is run on)
@@ -221,12 +226,69 @@ _UNSEEN = (
 )
 
 
+_HELD_OUT_II = (
+    MatrixCase(
+        "held_out_ii:old_logprobs_at_sampling_temperature",
+        "stale_old_logprobs",
+        "peaked",
+        "held_out_ii",
+        (FaultSpec("old_logprobs_at_temperature", ranks=LAST, params={"temperature": 0.25}),),
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_ii:routes_local_expert_ids_ws4",
+        "routing_payload",
+        "expert_sensitive",
+        "held_out_ii",
+        (FaultSpec("routes_local_expert_ids", ranks=(2,), params={"ep": 2}),),
+        world_size=4,
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_ii:mask_covers_prompt",
+        "mask_misalignment",
+        "peaked",
+        "held_out_ii",
+        (FaultSpec("mask_covers_prompt", ranks=LAST),),
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_ii:qwen2_moe_advantage_std_singleton_axis",
+        "outlier_advantage",
+        "peaked",
+        "held_out_ii",
+        (FaultSpec("advantage_std_singleton_axis", ranks=(0,), params={"eps": 1e-4}),),
+        model="qwen2_moe",
+    ),
+    MatrixCase(
+        "held_out_ii:qwen2_moe_weight_decay_in_grad",
+        "step_not_reproduced",
+        "peaked",
+        "held_out_ii",
+        (FaultSpec("weight_decay_in_grad", ranks=LAST, params={"weight_decay": 0.5}),),
+        model="qwen2_moe",
+    ),
+    MatrixCase(
+        "held_out_ii:stale_layer_shard_and_weight_decay_ws4",
+        "step_not_reproduced",
+        "peaked",
+        "held_out_ii",
+        (
+            FaultSpec("stale_layer_shard", ranks=(1,), params={"layers": [0]}),
+            FaultSpec("weight_decay_in_grad", ranks=(3,), params={"weight_decay": 1.0}),
+        ),
+        world_size=4,
+        model="tiny_moe",
+    ),
+)
+
+
 def matrix_cases(provenances: tuple[str, ...] = PROVENANCES) -> list[MatrixCase]:
     """The matrix's cases of the given provenances, presets first."""
     unknown = set(provenances) - set(PROVENANCES)
     if unknown:
         raise ValueError(f"unknown provenance {sorted(unknown)} (known: {', '.join(PROVENANCES)})")
-    cases = [*_preset_cases(), *_VARIANTS, *_HELD_OUT, *_UNSEEN]
+    cases = [*_preset_cases(), *_VARIANTS, *_HELD_OUT, *_UNSEEN, *_HELD_OUT_II]
     return [c for c in cases if c.provenance in provenances]
 
 

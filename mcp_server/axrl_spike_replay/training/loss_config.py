@@ -20,6 +20,8 @@ from axrl_spike_replay.training.verl_settings import (
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
 LOGPROB_BASES = ("old", "rollout")
+# the policy objective under the axrl and verl conventions (verl's policy_loss.loss_mode; training/policy_objectives)
+POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo")
 # whose loss a replay computes: this tool's own, verl's (VERL_VERSION) or TRL's GRPOTrainer (TRL_VERSION)
 CONVENTIONS = ("axrl", "verl", "trl")
 NORMALIZATIONS = ("per_rank", "global")  # each rank by its own counts, or by the step's global counts
@@ -79,6 +81,10 @@ class LossConfig:
     rollout_is_threshold: float | str = 2.0  # verl's spec: an upper bound (TIS) or "lower_upper" (IcePop)
     rollout_rs: str | None = None  # verl rejection sampling: comma-separated ROLLOUT_RS_OPTIONS
     rollout_rs_threshold: float | str | None = None  # verl's spec, one per option or shared
+    # the policy objective (axrl, verl): PPO's clipped surrogate (vanilla) or GSPO, CISPO, SAPO as verl forms them
+    policy_loss_mode: str = "vanilla"
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperatures (verl's tau_pos / tau_neg; TRL's sapo_temperature_*)
+    sapo_tau_neg: float = 1.05
     trl: TrlSettings | None = None  # convention trl: TRL's GRPOConfig loss settings (None: TRL's defaults)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -99,7 +105,24 @@ class LossConfig:
                 raise ConfigError(f"{name} must be a number > 0, got {shown(value, 60)}")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
             raise ConfigError(f"dual_clip_c must be > 1, got {shown(self.dual_clip_c, 60)}")
+        self._check_objective()
         self._check_convention()
+
+    def _check_objective(self) -> None:
+        """The policy objective's own knobs (the trl convention's objective is `loss.trl`'s: refused there)."""
+        if self.policy_loss_mode not in POLICY_LOSS_MODES:
+            raise ConfigError(
+                f"loss.policy_loss_mode must be one of {POLICY_LOSS_MODES}, got {shown(self.policy_loss_mode, 60)}"
+            )
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ConfigError(f"loss.{name} must be a finite number > 0, got {shown(value, 60)}")
+        if self.policy_loss_mode != "vanilla" and self.dual_clip_c is not None:
+            raise ConfigError(
+                f"loss.dual_clip_c has no meaning with policy_loss_mode {self.policy_loss_mode}: the dual clip is "
+                "PPO's (verl's vanilla loss); verl's gspo, cispo and sapo losses read no clip_ratio_c (leave it out)"
+            )
 
     def _check_convention(self) -> None:
         """The convention's own knobs, and the settings that have no meaning under it (refused with the reason)."""
@@ -138,9 +161,11 @@ class LossConfig:
             "convention_version": self.convention_version is not None,
             "loss_agg_mode token-sum": self.loss_agg_mode == "token-sum",
             "loss_scale_factor": self.loss_scale_factor is not None,
-            "rollout_is": self.rollout_is is not None,
             "rollout_rs": self.rollout_rs is not None,
         }
+        if self.rollout_is is not None and self.rollout_is not in ROLLOUT_IS_LEVELS:
+            raise ConfigError(f"loss.rollout_is must be one of {ROLLOUT_IS_LEVELS}, got {shown(self.rollout_is, 60)}")
+        rollout_is_setting(self)
         named = [name for name, is_set in verl_only.items() if is_set]
         if named:
             raise ConfigError(
@@ -293,6 +318,12 @@ def check_trl_settings(cfg: LossConfig) -> None:
         "loss_scale_factor": (cfg.loss_scale_factor is not None, "it is verl's seq-mean-token-sum-norm divisor"),
         "rollout_is": (cfg.rollout_is is not None, "TRL's rollout correction is loss.trl.rollout_correction"),
         "rollout_rs": (cfg.rollout_rs is not None, "TRL's rollout correction is loss.trl.rollout_correction"),
+        "policy_loss_mode": (
+            cfg.policy_loss_mode != "vanilla",
+            "TRL's objective is loss.trl.loss_type (cispo, sapo) and loss.trl.importance_sampling_level (GSPO)",
+        ),
+        "sapo_tau_pos": (cfg.sapo_tau_pos != 1.0, "TRL's SAPO temperatures are loss.trl.sapo_temperature_pos/neg"),
+        "sapo_tau_neg": (cfg.sapo_tau_neg != 1.05, "TRL's SAPO temperatures are loss.trl.sapo_temperature_pos/neg"),
     }
     for name, (is_set, why) in named.items():
         if is_set:

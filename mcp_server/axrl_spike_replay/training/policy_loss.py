@@ -17,8 +17,15 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.training.loss_config import LOSS_AGG_MODES, LossConfig, rejection_options, rollout_is_setting
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
+from axrl_spike_replay.training.policy_objectives import objective_loss
 from axrl_spike_replay.training.trl_convention import trl_policy_loss
-from axrl_spike_replay.training.verl_convention import kl_penalty, masked, verl_local_counts, verl_policy_loss
+from axrl_spike_replay.training.verl_convention import (
+    kl_penalty,
+    masked,
+    rollout_is_weights,
+    verl_local_counts,
+    verl_policy_loss,
+)
 
 
 @dataclass
@@ -147,6 +154,14 @@ def policy_loss(
         rollout = _require(batch, "rollout_logprobs", "mismatch_token_clip_max")
         weight = (old - rollout).exp().clamp(max=cfg.mismatch_token_clip_max).detach()
         base_name = "old"
+    elif cfg.rollout_is is not None:
+        # verl's rollout correction (token or sequence TIS, IcePop), the same weights as under convention verl
+        old = _require(batch, "old_logprobs", "rollout_is")
+        rollout = _require(batch, "rollout_logprobs", "rollout_is")
+        setting = rollout_is_setting(cfg)
+        assert setting is not None
+        weight = rollout_is_weights(old - rollout, on_mask, *setting)
+        base_name = "old"
     base = _require(batch, f"{base_name}_logprobs", f"is_base_logprobs={base_name}")
 
     if cfg.ratio_outlier_mask is not None:
@@ -161,12 +176,16 @@ def policy_loss(
     log_ratio = logprobs - base
     if cfg.log_ratio_clip is not None:
         log_ratio = log_ratio.clamp(-cfg.log_ratio_clip, cfg.log_ratio_clip)
-    ratio = log_ratio.exp()
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
-    per_token = torch.maximum(unclipped, clipped)
-    if cfg.dual_clip_c is not None:
-        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * cfg.dual_clip_c), per_token)
+    if cfg.policy_loss_mode == "vanilla":
+        ratio = log_ratio.exp()
+        unclipped = -adv * ratio
+        clipped = -adv * ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
+        per_token = torch.maximum(unclipped, clipped)
+        if cfg.dual_clip_c is not None:
+            per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * cfg.dual_clip_c), per_token)
+    else:  # GSPO, CISPO, SAPO as verl forms them, without verl's safety clamps (training/policy_objectives.py)
+        terms = objective_loss(cfg.policy_loss_mode, logprobs, log_ratio, adv, mask, cfg, safety_bound=None)
+        per_token, ratio = terms.per_token, terms.ratio
     per_token = per_token * weight
     kl_value = 0.0
     if cfg.kl_coef:

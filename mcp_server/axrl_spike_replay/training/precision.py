@@ -85,6 +85,13 @@ class PrecisionPolicy:
         """What a result says ran."""
         return {**self.to_dict(), "source": self.source}
 
+    @classmethod
+    def from_result(cls, doc: Mapping[str, Any]) -> PrecisionPolicy:
+        """The policy a replay result says ran (`describe`'s form, with its source); ConfigError naming the dtype
+        that is not one."""
+        policy = cls.from_dict({k: v for k, v in doc.items() if k in KEYS}, "result precision")
+        return cls(policy.param_dtype, policy.reduce_dtype, policy.output_dtype, str(doc.get("source") or RECORDED))
+
     @property
     def recorded(self) -> bool:
         return self.source == RECORDED

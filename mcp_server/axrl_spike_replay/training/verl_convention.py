@@ -31,6 +31,7 @@ from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.snapshot.fields import ROLLOUT_IS_WEIGHTS
 from axrl_spike_replay.training.loss_config import LossConfig, rejection_options, rollout_is_setting
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
+from axrl_spike_replay.training.policy_objectives import ObjectiveTerms, objective_aggregation, objective_loss
 from axrl_spike_replay.training.verl_settings import VERL_DUAL_CLIP_C, RejectionOption
 
 SAFETY_BOUND = 20.0  # verl clamps log-ratios to +-20 before exp (ppo ratio, k3, rollout correction)
@@ -212,16 +213,21 @@ def verl_policy_loss(
     neg_kl = (logprobs - old).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     if cfg.log_ratio_clip is not None:
         neg_kl = neg_kl.clamp(-cfg.log_ratio_clip, cfg.log_ratio_clip)
-    ratio = neg_kl.exp()
     c = cfg.dual_clip_c if cfg.dual_clip_c is not None else VERL_DUAL_CLIP_C
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high)
-    clipped = torch.maximum(pg1, pg2)
-    dual = torch.min(-adv * c, clipped)
-    pg = torch.where(adv < 0, dual, clipped)
+    objective = _objective(logprobs, old, adv, mask, cfg)
+    if objective is None:
+        ratio = neg_kl.exp()
+        pg1 = -adv * ratio
+        pg2 = -adv * ratio.clamp(1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high)
+        clipped = torch.maximum(pg1, pg2)
+        dual = torch.min(-adv * c, clipped)
+        pg = torch.where(adv < 0, dual, clipped)
+        clip_hit, lower_hit = pg2 > pg1, (clipped > -adv * c) & (adv < 0)
+    else:
+        pg, clip_hit, lower_hit = objective.per_token, objective.clipped, torch.zeros_like(mask)
     if weights is not None:
         pg = pg * weights
-    pg_loss = agg_loss(pg, mask, cfg.loss_agg_mode, counts, horizon)
+    pg_loss = agg_loss(pg, mask, _pg_aggregation(cfg), counts, horizon)
     loss = pg_loss
     metrics: dict[str, float] = {}
     if cfg.entropy_coef:
@@ -242,14 +248,30 @@ def verl_policy_loss(
         n = on.sum().clamp(min=1)
         metrics.update(
             {
-                "pg_clipfrac": float(((pg2 > pg1) & on).sum() / n),
-                "pg_clipfrac_lower": float(((clipped > -adv * c) & (adv < 0) & on).sum() / n),
+                "pg_clipfrac": float((clip_hit & on).sum() / n),
+                "pg_clipfrac_lower": float((lower_hit & on).sum() / n),
                 "ppo_kl": float(masked(-neg_kl, on).sum() / n),
                 "rejected_tokens": float((batch["loss_mask"] > 0).sum() - on.sum()),
                 "mean_is_weight": float(weights[on].mean()) if weights is not None and on.any() else 1.0,
             }
         )
     return VerlLoss(loss=loss, pg_loss=pg_loss, per_token=masked(pg.detach(), mask), mask=mask, metrics=metrics)
+
+
+def _objective(
+    logprobs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
+) -> ObjectiveTerms | None:
+    """verl's gspo, cispo or sapo policy loss per token (None: the vanilla loss), with verl's clamps."""
+    if cfg.policy_loss_mode == "vanilla":
+        return None
+    log_ratio = logprobs - old
+    if cfg.log_ratio_clip is not None:
+        log_ratio = log_ratio.clamp(-cfg.log_ratio_clip, cfg.log_ratio_clip)
+    return objective_loss(cfg.policy_loss_mode, logprobs, log_ratio, adv, mask.to(logprobs.dtype), cfg, SAFETY_BOUND)
+
+
+def _pg_aggregation(cfg: LossConfig) -> str:
+    return objective_aggregation(cfg.policy_loss_mode, cfg.loss_agg_mode)
 
 
 def verl_local_counts(batch: dict[str, torch.Tensor], cfg: LossConfig) -> tuple[float, float]:

@@ -51,6 +51,18 @@ class RejectionOption:
     lower: float | None = None
 
 
+def bounds_spec(lower: float, upper: float) -> str:
+    """Two bounds as verl's `LOWER_UPPER` threshold string, written so that no override or YAML reader takes it
+    for a number: Hydra and YAML both read `_` as a digit separator (`0.5_2` is 0.52), so the upper bound always
+    carries a decimal point (`0.5_2.0`), which no number has twice."""
+    return f"{lower:g}_{_with_point(upper)}"
+
+
+def _with_point(value: float) -> str:
+    text = f"{value:.6f}".rstrip("0")
+    return text + "0" if text.endswith(".") else text
+
+
 def _number(text: str, what: str) -> float:
     try:
         return float(text)

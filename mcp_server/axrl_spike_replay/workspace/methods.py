@@ -20,6 +20,7 @@ from axrl_spike_replay.vocabulary import Fidelity, Verdict
 from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
 from axrl_spike_replay.workspace.evidence import baseline_for, find_attempt, output_dir_of, result_doc
+from axrl_spike_replay.workspace.experiment_row import ExperimentRow
 from axrl_spike_replay.workspace.method_names import name_warning
 from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_workspace, in_workspace, methods_dir
 from axrl_spike_replay.workspace.preserved_copies import source_of_copy
@@ -108,8 +109,8 @@ def add_method(
     state = read_state(root, check_plain_name(job, "job name"))
     first = find_attempt(state, attempt_id)
     result, _ = result_doc(first)
-    _check_writable(first["id"], result, baseline_for(state, first, result)["grad_norm"], allow_reduced)
-    _check_production(first["id"], result)
+    _check_writable(first.id, result, baseline_for(state, first, result)["grad_norm"], allow_reduced)
+    _check_production(first.id, result)
     _check_not_duplicate(root, slug, result, replace)  # again under the lock; first here, to fail early
     written: list[tuple[dict[str, Any], Path]] = []
     signals: dict[str, list[str]] = {}
@@ -129,7 +130,7 @@ def add_method(
             write_file(path, front_matter.dump(doc["front_matter"]) + render("method.md.j2", m=doc), "method file")
             write_index(root)
         state.methods = [m for m in state.methods if m["slug"] != slug]
-        state.methods.append({"slug": slug, "attempt": row["id"], "status": doc["status"], "time": now()})
+        state.methods.append({"slug": slug, "attempt": row.id, "status": doc["status"], "time": now()})
         written.append((doc["front_matter"], path))
 
     update_task(root, job, change)
@@ -306,7 +307,7 @@ def _check_not_duplicate(root: Path, slug: str, result: ReplayResult, replace: b
 def _method_doc(
     workspace: Path,
     state: TaskState,
-    row: dict[str, Any],
+    row: ExperimentRow,
     result: ReplayResult,
     result_note: str | None,
     baseline: dict[str, Any],
@@ -332,7 +333,7 @@ def _method_doc(
         "role": result.role,
         "iteration": result.iteration,
         "snapshot": result.snapshot,
-        "attempt": row["id"],
+        "attempt": row.id,
         "verdict": result.verdict,
         "fidelity": result.fidelity,
         "mitigations": normalise_config(result.mitigations),
@@ -344,9 +345,9 @@ def _method_doc(
         "threshold": result.threshold,
         "cosine_to_clean": result.cosine_to_clean,
         "clean_reached": (result.clean_gradient or {}).get("reached"),
-        "token_fraction": (result.footprint or {}).get("token_fraction"),
-        "sample_fraction": (result.footprint or {}).get("sample_fraction"),
-        "result_path": row.get("result_path"),
+        "token_fraction": result.footprint.token_fraction if result.footprint else None,
+        "sample_fraction": result.footprint.sample_fraction if result.footprint else None,
+        "result_path": row.result_path,
         "created_at": now(),
     }
     replay = replay_it(result, workspace, state.job)
@@ -443,9 +444,9 @@ def _evidence(result: ReplayResult, baseline: dict[str, Any]) -> list[str]:
     footprint = result.footprint
     if footprint:
         lines.append(
-            f"footprint: {footprint.get('masked_tokens')} loss tokens masked and {footprint.get('changed_tokens')} "
-            f"changed of {footprint.get('loss_tokens')} ({pct(footprint.get('token_fraction')).lstrip('+')}); "
-            f"{footprint.get('touched_samples')} of {footprint.get('samples')} samples touched"
+            f"footprint: {footprint.masked_tokens} loss tokens masked and {footprint.changed_tokens} "
+            f"changed of {footprint.loss_tokens} ({pct(footprint.token_fraction).lstrip('+')}); "
+            f"{footprint.touched_samples} of {footprint.samples} samples touched"
         )
     return lines
 
@@ -465,11 +466,11 @@ def _residual(result: ReplayResult, baseline: dict[str, Any]) -> str:
     )
 
 
-def _patch_text(row: dict[str, Any], result: ReplayResult) -> str | None:
+def _patch_text(row: ExperimentRow, result: ReplayResult) -> str | None:
     """The patch itself when a `*.diff`/`*.patch` beside the replay result matches its hash."""
-    if not result.patch_sha256 or not row.get("result_path"):
+    if not result.patch_sha256 or not row.result_path:
         return None
-    folder = Path(row["result_path"]).parent
+    folder = Path(row.result_path).parent
     if not folder.is_dir():
         return None
     for candidate in sorted([*folder.glob("*.diff"), *folder.glob("*.patch")]):

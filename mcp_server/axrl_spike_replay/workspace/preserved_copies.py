@@ -93,7 +93,7 @@ def copies_kept(state: TaskState, in_use: list[dict[str, Any]]) -> list[dict[str
     current = copy_of(state.snapshot)
     seen: dict[str, dict[str, Any]] = {}
     snapshots = [e.get("snapshot") for e in state.snapshot_history]
-    snapshots += [row.get("snapshot") for row in state.experiments] + [state.snapshot]
+    snapshots += [row.snapshot for row in state.experiments] + [state.snapshot]
     for snapshot in snapshots:
         copy = copy_of(snapshot)
         if copy is None or copy["path"] in used or copy["path"] in seen or not Path(copy["path"]).is_dir():

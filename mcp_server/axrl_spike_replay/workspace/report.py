@@ -5,13 +5,15 @@ Only the preserved copies this investigation uses are released (see `workspace.p
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.experiment.trainer_settings import SETTING_KINDS, TRAINERS
 from axrl_spike_replay.names import check_plain_name
-from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of, recorded_consistency, with_runs
+from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of, with_runs
+from axrl_spike_replay.workspace.experiment_row import ExperimentRow
 from axrl_spike_replay.workspace.methods import RANKING, method_files, rank_key
 from axrl_spike_replay.workspace.paths import check_workspace, job_tmp_dir
 from axrl_spike_replay.workspace.preserved_copies import (
@@ -43,10 +45,8 @@ def report_context(workspace: Path, state: TaskState) -> dict[str, Any]:
     """Everything the report shows, as plain data for its template (and, with the file, `ReportResult`)."""
     snapshot = state.snapshot
     experiments = state.experiments
-    # each with the consistency its replay recorded: the task-open diagnosis is not the only verdict on the snapshot
-    baselines = [{**row, "consistency": recorded_consistency(row)} for row in baseline_rows(state)]
-    attempts = [row for row in experiments if not row.get("is_baseline") and not row.get("hypothesis")]
-    hypotheses = [row for row in experiments if row.get("hypothesis")]
+    baselines = baseline_rows(state)
+    attempts = [row for row in experiments if not row.is_baseline and not row.hypothesis]
     by_slug = {m["slug"]: m for m in method_files(workspace)}
     methods = sorted(
         (
@@ -67,11 +67,12 @@ def report_context(workspace: Path, state: TaskState) -> dict[str, Any]:
         "command": state.command,
         "diagnosis": report_diagnosis(state),
         "fidelity": fidelity_by_target(experiments),
+        # each with the consistency its replay recorded: the task-open diagnosis is not the only verdict on it
         "baselines": with_runs(baselines, attempts),
-        "same_baseline_norm": len({row.get("grad_norm") for row in baselines}) == 1,
+        "same_baseline_norm": len({row.to_json().get("grad_norm") for row in baselines}) == 1,
         "attempt_baselines": [] if baselines else attempt_baselines(experiments),
-        "attempts": attempts,
-        "hypotheses": hypotheses,
+        "attempts": [row.to_json() for row in attempts],
+        "hypotheses": [row.to_json() for row in experiments if row.hypothesis],
         "failed": state.failed,
         "methods": methods,
         "ranking": RANKING,
@@ -86,36 +87,38 @@ def report_context(workspace: Path, state: TaskState) -> dict[str, Any]:
     }
 
 
-def attempt_baselines(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Baselines computed alongside mitigated replays (when no baseline replay was logged on its own)."""
+def attempt_baselines(experiments: list[ExperimentRow]) -> list[dict[str, Any]]:
+    """Baselines computed alongside mitigated replays (when no baseline replay was logged on its own), as JSON."""
     out = []
     for row in experiments:
-        base, recorded = row.get("baseline_grad_norm"), row.get("recorded_grad_norm")
-        if row.get("is_baseline") or row.get("hypothesis") or not isinstance(base, (int, float)):
+        base, recorded, median = row.baseline_grad_norm, row.recorded_grad_norm, row.median_norm
+        if row.is_baseline or row.hypothesis or not _finite(base):
             continue
-        rel = abs(base - recorded) / recorded if isinstance(recorded, (int, float)) and recorded else None
-        ratio = (
-            base / row["median_norm"]
-            if isinstance(row.get("median_norm"), (int, float)) and row["median_norm"]
-            else None
-        )
-        out.append({**row, "grad_norm": base, "rel_diff": rel, "ratio_to_median": ratio, "verdict": "n/a"})
+        assert base is not None
+        rel = abs(base - recorded) / recorded if _finite(recorded) and recorded else None
+        ratio = base / median if _finite(median) and median else None
+        out.append({**row.to_json(), "grad_norm": base, "rel_diff": rel, "ratio_to_median": ratio, "verdict": "n/a"})
     return out
 
 
-def fidelity_by_target(experiments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _finite(value: float | None) -> bool:
+    """A number as plain JSON holds one (a figure an earlier version spelled "inf" or "nan" is none)."""
+    return value is not None and math.isfinite(value)
+
+
+def fidelity_by_target(experiments: list[ExperimentRow]) -> list[dict[str, Any]]:
     """Per target and backend: was a full-fidelity replay possible there, and at which world sizes did it run."""
-    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    groups: dict[tuple[str | None, str | None], dict[str, Any]] = {}
     for row in experiments:
-        if row["verdict"] == "failed":
+        if row.verdict == "failed":
             continue
         entry = groups.setdefault(
-            (row["target"], row["backend"]),
-            {"target": row["target"], "backend": row["backend"], "full": False, "world_sizes": set(), "device": None},
+            (row.target, row.backend),
+            {"target": row.target, "backend": row.backend, "full": False, "world_sizes": set(), "device": None},
         )
-        entry["full"] = entry["full"] or row["fidelity"] == "full"
-        entry["world_sizes"].add((row.get("world_size_used"), row.get("world_size_saved")))
-        entry["device"] = entry["device"] or row.get("device")
+        entry["full"] = entry["full"] or row.fidelity == "full"
+        entry["world_sizes"].add((row.world_size_used, row.world_size_saved))
+        entry["device"] = entry["device"] or row.device
     out = []
     for entry in groups.values():
         sizes = sorted(entry.pop("world_sizes"), key=str)
@@ -220,9 +223,9 @@ def follow_released_snapshot(state: TaskState, released: list[dict[str, Any]]) -
             state.command = state.command.replace(old, str(state.snapshot))
 
 
-def _first_output_dir(experiments: list[dict[str, Any]]) -> str | None:
+def _first_output_dir(experiments: list[ExperimentRow]) -> str | None:
     for row in experiments:
-        found = output_dir_of(row["snapshot"])
+        found = output_dir_of(row.snapshot)
         if found:
             return found
     return None

@@ -25,7 +25,8 @@ from typing import Any
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.figure_names import ATTRIBUTION_SAMPLE, with_current_names
 from axrl_spike_replay.experiment.result import ATTRIBUTION_FILE, ReplayResult
-from axrl_spike_replay.snapshot.consistency import consistency_line
+from axrl_spike_replay.snapshot.consistency import Consistency
+from axrl_spike_replay.workspace.experiment_row import ExperimentRow
 from axrl_spike_replay.workspace.paths import job_tmp_dir
 from axrl_spike_replay.workspace.task import TaskState
 
@@ -36,7 +37,7 @@ MAX_PROBLEMS = 3  # named consistency problems quoted; the rest are counted
 def recorded_signals(
     root: Path,
     state: TaskState,
-    row: dict[str, Any],
+    row: ExperimentRow,
     result: ReplayResult,
     baseline: dict[str, Any],
     top: int = 3,
@@ -76,12 +77,12 @@ def _baseline_lines(baseline: dict[str, Any], notes: list[str]) -> list[str]:
     )
     consistency = baseline.get("consistency")
     lines = [line]
-    if not isinstance(consistency, dict):
+    if not isinstance(consistency, Consistency):
         notes.append(f"consistency: baseline replay {baseline['id']} recorded no consistency checks")
     else:
-        lines[0] += f"; {consistency_line(consistency)}"
-        problems = [p for p in consistency.get("problems") or [] if isinstance(p, dict)]
-        lines += [f"consistency problem [{p.get('name')}]: {p.get('message')}" for p in problems[:MAX_PROBLEMS]]
+        lines[0] += f"; {consistency.summary()}"
+        problems = consistency.problems
+        lines += [f"consistency problem [{p.name}]: {p.message}" for p in problems[:MAX_PROBLEMS]]
         if len(problems) > MAX_PROBLEMS:
             lines.append(f"... and {len(problems) - MAX_PROBLEMS} more consistency problems (see {baseline['id']})")
     params = [p for p in baseline.get("top_params") or [] if isinstance(p, dict)]
@@ -121,9 +122,9 @@ def diagnosis_of(state: TaskState, snapshot: str) -> dict[str, Any] | None:
 
 
 def _attribution_lines(
-    root: Path, job: str, row: dict[str, Any], result: ReplayResult, top: int, notes: list[str]
+    root: Path, job: str, row: ExperimentRow, result: ReplayResult, top: int, notes: list[str]
 ) -> list[str]:
-    found = find_attribution(root, job, result.snapshot, row.get("result_path"), notes)
+    found = find_attribution(root, job, result.snapshot, row.result_path, notes)
     if found is not None:
         path, doc = found
         lines = summarise_attribution(doc, top)

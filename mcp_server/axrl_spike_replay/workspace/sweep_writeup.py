@@ -67,7 +67,7 @@ def write_up_sweep(
     are reported in `skipped`, never raised.
     """
     experiments = show_task(workspace, job).experiments
-    attempts = {str(Path(e["result_path"]).resolve()): e["id"] for e in experiments if e.get("result_path")}
+    attempts = {str(Path(e.result_path).resolve()): e.id for e in experiments if e.result_path}
     done = []
     for result in sweep.results:
         item = WriteUp(result.config_id, method_name(result.config_id), result.verdict)

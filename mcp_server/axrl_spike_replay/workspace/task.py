@@ -1,9 +1,10 @@
 """An investigation's task as data: `TaskState`, and its JSON document (`<job>.json`), read and written here only.
 
-The task's own fields are typed; the rows inside them (experiments, failed attempts, notes, preserved copies,
-diagnoses, methods, reports) are records of the task file and stay plain JSON objects. A document written by
-an earlier version reads: a missing key takes its default, and a key this version does not know is kept and
-written back as it was. `workspace.task_state` does the file work (lock, atomic writes, the rendered markdown).
+The task's own fields are typed, and so are its experiment rows (`workspace.experiment_row.ExperimentRow`); the
+other rows (failed attempts, notes, preserved copies, diagnoses, methods, reports) are records of the task file and
+stay plain JSON objects. A document written by an earlier version reads: a missing key takes its default, and a key
+this version does not know is kept and written back as it was. `workspace.task_state` does the file work (lock,
+atomic writes, the rendered markdown).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.workspace.experiment_row import ExperimentRow
 
 STATE_VERSION = 1
 Row = dict[str, Any]
@@ -29,7 +31,7 @@ class TaskState:
     snapshot: str | None = None
     snapshot_history: list[Row] = field(default_factory=list)  # {time, snapshot}: every snapshot it was set to
     command: str | None = None
-    experiments: list[Row] = field(default_factory=list)  # one row per replayed config (workspace.task_log)
+    experiments: list[ExperimentRow] = field(default_factory=list)  # one row per replayed config (task_log)
     failed: list[Row] = field(default_factory=list)
     observations: list[Row] = field(default_factory=list)  # {time, text}
     next_steps: list[Row] = field(default_factory=list)  # {time, text}
@@ -64,6 +66,10 @@ class TaskState:
         for key in ("job", "created_at", "updated_at"):
             if not isinstance(values.get(key), str):
                 raise AxrlError(f"task state {where}: `{key}` is missing or not text")
+        values["experiments"] = [
+            ExperimentRow.from_json(row, f"task state {where}: experiments[{i}]")
+            for i, row in enumerate(values.get("experiments", []))
+        ]
         unknown = {key: value for key, value in doc.items() if key not in known}
         return cls(**values, unknown=unknown)
 
@@ -71,6 +77,7 @@ class TaskState:
         """The `<job>.json` document: every field in declaration order (`command_source` only once set), then the
         unknown keys as read."""
         doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("command_source", "unknown")}
+        doc["experiments"] = [row.to_json() for row in self.experiments]
         if self.command_source is not None:
             doc["command_source"] = self.command_source
         return {**doc, **self.unknown}

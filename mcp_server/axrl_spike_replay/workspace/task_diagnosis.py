@@ -12,6 +12,7 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.workspace.changes import config_key
+from axrl_spike_replay.workspace.experiment_row import ExperimentRow
 from axrl_spike_replay.workspace.task import TaskState
 
 
@@ -98,16 +99,12 @@ def _step_mitigation(row: dict[str, Any]) -> str | None:
 
 def tried_configs(state: TaskState) -> set[str]:
     """The config keys of the mitigated and hypothesis replays the task has logged."""
-    return {
-        config_key(_config_of(row))
-        for row in state.experiments
-        if not row.get("is_baseline") and not row.get("patch_sha256")
-    }
+    return {config_key(_config_of(row)) for row in state.experiments if not row.is_baseline and not row.patch_sha256}
 
 
-def _config_of(row: dict[str, Any]) -> dict[str, Any] | None:
+def _config_of(row: ExperimentRow) -> dict[str, Any] | None:
     """The config a logged row replayed: its hypothesis, or its mitigations."""
-    return row.get("hypothesis") or row.get("mitigations")
+    return row.hypothesis or row.mitigations
 
 
 def open_steps(state: TaskState) -> list[dict[str, Any]]:
@@ -144,14 +141,14 @@ def report_diagnosis(state: TaskState) -> dict[str, Any] | None:
         return None
     own = [d for d in entries if d.get("snapshot") == state.snapshot]
     entry = strongest(own or entries)
-    tried: dict[str, list[dict[str, Any]]] = {}
+    tried: dict[str, list[ExperimentRow]] = {}
     for row in state.experiments:
-        if not row.get("is_baseline") and not row.get("patch_sha256"):
+        if not row.is_baseline and not row.patch_sha256:
             tried.setdefault(config_key(_config_of(row)), []).append(row)
 
     def with_attempts(step: dict[str, Any]) -> dict[str, Any]:
         rows = tried.get(_key_of(step["mitigation"]) or "", [])
-        attempts = ", ".join(f"{r['id']} {r.get('finding') or r['verdict']}" for r in rows)
+        attempts = ", ".join(f"{r.id} {r.finding or r.verdict}" for r in rows)
         return {**step, "attempts": attempts or "not tried"}
 
     steps = [with_attempts(step) for step in entry.get("next_steps", [])]

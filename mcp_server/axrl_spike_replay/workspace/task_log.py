@@ -8,10 +8,12 @@ from typing import Any
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.experiment.run_dir import BASELINE_COMMAND_FILE
+from axrl_spike_replay.experiment.verdict import basis_field
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.vocabulary import Verdict
 from axrl_spike_replay.workspace.changes import describe_change, is_baseline, normalise_config
+from axrl_spike_replay.workspace.experiment_row import ExperimentRow
 from axrl_spike_replay.workspace.paths import in_workspace
 from axrl_spike_replay.workspace.preserved_copies import note_preserved_copy
 from axrl_spike_replay.workspace.task import TaskState
@@ -19,8 +21,11 @@ from axrl_spike_replay.workspace.task_diagnosis import add_diagnosis
 from axrl_spike_replay.workspace.task_state import now, task_exists, update_task
 
 
-def experiment_row(exp_id: str, result: ReplayResult, result_path: Path | str | None) -> dict[str, Any]:
-    """The experiment table's row for one replay result (plain JSON: a non-finite figure is null)."""
+def experiment_row(
+    exp_id: str, result: ReplayResult, result_path: Path | str | None, command: str | None = None
+) -> ExperimentRow:
+    """The experiment table's row for one replay result (as plain JSON holds it: a non-finite figure is null) and
+    the command that reruns it."""
     ratio = result.spike_ratio
     if ratio is None and result.grad_norm is not None and result.median_norm:
         ratio = result.grad_norm / result.median_norm
@@ -57,8 +62,9 @@ def experiment_row(exp_id: str, result: ReplayResult, result_path: Path | str | 
         "iteration": result.iteration,
         "node": result.node,
         "result_path": str(result_path) if result_path is not None else None,
+        "command": command,
     }
-    return to_jsonable(row)
+    return ExperimentRow.from_json(to_jsonable(row))
 
 
 def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_path: Path | str) -> str | None:
@@ -90,18 +96,17 @@ def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_
         if repeated is not None:
             return repeated
         exp_id = f"E{len(state.experiments) + 1}"
-        row = experiment_row(exp_id, result, result_path)
         # each row keeps its own command (a sweep's baseline: the baseline's, not the sweep's); the task's replay
         # command is the baseline's (what reproduces the step), unless one was set by hand
-        row["command"] = (baseline_command or command) if row["is_baseline"] else command
-        judged_by = baseline_row_of(state, row)
-        if judged_by is not None:
-            row["baseline"] = judged_by
+        changed = not is_baseline(result.mitigations, result.patch_sha256, result.hypothesis)
+        own = command if changed else (baseline_command or command)
+        row = experiment_row(exp_id, result, result_path, own)
+        row.baseline = baseline_row_of(state, row)
         state.experiments.append(row)
         if not state.snapshot:
             state.snapshot = result.snapshot
             state.snapshot_history.append({"time": now(), "snapshot": result.snapshot})
-        shown = row["command"] if row["is_baseline"] else baseline_command
+        shown = row.command if row.is_baseline else baseline_command
         # the task's command replays its active snapshot: a replay of another iteration (checked beside it) keeps it
         if shown and state.command_source != "user" and result.snapshot == state.snapshot:
             state.command = shown
@@ -120,26 +125,32 @@ def repeated_baseline(state: TaskState, result: ReplayResult) -> str | None:
     if not is_baseline(result.mitigations, result.patch_sha256) or result.grad_norm is None:
         return None
     row = experiment_row("", result, None)
-    same = ("snapshot", "backend", "target", "device", "fidelity", "world_size_used", "grad_norm")
     for logged in state.experiments:
-        if logged.get("is_baseline") and all(logged.get(key) == row[key] for key in same):
-            return str(logged["id"])
+        if logged.is_baseline and _same_replay(logged, row) and logged.grad_norm == row.grad_norm:
+            return logged.id
     return None
 
 
-def baseline_row_of(state: TaskState, row: dict[str, Any]) -> str | None:
+def _same_replay(a: ExperimentRow, b: ExperimentRow) -> bool:
+    """The same snapshot replayed the same way: backend, target, device, fidelity and world size."""
+    return (a.snapshot, a.backend, a.target, a.device, a.fidelity, a.world_size_used) == (
+        b.snapshot,
+        b.backend,
+        b.target,
+        b.device,
+        b.fidelity,
+        b.world_size_used,
+    )
+
+
+def baseline_row_of(state: TaskState, row: ExperimentRow) -> str | None:
     """The id of the logged baseline a mitigated row was judged against: the same snapshot and way of replaying,
     the grad norm its run's baseline had (None for a baseline, or when none is logged)."""
-    if row.get("is_baseline") or row.get("baseline_grad_norm") is None:
+    if row.is_baseline or row.baseline_grad_norm is None:
         return None
-    same = ("snapshot", "backend", "target", "device", "fidelity", "world_size_used")
     for logged in reversed(state.experiments):
-        if (
-            logged.get("is_baseline")
-            and logged.get("grad_norm") == row["baseline_grad_norm"]
-            and all(logged.get(key) == row.get(key) for key in same)
-        ):
-            return str(logged["id"])
+        if logged.is_baseline and logged.grad_norm == row.baseline_grad_norm and _same_replay(logged, row):
+            return logged.id
     return None
 
 
@@ -201,20 +212,11 @@ def _recorded_line(result_path: Path | str | None, name: str) -> str | None:
         except OSError:
             continue
     return None
-    folder = Path(result_path).parent
-    for candidate in (folder / BASELINE_COMMAND_FILE, folder.parent / BASELINE_COMMAND_FILE):
-        try:
-            if candidate.is_file():
-                text = candidate.read_text(encoding="utf-8", errors="replace").strip()
-                return text[:4000] or None
-        except OSError:
-            continue
-    return None
 
 
 def _rank_losses_match(result: ReplayResult) -> bool | None:
     """A hypothesis replay: whether every recorded rank loss matched the replayed one (None: none compared)."""
-    rows = (result.verdict_basis or {}).get("rank_losses") or []
+    rows = basis_field(result.verdict_basis, "rank_losses") or []
     judged = [row.get("matches") for row in rows if isinstance(row, dict) and row.get("matches") is not None]
     return all(judged) if judged else None
 

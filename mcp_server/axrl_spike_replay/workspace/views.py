@@ -2,14 +2,17 @@
 
 The task state on disk (`<job>.json`) stays a JSON document handled inside `workspace/`; these are what a face
 reads. Field names and order are the keys of the JSON documents the faces print (`--json`, MCP structured
-output), so `to_jsonable` of a view is the document the faces have always shown. Rows inside them (experiments,
-failures, notes, preserved copies) are records of the task file and stay plain JSON objects.
+output), so `to_jsonable` of a view is the document the faces have always shown. Experiment rows are typed
+(`ExperimentRow`, whose JSON is the task file's); the other rows (failures, notes, preserved copies) are records of
+the task file and stay plain JSON objects.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from axrl_spike_replay.workspace.experiment_row import ExperimentRow
 
 Row = dict[str, Any]
 
@@ -25,7 +28,7 @@ class TaskView:
     snapshot: str | None
     snapshot_history: list[Row]
     command: str | None
-    experiments: list[Row]
+    experiments: list[ExperimentRow]  # its JSON: each row's `to_json()`, as the task state holds it
     failed: list[Row]
     observations: list[Row]
     next_steps: list[Row]

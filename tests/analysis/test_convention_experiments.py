@@ -1,12 +1,13 @@
 """On a TRL snapshot a diagnosis suggests TRL's own objectives: the dual clip as TRL's `delta`, the ratio mask as
-its rollout correction, GSPO and CISPO beside a mismatch cause's truncated IS; nothing TRL's loss would refuse. Every
-suggestion runs on the snapshot's config (it applies without error); other conventions' suggestions are untouched.
+its rollout correction; nothing TRL's loss would refuse. Every suggestion runs on the snapshot's config (it applies
+without error); other conventions' suggestions are untouched. (GSPO and CISPO join a mismatch cause's truncated IS
+only where the stored log-probs point to them: test_objective_suggestions.py.)
 """
 
 from __future__ import annotations
 
 from axrl_spike_replay.diagnosis.causes import Experiment
-from axrl_spike_replay.diagnosis.trl_experiments import in_convention
+from axrl_spike_replay.diagnosis.convention_experiments import in_convention
 from axrl_spike_replay.experiment.mitigations import apply_config, parse_mitigation_args
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
@@ -27,8 +28,6 @@ def test_on_a_trl_snapshot_the_suggestions_are_trls_own_and_every_one_runs() -> 
     items = [e.mitigation for e in in_convention(SUGGESTED, loss, routing)]
     assert items == [
         "mismatch_token_clip_max=2",
-        "importance_sampling_level=sequence",
-        "trl_loss_type=cispo",
         "rollout_correction=token_mask:0.5:2",
         "delta=3",
         "kl_coef=0",

@@ -1,0 +1,188 @@
+"""Per-rank comparisons of what each rank's batch fed the loss, the other ranks as witnesses, read off the snapshot
+alone (no model): which input of a rank differs from the others' names the broken part there.
+
+- Where the loss masks start: a rank whose loss starts before every other rank's earliest loss position on most of
+  its samples (`LEADING`), where another rank's do not (`WITNESS_RATIO`), trains on tokens the others leave out (the
+  prompt, or a response shifted against its mask): a loss mask misaligned there (`mask_misalignment`).
+- The scale of the advantages: a rank whose typical |advantage| is `SCALE` times the other ranks' median and above
+  every advantage they have fed its loss advantages on another scale: the advantages are the broken part there
+  (`outlier_advantage` on that rank), not the data, as long as the policy finds that rank's data as likely as the
+  others' (`signal_reading` compares it, with the model).
+
+Each is as strong as the share of the gradient those ranks carry says (`BASE`; `CARRIES` when they carry at least
+half of it, by the loss channel or a local grad norm `SINGLE_NORM` times the others').
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment, is_finite
+from axrl_spike_replay.diagnosis.signal_reading import DATA_NATS, WITNESS_RATIO
+
+LEADING = 0.5  # share of a rank's samples whose loss starts before every other rank's that counts
+SCALE = 10.0  # a rank's typical |advantage| this many times the other ranks' median, and above their largest
+SINGLE_NORM = 3.0  # a rank's local grad norm this many times the others' median: it carries the gradient
+BASE = 0.6  # the rank's input differs; its share of the gradient unknown or under half
+CARRIES = 0.9  # ... and those ranks carry at least half of the gradient
+REFUTE = "the spike stays within 20 % of the baseline"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def _carry(ev: Evidence, ranks: Sequence[int]) -> tuple[bool, list[str]]:
+    """(whether `ranks` carry at least half of the gradient, the figures that say so)."""
+    if ev.channel is not None:
+        share = math.fsum(x.share for t in ev.channel.terms for x in t.ranks if x.rank in ranks)
+        if math.isfinite(share):
+            return share >= 0.5, [f"rank {_ranks(ranks)}'s loss terms carry {share:.3g} of the gradient"]
+    local = {k.rank: k.local_grad_norm for k in ev.grads.ranks} if ev.grads is not None else {}
+    finite = {r: v for r, v in local.items() if math.isfinite(v)}
+    inside = [finite[r] for r in ranks if r in finite]
+    outside = [v for r, v in finite.items() if r not in ranks]
+    if not inside or not outside:
+        return False, []
+    rest = statistics.median(outside)
+    factor = min(inside) / rest if rest > 0 else math.inf
+    line = f"rank {_ranks(ranks)}'s local grad norm is {factor:.3g}x the other ranks' median {rest:.4g}"
+    return factor >= SINGLE_NORM, [line]
+
+
+def _drop(ranks: Sequence[int], what: str) -> Experiment:
+    return Experiment(
+        f"drop_ranks={_ranks(ranks)}",
+        f"leaves rank {_ranks(ranks)}'s samples out: if the spike goes, {what} is on that rank",
+        True,
+        refutes=REFUTE,
+    )
+
+
+def _first_positions(ev: Evidence) -> dict[int, list[int]]:
+    by: dict[int, list[int]] = {}
+    for row in ev.analysis.samples["rows"]:
+        first = row.get("first_loss_position")
+        if first is not None and row["loss_tokens"]:
+            by.setdefault(row["rank"], []).append(int(first))
+    return by
+
+
+def leading_masks(ev: Evidence) -> dict[int, float]:
+    """Per rank, the share of its samples whose loss starts before every other rank's earliest loss position."""
+    by = _first_positions(ev)
+    shares: dict[int, float] = {}
+    for rank, firsts in by.items():
+        others = [f for r, v in by.items() if r != rank for f in v]
+        if others:
+            earliest = min(others)
+            shares[rank] = sum(f < earliest for f in firsts) / len(firsts)
+    return shares
+
+
+def mask_ranks(ev: Evidence) -> list[int]:
+    """The ranks whose loss masks start before every other rank's on most samples (LEADING), while some other rank
+    is no such rank (a witness; WITNESS_RATIO)."""
+    shares = leading_masks(ev)
+    return sorted(
+        r
+        for r, share in shares.items()
+        if share >= LEADING and any(o != r and other * WITNESS_RATIO <= share for o, other in shares.items())
+    )
+
+
+def mask_over_prompt(ev: Evidence) -> Cause | None:
+    """Loss masks that start earlier on some ranks than on any other rank, on most of their samples."""
+    ranks = mask_ranks(ev)
+    if not ranks:
+        return None
+    shares, by = leading_masks(ev), _first_positions(ev)
+    others = [f for r, v in by.items() if r not in ranks for f in v]
+    evidence = [
+        f"rank {r}: on {100 * shares[r]:.0f} % of samples the loss mask starts before any other rank's (first loss "
+        f"position median {statistics.median(by[r]):.3g} against {statistics.median(others):.3g} on the other ranks, "
+        f"earliest {min(others)}): it trains on tokens the other ranks leave out (the prompt, or a shifted response)"
+        for r in ranks
+    ]
+    carries, figures = _carry(ev, ranks)
+    return Cause(
+        "mask_misalignment",
+        f"loss mask starts early on rank {_ranks(ranks)}",
+        CARRIES if carries else BASE,
+        evidence + figures,
+        {"leading": {r: shares[r] for r in ranks}, "first_loss_position": {r: statistics.median(by[r]) for r in ranks}},
+        [_drop(ranks, "the misaligned mask")],
+        ranks=ranks,
+    )
+
+
+def _abs_advantages(ev: Evidence) -> dict[int, list[float]]:
+    by: dict[int, list[float]] = {}
+    for row in ev.analysis.samples["rows"]:
+        if row["loss_tokens"] and is_finite(row["advantage"]):
+            by.setdefault(row["rank"], []).append(abs(row["advantage"]))
+    return {r: v for r, v in by.items() if v}
+
+
+def scaled_ranks(ev: Evidence) -> dict[int, tuple[float, float]]:
+    """{rank: (its typical |advantage|, the other ranks' median)} for ranks on another scale than the others, whose
+    data the policy finds as likely as the others' (when that was compared)."""
+    values = _abs_advantages(ev)
+    typical = {r: statistics.median(v) for r, v in values.items()}
+    if len(typical) < 2:
+        return {}
+    likely = ev.reading.likelihood if ev.reading is not None else {}
+    found: dict[int, tuple[float, float]] = {}
+    for rank, a in typical.items():
+        rest = statistics.median(v for r, v in typical.items() if r != rank)
+        largest = max(v for r, vs in values.items() if r != rank for v in vs)
+        if not (rest > 0 and a >= SCALE * rest and a > largest):  # only a larger scale carries a spike
+            continue
+        if rank in likely and len(likely) >= 2:
+            others = statistics.median(v for r, v in likely.items() if r != rank)
+            if others - likely[rank] >= DATA_NATS:
+                continue  # its data differs too: one rank's data, not its advantages alone
+        found[rank] = (a, rest)
+    return found if len(found) < len(typical) else {}
+
+
+def rank_advantage_scale(ev: Evidence) -> Cause | None:
+    """Advantages on another scale on some ranks, the other ranks' as witnesses, the data alike."""
+    scaled = scaled_ranks(ev)
+    if not scaled:
+        return None
+    ranks = sorted(scaled)
+    carries, figures = _carry(ev, ranks)
+    healthy = [abs(r["advantage"]) for r in ev.analysis.samples["rows"] if r["rank"] not in ranks and r["loss_tokens"]]
+    healthy = [v for v in healthy if is_finite(v)]
+    clip = max(1.0, round(max(healthy, default=1.0), 2))
+    evidence = [
+        f"rank {r}'s typical |advantage| {a:.4g} is {a / rest if rest > 0 else math.inf:.3g}x the other ranks' "
+        f"median {rest:.4g}: its advantages are on another scale (a normalisation, a reward scale or a whitening "
+        "that differs on that rank)"
+        for r, (a, rest) in sorted(scaled.items())
+    ]
+    if ev.reading is not None and ev.reading.likelihood:
+        evidence.append(f"rank {_ranks(ranks)}'s data is as likely to the policy as the other ranks'")
+    return Cause(
+        "outlier_advantage",
+        f"advantages on another scale on rank {_ranks(ranks)}",
+        CARRIES if carries else BASE,
+        evidence + figures,
+        {
+            "typical_abs_advantage": {r: a for r, (a, _) in scaled.items()},
+            "others": {r: v for r, (_, v) in scaled.items()},
+        },
+        [
+            Experiment(
+                f"advantage_clip={clip:g}",
+                f"clamps every advantage to the other ranks' range (|A| at most {clip:g})",
+                refutes=REFUTE,
+            ),
+            _drop(ranks, "the advantage scale"),
+        ],
+        ranks=ranks,
+        term="policy",
+    )

@@ -1,0 +1,67 @@
+"""A replay result's sub-records are typed, and a result file written by an earlier version still reads: a footprint
+without the later fractions gets them from its counts, a consistency without the later fields takes their defaults,
+and a verdict basis of a shape no kind has stays the JSON object it was and is written back so."""
+
+from __future__ import annotations
+
+import json
+
+from axrl_spike_replay.experiment.result import Footprint, ReplayResult
+from axrl_spike_replay.experiment.verdict import BaselineBasis, HypothesisBasis, MitigatedBasis, basis_from_json
+from axrl_spike_replay.jsonable import to_jsonable
+from axrl_spike_replay.snapshot.consistency import Consistency, ConsistencyProblem
+from axrl_spike_replay.training.precision import PrecisionPolicy
+
+RESULT = {
+    "snapshot": "/runs/iter_0000005",
+    "backend": "torch",
+    "target": "local",
+    "fidelity": "full",
+    "world_size_saved": 2,
+    "world_size_used": 2,
+    "mitigations": {"advantage_clip": 1.0},
+    "grad_norm": 3.0,
+    "recorded_grad_norm": 37.42,
+    "rel_diff": 0.92,
+    "median_norm": 2.91,
+    "spike_ratio": 1.03,
+    "verdict": "cleared",
+    "threshold": 5.0,
+}
+
+
+def test_an_early_footprint_gets_its_later_fractions_from_its_counts() -> None:
+    early = {"loss_tokens": 40, "masked_tokens": 4, "changed_tokens": 6, "samples": 8, "touched_samples": 2,
+             "token_fraction": 0.25, "sample_fraction": 0.25}  # fmt: skip
+    f = Footprint.from_json(early)
+    assert f.masked_samples == 0 and f.masked_token_fraction == 0.1 and f.masked_sample_fraction == 0.0
+    assert f.token_fraction == 0.25  # a fraction the file holds is kept as written
+    assert ReplayResult(**{**RESULT, "footprint": early}).footprint == f
+    assert ReplayResult(**{**RESULT, "footprint": {}}).footprint is None  # nothing recorded reads as nothing
+
+
+def test_an_early_consistency_reads_with_the_later_fields_at_their_defaults() -> None:
+    early = {"checked": ["ranks_vs_files"], "problems": [{"name": "grad_norm_vs_log", "message": "off by 2x"}],
+             "self_consistent": True, "agrees_with_log": False}  # fmt: skip
+    c = Consistency.from_json(early)
+    assert c.problems == [ConsistencyProblem("grad_norm_vs_log", "off by 2x")] and c.skipped == {}
+    assert c.summary().startswith("snapshot agrees with itself; contradicts the training log (1 check: ranks_vs_files")
+
+
+def test_each_kind_of_verdict_basis_is_typed_and_a_shape_of_none_stays_as_read() -> None:
+    mitigated = to_jsonable(MitigatedBasis(5.0, "detector", 5.0, 1.03, 12.9, -0.92, rule="r"))
+    baseline = {"rel_diff": 1e-7, "tolerance": 1e-5, "tolerance_rule": "layout", "rule": "r", "threshold": 5.0,
+                "threshold_source": "detector"}  # fmt: skip
+    hypothesis = {"rel_diff": 0.0, "tolerance": 1e-5, "rank_losses": [{"rank": 0, "matches": None}], "rule": "r",
+                  "threshold": 5.0, "threshold_source": "detector"}  # fmt: skip
+    assert isinstance(basis_from_json(mitigated), MitigatedBasis)
+    assert isinstance(basis_from_json(baseline), BaselineBasis)
+    assert isinstance(basis_from_json(hypothesis), HypothesisBasis)
+    early = {"rel_diff": 1e-7, "tolerance": 1e-5, "rule": "r"}  # before the threshold was recorded beside it
+    assert basis_from_json(early) == early and type(basis_from_json(early)) is dict
+    for basis in (mitigated, baseline, hypothesis, early):
+        doc = {**RESULT, "verdict_basis": basis, "precision": PrecisionPolicy().describe()}
+        again = to_jsonable(ReplayResult.from_json(json.loads(json.dumps(doc))))
+        assert json.dumps(again["verdict_basis"]) == json.dumps(basis)
+        assert again["precision"] == {"param_dtype": "float32", "reduce_dtype": "float32", "output_dtype": None,
+                                      "source": "run_config"}  # fmt: skip

@@ -1,0 +1,98 @@
+"""A name with a leading underscore belongs to its module: no module of the package imports another module's
+private name (`from axrl_spike_replay.diagnosis.causes import _pct`) or reaches one through a module it imported
+(`worker._gather`). A helper that two modules need is public, in the module whose idea it is. Checked on the
+source, imports inside functions and under TYPE_CHECKING included."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "mcp_server" / "axrl_spike_replay"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    """`axrl_spike_replay.replay.worker` for replay/worker.py (a package's __init__ is the package)."""
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _absolute(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = importer.split(".") if is_package else importer.split(".")[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def private_reaches(path: Path, package: Path = PACKAGE) -> list[str]:
+    """`file:line: what` for each import of another module's private name, and each `module._name` read through
+    a module (or a package's module) imported from the package."""
+    me = module_name(path, package)
+    root = package.name
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[str] = []
+    modules: dict[str, str] = {}  # local name -> module of the package it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _absolute(node, me, path.name == "__init__.py")
+            if source.split(".")[0] != root:
+                continue
+            for alias in node.names:
+                if _private(alias.name) and source != me:
+                    found.append(f"{path.name}:{node.lineno}: from {source} import {alias.name}")
+                modules[alias.asname or alias.name] = f"{source}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == root:
+                    modules[alias.asname or root] = alias.name if alias.asname else root
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+            continue
+        chain, value = [node.attr], node.value
+        while isinstance(value, ast.Attribute):
+            chain.append(value.attr)
+            value = value.value
+        if isinstance(value, ast.Name) and value.id in modules:
+            owner = ".".join([modules[value.id], *reversed(chain[1:])])
+            if owner != me:
+                found.append(f"{path.name}:{node.lineno}: {value.id}.{'.'.join(reversed(chain))}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    found = [hit for path in sorted(PACKAGE.rglob("*.py")) for hit in private_reaches(path)]
+    assert found == [], "private names used outside their module (make them public where they belong):\n" + "\n".join(
+        found
+    )
+
+
+def test_the_check_finds_each_kind_of_reach(tmp_path: Path) -> None:
+    package = tmp_path / "axrl_spike_replay"
+    (package / "replay").mkdir(parents=True)
+    for name in ("__init__.py", "replay/__init__.py", "replay/worker.py"):
+        (package / name).write_text("def _gather():\n    pass\n")
+    user = package / "replay" / "user.py"
+    user.write_text(
+        "from axrl_spike_replay.replay.worker import _gather\n"
+        "from .worker import _gather as g\n"
+        "from axrl_spike_replay.replay import worker\n"
+        "import axrl_spike_replay.replay.worker\n"
+        "def f():\n"
+        "    from axrl_spike_replay.replay.worker import __doc__, gather\n"
+        "    return worker._gather, axrl_spike_replay.replay.worker._gather, _own\n"
+        "def _own():\n"
+        "    return _own\n"
+    )
+    found = private_reaches(user, package)
+    assert [hit.split(": ", 1)[1] for hit in found] == [
+        "from axrl_spike_replay.replay.worker import _gather",
+        "from axrl_spike_replay.replay.worker import _gather",
+        "worker._gather",
+        "axrl_spike_replay.replay.worker._gather",
+    ]
+    assert private_reaches(package / "replay" / "worker.py", package) == []
