@@ -43,7 +43,7 @@ def _check_replays(run: CaptureResult) -> None:
     assert full.grad_norm == full.recorded_grad_norm  # bit for bit: same code, same kernels, same order
     assert full.verdict == "reproduced"
     reduced = run_replay(snapshot, ReplayOptions(nproc=1))
-    assert reduced.fidelity == "reduced"
+    assert reduced.fidelity == "full"
     assert reduced.rel_diff is not None and reduced.rel_diff <= 1e-5
 
 

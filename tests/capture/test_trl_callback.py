@@ -199,7 +199,7 @@ def test_two_processes_over_gloo_write_one_snapshot_that_replays_on_one_process_
         assert (snapshot / f"batch_rank{rank}.pt").is_file() and (snapshot / f"routing_payload_rank{rank}.pt").is_file()
     config = yaml.safe_load((snapshot / "run_config.yaml").read_text(encoding="utf-8"))
     assert config["loss"]["trl"]["num_processes"] == 2 and config["parallel"]["world_size"] == 2
-    for nproc, fidelity in ((2, "full"), (1, "reduced")):
+    for nproc, fidelity in ((2, "full"), (1, "full")):
         result = run_replay(snapshot, ReplayOptions(nproc=nproc))
         print(f"two-process TRL snapshot on {nproc}: rel_diff {result.rel_diff}")
         assert result.verdict == "reproduced" and result.fidelity == fidelity, (result.rel_diff, result.error)

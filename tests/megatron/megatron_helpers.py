@@ -84,22 +84,23 @@ def assert_computes_what_megatron_computes(
         assert rel < GRAD_RTOL, f"{name}: relative difference {rel:.2e}"
 
 
-def forward_backward(
-    rank: int, world: int, payload: tuple[dict[str, Any], str, dict[str, torch.Tensor], str, Any, float]
-) -> None:
-    """Megatron's own forward and backward of `batch` (routes forced when given): log-probs, routes, grads saved."""
+def forward_backward(rank: int, world: int, payload: tuple[Any, ...]) -> None:
+    """Megatron's own forward and backward of `batch` (routes forced when given): log-probs, routes, grads saved.
+    Payload (section, checkpoint, batch, out, routes, router[, chunked]): `chunked` takes the log-probs with the
+    head in chunks (route 2's way), else from the GPTModel's whole logits (the default here: the trainer's)."""
     from axrl_spike_replay.models.mcore.megatron_cpu import megatron_on_cpu
     from axrl_spike_replay.models.mcore.megatron_policy import force_routes, install_trace, megatron_logprobs
     from axrl_spike_replay.snapshot.trainer_formats.megatron_routes import to_router_replay
 
-    section, checkpoint, batch, out, routes, router = payload
+    section, checkpoint, batch, out, routes, router = payload[:6]
+    chunked = bool(payload[6]) if len(payload) > 6 else False
     torch.manual_seed(0)
     with megatron_on_cpu():
         model = load_gpt(section, checkpoint)
         trace = install_trace(model)
         layers = sorted(trace_layers(model))
         force_routes(model, None if routes is None else dict(zip(layers, to_router_replay(routes), strict=True)))
-        result = megatron_logprobs(model, trace, batch)
+        result = megatron_logprobs(model, trace, batch, chunked=chunked)
         simple_loss(result, batch, router).backward()
         grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     torch.save({"logprobs": result.logprobs.detach(), "routes": result.routes, "grads": grads}, Path(out))

@@ -42,7 +42,7 @@ def make_batch(model: Any, trace: Any, dp_rank: int, step: int, burst: bool) -> 
     batch = {"tokens": tokens, "loss_mask": mask, "attention_mask": attention}
     force_routes(model, None)
     with torch.no_grad():
-        old = megatron_logprobs(model, trace, batch).logprobs
+        old = megatron_logprobs(model, trace, batch, chunked=False).logprobs
     rewards = torch.rand(b, generator=gen)
     advantages = rewards - rewards.mean()
     rollout = old - 0.02 * torch.rand(b, t, generator=gen) * mask
@@ -111,7 +111,7 @@ def train(rank: int, world: int, payload: tuple[dict[str, Any], str, str, int, i
             model.zero_grad_buffer()
             guard.begin_step(model)
             force_routes(gpt, None)
-            out = megatron_logprobs(gpt, trace, batch)
+            out = megatron_logprobs(gpt, trace, batch, chunked=False)
             result = policy_loss(out.logprobs, batch, loss_cfg, aux_loss=out.aux_loss, z_loss=out.z_loss)
             result.loss.backward()
             model.finish_grad_sync()

@@ -36,7 +36,7 @@ def test_reduced_replay_and_mitigations_on_an_hf_model(hf_snapshot: Path) -> Non
         ReplayOptions(nproc=1),
     )
     base = sweep.baseline
-    assert base.fidelity == "reduced" and base.rel_diff is not None and base.rel_diff <= 1e-5
+    assert base.fidelity == "full" and base.rel_diff is not None and base.rel_diff <= 1e-5
     assert base.verdict == "reproduced"
     assert base.consistency is not None and "param_grad_norms_vs_replay" in base.consistency.checked
     assert base.consistency.self_consistent, base.consistency.problems  # parameter by parameter, reduced

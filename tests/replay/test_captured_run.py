@@ -12,7 +12,7 @@ def test_every_captured_spike_reproduces_reduced(captured_run) -> None:
     assert captured_run.snapshot_dirs
     for snapshot in captured_run.snapshot_dirs:
         result = run_replay(snapshot, ReplayOptions(nproc=1))
-        assert result.fidelity == "reduced"
+        assert result.fidelity == "full"
         assert result.rel_diff <= 1e-5, snapshot
         assert result.verdict == "reproduced"
 

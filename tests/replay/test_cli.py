@@ -18,16 +18,16 @@ def test_replay_json_prints_the_result_file(spike_snapshot: Path, workspace: Pat
     out, err = capsys.readouterr()
     assert status == 0
     doc = json.loads(out)  # exactly one JSON document on stdout
-    assert doc["fidelity"] == "reduced" and doc["verdict"] == "reproduced"
+    assert doc["fidelity"] == "full" and doc["verdict"] == "reproduced"  # one process replays both saved ranks
     assert json.loads((Path(doc["output_dir"]) / "replay_result.json").read_text()) == doc
-    assert "fidelity reduced" in err  # progress goes to stderr
+    assert "fidelity full" in err  # progress goes to stderr
 
 
-def test_replay_for_people_labels_a_reduced_replay(spike_snapshot: Path, workspace: Path, capsys) -> None:
+def test_replay_for_people_labels_a_replay_on_fewer_processes(spike_snapshot: Path, workspace: Path, capsys) -> None:
     args = ["replay", str(spike_snapshot), "--nproc", "1", "--workspace", str(workspace)]
     assert main([*args, "--mitigation", "mismatch_token_clip_max=2", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
-    assert "REDUCED, a diagnostic" in out
+    assert "full (1 process(es) replay the 2 saved ranks, several each in turn)" in out
     assert "mismatch_token_clip_max=2.0" in out and "cleared" in out
     [change] = [line for line in out.splitlines() if line.strip().startswith("vs baseline")]
     assert re.fullmatch(r"  vs baseline   grad norm \S+ -> \S+ \([+-]\d+\.\d%\)", change), change
@@ -58,7 +58,7 @@ def test_sweep_prints_a_table_of_configs(spike_snapshot: Path, workspace: Path, 
     assert tis[-1] == "cleared" and tis[-2].endswith("%")
     assert f"({tis[-2]} vs baseline" in err  # the progress line and the table say the change alike, in percent
     assert any(line.startswith("advantage_clip=0.5+dual_clip_c=3") for line in lines)
-    assert "REDUCED" in out
+    assert "several each in turn" in out and "REDUCED" not in out
 
 
 def test_sweep_json_with_one_config_per_mitigation_option(spike_snapshot: Path, workspace: Path, capsys) -> None:

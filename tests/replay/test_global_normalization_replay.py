@@ -114,7 +114,7 @@ def test_full_and_reduced_replays_agree_under_global_normalisation(
 ) -> None:
     full, reduced = replay(captures(setup)["global"], nproc=2), replay(captures(setup)["global"], nproc=1)
     print(f"{setup}: full {full.grad_norm}, reduced {reduced.grad_norm}")
-    assert (full.fidelity, reduced.fidelity) == ("full", "reduced")
+    assert (full.fidelity, reduced.fidelity) == ("full", "full")  # every saved rank, fewer processes
     assert full.grad_norm == full.recorded_grad_norm
     assert rel(reduced.grad_norm, full.grad_norm) <= SAME
 

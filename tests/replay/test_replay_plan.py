@@ -17,7 +17,7 @@ from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.models.policy import build_policy, parse_model_config
 from axrl_spike_replay.replay.inputs import read_run_config
 from axrl_spike_replay.replay.process_memory import model_facts, process_memory
-from axrl_spike_replay.replay.replay_plan import Capacity, PlanRefused, parameter_count, plan_replay
+from axrl_spike_replay.replay.replay_plan import GIB, Capacity, PlanRefused, parameter_count, plan_replay
 from axrl_spike_replay.testing.config_only_snapshot import DEEPSEEK_V3, QWEN3_30B_A3B, write_config_only_snapshot
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
@@ -33,6 +33,11 @@ def test_parameter_counts_read_as_people_write_them(count: float, text: str) -> 
     assert parameter_count(count) == text
 
 
+def one_row(rows: list) -> object:
+    """The plan's row of one process."""
+    return next(r for r in rows if r.nproc == 1)
+
+
 def test_the_fixture_plan_counts_the_built_model_and_fits_here() -> None:
     spec = parse_model_config(read_run_config(SNAPSHOT)["model"])
     built = sum(p.numel() for p in build_policy(spec).parameters())
@@ -40,7 +45,7 @@ def test_the_fixture_plan_counts_the_built_model_and_fits_here() -> None:
     assert plan.parameters == built and plan.world_size == 2 and plan.param_dtype == "float32"
     assert [r.nproc for r in plan.rows] == [1, 2]
     one, two = plan.rows
-    assert one.fidelity == "reduced" and one.ranks_per_process == 2 and two.fidelity == "full"
+    assert one.fidelity == "full" and one.ranks_per_process == 2 and two.fidelity == "full"  # every saved rank
     assert one.memory.gradients == 2 * two.memory.gradients  # a second copy while the next rank's is added
     assert plan.chosen is two and plan.smallest_full_fidelity is two and plan.fits
     assert two.memory.parameters == built * 4 and two.memory.activations > 0
@@ -53,8 +58,9 @@ def test_the_fixture_plan_counts_the_built_model_and_fits_here() -> None:
     assert checkpointed.activations < two.memory.activations
     below = Capacity("here", "cpu", 1, 2 * checkpointed.peak - 1, "test")
     tight = plan_replay(SNAPSHOT, capacity=below, shard="off")
-    assert tight.fits is False and tight.smallest_full_fidelity is None
-    assert "largest fitting layout is 1 process(es) at reduced fidelity" in tight.layout
+    assert tight.fits is False and tight.smallest_full_fidelity is one_row(tight.rows)
+    said = "1 processes on 1 node(s), each with the whole model, each replaying its 2 saved ranks in turn"
+    assert said in tight.layout
     auto = plan_replay(SNAPSHOT, capacity=below)
     assert auto.fits and auto.chosen is not None and auto.chosen.sharded  # auto shards what does not fit whole
     assert auto.whole is not None and auto.whole.fits is False and auto.whole.checkpointed
@@ -203,3 +209,21 @@ def test_a_recorded_mixed_precision_policy_plans_float32_master_shards_and_bf16_
     run_config.write_text(yaml.safe_dump(bad))
     with pytest.raises(ConfigError, match=r"precision\.param_dtype must be one of"):
         plan_replay(mixed, capacity=H200_NODE)
+
+
+def test_a_math_rl_rank_of_qwen3_30b_replays_at_full_fidelity_on_one_8xh200_node(tmp_path: Path) -> None:
+    """Qwen3-30B-A3B saved at world size 64, 8 x 8,192 tokens per rank in micro-batches of one sequence, sdpa: 8
+    sharded processes, each replaying its 8 saved ranks in turn, is full fidelity (every saved rank, the same
+    data-parallel mean over all 64) and fits one 8xH200 node under 128 GiB per GPU; so does one process per saved
+    rank, which the plan suggests."""
+    qwen = write_config_only_snapshot(
+        tmp_path / "q", "qwen3_moe", QWEN3_30B_A3B, world_size=64, batch=8, seq=8192, attention="sdpa", micro_batches=8
+    )
+    plan = plan_replay(qwen, nproc=8, device="cuda", capacity=H200_NODE)
+    row = plan.chosen
+    assert row is not None and row.nproc == 8 and row.ranks_per_process == 8 and row.sharded
+    assert row.fidelity == "full" and row.fits and row.per_device < 128 * GIB
+    assert "requested: 8 process(es), full fidelity, sharded (FSDP2)" in plan.text()
+    assert plan.micro_batch == (1, 8192) and plan.tokens_per_rank == 8 * 8192
+    suggested = plan.smallest_full_fidelity
+    assert suggested is not None and suggested.nproc == 64 and suggested.fits and suggested.fidelity == "full"

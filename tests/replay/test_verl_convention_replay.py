@@ -64,7 +64,7 @@ def test_full_fidelity_replay_is_bit_identical(verl_snapshot: Path, warm_runner:
 @pytest.mark.slow
 def test_reduced_replay_gets_the_global_counts_and_stays_close(verl_snapshot: Path) -> None:
     result = run_replay(verl_snapshot, ReplayOptions(nproc=1))
-    assert result.fidelity == "reduced"
+    assert result.fidelity == "full"
     assert result.rel_diff is not None and result.rel_diff <= 1e-5
 
 

@@ -43,7 +43,7 @@ def test_sweep_judges_each_config_and_draws_them(spike_outputs: SpikeOutputs, wo
     configs = [{"advantage_clip": 0.5}, {"loss_agg_mode": "seq-mean-token-mean"}]
     raw = call(workspace, "sweep", {"snapshot": str(spike_outputs.snapshot), "configs": configs, "nproc": 1})
     sweep = ok(raw)
-    assert sweep["fidelity"] == "reduced" and sweep["world_size_used"] == 1
+    assert sweep["fidelity"] == "full" and sweep["world_size_used"] == 1
     assert [r["mitigations"] for r in sweep["results"]] == [
         {"advantage_clip": 0.5},
         {"loss_agg_mode": "seq-mean-token-mean"},

@@ -33,4 +33,4 @@ def test_two_sweeps_share_one_logged_baseline(tmp_path: Path, cli) -> None:
     run = cli("replay", spike, "--nproc", "1", "--workspace", ws, "--job", JOB, "--json")
     assert run.code == 0, run.err
     rows = json.loads(Path(view.state_file).read_text())["experiments"]
-    assert rows[-1]["is_baseline"] and rows[-1]["fidelity"] == "reduced"  # another layout: logged
+    assert rows[-1]["is_baseline"] and rows[-1]["fidelity"] == "full"  # another layout: logged

@@ -193,7 +193,9 @@ def fidelity_label(result: ReplayResult | SweepResult) -> str:
     """`full` or `REDUCED (diagnostic: ...)`: a reduced replay is always labelled as such."""
     saved, used = result.world_size_saved, result.world_size_used
     if result.fidelity == "full":
-        return f"full ({used} process(es) = saved world size {saved})"
+        if used == saved:
+            return f"full ({used} process(es) = saved world size {saved})"
+        return f"full ({used} process(es) replay the {saved} saved ranks, several each in turn)"
     return f"REDUCED, a diagnostic ({used} process(es) replay {saved} saved ranks; summation order differs)"
 
 

@@ -7,9 +7,11 @@ writes a snapshot collectively: weights as a sharded DCP checkpoint (`get_model_
 mini-batch under verl's own key names (jagged tensors kept, with the step's global counts `batch_num_tokens`,
 `dp_size`, `global_batch_size` the engine set on it), the routes, grad info (the global pre-clip norm and the
 per-parameter ones, computed in float64 from the gradients: the clipped ones divided by the clip's own
-coefficient), and `run_config.yaml` with the `loss:` section mapped from
-the actor config (`capture/verl_loss_section.py`: convention verl, normalization global, clip ratios, dual clip,
-aggregation, entropy, KL; settings it cannot represent listed under `unreproduced`, warned about at the first
+coefficient), and `run_config.yaml` with the `micro_batches:` section of verl's split of the mini-batch (its
+`use_dynamic_bsz` token budget and the micro-batch count the DP ranks agreed on, or its
+`ppo_micro_batch_size_per_gpu`: the replay splits and scales the step as the engine did), the `loss:` section
+mapped from the actor config (`capture/verl_loss_section.py`: convention verl, normalization global, clip ratios,
+dual clip, aggregation, entropy, KL; settings it cannot represent listed under `unreproduced`, warned about at the first
 step, and refused by the replay), the `model:` section (kind hf: the actor's HF config, its compute dtype and the
 attention/experts kernels it ran with) and the `routing:` section (the engine's router replay mode), so the
 snapshot replays on the torch engine. `False` means skip the step (the fp16 GradScaler's step is then closed
@@ -172,6 +174,74 @@ def routing_section(engine_config: Any) -> dict[str, Any]:
     return {"replay": "all" if mode in ("R2", "R3") else "off", "current_routing_layers": []}
 
 
+def _setting(data: Any, key: str, default: Any = None) -> Any:
+    """A non-tensor setting verl's worker put on the mini-batch (`tu.assign_non_tensor`), else `default`."""
+    try:
+        value = _unwrapped(data[key])
+    except (KeyError, AttributeError, TypeError):
+        return default
+    return default if value is None else value
+
+
+def local_micro_batch_count(data: Any) -> int | None:
+    """Micro-batches this rank's mini-batch needs under verl's dynamic batch size before the DP ranks agree on one
+    (`rearrange_micro_batches`: min(sequences, ceil(tokens / budget)), the tokens the attention mask's, or the
+    jagged input_ids' lengths); None when the mini-batch is not split by a token budget."""
+    import torch
+
+    budget = _setting(data, "max_token_len_per_gpu")
+    if not _setting(data, "use_dynamic_bsz", True) or not isinstance(budget, int) or budget < 1:
+        return None
+    budget *= int(_setting(data, "sp_size", 1))
+    try:
+        ids = data["input_ids"]
+        lengths = ids.offsets().diff() if getattr(ids, "is_nested", False) else data["attention_mask"].sum(dim=-1)
+    except (KeyError, AttributeError, TypeError):
+        return None
+    if not isinstance(lengths, torch.Tensor) or lengths.numel() == 0:
+        return None
+    return min(int(lengths.numel()), -(-int(lengths.sum()) // budget))
+
+
+def micro_batch_section(data: Any, count: int | None = None) -> dict[str, Any] | None:
+    """The `micro_batches:` section of verl's split of the mini-batch (`prepare_micro_batches`, as the FSDP engine
+    calls it: the count agreed over the DP ranks, balanced): `use_dynamic_bsz` gives split token_budget with
+    `max_token_len_per_gpu` x `sp_size` and `count` (the agreed one), else split size with
+    `micro_batch_size_per_gpu`. None when verl's settings are not on the batch, or group it (`force_group_size`
+    > 1, reward-model training): the replay then takes the recorded split (one micro-batch)."""
+    if int(_setting(data, "force_group_size", 1)) != 1:
+        return None
+    if _setting(data, "use_dynamic_bsz", True):
+        budget = _setting(data, "max_token_len_per_gpu")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            return None
+        doc: dict[str, Any] = {"split": "token_budget", "max_token_len": budget * int(_setting(data, "sp_size", 1))}
+        if count is not None:
+            doc["count"] = count
+        return doc | {"balance": True}
+    size = _setting(data, "micro_batch_size_per_gpu")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        return None
+    return {"split": "size", "size": size}
+
+
+def agreed_micro_batch_count(data: Any) -> int | None:
+    """The micro-batch count verl's DP ranks agreed on (`same_micro_num_in_dp`: the largest rank's): a collective
+    (an all-reduce over the default group, every rank at once; -1 where a rank has none)."""
+    import torch
+    import torch.distributed as dist
+
+    local = local_micro_batch_count(data)
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return local
+    backend = dist.get_backend()
+    device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"
+    value = torch.tensor([-1 if local is None else local], dtype=torch.int64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    agreed = int(value.item())
+    return None if local is None or agreed < 1 else agreed
+
+
 def _loss_function(engine: Any) -> Any:
     return getattr(engine, "_axrl_spike_loss_fn", None)  # kept by the patched forward_backward_batch
 
@@ -183,10 +253,11 @@ def _rollout_correction(data: Any) -> str:
     return f"as verl's driver applied it before the update: {weights}; response_mask after any rejection sampling"
 
 
-def run_config(world_size: int, engine: Any = None, data: Any = None) -> dict[str, Any]:
+def run_config(world_size: int, engine: Any = None, data: Any = None, micro_count: int | None = None) -> dict[str, Any]:
     """The snapshot's run_config.yaml: the `loss:` section of the engine's loss function (verl's convention, global
-    normalisation), an FSDP data-parallel layout, the verl version, and, from the engine when given, the actor's
-    `model:` and `routing:` sections."""
+    normalisation), an FSDP data-parallel layout, the verl version, the `micro_batches:` section of the mini-batch's
+    split (`micro_batch_section`, `micro_count` the count the DP ranks agreed on), and, from the engine when
+    given, the actor's `model:` and `routing:` sections."""
     from axrl_spike_replay.capture.verl_loss_section import loss_section
 
     doc: dict[str, Any] = {
@@ -194,6 +265,9 @@ def run_config(world_size: int, engine: Any = None, data: Any = None) -> dict[st
         "parallel": {"world_size": world_size, "dp": world_size, "strategy": "fsdp"},
         "train": {"trainer": "verl", "verl_version": VERL_VERSION, "rollout_correction": _rollout_correction(data)},
     }
+    micro = micro_batch_section(data, micro_count) if data is not None else None
+    if micro is not None:
+        doc["micro_batches"] = micro
     if engine is not None:
         temperature = _temperature(data) if data is not None else None
         model = model_section(engine.module, getattr(engine, "_autocast_dtype", None), temperature)
@@ -378,6 +452,11 @@ def _snapshot(guard: Any, engine: Any, data: Any, grad_norm: Any, decision: Any,
         state = get_model_state_dict(engine.module)  # collective under FSDP1's sharded state dict
     except Exception as exc:
         errors.append(f"model state dict: {describe(exc)}")
+    micro_count = None
+    try:
+        micro_count = agreed_micro_batch_count(data if data is not None else {})  # collective over the DP ranks
+    except Exception as exc:
+        errors.append(f"micro-batch count: {describe(exc)}")
     payloads: dict[int, Any] = {}
     config: dict[str, Any] = {}
     record = decision
@@ -400,7 +479,7 @@ def _snapshot(guard: Any, engine: Any, data: Any, grad_norm: Any, decision: Any,
                         "source": "rollout",
                     }
             payloads = {rank: RankPayload(batch, info, routing)}
-            config = run_config(world, engine, data)
+            config = run_config(world, engine, data, micro_count)
             config["train"].update(
                 {
                     "global_step": decision.step if step["from_verl"] else None,

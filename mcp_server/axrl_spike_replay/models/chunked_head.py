@@ -106,10 +106,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
             grad_logits = grad_z.to(weight.dtype)
             if grad_h is not None:
                 grad_h[lo:hi] = grad_logits @ weight
-            if grad_w is not None:  # summed over chunks in float32, as one matmul accumulates
-                grad_w += grad_logits.float().t() @ hidden[lo:hi].float()
+            if grad_w is not None:  # summed over chunks in float32, in place: no [V, H] temporary per chunk
+                grad_w.addmm_(grad_logits.float().t(), hidden[lo:hi].float())
             if grad_b is not None:
                 grad_b += grad_logits.float().sum(dim=0)
+            del grad_z, grad_logits  # gone before the next chunk's logits: CHUNK_COPIES at a time, not one more
         return (
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),

@@ -105,7 +105,7 @@ async def run_remote_torch(
         "node": node.node_field(),
         "device": request.device,
         "world_size_used": nproc,
-        "fidelity": Fidelity.FULL if nproc == request.facts.world_size else Fidelity.REDUCED,
+        "fidelity": Fidelity.FULL,  # every saved rank is replayed, several per process when nproc is smaller
         "mitigations": dict(request.mitigations),
     }
     remote_ws: str | None = node.temp_dir

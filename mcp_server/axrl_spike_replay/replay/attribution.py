@@ -33,11 +33,12 @@ from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.inputs import ReplayInputs, load_inputs, one_config
 from axrl_spike_replay.replay.layout_plan import plan_layout
-from axrl_spike_replay.replay.model_build import build_model
+from axrl_spike_replay.replay.model_build import Placement, build_model
 from axrl_spike_replay.replay.outcome_figures import jvp_policy
-from axrl_spike_replay.replay.sample_signals import base_name, grad_or_zeros, rank_loss, rank_signals
-from axrl_spike_replay.replay.shard_choice import check_whole_fits, whole_or_sharded
+from axrl_spike_replay.replay.sample_signals import RankGather, base_name, cut_rows, micro_steps
+from axrl_spike_replay.replay.shard_choice import check_whole_fits, whole_or_sharded_planned
 from axrl_spike_replay.replay.worker import RankInputs, step_counts
+from axrl_spike_replay.training.micro_batches import MicroBatch, stitch, take, take_routing
 from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
 from axrl_spike_replay.training.sample_masks import check_ranks
 from axrl_spike_replay.vocabulary import Fidelity, Method
@@ -46,6 +47,7 @@ from axrl_spike_replay.vocabulary import Fidelity, Method
 @dataclass
 class _RankPass:
     batch: dict[str, torch.Tensor]  # the saved rank batch the forward saw
+    plan: list[MicroBatch]  # its micro-batches, as the trainer split it
     grad_logprobs: torch.Tensor  # [B, T] dLoss_r/dlogprobs
     grad_entropy: torch.Tensor | None  # [B, T] dLoss_r/dentropy; None when the loss has no entropy term
     routes: RoutingControl  # replays the experts this pass used, so later passes route the same
@@ -55,38 +57,42 @@ class _RankPass:
 def _gradient_pass(
     model: torch.nn.Module, ranks: RankInputs, cfg: AppliedConfig
 ) -> tuple[dict[int, _RankPass], list[torch.Tensor] | None]:
-    """Accumulate every rank's gradients in `.grad` (as a reduced replay does); keep dLoss/dlogprobs (and
-    dLoss/dentropy) per rank and the router losses' gradient summed over ranks."""
+    """Accumulate every rank's gradients in `.grad` (as a reduced replay does), micro-batch by micro-batch (one
+    micro-batch's graph at a time); keep dLoss/dlogprobs (and dLoss/dentropy) per rank and the router losses'
+    gradient summed over ranks."""
     params = list(model.parameters())
     # every saved rank is here: the step's counts are this process's own (the recorded ones, recounted)
     counts = step_counts(ranks, cfg, cfg.loss, None, len(ranks.batches))
     passes = {}
     router_sum: list[torch.Tensor] | None = None
     for rank, saved in ranks.batches.items():
-        step = rank_loss(model, ranks, cfg, rank, counts)
-        out = step.out
-        if step.router is not None and step.kept:
-            grads = torch.autograd.grad(step.router, params, retain_graph=True, allow_unused=True)
-            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
-            router_sum = grads if router_sum is None else [a + b for a, b in zip(router_sum, grads, strict=True)]
-        if step.kept:  # a rank the config leaves out adds nothing to the step
-            step.result.loss.backward()
-        signals = rank_signals(rank, step.batch, out.logprobs.detach(), step.result.mask, base_name(cfg))
+        gather = RankGather(rank, saved, ranks.plan(rank))
+        for step in micro_steps(model, ranks, cfg, rank, counts):
+            if step.router is not None and step.kept:
+                grads = torch.autograd.grad(step.router, params, retain_graph=True, allow_unused=True)
+                grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+                router_sum = grads if router_sum is None else [a + b for a, b in zip(router_sum, grads, strict=True)]
+            if step.kept:  # a rank the config leaves out adds nothing to the step
+                step.loss.backward()
+            gather.add(step)
+            del step
         passes[rank] = _RankPass(
             batch=saved,
-            grad_logprobs=grad_or_zeros(out.logprobs),
-            grad_entropy=grad_or_zeros(out.entropy) if out.entropy is not None else None,
-            routes=RoutingControl(routes=out.routes.detach()),
-            signals=signals,
+            plan=gather.plan,
+            grad_logprobs=gather.grad_logprobs_rows,
+            grad_entropy=gather.grad_entropy_rows,
+            routes=RoutingControl(routes=gather.routes_rows),
+            signals=gather.signals(cfg),
         )
     return passes, router_sum
 
 
 _JVP_KEYS = ("tokens", "loss_mask", "attention_mask")
+JOIN_TOKENS = 4096  # micro-batches of one width are joined into one forward-mode pass up to this many tokens
 
 
 def _joined(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] | None:
-    """The forward's inputs of several rank batches as one batch; None when they cannot be concatenated."""
+    """The forward's inputs of several micro-batches as one batch; None when they cannot be concatenated."""
     keys = [k for k in _JVP_KEYS if k in batches[0]]
     if any(set(k for k in _JVP_KEYS if k in b) != set(keys) for b in batches):
         return None
@@ -95,51 +101,99 @@ def _joined(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor] |
     return {k: torch.cat([b[k] for b in batches]) for k in keys}
 
 
+def _units(passes: dict[int, _RankPass]) -> list[list[tuple[int, int]]]:
+    """Every (rank, micro-batch index), grouped into forward-mode passes: consecutive micro-batches of one width
+    while the group holds at most the largest micro-batch's tokens (or JOIN_TOKENS): a pass's peak stays one
+    micro-batch's, as the plan counts, and small steps take few passes."""
+    items = [(r, i, p.plan[i]) for r, p in passes.items() for i in range(len(p.plan))]
+    budget = max([JOIN_TOKENS] + [len(mb.rows) * mb.width for _, _, mb in items])
+    groups: list[list[tuple[int, int]]] = []
+    tokens, width = 0, -1
+    for rank, i, mb in items:
+        size = len(mb.rows) * mb.width
+        if not groups or mb.width != width or tokens + size > budget:
+            groups.append([])
+            tokens, width = 0, mb.width
+        groups[-1].append((rank, i))
+        tokens += size
+    return groups
+
+
 def _jvp_all(
     model: torch.nn.Module, passes: dict[int, _RankPass], direction: dict[str, torch.Tensor]
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
-    """J g for every rank's log-probs (and entropies); rank batches that fit go through one concatenated forward.
+    """J g for every rank's log-probs (and entropies), micro-batch by micro-batch; micro-batches that fit one pass
+    (`_units`) go through one concatenated forward.
 
     Exact: a sample's log-probs depend only on its own tokens (and mask), and the routes are the ones the gradient
-    pass used. Positions before a rank's own first response position get log-probs in the joined forward; their
-    dLoss/dlogprobs is 0, so they add nothing."""
-    order = list(passes)
-    need_entropy = passes[order[0]].grad_entropy is not None
-    joined = _joined([passes[r].batch for r in order])
-    if joined is None:
-        return {r: jvp_policy(model, passes[r].batch, passes[r].routes, direction, need_entropy) for r in order}
-    routes = RoutingControl(routes=torch.cat([_routes_of(passes[r]) for r in order]))
-    d_logprobs, d_entropy = jvp_policy(model, joined, routes, direction, need_entropy)
-    sizes = [passes[r].batch["tokens"].shape[0] for r in order]
-    parts_lp = d_logprobs.split(sizes)
-    parts_ent = d_entropy.split(sizes) if d_entropy is not None else [None] * len(order)
-    return {r: (lp, ent) for r, lp, ent in zip(order, parts_lp, parts_ent, strict=True)}
+    pass used. Positions before a micro-batch's own first response position get log-probs in a joined forward;
+    their dLoss/dlogprobs is 0, so they add nothing."""
+    need_entropy = next(iter(passes.values())).grad_entropy is not None
+    parts: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for group in _units(passes):
+        cut = []
+        for rank, i in group:
+            p, mb = passes[rank], passes[rank].plan[i]
+            size = int(p.batch["tokens"].shape[0])
+            cut.append((take(p.batch, mb), take_routing(p.routes, mb, size)))
+        joined = _joined([b for b, _ in cut]) if len(cut) > 1 else None
+        if joined is None:
+            for (rank, i), (batch, routes) in zip(group, cut, strict=True):
+                parts[rank, i] = jvp_policy(model, batch, routes, direction, need_entropy)
+            continue
+        routes = RoutingControl(routes=torch.cat([_routes_of(r) for _, r in cut]))
+        d_logprobs, d_entropy = jvp_policy(model, joined, routes, direction, need_entropy)
+        sizes = [int(b["tokens"].shape[0]) for b, _ in cut]
+        parts_ent = d_entropy.split(sizes) if d_entropy is not None else [None] * len(cut)
+        for key, lp, ent in zip(group, d_logprobs.split(sizes), parts_ent, strict=True):
+            parts[key] = (lp, ent)
+    out: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for rank, p in passes.items():
+        size, width = int(p.batch["tokens"].shape[0]), int(p.batch["tokens"].shape[1])
+        mine = [parts[rank, i] for i in range(len(p.plan))]
+        if len(mine) == 1 and mine[0][0].shape == (size, width):
+            out[rank] = mine[0]
+            continue
+        ent = [e for _, e in mine if e is not None]
+        out[rank] = (
+            stitch([lp for lp, _ in mine], p.plan, size, width),
+            stitch(ent, p.plan, size, width) if len(ent) == len(mine) else None,
+        )
+    return out
 
 
-def _routes_of(rank_pass: _RankPass) -> torch.Tensor:
-    routes = rank_pass.routes.routes
+def _routes_of(control: RoutingControl) -> torch.Tensor:
+    routes = control.routes
     assert routes is not None  # the gradient pass always records the routes it used
     return routes
 
 
 def _backward_per_sample(model: torch.nn.Module, rank_pass: _RankPass, g: list[torch.Tensor]) -> torch.Tensor:
-    """The naive way: one backward pass per sample; each sample's <grad, g> (float64)."""
+    """The naive way: one backward pass per sample, micro-batch by micro-batch; each sample's <grad, g>
+    (float64)."""
     params = list(model.parameters())
-    grads_out = [rank_pass.grad_logprobs]
-    out = policy_forward(model, rank_pass.batch, rank_pass.routes, need_entropy=rank_pass.grad_entropy is not None)
-    outputs = [out.logprobs]
-    if rank_pass.grad_entropy is not None and out.entropy is not None:
-        grads_out.append(rank_pass.grad_entropy)
-        outputs.append(out.entropy)
-    dots = torch.zeros(rank_pass.grad_logprobs.shape[0], dtype=torch.float64)
-    for s in range(dots.shape[0]):
-        rows = []
-        for full in grads_out:
-            row = torch.zeros_like(full)
-            row[s] = full[s]
-            rows.append(row)
-        grads = torch.autograd.grad(outputs, params, grad_outputs=rows, retain_graph=True, allow_unused=True)
-        dots[s] = sum(float((a.double() * b.double()).sum()) for a, b in zip(grads, g, strict=True) if a is not None)
+    batch, need_entropy = rank_pass.batch, rank_pass.grad_entropy is not None
+    size = int(batch["tokens"].shape[0])
+    dots = torch.zeros(size, dtype=torch.float64)
+    for mb in rank_pass.plan:
+        routes = take_routing(rank_pass.routes, mb, size)
+        out = policy_forward(model, take(batch, mb), routes, need_entropy=need_entropy)
+        grads_out = [cut_rows(rank_pass.grad_logprobs, mb)]
+        outputs = [out.logprobs]
+        if rank_pass.grad_entropy is not None and out.entropy is not None:
+            grads_out.append(cut_rows(rank_pass.grad_entropy, mb))
+            outputs.append(out.entropy)
+        for j, s in enumerate(mb.rows):
+            rows = []
+            for full in grads_out:
+                row = torch.zeros_like(full)
+                row[j] = full[j]
+                rows.append(row)
+            grads = torch.autograd.grad(outputs, params, grad_outputs=rows, retain_graph=True, allow_unused=True)
+            dots[s] = sum(
+                float((a.double() * b.double()).sum()) for a, b in zip(grads, g, strict=True) if a is not None
+            )
+        del out, outputs
     return dots
 
 
@@ -187,12 +241,15 @@ def attribute_spike(
     shard: str = "auto",
     nproc: int | None = None,
     timeout_s: float = 1800.0,
+    checkpoint: bool | None = None,
 ) -> Attribution:
     """Rank the samples of a snapshot's step by their contribution to the replayed global grad norm.
 
     `shard`: off, the whole model in this process (one forward-mode pass, or one backward per sample with `method`
     per_sample_backward); on, FSDP2 over `nproc` spawned processes (default: the saved world size), one backward per
     sample (`replay.sharded_attribution`); auto, sharded when the whole model does not fit one process here.
+    Each rank's step goes micro-batch by micro-batch as the trainer split it, the head in chunks, the decoder layers
+    checkpointed as `checkpoint` says (None: as the replay plan of the layout says).
     `recorder` opens the output dir (None: nothing written). Setting `cancel` stops the work between
     its stages (RunCancelled). `investigation.request` validates top and method for the faces."""
     if method not in Method.values():
@@ -206,7 +263,7 @@ def attribute_spike(
         cfg = one_config(inputs, mitigations)
         check_ranks(cfg.samples, inputs.world_size)
         layout = plan_layout(inputs.world_size, nproc)
-        sharded = whole_or_sharded(shard, inputs, device, layout.nproc)
+        sharded = whole_or_sharded_planned(shard, inputs, device, layout.nproc, checkpoint)
         if not sharded.shard:
             check_whole_fits(inputs.model, inputs.effective_precision, device, "attribution")
         job_name = job or inputs.job_name or "spike"
@@ -217,12 +274,14 @@ def attribute_spike(
         if sharded.shard:
             if method != Method.PER_SAMPLE_BACKWARD:
                 run.log("sharded: forward-mode JVPs do not run through FSDP2; one backward per sample instead")
-            attribution = _attribute_sharded(inputs, cfg, top, device, layout.assignment, start, timeout_s, cancel)
+            attribution = _attribute_sharded(
+                inputs, cfg, top, device, layout.assignment, start, timeout_s, cancel, sharded.checkpoint
+            )
         else:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                attribution = _attribute(inputs, cfg, top, device, method, start, cancel)
+                attribution = _attribute(inputs, cfg, top, device, method, start, cancel, sharded.checkpoint)
             finally:
                 torch.set_num_threads(threads)
     attribution.output_dir = str(run.path or "")
@@ -239,9 +298,11 @@ def _attribute(
     method: str,
     start: float,
     cancel: threading.Event | None = None,
+    checkpoint: bool = False,
 ) -> Attribution:
     world_size = inputs.world_size
-    model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device)
+    placement = Placement(checkpoint_layers=checkpoint)
+    model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device, placement)
     ranks = RankInputs(inputs.replay_dir, range(world_size), device, routing_shape(inputs.model))
     check_cancel(cancel, "attribution")
     t0 = time.perf_counter()
@@ -267,10 +328,11 @@ def _attribute_sharded(
     start: float,
     timeout_s: float,
     cancel: threading.Event | None,
+    checkpoint: bool = False,
 ) -> Attribution:
     from axrl_spike_replay.replay.sharded_attribution import AttributionJob, run_sharded_attribution
 
-    job = AttributionJob(inputs.replay_dir, inputs.model, cfg, inputs.world_size, assignment, device)
+    job = AttributionJob(inputs.replay_dir, inputs.model, cfg, inputs.world_size, assignment, device, checkpoint)
     figures = run_sharded_attribution(job, timeout_s, cancel)
     timings = {**figures.timings, "total": time.perf_counter() - start}
     attribution = _assembled(

@@ -45,7 +45,7 @@ from axrl_spike_replay.replay.job_runner import JobRunner, run_job
 from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.outcome_figures import DEFINITION
 from axrl_spike_replay.replay.replay_plan import HERE, Capacity
-from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard, planned_shard
+from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard, planned_shard, with_checkpoint
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
@@ -81,6 +81,9 @@ class ReplayOptions:
     # so the whole model stays), over `nodes` nodes
     capacity: Capacity | str | None = HERE
     nodes: int = 1
+    # decoder layers checkpointed (`models.layer_checkpoint`): True / False as asked; None: as the replay plan's row
+    # for the layout says, under every `shard` (the plan checkpoints when the layout does not fit without it)
+    checkpoint: bool | None = None
 
 
 def check_device(device: str) -> str:
@@ -139,7 +142,7 @@ class ReplaySession:
             if options.clear_threshold is None:
                 raise
             self.detector_threshold = None  # the user's threshold stands in for an unusable one
-        self.tolerance = tolerance(plan.fidelity, options.device)
+        self.tolerance = tolerance(plan.tolerance_class, options.device)
         self.run = RunDir(None)
         self.started = time.perf_counter()
         # the recorded step's own replay, refused: an input of it no computation is defined on (input_checks); the
@@ -275,7 +278,10 @@ class ReplaySession:
             )
         else:
             judged, judged_by = tolerance_rule(
-                self.plan.fidelity, self.options.device, self.inputs.effective_precision.param_dtype, outcome.grad_norms
+                self.plan.tolerance_class,
+                self.options.device,
+                self.inputs.effective_precision.param_dtype,
+                outcome.grad_norms,
             )
             verdict, change = baseline_verdict(norm, meta.grad_norm, judged), None
             basis = BaselineBasis(
@@ -465,11 +471,19 @@ def replay_session(
             )
         plan = plan_layout(inputs.world_size, options.nproc)
         planned = None
-        if options.shard == Shard.AUTO:
+        if options.checkpoint is None or options.shard == Shard.AUTO:
             planned = planned_shard(
-                str(snapshot), plan.nproc, str(options.device), len(applied), options.capacity, options.nodes
+                str(snapshot),
+                plan.nproc,
+                str(options.device),
+                len(applied),
+                options.capacity,
+                options.nodes,
+                shard=str(options.shard),
             )
-        shard = choose_shard(options.shard, options.device, plan.nproc, planned)
+        shard = with_checkpoint(
+            choose_shard(options.shard, options.device, plan.nproc, planned), None, options.checkpoint
+        )
         session = ReplaySession(inputs, plan, applied, options, shard)
         session.baseline_refused = baseline_refused
         session.refused = refused

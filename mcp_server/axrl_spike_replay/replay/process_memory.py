@@ -281,14 +281,17 @@ def process_memory(
     dtypes: StepDtypes | None = None,
     attention: str | None = None,
     checkpointed: bool = False,
+    micro_batches: int = 1,
 ) -> ProcessMemory:
     """One of `nproc` replay processes' memory (see the module docstring) for a [batch, seq] micro-batch;
     `dtypes`: the precision that runs (default: the model's own dtype throughout); `attention`: the kernel (default:
     the model's);
-    `checkpointed`: decoder layers recompute their activations in the backward."""
+    `checkpointed`: decoder layers recompute their activations in the backward; `micro_batches`: the most a rank is
+    split into (a whole process keeps a rank's own gradient beside the sum while its micro-batches add up, for the
+    rank's per-parameter norms: one more copy)."""
     d = dtypes or step_dtypes(facts.dtype, None)
     ranks = math.ceil(world_size / nproc)
-    copies = configs + (1 if ranks > 1 else 0)
+    copies = configs + (1 if ranks > 1 else 0) + (1 if micro_batches > 1 and not sharded else 0)
     params = facts.parameters * d.compute
     grads = facts.parameters * d.reduce * copies
     held = facts.parameters * d.reduce * (copies - 1)

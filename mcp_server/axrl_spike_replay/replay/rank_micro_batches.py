@@ -1,12 +1,17 @@
 """A saved rank's forward and loss micro-batch by micro-batch, kept on one graph, for the analyses of a rank's loss.
 
-The replay itself (`worker.forward_group`) forwards and backpropagates one micro-batch at a time. Attribution,
-the step evidence and the sample signals need the rank's whole graph after its loss (dLoss/dlogprobs of every
-token, each term's gradient), so here every micro-batch of the rank's plan (`RankInputs.plan`) is forwarded as
-the trainer ran it (its rows, its width, its routes), the outputs are put back at their rows of the rank's
-`[B, T]` tensors, and the loss is the micro-batches' losses computed on those rows, each scaled as the trainer
-scaled it (`training.micro_batches`), summed. The same split, cut, scale and sum as the replay's: the rank's loss
-and gradient are the replay's, and a rank of one micro-batch is exactly its single forward.
+The replay itself (`worker.forward_group`) forwards and backpropagates one micro-batch at a time, and so do the
+analyses of a rank's loss that take gradients (attribution, diagnose's loss-term channel): `micro_forwards` gives
+each micro-batch's forward in turn, `micro_loss` its loss as the trainer computed it, and the caller takes its
+backward(s) and drops the graph before the next: a process's peak holds one micro-batch's activations, as the
+plan counts. A rank's loss is linear in its micro-batches' scaled losses, so every gradient (of the loss, of a
+term, of dLoss/dlogprobs at a token) is the sum of the micro-batches' own.
+
+`rank_forward` / `rank_loss_of` keep the rank's whole graph: every micro-batch of the rank's plan forwarded as the
+trainer ran it (its rows, its width, its routes), the outputs put back at their rows of the rank's `[B, T]`
+tensors, and the loss the micro-batches' losses on those rows, each scaled as the trainer scaled it
+(`training.micro_batches`), summed. Used without gradients (the signal check's no-grad forwards hold no graph) and
+as the whole-graph reference the micro-batch path is tested against.
 
 FSDP2's collectives need every process to make the same number of forwards: a sharded analysis whose processes'
 ranks hold different numbers of micro-batches is refused by name (`check_same_counts`).
@@ -14,7 +19,7 @@ ranks hold different numbers of micro-batches is refused by name (`check_same_co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +90,48 @@ def rank_forward(
     )
 
 
+def micro_forwards(
+    model: torch.nn.Module, inputs: RankInputs, cfg: AppliedConfig, rank: int, need_entropy: bool, control: Any = None
+) -> Iterator[tuple[MicroBatch, Any]]:
+    """Saved rank `rank`'s micro-batches, each with its forward (on the graph), one at a time: the caller takes its
+    backward(s) and lets it go before asking for the next."""
+    saved = inputs.batches[rank]
+    control = inputs.routing(cfg, rank) if control is None else control
+    size = int(saved["tokens"].shape[0])
+    for mb in inputs.plan(rank):
+        yield mb, policy_forward(model, take(saved, mb), take_routing(control, mb, size), need_entropy=need_entropy)
+
+
+def micro_loss(
+    part: Any,
+    saved: dict[str, torch.Tensor],
+    rank: int,
+    cfg: AppliedConfig,
+    mb: MicroBatch,
+    loss: Callable[[Any, dict[str, Any]], LossOutput],
+) -> LossOutput:
+    """One micro-batch's loss from its forward `part`, unscaled (the trainer multiplies it by `mb.scale`): `loss`
+    on its outputs and its batch as `worker.loss_batch` cuts it."""
+    view = _View(part.logprobs, part.entropy, part.aux_loss, part.z_loss)
+    return loss(view, loss_batch(saved, rank, cfg, part.logprobs, mb))
+
+
+def joined_loss(results: Sequence[LossOutput], plan: Sequence[MicroBatch], size: int, width: int) -> LossOutput:
+    """A rank's loss from its micro-batches' (in plan order): losses scaled and summed, per-token figures at the
+    rank's rows; the figures as `rank_loss_of` gives them (detach the parts first to hold no graph)."""
+    return LossOutput(
+        loss=_scaled_sum([r.loss for r in results], plan),
+        policy_loss=_scaled_sum([r.policy_loss for r in results], plan),
+        per_token=stitch([r.per_token for r in results], plan, size, width),
+        mask=stitch([r.mask for r in results], plan, size, width),
+        metrics={
+            k: v
+            for k, v in rank_step_metrics([(r, mb.scale) for r, mb in zip(results, plan, strict=True)]).items()
+            if k != "loss"
+        },
+    )
+
+
 def _scaled_sum(values: Sequence[torch.Tensor], plan: Sequence[MicroBatch]) -> torch.Tensor:
     total = values[0] * plan[0].scale
     for value, mb in zip(values[1:], plan[1:], strict=True):
@@ -110,20 +157,14 @@ def rank_loss_of(
         part = out.parts[0]
         view = _View(out.logprobs, out.entropy, part.aux_loss, part.z_loss)
         return loss(view, loss_batch(saved, rank, cfg, out.logprobs))
-    results: list[tuple[LossOutput, float]] = []
+    results: list[LossOutput] = []
     for mb, part in zip(out.plan, out.parts, strict=True):
         logprobs = _cut(out.logprobs, mb)
         entropy = _cut(out.entropy, mb) if out.entropy is not None else None
         view = _View(logprobs, entropy, part.aux_loss, part.z_loss)
-        results.append((loss(view, loss_batch(saved, rank, cfg, logprobs, mb)), mb.scale))
+        results.append(loss(view, loss_batch(saved, rank, cfg, logprobs, mb)))
     size, width = int(saved["tokens"].shape[0]), int(saved["tokens"].shape[1])
-    return LossOutput(
-        loss=_scaled_sum([r.loss for r, _ in results], out.plan),
-        policy_loss=_scaled_sum([r.policy_loss for r, _ in results], out.plan),
-        per_token=stitch([r.per_token for r, _ in results], out.plan, size, width),
-        mask=stitch([r.mask for r, _ in results], out.plan, size, width),
-        metrics={k: v for k, v in rank_step_metrics(results).items() if k != "loss"},
-    )
+    return joined_loss(results, out.plan, size, width)
 
 
 def check_same_counts(inputs: RankInputs, passes: Sequence[int | None], what: str, device: str) -> None:

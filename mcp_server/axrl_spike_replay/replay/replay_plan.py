@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.models.chunked_head import chunk_tokens
+from axrl_spike_replay.replay.layout_plan import plan_layout
 from axrl_spike_replay.replay.process_memory import (
     ModelFacts,
     ProcessMemory,
@@ -79,7 +80,8 @@ class ReplayPlan:
     rows: list[PlanRow] = field(default_factory=list)
     chosen: PlanRow | None = None  # for the requested nproc (default: the saved world size)
     whole: PlanRow | None = None  # the whole-model row of the requested nproc (what `auto` judges)
-    smallest_full_fidelity: PlanRow | None = None  # fewest processes holding every saved rank that fits
+    smallest_full_fidelity: PlanRow | None = None  # the layout suggested: one process per saved rank, else the most
+    # processes that fit (each replaying several saved ranks in turn); every layout is full fidelity
     layout: str = ""
     notes: list[str] = field(default_factory=list)
     attention: str = "eager"  # the attention kernel replayed (`models.attention_kernels`)
@@ -120,7 +122,7 @@ class ReplayPlan:
             lines.append(
                 f"capacity on {cap.where}: {what or _gib(cap.bytes_each) + ' of host memory usable'} ({cap.source})"
             )
-        for label, row in (("requested", self.chosen), ("smallest full fidelity", self.smallest_full_fidelity)):
+        for label, row in (("requested", self.chosen), ("suggested", self.smallest_full_fidelity)):
             if row is not None:
                 lines.append(f"{label}: {_row_text(row)}")
         if self.layout:
@@ -170,6 +172,20 @@ class PlanRefused(ConfigError):
 def snapshot_shapes(snapshot: Path, world_size: int) -> tuple[int, int]:
     """(batch, seq) of the largest rank batch (by tokens), from the batch files' shapes only (no data read)."""
     return max((shapes[0] for shapes in _rank_shapes(snapshot, world_size)), key=lambda s: s[0] * s[1])
+
+
+def micro_batch_count(snapshot: Path, world_size: int, spec: MicroBatchSpec) -> int:
+    """The most micro-batches any rank is replayed in, from shapes only (a token budget's split needs the
+    sequences' lengths: counted as more than one)."""
+    most = 1
+    for rank_shape, parts in _rank_shapes(snapshot, world_size):
+        if spec.split == "size" and spec.size is not None:
+            most = max(most, -(-rank_shape[0] // spec.size))
+        elif spec.split == "token_budget":
+            most = max(most, 2)
+        elif spec.split == "recorded":
+            most = max(most, len(parts))
+    return most
 
 
 def micro_batch_shapes(snapshot: Path, world_size: int, spec: MicroBatchSpec) -> tuple[int, int]:
@@ -252,9 +268,10 @@ def node_capacity(report: Any, device: str) -> Capacity | None:
 
 
 def _row(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], sharded: bool, cap: Capacity | None,
-         device: str, configs: int, nodes: int, dtypes: StepDtypes, checkpointed: bool = False) -> PlanRow:  # fmt: skip
+         device: str, configs: int, nodes: int, dtypes: StepDtypes, checkpointed: bool = False,
+         micro_batches: int = 1) -> PlanRow:  # fmt: skip
     memory = process_memory(facts, nproc, world, *shape, sharded=sharded, device=device, configs=configs,
-                            dtypes=dtypes, checkpointed=checkpointed)  # fmt: skip
+                            dtypes=dtypes, checkpointed=checkpointed, micro_batches=micro_batches)  # fmt: skip
     if cap is None:
         per_device, fits, share = memory.peak, None, 1
     elif cap.device == "cuda":
@@ -266,19 +283,25 @@ def _row(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], shar
         share = math.ceil(nproc / nodes)
         per_device = share * memory.peak
         fits = per_device <= cap.bytes_each
-    return PlanRow(nproc, math.ceil(world / nproc), "full" if nproc == world else "reduced", sharded, memory, share,
-                   per_device, fits, checkpointed)  # fmt: skip
+    fidelity = str(plan_layout(world, nproc).fidelity)  # every saved rank replayed, by as many processes or fewer
+    return PlanRow(nproc, math.ceil(world / nproc), fidelity, sharded, memory, share, per_device, fits,
+                   checkpointed)  # fmt: skip
 
 
 def _choose(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], shard: str, cap: Capacity | None,
-            device: str, configs: int, nodes: int, dtypes: StepDtypes) -> PlanRow:  # fmt: skip
+            device: str, configs: int, nodes: int, dtypes: StepDtypes,
+            checkpoint: bool | None = None, micro_batches: int = 1) -> PlanRow:  # fmt: skip
     """The first layout that fits, in this order: the whole model, then with checkpointed layers, then sharded (when
     `shard` allows it and there is more than one process), then sharded and checkpointed; the last one tried when
-    none fits. Unknown capacity keeps the whole model, not checkpointed."""
+    none fits. Unknown capacity keeps the whole model, not checkpointed. `checkpoint` True / False: only the
+    layouts with (without) checkpointed layers."""
     ways = [] if shard == "on" else [(False, False), (False, True)]
     if shard == "on" or (shard == "auto" and nproc > 1):
         ways += [(True, False), (True, True)]
-    rows = [_row(facts, nproc, world, shape, sh, cap, device, configs, nodes, dtypes, ck) for sh, ck in ways]
+    if checkpoint is not None:
+        ways = [(sh, ck) for sh, ck in ways if ck == checkpoint]
+    rows = [_row(facts, nproc, world, shape, sh, cap, device, configs, nodes, dtypes, ck, micro_batches)
+            for sh, ck in ways]  # fmt: skip
     return next((row for row in rows if row.fits is not False), rows[-1])
 
 
@@ -291,11 +314,13 @@ def plan_replay(
     shard: str = "auto",
     configs: int = 1,
     nodes: int = 1,
+    checkpoint: bool | None = None,
 ) -> ReplayPlan:
     """The plan of a replay of `snapshot` on `nproc` processes (default: the saved world size) over `nodes` nodes,
     against `capacity` (default: this machine's; None: unknown, nothing judged). `shard`: off (the whole model in
-    each process), on (FSDP2), or auto (whole when it fits). Reads metadata, the run config and batch shapes; never
-    a weight."""
+    each process), on (FSDP2), or auto (whole when it fits). `checkpoint`: decoder layers checkpointed (True), not
+    (False), or where the layout needs it (None). Reads metadata, the run config and batch shapes; never a
+    weight."""
     from axrl_spike_replay.models.policy import parse_model_config
     from axrl_spike_replay.replay.inputs import read_micro_batches, read_run_config
     from axrl_spike_replay.snapshot.metadata import read_metadata
@@ -313,15 +338,21 @@ def plan_replay(
     dtypes = step_dtypes(facts.dtype, precision)
     rank_shape = snapshot_shapes(path, world)
     # what one forward holds at a time
-    shape = micro_batch_shapes(path, world, read_micro_batches(path, run_config))
+    split = read_micro_batches(path, run_config)
+    shape = micro_batch_shapes(path, world, split)
+    count = micro_batch_count(path, world, split)
     cap = machine_capacity(device) if isinstance(capacity, str) else capacity
     wanted = nproc or world
     if not 1 <= wanted <= world:
         raise ConfigError(f"`nproc` {wanted}: give 1 to the saved world size {world}", "nproc")
     candidates = sorted({n for n in range(1, world + 1) if world % n == 0 and n % nodes == 0} | {wanted})
-    rows = [_choose(facts, n, world, shape, shard, cap, device, configs, nodes, dtypes) for n in candidates]
+    rows = [_choose(facts, n, world, shape, shard, cap, device, configs, nodes, dtypes, checkpoint, count)
+            for n in candidates]  # fmt: skip
     chosen = next(r for r in rows if r.nproc == wanted)
-    full = next((r for r in rows if r.nproc == world and r.fits is not False), None)
+    # every layout replays every saved rank (full fidelity): one process per saved rank when that fits, else the
+    # most processes that fit, each replaying several saved ranks in turn
+    fitting = [r for r in rows if r.fits is not False]
+    full = next((r for r in fitting if r.nproc == world), max(fitting, key=lambda r: r.nproc, default=None))
     plan = ReplayPlan(
         snapshot=str(path),
         model=facts.description,
@@ -341,7 +372,7 @@ def plan_replay(
         chosen=chosen,
         whole=chosen
         if not chosen.sharded
-        else _choose(facts, wanted, world, shape, "off", cap, device, configs, nodes, dtypes),
+        else _choose(facts, wanted, world, shape, "off", cap, device, configs, nodes, dtypes, checkpoint, count),
         smallest_full_fidelity=full,
     )
     plan.layout = _layout(plan, nodes)
@@ -357,15 +388,11 @@ def _layout(plan: ReplayPlan, nodes: int) -> str:
     """The layout the plan suggests, in words."""
     row, cap = plan.smallest_full_fidelity, plan.capacity
     if row is None:
-        fitting = [r for r in plan.rows if r.fits]
-        said = (
-            f"full fidelity ({plan.world_size} processes) does not fit; the largest fitting layout is "
-            f"{max(fitting, key=lambda r: r.nproc).nproc} process(es) at reduced fidelity"
-            if fitting
-            else f"no layout fits here: no number of processes from 1 to {plan.world_size} is under the memory"
-        )
+        said = f"no layout fits here: no number of processes from 1 to {plan.world_size} is under the memory"
         return f"{said}; {_more_nodes(plan)}"
     how = "sharded over them (FSDP2)" if row.sharded else "each with the whole model"
+    if row.nproc < plan.world_size:
+        how += f", each replaying its {row.ranks_per_process} saved ranks in turn (full fidelity)"
     if cap is not None and cap.device == "cuda" and cap.devices:
         per_node = math.ceil(row.nproc / nodes)
         return f"{row.nproc} processes ({nodes} node(s) x {per_node}), {row.processes_per_device} per GPU, {how}" + (

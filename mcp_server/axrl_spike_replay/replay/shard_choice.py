@@ -95,30 +95,68 @@ def whole_or_sharded(mode: str, inputs: ReplayInputs, device: str, processes: in
 
 
 def planned_shard(
-    snapshot: str, processes: int, device: str, configs: int, capacity: Capacity | str | None = "here", nodes: int = 1
+    snapshot: str,
+    processes: int,
+    device: str,
+    configs: int,
+    capacity: Capacity | str | None = "here",
+    nodes: int = 1,
+    shard: str = "auto",
 ) -> ReplayPlan | None:
-    """The replay plan under `shard: auto` for `processes` processes over `nodes` nodes, against `capacity` ("here":
-    this machine's memory; None: unknown, so the whole model stays); None when the plan cannot read the snapshot
-    (the engine names what is wrong)."""
+    """The replay plan under `shard` (auto: whole while it fits) for `processes` processes over `nodes` nodes,
+    against `capacity` ("here": this machine's memory; None: unknown, so the whole model stays, not checkpointed);
+    None when the plan cannot read the snapshot (the engine names what is wrong)."""
     from axrl_spike_replay.replay.replay_plan import plan_replay
 
     try:
         return plan_replay(
-            snapshot, nproc=processes, device=device, capacity=capacity, shard="auto", configs=configs, nodes=nodes
+            snapshot, nproc=processes, device=device, capacity=capacity, shard=str(shard), configs=configs, nodes=nodes
         )
     except Exception:  # a snapshot the plan cannot read: the engine's own checks say why
         return None
 
 
+def with_checkpoint(choice: ShardChoice, plan: ReplayPlan | None, requested: bool | None = None) -> ShardChoice:
+    """`choice` with its decoder layers checkpointed as `requested` (True / False), or, None, as the replay plan's
+    row for this layout says (the plan checkpoints when the layout does not fit without it); the reason says so."""
+    if requested is None:
+        row = plan.chosen if plan is not None else None
+        planned = row is not None and row.sharded == choice.shard and row.checkpointed
+        if choice.checkpoint or not planned:
+            return choice
+        return ShardChoice(choice.shard, choice.reason + _CHECKPOINTED, True)
+    if requested == choice.checkpoint:
+        return choice
+    said = "checkpointed" if requested else "not checkpointed"
+    return ShardChoice(
+        choice.shard, choice.reason.replace(_CHECKPOINTED, "") + f", decoder layers {said} (as requested)", requested
+    )
+
+
+def whole_or_sharded_planned(
+    mode: str, inputs: ReplayInputs, device: str, processes: int, checkpoint: bool | None = None
+) -> ShardChoice:
+    """`whole_or_sharded`, with decoder layers checkpointed as `checkpoint` says, or (None) as the replay plan of
+    that layout says: the whole model in one process holding every saved rank, or sharded over `processes`."""
+    choice = whole_or_sharded(mode, inputs, device, processes)
+    if checkpoint is not None:
+        return with_checkpoint(choice, None, checkpoint)
+    plan = planned_shard(
+        inputs.replay_dir, processes if choice.shard else 1, device, 1, shard="on" if choice.shard else "off"
+    )
+    return with_checkpoint(choice, plan)
+
+
 def choose_shard(mode: str, device: str, processes: int, plan: ReplayPlan | None = None) -> ShardChoice:
     """Sharded or whole for `mode` (on, off, auto); ConfigError when sharding cannot run on this device. Under
-    auto, `plan` (the replay plan made with `shard: auto` for these processes) decides."""
+    auto, `plan` (the replay plan made with `shard: auto` for these processes) decides; under on and off, `plan`
+    (made with that `shard`) says whether the decoder layers are checkpointed."""
     mode = Shard.parse(mode, "`shard`") if not isinstance(mode, Shard) else mode
     if mode == Shard.OFF:
-        return ShardChoice(False, "shard off: every process holds the whole model")
+        return with_checkpoint(ShardChoice(False, "shard off: every process holds the whole model"), plan)
     if mode == Shard.ON:
         _check_device(device, processes)
-        return ShardChoice(True, f"shard on: FSDP2 over {processes} process(es)")
+        return with_checkpoint(ShardChoice(True, f"shard on: FSDP2 over {processes} process(es)"), plan)
     row = plan.chosen if plan is not None else None
     if plan is None or row is None:
         return ShardChoice(False, "shard auto: no replay plan could be made for this snapshot: whole model")
@@ -146,8 +184,11 @@ def choose_shard(mode: str, device: str, processes: int, plan: ReplayPlan | None
     )
 
 
+_CHECKPOINTED = ", decoder layers checkpointed (their activations recomputed in the backward)"
+
+
 def _checkpointed(row: PlanRow) -> str:
-    return ", decoder layers checkpointed (their activations recomputed in the backward)" if row.checkpointed else ""
+    return _CHECKPOINTED if row.checkpointed else ""
 
 
 def _check_device(device: str, processes: int) -> None:

@@ -7,9 +7,10 @@ unsharded parameters with its own copy ops before each unit's forward, so a tang
 reach the computation. Reverse mode is what FSDP2 supports, so each sample's gradient is taken by a backward:
 
 1. **Gradient pass** (as a sharded replay, `replay.gradient_space.Sharded`): every process forwards its saved
-   ranks' batches, padded with zero-gradient passes so the collectives stay in step; the reduce-scattered sums,
-   divided by the saved world size, are this process's rows of g. Each rank's dLoss/dlogprobs (and dLoss/dentropy)
-   and the routes its forward took are kept; the router losses (batch-level) get their own backward.
+   ranks' batches micro-batch by micro-batch (one micro-batch's graph at a time), padded with zero-gradient
+   passes so the collectives stay in step; the reduce-scattered sums, divided by the saved world size, are this
+   process's rows of g. Each rank's dLoss/dlogprobs (and dLoss/dentropy) and the routes its forward took are kept;
+   the router losses (batch-level) get their own backward.
 2. **One sample at a time over the world**: for each sample in turn, its owner forwards that one row (routes
    replayed, so it routes as in the gradient pass: a sample's log-probs depend only on its own row) and backpropagates
    dLoss/dlogprobs of that row; every other process forwards one row of its own and backpropagates zeros. The
@@ -39,7 +40,7 @@ from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.gradient_space import Grads, Sharded, accumulate
 from axrl_spike_replay.replay.model_build import Placement, build_model
 from axrl_spike_replay.replay.rank_micro_batches import check_same_counts
-from axrl_spike_replay.replay.sample_signals import base_name, grad_or_zeros, rank_loss, rank_signals
+from axrl_spike_replay.replay.sample_signals import RankGather, micro_steps
 from axrl_spike_replay.replay.share_processes import run_share_processes
 from axrl_spike_replay.replay.worker import RankInputs, gather_objects, step_counts
 
@@ -56,6 +57,7 @@ class AttributionJob:
     world_size: int  # saved DP world size: the reduction divides by it
     assignment: tuple[tuple[int, ...], ...]  # saved ranks per process
     device: str = "cpu"
+    checkpoint_layers: bool = False  # decoder layers recompute their activations in the backward (the plan's)
 
 
 @dataclass
@@ -115,27 +117,35 @@ def _gradient_pass(
     passes = space.passes(list(inputs.batches))
     check_same_counts(inputs, passes, "attribution", inputs.device)  # a collective: every process checks
     for rank in passes:
-        step = rank_loss(model, inputs, cfg, first if rank is None else rank, counts)
-        out, result, router = step.out, step.result, step.router
-        # a padding pass, or a rank the config leaves out: its backwards add nothing but keep the collectives in step
-        adds = rank is not None and step.kept
-        scale = torch.ones_like(result.loss) if adds else torch.zeros_like(result.loss)
-        accumulate(total, space.outputs_backward([result.loss], [scale], retain=router is not None))
-        if router is not None:  # the same on every process: the config and the model decide it
-            has_router = True
-            # the loss rides along at zero: a router loss alone reaches a unit's parameters without passing through
-            # the unit's output, where FSDP2 gathers them for the backward
-            got = space.outputs_backward([router, result.loss], [scale, torch.zeros_like(result.loss)], retain=False)
-            accumulate(router_sum, got)
+        own = first if rank is None else rank
+        gather = RankGather(own, inputs.batches[own], inputs.plan(own))
+        # micro-batch by micro-batch: one micro-batch's graph at a time (every process makes as many: checked above)
+        for step in micro_steps(model, inputs, cfg, own, counts):
+            result, router = step.result, step.router
+            # a padding pass, or a rank the config leaves out: its backwards add nothing but keep the collectives in
+            # step
+            adds = rank is not None and step.kept
+            scale = torch.ones_like(step.loss) if adds else torch.zeros_like(step.loss)
+            accumulate(total, space.outputs_backward([step.loss], [scale], retain=router is not None))
+            if router is not None:  # the same on every process: the config and the model decide it
+                has_router = True
+                # the loss rides along at zero: a router loss alone reaches a unit's parameters without passing
+                # through the unit's output, where FSDP2 gathers them for the backward
+                got = space.outputs_backward([router, step.loss], [scale, torch.zeros_like(step.loss)], retain=False)
+                accumulate(router_sum, got)
+            del result
+            if rank is not None:
+                gather.add(step)
+            del step
         if rank is None:
             continue
         kept[rank] = _Kept(
             batch=inputs.batches[rank],
-            grad_logprobs=grad_or_zeros(out.logprobs),
-            grad_entropy=grad_or_zeros(out.entropy) if out.entropy is not None else None,
-            routes=out.routes.detach(),
+            grad_logprobs=gather.grad_logprobs_rows,
+            grad_entropy=gather.grad_entropy_rows,
+            routes=gather.routes_rows,
         )
-        signals[rank] = rank_signals(rank, step.batch, out.logprobs.detach(), result.mask, base_name(cfg))
+        signals[rank] = gather.signals(cfg)
     return total, (router_sum if has_router else None), kept, signals
 
 
@@ -197,7 +207,8 @@ def attribute_share(job: AttributionJob, process: int, cancel: threading.Event |
     same job); every process returns the same figures."""
     start = time.perf_counter()
     inputs = RankInputs(job.replay_dir, job.assignment[process], job.device, routing_shape(job.model))
-    model = build_model(job.model, job.cfg.weights or job.replay_dir, job.device, Placement(shard=True))
+    placement = Placement(shard=True, checkpoint_layers=job.checkpoint_layers)
+    model = build_model(job.model, job.cfg.weights or job.replay_dir, job.device, placement)
     space = Sharded(model, max(len(ranks) for ranks in job.assignment))
     t0 = time.perf_counter()
     total, router_sum, kept, signals = _gradient_pass(model, space, inputs, job)

@@ -6,13 +6,15 @@ holds the whole model or a whole gradient.
   Every FSDP2 forward is a collective, whatever batch and routing it computes, so the processes only need to make
   the same number of forwards: each counts its own, and those with fewer make one-row forwards until all have made
   the most. The per-rank rows are gathered on every process.
-- **Channel**: a term's gradient on one saved rank exists only as a sum over processes in the shards, so each rank's
-  term is taken in its own turn: its process backpropagates the term, the others zeros, and the shards then hold that
-  rank's term (its float64 sum of squares and dot with g are local sums, all-reduced). The terms summed over ranks,
-  and g, build up from the same turns. A second round of turns takes each rank's term against g, as the unsharded
-  channel does, and the whole loss once per pass (every process at once: only its sum is needed). Each rank's own
-  per-parameter norms (its terms' turns summed: its whole-loss gradient before the mean, what its recorded norms are
-  compared with) are float64 sums of squares per parameter over the shards, all-reduced once.
+- **Channel**: micro-batch by micro-batch as the trainer split each rank's step (one micro-batch's graph at a time).
+  A term's gradient on one saved rank exists only as a sum over processes in the shards, so each rank's term is
+  taken in its own turns (one per micro-batch, summed): its process backpropagates the term, the others zeros, and
+  the shards then hold that rank's term (its float64 sum of squares and dot with g are local sums, all-reduced).
+  The terms summed over ranks, and g, build up from the same turns. A second round of turns takes each rank's term
+  against g, as the unsharded channel does, and the whole loss once per pass (every process at once: only its sum
+  is needed). Each rank's own per-parameter norms (its terms' turns summed: its whole-loss gradient before the
+  mean, what its recorded norms are compared with) are float64 sums of squares per parameter over the shards,
+  all-reduced once.
   A backward always carries the whole loss at zero beside its term: a router loss alone reaches a unit's parameters
   without passing through the unit's output, where FSDP2 gathers them.
 """
@@ -49,8 +51,8 @@ from axrl_spike_replay.replay.sharded_attribution import all_reduce_sum, local_d
 from axrl_spike_replay.replay.share_processes import run_share_processes
 from axrl_spike_replay.replay.step_evidence_forward import (
     MAX_ROUTE_LAYERS,
+    micro_terms,
     pull_of,
-    rank_terms,
     signal_check,
     top_samples,
     top_tokens,
@@ -68,6 +70,7 @@ class EvidenceJob:
     assignment: tuple[tuple[int, ...], ...]  # saved ranks per process
     device: str = "cpu"
     channel: bool = True
+    checkpoint_layers: bool = False  # decoder layers recompute their activations in the backward (the plan's)
 
 
 def _all_reduce_max(value: int, device: str) -> int:
@@ -161,30 +164,41 @@ def sharded_channel(
     param_squares: dict[int, list[float]] = {}  # per saved rank, this process's rows of ||g_r,param||^2
     for k, rank in enumerate(passes):
         check_cancel(cancel, "diagnosis")
-        terms, out = rank_terms(model, ranks, cfg, first if rank is None else rank, counts)
-        whole = terms.pop("_loss")
+        own = first if rank is None else rank
+        size, width = (int(n) for n in ranks.batches[own]["tokens"].shape[:2])
+        turns: dict[tuple[str, int], Grads] = {}  # each owned rank's term, summed over its micro-batches
+        loss = 0.0
+        # micro-batch by micro-batch (every process makes as many: checked above), one micro-batch's graph at a time
+        for mb, terms, out in micro_terms(model, ranks, cfg, own, counts):
+            whole = terms.pop("_loss")
+            loss += float(whole.detach())
+            extra = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
+            for name, term in terms.items():
+                # every process takes this backward on every pass, a padding one too: the log-probs are an output of
+                # the sharded model (the chunked head ends its forward), so FSDP2's final callback reduces after it, a
+                # collective every process must join
+                wrt = torch.autograd.grad(term, extra, retain_graph=True, allow_unused=True)
+                if rank is not None:
+                    values[(name, rank)] = values.get((name, rank), 0.0) + float(term.detach())
+                    pull = pulls.setdefault(name, {}).setdefault(rank, torch.zeros(size, width, dtype=torch.float64))
+                    pull[list(mb.rows), : mb.width] += pull_of(list(wrt), out.logprobs.shape)
+                for p, owned in owners[k]:
+                    accumulate(
+                        turns.setdefault((name, owned), [None] * len(params)), _turn(space, term, whole, p == process)
+                    )
+            del terms, out, whole
         if rank is not None:
-            values[("_loss", rank)] = float(whole.detach())
-        extra = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
+            values[("_loss", rank)] = loss
         own_whole: dict[int, Grads] = {}  # each owned rank's whole-loss gradient (the sum of its terms'), my rows
-        for name, term in terms.items():
-            # every process takes this backward on every pass, a padding one too: the log-probs are an output of the
-            # sharded model (the chunked head ends its forward), so FSDP2's final callback reduces after it, a
-            # collective every process must join
-            wrt = torch.autograd.grad(term, extra, retain_graph=True, allow_unused=True)
-            if rank is not None:
-                values[(name, rank)] = float(term.detach())
-                pulls.setdefault(name, {})[rank] = pull_of(list(wrt), out.logprobs.shape)
-            for p, owned in owners[k]:
-                got = _turn(space, term, whole, p == process)
-                squares[(name, owned)] = local_dot(got, got)
-                accumulate(sums.setdefault(name, [None] * len(params)), got)
-                accumulate(
-                    own_whole.setdefault(owned, [None] * len(params)), [None if x is None else x.clone() for x in got]
-                )
+        for (name, owned), got in turns.items():
+            squares[(name, owned)] = local_dot(got, got)
+            accumulate(
+                own_whole.setdefault(owned, [None] * len(params)), [None if x is None else x.clone() for x in got]
+            )
+            accumulate(sums.setdefault(name, [None] * len(params)), got)
         for owned, grads in own_whole.items():
             param_squares[owned] = [0.0 if x is None else float(x.double().pow(2).sum()) for x in grads]
-        del terms, out, whole, own_whole
+        del turns, own_whole
     keys = sorted(squares)
     names = list(sums)
     term_g = {name: [x / world for x in _local(sums[name], params)] for name in names}
@@ -268,14 +282,15 @@ def _second_round(
     full: Grads = [None] * len(g)
     for k, rank in enumerate(passes):
         check_cancel(cancel, "diagnosis")
-        terms, _ = rank_terms(model, ranks, job.cfg, first if rank is None else rank, counts)
-        whole = terms.pop("_loss")
-        for name, term in terms.items():
-            for p, owned in owners[k]:
-                dots[(name, owned)] = local_dot(_turn(space, term, whole, p == process), g)
-        scale = torch.ones_like(whole) if rank is not None else torch.zeros_like(whole)
-        accumulate(full, space.outputs_backward([whole], [scale], retain=False))
-        del terms, whole
+        for _, terms, out in micro_terms(model, ranks, job.cfg, first if rank is None else rank, counts):
+            whole = terms.pop("_loss")
+            for name, term in terms.items():
+                for p, owned in owners[k]:  # linear: the micro-batches' dots add up to the rank's
+                    dot = local_dot(_turn(space, term, whole, p == process), g)
+                    dots[(name, owned)] = dots.get((name, owned), 0.0) + dot
+            scale = torch.ones_like(whole) if rank is not None else torch.zeros_like(whole)
+            accumulate(full, space.outputs_backward([whole], [scale], retain=False))
+            del terms, out, whole
     return dots, full
 
 
@@ -286,7 +301,8 @@ def evidence_share(
     every process returns the same figures."""
     inputs = job.inputs
     ranks = RankInputs(inputs.replay_dir, job.assignment[process], job.device, routing_shape(inputs.model))
-    model = build_model(inputs.model, job.cfg.weights or inputs.replay_dir, job.device, Placement(shard=True))
+    placement = Placement(shard=True, checkpoint_layers=job.checkpoint_layers)
+    model = build_model(inputs.model, job.cfg.weights or inputs.replay_dir, job.device, placement)
     # the parameters are taken now, as shards: after a no-grad forward FSDP2 leaves the root's unsharded
     space = Sharded(model, max(len(own) for own in job.assignment))
     signals = sharded_signals(model, ranks, job, cancel)

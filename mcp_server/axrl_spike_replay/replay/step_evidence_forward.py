@@ -4,11 +4,13 @@
 - signals: per saved rank, one no-grad forward under the run's routing (the current log-probs), one under the
   model's own routing when the run replays routes, and one per MoE layer with that layer on its own routing and
   the recorded routes replayed in the others (so each layer is judged on its own);
-- channel: per saved rank, one forward with the graph kept and one backward per loss term (the term's loss in
-  the run's own convention: `training.policy_loss` with the other terms' coefficients at 0, the KL and entropy
-  terms as the difference to the policy-only loss, the router losses as the trainer adds them), summed over ranks
-  and divided by the saved world size as the trainer reduces; then the same again to take each rank's term
-  against the reduced gradient (memory: two copies of the gradient per term, never one per rank).
+- channel: per saved rank, micro-batch by micro-batch as the trainer split its step (one micro-batch's graph at a
+  time, the layers checkpointed where the plan says), one forward and one backward per loss term (the term's loss
+  in the run's own convention: `training.policy_loss` with the other terms' coefficients at 0, the KL and entropy
+  terms as the difference to the policy-only loss, the router losses as the trainer adds them; each micro-batch's
+  scaled as the trainer scaled it, so a rank's term is their sum), summed over ranks and divided by the saved world
+  size as the trainer reduces; then the same again to take each rank's term against the reduced gradient (memory:
+  up to three copies of the gradient per term, never one per rank).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,11 +37,13 @@ from axrl_spike_replay.models.policy import policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import check_cancel
 from axrl_spike_replay.replay.inputs import ReplayInputs
-from axrl_spike_replay.replay.rank_micro_batches import rank_forward, rank_loss_of
+from axrl_spike_replay.replay.model_build import Placement
+from axrl_spike_replay.replay.rank_micro_batches import micro_forwards, micro_loss, rank_forward
 from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
 from axrl_spike_replay.replay.worker import RankInputs, build_model, config_loss, step_counts
 from axrl_spike_replay.snapshot.rank_data import load_rank_routes
 from axrl_spike_replay.training.loss_config import LossConfig
+from axrl_spike_replay.training.micro_batches import MicroBatch
 from axrl_spike_replay.training.policy_loss import LossOutput, policy_loss
 
 LN2 = math.log(2.0)
@@ -49,14 +53,20 @@ TOP_TOKENS = 5
 
 
 def whole_evidence(
-    inputs: ReplayInputs, cfg: AppliedConfig, device: str, channel: bool, cancel: threading.Event | None = None
+    inputs: ReplayInputs,
+    cfg: AppliedConfig,
+    device: str,
+    channel: bool,
+    cancel: threading.Event | None = None,
+    checkpoint: bool = False,
 ) -> tuple[SignalCheck, LossChannel | None]:
     """The signal check (and, with `channel`, the loss-term channel) with the whole model in this process
     (`replay.step_evidence_run.step_evidence` is the entry that decides whole or sharded)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device)
+        placement = Placement(checkpoint_layers=checkpoint)
+        model = build_model(inputs.model, cfg.weights or inputs.replay_dir, device, placement)
         ranks = RankInputs(inputs.replay_dir, range(inputs.world_size), device, routing_shape(inputs.model))
         signals = signal_check(model, ranks, inputs, cfg, cancel)
         check_cancel(cancel, "diagnosis")
@@ -208,35 +218,46 @@ def _term_configs(loss: LossConfig) -> dict[str, Any]:
     return out
 
 
-def rank_terms(
+def micro_terms(
     model: torch.nn.Module, ranks: RankInputs, cfg: AppliedConfig, rank: int, counts: Any
-) -> tuple[dict[str, torch.Tensor], Any]:
-    """The rank's loss split into its terms (scalars on one graph; `_loss`: the whole loss, as `worker.config_loss`
-    computes it) and the forward. The rank's own loss settings under a hypothesis; on a rank the config leaves out,
-    no router term (its policy terms are masked to nothing)."""
+) -> Iterator[tuple[MicroBatch, dict[str, torch.Tensor], Any]]:
+    """Saved rank `rank`'s loss split into its terms, one micro-batch at a time (`rank_micro_batches.micro_forwards`:
+    each yielded with its forward, on its graph, dropped by the caller before the next): per micro-batch, each term
+    (a scalar; `_loss`: the whole loss, as `worker.config_loss` computes it) scaled as the trainer scaled the
+    micro-batch, so the rank's term is their sum. The rank's own loss settings under a hypothesis; on a rank the
+    config leaves out, no router term (its policy terms are masked to nothing)."""
     saved = ranks.batches[rank]
-    out = rank_forward(model, ranks, cfg, rank, cfg.needs_entropy)
-    out.logprobs.retain_grad()
     own = cfg.loss_of(rank)
-    losses = {}
-    for name, loss_cfg in _term_configs(own).items():
-
-        def term(view: Any, batch: dict[str, Any], loss_cfg: LossConfig = loss_cfg, name: str = name) -> LossOutput:
-            entropy = view.entropy if name == "entropy" else None
-            return policy_loss(view.logprobs, batch, loss_cfg, entropy=entropy, counts=counts)
-
-        losses[name] = rank_loss_of(out, saved, rank, cfg, term).loss
-    terms = {"policy": losses["policy"]}
-    for name in ("kl", "entropy"):
-        if name in losses:
-            terms[name] = losses[name] - losses["policy"]
     scale = own.loss_scale if own.loss_scale is not None else 1.0
-    if cfg.samples.keeps_rank(rank):
-        for name, coef, value in (("aux", own.aux_loss_coef, out.aux_loss), ("z", own.z_loss_coef, out.z_loss)):
-            if coef and value.requires_grad:
-                terms[name] = coef * value if scale == 1.0 else coef * value * scale
-    terms["_loss"] = rank_loss_of(out, saved, rank, cfg, lambda view, b: config_loss(view, b, cfg, rank, counts)).loss
-    return terms, out
+    configs = _term_configs(own)
+    for mb, out in micro_forwards(model, ranks, cfg, rank, cfg.needs_entropy):
+        out.logprobs.retain_grad()
+        losses = {}
+        for name, loss_cfg in configs.items():
+
+            def term(view: Any, batch: dict[str, Any], loss_cfg: LossConfig = loss_cfg, name: str = name) -> LossOutput:
+                entropy = view.entropy if name == "entropy" else None
+                return policy_loss(view.logprobs, batch, loss_cfg, entropy=entropy, counts=counts)
+
+            losses[name] = micro_loss(out, saved, rank, cfg, mb, term).loss
+        terms = {"policy": losses["policy"]}
+        for name in ("kl", "entropy"):
+            if name in losses:
+                terms[name] = losses[name] - losses["policy"]
+        if cfg.samples.keeps_rank(rank):
+            for name, coef, value in (("aux", own.aux_loss_coef, out.aux_loss), ("z", own.z_loss_coef, out.z_loss)):
+                if coef and value.requires_grad:
+                    terms[name] = coef * value if scale == 1.0 else coef * value * scale
+        terms["_loss"] = micro_loss(
+            out, saved, rank, cfg, mb, lambda view, b: config_loss(view, b, cfg, rank, counts)
+        ).loss
+        if mb.scale != 1.0:
+            terms = {name: value * mb.scale for name, value in terms.items()}
+        yield mb, terms, out
+
+
+def _added(total: list[torch.Tensor] | None, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
 
 
 def _grads(
@@ -276,19 +297,26 @@ def loss_channel(
     pulls: dict[str, dict[int, torch.Tensor]] = {}
     values: dict[tuple[str, int], float] = {}
     losses: list[dict[str, Any]] = []
-    for rank in ranks.batches:
+    for rank, batch in ranks.batches.items():
         check_cancel(cancel, "diagnosis")
-        terms, out = rank_terms(model, ranks, cfg, rank, counts)
-        losses.append({"rank": rank, "loss": float(terms.pop("_loss").detach())})
-        extra = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
-        for name, term in terms.items():
-            values[(name, rank)] = float(term.detach())
-            grads, wrt = _grads(term, params, extra)
+        size, width = (int(n) for n in batch["tokens"].shape[:2])
+        own: dict[str, list[torch.Tensor]] = {}  # the rank's term gradients, summed over its micro-batches
+        loss = 0.0
+        for mb, terms, out in micro_terms(model, ranks, cfg, rank, counts):
+            loss += float(terms.pop("_loss").detach())
+            extra = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
+            for name, term in terms.items():
+                values[(name, rank)] = values.get((name, rank), 0.0) + float(term.detach())
+                grads, wrt = _grads(term, params, extra)
+                own[name] = _added(own.get(name), grads)
+                pull = pulls.setdefault(name, {}).setdefault(rank, torch.zeros(size, width, dtype=torch.float64))
+                pull[list(mb.rows), : mb.width] += pull_of(wrt, out.logprobs.shape)
+            del terms, out
+        losses.append({"rank": rank, "loss": loss})
+        for name, grads in own.items():
             norms.setdefault(name, {})[rank] = math.sqrt(_dot(grads, grads)) / world
-            pulls.setdefault(name, {})[rank] = pull_of(wrt, out.logprobs.shape)
-            total = sums.get(name)
-            sums[name] = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
-        del terms, out
+            sums[name] = _added(sums.get(name), grads)
+        del own
     g = [torch.zeros_like(p) for p in params]
     for grads in sums.values():
         g = [a + b / world for a, b in zip(g, grads, strict=True)]
@@ -301,18 +329,24 @@ def loss_channel(
     rank_norms: list[dict[str, Any]] = []
     for rank in ranks.batches:  # second pass: each rank's terms against the reduced gradient
         check_cancel(cancel, "diagnosis")
-        terms, out = rank_terms(model, ranks, cfg, rank, counts)
-        for name, term in terms.items():
-            grads, _ = _grads(term, params, [])
-            shares.setdefault(name, {})[rank] = _dot(grads, g) / world / g_sq if g_sq > 0 else 0.0
-        whole, _ = _grads(terms.pop("_loss"), params, [])
+        whole: list[torch.Tensor] | None = None
+        for _, terms, out in micro_terms(model, ranks, cfg, rank, counts):
+            for name, term in terms.items():
+                if name == "_loss":
+                    continue
+                grads, _ = _grads(term, params, [])
+                share = _dot(grads, g) / world / g_sq if g_sq > 0 else 0.0  # linear: the micro-batches' shares add
+                shares.setdefault(name, {})[rank] = shares.get(name, {}).get(rank, 0.0) + share
+            whole = _added(whole, _grads(terms.pop("_loss"), params, [])[0])
+            del terms, out
+        assert whole is not None  # every rank has a micro-batch
         full = [a + b / world for a, b in zip(full, whole, strict=True)]
         rank_norms.append(
             {"rank": rank, "norms": {n: float(w.detach().float().norm()) for n, w in zip(names, whole, strict=True)}}
         )
         if keep:
             kept[rank] = [w.detach().double().cpu() for w in whole]
-        del terms, out
+        del whole
     channel = LossChannel(grad_norm=math.sqrt(g_sq), rank_losses=losses, rank_param_norms=rank_norms)
     if keep:
         channel.param_gram = param_gram(names, kept)

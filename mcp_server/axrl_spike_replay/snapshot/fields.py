@@ -203,7 +203,7 @@ def _concat_micro_batches(parts: list[dict[str, torch.Tensor]], source: Path | s
         for part in parts:
             value = part[key]
             if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] < width:
-                pad = torch.zeros(value.shape[0], width - value.shape[1], dtype=value.dtype)
+                pad = torch.zeros(value.shape[0], width - value.shape[1], dtype=value.dtype, device=value.device)
                 value = torch.cat([value, pad], dim=1)
             tensors.append(value)
         if all(isinstance(t, torch.Tensor) and t.dim() == 0 for t in tensors):

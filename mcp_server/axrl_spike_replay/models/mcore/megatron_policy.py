@@ -14,6 +14,8 @@ rollout left to the current router) takes the top-k Megatron computes for that t
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.models.chunked_head import chunked_logprobs
 from axrl_spike_replay.models.hf_policy import response_start
 from axrl_spike_replay.models.hf_routing import load_balancing_loss, router_z_loss
 from axrl_spike_replay.models.mcore.megatron_gpt import causal_padding_mask, position_ids
@@ -119,22 +122,51 @@ def _batch_major(t: torch.Tensor, seq: int, batch: int) -> torch.Tensor:
     return t.reshape(seq, batch, -1).transpose(0, 1).reshape(seq * batch, -1)
 
 
+@contextmanager
+def _head_in_chunks(layer: Any) -> Iterator[dict[str, Any]]:
+    """While inside, the GPTModel's output layer (a ColumnParallelLinear, TP 1) hands back its input, the final
+    norm's output, and keeps the weight (and bias) it would have multiplied it by (a tied embedding's included)."""
+    used: dict[str, Any] = {}
+
+    def forward(input_: torch.Tensor, weight: torch.Tensor | None = None, **_: Any) -> tuple[torch.Tensor, None]:
+        used["weight"] = layer.weight if weight is None else weight
+        bias = getattr(layer, "bias", None)
+        used["bias"] = None if getattr(layer, "skip_bias_add", False) else bias
+        return input_, None
+
+    layer.forward = forward  # the instance's: parameters, names and hooks unchanged
+    try:
+        yield used
+    finally:
+        del layer.forward
+
+
 def megatron_logprobs(
-    model: Any, trace: RouterTrace, batch: dict[str, torch.Tensor], temperature: float = 1.0
+    model: Any, trace: RouterTrace, batch: dict[str, torch.Tensor], temperature: float = 1.0, chunked: bool = True
 ) -> MegatronOutput:
     """Forward `batch` through the GPTModel (whatever routes are forced) and take its per-token log-probs as
-    `hf_logprobs` takes them: fp32 log-softmax of logits / temperature, from the first response position on."""
+    `hf_logprobs` takes them: fp32 log-softmax of logits / temperature, from the first response position on, the
+    head in chunks of tokens (`models.chunked_head`: the output layer's matmul runs there, never a [T, V] float32
+    tensor for a whole sequence). `chunked` False: the GPTModel's own [B, T, V] logits, log-softmaxed whole (as a
+    trainer without a fused head takes them; the cross-check of the chunked head)."""
     tokens = batch["tokens"]
     b, s = tokens.shape
     attention = batch.get("attention_mask")
     trace.used.clear()
     trace.logits.clear()
-    logits = model(tokens, position_ids(attention, b, s), causal_padding_mask(attention, b, s))
     start = response_start(batch["loss_mask"])
-    shifted = logits[:, start - 1 : -1].float()
-    if temperature != 1.0:
-        shifted = shifted / temperature
-    logp = F.pad(shifted.log_softmax(dim=-1).gather(-1, tokens[:, start:, None]).squeeze(-1), (start, 0))
+    if chunked:
+        with _head_in_chunks(model.output_layer) as head:
+            hidden = model(tokens, position_ids(attention, b, s), causal_padding_mask(attention, b, s))  # [b, s, H]
+        logp, _ = chunked_logprobs(
+            hidden[:, start - 1 : -1], head["weight"], tokens[:, start:], bias=head["bias"], temperature=temperature
+        )
+    else:
+        hidden = model(tokens, position_ids(attention, b, s), causal_padding_mask(attention, b, s))  # [b, s, V]
+        shifted = hidden[:, start - 1 : -1].float()
+        shifted = shifted / temperature if temperature != 1.0 else shifted
+        logp = shifted.log_softmax(dim=-1).gather(-1, tokens[:, start:, None]).squeeze(-1)
+    logp = F.pad(logp, (start, 0))
     layers = sorted(trace.used)
     if layers:
         experts = trace.logits[layers[0]].shape[-1]
@@ -144,6 +176,6 @@ def megatron_logprobs(
         z_loss = router_z_loss(logits_bm)
         routes = torch.stack([c.reshape(b, s, -1) for c in chosen], dim=2)
     else:
-        aux = z_loss = logits.new_zeros((), dtype=torch.float32)
+        aux = z_loss = hidden.new_zeros((), dtype=torch.float32)
         routes = tokens.new_zeros((b, s, 0, 1))
     return MegatronOutput(logprobs=logp, aux_loss=aux, z_loss=z_loss, routes=routes)

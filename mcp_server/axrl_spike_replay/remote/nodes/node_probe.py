@@ -188,7 +188,8 @@ def _python_facts(doc: dict[str, Any], report: NodeReport) -> None:
 
 
 def plan_for_snapshot(report: NodeReport, world_size: int, snapshot: str) -> NodeReport:
-    """Say whether a replay of a snapshot with `world_size` saved ranks fits here at full fidelity."""
+    """Say how a replay of a snapshot with `world_size` saved ranks runs here (full fidelity: every saved rank
+    replayed, one per process, or several per process in turn where there are fewer GPUs)."""
     report.snapshot, report.world_size_saved = snapshot, world_size
     gpus = report.gpu_count
     report.fits_full_fidelity = gpus >= world_size
@@ -196,8 +197,8 @@ def plan_for_snapshot(report: NodeReport, world_size: int, snapshot: str) -> Nod
         report.plan = f"full fidelity: {world_size} process(es), one GPU each ({gpus} GPU(s) here)"
     elif gpus > 0:
         report.plan = (
-            f"REDUCED fidelity on GPUs: {gpus} process(es) replay {world_size} saved ranks (a diagnostic; "
-            f"full fidelity needs {world_size} GPUs), or full fidelity on CPU with device=cpu"
+            f"full fidelity on GPUs: {gpus} process(es) replay the {world_size} saved ranks, each several in turn "
+            f"(one process per saved rank needs {world_size} GPUs); `plan` says what fits"
         )
     else:
         report.plan = f"no GPU: full fidelity only on CPU (device=cpu, {world_size} process(es), gloo)"
