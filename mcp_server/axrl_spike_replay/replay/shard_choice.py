@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from axrl_spike_replay.replay.replay_plan import Capacity, PlanRow, ReplayPlan
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+STREAMED_REASON = (
+    "shard streamed: every saved rank in this process, one decoder layer at a time read from the checkpoint "
+    "(read twice: forward and backward)"
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class ShardChoice:
     shard: bool
     reason: str
     checkpoint: bool = False  # decoder layers checkpointed (`models.layer_checkpoint`), as the plan's row says
+    streamed: bool = False  # one decoder layer at a time, every saved rank in one process (`replay.streamed`)
 
 
 def bytes_whole(spec: ModelSpec, precision: PrecisionPolicy) -> int:
@@ -116,6 +121,8 @@ def choose_shard(mode: str, device: str, processes: int, plan: ReplayPlan | None
     mode = Shard.parse(mode, "`shard`") if not isinstance(mode, Shard) else mode
     if mode == Shard.OFF:
         return ShardChoice(False, "shard off: every process holds the whole model")
+    if mode == Shard.STREAMED:
+        return ShardChoice(False, STREAMED_REASON, streamed=True)
     if mode == Shard.ON:
         _check_device(device, processes)
         return ShardChoice(True, f"shard on: FSDP2 over {processes} process(es)")
