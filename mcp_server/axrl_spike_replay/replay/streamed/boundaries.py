@@ -12,6 +12,7 @@ partial file removed. The spill dir is the store's own: made on first spill and 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -117,8 +118,7 @@ class BoundaryStore:
             os.replace(partial, path)
         except (OSError, RuntimeError) as exc:
             partial.unlink(missing_ok=True)
-            full = (isinstance(exc, OSError) and exc.errno in (28, 122)) or "write" in str(exc).lower()
-            what = "is full" if full else "could not be written"
+            what = "is full" if _full(exc, directory, size) else "could not be written"
             raise SpillDirFull(
                 f"the boundary spill dir {directory} {what} ({type(exc).__name__}: {exc}) after "
                 f"{self.disk_bytes:,} bytes spilled; a boundary of {size:,} bytes did not fit: free space there, "
@@ -137,6 +137,17 @@ class BoundaryStore:
         if self._janitor is not None:
             self._janitor.close()
             self._janitor = None
+
+
+def _full(exc: BaseException, directory: Path, size: int) -> bool:
+    """Whether a failed write ran out of room: ENOSPC / EDQUOT, or less free space left there than the boundary
+    (torch's archive writer reports a failed write without the errno)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return shutil.disk_usage(directory).free < size + (1 << 16)
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

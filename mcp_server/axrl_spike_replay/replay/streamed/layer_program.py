@@ -45,7 +45,6 @@ class LayerOut:
 class LayerProgram:
     """The pieces of a policy's forward (see the module docstring); `for_policy` picks the model kind's."""
 
-    policy: nn.Module
     layers: Sequence[nn.Module]
 
     def embed(self, batch: dict[str, Any]) -> torch.Tensor:
@@ -164,8 +163,8 @@ class HFProgram(LayerProgram):
                 "gradient gathers from the head and the embedding at both ends of the step; use `shard` on or off",
                 "shard",
             )
-        self.policy = policy
-        self.lm = policy.causal_lm
+        self.policy: Any = policy
+        self.lm: Any = policy.causal_lm
         self.layers = list(self.lm.model.layers)
         self.policy.recorder.checkpointed = True  # the forward and the recompute weigh routes by the same rule
 

@@ -30,6 +30,7 @@ from axrl_spike_replay.models.sharded_weights import (
 )
 from axrl_spike_replay.replay.model_build import master_spec
 from axrl_spike_replay.replay.streamed.layer_program import LayerProgram, for_policy
+from axrl_spike_replay.snapshot.layout import DCP_METADATA
 from axrl_spike_replay.training.precision import PrecisionPolicy
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")
@@ -59,6 +60,23 @@ def check_precision(precision: PrecisionPolicy | None) -> None:
         )
 
 
+def _check_storage(directory: Path) -> None:
+    """SnapshotError naming the first decoder layer (or the embedding and head) whose DCP entries are not backed by
+    the checkpoint's data files (`check_checkpoint_storage`), before anything is read."""
+    from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage
+
+    problems = check_checkpoint_storage(directory)
+    if not problems:
+        return
+    layers = sorted({int(m.group(1)) for p in problems if (m := _LAYER.search(p))})
+    if layers:
+        first = next(p for p in problems if (m := _LAYER.search(p)) and int(m.group(1)) == layers[0])
+        where = f"decoder layer {layers[0]}" + (f" (and layers {layers[1:5]})" if len(layers) > 1 else "")
+    else:
+        first, where = problems[0], "the embedding and head"
+    raise SnapshotError(f"{where}: {first}")
+
+
 class StreamedWeights:
     """The policy of `spec` on the meta device, its layers read one at a time from `weights_dir`."""
 
@@ -76,6 +94,8 @@ class StreamedWeights:
         directory = Path(weights_dir)
         self.directory = hf_weights_dir(spec, directory) if isinstance(spec, HFModelConfig) else directory
         self.label = str(self.directory)
+        if not isinstance(spec, HFModelConfig) or (self.directory / DCP_METADATA).is_file():
+            _check_storage(self.directory)
         self.source: WeightSource = (
             open_source(self.directory) if isinstance(spec, HFModelConfig) else DcpSource(self.directory)
         )
@@ -112,14 +132,6 @@ class StreamedWeights:
                     raise SnapshotError(
                         f"{self.label}: {where}: {saved} is saved as {shape}, the model has {tuple(state[name].shape)}"
                     )
-        if isinstance(self.source, DcpSource):
-            from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage
-
-            problems = check_checkpoint_storage(self.directory)
-            if problems:
-                match = _LAYER.search(problems[0])
-                where = f"decoder layer {match.group(1)}" if match else "the embedding and head"
-                raise SnapshotError(f"{where}: {problems[0]}")
 
     def _bytes(self, names: list[str]) -> int:
         direct, converted = _conversion_plan(self.policy, self.source.shapes, names)
