@@ -130,7 +130,7 @@ def test_a_described_node_out_of_bounds_is_an_exit_2_message(
 def test_bad_plan_arguments_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="`nproc` 3: give 1 to the saved world size 2"):
         plan_replay(SNAPSHOT, nproc=3)
-    with pytest.raises(ConfigError, match="`shard` must be on, off or auto"):
+    with pytest.raises(ConfigError, match="`shard` must be on, off, auto or streamed"):
         plan_replay(SNAPSHOT, shard="maybe")
     assert model_facts(parse_model_config(read_run_config(SNAPSHOT)["model"])).top_k == 2
 

@@ -272,3 +272,40 @@ def test_spill_dir_that_fills_up_stops_cleanly(tmp_path: Path) -> None:
     out = run_on_full_disk(_FULL_DISK, tmp_path / "disk", 24, str(snapshot))
     assert out["error"] is not None and "spill dir" in out["error"] and "full" in out["error"], out
     assert out["left"] == [], out
+
+
+def test_plan_has_a_streamed_row_and_auto_streams_only_when_nothing_else_fits(tmp_path: Path) -> None:
+    from axrl_spike_replay.replay.replay_plan import Capacity, plan_replay
+    from axrl_spike_replay.replay.shard_choice import choose_shard
+
+    snapshot = record_tiny_snapshot(tmp_path, world_size=2)
+    roomy = plan_replay(snapshot, capacity=Capacity("here", "cpu", 1, 8 << 30, "test"))
+    row = roomy.streamed
+    assert row is not None and row.fits and not roomy.streams
+    assert row.layer_reads == 2 * 2 and row.bytes_read > 0 and row.boundaries > 0 and row.seconds > 0
+    assert "streamed (1 process" in roomy.text()
+    assert not choose_shard("auto", "cpu", 2, roomy).streamed
+    # between the streamed peak and the smallest whole layout: nothing holding the step fits, streamed does
+    whole_peak = min(r.memory.peak for r in roomy.rows)
+    assert row.device_peak < whole_peak
+    tight = plan_replay(snapshot, capacity=Capacity("here", "cpu", 1, (row.device_peak + whole_peak) // 2, "t"))
+    assert tight.smallest_full_fidelity is None and tight.streams and tight.fits
+    assert "no layout fits" not in tight.layout
+    choice = choose_shard("auto", "cpu", 2, tight)
+    assert choice.streamed and "streamed" in choice.reason
+    asked = plan_replay(snapshot, capacity=Capacity("here", "cpu", 1, 8 << 30, "test"), shard="streamed")
+    assert asked.streams and asked.fits
+
+
+def test_streamed_refusals_name_the_argument(tmp_path: Path) -> None:
+    from axrl_spike_replay.errors import ConfigError
+    from axrl_spike_replay.investigation.request import How, What, replay_request
+    from axrl_spike_replay.vocabulary import Shard, Verb
+
+    snapshot = record_tiny_snapshot(tmp_path, world_size=2)
+    with pytest.raises(ConfigError, match="attribution is not computed streamed") as refused:
+        replay_request(What(snapshot=snapshot, verb=Verb.ATTRIBUTE), how=How(shard=Shard.STREAMED))
+    assert refused.value.parameter == "shard"
+    with pytest.raises(ConfigError, match="one process") as refused:
+        replay_request(What(snapshot=snapshot, verb=Verb.REPLAY), how=How(shard=Shard.STREAMED, nproc=2))
+    assert refused.value.parameter == "nproc"

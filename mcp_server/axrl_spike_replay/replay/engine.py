@@ -444,13 +444,17 @@ def replay_session(
             check_megatron_job(
                 inputs.model, str(snapshot), mitigations=bool(configs), nproc=options.nproc, world=inputs.world_size
             )
-        plan = plan_layout(inputs.world_size, options.nproc)
+        if options.shard == Shard.STREAMED and options.nproc not in (None, 1):
+            raise ConfigError("`nproc`: a streamed replay runs every saved rank in one process", "nproc")
+        plan = plan_layout(inputs.world_size, None if options.shard == Shard.STREAMED else options.nproc)
         planned = None
         if options.shard == Shard.AUTO:
             planned = planned_shard(
                 str(snapshot), plan.nproc, str(options.device), len(applied), options.capacity, options.nodes
             )
         shard = choose_shard(options.shard, options.device, plan.nproc, planned)
+        if shard.streamed:
+            plan = plan_layout(inputs.world_size, None)  # every saved rank: full fidelity
         session = ReplaySession(inputs, plan, applied, options, shard)
         session.baseline_refused = baseline_refused
         session.run = options.recorder.open_run(session.job) if options.recorder else RunDir(None)

@@ -129,6 +129,13 @@ def choose_shard(mode: str, device: str, processes: int, plan: ReplayPlan | None
     row = plan.chosen if plan is not None else None
     if plan is None or row is None:
         return ShardChoice(False, "shard auto: no replay plan could be made for this snapshot: whole model")
+    if plan.streams and plan.streamed is not None:
+        return ShardChoice(
+            False,
+            "shard auto: no layout holding the whole step fits at full fidelity; streamed, "
+            f"{_gib(plan.streamed.device_peak)} on the device: " + STREAMED_REASON.removeprefix("shard streamed: "),
+            streamed=True,
+        )
     cap = plan.capacity
     where = "capacity unknown" if cap is None else f"{_gib(cap.bytes_each)} usable on {cap.where}"
     if not row.sharded:
