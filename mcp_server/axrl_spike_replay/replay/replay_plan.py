@@ -367,6 +367,7 @@ def plan_replay(
             device=device,
             configs=configs,
             capacity_bytes=None if cap is None else cap.bytes_each,
+            element=dtypes.compute,
         ),
     )
     plan.layout = _layout(plan, nodes)

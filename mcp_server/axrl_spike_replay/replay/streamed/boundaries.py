@@ -2,11 +2,12 @@
 
 A boundary is what one micro-batch carries between two decoder layers (its hidden states, and what the loss needs
 of a layer: router logits or losses, the routes it took), or the gradient flowing back through them. Each is put
-under a key and read back by it. While the tensors held in memory stay under `budget_bytes` they stay there; past
-it, a boundary is written to the spill dir (`torch.save` into a temporary name, renamed once complete) and read back
-weights-only. A spill dir that fills up stops the replay with an error naming the dir and the bytes it holds, the
-partial file removed. The spill dir is the store's own: made on first spill and removed with everything in it on
-`close` (also when the process is killed: `temp_janitor`).
+under a key and read back by it. Boundaries are kept on the host whatever device computes them (a GPU holds one
+layer's work only) and handed back on that device. While the tensors held in memory stay under `budget_bytes` they
+stay there; past it, a boundary is written to the spill dir (`torch.save` into a temporary name, renamed once
+complete) and read back weights-only. A spill dir that fills up stops the replay with an error naming the dir and
+the bytes it holds, the partial file removed. The spill dir is the store's own: made on first spill and removed
+with everything in it on `close` (also when the process is killed: `temp_janitor`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def boundary_bytes(value: Sequence[torch.Tensor | None]) -> int:
 class BoundaryStore:
     """Boundaries by key: in memory up to `budget_bytes`, spilled under `spill_root` (default: the temp dir)."""
 
-    def __init__(self, budget_bytes: int, spill_root: str | Path | None = None) -> None:
+    def __init__(self, budget_bytes: int, spill_root: str | Path | None = None, device: str = "cpu") -> None:
+        self.device = torch.device(device)  # where `get` hands boundaries back; they are kept on the host
         self.budget = max(int(budget_bytes), 0)
         self.spill_root = Path(spill_root) if spill_root is not None else None
         self.memory: dict[Hashable, Boundary] = {}
@@ -63,7 +65,7 @@ class BoundaryStore:
     def put(self, key: Hashable, value: Sequence[torch.Tensor | None]) -> None:
         """Keep `value` (detached, contiguous) under `key`, replacing what was there."""
         self.drop(key)
-        kept: Boundary = tuple(None if t is None else t.detach() for t in value)
+        kept: Boundary = tuple(None if t is None else t.detach().to("cpu") for t in value)
         size = boundary_bytes(kept)
         if self.memory_bytes + size <= self.budget:
             self.memory[key] = kept
@@ -79,10 +81,13 @@ class BoundaryStore:
     def get(self, key: Hashable) -> Boundary:
         """The boundary under `key` (KeyError when none)."""
         if key in self.memory:
-            return self.memory[key]
-        path, _ = self.disk[key]
-        loaded = torch.load(path, weights_only=True)
-        return tuple(loaded)
+            held = self.memory[key]
+        else:
+            path, _ = self.disk[key]
+            held = tuple(torch.load(path, weights_only=True))
+        if self.device.type == "cpu":
+            return held
+        return tuple(None if t is None else t.to(self.device) for t in held)
 
     def drop(self, key: Hashable) -> None:
         """Forget `key` (nothing when absent)."""
@@ -151,9 +156,11 @@ def _full(exc: BaseException, directory: Path, size: int) -> bool:
 
 
 @contextlib.contextmanager
-def boundary_store(budget_bytes: int, spill_root: str | Path | None = None) -> Iterator[BoundaryStore]:
+def boundary_store(
+    budget_bytes: int, spill_root: str | Path | None = None, device: str = "cpu"
+) -> Iterator[BoundaryStore]:
     """A store closed (spill dir removed) however the block ends."""
-    store = BoundaryStore(budget_bytes, spill_root)
+    store = BoundaryStore(budget_bytes, spill_root, device)
     try:
         yield store
     finally:

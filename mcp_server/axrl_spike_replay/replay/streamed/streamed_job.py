@@ -73,7 +73,7 @@ def compute_streamed(
             weights.load_ends()
             items = stream_items(inputs, group)
             need_entropy = any(cfg.needs_entropy for cfg in group)
-            with boundary_store(settings.host_budget_bytes, settings.spill_dir) as store:
+            with boundary_store(settings.host_budget_bytes, settings.spill_dir, job.device) as store:
                 forward_layers(weights, items, store, stop, say)
                 order = [name for name, _ in weights.policy.named_parameters()]
                 for rep in range(job.repeat):

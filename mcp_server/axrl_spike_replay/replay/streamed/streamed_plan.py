@@ -1,7 +1,7 @@
 """The streamed replay's row of a replay plan: its memory on the device, the layer boundaries it keeps on the host
 (or spills to disk), the bytes it reads from the checkpoint and an estimate of its time; from shapes only.
 
-A streamed replay (`replay.streamed`) holds at once, on its one device: one decoder layer's parameters (float32) and
+A streamed replay (`replay.streamed`) holds at once, on its one device: one decoder layer's parameters and
 up to three copies of its gradient (the sum over passes, one saved rank's own, the pass's: as the whole replay's
 `Whole` holds them), the embedding and head with their gradient pieces, one micro-batch's activations inside one
 layer (`activation_bytes` of a one-layer model: the head's chunk and eager attention's mask included) and the
@@ -131,9 +131,10 @@ def streamed_row(
     host_budget: int = DEFAULT_HOST_BUDGET,
     read_bytes_per_s: float | None = None,
     flops_per_s: float | None = None,
+    element: int = 4,
 ) -> StreamedRow:
     """The streamed row for a step of `world` saved ranks of `rank_tokens` tokens each (see the module docstring)."""
-    b = 4  # a streamed replay computes in float32
+    b = element  # the compute dtype's bytes
     layer = pieces.largest_layer * b * 4
     ends = (pieces.embedding + pieces.head) * b + 3 * max(pieces.embedding, pieces.head) * b
     one_layer = dataclasses.replace(facts, layers=1, dense_layers=0 if facts.experts else 1)
