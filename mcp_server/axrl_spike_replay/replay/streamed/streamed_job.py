@@ -13,6 +13,7 @@ Not computed streamed (said in the progress log): the clean gradient and cosine 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,8 @@ def compute_streamed(
 ) -> list[ConfigOutcome]:
     """Every config of `job` over every saved rank, streamed; outcomes in the configs' order."""
     settings = settings or StreamSettings()
+    if job.device.startswith("cuda"):  # deterministic cuBLAS, as `launch.run_job` sets for its processes
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     say = progress or (lambda line: None)
     stop = _Deadline(cancel, timeout_s)
     start = time.perf_counter()
