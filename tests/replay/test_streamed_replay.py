@@ -309,3 +309,15 @@ def test_streamed_refusals_name_the_argument(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="one process") as refused:
         replay_request(What(snapshot=snapshot, verb=Verb.REPLAY), how=How(shard=Shard.STREAMED, nproc=2))
     assert refused.value.parameter == "nproc"
+
+
+def test_cli_replay_streamed(tmp_path: Path, cli: Any) -> None:
+    """`replay --shard streamed` from the command line: the whole replay's grad norm, the reason in the result."""
+    snapshot = record_tiny_snapshot(tmp_path / "snap", world_size=2)
+    streamed = cli("replay", snapshot, "--shard", "streamed", "--json")
+    assert streamed.code == 0, streamed.err
+    whole = cli("replay", snapshot, "--shard", "off", "--json")
+    a, b = streamed.json(), whole.json()
+    assert isinstance(a, dict) and isinstance(b, dict)
+    assert close(a["grad_norm"], b["grad_norm"]) and a["verdict"] == b["verdict"] == "reproduced"
+    assert a["shard_reason"].startswith("shard streamed")

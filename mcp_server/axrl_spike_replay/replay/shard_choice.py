@@ -82,7 +82,13 @@ def whole_or_sharded(mode: str, inputs: ReplayInputs, device: str, processes: in
     """For work that, whole, runs in this one process (attribution, diagnose's model evidence): auto shards over
     `processes` processes when the whole model and a gradient do not fit this process (one cannot shard); on and
     off as said."""
-    if Shard.parse(mode, "`shard`") != Shard.AUTO:
+    parsed = Shard.parse(mode, "`shard`")
+    if parsed == Shard.STREAMED:
+        raise ConfigError(
+            "`shard` streamed: attribution and diagnose's model evidence are not computed streamed; use on or off",
+            "shard",
+        )
+    if parsed != Shard.AUTO:
         return choose_shard(mode, device, processes)
     need, have = bytes_whole(inputs.model, inputs.effective_precision), available_bytes(device, 1)
     if need <= have:
