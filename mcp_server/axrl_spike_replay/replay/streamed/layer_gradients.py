@@ -20,6 +20,15 @@ from axrl_spike_replay.replay.gradient_space import accumulate
 from axrl_spike_replay.training.rank_step import gradient_norms
 
 
+def squares64(tensor: torch.Tensor, chunk: int = 1 << 20) -> float:
+    """The float64 sum of squares of `tensor`, a chunk of elements at a time (no float64 copy of the whole)."""
+    flat = tensor.detach().reshape(-1)
+    total = 0.0
+    for start in range(0, flat.numel(), chunk):
+        total += float(flat[start : start + chunk].double().pow(2).sum())
+    return total
+
+
 @dataclass
 class StepFigures:
     """A config's gradient figures gathered piece by piece: float64 sums of squares and norms per parameter, each
@@ -98,7 +107,7 @@ class PieceGradient:
         """Reduce, and put the piece's sums of squares and norms into `into`; the reduced gradient."""
         reduced = self.reduced()
         for name, g in zip(self.names, reduced, strict=True):
-            into.squares[name] = float(g.detach().double().pow(2).sum()) if g is not None else 0.0
+            into.squares[name] = squares64(g) if g is not None else 0.0
         into.norms.update(gradient_norms(zip(self.names, reduced, strict=True)))
         for rank, norms in self.rank_norms.items():
             into.rank_norms.setdefault(rank, {}).update(norms)
