@@ -454,6 +454,9 @@ def replay_session(
             )
         shard = choose_shard(options.shard, options.device, plan.nproc, planned)
         if shard.streamed:
+            from axrl_spike_replay.replay.streamed.layer_weights import check_streamable
+
+            check_streamable(inputs.model, inputs.precision)
             plan = plan_layout(inputs.world_size, None)  # every saved rank: full fidelity
         session = ReplaySession(inputs, plan, applied, options, shard)
         session.baseline_refused = baseline_refused

@@ -77,17 +77,28 @@ def _check_storage(directory: Path) -> None:
     raise SnapshotError(f"{where}: {first}")
 
 
+def check_streamable(spec: ModelSpec, precision: PrecisionPolicy | None) -> None:
+    """ConfigError naming what a streamed replay does not read or compute yet (before anything is written)."""
+    if isinstance(spec, MegatronModelConfig):
+        raise ConfigError(
+            "a streamed replay reads DCP, HF safetensors and verl checkpoints; a Megatron torch_dist checkpoint "
+            "is not streamed yet: use `shard` on or off",
+            "shard",
+        )
+    check_precision(precision)
+    if isinstance(spec, HFModelConfig) and spec.config.get("tie_word_embeddings", False):
+        raise ConfigError(
+            "a streamed replay of a policy with tied input and output embeddings is not built: its embedding "
+            "gradient gathers from the head and the embedding at both ends of the step; use `shard` on or off",
+            "shard",
+        )
+
+
 class StreamedWeights:
     """The policy of `spec` on the meta device, its layers read one at a time from `weights_dir`."""
 
     def __init__(self, spec: ModelSpec, weights_dir: str, device: str, precision: PrecisionPolicy | None) -> None:
-        if isinstance(spec, MegatronModelConfig):
-            raise ConfigError(
-                "a streamed replay reads DCP, HF safetensors and verl checkpoints; a Megatron torch_dist checkpoint "
-                "is not streamed yet: use `shard` on or off",
-                "shard",
-            )
-        check_precision(precision)
+        check_streamable(spec, precision)
         self.spec, self.device = spec, torch.device(device)
         self.policy = build_policy(master_spec(spec, precision), "meta")
         self.program: LayerProgram = for_policy(self.policy)
