@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from axrl_spike_replay.models.policy import routing_shape
 from axrl_spike_replay.rank_processes import RunCancelled, check_cancel
+from axrl_spike_replay.replay.host_allocator import return_freed_host_memory
 from axrl_spike_replay.replay.launch import JobRunner
 from axrl_spike_replay.replay.outcome_figures import RankTrace, footprint_counts, merge_footprint
 from axrl_spike_replay.replay.streamed.boundaries import boundary_store
@@ -55,6 +56,7 @@ def compute_streamed(
     settings = settings or StreamSettings()
     if job.device.startswith("cuda"):  # deterministic cuBLAS, as `launch.run_job` sets for its processes
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    return_freed_host_memory()  # freed layers go back to the system, not kept under a rising mmap threshold
     say = progress or (lambda line: None)
     stop = _Deadline(cancel, timeout_s)
     start = time.perf_counter()
