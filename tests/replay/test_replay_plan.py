@@ -84,7 +84,7 @@ def test_published_sizes_from_config_only_snapshots_with_no_weights(tmp_path: Pa
     assert d.streams and d.fits and d.streamed is not None and "streamed" in d.layout
     held = plan_replay(deepseek, device="cuda", capacity=H200_NODE, shard="on")
     assert held.fits is False and "no layout holding the whole step fits; streamed" in held.layout
-    assert "full fidelity needs 8 node(s) like 8xH200 (64 processes, 1 per GPU" in d.layout
+    assert "full fidelity needs 8 node(s) like 8xH200 (64 processes, 1 per GPU" in held.layout
     assert "671B parameters" in d.text() and "DOES NOT FIT" in d.text()
 
 

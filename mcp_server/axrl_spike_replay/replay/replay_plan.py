@@ -386,7 +386,10 @@ def _layout(plan: ReplayPlan, nodes: int) -> str:
         return "one process, streamed: every saved rank, one decoder layer at a time read from the checkpoint"
     streamed = plan.streamed is not None and plan.streamed.fits is True
     if row is None and streamed and not any(r.fits for r in plan.rows):
-        return "no layout holding the whole step fits; streamed (`shard` streamed or auto) does, at full fidelity"
+        return (
+            "no layout holding the whole step fits; streamed (`shard` streamed or auto) does, at full fidelity; "
+            f"to hold it whole or sharded: {_more_nodes(plan)}"
+        )
     if row is None:
         fitting = [r for r in plan.rows if r.fits]
         said = (
