@@ -92,11 +92,13 @@ class Device(Vocabulary):
 
 
 class Shard(Vocabulary):
-    """Whether a replay shards the policy over its processes (FSDP2): when it does not fit one, always, never."""
+    """Whether a replay shards the policy over its processes (FSDP2): when it does not fit one, always, never; or
+    streams it, one decoder layer at a time in one process (`replay.streamed`)."""
 
     AUTO = "auto"
     ON = "on"
     OFF = "off"
+    STREAMED = "streamed"
 
 
 class Method(Vocabulary):

@@ -12,13 +12,14 @@ import pytest
 
 from axrl_spike_replay.cli import main
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.investigation.request import What, replay_request
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.models.policy import build_policy, parse_model_config
 from axrl_spike_replay.replay.inputs import read_run_config
 from axrl_spike_replay.replay.process_memory import model_facts, process_memory
 from axrl_spike_replay.replay.replay_plan import GIB, Capacity, PlanRefused, parameter_count, plan_replay
 from axrl_spike_replay.testing.config_only_snapshot import DEEPSEEK_V3, QWEN3_30B_A3B, write_config_only_snapshot
+from axrl_spike_replay.vocabulary import Shard
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
 SNAPSHOT = FIXTURE / "checkpoints" / "spike_snapshots" / "iter_0000021"  # tiny MoE, saved world size 2
@@ -84,8 +85,12 @@ def test_published_sizes_from_config_only_snapshots_with_no_weights(tmp_path: Pa
     assert sharded.fits and sharded.checkpointed and sharded.nproc == 64 and sharded.processes_per_device == 8
     assert "64 processes (1 node(s) x 64), 8 per GPU, sharded over them (FSDP2)" in q.layout
     assert "decoder layers checkpointed" in q.text() and "attention eager; the head in chunks of 441 tokens" in q.text()
-    assert d.chosen is not None and d.chosen.fits is False and "no layout fits here" in d.layout
-    assert "full fidelity needs 8 node(s) like 8xH200 (64 processes, 1 per GPU" in d.layout
+    assert d.chosen is not None and d.chosen.fits is False and d.smallest_full_fidelity is None
+    # no layout holding the whole step fits the node; one decoder layer at a time does, so auto streams
+    assert d.streams and d.fits and d.streamed is not None and "streamed" in d.layout
+    held = plan_replay(deepseek, device="cuda", capacity=H200_NODE, shard="on")
+    assert held.fits is False and "no layout holding the whole step fits; streamed" in held.layout
+    assert "full fidelity needs 8 node(s) like 8xH200 (64 processes, 1 per GPU" in held.layout
     assert "671B parameters" in d.text() and "DOES NOT FIT" in d.text()
 
 
@@ -93,8 +98,8 @@ def test_a_replay_that_cannot_fit_is_refused_before_loading_with_the_plan(tmp_pa
     big = write_config_only_snapshot(tmp_path / "snap", "qwen3_moe", QWEN3_30B_A3B, world_size=2, batch=1, seq=64)
     workspace = tmp_path / "ws"
     workspace.mkdir()
-    with pytest.raises(PlanRefused) as caught:
-        run_request(replay_request(What(big), workspace=workspace))
+    with pytest.raises(PlanRefused) as caught:  # whole or sharded: `auto` would stream it (one layer fits here)
+        run_request(replay_request(What(big), how=How(shard=Shard.ON), workspace=workspace))
     message = str(caught.value)
     assert "does not fit where it would run, so nothing was loaded" in message
     assert "qwen3_moe (48 layers, 128 experts, top-8): 30.5B parameters" in message and "DOES NOT FIT" in message
@@ -136,7 +141,7 @@ def test_a_described_node_out_of_bounds_is_an_exit_2_message(
 def test_bad_plan_arguments_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="`nproc` 3: give 1 to the saved world size 2"):
         plan_replay(SNAPSHOT, nproc=3)
-    with pytest.raises(ConfigError, match="`shard` must be on, off or auto"):
+    with pytest.raises(ConfigError, match="`shard` must be on, off, auto or streamed"):
         plan_replay(SNAPSHOT, shard="maybe")
     assert model_facts(parse_model_config(read_run_config(SNAPSHOT)["model"])).top_k == 2
 

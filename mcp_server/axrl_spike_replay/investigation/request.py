@@ -284,7 +284,9 @@ class How:
             summary="Shard the model over the processes (FSDP2).",
             help="Shard the policy over the replay's processes with FSDP2: each holds 1/N of the weights and "
             "gradients, loaded straight into its shards. auto shards when the whole model does not fit one process; "
-            "the grad norm and verdicts are the same either way.",
+            "the grad norm and verdicts are the same either way. streamed: every saved rank in one process, one "
+            "decoder layer at a time read from the checkpoint (full fidelity on one device); auto streams only when "
+            "no whole or sharded layout fits at full fidelity.",
             kind="choice",
             choices=Shard,
         ),
@@ -355,6 +357,7 @@ def replay_request(
     _check_clear_threshold(what.clear_threshold, verb, target, backend, launched)
     _check_parallel_configs(how.parallel_configs, verb, target, backend)
     _check_shard(shard, verb, backend)
+    _check_streamed(shard, verb, how.nproc, launched or bool(targets) or slurm is not None)
     if verb == Verb.ATTRIBUTE and shard == Shard.OFF and how.nproc not in (None, 1):
         raise ConfigError(
             "`nproc`: an unsharded attribution runs in this one process; shard it (`shard` on) to use more", "nproc"
@@ -593,6 +596,22 @@ def _check_shard(shard: Shard, verb: Verb, backend: Backend) -> None:
         raise ConfigError(
             "`shard` applies to the built-in torch engine; the trainer's own command shards as it does", "shard"
         )
+
+
+def _check_streamed(shard: Shard, verb: Verb, nproc: int | None, launched: bool) -> None:
+    """A streamed replay is one process of the built-in engine, on one machine; attribution is not streamed."""
+    if shard != Shard.STREAMED:
+        return
+    if verb == Verb.ATTRIBUTE:
+        raise ConfigError(
+            "`shard` streamed: attribution is not computed streamed (its per-sample passes need the whole graph); "
+            "use `shard` on or off",
+            "shard",
+        )
+    if nproc not in (None, 1):
+        raise ConfigError("`nproc`: a streamed replay runs every saved rank in one process", "nproc")
+    if launched:
+        raise ConfigError("`shard` streamed runs in one process on one machine, not launched over nodes", "shard")
 
 
 def _check_parallel_configs(value: Any, verb: Verb, target: str, backend: Backend) -> None:

@@ -104,6 +104,8 @@ def _starts_processes(request: ReplayRequest) -> bool:
     how = request.how
     if how.shard == Shard.ON:
         return True
+    if how.shard == Shard.STREAMED:
+        return False
     if how.nproc is not None:
         return how.nproc > 1
     from axrl_spike_replay.errors import AxrlError

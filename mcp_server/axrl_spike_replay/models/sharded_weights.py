@@ -186,14 +186,18 @@ def _unit_order(names: Iterable[str]) -> list[list[str]]:
     return [groups[k] for k in sorted(groups)]
 
 
-def load_sharded(model: nn.Module, source: WeightSource, label: str) -> None:
-    """Fill a sharded (or plain) model's parameters and persistent buffers with the rows each holds, from `source`.
+def load_sharded(model: nn.Module, source: WeightSource, label: str, only: Iterable[str] | None = None) -> None:
+    """Fill a sharded (or plain) model's parameters and persistent buffers with the rows each holds, from `source`
+    (`only`: those of these state names, a streamed replay's one layer).
 
     SnapshotError naming the tensor when the saved layout does not fit the model (checked on global shapes before
     any row is read)."""
     import torch
 
     state = model.state_dict(keep_vars=True)
+    if only is not None:
+        wanted = set(only)
+        state = {name: tensor for name, tensor in state.items() if name in wanted}
     direct, converted = _conversion_plan(model, source.shapes, state)
     tied = _tied(state)
     missing = sorted(n for n in state if n not in direct and n not in converted and n not in tied)

@@ -46,6 +46,7 @@ from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.outcome_figures import DEFINITION
 from axrl_spike_replay.replay.replay_plan import HERE, Capacity
 from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard, planned_shard, with_checkpoint
+from axrl_spike_replay.replay.streamed.settings import StreamSettings
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
@@ -84,6 +85,8 @@ class ReplayOptions:
     # decoder layers checkpointed (`models.layer_checkpoint`): True / False as asked; None: as the replay plan's row
     # for the layout says, under every `shard` (the plan checkpoints when the layout does not fit without it)
     checkpoint: bool | None = None
+    # `shard` streamed: where the layer boundaries are kept (None: the defaults, `replay.streamed.streamed_job`)
+    stream: StreamSettings | None = None
 
 
 def check_device(device: str) -> str:
@@ -157,10 +160,10 @@ class ReplaySession:
         if self.options.progress is not None:
             self.options.progress(line)
 
-    def execute(self) -> tuple[ReplayResult, list[ReplayResult]]:
-        """(baseline, mitigated results in config order), all at this session's layout."""
+    def worker_job(self) -> WorkerJob:
+        """The job the replay's processes (or the streamed replay) compute."""
         o, inputs = self.options, self.inputs
-        job = WorkerJob(
+        return WorkerJob(
             replay_dir=inputs.replay_dir,
             model=inputs.model,
             configs=tuple(self.configs),
@@ -175,12 +178,20 @@ class ReplaySession:
             precision=inputs.precision,
             checkpoint_layers=self.shard.checkpoint,
         )
+
+    def execute(self) -> tuple[ReplayResult, list[ReplayResult]]:
+        """(baseline, mitigated results in config order), all at this session's layout."""
+        o, inputs = self.options, self.inputs
+        job = self.worker_job()
+        held = "sharded" if self.shard.shard else "whole model per process"
+        if self.shard.streamed:
+            held = "streamed: one decoder layer at a time, every saved rank in one process"
         self.log(
-            f"replaying {len(self.configs)} config(s) on {self.plan.nproc} process(es), {o.device}, "
-            f"fidelity {self.plan.fidelity} (saved world size {inputs.world_size}), "
-            f"{'sharded' if self.shard.shard else 'whole model per process'}, precision {self.precision_label}"
+            f"replaying {len(self.configs)} config(s) on {1 if self.shard.streamed else self.plan.nproc} process(es), "
+            f"{o.device}, fidelity {self.plan.fidelity} (saved world size {inputs.world_size}), "
+            f"{held}, precision {self.precision_label}"
         )
-        outcomes = _runner(o)(job, o.timeout_s, o.cancel, progress=o.progress)
+        outcomes = _runner(o, self.shard)(job, o.timeout_s, o.cancel, progress=o.progress)
         if self.baseline_refused is not None:
             baseline, results = self._without_baseline(outcomes)
             return baseline, self._with_refused(results)
@@ -391,8 +402,13 @@ class ReplaySession:
         return exp_id
 
 
-def _runner(options: ReplayOptions) -> JobRunner:
-    """Who computes the job: Megatron-core for `backend` megatron, else the given runner or fresh processes."""
+def _runner(options: ReplayOptions, shard: ShardChoice | None = None) -> JobRunner:
+    """Who computes the job: Megatron-core for `backend` megatron, this process layer by layer when streamed, else
+    the given runner or fresh processes."""
+    if shard is not None and shard.streamed:
+        from axrl_spike_replay.replay.streamed.streamed_job import streamed_runner
+
+        return streamed_runner(options.stream)
     if options.backend == Backend.MEGATRON:
         from axrl_spike_replay.replay.megatron_route import run_megatron_job
 
@@ -469,7 +485,9 @@ def replay_session(
             check_megatron_job(
                 inputs.model, str(snapshot), mitigations=bool(configs), nproc=options.nproc, world=inputs.world_size
             )
-        plan = plan_layout(inputs.world_size, options.nproc)
+        if options.shard == Shard.STREAMED and options.nproc not in (None, 1):
+            raise ConfigError("`nproc`: a streamed replay runs every saved rank in one process", "nproc")
+        plan = plan_layout(inputs.world_size, None if options.shard == Shard.STREAMED else options.nproc)
         planned = None
         if options.checkpoint is None or options.shard == Shard.AUTO:
             planned = planned_shard(
@@ -484,6 +502,11 @@ def replay_session(
         shard = with_checkpoint(
             choose_shard(options.shard, options.device, plan.nproc, planned), None, options.checkpoint
         )
+        if shard.streamed:
+            from axrl_spike_replay.replay.streamed.layer_weights import check_streamable
+
+            check_streamable(inputs.model, inputs.precision)
+            plan = plan_layout(inputs.world_size, None)  # every saved rank: full fidelity
         session = ReplaySession(inputs, plan, applied, options, shard)
         session.baseline_refused = baseline_refused
         session.refused = refused

@@ -25,6 +25,7 @@ from axrl_spike_replay.replay.process_memory import (
     process_memory,
     step_dtypes,
 )
+from axrl_spike_replay.replay.streamed.streamed_plan import StreamedRow, model_pieces, streamed_row
 from axrl_spike_replay.training.precision import PrecisionPolicy
 
 if TYPE_CHECKING:
@@ -88,9 +89,22 @@ class ReplayPlan:
     micro_batch: tuple[int, int] = (0, 0)  # [sequences, tokens] of the largest micro-batch: what one forward holds
     head_chunk: int = 0  # tokens per chunk of the head (`models.chunked_head`)
     launch: dict[str, Any] | None = None  # what the launcher would run (its dry run, as JSON), where one starts them
+    streamed: StreamedRow | None = None  # one process, one decoder layer at a time (`replay.streamed`)
+
+    @property
+    def streams(self) -> bool:
+        """Whether the replay runs streamed: asked for, or under auto when no full-fidelity layout fits and it does."""
+        if self.shard == "streamed":
+            return True
+        row = self.streamed
+        chosen_fails = self.chosen is not None and self.chosen.fits is False
+        full_fails = self.smallest_full_fidelity is None
+        return self.shard == "auto" and full_fails and chosen_fails and row is not None and row.fits is True
 
     @property
     def fits(self) -> bool | None:
+        if self.streams and self.streamed is not None:
+            return self.streamed.fits
         return None if self.chosen is None else self.chosen.fits
 
     def to_json(self) -> dict[str, Any]:
@@ -105,6 +119,7 @@ class ReplayPlan:
         for row, item in zip(self.rows, doc["rows"], strict=True):
             item["memory"]["peak"] = row.memory.peak
         doc["fits"] = self.fits
+        doc["streams"] = self.streams
         return doc
 
     def text(self) -> str:
@@ -125,6 +140,8 @@ class ReplayPlan:
         for label, row in (("requested", self.chosen), ("suggested", self.smallest_full_fidelity)):
             if row is not None:
                 lines.append(f"{label}: {_row_text(row)}")
+        if self.streamed is not None:
+            lines.append(("chosen: " if self.streams else "") + self.streamed.text())
         if self.layout:
             lines.append(f"layout: {self.layout}")
         lines += self.notes
@@ -325,8 +342,8 @@ def plan_replay(
     from axrl_spike_replay.replay.inputs import read_micro_batches, read_run_config
     from axrl_spike_replay.snapshot.metadata import read_metadata
 
-    if shard not in ("on", "off", "auto"):
-        raise ConfigError(f"`shard` must be on, off or auto, got {shard!r}", "shard")
+    if shard not in ("on", "off", "auto", "streamed"):
+        raise ConfigError(f"`shard` must be on, off, auto or streamed, got {shard!r}", "shard")
     path = Path(snapshot).expanduser().resolve()
     meta, _legacy = read_metadata(path)
     world = meta.parallel.data_ranks
@@ -346,7 +363,8 @@ def plan_replay(
     if not 1 <= wanted <= world:
         raise ConfigError(f"`nproc` {wanted}: give 1 to the saved world size {world}", "nproc")
     candidates = sorted({n for n in range(1, world + 1) if world % n == 0 and n % nodes == 0} | {wanted})
-    rows = [_choose(facts, n, world, shape, shard, cap, device, configs, nodes, dtypes, checkpoint, count)
+    ways = "off" if shard == "streamed" else shard  # a streamed replay's own row is `streamed`
+    rows = [_choose(facts, n, world, shape, ways, cap, device, configs, nodes, dtypes, checkpoint, count)
             for n in candidates]  # fmt: skip
     chosen = next(r for r in rows if r.nproc == wanted)
     # every layout replays every saved rank (full fidelity): one process per saved rank when that fits, else the
@@ -374,6 +392,17 @@ def plan_replay(
         if not chosen.sharded
         else _choose(facts, wanted, world, shape, "off", cap, device, configs, nodes, dtypes, checkpoint, count),
         smallest_full_fidelity=full,
+        streamed=streamed_row(
+            facts,
+            model_pieces(spec),
+            world=world,
+            rank_tokens=rank_shape[0] * rank_shape[1],
+            micro_batch=shape,
+            device=device,
+            configs=configs,
+            capacity_bytes=None if cap is None else cap.bytes_each,
+            element=dtypes.compute,
+        ),
     )
     plan.layout = _layout(plan, nodes)
     if shape != rank_shape:
@@ -387,6 +416,14 @@ def plan_replay(
 def _layout(plan: ReplayPlan, nodes: int) -> str:
     """The layout the plan suggests, in words."""
     row, cap = plan.smallest_full_fidelity, plan.capacity
+    if plan.streams:
+        return "one process, streamed: every saved rank, one decoder layer at a time read from the checkpoint"
+    streamed = plan.streamed is not None and plan.streamed.fits is True
+    if row is None and streamed and not any(r.fits for r in plan.rows):
+        return (
+            "no layout holding the whole step fits; streamed (`shard` streamed or auto) does, at full fidelity; "
+            f"to hold it whole or sharded: {_more_nodes(plan)}"
+        )
     if row is None:
         said = f"no layout fits here: no number of processes from 1 to {plan.world_size} is under the memory"
         return f"{said}; {_more_nodes(plan)}"

@@ -14,6 +14,7 @@ such work asked to run whole when it does not fit.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
     from axrl_spike_replay.replay.replay_plan import Capacity, PlanRow, ReplayPlan
 
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+STREAMED_REASON = (
+    "shard streamed: every saved rank in this process, one decoder layer at a time read from the checkpoint "
+    "(read twice: forward and backward)"
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class ShardChoice:
     shard: bool
     reason: str
     checkpoint: bool = False  # decoder layers checkpointed (`models.layer_checkpoint`), as the plan's row says
+    streamed: bool = False  # one decoder layer at a time, every saved rank in one process (`replay.streamed`)
 
 
 def bytes_whole(spec: ModelSpec, precision: PrecisionPolicy) -> int:
@@ -77,7 +83,13 @@ def whole_or_sharded(mode: str, inputs: ReplayInputs, device: str, processes: in
     """For work that, whole, runs in this one process (attribution, diagnose's model evidence): auto shards over
     `processes` processes when the whole model and a gradient do not fit this process (one cannot shard); on and
     off as said."""
-    if Shard.parse(mode, "`shard`") != Shard.AUTO:
+    parsed = Shard.parse(mode, "`shard`")
+    if parsed == Shard.STREAMED:
+        raise ConfigError(
+            "`shard` streamed: attribution and diagnose's model evidence are not computed streamed; use on or off",
+            "shard",
+        )
+    if parsed != Shard.AUTO:
         return choose_shard(mode, device, processes)
     need, have = bytes_whole(inputs.model, inputs.effective_precision), available_bytes(device, 1)
     if need <= have:
@@ -124,13 +136,12 @@ def with_checkpoint(choice: ShardChoice, plan: ReplayPlan | None, requested: boo
         planned = row is not None and row.sharded == choice.shard and row.checkpointed
         if choice.checkpoint or not planned:
             return choice
-        return ShardChoice(choice.shard, choice.reason + _CHECKPOINTED, True)
-    if requested == choice.checkpoint:
+        return dataclasses.replace(choice, reason=choice.reason + _CHECKPOINTED, checkpoint=True)
+    if requested == choice.checkpoint or choice.streamed:  # a streamed replay recomputes each layer anyway
         return choice
     said = "checkpointed" if requested else "not checkpointed"
-    return ShardChoice(
-        choice.shard, choice.reason.replace(_CHECKPOINTED, "") + f", decoder layers {said} (as requested)", requested
-    )
+    reason = choice.reason.replace(_CHECKPOINTED, "") + f", decoder layers {said} (as requested)"
+    return dataclasses.replace(choice, reason=reason, checkpoint=requested)
 
 
 def whole_or_sharded_planned(
@@ -154,12 +165,21 @@ def choose_shard(mode: str, device: str, processes: int, plan: ReplayPlan | None
     mode = Shard.parse(mode, "`shard`") if not isinstance(mode, Shard) else mode
     if mode == Shard.OFF:
         return with_checkpoint(ShardChoice(False, "shard off: every process holds the whole model"), plan)
+    if mode == Shard.STREAMED:
+        return ShardChoice(False, STREAMED_REASON, streamed=True)
     if mode == Shard.ON:
         _check_device(device, processes)
         return with_checkpoint(ShardChoice(True, f"shard on: FSDP2 over {processes} process(es)"), plan)
     row = plan.chosen if plan is not None else None
     if plan is None or row is None:
         return ShardChoice(False, "shard auto: no replay plan could be made for this snapshot: whole model")
+    if plan.streams and plan.streamed is not None:
+        return ShardChoice(
+            False,
+            "shard auto: no layout holding the whole step fits at full fidelity; streamed, "
+            f"{_gib(plan.streamed.device_peak)} on the device: " + STREAMED_REASON.removeprefix("shard streamed: "),
+            streamed=True,
+        )
     cap = plan.capacity
     where = "capacity unknown" if cap is None else f"{_gib(cap.bytes_each)} usable on {cap.where}"
     if not row.sharded:

@@ -1,0 +1,171 @@
+"""Streamed replay (one decoder layer at a time, every saved rank in one process) vs the whole and sharded replays.
+
+The qwen3_moe of `bench_sharded_replay.py` (338 M parameters at its defaults: hidden 1024, 8 layers of 20 experts,
+vocab 32 000, float32) is recorded at saved world size 4 by `axrl_spike_replay.testing.hf_snapshot` (the trainer's
+own rank step; DCP weights), once per layer count asked (`--layers 8 16 32`: a longer model of the same width).
+Each replay runs in a fresh process, side by side in one run:
+
+- streamed (`shard: streamed`): one process, each layer read from the checkpoint in the forward and again in the
+  backward, boundaries in host memory;
+- whole (`shard: off`, one process holding every saved rank: the same sum, the whole model and its gradient held);
+- sharded (`shard: on`, 4 processes, FSDP2), at the first layer count only.
+
+Peak RSS is the replay process's `ru_maxrss` (the largest child's for the sharded run). Printed per row: wall, peak,
+grad norm and its rel_diff to the whole replay's. Then the issue's figures:
+
+- streamed peak <= 1.3 x (one layer's parameters and gradient + the embedding and head with theirs + one
+  micro-batch's activations inside one layer + the step's boundaries) + the process floor (imports only, measured);
+  the activations and boundaries are the replay plan's (`replay.streamed.streamed_plan`), the rest counted from the
+  model's shapes;
+- grad norm equal to the whole replay's (<= 1e-6 relative), wall streamed / whole (target <= 3x);
+- a sweep of 4 configs streamed (one shared forward, a backward each) against 4 streamed replays of one config each;
+- across layer counts: the streamed peak less its boundaries stays flat (<= 1.15x the first count's), while the
+  whole replay's grows with the layers.
+
+Usage: .venv/bin/python benchmarks/bench_streamed_replay.py [--workdir DIR] [--layers 8 16 32] [--hidden 1024]
+       [--experts 20] [--vocab 32000] [--no-sweep] [--no-sharded]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sharded_replay import CONFIG, FLOOR, RECORD, parameters
+
+CONFIGS = [{"mismatch_token_clip_max": 2}, {"kl_coef": 0.1}, {"advantage_clip": 0.5}, {"log_ratio_clip": 0.2}]
+
+REPLAY = """
+import json, resource, sys, time
+def main():
+    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+    from axrl_spike_replay.replay.sweep import run_sweep
+    snapshot, nproc, shard, configs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    options = ReplayOptions(nproc=None if nproc == "-" else int(nproc), shard=shard)
+    t = time.perf_counter()
+    if len(configs) > 1:
+        results = run_sweep(snapshot, configs, options)
+        norm, verdict = results.baseline.grad_norm, results.baseline.verdict
+    else:
+        import dataclasses
+        result = run_replay(snapshot, dataclasses.replace(options, mitigations=configs[0] if configs else {}))
+        norm, verdict = result.baseline_grad_norm or result.grad_norm, result.verdict
+    wall = time.perf_counter() - t
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    print(json.dumps({"wall": wall, "self_mib": own, "children_mib": children, "grad_norm": norm, "verdict": verdict}))
+if __name__ == "__main__":
+    main()
+"""
+
+PLAN = """
+import json, sys
+from pathlib import Path
+from axrl_spike_replay.models.policy import parse_model_config
+from axrl_spike_replay.replay.inputs import read_run_config
+from axrl_spike_replay.replay.replay_plan import plan_replay
+from axrl_spike_replay.replay.streamed.streamed_plan import model_pieces
+plan = plan_replay(sys.argv[1], shard="streamed", capacity=None)
+pieces = model_pieces(parse_model_config(read_run_config(Path(sys.argv[1]))["model"]))
+row = plan.streamed
+print(json.dumps({"activations": row.activations, "boundaries": row.boundaries, "layer": pieces.largest_layer,
+                  "ends": pieces.embedding + pieces.head, "peak": row.device_peak, "runtime": row.runtime}))
+"""
+
+MIB = 1 << 20
+
+
+def _child(code: str, *args: str) -> dict[str, float]:
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"benchmark child failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _snapshot(workdir: Path, config: dict[str, object]) -> Path:
+    if not sorted(workdir.glob("iter_*")):
+        workdir.mkdir(parents=True, exist_ok=True)
+        _child(RECORD, str(workdir), json.dumps(config))
+    return sorted(workdir.glob("iter_*"))[-1]
+
+
+def _row(label: str, out: dict[str, float], peak: float, whole_norm: float | None) -> None:
+    rel = "" if whole_norm is None else f", rel_diff to whole {abs(out['grad_norm'] - whole_norm) / whole_norm:.1e}"
+    print(
+        f"{label:>28}: wall {out['wall']:7.1f} s, peak RSS {peak:7.0f} MiB, grad norm {out['grad_norm']:.9g}{rel}, "
+        f"{out['verdict']}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--workdir", default=None, help="where the snapshots are written (kept; reused when there)")
+    parser.add_argument("--layers", type=int, nargs="+", default=[CONFIG["num_hidden_layers"]])
+    parser.add_argument("--hidden", type=int, default=CONFIG["hidden_size"])
+    parser.add_argument("--experts", type=int, default=CONFIG["num_experts"])
+    parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
+    parser.add_argument("--no-sweep", action="store_true", help="leave out the sweep rows")
+    parser.add_argument("--no-sharded", action="store_true", help="leave out the sharded row")
+    args = parser.parse_args()
+    root = Path(args.workdir or tempfile.mkdtemp(prefix="axrl-bench-streamed-"))
+    floor = _child(FLOOR)["self_mib"]
+    print(f"process floor (imports only): {floor:.0f} MiB")
+    flat: dict[int, tuple[float, float]] = {}
+    for i, layers in enumerate(args.layers):
+        config = {
+            **CONFIG,
+            "num_hidden_layers": layers,
+            "hidden_size": args.hidden,
+            "num_experts": args.experts,
+            "vocab_size": args.vocab,
+        }
+        snapshot = _snapshot(root / f"layers{layers}", config)
+        count = parameters(config)
+        size = sum(p.stat().st_size for p in snapshot.glob("*.distcp"))
+        described = f"qwen3_moe {layers} layers, hidden {args.hidden}, {args.experts} experts, vocab {args.vocab}"
+        print(f"\n{described}: {count / 1e6:.0f} M parameters (float32), weights {size / MIB:.0f} MiB, world size 4")
+        plan = _child(PLAN, str(snapshot))
+        whole = _child(REPLAY, str(snapshot), "1", "off", "[]")
+        _row("whole (1 process)", whole, whole["self_mib"], None)
+        streamed = _child(REPLAY, str(snapshot), "-", "streamed", "[]")
+        _row("streamed", streamed, streamed["self_mib"], whole["grad_norm"])
+        if i == 0 and not args.no_sharded:
+            sharded = _child(REPLAY, str(snapshot), "4", "on", "[]")
+            _row("sharded (4 processes)", sharded, sharded["children_mib"], whole["grad_norm"])
+        held = 4 * (2 * plan["layer"] + 2 * plan["ends"]) / MIB  # float32 parameters and one gradient
+        bound = 1.3 * (held + (plan["activations"] + plan["boundaries"]) / MIB) + floor
+        peak = streamed["self_mib"]
+        print(
+            f"streamed peak {peak:.0f} MiB vs 1.3 x (layer + embedding and head, with gradients {held:.0f} + one "
+            f"micro-batch in one layer {plan['activations'] / MIB:.0f} + boundaries {plan['boundaries'] / MIB:.0f}) "
+            f"+ floor {floor:.0f} = {bound:.0f} MiB: **{peak / bound:.2f}x** of the bound "
+            f"({'met' if peak <= bound else 'NOT met'}); plan's device peak {plan['peak'] / MIB:.0f} MiB"
+        )
+        rel = abs(streamed["grad_norm"] - whole["grad_norm"]) / whole["grad_norm"]
+        ratio = streamed["wall"] / whole["wall"]
+        print(f"grad norm rel_diff streamed vs whole **{rel:.1e}** (target <= 1e-6); wall streamed / whole "
+              f"**{ratio:.2f}x** (target <= 3x)")  # fmt: skip
+        flat[layers] = (peak - plan["boundaries"] / MIB, whole["self_mib"])
+        if i == 0 and not args.no_sweep:
+            sweep = _child(REPLAY, str(snapshot), "-", "streamed", json.dumps(CONFIGS))
+            _row(f"streamed sweep of {len(CONFIGS)}", sweep, sweep["self_mib"], whole["grad_norm"])
+            singles = [_child(REPLAY, str(snapshot), "-", "streamed", json.dumps([c])) for c in CONFIGS]
+            alone = sum(s["wall"] for s in singles)
+            print(f"sweep of {len(CONFIGS)} streamed {sweep['wall']:.1f} s vs {len(CONFIGS)} streamed replays "
+                  f"{alone:.1f} s: **{sweep['wall'] / alone:.2f}x**")  # fmt: skip
+    if len(flat) > 1:
+        first = min(flat)
+        for layers, (streamed_peak, whole_peak) in sorted(flat.items()):
+            print(f"{layers:3d} layers: streamed peak less boundaries {streamed_peak:.0f} MiB "
+                  f"(**{streamed_peak / flat[first][0]:.2f}x** of {first} layers, target <= 1.15x); whole peak "
+                  f"{whole_peak:.0f} MiB ({whole_peak / flat[first][1]:.2f}x)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""A policy held one decoder layer at a time: built on the meta device, each layer given memory and read from the
+checkpoint when it is used, and given back after.
+
+The reads are the sharded replay's regional readers (`models.sharded_weights`: a DCP checkpoint through DCP, an HF
+directory through `safe_open`, verl FSDP shards memory-mapped), restricted to one layer's names. The modules outside
+the decoder layers (embedding, final norm, head) are read once and held. Before anything is computed, `check`
+refuses a checkpoint whose entries for some layer are missing, of another shape or not backed by its data files,
+naming the layer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from axrl_spike_replay.errors import ConfigError, SnapshotError
+from axrl_spike_replay.models.hf_config import HFModelConfig
+from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.policy import ModelSpec, build_policy, hf_weights_dir, restore_buffers
+from axrl_spike_replay.models.sharded_weights import (
+    DcpSource,
+    WeightSource,
+    _conversion_plan,
+    load_sharded,
+    open_source,
+)
+from axrl_spike_replay.replay.model_build import master_spec
+from axrl_spike_replay.replay.streamed.layer_program import LayerProgram, for_policy
+from axrl_spike_replay.snapshot.layout import DCP_METADATA
+from axrl_spike_replay.training.precision import PrecisionPolicy
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")
+
+
+@dataclass
+class ReadFigures:
+    """Bytes read from the checkpoint, and how many layer reads."""
+
+    bytes_read: int = 0
+    layer_reads: int = 0
+    seconds: float = 0.0
+    by_layer: dict[int, int] = field(default_factory=dict)
+
+
+def _state_names(module: nn.Module, prefix: str) -> list[str]:
+    return [prefix + name for name in module.state_dict(keep_vars=True)]
+
+
+def check_precision(precision: PrecisionPolicy | None) -> None:
+    """ConfigError unless the step computes in float32 (a mixed-precision step is not streamed yet)."""
+    if precision is not None and precision.recorded and precision.param_dtype != "float32":
+        raise ConfigError(
+            f"a streamed replay computes in float32; this step's recorded precision is {precision.label}: "
+            "use `shard` on or off",
+            "shard",
+        )
+
+
+def _check_storage(directory: Path) -> None:
+    """SnapshotError naming the first decoder layer (or the embedding and head) whose DCP entries are not backed by
+    the checkpoint's data files (`check_checkpoint_storage`), before anything is read."""
+    from axrl_spike_replay.snapshot.dcp.checkpoint import check_checkpoint_storage
+
+    problems = check_checkpoint_storage(directory)
+    if not problems:
+        return
+    layers = sorted({int(m.group(1)) for p in problems if (m := _LAYER.search(p))})
+    if layers:
+        first = next(p for p in problems if (m := _LAYER.search(p)) and int(m.group(1)) == layers[0])
+        where = f"decoder layer {layers[0]}" + (f" (and layers {layers[1:5]})" if len(layers) > 1 else "")
+    else:
+        first, where = problems[0], "the embedding and head"
+    raise SnapshotError(f"{where}: {first}")
+
+
+def check_streamable(spec: ModelSpec, precision: PrecisionPolicy | None) -> None:
+    """ConfigError naming what a streamed replay does not read or compute yet (before anything is written)."""
+    if isinstance(spec, MegatronModelConfig):
+        raise ConfigError(
+            "a streamed replay reads DCP, HF safetensors and verl checkpoints; a Megatron torch_dist checkpoint "
+            "is not streamed yet: use `shard` on or off",
+            "shard",
+        )
+    check_precision(precision)
+    if isinstance(spec, HFModelConfig) and spec.config.get("tie_word_embeddings", False):
+        raise ConfigError(
+            "a streamed replay of a policy with tied input and output embeddings is not built: its embedding "
+            "gradient gathers from the head and the embedding at both ends of the step; use `shard` on or off",
+            "shard",
+        )
+
+
+class StreamedWeights:
+    """The policy of `spec` on the meta device, its layers read one at a time from `weights_dir`."""
+
+    def __init__(self, spec: ModelSpec, weights_dir: str, device: str, precision: PrecisionPolicy | None) -> None:
+        check_streamable(spec, precision)
+        self.spec, self.device = spec, torch.device(device)
+        self.policy = build_policy(master_spec(spec, precision), "meta")
+        self.program: LayerProgram = for_policy(self.policy)
+        directory = Path(weights_dir)
+        self.directory = hf_weights_dir(spec, directory) if isinstance(spec, HFModelConfig) else directory
+        self.label = str(self.directory)
+        if not isinstance(spec, HFModelConfig) or (self.directory / DCP_METADATA).is_file():
+            _check_storage(self.directory)
+        self.source: WeightSource = (
+            open_source(self.directory) if isinstance(spec, HFModelConfig) else DcpSource(self.directory)
+        )
+        prefixes = {id(m): name for name, m in self.policy.named_modules()}
+        self.layer_prefixes = [prefixes[id(layer)] + "." for layer in self.program.layers]
+        self.layer_names = [
+            _state_names(layer, prefix) for layer, prefix in zip(self.program.layers, self.layer_prefixes, strict=True)
+        ]
+        self.embedding_names = {
+            prefixes[id(m)] + "." + name for m in self.program.embed_modules() for name, _ in m.named_parameters()
+        }
+        in_layers = {name for names in self.layer_names for name in names}
+        self.end_names = [name for name in self.policy.state_dict(keep_vars=True) if name not in in_layers]
+        self.read = ReadFigures()
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.program.layers)
+
+    def check(self) -> None:
+        """SnapshotError naming the layer (or the ends) whose saved entries are missing, misshapen or not backed."""
+        state = self.policy.state_dict(keep_vars=True)
+        for index, names in [(-1, self.end_names), *enumerate(self.layer_names)]:
+            where = "the embedding and head" if index < 0 else f"decoder layer {index}"
+            direct, converted = _conversion_plan(self.policy, self.source.shapes, names)
+            missing = [n for n in names if n not in direct and n not in converted]
+            if missing:
+                raise SnapshotError(
+                    f"{self.label}: the checkpoint lacks {len(missing)} tensor(s) of {where} ({', '.join(missing[:4])})"
+                )
+            for name, saved in direct.items():
+                shape = tuple(self.source.shapes[saved][0])
+                if shape != tuple(state[name].shape):
+                    raise SnapshotError(
+                        f"{self.label}: {where}: {saved} is saved as {shape}, the model has {tuple(state[name].shape)}"
+                    )
+
+    def _bytes(self, names: list[str]) -> int:
+        direct, converted = _conversion_plan(self.policy, self.source.shapes, names)
+        saved = [*direct.values(), *(k for plan in converted.values() for ks in plan.by_pattern.values() for k in ks)]
+        total = 0
+        for key in saved:
+            shape, dtype = self.source.shapes[key]
+            numel = 1
+            for d in shape:
+                numel *= d
+            total += numel * getattr(torch, dtype).itemsize
+        return total
+
+    def _load(self, modules: list[nn.Module], names: list[str]) -> None:
+        import time
+
+        start = time.perf_counter()
+        for module in modules:
+            module.to_empty(device=self.device)
+        load_sharded(self.policy, self.source, self.label, only=names)
+        self.read.bytes_read += self._bytes(names)
+        self.read.seconds += time.perf_counter() - start
+
+    def load_ends(self) -> None:
+        """Read the embedding, final norm and head (held until `close`)."""
+        self._load(self.program.end_modules(), self.end_names)
+        restore_buffers(self.policy)  # rotary frequencies: no checkpoint holds them
+
+    def load_layer(self, index: int) -> nn.Module:
+        """Decoder layer `index` with its weights read from the checkpoint."""
+        layer = self.program.layers[index]
+        self._load([layer], self.layer_names[index])
+        self.read.layer_reads += 1
+        self.read.by_layer[index] = self.read.by_layer.get(index, 0) + 1
+        return layer
+
+    def free_layer(self, index: int) -> None:
+        """Give layer `index`'s memory back (its parameters on the meta device again, gradients dropped)."""
+        layer = self.program.layers[index]
+        for p in layer.parameters():
+            p.grad = None
+        layer.to_empty(device="meta")
+
+    def close(self) -> None:
+        """Give every tensor's memory back."""
+        self.policy.to_empty(device="meta")

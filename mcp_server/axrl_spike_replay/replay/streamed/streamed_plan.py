@@ -1,0 +1,187 @@
+"""The streamed replay's row of a replay plan: its memory on the device, the layer boundaries it keeps on the host
+(or spills to disk), the bytes it reads from the checkpoint and an estimate of its time; from shapes only.
+
+A streamed replay (`replay.streamed`) holds at once, on its one device: one decoder layer's parameters and
+up to three copies of its gradient (the sum over passes, one saved rank's own, the pass's: as the whole replay's
+`Whole` holds them), the embedding and head with their gradient pieces, one micro-batch's activations inside one
+layer (`activation_bytes` of a one-layer model: the head's chunk and eager attention's mask included) and the
+runtime. The boundaries are per token of every saved rank: each layer's input hidden states, and per MoE layer the
+router's float32 logits and its int64 routes, plus, in the backward, one hidden-state gradient and the router
+logits' gradients. It reads every layer once in the forward and once per config in the backward, the ends once.
+
+The time is an estimate: compute of 2 x active parameters x tokens for the forward, 8 x for each config's backward
+(the layer recomputed, then backpropagated), at the `flops_per_s` given (defaults are said, not measured here), plus
+the bytes read at `read_bytes_per_s`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from axrl_spike_replay.models.hf_config import HFModelConfig
+from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.policy import ModelSpec
+from axrl_spike_replay.replay.process_memory import (
+    CUDA_CONTEXT_BYTES,
+    DTYPE_BYTES,
+    RUNTIME_CPU_BYTES,
+    ModelFacts,
+    activation_bytes,
+)
+from axrl_spike_replay.replay.streamed.settings import DEFAULT_HOST_BUDGET
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")
+# assumed speeds where none is given (said in the row): a local NVMe read, and a sustained fraction of the peak
+ASSUMED_READ_BYTES_PER_S = 2e9
+ASSUMED_FLOPS = {"cpu": 5e10, "cuda": 3e14}
+
+
+@dataclass(frozen=True)
+class ModelPieces:
+    """Element counts by piece: the largest decoder layer, the embedding, the rest outside the layers (final norm,
+    head), the expert parameters, and the saved bytes per element."""
+
+    largest_layer: int
+    layers: int
+    embedding: int
+    head: int
+    experts: int
+    saved_bytes: int
+
+
+def model_pieces(spec: ModelSpec) -> ModelPieces:
+    """The spec's pieces, from its declared shapes (nothing built but a meta layout)."""
+    if isinstance(spec, MegatronModelConfig):
+        spec = spec.hf
+    if isinstance(spec, HFModelConfig):
+        from axrl_spike_replay.models.hf_config import expected_hf_shapes
+
+        shapes, dtype = expected_hf_shapes(spec), spec.dtype
+    else:
+        from axrl_spike_replay.models.tiny_moe import expected_state_shapes
+
+        shapes, dtype = expected_state_shapes(spec), "float32"
+    per_layer: dict[int, int] = {}
+    embedding = head = experts = 0
+    for name, shape in shapes.items():
+        n = math.prod(shape)
+        match = _LAYER.search(name)
+        if match:
+            per_layer[int(match.group(1))] = per_layer.get(int(match.group(1)), 0) + n
+            if "experts" in name or ".w_in" in name or ".w_out" in name:
+                experts += n
+        elif "embed" in name or name.startswith("pos."):
+            embedding += n
+        else:
+            head += n
+    return ModelPieces(
+        max(per_layer.values(), default=0), len(per_layer), embedding, head, experts, DTYPE_BYTES.get(dtype, 4)
+    )
+
+
+@dataclass
+class StreamedRow:
+    """The streamed replay in bytes and seconds (see the module docstring)."""
+
+    device_peak: int  # on the one device (GPU, or the host for a CPU replay, boundaries in memory up to the budget)
+    layer: int  # one layer's parameters and gradient copies
+    ends: int  # embedding and head, with their gradient pieces
+    activations: int  # one micro-batch inside one layer
+    runtime: int
+    boundaries: int  # the step's layer boundaries (host memory up to the budget, then disk)
+    host_budget: int
+    disk: int  # boundaries over the budget, spilled
+    bytes_read: int  # from the checkpoint, forward and every config's backward
+    layer_reads: int
+    flops: float
+    seconds: float  # estimated
+    speeds: str  # what the estimate assumed
+    fits: bool | None
+
+    def text(self) -> str:
+        """The row in one line."""
+        fits = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown"}[self.fits]
+        return (
+            "streamed (1 process, every saved rank, one decoder layer at a time): device peak "
+            f"{_gib(self.device_peak)} "
+            f"(layer {_gib(self.layer)}, embedding and head {_gib(self.ends)}, one micro-batch in one layer "
+            f"{_gib(self.activations)}, runtime {_gib(self.runtime)}); boundaries {_gib(self.boundaries)} "
+            f"(host up to {_gib(self.host_budget)}, disk {_gib(self.disk)}); reads {_gib(self.bytes_read)} from the "
+            f"checkpoint ({self.layer_reads} layer reads); about {_duration(self.seconds)} ({self.speeds}): {fits}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def streamed_row(
+    facts: ModelFacts,
+    pieces: ModelPieces,
+    *,
+    world: int,
+    rank_tokens: int,
+    micro_batch: tuple[int, int],
+    device: str,
+    configs: int,
+    capacity_bytes: int | None,
+    host_budget: int = DEFAULT_HOST_BUDGET,
+    read_bytes_per_s: float | None = None,
+    flops_per_s: float | None = None,
+    element: int = 4,
+) -> StreamedRow:
+    """The streamed row for a step of `world` saved ranks of `rank_tokens` tokens each (see the module docstring)."""
+    b = element  # the compute dtype's bytes
+    layer = pieces.largest_layer * b * 4
+    ends = (pieces.embedding + pieces.head) * b + 3 * max(pieces.embedding, pieces.head) * b
+    one_layer = dataclasses.replace(facts, layers=1, dense_layers=0 if facts.experts else 1)
+    activations = activation_bytes(one_layer, micro_batch[0], micro_batch[1], b, attention=facts.attention)
+    runtime = CUDA_CONTEXT_BYTES if device == "cuda" else RUNTIME_CPU_BYTES
+    moe_layers = facts.layers - facts.dense_layers
+    tokens = world * rank_tokens
+    per_token = (facts.layers + 1) * facts.hidden * b + moe_layers * (facts.experts * b + facts.top_k * 8)
+    per_token += facts.hidden * b + moe_layers * facts.experts * b  # the backward's gradients
+    boundaries = tokens * per_token
+    held = min(boundaries, host_budget)
+    peak = layer + ends + activations + runtime + (held if device != "cuda" else 0)
+    layer_reads = pieces.layers * (1 + configs)
+    read = (pieces.embedding + pieces.head + pieces.largest_layer * layer_reads) * pieces.saved_bytes
+    active = facts.parameters - pieces.experts * (1 - facts.top_k / facts.experts if facts.experts else 0)
+    flops = float(active) * tokens * (2 + 8 * configs)
+    read_speed = read_bytes_per_s or ASSUMED_READ_BYTES_PER_S
+    compute_speed = flops_per_s or ASSUMED_FLOPS.get(device, ASSUMED_FLOPS["cpu"])
+    speeds = (
+        f"read {read_speed / 1e9:.3g} GB/s" + ("" if read_bytes_per_s else " assumed")
+        + f", compute {compute_speed / 1e12:.3g} TFLOP/s" + ("" if flops_per_s else " assumed")
+    )  # fmt: skip
+    return StreamedRow(
+        device_peak=peak,
+        layer=layer,
+        ends=ends,
+        activations=activations,
+        runtime=runtime,
+        boundaries=boundaries,
+        host_budget=host_budget,
+        disk=boundaries - held,
+        bytes_read=read,
+        layer_reads=layer_reads,
+        flops=flops,
+        seconds=read / read_speed + flops / compute_speed,
+        speeds=speeds,
+        fits=None if capacity_bytes is None else peak <= capacity_bytes,
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

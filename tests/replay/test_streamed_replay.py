@@ -1,0 +1,339 @@
+"""The streamed replay (one decoder layer at a time, every saved rank in one process) computes the whole replay's step.
+
+Snapshots are recorded in this run with the trainer's own step functions (tiny_moe: tests/replay/tiny_snapshot.py;
+transformers: `testing.hf_snapshot`, qwen2_moe has shared experts) at saved world sizes 1, 2 and 4. The whole replay
+(`worker.compute`, every saved rank in one process) and the streamed one (`compute_streamed`) run the same job; their
+grad norms, per-parameter norms, each rank's own per-parameter norms, top parameters, rank losses and (through the
+engine) verdicts agree to 1e-6 relative, and the grad norm reproduces the recorded one. Nothing here compares with
+numbers recorded elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tiny_snapshot import record_tiny_snapshot
+
+from axrl_spike_replay.errors import AxrlError, SnapshotError
+from axrl_spike_replay.rank_processes import RunCancelled
+from axrl_spike_replay.replay.engine import ReplayOptions, replay_session, run_replay
+from axrl_spike_replay.replay.streamed.settings import StreamSettings
+from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed
+from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob, compute
+from axrl_spike_replay.snapshot.metadata import read_metadata
+
+SAME = 1e-6
+CONFIGS = [{"mismatch_token_clip_max": 2}, {"kl_coef": 0.1, "entropy_coef": 0.01}, {"routing_replay": "off"}]
+
+
+def job_of(snapshot: Path, configs: Sequence[dict[str, Any]] = ()) -> WorkerJob:
+    """The job the engine makes for `snapshot` (and `configs`), every saved rank in one process."""
+    with replay_session(snapshot, ReplayOptions(shard="off"), list(configs), "replay") as session:
+        job = session.worker_job()
+    return dataclasses.replace(job, assignment=(tuple(range(job.world_size)),))
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= SAME * max(abs(a), abs(b), 1e-30)
+
+
+def assert_same(whole: Sequence[ConfigOutcome], streamed: Sequence[ConfigOutcome]) -> None:
+    assert [o.config_id for o in whole] == [o.config_id for o in streamed]
+    for a, b in zip(whole, streamed, strict=True):
+        assert close(a.grad_norms[0], b.grad_norms[0]), (a.config_id, a.grad_norms, b.grad_norms)
+        assert [p["name"] for p in a.top_params] == [p["name"] for p in b.top_params]
+        for p, q in zip(a.top_params, b.top_params, strict=True):
+            assert close(p["grad_norm"], q["grad_norm"])
+        assert [m["rank"] for m in a.rank_metrics] == [m["rank"] for m in b.rank_metrics]
+        for m, n in zip(a.rank_metrics, b.rank_metrics, strict=True):
+            assert close(m["loss"], n["loss"]), (m, n)
+        assert a.footprint == b.footprint
+        if a.param_grad_norms is None:
+            assert b.param_grad_norms is None
+            continue
+        assert b.param_grad_norms is not None and a.param_grad_norms.keys() == b.param_grad_norms.keys()
+        for name, value in a.param_grad_norms.items():
+            assert close(value, b.param_grad_norms[name]), name
+        assert a.rank_param_grad_norms is not None and b.rank_param_grad_norms is not None
+        assert a.rank_param_grad_norms.keys() == b.rank_param_grad_norms.keys()
+        for rank, norms in a.rank_param_grad_norms.items():
+            assert norms.keys() == b.rank_param_grad_norms[rank].keys()
+            for name, value in norms.items():
+                assert close(value, b.rank_param_grad_norms[rank][name]), (rank, name)
+
+
+def recorded(snapshot: Path) -> float:
+    return read_metadata(snapshot)[0].grad_norm
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_tiny_moe_streamed_is_the_whole_replay(tmp_path: Path, world_size: int) -> None:
+    snapshot = record_tiny_snapshot(tmp_path, world_size=world_size)
+    configs = CONFIGS if world_size == 2 else []
+    job = job_of(snapshot, configs)
+    whole, streamed = compute(job, 0), compute_streamed(job)
+    assert_same(whole, streamed)
+    assert close(streamed[0].grad_norms[0], recorded(snapshot))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("architecture", ["qwen2_moe", "qwen3_moe", "mixtral"])
+def test_transformers_streamed_is_the_whole_replay(tmp_path: Path, architecture: str, world_size: int) -> None:
+    from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        snapshot = record_hf_snapshot(tmp_path, architecture, world_size=world_size)
+        configs = CONFIGS[:1] if world_size == 2 else []
+        job = job_of(snapshot, configs)
+        whole, streamed = compute(job, 0), compute_streamed(job)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert_same(whole, streamed)
+    assert close(streamed[0].grad_norms[0], recorded(snapshot))
+
+
+def test_micro_batches_and_spilled_boundaries(tmp_path: Path) -> None:
+    """Ranks of several micro-batches each (the trainer's split, recorded in the batch files), every boundary
+    spilled to disk (host budget 0): the same step; the spill dir is gone after."""
+    rank_lengths = (((4, 2, 3, 1, 4, 3), (8, 5, 7, 0, 3, 8)), ((2, 4, 1, 3, 2, 4), (2, 0, 6, 1, 8, 3)))
+    loss = {"kl_coef": 0.01, "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "is_base_logprobs": "rollout"}
+    loss |= {"loss_agg_mode": "token-mean", "normalization": "per_rank"}
+    snapshot = record_tiny_snapshot(tmp_path / "snap", rank_lengths=rank_lengths, prompt=4, loss=loss)
+    for rank, sizes in {0: (4, 2), 1: (1, 2, 3)}.items():
+        path = snapshot / f"batch_rank{rank}.pt"
+        batch = torch.load(path, weights_only=True)
+        parts, start = [], 0
+        for size in sizes:
+            parts.append({k: v[start : start + size] for k, v in batch.items()})
+            start += size
+        torch.save({"micro_batches": parts}, path)
+    job = job_of(snapshot, CONFIGS[:1])
+    spill = tmp_path / "spill"
+    lines: list[str] = []
+    streamed = compute_streamed(job, progress=lines.append, settings=StreamSettings(0, str(spill)))
+    assert_same(compute(job, 0), streamed)
+    assert any("spilled" in line and "(0 spilled)" not in line for line in lines), lines
+    assert spill.is_dir() and not any(spill.iterdir())  # the store's own dir, removed with what it held
+
+
+def test_each_layer_read_once_forward_once_per_backward(tmp_path: Path) -> None:
+    """The forward reads each layer once for a forward group; each config's backward reads it once more."""
+    from axrl_spike_replay.replay.streamed import layer_weights
+
+    snapshot = record_tiny_snapshot(tmp_path, world_size=2)
+    job = job_of(snapshot, CONFIGS[:2])  # one forward group: the loss changes, not the forward
+    reads: list[int] = []
+    original = layer_weights.StreamedWeights.load_layer
+
+    def counted(self: layer_weights.StreamedWeights, index: int) -> torch.nn.Module:
+        held = [i for i, layer in enumerate(self.program.layers) if not next(layer.parameters()).is_meta]
+        assert held == [], f"layer {index} read while {held} still held"
+        reads.append(index)
+        return original(self, index)
+
+    layer_weights.StreamedWeights.load_layer = counted
+    try:
+        compute_streamed(job)
+    finally:
+        layer_weights.StreamedWeights.load_layer = original
+    layers = 2
+    assert reads == [0, 1] + [1, 0] * 3 == [*range(layers)] + [1, 0] * 3
+
+
+def test_engine_verdicts_match(tmp_path: Path) -> None:
+    """Through the engine: the streamed replay's result is the whole replay's (grad norm, verdict, fidelity)."""
+    snapshot = record_tiny_snapshot(tmp_path, world_size=2)
+    whole = run_replay(snapshot, ReplayOptions(shard="off", mitigations={"mismatch_token_clip_max": 2}))
+    streamed = run_replay(snapshot, ReplayOptions(shard="streamed", mitigations={"mismatch_token_clip_max": 2}))
+    assert streamed.verdict == whole.verdict and streamed.fidelity == whole.fidelity == "full"
+    assert whole.grad_norm is not None and streamed.grad_norm is not None
+    assert close(whole.grad_norm, streamed.grad_norm)
+    assert streamed.shard_reason.startswith("shard streamed")
+    base = run_replay(snapshot, ReplayOptions(shard="streamed"))
+    assert base.verdict == "reproduced" and base.consistency == run_replay(snapshot, ReplayOptions()).consistency
+
+
+def _without(snapshot: Path, out: Path, drop: str) -> Path:
+    """A copy of `snapshot` whose checkpoint lacks the tensor `drop`."""
+    import shutil
+
+    from axrl_spike_replay.testing.hf_snapshot import save_dcp
+
+    shutil.copytree(snapshot, out)
+    state = {}
+    from tiny_snapshot import MODEL
+
+    from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy
+
+    model = TinyMoEPolicy(MODEL)
+    from axrl_spike_replay.snapshot.dcp.checkpoint import load_model_state
+
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    load_model_state(snapshot, state)
+    for path in out.glob("*.distcp"):
+        path.unlink()
+    (out / ".metadata").unlink()
+    save_dcp(out, {k: v for k, v in state.items() if k != drop})
+    return out
+
+
+def test_missing_layer_entry_refused_before_the_forward(tmp_path: Path) -> None:
+    from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
+
+    snapshot = record_tiny_snapshot(tmp_path / "snap", world_size=1)
+    job = job_of(snapshot)
+    broken = _without(snapshot, tmp_path / "broken", "blocks.1.qkv.weight")
+    weights = StreamedWeights(job.model, str(broken), "cpu", job.precision)
+    with pytest.raises(SnapshotError, match=r"decoder layer 1 \(blocks.1.qkv.weight\)"):
+        weights.check()
+    with pytest.raises(SnapshotError, match="decoder layer 1"):
+        compute_streamed(dataclasses.replace(job, replay_dir=str(broken)))
+    with pytest.raises(AxrlError, match=r"blocks\.1\.qkv\.weight"):  # the engine's own input checks refuse it too
+        run_replay(broken, ReplayOptions(shard="streamed"))
+
+
+def test_short_layer_entry_refused_naming_the_layer(tmp_path: Path) -> None:
+    import shutil
+
+    from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
+
+    snapshot = record_tiny_snapshot(tmp_path / "snap", world_size=1)
+    job = job_of(snapshot)
+    broken = tmp_path / "short"
+    shutil.copytree(snapshot, broken)
+    from axrl_spike_replay.snapshot.dcp.checkpoint import read_checkpoint_metadata
+
+    storage = read_checkpoint_metadata(broken, records=True).storage_data
+    entry = next(info for index, info in storage.items() if index.fqn == "model.blocks.1.qkv.weight")
+    with (broken / entry.relative_path).open("r+b") as handle:
+        handle.truncate(entry.offset + entry.length - 8)  # blocks.1.qkv.weight loses its tail, and what follows it
+    with pytest.raises(SnapshotError, match=r"^decoder layer 1\b.*blocks\.1\."):
+        StreamedWeights(job.model, str(broken), "cpu", job.precision)
+
+
+def test_cancel_and_timeout_leave_no_spill_dir(tmp_path: Path) -> None:
+    snapshot = record_tiny_snapshot(tmp_path / "snap", world_size=2)
+    job = job_of(snapshot, CONFIGS[:1])
+    spill = tmp_path / "spill"
+    cancel = threading.Event()
+
+    def progress(line: str) -> None:
+        if "layer 1/" in line:
+            cancel.set()
+
+    with pytest.raises(RunCancelled, match="cancelled"):
+        compute_streamed(job, cancel, progress, StreamSettings(0, str(spill)))
+    assert not any(spill.iterdir())
+    with pytest.raises(RunCancelled, match="timed out"):
+        compute_streamed(job, None, None, StreamSettings(0, str(spill)), timeout_s=0.0)
+    assert not any(spill.iterdir())
+    run_dir = tmp_path / "runs"
+    cancel2 = threading.Event()
+    cancel2.set()
+    with pytest.raises(AxrlError):
+        run_replay(snapshot, ReplayOptions(shard="streamed", cancel=cancel2, stream=StreamSettings(0, str(run_dir))))
+    assert not run_dir.exists() or not any(run_dir.iterdir())
+
+
+_FULL_DISK = """
+import dataclasses, json, os, sys
+from axrl_spike_replay.replay.engine import ReplayOptions, replay_session
+from axrl_spike_replay.replay.streamed.boundaries import SpillDirFull
+from axrl_spike_replay.replay.streamed.settings import StreamSettings
+from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed
+
+mount, snapshot = sys.argv[1], sys.argv[2]
+with replay_session(snapshot, ReplayOptions(shard="off"), [], "replay") as session:
+    job = session.worker_job()
+job = dataclasses.replace(job, assignment=(tuple(range(job.world_size)),))
+try:
+    compute_streamed(job, settings=StreamSettings(0, mount))
+    error = None
+except SpillDirFull as exc:
+    error = str(exc)
+left = [os.path.join(d, f) for d, _, files in os.walk(mount) for f in files]
+left += [d for d, dirs, _ in os.walk(mount) for d in (os.path.join(d, x) for x in dirs)]
+print(json.dumps({"error": error, "left": left}))
+"""
+
+
+def test_spill_dir_that_fills_up_stops_cleanly(tmp_path: Path) -> None:
+    """A spill dir on a 24 KiB filesystem: the replay stops naming the dir, no partial file or dir left behind."""
+    from disk_full import run_on_full_disk
+
+    snapshot = record_tiny_snapshot(tmp_path / "snap", world_size=2)
+    out = run_on_full_disk(_FULL_DISK, tmp_path / "disk", 24, str(snapshot))
+    assert out["error"] is not None and "spill dir" in out["error"] and "full" in out["error"], out
+    assert out["left"] == [], out
+
+
+def test_plan_has_a_streamed_row_and_auto_streams_only_when_nothing_else_fits(tmp_path: Path) -> None:
+    from axrl_spike_replay.replay.replay_plan import Capacity, plan_replay
+    from axrl_spike_replay.replay.shard_choice import choose_shard
+
+    snapshot = record_tiny_snapshot(tmp_path, world_size=2)
+    roomy = plan_replay(snapshot, capacity=Capacity("here", "cpu", 1, 8 << 30, "test"))
+    row = roomy.streamed
+    assert row is not None and row.fits and not roomy.streams
+    assert row.layer_reads == 2 * 2 and row.bytes_read > 0 and row.boundaries > 0 and row.seconds > 0
+    assert "streamed (1 process" in roomy.text()
+    assert not choose_shard("auto", "cpu", 2, roomy).streamed
+    # between the streamed peak and the smallest whole layout: nothing holding the step fits, streamed does
+    whole_peak = min(r.memory.peak for r in roomy.rows)
+    assert row.device_peak < whole_peak
+    tight = plan_replay(snapshot, capacity=Capacity("here", "cpu", 1, (row.device_peak + whole_peak) // 2, "t"))
+    assert tight.smallest_full_fidelity is None and tight.streams and tight.fits
+    assert "no layout fits" not in tight.layout
+    choice = choose_shard("auto", "cpu", 2, tight)
+    assert choice.streamed and "streamed" in choice.reason
+    asked = plan_replay(snapshot, capacity=Capacity("here", "cpu", 1, 8 << 30, "test"), shard="streamed")
+    assert asked.streams and asked.fits
+
+
+def test_streamed_refusals_name_the_argument(tmp_path: Path) -> None:
+    from axrl_spike_replay.errors import ConfigError
+    from axrl_spike_replay.investigation.request import How, What, replay_request
+    from axrl_spike_replay.vocabulary import Shard, Verb
+
+    snapshot = record_tiny_snapshot(tmp_path, world_size=2)
+    with pytest.raises(ConfigError, match="attribution is not computed streamed") as refused:
+        replay_request(What(snapshot=snapshot, verb=Verb.ATTRIBUTE), how=How(shard=Shard.STREAMED))
+    assert refused.value.parameter == "shard"
+    with pytest.raises(ConfigError, match="one process") as refused:
+        replay_request(What(snapshot=snapshot, verb=Verb.REPLAY), how=How(shard=Shard.STREAMED, nproc=2))
+    assert refused.value.parameter == "nproc"
+
+
+def test_cli_replay_streamed(tmp_path: Path, cli: Any) -> None:
+    """`replay --shard streamed` from the command line: the whole replay's grad norm, the reason in the result."""
+    snapshot = record_tiny_snapshot(tmp_path / "snap", world_size=2)
+    streamed = cli("replay", snapshot, "--shard", "streamed", "--json")
+    assert streamed.code == 0, streamed.err
+    whole = cli("replay", snapshot, "--shard", "off", "--json")
+    a, b = streamed.json(), whole.json()
+    assert isinstance(a, dict) and isinstance(b, dict)
+    assert close(a["grad_norm"], b["grad_norm"]) and a["verdict"] == b["verdict"] == "reproduced"
+    assert a["shard_reason"].startswith("shard streamed")
+
+
+def test_mixed_precision_step_refused_by_name_before_anything_runs(tmp_path: Path) -> None:
+    import yaml
+
+    from axrl_spike_replay.errors import ConfigError
+
+    snapshot = record_tiny_snapshot(tmp_path / "snap", world_size=1)
+    config = yaml.safe_load((snapshot / "run_config.yaml").read_text())
+    config["precision"] = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    (snapshot / "run_config.yaml").write_text(yaml.safe_dump(config))
+    lines: list[str] = []
+    with pytest.raises(ConfigError, match=r"computes in float32.*param bfloat16") as refused:
+        run_replay(snapshot, ReplayOptions(shard="streamed", progress=lines.append))
+    assert refused.value.parameter == "shard"
+    assert not any("streamed forward" in line for line in lines)
