@@ -174,7 +174,7 @@ _UNSEEN = (
         "step_not_reproduced",
         "peaked",
         "unseen",
-        (FaultSpec("layer_grad_scale", ranks=(2,), params={"layers": [1], "factor": 64.0}),),
+        (FaultSpec("layer_grad_scale", ranks=(2,), params={"layers": [1], "factor": 1024.0}),),
         world_size=4,
     ),
     MatrixCase(
@@ -204,7 +204,7 @@ _UNSEEN = (
         "peaked",
         "unseen",
         (
-            FaultSpec("layer_grad_scale", ranks=(0,), params={"layers": [0], "factor": 64.0}),
+            FaultSpec("layer_grad_scale", ranks=(0,), params={"layers": [0], "factor": 1024.0}),
             FaultSpec("stored_batch_previous", ranks=(3,)),
         ),
         world_size=4,
