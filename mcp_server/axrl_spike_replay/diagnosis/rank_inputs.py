@@ -19,7 +19,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment, _finite
+from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment, is_finite
 from axrl_spike_replay.diagnosis.signal_reading import DATA_NATS, WITNESS_RATIO
 
 LEADING = 0.5  # share of a rank's samples whose loss starts before every other rank's that counts
@@ -121,7 +121,7 @@ def mask_over_prompt(ev: Evidence) -> Cause | None:
 def _abs_advantages(ev: Evidence) -> dict[int, list[float]]:
     by: dict[int, list[float]] = {}
     for row in ev.analysis.samples["rows"]:
-        if row["loss_tokens"] and _finite(row["advantage"]):
+        if row["loss_tokens"] and is_finite(row["advantage"]):
             by.setdefault(row["rank"], []).append(abs(row["advantage"]))
     return {r: v for r, v in by.items() if v}
 
@@ -156,7 +156,7 @@ def rank_advantage_scale(ev: Evidence) -> Cause | None:
     ranks = sorted(scaled)
     carries, figures = _carry(ev, ranks)
     healthy = [abs(r["advantage"]) for r in ev.analysis.samples["rows"] if r["rank"] not in ranks and r["loss_tokens"]]
-    healthy = [v for v in healthy if _finite(v)]
+    healthy = [v for v in healthy if is_finite(v)]
     clip = max(1.0, round(max(healthy, default=1.0), 2))
     evidence = [
         f"rank {r}'s typical |advantage| {a:.4g} is {a / rest if rest > 0 else math.inf:.3g}x the other ranks' "
