@@ -18,11 +18,11 @@ suggested experiment is replayed in one sweep beside the baseline. Printed per c
 
 `--provenance unseen` runs the faults written before the rules that read them (each on its own model and world
 size): the first held-out figure, spent since (rules were written after seeing it). `--provenance held_out_ii` runs
-the second held-out set (`capture.held_out_faults`: six kinds no preset and no earlier held-out case uses, two
-architectures, world sizes 2 and 4, one case with two faults on two ranks), committed before any rule was run on it,
-spent since. `--provenance held_out_iii` runs the third (`capture.held_out_iii_faults`: eight kinds no earlier
-provenance uses, tiny_moe and qwen2_moe, world sizes 2 and 4, one case with two faults on two ranks), committed before
-`diagnose` was run on it: the held-out figure now.
+the second held-out set (`capture.fault_injection.held_out_faults`: six kinds no preset and no earlier held-out case
+uses, two architectures, world sizes 2 and 4, one case with two faults on two ranks), committed before any rule was
+run on it, spent since. `--provenance held_out_iii` runs the third (`capture.fault_injection.held_out_iii_faults`:
+eight kinds no earlier provenance uses, tiny_moe and qwen2_moe, world sizes 2 and 4, one case with two faults on two
+ranks), committed before `diagnose` was run on it: the held-out figure now.
 
 A case whose run trips no spike guard at the burst is listed as `no spike` and left out of the accuracy: that is the
 fault's failure to spike on that model and seed, not the diagnosis's.

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from axrl_spike_replay.capture.detectors import MedianRatioDetector
-from axrl_spike_replay.capture.run_config import build_run_config, parse_run_config
+from axrl_spike_replay.capture.reference.run_config import build_run_config, parse_run_config
+from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
 from axrl_spike_replay.capture.spike_guard import SpikeGuard
-from axrl_spike_replay.capture.trainer_step import RankTrainer
 
 
 def main() -> int:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from axrl_spike_replay.capture.detectors import DEFAULT_WARMUP_RATIO, MedianRatioDetector
-from axrl_spike_replay.capture.run_config import DetectorSettings, build_run_config, parse_run_config
-from axrl_spike_replay.capture.trainer_step import RankTrainer
+from axrl_spike_replay.capture.reference.run_config import DetectorSettings, build_run_config, parse_run_config
+from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
 
 HEALTHY = {"tiny_moe": range(10), "qwen3_moe": range(5), "mixtral": range(5)}  # 20 runs: model -> seeds
 # (model, preset, seed, burst steps): faults that burst inside the warm-up (steps 1-8)

@@ -35,10 +35,10 @@ from launch_helpers import WORKER, ssh_node  # noqa: E402
 from slurm_loopback import SlurmUnavailable, start_cluster  # noqa: E402
 from ssh_loopback import SSHD, Keys, LoopbackServer, OpenSshServer, write_known_hosts  # noqa: E402
 
-from axrl_spike_replay.remote.launch_job import LaunchNode, new_launch_id, request_document  # noqa: E402
-from axrl_spike_replay.remote.slurm_command import SlurmSettings  # noqa: E402
-from axrl_spike_replay.remote.slurm_launch import SlurmJob, launch_slurm  # noqa: E402
-from axrl_spike_replay.remote.torchrun_launch import TorchrunJob, launch_torchrun  # noqa: E402
+from axrl_spike_replay.remote.launchers.launch_job import LaunchNode, new_launch_id, request_document  # noqa: E402
+from axrl_spike_replay.remote.launchers.slurm_command import SlurmSettings  # noqa: E402
+from axrl_spike_replay.remote.launchers.slurm_launch import SlurmJob, launch_slurm  # noqa: E402
+from axrl_spike_replay.remote.launchers.torchrun_launch import TorchrunJob, launch_torchrun  # noqa: E402
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "0"]
 

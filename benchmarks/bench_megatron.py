@@ -13,7 +13,7 @@ spike snapshot (metadata, run config, a batch and grad info per rank). Then, sid
   wait seconds for a core. Each side's CPU time is printed too. Our own format's `bench_inspect.py` uses a 2.25 GiB
   snapshot; `--experts 64 --expert-ffn 1536` gives a Megatron checkpoint of 2.39 GiB to compare at that size.
 - compute: in one gloo process, the same batch (4 x 256 tokens, routes forced) through route 1 (the transformers
-  model loaded from the checkpoint by `models.megatron_weights`: forward, the snapshot's loss, backward) and
+  model loaded from the checkpoint by `models.mcore.megatron_weights`: forward, the snapshot's loss, backward) and
   through megatron-core's GPTModel (its forward, the same loss, backward), alternating, median of `--runs`.
 
 Targets: inspect >= 100x faster than the load; route 1 <= 1.3x Megatron's own forward + backward.
@@ -134,9 +134,9 @@ def _inspect_in_child(snapshot: Path) -> dict[str, Any]:
 def _load_rank(rank: int, world: int, payload: tuple[dict[str, Any], str, str]) -> None:
     from megatron.core import dist_checkpointing
 
-    from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-    from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu
-    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
+    from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
+    from axrl_spike_replay.models.mcore.megatron_cpu import megatron_on_cpu
+    from axrl_spike_replay.models.mcore.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
 
     doc, checkpoint, out = payload
     with megatron_on_cpu():
@@ -152,13 +152,13 @@ def _load_rank(rank: int, world: int, payload: tuple[dict[str, Any], str, str]) 
 def _compute_rank(rank: int, world: int, payload: tuple[dict[str, Any], str, str, int]) -> None:
     import torch
 
-    from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-    from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu
-    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
-    from axrl_spike_replay.models.megatron_policy import force_routes, install_trace, megatron_logprobs
+    from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
+    from axrl_spike_replay.models.mcore.megatron_cpu import megatron_on_cpu
+    from axrl_spike_replay.models.mcore.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
+    from axrl_spike_replay.models.mcore.megatron_policy import force_routes, install_trace, megatron_logprobs
     from axrl_spike_replay.models.policy import build_policy, load_policy_weights, policy_forward
     from axrl_spike_replay.models.tiny_moe import RoutingControl
-    from axrl_spike_replay.snapshot.megatron_routes import to_router_replay
+    from axrl_spike_replay.snapshot.trainer_formats.megatron_routes import to_router_replay
     from axrl_spike_replay.training.policy_loss import LossConfig, policy_loss
 
     doc, snapshot, out, runs = payload
@@ -208,7 +208,7 @@ def main() -> None:
     parser.add_argument("--no-compute", action="store_true", help="only inspect vs load (for large checkpoints)")
     args = parser.parse_args()
 
-    from axrl_spike_replay.models.megatron_cpu import megatron_unavailable_reason
+    from axrl_spike_replay.models.mcore.megatron_cpu import megatron_unavailable_reason
     from axrl_spike_replay.rank_processes import spawn_ranks
 
     reason = megatron_unavailable_reason()

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR
-from axrl_spike_replay.snapshot.preserve import preserve
+from axrl_spike_replay.snapshot.preservation.preserve import preserve
 from big_snapshot import GIB, make_in_child, snapshot_bytes
 
 

@@ -78,7 +78,7 @@ FLOOR = """
 import json, resource
 import torch, torch.distributed.fsdp, torch.distributed.checkpoint  # what a sharded replay process imports
 from transformers.models.qwen3_moe import modeling_qwen3_moe
-import axrl_spike_replay.replay.launch, axrl_spike_replay.models.hf_policy
+import axrl_spike_replay.replay.job_runner, axrl_spike_replay.models.hf_policy
 print(json.dumps({"self_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 

@@ -30,8 +30,8 @@ from ssh_loopback import SSHD, AsyncsshServer, Keys, OpenSshServer, write_known_
 
 from axrl_spike_replay.investigation.elsewhere import replay_elsewhere  # noqa: E402
 from axrl_spike_replay.investigation.request import What, Where, replay_request  # noqa: E402
-from axrl_spike_replay.remote.session import open_session  # noqa: E402
-from axrl_spike_replay.remote.shell import job_script  # noqa: E402
+from axrl_spike_replay.remote.transport.session import open_session  # noqa: E402
+from axrl_spike_replay.remote.transport.shell import job_script  # noqa: E402
 
 SNAPSHOT = ROOT / "tests/fixtures/outputs/fx~fixture-moe__actor/checkpoints/spike_snapshots/iter_0000021"
 SMALL = "import json, sys; json.dump({'grad_norm': 1.0}, open(sys.argv[1], 'w'))"

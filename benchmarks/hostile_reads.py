@@ -22,7 +22,7 @@ from hostile_surfaces import _child
 BYTES_CHECK = """
 import json, sys, time
 import torch  # imported before the clock starts, as in bench_hostile's children
-from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage
+from axrl_spike_replay.snapshot.dcp.checkpoint import check_checkpoint_storage
 t0 = time.perf_counter()
 problems = check_checkpoint_storage(sys.argv[1])
 t = time.perf_counter() - t0

@@ -28,7 +28,7 @@ from typing import Any
 PUMP = """
 import asyncio, json, sys, tempfile, time
 from pathlib import Path
-from axrl_spike_replay.remote.local_session import LocalSession
+from axrl_spike_replay.remote.transport.local_session import LocalSession
 script = sys.argv[1]
 out = Path(tempfile.mkdtemp(prefix="axrl-bench-pump-"))
 echoed = [0, 0]

@@ -12,7 +12,7 @@ from typing import Any
 def capture_demo_spike(root: Path, preset: str = "ratio_outliers") -> Path:
     """The demo's reference run (world size 2, 32 steps, default batch: 2 prompts x 4 samples per rank);
     its worst spike snapshot."""
-    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+    from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
     from axrl_spike_replay.snapshot.metadata import read_metadata
 
     run = capture_reference_run(root / "outputs", job="bench-spike", world_size=2, steps=32, preset=preset)

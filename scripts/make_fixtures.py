@@ -15,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "outputs"
 STEPS = 21

@@ -28,7 +28,7 @@ from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.skill_pack import methods_block, with_methods_block
 from axrl_spike_replay.snapshot.listing import list_snapshots
-from axrl_spike_replay.snapshot.preserve import preserve
+from axrl_spike_replay.snapshot.preservation.preserve import preserve
 from axrl_spike_replay.workspace.methods import list_methods, write_index
 from axrl_spike_replay.workspace.report import write_report
 from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
@@ -46,7 +46,7 @@ EXTRA_CONFIGS: dict[str, list[dict]] = {"stale_routes": [{"kl_coef": 0.0}]}
 
 def investigate(workspace: Path, preset: str, seed: int) -> list[dict]:
     """Capture, preserve, replay, sweep and write up one preset; return one summary row per config."""
-    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+    from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 
     job = f"ref-{preset.replace('_', '-')}"
     model = PRESET_MODELS.get(preset, "tiny_moe")

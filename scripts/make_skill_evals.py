@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.capture.presets import FAULT_FAMILIES
+from axrl_spike_replay.capture.reference.presets import FAULT_FAMILIES
 from axrl_spike_replay.testing.fault_matrix import MATRIX_WORLD_SIZE, OLD_FAMILY_IDS, capture_command, matrix_cases
 
 SKILL = "axrl-spike-replay"

@@ -21,8 +21,8 @@ import torch
 from shared_capture import left_as_recorded
 
 if TYPE_CHECKING:
-    from axrl_spike_replay.capture.reference_trainer import CaptureResult
-    from axrl_spike_replay.replay.launch import JobRunner
+    from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult
+    from axrl_spike_replay.replay.job_runner import JobRunner
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 
@@ -62,7 +62,7 @@ def captured_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CaptureRe
 
     Shared by the whole session: read it, or copy its output dir before editing anything in it.
     """
-    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+    from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 
     logging.getLogger("axrl_spike_replay.guard").setLevel(logging.ERROR)
     out = tmp_path_factory.mktemp("captured-run")
@@ -79,7 +79,7 @@ def negative_advantage_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
     Shared by the whole session: read it, or copy its output dir before editing anything in it.
     """
-    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+    from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 
     logging.getLogger("axrl_spike_replay.guard").setLevel(logging.ERROR)
     out = tmp_path_factory.mktemp("negative-advantage-run")

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from axrl_spike_replay.capture.presets import PRESETS
+from axrl_spike_replay.capture.reference.presets import PRESETS
 from axrl_spike_replay.cli import build_parser
 
 

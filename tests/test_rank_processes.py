@@ -82,7 +82,7 @@ def test_expected_errors_come_back_with_the_rank_s_message_and_are_not_retried(t
 
 
 SCRIPT = """
-from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 
 {body}
 """

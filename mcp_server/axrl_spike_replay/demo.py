@@ -158,7 +158,7 @@ def run_demo(
 
 def _capture_spike(run: _Run, *, preset: str, world_size: int, seed: int, steps: int, model: str) -> None:
     """Step 1: a reference training run that hits a spike (the fault hidden from its snapshots and log)."""
-    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+    from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 
     run.starting(f"capture: a reference GRPO run of {model}, {steps} steps on {world_size} rank(s), preset {preset}")
     capture = capture_reference_run(
@@ -194,7 +194,7 @@ def _find_and_preserve(run: _Run) -> _Found:
     from axrl_spike_replay.investigation.task_opening import open_task
     from axrl_spike_replay.snapshot.discovery import resolve_job
     from axrl_spike_replay.snapshot.listing import list_snapshots
-    from axrl_spike_replay.snapshot.preserve import preserve
+    from axrl_spike_replay.snapshot.preservation.preserve import preserve
 
     run.starting("resolve the job, list and preserve its snapshots, open the task")
     resolution = resolve_job(DEMO_JOB, [run.root / "outputs"])
@@ -343,7 +343,7 @@ def _diagnose_with_model(
     """The step's own evidence settles what the static diagnosis left open (old or rollout log-probs off?): the
     report shows the strongest diagnosis, and the demo notes what it planted so the answer can be checked.
     (planted family, family ranked first)."""
-    from axrl_spike_replay.capture.presets import get_preset
+    from axrl_spike_replay.capture.reference.presets import get_preset
     from axrl_spike_replay.diagnosis.causes import LIKELY
     from axrl_spike_replay.investigation.task_opening import diagnose_into_task
     from axrl_spike_replay.workspace.task_state import note

@@ -1,6 +1,6 @@
 """The worker's half of the launch contract, for a module started by torchrun (directly, over SSH or under srun).
 A ground module: the engine's own worker (`replay.torchrun_worker`) reads its request through it, and the launchers
-(`remote.launch_job`) write requests in the format it defines.
+(`remote.launchers.launch_job`) write requests in the format it defines.
 
     ctx = worker_context()                          # rank and world from torchrun's environment, argv[1] = request
     torch.distributed.init_process_group(backend, init_method="env://")

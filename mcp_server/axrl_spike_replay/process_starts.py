@@ -53,9 +53,9 @@ PRELOAD = (
     "torch.multiprocessing",
     "axrl_spike_replay.rank_processes",
     "axrl_spike_replay.replay.worker",
-    "axrl_spike_replay.replay.launch",
+    "axrl_spike_replay.replay.job_runner",
     "axrl_spike_replay.replay.warm_pool",
-    "axrl_spike_replay.capture.reference_trainer",
+    "axrl_spike_replay.capture.reference.reference_trainer",
 )
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _SERVER_ENV = {"OMP_NUM_THREADS": "1"}  # the server's own: importing torch starts no OpenMP thread there

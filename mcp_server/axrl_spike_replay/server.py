@@ -1,8 +1,8 @@
 """The MCP tool server: one typed tool per step of a spike investigation, over the library's functions.
 
 `create_server(workspace)` builds the server; `serve(...)` runs it over stdio (the default) or streamable
-HTTP (TCP with a bearer token, see `mcp_faces.http_access`; or a Unix socket that only this user can use).
-The tools live in `mcp_faces/` (one module per area) and hold no logic of their own: they validate
+HTTP (TCP with a bearer token, see `mcp_faces.http_transport.http_access`; or a Unix socket that only this user can
+use). The tools live in `mcp_faces/` (one module per area) and hold no logic of their own: they validate
 their arguments, call one library function in a worker thread (progress and cancellation bridged) and
 shape its result. Nothing heavy is imported until a tool needs it, so the server answers `tools/list` fast.
 
@@ -45,7 +45,7 @@ from axrl_spike_replay.mcp_faces.lean_tools import lean_tool
 from axrl_spike_replay.mcp_faces.stdio_replies import AnsweringReadStream, RecordingLines, claimed_stdin
 
 if TYPE_CHECKING:
-    from axrl_spike_replay.mcp_faces.http_access import HttpAccess
+    from axrl_spike_replay.mcp_faces.http_transport.http_access import HttpAccess
 
 INSTRUCTIONS = """\
 Investigate gradient-norm spikes of RL post-training runs (MoE LLMs) from their spike snapshots.
@@ -167,7 +167,7 @@ def create_server(
     `warm`: keep replay processes and loaded weights between calls (see `replay.warm_pool`); they stop
     when the server's session ends, or after `warm_idle_s` unused. `warm_memory`: bytes of loaded weights
     kept (default a quarter of RAM). `read_only`: offer only the tools that read. `token_verifier`: over
-    HTTP, the bearer token a request must carry (see `mcp_faces.http_access`).
+    HTTP, the bearer token a request must carry (see `mcp_faces.http_transport.http_access`).
     """
     from axrl_spike_replay.replay.warm_pool import DEFAULT_IDLE_S, WarmService
 
@@ -211,11 +211,11 @@ def serve(
     on_stop = access.close if access is not None else None
     try:
         if socket_path is not None:
-            from axrl_spike_replay.mcp_faces.http_serve import serve_unix
+            from axrl_spike_replay.mcp_faces.http_transport.http_serve import serve_unix
 
             serve_unix(server, socket_path, ready=ready, on_stop=on_stop)
         elif http:
-            from axrl_spike_replay.mcp_faces.http_serve import serve_tcp
+            from axrl_spike_replay.mcp_faces.http_transport.http_serve import serve_tcp
 
             serve_tcp(server, host, port, ready=ready, on_stop=on_stop)
         else:

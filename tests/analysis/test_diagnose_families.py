@@ -176,7 +176,7 @@ def test_the_shared_vocabulary_is_what_diagnose_names() -> None:
     assert EXPORTED == FAMILIES and len(set(FAMILIES)) == 11
     assert {rule.__name__ for rule in RULES} | {"natural_spike"} == set(FAMILIES)
     # the fault presets (a lower floor, so a copy of their own) plant exactly these families
-    from axrl_spike_replay.capture import presets
+    from axrl_spike_replay.capture.reference import presets
 
     assert tuple(getattr(presets, "FAULT_FAMILIES", FAMILIES)) == FAMILIES
 

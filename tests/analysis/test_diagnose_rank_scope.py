@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from axrl_spike_replay.diagnosis.causes import Cause, Experiment
-from axrl_spike_replay.diagnosis.rank_scope import UNSCOPED, Singled, hold_to_ranks, singled_out
+from axrl_spike_replay.diagnosis.causes_by_rank import UNSCOPED, Singled, hold_to_ranks, singled_out
 from axrl_spike_replay.diagnosis.tie_break import name_comparisons
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.capture.faults import make_fault
-from axrl_spike_replay.capture.presets import FaultSpec
-from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+from axrl_spike_replay.capture.fault_injection.faults import make_fault
+from axrl_spike_replay.capture.reference.presets import FaultSpec
+from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot, render_diagnosis
 from axrl_spike_replay.diagnosis.reproduction import Prediction, predict, read_rank, reproduction_cause
 from axrl_spike_replay.experiment.step_evidence import LossChannel

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.capture.faults import make_fault
-from axrl_spike_replay.capture.presets import FaultSpec
-from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+from axrl_spike_replay.capture.fault_injection.faults import make_fault
+from axrl_spike_replay.capture.reference.presets import FaultSpec
+from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot, render_diagnosis
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.launch import JobRunner
+from axrl_spike_replay.replay.job_runner import JobRunner
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 
 HYPOTHESIS = "aux_loss_coef=40.96@1"

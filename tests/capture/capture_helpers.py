@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, TinyMoEPolicy
-from axrl_spike_replay.snapshot.checkpoint import load_model_state
+from axrl_spike_replay.snapshot.dcp.checkpoint import load_model_state
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.rank_step import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 from axrl_spike_replay.snapshot.rank_data import load_grad_info, load_rank_batch
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from axrl_spike_replay.capture.presets import FAMILY_PRESETS
+from axrl_spike_replay.capture.reference.presets import FAMILY_PRESETS
 from axrl_spike_replay.snapshot.metadata import read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch
 from axrl_spike_replay.testing.fault_matrix import MatrixCase, burst_snapshots, capture_case, matrix_cases

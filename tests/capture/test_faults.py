@@ -11,9 +11,9 @@ import pytest
 import torch
 import yaml
 
-from axrl_spike_replay.capture.faults import FAULT_KINDS, StepParts, apply_faults, make_fault
-from axrl_spike_replay.capture.presets import FAMILY_PRESETS, FAULT_FAMILIES, PRESETS, FaultSpec
-from axrl_spike_replay.capture.reference_trainer import HIDDEN_PRESET, capture_reference_run
+from axrl_spike_replay.capture.fault_injection.faults import FAULT_KINDS, StepParts, apply_faults, make_fault
+from axrl_spike_replay.capture.reference.presets import FAMILY_PRESETS, FAULT_FAMILIES, PRESETS, FaultSpec
+from axrl_spike_replay.capture.reference.reference_trainer import HIDDEN_PRESET, capture_reference_run
 from axrl_spike_replay.diagnosis.families import FAMILIES
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.snapshot.metadata import read_metadata

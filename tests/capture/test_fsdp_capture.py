@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from axrl_spike_replay.capture.reference_trainer import CaptureResult, capture_reference_run
+from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult, capture_reference_run
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.snapshot.checkpoint import read_checkpoint_metadata
+from axrl_spike_replay.snapshot.dcp.checkpoint import read_checkpoint_metadata
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
 
 # A short run: the burst at iteration 6 after a 4-step warm-up keeps this test to seconds.

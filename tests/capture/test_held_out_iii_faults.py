@@ -1,16 +1,16 @@
-"""The third held-out fault set (`capture.held_out_iii_faults`): each fault changes its part of a real tiny_moe
-rank's step as the bug it names would, on its rank only, and its matrix cases use kinds no preset and no earlier
-held-out case uses."""
+"""The third held-out fault set (`capture.fault_injection.held_out_iii_faults`): each fault changes its part of a
+real tiny_moe rank's step as the bug it names would, on its rank only, and its matrix cases use kinds no preset and
+no earlier held-out case uses."""
 
 from __future__ import annotations
 
 import torch
 
-from axrl_spike_replay.capture.faults import StepParts, apply_faults, make_fault
-from axrl_spike_replay.capture.held_out_iii_faults import HELD_OUT_III_KINDS
-from axrl_spike_replay.capture.presets import PRESETS, FaultSpec
-from axrl_spike_replay.capture.run_config import build_run_config, parse_run_config
-from axrl_spike_replay.capture.trainer_step import RankTrainer
+from axrl_spike_replay.capture.fault_injection.faults import StepParts, apply_faults, make_fault
+from axrl_spike_replay.capture.fault_injection.held_out_iii_faults import HELD_OUT_III_KINDS
+from axrl_spike_replay.capture.reference.presets import PRESETS, FaultSpec
+from axrl_spike_replay.capture.reference.run_config import build_run_config, parse_run_config
+from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
 from axrl_spike_replay.models.param_groups import family_of
 from axrl_spike_replay.models.tiny_moe import token_logprobs
 from axrl_spike_replay.testing.fault_matrix import matrix_cases

@@ -13,8 +13,8 @@ import pytest
 import torch
 import yaml
 
-from axrl_spike_replay.capture.model_choice import HF_CAPTURE_MODELS
-from axrl_spike_replay.capture.reference_trainer import CaptureResult, capture_reference_run
+from axrl_spike_replay.capture.reference.model_choice import HF_CAPTURE_MODELS
+from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult, capture_reference_run
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay

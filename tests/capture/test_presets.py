@@ -8,7 +8,7 @@ import pytest
 import torch
 from capture_helpers import recompute_grad_norm
 
-from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.snapshot.metadata import read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch

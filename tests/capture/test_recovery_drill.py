@@ -8,8 +8,8 @@ from capture_helpers import final_weights_distance
 from torch import nn
 
 from axrl_spike_replay.capture.detectors import MedianRatioDetector
-from axrl_spike_replay.capture.reference_trainer import capture_reference_run
-from axrl_spike_replay.capture.run_config import DEFAULT_MODEL
+from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
+from axrl_spike_replay.capture.reference.run_config import DEFAULT_MODEL
 from axrl_spike_replay.capture.spike_guard import SpikeGuard
 from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy
 

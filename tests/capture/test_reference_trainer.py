@@ -8,10 +8,10 @@ import pytest
 import torch
 import yaml
 
-from axrl_spike_replay.capture.run_config import parse_run_config
+from axrl_spike_replay.capture.reference.run_config import parse_run_config
 from axrl_spike_replay.models.policy import policy_forward
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, TinyMoEPolicy
-from axrl_spike_replay.snapshot.checkpoint import load_model_state
+from axrl_spike_replay.snapshot.dcp.checkpoint import load_model_state
 from axrl_spike_replay.snapshot.layout import rank_files
 from axrl_spike_replay.snapshot.metadata import read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_grad_info, load_rank_batch, load_routing_payload

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from axrl_spike_replay.capture.reference_trainer import CaptureResult, capture_reference_run
+from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult, capture_reference_run
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 
 BURST_START = 20  # the preset's burst: iterations 20-22

@@ -48,7 +48,7 @@ def _json_bytes(doc: object) -> bytes | None:
 @example(doc={"grad_norm": 1.0, "tolerance": 1e9})
 @example(doc={"grad_norm": "nan", "top_params": [{"name": "w", "grad_norm": "-inf"}]})
 def test_a_command_result_file_is_read_or_refused_by_field(tmp_path_factory: pytest.TempPathFactory, doc) -> None:
-    from axrl_spike_replay.remote.command_result import read_command_result
+    from axrl_spike_replay.remote.command.command_result import read_command_result
 
     data = _json_bytes(doc)
     if data is None:
@@ -83,7 +83,7 @@ class _Chunks:
 )
 def test_output_lines_are_capped_with_a_marker_however_the_bytes_arrive(pieces: list[bytes], cut: int) -> None:
     """Against the obvious reference (split the whole output, cap each line), with a 16-byte cap."""
-    from axrl_spike_replay.remote import job
+    from axrl_spike_replay.remote.transport import job
 
     data = b"".join(pieces)
     chunks = [data[i : i + cut] for i in range(0, len(data), cut)]

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from axrl_spike_replay.errors import SnapshotError
-from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, read_checkpoint_metadata
-from axrl_spike_replay.snapshot.checkpoint_bytes import bytes_entry_value
+from axrl_spike_replay.snapshot.dcp.checkpoint import check_checkpoint_storage, read_checkpoint_metadata
+from axrl_spike_replay.snapshot.dcp.checkpoint_bytes import bytes_entry_value
 from hostile_snapshot import save_bytes_entries, torch_saved
 
 ENTRY = "decoder.layers.self_attention.linear_qkv._extra_state/shard_0_1"
@@ -60,7 +60,7 @@ def test_a_bytes_entry_beyond_what_an_extra_state_holds_is_refused_and_never_run
 def test_a_global_is_named_from_literal_strings_or_memo_entries_else_refused() -> None:
     """A STACK_GLOBAL takes its names from the two values pushed before it: literal strings, or memo entries holding
     them, are read; a value the pickle builds cannot be named without running it, so it is refused as such."""
-    from axrl_spike_replay.snapshot.checkpoint_bytes import _named_beyond_allowed
+    from axrl_spike_replay.snapshot.dcp.checkpoint_bytes import _named_beyond_allowed
 
     proto, builtins, exec_ = b"\x80\x02", b"\x8c\x08builtins", b"\x8c\x04exec"  # protocol 4's opcodes, read
     memoized = proto + builtins + b"\x94" + exec_ + b"\x94\x93."  # MEMOIZE after each name

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from axrl_spike_replay.errors import AxrlError, SnapshotError
-from axrl_spike_replay.snapshot.checkpoint import load_model_state, summarize_checkpoint
+from axrl_spike_replay.snapshot.dcp.checkpoint import load_model_state, summarize_checkpoint
 from hostile_snapshot import edit_routing_payload, edit_safetensors_header, set_checkpoint_chunks, write_distcp_bomb
 
 FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -10,17 +10,17 @@ from typing import Any
 
 import torch
 
-from axrl_spike_replay.models.megatron_cpu import megatron_unavailable_reason
+from axrl_spike_replay.models.mcore.megatron_cpu import megatron_unavailable_reason
 
 REASON = megatron_unavailable_reason()
 
 
 def load_gpt(section: dict[str, Any], checkpoint: str) -> Any:
     """Megatron-core's GPTModel for the section (TP=PP=EP=1), its weights loaded by `dist_checkpointing.load` as
-    route 2 loads them (`snapshot.megatron_load`)."""
-    from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
-    from axrl_spike_replay.snapshot.megatron_load import load_megatron_model
+    route 2 loads them (`snapshot.trainer_formats.megatron_load`)."""
+    from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
+    from axrl_spike_replay.models.mcore.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
+    from axrl_spike_replay.snapshot.trainer_formats.megatron_load import load_megatron_model
 
     init_parallel(MegatronParallel())
     model = build_gpt_model(MegatronModelConfig.from_dict(section))
@@ -88,9 +88,9 @@ def forward_backward(
     rank: int, world: int, payload: tuple[dict[str, Any], str, dict[str, torch.Tensor], str, Any, float]
 ) -> None:
     """Megatron's own forward and backward of `batch` (routes forced when given): log-probs, routes, grads saved."""
-    from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu
-    from axrl_spike_replay.models.megatron_policy import force_routes, install_trace, megatron_logprobs
-    from axrl_spike_replay.snapshot.megatron_routes import to_router_replay
+    from axrl_spike_replay.models.mcore.megatron_cpu import megatron_on_cpu
+    from axrl_spike_replay.models.mcore.megatron_policy import force_routes, install_trace, megatron_logprobs
+    from axrl_spike_replay.snapshot.trainer_formats.megatron_routes import to_router_replay
 
     section, checkpoint, batch, out, routes, router = payload
     torch.manual_seed(0)
@@ -106,7 +106,7 @@ def forward_backward(
 
 
 def trace_layers(model: Any) -> list[int]:
-    from axrl_spike_replay.models.megatron_policy import routers
+    from axrl_spike_replay.models.mcore.megatron_policy import routers
 
     return list(routers(model))
 
@@ -129,7 +129,7 @@ def mbridge_to_hf(section: dict[str, Any], tensors: dict[str, torch.Tensor], hf_
 
     from axrl_spike_replay.models.hf_config import hf_config_object
     from axrl_spike_replay.models.hf_weights import to_model_layout
-    from axrl_spike_replay.models.megatron_config import MegatronModelConfig
+    from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
 
     spec = MegatronModelConfig.from_dict(section)
     bridges = {"qwen3_moe": Qwen3MoEBridge, "qwen2_moe": Qwen2MoEBridge}
@@ -167,7 +167,7 @@ def mbridge_deepseek_to_hf(section: dict[str, Any], tensors: dict[str, torch.Ten
 
     from axrl_spike_replay.models.hf_config import hf_config_object
     from axrl_spike_replay.models.hf_weights import to_model_layout
-    from axrl_spike_replay.models.megatron_config import MegatronModelConfig
+    from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
 
     spec = MegatronModelConfig.from_dict(section)
     bridge = DeepseekV3Bridge.__new__(DeepseekV3Bridge)
@@ -191,9 +191,9 @@ def save_with_mtp(rank: int, world: int, out: str) -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer import MLATransformerConfig
 
-    from axrl_spike_replay.models.megatron_cpu import initialize_cpu_rng, megatron_on_cpu
-    from axrl_spike_replay.models.megatron_deepseek import deepseek_block_spec
-    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, init_parallel, transformer_config_kwargs
+    from axrl_spike_replay.models.mcore.megatron_cpu import initialize_cpu_rng, megatron_on_cpu
+    from axrl_spike_replay.models.mcore.megatron_deepseek import deepseek_block_spec
+    from axrl_spike_replay.models.mcore.megatron_gpt import MegatronParallel, init_parallel, transformer_config_kwargs
     from axrl_spike_replay.testing.megatron_checkpoints import tiny_spec
 
     spec = tiny_spec("deepseek_v3")

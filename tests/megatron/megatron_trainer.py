@@ -30,7 +30,7 @@ def load_hook() -> Any:
 
 def make_batch(model: Any, trace: Any, dp_rank: int, step: int, burst: bool) -> dict[str, torch.Tensor]:
     """Data-parallel rank `dp_rank`'s batch of `step`; with `burst`, two samples' rollout log-probs are far off."""
-    from axrl_spike_replay.models.megatron_policy import force_routes, megatron_logprobs
+    from axrl_spike_replay.models.mcore.megatron_policy import force_routes, megatron_logprobs
 
     gen = torch.Generator().manual_seed(100 * step + dp_rank)
     b, t = BATCH, PROMPT + RESPONSE
@@ -81,10 +81,10 @@ def train(rank: int, world: int, payload: tuple[dict[str, Any], str, str, int, i
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from axrl_spike_replay.capture.detectors import MedianRatioDetector
-    from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-    from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu
-    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
-    from axrl_spike_replay.models.megatron_policy import force_routes, install_trace, megatron_logprobs
+    from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
+    from axrl_spike_replay.models.mcore.megatron_cpu import megatron_on_cpu
+    from axrl_spike_replay.models.mcore.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
+    from axrl_spike_replay.models.mcore.megatron_policy import force_routes, install_trace, megatron_logprobs
     from axrl_spike_replay.training.policy_loss import LossConfig, policy_loss
 
     section, checkpoint, root, steps, burst_step, ep, job = payload

@@ -18,9 +18,9 @@ from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
 from axrl_spike_replay.snapshot.legacy import prepare_replay_dir
-from axrl_spike_replay.snapshot.megatron_routes import MEGATRON_ROUTES_FORMAT
 from axrl_spike_replay.snapshot.rank_data import load_routing_payload
 from axrl_spike_replay.snapshot.safe_load import load_pt
+from axrl_spike_replay.snapshot.trainer_formats.megatron_routes import MEGATRON_ROUTES_FORMAT
 from axrl_spike_replay.vocabulary import Backend
 
 pytestmark = pytest.mark.slow

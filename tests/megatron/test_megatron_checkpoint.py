@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from axrl_spike_replay.errors import ConfigError, SnapshotError, UnsafeFileError
-from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-from axrl_spike_replay.snapshot.megatron_checkpoint import (
+from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
+from axrl_spike_replay.snapshot.metadata import ParallelLayout
+from axrl_spike_replay.snapshot.trainer_formats.megatron_checkpoint import (
     is_megatron_checkpoint,
     layout_problems,
     load_regions,
     read_common_state,
     read_megatron_checkpoint,
 )
-from axrl_spike_replay.snapshot.metadata import ParallelLayout
 from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
 pytestmark = pytest.mark.slow

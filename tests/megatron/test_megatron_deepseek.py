@@ -1,5 +1,5 @@
 """DeepSeek-V3 on both replay routes: megatron-core builds its Multi-Latent Attention on the local spec (with the two
-recorded CPU patches of `models.megatron_cpu`), saves it with `dist_checkpointing.save`, and the checkpoint loaded
+recorded CPU patches of `models.mcore.megatron_cpu`), saves it with `dist_checkpointing.save`, and the checkpoint loaded
 into transformers' DeepseekV3ForCausalLM computes what megatron-core's own model computes: the same routes (sigmoid
 scores, expert bias, group-limited top-k), log-probs and gradients, every parameter compared under mbridge's
 DeepseekV3Bridge mapping. A snapshot of megatron-core's own training replays `reproduced` on both routes."""
@@ -21,8 +21,8 @@ from megatron_helpers import (
 )
 
 from axrl_spike_replay.errors import ConfigError, SnapshotError
-from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-from axrl_spike_replay.models.megatron_weights import check_megatron_weights, expected_megatron_shapes
+from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.mcore.megatron_weights import check_megatron_weights, expected_megatron_shapes
 from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config
 from axrl_spike_replay.rank_processes import spawn_ranks
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay

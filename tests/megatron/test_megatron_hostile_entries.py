@@ -80,7 +80,7 @@ def test_a_bytes_entry_that_would_run_code_is_refused_by_inspect_and_both_routes
 
 def test_megatron_core_load_reads_bytes_entries_weights_only(hostile_capture: tuple[Path, Path]) -> None:
     """The load itself, without the checks the routes run first (a file swapped after them): megatron-core's
-    `dist_checkpointing.load` through `snapshot.megatron_load` refuses the entry in its rank process."""
+    `dist_checkpointing.load` through `snapshot.trainer_formats.megatron_load` refuses the entry in its rank process."""
     from megatron_helpers import load_gpt_rank
 
     from axrl_spike_replay.rank_processes import spawn_ranks
@@ -95,7 +95,7 @@ def test_megatron_core_load_reads_bytes_entries_weights_only(hostile_capture: tu
 def test_what_megatron_extra_state_holds_passes(megatron_checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """None (the local spec's), a tensor (Transformer Engine's) and plain containers of them are read; inspect
     lists no problem."""
-    from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage
+    from axrl_spike_replay.snapshot.dcp.checkpoint import check_checkpoint_storage
 
     checkpoint = shutil.copytree(megatron_checkpoints["tp1"], tmp_path / "tp1")
     plant_bytes_entry(checkpoint, ENTRY, torch.arange(8, dtype=torch.uint8))

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from axrl_spike_replay.models.megatron_cpu import megatron_unavailable_reason
+from axrl_spike_replay.models.mcore.megatron_cpu import megatron_unavailable_reason
 
 REASON = megatron_unavailable_reason()
 SAME = 1e-6
@@ -30,8 +30,8 @@ def _schedule(rank: int, world: int, payload: tuple[str]) -> None:
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
     from megatron.core.transformer import TransformerConfig
 
-    from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu
-    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, init_parallel
+    from axrl_spike_replay.models.mcore.megatron_cpu import megatron_on_cpu
+    from axrl_spike_replay.models.mcore.megatron_gpt import MegatronParallel, init_parallel
     from axrl_spike_replay.models.policy import policy_forward
     from axrl_spike_replay.models.tiny_moe import RoutingControl, TinyMoEConfig, TinyMoEPolicy
     from axrl_spike_replay.training.loss_config import LossConfig

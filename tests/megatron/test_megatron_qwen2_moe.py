@@ -21,8 +21,8 @@ from megatron_helpers import (
     more_layouts,
 )
 
-from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-from axrl_spike_replay.models.megatron_weights import check_megatron_weights, expected_megatron_shapes
+from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.mcore.megatron_weights import check_megatron_weights, expected_megatron_shapes
 from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config
 from axrl_spike_replay.rank_processes import spawn_ranks
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay

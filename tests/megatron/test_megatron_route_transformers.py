@@ -18,7 +18,7 @@ from megatron_helpers import (
 )
 
 from axrl_spike_replay.errors import SnapshotError
-from axrl_spike_replay.models.megatron_weights import check_megatron_weights, expected_megatron_shapes
+from axrl_spike_replay.models.mcore.megatron_weights import check_megatron_weights, expected_megatron_shapes
 from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config, policy_forward
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.rank_processes import spawn_ranks

@@ -6,8 +6,8 @@ import pytest
 import torch
 from megatron_helpers import REASON
 
-from axrl_spike_replay.models import megatron_cpu
-from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu, megatron_unavailable_reason
+from axrl_spike_replay.models.mcore import megatron_cpu
+from axrl_spike_replay.models.mcore.megatron_cpu import megatron_on_cpu, megatron_unavailable_reason
 
 
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")

@@ -20,10 +20,10 @@ pytestmark = pytest.mark.slow
 def _merged_norms(rank: int, world: int, payload: tuple[dict[str, Any], str, int, str]) -> None:
 
     from axrl_spike_replay.integrations.megatron import parameter_norms
-    from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-    from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu
-    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
-    from axrl_spike_replay.snapshot.megatron_load import load_megatron_model
+    from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
+    from axrl_spike_replay.models.mcore.megatron_cpu import megatron_on_cpu
+    from axrl_spike_replay.models.mcore.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
+    from axrl_spike_replay.snapshot.trainer_formats.megatron_load import load_megatron_model
 
     section, checkpoint, tp, out = payload
     with megatron_on_cpu():
@@ -53,9 +53,9 @@ def _partial_replicas(rank: int, world: int, payload: tuple[dict[str, Any], str]
     """At TP=2: the layer norms' gradients as sequence parallelism leaves them before finalize_model_grads, a
     different partial gradient on each TP rank. The merge says so in the log."""
     from axrl_spike_replay.integrations.megatron import log, parameter_norms
-    from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-    from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu
-    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
+    from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
+    from axrl_spike_replay.models.mcore.megatron_cpu import megatron_on_cpu
+    from axrl_spike_replay.models.mcore.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
 
     section, out = payload
     said = _Said()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from axrl_spike_replay.capture.model_choice import CAPTURE_MODELS, HF_CAPTURE_MODELS, hf_model_section
+from axrl_spike_replay.capture.reference.model_choice import CAPTURE_MODELS, HF_CAPTURE_MODELS, hf_model_section
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.architectures import ARCHITECTURES, TINY_BASE, Architecture, architecture
 from axrl_spike_replay.models.hf_config import SIZE_LIMITS, HFModelConfig, instantiate

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from axrl_spike_replay.capture.model_choice import hf_model_section
+from axrl_spike_replay.capture.reference.model_choice import hf_model_section
 from axrl_spike_replay.errors import AxrlError, ConfigError, SnapshotError
 from axrl_spike_replay.models.policy import parse_model_config, routing_shape
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from axrl_spike_replay.capture.model_choice import CAPTURE_MODELS
-from axrl_spike_replay.capture.run_config import build_run_config, parse_run_config
+from axrl_spike_replay.capture.reference.model_choice import CAPTURE_MODELS
+from axrl_spike_replay.capture.reference.run_config import build_run_config, parse_run_config
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
 from axrl_spike_replay.experiment.mitigations import apply_config, check_current_layers, parse_config

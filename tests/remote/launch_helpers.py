@@ -10,9 +10,9 @@ from pathlib import Path
 
 from ssh_loopback import LoopbackServer
 
-from axrl_spike_replay.remote.launch_job import LAUNCH_ID_ENV, LaunchNode, WorkerEntry
-from axrl_spike_replay.remote.target import parse_target
-from axrl_spike_replay.remote.target_config import ResolvedTarget
+from axrl_spike_replay.remote.launchers.launch_job import LAUNCH_ID_ENV, LaunchNode, WorkerEntry
+from axrl_spike_replay.remote.transport.target import parse_target
+from axrl_spike_replay.remote.transport.target_config import ResolvedTarget
 
 WORKER = WorkerEntry(script=str(Path(__file__).with_name("allreduce_worker.py")))
 

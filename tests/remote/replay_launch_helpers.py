@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from ssh_loopback import LoopbackServer
 
-from axrl_spike_replay.remote.launch_job import LAUNCH_ID_ENV
+from axrl_spike_replay.remote.launchers.launch_job import LAUNCH_ID_ENV
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
 SNAPSHOT = FIXTURE / "checkpoints" / "spike_snapshots" / "iter_0000021"  # tiny MoE, saved world size 2

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from axrl_spike_replay.remote.ssh_library import asyncssh
+from axrl_spike_replay.remote.transport.ssh_library import asyncssh
 
 SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
 

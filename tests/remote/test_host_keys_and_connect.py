@@ -13,11 +13,11 @@ import pytest
 from ssh_loopback import Keys, LoopbackServer, free_port
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.connect import ConnectSettings
-from axrl_spike_replay.remote.errors import HostKeyError, RemoteError
-from axrl_spike_replay.remote.host_keys import HostKeyPolicy, record_host_key
-from axrl_spike_replay.remote.session import open_session
-from axrl_spike_replay.remote.ssh_library import asyncssh
+from axrl_spike_replay.remote.transport.connect import ConnectSettings
+from axrl_spike_replay.remote.transport.host_keys import HostKeyPolicy, record_host_key
+from axrl_spike_replay.remote.transport.remote_errors import HostKeyError, RemoteError
+from axrl_spike_replay.remote.transport.session import open_session
+from axrl_spike_replay.remote.transport.ssh_library import asyncssh
 
 
 def connect_and_run(spec: str, settings: ConnectSettings | None = None) -> tuple[str, int]:

@@ -18,10 +18,10 @@ import pytest
 from remote_helpers import kill_marked, remote_processes, wait_until_gone
 from ssh_loopback import LoopbackServer
 
-from axrl_spike_replay.remote.job import MAX_LINE_BYTES, JobOutcome, Session
-from axrl_spike_replay.remote.local_session import LocalSession
-from axrl_spike_replay.remote.session import open_session
-from axrl_spike_replay.remote.shell import detached_command, job_script, parse_pgid_marker
+from axrl_spike_replay.remote.transport.job import MAX_LINE_BYTES, JobOutcome, Session
+from axrl_spike_replay.remote.transport.local_session import LocalSession
+from axrl_spike_replay.remote.transport.session import open_session
+from axrl_spike_replay.remote.transport.shell import detached_command, job_script, parse_pgid_marker
 
 GUARD_S = 120.0  # a hang guard, far above what any of these jobs needs; never a measured time
 

@@ -12,15 +12,14 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.launch_job import (
+from axrl_spike_replay.remote.launchers.launch_job import (
     LaunchError,
     WorkerEntry,
     check_node_ready,
     new_launch_id,
     request_document,
 )
-from axrl_spike_replay.remote.node_probe import NodeReport
-from axrl_spike_replay.remote.slurm_command import (
+from axrl_spike_replay.remote.launchers.slurm_command import (
     SlurmSettings,
     batch_script,
     failed_node,
@@ -31,7 +30,7 @@ from axrl_spike_replay.remote.slurm_command import (
     parse_squeue,
     sbatch_argv,
 )
-from axrl_spike_replay.remote.torchrun_command import (
+from axrl_spike_replay.remote.launchers.torchrun_command import (
     Rendezvous,
     agent_script,
     parse_sweep,
@@ -39,7 +38,8 @@ from axrl_spike_replay.remote.torchrun_command import (
     sweep_script,
     torchrun_argv,
 )
-from axrl_spike_replay.remote.torchrun_failure import AgentState, explain_failure, timeout_error
+from axrl_spike_replay.remote.launchers.torchrun_failure import AgentState, explain_failure, timeout_error
+from axrl_spike_replay.remote.nodes.node_probe import NodeReport
 
 NASTY = "we ird 'q' \"d\" $(touch PWNED) `touch PWNED2` ; & | $HOME *"
 ECHO_ARGV = "import json, sys; print(json.dumps(sys.argv[1:]))"
@@ -223,8 +223,8 @@ def test_a_node_that_cannot_run_the_job_is_told_what_to_do() -> None:
 def test_the_launch_probe_finds_torch_without_importing_it() -> None:
     import asyncio
 
-    from axrl_spike_replay.remote.local_session import LocalSession
-    from axrl_spike_replay.remote.node_probe import probe
+    from axrl_spike_replay.remote.nodes.node_probe import probe
+    from axrl_spike_replay.remote.transport.local_session import LocalSession
 
     light = asyncio.run(probe(LocalSession(), python=sys.executable, import_torch=False))
     assert light.torch_version is not None and light.package_importable

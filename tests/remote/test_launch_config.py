@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.launch_config import multinode_nodes, slurm_login
+from axrl_spike_replay.remote.launchers.launch_config import multinode_nodes, slurm_login
 from axrl_spike_replay.remote.workspace_config import load_workspace_config
 
 EXAMPLE = """\

@@ -10,7 +10,7 @@ import pytest
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.launch_worker import worker_context, write_result
-from axrl_spike_replay.remote.launch_job import request_document
+from axrl_spike_replay.remote.launchers.launch_job import request_document
 
 TORCHRUN_ENV = {
     "RANK": "0",

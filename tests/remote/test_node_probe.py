@@ -14,8 +14,8 @@ from ssh_loopback import LoopbackServer
 
 import axrl_spike_replay
 from axrl_spike_replay.remote.node import probe_node
-from axrl_spike_replay.remote.node_probe import NodeReport, parse_nvidia_smi, parse_probe, plan_for_snapshot
-from axrl_spike_replay.remote.options import RemoteOptions
+from axrl_spike_replay.remote.nodes.node_probe import NodeReport, parse_nvidia_smi, parse_probe, plan_for_snapshot
+from axrl_spike_replay.remote.transport.options import RemoteOptions
 
 H200_CSV = "NVIDIA H200, 143771 MiB, 570.124.06\nNVIDIA H200, 143771 MiB, 570.124.06\n"
 

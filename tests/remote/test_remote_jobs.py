@@ -18,10 +18,10 @@ from remote_helpers import remote_processes, wait_until_gone
 from ssh_loopback import LoopbackServer, TcpProxy
 
 from axrl_spike_replay.atomic import current_umask
-from axrl_spike_replay.remote.connect import ConnectSettings
-from axrl_spike_replay.remote.local_session import LocalSession
-from axrl_spike_replay.remote.session import open_session
-from axrl_spike_replay.remote.shell import job_script
+from axrl_spike_replay.remote.transport.connect import ConnectSettings
+from axrl_spike_replay.remote.transport.local_session import LocalSession
+from axrl_spike_replay.remote.transport.session import open_session
+from axrl_spike_replay.remote.transport.shell import job_script
 
 NASTY = "we ird 'single' \"double\" $(touch PWNED) `touch PWNED2` ; & | $HOME *"
 
@@ -239,8 +239,8 @@ def test_ctrl_c_kills_the_remote_process_group(server: LoopbackServer, tmp_path:
             f"""
             import asyncio, sys
             from pathlib import Path
-            from axrl_spike_replay.remote.session import open_session
-            from axrl_spike_replay.remote.shell import job_script
+            from axrl_spike_replay.remote.transport.session import open_session
+            from axrl_spike_replay.remote.transport.shell import job_script
 
             async def main():
                 async with await open_session({server.spec()!r}) as session:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.cli import build_parser
+from axrl_spike_replay.remote.nodes.results import snapshot_facts
 from axrl_spike_replay.remote.remote_replay import RemoteReplayRequest, remote_argv
-from axrl_spike_replay.remote.results import snapshot_facts
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
 

@@ -29,11 +29,11 @@ from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.investigation.request import MAX_REPEAT, How, What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.remote.launch_job import LaunchNode
-from axrl_spike_replay.remote.replay_launch import LaunchedRunner, Placement
+from axrl_spike_replay.remote.launchers.launch_job import LaunchNode
+from axrl_spike_replay.remote.launchers.replay_launch import LaunchedRunner, Placement
 from axrl_spike_replay.replay.clean_gradient import spike_bar
 from axrl_spike_replay.replay.inputs import load_inputs
-from axrl_spike_replay.replay.launch import run_job
+from axrl_spike_replay.replay.job_runner import run_job
 from axrl_spike_replay.replay.layout_plan import plan_layout
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 

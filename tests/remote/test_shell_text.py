@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.job import check_temp_dir
-from axrl_spike_replay.remote.shell import job_script, kill_group_command, parse_pgid_marker, quote_argv
+from axrl_spike_replay.remote.transport.job import check_temp_dir
+from axrl_spike_replay.remote.transport.shell import job_script, kill_group_command, parse_pgid_marker, quote_argv
 
 
 def test_every_word_is_quoted_and_survives_a_shell() -> None:

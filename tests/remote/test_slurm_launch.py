@@ -13,9 +13,9 @@ from launch_helpers import WORKER, ssh_node, tagged_processes, wait_for_files, w
 from slurm_loopback import DOWN_PARTITION, SlurmCluster
 from ssh_loopback import LoopbackServer
 
-from axrl_spike_replay.remote.launch_job import LaunchError, LaunchNode, new_launch_id
-from axrl_spike_replay.remote.slurm_command import SlurmSettings
-from axrl_spike_replay.remote.slurm_launch import SlurmJob, launch_slurm
+from axrl_spike_replay.remote.launchers.launch_job import LaunchError, LaunchNode, new_launch_id
+from axrl_spike_replay.remote.launchers.slurm_command import SlurmSettings
+from axrl_spike_replay.remote.launchers.slurm_launch import SlurmJob, launch_slurm
 
 pytestmark = pytest.mark.slow
 

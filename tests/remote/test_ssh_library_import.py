@@ -23,15 +23,15 @@ def test_the_ssh_modules_import_asyncssh_without_the_dsa_warnings() -> None:
     plain = _stderr_of("import asyncssh")
     assert plain.count(DSA) >= 1  # this asyncssh and cryptography do warn when imported plainly
     quiet = _stderr_of(
-        "import axrl_spike_replay.remote.host_keys, axrl_spike_replay.remote.connect, "
-        "axrl_spike_replay.remote.session, axrl_spike_replay.remote.slurm_launch"
+        "import axrl_spike_replay.remote.transport.host_keys, axrl_spike_replay.remote.transport.connect, "
+        "axrl_spike_replay.remote.transport.session, axrl_spike_replay.remote.launchers.slurm_launch"
     )
     assert DSA not in quiet and quiet == ""
 
 
 def test_other_warnings_still_show_after_the_quiet_import() -> None:
     code = (
-        "import warnings, axrl_spike_replay.remote.session\n"
+        "import warnings, axrl_spike_replay.remote.transport.session\n"
         "from cryptography.utils import CryptographyDeprecationWarning\n"
         "warnings.warn('DSA is deprecated elsewhere', CryptographyDeprecationWarning)\n"
         "warnings.warn('another warning', UserWarning)\n"

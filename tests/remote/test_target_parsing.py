@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.target import SshTarget, parse_target
+from axrl_spike_replay.remote.transport.target import SshTarget, parse_target
 
 TABLE = [
     # (as typed, host, user, port, identity files, jump, options)

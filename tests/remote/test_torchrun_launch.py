@@ -13,8 +13,8 @@ import pytest
 from launch_helpers import WORKER, ssh_node, tagged_processes, wait_for_files, wait_until_untagged
 from ssh_loopback import LoopbackServer, TcpProxy, free_port, write_known_hosts
 
-from axrl_spike_replay.remote.launch_job import LaunchError, LaunchNode, new_launch_id
-from axrl_spike_replay.remote.torchrun_launch import TorchrunJob, launch_torchrun
+from axrl_spike_replay.remote.launchers.launch_job import LaunchError, LaunchNode, new_launch_id
+from axrl_spike_replay.remote.launchers.torchrun_launch import TorchrunJob, launch_torchrun
 
 pytestmark = pytest.mark.slow
 RDZV_TIMEOUT_S = 20.0

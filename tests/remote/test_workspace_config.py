@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.command_backend import render_command, render_path
-from axrl_spike_replay.remote.command_result import grad_norm_from_stdout
+from axrl_spike_replay.remote.command.command_backend import render_command, render_path
+from axrl_spike_replay.remote.command.command_result import grad_norm_from_stdout
 from axrl_spike_replay.remote.workspace_config import (
     DEFAULT_GRAD_NORM_REGEX,
     load_workspace_config,

@@ -29,7 +29,7 @@ from axrl_spike_replay.workspace.methods import list_methods
 from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
 
 if TYPE_CHECKING:
-    from axrl_spike_replay.capture.reference_trainer import CaptureResult
+    from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult
 
 TIS = {"mismatch_token_clip_max": 2}
 OLD_BASE = {"is_base_logprobs": "old"}

@@ -14,8 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[2] / "mcp_server" / "axrl_spike_repla
 FACES = ("cli", "mcp_faces", "server", "__main__")
 GROUND = (
     "errors", "vocabulary", "jsonable", "atomic", "display", "untrusted_bytes", "untrusted_json", "untrusted_yaml",
-    "containment", "locks", "resources", "rank_processes", "process_starts", "temp_janitor", "names", "private_files",
-    "percent", "launch_worker",
+    "containment", "locks", "package_data", "rank_processes", "process_starts", "temp_janitor", "names",
+    "private_files", "percent", "launch_worker",
 )  # fmt: skip
 # Top floor first. A module may import its own package and anything on a lower floor; on a floor of several
 # packages, none imports another (diagnosis never imports workspace, remote never imports the record). On the
@@ -35,6 +35,18 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     GROUND,
 )
 FLAT = (FACES, FLOORS[1], GROUND)
+# Inside a package split by idea, the same rule one level down: a module imports its own subpackage and the parts
+# on the floors below its own (the verbs on a node, then the workspace file that names nodes, launches and the
+# command, then the launchers and the command backend side by side, then what a node has, then the transport).
+SUBFLOORS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "remote": (
+        ("node", "remote_replay"),
+        ("workspace_config",),
+        ("launchers", "command"),
+        ("nodes",),
+        ("transport",),
+    ),
+}
 
 
 def imported_modules(path: Path) -> dict[str, int]:
@@ -99,6 +111,46 @@ def test_every_import_points_down(module: Path) -> None:
             continue
         wrong.append(f"{target} (line {line}, floor {floor} {'/'.join(FLOORS[floor])})")
     assert not wrong, f"{name} (floor {own_floor} {'/'.join(FLOORS[own_floor])}) imports upward or sideways: {wrong}"
+
+
+def _part(module: str) -> str:
+    """The part of its package a module belongs to: `launchers` for `remote.launchers.launch_job`."""
+    return module.split(".")[1]
+
+
+def test_every_package_split_by_idea_has_each_part_on_a_floor() -> None:
+    for package, floors in SUBFLOORS.items():
+        parts = {p.name.removesuffix(".py") for p in (PACKAGE / package).iterdir() if p.suffix == ".py" or p.is_dir()}
+        parts -= {"__init__", "__pycache__"}
+        on_floors = {name for floor in floors for name in floor}
+        assert parts == on_floors, (
+            f"{package}: parts not on a floor {sorted(parts - on_floors)}, gone {sorted(on_floors - parts)}"
+        )
+
+
+@pytest.mark.parametrize(
+    "module",
+    [p for package in SUBFLOORS for p in sorted((PACKAGE / package).rglob("*.py")) if p.name != "__init__.py"],
+    ids=lambda p: p.relative_to(PACKAGE).as_posix(),
+)
+def test_inside_a_split_package_every_import_points_down(module: Path) -> None:
+    name = module_name(module)
+    package = name.split(".")[0]
+    floors = SUBFLOORS[package]
+
+    def floor(part: str) -> int:
+        return next(number for number, parts in enumerate(floors) if part in parts)
+
+    own = _part(name)
+    wrong = []
+    for target, line in imported_modules(module).items():
+        if target.split(".")[0] != package or target == package:
+            continue
+        part = _part(target)
+        if part == own or floor(part) > floor(own):
+            continue
+        wrong.append(f"{target} (line {line}, floor {'/'.join(floors[floor(part)])})")
+    assert not wrong, f"{name} (floor {'/'.join(floors[floor(own)])}) imports upward or sideways: {wrong}"
 
 
 def test_no_two_modules_import_each_other() -> None:

@@ -18,7 +18,7 @@ from axrl_spike_replay.experiment.mitigations import (
     parse_config,
     parse_mitigation_args,
 )
-from axrl_spike_replay.remote.command_overrides import check_concrete
+from axrl_spike_replay.remote.command.command_overrides import check_concrete
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
 from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config

@@ -13,7 +13,7 @@ from axrl_spike_replay.models.tiny_moe import RoutingControl, TinyMoEConfig, Tin
 from axrl_spike_replay.replay.engine import ReplayOptions
 from axrl_spike_replay.replay.inputs import read_run_config
 from axrl_spike_replay.replay.sweep import run_sweep
-from axrl_spike_replay.snapshot.checkpoint import load_model_state
+from axrl_spike_replay.snapshot.dcp.checkpoint import load_model_state
 from axrl_spike_replay.snapshot.layout import routing_payload_file
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch
 from axrl_spike_replay.training.policy_loss import LossConfig

@@ -19,7 +19,7 @@ from axrl_spike_replay.experiment.mitigations import (
     parse_mitigation_args,
 )
 from axrl_spike_replay.experiment.rank_scope import REQUIRED, is_hypothesis
-from axrl_spike_replay.remote.command_overrides import check_concrete
+from axrl_spike_replay.remote.command.command_overrides import check_concrete
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.training.loss_config import LossConfig

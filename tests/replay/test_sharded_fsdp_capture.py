@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from axrl_spike_replay.capture.reference_trainer import CaptureResult, capture_reference_run
+from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult, capture_reference_run
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 
 pytestmark = pytest.mark.slow  # a four-rank capture and two sharded replays

@@ -181,7 +181,7 @@ def test_processes_torchrun_starts_run_their_share_of_a_sharded_replay(
     toy_world4: tuple[Path, SweepResult], tmp_path: Path
 ) -> None:
     """The seam a launcher uses: a `runner` that hands the engine's job to processes torchrun started, each calling
-    `replay.launch.run_share`; rank 0's outcomes come back to the engine, which writes the result as usual."""
+    `replay.job_runner.run_share`; rank 0's outcomes come back to the engine, which writes the result as usual."""
     import json
     import pickle
     import subprocess

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from axrl_spike_replay.capture.run_config import build_run_config, parse_run_config
+from axrl_spike_replay.capture.reference.run_config import build_run_config, parse_run_config
 from axrl_spike_replay.capture.verl_loss_section import section_from_actor_config
 from axrl_spike_replay.experiment.mitigations import MITIGATIONS, apply_config, parse_config
 from axrl_spike_replay.experiment.trainer_changes import trainer_changes

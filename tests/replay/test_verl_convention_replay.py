@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.launch import JobRunner
+from axrl_spike_replay.replay.job_runner import JobRunner
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
 from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY
 
@@ -28,7 +28,7 @@ VERL_LOSS = {
 # Its own capture, not the session's negative_advantage_dominance run: trained under verl's loss convention.
 @pytest.fixture(scope="module")
 def verl_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+    from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 
     logging.getLogger("axrl_spike_replay.guard").setLevel(logging.ERROR)
     out = tmp_path_factory.mktemp("verl-capture")

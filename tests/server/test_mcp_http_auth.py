@@ -27,7 +27,7 @@ from mcp.shared.exceptions import MCPError
 from server_helpers import JOB, SpikeOutputs, server_command
 
 from axrl_spike_replay.agent_install import http_entry
-from axrl_spike_replay.mcp_faces.http_access import is_loopback
+from axrl_spike_replay.mcp_faces.http_transport.http_access import is_loopback
 
 REPO = Path(__file__).resolve().parents[2]
 

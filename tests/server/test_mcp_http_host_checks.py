@@ -39,7 +39,7 @@ def test_a_request_naming_another_host_or_origin_is_refused_on_every_loopback_bi
 
 
 def test_the_names_of_each_bind() -> None:
-    from axrl_spike_replay.mcp_faces.http_access import bound_names, bound_security, url_host
+    from axrl_spike_replay.mcp_faces.http_transport.http_access import bound_names, bound_security, url_host
 
     assert bound_names("127.0.0.2") == ["127.0.0.2"]
     assert bound_names("127.0.0.1") == ["127.0.0.1", "localhost"]

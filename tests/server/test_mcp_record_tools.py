@@ -117,7 +117,7 @@ def test_write_report_releases_the_tasks_copy_but_the_last_copy_only_when_asked(
 ) -> None:
     import shutil
 
-    from axrl_spike_replay.snapshot.preserve import preserve
+    from axrl_spike_replay.snapshot.preservation.preserve import preserve
 
     (copy,) = preserve(spike_outputs.output_dir, ITERATION).preserved
     ok(call(workspace, "task_open", {"job": JOB, "snapshot": copy.path}))

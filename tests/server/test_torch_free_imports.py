@@ -19,7 +19,7 @@ TORCH_FREE = [
     "axrl_spike_replay.experiment.mitigation_catalogue",
     "axrl_spike_replay.experiment.mitigation_sets",
     "axrl_spike_replay.experiment.result",
-    "axrl_spike_replay.capture.presets",
+    "axrl_spike_replay.capture.reference.presets",
     "axrl_spike_replay.training.loss_config",
     "axrl_spike_replay.training.routing_config",
     "axrl_spike_replay.jsonable",

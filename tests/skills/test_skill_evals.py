@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from axrl_spike_replay.capture.presets import FAULT_FAMILIES, PRESETS
+from axrl_spike_replay.capture.reference.presets import FAULT_FAMILIES, PRESETS
 from axrl_spike_replay.cli import build_parser
 from axrl_spike_replay.cli.capture_commands import _faults
 from axrl_spike_replay.experiment.mitigations import MITIGATIONS

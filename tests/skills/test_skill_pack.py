@@ -11,7 +11,7 @@ import anyio
 import pytest
 from mcp import Client
 
-from axrl_spike_replay.resources import skills_dir
+from axrl_spike_replay.package_data import skills_dir
 from axrl_spike_replay.server import create_server
 from axrl_spike_replay.skill_pack import list_skills, methods_block, skill_problems, with_methods_block
 from axrl_spike_replay.workspace.views import MethodEntry

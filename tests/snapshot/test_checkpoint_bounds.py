@@ -15,9 +15,9 @@ import torch
 
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.policy import check_policy_weights, parse_model_config
-from axrl_spike_replay.snapshot import checkpoint_entries
-from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, load_model_state, summarize_checkpoint
-from axrl_spike_replay.snapshot.checkpoint_tiling import tiling_problem
+from axrl_spike_replay.snapshot.dcp import checkpoint_entries
+from axrl_spike_replay.snapshot.dcp.checkpoint import check_checkpoint_storage, load_model_state, summarize_checkpoint
+from axrl_spike_replay.snapshot.dcp.checkpoint_tiling import tiling_problem
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 from hostile_snapshot import set_checkpoint_chunks, write_distcp_bomb
@@ -157,7 +157,7 @@ def test_layouts_that_tile_exactly_pass(shape, chunks) -> None:
 
 
 def test_chunks_too_irregular_to_check_are_refused_not_searched(monkeypatch: pytest.MonkeyPatch) -> None:
-    from axrl_spike_replay.snapshot import checkpoint_tiling
+    from axrl_spike_replay.snapshot.dcp import checkpoint_tiling
 
     grid = [((r, c), (2, 3)) for r in (0, 2) for c in (0, 3)]  # 4 cells
     monkeypatch.setattr(checkpoint_tiling, "MAX_GRID_CELLS", 3)

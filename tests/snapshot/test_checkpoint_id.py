@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from axrl_spike_replay.snapshot.checkpoint import read_checkpoint_metadata
+from axrl_spike_replay.snapshot.dcp.checkpoint import read_checkpoint_metadata
 from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot
 
 

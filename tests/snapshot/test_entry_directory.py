@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from axrl_spike_replay.snapshot import checkpoint_entries
-from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage
+from axrl_spike_replay.snapshot.dcp import checkpoint_entries
+from axrl_spike_replay.snapshot.dcp.checkpoint import check_checkpoint_storage
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

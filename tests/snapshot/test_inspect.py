@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from axrl_spike_replay.errors import SnapshotError
-from axrl_spike_replay.snapshot.checkpoint import summarize_checkpoint
+from axrl_spike_replay.snapshot.dcp.checkpoint import summarize_checkpoint
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, SNAPSHOTS_DIR, batch_file
 from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot

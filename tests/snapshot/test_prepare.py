@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.snapshot.checkpoint import summarize_checkpoint
+from axrl_spike_replay.snapshot.dcp.checkpoint import summarize_checkpoint
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, CHECKPOINT_METADATA, CHECKPOINT_METADATA_CONTENT
 from axrl_spike_replay.snapshot.legacy import prepare_replay_dir
 from axrl_spike_replay.snapshot.metadata import read_metadata

@@ -18,7 +18,7 @@ from axrl_spike_replay.capture.snapshot_writer import rotate_snapshots
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
 from axrl_spike_replay.snapshot.layout import PRESERVE_MARKER, PRESERVED_DIR, SNAPSHOTS_DIR
-from axrl_spike_replay.snapshot.preserve import preserve
+from axrl_spike_replay.snapshot.preservation.preserve import preserve
 
 
 def _state(directory: Path) -> dict[str, tuple[str, int, int]]:

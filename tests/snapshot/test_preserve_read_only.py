@@ -20,7 +20,7 @@ import pytest
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
 from axrl_spike_replay.snapshot.layout import PRESERVE_MARKER, PRESERVED_DIR, SNAPSHOTS_DIR, WORKSPACE_PRESERVED
-from axrl_spike_replay.snapshot.preserve import preserve, release
+from axrl_spike_replay.snapshot.preservation.preserve import preserve, release
 
 
 def _tree(directory: Path) -> dict[str, tuple[int, int]]:

@@ -11,7 +11,7 @@ import pytest
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.snapshot.layout import PRESERVE_MARKER, PRESERVED_DIR, SNAPSHOTS_DIR
-from axrl_spike_replay.snapshot.preserve import preserve, release
+from axrl_spike_replay.snapshot.preservation.preserve import preserve, release
 
 
 def test_release_deletes_the_preserved_copy_and_nothing_else(make_output_dir, cli) -> None:

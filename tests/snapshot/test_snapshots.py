@@ -10,7 +10,7 @@ import pytest
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR
 from axrl_spike_replay.snapshot.listing import list_snapshots
-from axrl_spike_replay.snapshot.preserve import preserve
+from axrl_spike_replay.snapshot.preservation.preserve import preserve
 
 
 def test_lists_retained_and_preserved_snapshots_and_ignores_half_written_ones(make_output_dir) -> None:

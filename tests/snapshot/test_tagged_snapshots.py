@@ -17,7 +17,7 @@ from axrl_spike_replay.snapshot.layout import (
     parse_snapshot_name,
 )
 from axrl_spike_replay.snapshot.listing import list_snapshots
-from axrl_spike_replay.snapshot.preserve import preserve, release
+from axrl_spike_replay.snapshot.preservation.preserve import preserve, release
 from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot
 from axrl_spike_replay.workspace.preserved_copies import copy_of, source_of
 

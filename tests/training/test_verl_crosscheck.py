@@ -18,7 +18,7 @@ import pytest
 import torch
 from verl_cases import CASES, DP, compare, rank_batch
 
-from axrl_spike_replay.capture.toy_task import grpo_advantages
+from axrl_spike_replay.capture.reference.toy_task import grpo_advantages
 from axrl_spike_replay.training.verl_convention import KL_CLAMP, SAFETY_BOUND, kl_penalty
 
 TOLERANCE = 1e-7

@@ -15,7 +15,7 @@ from axrl_spike_replay.cli import main
 from axrl_spike_replay.investigation.recording import WorkspaceRecorder
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, iteration_dir_name
-from axrl_spike_replay.snapshot.preserve import preserve
+from axrl_spike_replay.snapshot.preservation.preserve import preserve
 from axrl_spike_replay.workspace import front_matter
 from axrl_spike_replay.workspace.methods import add_method
 from axrl_spike_replay.workspace.paths import in_workspace

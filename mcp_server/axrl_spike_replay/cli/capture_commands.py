@@ -7,9 +7,9 @@ import math
 import os
 from typing import Any
 
-from axrl_spike_replay.capture.model_choice import CAPTURE_MODELS
-from axrl_spike_replay.capture.presets import FAULT_SPEC_DEPTH, PRESETS
-from axrl_spike_replay.capture.strategies import PARALLEL_STRATEGIES
+from axrl_spike_replay.capture.reference.model_choice import CAPTURE_MODELS
+from axrl_spike_replay.capture.reference.presets import FAULT_SPEC_DEPTH, PRESETS
+from axrl_spike_replay.capture.reference.strategies import PARALLEL_STRATEGIES
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress, table
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError
@@ -57,7 +57,7 @@ def register(sub: Any) -> None:
         action="append",
         default=[],
         metavar="JSON",
-        help="plant a built-in fault of capture.faults during the burst, on top of the preset's, as JSON "
+        help="plant a built-in fault (capture.fault_injection.faults) during the burst, over the preset's, as JSON "
         '(e.g. \'{"kind": "logprob_shift", "ranks": [-1], "params": {"signal": "old_logprobs"}}\'); repeatable',
     )
     p.add_argument(
@@ -89,7 +89,7 @@ def _capture(args: argparse.Namespace) -> int:
         raise AxrlError(f"--steps must be >= 1, got {args.steps}")
     if args.seed < 0:
         raise AxrlError(f"--seed must be >= 0, got {args.seed}")
-    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+    from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
     from axrl_spike_replay.errors import ConfigError
 
     if args.preset not in PRESETS:
@@ -131,8 +131,8 @@ def _faults(items: list[str]) -> list[Any]:
     """The `--fault` items as built-in faults; AxrlError naming the bad item."""
     if not items:
         return []
-    from axrl_spike_replay.capture.faults import make_fault
-    from axrl_spike_replay.capture.presets import FaultSpec
+    from axrl_spike_replay.capture.fault_injection.faults import make_fault
+    from axrl_spike_replay.capture.reference.presets import FaultSpec
     from axrl_spike_replay.errors import ConfigError
 
     faults = []

@@ -6,8 +6,8 @@ import argparse
 import sys
 from typing import Any
 
-from axrl_spike_replay.capture.model_choice import CAPTURE_MODELS
-from axrl_spike_replay.capture.presets import PRESETS
+from axrl_spike_replay.capture.reference.model_choice import CAPTURE_MODELS
+from axrl_spike_replay.capture.reference.presets import PRESETS
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress
 from axrl_spike_replay.errors import AxrlError
 

@@ -10,7 +10,7 @@ from axrl_spike_replay.investigation.request import Where
 from axrl_spike_replay.vocabulary import Backend, Verb
 
 if TYPE_CHECKING:
-    from axrl_spike_replay.remote.options import RemoteOptions
+    from axrl_spike_replay.remote.transport.options import RemoteOptions
 
 
 def add_connection_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -82,7 +82,7 @@ def slurm_from_args(args: argparse.Namespace) -> dict[str, object] | None:
 
 def remote_options_from_args(args: argparse.Namespace) -> RemoteOptions:
     """The RemoteOptions of parsed arguments."""
-    from axrl_spike_replay.remote.options import RemoteOptions
+    from axrl_spike_replay.remote.transport.options import RemoteOptions
 
     return RemoteOptions(
         remote_python=getattr(args, "remote_python", None),

@@ -39,6 +39,9 @@ def _common(parser: argparse.ArgumentParser, verb: Verb) -> None:
     parser.add_argument(
         "--server", default=None, metavar="SOCKET", help="run on the warm replay service listening at SOCKET"
     )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print what the launcher would run (as `plan` does), start nothing"
+    )
     add_json_flag(parser)
 
 
@@ -108,6 +111,20 @@ def _request(args: argparse.Namespace, verb: Verb, **what: Any) -> ReplayRequest
     )
 
 
+def _dry_run(args: argparse.Namespace, request: ReplayRequest) -> int:
+    """--dry-run: what the request's launcher would run, started nowhere."""
+    from axrl_spike_replay.investigation.placement import request_dry_run
+
+    dry = request_dry_run(request)
+    if dry is None:
+        where = "the command backend" if str(request.where.backend) == "command" else f"node {request.where.target}"
+        doc: dict[str, Any] = {"launcher": None, "text": f"no launcher: {where} runs the replay itself over SSH"}
+    else:
+        doc = dry.to_json()
+    emit(doc, args.json, lambda d: str(d["text"]))
+    return 0
+
+
 def _run(args: argparse.Namespace, request: ReplayRequest) -> RunResult:
     """The result of `request`: run here as always, or on the warm service with --warm / --server (its document
     read back into the result of the request's verb)."""
@@ -125,8 +142,10 @@ def _run(args: argparse.Namespace, request: ReplayRequest) -> RunResult:
 def _replay(args: argparse.Namespace) -> int:
     from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
 
-    result = _run(args, _request(args, Verb.REPLAY, mitigations=parse_mitigation_args(args.mitigation)))
-    emit(result, args.json, render_replay)
+    request = _request(args, Verb.REPLAY, mitigations=parse_mitigation_args(args.mitigation))
+    if args.dry_run:
+        return _dry_run(args, request)
+    emit(_run(args, request), args.json, render_replay)
     return 0
 
 
@@ -137,8 +156,10 @@ def _sweep(args: argparse.Namespace) -> int:
         configs = load_mitigation_set(args.mitigation_set)
     else:
         configs = [parse_mitigation_args(_sweep_items(item)) for item in args.mitigation]
-    result = _run(args, _request(args, Verb.SWEEP, configs=tuple(configs)))
-    emit(result, args.json, render_sweep)
+    request = _request(args, Verb.SWEEP, configs=tuple(configs))
+    if args.dry_run:
+        return _dry_run(args, request)
+    emit(_run(args, request), args.json, render_sweep)
     return 0
 
 
@@ -156,6 +177,8 @@ def _attribute(args: argparse.Namespace) -> int:
     from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
 
     request = _request(args, Verb.ATTRIBUTE, mitigations=parse_mitigation_args(args.mitigation))
+    if args.dry_run:
+        return _dry_run(args, request)
     emit(_run(args, request), args.json, render_attribution)
     return 0
 

@@ -166,7 +166,7 @@ def register(sub: Any) -> None:
 
 
 def _mcp(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.mcp_faces.http_access import check_bind, http_access
+    from axrl_spike_replay.mcp_faces.http_transport.http_access import check_bind, http_access
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} is not a TCP port (1-65535)")
@@ -216,7 +216,7 @@ def _no_access() -> Any:
 
 def _announce(args: argparse.Namespace, access: Any) -> None:
     """What a person starting an HTTP server must know: where it listens, who may use it, how clients get in."""
-    from axrl_spike_replay.mcp_faces.http_access import is_loopback, url_host
+    from axrl_spike_replay.mcp_faces.http_transport.http_access import is_loopback, url_host
 
     user = f"{getpass.getuser()} (uid {os.getuid()})"
     if args.socket is not None:
@@ -244,7 +244,7 @@ def _announce(args: argparse.Namespace, access: Any) -> None:
 
 
 def _mcp_token(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.mcp_faces.http_access import bearer_headers, default_token_file, read_token
+    from axrl_spike_replay.mcp_faces.http_transport.http_access import bearer_headers, default_token_file, read_token
 
     if args.token_file is None and not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} is not a TCP port (1-65535)")

@@ -151,7 +151,7 @@ def _kind(entry: Any) -> str:
 
 
 def _preserve(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.snapshot.preserve import preserve
+    from axrl_spike_replay.snapshot.preservation.preserve import preserve
 
     result = preserve(args.output_dir, args.iteration, workspace=args.workspace, no_writes=args.workspace_copies)
 
@@ -173,7 +173,7 @@ def _preserve(args: argparse.Namespace) -> int:
 
 
 def _release(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.snapshot.preserve import release
+    from axrl_spike_replay.snapshot.preservation.preserve import release
 
     result = release(args.output_dir, args.iteration, workspace=args.workspace if args.workspace_copies else None)
 

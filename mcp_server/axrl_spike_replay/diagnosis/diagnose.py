@@ -7,7 +7,7 @@ checks, the job's log at the iteration (when its logs are known) and, from the m
 attribution, every stored signal against the replay per rank (`signal_reading` names the odd one out) and the
 gradient by loss term per rank (the channel).
 
-Every cause is held to the per-rank figures (`rank_scope`): scoped to the ranks they single out, or weakened with
+Every cause is held to the per-rank figures (`causes_by_rank`): scoped to the ranks they single out, or weakened with
 the reason it cannot be scoped. Families that fit equally (strengths within TIE, both likely) are capped at TIED,
 name each other in `tied_with` and the comparison that would separate them, which runs here when the model evidence
 did (`tie_break`); a step that does not reproduce is explained first (`reproduction`); an experiment that would
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.diagnosis import causes, rank_scope, reproduction, signal_causes, tie_break
+from axrl_spike_replay.diagnosis import causes, causes_by_rank, reproduction, signal_causes, tie_break
 from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment
 from axrl_spike_replay.diagnosis.convention_experiments import in_convention
 from axrl_spike_replay.diagnosis.hypotheses import loss_hypotheses, rank_mismatches
@@ -247,7 +247,7 @@ def diagnose_snapshot(
             for e in in_convention(cause.experiments, loss, routing, shape)
             if no_op_reason(e.mitigation, loss, routing, moe_layers) is None
         ]
-    rank_scope.hold_to_ranks(found, rank_scope.singled_out(ev, world))
+    causes_by_rank.hold_to_ranks(found, causes_by_rank.singled_out(ev, world))
     untied = {id(c): c.strength for c in found}
     _mark_ties(found)
     pairs = tie_break.name_comparisons(found)

@@ -1,5 +1,5 @@
 """Evidence that needs the model: per-sample attribution, the per-rank signal check with the loss channel
-(`replay.step_evidence`), and route agreement per MoE layer merged over the ranks (read off the signal check).
+(`replay.step_evidence_forward`), and route agreement per MoE layer merged over the ranks (read off the signal check).
 
 Both rebuild the snapshot's model with the replay engine on CPU: in this process, or, when the whole model does
 not fit one process (or `shard` on), sharded with FSDP2 over several (`replay.sharded_attribution`,
@@ -58,7 +58,7 @@ def read_attribution(value: Attribution | dict[str, Any] | str | Path) -> Attrib
 def model_bytes(snapshot: str | Path) -> int | None:
     """The checkpoint's tensor bytes, None when unreadable."""
     from axrl_spike_replay.errors import SnapshotError
-    from axrl_spike_replay.snapshot.checkpoint import summarize_checkpoint
+    from axrl_spike_replay.snapshot.dcp.checkpoint import summarize_checkpoint
 
     try:
         return summarize_checkpoint(Path(snapshot)).bytes

@@ -17,8 +17,8 @@ A tripped guard writes the snapshot collectively, on every rank of every paralle
   training layout; any layout reads it back);
 - each data-parallel rank's batch (written by the first rank of its model-parallel group);
 - its routing payload as Megatron's router replay recorded it: the top-k ids of every MoE layer, int64
-  [S*B, K], the pipeline stages' layers in order (`snapshot.megatron_routes`); the snapshot's run config then
-  replays them (`routing.replay: all`), so a replay takes the routes the step took;
+  [S*B, K], the pipeline stages' layers in order (`snapshot.trainer_formats.megatron_routes`); the snapshot's run config
+  then replays them (`routing.replay: all`), so a replay takes the routes the step took;
 - grad info: the global norm and every parameter's norm under its checkpoint key (`key[layer]`,
   `key[layer,expert]`), merged over the shards that hold it (the reduced gradient: the same on every rank); and
   the data-parallel rank's `loss` and `num_tokens` as `step` was given them (from the last pipeline stage, which
@@ -340,7 +340,7 @@ class MegatronSpikeGuard:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from axrl_spike_replay.snapshot.megatron_routes import megatron_payload
+        from axrl_spike_replay.snapshot.trainer_formats.megatron_routes import megatron_payload
 
         local = {layer: ids.cpu() for layer, ids in self._routes.items()}
         group: Any = ps.get_model_parallel_group()
@@ -367,7 +367,7 @@ class MegatronSpikeGuard:
     def _run_config(self, layout: Any) -> dict[str, Any]:
         from dataclasses import asdict
 
-        from axrl_spike_replay.models.megatron_cpu import megatron_core_version
+        from axrl_spike_replay.models.mcore.megatron_cpu import megatron_core_version
 
         return {
             "model": dict(self.model_section),

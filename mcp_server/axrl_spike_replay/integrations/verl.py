@@ -91,7 +91,7 @@ def batch_payload(data: Any) -> dict[str, Any]:
     """A verl mini-batch (TensorDict or mapping) as a dict of tensors under verl's key names, on the CPU."""
     import torch
 
-    from axrl_spike_replay.snapshot.verl_batch import VERL_COUNT_KEYS
+    from axrl_spike_replay.snapshot.trainer_formats.verl_batch import VERL_COUNT_KEYS
 
     out: dict[str, Any] = {}
     for key in list(data.keys()):
@@ -362,7 +362,7 @@ def _snapshot(guard: Any, engine: Any, data: Any, grad_norm: Any, decision: Any,
     from axrl_spike_replay.capture.rank_agreement import describe
     from axrl_spike_replay.capture.snapshot_writer import RankPayload
     from axrl_spike_replay.snapshot.metadata import ParallelLayout
-    from axrl_spike_replay.snapshot.verl_batch import verl_padded_batch, verl_routes
+    from axrl_spike_replay.snapshot.trainer_formats.verl_batch import verl_padded_batch, verl_routes
 
     rank = _rank()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -17,19 +17,19 @@ from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.investigation.recording import WorkspaceRecorder
 from axrl_spike_replay.investigation.request import LOCAL, ReplayRequest
-from axrl_spike_replay.remote.cancellable import cancellable
-from axrl_spike_replay.remote.cleanup import run_to_completion
-from axrl_spike_replay.remote.command_backend import CommandRequest, run_command_backend, run_command_sweep
-from axrl_spike_replay.remote.command_overrides import check_concrete, check_mapped
-from axrl_spike_replay.remote.connect import connect_settings
-from axrl_spike_replay.remote.job import LineCallback, Session
-from axrl_spike_replay.remote.local_session import LocalSession
-from axrl_spike_replay.remote.node_probe import probe
-from axrl_spike_replay.remote.options import RemoteOptions
+from axrl_spike_replay.remote.command.command_backend import CommandRequest, run_command_backend, run_command_sweep
+from axrl_spike_replay.remote.command.command_overrides import check_concrete, check_mapped
+from axrl_spike_replay.remote.nodes.node_probe import probe
+from axrl_spike_replay.remote.nodes.results import snapshot_facts
 from axrl_spike_replay.remote.remote_replay import RemoteReplayRequest, plan_processes, run_remote_torch
-from axrl_spike_replay.remote.results import snapshot_facts
-from axrl_spike_replay.remote.session import RemoteSession, open_session
-from axrl_spike_replay.remote.target_config import ResolvedTarget
+from axrl_spike_replay.remote.transport.cancellable import cancellable
+from axrl_spike_replay.remote.transport.cleanup import run_to_completion
+from axrl_spike_replay.remote.transport.connect import connect_settings
+from axrl_spike_replay.remote.transport.job import LineCallback, Session
+from axrl_spike_replay.remote.transport.local_session import LocalSession
+from axrl_spike_replay.remote.transport.options import RemoteOptions
+from axrl_spike_replay.remote.transport.session import RemoteSession, open_session
+from axrl_spike_replay.remote.transport.target_config import ResolvedTarget
 from axrl_spike_replay.remote.workspace_config import CONFIG_FILE, load_workspace_config, resolve_target
 from axrl_spike_replay.vocabulary import Backend, Verb
 

@@ -10,8 +10,10 @@ from pathlib import Path
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.investigation.node_description import check_described_node
-from axrl_spike_replay.remote.options import RemoteOptions
-from axrl_spike_replay.remote.target_config import ResolvedTarget
+from axrl_spike_replay.investigation.placement import launch_dry_run
+from axrl_spike_replay.investigation.request import How, What, Where, replay_request
+from axrl_spike_replay.remote.transport.options import RemoteOptions
+from axrl_spike_replay.remote.transport.target_config import ResolvedTarget
 from axrl_spike_replay.replay.replay_plan import (
     GPU_USABLE,
     HERE,
@@ -22,6 +24,7 @@ from axrl_spike_replay.replay.replay_plan import (
     node_capacity,
     plan_replay,
 )
+from axrl_spike_replay.vocabulary import Device
 
 LOCAL = "local"
 
@@ -61,6 +64,11 @@ def plan_for(
             capacity = found
     plan = plan_replay(snapshot, nproc=nproc, device=device, capacity=capacity, shard=shard, nodes=nodes)
     plan.notes += notes
+    if plan.chosen is not None:
+        where, how = Where(target=target or LOCAL), How(nproc=nproc, device=Device(device))
+        request = replay_request(What(Path(snapshot)), where, how, workspace=workspace)
+        dry = launch_dry_run(request, plan.world_size, plan.chosen.nproc, plan.chosen.sharded, options)
+        plan.launch = dry.to_json() if dry is not None else None
     return plan
 
 

@@ -504,7 +504,7 @@ def _slurm_settings(slurm: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(slurm, Mapping):
         raise ConfigError(f"`slurm` must be a mapping of Slurm settings, got {shown(slurm)}", "slurm")
-    from axrl_spike_replay.remote.slurm_command import SlurmSettings
+    from axrl_spike_replay.remote.launchers.slurm_command import SlurmSettings
 
     allowed = {f.name for f in fields(SlurmSettings)} - {"poll_s"}
     unknown = sorted(str(k) for k in slurm if k not in allowed)

@@ -18,7 +18,7 @@ from axrl_spike_replay.investigation.request import ReplayRequest
 from axrl_spike_replay.vocabulary import Shard, Verb
 
 if TYPE_CHECKING:  # torch-free at import: the faces import this before anything runs
-    from axrl_spike_replay.replay.launch import JobRunner
+    from axrl_spike_replay.replay.job_runner import JobRunner
 
 
 def run_request(request: ReplayRequest, runner: JobRunner | None = None) -> RunResult:

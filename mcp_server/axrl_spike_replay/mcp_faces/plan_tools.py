@@ -63,7 +63,7 @@ async def plan_replay_tool(
 
     def work(progress: Progress, cancel: threading.Event) -> dict[str, Any]:
         from axrl_spike_replay.investigation.planning import plan_for
-        from axrl_spike_replay.remote.options import RemoteOptions
+        from axrl_spike_replay.remote.transport.options import RemoteOptions
 
         plan = plan_for(
             path,

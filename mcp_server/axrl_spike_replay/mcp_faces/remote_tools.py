@@ -12,7 +12,7 @@ from pydantic import Field
 from axrl_spike_replay.mcp_faces.bridge import call_async_library
 from axrl_spike_replay.mcp_faces.config import server_config
 from axrl_spike_replay.mcp_faces.shared_arguments import AcceptNewKeyArg, RemotePythonArg, WorkspaceArg
-from axrl_spike_replay.remote.node_probe import NodeReport
+from axrl_spike_replay.remote.nodes.node_probe import NodeReport
 
 # Probing changes nothing on the node; it may record a new host key locally when asked to.
 PROBE = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=True, open_world_hint=True)
@@ -47,7 +47,7 @@ async def probe_node_tool(
 
     async def work(report: Callable[[str], None]) -> NodeReport:
         from axrl_spike_replay.remote.node import probe_node_async
-        from axrl_spike_replay.remote.options import RemoteOptions
+        from axrl_spike_replay.remote.transport.options import RemoteOptions
 
         report(f"connecting to {target}")
         options = RemoteOptions(accept_new_host_key=accept_new_host_key)

@@ -17,7 +17,7 @@ from axrl_spike_replay.snapshot.discovery import OUTPUT_ROOTS_ENV, JobResolution
 from axrl_spike_replay.snapshot.inspect import SnapshotInspection
 from axrl_spike_replay.snapshot.legacy import PreparedSnapshot, prepare_replay_dir
 from axrl_spike_replay.snapshot.listing import SnapshotListing, list_snapshots
-from axrl_spike_replay.snapshot.preserve import PreserveResult, ReleaseResult, preserve, release
+from axrl_spike_replay.snapshot.preservation.preserve import PreserveResult, ReleaseResult, preserve, release
 
 READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 

@@ -34,8 +34,8 @@ FORWARD_AD_EXPERTS = ("eager", "batched_mm")
 def experts_for_forward_ad(model: nn.Module) -> Iterator[str | None]:
     """Within: a transformers policy computes its experts with a kernel forward-mode AD runs through.
 
-    transformers' `grouped_mm` experts (route 1's default for Megatron snapshots, `models.megatron_config`) have no
-    forward-AD formula: a forward-mode pass through them raises NotImplementedError. Such a policy computes its
+    transformers' `grouped_mm` experts (route 1's default for Megatron snapshots, `models.mcore.megatron_config`) have
+    no forward-AD formula: a forward-mode pass through them raises NotImplementedError. Such a policy computes its
     experts eagerly inside, the same function in another summation order, and gets its kernel back after. Yields the
     kernel it switched from; None when nothing was switched (not a transformers policy, or already such a kernel)."""
     causal_lm: Any = model.causal_lm if isinstance(model, HFPolicy) else None

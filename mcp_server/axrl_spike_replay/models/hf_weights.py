@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
-from axrl_spike_replay.snapshot.checkpoint import (
+from axrl_spike_replay.snapshot.dcp.checkpoint import (
     DCP_METADATA,
     check_checkpoint_storage,
     load_model_state,
@@ -234,7 +234,7 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 def weights_source(directory: Path) -> str:
     """ "dcp", "safetensors" or "verl_fsdp": which kind of weights `directory` holds."""
-    from axrl_spike_replay.snapshot.verl_shards import is_verl_checkpoint
+    from axrl_spike_replay.snapshot.trainer_formats.verl_shards import is_verl_checkpoint
 
     if (directory / DCP_METADATA).is_file():
         return "dcp"
@@ -254,7 +254,7 @@ def check_hf_weights(directory: Path, spec: HFModelConfig, label: str) -> None:
     if source == "verl_fsdp":
         # the shard files' sizes are checked when they are read; the merged shapes are checked against the model
         # before any weight is copied (`load_hf_weights`): merging here would read every shard twice
-        from axrl_spike_replay.snapshot.verl_shards import read_fsdp_config
+        from axrl_spike_replay.snapshot.trainer_formats.verl_shards import read_fsdp_config
 
         read_fsdp_config(directory)
         return
@@ -275,7 +275,7 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
 
     source = weights_source(directory)
     if source == "verl_fsdp":
-        from axrl_spike_replay.snapshot.verl_shards import load_verl_shards
+        from axrl_spike_replay.snapshot.trainer_formats.verl_shards import load_verl_shards
 
         return load_verl_shards(directory)  # merged along the shard dim in float32
     if source == "dcp":

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Union
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.hf_config import BACKEND_HINT, HFModelConfig
-from axrl_spike_replay.models.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
 from axrl_spike_replay.models.tiny_moe_weights import check_tiny_moe_weights
 
@@ -48,7 +48,7 @@ def build_policy(spec: ModelSpec, device: str = "cpu") -> nn.Module:
     `torch.use_deterministic_algorithms(True)` in this process, in capture and replay alike. A Megatron spec
     builds its transformers model (replay route 1: the checkpoint is mapped onto it when loaded)."""
     if isinstance(spec, MegatronModelConfig):
-        from axrl_spike_replay.models.megatron_weights import megatron_semantics
+        from axrl_spike_replay.models.mcore.megatron_weights import megatron_semantics
 
         return megatron_semantics(build_policy(spec.hf, device))
     if isinstance(spec, HFModelConfig):
@@ -121,10 +121,10 @@ def restore_buffers(model: nn.Module) -> None:
 def load_policy_weights(model: nn.Module, spec: ModelSpec, weights_dir: str | Path) -> None:
     """Fill the policy from a DCP checkpoint dir (either model kind), an HF directory (kind hf) or a Megatron
     `torch_dist` checkpoint (kind megatron)."""
-    from axrl_spike_replay.snapshot.checkpoint import load_model_state
+    from axrl_spike_replay.snapshot.dcp.checkpoint import load_model_state
 
     if isinstance(spec, MegatronModelConfig):
-        from axrl_spike_replay.models.megatron_weights import load_megatron_weights
+        from axrl_spike_replay.models.mcore.megatron_weights import load_megatron_weights
 
         load_megatron_weights(model, spec, Path(weights_dir))
         return
@@ -145,7 +145,7 @@ def load_policy_shards(model: nn.Module, spec: ModelSpec, weights_dir: str | Pat
 
     directory = Path(weights_dir)
     if isinstance(spec, MegatronModelConfig):
-        from axrl_spike_replay.models.megatron_weights import load_megatron_shards
+        from axrl_spike_replay.models.mcore.megatron_weights import load_megatron_shards
 
         load_megatron_shards(model, spec, directory)
         return
@@ -160,7 +160,7 @@ def hf_weights_dir(spec: HFModelConfig, directory: Path) -> Path:
     """Where an HF policy's weights are: `directory` when it holds any, else the spec's `path` (an HF directory or a
     verl FSDP actor checkpoint)."""
     from axrl_spike_replay.snapshot.layout import DCP_METADATA
-    from axrl_spike_replay.snapshot.verl_shards import is_verl_checkpoint
+    from axrl_spike_replay.snapshot.trainer_formats.verl_shards import is_verl_checkpoint
 
     held = (directory / DCP_METADATA).is_file() or any(directory.glob("*.safetensors")) or is_verl_checkpoint(directory)
     if held or spec.path is None:
@@ -171,7 +171,7 @@ def hf_weights_dir(spec: HFModelConfig, directory: Path) -> Path:
 def check_policy_weights(directory: Path, spec: ModelSpec, label: str) -> None:
     """SnapshotError unless the weights in `directory` fit the spec's model. Builds no module (meta tensors)."""
     if isinstance(spec, MegatronModelConfig):
-        from axrl_spike_replay.models.megatron_weights import check_megatron_weights
+        from axrl_spike_replay.models.mcore.megatron_weights import check_megatron_weights
 
         check_megatron_weights(directory, spec, label)
         return

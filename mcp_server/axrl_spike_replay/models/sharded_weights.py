@@ -4,9 +4,10 @@ After `fully_shard` each parameter is a DTensor placed `Shard(0)` over the repla
 is rows [offset, offset + n) of the whole. Those rows are read from where the weights are, and nothing else:
 
 - a DCP checkpoint (our capture, FSDP2's `get_model_state_dict`): DCP reads the chunks that overlap the rows
-  (`snapshot.megatron_checkpoint.load_regions`), whatever layout saved them (it reshards on load);
+  (`snapshot.trainer_formats.megatron_checkpoint.load_regions`), whatever layout saved them (it reshards on load);
 - an HF directory: `safe_open(...).get_slice(name)[a:b]` per tensor;
-- a verl FSDP checkpoint: the rows of each memory-mapped rank shard that overlap ours (`snapshot.verl_slices`).
+- a verl FSDP checkpoint: the rows of each memory-mapped rank shard that overlap ours
+  (`snapshot.trainer_formats.verl_slices`).
 
 Checkpoints in the per-expert layout (transformers 4 / older `save_pretrained`) are converted by transformers' own
 mapping (`hf_weights.to_model_layout`) on the experts a shard holds, one parameter at a time. Buffers FSDP does not
@@ -61,7 +62,7 @@ class DcpSource:
     """The model tensors (under `model.`) of a DCP checkpoint; rows read by DCP, only the overlapping chunks."""
 
     def __init__(self, directory: Path, prefix: str = "model.") -> None:
-        from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, summarize_checkpoint
+        from axrl_spike_replay.snapshot.dcp.checkpoint import check_checkpoint_storage, summarize_checkpoint
 
         oversized = check_checkpoint_storage(directory)
         if oversized:
@@ -74,7 +75,7 @@ class DcpSource:
         }
 
     def read(self, regions: Regions) -> None:
-        from axrl_spike_replay.snapshot.megatron_checkpoint import load_regions
+        from axrl_spike_replay.snapshot.trainer_formats.megatron_checkpoint import load_regions
 
         if regions:
             load_regions(
@@ -122,7 +123,7 @@ def open_source(directory: Path) -> WeightSource:
 
     kind = weights_source(directory)
     if kind == "verl_fsdp":
-        from axrl_spike_replay.snapshot.verl_slices import VerlSlices
+        from axrl_spike_replay.snapshot.trainer_formats.verl_slices import VerlSlices
 
         return VerlSlices(directory)
     if kind == "safetensors":

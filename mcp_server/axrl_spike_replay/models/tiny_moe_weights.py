@@ -6,7 +6,7 @@ from pathlib import Path
 
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig, expected_state_shapes
-from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, summarize_checkpoint
+from axrl_spike_replay.snapshot.dcp.checkpoint import check_checkpoint_storage, summarize_checkpoint
 
 
 def check_tiny_moe_weights(directory: Path, model: TinyMoEConfig, label: str) -> None:

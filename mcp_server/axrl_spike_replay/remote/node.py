@@ -6,13 +6,13 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-from axrl_spike_replay.remote.connect import connect_settings
-from axrl_spike_replay.remote.install import install_package
-from axrl_spike_replay.remote.node_probe import NodeReport, probe
-from axrl_spike_replay.remote.options import RemoteOptions
-from axrl_spike_replay.remote.session import open_session
-from axrl_spike_replay.remote.target import SshTarget
-from axrl_spike_replay.remote.target_config import ResolvedTarget
+from axrl_spike_replay.remote.nodes.install import install_package
+from axrl_spike_replay.remote.nodes.node_probe import NodeReport, probe
+from axrl_spike_replay.remote.transport.connect import connect_settings
+from axrl_spike_replay.remote.transport.options import RemoteOptions
+from axrl_spike_replay.remote.transport.session import open_session
+from axrl_spike_replay.remote.transport.target import SshTarget
+from axrl_spike_replay.remote.transport.target_config import ResolvedTarget
 from axrl_spike_replay.remote.workspace_config import load_workspace_config, resolve_target
 
 
@@ -30,7 +30,7 @@ async def probe_node_async(
     options = options or RemoteOptions()
     resolved = _resolve(target, workspace, remote_python or options.remote_python)
     if snapshot is not None:  # bad input fails before connecting
-        from axrl_spike_replay.remote.results import snapshot_facts
+        from axrl_spike_replay.remote.nodes.results import snapshot_facts
 
         snapshot_facts(snapshot)
     async with await open_session(

@@ -25,12 +25,12 @@ from axrl_spike_replay.experiment.mitigations import mitigation_args
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.experiment.run_dir import RESULT_FILE, SWEEP_FILE, RunDir, RunRecorder, write_and_record
 from axrl_spike_replay.jsonable import to_jsonable
-from axrl_spike_replay.remote.cleanup import run_to_completion
-from axrl_spike_replay.remote.job import JobOutcome, LineCallback
-from axrl_spike_replay.remote.node_probe import NodeReport
-from axrl_spike_replay.remote.results import SnapshotFacts, base_result, tail
-from axrl_spike_replay.remote.session import RemoteSession
-from axrl_spike_replay.remote.shell import job_script
+from axrl_spike_replay.remote.nodes.node_probe import NodeReport
+from axrl_spike_replay.remote.nodes.results import SnapshotFacts, base_result, tail
+from axrl_spike_replay.remote.transport.cleanup import run_to_completion
+from axrl_spike_replay.remote.transport.job import JobOutcome, LineCallback
+from axrl_spike_replay.remote.transport.session import RemoteSession
+from axrl_spike_replay.remote.transport.shell import job_script
 from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
 
 REMOTE_SET_FILE = "mitigation_set.yaml"

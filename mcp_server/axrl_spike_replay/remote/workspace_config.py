@@ -30,32 +30,19 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.remote.launch_config import LaunchConfig, parse_launch_config
-from axrl_spike_replay.remote.target import parse_target
-from axrl_spike_replay.remote.target_config import DEFAULT_PYTHON, ResolvedTarget, TargetConfig, resolve_named
+from axrl_spike_replay.remote.command.command_config import DEFAULT_GRAD_NORM_REGEX, CommandBackendConfig
+from axrl_spike_replay.remote.launchers.launch_config import LaunchConfig, parse_launch_config
+from axrl_spike_replay.remote.transport.target import parse_target
+from axrl_spike_replay.remote.transport.target_config import DEFAULT_PYTHON, ResolvedTarget, TargetConfig, resolve_named
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
 CONFIG_FILE = "spike-replay.yaml"
-# `grad_norm` as a whole word (`actor/grad_norm:`, not `max_grad_norm: 1.0`), then a number, nan or inf
-DEFAULT_GRAD_NORM_REGEX = r"\bgrad_norm[=: ]+([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?(?:nan|inf))"
 PLACEHOLDERS = ("snapshot", "out")
 COMMAND_PLACEHOLDERS = (*PLACEHOLDERS, "overrides")
 _TARGET_KEYS = {"ssh", "python", "setup", "known_hosts"}
 _BACKEND_KEYS = {"workdir", "command", "result_json", "grad_norm_regex", "env", "mitigations"}
 _TOP_KEYS = {"targets", "command_backend", "multinode", "slurm"}
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # fullmatch: `$` lets "\n" through
-
-
-@dataclass(frozen=True)
-class CommandBackendConfig:
-    """The external replay command (e.g. AXRL's `MegatronWorker.reproduce_spike(snapshot_dir)` wrapper)."""
-
-    workdir: str
-    command: str
-    result_json: str | None = "{out}/replay_result.json"
-    grad_norm_regex: str = DEFAULT_GRAD_NORM_REGEX
-    env: dict[str, str] = field(default_factory=dict)
-    mitigations: dict[str, str] = field(default_factory=dict)  # our mitigation name -> override template
 
 
 @dataclass(frozen=True)
@@ -146,7 +133,7 @@ def _parse_backend(entry: dict[str, Any], source: str) -> CommandBackendConfig:
 
 def _parse_mitigations(doc: Any, command: str, source: str, where: str) -> dict[str, str]:
     """{mitigation name: override template}; the command must say where the overrides go."""
-    from axrl_spike_replay.remote.command_overrides import check_override_template
+    from axrl_spike_replay.remote.command.command_overrides import check_override_template
 
     out: dict[str, str] = {}
     for name, template in _mapping(doc, source, where).items():

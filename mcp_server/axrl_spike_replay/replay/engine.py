@@ -41,7 +41,7 @@ from axrl_spike_replay.experiment.verdict import (
 from axrl_spike_replay.percent import pct
 from axrl_spike_replay.replay.clean_gradient import spike_bar
 from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, input_refusal, load_inputs
-from axrl_spike_replay.replay.launch import JobRunner, run_job
+from axrl_spike_replay.replay.job_runner import JobRunner, run_job
 from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.outcome_figures import DEFINITION
 from axrl_spike_replay.replay.replay_plan import HERE, Capacity
@@ -72,7 +72,7 @@ class ReplayOptions:
     cancel: threading.Event | None = field(default=None, compare=False, repr=False)  # set: stop the run
     # sweeps: pools running configs side by side (None: 1 on CPU, as many as the GPUs hold on CUDA)
     parallel_configs: int | None = None
-    # Runs the job (default `launch.run_job`: fresh processes); a server passes its warm pools' `run_job`.
+    # Runs the job (default `job_runner.run_job`: fresh processes); a server passes its warm pools' `run_job`.
     runner: JobRunner | None = field(default=None, compare=False, repr=False)
     # torch: the engine's own models (route 1 for a Megatron snapshot); megatron: Megatron-core's GPTModel computes
     # the baseline (route 2, `replay.megatron_route`), judged and recorded the same way

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.hf_config import HFModelConfig
-from axrl_spike_replay.models.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.policy import ModelSpec, RoutingShape, routing_shape
 from axrl_spike_replay.replay.route_check import check_route_shapes
 from axrl_spike_replay.snapshot.rank_data import RoutingPayload, load_rank_batch, load_rank_routes

@@ -11,8 +11,8 @@ from axrl_spike_replay.display import shown, shown_names
 from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, check_current_layers, parse_config
 from axrl_spike_replay.models.hf_config import HFModelConfig
-from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-from axrl_spike_replay.models.megatron_weights import check_saved_layout
+from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.mcore.megatron_weights import check_saved_layout
 from axrl_spike_replay.models.policy import ModelSpec, check_policy_weights, parse_model_config
 from axrl_spike_replay.replay.input_checks import InputFinding, input_findings, refusal
 from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_text, ranks_text

@@ -5,7 +5,7 @@ judges the verdict and records the run as for the torch backend; only the job ru
 starts one gloo process per saved data-parallel rank, each building the GPTModel from the snapshot's `model:`
 section (TP=PP=EP=1, local spec: the CPU route; a GPU node runs the trainer's spec), loading the checkpoint with
 Megatron's own `dist_checkpointing.load` (which reshards from the saved TP/PP/EP layout; every pickle in the checkpoint
-read weights-only, `snapshot.megatron_load`), forcing the rank's
+read weights-only, `snapshot.trainer_formats.megatron_load`), forcing the rank's
 recorded routes through Megatron's router replay (`RouterReplay`, REPLAY_FORWARD), taking the log-probs and the
 snapshot's loss (`training.policy_loss`, as route 1 does) micro-batch by micro-batch as the trainer split and
 scaled them (`training.micro_batches`), backpropagating and reducing as the trainer did (the data-parallel mean).
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.models.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 
 ROUTE_1 = "the built-in `backend` torch (route 1: the transformers model)"
@@ -32,7 +32,7 @@ ROUTE_1 = "the built-in `backend` torch (route 1: the transformers model)"
 
 def megatron_unavailable() -> str | None:
     """Why route 2 cannot run here (megatron-core missing or an unchecked release), or None."""
-    from axrl_spike_replay.models.megatron_cpu import megatron_unavailable_reason
+    from axrl_spike_replay.models.mcore.megatron_cpu import megatron_unavailable_reason
 
     return megatron_unavailable_reason()
 
@@ -69,7 +69,7 @@ def run_megatron_job(
     progress: Callable[[str], None] | None = None,
     slot: int = 0,
 ) -> list[ConfigOutcome]:
-    """The baseline outcome of `job` computed by Megatron-core's GPTModel (a `replay.launch.JobRunner`)."""
+    """The baseline outcome of `job` computed by Megatron-core's GPTModel (a `replay.job_runner.JobRunner`)."""
     from axrl_spike_replay.rank_processes import spawn_ranks
     from axrl_spike_replay.temp_janitor import owned_temp_dir
 
@@ -106,16 +106,16 @@ def _replay_rank(rank: int, world: int, payload: tuple[str, dict[str, Any], Any,
     import torch.distributed as dist
 
     from axrl_spike_replay.atomic import atomic_write_json
-    from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu
-    from axrl_spike_replay.models.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
-    from axrl_spike_replay.models.megatron_policy import force_routes, install_trace, megatron_logprobs
+    from axrl_spike_replay.models.mcore.megatron_cpu import megatron_on_cpu
+    from axrl_spike_replay.models.mcore.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
+    from axrl_spike_replay.models.mcore.megatron_policy import force_routes, install_trace, megatron_logprobs
     from axrl_spike_replay.models.tiny_moe import RoutingControl
     from axrl_spike_replay.replay.inputs import read_micro_batches
     from axrl_spike_replay.replay.worker import rank_step_metrics
     from axrl_spike_replay.snapshot.layout import batch_file
-    from axrl_spike_replay.snapshot.megatron_load import load_megatron_model
-    from axrl_spike_replay.snapshot.megatron_routes import to_router_replay
     from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
+    from axrl_spike_replay.snapshot.trainer_formats.megatron_load import load_megatron_model
+    from axrl_spike_replay.snapshot.trainer_formats.megatron_routes import to_router_replay
     from axrl_spike_replay.training.micro_batches import plan_micro_batches, take, take_routing
     from axrl_spike_replay.training.policy_loss import policy_loss
     from axrl_spike_replay.training.rank_step import global_grad_norm, param_grad_norms, reduce_gradients

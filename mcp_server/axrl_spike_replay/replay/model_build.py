@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.hf_config import HFModelConfig
-from axrl_spike_replay.models.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.policy import (
     ModelSpec,
     build_policy,

@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass
 
 from axrl_spike_replay.models.hf_config import HFModelConfig
-from axrl_spike_replay.models.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.policy import ModelSpec
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
 from axrl_spike_replay.training.precision import PrecisionPolicy

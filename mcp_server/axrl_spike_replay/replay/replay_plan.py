@@ -85,6 +85,7 @@ class ReplayPlan:
     attention: str = "eager"  # the attention kernel replayed (`models.attention_kernels`)
     micro_batch: tuple[int, int] = (0, 0)  # [sequences, tokens] of the largest micro-batch: what one forward holds
     head_chunk: int = 0  # tokens per chunk of the head (`models.chunked_head`)
+    launch: dict[str, Any] | None = None  # what the launcher would run (its dry run, as JSON), where one starts them
 
     @property
     def fits(self) -> bool | None:
@@ -125,6 +126,8 @@ class ReplayPlan:
         if self.layout:
             lines.append(f"layout: {self.layout}")
         lines += self.notes
+        if self.launch is not None:
+            lines.append(f"would launch: {self.launch.get('text', '')}")
         return "\n".join(lines)
 
 
@@ -239,7 +242,7 @@ def available_memory() -> int:
 
 
 def node_capacity(report: Any, device: str) -> Capacity | None:
-    """A probed node's GPUs (`remote.node_probe.NodeReport`); None for a CPU replay (the probe reads no host
+    """A probed node's GPUs (`remote.nodes.node_probe.NodeReport`); None for a CPU replay (the probe reads no host
     memory)."""
     if device != "cuda":
         return None

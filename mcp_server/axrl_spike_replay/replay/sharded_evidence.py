@@ -1,5 +1,5 @@
-"""Diagnose's model evidence (`replay.step_evidence`) with the policy sharded by FSDP2 over several processes: the
-per-rank signal check and the loss channel, each process on its own saved ranks, gathered on process 0. No process
+"""Diagnose's model evidence (`replay.step_evidence_forward`) with the policy sharded by FSDP2 over several processes:
+the per-rank signal check and the loss channel, each process on its own saved ranks, gathered on process 0. No process
 holds the whole model or a whole gradient.
 
 - **Signals** (forward only): each process runs the signal check of its own ranks (`step_evidence.signal_check`).
@@ -47,7 +47,7 @@ from axrl_spike_replay.replay.model_build import Placement, build_model
 from axrl_spike_replay.replay.rank_micro_batches import check_same_counts
 from axrl_spike_replay.replay.sharded_attribution import all_reduce_sum, local_dot, one_row
 from axrl_spike_replay.replay.share_processes import run_share_processes
-from axrl_spike_replay.replay.step_evidence import (
+from axrl_spike_replay.replay.step_evidence_forward import (
     MAX_ROUTE_LAYERS,
     pull_of,
     rank_terms,

@@ -24,7 +24,7 @@ def run_share_processes(
     process 0's document. `share` is a module-level function (it is sent to the processes); `job` a dataclass with
     `device` and `assignment`. Setting `cancel` stops every process (RunCancelled)."""
     from axrl_spike_replay.rank_processes import spawn_ranks
-    from axrl_spike_replay.replay.launch import backend_for
+    from axrl_spike_replay.replay.job_runner import backend_for
     from axrl_spike_replay.temp_janitor import owned_temp_dir
 
     nproc = len(job.assignment)
@@ -45,7 +45,7 @@ def run_share_processes(
 
 
 def _prepare(process: int, payload: tuple[Share, Any, str]) -> None:
-    from axrl_spike_replay.replay.launch import prepare_device, process_device
+    from axrl_spike_replay.replay.job_runner import prepare_device, process_device
 
     prepare_device(process_device(payload[1].device, process))
 
@@ -53,7 +53,7 @@ def _prepare(process: int, payload: tuple[Share, Any, str]) -> None:
 def _process(process: int, nproc: int, payload: tuple[Share, Any, str]) -> None:
     import torch
 
-    from axrl_spike_replay.replay.launch import process_device
+    from axrl_spike_replay.replay.job_runner import process_device
 
     share, job, path = payload
     torch.set_num_threads(1)

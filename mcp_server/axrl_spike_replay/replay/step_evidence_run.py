@@ -1,4 +1,4 @@
-"""Diagnose's model evidence of a snapshot's step (`replay.step_evidence`): whole in this process, or sharded by
+"""Diagnose's model evidence of a snapshot's step (`replay.step_evidence_forward`): whole in this process, or sharded by
 FSDP2 over several (`replay.sharded_evidence`); the one entry, which decides which and says nothing is written."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from axrl_spike_replay.replay.inputs import load_inputs, one_config
 from axrl_spike_replay.replay.layout_plan import plan_layout
 from axrl_spike_replay.replay.shard_choice import check_whole_fits, whole_or_sharded
 from axrl_spike_replay.replay.sharded_evidence import EvidenceJob, run_sharded_evidence
-from axrl_spike_replay.replay.step_evidence import whole_evidence
+from axrl_spike_replay.replay.step_evidence_forward import whole_evidence
 
 
 def step_evidence(

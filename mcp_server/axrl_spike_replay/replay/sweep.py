@@ -30,10 +30,10 @@ def run_sweep(
     """
     from dataclasses import replace
 
-    from axrl_spike_replay.replay.launch import configs_in_parallel, run_job
+    from axrl_spike_replay.replay.job_runner import configs_in_parallel, run_job
 
     options = options or ReplayOptions()
-    if options.parallel_configs != 1:  # independent configs side by side on several pools (launch.configs_in_parallel)
+    if options.parallel_configs != 1:  # independent configs side by side on several pools (configs_in_parallel)
         options = replace(options, runner=configs_in_parallel(options.runner or run_job, options.parallel_configs))
     normalised = [parse_config(c, f"config {i + 1}") for i, c in enumerate(configs)]
     check_distinct(normalised)

@@ -79,7 +79,7 @@ def run(ctx: WorkerContext) -> list[dict[str, Any]]:
 
     from axrl_spike_replay.rank_processes import leave_collectives
     from axrl_spike_replay.replay.job_document import job_of_document
-    from axrl_spike_replay.replay.launch import prepare_device, process_device
+    from axrl_spike_replay.replay.job_runner import prepare_device, process_device
     from axrl_spike_replay.replay.worker import compute
 
     payload = ctx.payload

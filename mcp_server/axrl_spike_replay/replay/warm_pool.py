@@ -188,7 +188,7 @@ def _serve_rank(
     import torch.distributed as dist
     import torch.distributed.checkpoint  # the import a cold replay pays on every call
 
-    from axrl_spike_replay.replay.launch import backend_for, prepare_device, process_device
+    from axrl_spike_replay.replay.job_runner import backend_for, prepare_device, process_device
     from axrl_spike_replay.replay.worker import WorkerJob, compute
 
     faulthandler.enable()
@@ -386,7 +386,7 @@ class RankPool:
 
 
 class WarmService:
-    """Pools of warm replay processes for a long-lived server; `run_job` is a drop-in for `launch.run_job`."""
+    """Pools of warm replay processes for a long-lived server; `run_job` is a drop-in for `job_runner.run_job`."""
 
     def __init__(self, memory_bytes: int | None = None, idle_s: float = DEFAULT_IDLE_S) -> None:
         self.memory_bytes = default_memory_bytes() if memory_bytes is None else memory_bytes
@@ -411,10 +411,10 @@ class WarmService:
         *,
         slot: int = 0,
     ) -> list[ConfigOutcome]:
-        """Outcomes of `job`, as `launch.run_job` gives them, on a warm pool (or here for one process in slot 0).
+        """Outcomes of `job`, as `job_runner.run_job` gives them, on a warm pool (or here for one process in slot 0).
 
         `slot` picks one of several pools of the same layout (a sweep running configs in parallel)."""
-        from axrl_spike_replay.replay.launch import run_job
+        from axrl_spike_replay.replay.job_runner import run_job
 
         nproc = len(job.assignment)
         if nproc == 1 and slot == 0 and not job.shard:  # a sharded one needs a process group: a pool of one

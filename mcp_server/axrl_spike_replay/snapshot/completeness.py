@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from axrl_spike_replay.errors import SnapshotError
-from axrl_spike_replay.snapshot.checkpoint import read_checkpoint_metadata
+from axrl_spike_replay.snapshot.dcp.checkpoint import read_checkpoint_metadata
 from axrl_spike_replay.snapshot.layout import DCP_METADATA, rank_files
 from axrl_spike_replay.snapshot.metadata import read_metadata
 

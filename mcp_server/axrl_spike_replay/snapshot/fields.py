@@ -65,7 +65,7 @@ def canonicalize_batch(raw: Mapping[str, Any], source: Path | str) -> dict[str, 
 
     if not isinstance(raw, Mapping):
         raise SnapshotError(f"{source}: a rank batch must be a dict of tensors, got {type(raw).__name__}")
-    from axrl_spike_replay.snapshot.verl_batch import is_verl_jagged_batch, verl_padded_batch
+    from axrl_spike_replay.snapshot.trainer_formats.verl_batch import is_verl_jagged_batch, verl_padded_batch
 
     if is_verl_jagged_batch(raw):
         raw = verl_padded_batch(raw, source)  # verl's engine mini-batch: jagged sequences back to padded

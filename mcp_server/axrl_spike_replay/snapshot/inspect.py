@@ -24,20 +24,20 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, SnapshotError
-from axrl_spike_replay.snapshot.checkpoint import check_checkpoint_storage, summarize_checkpoint
 from axrl_spike_replay.snapshot.completeness import checkpoint_data_files, missing_ranks, rank_ranges_text, ranks_text
 from axrl_spike_replay.snapshot.consistency import Consistency, check_snapshot
+from axrl_spike_replay.snapshot.dcp.checkpoint import check_checkpoint_storage, summarize_checkpoint
 from axrl_spike_replay.snapshot.fields import FIELD_ALIASES, find_field
 from axrl_spike_replay.snapshot.layout import DCP_METADATA, RUN_CONFIG, rank_files
 from axrl_spike_replay.snapshot.log_point import log_point
-from axrl_spike_replay.snapshot.megatron_checkpoint import (
+from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
+from axrl_spike_replay.snapshot.rank_data import load_grad_info, load_grad_norm, load_routing_payload
+from axrl_spike_replay.snapshot.safe_load import load_pt
+from axrl_spike_replay.snapshot.trainer_formats.megatron_checkpoint import (
     is_megatron_checkpoint,
     layout_problems,
     read_megatron_checkpoint,
 )
-from axrl_spike_replay.snapshot.metadata import AxrlMetadata, ParallelLayout, read_metadata
-from axrl_spike_replay.snapshot.rank_data import load_grad_info, load_grad_norm, load_routing_payload
-from axrl_spike_replay.snapshot.safe_load import load_pt
 from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
 
 

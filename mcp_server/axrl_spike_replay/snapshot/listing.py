@@ -194,7 +194,7 @@ def list_snapshots(output_dir: str | Path, workspace: str | Path | None = None) 
 
 def _add_workspace_copies(listing: SnapshotListing, directory: Path, workspace: Path) -> None:
     """The copies `preserve` made of `directory`'s snapshots in `workspace` (`preserved-snapshots/<dir name>/`)."""
-    from axrl_spike_replay.snapshot.preserved_marker import read_marker
+    from axrl_spike_replay.snapshot.preservation.preserved_marker import read_marker
 
     parent = workspace / WORKSPACE_PRESERVED / directory.name
     found, skipped = scan_iteration_dirs(parent, root=workspace)

@@ -54,7 +54,7 @@ def job_logs(snapshot_dir: str | Path) -> list[Path]:
 
 def _source_logs(copy: Path) -> list[Path]:
     """The job logs of the snapshot a workspace copy was made from (its marker's `source`, read as untrusted)."""
-    from axrl_spike_replay.snapshot.preserved_marker import read_marker
+    from axrl_spike_replay.snapshot.preservation.preserved_marker import read_marker
 
     marker, _ = read_marker(copy)
     source = str(marker.get("source") or "") if marker else ""

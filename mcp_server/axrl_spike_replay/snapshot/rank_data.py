@@ -10,14 +10,14 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.fields import canonicalize_batch
 from axrl_spike_replay.snapshot.layout import batch_file, grad_info_file, routing_payload_file
-from axrl_spike_replay.snapshot.megatron_routes import (
+from axrl_spike_replay.snapshot.safe_load import load_pt
+from axrl_spike_replay.snapshot.trainer_formats.megatron_routes import (
     MEGATRON_ROUTES_FORMAT,
     check_fits_batch,
     is_megatron_payload,
     megatron_routes,
 )
-from axrl_spike_replay.snapshot.safe_load import load_pt
-from axrl_spike_replay.snapshot.verl_batch import VERL_COUNT_KEYS, is_verl_jagged_batch, verl_routes
+from axrl_spike_replay.snapshot.trainer_formats.verl_batch import VERL_COUNT_KEYS, is_verl_jagged_batch, verl_routes
 
 if TYPE_CHECKING:
     import torch
@@ -147,7 +147,7 @@ def load_routing_payload(snapshot_dir: str | Path, rank: int, *, meta: bool = Fa
 
     path = Path(snapshot_dir) / routing_payload_file(rank)
     doc = load_pt(path, meta=meta)
-    megatron = is_megatron_payload(doc)  # Megatron's router-replay lists (snapshot.megatron_routes)
+    megatron = is_megatron_payload(doc)  # Megatron's router-replay lists (snapshot.trainer_formats.megatron_routes)
     if not megatron and (not isinstance(doc, dict) or "routed_experts" not in doc):
         raise SnapshotError(f"{path}: expected a dict with 'routed_experts'")
     routes = megatron_routes(doc, path, _layers(doc, path, None)) if megatron else doc["routed_experts"]

@@ -1,24 +1,25 @@
 """The fault matrix: spikes with a known broken part, captured by the reference trainer, to judge a diagnosis by.
 
 Each `MatrixCase` is a run of the reference trainer with one trainer bug planted during the burst (a preset of
-`capture.presets`, plus faults of `capture.faults` of its own), the cause family it plants and the ranks it hits.
+`capture.reference.presets`, plus faults of `capture.fault_injection.faults` of its own), the cause family it plants and
+the ranks it hits.
 Three provenances:
 
 - `preset`: the family presets (`presets.FAMILY_PRESETS`), one per family;
 - `variant`: a family preset's fault with other parameters or ranks;
 - `held_out`: a built-in fault no preset uses (another way to break the same part), planted on a healthy base
   preset (`peaked`, `expert_sensitive`). A diagnosis built on the presets alone has not seen these.
-- `unseen`: faults of `capture.unrecorded_faults` (a kind no preset uses, most of a family no earlier rule read:
-  steps that do not reproduce), written and measured before the rules that read them; on two architectures and two
-  world sizes, one case with two faults on two ranks. Each names its own model and world size.
-- `held_out_ii`: faults of `capture.held_out_faults`, a second held-out set (kinds no preset, no `held_out` and no
-  `unseen` case uses: the stored old log-probs at the sampling temperature, shard-local expert ids, an advantage std
-  over an axis of length one, an L2 penalty in one rank's gradients, a stale layer shard after a resume, a loss mask
-  over the prompt), written and committed before any rule was run on them: on two architectures and two world
+- `unseen`: faults of `capture.fault_injection.unrecorded_faults` (a kind no preset uses, most of a family no earlier
+  rule read: steps that do not reproduce), written and measured before the rules that read them; on two architectures
+  and two world sizes, one case with two faults on two ranks. Each names its own model and world size.
+- `held_out_ii`: faults of `capture.fault_injection.held_out_faults`, a second held-out set (kinds no preset, no
+  `held_out` and no `unseen` case uses: the stored old log-probs at the sampling temperature, shard-local expert ids, an
+  advantage std over an axis of length one, an L2 penalty in one rank's gradients, a stale layer shard after a resume, a
+  loss mask over the prompt), written and committed before any rule was run on them: on two architectures and two world
   sizes, one case with two faults on two ranks.
-- `held_out_iii`: faults of `capture.held_out_iii_faults`, a third held-out set (eight kinds no earlier provenance
-  uses), written and committed before any diagnosis was run on them: tiny_moe and qwen2_moe, world sizes 2 and 4,
-  one case with two faults on two ranks.
+- `held_out_iii`: faults of `capture.fault_injection.held_out_iii_faults`, a third held-out set (eight kinds no
+  earlier provenance uses), written and committed before any diagnosis was run on them: tiny_moe and qwen2_moe,
+  world sizes 2 and 4, one case with two faults on two ranks.
 
 `capture_command` is the same run as an `axrl-spike-replay capture` command line. `capture_case` records a case
 with `hide_fault`, so the snapshots and the log do not name the preset or the fault:
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.capture.presets import FAMILY_PRESETS, FAULT_FAMILIES, LAST, FaultSpec, get_preset
+from axrl_spike_replay.capture.reference.presets import FAMILY_PRESETS, FAULT_FAMILIES, LAST, FaultSpec, get_preset
 
 PROVENANCES = ("preset", "variant", "held_out", "unseen", "held_out_ii", "held_out_iii")
 MATRIX_WORLD_SIZE = 2  # one faulty rank beside a healthy one: the witness a per-rank comparison needs
@@ -369,8 +370,9 @@ def matrix_cases(provenances: tuple[str, ...] = PROVENANCES) -> list[MatrixCase]
 
 
 def case_faults(case: MatrixCase) -> list[Any]:
-    """The case's own faults as `capture.faults` objects (the preset's own fault the trainer builds itself)."""
-    from axrl_spike_replay.capture.faults import make_fault
+    """The case's own faults as `capture.fault_injection.faults` objects (the preset's own fault the trainer builds
+    itself)."""
+    from axrl_spike_replay.capture.fault_injection.faults import make_fault
 
     return [make_fault(spec) for spec in case.faults]
 
@@ -386,7 +388,7 @@ def capture_case(
 ) -> Any:
     """Record `case` under `out` with the fault hidden from the snapshots (a `CaptureResult`); `world_size` None:
     the case's."""
-    from axrl_spike_replay.capture.reference_trainer import capture_reference_run
+    from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 
     return capture_reference_run(
         out,

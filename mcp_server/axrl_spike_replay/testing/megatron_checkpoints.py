@@ -1,11 +1,12 @@
 """Megatron-core `torch_dist` checkpoints of a tiny MoE GPTModel, written by megatron-core's own code in real
-gloo process groups at several layouts: for tests and benchmarks. Needs megatron-core (see models/megatron_cpu.py).
+gloo process groups at several layouts: for tests and benchmarks. Needs megatron-core (see
+models/mcore/megatron_cpu.py).
 
 The reference is saved from one process (TP=PP=EP=1) after seeding, with sharp routers (a wrong expert changes
 the output). Every other layout is made as a trainer would reshard: each of its processes builds its shard of
-the GPTModel, loads the reference with `dist_checkpointing.load` (as route 2 does: `snapshot.megatron_load`) and
-saves with `dist_checkpointing.save`. So all layouts hold the same global weights, each saved in its own chunks and
-data files.
+the GPTModel, loads the reference with `dist_checkpointing.load` (as route 2 does:
+`snapshot.trainer_formats.megatron_load`) and saves with `dist_checkpointing.save`. So all layouts hold the same global
+weights, each saved in its own chunks and data files.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.models.megatron_config import MegatronModelConfig
-from axrl_spike_replay.models.megatron_gpt import MegatronParallel, init_parallel
+from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
+from axrl_spike_replay.models.mcore.megatron_gpt import MegatronParallel, init_parallel
 
 TINY_MODELS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 
@@ -64,7 +65,7 @@ def sharpen_routers(model: Any, seed: int) -> None:
     A router with an expert bias (DeepSeek-V3's) gets one too, large enough to change which experts win."""
     import torch
 
-    from axrl_spike_replay.models.megatron_policy import routers
+    from axrl_spike_replay.models.mcore.megatron_policy import routers
 
     with torch.no_grad():
         for layer, router in routers(model).items():
@@ -86,9 +87,9 @@ def _save_ranks(
     import torch
     from megatron.core import dist_checkpointing
 
-    from axrl_spike_replay.models.megatron_cpu import megatron_on_cpu
-    from axrl_spike_replay.models.megatron_gpt import build_gpt_model
-    from axrl_spike_replay.snapshot.megatron_load import load_megatron_model
+    from axrl_spike_replay.models.mcore.megatron_cpu import megatron_on_cpu
+    from axrl_spike_replay.models.mcore.megatron_gpt import build_gpt_model
+    from axrl_spike_replay.snapshot.trainer_formats.megatron_load import load_megatron_model
 
     section, jobs, reference, seed = payload
     spec = MegatronModelConfig.from_dict(section)

@@ -14,7 +14,9 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
-from axrl_spike_replay.snapshot.verl_batch import VERL_COUNT_KEYS as COUNT_KEYS  # verl's names for the counts
+from axrl_spike_replay.snapshot.trainer_formats.verl_batch import (
+    VERL_COUNT_KEYS as COUNT_KEYS,  # verl's names for the counts
+)
 
 GRAD_INFO_KEY = "global_batch_info"  # the key in grad_info_rank<r>.pt
 

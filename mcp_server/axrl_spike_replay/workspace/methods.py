@@ -63,7 +63,7 @@ def _number(value: Any) -> float | None:
 
 def shipped_methods_dir() -> Path | None:
     """The shipped methods' folder (inside the wheel, or the source checkout's), None when not installed."""
-    from axrl_spike_replay.resources import data_dir
+    from axrl_spike_replay.package_data import data_dir
 
     try:
         return data_dir(SHIPPED_DIR)

@@ -51,7 +51,7 @@ def source_of_copy(snapshot: str | Path | None) -> Path | None:
 
 def _marker_time(path: str) -> str | None:
     """The copy's marker `created_at` when it is a valid preserved copy made by this tool, else None."""
-    from axrl_spike_replay.snapshot.preserved_marker import preserved_copy_problem, read_marker
+    from axrl_spike_replay.snapshot.preservation.preserved_marker import preserved_copy_problem, read_marker
 
     if preserved_copy_problem(path) is not None:
         return None
@@ -117,7 +117,7 @@ def release_copies(
 ) -> list[dict[str, Any]]:
     """Release each copy through the snapshot library (which removes only copies it made); one entry per copy.
     `used_by` {copy path: job}: copies another open task still points at, which are kept."""
-    from axrl_spike_replay.snapshot.preserve import release
+    from axrl_spike_replay.snapshot.preservation.preserve import release
 
     out = []
     for entry in copies:

@@ -9,8 +9,8 @@ from typing import Any
 
 import jinja2
 
+from axrl_spike_replay.package_data import templates_dir
 from axrl_spike_replay.percent import pct, pct_plain
-from axrl_spike_replay.resources import templates_dir
 
 _BACKTICK_RUN_RE = re.compile(r"`+")
 
