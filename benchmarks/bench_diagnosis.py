@@ -20,14 +20,16 @@ suggested experiment is replayed in one sweep beside the baseline. Printed per c
 size): the first held-out figure, spent since (rules were written after seeing it). `--provenance held_out_ii` runs
 the second held-out set (`capture.fault_injection.held_out_faults`: six kinds no preset and no earlier held-out case
 uses, two architectures, world sizes 2 and 4, one case with two faults on two ranks), committed before any rule was
-run on it: the held-out figure now.
+run on it, spent since. `--provenance held_out_iii` runs the third (`capture.fault_injection.held_out_iii_faults`:
+eight kinds no earlier provenance uses, tiny_moe and qwen2_moe, world sizes 2 and 4, one case with two faults on two
+ranks), committed before `diagnose` was run on it: the held-out figure now.
 
 A case whose run trips no spike guard at the burst is listed as `no spike` and left out of the accuracy: that is the
 fault's failure to spike on that model and seed, not the diagnosis's.
 
 Usage: .venv/bin/python benchmarks/bench_diagnosis.py [--models tiny_moe,qwen2_moe,olmoe] [--seeds 0]
-       [--provenance preset,variant,held_out,unseen,held_out_ii] [--cases NAME,...] [--no-experiments] [--json PATH]
-       [--keep DIR [--reuse]]   (keep the captures; --reuse diagnoses kept ones again after a change)
+       [--provenance preset,variant,held_out,unseen,held_out_ii,held_out_iii] [--cases NAME,...] [--no-experiments]
+       [--json PATH] [--keep DIR [--reuse]]   (keep the captures; --reuse diagnoses kept ones again after a change)
 """
 
 from __future__ import annotations
@@ -342,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--provenance",
         default=",".join(PROVENANCES),
-        help="which cases: preset, variant, held_out, unseen, held_out_ii",
+        help="which cases: preset, variant, held_out, unseen, held_out_ii, held_out_iii",
     )
     ap.add_argument("--cases", default="", help="only these case names (comma-separated)")
     ap.add_argument("--no-experiments", action="store_true", help="do not replay the suggested experiments")

@@ -4,6 +4,10 @@ alone (no model): which input of a rank differs from the others' names the broke
 - Where the loss masks start: a rank whose loss starts before every other rank's earliest loss position on most of
   its samples (`LEADING`), where another rank's do not (`WITNESS_RATIO`), trains on tokens the others leave out (the
   prompt, or a response shifted against its mask): a loss mask misaligned there (`mask_misalignment`).
+- What the loss covers against what the engine recorded: a rank whose loss covers positions its rollout engine
+  routed no token at (every expert slot of the routing payload -1 there, as for padding the engine never ran),
+  on `UNRECORDED` of its loss tokens or more, while another rank's loss covers none (`WITNESS_RATIO`), trains on
+  tokens the engine did not generate: its loss mask reaches past the response (`mask_misalignment`).
 - The scale of the advantages: a rank whose typical |advantage| is `SCALE` times the other ranks' median and above
   every advantage they have fed its loss advantages on another scale: the advantages are the broken part there
   (`outlier_advantage` on that rank), not the data, as long as the policy finds that rank's data as likely as the
@@ -23,6 +27,7 @@ from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment, is_f
 from axrl_spike_replay.diagnosis.signal_reading import DATA_NATS, WITNESS_RATIO
 
 LEADING = 0.5  # share of a rank's samples whose loss starts before every other rank's that counts
+UNRECORDED = 0.05  # share of a rank's loss tokens at positions its engine recorded no route for that counts
 SCALE = 10.0  # a rank's typical |advantage| this many times the other ranks' median, and above their largest
 SINGLE_NORM = 3.0  # a rank's local grad norm this many times the others' median: it carries the gradient
 BASE = 0.6  # the rank's input differs; its share of the gradient unknown or under half
@@ -114,6 +119,57 @@ def mask_over_prompt(ev: Evidence) -> Cause | None:
         evidence + figures,
         {"leading": {r: shares[r] for r in ranks}, "first_loss_position": {r: statistics.median(by[r]) for r in ranks}},
         [_drop(ranks, "the misaligned mask")],
+        ranks=ranks,
+    )
+
+
+def unrecorded_loss_shares(ev: Evidence) -> dict[int, float]:
+    """Per rank, the share of its loss tokens at positions its routing payload routes no token at (every slot -1);
+    {} where the snapshot has no routing payloads or they do not match the batches."""
+    from axrl_spike_replay.errors import AxrlError
+    from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
+
+    shares: dict[int, float] = {}
+    for rank in ev.analysis.ranks:
+        try:
+            mask = load_rank_batch(ev.analysis.path, rank)["loss_mask"] != 0
+            routes = load_routing_payload(ev.analysis.path, rank).routed_experts
+        except (AxrlError, KeyError, OSError):
+            return {}
+        if routes.shape[:2] != mask.shape or routes.shape[2] == 0:
+            return {}
+        unrouted = (routes < 0).flatten(2).all(dim=-1)
+        tokens = int(mask.sum())
+        if tokens:
+            shares[rank] = int((unrouted & mask).sum()) / tokens
+    return shares
+
+
+def mask_over_unrecorded(ev: Evidence) -> Cause | None:
+    """Loss masks that cover positions the rank's engine recorded no route for, where another rank's cover none."""
+    shares = unrecorded_loss_shares(ev)
+    ranks = sorted(
+        r
+        for r, share in shares.items()
+        if share >= UNRECORDED and any(o != r and other * WITNESS_RATIO <= share for o, other in shares.items())
+    )
+    if not ranks or len(ranks) == len(shares):
+        return None
+    others = [v for r, v in shares.items() if r not in ranks]
+    evidence = [
+        f"rank {r}: {100 * shares[r]:.0f} % of its loss tokens sit at positions its engine routed no token at (the "
+        f"routing payload is -1 there; {100 * max(others):.0f} % at most on the other ranks): its loss covers tokens "
+        "the engine did not generate (padding after the response stopped, or a mask longer than the response)"
+        for r in ranks
+    ]
+    carries, figures = _carry(ev, ranks)
+    return Cause(
+        "mask_misalignment",
+        f"loss mask covers positions the engine did not generate on rank {_ranks(ranks)}",
+        CARRIES if carries else BASE,
+        evidence + figures,
+        {"unrecorded_loss_share": {r: shares[r] for r in ranks}},
+        [_drop(ranks, "the mask over the unrecorded positions")],
         ranks=ranks,
     )
 

@@ -31,7 +31,13 @@ from axrl_spike_replay.diagnosis.causes import (
     top_carriers,
     unit_strength,
 )
-from axrl_spike_replay.diagnosis.rank_inputs import mask_over_prompt, mask_ranks, rank_advantage_scale, scaled_ranks
+from axrl_spike_replay.diagnosis.rank_inputs import (
+    mask_over_prompt,
+    mask_over_unrecorded,
+    mask_ranks,
+    rank_advantage_scale,
+    scaled_ranks,
+)
 from axrl_spike_replay.diagnosis.signal_reading import DATA_NATS, WITNESS_RATIO, OddSignal, outside_fraction
 
 REFUTE_STAYS = "the spike stays within 20 % of the baseline"
@@ -586,9 +592,10 @@ def _strongest(*found: Cause | None) -> Cause | None:
 
 
 def mask_misalignment(ev: Evidence) -> Cause | None:
-    """The stronger of the stored signals' reading of the masks (`_signal_masks`) and the per-rank comparison of
-    where the masks start (`rank_inputs.mask_over_prompt`)."""
-    return _strongest(_signal_masks(ev), mask_over_prompt(ev))
+    """The strongest of the stored signals' reading of the masks (`_signal_masks`) and the per-rank comparisons of
+    where the masks start (`rank_inputs.mask_over_prompt`) and of what they cover against the engine's record
+    (`rank_inputs.mask_over_unrecorded`)."""
+    return _strongest(_signal_masks(ev), mask_over_prompt(ev), mask_over_unrecorded(ev))
 
 
 def outlier_advantage(ev: Evidence) -> Cause | None:

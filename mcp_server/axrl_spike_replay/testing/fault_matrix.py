@@ -17,6 +17,9 @@ Three provenances:
   advantage std over an axis of length one, an L2 penalty in one rank's gradients, a stale layer shard after a resume, a
   loss mask over the prompt), written and committed before any rule was run on them: on two architectures and two world
   sizes, one case with two faults on two ranks.
+- `held_out_iii`: faults of `capture.fault_injection.held_out_iii_faults`, a third held-out set (eight kinds no
+  earlier provenance uses), written and committed before any diagnosis was run on them: tiny_moe and qwen2_moe,
+  world sizes 2 and 4, one case with two faults on two ranks.
 
 `capture_command` is the same run as an `axrl-spike-replay capture` command line. `capture_case` records a case
 with `hide_fault`, so the snapshots and the log do not name the preset or the fault:
@@ -32,7 +35,7 @@ from typing import Any
 
 from axrl_spike_replay.capture.reference.presets import FAMILY_PRESETS, FAULT_FAMILIES, LAST, FaultSpec, get_preset
 
-PROVENANCES = ("preset", "variant", "held_out", "unseen", "held_out_ii")
+PROVENANCES = ("preset", "variant", "held_out", "unseen", "held_out_ii", "held_out_iii")
 MATRIX_WORLD_SIZE = 2  # one faulty rank beside a healthy one: the witness a per-rank comparison needs
 MATRIX_STEPS = 24  # the burst is at iterations 20-22
 
@@ -44,7 +47,7 @@ class MatrixCase:
     name: str
     family: str  # the cause family planted (one of presets.FAULT_FAMILIES)
     preset: str
-    provenance: str  # preset | variant | held_out | unseen | held_out_ii
+    provenance: str  # preset | variant | held_out | unseen | held_out_ii | held_out_iii
     faults: tuple[FaultSpec, ...] = ()  # planted on top of the preset's own fault
     world_size: int = MATRIX_WORLD_SIZE
     model: str | None = None  # the one model the case runs on (None: each model the matrix is run on)
@@ -172,7 +175,7 @@ _UNSEEN = (
         "step_not_reproduced",
         "peaked",
         "unseen",
-        (FaultSpec("layer_grad_scale", ranks=(2,), params={"layers": [1], "factor": 64.0}),),
+        (FaultSpec("layer_grad_scale", ranks=(2,), params={"layers": [1], "factor": 1024.0}),),
         world_size=4,
     ),
     MatrixCase(
@@ -202,7 +205,7 @@ _UNSEEN = (
         "peaked",
         "unseen",
         (
-            FaultSpec("layer_grad_scale", ranks=(0,), params={"layers": [0], "factor": 64.0}),
+            FaultSpec("layer_grad_scale", ranks=(0,), params={"layers": [0], "factor": 1024.0}),
             FaultSpec("stored_batch_previous", ranks=(3,)),
         ),
         world_size=4,
@@ -284,12 +287,85 @@ _HELD_OUT_II = (
 )
 
 
+_HELD_OUT_III = (
+    MatrixCase(
+        "held_out_iii:ref_logprobs_vocab_shard",
+        "bad_ref_logprobs",
+        "peaked_kl",
+        "held_out_iii",
+        (FaultSpec("ref_logprobs_vocab_shard", ranks=LAST, params={"shards": 8}),),
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_iii:old_logprobs_softmax_over_positions",
+        "stale_old_logprobs",
+        "peaked",
+        "held_out_iii",
+        (FaultSpec("old_logprobs_softmax_over_positions", ranks=(0,)),),
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_iii:rollout_logprobs_repetition_penalty",
+        "engine_mismatch",
+        "peaked_rollout_ratio",
+        "held_out_iii",
+        (FaultSpec("rollout_logprobs_repetition_penalty", params={"penalty": 2.0}),),
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_iii:routes_layers_reversed_ws4",
+        "routing_payload",
+        "expert_sensitive",
+        "held_out_iii",
+        (FaultSpec("routes_layers_reversed", ranks=(1,)),),
+        world_size=4,
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_iii:stop_tail_in_mask",
+        "mask_misalignment",
+        "peaked",
+        "held_out_iii",
+        (FaultSpec("stop_tail_in_mask", ranks=LAST, params={"keep": 4, "pad": 15}),),
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_iii:qwen2_moe_reward_log_of_zero",
+        "non_finite",
+        "peaked",
+        "held_out_iii",
+        (FaultSpec("reward_log_of_zero", ranks=(0,)),),
+        model="qwen2_moe",
+    ),
+    MatrixCase(
+        "held_out_iii:qwen2_moe_grads_not_zeroed",
+        "step_not_reproduced",
+        "peaked",
+        "held_out_iii",
+        (FaultSpec("grads_not_zeroed", ranks=LAST, params={"family": "all"}),),
+        model="qwen2_moe",
+    ),
+    MatrixCase(
+        "held_out_iii:grads_not_zeroed_and_expert_accumulated_ws4",
+        "step_not_reproduced",
+        "peaked",
+        "held_out_iii",
+        (
+            FaultSpec("grads_not_zeroed", ranks=(0,), params={"family": "experts"}),
+            FaultSpec("expert_grad_accumulated", ranks=(3,), params={"expert": 1, "times": 64.0}),
+        ),
+        world_size=4,
+        model="tiny_moe",
+    ),
+)
+
+
 def matrix_cases(provenances: tuple[str, ...] = PROVENANCES) -> list[MatrixCase]:
     """The matrix's cases of the given provenances, presets first."""
     unknown = set(provenances) - set(PROVENANCES)
     if unknown:
         raise ValueError(f"unknown provenance {sorted(unknown)} (known: {', '.join(PROVENANCES)})")
-    cases = [*_preset_cases(), *_VARIANTS, *_HELD_OUT, *_UNSEEN, *_HELD_OUT_II]
+    cases = [*_preset_cases(), *_VARIANTS, *_HELD_OUT, *_UNSEEN, *_HELD_OUT_II, *_HELD_OUT_III]
     return [c for c in cases if c.provenance in provenances]
 
 
