@@ -1,5 +1,5 @@
 """A name with a leading underscore belongs to its module: no module of the package imports another module's
-private name (`from axrl_spike_replay.diagnosis.causes import _pct`) or reaches one through a module it imported
+private name (`from axrl_spike_replay.diagnosis.rules.causes import _pct`) or reaches one through a module it imported
 (`worker._gather`). A helper that two modules need is public, in the module whose idea it is. Checked on the
 source, imports inside functions and under TYPE_CHECKING included."""
 

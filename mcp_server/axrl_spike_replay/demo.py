@@ -227,7 +227,7 @@ def _read_snapshot(run: _Run, found: _Found) -> list[str]:
     """Step 3: inspect and analyze the preserved snapshot, show the task's diagnosis and scan the logs; the likely
     causes' titles."""
     from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
-    from axrl_spike_replay.diagnosis.log_scan import scan_logs
+    from axrl_spike_replay.diagnosis.evidence.log_scan import scan_logs
     from axrl_spike_replay.snapshot.inspect import inspect_snapshot
     from axrl_spike_replay.workspace.report import task_diagnosis
 
@@ -344,7 +344,7 @@ def _diagnose_with_model(
     report shows the strongest diagnosis, and the demo notes what it planted so the answer can be checked.
     (planted family, family ranked first)."""
     from axrl_spike_replay.capture.reference.presets import get_preset
-    from axrl_spike_replay.diagnosis.causes import LIKELY
+    from axrl_spike_replay.diagnosis.rules.causes import LIKELY
     from axrl_spike_replay.investigation.task_opening import diagnose_into_task
     from axrl_spike_replay.workspace.task_state import note
 

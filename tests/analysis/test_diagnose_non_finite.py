@@ -13,10 +13,10 @@ from snapshot_edits import copy_fixture, edit_batch, edit_grad_info, no_mismatch
 
 from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
 from axrl_spike_replay.analysis.grad_info import top_param_grads
-from axrl_spike_replay.diagnosis import causes
-from axrl_spike_replay.diagnosis.causes import Evidence
 from axrl_spike_replay.diagnosis.diagnose import RULES, diagnose_snapshot
-from axrl_spike_replay.diagnosis.model_evidence import LayerAgreement, RouteAgreement
+from axrl_spike_replay.diagnosis.evidence.model_evidence import LayerAgreement, RouteAgreement
+from axrl_spike_replay.diagnosis.rules import causes
+from axrl_spike_replay.diagnosis.rules.causes import Evidence
 from axrl_spike_replay.experiment.result import Attribution, SampleContribution
 
 

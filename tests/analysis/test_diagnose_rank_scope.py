@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from axrl_spike_replay.diagnosis.causes import Cause, Experiment
-from axrl_spike_replay.diagnosis.causes_by_rank import UNSCOPED, Singled, hold_to_ranks, singled_out
-from axrl_spike_replay.diagnosis.tie_break import name_comparisons
+from axrl_spike_replay.diagnosis.rules.causes import Cause, Experiment
+from axrl_spike_replay.diagnosis.rules.causes_by_rank import UNSCOPED, Singled, hold_to_ranks, singled_out
+from axrl_spike_replay.diagnosis.rules.tie_break import name_comparisons
 
 
 def local_norms(*norms: float) -> SimpleNamespace:
@@ -56,7 +56,7 @@ def test_diagnose_runs_the_comparison_of_tied_causes_and_separates_them(tmp_path
     clip far beyond every advantage does not; the first cause gets back its strength, the other says why not."""
     from snapshot_edits import copy_fixture
 
-    from axrl_spike_replay.diagnosis.tie_break import run_comparisons
+    from axrl_spike_replay.diagnosis.rules.tie_break import run_comparisons
 
     snapshot = copy_fixture(tmp_path)
     a = Cause("one_rank_data", "rank 1's data", 0.7, experiments=[Experiment("drop_ranks=1", "")], tied_with=["x"])

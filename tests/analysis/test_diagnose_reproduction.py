@@ -15,7 +15,7 @@ from axrl_spike_replay.capture.fault_injection.faults import make_fault
 from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot, render_diagnosis
-from axrl_spike_replay.diagnosis.reproduction import Prediction, predict, read_rank, reproduction_cause
+from axrl_spike_replay.diagnosis.rules.reproduction import Prediction, predict, read_rank, reproduction_cause
 from axrl_spike_replay.experiment.step_evidence import LossChannel
 
 REPLAYED = {"blocks.0.qkv.weight": 1.0, "blocks.0.ffn.w_in": 2.0, "blocks.1.qkv.weight": 0.5, "head.weight": 3.0}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.diagnosis.log_scan import error_kind, parse_line, scan_logs
+from axrl_spike_replay.diagnosis.evidence.log_scan import error_kind, parse_line, scan_logs
 from axrl_spike_replay.errors import AxrlError
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.diagnosis.log_scan import scan_logs
+from axrl_spike_replay.diagnosis.evidence.log_scan import scan_logs
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.logs.log_reader import LogTally, scan_file
 from axrl_spike_replay.snapshot.discovery import split_logs

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "mcp_server"
 _SCAN_IN_HALVES = """
 import json, os, sys, threading
 from axrl_spike_replay.logs import log_halves
-from axrl_spike_replay.diagnosis import log_scan
+from axrl_spike_replay.diagnosis.evidence import log_scan
 from axrl_spike_replay.errors import AxrlError
 
 log_halves.SPLIT_BYTES = 0  # every log is split

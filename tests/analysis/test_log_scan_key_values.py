@@ -13,7 +13,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from test_log_scan_streaming import _reference, _scanned
 
-from axrl_spike_replay.diagnosis.log_scan import MAX_LINE_CHARS
+from axrl_spike_replay.diagnosis.evidence.log_scan import MAX_LINE_CHARS
 from axrl_spike_replay.logs import log_blocks, log_kv, log_reader
 from axrl_spike_replay.logs.log_kv import MAX_PROTOTYPE_BYTES, KeyValueRuns, layout_of
 from axrl_spike_replay.logs.log_lines import error_kind, parse_line

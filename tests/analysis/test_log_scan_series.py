@@ -17,7 +17,7 @@ from test_log_scan_streaming import _SHAPES, _megatron, _reference, _scanned
 
 import axrl_spike_replay
 from axrl_spike_replay.capture.detectors import make_detector
-from axrl_spike_replay.diagnosis.log_scan import _spikes, scan_logs
+from axrl_spike_replay.diagnosis.evidence.log_scan import _spikes, scan_logs
 from axrl_spike_replay.logs import log_blocks
 from axrl_spike_replay.logs.log_series import SeriesBuilder
 from axrl_spike_replay.logs.series_sampling import sampled_series
@@ -25,7 +25,7 @@ from axrl_spike_replay.logs.series_sampling import sampled_series
 # The child caps its own address space at what it holds after the imports plus `budget` MiB, then scans.
 _SCAN_WITHIN_A_BUDGET = """
 import json, resource, sys
-from axrl_spike_replay.diagnosis.log_scan import scan_logs, with_sampled_series
+from axrl_spike_replay.diagnosis.evidence.log_scan import scan_logs, with_sampled_series
 size = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize:")) * 1024
 budget = int(sys.argv[3]) * 1024 * 1024
 resource.setrlimit(resource.RLIMIT_AS, (size + budget, size + budget))

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from axrl_spike_replay.capture.detectors import make_detector
-from axrl_spike_replay.diagnosis.log_scan import MAX_ERRORS, MAX_LINE_CHARS, _spikes, scan_logs
+from axrl_spike_replay.diagnosis.evidence.log_scan import MAX_ERRORS, MAX_LINE_CHARS, _spikes, scan_logs
 from axrl_spike_replay.logs import log_blocks
 from axrl_spike_replay.logs.log_lines import error_kind, parse_line
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import axrl_spike_replay
-from axrl_spike_replay.diagnosis.log_scan import MAX_LINE_CHARS, key_values, scan_logs
+from axrl_spike_replay.diagnosis.evidence.log_scan import MAX_LINE_CHARS, key_values, scan_logs
 from axrl_spike_replay.errors import AxrlError
 
 # The key=value pattern before it was made linear: the reference the linear scanner must agree with.
@@ -25,7 +25,7 @@ _REFERENCE_KV = re.compile(rf"([A-Za-z_][\w./-]*)\s*[=:]\s*({_NUM})(?![\w.])", r
 
 _SCAN_IN_A_CHILD = """
 import json, resource, sys
-from axrl_spike_replay.diagnosis.log_scan import scan_logs
+from axrl_spike_replay.diagnosis.evidence.log_scan import scan_logs
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 scan = scan_logs(sys.argv[1:-1], sys.argv[-1])
 grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before

@@ -3,7 +3,7 @@ replay reports them (no model needed to state the comparison)."""
 
 from __future__ import annotations
 
-from axrl_spike_replay.diagnosis.signal_reading import read_signals
+from axrl_spike_replay.diagnosis.evidence.signal_reading import read_signals
 from axrl_spike_replay.experiment.step_evidence import PairFigures, RankSignals, SignalCheck
 
 

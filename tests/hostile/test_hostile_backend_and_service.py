@@ -191,7 +191,7 @@ ENTRY_KINDS = ["log", "fifo", "dir named .log", "symlink out", "broken symlink",
 def test_a_logs_dir_of_any_entries_is_read_or_refused_without_waiting(
     tmp_path_factory: pytest.TempPathFactory, kinds: list[str]
 ) -> None:
-    from axrl_spike_replay.diagnosis.log_scan import scan_logs
+    from axrl_spike_replay.diagnosis.evidence.log_scan import scan_logs
 
     root = tmp_path_factory.mktemp("logs")
     out, outside = root / "run1~job__actor", root / "outside.log"

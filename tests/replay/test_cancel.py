@@ -69,7 +69,7 @@ def test_a_cancelled_attribution_stops_before_its_gradient_pass(spike_snapshot: 
 
 
 def test_a_cancelled_log_scan_stops_between_files(tmp_path: Path) -> None:
-    from axrl_spike_replay.diagnosis.log_scan import scan_logs
+    from axrl_spike_replay.diagnosis.evidence.log_scan import scan_logs
 
     log = tmp_path / "train.log"
     log.write_text(" iteration        1/      10 | lm loss: 1.0E-01 | grad norm: 0.5 |\n")

@@ -240,7 +240,7 @@ def _diagnose(args: argparse.Namespace) -> int:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.diagnosis.log_scan import MAX_LINE_CHARS, scan_logs, with_sampled_series
+    from axrl_spike_replay.diagnosis.evidence.log_scan import MAX_LINE_CHARS, scan_logs, with_sampled_series
 
     result = scan_logs(
         args.paths,

@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.diagnosis import causes, causes_by_rank, reproduction, signal_causes, tie_break
-from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment
-from axrl_spike_replay.diagnosis.convention_experiments import in_convention
-from axrl_spike_replay.diagnosis.hypotheses import loss_hypotheses, rank_mismatches
-from axrl_spike_replay.diagnosis.input_causes import input_causes, merge_input_causes
-from axrl_spike_replay.diagnosis.model_evidence import RouteAgreement
-from axrl_spike_replay.diagnosis.no_ops import no_op_reason, run_configs
-from axrl_spike_replay.diagnosis.ratio_shape import RatioShape, read_ratio_shape
-from axrl_spike_replay.diagnosis.signal_reading import SignalReading, read_signals
+from axrl_spike_replay.diagnosis.evidence.model_evidence import RouteAgreement
+from axrl_spike_replay.diagnosis.evidence.ratio_shape import RatioShape, read_ratio_shape
+from axrl_spike_replay.diagnosis.evidence.signal_reading import SignalReading, read_signals
+from axrl_spike_replay.diagnosis.rules import causes, causes_by_rank, reproduction, signal_causes, tie_break
+from axrl_spike_replay.diagnosis.rules.causes import Cause, Evidence, Experiment
+from axrl_spike_replay.diagnosis.rules.input_causes import input_causes, merge_input_causes
+from axrl_spike_replay.diagnosis.suggestions.convention_experiments import in_convention
+from axrl_spike_replay.diagnosis.suggestions.hypotheses import loss_hypotheses, rank_mismatches
+from axrl_spike_replay.diagnosis.suggestions.no_ops import no_op_reason, run_configs
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.result import Attribution
 from axrl_spike_replay.experiment.step_evidence import StepEvidence
@@ -124,7 +124,7 @@ class Diagnosis:
 def _model_evidence(
     snapshot: Path, attribution: Any, model: str, top: int, not_checked: list[str], shard: str, nproc: int | None
 ) -> tuple[Attribution | None, StepEvidence | None]:
-    from axrl_spike_replay.diagnosis import model_evidence as dm
+    from axrl_spike_replay.diagnosis.evidence import model_evidence as dm
 
     att = dm.read_attribution(attribution) if attribution is not None else None
     if model == "never":
@@ -218,7 +218,7 @@ def diagnose_snapshot(
     att, step = _model_evidence(directory, attribution, model, top, not_checked, shard, nproc)
     if att is not None:
         _check_replayed_norm(consistency, analysis.grad_norm, att, not_checked)
-    from axrl_spike_replay.diagnosis.model_evidence import routes_of
+    from axrl_spike_replay.diagnosis.evidence.model_evidence import routes_of
 
     routes = routes_of(step.signals) if step is not None else None
     reading = read_signals(step.signals) if step is not None else None

@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.diagnosis.causes import LIKELY
 from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
+from axrl_spike_replay.diagnosis.rules.causes import LIKELY
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.jsonable import to_jsonable
 

@@ -13,7 +13,7 @@ from pydantic import Field
 from axrl_spike_replay.analysis.batch_signals import BatchAnalysis, analyze_snapshot
 from axrl_spike_replay.analysis.grad_info import GradReport, top_param_grads
 from axrl_spike_replay.diagnosis.diagnose import Diagnosis
-from axrl_spike_replay.diagnosis.log_scan import LogScan, default_name, scan_logs, with_sampled_series
+from axrl_spike_replay.diagnosis.evidence.log_scan import LogScan, default_name, scan_logs, with_sampled_series
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.investigation.task_opening import diagnose_into_task
 from axrl_spike_replay.logs.series_sampling import DEFAULT_LIMIT

@@ -138,7 +138,7 @@ class _Converted:
     by_pattern: dict[str, list[str]] = field(default_factory=dict)  # pattern -> saved names, in expert order
 
 
-def _conversion_plan(
+def conversion_plan(
     model: nn.Module, shapes: Mapping[str, Any], targets: Iterable[str]
 ) -> tuple[dict[str, str], dict[str, _Converted]]:
     """({model name: saved name} read as is, {model name: its per-expert sources}) for the model's tensors."""
@@ -198,7 +198,7 @@ def load_sharded(model: nn.Module, source: WeightSource, label: str, only: Itera
     if only is not None:
         wanted = set(only)
         state = {name: tensor for name, tensor in state.items() if name in wanted}
-    direct, converted = _conversion_plan(model, source.shapes, state)
+    direct, converted = conversion_plan(model, source.shapes, state)
     tied = _tied(state)
     missing = sorted(n for n in state if n not in direct and n not in converted and n not in tied)
     if missing:

@@ -122,7 +122,7 @@ def _to_device(batch: dict[str, Any], device: str) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def _groups(configs: Sequence[AppliedConfig]) -> list[list[AppliedConfig]]:
+def forward_groups(configs: Sequence[AppliedConfig]) -> list[list[AppliedConfig]]:
     """Configs grouped by weights, then by forward (routing): snapshot weights first, order kept."""
     groups: dict[tuple[Any, ...], list[AppliedConfig]] = {}
     for cfg in sorted(configs, key=lambda c: c.weights is not None):
@@ -586,7 +586,7 @@ def compute(
     figures = _Figures() if fixes and not baseline.mitigations else None
     model, weights = None, object()
     space: GradientSpace | None = None
-    for group in _groups(job.configs):
+    for group in forward_groups(job.configs):
         check_cancel(cancel, "replay")
         t0 = time.perf_counter()
         if group[0].weights != weights or model is None or space is None:

@@ -24,7 +24,7 @@ from axrl_spike_replay.models.policy import ModelSpec, build_policy, hf_weights_
 from axrl_spike_replay.models.sharded_weights import (
     DcpSource,
     WeightSource,
-    _conversion_plan,
+    conversion_plan,
     load_sharded,
     open_source,
 )
@@ -131,7 +131,7 @@ class StreamedWeights:
         state = self.policy.state_dict(keep_vars=True)
         for index, names in [(-1, self.end_names), *enumerate(self.layer_names)]:
             where = "the embedding and head" if index < 0 else f"decoder layer {index}"
-            direct, converted = _conversion_plan(self.policy, self.source.shapes, names)
+            direct, converted = conversion_plan(self.policy, self.source.shapes, names)
             missing = [n for n in names if n not in direct and n not in converted]
             if missing:
                 raise SnapshotError(
@@ -145,7 +145,7 @@ class StreamedWeights:
                     )
 
     def _bytes(self, names: list[str]) -> int:
-        direct, converted = _conversion_plan(self.policy, self.source.shapes, names)
+        direct, converted = conversion_plan(self.policy, self.source.shapes, names)
         saved = [*direct.values(), *(k for plan in converted.values() for ks in plan.by_pattern.values() for k in ks)]
         total = 0
         for key in saved:

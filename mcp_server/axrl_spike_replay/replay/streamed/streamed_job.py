@@ -1,7 +1,7 @@
 """A replay job computed streamed, in this process: every saved rank, one decoder layer at a time.
 
 `run_streamed_job` is a `launch.JobRunner`: the engine judges and records its outcomes as it does the whole or
-sharded replay's (`ReplaySession.result`). For each forward group (`worker._groups`: configs sharing weights and
+sharded replay's (`ReplaySession.result`). For each forward group (`worker.forward_groups`: configs sharing weights and
 routing) the forward runs once (`layer_passes.forward_layers`) and each config its own backward
 (`layer_passes.backward_config`); a config's outcome holds its grad norm, top parameters, each rank's metrics, the
 baseline's per-parameter norms of the reduced gradient and of each saved rank's own gradient, and a mitigated
@@ -27,7 +27,7 @@ from axrl_spike_replay.replay.streamed.boundaries import boundary_store
 from axrl_spike_replay.replay.streamed.layer_passes import backward_config, forward_layers, stream_items
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
-from axrl_spike_replay.replay.worker import ConfigOutcome, RankInputs, WorkerJob, _groups, step_counts
+from axrl_spike_replay.replay.worker import ConfigOutcome, RankInputs, WorkerJob, forward_groups, step_counts
 
 
 class _Deadline(threading.Event):
@@ -69,7 +69,7 @@ def compute_streamed(
     reduce_dtype = job.precision.torch_dtype("reduce_dtype") if recorded and job.precision else None
     base_traces: dict[int, RankTrace] = {}
     say(f"streamed: {len(ranks)} saved rank(s) in this process, one decoder layer at a time")
-    for group in _groups(job.configs):
+    for group in forward_groups(job.configs):
         check_cancel(stop, "replay")
         t0 = time.perf_counter()
         weights = StreamedWeights(job.model, group[0].weights or job.replay_dir, job.device, job.precision)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from axrl_spike_replay.diagnosis.causes import LOSS_READS_LITTLE, Cause, Experiment
+from axrl_spike_replay.diagnosis.rules.causes import LOSS_READS_LITTLE, Cause, Experiment
 from axrl_spike_replay.errors import AxrlError
 
 # the broken part each checked field names, as a cause family

@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from axrl_spike_replay.diagnosis.causes import LIKELY, Cause
+from axrl_spike_replay.diagnosis.rules.causes import LIKELY, Cause
 
 SINGLE_NORM = 10.0  # a rank's local grad norm this many times the other ranks' median singles it out
 SINGLE_SHARE = 0.8  # ... or its terms carrying this share of the reduced gradient (world size > 1)

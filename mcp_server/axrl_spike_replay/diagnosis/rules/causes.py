@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-from axrl_spike_replay.diagnosis.model_evidence import RouteAgreement
-from axrl_spike_replay.diagnosis.signal_reading import SignalReading
+from axrl_spike_replay.diagnosis.evidence.model_evidence import RouteAgreement
+from axrl_spike_replay.diagnosis.evidence.signal_reading import SignalReading
 from axrl_spike_replay.experiment.result import Attribution
 from axrl_spike_replay.experiment.step_evidence import LossChannel
 from axrl_spike_replay.training.loss_config import LossConfig

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from axrl_spike_replay.diagnosis.causes import Cause
+from axrl_spike_replay.diagnosis.rules.causes import Cause
 
 MOVED = 0.01  # the least relative change of the grad norm that counts (experiment.verdict.MEASURABLE_DROP)
 DOMINATES = 2.0  # the winner's change at least this many times the other's

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from axrl_spike_replay.diagnosis.causes import Experiment
+from axrl_spike_replay.diagnosis.rules.causes import Experiment
 from axrl_spike_replay.experiment.step_evidence import LossChannel
 from axrl_spike_replay.snapshot.consistency import LOSS_ABS_TOLERANCE, LOSS_TOLERANCE
 from axrl_spike_replay.training.loss_config import LossConfig

@@ -23,8 +23,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from axrl_spike_replay.diagnosis.causes import Cause, Evidence, Experiment, is_finite
-from axrl_spike_replay.diagnosis.signal_reading import DATA_NATS, WITNESS_RATIO
+from axrl_spike_replay.diagnosis.evidence.signal_reading import DATA_NATS, WITNESS_RATIO
+from axrl_spike_replay.diagnosis.rules.causes import Cause, Evidence, Experiment, is_finite
 
 LEADING = 0.5  # share of a rank's samples whose loss starts before every other rank's that counts
 UNRECORDED = 0.05  # share of a rank's loss tokens at positions its engine recorded no route for that counts

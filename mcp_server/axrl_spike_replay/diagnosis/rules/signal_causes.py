@@ -17,8 +17,9 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from axrl_spike_replay.diagnosis import causes
-from axrl_spike_replay.diagnosis.causes import (
+from axrl_spike_replay.diagnosis.evidence.signal_reading import DATA_NATS, WITNESS_RATIO, OddSignal, outside_fraction
+from axrl_spike_replay.diagnosis.rules import causes
+from axrl_spike_replay.diagnosis.rules.causes import (
     LIKELY,
     LN2,
     LOSS_READS_LITTLE,
@@ -31,14 +32,13 @@ from axrl_spike_replay.diagnosis.causes import (
     top_carriers,
     unit_strength,
 )
-from axrl_spike_replay.diagnosis.rank_inputs import (
+from axrl_spike_replay.diagnosis.rules.rank_inputs import (
     mask_over_prompt,
     mask_over_unrecorded,
     mask_ranks,
     rank_advantage_scale,
     scaled_ranks,
 )
-from axrl_spike_replay.diagnosis.signal_reading import DATA_NATS, WITNESS_RATIO, OddSignal, outside_fraction
 
 REFUTE_STAYS = "the spike stays within 20 % of the baseline"
 KL_READS = 0.05  # share of the gradient below which the loss barely reads a signal's term on its ranks
@@ -126,7 +126,7 @@ def _off_static(ev: Evidence) -> dict[int, float]:
 
 def _static_figures(ev: Evidence) -> tuple[float, float] | None:
     """(max |log(π_old/π_rollout)|, share of loss tokens outside [0.5, 2]) from the batch, None without them."""
-    from axrl_spike_replay.diagnosis.causes import finite_fraction_outside
+    from axrl_spike_replay.diagnosis.rules.causes import finite_fraction_outside
 
     a = ev.analysis
     if not a.ratio_old_vs_rollout.get("available"):

@@ -30,7 +30,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from axrl_spike_replay.diagnosis.causes import Cause, Experiment
+from axrl_spike_replay.diagnosis.rules.causes import Cause, Experiment
 from axrl_spike_replay.experiment.step_evidence import LossChannel
 from axrl_spike_replay.models.param_groups import family_of, layer_of
 from axrl_spike_replay.snapshot.consistency import LOSS_ABS_TOLERANCE, LOSS_TOLERANCE
