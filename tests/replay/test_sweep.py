@@ -13,7 +13,7 @@ from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import ReplayOptions
-from axrl_spike_replay.replay.worker import _groups
+from axrl_spike_replay.replay.worker import forward_groups
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.routing_replay import RoutingConfig
 from axrl_spike_replay.workspace.task_state import show_task
@@ -82,7 +82,7 @@ def test_every_config_is_logged_in_the_open_task(sweep: tuple[SweepResult, Path]
 def test_loss_level_configs_share_the_baselines_forward() -> None:
     loss, routing = LossConfig(), RoutingConfig(replay="all")
     applied = [apply_config(parse_config(c), loss, routing) for c in [{}, *CONFIGS]]
-    groups = [[c.config_id for c in group] for group in _groups(applied)]
+    groups = [[c.config_id for c in group] for group in forward_groups(applied)]
     assert len(groups) == 2  # every loss-level config with the baseline; routing off on its own
     assert groups[1] == ["routing_replay=off"]
     assert len(groups[0]) == len(CONFIGS)
