@@ -20,18 +20,18 @@ pytestmark = pytest.mark.slow  # each sharded diagnosis starts 1-2 processes: te
 REL = 1e-6
 
 
-def _close(got: Any, want: Any, path: str = "", near_zero: float = 1e-12) -> None:
-    """The same document, floats within REL (relative, or `near_zero` absolute)."""
+def _close(got: Any, want: Any, path: str = "", near_zero: float = 1e-12, rel: float = REL) -> None:
+    """The same document, floats within `rel` (relative, or `near_zero` absolute)."""
     if isinstance(want, dict):
         assert isinstance(got, dict) and set(got) == set(want), path
         for key in want:
-            _close(got[key], want[key], f"{path}.{key}", near_zero)
+            _close(got[key], want[key], f"{path}.{key}", near_zero, rel)
     elif isinstance(want, list):
         assert isinstance(got, list) and len(got) == len(want), path
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            _close(a, b, f"{path}[{i}]", near_zero)
+            _close(a, b, f"{path}[{i}]", near_zero, rel)
     elif isinstance(want, float) and not isinstance(got, bool):
-        assert math.isclose(got, want, rel_tol=REL, abs_tol=near_zero), (path, got, want)
+        assert math.isclose(got, want, rel_tol=rel, abs_tol=near_zero), (path, got, want)
     else:
         assert got == want, (path, got, want)
 
@@ -43,9 +43,10 @@ def _same_diagnosis(sharded: Diagnosis, whole: Diagnosis) -> None:
     got, want = sharded.step.channel.to_json(), whole.step.channel.to_json()
     # the terms' sum against g: float noise itself (~1e-7), in a summation order that may differ
     assert got.pop("sum_rel_error") <= 1e-6 and want.pop("sum_rel_error") <= 1e-6
-    # each rank's own per-parameter norms: the whole evidence's, summed over the shards (float noise apart); their
-    # dots are the whole evidence's alone
-    _close(got.pop("rank_param_norms"), want.pop("rank_param_norms"), "rank_param_norms", 1e-9)
+    # each rank's own per-parameter norms: the whole evidence's, summed over the shards and the micro-batches in
+    # another order (float32 noise apart: 1.6e-6 seen on the head, whose gradient sums the most terms, hence 1e-5,
+    # the tolerance of a process summing several ranks); their dots are the whole evidence's alone
+    _close(got.pop("rank_param_norms"), want.pop("rank_param_norms"), "rank_param_norms", 1e-9, 1e-5)
     assert got.pop("param_gram") == {} and want.pop("param_gram")
     assert not any(n.startswith("param_grad_norms_vs_replay") for n in sharded.not_checked), sharded.not_checked
     _close(got, want, "channel")
