@@ -249,8 +249,8 @@ class How:
         default=None,
         metadata=declare(  # None: the saved world size (full fidelity)
             summary="Processes; default: the saved world size.",
-            help="Replay processes. Default: the saved world size, which is full fidelity. Fewer gives a "
-            "reduced-fidelity diagnostic, labelled as such everywhere it is reported.",
+            help="Replay processes. Default: the saved world size. Fewer: each process replays several saved "
+            "ranks in turn, still every saved rank (full fidelity), judged at the tolerance of sums in another order.",
             kind="int",
             ge=1,
         ),
