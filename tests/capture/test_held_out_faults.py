@@ -4,28 +4,12 @@ tiny_moe rank's step, on its rank only, and its matrix cases use kinds no preset
 from __future__ import annotations
 
 import torch
+from fault_steps import step_parts, trainer
 
-from axrl_spike_replay.capture.fault_injection.faults import StepParts, apply_faults, make_fault
+from axrl_spike_replay.capture.fault_injection.faults import apply_faults, make_fault
 from axrl_spike_replay.capture.fault_injection.held_out_faults import HELD_OUT_KINDS
 from axrl_spike_replay.capture.reference.presets import PRESETS, FaultSpec
-from axrl_spike_replay.capture.reference.run_config import build_run_config, parse_run_config
-from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
 from axrl_spike_replay.testing.fault_matrix import matrix_cases
-
-
-def trainer(rank: int = 1) -> RankTrainer:
-    spec = parse_run_config(build_run_config(preset="peaked", steps=4, world_size=2, model="tiny_moe"))
-    return RankTrainer(spec, rank=rank, world_size=2)
-
-
-def step_parts(t: RankTrainer, stage: str, iteration: int = 20) -> tuple[StepParts, dict[str, torch.Tensor]]:
-    """A burst step's batch of `t` (its real rollout, no fault) as a fault at `stage` would see it."""
-    step = t.rollout(iteration)
-    batch = {k: v.clone() for k, v in step.batch.items()}
-    parts = StepParts(
-        stage, iteration, t.rank, 2, True, t.train.prompt_len, batch, step.routed_experts.clone(), trainer=t
-    )
-    return parts, step.batch
 
 
 def test_the_second_held_out_set_uses_kinds_no_preset_and_no_earlier_held_out_case_uses() -> None:

@@ -5,31 +5,16 @@ no earlier held-out case uses."""
 from __future__ import annotations
 
 import torch
+from fault_steps import step_parts, trainer
 
 from axrl_spike_replay.capture.fault_injection.faults import StepParts, apply_faults, make_fault
 from axrl_spike_replay.capture.fault_injection.held_out_iii_faults import HELD_OUT_III_KINDS
 from axrl_spike_replay.capture.reference.presets import PRESETS, FaultSpec
-from axrl_spike_replay.capture.reference.run_config import build_run_config, parse_run_config
 from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
 from axrl_spike_replay.models.param_groups import family_of
 from axrl_spike_replay.models.tiny_moe import token_logprobs
 from axrl_spike_replay.testing.fault_matrix import matrix_cases
 from axrl_spike_replay.training.routing_replay import routing_control
-
-
-def trainer(rank: int = 1, preset: str = "peaked") -> RankTrainer:
-    spec = parse_run_config(build_run_config(preset=preset, steps=4, world_size=2, model="tiny_moe"))
-    return RankTrainer(spec, rank=rank, world_size=2)
-
-
-def step_parts(t: RankTrainer, stage: str, iteration: int = 20) -> tuple[StepParts, dict[str, torch.Tensor]]:
-    """A burst step's batch of `t` (its real rollout, no fault) as a fault at `stage` would see it."""
-    step = t.rollout(iteration)
-    batch = {k: v.clone() for k, v in step.batch.items()}
-    parts = StepParts(
-        stage, iteration, t.rank, 2, True, t.train.prompt_len, batch, step.routed_experts.clone(), trainer=t
-    )
-    return parts, step.batch
 
 
 def logits_of(t: RankTrainer, model: torch.nn.Module, parts: StepParts) -> torch.Tensor:

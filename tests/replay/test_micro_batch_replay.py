@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from tiny_snapshot import LOSS, MODEL, record_tiny_snapshot
+from tiny_snapshot import LOSS, MODEL, record_tiny_snapshot, split_into_micro_batches
 
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy
@@ -43,14 +43,7 @@ def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny snapshot whose batch files hold the trainer's micro-batches (`{"micro_batches": [...]}`)."""
     loss = {**LOSS, "loss_agg_mode": "token-mean", "normalization": "per_rank"}
     snap = record_tiny_snapshot(tmp_path_factory.mktemp("micro"), rank_lengths=RANK_LENGTHS, prompt=PROMPT, loss=loss)
-    for rank, sizes in SPLITS.items():
-        path = snap / f"batch_rank{rank}.pt"
-        batch = torch.load(path, weights_only=True)
-        parts, start = [], 0
-        for size in sizes:
-            parts.append({k: v[start : start + size] for k, v in batch.items()})
-            start += size
-        torch.save({"micro_batches": parts}, path)
+    split_into_micro_batches(snap, SPLITS)
     return snap
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_snapshot import LOSS, record_tiny_snapshot
+from tiny_snapshot import LOSS, record_tiny_snapshot, split_into_micro_batches
 
 from axrl_spike_replay.experiment.mitigations import apply_config
 from axrl_spike_replay.models.policy import routing_shape
@@ -41,14 +41,7 @@ def snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny snapshot whose batch files hold the trainer's uneven micro-batches."""
     loss = {**LOSS, "entropy_coef": 0.01, "loss_agg_mode": "token-mean", "normalization": "per_rank"}
     snap = record_tiny_snapshot(tmp_path_factory.mktemp("real"), rank_lengths=RANK_LENGTHS, prompt=PROMPT, loss=loss)
-    for rank, sizes in SPLITS.items():
-        path = snap / f"batch_rank{rank}.pt"
-        batch = torch.load(path, weights_only=True)
-        parts, start = [], 0
-        for size in sizes:
-            parts.append({k: v[start : start + size] for k, v in batch.items()})
-            start += size
-        torch.save({"micro_batches": parts}, path)
+    split_into_micro_batches(snap, SPLITS)
     return snap
 
 

@@ -210,3 +210,16 @@ def _record_grads(
     finally:
         torch.set_num_threads(threads)
     return payloads, local_norms, losses, grad_norm, counts
+
+
+def split_into_micro_batches(snapshot: Path, splits: dict[int, list[int]]) -> None:
+    """Rewrite each listed rank's batch file as the trainer's micro-batches (`{"micro_batches": [...]}`), cut in
+    order into `splits[rank]` sequences each."""
+    for rank, sizes in splits.items():
+        path = snapshot / f"batch_rank{rank}.pt"
+        batch = torch.load(path, weights_only=True)
+        parts, start = [], 0
+        for size in sizes:
+            parts.append({k: v[start : start + size] for k, v in batch.items()})
+            start += size
+        torch.save({"micro_batches": parts}, path)
