@@ -74,7 +74,7 @@ def _watcher_pipe() -> IO[str] | None:
     if _watcher is not None and (_watcher_owner != os.getpid() or _watcher.poll() is not None):
         _forget_watcher()
     if _watcher is None and _owned:
-        package_root = str(Path(__file__).resolve().parents[1])
+        package_root = str(Path(__file__).resolve().parents[2])
         code = (
             f"import sys; sys.path.insert(0, {package_root!r}); "
             "from axrl_spike_replay.files.temp_janitor import watch; watch()"
