@@ -263,7 +263,7 @@ def _with_attention(snapshot: str, attention: str, where: Path) -> str:
 
 
 def _plan_peak(snapshot: str, checkpoint: bool) -> int:
-    from axrl_spike_replay.replay.replay_plan import plan_replay
+    from axrl_spike_replay.replay.plans.replay_plan import plan_replay
 
     row = plan_replay(snapshot, nproc=1, capacity=None, shard="off", checkpoint=checkpoint).chosen
     assert row is not None
@@ -296,7 +296,7 @@ def main() -> None:
         print(json.dumps(out))
         return
     from axrl_spike_replay.models.policy import parameter_count, parse_model_config
-    from axrl_spike_replay.replay.replay_plan import PlanRefused, check_fits, plan_replay
+    from axrl_spike_replay.replay.plans.replay_plan import PlanRefused, check_fits, plan_replay
 
     spec = parse_model_config({"kind": "hf", "architecture": "qwen3_moe", "config": config})
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-real-length-"))

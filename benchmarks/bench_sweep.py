@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from axrl_spike_replay.experiment.mitigations import mitigation_args, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import mitigation_args, parse_config
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 from axrl_spike_replay.replay.sweep import run_sweep
 from replay_spike import capture_demo_spike, timed

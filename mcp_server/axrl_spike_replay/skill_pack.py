@@ -12,8 +12,8 @@ import yaml
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.package_data import skills_dir
-from axrl_spike_replay.untrusted_yaml import load_untrusted_yaml
-from axrl_spike_replay.workspace.views import MethodEntry
+from axrl_spike_replay.untrusted.untrusted_yaml import load_untrusted_yaml
+from axrl_spike_replay.workspace.task_record.views import MethodEntry
 
 SKILL_FILE = "SKILL.md"
 MAX_DESCRIPTION = 1024

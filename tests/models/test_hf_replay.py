@@ -15,7 +15,7 @@ import pytest
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.architectures import ARCHITECTURES
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 
 
 def test_every_captured_spike_reproduces_reduced(captured_run) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from tiny_snapshot import record_tiny_snapshot
 
-from axrl_spike_replay.replay import gradient_space, worker
+from axrl_spike_replay.replay.compute import gradient_space, worker
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.replayed_param_norms import check_replayed_param_norms, plain_name
 from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot

@@ -19,9 +19,9 @@ from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
 from axrl_spike_replay.diagnosis.task_entry import check_mode, diagnose_for_task, diagnosis_entry
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.workspace.paths import check_workspace, task_md_path
-from axrl_spike_replay.workspace.task_log import record_diagnosis
-from axrl_spike_replay.workspace.task_state import diagnosed, open_task_file, recorded_snapshot
-from axrl_spike_replay.workspace.views import TaskView
+from axrl_spike_replay.workspace.task_record.task_log import record_diagnosis
+from axrl_spike_replay.workspace.task_record.task_state import diagnosed, open_task_file, recorded_snapshot
+from axrl_spike_replay.workspace.task_record.views import TaskView
 
 
 def open_task(

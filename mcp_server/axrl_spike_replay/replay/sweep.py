@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.experiment.mitigations import check_distinct, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import check_distinct, parse_config
 from axrl_spike_replay.experiment.result import SweepResult
 from axrl_spike_replay.experiment.run_dir import SWEEP_FILE
 from axrl_spike_replay.replay.engine import ReplayOptions, replay_session
@@ -30,7 +30,7 @@ def run_sweep(
     """
     from dataclasses import replace
 
-    from axrl_spike_replay.replay.job_runner import configs_in_parallel, run_job
+    from axrl_spike_replay.replay.jobs.job_runner import configs_in_parallel, run_job
 
     options = options or ReplayOptions()
     if options.parallel_configs != 1:  # independent configs side by side on several pools (configs_in_parallel)

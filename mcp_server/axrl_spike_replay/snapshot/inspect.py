@@ -38,7 +38,7 @@ from axrl_spike_replay.snapshot.trainer_formats.megatron_checkpoint import (
     layout_problems,
     read_megatron_checkpoint,
 )
-from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
 
 
 @dataclass

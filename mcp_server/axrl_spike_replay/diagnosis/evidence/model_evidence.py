@@ -68,7 +68,7 @@ def model_bytes(snapshot: str | Path) -> int | None:
 
 def run_attribution(snapshot: str | Path, top: int, shard: str = "auto", nproc: int | None = None) -> Attribution:
     """Attribute the step here (CPU, nothing written): whole, or sharded over `nproc` processes (`shard`)."""
-    from axrl_spike_replay.replay.attribution import attribute_spike
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
     return attribute_spike(snapshot, top=top, shard=shard, nproc=nproc)
 
@@ -76,7 +76,7 @@ def run_attribution(snapshot: str | Path, top: int, shard: str = "auto", nproc: 
 def run_step_evidence(snapshot: str | Path, shard: str = "auto", nproc: int | None = None) -> StepEvidence:
     """The signal check and the loss channel of the step, here (CPU, nothing written): whole, or sharded over `nproc`
     processes (`shard`)."""
-    from axrl_spike_replay.replay.step_evidence_run import step_evidence
+    from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
 
     return step_evidence(snapshot, shard=shard, nproc=nproc)
 

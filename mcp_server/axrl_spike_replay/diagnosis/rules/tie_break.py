@@ -46,7 +46,7 @@ def run_comparisons(snapshot: Path, pairs: list[tuple[Cause, Cause]], untied: di
     """Replay each pair's comparison (one sweep for every pair) and separate the pairs it separates; `untied`:
     id(cause) -> its strength before the tie. What could not be run, as notes."""
     from axrl_spike_replay.errors import AxrlError
-    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
     from axrl_spike_replay.replay.sweep import run_sweep
 
     items = list(dict.fromkeys(e for a, b in pairs for e in (a.experiments[0].mitigation, b.experiments[0].mitigation)))

@@ -17,8 +17,8 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigations import FIRST_MOE_LAYER, MITIGATIONS
-from axrl_spike_replay.experiment.rank_scope import is_scoped
+from axrl_spike_replay.experiment.mitigation.mitigations import FIRST_MOE_LAYER, MITIGATIONS
+from axrl_spike_replay.experiment.mitigation.rank_scope import is_scoped
 
 VALUE = "value"
 

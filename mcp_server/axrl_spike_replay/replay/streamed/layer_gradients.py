@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from axrl_spike_replay.replay.gradient_space import accumulate
+from axrl_spike_replay.replay.compute.gradient_space import accumulate
 from axrl_spike_replay.training.rank_step import gradient_norms
 
 
