@@ -164,7 +164,7 @@ def create_server(
 ) -> SpikeReplayServer:
     """The server with every tool, resource and prompt; `workspace` (default: cwd) is the tools' default.
 
-    `warm`: keep replay processes and loaded weights between calls (see `replay.warm_pool`); they stop
+    `warm`: keep replay processes and loaded weights between calls (see `replay.jobs.warm_pool`); they stop
     when the server's session ends, or after `warm_idle_s` unused. `warm_memory`: bytes of loaded weights
     kept (default a quarter of RAM). `read_only`: offer only the tools that read. `token_verifier`: over
     HTTP, the bearer token a request must carry (see `mcp_faces.http_transport.http_access`).

@@ -143,7 +143,8 @@ METHODS_END = "<!-- recorded-methods:end -->"
 
 
 def methods_block(methods: list[MethodEntry]) -> str:
-    """The markdown list of recorded methods (from `workspace.methods.list_methods`) for the workflow skill."""
+    """The markdown list of recorded methods (from `workspace.method_files.methods.list_methods`) for the
+    workflow skill."""
     if not methods:
         return "_No methods recorded yet._"
     order = {"proven": 0, "partial": 1, "diagnostic": 2}

@@ -1,6 +1,6 @@
 """The CLI's warm replay service: `axrl-spike-replay serve`, a foreground process later CLI calls reach over a socket.
 
-It keeps what the MCP server keeps (`replay.warm_pool.WarmService`: rank processes with torch, DCP
+It keeps what the MCP server keeps (`replay.jobs.warm_pool.WarmService`: rank processes with torch, DCP
 and the process group up, snapshot weights loaded) and runs each request through `investigation.runs.
 run_request`, the function a cold CLI call runs, so result files, task rows and errors are the same.
 

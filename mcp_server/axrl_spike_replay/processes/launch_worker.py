@@ -1,5 +1,5 @@
 """The worker's half of the launch contract, for a module started by torchrun (directly, over SSH or under srun).
-A ground module: the engine's own worker (`replay.torchrun_worker`) reads its request through it, and the launchers
+A ground module: the engine's own worker (`replay.jobs.torchrun_worker`) reads its request through it, and the launchers
 (`remote.launchers.launch_job`) write requests in the format it defines.
 
     ctx = worker_context()                          # rank and world from torchrun's environment, argv[1] = request

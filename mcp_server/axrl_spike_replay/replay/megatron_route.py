@@ -69,7 +69,7 @@ def run_megatron_job(
     progress: Callable[[str], None] | None = None,
     slot: int = 0,
 ) -> list[ConfigOutcome]:
-    """The baseline outcome of `job` computed by Megatron-core's GPTModel (a `replay.job_runner.JobRunner`)."""
+    """The baseline outcome of `job` computed by Megatron-core's GPTModel (a `replay.jobs.job_runner.JobRunner`)."""
     from axrl_spike_replay.files.temp_janitor import owned_temp_dir
     from axrl_spike_replay.processes.rank_processes import spawn_ranks
 

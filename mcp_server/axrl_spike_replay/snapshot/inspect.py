@@ -93,7 +93,7 @@ class SnapshotInspection:
     # the run config's sections a person checks first, as the trainer recorded them: loss, routing, parallel, and
     # the detector (the run config's own section, else the metadata's); a section the config lacks is absent
     settings: dict[str, Any] = field(default_factory=dict)
-    # every rank's inputs held to the run config's model (replay.input_checks, through `inspect_with_inputs`)
+    # every rank's inputs held to the run config's model (replay.reading.input_checks, through `inspect_with_inputs`)
     input_findings: list[str] = field(default_factory=list)
 
 

@@ -1,6 +1,6 @@
 """The investigation's final report, rendered from the task state; optionally releases preserved copies after.
 
-Only the preserved copies this investigation uses are released (see `workspace.preserved_copies`).
+Only the preserved copies this investigation uses are released (see `workspace.task_record.preserved_copies`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A rank's input that fails a check against the model, as a cause: the lead finding, with its experiments.
 
-`replay.input_checks` holds every rank's routes, tokens, masks and stored log-probs to the run config's model.
+`replay.reading.input_checks` holds every rank's routes, tokens, masks and stored log-probs to the run config's model.
 Each failure is a fact about the snapshot (not a reading of signals): its rank, field, what fails and how often,
 the healthy ranks as witnesses. As a cause it heads the list, scoped to its rank, with the experiments that remove
 the bad part (recompute that rank's routes or stored log-probs, drop the rank); whether the bad part carries the

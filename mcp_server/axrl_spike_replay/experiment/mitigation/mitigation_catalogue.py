@@ -1,4 +1,4 @@
-"""The documentation generated from the mitigation declarations (`experiment.mitigations.MITIGATIONS`).
+"""The documentation generated from the mitigation declarations (`experiment.mitigation.mitigations.MITIGATIONS`).
 
 Blocks, each between `<!-- NAME:begin -->` and `<!-- NAME:end -->` markers: the table of names and values,
 the "when to try what" advice and the table of each mitigation's setting in the trainers (skills/axrl-spike-replay/

@@ -1,5 +1,5 @@
 """What a replay-only mitigation declares (`Mitigation`), the setup it changes (`ReplaySetup`), and the symptoms
-the catalogue groups their advice under. The declarations themselves are `experiment.mitigation_table`."""
+the catalogue groups their advice under. The declarations themselves are `experiment.mitigation.mitigation_table`."""
 
 from __future__ import annotations
 
@@ -55,8 +55,9 @@ class Mitigation:
     diagnostic: str | None = None  # why it is a diagnostic only (never written up as a method); None: a real fix
     caveat: str = ""  # when not to use it (method files quote it)
     settings: tuple[TrainerSetting, ...] = ()  # the same change in each trainer's own config (trainer_settings)
-    # whether it can be scoped to saved ranks, `NAME=VALUE@RANKS` (experiment.rank_scope): "" no, "optional", or
-    # "required" (it has a meaning on some ranks only); a scoped config is a hypothesis, judged against the recording
+    # whether it can be scoped to saved ranks, `NAME=VALUE@RANKS` (experiment.mitigation.rank_scope): "" no,
+    # "optional", or "required" (it has a meaning on some ranks only); a scoped config is a hypothesis, judged against
+    # the recording
     per_rank: str = ""
 
 

@@ -1,5 +1,5 @@
-"""Every named replay-only mitigation, declared once (`experiment.mitigations` says what a declaration holds and
-parses, normalises and applies configs of them)."""
+"""Every named replay-only mitigation, declared once (`experiment.mitigation.mitigations` says what a declaration holds
+and parses, normalises and applies configs of them)."""
 
 from __future__ import annotations
 

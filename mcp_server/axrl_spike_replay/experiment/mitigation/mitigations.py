@@ -1,4 +1,4 @@
-"""Named replay-only mitigations, each declared once in `MITIGATIONS` (`experiment.mitigation_table`; what a
+"""Named replay-only mitigations, each declared once in `MITIGATIONS` (`experiment.mitigation.mitigation_table`; what a
 declaration holds: `mitigation_declaration`; the values they take: `mitigation_values`): parsed from `NAME=VALUE`
 or YAML, validated, normalised, applied.
 
@@ -6,14 +6,15 @@ A mitigation's declaration holds everything about it: its name, what it changes,
 in words, its parser (value type and range), what it does, when to try it, and the function that
 applies it to the replay's loss (`LossConfig`), routing (`RoutingConfig`) or starting weights. The
 server's tool descriptions, `axrl://mitigations`, the skill's mitigation catalogue and docs/mitigations.md
-are all generated from it (`experiment/mitigation_catalogue.py`, `scripts/render_mitigation_catalogue.py`), and so is
-what each trainer sets to make the same change in training (`settings`, see `experiment/trainer_settings.py`).
+are all generated from it (`experiment/mitigation/mitigation_catalogue.py`, `scripts/render_mitigation_catalogue.py`),
+and so is what each trainer sets to make the same change in training (`settings`, see
+`experiment/mitigation/trainer_settings.py`).
 Torch-free: the server imports this module to describe its tools.
 
 Each mitigation is off unless named in a config. A config is a mapping {name: value}; its one normal
 form (`normal_form`, what `parse_config` returns) has sorted names and typed values, so two spellings of
 one config compare equal; the task record and the method files keep that form, and its hash
-(`workspace.changes.config_key`) is taken over `canonical` values, so 2 and 2.0 hash alike.
+(`workspace.task_record.changes.config_key`) is taken over `canonical` values, so 2 and 2.0 hash alike.
 The training path is never touched.
 
 Layer ids are absolute decoder layers. `current_routing_layers: first` names the model's first MoE layer
@@ -143,8 +144,8 @@ def normal_form(config: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def canonical(value: Any) -> Any:
     """A value in canonical JSON form: sorted mappings without unset entries, lists for sequences, whole floats
-    as ints (2.0 == "2" -> 2), "true"/"false" as booleans. What `workspace.changes.config_key` hashes, so equal
-    configs hash alike however their numbers are spelled."""
+    as ints (2.0 == "2" -> 2), "true"/"false" as booleans. What `workspace.task_record.changes.config_key` hashes, so
+    equal configs hash alike however their numbers are spelled."""
     if isinstance(value, Mapping):
         items = {str(k): canonical(v) for k, v in value.items()}
         return {k: items[k] for k in sorted(items) if items[k] is not None and items[k] != {} and items[k] != []}
@@ -271,7 +272,8 @@ class AppliedConfig:
     samples: SampleFilter = field(default_factory=SampleFilter)  # samples left out of the loss
     resolved: dict[str, Any] = field(default_factory=dict)  # values named symbolically, as resolved: {name: ids}
     recompute: Recompute = field(default_factory=Recompute)  # stored signals replaced from the snapshot's weights
-    # a hypothesis (settings scoped to ranks, `experiment.rank_scope`): the loss each named saved rank computes with
+    # a hypothesis (settings scoped to ranks, `experiment.mitigation.rank_scope`): the loss each named saved
+    # rank computes with
     rank_losses: dict[int, LossConfig] = field(default_factory=dict)
 
     @property

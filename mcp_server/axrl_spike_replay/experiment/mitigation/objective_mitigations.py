@@ -1,7 +1,7 @@
 """The newer GRPO objectives as replay-only mitigations, on every convention where they have a meaning: GSPO's
 sequence-level ratio, CISPO's clipped weights, SAPO's soft gate with its temperatures, DAPO's and Dr. GRPO's
 aggregation, two-sided clipping (`delta`) and the rollout correction's modes. Named as TRL 1.16's `GRPOConfig`
-names them; declared in `experiment.mitigation_table`'s one table.
+names them; declared in `experiment.mitigation.mitigation_table`'s one table.
 
 - convention trl: each is TRL's own setting under `loss.trl` (the trl convention is checked against TRL's
   `_compute_loss` for every value: tests/training/test_trl_crosscheck.py);

@@ -1,5 +1,5 @@
 """A mitigation config as changes to each trainer's own configuration, from the declarations
-(`experiment.mitigations.MITIGATIONS[name].settings`, see `experiment.trainer_settings`)."""
+(`experiment.mitigation.mitigations.MITIGATIONS[name].settings`, see `experiment.mitigation.trainer_settings`)."""
 
 from __future__ import annotations
 

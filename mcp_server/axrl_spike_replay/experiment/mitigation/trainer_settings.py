@@ -1,6 +1,6 @@
 """Where a mitigation lives in the trainers' own configuration: what to change in training once a replay proved it.
 
-Each mitigation declares its settings in its one declaration (`experiment.mitigations.MITIGATIONS`, field
+Each mitigation declares its settings in its one declaration (`experiment.mitigation.mitigations.MITIGATIONS`, field
 `settings`), one `TrainerSetting` per trainer that has one, and one with `setting=None` and a note where the
 trainer has none (a patch, or a replay-only diagnostic). The trainers:
 

@@ -4,7 +4,7 @@
 e.g. `mismatch_token_clip_max: "--actor.mismatch_token_clip_max={value}"`. A config's overrides fill
 `{overrides}` in the command. The template is split into words like a shell would, `{value}` is put
 into each word as text, and every resulting word is shell-quoted: a value can never become shell
-syntax, whatever it holds. Values are validated by the mitigation parser first (`experiment.mitigations`).
+syntax, whatever it holds. Values are validated by the mitigation parser first (`experiment.mitigation.mitigations`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The replay's processes started by the engines users run training with: torchrun agents on SSH nodes (one
 c10d rendezvous), or `srun` → torchrun inside a Slurm allocation.
 
-`LaunchedRunner` is a `replay.job_runner.JobRunner`: the engine hands it the same `WorkerJob` it hands our spawn
-launcher, and gets back the same outcomes, computed by `replay.torchrun_worker` in processes torchrun started.
-The job travels as JSON (`replay.job_document`); every node must see the snapshot at the same path (checked
+`LaunchedRunner` is a `replay.jobs.job_runner.JobRunner`: the engine hands it the same `WorkerJob` it hands our spawn
+launcher, and gets back the same outcomes, computed by `replay.jobs.torchrun_worker` in processes torchrun started.
+The job travels as JSON (`replay.jobs.job_document`); every node must see the snapshot at the same path (checked
 before anything starts: the checkpoint metadata's size there against the one here). A failure names the node
 and, when a replay process said why it stopped, says that instead of torchrun's own summary. Cancel (the
 caller's event, Ctrl-C, SIGTERM) and timeout end the job on every node (`scancel` on Slurm).

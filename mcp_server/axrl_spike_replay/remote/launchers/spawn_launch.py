@@ -1,6 +1,6 @@
-"""The spawn launcher: a replay job's rank processes on this machine (`replay.job_runner.run_job`: one process here
+"""The spawn launcher: a replay job's rank processes on this machine (`replay.jobs.job_runner.run_job`: one process here
 in this process, several forked from a server that imported torch once, else spawned), behind the launcher
-protocol. Its result is the one torchrun's workers write (`replay.torchrun_worker`), so a caller reads every
+protocol. Its result is the one torchrun's workers write (`replay.jobs.torchrun_worker`), so a caller reads every
 launcher's outcome the same way; its log is the job's progress lines.
 """
 

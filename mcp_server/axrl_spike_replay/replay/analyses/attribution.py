@@ -247,7 +247,7 @@ def attribute_spike(
 
     `shard`: off, the whole model in this process (one forward-mode pass, or one backward per sample with `method`
     per_sample_backward); on, FSDP2 over `nproc` spawned processes (default: the saved world size), one backward per
-    sample (`replay.sharded_attribution`); auto, sharded when the whole model does not fit one process here.
+    sample (`replay.analyses.sharded_attribution`); auto, sharded when the whole model does not fit one process here.
     Each rank's step goes micro-batch by micro-batch as the trainer split it, the head in chunks, the decoder layers
     checkpointed as `checkpoint` says (None: as the replay plan of the layout says).
     `recorder` opens the output dir (None: nothing written). Setting `cancel` stops the work between

@@ -1,5 +1,6 @@
 """What an attribution reports of each sample beside its contribution, and the parts of the loss it attributes
-separately: shared by the whole (`replay.attribution`) and the sharded (`replay.sharded_attribution`) attribution."""
+separately: shared by the whole (`replay.analyses.attribution`) and the sharded
+(`replay.analyses.sharded_attribution`) attribution."""
 
 from __future__ import annotations
 

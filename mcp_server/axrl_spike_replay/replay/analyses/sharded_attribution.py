@@ -1,12 +1,12 @@
 """Attribution with the policy sharded by FSDP2 over several processes: no process holds the whole model or a whole
-gradient, and the figures are attribution's own (`replay.attribution`).
+gradient, and the figures are attribution's own (`replay.analyses.attribution`).
 
 Why not the unsharded way (one forward-mode pass along g): forward-mode AD does not run through FSDP2. A DTensor
 parameter cannot carry a tangent (`make_dual` has no sharding rule), and FSDP2 all-gathers the shards into fresh
 unsharded parameters with its own copy ops before each unit's forward, so a tangent given to the shards would never
 reach the computation. Reverse mode is what FSDP2 supports, so each sample's gradient is taken by a backward:
 
-1. **Gradient pass** (as a sharded replay, `replay.gradient_space.Sharded`): every process forwards its saved
+1. **Gradient pass** (as a sharded replay, `replay.compute.gradient_space.Sharded`): every process forwards its saved
    ranks' batches micro-batch by micro-batch (one micro-batch's graph at a time), padded with zero-gradient
    passes so the collectives stay in step; the reduce-scattered sums, divided by the saved world size, are this
    process's rows of g. Each rank's dLoss/dlogprobs (and dLoss/dentropy) and the routes its forward took are kept;

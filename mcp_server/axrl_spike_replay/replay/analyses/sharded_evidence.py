@@ -1,5 +1,6 @@
-"""Diagnose's model evidence (`replay.step_evidence_forward`) with the policy sharded by FSDP2 over several processes:
-the per-rank signal check and the loss channel, each process on its own saved ranks, gathered on process 0. No process
+"""Diagnose's model evidence (`replay.analyses.step_evidence_forward`) with the policy sharded by FSDP2 over several
+processes: the per-rank signal check and the loss channel, each process on its own saved ranks, gathered on process 0.
+No process
 holds the whole model or a whole gradient.
 
 - **Signals** (forward only): each process runs the signal check of its own ranks (`step_evidence.signal_check`).

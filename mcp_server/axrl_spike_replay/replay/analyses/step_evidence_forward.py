@@ -61,7 +61,7 @@ def whole_evidence(
     checkpoint: bool = False,
 ) -> tuple[SignalCheck, LossChannel | None]:
     """The signal check (and, with `channel`, the loss-term channel) with the whole model in this process
-    (`replay.step_evidence_run.step_evidence` is the entry that decides whole or sharded)."""
+    (`replay.analyses.step_evidence_run.step_evidence` is the entry that decides whole or sharded)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

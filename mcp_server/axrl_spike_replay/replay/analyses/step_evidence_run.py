@@ -1,5 +1,6 @@
-"""Diagnose's model evidence of a snapshot's step (`replay.step_evidence_forward`): whole in this process, or sharded by
-FSDP2 over several (`replay.sharded_evidence`); the one entry, which decides which and says nothing is written."""
+"""Diagnose's model evidence of a snapshot's step (`replay.analyses.step_evidence_forward`): whole in this process, or
+sharded by FSDP2 over several (`replay.analyses.sharded_evidence`); the one entry, which decides which and says nothing
+is written."""
 
 from __future__ import annotations
 

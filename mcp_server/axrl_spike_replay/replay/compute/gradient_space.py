@@ -4,7 +4,7 @@
 summed over the process's saved ranks, then all-reduced, divided by the saved DP world size and measured as
 `training.rank_step` does. This is the trainer's own step, bit for bit.
 
-`Sharded` (FSDP2, `replay.model_build`): a backward reduce-scatters each unit's gradient as it finishes, so
+`Sharded` (FSDP2, `replay.compute.model_build`): a backward reduce-scatters each unit's gradient as it finishes, so
 after one pass a process holds its rows of the sum over every process of that pass's gradient. Every process
 therefore makes the same number of passes (FSDP's all-gathers and reduce-scatters are collectives): a process
 with fewer saved ranks than another makes `None` passes, a forward and a backward of a zero gradient, which

@@ -1,7 +1,7 @@
 """The policy a replay process computes with: whole, or sharded with FSDP2 over the replay's processes, in the
 trainer's precision.
 
-Either way the process first gives freed host memory back to the system (`replay.host_allocator`).
+Either way the process first gives freed host memory back to the system (`replay.compute.host_allocator`).
 
 Whole: built on the CPU, every weight loaded, then (a recorded precision policy) cast as FSDP would
 (`training.precision.cast_for_compute`) and moved to the device.

@@ -6,7 +6,7 @@ or changes (still in the loss, but with a per-token loss that differs from the b
 rtol 1e-5 / atol 1e-7: clipped, reweighted or recomputed), and the samples it masks entirely or touches
 at all. A config that only changes the aggregation (`loss_agg_mode`) touches no token: the cosine shows it.
 
-Clean gradient (`replay.clean_gradient` has the definition): the baseline gradient with the loss tokens the
+Clean gradient (`replay.compute.clean_gradient` has the definition): the baseline gradient with the loss tokens the
 baseline loss pulls hardest on left out of the loss, as few as get it under the verdict's spike bar (grad
 norm / median < threshold), at most half the loss tokens (`reached` false when even that does not).
 

@@ -22,7 +22,7 @@ float32 master shards sharded, the units gathered and the activations in `param_
   (`activation_bytes`): eager attention keeps the [T, T] scores, sdpa and flash do not; checkpointed decoder layers
   keep their inputs only, plus one layer recomputed; the head in chunks keeps one chunk's [chunk, V] tensors;
 - runtime: the interpreter, torch and this package (CPU), or the CUDA context (GPU). Freed host memory is given
-  back (`replay.host_allocator`), so nothing is counted for what the allocator would otherwise keep;
+  back (`replay.compute.host_allocator`), so nothing is counted for what the allocator would otherwise keep;
 - loading (transient): a whole replay builds the model, then fills a copy of its state from the checkpoint: twice
   the parameters, in host memory, before the step starts.
 
@@ -306,7 +306,7 @@ def process_memory(
         held = math.ceil(facts.parameters * shard_grad * (copies - 1) / nproc)
         # in the backward, three units' worth at once: the unit computing, its unsharded gradient, and the flat
         # buffer FSDP2 gathers the unit into before copying it out (or reduce-scatters the gradient from, in the
-        # reduce dtype); no unit is prefetched (`replay.model_build`)
+        # reduce dtype); no unit is prefetched (`replay.compute.model_build`)
         gathered = facts.largest_unit * (2 * d.compute + max(d.compute, d.reduce))
         loading = params
     else:

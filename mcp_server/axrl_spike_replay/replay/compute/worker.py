@@ -58,7 +58,8 @@ class WorkerJob:
     top: int = 10
     counts: GlobalCounts | None = None  # the step's recorded global counts (normalization global)
     spike_bar: SpikeBar | None = None  # the verdict's bar the clean gradient is cleaned under (None: no median)
-    shard: bool = False  # FSDP2 over the replay's processes (`replay.model_build`); False: each holds the whole model
+    shard: bool = False  # FSDP2 over the replay's processes (`replay.compute.model_build`); False: each holds the
+                         # whole model
     precision: PrecisionPolicy | None = None  # the trainer's recorded policy (None: the model's own dtype)
     checkpoint_layers: bool = False  # decoder layers recompute their activations in the backward (the plan's choice)
 
@@ -467,8 +468,8 @@ def clean_gradient(
     job: WorkerJob,
     cancel: threading.Event | None = None,
 ) -> None:
-    """The clean gradient (see `replay.clean_gradient`) of the baseline gradient `g`, into `figures`: rank the loss
-    tokens by the baseline loss's pull on them, then search for how few of the top ones to leave out (one forward
+    """The clean gradient (see `replay.compute.clean_gradient`) of the baseline gradient `g`, into `figures`: rank the
+    loss tokens by the baseline loss's pull on them, then search for how few of the top ones to leave out (one forward
     + backward per probe) for the gradient to be under the spike bar. A collective: every process calls it and
     takes the same decisions (each sees the same order and the same reduced norms)."""
     bar = job.spike_bar

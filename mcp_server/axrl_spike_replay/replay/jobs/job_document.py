@@ -55,7 +55,7 @@ def job_document(job: WorkerJob) -> dict[str, Any]:
         else:
             raise ConfigError(
                 f"WorkerJob.{item.name} ({type(value).__name__}) has no JSON form for a launched worker; give it a "
-                "rule in replay/job_document.py"
+                "rule in replay/jobs/job_document.py"
             )
     return doc
 

@@ -1,6 +1,6 @@
 """Whether a replay shards the policy: `shard: on | off | auto`, auto deciding from the replay plan.
 
-Under auto the replay plan (`replay.replay_plan`: parameters, gradients, activations, runtime and loading per
+Under auto the replay plan (`replay.plans.replay_plan`: parameters, gradients, activations, runtime and loading per
 process, in the layout that will run) is made against the memory where the processes run (this machine's by
 default, or a capacity the caller knows: a probed node's GPUs). Its choice is the replay's: whole while the
 whole-model row fits, sharded (FSDP2) otherwise; one process stays whole (sharding it gains nothing). The reason

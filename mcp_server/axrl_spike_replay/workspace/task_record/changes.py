@@ -11,7 +11,7 @@ from axrl_spike_replay.experiment.mitigation.rank_scope import hypothesis_text, 
 
 
 def normalise_config(mitigations: dict[str, Any] | None) -> dict[str, Any]:
-    """The mitigation config in the one normal form (`experiment.mitigations.normal_form`, as `parse_config`
+    """The mitigation config in the one normal form (`experiment.mitigation.mitigations.normal_form`, as `parse_config`
     returns)."""
     return normal_form(mitigations)
 

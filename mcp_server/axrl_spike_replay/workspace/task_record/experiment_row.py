@@ -40,7 +40,8 @@ class ExperimentRow:
     backend: str | None = None
     target: str | None = None
     fidelity: str | None = None
-    mitigations: dict[str, Any] = field(default_factory=dict)  # normal form (workspace.changes.normalise_config)
+    mitigations: dict[str, Any] = field(default_factory=dict)  # normal form
+                                                               # (workspace.task_record.changes.normalise_config)
     patch_sha256: str | None = None
     change: str | None = None  # the mitigations, patch or hypothesis in words; "baseline" for none
     is_baseline: bool = False

@@ -1,10 +1,10 @@
 """An investigation's task as data: `TaskState`, and its JSON document (`<job>.json`), read and written here only.
 
-The task's own fields are typed, and so are its experiment rows (`workspace.experiment_row.ExperimentRow`); the
-other rows (failed attempts, notes, preserved copies, diagnoses, methods, reports) are records of the task file and
+The task's own fields are typed, and so are its experiment rows (`workspace.task_record.experiment_row.ExperimentRow`);
+the other rows (failed attempts, notes, preserved copies, diagnoses, methods, reports) are records of the task file and
 stay plain JSON objects. A document written by an earlier version reads: a missing key takes its default, and a key
-this version does not know is kept and written back as it was. `workspace.task_state` does the file work (lock,
-atomic writes, the rendered markdown).
+this version does not know is kept and written back as it was. `workspace.task_record.task_state` does the file work
+(lock, atomic writes, the rendered markdown).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class TaskState:
     next_steps: list[Row] = field(default_factory=list)  # {time, text}
     methods: list[Row] = field(default_factory=list)  # {slug, attempt, status, time}: method files written
     reports: list[Row] = field(default_factory=list)
-    preserved_copies: list[Row] = field(default_factory=list)  # the copies it uses (workspace.preserved_copies)
+    preserved_copies: list[Row] = field(default_factory=list)  # the copies it uses
+                                                               # (workspace.task_record.preserved_copies)
     diagnoses: list[Row] = field(default_factory=list)  # one per snapshot diagnosed (diagnosis.task_entry)
     command_source: str | None = None  # "user": set by hand, replays keep it; "replay": the last baseline replay run
     unknown: dict[str, Any] = field(default_factory=dict)  # keys this version does not know, kept as written

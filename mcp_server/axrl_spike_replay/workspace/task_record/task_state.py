@@ -1,5 +1,5 @@
-"""An investigation's task on disk: its state (`workspace.task.TaskState`) in `<job>.json`, rendered to `<job>.md`,
-under a file lock; and the verbs that change it (open, note, set snapshot, set command, show)."""
+"""An investigation's task on disk: its state (`workspace.task_record.task.TaskState`) in `<job>.json`, rendered to
+`<job>.md`, under a file lock; and the verbs that change it (open, note, set snapshot, set command, show)."""
 
 from __future__ import annotations
 
