@@ -112,6 +112,9 @@ class MitigatedBasis:
     measurable_drop: float = MEASURABLE_DROP
     worse_margin: float = WORSE_MARGIN
     rule: str = ""
+    # False for a baseline whose norm was NaN or inf: a result file keeps that norm as null (`jsonable`), and a
+    # missing baseline must not read as one that was no spike
+    baseline_finite: bool | None = None
 
 
 @dataclass
@@ -176,6 +179,7 @@ def verdict_basis(
         if grad_norm is not None and baseline_grad_norm
         else None,
         rule=RULE,
+        baseline_finite=None if baseline_grad_norm is None else math.isfinite(baseline_grad_norm),
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import shlex
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from axrl_spike_replay.experiment.mitigation.mitigations import MITIGATIONS, dia
 from axrl_spike_replay.experiment.mitigation.trainer_changes import trainer_changes
 from axrl_spike_replay.experiment.mitigation.trainer_settings import TRAINERS, snapshot_trainer
 from axrl_spike_replay.experiment.result import ReplayResult, describe_clean_gradient
-from axrl_spike_replay.experiment.verdict import WRITABLE_VERDICTS, threshold_label, writable_problem
+from axrl_spike_replay.experiment.verdict import WRITABLE_VERDICTS, basis_field, threshold_label, writable_problem
 from axrl_spike_replay.files.locks import held_lock
 from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.vocabulary import Fidelity, Verdict
@@ -258,6 +259,8 @@ def _check_writable(attempt_id: str, result: ReplayResult, baseline_norm: float 
             "can be written up as a method"
         )
     base = result.baseline_grad_norm if result.baseline_grad_norm is not None else baseline_norm
+    if base is None and basis_field(result.verdict_basis, "baseline_finite") is False:
+        base = math.nan  # a NaN or inf baseline, kept as null in the result file: the clearest spike there is
     problem = writable_problem(result.verdict, result.grad_norm, base, result.median_norm, result.threshold)
     if problem is not None:
         raise AxrlError(f"attempt {attempt_id} cannot be written up as a method: {problem}")
