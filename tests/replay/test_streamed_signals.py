@@ -76,13 +76,14 @@ def test_tiny_moe_clean_gradient_and_cosines_streamed(tmp_path: Path, world_size
 
 
 def test_tiny_moe_burst_spike_clean_gradient_streamed(tmp_path: Path) -> None:
-    """The recorded burst (a coherent spike): the search's probes and the cosines, the same streamed."""
+    """The recorded burst (stale stored log-probs): the on-policy gradient is under the bar, one probe; the same
+    figures streamed."""
     snapshot = record_tiny_snapshot(tmp_path, world_size=2)
     job = job_of(snapshot, CONFIGS[:1])
     whole, streamed = compute(job, 0), compute_streamed(job)
     assert assert_same_signals(whole, streamed) == 1
     clean = streamed[1].clean_gradient
-    assert clean is not None and clean["probe_norms"]
+    assert clean is not None and clean["recomputed"] and clean["passes"] == 1 and clean["reached"]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -97,6 +98,35 @@ def test_transformers_shared_experts_clean_gradient_and_cosines_streamed(tmp_pat
     finally:
         torch.use_deterministic_algorithms(deterministic)
     assert assert_same_signals(whole, streamed) == 2
+
+
+def test_backwards_the_clean_gradient_takes(tmp_path: Path) -> None:
+    """Each layer read once in the forward, then once per backward: the baseline's, the clean gradient's probes
+    (`passes`), the clean one beside the baseline's for its cosine, and per mitigated config its own and the clean
+    one beside it (a pair takes the same layer in turn); never two layers held at once."""
+    from axrl_spike_replay.replay.streamed import layer_weights
+
+    snapshot = record_tiny_snapshot(tmp_path, world_size=2, burst=False, advantage_outlier=(0, 1, 200.0))
+    job = job_of(snapshot, CONFIGS[:2])  # one forward group
+    reads: list[int] = []
+    original = layer_weights.StreamedWeights.load_layer
+
+    def counted(self: layer_weights.StreamedWeights, index: int) -> torch.nn.Module:
+        held = [i for i, layer in enumerate(self.program.layers) if not next(layer.parameters()).is_meta]
+        assert held == [], f"layer {index} read while {held} still held"
+        reads.append(index)
+        return original(self, index)
+
+    layer_weights.StreamedWeights.load_layer = counted
+    try:
+        outcomes = compute_streamed(job)
+    finally:
+        layer_weights.StreamedWeights.load_layer = original
+    clean = outcomes[1].clean_gradient
+    assert clean is not None and clean["passes"] > 1
+    alone = 1 + clean["passes"]  # the baseline, the probes
+    pairs = 1 + 2  # the baseline beside the clean one, each mitigated config beside it: a layer each in turn
+    assert reads == [0, 1] + [1, 0] * alone + [1, 1, 0, 0] * pairs
 
 
 def test_no_spike_bar_no_clean_gradient_streamed(tmp_path: Path) -> None:
