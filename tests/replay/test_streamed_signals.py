@@ -46,6 +46,10 @@ def same_figures(a: Any, b: Any, where: str) -> None:
         assert isinstance(b, dict) and a.keys() == b.keys(), (where, a, b)
         for key in a:
             same_figures(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), (where, a, b)
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            same_figures(x, y, f"{where}[{i}]")
     elif isinstance(a, float) or isinstance(b, float):
         assert close(a, b), (where, a, b)
     else:
@@ -136,3 +140,39 @@ def test_no_spike_bar_no_clean_gradient_streamed(tmp_path: Path) -> None:
     whole, streamed = compute(job, 0), compute_streamed(job)
     assert assert_same_signals(whole, streamed) == 0
     assert streamed[1].clean_gradient is not None and streamed[1].clean_gradient["reason"]
+
+
+@pytest.mark.parametrize("architecture", ["tiny", "qwen2_moe"])
+def test_signal_check_streamed_is_the_whole_one(tmp_path: Path, architecture: str) -> None:
+    """Diagnose's model evidence streamed, forward only: every stored log-prob against the replayed one (the run's
+    routing and the model's own), the per-sample means and the route agreement per MoE layer, as whole."""
+    from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        if architecture == "tiny":
+            snapshot = record_tiny_snapshot(tmp_path, world_size=2)
+        else:
+            from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
+
+            snapshot = record_hf_snapshot(tmp_path, architecture, world_size=2)
+        whole = step_evidence(snapshot, shard="off", channel=False)
+        streamed = step_evidence(snapshot, shard="streamed", channel=False)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert streamed.channel is None
+    a, b = whole.signals.to_json(), streamed.signals.to_json()
+    same_figures(a, b, "signals")
+    ranks = streamed.signals.ranks
+    assert len(ranks) == 2 and all(r.pairs for r in ranks) and streamed.signals.has_own
+    assert any(r.routes for r in ranks) and all(r.samples_mean_logprob_own for r in ranks)
+
+
+def test_streamed_evidence_refuses_the_loss_channel_by_name(tmp_path: Path) -> None:
+    from axrl_spike_replay.errors import ConfigError
+    from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
+
+    snapshot = record_tiny_snapshot(tmp_path, world_size=1)
+    with pytest.raises(ConfigError, match="loss-term channel .* not computed streamed") as refused:
+        step_evidence(snapshot, shard="streamed")
+    assert refused.value.parameter == "shard"
