@@ -308,9 +308,10 @@ def test_streamed_refusals_name_the_argument(tmp_path: Path) -> None:
     from axrl_spike_replay.vocabulary import Shard, Verb
 
     snapshot = record_tiny_snapshot(tmp_path, world_size=2)
-    with pytest.raises(ConfigError, match="attribution is not computed streamed") as refused:
-        replay_request(What(snapshot=snapshot, verb=Verb.ATTRIBUTE), how=How(shard=Shard.STREAMED))
-    assert refused.value.parameter == "shard"
+    replay_request(What(snapshot=snapshot, verb=Verb.ATTRIBUTE), how=How(shard=Shard.STREAMED))  # streamed too
+    with pytest.raises(ConfigError, match="one process") as refused:
+        replay_request(What(snapshot=snapshot, verb=Verb.ATTRIBUTE), how=How(shard=Shard.STREAMED, nproc=2))
+    assert refused.value.parameter == "nproc"
     with pytest.raises(ConfigError, match="one process") as refused:
         replay_request(What(snapshot=snapshot, verb=Verb.REPLAY), how=How(shard=Shard.STREAMED, nproc=2))
     assert refused.value.parameter == "nproc"

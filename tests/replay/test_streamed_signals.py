@@ -176,3 +176,55 @@ def test_streamed_evidence_refuses_the_loss_channel_by_name(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match="loss-term channel .* not computed streamed") as refused:
         step_evidence(snapshot, shard="streamed")
     assert refused.value.parameter == "shard"
+
+
+REL = 1e-6
+
+
+def same_attribution(streamed: Any, whole: Any) -> None:
+    """The grad norm within REL, every sample's contribution and the router term within REL of it (the figure they
+    add up to: a contribution near zero has no relative precision of its own in float32), the same signals."""
+    doc, want = streamed.to_json(), whole.to_json()
+    norm = whole.grad_norm
+    assert abs(doc["grad_norm"] - norm) <= REL * norm
+    assert abs(doc["router_term"] - whole.router_term) <= REL * norm, (doc["router_term"], whole.router_term)
+    assert doc["sum_rel_error"] <= 1e-6 and doc["total_samples"] == whole.total_samples
+    got = {(s["rank"], s["sample"]): s for s in doc["samples"]}
+    assert got.keys() == {(s["rank"], s["sample"]) for s in want["samples"]}
+    for ref in want["samples"]:
+        mine = got[ref["rank"], ref["sample"]]
+        assert abs(mine["contribution"] - ref["contribution"]) <= REL * norm, (mine, ref)
+        for key in ("advantage", "max_abs_log_ratio_current_vs_base", "loss_tokens", "reward", "group"):
+            assert mine[key] == ref[key], key
+    assert doc["passes"].startswith("streamed: 2 passes over the checkpoint") and not want["passes"]
+    assert doc["method"] == "per_sample_backward"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_tiny_moe_attribution_streamed(tmp_path: Path, world_size: int) -> None:
+    """The router losses on (aux and z), an entropy term: every sample's contribution as the whole attribution's."""
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
+
+    loss = {"aux_loss_coef": 0.01, "z_loss_coef": 0.001} if world_size == 2 else None
+    snapshot = record_tiny_snapshot(tmp_path, world_size=world_size, **({"loss": loss} if loss else {}))
+    mitigations = {"entropy_coef": 0.05} if world_size == 4 else None
+    whole = attribute_spike(snapshot, top=100, shard="off", mitigations=mitigations)
+    streamed = attribute_spike(snapshot, top=100, shard="streamed", mitigations=mitigations)
+    same_attribution(streamed, whole)
+    if world_size == 2:
+        assert abs(whole.router_term) > 0
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_transformers_shared_experts_attribution_streamed(tmp_path: Path, world_size: int) -> None:
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
+    from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        snapshot = record_hf_snapshot(tmp_path, "qwen2_moe", world_size=world_size)
+        whole = attribute_spike(snapshot, top=100, shard="off")
+        streamed = attribute_spike(snapshot, top=100, shard="streamed")
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    same_attribution(streamed, whole)

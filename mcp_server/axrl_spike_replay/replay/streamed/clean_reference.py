@@ -1,4 +1,4 @@
-"""The clean gradient and cosine to clean, streamed: the whole replay's definition (`replay.clean_gradient`), each
+"""The clean gradient and cosine to clean, streamed: the whole replay's definition (`replay.compute.clean_gradient`), each
 gradient held a piece at a time.
 
 The search is the whole replay's (`worker.clean_gradient`): the baseline's backward keeps every micro-batch's
