@@ -228,3 +228,22 @@ def test_transformers_shared_experts_attribution_streamed(tmp_path: Path, world_
     finally:
         torch.use_deterministic_algorithms(deterministic)
     same_attribution(streamed, whole)
+
+
+def test_diagnose_streamed_model_evidence(tmp_path: Path) -> None:
+    """`diagnose --shard streamed`: the attribution and the signal check streamed, the loss channel said not
+    computed; the same attribution and signals as whole."""
+    from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
+
+    snapshot = record_tiny_snapshot(tmp_path, world_size=2)
+    whole = diagnose_snapshot(snapshot, model="always", shard="off")
+    streamed = diagnose_snapshot(snapshot, model="always", shard="streamed")
+    assert streamed.step is not None and whole.step is not None and whole.step.channel is not None
+    assert streamed.step.channel is None
+    assert any(line.startswith("loss channel (not computed streamed") for line in streamed.not_checked)
+    assert not any(line.startswith("loss channel") for line in whole.not_checked)
+    same_figures(whole.step.signals.to_json(), streamed.step.signals.to_json(), "signals")
+    assert streamed.attribution_top and len(streamed.attribution_top) == len(whole.attribution_top)
+    for mine, ref in zip(streamed.attribution_top, whole.attribution_top, strict=True):
+        assert (mine["rank"], mine["sample"]) == (ref["rank"], ref["sample"])
+        assert abs(mine["share"] - ref["share"]) <= 1e-6
