@@ -173,7 +173,7 @@ def test_streamed_evidence_refuses_the_loss_channel_by_name(tmp_path: Path) -> N
     from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
 
     snapshot = record_tiny_snapshot(tmp_path, world_size=1)
-    with pytest.raises(ConfigError, match="loss-term channel .* not computed streamed") as refused:
+    with pytest.raises(ConfigError, match=r"loss-term channel .* not computed streamed") as refused:
         step_evidence(snapshot, shard="streamed")
     assert refused.value.parameter == "shard"
 
