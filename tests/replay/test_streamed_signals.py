@@ -247,3 +247,16 @@ def test_diagnose_streamed_model_evidence(tmp_path: Path) -> None:
     for mine, ref in zip(streamed.attribution_top, whole.attribution_top, strict=True):
         assert (mine["rank"], mine["sample"]) == (ref["rank"], ref["sample"])
         assert abs(mine["share"] - ref["share"]) <= 1e-6
+
+
+def test_cli_attribute_streamed(tmp_path: Path, cli: Any) -> None:
+    """`attribute --shard streamed` from the command line: the whole attribution's figures, its passes said."""
+    snapshot = record_tiny_snapshot(tmp_path / "snap", world_size=2)
+    streamed = cli("attribute", snapshot, "--shard", "streamed", "--top", "3", "--json")
+    assert streamed.code == 0, streamed.err
+    whole = cli("attribute", snapshot, "--shard", "off", "--top", "3", "--json")
+    a, b = streamed.json(), whole.json()
+    assert isinstance(a, dict) and isinstance(b, dict)
+    assert abs(a["grad_norm"] - b["grad_norm"]) <= REL * b["grad_norm"]
+    assert [(s["rank"], s["sample"]) for s in a["samples"]] == [(s["rank"], s["sample"]) for s in b["samples"]]
+    assert a["passes"].startswith("streamed: 2 passes") and b["passes"] == ""
