@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
-from axrl_spike_replay.experiment.step_evidence import LayerRoutes, RankSignals, SignalCheck
+from axrl_spike_replay.experiment.step_evidence import LayerRoutes, SignalCheck
 from axrl_spike_replay.models.policy import PolicyOutput, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.processes.rank_processes import check_cancel
-from axrl_spike_replay.replay.analyses.step_evidence_forward import MAX_ROUTE_LAYERS, _rank_pairs, _samples_mean, _tails
+from axrl_spike_replay.replay.analyses.step_evidence_forward import MAX_ROUTE_LAYERS, signals_of_rank
 from axrl_spike_replay.replay.compute.worker import RankInputs
 from axrl_spike_replay.replay.reading.inputs import ReplayInputs
 from axrl_spike_replay.replay.reading.route_check import check_route_shapes, check_route_values
@@ -186,14 +186,7 @@ def streamed_signal_check(
     routes = _route_agreement(weights, ranks, [r for r in ranks.batches if r in routing_ranks], store, cancel)
     for rank, batch in ranks.batches.items():
         logprobs, entropy = current[rank]
-        mine = own[rank][0] if own is not None else None
-        signals = RankSignals(rank=rank, pairs=_rank_pairs(batch, logprobs, mine), samples=int(logprobs.shape[0]))
-        signals.samples_mean_logprob = _samples_mean(logprobs, batch["loss_mask"] > 0)
-        signals.samples_tail = _tails(batch)
-        if entropy is not None:
-            signals.samples_mean_entropy = _samples_mean(entropy, batch["loss_mask"] > 0)
-        if mine is not None:
-            signals.samples_mean_logprob_own = _samples_mean(mine, batch["loss_mask"] > 0)
+        signals = signals_of_rank(rank, batch, logprobs, entropy, own[rank][0] if own is not None else None)
         if rank in routing_ranks:
             signals.routes = routes.get(rank, [])
         result.ranks.append(signals)
