@@ -260,3 +260,36 @@ def test_cli_attribute_streamed(tmp_path: Path, cli: Any) -> None:
     assert abs(a["grad_norm"] - b["grad_norm"]) <= REL * b["grad_norm"]
     assert [(s["rank"], s["sample"]) for s in a["samples"]] == [(s["rank"], s["sample"]) for s in b["samples"]]
     assert a["passes"].startswith("streamed: 2 passes") and b["passes"] == ""
+
+
+def test_micro_batches_and_spilled_boundaries_signals(tmp_path: Path) -> None:
+    """Ranks of several micro-batches each (the trainer's split, recorded in the batch files), router losses on,
+    every boundary spilled to disk (host budget 0): the clean gradient, the cosines and the attribution (each
+    sample's row found in its micro-batch) are the whole ones; the spill dir is gone after."""
+    from tiny_snapshot import split_into_micro_batches
+
+    from axrl_spike_replay.replay.attribution import _assembled, attribute_spike
+    from axrl_spike_replay.replay.inputs import load_inputs, one_config
+    from axrl_spike_replay.replay.streamed.sample_attribution import streamed_dots
+    from axrl_spike_replay.replay.streamed.settings import StreamSettings
+    from axrl_spike_replay.vocabulary import Method
+
+    rank_lengths = (((4, 2, 3, 1, 4, 3), (8, 5, 7, 0, 3, 8)), ((2, 4, 1, 3, 2, 4), (2, 0, 6, 1, 8, 3)))
+    loss = {"kl_coef": 0.01, "aux_loss_coef": 0.01, "z_loss_coef": 0.001, "is_base_logprobs": "rollout"}
+    loss |= {"loss_agg_mode": "token-mean", "normalization": "per_rank"}
+    snapshot = record_tiny_snapshot(tmp_path / "snap", rank_lengths=rank_lengths, prompt=4, loss=loss)
+    split_into_micro_batches(snapshot, {0: [4, 2], 1: [1, 2, 3]})
+    spill = tmp_path / "spill"
+    settings = StreamSettings(0, str(spill))
+    job = job_of(snapshot, CONFIGS[:2])
+    whole, streamed = compute(job, 0), compute_streamed(job, settings=settings)
+    assert assert_same_signals(whole, streamed) == 2
+    assert spill.is_dir() and not any(spill.iterdir())
+    reference = attribute_spike(snapshot, top=100, shard="off")
+    inputs = load_inputs(snapshot, snapshot, False)
+    cfg = one_config(inputs, None)
+    norm, router, dots, signals, _ = streamed_dots(inputs, cfg, "cpu", settings=settings)
+    got = _assembled(inputs, cfg, 100, "cpu", Method.PER_SAMPLE_BACKWARD, norm, router, dots, signals, {})
+    got.passes = "streamed: 2 passes over the checkpoint"
+    same_attribution(got, reference)
+    assert abs(reference.router_term) > 0 and not any(spill.iterdir())
