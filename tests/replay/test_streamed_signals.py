@@ -260,6 +260,8 @@ def test_cli_attribute_streamed(tmp_path: Path, cli: Any) -> None:
     assert abs(a["grad_norm"] - b["grad_norm"]) <= REL * b["grad_norm"]
     assert [(s["rank"], s["sample"]) for s in a["samples"]] == [(s["rank"], s["sample"]) for s in b["samples"]]
     assert a["passes"].startswith("streamed: 2 passes") and b["passes"] == ""
+    text = cli("attribute", snapshot, "--shard", "streamed", "--top", "3")
+    assert text.code == 0 and "streamed: 2 passes over the checkpoint" in text.out
 
 
 def test_micro_batches_and_spilled_boundaries_signals(tmp_path: Path) -> None:
