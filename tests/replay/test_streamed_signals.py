@@ -270,8 +270,8 @@ def test_micro_batches_and_spilled_boundaries_signals(tmp_path: Path) -> None:
     sample's row found in its micro-batch) are the whole ones; the spill dir is gone after."""
     from tiny_snapshot import split_into_micro_batches
 
-    from axrl_spike_replay.replay.attribution import _assembled, attribute_spike
-    from axrl_spike_replay.replay.inputs import load_inputs, one_config
+    from axrl_spike_replay.replay.analyses.attribution import _assembled, attribute_spike
+    from axrl_spike_replay.replay.reading.inputs import load_inputs, one_config
     from axrl_spike_replay.replay.streamed.sample_attribution import streamed_dots
     from axrl_spike_replay.replay.streamed.settings import StreamSettings
     from axrl_spike_replay.vocabulary import Method

@@ -1,5 +1,5 @@
-"""The clean gradient and cosine to clean, streamed: the whole replay's definition (`replay.compute.clean_gradient`), each
-gradient held a piece at a time.
+"""The clean gradient and cosine to clean, streamed: the whole replay's definition
+(`replay.compute.clean_gradient`), each gradient held a piece at a time.
 
 The search is the whole replay's (`worker.clean_gradient`): the baseline's backward keeps every micro-batch's
 dLoss/dlogprobs (the pull), the on-policy reference is probed first, then the loss tokens left out by galloping and

@@ -1,9 +1,9 @@
 """Attribution streamed: each sample's contribution to the grad norm, <g_s, g> / ||g||, as per-piece dot products of
 each sample's gradient with the total gradient g, one decoder layer at a time.
 
-`replay.analyses.attribution` defines the figures: g is the step's DP-mean gradient, g_s sample s's share of it through its
-own log-probs (and entropies), and the batch-level router losses' share is one more term; the shares add up to
-||g||^2. Streamed, the step's forward runs once (`layer_passes.forward_layers`) and its backward once
+`replay.analyses.attribution` defines the figures: g is the step's DP-mean gradient, g_s sample s's share of it
+through its own log-probs (and entropies), and the batch-level router losses' share is one more term; the shares add
+up to ||g||^2. Streamed, the step's forward runs once (`layer_passes.forward_layers`) and its backward once
 (`layer_passes.backward_steps`, the whole gradient a piece at a time). Each piece's reduced gradient g_p is complete
 once every micro-batch has added to it; then, with the piece still held (`on_piece`), every micro-batch's piece is
 computed again from its saved input and taken backward once per sample, from that sample's row of the policy
