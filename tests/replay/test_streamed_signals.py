@@ -271,8 +271,8 @@ def test_micro_batches_and_spilled_boundaries_signals(tmp_path: Path) -> None:
     from tiny_snapshot import split_into_micro_batches
 
     from axrl_spike_replay.replay.analyses.attribution import _assembled, attribute_spike
+    from axrl_spike_replay.replay.analyses.streamed_attribution import streamed_dots
     from axrl_spike_replay.replay.reading.inputs import load_inputs, one_config
-    from axrl_spike_replay.replay.streamed.sample_attribution import streamed_dots
     from axrl_spike_replay.replay.streamed.settings import StreamSettings
     from axrl_spike_replay.vocabulary import Method
 

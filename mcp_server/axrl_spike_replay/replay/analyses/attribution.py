@@ -254,7 +254,7 @@ def attribute_spike(
     per_sample_backward); on, FSDP2 over `nproc` spawned processes (default: the saved world size), one backward per
     sample (`replay.analyses.sharded_attribution`); auto, sharded when the whole model does not fit one process here;
     streamed, every saved rank in this process one decoder layer at a time, each sample's dot with g taken piece by
-    piece (`replay.streamed.sample_attribution`: two passes over the checkpoint, one backward per sample per piece).
+    piece (`replay.analyses.streamed_attribution`: two passes over the checkpoint, one backward per sample per piece).
     Each rank's step goes micro-batch by micro-batch as the trainer split it, the head in chunks, the decoder layers
     checkpointed as `checkpoint` says (None: as the replay plan of the layout says).
     `recorder` opens the output dir (None: nothing written). Setting `cancel` stops the work between
@@ -352,8 +352,8 @@ def _attribute_streamed(
     start: float,
     cancel: threading.Event | None,
 ) -> Attribution:
-    """Each sample's <g_s, g> as per-piece dot products, one decoder layer at a time (`streamed.sample_attribution`)."""
-    from axrl_spike_replay.replay.streamed.sample_attribution import PASSES, streamed_dots
+    """Each sample's <g_s, g> as per-piece dot products, one decoder layer at a time (`streamed_attribution`)."""
+    from axrl_spike_replay.replay.analyses.streamed_attribution import PASSES, streamed_dots
 
     grad_norm, router, dots, signals, timings = streamed_dots(inputs, cfg, device, cancel)
     timings = {**timings, "total": time.perf_counter() - start}

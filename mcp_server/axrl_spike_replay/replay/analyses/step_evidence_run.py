@@ -1,6 +1,6 @@
 """Diagnose's model evidence of a snapshot's step (`replay.analyses.step_evidence_forward`): whole in this process, or
 sharded by FSDP2 over several (`replay.analyses.sharded_evidence`), or its signal check streamed
-(`replay.streamed.streamed_evidence`); the one entry, which decides which and says nothing is written."""
+(`replay.analyses.streamed_evidence`); the one entry, which decides which and says nothing is written."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def step_evidence(
 
     `shard`: off, the whole model in this process; on, FSDP2 over `nproc` spawned processes (default: the saved world
     size); auto, sharded when the whole model does not fit one process here; streamed, the signal check alone, one
-    decoder layer at a time in this process (`replay.streamed.streamed_evidence`; the channel is refused). The loss
+    decoder layer at a time in this process (`replay.analyses.streamed_evidence`; the channel is refused). The loss
     channel goes micro-batch by micro-batch, the decoder layers checkpointed as `checkpoint` says (None: as the replay
     plan of the layout says)."""
     check_device(device)
@@ -51,7 +51,7 @@ def step_evidence(
                     "computed streamed; the signal check alone is (channel off), or use `shard` on or off",
                     "shard",
                 )
-            from axrl_spike_replay.replay.streamed.streamed_evidence import streamed_evidence
+            from axrl_spike_replay.replay.analyses.streamed_evidence import streamed_evidence
 
             signals = streamed_evidence(inputs, cfg, device, cancel)
             return StepEvidence(signals=signals, channel=None, seconds=time.perf_counter() - start)
