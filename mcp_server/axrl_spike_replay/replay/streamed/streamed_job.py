@@ -3,7 +3,7 @@
 `run_streamed_job` is a `launch.JobRunner`: the engine judges and records its outcomes as it does the whole or
 sharded replay's (`ReplaySession.result`). For each forward group (`worker.forward_groups`: configs sharing weights and
 routing) the forward runs once (`layer_passes.forward_layers`) and each config its own backward
-(`layer_passes.backward_config`); a config's outcome holds its grad norm, top parameters, each rank's metrics, the
+(`layer_passes.backward_steps`); a config's outcome holds its grad norm, top parameters, each rank's metrics, the
 baseline's per-parameter norms of the reduced gradient and of each saved rank's own gradient, and a mitigated
 config's footprint against the baseline. Boundaries live in a `BoundaryStore`, whose spill dir is removed however
 the job ends (cancelled, timed out, failed).
