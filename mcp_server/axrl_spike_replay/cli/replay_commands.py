@@ -336,6 +336,8 @@ def render_attribution(att: Attribution) -> str:
             rows,
         ),
     ]
+    if att.passes:
+        lines += ["", att.passes]
     if att.output_dir:
         lines += ["", f"output {att.output_dir}"]
     return "\n".join(lines)

@@ -331,6 +331,8 @@ class Attribution:
     """The policy was sharded with FSDP2 over world_size_used processes (each sample's gradient by a backward)"""
     world_size_used: int = 1
     """Processes that computed it"""
+    passes: str = ""
+    """Streamed: its passes over the checkpoint and per sample (empty: not streamed)"""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds"""
     output_dir: str = ""

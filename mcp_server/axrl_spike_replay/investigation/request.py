@@ -357,7 +357,7 @@ def replay_request(
     _check_clear_threshold(what.clear_threshold, verb, target, backend, launched)
     _check_parallel_configs(how.parallel_configs, verb, target, backend)
     _check_shard(shard, verb, backend)
-    _check_streamed(shard, verb, how.nproc, launched or bool(targets) or slurm is not None)
+    _check_streamed(shard, how.nproc, launched or bool(targets) or slurm is not None)
     if verb == Verb.ATTRIBUTE and shard == Shard.OFF and how.nproc not in (None, 1):
         raise ConfigError(
             "`nproc`: an unsharded attribution runs in this one process; shard it (`shard` on) to use more", "nproc"
@@ -598,16 +598,10 @@ def _check_shard(shard: Shard, verb: Verb, backend: Backend) -> None:
         )
 
 
-def _check_streamed(shard: Shard, verb: Verb, nproc: int | None, launched: bool) -> None:
-    """A streamed replay is one process of the built-in engine, on one machine; attribution is not streamed."""
+def _check_streamed(shard: Shard, nproc: int | None, launched: bool) -> None:
+    """A streamed replay (or attribution) is one process of the built-in engine, on one machine."""
     if shard != Shard.STREAMED:
         return
-    if verb == Verb.ATTRIBUTE:
-        raise ConfigError(
-            "`shard` streamed: attribution is not computed streamed (its per-sample passes need the whole graph); "
-            "use `shard` on or off",
-            "shard",
-        )
     if nproc not in (None, 1):
         raise ConfigError("`nproc`: a streamed replay runs every saved rank in one process", "nproc")
     if launched:

@@ -77,10 +77,10 @@ def run_attribution(snapshot: str | Path, top: int, shard: str = "auto", nproc: 
 
 def run_step_evidence(snapshot: str | Path, shard: str = "auto", nproc: int | None = None) -> StepEvidence:
     """The signal check and the loss channel of the step, here (CPU, nothing written): whole, or sharded over `nproc`
-    processes (`shard`)."""
+    processes (`shard`); streamed, the signal check alone (the channel is not computed streamed)."""
     from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
 
-    return step_evidence(snapshot, shard=shard, nproc=nproc)
+    return step_evidence(snapshot, shard=shard, nproc=nproc, channel=shard != "streamed")
 
 
 def routes_of(check: SignalCheck) -> RouteAgreement:

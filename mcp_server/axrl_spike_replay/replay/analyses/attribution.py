@@ -36,12 +36,17 @@ from axrl_spike_replay.replay.compute.outcome_figures import jvp_policy
 from axrl_spike_replay.replay.compute.worker import RankInputs, step_counts
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.plans.layout_plan import plan_layout
-from axrl_spike_replay.replay.plans.shard_choice import check_whole_fits, whole_or_sharded_planned
+from axrl_spike_replay.replay.plans.shard_choice import (
+    STREAMED_REASON,
+    ShardChoice,
+    check_whole_fits,
+    whole_or_sharded_planned,
+)
 from axrl_spike_replay.replay.reading.inputs import ReplayInputs, load_inputs, one_config
 from axrl_spike_replay.training.micro_batches import MicroBatch, stitch, take, take_routing
 from axrl_spike_replay.training.rank_step import global_grad_norm, reduce_gradients
 from axrl_spike_replay.training.sample_masks import check_ranks
-from axrl_spike_replay.vocabulary import Fidelity, Method
+from axrl_spike_replay.vocabulary import Fidelity, Method, Shard
 
 
 @dataclass
@@ -247,7 +252,9 @@ def attribute_spike(
 
     `shard`: off, the whole model in this process (one forward-mode pass, or one backward per sample with `method`
     per_sample_backward); on, FSDP2 over `nproc` spawned processes (default: the saved world size), one backward per
-    sample (`replay.analyses.sharded_attribution`); auto, sharded when the whole model does not fit one process here.
+    sample (`replay.analyses.sharded_attribution`); auto, sharded when the whole model does not fit one process here;
+    streamed, every saved rank in this process one decoder layer at a time, each sample's dot with g taken piece by
+    piece (`replay.analyses.streamed_attribution`: two passes over the checkpoint, one backward per sample per piece).
     Each rank's step goes micro-batch by micro-batch as the trainer split it, the head in chunks, the decoder layers
     checkpointed as `checkpoint` says (None: as the replay plan of the layout says).
     `recorder` opens the output dir (None: nothing written). Setting `cancel` stops the work between
@@ -263,15 +270,24 @@ def attribute_spike(
         cfg = one_config(inputs, mitigations)
         check_ranks(cfg.samples, inputs.world_size)
         layout = plan_layout(inputs.world_size, nproc)
-        sharded = whole_or_sharded_planned(shard, inputs, device, layout.nproc, checkpoint)
-        if not sharded.shard:
+        streamed = shard == Shard.STREAMED
+        if streamed:
+            _check_streamed(inputs, nproc)
+            sharded = ShardChoice(False, STREAMED_REASON, streamed=True)
+        else:
+            sharded = whole_or_sharded_planned(shard, inputs, device, layout.nproc, checkpoint)
+        if not sharded.shard and not streamed:
             check_whole_fits(inputs.model, inputs.effective_precision, device, "attribution")
         job_name = job or inputs.job_name or "spike"
         run = recorder.open_run(job_name) if recorder is not None else RunDir(None)
         options = {"top": top, "device": device, "shard": shard if shard != "auto" else None, "nproc": nproc}
         run.write_command(command or command_line("attribute", str(snapshot), options))
         run.log(sharded.reason)
-        if sharded.shard:
+        if streamed:
+            if method != Method.PER_SAMPLE_BACKWARD:
+                run.log("streamed: g is never held whole for a forward-mode pass; one backward per sample per piece")
+            attribution = _attribute_streamed(inputs, cfg, top, device, start, cancel)
+        elif sharded.shard:
             if method != Method.PER_SAMPLE_BACKWARD:
                 run.log("sharded: forward-mode JVPs do not run through FSDP2; one backward per sample instead")
             attribution = _attribute_sharded(
@@ -317,6 +333,35 @@ def _attribute(
     timings = {"load": t0 - start, "gradient": t1 - t0, "attribution": t2 - t1, "total": time.perf_counter() - start}
     per_rank = {rank: values.tolist() for rank, values in dots.items()}
     return _assembled(inputs, cfg, top, device, method, grad_norm, router, per_rank, signals, timings)
+
+
+def _check_streamed(inputs: ReplayInputs, nproc: int | None) -> None:
+    """ConfigError naming what a streamed attribution does not do: several processes, a model it cannot stream."""
+    from axrl_spike_replay.replay.streamed.layer_weights import check_streamable
+
+    if nproc not in (None, 1):
+        raise ConfigError("`nproc`: a streamed attribution runs every saved rank in one process", "nproc")
+    check_streamable(inputs.model, None)
+
+
+def _attribute_streamed(
+    inputs: ReplayInputs,
+    cfg: AppliedConfig,
+    top: int,
+    device: str,
+    start: float,
+    cancel: threading.Event | None,
+) -> Attribution:
+    """Each sample's <g_s, g> as per-piece dot products, one decoder layer at a time (`streamed_attribution`)."""
+    from axrl_spike_replay.replay.analyses.streamed_attribution import PASSES, streamed_dots
+
+    grad_norm, router, dots, signals, timings = streamed_dots(inputs, cfg, device, cancel)
+    timings = {**timings, "total": time.perf_counter() - start}
+    attribution = _assembled(
+        inputs, cfg, top, device, Method.PER_SAMPLE_BACKWARD, grad_norm, router, dots, signals, timings
+    )
+    attribution.passes = PASSES
+    return attribution
 
 
 def _attribute_sharded(

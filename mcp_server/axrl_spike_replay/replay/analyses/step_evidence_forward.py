@@ -176,6 +176,25 @@ def _rank_routes(
     return out
 
 
+def signals_of_rank(
+    rank: int,
+    batch: dict[str, torch.Tensor],
+    current: torch.Tensor,
+    entropy: torch.Tensor | None,
+    own: torch.Tensor | None,
+) -> RankSignals:
+    """A rank's signals from its replayed log-probs (and entropies) [B, T] under the run's routing, and under the
+    model's own (None: the run replays no routes); its routes are the caller's to add."""
+    signals = RankSignals(rank=rank, pairs=_rank_pairs(batch, current, own), samples=int(current.shape[0]))
+    signals.samples_mean_logprob = _samples_mean(current, batch["loss_mask"] > 0)
+    signals.samples_tail = _tails(batch)
+    if entropy is not None:
+        signals.samples_mean_entropy = _samples_mean(entropy, batch["loss_mask"] > 0)
+    if own is not None:
+        signals.samples_mean_logprob_own = _samples_mean(own, batch["loss_mask"] > 0)
+    return signals
+
+
 def signal_check(
     model: torch.nn.Module,
     ranks: RankInputs,
@@ -190,15 +209,8 @@ def signal_check(
         for rank, batch in ranks.batches.items():
             check_cancel(cancel, "diagnosis")
             forward = rank_forward(model, ranks, cfg, rank, True)
-            current = forward.logprobs
             own = rank_forward(model, ranks, cfg, rank, False, RoutingControl()).logprobs if replays else None
-            signals = RankSignals(rank=rank, pairs=_rank_pairs(batch, current, own), samples=int(current.shape[0]))
-            signals.samples_mean_logprob = _samples_mean(current, batch["loss_mask"] > 0)
-            signals.samples_tail = _tails(batch)
-            if forward.entropy is not None:
-                signals.samples_mean_entropy = _samples_mean(forward.entropy, batch["loss_mask"] > 0)
-            if own is not None:
-                signals.samples_mean_logprob_own = _samples_mean(own, batch["loss_mask"] > 0)
+            signals = signals_of_rank(rank, batch, forward.logprobs, forward.entropy, own)
             if rank in inputs.routing_ranks:
                 signals.routes = _rank_routes(model, batch, ranks, rank)
             result.ranks.append(signals)

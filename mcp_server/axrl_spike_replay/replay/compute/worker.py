@@ -59,7 +59,7 @@ class WorkerJob:
     counts: GlobalCounts | None = None  # the step's recorded global counts (normalization global)
     spike_bar: SpikeBar | None = None  # the verdict's bar the clean gradient is cleaned under (None: no median)
     shard: bool = False  # FSDP2 over the replay's processes (`replay.compute.model_build`); False: each holds the
-                         # whole model
+    # whole model
     precision: PrecisionPolicy | None = None  # the trainer's recorded policy (None: the model's own dtype)
     checkpoint_layers: bool = False  # decoder layers recompute their activations in the backward (the plan's choice)
 

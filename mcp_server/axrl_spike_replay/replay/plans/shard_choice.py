@@ -86,7 +86,8 @@ def whole_or_sharded(mode: str, inputs: ReplayInputs, device: str, processes: in
     parsed = Shard.parse(mode, "`shard`")
     if parsed == Shard.STREAMED:
         raise ConfigError(
-            "`shard` streamed: attribution and diagnose's model evidence are not computed streamed; use on or off",
+            "`shard` streamed: this work runs whole or sharded (attribution and the signal check stream by their own "
+            "entries); use on or off",
             "shard",
         )
     if parsed != Shard.AUTO:
