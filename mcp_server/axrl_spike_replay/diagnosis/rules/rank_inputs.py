@@ -15,9 +15,9 @@ alone (no model): which input of a rank differs from the others' names the broke
 - The advantages against the rewards they were computed from, group by group (the samples of one prompt): every
   usual estimator gives a group advantages spread at most about as widely as a standardised group (std 1: GRPO) or
   as its rewards (std of the rewards: a baseline, RLOO, GRPO without the std). A rank whose groups' advantages are
-  spread `SPREAD` times wider than both, on most of its groups whose advantages differ at all, has advantages no
-  estimator makes from its rewards (`outlier_advantage` on that rank): it needs no other rank as a witness, so it
-  holds where every other rank's advantages are 0.
+  spread `SPREAD` (`SCALE`: another scale) times wider than both, on most of its groups whose advantages differ at
+  all, has advantages no estimator makes from its rewards (`outlier_advantage` on that rank): it needs no other
+  rank as a witness, so it holds where every other rank's advantages are 0.
 
 Each is as strong as the share of the gradient those ranks carry says (`BASE`; `CARRIES` when they carry at least
 half of it, by the loss channel or a local grad norm `SINGLE_NORM` times the others').
@@ -36,7 +36,7 @@ from axrl_spike_replay.diagnosis.rules.causes import Cause, Evidence, Experiment
 LEADING = 0.5  # share of a rank's samples whose loss starts before every other rank's that counts
 UNRECORDED = 0.05  # share of a rank's loss tokens at positions its engine recorded no route for that counts
 SCALE = 10.0  # a rank's typical |advantage| this many times the other ranks' median, and above their largest
-SPREAD = 4.0  # a group's advantage std this many times both 1 and its rewards' std: no usual estimator's
+SPREAD = SCALE  # a group's advantage std this many times both 1 and its rewards' std: no usual estimator's
 SINGLE_NORM = 3.0  # a rank's local grad norm this many times the others' median: it carries the gradient
 BASE = 0.6  # the rank's input differs; its share of the gradient unknown or under half
 CARRIES = 0.9  # ... and those ranks carry at least half of the gradient
@@ -294,9 +294,12 @@ def overscaled_ranks(ev: Evidence) -> dict[int, tuple[float, int, int, int]]:
     from axrl_spike_replay.snapshot.rank_data import load_rank_batch
 
     found: dict[int, tuple[float, int, int, int]] = {}
-    for rank in ev.analysis.ranks:
+    path, ranks = getattr(ev.analysis, "path", None), getattr(ev.analysis, "ranks", None) or []
+    if path is None:
+        return {}
+    for rank in ranks:
         try:
-            spreads, largest = _group_spreads(load_rank_batch(ev.analysis.path, rank))
+            spreads, largest = _group_spreads(load_rank_batch(path, rank))
         except (AxrlError, KeyError, OSError):
             return {}
         past = sum(v >= SPREAD for v in spreads)
@@ -310,7 +313,7 @@ def advantages_past_rewards(ev: Evidence) -> Cause | None:
     found = overscaled_ranks(ev)
     if not found:
         return None
-    every = len(found) == len(ev.analysis.ranks)
+    every = len(found) == len(getattr(ev.analysis, "ranks", None) or [])
     ranks = [] if every else sorted(found)
     carries, figures = _carry(ev, ranks) if ranks else (False, [])
     evidence = [
