@@ -368,8 +368,9 @@ OBJECTIVES: tuple[Mitigation, ...] = (
         "loss",
         "MODE | MODE:MAX | MODE:MIN:MAX, MODE one of " + ", ".join(ROLLOUT_CORRECTION_MODES),
         "rollout correction against the generation engine: pi_old/pi_rollout per token or per sequence, truncated "
-        "to [MIN, MAX] or masked outside it (MAX default 3), computed from the stored log-probs (TRL's "
-        "vllm_importance_sampling_mode; verl's rollout_is: truncate is its TIS, mask its IcePop)",
+        "to [MIN, MAX] or masked outside it (MAX default 3; under the axrl and verl conventions a mask takes "
+        "MIN:MAX, as verl's does), computed from the stored log-probs (TRL's vllm_importance_sampling_mode; verl's "
+        "rollout_is: truncate is its TIS, mask its IcePop)",
         parse_rollout_correction,
         objective("rollout_correction", rollout_correction_fields, _rollout_correction),
         advice=(
