@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pydantic_core
 from pydantic import TypeAdapter
 
 from axrl_spike_replay.experiment.result import CleanGradient, Footprint, ReplayResult
@@ -93,6 +94,8 @@ def test_a_clean_gradient_of_every_version_is_typed_and_written_back_byte_for_by
         assert json.dumps(json.loads(written)["clean_gradient"]) == json.dumps(clean)
         assert json.dumps(to_jsonable(ReplayResult.from_json(json.loads(written)))) == written
         assert json.dumps(reply.dump_python(result, mode="json")["clean_gradient"]) == json.dumps(clean)
+        text_reply = json.loads(pydantic_core.to_json(result, fallback=str))  # a tool's text block
+        assert json.dumps(text_reply["clean_gradient"]) == json.dumps(clean)
     searched = ReplayResult.from_json({**RESULT, "clean_gradient": SEARCHED}).clean_gradient
     assert searched is not None and searched.probe_norms == {"2": 30.0, "4": 17.5, "5": 3.1} and searched.reached
     assert searched.describe().startswith("the on-policy gradient (the stored old logprobs and rollout logprobs")

@@ -73,6 +73,26 @@ CLEAN_KEYS = (
 )  # fmt: skip
 
 
+def _as_file_keeps() -> Any:
+    from pydantic_core import core_schema
+
+    return core_schema.plain_serializer_function_ser_schema(lambda value: value.to_json())
+
+
+class _FileSerializer:
+    """`__pydantic_serializer__` of a record that pydantic would otherwise write field by field (a tool's text
+    reply, `pydantic_core.to_json`): its `to_json`, built when first asked for."""
+
+    serializer: Any = None
+
+    def __get__(self, record: Any, owner: type) -> Any:
+        if _FileSerializer.serializer is None:
+            from pydantic_core import SchemaSerializer, core_schema
+
+            _FileSerializer.serializer = SchemaSerializer(core_schema.any_schema(serialization=_as_file_keeps()))
+        return _FileSerializer.serializer
+
+
 @dataclass
 class CleanGradient:
     """The clean gradient a replay measured (`replay.clean_gradient` has the definition): the loss tokens and samples
@@ -99,6 +119,7 @@ class CleanGradient:
     definition: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # keys of another version, as read
     keys: tuple[str, ...] = ()  # the keys the document has, in its order (() : every field not None, in order)
+    __pydantic_serializer__ = _FileSerializer()  # a tool's text reply writes it as the file keeps it
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> CleanGradient:
@@ -145,13 +166,13 @@ class CleanGradient:
 
     @classmethod
     def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
-        """A tool's reply carries the object the result file keeps (`to_json`), and reads one back."""
+        """A tool's structured reply carries the object the result file keeps (`to_json`), and reads one back."""
         from pydantic_core import core_schema
 
         return core_schema.no_info_plain_validator_function(
             lambda value: value if isinstance(value, cls) else cls.from_json(value),
             json_schema_input_schema=core_schema.dict_schema(),
-            serialization=core_schema.plain_serializer_function_ser_schema(lambda value: value.to_json()),
+            serialization=_as_file_keeps(),
         )
 
 
