@@ -18,8 +18,8 @@ from server_helpers import SpikeOutputs, with_client
 from axrl_spike_replay.cli import build_parser, main
 from axrl_spike_replay.cli.request_options import add_request_options, option_help, request_values
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.experiment.request.request_fields import Declared, check_declared, declare, declared_fields
 from axrl_spike_replay.investigation.request import How, ReplayRequest, What, Where, replay_request
-from axrl_spike_replay.investigation.request_fields import Declared, check_declared, declare, declared_fields
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.mcp_faces.shared_arguments import schema_field
 from axrl_spike_replay.server import create_server

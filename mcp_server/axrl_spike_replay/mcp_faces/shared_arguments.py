@@ -1,6 +1,6 @@
 """The arguments many tools take: each has a one-line description in the tools' schemas and a whole explanation in
 `GUIDE`, which the resource `axrl://arguments` serves (a client reads the schemas on every turn, the guide when it
-needs it). Those that set a request field come from its declaration (`investigation.request_fields`): summary,
+needs it). Those that set a request field come from its declaration (`experiment.request.request_fields`): summary,
 help and bounds are said there once; the Python type written here is checked against it by the tests."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from axrl_spike_replay.experiment.request.request_fields import Declared, declared_fields
 from axrl_spike_replay.investigation.request import How, ReplayRequest, What, Where
-from axrl_spike_replay.investigation.request_fields import Declared, declared_fields
 
 ARGUMENTS_URI = "axrl://arguments"
 MITIGATIONS_URI = "axrl://mitigations"
 
-# every request field the MCP tools take, as the request declares it (`investigation.request_fields`)
+# every request field the MCP tools take, as the request declares it (`experiment.request.request_fields`)
 DECLARED: dict[str, Declared] = {name: d for name, d, _ in declared_fields(What, Where, How, ReplayRequest) if d.mcp}
 # arguments of the tools that are not request fields
 _FACE_GUIDE = {

@@ -1,9 +1,10 @@
 """One declaration per request field: its words, its allowed values and which verbs take it, said once.
 
-A field of the replay request (`investigation.request`: `What`, `Where`, `How`) carries a `Declared` record in its
-dataclass metadata (`field(metadata=declare(...))`). From it come the CLI's options (`cli.request_options`), the
-MCP tools' parameter schemas and the resource `axrl://arguments` (`mcp_faces.shared_arguments`), and the request
-builder's check of the value (`check_declared`), whose message names the field as the library does (`nproc`).
+A field of the replay request (`experiment.request.request_parts`: `What`, `Where`, `How`) carries a `Declared`
+record in its dataclass metadata (`field(metadata=declare(...))`). From it come the CLI's options
+(`cli.request_options`), the MCP tools' parameter schemas and the resource `axrl://arguments`
+(`mcp_faces.shared_arguments`), and the request builder's check of the value (`check_declared`), whose message
+names the field as the library does (`nproc`).
 """
 
 from __future__ import annotations
