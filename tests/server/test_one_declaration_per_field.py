@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import pytest
+from mcp.server.mcpserver import MCPServer
 from mcp.types import TextResourceContents
 from pydantic import TypeAdapter, ValidationError
 from server_helpers import SpikeOutputs, with_client
@@ -21,7 +22,8 @@ from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.request.request_fields import Declared, check_declared, declare, declared_fields
 from axrl_spike_replay.investigation.request import How, ReplayRequest, What, Where, replay_request
 from axrl_spike_replay.jsonable import to_jsonable
-from axrl_spike_replay.mcp_faces.shared_arguments import schema_field
+from axrl_spike_replay.mcp_faces.lean_tools import lean_tool
+from axrl_spike_replay.mcp_faces.shared_arguments import part_values, schema_field, with_declared_arguments
 from axrl_spike_replay.server import create_server
 from axrl_spike_replay.vocabulary import Verb
 
@@ -191,3 +193,35 @@ def test_a_newly_declared_field_appears_in_both_faces_from_its_declaration_alone
         adapter.validate_python(9)
     with pytest.raises(ConfigError, match=r"^`warmup_steps` must be an integer from 0 to 8, got 9$"):
         check_declared(name, declaration, 9)
+
+
+def test_a_newly_declared_field_becomes_a_replay_tools_parameter_from_its_declaration_alone() -> None:
+    """The MCP face: a tool that does not list the field takes it as declared (type, bounds, summary, default) and
+    receives it for the request's part that declares it; a tool of another verb does not take it."""
+    got: list[dict[str, Any]] = []
+
+    @with_declared_arguments(Verb.REPLAY, (What, Where, How, _NewPart))
+    async def replay_like(snapshot: str, **declared: Any) -> str:
+        got.append(part_values(_NewPart, declared))
+        return snapshot
+
+    @with_declared_arguments(Verb.ATTRIBUTE, (What, Where, How, _NewPart))
+    async def attribute_like(snapshot: str, **declared: Any) -> str:
+        return snapshot
+
+    server = MCPServer("declared")
+    server.add_tool(replay_like, name="replay_like")
+    server.add_tool(attribute_like, name="attribute_like")
+
+    async def body(client: Any) -> tuple[dict[str, Any], Any, Any]:
+        tools = {t.name: lean_tool(t).input_schema for t in (await client.list_tools()).tools}  # as the server lists
+        called = await client.call_tool("replay_like", {"snapshot": "s", "warmup_steps": 3})
+        refused = await client.call_tool("replay_like", {"snapshot": "s", "warmup_steps": 9})
+        return tools, called, refused
+
+    tools, called, refused = with_client(server, body)
+    ((name, declaration, default),) = declared_fields(_NewPart)
+    _check_parameter("replay_like", tools["replay_like"], name, declaration, default)
+    assert name not in tools["attribute_like"]["properties"]
+    assert not called.is_error and got == [{"warmup_steps": 3}]
+    assert refused.is_error and got == [{"warmup_steps": 3}]  # out of the declared bounds: refused by the schema

@@ -23,6 +23,7 @@ from typing import Any
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, mitigation_args, parse_config
 from axrl_spike_replay.experiment.rank_scope import finding
+from axrl_spike_replay.experiment.request.request_fields import changed_values
 from axrl_spike_replay.experiment.request.request_parts import ReplayRequest
 from axrl_spike_replay.experiment.result import CleanGradient, ReplayResult
 from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line, now_iso
@@ -52,7 +53,7 @@ from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 from axrl_spike_replay.training.sample_masks import check_ranks
-from axrl_spike_replay.vocabulary import Backend, Device, Shard, Verdict
+from axrl_spike_replay.vocabulary import Backend, Device, Shard, Verb, Verdict
 
 TOP_PARAMS = 10  # parameters listed by grad norm in each result
 COLLECTIVE_TIMEOUT_S = 1800.0  # the replay processes' collective timeout
@@ -495,8 +496,7 @@ def replay_session(
             {
                 **layout,
                 "mitigation": mitigation,
-                "repeat": what.repeat if what.repeat > 1 else None,
-                "clear_threshold": what.clear_threshold,
+                **changed_values(what, Verb.parse(verb, "verb")),  # --repeat, --clear-threshold, ... as declared
             },
         )
         # the baseline these configs ran beside, as its own command: what the task shows as the step's replay command
