@@ -14,7 +14,7 @@ import pytest
 from mcp.server.mcpserver import MCPServer
 from mcp.types import TextResourceContents
 from pydantic import TypeAdapter, ValidationError
-from server_helpers import SpikeOutputs, with_client
+from server_helpers import SpikeOutputs, call, ok, with_client
 
 from axrl_spike_replay.cli import build_parser, main
 from axrl_spike_replay.cli.request_options import add_request_options, option_help, request_values
@@ -155,6 +155,23 @@ def test_an_option_declared_on_the_request_reaches_the_cli_with_no_cli_code(
         main([*argv, "--method", "guess"])
     err = capsys.readouterr().err
     assert "--method: invalid choice: 'guess'" in err and "per_sample_backward" in err
+
+
+def test_top_params_declared_once_lists_that_many_parameters_through_both_faces(
+    spike_outputs: SpikeOutputs, workspace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`What.top_params` is one declaration and one use in the engine: `replay --top-params` and the MCP tool's
+    `top_params` exist from it, and the result lists that many parameters, the largest grad norm first."""
+    snapshot = str(spike_outputs.snapshot)
+    listed = ok(call(workspace, "replay", {"snapshot": snapshot, "nproc": 1, "top_params": 12}))["top_params"]
+    norms = [p["grad_norm"] for p in listed]
+    assert len(listed) == 12 and norms == sorted(norms, reverse=True)
+    argv = ["replay", snapshot, "--nproc", "1", "--workspace", str(workspace), "--json"]
+    assert main([*argv, "--top-params", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["top_params"] == listed[:3]
+    assert len(ok(call(workspace, "replay", {"snapshot": snapshot, "nproc": 1}))["top_params"]) == 10  # the default
+    command = sorted(workspace.glob("tmp/spike-replay/*/*/command.txt"))
+    assert sum("--top-params 3" in c.read_text() for c in command) == 1  # the CLI line that gives the same result
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,7 +55,6 @@ from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 from axrl_spike_replay.training.sample_masks import check_ranks
 from axrl_spike_replay.vocabulary import Backend, Device, Shard, Verb, Verdict
 
-TOP_PARAMS = 10  # parameters listed by grad norm in each result
 COLLECTIVE_TIMEOUT_S = 1800.0  # the replay processes' collective timeout
 
 
@@ -150,7 +149,7 @@ class ReplaySession:
             assignment=self.plan.assignment,
             device=self.device,
             repeat=self.request.what.repeat,
-            top=TOP_PARAMS,
+            top=self.request.what.top_params,
             counts=inputs.counts,
             spike_bar=spike_bar(inputs.metadata.median_norm, self.threshold),
             shard=self.shard.shard,

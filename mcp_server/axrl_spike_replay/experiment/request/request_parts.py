@@ -66,6 +66,18 @@ class What:
             verbs=(Verb.REPLAY,),
         ),
     )
+    top_params: int = field(
+        default=10,
+        metadata=declare(
+            summary="",  # the name says it; the help is in axrl://arguments
+            help="How many parameters the result lists by gradient norm, the largest first: more show how far the "
+            "spike spreads over the layers and experts.",
+            kind="int",
+            ge=1,
+            verbs=(Verb.REPLAY,),
+            metavar="N",
+        ),
+    )
     configs: tuple[Mapping[str, Any], ...] = field(
         default=(),
         metadata=declare(  # sweep: the configs to compare, normalised and distinct
