@@ -130,7 +130,7 @@ def _samples_named(cause: Any, diagnosis: Any) -> list[Any]:
 def _experiments(snapshot: Path, mitigations: list[str]) -> list[dict[str, Any]]:
     """Replay every suggestion beside one baseline (a sweep); each one's verdict and change vs the baseline."""
     from axrl_spike_replay.errors import AxrlError
-    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
     from axrl_spike_replay.replay.sweep import run_sweep
 
     rows: list[dict[str, Any]] = []
@@ -165,7 +165,7 @@ def _experiments(snapshot: Path, mitigations: list[str]) -> list[dict[str, Any]]
 def _hypotheses(snapshot: Path, items: list[str]) -> list[dict[str, Any]]:
     """Replay each hypothesis on its own (a hypothesis replay is judged against the recording, not a baseline)."""
     from axrl_spike_replay.errors import AxrlError
-    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
     from axrl_spike_replay.replay.engine import run_replay
 
     rows: list[dict[str, Any]] = []

@@ -67,8 +67,8 @@ PLAN = """
 import json, sys
 from pathlib import Path
 from axrl_spike_replay.models.policy import parse_model_config
-from axrl_spike_replay.replay.inputs import read_run_config
-from axrl_spike_replay.replay.replay_plan import plan_replay
+from axrl_spike_replay.replay.reading.inputs import read_run_config
+from axrl_spike_replay.replay.plans.replay_plan import plan_replay
 from axrl_spike_replay.replay.streamed.streamed_plan import model_pieces
 plan = plan_replay(sys.argv[1], shard="streamed", capacity=None)
 pieces = model_pieces(parse_model_config(read_run_config(Path(sys.argv[1]))["model"]))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from axrl_spike_replay.experiment.mitigations import mitigation_args, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import mitigation_args, parse_config
 from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.replay.sweep import run_sweep

@@ -45,7 +45,7 @@ def main() -> None:
         snapshot = record_hf_snapshot(Path(tempfile.mkdtemp(prefix="axrl-gpu-")), "qwen3_moe", world_size=2)
     else:
         snapshot = Path(args.snapshot)
-    from axrl_spike_replay.replay.inputs import load_inputs
+    from axrl_spike_replay.replay.reading.inputs import load_inputs
 
     saved = load_inputs(snapshot, snapshot, False).world_size
     gpus = min(args.gpus or torch.cuda.device_count(), saved)

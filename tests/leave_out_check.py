@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
 from axrl_spike_replay.replay.engine import run_replay
-from axrl_spike_replay.replay.inputs import read_run_config
-from axrl_spike_replay.replay.step_evidence_run import step_evidence
+from axrl_spike_replay.replay.reading.inputs import read_run_config
 from axrl_spike_replay.vocabulary import Shard
 
 

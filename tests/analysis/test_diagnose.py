@@ -13,7 +13,7 @@ import torch
 
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
 from axrl_spike_replay.investigation.request import What, replay_request
-from axrl_spike_replay.replay.attribution import attribute_spike
+from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
 

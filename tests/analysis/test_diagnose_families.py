@@ -15,7 +15,7 @@ from snapshot_edits import copy_fixture, diagnosed, edit_batch, no_mismatch, set
 from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
 from axrl_spike_replay.diagnosis.families import FAMILIES
 from axrl_spike_replay.diagnosis.suggestions.no_ops import no_op_reason
-from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.training.loss_config import LossConfig

@@ -21,7 +21,7 @@ from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot, render_diagn
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 
 HYPOTHESIS = "aux_loss_coef=40.96@1"

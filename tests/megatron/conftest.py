@@ -43,7 +43,7 @@ def megatron_capture(megatron_checkpoints: dict[str, Path], tmp_path_factory: py
     Shared by the session: copy it before editing it."""
     from megatron_trainer import train
 
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
     from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
     root = tmp_path_factory.mktemp("megatron-capture") / "checkpoints" / "spike_snapshots"
@@ -108,7 +108,7 @@ def deepseek_capture(deepseek_checkpoints: dict[str, Path], tmp_path_factory: py
     two gloo processes, spiked at step 6. Shared: copy before editing."""
     from megatron_trainer import train
 
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
     from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
     root = tmp_path_factory.mktemp("deepseek-capture") / "checkpoints" / "spike_snapshots"

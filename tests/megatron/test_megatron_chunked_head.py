@@ -18,7 +18,7 @@ SAME = 1e-6
 def test_the_chunked_head_is_the_gpt_models_whole_head(
     megatron_checkpoints: dict[str, Path], tmp_path: Path, router: float
 ) -> None:
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
     from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
     batch, section = left_padded_batch(), tiny_section()

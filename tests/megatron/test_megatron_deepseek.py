@@ -25,7 +25,7 @@ from axrl_spike_replay.investigation.request import How, What, Where, replay_req
 from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.mcore.megatron_weights import check_megatron_weights, expected_megatron_shapes
 from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config
-from axrl_spike_replay.rank_processes import spawn_ranks
+from axrl_spike_replay.processes.rank_processes import spawn_ranks
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 from axrl_spike_replay.vocabulary import Backend, Shard
@@ -155,7 +155,7 @@ def test_a_query_without_lora_maps_too(tmp_path: Path) -> None:
 
 def _check_shards(rank: int, world_size: int, payload: tuple[str, str]) -> None:
     from axrl_spike_replay.models.sharded_weights import local_rows
-    from axrl_spike_replay.replay.model_build import Placement, build_model
+    from axrl_spike_replay.replay.compute.model_build import Placement, build_model
 
     directory, report = payload
     spec = parse_model_config(tiny_section("deepseek_v3"))

@@ -13,10 +13,10 @@ from megatron_helpers import REASON
 
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
 from axrl_spike_replay.investigation.request import What, replay_request
-from axrl_spike_replay.replay.attribution import attribute_spike
+from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
-from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,7 @@ def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip(REASON)
     from megatron_trainer import train
 
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
     from axrl_spike_replay.testing.megatron_checkpoints import save_layouts, tiny_section
 
     reference = save_layouts(tmp_path_factory.mktemp("megatron-reference"), tiny_section(), names=("tp1",))["tp1"]

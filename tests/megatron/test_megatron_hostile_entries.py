@@ -84,7 +84,7 @@ def test_megatron_core_load_reads_bytes_entries_weights_only(hostile_capture: tu
     `dist_checkpointing.load` through `snapshot.trainer_formats.megatron_load` refuses the entry in its rank process."""
     from megatron_helpers import load_gpt_rank
 
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
     from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
     snapshot, marker = hostile_capture

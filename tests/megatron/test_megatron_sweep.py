@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.experiment.mitigations import parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import parse_config
 from axrl_spike_replay.experiment.result import SweepResult
 from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import run_replay
-from axrl_spike_replay.workspace.task_state import show_task
+from axrl_spike_replay.workspace.task_record.task_state import show_task
 
 pytestmark = pytest.mark.slow
 

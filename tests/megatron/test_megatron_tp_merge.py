@@ -74,7 +74,7 @@ def _partial_replicas(rank: int, world: int, payload: tuple[dict[str, Any], str]
 def test_replicas_that_disagree_are_named_in_the_log(tmp_path: Path) -> None:
     if REASON is not None:
         pytest.skip(REASON)
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
     from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
     out = tmp_path / "said.json"
@@ -86,7 +86,7 @@ def test_replicas_that_disagree_are_named_in_the_log(tmp_path: Path) -> None:
 def test_tp_split_parameters_merge_to_the_unsplit_norms(tmp_path: Path) -> None:
     if REASON is not None:
         pytest.skip(REASON)
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
     from axrl_spike_replay.testing.megatron_checkpoints import save_layouts, tiny_section
 
     section = tiny_section()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.investigation.request import How, What, replay_request
-from axrl_spike_replay.replay.attribution import attribute_spike
+from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.testing.hf_snapshot import BATCH, BURST
 

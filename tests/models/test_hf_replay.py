@@ -16,7 +16,7 @@ from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.models.architectures import ARCHITECTURES
 from axrl_spike_replay.replay.engine import run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
 from axrl_spike_replay.vocabulary import Verb

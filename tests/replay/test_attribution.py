@@ -10,7 +10,7 @@ from tiny_snapshot import BURST
 
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.attribution import attribute_spike
+from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 from axrl_spike_replay.replay.engine import run_replay
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.replay.engine import run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 
 
 def test_every_captured_spike_reproduces_reduced(captured_run) -> None:

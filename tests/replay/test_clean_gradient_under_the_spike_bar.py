@@ -25,8 +25,8 @@ from axrl_spike_replay.training.policy_loss import local_counts, policy_loss
 from axrl_spike_replay.training.sample_masks import SampleFilter, TokenDrop, filtered_batch
 from axrl_spike_replay.training.verl_convention import response_horizon
 from axrl_spike_replay.vocabulary import Verdict
-from axrl_spike_replay.workspace.methods import list_methods
-from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
+from axrl_spike_replay.workspace.method_files.methods import list_methods
+from axrl_spike_replay.workspace.method_files.sweep_writeup import write_up_sweep
 
 if TYPE_CHECKING:
     from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult

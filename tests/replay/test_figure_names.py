@@ -16,7 +16,7 @@ from axrl_spike_replay.experiment.result import Attribution
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.replay.engine import run_replay
-from axrl_spike_replay.workspace.signals import summarise_attribution
+from axrl_spike_replay.workspace.method_files.signals import summarise_attribution
 
 OLD = "max_abs_log_ratio"
 NEW = "max_abs_log_ratio_current_vs_base"

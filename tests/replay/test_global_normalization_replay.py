@@ -20,7 +20,7 @@ import pytest
 import torch
 from tiny_snapshot import LOSS, record_tiny_snapshot, step_grad_norm
 
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
 from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.replay.engine import run_replay

@@ -170,7 +170,7 @@ def test_an_unknown_micro_batch_setting_is_refused_naming_the_run_config(snapsho
 def test_attribution_ranks_samples_across_the_micro_batches_of_the_trainers_step(snapshot: Path) -> None:
     """Attribution computes each rank's loss micro-batch by micro-batch: its gradient is the trainer's, and the
     samples' contributions, each from its own micro-batch, add up to it."""
-    from axrl_spike_replay.replay.attribution import attribute_spike
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
     expected = trainer_grad_norm(snapshot, SPLITS)
     attribution = attribute_spike(snapshot, top=3)
@@ -182,7 +182,7 @@ def test_attribution_ranks_samples_across_the_micro_batches_of_the_trainers_step
 
 def test_sharded_attribution_refuses_ranks_of_different_micro_batch_counts(snapshot: Path) -> None:
     from axrl_spike_replay.errors import AxrlError
-    from axrl_spike_replay.replay.attribution import attribute_spike
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
     with pytest.raises(AxrlError, match="same number of micro-batches"):
         attribute_spike(snapshot, top=3, shard="on", nproc=2)
@@ -190,7 +190,7 @@ def test_sharded_attribution_refuses_ranks_of_different_micro_batch_counts(snaps
 
 def test_the_step_evidence_reads_the_trainers_rank_losses(snapshot: Path) -> None:
     """The diagnosis' loss channel splits the micro-batched loss: each rank's loss is the replay's."""
-    from axrl_spike_replay.replay.step_evidence_run import step_evidence
+    from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
 
     replay = run_replay(replay_request(What(snapshot)))
     evidence = step_evidence(snapshot, shard="off")
@@ -216,7 +216,7 @@ def test_per_rank_hypotheses_and_left_out_ranks_go_through_the_same_micro_batche
 def test_the_plan_counts_one_micro_batchs_activations(snapshot: Path, tmp_path: Path) -> None:
     """The plan holds a process to one micro-batch's activations (the largest: 4 of rank 0's 6 sequences), and
     says so; flattened, it counts the whole rank's."""
-    from axrl_spike_replay.replay.replay_plan import plan_replay
+    from axrl_spike_replay.replay.plans.replay_plan import plan_replay
 
     micro = plan_replay(snapshot, nproc=1, capacity=None, shard="off")
     whole = plan_replay(with_section(snapshot, tmp_path, {"split": "whole"}), nproc=1, capacity=None, shard="off")

@@ -11,7 +11,7 @@ import torch
 
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.models.tiny_moe import RoutingControl, TinyMoEConfig, TinyMoEPolicy
-from axrl_spike_replay.replay.inputs import read_run_config
+from axrl_spike_replay.replay.reading.inputs import read_run_config
 from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.snapshot.dcp.checkpoint import load_model_state
 from axrl_spike_replay.snapshot.layout import routing_payload_file

@@ -9,7 +9,7 @@ import pytest
 from tiny_snapshot import record_tiny_snapshot
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
 from axrl_spike_replay.experiment.result import SweepResult
 from axrl_spike_replay.experiment.verdict import MitigatedBasis
 from axrl_spike_replay.investigation.request import What, Where, replay_request

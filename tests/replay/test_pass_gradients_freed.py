@@ -16,7 +16,7 @@ import pytest
 from tiny_snapshot import record_tiny_snapshot
 
 from axrl_spike_replay.investigation.request import How, What, replay_request
-from axrl_spike_replay.replay import gradient_space, worker
+from axrl_spike_replay.replay.compute import gradient_space, worker
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.vocabulary import Shard
 

@@ -1,6 +1,6 @@
-"""A loss setting scoped to saved ranks (`NAME=VALUE@RANKS`, experiment.rank_scope): its spellings normalise to one
-config, it applies to the named ranks' loss only, it is a hypothesis (judged against the recording, never called a
-mitigation), and bad input is refused by name."""
+"""A loss setting scoped to saved ranks (`NAME=VALUE@RANKS`, experiment.mitigation.rank_scope): its spellings
+normalise to one config, it applies to the named ranks' loss only, it is a hypothesis (judged against the recording,
+never called a mitigation), and bad input is refused by name."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigations import (
+from axrl_spike_replay.experiment.mitigation.mitigations import (
     MITIGATIONS,
     apply_config,
     config_id,
@@ -18,7 +18,7 @@ from axrl_spike_replay.experiment.mitigations import (
     parse_config,
     parse_mitigation_args,
 )
-from axrl_spike_replay.experiment.rank_scope import REQUIRED, is_hypothesis
+from axrl_spike_replay.experiment.mitigation.rank_scope import REQUIRED, is_hypothesis
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.remote.command.command_overrides import check_concrete
 from axrl_spike_replay.replay.engine import run_replay

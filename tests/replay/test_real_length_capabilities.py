@@ -16,17 +16,17 @@ import pytest
 import torch
 from tiny_snapshot import LOSS, record_tiny_snapshot, split_into_micro_batches
 
-from axrl_spike_replay.experiment.mitigations import apply_config
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.models.policy import routing_shape
-from axrl_spike_replay.replay.attribution import _gradient_pass, attribute_spike
+from axrl_spike_replay.replay.analyses.attribution import _gradient_pass, attribute_spike
+from axrl_spike_replay.replay.analyses.rank_micro_batches import rank_forward, rank_loss_of
+from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
+from axrl_spike_replay.replay.compute.model_build import Placement, build_model
+from axrl_spike_replay.replay.compute.worker import RankInputs, config_loss, step_counts
 from axrl_spike_replay.replay.engine import replay_dir_for, run_replay
-from axrl_spike_replay.replay.inputs import load_inputs
-from axrl_spike_replay.replay.model_build import Placement, build_model
-from axrl_spike_replay.replay.rank_micro_batches import rank_forward, rank_loss_of
-from axrl_spike_replay.replay.replay_plan import Capacity, plan_replay
-from axrl_spike_replay.replay.step_evidence_run import step_evidence
-from axrl_spike_replay.replay.worker import RankInputs, config_loss, step_counts
+from axrl_spike_replay.replay.plans.replay_plan import Capacity, plan_replay
+from axrl_spike_replay.replay.reading.inputs import load_inputs
 from axrl_spike_replay.vocabulary import Shard, Verb
 
 SAME = 1e-6

@@ -17,10 +17,10 @@ from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.vocabulary import Verb
-from axrl_spike_replay.workspace.task_state import show_task
+from axrl_spike_replay.workspace.task_record.task_state import show_task
 
 
 @pytest.fixture(scope="module")

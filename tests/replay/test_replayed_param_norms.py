@@ -13,7 +13,7 @@ import torch
 
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.replay.engine import run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.replayed_param_norms import check_replayed_param_norms, plain_name
 from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot

@@ -120,7 +120,7 @@ def test_sharding_auto_stays_whole_when_the_model_fits(toy_world4: tuple[Path, S
 
 
 def test_a_replay_that_does_not_fit_shards_by_itself(toy_world4: tuple[Path, SweepResult]) -> None:
-    from axrl_spike_replay.replay.replay_plan import Capacity, plan_replay
+    from axrl_spike_replay.replay.plans.replay_plan import Capacity, plan_replay
 
     snapshot, whole = toy_world4
     roomy = Capacity("a large machine", "cpu", 1, 1 << 40, "test")
@@ -154,8 +154,8 @@ def test_a_warm_pool_replays_sharded_and_keeps_its_shards_and_a_cancel_leaves_it
 ) -> None:
     import threading
 
-    from axrl_spike_replay.rank_processes import RunCancelled
-    from axrl_spike_replay.replay.warm_pool import WarmService
+    from axrl_spike_replay.processes.rank_processes import RunCancelled
+    from axrl_spike_replay.replay.jobs.warm_pool import WarmService
 
     snapshot, whole = toy_world4
     warm = WarmService()
@@ -191,13 +191,13 @@ def test_processes_torchrun_starts_run_their_share_of_a_sharded_replay(
     toy_world4: tuple[Path, SweepResult], tmp_path: Path
 ) -> None:
     """The seam a launcher uses: a `runner` that hands the engine's job to processes torchrun started, each calling
-    `replay.job_runner.run_share`; rank 0's outcomes come back to the engine, which writes the result as usual."""
+    `replay.jobs.job_runner.run_share`; rank 0's outcomes come back to the engine, which writes the result as usual."""
     import json
     import pickle
     import subprocess
     import sys
 
-    from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+    from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
 
     snapshot, whole = toy_world4
     worker = Path(__file__).with_name("torchrun_share_worker.py")

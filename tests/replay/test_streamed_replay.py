@@ -22,11 +22,11 @@ from tiny_snapshot import record_tiny_snapshot
 
 from axrl_spike_replay.errors import AxrlError, SnapshotError
 from axrl_spike_replay.investigation.request import How, What, replay_request
-from axrl_spike_replay.rank_processes import RunCancelled
+from axrl_spike_replay.processes.rank_processes import RunCancelled
+from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob, compute
 from axrl_spike_replay.replay.engine import replay_session, run_replay
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
 from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed
-from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob, compute
 from axrl_spike_replay.snapshot.metadata import read_metadata
 from axrl_spike_replay.vocabulary import Shard
 
@@ -286,8 +286,8 @@ def test_spill_dir_that_fills_up_stops_cleanly(tmp_path: Path) -> None:
 
 
 def test_plan_has_a_streamed_row_and_auto_streams_only_when_nothing_else_fits(tmp_path: Path) -> None:
-    from axrl_spike_replay.replay.replay_plan import Capacity, plan_replay
-    from axrl_spike_replay.replay.shard_choice import choose_shard
+    from axrl_spike_replay.replay.plans.replay_plan import Capacity, plan_replay
+    from axrl_spike_replay.replay.plans.shard_choice import choose_shard
 
     snapshot = record_tiny_snapshot(tmp_path, world_size=2)
     roomy = plan_replay(snapshot, capacity=Capacity("here", "cpu", 1, 8 << 30, "test"))

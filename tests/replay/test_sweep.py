@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
 from axrl_spike_replay.experiment.result import SweepResult
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.replay.worker import forward_groups
+from axrl_spike_replay.replay.compute.worker import forward_groups
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.routing_replay import RoutingConfig
-from axrl_spike_replay.workspace.task_state import show_task
+from axrl_spike_replay.workspace.task_record.task_state import show_task
 
 CONFIGS = [
     {"mismatch_token_clip_max": 2},

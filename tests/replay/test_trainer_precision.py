@@ -21,7 +21,7 @@ from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config
 from axrl_spike_replay.replay.engine import run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.precision import PrecisionPolicy

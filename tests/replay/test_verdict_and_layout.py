@@ -22,11 +22,11 @@ from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.replay.engine import run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
-from axrl_spike_replay.replay.layout_plan import plan_layout
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
+from axrl_spike_replay.replay.plans.layout_plan import plan_layout
 from axrl_spike_replay.snapshot.metadata import DetectorSpec
-from axrl_spike_replay.workspace.methods import add_method
-from axrl_spike_replay.workspace.task_state import show_task
+from axrl_spike_replay.workspace.method_files.methods import add_method
+from axrl_spike_replay.workspace.task_record.task_state import show_task
 
 
 def test_baseline_is_reproduced_within_the_layouts_tolerance() -> None:

@@ -22,7 +22,7 @@ from tiny_snapshot import record_tiny_snapshot
 from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.replay.engine import run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.snapshot.fields import canonicalize_batch
 from axrl_spike_replay.snapshot.trainer_formats.verl_batch import verl_routes
 from verl_layouts import jagged_like_verl, padded_like_verl

@@ -12,7 +12,7 @@ import yaml
 
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.replay.engine import run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
 from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY
 

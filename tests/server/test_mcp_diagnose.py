@@ -11,7 +11,7 @@ from mcp.types import CallToolResult, TextResourceContents
 from server_helpers import call, error_text, ok, with_client
 
 from axrl_spike_replay.diagnosis import FAMILIES
-from axrl_spike_replay.experiment.mitigations import MITIGATIONS
+from axrl_spike_replay.experiment.mitigation.mitigations import MITIGATIONS
 from axrl_spike_replay.server import create_server
 
 

@@ -54,7 +54,7 @@ def test_attribute_spike_and_diagnose_spike_offer_shard(workspace: Path) -> None
 
 @pytest.mark.slow  # an unsharded and a two-process sharded attribution of the fixture spike
 def test_a_sharded_mcp_attribution_gives_the_unsharded_figures(spike_outputs: SpikeOutputs, workspace: Path) -> None:
-    from axrl_spike_replay.replay.attribution import attribute_spike
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
     server = create_server(workspace)
 

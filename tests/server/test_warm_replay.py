@@ -18,9 +18,9 @@ from mcp import Client, StdioServerParameters
 from server_helpers import SpikeOutputs, ok, server_command, with_client
 
 from axrl_spike_replay.investigation.request import What, replay_request
-from axrl_spike_replay.rank_processes import RunCancelled
+from axrl_spike_replay.processes.rank_processes import RunCancelled
 from axrl_spike_replay.replay.engine import run_replay
-from axrl_spike_replay.replay.warm_pool import ModelCache, WarmService
+from axrl_spike_replay.replay.jobs.warm_pool import ModelCache, WarmService
 from axrl_spike_replay.server import create_server
 
 
@@ -59,7 +59,7 @@ def test_warm_replays_match_a_cold_replay_bit_for_bit_on_the_same_processes(
 
 
 def test_a_touched_or_rewritten_weights_file_is_loaded_again(spike_outputs: SpikeOutputs) -> None:
-    from axrl_spike_replay.replay.inputs import load_inputs
+    from axrl_spike_replay.replay.reading.inputs import load_inputs
 
     snapshot = spike_outputs.snapshot
     model_cfg = load_inputs(snapshot, str(snapshot), False).model
@@ -83,7 +83,7 @@ def test_a_touched_or_rewritten_weights_file_is_loaded_again(spike_outputs: Spik
 
 
 def test_the_cache_keeps_within_its_memory_budget(spike_outputs: SpikeOutputs) -> None:
-    from axrl_spike_replay.replay.inputs import load_inputs
+    from axrl_spike_replay.replay.reading.inputs import load_inputs
 
     snapshot = spike_outputs.snapshot
     model_cfg = load_inputs(snapshot, str(snapshot), False).model
@@ -94,7 +94,7 @@ def test_the_cache_keeps_within_its_memory_budget(spike_outputs: SpikeOutputs) -
 
 
 def test_the_cache_lets_go_of_the_least_recently_used_model_first(spike_outputs: SpikeOutputs, tmp_path: Path) -> None:
-    from axrl_spike_replay.replay.inputs import load_inputs
+    from axrl_spike_replay.replay.reading.inputs import load_inputs
 
     first = spike_outputs.snapshot
     second = tmp_path / "second" / first.name  # the same weights under another dir: another cache entry

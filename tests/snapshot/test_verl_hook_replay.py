@@ -39,7 +39,7 @@ from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.models.policy import build_policy, parse_model_config, policy_forward
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.replay.engine import run_replay
-from axrl_spike_replay.replay.inputs import load_inputs
+from axrl_spike_replay.replay.reading.inputs import load_inputs
 from axrl_spike_replay.snapshot.consistency import check_snapshot
 from axrl_spike_replay.snapshot.fields import canonicalize_batch
 from axrl_spike_replay.snapshot.rank_data import load_grad_info

@@ -14,10 +14,10 @@ from axrl_spike_replay.cli import main
 from axrl_spike_replay.investigation.recording import new_run_dir
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.jsonable import to_jsonable
-from axrl_spike_replay.workspace.evidence import row_result
-from axrl_spike_replay.workspace.experiment_row import ExperimentRow
-from axrl_spike_replay.workspace.task_log import record_replay
-from axrl_spike_replay.workspace.task_state import read_state
+from axrl_spike_replay.workspace.task_record.evidence import row_result
+from axrl_spike_replay.workspace.task_record.experiment_row import ExperimentRow
+from axrl_spike_replay.workspace.task_record.task_log import record_replay
+from axrl_spike_replay.workspace.task_record.task_state import read_state
 
 
 def strict_json(text: str) -> object:

@@ -140,7 +140,7 @@ def _run(args: argparse.Namespace, request: ReplayRequest) -> RunResult:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
 
     request = _request(args, Verb.REPLAY, mitigations=parse_mitigation_args(args.mitigation))
     if args.dry_run:
@@ -150,7 +150,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.experiment.mitigations import load_mitigation_set, parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import load_mitigation_set, parse_mitigation_args
 
     if args.mitigation_set:
         configs = load_mitigation_set(args.mitigation_set)
@@ -174,7 +174,7 @@ def _sweep_items(option: str) -> list[str]:
 
 
 def _attribute(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
 
     request = _request(args, Verb.ATTRIBUTE, mitigations=parse_mitigation_args(args.mitigation))
     if args.dry_run:

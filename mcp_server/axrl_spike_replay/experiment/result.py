@@ -30,7 +30,8 @@ FOOTPRINT_COUNTS = ("loss_tokens", "masked_tokens", "changed_tokens", "samples",
 class Footprint:
     """What a mitigated config changed besides the spike, summed over the saved ranks: loss tokens masked (off the
     mask) or changed (another per-token loss), samples masked whole or touched, and the fractions the method ranking
-    uses (`token_fraction`: masked or changed; `sample_fraction`: touched). `replay.outcome_figures` counts them."""
+    uses (`token_fraction`: masked or changed; `sample_fraction`: touched). `replay.compute.outcome_figures`
+    counts them."""
 
     loss_tokens: int
     masked_tokens: int
@@ -65,7 +66,7 @@ class Footprint:
 
 
 SHOWN_SAMPLES = 8  # samples named in a clean gradient's description before "and N more"
-# the clean gradient's keys in the order the engine writes them (`replay.worker.clean_gradient`)
+# the clean gradient's keys in the order the engine writes them (`replay.compute.worker.clean_gradient`)
 CLEAN_KEYS = (
     "left_out", "wholly_left_out", "tokens_left_out", "loss_tokens", "token_share_left_out", "share_left_out",
     "reached", "reason", "bar", "grad_norm", "ratio_to_median", "baseline_cosine", "passes", "probe_norms",
@@ -95,11 +96,11 @@ class _FileSerializer:
 
 @dataclass
 class CleanGradient:
-    """The clean gradient a replay measured (`replay.clean_gradient` has the definition): the loss tokens and samples
-    left out of the baseline gradient for it to be under the spike bar, whether it got there, its size, and its
-    cosine with the baseline. A key a result file lacks (the baseline under the bar lists no probes; files written
-    before the token definition name samples only) stays absent when written back, and a key of another version
-    is kept as read (`extra`): the JSON is the file's, byte for byte."""
+    """The clean gradient a replay measured (`replay.compute.clean_gradient` has the definition): the loss tokens
+    and samples left out of the baseline gradient for it to be under the spike bar, whether it got there, its size,
+    and its cosine with the baseline. A key a result file lacks (the baseline under the bar lists no probes; files
+    written before the token definition name samples only) stays absent when written back, and a key of another
+    version is kept as read (`extra`): the JSON is the file's, byte for byte."""
 
     left_out: list[str] = field(default_factory=list)  # samples "rank:index", the largest pull first
     wholly_left_out: list[str] | None = None  # those whose every loss token is left out
@@ -217,10 +218,11 @@ class ReplayResult:
     # baseline: does the snapshot agree with itself, its replay (per-rank loss) and the training log? Typed here; its
     # JSON is the dataclass's. `verdict` says only whether the replay matched the recorded norm
     consistency: Consistency | None = None
-    # mitigated replays: what the config changed besides the spike (replay.outcome_figures has the definitions)
+    # mitigated replays: what the config changed besides the spike (replay.compute.outcome_figures has the definitions)
     footprint: Footprint | None = None  # loss tokens / samples masked or changed; token_fraction, sample_fraction
     cosine_to_clean: float | None = None  # cosine of this gradient with the clean gradient (in [-1, 1])
-    # the clean gradient (replay.clean_gradient): tokens and samples left out, reached (under the spike bar), definition
+    # the clean gradient (replay.compute.clean_gradient): tokens and samples left out, reached (under the spike
+    # bar), definition
     clean_gradient: CleanGradient | None = None
     # the numbers and rule the verdict was judged by (a shape of an earlier version: the JSON object as read)
     verdict_basis: VerdictBasis | dict[str, Any] | None = None
@@ -233,15 +235,15 @@ class ReplayResult:
     # the precision that ran: param / reduce / output dtypes and their source (the snapshot's recorded policy, or
     # the model's own dtype when none was recorded); None for results written before it was recorded
     precision: PrecisionPolicy | None = None
-    # a hypothesis replay (loss settings scoped to ranks, `experiment.rank_scope`): the hypothesis in normal form
-    # (`mitigations` is then {}: a hypothesis is no mitigation) and its finding, judged against the recording as a
+    # a hypothesis replay (loss settings scoped to ranks, `experiment.mitigation.rank_scope`): the hypothesis in normal
+    # form (`mitigations` is then {}: a hypothesis is no mitigation) and its finding, judged against the recording as a
     # baseline is: "reproduced under `aux_loss_coef=10.24@1`"
     hypothesis: dict[str, Any] = field(default_factory=dict)
     finding: str | None = None
     # the trainer release the snapshot was captured with, when the loss convention reproduces another one (a TRL
     # snapshot of a release other than the one checked); None when they are the same
     trainer_version_note: str | None = None
-    # a rank's input that fails a check against the model (replay.input_checks): rank, field, what fails and how
+    # a rank's input that fails a check against the model (replay.reading.input_checks): rank, field, what fails and how
     # often, the healthy ranks as witnesses, the experiments that remove it; the baseline of a step whose input is
     # undefined for the model is refused (`error`) and the experiments are judged against the recorded step
     input_findings: list[str] = field(default_factory=list)

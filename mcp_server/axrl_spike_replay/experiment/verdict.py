@@ -1,7 +1,7 @@
 """Verdicts: did the baseline reproduce the spike, and what did a mitigation do to it.
 
 A baseline replay is `reproduced` when its grad norm matches the recorded one within the layout's
-tolerance. A hypothesis replay (loss settings scoped to ranks, `experiment.rank_scope`) is judged the same
+tolerance. A hypothesis replay (loss settings scoped to ranks, `experiment.mitigation.rank_scope`) is judged the same
 way, against the recording, and also rank by rank: each rank's replayed loss against its recorded one.
 
 A mitigated replay is judged against the baseline replay of the same snapshot at the same layout, and only

@@ -142,7 +142,7 @@ def replay_launched(request: ReplayRequest) -> ReplayResult | SweepResult:
 
 def _command(request: ReplayRequest, placement: Placement) -> str:
     """The equivalent CLI command, placement included, for command.txt."""
-    from axrl_spike_replay.experiment.mitigations import mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import mitigation_args
 
     what, where = request.what, request.where
     options: dict[str, Any] = {"nproc": placement.processes, "device": str(request.how.device)}

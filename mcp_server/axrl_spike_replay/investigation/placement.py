@@ -41,7 +41,7 @@ def launch_dry_run(
 def request_dry_run(request: ReplayRequest) -> DryRun | None:
     """`launch_dry_run` of a request as it stands (`--dry-run`): its processes and sharding as the plan chooses them
     from the snapshot's metadata (no weight read, no node probed); None where no launcher of ours starts them."""
-    from axrl_spike_replay.replay.replay_plan import plan_replay
+    from axrl_spike_replay.replay.plans.replay_plan import plan_replay
 
     how = request.how
     plan = plan_replay(request.what.snapshot, nproc=how.nproc, device=str(how.device), shard=str(how.shard))

@@ -51,7 +51,7 @@ def replay_request(
     """The validated request for a replay, sweep or attribution; ConfigError (naming the parameter) otherwise.
 
     The parts may hold plain strings for their vocabulary fields (`device="cuda"`); the request holds members."""
-    from axrl_spike_replay.experiment.mitigations import check_distinct, parse_config
+    from axrl_spike_replay.experiment.mitigation.mitigations import check_distinct, parse_config
 
     verb = _member(Verb, what.verb, "verb", None)
     what, where, how = _checked(what), _checked(where or Where()), _checked(how or How())

@@ -18,7 +18,7 @@ from axrl_spike_replay.investigation.request import ReplayRequest, launched
 from axrl_spike_replay.vocabulary import Shard, Verb
 
 if TYPE_CHECKING:  # torch-free at import: the faces import this before anything runs
-    from axrl_spike_replay.replay.job_runner import JobRunner
+    from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 
 
 def run_request(request: ReplayRequest, runner: JobRunner | None = None) -> RunResult:
@@ -26,7 +26,7 @@ def run_request(request: ReplayRequest, runner: JobRunner | None = None) -> RunR
 
     `runner` runs a local replay's or sweep's jobs (a server's warm pools); default: processes started for
     this run. A run elsewhere stops when `request.cancel` is set, as a local one does."""
-    from axrl_spike_replay.rank_processes import refuse_in_spawned_import
+    from axrl_spike_replay.processes.rank_processes import refuse_in_spawned_import
 
     refuse_in_spawned_import(f"the {request.what.verb}")  # before it writes anything: a script without a main guard
     if not request.runs_here:
@@ -47,7 +47,7 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     # not fit one), it lays its processes out as a replay does, and the plan refuses only what fits neither way
     whole = what.verb == Verb.ATTRIBUTE and how.shard == Shard.OFF
     if runner is None and not whole and _starts_processes(request):
-        from axrl_spike_replay.process_starts import warm_up
+        from axrl_spike_replay.processes.process_starts import warm_up
 
         warm_up()  # before this process imports torch: the server imports it meanwhile, the ranks fork when due
     from axrl_spike_replay.investigation.planning import refuse_what_cannot_fit
@@ -57,7 +57,7 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     refuse_what_cannot_fit(what.snapshot, nproc, str(how.device), configs, str(how.shard))
     recorder = recorder_for(request.workspace, request.progress)
     if what.verb == Verb.ATTRIBUTE:
-        from axrl_spike_replay.replay.attribution import attribute_spike
+        from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
         return attribute_spike(
             what.snapshot,

@@ -19,11 +19,11 @@ from typing import Any
 
 import yaml
 
-from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigations import mitigation_args
+from axrl_spike_replay.experiment.mitigation.mitigations import mitigation_args
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.experiment.run_dir import RESULT_FILE, SWEEP_FILE, RunDir, RunRecorder, write_and_record
+from axrl_spike_replay.files.atomic import atomic_write_json
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.remote.nodes.node_probe import NodeReport
 from axrl_spike_replay.remote.nodes.results import SnapshotFacts, base_result, tail

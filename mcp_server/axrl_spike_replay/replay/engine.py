@@ -21,8 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, mitigation_args, parse_config
-from axrl_spike_replay.experiment.rank_scope import finding
+from axrl_spike_replay.experiment.mitigation.mitigations import (
+    AppliedConfig,
+    apply_config,
+    mitigation_args,
+    parse_config,
+)
+from axrl_spike_replay.experiment.mitigation.rank_scope import finding
 from axrl_spike_replay.experiment.request.request_fields import changed_values
 from axrl_spike_replay.experiment.request.request_parts import ReplayRequest
 from axrl_spike_replay.experiment.result import CleanGradient, ReplayResult
@@ -41,15 +46,15 @@ from axrl_spike_replay.experiment.verdict import (
     verdict_threshold,
 )
 from axrl_spike_replay.percent import pct
-from axrl_spike_replay.replay.clean_gradient import spike_bar
-from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, input_refusal, load_inputs
-from axrl_spike_replay.replay.job_runner import JobRunner, run_job
-from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
-from axrl_spike_replay.replay.outcome_figures import DEFINITION
-from axrl_spike_replay.replay.replay_plan import HERE, Capacity
-from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard, planned_shard, with_checkpoint
+from axrl_spike_replay.replay.compute.clean_gradient import spike_bar
+from axrl_spike_replay.replay.compute.outcome_figures import DEFINITION
+from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner, run_job
+from axrl_spike_replay.replay.plans.layout_plan import LayoutPlan, plan_layout
+from axrl_spike_replay.replay.plans.replay_plan import HERE, Capacity
+from axrl_spike_replay.replay.plans.shard_choice import ShardChoice, choose_shard, planned_shard, with_checkpoint
+from axrl_spike_replay.replay.reading.inputs import ReplayInputs, check_configs, input_refusal, load_inputs
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
-from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 from axrl_spike_replay.training.sample_masks import check_ranks
@@ -76,8 +81,8 @@ def check_device(device: str) -> str:
 @contextmanager
 def replay_dir_for(snapshot: str | Path) -> Iterator[tuple[str, bool]]:
     """(dir to read from, legacy) for a snapshot; a legacy snapshot's temporary replay dir is removed after."""
+    from axrl_spike_replay.files.temp_janitor import removed_if_killed
     from axrl_spike_replay.snapshot.legacy import prepare_replay_dir
-    from axrl_spike_replay.temp_janitor import removed_if_killed
 
     prepared = prepare_replay_dir(snapshot)
     if not prepared.legacy:

@@ -14,8 +14,8 @@ from axrl_spike_replay.experiment.request.request_parts import ReplayRequest
 from axrl_spike_replay.experiment.result import SweepResult
 from axrl_spike_replay.experiment.run_dir import SWEEP_FILE, RunRecorder
 from axrl_spike_replay.replay.engine import replay_session
-from axrl_spike_replay.replay.job_runner import JobRunner
-from axrl_spike_replay.replay.replay_plan import HERE, Capacity
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
+from axrl_spike_replay.replay.plans.replay_plan import HERE, Capacity
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
 
 
@@ -35,7 +35,7 @@ def run_sweep(
     Output (with a recorder): `<ts>/baseline/replay_result.json`, `<ts>/<config_id>/replay_result.json`
     for each config and `<ts>/sweep_result.json`; each is logged in the job's task file when one is open.
     """
-    from axrl_spike_replay.replay.job_runner import configs_in_parallel, run_job
+    from axrl_spike_replay.replay.jobs.job_runner import configs_in_parallel, run_job
 
     pools = request.how.parallel_configs
     if pools != 1:  # independent configs side by side on several pools (configs_in_parallel)

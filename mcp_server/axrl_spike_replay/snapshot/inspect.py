@@ -38,7 +38,7 @@ from axrl_spike_replay.snapshot.trainer_formats.megatron_checkpoint import (
     layout_problems,
     read_megatron_checkpoint,
 )
-from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
 
 
 @dataclass
@@ -93,7 +93,7 @@ class SnapshotInspection:
     # the run config's sections a person checks first, as the trainer recorded them: loss, routing, parallel, and
     # the detector (the run config's own section, else the metadata's); a section the config lacks is absent
     settings: dict[str, Any] = field(default_factory=dict)
-    # every rank's inputs held to the run config's model (replay.input_checks, through `inspect_with_inputs`)
+    # every rank's inputs held to the run config's model (replay.reading.input_checks, through `inspect_with_inputs`)
     input_findings: list[str] = field(default_factory=list)
 
 

@@ -46,7 +46,7 @@ def run_comparisons(snapshot: Path, pairs: list[tuple[Cause, Cause]], untied: di
     """Replay each pair's comparison (one sweep for every pair) and separate the pairs it separates; `untied`:
     id(cause) -> its strength before the tie. What could not be run, as notes."""
     from axrl_spike_replay.errors import AxrlError
-    from axrl_spike_replay.experiment.mitigations import check_distinct, parse_config, parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import check_distinct, parse_config, parse_mitigation_args
     from axrl_spike_replay.experiment.request.request_parts import ReplayRequest, What
     from axrl_spike_replay.replay.sweep import run_sweep
     from axrl_spike_replay.vocabulary import Verb

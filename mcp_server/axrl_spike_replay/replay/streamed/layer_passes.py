@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from axrl_spike_replay.experiment.mitigations import AppliedConfig
-from axrl_spike_replay.rank_processes import check_cancel
-from axrl_spike_replay.replay.outcome_figures import RankTrace
+from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
+from axrl_spike_replay.processes.rank_processes import check_cancel
+from axrl_spike_replay.replay.compute.outcome_figures import RankTrace
+from axrl_spike_replay.replay.compute.worker import RankInputs, config_loss, loss_batch, rank_step_metrics
 from axrl_spike_replay.replay.streamed.boundaries import BoundaryStore
 from axrl_spike_replay.replay.streamed.layer_gradients import PieceGradient, StepFigures
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
-from axrl_spike_replay.replay.worker import RankInputs, config_loss, loss_batch, rank_step_metrics
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.micro_batches import MicroBatch, stitch, take, take_routing
 from axrl_spike_replay.training.policy_loss import LossOutput

@@ -28,7 +28,7 @@ from axrl_spike_replay.models.sharded_weights import (
     load_sharded,
     open_source,
 )
-from axrl_spike_replay.replay.model_build import master_spec
+from axrl_spike_replay.replay.compute.model_build import master_spec
 from axrl_spike_replay.replay.streamed.layer_program import LayerProgram, for_policy
 from axrl_spike_replay.snapshot.layout import DCP_METADATA
 from axrl_spike_replay.training.precision import PrecisionPolicy

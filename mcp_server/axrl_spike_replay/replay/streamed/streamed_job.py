@@ -19,15 +19,15 @@ import time
 from collections.abc import Callable
 
 from axrl_spike_replay.models.policy import routing_shape
-from axrl_spike_replay.rank_processes import RunCancelled, check_cancel
-from axrl_spike_replay.replay.host_allocator import return_freed_host_memory
-from axrl_spike_replay.replay.job_runner import JobRunner
-from axrl_spike_replay.replay.outcome_figures import RankTrace, footprint_counts, merge_footprint
+from axrl_spike_replay.processes.rank_processes import RunCancelled, check_cancel
+from axrl_spike_replay.replay.compute.host_allocator import return_freed_host_memory
+from axrl_spike_replay.replay.compute.outcome_figures import RankTrace, footprint_counts, merge_footprint
+from axrl_spike_replay.replay.compute.worker import ConfigOutcome, RankInputs, WorkerJob, forward_groups, step_counts
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.replay.streamed.boundaries import boundary_store
 from axrl_spike_replay.replay.streamed.layer_passes import backward_config, forward_layers, stream_items
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
-from axrl_spike_replay.replay.worker import ConfigOutcome, RankInputs, WorkerJob, forward_groups, step_counts
 
 
 class _Deadline(threading.Event):
