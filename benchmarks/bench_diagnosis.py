@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.testing.fault_matrix import (
     PROVENANCES,
     MatrixCase,
@@ -57,6 +58,7 @@ from axrl_spike_replay.testing.fault_matrix import (
     family_id,
     matrix_cases,
 )
+from axrl_spike_replay.vocabulary import Verb
 
 BANDS = ((0.0, 0.5), (0.5, 0.8), (0.8, 1.0), (1.0, 1.01))  # strength bands of the calibration table
 NO_OP = 1e-6  # |grad norm / baseline - 1| below this: the experiment changed nothing
@@ -146,7 +148,7 @@ def _experiments(snapshot: Path, mitigations: list[str]) -> list[dict[str, Any]]
     if not configs:
         return rows
     try:
-        sweep = run_sweep(snapshot, configs)
+        sweep = run_sweep(replay_request(What(snapshot, verb=Verb.SWEEP, configs=tuple(configs))))
     except AxrlError as exc:
         for row in rows:
             row.setdefault("error", f"sweep failed: {exc}")
@@ -168,12 +170,12 @@ def _hypotheses(snapshot: Path, items: list[str]) -> list[dict[str, Any]]:
     """Replay each hypothesis on its own (a hypothesis replay is judged against the recording, not a baseline)."""
     from axrl_spike_replay.errors import AxrlError
     from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
-    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+    from axrl_spike_replay.replay.engine import run_replay
 
     rows: list[dict[str, Any]] = []
     for item in items:
         try:
-            result = run_replay(snapshot, ReplayOptions(mitigations=parse_mitigation_args([item])))
+            result = run_replay(replay_request(What(snapshot, mitigations=parse_mitigation_args([item]))))
             rows.append({"mitigation": item, "verdict": str(result.verdict), "grad_norm": result.grad_norm})
         except AxrlError as exc:
             rows.append({"mitigation": item, "error": str(exc)})

@@ -42,6 +42,9 @@ from typing import Any
 
 import yaml
 
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.vocabulary import Shard
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "mcp_server"))
 MIB = float(1 << 20)
@@ -170,11 +173,13 @@ def replay(snapshot: str, checkpoint: bool) -> dict[str, Any]:
     """One replay in this process (one process for both saved ranks, shard off): peak RSS, wall, rel_diff."""
     import torch
 
-    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+    from axrl_spike_replay.replay.engine import run_replay
 
     torch.set_num_threads(2)
     start = time.perf_counter()
-    result = run_replay(snapshot, ReplayOptions(nproc=1, shard="off", checkpoint=checkpoint, capacity=None))
+    result = run_replay(
+        replay_request(What(Path(snapshot)), how=How(nproc=1, shard=Shard.OFF)), checkpoint=checkpoint, capacity=None
+    )
     wall = time.perf_counter() - start
     return {
         "grad_norm": result.grad_norm,

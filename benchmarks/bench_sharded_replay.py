@@ -61,9 +61,10 @@ print(json.dumps(str(record_hf_snapshot(Path(sys.argv[1]), "qwen3_moe", world_si
 REPLAY = """
 import json, resource, sys, time
 def main():
-    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+    from axrl_spike_replay.investigation.request import How, What, replay_request
+    from axrl_spike_replay.replay.engine import run_replay
     t = time.perf_counter()
-    result = run_replay(sys.argv[1], ReplayOptions(nproc=int(sys.argv[2]), shard=sys.argv[3]))
+    result = run_replay(replay_request(What(sys.argv[1]), how=How(nproc=int(sys.argv[2]), shard=sys.argv[3])))
     wall = time.perf_counter() - t
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024

@@ -12,8 +12,9 @@ import pytest
 from megatron_helpers import REASON
 
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
+from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.replay.analyses.attribution import attribute_spike
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
 from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
 
@@ -43,7 +44,7 @@ def test_the_hook_records_each_rank_s_loss_and_the_replay_checks_it(capture: Pat
     infos = [load_grad_info(capture, rank) for rank in (0, 1)]
     assert all(info["loss"] is not None and info["num_tokens"] == 92.0 for info in infos)  # 4 x 24 - 4 tokens
     assert infos[0]["loss"] != infos[1]["loss"]  # each data-parallel rank's own
-    result = run_replay(capture, ReplayOptions())
+    result = run_replay(replay_request(What(capture)))
     assert result.consistency is not None
     assert "rank_loss_vs_replay" in result.consistency.checked
     assert not [p for p in result.consistency.problems if p.name == "rank_loss_vs_replay"]

@@ -26,8 +26,9 @@ from ssh_loopback import SSHD, LoopbackServer, OpenSshServer, TcpProxy, write_kn
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.request.request_parts import MAX_REPEAT
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
-from axrl_spike_replay.investigation.request import MAX_REPEAT, How, What, Where, replay_request
+from axrl_spike_replay.investigation.request import How, What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.remote.launchers.launch_job import LaunchNode
 from axrl_spike_replay.remote.launchers.replay_launch import LaunchedRunner, Placement

@@ -66,11 +66,11 @@ SUBFLOORS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("reading",),
     ),
     # the run dir, then the results it holds, then what they are made of: verdicts, figure names, the step's evidence,
-    # and the mitigations
+    # and the mitigations; and the replay request, each field declared once
     "experiment": (
         ("run_dir",),
         ("result",),
-        ("verdict", "figure_names", "step_evidence", "mitigation"),
+        ("verdict", "figure_names", "step_evidence", "mitigation", "request"),
     ),
     # the report, then the method files and the trainer advice, then the task record, then paths and rendering
     "workspace": (

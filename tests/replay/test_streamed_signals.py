@@ -19,9 +19,11 @@ import pytest
 import torch
 from tiny_snapshot import record_tiny_snapshot
 
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob, compute
-from axrl_spike_replay.replay.engine import ReplayOptions, replay_session
+from axrl_spike_replay.replay.engine import replay_session
 from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed
+from axrl_spike_replay.vocabulary import Shard
 
 SAME = 1e-6
 # one mitigation sharing the baseline's forward, one masking samples, one on another forward (routing off)
@@ -30,7 +32,7 @@ CONFIGS = [{"advantage_clip": 1}, {"drop_samples": "0:1"}, {"routing_replay": "o
 
 def job_of(snapshot: Path, configs: Sequence[dict[str, Any]]) -> WorkerJob:
     """The job the engine makes for `snapshot` and `configs`, every saved rank in one process."""
-    with replay_session(snapshot, ReplayOptions(shard="off"), list(configs), "replay") as session:
+    with replay_session(replay_request(What(snapshot), how=How(shard=Shard.OFF)), list(configs), "replay") as session:
         job = session.worker_job()
     return dataclasses.replace(job, assignment=(tuple(range(job.world_size)),))
 

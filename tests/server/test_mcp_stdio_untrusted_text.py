@@ -19,7 +19,7 @@ from mcp.shared.message import SessionMessage
 from mcp.types import INVALID_PARAMS, jsonrpc_message_adapter
 from server_helpers import call, error_text, server_command
 
-from axrl_spike_replay.investigation.request import MAX_REPEAT
+from axrl_spike_replay.experiment.request.request_parts import MAX_REPEAT
 
 GUARD_S = 120.0  # a hang guard: the old server never answered; never a measured time
 

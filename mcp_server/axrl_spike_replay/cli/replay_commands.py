@@ -206,8 +206,6 @@ def _threshold_label(result: ReplayResult) -> str:
 
 def render_replay(result: ReplayResult) -> str:
     """A replay result for people."""
-    from axrl_spike_replay.experiment.result import describe_clean_gradient
-
     r = result
     lines = [
         f"replay of {r.snapshot} (job {r.job_name}, iteration {r.iteration}, {r.device})",
@@ -241,10 +239,7 @@ def render_replay(result: ReplayResult) -> str:
             f"{footprint.loss_tokens}), {pct_plain(footprint.sample_fraction)} of samples touched"
         )
     if r.clean_gradient:
-        lines.append(
-            f"  cos to clean  {_num(r.cosine_to_clean, 4)} "
-            f"(clean gradient: {describe_clean_gradient(r.clean_gradient)})"
-        )
+        lines.append(f"  cos to clean  {_num(r.cosine_to_clean, 4)} (clean gradient: {r.clean_gradient.describe()})")
     if r.repeat_grad_norms:
         lines.append(
             f"  repeat        {len(r.repeat_grad_norms)} runs, spread {_num(r.repeat_spread, 3)}"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from axrl_spike_replay.experiment.result import RunResult
 from axrl_spike_replay.investigation.recording import recorder_for
-from axrl_spike_replay.investigation.request import ReplayRequest
+from axrl_spike_replay.investigation.request import ReplayRequest, launched
 from axrl_spike_replay.vocabulary import Shard, Verb
 
 if TYPE_CHECKING:  # torch-free at import: the faces import this before anything runs
@@ -30,7 +30,7 @@ def run_request(request: ReplayRequest, runner: JobRunner | None = None) -> RunR
 
     refuse_in_spawned_import(f"the {request.what.verb}")  # before it writes anything: a script without a main guard
     if not request.runs_here:
-        if request.launched:  # several nodes or Slurm: the engine here, its processes started by torchrun there
+        if launched(request):  # several nodes or Slurm: the engine here, its processes started by torchrun there
             from axrl_spike_replay.investigation.launched import replay_launched
 
             return replay_launched(request)
@@ -51,7 +51,6 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
 
         warm_up()  # before this process imports torch: the server imports it meanwhile, the ranks fork when due
     from axrl_spike_replay.investigation.planning import refuse_what_cannot_fit
-    from axrl_spike_replay.replay.engine import ReplayOptions
 
     nproc = 1 if whole else how.nproc
     configs = 1 + (len(what.configs) if what.verb == Verb.SWEEP else int(bool(what.mitigations)))
@@ -73,29 +72,13 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
             shard=str(how.shard),
             nproc=how.nproc,
         )
-    options = ReplayOptions(
-        nproc=how.nproc,
-        device=how.device,
-        parallel_configs=how.parallel_configs,
-        shard=how.shard,
-        mitigations=dict(what.mitigations),
-        repeat=what.repeat,
-        clear_threshold=what.clear_threshold,
-        job=request.job,
-        command=request.command,
-        progress=request.progress,
-        cancel=request.cancel,
-        recorder=recorder,
-        runner=runner,
-        backend=request.where.backend,
-    )
     if what.verb == Verb.SWEEP:
         from axrl_spike_replay.replay.sweep import run_sweep
 
-        return run_sweep(what.snapshot, list(what.configs), options)
+        return run_sweep(request, recorder=recorder, runner=runner)
     from axrl_spike_replay.replay.engine import run_replay
 
-    return run_replay(what.snapshot, options)
+    return run_replay(request, recorder=recorder, runner=runner)
 
 
 def _starts_processes(request: ReplayRequest) -> bool:

@@ -49,7 +49,9 @@ class RemoteReplayRequest:
     shard: str = "auto"  # FSDP2 over the node's replay processes: auto | on | off
     mitigations: Mapping[str, Any] = field(default_factory=dict)  # replay
     configs: Sequence[Mapping[str, Any]] = ()  # sweep
-    repeat: int = 1
+    # the node's command-line options for the request's other declared `What` fields that differ from their defaults
+    # (`request_fields.changed_argv`: --repeat N, ...)
+    options: tuple[str, ...] = ()
     setup: tuple[str, ...] = ()
     timeout_s: float | None = None
     target: str = ""
@@ -79,11 +81,9 @@ def remote_argv(request: RemoteReplayRequest, workspace: str, nproc: int, mitiga
     if request.verb == "replay":
         for item in mitigation_args(request.mitigations):
             argv += ["--mitigation", item]
-        if request.repeat > 1:
-            argv += ["--repeat", str(request.repeat)]
     elif mitigation_set is not None:
         argv += ["--mitigation-set", mitigation_set]
-    return argv
+    return argv + list(request.options)
 
 
 async def run_remote_torch(

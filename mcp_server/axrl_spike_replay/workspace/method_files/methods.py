@@ -13,7 +13,7 @@ from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.mitigation.mitigations import MITIGATIONS, diagnostic_reasons, mitigation_args
 from axrl_spike_replay.experiment.mitigation.trainer_changes import trainer_changes
 from axrl_spike_replay.experiment.mitigation.trainer_settings import TRAINERS, snapshot_trainer
-from axrl_spike_replay.experiment.result import ReplayResult, describe_clean_gradient
+from axrl_spike_replay.experiment.result import CleanGradient, ReplayResult
 from axrl_spike_replay.experiment.verdict import WRITABLE_VERDICTS, basis_field, threshold_label, writable_problem
 from axrl_spike_replay.files.locks import held_lock
 from axrl_spike_replay.names import check_plain_name
@@ -347,7 +347,7 @@ def _method_doc(
         "spike_ratio": ratio,
         "threshold": result.threshold,
         "cosine_to_clean": result.cosine_to_clean,
-        "clean_reached": (result.clean_gradient or {}).get("reached"),
+        "clean_reached": result.clean_gradient.reached if result.clean_gradient else None,
         "token_fraction": result.footprint.token_fraction if result.footprint else None,
         "sample_fraction": result.footprint.sample_fraction if result.footprint else None,
         "result_path": row.result_path,
@@ -438,11 +438,11 @@ def _evidence(result: ReplayResult, baseline: dict[str, Any]) -> list[str]:
         f"grad norm {fmt(baseline['grad_norm'])} -> {fmt(result.grad_norm)} ({pct(result.change_vs_baseline)}) at "
         f"{result.fidelity} fidelity; ratio to median {fmt(result.spike_ratio)} vs threshold {fmt(result.threshold)}"
     ]
-    clean = result.clean_gradient or {}
+    clean = result.clean_gradient or CleanGradient()
     if result.cosine_to_clean is not None:
         lines.append(
             f"cosine to the clean gradient: {fmt(result.cosine_to_clean)} (the unmitigated baseline: "
-            f"{fmt(clean.get('baseline_cosine'))}); the clean gradient is {describe_clean_gradient(clean)}"
+            f"{fmt(clean.baseline_cosine)}); the clean gradient is {clean.describe()}"
         )
     footprint = result.footprint
     if footprint:

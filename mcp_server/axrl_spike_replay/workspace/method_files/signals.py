@@ -129,9 +129,9 @@ def _attribution_lines(
         path, doc = found
         lines = summarise_attribution(doc, top)
         return [*lines[:-1], f"{lines[-1]} (from {path})"] if lines else []
-    clean = result.clean_gradient or {}
-    left = [str(s) for s in clean.get("left_out") or []]
-    if left and isinstance(clean.get("share_left_out"), (int, float)):
+    clean = result.clean_gradient
+    left = [str(s) for s in clean.left_out or []] if clean is not None else []
+    if clean is not None and left and isinstance(clean.share_left_out, (int, float)):
         notes.append(
             "per-sample attribution: only the samples carrying the norm were recorded (by this replay's clean "
             "gradient), not their advantages or log-ratios; `attribute SNAPSHOT --job JOB` (MCP `attribute_spike`) "
@@ -139,7 +139,7 @@ def _attribution_lines(
         )
         return [
             f"samples carrying the baseline grad norm (this replay's clean-gradient attribution): "
-            f"{', '.join(left)} carry {_pct(clean['share_left_out'])}"
+            f"{', '.join(left)} carry {_pct(clean.share_left_out)}"
         ]
     notes.append(
         "per-sample attribution: not measured (no attribution.json of this snapshot in the job's runs); "

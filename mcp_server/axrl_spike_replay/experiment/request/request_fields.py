@@ -1,9 +1,11 @@
 """One declaration per request field: its words, its allowed values and which verbs take it, said once.
 
-A field of the replay request (`investigation.request`: `What`, `Where`, `How`) carries a `Declared` record in its
-dataclass metadata (`field(metadata=declare(...))`). From it come the CLI's options (`cli.request_options`), the
-MCP tools' parameter schemas and the resource `axrl://arguments` (`mcp_faces.shared_arguments`), and the request
-builder's check of the value (`check_declared`), whose message names the field as the library does (`nproc`).
+A field of the replay request (`experiment.request.request_parts`: `What`, `Where`, `How`) carries a `Declared`
+record in its dataclass metadata (`field(metadata=declare(...))`). From it come the CLI's options
+(`cli.request_options`), the MCP tools' parameter schemas and the resource `axrl://arguments`
+(`mcp_faces.shared_arguments`), the request builder's check of the value (`check_declared`), whose message names
+the field as the library does (`nproc`), and the options a run's command line states or sends to a node
+(`changed_argv`).
 """
 
 from __future__ import annotations
@@ -85,6 +87,25 @@ def declared_fields(*parts: type) -> Iterator[tuple[str, Declared, Any]]:
                 continue
             default = item.default_factory() if item.default_factory is not MISSING else item.default
             yield item.name, found, default
+
+
+def changed_values(part: Any, verb: Verb) -> dict[str, Any]:
+    """{field: value} of the declared fields of the request part `part` that `verb`'s command line takes and that
+    differ from their defaults, in declaration order: what the equivalent command line states."""
+    return {
+        name: getattr(part, name)
+        for name, d, default in declared_fields(type(part))
+        if d.cli and verb in d.verbs and getattr(part, name) != default
+    }
+
+
+def changed_argv(part: Any, verb: Verb) -> list[str]:
+    """The command-line options that set `changed_values(part, verb)`, spelt as the declarations say."""
+    found = {name: d for name, d, _ in declared_fields(type(part))}
+    argv: list[str] = []
+    for name, value in changed_values(part, verb).items():
+        argv += [found[name].option(name)] if found[name].kind == "bool" else [found[name].option(name), str(value)]
+    return argv
 
 
 def check_declared(name: str, declaration: Declared, value: Any) -> Any:
