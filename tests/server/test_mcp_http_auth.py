@@ -3,13 +3,10 @@ HTTP client, raw requests, another local user (`nobody`) and the MCP Inspector's
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import shlex
 import shutil
-import signal
 import stat
 import subprocess
 from collections.abc import Iterator
@@ -25,6 +22,7 @@ from http_helpers import (
     free_port,
     http_server,
     raw_post,
+    refused_start,
     server_env,
     tool_call,
     with_http_client,
@@ -191,36 +189,6 @@ def test_install_http_registers_a_headers_helper_that_gets_in(shared: Shared, tm
     assert len(listed.tools) > 10
 
 
-def _refused(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`axrl-spike-replay mcp ARGS` for a start that must be refused: run in this process (the same `main` as the
-    console script, without starting Python again), with `env` as the environment. Should it get as far as serving,
-    the test fails there instead of hanging on a server that listens."""
-    from unittest import mock
-
-    import axrl_spike_replay.server
-    from axrl_spike_replay.cli import main
-
-    def serve(*_: object, **__: object) -> None:
-        raise AssertionError(f"`mcp {' '.join(args)}` was not refused: it went on to serve")
-
-    out, err = io.StringIO(), io.StringIO()
-    term = signal.getsignal(signal.SIGTERM)  # the mcp verb sets SIGTERM's disposition for the server it starts
-    try:
-        with (
-            mock.patch.dict(os.environ, env if env is not None else {}, clear=env is not None),
-            mock.patch.object(axrl_spike_replay.server, "serve", serve),
-            contextlib.redirect_stdout(out),
-            contextlib.redirect_stderr(err),
-        ):
-            try:
-                code = main(["mcp", *args])
-            except SystemExit as exc:  # argparse's refusals
-                code = exc.code if isinstance(exc.code, int) else 2
-    finally:
-        signal.signal(signal.SIGTERM, term)
-    return subprocess.CompletedProcess(["mcp", *args], code, out.getvalue(), err.getvalue())
-
-
 def _start(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*server_command(), "mcp", *args],
@@ -272,23 +240,23 @@ def _bad_token_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
 def test_a_bad_token_file_is_refused_before_anything_listens(tmp_path: Path, case: str) -> None:
     path, says = _bad_token_files(tmp_path)[case]
     port = free_port()
-    done = _refused("--http", "--port", str(port), "--token-file", str(path))
+    done = refused_start("--http", "--port", str(port), "--token-file", str(path))
     assert done.returncode == 2, done.stderr
     assert "--token-file" in done.stderr and says in done.stderr and "Traceback" not in done.stderr
 
 
-def test_a_token_file_of_another_user_is_refused(tmp_path: Path) -> None:
+def test_a_token_file_of_another_user_isrefused_start(tmp_path: Path) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to give a file to another user")
     path = _token_file(tmp_path)
     os.chown(path, 65534, 65534)
-    done = _refused("--http", "--port", str(free_port()), "--token-file", str(path))
+    done = refused_start("--http", "--port", str(free_port()), "--token-file", str(path))
     assert done.returncode == 2 and "another user" in done.stderr
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "gpu-node-7"])
-def test_no_auth_on_a_bind_that_is_not_loopback_is_refused(tmp_path: Path, host: str) -> None:
-    done = _refused("--http", "--host", host, "--port", str(free_port()), "--no-auth", env=server_env(tmp_path))
+def test_no_auth_on_a_bind_that_is_not_loopback_isrefused_start(tmp_path: Path, host: str) -> None:
+    done = refused_start("--http", "--host", host, "--port", str(free_port()), "--no-auth", env=server_env(tmp_path))
     assert done.returncode == 2, done.stderr
     assert "--no-auth" in done.stderr and "loopback" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "axrl-spike-replay").exists()  # no token was made either
@@ -312,8 +280,8 @@ def test_no_auth_on_loopback_serves_and_says_loudly_what_it_allows(workspace: Pa
         (["--http", "--socket", "s"], "not both"),
     ],
 )
-def test_contradicting_options_are_refused(args: list[str], says: str) -> None:
-    done = _refused(*args)
+def test_contradicting_options_arerefused_start(args: list[str], says: str) -> None:
+    done = refused_start(*args)
     assert done.returncode == 2 and says in done.stderr
 
 
