@@ -133,7 +133,7 @@ def slurm_conf(directory: Path, node: str, cpus: int, memory_mib: int, ports: tu
             "ReturnToService=2",
             "SlurmdTimeout=60",
             "InactiveLimit=0",
-            "KillWait=1",  # TERM, then KILL a second later: the cancel tests' workers that ignore TERM end fast
+            "KillWait=5",
             "MinJobAge=600",  # finished jobs stay visible to `scontrol show job` for the whole test session
             "MessageTimeout=10",
             f"NodeName={node} NodeAddr=127.0.0.1 NodeHostname={node} CPUs={cpus} RealMemory={memory_mib} State=UNKNOWN",
