@@ -245,7 +245,7 @@ def test_a_bad_token_file_is_refused_before_anything_listens(tmp_path: Path, cas
     assert "--token-file" in done.stderr and says in done.stderr and "Traceback" not in done.stderr
 
 
-def test_a_token_file_of_another_user_isrefused_start(tmp_path: Path) -> None:
+def test_a_token_file_of_another_user_is_refused(tmp_path: Path) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to give a file to another user")
     path = _token_file(tmp_path)
@@ -255,7 +255,7 @@ def test_a_token_file_of_another_user_isrefused_start(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "gpu-node-7"])
-def test_no_auth_on_a_bind_that_is_not_loopback_isrefused_start(tmp_path: Path, host: str) -> None:
+def test_no_auth_on_a_bind_that_is_not_loopback_is_refused(tmp_path: Path, host: str) -> None:
     done = refused_start("--http", "--host", host, "--port", str(free_port()), "--no-auth", env=server_env(tmp_path))
     assert done.returncode == 2, done.stderr
     assert "--no-auth" in done.stderr and "loopback" in done.stderr and "Traceback" not in done.stderr
@@ -280,7 +280,7 @@ def test_no_auth_on_loopback_serves_and_says_loudly_what_it_allows(workspace: Pa
         (["--http", "--socket", "s"], "not both"),
     ],
 )
-def test_contradicting_options_arerefused_start(args: list[str], says: str) -> None:
+def test_contradicting_options_are_refused(args: list[str], says: str) -> None:
     done = refused_start(*args)
     assert done.returncode == 2 and says in done.stderr
 
