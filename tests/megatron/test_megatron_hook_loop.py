@@ -22,16 +22,17 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The EP=2 training loop of megatron_trainer from the reference checkpoint alone, spiking at step 6."""
+def capture(megatron_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The EP=2 training loop of megatron_trainer from the reference checkpoint alone (the session's TP=1 one of
+    the same section, read only), spiking at step 6."""
     if REASON is not None:
         pytest.skip(REASON)
     from megatron_trainer import train
 
     from axrl_spike_replay.processes.rank_processes import spawn_ranks
-    from axrl_spike_replay.testing.megatron_checkpoints import save_layouts, tiny_section
+    from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
-    reference = save_layouts(tmp_path_factory.mktemp("megatron-reference"), tiny_section(), names=("tp1",))["tp1"]
+    reference = megatron_checkpoints["tp1"]
     root = tmp_path_factory.mktemp("megatron-hook-loop") / "checkpoints" / "spike_snapshots"
     section = tiny_section()
     section.pop("experts_implementation")  # as a Megatron user's model section: route 1 then takes grouped_mm
