@@ -24,14 +24,17 @@ run on it, spent since. `--provenance held_out_iii` runs the third (`capture.fau
 eight kinds no earlier provenance uses, tiny_moe and qwen2_moe, world sizes 2 and 4, one case with two faults on two
 ranks), committed before `diagnose` was run on it, spent since. `--provenance held_out_iv` runs the fourth
 (`capture.fault_injection.held_out_iv_faults`: ten kinds no earlier provenance uses, eleven cases on tiny_moe and
-qwen2_moe, world sizes 2 and 4, one case with two faults on two ranks), committed before `diagnose` was run on it:
-the held-out figure now.
+qwen2_moe, world sizes 2 and 4, one case with two faults on two ranks), committed before `diagnose` was run on it,
+spent since. `--provenance held_out_v` runs the fifth (`capture.fault_injection.held_out_v_faults`: eight kinds no
+earlier provenance uses, three of them in the trainer's loss, twelve cases on tiny_moe, qwen2_moe and olmoe, world
+sizes 2 and 4, one case with two faults on two ranks), committed before `diagnose` was run on it: the held-out
+figure now.
 
 A case whose run trips no spike guard at the burst is listed as `no spike` and left out of the accuracy: that is the
 fault's failure to spike on that model and seed, not the diagnosis's.
 
 Usage: .venv/bin/python benchmarks/bench_diagnosis.py [--models tiny_moe,qwen2_moe,olmoe] [--seeds 0]
-       [--provenance preset,variant,held_out,unseen,held_out_ii,held_out_iii,held_out_iv] [--cases NAME,...]
+       [--provenance preset,variant,held_out,unseen,held_out_ii,held_out_iii,held_out_iv,held_out_v] [--cases NAME,...]
        [--no-experiments] [--json PATH] [--keep DIR [--reuse]]
        (--keep keeps the captures; --reuse diagnoses kept ones again after a change)
 """
@@ -350,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--provenance",
         default=",".join(PROVENANCES),
-        help="which cases: preset, variant, held_out, unseen, held_out_ii, held_out_iii, held_out_iv",
+        help="which cases: preset, variant, held_out, unseen, held_out_ii, held_out_iii, held_out_iv, held_out_v",
     )
     ap.add_argument("--cases", default="", help="only these case names (comma-separated)")
     ap.add_argument("--no-experiments", action="store_true", help="do not replay the suggested experiments")

@@ -23,6 +23,9 @@ Three provenances:
 - `held_out_iv`: faults of `capture.fault_injection.held_out_iv_faults`, a fourth held-out set (ten kinds no earlier
   provenance uses), written and committed before any diagnosis was run on them: tiny_moe and qwen2_moe, world sizes
   2 and 4, one case with two faults on two ranks.
+- `held_out_v`: faults of `capture.fault_injection.held_out_v_faults`, a fifth held-out set (eight kinds no earlier
+  provenance uses, three of them in the trainer's loss), written and committed before any diagnosis was run on them:
+  tiny_moe, qwen2_moe and olmoe, world sizes 2 and 4, one case with two faults on two ranks.
 
 `capture_command` is the same run as an `axrl-spike-replay capture` command line. `capture_case` records a case
 with `hide_fault`, so the snapshots and the log do not name the preset or the fault:
@@ -38,7 +41,7 @@ from typing import Any
 
 from axrl_spike_replay.capture.reference.presets import FAMILY_PRESETS, FAULT_FAMILIES, LAST, FaultSpec, get_preset
 
-PROVENANCES = ("preset", "variant", "held_out", "unseen", "held_out_ii", "held_out_iii", "held_out_iv")
+PROVENANCES = ("preset", "variant", "held_out", "unseen", "held_out_ii", "held_out_iii", "held_out_iv", "held_out_v")
 MATRIX_WORLD_SIZE = 2  # one faulty rank beside a healthy one: the witness a per-rank comparison needs
 MATRIX_STEPS = 24  # the burst is at iterations 20-22
 
@@ -50,7 +53,7 @@ class MatrixCase:
     name: str
     family: str  # the cause family planted (one of presets.FAULT_FAMILIES)
     preset: str
-    provenance: str  # preset | variant | held_out | unseen | held_out_ii | held_out_iii | held_out_iv
+    provenance: str  # preset | variant | held_out | unseen | held_out_ii | held_out_iii | held_out_iv | held_out_v
     faults: tuple[FaultSpec, ...] = ()  # planted on top of the preset's own fault
     world_size: int = MATRIX_WORLD_SIZE
     model: str | None = None  # the one model the case runs on (None: each model the matrix is run on)
@@ -460,12 +463,117 @@ _HELD_OUT_IV = (
 )
 
 
+def _v(name: str, family: str, preset: str, *faults: FaultSpec, model: str, world_size: int = 2) -> MatrixCase:
+    return MatrixCase(f"held_out_v:{name}", family, preset, "held_out_v", faults, world_size=world_size, model=model)
+
+
+_HELD_OUT_V = (
+    _v(
+        "ratio_against_reference",
+        "step_not_reproduced",
+        "peaked",
+        FaultSpec("ratio_against_reference", ranks=LAST),
+        model="tiny_moe",
+    ),
+    _v(
+        "qwen2_moe_ratio_against_reference_ws4",
+        "step_not_reproduced",
+        "peaked",
+        FaultSpec("ratio_against_reference", ranks=(1,)),
+        model="qwen2_moe",
+        world_size=4,
+    ),
+    _v(
+        "qwen2_moe_loss_label_shift",
+        "step_not_reproduced",
+        "peaked",
+        FaultSpec("loss_label_shift", ranks=(0,)),
+        model="qwen2_moe",
+    ),
+    _v(
+        "loss_mask_not_applied",
+        "step_not_reproduced",
+        "peaked",
+        FaultSpec("loss_mask_not_applied", ranks=LAST),
+        model="tiny_moe",
+    ),
+    _v(
+        "advantage_divided_by_variance",
+        "outlier_advantage",
+        "peaked",
+        FaultSpec("advantage_divided_by_variance", ranks=LAST),
+        model="tiny_moe",
+    ),
+    _v(
+        "olmoe_advantage_divided_by_variance",
+        "outlier_advantage",
+        "peaked",
+        FaultSpec("advantage_divided_by_variance", ranks=(0,)),
+        model="olmoe",
+    ),
+    _v(
+        "routes_previous_step_ws4",
+        "routing_payload",
+        "expert_sensitive",
+        FaultSpec("routes_previous_step", ranks=(2,)),
+        model="tiny_moe",
+        world_size=4,
+    ),
+    _v(
+        "qwen2_moe_routes_one_layer_broadcast",
+        "routing_payload",
+        "expert_sensitive",
+        FaultSpec("routes_one_layer_broadcast", ranks=LAST),
+        model="qwen2_moe",
+    ),
+    _v(
+        "olmoe_routes_previous_step",
+        "routing_payload",
+        "expert_sensitive",
+        FaultSpec("routes_previous_step", ranks=LAST),
+        model="olmoe",
+    ),
+    _v(
+        "qwen2_moe_rollout_logprobs_previous_step",
+        "engine_mismatch",
+        "peaked_rollout_ratio",
+        FaultSpec("rollout_logprobs_previous_step", ranks=LAST),
+        model="qwen2_moe",
+    ),
+    _v(
+        "olmoe_ref_logprobs_are_nll",
+        "bad_ref_logprobs",
+        "peaked_kl",
+        FaultSpec("ref_logprobs_are_nll", ranks=LAST),
+        model="olmoe",
+    ),
+    _v(
+        "label_shift_and_mask_not_applied_ws4",
+        "step_not_reproduced",
+        "peaked",
+        FaultSpec("loss_label_shift", ranks=(0,)),
+        FaultSpec("loss_mask_not_applied", ranks=(3,)),
+        model="tiny_moe",
+        world_size=4,
+    ),
+)
+
+
 def matrix_cases(provenances: tuple[str, ...] = PROVENANCES) -> list[MatrixCase]:
     """The matrix's cases of the given provenances, presets first."""
     unknown = set(provenances) - set(PROVENANCES)
     if unknown:
         raise ValueError(f"unknown provenance {sorted(unknown)} (known: {', '.join(PROVENANCES)})")
-    cases = [*_preset_cases(), *_VARIANTS, *_HELD_OUT, *_UNSEEN, *_HELD_OUT_II, *_HELD_OUT_III, *_HELD_OUT_IV]
+    cases = [
+        *_preset_cases(),
+        *_VARIANTS,
+        *_HELD_OUT,
+        *_UNSEEN,
+        *_HELD_OUT_II,
+        *_HELD_OUT_III,
+        *_HELD_OUT_IV,
+        *_HELD_OUT_V,
+    ]
     return [c for c in cases if c.provenance in provenances]
 
 
