@@ -4,7 +4,8 @@ layer by layer in reverse.
 Forward (once per forward group: configs sharing weights and routing): the embedding of every micro-batch of every
 saved rank, then for each decoder layer in order its weights read, every micro-batch run through it with its rank's
 recorded routes, the layer's outputs (next hidden states, router logits or losses, routes) kept as boundaries, the
-layer freed. Nothing records a graph.
+layer freed. Nothing records a graph. Each pass reads one layer ahead (`StreamedWeights.prefetch`): the next
+layer's read overlaps the current layer's compute.
 
 Backward (once per config): the head and the config's loss on every micro-batch, as `worker.forward_group` computes
 them (`loss_batch`, `config_loss`, the micro-batch's scale), backpropagated to the last hidden states and to every
@@ -70,12 +71,14 @@ def forward_layers(
 ) -> None:
     """The forward (see the module docstring): boundaries ("h", layer, item) and ("x", layer, item) in `store`."""
     program = weights.program
+    weights.prefetch(0)  # read while the embedding computes
     with torch.no_grad():
         for k, item in enumerate(items):
             store.put(("h", 0, k), (program.embed(item.batch),))
         for layer in range(weights.n_layers):
             check_cancel(cancel, "replay")
             weights.load_layer(layer)
+            weights.prefetch(layer + 1)
             for k, item in enumerate(items):
                 hidden = store.get(("h", layer, k))[0]
                 assert hidden is not None
@@ -151,6 +154,7 @@ def backward_config(
     kept: list[bool] = []
     head = PieceGradient(head_names, world_size, reduce_dtype, keep_own)
     last = weights.n_layers
+    weights.prefetch(last - 1)  # read while the head and the loss compute
     for k, item in enumerate(items):
         check_cancel(cancel, "replay")
         bounds = [store.get(("x", layer, k)) for layer in range(last)]
@@ -184,6 +188,7 @@ def backward_config(
     for layer in reversed(range(last)):
         check_cancel(cancel, "replay")
         module = weights.load_layer(layer)
+        weights.prefetch(layer - 1)
         params = [(n, p) for n, p in zip(_param_names(weights, layer), module.parameters(), strict=True)]
         piece = PieceGradient([n for n, _ in params], world_size, reduce_dtype, keep_own)
         for k, item in enumerate(items):

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from axrl_spike_replay.models.policy import routing_shape
 from axrl_spike_replay.rank_processes import RunCancelled, check_cancel
 from axrl_spike_replay.replay.host_allocator import return_freed_host_memory
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.job_runner import JobRunner, prepare_device
 from axrl_spike_replay.replay.outcome_figures import RankTrace, footprint_counts, merge_footprint
 from axrl_spike_replay.replay.streamed.boundaries import boundary_store
 from axrl_spike_replay.replay.streamed.layer_passes import backward_config, forward_layers, stream_items
@@ -52,10 +52,33 @@ def compute_streamed(
     settings: StreamSettings | None = None,
     timeout_s: float = float("inf"),
 ) -> list[ConfigOutcome]:
-    """Every config of `job` over every saved rank, streamed; outcomes in the configs' order."""
-    settings = settings or StreamSettings()
+    """Every config of `job` over every saved rank, streamed; outcomes in the configs' order.
+
+    Computed on one intra-op thread with deterministic algorithms, as every replay process computes
+    (`job_runner.run_job`): the same reductions as the whole replay's, bit for bit, and no thread pool
+    oversubscribing a shared host; the setting is the caller's again after."""
+    import torch
+
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     if job.device.startswith("cuda"):  # deterministic cuBLAS, as `launch.run_job` sets for its processes
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.set_num_threads(1)
+    try:
+        prepare_device(job.device)
+        return _compute(job, cancel, progress, settings, timeout_s)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _compute(
+    job: WorkerJob,
+    cancel: threading.Event | None,
+    progress: Callable[[str], None] | None,
+    settings: StreamSettings | None,
+    timeout_s: float,
+) -> list[ConfigOutcome]:
+    settings = settings or StreamSettings()
     return_freed_host_memory()  # freed layers go back to the system, not kept under a rising mmap threshold
     say = progress or (lambda line: None)
     stop = _Deadline(cancel, timeout_s)
