@@ -152,6 +152,7 @@ def main() -> None:
             whole = _child(REPLAY, str(snapshot), "1", "off", "[]")
             _row("whole (1 process)", whole, whole["self_mib"], None)
         reference = whole["grad_norm"] if whole else None
+        before = None
         if args.before:
             before = _child(REPLAY, str(snapshot), "-", "streamed", "[]", package=args.before)
             _row("streamed (before)", before, before["self_mib"], reference)
@@ -174,7 +175,7 @@ def main() -> None:
             ratio = streamed["wall"] / whole["wall"]
             print(f"grad norm rel_diff streamed vs whole **{rel:.1e}** (target <= 1e-6); wall streamed / whole "
                   f"**{ratio:.2f}x** (target <= 3x)")  # fmt: skip
-            if args.before:
+            if before is not None:
                 print(f"wall streamed (before) / whole **{before['wall'] / whole['wall']:.2f}x**; streamed / "
                       f"streamed (before) **{streamed['wall'] / before['wall']:.2f}x**")  # fmt: skip
         flat[layers] = (peak - plan["boundaries"] / MIB, whole["self_mib"] if whole else None)

@@ -284,8 +284,9 @@ class How:
             summary="Shard the model over the processes (FSDP2).",
             help="Shard the policy over the replay's processes with FSDP2: each holds 1/N of the weights and "
             "gradients, loaded straight into its shards. auto shards when the whole model does not fit one process; "
-            "the grad norm and verdicts are the same either way. streamed: every saved rank in one process, one "
-            "decoder layer at a time read from the checkpoint (full fidelity on one device); auto streams only when "
+            "the grad norm and verdicts are the same either way. streamed: the saved ranks split over nproc "
+            "processes (default 1), one decoder layer at a time read from the checkpoint (full fidelity on one "
+            "device); auto streams only when "
             "no whole or sharded layout fits at full fidelity.",
             kind="choice",
             choices=Shard,
@@ -599,7 +600,8 @@ def _check_shard(shard: Shard, verb: Verb, backend: Backend) -> None:
 
 
 def _check_streamed(shard: Shard, verb: Verb, nproc: int | None, launched: bool) -> None:
-    """A streamed replay is one process of the built-in engine, on one machine; attribution is not streamed."""
+    """A streamed replay runs on this machine's processes (the saved ranks split over `nproc`, the engine bounds it
+    by the saved world size); attribution is not streamed."""
     if shard != Shard.STREAMED:
         return
     if verb == Verb.ATTRIBUTE:
@@ -608,8 +610,8 @@ def _check_streamed(shard: Shard, verb: Verb, nproc: int | None, launched: bool)
             "use `shard` on or off",
             "shard",
         )
-    if nproc not in (None, 1):
-        raise ConfigError("`nproc`: a streamed replay runs every saved rank in one process", "nproc")
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"`nproc`: a streamed replay runs on 1 or more processes, not {nproc}", "nproc")
     if launched:
         raise ConfigError("`shard` streamed runs in one process on one machine, not launched over nodes", "shard")
 

@@ -408,7 +408,7 @@ def _runner(options: ReplayOptions, shard: ShardChoice | None = None) -> JobRunn
     if shard is not None and shard.streamed:
         from axrl_spike_replay.replay.streamed.streamed_job import streamed_runner
 
-        return streamed_runner(options.stream)
+        return streamed_runner(options.stream, options.nproc or 1)
     if options.backend == Backend.MEGATRON:
         from axrl_spike_replay.replay.megatron_route import run_megatron_job
 
@@ -485,8 +485,12 @@ def replay_session(
             check_megatron_job(
                 inputs.model, str(snapshot), mitigations=bool(configs), nproc=options.nproc, world=inputs.world_size
             )
-        if options.shard == Shard.STREAMED and options.nproc not in (None, 1):
-            raise ConfigError("`nproc`: a streamed replay runs every saved rank in one process", "nproc")
+        if options.shard == Shard.STREAMED and options.nproc is not None and options.nproc > inputs.world_size:
+            raise ConfigError(
+                f"`nproc`: a streamed replay splits the {inputs.world_size} saved ranks over at most "
+                f"{inputs.world_size} processes, not {options.nproc}",
+                "nproc",
+            )
         plan = plan_layout(inputs.world_size, None if options.shard == Shard.STREAMED else options.nproc)
         planned = None
         if options.checkpoint is None or options.shard == Shard.AUTO:

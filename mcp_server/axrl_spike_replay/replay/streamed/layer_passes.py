@@ -30,6 +30,7 @@ from axrl_spike_replay.replay.outcome_figures import RankTrace
 from axrl_spike_replay.replay.streamed.boundaries import BoundaryStore
 from axrl_spike_replay.replay.streamed.layer_gradients import PieceGradient, StepFigures
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
+from axrl_spike_replay.replay.streamed.rank_chain import RankChain
 from axrl_spike_replay.replay.worker import RankInputs, config_loss, loss_batch, rank_step_metrics
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.micro_batches import MicroBatch, stitch, take, take_routing
@@ -142,8 +143,10 @@ def backward_config(
     reduce_dtype: torch.dtype | None = None,
     on_piece: PieceHook | None = None,
     cancel: threading.Event | None = None,
+    chain: RankChain | None = None,
 ) -> ConfigPass:
-    """One config's loss and backward through every layer (see the module docstring)."""
+    """One config's loss and backward through every layer (see the module docstring); `chain`: this process streams
+    a block of the saved ranks, its piece sums chained to the other processes' (`rank_chain`)."""
     program, policy = weights.program, weights.policy
     named = dict(policy.named_parameters())
     head_names = [n for n in weights.end_names if n in named and not _is_embedding(weights, n)]
@@ -152,7 +155,7 @@ def backward_config(
     results: dict[int, list[tuple[LossOutput, float]]] = {}
     extra: dict[int, dict[str, Any]] = {}
     kept: list[bool] = []
-    head = PieceGradient(head_names, world_size, reduce_dtype, keep_own)
+    head = PieceGradient(head_names, world_size, reduce_dtype, keep_own, chain)
     last = weights.n_layers
     weights.prefetch(last - 1)  # read while the head and the loss compute
     for k, item in enumerate(items):
@@ -190,7 +193,7 @@ def backward_config(
         module = weights.load_layer(layer)
         weights.prefetch(layer - 1)
         params = [(n, p) for n, p in zip(_param_names(weights, layer), module.parameters(), strict=True)]
-        piece = PieceGradient([n for n, _ in params], world_size, reduce_dtype, keep_own)
+        piece = PieceGradient([n for n, _ in params], world_size, reduce_dtype, keep_own, chain)
         for k, item in enumerate(items):
             if not kept[k]:
                 piece.skip(item.rank, item.passes)
@@ -214,7 +217,7 @@ def backward_config(
             del out, grads, outputs, seeds
         _measure(piece, figures, on_piece, f"layer {layer}")
         weights.free_layer(layer)
-    embed = PieceGradient(embed_names, world_size, reduce_dtype, keep_own)
+    embed = PieceGradient(embed_names, world_size, reduce_dtype, keep_own, chain)
     for k, item in enumerate(items):
         if not kept[k]:
             embed.skip(item.rank, item.passes)

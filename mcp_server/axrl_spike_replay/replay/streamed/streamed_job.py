@@ -26,6 +26,7 @@ from axrl_spike_replay.replay.outcome_figures import RankTrace, footprint_counts
 from axrl_spike_replay.replay.streamed.boundaries import boundary_store
 from axrl_spike_replay.replay.streamed.layer_passes import backward_config, forward_layers, stream_items
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
+from axrl_spike_replay.replay.streamed.rank_chain import RankChain
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
 from axrl_spike_replay.replay.worker import ConfigOutcome, RankInputs, WorkerJob, forward_groups, step_counts
 
@@ -51,8 +52,10 @@ def compute_streamed(
     progress: Callable[[str], None] | None = None,
     settings: StreamSettings | None = None,
     timeout_s: float = float("inf"),
+    chain: RankChain | None = None,
 ) -> list[ConfigOutcome]:
-    """Every config of `job` over every saved rank, streamed; outcomes in the configs' order.
+    """Every config of `job` over every saved rank, streamed; outcomes in the configs' order (`chain`: this process
+    streams the saved ranks of `job.assignment` only, one process of a chain, `streamed_processes`).
 
     Computed on one intra-op thread with deterministic algorithms, as every replay process computes
     (`job_runner.run_job`): the same reductions as the whole replay's, bit for bit, and no thread pool
@@ -65,7 +68,7 @@ def compute_streamed(
     torch.set_num_threads(1)
     try:
         prepare_device(job.device)
-        return _compute(job, cancel, progress, settings, timeout_s)
+        return _compute(job, cancel, progress, settings, timeout_s, chain)
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
@@ -77,6 +80,7 @@ def _compute(
     progress: Callable[[str], None] | None,
     settings: StreamSettings | None,
     timeout_s: float,
+    chain: RankChain | None = None,
 ) -> list[ConfigOutcome]:
     settings = settings or StreamSettings()
     return_freed_host_memory()  # freed layers go back to the system, not kept under a rising mmap threshold
@@ -120,6 +124,7 @@ def _compute(
                             keep_own=own,
                             reduce_dtype=reduce_dtype,
                             cancel=stop,
+                            chain=chain,
                         )
                         norm = done.figures.grad_norm(order)
                         outcome.grad_norms.append(norm)
@@ -169,8 +174,9 @@ def run_streamed_job(
     return compute_streamed(job, cancel, progress, settings, timeout_s)
 
 
-def streamed_runner(settings: StreamSettings | None) -> JobRunner:
-    """`run_streamed_job` with these boundary settings."""
+def streamed_runner(settings: StreamSettings | None, processes: int = 1) -> JobRunner:
+    """`run_streamed_job` with these boundary settings; over `processes` spawned processes, each streaming a block
+    of the saved ranks (`streamed_processes`), when more than one."""
 
     def run(
         job: WorkerJob,
@@ -180,6 +186,10 @@ def streamed_runner(settings: StreamSettings | None) -> JobRunner:
         progress: Callable[[str], None] | None = None,
         slot: int = 0,
     ) -> list[ConfigOutcome]:
+        if processes > 1:
+            from axrl_spike_replay.replay.streamed.streamed_processes import run_streamed_processes
+
+            return run_streamed_processes(job, processes, settings, timeout_s, cancel, progress)
         return run_streamed_job(job, timeout_s, cancel, progress=progress, slot=slot, settings=settings)
 
     return run

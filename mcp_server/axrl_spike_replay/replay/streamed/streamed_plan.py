@@ -3,11 +3,12 @@
 
 A streamed replay (`replay.streamed`) holds at once, on its one device: one decoder layer's parameters and
 up to three copies of its gradient (the sum over passes, one saved rank's own, the pass's: as the whole replay's
-`Whole` holds them), the embedding and head with their gradient pieces, one micro-batch's activations inside one
-layer (`activation_bytes` of a one-layer model: the head's chunk and eager attention's mask included) and the
-runtime. The boundaries are per token of every saved rank: each layer's input hidden states, and per MoE layer the
-router's float32 logits and its int64 routes, plus, in the backward, one hidden-state gradient and the router
-logits' gradients. It reads every layer once in the forward and once per config in the backward, the ends once.
+`Whole` holds them), the next layer's parameters being read ahead, the embedding and head with their gradient
+pieces, one micro-batch's activations inside one layer (`activation_bytes` of a one-layer model: the head's chunk
+and eager attention's mask included) and the runtime. The boundaries are per token of every saved rank: each layer's
+input hidden states, and per MoE layer the router's float32 logits and its int64 routes, plus, in the backward, one
+hidden-state gradient and the router logits' gradients.
+It reads every layer once in the forward and once per config in the backward, the ends once.
 
 The time is an estimate: compute of 2 x active parameters x tokens for the forward, 8 x for each config's backward
 (the layer recomputed, then backpropagated), at the `flops_per_s` given (defaults are said, not measured here), plus
@@ -88,7 +89,7 @@ class StreamedRow:
     """The streamed replay in bytes and seconds (see the module docstring)."""
 
     device_peak: int  # on the one device (GPU, or the host for a CPU replay, boundaries in memory up to the budget)
-    layer: int  # one layer's parameters and gradient copies
+    layer: int  # one layer's parameters and gradient copies, and the next layer's parameters read ahead
     ends: int  # embedding and head, with their gradient pieces
     activations: int  # one micro-batch inside one layer
     runtime: int
@@ -135,7 +136,7 @@ def streamed_row(
 ) -> StreamedRow:
     """The streamed row for a step of `world` saved ranks of `rank_tokens` tokens each (see the module docstring)."""
     b = element  # the compute dtype's bytes
-    layer = pieces.largest_layer * b * 4
+    layer = pieces.largest_layer * b * (4 + 1)  # parameters, three gradient copies, the layer read ahead
     ends = (pieces.embedding + pieces.head) * b + 3 * max(pieces.embedding, pieces.head) * b
     one_layer = dataclasses.replace(facts, layers=1, dense_layers=0 if facts.experts else 1)
     activations = activation_bytes(one_layer, micro_batch[0], micro_batch[1], b, attention=facts.attention)
