@@ -406,7 +406,7 @@ def _runner(options: ReplayOptions, shard: ShardChoice | None = None) -> JobRunn
     """Who computes the job: Megatron-core for `backend` megatron, this process layer by layer when streamed, else
     the given runner or fresh processes."""
     if shard is not None and shard.streamed:
-        from axrl_spike_replay.replay.streamed.streamed_job import streamed_runner
+        from axrl_spike_replay.replay.streamed.streamed_processes import streamed_runner
 
         return streamed_runner(options.stream, options.nproc or 1)
     if options.backend == Backend.MEGATRON:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from axrl_spike_replay.models.policy import routing_shape
 from axrl_spike_replay.rank_processes import RunCancelled, check_cancel
 from axrl_spike_replay.replay.host_allocator import return_freed_host_memory
-from axrl_spike_replay.replay.job_runner import JobRunner, prepare_device
+from axrl_spike_replay.replay.job_runner import prepare_device
 from axrl_spike_replay.replay.outcome_figures import RankTrace, footprint_counts, merge_footprint
 from axrl_spike_replay.replay.streamed.boundaries import boundary_store
 from axrl_spike_replay.replay.streamed.layer_passes import backward_config, forward_layers, stream_items
@@ -172,24 +172,3 @@ def run_streamed_job(
     """`launch.JobRunner` for a streamed replay: the job computed here, in this process."""
     del slot  # one process: no pools
     return compute_streamed(job, cancel, progress, settings, timeout_s)
-
-
-def streamed_runner(settings: StreamSettings | None, processes: int = 1) -> JobRunner:
-    """`run_streamed_job` with these boundary settings; over `processes` spawned processes, each streaming a block
-    of the saved ranks (`streamed_processes`), when more than one."""
-
-    def run(
-        job: WorkerJob,
-        timeout_s: float = 1800.0,
-        cancel: threading.Event | None = None,
-        *,
-        progress: Callable[[str], None] | None = None,
-        slot: int = 0,
-    ) -> list[ConfigOutcome]:
-        if processes > 1:
-            from axrl_spike_replay.replay.streamed.streamed_processes import run_streamed_processes
-
-            return run_streamed_processes(job, processes, settings, timeout_s, cancel, progress)
-        return run_streamed_job(job, timeout_s, cancel, progress=progress, slot=slot, settings=settings)
-
-    return run

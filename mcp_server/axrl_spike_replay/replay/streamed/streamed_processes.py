@@ -26,8 +26,10 @@ from typing import Any
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.result import FOOTPRINT_COUNTS, Footprint
-from axrl_spike_replay.replay.streamed.rank_chain import contiguous_blocks
+from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.streamed.rank_chain import RankChain, contiguous_blocks
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
+from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed, run_streamed_job
 from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 
 _OUTCOMES = "outcomes.json"
@@ -136,8 +138,6 @@ def _process(process: int, processes: int, payload: tuple[Any, ...]) -> None:
 
     from axrl_spike_replay.atomic import atomic_write_json
     from axrl_spike_replay.replay.job_runner import process_device
-    from axrl_spike_replay.replay.streamed.rank_chain import RankChain
-    from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed
 
     job, blocks, settings, path, lines = payload
     device = process_device(job.device, process)
@@ -150,3 +150,22 @@ def _process(process: int, processes: int, payload: tuple[Any, ...]) -> None:
         parts = [[outcome_of(item) for item in part] for part in gathered]
         atomic_write_json(path, [asdict(o) for o in merge_outcomes(parts)])
     dist.barrier()
+
+
+def streamed_runner(settings: StreamSettings | None, processes: int = 1) -> JobRunner:
+    """The engine's runner of a streamed job with these boundary settings: `run_streamed_job` in this process, or
+    `run_streamed_processes` over `processes` spawned ones when more than one."""
+
+    def run(
+        job: WorkerJob,
+        timeout_s: float = 1800.0,
+        cancel: threading.Event | None = None,
+        *,
+        progress: Callable[[str], None] | None = None,
+        slot: int = 0,
+    ) -> list[ConfigOutcome]:
+        if processes > 1:
+            return run_streamed_processes(job, processes, settings, timeout_s, cancel, progress)
+        return run_streamed_job(job, timeout_s, cancel, progress=progress, slot=slot, settings=settings)
+
+    return run
