@@ -83,6 +83,17 @@ print(json.dumps({"activations": row.activations, "boundaries": row.boundaries, 
                            f"{'fits' if whole.fits else 'DOES NOT FIT'}" if whole else "none"}))
 """
 
+CONFIG_ONLY = """
+import json, sys
+from pathlib import Path
+from axrl_spike_replay.testing.config_only_snapshot import write_config_only_snapshot
+from axrl_spike_replay.testing.hf_snapshot import BATCH, PROMPT, RESPONSE
+config = json.loads(sys.argv[2])
+write_config_only_snapshot(Path(sys.argv[1]), "qwen3_moe", config, world_size=4, batch=BATCH, seq=PROMPT + RESPONSE,
+                           dtype="float32")
+print(json.dumps({}))
+"""
+
 MIB = 1 << 20
 
 
@@ -115,13 +126,20 @@ def _row(label: str, out: dict[str, float], peak: float, whole_norm: float | Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--workdir", default=None, help="where the snapshots are written (kept; reused when there)")
-    parser.add_argument("--layers", type=int, nargs="+", default=[CONFIG["num_hidden_layers"]])
+    parser.add_argument("--layers", type=int, nargs="*", default=[CONFIG["num_hidden_layers"]])
     parser.add_argument("--hidden", type=int, default=CONFIG["hidden_size"])
     parser.add_argument("--experts", type=int, default=CONFIG["num_experts"])
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     parser.add_argument("--no-sweep", action="store_true", help="leave out the sweep rows")
     parser.add_argument("--no-sharded", action="store_true", help="leave out the sharded row")
     parser.add_argument("--no-whole", nargs="*", type=int, default=[], help="layer counts with no whole row")
+    parser.add_argument(
+        "--plan-only",
+        nargs="*",
+        type=int,
+        default=[],
+        help="layer counts too large to record here: the plan's whole and streamed rows of a config-only snapshot",
+    )
     parser.add_argument(
         "--before", default=None, help="package root of an earlier version: its streamed row too, in the same run"
     )
@@ -186,6 +204,24 @@ def main() -> None:
             alone = sum(s["wall"] for s in singles)
             print(f"sweep of {len(CONFIGS)} streamed {sweep['wall']:.1f} s vs {len(CONFIGS)} streamed replays "
                   f"{alone:.1f} s: **{sweep['wall'] / alone:.2f}x**")  # fmt: skip
+    for layers in args.plan_only:
+        config = {
+            **CONFIG,
+            "num_hidden_layers": layers,
+            "hidden_size": args.hidden,
+            "num_experts": args.experts,
+            "vocab_size": args.vocab,
+        }
+        where = root / f"plan{layers}"
+        if not where.exists():
+            _child(CONFIG_ONLY, str(where), json.dumps(config))
+        plan = _child(PLAN, str(where))
+        print(
+            f"\nqwen3_moe {layers} layers, {parameters(config) / 1e6:.0f} M parameters, config only (not recorded: "
+            f"its recording holds the model and two gradients): plan, whole on 1 process against this host: "
+            f"{plan['whole']}; streamed device peak {plan['peak'] / MIB:.0f} MiB (layer and the one read ahead, "
+            f"ends, one micro-batch, runtime, boundaries {plan['boundaries'] / MIB:.0f} MiB)"
+        )
     if len(flat) > 1:
         first = min(flat)
         first_whole = flat[first][1]
