@@ -401,3 +401,20 @@ def test_a_failed_read_ahead_is_raised_where_the_layer_is_needed(tmp_path: Path)
         weights.load_layer(0)
     weights.close()
     assert all(p.is_meta for p in weights.policy.parameters())
+
+
+def test_the_plan_leaves_the_read_ahead_out_where_only_that_fits(tmp_path: Path) -> None:
+    """The streamed row counts one layer read ahead; on a device one byte short of that, the row fits without it,
+    says so, and the engine's choice streams without it."""
+    from axrl_spike_replay.replay.replay_plan import Capacity, plan_replay
+    from axrl_spike_replay.replay.shard_choice import choose_shard
+
+    snapshot = record_tiny_snapshot(tmp_path, world_size=2)
+    roomy = plan_replay(snapshot, capacity=Capacity("here", "cpu", 1, 8 << 30, "test"), shard="streamed").streamed
+    assert roomy is not None and roomy.read_ahead and roomy.fits
+    short = Capacity("here", "cpu", 1, roomy.device_peak - 1, "test")
+    tight = plan_replay(snapshot, capacity=short, shard="streamed")
+    row = tight.streamed
+    assert row is not None and not row.read_ahead and row.fits and row.device_peak < roomy.device_peak
+    assert "no read ahead: it would not fit" in row.text()
+    assert roomy.read_ahead and choose_shard("streamed", "cpu", 2, tight).read_ahead is False

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -408,7 +408,8 @@ def _runner(options: ReplayOptions, shard: ShardChoice | None = None) -> JobRunn
     if shard is not None and shard.streamed:
         from axrl_spike_replay.replay.streamed.streamed_processes import streamed_runner
 
-        return streamed_runner(options.stream, options.nproc or 1)
+        settings = replace(options.stream or StreamSettings(), read_ahead=shard.read_ahead)
+        return streamed_runner(settings, options.nproc or 1)
     if options.backend == Backend.MEGATRON:
         from axrl_spike_replay.replay.megatron_route import run_megatron_job
 

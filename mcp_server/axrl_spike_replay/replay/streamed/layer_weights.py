@@ -107,8 +107,16 @@ def check_streamable(spec: ModelSpec, precision: PrecisionPolicy | None) -> None
 class StreamedWeights:
     """The policy of `spec` on the meta device, its layers read one at a time from `weights_dir`."""
 
-    def __init__(self, spec: ModelSpec, weights_dir: str, device: str, precision: PrecisionPolicy | None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights_dir: str,
+        device: str,
+        precision: PrecisionPolicy | None,
+        read_ahead: bool = True,
+    ) -> None:
         check_streamable(spec, precision)
+        self.read_ahead = read_ahead
         self.spec, self.device = spec, torch.device(device)
         self.policy = build_policy(master_spec(spec, precision), "meta")
         self.program: LayerProgram = for_policy(self.policy)
@@ -195,9 +203,9 @@ class StreamedWeights:
             self.read.by_layer[index] = self.read.by_layer.get(index, 0) + 1
 
     def prefetch(self, index: int) -> None:
-        """Start reading decoder layer `index` on the background thread (nothing when out of range, or when a read
-        is already ahead: one at a time)."""
-        if not 0 <= index < self.n_layers or self._ahead is not None:
+        """Start reading decoder layer `index` on the background thread (nothing when out of range, when a read
+        is already ahead: one at a time, or without `read_ahead`: the plan left it out)."""
+        if not self.read_ahead or not 0 <= index < self.n_layers or self._ahead is not None:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, initializer=_one_thread, thread_name_prefix="layer-read")

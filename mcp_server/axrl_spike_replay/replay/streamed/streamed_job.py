@@ -99,7 +99,9 @@ def _compute(
     for group in forward_groups(job.configs):
         check_cancel(stop, "replay")
         t0 = time.perf_counter()
-        weights = StreamedWeights(job.model, group[0].weights or job.replay_dir, job.device, job.precision)
+        weights = StreamedWeights(
+            job.model, group[0].weights or job.replay_dir, job.device, job.precision, settings.read_ahead
+        )
         try:
             weights.check()
             weights.load_ends()
