@@ -155,7 +155,11 @@ def _compute(
         for cfg in group:
             outcomes[cfg.config_id].timings["compute"] = per_config
             outcomes[cfg.config_id].timings["load"] = weights.read.seconds
-        say(f"streamed: read {weights.read.bytes_read:,} bytes of weights ({weights.read.layer_reads} layer reads)")
+            outcomes[cfg.config_id].timings["read_wait"] = weights.read.waited
+        say(
+            f"streamed: read {weights.read.bytes_read:,} bytes of weights ({weights.read.layer_reads} layer reads, "
+            f"{weights.read.seconds:.2f} s reading, {weights.read.waited:.2f} s of it waited for)"
+        )
     if any(cfg.mitigations and not cfg.is_hypothesis for cfg in job.configs[1:]):
         say("streamed: the clean gradient and cosine to clean are not computed by a streamed replay")
     say(f"streamed: {time.perf_counter() - start:.2f} s in all")
