@@ -217,10 +217,11 @@ def main() -> None:
             _child(CONFIG_ONLY, str(where), json.dumps(config))
         plan = _child(PLAN, str(where))
         print(
-            f"\nqwen3_moe {layers} layers, {parameters(config) / 1e6:.0f} M parameters, config only (not recorded: "
-            f"its recording holds the model and two gradients): plan, whole on 1 process against this host: "
+            f"\nqwen3_moe {layers} layers, {parameters(config) / 1e6:.0f} M parameters, config only (no "
+            f"snapshot recorded at this length here): plan, whole on 1 process against this host: "
             f"{plan['whole']}; streamed device peak {plan['peak'] / MIB:.0f} MiB (layer and the one read ahead, "
-            f"ends, one micro-batch, runtime, boundaries {plan['boundaries'] / MIB:.0f} MiB)"
+            f"ends, one micro-batch, runtime, boundaries {plan['boundaries'] / MIB:.0f} MiB; less boundaries "
+            f"{(plan['peak'] - plan['boundaries']) / MIB:.0f} MiB)"
         )
     if len(flat) > 1:
         first = min(flat)
