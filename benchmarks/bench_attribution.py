@@ -19,7 +19,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from axrl_spike_replay.replay.attribution import attribute_spike
+from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 from replay_spike import capture_demo_spike, median
 
 

@@ -22,14 +22,18 @@ the second held-out set (`capture.fault_injection.held_out_faults`: six kinds no
 uses, two architectures, world sizes 2 and 4, one case with two faults on two ranks), committed before any rule was
 run on it, spent since. `--provenance held_out_iii` runs the third (`capture.fault_injection.held_out_iii_faults`:
 eight kinds no earlier provenance uses, tiny_moe and qwen2_moe, world sizes 2 and 4, one case with two faults on two
-ranks), committed before `diagnose` was run on it: the held-out figure now.
+ranks), committed before `diagnose` was run on it, spent since. `--provenance held_out_iv` runs the fourth
+(`capture.fault_injection.held_out_iv_faults`: ten kinds no earlier provenance uses, eleven cases on tiny_moe and
+qwen2_moe, world sizes 2 and 4, one case with two faults on two ranks), committed before `diagnose` was run on it:
+the held-out figure now.
 
 A case whose run trips no spike guard at the burst is listed as `no spike` and left out of the accuracy: that is the
 fault's failure to spike on that model and seed, not the diagnosis's.
 
 Usage: .venv/bin/python benchmarks/bench_diagnosis.py [--models tiny_moe,qwen2_moe,olmoe] [--seeds 0]
-       [--provenance preset,variant,held_out,unseen,held_out_ii,held_out_iii] [--cases NAME,...] [--no-experiments]
-       [--json PATH] [--keep DIR [--reuse]]   (keep the captures; --reuse diagnoses kept ones again after a change)
+       [--provenance preset,variant,held_out,unseen,held_out_ii,held_out_iii,held_out_iv] [--cases NAME,...]
+       [--no-experiments] [--json PATH] [--keep DIR [--reuse]]
+       (--keep keeps the captures; --reuse diagnoses kept ones again after a change)
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.testing.fault_matrix import (
     PROVENANCES,
     MatrixCase,
@@ -53,6 +58,7 @@ from axrl_spike_replay.testing.fault_matrix import (
     family_id,
     matrix_cases,
 )
+from axrl_spike_replay.vocabulary import Verb
 
 BANDS = ((0.0, 0.5), (0.5, 0.8), (0.8, 1.0), (1.0, 1.01))  # strength bands of the calibration table
 NO_OP = 1e-6  # |grad norm / baseline - 1| below this: the experiment changed nothing
@@ -128,7 +134,7 @@ def _samples_named(cause: Any, diagnosis: Any) -> list[Any]:
 def _experiments(snapshot: Path, mitigations: list[str]) -> list[dict[str, Any]]:
     """Replay every suggestion beside one baseline (a sweep); each one's verdict and change vs the baseline."""
     from axrl_spike_replay.errors import AxrlError
-    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
     from axrl_spike_replay.replay.sweep import run_sweep
 
     rows: list[dict[str, Any]] = []
@@ -142,7 +148,7 @@ def _experiments(snapshot: Path, mitigations: list[str]) -> list[dict[str, Any]]
     if not configs:
         return rows
     try:
-        sweep = run_sweep(snapshot, configs)
+        sweep = run_sweep(replay_request(What(snapshot, verb=Verb.SWEEP, configs=tuple(configs))))
     except AxrlError as exc:
         for row in rows:
             row.setdefault("error", f"sweep failed: {exc}")
@@ -163,13 +169,13 @@ def _experiments(snapshot: Path, mitigations: list[str]) -> list[dict[str, Any]]
 def _hypotheses(snapshot: Path, items: list[str]) -> list[dict[str, Any]]:
     """Replay each hypothesis on its own (a hypothesis replay is judged against the recording, not a baseline)."""
     from axrl_spike_replay.errors import AxrlError
-    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
-    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+    from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
+    from axrl_spike_replay.replay.engine import run_replay
 
     rows: list[dict[str, Any]] = []
     for item in items:
         try:
-            result = run_replay(snapshot, ReplayOptions(mitigations=parse_mitigation_args([item])))
+            result = run_replay(replay_request(What(snapshot, mitigations=parse_mitigation_args([item]))))
             rows.append({"mitigation": item, "verdict": str(result.verdict), "grad_norm": result.grad_norm})
         except AxrlError as exc:
             rows.append({"mitigation": item, "error": str(exc)})
@@ -344,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--provenance",
         default=",".join(PROVENANCES),
-        help="which cases: preset, variant, held_out, unseen, held_out_ii, held_out_iii",
+        help="which cases: preset, variant, held_out, unseen, held_out_ii, held_out_iii, held_out_iv",
     )
     ap.add_argument("--cases", default="", help="only these case names (comma-separated)")
     ap.add_argument("--no-experiments", action="store_true", help="do not replay the suggested experiments")

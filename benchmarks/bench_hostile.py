@@ -91,8 +91,9 @@ import torch
 t0 = time.perf_counter()
 try:
     if sys.argv[3] == "replay":
-        from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-        r = run_replay(sys.argv[1], ReplayOptions(nproc=1))
+        from axrl_spike_replay.investigation.request import How, What, replay_request
+        from axrl_spike_replay.replay.engine import run_replay
+        r = run_replay(replay_request(What(sys.argv[1]), how=How(nproc=1)))
         outcome = {"outcome": f"{r.verdict}, grad norm {r.grad_norm:.6g}"}
     else:
         from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot

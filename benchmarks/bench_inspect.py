@@ -45,11 +45,11 @@ extra = {"problems": result.problems, "loss_tokens": sum(r.num_loss_tokens for r
 )
 
 # what the `inspect` faces run: the above plus every rank's routes, tokens, masks and stored log-probs held to the
-# run config's model (replay.input_checks: values of those tensors read, no weight loaded)
+# run config's model (replay.reading.input_checks: values of those tensors read, no weight loaded)
 WITH_INPUTS = (
     """
 import sys, time, torch
-from axrl_spike_replay.replay.input_checks import inspect_with_inputs
+from axrl_spike_replay.replay.reading.input_checks import inspect_with_inputs
 t0 = time.perf_counter()
 result = inspect_with_inputs(sys.argv[1])
 t = time.perf_counter() - t0

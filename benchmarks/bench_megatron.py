@@ -209,7 +209,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from axrl_spike_replay.models.mcore.megatron_cpu import megatron_unavailable_reason
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
 
     reason = megatron_unavailable_reason()
     if reason is not None:

@@ -28,7 +28,7 @@ NAIVE = """
 import sys
 from axrl_spike_replay.cli import main
 from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
-from axrl_spike_replay.replay.attribution import attribute_spike
+from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 code = main(sys.argv[2:])
 analyze_snapshot(sys.argv[1], top=3)
 attribute_spike(sys.argv[1], top=3)
@@ -41,7 +41,7 @@ def workspace_with_a_cleared_replay(root: Path) -> tuple[Path, str]:
     from axrl_spike_replay.investigation.request import What, replay_request
     from axrl_spike_replay.investigation.runs import run_request
     from axrl_spike_replay.investigation.task_opening import open_task
-    from axrl_spike_replay.workspace.task_state import show_task
+    from axrl_spike_replay.workspace.task_record.task_state import show_task
 
     output = root / "outputs" / FIXTURE.name
     shutil.copytree(FIXTURE, output)

@@ -36,7 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 SIDE = r"""
 import ctypes, gc, json, resource, sys
 import torch
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 
 torch.set_num_threads(1)
 
@@ -57,7 +58,7 @@ try:
     how = "VmHWM after clear_refs"
 except OSError:
     how = "ru_maxrss"
-result = run_replay(sys.argv[1], ReplayOptions(nproc=1))
+result = run_replay(replay_request(What(sys.argv[1]), how=How(nproc=1)))
 peak = status("VmHWM:") if how != "ru_maxrss" else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps({"above": peak - before, "peak": status("VmHWM:"), "how": how,
                   "grad_norm": result.grad_norm, "recorded": result.recorded_grad_norm, "rel_diff": result.rel_diff}))

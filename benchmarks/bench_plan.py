@@ -75,7 +75,7 @@ print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
 
 PLAN = r"""
 import json, sys
-from axrl_spike_replay.replay.replay_plan import plan_replay
+from axrl_spike_replay.replay.plans.replay_plan import plan_replay
 plan = plan_replay(sys.argv[1], nproc=int(sys.argv[2]), shard=sys.argv[3])
 m = plan.chosen.memory
 assert plan.chosen.sharded == (sys.argv[3] == "on"), plan.text()

@@ -32,7 +32,7 @@ METHODS = ("spawn", "forkserver")
 _LIBRARY = """
 import json, time
 import torch  # the launcher has torch, as a replay or a capture has by the time it starts its ranks
-from axrl_spike_replay.rank_processes import spawn_ranks
+from axrl_spike_replay.processes.rank_processes import spawn_ranks
 from bench_process_starts import do_nothing
 times = []
 for _ in range(2):
@@ -45,7 +45,7 @@ print(json.dumps(times))
 _POOL = """
 import json, time
 import torch
-from axrl_spike_replay.replay.warm_pool import PoolKey, RankPool
+from axrl_spike_replay.replay.jobs.warm_pool import PoolKey, RankPool
 times = []
 for _ in range(2):
     start = time.perf_counter()

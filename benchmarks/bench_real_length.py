@@ -22,7 +22,7 @@ the resident size before it, the gradients allocated beforehand) at `--check-tok
 full-vocabulary head and for sdpa + chunked head + checkpointed layers (linear: 4x the tokens, <= 4.5x the bytes).
 
 Usage: .venv/bin/python benchmarks/bench_real_length.py [--tokens 4096] [--check-tokens 1024] [--hidden 2048]
-       [--heads 32] [--kv-heads 4] [--head-dim 128] [--workdir DIR]
+       [--heads 32] [--kv-heads 4] [--head-dim 128] [--workdir DIR [--reuse]]
 A smaller run (say so where its figures are shown): --tokens 1024 --check-tokens 256 --hidden 512 --heads 8
        --kv-heads 1 --head-dim 64
 """
@@ -41,6 +41,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.vocabulary import Shard
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "mcp_server"))
@@ -170,11 +173,13 @@ def replay(snapshot: str, checkpoint: bool) -> dict[str, Any]:
     """One replay in this process (one process for both saved ranks, shard off): peak RSS, wall, rel_diff."""
     import torch
 
-    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+    from axrl_spike_replay.replay.engine import run_replay
 
     torch.set_num_threads(2)
     start = time.perf_counter()
-    result = run_replay(snapshot, ReplayOptions(nproc=1, shard="off", checkpoint=checkpoint, capacity=None))
+    result = run_replay(
+        replay_request(What(Path(snapshot)), how=How(nproc=1, shard=Shard.OFF)), checkpoint=checkpoint, capacity=None
+    )
     wall = time.perf_counter() - start
     return {
         "grad_norm": result.grad_norm,
@@ -263,7 +268,7 @@ def _with_attention(snapshot: str, attention: str, where: Path) -> str:
 
 
 def _plan_peak(snapshot: str, checkpoint: bool) -> int:
-    from axrl_spike_replay.replay.replay_plan import plan_replay
+    from axrl_spike_replay.replay.plans.replay_plan import plan_replay
 
     row = plan_replay(snapshot, nproc=1, capacity=None, shard="off", checkpoint=checkpoint).chosen
     assert row is not None
@@ -281,6 +286,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--expert-width", type=int, default=768)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--reuse", action="store_true", help="replay the recordings an earlier run left in --workdir")
     parser.add_argument("--child", nargs="+", default=None)
     parser.add_argument("--sections", default="rows,eager,check,sides", help="which parts to run (comma-separated)")
     args = parser.parse_args()
@@ -296,7 +302,7 @@ def main() -> None:
         print(json.dumps(out))
         return
     from axrl_spike_replay.models.policy import parameter_count, parse_model_config
-    from axrl_spike_replay.replay.replay_plan import PlanRefused, check_fits, plan_replay
+    from axrl_spike_replay.replay.plans.replay_plan import PlanRefused, check_fits, plan_replay
 
     spec = parse_model_config({"kind": "hf", "architecture": "qwen3_moe", "config": config})
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-real-length-"))
@@ -316,7 +322,9 @@ def main() -> None:
     print(f"{'row':>26} {'tokens/rank':>11} {'peak RSS':>10} {'plan':>10} {'plan/meas':>9} {'wall':>8} {'rel_diff':>9}")
     first = ""
     for label, parts in rows.items() if sections & {"rows", "eager"} else ():
-        rec = _child("record", str(work / label.replace(" ", "-")), str(n), "sdpa", *map(str, parts), *geometry)
+        rec = _recorded(work / label.replace(" ", "-"), args.reuse) or _child(
+            "record", str(work / label.replace(" ", "-")), str(n), "sdpa", *map(str, parts), *geometry
+        )
         first = first or rec["snapshot"]
         out = _child("replay", rec["snapshot"], "1", *geometry)
         if out["error"]:
@@ -343,15 +351,23 @@ def main() -> None:
     except LookupError:
         pass
     if "check" in sections:
-        _check(work, check, geometry)
+        _check(work, check, geometry, args.reuse)
     if "sides" in sections:
         _sides(check, geometry)
     if args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _check(work: Path, check: int, geometry: list[str]) -> None:
-    rec = _child("record", str(work / "check"), str(check), "sdpa", str(check), *geometry)
+def _recorded(out: Path, reuse: bool) -> dict[str, Any] | None:
+    """The snapshot an earlier run recorded into `out`, when asked to reuse it (its recording time unknown)."""
+    found = sorted(out.glob("iter_*/axrl_metadata.json")) if reuse else []
+    return {"snapshot": str(found[-1].parent), "wall": float("nan")} if found else None
+
+
+def _check(work: Path, check: int, geometry: list[str], reuse: bool) -> None:
+    rec = _recorded(work / "check", reuse) or _child(
+        "record", str(work / "check"), str(check), "sdpa", str(check), *geometry
+    )
     new = _child("replay", rec["snapshot"], "1", *geometry)
     old = _child("replay", _with_attention(rec["snapshot"], "eager", work), "0", *geometry)
     between = abs(new["grad_norm"] - old["grad_norm"]) / abs(old["grad_norm"])

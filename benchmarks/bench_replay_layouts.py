@@ -14,7 +14,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 from replay_spike import capture_demo_spike, median, timed
 
 
@@ -28,7 +29,9 @@ def main() -> int:
         results = {}
         for _ in range(runs):
             for nproc in (2, 1):
-                elapsed, results[nproc] = timed(lambda n=nproc: run_replay(snapshot, ReplayOptions(nproc=n)))
+                elapsed, results[nproc] = timed(
+                    lambda n=nproc: run_replay(replay_request(What(snapshot), how=How(nproc=n)))
+                )
                 seconds[nproc].append(elapsed)
     full, reduced = results[2], results[1]
     print(f"demo spike: recorded grad norm {full.recorded_grad_norm:.10g} (saved world size {full.world_size_saved})")

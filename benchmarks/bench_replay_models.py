@@ -43,11 +43,12 @@ import importlib, json, resource, sys, time
 import torch, transformers  # noqa: F401
 from transformers import AutoModelForCausalLM  # noqa: F401
 importlib.import_module(f"transformers.models.{sys.argv[2]}.modeling_{sys.argv[2]}")
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 torch.set_num_threads(1)
 ready = time.time()
 t = time.perf_counter()
-result = run_replay(sys.argv[1], ReplayOptions(nproc=1))
+result = run_replay(replay_request(What(sys.argv[1]), how=How(nproc=1)))
 wall = time.perf_counter() - t
 print(json.dumps({"ready": ready, "call": wall, "load": result.timings["load"], "compute": result.timings["compute"],
                   "rel_diff": result.rel_diff, "verdict": str(result.verdict),

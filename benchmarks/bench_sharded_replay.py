@@ -15,7 +15,7 @@ imports them and builds nothing. Prints per run the wall time, the peak, the gra
 recorded one and the replay plan's predicted peak for the same layout, then the issue's two figures:
 
 - memory: peak RSS per process <= 1.3 x (the unsharded peak) / N + activations, for N = 1, 2, 4, where the
-  activations are one process's, from the replay plan (`replay.process_memory.activation_bytes`: what autograd
+  activations are one process's, from the replay plan (`replay.compute.process_memory.activation_bytes`: what autograd
   keeps for the largest saved rank's forward); not measured separately;
 - wall at N = 2, sharded vs unsharded (target <= 1.5x).
 
@@ -61,9 +61,10 @@ print(json.dumps(str(record_hf_snapshot(Path(sys.argv[1]), "qwen3_moe", world_si
 REPLAY = """
 import json, resource, sys, time
 def main():
-    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+    from axrl_spike_replay.investigation.request import How, What, replay_request
+    from axrl_spike_replay.replay.engine import run_replay
     t = time.perf_counter()
-    result = run_replay(sys.argv[1], ReplayOptions(nproc=int(sys.argv[2]), shard=sys.argv[3]))
+    result = run_replay(replay_request(What(sys.argv[1]), how=How(nproc=int(sys.argv[2]), shard=sys.argv[3])))
     wall = time.perf_counter() - t
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -78,13 +79,13 @@ FLOOR = """
 import json, resource
 import torch, torch.distributed.fsdp, torch.distributed.checkpoint  # what a sharded replay process imports
 from transformers.models.qwen3_moe import modeling_qwen3_moe
-import axrl_spike_replay.replay.job_runner, axrl_spike_replay.models.hf_policy
+import axrl_spike_replay.replay.jobs.job_runner, axrl_spike_replay.models.hf_policy
 print(json.dumps({"self_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 PLAN = """
 import json, sys
-from axrl_spike_replay.replay.replay_plan import plan_replay
+from axrl_spike_replay.replay.plans.replay_plan import plan_replay
 row = plan_replay(sys.argv[1], nproc=int(sys.argv[2]), shard=sys.argv[3], capacity=None).chosen
 print(json.dumps({"peak_mib": row.memory.peak / 2**20, "activations_mib": row.memory.activations / 2**20}))
 """

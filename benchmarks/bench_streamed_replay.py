@@ -44,17 +44,17 @@ CONFIGS = [{"mismatch_token_clip_max": 2}, {"kl_coef": 0.1}, {"advantage_clip": 
 REPLAY = """
 import json, resource, sys, time
 def main():
-    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+    from axrl_spike_replay.investigation.request import How, What, replay_request
+    from axrl_spike_replay.replay.engine import run_replay
     from axrl_spike_replay.replay.sweep import run_sweep
     snapshot, nproc, shard, configs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
-    options = ReplayOptions(nproc=None if nproc == "-" else int(nproc), shard=shard)
+    how = How(nproc=None if nproc == "-" else int(nproc), shard=shard)
     t = time.perf_counter()
     if len(configs) > 1:
-        results = run_sweep(snapshot, configs, options)
+        results = run_sweep(replay_request(What(snapshot, verb="sweep", configs=tuple(configs)), how=how))
         norm, verdict = results.baseline.grad_norm, results.baseline.verdict
     else:
-        import dataclasses
-        result = run_replay(snapshot, dataclasses.replace(options, mitigations=configs[0] if configs else {}))
+        result = run_replay(replay_request(What(snapshot, mitigations=configs[0] if configs else {}), how=how))
         norm, verdict = result.baseline_grad_norm or result.grad_norm, result.verdict
     wall = time.perf_counter() - t
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -68,8 +68,8 @@ PLAN = """
 import json, sys
 from pathlib import Path
 from axrl_spike_replay.models.policy import parse_model_config
-from axrl_spike_replay.replay.inputs import read_run_config
-from axrl_spike_replay.replay.replay_plan import plan_replay
+from axrl_spike_replay.replay.reading.inputs import read_run_config
+from axrl_spike_replay.replay.plans.replay_plan import plan_replay
 from axrl_spike_replay.replay.streamed.streamed_plan import model_pieces
 plan = plan_replay(sys.argv[1], shard="streamed", capacity=None)
 pieces = model_pieces(parse_model_config(read_run_config(Path(sys.argv[1]))["model"]))

@@ -21,9 +21,11 @@ from pathlib import Path
 
 import yaml
 
-from axrl_spike_replay.experiment.mitigations import mitigation_args, parse_config
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.experiment.mitigation.mitigations import mitigation_args, parse_config
+from axrl_spike_replay.investigation.request import What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.replay.sweep import run_sweep
+from axrl_spike_replay.vocabulary import Verb
 from replay_spike import capture_demo_spike, timed
 
 CONFIGS = [
@@ -66,8 +68,12 @@ def main() -> int:
         for one, shared in zip(separate, sweep["results"], strict=True):
             assert one["grad_norm"] == shared["grad_norm"], (one["config_id"], one["grad_norm"], shared["grad_norm"])
 
-        lib_sweep_s, _ = timed(lambda: run_sweep(snapshot, CONFIGS, ReplayOptions()))
-        lib_separate_s, _ = timed(lambda: [run_replay(snapshot, ReplayOptions(mitigations=c)) for c in CONFIGS])
+        lib_sweep_s, _ = timed(
+            lambda: run_sweep(replay_request(What(Path(snapshot), verb=Verb.SWEEP, configs=tuple(CONFIGS))))
+        )
+        lib_separate_s, _ = timed(
+            lambda: [run_replay(replay_request(What(Path(snapshot), mitigations=c))) for c in CONFIGS]
+        )
 
     print(
         f"snapshot: demo spike, fidelity {sweep['fidelity']}, baseline grad norm {sweep['baseline']['grad_norm']:.6g}"

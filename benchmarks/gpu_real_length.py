@@ -5,7 +5,7 @@ The policy has Qwen3-30B-A3B's attention and vocabulary (hidden 2,048; 32 query 
 151,936) and a cut-down expert set (2 layers, 16 experts, top-4, width 768): ~0.8B parameters, random weights, no
 download. In bfloat16, with sdpa (or `--attention flash_attention_2` where flash_attn is installed), the head in
 chunks and the decoder layers checkpointed, one sequence of `--tokens` (8,192) with recorded routes forced on half
-the tokens. Prints the peak CUDA memory against the plan's (`replay.process_memory`: parameters, one gradient,
+the tokens. Prints the peak CUDA memory against the plan's (`replay.compute.process_memory`: parameters, one gradient,
 activations), tokens per second, and, on a short step (`--check-tokens`, 512), the kernel's replay against a float32
 eager replay of the same weights: rel_diff of the log-probs and of the gradient's norm, with the dtype's bound
 (`models.attention_kernels.KERNEL_BOUNDS`).
@@ -25,7 +25,7 @@ from axrl_spike_replay.models.attention_kernels import KERNEL_BOUNDS
 from axrl_spike_replay.models.layer_checkpoint import checkpoint_layers
 from axrl_spike_replay.models.policy import build_policy, parse_model_config, policy_forward
 from axrl_spike_replay.models.tiny_moe import RoutingControl
-from axrl_spike_replay.replay.process_memory import CUDA_CONTEXT_BYTES, activation_bytes, model_facts
+from axrl_spike_replay.replay.compute.process_memory import CUDA_CONTEXT_BYTES, activation_bytes, model_facts
 
 CONFIG = {
     "vocab_size": 151936,

@@ -18,13 +18,15 @@ import time
 from pathlib import Path
 
 from axrl_spike_replay.experiment.result import ReplayResult
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.vocabulary import Device, Shard
 
 
 def _replay(snapshot: Path, nproc: int, device: str, shard: str) -> tuple[float, ReplayResult]:
-    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+    from axrl_spike_replay.replay.engine import run_replay
 
     start = time.perf_counter()
-    result = run_replay(snapshot, ReplayOptions(nproc=nproc, device=device, shard=shard))
+    result = run_replay(replay_request(What(snapshot), how=How(nproc=nproc, device=Device(device), shard=Shard(shard))))
     return time.perf_counter() - start, result
 
 
@@ -43,7 +45,7 @@ def main() -> None:
         snapshot = record_hf_snapshot(Path(tempfile.mkdtemp(prefix="axrl-gpu-")), "qwen3_moe", world_size=2)
     else:
         snapshot = Path(args.snapshot)
-    from axrl_spike_replay.replay.inputs import load_inputs
+    from axrl_spike_replay.replay.reading.inputs import load_inputs
 
     saved = load_inputs(snapshot, snapshot, False).world_size
     gpus = min(args.gpus or torch.cuda.device_count(), saved)

@@ -32,6 +32,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.vocabulary import Shard
+
 
 def deepseek_width(layers: int, experts: int) -> dict[str, object]:
     """DeepSeek-V3's published widths with `layers` decoder layers and `experts` routed experts."""
@@ -70,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from axrl_spike_replay.replay.engine import ReplayOptions, replay_session
+    from axrl_spike_replay.replay.engine import replay_session
     from axrl_spike_replay.replay.streamed import layer_weights
     from axrl_spike_replay.replay.streamed.settings import StreamSettings
     from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed
@@ -87,7 +90,7 @@ def main() -> None:
     record_s = time.perf_counter() - t
     data = max(snapshot.glob("*.distcp"), key=lambda p: p.stat().st_size)
     disk = disk_read_speed(data)
-    with replay_session(snapshot, ReplayOptions(shard="off"), [], "replay") as session:
+    with replay_session(replay_request(What(snapshot), how=How(shard=Shard.OFF)), [], "replay") as session:
         job = session.worker_job()
     job = dataclasses.replace(job, device="cuda", assignment=(tuple(range(job.world_size)),))
     reads: list[layer_weights.ReadFigures] = []

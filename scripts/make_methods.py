@@ -21,18 +21,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-from axrl_spike_replay.atomic import atomic_write_text
-from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
+from axrl_spike_replay.experiment.mitigation.mitigation_sets import DEFAULT_SWEEP
+from axrl_spike_replay.files.atomic import atomic_write_text
 from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.skill_pack import methods_block, with_methods_block
 from axrl_spike_replay.snapshot.listing import list_snapshots
 from axrl_spike_replay.snapshot.preservation.preserve import preserve
-from axrl_spike_replay.workspace.methods import list_methods, write_index
+from axrl_spike_replay.workspace.method_files.methods import list_methods, write_index
+from axrl_spike_replay.workspace.method_files.sweep_writeup import write_up_sweep
 from axrl_spike_replay.workspace.report import write_report
-from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
-from axrl_spike_replay.workspace.task_state import note, set_snapshot
+from axrl_spike_replay.workspace.task_record.task_state import note, set_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 PLACEHOLDER = "<regeneration-workspace>"

@@ -3,7 +3,8 @@
 
 Usage: scripts/render_mitigation_catalogue.py [--check]
 `--check` writes nothing and exits 1 when a file is out of date. The declarations are
-`axrl_spike_replay.experiment.mitigations.MITIGATIONS`; the blocks sit between `<!-- mitigation-*:begin/end -->`.
+`axrl_spike_replay.experiment.mitigation.mitigations.MITIGATIONS`; the blocks sit between
+`<!-- mitigation-*:begin/end -->`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from axrl_spike_replay.atomic import atomic_write_text
-from axrl_spike_replay.experiment.mitigation_catalogue import rendered_files
+from axrl_spike_replay.experiment.mitigation.mitigation_catalogue import rendered_files
+from axrl_spike_replay.files.atomic import atomic_write_text
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -11,9 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from axrl_spike_replay.atomic import atomic_write_text
+from axrl_spike_replay.files.atomic import atomic_write_text
 from axrl_spike_replay.skill_pack import methods_block, with_methods_block
-from axrl_spike_replay.workspace.methods import list_methods
+from axrl_spike_replay.workspace.method_files.methods import list_methods
 
 REPO = Path(__file__).resolve().parent.parent
 

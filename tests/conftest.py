@@ -22,7 +22,7 @@ from shared_capture import left_as_recorded
 
 if TYPE_CHECKING:
     from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult
-    from axrl_spike_replay.replay.job_runner import JobRunner
+    from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
 
@@ -112,7 +112,7 @@ def warm_runner() -> Iterator[JobRunner]:
     it loaded. A warm replay gives a cold one's numbers bit for bit (tests/server/test_warm_replay.py); the launcher
     tests (tests/test_rank_processes.py, tests/replay/test_killed_replay.py) start their own processes.
     """
-    from axrl_spike_replay.replay.warm_pool import WarmService
+    from axrl_spike_replay.replay.jobs.warm_pool import WarmService
 
     service = WarmService(memory_bytes=1 << 30)
     yield service.run_job

@@ -11,9 +11,11 @@ from typing import Any
 
 import torch
 
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.inputs import read_run_config
-from axrl_spike_replay.replay.step_evidence_run import step_evidence
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.replay.reading.inputs import read_run_config
+from axrl_spike_replay.vocabulary import Shard
 
 
 def vocab_of(snapshot: Path) -> int:
@@ -36,7 +38,9 @@ def randomised_copy(snapshot: Path, into: Path, rank: int, vocab: int, seed: int
 
 
 def _figures(snapshot: Path, mitigations: dict[str, Any], nproc: int | None, shard: str = "off") -> dict[str, Any]:
-    result = run_replay(snapshot, ReplayOptions(nproc=nproc, shard=shard, mitigations=mitigations))
+    result = run_replay(
+        replay_request(What(snapshot, mitigations=mitigations), how=How(nproc=nproc, shard=Shard(shard)))
+    )
     return {
         "grad_norm": result.grad_norm,
         "top_params": result.top_params,
@@ -74,5 +78,5 @@ def check_leave_out_invariance(
     assert {"aux", "z"} <= set(real["terms"])  # the run has router losses: the kept ranks' are there
     replayed = _figures(snapshot, {"drop_ranks": str(rank)}, nproc, shard)["grad_norm"]
     assert abs(real["grad_norm"] - replayed) <= 1e-5 * replayed  # the channel splits the replayed gradient
-    baseline = run_replay(snapshot, ReplayOptions(nproc=nproc, shard=shard)).grad_norm
+    baseline = run_replay(replay_request(What(snapshot), how=How(nproc=nproc, shard=Shard(shard)))).grad_norm
     assert baseline is not None and replayed != baseline

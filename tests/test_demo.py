@@ -193,7 +193,7 @@ def test_demo_bad_arguments_exit_2_naming_them(
 @pytest.mark.matrix
 def test_demo_on_deepseek_v3_sweeps_every_default_config(tmp_path: Path) -> None:
     """The architecture whose dense layer 0 used to refuse the whole default sweep."""
-    from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
+    from axrl_spike_replay.experiment.mitigation.mitigation_sets import DEFAULT_SWEEP
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -74,10 +74,10 @@ def test_the_readme_example_writes_up_the_attempt_its_name_says() -> None:
     the method it writes up is named after what that attempt ran (`method add` warns otherwise)."""
     import shlex
 
-    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
-    from axrl_spike_replay.workspace.changes import normalise_config
-    from axrl_spike_replay.workspace.method_names import name_warning, said_by
-    from axrl_spike_replay.workspace.methods import known_method_names
+    from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
+    from axrl_spike_replay.workspace.method_files.method_names import name_warning, said_by
+    from axrl_spike_replay.workspace.method_files.methods import known_method_names
+    from axrl_spike_replay.workspace.task_record.changes import normalise_config
 
     block = README.read_text(encoding="utf-8").split("## On your own spike", 1)[1].split("```bash\n", 1)[1]
     commands = [shlex.split(line, comments=True) for line in block.split("\n```", 1)[0].splitlines()]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.rank_processes import RankProcessError, spawn_ranks
+from axrl_spike_replay.processes.rank_processes import RankProcessError, spawn_ranks
 
 
 def _all_reduce_ranks(rank: int, nproc: int, out: str) -> None:
@@ -187,7 +187,7 @@ def _report_environment(rank: int, nproc: int, out: str) -> None:
 LAUNCHER = """
 import sys, time
 from pathlib import Path
-from axrl_spike_replay.rank_processes import spawn_ranks
+from axrl_spike_replay.processes.rank_processes import spawn_ranks
 
 def wait_forever(rank, nproc, out):
     Path(out, f"up{rank}").touch()

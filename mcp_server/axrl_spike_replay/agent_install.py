@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from axrl_spike_replay.atomic import atomic_write_bytes, atomic_write_text
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.files.atomic import atomic_write_bytes, atomic_write_text
 from axrl_spike_replay.skill_pack import SKILL_FILE, claude_code_skill_text, list_skills, skill_problems
 
 SERVER_NAME = "axrl-spike-replay"  # the MCP server's name, as it announces itself and as agents register it

@@ -122,7 +122,7 @@ def run_demo(
     `model`: the policy the reference run trains (`tiny_moe`, or a transformers architecture at a tiny size).
     `progress` receives a line as each step starts and the replays' own progress lines as they run; the capture's
     rank processes then stream theirs to stderr."""
-    from axrl_spike_replay.workspace.task_state import show_task
+    from axrl_spike_replay.workspace.task_record.task_state import show_task
 
     started = time.perf_counter()
     root = Path(workspace).resolve() / time.strftime("%Y%m%d-%H%M%S")
@@ -285,10 +285,10 @@ def _read_snapshot(run: _Run, found: _Found) -> list[str]:
 def _reproduce_and_mitigate(run: _Run, snapshot: str, preset: str) -> _Reproduced:
     """Step 4: replay the baseline, sweep the default mitigations, attribute the norm to samples, and diagnose again
     with the model evidence, saying whether the planted fault was named."""
-    from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
+    from axrl_spike_replay.experiment.mitigation.mitigation_sets import DEFAULT_SWEEP
     from axrl_spike_replay.experiment.result import Attribution, ReplayResult, SweepResult
     from axrl_spike_replay.investigation.request import What
-    from axrl_spike_replay.workspace.task_state import set_command
+    from axrl_spike_replay.workspace.task_record.task_state import set_command
 
     set_command(run.root, DEMO_JOB, f"axrl-spike-replay replay {snapshot} --workspace {run.root}")
     run.starting("replay the spike step (baseline)")
@@ -346,7 +346,7 @@ def _diagnose_with_model(
     from axrl_spike_replay.capture.reference.presets import get_preset
     from axrl_spike_replay.diagnosis.rules.causes import LIKELY
     from axrl_spike_replay.investigation.task_opening import diagnose_into_task
-    from axrl_spike_replay.workspace.task_state import note
+    from axrl_spike_replay.workspace.task_record.task_state import note
 
     run.starting("diagnose again, with the model evidence (reusing the attribution)")
     strong = diagnose_into_task(run.root, snapshot, attribution=attribution, model="auto")
@@ -380,9 +380,9 @@ def _diagnose_with_model(
 def _write_up(run: _Run, sweep: SweepResult) -> tuple[list[str], list[str], str]:
     """Step 5: write up the methods that cleared the spike, write the report and release the preserved copy;
     (cleared configs, method files, report path)."""
+    from axrl_spike_replay.workspace.method_files.sweep_writeup import write_up_sweep
     from axrl_spike_replay.workspace.report import write_report
-    from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
-    from axrl_spike_replay.workspace.task_state import note, show_task
+    from axrl_spike_replay.workspace.task_record.task_state import note, show_task
 
     run.starting("write up the methods that cleared it, report, release the preserved copy")
     writeups = write_up_sweep(run.root, DEMO_JOB, sweep)

@@ -164,12 +164,12 @@ def create_server(
 ) -> SpikeReplayServer:
     """The server with every tool, resource and prompt; `workspace` (default: cwd) is the tools' default.
 
-    `warm`: keep replay processes and loaded weights between calls (see `replay.warm_pool`); they stop
+    `warm`: keep replay processes and loaded weights between calls (see `replay.jobs.warm_pool`); they stop
     when the server's session ends, or after `warm_idle_s` unused. `warm_memory`: bytes of loaded weights
     kept (default a quarter of RAM). `read_only`: offer only the tools that read. `token_verifier`: over
     HTTP, the bearer token a request must carry (see `mcp_faces.http_transport.http_access`).
     """
-    from axrl_spike_replay.replay.warm_pool import DEFAULT_IDLE_S, WarmService
+    from axrl_spike_replay.replay.jobs.warm_pool import DEFAULT_IDLE_S, WarmService
 
     service = WarmService(warm_memory, idle_s=warm_idle_s or DEFAULT_IDLE_S) if warm and not read_only else None
     config = ServerConfig(

@@ -12,8 +12,8 @@ import yaml
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.package_data import skills_dir
-from axrl_spike_replay.untrusted_yaml import load_untrusted_yaml
-from axrl_spike_replay.workspace.views import MethodEntry
+from axrl_spike_replay.untrusted.untrusted_yaml import load_untrusted_yaml
+from axrl_spike_replay.workspace.task_record.views import MethodEntry
 
 SKILL_FILE = "SKILL.md"
 MAX_DESCRIPTION = 1024
@@ -143,7 +143,8 @@ METHODS_END = "<!-- recorded-methods:end -->"
 
 
 def methods_block(methods: list[MethodEntry]) -> str:
-    """The markdown list of recorded methods (from `workspace.methods.list_methods`) for the workflow skill."""
+    """The markdown list of recorded methods (from `workspace.method_files.methods.list_methods`) for the
+    workflow skill."""
     if not methods:
         return "_No methods recorded yet._"
     order = {"proven": 0, "partial": 1, "diagnostic": 2}

@@ -79,7 +79,7 @@ def rerecord(snapshot: Path) -> None:
     that is not the one it trained on (which `diagnose` reads as a step that does not reproduce)."""
     import json
 
-    from axrl_spike_replay.replay.step_evidence_run import step_evidence
+    from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
 
     channel = step_evidence(snapshot, shard="off").channel
     assert channel is not None

@@ -41,5 +41,5 @@ def test_full_fixes_score_above_the_clips_that_clear_the_same_spike(sweep: Sweep
     assert min(full) == pytest.approx(1.0, abs=1e-4)  # nothing of the stale rank is left in the reference
     assert min(full) > max(partial) + 0.05
     clean = results[0].clean_gradient
-    assert clean is not None and clean["recomputed"] == ["old_logprobs", "rollout_logprobs"]
-    assert clean["tokens_left_out"] == 0 and clean["reached"] is True
+    assert clean is not None and clean.recomputed == ["old_logprobs", "rollout_logprobs"]
+    assert clean.tokens_left_out == 0 and clean.reached is True

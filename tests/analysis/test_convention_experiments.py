@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from axrl_spike_replay.diagnosis.rules.causes import Experiment
 from axrl_spike_replay.diagnosis.suggestions.convention_experiments import in_convention
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_mitigation_args
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_mitigation_args
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
-from axrl_spike_replay.replay.attribution import attribute_spike
+from axrl_spike_replay.investigation.request import What, replay_request
+from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
 
@@ -93,9 +94,9 @@ def test_an_edited_snapshot_reproduces_yet_is_flagged_and_its_outlier_advantage_
     snapshot = output / captured_run.snapshot_dirs[1].relative_to(captured_run.output_dir)
     _edit_batches(snapshot, rank=0, sample=3, factor=200.0)
     _rewrite_recorded_norm(snapshot, attribute_spike(snapshot).grad_norm)
-    _rewrite_recorded_norm(snapshot, run_replay(snapshot).grad_norm or 0.0)
+    _rewrite_recorded_norm(snapshot, run_replay(replay_request(What(snapshot))).grad_norm or 0.0)
 
-    replay = run_replay(snapshot)
+    replay = run_replay(replay_request(What(snapshot)))
     assert replay.verdict == "reproduced"
     assert replay.consistency is not None
     names = {p.name for p in replay.consistency.problems}

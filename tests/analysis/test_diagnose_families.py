@@ -15,8 +15,9 @@ from snapshot_edits import copy_fixture, diagnosed, edit_batch, no_mismatch, set
 from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
 from axrl_spike_replay.diagnosis.families import FAMILIES
 from axrl_spike_replay.diagnosis.suggestions.no_ops import no_op_reason
-from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
 
@@ -134,7 +135,9 @@ def test_the_engine_mismatch_spread_over_ranks_is_separated_from_stale_old_log_p
     pairs = [r.pairs["current_vs_rollout"] for r in d.step.signals.ranks]
     measured = sum(p.outside * p.tokens for p in pairs) / sum(p.tokens for p in pairs)
     assert f"{100 * measured:.1f} % of loss tokens" in mask.why
-    masked = run_replay(snapshot, ReplayOptions(nproc=1, mitigations={"ratio_outlier_mask": "token"})).footprint
+    masked = run_replay(
+        replay_request(What(snapshot, mitigations={"ratio_outlier_mask": "token"}), how=How(nproc=1))
+    ).footprint
     assert masked is not None and masked.masked_token_fraction == pytest.approx(measured, abs=1e-9)
 
 
@@ -274,8 +277,8 @@ def test_a_dual_clip_that_binds_on_no_token_is_not_suggested(tmp_path: Path) -> 
     assert not any(e.mitigation.startswith("dual_clip_c") for e in cause.experiments)
     assert any("dual_clip_c=3 would change nothing" in line for line in cause.evidence)
     # the claim is the replay's: the dual clip leaves the gradient as it is
-    base = run_replay(snapshot, ReplayOptions(nproc=1)).grad_norm
-    clipped = run_replay(snapshot, ReplayOptions(nproc=1, mitigations={"dual_clip_c": 3.0})).grad_norm
+    base = run_replay(replay_request(What(snapshot), how=How(nproc=1))).grad_norm
+    clipped = run_replay(replay_request(What(snapshot, mitigations={"dual_clip_c": 3.0}), how=How(nproc=1))).grad_norm
     assert clipped == pytest.approx(base, rel=1e-6)
 
 

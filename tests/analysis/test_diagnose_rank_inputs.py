@@ -4,6 +4,7 @@ are on another scale than the others'. Alike on every rank, neither singles a ra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,3 +58,37 @@ def test_advantages_a_few_times_the_other_ranks_are_no_other_scale(tmp_path: Pat
     edit_batch(snapshot, 0, lambda b: b.__setitem__("advantages", b["advantages"] * 2.0))
     d = diagnose_snapshot(snapshot, model="never")
     assert not any(c.title.startswith("advantages on another scale") for c in d.causes)
+
+
+def _summed(factor: float) -> Callable[[dict[str, torch.Tensor]], None]:
+    return lambda b: b.__setitem__("advantages", b["advantages"] * factor)
+
+
+def test_advantages_wider_than_their_rewards_explain_name_the_rank_with_no_rank_as_witness(tmp_path: Path) -> None:
+    """Rank 0's GRPO advantages summed over the 14 positions; rank 1's groups all tied (advantages 0): no other
+    rank's scale to compare with, but no usual estimator makes a spread of 14 from those rewards."""
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    edit_batch(snapshot, 0, _summed(14.0))
+    edit_batch(snapshot, 1, lambda b: b.__setitem__("advantages", torch.zeros_like(b["advantages"])))
+    d = diagnose_snapshot(snapshot, model="never")
+    assert not any(c.title.startswith("advantages on another scale") for c in d.causes)
+    [cause] = [c for c in d.causes if c.title.startswith("advantages wider than their rewards explain")]
+    assert cause.family == "outlier_advantage" and cause.ranks == [0] and cause.term == "policy"
+    assert abs(cause.figures["advantage_spread"][0] - 14.0) < 1e-3
+    assert "in 1 of its 1 groups whose advantages differ" in cause.evidence[0]
+    assert [e.mitigation for e in cause.experiments] == ["advantage_clip=1.73", "drop_ranks=0"]
+
+
+def test_advantages_as_grpo_or_a_baseline_make_them_from_the_rewards_name_nothing(tmp_path: Path) -> None:
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    edit_batch(snapshot, 0, _summed(2.0))  # a Bessel or RLOO factor is far below SPREAD
+
+    def baseline(b: dict[str, torch.Tensor]) -> None:  # rewards on a percent scale, a running baseline of 3
+        b["rewards"] = b["rewards"] * 100.0
+        b["advantages"] = b["rewards"] - 3.0
+
+    edit_batch(snapshot, 1, baseline)
+    d = diagnose_snapshot(snapshot, model="never")
+    assert not any(c.title.startswith("advantages wider than their rewards explain") for c in d.causes)

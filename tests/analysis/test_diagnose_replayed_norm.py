@@ -11,7 +11,7 @@ from snapshot_edits import copy_fixture, edit_batch, no_mismatch
 
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot, render_diagnosis
 from axrl_spike_replay.diagnosis.task_entry import diagnosis_entry
-from axrl_spike_replay.replay.attribution import attribute_spike
+from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
 RECORDED = 56.77506102151846  # the fixture's recorded grad norm
 

@@ -14,7 +14,7 @@ from axrl_spike_replay.capture.fault_injection.faults import make_fault
 from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
-from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
 from axrl_spike_replay.testing.fault_matrix import burst_snapshots
 
 

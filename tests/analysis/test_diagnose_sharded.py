@@ -87,7 +87,7 @@ def test_sharded_model_evidence_gives_the_unsharded_figures_and_causes(
 def test_a_model_that_does_not_fit_one_process_is_diagnosed_sharded(
     shifted_routes: tuple[Path, Diagnosis], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from axrl_spike_replay.replay import shard_choice
+    from axrl_spike_replay.replay.plans import shard_choice
 
     snapshot, whole = shifted_routes
     monkeypatch.setattr(shard_choice, "available_memory_bytes", lambda: 1 << 10)  # a machine with 1 KiB free

@@ -11,7 +11,7 @@ import torch
 from snapshot_edits import diagnosed
 
 from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
-from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
 from axrl_spike_replay.training.sample_masks import pairs_of, parse_pairs
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"

@@ -12,11 +12,12 @@ import pytest
 from snapshot_edits import copy_fixture, edit_batch, no_mismatch, set_loss, shift_routes, stale_old_logprobs
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 
 
 def _norm(snapshot: Path, **mitigations: object) -> float:
-    norm = run_replay(snapshot, ReplayOptions(nproc=1, mitigations=mitigations)).grad_norm
+    norm = run_replay(replay_request(What(snapshot, mitigations=mitigations), how=How(nproc=1))).grad_norm
     assert norm is not None
     return norm
 
@@ -30,9 +31,9 @@ def test_dropping_a_rank_is_that_ranks_loss_mask_zeroed(tmp_path: Path) -> None:
     assert _norm(snapshot, keep_ranks="0") == pytest.approx(expected, rel=1e-6)
     assert expected < 0.9 * _norm(snapshot)  # rank 1 carried part of it: the lever changes the step
     with pytest.raises(ConfigError, match="not in the snapshot"):
-        run_replay(snapshot, ReplayOptions(nproc=1, mitigations={"drop_ranks": "2"}))
+        run_replay(replay_request(What(snapshot, mitigations={"drop_ranks": "2"}), how=How(nproc=1)))
     with pytest.raises(ConfigError, match="leave no saved rank"):
-        run_replay(snapshot, ReplayOptions(nproc=1, mitigations={"drop_ranks": "0,1"}))
+        run_replay(replay_request(What(snapshot, mitigations={"drop_ranks": "0,1"}), how=How(nproc=1)))
 
 
 def test_recomputing_stale_old_log_probs_gives_back_the_sound_step(tmp_path: Path) -> None:
@@ -58,4 +59,4 @@ def test_recomputing_a_shifted_routing_payload_with_its_old_log_probs_gives_back
     both = _norm(shifted, recompute="routes:rank1,old_logprobs:rank1")
     assert both == pytest.approx(healthy, rel=1e-5)
     with pytest.raises(ConfigError, match="MoE layers"):
-        run_replay(shifted, ReplayOptions(nproc=1, mitigations={"recompute": "routes:rank1:layer7"}))
+        run_replay(replay_request(What(shifted, mitigations={"recompute": "routes:rank1:layer7"}), how=How(nproc=1)))

@@ -18,9 +18,10 @@ from axrl_spike_replay.capture.fault_injection.faults import make_fault
 from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot, render_diagnosis
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 
 HYPOTHESIS = "aux_loss_coef=40.96@1"
@@ -51,9 +52,9 @@ def test_the_hypothesis_replay_reproduces_the_norm_and_every_ranks_loss(
     raised_coefficient: Path, warm_runner: JobRunner
 ) -> None:
     snapshot = raised_coefficient
-    baseline = run_replay(snapshot, ReplayOptions(nproc=1))
+    baseline = run_replay(replay_request(What(snapshot), how=How(nproc=1)))
     assert baseline.verdict == "not_reproduced"
-    result = run_replay(snapshot, ReplayOptions(mitigations={"aux_loss_coef": "40.96@1"}, runner=warm_runner))
+    result = run_replay(replay_request(What(snapshot, mitigations={"aux_loss_coef": "40.96@1"})), runner=warm_runner)
     assert result.verdict == "reproduced" and result.finding == f"reproduced under `{HYPOTHESIS}`"
     assert result.mitigations == {} and result.hypothesis == {"aux_loss_coef": {"ranks": [1], "value": 40.96}}
     assert result.fidelity == "full" and result.rel_diff is not None and result.rel_diff <= 1e-6  # the recorded norm
@@ -61,7 +62,7 @@ def test_the_hypothesis_replay_reproduces_the_norm_and_every_ranks_loss(
         recorded = recorded_rank_loss(snapshot, row["rank"])
         assert recorded is not None and abs(row["loss"] - recorded) <= 1e-6 * max(1.0, abs(recorded)), row
     assert all(row["matches"] for row in result.verdict_basis.rank_losses)
-    wrong = run_replay(snapshot, ReplayOptions(nproc=1, mitigations={"aux_loss_coef": "40.96@0"}))
+    wrong = run_replay(replay_request(What(snapshot, mitigations={"aux_loss_coef": "40.96@0"}), how=How(nproc=1)))
     assert wrong.verdict == "not_reproduced" and wrong.finding == "not reproduced under `aux_loss_coef=40.96@0`"
 
 
@@ -77,7 +78,7 @@ def test_diagnose_suggests_the_hypothesis_that_proves_it(raised_coefficient: Pat
     assert f"--mitigation {HYPOTHESIS}" in render_diagnosis(diagnosis)
     # every suggestion gives rank 1's recorded loss; only the replay tells which also gives the grad norm
     name, value = items[1].split("=")
-    result = run_replay(raised_coefficient, ReplayOptions(nproc=1, mitigations={name: value}))
+    result = run_replay(replay_request(What(raised_coefficient, mitigations={name: value}), how=How(nproc=1)))
     rank1 = next(r for r in result.verdict_basis.rank_losses if r["rank"] == 1)
     assert math.isclose(rank1["replayed_loss"], rank1["recorded_loss"], rel_tol=1e-5)
     assert result.verdict == "not_reproduced"

@@ -17,7 +17,7 @@ from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
 from axrl_spike_replay.diagnosis.evidence.ratio_shape import read_ratio_shape
 from axrl_spike_replay.diagnosis.rules.causes import Experiment
 from axrl_spike_replay.diagnosis.suggestions.convention_experiments import in_convention
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_mitigation_args
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_mitigation_args
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
 from axrl_spike_replay.training.trl_settings import TrlSettings

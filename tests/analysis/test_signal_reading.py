@@ -43,3 +43,35 @@ def test_a_ranks_surprise_is_how_far_its_tokens_are_past_the_policys_own_entropy
     foreign.samples_mean_entropy = [0.5] * 8
     reading = read_signals(SignalCheck(ranks=[on_policy, foreign]))
     assert abs(reading.surprise[0] - (-0.1)) < 1e-9 and abs(reading.surprise[1] - 9.0) < 1e-9
+
+
+def _filled(rank: int, old_zeros: int, ref_zeros: int) -> RankSignals:
+    """A rank whose stored old and reference log-probs hold `old_zeros` / `ref_zeros` 0 fills on its 64 loss tokens
+    (6 nats off there), the engine's rollout log-probs (stored over the whole sequence) agreeing."""
+
+    def off(name: str, zeros: int) -> PairFigures:
+        pair = _pair(name, 6.0 * zeros / 64, zeros / 64)
+        pair.zeros = zeros
+        return pair
+
+    pairs = {
+        "current_vs_old": off("current_vs_old", old_zeros),
+        "current_vs_rollout": _pair("current_vs_rollout", 0.01, 0.0),
+        "current_vs_ref": off("current_vs_ref", ref_zeros),
+    }
+    return RankSignals(rank=rank, pairs=pairs, samples=8, samples_mean_logprob=[-0.1] * 8)
+
+
+def test_two_stored_signals_zero_filled_on_the_same_loss_tokens_are_the_mask_not_two_broken_signals() -> None:
+    """Rank 1's loss covers 48 tokens its trainer stored no old and no reference log-prob for (an inverted mask);
+    its engine scored the whole sequence, so the rollout log-probs hold values there: the mask is the odd input."""
+    reading = read_signals(SignalCheck(ranks=[_filled(0, 0, 0), _filled(1, 48, 48)]))
+    assert reading.mask_ranks == {1: 0.75} and reading.mask_signals == {1: ["old", "ref"]}
+    assert reading.odd_signal("old") is None  # the mask explains rank 1's old log-probs
+
+
+def test_one_stored_signal_zero_filled_alone_is_that_signal() -> None:
+    reading = read_signals(SignalCheck(ranks=[_filled(0, 0, 0), _filled(1, 48, 0)]))
+    assert reading.mask_ranks == {}
+    old = reading.odd_signal("old")
+    assert old is not None and old.ranks == [1] and old.zero_filled

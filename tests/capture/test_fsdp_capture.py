@@ -16,7 +16,8 @@ import yaml
 
 from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult, capture_reference_run
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.dcp.checkpoint import read_checkpoint_metadata
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
 
@@ -54,7 +55,7 @@ def test_the_weights_are_a_sharded_dcp_checkpoint_one_chunk_per_rank(fsdp_run: C
 
 def test_replay_at_the_saved_layout_is_bit_identical(fsdp_run: CaptureResult) -> None:
     snapshot = fsdp_run.snapshot_dirs[0]
-    result = run_replay(snapshot, ReplayOptions(nproc=2))
+    result = run_replay(replay_request(What(snapshot), how=How(nproc=2)))
     assert result.fidelity == "full"
     assert result.grad_norm == result.recorded_grad_norm
     assert result.rel_diff == 0.0
@@ -64,7 +65,7 @@ def test_replay_at_the_saved_layout_is_bit_identical(fsdp_run: CaptureResult) ->
 
 
 def test_replay_in_one_process_loads_the_shards_unsharded(fsdp_run: CaptureResult) -> None:
-    result = run_replay(fsdp_run.snapshot_dirs[0], ReplayOptions(nproc=1))
+    result = run_replay(replay_request(What(fsdp_run.snapshot_dirs[0]), how=How(nproc=1)))
     assert result.fidelity == "full"  # one process for both saved ranks: every saved rank replayed
     assert result.rel_diff is not None and result.rel_diff <= 1e-5
     assert result.consistency is not None and "param_grad_norms_vs_replay" in result.consistency.checked

@@ -1,5 +1,5 @@
-"""Every case of the held-out provenances a figure is taken on (`unseen`, `held_out_iii`) spikes at its burst in a
-genuine reference-trainer run on its own model and world size: a case that stops spiking leaves the accuracy
+"""Every case of the held-out provenances a figure is taken on (`unseen`, `held_out_iii`, `held_out_iv`) spikes at its
+burst in a genuine reference-trainer run on its own model and world size: a case that stops spiking leaves the accuracy
 (`bench_diagnosis` lists it as `no spike`) without anyone noticing, as two `unseen` cases once did when the trainer's
 head and loss changed."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from axrl_spike_replay.testing.fault_matrix import MatrixCase, burst_snapshots, capture_case, matrix_cases
 
-CASES = matrix_cases(("unseen", "held_out_iii"))
+CASES = matrix_cases(("unseen", "held_out_iii", "held_out_iv"))
 
 
 @pytest.mark.matrix

@@ -17,7 +17,8 @@ from axrl_spike_replay.capture.reference.model_choice import HF_CAPTURE_MODELS
 from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult, capture_reference_run
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_routing_payload
 
 STEPS = 21  # the ratio_outliers burst starts at iteration 20
@@ -38,11 +39,11 @@ def qwen3_run(tmp_path_factory: pytest.TempPathFactory) -> CaptureResult:
 def _check_replays(run: CaptureResult) -> None:
     assert run.spike_iterations and run.spike_iterations[0] == 20, run.grad_norms
     snapshot = run.snapshot_dirs[0]
-    full = run_replay(snapshot, ReplayOptions(nproc=2))
+    full = run_replay(replay_request(What(snapshot), how=How(nproc=2)))
     assert full.fidelity == "full"
     assert full.grad_norm == full.recorded_grad_norm  # bit for bit: same code, same kernels, same order
     assert full.verdict == "reproduced"
-    reduced = run_replay(snapshot, ReplayOptions(nproc=1))
+    reduced = run_replay(replay_request(What(snapshot), how=How(nproc=1)))
     assert reduced.fidelity == "full"
     assert reduced.rel_diff is not None and reduced.rel_diff <= 1e-5
 

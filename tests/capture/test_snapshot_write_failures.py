@@ -21,7 +21,7 @@ from torch import nn
 from axrl_spike_replay.capture.detectors import MedianRatioDetector
 from axrl_spike_replay.capture.snapshot_writer import RankPayload
 from axrl_spike_replay.capture.spike_guard import SpikeGuard
-from axrl_spike_replay.rank_processes import spawn_ranks
+from axrl_spike_replay.processes.rank_processes import spawn_ranks
 from axrl_spike_replay.snapshot.metadata import read_metadata
 from disk_full import run_on_full_disk
 

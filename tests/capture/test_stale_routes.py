@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult, capture_reference_run
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 
 BURST_START = 20  # the preset's burst: iterations 20-22
 
@@ -51,9 +52,9 @@ def test_replay_reproduces_the_spike_and_routing_replay_off_shows_the_routes_cau
     stale_run: CaptureResult,
 ) -> None:
     snapshot = _burst_snapshot(stale_run)
-    full = run_replay(snapshot, ReplayOptions(nproc=2))
+    full = run_replay(replay_request(What(snapshot), how=How(nproc=2)))
     assert full.fidelity == "full" and full.verdict == "reproduced"
     assert full.grad_norm == full.recorded_grad_norm  # bit for bit: same code, same kernels, same order
-    off = run_replay(snapshot, ReplayOptions(nproc=2, mitigations={"routing_replay": "off"}))
+    off = run_replay(replay_request(What(snapshot, mitigations={"routing_replay": "off"}), how=How(nproc=2)))
     assert off.grad_norm is not None and full.grad_norm is not None
     assert off.grad_norm < full.grad_norm / 5  # the trainer's own routes: no blow-up

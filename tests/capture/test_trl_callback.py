@@ -27,9 +27,11 @@ from trl_run import RunSpec, trainer
 from axrl_spike_replay.capture.detectors import MedianRatioDetector
 from axrl_spike_replay.capture.trl_callback import TrlSpikeCallback, attach_spike_guard
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.fields import canonicalize_batch
 from axrl_spike_replay.snapshot.rank_data import load_grad_info, load_rank_batch
+from axrl_spike_replay.vocabulary import Verb
 
 BURST_STEP = 5
 
@@ -98,7 +100,7 @@ def test_the_snapshot_holds_what_trls_loss_consumed_and_the_routes(trl_run: Any)
 
 def test_the_snapshot_replays_reproduced_on_one_process(trl_run: Any) -> None:
     callback, _ = trl_run
-    result = run_replay(callback.guard.snapshots[0], ReplayOptions(nproc=1))
+    result = run_replay(replay_request(What(callback.guard.snapshots[0]), how=How(nproc=1)))
     print(f"TRL snapshot: replayed {result.grad_norm!r}, recorded {result.recorded_grad_norm!r}, rel {result.rel_diff}")
     assert result.verdict == "reproduced" and result.fidelity == "full", result.error
     assert result.rel_diff is not None and result.rel_diff <= 1e-6
@@ -123,7 +125,7 @@ def test_with_another_loss_type_the_step_does_not_reproduce(trl_run: Any, tmp_pa
     normalise as dapo does.)"""
     callback, _ = trl_run
     cut = _edited(callback.guard.snapshots[0], tmp_path, lambda c: c["loss"]["trl"].update(loss_type="luspo"))
-    result = run_replay(cut, ReplayOptions(nproc=1))
+    result = run_replay(replay_request(What(cut), how=How(nproc=1)))
     assert result.verdict == "not_reproduced", result.rel_diff
 
 
@@ -135,13 +137,13 @@ def test_a_grpo_config_setting_the_convention_does_not_cover_is_refused_naming_i
         lambda c: c["loss"].update(unreproduced=["top_entropy_quantile=0.8: its high-entropy token mask"]),
     )
     with pytest.raises(ConfigError, match=r"top_entropy_quantile=0\.8.*--backend command"):
-        run_replay(cut, ReplayOptions(nproc=1))
+        run_replay(replay_request(What(cut), how=How(nproc=1)))
 
 
 def test_a_snapshot_of_another_trl_release_is_named_in_the_result(trl_run: Any, tmp_path: Path) -> None:
     callback, _ = trl_run
     cut = _edited(callback.guard.snapshots[0], tmp_path, lambda c: c["loss"]["trl"].update(version="1.15.2"))
-    result = run_replay(cut, ReplayOptions(nproc=1))
+    result = run_replay(replay_request(What(cut), how=How(nproc=1)))
     assert result.verdict == "reproduced"  # the same loss here; the note says the convention was checked on 1.16.0
     assert result.trainer_version_note is not None and "1.15.2" in result.trainer_version_note
     assert "1.16.0" in result.trainer_version_note
@@ -155,7 +157,7 @@ def test_two_micro_batches_per_step_replay_reproduced(tmp_path: Path) -> None:
     snapshot = callback.guard.snapshots[0]
     batch = canonicalize_batch(torch.load(snapshot / "batch_rank0.pt", weights_only=True), "batch")
     assert sorted(batch["micro_batch"].unique().tolist()) == [0, 1]
-    result = run_replay(snapshot, ReplayOptions(nproc=1))
+    result = run_replay(replay_request(What(snapshot), how=How(nproc=1)))
     assert result.verdict == "reproduced", (result.rel_diff, result.error)
 
 
@@ -200,7 +202,7 @@ def test_two_processes_over_gloo_write_one_snapshot_that_replays_on_one_process_
     config = yaml.safe_load((snapshot / "run_config.yaml").read_text(encoding="utf-8"))
     assert config["loss"]["trl"]["num_processes"] == 2 and config["parallel"]["world_size"] == 2
     for nproc, fidelity in ((2, "full"), (1, "full")):
-        result = run_replay(snapshot, ReplayOptions(nproc=nproc))
+        result = run_replay(replay_request(What(snapshot), how=How(nproc=nproc)))
         print(f"two-process TRL snapshot on {nproc}: rel_diff {result.rel_diff}")
         assert result.verdict == "reproduced" and result.fidelity == fidelity, (result.rel_diff, result.error)
 
@@ -220,7 +222,9 @@ def test_a_sweep_runs_trls_objectives_beside_todays_mitigations_on_the_captured_
         {"delta": 1.5},
         {"advantage_clip": 1},
     ]
-    sweep = run_sweep(callback.guard.snapshots[0], configs, ReplayOptions(nproc=1))
+    sweep = run_sweep(
+        replay_request(What(callback.guard.snapshots[0], verb=Verb.SWEEP, configs=tuple(configs)), how=How(nproc=1))
+    )
     assert sweep.baseline.verdict == "reproduced"
     verdicts = {}
     for config, result in zip(configs, sweep.results, strict=True):

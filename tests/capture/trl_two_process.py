@@ -14,7 +14,7 @@ from trl_run import RunSpec, trainer
 
 from axrl_spike_replay.capture.detectors import MedianRatioDetector
 from axrl_spike_replay.capture.trl_callback import attach_spike_guard
-from axrl_spike_replay.rank_processes import leave_collectives
+from axrl_spike_replay.processes.rank_processes import leave_collectives
 
 
 def main() -> None:

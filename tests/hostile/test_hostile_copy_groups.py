@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.atomic import atomic_copy, copy_mode, current_umask
 from axrl_spike_replay.diagnosis.evidence.log_scan import scan_logs
+from axrl_spike_replay.files.atomic import atomic_copy, copy_mode, current_umask
 
 LOG = "".join(f" iteration {i}/ 40 | grad norm: {1.0 + (i == 30) * 50:.1f} | loss: 1.0 |\n" for i in range(1, 41))
 

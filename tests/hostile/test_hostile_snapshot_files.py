@@ -108,7 +108,7 @@ MODEL_KEYS = ["vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "n_experts
 @example(key="n_heads", value=0)
 def test_an_edited_model_config_is_refused_before_anything_is_built(key, value):
     from axrl_spike_replay.errors import AxrlError
-    from axrl_spike_replay.replay.inputs import load_inputs
+    from axrl_spike_replay.replay.reading.inputs import load_inputs
 
     with scene() as world:
         path = world.snapshot / "run_config.yaml"

@@ -32,7 +32,7 @@ yaml_ish = st.text(alphabet=st.sampled_from(list("{}[]&*:,'\"!-|> \n\t#012345678
 @example(name="current_routing_layers", value="[" * 5000)
 def test_a_mitigation_value_is_parsed_or_refused_briefly(name, value):
     from axrl_spike_replay.errors import ConfigError
-    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
 
     try:
         parse_mitigation_args([f"{name}={value}"])

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from axrl_spike_replay.untrusted_json import (
+from axrl_spike_replay.untrusted.untrusted_json import (
     _JSON_TOKEN,
     UntrustedJsonError,
     json_depth,

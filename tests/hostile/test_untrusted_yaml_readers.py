@@ -12,8 +12,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from axrl_spike_replay import untrusted_yaml
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.untrusted import untrusted_yaml
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 pytestmark = pytest.mark.skipif(not hasattr(yaml, "CSafeLoader"), reason="PyYAML built without libyaml")

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import pytest
 from megatron_helpers import REASON, CliRun, more_layouts
 
+from axrl_spike_replay.investigation.request import What, replay_request
+
 if TYPE_CHECKING:
     from axrl_spike_replay.experiment.result import ReplayResult
 
@@ -41,7 +43,7 @@ def megatron_capture(megatron_checkpoints: dict[str, Path], tmp_path_factory: py
     Shared by the session: copy it before editing it."""
     from megatron_trainer import train
 
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
     from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
     root = tmp_path_factory.mktemp("megatron-capture") / "checkpoints" / "spike_snapshots"
@@ -56,9 +58,9 @@ def megatron_capture(megatron_checkpoints: dict[str, Path], tmp_path_factory: py
 def megatron_route1_replay(megatron_capture: Path) -> ReplayResult:
     """The default replay (route 1: the snapshot's checkpoint in the transformers policy) of `megatron_capture`,
     run once for the tests that read it or hold another replay against it. It writes nothing."""
-    from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+    from axrl_spike_replay.replay.engine import run_replay
 
-    return run_replay(megatron_capture, ReplayOptions())
+    return run_replay(replay_request(What(megatron_capture)))
 
 
 @pytest.fixture(scope="session")
@@ -106,7 +108,7 @@ def deepseek_capture(deepseek_checkpoints: dict[str, Path], tmp_path_factory: py
     two gloo processes, spiked at step 6. Shared: copy before editing."""
     from megatron_trainer import train
 
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
     from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
     root = tmp_path_factory.mktemp("deepseek-capture") / "checkpoints" / "spike_snapshots"

@@ -106,6 +106,14 @@ def forward_backward(rank: int, world: int, payload: tuple[Any, ...]) -> None:
     torch.save({"logprobs": result.logprobs.detach(), "routes": result.routes, "grads": grads}, Path(out))
 
 
+def forward_backward_each(rank: int, world: int, payloads: list[tuple[Any, ...]]) -> None:
+    """`forward_backward` of each payload in turn, in this one process: one megatron-core import and start for
+    several models (each build resets the RNG tracker and seeds afresh, so each gives what a process of its own
+    gives)."""
+    for payload in payloads:
+        forward_backward(rank, world, payload)
+
+
 def trace_layers(model: Any) -> list[int]:
     from axrl_spike_replay.models.mcore.megatron_policy import routers
 

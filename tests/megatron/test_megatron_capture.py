@@ -15,7 +15,8 @@ from megatron_trainer import load_hook
 
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.experiment.result import ReplayResult
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import What, Where, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
 from axrl_spike_replay.snapshot.legacy import prepare_replay_dir
 from axrl_spike_replay.snapshot.rank_data import load_routing_payload
@@ -70,9 +71,11 @@ def test_a_legacy_megatron_snapshot_is_repaired_and_replays(megatron_capture: Pa
     assert found.legacy_metadata and found.problems == [] and found.megatron is not None
     prepared = prepare_replay_dir(legacy, tmp_path / "replay")
     assert json.loads((Path(prepared.replay_dir) / "metadata.json").read_text()) == written_by_megatron
-    result = run_replay(legacy, ReplayOptions())
+    result = run_replay(replay_request(What(legacy)))
     assert result.verdict == "reproduced" and result.legacy_layout
-    native = run_replay(legacy, ReplayOptions(backend=Backend.MEGATRON))  # dist_checkpointing.load reads it
+    native = run_replay(
+        replay_request(What(legacy), Where(backend=Backend.MEGATRON))
+    )  # dist_checkpointing.load reads it
     assert native.verdict == "reproduced" and native.legacy_layout
     assert json.loads((legacy / "metadata.json").read_text())["job_name"] == "megatron-ep2"  # untouched
 
@@ -120,5 +123,5 @@ def test_a_saved_layout_the_shards_contradict_is_refused_before_any_replay(
     for rank_file in ("batch_rank1.pt", "grad_info_rank1.pt", "routing_payload_rank1.pt"):
         (snapshot / rank_file).unlink()  # one data-parallel rank under TP=2 x 2 processes
     with pytest.raises(SnapshotError, match=r"saved in 1 tensor-parallel shards but the snapshot's layout says tp=2"):
-        run_replay(snapshot, ReplayOptions())
+        run_replay(replay_request(What(snapshot)))
     assert any("tp=2" in p for p in inspect_snapshot(snapshot).problems)

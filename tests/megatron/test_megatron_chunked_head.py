@@ -9,26 +9,38 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_helpers import forward_backward, left_padded_batch
+from megatron_helpers import forward_backward_each, left_padded_batch
 
 SAME = 1e-6
 
 
-@pytest.mark.parametrize("router", [0.0, 0.1])
-def test_the_chunked_head_is_the_gpt_models_whole_head(
-    megatron_checkpoints: dict[str, Path], tmp_path: Path, router: float
-) -> None:
-    from axrl_spike_replay.rank_processes import spawn_ranks
+ROUTERS = (0.0, 0.1)
+
+
+@pytest.fixture(scope="module")
+def heads(megatron_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict]:
+    """{(router, chunked): the saved log-probs, routes and grads} of every router loss weight, whole head and
+    chunked, computed in one Megatron-core process (one import and start for the four; each build starts afresh)."""
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
     from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
-    batch, section = left_padded_batch(), tiny_section()
-    got = {}
-    for chunked in (False, True):
-        out = tmp_path / f"chunked-{chunked}.pt"
-        payload = (section, str(megatron_checkpoints["tp1"]), batch, str(out), None, router, chunked)
-        spawn_ranks(forward_backward, 1, payload, timeout_s=300.0, label="megatron forward")
-        got[chunked] = torch.load(out, weights_only=True)
-    whole, chunked_ = got[False], got[True]
+    batch, section, root = left_padded_batch(), tiny_section(), tmp_path_factory.mktemp("chunked-head")
+    outs = {
+        (router, chunked): root / f"router-{router}-chunked-{chunked}.pt"
+        for router in ROUTERS
+        for chunked in (False, True)
+    }
+    payloads = [
+        (section, str(megatron_checkpoints["tp1"]), batch, str(out), None, router, chunked)
+        for (router, chunked), out in outs.items()
+    ]
+    spawn_ranks(forward_backward_each, 1, payloads, timeout_s=600.0, label="megatron forward")
+    return {key: torch.load(out, weights_only=True) for key, out in outs.items()}
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_the_chunked_head_is_the_gpt_models_whole_head(heads: dict[tuple, dict], router: float) -> None:
+    whole, chunked_ = heads[(router, False)], heads[(router, True)]
     assert torch.equal(whole["routes"], chunked_["routes"])
     diff = (chunked_["logprobs"] - whole["logprobs"]).abs().max()
     assert float(diff) <= SAME * float(whole["logprobs"].abs().max())

@@ -21,13 +21,14 @@ from megatron_helpers import (
 )
 
 from axrl_spike_replay.errors import ConfigError, SnapshotError
+from axrl_spike_replay.investigation.request import How, What, Where, replay_request
 from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.mcore.megatron_weights import check_megatron_weights, expected_megatron_shapes
 from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config
-from axrl_spike_replay.rank_processes import spawn_ranks
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.processes.rank_processes import spawn_ranks
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
-from axrl_spike_replay.vocabulary import Backend
+from axrl_spike_replay.vocabulary import Backend, Shard
 
 pytestmark = pytest.mark.slow
 
@@ -154,7 +155,7 @@ def test_a_query_without_lora_maps_too(tmp_path: Path) -> None:
 
 def _check_shards(rank: int, world_size: int, payload: tuple[str, str]) -> None:
     from axrl_spike_replay.models.sharded_weights import local_rows
-    from axrl_spike_replay.replay.model_build import Placement, build_model
+    from axrl_spike_replay.replay.compute.model_build import Placement, build_model
 
     directory, report = payload
     spec = parse_model_config(tiny_section("deepseek_v3"))
@@ -186,11 +187,11 @@ def test_each_process_reads_its_rows_of_a_deepseek_checkpoint(
 def test_a_deepseek_spike_replays_on_both_routes_alike(deepseek_capture: Path, tmp_path: Path) -> None:
     """Megatron-core's own DeepSeek-V3 training at EP=2 tripped the guard; route 1 (transformers, whole and FSDP2
     sharded) and route 2 (megatron-core) reproduce the step and agree on the norm."""
-    native = run_replay(deepseek_capture, ReplayOptions(backend=Backend.MEGATRON))
+    native = run_replay(replay_request(What(deepseek_capture), Where(backend=Backend.MEGATRON)))
     assert native.verdict == "reproduced", native.verdict_basis
     assert native.rel_diff is not None and native.rel_diff < CROSS_CHECK_RTOL
     assert native.consistency is not None and native.consistency.self_consistent
-    whole = run_replay(deepseek_capture, ReplayOptions())
+    whole = run_replay(replay_request(What(deepseek_capture)))
     assert whole.verdict == "reproduced", whole.verdict_basis
     assert whole.grad_norm is not None and native.grad_norm is not None
     assert abs(whole.grad_norm - native.grad_norm) / native.grad_norm < CROSS_CHECK_RTOL
@@ -198,7 +199,9 @@ def test_a_deepseek_spike_replays_on_both_routes_alike(deepseek_capture: Path, t
     native_losses = {m["rank"]: m["loss"] for m in native.rank_metrics}
     assert losses.keys() == native_losses.keys() == {0, 1}
     assert all(abs(losses[r] - native_losses[r]) < 1e-5 * abs(native_losses[r]) for r in losses)
-    sharded = run_replay(shutil.copytree(deepseek_capture, tmp_path / "iter_0000006"), ReplayOptions(shard="on"))
+    sharded = run_replay(
+        replay_request(What(shutil.copytree(deepseek_capture, tmp_path / "iter_0000006")), how=How(shard=Shard.ON))
+    )
     assert sharded.verdict == "reproduced", sharded.verdict_basis
     assert sharded.sharded is True and whole.sharded is False
     assert sharded.grad_norm is not None
@@ -218,4 +221,4 @@ def test_a_layout_the_deepseek_shards_contradict_is_refused(deepseek_capture: Pa
     metadata["parallel"].update(tp=2, world_size=4)
     (snapshot / "axrl_metadata.json").write_text(json.dumps(metadata))
     with pytest.raises(SnapshotError, match=r"linear_proj is saved in 1 tensor-parallel shards but .* tp=2"):
-        run_replay(snapshot, ReplayOptions())
+        run_replay(replay_request(What(snapshot)))

@@ -12,25 +12,27 @@ import pytest
 from megatron_helpers import REASON
 
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
-from axrl_spike_replay.replay.attribution import attribute_spike
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import What, replay_request
+from axrl_spike_replay.replay.analyses.attribution import attribute_spike
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
-from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def capture(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The EP=2 training loop of megatron_trainer from the reference checkpoint alone, spiking at step 6."""
+def capture(megatron_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The EP=2 training loop of megatron_trainer from the reference checkpoint alone (the session's TP=1 one of
+    the same section, read only), spiking at step 6."""
     if REASON is not None:
         pytest.skip(REASON)
     from megatron_trainer import train
 
-    from axrl_spike_replay.rank_processes import spawn_ranks
-    from axrl_spike_replay.testing.megatron_checkpoints import save_layouts, tiny_section
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
+    from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
-    reference = save_layouts(tmp_path_factory.mktemp("megatron-reference"), tiny_section(), names=("tp1",))["tp1"]
+    reference = megatron_checkpoints["tp1"]
     root = tmp_path_factory.mktemp("megatron-hook-loop") / "checkpoints" / "spike_snapshots"
     section = tiny_section()
     section.pop("experts_implementation")  # as a Megatron user's model section: route 1 then takes grouped_mm
@@ -43,7 +45,7 @@ def test_the_hook_records_each_rank_s_loss_and_the_replay_checks_it(capture: Pat
     infos = [load_grad_info(capture, rank) for rank in (0, 1)]
     assert all(info["loss"] is not None and info["num_tokens"] == 92.0 for info in infos)  # 4 x 24 - 4 tokens
     assert infos[0]["loss"] != infos[1]["loss"]  # each data-parallel rank's own
-    result = run_replay(capture, ReplayOptions())
+    result = run_replay(replay_request(What(capture)))
     assert result.consistency is not None
     assert "rank_loss_vs_replay" in result.consistency.checked
     assert not [p for p in result.consistency.problems if p.name == "rank_loss_vs_replay"]

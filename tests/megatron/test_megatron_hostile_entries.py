@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import What, Where, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
 from axrl_spike_replay.vocabulary import Backend
 
@@ -74,7 +75,7 @@ def test_a_bytes_entry_that_would_run_code_is_refused_by_inspect_and_both_routes
     assert named and "whose pickle calls builtins.exec" in named[0] and "nothing in it was run" in named[0], problems
     for backend in (Backend.TORCH, Backend.MEGATRON):  # route 1, route 2
         with pytest.raises(AxrlError, match=r"linear_qkv\._extra_state/shard_0_2.*pickle calls builtins\.exec"):
-            run_replay(snapshot, ReplayOptions(backend=backend))
+            run_replay(replay_request(What(snapshot), Where(backend=backend)))
     assert not marker.exists(), "the pickle ran"
 
 
@@ -83,7 +84,7 @@ def test_megatron_core_load_reads_bytes_entries_weights_only(hostile_capture: tu
     `dist_checkpointing.load` through `snapshot.trainer_formats.megatron_load` refuses the entry in its rank process."""
     from megatron_helpers import load_gpt_rank
 
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
     from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
     snapshot, marker = hostile_capture

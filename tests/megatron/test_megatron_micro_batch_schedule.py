@@ -136,7 +136,7 @@ def _schedule(rank: int, world: int, payload: tuple[str]) -> None:
 
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_micro_batches_scale_as_megatron_cores_schedule_scales_them(tmp_path: Path) -> None:
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
 
     out = tmp_path / "figures.json"
     spawn_ranks(_schedule, 1, (str(out),), timeout_s=300.0, label="megatron schedule")

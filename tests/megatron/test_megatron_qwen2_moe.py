@@ -21,13 +21,14 @@ from megatron_helpers import (
     more_layouts,
 )
 
+from axrl_spike_replay.investigation.request import How, What, Where, replay_request
 from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.mcore.megatron_weights import check_megatron_weights, expected_megatron_shapes
 from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config
-from axrl_spike_replay.rank_processes import spawn_ranks
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.processes.rank_processes import spawn_ranks
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.testing.megatron_checkpoints import save_layouts, tiny_section
-from axrl_spike_replay.vocabulary import Backend
+from axrl_spike_replay.vocabulary import Backend, Shard
 
 pytestmark = pytest.mark.slow
 
@@ -113,11 +114,13 @@ def qwen2_capture(qwen2_checkpoints: dict[str, Path], tmp_path_factory: pytest.T
 def test_a_qwen2_moe_spike_replays_on_both_routes_alike(qwen2_capture: Path, tmp_path: Path) -> None:
     """Route 2 (megatron-core, the routes forced through its RouterReplay) and route 1 (transformers, whole and
     FSDP2-sharded) reproduce the captured step and agree on the norm within the engine's 1e-6 bar."""
-    native = run_replay(qwen2_capture, ReplayOptions(backend=Backend.MEGATRON))
+    native = run_replay(replay_request(What(qwen2_capture), Where(backend=Backend.MEGATRON)))
     assert native.verdict == "reproduced", native.verdict_basis
-    whole = run_replay(qwen2_capture, ReplayOptions())
+    whole = run_replay(replay_request(What(qwen2_capture)))
     assert whole.verdict == "reproduced", whole.verdict_basis
-    sharded = run_replay(shutil.copytree(qwen2_capture, tmp_path / "iter_0000006"), ReplayOptions(shard="on"))
+    sharded = run_replay(
+        replay_request(What(shutil.copytree(qwen2_capture, tmp_path / "iter_0000006")), how=How(shard=Shard.ON))
+    )
     assert sharded.verdict == "reproduced", sharded.verdict_basis
     assert sharded.sharded is True
     assert native.grad_norm is not None and whole.grad_norm is not None and sharded.grad_norm is not None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,9 +15,9 @@ import yaml
 
 from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.experiment.result import ReplayResult
-from axrl_spike_replay.investigation.request import What, Where, replay_request
+from axrl_spike_replay.investigation.request import How, What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.snapshot.safe_load import load_pt
 from axrl_spike_replay.vocabulary import Backend
@@ -38,8 +39,11 @@ def _rewrite(path: Path, doc: dict) -> None:
 CROSS_CHECK_RTOL = 1e-6
 
 
-def replay_with_megatron(snapshot: Path, **options: object) -> ReplayResult:
-    return run_replay(snapshot, ReplayOptions(backend=Backend.MEGATRON, **options))  # type: ignore[arg-type]
+def replay_with_megatron(
+    snapshot: Path, mitigations: dict[str, Any] | None = None, nproc: int | None = None
+) -> ReplayResult:
+    where = Where(backend=Backend.MEGATRON)
+    return run_replay(replay_request(What(snapshot, mitigations=mitigations or {}), where, How(nproc=nproc)))
 
 
 def test_route_2_reproduces_the_step_and_agrees_with_route_1(
@@ -77,7 +81,7 @@ def test_no_route_sentinels_take_the_current_router_on_both_routes(megatron_capt
         _rewrite(path, doc)
     assert int((load_rank_routes(snapshot, 0).routed_experts < 0).sum()) > 0  # type: ignore[union-attr]
     assert replay_with_megatron(snapshot).verdict == "reproduced"
-    assert run_replay(snapshot, ReplayOptions()).verdict == "reproduced"
+    assert run_replay(replay_request(What(snapshot))).verdict == "reproduced"
 
 
 def test_a_payload_that_does_not_fit_the_batch_is_refused_by_name(megatron_capture: Path, tmp_path: Path) -> None:
@@ -90,7 +94,7 @@ def test_a_payload_that_does_not_fit_the_batch_is_refused_by_name(megatron_captu
     with pytest.raises(SnapshotError, match=r"routing_payload_rank1\.pt: the routing payload covers 8 samples x 16"):
         load_rank_routes(snapshot, 1, batch=batch)
     with pytest.raises(Exception, match=r"routing_payload_rank1\.pt"):
-        run_replay(snapshot, ReplayOptions())
+        run_replay(replay_request(What(snapshot)))
     doc["sequence_length"], doc["micro_batch_size"] = 32, 4
     doc["topk_indices"] = doc["topk_indices"][:1]  # one layer's routes for two listed layers
     _rewrite(path, doc)

@@ -21,7 +21,7 @@ from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.mcore.megatron_weights import check_megatron_weights, expected_megatron_shapes
 from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config, policy_forward
 from axrl_spike_replay.models.tiny_moe import RoutingControl
-from axrl_spike_replay.rank_processes import spawn_ranks
+from axrl_spike_replay.processes.rank_processes import spawn_ranks
 from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
 pytestmark = pytest.mark.slow

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config
-from axrl_spike_replay.rank_processes import spawn_ranks
+from axrl_spike_replay.processes.rank_processes import spawn_ranks
 
 pytestmark = pytest.mark.slow  # spawned gloo processes building transformers models
 
 
 def _check_shards(rank: int, world_size: int, payload: tuple[str, str]) -> None:
     from axrl_spike_replay.models.sharded_weights import local_rows
-    from axrl_spike_replay.replay.model_build import Placement, build_model
+    from axrl_spike_replay.replay.compute.model_build import Placement, build_model
     from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
     directory, report = payload

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.experiment.result import ReplayResult
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.vocabulary import Shard
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +29,7 @@ def test_a_sharded_replay_reproduces_the_whole_model_replay(
     megatron_capture: Path, megatron_route1_replay: ReplayResult
 ) -> None:
     whole = megatron_route1_replay  # shard auto: the tiny model fits, so whole
-    sharded = run_replay(megatron_capture, ReplayOptions(shard="on"))
+    sharded = run_replay(replay_request(What(megatron_capture), how=How(shard=Shard.ON)))
     assert whole.verdict == sharded.verdict == "reproduced", (sharded.grad_norm, sharded.recorded_grad_norm)
     assert sharded.sharded and not whole.sharded
     assert (sharded.fidelity, sharded.world_size_used) == ("full", 2)

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.experiment.mitigations import parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import parse_config
 from axrl_spike_replay.experiment.result import SweepResult
 from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.workspace.task_state import show_task
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.workspace.task_record.task_state import show_task
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_a_sweep_of_two_mitigations_on_a_megatron_snapshot(megatron_capture: Pat
     rows = show_task(workspace, JOB).experiments
     assert [row.config_id for row in rows] == ["baseline"] + [r.config_id for r in result.results]
 
-    alone = run_replay(megatron_capture, ReplayOptions(mitigations=dict(CONFIGS[0])))
+    alone = run_replay(replay_request(What(megatron_capture, mitigations=dict(CONFIGS[0]))))
     swept = result.results[0].grad_norm
     assert alone.grad_norm is not None and swept is not None
     assert abs(alone.grad_norm - swept) / swept < 1e-6  # the sweep's shared forward, the config's own replay

@@ -74,7 +74,7 @@ def _partial_replicas(rank: int, world: int, payload: tuple[dict[str, Any], str]
 def test_replicas_that_disagree_are_named_in_the_log(tmp_path: Path) -> None:
     if REASON is not None:
         pytest.skip(REASON)
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
     from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
     out = tmp_path / "said.json"
@@ -83,14 +83,12 @@ def test_replicas_that_disagree_are_named_in_the_log(tmp_path: Path) -> None:
     assert "differs between its replicas" in said and "layernorm" in said and "finalize_model_grads" in said
 
 
-def test_tp_split_parameters_merge_to_the_unsplit_norms(tmp_path: Path) -> None:
-    if REASON is not None:
-        pytest.skip(REASON)
-    from axrl_spike_replay.rank_processes import spawn_ranks
-    from axrl_spike_replay.testing.megatron_checkpoints import save_layouts, tiny_section
+def test_tp_split_parameters_merge_to_the_unsplit_norms(megatron_checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
+    from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
 
     section = tiny_section()
-    reference = save_layouts(tmp_path / "ckpt", section, names=("tp1",))["tp1"]
+    reference = megatron_checkpoints["tp1"]  # the session's TP=1 checkpoint of this section (read only)
     merged = {}
     for tp in (1, 2):
         out = tmp_path / f"tp{tp}.json"

@@ -12,7 +12,7 @@ from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.attention_kernels import KERNEL_BOUNDS, check_attention_runs, compare_to_eager
 from axrl_spike_replay.models.policy import build_policy, parse_model_config
 from axrl_spike_replay.models.tiny_moe import RoutingControl
-from axrl_spike_replay.replay.model_build import build_model
+from axrl_spike_replay.replay.compute.model_build import build_model
 from axrl_spike_replay.testing.hf_snapshot import model_section
 
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.replay.attribution import attribute_spike
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.analyses.attribution import attribute_spike
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.testing.hf_snapshot import BATCH, BURST
 
 
@@ -28,7 +29,7 @@ def test_contributions_of_an_hf_model_sum_to_its_grad_norm(hf_snapshot: Path, hf
     assert a.sum_rel_error <= 1e-4
     assert sum(s.contribution for s in a.samples) + a.router_term == pytest.approx(a.grad_norm, rel=1e-4)
     assert a.router_term != 0.0  # the routers' aux and z losses, batch-level
-    assert a.grad_norm == run_replay(hf_snapshot, ReplayOptions(nproc=1)).grad_norm
+    assert a.grad_norm == run_replay(replay_request(What(hf_snapshot), how=How(nproc=1))).grad_norm
     assert {(s.rank, s.sample) for s in a.samples[:2]} == set(BURST)
 
 

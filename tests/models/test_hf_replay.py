@@ -13,16 +13,18 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.models.architectures import ARCHITECTURES
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
+from axrl_spike_replay.vocabulary import Verb
 
 
 @pytest.mark.slow
 def test_full_replay_is_bit_identical_to_the_recorded_step(hf_snapshot: Path, warm_runner: JobRunner) -> None:
-    result = run_replay(hf_snapshot, ReplayOptions(nproc=2, runner=warm_runner))
+    result = run_replay(replay_request(What(hf_snapshot), how=How(nproc=2)), runner=warm_runner)
     assert result.fidelity == "full"
     assert result.grad_norm == result.recorded_grad_norm
     assert result.verdict == "reproduced"
@@ -31,9 +33,16 @@ def test_full_replay_is_bit_identical_to_the_recorded_step(hf_snapshot: Path, wa
 
 def test_reduced_replay_and_mitigations_on_an_hf_model(hf_snapshot: Path) -> None:
     sweep = run_sweep(
-        hf_snapshot,
-        [{"dual_clip_c": 2.0}, {"current_routing_layers": "first"}, {"routing_replay": "loss_tokens"}],
-        ReplayOptions(nproc=1),
+        replay_request(
+            What(
+                hf_snapshot,
+                verb=Verb.SWEEP,
+                configs=tuple(
+                    [{"dual_clip_c": 2.0}, {"current_routing_layers": "first"}, {"routing_replay": "loss_tokens"}]
+                ),
+            ),
+            how=How(nproc=1),
+        )
     )
     base = sweep.baseline
     assert base.fidelity == "full" and base.rel_diff is not None and base.rel_diff <= 1e-5
@@ -56,7 +65,7 @@ def test_loss_level_and_routing_mitigations_move_the_grad_norm_on_each_architect
 ) -> None:
     snapshot = record_hf_snapshot(tmp_path, architecture, world_size=2)
     configs = [{"dual_clip_c": 2.0}, {"current_routing_layers": "first"}, {"routing_replay": "loss_tokens"}]
-    sweep = run_sweep(snapshot, configs, ReplayOptions(nproc=1))
+    sweep = run_sweep(replay_request(What(snapshot, verb=Verb.SWEEP, configs=tuple(configs)), how=How(nproc=1)))
     base = sweep.baseline
     assert base.verdict == "reproduced" and base.rel_diff is not None and base.rel_diff <= 1e-5
     loss_level, first, loss_tokens = sweep.results
@@ -80,4 +89,4 @@ def test_a_model_the_engine_cannot_build_is_refused_before_anything_runs(hf_snap
     doc["model"]["architecture"] = "jamba"
     (copy / "run_config.yaml").write_text(yaml.safe_dump(doc))
     with pytest.raises(ConfigError, match="--backend command"):
-        run_replay(copy, ReplayOptions(nproc=1))
+        run_replay(replay_request(What(copy), how=How(nproc=1)))

@@ -13,8 +13,9 @@ import torch
 
 from axrl_spike_replay.capture.reference.model_choice import hf_model_section
 from axrl_spike_replay.errors import AxrlError, ConfigError, SnapshotError
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.models.policy import parse_model_config, routing_shape
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.engine import run_replay
 from hostile_snapshot import edit_routing_payload
 
 
@@ -48,12 +49,12 @@ def test_a_payload_of_the_wrong_width_or_layers_is_refused_before_any_replay(hf_
     # a finding about rank 0's input (the file named), with the experiments that replay around it
     width = r"routing_payload_rank0\.pt\): routed_experts holds 1 experts per token but the model routes to top-k 2"
     with pytest.raises(SnapshotError, match=width) as refused:
-        run_replay(hf_copy, ReplayOptions(nproc=1))
+        run_replay(replay_request(What(hf_copy), how=How(nproc=1)))
     assert "Run instead: drop_ranks=0, recompute=routes:rank0" in str(refused.value)
     (hf_copy / "routing_payload_rank0.pt").write_bytes(original)
     edit_routing_payload(hf_copy, 1, lambda d: d.__setitem__("moe_layers", [0, 7]))
     with pytest.raises(SnapshotError, match=r"routing_payload_rank1\.pt\): moe_layers names layers \[7\] the model"):
-        run_replay(hf_copy, ReplayOptions(nproc=1))
+        run_replay(replay_request(What(hf_copy), how=How(nproc=1)))
 
 
 def test_an_expert_id_past_the_routers_experts_is_refused_naming_the_file(hf_copy: Path) -> None:
@@ -62,7 +63,7 @@ def test_an_expert_id_past_the_routers_experts_is_refused_naming_the_file(hf_cop
     )
     past = r"routing_payload_rank1\.pt\): expert ids \[8\] in layer slots \[0, 1\]; the model has 8 experts per layer"
     with pytest.raises(AxrlError, match=past) as refused:
-        run_replay(hf_copy, ReplayOptions(nproc=1))
+        run_replay(replay_request(What(hf_copy), how=How(nproc=1)))
     assert "Run instead: drop_ranks=1, recompute=routes:rank1" in str(refused.value)
     assert "IndexError" not in str(refused.value) and "CUDA" not in str(refused.value)
 

@@ -12,8 +12,8 @@ import torch
 from axrl_spike_replay.capture.reference.model_choice import CAPTURE_MODELS
 from axrl_spike_replay.capture.reference.run_config import build_run_config, parse_run_config
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigation_sets import DEFAULT_SWEEP
-from axrl_spike_replay.experiment.mitigations import apply_config, check_current_layers, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigation_sets import DEFAULT_SWEEP
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, check_current_layers, parse_config
 from axrl_spike_replay.models.architectures import ARCHITECTURES
 from axrl_spike_replay.models.hf_policy import HFPolicy
 from axrl_spike_replay.models.hf_routing import find_routers

@@ -15,7 +15,7 @@ from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.models.hf_weights import load_hf_weights, safetensors_shapes
 from axrl_spike_replay.models.policy import build_policy, check_policy_weights, parse_model_config
 from axrl_spike_replay.testing.hf_snapshot import model_section
-from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
 from hostile_snapshot import edit_safetensors_header
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config
-from axrl_spike_replay.rank_processes import spawn_ranks
+from axrl_spike_replay.processes.rank_processes import spawn_ranks
 from axrl_spike_replay.testing.hf_snapshot import seeded_policy
 
 pytestmark = pytest.mark.slow  # two spawned gloo processes building a transformers model

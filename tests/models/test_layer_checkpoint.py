@@ -120,8 +120,8 @@ def test_a_replay_placement_checkpoints_the_layers_of_the_model_it_builds():
     rank's step the same as the plain build's."""
     from pathlib import Path
 
-    from axrl_spike_replay.replay.inputs import read_run_config
-    from axrl_spike_replay.replay.model_build import Placement, build_model
+    from axrl_spike_replay.replay.compute.model_build import Placement, build_model
+    from axrl_spike_replay.replay.reading.inputs import read_run_config
     from axrl_spike_replay.snapshot.rank_data import load_rank_batch
 
     snapshot = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from axrl_spike_replay.models.policy import parse_model_config
-from axrl_spike_replay.rank_processes import spawn_ranks
+from axrl_spike_replay.processes.rank_processes import spawn_ranks
 from axrl_spike_replay.testing.hf_snapshot import seeded_policy
 
 pytestmark = pytest.mark.slow  # spawned gloo processes building transformers models
@@ -33,7 +33,7 @@ def _save_like_verl(rank: int, world_size: int, out: str) -> None:
 
 def _check_shards(rank: int, world_size: int, payload: tuple[str, str, str]) -> None:
     from axrl_spike_replay.models.sharded_weights import local_rows
-    from axrl_spike_replay.replay.model_build import Placement, build_model
+    from axrl_spike_replay.replay.compute.model_build import Placement, build_model
 
     weights_path, empty, report = payload
     spec = parse_model_config({"kind": "hf", "architecture": "qwen3_moe", "path": weights_path})

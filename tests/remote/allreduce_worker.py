@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from axrl_spike_replay.launch_worker import worker_context, write_result
+from axrl_spike_replay.processes.launch_worker import worker_context, write_result
 
 
 def main() -> None:

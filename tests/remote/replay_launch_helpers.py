@@ -18,7 +18,7 @@ from axrl_spike_replay.remote.launchers.launch_job import LAUNCH_ID_ENV
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
 SNAPSHOT = FIXTURE / "checkpoints" / "spike_snapshots" / "iter_0000021"  # tiny MoE, saved world size 2
-WORKER_MODULE = "axrl_spike_replay.replay.torchrun_worker"
+WORKER_MODULE = "axrl_spike_replay.replay.jobs.torchrun_worker"
 
 
 def copy_snapshot(tmp_path: Path) -> Path:

@@ -17,15 +17,15 @@ from remote_helpers import PATCH, RECORDED, git
 
 from axrl_spike_replay.cli import main
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.experiment.mitigations import config_id, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import config_id, parse_config
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
 from axrl_spike_replay.investigation.request import ReplayRequest, What, Where, replay_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.remote.workspace_config import parse_workspace_config
 from axrl_spike_replay.vocabulary import Backend, Verdict
-from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
-from axrl_spike_replay.workspace.task_state import read_state
+from axrl_spike_replay.workspace.method_files.sweep_writeup import write_up_sweep
+from axrl_spike_replay.workspace.task_record.task_state import read_state
 
 USER_REPLAY = """\
 import argparse, json, pathlib, sys

@@ -44,7 +44,7 @@ def test_dry_run_of_a_multinode_replay_is_each_nodes_torchrun_line(
             words[words.index("--rdzv-endpoint") + 1] == "192.0.2.5:29411" and words[words.index("--nnodes") + 1] == "2"
         )
         assert f"is_host={host}" in words[words.index("--rdzv-conf") + 1]
-        assert words[-3:] == ["-m", "axrl_spike_replay.replay.torchrun_worker", "TEMP/request.json"]
+        assert words[-3:] == ["-m", "axrl_spike_replay.replay.jobs.torchrun_worker", "TEMP/request.json"]
 
 
 def test_dry_run_of_a_slurm_sweep_is_its_sbatch_line_and_batch_script(

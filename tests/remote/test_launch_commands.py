@@ -46,11 +46,11 @@ ECHO_ARGV = "import json, sys; print(json.dumps(sys.argv[1:]))"
 
 
 def test_one_node_runs_standalone_and_several_share_one_c10d_rendezvous() -> None:
-    worker = WorkerEntry(module="axrl_spike_replay.launch_worker", args=("--x", "1"))
+    worker = WorkerEntry(module="axrl_spike_replay.processes.launch_worker", args=("--x", "1"))
     alone = torchrun_argv("py", worker, "/r.json", nproc_per_node=4)
     assert alone == [
         *("py", "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4", "--standalone"),
-        *("--max-restarts", "0", "-m", "axrl_spike_replay.launch_worker", "/r.json", "--x", "1"),
+        *("--max-restarts", "0", "-m", "axrl_spike_replay.processes.launch_worker", "/r.json", "--x", "1"),
     ]
     rdzv = Rendezvous("10.0.0.5", 29400, "axrl-0123456789ab", 30.0)
     words = torchrun_argv("py", worker, "/r.json", nproc_per_node=8, nnodes=2, rendezvous=rdzv, is_host=True)

@@ -12,7 +12,7 @@ from replay_launch_helpers import SNAPSHOT
 from axrl_spike_replay.cli import build_parser
 from axrl_spike_replay.cli.remote_options import where_from_args
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.investigation.request import What, Where, replay_request
+from axrl_spike_replay.investigation.request import What, Where, launched, replay_request
 
 
 def _where(*argv: str) -> Where:
@@ -31,9 +31,9 @@ def test_the_cli_says_several_nodes_by_repeating_target_and_slurm_by_its_options
 
 def test_a_request_on_several_nodes_or_slurm_is_launched_and_bad_combinations_are_refused(tmp_path: Path) -> None:
     request = replay_request(What(SNAPSHOT), Where(targets=("a", "b")), workspace=tmp_path)
-    assert request.launched and not request.runs_here
+    assert launched(request) and not request.runs_here
     slurm = replay_request(What(SNAPSHOT), Where(slurm={"partition": "gpu", "nodes": 2}), workspace=tmp_path)
-    assert slurm.launched and slurm.where.slurm == {"partition": "gpu", "nodes": 2}
+    assert launched(slurm) and slurm.where.slurm == {"partition": "gpu", "nodes": 2}
     assert replay_request(What(SNAPSHOT), Where(targets=("a",)), workspace=tmp_path).where.target == "a"
     refused = [
         (Where(target="a", targets=("b", "c")), "not both"),

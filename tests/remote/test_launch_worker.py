@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.launch_worker import worker_context, write_result
+from axrl_spike_replay.processes.launch_worker import worker_context, write_result
 from axrl_spike_replay.remote.launchers.launch_job import request_document
 
 TORCHRUN_ENV = {

@@ -17,19 +17,19 @@ from launch_helpers import WORKER, wait_for_files, wait_until_untagged
 from replay_launch_helpers import FIXTURE
 from slurm_loopback import SlurmCluster
 
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
 from axrl_spike_replay.remote.launchers.launch_job import LaunchNode, new_launch_id
 from axrl_spike_replay.remote.launchers.launcher import Launch, LaunchStatus
 from axrl_spike_replay.remote.launchers.slurm_command import SlurmSettings
 from axrl_spike_replay.remote.launchers.slurm_launch import SlurmJob, SlurmLauncher
 from axrl_spike_replay.remote.launchers.spawn_launch import SpawnLauncher
 from axrl_spike_replay.remote.launchers.torchrun_launch import TorchrunJob, TorchrunLauncher
-from axrl_spike_replay.replay.clean_gradient import spike_bar
-from axrl_spike_replay.replay.inputs import load_inputs
-from axrl_spike_replay.replay.job_runner import run_job
-from axrl_spike_replay.replay.layout_plan import plan_layout
-from axrl_spike_replay.replay.torchrun_worker import RESULT_KIND
-from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.compute.clean_gradient import spike_bar
+from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.jobs.job_runner import run_job
+from axrl_spike_replay.replay.jobs.torchrun_worker import RESULT_KIND
+from axrl_spike_replay.replay.plans.layout_plan import plan_layout
+from axrl_spike_replay.replay.reading.inputs import load_inputs
 
 SNAPSHOT = FIXTURE / "checkpoints" / "spike_snapshots" / "iter_0000020"
 

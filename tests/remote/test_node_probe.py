@@ -64,40 +64,28 @@ def test_a_missing_interpreter_is_reported_not_fatal(asyncssh_server: LoopbackSe
     assert any("/nonexistent/python did not run" in note for note in report.notes)
 
 
-def test_the_node_verb_prints_one_json_document(asyncssh_server: LoopbackServer, tmp_path: Path) -> None:
+def test_the_node_verb_prints_one_json_document(asyncssh_server: LoopbackServer, tmp_path: Path, cli) -> None:
     (tmp_path / "spike-replay.yaml").write_text(
         f"targets:\n  gpu-a:\n    ssh: {json.dumps(asyncssh_server.spec())}\n    python: {sys.executable}\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "axrl_spike_replay", "node", "gpu-a", "--workspace", str(tmp_path), "--json"],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
-    doc = json.loads(done.stdout)
+    done = cli("node", "gpu-a", "--workspace", tmp_path, "--json")  # the CLI's main, in this process
+    assert done.code == 0, done.err
+    doc = done.json()
     assert doc["target"] == "gpu-a" and doc["gpu_count"] == 0 and doc["package_importable"]
-    people = subprocess.run(
-        [sys.executable, "-m", "axrl_spike_replay", "node", "gpu-a", "--workspace", str(tmp_path)],
-        capture_output=True,
-        text=True,
-    )
-    assert "GPUs               none (nvidia-smi not found)" in people.stdout
+    people = cli("node", "gpu-a", "--workspace", tmp_path)
+    assert "GPUs               none (nvidia-smi not found)" in people.out
 
 
-def test_the_node_verb_refuses_an_unknown_host_without_a_traceback(asyncssh_server: LoopbackServer, tmp_path) -> None:
+def test_the_node_verb_refuses_an_unknown_host_without_a_traceback(
+    asyncssh_server: LoopbackServer, tmp_path, cli
+) -> None:
     spec = asyncssh_server.spec(known_hosts=tmp_path / "empty_known_hosts")
-    done = subprocess.run(
-        [sys.executable, "-m", "axrl_spike_replay", "node", spec, "--json"], capture_output=True, text=True
-    )
-    assert done.returncode == 2 and done.stdout == ""
-    assert "is not in known_hosts" in done.stderr and "SHA256:" in done.stderr and "Traceback" not in done.stderr
-    accepted = subprocess.run(
-        [sys.executable, "-m", "axrl_spike_replay", "node", spec, "--accept-new-host-key", "--json"],
-        capture_output=True,
-        text=True,
-    )
-    assert accepted.returncode == 0, accepted.stderr
-    assert any("new host key recorded" in n for n in json.loads(accepted.stdout)["notes"])
+    done = cli("node", spec, "--json")  # the CLI's main, in this process: an exception would fail the test
+    assert done.code == 2 and done.out == ""
+    assert "is not in known_hosts" in done.err and "SHA256:" in done.err and "Traceback" not in done.err
+    accepted = cli("node", spec, "--accept-new-host-key", "--json")
+    assert accepted.code == 0, accepted.err
+    assert any("new host key recorded" in n for n in accepted.json()["notes"])
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 from remote_helpers import remote_processes, wait_until_gone
 from ssh_loopback import LoopbackServer, TcpProxy
 
-from axrl_spike_replay.atomic import current_umask
+from axrl_spike_replay.files.atomic import current_umask
 from axrl_spike_replay.remote.transport.connect import ConnectSettings
 from axrl_spike_replay.remote.transport.local_session import LocalSession
 from axrl_spike_replay.remote.transport.session import open_session

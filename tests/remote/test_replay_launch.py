@@ -25,17 +25,18 @@ from replay_launch_helpers import (
 from ssh_loopback import SSHD, LoopbackServer, OpenSshServer, TcpProxy, write_known_hosts
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.request.request_parts import MAX_REPEAT
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
-from axrl_spike_replay.investigation.request import MAX_REPEAT, How, What, Where, replay_request
+from axrl_spike_replay.investigation.request import How, What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.remote.launchers.launch_job import LaunchNode
 from axrl_spike_replay.remote.launchers.replay_launch import LaunchedRunner, Placement
-from axrl_spike_replay.replay.clean_gradient import spike_bar
-from axrl_spike_replay.replay.inputs import load_inputs
-from axrl_spike_replay.replay.job_runner import run_job
-from axrl_spike_replay.replay.layout_plan import plan_layout
-from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.compute.clean_gradient import spike_bar
+from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.jobs.job_runner import run_job
+from axrl_spike_replay.replay.plans.layout_plan import plan_layout
+from axrl_spike_replay.replay.reading.inputs import load_inputs
 
 pytestmark = pytest.mark.slow
 CONFIGS = [{"advantage_clip": 0.5}, {"drop_samples": "1:0"}, {"routing_replay": "off", "kl_coef": 0.02}]

@@ -16,8 +16,9 @@ from slurm_loopback import DOWN_PARTITION, SlurmCluster
 from ssh_loopback import LoopbackServer
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.experiment.request.request_parts import MAX_REPEAT
 from axrl_spike_replay.experiment.result import ReplayResult
-from axrl_spike_replay.investigation.request import MAX_REPEAT, What, Where, replay_request
+from axrl_spike_replay.investigation.request import What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 
 pytestmark = pytest.mark.slow

@@ -173,6 +173,18 @@ def test_a_worker_that_crashes_fails_the_job_naming_its_node(openssh_server: Loo
     assert not (tmp_path / "out" / "result.json").exists()
 
 
+@pytest.fixture
+def short_graces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TERM then KILL after 1 s, not 5: the agent's process group and the sweep still need the KILL for workers
+    that ignore TERM, and the test waits a second for each, not five."""
+    from axrl_spike_replay.remote.launchers import torchrun_launch
+    from axrl_spike_replay.remote.transport import session
+
+    monkeypatch.setattr(session, "KILL_GRACE_S", 1.0)
+    monkeypatch.setattr(torchrun_launch, "SWEEP_GRACE_S", 1)
+
+
+@pytest.mark.usefixtures("short_graces")
 def test_cancel_and_timeout_end_the_job_on_every_node(openssh_server: LoopbackServer, tmp_path: Path) -> None:
     ready = tmp_path / "ready"
     ready.mkdir()
@@ -194,8 +206,8 @@ def test_cancel_and_timeout_end_the_job_on_every_node(openssh_server: LoopbackSe
         asyncio.run(cancel_it())
     assert wait_until_untagged(cancelled_id) == []
 
-    job = two_node_job(openssh_server, {"gate": str(tmp_path / "never")}, timeout_s=15.0)
-    with pytest.raises(LaunchError, match="did not finish within 15 s; it was stopped on every node"):
+    job = two_node_job(openssh_server, {"gate": str(tmp_path / "never")}, timeout_s=8.0)
+    with pytest.raises(LaunchError, match="did not finish within 8 s; it was stopped on every node"):
         asyncio.run(launch_torchrun(job, tmp_path / "t", launch_id=timed_out_id))
     assert wait_until_untagged(timed_out_id) == []
     assert not (tmp_path / "c" / "result.json").exists() and not (tmp_path / "t" / "result.json").exists()

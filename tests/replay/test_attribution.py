@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from tiny_snapshot import BURST
 
-from axrl_spike_replay.investigation.request import What, replay_request
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.attribution import attribute_spike
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.analyses.attribution import attribute_spike
+from axrl_spike_replay.replay.engine import run_replay
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_the_burst_samples_rank_on_top(tiny_attribution) -> None:
 
 
 def test_attribution_grad_norm_is_the_replayed_one(tiny_snapshot: Path, tiny_attribution) -> None:
-    replay = run_replay(tiny_snapshot, ReplayOptions(nproc=1))
+    replay = run_replay(replay_request(What(tiny_snapshot), how=How(nproc=1)))
     assert tiny_attribution.grad_norm == replay.grad_norm
     assert tiny_attribution.fidelity == "full"  # every saved rank replayed and reduced over the saved world size
 

@@ -16,7 +16,7 @@ from axrl_spike_replay.investigation.request import How, What, Where, replay_req
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, RUN_CONFIG
-from axrl_spike_replay.workspace.task_state import show_task
+from axrl_spike_replay.workspace.task_record.task_state import show_task
 from hostile_snapshot import declare_checkpoint_tensor, edit_routing_payload
 
 

@@ -13,7 +13,7 @@ import pytest
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.rank_processes import RunCancelled, check_cancel
+from axrl_spike_replay.processes.rank_processes import RunCancelled, check_cancel
 
 
 def test_cancelling_a_full_fidelity_replay_stops_its_processes(spike_snapshot: Path, tmp_path: Path) -> None:
@@ -60,7 +60,7 @@ def test_an_unset_cancel_event_does_not_stop_anything() -> None:
 
 
 def test_a_cancelled_attribution_stops_before_its_gradient_pass(spike_snapshot: Path) -> None:
-    from axrl_spike_replay.replay.attribution import attribute_spike
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
     cancel = threading.Event()
     cancel.set()

@@ -25,8 +25,8 @@ from axrl_spike_replay.training.policy_loss import local_counts, policy_loss
 from axrl_spike_replay.training.sample_masks import SampleFilter, TokenDrop, filtered_batch
 from axrl_spike_replay.training.verl_convention import response_horizon
 from axrl_spike_replay.vocabulary import Verdict
-from axrl_spike_replay.workspace.methods import list_methods
-from axrl_spike_replay.workspace.sweep_writeup import write_up_sweep
+from axrl_spike_replay.workspace.method_files.methods import list_methods
+from axrl_spike_replay.workspace.method_files.sweep_writeup import write_up_sweep
 
 if TYPE_CHECKING:
     from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult
@@ -69,12 +69,12 @@ def test_a_spike_carried_by_stored_log_probs_has_the_on_policy_gradient_as_its_c
     sweep, _ = investigated
     result = sweep.results[0]
     clean = result.clean_gradient
-    assert clean is not None and clean["reached"] is True and clean["reason"] is None
-    assert clean["recomputed"] == ["old_logprobs", "rollout_logprobs"]
+    assert clean is not None and clean.reached is True and clean.reason is None
+    assert clean.recomputed == ["old_logprobs", "rollout_logprobs"]
     assert result.median_norm is not None and result.threshold is not None
-    assert clean["bar"] == pytest.approx(result.threshold * result.median_norm)
-    assert clean["grad_norm"] < clean["bar"] and clean["ratio_to_median"] < result.threshold
-    assert clean["tokens_left_out"] == 0 and clean["passes"] == 1 and result.timings["clean_gradient"] > 0
+    assert clean.bar == pytest.approx(result.threshold * result.median_norm)
+    assert clean.grad_norm < clean.bar and clean.ratio_to_median < result.threshold
+    assert clean.tokens_left_out == 0 and clean.passes == 1 and result.timings["clean_gradient"] > 0
     # the full fix: the ratio against the trainer's own old log-probs, which are the on-policy ones here
     old_base = _by_change(sweep)[str(OLD_BASE)]
     assert old_base.cosine_to_clean == pytest.approx(1.0, abs=1e-4)
@@ -87,7 +87,7 @@ def test_cleared_methods_that_keep_the_healthy_direction_score_above_the_unmitig
     results = _by_change(investigated[0])
     no_op = results[str({"advantage_clip": 1e6})]
     assert no_op.clean_gradient is not None
-    baseline_cosine = no_op.clean_gradient["baseline_cosine"]
+    baseline_cosine = no_op.clean_gradient.baseline_cosine
     assert no_op.cosine_to_clean == pytest.approx(baseline_cosine, rel=1e-9)
     assert abs(baseline_cosine) < 0.1  # the spike all but hides the healthy gradient
     for change in (TIS, OLD_BASE):
@@ -122,10 +122,10 @@ def test_a_spike_no_minority_of_tokens_carries_is_reported_as_not_reached(
     result = run_request(replay_request(What(snapshot, mitigations={"balance_negative_advantages": True})))
     assert result.verdict == Verdict.CLEARED
     clean = result.clean_gradient
-    assert clean is not None and clean["reached"] is False
-    assert "not carried by a minority of loss tokens" in clean["reason"]
-    assert clean["tokens_left_out"] == clean["loss_tokens"] // 2  # the cap
-    assert clean["grad_norm"] >= clean["bar"]
+    assert clean is not None and clean.reached is False
+    assert "not carried by a minority of loss tokens" in clean.reason
+    assert clean.tokens_left_out == clean.loss_tokens // 2  # the cap
+    assert clean.grad_norm >= clean.bar
 
 
 @pytest.mark.parametrize("name", list(CONVENTIONS))

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.cli import main
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 
 
 def test_replay_json_prints_the_result_file(spike_snapshot: Path, workspace: Path, capsys) -> None:
@@ -110,7 +111,7 @@ def test_a_one_process_replay_runs_in_the_calling_process(spike_snapshot: Path, 
     def progress(line: str) -> None:
         children_seen.append(len({child.pid for child in multiprocessing.active_children()} - before))
 
-    result = run_replay(spike_snapshot, ReplayOptions(nproc=nproc, progress=progress))
+    result = run_replay(replay_request(What(spike_snapshot), how=How(nproc=nproc), progress=progress))
     assert result.verdict == "reproduced" and children_seen
     assert any(children_seen) is spawns, children_seen
 

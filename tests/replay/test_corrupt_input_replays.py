@@ -24,7 +24,7 @@ import torch
 from axrl_spike_replay.capture.fault_injection.faults import make_fault
 from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
-from axrl_spike_replay.replay.input_checks import inspect_with_inputs
+from axrl_spike_replay.replay.reading.input_checks import inspect_with_inputs
 from axrl_spike_replay.testing.fault_matrix import burst_snapshots
 from hostile_snapshot import edit_routing_payload
 

@@ -13,10 +13,10 @@ from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
 from axrl_spike_replay.cli.replay_commands import render_attribution
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
 from axrl_spike_replay.experiment.result import Attribution
-from axrl_spike_replay.investigation.request import What, replay_request
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.workspace.signals import summarise_attribution
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.workspace.method_files.signals import summarise_attribution
 
 OLD = "max_abs_log_ratio"
 NEW = "max_abs_log_ratio_current_vs_base"
@@ -90,8 +90,10 @@ def test_the_batch_analysis_names_its_figures_old_vs_rollout(spike_snapshot: Pat
 
 
 def test_a_replays_rank_metrics_name_the_base_their_log_ratio_is_taken_against(tiny_snapshot: Path) -> None:
-    rollout = run_replay(tiny_snapshot, ReplayOptions(nproc=1))  # the tiny snapshot's ratio is against rollout
-    old = run_replay(tiny_snapshot, ReplayOptions(nproc=1, mitigations={"is_base_logprobs": "old"}))
+    rollout = run_replay(
+        replay_request(What(tiny_snapshot), how=How(nproc=1))
+    )  # the tiny snapshot's ratio is against rollout
+    old = run_replay(replay_request(What(tiny_snapshot, mitigations={"is_base_logprobs": "old"}), how=How(nproc=1)))
     for result, base, other in ((rollout, "rollout", "old"), (old, "old", "rollout")):
         for metrics in result.rank_metrics:
             assert metrics[f"max_abs_log_ratio_current_vs_{base}"] >= 0.0

@@ -20,9 +20,10 @@ import pytest
 import torch
 from tiny_snapshot import LOSS, record_tiny_snapshot, step_grad_norm
 
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
 from axrl_spike_replay.experiment.result import ReplayResult
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY, GlobalCounts
@@ -78,7 +79,7 @@ def captures(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[s
 
 
 def replay(snapshot: Path, nproc: int, mitigations: dict[str, Any] | None = None) -> ReplayResult:
-    result = run_replay(snapshot, ReplayOptions(nproc=nproc, mitigations=mitigations or {}))
+    result = run_replay(replay_request(What(snapshot, mitigations=mitigations or {}), how=How(nproc=nproc)))
     assert result.grad_norm is not None, result.error
     return result
 

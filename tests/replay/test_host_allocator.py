@@ -1,4 +1,4 @@
-"""A replay process gives the tensors it frees back to the system (`replay.host_allocator`): layer-sized tensors
+"""A replay process gives the tensors it frees back to the system (`replay.compute.host_allocator`): layer-sized tensors
 freed after a larger one would otherwise stay in the process's resident memory under glibc's rising threshold."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 PROBE = textwrap.dedent(
     """
     import sys, torch
-    from axrl_spike_replay.replay.host_allocator import return_freed_host_memory
+    from axrl_spike_replay.replay.compute.host_allocator import return_freed_host_memory
 
     def resident_mib():
         for line in open("/proc/self/status"):

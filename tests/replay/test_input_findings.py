@@ -17,7 +17,7 @@ from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.experiment.run_dir import COMMAND_FILE
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
-from axrl_spike_replay.replay.input_checks import inspect_with_inputs
+from axrl_spike_replay.replay.reading.input_checks import inspect_with_inputs
 from axrl_spike_replay.vocabulary import Verb
 
 

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigation_catalogue import EXAMPLES
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
-from axrl_spike_replay.experiment.objective_mitigations import OBJECTIVES
-from axrl_spike_replay.replay.clean_gradient import SpikeBar
-from axrl_spike_replay.replay.inputs import load_inputs
-from axrl_spike_replay.replay.job_document import job_document, job_of_document
-from axrl_spike_replay.replay.layout_plan import plan_layout
-from axrl_spike_replay.replay.worker import WorkerJob
+from axrl_spike_replay.experiment.mitigation.mitigation_catalogue import EXAMPLES
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.mitigation.objective_mitigations import OBJECTIVES
+from axrl_spike_replay.replay.compute.clean_gradient import SpikeBar
+from axrl_spike_replay.replay.compute.worker import WorkerJob
+from axrl_spike_replay.replay.jobs.job_document import job_document, job_of_document
+from axrl_spike_replay.replay.plans.layout_plan import plan_layout
+from axrl_spike_replay.replay.reading.inputs import load_inputs
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.sample_masks import SampleFilter, TokenDrop

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 from leave_out_check import check_leave_out_invariance
 
 
@@ -27,7 +28,7 @@ def test_a_left_out_rank_contributes_nothing_with_the_policy_sharded(spike_snaps
 
 
 def test_a_left_out_rank_is_marked_and_its_loss_is_nothing(spike_snapshot: Path) -> None:
-    result = run_replay(spike_snapshot, ReplayOptions(nproc=1, mitigations={"drop_ranks": "1"}))
+    result = run_replay(replay_request(What(spike_snapshot, mitigations={"drop_ranks": "1"}), how=How(nproc=1)))
     left = [m for m in result.rank_metrics if m["rank"] == 1]
     assert left and left[0]["left_out"] is True and left[0]["loss"] == 0.0 and left[0]["loss_tokens"] == 0.0
     assert not result.rank_metrics[0].get("left_out")

@@ -21,13 +21,15 @@ import yaml
 from tiny_snapshot import LOSS, MODEL, record_tiny_snapshot, split_into_micro_batches
 
 from axrl_spike_replay.errors import SnapshotError
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.models.tiny_moe import TinyMoEPolicy
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.micro_batches import MicroBatch, take, take_routing
 from axrl_spike_replay.training.rank_step import global_grad_norm, rank_forward_backward
 from axrl_spike_replay.training.routing_replay import RoutingConfig, routing_control
+from axrl_spike_replay.vocabulary import Shard
 
 PROMPT = 4
 RANK_LENGTHS = (  # (prompt, response) tokens per sample, per rank: responses of 0 to 8 tokens
@@ -94,7 +96,7 @@ def _rel(a: float | None, b: float) -> float:
 
 def test_the_recorded_micro_batches_replay_as_the_trainer_ran_them(snapshot: Path) -> None:
     expected = trainer_grad_norm(snapshot, SPLITS)
-    result = run_replay(snapshot, ReplayOptions())
+    result = run_replay(replay_request(What(snapshot)))
     assert _rel(result.grad_norm, expected) <= SAME, (result.grad_norm, expected)
     losses = {m["rank"]: m["loss"] for m in result.rank_metrics}
     assert set(losses) == {0, 1}, "one row per rank, its loss the micro-batches' scaled sum"
@@ -103,7 +105,7 @@ def test_the_recorded_micro_batches_replay_as_the_trainer_ran_them(snapshot: Pat
 def test_the_flattened_replay_is_not_the_trainers_step(snapshot: Path, tmp_path: Path) -> None:
     flat = with_section(snapshot, tmp_path, {"split": "whole"})
     expected = trainer_grad_norm(snapshot, SPLITS)
-    whole = run_replay(flat, ReplayOptions())
+    whole = run_replay(replay_request(What(flat)))
     assert _rel(whole.grad_norm, expected) > 0.01, "flattened: the token mean over the rank, not the trainer's"
     assert _rel(whole.grad_norm, trainer_grad_norm(snapshot, {0: (6,), 1: (6,)})) <= SAME
 
@@ -112,18 +114,18 @@ def test_sharded_replay_with_uneven_micro_batch_counts_is_the_same(snapshot: Pat
     """Two FSDP2 processes, one rank each, with 2 and 3 micro-batches: the one with fewer makes a padding pass so
     the collectives stay in step, and the gradient is the trainer's."""
     expected = trainer_grad_norm(snapshot, SPLITS)
-    result = run_replay(snapshot, ReplayOptions(nproc=2, shard="on"))
+    result = run_replay(replay_request(What(snapshot), how=How(nproc=2, shard=Shard.ON)))
     assert _rel(result.grad_norm, expected) <= SAME, (result.grad_norm, expected)
 
 
 def test_a_size_from_the_run_config_splits_each_rank(snapshot: Path, tmp_path: Path) -> None:
     sized = with_section(snapshot, tmp_path, {"split": "size", "size": 3})
-    result = run_replay(sized, ReplayOptions())
+    result = run_replay(replay_request(What(sized)))
     assert _rel(result.grad_norm, trainer_grad_norm(snapshot, {0: (3, 3), 1: (3, 3)})) <= SAME
 
 
 def test_a_reduced_replay_keeps_each_ranks_micro_batches(snapshot: Path) -> None:
-    result = run_replay(snapshot, ReplayOptions(nproc=1))
+    result = run_replay(replay_request(What(snapshot), how=How(nproc=1)))
     assert _rel(result.grad_norm, trainer_grad_norm(snapshot, SPLITS)) <= SAME
 
 
@@ -141,7 +143,7 @@ def test_a_split_the_batch_breaks_is_refused_naming_the_file_and_field(
     before = sorted(p.name for p in bad.rglob("*"))
     workspace = tmp_path / "ws"
     with pytest.raises(SnapshotError) as info:
-        run_replay(bad, ReplayOptions())
+        run_replay(replay_request(What(bad)))
     for word in words:
         assert word in str(info.value), str(info.value)
     assert sorted(p.name for p in bad.rglob("*")) == before and not workspace.exists(), "nothing written"
@@ -154,7 +156,7 @@ def test_a_recorded_split_that_does_not_tile_the_batch_is_refused(snapshot: Path
     flat = {k: torch.cat([p[k] for p in raw["micro_batches"]]) for k in raw["micro_batches"][0]}
     torch.save({**flat, "micro_batch_rows": torch.tensor([2, 2])}, path)  # 4 of its 6 sequences
     with pytest.raises(SnapshotError, match=r"batch_rank1\.pt: micro_batch_rows \[2, 2\] does not tile"):
-        run_replay(bad, ReplayOptions())
+        run_replay(replay_request(What(bad)))
 
 
 def test_an_unknown_micro_batch_setting_is_refused_naming_the_run_config(snapshot: Path, tmp_path: Path) -> None:
@@ -162,13 +164,13 @@ def test_an_unknown_micro_batch_setting_is_refused_naming_the_run_config(snapsho
 
     bad = with_section(snapshot, tmp_path, {"split": "size"})
     with pytest.raises(ConfigError, match=r"run_config\.yaml: micro_batches\.split size needs micro_batches\.size"):
-        run_replay(bad, ReplayOptions())
+        run_replay(replay_request(What(bad)))
 
 
 def test_attribution_ranks_samples_across_the_micro_batches_of_the_trainers_step(snapshot: Path) -> None:
     """Attribution computes each rank's loss micro-batch by micro-batch: its gradient is the trainer's, and the
     samples' contributions, each from its own micro-batch, add up to it."""
-    from axrl_spike_replay.replay.attribution import attribute_spike
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
     expected = trainer_grad_norm(snapshot, SPLITS)
     attribution = attribute_spike(snapshot, top=3)
@@ -180,7 +182,7 @@ def test_attribution_ranks_samples_across_the_micro_batches_of_the_trainers_step
 
 def test_sharded_attribution_refuses_ranks_of_different_micro_batch_counts(snapshot: Path) -> None:
     from axrl_spike_replay.errors import AxrlError
-    from axrl_spike_replay.replay.attribution import attribute_spike
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
     with pytest.raises(AxrlError, match="same number of micro-batches"):
         attribute_spike(snapshot, top=3, shard="on", nproc=2)
@@ -188,9 +190,9 @@ def test_sharded_attribution_refuses_ranks_of_different_micro_batch_counts(snaps
 
 def test_the_step_evidence_reads_the_trainers_rank_losses(snapshot: Path) -> None:
     """The diagnosis' loss channel splits the micro-batched loss: each rank's loss is the replay's."""
-    from axrl_spike_replay.replay.step_evidence_run import step_evidence
+    from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
 
-    replay = run_replay(snapshot, ReplayOptions())
+    replay = run_replay(replay_request(What(snapshot)))
     evidence = step_evidence(snapshot, shard="off")
     replayed = {m["rank"]: m["loss"] for m in replay.rank_metrics}
     assert evidence.channel is not None
@@ -207,14 +209,14 @@ def test_per_rank_hypotheses_and_left_out_ranks_go_through_the_same_micro_batche
 ) -> None:
     """A hypothesis scaling one rank's loss, and a rank left out, on the micro-batched step: each micro-batch of
     that rank scaled (or left out) as a whole rank's loss would be."""
-    result = run_replay(snapshot, ReplayOptions(nproc=1, mitigations=mitigations))
+    result = run_replay(replay_request(What(snapshot, mitigations=mitigations), how=How(nproc=1)))
     assert _rel(result.grad_norm, trainer_grad_norm(snapshot, SPLITS, weights)) <= SAME
 
 
 def test_the_plan_counts_one_micro_batchs_activations(snapshot: Path, tmp_path: Path) -> None:
     """The plan holds a process to one micro-batch's activations (the largest: 4 of rank 0's 6 sequences), and
     says so; flattened, it counts the whole rank's."""
-    from axrl_spike_replay.replay.replay_plan import plan_replay
+    from axrl_spike_replay.replay.plans.replay_plan import plan_replay
 
     micro = plan_replay(snapshot, nproc=1, capacity=None, shard="off")
     whole = plan_replay(with_section(snapshot, tmp_path, {"split": "whole"}), nproc=1, capacity=None, shard="off")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigations import (
+from axrl_spike_replay.experiment.mitigation.mitigations import (
     MITIGATIONS,
     apply_config,
     check_distinct,
@@ -46,7 +46,7 @@ ISSUE_NAMES = {
     "kl_estimator",
     "kl_clamp",
     "loss_scale",
-    "importance_sampling_level",  # the newer objectives (experiment/objective_mitigations.py)
+    "importance_sampling_level",  # the newer objectives (experiment/mitigation/objective_mitigations.py)
     "trl_loss_type",
     "sapo_temperatures",
     "delta",

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigation_sets import SEED_WORKFLOW_METHODS
-from axrl_spike_replay.experiment.mitigations import (
+from axrl_spike_replay.experiment.mitigation.mitigation_sets import SEED_WORKFLOW_METHODS
+from axrl_spike_replay.experiment.mitigation.mitigations import (
     apply_config,
     config_id,
     mitigation_args,
@@ -21,9 +21,9 @@ from axrl_spike_replay.experiment.mitigations import (
 from axrl_spike_replay.remote.command.command_overrides import check_concrete
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
-from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
-from axrl_spike_replay.workspace.methods import list_methods
-from axrl_spike_replay.workspace.sweep_writeup import method_name
+from axrl_spike_replay.workspace.method_files.methods import list_methods
+from axrl_spike_replay.workspace.method_files.sweep_writeup import method_name
+from axrl_spike_replay.workspace.task_record.changes import config_key, describe_change, normalise_config
 
 # Pinned: records and method files hash their configs with these; a change would orphan them.
 FIRST_KEY = "90baa3c8e99140de2945a196ad231e5e4db07d0b82c97e22a90164f23fbdb3a5"

@@ -9,15 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.models.tiny_moe import RoutingControl, TinyMoEConfig, TinyMoEPolicy
-from axrl_spike_replay.replay.engine import ReplayOptions
-from axrl_spike_replay.replay.inputs import read_run_config
+from axrl_spike_replay.replay.reading.inputs import read_run_config
 from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.snapshot.dcp.checkpoint import load_model_state
 from axrl_spike_replay.snapshot.layout import routing_payload_file
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.rank_step import rank_forward_backward
+from axrl_spike_replay.vocabulary import Verb
 
 FORCED = (3, 2)  # every token, every MoE layer: experts 3 and 2 (the current router rarely picks these)
 
@@ -80,7 +81,7 @@ def test_routing_and_weight_mitigations_change_the_forward_as_specified(forced_r
         {"current_routing_layers": [1]},
         {"initial_model": str(initial)},
     ]
-    sweep = run_sweep(forced_routes, configs, ReplayOptions(nproc=1))
+    sweep = run_sweep(replay_request(What(forced_routes, verb=Verb.SWEEP, configs=tuple(configs)), how=How(nproc=1)))
     replayed = {r.config_id: [m["loss"] for m in r.rank_metrics] for r in (sweep.baseline, *sweep.results)}
     snap = forced_routes
     expected = {

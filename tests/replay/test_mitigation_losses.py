@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
 from axrl_spike_replay.training.policy_loss import LossConfig, policy_loss
 from axrl_spike_replay.training.routing_replay import RoutingConfig
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
-from axrl_spike_replay.workspace.changes import config_key, describe_change, normalise_config
+from axrl_spike_replay.workspace.task_record.changes import config_key, describe_change, normalise_config
 
 
 @pytest.mark.parametrize("spelling", [2, 2.0, "2", "2.0", " 2 "])

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigations import load_mitigation_set, parse_config, parse_mitigation_args
+from axrl_spike_replay.experiment.mitigation.mitigations import load_mitigation_set, parse_config, parse_mitigation_args
 
 MAX_ERROR = 2000  # characters: an error says what is wrong, it does not repeat the input
 

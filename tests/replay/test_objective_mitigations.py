@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.policy_loss import policy_loss
 from axrl_spike_replay.training.routing_config import RoutingConfig

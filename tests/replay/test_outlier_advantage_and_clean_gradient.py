@@ -9,7 +9,7 @@ import pytest
 from tiny_snapshot import record_tiny_snapshot
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
 from axrl_spike_replay.experiment.result import SweepResult
 from axrl_spike_replay.experiment.verdict import MitigatedBasis
 from axrl_spike_replay.investigation.request import What, Where, replay_request
@@ -56,16 +56,16 @@ def test_dropping_the_top_sample_clears_it_and_matches_the_clean_gradient(sweep:
     assert dropped.verdict == Verdict.CLEARED
     clean = dropped.clean_gradient
     # the outlier's tokens carry the pull: leaving them out, and only them, gets under the spike bar
-    assert clean is not None and clean["left_out"] == clean["wholly_left_out"] == ["0:1"]
-    assert clean["reached"] is True and clean["ratio_to_median"] < dropped.threshold
+    assert clean is not None and clean.left_out == clean.wholly_left_out == ["0:1"]
+    assert clean.reached is True and clean.ratio_to_median < dropped.threshold
     # the reference takes the old and rollout log-probs from the forward (the on-policy gradient), the replay of
     # drop_samples the stored ones: equal up to the float32 they were stored in
-    assert clean["recomputed"] == ["old_logprobs", "rollout_logprobs"]
+    assert clean.recomputed == ["old_logprobs", "rollout_logprobs"]
     assert dropped.cosine_to_clean == pytest.approx(1.0, abs=1e-4)
     # the smallest count the search found: one token fewer is still a spike (0 left out: the on-policy gradient)
-    count = clean["tokens_left_out"]
-    assert count > 0 and clean["probe_norms"][str(count - 1)] >= clean["bar"] > clean["grad_norm"]
-    assert clean["passes"] == len(clean["probe_norms"]) + 1  # + the on-policy gradient
+    count = clean.tokens_left_out
+    assert count > 0 and clean.probe_norms[str(count - 1)] >= clean.bar > clean.grad_norm
+    assert clean.passes == len(clean.probe_norms) + 1  # + the on-policy gradient
 
 
 @pytest.mark.slow
@@ -75,12 +75,12 @@ def test_every_mitigated_replay_reports_its_footprint_and_cosine(sweep: SweepRes
         for key in ("token_fraction", "sample_fraction", "masked_token_fraction", "masked_sample_fraction"):
             assert 0.0 <= getattr(result.footprint, key) <= 1.0
         assert -1.0 <= result.cosine_to_clean <= 1.0
-        assert "definition" in (result.clean_gradient or {})
+        assert result.clean_gradient is not None and result.clean_gradient.definition
     no_op, clipped = sweep.results[2], sweep.results[3]
     assert no_op.footprint is not None and no_op.footprint.token_fraction == 0.0
     # the no-op keeps the spike: its gradient is the baseline's, far from the clean one
     assert no_op.cosine_to_clean is not None and no_op.cosine_to_clean < 0.5
-    assert no_op.cosine_to_clean == pytest.approx(no_op.clean_gradient["baseline_cosine"], rel=1e-9)
+    assert no_op.cosine_to_clean == pytest.approx(no_op.clean_gradient.baseline_cosine, rel=1e-9)
     # clipping clears it too, but bends the healthy gradient more than masking the one sample
     assert clipped.cosine_to_clean is not None and clipped.cosine_to_clean < sweep.results[0].cosine_to_clean
 
@@ -104,8 +104,8 @@ def test_a_clear_threshold_of_the_users_changes_the_verdict(outlier_snapshot: Pa
     assert "partial" in basis.rule
     # the clean gradient is cleaned under the same, stricter bar
     assert result.clean_gradient is not None and result.median_norm is not None
-    assert result.clean_gradient["bar"] == pytest.approx(strict * result.median_norm)
-    assert result.clean_gradient["ratio_to_median"] < strict
+    assert result.clean_gradient.bar == pytest.approx(strict * result.median_norm)
+    assert result.clean_gradient.ratio_to_median < strict
 
 
 def test_bad_values_are_refused_by_name() -> None:

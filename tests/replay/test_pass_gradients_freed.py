@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 from tiny_snapshot import record_tiny_snapshot
 
-from axrl_spike_replay.replay import gradient_space, worker
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.compute import gradient_space, worker
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.vocabulary import Shard
 
 
 def test_a_pass_s_gradient_is_freed_once_it_is_in_the_sum(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,7 +47,9 @@ def test_a_pass_s_gradient_is_freed_once_it_is_in_the_sum(tmp_path: Path, monkey
 
     monkeypatch.setattr(gradient_space.Whole, "backward", watched_backward)
     monkeypatch.setattr(worker, "build_model", build_and_watch)
-    result = run_replay(snapshot, ReplayOptions(nproc=1, shard="off"))  # four saved ranks, one after another
+    result = run_replay(
+        replay_request(What(snapshot), how=How(nproc=1, shard=Shard.OFF))
+    )  # four saved ranks, one after another
 
     assert result.verdict == "reproduced" and result.sharded is False
     assert len(passes) == 4 and len(alive_at_forward) == 2  # the forwards of the third and fourth ranks

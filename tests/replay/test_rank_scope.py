@@ -1,6 +1,6 @@
-"""A loss setting scoped to saved ranks (`NAME=VALUE@RANKS`, experiment.rank_scope): its spellings normalise to one
-config, it applies to the named ranks' loss only, it is a hypothesis (judged against the recording, never called a
-mitigation), and bad input is refused by name."""
+"""A loss setting scoped to saved ranks (`NAME=VALUE@RANKS`, experiment.mitigation.rank_scope): its spellings
+normalise to one config, it applies to the named ranks' loss only, it is a hypothesis (judged against the recording,
+never called a mitigation), and bad input is refused by name."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigations import (
+from axrl_spike_replay.experiment.mitigation.mitigations import (
     MITIGATIONS,
     apply_config,
     config_id,
@@ -18,12 +18,14 @@ from axrl_spike_replay.experiment.mitigations import (
     parse_config,
     parse_mitigation_args,
 )
-from axrl_spike_replay.experiment.rank_scope import REQUIRED, is_hypothesis
+from axrl_spike_replay.experiment.mitigation.rank_scope import REQUIRED, is_hypothesis
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.remote.command.command_overrides import check_concrete
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
+from axrl_spike_replay.vocabulary import Verb
 
 # every loss setting the issue names, and a plain scale of one rank's loss
 SCOPED = (
@@ -108,7 +110,7 @@ def test_the_command_backend_refuses_a_scoped_setting_by_name() -> None:
 
 def test_a_scope_naming_a_rank_the_snapshot_lacks_is_refused(spike_snapshot: Path) -> None:
     with pytest.raises(ConfigError, match="names rank 2, not in the snapshot"):
-        run_replay(spike_snapshot, ReplayOptions(nproc=1, mitigations={"kl_coef": "0.5@2"}))
+        run_replay(replay_request(What(spike_snapshot, mitigations={"kl_coef": "0.5@2"}), how=How(nproc=1)))
 
 
 @pytest.mark.slow
@@ -119,9 +121,14 @@ def test_a_hypothesis_is_judged_against_the_recording_and_on_every_rank_equals_t
     as a baseline is (against the recording), the mitigation against the baseline; `@1` alone moves rank 1's loss
     and leaves rank 0's as recorded."""
     sweep = run_sweep(
-        spike_snapshot,
-        [{"kl_coef": "0.5@0,1"}, {"kl_coef": 0.5}, {"kl_coef": "0.5@1"}],
-        ReplayOptions(nproc=1),
+        replay_request(
+            What(
+                spike_snapshot,
+                verb=Verb.SWEEP,
+                configs=tuple([{"kl_coef": "0.5@0,1"}, {"kl_coef": 0.5}, {"kl_coef": "0.5@1"}]),
+            ),
+            how=How(nproc=1),
+        )
     )
     everywhere, mitigation, one = sweep.results
     assert everywhere.grad_norm == mitigation.grad_norm

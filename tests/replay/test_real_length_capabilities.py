@@ -16,16 +16,18 @@ import pytest
 import torch
 from tiny_snapshot import LOSS, record_tiny_snapshot, split_into_micro_batches
 
-from axrl_spike_replay.experiment.mitigations import apply_config
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.models.policy import routing_shape
-from axrl_spike_replay.replay.attribution import _gradient_pass, attribute_spike
-from axrl_spike_replay.replay.engine import ReplayOptions, replay_dir_for, run_replay
-from axrl_spike_replay.replay.inputs import load_inputs
-from axrl_spike_replay.replay.model_build import Placement, build_model
-from axrl_spike_replay.replay.rank_micro_batches import rank_forward, rank_loss_of
-from axrl_spike_replay.replay.replay_plan import Capacity, plan_replay
-from axrl_spike_replay.replay.step_evidence_run import step_evidence
-from axrl_spike_replay.replay.worker import RankInputs, config_loss, step_counts
+from axrl_spike_replay.replay.analyses.attribution import _gradient_pass, attribute_spike
+from axrl_spike_replay.replay.analyses.rank_micro_batches import rank_forward, rank_loss_of
+from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
+from axrl_spike_replay.replay.compute.model_build import Placement, build_model
+from axrl_spike_replay.replay.compute.worker import RankInputs, config_loss, step_counts
+from axrl_spike_replay.replay.engine import replay_dir_for, run_replay
+from axrl_spike_replay.replay.plans.replay_plan import Capacity, plan_replay
+from axrl_spike_replay.replay.reading.inputs import load_inputs
+from axrl_spike_replay.vocabulary import Shard, Verb
 
 SAME = 1e-6
 PROMPT = 4
@@ -143,9 +145,9 @@ def test_checkpointing_runs_under_shard_off_where_the_plan_or_the_request_says(s
     assert plain is not None and ckpt is not None and ckpt.checkpointed and not plain.checkpointed
     assert ckpt.memory.peak < plain.memory.peak
     between = Capacity("test", "cpu", 1, (ckpt.memory.peak + plain.memory.peak) // 2, "between the two peaks")
-    base = run_replay(snapshot, ReplayOptions(nproc=1, shard="off", checkpoint=False))
-    planned = run_replay(snapshot, ReplayOptions(nproc=1, shard="off", capacity=between))
-    asked = run_replay(snapshot, ReplayOptions(nproc=1, shard="off", checkpoint=True))
+    base = run_replay(replay_request(What(snapshot), how=How(nproc=1, shard=Shard.OFF)), checkpoint=False)
+    planned = run_replay(replay_request(What(snapshot), how=How(nproc=1, shard=Shard.OFF)), capacity=between)
+    asked = run_replay(replay_request(What(snapshot), how=How(nproc=1, shard=Shard.OFF)), checkpoint=True)
     assert "checkpointed" in (planned.shard_reason or "") and "as requested" in (asked.shard_reason or "")
     assert "checkpointed" not in (base.shard_reason or "").replace("not checkpointed", "")
     assert base.grad_norm is not None
@@ -160,8 +162,14 @@ def test_a_checkpointed_sweep_shares_its_forward_and_equals_the_plain_one(snapsh
     from axrl_spike_replay.replay.sweep import run_sweep
 
     configs = [{"advantage_clip": 0.5}, {"entropy_coef": 0.0}, {"routing_replay": "off"}]
-    plain = run_sweep(snapshot, configs, ReplayOptions(nproc=1, shard="off", checkpoint=False))
-    ckpt = run_sweep(snapshot, configs, ReplayOptions(nproc=1, shard="off", checkpoint=True))
+    plain = run_sweep(
+        replay_request(What(snapshot, verb=Verb.SWEEP, configs=tuple(configs)), how=How(nproc=1, shard=Shard.OFF)),
+        checkpoint=False,
+    )
+    ckpt = run_sweep(
+        replay_request(What(snapshot, verb=Verb.SWEEP, configs=tuple(configs)), how=How(nproc=1, shard=Shard.OFF)),
+        checkpoint=True,
+    )
     assert plain.baseline.grad_norm is not None and ckpt.baseline.grad_norm is not None
     assert _rel(ckpt.baseline.grad_norm, plain.baseline.grad_norm) <= SAME
     assert len(plain.results) == len(ckpt.results) == 3

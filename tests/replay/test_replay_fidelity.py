@@ -16,10 +16,11 @@ from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.replay.sweep import run_sweep
-from axrl_spike_replay.workspace.task_state import show_task
+from axrl_spike_replay.vocabulary import Verb
+from axrl_spike_replay.workspace.task_record.task_state import show_task
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_full_fidelity_reproduces_the_recorded_grad_norm(full_replay: tuple[Repl
 def test_no_mitigation_replay_is_bit_identical_to_training(captured_run, warm_runner: JobRunner) -> None:
     worst = captured_run.snapshot_dirs[captured_run.spike_ratios.index(max(captured_run.spike_ratios))]
     # captured here, replayed here, at the saved world size
-    result = run_replay(worst, ReplayOptions(nproc=2, runner=warm_runner))
+    result = run_replay(replay_request(What(worst), how=How(nproc=2)), runner=warm_runner)
     assert result.fidelity == "full"
     assert result.grad_norm == result.recorded_grad_norm
     assert result.rel_diff == 0.0
@@ -74,7 +75,7 @@ def test_outputs_land_in_the_workspace_tmp_dir(full_replay: tuple[ReplayResult, 
 def test_one_process_replaying_both_saved_ranks_is_full_fidelity(spike_snapshot: Path) -> None:
     """Every saved rank replayed (in turn, by one process): the same data-parallel mean, full fidelity, held to the
     looser tolerance of its summation order (1e-5)."""
-    result = run_replay(spike_snapshot, ReplayOptions(nproc=1))
+    result = run_replay(replay_request(What(spike_snapshot), how=How(nproc=1)))
     assert result.fidelity == "full"
     assert (result.world_size_saved, result.world_size_used) == (2, 1)
     assert result.rel_diff is not None and result.rel_diff <= 1e-5
@@ -83,8 +84,13 @@ def test_one_process_replaying_both_saved_ranks_is_full_fidelity(spike_snapshot:
 
 
 def test_every_way_of_running_the_baseline_gives_the_same_bits(spike_snapshot: Path) -> None:
-    replay = run_replay(spike_snapshot, ReplayOptions(nproc=1))
-    sweep = run_sweep(spike_snapshot, [{"clip_eps_low": 0.2, "clip_eps_high": 0.2}], ReplayOptions(nproc=1))
+    replay = run_replay(replay_request(What(spike_snapshot), how=How(nproc=1)))
+    sweep = run_sweep(
+        replay_request(
+            What(spike_snapshot, verb=Verb.SWEEP, configs=tuple([{"clip_eps_low": 0.2, "clip_eps_high": 0.2}])),
+            how=How(nproc=1),
+        )
+    )
     assert sweep.baseline.grad_norm == replay.grad_norm
     restated = sweep.results[0]  # the saved values, restated as a "mitigation"
     assert restated.grad_norm == replay.grad_norm
@@ -93,7 +99,7 @@ def test_every_way_of_running_the_baseline_gives_the_same_bits(spike_snapshot: P
 
 def test_legacy_snapshot_replays_without_being_touched(legacy_snapshot: Path) -> None:
     before = {p.name: p.read_bytes() for p in legacy_snapshot.iterdir()}
-    result = run_replay(legacy_snapshot, ReplayOptions(nproc=1))
+    result = run_replay(replay_request(What(legacy_snapshot), how=How(nproc=1)))
     assert result.legacy_layout is True
     assert result.verdict == "reproduced" and result.rel_diff <= 1e-5
     assert {p.name: p.read_bytes() for p in legacy_snapshot.iterdir()} == before

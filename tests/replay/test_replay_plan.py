@@ -15,9 +15,9 @@ from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.models.policy import build_policy, parse_model_config
-from axrl_spike_replay.replay.inputs import read_run_config
-from axrl_spike_replay.replay.process_memory import model_facts, process_memory
-from axrl_spike_replay.replay.replay_plan import GIB, Capacity, PlanRefused, parameter_count, plan_replay
+from axrl_spike_replay.replay.compute.process_memory import model_facts, process_memory
+from axrl_spike_replay.replay.plans.replay_plan import GIB, Capacity, PlanRefused, parameter_count, plan_replay
+from axrl_spike_replay.replay.reading.inputs import read_run_config
 from axrl_spike_replay.testing.config_only_snapshot import DEEPSEEK_V3, QWEN3_30B_A3B, write_config_only_snapshot
 from axrl_spike_replay.vocabulary import Shard
 
@@ -166,7 +166,7 @@ def test_plan_against_a_slurm_entry_from_its_gpus_per_node(tmp_path: Path, capsy
 def test_a_sharded_process_counts_what_fsdp2_gathers(tmp_path: Path) -> None:
     """Qwen3-30B-A3B sharded over 64: its shards, the root's own parameters (the final norm: embeddings and head
     are units of their own), and in the backward three of its largest unit at once."""
-    from axrl_spike_replay.replay.process_memory import process_memory
+    from axrl_spike_replay.replay.compute.process_memory import process_memory
 
     qwen = write_config_only_snapshot(tmp_path / "qwen", "qwen3_moe", QWEN3_30B_A3B, world_size=64, batch=1, seq=1024)
     facts = model_facts(parse_model_config(read_run_config(qwen)["model"]))

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.replayed_param_norms import check_replayed_param_norms, plain_name
 from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot
@@ -48,7 +49,7 @@ def _record_as_if_trained(snapshot: Path, grad_norm: float, losses: dict[int, fl
 def test_an_honest_snapshot_matches_parameter_by_parameter(
     spike_snapshot: Path, nproc: int, warm_runner: JobRunner
 ) -> None:
-    result = run_replay(spike_snapshot, ReplayOptions(nproc=nproc, runner=warm_runner))
+    result = run_replay(replay_request(What(spike_snapshot), how=How(nproc=nproc)), runner=warm_runner)
     assert result.verdict == "reproduced"
     assert result.consistency is not None and "param_grad_norms_vs_replay" in result.consistency.checked
     assert result.consistency.self_consistent, result.consistency.problems
@@ -57,10 +58,10 @@ def test_an_honest_snapshot_matches_parameter_by_parameter(
 def test_a_tampered_advantage_with_forged_norms_is_a_named_problem(snapshot_copy: Callable[[], Path]) -> None:
     snap = snapshot_copy()
     _edit(snap / "batch_rank0.pt", lambda b: b["advantages"].__setitem__(1, b["advantages"][1] * 3.0))
-    tampered = run_replay(snap, ReplayOptions(nproc=1))
+    tampered = run_replay(replay_request(What(snap), how=How(nproc=1)))
     _record_as_if_trained(snap, tampered.grad_norm, {m["rank"]: m["loss"] for m in tampered.rank_metrics})
 
-    result = run_replay(snap, ReplayOptions(nproc=1))
+    result = run_replay(replay_request(What(snap), how=How(nproc=1)))
 
     assert result.verdict == "reproduced"  # the global norm alone is fooled, and the static checks pass
     consistency = result.consistency
@@ -81,7 +82,7 @@ def test_one_edited_parameter_norm_is_named(snapshot_copy: Callable[[], Path]) -
         snap / "grad_info_rank1.pt",
         lambda i: i["param_grad_norms"].__setitem__("head.weight", i["param_grad_norms"]["head.weight"] * 1.01),
     )
-    consistency = run_replay(snap, ReplayOptions(nproc=1)).consistency
+    consistency = run_replay(replay_request(What(snap), how=How(nproc=1))).consistency
     assert consistency is not None
     [problem] = consistency.problems
     assert problem.figures["differing"] == 1 and problem.figures["worst"][0]["name"] == "head.weight"

@@ -1,12 +1,16 @@
 """A replay result's sub-records are typed, and a result file written by an earlier version still reads: a footprint
 without the later fractions gets them from its counts, a consistency without the later fields takes their defaults,
-and a verdict basis of a shape no kind has stays the JSON object it was and is written back so."""
+a verdict basis of a shape no kind has stays the JSON object it was and is written back so, and a clean gradient of
+any version is written back byte for byte, in the file and in a tool's reply."""
 
 from __future__ import annotations
 
 import json
 
-from axrl_spike_replay.experiment.result import Footprint, ReplayResult
+import pydantic_core
+from pydantic import TypeAdapter
+
+from axrl_spike_replay.experiment.result import CleanGradient, Footprint, ReplayResult
 from axrl_spike_replay.experiment.verdict import BaselineBasis, HypothesisBasis, MitigatedBasis, basis_from_json
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.snapshot.consistency import Consistency, ConsistencyProblem
@@ -65,3 +69,38 @@ def test_each_kind_of_verdict_basis_is_typed_and_a_shape_of_none_stays_as_read()
         assert json.dumps(again["verdict_basis"]) == json.dumps(basis)
         assert again["precision"] == {"param_dtype": "float32", "reduce_dtype": "float32", "output_dtype": None,
                                       "source": "run_config"}  # fmt: skip
+
+
+# the clean gradient as the engine writes it today: found by a search, and the baseline already under the bar (no
+# probes, no token counts); and as results written before the token definition kept it (samples only)
+SEARCHED = {"left_out": ["0:1", "1:3"], "wholly_left_out": ["0:1"], "tokens_left_out": 5, "loss_tokens": 40,
+            "token_share_left_out": 0.125, "share_left_out": 0.97, "reached": True, "reason": None, "bar": 14.55,
+            "grad_norm": 3.1, "ratio_to_median": 1.07, "baseline_cosine": 0.12, "passes": 4,
+            "probe_norms": {"2": 30.0, "4": 17.5, "5": 3.1}, "recomputed": ["old_logprobs", "rollout_logprobs"],
+            "definition": "the baseline gradient without ..."}  # fmt: skip
+UNDER_THE_BAR = {"left_out": [], "wholly_left_out": [], "tokens_left_out": 0, "share_left_out": 0.0, "reached": True,
+                 "reason": None, "bar": 14.55, "grad_norm": 3.0, "ratio_to_median": 1.03, "baseline_cosine": 1.0,
+                 "passes": 0, "definition": "d"}  # fmt: skip
+EARLY = {"left_out": ["0:1"], "share_left_out": 0.93, "reached_share": 0.9, "grad_norm": 2.5, "baseline_cosine": 0.2}
+
+
+def test_a_clean_gradient_of_every_version_is_typed_and_written_back_byte_for_byte() -> None:
+    reply: TypeAdapter[ReplayResult] = TypeAdapter(ReplayResult)  # what an MCP tool's structured reply holds
+    for clean in (SEARCHED, UNDER_THE_BAR, EARLY):
+        text = json.dumps({**RESULT, "clean_gradient": clean})
+        result = ReplayResult.from_json(json.loads(text))
+        assert isinstance(result.clean_gradient, CleanGradient)
+        written = json.dumps(to_jsonable(result))  # a whole result file, as the engine writes it
+        assert json.dumps(json.loads(written)["clean_gradient"]) == json.dumps(clean)
+        assert json.dumps(to_jsonable(ReplayResult.from_json(json.loads(written)))) == written
+        assert json.dumps(reply.dump_python(result, mode="json")["clean_gradient"]) == json.dumps(clean)
+        text_reply = json.loads(pydantic_core.to_json(result, fallback=str))  # a tool's text block
+        assert json.dumps(text_reply["clean_gradient"]) == json.dumps(clean)
+    searched = ReplayResult.from_json({**RESULT, "clean_gradient": SEARCHED}).clean_gradient
+    assert searched is not None and searched.probe_norms == {"2": 30.0, "4": 17.5, "5": 3.1} and searched.reached
+    assert searched.describe().startswith("the on-policy gradient (the stored old logprobs and rollout logprobs")
+    early = CleanGradient.from_json(EARLY)
+    assert early.tokens_left_out is None and early.extra == {"reached_share": 0.9}
+    assert early.describe() == "the baseline without its top-attributed samples 0:1"
+    built = CleanGradient(left_out=["0:1"], share_left_out=0.93)  # made in code: the fields it has, in their order
+    assert built.to_json() == {"left_out": ["0:1"], "share_left_out": 0.93}

@@ -17,7 +17,7 @@ from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.models.policy import routing_shape
 from axrl_spike_replay.models.tiny_moe import TinyMoEConfig
-from axrl_spike_replay.replay.route_check import check_route_shapes, check_route_values
+from axrl_spike_replay.replay.reading.route_check import check_route_shapes, check_route_values
 from axrl_spike_replay.snapshot.rank_data import RoutingPayload
 from hostile_snapshot import edit_routing_payload
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from axrl_spike_replay.replay.replay_plan import Capacity, plan_replay
-from axrl_spike_replay.replay.shard_choice import choose_shard, planned_shard
+from axrl_spike_replay.replay.plans.replay_plan import Capacity, plan_replay
+from axrl_spike_replay.replay.plans.shard_choice import choose_shard, planned_shard
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
 SNAPSHOT = FIXTURE / "checkpoints" / "spike_snapshots" / "iter_0000021"  # tiny MoE, saved world size 2

@@ -17,7 +17,7 @@ from tiny_snapshot import BURST, record_tiny_snapshot
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.result import Attribution
-from axrl_spike_replay.replay.attribution import attribute_spike
+from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
 from axrl_spike_replay.vocabulary import Shard, Verb
 
@@ -77,7 +77,7 @@ def test_a_sharded_attribution_under_an_entropy_term_matches(toy_world4: tuple[P
 def test_an_attribution_that_does_not_fit_one_process_shards_by_itself(
     toy_world4: tuple[Path, Attribution], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from axrl_spike_replay.replay import shard_choice
+    from axrl_spike_replay.replay.plans import shard_choice
 
     snapshot, whole = toy_world4
     monkeypatch.setattr(shard_choice, "available_memory_bytes", lambda: 1 << 10)  # a machine with 1 KiB free
@@ -127,7 +127,7 @@ def test_a_cancelled_sharded_attribution_stops_its_processes(toy_world4: tuple[P
     import threading
     import time
 
-    from axrl_spike_replay.rank_processes import RunCancelled
+    from axrl_spike_replay.processes.rank_processes import RunCancelled
 
     snapshot, _ = toy_world4
     before = {child.pid for child in multiprocessing.active_children()}  # the session's warm pools, if up

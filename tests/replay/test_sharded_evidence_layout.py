@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tiny_snapshot import record_tiny_snapshot
 
-from axrl_spike_replay.replay.step_evidence_run import step_evidence
+from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
 
 pytestmark = pytest.mark.slow  # three processes
 

@@ -10,7 +10,9 @@ import pytest
 import yaml
 
 from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult, capture_reference_run
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.vocabulary import Shard
 
 pytestmark = pytest.mark.slow  # a four-rank capture and two sharded replays
 
@@ -32,12 +34,12 @@ def test_the_capture_records_its_precision(fsdp4_run: CaptureResult) -> None:
 
 def test_a_world_size_4_snapshot_replays_sharded_full_on_4_and_reduced_on_2(fsdp4_run: CaptureResult) -> None:
     snapshot: Path = fsdp4_run.snapshot_dirs[0]
-    full = run_replay(snapshot, ReplayOptions(nproc=4, shard="on"))
+    full = run_replay(replay_request(What(snapshot), how=How(nproc=4, shard=Shard.ON)))
     assert full.sharded is True and full.fidelity == "full"
     assert (full.world_size_saved, full.world_size_used) == (4, 4)
     assert full.rel_diff is not None and full.rel_diff <= 1e-6 and full.verdict == "reproduced"
     assert full.precision is not None and full.precision.source == "run_config"
-    reduced = run_replay(snapshot, ReplayOptions(nproc=2, shard="on"))
+    reduced = run_replay(replay_request(What(snapshot), how=How(nproc=2, shard=Shard.ON)))
     assert reduced.sharded is True and reduced.fidelity == "full"
     assert (reduced.world_size_saved, reduced.world_size_used) == (4, 2)
     assert reduced.rel_diff is not None and reduced.rel_diff <= 1e-5 and reduced.verdict == "reproduced"

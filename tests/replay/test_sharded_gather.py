@@ -1,4 +1,4 @@
-"""A sharded replay's backward gathers one FSDP unit at a time, as the plan (`replay.process_memory`) counts it:
+"""A sharded replay's backward gathers one FSDP unit at a time, as the plan (`replay.compute.process_memory`) counts it:
 FSDP2 would otherwise prefetch the next unit's weights while the current unit computes its gradient."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from axrl_spike_replay.rank_processes import spawn_ranks
+from axrl_spike_replay.processes.rank_processes import spawn_ranks
 from axrl_spike_replay.testing.hf_snapshot import seeded_policy
 
 pytestmark = pytest.mark.slow  # spawned gloo processes building a transformers model
@@ -22,7 +22,7 @@ def _gathers_seen_in_backward(rank: int, world_size: int, payload: tuple[str, st
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
     from axrl_spike_replay.models.policy import parse_model_config, shard_units
-    from axrl_spike_replay.replay.model_build import Placement, build_model
+    from axrl_spike_replay.replay.compute.model_build import Placement, build_model
 
     hf_dir, report = payload
     spec = parse_model_config({"kind": "hf", "architecture": "qwen3_moe", "path": hf_dir})

@@ -17,9 +17,10 @@ from tiny_snapshot import record_tiny_snapshot
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.result import SweepResult
 from axrl_spike_replay.investigation.request import How, What, replay_request
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.replay.sweep import run_sweep
 from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
+from axrl_spike_replay.vocabulary import Shard, Verb
 
 pytestmark = pytest.mark.slow  # several 1-4 process replays per model: minutes on two cores
 
@@ -50,11 +51,15 @@ def _same_sweep(sharded: SweepResult, whole: SweepResult) -> None:
             assert got.footprint == want.footprint
     clean, want_clean = sharded.results[0].clean_gradient, whole.results[0].clean_gradient
     assert want_clean is not None and clean is not None
-    assert clean["left_out"] == want_clean["left_out"]
+    assert clean.left_out == want_clean.left_out
 
 
 def _sweep(snapshot: Path, nproc: int, shard: str) -> SweepResult:
-    return run_sweep(snapshot, CONFIGS, ReplayOptions(nproc=nproc, shard=shard))
+    return run_sweep(
+        replay_request(
+            What(snapshot, verb=Verb.SWEEP, configs=tuple(CONFIGS)), how=How(nproc=nproc, shard=Shard(shard))
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +112,7 @@ def test_a_sharded_transformers_sweep_gives_the_unsharded_norms_and_verdicts(
 
 def test_sharding_auto_stays_whole_when_the_model_fits(toy_world4: tuple[Path, SweepResult]) -> None:
     snapshot, whole = toy_world4
-    result = run_replay(snapshot, ReplayOptions(nproc=2))  # shard auto: a toy model fits any process
+    result = run_replay(replay_request(What(snapshot), how=How(nproc=2)))  # shard auto: a toy model fits any process
     assert result.sharded is False
     assert result.shard_reason.startswith("shard auto: the replay plan's whole-model peak")
     assert "fits (" in result.shard_reason and "this machine" in result.shard_reason
@@ -115,7 +120,7 @@ def test_sharding_auto_stays_whole_when_the_model_fits(toy_world4: tuple[Path, S
 
 
 def test_a_replay_that_does_not_fit_shards_by_itself(toy_world4: tuple[Path, SweepResult]) -> None:
-    from axrl_spike_replay.replay.replay_plan import Capacity, plan_replay
+    from axrl_spike_replay.replay.plans.replay_plan import Capacity, plan_replay
 
     snapshot, whole = toy_world4
     roomy = Capacity("a large machine", "cpu", 1, 1 << 40, "test")
@@ -126,12 +131,13 @@ def test_a_replay_that_does_not_fit_shards_by_itself(toy_world4: tuple[Path, Swe
     checkpointed = plan_replay(snapshot, nproc=2, capacity=tight, shard="off").chosen
     assert checkpointed is not None and checkpointed.checkpointed and checkpointed.per_device < need.per_device
     small = Capacity("a small machine", "cpu", 1, checkpointed.per_device - 1, "test")  # no whole process fits
-    result = run_replay(snapshot, ReplayOptions(nproc=2, capacity=small))
+    result = run_replay(replay_request(What(snapshot), how=How(nproc=2)), capacity=small)
     assert result.sharded is True
     assert "does not fit" in result.shard_reason and "a small machine" in result.shard_reason
     assert _rel(result.grad_norm, whole.baseline.grad_norm) <= REL
     kept = run_replay(
-        snapshot, ReplayOptions(nproc=2, capacity=Capacity("a large machine", "cpu", 1, need.per_device, "test"))
+        replay_request(What(snapshot), how=How(nproc=2)),
+        capacity=Capacity("a large machine", "cpu", 1, need.per_device, "test"),
     )
     assert kept.sharded is False and "fits (" in kept.shard_reason
 
@@ -148,14 +154,16 @@ def test_a_warm_pool_replays_sharded_and_keeps_its_shards_and_a_cancel_leaves_it
 ) -> None:
     import threading
 
-    from axrl_spike_replay.rank_processes import RunCancelled
-    from axrl_spike_replay.replay.warm_pool import WarmService
+    from axrl_spike_replay.processes.rank_processes import RunCancelled
+    from axrl_spike_replay.replay.jobs.warm_pool import WarmService
 
     snapshot, whole = toy_world4
     warm = WarmService()
     try:
         lines: list[str] = []
-        first = run_replay(snapshot, ReplayOptions(nproc=2, shard="on", runner=warm.run_job, progress=lines.append))
+        first = run_replay(
+            replay_request(What(snapshot), how=How(nproc=2, shard=Shard.ON), progress=lines.append), runner=warm.run_job
+        )
         [pids] = warm.pools().values()
         assert first.sharded is True and _rel(first.grad_norm, whole.baseline.grad_norm) <= REL
         assert any("sharded:" in line and "parameters here" in line for line in lines), lines
@@ -167,10 +175,12 @@ def test_a_warm_pool_replays_sharded_and_keeps_its_shards_and_a_cancel_leaves_it
 
         with pytest.raises(RunCancelled):
             run_replay(
-                snapshot,
-                ReplayOptions(nproc=2, shard="on", runner=warm.run_job, cancel=cancel, progress=cancel_once_loaded),
+                replay_request(
+                    What(snapshot), how=How(nproc=2, shard=Shard.ON), cancel=cancel, progress=cancel_once_loaded
+                ),
+                runner=warm.run_job,
             )
-        again = run_replay(snapshot, ReplayOptions(nproc=2, shard="on", runner=warm.run_job))
+        again = run_replay(replay_request(What(snapshot), how=How(nproc=2, shard=Shard.ON)), runner=warm.run_job)
         assert again.grad_norm == first.grad_norm  # the same processes and shards: bit for bit
         assert list(warm.pools().values()) == [pids]
     finally:
@@ -181,13 +191,13 @@ def test_processes_torchrun_starts_run_their_share_of_a_sharded_replay(
     toy_world4: tuple[Path, SweepResult], tmp_path: Path
 ) -> None:
     """The seam a launcher uses: a `runner` that hands the engine's job to processes torchrun started, each calling
-    `replay.job_runner.run_share`; rank 0's outcomes come back to the engine, which writes the result as usual."""
+    `replay.jobs.job_runner.run_share`; rank 0's outcomes come back to the engine, which writes the result as usual."""
     import json
     import pickle
     import subprocess
     import sys
 
-    from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+    from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
 
     snapshot, whole = toy_world4
     worker = Path(__file__).with_name("torchrun_share_worker.py")
@@ -202,7 +212,7 @@ def test_processes_torchrun_starts_run_their_share_of_a_sharded_replay(
         assert done.returncode == 0, done.stderr[-3000:]
         return [ConfigOutcome(**item) for item in json.loads(outcomes.read_text(encoding="utf-8"))]
 
-    result = run_replay(snapshot, ReplayOptions(nproc=2, shard="on", runner=torchrun))
+    result = run_replay(replay_request(What(snapshot), how=How(nproc=2, shard=Shard.ON)), runner=torchrun)
     assert result.sharded is True and result.fidelity == "full" and result.verdict == "reproduced"
     assert _rel(result.grad_norm, whole.baseline.grad_norm) <= REL
 

@@ -21,12 +21,14 @@ import torch
 from tiny_snapshot import record_tiny_snapshot
 
 from axrl_spike_replay.errors import AxrlError, SnapshotError
-from axrl_spike_replay.rank_processes import RunCancelled
-from axrl_spike_replay.replay.engine import ReplayOptions, replay_session, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.processes.rank_processes import RunCancelled
+from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob, compute
+from axrl_spike_replay.replay.engine import replay_session, run_replay
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
 from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed
-from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob, compute
 from axrl_spike_replay.snapshot.metadata import read_metadata
+from axrl_spike_replay.vocabulary import Shard
 
 SAME = 1e-6
 CONFIGS = [{"mismatch_token_clip_max": 2}, {"kl_coef": 0.1, "entropy_coef": 0.01}, {"routing_replay": "off"}]
@@ -34,7 +36,7 @@ CONFIGS = [{"mismatch_token_clip_max": 2}, {"kl_coef": 0.1, "entropy_coef": 0.01
 
 def job_of(snapshot: Path, configs: Sequence[dict[str, Any]] = ()) -> WorkerJob:
     """The job the engine makes for `snapshot` (and `configs`), every saved rank in one process."""
-    with replay_session(snapshot, ReplayOptions(shard="off"), list(configs), "replay") as session:
+    with replay_session(replay_request(What(snapshot), how=How(shard=Shard.OFF)), list(configs), "replay") as session:
         job = session.worker_job()
     return dataclasses.replace(job, assignment=(tuple(range(job.world_size)),))
 
@@ -128,7 +130,9 @@ def test_each_layer_read_once_forward_once_per_backward(tmp_path: Path) -> None:
     from axrl_spike_replay.replay.streamed import layer_weights
 
     snapshot = record_tiny_snapshot(tmp_path, world_size=2)
-    job = job_of(snapshot, CONFIGS[:2])  # one forward group: the loss changes, not the forward
+    # one forward group: the loss changes, not the forward; no spike bar, so no clean gradient is recomputed beside
+    # the mitigated configs (test_streamed_signals counts those backwards)
+    job = dataclasses.replace(job_of(snapshot, CONFIGS[:2]), spike_bar=None)
     reads: list[int] = []
     original = layer_weights.StreamedWeights.load_layer
 
@@ -150,14 +154,18 @@ def test_each_layer_read_once_forward_once_per_backward(tmp_path: Path) -> None:
 def test_engine_verdicts_match(tmp_path: Path) -> None:
     """Through the engine: the streamed replay's result is the whole replay's (grad norm, verdict, fidelity)."""
     snapshot = record_tiny_snapshot(tmp_path, world_size=2)
-    whole = run_replay(snapshot, ReplayOptions(shard="off", mitigations={"mismatch_token_clip_max": 2}))
-    streamed = run_replay(snapshot, ReplayOptions(shard="streamed", mitigations={"mismatch_token_clip_max": 2}))
+    whole = run_replay(
+        replay_request(What(snapshot, mitigations={"mismatch_token_clip_max": 2}), how=How(shard=Shard.OFF))
+    )
+    streamed = run_replay(
+        replay_request(What(snapshot, mitigations={"mismatch_token_clip_max": 2}), how=How(shard=Shard.STREAMED))
+    )
     assert streamed.verdict == whole.verdict and streamed.fidelity == whole.fidelity == "full"
     assert whole.grad_norm is not None and streamed.grad_norm is not None
     assert close(whole.grad_norm, streamed.grad_norm)
     assert streamed.shard_reason.startswith("shard streamed")
-    base = run_replay(snapshot, ReplayOptions(shard="streamed"))
-    assert base.verdict == "reproduced" and base.consistency == run_replay(snapshot, ReplayOptions()).consistency
+    base = run_replay(replay_request(What(snapshot), how=How(shard=Shard.STREAMED)))
+    assert base.verdict == "reproduced" and base.consistency == run_replay(replay_request(What(snapshot))).consistency
 
 
 def _without(snapshot: Path, out: Path, drop: str) -> Path:
@@ -196,7 +204,7 @@ def test_missing_layer_entry_refused_before_the_forward(tmp_path: Path) -> None:
     with pytest.raises(SnapshotError, match="decoder layer 1"):
         compute_streamed(dataclasses.replace(job, replay_dir=str(broken)))
     with pytest.raises(AxrlError, match=r"blocks\.1\.qkv\.weight"):  # the engine's own input checks refuse it too
-        run_replay(broken, ReplayOptions(shard="streamed"))
+        run_replay(replay_request(What(broken), how=How(shard=Shard.STREAMED)))
 
 
 def test_short_layer_entry_refused_naming_the_layer(tmp_path: Path) -> None:
@@ -238,19 +246,24 @@ def test_cancel_and_timeout_leave_no_spill_dir(tmp_path: Path) -> None:
     cancel2 = threading.Event()
     cancel2.set()
     with pytest.raises(AxrlError):
-        run_replay(snapshot, ReplayOptions(shard="streamed", cancel=cancel2, stream=StreamSettings(0, str(run_dir))))
+        run_replay(
+            replay_request(What(snapshot), how=How(shard=Shard.STREAMED), cancel=cancel2),
+            stream=StreamSettings(0, str(run_dir)),
+        )
     assert not run_dir.exists() or not any(run_dir.iterdir())
 
 
 _FULL_DISK = """
 import dataclasses, json, os, sys
-from axrl_spike_replay.replay.engine import ReplayOptions, replay_session
+from axrl_spike_replay.replay.engine import replay_session
 from axrl_spike_replay.replay.streamed.boundaries import SpillDirFull
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
 from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.vocabulary import Shard
 
 mount, snapshot = sys.argv[1], sys.argv[2]
-with replay_session(snapshot, ReplayOptions(shard="off"), [], "replay") as session:
+with replay_session(replay_request(What(snapshot), how=How(shard=Shard.OFF)), [], "replay") as session:
     job = session.worker_job()
 job = dataclasses.replace(job, assignment=(tuple(range(job.world_size)),))
 try:
@@ -275,8 +288,8 @@ def test_spill_dir_that_fills_up_stops_cleanly(tmp_path: Path) -> None:
 
 
 def test_plan_has_a_streamed_row_and_auto_streams_only_when_nothing_else_fits(tmp_path: Path) -> None:
-    from axrl_spike_replay.replay.replay_plan import Capacity, plan_replay
-    from axrl_spike_replay.replay.shard_choice import choose_shard
+    from axrl_spike_replay.replay.plans.replay_plan import Capacity, plan_replay
+    from axrl_spike_replay.replay.plans.shard_choice import choose_shard
 
     snapshot = record_tiny_snapshot(tmp_path, world_size=2)
     roomy = plan_replay(snapshot, capacity=Capacity("here", "cpu", 1, 8 << 30, "test"))
@@ -306,11 +319,18 @@ def test_streamed_refusals_name_the_argument(tmp_path: Path) -> None:
     from axrl_spike_replay.vocabulary import Shard, Verb
 
     snapshot = record_tiny_snapshot(tmp_path, world_size=2)
-    with pytest.raises(ConfigError, match="attribution is not computed streamed") as refused:
-        replay_request(What(snapshot=snapshot, verb=Verb.ATTRIBUTE), how=How(shard=Shard.STREAMED))
-    assert refused.value.parameter == "shard"
+    replay_request(What(snapshot=snapshot, verb=Verb.ATTRIBUTE), how=How(shard=Shard.STREAMED))  # streamed too
+    with pytest.raises(ConfigError, match="one process") as refused:
+        replay_request(What(snapshot=snapshot, verb=Verb.ATTRIBUTE), how=How(shard=Shard.STREAMED, nproc=2))
+    assert refused.value.parameter == "nproc"
     with pytest.raises(ConfigError, match="at most 2 processes, not 3") as refused:
-        run_replay(snapshot, ReplayOptions(shard="streamed", nproc=3))
+        run_replay(replay_request(What(snapshot), how=How(shard=Shard.STREAMED, nproc=3)))
+    assert refused.value.parameter == "nproc"
+    lines: list[str] = []
+    mitigated = What(snapshot, mitigations={"mismatch_token_clip_max": 2})
+    with pytest.raises(ConfigError, match="does not compute the clean gradient") as refused:
+        run_replay(replay_request(mitigated, how=How(shard=Shard.STREAMED, nproc=2), progress=lines.append))
+    assert not any("streamed" in line for line in lines)  # refused before anything ran
     assert refused.value.parameter == "nproc"
 
 
@@ -337,7 +357,7 @@ def test_mixed_precision_step_refused_by_name_before_anything_runs(tmp_path: Pat
     (snapshot / "run_config.yaml").write_text(yaml.safe_dump(config))
     lines: list[str] = []
     with pytest.raises(ConfigError, match=r"computes in float32.*param bfloat16") as refused:
-        run_replay(snapshot, ReplayOptions(shard="streamed", progress=lines.append))
+        run_replay(replay_request(What(snapshot), how=How(shard=Shard.STREAMED), progress=lines.append))
     assert refused.value.parameter == "shard"
     assert not any("streamed forward" in line for line in lines)
 
@@ -367,6 +387,7 @@ def test_saved_ranks_split_over_gloo_processes_is_the_one_process_replay(tmp_pat
     assert_identical(one, split)
     assert_same(compute(job, 0), split)
     assert any(line.startswith(f"process {processes - 1}: streamed") for line in lines)
+    assert any("clean gradient and cosine to clean are not computed over several" in line for line in lines)
 
 
 def test_transformers_split_over_processes_through_the_engine(tmp_path: Path) -> None:
@@ -379,8 +400,8 @@ def test_transformers_split_over_processes_through_the_engine(tmp_path: Path) ->
         snapshot = record_hf_snapshot(tmp_path, "qwen2_moe", world_size=2)
     finally:
         torch.use_deterministic_algorithms(deterministic)
-    one = run_replay(snapshot, ReplayOptions(shard="streamed"))
-    two = run_replay(snapshot, ReplayOptions(shard="streamed", nproc=2))
+    one = run_replay(replay_request(What(snapshot), how=How(shard=Shard.STREAMED)))
+    two = run_replay(replay_request(What(snapshot), how=How(shard=Shard.STREAMED, nproc=2)))
     assert two.grad_norm == one.grad_norm and two.verdict == one.verdict
 
 
@@ -406,8 +427,8 @@ def test_a_failed_read_ahead_is_raised_where_the_layer_is_needed(tmp_path: Path)
 def test_the_plan_leaves_the_read_ahead_out_where_only_that_fits(tmp_path: Path) -> None:
     """The streamed row counts one layer read ahead; on a device one byte short of that, the row fits without it,
     says so, and the engine's choice streams without it."""
-    from axrl_spike_replay.replay.replay_plan import Capacity, plan_replay
-    from axrl_spike_replay.replay.shard_choice import choose_shard
+    from axrl_spike_replay.replay.plans.replay_plan import Capacity, plan_replay
+    from axrl_spike_replay.replay.plans.shard_choice import choose_shard
 
     snapshot = record_tiny_snapshot(tmp_path, world_size=2)
     roomy = plan_replay(snapshot, capacity=Capacity("here", "cpu", 1, 8 << 30, "test"), shard="streamed").streamed

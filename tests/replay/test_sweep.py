@@ -7,16 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
 from axrl_spike_replay.experiment.result import SweepResult
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.replay.engine import ReplayOptions
-from axrl_spike_replay.replay.worker import forward_groups
+from axrl_spike_replay.replay.compute.worker import forward_groups
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.routing_replay import RoutingConfig
-from axrl_spike_replay.workspace.task_state import show_task
+from axrl_spike_replay.workspace.task_record.task_state import show_task
 
 CONFIGS = [
     {"mismatch_token_clip_max": 2},
@@ -92,7 +91,7 @@ def test_a_sweep_matches_separate_replays(spike_snapshot: Path, sweep: tuple[Swe
     from axrl_spike_replay.replay.engine import run_replay
 
     result, _ = sweep
-    alone = run_replay(spike_snapshot, ReplayOptions(nproc=1, mitigations=CONFIGS[2]))
+    alone = run_replay(replay_request(What(spike_snapshot, mitigations=CONFIGS[2]), how=How(nproc=1)))
     shared = result.results[2]
     assert shared.grad_norm == pytest.approx(alone.grad_norm, rel=1e-12)
     assert shared.verdict == alone.verdict

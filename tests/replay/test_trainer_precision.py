@@ -18,14 +18,16 @@ import yaml
 from tiny_snapshot import record_tiny_snapshot
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.precision import PrecisionPolicy
 from axrl_spike_replay.training.rank_step import rank_forward_backward
 from axrl_spike_replay.training.routing_replay import RoutingConfig, routing_control
+from axrl_spike_replay.vocabulary import Shard
 
 BF16 = {"param_dtype": "bf16", "reduce_dtype": "fp32"}
 
@@ -75,7 +77,7 @@ def bf16_snapshot(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float
     the float32 norm it was recorded with)."""
     root = tmp_path_factory.mktemp("bf16")
     snapshot = record_tiny_snapshot(root / "spike_snapshots", world_size=2)
-    fp32 = run_replay(snapshot, ReplayOptions(nproc=1)).grad_norm
+    fp32 = run_replay(replay_request(What(snapshot), how=How(nproc=1))).grad_norm
     assert fp32 is not None
     doc = _with_precision(snapshot, BF16)
     return snapshot, fsdp2_mixed_precision_norm(snapshot, doc, root), fp32
@@ -95,7 +97,7 @@ def test_a_bf16_trainer_is_replayed_in_bf16_with_fp32_reduction(
     bf16_snapshot: tuple[Path, float, float], nproc: int, shard: str, warm_runner: JobRunner
 ) -> None:
     snapshot, fsdp2_norm, fp32_norm = bf16_snapshot
-    result = run_replay(snapshot, ReplayOptions(nproc=nproc, shard=shard, runner=warm_runner))
+    result = run_replay(replay_request(What(snapshot), how=How(nproc=nproc, shard=Shard(shard))), runner=warm_runner)
     assert result.precision == PrecisionPolicy("bfloat16", "float32", None, "run_config")
     assert result.grad_norm is not None
     assert abs(result.grad_norm - fsdp2_norm) <= 1e-6 * fsdp2_norm  # FSDP2's own mixed precision, whole or sharded
@@ -103,7 +105,7 @@ def test_a_bf16_trainer_is_replayed_in_bf16_with_fp32_reduction(
 
 
 def test_a_snapshot_without_a_precision_section_replays_in_the_models_dtype(tiny_snapshot: Path) -> None:
-    result = run_replay(tiny_snapshot, ReplayOptions(nproc=1))
+    result = run_replay(replay_request(What(tiny_snapshot), how=How(nproc=1)))
     assert result.precision == PrecisionPolicy("float32", "float32", None, "model_dtype")
 
 
@@ -124,4 +126,4 @@ def test_a_bad_precision_section_is_refused_by_name(
     shutil.copytree(tiny_snapshot, copy)
     _with_precision(copy, precision)
     with pytest.raises(ConfigError, match=message):
-        run_replay(copy, ReplayOptions(nproc=1))
+        run_replay(replay_request(What(copy), how=How(nproc=1)))

@@ -16,9 +16,9 @@ import yaml
 
 from axrl_spike_replay.capture.reference.run_config import build_run_config, parse_run_config
 from axrl_spike_replay.capture.verl_loss_section import section_from_actor_config
-from axrl_spike_replay.experiment.mitigations import MITIGATIONS, apply_config, parse_config
-from axrl_spike_replay.experiment.trainer_changes import trainer_changes
-from axrl_spike_replay.experiment.trainer_settings import TRAINERS, snapshot_trainer, trainer_of
+from axrl_spike_replay.experiment.mitigation.mitigations import MITIGATIONS, apply_config, parse_config
+from axrl_spike_replay.experiment.mitigation.trainer_changes import trainer_changes
+from axrl_spike_replay.experiment.mitigation.trainer_settings import TRAINERS, snapshot_trainer, trainer_of
 from axrl_spike_replay.training.loss_config import LossConfig, rejection_options, rollout_is_setting
 from axrl_spike_replay.training.routing_config import RoutingConfig
 
@@ -49,7 +49,7 @@ SAMPLES: dict[str, Any] = {
     "kl_estimator": "low_var_kl",
     "kl_clamp": 10,
     "loss_scale": "2@1",  # per rank only: a hypothesis about one rank's loss, no trainer setting
-    "importance_sampling_level": "sequence",  # the newer objectives (experiment/objective_mitigations.py)
+    "importance_sampling_level": "sequence",  # the newer objectives (experiment/mitigation/objective_mitigations.py)
     "trl_loss_type": "sapo",
     "sapo_temperatures": "1:2",
     "delta": 1.5,

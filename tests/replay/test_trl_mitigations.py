@@ -13,7 +13,7 @@ pytest.importorskip("trl", reason="TRL is not installed (scripts/setup.sh instal
 
 from axrl_spike_replay.capture.trl_loss_section import trl_loss_config, trl_loss_section
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
 
@@ -74,7 +74,7 @@ def test_a_bad_rollout_correction_is_named() -> None:
 
 
 def test_the_command_lines_spellings_parse_as_the_yaml_ones() -> None:
-    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
 
     cli = ["delta=1.5", "importance_sampling_level=sequence", "trl_loss_type=cispo", "rollout_correction=token_mask:2"]
     assert parse_mitigation_args(cli) == parse_config(

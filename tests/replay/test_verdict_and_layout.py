@@ -18,15 +18,15 @@ from axrl_spike_replay.experiment.verdict import (
     tolerance,
     writable_problem,
 )
-from axrl_spike_replay.investigation.request import What, replay_request
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
-from axrl_spike_replay.replay.layout_plan import plan_layout
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
+from axrl_spike_replay.replay.plans.layout_plan import plan_layout
 from axrl_spike_replay.snapshot.metadata import DetectorSpec
-from axrl_spike_replay.workspace.methods import add_method
-from axrl_spike_replay.workspace.task_state import show_task
+from axrl_spike_replay.workspace.method_files.methods import add_method
+from axrl_spike_replay.workspace.task_record.task_state import show_task
 
 
 def test_baseline_is_reproduced_within_the_layouts_tolerance() -> None:
@@ -160,6 +160,6 @@ def test_a_no_op_on_a_real_spike_stays_no_effect_whatever_the_zscore_threshold(
     snapshot_copy: Callable[[], Path],
 ) -> None:
     snapshot = _with_detector(snapshot_copy(), kind="zscore", threshold=1000)
-    result = run_replay(snapshot, ReplayOptions(nproc=1, mitigations={"clip_eps_low": 0.2}))
+    result = run_replay(replay_request(What(snapshot, mitigations={"clip_eps_low": 0.2}), how=How(nproc=1)))
     assert result.threshold == 5.0 and result.change_vs_baseline == 0.0
     assert result.verdict == "no_effect"

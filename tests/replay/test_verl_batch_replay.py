@@ -20,8 +20,9 @@ import torch
 from tiny_snapshot import record_tiny_snapshot
 
 from axrl_spike_replay.experiment.result import ReplayResult
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.snapshot.fields import canonicalize_batch
 from axrl_spike_replay.snapshot.trainer_formats.verl_batch import verl_routes
 from verl_layouts import jagged_like_verl, padded_like_verl
@@ -74,8 +75,11 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def replays(layouts: dict[str, Path], mitigations: Mapping[str, Any] | None = None) -> dict[str, ReplayResult]:
-    options = ReplayOptions(nproc=1, mitigations=mitigations or {})
-    return {name: run_replay(path, options) for name, path in layouts.items()}
+    how = How(nproc=1)
+    return {
+        name: run_replay(replay_request(What(path, mitigations=mitigations or {}), how=how))
+        for name, path in layouts.items()
+    }
 
 
 def test_the_verl_layouts_read_as_our_batch(layouts: dict[str, Path]) -> None:
@@ -113,6 +117,6 @@ def test_a_mitigation_gives_the_same_verdict_in_every_layout(layouts: dict[str, 
 def test_full_fidelity_reads_the_jagged_batches_in_each_rank_process(
     layouts: dict[str, Path], warm_runner: JobRunner
 ) -> None:
-    result = run_replay(layouts["verl jagged"], ReplayOptions(nproc=2, runner=warm_runner))
+    result = run_replay(replay_request(What(layouts["verl jagged"]), how=How(nproc=2)), runner=warm_runner)
     assert result.fidelity == "full"
     assert result.grad_norm == result.recorded_grad_norm

@@ -10,8 +10,9 @@ import pytest
 import torch
 import yaml
 
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
 from axrl_spike_replay.training.loss_normalization import GRAD_INFO_KEY
 
@@ -56,14 +57,14 @@ def test_the_snapshot_records_the_convention_and_the_steps_global_counts(verl_sn
 
 @pytest.mark.slow
 def test_full_fidelity_replay_is_bit_identical(verl_snapshot: Path, warm_runner: JobRunner) -> None:
-    result = run_replay(verl_snapshot, ReplayOptions(nproc=2, runner=warm_runner))
+    result = run_replay(replay_request(What(verl_snapshot), how=How(nproc=2)), runner=warm_runner)
     assert result.fidelity == "full"
     assert result.grad_norm == result.recorded_grad_norm
 
 
 @pytest.mark.slow
 def test_reduced_replay_gets_the_global_counts_and_stays_close(verl_snapshot: Path) -> None:
-    result = run_replay(verl_snapshot, ReplayOptions(nproc=1))
+    result = run_replay(replay_request(What(verl_snapshot), how=How(nproc=1)))
     assert result.fidelity == "full"
     assert result.rel_diff is not None and result.rel_diff <= 1e-5
 
@@ -74,13 +75,13 @@ def test_a_mitigated_config_replays_alike_at_every_layout(verl_snapshot: Path, w
     # so no rejection changes the counts; test_global_normalization_replay.py has a mitigation that masks tokens,
     # and checks the replay recounts them.
     mitigation = {"ratio_outlier_mask": "token"}
-    full = run_replay(verl_snapshot, ReplayOptions(nproc=2, mitigations=mitigation, runner=warm_runner))
-    reduced = run_replay(verl_snapshot, ReplayOptions(nproc=1, mitigations=mitigation))
+    full = run_replay(replay_request(What(verl_snapshot, mitigations=mitigation), how=How(nproc=2)), runner=warm_runner)
+    reduced = run_replay(replay_request(What(verl_snapshot, mitigations=mitigation), how=How(nproc=1)))
     assert full.grad_norm is not None and reduced.grad_norm is not None
     assert abs(full.grad_norm - reduced.grad_norm) <= 1e-5 * full.grad_norm
     # the clean gradient leaves the same tokens out, recounted over both ranks, whichever process holds a rank
     clean_full, clean_reduced = full.clean_gradient, reduced.clean_gradient
-    assert clean_full is not None and clean_reduced is not None and clean_full["passes"] > 0
+    assert clean_full is not None and clean_reduced is not None and (clean_full.passes or 0) > 0
     for key in ("tokens_left_out", "loss_tokens", "left_out", "reached"):
-        assert clean_full[key] == clean_reduced[key], key
-    assert clean_reduced["grad_norm"] == pytest.approx(clean_full["grad_norm"], rel=1e-5)
+        assert getattr(clean_full, key) == getattr(clean_reduced, key), key
+    assert clean_reduced.grad_norm == pytest.approx(clean_full.grad_norm, rel=1e-5)

@@ -182,7 +182,7 @@ def test_a_symlink_or_a_socket_others_can_use_is_refused(tmp_path: Path) -> None
 
 
 def test_a_dir_of_another_user_is_refused(tmp_path: Path) -> None:
-    from axrl_spike_replay.private_files import private_dir
+    from axrl_spike_replay.files.private_files import private_dir
 
     if os.getuid() != 0:
         pytest.skip("needs root to make a dir owned by another user")

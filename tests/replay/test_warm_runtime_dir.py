@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from axrl_spike_replay.files.private_files import private_dir
 from axrl_spike_replay.investigation.warm_socket import warm_paths
-from axrl_spike_replay.private_files import private_dir
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "mcp_server"
 NOBODY = 65534

@@ -1,5 +1,5 @@
 """What a process torchrun starts runs for its share of a replay (tests/replay/test_sharded_replay.py): join the
-group torchrun's environment describes, then `replay.job_runner.run_share`.
+group torchrun's environment describes, then `replay.jobs.job_runner.run_share`.
 
 argv: the job file (a pickled WorkerJob the test itself wrote; never a file from elsewhere), the outcomes path."""
 
@@ -12,7 +12,7 @@ import sys
 def main() -> None:
     import torch.distributed as dist
 
-    from axrl_spike_replay.replay.job_runner import run_share
+    from axrl_spike_replay.replay.jobs.job_runner import run_share
 
     dist.init_process_group("gloo")  # rank, world size and the store from torchrun's environment
     try:

@@ -3,6 +3,8 @@ streamable HTTP client with or without the bearer header, and raw HTTP requests 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -17,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from unittest import mock
 
 import anyio
 import httpx2
@@ -174,3 +177,31 @@ def as_nobody() -> list[str] | None:
     except (subprocess.SubprocessError, OSError):
         return None
     return ["runuser", "-u", "nobody", "--"]
+
+
+def refused_start(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`axrl-spike-replay mcp ARGS` for a start that must be refused: run in this process (the same `main` as the
+    console script, without starting Python again), with `env` as the environment. Should it get as far as serving,
+    the test fails there instead of hanging on a server that listens."""
+    import axrl_spike_replay.server
+    from axrl_spike_replay.cli import main
+
+    def serve(*_: object, **__: object) -> None:
+        raise AssertionError(f"`mcp {' '.join(args)}` was not refused: it went on to serve")
+
+    out, err = io.StringIO(), io.StringIO()
+    term = signal.getsignal(signal.SIGTERM)  # the mcp verb sets SIGTERM's disposition for the server it starts
+    try:
+        with (
+            mock.patch.dict(os.environ, env if env is not None else {}, clear=env is not None),
+            mock.patch.object(axrl_spike_replay.server, "serve", serve),
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
+            try:
+                code = main(["mcp", *args])
+            except SystemExit as exc:  # argparse's refusals
+                code = exc.code if isinstance(exc.code, int) else 2
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    return subprocess.CompletedProcess(["mcp", *args], code, out.getvalue(), err.getvalue())

@@ -11,7 +11,7 @@ from mcp.types import CallToolResult, TextResourceContents
 from server_helpers import call, error_text, ok, with_client
 
 from axrl_spike_replay.diagnosis import FAMILIES
-from axrl_spike_replay.experiment.mitigations import MITIGATIONS
+from axrl_spike_replay.experiment.mitigation.mitigations import MITIGATIONS
 from axrl_spike_replay.server import create_server
 
 
@@ -55,7 +55,7 @@ def test_a_read_only_server_runs_no_replay_for_the_model_evidence(captured_run, 
         plain = await client.call_tool("diagnose_spike", {"snapshot": snapshot})  # auto: a small model
         refused = [
             await client.call_tool("diagnose_spike", {"snapshot": snapshot, **asked})
-            for asked in ({"model": "always"}, {"model": "auto", "nproc": 2}, {"shard": "on"})
+            for asked in ({"model": "always"}, {"model": "auto", "nproc": 2}, {"shard": "on"}, {"shard": "streamed"})
         ]
         return plain, refused
 
@@ -64,7 +64,7 @@ def test_a_read_only_server_runs_no_replay_for_the_model_evidence(captured_run, 
     assert doc["step"] is None and doc["attribution_top"] == [] and doc["routes"] is None
     assert doc["causes"][0]["family"] == "engine_mismatch"  # the static evidence still names it
     assert any("read-only" in line and "runs no replay" in line for line in doc["not_checked"])
-    for result, named in zip(refused, ("`model` always", "`nproc` 2", "`shard` on"), strict=True):
+    for result, named in zip(refused, ("`model` always", "`nproc` 2", "`shard` on", "`shard` streamed"), strict=True):
         text = error_text(result)
         assert named in text and "runs no replay" in text, text
 

@@ -11,7 +11,7 @@ from http_helpers import bearer, http_server, with_http_client
 from mcp import StdioServerParameters
 from server_helpers import JOB, SpikeOutputs, ok, server_command, with_client
 
-from axrl_spike_replay.atomic import current_umask
+from axrl_spike_replay.files.atomic import current_umask
 
 
 def _copy(workspace: Path) -> Path:

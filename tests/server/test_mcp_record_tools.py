@@ -10,7 +10,7 @@ from server_helpers import ITERATION, JOB, MEDIAN, RECORDED, SpikeOutputs, call,
 
 from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.server import create_server
-from axrl_spike_replay.workspace.task_log import record_replay
+from axrl_spike_replay.workspace.task_record.task_log import record_replay
 
 
 def _log_replay(workspace: Path, snapshot: Path, name: str, grad_norm: float, verdict: str, **changes) -> str:
@@ -134,7 +134,7 @@ def test_write_report_releases_the_tasks_copy_but_the_last_copy_only_when_asked(
 def test_a_shipped_method_reads_through_the_method_resource_unless_the_workspace_has_its_own(
     workspace: Path,
 ) -> None:
-    from axrl_spike_replay.workspace.methods import shipped_methods_dir
+    from axrl_spike_replay.workspace.method_files.methods import shipped_methods_dir
 
     shipped = shipped_methods_dir()
     assert shipped is not None

@@ -80,7 +80,7 @@ def test_attribute_spike_ranks_the_samples_and_sums_to_the_norm(spike_outputs: S
 
 
 def test_the_mitigations_resource_lists_every_name(workspace: Path) -> None:
-    from axrl_spike_replay.experiment.mitigations import MITIGATIONS
+    from axrl_spike_replay.experiment.mitigation.mitigations import MITIGATIONS
 
     page = with_client(create_server(workspace), lambda client: client.read_resource("axrl://mitigations"))
     text = page.contents[0].text

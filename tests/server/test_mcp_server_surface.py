@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from http_helpers import bearer, http_server, with_http_client
+from http_helpers import bearer, http_server, refused_start, with_http_client
 from mcp import StdioServerParameters
 from server_helpers import server_command, with_client
 
@@ -106,6 +106,6 @@ def test_streamable_http_answers_on_loopback_with_its_token(workspace: Path, tmp
 
 @pytest.mark.parametrize("port", ["0", "70000"])
 def test_mcp_refuses_a_port_that_is_not_one(port: str) -> None:
-    out = subprocess.run([*server_command(), "mcp", "--http", "--port", port], capture_output=True, text=True)
+    out = refused_start("--http", "--port", port)
     assert out.returncode == 2
     assert "--port" in out.stderr and "Traceback" not in out.stderr

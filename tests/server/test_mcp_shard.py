@@ -10,8 +10,10 @@ import pytest
 from mcp import Client
 from server_helpers import SpikeOutputs, ok, with_client
 
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
+from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.server import create_server
+from axrl_spike_replay.vocabulary import Shard
 
 
 def test_replay_and_sweep_offer_shard(workspace: Path) -> None:
@@ -31,7 +33,7 @@ def test_a_sharded_mcp_replay_gives_the_unsharded_grad_norm(spike_outputs: Spike
         return ok(await client.call_tool("replay", args))
 
     sharded = with_client(server, body)
-    whole = run_replay(spike_outputs.snapshot, ReplayOptions(nproc=1, shard="off"))
+    whole = run_replay(replay_request(What(spike_outputs.snapshot), how=How(nproc=1, shard=Shard.OFF)))
     assert sharded["sharded"] is True and whole.sharded is False
     assert whole.grad_norm is not None
     assert abs(sharded["grad_norm"] - whole.grad_norm) <= 1e-6 * whole.grad_norm
@@ -52,7 +54,7 @@ def test_attribute_spike_and_diagnose_spike_offer_shard(workspace: Path) -> None
 
 @pytest.mark.slow  # an unsharded and a two-process sharded attribution of the fixture spike
 def test_a_sharded_mcp_attribution_gives_the_unsharded_figures(spike_outputs: SpikeOutputs, workspace: Path) -> None:
-    from axrl_spike_replay.replay.attribution import attribute_spike
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
     server = create_server(workspace)
 

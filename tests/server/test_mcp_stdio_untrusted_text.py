@@ -19,7 +19,7 @@ from mcp.shared.message import SessionMessage
 from mcp.types import INVALID_PARAMS, jsonrpc_message_adapter
 from server_helpers import call, error_text, server_command
 
-from axrl_spike_replay.investigation.request import MAX_REPEAT
+from axrl_spike_replay.experiment.request.request_parts import MAX_REPEAT
 
 GUARD_S = 120.0  # a hang guard: the old server never answered; never a measured time
 
@@ -66,26 +66,43 @@ async def stdio_client_sending_any_text(workspace: Path) -> AsyncIterator[Client
             group.cancel_scope.cancel()
 
 
-@pytest.mark.parametrize(
-    ("tool", "arguments", "where"),
-    [
-        ("inspect_snapshot", {"snapshot": "iter_\ud800"}, "params.arguments.snapshot"),
-        ("replay", {"snapshot": "s", "mitigations": {"advantage_clip": "\udcff"}}, "params.arguments.mitigations"),
-        ("task_note", {"job": "j", "section": "observations", "text": ["a", "\udfff"]}, "params.arguments.text[1]"),
-    ],
-)
-def test_a_lone_surrogate_in_an_argument_gets_an_error_reply_and_the_session_goes_on(
-    workspace: Path, tool: str, arguments: dict[str, Any], where: str
-) -> None:
-    async def story() -> tuple[MCPError, list[str]]:
-        async with stdio_client_sending_any_text(workspace) as session:
-            with anyio.fail_after(GUARD_S):
-                with pytest.raises(MCPError) as refused:
-                    await session.call_tool(tool, arguments)
-                listed = await session.list_tools()  # the same session still answers
-            return refused.value, [t.name for t in listed.tools]
+CASES = [
+    ("inspect_snapshot", {"snapshot": "iter_\ud800"}, "params.arguments.snapshot"),
+    ("replay", {"snapshot": "s", "mitigations": {"advantage_clip": "\udcff"}}, "params.arguments.mitigations"),
+    ("task_note", {"job": "j", "section": "observations", "text": ["a", "\udfff"]}, "params.arguments.text[1]"),
+]
 
-    refused, tools = anyio.run(story)
+
+@pytest.fixture(scope="module")
+def replies(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[object, list[str]]]:
+    """{tool: (what its call got, an error or a result; the tools listed right after)} of one stdio session that
+    sends every case in turn: one server process for the module, each call followed by a request the same session
+    must answer."""
+    workspace = tmp_path_factory.mktemp("untrusted-text") / "workspace"
+    workspace.mkdir()
+
+    async def story() -> dict[str, tuple[object, list[str]]]:
+        got: dict[str, tuple[object, list[str]]] = {}
+        async with stdio_client_sending_any_text(workspace) as session:
+            for tool, arguments, _ in CASES:
+                with anyio.fail_after(GUARD_S):
+                    try:
+                        answer: object = await session.call_tool(tool, arguments)
+                    except MCPError as exc:
+                        answer = exc
+                    listed = await session.list_tools()  # the same session still answers
+                got[tool] = (answer, [t.name for t in listed.tools])
+        return got
+
+    return anyio.run(story)
+
+
+@pytest.mark.parametrize(("tool", "arguments", "where"), CASES)
+def test_a_lone_surrogate_in_an_argument_gets_an_error_reply_and_the_session_goes_on(
+    replies: dict[str, tuple[object, list[str]]], tool: str, arguments: dict[str, Any], where: str
+) -> None:
+    refused, tools = replies[tool]
+    assert isinstance(refused, MCPError), refused
     assert refused.error.code == INVALID_PARAMS
     assert refused.error.message.startswith(where) and "lone UTF-16 surrogate" in refused.error.message
     assert tool in tools

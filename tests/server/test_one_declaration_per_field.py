@@ -11,17 +11,19 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import pytest
+from mcp.server.mcpserver import MCPServer
 from mcp.types import TextResourceContents
 from pydantic import TypeAdapter, ValidationError
-from server_helpers import SpikeOutputs, with_client
+from server_helpers import SpikeOutputs, call, ok, with_client
 
 from axrl_spike_replay.cli import build_parser, main
 from axrl_spike_replay.cli.request_options import add_request_options, option_help, request_values
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.experiment.request.request_fields import Declared, check_declared, declare, declared_fields
 from axrl_spike_replay.investigation.request import How, ReplayRequest, What, Where, replay_request
-from axrl_spike_replay.investigation.request_fields import Declared, check_declared, declare, declared_fields
 from axrl_spike_replay.jsonable import to_jsonable
-from axrl_spike_replay.mcp_faces.shared_arguments import schema_field
+from axrl_spike_replay.mcp_faces.lean_tools import lean_tool
+from axrl_spike_replay.mcp_faces.shared_arguments import part_values, schema_field, with_declared_arguments
 from axrl_spike_replay.server import create_server
 from axrl_spike_replay.vocabulary import Verb
 
@@ -155,6 +157,23 @@ def test_an_option_declared_on_the_request_reaches_the_cli_with_no_cli_code(
     assert "--method: invalid choice: 'guess'" in err and "per_sample_backward" in err
 
 
+def test_top_params_declared_once_lists_that_many_parameters_through_both_faces(
+    spike_outputs: SpikeOutputs, workspace: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`What.top_params` is one declaration and one use in the engine: `replay --top-params` and the MCP tool's
+    `top_params` exist from it, and the result lists that many parameters, the largest grad norm first."""
+    snapshot = str(spike_outputs.snapshot)
+    listed = ok(call(workspace, "replay", {"snapshot": snapshot, "nproc": 1, "top_params": 12}))["top_params"]
+    norms = [p["grad_norm"] for p in listed]
+    assert len(listed) == 12 and norms == sorted(norms, reverse=True)
+    argv = ["replay", snapshot, "--nproc", "1", "--workspace", str(workspace), "--json"]
+    assert main([*argv, "--top-params", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["top_params"] == listed[:3]
+    assert len(ok(call(workspace, "replay", {"snapshot": snapshot, "nproc": 1}))["top_params"]) == 10  # the default
+    command = sorted(workspace.glob("tmp/spike-replay/*/*/command.txt"))
+    assert sum("--top-params 3" in c.read_text() for c in command) == 1  # the CLI line that gives the same result
+
+
 @dataclass(frozen=True, kw_only=True)
 class _NewPart:
     """A part with one field declared the way a new replay option is: nothing else is written for either face."""
@@ -191,3 +210,35 @@ def test_a_newly_declared_field_appears_in_both_faces_from_its_declaration_alone
         adapter.validate_python(9)
     with pytest.raises(ConfigError, match=r"^`warmup_steps` must be an integer from 0 to 8, got 9$"):
         check_declared(name, declaration, 9)
+
+
+def test_a_newly_declared_field_becomes_a_replay_tools_parameter_from_its_declaration_alone() -> None:
+    """The MCP face: a tool that does not list the field takes it as declared (type, bounds, summary, default) and
+    receives it for the request's part that declares it; a tool of another verb does not take it."""
+    got: list[dict[str, Any]] = []
+
+    @with_declared_arguments(Verb.REPLAY, (What, Where, How, _NewPart))
+    async def replay_like(snapshot: str, **declared: Any) -> str:
+        got.append(part_values(_NewPart, declared))
+        return snapshot
+
+    @with_declared_arguments(Verb.ATTRIBUTE, (What, Where, How, _NewPart))
+    async def attribute_like(snapshot: str, **declared: Any) -> str:
+        return snapshot
+
+    server = MCPServer("declared")
+    server.add_tool(replay_like, name="replay_like")
+    server.add_tool(attribute_like, name="attribute_like")
+
+    async def body(client: Any) -> tuple[dict[str, Any], Any, Any]:
+        tools = {t.name: lean_tool(t).input_schema for t in (await client.list_tools()).tools}  # as the server lists
+        called = await client.call_tool("replay_like", {"snapshot": "s", "warmup_steps": 3})
+        refused = await client.call_tool("replay_like", {"snapshot": "s", "warmup_steps": 9})
+        return tools, called, refused
+
+    tools, called, refused = with_client(server, body)
+    ((name, declaration, default),) = declared_fields(_NewPart)
+    _check_parameter("replay_like", tools["replay_like"], name, declaration, default)
+    assert name not in tools["attribute_like"]["properties"]
+    assert not called.is_error and got == [{"warmup_steps": 3}]
+    assert refused.is_error and got == [{"warmup_steps": 3}]  # out of the declared bounds: refused by the schema

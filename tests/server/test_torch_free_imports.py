@@ -15,9 +15,9 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "mcp_server"
 
 TORCH_FREE = [
     "axrl_spike_replay.server",
-    "axrl_spike_replay.experiment.mitigations",
-    "axrl_spike_replay.experiment.mitigation_catalogue",
-    "axrl_spike_replay.experiment.mitigation_sets",
+    "axrl_spike_replay.experiment.mitigation.mitigations",
+    "axrl_spike_replay.experiment.mitigation.mitigation_catalogue",
+    "axrl_spike_replay.experiment.mitigation.mitigation_sets",
     "axrl_spike_replay.experiment.result",
     "axrl_spike_replay.capture.reference.presets",
     "axrl_spike_replay.training.loss_config",
@@ -37,7 +37,7 @@ def test_importing_it_in_a_fresh_interpreter_does_not_import_torch(module: str) 
 
 
 def test_the_tools_schemas_describe_the_library_results_themselves(workspace: Path) -> None:
-    from axrl_spike_replay.experiment.mitigations import MITIGATIONS
+    from axrl_spike_replay.experiment.mitigation.mitigations import MITIGATIONS
     from axrl_spike_replay.server import create_server
 
     listed = with_client(create_server(workspace), lambda client: client.list_tools())

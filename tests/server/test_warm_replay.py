@@ -17,9 +17,10 @@ import pytest
 from mcp import Client, StdioServerParameters
 from server_helpers import SpikeOutputs, ok, server_command, with_client
 
-from axrl_spike_replay.rank_processes import RunCancelled
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.warm_pool import ModelCache, WarmService
+from axrl_spike_replay.investigation.request import What, replay_request
+from axrl_spike_replay.processes.rank_processes import RunCancelled
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.replay.jobs.warm_pool import ModelCache, WarmService
 from axrl_spike_replay.server import create_server
 
 
@@ -49,8 +50,8 @@ def test_warm_replays_match_a_cold_replay_bit_for_bit_on_the_same_processes(
     first, second, mitigated = with_client(server, body)
     assert len(seen[0]) == 2 and seen[0] == seen[1] == seen[2]  # one pool of two processes, kept
     assert warm.pools() == {}  # the session ended: its processes were stopped
-    cold = run_replay(spike_outputs.snapshot, ReplayOptions())
-    cold_mitigated = run_replay(spike_outputs.snapshot, ReplayOptions(mitigations={"advantage_clip": 0.5}))
+    cold = run_replay(replay_request(What(spike_outputs.snapshot)))
+    cold_mitigated = run_replay(replay_request(What(spike_outputs.snapshot, mitigations={"advantage_clip": 0.5})))
     _same_numbers(first, cold)
     _same_numbers(second, cold)
     _same_numbers(mitigated, cold_mitigated)
@@ -58,7 +59,7 @@ def test_warm_replays_match_a_cold_replay_bit_for_bit_on_the_same_processes(
 
 
 def test_a_touched_or_rewritten_weights_file_is_loaded_again(spike_outputs: SpikeOutputs) -> None:
-    from axrl_spike_replay.replay.inputs import load_inputs
+    from axrl_spike_replay.replay.reading.inputs import load_inputs
 
     snapshot = spike_outputs.snapshot
     model_cfg = load_inputs(snapshot, str(snapshot), False).model
@@ -82,7 +83,7 @@ def test_a_touched_or_rewritten_weights_file_is_loaded_again(spike_outputs: Spik
 
 
 def test_the_cache_keeps_within_its_memory_budget(spike_outputs: SpikeOutputs) -> None:
-    from axrl_spike_replay.replay.inputs import load_inputs
+    from axrl_spike_replay.replay.reading.inputs import load_inputs
 
     snapshot = spike_outputs.snapshot
     model_cfg = load_inputs(snapshot, str(snapshot), False).model
@@ -93,7 +94,7 @@ def test_the_cache_keeps_within_its_memory_budget(spike_outputs: SpikeOutputs) -
 
 
 def test_the_cache_lets_go_of_the_least_recently_used_model_first(spike_outputs: SpikeOutputs, tmp_path: Path) -> None:
-    from axrl_spike_replay.replay.inputs import load_inputs
+    from axrl_spike_replay.replay.reading.inputs import load_inputs
 
     first = spike_outputs.snapshot
     second = tmp_path / "second" / first.name  # the same weights under another dir: another cache entry
@@ -117,7 +118,7 @@ def test_the_cache_lets_go_of_the_least_recently_used_model_first(spike_outputs:
 def test_an_idle_pool_shuts_down_and_the_next_call_starts_a_fresh_one(spike_outputs: SpikeOutputs) -> None:
     warm = WarmService(idle_s=1.0)
     try:
-        first = run_replay(spike_outputs.snapshot, ReplayOptions(runner=warm.run_job))
+        first = run_replay(replay_request(What(spike_outputs.snapshot)), runner=warm.run_job)
         [pids] = warm.pools().values()
         deadline = time.monotonic() + 60
         while warm.pools() and time.monotonic() < deadline:
@@ -126,7 +127,7 @@ def test_an_idle_pool_shuts_down_and_the_next_call_starts_a_fresh_one(spike_outp
         for pid in pids:
             _wait_gone(pid)
         assert not any(_alive(pid) for pid in pids)
-        again = run_replay(spike_outputs.snapshot, ReplayOptions(runner=warm.run_job))
+        again = run_replay(replay_request(What(spike_outputs.snapshot)), runner=warm.run_job)
         [fresh] = warm.pools().values()
         assert set(fresh).isdisjoint(pids) and again.grad_norm == first.grad_norm
     finally:
@@ -137,12 +138,12 @@ def test_an_idle_pool_shuts_down_and_the_next_call_starts_a_fresh_one(spike_outp
 def test_a_killed_rank_process_is_noticed_and_the_pool_restarted(spike_outputs: SpikeOutputs) -> None:
     warm = WarmService()
     try:
-        first = run_replay(spike_outputs.snapshot, ReplayOptions(runner=warm.run_job))
+        first = run_replay(replay_request(What(spike_outputs.snapshot)), runner=warm.run_job)
         [old] = warm.pools().values()
         os.kill(old[1], signal.SIGKILL)
         _wait_gone(old[1])
         lines: list[str] = []
-        second = run_replay(spike_outputs.snapshot, ReplayOptions(runner=warm.run_job, progress=lines.append))
+        second = run_replay(replay_request(What(spike_outputs.snapshot), progress=lines.append), runner=warm.run_job)
         [new] = warm.pools().values()
         assert set(new).isdisjoint(old) and warm.restarts == 1
         assert any("restart" in line for line in lines), lines
@@ -156,7 +157,7 @@ def test_a_killed_rank_process_is_noticed_and_the_pool_restarted(spike_outputs: 
 def test_a_cancelled_warm_replay_leaves_the_pool_usable(spike_outputs: SpikeOutputs, tmp_path: Path) -> None:
     warm = WarmService()
     try:
-        expected = run_replay(spike_outputs.snapshot, ReplayOptions(runner=warm.run_job))
+        expected = run_replay(replay_request(What(spike_outputs.snapshot)), runner=warm.run_job)
         [pids] = warm.pools().values()
         cancel = threading.Event()
 
@@ -164,11 +165,11 @@ def test_a_cancelled_warm_replay_leaves_the_pool_usable(spike_outputs: SpikeOutp
             if "loaded" in line:
                 cancel.set()
 
-        options = ReplayOptions(runner=warm.run_job, cancel=cancel, progress=cancel_once_loaded)
+        request = replay_request(What(spike_outputs.snapshot), cancel=cancel, progress=cancel_once_loaded)
         with pytest.raises(RunCancelled):
-            run_replay(spike_outputs.snapshot, options)
+            run_replay(request, runner=warm.run_job)
         assert list(warm.pools().values()) == [pids]  # the same processes, still up
-        again = run_replay(spike_outputs.snapshot, ReplayOptions(runner=warm.run_job))
+        again = run_replay(replay_request(What(spike_outputs.snapshot)), runner=warm.run_job)
         assert again.grad_norm == expected.grad_norm
         assert list(warm.pools().values()) == [pids]
     finally:

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from axrl_spike_replay.experiment.mitigation_catalogue import CATALOGUE, DOCS, rendered_files
-from axrl_spike_replay.experiment.mitigations import MITIGATIONS
+from axrl_spike_replay.experiment.mitigation.mitigation_catalogue import CATALOGUE, DOCS, rendered_files
+from axrl_spike_replay.experiment.mitigation.mitigations import MITIGATIONS
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "render_mitigation_catalogue.py"

@@ -17,7 +17,7 @@ import pytest
 from axrl_spike_replay.capture.reference.presets import FAULT_FAMILIES, PRESETS
 from axrl_spike_replay.cli import build_parser
 from axrl_spike_replay.cli.capture_commands import _faults
-from axrl_spike_replay.experiment.mitigations import MITIGATIONS
+from axrl_spike_replay.experiment.mitigation.mitigations import MITIGATIONS
 
 REPO = Path(__file__).resolve().parents[2]
 EVALS = REPO / "skills" / "axrl-spike-replay" / "evals"

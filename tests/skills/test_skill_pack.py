@@ -14,7 +14,7 @@ from mcp import Client
 from axrl_spike_replay.package_data import skills_dir
 from axrl_spike_replay.server import create_server
 from axrl_spike_replay.skill_pack import list_skills, methods_block, skill_problems, with_methods_block
-from axrl_spike_replay.workspace.views import MethodEntry
+from axrl_spike_replay.workspace.task_record.views import MethodEntry
 
 SKILLS = ("axrl-spike-replay", "axrl-run-gpu-task", "axrl-copy-log-to-tmp-and-analyze")
 REPO = Path(__file__).resolve().parents[2]
@@ -83,7 +83,7 @@ def test_the_workflow_skill_names_a_tool_for_every_step() -> None:
 
 
 def test_the_mitigation_catalogue_matches_the_registry() -> None:
-    from axrl_spike_replay.experiment.mitigations import MITIGATIONS
+    from axrl_spike_replay.experiment.mitigation.mitigations import MITIGATIONS
 
     text = (skills_dir() / "axrl-spike-replay" / "references" / "mitigation-catalogue.md").read_text()
     rows = set(re.findall(r"^\| `([a-z_]+)` \|", text, flags=re.MULTILINE))

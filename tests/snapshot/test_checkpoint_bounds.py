@@ -19,7 +19,7 @@ from axrl_spike_replay.snapshot.dcp import checkpoint_entries
 from axrl_spike_replay.snapshot.dcp.checkpoint import check_checkpoint_storage, load_model_state, summarize_checkpoint
 from axrl_spike_replay.snapshot.dcp.checkpoint_tiling import tiling_problem
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
-from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
 from hostile_snapshot import set_checkpoint_chunks, write_distcp_bomb
 
 MIB = 1 << 20

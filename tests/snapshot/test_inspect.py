@@ -4,6 +4,7 @@ headers and small tensors; every inconsistency is listed under `problems`."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -220,3 +221,15 @@ def test_one_inspect_reads_each_file_and_listing_once(golden_snapshot: Path, mon
     assert len(counts["metadata"]) == 1 and len(counts["listing"]) == 1
     pt_files = sorted(str(p) for p in golden_snapshot.glob("*.pt"))
     assert sorted(counts["load_pt"]) == pt_files  # each once
+
+
+def test_a_nan_spike_is_inspected_without_false_norm_problems(tmp_path: Path) -> None:
+    """The guard's own record of a NaN step (grad norm NaN on every rank, spike ratio inf) agrees with itself."""
+    snap = write_synthetic_snapshot(tmp_path / "spike_snapshots", SyntheticSpec(iteration=21, grad_norm=float("nan")))
+    meta_file = snap / AXRL_METADATA
+    meta_file.write_text(re.sub(r'"spike_ratio": [^,}]+', '"spike_ratio": Infinity', meta_file.read_text()))
+
+    result = inspect_snapshot(snap)
+
+    assert result.grad_norm != result.grad_norm  # NaN, the spike itself
+    assert not [p for p in result.problems if "grad_norm" in p or "spike_ratio" in p], result.problems

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.atomic import current_umask
 from axrl_spike_replay.capture.snapshot_writer import rotate_snapshots
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.files.atomic import current_umask
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
 from axrl_spike_replay.snapshot.layout import PRESERVE_MARKER, PRESERVED_DIR, SNAPSHOTS_DIR
 from axrl_spike_replay.snapshot.preservation.preserve import preserve

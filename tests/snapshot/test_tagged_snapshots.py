@@ -19,7 +19,7 @@ from axrl_spike_replay.snapshot.layout import (
 from axrl_spike_replay.snapshot.listing import list_snapshots
 from axrl_spike_replay.snapshot.preservation.preserve import preserve, release
 from axrl_spike_replay.testing.synthetic_snapshot import SyntheticSpec, write_synthetic_snapshot
-from axrl_spike_replay.workspace.preserved_copies import copy_of, source_of
+from axrl_spike_replay.workspace.task_record.preserved_copies import copy_of, source_of
 
 TAGGED = "iter_0000041-20250102T030405Z-9f3a"
 

@@ -144,7 +144,7 @@ def with_counts(tokens: int, sequences: int = 8, dp_size: int = 2):
 
 
 def test_the_replay_reads_the_step_s_global_counts_from_verl_s_mini_batches(tmp_path: Path) -> None:
-    from axrl_spike_replay.replay.inputs import recorded_counts
+    from axrl_spike_replay.replay.reading.inputs import recorded_counts
     from axrl_spike_replay.training.loss_normalization import GlobalCounts
 
     snapshot = verl_snapshot(tmp_path / "counts", with_counts(24))

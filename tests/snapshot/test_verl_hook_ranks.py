@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from verl_engine_step import HOOK, optimizer_step, patched_tree, verl_root
 
-from axrl_spike_replay.rank_processes import spawn_ranks
+from axrl_spike_replay.processes.rank_processes import spawn_ranks
 from axrl_spike_replay.snapshot.metadata import read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
 

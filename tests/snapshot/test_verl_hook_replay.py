@@ -35,10 +35,11 @@ import torch
 import yaml
 
 from axrl_spike_replay.integrations import VERL_PATCH
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.models.policy import build_policy, parse_model_config, policy_forward
 from axrl_spike_replay.models.tiny_moe import RoutingControl
-from axrl_spike_replay.replay.engine import ReplayOptions, run_replay
-from axrl_spike_replay.replay.inputs import load_inputs
+from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.replay.reading.inputs import load_inputs
 from axrl_spike_replay.snapshot.consistency import check_snapshot
 from axrl_spike_replay.snapshot.fields import canonicalize_batch
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
@@ -250,7 +251,7 @@ def test_the_replay_reads_the_global_counts_verl_set_on_the_mini_batch(hook_snap
 
 
 def test_the_hook_snapshot_replays_to_verl_s_grad_norm(hook_step: HookStep) -> None:
-    result = run_replay(hook_step.snapshot, ReplayOptions(nproc=1))
+    result = run_replay(replay_request(What(hook_step.snapshot), how=How(nproc=1)))
     recorded, exact = result.recorded_grad_norm, hook_step.exact_norm
     trainer = load_grad_info(hook_step.snapshot, 0).get("trainer_grad_norm")
     print(f"hook snapshot: replayed {result.grad_norm!r}, recorded (float64) {recorded!r}, verl's clip {trainer!r}")
@@ -268,7 +269,7 @@ def test_without_the_loss_settings_the_step_does_not_reproduce(hook_snapshot: Pa
     config = yaml.safe_load((cut / "run_config.yaml").read_text(encoding="utf-8"))
     config["loss"] = {"convention": "verl"}  # what the hook wrote before it mapped the actor config
     (cut / "run_config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
-    result = run_replay(cut, ReplayOptions(nproc=1))
+    result = run_replay(replay_request(What(cut), how=How(nproc=1)))
     print(f"loss section cut to {{convention: verl}}: rel_diff {result.rel_diff!r}, verdict {result.verdict}")
     assert result.verdict == "not_reproduced"
 
@@ -292,7 +293,7 @@ def test_the_replay_applies_the_is_weights_verl_s_driver_recorded(hook_snapshot:
     batch = torch.load(cut / "batch_rank0.pt", weights_only=True)
     del batch["rollout_is_weights"]
     torch.save(batch, cut / "batch_rank0.pt")
-    result = run_replay(cut, ReplayOptions(nproc=1))
+    result = run_replay(replay_request(What(cut), how=How(nproc=1)))
     print(f"without the recorded rollout_is_weights: rel_diff {result.rel_diff!r}")
     assert result.verdict == "not_reproduced"
 
@@ -305,7 +306,7 @@ def test_a_loss_section_listing_unreproduced_settings_is_refused_by_name(hook_sn
     config["loss"]["unreproduced"] = ["policy_loss.loss_mode=gspo: the verl convention reproduces the vanilla PPO loss"]
     (cut / "run_config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
     with pytest.raises(ConfigError, match=r"loss_mode=gspo.*command backend"):
-        run_replay(cut, ReplayOptions(nproc=1))
+        run_replay(replay_request(What(cut), how=How(nproc=1)))
 
 
 def test_fsdp_shard_norms_merge_over_the_ranks(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.policy import build_policy, parse_model_config
 from axrl_spike_replay.testing.hf_snapshot import tiny_config
 from axrl_spike_replay.training.routing_config import RoutingConfig
-from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
 
 VERL_HOOK_FILE = VERL_PATCH.with_name("verl.py")  # the hook shipped in the package, loaded by path as a copy
 

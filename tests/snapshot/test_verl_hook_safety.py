@@ -26,7 +26,7 @@ from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
 from axrl_spike_replay.snapshot.listing import list_snapshots
 from axrl_spike_replay.snapshot.metadata import read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
-from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
 from disk_full import run_on_full_disk
 
 VERL_HOOK_FILE = VERL_PATCH.with_name("verl.py")  # the hook shipped in the package, loaded by path as a copy

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from axrl_spike_replay.errors import SnapshotError, UnsafeFileError
-from axrl_spike_replay.rank_processes import spawn_ranks
+from axrl_spike_replay.processes.rank_processes import spawn_ranks
 from axrl_spike_replay.snapshot.trainer_formats.verl_shards import is_verl_checkpoint, load_verl_shards
 
 pytestmark = pytest.mark.slow  # two spawned gloo processes: tens of seconds on a loaded 2-core machine

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_config
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
 from axrl_spike_replay.training.loss_config import LOSS_AGG_MODES, LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.policy_loss import policy_loss

@@ -120,7 +120,7 @@ def _agree(rank: int, world: int, payload: tuple[str, list[int]]) -> None:
 
 
 def test_the_ranks_agree_on_the_largest_count_in_a_real_process_group(tmp_path: Path) -> None:
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
 
     spawn_ranks(_agree, 2, (str(tmp_path), [4, 8]), timeout_s=120.0, label="verl hook rank")
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["2", "2"]  # 16 and 32 tokens: 1 and 2

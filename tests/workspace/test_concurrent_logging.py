@@ -9,8 +9,8 @@ from pathlib import Path
 from record_helpers import JOB, replay_result
 
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.workspace.task_log import record_failure, record_replay
-from axrl_spike_replay.workspace.task_state import show_task
+from axrl_spike_replay.workspace.task_record.task_log import record_failure, record_replay
+from axrl_spike_replay.workspace.task_record.task_state import show_task
 
 WRITERS = 4
 ROWS_EACH = 6

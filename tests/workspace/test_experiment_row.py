@@ -13,11 +13,11 @@ from record_helpers import JOB, SpikeRun, replay_result, save_result
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.workspace.experiment_row import ExperimentRow
 from axrl_spike_replay.workspace.paths import task_json_path
-from axrl_spike_replay.workspace.task import TaskState
-from axrl_spike_replay.workspace.task_log import record_replay
-from axrl_spike_replay.workspace.task_state import read_state
+from axrl_spike_replay.workspace.task_record.experiment_row import ExperimentRow
+from axrl_spike_replay.workspace.task_record.task import TaskState
+from axrl_spike_replay.workspace.task_record.task_log import record_replay
+from axrl_spike_replay.workspace.task_record.task_state import read_state
 
 # The keys of a logged replay's row, in the order the task state has held them (a mitigated row judged against a
 # logged baseline ends with `baseline`).

@@ -16,14 +16,14 @@ from axrl_spike_replay.investigation.recording import WorkspaceRecorder
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, iteration_dir_name
 from axrl_spike_replay.snapshot.preservation.preserve import preserve
-from axrl_spike_replay.workspace import front_matter
-from axrl_spike_replay.workspace.methods import add_method
+from axrl_spike_replay.workspace.method_files import front_matter
+from axrl_spike_replay.workspace.method_files.methods import add_method
 from axrl_spike_replay.workspace.paths import in_workspace
 from axrl_spike_replay.workspace.report import write_report
-from axrl_spike_replay.workspace.task import TaskState
-from axrl_spike_replay.workspace.task_diagnosis import add_diagnosis
-from axrl_spike_replay.workspace.task_log import record_replay
-from axrl_spike_replay.workspace.task_state import read_state
+from axrl_spike_replay.workspace.task_record.task import TaskState
+from axrl_spike_replay.workspace.task_record.task_diagnosis import add_diagnosis
+from axrl_spike_replay.workspace.task_record.task_log import record_replay
+from axrl_spike_replay.workspace.task_record.task_state import read_state
 from tiny_spike import write_tiny_spike
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
@@ -170,7 +170,7 @@ def test_method_list_lists_the_shipped_methods_apart(investigated: tuple[Path, P
 
 def test_a_written_up_rationale_reads_as_a_sentence() -> None:
     """The rationale `demo` and sweep write-ups compose starts from a mitigation's documentation (`mask tokens ...`)."""
-    from axrl_spike_replay.workspace.sweep_writeup import as_sentence, rationale_for
+    from axrl_spike_replay.workspace.method_files.sweep_writeup import as_sentence, rationale_for
 
     result = replay_result(Path("/s"), 1.4, "cleared", mitigations=ROM, baseline_grad_norm=37.4)
     assert rationale_for(result, THRESHOLD).startswith("Mask tokens (or whole sequences")

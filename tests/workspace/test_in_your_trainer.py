@@ -12,10 +12,10 @@ from record_helpers import JOB, SpikeRun, replay_result, save_result
 
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.snapshot.layout import RUN_CONFIG
-from axrl_spike_replay.workspace import front_matter
-from axrl_spike_replay.workspace.methods import add_method
+from axrl_spike_replay.workspace.method_files import front_matter
+from axrl_spike_replay.workspace.method_files.methods import add_method
 from axrl_spike_replay.workspace.report import write_report
-from axrl_spike_replay.workspace.task_log import record_replay
+from axrl_spike_replay.workspace.task_record.task_log import record_replay
 
 BASE = 37.42
 

@@ -14,9 +14,9 @@ import pytest
 from record_helpers import JOB, SpikeRun, replay_result, save_result
 
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.workspace.methods import add_method
+from axrl_spike_replay.workspace.method_files.methods import add_method
 from axrl_spike_replay.workspace.report import write_report
-from axrl_spike_replay.workspace.task_log import record_replay
+from axrl_spike_replay.workspace.task_record.task_log import record_replay
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "mcp_server"
 BASE = 37.42
@@ -29,7 +29,7 @@ def stuck(fd):
     print("writing", flush=True)
     time.sleep(600)
 os.fsync = stuck
-from axrl_spike_replay.workspace.methods import add_method
+from axrl_spike_replay.workspace.method_files.methods import add_method
 from axrl_spike_replay.workspace.report import write_report
 workspace, what = Path(sys.argv[1]), sys.argv[2]
 if what == "method":

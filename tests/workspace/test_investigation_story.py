@@ -11,8 +11,8 @@ from record_helpers import JOB, MEDIAN, RECORDED, SpikeRun, replay_result, save_
 from axrl_spike_replay.cli import main
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, iteration_dir_name
 from axrl_spike_replay.snapshot.preservation.preserve import preserve
-from axrl_spike_replay.workspace import front_matter
-from axrl_spike_replay.workspace.task_log import record_failure, record_replay
+from axrl_spike_replay.workspace.method_files import front_matter
+from axrl_spike_replay.workspace.task_record.task_log import record_failure, record_replay
 
 
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -8,8 +8,8 @@ from record_helpers import JOB, replay_result
 
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.workspace.render import md_block, md_cell, md_code
-from axrl_spike_replay.workspace.task_log import record_failure, record_replay
-from axrl_spike_replay.workspace.task_state import note, set_command
+from axrl_spike_replay.workspace.task_record.task_log import record_failure, record_replay
+from axrl_spike_replay.workspace.task_record.task_state import note, set_command
 
 ODD = "a | b\nsecond `line` with ``two`` ticks \\| and <!-- not a comment\r\n# not a heading"
 

@@ -14,10 +14,10 @@ from record_helpers import JOB, SpikeRun, replay_result, save_result
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.workspace.methods import add_method, list_methods, rank_key
+from axrl_spike_replay.workspace.method_files.methods import add_method, list_methods, rank_key
 from axrl_spike_replay.workspace.report import write_report
-from axrl_spike_replay.workspace.task_log import record_replay
-from axrl_spike_replay.workspace.task_state import read_state, set_command
+from axrl_spike_replay.workspace.task_record.task_log import record_replay
+from axrl_spike_replay.workspace.task_record.task_state import read_state, set_command
 
 BASE = 37.42
 
@@ -161,7 +161,7 @@ def test_method_list_at_the_checkout_labels_the_shipped_methods_shipped(tmp_path
 def test_method_add_answers_with_the_figures_its_file_holds(investigated: tuple[Path, dict[str, str]]) -> None:
     from axrl_spike_replay.jsonable import to_jsonable
     from axrl_spike_replay.mcp_faces.record_models import MethodAdded
-    from axrl_spike_replay.workspace import front_matter
+    from axrl_spike_replay.workspace.method_files import front_matter
 
     workspace, ids = investigated
     added = add_method(workspace, JOB, ids["mask"], "mask-outliers", "masks the mis-scaled sample")

@@ -9,8 +9,8 @@ from record_helpers import JOB, RECORDED, THRESHOLD, SpikeRun, replay_result, sa
 
 from axrl_spike_replay.experiment.verdict import threshold_label, verdict_basis
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.workspace.methods import add_method
-from axrl_spike_replay.workspace.task_log import record_replay
+from axrl_spike_replay.workspace.method_files.methods import add_method
+from axrl_spike_replay.workspace.task_record.task_log import record_replay
 
 BASE = 37.4189
 MEDIAN = 2.91

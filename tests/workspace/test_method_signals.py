@@ -15,8 +15,8 @@ from record_helpers import JOB, RECORDED, SpikeRun, replay_result, save_result
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.workspace.methods import add_method
-from axrl_spike_replay.workspace.task_log import record_replay
+from axrl_spike_replay.workspace.method_files.methods import add_method
+from axrl_spike_replay.workspace.task_record.task_log import record_replay
 
 BASE = 37.4189
 CLEARED = 3.812
@@ -60,7 +60,7 @@ def test_method_add_quotes_the_recorded_figures_and_loads_no_model(tmp_path: Pat
     code = textwrap.dedent(
         f"""
         import json, sys
-        from axrl_spike_replay.workspace.methods import add_method
+        from axrl_spike_replay.workspace.method_files.methods import add_method
         added = add_method({str(tmp_path)!r}, {JOB!r}, {attempt!r}, "tis-2", "caps the importance weight at 2")
         print(json.dumps({{"torch": "torch" in sys.modules, "path": added.path, "signals": added.signals}}))
         """

@@ -8,16 +8,18 @@ import math
 from pathlib import Path
 
 import pytest
-from record_helpers import JOB, SpikeRun, replay_result
+from record_helpers import JOB, MEDIAN, THRESHOLD, SpikeRun, replay_result
 
 from axrl_spike_replay.cli import main
+from axrl_spike_replay.experiment.verdict import verdict_basis
 from axrl_spike_replay.investigation.recording import new_run_dir
 from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.jsonable import to_jsonable
-from axrl_spike_replay.workspace.evidence import row_result
-from axrl_spike_replay.workspace.experiment_row import ExperimentRow
-from axrl_spike_replay.workspace.task_log import record_replay
-from axrl_spike_replay.workspace.task_state import read_state
+from axrl_spike_replay.workspace.method_files.methods import add_method
+from axrl_spike_replay.workspace.task_record.evidence import row_result
+from axrl_spike_replay.workspace.task_record.experiment_row import ExperimentRow
+from axrl_spike_replay.workspace.task_record.task_log import record_replay
+from axrl_spike_replay.workspace.task_record.task_state import read_state
 
 
 def strict_json(text: str) -> object:
@@ -80,3 +82,22 @@ def test_a_task_row_written_with_spelled_out_figures_still_reads_back(spike_run:
     }
     result = row_result(ExperimentRow.from_json(row))
     assert result.grad_norm == math.inf and math.isnan(result.rel_diff or 0.0)
+
+
+def test_a_mitigation_that_clears_a_nan_step_is_written_up(tmp_path: Path, spike_run: SpikeRun) -> None:
+    """A NaN baseline is the clearest spike there is: its null in the result file does not read as no spike."""
+    open_task(tmp_path, JOB, spike_run.snapshot)
+    baseline = replay_result(spike_run.snapshot, math.nan, "reproduced", recorded_grad_norm=math.nan)
+    record_replay(tmp_path, JOB, baseline, new_run_dir(tmp_path, JOB).write_result(baseline))
+    fix = {"log_ratio_clip": 5.0}
+    cleared = replay_result(
+        spike_run.snapshot, 2.09, "cleared", mitigations=fix, recorded_grad_norm=math.nan, baseline_grad_norm=math.nan
+    )
+    cleared.verdict_basis = verdict_basis(2.09, math.nan, MEDIAN, THRESHOLD, "detector", THRESHOLD)
+    path = new_run_dir(tmp_path, JOB).write_result(cleared)
+    assert path is not None and strict_json(path.read_text())["baseline_grad_norm"] is None  # NaN, as kept
+    assert record_replay(tmp_path, JOB, cleared, path) == "E2"
+
+    method = add_method(tmp_path, JOB, "E2", "log-ratio-clip-nan", "Clips the log-ratio of the one -inf token.")
+
+    assert Path(method.path).is_file()

@@ -15,7 +15,7 @@ from axrl_spike_replay.investigation.task_opening import open_task
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, iteration_dir_name
 from axrl_spike_replay.snapshot.preservation.preserve import preserve
 from axrl_spike_replay.workspace.report import write_report
-from axrl_spike_replay.workspace.task_state import set_snapshot, show_task
+from axrl_spike_replay.workspace.task_record.task_state import set_snapshot, show_task
 from tiny_spike import write_tiny_spike
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
 from axrl_spike_replay.investigation.task_opening import open_task
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"

@@ -11,8 +11,8 @@ from record_helpers import JOB, replay_result, save_result
 from axrl_spike_replay.cli import main
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.workspace.methods import add_method
-from axrl_spike_replay.workspace.task_log import record_replay
+from axrl_spike_replay.workspace.method_files.methods import add_method
+from axrl_spike_replay.workspace.task_record.task_log import record_replay
 
 SNAP = Path("/snapshots/run~fixture-moe__actor/checkpoints/spike_snapshots/iter_0000005")
 

@@ -11,8 +11,8 @@ import pytest
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.workspace.paths import TASKS_DIR
-from axrl_spike_replay.workspace.task import TaskState
-from axrl_spike_replay.workspace.task_state import note, read_state, set_command, show_task
+from axrl_spike_replay.workspace.task_record.task import TaskState
+from axrl_spike_replay.workspace.task_record.task_state import note, read_state, set_command, show_task
 
 JOB = "older-job"
 # What a task file looked like before preserved copies and diagnoses were kept, plus a key of a later version.

@@ -15,7 +15,7 @@ from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.remote.workspace_config import load_workspace_config
 from axrl_spike_replay.skill_pack import parse_skill
 from axrl_spike_replay.snapshot.layout import parse_iteration, parse_output_dir_name
-from axrl_spike_replay.workspace import front_matter
+from axrl_spike_replay.workspace.method_files import front_matter
 
 FIXTURE_SNAPSHOT = (
     Path(__file__).resolve().parents[1]

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from record_helpers import JOB, replay_result, save_result
 
-from axrl_spike_replay import atomic
 from axrl_spike_replay.cli import main
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.files import atomic
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.workspace.methods import add_method
+from axrl_spike_replay.workspace.method_files.methods import add_method
 from axrl_spike_replay.workspace.report import write_report
-from axrl_spike_replay.workspace.task_log import record_failure, record_replay
-from axrl_spike_replay.workspace.task_state import note, show_task
+from axrl_spike_replay.workspace.task_record.task_log import record_failure, record_replay
+from axrl_spike_replay.workspace.task_record.task_state import note, show_task
 
 SNAP = Path("/snapshots/run~fixture-moe__actor/checkpoints/spike_snapshots/iter_0000005")
 

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from axrl_spike_replay.atomic import atomic_write_json, atomic_write_text
 from axrl_spike_replay.capture.checkpoint_writer import save_model_checkpoint
 from axrl_spike_replay.capture.rank_agreement import agree, describe, failures
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.files.atomic import atomic_write_json, atomic_write_text
 from axrl_spike_replay.snapshot.layout import (
     AXRL_METADATA,
     CHECKPOINT_METADATA,

@@ -16,7 +16,7 @@ from axrl_spike_replay import __version__
 from axrl_spike_replay.cli.output import print_error
 from axrl_spike_replay.cli.parameter_names import for_cli
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.rank_processes import terminate_as_interrupt
+from axrl_spike_replay.processes.rank_processes import terminate_as_interrupt
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -56,10 +56,11 @@ def register(sub: Any) -> None:
     p.add_argument("--top", type=int, default=10, metavar="K", help="samples to attribute (default 10)")
     p.add_argument(
         "--shard",
-        choices=("auto", "on", "off"),
+        choices=("auto", "on", "off", "streamed"),
         default="auto",
         help="compute the model evidence sharded with FSDP2 over --nproc processes (default auto: when the whole "
-        "model does not fit one process)",
+        "model does not fit one process), or streamed: one decoder layer at a time in one process (attribution and "
+        "the signal check; the loss channel is not computed streamed)",
     )
     p.add_argument("--nproc", type=int, default=None, help="processes when sharded (default: the saved world size)")
     p.add_argument(

@@ -13,8 +13,8 @@ from axrl_spike_replay.capture.reference.strategies import PARALLEL_STRATEGIES
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress, table
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.untrusted_bytes import UntrustedInputError
-from axrl_spike_replay.untrusted_json import parse_untrusted_json
+from axrl_spike_replay.untrusted.untrusted_bytes import UntrustedInputError
+from axrl_spike_replay.untrusted.untrusted_json import parse_untrusted_json
 
 
 def register(sub: Any) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
+from axrl_spike_replay.experiment.request.request_fields import declared_fields
 from axrl_spike_replay.investigation.request import How, What, Where
-from axrl_spike_replay.investigation.request_fields import declared_fields
 
 # the request fields whose CLI options are generated from their declarations: each option as declared
 _DECLARED = {name: d.option(name) for name, d, _ in declared_fields(What, Where, How) if d.cli}

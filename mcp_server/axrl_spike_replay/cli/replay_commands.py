@@ -140,7 +140,7 @@ def _run(args: argparse.Namespace, request: ReplayRequest) -> RunResult:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
 
     request = _request(args, Verb.REPLAY, mitigations=parse_mitigation_args(args.mitigation))
     if args.dry_run:
@@ -150,7 +150,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.experiment.mitigations import load_mitigation_set, parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import load_mitigation_set, parse_mitigation_args
 
     if args.mitigation_set:
         configs = load_mitigation_set(args.mitigation_set)
@@ -174,7 +174,7 @@ def _sweep_items(option: str) -> list[str]:
 
 
 def _attribute(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
 
     request = _request(args, Verb.ATTRIBUTE, mitigations=parse_mitigation_args(args.mitigation))
     if args.dry_run:
@@ -206,8 +206,6 @@ def _threshold_label(result: ReplayResult) -> str:
 
 def render_replay(result: ReplayResult) -> str:
     """A replay result for people."""
-    from axrl_spike_replay.experiment.result import describe_clean_gradient
-
     r = result
     lines = [
         f"replay of {r.snapshot} (job {r.job_name}, iteration {r.iteration}, {r.device})",
@@ -241,10 +239,7 @@ def render_replay(result: ReplayResult) -> str:
             f"{footprint.loss_tokens}), {pct_plain(footprint.sample_fraction)} of samples touched"
         )
     if r.clean_gradient:
-        lines.append(
-            f"  cos to clean  {_num(r.cosine_to_clean, 4)} "
-            f"(clean gradient: {describe_clean_gradient(r.clean_gradient)})"
-        )
+        lines.append(f"  cos to clean  {_num(r.cosine_to_clean, 4)} (clean gradient: {r.clean_gradient.describe()})")
     if r.repeat_grad_norms:
         lines.append(
             f"  repeat        {len(r.repeat_grad_norms)} runs, spread {_num(r.repeat_spread, 3)}"
@@ -336,6 +331,8 @@ def render_attribution(att: Attribution) -> str:
             rows,
         ),
     ]
+    if att.passes:
+        lines += ["", att.passes]
     if att.output_dir:
         lines += ["", f"output {att.output_dir}"]
     return "\n".join(lines)

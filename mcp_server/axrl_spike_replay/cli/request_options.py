@@ -1,5 +1,5 @@
 """The CLI options that set replay-request fields, generated from the fields' declarations
-(`investigation.request_fields`): each option's name, type, choices, default, metavar and help come from there, and
+(`experiment.request.request_fields`): each option's name, type, choices, default, metavar and help come from there, and
 `request_values` reads them back by field name. Fields with structured values (`snapshot`, `mitigations`,
 `target`, `slurm`, `patches`, ...) keep their hand-mapped options."""
 
@@ -9,8 +9,8 @@ import argparse
 from typing import Any
 
 from axrl_spike_replay.cli.parameter_names import for_cli
+from axrl_spike_replay.experiment.request.request_fields import Declared, declared_fields
 from axrl_spike_replay.investigation.request import How, What, Where
-from axrl_spike_replay.investigation.request_fields import Declared, declared_fields
 from axrl_spike_replay.vocabulary import Verb
 
 _PARTS: tuple[type, ...] = (What, Where, How)

@@ -15,7 +15,7 @@ from typing import Any
 from axrl_spike_replay.cli.output import add_json_flag, emit, progress
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.investigation.warm_socket import DEFAULT_SEND_TIMEOUT_S
-from axrl_spike_replay.replay.warm_pool import DEFAULT_IDLE_S
+from axrl_spike_replay.replay.jobs.warm_pool import DEFAULT_IDLE_S
 
 
 def parse_size(text: str) -> int:

@@ -187,7 +187,7 @@ def _release(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.replay.input_checks import inspect_with_inputs
+    from axrl_spike_replay.replay.reading.input_checks import inspect_with_inputs
 
     emit(inspect_with_inputs(args.snapshot), args.json, render_inspection)
     return 0

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, table
-from axrl_spike_replay.workspace.experiment_row import ExperimentRow
-from axrl_spike_replay.workspace.views import MethodAdded, MethodEntry, ReportResult, TaskView
+from axrl_spike_replay.workspace.task_record.experiment_row import ExperimentRow
+from axrl_spike_replay.workspace.task_record.views import MethodAdded, MethodEntry, ReportResult, TaskView
 
 
 def register(sub: Any) -> None:
@@ -122,35 +122,35 @@ def _task_open(args: argparse.Namespace) -> int:
 
 
 def _task_note(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.workspace.task_state import note
+    from axrl_spike_replay.workspace.task_record.task_state import note
 
     emit(note(args.workspace, args.job, args.section, args.text), args.json, _task_renderer(args))
     return 0
 
 
 def _task_set_snapshot(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.workspace.task_state import set_snapshot
+    from axrl_spike_replay.workspace.task_record.task_state import set_snapshot
 
     emit(set_snapshot(args.workspace, args.job, args.snapshot), args.json, _task_renderer(args))
     return 0
 
 
 def _task_set_command(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.workspace.task_state import set_command
+    from axrl_spike_replay.workspace.task_record.task_state import set_command
 
     emit(set_command(args.workspace, args.job, args.command_text), args.json, _task_renderer(args))
     return 0
 
 
 def _task_show(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.workspace.task_state import show_task
+    from axrl_spike_replay.workspace.task_record.task_state import show_task
 
     emit(show_task(args.workspace, args.job), args.json, _task_renderer(args))
     return 0
 
 
 def _method_add(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.workspace.methods import add_method
+    from axrl_spike_replay.workspace.method_files.methods import add_method
 
     result = add_method(
         args.workspace,
@@ -166,7 +166,7 @@ def _method_add(args: argparse.Namespace) -> int:
 
 
 def _method_list(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.workspace.methods import list_methods
+    from axrl_spike_replay.workspace.method_files.methods import list_methods
 
     emit(list_methods(args.workspace), args.json, _render_methods)
     return 0

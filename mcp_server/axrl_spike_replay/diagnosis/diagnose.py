@@ -146,6 +146,8 @@ def _model_evidence(
         if att is None:
             att = dm.run_attribution(snapshot, top, shard, nproc)
         step = dm.run_step_evidence(snapshot, shard, nproc)
+        if step.channel is None:
+            not_checked.append("loss channel (not computed streamed: it takes a gradient per loss term)")
     except AxrlError as exc:  # a snapshot the torch engine cannot rebuild: the static evidence still stands
         not_checked.append(f"model evidence ({exc})")
     return att, step
@@ -195,7 +197,8 @@ def diagnose_snapshot(
     `attribution`: an existing attribution (object, JSON document or `attribution.json` path); `logs`: the
     job's log files (default: those of the job output dir the snapshot sits in); `model`: auto | always |
     never, whether to compute attribution and route agreement here (see the module doc); `shard` (auto: when the
-    whole model does not fit one process) and `nproc`, whether they run sharded with FSDP2 over several processes."""
+    whole model does not fit one process) and `nproc`, whether they run sharded with FSDP2 over several processes, or
+    streamed (one decoder layer at a time in this process; the loss channel is then not computed)."""
     from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
     from axrl_spike_replay.analysis.grad_info import top_param_grads
 

@@ -30,7 +30,8 @@ FOOTPRINT_COUNTS = ("loss_tokens", "masked_tokens", "changed_tokens", "samples",
 class Footprint:
     """What a mitigated config changed besides the spike, summed over the saved ranks: loss tokens masked (off the
     mask) or changed (another per-token loss), samples masked whole or touched, and the fractions the method ranking
-    uses (`token_fraction`: masked or changed; `sample_fraction`: touched). `replay.outcome_figures` counts them."""
+    uses (`token_fraction`: masked or changed; `sample_fraction`: touched). `replay.compute.outcome_figures`
+    counts them."""
 
     loss_tokens: int
     masked_tokens: int
@@ -62,6 +63,118 @@ class Footprint:
         computed = asdict(cls.of_counts(doc))
         kept = {k: doc[k] for k in computed if k not in FOOTPRINT_COUNTS and isinstance(doc.get(k), (int, float))}
         return cls(**{**computed, **kept})
+
+
+SHOWN_SAMPLES = 8  # samples named in a clean gradient's description before "and N more"
+# the clean gradient's keys in the order the engine writes them (`replay.compute.worker.clean_gradient`)
+CLEAN_KEYS = (
+    "left_out", "wholly_left_out", "tokens_left_out", "loss_tokens", "token_share_left_out", "share_left_out",
+    "reached", "reason", "bar", "grad_norm", "ratio_to_median", "baseline_cosine", "passes", "probe_norms",
+    "recomputed", "definition",
+)  # fmt: skip
+
+
+def _as_file_keeps() -> Any:
+    from pydantic_core import core_schema
+
+    return core_schema.plain_serializer_function_ser_schema(lambda value: value.to_json())
+
+
+class _FileSerializer:
+    """`__pydantic_serializer__` of a record that pydantic would otherwise write field by field (a tool's text
+    reply, `pydantic_core.to_json`): its `to_json`, built when first asked for."""
+
+    serializer: Any = None
+
+    def __get__(self, record: Any, owner: type) -> Any:
+        if _FileSerializer.serializer is None:
+            from pydantic_core import SchemaSerializer, core_schema
+
+            _FileSerializer.serializer = SchemaSerializer(core_schema.any_schema(serialization=_as_file_keeps()))
+        return _FileSerializer.serializer
+
+
+@dataclass
+class CleanGradient:
+    """The clean gradient a replay measured (`replay.compute.clean_gradient` has the definition): the loss tokens
+    and samples left out of the baseline gradient for it to be under the spike bar, whether it got there, its size,
+    and its cosine with the baseline. A key a result file lacks (the baseline under the bar lists no probes; files
+    written before the token definition name samples only) stays absent when written back, and a key of another
+    version is kept as read (`extra`): the JSON is the file's, byte for byte."""
+
+    left_out: list[str] = field(default_factory=list)  # samples "rank:index", the largest pull first
+    wholly_left_out: list[str] | None = None  # those whose every loss token is left out
+    tokens_left_out: int | None = None
+    loss_tokens: int | None = None  # over every saved rank
+    token_share_left_out: float | None = None  # tokens_left_out / loss_tokens
+    share_left_out: float | None = None  # of the loss's pull on the log-probs
+    reached: bool | None = None  # under the spike bar
+    reason: str | None = None  # why not, when not reached
+    bar: float | None = None  # the spike bar's grad norm (threshold x median)
+    grad_norm: float | None = None
+    ratio_to_median: float | None = None
+    baseline_cosine: float | None = None  # cosine of the baseline gradient with this one
+    passes: int | None = None  # forward + backward passes the search took
+    probe_norms: dict[str, float] | None = None  # tokens left out -> grad norm, per probe
+    recomputed: list[str] | None = None  # stored log-probs recomputed at the snapshot's weights (on-policy)
+    definition: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # keys of another version, as read
+    keys: tuple[str, ...] = ()  # the keys the document has, in its order (() : every field not None, in order)
+    __pydantic_serializer__ = _FileSerializer()  # a tool's text reply writes it as the file keeps it
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> CleanGradient:
+        """The record of a result file's `clean_gradient` object (any version)."""
+        known = {k: doc[k] for k in CLEAN_KEYS if k in doc}
+        return cls(**known, extra={k: v for k, v in doc.items() if k not in CLEAN_KEYS}, keys=tuple(doc))
+
+    def to_json(self) -> dict[str, Any]:
+        """The `clean_gradient` object as the result file keeps it."""
+        keys = self.keys or tuple(
+            [k for k in CLEAN_KEYS if getattr(self, k) is not None or k == "left_out"] + list(self.extra)
+        )
+        return {k: getattr(self, k) if k in CLEAN_KEYS else self.extra[k] for k in keys}
+
+    def describe(self) -> str:
+        """The clean gradient in words, for method files and summaries (results written before the token
+        definition: the samples they left out)."""
+        samples = [str(s) for s in self.left_out or []]
+        named = ", ".join(samples[:SHOWN_SAMPLES]) + (
+            f" and {len(samples) - SHOWN_SAMPLES} more" if samples[SHOWN_SAMPLES:] else ""
+        )
+        if self.tokens_left_out is None:
+            return f"the baseline without its top-attributed samples {named or 'none'}"
+        tokens, total, recomputed = self.tokens_left_out, self.loss_tokens, [str(s) for s in self.recomputed or []]
+        base = (
+            f"the on-policy gradient (the stored {' and '.join(s.replace('_', ' ') for s in recomputed)} recomputed "
+            "at the snapshot's weights)"
+            if recomputed
+            else "the baseline"
+        )
+        if not tokens:
+            what = f"{base} itself (nothing left out)" if not recomputed else base
+        else:
+            share = self.token_share_left_out
+            of = f" ({share:.1%} of {total})" if isinstance(share, float) and total else ""
+            what = f"{base} without its {tokens} highest-pull loss tokens{of}, in samples {named}"
+        norm, ratio = self.grad_norm, self.ratio_to_median
+        size = f"grad norm {norm:.4g}" if isinstance(norm, (int, float)) else "no grad norm"
+        if isinstance(ratio, (int, float)):
+            size += f", {ratio:.3g}x the median"
+        if self.reached:
+            return f"{what}; {size}, under the spike bar"
+        return f"{what}; {size}; not under the spike bar: {self.reason or 'no reason recorded'}"
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        """A tool's structured reply carries the object the result file keeps (`to_json`), and reads one back."""
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_plain_validator_function(
+            lambda value: value if isinstance(value, cls) else cls.from_json(value),
+            json_schema_input_schema=core_schema.dict_schema(),
+            serialization=_as_file_keeps(),
+        )
 
 
 @dataclass
@@ -105,11 +218,12 @@ class ReplayResult:
     # baseline: does the snapshot agree with itself, its replay (per-rank loss) and the training log? Typed here; its
     # JSON is the dataclass's. `verdict` says only whether the replay matched the recorded norm
     consistency: Consistency | None = None
-    # mitigated replays: what the config changed besides the spike (replay.outcome_figures has the definitions)
+    # mitigated replays: what the config changed besides the spike (replay.compute.outcome_figures has the definitions)
     footprint: Footprint | None = None  # loss tokens / samples masked or changed; token_fraction, sample_fraction
     cosine_to_clean: float | None = None  # cosine of this gradient with the clean gradient (in [-1, 1])
-    # the clean gradient (replay.clean_gradient): tokens and samples left out, reached (under the spike bar), definition
-    clean_gradient: dict[str, Any] | None = None
+    # the clean gradient (replay.compute.clean_gradient): tokens and samples left out, reached (under the spike
+    # bar), definition
+    clean_gradient: CleanGradient | None = None
     # the numbers and rule the verdict was judged by (a shape of an earlier version: the JSON object as read)
     verdict_basis: VerdictBasis | dict[str, Any] | None = None
     # values the config names symbolically, as resolved against the snapshot's model (current_routing_layers:
@@ -121,15 +235,15 @@ class ReplayResult:
     # the precision that ran: param / reduce / output dtypes and their source (the snapshot's recorded policy, or
     # the model's own dtype when none was recorded); None for results written before it was recorded
     precision: PrecisionPolicy | None = None
-    # a hypothesis replay (loss settings scoped to ranks, `experiment.rank_scope`): the hypothesis in normal form
-    # (`mitigations` is then {}: a hypothesis is no mitigation) and its finding, judged against the recording as a
+    # a hypothesis replay (loss settings scoped to ranks, `experiment.mitigation.rank_scope`): the hypothesis in normal
+    # form (`mitigations` is then {}: a hypothesis is no mitigation) and its finding, judged against the recording as a
     # baseline is: "reproduced under `aux_loss_coef=10.24@1`"
     hypothesis: dict[str, Any] = field(default_factory=dict)
     finding: str | None = None
     # the trainer release the snapshot was captured with, when the loss convention reproduces another one (a TRL
     # snapshot of a release other than the one checked); None when they are the same
     trainer_version_note: str | None = None
-    # a rank's input that fails a check against the model (replay.input_checks): rank, field, what fails and how
+    # a rank's input that fails a check against the model (replay.reading.input_checks): rank, field, what fails and how
     # often, the healthy ranks as witnesses, the experiments that remove it; the baseline of a step whose input is
     # undefined for the model is refused (`error`) and the experiments are judged against the recorded step
     input_findings: list[str] = field(default_factory=list)
@@ -148,51 +262,20 @@ class ReplayResult:
             self.verdict_basis = basis_from_json(self.verdict_basis)
         if isinstance(self.precision, dict):
             self.precision = PrecisionPolicy.from_result(self.precision)
+        if isinstance(self.clean_gradient, dict):
+            self.clean_gradient = CleanGradient.from_json(self.clean_gradient) if self.clean_gradient else None
 
     def to_json(self) -> dict[str, Any]:
         """The `replay_result.json` document (vocabulary members are their string values)."""
-        return asdict(self)
+        doc = asdict(self)
+        doc["clean_gradient"] = self.clean_gradient.to_json() if self.clean_gradient is not None else None
+        return doc
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> ReplayResult:
         """A result read back from its JSON document; AxrlError when a vocabulary field holds an unknown value."""
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in doc.items() if k in known})
-
-
-SHOWN_SAMPLES = 8  # samples named in a clean gradient's description before "and N more"
-
-
-def describe_clean_gradient(clean: dict[str, Any]) -> str:
-    """The clean gradient in words, for method files and summaries (results written before the token definition:
-    the samples they left out)."""
-    samples = [str(s) for s in clean.get("left_out") or []]
-    named = ", ".join(samples[:SHOWN_SAMPLES]) + (
-        f" and {len(samples) - SHOWN_SAMPLES} more" if samples[SHOWN_SAMPLES:] else ""
-    )
-    if "tokens_left_out" not in clean:
-        return f"the baseline without its top-attributed samples {named or 'none'}"
-    tokens, total = clean.get("tokens_left_out") or 0, clean.get("loss_tokens")
-    recomputed = [str(s) for s in clean.get("recomputed") or []]
-    base = (
-        f"the on-policy gradient (the stored {' and '.join(s.replace('_', ' ') for s in recomputed)} recomputed at "
-        "the snapshot's weights)"
-        if recomputed
-        else "the baseline"
-    )
-    if not tokens:
-        what = f"{base} itself (nothing left out)" if not recomputed else base
-    else:
-        share = clean.get("token_share_left_out")
-        of = f" ({share:.1%} of {total})" if isinstance(share, float) and total else ""
-        what = f"{base} without its {tokens} highest-pull loss tokens{of}, in samples {named}"
-    norm, ratio = clean.get("grad_norm"), clean.get("ratio_to_median")
-    size = f"grad norm {norm:.4g}" if isinstance(norm, (int, float)) else "no grad norm"
-    if isinstance(ratio, (int, float)):
-        size += f", {ratio:.3g}x the median"
-    if clean.get("reached"):
-        return f"{what}; {size}, under the spike bar"
-    return f"{what}; {size}; not under the spike bar: {clean.get('reason') or 'no reason recorded'}"
 
 
 @dataclass
@@ -329,6 +412,8 @@ class Attribution:
     """The policy was sharded with FSDP2 over world_size_used processes (each sample's gradient by a backward)"""
     world_size_used: int = 1
     """Processes that computed it"""
+    passes: str = ""
+    """Streamed: its passes over the checkpoint and per sample (empty: not streamed)"""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds"""
     output_dir: str = ""

@@ -16,8 +16,8 @@ import shlex
 from pathlib import Path
 from typing import Any, Protocol
 
-from axrl_spike_replay.atomic import atomic_write_json, atomic_write_text
 from axrl_spike_replay.experiment.result import ReplayResult
+from axrl_spike_replay.files.atomic import atomic_write_json, atomic_write_text
 from axrl_spike_replay.jsonable import to_jsonable
 
 RESULT_FILE = "replay_result.json"

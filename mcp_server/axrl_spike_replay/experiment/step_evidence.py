@@ -1,5 +1,5 @@
 """What a forward at the snapshot's weights says about the stored signals and the loss terms
-(`replay.step_evidence_forward` computes it; `diagnose` judges it). Torch-free: the MCP face names these types
+(`replay.analyses.step_evidence_forward` computes it; `diagnose` judges it). Torch-free: the MCP face names these types
 without loading the engine.
 
 Signals, per saved rank (never merged): the replayed current log-probs (`current`: the policy at the snapshot's

@@ -1,7 +1,7 @@
 """Verdicts: did the baseline reproduce the spike, and what did a mitigation do to it.
 
 A baseline replay is `reproduced` when its grad norm matches the recorded one within the layout's
-tolerance. A hypothesis replay (loss settings scoped to ranks, `experiment.rank_scope`) is judged the same
+tolerance. A hypothesis replay (loss settings scoped to ranks, `experiment.mitigation.rank_scope`) is judged the same
 way, against the recording, and also rank by rank: each rank's replayed loss against its recorded one.
 
 A mitigated replay is judged against the baseline replay of the same snapshot at the same layout, and only
@@ -112,6 +112,9 @@ class MitigatedBasis:
     measurable_drop: float = MEASURABLE_DROP
     worse_margin: float = WORSE_MARGIN
     rule: str = ""
+    # False for a baseline whose norm was NaN or inf: a result file keeps that norm as null (`jsonable`), and a
+    # missing baseline must not read as one that was no spike
+    baseline_finite: bool | None = None
 
 
 @dataclass
@@ -176,6 +179,7 @@ def verdict_basis(
         if grad_norm is not None and baseline_grad_norm
         else None,
         rule=RULE,
+        baseline_finite=None if baseline_grad_norm is None else math.isfinite(baseline_grad_norm),
     )
 
 

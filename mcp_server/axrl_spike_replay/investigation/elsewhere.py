@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.experiment.request.request_fields import changed_argv
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.investigation.recording import WorkspaceRecorder
 from axrl_spike_replay.investigation.request import LOCAL, ReplayRequest
@@ -115,7 +116,7 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
                 shard=str(how.shard),
                 mitigations=mitigations,
                 configs=normalised,
-                repeat=what.repeat,
+                options=tuple(changed_argv(what, verb)),
                 setup=resolved.setup,
                 timeout_s=remote.timeout_s,
                 target=session.label,

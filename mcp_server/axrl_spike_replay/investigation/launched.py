@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,6 @@ def launch_record(runner: LaunchedRunner) -> dict[str, Any]:
 def replay_launched(request: ReplayRequest) -> ReplayResult | SweepResult:
     """Run a replay or sweep with its processes launched on several nodes or under Slurm; results recorded here."""
     from axrl_spike_replay.remote.nodes.results import snapshot_facts
-    from axrl_spike_replay.replay.engine import ReplayOptions
 
     what, where, how = request.what, request.where, request.how
     workspace = request.workspace if request.workspace is not None else Path(".")
@@ -122,36 +122,27 @@ def replay_launched(request: ReplayRequest) -> ReplayResult | SweepResult:
     recorder = LaunchRecorder(workspace, runner, request.progress) if request.workspace is not None else None
     if recorder is not None:
         runner.out_dir = lambda: recorder.run.path if recorder.run is not None else None
-    engine = ReplayOptions(
-        nproc=placement.processes,
-        device=how.device,
-        # `auto` plans against the probed node's GPUs, never this machine's memory; where no node was probed (CPU,
-        # Slurm) the capacity is unknown and the whole model stays. `on` shards over every launched process
-        shard=how.shard,
-        capacity=capacity,
-        nodes=placement.node_count,
-        mitigations=dict(what.mitigations),
-        repeat=what.repeat,
-        clear_threshold=what.clear_threshold,
-        job=request.job,
+    # the request as asked, over the launched processes; `auto` plans against the probed node's GPUs, never this
+    # machine's memory; where no node was probed (CPU, Slurm) the capacity is unknown and the whole model stays. `on`
+    # shards over every launched process
+    engine = replace(
+        request,
+        how=replace(how, nproc=placement.processes),
         command=request.command or _command(request, placement),
-        progress=request.progress,
-        cancel=request.cancel,
-        recorder=recorder,
-        runner=runner,
     )
+    nodes = placement.node_count
     if what.verb == Verb.SWEEP:
         from axrl_spike_replay.replay.sweep import run_sweep
 
-        return run_sweep(what.snapshot, list(what.configs), engine)
+        return run_sweep(engine, recorder=recorder, runner=runner, capacity=capacity, nodes=nodes)
     from axrl_spike_replay.replay.engine import run_replay
 
-    return run_replay(what.snapshot, engine)
+    return run_replay(engine, recorder=recorder, runner=runner, capacity=capacity, nodes=nodes)
 
 
 def _command(request: ReplayRequest, placement: Placement) -> str:
     """The equivalent CLI command, placement included, for command.txt."""
-    from axrl_spike_replay.experiment.mitigations import mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import mitigation_args
 
     what, where = request.what, request.where
     options: dict[str, Any] = {"nproc": placement.processes, "device": str(request.how.device)}

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.investigation.request import LOCAL, ReplayRequest
+from axrl_spike_replay.investigation.request import LOCAL, ReplayRequest, launched
 from axrl_spike_replay.remote.launchers.launch_config import LOCAL_LOGIN, multinode_nodes, slurm_login
 from axrl_spike_replay.remote.launchers.launch_job import LaunchNode
 from axrl_spike_replay.remote.launchers.launcher import DryRun
@@ -30,7 +30,7 @@ def launch_dry_run(
     """What the launcher of `request` would run for `nproc` processes (`shard`: FSDP2 over them), `world_size` the
     snapshot's saved one; nothing connects or starts. None where no launcher of ours starts the processes: the
     torch engine on one SSH node (this package's own `replay` there) and the `command` backend."""
-    if request.launched:
+    if launched(request):
         config = load_workspace_config(Path(request.workspace or "."))
         return placement_for(request, config, world_size).dry_run(options)
     if request.where.backend == Backend.COMMAND or request.where.target != LOCAL:
@@ -41,7 +41,7 @@ def launch_dry_run(
 def request_dry_run(request: ReplayRequest) -> DryRun | None:
     """`launch_dry_run` of a request as it stands (`--dry-run`): its processes and sharding as the plan chooses them
     from the snapshot's metadata (no weight read, no node probed); None where no launcher of ours starts them."""
-    from axrl_spike_replay.replay.replay_plan import plan_replay
+    from axrl_spike_replay.replay.plans.replay_plan import plan_replay
 
     how = request.how
     plan = plan_replay(request.what.snapshot, nproc=how.nproc, device=str(how.device), shard=str(how.shard))

@@ -14,7 +14,7 @@ from axrl_spike_replay.investigation.placement import launch_dry_run
 from axrl_spike_replay.investigation.request import How, What, Where, replay_request
 from axrl_spike_replay.remote.transport.options import RemoteOptions
 from axrl_spike_replay.remote.transport.target_config import ResolvedTarget
-from axrl_spike_replay.replay.replay_plan import (
+from axrl_spike_replay.replay.plans.replay_plan import (
     GPU_USABLE,
     HERE,
     Capacity,

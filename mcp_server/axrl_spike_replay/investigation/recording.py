@@ -10,8 +10,8 @@ from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.experiment.run_dir import RunDir
 from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.workspace.paths import check_workspace, job_tmp_dir, task_md_path
-from axrl_spike_replay.workspace.task_log import record_failure, record_replay
-from axrl_spike_replay.workspace.task_state import task_exists
+from axrl_spike_replay.workspace.task_record.task_log import record_failure, record_replay
+from axrl_spike_replay.workspace.task_record.task_state import task_exists
 
 
 def new_run_dir(workspace: str | Path | None, job: str) -> RunDir:

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 from axrl_spike_replay.experiment.result import RunResult
 from axrl_spike_replay.investigation.recording import recorder_for
-from axrl_spike_replay.investigation.request import ReplayRequest
+from axrl_spike_replay.investigation.request import ReplayRequest, launched
 from axrl_spike_replay.vocabulary import Shard, Verb
 
 if TYPE_CHECKING:  # torch-free at import: the faces import this before anything runs
-    from axrl_spike_replay.replay.job_runner import JobRunner
+    from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 
 
 def run_request(request: ReplayRequest, runner: JobRunner | None = None) -> RunResult:
@@ -26,11 +26,11 @@ def run_request(request: ReplayRequest, runner: JobRunner | None = None) -> RunR
 
     `runner` runs a local replay's or sweep's jobs (a server's warm pools); default: processes started for
     this run. A run elsewhere stops when `request.cancel` is set, as a local one does."""
-    from axrl_spike_replay.rank_processes import refuse_in_spawned_import
+    from axrl_spike_replay.processes.rank_processes import refuse_in_spawned_import
 
     refuse_in_spawned_import(f"the {request.what.verb}")  # before it writes anything: a script without a main guard
     if not request.runs_here:
-        if request.launched:  # several nodes or Slurm: the engine here, its processes started by torchrun there
+        if launched(request):  # several nodes or Slurm: the engine here, its processes started by torchrun there
             from axrl_spike_replay.investigation.launched import replay_launched
 
             return replay_launched(request)
@@ -47,18 +47,17 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     # not fit one), it lays its processes out as a replay does, and the plan refuses only what fits neither way
     whole = what.verb == Verb.ATTRIBUTE and how.shard == Shard.OFF
     if runner is None and not whole and _starts_processes(request):
-        from axrl_spike_replay.process_starts import warm_up
+        from axrl_spike_replay.processes.process_starts import warm_up
 
         warm_up()  # before this process imports torch: the server imports it meanwhile, the ranks fork when due
     from axrl_spike_replay.investigation.planning import refuse_what_cannot_fit
-    from axrl_spike_replay.replay.engine import ReplayOptions
 
     nproc = 1 if whole else how.nproc
     configs = 1 + (len(what.configs) if what.verb == Verb.SWEEP else int(bool(what.mitigations)))
     refuse_what_cannot_fit(what.snapshot, nproc, str(how.device), configs, str(how.shard))
     recorder = recorder_for(request.workspace, request.progress)
     if what.verb == Verb.ATTRIBUTE:
-        from axrl_spike_replay.replay.attribution import attribute_spike
+        from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
         return attribute_spike(
             what.snapshot,
@@ -73,29 +72,13 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
             shard=str(how.shard),
             nproc=how.nproc,
         )
-    options = ReplayOptions(
-        nproc=how.nproc,
-        device=how.device,
-        parallel_configs=how.parallel_configs,
-        shard=how.shard,
-        mitigations=dict(what.mitigations),
-        repeat=what.repeat,
-        clear_threshold=what.clear_threshold,
-        job=request.job,
-        command=request.command,
-        progress=request.progress,
-        cancel=request.cancel,
-        recorder=recorder,
-        runner=runner,
-        backend=request.where.backend,
-    )
     if what.verb == Verb.SWEEP:
         from axrl_spike_replay.replay.sweep import run_sweep
 
-        return run_sweep(what.snapshot, list(what.configs), options)
+        return run_sweep(request, recorder=recorder, runner=runner)
     from axrl_spike_replay.replay.engine import run_replay
 
-    return run_replay(what.snapshot, options)
+    return run_replay(request, recorder=recorder, runner=runner)
 
 
 def _starts_processes(request: ReplayRequest) -> bool:

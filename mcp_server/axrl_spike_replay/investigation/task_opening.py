@@ -2,7 +2,7 @@
 
 Orchestration, not record: it asks the record whether the snapshot is diagnosed, runs `diagnose` outside the
 task's lock (it may take seconds; `diagnosis.task_entry` says what each mode costs), then hands the entry to the
-workspace to write (`workspace.task_state.open_task_file`). Both faces' `task open` call `open_task`.
+workspace to write (`workspace.task_record.task_state.open_task_file`). Both faces' `task open` call `open_task`.
 
 A later diagnosis run (`diagnose`, MCP `diagnose_spike`) goes through `diagnose_into_task`: the same diagnosis,
 kept in the task of the snapshot's job when one is open, so the record holds the strongest diagnosis made, not
@@ -19,9 +19,9 @@ from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
 from axrl_spike_replay.diagnosis.task_entry import check_mode, diagnose_for_task, diagnosis_entry
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.workspace.paths import check_workspace, task_md_path
-from axrl_spike_replay.workspace.task_log import record_diagnosis
-from axrl_spike_replay.workspace.task_state import diagnosed, open_task_file, recorded_snapshot
-from axrl_spike_replay.workspace.views import TaskView
+from axrl_spike_replay.workspace.task_record.task_log import record_diagnosis
+from axrl_spike_replay.workspace.task_record.task_state import diagnosed, open_task_file, recorded_snapshot
+from axrl_spike_replay.workspace.task_record.views import TaskView
 
 
 def open_task(

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.files.private_files import private_dir
 from axrl_spike_replay.investigation.request import ReplayRequest, request_document
 from axrl_spike_replay.investigation.warm_socket import (
     Lines,
@@ -25,7 +26,6 @@ from axrl_spike_replay.investigation.warm_socket import (
     socket_paths,
     warm_paths,
 )
-from axrl_spike_replay.private_files import private_dir
 
 START_TIMEOUT_S = 120.0
 

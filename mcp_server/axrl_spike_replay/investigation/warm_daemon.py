@@ -1,6 +1,6 @@
 """The CLI's warm replay service: `axrl-spike-replay serve`, a foreground process later CLI calls reach over a socket.
 
-It keeps what the MCP server keeps (`replay.warm_pool.WarmService`: rank processes with torch, DCP
+It keeps what the MCP server keeps (`replay.jobs.warm_pool.WarmService`: rank processes with torch, DCP
 and the process group up, snapshot weights loaded) and runs each request through `investigation.runs.
 run_request`, the function a cold CLI call runs, so result files, task rows and errors are the same.
 
@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.files.locks import held_lock
+from axrl_spike_replay.files.private_files import bind_private_socket, peer_uid, private_dir
 from axrl_spike_replay.investigation.request import ReplayRequest, request_of_document
 from axrl_spike_replay.investigation.warm_socket import (
     DEFAULT_SEND_TIMEOUT_S,
@@ -42,12 +44,10 @@ from axrl_spike_replay.investigation.warm_socket import (
     WarmPaths,
     send,
 )
-from axrl_spike_replay.locks import held_lock
-from axrl_spike_replay.private_files import bind_private_socket, peer_uid, private_dir
 
 if TYPE_CHECKING:
-    from axrl_spike_replay.replay.warm_pool import WarmService
-    from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+    from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+    from axrl_spike_replay.replay.jobs.warm_pool import WarmService
 
 _POLL_S = 0.5
 _FIRST_MESSAGE_S = 30.0  # a connection that says nothing this long is dropped
@@ -74,7 +74,7 @@ def request_from(doc: Mapping[str, Any], progress: Callable[[str], None], cancel
 
 class _Service:
     def __init__(self, paths: WarmPaths, settings: ServiceSettings, say: Callable[[str], None]) -> None:
-        from axrl_spike_replay.replay.warm_pool import WarmService
+        from axrl_spike_replay.replay.jobs.warm_pool import WarmService
 
         self.paths, self.settings, self.say = paths, settings, say
         self.warm: WarmService = WarmService(settings.memory_bytes, idle_s=settings.idle_s)

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.private_files import private_dir
-from axrl_spike_replay.untrusted_bytes import UntrustedInputError
-from axrl_spike_replay.untrusted_json import parse_untrusted_json
+from axrl_spike_replay.files.private_files import private_dir
+from axrl_spike_replay.untrusted.untrusted_bytes import UntrustedInputError
+from axrl_spike_replay.untrusted.untrusted_json import parse_untrusted_json
 
 SOCKET_NAME = "serve.sock"
 WARM_DIR = Path("tmp") / "spike-replay-warm"

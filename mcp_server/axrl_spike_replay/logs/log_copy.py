@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from axrl_spike_replay.atomic import temp_beside
-from axrl_spike_replay.containment import inside_of, is_inside, resolved_text
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.files.atomic import temp_beside
+from axrl_spike_replay.untrusted.containment import inside_of, is_inside, resolved_text
 
 _COPY_BYTES = 64 * 1024 * 1024  # per sendfile call: the copy checks for cancellation between them
 _BUFFER_BYTES = 1024 * 1024

@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.logs.log_reader import MAX_ERRORS, LogTally, scan_handle
-from axrl_spike_replay.process_starts import die_with_launcher
+from axrl_spike_replay.processes.process_starts import die_with_launcher
 
 SPLIT_BYTES = 64 * 1024 * 1024  # a smaller log is scanned whole: a fork and a merge cost more than half of it
 _CUT_WINDOW = 1024 * 1024  # a newline is looked for this far past the middle; none: the log is scanned whole

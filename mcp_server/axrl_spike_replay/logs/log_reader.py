@@ -35,7 +35,7 @@ from axrl_spike_replay.logs.log_kv import KeyValueRuns
 from axrl_spike_replay.logs.log_lines import error_kind, parse_line
 from axrl_spike_replay.logs.log_series import SeriesBuilder
 from axrl_spike_replay.logs.log_values import has_marker, head_starts, read_floats, read_heads
-from axrl_spike_replay.untrusted_bytes import UntrustedInputError, open_regular
+from axrl_spike_replay.untrusted.untrusted_bytes import UntrustedInputError, open_regular
 
 MAX_ERRORS = 200
 

@@ -165,7 +165,7 @@ async def diagnose_spike_tool(
     ] = "auto",
     top: TopArg = 10,
     shard: Annotated[
-        Literal["auto", "on", "off"],
+        Literal["auto", "on", "off", "streamed"],
         Field(description="Shard the model evidence's replay (FSDP2)."),
     ] = "auto",
     nproc: Annotated[int | None, Field(description="Processes when sharded.", ge=1)] = None,
@@ -220,7 +220,8 @@ _READ_ONLY_RUNS_NO_REPLAY = (
 def _refuse_replays_when_read_only(model: str, shard: str, nproc: int | None) -> None:
     """ConfigError for the arguments of `diagnose_spike` that ask for a replay (the model evidence runs one)."""
     asked = [f"`{name}` {value}" for name, value, replays in (
-        ("model", model, model == "always"), ("shard", shard, shard == "on"), ("nproc", nproc, nproc is not None)
+        ("model", model, model == "always"), ("shard", shard, shard in ("on", "streamed")),
+        ("nproc", nproc, nproc is not None),
     ) if replays]  # fmt: skip
     if asked:
         raise ConfigError(f"{', '.join(asked)} asks for the model evidence, a replay: {_READ_ONLY_RUNS_NO_REPLAY}")

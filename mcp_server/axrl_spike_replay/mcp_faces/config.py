@@ -13,7 +13,7 @@ from pydantic import Field
 from axrl_spike_replay.mcp_faces.bridge import resolve_in
 
 if TYPE_CHECKING:
-    from axrl_spike_replay.replay.warm_pool import WarmService
+    from axrl_spike_replay.replay.jobs.warm_pool import WarmService
 
 
 @dataclass(frozen=True)

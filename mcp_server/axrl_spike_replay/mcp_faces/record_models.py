@@ -1,5 +1,5 @@
-"""Output schemas of the investigation-record tools. The library returns the views of `workspace.views`; these
-describe their JSON (`to_jsonable` of a view) field by field, naming what an agent decides on and letting every
+"""Output schemas of the investigation-record tools. The library returns the views of `workspace.task_record.views`;
+these describe their JSON (`to_jsonable` of a view) field by field, naming what an agent decides on and letting every
 other field through (`extra="allow"`), so the schema never hides data."""
 
 from __future__ import annotations

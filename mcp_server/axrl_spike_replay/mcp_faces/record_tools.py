@@ -14,9 +14,9 @@ from axrl_spike_replay.mcp_faces.bridge import call_library
 from axrl_spike_replay.mcp_faces.config import JobArg, server_config
 from axrl_spike_replay.mcp_faces.record_models import MethodAdded, MethodList, ReportWritten, TaskView
 from axrl_spike_replay.mcp_faces.shared_arguments import WorkspaceArg
-from axrl_spike_replay.workspace.methods import add_method, list_methods
+from axrl_spike_replay.workspace.method_files.methods import add_method, list_methods
 from axrl_spike_replay.workspace.report import write_report
-from axrl_spike_replay.workspace.task_state import note, show_task
+from axrl_spike_replay.workspace.task_record.task_state import note, show_task
 
 READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 WRITES = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False, open_world_hint=False)

@@ -40,6 +40,8 @@ from axrl_spike_replay.mcp_faces.shared_arguments import (
     TargetsArg,
     TimeoutArg,
     WorkspaceArg,
+    part_values,
+    with_declared_arguments,
 )
 from axrl_spike_replay.vocabulary import Backend, Device, Method, Shard, Verb
 
@@ -75,6 +77,7 @@ def _request(ctx: Context, what: What, where: Where, how: How, **recorded: Any) 
     return call_library(ctx, build)
 
 
+@with_declared_arguments(Verb.REPLAY)
 async def replay_tool(
     snapshot: SnapshotArg,
     ctx: Context,
@@ -95,6 +98,7 @@ async def replay_tool(
     timeout_s: TimeoutArg = None,
     job: JobOptArg = None,
     workspace: WorkspaceArg = None,
+    **declared: Any,
 ) -> ReplayResult:
     """Recompute the spike step's gradients: the baseline against the recording, or a mitigation config or per-rank
     hypothesis against the baseline; here or on a node.
@@ -121,6 +125,7 @@ async def replay_tool(
             mitigations=mitigations,
             repeat=repeat,
             clear_threshold=clear_threshold,
+            **part_values(What, declared),
         ),
         _where(
             config,
@@ -132,8 +137,9 @@ async def replay_tool(
             timeout_s,
             targets,
             slurm,
+            declared,
         ),
-        How(nproc=nproc, device=Device(device), shard=Shard(shard)),
+        How(nproc=nproc, device=Device(device), shard=Shard(shard), **part_values(How, declared)),
         workspace=config.workspace_for(workspace),
         job=job,
     )
@@ -142,6 +148,7 @@ async def replay_tool(
     return result
 
 
+@with_declared_arguments(Verb.SWEEP)
 async def sweep_tool(
     snapshot: SnapshotArg,
     configs: ConfigsArg,
@@ -162,6 +169,7 @@ async def sweep_tool(
     job: JobOptArg = None,
     plot: Annotated[bool, Field(description="Also return a PNG bar chart.")] = True,
     workspace: WorkspaceArg = None,
+    **declared: Any,
 ) -> Annotated[CallToolResult, SweepResult]:
     """Replay the baseline and many mitigation configs in one run and compare them (verdict per config, a bar chart).
 
@@ -176,9 +184,23 @@ async def sweep_tool(
     config = server_config(ctx)
     request = await _request(
         ctx,
-        What(config.path(snapshot), verb=Verb.SWEEP, configs=tuple(configs), clear_threshold=clear_threshold),
-        _where(config, target, backend, patches, remote_python, accept_new_host_key, timeout_s, targets, slurm),
-        How(nproc=nproc, device=Device(device), parallel_configs=parallel_configs, shard=Shard(shard)),
+        What(
+            config.path(snapshot),
+            verb=Verb.SWEEP,
+            configs=tuple(configs),
+            clear_threshold=clear_threshold,
+            **part_values(What, declared),
+        ),
+        _where(
+            config, target, backend, patches, remote_python, accept_new_host_key, timeout_s, targets, slurm, declared
+        ),
+        How(
+            nproc=nproc,
+            device=Device(device),
+            parallel_configs=parallel_configs,
+            shard=Shard(shard),
+            **part_values(How, declared),
+        ),
         workspace=config.workspace_for(workspace),
         job=job,
     )
@@ -188,6 +210,7 @@ async def sweep_tool(
     return structured(SweepResult, result, images)
 
 
+@with_declared_arguments(Verb.ATTRIBUTE)
 async def attribute_spike_tool(
     snapshot: SnapshotArg,
     ctx: Context,
@@ -199,6 +222,7 @@ async def attribute_spike_tool(
     workspace: WorkspaceArg = None,
     nproc: NprocArg = None,
     shard: ShardArg = "auto",
+    **declared: Any,
 ) -> Attribution:
     """Each sample's contribution to the spike's gradient, ranked, with its signals: which few samples carry it.
 
@@ -213,9 +237,16 @@ async def attribute_spike_tool(
     target = config.path(snapshot)
     request = await _request(
         ctx,
-        What(target, verb=Verb.ATTRIBUTE, top=top, mitigations=mitigations, method=Method(method)),
-        Where(),
-        How(nproc=nproc, device=Device(device), shard=Shard(shard)),
+        What(
+            target,
+            verb=Verb.ATTRIBUTE,
+            top=top,
+            mitigations=mitigations,
+            method=Method(method),
+            **part_values(What, declared),
+        ),
+        Where(**part_values(Where, declared)),
+        How(nproc=nproc, device=Device(device), shard=Shard(shard), **part_values(How, declared)),
         workspace=config.workspace_for(workspace),
         job=job,
     )
@@ -253,8 +284,10 @@ def _where(
     timeout_s: float | None,
     targets: list[str] | None = None,
     slurm: dict[str, Any] | None = None,
+    declared: dict[str, Any] | None = None,
 ) -> Where:
-    """The request's `Where` part for a tool's arguments (patch paths relative to the workspace)."""
+    """The request's `Where` part for a tool's arguments (patch paths relative to the workspace; `declared`: the
+    generated arguments)."""
     return Where(
         target=target or LOCAL,
         targets=tuple(targets or ()),
@@ -264,6 +297,7 @@ def _where(
         remote_python=remote_python,
         accept_new_host_key=accept_new_host_key,
         timeout_s=timeout_s,
+        **part_values(Where, declared or {}),
     )
 
 

@@ -18,7 +18,7 @@ from axrl_spike_replay.mcp_faces.lean_tools import TOOL_URI, full_tool_doc
 from axrl_spike_replay.mcp_faces.shared_arguments import ARGUMENTS_URI, MITIGATIONS_URI, guide_text
 from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.skill_pack import Skill, list_skills, render_skill
-from axrl_spike_replay.workspace.methods import shipped_methods_dir
+from axrl_spike_replay.workspace.method_files.methods import shipped_methods_dir
 from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, methods_dir, task_md_path
 
 TASK_URI = "axrl://task/{job}"
@@ -119,7 +119,7 @@ def register(server: MCPServer, config: ServerConfig) -> None:
         description="Every mitigation name the replay, sweep and attribute_spike tools accept, its values and effect",
     )
     def mitigations() -> str:
-        from axrl_spike_replay.experiment.mitigations import valid_mitigations
+        from axrl_spike_replay.experiment.mitigation.mitigations import valid_mitigations
 
         return "Mitigations (replay-only; each off unless named in a config {NAME: VALUE}):\n" + valid_mitigations()
 

@@ -126,7 +126,7 @@ async def inspect_snapshot_tool(snapshot: SnapshotArg, ctx: Context) -> Snapshot
     also under `input_findings`). Reads headers and those small tensors only, so it is fast on snapshots of
     hundreds of GB."""
     config = server_config(ctx)
-    from axrl_spike_replay.replay.input_checks import inspect_with_inputs  # imports torch: only when it runs
+    from axrl_spike_replay.replay.reading.input_checks import inspect_with_inputs  # imports torch: only when it runs
 
     return await call_library(ctx, lambda progress, cancel: inspect_with_inputs(config.path(snapshot)))
 

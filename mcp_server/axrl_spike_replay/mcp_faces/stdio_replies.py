@@ -44,7 +44,7 @@ from mcp.types import INVALID_PARAMS, INVALID_REQUEST, PARSE_ERROR, ErrorData, J
 from pydantic import ValidationError
 
 from axrl_spike_replay.display import shown
-from axrl_spike_replay.untrusted_json import json_within
+from axrl_spike_replay.untrusted.untrusted_json import json_within
 
 MAX_DEPTH = 64  # read back this deep; deeper parts of a refused line are cut (the SDK refuses about 200 levels)
 MAX_BATCH_REPLIES = 1024  # requests of one batch answered by id; the rest are said in one reply with id null

@@ -5,7 +5,7 @@ reference trainer's captures build: the shared TINY_BASE plus its own keys), the
 current logits and the forced expert ids into gate weights (routing replay), the config keys that size it
 beyond the shared ones with their bounds (checked before anything is built), and where its routing hook goes
 (the decoder layer's `mlp.<router>`). Adding an architecture is one entry in ARCHITECTURES, as adding a
-mitigation is one entry in `experiment.mitigations.MITIGATIONS`; tests/models/test_architecture_registry.py
+mitigation is one entry in `experiment.mitigation.mitigations.MITIGATIONS`; tests/models/test_architecture_registry.py
 walks every entry against transformers' own build.
 
 Torch-free at import (`capture --help` lists the names from here); the weight rules import torch when called.

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from axrl_spike_replay.models.tiny_moe import RoutingControl
 
 ATTENTION_KERNELS = ("eager", "sdpa", "flash_attention_2")
-# kernels that keep O(T) memory per head in the backward (no [T, T] scores): what `replay.process_memory` counts
+# kernels that keep O(T) memory per head in the backward (no [T, T] scores): what `replay.compute.process_memory` counts
 LINEAR_MEMORY_KERNELS = ("sdpa", "flash_attention_2")
 
 

@@ -9,7 +9,7 @@ the gradients of the hidden states and of the head's weight from them. Nothing i
 autograd's for the same operations (`tests/models/test_chunked_head.py` holds it to the unchunked head within 1e-6,
 float32, gradients included), and the gradient of the weight is summed over chunks in float32 before its cast.
 
-Forward-mode AD (`replay.outcome_figures.jvp_policy`) gets the same chunking through `jvp`.
+Forward-mode AD (`replay.compute.outcome_figures.jvp_policy`) gets the same chunking through `jvp`.
 
 `ChunkedHead` is a `nn.Linear` whose call also takes targets: the head stays one module call, so a sharded replay's
 FSDP2 unit gathers its weight around it as it does around any forward, and its parameter keeps its name.
@@ -28,7 +28,7 @@ from torch import nn
 CHUNK_ELEMENTS = 1 << 26
 MIN_CHUNK = 16
 # float32 [chunk, V] tensors alive at once at the head's peak, in the backward: the logits in the compute dtype and
-# float32, the probabilities and the gradient of the logits (`replay.process_memory` counts them)
+# float32, the probabilities and the gradient of the logits (`replay.compute.process_memory` counts them)
 CHUNK_COPIES = 4
 
 

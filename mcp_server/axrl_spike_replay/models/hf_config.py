@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from axrl_spike_replay.display import shown, shown_names
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.architectures import ARCHITECTURES, MAX_EXPERT_WIDTH, MAX_EXPERTS
-from axrl_spike_replay.untrusted_bytes import read_bounded
-from axrl_spike_replay.untrusted_json import UntrustedJsonError, parse_untrusted_json
+from axrl_spike_replay.untrusted.untrusted_bytes import read_bounded
+from axrl_spike_replay.untrusted.untrusted_json import UntrustedJsonError, parse_untrusted_json
 
 if TYPE_CHECKING:
     import torch

@@ -78,7 +78,7 @@ class HFPolicy(nn.Module):
         """The output head (`lm_head`), chunked."""
         return cast(ChunkedHead, self.causal_lm.lm_head)
 
-    def _forced(self, routing: RoutingControl, batch: int, seq: int) -> dict[int, torch.Tensor]:
+    def forced_routes(self, routing: RoutingControl, batch: int, seq: int) -> dict[int, torch.Tensor]:
         """{absolute layer: [B*T, K] forced ids (-1: current)} from the control's recorded routes."""
         if routing.routes is None:
             return {}
@@ -122,7 +122,7 @@ class HFPolicy(nn.Module):
         state, as the causal LM's own forward does for the supported architectures (none scales its logits)."""
         routing = routing or RoutingControl()
         batch, seq = tokens.shape
-        self.recorder.reset(self._forced(routing, batch, seq))
+        self.recorder.reset(self.forced_routes(routing, batch, seq))
         mask = attention_mask if attention_mask is not None else torch.ones_like(tokens)
         # left-padded prompts: positions count real tokens only, as RL trainers compute them
         position_ids = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)

@@ -152,7 +152,7 @@ def safetensors_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], str]
 
 
 def _file_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    from axrl_spike_replay.untrusted_json import UntrustedJsonError, parse_untrusted_json
+    from axrl_spike_replay.untrusted.untrusted_json import UntrustedJsonError, parse_untrusted_json
 
     size = path.stat().st_size
     with path.open("rb") as handle:

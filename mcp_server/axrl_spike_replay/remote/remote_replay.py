@@ -19,11 +19,11 @@ from typing import Any
 
 import yaml
 
-from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigations import mitigation_args
+from axrl_spike_replay.experiment.mitigation.mitigations import mitigation_args
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.experiment.run_dir import RESULT_FILE, SWEEP_FILE, RunDir, RunRecorder, write_and_record
+from axrl_spike_replay.files.atomic import atomic_write_json
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.remote.nodes.node_probe import NodeReport
 from axrl_spike_replay.remote.nodes.results import SnapshotFacts, base_result, tail
@@ -49,7 +49,9 @@ class RemoteReplayRequest:
     shard: str = "auto"  # FSDP2 over the node's replay processes: auto | on | off
     mitigations: Mapping[str, Any] = field(default_factory=dict)  # replay
     configs: Sequence[Mapping[str, Any]] = ()  # sweep
-    repeat: int = 1
+    # the node's command-line options for the request's other declared `What` fields that differ from their defaults
+    # (`request_fields.changed_argv`: --repeat N, ...)
+    options: tuple[str, ...] = ()
     setup: tuple[str, ...] = ()
     timeout_s: float | None = None
     target: str = ""
@@ -79,11 +81,9 @@ def remote_argv(request: RemoteReplayRequest, workspace: str, nproc: int, mitiga
     if request.verb == "replay":
         for item in mitigation_args(request.mitigations):
             argv += ["--mitigation", item]
-        if request.repeat > 1:
-            argv += ["--repeat", str(request.repeat)]
     elif mitigation_set is not None:
         argv += ["--mitigation-set", mitigation_set]
-    return argv
+    return argv + list(request.options)
 
 
 async def run_remote_torch(

@@ -34,7 +34,7 @@ from axrl_spike_replay.remote.command.command_config import DEFAULT_GRAD_NORM_RE
 from axrl_spike_replay.remote.launchers.launch_config import LaunchConfig, parse_launch_config
 from axrl_spike_replay.remote.transport.target import parse_target
 from axrl_spike_replay.remote.transport.target_config import DEFAULT_PYTHON, ResolvedTarget, TargetConfig, resolve_named
-from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
 
 CONFIG_FILE = "spike-replay.yaml"
 PLACEHOLDERS = ("snapshot", "out")

@@ -1,10 +1,12 @@
 """The built-in `torch` replay backend: recompute a spike step's gradients from a snapshot, with mitigations.
 
-`run_replay` loads the weights from the snapshot's DCP checkpoint, the rank batches and routing
-payloads, rebuilds model, loss and routing from `run_config.yaml`, recomputes every saved rank's
-gradients (no optimizer step), reduces them across data-parallel ranks as the trainer did and
-compares the global pre-clip grad norm with the recorded one. A mitigated replay also recomputes
-the baseline at the same layout (sharing its forward pass) to give the mitigation its verdict.
+The engine takes the replay request as it is (`experiment.request.request_parts`, built and checked by
+`investigation.request.replay_request`); its keyword arguments say only what runs it: who records the run, who
+computes the job, the memory `shard: auto` plans against. `run_replay` loads the weights from the snapshot's DCP
+checkpoint, the rank batches and routing payloads, rebuilds model, loss and routing from `run_config.yaml`,
+recomputes every saved rank's gradients (no optimizer step), reduces them across data-parallel ranks as the trainer
+did and compares the global pre-clip grad norm with the recorded one. A mitigated replay also recomputes the
+baseline at the same layout (sharing its forward pass) to give the mitigation its verdict.
 """
 
 from __future__ import annotations
@@ -12,18 +14,24 @@ from __future__ import annotations
 import math
 import shlex
 import shutil
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.experiment.mitigations import AppliedConfig, apply_config, mitigation_args, parse_config
-from axrl_spike_replay.experiment.rank_scope import finding
-from axrl_spike_replay.experiment.result import ReplayResult
+from axrl_spike_replay.experiment.mitigation.mitigations import (
+    AppliedConfig,
+    apply_config,
+    mitigation_args,
+    parse_config,
+)
+from axrl_spike_replay.experiment.mitigation.rank_scope import finding
+from axrl_spike_replay.experiment.request.request_fields import changed_values
+from axrl_spike_replay.experiment.request.request_parts import ReplayRequest
+from axrl_spike_replay.experiment.result import CleanGradient, ReplayResult
 from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line, now_iso
 from axrl_spike_replay.experiment.verdict import (
     BaselineBasis,
@@ -39,54 +47,21 @@ from axrl_spike_replay.experiment.verdict import (
     verdict_threshold,
 )
 from axrl_spike_replay.percent import pct
-from axrl_spike_replay.replay.clean_gradient import spike_bar
-from axrl_spike_replay.replay.inputs import ReplayInputs, check_configs, input_refusal, load_inputs
-from axrl_spike_replay.replay.job_runner import JobRunner, run_job
-from axrl_spike_replay.replay.layout_plan import LayoutPlan, plan_layout
-from axrl_spike_replay.replay.outcome_figures import DEFINITION
-from axrl_spike_replay.replay.replay_plan import HERE, Capacity
-from axrl_spike_replay.replay.shard_choice import ShardChoice, choose_shard, planned_shard, with_checkpoint
+from axrl_spike_replay.replay.compute.clean_gradient import spike_bar
+from axrl_spike_replay.replay.compute.outcome_figures import DEFINITION
+from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner, run_job
+from axrl_spike_replay.replay.plans.layout_plan import LayoutPlan, plan_layout
+from axrl_spike_replay.replay.plans.replay_plan import HERE, Capacity
+from axrl_spike_replay.replay.plans.shard_choice import ShardChoice, choose_shard, planned_shard, with_checkpoint
+from axrl_spike_replay.replay.reading.inputs import ReplayInputs, check_configs, input_refusal, load_inputs
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
-from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 from axrl_spike_replay.training.sample_masks import check_ranks
-from axrl_spike_replay.vocabulary import Backend, Device, Shard, Verdict
+from axrl_spike_replay.vocabulary import Backend, Device, Shard, Verb, Verdict
 
-
-@dataclass(frozen=True)
-class ReplayOptions:
-    """How to replay: layout, device, mitigations, repeats, and where to write (None: nothing written)."""
-
-    nproc: int | None = None  # replay processes; None: the saved world size (full fidelity)
-    device: str = "cpu"
-    shard: str = "auto"  # FSDP2 over the processes: auto (when the model does not fit one) | on | off
-    mitigations: Mapping[str, Any] = field(default_factory=dict)  # one config {name: value}
-    repeat: int = 1  # >1: recompute that many times and report the spread (determinism check)
-    job: str | None = None  # default: the snapshot's job name
-    command: str | None = None  # the command line to record in command.txt (default: the equivalent CLI)
-    top_params: int = 10
-    clear_threshold: float | None = None  # the user's spike-ratio threshold for verdicts (None: the detector's)
-    recorder: RunRecorder | None = None  # opens the output dir and records the run (None: nothing written)
-    timeout_s: float = 1800.0  # collective timeout of the replay processes
-    progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
-    cancel: threading.Event | None = field(default=None, compare=False, repr=False)  # set: stop the run
-    # sweeps: pools running configs side by side (None: 1 on CPU, as many as the GPUs hold on CUDA)
-    parallel_configs: int | None = None
-    # Runs the job (default `job_runner.run_job`: fresh processes); a server passes its warm pools' `run_job`.
-    runner: JobRunner | None = field(default=None, compare=False, repr=False)
-    # torch: the engine's own models (route 1 for a Megatron snapshot); megatron: Megatron-core's GPTModel computes
-    # the baseline (route 2, `replay.megatron_route`), judged and recorded the same way
-    backend: Backend = Backend.TORCH
-    # what `shard: auto` plans against: the memory where the processes run ("here": this machine's; None: unknown,
-    # so the whole model stays), over `nodes` nodes
-    capacity: Capacity | str | None = HERE
-    nodes: int = 1
-    # decoder layers checkpointed (`models.layer_checkpoint`): True / False as asked; None: as the replay plan's row
-    # for the layout says, under every `shard` (the plan checkpoints when the layout does not fit without it)
-    checkpoint: bool | None = None
-    # `shard` streamed: where the layer boundaries are kept (None: the defaults, `replay.streamed.streamed_job`)
-    stream: StreamSettings | None = None
+COLLECTIVE_TIMEOUT_S = 1800.0  # the replay processes' collective timeout
 
 
 def check_device(device: str) -> str:
@@ -107,8 +82,8 @@ def check_device(device: str) -> str:
 @contextmanager
 def replay_dir_for(snapshot: str | Path) -> Iterator[tuple[str, bool]]:
     """(dir to read from, legacy) for a snapshot; a legacy snapshot's temporary replay dir is removed after."""
+    from axrl_spike_replay.files.temp_janitor import removed_if_killed
     from axrl_spike_replay.snapshot.legacy import prepare_replay_dir
-    from axrl_spike_replay.temp_janitor import removed_if_killed
 
     prepared = prepare_replay_dir(snapshot)
     if not prepared.legacy:
@@ -129,23 +104,32 @@ class ReplaySession:
         inputs: ReplayInputs,
         plan: LayoutPlan,
         configs: list[AppliedConfig],
-        options: ReplayOptions,
+        request: ReplayRequest,
         shard: ShardChoice | None = None,
+        *,
+        recorder: RunRecorder | None = None,
+        runner: JobRunner | None = None,
+        stream: StreamSettings | None = None,
     ) -> None:
         self.inputs = inputs
         self.plan = plan
         self.configs = configs
-        self.options = options
+        self.request = request
+        self.recorder = recorder
+        self.runner = runner
+        self.stream = stream
         self.shard = shard or ShardChoice(False, "shard off")
-        self.job = options.job or inputs.job_name or "spike"
-        self.threshold, self.threshold_source = verdict_threshold(inputs.metadata.detector, options.clear_threshold)
+        self.job = request.job or inputs.job_name or "spike"
+        threshold = request.what.clear_threshold
+        self.threshold, self.threshold_source = verdict_threshold(inputs.metadata.detector, threshold)
         try:
             self.detector_threshold: float | None = ratio_threshold(inputs.metadata.detector)
         except AxrlError:
-            if options.clear_threshold is None:
+            if threshold is None:
                 raise
             self.detector_threshold = None  # the user's threshold stands in for an unusable one
-        self.tolerance = tolerance(plan.tolerance_class, options.device)
+        self.device = str(request.how.device)
+        self.tolerance = tolerance(plan.tolerance_class, self.device)
         self.run = RunDir(None)
         self.started = time.perf_counter()
         # the recorded step's own replay, refused: an input of it no computation is defined on (input_checks); the
@@ -157,21 +141,21 @@ class ReplaySession:
 
     def log(self, line: str) -> None:
         self.run.log(line)
-        if self.options.progress is not None:
-            self.options.progress(line)
+        if self.request.progress is not None:
+            self.request.progress(line)
 
     def worker_job(self) -> WorkerJob:
         """The job the replay's processes (or the streamed replay) compute."""
-        o, inputs = self.options, self.inputs
+        inputs = self.inputs
         return WorkerJob(
             replay_dir=inputs.replay_dir,
             model=inputs.model,
             configs=tuple(self.configs),
             world_size=inputs.world_size,
             assignment=self.plan.assignment,
-            device=o.device,
-            repeat=o.repeat,
-            top=o.top_params,
+            device=self.device,
+            repeat=self.request.what.repeat,
+            top=self.request.what.top_params,
             counts=inputs.counts,
             spike_bar=spike_bar(inputs.metadata.median_norm, self.threshold),
             shard=self.shard.shard,
@@ -181,17 +165,18 @@ class ReplaySession:
 
     def execute(self) -> tuple[ReplayResult, list[ReplayResult]]:
         """(baseline, mitigated results in config order), all at this session's layout."""
-        o, inputs = self.options, self.inputs
+        inputs, request = self.inputs, self.request
         job = self.worker_job()
         held = "sharded" if self.shard.shard else "whole model per process"
         if self.shard.streamed:
-            held = "streamed: one decoder layer at a time, every saved rank in one process"
+            held = "streamed: one decoder layer at a time, the saved ranks split over the processes"
         self.log(
-            f"replaying {len(self.configs)} config(s) on {1 if self.shard.streamed else self.plan.nproc} process(es), "
-            f"{o.device}, fidelity {self.plan.fidelity} (saved world size {inputs.world_size}), "
+            f"replaying {len(self.configs)} config(s) on "
+            f"{self.streamed_processes if self.shard.streamed else self.plan.nproc} process(es), "
+            f"{self.device}, fidelity {self.plan.fidelity} (saved world size {inputs.world_size}), "
             f"{held}, precision {self.precision_label}"
         )
-        outcomes = _runner(o, self.shard)(job, o.timeout_s, o.cancel, progress=o.progress)
+        outcomes = self.job_runner()(job, COLLECTIVE_TIMEOUT_S, request.cancel, progress=request.progress)
         if self.baseline_refused is not None:
             baseline, results = self._without_baseline(outcomes)
             return baseline, self._with_refused(results)
@@ -249,7 +234,7 @@ class ReplaySession:
         meta = self.inputs.metadata
         return {
             "snapshot": self.inputs.snapshot,
-            "backend": self.options.backend,
+            "backend": self.request.where.backend,
             "target": "local",
             "fidelity": self.plan.fidelity,
             "world_size_saved": self.inputs.world_size,
@@ -261,7 +246,7 @@ class ReplaySession:
             "recorded_grad_norm": meta.grad_norm,
             "median_norm": meta.median_norm,
             "threshold": self.threshold,
-            "device": self.options.device,
+            "device": self.device,
             "job_name": meta.job_name,
             "role": meta.role,
             "iteration": meta.iteration,
@@ -290,7 +275,7 @@ class ReplaySession:
         else:
             judged, judged_by = tolerance_rule(
                 self.plan.tolerance_class,
-                self.options.device,
+                self.device,
                 self.inputs.effective_precision.param_dtype,
                 outcome.grad_norms,
             )
@@ -303,7 +288,11 @@ class ReplaySession:
                 threshold=self.threshold,
                 threshold_source=self.threshold_source,
             )
-        clean = {**outcome.clean_gradient, "definition": DEFINITION} if outcome.clean_gradient else None
+        clean = (
+            CleanGradient.from_json({**outcome.clean_gradient, "definition": DEFINITION})
+            if outcome.clean_gradient
+            else None
+        )
         spread = max(outcome.grad_norms) - min(outcome.grad_norms) if len(outcome.grad_norms) > 1 else None
         return ReplayResult(
             **self._fields(cfg, cfg.config_id),
@@ -371,7 +360,7 @@ class ReplaySession:
             outcome.param_grad_norms,
             outcome.rank_param_grad_norms,
             self.tolerance,
-            f"the replay ({self.plan.fidelity} fidelity, {self.options.device})",
+            f"the replay ({self.plan.fidelity} fidelity, {self.device})",
         )
         return found
 
@@ -391,9 +380,28 @@ class ReplaySession:
             finding=finding(Verdict.FAILED, cfg.mitigations) if cfg.is_hypothesis else None,
         )
 
+    @property
+    def streamed_processes(self) -> int:
+        """The processes a streamed replay splits the saved ranks over (`nproc`, default 1)."""
+        return self.request.how.nproc or 1
+
+    def job_runner(self) -> JobRunner:
+        """Who computes the job: this process layer by layer when streamed, Megatron-core for `backend` megatron,
+        else the given runner or fresh processes."""
+        if self.shard.streamed:
+            from axrl_spike_replay.replay.streamed.streamed_processes import streamed_runner
+
+            settings = replace(self.stream or StreamSettings(), read_ahead=self.shard.read_ahead)
+            return streamed_runner(settings, self.streamed_processes)
+        if self.request.where.backend == Backend.MEGATRON:
+            from axrl_spike_replay.replay.megatron_route import run_megatron_job
+
+            return run_megatron_job
+        return self.runner or run_job
+
     def record(self, result: ReplayResult, path: Path | None) -> str | None:
         """Hand a written result to the recorder (the job's task file, when one is open); the experiment id."""
-        recorder = self.options.recorder
+        recorder = self.recorder
         if self.run.path is None or path is None or recorder is None:
             return None
         exp_id = recorder.replayed(self.job, result, path)
@@ -402,38 +410,8 @@ class ReplaySession:
         return exp_id
 
 
-def _runner(options: ReplayOptions, shard: ShardChoice | None = None) -> JobRunner:
-    """Who computes the job: Megatron-core for `backend` megatron, this process layer by layer when streamed, else
-    the given runner or fresh processes."""
-    if shard is not None and shard.streamed:
-        from axrl_spike_replay.replay.streamed.streamed_processes import streamed_runner
-
-        settings = replace(options.stream or StreamSettings(), read_ahead=shard.read_ahead)
-        return streamed_runner(settings, options.nproc or 1)
-    if options.backend == Backend.MEGATRON:
-        from axrl_spike_replay.replay.megatron_route import run_megatron_job
-
-        return run_megatron_job
-    return options.runner or run_job
-
-
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3g}"
-
-
-def _check_options(options: ReplayOptions) -> None:
-    """What only this machine can tell (the request checked every field): is the device here? (And `shard`, for
-    library callers that build options themselves.)"""
-    if options.backend not in (Backend.TORCH, Backend.MEGATRON):
-        raise ConfigError(f"`backend` {options.backend} does not run in the built-in engine", "backend")
-    if options.backend == Backend.MEGATRON and options.device != Device.CPU:
-        raise ConfigError(
-            "`backend` megatron runs Megatron-core's GPTModel with the local spec on CPU here; use `device` cpu",
-            "device",
-        )
-    check_device(options.device)
-    if options.shard not in Shard.values():
-        raise ConfigError(f"`shard` must be one of {', '.join(Shard.values())}, got {options.shard!r}", "shard")
 
 
 def _refused_experiments(
@@ -458,14 +436,26 @@ def _refused_experiments(
 
 @contextmanager
 def replay_session(
-    snapshot: str | Path, options: ReplayOptions, configs: Sequence[Mapping[str, Any]], verb: str
+    request: ReplayRequest,
+    configs: Sequence[Mapping[str, Any]],
+    verb: str,
+    *,
+    recorder: RunRecorder | None = None,
+    runner: JobRunner | None = None,
+    capacity: Capacity | str | None = HERE,
+    nodes: int = 1,
+    checkpoint: bool | None = None,
+    stream: StreamSettings | None = None,
 ) -> Iterator[ReplaySession]:
-    """Validate everything, then open the output dir; a failure inside is recorded as a failed run.
+    """Validate the snapshot and configs against the request, then open the output dir; a failure inside is recorded
+    as a failed run.
 
     Bad input raises before anything is written. Once the output dir exists, a failure writes a
     `replay_result.json` with verdict `failed` and the error, logs it in the task file, and raises.
     """
-    _check_options(options)
+    what, how, backend = request.what, request.how, request.where.backend
+    snapshot = what.snapshot
+    check_device(str(how.device))  # what only this machine can tell; the request checked every field
     with replay_dir_for(snapshot) as (replay_dir, legacy):
         inputs = load_inputs(snapshot, replay_dir, legacy)
         moe_layers = inputs.model.moe_layer_ids  # what `current_routing_layers: first` resolves against
@@ -480,60 +470,53 @@ def replay_session(
         check_configs(inputs, applied)
         for cfg in applied:
             check_ranks(cfg.samples, inputs.world_size)
-        if options.backend == Backend.MEGATRON:
+        if backend == Backend.MEGATRON:
             from axrl_spike_replay.replay.megatron_route import check_megatron_job
 
             check_megatron_job(
-                inputs.model, str(snapshot), mitigations=bool(configs), nproc=options.nproc, world=inputs.world_size
+                inputs.model, str(snapshot), mitigations=bool(configs), nproc=how.nproc, world=inputs.world_size
             )
-        if options.shard == Shard.STREAMED and options.nproc is not None and options.nproc > inputs.world_size:
+        if how.shard == Shard.STREAMED and how.nproc is not None and how.nproc > inputs.world_size:
             raise ConfigError(
                 f"`nproc`: a streamed replay splits the {inputs.world_size} saved ranks over at most "
-                f"{inputs.world_size} processes, not {options.nproc}",
+                f"{inputs.world_size} processes, not {how.nproc}",
                 "nproc",
             )
-        plan = plan_layout(inputs.world_size, None if options.shard == Shard.STREAMED else options.nproc)
+        plan = plan_layout(inputs.world_size, None if how.shard == Shard.STREAMED else how.nproc)
         planned = None
-        if options.checkpoint is None or options.shard == Shard.AUTO:
+        if checkpoint is None or how.shard == Shard.AUTO:
             planned = planned_shard(
-                str(snapshot),
-                plan.nproc,
-                str(options.device),
-                len(applied),
-                options.capacity,
-                options.nodes,
-                shard=str(options.shard),
+                str(snapshot), plan.nproc, str(how.device), len(applied), capacity, nodes, shard=str(how.shard)
             )
-        shard = with_checkpoint(
-            choose_shard(options.shard, options.device, plan.nproc, planned), None, options.checkpoint
-        )
+        shard = with_checkpoint(choose_shard(how.shard, how.device, plan.nproc, planned), None, checkpoint)
         if shard.streamed:
             from axrl_spike_replay.replay.streamed.layer_weights import check_streamable
+            from axrl_spike_replay.replay.streamed.rank_chain import check_split
 
             check_streamable(inputs.model, inputs.precision)
+            check_split(applied, how.nproc or 1)
             plan = plan_layout(inputs.world_size, None)  # every saved rank: full fidelity
-        session = ReplaySession(inputs, plan, applied, options, shard)
+        session = ReplaySession(inputs, plan, applied, request, shard, recorder=recorder, runner=runner, stream=stream)
         session.baseline_refused = baseline_refused
         session.refused = refused
-        session.run = options.recorder.open_run(session.job) if options.recorder else RunDir(None)
+        session.run = recorder.open_run(session.job) if recorder else RunDir(None)
         if verb == "replay":
             mitigation = [item for c in asked for item in mitigation_args(c.mitigations)]
         else:
             mitigation = [shlex.join(mitigation_args(c.mitigations)) for c in asked]
         layout = {
-            "nproc": options.nproc,
-            "device": options.device,
-            "shard": options.shard if options.shard != "auto" else None,
-            "backend": options.backend if options.backend != Backend.TORCH else None,
+            "nproc": how.nproc,
+            "device": how.device,
+            "shard": how.shard if how.shard != Shard.AUTO else None,
+            "backend": backend if backend != Backend.TORCH else None,
         }
-        command = options.command or command_line(
+        command = request.command or command_line(
             verb,
             str(snapshot),
             {
                 **layout,
                 "mitigation": mitigation,
-                "repeat": options.repeat if options.repeat > 1 else None,
-                "clear_threshold": options.clear_threshold,
+                **changed_values(what, Verb.parse(verb, "verb")),  # --repeat, --clear-threshold, ... as declared
             },
         )
         # the baseline these configs ran beside, as its own command: what the task shows as the step's replay command
@@ -556,7 +539,7 @@ def replay_session(
 
 
 def _record_failure(session: ReplaySession, error: str, command: str, path: Path | None) -> None:
-    recorder = session.options.recorder
+    recorder = session.recorder
     if recorder is None:
         return
     fail_id = recorder.failed(
@@ -566,11 +549,35 @@ def _record_failure(session: ReplaySession, error: str, command: str, path: Path
         session.log(f"failure logged in the task file of job {session.job} as {fail_id}")
 
 
-def run_replay(snapshot: str | Path, options: ReplayOptions | None = None) -> ReplayResult:
-    """Replay a snapshot's spike step (baseline, or with `options.mitigations`) and judge it."""
-    options = options or ReplayOptions()
-    config = parse_config(options.mitigations)
-    with replay_session(snapshot, options, [config] if config else [], "replay") as session:
+def run_replay(
+    request: ReplayRequest,
+    *,
+    recorder: RunRecorder | None = None,
+    runner: JobRunner | None = None,
+    capacity: Capacity | str | None = HERE,
+    nodes: int = 1,
+    checkpoint: bool | None = None,
+    stream: StreamSettings | None = None,
+) -> ReplayResult:
+    """Replay the request's snapshot at its spike step (the baseline, or with `what.mitigations`) and judge it.
+
+    `recorder` opens the output dir and logs the run (None: nothing written); `runner` computes the job (default
+    `job_runner.run_job`: fresh processes; a server passes its warm pools'); `capacity` is the memory `shard: auto`
+    plans against over `nodes` nodes ("here": this machine's; None: unknown, the whole model stays); `checkpoint`
+    forces checkpointed decoder layers on or off (None: as the replay plan says); `stream`: where a streamed replay
+    keeps its layer boundaries (None: the defaults)."""
+    config = parse_config(request.what.mitigations)
+    with replay_session(
+        request,
+        [config] if config else [],
+        "replay",
+        recorder=recorder,
+        runner=runner,
+        capacity=capacity,
+        nodes=nodes,
+        checkpoint=checkpoint,
+        stream=stream,
+    ) as session:
         baseline, results = session.execute()
         result = results[0] if results else baseline
         path = session.run.write_result(result)

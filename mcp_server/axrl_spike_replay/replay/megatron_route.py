@@ -25,7 +25,7 @@ from typing import Any
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
-from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
 
 ROUTE_1 = "the built-in `backend` torch (route 1: the transformers model)"
 
@@ -69,9 +69,9 @@ def run_megatron_job(
     progress: Callable[[str], None] | None = None,
     slot: int = 0,
 ) -> list[ConfigOutcome]:
-    """The baseline outcome of `job` computed by Megatron-core's GPTModel (a `replay.job_runner.JobRunner`)."""
-    from axrl_spike_replay.rank_processes import spawn_ranks
-    from axrl_spike_replay.temp_janitor import owned_temp_dir
+    """The baseline outcome of `job` computed by Megatron-core's GPTModel (a `replay.jobs.job_runner.JobRunner`)."""
+    from axrl_spike_replay.files.temp_janitor import owned_temp_dir
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
 
     del slot  # one pool: route 2 replays the baseline only
     (baseline,) = job.configs
@@ -105,13 +105,13 @@ def _replay_rank(rank: int, world: int, payload: tuple[str, dict[str, Any], Any,
     import torch
     import torch.distributed as dist
 
-    from axrl_spike_replay.atomic import atomic_write_json
+    from axrl_spike_replay.files.atomic import atomic_write_json
     from axrl_spike_replay.models.mcore.megatron_cpu import megatron_on_cpu
     from axrl_spike_replay.models.mcore.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
     from axrl_spike_replay.models.mcore.megatron_policy import force_routes, install_trace, megatron_logprobs
     from axrl_spike_replay.models.tiny_moe import RoutingControl
-    from axrl_spike_replay.replay.inputs import read_micro_batches
-    from axrl_spike_replay.replay.worker import rank_step_metrics
+    from axrl_spike_replay.replay.compute.worker import rank_step_metrics
+    from axrl_spike_replay.replay.reading.inputs import read_micro_batches
     from axrl_spike_replay.snapshot.layout import batch_file
     from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes
     from axrl_spike_replay.snapshot.trainer_formats.megatron_load import load_megatron_model

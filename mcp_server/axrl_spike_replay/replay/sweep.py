@@ -10,41 +10,55 @@ computing the baseline too: the same results as one pool, in the configs' order.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any
-
-from axrl_spike_replay.experiment.mitigations import check_distinct, parse_config
+from axrl_spike_replay.experiment.request.request_parts import ReplayRequest
 from axrl_spike_replay.experiment.result import SweepResult
-from axrl_spike_replay.experiment.run_dir import SWEEP_FILE
-from axrl_spike_replay.replay.engine import ReplayOptions, replay_session
+from axrl_spike_replay.experiment.run_dir import SWEEP_FILE, RunRecorder
+from axrl_spike_replay.replay.engine import replay_session
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
+from axrl_spike_replay.replay.plans.replay_plan import HERE, Capacity
+from axrl_spike_replay.replay.streamed.settings import StreamSettings
 
 
 def run_sweep(
-    snapshot: str | Path, configs: Sequence[Mapping[str, Any]], options: ReplayOptions | None = None
+    request: ReplayRequest,
+    *,
+    recorder: RunRecorder | None = None,
+    runner: JobRunner | None = None,
+    capacity: Capacity | str | None = HERE,
+    nodes: int = 1,
+    checkpoint: bool | None = None,
+    stream: StreamSettings | None = None,
 ) -> SweepResult:
-    """Replay the baseline and every config of `configs` in one job; results in the configs' order.
+    """Replay the baseline and every config of the request's `what.configs` in one job; results in the configs'
+    order (the keyword arguments as for `engine.run_replay`).
 
-    Output (with a workspace): `<ts>/baseline/replay_result.json`, `<ts>/<config_id>/replay_result.json`
+    Output (with a recorder): `<ts>/baseline/replay_result.json`, `<ts>/<config_id>/replay_result.json`
     for each config and `<ts>/sweep_result.json`; each is logged in the job's task file when one is open.
     """
-    from dataclasses import replace
+    from axrl_spike_replay.replay.jobs.job_runner import configs_in_parallel, run_job
 
-    from axrl_spike_replay.replay.job_runner import configs_in_parallel, run_job
-
-    options = options or ReplayOptions()
-    if options.parallel_configs != 1:  # independent configs side by side on several pools (configs_in_parallel)
-        options = replace(options, runner=configs_in_parallel(options.runner or run_job, options.parallel_configs))
-    normalised = [parse_config(c, f"config {i + 1}") for i, c in enumerate(configs)]
-    check_distinct(normalised)
-    with replay_session(snapshot, options, normalised, "sweep") as session:
+    pools = request.how.parallel_configs
+    if pools != 1:  # independent configs side by side on several pools (configs_in_parallel)
+        runner = configs_in_parallel(runner or run_job, pools)
+    configs = list(request.what.configs)  # normalised and distinct: the request checked them
+    with replay_session(
+        request,
+        configs,
+        "sweep",
+        recorder=recorder,
+        runner=runner,
+        capacity=capacity,
+        nodes=nodes,
+        checkpoint=checkpoint,
+        stream=stream,
+    ) as session:
         baseline, results = session.execute()
         sweep = SweepResult(
-            snapshot=str(snapshot),
+            snapshot=str(request.what.snapshot),
             fidelity=session.plan.fidelity,
             world_size_saved=session.inputs.world_size,
             world_size_used=session.plan.nproc,
-            device=options.device,
+            device=str(request.how.device),
             threshold=session.threshold,
             baseline=baseline,
             results=results,

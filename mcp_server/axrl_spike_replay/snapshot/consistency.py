@@ -43,7 +43,7 @@ from axrl_spike_replay.snapshot.completeness import missing_ranks, rank_ranges_t
 from axrl_spike_replay.snapshot.layout import RUN_CONFIG, rank_files
 from axrl_spike_replay.snapshot.metadata import AxrlMetadata, read_metadata
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
-from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
 
 NORM_TOLERANCE = 1e-3  # relative: recorded norms are float32 sums in another order than ours
 # relative, for per-parameter norms of the reduced gradient itself (`param_grad_norms_kind` reduced or reduced_shard:

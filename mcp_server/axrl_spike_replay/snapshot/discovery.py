@@ -8,10 +8,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from axrl_spike_replay.containment import inside_of
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.snapshot.layout import parse_output_dir_name
-from axrl_spike_replay.untrusted_bytes import file_kind
+from axrl_spike_replay.untrusted.containment import inside_of
+from axrl_spike_replay.untrusted.untrusted_bytes import file_kind
 
 OUTPUT_ROOTS_ENV = "AXRL_OUTPUT_ROOTS"
 

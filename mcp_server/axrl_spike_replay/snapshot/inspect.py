@@ -38,7 +38,7 @@ from axrl_spike_replay.snapshot.trainer_formats.megatron_checkpoint import (
     layout_problems,
     read_megatron_checkpoint,
 )
-from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
 
 
 @dataclass
@@ -93,7 +93,7 @@ class SnapshotInspection:
     # the run config's sections a person checks first, as the trainer recorded them: loss, routing, parallel, and
     # the detector (the run config's own section, else the metadata's); a section the config lacks is absent
     settings: dict[str, Any] = field(default_factory=dict)
-    # every rank's inputs held to the run config's model (replay.input_checks, through `inspect_with_inputs`)
+    # every rank's inputs held to the run config's model (replay.reading.input_checks, through `inspect_with_inputs`)
     input_findings: list[str] = field(default_factory=list)
 
 
@@ -222,6 +222,13 @@ def _check_model(directory: Path, problems: list[str]) -> ModelSummary | None:
     return ModelSummary(tensors=summary.tensors, bytes=summary.bytes)
 
 
+def _same_norm(a: float, b: float) -> bool:
+    """Two records of one norm agree: within 1e-3, or the same non-finite value (NaN == NaN here)."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b or math.isclose(a, b, rel_tol=1e-3)
+
+
 def inspect_snapshot(path: str | Path) -> SnapshotInspection:
     """Read a snapshot's metadata, per-rank counts and model size; list its problems. Reads no large tensor."""
     directory = Path(os.path.abspath(path))
@@ -233,7 +240,9 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
             f"parallel layout tp={par.tp} x pp={par.pp} x dp={par.dp} x cp={par.cp} does not make the "
             f"world size {par.world_size}"
         )
-    if meta.median_norm > 0 and not math.isclose(meta.spike_ratio, meta.grad_norm / meta.median_norm, rel_tol=1e-3):
+    # a non-finite norm has a non-finite ratio (the guard records inf): nothing to compare
+    finite = math.isfinite(meta.grad_norm) or math.isfinite(meta.spike_ratio)
+    if finite and meta.median_norm > 0 and not _same_norm(meta.spike_ratio, meta.grad_norm / meta.median_norm):
         problems.append(
             f"spike_ratio {meta.spike_ratio:.6g} != grad_norm / median_norm = {meta.grad_norm / meta.median_norm:.6g}"
         )
@@ -260,7 +269,7 @@ def inspect_snapshot(path: str | Path) -> SnapshotInspection:
             _collect(problems, _read_rank_grad_info, directory, rank, info, infos)
         if info.routing_payload_file is not None:
             _collect(problems, _inspect_routing, directory, rank, info, problems)
-        if info.grad_norm is not None and not math.isclose(info.grad_norm, meta.grad_norm, rel_tol=1e-3):
+        if info.grad_norm is not None and not _same_norm(info.grad_norm, meta.grad_norm):
             problems.append(
                 f"{info.grad_info_file}: grad_norm {info.grad_norm:.6g} differs from the metadata's "
                 f"{meta.grad_norm:.6g}"

@@ -21,12 +21,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from axrl_spike_replay.atomic import atomic_write_json
-from axrl_spike_replay.containment import LINKS_INTO, link_into
 from axrl_spike_replay.errors import AxrlError, SnapshotError
+from axrl_spike_replay.files.atomic import atomic_write_json
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, CHECKPOINT_METADATA, CHECKPOINT_METADATA_CONTENT
 from axrl_spike_replay.snapshot.metadata import read_json_document, read_metadata
 from axrl_spike_replay.snapshot.safe_load import inside_its_tree
+from axrl_spike_replay.untrusted.containment import LINKS_INTO, link_into
 
 _NO_LINK_ERRNOS = {errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP}
 

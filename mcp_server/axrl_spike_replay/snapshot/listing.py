@@ -6,7 +6,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from axrl_spike_replay.containment import is_inside, link_leaving
 from axrl_spike_replay.errors import AxrlError, SnapshotError
 from axrl_spike_replay.snapshot.layout import (
     AXRL_METADATA,
@@ -18,6 +17,7 @@ from axrl_spike_replay.snapshot.layout import (
     snapshot_order,
 )
 from axrl_spike_replay.snapshot.metadata import read_metadata
+from axrl_spike_replay.untrusted.containment import is_inside, link_leaving
 
 
 @dataclass

@@ -11,12 +11,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.containment import file_inside
 from axrl_spike_replay.display import shown, shown_names
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.layout import AXRL_METADATA, CHECKPOINT_METADATA, FORMAT_VERSION
-from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
-from axrl_spike_replay.untrusted_json import parse_untrusted_json
+from axrl_spike_replay.untrusted.containment import file_inside
+from axrl_spike_replay.untrusted.untrusted_bytes import UntrustedInputError, read_bounded
+from axrl_spike_replay.untrusted.untrusted_json import parse_untrusted_json
 
 # Keys that mark `metadata.json` as AXRL metadata (legacy layout) rather than the checkpoint's own.
 _AXRL_MARKER_KEYS = ("iteration", "grad_norm", "spike_ratio", "parallel", "job_name")

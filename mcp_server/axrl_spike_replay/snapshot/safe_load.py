@@ -23,10 +23,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
-from axrl_spike_replay.containment import file_inside
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError, UnsafeFileError
-from axrl_spike_replay.untrusted_bytes import UntrustedInputError
+from axrl_spike_replay.untrusted.containment import file_inside
+from axrl_spike_replay.untrusted.untrusted_bytes import UntrustedInputError
 
 # Limits on what a rank file may declare (all far above what a trainer writes).
 MAX_PT_PICKLE_BYTES = 16 * 1024 * 1024  # data.pkl holds tensor headers and small dicts: kilobytes in practice

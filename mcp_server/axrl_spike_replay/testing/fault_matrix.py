@@ -20,6 +20,9 @@ Three provenances:
 - `held_out_iii`: faults of `capture.fault_injection.held_out_iii_faults`, a third held-out set (eight kinds no
   earlier provenance uses), written and committed before any diagnosis was run on them: tiny_moe and qwen2_moe,
   world sizes 2 and 4, one case with two faults on two ranks.
+- `held_out_iv`: faults of `capture.fault_injection.held_out_iv_faults`, a fourth held-out set (ten kinds no earlier
+  provenance uses), written and committed before any diagnosis was run on them: tiny_moe and qwen2_moe, world sizes
+  2 and 4, one case with two faults on two ranks.
 
 `capture_command` is the same run as an `axrl-spike-replay capture` command line. `capture_case` records a case
 with `hide_fault`, so the snapshots and the log do not name the preset or the fault:
@@ -35,7 +38,7 @@ from typing import Any
 
 from axrl_spike_replay.capture.reference.presets import FAMILY_PRESETS, FAULT_FAMILIES, LAST, FaultSpec, get_preset
 
-PROVENANCES = ("preset", "variant", "held_out", "unseen", "held_out_ii", "held_out_iii")
+PROVENANCES = ("preset", "variant", "held_out", "unseen", "held_out_ii", "held_out_iii", "held_out_iv")
 MATRIX_WORLD_SIZE = 2  # one faulty rank beside a healthy one: the witness a per-rank comparison needs
 MATRIX_STEPS = 24  # the burst is at iterations 20-22
 
@@ -47,7 +50,7 @@ class MatrixCase:
     name: str
     family: str  # the cause family planted (one of presets.FAULT_FAMILIES)
     preset: str
-    provenance: str  # preset | variant | held_out | unseen | held_out_ii | held_out_iii
+    provenance: str  # preset | variant | held_out | unseen | held_out_ii | held_out_iii | held_out_iv
     faults: tuple[FaultSpec, ...] = ()  # planted on top of the preset's own fault
     world_size: int = MATRIX_WORLD_SIZE
     model: str | None = None  # the one model the case runs on (None: each model the matrix is run on)
@@ -360,12 +363,109 @@ _HELD_OUT_III = (
 )
 
 
+_HELD_OUT_IV = (
+    MatrixCase(
+        "held_out_iv:ref_logprobs_unnormalised",
+        "bad_ref_logprobs",
+        "peaked_kl",
+        "held_out_iv",
+        (FaultSpec("ref_logprobs_unnormalised", ranks=LAST),),
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_iv:old_logprobs_adapter_disabled",
+        "stale_old_logprobs",
+        "peaked",
+        "held_out_iv",
+        (FaultSpec("old_logprobs_adapter_disabled", ranks=(0,)),),
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_iv:routes_read_before_copy_ws4",
+        "routing_payload",
+        "expert_sensitive",
+        "held_out_iv",
+        (FaultSpec("routes_read_before_copy", ranks=(2,)),),
+        world_size=4,
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_iv:advantage_std_without_eps",
+        "non_finite",
+        "peaked",
+        "held_out_iv",
+        (FaultSpec("advantage_std_without_eps", ranks=LAST),),
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_iv:engine_sampling_temperature",
+        "one_rank_data",
+        "peaked",
+        "held_out_iv",
+        (FaultSpec("engine_sampling_temperature", ranks=LAST, params={"temperature": 3.0}),),
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_iv:advantages_summed_over_positions",
+        "outlier_advantage",
+        "peaked",
+        "held_out_iv",
+        (FaultSpec("advantages_summed_over_positions", ranks=(0,)),),
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_iv:positions_not_reset_after_packing",
+        "step_not_reproduced",
+        "peaked",
+        "held_out_iv",
+        (FaultSpec("positions_not_reset_after_packing", ranks=LAST, params={"offset": 14}),),
+        model="tiny_moe",
+    ),
+    MatrixCase(
+        "held_out_iv:qwen2_moe_loss_mask_inverted",
+        "mask_misalignment",
+        "peaked",
+        "held_out_iv",
+        (FaultSpec("loss_mask_inverted", ranks=LAST),),
+        model="qwen2_moe",
+    ),
+    MatrixCase(
+        "held_out_iv:qwen2_moe_rollout_logprobs_base2",
+        "engine_mismatch",
+        "peaked_rollout_ratio",
+        "held_out_iv",
+        (FaultSpec("rollout_logprobs_base2"),),
+        model="qwen2_moe",
+    ),
+    MatrixCase(
+        "held_out_iv:qwen2_moe_entropy_bonus_summed",
+        "step_not_reproduced",
+        "peaked",
+        "held_out_iv",
+        (FaultSpec("entropy_bonus_summed", ranks=LAST, params={"coef": 0.05}),),
+        model="qwen2_moe",
+    ),
+    MatrixCase(
+        "held_out_iv:positions_and_entropy_bonus_ws4",
+        "step_not_reproduced",
+        "peaked",
+        "held_out_iv",
+        (
+            FaultSpec("positions_not_reset_after_packing", ranks=(0,), params={"offset": 14}),
+            FaultSpec("entropy_bonus_summed", ranks=(3,), params={"coef": 0.05}),
+        ),
+        world_size=4,
+        model="tiny_moe",
+    ),
+)
+
+
 def matrix_cases(provenances: tuple[str, ...] = PROVENANCES) -> list[MatrixCase]:
     """The matrix's cases of the given provenances, presets first."""
     unknown = set(provenances) - set(PROVENANCES)
     if unknown:
         raise ValueError(f"unknown provenance {sorted(unknown)} (known: {', '.join(PROVENANCES)})")
-    cases = [*_preset_cases(), *_VARIANTS, *_HELD_OUT, *_UNSEEN, *_HELD_OUT_II, *_HELD_OUT_III]
+    cases = [*_preset_cases(), *_VARIANTS, *_HELD_OUT, *_UNSEEN, *_HELD_OUT_II, *_HELD_OUT_III, *_HELD_OUT_IV]
     return [c for c in cases if c.provenance in provenances]
 
 

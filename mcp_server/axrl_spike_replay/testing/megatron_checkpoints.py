@@ -111,7 +111,7 @@ def save_checkpoints(
 ) -> None:
     """Save the tiny model at each (layout, dir), every layout of one world size; from `reference`'s weights, or
     seeded afresh."""
-    from axrl_spike_replay.rank_processes import spawn_ranks
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
 
     worlds = {layout.world_size for layout, _ in jobs}
     if len(worlds) != 1:

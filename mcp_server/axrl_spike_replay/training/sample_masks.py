@@ -31,7 +31,7 @@ without one the batch is the group). `outlier_z` computes it, for this mask and 
 `drop_samples` leaves the named `rank:sample` pairs out, `drop_ranks` every sample of the named saved ranks and
 `keep_ranks` every sample of the others (the DP mean still divides by the saved world size, as when those ranks'
 samples are masked in training): diagnostics (is the spike those samples, that rank?), never production methods.
-The clean gradient (`replay.clean_gradient`) leaves single loss tokens (or whole ranks) out the same way
+The clean gradient (`replay.compute.clean_gradient`) leaves single loss tokens (or whole ranks) out the same way
 (`TokenDrop`); no mitigation does.
 
 Masking changes which columns hold loss tokens, never the response width verl's

@@ -1,6 +1,6 @@
 """The investigation's final report, rendered from the task state; optionally releases preserved copies after.
 
-Only the preserved copies this investigation uses are released (see `workspace.preserved_copies`).
+Only the preserved copies this investigation uses are released (see `workspace.task_record.preserved_copies`).
 """
 
 from __future__ import annotations
@@ -10,24 +10,24 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.experiment.trainer_settings import SETTING_KINDS, TRAINERS
+from axrl_spike_replay.experiment.mitigation.trainer_settings import SETTING_KINDS, TRAINERS
 from axrl_spike_replay.names import check_plain_name
-from axrl_spike_replay.workspace.evidence import baseline_rows, output_dir_of, with_runs
-from axrl_spike_replay.workspace.experiment_row import ExperimentRow
-from axrl_spike_replay.workspace.methods import RANKING, method_files, rank_key
+from axrl_spike_replay.workspace.method_files.methods import RANKING, method_files, rank_key
+from axrl_spike_replay.workspace.method_files.released_methods import follow_released_copies
 from axrl_spike_replay.workspace.paths import check_workspace, job_tmp_dir
-from axrl_spike_replay.workspace.preserved_copies import (
+from axrl_spike_replay.workspace.render import render
+from axrl_spike_replay.workspace.task_record.evidence import baseline_rows, output_dir_of, with_runs
+from axrl_spike_replay.workspace.task_record.experiment_row import ExperimentRow
+from axrl_spike_replay.workspace.task_record.preserved_copies import (
     copies_in_use,
     copies_kept,
     is_last_copy,
     release_copies,
     source_of,
 )
-from axrl_spike_replay.workspace.released_methods import follow_released_copies
-from axrl_spike_replay.workspace.render import render
-from axrl_spike_replay.workspace.task import TaskState
-from axrl_spike_replay.workspace.task_diagnosis import open_steps, report_diagnosis
-from axrl_spike_replay.workspace.task_state import (
+from axrl_spike_replay.workspace.task_record.task import TaskState
+from axrl_spike_replay.workspace.task_record.task_diagnosis import open_steps, report_diagnosis
+from axrl_spike_replay.workspace.task_record.task_state import (
     now,
     read_state,
     set_task_snapshot,
@@ -35,8 +35,8 @@ from axrl_spike_replay.workspace.task_state import (
     used_by_other_tasks,
     write_file,
 )
+from axrl_spike_replay.workspace.task_record.views import ReportResult
 from axrl_spike_replay.workspace.trainer_advice import trainer_advice
-from axrl_spike_replay.workspace.views import ReportResult
 
 REPORT_NAME = "report.md"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from axrl_spike_replay.experiment.mitigations import normal_form
-from axrl_spike_replay.experiment.trainer_changes import trainer_changes
-from axrl_spike_replay.experiment.trainer_settings import NO_MEGATRON_FLAG, TRAINERS, snapshot_trainer
+from axrl_spike_replay.experiment.mitigation.mitigations import normal_form
+from axrl_spike_replay.experiment.mitigation.trainer_changes import trainer_changes
+from axrl_spike_replay.experiment.mitigation.trainer_settings import NO_MEGATRON_FLAG, TRAINERS, snapshot_trainer
 
 
 def trainer_advice(methods: list[dict[str, Any]], snapshot: str | None) -> dict[str, Any]:

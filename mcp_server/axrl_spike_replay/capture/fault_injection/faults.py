@@ -63,6 +63,7 @@ from axrl_spike_replay.capture.fault_injection.fault_params import (
 )
 from axrl_spike_replay.capture.fault_injection.held_out_faults import HELD_OUT_KINDS
 from axrl_spike_replay.capture.fault_injection.held_out_iii_faults import HELD_OUT_III_KINDS
+from axrl_spike_replay.capture.fault_injection.held_out_iv_faults import HELD_OUT_IV_KINDS
 from axrl_spike_replay.capture.fault_injection.unrecorded_faults import UNRECORDED_KINDS
 from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.rollout import shifted_routes
@@ -488,8 +489,8 @@ FAULT_KINDS: dict[str, type[BuiltinFault]] = {
 def fault_kinds() -> dict[str, type[BuiltinFault]]:
     """Every built-in fault kind: this module's (the step's inputs) and `unrecorded_faults`' (what the trainer does
     that its run config does not record: its gradients, the batch it stores) and `held_out_faults`' (a second
-    held-out set) and `held_out_iii_faults`' (a third)."""
-    return {**FAULT_KINDS, **UNRECORDED_KINDS, **HELD_OUT_KINDS, **HELD_OUT_III_KINDS}
+    held-out set), `held_out_iii_faults`' (a third) and `held_out_iv_faults`' (a fourth)."""
+    return {**FAULT_KINDS, **UNRECORDED_KINDS, **HELD_OUT_KINDS, **HELD_OUT_III_KINDS, **HELD_OUT_IV_KINDS}
 
 
 def make_fault(spec: FaultSpec) -> BuiltinFault:

@@ -22,7 +22,6 @@ from typing import Any, TextIO
 
 import torch
 
-from axrl_spike_replay.atomic import atomic_write_json
 from axrl_spike_replay.capture.detectors import make_detector
 from axrl_spike_replay.capture.fault_injection.faults import Fault
 from axrl_spike_replay.capture.reference.fsdp_trainer import make_rank_trainer
@@ -31,7 +30,8 @@ from axrl_spike_replay.capture.reference.strategies import PARALLEL_STRATEGIES, 
 from axrl_spike_replay.capture.reference.trainer_ranks import launch
 from axrl_spike_replay.capture.spike_guard import GuardDecision, SpikeGuard
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.rank_processes import refuse_in_spawned_import
+from axrl_spike_replay.files.atomic import atomic_write_json
+from axrl_spike_replay.processes.rank_processes import refuse_in_spawned_import
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
 from axrl_spike_replay.snapshot.metadata import ParallelLayout
 

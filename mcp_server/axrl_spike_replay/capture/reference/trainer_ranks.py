@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.rank_processes import RankFn, spawn_ranks
+from axrl_spike_replay.processes.rank_processes import RankFn, spawn_ranks
 
 
 def launch(fn: RankFn, world_size: int, payload: Any, *, timeout_s: float = 600.0) -> None:

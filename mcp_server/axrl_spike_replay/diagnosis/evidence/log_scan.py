@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 
 from axrl_spike_replay.capture.detectors import DEFAULT_WARMUP_RATIO, Detector, MedianRatioDetector, make_detector
-from axrl_spike_replay.containment import resolved_text
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.logs.log_copy import CopyBeside, PlannedCopy, plan_copies
@@ -44,8 +43,9 @@ from axrl_spike_replay.logs.series_sampling import DEFAULT_LIMIT, sampled_series
 from axrl_spike_replay.names import check_plain_name
 from axrl_spike_replay.snapshot.discovery import classify_logs, log_entries
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, RUN_CONFIG, SNAPSHOTS_DIR, parse_output_dir_name
-from axrl_spike_replay.untrusted_bytes import UntrustedInputError, file_kind, open_regular
-from axrl_spike_replay.untrusted_yaml import read_untrusted_yaml
+from axrl_spike_replay.untrusted.containment import resolved_text
+from axrl_spike_replay.untrusted.untrusted_bytes import UntrustedInputError, file_kind, open_regular
+from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
 
 MAX_SKIPPED = 200
 # the guard's defaults, armed from step 1 as it is (capture.detectors): a spike in the warm-up part of a log is flagged

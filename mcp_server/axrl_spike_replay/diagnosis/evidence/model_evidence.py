@@ -1,10 +1,12 @@
 """Evidence that needs the model: per-sample attribution, the per-rank signal check with the loss channel
-(`replay.step_evidence_forward`), and route agreement per MoE layer merged over the ranks (read off the signal check).
+(`replay.analyses.step_evidence_forward`), and route agreement per MoE layer merged over the ranks (read off the
+signal check).
 
 Both rebuild the snapshot's model with the replay engine on CPU: in this process, or, when the whole model does
-not fit one process (or `shard` on), sharded with FSDP2 over several (`replay.sharded_attribution`,
-`replay.sharded_evidence`). Attribution is one gradient pass plus one forward-mode pass over every rank batch (see
-replay/attribution.py; sharded, one backward per sample), route agreement one no-grad forward per MoE layer.
+not fit one process (or `shard` on), sharded with FSDP2 over several (`replay.analyses.sharded_attribution`,
+`replay.analyses.sharded_evidence`). Attribution is one gradient pass plus one forward-mode pass over every rank batch
+(see replay/analyses/attribution.py; sharded, one backward per sample), route agreement one no-grad forward per MoE
+layer.
 `diagnose` runs them itself only when that is cheap (a checkpoint of at most AUTO_MODEL_BYTES that the torch engine
 can rebuild) or asked to (`model` always); otherwise it takes an attribution the caller already has and says what it
 left out.
@@ -68,17 +70,17 @@ def model_bytes(snapshot: str | Path) -> int | None:
 
 def run_attribution(snapshot: str | Path, top: int, shard: str = "auto", nproc: int | None = None) -> Attribution:
     """Attribute the step here (CPU, nothing written): whole, or sharded over `nproc` processes (`shard`)."""
-    from axrl_spike_replay.replay.attribution import attribute_spike
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
     return attribute_spike(snapshot, top=top, shard=shard, nproc=nproc)
 
 
 def run_step_evidence(snapshot: str | Path, shard: str = "auto", nproc: int | None = None) -> StepEvidence:
     """The signal check and the loss channel of the step, here (CPU, nothing written): whole, or sharded over `nproc`
-    processes (`shard`)."""
-    from axrl_spike_replay.replay.step_evidence_run import step_evidence
+    processes (`shard`); streamed, the signal check alone (the channel is not computed streamed)."""
+    from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
 
-    return step_evidence(snapshot, shard=shard, nproc=nproc)
+    return step_evidence(snapshot, shard=shard, nproc=nproc, channel=shard != "streamed")
 
 
 def routes_of(check: SignalCheck) -> RouteAgreement:

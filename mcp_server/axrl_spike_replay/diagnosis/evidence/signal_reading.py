@@ -24,8 +24,8 @@ there it has drifted furthest), or 0 fills in it alone, single it out (`_odd_dri
 
 An odd signal on every rank with no witness is `spread` (an engine/trainer mismatch looks like that); without any
 witness nothing is separated, and the reading says so (`witnesses` empty). Loss tokens where a stored signal is
-exactly 0 while the policy's log-prob is far from 0 are `zero_filled`: a padded value, not a log-prob (all the stored
-signals zero there at once: the loss mask covers tokens no signal was stored for). A rank whose loss masks stop
+exactly 0 while the policy's log-prob is far from 0 are `zero_filled`: a padded value, not a log-prob (two stored
+signals or more zero there at once: the loss mask covers tokens they were not stored for). A rank whose loss masks stop
 before the last token the engine generated (a stored rollout log-prob, attended) on most samples, where another
 rank's run to the end, is `truncated`: its loss leaves out tokens the others train on.
 """
@@ -100,6 +100,7 @@ class SignalReading:
     routes: dict[int, float] = field(default_factory=dict)  # rank -> route level (disagreement / ROUTES_OFF)
     odd: list[OddSignal] = field(default_factory=list)
     mask_ranks: dict[int, float] = field(default_factory=dict)  # rank -> share of loss tokens no signal covers
+    mask_signals: dict[int, list[str]] = field(default_factory=dict)  # rank -> the signals that are 0 fills there
     likelihood: dict[int, float] = field(default_factory=dict)  # rank -> its typical sample's mean log π (replay)
     likelihood_own: dict[int, float] = field(default_factory=dict)  # ... under the model's own routing
     surprise: dict[int, float] = field(default_factory=dict)  # rank -> nats per token past the policy's entropy
@@ -384,12 +385,17 @@ def _pct(x: float | None) -> str:
 
 
 def _mask(reading: SignalReading) -> None:
-    """Ranks where every stored log-prob signal is a 0 fill on the same share of loss tokens."""
+    """Ranks where two stored log-prob signals or more are 0 fills on loss tokens: signals stored apart (the
+    trainer's old and reference passes, the engine's) padded alike say the loss mask covers tokens they were not
+    stored for, not that each is broken. A signal stored over the whole sequence (an engine that scores the prompt
+    too) holds values there, so not every signal need be a fill."""
     ranks = set().union(*(by.keys() for by in reading.levels.values())) if reading.levels else set()
     for r in ranks:
-        fills = [by[r].zero_filled for by in reading.levels.values() if r in by]
-        if len(fills) >= 2 and min(fills) >= ZERO_FILLED:
-            reading.mask_ranks[r] = min(fills)
+        filled = {s: by[r].zero_filled for s, by in reading.levels.items() if r in by}
+        filled = {s: v for s, v in filled.items() if v >= ZERO_FILLED}
+        if len(filled) >= 2:
+            reading.mask_ranks[r] = min(filled.values())
+            reading.mask_signals[r] = sorted(filled)
 
 
 def _truncated(reading: SignalReading) -> None:

@@ -1,6 +1,6 @@
 """A rank's input that fails a check against the model, as a cause: the lead finding, with its experiments.
 
-`replay.input_checks` holds every rank's routes, tokens, masks and stored log-probs to the run config's model.
+`replay.reading.input_checks` holds every rank's routes, tokens, masks and stored log-probs to the run config's model.
 Each failure is a fact about the snapshot (not a reading of signals): its rank, field, what fails and how often,
 the healthy ranks as witnesses. As a cause it heads the list, scoped to its rank, with the experiments that remove
 the bad part (recompute that rank's routes or stored log-probs, drop the rank); whether the bad part carries the
@@ -33,8 +33,8 @@ def input_causes(snapshot: Path, world_size: int, not_checked: list[str]) -> lis
     """One cause per family whose input fails a check against the run config's model; a line in
     `not_checked` when the checks cannot run (the run config's model does not parse, a rank file does not read)."""
     from axrl_spike_replay.models.policy import parse_model_config
-    from axrl_spike_replay.replay.input_checks import input_findings
-    from axrl_spike_replay.replay.inputs import read_run_config
+    from axrl_spike_replay.replay.reading.input_checks import input_findings
+    from axrl_spike_replay.replay.reading.inputs import read_run_config
 
     try:
         spec = parse_model_config(dict(read_run_config(snapshot)["model"]))

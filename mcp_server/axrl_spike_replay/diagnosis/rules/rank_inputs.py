@@ -12,6 +12,12 @@ alone (no model): which input of a rank differs from the others' names the broke
   every advantage they have fed its loss advantages on another scale: the advantages are the broken part there
   (`outlier_advantage` on that rank), not the data, as long as the policy finds that rank's data as likely as the
   others' (`signal_reading` compares it, with the model).
+- The advantages against the rewards they were computed from, group by group (the samples of one prompt): every
+  usual estimator gives a group advantages spread at most about as widely as a standardised group (std 1: GRPO) or
+  as its rewards (std of the rewards: a baseline, RLOO, GRPO without the std). A rank whose groups' advantages are
+  spread `SPREAD` (`SCALE`: another scale) times wider than both, on most of its groups whose advantages differ at
+  all, has advantages no estimator makes from its rewards (`outlier_advantage` on that rank): it needs no other
+  rank as a witness, so it holds where every other rank's advantages are 0.
 
 Each is as strong as the share of the gradient those ranks carry says (`BASE`; `CARRIES` when they carry at least
 half of it, by the loss channel or a local grad norm `SINGLE_NORM` times the others').
@@ -22,6 +28,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 from axrl_spike_replay.diagnosis.evidence.signal_reading import DATA_NATS, WITNESS_RATIO
 from axrl_spike_replay.diagnosis.rules.causes import Cause, Evidence, Experiment, is_finite
@@ -29,6 +36,7 @@ from axrl_spike_replay.diagnosis.rules.causes import Cause, Evidence, Experiment
 LEADING = 0.5  # share of a rank's samples whose loss starts before every other rank's that counts
 UNRECORDED = 0.05  # share of a rank's loss tokens at positions its engine recorded no route for that counts
 SCALE = 10.0  # a rank's typical |advantage| this many times the other ranks' median, and above their largest
+SPREAD = SCALE  # a group's advantage std this many times both 1 and its rewards' std: no usual estimator's
 SINGLE_NORM = 3.0  # a rank's local grad norm this many times the others' median: it carries the gradient
 BASE = 0.6  # the rank's input differs; its share of the gradient unknown or under half
 CARRIES = 0.9  # ... and those ranks carry at least half of the gradient
@@ -239,6 +247,99 @@ def rank_advantage_scale(ev: Evidence) -> Cause | None:
             ),
             _drop(ranks, "the advantage scale"),
         ],
+        ranks=ranks,
+        term="policy",
+    )
+
+
+def _group_spreads(batch: dict[str, Any]) -> tuple[list[float], int]:
+    """(per group of the batch whose advantages differ at all: its advantages' std over max(1, its rewards' std)
+    (population stds), the largest group's size); ([], 0) without per-sample rewards, advantages and group ids of one
+    length. Samples with no loss token are left out."""
+    import torch
+
+    names = ("rewards", "advantages", "group_index")
+    if any(not isinstance(batch.get(n), torch.Tensor) or batch[n].dim() != 1 for n in names):
+        return [], 0
+    rewards, advantages, groups = (batch[n] for n in names)
+    if not rewards.shape == advantages.shape == groups.shape:
+        return [], 0
+    mask = batch.get("loss_mask")
+    trained = (
+        mask.flatten(1).ne(0).any(dim=1)
+        if isinstance(mask, torch.Tensor) and mask.shape[:1] == rewards.shape
+        else torch.ones_like(rewards, dtype=torch.bool)
+    )
+    spreads: list[float] = []
+    largest = 0
+    for g in groups.unique():
+        rows = (groups == g) & trained
+        largest = max(largest, int(rows.sum()))
+        if int(rows.sum()) < 2:
+            continue
+        a, r = advantages[rows].double(), rewards[rows].double()
+        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(r).all())):
+            continue
+        spread = float(a.std(unbiased=False))
+        if spread > 0:
+            spreads.append(spread / max(1.0, float(r.std(unbiased=False))))
+    return spreads, largest
+
+
+def overscaled_ranks(ev: Evidence) -> dict[int, tuple[float, int, int, int]]:
+    """{rank: (its groups' median spread factor, groups past SPREAD, groups whose advantages differ, its largest
+    group)} for the ranks where most such groups are spread SPREAD times wider than their rewards and a
+    standardised group allow."""
+    from axrl_spike_replay.errors import AxrlError
+    from axrl_spike_replay.snapshot.rank_data import load_rank_batch
+
+    found: dict[int, tuple[float, int, int, int]] = {}
+    path, ranks = getattr(ev.analysis, "path", None), getattr(ev.analysis, "ranks", None) or []
+    if path is None:
+        return {}
+    for rank in ranks:
+        try:
+            spreads, largest = _group_spreads(load_rank_batch(path, rank))
+        except (AxrlError, KeyError, OSError):
+            return {}
+        past = sum(v >= SPREAD for v in spreads)
+        if spreads and past * 2 > len(spreads):
+            found[rank] = (statistics.median(spreads), past, len(spreads), largest)
+    return found
+
+
+def advantages_past_rewards(ev: Evidence) -> Cause | None:
+    """Advantages spread wider within their groups than any usual estimator makes from the groups' rewards."""
+    found = overscaled_ranks(ev)
+    if not found:
+        return None
+    every = len(found) == len(getattr(ev.analysis, "ranks", None) or [])
+    ranks = [] if every else sorted(found)
+    carries, figures = _carry(ev, ranks) if ranks else (False, [])
+    evidence = [
+        f"rank {r}: in {past} of its {n} groups whose advantages differ, the advantages are spread {factor:.3g}x "
+        "wider (median) than both a standardised group (std 1) and the group's rewards: no usual estimator (GRPO, "
+        "a baseline, RLOO) makes them from those rewards; a scale, a sum or a normalisation differs there"
+        for r, (factor, past, n, _) in sorted(found.items())
+    ]
+    size = max(g for *_, g in found.values())
+    clip = round(math.sqrt(max(size - 1, 1)), 2)  # a standardised group's largest |advantage| (population std)
+    experiments = [
+        Experiment(
+            f"advantage_clip={clip:g}",
+            f"clamps every advantage to a standardised group's range (|A| at most {clip:g} in a group of {size})",
+            refutes=REFUTE,
+        )
+    ]
+    if ranks:
+        experiments.append(_drop(ranks, "the advantage scale"))
+    return Cause(
+        "outlier_advantage",
+        "advantages wider than their rewards explain" + (f" on rank {_ranks(ranks)}" if ranks else ""),
+        CARRIES if carries else BASE,
+        evidence + figures,
+        {"advantage_spread": {r: v[0] for r, v in found.items()}},
+        experiments,
         ranks=ranks,
         term="policy",
     )

@@ -33,9 +33,11 @@ from axrl_spike_replay.diagnosis.rules.causes import (
     unit_strength,
 )
 from axrl_spike_replay.diagnosis.rules.rank_inputs import (
+    advantages_past_rewards,
     mask_over_prompt,
     mask_over_unrecorded,
     mask_ranks,
+    overscaled_ranks,
     rank_advantage_scale,
     scaled_ranks,
 )
@@ -600,8 +602,9 @@ def mask_misalignment(ev: Evidence) -> Cause | None:
 
 def outlier_advantage(ev: Evidence) -> Cause | None:
     """The stronger of a few samples' outlier advantages (`causes.outlier_advantage`) and one rank's advantages on
-    another scale (`rank_inputs.rank_advantage_scale`)."""
-    return _strongest(causes.outlier_advantage(ev), rank_advantage_scale(ev))
+    another scale (`rank_inputs.rank_advantage_scale`) or wider than its rewards explain
+    (`rank_inputs.advantages_past_rewards`)."""
+    return _strongest(causes.outlier_advantage(ev), rank_advantage_scale(ev), advantages_past_rewards(ev))
 
 
 def _signal_masks(ev: Evidence) -> Cause | None:
@@ -618,9 +621,10 @@ def _signal_masks(ev: Evidence) -> Cause | None:
     ranks = sorted(ev.reading.mask_ranks)
     every = len(ranks) == len({r for by in ev.reading.levels.values() for r in by})
     evidence = [
-        f"rank {r}: {percent_text(v)} of loss tokens hold 0 in every stored log-prob signal while the policy's "
-        "log-prob there "
-        "is far from 0: the loss mask covers tokens no signal was stored for (shifted or truncated against them)"
+        f"rank {r}: {percent_text(v)} of loss tokens hold 0 in the stored "
+        f"{' and '.join(ev.reading.mask_signals.get(r, ['log-prob']))} log-probs while the policy's log-prob there "
+        "is far from 0: the loss mask covers tokens those signals were not stored for (shifted, truncated or "
+        "inverted against them)"
         for r, v in ev.reading.mask_ranks.items()
     ]
     experiments = [] if every else [_drop_ranks(ranks, "the misaligned mask")]
@@ -740,7 +744,7 @@ def one_rank_data(ev: Evidence) -> Cause | None:
             evidence.append(f"rank {top_rank}'s loss terms carry {by_rank[top_rank]:.3g} of the gradient")
     if rank is None or not evidence:
         return None
-    if rank in mask_ranks(ev) or rank in scaled_ranks(ev):  # its mask or its advantages differ: those explain it
+    if rank in mask_ranks(ev) or rank in scaled_ranks(ev) or rank in overscaled_ranks(ev):  # its mask or advantages
         return None
     if ev.reading is not None:
         if rank in ev.reading.mask_ranks:  # its loss mask covers tokens no signal was stored for: the mask explains it

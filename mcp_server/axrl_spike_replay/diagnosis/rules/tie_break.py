@@ -46,14 +46,18 @@ def run_comparisons(snapshot: Path, pairs: list[tuple[Cause, Cause]], untied: di
     """Replay each pair's comparison (one sweep for every pair) and separate the pairs it separates; `untied`:
     id(cause) -> its strength before the tie. What could not be run, as notes."""
     from axrl_spike_replay.errors import AxrlError
-    from axrl_spike_replay.experiment.mitigations import parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import check_distinct, parse_config, parse_mitigation_args
+    from axrl_spike_replay.experiment.request.request_parts import ReplayRequest, What
     from axrl_spike_replay.replay.sweep import run_sweep
+    from axrl_spike_replay.vocabulary import Verb
 
     items = list(dict.fromkeys(e for a, b in pairs for e in (a.experiments[0].mitigation, b.experiments[0].mitigation)))
     if not items:
         return []
     try:
-        sweep = run_sweep(snapshot, [parse_mitigation_args([item]) for item in items])
+        configs = tuple(parse_config(parse_mitigation_args([e]), f"config {i + 1}") for i, e in enumerate(items))
+        check_distinct(configs)  # as the request builder does (it sits above the diagnosis)
+        sweep = run_sweep(ReplayRequest(what=What(snapshot, verb=Verb.SWEEP, configs=configs)))
     except AxrlError as exc:
         return [f"the tied causes' comparison ({exc})"]
     base = sweep.baseline.grad_norm

@@ -22,7 +22,7 @@ from axrl_spike_replay.diagnosis.evidence.ratio_shape import RatioShape, few_tok
 from axrl_spike_replay.diagnosis.rules.causes import Experiment
 from axrl_spike_replay.diagnosis.rules.signal_causes import REFUTE_STAYS
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_mitigation_args
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_mitigation_args
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
 

@@ -4,8 +4,8 @@ the snapshot's weights (the loss channel's `rank_losses`), and each loss term's 
 
 A rank whose recorded loss differs from its replayed one by D would give the recorded loss if the coefficient c of
 one of its terms, whose value there is v (v is proportional to c), were c (v + D) / v instead; or if its whole loss
-were scaled by recorded / replayed. Each is a hypothesis `NAME=VALUE@RANK` (`experiment.rank_scope`). Every one
-of them makes that rank's loss come out as recorded by construction, so the loss alone cannot tell them apart:
+were scaled by recorded / replayed. Each is a hypothesis `NAME=VALUE@RANK` (`experiment.mitigation.rank_scope`). Every
+one of them makes that rank's loss come out as recorded by construction, so the loss alone cannot tell them apart:
 the replay under each does, by the recorded grad norm. The one the step reproduces under is the proof.
 
 A value is written with the fewest significant digits whose rank loss, by the same linear reading, is still within

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.experiment.mitigations import apply_config, parse_mitigation_args
+from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_mitigation_args
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.routing_config import RoutingConfig
 
@@ -21,7 +21,7 @@ def run_configs(
 ) -> tuple[LossConfig | None, RoutingConfig | None, tuple[int, ...]]:
     """The snapshot's loss and routing configs and its MoE layers from `run_config.yaml`; (None, None, ()) with a
     line in `not_checked` when they cannot be read (suggestions are then not checked for no-ops)."""
-    from axrl_spike_replay.replay.inputs import read_run_config
+    from axrl_spike_replay.replay.reading.inputs import read_run_config
 
     try:
         doc = read_run_config(snapshot)

@@ -36,7 +36,7 @@ from mcp.server.auth.provider import AccessToken
 from mcp.server.transport_security import TransportSecuritySettings
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.private_files import private_dir, read_private_text, write_private_text
+from axrl_spike_replay.files.private_files import private_dir, read_private_text, write_private_text
 
 STATE_SUBDIR = "axrl-spike-replay"
 TOKEN_MIN_CHARS = 16

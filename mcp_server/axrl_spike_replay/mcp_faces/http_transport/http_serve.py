@@ -24,8 +24,8 @@ from mcp.server.mcpserver import MCPServer
 from mcp.server.transport_security import TransportSecuritySettings
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.files.private_files import bind_private_socket, peer_uid
 from axrl_spike_replay.mcp_faces.http_transport.http_access import bound_security
-from axrl_spike_replay.private_files import bind_private_socket, peer_uid
 
 log = logging.getLogger("axrl_spike_replay.mcp")
 

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.atomic import atomic_write_bytes
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.experiment.mitigations import config_id
+from axrl_spike_replay.experiment.mitigation.mitigations import config_id
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.experiment.run_dir import RESULT_FILE, SWEEP_FILE, RunDir, RunRecorder, write_and_record
 from axrl_spike_replay.experiment.verdict import tolerance
+from axrl_spike_replay.files.atomic import atomic_write_bytes
 from axrl_spike_replay.remote.command.command_config import CommandBackendConfig
 from axrl_spike_replay.remote.command.command_overrides import render_overrides
 from axrl_spike_replay.remote.command.command_result import (

@@ -4,7 +4,7 @@
 e.g. `mismatch_token_clip_max: "--actor.mismatch_token_clip_max={value}"`. A config's overrides fill
 `{overrides}` in the command. The template is split into words like a shell would, `{value}` is put
 into each word as text, and every resulting word is shell-quoted: a value can never become shell
-syntax, whatever it holds. Values are validated by the mitigation parser first (`experiment.mitigations`).
+syntax, whatever it holds. Values are validated by the mitigation parser first (`experiment.mitigation.mitigations`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.experiment.mitigations import FIRST_MOE_LAYER, MITIGATIONS
-from axrl_spike_replay.experiment.rank_scope import is_scoped
+from axrl_spike_replay.experiment.mitigation.mitigations import FIRST_MOE_LAYER, MITIGATIONS
+from axrl_spike_replay.experiment.mitigation.rank_scope import is_scoped
 
 VALUE = "value"
 

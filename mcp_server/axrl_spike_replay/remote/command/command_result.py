@@ -18,8 +18,8 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
-from axrl_spike_replay.untrusted_json import parse_untrusted_json
+from axrl_spike_replay.untrusted.untrusted_bytes import UntrustedInputError, read_bounded
+from axrl_spike_replay.untrusted.untrusted_json import parse_untrusted_json
 from axrl_spike_replay.vocabulary import Fidelity
 
 MAX_RESULT_BYTES = 4 << 20  # a result document is a few KB; a top-k list of thousands still fits

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import clean_text, shown
-from axrl_spike_replay.launch_worker import REQUEST_FORMAT, REQUEST_VERSION
+from axrl_spike_replay.processes.launch_worker import REQUEST_FORMAT, REQUEST_VERSION
 from axrl_spike_replay.remote.nodes.node_probe import NodeReport
 from axrl_spike_replay.remote.transport.remote_errors import RemoteError
-from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
-from axrl_spike_replay.untrusted_json import parse_untrusted_json
+from axrl_spike_replay.untrusted.untrusted_bytes import UntrustedInputError, read_bounded
+from axrl_spike_replay.untrusted.untrusted_json import parse_untrusted_json
 
 if TYPE_CHECKING:
     from axrl_spike_replay.remote.transport.target_config import ResolvedTarget

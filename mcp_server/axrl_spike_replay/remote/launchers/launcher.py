@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Literal, TypeVar
 
-from axrl_spike_replay.atomic import atomic_write_json
+from axrl_spike_replay.files.atomic import atomic_write_json
 from axrl_spike_replay.remote.launchers.launch_job import (
     LaunchError,
     LaunchNode,

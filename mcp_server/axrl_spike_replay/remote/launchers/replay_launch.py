@@ -1,9 +1,9 @@
 """The replay's processes started by the engines users run training with: torchrun agents on SSH nodes (one
 c10d rendezvous), or `srun` → torchrun inside a Slurm allocation.
 
-`LaunchedRunner` is a `replay.job_runner.JobRunner`: the engine hands it the same `WorkerJob` it hands our spawn
-launcher, and gets back the same outcomes, computed by `replay.torchrun_worker` in processes torchrun started.
-The job travels as JSON (`replay.job_document`); every node must see the snapshot at the same path (checked
+`LaunchedRunner` is a `replay.jobs.job_runner.JobRunner`: the engine hands it the same `WorkerJob` it hands our spawn
+launcher, and gets back the same outcomes, computed by `replay.jobs.torchrun_worker` in processes torchrun started.
+The job travels as JSON (`replay.jobs.job_document`); every node must see the snapshot at the same path (checked
 before anything starts: the checkpoint metadata's size there against the one here). A failure names the node
 and, when a replay process said why it stopped, says that instead of torchrun's own summary. Cancel (the
 caller's event, Ctrl-C, SIGTERM) and timeout end the job on every node (`scancel` on Slurm).
@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from axrl_spike_replay.display import clean_text
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.rank_processes import RunCancelled
+from axrl_spike_replay.processes.rank_processes import RunCancelled
 from axrl_spike_replay.remote.launchers.launch_job import LaunchError, LaunchNode, LaunchOutcome, WorkerEntry
 from axrl_spike_replay.remote.launchers.launcher import DryRun, Launcher
 from axrl_spike_replay.remote.launchers.slurm_command import SlurmSettings
@@ -31,11 +31,17 @@ from axrl_spike_replay.remote.launchers.torchrun_command import DEFAULT_RENDEZVO
 from axrl_spike_replay.remote.launchers.torchrun_launch import TorchrunJob, TorchrunLauncher
 from axrl_spike_replay.remote.transport.cancellable import cancellable
 from axrl_spike_replay.remote.transport.options import RemoteOptions
-from axrl_spike_replay.replay.job_document import job_document
-from axrl_spike_replay.replay.torchrun_worker import CRASH_MARK, ERROR_MARK, RESULT_KIND, payload_for, snapshot_check
-from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.jobs.job_document import job_document
+from axrl_spike_replay.replay.jobs.torchrun_worker import (
+    CRASH_MARK,
+    ERROR_MARK,
+    RESULT_KIND,
+    payload_for,
+    snapshot_check,
+)
 
-REPLAY_WORKER = WorkerEntry(module="axrl_spike_replay.replay.torchrun_worker")
+REPLAY_WORKER = WorkerEntry(module="axrl_spike_replay.replay.jobs.torchrun_worker")
 LAUNCH_DIR = "launch"  # in the run dir: the launcher's command lines, requests and every node's logs
 T = TypeVar("T")
 

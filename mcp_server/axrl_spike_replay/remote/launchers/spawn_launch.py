@@ -1,6 +1,6 @@
-"""The spawn launcher: a replay job's rank processes on this machine (`replay.job_runner.run_job`: one process here
+"""The spawn launcher: a replay job's rank processes on this machine (`replay.jobs.job_runner.run_job`: one process here
 in this process, several forked from a server that imported torch once, else spawned), behind the launcher
-protocol. Its result is the one torchrun's workers write (`replay.torchrun_worker`), so a caller reads every
+protocol. Its result is the one torchrun's workers write (`replay.jobs.torchrun_worker`), so a caller reads every
 launcher's outcome the same way; its log is the job's progress lines.
 """
 
@@ -14,15 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from axrl_spike_replay.atomic import atomic_write_json
+from axrl_spike_replay.files.atomic import atomic_write_json
 from axrl_spike_replay.remote.launchers.launch_job import LaunchOutcome
 from axrl_spike_replay.remote.launchers.launcher import DryRun, Launcher, LaunchStatus, elapsed
 from axrl_spike_replay.remote.transport.cleanup import run_to_completion
 from axrl_spike_replay.remote.transport.job import LineCallback
-from axrl_spike_replay.replay.torchrun_worker import RESULT_KIND
+from axrl_spike_replay.replay.jobs.torchrun_worker import RESULT_KIND
 
 if TYPE_CHECKING:  # the engine's types; this module stays light for `plan` and `--dry-run`
-    from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
+    from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
 
 LOG_FILE = "spawn.log"
 SPAWN_RESULT_FILE = "result.json"
@@ -73,7 +73,7 @@ class SpawnLauncher(Launcher["WorkerJob"]):
         on_line: LineCallback | None = None,
     ) -> LaunchOutcome:
         """Run the job's processes (in a thread of this process) to their end; cancelling stops them."""
-        from axrl_spike_replay.replay.job_runner import run_job
+        from axrl_spike_replay.replay.jobs.job_runner import run_job
 
         began = time.monotonic()
         log = out_dir / LOG_FILE

@@ -7,8 +7,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from axrl_spike_replay.atomic import atomic_write_text
-from axrl_spike_replay.locks import held_lock
+from axrl_spike_replay.files.atomic import atomic_write_text
+from axrl_spike_replay.files.locks import held_lock
 from axrl_spike_replay.remote.transport.remote_errors import HostKeyError
 from axrl_spike_replay.remote.transport.ssh_library import asyncssh
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from axrl_spike_replay.atomic import atomic_copy
+from axrl_spike_replay.files.atomic import atomic_copy
 from axrl_spike_replay.remote.transport.cleanup import run_to_completion
 from axrl_spike_replay.remote.transport.job import (
     KILL_GRACE_S,

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from axrl_spike_replay.atomic import copy_mode, temp_beside
+from axrl_spike_replay.files.atomic import copy_mode, temp_beside
 from axrl_spike_replay.remote.transport.cleanup import run_to_completion
 from axrl_spike_replay.remote.transport.connect import ConnectSettings, SshConnection, open_connection
 from axrl_spike_replay.remote.transport.job import (

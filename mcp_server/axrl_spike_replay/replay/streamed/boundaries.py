@@ -104,7 +104,7 @@ class BoundaryStore:
 
     def _dir(self) -> Path:
         if self.spill_dir is None:
-            from axrl_spike_replay.temp_janitor import removed_if_killed
+            from axrl_spike_replay.files.temp_janitor import removed_if_killed
 
             root = self.spill_root or Path(tempfile.gettempdir())
             root.mkdir(parents=True, exist_ok=True)

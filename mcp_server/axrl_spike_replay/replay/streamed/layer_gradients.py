@@ -1,7 +1,7 @@
 """One piece of the model's gradient (a decoder layer, the head, the embedding), summed over every saved rank's
 micro-batches and measured as the whole replay measures it, then freed.
 
-The whole replay (`replay.worker`, `Whole`) sums each pass's gradient into the step's, in the order of the saved
+The whole replay (`replay.compute.worker`, `Whole`) sums each pass's gradient into the step's, in the order of the saved
 ranks and their micro-batches, keeps each rank's own (the sum of its micro-batches) long enough to take its
 per-parameter norms, then divides the sum by the saved world size and takes every parameter's norm and its float64
 sum of squares (`training.rank_step`). A piece does the same for its own parameters, passes in the same order, so a
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from axrl_spike_replay.replay.gradient_space import accumulate
+from axrl_spike_replay.replay.compute.gradient_space import accumulate
 from axrl_spike_replay.replay.streamed.rank_chain import RankChain
 from axrl_spike_replay.training.rank_step import gradient_norms
 

@@ -18,20 +18,20 @@ layer's output gradient; last, the embedding.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from axrl_spike_replay.experiment.mitigations import AppliedConfig
-from axrl_spike_replay.rank_processes import check_cancel
-from axrl_spike_replay.replay.outcome_figures import RankTrace
+from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
+from axrl_spike_replay.processes.rank_processes import check_cancel
+from axrl_spike_replay.replay.compute.outcome_figures import RankTrace
+from axrl_spike_replay.replay.compute.worker import RankInputs, config_loss, loss_batch, rank_step_metrics
 from axrl_spike_replay.replay.streamed.boundaries import BoundaryStore
 from axrl_spike_replay.replay.streamed.layer_gradients import PieceGradient, StepFigures
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
 from axrl_spike_replay.replay.streamed.rank_chain import RankChain
-from axrl_spike_replay.replay.worker import RankInputs, config_loss, loss_batch, rank_step_metrics
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.micro_batches import MicroBatch, stitch, take, take_routing
 from axrl_spike_replay.training.policy_loss import LossOutput
@@ -143,10 +143,44 @@ def backward_config(
     reduce_dtype: torch.dtype | None = None,
     on_piece: PieceHook | None = None,
     cancel: threading.Event | None = None,
+    pulls: dict[int, list[torch.Tensor]] | None = None,
     chain: RankChain | None = None,
 ) -> ConfigPass:
     """One config's loss and backward through every layer (see the module docstring); `chain`: this process streams
     a block of the saved ranks, its piece sums chained to the other processes' (`rank_chain`)."""
+    steps = backward_steps(
+        weights, items, store, inputs, cfg, counts, world_size, need_entropy=need_entropy, keep_own=keep_own,
+        reduce_dtype=reduce_dtype, on_piece=on_piece, cancel=cancel, pulls=pulls, chain=chain,
+    )  # fmt: skip
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def backward_steps(
+    weights: StreamedWeights,
+    items: Sequence[Item],
+    store: BoundaryStore,
+    inputs: RankInputs,
+    cfg: AppliedConfig,
+    counts: GlobalCounts | None,
+    world_size: int,
+    *,
+    need_entropy: bool,
+    keep_own: bool,
+    reduce_dtype: torch.dtype | None = None,
+    on_piece: PieceHook | None = None,
+    cancel: threading.Event | None = None,
+    pulls: dict[int, list[torch.Tensor]] | None = None,
+    tag: str = "",
+    chain: RankChain | None = None,
+) -> Generator[str, None, ConfigPass]:
+    """`backward_config` a piece at a time: yields each piece's label (head, layer i, embedding) once it is
+    measured and its layer freed, and returns the config's pass. Several configs' steps taken in turn see the same
+    piece together (`streamed.piece_dots`); `tag` keeps their output gradients apart in one store. With `pulls`,
+    each kept micro-batch's dLoss/dlogprobs lands there, per saved rank in plan order."""
     program, policy = weights.program, weights.policy
     named = dict(policy.named_parameters())
     head_names = [n for n in weights.end_names if n in named and not _is_embedding(weights, n)]
@@ -177,17 +211,25 @@ def backward_config(
             continue
         flat = [t for layer in extras for t in layer]
         wrt = [named[n] for n in head_names] + [hidden, *flat]
-        grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        if pulls is not None:
+            wrt.append(out.logprobs)
+        grads = list(torch.autograd.grad(loss, wrt, allow_unused=True))
+        if pulls is not None:
+            pull = grads.pop()
+            pulls.setdefault(item.rank, []).append(
+                (pull if pull is not None else torch.zeros_like(out.logprobs)).detach()
+            )
         head.add(item.rank, grads[: len(head_names)], item.passes)
         got = grads[len(head_names) :]
-        store.put(("g", k), (got[0] if got[0] is not None else torch.zeros_like(hidden),))
+        store.put(("g", tag, k), (got[0] if got[0] is not None else torch.zeros_like(hidden),))
         at = 1
         for layer, layer_extras in enumerate(extras):
             if layer_extras:
-                store.put(("gx", layer, k), tuple(got[at : at + len(layer_extras)]))
+                store.put(("gx", tag, layer, k), tuple(got[at : at + len(layer_extras)]))
                 at += len(layer_extras)
         del loss, result, out, grads, got
     _measure(head, figures, on_piece, "head")
+    yield "head"
     for layer in reversed(range(last)):
         check_cancel(cancel, "replay")
         module = weights.load_layer(layer)
@@ -199,8 +241,8 @@ def backward_config(
                 piece.skip(item.rank, item.passes)
                 continue
             saved = store.get(("x", layer, k))
-            grad_out = store.get(("g", k))[0]
-            grad_extras = store.get(("gx", layer, k)) if ("gx", layer, k) in store else ()
+            grad_out = store.get(("g", tag, k))[0]
+            grad_extras = store.get(("gx", tag, layer, k)) if ("gx", tag, layer, k) in store else ()
             with torch.enable_grad():
                 hidden = _leaf(store.get(("h", layer, k))[0], True)
                 out = program.run_layer(layer, hidden, item.batch, item.routing, saved[-1])
@@ -212,23 +254,25 @@ def backward_config(
                 grads = torch.autograd.grad(outputs, [p for _, p in params] + [hidden], seeds, allow_unused=True)
             piece.add(item.rank, grads[:-1], item.passes)
             back = grads[-1]
-            store.put(("g", k), (back if back is not None else torch.zeros_like(hidden),))
-            store.drop(("gx", layer, k))
+            store.put(("g", tag, k), (back if back is not None else torch.zeros_like(hidden),))
+            store.drop(("gx", tag, layer, k))
             del out, grads, outputs, seeds
         _measure(piece, figures, on_piece, f"layer {layer}")
         weights.free_layer(layer)
+        yield f"layer {layer}"
     embed = PieceGradient(embed_names, world_size, reduce_dtype, keep_own, chain)
     for k, item in enumerate(items):
         if not kept[k]:
             embed.skip(item.rank, item.passes)
             continue
-        seed = store.get(("g", k))[0]
+        seed = store.get(("g", tag, k))[0]
         with torch.enable_grad():
             hidden = program.embed(item.batch)
             grads = torch.autograd.grad([hidden], [named[n] for n in embed_names], [seed], allow_unused=True)
         embed.add(item.rank, grads, item.passes)
-        store.drop(("g", k))
+        store.drop(("g", tag, k))
     _measure(embed, figures, on_piece, "embedding")
+    yield "embedding"
     return ConfigPass(figures, _rank_rows(results, extra), _traces(items, results, inputs))
 
 

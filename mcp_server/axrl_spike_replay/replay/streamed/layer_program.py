@@ -214,7 +214,7 @@ class HFProgram(LayerProgram):
         if forced is not None:
             recorder.reset({index: forced})
         else:
-            recorder.reset(self.policy._forced(routing, tokens.shape[0], tokens.shape[1]))
+            recorder.reset(self.policy.forced_routes(routing, tokens.shape[0], tokens.shape[1]))
         try:
             out = self.layers[index](hidden, *args, **kwargs)
             logits, chosen = recorder.logits.get(index), recorder.chosen.get(index)

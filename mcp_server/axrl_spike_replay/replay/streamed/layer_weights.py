@@ -36,7 +36,7 @@ from axrl_spike_replay.models.sharded_weights import (
     load_sharded,
     open_source,
 )
-from axrl_spike_replay.replay.model_build import master_spec
+from axrl_spike_replay.replay.compute.model_build import master_spec
 from axrl_spike_replay.replay.streamed.layer_program import LayerProgram, for_policy
 from axrl_spike_replay.snapshot.layout import DCP_METADATA
 from axrl_spike_replay.training.precision import PrecisionPolicy
@@ -142,6 +142,7 @@ class StreamedWeights:
         self._figures = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: tuple[int, Future[None]] | None = None
+        self._ready: int | None = None  # a layer read ahead, then passed over for another: kept until it is loaded
 
     @property
     def n_layers(self) -> int:
@@ -205,7 +206,7 @@ class StreamedWeights:
     def prefetch(self, index: int) -> None:
         """Start reading decoder layer `index` on the background thread (nothing when out of range, when a read
         is already ahead: one at a time, or without `read_ahead`: the plan left it out)."""
-        if not self.read_ahead or not 0 <= index < self.n_layers or self._ahead is not None:
+        if not self.read_ahead or not 0 <= index < self.n_layers or self._ahead is not None or self._ready is not None:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, initializer=_one_thread, thread_name_prefix="layer-read")
@@ -214,7 +215,7 @@ class StreamedWeights:
     def _settle(self) -> int | None:
         """Wait for the read ahead, if any; the layer it read (raising what it raised)."""
         if self._ahead is None:
-            return None
+            return self._ready
         index, future = self._ahead
         self._ahead = None
         start = time.perf_counter()
@@ -225,16 +226,21 @@ class StreamedWeights:
         return index
 
     def load_layer(self, index: int) -> nn.Module:
-        """Decoder layer `index` with its weights read from the checkpoint (by the read ahead, when it read it)."""
+        """Decoder layer `index` with its weights read from the checkpoint (by the read ahead, when it read it).
+
+        A layer read ahead and then passed over for another (two backwards taken a layer at a time in turn,
+        `piece_dots.together`: the second loads the layer the first just freed) stays held, not read twice, until
+        it is loaded; reads never overlap each other."""
         ahead = self._settle()
-        if ahead is not None and ahead != index:
-            self.free_layer(ahead)
+        self._ready = ahead if ahead is not None and ahead != index else None
         if ahead != index:
             self._read_layer(index)
         return self.program.layers[index]
 
     def free_layer(self, index: int) -> None:
         """Give layer `index`'s memory back (its parameters on the meta device again, gradients dropped)."""
+        if self._ready == index:
+            self._ready = None
         layer = self.program.layers[index]
         for p in layer.parameters():
             p.grad = None

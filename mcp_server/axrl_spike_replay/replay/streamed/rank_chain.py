@@ -17,8 +17,14 @@ reduction in memory order, is the one process's bit for bit.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+from axrl_spike_replay.errors import ConfigError
+
+if TYPE_CHECKING:
+    from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -33,6 +39,22 @@ def contiguous_blocks(ranks: Sequence[int], processes: int) -> list[tuple[int, .
         blocks.append(tuple(ordered[start : start + size]))
         start += size
     return blocks
+
+
+def check_split(configs: Sequence[AppliedConfig], processes: int) -> None:
+    """Refuse, naming `nproc`, a split over several processes of a job that asks for the clean gradient (a mitigation
+    beside an unmitigated baseline): its search and cosines need the summed gradient in every process, and only the
+    last process of a chain holds it."""
+    if processes <= 1 or not configs or configs[0].mitigations:
+        return
+    fixes = [cfg for cfg in configs[1:] if cfg.mitigations and not cfg.is_hypothesis]
+    if fixes:
+        raise ConfigError(
+            f"`nproc`: a streamed replay over {processes} processes does not compute the clean gradient and cosine "
+            f"to clean that mitigation {dict(fixes[0].mitigations)} asks for (only the last process holds the "
+            "summed gradient); replay mitigations streamed with `nproc` 1",
+            "nproc",
+        )
 
 
 class RankChain:

@@ -3,32 +3,42 @@
 `run_streamed_job` is a `launch.JobRunner`: the engine judges and records its outcomes as it does the whole or
 sharded replay's (`ReplaySession.result`). For each forward group (`worker.forward_groups`: configs sharing weights and
 routing) the forward runs once (`layer_passes.forward_layers`) and each config its own backward
-(`layer_passes.backward_config`); a config's outcome holds its grad norm, top parameters, each rank's metrics, the
+(`layer_passes.backward_steps`); a config's outcome holds its grad norm, top parameters, each rank's metrics, the
 baseline's per-parameter norms of the reduced gradient and of each saved rank's own gradient, and a mitigated
 config's footprint against the baseline. Boundaries live in a `BoundaryStore`, whose spill dir is removed however
 the job ends (cancelled, timed out, failed).
 
-Not computed streamed (said in the progress log): the clean gradient and cosine to clean.
+With mitigations, the clean gradient is searched on the baseline's forward after the baseline's backward, and each
+mitigated config's backward runs beside the clean one's for its cosine to clean (`clean_reference`); the baseline's
+forward boundaries and its embedding and head are then held until the job ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
+import torch
+
+from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
 from axrl_spike_replay.models.policy import routing_shape
-from axrl_spike_replay.rank_processes import RunCancelled, check_cancel
-from axrl_spike_replay.replay.host_allocator import return_freed_host_memory
-from axrl_spike_replay.replay.job_runner import prepare_device
-from axrl_spike_replay.replay.outcome_figures import RankTrace, footprint_counts, merge_footprint
+from axrl_spike_replay.processes.rank_processes import RunCancelled, check_cancel
+from axrl_spike_replay.replay.compute.host_allocator import return_freed_host_memory
+from axrl_spike_replay.replay.compute.outcome_figures import RankTrace, footprint_counts, merge_footprint
+from axrl_spike_replay.replay.compute.worker import ConfigOutcome, RankInputs, WorkerJob, forward_groups, step_counts
+from axrl_spike_replay.replay.jobs.job_runner import prepare_device
 from axrl_spike_replay.replay.streamed.boundaries import boundary_store
-from axrl_spike_replay.replay.streamed.layer_passes import backward_config, forward_layers, stream_items
+from axrl_spike_replay.replay.streamed.clean_reference import CleanReference, Forward, Step, clean_reference
+from axrl_spike_replay.replay.streamed.layer_passes import forward_layers, stream_items
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
+from axrl_spike_replay.replay.streamed.piece_dots import together
 from axrl_spike_replay.replay.streamed.rank_chain import RankChain
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
-from axrl_spike_replay.replay.worker import ConfigOutcome, RankInputs, WorkerJob, forward_groups, step_counts
+from axrl_spike_replay.training.loss_normalization import GlobalCounts
 
 
 class _Deadline(threading.Event):
@@ -95,39 +105,45 @@ def _compute(
     recorded = job.precision is not None and job.precision.recorded
     reduce_dtype = job.precision.torch_dtype("reduce_dtype") if recorded and job.precision else None
     base_traces: dict[int, RankTrace] = {}
+    # the outcome figures (footprint, the clean gradient) are a mitigation's: a hypothesis is judged by the record
+    fixes = [cfg for cfg in job.configs[1:] if cfg.mitigations and not cfg.is_hypothesis]
+    # split over processes only the last holds the summed gradient: the engine refuses the clean gradient there
+    # (`rank_chain.check_split`); a chain computes every other figure and says so
+    wants_clean = bool(fixes) and not baseline.mitigations and chain is None
+    step = Step(inputs, job.world_size, reduce_dtype, stop, chain)
+    clean: CleanReference | None = None
     say(f"streamed: {len(ranks)} saved rank(s) in this process, one decoder layer at a time")
-    for group in forward_groups(job.configs):
-        check_cancel(stop, "replay")
-        t0 = time.perf_counter()
-        weights = StreamedWeights(
-            job.model, group[0].weights or job.replay_dir, job.device, job.precision, settings.read_ahead
-        )
-        try:
-            weights.check()
-            weights.load_ends()
-            items = stream_items(inputs, group)
-            need_entropy = any(cfg.needs_entropy for cfg in group)
-            with boundary_store(settings.host_budget_bytes, settings.spill_dir, job.device) as store:
+    with contextlib.ExitStack() as held:  # the baseline's forward, while the clean gradient is recomputed from it
+        for group in forward_groups(job.configs):
+            check_cancel(stop, "replay")
+            t0 = time.perf_counter()
+            weights = StreamedWeights(
+                job.model, group[0].weights or job.replay_dir, job.device, job.precision, settings.read_ahead
+            )
+            with contextlib.ExitStack() as own:
+                keep = held if wants_clean and group[0] is baseline else own
+                keep.callback(weights.close)
+                weights.check()
+                weights.load_ends()
+                items = stream_items(inputs, group)
+                need_entropy = any(cfg.needs_entropy for cfg in group)
+                store = keep.enter_context(boundary_store(settings.host_budget_bytes, settings.spill_dir, job.device))
+                forward = Forward(weights, items, store, need_entropy)
                 forward_layers(weights, items, store, stop, say)
                 order = [name for name, _ in weights.policy.named_parameters()]
                 for rep in range(job.repeat):
                     for cfg in group:
                         outcome = outcomes[cfg.config_id]
-                        own = rep == 0 and cfg.config_id == "baseline" and not cfg.mitigations
-                        done = backward_config(
-                            weights,
-                            items,
-                            store,
-                            inputs,
-                            cfg,
-                            counts[cfg.config_id],
-                            job.world_size,
-                            need_entropy=need_entropy,
-                            keep_own=own,
-                            reduce_dtype=reduce_dtype,
-                            cancel=stop,
-                            chain=chain,
-                        )
+                        own_norms = rep == 0 and cfg.config_id == "baseline" and not cfg.mitigations
+                        mitigated = bool(cfg.mitigations) and not cfg.is_hypothesis
+                        pulls: dict[int, list[torch.Tensor]] | None = {} if own_norms and wants_clean else None
+                        cosine = None
+                        if rep == 0 and mitigated and clean is not None:
+                            done, cosine = clean.beside(step, forward, cfg, counts[cfg.config_id])
+                        else:
+                            (done,) = together(
+                                [step.steps(forward, cfg, counts[cfg.config_id], keep_own=own_norms, pulls=pulls)]
+                            )
                         norm = done.figures.grad_norm(order)
                         outcome.grad_norms.append(norm)
                         if rep:
@@ -135,35 +151,46 @@ def _compute(
                         ranked = sorted(done.figures.norms.items(), key=lambda kv: -kv[1])[: job.top]
                         outcome.top_params = [{"name": n, "grad_norm": v} for n, v in ranked]
                         outcome.rank_metrics = done.rank_metrics
-                        if own:
+                        if own_norms:
                             outcome.param_grad_norms = dict(done.figures.norms)
                             outcome.rank_param_grad_norms = done.figures.rank_norms
                             base_traces = done.traces
-                        elif cfg.mitigations and not cfg.is_hypothesis and base_traces:
+                            if pulls is not None:
+                                counts_of = partial(_counts, inputs, job)
+                                clean = clean_reference(step, forward, baseline, counts_of, done, pulls, job.spike_bar)
+                                say(f"streamed: clean gradient made in {clean.seconds:.2f} s")
+                        elif mitigated and base_traces:
                             parts = [
                                 footprint_counts(base_traces[r], t) for r, t in done.traces.items() if r in base_traces
                             ]
                             outcome.footprint = merge_footprint(parts) if parts else None
+                        if mitigated and clean is not None:
+                            outcome.cosine_to_clean = cosine
+                            outcome.clean_gradient = clean.info
+                            outcome.timings["clean_gradient"] = clean.seconds
                         say(f"streamed: {cfg.config_id} computed (grad norm {norm:.6g})")
                 say(
                     f"streamed: boundaries held {store.figures.peak_memory:,} bytes in memory at most, "
                     f"{store.figures.peak_disk:,} on disk ({store.figures.spilled} spilled)"
                 )
-        finally:
-            weights.close()
-        per_config = (time.perf_counter() - t0) / len(group)
-        for cfg in group:
-            outcomes[cfg.config_id].timings["compute"] = per_config
-            outcomes[cfg.config_id].timings["load"] = weights.read.seconds
-            outcomes[cfg.config_id].timings["read_wait"] = weights.read.waited
-        say(
-            f"streamed: read {weights.read.bytes_read:,} bytes of weights ({weights.read.layer_reads} layer reads, "
-            f"{weights.read.seconds:.2f} s reading, {weights.read.waited:.2f} s of it waited for)"
-        )
-    if any(cfg.mitigations and not cfg.is_hypothesis for cfg in job.configs[1:]):
-        say("streamed: the clean gradient and cosine to clean are not computed by a streamed replay")
+            per_config = (time.perf_counter() - t0) / len(group)
+            for cfg in group:
+                outcomes[cfg.config_id].timings["compute"] = per_config
+                outcomes[cfg.config_id].timings["load"] = weights.read.seconds
+                outcomes[cfg.config_id].timings["read_wait"] = weights.read.waited
+            say(
+                f"streamed: read {weights.read.bytes_read:,} bytes of weights ({weights.read.layer_reads} layer "
+                f"reads, {weights.read.seconds:.2f} s reading, {weights.read.waited:.2f} s of it waited for)"
+            )
+    if fixes and chain is not None:
+        say("streamed: the clean gradient and cosine to clean are not computed over several processes")
     say(f"streamed: {time.perf_counter() - start:.2f} s in all")
     return [outcomes[cfg.config_id] for cfg in job.configs]
+
+
+def _counts(inputs: RankInputs, job: WorkerJob, cfg: AppliedConfig) -> GlobalCounts | None:
+    """The global counts `cfg` normalises by (a probe of the clean gradient's: counted as the whole replay's)."""
+    return step_counts(inputs, cfg, job.configs[0].loss, job.counts, job.world_size)
 
 
 def run_streamed_job(

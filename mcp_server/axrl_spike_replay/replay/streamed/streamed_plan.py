@@ -27,7 +27,7 @@ from typing import Any
 from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
 from axrl_spike_replay.models.policy import ModelSpec
-from axrl_spike_replay.replay.process_memory import (
+from axrl_spike_replay.replay.compute.process_memory import (
     CUDA_CONTEXT_BYTES,
     DTYPE_BYTES,
     RUNTIME_CPU_BYTES,

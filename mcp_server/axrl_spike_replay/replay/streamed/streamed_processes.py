@@ -26,11 +26,11 @@ from typing import Any
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.result import FOOTPRINT_COUNTS, Footprint
-from axrl_spike_replay.replay.job_runner import JobRunner
+from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.replay.streamed.rank_chain import RankChain, contiguous_blocks
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
 from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed, run_streamed_job
-from axrl_spike_replay.replay.worker import ConfigOutcome, WorkerJob
 
 _OUTCOMES = "outcomes.json"
 
@@ -73,10 +73,10 @@ def run_streamed_processes(
     progress: Callable[[str], None] | None = None,
 ) -> list[ConfigOutcome]:
     """`job` streamed by `processes` spawned processes, each a block of the saved ranks (see the module docstring)."""
-    from axrl_spike_replay.process_starts import rank_context
-    from axrl_spike_replay.rank_processes import spawn_ranks
-    from axrl_spike_replay.replay.job_runner import backend_for
-    from axrl_spike_replay.temp_janitor import owned_temp_dir
+    from axrl_spike_replay.files.temp_janitor import owned_temp_dir
+    from axrl_spike_replay.processes.process_starts import rank_context
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
+    from axrl_spike_replay.replay.jobs.job_runner import backend_for
 
     ranks = sorted(r for block in job.assignment for r in block)
     if not 1 <= processes <= len(ranks):
@@ -128,7 +128,7 @@ def _relay(lines: Any, progress: Callable[[str], None]) -> None:
 
 
 def _prepare(process: int, payload: tuple[Any, ...]) -> None:
-    from axrl_spike_replay.replay.job_runner import prepare_device, process_device
+    from axrl_spike_replay.replay.jobs.job_runner import prepare_device, process_device
 
     prepare_device(process_device(payload[0].device, process))
 
@@ -136,8 +136,8 @@ def _prepare(process: int, payload: tuple[Any, ...]) -> None:
 def _process(process: int, processes: int, payload: tuple[Any, ...]) -> None:
     import torch.distributed as dist
 
-    from axrl_spike_replay.atomic import atomic_write_json
-    from axrl_spike_replay.replay.job_runner import process_device
+    from axrl_spike_replay.files.atomic import atomic_write_json
+    from axrl_spike_replay.replay.jobs.job_runner import process_device
 
     job, blocks, settings, path, lines = payload
     device = process_device(job.device, process)

@@ -32,10 +32,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from axrl_spike_replay import __version__
-from axrl_spike_replay.atomic import atomic_copy, atomic_write_json
-from axrl_spike_replay.containment import link_leaving
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.locks import held_lock
+from axrl_spike_replay.files.atomic import atomic_copy, atomic_write_json
+from axrl_spike_replay.files.locks import held_lock
 from axrl_spike_replay.snapshot.completeness import missing_required
 from axrl_spike_replay.snapshot.layout import (
     PRESERVE_MARKER,
@@ -54,6 +53,7 @@ from axrl_spike_replay.snapshot.preservation.preserve_target import (
     same_filesystem,
 )
 from axrl_spike_replay.snapshot.preservation.preserved_marker import MADE_BY, preserved_copy_problem, read_marker
+from axrl_spike_replay.untrusted.containment import link_leaving
 
 _LOCK_NAME = ".axrl_preserve.lock"
 # errnos where a hardlink is impossible but a copy works: other filesystem, links not supported/allowed

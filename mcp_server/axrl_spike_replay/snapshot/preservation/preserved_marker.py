@@ -19,8 +19,8 @@ from axrl_spike_replay.snapshot.layout import (
     iteration_dir_name,
     parse_iteration,
 )
-from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
-from axrl_spike_replay.untrusted_json import parse_untrusted_json
+from axrl_spike_replay.untrusted.untrusted_bytes import UntrustedInputError, read_bounded
+from axrl_spike_replay.untrusted.untrusted_json import parse_untrusted_json
 
 MADE_BY = "axrl-spike-replay"
 # A marker lists file names: a few KiB even for thousands of checkpoint shards; anything larger is not ours.

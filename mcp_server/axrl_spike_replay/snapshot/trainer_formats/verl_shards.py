@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from axrl_spike_replay.containment import file_inside
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import SnapshotError
 from axrl_spike_replay.snapshot.safe_load import load_pt
-from axrl_spike_replay.untrusted_bytes import UntrustedInputError, read_bounded
-from axrl_spike_replay.untrusted_json import parse_untrusted_json
+from axrl_spike_replay.untrusted.containment import file_inside
+from axrl_spike_replay.untrusted.untrusted_bytes import UntrustedInputError, read_bounded
+from axrl_spike_replay.untrusted.untrusted_json import parse_untrusted_json
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,1 @@
+"""A replay's plan before anything loads: its memory and what fits, the saved ranks each process replays, sharding."""

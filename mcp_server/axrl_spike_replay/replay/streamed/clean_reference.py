@@ -1,0 +1,221 @@
+"""The clean gradient and cosine to clean, streamed: the whole replay's definition
+(`replay.compute.clean_gradient`), each gradient held a piece at a time.
+
+The search is the whole replay's (`worker.clean_gradient`): the baseline's backward keeps every micro-batch's
+dLoss/dlogprobs (the pull), the on-policy reference is probed first, then the loss tokens left out by galloping and
+bisection, each probe one streamed backward on the baseline's forward (its grad norm only: nothing of the gradient
+is kept). The clean gradient found is then not held either: it is a config (the reference with its tokens left
+out) and its counts, on the baseline's forward, recomputed beside each gradient it is compared with. A mitigated
+config's backward and the clean one's are taken a piece at a time in turn (`piece_dots.together`): per piece their
+float64 dot product, summed, and the cosine from it and their sums of squares. The baseline's cosine to clean is one
+more such pair.
+
+Cost in backwards over the baseline's forward (each reads every decoder layer once): the probes (`passes`, as the
+whole replay counts them), one pair for the baseline's cosine when the clean gradient is not the baseline's own, and
+one more backward (the clean one beside it) per mitigated config. The baseline's forward boundaries and its weights
+(embedding and head) stay held until the job ends, so configs of other forward groups (other routing or weights)
+are compared with it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
+from axrl_spike_replay.processes.rank_processes import check_cancel
+from axrl_spike_replay.replay.compute.clean_gradient import SpikeBar, not_reached_reason, smallest_count, token_order
+from axrl_spike_replay.replay.compute.worker import RankInputs, on_policy
+from axrl_spike_replay.replay.streamed.boundaries import BoundaryStore
+from axrl_spike_replay.replay.streamed.layer_passes import ConfigPass, Item, PieceHook, backward_steps
+from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
+from axrl_spike_replay.replay.streamed.piece_dots import PieceDots, Steps, cosine_of, together
+from axrl_spike_replay.replay.streamed.rank_chain import RankChain
+from axrl_spike_replay.training.loss_normalization import GlobalCounts
+from axrl_spike_replay.training.micro_batches import stitch
+from axrl_spike_replay.training.sample_masks import SampleFilter, TokenDrop
+
+Counts = Callable[[AppliedConfig], GlobalCounts | None]
+
+
+@dataclass
+class Forward:
+    """A forward group's streamed forward, what its configs' backwards run on: weights, micro-batches, boundaries."""
+
+    weights: StreamedWeights
+    items: list[Item]
+    store: BoundaryStore
+    need_entropy: bool
+
+
+@dataclass
+class Step:
+    """What every backward of a job shares: its ranks' inputs, the saved world size, the reduce dtype, the stop, and
+    the chain when the saved ranks are split over processes (`rank_chain`)."""
+
+    inputs: RankInputs
+    world_size: int
+    reduce_dtype: torch.dtype | None
+    cancel: threading.Event | None
+    chain: RankChain | None = None
+
+    def steps(
+        self,
+        forward: Forward,
+        cfg: AppliedConfig,
+        counts: GlobalCounts | None,
+        *,
+        keep_own: bool = False,
+        on_piece: PieceHook | None = None,
+        pulls: dict[int, list[torch.Tensor]] | None = None,
+        tag: str = "",
+    ) -> Steps:
+        """`cfg`'s backward on `forward`, a piece at a time."""
+        return backward_steps(
+            forward.weights, forward.items, forward.store, self.inputs, cfg, counts, self.world_size,
+            need_entropy=forward.need_entropy, keep_own=keep_own, reduce_dtype=self.reduce_dtype,
+            on_piece=on_piece, cancel=self.cancel, pulls=pulls, tag=tag, chain=self.chain,
+        )  # fmt: skip
+
+    def norm(self, forward: Forward, cfg: AppliedConfig, counts: GlobalCounts | None) -> float:
+        """`cfg`'s grad norm on `forward` (one backward; nothing of the gradient kept)."""
+        (done,) = together([self.steps(forward, cfg, counts)])
+        return done.figures.grad_norm(_order(forward))
+
+
+@dataclass
+class CleanReference:
+    """The clean gradient as a config on the baseline's forward (None: no spike bar, no clean gradient), its
+    counts, and how it was made (`info`: the whole replay's figures) in `seconds`."""
+
+    forward: Forward | None
+    cfg: AppliedConfig | None
+    counts: GlobalCounts | None
+    info: dict[str, Any]
+    seconds: float = 0.0
+
+    def beside(
+        self, step: Step, forward: Forward, cfg: AppliedConfig, counts: GlobalCounts | None, keep_own: bool = False
+    ) -> tuple[ConfigPass, float | None]:
+        """`cfg`'s backward on `forward` taken beside the clean one: (its pass, its cosine to clean)."""
+        if self.forward is None or self.cfg is None:
+            (done,) = together([step.steps(forward, cfg, counts, keep_own=keep_own)])
+            return done, None
+        dots = PieceDots(1)
+        clean = step.steps(self.forward, self.cfg, self.counts, on_piece=dots.reference, tag="clean")
+        mine = step.steps(forward, cfg, counts, keep_own=keep_own, on_piece=dots.other(0), tag="other")
+        clean_pass, done = together([clean, mine])
+        return done, cosine_of(dots.dots[0], done.figures, clean_pass.figures)
+
+
+def _order(forward: Forward) -> list[str]:
+    return [name for name, _ in forward.weights.policy.named_parameters()]
+
+
+def _pulls(step: Step, parts: dict[int, list[torch.Tensor]]) -> dict[int, torch.Tensor]:
+    """Each saved rank's dLoss/dlogprobs [B, T], its micro-batches' put back at their rows."""
+    out = {}
+    for rank, pieces in parts.items():
+        plan = step.inputs.plan(rank)
+        size, width = sum(len(mb.rows) for mb in plan), max(mb.width for mb in plan)
+        out[rank] = stitch(pieces, plan, size, width)
+    return out
+
+
+def _own(grad_norm: float, bar: SpikeBar | None) -> dict[str, Any]:
+    """The figures when nothing is left out (`worker._own_baseline`'s)."""
+    return {
+        "left_out": [],
+        "wholly_left_out": [],
+        "tokens_left_out": 0,
+        "share_left_out": 0.0,
+        "reached": bar is not None,
+        "reason": None if bar is not None else "no spike bar: the snapshot has no usable median norm",
+        "bar": None if bar is None else bar.value,
+        "grad_norm": grad_norm if bar is not None else None,
+        "ratio_to_median": grad_norm / bar.median_norm if bar is not None else None,
+        "baseline_cosine": None,
+        "passes": 0,
+    }
+
+
+def _self_cosine(grad_norm: float) -> float | None:
+    return 1.0 if grad_norm > 0 and grad_norm != float("inf") else None
+
+
+def clean_reference(
+    step: Step,
+    forward: Forward,
+    baseline: AppliedConfig,
+    counts_of: Counts,
+    done: ConfigPass,
+    pulls: dict[int, list[torch.Tensor]],
+    bar: SpikeBar | None,
+) -> CleanReference:
+    """The clean gradient of the baseline whose backward on `forward` gave `done` and `pulls` (see the module
+    docstring)."""
+    start = time.perf_counter()
+    grad_norm = done.figures.grad_norm(_order(forward))
+    base_counts = counts_of(baseline)
+    if bar is None or not bar.is_spike(grad_norm):
+        info = {**_own(grad_norm, bar), "baseline_cosine": _self_cosine(grad_norm) if bar is not None else None}
+        kept = forward if bar is not None else None
+        return CleanReference(kept, baseline, base_counts, info, time.perf_counter() - start)
+    reference, recomputed = on_policy(baseline)
+    if recomputed:  # first the on-policy gradient: no stored log-prob signal left in it
+        check_cancel(step.cancel, "replay")
+        cfg0 = dataclasses.replace(reference, config_id="clean")
+        counts0 = counts_of(cfg0)
+        norm0 = step.norm(forward, cfg0, counts0)
+        if not bar.is_spike(norm0):
+            found = CleanReference(forward, cfg0, counts0, {**_own(norm0, bar), "recomputed": list(recomputed)})
+            found.info["baseline_cosine"] = found.beside(step, forward, baseline, base_counts)[1]
+            found.info["passes"] = 1
+            found.seconds = time.perf_counter() - start
+            return found
+    masks = {rank: trace.mask.cpu() for rank, trace in done.traces.items()}
+    order = token_order({r: p.cpu() for r, p in _pulls(step, pulls).items()}, masks)
+    shapes = {rank: batch["loss_mask"].shape for rank, batch in step.inputs.batches.items()}
+    norms: dict[int, float] = {}
+    probes: dict[int, tuple[AppliedConfig, GlobalCounts | None]] = {}
+
+    def probe(count: int) -> AppliedConfig:
+        samples = SampleFilter(tokens=TokenDrop(order.masks(count, shapes, step.inputs.device)))
+        return dataclasses.replace(reference, config_id="clean", samples=samples)
+
+    def under(count: int) -> bool:
+        check_cancel(step.cancel, "replay")
+        cfg = probe(count)
+        counts = counts_of(cfg)
+        norms[count] = step.norm(forward, cfg, counts)
+        below = not bar.is_spike(norms[count])
+        if below or count == order.cap:  # the search only moves down from a probe under the bar: keep the last
+            probes.clear()
+            probes[count] = (cfg, counts)
+        return below
+
+    count, reached = smallest_count(under, order.cap)
+    clean_cfg, clean_counts = probes.get(count, (baseline, base_counts))
+    clean_norm = norms.get(count, grad_norm) if count in probes else grad_norm
+    found = CleanReference(forward, clean_cfg, clean_counts, {})
+    cosine = _self_cosine(grad_norm) if clean_cfg is baseline else found.beside(step, forward, baseline, base_counts)[1]
+    found.info = {
+        **order.summary(count),
+        "reached": reached,
+        "reason": None if reached else not_reached_reason(order, clean_norm, bar),
+        "bar": bar.value,
+        "grad_norm": clean_norm,
+        "ratio_to_median": clean_norm / bar.median_norm,
+        "baseline_cosine": cosine,
+        "passes": len(norms) + bool(recomputed),
+        "probe_norms": {str(k): v for k, v in sorted(norms.items())},  # tokens left out -> grad norm
+        "recomputed": list(recomputed),
+    }
+    found.seconds = time.perf_counter() - start
+    return found
