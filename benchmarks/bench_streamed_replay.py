@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -73,15 +74,34 @@ from axrl_spike_replay.replay.streamed.streamed_plan import model_pieces
 plan = plan_replay(sys.argv[1], shard="streamed", capacity=None)
 pieces = model_pieces(parse_model_config(read_run_config(Path(sys.argv[1]))["model"]))
 row = plan.streamed
+whole = plan_replay(sys.argv[1], nproc=1, shard="off").chosen  # against this machine's memory
+capacity = plan_replay(sys.argv[1], nproc=1, shard="off").capacity
 print(json.dumps({"activations": row.activations, "boundaries": row.boundaries, "layer": pieces.largest_layer,
-                  "ends": pieces.embedding + pieces.head, "peak": row.device_peak, "runtime": row.runtime}))
+                  "ends": pieces.embedding + pieces.head, "peak": row.device_peak, "runtime": row.runtime,
+                  "whole": f"peak {whole.memory.peak / 2**30:.2f} GiB per process against "
+                           f"{capacity.bytes_each / 2**30 if capacity else 0:.2f} GiB usable: "
+                           f"{'fits' if whole.fits else 'DOES NOT FIT'}" if whole else "none"}))
+"""
+
+CONFIG_ONLY = """
+import json, sys
+from pathlib import Path
+from axrl_spike_replay.testing.config_only_snapshot import write_config_only_snapshot
+from axrl_spike_replay.testing.hf_snapshot import BATCH, PROMPT, RESPONSE
+config = json.loads(sys.argv[2])
+write_config_only_snapshot(Path(sys.argv[1]), "qwen3_moe", config, world_size=4, batch=BATCH, seq=PROMPT + RESPONSE,
+                           dtype="float32")
+print(json.dumps({}))
 """
 
 MIB = 1 << 20
 
 
-def _child(code: str, *args: str) -> dict[str, float]:
-    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False)
+def _child(code: str, *args: str, package: str | None = None) -> dict[str, float]:
+    env = None
+    if package is not None:  # the package root another version of the code is imported from
+        env = {**os.environ, "PYTHONPATH": package + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise SystemExit(f"benchmark child failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -106,17 +126,28 @@ def _row(label: str, out: dict[str, float], peak: float, whole_norm: float | Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--workdir", default=None, help="where the snapshots are written (kept; reused when there)")
-    parser.add_argument("--layers", type=int, nargs="+", default=[CONFIG["num_hidden_layers"]])
+    parser.add_argument("--layers", type=int, nargs="*", default=[CONFIG["num_hidden_layers"]])
     parser.add_argument("--hidden", type=int, default=CONFIG["hidden_size"])
     parser.add_argument("--experts", type=int, default=CONFIG["num_experts"])
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     parser.add_argument("--no-sweep", action="store_true", help="leave out the sweep rows")
     parser.add_argument("--no-sharded", action="store_true", help="leave out the sharded row")
+    parser.add_argument("--no-whole", nargs="*", type=int, default=[], help="layer counts with no whole row")
+    parser.add_argument(
+        "--plan-only",
+        nargs="*",
+        type=int,
+        default=[],
+        help="layer counts too large to record here: the plan's whole and streamed rows of a config-only snapshot",
+    )
+    parser.add_argument(
+        "--before", default=None, help="package root of an earlier version: its streamed row too, in the same run"
+    )
     args = parser.parse_args()
     root = Path(args.workdir or tempfile.mkdtemp(prefix="axrl-bench-streamed-"))
     floor = _child(FLOOR)["self_mib"]
     print(f"process floor (imports only): {floor:.0f} MiB")
-    flat: dict[int, tuple[float, float]] = {}
+    flat: dict[int, tuple[float, float | None]] = {}
     for i, layers in enumerate(args.layers):
         config = {
             **CONFIG,
@@ -131,13 +162,23 @@ def main() -> None:
         described = f"qwen3_moe {layers} layers, hidden {args.hidden}, {args.experts} experts, vocab {args.vocab}"
         print(f"\n{described}: {count / 1e6:.0f} M parameters (float32), weights {size / MIB:.0f} MiB, world size 4")
         plan = _child(PLAN, str(snapshot))
-        whole = _child(REPLAY, str(snapshot), "1", "off", "[]")
-        _row("whole (1 process)", whole, whole["self_mib"], None)
+        print(f"plan, whole on 1 process against this host: {plan['whole']}")
+        if layers in args.no_whole:
+            print(f"whole (1 process): not run at {layers} layers (the host's free memory; the plan's row above)")
+            whole = None
+        else:
+            whole = _child(REPLAY, str(snapshot), "1", "off", "[]")
+            _row("whole (1 process)", whole, whole["self_mib"], None)
+        reference = whole["grad_norm"] if whole else None
+        before = None
+        if args.before:
+            before = _child(REPLAY, str(snapshot), "-", "streamed", "[]", package=args.before)
+            _row("streamed (before)", before, before["self_mib"], reference)
         streamed = _child(REPLAY, str(snapshot), "-", "streamed", "[]")
-        _row("streamed", streamed, streamed["self_mib"], whole["grad_norm"])
+        _row("streamed", streamed, streamed["self_mib"], reference)
         if i == 0 and not args.no_sharded:
             sharded = _child(REPLAY, str(snapshot), "4", "on", "[]")
-            _row("sharded (4 processes)", sharded, sharded["children_mib"], whole["grad_norm"])
+            _row("sharded (4 processes)", sharded, sharded["children_mib"], reference)
         held = 4 * (2 * plan["layer"] + 2 * plan["ends"]) / MIB  # float32 parameters and one gradient
         bound = 1.3 * (held + (plan["activations"] + plan["boundaries"]) / MIB) + floor
         peak = streamed["self_mib"]
@@ -147,24 +188,51 @@ def main() -> None:
             f"+ floor {floor:.0f} = {bound:.0f} MiB: **{peak / bound:.2f}x** of the bound "
             f"({'met' if peak <= bound else 'NOT met'}); plan's device peak {plan['peak'] / MIB:.0f} MiB"
         )
-        rel = abs(streamed["grad_norm"] - whole["grad_norm"]) / whole["grad_norm"]
-        ratio = streamed["wall"] / whole["wall"]
-        print(f"grad norm rel_diff streamed vs whole **{rel:.1e}** (target <= 1e-6); wall streamed / whole "
-              f"**{ratio:.2f}x** (target <= 3x)")  # fmt: skip
-        flat[layers] = (peak - plan["boundaries"] / MIB, whole["self_mib"])
+        if whole is not None:
+            rel = abs(streamed["grad_norm"] - whole["grad_norm"]) / whole["grad_norm"]
+            ratio = streamed["wall"] / whole["wall"]
+            print(f"grad norm rel_diff streamed vs whole **{rel:.1e}** (target <= 1e-6); wall streamed / whole "
+                  f"**{ratio:.2f}x** (target <= 3x)")  # fmt: skip
+            if before is not None:
+                print(f"wall streamed (before) / whole **{before['wall'] / whole['wall']:.2f}x**; streamed / "
+                      f"streamed (before) **{streamed['wall'] / before['wall']:.2f}x**")  # fmt: skip
+        flat[layers] = (peak - plan["boundaries"] / MIB, whole["self_mib"] if whole else None)
         if i == 0 and not args.no_sweep:
             sweep = _child(REPLAY, str(snapshot), "-", "streamed", json.dumps(CONFIGS))
-            _row(f"streamed sweep of {len(CONFIGS)}", sweep, sweep["self_mib"], whole["grad_norm"])
+            _row(f"streamed sweep of {len(CONFIGS)}", sweep, sweep["self_mib"], reference)
             singles = [_child(REPLAY, str(snapshot), "-", "streamed", json.dumps([c])) for c in CONFIGS]
             alone = sum(s["wall"] for s in singles)
             print(f"sweep of {len(CONFIGS)} streamed {sweep['wall']:.1f} s vs {len(CONFIGS)} streamed replays "
                   f"{alone:.1f} s: **{sweep['wall'] / alone:.2f}x**")  # fmt: skip
+    for layers in args.plan_only:
+        config = {
+            **CONFIG,
+            "num_hidden_layers": layers,
+            "hidden_size": args.hidden,
+            "num_experts": args.experts,
+            "vocab_size": args.vocab,
+        }
+        where = root / f"plan{layers}"
+        if not where.exists():
+            _child(CONFIG_ONLY, str(where), json.dumps(config))
+        plan = _child(PLAN, str(where))
+        print(
+            f"\nqwen3_moe {layers} layers, {parameters(config) / 1e6:.0f} M parameters, config only (no "
+            f"snapshot recorded at this length here): plan, whole on 1 process against this host: "
+            f"{plan['whole']}; streamed device peak {plan['peak'] / MIB:.0f} MiB (layer and the one read ahead, "
+            f"ends, one micro-batch, runtime, boundaries {plan['boundaries'] / MIB:.0f} MiB; less boundaries "
+            f"{(plan['peak'] - plan['boundaries']) / MIB:.0f} MiB)"
+        )
     if len(flat) > 1:
         first = min(flat)
+        first_whole = flat[first][1]
         for layers, (streamed_peak, whole_peak) in sorted(flat.items()):
+            grew = "not run" if whole_peak is None else f"{whole_peak:.0f} MiB"
+            if whole_peak is not None and first_whole:
+                grew += f" ({whole_peak / first_whole:.2f}x)"
             print(f"{layers:3d} layers: streamed peak less boundaries {streamed_peak:.0f} MiB "
                   f"(**{streamed_peak / flat[first][0]:.2f}x** of {first} layers, target <= 1.15x); whole peak "
-                  f"{whole_peak:.0f} MiB ({whole_peak / flat[first][1]:.2f}x)")  # fmt: skip
+                  f"{grew}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -7,13 +7,17 @@ routed experts, random weights, is recorded at saved world size `--world` by `te
 own rank step, on the CPU, float32; DCP weights on local disk). Then, in this process:
 
 - the disk's own read speed: `dd` of the weights file with `iflag=direct` (the page cache bypassed);
-- the streamed replay on `cuda` (`replay.streamed.streamed_job.compute_streamed`), timed, with its reads timed
-  apart (`StreamedWeights.read.seconds`: each layer's read into the device), peak CUDA memory
-  (`torch.cuda.max_memory_allocated`), and the grad norm's rel_diff to the recorded one.
+- the streamed replay on `cuda` (`replay.streamed.streamed_job.compute_streamed`) without its read ahead (each
+  layer read, then computed), then with it, timed: the reads (`StreamedWeights.read.seconds`, each layer's read
+  into the device on the read thread), the time the compute waited for them (`read.waited`), peak CUDA memory
+  (`torch.cuda.max_memory_allocated`), and the grad norm's rel_diff to the recorded one;
+- with `--processes N` (N GPUs): the saved ranks split over N processes, one GPU each (NCCL,
+  `streamed_processes`), its wall and whether its grad norm is the one-GPU replay's exactly.
 
 Prints one JSON line (also written to $OUT/gpu_streamed_replay.json when $OUT is set).
 
 Usage: python benchmarks/gpu_streamed_replay.py [--layers 3] [--experts 32] [--world 2] [--workdir DIR]
+       [--processes N]
 """
 
 from __future__ import annotations
@@ -65,12 +69,15 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--processes", type=int, default=0, help="also split the saved ranks over this many GPUs")
     args = parser.parse_args()
     import torch
 
     from axrl_spike_replay.replay.engine import replay_session
     from axrl_spike_replay.replay.streamed import layer_weights
+    from axrl_spike_replay.replay.streamed.settings import StreamSettings
     from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed
+    from axrl_spike_replay.replay.streamed.streamed_processes import run_streamed_processes
     from axrl_spike_replay.snapshot.metadata import read_metadata
     from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
 
@@ -94,12 +101,25 @@ def main() -> None:
         original(self)
 
     layer_weights.StreamedWeights.close = kept
+    t = time.perf_counter()
+    serial = compute_streamed(job, settings=StreamSettings(read_ahead=False))[0]  # each read before its compute
+    torch.cuda.synchronize()
+    serial_wall = time.perf_counter() - t
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     outcome = compute_streamed(job)[0]
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
-    read = reads[0]
+    read = reads[-1]
+    split: dict[str, object] = {}
+    if args.processes > 1:
+        t = time.perf_counter()
+        several = run_streamed_processes(job, args.processes)[0]
+        split = {
+            "processes": args.processes,
+            "split_wall_s": time.perf_counter() - t,
+            "split_grad_norm_equal": several.grad_norms == outcome.grad_norms,
+        }
     recorded = read_metadata(snapshot)[0].grad_norm
     figures = {
         "device": torch.cuda.get_device_name(0),
@@ -110,13 +130,17 @@ def main() -> None:
         "record_s": record_s,
         "peak_cuda_bytes": torch.cuda.max_memory_allocated(),
         "wall_s": wall,
-        "read_s": read.seconds,
-        "compute_s": wall - read.seconds,
+        "wall_without_read_ahead_s": serial_wall,
+        "without_read_ahead_grad_norm_equal": serial.grad_norms == outcome.grad_norms,
+        "read_s": read.seconds,  # on the read thread, overlapping the compute
+        "read_wait_s": read.waited,  # the compute waiting for a read
+        "compute_s": wall - read.waited,
         "bytes_read": read.bytes_read,
         "read_bytes_per_s": read.bytes_read / read.seconds if read.seconds else None,
         "disk_bytes_per_s": disk,
         "grad_norm": outcome.grad_norms[0],
         "rel_diff_to_recorded": abs(outcome.grad_norms[0] - recorded) / recorded,
+        **split,
     }
     print(json.dumps(figures))
     out = os.environ.get("OUT")

@@ -109,7 +109,8 @@ def test_transformers_shared_experts_clean_gradient_and_cosines_streamed(tmp_pat
 def test_backwards_the_clean_gradient_takes(tmp_path: Path) -> None:
     """Each layer read once in the forward, then once per backward: the baseline's, the clean gradient's probes
     (`passes`), the clean one beside the baseline's for its cosine, and per mitigated config its own and the clean
-    one beside it (a pair takes the same layer in turn); never two layers held at once."""
+    one beside it (a pair takes the same layer in turn); never more than the layer read ahead held as one is loaded,
+    and no layer read twice for a pair (the one read ahead is kept while the pair's second backward loads its own)."""
     from axrl_spike_replay.replay.streamed import layer_weights
 
     snapshot = record_tiny_snapshot(tmp_path, world_size=2, burst=False, advantage_outlier=(0, 1, 200.0))
@@ -119,15 +120,17 @@ def test_backwards_the_clean_gradient_takes(tmp_path: Path) -> None:
 
     def counted(self: layer_weights.StreamedWeights, index: int) -> torch.nn.Module:
         held = [i for i, layer in enumerate(self.program.layers) if not next(layer.parameters()).is_meta]
-        assert held == [], f"layer {index} read while {held} still held"
+        assert len(held) <= 1, f"layer {index} loaded while {held} held"  # at most the one read ahead
         reads.append(index)
         return original(self, index)
 
     layer_weights.StreamedWeights.load_layer = counted
+    lines: list[str] = []
     try:
-        outcomes = compute_streamed(job)
+        outcomes = compute_streamed(job, progress=lines.append)
     finally:
         layer_weights.StreamedWeights.load_layer = original
+    assert any(f"({len(reads)} layer reads" in line for line in lines), lines  # each load one read, none wasted
     clean = outcomes[1].clean_gradient
     assert clean is not None and clean["passes"] > 1
     alone = 1 + clean["passes"]  # the baseline, the probes

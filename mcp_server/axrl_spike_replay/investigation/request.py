@@ -66,7 +66,7 @@ def replay_request(
     _check_clear_threshold(what.clear_threshold, verb, target, backend, launched)
     _check_parallel_configs(how.parallel_configs, verb, target, backend)
     _check_shard(shard, verb, backend)
-    _check_streamed(shard, how.nproc, launched or bool(targets) or slurm is not None)
+    _check_streamed(shard, verb, how.nproc, launched or bool(targets) or slurm is not None)
     if verb == Verb.ATTRIBUTE and shard == Shard.OFF and how.nproc not in (None, 1):
         raise ConfigError(
             "`nproc`: an unsharded attribution runs in this one process; shard it (`shard` on) to use more", "nproc"
@@ -312,14 +312,21 @@ def _check_shard(shard: Shard, verb: Verb, backend: Backend) -> None:
         )
 
 
-def _check_streamed(shard: Shard, nproc: int | None, launched: bool) -> None:
-    """A streamed replay (or attribution) is one process of the built-in engine, on one machine."""
+def _check_streamed(shard: Shard, verb: Verb, nproc: int | None, launched: bool) -> None:
+    """A streamed replay runs on this machine's processes (the saved ranks split over `nproc`, the engine bounds it
+    by the saved world size); a streamed attribution runs in one process."""
     if shard != Shard.STREAMED:
         return
-    if nproc not in (None, 1):
-        raise ConfigError("`nproc`: a streamed replay runs every saved rank in one process", "nproc")
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"`nproc`: a streamed replay runs on 1 or more processes, not {nproc}", "nproc")
+    if verb == Verb.ATTRIBUTE and nproc not in (None, 1):
+        raise ConfigError(
+            "`nproc`: a streamed attribution runs every saved rank in one process (each sample's share needs the "
+            "step's summed gradient, which a split over processes holds only in the last one)",
+            "nproc",
+        )
     if launched:
-        raise ConfigError("`shard` streamed runs in one process on one machine, not launched over nodes", "shard")
+        raise ConfigError("`shard` streamed runs on this machine's processes, not launched over nodes", "shard")
 
 
 def _check_parallel_configs(value: Any, verb: Verb, target: str, backend: Backend) -> None:

@@ -186,15 +186,22 @@ def _unit_order(names: Iterable[str]) -> list[list[str]]:
     return [groups[k] for k in sorted(groups)]
 
 
-def load_sharded(model: nn.Module, source: WeightSource, label: str, only: Iterable[str] | None = None) -> None:
+def load_sharded(
+    model: nn.Module,
+    source: WeightSource,
+    label: str,
+    only: Iterable[str] | None = None,
+    state: Mapping[str, torch.Tensor] | None = None,
+) -> None:
     """Fill a sharded (or plain) model's parameters and persistent buffers with the rows each holds, from `source`
-    (`only`: those of these state names, a streamed replay's one layer).
+    (`only`: those of these state names, a streamed replay's one layer; `state`: the tensors to fill by name,
+    given instead of the model's whole state dict, as a read on another thread gives them).
 
     SnapshotError naming the tensor when the saved layout does not fit the model (checked on global shapes before
     any row is read)."""
     import torch
 
-    state = model.state_dict(keep_vars=True)
+    state = dict(state) if state is not None else model.state_dict(keep_vars=True)
     if only is not None:
         wanted = set(only)
         state = {name: tensor for name, tensor in state.items() if name in wanted}

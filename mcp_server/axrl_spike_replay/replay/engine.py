@@ -17,6 +17,7 @@ import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -168,9 +169,10 @@ class ReplaySession:
         job = self.worker_job()
         held = "sharded" if self.shard.shard else "whole model per process"
         if self.shard.streamed:
-            held = "streamed: one decoder layer at a time, every saved rank in one process"
+            held = "streamed: one decoder layer at a time, the saved ranks split over the processes"
         self.log(
-            f"replaying {len(self.configs)} config(s) on {1 if self.shard.streamed else self.plan.nproc} process(es), "
+            f"replaying {len(self.configs)} config(s) on "
+            f"{self.streamed_processes if self.shard.streamed else self.plan.nproc} process(es), "
             f"{self.device}, fidelity {self.plan.fidelity} (saved world size {inputs.world_size}), "
             f"{held}, precision {self.precision_label}"
         )
@@ -378,13 +380,19 @@ class ReplaySession:
             finding=finding(Verdict.FAILED, cfg.mitigations) if cfg.is_hypothesis else None,
         )
 
+    @property
+    def streamed_processes(self) -> int:
+        """The processes a streamed replay splits the saved ranks over (`nproc`, default 1)."""
+        return self.request.how.nproc or 1
+
     def job_runner(self) -> JobRunner:
         """Who computes the job: this process layer by layer when streamed, Megatron-core for `backend` megatron,
         else the given runner or fresh processes."""
         if self.shard.streamed:
-            from axrl_spike_replay.replay.streamed.streamed_job import streamed_runner
+            from axrl_spike_replay.replay.streamed.streamed_processes import streamed_runner
 
-            return streamed_runner(self.stream)
+            settings = replace(self.stream or StreamSettings(), read_ahead=self.shard.read_ahead)
+            return streamed_runner(settings, self.streamed_processes)
         if self.request.where.backend == Backend.MEGATRON:
             from axrl_spike_replay.replay.megatron_route import run_megatron_job
 
@@ -468,6 +476,12 @@ def replay_session(
             check_megatron_job(
                 inputs.model, str(snapshot), mitigations=bool(configs), nproc=how.nproc, world=inputs.world_size
             )
+        if how.shard == Shard.STREAMED and how.nproc is not None and how.nproc > inputs.world_size:
+            raise ConfigError(
+                f"`nproc`: a streamed replay splits the {inputs.world_size} saved ranks over at most "
+                f"{inputs.world_size} processes, not {how.nproc}",
+                "nproc",
+            )
         plan = plan_layout(inputs.world_size, None if how.shard == Shard.STREAMED else how.nproc)
         planned = None
         if checkpoint is None or how.shard == Shard.AUTO:
@@ -477,8 +491,10 @@ def replay_session(
         shard = with_checkpoint(choose_shard(how.shard, how.device, plan.nproc, planned), None, checkpoint)
         if shard.streamed:
             from axrl_spike_replay.replay.streamed.layer_weights import check_streamable
+            from axrl_spike_replay.replay.streamed.rank_chain import check_split
 
             check_streamable(inputs.model, inputs.precision)
+            check_split(applied, how.nproc or 1)
             plan = plan_layout(inputs.world_size, None)  # every saved rank: full fidelity
         session = ReplaySession(inputs, plan, applied, request, shard, recorder=recorder, runner=runner, stream=stream)
         session.baseline_refused = baseline_refused

@@ -138,10 +138,11 @@ def record_hf_snapshot(
     The policy pins deterministic algorithms while it records; the process gets its own setting back."""
     deterministic = torch.are_deterministic_algorithms_enabled()
     spec, model = seeded_policy(architecture, seed, config)
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach() for k, v in model.state_dict().items()}  # nothing below steps the weights
     cfg = run_config(spec, world_size)
     loss_cfg = LossConfig.from_dict(cfg["loss"])
     payloads, local_norms, losses = {}, {}, {}
+    totals: list[torch.Tensor] | None = None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -152,13 +153,12 @@ def record_hf_snapshot(
             out = rank_forward_backward(model, batch, loss_cfg, routing)
             local_norms[rank] = param_grad_norms(model)
             losses[rank] = float(out.loss.detach())
-            grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-            payloads[rank] = (batch, routes, grads)
-        for i, p in enumerate(model.parameters()):
-            parts = [payload[2][i] for payload in payloads.values()]
-            total = parts[0]
-            for part in parts[1:]:
-                total = total + part
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+            # summed in rank order as they come (one sum held, not every rank's gradient: real sizes fit the host)
+            totals = grads if totals is None else [t.add_(g) for t, g in zip(totals, grads, strict=True)]
+            payloads[rank] = (batch, routes)
+        assert totals is not None  # world_size >= 1
+        for p, total in zip(model.parameters(), totals, strict=True):
             p.grad = total
         reduce_gradients(model, world_size)
         grad_norm = global_grad_norm(model)
@@ -182,7 +182,7 @@ def record_hf_snapshot(
             grad_info={"grad_norm": grad_norm, "param_grad_norms": local_norms[rank], "loss": losses[rank]},
             routing_payload={"routed_experts": routes, "moe_layers": moe_layers, "source": "rollout"},
         )
-        for rank, (batch, routes, _) in payloads.items()
+        for rank, (batch, routes) in payloads.items()
     }
     return write_snapshot(root, meta, cfg, state, ranks)
 

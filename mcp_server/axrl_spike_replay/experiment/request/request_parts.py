@@ -285,8 +285,9 @@ class How:
             summary="Shard the model over the processes (FSDP2).",
             help="Shard the policy over the replay's processes with FSDP2: each holds 1/N of the weights and "
             "gradients, loaded straight into its shards. auto shards when the whole model does not fit one process; "
-            "the grad norm and verdicts are the same either way. streamed: every saved rank in one process, one "
-            "decoder layer at a time read from the checkpoint (full fidelity on one device); auto streams only when "
+            "the grad norm and verdicts are the same either way. streamed: the saved ranks split over nproc "
+            "processes (default 1), one decoder layer at a time read from the checkpoint (full fidelity on one "
+            "device); auto streams only when "
             "no whole or sharded layout fits at full fidelity.",
             kind="choice",
             choices=Shard,

@@ -42,6 +42,7 @@ class ShardChoice:
     reason: str
     checkpoint: bool = False  # decoder layers checkpointed (`models.layer_checkpoint`), as the plan's row says
     streamed: bool = False  # one decoder layer at a time, every saved rank in one process (`replay.streamed`)
+    read_ahead: bool = True  # streamed: the next layer read during the current one's compute, where the plan fits it
 
 
 def bytes_whole(spec: ModelSpec, precision: PrecisionPolicy) -> int:
@@ -167,7 +168,8 @@ def choose_shard(mode: str, device: str, processes: int, plan: ReplayPlan | None
     if mode == Shard.OFF:
         return with_checkpoint(ShardChoice(False, "shard off: every process holds the whole model"), plan)
     if mode == Shard.STREAMED:
-        return ShardChoice(False, STREAMED_REASON, streamed=True)
+        ahead = plan is None or plan.streamed is None or plan.streamed.read_ahead
+        return ShardChoice(False, STREAMED_REASON, streamed=True, read_ahead=ahead)
     if mode == Shard.ON:
         _check_device(device, processes)
         return with_checkpoint(ShardChoice(True, f"shard on: FSDP2 over {processes} process(es)"), plan)
@@ -180,6 +182,7 @@ def choose_shard(mode: str, device: str, processes: int, plan: ReplayPlan | None
             "shard auto: no layout holding the whole step fits at full fidelity; streamed, "
             f"{_gib(plan.streamed.device_peak)} on the device: " + STREAMED_REASON.removeprefix("shard streamed: "),
             streamed=True,
+            read_ahead=plan.streamed.read_ahead,
         )
     cap = plan.capacity
     where = "capacity unknown" if cap is None else f"{_gib(cap.bytes_each)} usable on {cap.where}"

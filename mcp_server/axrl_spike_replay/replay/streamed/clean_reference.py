@@ -36,6 +36,7 @@ from axrl_spike_replay.replay.streamed.boundaries import BoundaryStore
 from axrl_spike_replay.replay.streamed.layer_passes import ConfigPass, Item, PieceHook, backward_steps
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
 from axrl_spike_replay.replay.streamed.piece_dots import PieceDots, Steps, cosine_of, together
+from axrl_spike_replay.replay.streamed.rank_chain import RankChain
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.micro_batches import stitch
 from axrl_spike_replay.training.sample_masks import SampleFilter, TokenDrop
@@ -55,12 +56,14 @@ class Forward:
 
 @dataclass
 class Step:
-    """What every backward of a job shares: its ranks' inputs, the saved world size, the reduce dtype, the stop."""
+    """What every backward of a job shares: its ranks' inputs, the saved world size, the reduce dtype, the stop, and
+    the chain when the saved ranks are split over processes (`rank_chain`)."""
 
     inputs: RankInputs
     world_size: int
     reduce_dtype: torch.dtype | None
     cancel: threading.Event | None
+    chain: RankChain | None = None
 
     def steps(
         self,
@@ -77,7 +80,7 @@ class Step:
         return backward_steps(
             forward.weights, forward.items, forward.store, self.inputs, cfg, counts, self.world_size,
             need_entropy=forward.need_entropy, keep_own=keep_own, reduce_dtype=self.reduce_dtype,
-            on_piece=on_piece, cancel=self.cancel, pulls=pulls, tag=tag,
+            on_piece=on_piece, cancel=self.cancel, pulls=pulls, tag=tag, chain=self.chain,
         )  # fmt: skip
 
     def norm(self, forward: Forward, cfg: AppliedConfig, counts: GlobalCounts | None) -> float:

@@ -5,7 +5,8 @@ The whole replay (`replay.compute.worker`, `Whole`) sums each pass's gradient in
 ranks and their micro-batches, keeps each rank's own (the sum of its micro-batches) long enough to take its
 per-parameter norms, then divides the sum by the saved world size and takes every parameter's norm and its float64
 sum of squares (`training.rank_step`). A piece does the same for its own parameters, passes in the same order, so a
-streamed step's figures are the whole step's, put together piece by piece (`StepFigures`).
+streamed step's figures are the whole step's, put together piece by piece (`StepFigures`). Split over processes,
+a `RankChain` keeps that order across them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from axrl_spike_replay.replay.compute.gradient_space import accumulate
+from axrl_spike_replay.replay.streamed.rank_chain import RankChain
 from axrl_spike_replay.training.rank_step import gradient_norms
 
 
@@ -55,8 +57,11 @@ class PieceGradient:
         world_size: int,
         reduce_dtype: torch.dtype | None = None,
         keep_own: bool = False,
+        chain: RankChain | None = None,
     ) -> None:
         self.names = list(names)
+        self.chain = chain  # several processes: the sum starts from the previous ones' (`rank_chain`)
+        self.started = chain is None
         self.world_size = world_size
         self.reduce_dtype = reduce_dtype
         self.keep_own = keep_own
@@ -68,6 +73,7 @@ class PieceGradient:
 
     def add(self, rank: int, grads: Sequence[torch.Tensor | None], passes_of_rank: int) -> None:
         """One pass of saved rank `rank` (which makes `passes_of_rank` passes in all, consecutively)."""
+        self._start()
         local = list(grads)
         if self.reduce_dtype is not None:
             local = [g.to(self.reduce_dtype) if g is not None else None for g in local]
@@ -99,12 +105,28 @@ class PieceGradient:
             self.rank_norms[rank] = gradient_norms(zip(self.names, self.own, strict=False))
             self.own = []
 
+    def _start(self) -> None:
+        """Take the previous processes' running sum before this process's first pass (once per piece)."""
+        if not self.started and self.chain is not None:
+            self.total = self.chain.receive(len(self.names))
+        self.started = True
+
     def reduced(self) -> list[torch.Tensor | None]:
         """The sum divided by the saved world size (`reduce_grads`' mean); None where no pass had a gradient."""
         return [g.div_(self.world_size) if g is not None else None for g in self.total]
 
     def measure(self, into: StepFigures) -> list[torch.Tensor | None]:
-        """Reduce, and put the piece's sums of squares and norms into `into`; the reduced gradient."""
+        """Reduce, and put the piece's sums of squares and norms into `into`; the reduced gradient. In a chain
+        only the last process measures the sum (the others hand theirs on and give Nones); every process puts in
+        its own saved ranks' norms."""
+        self._start()
+        if self.chain is not None and not self.chain.last:
+            self.chain.send(self.total)
+            for rank, norms in self.rank_norms.items():
+                into.rank_norms.setdefault(rank, {}).update(norms)
+            self.total = [None] * len(self.names)
+            self.started = False
+            return [None] * len(self.names)
         reduced = self.reduced()
         for name, g in zip(self.names, reduced, strict=True):
             into.squares[name] = squares64(g) if g is not None else 0.0
@@ -112,4 +134,5 @@ class PieceGradient:
         for rank, norms in self.rank_norms.items():
             into.rank_norms.setdefault(rank, {}).update(norms)
         self.total = [None] * len(self.names)
+        self.started = self.chain is None
         return reduced

@@ -4,7 +4,8 @@ layer by layer in reverse.
 Forward (once per forward group: configs sharing weights and routing): the embedding of every micro-batch of every
 saved rank, then for each decoder layer in order its weights read, every micro-batch run through it with its rank's
 recorded routes, the layer's outputs (next hidden states, router logits or losses, routes) kept as boundaries, the
-layer freed. Nothing records a graph.
+layer freed. Nothing records a graph. Each pass reads one layer ahead (`StreamedWeights.prefetch`): the next
+layer's read overlaps the current layer's compute.
 
 Backward (once per config): the head and the config's loss on every micro-batch, as `worker.forward_group` computes
 them (`loss_batch`, `config_loss`, the micro-batch's scale), backpropagated to the last hidden states and to every
@@ -30,6 +31,7 @@ from axrl_spike_replay.replay.compute.worker import RankInputs, config_loss, los
 from axrl_spike_replay.replay.streamed.boundaries import BoundaryStore
 from axrl_spike_replay.replay.streamed.layer_gradients import PieceGradient, StepFigures
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
+from axrl_spike_replay.replay.streamed.rank_chain import RankChain
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.micro_batches import MicroBatch, stitch, take, take_routing
 from axrl_spike_replay.training.policy_loss import LossOutput
@@ -70,12 +72,14 @@ def forward_layers(
 ) -> None:
     """The forward (see the module docstring): boundaries ("h", layer, item) and ("x", layer, item) in `store`."""
     program = weights.program
+    weights.prefetch(0)  # read while the embedding computes
     with torch.no_grad():
         for k, item in enumerate(items):
             store.put(("h", 0, k), (program.embed(item.batch),))
         for layer in range(weights.n_layers):
             check_cancel(cancel, "replay")
             weights.load_layer(layer)
+            weights.prefetch(layer + 1)
             for k, item in enumerate(items):
                 hidden = store.get(("h", layer, k))[0]
                 assert hidden is not None
@@ -140,11 +144,13 @@ def backward_config(
     on_piece: PieceHook | None = None,
     cancel: threading.Event | None = None,
     pulls: dict[int, list[torch.Tensor]] | None = None,
+    chain: RankChain | None = None,
 ) -> ConfigPass:
-    """One config's loss and backward through every layer (see the module docstring)."""
+    """One config's loss and backward through every layer (see the module docstring); `chain`: this process streams
+    a block of the saved ranks, its piece sums chained to the other processes' (`rank_chain`)."""
     steps = backward_steps(
         weights, items, store, inputs, cfg, counts, world_size, need_entropy=need_entropy, keep_own=keep_own,
-        reduce_dtype=reduce_dtype, on_piece=on_piece, cancel=cancel, pulls=pulls,
+        reduce_dtype=reduce_dtype, on_piece=on_piece, cancel=cancel, pulls=pulls, chain=chain,
     )  # fmt: skip
     while True:
         try:
@@ -169,6 +175,7 @@ def backward_steps(
     cancel: threading.Event | None = None,
     pulls: dict[int, list[torch.Tensor]] | None = None,
     tag: str = "",
+    chain: RankChain | None = None,
 ) -> Generator[str, None, ConfigPass]:
     """`backward_config` a piece at a time: yields each piece's label (head, layer i, embedding) once it is
     measured and its layer freed, and returns the config's pass. Several configs' steps taken in turn see the same
@@ -182,8 +189,9 @@ def backward_steps(
     results: dict[int, list[tuple[LossOutput, float]]] = {}
     extra: dict[int, dict[str, Any]] = {}
     kept: list[bool] = []
-    head = PieceGradient(head_names, world_size, reduce_dtype, keep_own)
+    head = PieceGradient(head_names, world_size, reduce_dtype, keep_own, chain)
     last = weights.n_layers
+    weights.prefetch(last - 1)  # read while the head and the loss compute
     for k, item in enumerate(items):
         check_cancel(cancel, "replay")
         bounds = [store.get(("x", layer, k)) for layer in range(last)]
@@ -225,8 +233,9 @@ def backward_steps(
     for layer in reversed(range(last)):
         check_cancel(cancel, "replay")
         module = weights.load_layer(layer)
+        weights.prefetch(layer - 1)
         params = [(n, p) for n, p in zip(_param_names(weights, layer), module.parameters(), strict=True)]
-        piece = PieceGradient([n for n, _ in params], world_size, reduce_dtype, keep_own)
+        piece = PieceGradient([n for n, _ in params], world_size, reduce_dtype, keep_own, chain)
         for k, item in enumerate(items):
             if not kept[k]:
                 piece.skip(item.rank, item.passes)
@@ -251,7 +260,7 @@ def backward_steps(
         _measure(piece, figures, on_piece, f"layer {layer}")
         weights.free_layer(layer)
         yield f"layer {layer}"
-    embed = PieceGradient(embed_names, world_size, reduce_dtype, keep_own)
+    embed = PieceGradient(embed_names, world_size, reduce_dtype, keep_own, chain)
     for k, item in enumerate(items):
         if not kept[k]:
             embed.skip(item.rank, item.passes)

@@ -6,11 +6,19 @@ directory through `safe_open`, verl FSDP shards memory-mapped), restricted to on
 the decoder layers (embedding, final norm, head) are read once and held. Before anything is computed, `check`
 refuses a checkpoint whose entries for some layer are missing, of another shape or not backed by its data files,
 naming the layer.
+
+One read runs ahead (`prefetch`): the next layer the pass needs is read on a background thread while the current
+one computes, into that layer's own modules, so at most two layers are held at once (the plan counts both). The
+main thread waits for it only when it needs the layer (`ReadFigures.waited`); a failed read is raised there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,11 +46,13 @@ _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")
 
 @dataclass
 class ReadFigures:
-    """Bytes read from the checkpoint, and how many layer reads."""
+    """Bytes read from the checkpoint, how many layer reads, the seconds reading took (on whichever thread) and the
+    seconds the computing thread waited for a read."""
 
     bytes_read: int = 0
     layer_reads: int = 0
     seconds: float = 0.0
+    waited: float = 0.0
     by_layer: dict[int, int] = field(default_factory=dict)
 
 
@@ -97,8 +107,16 @@ def check_streamable(spec: ModelSpec, precision: PrecisionPolicy | None) -> None
 class StreamedWeights:
     """The policy of `spec` on the meta device, its layers read one at a time from `weights_dir`."""
 
-    def __init__(self, spec: ModelSpec, weights_dir: str, device: str, precision: PrecisionPolicy | None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights_dir: str,
+        device: str,
+        precision: PrecisionPolicy | None,
+        read_ahead: bool = True,
+    ) -> None:
         check_streamable(spec, precision)
+        self.read_ahead = read_ahead
         self.spec, self.device = spec, torch.device(device)
         self.policy = build_policy(master_spec(spec, precision), "meta")
         self.program: LayerProgram = for_policy(self.policy)
@@ -121,6 +139,10 @@ class StreamedWeights:
         in_layers = {name for names in self.layer_names for name in names}
         self.end_names = [name for name in self.policy.state_dict(keep_vars=True) if name not in in_layers]
         self.read = ReadFigures()
+        self._figures = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: tuple[int, Future[None]] | None = None
+        self._ready: int | None = None  # a layer read ahead, then passed over for another: kept until it is loaded
 
     @property
     def n_layers(self) -> int:
@@ -156,36 +178,84 @@ class StreamedWeights:
             total += numel * getattr(torch, dtype).itemsize
         return total
 
-    def _load(self, modules: list[nn.Module], names: list[str]) -> None:
-        import time
-
+    def _load(self, modules: list[nn.Module], names: list[str], prefixes: list[str] | None = None) -> None:
         start = time.perf_counter()
         for module in modules:
             module.to_empty(device=self.device)
-        load_sharded(self.policy, self.source, self.label, only=names)
-        self.read.bytes_read += self._bytes(names)
-        self.read.seconds += time.perf_counter() - start
+        state = None
+        if prefixes is not None:  # the modules' own tensors: the policy's state dict is not read off this thread
+            state = {}
+            for module, prefix in zip(modules, prefixes, strict=True):
+                state.update(module.state_dict(prefix=prefix, keep_vars=True))
+        load_sharded(self.policy, self.source, self.label, only=names, state=state)
+        with self._figures:
+            self.read.bytes_read += self._bytes(names)
+            self.read.seconds += time.perf_counter() - start
 
     def load_ends(self) -> None:
         """Read the embedding, final norm and head (held until `close`)."""
         self._load(self.program.end_modules(), self.end_names)
         restore_buffers(self.policy)  # rotary frequencies: no checkpoint holds them
 
+    def _read_layer(self, index: int) -> None:
+        self._load([self.program.layers[index]], self.layer_names[index], [self.layer_prefixes[index]])
+        with self._figures:
+            self.read.layer_reads += 1
+            self.read.by_layer[index] = self.read.by_layer.get(index, 0) + 1
+
+    def prefetch(self, index: int) -> None:
+        """Start reading decoder layer `index` on the background thread (nothing when out of range, when a read
+        is already ahead: one at a time, or without `read_ahead`: the plan left it out)."""
+        if not self.read_ahead or not 0 <= index < self.n_layers or self._ahead is not None or self._ready is not None:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, initializer=_one_thread, thread_name_prefix="layer-read")
+        self._ahead = (index, self._pool.submit(self._read_layer, index))
+
+    def _settle(self) -> int | None:
+        """Wait for the read ahead, if any; the layer it read (raising what it raised)."""
+        if self._ahead is None:
+            return self._ready
+        index, future = self._ahead
+        self._ahead = None
+        start = time.perf_counter()
+        try:
+            future.result()
+        finally:
+            self.read.waited += time.perf_counter() - start
+        return index
+
     def load_layer(self, index: int) -> nn.Module:
-        """Decoder layer `index` with its weights read from the checkpoint."""
-        layer = self.program.layers[index]
-        self._load([layer], self.layer_names[index])
-        self.read.layer_reads += 1
-        self.read.by_layer[index] = self.read.by_layer.get(index, 0) + 1
-        return layer
+        """Decoder layer `index` with its weights read from the checkpoint (by the read ahead, when it read it).
+
+        A layer read ahead and then passed over for another (two backwards taken a layer at a time in turn,
+        `piece_dots.together`: the second loads the layer the first just freed) stays held, not read twice, until
+        it is loaded; reads never overlap each other."""
+        ahead = self._settle()
+        self._ready = ahead if ahead is not None and ahead != index else None
+        if ahead != index:
+            self._read_layer(index)
+        return self.program.layers[index]
 
     def free_layer(self, index: int) -> None:
         """Give layer `index`'s memory back (its parameters on the meta device again, gradients dropped)."""
+        if self._ready == index:
+            self._ready = None
         layer = self.program.layers[index]
         for p in layer.parameters():
             p.grad = None
         layer.to_empty(device="meta")
 
     def close(self) -> None:
-        """Give every tensor's memory back."""
+        """Give every tensor's memory back (after the read ahead, if any, has ended)."""
+        with contextlib.suppress(Exception):  # closing after a failure: the read's own error is not the one raised
+            self._settle()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self.policy.to_empty(device="meta")
+
+
+def _one_thread() -> None:
+    """The read thread computes (copies, expert merges) on one intra-op thread, as the computing thread does."""
+    torch.set_num_threads(1)

@@ -30,12 +30,13 @@ from axrl_spike_replay.processes.rank_processes import RunCancelled, check_cance
 from axrl_spike_replay.replay.compute.host_allocator import return_freed_host_memory
 from axrl_spike_replay.replay.compute.outcome_figures import RankTrace, footprint_counts, merge_footprint
 from axrl_spike_replay.replay.compute.worker import ConfigOutcome, RankInputs, WorkerJob, forward_groups, step_counts
-from axrl_spike_replay.replay.jobs.job_runner import JobRunner
+from axrl_spike_replay.replay.jobs.job_runner import prepare_device
 from axrl_spike_replay.replay.streamed.boundaries import boundary_store
 from axrl_spike_replay.replay.streamed.clean_reference import CleanReference, Forward, Step, clean_reference
 from axrl_spike_replay.replay.streamed.layer_passes import forward_layers, stream_items
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
 from axrl_spike_replay.replay.streamed.piece_dots import together
+from axrl_spike_replay.replay.streamed.rank_chain import RankChain
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 
@@ -61,11 +62,37 @@ def compute_streamed(
     progress: Callable[[str], None] | None = None,
     settings: StreamSettings | None = None,
     timeout_s: float = float("inf"),
+    chain: RankChain | None = None,
 ) -> list[ConfigOutcome]:
-    """Every config of `job` over every saved rank, streamed; outcomes in the configs' order."""
-    settings = settings or StreamSettings()
+    """Every config of `job` over every saved rank, streamed; outcomes in the configs' order (`chain`: this process
+    streams the saved ranks of `job.assignment` only, one process of a chain, `streamed_processes`).
+
+    Computed on one intra-op thread with deterministic algorithms, as every replay process computes
+    (`job_runner.run_job`): the same reductions as the whole replay's, bit for bit, and no thread pool
+    oversubscribing a shared host; the setting is the caller's again after."""
+    import torch
+
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     if job.device.startswith("cuda"):  # deterministic cuBLAS, as `launch.run_job` sets for its processes
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.set_num_threads(1)
+    try:
+        prepare_device(job.device)
+        return _compute(job, cancel, progress, settings, timeout_s, chain)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _compute(
+    job: WorkerJob,
+    cancel: threading.Event | None,
+    progress: Callable[[str], None] | None,
+    settings: StreamSettings | None,
+    timeout_s: float,
+    chain: RankChain | None = None,
+) -> list[ConfigOutcome]:
+    settings = settings or StreamSettings()
     return_freed_host_memory()  # freed layers go back to the system, not kept under a rising mmap threshold
     say = progress or (lambda line: None)
     stop = _Deadline(cancel, timeout_s)
@@ -80,15 +107,19 @@ def compute_streamed(
     base_traces: dict[int, RankTrace] = {}
     # the outcome figures (footprint, the clean gradient) are a mitigation's: a hypothesis is judged by the record
     fixes = [cfg for cfg in job.configs[1:] if cfg.mitigations and not cfg.is_hypothesis]
-    wants_clean = bool(fixes) and not baseline.mitigations
-    step = Step(inputs, job.world_size, reduce_dtype, stop)
+    # split over processes only the last holds the summed gradient: the engine refuses the clean gradient there
+    # (`rank_chain.check_split`); a chain computes every other figure and says so
+    wants_clean = bool(fixes) and not baseline.mitigations and chain is None
+    step = Step(inputs, job.world_size, reduce_dtype, stop, chain)
     clean: CleanReference | None = None
     say(f"streamed: {len(ranks)} saved rank(s) in this process, one decoder layer at a time")
     with contextlib.ExitStack() as held:  # the baseline's forward, while the clean gradient is recomputed from it
         for group in forward_groups(job.configs):
             check_cancel(stop, "replay")
             t0 = time.perf_counter()
-            weights = StreamedWeights(job.model, group[0].weights or job.replay_dir, job.device, job.precision)
+            weights = StreamedWeights(
+                job.model, group[0].weights or job.replay_dir, job.device, job.precision, settings.read_ahead
+            )
             with contextlib.ExitStack() as own:
                 keep = held if wants_clean and group[0] is baseline else own
                 keep.callback(weights.close)
@@ -146,7 +177,13 @@ def compute_streamed(
             for cfg in group:
                 outcomes[cfg.config_id].timings["compute"] = per_config
                 outcomes[cfg.config_id].timings["load"] = weights.read.seconds
-            say(f"streamed: read {weights.read.bytes_read:,} bytes of weights ({weights.read.layer_reads} layer reads)")
+                outcomes[cfg.config_id].timings["read_wait"] = weights.read.waited
+            say(
+                f"streamed: read {weights.read.bytes_read:,} bytes of weights ({weights.read.layer_reads} layer "
+                f"reads, {weights.read.seconds:.2f} s reading, {weights.read.waited:.2f} s of it waited for)"
+            )
+    if fixes and chain is not None:
+        say("streamed: the clean gradient and cosine to clean are not computed over several processes")
     say(f"streamed: {time.perf_counter() - start:.2f} s in all")
     return [outcomes[cfg.config_id] for cfg in job.configs]
 
@@ -168,19 +205,3 @@ def run_streamed_job(
     """`launch.JobRunner` for a streamed replay: the job computed here, in this process."""
     del slot  # one process: no pools
     return compute_streamed(job, cancel, progress, settings, timeout_s)
-
-
-def streamed_runner(settings: StreamSettings | None) -> JobRunner:
-    """`run_streamed_job` with these boundary settings."""
-
-    def run(
-        job: WorkerJob,
-        timeout_s: float = 1800.0,
-        cancel: threading.Event | None = None,
-        *,
-        progress: Callable[[str], None] | None = None,
-        slot: int = 0,
-    ) -> list[ConfigOutcome]:
-        return run_streamed_job(job, timeout_s, cancel, progress=progress, slot=slot, settings=settings)
-
-    return run

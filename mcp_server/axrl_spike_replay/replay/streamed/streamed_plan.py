@@ -3,11 +3,13 @@
 
 A streamed replay (`replay.streamed`) holds at once, on its one device: one decoder layer's parameters and
 up to three copies of its gradient (the sum over passes, one saved rank's own, the pass's: as the whole replay's
-`Whole` holds them), the embedding and head with their gradient pieces, one micro-batch's activations inside one
-layer (`activation_bytes` of a one-layer model: the head's chunk and eager attention's mask included) and the
-runtime. The boundaries are per token of every saved rank: each layer's input hidden states, and per MoE layer the
-router's float32 logits and its int64 routes, plus, in the backward, one hidden-state gradient and the router
-logits' gradients. It reads every layer once in the forward and once per config in the backward, the ends once.
+`Whole` holds them), the next layer's parameters being read ahead (left out, and said, where the row fits only
+without it), the embedding and head with their gradient
+pieces, one micro-batch's activations inside one layer (`activation_bytes` of a one-layer model: the head's chunk
+and eager attention's mask included) and the runtime. The boundaries are per token of every saved rank: each layer's
+input hidden states, and per MoE layer the router's float32 logits and its int64 routes, plus, in the backward, one
+hidden-state gradient and the router logits' gradients.
+It reads every layer once in the forward and once per config in the backward, the ends once.
 
 The time is an estimate: compute of 2 x active parameters x tokens for the forward, 8 x for each config's backward
 (the layer recomputed, then backpropagated), at the `flops_per_s` given (defaults are said, not measured here), plus
@@ -88,7 +90,7 @@ class StreamedRow:
     """The streamed replay in bytes and seconds (see the module docstring)."""
 
     device_peak: int  # on the one device (GPU, or the host for a CPU replay, boundaries in memory up to the budget)
-    layer: int  # one layer's parameters and gradient copies
+    layer: int  # one layer's parameters and gradient copies, and the next layer's parameters read ahead
     ends: int  # embedding and head, with their gradient pieces
     activations: int  # one micro-batch inside one layer
     runtime: int
@@ -101,14 +103,16 @@ class StreamedRow:
     seconds: float  # estimated
     speeds: str  # what the estimate assumed
     fits: bool | None
+    read_ahead: bool = True  # the next layer read during this one's compute (left out where only that fits)
 
     def text(self) -> str:
         """The row in one line."""
         fits = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown"}[self.fits]
+        ahead = "layer and the next read ahead" if self.read_ahead else "layer, no read ahead: it would not fit"
         return (
             "streamed (1 process, every saved rank, one decoder layer at a time): device peak "
             f"{_gib(self.device_peak)} "
-            f"(layer {_gib(self.layer)}, embedding and head {_gib(self.ends)}, one micro-batch in one layer "
+            f"({ahead} {_gib(self.layer)}, embedding and head {_gib(self.ends)}, one micro-batch in one layer "
             f"{_gib(self.activations)}, runtime {_gib(self.runtime)}); boundaries {_gib(self.boundaries)} "
             f"(host up to {_gib(self.host_budget)}, disk {_gib(self.disk)}); reads {_gib(self.bytes_read)} from the "
             f"checkpoint ({self.layer_reads} layer reads); about {_duration(self.seconds)} ({self.speeds}): {fits}"
@@ -135,7 +139,7 @@ def streamed_row(
 ) -> StreamedRow:
     """The streamed row for a step of `world` saved ranks of `rank_tokens` tokens each (see the module docstring)."""
     b = element  # the compute dtype's bytes
-    layer = pieces.largest_layer * b * 4
+    layer = pieces.largest_layer * b * 4  # parameters and three gradient copies
     ends = (pieces.embedding + pieces.head) * b + 3 * max(pieces.embedding, pieces.head) * b
     one_layer = dataclasses.replace(facts, layers=1, dense_layers=0 if facts.experts else 1)
     activations = activation_bytes(one_layer, micro_batch[0], micro_batch[1], b, attention=facts.attention)
@@ -147,6 +151,10 @@ def streamed_row(
     boundaries = tokens * per_token
     held = min(boundaries, host_budget)
     peak = layer + ends + activations + runtime + (held if device != "cuda" else 0)
+    ahead = pieces.largest_layer * b  # the next layer's parameters, read while this one computes
+    read_ahead = capacity_bytes is None or peak + ahead <= capacity_bytes or peak > capacity_bytes
+    if read_ahead:
+        layer, peak = layer + ahead, peak + ahead
     layer_reads = pieces.layers * (1 + configs)
     read = (pieces.embedding + pieces.head + pieces.largest_layer * layer_reads) * pieces.saved_bytes
     active = facts.parameters - pieces.experts * (1 - facts.top_k / facts.experts if facts.experts else 0)
@@ -172,6 +180,7 @@ def streamed_row(
         seconds=read / read_speed + flops / compute_speed,
         speeds=speeds,
         fits=None if capacity_bytes is None else peak <= capacity_bytes,
+        read_ahead=read_ahead,
     )
 
 
