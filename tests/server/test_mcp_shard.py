@@ -44,10 +44,10 @@ def test_a_sharded_mcp_replay_gives_the_unsharded_grad_norm(spike_outputs: Spike
 def test_attribute_spike_and_diagnose_spike_offer_shard(workspace: Path) -> None:
     server = create_server(workspace)
     tools = {t.name: t for t in with_client(server, lambda client: client.list_tools()).tools}
-    # an attribution shares the replay's declaration (streamed is refused by name there); diagnose has its own
-    for name, streamed in (("attribute_spike", ["streamed"]), ("diagnose_spike", [])):
+    # an attribution shares the replay's declaration; diagnose has its own, whose signal check also runs streamed
+    for name in ("attribute_spike", "diagnose_spike"):
         properties = tools[name].input_schema["properties"]
-        assert properties["shard"]["enum"] == ["auto", "on", "off", *streamed]
+        assert properties["shard"]["enum"] == ["auto", "on", "off", "streamed"]
         assert properties["shard"]["default"] == "auto"
         assert "nproc" in properties
 

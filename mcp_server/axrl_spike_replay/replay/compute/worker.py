@@ -438,9 +438,7 @@ def _probe(
     return norm, kept.grads
 
 
-def _own_baseline(
-    space: GradientSpace, g: list[torch.Tensor], grad_norm: float, bar: SpikeBar | None
-) -> dict[str, Any]:
+def own_baseline_figures(grad_norm: float, bar: SpikeBar | None, baseline_cosine: float | None) -> dict[str, Any]:
     """The clean gradient's figures when nothing is left out: the baseline is under the bar, or there is no bar."""
     return {
         "left_out": [],
@@ -452,9 +450,16 @@ def _own_baseline(
         "bar": None if bar is None else bar.value,
         "grad_norm": grad_norm if bar is not None else None,
         "ratio_to_median": grad_norm / bar.median_norm if bar is not None else None,
-        "baseline_cosine": space.cosine(g, g) if bar is not None else None,
+        "baseline_cosine": baseline_cosine if bar is not None else None,
         "passes": 0,
     }
+
+
+def _own_baseline(
+    space: GradientSpace, g: list[torch.Tensor], grad_norm: float, bar: SpikeBar | None
+) -> dict[str, Any]:
+    """`own_baseline_figures` with the baseline's cosine to itself in this gradient space."""
+    return own_baseline_figures(grad_norm, bar, space.cosine(g, g) if bar is not None else None)
 
 
 def clean_gradient(

@@ -31,7 +31,7 @@ import torch
 from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
 from axrl_spike_replay.processes.rank_processes import check_cancel
 from axrl_spike_replay.replay.compute.clean_gradient import SpikeBar, not_reached_reason, smallest_count, token_order
-from axrl_spike_replay.replay.compute.worker import RankInputs, on_policy
+from axrl_spike_replay.replay.compute.worker import RankInputs, on_policy, own_baseline_figures
 from axrl_spike_replay.replay.streamed.boundaries import BoundaryStore
 from axrl_spike_replay.replay.streamed.layer_passes import ConfigPass, Item, PieceHook, backward_steps
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
@@ -129,20 +129,8 @@ def _pulls(step: Step, parts: dict[int, list[torch.Tensor]]) -> dict[int, torch.
 
 
 def _own(grad_norm: float, bar: SpikeBar | None) -> dict[str, Any]:
-    """The figures when nothing is left out (`worker._own_baseline`'s)."""
-    return {
-        "left_out": [],
-        "wholly_left_out": [],
-        "tokens_left_out": 0,
-        "share_left_out": 0.0,
-        "reached": bar is not None,
-        "reason": None if bar is not None else "no spike bar: the snapshot has no usable median norm",
-        "bar": None if bar is None else bar.value,
-        "grad_norm": grad_norm if bar is not None else None,
-        "ratio_to_median": grad_norm / bar.median_norm if bar is not None else None,
-        "baseline_cosine": None,
-        "passes": 0,
-    }
+    """The figures when nothing is left out, the baseline's cosine left to the caller."""
+    return own_baseline_figures(grad_norm, bar, None)
 
 
 def _self_cosine(grad_norm: float) -> float | None:
@@ -164,7 +152,7 @@ def clean_reference(
     grad_norm = done.figures.grad_norm(_order(forward))
     base_counts = counts_of(baseline)
     if bar is None or not bar.is_spike(grad_norm):
-        info = {**_own(grad_norm, bar), "baseline_cosine": _self_cosine(grad_norm) if bar is not None else None}
+        info = own_baseline_figures(grad_norm, bar, _self_cosine(grad_norm))
         kept = forward if bar is not None else None
         return CleanReference(kept, baseline, base_counts, info, time.perf_counter() - start)
     reference, recomputed = on_policy(baseline)
