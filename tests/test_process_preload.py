@@ -42,7 +42,7 @@ if __name__ == "__main__":
 """.replace("WATCHED", repr((HF_MODULE, MEGATRON_MODULE, "transformers", "megatron.core")))
 
 
-def _launch(tmp_path: Path, kinds: str, environment: dict[str, str] | None = None) -> tuple[list[dict], dict]:
+def _launch(tmp_path: Path, kinds: str, environment: dict[str, str] | None = None) -> tuple[list[dict], dict, str]:
     out = tmp_path / (kinds or "none")
     out.mkdir()
     script = tmp_path / "launcher.py"
@@ -55,11 +55,11 @@ def _launch(tmp_path: Path, kinds: str, environment: dict[str, str] | None = Non
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
     assert len(ranks) == 2
-    return ranks, json.loads(done.stdout.strip().splitlines()[-1])
+    return ranks, json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
 def test_an_hf_job_s_ranks_find_transformers_imported_and_the_server_runs_one_thread(tmp_path: Path) -> None:
-    ranks, launcher = _launch(tmp_path, "hf")
+    ranks, launcher, _ = _launch(tmp_path, "hf")
     assert all(rank["found"][HF_MODULE] and rank["found"]["transformers"] for rank in ranks)  # imported before fork
     assert not any(rank["found"]["megatron.core"] for rank in ranks)  # only the kind asked for
     assert all(rank["threads"] == 1 for rank in ranks)  # the imports started no thread in the server
@@ -69,15 +69,16 @@ def test_an_hf_job_s_ranks_find_transformers_imported_and_the_server_runs_one_th
 
 def test_without_a_kind_the_ranks_import_no_model_library(tmp_path: Path) -> None:
     """The control: nothing on the rank's own path imports transformers before its work does."""
-    ranks, _ = _launch(tmp_path, "")
+    ranks, _, _ = _launch(tmp_path, "")
     assert not any(rank["found"][HF_MODULE] or rank["found"]["transformers"] for rank in ranks)
     assert all(rank["threads"] == 1 for rank in ranks)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed here")
 def test_axrl_preload_names_megatron_for_every_job_and_its_ranks_find_megatron_core(tmp_path: Path) -> None:
-    ranks, _ = _launch(tmp_path, "", {process_starts.PRELOAD_ENV: "megatron"})
+    ranks, _, stderr = _launch(tmp_path, "", {process_starts.PRELOAD_ENV: "megatron"})
     assert all(rank["found"][MEGATRON_MODULE] and rank["found"][HF_MODULE] for rank in ranks)
+    assert "Warning" not in stderr, stderr[-2000:]  # its import-time warnings are not the launcher's to read
     assert all(rank["threads"] == 1 for rank in ranks)
 
 

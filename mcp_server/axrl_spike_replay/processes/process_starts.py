@@ -12,8 +12,9 @@ A model kind's libraries (transformers for `hf`, megatron-core and transformers 
 imports) are imported by the server too when asked before it starts: per job by the launcher, which knows the
 snapshot (`warm_up(kinds)`, `preload_for`), or for every job of a process by AXRL_PRELOAD (`hf,megatron`). Those
 imports start no thread either (the tests check the server's threads); a package that is not installed is skipped,
-and its rank processes fail on it as they would without the preload. A server already running keeps what it
-imported: it is not restarted (the warm pool's processes die with it), and its ranks import the rest themselves.
+and its rank processes fail on it as they would without the preload. As for torch, variables those libraries read
+when imported are the server's. A server already running keeps what it imported: it is not restarted (the warm
+pool's processes die with it), and its ranks import the rest themselves.
 
 A forked process's parent is the server, not the launcher. `die_with_launcher` (first thing in each process
 started here) ties it to both: the kernel kills it when the server exits (PR_SET_PDEATHSIG); it closes its copy
@@ -43,6 +44,7 @@ import signal
 import sys
 import tempfile
 import threading
+import warnings
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -118,12 +120,16 @@ def preload_modules() -> list[str]:
 
 
 def import_installed(names: tuple[str, ...]) -> None:
-    """Import each module that imports: one whose package is missing (or that fails) is left out, quietly."""
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # a preload never stops the server; the rank meets the failure again
-            log.debug("not preloaded: %s (%s)", name, exc)
+    """Import each module that imports: one whose package is missing (or that fails) is left out, quietly. Their
+    import-time warnings (megatron-core's "Apex is not installed") are not shown: the server writes to whatever
+    standard error its launcher had when it started."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # a preload never stops the server; the rank meets the failure again
+                log.debug("not preloaded: %s (%s)", name, exc)
 
 
 def warm_up(kinds: tuple[str, ...] = ()) -> None:
