@@ -36,13 +36,19 @@ def report(rank, nproc, out):
 
 if __name__ == "__main__":
     kinds = tuple(kind for kind in sys.argv[2].split(",") if kind)
-    warm_up(kinds)
+    if len(sys.argv) > 3:  # a replay of this snapshot first: the command asks the server for its model kind
+        from axrl_spike_replay.cli import main
+        assert main(["replay", sys.argv[3], "--nproc", "2", "--workspace", sys.argv[4], "--json"]) == 0
+    else:
+        warm_up(kinds)
     spawn_ranks(report, 2, sys.argv[1])
     print(json.dumps({"launcher_has": [m for m in WATCHED if m in sys.modules]}))
 """.replace("WATCHED", repr((HF_MODULE, MEGATRON_MODULE, "transformers", "megatron.core")))
 
 
-def _launch(tmp_path: Path, kinds: str, environment: dict[str, str] | None = None) -> tuple[list[dict], dict, str]:
+def _launch(
+    tmp_path: Path, kinds: str, environment: dict[str, str] | None = None, replay: tuple[str, ...] = ()
+) -> tuple[list[dict], dict, str]:
     out = tmp_path / (kinds or "none")
     out.mkdir()
     script = tmp_path / "launcher.py"
@@ -50,7 +56,7 @@ def _launch(tmp_path: Path, kinds: str, environment: dict[str, str] | None = Non
     env = {k: v for k, v in os.environ.items() if k not in ("AXRL_START_METHOD", process_starts.PRELOAD_ENV)}
     env.update({"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "mcp_server"), **(environment or {})})
     done = subprocess.run(
-        [sys.executable, str(script), str(out), kinds], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(script), str(out), kinds, *replay], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
@@ -65,6 +71,16 @@ def test_an_hf_job_s_ranks_find_transformers_imported_and_the_server_runs_one_th
     assert all(rank["threads"] == 1 for rank in ranks)  # the imports started no thread in the server
     assert len({rank["server"] for rank in ranks}) == 1
     assert launcher["launcher_has"] == []  # the server imported them, not the launcher
+
+
+def test_a_replay_asks_the_server_for_its_snapshot_s_model_kind(tmp_path: Path, hf_snapshot: Path) -> None:
+    """`replay --nproc 2` of a transformers snapshot in a fresh process: the server it starts imported transformers
+    (the ranks started after it find them imported) and no thread."""
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    ranks, _, _ = _launch(tmp_path, "", replay=(str(hf_snapshot), str(workspace)))
+    assert all(rank["found"][HF_MODULE] and not rank["found"]["megatron.core"] for rank in ranks)
+    assert all(rank["threads"] == 1 for rank in ranks)
 
 
 def test_without_a_kind_the_ranks_import_no_model_library(tmp_path: Path) -> None:
