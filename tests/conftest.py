@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from axrl_spike_replay.processes.process_starts import preload_for
 from shared_capture import left_as_recorded
 
 if TYPE_CHECKING:
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
     from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 
 FIXTURES_DIR = Path(__file__).resolve().parent / "fixtures"
+
+# The suite replays transformers and Megatron snapshots in many rank processes: this process's process server
+# imports those libraries once, before it forks them, instead of each rank importing them again.
+preload_for("hf", "megatron")
 
 # One intra-op thread: deterministic reductions (as in every rank process) and no oversubscription.
 torch.set_num_threads(1)

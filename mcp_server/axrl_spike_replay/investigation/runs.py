@@ -49,7 +49,8 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     if runner is None and not whole and _starts_processes(request):
         from axrl_spike_replay.processes.process_starts import warm_up
 
-        warm_up()  # before this process imports torch: the server imports it meanwhile, the ranks fork when due
+        # before this process imports torch: the server imports it (and the model's libraries) meanwhile
+        warm_up(_model_kinds(request))
     from axrl_spike_replay.investigation.planning import refuse_what_cannot_fit
 
     nproc = 1 if whole else how.nproc
@@ -98,3 +99,20 @@ def _starts_processes(request: ReplayRequest) -> bool:
         return read_metadata(request.what.snapshot)[0].parallel.data_ranks > 1
     except (AxrlError, OSError, ValueError):
         return False  # the engine names what is wrong with it
+
+
+def _model_kinds(request: ReplayRequest) -> tuple[str, ...]:
+    """The snapshot's model kind (`model.kind` in its run config, read without torch), for the process server to
+    import that kind's libraries before its ranks fork; none when it cannot be read (the engine names why)."""
+    from axrl_spike_replay.errors import AxrlError
+    from axrl_spike_replay.snapshot.layout import RUN_CONFIG
+    from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
+
+    snapshot = request.what.snapshot
+    try:
+        doc = read_untrusted_yaml(snapshot / RUN_CONFIG, "run config", within=snapshot)
+    except (AxrlError, OSError, ValueError):
+        return ()
+    model = doc.get("model") if isinstance(doc, dict) else None
+    kind = model.get("kind") if isinstance(model, dict) else None
+    return (kind,) if isinstance(kind, str) else ()

@@ -8,6 +8,14 @@ starts a thread), so a process forked from it begins with fresh torch state (no 
 no CUDA context) and a gloo group made there is its own. Later starts take milliseconds. `warm_up` launches the
 server ahead of need, so its imports overlap the caller's own work.
 
+A model kind's libraries (transformers for `hf`, megatron-core and transformers for `megatron`: seconds of
+imports) are imported by the server too when asked before it starts: per job by the launcher, which knows the
+snapshot (`warm_up(kinds)`, `preload_for`), or for every job of a process by AXRL_PRELOAD (`hf,megatron`). Those
+imports start no thread either (the tests check the server's threads); a package that is not installed is skipped,
+and its rank processes fail on it as they would without the preload. As for torch, variables those libraries read
+when imported are the server's. A server already running keeps what it imported: it is not restarted (the warm
+pool's processes die with it), and its ranks import the rest themselves.
+
 A forked process's parent is the server, not the launcher. `die_with_launcher` (first thing in each process
 started here) ties it to both: the kernel kills it when the server exits (PR_SET_PDEATHSIG); it closes its copy
 of the server's "alive" pipe, so the server (which exits when every holder of that pipe is gone) ends as soon
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import logging
 import multiprocessing
 import os
@@ -35,6 +44,7 @@ import signal
 import sys
 import tempfile
 import threading
+import warnings
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -57,10 +67,17 @@ PRELOAD = (
     "axrl_spike_replay.replay.jobs.warm_pool",
     "axrl_spike_replay.capture.reference.reference_trainer",
 )
+PRELOAD_ENV = "AXRL_PRELOAD"
+# What rank processes of a model kind import beyond PRELOAD (modules that import what is installed of it).
+KIND_PRELOADS: dict[str, tuple[str, ...]] = {
+    "hf": ("axrl_spike_replay.models.hf_preload",),
+    "megatron": ("axrl_spike_replay.models.hf_preload", "axrl_spike_replay.models.mcore.megatron_preload"),
+}
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _SERVER_ENV = {"OMP_NUM_THREADS": "1"}  # the server's own: importing torch starts no OpenMP thread there
 _lock = threading.Lock()
 _server_failed: list[str] = []  # why the server could not start, once: later starts spawn without trying again
+_asked_kinds: set[str] = set()  # model kinds whose libraries the server imports when it starts (`preload_for`)
 
 
 def start_method() -> str:
@@ -81,8 +98,44 @@ def rank_context() -> ForkServerContext | SpawnContext:
     return multiprocessing.get_context("spawn")
 
 
-def warm_up() -> None:
-    """Launch the forkserver now, without waiting for its imports: the next start forks at once. No-op under spawn."""
+def preload_kinds() -> tuple[str, ...]:
+    """The model kinds named by AXRL_PRELOAD (comma-separated, e.g. `hf,megatron`); an unknown one is refused."""
+    named = [kind.strip().lower() for kind in os.environ.get(PRELOAD_ENV, "").split(",") if kind.strip()]
+    unknown = [kind for kind in named if kind not in KIND_PRELOADS]
+    if unknown:
+        raise AxrlError(f"{PRELOAD_ENV}: unknown model kind {unknown[0]!r}: expected any of {', '.join(KIND_PRELOADS)}")
+    return tuple(named)
+
+
+def preload_for(*kinds: str) -> None:
+    """Have the server import what rank processes of these model kinds import (`KIND_PRELOADS`; other kinds need
+    nothing more) when it starts. A server already running keeps its imports."""
+    _asked_kinds.update(kind for kind in kinds if kind in KIND_PRELOADS)
+
+
+def preload_modules() -> list[str]:
+    """What the server imports: PRELOAD, then the modules of the kinds asked for and of AXRL_PRELOAD, once each."""
+    kinds = [kind for kind in KIND_PRELOADS if kind in _asked_kinds or kind in preload_kinds()]
+    return list(dict.fromkeys((*PRELOAD, *(name for kind in kinds for name in KIND_PRELOADS[kind]))))
+
+
+def import_installed(names: tuple[str, ...]) -> None:
+    """Import each module that imports: one whose package is missing (or that fails) is left out, quietly. Their
+    import-time warnings (megatron-core's "Apex is not installed") are not shown: the server writes to whatever
+    standard error its launcher had when it started."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except Exception as exc:  # a preload never stops the server; the rank meets the failure again
+                log.debug("not preloaded: %s (%s)", name, exc)
+
+
+def warm_up(kinds: tuple[str, ...] = ()) -> None:
+    """Launch the forkserver now, without waiting for its imports: the next start forks at once. `kinds`: the
+    job's model kinds, whose libraries it imports too (`preload_for`). No-op under spawn."""
+    preload_for(*kinds)
     if start_method() == "forkserver":
         _ensure_server()
 
@@ -93,7 +146,7 @@ def _ensure_server() -> bool:
     with _lock:
         if _server_failed:
             return False
-        forkserver.set_forkserver_preload(list(PRELOAD))
+        forkserver.set_forkserver_preload(preload_modules())
         saved = {name: os.environ.get(name) for name in _SERVER_ENV}
         os.environ.update(_SERVER_ENV)  # inherited by the server only: it is launched from this process now
         try:

@@ -31,6 +31,7 @@ from axrl_spike_replay.capture.reference.trainer_ranks import launch
 from axrl_spike_replay.capture.spike_guard import GuardDecision, SpikeGuard
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.files.atomic import atomic_write_json
+from axrl_spike_replay.processes.process_starts import preload_for
 from axrl_spike_replay.processes.rank_processes import refuse_in_spawned_import
 from axrl_spike_replay.snapshot.layout import SNAPSHOTS_DIR
 from axrl_spike_replay.snapshot.metadata import ParallelLayout
@@ -156,6 +157,10 @@ def capture_reference_run(
         )
         if progress and world_size > 1:
             _progress(f"starting {world_size} rank processes (each imports torch and builds the policy first)")
+        section = plan.config.get("model")
+        preload_for(
+            str(section.get("kind")) if isinstance(section, dict) else ""
+        )  # a server not yet running imports them
         launch(train_rank, world_size, plan)
         doc = json.loads(Path(plan.result_path).read_text(encoding="utf-8"))
         if progress:
