@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import threading
@@ -295,3 +296,21 @@ def test_a_sharded_job_launched_by_torchrun_gives_the_spawned_sharded_outcomes(
     whole = spawned  # the same job, each process holding the whole model
     assert abs(launched[0].grad_norms[0] - whole[0].grad_norms[0]) <= 1e-6 * whole[0].grad_norms[0]
     assert replay_workers() == {}
+
+
+def test_a_worker_that_would_abort_while_finalizing_leaves_the_job_done(
+    spawned: list[ConfigOutcome], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After its work a worker leaves without the interpreter's finalization, where gloo's threads can abort a
+    process that is done: a worker whose finalization would abort (planted as an atexit handler) ends the job well."""
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "sitecustomize.py").write_text(
+        "import atexit, os\nif os.environ.get('LOCAL_RANK') == '1':\n    atexit.register(os.abort)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(planted), os.environ.get("PYTHONPATH")])))
+    runner = LaunchedRunner(Placement("here", nodes=(LaunchNode("here"),), nproc_per_node=2))
+
+    launched = runner(_job(SNAPSHOT, CONFIGS))
+
+    assert [_figures(o) for o in launched] == [_figures(o) for o in spawned]

@@ -24,7 +24,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from axrl_spike_replay.errors import AxrlError, ConfigError, SnapshotError
 from axrl_spike_replay.processes.launch_worker import WorkerContext, worker_context, write_result
@@ -137,5 +137,14 @@ def _say(mark: str, text: str) -> None:
     print(f"{mark} {' '.join(text.split())}", file=sys.stderr, flush=True)
 
 
+def leave(code: int) -> NoReturn:
+    """End the worker with `code` without the interpreter's finalization: the group is destroyed and the result
+    written by then, and finalizing with gloo's threads still around can abort a process whose work is done
+    ('terminate called without an active exception'), which torchrun reports as the job's failure."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
