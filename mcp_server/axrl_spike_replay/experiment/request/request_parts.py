@@ -69,7 +69,7 @@ class What:
     top_params: int = field(
         default=10,
         metadata=declare(
-            summary="",  # the name says it; the help is in axrl://arguments
+            summary="Params listed.",  # the help is in axrl://arguments
             help="How many parameters the result lists by gradient norm, the largest first: more show how far the "
             "spike spreads over the layers and experts.",
             kind="int",
