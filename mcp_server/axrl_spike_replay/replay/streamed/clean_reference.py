@@ -128,11 +128,6 @@ def _pulls(step: Step, parts: dict[int, list[torch.Tensor]]) -> dict[int, torch.
     return out
 
 
-def _own(grad_norm: float, bar: SpikeBar | None) -> dict[str, Any]:
-    """The figures when nothing is left out, the baseline's cosine left to the caller."""
-    return own_baseline_figures(grad_norm, bar, None)
-
-
 def _self_cosine(grad_norm: float) -> float | None:
     return 1.0 if grad_norm > 0 and grad_norm != float("inf") else None
 
@@ -162,7 +157,8 @@ def clean_reference(
         counts0 = counts_of(cfg0)
         norm0 = step.norm(forward, cfg0, counts0)
         if not bar.is_spike(norm0):
-            found = CleanReference(forward, cfg0, counts0, {**_own(norm0, bar), "recomputed": list(recomputed)})
+            info = {**own_baseline_figures(norm0, bar, None), "recomputed": list(recomputed)}
+            found = CleanReference(forward, cfg0, counts0, info)
             found.info["baseline_cosine"] = found.beside(step, forward, baseline, base_counts)[1]
             found.info["passes"] = 1
             found.seconds = time.perf_counter() - start
