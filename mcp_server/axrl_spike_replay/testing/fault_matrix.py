@@ -35,6 +35,7 @@ matrix; `skills/axrl-spike-replay/evals/evals.json` holds the presets' cases as 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -626,11 +627,16 @@ def capture_command(case: MatrixCase, out: str, *, model: str = "tiny_moe", seed
 
 
 def burst_snapshots(result: Any, preset: str) -> list[Path]:
-    """The snapshots of `result` taken at the preset's burst iterations (a spike elsewhere is the run's own)."""
+    """The snapshots of `result` taken at the preset's burst iterations (a spike elsewhere is the run's own), the
+    largest spike first: a burst of several steps can also trip the detector on a mild step, and which steps do
+    depends on the machine's arithmetic, while the burst's largest spike is the one the fault makes."""
     from axrl_spike_replay.snapshot.metadata import read_metadata
 
     burst = set(result.config["train"].get("burst") or ())
-    return [p for p in result.snapshot_dirs if read_metadata(p)[0].iteration in burst]
+    taken = [(read_metadata(p)[0], p) for p in result.snapshot_dirs]
+    at_burst = [(meta.spike_ratio, p) for meta, p in taken if meta.iteration in burst]
+    # a non-finite step (NaN or inf norm) is the largest spike there is
+    return [p for _, p in sorted(at_burst, key=lambda pair: -pair[0] if math.isfinite(pair[0]) else -math.inf)]
 
 
 # Cause ids of earlier diagnoses, read as the family each named (a record or report written before the families).
