@@ -175,6 +175,18 @@ def canonical(value: Any) -> Any:
 
 def parse_mitigation_args(items: Sequence[str]) -> dict[str, Any]:
     """One config from CLI `NAME[=VALUE]` items (each name at most once)."""
+    doc = mitigation_doc(items)
+    for name, value in doc.items():
+        mitigation = _lookup(name)
+        if value is None and mitigation.bare is None:
+            raise ConfigError(f"`mitigations` {name} needs a value: {name}=VALUE ({mitigation.values})", "mitigations")
+    return parse_config(doc, "--mitigation")
+
+
+def mitigation_doc(items: Sequence[str]) -> dict[str, Any]:
+    """One config from CLI `NAME[=VALUE]` items as typed, {name: value} (None for a bare name), each name at most
+    once; its names and values are checked where it is parsed (`parse_config`: a sweep reports a config it refuses
+    beside the others)."""
     doc: dict[str, Any] = {}
     for item in items:
         name, sep, value = str(item).partition("=")
@@ -183,11 +195,8 @@ def parse_mitigation_args(items: Sequence[str]) -> dict[str, Any]:
             raise ConfigError(
                 f"`mitigations` {name} is given twice; give each mitigation once per config", "mitigations"
             )
-        mitigation = _lookup(name)
-        if not sep and mitigation.bare is None:
-            raise ConfigError(f"`mitigations` {name} needs a value: {name}=VALUE ({mitigation.values})", "mitigations")
         doc[name] = value if sep else None
-    return parse_config(doc, "--mitigation")
+    return doc
 
 
 def load_mitigation_set(path: str | Path) -> list[dict[str, Any]]:
@@ -195,6 +204,16 @@ def load_mitigation_set(path: str | Path) -> list[dict[str, Any]]:
 
     The file is untrusted YAML (no aliases, bounded size); errors name it and never echo it whole.
     """
+    file = Path(path)
+    return [
+        parse_config(item, f"mitigation set {file} config {i + 1}") for i, item in enumerate(read_mitigation_set(file))
+    ]
+
+
+def read_mitigation_set(path: str | Path) -> list[Any]:
+    """The configs of a mitigation-set YAML file as written (an empty entry as {}), checked where they are parsed
+    (`parse_config`: a sweep reports a config it refuses beside the others); ConfigError naming the file when it
+    cannot be read or holds no list of configs."""
     file = Path(path)
     try:
         is_file = file.is_file()  # a FIFO or device would block or never end
@@ -208,7 +227,7 @@ def load_mitigation_set(path: str | Path) -> list[dict[str, Any]]:
         raise ConfigError(
             f"mitigation set {file}: expected a non-empty list of mitigation configs such as - {{advantage_clip: 1.0}}"
         )
-    return [parse_config(item or {}, f"mitigation set {file} config {i + 1}") for i, item in enumerate(doc)]
+    return [item or {} for item in doc]
 
 
 def check_distinct(configs: Sequence[Mapping[str, Any]]) -> None:

@@ -88,6 +88,9 @@ class What:
             cli=False,  # --mitigation-set FILE or --mitigation per config
         ),
     )
+    # a sweep's configs its checks refused (their place among the configs as given, the config as given, why): the
+    # others run, these are reported beside them; `replay_request` fills it, no face declares it
+    refused: tuple[tuple[int, Mapping[str, Any], str], ...] = ()
     clear_threshold: float | None = field(
         default=None,
         metadata=declare(
