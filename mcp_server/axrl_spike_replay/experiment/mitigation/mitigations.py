@@ -375,6 +375,27 @@ def check_current_layers(cfg: AppliedConfig, moe_layers: Iterable[int]) -> None:
         raise ConfigError(f"{cfg.label}: recompute names layers {bad}, not MoE layers (MoE layers: {sorted(known)})")
 
 
+_ADVISED_RE = re.compile(r"`([a-z_]+):")  # a catalogue bullet names the mitigation it advises as `NAME: VALUE`
+
+
+def advised_settings(symptoms: Iterable[str]) -> list[str]:
+    """The production mitigations (`Mitigation.production`) the catalogue advises under any of `symptoms` (keys of
+    SYMPTOMS): each bullet's own mitigation and those it names (`advantage_clip: 1` under another's advice), in
+    declaration order: what a trainer can keep as its setting against those symptoms."""
+    wanted = set(symptoms)
+    unknown = sorted(wanted - set(SYMPTOMS))
+    if unknown:
+        raise ValueError(f"unknown symptom(s) {', '.join(unknown)} (known: {', '.join(SYMPTOMS)})")
+    named = {
+        name
+        for m in MITIGATIONS.values()
+        for a in m.advice
+        if a.symptom in wanted
+        for name in (m.name, *_ADVISED_RE.findall(a.text))
+    }
+    return [m.name for m in MITIGATIONS.values() if m.name in named and m.production]
+
+
 def diagnostic_reasons(config: Mapping[str, Any]) -> list[str]:
     """`NAME: why` for each diagnostic-only mitigation a config uses (they are never written up as methods)."""
     found = [MITIGATIONS[name] for name in config if name in MITIGATIONS]
