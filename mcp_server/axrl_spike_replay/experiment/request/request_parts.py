@@ -83,7 +83,9 @@ class What:
         metadata=declare(  # sweep: the configs to compare, normalised and distinct
             summary="Configs to compare, each {NAME: VALUE} (names as for replay); the baseline always runs.",
             help="Mitigation configs to compare, each `{NAME: VALUE, ...}`, distinct and none empty (the baseline "
-            "always runs). Loss-level configs share one forward pass.",
+            "always runs). Loss-level configs share one forward pass. A config the checks refuse (a value out of "
+            "range, a rank or layer the snapshot lacks) does not stop the others: it is reported in its place with "
+            "verdict failed and the reason, and logged under Failed attempts.",
             verbs=(Verb.SWEEP,),
             cli=False,  # --mitigation-set FILE or --mitigation per config
         ),
