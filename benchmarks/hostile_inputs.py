@@ -142,7 +142,10 @@ print(json.dumps({"seconds": t, "peak_rss_kib": hwm, "score": graded["score"]}))
 def scorer_rows(package: Path, report_lines: int, workdir: Path, timeout_s: float) -> list[tuple[str, dict]]:
     """The eval scorer (of the checkout `package` belongs to) on prose and on blank lines, `report_lines` each."""
     evals = package.parent / "skills" / "axrl-spike-replay" / "evals"
-    tail = "Cause family: engine_mismatch\nRanks: none\nFix: mismatch_token_clip_max=2\n"
+    tail = (
+        "Cause family: engine_mismatch\nRanks: none\nProof: recompute=rollout_logprobs\n"
+        "Fix: mismatch_token_clip_max=2\n"
+    )
     reports = {"prose": "The rollout log-probs disagree with the replay.\n", "blank": "\n"}
     rows = []
     for name, line in reports.items():

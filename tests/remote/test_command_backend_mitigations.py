@@ -197,6 +197,28 @@ def test_an_unmapped_mitigation_is_refused_by_name_before_anything_runs(
         )
 
 
+def test_a_sweep_on_the_command_backend_reports_a_refused_value_in_its_place_and_logs_it(
+    workspace: Path, snapshot: Path, runs_log: Path
+) -> None:
+    open_task(workspace, "cmd-job", snapshot=snapshot)
+    configs = [{"mismatch_token_clip_max": -1}, {"mismatch_token_clip_max": 2}]
+    sweep = replay_elsewhere(
+        replay_request(
+            What(snapshot, verb="sweep", configs=configs), where=Where(backend="command"), workspace=workspace
+        )
+    )
+    assert isinstance(sweep, SweepResult)
+    assert len(runs(runs_log)) == 2  # the baseline and the config that was not refused
+    refused, clip = sweep.results
+    assert clip.verdict is Verdict.PARTIAL and refused.verdict is Verdict.FAILED and refused.grad_norm is None
+    assert refused.error == "refused: mitigation mismatch_token_clip_max: must be > 0, got -1"
+    out = Path(sweep.output_dir)
+    assert SweepResult.from_json(json.loads((out / "sweep_result.json").read_text())).results == sweep.results
+    assert json.loads((out / refused.config_id / "replay_result.json").read_text())["error"] == refused.error
+    state = read_state(workspace, "cmd-job")
+    assert [f["reason"] for f in state.failed] == [refused.error]
+
+
 def test_first_moe_layer_is_refused_before_anything_runs_even_when_mapped(
     workspace: Path, snapshot: Path, runs_log: Path
 ) -> None:

@@ -197,3 +197,32 @@ def test_a_mitigated_results_footprint_and_precision_are_typed_and_written_as_be
     assert f.token_fraction == (f.masked_tokens + f.changed_tokens) / f.loss_tokens
     [line] = [line for line in render_replay(result).splitlines() if line.startswith("  footprint     ")]
     assert f"({f.masked_tokens} masked, {f.changed_tokens} changed of {f.loss_tokens})" in line
+
+
+def test_a_sweep_prints_a_refused_config_in_its_row_with_the_reason(
+    spike_snapshot: Path, workspace: Path, tmp_path: Path, cli
+) -> None:
+    """A config the checks refuse (a value out of range, a rank the snapshot lacks) is a row of the table, with its
+    reason under it; the others run. From --mitigation items and from a mitigation-set file alike."""
+    run = cli("sweep", spike_snapshot, "--nproc", "1", "--workspace", workspace, "--mitigation", "advantage_clip=-1",
+              "--mitigation", "advantage_clip=1", "--mitigation", "drop_ranks=5")  # fmt: skip
+    assert run.code == 0, run.err
+    rows: dict[str, list[str]] = {}
+    for line in run.out.splitlines():  # the table's rows come first, the reasons under it
+        if line.strip():
+            rows.setdefault(line.split()[0], line.split())
+    assert rows["advantage_clip=-1"][-1] == "failed" and rows["drop_ranks=r5"][-1] == "failed"
+    assert rows["advantage_clip=1"][-1] != "failed" and len(rows["advantage_clip=1"]) == 5  # it ran: its figures
+    assert "advantage_clip=-1 failed: refused: mitigation advantage_clip: must be > 0, got '-1'" in run.out
+    assert "drop_ranks=r5 failed: refused: drop_ranks: rank 5 is not in the snapshot (saved ranks 0..1)" in run.out
+
+    configs = tmp_path / "set.yaml"
+    configs.write_text("- {kl_coef: 0.5}\n- {kl_coef: -1}\n", encoding="utf-8")
+    run = cli("sweep", spike_snapshot, "--nproc", "1", "--workspace", workspace, "--mitigation-set", configs, "--json")
+    assert run.code == 0, run.err
+    ran, refused = json.loads(run.out)["results"]
+    assert ran["verdict"] != "failed" and refused["error"] == "refused: mitigation kl_coef: must be >= 0, got -1"
+
+    configs.write_text("- {kl_coef: -1}\n", encoding="utf-8")  # the only config refused: the sweep is an error
+    run = cli("sweep", spike_snapshot, "--nproc", "1", "--workspace", workspace, "--mitigation-set", configs)
+    assert run.code != 0 and "mitigation kl_coef: must be >= 0, got -1" in run.err and "Traceback" not in run.err

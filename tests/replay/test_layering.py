@@ -53,13 +53,14 @@ SUBFLOORS: dict[str, tuple[tuple[str, ...], ...]] = {
         ("rules",),
         ("evidence", "families"),
     ),
-    # the read-only analyses of a step (attribution, diagnose's model evidence), the sweep, the engine, its plan and
-    # Megatron's route, the streamed replay, running a job's processes, one process's work, then what it reads
+    # the read-only analyses of a step (attribution, diagnose's model evidence), the sweep, the engine, its plan,
+    # Megatron's route and the experiments the snapshot refuses, the streamed replay, running a job's processes, one
+    # process's work, then what it reads
     "replay": (
         ("analyses",),
         ("sweep",),
         ("engine",),
-        ("plans", "megatron_route"),
+        ("plans", "megatron_route", "refusals"),
         ("streamed",),
         ("jobs",),
         ("compute",),

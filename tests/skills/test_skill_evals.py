@@ -1,5 +1,6 @@
 """The fault matrix as skill evals: evals.json is what the generator writes, every eval's snapshot command is one the
-CLI accepts, and the scorer reads a report's answer the way the prompt asks for it."""
+CLI accepts, each family's fixes are the production settings the mitigation catalogue advises against it, and the
+scorer reads a report's answer (its proof and its fix apart) the way the prompt asks for it."""
 
 from __future__ import annotations
 
@@ -51,10 +52,32 @@ def test_evals_json_is_what_the_generator_writes_in_the_skills_spec_format(doc) 
     }  # fmt: skip
 
 
-def test_each_family_s_fixes_are_mitigations(doc) -> None:
+def test_each_family_s_proofs_and_fixes_are_mitigations(doc) -> None:
     for family, entry in doc["families"].items():
-        unknown = set(entry["fixes"]) - set(MITIGATIONS)
+        unknown = (set(entry["proofs"]) | set(entry["fixes"])) - set(MITIGATIONS)
         assert not unknown, f"{family}: {unknown}"
+
+
+def test_a_family_s_fixes_are_the_catalogue_s_production_settings_for_it_and_never_a_diagnostic(doc) -> None:
+    """The fix field is derived from the declarations (the catalogue's advice under the family's symptoms), not from
+    answers: no diagnostic lever, hypothesis or replay from other weights is ever a fix, and a family no setting can
+    fix (a step that does not reproduce) takes the trainer-side change."""
+    from axrl_spike_replay.diagnosis.families import TRAINER_SIDE, family_fixes
+
+    for family, entry in doc["families"].items():
+        assert entry["fixes"] == family_fixes(family)
+        assert all(MITIGATIONS[name].production for name in entry["fixes"]), family
+        assert not {"drop_ranks", "keep_ranks", "drop_samples", "recompute", "loss_scale", "initial_model"} & set(
+            entry["fixes"]
+        )
+        assert entry["trainer_side"] is (family in TRAINER_SIDE)
+    assert doc["families"]["step_not_reproduced"]["fixes"] == [] and doc["families"]["one_rank_data"]["fixes"] == []
+    # what each fix list holds comes from the symptoms the family shows: the mismatch group for stale old log-probs,
+    # the KL group for a routing payload (the catalogue's KL symptom names routes), no KL setting for stale log-probs
+    assert "is_base_logprobs" in doc["families"]["stale_old_logprobs"]["fixes"]
+    assert "kl_estimator" in doc["families"]["routing_payload"]["fixes"]
+    assert "kl_estimator" not in doc["families"]["stale_old_logprobs"]["fixes"]
+    assert "balance_negative_advantages" not in doc["families"]["mask_misalignment"]["fixes"]
 
 
 def test_every_eval_s_snapshot_command_is_one_the_cli_accepts(doc) -> None:
@@ -69,11 +92,12 @@ def test_every_eval_s_snapshot_command_is_one_the_cli_accepts(doc) -> None:
 
 REPORT = """# Spike at iteration 20
 Rank 1's old log-probs disagree with the replayed policy (max |log pi - log pi_old| 8.9) while rank 0's agree.
-Replayed with drop_ranks=1: cleared.
+Replayed with drop_ranks=1: cleared; with is_base_logprobs=rollout (the ratio off the stale old log-probs): cleared.
 
 Cause family: stale_old_logprobs
 Ranks: 1
-Fix: drop_ranks=1
+Proof: drop_ranks=1
+Fix: is_base_logprobs=rollout
 """
 
 
@@ -81,16 +105,14 @@ def test_the_scorer_passes_a_right_report_and_names_what_a_wrong_one_missed(doc,
     score = load(EVALS / "score.py")
     case = next(e for e in doc["evals"] if e["snapshot"]["case"] == "stale_old_logprobs")
     right = score.score_report(REPORT, case, doc["families"])
-    assert right["checks"] == {"cause": True, "ranks": True, "fix": True} and right["score"] == 1.0
+    assert right["checks"] == {"cause": True, "ranks": True, "proof": True, "fix": True} and right["score"] == 1.0
     wrong = score.score_report(REPORT.replace("stale_old_logprobs", "engine_mismatch"), case, doc["families"])
     assert wrong["checks"]["cause"] is False and wrong["named"] == "engine_mismatch"
     # no answer lines: the family mentioned first (an earlier cause id counts as its family), fixes anywhere
-    free = "Top cause: logprob_mismatch at strength 1.0. Tried mismatch_token_clip_max=2: no effect."
+    free = "Top cause: logprob_mismatch at strength 1.0. Tried kl_clamp=10: no effect."
     loose = score.score_report(free, case, doc["families"])
-    assert (
-        loose["named"] == "engine_mismatch" and loose["ranks"] is None and loose["fixes"] == ["mismatch_token_clip_max"]
-    )
-    assert loose["score"] == 0.0
+    assert loose["named"] == "engine_mismatch" and loose["ranks"] is None and loose["fixes"] == ["kl_clamp"]
+    assert loose["proofs"] == [] and loose["score"] == 0.0  # no Proof line: no proof
     spread = next(e for e in doc["evals"] if e["expected"]["ranks"] == [])
     assert score.score_report("Ranks: none\n", spread, doc["families"])["checks"]["ranks"] is True
 
@@ -103,7 +125,7 @@ def test_the_scorer_command_scores_a_directory_of_reports(doc, tmp_path) -> None
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     total = json.loads(run.stdout)["total"]
-    assert total == {"reports": 1, "cause": 1, "ranks": 1, "fix": 1, "mean_score": 1.0}
+    assert total == {"reports": 1, "cause": 1, "ranks": 1, "proof": 1, "fix": 1, "mean_score": 1.0}
     bad = subprocess.run(
         [sys.executable, str(EVALS / "score.py"), str(EVALS / "evals.json"), str(tmp_path), "--eval", "999"],
         capture_output=True, text=True,
@@ -114,26 +136,87 @@ def test_the_scorer_command_scores_a_directory_of_reports(doc, tmp_path) -> None
 def test_a_shotgun_list_of_fixes_fails_the_fix_check_and_only_the_right_fix_passes(doc) -> None:
     score = load(EVALS / "score.py")
     case = next(e for e in doc["evals"] if e["snapshot"]["case"] == "stale_old_logprobs")
-    every = sorted({f for family in doc["families"].values() for f in family["fixes"]})
-    assert len(every) == 19
-    shotgun = REPORT.replace("Fix: drop_ranks=1", "Fix: " + ", ".join(f"{f}=1" for f in every))
+    every = sorted({f for family in doc["families"].values() for f in (*family["proofs"], *family["fixes"])})
+    assert len(every) == 27
+    fix = "Fix: is_base_logprobs=rollout"
+    shotgun = REPORT.replace(fix, "Fix: " + ", ".join(f"{f}=1" for f in every))
     graded = score.score_report(shotgun, case, doc["families"])
     assert graded["checks"]["fix"] is False and graded["shotgun"] is True and graded["score"] < 1.0
     # without a Fix line, every NAME=VALUE of the report counts: listing them all fails the same way
-    loose = score.score_report(REPORT.replace("Fix: drop_ranks=1", " ".join(f"{f}=1" for f in every)), case,
-                               doc["families"])  # fmt: skip
+    loose = score.score_report(REPORT.replace(fix, " ".join(f"{f}=1" for f in every)), case, doc["families"])
     assert loose["checks"]["fix"] is False
-    wrong = score.score_report(REPORT.replace("Fix: drop_ranks=1", "Fix: advantage_clip=5"), case, doc["families"])
+    wrong = score.score_report(REPORT.replace(fix, "Fix: advantage_clip=5"), case, doc["families"])
     assert wrong["checks"]["fix"] is False  # a real mitigation, of another family
-    mixed = score.score_report(REPORT.replace("Fix: drop_ranks=1", "Fix: drop_ranks=1 kl_coef=0"), case,
-                               doc["families"])  # fmt: skip
+    mixed = score.score_report(REPORT.replace(fix, "Fix: is_base_logprobs=rollout kl_coef=0"), case, doc["families"])
     assert mixed["checks"]["fix"] is False  # one right, one wrong: not the right fix
-    pair = score.score_report(REPORT.replace("Fix: drop_ranks=1", "Fix: drop_ranks=1 recompute=old_logprobs"), case,
+    pair = score.score_report(REPORT.replace(fix, "Fix: is_base_logprobs=rollout mismatch_token_clip_max=2"), case,
                               doc["families"])  # fmt: skip
-    assert pair["checks"]["fix"] is True and pair["fixes"] == ["drop_ranks", "recompute"]
-    noted = score.score_report(REPORT.replace("Fix: drop_ranks=1", "Fix: drop_ranks=1 (grad_norm=0.9 after)"), case,
+    assert pair["checks"]["fix"] is True and pair["fixes"] == ["is_base_logprobs", "mismatch_token_clip_max"]
+    noted = score.score_report(REPORT.replace(fix, "Fix: is_base_logprobs=rollout (grad_norm=0.9 after)"), case,
                                doc["families"])  # fmt: skip
-    assert noted["checks"]["fix"] is True and noted["fixes"] == ["drop_ranks"]  # grad_norm is no mitigation
+    assert noted["checks"]["fix"] is True and noted["fixes"] == ["is_base_logprobs"]  # grad_norm is no mitigation
+
+
+def test_a_diagnostic_lever_is_a_proof_never_a_fix_and_a_proof_list_of_guesses_fails(doc) -> None:
+    score = load(EVALS / "score.py")
+    case = next(e for e in doc["evals"] if e["snapshot"]["case"] == "stale_old_logprobs")
+    dropped = score.score_report(REPORT.replace("Fix: is_base_logprobs=rollout", "Fix: drop_ranks=1"), case,
+                                 doc["families"])  # fmt: skip
+    assert dropped["checks"] == {"cause": True, "ranks": True, "proof": True, "fix": False}
+    pair = score.score_report(REPORT.replace("Proof: drop_ranks=1", "Proof: drop_ranks=1 recompute=old_logprobs:rank1"),
+                              case, doc["families"])  # fmt: skip
+    assert pair["checks"]["proof"] is True and pair["proofs"] == ["drop_ranks", "recompute"]
+    guesses = REPORT.replace("Proof: drop_ranks=1", "Proof: drop_ranks=1 keep_ranks=0 recompute=old_logprobs")
+    assert score.score_report(guesses, case, doc["families"])["checks"]["proof"] is False  # three: a list of guesses
+    other = REPORT.replace("Proof: drop_ranks=1", "Proof: kl_coef=0")
+    assert score.score_report(other, case, doc["families"])["checks"]["proof"] is False  # not this family's lever
+    unproven = REPORT.replace("Proof: drop_ranks=1\n", "")
+    graded = score.score_report(unproven, case, doc["families"])
+    assert graded["checks"]["proof"] is False and graded["checks"]["fix"] is True
+
+
+@pytest.mark.parametrize(
+    ("case_name", "setting"),
+    [
+        ("stale_old_logprobs", "is_base_logprobs=rollout"),
+        ("one_rank_routes_shifted", "kl_estimator=k2"),
+        ("misaligned_loss_mask", "ratio_outlier_mask=token"),
+        ("held_out:engine_neg_inf_logprob", "log_ratio_clip=5"),
+    ],
+)
+def test_a_production_setting_of_the_planted_family_is_a_fix(doc, case_name: str, setting: str) -> None:
+    score = load(EVALS / "score.py")
+    case = next(e for e in doc["evals"] if e["snapshot"]["case"] == case_name)
+    family, ranks = case["expected"]["family"], case["expected"]["ranks"]
+    proof = doc["families"][family]["proofs"][0]
+    report = (
+        f"Cause family: {family}\nRanks: {', '.join(map(str, ranks)) or 'none'}\nProof: {proof}=1\nFix: {setting}\n"
+    )
+    assert score.score_report(report, case, doc["families"])["checks"]["fix"] is True
+    elsewhere = "balance_negative_advantages=true"  # a real production setting of another family
+    assert score.score_report(report.replace(setting, elsewhere), case, doc["families"])["checks"]["fix"] is False
+
+
+def test_a_trainer_side_fix_passes_only_where_no_replay_setting_undoes_the_family(doc) -> None:
+    score = load(EVALS / "score.py")
+    scaled = next(e for e in doc["evals"] if e["snapshot"]["case"] == "one_rank_loss_scale")
+    trainer = (
+        "Cause family: step_not_reproduced\nRanks: 1\nProof: loss_scale=2@1\n"
+        "Fix: trainer: rank 1's loss is 2x the recorded config's (loss_scale=2@1 reproduces the step); check where "
+        "the trainer normalises rank 1's loss\n"
+    )
+    graded = score.score_report(trainer, scaled, doc["families"])
+    assert graded["trainer_side"] is True and graded["checks"] == {"cause": True, "ranks": True, "proof": True,
+                                                                   "fix": True}  # fmt: skip
+    # no replay setting undoes a trainer-side scale: a setting named as its fix fails, as does another family's
+    assert score.score_report(trainer.replace("Fix: trainer: rank 1's", "Fix: log_ratio_clip=5; rank 1's"), scaled,
+                              doc["families"])["checks"]["fix"] is False  # fmt: skip
+    assert score.score_report(trainer.replace("(loss_scale=2@1", "(kl_coef=0"), scaled,
+                              doc["families"])["checks"]["fix"] is False  # fmt: skip
+    # where a setting clears the family's spike in replay, the trainer-side change is not the fix the prompt asks for
+    stale = next(e for e in doc["evals"] if e["snapshot"]["case"] == "stale_old_logprobs")
+    moved = REPORT.replace("Fix: is_base_logprobs=rollout", "Fix: trainer: recompute old log-probs at the weights")
+    assert score.score_report(moved, stale, doc["families"])["checks"]["fix"] is False
 
 
 class _CountingPattern:
@@ -155,7 +238,7 @@ class _CountingPattern:
 @pytest.mark.parametrize("blank", ["\n", " \n", "> \n", "*\t\n"])
 def test_the_scorer_reads_a_report_in_linear_work(doc, blank: str) -> None:
     """A report of 20,000 blank lines took 5.8 s: each `^[\\s>*_-]*` attempt ran on over every following line break.
-    Now each pattern is handed one line at a time: each character and each line go to each of the 3 patterns at most
+    Now each pattern is handed one line at a time: each character and each line go to each of the patterns at most
     once, and ten times the report is at most ten times the work. Counted, never timed."""
     score = load(EVALS / "score.py")
     case = next(e for e in doc["evals"] if e["snapshot"]["case"] == "stale_old_logprobs")
@@ -171,5 +254,6 @@ def test_the_scorer_reads_a_report_in_linear_work(doc, blank: str) -> None:
         assert score.score_report(report, case, doc["families"])["score"] == 1.0
         assert handed and not any("\n" in text for text in handed)  # no pattern sees past a line's end
         work.append(sum(len(text) + 1 for text in handed))
-        assert work[-1] <= 3 * (len(report) + report.count("\n") + 1)  # each character and each call, once a pattern
-    assert work[1] <= 10 * work[0] + 3 * len(REPORT)
+        # each character and each call, once a pattern
+        assert work[-1] <= len(score._ANSWERS) * (len(report) + report.count("\n") + 1)
+    assert work[1] <= 10 * work[0] + len(score._ANSWERS) * len(REPORT)

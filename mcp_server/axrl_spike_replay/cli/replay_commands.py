@@ -150,12 +150,13 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from axrl_spike_replay.experiment.mitigation.mitigations import load_mitigation_set, parse_mitigation_args
+    from axrl_spike_replay.experiment.mitigation.mitigations import mitigation_doc, read_mitigation_set
 
+    # the configs as given: the sweep checks each, runs around one it refuses and reports it
     if args.mitigation_set:
-        configs = load_mitigation_set(args.mitigation_set)
+        configs = read_mitigation_set(args.mitigation_set)
     else:
-        configs = [parse_mitigation_args(_sweep_items(item)) for item in args.mitigation]
+        configs = [mitigation_doc(_sweep_items(item)) for item in args.mitigation]
     request = _request(args, Verb.SWEEP, configs=tuple(configs))
     if args.dry_run:
         return _dry_run(args, request)
@@ -286,6 +287,7 @@ def render_sweep(sweep: SweepResult) -> str:
     tail = ["", *_input_lines(base)]
     if base.error:
         tail.append(f"baseline {base.verdict}: {base.error}; the configs are judged against the recorded step")
+    tail += [f"{r.config_id} {r.verdict}: {r.error}" for r in sweep.results if r.error]  # refused, the others ran
     tail += [f"output {sweep.output_dir}"] if sweep.output_dir else []
     return "\n".join([*head, table(["config", "grad norm", "x median", "vs baseline", "verdict"], rows), *tail])
 

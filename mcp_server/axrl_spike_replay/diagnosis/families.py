@@ -20,3 +20,36 @@ def check_family(name: str) -> str:
     if name not in FAMILIES:
         raise ValueError(f"{name!r} is not a cause family (known: {', '.join(FAMILIES)})")
     return name
+
+
+# The catalogue's symptom groups (`experiment.mitigation.mitigation_declaration.SYMPTOMS`) each family shows: the
+# production settings advised under them (`family_fixes`) are the settings a trainer can keep against that family.
+FAMILY_SYMPTOMS: dict[str, tuple[str, ...]] = {
+    "engine_mismatch": ("mismatch",),
+    # stale old log-probs disagree with the rollout's on the tokens they are stale on: the mismatch reading
+    "stale_old_logprobs": ("stored_signal", "one_rank", "mismatch"),
+    "bad_ref_logprobs": ("stored_signal", "one_rank", "kl"),
+    # routes that moved the policy far from the reference show on the KL term (the catalogue's `kl` symptom)
+    "routing_payload": ("stored_signal", "one_rank", "routing", "kl"),
+    "outlier_advantage": ("outlier_advantage",),
+    # the mask covers tokens whose stored log-probs are 0 fills: extreme log-ratios there, as a mismatch has
+    "mask_misalignment": ("stored_signal", "one_rank", "mismatch"),
+    "negative_advantage_dominance": ("negative_advantages",),
+    "one_rank_data": ("one_rank",),
+    # a -inf log-prob is an infinite log-ratio
+    "non_finite": ("mismatch",),
+    "step_not_reproduced": (),  # the replay does not give the recorded step: no setting of the replay is the fix
+    # no broken part: the hard batch's ratios and advantages, bounded by the loss's own guards
+    "natural_spike": ("policy_drift", "negative_advantages", "mismatch"),
+}
+# families whose broken part can be a value or scale made outside the loss (a NaN reward, a rank's loss scale, a rank
+# fed other data) that no replay setting undoes: their fix may be the trainer-side change
+TRAINER_SIDE = ("one_rank_data", "non_finite", "step_not_reproduced")
+
+
+def family_fixes(family: str) -> list[str]:
+    """The production settings of `family`: the mitigations the catalogue advises under its symptoms that a trainer
+    can keep (no diagnostic, no hypothesis, no other weights), in declaration order; [] when none can be."""
+    from axrl_spike_replay.experiment.mitigation.mitigations import advised_settings
+
+    return advised_settings(FAMILY_SYMPTOMS[check_family(family)])

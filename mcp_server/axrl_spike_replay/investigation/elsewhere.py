@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.request.request_fields import changed_argv
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
+from axrl_spike_replay.experiment.run_dir import SWEEP_FILE, RunDir, write_and_record
 from axrl_spike_replay.investigation.recording import WorkspaceRecorder
 from axrl_spike_replay.investigation.request import LOCAL, ReplayRequest
 from axrl_spike_replay.remote.command.command_backend import CommandRequest, run_command_backend, run_command_sweep
@@ -32,7 +34,7 @@ from axrl_spike_replay.remote.transport.options import RemoteOptions
 from axrl_spike_replay.remote.transport.session import RemoteSession, open_session
 from axrl_spike_replay.remote.transport.target_config import ResolvedTarget
 from axrl_spike_replay.remote.workspace_config import CONFIG_FILE, load_workspace_config, resolve_target
-from axrl_spike_replay.vocabulary import Backend, Verb
+from axrl_spike_replay.vocabulary import Backend, Verb, Verdict
 
 T = TypeVar("T")
 
@@ -124,10 +126,63 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
             result = await run_remote_torch(
                 session, request_t, run, node, recorder=recorder, on_line=on_line, progress=request.progress
             )
+    if isinstance(result, SweepResult) and what.refused:
+        result = _with_refused(result, what.refused, run, recorder, job)
     failed = result.baseline if isinstance(result, SweepResult) and result.baseline.verdict == "failed" else result
     if isinstance(failed, ReplayResult) and failed.verdict == "failed":
         raise AxrlError(f"{verb} failed: {failed.error} (see {run.path})")
     return result
+
+
+def _with_refused(
+    sweep: SweepResult,
+    refused: Sequence[tuple[int, Mapping[str, Any], str]],
+    run: RunDir,
+    recorder: WorkspaceRecorder,
+    job: str,
+) -> SweepResult:
+    """The sweep with each config its request refused put in its place among the results (verdict failed, why),
+    written beside the others and logged under Failed attempts, as the engine reports its own refusals."""
+    from axrl_spike_replay.experiment.mitigation.mitigations import config_id, normal_form
+
+    base, results = sweep.baseline, list(sweep.results)
+    for place, config, why in sorted(refused, key=lambda r: r[0]):
+        shown = normal_form(config)
+        failed = replace(
+            base,
+            mitigations=shown,
+            config_id=config_id(shown),
+            grad_norm=None,
+            rel_diff=None,
+            spike_ratio=None,
+            verdict=Verdict.FAILED,
+            error=f"refused: {why}",
+            **_EMPTY,
+        )
+        write_and_record(run, failed, recorder, job, failed.config_id)
+        results.insert(place, failed)
+    out = replace(sweep, results=results)
+    run.write_json(SWEEP_FILE, out.to_json())
+    return out
+
+
+# what a refused config's result leaves empty that a baseline's result holds
+_EMPTY: dict[str, Any] = {
+    "top_params": [],
+    "timings": {},
+    "repeat_grad_norms": [],
+    "repeat_spread": None,
+    "rank_metrics": [],
+    "consistency": None,
+    "verdict_basis": None,
+    "tolerance": None,
+    "output_dir": "",
+    "footprint": None,
+    "cosine_to_clean": None,
+    "clean_gradient": None,
+    "hypothesis": {},
+    "finding": None,
+}
 
 
 def replay_elsewhere(request: ReplayRequest) -> ReplayResult | SweepResult:

@@ -51,7 +51,7 @@ def replay_request(
     """The validated request for a replay, sweep or attribution; ConfigError (naming the parameter) otherwise.
 
     The parts may hold plain strings for their vocabulary fields (`device="cuda"`); the request holds members."""
-    from axrl_spike_replay.experiment.mitigation.mitigations import check_distinct, parse_config
+    from axrl_spike_replay.experiment.mitigation.mitigations import parse_config
 
     verb = _member(Verb, what.verb, "verb", None)
     what, where, how = _checked(what), _checked(where or Where()), _checked(how or How())
@@ -71,9 +71,10 @@ def replay_request(
         raise ConfigError(
             "`nproc`: an unsharded attribution runs in this one process; shard it (`shard` on) to use more", "nproc"
         )
-    normalised = tuple(parse_config(c, f"config {i + 1}") for i, c in enumerate(what.configs))
     if verb == Verb.SWEEP:
-        check_distinct(normalised)
+        normalised, refused = sweep_configs(what.configs, what.refused)
+    else:
+        normalised, refused = tuple(parse_config(c, f"config {i + 1}") for i, c in enumerate(what.configs)), ()
     return ReplayRequest(
         what=replace(
             what,
@@ -81,6 +82,7 @@ def replay_request(
             verb=verb,
             mitigations=parse_config(what.mitigations) if what.mitigations else {},
             configs=normalised,
+            refused=refused,
             clear_threshold=float(what.clear_threshold) if what.clear_threshold is not None else None,
             method=method,
         ),
@@ -98,6 +100,43 @@ def replay_request(
         progress=progress,
         cancel=cancel,
     )
+
+
+def sweep_configs(
+    configs: Sequence[Any], refused: Sequence[Sequence[Any]] = ()
+) -> tuple[tuple[dict[str, Any], ...], tuple[tuple[int, Mapping[str, Any], str], ...]]:
+    """(the configs the checks accept, normalised and distinct; those they refuse: (place among the configs as given,
+    the config as given, why)). A sweep runs around a refused config and reports it; ConfigError when every config is
+    refused (one: its own error), when a config is no mapping or empty, or when two are the same. `refused`: those a
+    request already refused (a request read back from its document), put back in their places."""
+    from axrl_spike_replay.experiment.mitigation.mitigations import check_distinct, normal_form, parse_config
+
+    given: list[Any] = list(configs)
+    for place, config, _ in sorted((int(r[0]), r[1], r[2]) for r in refused):
+        given.insert(place, config)
+    kept: list[dict[str, Any]] = []
+    every: list[dict[str, Any]] = []  # each config in normal form, refused ones as written: none twice
+    out: list[tuple[int, Mapping[str, Any], str]] = []
+    errors: list[ConfigError] = []
+    for place, config in enumerate(given):
+        if not isinstance(config, Mapping):
+            parse_config(config, f"config {place + 1}")  # raises: the sweep cannot name what it would run
+        try:
+            kept.append(parse_config(config, f"config {place + 1}"))
+            every.append(kept[-1])
+        except ConfigError as exc:
+            errors.append(exc)
+            out.append((place, dict(config), str(exc).splitlines()[0]))  # the list of valid names stays in the docs
+            every.append(normal_form(config))
+    if not kept:
+        if len(errors) == 1:
+            raise errors[0]
+        raise ConfigError(
+            "every config of the sweep is refused: " + "; ".join(f"config {p + 1}: {why}" for p, _, why in out),
+            errors[0].parameter,
+        )
+    check_distinct(every)
+    return tuple(kept), tuple(out)
 
 
 def request_document(request: ReplayRequest) -> dict[str, Any]:
@@ -129,6 +168,7 @@ def request_of_document(
     if not isinstance(snapshot, str) or not snapshot:
         raise ConfigError("the request names no snapshot", "snapshot")
     values["what"]["configs"] = tuple(values["what"].get("configs") or ())
+    values["what"]["refused"] = tuple(tuple(r) for r in values["what"].get("refused") or ())
     values["where"]["patches"] = tuple(values["where"].get("patches") or ())
     values["where"]["targets"] = tuple(values["where"].get("targets") or ())
     return replay_request(

@@ -21,11 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.errors import AxrlError, ConfigError, SnapshotError
 from axrl_spike_replay.experiment.mitigation.mitigations import (
     AppliedConfig,
     apply_config,
     mitigation_args,
+    normal_form,
     parse_config,
 )
 from axrl_spike_replay.experiment.mitigation.rank_scope import finding
@@ -55,10 +56,10 @@ from axrl_spike_replay.replay.plans.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.plans.replay_plan import HERE, Capacity
 from axrl_spike_replay.replay.plans.shard_choice import ShardChoice, choose_shard, planned_shard, with_checkpoint
 from axrl_spike_replay.replay.reading.inputs import ReplayInputs, check_configs, input_refusal, load_inputs
+from axrl_spike_replay.replay.refusals import experiments
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
 from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
-from axrl_spike_replay.training.sample_masks import check_ranks
 from axrl_spike_replay.vocabulary import Backend, Device, Shard, Verb, Verdict
 
 COLLECTIVE_TIMEOUT_S = 1800.0  # the replay processes' collective timeout
@@ -135,8 +136,8 @@ class ReplaySession:
         # the recorded step's own replay, refused: an input of it no computation is defined on (input_checks); the
         # configs are then the experiments that remove that input, judged against the recorded step
         self.baseline_refused: str | None = None
-        # a sweep's experiments refused for an input they would compute with (their place among the experiments,
-        # the config, why): reported by name beside the others, which still run
+        # a sweep's experiments refused (their place among the configs as given, the config, why: a value its check
+        # refuses, a lever this snapshot cannot take; `replay.refusals`): reported by name beside the others, which run
         self.refused: list[tuple[int, AppliedConfig, str]] = []
 
     def log(self, line: str) -> None:
@@ -205,8 +206,8 @@ class ReplaySession:
         """`results` with each refused experiment's result put back in its place (verdict failed, the refusal)."""
         out = list(results)
         for place, cfg, why in self.refused:
-            self.log(f"{cfg.config_id}: {why}")
-            out.insert(place, self.failed(why, "replay", cfg))
+            self.log(f"{cfg.config_id}: refused: {why}")
+            out.insert(place, self.failed(f"refused: {why}", "replay", cfg))
         return out
 
     def _without_baseline(self, outcomes: Sequence[ConfigOutcome]) -> tuple[ReplayResult, list[ReplayResult]]:
@@ -414,26 +415,6 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3g}"
 
 
-def _refused_experiments(
-    inputs: ReplayInputs, applied: list[AppliedConfig], first: int, verb: str
-) -> tuple[list[AppliedConfig], list[tuple[int, AppliedConfig, str]]]:
-    """A sweep's configs without the experiments an input refuses (each with its place among the experiments and
-    why), so the others still run; a replay's, or a sweep whose every experiment is refused, as they are (the check
-    then refuses them)."""
-    if verb != "sweep":
-        return applied, []
-    kept, refused = applied[:first], []
-    for place, cfg in enumerate(applied[first:]):
-        why = input_refusal(inputs, cfg)
-        if why is None:
-            kept.append(cfg)
-        else:
-            refused.append((place, cfg, f"{inputs.snapshot}: {why}"))
-    if len(kept) == first:
-        return applied, []
-    return kept, refused
-
-
 @contextmanager
 def replay_session(
     request: ReplayRequest,
@@ -458,18 +439,17 @@ def replay_session(
     check_device(str(how.device))  # what only this machine can tell; the request checked every field
     with replay_dir_for(snapshot) as (replay_dir, legacy):
         inputs = load_inputs(snapshot, replay_dir, legacy)
-        moe_layers = inputs.model.moe_layer_ids  # what `current_routing_layers: first` resolves against
-        applied = [apply_config({}, inputs.loss, inputs.routing)]
-        applied += [apply_config(parse_config(c), inputs.loss, inputs.routing, moe_layers) for c in configs]
-        asked = list(applied[1:])  # the experiments as asked: the command line names each, run or refused
+        base = apply_config({}, inputs.loss, inputs.routing)
         # an input the model cannot compute with refuses the step's own replay; experiments that remove it still run
-        baseline_refused = input_refusal(inputs, applied[0])
-        if baseline_refused is not None and configs:
-            applied = applied[1:]
-        applied, refused = _refused_experiments(inputs, applied, 0 if baseline_refused is not None else 1, verb)
-        check_configs(inputs, applied)
-        for cfg in applied:
-            check_ranks(cfg.samples, inputs.world_size)
+        baseline_refused = input_refusal(inputs, base)
+        if baseline_refused is None or not configs:
+            check_configs(inputs, [base])
+        try:
+            found = experiments(inputs, configs, verb, what.refused if verb == "sweep" else ())
+        except (ConfigError, SnapshotError) as exc:  # refused for this snapshot: an attempt the task logs all the same
+            _record_refusal(recorder, request, inputs, configs, verb, str(exc))
+            raise
+        applied = found.applied if baseline_refused is not None and configs else [base, *found.applied]
         if backend == Backend.MEGATRON:
             from axrl_spike_replay.replay.megatron_route import check_megatron_job
 
@@ -498,12 +478,12 @@ def replay_session(
             plan = plan_layout(inputs.world_size, None)  # every saved rank: full fidelity
         session = ReplaySession(inputs, plan, applied, request, shard, recorder=recorder, runner=runner, stream=stream)
         session.baseline_refused = baseline_refused
-        session.refused = refused
+        session.refused = [(r.place, r.config, r.why) for r in found.refused]
         session.run = recorder.open_run(session.job) if recorder else RunDir(None)
         if verb == "replay":
-            mitigation = [item for c in asked for item in mitigation_args(c.mitigations)]
+            mitigation = [item for c in found.asked for item in mitigation_args(c)]
         else:
-            mitigation = [shlex.join(mitigation_args(c.mitigations)) for c in asked]
+            mitigation = [shlex.join(mitigation_args(c)) for c in found.asked]
         layout = {
             "nproc": how.nproc,
             "device": how.device,
@@ -536,6 +516,24 @@ def replay_session(
             path = session.run.write_result(result)
             _record_failure(session, error, command, path)
             raise AxrlError(f"{verb} failed: {error} (see {session.run.path})") from exc
+
+
+def _record_refusal(
+    recorder: RunRecorder | None,
+    request: ReplayRequest,
+    inputs: ReplayInputs,
+    configs: Sequence[Mapping[str, Any]],
+    verb: str,
+    why: str,
+) -> None:
+    """Log a run whose every experiment this snapshot refuses (nothing ran, no output dir) as a failed attempt."""
+    if recorder is None:
+        return
+    items = [shlex.join(mitigation_args(normal_form(c))) for c in configs]
+    mitigation = items if verb == "sweep" else [i for c in configs for i in mitigation_args(normal_form(c))]
+    command = request.command or command_line(verb, str(request.what.snapshot), {"mitigation": mitigation})
+    job = request.job or inputs.job_name or "spike"
+    recorder.failed(job, reason=f"refused: {why}", command=command, snapshot=inputs.snapshot, result_path=None)
 
 
 def _record_failure(session: ReplaySession, error: str, command: str, path: Path | None) -> None:

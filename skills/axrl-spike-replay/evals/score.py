@@ -1,20 +1,29 @@
 #!/usr/bin/env python3
 """Score an agent's spike report against an eval of `evals.json` (standard library only).
 
-A report answers with three lines (the eval's prompt asks for them):
+A report answers with four lines (the eval's prompt asks for them):
 
     Cause family: <one family id of evals.json's `families`>
     Ranks: <the data-parallel ranks at fault, comma-separated, or none>
-    Fix: <NAME=VALUE of the mitigation that cleared the spike in replay>
+    Proof: <NAME=VALUE of the replay experiment that moved or cleared the spike, proving the cause>
+    Fix: <NAME=VALUE of the production setting that cleared it in replay, or `trainer: <the change>`>
 
 A report without a `Cause family:` line is read for the family whose words it mentions first (an earlier cause id,
-such as `logprob_mismatch`, counts as the family it stood for). Three checks, each pass or fail:
+such as `logprob_mismatch`, counts as the family it stood for). Four checks, each pass or fail:
 
 - `cause`: the family named is the planted one;
 - `ranks`: the ranks named are the ones the fault hit (a fault on every rank: the report names none);
-- `fix`: the mitigations named on the `Fix:` line (or, without one, anywhere as NAME=VALUE; only names of
-  evals.json's fixes count) are at most MAX_FIXES, every one of them of the planted family's fixes: a report that
-  lists many (`shotgun`) fails however many of them are right.
+- `proof`: the experiments named on the `Proof:` line are at most MAX_FIXES, every one of them of the planted
+  family's `proofs` (the levers that remove or isolate its broken part: a drop, a recompute, the family's own setting);
+- `fix`: the settings named on the `Fix:` line (or, without one, anywhere as NAME=VALUE) are at most MAX_FIXES, every
+  one of them of the planted family's `fixes`: the production settings the mitigation catalogue advises against the
+  family's symptoms (a diagnostic lever such as drop_ranks is a proof, never a fix). A line that opens with
+  `trainer` is the trainer-side change: it passes only for a family whose fix may be one (`trainer_side`: a step
+  that does not reproduce, a non-finite value, one rank's data), naming nothing outside that family's proofs and
+  fixes (`loss_scale=2@1`, the factor a step-not-reproduced fix reports, is its proof).
+
+Only names of evals.json's proofs and fixes count as mitigations. A report that lists many (`shotgun`) fails the
+check however many of them are right.
 
 Each answer line is found by matching one line at a time (`answer_lines`), so the work is linear in the report's
 length whatever it holds (a pattern anchored at every line start that could run on past line breaks once made
@@ -40,14 +49,17 @@ from typing import Any
 _ANSWERS = {
     "cause": re.compile(r"[ \t>*_-]*cause(?: family)?[*_]*[ \t]*:[*_ \t]*`?([A-Za-z_]+)`?", re.IGNORECASE),
     "ranks": re.compile(r"[ \t>*_-]*ranks?[*_]*[ \t]*:[*_ \t]*(.*)", re.IGNORECASE),
+    "proof": re.compile(r"[ \t>*_-]*proofs?[*_]*[ \t]*:[*_ \t]*(.*)", re.IGNORECASE),
     "fix": re.compile(r"[ \t>*_-]*fix(?:es)?[*_]*[ \t]*:[*_ \t]*(.*)", re.IGNORECASE),
 }
+_TRAINER_RE = re.compile(r"[`*_ \t]*trainer\b", re.IGNORECASE)  # a Fix line naming the trainer-side change
 _ITEM_RE = re.compile(r"\b([a-z][a-z0-9_]*)=")
 MAX_FIXES = 2  # a fix and at most one companion (a mitigation set); more is a list of guesses
 
 
 def answer_lines(report: str) -> dict[str, str]:
-    """The answer of each first `Cause family:`, `Ranks:` and `Fix:` line, by label (absent: no such line)."""
+    """The answer of each first `Cause family:`, `Ranks:`, `Proof:` and `Fix:` line, by label (absent: no such
+    line)."""
     found: dict[str, str] = {}
     for line in report.splitlines():
         for label, pattern in _ANSWERS.items():
@@ -91,26 +103,49 @@ def declared_fixes(report: str, known: set[str] | None = None, answers: dict[str
     return [n for n in dict.fromkeys(names) if known is None or n in known]
 
 
+def declared_proofs(report: str, known: set[str] | None = None, answers: dict[str, str] | None = None) -> list[str]:
+    """Mitigation names of the `Proof:` line, each once in order ([] without the line); with `known`, only those."""
+    line = (answer_lines(report) if answers is None else answers).get("proof")
+    names = _ITEM_RE.findall(line or "")
+    return [n for n in dict.fromkeys(names) if known is None or n in known]
+
+
+def trainer_side(report: str, answers: dict[str, str] | None = None) -> bool:
+    """Whether the `Fix:` line names the trainer-side change (it opens with `trainer`)."""
+    line = (answer_lines(report) if answers is None else answers).get("fix")
+    return line is not None and _TRAINER_RE.match(line) is not None
+
+
 def score_report(report: str, case: dict[str, Any], families: dict[str, Any]) -> dict[str, Any]:
-    """The three checks of one report against its eval, and the fraction passed."""
+    """The four checks of one report against its eval, and the fraction passed."""
     expected = case["expected"]
     answers = answer_lines(report)  # one pass over the report's lines
     family = declared_family(report, families, answers)
     ranks = declared_ranks(report, answers)
-    fixes = declared_fixes(report, {f for doc in families.values() for f in doc["fixes"]}, answers)
-    good_fixes = set(families[expected["family"]]["fixes"])
-    shotgun = len(fixes) > MAX_FIXES
+    known = {f for doc in families.values() for f in (*doc["proofs"], *doc["fixes"])}
+    proofs = declared_proofs(report, known, answers)
+    fixes = declared_fixes(report, known, answers)
+    trainer = trainer_side(report, answers)
+    doc = families[expected["family"]]
+    shotgun = len(fixes) > MAX_FIXES or len(proofs) > MAX_FIXES
+    if trainer:  # the trainer-side change: only where no replay setting may undo the family's broken part
+        fix = bool(doc["trainer_side"]) and all(f in doc["proofs"] or f in doc["fixes"] for f in fixes)
+    else:
+        fix = bool(fixes) and all(f in doc["fixes"] for f in fixes)
     checks = {
         "cause": family == expected["family"],
         "ranks": ranks is not None and ranks == sorted(expected["ranks"]),
-        "fix": bool(fixes) and not shotgun and all(f in good_fixes for f in fixes),
+        "proof": bool(proofs) and not shotgun and all(p in doc["proofs"] for p in proofs),
+        "fix": fix and not shotgun,
     }
     return {
         "id": case["id"],
         "expected": expected["family"],
         "named": family,
         "ranks": ranks,
+        "proofs": proofs,
         "fixes": fixes,
+        "trainer_side": trainer,
         "shotgun": shotgun,
         "checks": checks,
         "score": sum(checks.values()) / len(checks),
@@ -139,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "reports": len(scores),
         "cause": sum(s["checks"]["cause"] for s in scores),
         "ranks": sum(s["checks"]["ranks"] for s in scores),
+        "proof": sum(s["checks"]["proof"] for s in scores),
         "fix": sum(s["checks"]["fix"] for s in scores),
         "mean_score": sum(s["score"] for s in scores) / len(scores) if scores else 0.0,
     }
@@ -150,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eval {s['id']:3d}  expected {s['expected']:28s} named {s['named'] or '-':28s} {marks}")
         n = total["reports"]
         print(
-            f"{n} reports: cause {total['cause']}/{n}, ranks {total['ranks']}/{n}, fix {total['fix']}/{n}, "
+            f"{n} reports: cause {total['cause']}/{n}, ranks {total['ranks']}/{n}, proof {total['proof']}/{n}, "
+            f"fix {total['fix']}/{n}, "
             f"mean score {total['mean_score']:.2f}"
         )
     return 0

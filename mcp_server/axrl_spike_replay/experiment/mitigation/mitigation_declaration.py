@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from axrl_spike_replay.experiment.mitigation.rank_scope import REQUIRED
 from axrl_spike_replay.experiment.mitigation.recompute import Recompute
 from axrl_spike_replay.experiment.mitigation.trainer_settings import (
     TrainerSetting,
@@ -59,6 +60,12 @@ class Mitigation:
     # "optional", or "required" (it has a meaning on some ranks only); a scoped config is a hypothesis, judged against
     # the recording
     per_rank: str = ""
+
+    @property
+    def production(self) -> bool:
+        """Whether a trainer can keep it as its setting: no diagnostic (`diagnostic`), no hypothesis about what some
+        ranks computed (`per_rank` required) and no replay from other weights (`target` weights)."""
+        return self.diagnostic is None and self.per_rank != REQUIRED and self.target in ("loss", "routing")
 
 
 # The symptoms the catalogue groups its advice under, in order: key -> the paragraph that opens the group.

@@ -301,7 +301,14 @@ MITIGATIONS: dict[str, Mitigation] = {
             "weight of the k3 KL penalty against the reference policy",
             parse_non_negative,
             set_loss("kl_coef"),
-            advice=(Advice("policy_drift", "`kl_coef` up."),),
+            advice=(
+                Advice("policy_drift", "`kl_coef` up."),
+                Advice(
+                    "kl",
+                    "`kl_coef: 0` — takes the KL term out: if the spike goes, the KL term (its reference, or the "
+                    "routes it was taken under) carries it; keep a smaller coefficient, or fix the estimator or clamp.",
+                ),
+            ),
             caveat="a stronger KL pull slows learning on every step",
             settings=(
                 run_config_key("loss.kl_coef"),

@@ -175,6 +175,18 @@ def canonical(value: Any) -> Any:
 
 def parse_mitigation_args(items: Sequence[str]) -> dict[str, Any]:
     """One config from CLI `NAME[=VALUE]` items (each name at most once)."""
+    doc = mitigation_doc(items)
+    for name, value in doc.items():
+        mitigation = _lookup(name)
+        if value is None and mitigation.bare is None:
+            raise ConfigError(f"`mitigations` {name} needs a value: {name}=VALUE ({mitigation.values})", "mitigations")
+    return parse_config(doc, "--mitigation")
+
+
+def mitigation_doc(items: Sequence[str]) -> dict[str, Any]:
+    """One config from CLI `NAME[=VALUE]` items as typed, {name: value} (None for a bare name), each name at most
+    once; its names and values are checked where it is parsed (`parse_config`: a sweep reports a config it refuses
+    beside the others)."""
     doc: dict[str, Any] = {}
     for item in items:
         name, sep, value = str(item).partition("=")
@@ -183,11 +195,8 @@ def parse_mitigation_args(items: Sequence[str]) -> dict[str, Any]:
             raise ConfigError(
                 f"`mitigations` {name} is given twice; give each mitigation once per config", "mitigations"
             )
-        mitigation = _lookup(name)
-        if not sep and mitigation.bare is None:
-            raise ConfigError(f"`mitigations` {name} needs a value: {name}=VALUE ({mitigation.values})", "mitigations")
         doc[name] = value if sep else None
-    return parse_config(doc, "--mitigation")
+    return doc
 
 
 def load_mitigation_set(path: str | Path) -> list[dict[str, Any]]:
@@ -195,6 +204,16 @@ def load_mitigation_set(path: str | Path) -> list[dict[str, Any]]:
 
     The file is untrusted YAML (no aliases, bounded size); errors name it and never echo it whole.
     """
+    file = Path(path)
+    return [
+        parse_config(item, f"mitigation set {file} config {i + 1}") for i, item in enumerate(read_mitigation_set(file))
+    ]
+
+
+def read_mitigation_set(path: str | Path) -> list[Any]:
+    """The configs of a mitigation-set YAML file as written (an empty entry as {}), checked where they are parsed
+    (`parse_config`: a sweep reports a config it refuses beside the others); ConfigError naming the file when it
+    cannot be read or holds no list of configs."""
     file = Path(path)
     try:
         is_file = file.is_file()  # a FIFO or device would block or never end
@@ -208,7 +227,7 @@ def load_mitigation_set(path: str | Path) -> list[dict[str, Any]]:
         raise ConfigError(
             f"mitigation set {file}: expected a non-empty list of mitigation configs such as - {{advantage_clip: 1.0}}"
         )
-    return [parse_config(item or {}, f"mitigation set {file} config {i + 1}") for i, item in enumerate(doc)]
+    return [item or {} for item in doc]
 
 
 def check_distinct(configs: Sequence[Mapping[str, Any]]) -> None:
@@ -354,6 +373,27 @@ def check_current_layers(cfg: AppliedConfig, moe_layers: Iterable[int]) -> None:
     bad = sorted(cfg.recompute.layers() - known)
     if bad:
         raise ConfigError(f"{cfg.label}: recompute names layers {bad}, not MoE layers (MoE layers: {sorted(known)})")
+
+
+_ADVISED_RE = re.compile(r"`([a-z_]+):")  # a catalogue bullet names the mitigation it advises as `NAME: VALUE`
+
+
+def advised_settings(symptoms: Iterable[str]) -> list[str]:
+    """The production mitigations (`Mitigation.production`) the catalogue advises under any of `symptoms` (keys of
+    SYMPTOMS): each bullet's own mitigation and those it names (`advantage_clip: 1` under another's advice), in
+    declaration order: what a trainer can keep as its setting against those symptoms."""
+    wanted = set(symptoms)
+    unknown = sorted(wanted - set(SYMPTOMS))
+    if unknown:
+        raise ValueError(f"unknown symptom(s) {', '.join(unknown)} (known: {', '.join(SYMPTOMS)})")
+    named = {
+        name
+        for m in MITIGATIONS.values()
+        for a in m.advice
+        if a.symptom in wanted
+        for name in (m.name, *_ADVISED_RE.findall(a.text))
+    }
+    return [m.name for m in MITIGATIONS.values() if m.name in named and m.production]
 
 
 def diagnostic_reasons(config: Mapping[str, Any]) -> list[str]:

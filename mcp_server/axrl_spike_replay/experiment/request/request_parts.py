@@ -83,11 +83,16 @@ class What:
         metadata=declare(  # sweep: the configs to compare, normalised and distinct
             summary="Configs to compare, each {NAME: VALUE} (names as for replay); the baseline always runs.",
             help="Mitigation configs to compare, each `{NAME: VALUE, ...}`, distinct and none empty (the baseline "
-            "always runs). Loss-level configs share one forward pass.",
+            "always runs). Loss-level configs share one forward pass. A config the checks refuse (a value out of "
+            "range, a rank or layer the snapshot lacks) does not stop the others: it is reported in its place with "
+            "verdict failed and the reason, and logged under Failed attempts.",
             verbs=(Verb.SWEEP,),
             cli=False,  # --mitigation-set FILE or --mitigation per config
         ),
     )
+    # a sweep's configs its checks refused (their place among the configs as given, the config as given, why): the
+    # others run, these are reported beside them; `replay_request` fills it, no face declares it
+    refused: tuple[tuple[int, Mapping[str, Any], str], ...] = ()
     clear_threshold: float | None = field(
         default=None,
         metadata=declare(

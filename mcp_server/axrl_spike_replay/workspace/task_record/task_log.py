@@ -121,8 +121,9 @@ def record_replay(workspace: Path | str, job: str, result: ReplayResult, result_
 
 def repeated_baseline(state: TaskState, result: ReplayResult) -> str | None:
     """The id of the logged baseline `result` repeats: the same snapshot, replayed the same way (backend, target,
-    device, fidelity, world size) to the same grad norm; None when it is new (or not a baseline)."""
-    if not is_baseline(result.mitigations, result.patch_sha256) or result.grad_norm is None:
+    device, fidelity, world size) to the same grad norm; None when it is new (or not a baseline: a hypothesis replay
+    that leaves the grad norm as it was is an attempt of its own, logged with its finding)."""
+    if not is_baseline(result.mitigations, result.patch_sha256, result.hypothesis) or result.grad_norm is None:
         return None
     row = experiment_row("", result, None)
     for logged in state.experiments:
