@@ -45,7 +45,7 @@ def _rules(spec: MegatronModelConfig) -> tuple[Rule, ...]:
     return tuple(r for r in rules_for(spec.architecture, spec.config) if not (r.optional and tied))
 
 
-def _layer_rules(spec: MegatronModelConfig, layer: int | None) -> list[Rule]:
+def layer_rules(spec: MegatronModelConfig, layer: int | None) -> list[Rule]:
     """The rules with a key for decoder layer `layer` (None: the global keys)."""
     if layer is None:
         return [r for r in _rules(spec) if not r.layered]
@@ -58,7 +58,7 @@ def _expected(spec: MegatronModelConfig) -> dict[str, tuple[int, ...]]:
     hf = expected_hf_shapes(spec.hf)
     shapes: dict[str, tuple[int, ...]] = {}
     for layer in (None, *range(spec.n_layers)):
-        for rule in _layer_rules(spec, layer):
+        for rule in layer_rules(spec, layer):
             parts = [hf[name] for name in hf_names(rule, layer)]
             shape = (sum(p[0] for p in parts), *parts[0][1:]) if rule.split != "copy" else parts[0]
             shapes[rule.key(layer)] = (spec.n_layers, *shape) if rule.stacked else shape
@@ -131,13 +131,13 @@ def load_megatron_weights(model: nn.Module, spec: MegatronModelConfig, directory
     with torch.no_grad():
         for layer in (None, *range(spec.n_layers)):
             regions = {}
-            for rule in _layer_rules(spec, layer):
+            for rule in layer_rules(spec, layer):
                 key = rule.key(layer)
                 shape, dtype = ckpt.tensors[key]
                 size = (1, *shape[1:]) if rule.stacked else shape
                 regions[key] = ((layer if rule.stacked else 0,) + (0,) * (len(shape) - 1), _buffer(size, dtype))
             load_regions(directory, regions)
-            for rule in _layer_rules(spec, layer):
+            for rule in layer_rules(spec, layer):
                 value = regions[rule.key(layer)][1]
                 _place(rule, layer, value[0] if rule.stacked else value, heads, params)
 
@@ -186,7 +186,7 @@ def load_megatron_shards(model: nn.Module, spec: MegatronModelConfig, directory:
     covered = {
         id(state[n])
         for layer in (None, *range(spec.n_layers))
-        for r in _layer_rules(spec, layer)
+        for r in layer_rules(spec, layer)
         for n in hf_names(r, layer)
         if n in state
     }
@@ -199,7 +199,7 @@ def load_megatron_shards(model: nn.Module, spec: MegatronModelConfig, directory:
         for layer in (None, *range(spec.n_layers)):
             regions: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
             copies: list[tuple[torch.Tensor, str]] = []
-            rules = _layer_rules(spec, layer)
+            rules = layer_rules(spec, layer)
             for rule in rules:
                 key = rule.key(layer)
                 shape, dtype = ckpt.tensors[key]
