@@ -7,7 +7,9 @@ Megatron key it comes from: a layer's slice of a stacked key (`decoder.layers.se
 Megatron key, only that layer's region (`load_regions`: DCP reads the chunks overlapping it, whatever TP/EP layout
 saved them): rows of a key copied as is, the whole layer of a fused one (QKV per query group, gate | up halves),
 split as route 1 splits it. So reading one decoder layer's names costs that layer's bytes, and what each parameter
-gets is what `load_megatron_weights` gives it.
+gets is what `load_megatron_weights` gives it. Both readers by rows use it: the sharded replay's FSDP2 processes
+(`load_sharded`, each its rows of each tensor) and the streamed replay's one layer at a time
+(`replay.streamed.layer_weights`).
 
 The checkpoint is checked first as route 1 checks it (`check_megatron_weights`: every key and shape the spec's
 model needs, nothing it would leave out, every declared size backed by the data files).
