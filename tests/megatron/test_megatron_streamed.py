@@ -3,7 +3,8 @@ read from its own region of the Megatron `torch_dist` checkpoint (`models.mcore.
 route-1 replay's step: grad norm, per-parameter and per-rank norms under the same (transformers) names, top
 parameters, rank losses and verdict within 1e-6 relative (CPU float32), at saved world sizes 2 (the snapshot
 megatron-core's own training wrote, EP=2) and 1 (its rank 0 with the one-process checkpoint). Each saved layout
-(TP=2 with ETP=2, EP=2, PP=2) reads a layer into exactly what route 1 loads, costing that layer's bytes."""
+(TP=2 with ETP=2, EP=2, PP=2) reads a layer into exactly what route 1 loads, costing that layer's bytes; the
+attribution streams too."""
 
 from __future__ import annotations
 
@@ -176,3 +177,20 @@ def test_route_2_does_not_stream(megatron_capture: Path) -> None:
     with pytest.raises(ConfigError, match="streamed replays a Megatron snapshot on route 1") as refused:
         replay_request(What(megatron_capture), where=Where(backend=Backend.MEGATRON), how=How(shard=Shard.STREAMED))
     assert refused.value.parameter == "shard"
+
+
+def test_attribution_streams_on_route_1_as_whole(megatron_capture: Path) -> None:
+    """`attribute --shard streamed` of the EP=2 capture: every sample's contribution and the router term within
+    1e-6 of the grad norm of the whole route-1 attribution's."""
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
+
+    whole = attribute_spike(megatron_capture, shard="off")
+    streamed = attribute_spike(megatron_capture, shard="streamed")
+    norm = whole.grad_norm
+    assert norm is not None and streamed.grad_norm is not None and _close(streamed.grad_norm, norm)
+    assert streamed.passes.startswith("streamed: 2 passes over the checkpoint")
+    assert abs(streamed.router_term - whole.router_term) <= SAME * norm
+    want = {(s["rank"], s["sample"]): s["contribution"] for s in whole.to_json()["samples"]}
+    got = {(s["rank"], s["sample"]): s["contribution"] for s in streamed.to_json()["samples"]}
+    assert got.keys() == want.keys() and len(got) == 8
+    assert all(abs(got[k] - want[k]) <= SAME * norm for k in want)
