@@ -1,7 +1,7 @@
-"""A Megatron checkpoint's bytes entries (its ShardedObjects: every layer's `_extra_state`) are held to "never execute
-a pickle" on every reader: `inspect` lists one it would refuse, route 1 and route 2 refuse the snapshot, and the load
-megatron-core runs for route 2 reads bytes entries with `weights_only=True` and an allow-list, not DCP's
-`torch.load(weights_only=False)`. The hostile entry is planted in a real capture's checkpoint (here, not in
+"""A Megatron checkpoint's bytes entries (its ShardedObjects: every layer's `_extra_state`) are held to "never execute a
+pickle" on every reader: `inspect` lists one it would refuse, route 1 (whole or streamed) and route 2 refuse the
+snapshot, and the load megatron-core runs for route 2 reads bytes entries with `weights_only=True` and an allow-list,
+not DCP's `torch.load(weights_only=False)`. The hostile entry is planted in a real capture's checkpoint (here, not in
 tests/hostile: the session's Megatron capture is shared through this folder's conftest, and route 2 starts rank
 processes that the hostile folder's address-space cap would starve)."""
 
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.investigation.request import What, Where, replay_request
+from axrl_spike_replay.investigation.request import How, What, Where, replay_request
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
-from axrl_spike_replay.vocabulary import Backend
+from axrl_spike_replay.vocabulary import Backend, Shard
 
 pytestmark = pytest.mark.slow
 
@@ -76,6 +76,15 @@ def test_a_bytes_entry_that_would_run_code_is_refused_by_inspect_and_both_routes
     for backend in (Backend.TORCH, Backend.MEGATRON):  # route 1, route 2
         with pytest.raises(AxrlError, match=r"linear_qkv\._extra_state/shard_0_2.*pickle calls builtins\.exec"):
             run_replay(replay_request(What(snapshot), Where(backend=backend)))
+    with pytest.raises(AxrlError, match=r"linear_qkv\._extra_state/shard_0_2.*pickle calls builtins\.exec"):
+        run_replay(replay_request(What(snapshot), how=How(shard=Shard.STREAMED)))
+    from axrl_spike_replay.models.policy import parse_model_config
+    from axrl_spike_replay.replay.reading.inputs import read_run_config
+    from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
+
+    spec = parse_model_config(read_run_config(snapshot)["model"])
+    with pytest.raises(AxrlError, match=r"linear_qkv\._extra_state/shard_0_2.*pickle calls builtins\.exec"):
+        StreamedWeights(spec, str(snapshot), "cpu", None)  # the streamed reader checks the checkpoint itself
     assert not marker.exists(), "the pickle ran"
 
 

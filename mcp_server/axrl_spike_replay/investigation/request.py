@@ -350,6 +350,12 @@ def _check_shard(shard: Shard, verb: Verb, backend: Backend) -> None:
         raise ConfigError(
             "`shard` applies to the built-in torch engine; the trainer's own command shards as it does", "shard"
         )
+    if shard == Shard.STREAMED and backend == Backend.MEGATRON:
+        raise ConfigError(
+            "`shard` streamed replays a Megatron snapshot on route 1 (its checkpoint in the transformers model, "
+            "`backend` torch); `backend` megatron runs Megatron-core's GPTModel whole",
+            "shard",
+        )
 
 
 def _check_streamed(shard: Shard, verb: Verb, nproc: int | None, launched: bool) -> None:

@@ -145,9 +145,9 @@ def load_policy_shards(model: nn.Module, spec: ModelSpec, weights_dir: str | Pat
 
     directory = Path(weights_dir)
     if isinstance(spec, MegatronModelConfig):
-        from axrl_spike_replay.models.mcore.megatron_weights import load_megatron_shards
+        from axrl_spike_replay.models.mcore.megatron_source import MegatronSource
 
-        load_megatron_shards(model, spec, directory)
+        load_sharded(model, MegatronSource(directory, spec), str(directory))  # a fused QKV read once per layer
         return
     if isinstance(spec, HFModelConfig):
         source_dir = hf_weights_dir(spec, directory)

@@ -8,6 +8,8 @@ is rows [offset, offset + n) of the whole. Those rows are read from where the we
 - an HF directory: `safe_open(...).get_slice(name)[a:b]` per tensor;
 - a verl FSDP checkpoint: the rows of each memory-mapped rank shard that overlap ours
   (`snapshot.trainer_formats.verl_slices`).
+- a Megatron `torch_dist` checkpoint: route 1's mapping onto the transformers names (`models.mcore.megatron_source`),
+  each key's rows of one layer, a fused QKV or gate/up read whole for the layer and split.
 
 Checkpoints in the per-expert layout (transformers 4 / older `save_pretrained`) are converted by transformers' own
 mapping (`hf_weights.to_model_layout`) on the experts a shard holds, one parameter at a time. Buffers FSDP does not

@@ -473,6 +473,12 @@ def replay_session(
             from axrl_spike_replay.replay.streamed.layer_weights import check_streamable
             from axrl_spike_replay.replay.streamed.rank_chain import check_split
 
+            if backend == Backend.MEGATRON:  # `auto` chose it: route 2 runs Megatron-core's GPTModel whole
+                raise ConfigError(
+                    f"{shard.reason}: only a streamed replay fits, and `backend` megatron does not stream; replay "
+                    "on route 1 (`backend` torch)",
+                    "backend",
+                )
             check_streamable(inputs.model, inputs.precision)
             check_split(applied, how.nproc or 1)
             plan = plan_layout(inputs.world_size, None)  # every saved rank: full fidelity

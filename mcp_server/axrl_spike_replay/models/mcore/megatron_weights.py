@@ -45,7 +45,7 @@ def _rules(spec: MegatronModelConfig) -> tuple[Rule, ...]:
     return tuple(r for r in rules_for(spec.architecture, spec.config) if not (r.optional and tied))
 
 
-def _layer_rules(spec: MegatronModelConfig, layer: int | None) -> list[Rule]:
+def layer_rules(spec: MegatronModelConfig, layer: int | None) -> list[Rule]:
     """The rules with a key for decoder layer `layer` (None: the global keys)."""
     if layer is None:
         return [r for r in _rules(spec) if not r.layered]
@@ -58,7 +58,7 @@ def _expected(spec: MegatronModelConfig) -> dict[str, tuple[int, ...]]:
     hf = expected_hf_shapes(spec.hf)
     shapes: dict[str, tuple[int, ...]] = {}
     for layer in (None, *range(spec.n_layers)):
-        for rule in _layer_rules(spec, layer):
+        for rule in layer_rules(spec, layer):
             parts = [hf[name] for name in hf_names(rule, layer)]
             shape = (sum(p[0] for p in parts), *parts[0][1:]) if rule.split != "copy" else parts[0]
             shapes[rule.key(layer)] = (spec.n_layers, *shape) if rule.stacked else shape
@@ -131,13 +131,13 @@ def load_megatron_weights(model: nn.Module, spec: MegatronModelConfig, directory
     with torch.no_grad():
         for layer in (None, *range(spec.n_layers)):
             regions = {}
-            for rule in _layer_rules(spec, layer):
+            for rule in layer_rules(spec, layer):
                 key = rule.key(layer)
                 shape, dtype = ckpt.tensors[key]
                 size = (1, *shape[1:]) if rule.stacked else shape
                 regions[key] = ((layer if rule.stacked else 0,) + (0,) * (len(shape) - 1), _buffer(size, dtype))
             load_regions(directory, regions)
-            for rule in _layer_rules(spec, layer):
+            for rule in layer_rules(spec, layer):
                 value = regions[rule.key(layer)][1]
                 _place(rule, layer, value[0] if rule.stacked else value, heads, params)
 
@@ -168,62 +168,3 @@ def megatron_semantics(policy: nn.Module) -> nn.Module:
     if config is not None:
         use_megatron_attention(config)
     return policy
-
-
-def load_megatron_shards(model: nn.Module, spec: MegatronModelConfig, directory: Path) -> None:
-    """Fill a sharded transformers policy (FSDP2, rows of each parameter per process) from the Megatron checkpoint:
-    each process reads only the region of each checkpoint key its rows come from, one layer at a time. A fused
-    QKV is read a layer at a time (its query groups interleave the three projections' rows) and split here."""
-    import torch
-
-    from axrl_spike_replay.models.sharded_weights import local_rows
-
-    check_megatron_weights(directory, spec, "the checkpoint")
-    ckpt = read_megatron_checkpoint(directory)
-    heads = heads_of(spec)
-    state = dict(model.state_dict(keep_vars=True))
-    rules = _rules(spec)
-    covered = {
-        id(state[n])
-        for layer in (None, *range(spec.n_layers))
-        for r in _layer_rules(spec, layer)
-        for n in hf_names(r, layer)
-        if n in state
-    }
-    unfilled = sorted(n for n, t in state.items() if id(t) not in covered)
-    if unfilled:  # built on the meta device, an unmapped tensor would hold whatever memory it was given
-        raise SnapshotError(
-            f"{directory}: the {spec.architecture} mapping fills no value for {shown(unfilled[:4], 200)}"
-        )
-    with torch.no_grad():
-        for layer in (None, *range(spec.n_layers)):
-            regions: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
-            copies: list[tuple[torch.Tensor, str]] = []
-            rules = _layer_rules(spec, layer)
-            for rule in rules:
-                key = rule.key(layer)
-                shape, dtype = ckpt.tensors[key]
-                lead = (layer,) if rule.stacked and layer is not None else ()
-                if rule.split != "copy":  # fused rows interleave the parts: read the layer's whole tensor
-                    size = (1, *shape[1:]) if lead else shape
-                    regions[key] = (lead + (0,) * (len(shape) - len(lead)), _buffer(size, dtype))
-                    continue
-                (name,) = hf_names(rule, layer)
-                row, local = local_rows(state[name])
-                if local.numel() == 0:
-                    continue
-                size = (1, *local.shape) if lead else tuple(local.shape)
-                offsets = lead + (row,) + (0,) * (local.dim() - 1)
-                regions[key] = (offsets, _buffer(size, dtype))
-                copies.append((local, key))
-            load_regions(directory, regions)
-            for local, key in copies:
-                buffer = regions[key][1]
-                local.copy_(buffer[0] if layer is not None and buffer.dim() > local.dim() else buffer)
-            for rule in (r for r in rules if r.split != "copy"):
-                fused = regions[rule.key(layer)][1]
-                fused = fused[0] if rule.stacked else fused
-                for name, part in zip(hf_names(rule, layer), split_value(rule, fused, heads), strict=True):
-                    row, local = local_rows(state[name])
-                    if local.numel():
-                        local.copy_(part[row : row + local.shape[0]])

@@ -2,10 +2,14 @@
 checkpoint when it is used, and given back after.
 
 The reads are the sharded replay's regional readers (`models.sharded_weights`: a DCP checkpoint through DCP, an HF
-directory through `safe_open`, verl FSDP shards memory-mapped), restricted to one layer's names. The modules outside
-the decoder layers (embedding, final norm, head) are read once and held. Before anything is computed, `check`
-refuses a checkpoint whose entries for some layer are missing, of another shape or not backed by its data files,
-naming the layer.
+directory through `safe_open`, verl FSDP shards memory-mapped; a Megatron `torch_dist` checkpoint through route 1's
+mapping onto the transformers model, `models.mcore.megatron_source`: each layer's slice of the stacked Megatron keys,
+a fused QKV or gate/up split as route 1 splits it), restricted to one layer's names. The policy is the one the whole
+replay builds (for a Megatron snapshot route 1's transformers model), so every parameter and its gradient norms
+carry the whole replay's names. The modules outside the decoder layers (embedding, final norm, head) are read once
+and held. Before anything is computed, `check` refuses a checkpoint whose entries for some layer are missing, of
+another shape or not backed by its data files, naming the layer (a Megatron checkpoint is checked first as route 1
+checks it, naming the key).
 
 One read runs ahead (`prefetch`): the next layer the pass needs is read on a background thread while the current
 one computes, into that layer's own modules, so at most two layers are held at once (the plan counts both). The
@@ -89,19 +93,27 @@ def _check_storage(directory: Path) -> None:
 
 def check_streamable(spec: ModelSpec, precision: PrecisionPolicy | None) -> None:
     """ConfigError naming what a streamed replay does not read or compute yet (before anything is written)."""
-    if isinstance(spec, MegatronModelConfig):
-        raise ConfigError(
-            "a streamed replay reads DCP, HF safetensors and verl checkpoints; a Megatron torch_dist checkpoint "
-            "is not streamed yet: use `shard` on or off",
-            "shard",
-        )
     check_precision(precision)
-    if isinstance(spec, HFModelConfig) and spec.config.get("tie_word_embeddings", False):
+    hf = spec.hf if isinstance(spec, MegatronModelConfig) else spec
+    if isinstance(hf, HFModelConfig) and hf.config.get("tie_word_embeddings", False):
         raise ConfigError(
             "a streamed replay of a policy with tied input and output embeddings is not built: its embedding "
             "gradient gathers from the head and the embedding at both ends of the step; use `shard` on or off",
             "shard",
         )
+
+
+def _source(spec: ModelSpec, directory: Path) -> WeightSource:
+    """The checkpoint as a sliced source of the policy's tensors, its storage checked first: a Megatron checkpoint
+    through route 1's mapping (`MegatronSource`, checked as route 1 checks it), an HF spec's weights (DCP, HF
+    safetensors, verl shards), our own DCP."""
+    if isinstance(spec, MegatronModelConfig):
+        from axrl_spike_replay.models.mcore.megatron_source import MegatronSource
+
+        return MegatronSource(directory, spec)
+    if not isinstance(spec, HFModelConfig) or (directory / DCP_METADATA).is_file():
+        _check_storage(directory)
+    return open_source(directory) if isinstance(spec, HFModelConfig) else DcpSource(directory)
 
 
 class StreamedWeights:
@@ -123,11 +135,7 @@ class StreamedWeights:
         directory = Path(weights_dir)
         self.directory = hf_weights_dir(spec, directory) if isinstance(spec, HFModelConfig) else directory
         self.label = str(self.directory)
-        if not isinstance(spec, HFModelConfig) or (self.directory / DCP_METADATA).is_file():
-            _check_storage(self.directory)
-        self.source: WeightSource = (
-            open_source(self.directory) if isinstance(spec, HFModelConfig) else DcpSource(self.directory)
-        )
+        self.source = _source(spec, self.directory)
         prefixes = {id(m): name for name, m in self.policy.named_modules()}
         self.layer_prefixes = [prefixes[id(layer)] + "." for layer in self.program.layers]
         self.layer_names = [
