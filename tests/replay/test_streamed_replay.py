@@ -316,21 +316,18 @@ def test_plan_has_a_streamed_row_and_auto_streams_only_when_nothing_else_fits(tm
 def test_streamed_refusals_name_the_argument(tmp_path: Path) -> None:
     from axrl_spike_replay.errors import ConfigError
     from axrl_spike_replay.investigation.request import How, What, replay_request
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
     from axrl_spike_replay.vocabulary import Shard, Verb
 
     snapshot = record_tiny_snapshot(tmp_path, world_size=2)
-    replay_request(What(snapshot=snapshot, verb=Verb.ATTRIBUTE), how=How(shard=Shard.STREAMED))  # streamed too
-    with pytest.raises(ConfigError, match="one process") as refused:
-        replay_request(What(snapshot=snapshot, verb=Verb.ATTRIBUTE), how=How(shard=Shard.STREAMED, nproc=2))
-    assert refused.value.parameter == "nproc"
-    with pytest.raises(ConfigError, match="at most 2 processes, not 3") as refused:
-        run_replay(replay_request(What(snapshot), how=How(shard=Shard.STREAMED, nproc=3)))
-    assert refused.value.parameter == "nproc"
+    replay_request(What(snapshot=snapshot, verb=Verb.ATTRIBUTE), how=How(shard=Shard.STREAMED, nproc=2))
     lines: list[str] = []
-    mitigated = What(snapshot, mitigations={"mismatch_token_clip_max": 2})
-    with pytest.raises(ConfigError, match="does not compute the clean gradient") as refused:
-        run_replay(replay_request(mitigated, how=How(shard=Shard.STREAMED, nproc=2), progress=lines.append))
+    with pytest.raises(ConfigError, match="at most 2 processes, not 3") as refused:
+        run_replay(replay_request(What(snapshot), how=How(shard=Shard.STREAMED, nproc=3), progress=lines.append))
+    assert refused.value.parameter == "nproc"
     assert not any("streamed" in line for line in lines)  # refused before anything ran
+    with pytest.raises(ConfigError, match="1 to 2 processes, not 3") as refused:
+        attribute_spike(snapshot, top=3, shard="streamed", nproc=3)
     assert refused.value.parameter == "nproc"
 
 
@@ -387,7 +384,9 @@ def test_saved_ranks_split_over_gloo_processes_is_the_one_process_replay(tmp_pat
     assert_identical(one, split)
     assert_same(compute(job, 0), split)
     assert any(line.startswith(f"process {processes - 1}: streamed") for line in lines)
-    assert any("clean gradient and cosine to clean are not computed over several" in line for line in lines)
+    assert any("clean gradient made" in line for line in lines)  # a mitigation's clean gradient, over processes too
+    for a, b in zip(one, split, strict=True):
+        assert a.cosine_to_clean == b.cosine_to_clean and a.clean_gradient == b.clean_gradient
 
 
 def test_transformers_split_over_processes_through_the_engine(tmp_path: Path) -> None:

@@ -190,6 +190,9 @@ def backward_steps(
     extra: dict[int, dict[str, Any]] = {}
     kept: list[bool] = []
     head = PieceGradient(head_names, world_size, reduce_dtype, keep_own, chain)
+    tied_names = list(weights.tied_names)  # tied embeddings: the head's half summed here, measured with the embedding
+    tied = PieceGradient(tied_names, world_size, reduce_dtype, keep_own, chain)
+    tied.defer_own = True
     last = weights.n_layers
     weights.prefetch(last - 1)  # read while the head and the loss compute
     for k, item in enumerate(items):
@@ -208,9 +211,10 @@ def backward_steps(
         if not keeps:  # left out: nothing of this rank reaches the step, router terms too
             extra[item.rank] = {"left_out": True}
             head.skip(item.rank, item.passes)
+            tied.skip(item.rank, item.passes)
             continue
         flat = [t for layer in extras for t in layer]
-        wrt = [named[n] for n in head_names] + [hidden, *flat]
+        wrt = [named[n] for n in head_names + tied_names] + [hidden, *flat]
         if pulls is not None:
             wrt.append(out.logprobs)
         grads = list(torch.autograd.grad(loss, wrt, allow_unused=True))
@@ -220,7 +224,10 @@ def backward_steps(
                 (pull if pull is not None else torch.zeros_like(out.logprobs)).detach()
             )
         head.add(item.rank, grads[: len(head_names)], item.passes)
-        got = grads[len(head_names) :]
+        ends = len(head_names) + len(tied_names)
+        if tied_names:
+            tied.add(item.rank, grads[len(head_names) : ends], item.passes)
+        got = grads[ends:]
         store.put(("g", tag, k), (got[0] if got[0] is not None else torch.zeros_like(hidden),))
         at = 1
         for layer, layer_extras in enumerate(extras):
@@ -229,6 +236,9 @@ def backward_steps(
                 at += len(layer_extras)
         del loss, result, out, grads, got
     _measure(head, figures, on_piece, "head")
+    held = tied.hand_on() if tied_names else []
+    if tied_names and chain is not None:
+        chain.hand_back(held)  # the last process's sum to the first, where the embedding's sum starts
     yield "head"
     for layer in reversed(range(last)):
         check_cancel(cancel, "replay")
@@ -261,6 +271,11 @@ def backward_steps(
         weights.free_layer(layer)
         yield f"layer {layer}"
     embed = PieceGradient(embed_names, world_size, reduce_dtype, keep_own, chain)
+    if tied_names:
+        if chain is not None and not chain.last:
+            held = chain.take_back(len(tied_names))
+        embed.seed(tied_names, held)
+        embed.begin_own(tied_names, tied.deferred)
     for k, item in enumerate(items):
         if not kept[k]:
             embed.skip(item.rank, item.passes)
@@ -272,6 +287,8 @@ def backward_steps(
         embed.add(item.rank, grads, item.passes)
         store.drop(("g", tag, k))
     _measure(embed, figures, on_piece, "embedding")
+    if chain is not None:
+        chain.settle()
     yield "embedding"
     return ConfigPass(figures, _rank_rows(results, extra), _traces(items, results, inputs))
 
