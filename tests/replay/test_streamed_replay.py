@@ -326,7 +326,7 @@ def test_streamed_refusals_name_the_argument(tmp_path: Path) -> None:
         run_replay(replay_request(What(snapshot), how=How(shard=Shard.STREAMED, nproc=3), progress=lines.append))
     assert refused.value.parameter == "nproc"
     assert not any("streamed" in line for line in lines)  # refused before anything ran
-    with pytest.raises(ConfigError, match="1 to 2 processes, not 3") as refused:
+    with pytest.raises(ConfigError, match="larger than the saved world size 2") as refused:
         attribute_spike(snapshot, top=3, shard="streamed", nproc=3)
     assert refused.value.parameter == "nproc"
 

@@ -272,7 +272,7 @@ def attribute_spike(
         layout = plan_layout(inputs.world_size, nproc)
         streamed = shard == Shard.STREAMED
         if streamed:
-            _check_streamed(inputs, nproc)
+            _check_streamed(inputs)
             sharded = ShardChoice(False, STREAMED_REASON, streamed=True)
         else:
             sharded = whole_or_sharded_planned(shard, inputs, device, layout.nproc, checkpoint)
@@ -335,19 +335,13 @@ def _attribute(
     return _assembled(inputs, cfg, top, device, method, grad_norm, router, per_rank, signals, timings)
 
 
-def _check_streamed(inputs: ReplayInputs, nproc: int | None) -> None:
-    """ConfigError naming what a streamed attribution does not do: more processes than saved ranks, a model it cannot
-    stream, tied embeddings (a sample's head half of the tied weight would be dotted with the embedding's gradient,
-    complete only at the end of the backward)."""
+def _check_streamed(inputs: ReplayInputs) -> None:
+    """ConfigError naming what a streamed attribution does not do (`nproc` is bounded by the saved world size before):
+    a model it cannot stream, tied embeddings (a sample's head half of the tied weight would be dotted with the
+    embedding's gradient, complete only at the end of the backward)."""
     from axrl_spike_replay.models.hf_config import HFModelConfig
     from axrl_spike_replay.replay.streamed.layer_weights import check_streamable
 
-    if nproc is not None and not 1 <= nproc <= inputs.world_size:
-        raise ConfigError(
-            f"`nproc`: a streamed attribution splits the {inputs.world_size} saved ranks over 1 to "
-            f"{inputs.world_size} processes, not {nproc}",
-            "nproc",
-        )
     check_streamable(inputs.model, None)
     if isinstance(inputs.model, HFModelConfig) and inputs.model.config.get("tie_word_embeddings", False):
         raise ConfigError(
