@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -167,3 +168,33 @@ def test_tied_embeddings_attribution_streamed_refused_by_name(tmp_path: Path) ->
     with pytest.raises(ConfigError, match="tied input and output embeddings") as refused:
         attribute_spike(snapshot, top=3, shard="streamed")
     assert refused.value.parameter == "shard"
+
+
+def test_the_plan_counts_the_clean_gradients_backwards_and_the_tied_half() -> None:
+    """The streamed row with mitigations: the clean gradient's backwards at their fewest (a probe, the baseline's
+    pair, one beside each other config: `test_backwards_the_clean_gradient_takes` counts them run) and a pair's
+    second set of backward gradients; tied embeddings: one matrix, its head half held with the ends, each saved
+    rank's own head half with the boundaries."""
+    from axrl_spike_replay.models.policy import parse_model_config
+    from axrl_spike_replay.replay.compute.process_memory import model_facts
+    from axrl_spike_replay.replay.streamed.streamed_plan import model_pieces, streamed_row
+    from axrl_spike_replay.testing.hf_snapshot import model_section, tiny_config
+
+    def row(tied: bool, configs: int) -> Any:
+        config = {**tiny_config("qwen3_moe"), "tie_word_embeddings": tied}
+        spec = parse_model_config(model_section("qwen3_moe", config=config))
+        pieces = model_pieces(spec)
+        return pieces, streamed_row(
+            model_facts(spec), pieces, world=4, rank_tokens=160, micro_batch=(4, 40), device="cpu", configs=configs,
+            capacity_bytes=None,
+        )  # fmt: skip
+
+    (untied, one), (_, three) = row(False, 1), row(False, 3)
+    assert one.layer_reads == untied.layers * 2 and three.layer_reads == untied.layers * (1 + 3 + 5)
+    assert three.boundaries > one.boundaries and three.flops == one.flops * (2 + 8 * 8) / (2 + 8 * 1)
+    tied, tied_row = row(True, 1)
+    assert tied.tied and not untied.tied and tied.head == untied.head - untied.embedding
+    b = 4  # float32
+    assert tied_row.boundaries == one.boundaries + 4 * tied.embedding * b
+    # the matrix once, three gradient copies of the larger end piece, and the head half held until the embedding
+    assert tied_row.ends == (tied.embedding + tied.head) * b + 3 * tied.embedding * b + tied.embedding * b

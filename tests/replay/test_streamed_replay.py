@@ -343,22 +343,6 @@ def test_cli_replay_streamed(tmp_path: Path, cli: Any) -> None:
     assert a["shard_reason"].startswith("shard streamed")
 
 
-def test_mixed_precision_step_refused_by_name_before_anything_runs(tmp_path: Path) -> None:
-    import yaml
-
-    from axrl_spike_replay.errors import ConfigError
-
-    snapshot = record_tiny_snapshot(tmp_path / "snap", world_size=1)
-    config = yaml.safe_load((snapshot / "run_config.yaml").read_text())
-    config["precision"] = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
-    (snapshot / "run_config.yaml").write_text(yaml.safe_dump(config))
-    lines: list[str] = []
-    with pytest.raises(ConfigError, match=r"computes in float32.*param bfloat16") as refused:
-        run_replay(replay_request(What(snapshot), how=How(shard=Shard.STREAMED), progress=lines.append))
-    assert refused.value.parameter == "shard"
-    assert not any("streamed forward" in line for line in lines)
-
-
 def assert_identical(one: Sequence[ConfigOutcome], split: Sequence[ConfigOutcome]) -> None:
     """The same figures bit for bit: the chain adds the passes in the one process's order."""
     for a, b in zip(one, split, strict=True):

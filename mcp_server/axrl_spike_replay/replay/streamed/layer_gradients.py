@@ -10,14 +10,15 @@ a `RankChain` keeps that order across them.
 
 A weight two pieces share (tied input and output embeddings) is summed in the first (the head) and not measured
 there (`hand_on`): the second (the embedding) starts from that sum (`seed`) and each saved rank's own from that
-rank's head half (`defer_own`), so its norms are taken once, of the whole gradient. Every pass's head half is added
+rank's head half (`defer`, then `resume`: kept in between where the caller keeps it, the layer boundaries' store),
+so its norms are taken once, of the whole gradient. Every pass's head half is added
 before any pass's embedding half: the whole replay adds each pass's two halves first, a rounding apart.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -75,9 +76,8 @@ class PieceGradient:
         self.own_rank: int | None = None
         self.own_passes = 0
         self.rank_norms: dict[int, dict[str, float]] = {}
-        self.defer_own = False  # each rank's own gradient kept for the piece that goes on with it (`deferred`)
-        self.deferred: dict[int, list[torch.Tensor | None]] = {}
-        self.own_start: dict[int, list[torch.Tensor | None]] = {}  # each rank's own, begun by a piece before
+        self.defer: Callable[[int, list[torch.Tensor | None]], None] | None = None  # each rank's own, handed on
+        self.resume: Callable[[int], list[torch.Tensor | None]] | None = None  # each rank's own, begun before
 
     def seed(self, names: Sequence[str], values: Sequence[torch.Tensor | None]) -> None:
         """Start the sum of `names` from `values` (a shared weight's sum over the piece before; alone, or on the
@@ -90,18 +90,13 @@ class PieceGradient:
             if value is not None:
                 self.total[at[name]] = value
 
-    def begin_own(self, names: Sequence[str], deferred: dict[int, list[torch.Tensor | None]]) -> None:
-        """Start each rank's own gradient of `names` from the piece before's (its `deferred`)."""
-        at = [self.names.index(name) for name in names]
-        for rank, values in deferred.items():
-            own: list[torch.Tensor | None] = [None] * len(self.names)
-            for i, value in zip(at, values, strict=True):
-                own[i] = value
-            self.own_start[rank] = own
+    def _own_begun(self, rank: int) -> list[torch.Tensor | None]:
+        """Rank `rank`'s own gradient as a piece before left it (`resume`; empty when none did)."""
+        return self.resume(rank) if self.resume is not None else []
 
     def _own_done(self, rank: int) -> None:
-        if self.defer_own:
-            self.deferred[rank] = [g.clone() if g is not None else None for g in self.own]
+        if self.defer is not None:  # a copy: a one-pass rank's own is the sum's own tensor until the next rank adds
+            self.defer(rank, [g.clone() if g is not None else None for g in self.own])
         else:
             self.rank_norms[rank] = gradient_norms(zip(self.names, self.own, strict=False))
         self.own = []
@@ -114,7 +109,7 @@ class PieceGradient:
             local = [g.to(self.reduce_dtype) if g is not None else None for g in local]
         if self.keep_own:
             if self.own_rank != rank:
-                self.own_rank, self.own, self.own_passes = rank, self.own_start.pop(rank, []), 0
+                self.own_rank, self.own, self.own_passes = rank, self._own_begun(rank), 0
             if passes_of_rank == 1 and not self.own:
                 self.own = local
             else:
@@ -131,7 +126,7 @@ class PieceGradient:
         if not self.keep_own:
             return
         if self.own_rank != rank:
-            self.own_rank, self.own, self.own_passes = rank, self.own_start.pop(rank, []), 0
+            self.own_rank, self.own, self.own_passes = rank, self._own_begun(rank), 0
         if passes_of_rank > 1 and not self.own:
             self.own = [None] * len(self.names)
         self.own_passes += 1

@@ -14,6 +14,13 @@ checks it, naming the key).
 One read runs ahead (`prefetch`): the next layer the pass needs is read on a background thread while the current
 one computes, into that layer's own modules, so at most two layers are held at once (the plan counts both). The
 main thread waits for it only when it needs the layer (`ReadFigures.waited`); a failed read is raised there.
+
+A recorded precision policy (`training.precision`) is computed in as the whole replay computes it: the policy is
+built with float32 master weights and cast as FSDP would (`cast_for_compute`) while still on the meta device, so
+each layer is given memory in the compute dtype and the checkpoint's values are rounded into it as they are read
+(the master weights' rounding, one layer at a time), and each decoder layer (each FSDP unit) casts its floating
+inputs. The head's outputs are cast as the root's (`cast_outputs`), and each pass's gradient is reduced in the
+policy's reduce dtype (`layer_gradients`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from torch import nn
 from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
-from axrl_spike_replay.models.policy import ModelSpec, build_policy, hf_weights_dir, restore_buffers
+from axrl_spike_replay.models.policy import ModelSpec, build_policy, hf_weights_dir, restore_buffers, shard_units
 from axrl_spike_replay.models.sharded_weights import (
     DcpSource,
     WeightSource,
@@ -43,7 +50,7 @@ from axrl_spike_replay.models.sharded_weights import (
 from axrl_spike_replay.replay.compute.model_build import master_spec
 from axrl_spike_replay.replay.streamed.layer_program import LayerProgram, for_policy
 from axrl_spike_replay.snapshot.layout import DCP_METADATA
-from axrl_spike_replay.training.precision import PrecisionPolicy
+from axrl_spike_replay.training.precision import PrecisionPolicy, cast_for_compute
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")
 
@@ -62,16 +69,6 @@ class ReadFigures:
 
 def _state_names(module: nn.Module, prefix: str) -> list[str]:
     return [prefix + name for name in module.state_dict(keep_vars=True)]
-
-
-def check_precision(precision: PrecisionPolicy | None) -> None:
-    """ConfigError unless the step computes in float32 (a mixed-precision step is not streamed yet)."""
-    if precision is not None and precision.recorded and precision.param_dtype != "float32":
-        raise ConfigError(
-            f"a streamed replay computes in float32; this step's recorded precision is {precision.label}: "
-            "use `shard` on or off",
-            "shard",
-        )
 
 
 def _check_storage(directory: Path) -> None:
@@ -93,7 +90,6 @@ def _check_storage(directory: Path) -> None:
 
 def check_streamable(spec: ModelSpec, precision: PrecisionPolicy | None) -> None:
     """ConfigError naming what a streamed replay does not read or compute yet (before anything is written)."""
-    check_precision(precision)
     if isinstance(spec, MegatronModelConfig) and spec.hf.config.get("tie_word_embeddings", False):
         raise ConfigError(
             "a streamed replay of a Megatron checkpoint with tied input and output embeddings is not built (route "
@@ -131,6 +127,9 @@ class StreamedWeights:
         self.spec, self.device = spec, torch.device(device)
         self.policy = build_policy(master_spec(spec, precision), "meta")
         self.program: LayerProgram = for_policy(self.policy)
+        self.precision = precision if precision is not None and precision.recorded else None
+        if self.precision is not None:  # as the whole replay casts (`model_build`): parameters, units' inputs
+            cast_for_compute(self.policy, shard_units(self.policy), self.precision)
         directory = Path(weights_dir)
         self.directory = hf_weights_dir(spec, directory) if isinstance(spec, HFModelConfig) else directory
         self.label = str(self.directory)
