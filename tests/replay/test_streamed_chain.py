@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from test_streamed_replay import assert_identical, assert_same, close, job_of, recorded
-from test_streamed_signals import CONFIGS, assert_same_signals, same_attribution
+from test_streamed_signals import CONFIGS, assert_same_signals, same_attribution, same_figures
 from tiny_snapshot import record_tiny_snapshot
 
 from axrl_spike_replay.errors import ConfigError
@@ -159,6 +159,18 @@ def test_tied_embeddings_streamed_and_split(tmp_path: Path, world_size: int) -> 
     assert close(one[0].grad_norms[0], recorded(snapshot))
     assert_identical(one, split)
     assert assert_same_clean(one, split) == 1
+
+
+def test_tied_embeddings_signal_check_streamed(tmp_path: Path) -> None:
+    """Diagnose's signal check (forward only) of a tied-embedding policy streamed: the whole one's figures."""
+    from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
+
+    snapshot = hf_snapshot(tmp_path, "qwen3_moe", 2, tied=True)
+    with settings_kept():
+        whole = step_evidence(snapshot, shard="off", channel=False)
+        streamed = step_evidence(snapshot, shard="streamed", channel=False)
+    same_figures(whole.signals.to_json(), streamed.signals.to_json(), "signals")
+    assert all(r.pairs for r in streamed.signals.ranks)
 
 
 def test_tied_embeddings_attribution_streamed_refused_by_name(tmp_path: Path) -> None:
