@@ -316,21 +316,18 @@ def test_plan_has_a_streamed_row_and_auto_streams_only_when_nothing_else_fits(tm
 def test_streamed_refusals_name_the_argument(tmp_path: Path) -> None:
     from axrl_spike_replay.errors import ConfigError
     from axrl_spike_replay.investigation.request import How, What, replay_request
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
     from axrl_spike_replay.vocabulary import Shard, Verb
 
     snapshot = record_tiny_snapshot(tmp_path, world_size=2)
-    replay_request(What(snapshot=snapshot, verb=Verb.ATTRIBUTE), how=How(shard=Shard.STREAMED))  # streamed too
-    with pytest.raises(ConfigError, match="one process") as refused:
-        replay_request(What(snapshot=snapshot, verb=Verb.ATTRIBUTE), how=How(shard=Shard.STREAMED, nproc=2))
-    assert refused.value.parameter == "nproc"
-    with pytest.raises(ConfigError, match="at most 2 processes, not 3") as refused:
-        run_replay(replay_request(What(snapshot), how=How(shard=Shard.STREAMED, nproc=3)))
-    assert refused.value.parameter == "nproc"
+    replay_request(What(snapshot=snapshot, verb=Verb.ATTRIBUTE), how=How(shard=Shard.STREAMED, nproc=2))
     lines: list[str] = []
-    mitigated = What(snapshot, mitigations={"mismatch_token_clip_max": 2})
-    with pytest.raises(ConfigError, match="does not compute the clean gradient") as refused:
-        run_replay(replay_request(mitigated, how=How(shard=Shard.STREAMED, nproc=2), progress=lines.append))
+    with pytest.raises(ConfigError, match="at most 2 processes, not 3") as refused:
+        run_replay(replay_request(What(snapshot), how=How(shard=Shard.STREAMED, nproc=3), progress=lines.append))
+    assert refused.value.parameter == "nproc"
     assert not any("streamed" in line for line in lines)  # refused before anything ran
+    with pytest.raises(ConfigError, match="larger than the saved world size 2") as refused:
+        attribute_spike(snapshot, top=3, shard="streamed", nproc=3)
     assert refused.value.parameter == "nproc"
 
 
@@ -344,22 +341,6 @@ def test_cli_replay_streamed(tmp_path: Path, cli: Any) -> None:
     assert isinstance(a, dict) and isinstance(b, dict)
     assert close(a["grad_norm"], b["grad_norm"]) and a["verdict"] == b["verdict"] == "reproduced"
     assert a["shard_reason"].startswith("shard streamed")
-
-
-def test_mixed_precision_step_refused_by_name_before_anything_runs(tmp_path: Path) -> None:
-    import yaml
-
-    from axrl_spike_replay.errors import ConfigError
-
-    snapshot = record_tiny_snapshot(tmp_path / "snap", world_size=1)
-    config = yaml.safe_load((snapshot / "run_config.yaml").read_text())
-    config["precision"] = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
-    (snapshot / "run_config.yaml").write_text(yaml.safe_dump(config))
-    lines: list[str] = []
-    with pytest.raises(ConfigError, match=r"computes in float32.*param bfloat16") as refused:
-        run_replay(replay_request(What(snapshot), how=How(shard=Shard.STREAMED), progress=lines.append))
-    assert refused.value.parameter == "shard"
-    assert not any("streamed forward" in line for line in lines)
 
 
 def assert_identical(one: Sequence[ConfigOutcome], split: Sequence[ConfigOutcome]) -> None:
@@ -387,7 +368,9 @@ def test_saved_ranks_split_over_gloo_processes_is_the_one_process_replay(tmp_pat
     assert_identical(one, split)
     assert_same(compute(job, 0), split)
     assert any(line.startswith(f"process {processes - 1}: streamed") for line in lines)
-    assert any("clean gradient and cosine to clean are not computed over several" in line for line in lines)
+    assert any("clean gradient made" in line for line in lines)  # a mitigation's clean gradient, over processes too
+    for a, b in zip(one, split, strict=True):
+        assert a.cosine_to_clean == b.cosine_to_clean and a.clean_gradient == b.clean_gradient
 
 
 def test_transformers_split_over_processes_through_the_engine(tmp_path: Path) -> None:

@@ -359,18 +359,12 @@ def _check_shard(shard: Shard, verb: Verb, backend: Backend) -> None:
 
 
 def _check_streamed(shard: Shard, verb: Verb, nproc: int | None, launched: bool) -> None:
-    """A streamed replay runs on this machine's processes (the saved ranks split over `nproc`, the engine bounds it
-    by the saved world size); a streamed attribution runs in one process."""
+    """A streamed replay or attribution runs on this machine's processes (the saved ranks split over `nproc`, bounded
+    by the saved world size where the snapshot is read)."""
     if shard != Shard.STREAMED:
         return
     if nproc is not None and nproc < 1:
         raise ConfigError(f"`nproc`: a streamed replay runs on 1 or more processes, not {nproc}", "nproc")
-    if verb == Verb.ATTRIBUTE and nproc not in (None, 1):
-        raise ConfigError(
-            "`nproc`: a streamed attribution runs every saved rank in one process (each sample's share needs the "
-            "step's summed gradient, which a split over processes holds only in the last one)",
-            "nproc",
-        )
     if launched:
         raise ConfigError("`shard` streamed runs on this machine's processes, not launched over nodes", "shard")
 

@@ -471,7 +471,6 @@ def replay_session(
         shard = with_checkpoint(choose_shard(how.shard, how.device, plan.nproc, planned), None, checkpoint)
         if shard.streamed:
             from axrl_spike_replay.replay.streamed.layer_weights import check_streamable
-            from axrl_spike_replay.replay.streamed.rank_chain import check_split
 
             if backend == Backend.MEGATRON:  # `auto` chose it: route 2 runs Megatron-core's GPTModel whole
                 raise ConfigError(
@@ -480,7 +479,6 @@ def replay_session(
                     "backend",
                 )
             check_streamable(inputs.model, inputs.precision)
-            check_split(applied, how.nproc or 1)
             plan = plan_layout(inputs.world_size, None)  # every saved rank: full fidelity
         session = ReplaySession(inputs, plan, applied, request, shard, recorder=recorder, runner=runner, stream=stream)
         session.baseline_refused = baseline_refused

@@ -141,6 +141,13 @@ def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return _apply_to_tensors(functools.partial(_cast_fp_tensor, dtype), value)
 
 
+def cast_outputs(value: Any, policy: PrecisionPolicy) -> Any:
+    """`value` (a policy's outputs) as the root hands them back under `policy`: every floating tensor in it cast to
+    `output_dtype` (as it is when there is none); for a caller that computes the policy's forward in pieces."""
+    output = policy.torch_dtype("output_dtype") if policy.recorded else None
+    return value if output is None else _cast_floats(value, output)
+
+
 def cast_for_compute(model: nn.Module, units: Sequence[nn.Module], policy: PrecisionPolicy) -> None:
     """The unsharded equivalent of `fully_shard(unit, mp_policy=policy.fsdp_policy())` on each of `units` and on the
     root `model`: parameters held in `param_dtype` (buffers keep theirs, as FSDP leaves them), each unit's and

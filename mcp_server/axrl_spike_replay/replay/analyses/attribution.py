@@ -272,7 +272,7 @@ def attribute_spike(
         layout = plan_layout(inputs.world_size, nproc)
         streamed = shard == Shard.STREAMED
         if streamed:
-            _check_streamed(inputs, nproc)
+            _check_streamed(inputs)
             sharded = ShardChoice(False, STREAMED_REASON, streamed=True)
         else:
             sharded = whole_or_sharded_planned(shard, inputs, device, layout.nproc, checkpoint)
@@ -286,7 +286,7 @@ def attribute_spike(
         if streamed:
             if method != Method.PER_SAMPLE_BACKWARD:
                 run.log("streamed: g is never held whole for a forward-mode pass; one backward per sample per piece")
-            attribution = _attribute_streamed(inputs, cfg, top, device, start, cancel)
+            attribution = _attribute_streamed(inputs, cfg, top, device, start, cancel, nproc, timeout_s)
         elif sharded.shard:
             if method != Method.PER_SAMPLE_BACKWARD:
                 run.log("sharded: forward-mode JVPs do not run through FSDP2; one backward per sample instead")
@@ -335,13 +335,21 @@ def _attribute(
     return _assembled(inputs, cfg, top, device, method, grad_norm, router, per_rank, signals, timings)
 
 
-def _check_streamed(inputs: ReplayInputs, nproc: int | None) -> None:
-    """ConfigError naming what a streamed attribution does not do: several processes, a model it cannot stream."""
+def _check_streamed(inputs: ReplayInputs) -> None:
+    """ConfigError naming what a streamed attribution does not do (`nproc` is bounded by the saved world size before):
+    a model it cannot stream, tied embeddings (a sample's head half of the tied weight would be dotted with the
+    embedding's gradient, complete only at the end of the backward)."""
+    from axrl_spike_replay.models.hf_config import HFModelConfig
     from axrl_spike_replay.replay.streamed.layer_weights import check_streamable
 
-    if nproc not in (None, 1):
-        raise ConfigError("`nproc`: a streamed attribution runs every saved rank in one process", "nproc")
     check_streamable(inputs.model, None)
+    if isinstance(inputs.model, HFModelConfig) and inputs.model.config.get("tie_word_embeddings", False):
+        raise ConfigError(
+            "a streamed attribution of a policy with tied input and output embeddings is not built: each sample's "
+            "head half of the tied weight needs the embedding's gradient, complete only at the end; use `shard` on "
+            "or off",
+            "shard",
+        )
 
 
 def _attribute_streamed(
@@ -351,11 +359,23 @@ def _attribute_streamed(
     device: str,
     start: float,
     cancel: threading.Event | None,
+    nproc: int | None = None,
+    timeout_s: float = 1800.0,
 ) -> Attribution:
-    """Each sample's <g_s, g> as per-piece dot products, one decoder layer at a time (`streamed_attribution`)."""
-    from axrl_spike_replay.replay.analyses.streamed_attribution import PASSES, streamed_dots
+    """Each sample's <g_s, g> as per-piece dot products, one decoder layer at a time (`streamed_attribution`), the
+    saved ranks split over `nproc` processes when more than one."""
+    from axrl_spike_replay.replay.analyses.sharded_attribution import AttributionJob
+    from axrl_spike_replay.replay.analyses.streamed_attribution import PASSES, streamed_dots, streamed_split_dots
+    from axrl_spike_replay.replay.streamed.rank_chain import contiguous_blocks
 
-    grad_norm, router, dots, signals, timings = streamed_dots(inputs, cfg, device, cancel)
+    if nproc is not None and nproc > 1:
+        blocks = tuple(contiguous_blocks(range(inputs.world_size), nproc))
+        job = AttributionJob(inputs.replay_dir, inputs.model, cfg, inputs.world_size, blocks, device)
+        figures = streamed_split_dots(job, timeout_s, cancel)
+        grad_norm, router, dots, signals = figures.grad_norm, figures.router, figures.dots, figures.signals
+        timings = figures.timings
+    else:
+        grad_norm, router, dots, signals, timings = streamed_dots(inputs, cfg, device, cancel)
     timings = {**timings, "total": time.perf_counter() - start}
     attribution = _assembled(
         inputs, cfg, top, device, Method.PER_SAMPLE_BACKWARD, grad_norm, router, dots, signals, timings

@@ -17,6 +17,11 @@ streamed replay of the step). In the backward, each micro-batch's layer is recom
 then the samples'), with one backward per sample, one for the policy loss's gradient at the layer's input and one
 for the router losses'. The whole attribution's forward-mode pass along g needs all of g before it starts, which
 a streamed step never holds.
+
+Split over processes (`streamed_split_dots`), each streams a contiguous block of the saved ranks: the pieces' sums
+pass down a chain in the one process's order and the last process's reduced piece is spread back to every process
+(`rank_chain`, `everywhere`), which dots its own samples with it; the router terms are added piece by piece in the
+one process's order, so every figure is the one process's, bit for bit. The processes run in step, a piece at a time.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -33,12 +39,15 @@ from axrl_spike_replay.models.policy import routing_shape
 from axrl_spike_replay.processes.rank_processes import check_cancel
 from axrl_spike_replay.replay.analyses.rank_micro_batches import joined_loss
 from axrl_spike_replay.replay.analyses.sample_signals import base_name, rank_signals, router_loss
-from axrl_spike_replay.replay.compute.worker import RankInputs, config_loss, loss_batch, step_counts
+from axrl_spike_replay.replay.analyses.sharded_attribution import AttributionJob, ShardedFigures
+from axrl_spike_replay.replay.analyses.share_processes import run_share_processes
+from axrl_spike_replay.replay.compute.worker import RankInputs, config_loss, gather_objects, loss_batch, step_counts
 from axrl_spike_replay.replay.reading.inputs import ReplayInputs
 from axrl_spike_replay.replay.streamed.boundaries import BoundaryStore, boundary_store
 from axrl_spike_replay.replay.streamed.layer_passes import Item, backward_steps, forward_layers, stream_items
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
 from axrl_spike_replay.replay.streamed.piece_dots import dot64, together
+from axrl_spike_replay.replay.streamed.rank_chain import RankChain
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.micro_batches import stitch
@@ -86,13 +95,14 @@ class SampleDots:
         self.weights, self.items, self.store, self.inputs = weights, list(items), store, inputs
         self.cfg, self.counts, self.cancel = cfg, counts, cancel
         self.dots = {r: torch.zeros(int(b["tokens"].shape[0]), dtype=torch.float64) for r, b in inputs.batches.items()}
-        self.router = 0.0
+        self.router: list[list[float]] = []  # per piece, each micro-batch's router losses' <., g> in order
         self.logprobs: dict[int, list[torch.Tensor]] = {}
         self.results: dict[int, list[LossOutput]] = {}
         self.kept = [cfg.samples.keeps_rank(item.rank) for item in self.items]
 
     def __call__(self, label: str, names: Sequence[str], reduced: Sequence[torch.Tensor | None]) -> None:
         check_cancel(self.cancel, "attribution")
+        self.router.append([])
         named = dict(self.weights.policy.named_parameters())
         params = [named[n] for n in names]
         if label == "head":
@@ -142,7 +152,7 @@ class SampleDots:
                     router = router * scale if scale != 1.0 else router
                     flat = [t for layer in extras for t in layer]
                     got = torch.autograd.grad(router, [*params, hidden, *flat], retain_graph=True, allow_unused=True)
-                    self.router += _dot(got[: len(params)], g)
+                    self.router[-1].append(_dot(got[: len(params)], g))
                     rest = got[len(params) :]
                     self.store.put(("ar", k), (rest[0] if rest[0] is not None else torch.zeros_like(hidden),))
                     at = 1
@@ -175,7 +185,7 @@ class SampleDots:
                             outputs.append(value)
                             seeds.append(seed)
                     got = torch.autograd.grad(outputs, [*params, hidden], seeds, allow_unused=True)
-                    self.router += _dot(got[:-1], g)
+                    self.router[-1].append(_dot(got[:-1], g))
                     self.store.put(("ar", k), (got[-1] if got[-1] is not None else torch.zeros_like(hidden),))
                     self.store.drop(("arx", layer, k))
             del out
@@ -193,7 +203,7 @@ class SampleDots:
                 if ("ar", k) in self.store:
                     seed = self.store.get(("ar", k))[0]
                     got = torch.autograd.grad([hidden], params, [seed], retain_graph=True, allow_unused=True)
-                    self.router += _dot(got, g)
+                    self.router[-1].append(_dot(got, g))
             self.store.drop(("ap", k))
             self.store.drop(("ar", k))
 
@@ -211,6 +221,17 @@ class SampleDots:
         return out
 
 
+def router_sum(parts: Sequence[Sequence[Sequence[float]]]) -> float:
+    """The router losses' <., g> over every process's per-piece parts (in process order), added piece by piece in
+    the micro-batches' order: the one process's sum, bit for bit."""
+    total = 0.0
+    for piece in range(len(parts[0]) if parts else 0):
+        for part in parts:
+            for value in part[piece]:
+                total += value
+    return total
+
+
 def streamed_dots(
     inputs: ReplayInputs,
     cfg: AppliedConfig,
@@ -219,16 +240,50 @@ def streamed_dots(
     settings: StreamSettings | None = None,
 ) -> tuple[float, float, dict[int, list[float]], dict[int, list[dict[str, Any]]], dict[str, float]]:
     """(grad norm, the router losses' <., g>, each sample's <g_s, g> per saved rank, their signals, timings) of the
-    step under `cfg`, streamed (see the module docstring); the dots divided by the saved world size, as whole."""
+    step under `cfg`, streamed (see the module docstring); the dots divided by the saved world size, as whole.
+    Computed on one intra-op thread, as the whole attribution and every process of a split one compute."""
+    job = AttributionJob(inputs.replay_dir, inputs.model, cfg, inputs.world_size, (tuple(range(inputs.world_size)),))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        figures = _share(job, 0, None, cancel, settings)
+    finally:
+        torch.set_num_threads(threads)
+    return figures.grad_norm, figures.router, figures.dots, figures.signals, figures.timings
+
+
+def streamed_split_dots(
+    job: AttributionJob, timeout_s: float = 1800.0, cancel: threading.Event | None = None
+) -> ShardedFigures:
+    """`streamed_dots` with the saved ranks split over `len(job.assignment)` spawned processes (contiguous blocks,
+    in order), each streaming its block, the pieces' sums chained and each reduced piece spread back
+    (`rank_chain`): every sample's dot with g, the router term and the grad norm are the one process's."""
+    return ShardedFigures(**run_share_processes(_split_figures, job, "streamed attribution", timeout_s, cancel))
+
+
+def _split_figures(job: AttributionJob, process: int) -> dict[str, Any]:
+    chain = RankChain(process, len(job.assignment), job.device, everywhere=True)
+    return asdict(_share(job, process, chain))
+
+
+def _share(
+    job: AttributionJob,
+    process: int,
+    chain: RankChain | None,
+    cancel: threading.Event | None = None,
+    settings: StreamSettings | None = None,
+) -> ShardedFigures:
+    """Process `process`'s block of the saved ranks streamed; with a chain, every process's figures gathered (each
+    process returns the same)."""
     settings = settings or StreamSettings()
-    world = inputs.world_size
+    world, cfg, device = job.world_size, job.cfg, job.device
     start = time.perf_counter()
-    weights = StreamedWeights(inputs.model, cfg.weights or inputs.replay_dir, device, None)
+    weights = StreamedWeights(job.model, cfg.weights or job.replay_dir, device, None)
     try:
         weights.check()
         weights.load_ends()
-        ranks = RankInputs(inputs.replay_dir, range(world), device, routing_shape(inputs.model))
-        counts = step_counts(ranks, cfg, cfg.loss, None, world)  # every saved rank here: recounted, as whole
+        ranks = RankInputs(job.replay_dir, job.assignment[process], device, routing_shape(job.model))
+        counts = step_counts(ranks, cfg, cfg.loss, None, world)  # every saved rank: recounted, as whole
         items = stream_items(ranks, [cfg])
         with boundary_store(settings.host_budget_bytes, settings.spill_dir, device) as store:
             t0 = time.perf_counter()
@@ -237,7 +292,7 @@ def streamed_dots(
             hook = SampleDots(weights, items, store, ranks, cfg, counts, cancel)
             steps = backward_steps(
                 weights, items, store, ranks, cfg, counts, world, need_entropy=cfg.needs_entropy, keep_own=False,
-                on_piece=hook, cancel=cancel,
+                on_piece=hook, cancel=cancel, chain=chain,
             )  # fmt: skip
             (done,) = together([steps])
             t2 = time.perf_counter()
@@ -245,6 +300,14 @@ def streamed_dots(
         grad_norm = done.figures.grad_norm(order)
         dots = {rank: (values / world).tolist() for rank, values in hook.dots.items()}
         timings = {"load": t0 - start, "forward": t1 - t0, "attribution": t2 - t1}
-        return grad_norm, hook.router / world, dots, hook.signals(), timings
+        own = (hook.router, dots, hook.signals())
+        parts = [own] if chain is None else gather_objects(own)
+        return ShardedFigures(
+            grad_norm=grad_norm if chain is None else chain.share(grad_norm),
+            router=router_sum([part[0] for part in parts]) / world,
+            dots={rank: values for part in parts for rank, values in part[1].items()},
+            signals={rank: rows for part in parts for rank, rows in part[2].items()},
+            timings=timings,
+        )
     finally:
         weights.close()

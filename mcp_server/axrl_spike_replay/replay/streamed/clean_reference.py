@@ -10,6 +10,11 @@ config's backward and the clean one's are taken a piece at a time in turn (`piec
 float64 dot product, summed, and the cosine from it and their sums of squares. The baseline's cosine to clean is one
 more such pair.
 
+Split over processes (`rank_chain`), every process takes every backward (each sums its saved ranks' passes into
+the chain), and takes the search's decisions alike: each grad norm compared with the bar is the last process's
+(`Step.shared`), and the loss tokens are ordered from every process's pulls and masks, gathered. The dot products
+and the figures are the last process's: it holds every piece's sum.
+
 Cost in backwards over the baseline's forward (each reads every decoder layer once): the probes (`passes`, as the
 whole replay counts them), one pair for the baseline's cosine when the clean gradient is not the baseline's own, and
 one more backward (the clean one beside it) per mitigated config. The baseline's forward boundaries and its weights
@@ -31,7 +36,7 @@ import torch
 from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
 from axrl_spike_replay.processes.rank_processes import check_cancel
 from axrl_spike_replay.replay.compute.clean_gradient import SpikeBar, not_reached_reason, smallest_count, token_order
-from axrl_spike_replay.replay.compute.worker import RankInputs, on_policy, own_baseline_figures
+from axrl_spike_replay.replay.compute.worker import RankInputs, gather_objects, on_policy, own_baseline_figures
 from axrl_spike_replay.replay.streamed.boundaries import BoundaryStore
 from axrl_spike_replay.replay.streamed.layer_passes import ConfigPass, Item, PieceHook, backward_steps
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
@@ -84,9 +89,13 @@ class Step:
         )  # fmt: skip
 
     def norm(self, forward: Forward, cfg: AppliedConfig, counts: GlobalCounts | None) -> float:
-        """`cfg`'s grad norm on `forward` (one backward; nothing of the gradient kept)."""
+        """`cfg`'s grad norm on `forward` (one backward; nothing of the gradient kept), in every process."""
         (done,) = together([self.steps(forward, cfg, counts)])
-        return done.figures.grad_norm(_order(forward))
+        return self.shared(done.figures.grad_norm(_order(forward)))
+
+    def shared(self, value: float) -> float:
+        """The last process's `value` in every process of a chain (`value` itself in one process)."""
+        return value if self.chain is None else self.chain.share(value)
 
 
 @dataclass
@@ -144,7 +153,7 @@ def clean_reference(
     """The clean gradient of the baseline whose backward on `forward` gave `done` and `pulls` (see the module
     docstring)."""
     start = time.perf_counter()
-    grad_norm = done.figures.grad_norm(_order(forward))
+    grad_norm = step.shared(done.figures.grad_norm(_order(forward)))
     base_counts = counts_of(baseline)
     if bar is None or not bar.is_spike(grad_norm):
         info = own_baseline_figures(grad_norm, bar, _self_cosine(grad_norm))
@@ -163,8 +172,11 @@ def clean_reference(
             found.info["passes"] = 1
             found.seconds = time.perf_counter() - start
             return found
-    masks = {rank: trace.mask.cpu() for rank, trace in done.traces.items()}
-    order = token_order({r: p.cpu() for r, p in _pulls(step, pulls).items()}, masks)
+    own_pulls = {rank: pull.cpu() for rank, pull in _pulls(step, pulls).items()}
+    own_masks = {rank: trace.mask.cpu() for rank, trace in done.traces.items()}
+    parts = gather_objects((own_pulls, own_masks)) if step.chain is not None else [(own_pulls, own_masks)]
+    all_pulls = {rank: pull for part in parts for rank, pull in part[0].items()}
+    order = token_order(all_pulls, {rank: mask for part in parts for rank, mask in part[1].items()})
     shapes = {rank: batch["loss_mask"].shape for rank, batch in step.inputs.batches.items()}
     norms: dict[int, float] = {}
     probes: dict[int, tuple[AppliedConfig, GlobalCounts | None]] = {}

@@ -7,12 +7,18 @@ per-parameter norms, then divides the sum by the saved world size and takes ever
 sum of squares (`training.rank_step`). A piece does the same for its own parameters, passes in the same order, so a
 streamed step's figures are the whole step's, put together piece by piece (`StepFigures`). Split over processes,
 a `RankChain` keeps that order across them.
+
+A weight two pieces share (tied input and output embeddings) is summed in the first (the head) and not measured
+there (`hand_on`): the second (the embedding) starts from that sum (`seed`) and each saved rank's own from that
+rank's head half (`defer`, then `resume`: kept in between where the caller keeps it, the layer boundaries' store),
+so its norms are taken once, of the whole gradient. Every pass's head half is added
+before any pass's embedding half: the whole replay adds each pass's two halves first, a rounding apart.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +76,30 @@ class PieceGradient:
         self.own_rank: int | None = None
         self.own_passes = 0
         self.rank_norms: dict[int, dict[str, float]] = {}
+        self.defer: Callable[[int, list[torch.Tensor | None]], None] | None = None  # each rank's own, handed on
+        self.resume: Callable[[int], list[torch.Tensor | None]] | None = None  # each rank's own, begun before
+
+    def seed(self, names: Sequence[str], values: Sequence[torch.Tensor | None]) -> None:
+        """Start the sum of `names` from `values` (a shared weight's sum over the piece before; alone, or on the
+        first process of a chain: the others receive it with the running sum)."""
+        if self.chain is not None and not self.chain.first:
+            return
+        self._start()
+        at = {name: i for i, name in enumerate(self.names)}
+        for name, value in zip(names, values, strict=True):
+            if value is not None:
+                self.total[at[name]] = value
+
+    def _own_begun(self, rank: int) -> list[torch.Tensor | None]:
+        """Rank `rank`'s own gradient as a piece before left it (`resume`; empty when none did)."""
+        return self.resume(rank) if self.resume is not None else []
+
+    def _own_done(self, rank: int) -> None:
+        if self.defer is not None:  # a copy: a one-pass rank's own is the sum's own tensor until the next rank adds
+            self.defer(rank, [g.clone() if g is not None else None for g in self.own])
+        else:
+            self.rank_norms[rank] = gradient_norms(zip(self.names, self.own, strict=False))
+        self.own = []
 
     def add(self, rank: int, grads: Sequence[torch.Tensor | None], passes_of_rank: int) -> None:
         """One pass of saved rank `rank` (which makes `passes_of_rank` passes in all, consecutively)."""
@@ -79,8 +109,8 @@ class PieceGradient:
             local = [g.to(self.reduce_dtype) if g is not None else None for g in local]
         if self.keep_own:
             if self.own_rank != rank:
-                self.own_rank, self.own, self.own_passes = rank, [], 0
-            if passes_of_rank == 1:
+                self.own_rank, self.own, self.own_passes = rank, self._own_begun(rank), 0
+            if passes_of_rank == 1 and not self.own:
                 self.own = local
             else:
                 if not self.own:
@@ -88,8 +118,7 @@ class PieceGradient:
                 accumulate(self.own, [g.clone() if g is not None else None for g in local])
             self.own_passes += 1
             if self.own_passes == passes_of_rank:
-                self.rank_norms[rank] = gradient_norms(zip(self.names, self.own, strict=False))
-                self.own = []
+                self._own_done(rank)
         accumulate(self.total, local)
 
     def skip(self, rank: int, passes_of_rank: int) -> None:
@@ -97,13 +126,12 @@ class PieceGradient:
         if not self.keep_own:
             return
         if self.own_rank != rank:
-            self.own_rank, self.own, self.own_passes = rank, [], 0
+            self.own_rank, self.own, self.own_passes = rank, self._own_begun(rank), 0
         if passes_of_rank > 1 and not self.own:
             self.own = [None] * len(self.names)
         self.own_passes += 1
         if self.own_passes == passes_of_rank and self.own:
-            self.rank_norms[rank] = gradient_norms(zip(self.names, self.own, strict=False))
-            self.own = []
+            self._own_done(rank)
 
     def _start(self) -> None:
         """Take the previous processes' running sum before this process's first pass (once per piece)."""
@@ -115,24 +143,37 @@ class PieceGradient:
         """The sum divided by the saved world size (`reduce_grads`' mean); None where no pass had a gradient."""
         return [g.div_(self.world_size) if g is not None else None for g in self.total]
 
+    def hand_on(self) -> list[torch.Tensor | None]:
+        """The sum, not reduced nor measured, for the piece that goes on with these weights (`seed`): alone or on
+        the last process of a chain; Nones on the others, which hand theirs on down the chain."""
+        self._start()
+        total = self.total
+        self.total = [None] * len(self.names)
+        self.started = self.chain is None
+        if self.chain is not None and not self.chain.last:
+            self.chain.send(total)
+            return [None] * len(self.names)
+        return total
+
     def measure(self, into: StepFigures) -> list[torch.Tensor | None]:
         """Reduce, and put the piece's sums of squares and norms into `into`; the reduced gradient. In a chain
-        only the last process measures the sum (the others hand theirs on and give Nones); every process puts in
-        its own saved ranks' norms."""
+        only the last process measures the sum (the others hand theirs on and give Nones, or the last's reduced
+        sum where the chain spreads it: `RankChain.everywhere`); every process puts in its own saved ranks' norms."""
         self._start()
+        for rank, norms in self.rank_norms.items():
+            into.rank_norms.setdefault(rank, {}).update(norms)
         if self.chain is not None and not self.chain.last:
             self.chain.send(self.total)
-            for rank, norms in self.rank_norms.items():
-                into.rank_norms.setdefault(rank, {}).update(norms)
             self.total = [None] * len(self.names)
             self.started = False
-            return [None] * len(self.names)
+            empty: list[torch.Tensor | None] = [None] * len(self.names)
+            return self.chain.spread(empty) if self.chain.everywhere else empty
         reduced = self.reduced()
         for name, g in zip(self.names, reduced, strict=True):
             into.squares[name] = squares64(g) if g is not None else 0.0
         into.norms.update(gradient_norms(zip(self.names, reduced, strict=True)))
-        for rank, norms in self.rank_norms.items():
-            into.rank_norms.setdefault(rank, {}).update(norms)
         self.total = [None] * len(self.names)
         self.started = self.chain is None
+        if self.chain is not None and self.chain.everywhere:
+            self.chain.spread(reduced)
         return reduced

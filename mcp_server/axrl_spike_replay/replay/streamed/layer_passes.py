@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from axrl_spike_replay.replay.streamed.rank_chain import RankChain
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.micro_batches import MicroBatch, stitch, take, take_routing
 from axrl_spike_replay.training.policy_loss import LossOutput
+from axrl_spike_replay.training.precision import cast_outputs
 
 
 @dataclass
@@ -190,6 +192,9 @@ def backward_steps(
     extra: dict[int, dict[str, Any]] = {}
     kept: list[bool] = []
     head = PieceGradient(head_names, world_size, reduce_dtype, keep_own, chain)
+    tied_names = list(weights.tied_names)  # tied embeddings: the head's half summed here, measured with the embedding
+    tied = PieceGradient(tied_names, world_size, reduce_dtype, keep_own, chain)
+    tied.defer = lambda rank, own: store.put(("tied", tag, rank), own)  # each rank's own head half, until the end
     last = weights.n_layers
     weights.prefetch(last - 1)  # read while the head and the loss compute
     for k, item in enumerate(items):
@@ -201,6 +206,8 @@ def backward_steps(
             hidden = _leaf(store.get(("h", last, k))[0], keeps)
             extras = [tuple(_leaf(t, keeps) for t in b[:-1]) for b in bounds]
             out = program.head(hidden, item.batch, extras, [b[-1] for b in bounds], need_entropy)
+            if weights.precision is not None:
+                out = cast_outputs(out, weights.precision)
             batch = loss_batch(inputs.batches[item.rank], item.rank, cfg, out.logprobs, item.mb)
             result = config_loss(out, batch, cfg, item.rank, counts, cfg.needs_entropy)
             loss = result.loss * item.mb.scale if item.mb.scale != 1.0 else result.loss
@@ -208,9 +215,10 @@ def backward_steps(
         if not keeps:  # left out: nothing of this rank reaches the step, router terms too
             extra[item.rank] = {"left_out": True}
             head.skip(item.rank, item.passes)
+            tied.skip(item.rank, item.passes)
             continue
         flat = [t for layer in extras for t in layer]
-        wrt = [named[n] for n in head_names] + [hidden, *flat]
+        wrt = [named[n] for n in head_names + tied_names] + [hidden, *flat]
         if pulls is not None:
             wrt.append(out.logprobs)
         grads = list(torch.autograd.grad(loss, wrt, allow_unused=True))
@@ -220,7 +228,10 @@ def backward_steps(
                 (pull if pull is not None else torch.zeros_like(out.logprobs)).detach()
             )
         head.add(item.rank, grads[: len(head_names)], item.passes)
-        got = grads[len(head_names) :]
+        ends = len(head_names) + len(tied_names)
+        if tied_names:
+            tied.add(item.rank, grads[len(head_names) : ends], item.passes)
+        got = grads[ends:]
         store.put(("g", tag, k), (got[0] if got[0] is not None else torch.zeros_like(hidden),))
         at = 1
         for layer, layer_extras in enumerate(extras):
@@ -229,6 +240,9 @@ def backward_steps(
                 at += len(layer_extras)
         del loss, result, out, grads, got
     _measure(head, figures, on_piece, "head")
+    held = tied.hand_on() if tied_names else []
+    if tied_names and chain is not None:
+        chain.hand_back(held)  # the last process's sum to the first, where the embedding's sum starts
     yield "head"
     for layer in reversed(range(last)):
         check_cancel(cancel, "replay")
@@ -261,6 +275,11 @@ def backward_steps(
         weights.free_layer(layer)
         yield f"layer {layer}"
     embed = PieceGradient(embed_names, world_size, reduce_dtype, keep_own, chain)
+    if tied_names:
+        if chain is not None and not chain.last:
+            held = chain.take_back(len(tied_names))
+        embed.seed(tied_names, held)
+        embed.resume = partial(_resumed, store, tag, [embed_names.index(n) for n in tied_names], len(embed_names))
     for k, item in enumerate(items):
         if not kept[k]:
             embed.skip(item.rank, item.passes)
@@ -272,8 +291,24 @@ def backward_steps(
         embed.add(item.rank, grads, item.passes)
         store.drop(("g", tag, k))
     _measure(embed, figures, on_piece, "embedding")
+    if chain is not None:
+        chain.settle()
     yield "embedding"
     return ConfigPass(figures, _rank_rows(results, extra), _traces(items, results, inputs))
+
+
+def _resumed(store: BoundaryStore, tag: str, at: list[int], count: int, rank: int) -> list[torch.Tensor | None]:
+    """Rank `rank`'s own head half of the tied weights (`PieceGradient.defer`), placed in the embedding piece's
+    order; empty when the head kept none (the rank left out)."""
+    key = ("tied", tag, rank)
+    if key not in store:
+        return []
+    held = store.get(key)
+    store.drop(key)
+    own: list[torch.Tensor | None] = [None] * count
+    for i, value in zip(at, held, strict=True):
+        own[i] = value
+    return own
 
 
 def _measure(piece: PieceGradient, figures: StepFigures, on_piece: PieceHook | None, label: str) -> None:

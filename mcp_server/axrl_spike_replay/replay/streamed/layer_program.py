@@ -157,12 +157,6 @@ class HFProgram(LayerProgram):
     """`HFPolicy.forward` (with `hf_logprobs`' head request) in pieces."""
 
     def __init__(self, policy: Any) -> None:
-        if getattr(policy.causal_lm.config, "tie_word_embeddings", False):
-            raise ConfigError(
-                "a streamed replay of a policy with tied input and output embeddings is not built: its embedding "
-                "gradient gathers from the head and the embedding at both ends of the step; use `shard` on or off",
-                "shard",
-            )
         self.policy: Any = policy
         self.lm: Any = policy.causal_lm
         self.layers = list(self.lm.model.layers)

@@ -14,6 +14,13 @@ checks it, naming the key).
 One read runs ahead (`prefetch`): the next layer the pass needs is read on a background thread while the current
 one computes, into that layer's own modules, so at most two layers are held at once (the plan counts both). The
 main thread waits for it only when it needs the layer (`ReadFigures.waited`); a failed read is raised there.
+
+A recorded precision policy (`training.precision`) is computed in as the whole replay computes it: the policy is
+built with float32 master weights and cast as FSDP would (`cast_for_compute`) while still on the meta device, so
+each layer is given memory in the compute dtype and the checkpoint's values are rounded into it as they are read
+(the master weights' rounding, one layer at a time), and each decoder layer (each FSDP unit) casts its floating
+inputs. The head's outputs are cast as the root's (`cast_outputs`), and each pass's gradient is reduced in the
+policy's reduce dtype (`layer_gradients`).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from torch import nn
 from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.models.hf_config import HFModelConfig
 from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
-from axrl_spike_replay.models.policy import ModelSpec, build_policy, hf_weights_dir, restore_buffers
+from axrl_spike_replay.models.policy import ModelSpec, build_policy, hf_weights_dir, restore_buffers, shard_units
 from axrl_spike_replay.models.sharded_weights import (
     DcpSource,
     WeightSource,
@@ -43,7 +50,7 @@ from axrl_spike_replay.models.sharded_weights import (
 from axrl_spike_replay.replay.compute.model_build import master_spec
 from axrl_spike_replay.replay.streamed.layer_program import LayerProgram, for_policy
 from axrl_spike_replay.snapshot.layout import DCP_METADATA
-from axrl_spike_replay.training.precision import PrecisionPolicy
+from axrl_spike_replay.training.precision import PrecisionPolicy, cast_for_compute
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")
 
@@ -62,16 +69,6 @@ class ReadFigures:
 
 def _state_names(module: nn.Module, prefix: str) -> list[str]:
     return [prefix + name for name in module.state_dict(keep_vars=True)]
-
-
-def check_precision(precision: PrecisionPolicy | None) -> None:
-    """ConfigError unless the step computes in float32 (a mixed-precision step is not streamed yet)."""
-    if precision is not None and precision.recorded and precision.param_dtype != "float32":
-        raise ConfigError(
-            f"a streamed replay computes in float32; this step's recorded precision is {precision.label}: "
-            "use `shard` on or off",
-            "shard",
-        )
 
 
 def _check_storage(directory: Path) -> None:
@@ -93,12 +90,10 @@ def _check_storage(directory: Path) -> None:
 
 def check_streamable(spec: ModelSpec, precision: PrecisionPolicy | None) -> None:
     """ConfigError naming what a streamed replay does not read or compute yet (before anything is written)."""
-    check_precision(precision)
-    hf = spec.hf if isinstance(spec, MegatronModelConfig) else spec
-    if isinstance(hf, HFModelConfig) and hf.config.get("tie_word_embeddings", False):
+    if isinstance(spec, MegatronModelConfig) and spec.hf.config.get("tie_word_embeddings", False):
         raise ConfigError(
-            "a streamed replay of a policy with tied input and output embeddings is not built: its embedding "
-            "gradient gathers from the head and the embedding at both ends of the step; use `shard` on or off",
+            "a streamed replay of a Megatron checkpoint with tied input and output embeddings is not built (route "
+            "1's mapping of a shared output layer is not streamed); use `shard` on or off",
             "shard",
         )
 
@@ -132,6 +127,9 @@ class StreamedWeights:
         self.spec, self.device = spec, torch.device(device)
         self.policy = build_policy(master_spec(spec, precision), "meta")
         self.program: LayerProgram = for_policy(self.policy)
+        self.precision = precision if precision is not None and precision.recorded else None
+        if self.precision is not None:  # as the whole replay casts (`model_build`): parameters, units' inputs
+            cast_for_compute(self.policy, shard_units(self.policy), self.precision)
         directory = Path(weights_dir)
         self.directory = hf_weights_dir(spec, directory) if isinstance(spec, HFModelConfig) else directory
         self.label = str(self.directory)
@@ -144,6 +142,11 @@ class StreamedWeights:
         self.embedding_names = {
             prefixes[id(m)] + "." + name for m in self.program.embed_modules() for name, _ in m.named_parameters()
         }
+        self._ties = _ties(self.program)
+        named = dict(self.policy.named_parameters())
+        tied = {id(source) for _, _, source in _tie_sources(self.program, self._ties)}
+        # tied input and output embeddings: the one weight the head and the embedding both compute with
+        self.tied_names = sorted(n for n in self.embedding_names if id(named[n]) in tied)
         in_layers = {name for names in self.layer_names for name in names}
         self.end_names = [name for name in self.policy.state_dict(keep_vars=True) if name not in in_layers]
         self.read = ReadFigures()
@@ -186,10 +189,15 @@ class StreamedWeights:
             total += numel * getattr(torch, dtype).itemsize
         return total
 
-    def _load(self, modules: list[nn.Module], names: list[str], prefixes: list[str] | None = None) -> None:
+    def _load(
+        self, modules: list[nn.Module], names: list[str], prefixes: list[str] | None = None, tie: bool = False
+    ) -> None:
         start = time.perf_counter()
         for module in modules:
             module.to_empty(device=self.device)
+        if tie:
+            for owner, leaf, source in _tie_sources(self.program, self._ties):
+                setattr(owner, leaf, source)
         state = None
         if prefixes is not None:  # the modules' own tensors: the policy's state dict is not read off this thread
             state = {}
@@ -201,8 +209,9 @@ class StreamedWeights:
             self.read.seconds += time.perf_counter() - start
 
     def load_ends(self) -> None:
-        """Read the embedding, final norm and head (held until `close`)."""
-        self._load(self.program.end_modules(), self.end_names)
+        """Read the embedding, final norm and head (held until `close`); a weight the head shares with the
+        embedding is one tensor again once both have memory (`to_empty` gives each module its own)."""
+        self._load(self.program.end_modules(), self.end_names, tie=True)
         restore_buffers(self.policy)  # rotary frequencies: no checkpoint holds them
 
     def _read_layer(self, index: int) -> None:
@@ -262,6 +271,35 @@ class StreamedWeights:
             self._pool.shutdown(wait=True)
             self._pool = None
         self.policy.to_empty(device="meta")
+
+
+Tie = tuple[int, str, int, str]  # (head module, path of its parameter, embedding module, path of the one it is)
+
+
+def _ties(program: LayerProgram) -> list[Tie]:
+    """Where a head module's parameter is an embedding module's (tied embeddings), by module index and path."""
+    embeds = program.embed_modules()
+    sources = {id(p): (i, path) for i, m in enumerate(embeds) for path, p in m.named_parameters()}
+    ends = program.end_modules()
+    ties = []
+    for i, module in enumerate(ends):
+        if any(module is e for e in embeds):
+            continue
+        for path, p in module.named_parameters(remove_duplicate=False):
+            if id(p) in sources:
+                ties.append((i, path, *sources[id(p)]))
+    return ties
+
+
+def _tie_sources(program: LayerProgram, ties: list[Tie]) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """(the module holding a tied head parameter, its attribute, the embedding's parameter it is)."""
+    ends, embeds = program.end_modules(), program.embed_modules()
+    out = []
+    for head, path, embed, source in ties:
+        owner_path, _, leaf = path.rpartition(".")
+        owner = ends[head].get_submodule(owner_path) if owner_path else ends[head]
+        out.append((owner, leaf, embeds[embed].get_parameter(source)))
+    return out
 
 
 def _one_thread() -> None:

@@ -107,9 +107,7 @@ def _compute(
     base_traces: dict[int, RankTrace] = {}
     # the outcome figures (footprint, the clean gradient) are a mitigation's: a hypothesis is judged by the record
     fixes = [cfg for cfg in job.configs[1:] if cfg.mitigations and not cfg.is_hypothesis]
-    # split over processes only the last holds the summed gradient: the engine refuses the clean gradient there
-    # (`rank_chain.check_split`); a chain computes every other figure and says so
-    wants_clean = bool(fixes) and not baseline.mitigations and chain is None
+    wants_clean = bool(fixes) and not baseline.mitigations
     step = Step(inputs, job.world_size, reduce_dtype, stop, chain)
     clean: CleanReference | None = None
     say(f"streamed: {len(ranks)} saved rank(s) in this process, one decoder layer at a time")
@@ -182,8 +180,6 @@ def _compute(
                 f"streamed: read {weights.read.bytes_read:,} bytes of weights ({weights.read.layer_reads} layer "
                 f"reads, {weights.read.seconds:.2f} s reading, {weights.read.waited:.2f} s of it waited for)"
             )
-    if fixes and chain is not None:
-        say("streamed: the clean gradient and cosine to clean are not computed over several processes")
     say(f"streamed: {time.perf_counter() - start:.2f} s in all")
     return [outcomes[cfg.config_id] for cfg in job.configs]
 

@@ -11,6 +11,13 @@ input hidden states, and per MoE layer the router's float32 logits and its int64
 hidden-state gradient and the router logits' gradients.
 It reads every layer once in the forward and once per config in the backward, the ends once.
 
+With mitigations (more than one config) the clean gradient's backwards are counted at their fewest past a spike:
+one probe, the pair for the baseline's cosine to clean, and one more (the clean one) beside each other config;
+each further probe of the search reads every layer once more. A pair's two backwards each keep their hidden-state
+and router gradients, so the backward's boundaries are counted twice. Tied input and output embeddings are one
+matrix: counted once with the embedding, and its head half of the gradient held from the head to the embedding
+(with the ends), each saved rank's own head half kept with the boundaries for the per-rank norms.
+
 The time is an estimate: compute of 2 x active parameters x tokens for the forward, 8 x for each config's backward
 (the layer recomputed, then backpropagated), at the `flops_per_s` given (defaults are said, not measured here), plus
 the bytes read at `read_bytes_per_s`.
@@ -53,6 +60,7 @@ class ModelPieces:
     head: int
     experts: int
     saved_bytes: int
+    tied: bool = False  # the head's matrix is the embedding's (counted once, with the embedding)
 
 
 def model_pieces(spec: ModelSpec) -> ModelPieces:
@@ -63,10 +71,12 @@ def model_pieces(spec: ModelSpec) -> ModelPieces:
         from axrl_spike_replay.models.hf_config import expected_hf_shapes
 
         shapes, dtype = expected_hf_shapes(spec), spec.dtype
+        tied = bool(spec.config.get("tie_word_embeddings", False))
     else:
         from axrl_spike_replay.models.tiny_moe import expected_state_shapes
 
         shapes, dtype = expected_state_shapes(spec), "float32"
+        tied = False
     per_layer: dict[int, int] = {}
     embedding = head = experts = 0
     for name, shape in shapes.items():
@@ -78,10 +88,10 @@ def model_pieces(spec: ModelSpec) -> ModelPieces:
                 experts += n
         elif "embed" in name or name.startswith("pos."):
             embedding += n
-        else:
+        elif not (tied and name.startswith("lm_head.")):
             head += n
     return ModelPieces(
-        max(per_layer.values(), default=0), len(per_layer), embedding, head, experts, DTYPE_BYTES.get(dtype, 4)
+        max(per_layer.values(), default=0), len(per_layer), embedding, head, experts, DTYPE_BYTES.get(dtype, 4), tied
     )
 
 
@@ -141,24 +151,27 @@ def streamed_row(
     b = element  # the compute dtype's bytes
     layer = pieces.largest_layer * b * 4  # parameters and three gradient copies
     ends = (pieces.embedding + pieces.head) * b + 3 * max(pieces.embedding, pieces.head) * b
+    ends += pieces.embedding * b if pieces.tied else 0  # the tied matrix's head half, held until the embedding
     one_layer = dataclasses.replace(facts, layers=1, dense_layers=0 if facts.experts else 1)
     activations = activation_bytes(one_layer, micro_batch[0], micro_batch[1], b, attention=facts.attention)
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else RUNTIME_CPU_BYTES
     moe_layers = facts.layers - facts.dense_layers
     tokens = world * rank_tokens
     per_token = (facts.layers + 1) * facts.hidden * b + moe_layers * (facts.experts * b + facts.top_k * 8)
-    per_token += facts.hidden * b + moe_layers * facts.experts * b  # the backward's gradients
-    boundaries = tokens * per_token
+    pair = 2 if configs > 1 else 1  # a config's backward beside the clean one's: both keep their gradients
+    per_token += pair * (facts.hidden * b + moe_layers * facts.experts * b)  # the backward's gradients
+    boundaries = tokens * per_token + (world * pieces.embedding * b if pieces.tied else 0)
     held = min(boundaries, host_budget)
     peak = layer + ends + activations + runtime + (held if device != "cuda" else 0)
     ahead = pieces.largest_layer * b  # the next layer's parameters, read while this one computes
     read_ahead = capacity_bytes is None or peak + ahead <= capacity_bytes or peak > capacity_bytes
     if read_ahead:
         layer, peak = layer + ahead, peak + ahead
-    layer_reads = pieces.layers * (1 + configs)
+    backwards = configs + (3 + configs - 1 if configs > 1 else 0)  # the clean gradient's, at their fewest
+    layer_reads = pieces.layers * (1 + backwards)
     read = (pieces.embedding + pieces.head + pieces.largest_layer * layer_reads) * pieces.saved_bytes
     active = facts.parameters - pieces.experts * (1 - facts.top_k / facts.experts if facts.experts else 0)
-    flops = float(active) * tokens * (2 + 8 * configs)
+    flops = float(active) * tokens * (2 + 8 * backwards)
     read_speed = read_bytes_per_s or ASSUMED_READ_BYTES_PER_S
     compute_speed = flops_per_s or ASSUMED_FLOPS.get(device, ASSUMED_FLOPS["cpu"])
     speeds = (
