@@ -8,7 +8,9 @@ suggested experiment is replayed in one sweep beside the baseline. Printed per c
 
 - top-1: the strongest cause's family is the planted one (earlier cause ids are read as their family);
 - ranks: the ranks the top cause names against those the fault hit (`-` when the fault hit every rank);
-- calibration: accuracy per band of the top cause's strength (a strength of 1.0 should be right every time);
+- calibration: accuracy per band of the top cause's strength (a strength of 1.0 should be right every time), and
+  every cause at strength >= 0.8, not only the first: right when it names the planted family and no rank the faults
+  did not hit (a rank-own cause that names every rank, or none, against a fault on some ranks is wrong);
 - right rank named: the top cause's ranks are exactly the ranks the faults hit (none named for a fault on every rank);
 - experiments: the fraction that clear the spike, that clear or move it (grad norm changed by >= 1 %), and the
   no-ops (grad norm unchanged within the replay tolerance; goal: 0);
@@ -27,14 +29,16 @@ ranks), committed before `diagnose` was run on it, spent since. `--provenance he
 qwen2_moe, world sizes 2 and 4, one case with two faults on two ranks), committed before `diagnose` was run on it,
 spent since. `--provenance held_out_v` runs the fifth (`capture.fault_injection.held_out_v_faults`: eight kinds no
 earlier provenance uses, three of them in the trainer's loss, twelve cases on tiny_moe, qwen2_moe and olmoe, world
-sizes 2 and 4, one case with two faults on two ranks), committed before `diagnose` was run on it: the held-out
-figure now.
+sizes 2 and 4, one case with two faults on two ranks), committed before `diagnose` was run on it, spent since.
+`--provenance held_out_vi` runs the sixth (`capture.fault_injection.held_out_vi_faults`: eight kinds no earlier
+provenance uses, ten cases on tiny_moe, qwen2_moe and olmoe, world sizes 2 and 4, one case with two faults on
+two ranks), committed before `diagnose` was run on it: the held-out figure now.
 
 A case whose run trips no spike guard at the burst is listed as `no spike` and left out of the accuracy: that is the
 fault's failure to spike on that model and seed, not the diagnosis's.
 
 Usage: .venv/bin/python benchmarks/bench_diagnosis.py [--models tiny_moe,qwen2_moe,olmoe] [--seeds 0]
-       [--provenance preset,variant,held_out,unseen,held_out_ii,held_out_iii,held_out_iv,held_out_v] [--cases NAME,...]
+       [--provenance preset,variant,held_out,unseen,held_out_ii,...,held_out_vi] [--cases NAME,...]
        [--no-experiments] [--json PATH] [--keep DIR [--reuse]]
        (--keep keeps the captures; --reuse diagnoses kept ones again after a change)
 """
@@ -91,6 +95,7 @@ class CaseRun:
     experiments: list[dict[str, Any]] = field(default_factory=list)
     hypotheses: list[dict[str, Any]] = field(default_factory=list)  # the diagnosis's hypothesis replays, run
     prediction: dict[str, Any] | None = None  # the top cause's predicted recorded grad norm, when it makes one
+    causes: list[dict[str, Any]] = field(default_factory=list)  # every cause: family, strength, ranks named
     world_size: int = 2
     error: str | None = None
     seconds: float = 0.0
@@ -103,6 +108,20 @@ class CaseRun:
     def right_rank(self) -> bool:
         """The top cause names exactly the ranks hit (none for a fault on every rank)."""
         return (self.ranks_named or []) == self.expected_ranks
+
+    def cause_right(self, cause: dict[str, Any]) -> bool:
+        """A cause names the planted family and no rank the faults did not hit (some rank, when they hit some)."""
+        if cause["family"] != self.planted:
+            return False
+        named = cause.get("ranks") or []
+        if not self.expected_ranks:
+            return not named
+        return bool(named) and set(named) <= set(self.expected_ranks)
+
+    @property
+    def strong_wrong(self) -> list[dict[str, Any]]:
+        """The causes at strength >= 0.8 that are not right."""
+        return [c for c in self.causes if c["strength"] >= 0.8 and not self.cause_right(c)]
 
     @property
     def proved(self) -> bool:
@@ -226,6 +245,10 @@ def run_case(case: MatrixCase, model: str, seed: int, root: Path, experiments: b
         out.runner_up = families[1] if len(families) > 1 else None
         out.planted_position = families.index(case.family) + 1 if case.family in families else None
         out.ranks_named = _ranks_named(top)
+        out.causes = [
+            {"family": family_id(c.family), "strength": float(c.strength), "ranks": _ranks_named(c)}
+            for c in diagnosis.causes
+        ]
         out.samples_named = _samples_named(top, diagnosis)
         figures = top.figures or {}
         if "predicted_grad_norm" in figures:
@@ -303,6 +326,16 @@ def report(runs: list[CaseRun]) -> dict[str, Any]:
     print(f"experiment proves the cause: {_pct(proved, len(judged))}")
     strong = [r for r in judged if r.strength is not None and r.strength >= 0.8]
     print(f"top causes at strength >= 0.8 that are right: {_pct(sum(r.correct for r in strong), len(strong))}")
+    every = [(r, c) for r in judged for c in r.causes if c["strength"] >= 0.8]
+    every_ok = sum(r.cause_right(c) for r, c in every)
+    clean = sum(not r.strong_wrong for r in judged)
+    print(
+        "every cause at strength >= 0.8 right (family, and no rank the faults did not hit): "
+        f"{_pct(every_ok, len(every))}; cases with no wrong cause at >= 0.8: {_pct(clean, len(judged))}"
+    )
+    for r in judged:
+        for c in r.strong_wrong:
+            print(f"  wrong at >= 0.8: {r.case}: {c['family']} {c['strength']:.2f} ranks {c['ranks']}")
     exps = [e for r in judged for e in r.experiments if "error" not in e or e.get("verdict")]
     cleared = sum(e.get("verdict") == "cleared" for e in exps)
     moved = sum(
@@ -339,6 +372,8 @@ def report(runs: list[CaseRun]) -> dict[str, Any]:
         "right_rank": right_rank,
         "proved": proved,
         "calibration": calibration,
+        "strong_causes": len(every),
+        "strong_causes_right": every_ok,
         "experiments": len(exps),
         "cleared": cleared,
         "moved": moved,
@@ -353,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--provenance",
         default=",".join(PROVENANCES),
-        help="which cases: preset, variant, held_out, unseen, held_out_ii, held_out_iii, held_out_iv, held_out_v",
+        help="which cases: " + ", ".join(PROVENANCES),
     )
     ap.add_argument("--cases", default="", help="only these case names (comma-separated)")
     ap.add_argument("--no-experiments", action="store_true", help="do not replay the suggested experiments")

@@ -66,3 +66,24 @@ def test_diagnose_runs_the_comparison_of_tied_causes_and_separates_them(tmp_path
     assert run_comparisons(snapshot, [(a, b)], {id(a): 0.9, id(b): 0.8}) == []
     assert a.strength == 0.9 and a.tied_with == [] and "the spike answers to this cause" in a.evidence[-1]
     assert b.strength == 0.7 and "the spike answers to one_rank_data" in b.evidence[-1]
+
+
+def test_on_a_real_snapshot_whose_figures_single_out_one_rank_no_strong_cause_claims_every_rank(tmp_path) -> None:
+    """The issue's rule end to end: rank 1's stored old log-probs stale on a copy of the golden snapshot (its step
+    recorded as trained), so the per-rank figures single out rank 1; every cause at strength >= 0.8 then names rank 1
+    and no other, and none claims every rank."""
+    from snapshot_edits import copy_fixture, diagnosed, no_mismatch, set_loss, stale_old_logprobs
+
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    set_loss(snapshot, is_base_logprobs="old")
+    stale_old_logprobs(snapshot, 1)
+    d = diagnosed(snapshot, model="always")
+    assert d.reading is not None
+    odd = d.reading.odd_signal("old")
+    assert odd is not None and odd.ranks == [1] and odd.separated  # a figure that singles out rank 1
+    strong = [c for c in d.causes if c.strength >= 0.8]
+    assert strong and d.top.family == "stale_old_logprobs"
+    assert all(c.ranks == [1] or (c.family == "step_not_reproduced" and 1 in c.ranks) for c in strong), [
+        (c.family, c.strength, c.ranks) for c in strong
+    ]

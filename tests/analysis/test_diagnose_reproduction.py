@@ -91,3 +91,13 @@ def test_a_step_scaled_on_one_rank_is_explained_first_with_its_factor_and_predic
     assert "a replay cannot undo a trainer-side scale" in text and "param_grad_norms_vs_replay" not in "".join(
         diagnosis.not_checked
     )
+
+
+def test_a_rank_whose_recorded_norms_are_not_finite_where_the_replays_are_differs_with_no_factor() -> None:
+    """A gradient past the float range on one rank records inf per-parameter norms (the rank's loss as replayed):
+    nothing is left to compare, and that is no match."""
+    overflowed = read_rank(0, dict.fromkeys(REPLAYED, math.inf), dict(REPLAYED), (1.0, 1.0))
+    assert not overflowed.matches and overflowed.pattern == "none" and overflowed.non_finite == len(REPLAYED)
+    partly = read_rank(0, {**REPLAYED, "blocks.1.qkv.weight": math.nan}, dict(REPLAYED), (1.0, 1.0))
+    assert not partly.matches and partly.non_finite == 1
+    assert read_rank(0, dict(REPLAYED), dict(REPLAYED), (1.0, 1.0)).matches

@@ -26,6 +26,10 @@ Three provenances:
 - `held_out_v`: faults of `capture.fault_injection.held_out_v_faults`, a fifth held-out set (eight kinds no earlier
   provenance uses, three of them in the trainer's loss), written and committed before any diagnosis was run on them:
   tiny_moe, qwen2_moe and olmoe, world sizes 2 and 4, one case with two faults on two ranks.
+- `held_out_vi`: faults of `capture.fault_injection.held_out_vi_faults`, a sixth held-out set (eight kinds no earlier
+  provenance uses: in the advantages, the stored log-probs, the engine's log-probs, the routing payload and the
+  trainer's routing replay), written and committed before any diagnosis was run on them: tiny_moe, qwen2_moe and
+  olmoe, world sizes 2 and 4, one case with two faults on two ranks.
 
 `capture_command` is the same run as an `axrl-spike-replay capture` command line. `capture_case` records a case
 with `hide_fault`, so the snapshots and the log do not name the preset or the fault:
@@ -42,7 +46,17 @@ from typing import Any
 
 from axrl_spike_replay.capture.reference.presets import FAMILY_PRESETS, FAULT_FAMILIES, LAST, FaultSpec, get_preset
 
-PROVENANCES = ("preset", "variant", "held_out", "unseen", "held_out_ii", "held_out_iii", "held_out_iv", "held_out_v")
+PROVENANCES = (
+    "preset",
+    "variant",
+    "held_out",
+    "unseen",
+    "held_out_ii",
+    "held_out_iii",
+    "held_out_iv",
+    "held_out_v",
+    "held_out_vi",
+)
 MATRIX_WORLD_SIZE = 2  # one faulty rank beside a healthy one: the witness a per-rank comparison needs
 MATRIX_STEPS = 24  # the burst is at iterations 20-22
 
@@ -54,7 +68,7 @@ class MatrixCase:
     name: str
     family: str  # the cause family planted (one of presets.FAULT_FAMILIES)
     preset: str
-    provenance: str  # preset | variant | held_out | unseen | held_out_ii | held_out_iii | held_out_iv | held_out_v
+    provenance: str  # one of PROVENANCES
     faults: tuple[FaultSpec, ...] = ()  # planted on top of the preset's own fault
     world_size: int = MATRIX_WORLD_SIZE
     model: str | None = None  # the one model the case runs on (None: each model the matrix is run on)
@@ -560,6 +574,88 @@ _HELD_OUT_V = (
 )
 
 
+def _vi(name: str, family: str, preset: str, *faults: FaultSpec, model: str, world_size: int = 2) -> MatrixCase:
+    return MatrixCase(f"held_out_vi:{name}", family, preset, "held_out_vi", faults, world_size=world_size, model=model)
+
+
+_HELD_OUT_VI = (
+    _vi(
+        "advantage_mean_not_subtracted",
+        "outlier_advantage",
+        "peaked",
+        FaultSpec("advantage_mean_not_subtracted", ranks=LAST),
+        model="tiny_moe",
+    ),
+    _vi(
+        "old_logprobs_sequence_sum",
+        "stale_old_logprobs",
+        "peaked",
+        FaultSpec("old_logprobs_sequence_sum", ranks=LAST),
+        model="tiny_moe",
+    ),
+    _vi(
+        "qwen2_moe_ref_logprobs_are_entropy",
+        "bad_ref_logprobs",
+        "peaked_kl",
+        FaultSpec("ref_logprobs_are_entropy", ranks=LAST),
+        model="qwen2_moe",
+    ),
+    _vi(
+        "ref_logprobs_of_argmax_ws4",
+        "bad_ref_logprobs",
+        "peaked_kl",
+        FaultSpec("ref_logprobs_of_argmax", ranks=(3,)),
+        model="tiny_moe",
+        world_size=4,
+    ),
+    _vi(
+        "qwen2_moe_rollout_logprobs_first_sequence",
+        "engine_mismatch",
+        "peaked_rollout_ratio",
+        FaultSpec("rollout_logprobs_first_sequence", ranks=LAST),
+        model="qwen2_moe",
+    ),
+    _vi(
+        "routes_token_major_view_ws4",
+        "routing_payload",
+        "expert_sensitive",
+        FaultSpec("routes_token_major_view", ranks=(1,)),
+        model="tiny_moe",
+        world_size=4,
+    ),
+    _vi(
+        "olmoe_routes_token_major_view",
+        "routing_payload",
+        "expert_sensitive",
+        FaultSpec("routes_token_major_view", ranks=LAST),
+        model="olmoe",
+    ),
+    _vi(
+        "qwen2_moe_routes_layer_off_by_one",
+        "routing_payload",
+        "expert_sensitive",
+        FaultSpec("routes_layer_off_by_one", ranks=(0,)),
+        model="qwen2_moe",
+    ),
+    _vi(
+        "replay_routes_offset_by_micro_batch",
+        "step_not_reproduced",
+        "expert_sensitive",
+        FaultSpec("replay_routes_offset_by_micro_batch", ranks=(0,)),
+        model="tiny_moe",
+    ),
+    _vi(
+        "token_major_view_and_layer_off_by_one_ws4",
+        "routing_payload",
+        "expert_sensitive",
+        FaultSpec("routes_token_major_view", ranks=(0,)),
+        FaultSpec("routes_layer_off_by_one", ranks=(3,)),
+        model="tiny_moe",
+        world_size=4,
+    ),
+)
+
+
 def matrix_cases(provenances: tuple[str, ...] = PROVENANCES) -> list[MatrixCase]:
     """The matrix's cases of the given provenances, presets first."""
     unknown = set(provenances) - set(PROVENANCES)
@@ -574,6 +670,7 @@ def matrix_cases(provenances: tuple[str, ...] = PROVENANCES) -> list[MatrixCase]
         *_HELD_OUT_III,
         *_HELD_OUT_IV,
         *_HELD_OUT_V,
+        *_HELD_OUT_VI,
     ]
     return [c for c in cases if c.provenance in provenances]
 

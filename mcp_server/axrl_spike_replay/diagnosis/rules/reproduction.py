@@ -59,6 +59,7 @@ class RankReading:
     groups: dict[str, float] = field(default_factory=dict)  # group -> factor (by_layer / by_family)
     scale: dict[str, float] = field(default_factory=dict)  # parameter -> the finding's factor (empty: none)
     local_norm: float = 0.0  # the rank's recorded local norm (sqrt of the sum of its squared per-parameter norms)
+    non_finite: int = 0  # parameters whose recorded norm is not finite where the replay's is (not compared)
 
     @property
     def loss_ratio(self) -> float | None:
@@ -108,9 +109,14 @@ def read_rank(
     out.local_norm = local
     slack = [MATCH_TOLERANCE * (max(abs(rec[n]), abs(rep[n])) + scale) for n in names]
     norms_match = all(abs(rec[n] - rep[n]) <= s for n, s in zip(names, slack, strict=True))
-    if norms_match and out.loss_matches is not False:
+    # a recorded norm that is not finite (NaN, or a gradient past the float range) where the replay's is: differs
+    overflowed = [n for n in rec if n in rep and not math.isfinite(rec[n]) and math.isfinite(rep[n])]
+    if norms_match and not overflowed and out.loss_matches is not False:
         return out
     out.matches = False
+    if overflowed:
+        out.pattern, out.non_finite = "none", len(overflowed)  # no ratio to read there: no scale explains them
+        return out
     carrying = [n for n in names if rep[n] > CARRY * scale]
     ratios = {n: rec[n] / rep[n] for n in carrying}
     if not ratios:
@@ -270,6 +276,8 @@ def _rank_sentence(r: RankReading) -> str:
         groups = ", ".join(f"{g} x{f:.6g}" for g, f in sorted(r.groups.items()))
         return f"{head}: a factor per {r.pattern[3:]} ({groups}), median {r.factor:.4g}{loss}"
     median = f"median {r.factor:.4g}, spread {r.spread:.3g}" if r.factor is not None else "no parameter carries norm"
+    if r.non_finite:
+        median += f"; {r.non_finite} recorded norms are not finite where the replay's are"
     return f"{head}: no single factor nor one per layer or parameter family ({median}){loss}"
 
 

@@ -41,6 +41,7 @@ from axrl_spike_replay.diagnosis.rules.rank_inputs import (
     rank_advantage_scale,
     scaled_ranks,
 )
+from axrl_spike_replay.experiment.step_evidence import TermFigures
 
 REFUTE_STAYS = "the spike stays within 20 % of the baseline"
 KL_READS = 0.05  # share of the gradient below which the loss barely reads a signal's term on its ranks
@@ -472,7 +473,12 @@ def _kl_witness(ev: Evidence) -> list[tuple[int, str]]:
     other stored signal or mask of it is out of line: the policy's drift from the reference is alike on every rank,
     so what its KL pulls should be too; there the reference itself differs ([(rank, sentence)] or []). Not on a
     rank whose tokens are DATA_NATS per token less likely than the policy's own samples would be (its surprise past
-    its entropy): there k3's exp(ref - log π) is carried by a few hard tokens, and a rank's share is chance."""
+    its entropy): there k3's exp(ref - log π) is carried by a few hard tokens, and a rank's share is chance.
+
+    The share is held to the KL term's own figures on that rank (`_kl_pull_stands_out`): a share is a projection on
+    the whole gradient, and it grows on a rank whose other terms carry nothing (every advantage there 0: its policy
+    term is 0 whatever its data) or whose KL pull happens to lie along a small replayed gradient, while its
+    reference is as far from the policy as every other rank's. A reference that differs there pulls harder there."""
     assert ev.reading is not None
     kl = ev.channel.term("kl") if ev.channel is not None else None
     levels = ev.reading.levels.get("ref", {})
@@ -483,6 +489,8 @@ def _kl_witness(ev: Evidence) -> list[tuple[int, str]]:
         others = [abs(v) for o, v in shares.items() if o != r]
         if share < KL_CARRIES or share < WITNESS_RATIO * max(others) or r not in levels:
             continue
+        if not _kl_pull_stands_out(kl, r):
+            continue  # its share, not its pull, singles it out: the other terms' and ranks' gradients explain it
         if any(lv.level >= levels[r].level for o, lv in levels.items() if o != r):
             continue  # the reference is not furthest off there
         if r in ev.reading.mask_ranks or r in ev.reading.truncated:
@@ -505,6 +513,22 @@ def _kl_witness(ev: Evidence) -> list[tuple[int, str]]:
             )
         ]
     return []
+
+
+def _kl_pull_stands_out(kl: TermFigures, rank: int) -> bool:
+    """Whether the KL term's own figures on `rank` stand out against the same term on every other rank: its
+    gradient norm (what the reference there pulls) WITNESS_RATIO times the largest other rank's, and its value (the
+    rank's KL estimate: its reference against the policy's own log-probs), where recorded, too. Figures of the term
+    alone, so neither the rank's other terms (a policy term that is 0 when its advantages are) nor the other ranks'
+    gradients can make them stand out."""
+    mine = next((x for x in kl.ranks if x.rank == rank), None)
+    others = [x for x in kl.ranks if x.rank != rank]
+    if mine is None or not others or not is_finite(mine.grad_norm):
+        return False
+    if mine.grad_norm < WITNESS_RATIO * max(abs(x.grad_norm) for x in others if is_finite(x.grad_norm)):
+        return False
+    values = [abs(x.value) for x in others if is_finite(x.value)]
+    return not (is_finite(mine.value) and values and abs(mine.value) < WITNESS_RATIO * max(values))
 
 
 def routing_payload(ev: Evidence) -> Cause | None:

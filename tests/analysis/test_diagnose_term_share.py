@@ -1,0 +1,87 @@
+"""A cause that reads a loss term's share of the gradient is held to that term's own per-rank figures: the KL term
+carrying most of a rank's share names the rank's reference only when what the KL term pulls there (its gradient
+norm, its value) stands out against the other ranks'. A rank whose advantages are all 0 has a policy term of 0, so
+its KL term carries all it adds to the gradient whatever its reference: that alone names no reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from snapshot_edits import copy_fixture, diagnosed, edit_batch, no_mismatch, set_loss
+
+from axrl_spike_replay.diagnosis.evidence.signal_reading import OddSignal, SignalLevels, SignalReading
+from axrl_spike_replay.diagnosis.rules.causes import Evidence
+from axrl_spike_replay.diagnosis.rules.signal_causes import KL_WITNESSED, bad_ref_logprobs
+from axrl_spike_replay.experiment.step_evidence import LossChannel, TermFigures, TermRank
+from axrl_spike_replay.training.loss_config import LossConfig
+
+
+def evidence(kl_ranks: list[TermRank], policy_ranks: list[TermRank]) -> Evidence:
+    """Two ranks whose stored reference is off alike (drift: no witness by level), with this loss channel."""
+    levels = {r: SignalLevels(r, "ref", level, level, None) for r, level in ((0, 19.1), (1, 19.7))}
+    odd = OddSignal("ref", [0, 1], {0: 19.1, 1: 19.7}, spread=True)
+    reading = SignalReading(levels={"ref": levels}, odd=[odd], likelihood={0: -0.4, 1: -0.4})
+    kl = TermFigures("kl", 0.1, 0.2, sum(x.share for x in kl_ranks), kl_ranks)
+    policy = TermFigures("policy", 1.0, 0.1, sum(x.share for x in policy_ranks), policy_ranks)
+    channel = LossChannel(grad_norm=0.2, terms=[policy, kl])
+    return Evidence(None, None, None, None, 2, reading=reading, channel=channel, loss=LossConfig(kl_coef=0.1))
+
+
+def test_a_kl_share_on_a_rank_whose_advantages_are_all_zero_names_no_reference_when_its_pull_is_the_others() -> None:
+    """Rank 1's advantages are all 0 (its policy term 0) and its KL term carries 0.85 of a small replayed gradient,
+    against 0.1 on rank 0, while the KL term pulls alike on both ranks (norm 0.11 and 0.10, KL value 0.012 and
+    0.011): the share is the geometry of that gradient, not a reference that differs on rank 1."""
+    ev = evidence(
+        kl_ranks=[TermRank(0, 0.10, 0.10, value=0.011), TermRank(1, 0.11, 0.85, value=0.012)],
+        policy_ranks=[TermRank(0, 0.02, 0.05), TermRank(1, 0.0, 0.0)],
+    )
+    cause = bad_ref_logprobs(ev)
+    assert cause is not None and cause.strength < 0.8 and cause.ranks == []
+    assert not any("the KL term on rank 1 carries" in line for line in cause.evidence)
+
+
+def test_a_kl_term_that_pulls_three_times_harder_on_one_rank_still_names_its_reference() -> None:
+    """The same shares, rank 1's KL term pulling 5x harder than rank 0's with a 10x KL value: its reference differs
+    there beyond the drift alike on both ranks (the witness the share alone used to give)."""
+    ev = evidence(
+        kl_ranks=[TermRank(0, 0.02, 0.10, value=0.011), TermRank(1, 0.10, 0.85, value=0.12)],
+        policy_ranks=[TermRank(0, 0.02, 0.05), TermRank(1, 0.0, 0.0)],
+    )
+    cause = bad_ref_logprobs(ev)
+    assert cause is not None and cause.strength == KL_WITNESSED and cause.ranks == [1]
+    pulled_alike = evidence(  # the norm stands out, the KL value does not: no witness either
+        kl_ranks=[TermRank(0, 0.02, 0.10, value=0.011), TermRank(1, 0.10, 0.85, value=0.012)],
+        policy_ranks=[TermRank(0, 0.02, 0.05), TermRank(1, 0.0, 0.0)],
+    )
+    alike = bad_ref_logprobs(pulled_alike)
+    assert alike is not None and alike.strength < 0.8
+
+
+def test_a_rank_with_all_zero_advantages_and_a_healthy_reference_gets_no_strong_reference_cause(
+    tmp_path: Path,
+) -> None:
+    """The golden snapshot with a KL penalty of 1, every rank's reference a model the policy drifted from alike
+    (right for that model), rank 1's advantages all 0 and rank 0's a hundredth of what they were: the KL terms carry
+    the replayed gradient, rank 1's all of its part of it. No cause at strength >= 0.8 names the reference."""
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    set_loss(snapshot, kl_coef=1.0)
+    for rank in (0, 1):
+        g = torch.Generator().manual_seed(rank)
+
+        def drift(b: dict[str, torch.Tensor], g: torch.Generator = g) -> None:
+            ref = b["ref_logprobs"]
+            b["ref_logprobs"] = (ref - 1.5 + 0.5 * torch.randn(ref.shape, generator=g, dtype=ref.dtype)).clamp(max=0.0)
+
+        edit_batch(snapshot, rank, drift)
+    edit_batch(snapshot, 1, lambda b: b.__setitem__("advantages", torch.zeros_like(b["advantages"])))
+    edit_batch(snapshot, 0, lambda b: b.__setitem__("advantages", b["advantages"] * 0.01))
+    d = diagnosed(snapshot, model="always")
+    assert d.step is not None and d.step.channel is not None
+    policy, kl = d.step.channel.term("policy"), d.step.channel.term("kl")
+    assert policy is not None and kl is not None
+    assert next(x for x in policy.ranks if x.rank == 1).grad_norm == 0.0  # rank 1's policy term carries nothing
+    assert kl.share > 0.9  # the KL terms carry the replayed gradient
+    strong = [c for c in d.causes if c.strength >= 0.8]
+    assert not any(c.family == "bad_ref_logprobs" for c in strong), [(c.family, c.strength) for c in strong]
