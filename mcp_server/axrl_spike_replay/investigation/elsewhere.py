@@ -84,8 +84,8 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
             command_request = CommandRequest(
                 facts=facts,
                 backend=config.command_backend,
+                what=what,
                 patches=remote.patches,
-                mitigations=mitigations,
                 timeout_s=remote.timeout_s,
                 setup=resolved.setup if resolved else (),
                 target=session.label,
