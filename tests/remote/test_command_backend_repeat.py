@@ -9,9 +9,10 @@ from pathlib import Path
 
 from remote_helpers import RECORDED, workspace_with
 
+from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.investigation.elsewhere import replay_elsewhere
 from axrl_spike_replay.investigation.request import What, Where, replay_request
-from axrl_spike_replay.vocabulary import Verdict
+from axrl_spike_replay.vocabulary import Backend, Verdict
 
 COUNTING = """\
 import argparse, json, pathlib
@@ -34,7 +35,8 @@ def test_repeat_runs_the_command_each_time_and_top_params_cuts_its_list(
     (training_checkout / "tools" / "reproduce_spike.py").write_text(COUNTING.replace("RECORDED", repr(RECORDED)))
     ws = workspace_with(tmp_path, training_checkout, None)
     what = What(snapshot, repeat=3, top_params=2)
-    result = replay_elsewhere(replay_request(what, where=Where(backend="command"), workspace=ws))
+    result = replay_elsewhere(replay_request(what, where=Where(backend=Backend.COMMAND), workspace=ws))
+    assert isinstance(result, ReplayResult)
     assert (training_checkout / "runs.txt").read_text() == "3"
     assert result.repeat_grad_norms == [RECORDED * (1 + 1e-7 * run) for run in (1, 2, 3)]
     assert result.grad_norm == result.repeat_grad_norms[0] and result.verdict == Verdict.REPRODUCED
@@ -52,7 +54,8 @@ def test_one_run_by_default_and_the_default_list_of_ten(
 ) -> None:
     (training_checkout / "tools" / "reproduce_spike.py").write_text(COUNTING.replace("RECORDED", repr(RECORDED)))
     ws = workspace_with(tmp_path, training_checkout, None)
-    result = replay_elsewhere(replay_request(What(snapshot), where=Where(backend="command"), workspace=ws))
+    result = replay_elsewhere(replay_request(What(snapshot), where=Where(backend=Backend.COMMAND), workspace=ws))
+    assert isinstance(result, ReplayResult)
     assert (training_checkout / "runs.txt").read_text() == "1"
     assert result.repeat_grad_norms == [] and result.repeat_spread is None
     assert [p["grad_norm"] for p in result.top_params] == [9.0, 7.0, 5.0, 3.0, 1.0]

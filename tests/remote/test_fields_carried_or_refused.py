@@ -14,7 +14,7 @@ import pytest
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.request.request_fields import Declared, declared_fields
 from axrl_spike_replay.investigation.request import How, What, Where, replay_request
-from axrl_spike_replay.vocabulary import Backend
+from axrl_spike_replay.vocabulary import Backend, Device, Shard
 
 SNAPSHOT = Path("/shared/run/checkpoints/spike_snapshots/iter_0000021")  # the request does not read it
 # values off the default for the structured fields (kind "any"), which their own functions check
@@ -95,9 +95,9 @@ def test_the_other_backends_carry_what_their_tests_show() -> None:
 
 
 def test_the_command_backend_refuses_the_engines_fields_by_name() -> None:
-    for how, name in ((How(nproc=2), "nproc"), (How(device="cuda"), "device"), (How(shard="off"), "shard")):
+    for how, name in ((How(nproc=2), "nproc"), (How(device=Device.CUDA), "device"), (How(shard=Shard.OFF), "shard")):
         with pytest.raises(ConfigError, match=f"`{name}`") as info:
-            replay_request(What(SNAPSHOT), Where(backend="command"), how)
+            replay_request(What(SNAPSHOT), Where(backend=Backend.COMMAND), how)
         assert info.value.parameter == name
-    carried = replay_request(What(SNAPSHOT, repeat=3, top_params=4), Where(backend="command"))
+    carried = replay_request(What(SNAPSHOT, repeat=3, top_params=4), Where(backend=Backend.COMMAND))
     assert (carried.what.repeat, carried.what.top_params) == (3, 4)
