@@ -41,7 +41,7 @@ def test_repeat_runs_the_command_each_time_and_top_params_cuts_its_list(
     assert result.repeat_grad_norms == [RECORDED * (1 + 1e-7 * run) for run in (1, 2, 3)]
     assert result.grad_norm == result.repeat_grad_norms[0] and result.verdict == Verdict.REPRODUCED
     assert result.repeat_spread == max(result.repeat_grad_norms) - min(result.repeat_grad_norms)
-    assert [p["name"] for p in result.top_params] == ["layer9.w", "layer7.w"]
+    assert [p.name for p in result.top_params] == ["layer9.w", "layer7.w"]
     (run_dir,) = (ws / "tmp" / "spike-replay" / "cmd-job").iterdir()
     for sub in ("", "repeat-2", "repeat-3"):
         assert (run_dir / sub / "command.txt").is_file() and (run_dir / sub / "stdout.log").is_file(), sub
@@ -58,4 +58,4 @@ def test_one_run_by_default_and_the_default_list_of_ten(
     assert isinstance(result, ReplayResult)
     assert (training_checkout / "runs.txt").read_text() == "1"
     assert result.repeat_grad_norms == [] and result.repeat_spread is None
-    assert [p["grad_norm"] for p in result.top_params] == [9.0, 7.0, 5.0, 3.0, 1.0]
+    assert [p.grad_norm for p in result.top_params] == [9.0, 7.0, 5.0, 3.0, 1.0]

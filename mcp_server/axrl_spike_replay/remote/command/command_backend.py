@@ -29,7 +29,7 @@ from typing import Any
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.mitigation.mitigations import config_id
 from axrl_spike_replay.experiment.request.request_parts import What
-from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
+from axrl_spike_replay.experiment.result import ParamNorm, ReplayResult, SweepResult, param_norms
 from axrl_spike_replay.experiment.run_dir import RESULT_FILE, SWEEP_FILE, RunDir, RunRecorder, write_and_record
 from axrl_spike_replay.experiment.verdict import tolerance_rule
 from axrl_spike_replay.files.atomic import atomic_write_bytes
@@ -339,6 +339,13 @@ async def _measure_once(
                 await run_to_completion(session.remove_temp_dir(out_dir))
 
 
+def _largest_first(entry: ParamNorm) -> float:
+    """The sort key that lists parameter norms the largest first, as the engine does (an infinite norm first, a NaN
+    or a missing one last)."""
+    norm = entry.grad_norm
+    return math.inf if norm is None or math.isnan(norm) else -norm
+
+
 def _summary(result: ReplayResult) -> str:
     norm = "n/a" if result.grad_norm is None else f"{result.grad_norm:.9g}"
     change = result.change_vs_baseline
@@ -430,8 +437,7 @@ def _judged(
     tol = tolerance_rule(report.fidelity, device, repeats=norms)[0]  # ours, whatever the command says about itself
     if report.ignored:
         run.log(f"the command's result gives {', '.join(report.ignored)}: not used; the verdict's tolerance is {tol:g}")
-    # the largest first, as the engine lists them (a NaN last)
-    ranked = sorted(report.top_params, key=lambda p: math.inf if math.isnan(p["grad_norm"]) else -p["grad_norm"])
+    ranked = sorted(param_norms(report.top_params), key=_largest_first)
     extra = {
         "fidelity": report.fidelity,
         "world_size_used": report.world_size_used or request.facts.world_size,
