@@ -14,7 +14,7 @@ import pytest
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.request.request_fields import Declared, declared_fields
 from axrl_spike_replay.investigation.request import How, What, Where, replay_request
-from axrl_spike_replay.vocabulary import Backend, Device, Shard
+from axrl_spike_replay.vocabulary import Backend, Device, Shard, Verb
 
 SNAPSHOT = Path("/shared/run/checkpoints/spike_snapshots/iter_0000021")  # the request does not read it
 # values off the default for the structured fields (kind "any"), which their own functions check
@@ -101,3 +101,7 @@ def test_the_command_backend_refuses_the_engines_fields_by_name() -> None:
         assert info.value.parameter == name
     carried = replay_request(What(SNAPSHOT, repeat=3, top_params=4), Where(backend=Backend.COMMAND))
     assert (carried.what.repeat, carried.what.top_params) == (3, 4)
+
+
+def test_a_sweep_of_no_configs_is_a_request_not_an_index_error() -> None:
+    assert replay_request(What(SNAPSHOT, verb=Verb.SWEEP)).what.configs == ()

@@ -130,7 +130,7 @@ def sweep_configs(
             errors.append(exc)
             out.append((place, dict(config), str(exc).splitlines()[0]))  # the list of valid names stays in the docs
             every.append(normal_form(config))
-    if not kept:
+    if not kept and errors:  # a sweep of no configs refuses none (not an IndexError)
         if len(errors) == 1:
             raise errors[0]
         raise ConfigError(
