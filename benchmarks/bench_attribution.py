@@ -19,7 +19,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.replay.analyses.attribution import attribute_spike
+from axrl_spike_replay.vocabulary import Method, Shard, Verb
 from replay_spike import capture_demo_spike, median
 
 
@@ -34,13 +36,17 @@ def main() -> int:
         keys = ["jvp", "naive", *(f"sharded{n}" for n in layouts)]
         times: dict[str, dict[str, list[float]]] = {m: {"attribution": [], "total": []} for m in keys}
         sharded = {}
-        for method in ("jvp", "per_sample_backward"):  # warm-up (imports, allocator)
-            attribute_spike(snapshot, method=method)
+        for method in (Method.JVP, Method.PER_SAMPLE_BACKWARD):  # warm-up (imports, allocator)
+            attribute_spike(replay_request(What(snapshot, verb=Verb.ATTRIBUTE, method=method)))
         for _ in range(runs):
-            fast = attribute_spike(snapshot, top=100, method="jvp")
-            naive = attribute_spike(snapshot, top=100, method="per_sample_backward")
+            fast = attribute_spike(replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=100, method=Method.JVP)))
+            naive = attribute_spike(
+                replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=100, method=Method.PER_SAMPLE_BACKWARD))
+            )
             for n in layouts:
-                sharded[n] = attribute_spike(snapshot, top=100, shard="on", nproc=n)
+                sharded[n] = attribute_spike(
+                    replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=100), how=How(shard=Shard.ON, nproc=n))
+                )
             for key, result in (("jvp", fast), ("naive", naive), *((f"sharded{n}", sharded[n]) for n in layouts)):
                 times[key]["attribution"].append(result.timings["attribution"])
                 times[key]["total"].append(result.timings["total"])

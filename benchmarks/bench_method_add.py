@@ -26,12 +26,15 @@ FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "outputs"
 JOB = "fixture-moe"
 NAIVE = """
 import sys
+from pathlib import Path
 from axrl_spike_replay.cli import main
 from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
+from axrl_spike_replay.experiment.request.request_parts import ReplayRequest, What
 from axrl_spike_replay.replay.analyses.attribution import attribute_spike
+from axrl_spike_replay.vocabulary import Verb
 code = main(sys.argv[2:])
 analyze_snapshot(sys.argv[1], top=3)
-attribute_spike(sys.argv[1], top=3)
+attribute_spike(ReplayRequest(what=What(Path(sys.argv[1]), verb=Verb.ATTRIBUTE, top=3)))
 sys.exit(code)
 """
 

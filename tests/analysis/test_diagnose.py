@@ -16,6 +16,7 @@ from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.inspect import inspect_snapshot
+from axrl_spike_replay.vocabulary import Verb
 
 
 def test_a_log_prob_mismatch_spike_is_diagnosed_as_such_with_the_carrying_sample(captured_run, cli) -> None:
@@ -93,7 +94,7 @@ def test_an_edited_snapshot_reproduces_yet_is_flagged_and_its_outlier_advantage_
     shutil.copytree(captured_run.output_dir, output)
     snapshot = output / captured_run.snapshot_dirs[1].relative_to(captured_run.output_dir)
     _edit_batches(snapshot, rank=0, sample=3, factor=200.0)
-    _rewrite_recorded_norm(snapshot, attribute_spike(snapshot).grad_norm)
+    _rewrite_recorded_norm(snapshot, attribute_spike(replay_request(What(snapshot, verb=Verb.ATTRIBUTE))).grad_norm)
     _rewrite_recorded_norm(snapshot, run_replay(replay_request(What(snapshot))).grad_norm or 0.0)
 
     replay = run_replay(replay_request(What(snapshot)))

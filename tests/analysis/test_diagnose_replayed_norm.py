@@ -11,7 +11,9 @@ from snapshot_edits import copy_fixture, edit_batch, no_mismatch
 
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot, render_diagnosis
 from axrl_spike_replay.diagnosis.task_entry import diagnosis_entry
+from axrl_spike_replay.investigation.request import What, replay_request
 from axrl_spike_replay.replay.analyses.attribution import attribute_spike
+from axrl_spike_replay.vocabulary import Verb
 
 RECORDED = 56.77506102151846  # the fixture's recorded grad norm
 
@@ -52,13 +54,15 @@ def test_the_unedited_snapshot_reproduces_and_an_attribution_under_mitigations_i
     assert d.consistency is not None and "grad_norm_vs_replay" in d.consistency.checked
     assert d.consistency.problems == [] and d.consistency.self_consistent is True
 
-    clipped = attribute_spike(snapshot, top=3, mitigations={"advantage_clip": 0.5})
+    clipped = attribute_spike(
+        replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=3, mitigations={"advantage_clip": 0.5}))
+    )
     d = diagnose_snapshot(snapshot, attribution=clipped, model="never")
     assert d.consistency is not None and "grad_norm_vs_replay" not in d.consistency.checked
     assert any(n.startswith("grad_norm_vs_replay (the attribution ran under mitigations") for n in d.not_checked)
 
     # a GPU attribution is judged with the GPU tolerance: a 5e-5 difference is float noise there, not on the CPU
-    plain = attribute_spike(snapshot, top=3)
+    plain = attribute_spike(replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=3)))
     off = dataclasses.replace(plain, grad_norm=plain.recorded_grad_norm * (1 + 5e-5))
     on_cpu = diagnose_snapshot(snapshot, attribution=off, model="never").consistency
     on_gpu = diagnose_snapshot(snapshot, attribution=dataclasses.replace(off, device="cuda"), model="never").consistency

@@ -17,6 +17,7 @@ from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.snapshot.rank_data import load_grad_info
 from axrl_spike_replay.untrusted.untrusted_yaml import read_untrusted_yaml
+from axrl_spike_replay.vocabulary import Verb
 
 pytestmark = pytest.mark.slow
 
@@ -56,8 +57,8 @@ def test_the_hook_records_each_rank_s_loss_and_the_replay_checks_it(capture: Pat
 def test_attribute_runs_on_route_1_whose_experts_run_grouped_mm(capture: Path) -> None:
     model = read_untrusted_yaml(capture / "run_config.yaml", "run config")["model"]
     assert "experts_implementation" not in model  # route 1's default for kind megatron: grouped_mm
-    forward = attribute_spike(capture, top=8, method="jvp")
-    backward = attribute_spike(capture, top=8, method="per_sample_backward")
+    forward = attribute_spike(replay_request(What(capture, verb=Verb.ATTRIBUTE, top=8, method="jvp")))
+    backward = attribute_spike(replay_request(What(capture, verb=Verb.ATTRIBUTE, top=8, method="per_sample_backward")))
     assert forward.sum_rel_error < 1e-4  # the contributions add up to the replayed norm
     by_sample = {(s.rank, s.sample): s.contribution for s in backward.samples}
     assert [(s.rank, s.sample) for s in forward.samples] == [(s.rank, s.sample) for s in backward.samples]

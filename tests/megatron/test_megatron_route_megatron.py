@@ -52,7 +52,7 @@ def test_route_2_reproduces_the_step_and_agrees_with_route_1(
     native = replay_with_megatron(megatron_capture)
     assert native.backend == "megatron" and native.verdict == "reproduced"
     assert native.rel_diff is not None and native.rel_diff < CROSS_CHECK_RTOL, native.verdict_basis
-    assert native.top_params[0]["name"].startswith(("decoder.layers.", "embedding.", "output_layer."))  # Megatron's
+    assert native.top_params[0].name.startswith(("decoder.layers.", "embedding.", "output_layer."))  # Megatron's
     transformers = megatron_route1_replay
     assert transformers.backend == "torch" and transformers.grad_norm is not None and native.grad_norm is not None
     assert abs(transformers.grad_norm - native.grad_norm) / native.grad_norm < CROSS_CHECK_RTOL

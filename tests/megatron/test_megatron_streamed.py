@@ -28,7 +28,7 @@ from axrl_spike_replay.replay.engine import replay_session, run_replay
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights, check_streamable
 from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed
 from axrl_spike_replay.testing.megatron_checkpoints import tiny_section
-from axrl_spike_replay.vocabulary import Backend, Shard
+from axrl_spike_replay.vocabulary import Backend, Shard, Verb
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,7 @@ def test_streamed_route_1_is_the_whole_route_1_replay_at_world_size_2(
     assert whole.grad_norm is not None and streamed.grad_norm is not None
     assert _close(streamed.grad_norm, whole.grad_norm)
     assert streamed.shard_reason.startswith("shard streamed")
-    assert [p["name"] for p in streamed.top_params] == [p["name"] for p in whole.top_params]
+    assert [p.name for p in streamed.top_params] == [p.name for p in whole.top_params]
     # the saved ranks split over two processes, each streaming its rank from the checkpoint: the same figures
     split = run_replay(replay_request(What(megatron_capture), how=How(shard=Shard.STREAMED, nproc=2)))
     assert split.grad_norm == streamed.grad_norm and split.verdict == streamed.verdict
@@ -187,8 +187,8 @@ def test_attribution_streams_on_route_1_as_whole(megatron_capture: Path) -> None
     1e-6 of the grad norm of the whole route-1 attribution's."""
     from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
-    whole = attribute_spike(megatron_capture, shard="off")
-    streamed = attribute_spike(megatron_capture, shard="streamed")
+    whole = attribute_spike(replay_request(What(megatron_capture, verb=Verb.ATTRIBUTE), how=How(shard="off")))
+    streamed = attribute_spike(replay_request(What(megatron_capture, verb=Verb.ATTRIBUTE), how=How(shard="streamed")))
     norm = whole.grad_norm
     assert norm is not None and streamed.grad_norm is not None and _close(streamed.grad_norm, norm)
     assert streamed.passes.startswith("streamed: 2 passes over the checkpoint")

@@ -16,11 +16,12 @@ from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.testing.hf_snapshot import BATCH, BURST
+from axrl_spike_replay.vocabulary import Verb
 
 
 @pytest.fixture(scope="module")
 def hf_attribution(hf_snapshot: Path):
-    return attribute_spike(hf_snapshot, top=2 * BATCH)
+    return attribute_spike(replay_request(What(hf_snapshot, verb=Verb.ATTRIBUTE, top=2 * BATCH)))
 
 
 def test_contributions_of_an_hf_model_sum_to_its_grad_norm(hf_snapshot: Path, hf_attribution) -> None:
@@ -34,7 +35,9 @@ def test_contributions_of_an_hf_model_sum_to_its_grad_norm(hf_snapshot: Path, hf
 
 
 def test_one_jvp_agrees_with_one_backward_per_sample_on_an_hf_model(hf_snapshot: Path, hf_attribution) -> None:
-    naive = attribute_spike(hf_snapshot, top=2 * BATCH, method="per_sample_backward")
+    naive = attribute_spike(
+        replay_request(What(hf_snapshot, verb=Verb.ATTRIBUTE, top=2 * BATCH, method="per_sample_backward"))
+    )
     fast = {(s.rank, s.sample): s.contribution for s in hf_attribution.samples}
     assert len(naive.samples) == len(fast)
     for s in naive.samples:
@@ -45,8 +48,14 @@ def test_one_jvp_agrees_with_one_backward_per_sample_on_an_hf_model(hf_snapshot:
 
 def test_an_entropy_term_is_attributed_through_the_entropies_too(hf_snapshot: Path) -> None:
     mitigations = {"entropy_coef": 0.05}
-    fast = attribute_spike(hf_snapshot, top=2 * BATCH, mitigations=mitigations)
-    naive = attribute_spike(hf_snapshot, top=2 * BATCH, mitigations=mitigations, method="per_sample_backward")
+    fast = attribute_spike(
+        replay_request(What(hf_snapshot, verb=Verb.ATTRIBUTE, top=2 * BATCH, mitigations=mitigations))
+    )
+    naive = attribute_spike(
+        replay_request(
+            What(hf_snapshot, verb=Verb.ATTRIBUTE, top=2 * BATCH, mitigations=mitigations, method="per_sample_backward")
+        )
+    )
     assert fast.sum_rel_error <= 1e-4 and naive.sum_rel_error <= 1e-4
     by_sample = {(s.rank, s.sample): s.contribution for s in naive.samples}
     for s in fast.samples:

@@ -28,7 +28,7 @@ def test_full_replay_is_bit_identical_to_the_recorded_step(hf_snapshot: Path, wa
     assert result.fidelity == "full"
     assert result.grad_norm == result.recorded_grad_norm
     assert result.verdict == "reproduced"
-    assert result.top_params and result.top_params[0]["name"].startswith(("model.", "lm_head."))
+    assert result.top_params and result.top_params[0].name.startswith(("model.", "lm_head."))
 
 
 def test_reduced_replay_and_mitigations_on_an_hf_model(hf_snapshot: Path) -> None:

@@ -106,7 +106,7 @@ def test_spelled_out_nan_and_a_valid_top_k_are_read(training_checkout: Path, sna
     ws = workspace_with(tmp_path, training_checkout, None)
     result = replay_elsewhere(replay_request(What(snapshot), where=Where(backend="command"), workspace=ws))
     assert result.verdict is Verdict.REPRODUCED and result.device == "cuda:0"
-    assert result.top_params == [{"name": "w", "grad_norm": float("inf")}]
+    assert [p.to_json() for p in result.top_params] == [{"name": "w", "grad_norm": float("inf")}]
 
 
 def test_a_command_leaving_a_setsid_child_finishes_cleanly_from_the_cli(

@@ -12,11 +12,12 @@ from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.vocabulary import Method, Shard, Verb
 
 
 @pytest.fixture(scope="module")
 def tiny_attribution(tiny_snapshot: Path):
-    return attribute_spike(tiny_snapshot, top=12)
+    return attribute_spike(replay_request(What(tiny_snapshot, verb=Verb.ATTRIBUTE, top=12)))
 
 
 def test_contributions_sum_to_the_grad_norm(tiny_attribution) -> None:
@@ -48,7 +49,9 @@ def test_attribution_grad_norm_is_the_replayed_one(tiny_snapshot: Path, tiny_att
 
 
 def test_one_jvp_agrees_with_one_backward_per_sample(tiny_snapshot: Path, tiny_attribution) -> None:
-    naive = attribute_spike(tiny_snapshot, top=12, method="per_sample_backward")
+    naive = attribute_spike(
+        replay_request(What(tiny_snapshot, verb=Verb.ATTRIBUTE, top=12, method="per_sample_backward"))
+    )
     fast = {(s.rank, s.sample): s.contribution for s in tiny_attribution.samples}
     for s in naive.samples:
         assert fast[(s.rank, s.sample)] == pytest.approx(s.contribution, rel=1e-4, abs=1e-6 * naive.grad_norm)
@@ -68,7 +71,25 @@ def test_a_ratio_outlier_capture_is_carried_by_its_outlier_samples(spike_snapsho
 
 
 def test_attribution_under_a_mitigation(tiny_snapshot: Path) -> None:
-    a = attribute_spike(tiny_snapshot, top=3, mitigations={"mismatch_token_clip_max": 2})
+    a = attribute_spike(
+        replay_request(What(tiny_snapshot, verb=Verb.ATTRIBUTE, top=3, mitigations={"mismatch_token_clip_max": 2}))
+    )
     assert a.mitigations == {"mismatch_token_clip_max": 2.0}
     assert a.sum_rel_error <= 1e-4
     assert a.log_ratio_base == "old"
+
+
+def test_the_attribution_takes_the_request_as_it_is(tiny_snapshot: Path, tmp_path: Path) -> None:
+    """What the request says (top, method, mitigations; the job and command line it is recorded under) is what the
+    attribution does: one request, as a replay takes it, built by the faces' own builder."""
+    from axrl_spike_replay.investigation.recording import recorder_for
+
+    what = What(
+        tiny_snapshot, verb=Verb.ATTRIBUTE, top=2, method=Method.PER_SAMPLE_BACKWARD, mitigations={"entropy_coef": 0.05}
+    )
+    request = replay_request(what, how=How(shard=Shard.OFF), job="asked-job", command="attribute as asked")
+    a = attribute_spike(request, recorder=recorder_for(tmp_path))
+    assert len(a.samples) == 2 and a.method == "per_sample_backward" and a.mitigations == {"entropy_coef": 0.05}
+    (run,) = (tmp_path / "tmp" / "spike-replay" / "asked-job").iterdir()
+    assert (run / "command.txt").read_text().strip() == "attribute as asked"
+    assert len(json.loads((run / "attribution.json").read_text())["samples"]) == 2

@@ -60,12 +60,14 @@ def test_an_unset_cancel_event_does_not_stop_anything() -> None:
 
 
 def test_a_cancelled_attribution_stops_before_its_gradient_pass(spike_snapshot: Path) -> None:
+    from axrl_spike_replay.investigation.request import What, replay_request
     from axrl_spike_replay.replay.analyses.attribution import attribute_spike
+    from axrl_spike_replay.vocabulary import Verb
 
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(RunCancelled, match="attribution cancelled"):
-        attribute_spike(spike_snapshot, cancel=cancel)
+        attribute_spike(replay_request(What(spike_snapshot, verb=Verb.ATTRIBUTE), cancel=cancel))
 
 
 def test_a_cancelled_log_scan_stops_between_files(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.micro_batches import MicroBatch, take, take_routing
 from axrl_spike_replay.training.rank_step import global_grad_norm, rank_forward_backward
 from axrl_spike_replay.training.routing_replay import RoutingConfig, routing_control
-from axrl_spike_replay.vocabulary import Shard
+from axrl_spike_replay.vocabulary import Shard, Verb
 
 PROMPT = 4
 RANK_LENGTHS = (  # (prompt, response) tokens per sample, per rank: responses of 0 to 8 tokens
@@ -170,13 +170,16 @@ def test_an_unknown_micro_batch_setting_is_refused_naming_the_run_config(snapsho
 def test_attribution_ranks_samples_across_the_micro_batches_of_the_trainers_step(snapshot: Path) -> None:
     """Attribution computes each rank's loss micro-batch by micro-batch: its gradient is the trainer's, and the
     samples' contributions, each from its own micro-batch, add up to it."""
+    from axrl_spike_replay.investigation.request import What, replay_request
     from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
     expected = trainer_grad_norm(snapshot, SPLITS)
-    attribution = attribute_spike(snapshot, top=3)
+    attribution = attribute_spike(replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=3)))
     assert _rel(attribution.grad_norm, expected) <= SAME
     assert attribution.sum_rel_error <= 1e-5
-    per_sample = attribute_spike(snapshot, top=3, method="per_sample_backward")
+    per_sample = attribute_spike(
+        replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=3, method="per_sample_backward"))
+    )
     assert [(s.rank, s.sample) for s in per_sample.samples] == [(s.rank, s.sample) for s in attribution.samples]
 
 
@@ -185,7 +188,7 @@ def test_sharded_attribution_refuses_ranks_of_different_micro_batch_counts(snaps
     from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
     with pytest.raises(AxrlError, match="same number of micro-batches"):
-        attribute_spike(snapshot, top=3, shard="on", nproc=2)
+        attribute_spike(replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=3), how=How(shard="on", nproc=2)))
 
 
 def test_the_step_evidence_reads_the_trainers_rank_losses(snapshot: Path) -> None:

@@ -103,9 +103,16 @@ def test_attributions_gradient_pass_is_the_whole_graphs(snapshot: Path, checkpoi
 def test_a_checkpointed_attribution_is_the_plain_one(snapshot: Path) -> None:
     """Every sample's contribution, the router term and the grad norm: the same with the decoder layers
     checkpointed (forward-mode and per-sample backward alike)."""
-    plain = attribute_spike(snapshot, top=12, shard="off", checkpoint=False)
-    ckpt = attribute_spike(snapshot, top=12, shard="off", checkpoint=True)
-    naive = attribute_spike(snapshot, top=12, shard="off", checkpoint=True, method="per_sample_backward")
+    plain = attribute_spike(
+        replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=12), how=How(shard="off")), checkpoint=False
+    )
+    ckpt = attribute_spike(
+        replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=12), how=How(shard="off")), checkpoint=True
+    )
+    naive = attribute_spike(
+        replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=12, method="per_sample_backward"), how=How(shard="off")),
+        checkpoint=True,
+    )
     assert plain.total_samples == ckpt.total_samples == 12
     assert _rel(ckpt.grad_norm, plain.grad_norm) <= SAME
     assert abs(ckpt.router_term - plain.router_term) <= SAME * plain.grad_norm

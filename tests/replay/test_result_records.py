@@ -1,7 +1,8 @@
 """A replay result's sub-records are typed, and a result file written by an earlier version still reads: a footprint
 without the later fractions gets them from its counts, a consistency without the later fields takes their defaults,
 a verdict basis of a shape no kind has stays the JSON object it was and is written back so, and a clean gradient of
-any version is written back byte for byte, in the file and in a tool's reply."""
+any version is written back byte for byte, in the file and in a tool's reply; so is each of its `top_params`, a typed
+record every reader takes by name (a key of another version kept in its place)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import pydantic_core
 from pydantic import TypeAdapter
 
-from axrl_spike_replay.experiment.result import CleanGradient, Footprint, ReplayResult
+from axrl_spike_replay.experiment.result import CleanGradient, Footprint, ParamNorm, ReplayResult
 from axrl_spike_replay.experiment.verdict import BaselineBasis, HypothesisBasis, MitigatedBasis, basis_from_json
 from axrl_spike_replay.jsonable import to_jsonable
 from axrl_spike_replay.snapshot.consistency import Consistency, ConsistencyProblem
@@ -104,3 +105,28 @@ def test_a_clean_gradient_of_every_version_is_typed_and_written_back_byte_for_by
     assert early.describe() == "the baseline without its top-attributed samples 0:1"
     built = CleanGradient(left_out=["0:1"], share_left_out=0.93)  # made in code: the fields it has, in their order
     assert built.to_json() == {"left_out": ["0:1"], "share_left_out": 0.93}
+
+
+# `top_params` as the engine writes them today (a non-finite norm is null), and an entry of another version with a
+# key before and after the two it has
+TODAY = [{"name": "layers.1.experts.3.w2", "grad_norm": 41.5}, {"name": "lm_head.weight", "grad_norm": None}]
+OTHER = [{"shape": [64, 32], "name": "layers.0.w1", "grad_norm": 2.5, "rank_norms": [1.0, 2.0]}]
+
+
+def test_top_params_are_typed_and_written_back_byte_for_byte() -> None:
+    reply: TypeAdapter[ReplayResult] = TypeAdapter(ReplayResult)
+    for params in (TODAY, OTHER):
+        text = json.dumps({**RESULT, "top_params": params})
+        result = ReplayResult.from_json(json.loads(text))
+        assert all(isinstance(p, ParamNorm) for p in result.top_params)
+        written = json.dumps(to_jsonable(result))
+        assert json.dumps(json.loads(written)["top_params"]) == json.dumps(params)
+        assert json.dumps(to_jsonable(ReplayResult.from_json(json.loads(written)))) == written
+        assert json.dumps(reply.dump_python(result, mode="json")["top_params"]) == json.dumps(params)
+        assert json.dumps(json.loads(pydantic_core.to_json(result, fallback=str))["top_params"]) == json.dumps(params)
+    (other,) = ReplayResult.from_json({**RESULT, "top_params": OTHER}).top_params
+    assert (other.name, other.grad_norm) == ("layers.0.w1", 2.5)
+    assert other.extra == {"shape": [64, 32], "rank_norms": [1.0, 2.0]}
+    built = ParamNorm("w", 1.5)  # made in code: its two keys, in order
+    assert built.to_json() == {"name": "w", "grad_norm": 1.5}
+    assert reply.validate_python({**RESULT, "top_params": TODAY}).top_params[1] == ParamNorm.from_json(TODAY[1])

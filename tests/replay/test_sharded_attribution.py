@@ -17,6 +17,7 @@ from tiny_snapshot import BURST, record_tiny_snapshot
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.result import Attribution
+from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
 from axrl_spike_replay.vocabulary import Shard, Verb
@@ -49,7 +50,7 @@ def _same_attribution(sharded: Attribution | dict[str, Any], whole: Attribution)
 def toy_world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Attribution]:
     """The toy model's spike at saved world size 4, attributed unsharded."""
     snapshot = record_tiny_snapshot(tmp_path_factory.mktemp("toy4") / "spike_snapshots", world_size=4)
-    return snapshot, attribute_spike(snapshot, top=100, shard="off")
+    return snapshot, attribute_spike(replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=100), how=How(shard="off")))
 
 
 # In the default run the two-process case is test_an_attribution_that_does_not_fit_one_process_shards_by_itself (shard
@@ -60,7 +61,9 @@ def test_a_sharded_toy_attribution_gives_the_unsharded_figures(
     toy_world4: tuple[Path, Attribution], nproc: int
 ) -> None:
     snapshot, whole = toy_world4
-    sharded = attribute_spike(snapshot, top=100, shard="on", nproc=nproc)
+    sharded = attribute_spike(
+        replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=100), how=How(shard="on", nproc=nproc))
+    )
     _same_attribution(sharded, whole)
     assert sharded.world_size_used == nproc
     assert {(s.rank, s.sample) for s in sharded.samples[:2]} == set(BURST)  # the planted samples carry it
@@ -70,8 +73,17 @@ def test_a_sharded_attribution_under_an_entropy_term_matches(toy_world4: tuple[P
     """The entropies' part of each sample's gradient goes through the per-sample backward too."""
     snapshot, _ = toy_world4
     mitigations = {"entropy_coef": 0.05}
-    whole = attribute_spike(snapshot, top=100, shard="off", mitigations=mitigations)
-    _same_attribution(attribute_spike(snapshot, top=100, shard="on", nproc=2, mitigations=mitigations), whole)
+    whole = attribute_spike(
+        replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=100, mitigations=mitigations), how=How(shard="off"))
+    )
+    _same_attribution(
+        attribute_spike(
+            replay_request(
+                What(snapshot, verb=Verb.ATTRIBUTE, top=100, mitigations=mitigations), how=How(shard="on", nproc=2)
+            )
+        ),
+        whole,
+    )
 
 
 def test_an_attribution_that_does_not_fit_one_process_shards_by_itself(
@@ -81,12 +93,16 @@ def test_an_attribution_that_does_not_fit_one_process_shards_by_itself(
 
     snapshot, whole = toy_world4
     monkeypatch.setattr(shard_choice, "available_memory_bytes", lambda: 1 << 10)  # a machine with 1 KiB free
-    sharded = attribute_spike(snapshot, top=100, nproc=2)  # shard auto
+    sharded = attribute_spike(
+        replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=100), how=How(nproc=2))
+    )  # shard auto
     _same_attribution(sharded, whole)
     assert sharded.world_size_used == 2
     assert {(s.rank, s.sample) for s in sharded.samples[:2]} == set(BURST)  # the planted samples carry it
     with pytest.raises(ConfigError, match=r"does not fit: .*run it sharded \(`shard` on, `nproc` > 1\)"):
-        attribute_spike(snapshot, top=3, nproc=1)  # one process cannot shard: refused before it loads
+        attribute_spike(
+            replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=3), how=How(nproc=1))
+        )  # one process cannot shard: refused before it loads
 
 
 def test_the_cli_attributes_sharded_on_request(toy_world4: tuple[Path, Attribution], tmp_path: Path, cli) -> None:
@@ -111,15 +127,23 @@ def test_an_unsharded_attribution_on_several_processes_is_refused(toy_world4: tu
 
 @pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.matrix), 2])
 def test_a_sharded_qwen3_moe_attribution_gives_the_unsharded_figures(hf_snapshot: Path, nproc: int) -> None:
-    whole = attribute_spike(hf_snapshot, top=100, shard="off")
-    _same_attribution(attribute_spike(hf_snapshot, top=100, shard="on", nproc=nproc), whole)
+    whole = attribute_spike(replay_request(What(hf_snapshot, verb=Verb.ATTRIBUTE, top=100), how=How(shard="off")))
+    _same_attribution(
+        attribute_spike(
+            replay_request(What(hf_snapshot, verb=Verb.ATTRIBUTE, top=100), how=How(shard="on", nproc=nproc))
+        ),
+        whole,
+    )
 
 
 @pytest.mark.matrix
 def test_a_sharded_qwen3_moe_attribution_at_world_size_4(tmp_path: Path) -> None:
     snapshot = record_hf_snapshot(tmp_path, "qwen3_moe", world_size=4)
-    whole = attribute_spike(snapshot, top=100, shard="off")
-    _same_attribution(attribute_spike(snapshot, top=100, shard="on", nproc=4), whole)
+    whole = attribute_spike(replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=100), how=How(shard="off")))
+    _same_attribution(
+        attribute_spike(replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=100), how=How(shard="on", nproc=4))),
+        whole,
+    )
 
 
 def test_a_cancelled_sharded_attribution_stops_its_processes(toy_world4: tuple[Path, Attribution]) -> None:
@@ -143,7 +167,9 @@ def test_a_cancelled_sharded_attribution_stops_its_processes(toy_world4: tuple[P
     watcher.start()
     try:
         with pytest.raises(RunCancelled):
-            attribute_spike(snapshot, shard="on", nproc=2, cancel=cancel)
+            attribute_spike(
+                replay_request(What(snapshot, verb=Verb.ATTRIBUTE), how=How(shard="on", nproc=2), cancel=cancel)
+            )
     finally:
         cancel.set()
         watcher.join(timeout=10)

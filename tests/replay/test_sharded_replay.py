@@ -42,9 +42,10 @@ def _same_sweep(sharded: SweepResult, whole: SweepResult) -> None:
         assert _rel(got.grad_norm, want.grad_norm) <= REL, (got.config_id, got.grad_norm, want.grad_norm)
         assert got.verdict == want.verdict, got.config_id
         assert got.sharded is True and want.sharded is False
-        assert [p["name"] for p in got.top_params[:3]] == [p["name"] for p in want.top_params[:3]]
+        assert [p.name for p in got.top_params[:3]] == [p.name for p in want.top_params[:3]]
         for p, q in zip(got.top_params, want.top_params, strict=True):
-            assert math.isclose(p["grad_norm"], q["grad_norm"], rel_tol=1e-5, abs_tol=1e-9)
+            assert p.grad_norm is not None and q.grad_norm is not None
+            assert math.isclose(p.grad_norm, q.grad_norm, rel_tol=1e-5, abs_tol=1e-9)
         if want.cosine_to_clean is not None:
             assert got.cosine_to_clean is not None and abs(got.cosine_to_clean - want.cosine_to_clean) <= 1e-6
         if want.footprint:

@@ -23,7 +23,7 @@ from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob, compute
 from axrl_spike_replay.replay.engine import replay_session
 from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed
-from axrl_spike_replay.vocabulary import Shard
+from axrl_spike_replay.vocabulary import Shard, Verb
 
 SAME = 1e-6
 # one mitigation sharing the baseline's forward, one masking samples, one on another forward (routing off)
@@ -208,13 +208,18 @@ def same_attribution(streamed: Any, whole: Any) -> None:
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_tiny_moe_attribution_streamed(tmp_path: Path, world_size: int) -> None:
     """The router losses on (aux and z), an entropy term: every sample's contribution as the whole attribution's."""
+    from axrl_spike_replay.investigation.request import How, What, replay_request
     from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
     loss = {"aux_loss_coef": 0.01, "z_loss_coef": 0.001} if world_size == 2 else None
     snapshot = record_tiny_snapshot(tmp_path, world_size=world_size, **({"loss": loss} if loss else {}))
     mitigations = {"entropy_coef": 0.05} if world_size == 4 else None
-    whole = attribute_spike(snapshot, top=100, shard="off", mitigations=mitigations)
-    streamed = attribute_spike(snapshot, top=100, shard="streamed", mitigations=mitigations)
+    whole = attribute_spike(
+        replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=100, mitigations=mitigations), how=How(shard="off"))
+    )
+    streamed = attribute_spike(
+        replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=100, mitigations=mitigations), how=How(shard="streamed"))
+    )
     same_attribution(streamed, whole)
     if world_size == 2:
         assert abs(whole.router_term) > 0
@@ -228,8 +233,10 @@ def test_transformers_shared_experts_attribution_streamed(tmp_path: Path, world_
     deterministic = torch.are_deterministic_algorithms_enabled()
     try:
         snapshot = record_hf_snapshot(tmp_path, "qwen2_moe", world_size=world_size)
-        whole = attribute_spike(snapshot, top=100, shard="off")
-        streamed = attribute_spike(snapshot, top=100, shard="streamed")
+        whole = attribute_spike(replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=100), how=How(shard="off")))
+        streamed = attribute_spike(
+            replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=100), how=How(shard="streamed"))
+        )
     finally:
         torch.use_deterministic_algorithms(deterministic)
     same_attribution(streamed, whole)
@@ -292,7 +299,7 @@ def test_micro_batches_and_spilled_boundaries_signals(tmp_path: Path) -> None:
     whole, streamed = compute(job, 0), compute_streamed(job, settings=settings)
     assert assert_same_signals(whole, streamed) == 2
     assert spill.is_dir() and not any(spill.iterdir())
-    reference = attribute_spike(snapshot, top=100, shard="off")
+    reference = attribute_spike(replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=100), how=How(shard="off")))
     inputs = load_inputs(snapshot, snapshot, False)
     cfg = one_config(inputs, None)
     norm, router, dots, signals, _ = streamed_dots(inputs, cfg, "cpu", settings=settings)

@@ -54,7 +54,9 @@ def test_attribute_spike_and_diagnose_spike_offer_shard(workspace: Path) -> None
 
 @pytest.mark.slow  # an unsharded and a two-process sharded attribution of the fixture spike
 def test_a_sharded_mcp_attribution_gives_the_unsharded_figures(spike_outputs: SpikeOutputs, workspace: Path) -> None:
+    from axrl_spike_replay.investigation.request import How, What, replay_request
     from axrl_spike_replay.replay.analyses.attribution import attribute_spike
+    from axrl_spike_replay.vocabulary import Verb
 
     server = create_server(workspace)
 
@@ -63,7 +65,9 @@ def test_a_sharded_mcp_attribution_gives_the_unsharded_figures(spike_outputs: Sp
         return ok(await client.call_tool("attribute_spike", args))
 
     sharded = with_client(server, body)
-    whole = attribute_spike(spike_outputs.snapshot, top=100, shard="off")
+    whole = attribute_spike(
+        replay_request(What(spike_outputs.snapshot, verb=Verb.ATTRIBUTE, top=100), how=How(shard="off"))
+    )
     assert sharded["sharded"] is True and sharded["world_size_used"] == 2 and whole.sharded is False
     norm = whole.grad_norm
     assert abs(sharded["grad_norm"] - norm) <= 1e-6 * norm

@@ -248,7 +248,7 @@ def render_replay(result: ReplayResult) -> str:
         )
     lines += _consistency_lines(r.consistency)
     if r.top_params:
-        tops = ", ".join(f"{p['name']} {_num(p['grad_norm'], 4)}" for p in r.top_params[:3])
+        tops = ", ".join(f"{p.name} {_num(p.grad_norm, 4)}" for p in r.top_params[:3])
         lines.append(f"  top params    {tops}")
     if r.output_dir:
         lines.append(f"  output        {r.output_dir}")

@@ -177,6 +177,49 @@ class CleanGradient:
         )
 
 
+PARAM_NORM_KEYS = ("name", "grad_norm")
+
+
+@dataclass
+class ParamNorm:
+    """One parameter's gradient norm, as a result's `top_params` lists them (the largest first): the engine's, the
+    Megatron route's or the command backend's. A key of another version is kept as read (`extra`), in the document's
+    order (`keys`): the JSON is the file's, byte for byte."""
+
+    name: str
+    grad_norm: float | None  # None: a non-finite norm, as JSON keeps it (null)
+    extra: dict[str, Any] = field(default_factory=dict)  # keys of another version, as read
+    keys: tuple[str, ...] = ()  # the keys the document has, in its order (() : name, grad_norm, then extra)
+    __pydantic_serializer__ = _FileSerializer()  # a tool's text reply writes it as the file keeps it
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> ParamNorm:
+        """The record of one `top_params` entry (any version)."""
+        extra = {k: v for k, v in doc.items() if k not in PARAM_NORM_KEYS}
+        return cls(name=str(doc.get("name", "")), grad_norm=doc.get("grad_norm"), extra=extra, keys=tuple(doc))
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry as the result file keeps it."""
+        keys = self.keys or (*PARAM_NORM_KEYS, *self.extra)
+        return {k: getattr(self, k) if k in PARAM_NORM_KEYS else self.extra[k] for k in keys}
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        """A tool's structured reply carries the object the result file keeps (`to_json`), and reads one back."""
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_plain_validator_function(
+            lambda value: value if isinstance(value, cls) else cls.from_json(value),
+            json_schema_input_schema=core_schema.dict_schema(),
+            serialization=_as_file_keeps(),
+        )
+
+
+def param_norms(entries: list[Any]) -> list[ParamNorm]:
+    """`top_params` entries as records (a mapping as a result file or a worker gives it, or a record)."""
+    return [entry if isinstance(entry, ParamNorm) else ParamNorm.from_json(entry) for entry in entries]
+
+
 @dataclass
 class ReplayResult:
     """One replay's outcome (baseline or mitigated). `verdict` is one of VERDICTS."""
@@ -197,7 +240,7 @@ class ReplayResult:
     threshold: float | None  # detector threshold the verdict compares against
     baseline_grad_norm: float | None = None  # for mitigated replays: the baseline at the same layout
     change_vs_baseline: float | None = None  # grad_norm / baseline_grad_norm - 1
-    top_params: list[dict[str, Any]] = field(default_factory=list)  # [{name, grad_norm}]
+    top_params: list[ParamNorm] = field(default_factory=list)  # the largest parameter grad norms, largest first
     timings: dict[str, float] = field(default_factory=dict)  # seconds: load, compute, total
     device: str = "cpu"
     job_name: str = ""
@@ -254,6 +297,7 @@ class ReplayResult:
         self.fidelity = Fidelity.parse(self.fidelity, "result fidelity")
         self.verdict = Verdict.parse(self.verdict, "result verdict")
         # the sub-records as a result file keeps them
+        self.top_params = param_norms(self.top_params)
         if isinstance(self.consistency, dict):
             self.consistency = Consistency.from_json(self.consistency)
         if isinstance(self.footprint, dict):
@@ -268,6 +312,7 @@ class ReplayResult:
     def to_json(self) -> dict[str, Any]:
         """The `replay_result.json` document (vocabulary members are their string values)."""
         doc = asdict(self)
+        doc["top_params"] = [entry.to_json() for entry in self.top_params]
         doc["clean_gradient"] = self.clean_gradient.to_json() if self.clean_gradient is not None else None
         return doc
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.experiment.request.request_fields import changed_argv
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.experiment.run_dir import SWEEP_FILE, RunDir, write_and_record
 from axrl_spike_replay.investigation.recording import WorkspaceRecorder
@@ -84,8 +83,8 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
             command_request = CommandRequest(
                 facts=facts,
                 backend=config.command_backend,
+                what=what,
                 patches=remote.patches,
-                mitigations=mitigations,
                 timeout_s=remote.timeout_s,
                 setup=resolved.setup if resolved else (),
                 target=session.label,
@@ -111,14 +110,9 @@ async def replay_elsewhere_async(request: ReplayRequest) -> ReplayResult | Sweep
             request_t = RemoteReplayRequest(
                 facts=facts,
                 python=resolved.python,
-                verb=verb,
+                what=what,
+                how=replace(how, nproc=nproc),
                 job=job,
-                device=how.device,
-                nproc=nproc,
-                shard=str(how.shard),
-                mitigations=mitigations,
-                configs=normalised,
-                options=tuple(changed_argv(what, verb)),
                 setup=resolved.setup,
                 timeout_s=remote.timeout_s,
                 target=session.label,

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.experiment.request.request_fields import check_declared, declared_fields
+from axrl_spike_replay.experiment.request.request_fields import check_declared, declared_fields, refuse_uncarried
 from axrl_spike_replay.experiment.request.request_parts import (
     HERE_BACKENDS,
     LOCAL,
@@ -67,6 +67,8 @@ def replay_request(
     _check_parallel_configs(how.parallel_configs, verb, target, backend)
     _check_shard(shard, verb, backend)
     _check_streamed(shard, verb, how.nproc, launched or bool(targets) or slurm is not None)
+    refuse_uncarried(what, backend)  # every other field the backend would not carry, by name
+    refuse_uncarried(how, backend)
     if verb == Verb.ATTRIBUTE and shard == Shard.OFF and how.nproc not in (None, 1):
         raise ConfigError(
             "`nproc`: an unsharded attribution runs in this one process; shard it (`shard` on) to use more", "nproc"
@@ -128,7 +130,7 @@ def sweep_configs(
             errors.append(exc)
             out.append((place, dict(config), str(exc).splitlines()[0]))  # the list of valid names stays in the docs
             every.append(normal_form(config))
-    if not kept:
+    if not kept and errors:  # a sweep of no configs refuses none (not an IndexError)
         if len(errors) == 1:
             raise errors[0]
         raise ConfigError(
@@ -311,7 +313,7 @@ def _check_megatron(verb: Verb, what: What, device: Device, target: str, backend
     if what.mitigations:
         raise ConfigError(
             "`backend` megatron replays the baseline; mitigations run on the built-in `backend` torch (route 1)",
-            "mitigation",
+            "mitigations",
         )
     if target != LOCAL or launched:
         raise ConfigError(

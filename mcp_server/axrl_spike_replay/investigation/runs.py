@@ -60,19 +60,7 @@ def _run_here(request: ReplayRequest, runner: JobRunner | None) -> RunResult:
     if what.verb == Verb.ATTRIBUTE:
         from axrl_spike_replay.replay.analyses.attribution import attribute_spike
 
-        return attribute_spike(
-            what.snapshot,
-            what.top,
-            mitigations=dict(what.mitigations),
-            device=how.device,
-            method=what.method,
-            recorder=recorder,
-            job=request.job,
-            command=request.command,
-            cancel=request.cancel,
-            shard=str(how.shard),
-            nproc=how.nproc,
-        )
+        return attribute_spike(request, recorder=recorder)
     if what.verb == Verb.SWEEP:
         from axrl_spike_replay.replay.sweep import run_sweep
 

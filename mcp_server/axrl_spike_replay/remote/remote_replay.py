@@ -2,7 +2,10 @@
 
 The node reads the snapshot from shared storage (same path on both sides) and writes into a private
 temp workspace; its output dir comes back over SFTP into the local `tmp/spike-replay/<job>/<timestamp>/`
-next to `command.txt`, `stdout.log` and `stderr.log`, and every result records the target and the node.
+next to `command.txt`, `stdout.log` and `stderr.log`, and every result records the target and the node. The request
+carries the replay request's `What` and `How` as they are: the node's command line states every declared field
+they set off its default, as the field's declaration spells its option (`request_fields.changed_argv`), so a new
+replay option reaches the node without a change here.
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ import json
 import shlex
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,8 @@ import yaml
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigation.mitigations import mitigation_args
+from axrl_spike_replay.experiment.request.request_fields import changed_argv
+from axrl_spike_replay.experiment.request.request_parts import How, What
 from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
 from axrl_spike_replay.experiment.run_dir import RESULT_FILE, SWEEP_FILE, RunDir, RunRecorder, write_and_record
 from axrl_spike_replay.files.atomic import atomic_write_json
@@ -31,30 +36,34 @@ from axrl_spike_replay.remote.transport.cleanup import run_to_completion
 from axrl_spike_replay.remote.transport.job import JobOutcome, LineCallback
 from axrl_spike_replay.remote.transport.session import RemoteSession
 from axrl_spike_replay.remote.transport.shell import job_script
-from axrl_spike_replay.vocabulary import Backend, Fidelity, Verdict
+from axrl_spike_replay.vocabulary import Backend, Fidelity, Verb, Verdict
 
 REMOTE_SET_FILE = "mitigation_set.yaml"
 
 
 @dataclass(frozen=True)
 class RemoteReplayRequest:
-    """A torch-backend replay or sweep to run on a node."""
+    """A torch-backend replay or sweep to run on a node: the request's `What` (its verb, mitigations or configs and
+    every other option) and `How` (`nproc` None: as many processes as the layout can use on the node), validated."""
 
     facts: SnapshotFacts
     python: str
-    verb: str = "replay"  # "replay" | "sweep"
+    what: What
+    how: How = field(default_factory=How)
     job: str = "spike"
-    device: str = "cpu"
-    nproc: int | None = None  # None: as many processes as the layout can use on this node
-    shard: str = "auto"  # FSDP2 over the node's replay processes: auto | on | off
-    mitigations: Mapping[str, Any] = field(default_factory=dict)  # replay
-    configs: Sequence[Mapping[str, Any]] = ()  # sweep
-    # the node's command-line options for the request's other declared `What` fields that differ from their defaults
-    # (`request_fields.changed_argv`: --repeat N, ...)
-    options: tuple[str, ...] = ()
     setup: tuple[str, ...] = ()
     timeout_s: float | None = None
     target: str = ""
+
+    @property
+    def verb(self) -> Verb:
+        """The verb the node runs: replay or sweep."""
+        return self.what.verb
+
+    @property
+    def device(self) -> str:
+        """Where the node's replay processes compute."""
+        return str(self.how.device)
 
 
 def plan_processes(device: str, nproc: int | None, world_size: int, node: NodeReport) -> int:
@@ -73,17 +82,19 @@ def plan_processes(device: str, nproc: int | None, world_size: int, node: NodeRe
 
 
 def remote_argv(request: RemoteReplayRequest, workspace: str, nproc: int, mitigation_set: str | None) -> list[str]:
-    """The command line run on the node (every word is shell-quoted when sent)."""
-    argv = [request.python, "-m", "axrl_spike_replay", request.verb, request.facts.snapshot, "--json"]
-    argv += ["--workspace", workspace, "--job", request.job, "--device", request.device, "--nproc", str(nproc)]
-    if request.shard != "auto":
-        argv += ["--shard", request.shard]
-    if request.verb == "replay":
-        for item in mitigation_args(request.mitigations):
+    """The command line run on the node (every word is shell-quoted when sent): the verb on the snapshot with `nproc`
+    processes, its mitigations (a replay's) or its configs' file (a sweep's), and every other declared `How` and
+    `What` field the request sets off its default, spelt as declared."""
+    verb = request.verb
+    argv = [request.python, "-m", "axrl_spike_replay", str(verb), request.facts.snapshot, "--json"]
+    argv += ["--workspace", workspace, "--job", request.job, "--device", request.device]
+    argv += changed_argv(replace(request.how, nproc=nproc, device=How().device), verb)  # --nproc N, --shard on, ...
+    if verb == Verb.REPLAY:
+        for item in mitigation_args(request.what.mitigations):
             argv += ["--mitigation", item]
     elif mitigation_set is not None:
         argv += ["--mitigation-set", mitigation_set]
-    return argv + list(request.options)
+    return argv + changed_argv(request.what, verb)
 
 
 async def run_remote_torch(
@@ -99,14 +110,14 @@ async def run_remote_torch(
     """Run the verb on the node and bring its results home; a failure gives (and writes) a `failed` result."""
     assert run.path is not None
     started = time.perf_counter()
-    nproc = plan_processes(request.device, request.nproc, request.facts.world_size, node)
+    nproc = plan_processes(request.device, request.how.nproc, request.facts.world_size, node)
     common = {
         "target": request.target,
         "node": node.node_field(),
         "device": request.device,
         "world_size_used": nproc,
         "fidelity": Fidelity.FULL,  # every saved rank is replayed, several per process when nproc is smaller
-        "mitigations": dict(request.mitigations),
+        "mitigations": dict(request.what.mitigations),
     }
     remote_ws: str | None = node.temp_dir
     try:
@@ -143,11 +154,11 @@ async def run_remote_torch(
 
 
 async def _put_configs(session: RemoteSession, request: RemoteReplayRequest, remote_ws: str) -> str | None:
-    if request.verb != "sweep":
+    if request.verb != Verb.SWEEP:
         return None
     with tempfile.TemporaryDirectory(prefix="axrl-set-") as tmp:
         local = Path(tmp) / REMOTE_SET_FILE
-        local.write_text(yaml.safe_dump([dict(c) for c in request.configs], sort_keys=False), encoding="utf-8")
+        local.write_text(yaml.safe_dump([dict(c) for c in request.what.configs], sort_keys=False), encoding="utf-8")
         await session.put(local, f"{remote_ws}/{REMOTE_SET_FILE}")
     return f"{remote_ws}/{REMOTE_SET_FILE}"
 
@@ -186,7 +197,7 @@ async def _bring_home(
     for sub, result in results.items():
         result.timings = {**result.timings, "remote_command": outcome.seconds}
         write_and_record(run, result, recorder, request.job, sub or None)
-    if request.verb == "sweep":
+    if request.verb == Verb.SWEEP:
         sweep = SweepResult.from_json(doc)
         sweep.baseline = results.get("baseline", sweep.baseline)
         sweep.results = [results.get(r.config_id, r) for r in sweep.results]

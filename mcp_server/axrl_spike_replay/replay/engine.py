@@ -32,7 +32,7 @@ from axrl_spike_replay.experiment.mitigation.mitigations import (
 from axrl_spike_replay.experiment.mitigation.rank_scope import finding
 from axrl_spike_replay.experiment.request.request_fields import changed_values
 from axrl_spike_replay.experiment.request.request_parts import ReplayRequest
-from axrl_spike_replay.experiment.result import CleanGradient, ReplayResult
+from axrl_spike_replay.experiment.result import CleanGradient, ReplayResult, param_norms
 from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line, now_iso
 from axrl_spike_replay.experiment.verdict import (
     BaselineBasis,
@@ -303,7 +303,7 @@ class ReplaySession:
             verdict=verdict,
             baseline_grad_norm=baseline_norm if cfg.mitigations else None,
             change_vs_baseline=change,
-            top_params=outcome.top_params,
+            top_params=param_norms(outcome.top_params),
             timings={**outcome.timings, "total": time.perf_counter() - self.started},
             tolerance=judged,
             repeat_grad_norms=list(outcome.grad_norms) if len(outcome.grad_norms) > 1 else [],
@@ -333,7 +333,7 @@ class ReplaySession:
             rel_diff=rel_diff(norm, meta.grad_norm),
             spike_ratio=norm / meta.median_norm if meta.median_norm > 0 else None,
             verdict=verdict,
-            top_params=outcome.top_params,
+            top_params=param_norms(outcome.top_params),
             timings={**outcome.timings, "total": time.perf_counter() - self.started},
             tolerance=self.tolerance,
             repeat_grad_norms=list(outcome.grad_norms) if len(outcome.grad_norms) > 1 else [],

@@ -70,9 +70,14 @@ def model_bytes(snapshot: str | Path) -> int | None:
 
 def run_attribution(snapshot: str | Path, top: int, shard: str = "auto", nproc: int | None = None) -> Attribution:
     """Attribute the step here (CPU, nothing written): whole, or sharded over `nproc` processes (`shard`)."""
+    from axrl_spike_replay.experiment.request.request_fields import check_declared, declared_fields
+    from axrl_spike_replay.experiment.request.request_parts import How, ReplayRequest, What
     from axrl_spike_replay.replay.analyses.attribution import attribute_spike
+    from axrl_spike_replay.vocabulary import Verb
 
-    return attribute_spike(snapshot, top=top, shard=shard, nproc=nproc)
+    declared = {name: d for name, d, _ in declared_fields(How)}
+    how = How(nproc=nproc, shard=check_declared("shard", declared["shard"], shard))  # a member, or refused by name
+    return attribute_spike(ReplayRequest(what=What(Path(snapshot), verb=Verb.ATTRIBUTE, top=top), how=how))
 
 
 def run_step_evidence(snapshot: str | Path, shard: str = "auto", nproc: int | None = None) -> StepEvidence:

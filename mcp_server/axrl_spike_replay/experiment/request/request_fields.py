@@ -4,8 +4,10 @@ A field of the replay request (`experiment.request.request_parts`: `What`, `Wher
 record in its dataclass metadata (`field(metadata=declare(...))`). From it come the CLI's options
 (`cli.request_options`), the MCP tools' parameter schemas and the resource `axrl://arguments`
 (`mcp_faces.shared_arguments`), the request builder's check of the value (`check_declared`), whose message names
-the field as the library does (`nproc`), and the options a run's command line states or sends to a node
-(`changed_argv`).
+the field as the library does (`nproc`), the options a run's command line states or sends to a node
+(`changed_argv`), and the refusal of a value the request's backend would not carry (`refuse_uncarried`): a field
+is carried by the backends its declaration lists, and set to anything but its default with another backend it is
+refused by name, never ignored.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError, ConfigError
-from axrl_spike_replay.vocabulary import Verb, Vocabulary
+from axrl_spike_replay.vocabulary import Backend, Verb, Vocabulary
 
 DECLARED = "axrl_declared"  # the metadata key of a field's declaration
 ALL_VERBS = (Verb.REPLAY, Verb.SWEEP, Verb.ATTRIBUTE)
+ALL_BACKENDS = (Backend.TORCH, Backend.MEGATRON, Backend.COMMAND)
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class Declared:
     finite: bool = False  # a float must be finite
     must: str | None = None  # how the refusal says what a value must be (default: from kind and bounds)
     verbs: tuple[Verb, ...] = ALL_VERBS  # the verbs whose faces take it
+    # the backends that carry a `What` or `How` field set off its default (`refuse_uncarried`); by default the built-in
+    # engine alone, so a new field is refused by the others until they carry it
+    backends: tuple[Backend, ...] = (Backend.TORCH,)
     flag: str | None = None  # the CLI option (default: --name with dashes); None with cli=False: mapped by hand
     cli: bool = True  # the CLI's option is generated from this declaration
     mcp: bool = True  # the MCP tools of `verbs` take it
@@ -106,6 +112,18 @@ def changed_argv(part: Any, verb: Verb) -> list[str]:
     for name, value in changed_values(part, verb).items():
         argv += [found[name].option(name)] if found[name].kind == "bool" else [found[name].option(name), str(value)]
     return argv
+
+
+def refuse_uncarried(part: Any, backend: Backend) -> None:
+    """ConfigError naming the first declared field of the request part `part` set off its default that `backend`
+    does not carry (its declaration's `backends` leave it out): a request never asks for what its run ignores."""
+    for name, d, default in declared_fields(type(part)):
+        if backend not in d.backends and getattr(part, name) != default:
+            carried = ", ".join(str(b) for b in d.backends)
+            raise ConfigError(
+                f"`{name}` is not carried by `backend` {backend} (only by {carried}): leave it out or change `backend`",
+                name,
+            )
 
 
 def check_declared(name: str, declaration: Declared, value: Any) -> Any:

@@ -13,7 +13,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.experiment.request.request_fields import declare
+from axrl_spike_replay.experiment.request.request_fields import ALL_BACKENDS, declare
 from axrl_spike_replay.vocabulary import Backend, Device, Method, Shard, Verb
 
 LOCAL = "local"  # the target that means this machine
@@ -23,6 +23,7 @@ HERE_BACKENDS = (Backend.TORCH, Backend.MEGATRON)  # backends the built-in engin
 
 
 _REPLAY_SWEEP = (Verb.REPLAY, Verb.SWEEP)
+_ENGINE_AND_COMMAND = (Backend.TORCH, Backend.COMMAND)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class What:
             "the workspace. Prefer the preserved copy under `spike_snapshots-active` (preserving the snapshot makes "
             "it): the trainer's rotation deletes the original.",
             cli=False,  # the CLI's positional argument
+            backends=ALL_BACKENDS,
         )
     )
     _: KW_ONLY
@@ -52,6 +54,7 @@ class What:
             "baseline is (grad norm and every rank's loss), and its `finding` says 'reproduced under ...' or not.",
             verbs=(Verb.REPLAY, Verb.ATTRIBUTE),
             cli=False,  # --mitigation NAME=VALUE, repeated
+            backends=_ENGINE_AND_COMMAND,  # Megatron-core's route replays the baseline
         ),
     )
     repeat: int = field(
@@ -64,6 +67,7 @@ class What:
             ge=1,
             le=MAX_REPEAT,
             verbs=(Verb.REPLAY,),
+            backends=ALL_BACKENDS,
         ),
     )
     top_params: int = field(
@@ -76,6 +80,7 @@ class What:
             ge=1,
             verbs=(Verb.REPLAY,),
             metavar="N",
+            backends=ALL_BACKENDS,
         ),
     )
     configs: tuple[Mapping[str, Any], ...] = field(
@@ -88,6 +93,7 @@ class What:
             "verdict failed and the reason, and logged under Failed attempts.",
             verbs=(Verb.SWEEP,),
             cli=False,  # --mitigation-set FILE or --mitigation per config
+            backends=_ENGINE_AND_COMMAND,
         ),
     )
     # a sweep's configs its checks refused (their place among the configs as given, the config as given, why): the
@@ -104,6 +110,7 @@ class What:
             finite=True,
             must="a finite spike ratio > 0 (grad norm / median)",
             verbs=_REPLAY_SWEEP,
+            backends=HERE_BACKENDS,  # the command backend is judged by the detector's threshold
             metavar="X",
         ),
     )
@@ -259,6 +266,7 @@ class How:
             "ranks in turn, still every saved rank (full fidelity), judged at the tolerance of sums in another order.",
             kind="int",
             ge=1,
+            backends=HERE_BACKENDS,  # the trainer's own command starts its processes as it does
         ),
     )
     device: Device = field(

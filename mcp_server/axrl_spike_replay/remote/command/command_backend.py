@@ -5,8 +5,10 @@ the configured command are replaced by shell-quoted paths, `{overrides}` by a mi
 onto the trainer's own options (`remote.command.command_overrides`); the grad norm comes from `result_json` when
 the command wrote it, else from `grad_norm_regex` matched on its stdout (`remote.command.command_result` reads both
 as untrusted input). The command runs under the job reaper: it and every process it started end with it.
-Each config is one run of the command; a replay with a config and a sweep run the baseline once first
-and judge every config against it, with the engine's verdicts. The runs get the same output layout
+Each config is one run of the command (`repeat` runs, their spread reported and widening the baseline's tolerance as
+the engine's repeats do; the second and later runs' files under `repeat-<k>/`); a replay with a config and a sweep
+run the baseline first and judge every config against it, with the engine's verdicts. A result lists the
+`top_params` largest parameter norms the command reported. The runs get the same output layout
 (`command.txt`, `stdout.log`, `stderr.log`, `replay_result.json`, a sweep's `<config_id>/` dirs and
 `sweep_result.json`) as the torch backend.
 """
@@ -26,9 +28,10 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.experiment.mitigation.mitigations import config_id
-from axrl_spike_replay.experiment.result import ReplayResult, SweepResult
+from axrl_spike_replay.experiment.request.request_parts import What
+from axrl_spike_replay.experiment.result import ParamNorm, ReplayResult, SweepResult, param_norms
 from axrl_spike_replay.experiment.run_dir import RESULT_FILE, SWEEP_FILE, RunDir, RunRecorder, write_and_record
-from axrl_spike_replay.experiment.verdict import tolerance
+from axrl_spike_replay.experiment.verdict import tolerance_rule
 from axrl_spike_replay.files.atomic import atomic_write_bytes
 from axrl_spike_replay.remote.command.command_config import CommandBackendConfig
 from axrl_spike_replay.remote.command.command_overrides import render_overrides
@@ -53,17 +56,23 @@ PATCH_FILE = "patch.diff"  # the patch set as applied, beside the result it prod
 @dataclass(frozen=True)
 class CommandRequest:
     """One external-command replay: the baseline, a patch set, a mitigation config (mapped onto the
-    trainer's overrides), or a patch set with a config."""
+    trainer's overrides), or a patch set with a config; `what` is the request's part as declared (its mitigations,
+    repeats and listed parameters; a field the command backend does not carry was refused with the request)."""
 
     facts: SnapshotFacts
     backend: CommandBackendConfig
+    what: What
     patches: tuple[str, ...] = ()  # applied in order in one temporary worktree
-    mitigations: Mapping[str, Any] = field(default_factory=dict)  # normal form; every name mapped
     timeout_s: float | None = None
     setup: tuple[str, ...] = ()
     target: str = "local"
     node: dict[str, Any] | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def mitigations(self) -> Mapping[str, Any]:
+        """The replay's mitigation config, normal form, every name mapped onto the trainer's overrides."""
+        return self.what.mitigations
 
 
 def render_command(template: str, snapshot: str, out: str, overrides: str = "") -> str:
@@ -268,25 +277,33 @@ async def _run_one(
     *,
     record: bool = True,
 ) -> ReplayResult:
-    """One run of the command in `cwd` with `config`'s overrides; its judged result, written in `run`.
+    """`repeat` runs of the command in `cwd` with `config`'s overrides; their judged result, written in `run`.
 
     Unchanged (no config, no patch): judged against the recorded norm. Changed: against `baseline_norm`,
-    the baseline replayed by the same command, else (a patch set alone) the recorded norm.
+    the baseline replayed by the same command, else (a patch set alone) the recorded norm. The first run's norm is
+    the result's; with several, each run's norm and their spread are reported and the spread widens the tolerance.
     """
     assert run.path is not None, "the command backend needs an output dir"
-    session, request = ctx.session, ctx.request
+    request = ctx.request
     started = time.perf_counter()
     common = _fields(request, config, sha)
-    overrides = render_overrides(request.backend.mitigations, config)
     if sha:
         atomic_write_bytes(run.path / PATCH_FILE, patch_set_text(request.patches)[0])  # a method file quotes it
-    out_dir: str | None = None
+    measured: list[tuple[float, CommandReport]] = []
+    seconds = 0.0
     try:
-        out_dir = await _out_dir(session, run)
-        outcome = await _run(session, request, cwd, out_dir, run, ctx.on_line, overrides)
-        changed = bool(config) or sha is not None
-        result = await _judge(session, request, outcome, out_dir, run, common, changed, baseline_norm)
-        result.timings = {"command": round(outcome.seconds, 3)}
+        result: ReplayResult | None = None
+        for k in range(request.what.repeat):
+            here = run if k == 0 else _sub_run(run, f"repeat-{k + 1}")
+            took, got = await _measure_once(ctx, here, cwd, config, common)
+            seconds += took
+            if isinstance(got, ReplayResult):  # a failed run fails the result
+                result = got
+                break
+            measured.append(got)
+        if result is None:
+            result = _judged(ctx, run, measured, common, bool(config) or sha is not None, baseline_norm)
+        result.timings = {"command": round(seconds, 3)}
     except AxrlError as exc:
         result = base_result(request.facts, error=str(exc), **common)
     except (asyncio.CancelledError, KeyboardInterrupt):
@@ -299,14 +316,34 @@ async def _run_one(
         result.timings = {"total": round(time.perf_counter() - started, 3)}
         ctx.write(run, result)
         raise
-    finally:
-        if out_dir is not None and session.label != "local":
-            with contextlib.suppress(Exception):
-                await run_to_completion(session.remove_temp_dir(out_dir))
     result.timings["total"] = round(time.perf_counter() - started, 3)
     ctx.write(run, result, record=record or result.verdict == Verdict.FAILED)
     ctx.say(_summary(result))
     return result
+
+
+async def _measure_once(
+    ctx: _Context, run: RunDir, cwd: str, config: Mapping[str, Any], common: dict[str, Any]
+) -> tuple[float, tuple[float, CommandReport] | ReplayResult]:
+    """One run of the command, its files in `run`: (its seconds, (grad norm, report) or the failed result)."""
+    session, request = ctx.session, ctx.request
+    overrides = render_overrides(request.backend.mitigations, config)
+    out_dir: str | None = None
+    try:
+        out_dir = await _out_dir(session, run)
+        outcome = await _run(session, request, cwd, out_dir, run, ctx.on_line, overrides)
+        return outcome.seconds, await _measure(session, request, outcome, out_dir, run, common)
+    finally:
+        if out_dir is not None and session.label != "local":
+            with contextlib.suppress(Exception):
+                await run_to_completion(session.remove_temp_dir(out_dir))
+
+
+def _largest_first(entry: ParamNorm) -> float:
+    """The sort key that lists parameter norms the largest first, as the engine does (an infinite norm first, a NaN
+    or a missing one last)."""
+    norm = entry.grad_norm
+    return math.inf if norm is None or math.isnan(norm) else -norm
 
 
 def _summary(result: ReplayResult) -> str:
@@ -350,16 +387,15 @@ async def _run(
     )
 
 
-async def _judge(
+async def _measure(
     session: Session,
     request: CommandRequest,
     outcome: JobOutcome,
     out_dir: str,
     run: RunDir,
     common: dict[str, Any],
-    changed: bool,
-    baseline_norm: float | None,
-) -> ReplayResult:
+) -> tuple[float, CommandReport] | ReplayResult:
+    """The grad norm one run of the command gave, with its result file's report; a failed result otherwise."""
     assert run.path is not None
     facts, config = request.facts, request.backend
     if not outcome.ok:
@@ -382,14 +418,32 @@ async def _judge(
         where = f"{config.result_json} has no grad_norm and " if config.result_json else ""
         error = f"no grad norm: {where}grad_norm_regex {config.grad_norm_regex!r} matched nothing in stdout"
         return base_result(facts, error=error, **common)
+    return grad_norm, report
+
+
+def _judged(
+    ctx: _Context,
+    run: RunDir,
+    measured: list[tuple[float, CommandReport]],
+    common: dict[str, Any],
+    changed: bool,
+    baseline_norm: float | None,
+) -> ReplayResult:
+    """The result of the command's runs (the first one's norm and report), judged as the engine judges a replay."""
+    request = ctx.request
+    norms = [norm for norm, _ in measured]
+    grad_norm, report = measured[0]
     device = report.device or ("cuda" if (request.node or {}).get("gpu_count") else "cpu")
-    tol = tolerance(report.fidelity, device)  # ours, whatever the command says about itself
+    tol = tolerance_rule(report.fidelity, device, repeats=norms)[0]  # ours, whatever the command says about itself
     if report.ignored:
         run.log(f"the command's result gives {', '.join(report.ignored)}: not used; the verdict's tolerance is {tol:g}")
+    ranked = sorted(param_norms(report.top_params), key=_largest_first)
     extra = {
         "fidelity": report.fidelity,
-        "world_size_used": report.world_size_used or facts.world_size,
+        "world_size_used": report.world_size_used or request.facts.world_size,
         "device": device,
-        "top_params": report.top_params,
+        "top_params": ranked[: request.what.top_params],
+        "repeat_grad_norms": norms if len(norms) > 1 else [],
+        "repeat_spread": max(norms) - min(norms) if len(norms) > 1 else None,
     }
-    return judged_result(facts, grad_norm, tol, changed, baseline_norm, **common, **extra)
+    return judged_result(request.facts, grad_norm, tol, changed, baseline_norm, **common, **extra)

@@ -17,13 +17,13 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
+from axrl_spike_replay.experiment.request.request_parts import ReplayRequest
 from axrl_spike_replay.experiment.result import ATTRIBUTION_FILE, Attribution, SampleContribution
 from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line
 from axrl_spike_replay.experiment.verdict import rel_diff
@@ -233,32 +233,29 @@ def _dot_rows(rank_pass: _RankPass, d_logprobs: torch.Tensor, d_entropy: torch.T
 
 
 def attribute_spike(
-    snapshot: str | Path,
-    top: int = 10,
+    request: ReplayRequest,
     *,
-    mitigations: dict[str, Any] | None = None,
-    device: str = "cpu",
-    method: str = "jvp",
     recorder: RunRecorder | None = None,
-    job: str | None = None,
-    command: str | None = None,
-    cancel: threading.Event | None = None,
-    shard: str = "auto",
-    nproc: int | None = None,
     timeout_s: float = 1800.0,
     checkpoint: bool | None = None,
 ) -> Attribution:
-    """Rank the samples of a snapshot's step by their contribution to the replayed global grad norm.
+    """Rank the samples of the request's snapshot at its spike step by their contribution to the replayed global
+    grad norm: `what.top` of them, each computed as `what.method` says, under `what.mitigations`; the request is
+    taken as it is (`investigation.request.replay_request` builds and validates it, verb attribute).
 
-    `shard`: off, the whole model in this process (one forward-mode pass, or one backward per sample with `method`
-    per_sample_backward); on, FSDP2 over `nproc` spawned processes (default: the saved world size), one backward per
-    sample (`replay.analyses.sharded_attribution`); auto, sharded when the whole model does not fit one process here;
-    streamed, every saved rank in this process one decoder layer at a time, each sample's dot with g taken piece by
-    piece (`replay.analyses.streamed_attribution`: two passes over the checkpoint, one backward per sample per piece).
-    Each rank's step goes micro-batch by micro-batch as the trainer split it, the head in chunks, the decoder layers
-    checkpointed as `checkpoint` says (None: as the replay plan of the layout says).
-    `recorder` opens the output dir (None: nothing written). Setting `cancel` stops the work between
-    its stages (RunCancelled). `investigation.request` validates top and method for the faces."""
+    `how.shard`: off, the whole model in this process (one forward-mode pass, or one backward per sample with method
+    per_sample_backward); on, FSDP2 over `how.nproc` spawned processes (default: the saved world size), one backward
+    per sample (`replay.analyses.sharded_attribution`); auto, sharded when the whole model does not fit one process
+    here; streamed, every saved rank in this process one decoder layer at a time, each sample's dot with g taken piece
+    by piece (`replay.analyses.streamed_attribution`: two passes over the checkpoint, one backward per sample per
+    piece). Each rank's step goes micro-batch by micro-batch as the trainer split it, the head in chunks, the decoder
+    layers checkpointed as `checkpoint` says (None: as the replay plan of the layout says); `timeout_s` bounds the
+    sharded processes. `recorder` opens the output dir (None: nothing written), named by `request.job` (default: the
+    snapshot's job), its command.txt `request.command` (default: the equivalent CLI). Setting `request.cancel` stops
+    the work between its stages (RunCancelled)."""
+    what, how = request.what, request.how
+    snapshot, top, method, mitigations = what.snapshot, what.top, str(what.method), dict(what.mitigations)
+    device, shard, nproc, cancel = str(how.device), str(how.shard), how.nproc, request.cancel
     if method not in Method.values():
         raise ConfigError(f"`method` must be one of {', '.join(Method.values())}, got {method!r}", "method")
     if not isinstance(top, int) or top < 1:
@@ -278,10 +275,10 @@ def attribute_spike(
             sharded = whole_or_sharded_planned(shard, inputs, device, layout.nproc, checkpoint)
         if not sharded.shard and not streamed:
             check_whole_fits(inputs.model, inputs.effective_precision, device, "attribution")
-        job_name = job or inputs.job_name or "spike"
+        job_name = request.job or inputs.job_name or "spike"
         run = recorder.open_run(job_name) if recorder is not None else RunDir(None)
         options = {"top": top, "device": device, "shard": shard if shard != "auto" else None, "nproc": nproc}
-        run.write_command(command or command_line("attribute", str(snapshot), options))
+        run.write_command(request.command or command_line("attribute", str(snapshot), options))
         run.log(sharded.reason)
         if streamed:
             if method != Method.PER_SAMPLE_BACKWARD:

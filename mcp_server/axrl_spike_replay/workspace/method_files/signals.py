@@ -24,7 +24,7 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.figure_names import ATTRIBUTION_SAMPLE, with_current_names
-from axrl_spike_replay.experiment.result import ATTRIBUTION_FILE, ReplayResult
+from axrl_spike_replay.experiment.result import ATTRIBUTION_FILE, ParamNorm, ReplayResult
 from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.workspace.paths import job_tmp_dir
 from axrl_spike_replay.workspace.task_record.experiment_row import ExperimentRow
@@ -85,9 +85,9 @@ def _baseline_lines(baseline: dict[str, Any], notes: list[str]) -> list[str]:
         lines += [f"consistency problem [{p.name}]: {p.message}" for p in problems[:MAX_PROBLEMS]]
         if len(problems) > MAX_PROBLEMS:
             lines.append(f"... and {len(problems) - MAX_PROBLEMS} more consistency problems (see {baseline['id']})")
-    params = [p for p in baseline.get("top_params") or [] if isinstance(p, dict)]
+    params = [p for p in baseline.get("top_params") or [] if isinstance(p, ParamNorm)]
     if params:
-        cells = ", ".join(f"{p.get('name')} {_short(p.get('grad_norm'))}" for p in params[:3])
+        cells = ", ".join(f"{p.name} {_short(p.grad_norm)}" for p in params[:3])
         lines.append(f"largest parameter grad norms at the baseline: {cells}")
     return lines
 
