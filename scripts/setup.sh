@@ -25,7 +25,7 @@ if [ ! -f "$stamp" ]; then
   else
     scripts/install-torch.sh "$VENV/bin/python"
   fi
-  say "installing axrl-spike-replay (editable) with its dependencies and dev tools (pytest, ruff, hypothesis, ...)"
+  say "installing axrl-spike-replay (editable) with its dependencies and dev tools (pytest with pytest-xdist, ruff, hypothesis, ...)"
   "$VENV/bin/python" -m pip install -q -e ".[dev]" >&2
   rm -f "$VENV"/.axrl-setup-*
   touch "$stamp"

@@ -61,6 +61,67 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.heavy)
 
 
+# Under pytest-xdist (scripts/test.sh: `-n 2 --dist loadgroup`) each worker is a test session of its own, with its own
+# session fixtures. The tests that share a costly one go to one worker, so that it is made once: the Megatron-core
+# checkpoints and captures (a few processes each), the loopback Slurm cluster (munged, slurmctld, slurmd).
+_ONE_WORKER_FIXTURES = {
+    "megatron_checkpoints": "megatron",
+    "deepseek_checkpoints": "megatron",
+    "slurm_cluster": "launches",  # with the launched replays (tests/remote/replay_launch_helpers.py)
+}
+
+
+# tryfirst: before pytest-xdist's own hook reads the xdist_group marks
+@pytest.hookimpl(specname="pytest_collection_modifyitems", tryfirst=True)
+def pytest_collection_modifyitems_worker_groups(items: list[pytest.Item]) -> None:
+    """Give each test that must share a worker an `xdist_group` (`--dist loadgroup` runs a group on one worker):
+    the tests of one costly session fixture (`_ONE_WORKER_FIXTURES`), and the tests of a module with a module-scoped
+    fixture (made once per module, not once per worker). A test that names its group itself keeps it."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        group = worker_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+_LOST_GROUP = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(specname="pytest_collection_modifyitems", trylast=True)
+def pytest_collection_modifyitems_check_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Fail a test of a `--dist loadgroup` run whose group is lost, saying why: pytest-xdist groups a test by the
+    `@group` it appends to the test's node id, which pytest 9.2 no longer lets it do (pytest-xdist issue 1386;
+    pyproject.toml pins pytest below 9.2). Run without its group, a test could meet another worker's processes."""
+    if not getattr(config.option, "loadgroup", False):  # set on a pytest-xdist worker of --dist loadgroup
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid:
+            item.stash[_LOST_GROUP] = (
+                f"pytest-xdist could not give this test its xdist_group under pytest {pytest.__version__}: use "
+                "pytest below 9.2 (pyproject.toml), or run without -n"
+            )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    lost = item.stash.get(_LOST_GROUP, None)
+    if lost is not None:
+        pytest.fail(lost, pytrace=False)
+
+
+def worker_group(item: pytest.Item) -> str | None:
+    """The worker group of a test (None: any worker, test by test)."""
+    names = getattr(item, "fixturenames", ())
+    for name, group in _ONE_WORKER_FIXTURES.items():
+        if name in names:
+            return group
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    if any(chain and chain[-1].scope == "module" for chain in defs):
+        return item.nodeid.split("::")[0]  # the module's tests, together
+    return None
+
+
 @pytest.fixture(scope="session")
 def captured_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CaptureResult]:
     """CaptureResult of a reference run: world size 2, preset ratio_outliers, spikes at iterations 20-22.

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from ssh_loopback import LoopbackServer
 
@@ -19,6 +20,9 @@ from axrl_spike_replay.remote.launchers.launch_job import LAUNCH_ID_ENV
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "outputs" / "fx~fixture-moe__actor"
 SNAPSHOT = FIXTURE / "checkpoints" / "spike_snapshots" / "iter_0000021"  # tiny MoE, saved world size 2
 WORKER_MODULE = "axrl_spike_replay.replay.jobs.torchrun_worker"
+# `replay_workers` sees every replay worker on this machine, whichever test launched it: under pytest-xdist the tests
+# that launch replays run on one worker, one at a time (with the Slurm tests: tests/conftest.py).
+ONE_WORKER = pytest.mark.xdist_group("launches")
 
 
 def copy_snapshot(tmp_path: Path) -> Path:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from launch_helpers import wait_until_untagged
 from replay_launch_helpers import (
+    ONE_WORKER,
     SNAPSHOT,
     copy_snapshot,
     node_entry,
@@ -39,7 +40,7 @@ from axrl_spike_replay.replay.jobs.job_runner import run_job
 from axrl_spike_replay.replay.plans.layout_plan import plan_layout
 from axrl_spike_replay.replay.reading.inputs import load_inputs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, ONE_WORKER]
 CONFIGS = [{"advantage_clip": 0.5}, {"drop_samples": "1:0"}, {"routing_replay": "off", "kl_coef": 0.02}]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from launch_helpers import wait_until_untagged
-from replay_launch_helpers import SNAPSHOT, node_entry, replay_workers, wait_for_workers, write_workspace
+from replay_launch_helpers import ONE_WORKER, SNAPSHOT, node_entry, replay_workers, wait_for_workers, write_workspace
 from slurm_loopback import DOWN_PARTITION, SlurmCluster
 from ssh_loopback import LoopbackServer
 
@@ -21,7 +21,7 @@ from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.investigation.request import What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, ONE_WORKER]
 
 
 @pytest.fixture

@@ -7,10 +7,13 @@ On a GPU node a leftover rank would hold its GPU until the end of a long replay.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,11 +61,18 @@ def _eventually(check, what: str) -> None:  # type: ignore[no-untyped-def]
         time.sleep(0.1)
 
 
+@pytest.fixture
+def temp_root() -> Iterator[Path]:
+    """The replay's TMPDIR, a dir of this test's own in /tmp: short, as the process server's socket path under it
+    must be (a pytest-xdist worker's tmp_path is longer than a single process's)."""
+    path = Path(tempfile.mkdtemp(prefix="axrl-killed-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _start_long_replay(
-    snapshot: Path, tmp_path: Path, method: str = "forkserver"
-) -> tuple[subprocess.Popen[bytes], Path]:
-    temp_root = tmp_path / "tmpdir"
-    temp_root.mkdir()
+    snapshot: Path, tmp_path: Path, temp_root: Path, method: str = "forkserver"
+) -> subprocess.Popen[bytes]:
     workspace = tmp_path / "workspace"
     workspace.mkdir()
     env = {**os.environ, "TMPDIR": str(temp_root), "PYTHONPATH": str(PACKAGE_ROOT), "AXRL_START_METHOD": method}
@@ -71,7 +81,7 @@ def _start_long_replay(
     cli = subprocess.Popen([*argv, "--repeat", "100"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     # the ranks have met (their FileStore exists) and are replaying
     _eventually(lambda: any(temp_root.glob("axrl-ranks-*/store")), "the replay never started its rank processes")
-    return cli, temp_root
+    return cli
 
 
 @pytest.mark.slow
@@ -81,9 +91,9 @@ def _start_long_replay(
     ids=["SIGKILL", "SIGTERM", "SIGKILL-spawned"],
 )
 def test_a_killed_replay_leaves_no_rank_process_and_no_temp_dir(
-    spike_snapshot: Path, tmp_path: Path, sig: signal.Signals, method: str
+    spike_snapshot: Path, tmp_path: Path, temp_root: Path, sig: signal.Signals, method: str
 ) -> None:
-    cli, temp_root = _start_long_replay(spike_snapshot, tmp_path, method)
+    cli = _start_long_replay(spike_snapshot, tmp_path, temp_root, method)
     spawned = _descendants(cli.pid)
     if method == "forkserver":  # forked by the process server, a child of the CLI
         ranks = spawned - _children(cli.pid)
@@ -103,8 +113,10 @@ def test_a_killed_replay_leaves_no_rank_process_and_no_temp_dir(
 
 
 @pytest.mark.slow
-def test_a_killed_replay_of_a_legacy_snapshot_leaves_no_linked_copy(legacy_snapshot: Path, tmp_path: Path) -> None:
-    cli, temp_root = _start_long_replay(legacy_snapshot, tmp_path)
+def test_a_killed_replay_of_a_legacy_snapshot_leaves_no_linked_copy(
+    legacy_snapshot: Path, tmp_path: Path, temp_root: Path
+) -> None:
+    cli = _start_long_replay(legacy_snapshot, tmp_path, temp_root)
     assert list(temp_root.glob(f"axrl-replay-{legacy_snapshot.name}-*")), "the legacy replay dir was not made"
     spawned = _descendants(cli.pid)
 
