@@ -23,11 +23,17 @@ from tiny_snapshot import record_tiny_snapshot
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.investigation.request import How, What, replay_request
+from axrl_spike_replay.replay.analyses.attribution import Attribution, attribute_spike
 from axrl_spike_replay.replay.compute.worker import ConfigOutcome, compute
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed
 from axrl_spike_replay.replay.streamed.streamed_processes import run_streamed_processes
-from axrl_spike_replay.vocabulary import Shard
+from axrl_spike_replay.vocabulary import Shard, Verb
+
+
+def attributed(snapshot: Path, top: int, **how: Any) -> Attribution:
+    """The snapshot's spike attributed to its `top` samples, laid out as `how` says."""
+    return attribute_spike(replay_request(What(snapshot, verb=Verb.ATTRIBUTE, top=top), how=How(**how)))
 
 
 @contextmanager
@@ -101,27 +107,23 @@ def test_the_engine_streams_a_mitigation_over_processes(tmp_path: Path) -> None:
 def test_tiny_moe_attribution_split_over_processes(tmp_path: Path, world_size: int) -> None:
     """The router losses on: every sample's contribution, the router term and the grad norm over 2 processes are
     the one process's, and the whole attribution's to 1e-6 of the norm."""
-    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
-
     snapshot = record_tiny_snapshot(tmp_path, world_size=world_size, loss={"aux_loss_coef": 0.01, "z_loss_coef": 0.001})
-    one = attribute_spike(snapshot, top=100, shard="streamed")
-    split = attribute_spike(snapshot, top=100, shard="streamed", nproc=2)
+    one = attributed(snapshot, 100, shard="streamed")
+    split = attributed(snapshot, 100, shard="streamed", nproc=2)
     a, b = one.to_json(), split.to_json()
     for key in ("grad_norm", "router_term", "samples", "sum_rel_error"):
         assert a[key] == b[key], key
-    same_attribution(split, attribute_spike(snapshot, top=100, shard="off"))
+    same_attribution(split, attributed(snapshot, 100, shard="off"))
     assert abs(split.router_term) > 0
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_transformers_attribution_split_over_processes(tmp_path: Path, world_size: int) -> None:
-    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
-
     snapshot = hf_snapshot(tmp_path, "qwen2_moe", world_size)
     with settings_kept():
-        one = attribute_spike(snapshot, top=100, shard="streamed")
-        split = attribute_spike(snapshot, top=100, shard="streamed", nproc=2)
-        whole = attribute_spike(snapshot, top=100, shard="off")
+        one = attributed(snapshot, 100, shard="streamed")
+        split = attributed(snapshot, 100, shard="streamed", nproc=2)
+        whole = attributed(snapshot, 100, shard="off")
     a, b = one.to_json(), split.to_json()
     for key in ("grad_norm", "router_term", "samples"):
         assert a[key] == b[key], key
@@ -174,11 +176,9 @@ def test_tied_embeddings_signal_check_streamed(tmp_path: Path) -> None:
 
 
 def test_tied_embeddings_attribution_streamed_refused_by_name(tmp_path: Path) -> None:
-    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
-
     snapshot = hf_snapshot(tmp_path, "qwen3_moe", 1, tied=True)
     with pytest.raises(ConfigError, match="tied input and output embeddings") as refused:
-        attribute_spike(snapshot, top=3, shard="streamed")
+        attributed(snapshot, 3, shard="streamed")
     assert refused.value.parameter == "shard"
 
 

@@ -327,7 +327,8 @@ def test_streamed_refusals_name_the_argument(tmp_path: Path) -> None:
     assert refused.value.parameter == "nproc"
     assert not any("streamed" in line for line in lines)  # refused before anything ran
     with pytest.raises(ConfigError, match="larger than the saved world size 2") as refused:
-        attribute_spike(snapshot, top=3, shard="streamed", nproc=3)
+        asked = What(snapshot, verb=Verb.ATTRIBUTE, top=3)
+        attribute_spike(replay_request(asked, how=How(shard=Shard.STREAMED, nproc=3)))
     assert refused.value.parameter == "nproc"
 
 
