@@ -43,6 +43,19 @@ class StepParts:
     trainer: Any = field(default=None, repr=False)
     loss: LossConfig | None = None  # the loss settings this rank's step computes with (the run's, unless a fault)
 
+    def response(self) -> torch.Tensor:
+        """[B, T] bool: the response positions (after the prompt)."""
+        where = torch.zeros_like(self.batch["tokens"], dtype=torch.bool)
+        where[:, self.prompt_len :] = True
+        return where
+
+    def routing(self) -> Any:
+        """The routing control the rank's trainer runs this batch with (its routing mode, the batch's routes)."""
+        from axrl_spike_replay.training.routing_replay import routing_control
+
+        assert self.trainer is not None
+        return routing_control(self.trainer.spec.routing, self.batch, self.routed_experts)
+
 
 class Fault(Protocol):
     """A trainer bug: called after each `stage` of every step with the step's parts; corrupts `part` in place."""

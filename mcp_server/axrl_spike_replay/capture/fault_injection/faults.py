@@ -77,14 +77,6 @@ from axrl_spike_replay.training.loss_config import LossConfig
 __all__ = ["STAGES", "BuiltinFault", "Fault", "StepParts", "apply_faults", "fault_kinds", "make_fault"]
 
 
-def _response(parts: StepParts) -> torch.Tensor:
-    """[B, T] bool: the response positions (after the prompt)."""
-    tokens = parts.batch["tokens"]
-    where = torch.zeros(tokens.shape, dtype=torch.bool)
-    where[:, parts.prompt_len :] = True
-    return where
-
-
 def _shift_right(values: torch.Tensor, shift: int, rows: list[int]) -> torch.Tensor:
     """`values` [B, T, ...] with `rows` moved `shift` positions later along T (the first positions repeat)."""
     out = values.clone()
@@ -448,7 +440,7 @@ class MaskShift(BuiltinFault):
     PARAMS: ClassVar[dict[str, ParamRule]] = {**SHIFT, "truncate": flag}
 
     def __call__(self, parts: StepParts) -> None:
-        response = _response(parts)
+        response = parts.response()
         for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
             if name in parts.batch:
                 parts.batch[name] = torch.where(response, parts.batch[name], torch.zeros_like(parts.batch[name]))

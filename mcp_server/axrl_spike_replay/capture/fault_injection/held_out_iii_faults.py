@@ -56,13 +56,6 @@ def _gathered(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(picked, (1, 0))
 
 
-def _response(parts: StepParts) -> torch.Tensor:
-    """[B, T] bool: the response positions."""
-    mask = torch.zeros_like(parts.batch["tokens"], dtype=torch.bool)
-    mask[:, parts.prompt_len :] = True
-    return mask
-
-
 class RefLogprobsVocabShard(BuiltinFault):
     """Reference log-probs from a vocabulary-parallel log-softmax whose all-reduce is missing: this rank normalises
     over the first of `shards` vocabulary slices alone, and a token outside it gets the target logit 0."""
@@ -81,7 +74,7 @@ class RefLogprobsVocabShard(BuiltinFault):
         target = _gathered(local, torch.where(inside, tokens, torch.zeros_like(tokens)))
         target = torch.where(inside, target, torch.zeros_like(target))
         lse = torch.nn.functional.pad(local[:, :-1].logsumexp(dim=-1), (1, 0))
-        wrong = torch.where(_response(parts), target - lse, parts.batch["ref_logprobs"])
+        wrong = torch.where(parts.response(), target - lse, parts.batch["ref_logprobs"])
         rows = self.rows(wrong.shape[0])
         parts.batch["ref_logprobs"][rows] = wrong[rows]
 
@@ -97,7 +90,7 @@ class OldLogprobsSoftmaxOverPositions(BuiltinFault):
         assert parts.trainer is not None
         logits = _logits(parts.trainer.model, parts.batch, parts.routed_experts, parts.trainer.spec)
         wrong_axis = _gathered(logits.log_softmax(dim=1), parts.batch["tokens"])
-        wrong = torch.where(_response(parts), wrong_axis, parts.batch["old_logprobs"])
+        wrong = torch.where(parts.response(), wrong_axis, parts.batch["old_logprobs"])
         rows = self.rows(wrong.shape[0])
         parts.batch["old_logprobs"][rows] = wrong[rows]
 
@@ -122,7 +115,7 @@ class RolloutLogprobsRepetitionPenalty(BuiltinFault):
         seen = seen.cummax(dim=1).values
         processed = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
         reported = _gathered(processed.log_softmax(dim=-1), tokens)
-        wrong = torch.where(_response(parts), reported, parts.batch["rollout_logprobs"])
+        wrong = torch.where(parts.response(), reported, parts.batch["rollout_logprobs"])
         rows = self.rows(wrong.shape[0])
         parts.batch["rollout_logprobs"][rows] = wrong[rows]
 

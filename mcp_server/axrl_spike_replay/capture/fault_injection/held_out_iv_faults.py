@@ -34,26 +34,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from axrl_spike_replay.capture.fault_injection.fault_base import BuiltinFault, StepParts
 from axrl_spike_replay.capture.fault_injection.fault_params import ParamRule, number, whole
-
-
-def _response(parts: StepParts) -> torch.Tensor:
-    """[B, T] bool: the response positions."""
-    where = torch.zeros_like(parts.batch["tokens"], dtype=torch.bool)
-    where[:, parts.prompt_len :] = True
-    return where
-
-
-def _routing(parts: StepParts) -> Any:
-    from axrl_spike_replay.training.routing_replay import routing_control
-
-    assert parts.trainer is not None
-    return routing_control(parts.trainer.spec.routing, parts.batch, parts.routed_experts)
 
 
 class RefLogprobsUnnormalised(BuiltinFault):
@@ -69,12 +55,12 @@ class RefLogprobsUnnormalised(BuiltinFault):
         model, tokens = parts.trainer.ref_model, parts.batch["tokens"]
         with torch.no_grad():
             if isinstance(model, HFPolicy):
-                out = model(tokens, _routing(parts), attention_mask=parts.batch.get("attention_mask"))
+                out = model(tokens, parts.routing(), attention_mask=parts.batch.get("attention_mask"))
             else:
-                out = model(tokens, _routing(parts))
+                out = model(tokens, parts.routing())
         raw = out.logits.float()[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
         raw = torch.nn.functional.pad(raw, (1, 0))
-        wrong = torch.where(_response(parts), raw, parts.batch["ref_logprobs"])
+        wrong = torch.where(parts.response(), raw, parts.batch["ref_logprobs"])
         rows = self.rows(wrong.shape[0])
         parts.batch["ref_logprobs"][rows] = wrong[rows]
 
@@ -183,7 +169,7 @@ class RolloutLogprobsBase2(BuiltinFault):
     def corrupt(self, parts: StepParts) -> None:
         lp = parts.batch["rollout_logprobs"].clone()
         rows = self.rows(lp.shape[0])
-        base2 = torch.where(_response(parts), lp / math.log(2.0), lp)
+        base2 = torch.where(parts.response(), lp / math.log(2.0), lp)
         lp[rows] = base2[rows]
         parts.batch["rollout_logprobs"] = lp
 
@@ -219,7 +205,7 @@ class EntropyBonusSummed(BuiltinFault):
 
         assert parts.trainer is not None
         with torch.enable_grad():
-            out = policy_forward(parts.trainer.model, parts.batch, _routing(parts), need_entropy=True)
+            out = policy_forward(parts.trainer.model, parts.batch, parts.routing(), need_entropy=True)
             assert out.entropy is not None
             bonus = (out.entropy.float() * parts.batch["loss_mask"].float()).sum()
             (-float(self.param("coef", 0.01)) * bonus).backward()

@@ -26,25 +26,9 @@ have used, as a trainer that logs its inputs does); five are in the data it stor
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from axrl_spike_replay.capture.fault_injection.fault_base import BuiltinFault, StepParts
-
-
-def _response(parts: StepParts) -> torch.Tensor:
-    """[B, T] bool: the response positions."""
-    where = torch.zeros_like(parts.batch["tokens"], dtype=torch.bool)
-    where[:, parts.prompt_len :] = True
-    return where
-
-
-def _routing(parts: StepParts) -> Any:
-    from axrl_spike_replay.training.routing_replay import routing_control
-
-    assert parts.trainer is not None
-    return routing_control(parts.trainer.spec.routing, parts.batch, parts.routed_experts)
 
 
 def _backward_again(parts: StepParts, batch: dict[str, torch.Tensor]) -> None:
@@ -55,7 +39,7 @@ def _backward_again(parts: StepParts, batch: dict[str, torch.Tensor]) -> None:
     model = parts.trainer.model
     model.zero_grad(set_to_none=True)
     with torch.enable_grad():
-        rank_forward_backward(model, batch, parts.loss, _routing(parts))
+        rank_forward_backward(model, batch, parts.loss, parts.routing())
 
 
 class RatioAgainstReference(BuiltinFault):
@@ -173,7 +157,7 @@ class RolloutLogprobsPreviousStep(BuiltinFault):
             return
         lp = lp.clone()
         rows = self.rows(lp.shape[0])
-        stale = torch.where(_response(parts), before.to(lp.dtype), lp)
+        stale = torch.where(parts.response(), before.to(lp.dtype), lp)
         lp[rows] = stale[rows]
         parts.batch["rollout_logprobs"] = lp
 
@@ -186,7 +170,7 @@ class RefLogprobsAreNll(BuiltinFault):
 
     def corrupt(self, parts: StepParts) -> None:
         ref = parts.batch["ref_logprobs"]
-        flipped = torch.where(_response(parts), -ref, ref)
+        flipped = torch.where(parts.response(), -ref, ref)
         rows = self.rows(ref.shape[0])
         out = ref.clone()
         out[rows] = flipped[rows]

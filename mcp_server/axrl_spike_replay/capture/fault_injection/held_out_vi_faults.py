@@ -28,26 +28,12 @@ config or the log (`capture_reference_run(hide_fault=True)`):
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from axrl_spike_replay.capture.fault_injection.fault_base import BuiltinFault, StepParts
 from axrl_spike_replay.capture.fault_injection.fault_params import ParamRule, whole
-
-
-def _response(parts: StepParts) -> torch.Tensor:
-    """[B, T] bool: the response positions."""
-    where = torch.zeros_like(parts.batch["tokens"], dtype=torch.bool)
-    where[:, parts.prompt_len :] = True
-    return where
-
-
-def _routing(parts: StepParts) -> Any:
-    from axrl_spike_replay.training.routing_replay import routing_control
-
-    assert parts.trainer is not None
-    return routing_control(parts.trainer.spec.routing, parts.batch, parts.routed_experts)
 
 
 def _aligned_log_softmax(model: torch.nn.Module, parts: StepParts) -> torch.Tensor:
@@ -58,9 +44,9 @@ def _aligned_log_softmax(model: torch.nn.Module, parts: StepParts) -> torch.Tens
     tokens = parts.batch["tokens"]
     with torch.no_grad():
         if isinstance(model, HFPolicy):
-            out = model(tokens, _routing(parts), attention_mask=parts.batch.get("attention_mask"))
+            out = model(tokens, parts.routing(), attention_mask=parts.batch.get("attention_mask"))
         else:
-            out = model(tokens, _routing(parts))
+            out = model(tokens, parts.routing())
     logp = out.logits.float()[:, :-1].log_softmax(dim=-1)
     return torch.nn.functional.pad(logp, (0, 0, 1, 0))
 
@@ -70,7 +56,7 @@ def _write_rows(parts: StepParts, name: str, wrong: torch.Tensor, fault: Builtin
     values = parts.batch[name]
     out = values.clone()
     rows = fault.rows(out.shape[0])
-    placed = torch.where(_response(parts), wrong.to(out.dtype), values)
+    placed = torch.where(parts.response(), wrong.to(out.dtype), values)
     out[rows] = placed[rows]
     parts.batch[name] = out
 
