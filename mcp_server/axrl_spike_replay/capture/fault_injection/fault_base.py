@@ -49,6 +49,13 @@ class StepParts:
         where[:, self.prompt_len :] = True
         return where
 
+    def reward_groups(self) -> tuple[torch.Tensor, bool]:
+        """[G, group] float: the rewards by GRPO group; and whether the run's group std is the unbiased one (verl's
+        convention)."""
+        assert self.trainer is not None
+        unbiased = self.loss is not None and self.loss.convention == "verl"
+        return self.batch["rewards"].float().view(-1, int(self.trainer.train.group_size)), unbiased
+
     def routing(self) -> Any:
         """The routing control the rank's trainer runs this batch with (its routing mode, the batch's routes)."""
         from axrl_spike_replay.training.routing_replay import routing_control
@@ -104,6 +111,13 @@ class BuiltinFault:
         if self.spec.samples is None:
             return list(range(batch_size))
         return sorted({s % batch_size for s in self.spec.samples})
+
+    def replace_rows(self, parts: StepParts, name: str, values: torch.Tensor) -> None:
+        """`parts.batch[name]`'s hit rows replaced by `values`' (in its dtype), in a new tensor."""
+        out = parts.batch[name].clone()
+        rows = self.rows(out.shape[0])
+        out[rows] = values[rows].to(out.dtype)
+        parts.batch[name] = out
 
     def param(self, name: str, default: Any) -> Any:
         return self.spec.params.get(name, default)

@@ -99,16 +99,10 @@ class AdvantageStdWithoutEps(BuiltinFault):
     part = "advantages"
 
     def corrupt(self, parts: StepParts) -> None:
-        assert parts.trainer is not None
-        group = int(parts.trainer.train.group_size)
-        unbiased = parts.loss is not None and parts.loss.convention == "verl"
-        groups = parts.batch["rewards"].float().view(-1, group)
+        groups, unbiased = parts.reward_groups()
         std = groups.std(dim=-1, keepdim=True, unbiased=unbiased)
         advantages = ((groups - groups.mean(dim=-1, keepdim=True)) / std).reshape(-1)
-        rows = self.rows(advantages.shape[0])
-        out = parts.batch["advantages"].clone()
-        out[rows] = advantages[rows].to(out.dtype)
-        parts.batch["advantages"] = out
+        self.replace_rows(parts, "advantages", advantages)
 
 
 class EngineSamplingTemperature(BuiltinFault):

@@ -98,16 +98,10 @@ class AdvantageDividedByVariance(BuiltinFault):
     part = "advantages"
 
     def corrupt(self, parts: StepParts) -> None:
-        assert parts.trainer is not None
-        group = int(parts.trainer.train.group_size)
-        unbiased = parts.loss is not None and parts.loss.convention == "verl"
-        groups = parts.batch["rewards"].float().view(-1, group)
+        groups, unbiased = parts.reward_groups()
         var = groups.var(dim=-1, keepdim=True, unbiased=unbiased)
         advantages = ((groups - groups.mean(dim=-1, keepdim=True)) / (var + 1e-6)).reshape(-1)
-        out = parts.batch["advantages"].clone()
-        rows = self.rows(out.shape[0])
-        out[rows] = advantages[rows].to(out.dtype)
-        parts.batch["advantages"] = out
+        self.replace_rows(parts, "advantages", advantages)
 
 
 class RoutesPreviousStep(BuiltinFault):

@@ -54,11 +54,7 @@ def _aligned_log_softmax(model: torch.nn.Module, parts: StepParts) -> torch.Tens
 def _write_rows(parts: StepParts, name: str, wrong: torch.Tensor, fault: BuiltinFault) -> None:
     """`parts.batch[name]`'s hit rows replaced by `wrong`'s on the response positions."""
     values = parts.batch[name]
-    out = values.clone()
-    rows = fault.rows(out.shape[0])
-    placed = torch.where(parts.response(), wrong.to(out.dtype), values)
-    out[rows] = placed[rows]
-    parts.batch[name] = out
+    fault.replace_rows(parts, name, torch.where(parts.response(), wrong.to(values.dtype), values))
 
 
 class AdvantageMeanNotSubtracted(BuiltinFault):
@@ -68,16 +64,10 @@ class AdvantageMeanNotSubtracted(BuiltinFault):
     part = "advantages"
 
     def corrupt(self, parts: StepParts) -> None:
-        assert parts.trainer is not None
-        group = int(parts.trainer.train.group_size)
-        unbiased = parts.loss is not None and parts.loss.convention == "verl"
-        groups = parts.batch["rewards"].float().view(-1, group)
+        groups, unbiased = parts.reward_groups()
         std = groups.std(dim=-1, keepdim=True, unbiased=unbiased)
         advantages = (groups / (std + 1e-6)).reshape(-1)
-        out = parts.batch["advantages"].clone()
-        rows = self.rows(out.shape[0])
-        out[rows] = advantages[rows].to(out.dtype)
-        parts.batch["advantages"] = out
+        self.replace_rows(parts, "advantages", advantages)
 
 
 class OldLogprobsSequenceSum(BuiltinFault):
