@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.files.locks import held_lock
 from axrl_spike_replay.files.private_files import bind_private_socket, peer_uid, private_dir
 from axrl_spike_replay.investigation.request import ReplayRequest, request_of_document
@@ -87,7 +88,7 @@ class _Service:
     def runner(
         self,
         job: WorkerJob,
-        timeout_s: float = 1800.0,
+        timeout_s: float = RUN_TIMEOUT_S,
         cancel: threading.Event | None = None,
         *,
         progress: Callable[[str], None] | None = None,

@@ -31,7 +31,7 @@ from axrl_spike_replay.experiment.mitigation.mitigations import (
 )
 from axrl_spike_replay.experiment.mitigation.rank_scope import finding
 from axrl_spike_replay.experiment.request.request_fields import changed_values
-from axrl_spike_replay.experiment.request.request_parts import ReplayRequest
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S, ReplayRequest
 from axrl_spike_replay.experiment.result import CleanGradient, ReplayResult, param_norms
 from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line, now_iso
 from axrl_spike_replay.experiment.verdict import (
@@ -61,8 +61,6 @@ from axrl_spike_replay.replay.streamed.settings import StreamSettings
 from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.rank_data import recorded_rank_loss
 from axrl_spike_replay.vocabulary import Backend, Device, Shard, Verb, Verdict
-
-COLLECTIVE_TIMEOUT_S = 1800.0  # the replay processes' collective timeout
 
 
 def check_device(device: str) -> str:
@@ -177,7 +175,7 @@ class ReplaySession:
             f"{self.device}, fidelity {self.plan.fidelity} (saved world size {inputs.world_size}), "
             f"{held}, precision {self.precision_label}"
         )
-        outcomes = self.job_runner()(job, COLLECTIVE_TIMEOUT_S, request.cancel, progress=request.progress)
+        outcomes = self.job_runner()(job, RUN_TIMEOUT_S, request.cancel, progress=request.progress)
         if self.baseline_refused is not None:
             baseline, results = self._without_baseline(outcomes)
             return baseline, self._with_refused(results)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
 from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
 
@@ -63,7 +64,7 @@ def check_megatron_job(model: Any, snapshot: str, *, mitigations: bool, nproc: i
 
 def run_megatron_job(
     job: WorkerJob,
-    timeout_s: float = 1800.0,
+    timeout_s: float = RUN_TIMEOUT_S,
     cancel: threading.Event | None = None,
     *,
     progress: Callable[[str], None] | None = None,

@@ -16,6 +16,8 @@ from typing import Any
 from axrl_spike_replay.experiment.request.request_fields import ALL_BACKENDS, declare
 from axrl_spike_replay.vocabulary import Backend, Device, Method, Shard, Verb
 
+RUN_TIMEOUT_S = 1800.0  # a run's limit in seconds where `timeout_s` is not given (and its collectives')
+
 LOCAL = "local"  # the target that means this machine
 
 MAX_REPEAT = 100  # a determinism check needs a handful of recomputations; each one is a whole replay

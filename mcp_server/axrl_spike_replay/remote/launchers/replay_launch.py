@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from axrl_spike_replay.display import clean_text
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.processes.rank_processes import RunCancelled
 from axrl_spike_replay.remote.launchers.launch_job import LaunchError, LaunchNode, LaunchOutcome, WorkerEntry
 from axrl_spike_replay.remote.launchers.launcher import DryRun, Launcher
@@ -135,7 +136,7 @@ class LaunchedRunner:
     def __call__(
         self,
         job: WorkerJob,
-        timeout_s: float = 1800.0,
+        timeout_s: float = RUN_TIMEOUT_S,
         cancel: threading.Event | None = None,
         *,
         progress: Callable[[str], None] | None = None,

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.files.atomic import atomic_write_json
 from axrl_spike_replay.remote.launchers.launch_job import LaunchOutcome
 from axrl_spike_replay.remote.launchers.launcher import DryRun, Launcher, LaunchStatus, elapsed
@@ -50,7 +51,7 @@ class SpawnLauncher(Launcher["WorkerJob"]):
 
     name = "spawn"
 
-    def __init__(self, timeout_s: float = 1800.0) -> None:
+    def __init__(self, timeout_s: float = RUN_TIMEOUT_S) -> None:
         super().__init__()
         self.timeout_s = timeout_s
 

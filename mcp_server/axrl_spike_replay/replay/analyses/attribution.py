@@ -23,7 +23,7 @@ import torch
 
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
-from axrl_spike_replay.experiment.request.request_parts import ReplayRequest
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S, ReplayRequest
 from axrl_spike_replay.experiment.result import ATTRIBUTION_FILE, Attribution, SampleContribution
 from axrl_spike_replay.experiment.run_dir import RunDir, RunRecorder, command_line
 from axrl_spike_replay.experiment.verdict import rel_diff
@@ -236,7 +236,7 @@ def attribute_spike(
     request: ReplayRequest,
     *,
     recorder: RunRecorder | None = None,
-    timeout_s: float = 1800.0,
+    timeout_s: float = RUN_TIMEOUT_S,
     checkpoint: bool | None = None,
 ) -> Attribution:
     """Rank the samples of the request's snapshot at its spike step by their contribution to the replayed global
@@ -357,7 +357,7 @@ def _attribute_streamed(
     start: float,
     cancel: threading.Event | None,
     nproc: int | None = None,
-    timeout_s: float = 1800.0,
+    timeout_s: float = RUN_TIMEOUT_S,
 ) -> Attribution:
     """Each sample's <g_s, g> as per-piece dot products, one decoder layer at a time (`streamed_attribution`), the
     saved ranks split over `nproc` processes when more than one."""

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.models.policy import ModelSpec, policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.processes.rank_processes import check_cancel
@@ -234,7 +235,7 @@ def attribute_share(job: AttributionJob, process: int, cancel: threading.Event |
 
 
 def run_sharded_attribution(
-    job: AttributionJob, timeout_s: float = 1800.0, cancel: threading.Event | None = None
+    job: AttributionJob, timeout_s: float = RUN_TIMEOUT_S, cancel: threading.Event | None = None
 ) -> ShardedFigures:
     """The figures of a sharded attribution on `len(job.assignment)` spawned processes (gloo on CPU; nccl on CUDA
     with a GPU per process); process 0's view. Setting `cancel` stops every process (RunCancelled)."""

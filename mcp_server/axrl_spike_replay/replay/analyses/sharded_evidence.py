@@ -32,6 +32,7 @@ import torch
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.experiment.step_evidence import (
     LayerRoutes,
     LossChannel,
@@ -343,7 +344,7 @@ def loss_channel_of(doc: dict[str, Any]) -> LossChannel:
 
 
 def run_sharded_evidence(
-    job: EvidenceJob, timeout_s: float = 1800.0, cancel: threading.Event | None = None
+    job: EvidenceJob, timeout_s: float = RUN_TIMEOUT_S, cancel: threading.Event | None = None
 ) -> tuple[SignalCheck, LossChannel | None]:
     """The model evidence on `len(job.assignment)` spawned processes (gloo on CPU; nccl with a GPU per process)."""
     doc = run_share_processes(_evidence, job, "diagnosis", timeout_s, cancel)

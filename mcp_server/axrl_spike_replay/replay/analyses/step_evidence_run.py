@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.experiment.step_evidence import StepEvidence
 from axrl_spike_replay.replay.analyses.sharded_evidence import EvidenceJob, run_sharded_evidence
 from axrl_spike_replay.replay.analyses.step_evidence_forward import whole_evidence
@@ -29,7 +30,7 @@ def step_evidence(
     cancel: threading.Event | None = None,
     shard: str = "auto",
     nproc: int | None = None,
-    timeout_s: float = 1800.0,
+    timeout_s: float = RUN_TIMEOUT_S,
     checkpoint: bool | None = None,
 ) -> StepEvidence:
     """The signal check (and, with `channel`, the loss-term channel) of a snapshot's step; nothing written.

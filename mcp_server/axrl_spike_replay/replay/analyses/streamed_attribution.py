@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.models.policy import routing_shape
 from axrl_spike_replay.processes.rank_processes import check_cancel
 from axrl_spike_replay.replay.analyses.rank_micro_batches import joined_loss
@@ -253,7 +254,7 @@ def streamed_dots(
 
 
 def streamed_split_dots(
-    job: AttributionJob, timeout_s: float = 1800.0, cancel: threading.Event | None = None
+    job: AttributionJob, timeout_s: float = RUN_TIMEOUT_S, cancel: threading.Event | None = None
 ) -> ShardedFigures:
     """`streamed_dots` with the saved ranks split over `len(job.assignment)` spawned processes (contiguous blocks,
     in order), each streaming its block, the pieces' sums chained and each reduced piece spread back

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.files.atomic import atomic_write_json
 from axrl_spike_replay.files.temp_janitor import owned_temp_dir
 from axrl_spike_replay.processes.rank_processes import RankProcessError, spawn_ranks
@@ -72,7 +73,7 @@ def prepare_device(device: str) -> None:
 
 def run_job(
     job: WorkerJob,
-    timeout_s: float = 1800.0,
+    timeout_s: float = RUN_TIMEOUT_S,
     cancel: threading.Event | None = None,
     *,
     models: ModelSource | None = None,
@@ -257,7 +258,7 @@ def configs_in_parallel(runner: JobRunner, requested: int | None) -> JobRunner:
 
     def run(
         job: WorkerJob,
-        timeout_s: float = 1800.0,
+        timeout_s: float = RUN_TIMEOUT_S,
         cancel: threading.Event | None = None,
         *,
         progress: Callable[[str], None] | None = None,

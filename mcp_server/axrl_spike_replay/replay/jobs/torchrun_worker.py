@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from axrl_spike_replay.errors import AxrlError, ConfigError, SnapshotError
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.processes.launch_worker import WorkerContext, worker_context, write_result
 
 ERROR_MARK = "@@axrl-replay-error"  # an expected failure (bad input), in one line
@@ -94,7 +95,7 @@ def run(ctx: WorkerContext) -> list[dict[str, Any]]:
     local = dataclasses.replace(job, device=process_device(job.device, ctx.local_rank))
     prepare_device(local.device)
     backend = str(payload.get("backend") or "gloo")
-    timeout = timedelta(seconds=float(payload.get("timeout_s") or 1800.0))
+    timeout = timedelta(seconds=float(payload.get("timeout_s") or RUN_TIMEOUT_S))
     dist.init_process_group(backend, init_method="env://", timeout=timeout)
     try:
 

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.files.temp_janitor import owned_temp_dir
 from axrl_spike_replay.processes.rank_processes import RankProcessError, RunCancelled
 
@@ -405,7 +406,7 @@ class WarmService:
     def run_job(
         self,
         job: WorkerJob,
-        timeout_s: float = 1800.0,
+        timeout_s: float = RUN_TIMEOUT_S,
         cancel: threading.Event | None = None,
         progress: Callable[[str], None] | None = None,
         *,

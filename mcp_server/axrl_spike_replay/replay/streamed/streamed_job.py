@@ -25,6 +25,7 @@ from functools import partial
 import torch
 
 from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.models.policy import routing_shape
 from axrl_spike_replay.processes.rank_processes import RunCancelled, check_cancel
 from axrl_spike_replay.replay.compute.host_allocator import return_freed_host_memory
@@ -191,7 +192,7 @@ def _counts(inputs: RankInputs, job: WorkerJob, cfg: AppliedConfig) -> GlobalCou
 
 def run_streamed_job(
     job: WorkerJob,
-    timeout_s: float = 1800.0,
+    timeout_s: float = RUN_TIMEOUT_S,
     cancel: threading.Event | None = None,
     *,
     progress: Callable[[str], None] | None = None,

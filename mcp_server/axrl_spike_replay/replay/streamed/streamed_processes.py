@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.experiment.result import FOOTPRINT_COUNTS, Footprint
 from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
 from axrl_spike_replay.replay.jobs.job_runner import JobRunner
@@ -68,7 +69,7 @@ def run_streamed_processes(
     job: WorkerJob,
     processes: int,
     settings: StreamSettings | None = None,
-    timeout_s: float = 1800.0,
+    timeout_s: float = RUN_TIMEOUT_S,
     cancel: threading.Event | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[ConfigOutcome]:
@@ -158,7 +159,7 @@ def streamed_runner(settings: StreamSettings | None, processes: int = 1) -> JobR
 
     def run(
         job: WorkerJob,
-        timeout_s: float = 1800.0,
+        timeout_s: float = RUN_TIMEOUT_S,
         cancel: threading.Event | None = None,
         *,
         progress: Callable[[str], None] | None = None,
