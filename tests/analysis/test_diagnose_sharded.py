@@ -14,6 +14,8 @@ import torch
 from snapshot_edits import copy_fixture, no_mismatch, shift_routes
 
 from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
+from axrl_spike_replay.investigation.request import How
+from axrl_spike_replay.vocabulary import Shard
 
 pytestmark = pytest.mark.slow  # each sharded diagnosis starts 1-2 processes: tens of seconds on two cores
 
@@ -64,7 +66,7 @@ def shifted_routes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Diag
     snapshot = copy_fixture(tmp_path_factory.mktemp("shifted-routes"))
     no_mismatch(snapshot)
     shift_routes(snapshot, rank=1)
-    return snapshot, diagnose_snapshot(snapshot, model="always", shard="off")
+    return snapshot, diagnose_snapshot(snapshot, model="always", how=How(shard=Shard.OFF))
 
 
 # In the default run the two-process case is test_a_model_that_does_not_fit_one_process_is_diagnosed_sharded: shard
@@ -75,7 +77,7 @@ def test_sharded_model_evidence_gives_the_unsharded_figures_and_causes(
     shifted_routes: tuple[Path, Diagnosis], nproc: int
 ) -> None:
     snapshot, whole = shifted_routes
-    sharded = diagnose_snapshot(snapshot, model="always", shard="on", nproc=nproc)
+    sharded = diagnose_snapshot(snapshot, model="always", how=How(shard=Shard.ON, nproc=nproc))
     _same_diagnosis(sharded, whole)
     # the payload was edited after the capture: the step does not reproduce (first), the routes on rank 1 are found
     assert sharded.top.family == whole.top.family == "step_not_reproduced"
@@ -99,7 +101,7 @@ def test_a_model_that_does_not_fit_one_process_is_diagnosed_sharded(
     ranks = {r.rank: r.route_disagreement() for r in sharded.step.signals.ranks} if sharded.step else {}
     assert ranks[1] is not None and ranks[1] > 0.5 and ranks[0] == 0.0  # the planted rank, and its witness
     assert not any("model evidence" in line for line in sharded.not_checked), sharded.not_checked
-    alone = diagnose_snapshot(snapshot, model="always", nproc=1)  # one process cannot shard: said, not raised
+    alone = diagnose_snapshot(snapshot, model="always", how=How(nproc=1))  # one process cannot shard: said, not raised
     assert alone.step is None
     assert any("run it sharded (`shard` on, `nproc` > 1)" in line for line in alone.not_checked), alone.not_checked
 
@@ -114,7 +116,7 @@ def test_sharded_model_evidence_of_a_qwen3_moe_with_a_shifted_payload(tmp_path: 
     payload["routed_experts"] = torch.where(routes >= 0, (routes + 1) % (int(routes.max()) + 1), routes)
     torch.save(payload, path)
     no_mismatch(snapshot)  # the recorder's own engine mismatch taken out
-    whole = diagnose_snapshot(snapshot, model="always", shard="off")
-    sharded = diagnose_snapshot(snapshot, model="always", shard="on", nproc=2)
+    whole = diagnose_snapshot(snapshot, model="always", how=How(shard=Shard.OFF))
+    sharded = diagnose_snapshot(snapshot, model="always", how=How(shard=Shard.ON, nproc=2))
     _same_diagnosis(sharded, whole)
     assert any(c.family == "routing_payload" and c.ranks == [1] and c.strength == 1.0 for c in sharded.causes)

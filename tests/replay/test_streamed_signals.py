@@ -248,8 +248,8 @@ def test_diagnose_streamed_model_evidence(tmp_path: Path) -> None:
     from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
 
     snapshot = record_tiny_snapshot(tmp_path, world_size=2)
-    whole = diagnose_snapshot(snapshot, model="always", shard="off")
-    streamed = diagnose_snapshot(snapshot, model="always", shard="streamed")
+    whole = diagnose_snapshot(snapshot, model="always", how=How(shard=Shard.OFF))
+    streamed = diagnose_snapshot(snapshot, model="always", how=How(shard=Shard.STREAMED))
     assert streamed.step is not None and whole.step is not None and whole.step.channel is not None
     assert streamed.step.channel is None
     assert any(line.startswith("loss channel (not computed streamed") for line in streamed.not_checked)

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from axrl_spike_replay.cli.output import add_json_flag, emit, table
+from axrl_spike_replay.cli.request_options import add_declared_option
 from axrl_spike_replay.errors import ConfigError
 
 
@@ -54,15 +55,8 @@ def register(sub: Any) -> None:
         help="compute attribution and route agreement here: auto (when the checkpoint is small), always, never",
     )
     p.add_argument("--top", type=int, default=10, metavar="K", help="samples to attribute (default 10)")
-    p.add_argument(
-        "--shard",
-        choices=("auto", "on", "off", "streamed"),
-        default="auto",
-        help="compute the model evidence sharded with FSDP2 over --nproc processes (default auto: when the whole "
-        "model does not fit one process), or streamed: one decoder layer at a time in one process (attribution and "
-        "the signal check; the loss channel is not computed streamed)",
-    )
-    p.add_argument("--nproc", type=int, default=None, help="processes when sharded (default: the saved world size)")
+    add_declared_option(p, "shard")  # the model evidence's replay; streamed computes no loss channel
+    add_declared_option(p, "nproc")
     p.add_argument(
         "--workspace",
         default=".",
@@ -224,7 +218,9 @@ def _grads(args: argparse.Namespace) -> int:
 
 def _diagnose(args: argparse.Namespace) -> int:
     from axrl_spike_replay.diagnosis.diagnose import render_diagnosis
+    from axrl_spike_replay.investigation.request import How
     from axrl_spike_replay.investigation.task_opening import diagnose_into_task
+    from axrl_spike_replay.vocabulary import Shard
 
     result = diagnose_into_task(
         args.workspace,
@@ -233,8 +229,7 @@ def _diagnose(args: argparse.Namespace) -> int:
         logs=args.logs,
         model=args.model,
         top=args.top,
-        shard=args.shard,
-        nproc=args.nproc,
+        how=How(shard=Shard(args.shard), nproc=args.nproc),
     )
     emit(result, args.json, render_diagnosis)
     return 0

@@ -40,6 +40,7 @@ from axrl_spike_replay.diagnosis.suggestions.convention_experiments import in_co
 from axrl_spike_replay.diagnosis.suggestions.hypotheses import loss_hypotheses, rank_mismatches
 from axrl_spike_replay.diagnosis.suggestions.no_ops import no_op_reason, run_configs
 from axrl_spike_replay.errors import AxrlError, ConfigError
+from axrl_spike_replay.experiment.request.request_parts import How
 from axrl_spike_replay.experiment.result import Attribution
 from axrl_spike_replay.experiment.step_evidence import StepEvidence
 from axrl_spike_replay.experiment.verdict import tolerance
@@ -122,7 +123,7 @@ class Diagnosis:
 
 
 def _model_evidence(
-    snapshot: Path, attribution: Any, model: str, top: int, not_checked: list[str], shard: str, nproc: int | None
+    snapshot: Path, attribution: Any, model: str, top: int, not_checked: list[str], how: How
 ) -> tuple[Attribution | None, StepEvidence | None]:
     from axrl_spike_replay.diagnosis.evidence import model_evidence as dm
 
@@ -144,8 +145,8 @@ def _model_evidence(
     step = None
     try:
         if att is None:
-            att = dm.run_attribution(snapshot, top, shard, nproc)
-        step = dm.run_step_evidence(snapshot, shard, nproc)
+            att = dm.run_attribution(snapshot, top, how)
+        step = dm.run_step_evidence(snapshot, how)
         if step.channel is None:
             not_checked.append("loss channel (not computed streamed: it takes a gradient per loss term)")
     except AxrlError as exc:  # a snapshot the torch engine cannot rebuild: the static evidence still stands
@@ -189,16 +190,15 @@ def diagnose_snapshot(
     logs: Sequence[str | Path] | None = None,
     model: str = "auto",
     top: int = 10,
-    shard: str = "auto",
-    nproc: int | None = None,
+    how: How | None = None,
 ) -> Diagnosis:
     """Rank the likely causes of the spike in `snapshot` with their evidence and the experiments to run.
 
     `attribution`: an existing attribution (object, JSON document or `attribution.json` path); `logs`: the
     job's log files (default: those of the job output dir the snapshot sits in); `model`: auto | always |
-    never, whether to compute attribution and route agreement here (see the module doc); `shard` (auto: when the
-    whole model does not fit one process) and `nproc`, whether they run sharded with FSDP2 over several processes, or
-    streamed (one decoder layer at a time in this process; the loss channel is then not computed)."""
+    never, whether to compute attribution and route agreement here (see the module doc); `how`, the request's `shard`
+    (auto: when the whole model does not fit one process) and `nproc`: whether they run sharded with FSDP2 over several
+    processes, or streamed (one decoder layer at a time; the loss channel is then not computed)."""
     from axrl_spike_replay.analysis.batch_signals import analyze_snapshot
     from axrl_spike_replay.analysis.grad_info import top_param_grads
 
@@ -218,7 +218,7 @@ def diagnose_snapshot(
     if point.grad_norm is None:
         not_checked.append(f"training log ({point.note})")
     consistency = check_snapshot(directory, log_grad_norm=point.grad_norm, log_source=point.source, log_note=point.note)
-    att, step = _model_evidence(directory, attribution, model, top, not_checked, shard, nproc)
+    att, step = _model_evidence(directory, attribution, model, top, not_checked, how or How())
     if att is not None:
         _check_replayed_norm(consistency, analysis.grad_norm, att, not_checked)
     from axrl_spike_replay.diagnosis.evidence.model_evidence import routes_of

@@ -18,6 +18,7 @@ from typing import Any
 from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
 from axrl_spike_replay.diagnosis.task_entry import check_mode, diagnose_for_task, diagnosis_entry
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.experiment.request.request_parts import How
 from axrl_spike_replay.workspace.paths import check_workspace, task_md_path
 from axrl_spike_replay.workspace.task_record.task_log import record_diagnosis
 from axrl_spike_replay.workspace.task_record.task_state import diagnosed, open_task_file, recorded_snapshot
@@ -49,16 +50,13 @@ def diagnose_into_task(
     logs: Sequence[str | Path] | None = None,
     model: str = "auto",
     top: int = 10,
-    shard: str = "auto",
-    nproc: int | None = None,
+    how: How | None = None,
 ) -> Diagnosis:
     """`diagnose_snapshot`, and the result kept in the task of the snapshot's job when `workspace` has one open
     (nothing is written otherwise; a task that cannot be written to leaves the diagnosis as it is)."""
     from axrl_spike_replay.snapshot.metadata import read_metadata
 
-    result = diagnose_snapshot(
-        snapshot, attribution=attribution, logs=logs, model=model, top=top, shard=shard, nproc=nproc
-    )
+    result = diagnose_snapshot(snapshot, attribution=attribution, logs=logs, model=model, top=top, how=how)
     if workspace is None:
         return result
     try:

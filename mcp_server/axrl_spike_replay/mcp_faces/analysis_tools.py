@@ -15,12 +15,14 @@ from axrl_spike_replay.analysis.grad_info import GradReport, top_param_grads
 from axrl_spike_replay.diagnosis.diagnose import Diagnosis
 from axrl_spike_replay.diagnosis.evidence.log_scan import LogScan, default_name, scan_logs, with_sampled_series
 from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.investigation.request import How
 from axrl_spike_replay.investigation.task_opening import diagnose_into_task
 from axrl_spike_replay.logs.series_sampling import DEFAULT_LIMIT
 from axrl_spike_replay.mcp_faces.bridge import Progress, call_library, structured
 from axrl_spike_replay.mcp_faces.config import TopArg, server_config
-from axrl_spike_replay.mcp_faces.shared_arguments import SnapshotArg, WorkspaceArg
+from axrl_spike_replay.mcp_faces.shared_arguments import NprocArg, ShardArg, SnapshotArg, WorkspaceArg
 from axrl_spike_replay.names import check_plain_name
+from axrl_spike_replay.vocabulary import Shard
 from axrl_spike_replay.workspace.paths import TMP_DIR
 
 READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
@@ -164,14 +166,11 @@ async def diagnose_spike_tool(
         Field(description="Compute the model evidence: auto (small checkpoints), always, never."),
     ] = "auto",
     top: TopArg = 10,
-    shard: Annotated[
-        Literal["auto", "on", "off", "streamed"],
-        Field(description="Shard the model evidence's replay (FSDP2)."),
-    ] = "auto",
-    nproc: Annotated[int | None, Field(description="Processes when sharded.", ge=1)] = None,
+    shard: ShardArg = "auto",
+    nproc: NprocArg = None,
     detail: Annotated[bool, Field(description="Also return `step`.")] = False,
 ) -> Diagnosis:
-    """Call this first on a spike: likely causes ranked, with their ranks, evidence and the experiments to run.
+    """Call this first on a spike: likely causes ranked, with ranks, evidence and experiments to run.
 
     Call this first on a spike: the likely causes ranked by cause family (engine_mismatch,
     stale_old_logprobs, bad_ref_logprobs, routing_payload, outlier_advantage, mask_misalignment,
@@ -201,8 +200,7 @@ async def diagnose_spike_tool(
             logs=paths,
             model="never" if config.read_only else model,
             top=top,
-            shard=shard,
-            nproc=nproc,
+            how=How(shard=Shard(shard), nproc=nproc),
         )
         if config.read_only:
             result.not_checked.append(f"model evidence: {_READ_ONLY_RUNS_NO_REPLAY}")

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
+from axrl_spike_replay.experiment.request.request_parts import How
 from axrl_spike_replay.experiment.result import Attribution
 from axrl_spike_replay.experiment.step_evidence import SignalCheck, StepEvidence
 from axrl_spike_replay.snapshot.metadata import read_json_document
+from axrl_spike_replay.vocabulary import Shard
 
 AUTO_MODEL_BYTES = 256 * 1024 * 1024  # above this, a CPU pass costs minutes: ask for an attribution instead
 
@@ -68,24 +70,22 @@ def model_bytes(snapshot: str | Path) -> int | None:
         return None
 
 
-def run_attribution(snapshot: str | Path, top: int, shard: str = "auto", nproc: int | None = None) -> Attribution:
-    """Attribute the step here (CPU, nothing written): whole, or sharded over `nproc` processes (`shard`)."""
-    from axrl_spike_replay.experiment.request.request_fields import check_declared, declared_fields
-    from axrl_spike_replay.experiment.request.request_parts import How, ReplayRequest, What
+def run_attribution(snapshot: str | Path, top: int, how: How) -> Attribution:
+    """Attribute the step here (CPU, nothing written): whole, sharded or streamed as the request's `how` says."""
+    from axrl_spike_replay.experiment.request.request_parts import ReplayRequest, What
     from axrl_spike_replay.replay.analyses.attribution import attribute_spike
     from axrl_spike_replay.vocabulary import Verb
 
-    declared = {name: d for name, d, _ in declared_fields(How)}
-    how = How(nproc=nproc, shard=check_declared("shard", declared["shard"], shard))  # a member, or refused by name
     return attribute_spike(ReplayRequest(what=What(Path(snapshot), verb=Verb.ATTRIBUTE, top=top), how=how))
 
 
-def run_step_evidence(snapshot: str | Path, shard: str = "auto", nproc: int | None = None) -> StepEvidence:
-    """The signal check and the loss channel of the step, here (CPU, nothing written): whole, or sharded over `nproc`
-    processes (`shard`); streamed, the signal check alone (the channel is not computed streamed)."""
+def run_step_evidence(snapshot: str | Path, how: How) -> StepEvidence:
+    """The signal check and the loss channel of the step, here (CPU, nothing written): whole, sharded or streamed as
+    `how` says; streamed, the signal check alone (the channel is not computed streamed)."""
     from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
 
-    return step_evidence(snapshot, shard=shard, nproc=nproc, channel=shard != "streamed")
+    streamed = how.shard == Shard.STREAMED
+    return step_evidence(snapshot, shard=how.shard, nproc=how.nproc, channel=not streamed)
 
 
 def routes_of(check: SignalCheck) -> RouteAgreement:

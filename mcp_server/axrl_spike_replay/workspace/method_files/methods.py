@@ -24,7 +24,13 @@ from axrl_spike_replay.workspace.method_files.signals import recorded_signals
 from axrl_spike_replay.workspace.paths import METHODS_INDEX, TASKS_DIR, check_workspace, in_workspace, methods_dir
 from axrl_spike_replay.workspace.render import fmt, pct, render
 from axrl_spike_replay.workspace.task_record.changes import config_key, describe_change, normalise_config
-from axrl_spike_replay.workspace.task_record.evidence import baseline_for, find_attempt, output_dir_of, result_doc
+from axrl_spike_replay.workspace.task_record.evidence import (
+    Baseline,
+    baseline_for,
+    find_attempt,
+    output_dir_of,
+    result_doc,
+)
 from axrl_spike_replay.workspace.task_record.experiment_row import ExperimentRow
 from axrl_spike_replay.workspace.task_record.preserved_copies import source_of_copy
 from axrl_spike_replay.workspace.task_record.task import TaskState
@@ -110,7 +116,7 @@ def add_method(
     state = read_state(root, check_plain_name(job, "job name"))
     first = find_attempt(state, attempt_id)
     result, _ = result_doc(first)
-    _check_writable(first.id, result, baseline_for(state, first, result)["grad_norm"], allow_reduced)
+    _check_writable(first.id, result, baseline_for(state, first, result).grad_norm, allow_reduced)
     _check_production(first.id, result)
     _check_not_duplicate(root, slug, result, replace)  # again under the lock; first here, to fail early
     written: list[tuple[dict[str, Any], Path]] = []
@@ -313,7 +319,7 @@ def _method_doc(
     row: ExperimentRow,
     result: ReplayResult,
     result_note: str | None,
-    baseline: dict[str, Any],
+    baseline: Baseline,
     slug: str,
     rationale: str,
     signals: dict[str, Any],
@@ -322,8 +328,8 @@ def _method_doc(
     change = describe_change(result.mitigations, result.patch_sha256)
     ratio = result.spike_ratio
     summary = (
-        f"{change}: grad norm {fmt(baseline['grad_norm'])} -> {fmt(result.grad_norm)} "
-        f"({pct(result.change_vs_baseline if result.change_vs_baseline is not None else baseline['change'])}), "
+        f"{change}: grad norm {fmt(baseline.grad_norm)} -> {fmt(result.grad_norm)} "
+        f"({pct(result.change_vs_baseline if result.change_vs_baseline is not None else baseline.change)}), "
         f"ratio to median {fmt(ratio)} vs threshold {fmt(result.threshold)}"
     )
     fields = {
@@ -343,7 +349,7 @@ def _method_doc(
         "config_key": config_key(result.mitigations),
         "patch_sha256": result.patch_sha256,
         "grad_norm": result.grad_norm,
-        "baseline_grad_norm": baseline["grad_norm"],
+        "baseline_grad_norm": baseline.grad_norm,
         "spike_ratio": ratio,
         "threshold": result.threshold,
         "cosine_to_clean": result.cosine_to_clean,
@@ -432,10 +438,10 @@ def replay_it(result: ReplayResult, workspace: Path, job: str) -> dict[str, Any]
     }
 
 
-def _evidence(result: ReplayResult, baseline: dict[str, Any]) -> list[str]:
+def _evidence(result: ReplayResult, baseline: Baseline) -> list[str]:
     """What the replay showed, in numbers: the norm it removed, and what it left of the healthy gradient."""
     lines = [
-        f"grad norm {fmt(baseline['grad_norm'])} -> {fmt(result.grad_norm)} ({pct(result.change_vs_baseline)}) at "
+        f"grad norm {fmt(baseline.grad_norm)} -> {fmt(result.grad_norm)} ({pct(result.change_vs_baseline)}) at "
         f"{result.fidelity} fidelity; ratio to median {fmt(result.spike_ratio)} vs threshold {fmt(result.threshold)}"
     ]
     clean = result.clean_gradient or CleanGradient()
@@ -454,7 +460,7 @@ def _evidence(result: ReplayResult, baseline: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _residual(result: ReplayResult, baseline: dict[str, Any]) -> str:
+def _residual(result: ReplayResult, baseline: Baseline) -> str:
     ratio, threshold = result.spike_ratio, result.threshold
     label = threshold_label(result.verdict_basis)  # a user's clear threshold is not the detector's
     if ratio is None:

@@ -24,9 +24,9 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.figure_names import ATTRIBUTION_SAMPLE, with_current_names
-from axrl_spike_replay.experiment.result import ATTRIBUTION_FILE, ParamNorm, ReplayResult
-from axrl_spike_replay.snapshot.consistency import Consistency
+from axrl_spike_replay.experiment.result import ATTRIBUTION_FILE, ReplayResult
 from axrl_spike_replay.workspace.paths import job_tmp_dir
+from axrl_spike_replay.workspace.task_record.evidence import Baseline
 from axrl_spike_replay.workspace.task_record.experiment_row import ExperimentRow
 from axrl_spike_replay.workspace.task_record.task import TaskState
 
@@ -39,7 +39,7 @@ def recorded_signals(
     state: TaskState,
     row: ExperimentRow,
     result: ReplayResult,
-    baseline: dict[str, Any],
+    baseline: Baseline,
     top: int = 3,
 ) -> dict[str, list[str]]:
     """`{"lines": [...], "notes": [...]}` for the method file of the attempt `row` (its replay result `result`, its
@@ -63,29 +63,29 @@ def _spike_line(result: ReplayResult) -> str:
     )
 
 
-def _baseline_lines(baseline: dict[str, Any], notes: list[str]) -> list[str]:
+def _baseline_lines(baseline: Baseline, notes: list[str]) -> list[str]:
     """The baseline replay's figures, its consistency verdict and named problems, its largest parameter grads."""
-    if baseline.get("id") is None:
+    if baseline.id is None:
         notes.append(
             "baseline replay: none logged for this snapshot at this layout, so its consistency (the snapshot against "
             "itself, its replay and the training log) was not checked here; `replay SNAPSHOT` checks it"
         )
         return []
     line = (
-        f"baseline replay {baseline['id']}: grad norm {_short(baseline.get('grad_norm'))}, rel diff vs recorded "
-        f"{_short(baseline.get('rel_diff'))} -> {baseline.get('verdict')}"
+        f"baseline replay {baseline.id}: grad norm {_short(baseline.grad_norm)}, rel diff vs recorded "
+        f"{_short(baseline.rel_diff)} -> {baseline.verdict}"
     )
-    consistency = baseline.get("consistency")
+    consistency = baseline.consistency
     lines = [line]
-    if not isinstance(consistency, Consistency):
-        notes.append(f"consistency: baseline replay {baseline['id']} recorded no consistency checks")
+    if consistency is None:
+        notes.append(f"consistency: baseline replay {baseline.id} recorded no consistency checks")
     else:
         lines[0] += f"; {consistency.summary()}"
         problems = consistency.problems
         lines += [f"consistency problem [{p.name}]: {p.message}" for p in problems[:MAX_PROBLEMS]]
         if len(problems) > MAX_PROBLEMS:
-            lines.append(f"... and {len(problems) - MAX_PROBLEMS} more consistency problems (see {baseline['id']})")
-    params = [p for p in baseline.get("top_params") or [] if isinstance(p, ParamNorm)]
+            lines.append(f"... and {len(problems) - MAX_PROBLEMS} more consistency problems (see {baseline.id})")
+    params = baseline.top_params
     if params:
         cells = ", ".join(f"{p.name} {_short(p.grad_norm)}" for p in params[:3])
         lines.append(f"largest parameter grad norms at the baseline: {cells}")

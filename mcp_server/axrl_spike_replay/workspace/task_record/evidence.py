@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
-from axrl_spike_replay.experiment.result import ReplayResult
+from axrl_spike_replay.experiment.result import ParamNorm, ReplayResult
+from axrl_spike_replay.snapshot.consistency import Consistency
 from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, parse_iteration
 from axrl_spike_replay.workspace.task_record.experiment_row import ExperimentRow
 from axrl_spike_replay.workspace.task_record.task import TaskState
@@ -100,7 +102,25 @@ def baseline_rows(state: TaskState) -> list[ExperimentRow]:
     return [row for row in state.experiments if row.is_baseline and row.verdict != "failed"]
 
 
-def baseline_for(state: TaskState, row: ExperimentRow, result: ReplayResult) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Baseline:
+    """The baseline an attempt is compared with: a logged baseline replay (`id` set), or the attempt's own."""
+
+    id: str | None
+    grad_norm: float | None
+    ratio: float | None
+    fidelity: str
+    rel_diff: float | None
+    world_size_used: int
+    verdict: str | None
+    consistency: Consistency | None
+    change: float | None  # the attempt's grad norm against this one's, as a fraction
+    note: str | None
+    top_params: list[ParamNorm] = field(default_factory=list[ParamNorm])
+    result_path: str | None = None
+
+
+def baseline_for(state: TaskState, row: ExperimentRow, result: ReplayResult) -> Baseline:
     """The baseline the attempt is compared with: the task's latest baseline replay of the same snapshot and
     layout (same world size, backend, target, in that order of preference), else the attempt's own baseline."""
     same_snapshot = [b for b in baseline_rows(state) if b.snapshot == row.snapshot and b.id != row.id]
@@ -115,39 +135,37 @@ def baseline_for(state: TaskState, row: ExperimentRow, result: ReplayResult) -> 
     if best is not None and not (other_layout and result.baseline_grad_norm is not None):
         base, _ = result_doc(best)
         grad = base.grad_norm
-        return {
-            "id": best.id,
-            "grad_norm": grad,
-            "ratio": base.spike_ratio,
-            "fidelity": base.fidelity,
-            "rel_diff": base.rel_diff,
-            "world_size_used": base.world_size_used,
-            "verdict": base.verdict,
-            "consistency": base.consistency,
-            "top_params": base.top_params,
-            "result_path": best.result_path,
-            "change": _change(result.grad_norm, grad),
-            "note": f"the baseline ran at world size {base.world_size_used}, this attempt at {result.world_size_used}"
+        return Baseline(
+            id=best.id,
+            grad_norm=grad,
+            ratio=base.spike_ratio,
+            fidelity=base.fidelity,
+            rel_diff=base.rel_diff,
+            world_size_used=base.world_size_used,
+            verdict=base.verdict,
+            consistency=base.consistency,
+            top_params=list(base.top_params),
+            result_path=best.result_path,
+            change=_change(result.grad_norm, grad),
+            note=f"the baseline ran at world size {base.world_size_used}, this attempt at {result.world_size_used}"
             if other_layout
             else None,
-        }
+        )
     grad = result.baseline_grad_norm
     recorded = result.recorded_grad_norm
-    return {
-        "id": None,
-        "grad_norm": grad,
-        "ratio": grad / result.median_norm if grad is not None and result.median_norm else None,
-        "fidelity": result.fidelity,
-        "rel_diff": abs(grad - recorded) / recorded if grad is not None and recorded else None,
-        "world_size_used": result.world_size_used,
-        "verdict": None,
-        "consistency": None,
-        "top_params": [],
-        "result_path": None,
-        "change": _change(result.grad_norm, grad),
-        "note": "no baseline replay of this snapshot at this layout in the task; baseline grad norm taken from the "
+    return Baseline(
+        id=None,
+        grad_norm=grad,
+        ratio=grad / result.median_norm if grad is not None and result.median_norm else None,
+        fidelity=result.fidelity,
+        rel_diff=abs(grad - recorded) / recorded if grad is not None and recorded else None,
+        world_size_used=result.world_size_used,
+        verdict=None,
+        consistency=None,
+        change=_change(result.grad_norm, grad),
+        note="no baseline replay of this snapshot at this layout in the task; baseline grad norm taken from the "
         "attempt's own replay result",
-    }
+    )
 
 
 def output_dir_of(snapshot: str | Path | None) -> str | None:
