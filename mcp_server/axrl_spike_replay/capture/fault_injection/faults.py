@@ -66,6 +66,7 @@ from axrl_spike_replay.capture.fault_injection.held_out_iii_faults import HELD_O
 from axrl_spike_replay.capture.fault_injection.held_out_iv_faults import HELD_OUT_IV_KINDS
 from axrl_spike_replay.capture.fault_injection.held_out_v_faults import HELD_OUT_V_KINDS
 from axrl_spike_replay.capture.fault_injection.held_out_vi_faults import HELD_OUT_VI_KINDS
+from axrl_spike_replay.capture.fault_injection.held_out_vii_faults import HELD_OUT_VII_KINDS
 from axrl_spike_replay.capture.fault_injection.unrecorded_faults import UNRECORDED_KINDS
 from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.rollout import shifted_routes
@@ -484,7 +485,7 @@ def fault_kinds() -> dict[str, type[BuiltinFault]]:
     """Every built-in fault kind: this module's (the step's inputs) and `unrecorded_faults`' (what the trainer does
     that its run config does not record: its gradients, the batch it stores) and `held_out_faults`' (a second
     held-out set), `held_out_iii_faults`' (a third), `held_out_iv_faults`' (a fourth), `held_out_v_faults`' (a
-    fifth) and `held_out_vi_faults`' (a sixth)."""
+    fifth), `held_out_vi_faults`' (a sixth) and `held_out_vii_faults`' (a seventh)."""
     return {
         **FAULT_KINDS,
         **UNRECORDED_KINDS,
@@ -493,6 +494,7 @@ def fault_kinds() -> dict[str, type[BuiltinFault]]:
         **HELD_OUT_IV_KINDS,
         **HELD_OUT_V_KINDS,
         **HELD_OUT_VI_KINDS,
+        **HELD_OUT_VII_KINDS,
     }
 
 
