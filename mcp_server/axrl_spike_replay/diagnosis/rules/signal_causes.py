@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from axrl_spike_replay.diagnosis.evidence.signal_reading import DATA_NATS, WITNESS_RATIO, OddSignal, outside_fraction
 from axrl_spike_replay.diagnosis.rules import causes
+from axrl_spike_replay.diagnosis.rules.advantage_consistency import advantages_against_rewards, inconsistent_ranks
 from axrl_spike_replay.diagnosis.rules.causes import (
     LIKELY,
     LN2,
@@ -625,10 +626,16 @@ def mask_misalignment(ev: Evidence) -> Cause | None:
 
 
 def outlier_advantage(ev: Evidence) -> Cause | None:
-    """The stronger of a few samples' outlier advantages (`causes.outlier_advantage`) and one rank's advantages on
-    another scale (`rank_inputs.rank_advantage_scale`) or wider than its rewards explain
-    (`rank_inputs.advantages_past_rewards`)."""
-    return _strongest(causes.outlier_advantage(ev), rank_advantage_scale(ev), advantages_past_rewards(ev))
+    """The strongest of a few samples' outlier advantages (`causes.outlier_advantage`), one rank's advantages on
+    another scale (`rank_inputs.rank_advantage_scale`), wider than its rewards explain
+    (`rank_inputs.advantages_past_rewards`) or not what the recorded estimator makes of its own rewards
+    (`advantage_consistency.advantages_against_rewards`)."""
+    return _strongest(
+        causes.outlier_advantage(ev),
+        rank_advantage_scale(ev),
+        advantages_past_rewards(ev),
+        advantages_against_rewards(ev),
+    )
 
 
 def _signal_masks(ev: Evidence) -> Cause | None:
@@ -769,6 +776,8 @@ def one_rank_data(ev: Evidence) -> Cause | None:
     if rank is None or not evidence:
         return None
     if rank in mask_ranks(ev) or rank in scaled_ranks(ev) or rank in overscaled_ranks(ev):  # its mask or advantages
+        return None
+    if rank in inconsistent_ranks(ev)[2]:  # its advantages are not what the recorded estimator makes of its rewards
         return None
     if ev.reading is not None:
         if rank in ev.reading.mask_ranks:  # its loss mask covers tokens no signal was stored for: the mask explains it
