@@ -234,3 +234,18 @@ def advantages_against_rewards(ev: Evidence) -> Cause | None:
         ranks=ranks,
         term="policy",
     )
+
+
+def corroborated(found: Cause | None, own: Cause | None) -> Cause | None:
+    """`found` (another reading of the advantages: a few samples' outliers, a rank's scale) with `own` (this check's
+    finding) joined to it where `own` names every rank it names (both none: every rank): it keeps its own samples,
+    title and experiments, at the stronger of the two strengths, with `own`'s evidence and figures added; else the
+    stronger of the two."""
+    if own is None or found is None:
+        return own if found is None else found
+    if set(found.ranks) <= set(own.ranks) and bool(found.ranks) == bool(own.ranks):
+        found.strength = max(found.strength, own.strength)
+        found.evidence += own.evidence
+        found.figures["against_own_rewards"] = own.figures
+        return found
+    return max((found, own), key=lambda c: c.strength)

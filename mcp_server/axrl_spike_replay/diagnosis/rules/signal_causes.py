@@ -19,7 +19,11 @@ from collections.abc import Sequence
 
 from axrl_spike_replay.diagnosis.evidence.signal_reading import DATA_NATS, WITNESS_RATIO, OddSignal, outside_fraction
 from axrl_spike_replay.diagnosis.rules import causes
-from axrl_spike_replay.diagnosis.rules.advantage_consistency import advantages_against_rewards, inconsistent_ranks
+from axrl_spike_replay.diagnosis.rules.advantage_consistency import (
+    advantages_against_rewards,
+    corroborated,
+    inconsistent_ranks,
+)
 from axrl_spike_replay.diagnosis.rules.causes import (
     LIKELY,
     LN2,
@@ -655,12 +659,8 @@ def outlier_advantage(ev: Evidence) -> Cause | None:
     another scale (`rank_inputs.rank_advantage_scale`), wider than its rewards explain
     (`rank_inputs.advantages_past_rewards`) or not what the recorded estimator makes of its own rewards
     (`advantage_consistency.advantages_against_rewards`)."""
-    return _strongest(
-        causes.outlier_advantage(ev),
-        rank_advantage_scale(ev),
-        advantages_past_rewards(ev),
-        advantages_against_rewards(ev),
-    )
+    found = _strongest(causes.outlier_advantage(ev), rank_advantage_scale(ev), advantages_past_rewards(ev))
+    return corroborated(found, advantages_against_rewards(ev))
 
 
 def _signal_masks(ev: Evidence) -> Cause | None:
