@@ -17,8 +17,10 @@ Only complete groups are judged: groups of the recorded `train.group_size` (with
 one size), whose id no other rank holds (a group split over ranks has a partial mean). A rank with a group that
 fails has advantages its rewards do not give under the recorded estimator: `outlier_advantage` on that rank, as
 strong as the share of the gradient it carries says (`rank_inputs.carry`: `CARRIES`, else `BASE`). On every rank it
-stays at `BASE`: a run config that records another estimator than the trainer ran would read the same. An estimator
-the run config does not record, or none of these, is not judged.
+stays at `BASE`: a run config that records another estimator than the trainer ran would read the same; so it does
+where every group off centre is off below 0 (and none out of order): advantages that lean negative are what
+`negative_advantage_dominance` reads too. An estimator the run config does not record, or none of these, is not
+judged.
 """
 
 from __future__ import annotations
@@ -200,6 +202,13 @@ def advantages_against_rewards(ev: Evidence) -> Cause | None:
             "on every rank: advantages made another way everywhere, or a run config that records another estimator "
             "than the trainer ran"
         )
+    offsets = [m for c in found.values() for _, m, _ in c.off_centre]
+    below = bool(offsets) and all(m < 0 for m in offsets) and not any(c.disordered for c in found.values())
+    if below:
+        evidence.append(
+            "every group off centre is off below 0: the advantages lean negative, as negative-advantage dominance "
+            "reads them; `advantage_clip` against `balance_negative_advantages` tells the two readings apart"
+        )
     clip = round(math.sqrt(max(size - 1, 1)), 2)  # a standardised group's largest |advantage| (population std)
     where = ",".join(str(r) for r in ranks)
     experiments = [
@@ -221,7 +230,7 @@ def advantages_against_rewards(ev: Evidence) -> Cause | None:
     return Cause(
         "outlier_advantage",
         "advantages their own rewards do not give" + (f" on rank {where}" if ranks else ""),
-        CARRIES if carries and not every else BASE,
+        CARRIES if carries and not every and not below else BASE,
         evidence + figures,
         {
             "estimator": estimator,
