@@ -109,14 +109,18 @@ def test_advantages_ordered_against_their_rewards_are_named_under_a_baseline_est
 
 def test_the_golden_runs_own_advantages_and_a_baseline_runs_name_nothing(tmp_path: Path) -> None:
     """The golden snapshot as captured (GRPO), with the model evidence: every group centred and in order, so no
-    rank is named and no cause says its advantages are not its rewards'. Its rank 1 as a baseline run stores them
-    (reward minus a running mean: every group off centre, which a baseline does not centre) names nothing either."""
+    rank is named, no cause says its advantages are not its rewards', and no reference is singled out by its KL
+    term. Its ranks as a baseline run stores them (reward minus a running mean: every group off centre, which a
+    baseline does not centre) name nothing either."""
     snapshot = copy_fixture(tmp_path)
     assert recorded_estimator(snapshot) == ("grpo", 4)
     d = diagnose_snapshot(snapshot, model="auto")
     assert d.step is not None
     assert not any(c.title.startswith(TITLE) for c in d.causes)
     assert inconsistent_ranks_of(d) == ("grpo", 4, {})
+    # nor does its KL term single a reference out (its pull is alike on both ranks)
+    assert not any(c.family == "bad_ref_logprobs" and (c.ranks or c.strength >= 0.8) for c in d.causes)
+    assert not any("harder there than on any other rank" in line for c in d.causes for line in c.evidence)
     _set_train(snapshot, advantage_estimator="reinforce_baseline")
     edit_batch(snapshot, 1, lambda b: b.__setitem__("advantages", b["rewards"] - 0.05))
     edit_batch(snapshot, 0, lambda b: b.__setitem__("advantages", b["rewards"] - 0.05))
