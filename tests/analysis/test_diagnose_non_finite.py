@@ -97,8 +97,11 @@ def test_no_family_turns_a_nan_figure_into_a_strong_cause(tmp_path: Path) -> Non
     assert found["routing_payload"] is None  # a NaN disagreement is no disagreement (was min(1.0, nan) = 1.0)
     assert found["one_rank_data"] is None  # NaN shares carry nothing
     outlier = found["outlier_advantage"]
-    assert outlier is not None and outlier.strength == pytest.approx(0.4)  # NaN share: nothing carried (was 1.0)
-    assert outlier.figures["samples"] == [[1, 3]]
+    # NaN share: nothing carried (was 1.0); the sample's advantage, 200 times what GRPO makes of its reward, leaves
+    # its group off centre: rank 1's advantages are not its rewards' (BASE 0.6, its share of the gradient unknown)
+    assert outlier is not None and outlier.strength == pytest.approx(0.6)
+    assert outlier.figures["samples"] == [[1, 3]] and outlier.ranks == [1]
+    assert outlier.figures["against_own_rewards"]["groups_failing"] == {1: 1}
     for cause in found.values():
         assert cause is None or 0.0 <= cause.strength <= 1.0
 

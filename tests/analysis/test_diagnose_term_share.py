@@ -85,3 +85,58 @@ def test_a_rank_with_all_zero_advantages_and_a_healthy_reference_gets_no_strong_
     assert kl.share > 0.9  # the KL terms carry the replayed gradient
     strong = [c for c in d.causes if c.strength >= 0.8]
     assert not any(c.family == "bad_ref_logprobs" for c in strong), [(c.family, c.strength) for c in strong]
+
+
+def four_ranks(levels: dict[int, float], kl_ranks: list[TermRank]) -> Evidence:
+    """Four ranks whose stored reference is off by these levels, judged alike (no witness by level), their data
+    alike, with this KL term (the policy term on rank 3 carries nothing)."""
+    by = {r: SignalLevels(r, "ref", v, v, None) for r, v in levels.items()}
+    off = sorted(r for r, v in levels.items() if v >= 1.0)
+    reading = SignalReading(
+        levels={"ref": by},
+        odd=[OddSignal("ref", off, {r: levels[r] for r in off}, spread=True)] if off else [],
+        likelihood={r: -0.19 for r in levels},
+    )
+    kl = TermFigures("kl", 0.1, 11.2, sum(x.share for x in kl_ranks), kl_ranks)
+    policy = TermFigures("policy", 1.0, 0.01, 0.0, [TermRank(r, 0.01, 0.0) for r in levels])
+    channel = LossChannel(grad_norm=11.2, terms=[policy, kl])
+    return Evidence(None, None, None, None, 4, reading=reading, channel=channel, loss=LossConfig(kl_coef=0.1))
+
+
+# held-out VI's reference of the argmax token on rank 3 (a capture of it at world size 4): its KL term pulls 49x
+# harder there than on any other rank, while its stored reference is the closest of the four to the replay by level
+ARGMAX_KL = [
+    TermRank(0, 0.0166, 0.0004, value=0.0126),
+    TermRank(1, 0.228, -0.0009, value=0.0428),
+    TermRank(2, 0.0288, 0.0005, value=0.0106),
+    TermRank(3, 11.27, 1.0, value=1.403),
+]
+
+
+def test_a_reference_closer_than_the_others_by_level_whose_kl_term_pulls_far_harder_names_its_rank() -> None:
+    """Held-out VI's second miss: the rule asked for the reference furthest off by level, and rank 3's is the
+    closest (1.25 against 2.8 to 3.4), so it read as a natural spike. A distance says nothing of its direction;
+    the KL term's own pull on rank 3 (49x the largest other rank's gradient norm, 33x its value) names it."""
+    cause = bad_ref_logprobs(four_ranks({0: 3.12, 1: 2.81, 2: 3.44, 3: 1.25}, ARGMAX_KL))
+    assert cause is not None and cause.ranks == [3] and cause.strength == KL_WITNESSED and cause.term == "kl"
+    assert any("pulls 49.4x harder there than on any other rank" in line for line in cause.evidence)
+    assert any("rank 3's stored reference is 1.25 from the replay by level" in line for line in cause.evidence)
+    assert cause.experiments[0].mitigation == "drop_ranks=3"
+    further = bad_ref_logprobs(four_ranks({0: 3.12, 1: 2.81, 2: 3.44, 3: 9.5}, ARGMAX_KL))
+    assert further is not None and further.ranks == [3] and further.strength == KL_WITNESSED  # either direction
+
+
+def test_a_kl_term_that_pulls_hard_on_one_rank_names_its_reference_where_no_rank_is_clearly_off_by_level() -> None:
+    """No rank's stored reference clearly off (every level under 1: no odd signal at all): what the reference does
+    to the step still singles rank 3 out."""
+    cause = bad_ref_logprobs(four_ranks({0: 0.6, 1: 0.5, 2: 0.7, 3: 0.3}, ARGMAX_KL))
+    assert cause is not None and cause.ranks == [3] and cause.strength == KL_WITNESSED
+
+
+def test_a_kl_share_without_a_pull_that_stands_out_names_no_rank_whatever_the_levels() -> None:
+    """The same shares and levels, rank 3's KL term pulling 1.5x the largest other rank's: its share is the
+    geometry of the gradient, not a reference that differs there."""
+    alike = [TermRank(r, 0.2, 0.0, value=0.04) for r in (0, 1, 2)] + [TermRank(3, 0.3, 1.0, value=0.05)]
+    for levels in ({0: 3.12, 1: 2.81, 2: 3.44, 3: 1.25}, {0: 0.6, 1: 0.5, 2: 0.7, 3: 0.3}):
+        cause = bad_ref_logprobs(four_ranks(levels, alike))
+        assert cause is None or (cause.ranks == [] and cause.strength < 0.8)

@@ -41,10 +41,14 @@ FAMILIES, with the broken part each names:
 - `bad_ref_logprobs`: the stored reference log-probs are wrong or misaligned on some ranks (the KL term carries
   the spike); the reference is another model, so a distance to it alike on every rank is the policy's drift and
   singles out no rank, and a reference whose ranks' KL term carries almost none of the gradient is not the cause;
+  where no rank's stored values stand out, a KL term that pulls far harder on one rank than on any other (its
+  gradient and its value), whichever way that rank's distance differs, singles its reference out;
 - `routing_payload`: the recorded routes of some ranks disagree with the model's own routing while the other
   ranks' agree (a corrupt or misaligned routing payload);
 - `outlier_advantage`: a few samples' advantages are far beyond the rest (incl. a reward-scale bug), or one rank's
-  advantages are on another scale than the others' while its data is alike (`rank_inputs`);
+  advantages are on another scale than the others' while its data is alike (`rank_inputs`), or are not what the
+  run's recorded estimator makes of that rank's own rewards (`advantage_consistency`: groups off centre, or out of
+  the rewards' order);
 - `mask_misalignment`: loss masks that are truncated or shifted against the tokens they belong to, or that start
   before every other rank's on some ranks (`rank_inputs`);
 - `negative_advantage_dominance`: negative advantages outweigh positive ones over the loss tokens;

@@ -66,7 +66,8 @@ CHECKED = {
     "mask_misalignment": "loss tokens that no stored signal covers (every stored log-prob a 0 fill), and where each "
     "rank's loss masks start and stop against the tokens the engine generated, per rank",
     "outlier_advantage": f"per-sample advantages against their rank's batch (robust z ≥ {causes.OUTLIER_Z:g}, a few), "
-    "and each rank's typical |advantage| against the other ranks'",
+    "each rank's typical |advantage| against the other ranks', and each rank's advantages against its own rewards "
+    "group by group under the recorded estimator (centred, in the rewards' order)",
     "negative_advantage_dominance": "the sign balance of advantages over loss tokens",
     "one_rank_data": "per-rank local grad norms, shares of the attributed norm and of each loss term",
     "step_not_reproduced": "each rank's recorded loss and per-parameter norms against the replay's, the factor per "

@@ -47,7 +47,7 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ",".join(str(r) for r in ranks)
 
 
-def _carry(ev: Evidence, ranks: Sequence[int]) -> tuple[bool, list[str]]:
+def carry(ev: Evidence, ranks: Sequence[int]) -> tuple[bool, list[str]]:
     """(whether `ranks` carry at least half of the gradient, the figures that say so)."""
     if ev.channel is not None:
         share = math.fsum(x.share for t in ev.channel.terms for x in t.ranks if x.rank in ranks)
@@ -119,7 +119,7 @@ def mask_over_prompt(ev: Evidence) -> Cause | None:
         f"earliest {min(others)}): it trains on tokens the other ranks leave out (the prompt, or a shifted response)"
         for r in ranks
     ]
-    carries, figures = _carry(ev, ranks)
+    carries, figures = carry(ev, ranks)
     return Cause(
         "mask_misalignment",
         f"loss mask starts early on rank {_ranks(ranks)}",
@@ -170,7 +170,7 @@ def mask_over_unrecorded(ev: Evidence) -> Cause | None:
         "the engine did not generate (padding after the response stopped, or a mask longer than the response)"
         for r in ranks
     ]
-    carries, figures = _carry(ev, ranks)
+    carries, figures = carry(ev, ranks)
     return Cause(
         "mask_misalignment",
         f"loss mask covers positions the engine did not generate on rank {_ranks(ranks)}",
@@ -218,7 +218,7 @@ def rank_advantage_scale(ev: Evidence) -> Cause | None:
     if not scaled:
         return None
     ranks = sorted(scaled)
-    carries, figures = _carry(ev, ranks)
+    carries, figures = carry(ev, ranks)
     healthy = [abs(r["advantage"]) for r in ev.analysis.samples["rows"] if r["rank"] not in ranks and r["loss_tokens"]]
     healthy = [v for v in healthy if is_finite(v)]
     clip = max(1.0, round(max(healthy, default=1.0), 2))
@@ -315,7 +315,7 @@ def advantages_past_rewards(ev: Evidence) -> Cause | None:
         return None
     every = len(found) == len(getattr(ev.analysis, "ranks", None) or [])
     ranks = [] if every else sorted(found)
-    carries, figures = _carry(ev, ranks) if ranks else (False, [])
+    carries, figures = carry(ev, ranks) if ranks else (False, [])
     evidence = [
         f"rank {r}: in {past} of its {n} groups whose advantages differ, the advantages are spread {factor:.3g}x "
         "wider (median) than both a standardised group (std 1) and the group's rewards: no usual estimator (GRPO, "

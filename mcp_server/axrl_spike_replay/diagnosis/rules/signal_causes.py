@@ -19,6 +19,11 @@ from collections.abc import Sequence
 
 from axrl_spike_replay.diagnosis.evidence.signal_reading import DATA_NATS, WITNESS_RATIO, OddSignal, outside_fraction
 from axrl_spike_replay.diagnosis.rules import causes
+from axrl_spike_replay.diagnosis.rules.advantage_consistency import (
+    advantages_against_rewards,
+    corroborated,
+    inconsistent_ranks,
+)
 from axrl_spike_replay.diagnosis.rules.causes import (
     LIKELY,
     LN2,
@@ -418,29 +423,33 @@ def bad_ref_logprobs(ev: Evidence) -> Cause | None:
     The reference is another model: the policy's distance to it alike on every rank is drift, not a broken part
     (weak, DRIFT). A reference singled out on some ranks is the cause only as far as the loss reads it there: when
     those ranks' KL term carries under KL_READS of the gradient, it is out of line but not what the gradient
-    carries (capped below LIKELY)."""
+    carries (capped below LIKELY). Where the stored values single no rank out (off alike, or nowhere clearly off),
+    what the reference does to the step can (`_kl_witness`)."""
     if ev.reading is None:
         return None
     odd = ev.reading.odd_signal("ref")
+    witnessed = [] if odd is not None and odd.separated else _kl_witness(ev)
     if odd is None:
-        return None
+        if not witnessed:
+            return None
+        odd = OddSignal("ref", [], {}, False)  # no rank's stored reference clearly off by level
     all_ranks = len(odd.ranks) == len(ev.reading.levels.get("ref", {}))
     term, channel = _channel_lines(ev, odd.ranks)
     kl = ev.channel.term("kl") if ev.channel is not None else None
     read = math.fsum(x.share for x in kl.ranks if x.rank in odd.ranks) if kl is not None else None
     strength = 1.0 if odd.separated else DRIFT
-    if not odd.separated:
+    if not odd.separated and odd.ranks:
         channel.append(
             "the policy's distance to the reference is alike on every rank: drift the KL term bounds, or a reference "
             "wrong everywhere; nothing here tells them apart (`kl_coef=0` says whether the KL term carries the spike)"
         )
     ranks = odd.ranks if odd.separated else []
-    witnessed = [] if odd.separated else _kl_witness(ev)
     if witnessed:
-        rank, line = witnessed[0]
+        rank, lines = witnessed[0]
         ranks, strength, all_ranks = [rank], KL_WITNESSED, False
         read = next((x.share for x in kl.ranks if x.rank == rank), None) if kl is not None else None
-        channel = [line, *(c for c in channel if not c.startswith("the policy's distance to the reference is alike"))]
+        term, kept = _channel_lines(ev, [rank])
+        channel = [*lines, *kept]
     experiments = kl_levers(ev)
     if ranks and not all_ranks:
         experiments.insert(0, _drop_ranks(ranks, "the cause"))
@@ -448,7 +457,7 @@ def bad_ref_logprobs(ev: Evidence) -> Cause | None:
         "bad_ref_logprobs",
         f"wrong or misaligned reference log-probs on rank {_ranks(ranks or odd.ranks)}",
         strength,
-        _carried(ev, "ref", odd.ranks) + odd.evidence + odd.witnesses + channel,
+        _carried(ev, "ref", ranks or odd.ranks) + odd.evidence + odd.witnesses + channel,
         {"levels": odd.levels, "kl_share": kl.share if kl is not None else None, "kl_share_on_ranks": read},
         experiments,
         ranks=ranks,
@@ -461,24 +470,28 @@ def bad_ref_logprobs(ev: Evidence) -> Cause | None:
         cause.strength = min(cause.strength, LIKELY - 0.05)
         cause.figures[LOSS_READS_LITTLE] = True
         cause.evidence.append(
-            f"the KL term on rank {_ranks(odd.ranks)} carries {read:.3g} of the gradient: the loss barely reads the "
-            "reference there; out of line, but not what the gradient carries"
+            f"the KL term on rank {_ranks(ranks or odd.ranks)} carries {read:.3g} of the gradient: the loss barely "
+            "reads the reference there; out of line, but not what the gradient carries"
         )
     return cause
 
 
-def _kl_witness(ev: Evidence) -> list[tuple[int, str]]:
-    """A reference off on every rank, but whose KL term on one rank carries KL_CARRIES of the gradient and
-    WITNESS_RATIO times what it carries on any other rank, while that rank's data is as likely to the policy and no
-    other stored signal or mask of it is out of line: the policy's drift from the reference is alike on every rank,
-    so what its KL pulls should be too; there the reference itself differs ([(rank, sentence)] or []). Not on a
-    rank whose tokens are DATA_NATS per token less likely than the policy's own samples would be (its surprise past
-    its entropy): there k3's exp(ref - log π) is carried by a few hard tokens, and a rank's share is chance.
+def _kl_witness(ev: Evidence) -> list[tuple[int, list[str]]]:
+    """A reference that no rank's stored values single out (off alike on every rank, or nowhere clearly off), but
+    whose KL term on one rank carries KL_CARRIES of the gradient and WITNESS_RATIO times what it carries on any
+    other rank, and pulls WITNESS_RATIO times harder there than on any other (`_kl_pull_stands_out`), while that
+    rank's data is as likely to the policy and no other stored signal or mask of it is out of line: the policy's
+    drift from the reference is alike on every rank, so what its KL term pulls should be too; there the reference
+    itself differs ([(rank, sentences)] or []). Not on a rank whose tokens are DATA_NATS per token less likely than
+    the policy's own samples would be (its surprise past its entropy): there k3's exp(ref - log π) is carried by a
+    few hard tokens, and a rank's share is chance.
 
-    The share is held to the KL term's own figures on that rank (`_kl_pull_stands_out`): a share is a projection on
-    the whole gradient, and it grows on a rank whose other terms carry nothing (every advantage there 0: its policy
-    term is 0 whatever its data) or whose KL pull happens to lie along a small replayed gradient, while its
-    reference is as far from the policy as every other rank's. A reference that differs there pulls harder there."""
+    The witness is what the reference does to the step, not how far its stored values are from the replay: a
+    distance is symmetric, while the KL term pulls hardest where the reference holds a token far likelier than the
+    policy does, so a wrong reference can sit closer to the policy than the others' by level and pull far harder.
+    The share alone is not enough either: a share is a projection on the whole gradient, and it grows on a rank
+    whose other terms carry nothing (every advantage there 0: its policy term is 0 whatever its data) or whose KL
+    pull happens to lie along a small replayed gradient, while its reference pulls as every other rank's."""
     assert ev.reading is not None
     kl = ev.channel.term("kl") if ev.channel is not None else None
     levels = ev.reading.levels.get("ref", {})
@@ -489,10 +502,9 @@ def _kl_witness(ev: Evidence) -> list[tuple[int, str]]:
         others = [abs(v) for o, v in shares.items() if o != r]
         if share < KL_CARRIES or share < WITNESS_RATIO * max(others) or r not in levels:
             continue
-        if not _kl_pull_stands_out(kl, r):
+        pull = _kl_pull_stands_out(kl, r)
+        if pull is None:
             continue  # its share, not its pull, singles it out: the other terms' and ranks' gradients explain it
-        if any(lv.level >= levels[r].level for o, lv in levels.items() if o != r):
-            continue  # the reference is not furthest off there
         if r in ev.reading.mask_ranks or r in ev.reading.truncated:
             continue
         if any(r in o.ranks and o.separated for o in ev.reading.odd if o.signal != "ref"):
@@ -503,32 +515,50 @@ def _kl_witness(ev: Evidence) -> list[tuple[int, str]]:
             continue  # its data is far less likely: hard data pulls the KL term too
         if ev.reading.surprise.get(r, 0.0) >= DATA_NATS:
             continue  # its tokens are not the policy's own samples: a few of them fill k3's tail, whatever the ref
+        other_levels = [lv.level for o, lv in levels.items() if o != r]
         return [
             (
                 r,
-                f"the KL term on rank {r} carries {share:.3g} of the gradient against at most {max(others):.3g} on "
-                f"the other ranks, while its data is as likely to the policy as the others' and as its own samples "
-                f"would be, and its other signals agree: the reference differs on rank {r}, beyond the drift alike on "
-                "every rank",
+                [
+                    f"the KL term on rank {r} carries {share:.3g} of the gradient against at most {max(others):.3g} on "
+                    f"the other ranks, and {pull}, while its data is as likely to the policy as the others' and as "
+                    f"its own samples would be, and its other signals agree: the reference differs on rank {r}, "
+                    "beyond the drift alike on every rank",
+                    f"rank {r}'s stored reference is {levels[r].level:.3g} from the replay by level against "
+                    f"{min(other_levels):.3g} to {max(other_levels):.3g} on the other ranks: a distance says nothing "
+                    "of its direction, and the KL term pulls hardest where the reference holds a token far likelier "
+                    "than the policy does; what the reference does to the step singles it out, not how far it is",
+                ],
             )
         ]
     return []
 
 
-def _kl_pull_stands_out(kl: TermFigures, rank: int) -> bool:
-    """Whether the KL term's own figures on `rank` stand out against the same term on every other rank: its
-    gradient norm (what the reference there pulls) WITNESS_RATIO times the largest other rank's, and its value (the
-    rank's KL estimate: its reference against the policy's own log-probs), where recorded, too. Figures of the term
-    alone, so neither the rank's other terms (a policy term that is 0 when its advantages are) nor the other ranks'
-    gradients can make them stand out."""
+def _kl_pull_stands_out(kl: TermFigures, rank: int) -> str | None:
+    """How the KL term's own figures on `rank` stand out against the same term on every other rank (a phrase), or
+    None when they do not: its gradient norm (what the reference there pulls) WITNESS_RATIO times the largest other
+    rank's, and its value (the rank's KL estimate: its reference against the policy's own log-probs), where
+    recorded, too. Figures of the term alone, so neither the rank's other terms (a policy term that is 0 when its
+    advantages are) nor the other ranks' gradients can make them stand out."""
     mine = next((x for x in kl.ranks if x.rank == rank), None)
     others = [x for x in kl.ranks if x.rank != rank]
-    if mine is None or not others or not is_finite(mine.grad_norm):
-        return False
-    if mine.grad_norm < WITNESS_RATIO * max(abs(x.grad_norm) for x in others if is_finite(x.grad_norm)):
-        return False
+    norms = [abs(x.grad_norm) for x in others if is_finite(x.grad_norm)]
+    if mine is None or not norms or not is_finite(mine.grad_norm):
+        return None
+    largest = max(norms)
+    if mine.grad_norm < WITNESS_RATIO * largest:
+        return None
+    pull = f"its gradient norm {mine.grad_norm:.4g} against at most {largest:.4g}"
+    if largest > 0:
+        pull = f"pulls {mine.grad_norm / largest:.3g}x harder there than on any other rank ({pull}"
+    else:
+        pull = f"pulls there alone ({pull}"
     values = [abs(x.value) for x in others if is_finite(x.value)]
-    return not (is_finite(mine.value) and values and abs(mine.value) < WITNESS_RATIO * max(values))
+    if is_finite(mine.value) and values:
+        if abs(mine.value) < WITNESS_RATIO * max(values):
+            return None
+        pull += f"; its value {mine.value:.4g} against at most {max(values):.4g}"
+    return pull + ")"
 
 
 def routing_payload(ev: Evidence) -> Cause | None:
@@ -625,10 +655,12 @@ def mask_misalignment(ev: Evidence) -> Cause | None:
 
 
 def outlier_advantage(ev: Evidence) -> Cause | None:
-    """The stronger of a few samples' outlier advantages (`causes.outlier_advantage`) and one rank's advantages on
-    another scale (`rank_inputs.rank_advantage_scale`) or wider than its rewards explain
-    (`rank_inputs.advantages_past_rewards`)."""
-    return _strongest(causes.outlier_advantage(ev), rank_advantage_scale(ev), advantages_past_rewards(ev))
+    """The strongest of a few samples' outlier advantages (`causes.outlier_advantage`), one rank's advantages on
+    another scale (`rank_inputs.rank_advantage_scale`), wider than its rewards explain
+    (`rank_inputs.advantages_past_rewards`) or not what the recorded estimator makes of its own rewards
+    (`advantage_consistency.advantages_against_rewards`)."""
+    found = _strongest(causes.outlier_advantage(ev), rank_advantage_scale(ev), advantages_past_rewards(ev))
+    return corroborated(found, advantages_against_rewards(ev))
 
 
 def _signal_masks(ev: Evidence) -> Cause | None:
@@ -769,6 +801,8 @@ def one_rank_data(ev: Evidence) -> Cause | None:
     if rank is None or not evidence:
         return None
     if rank in mask_ranks(ev) or rank in scaled_ranks(ev) or rank in overscaled_ranks(ev):  # its mask or advantages
+        return None
+    if rank in inconsistent_ranks(ev)[2]:  # its advantages are not what the recorded estimator makes of its rewards
         return None
     if ev.reading is not None:
         if rank in ev.reading.mask_ranks:  # its loss mask covers tokens no signal was stored for: the mask explains it
