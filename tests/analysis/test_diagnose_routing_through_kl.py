@@ -6,6 +6,7 @@ first, say the KL term carries it, and suggest the KL levers and the rank drop, 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
 from axrl_spike_replay.diagnosis.diagnose import diagnose_snapshot
 from axrl_spike_replay.experiment.mitigation.mitigations import parse_mitigation_args
+from axrl_spike_replay.snapshot.metadata import read_metadata
 from axrl_spike_replay.testing.fault_matrix import burst_snapshots
 
 
@@ -36,8 +38,10 @@ def test_a_corrupt_routing_payload_on_one_rank_carried_by_the_kl_term_is_named_w
         hide_fault=True,
         overrides={"loss": {"kl_coef": 0.1, "kl_estimator": "k3", "is_base_logprobs": "old"}},
     )
-    snapshots = burst_snapshots(run, "expert_sensitive")
-    assert snapshots, f"no spike at the burst: {run.grad_norms}"
+    # the burst's largest finite spike: the routes can also drive a later step to NaN on some machines' arithmetic,
+    # and a non-finite step is diagnosed as non-finite, whatever drove it there
+    snapshots = [p for p in burst_snapshots(run, "expert_sensitive") if math.isfinite(read_metadata(p)[0].spike_ratio)]
+    assert snapshots, f"no finite spike at the burst: {run.grad_norms}"
     d = diagnose_snapshot(snapshots[0], model="always")
 
     assert d.step is not None
@@ -81,8 +85,10 @@ def test_routes_off_on_few_tokens_that_make_one_ranks_data_far_less_likely_are_t
         faults=[make_fault(FaultSpec("routes_stale_layer", ranks=(1,), params={"fraction": 0.1}))],
         hide_fault=True,
     )
-    snapshots = burst_snapshots(run, "expert_sensitive")
-    assert snapshots, f"no spike at the burst: {run.grad_norms}"
+    # the burst's largest finite spike: the routes can also drive a later step to NaN on some machines' arithmetic,
+    # and a non-finite step is diagnosed as non-finite, whatever drove it there
+    snapshots = [p for p in burst_snapshots(run, "expert_sensitive") if math.isfinite(read_metadata(p)[0].spike_ratio)]
+    assert snapshots, f"no finite spike at the burst: {run.grad_norms}"
     d = diagnose_snapshot(snapshots[0], model="always")
     assert d.reading is not None
     assert d.reading.routes[1] < 1.0 and d.reading.routes[0] < 0.1  # under the clearly-off share of tokens
