@@ -1,9 +1,9 @@
 """Session fixtures shared by every test area: one reference-trainer capture per preset and a copy of the golden
 fixtures.
 
-A shared capture is recorded once per session and read by tests in several folders: a test that edits a snapshot
-works on its own copy (shutil.copytree into tmp_path); at the end of the session each shared capture is checked to
-be as it was recorded.
+A shared capture is recorded once per run (once for all pytest-xdist workers: `shared_capture.made_once`) and read
+by tests in several folders: a test that edits a snapshot works on its own copy (shutil.copytree into tmp_path); at
+the end of each worker's session each shared capture is checked to be as it was recorded.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import shutil
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
 from axrl_spike_replay.processes.process_starts import preload_for
-from shared_capture import left_as_recorded
+from shared_capture import left_as_recorded, made_once
 
 if TYPE_CHECKING:
     from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult
@@ -122,17 +122,35 @@ def worker_group(item: pytest.Item) -> str | None:
     return None
 
 
+def _recorded_capture(factory: pytest.TempPathFactory, name: str, **options: Any) -> tuple[CaptureResult, Path]:
+    """A reference run's CaptureResult (without final weights) recorded once per test run (`made_once`: one
+    recording for every pytest-xdist worker), and its output dir."""
+    from axrl_spike_replay.capture.reference.reference_trainer import CaptureResult, capture_reference_run
+
+    def record(out: Path) -> dict[str, Any]:
+        run = capture_reference_run(out, **options)
+        return {
+            **{k: str(getattr(run, k)) for k in ("output_dir", "log_path")},
+            "snapshot_dirs": [str(p) for p in run.snapshot_dirs],
+            **{k: getattr(run, k) for k in ("spike_iterations", "spike_ratios", "grad_norms", "config", "job_name")},
+            "seconds": run.seconds,
+        }
+
+    logging.getLogger("axrl_spike_replay.guard").setLevel(logging.ERROR)
+    out, doc = made_once(factory, name, record)
+    paths = {k: Path(doc[k]) for k in ("output_dir", "log_path")}
+    run = CaptureResult(**{**doc, **paths, "snapshot_dirs": [Path(p) for p in doc["snapshot_dirs"]]})
+    return run, out
+
+
 @pytest.fixture(scope="session")
 def captured_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CaptureResult]:
     """CaptureResult of a reference run: world size 2, preset ratio_outliers, spikes at iterations 20-22.
 
-    Shared by the whole session: read it, or copy its output dir before editing anything in it.
+    Shared by the whole run: read it, or copy its output dir before editing anything in it.
     """
-    from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
-
-    logging.getLogger("axrl_spike_replay.guard").setLevel(logging.ERROR)
-    out = tmp_path_factory.mktemp("captured-run")
-    run = capture_reference_run(out, job="demo-moe-grpo", world_size=2, preset="ratio_outliers", seed=0)
+    options = {"job": "demo-moe-grpo", "world_size": 2, "preset": "ratio_outliers", "seed": 0}
+    run, out = _recorded_capture(tmp_path_factory, "captured-run", **options)
     check = left_as_recorded(out)
     yield run
     check()
@@ -143,13 +161,10 @@ def negative_advantage_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     """CaptureResult of a reference run: world size 1, seed 0, 32 steps, preset negative_advantage_dominance,
     spikes at iterations 20-22 (every advantage of the burst negative).
 
-    Shared by the whole session: read it, or copy its output dir before editing anything in it.
+    Shared by the whole run: read it, or copy its output dir before editing anything in it.
     """
-    from axrl_spike_replay.capture.reference.reference_trainer import capture_reference_run
-
-    logging.getLogger("axrl_spike_replay.guard").setLevel(logging.ERROR)
-    out = tmp_path_factory.mktemp("negative-advantage-run")
-    run = capture_reference_run(out, preset="negative_advantage_dominance", seed=0)
+    options = {"preset": "negative_advantage_dominance", "seed": 0}
+    run, out = _recorded_capture(tmp_path_factory, "negative-advantage-run", **options)
     check = left_as_recorded(out)
     yield run
     check()
@@ -160,14 +175,15 @@ def hf_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A spike snapshot of the tiny qwen3_moe recorded with the trainer's own rank step (world size 2), for the
     transformers-model tests (tests/models/) and the MCP tools on it (tests/server/).
 
-    Shared by the session: read it, or copy it before editing anything in it.
+    Shared by the whole run (`made_once`): read it, or copy it before editing anything in it.
     """
     from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
 
-    root = tmp_path_factory.mktemp("hf-qwen3-moe")
-    snapshot = record_hf_snapshot(root, "qwen3_moe", world_size=2)
+    root, snapshot = made_once(
+        tmp_path_factory, "hf-qwen3-moe", lambda root: str(record_hf_snapshot(root, "qwen3_moe", world_size=2))
+    )
     check = left_as_recorded(root)
-    yield snapshot
+    yield Path(snapshot)
     check()
 
 

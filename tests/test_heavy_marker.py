@@ -25,18 +25,30 @@ def _selected(*args: str) -> list[str]:
     return [line for line in out.stdout.splitlines() if "::" in line]
 
 
-@pytest.mark.slow  # two pytest collections in subprocesses
-def test_the_quick_run_leaves_out_the_demo_and_the_rank_launcher() -> None:
-    files = ["tests/test_demo.py", "tests/test_rank_processes.py"]
-    everything = _selected(*files)
-    assert {line.split("::")[0] for line in everything} == set(files)  # both files hold tests ...
-    assert _selected("-m", "not heavy", *files) == []  # ... and the quick run selects none of them
+FILES = ["tests/test_demo.py", "tests/test_rank_processes.py"]  # they train a capture or start rank processes
+READS = "tests/analysis/test_diagnose.py::test_a_log_prob_mismatch_spike_is_diagnosed_as_such_with_the_carrying_sample"
+TRAINS = "tests/capture/test_reference_trainer.py"
 
 
-@pytest.mark.slow  # a pytest collection in a subprocess
-def test_a_test_that_reads_the_shared_capture_stays_in_the_quick_run() -> None:
-    test = "test_a_log_prob_mismatch_spike_is_diagnosed_as_such_with_the_carrying_sample"
-    reads = f"tests/analysis/test_diagnose.py::{test}"
-    trains = "tests/capture/test_reference_trainer.py"
-    assert _selected("-m", "not heavy", reads) == [reads]  # it uses `captured_run`, made once by whoever asks first
-    assert _selected("-m", "not heavy", trains) == []  # the capture tests train their own
+@pytest.fixture(scope="module")
+def collected() -> dict[str, list[str]]:
+    """Two pytest collections in subprocesses, read by both tests: the whole of FILES, and the quick run of FILES,
+    READS and TRAINS together (the mark selects test by test: one collection answers for each of them)."""
+    return {"all": _selected(*FILES), "quick": _selected("-m", "not heavy", *FILES, READS, TRAINS)}
+
+
+def _from(lines: list[str], where: str) -> list[str]:
+    return [line for line in lines if line == where or line.startswith(f"{where}::")]
+
+
+@pytest.mark.slow  # pytest collections in subprocesses
+def test_the_quick_run_leaves_out_the_demo_and_the_rank_launcher(collected: dict[str, list[str]]) -> None:
+    assert {line.split("::")[0] for line in collected["all"]} == set(FILES)  # both files hold tests ...
+    assert [line for f in FILES for line in _from(collected["quick"], f)] == []  # ... and the quick run selects none
+
+
+@pytest.mark.slow  # pytest collections in subprocesses
+def test_a_test_that_reads_the_shared_capture_stays_in_the_quick_run(collected: dict[str, list[str]]) -> None:
+    assert _from(collected["quick"], READS) == [READS]  # it uses `captured_run`, made once by whoever asks first
+    assert _from(collected["quick"], TRAINS) == []  # the capture tests train their own
+    assert sorted(collected["quick"]) == [READS]  # and nothing else was selected

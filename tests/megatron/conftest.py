@@ -6,15 +6,12 @@ installed, or is a release these routes were not checked against, they skip and 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from megatron_helpers import REASON, CliRun, more_layouts
+from megatron_helpers import REASON, CliRun, cli_json, more_layouts
 
 from axrl_spike_replay.investigation.request import What, replay_request
 
@@ -66,19 +63,16 @@ def megatron_route1_replay(megatron_capture: Path) -> ReplayResult:
 @pytest.fixture(scope="session")
 def megatron_cli_route2(megatron_capture: Path, tmp_path_factory: pytest.TempPathFactory) -> CliRun:
     """`axrl-spike-replay replay SNAPSHOT --backend megatron --workspace WS --json` of `megatron_capture`, run once
-    (a subprocess): the CLI face's route 2 (test_megatron_faces) and the cold run a warm one must equal
-    (test_megatron_warm). Its workspace holds that one run; add nothing to it."""
+    (the CLI's main in this process; its argv names the console script, for a real process's refusal): the CLI
+    face's route 2 (test_megatron_faces) and the cold run a warm one must equal (test_megatron_warm). Its workspace
+    holds that one run; add nothing to it."""
     workspace = tmp_path_factory.mktemp("megatron-cli-route2") / "ws"
     workspace.mkdir()
     script = Path(sys.executable).parent / "axrl-spike-replay"
     argv = [str(script)] if script.exists() else [sys.executable, "-m", "axrl_spike_replay"]
     argv += ["replay", str(megatron_capture), "--backend", "megatron"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [*argv, "--workspace", str(workspace), "--json"], cwd=workspace, env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    return CliRun(workspace, argv, json.loads(done.stdout))
+    doc = cli_json([*argv[argv.index("replay") :], "--workspace", str(workspace), "--json"], cwd=workspace)
+    return CliRun(workspace, argv, doc)
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,9 @@ importable module-level functions), and mbridge's mapping of a live Megatron mod
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,3 +243,16 @@ class CliRun:
     workspace: Path
     argv: list[str]
     doc: dict[str, Any]
+
+
+def cli_json(argv: list[str], cwd: Path) -> dict[str, Any]:
+    """`axrl-spike-replay ARGV` run in this process from `cwd` (its rank processes come from this process's warm
+    process server, not from a fresh interpreter's): the one JSON document it printed; fails with its stderr
+    unless it exits 0."""
+    from axrl_spike_replay.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    assert code == 0, err.getvalue()
+    return json.loads(out.getvalue())  # exactly one JSON document, or this raises

@@ -1,6 +1,7 @@
-"""Route 2 from the faces: `replay --backend megatron` through the real CLI (a subprocess) and the `replay` tool
-through a real MCP stdio session replay a captured Megatron snapshot with megatron-core's own GPTModel, judge it
-as the torch backend is judged and leave the same record (command.txt, replay_result.json)."""
+"""Route 2 from the faces: `replay --backend megatron` through the CLI (its main; a mitigation's refusal through
+the console script, a real process) and the `replay` tool through a real MCP stdio session replay a captured
+Megatron snapshot with megatron-core's own GPTModel, judge it as the torch backend is judged and leave the same
+record (command.txt, replay_result.json)."""
 
 from __future__ import annotations
 

@@ -6,11 +6,10 @@ whole-model replay gives."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from megatron_helpers import cli_json
 
 from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.investigation.request import How, What, replay_request
@@ -38,18 +37,11 @@ def test_a_sharded_replay_reproduces_the_whole_model_replay(
     assert {m["rank"] for m in sharded.rank_metrics} == {0, 1}
 
 
-def _console_script() -> list[str]:
-    script = Path(sys.executable).parent / "axrl-spike-replay"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "axrl_spike_replay"]
-
-
 def test_the_cli_replays_a_megatron_snapshot_sharded(megatron_capture: Path, tmp_path: Path) -> None:
     workspace = tmp_path / "ws"
     workspace.mkdir()
-    argv = [*_console_script(), "replay", str(megatron_capture), "--shard", "on", "--workspace", str(workspace)]
-    done = subprocess.run([*argv, "--json"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    doc = json.loads(done.stdout)
+    argv = ["replay", str(megatron_capture), "--shard", "on", "--workspace", str(workspace)]
+    doc = cli_json([*argv, "--json"], cwd=tmp_path)  # the CLI's main in this process
     assert (doc["verdict"], doc["fidelity"], doc["world_size_used"], doc["sharded"]) == ("reproduced", "full", 2, True)
     assert doc["rel_diff"] < SHARDED_RTOL
     (result,) = workspace.glob("tmp/spike-replay/*/*/replay_result.json")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from megatron_helpers import CliRun
+from megatron_helpers import CliRun, cli_json
 
 from axrl_spike_replay.investigation.warm_client import service_pid, stop_service
 from axrl_spike_replay.investigation.warm_socket import warm_paths
@@ -64,7 +64,8 @@ def test_warm_replays_of_a_megatron_snapshot_on_both_routes(
     cold_ws, warm_ws = tmp_path / "cold", tmp_path / "warm"
     cold_ws.mkdir()
     warm_ws.mkdir()
-    cold = {"torch": _replay(megatron_capture, cold_ws, "--backend", "torch"), "megatron": megatron_cli_route2.doc}
+    torch_argv = ["replay", megatron_capture, "--workspace", cold_ws, "--json", "--backend", "torch"]
+    cold = {"torch": cli_json(torch_argv, cwd=cold_ws), "megatron": megatron_cli_route2.doc}  # cold: in this process
     paths = warm_paths(warm_ws)
     try:
         first = _replay(megatron_capture, warm_ws, "--warm")  # starts the service and its warm rank processes

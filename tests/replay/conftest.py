@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from tiny_snapshot import record_tiny_snapshot
 
+from shared_capture import made_once
+
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "outputs"
 SNAPSHOTS = Path("checkpoints") / "spike_snapshots"
 
@@ -40,8 +42,12 @@ def legacy_snapshot(golden_outputs: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_snapshot(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny recorded spike whose burst samples are known: rank 0 sample 1 and rank 1 sample 2."""
-    return record_tiny_snapshot(tmp_path_factory.mktemp("tiny") / "spike_snapshots", world_size=2)
+    """A tiny recorded spike whose burst samples are known: rank 0 sample 1 and rank 1 sample 2. Recorded once per
+    run (`made_once`: one recording for every pytest-xdist worker); read it, or copy it before editing it."""
+    _, snapshot = made_once(
+        tmp_path_factory, "tiny", lambda root: str(record_tiny_snapshot(root / "spike_snapshots", world_size=2))
+    )
+    return Path(snapshot)
 
 
 @pytest.fixture
