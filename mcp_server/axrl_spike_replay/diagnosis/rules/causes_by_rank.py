@@ -7,7 +7,8 @@ rank whose terms carry most of the reduced gradient. When they do, a cause that 
 rank), other ranks or more ranks is either scoped to the singled-out ones, where its family's broken part is a
 rank's own (a stored signal, a batch, a value), or says why not and is weakened to `UNSCOPED`: a spread cause
 cannot account for a spike the figures put on one rank. A cause a witness separates (strength 1.0) says so and keeps
-its strength: it is a second broken part. `step_not_reproduced` is scoped by the record comparison itself.
+its strength: it is a second broken part. `step_not_reproduced` is scoped by the record comparison itself, and a
+cause that read the singled-out ranks and says it cannot tell its part is there (`NOT_TOLD`) is left as it is.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from axrl_spike_replay.diagnosis.rules.causes import LIKELY, Cause
 SINGLE_NORM = 10.0  # a rank's local grad norm this many times the other ranks' median singles it out
 SINGLE_SHARE = 0.8  # ... or its terms carrying this share of the reduced gradient (world size > 1)
 UNSCOPED = 0.45  # the most a cause keeps that claims other ranks than the figures single out
+NOT_TOLD = "rank_not_told"  # figures key of a cause that read the singled-out ranks and cannot tell its part is there
 # families whose broken part belongs to a rank: scoped to the singled-out ranks when they named none
 RANK_OWN = (
     "stale_old_logprobs",
@@ -98,6 +100,8 @@ def hold_to_ranks(found: list[Cause], singled: Singled) -> None:
     figures = "; ".join(singled.figures[:4])
     for cause in found:
         if cause.strength < LIKELY or cause.family == "step_not_reproduced":  # its ranks are the record's own
+            continue
+        if cause.figures.get(NOT_TOLD):  # it read those ranks itself and says its part is not shown to be there
             continue
         inside = set(cause.ranks) & set(singled.ranks)
         if inside and cause.family in RANK_OWN and len(inside) < len(cause.ranks):

@@ -17,7 +17,13 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from axrl_spike_replay.diagnosis.evidence.signal_reading import DATA_NATS, WITNESS_RATIO, OddSignal, outside_fraction
+from axrl_spike_replay.diagnosis.evidence.signal_reading import (
+    DATA_NATS,
+    WITNESS_RATIO,
+    OddSignal,
+    SignalLevels,
+    outside_fraction,
+)
 from axrl_spike_replay.diagnosis.rules import causes
 from axrl_spike_replay.diagnosis.rules.advantage_consistency import (
     advantages_against_rewards,
@@ -37,6 +43,7 @@ from axrl_spike_replay.diagnosis.rules.causes import (
     top_carriers,
     unit_strength,
 )
+from axrl_spike_replay.diagnosis.rules.causes_by_rank import NOT_TOLD
 from axrl_spike_replay.diagnosis.rules.rank_inputs import (
     advantages_past_rewards,
     mask_over_prompt,
@@ -54,6 +61,7 @@ DRIFT = 0.2  # a reference off alike on every rank: the policy's drift, weak
 DATA_SCALE = 3.0  # ... or its typical |advantage| this many times the others' (or a third of it)
 KL_CARRIES = 0.5  # share of the gradient one rank's KL term carries that singles its reference out (see _kl_witness)
 KL_WITNESSED = 0.9  # a reference singled out by its KL term alone (the stored values alone do not separate it)
+KL_UNTOLD = 0.5  # the KL term carries the spike on one rank, but that rank's reference does not lean as its pull does
 TRUNCATED_BASE = 0.6  # a mask truncated on some ranks, its share of the gradient unknown or under half
 TRUNCATED_CARRIES = 0.9  # ... those ranks carrying at least half of the gradient
 
@@ -444,12 +452,15 @@ def bad_ref_logprobs(ev: Evidence) -> Cause | None:
             "wrong everywhere; nothing here tells them apart (`kl_coef=0` says whether the KL term carries the spike)"
         )
     ranks = odd.ranks if odd.separated else []
+    untold = False
     if witnessed:
-        rank, lines = witnessed[0]
+        rank, lines, told = witnessed[0]
         ranks, strength, all_ranks = [rank], KL_WITNESSED, False
         read = next((x.share for x in kl.ranks if x.rank == rank), None) if kl is not None else None
         term, kept = _channel_lines(ev, [rank])
         channel = [*lines, *kept]
+        if not told:  # the KL term carries the spike there, but no rank's reference is shown wrong
+            ranks, strength, all_ranks, untold = [], KL_UNTOLD, True, True
     experiments = kl_levers(ev)
     if ranks and not all_ranks:
         experiments.insert(0, _drop_ranks(ranks, "the cause"))
@@ -464,6 +475,8 @@ def bad_ref_logprobs(ev: Evidence) -> Cause | None:
         samples=odd.samples[:8],
         term="kl" if term == "kl" or kl is not None else term,
     )
+    if untold:
+        cause.figures[NOT_TOLD] = True
     if not _uses(ev, "ref"):
         _not_in_loss(cause, "the reference log-probs", "kl_coef is 0")
     elif read is not None and abs(read) < KL_READS:
@@ -476,7 +489,7 @@ def bad_ref_logprobs(ev: Evidence) -> Cause | None:
     return cause
 
 
-def _kl_witness(ev: Evidence) -> list[tuple[int, list[str]]]:
+def _kl_witness(ev: Evidence) -> list[tuple[int, list[str], bool]]:
     """A reference that no rank's stored values single out (off alike on every rank, or nowhere clearly off), but
     whose KL term on one rank carries KL_CARRIES of the gradient and WITNESS_RATIO times what it carries on any
     other rank, and pulls WITNESS_RATIO times harder there than on any other (`_kl_pull_stands_out`), while that
@@ -491,7 +504,13 @@ def _kl_witness(ev: Evidence) -> list[tuple[int, list[str]]]:
     policy does, so a wrong reference can sit closer to the policy than the others' by level and pull far harder.
     The share alone is not enough either: a share is a projection on the whole gradient, and it grows on a rank
     whose other terms carry nothing (every advantage there 0: its policy term is 0 whatever its data) or whose KL
-    pull happens to lie along a small replayed gradient, while its reference pulls as every other rank's."""
+    pull happens to lie along a small replayed gradient, while its reference pulls as every other rank's.
+
+    The pull names the rank's reference (told: True) only where that reference, over the rank's loss tokens, sits at
+    least as far above the policy as the other ranks' typically do (`_lean_against_pull`): k3 pulls where the
+    reference sits above the policy, and a reference that differs there leans that way as a whole. A pull carried by
+    one token the policy finds unlikely, on a rank whose reference sits further below the policy than the others',
+    is that token's, which any right reference pulls on too: the rank is returned with told False (cannot tell)."""
     assert ev.reading is not None
     kl = ev.channel.term("kl") if ev.channel is not None else None
     levels = ev.reading.levels.get("ref", {})
@@ -516,6 +535,19 @@ def _kl_witness(ev: Evidence) -> list[tuple[int, list[str]]]:
         if ev.reading.surprise.get(r, 0.0) >= DATA_NATS:
             continue  # its tokens are not the policy's own samples: a few of them fill k3's tail, whatever the ref
         other_levels = [lv.level for o, lv in levels.items() if o != r]
+        against = _lean_against_pull(levels, r)
+        if against is not None:
+            return [
+                (
+                    r,
+                    [
+                        f"the KL term on rank {r} carries {share:.3g} of the gradient against at most "
+                        f"{max(others):.3g} on the other ranks, and {pull}",
+                        against,
+                    ],
+                    False,
+                )
+            ]
         return [
             (
                 r,
@@ -529,9 +561,35 @@ def _kl_witness(ev: Evidence) -> list[tuple[int, list[str]]]:
                     "of its direction, and the KL term pulls hardest where the reference holds a token far likelier "
                     "than the policy does; what the reference does to the step singles it out, not how far it is",
                 ],
+                True,
             )
         ]
     return []
+
+
+def _lean_against_pull(levels: dict[int, SignalLevels], rank: int) -> str | None:
+    """A sentence when `rank`'s stored reference, over its loss tokens, sits further below the policy than the other
+    ranks' typically do (its signed mean of log π - log π_ref above their median), so a KL pull there is a few
+    tokens' and not the reference's; None when it leans as the pull does, or the signed means were not recorded."""
+    mine = _signed(levels.get(rank))
+    others = [v for o, lv in levels.items() if o != rank and (v := _signed(lv)) is not None]
+    if mine is None or not others or mine <= statistics.median(others):
+        return None
+    return (
+        f"yet rank {rank}'s stored reference sits {mine:.3g} nats below the policy on average over its loss tokens "
+        f"against a median {statistics.median(others):.3g} on the other ranks ({min(others):.3g} to "
+        f"{max(others):.3g}): it leans no further above the policy than theirs, the way k3 pulls; the pull is a few "
+        "tokens the policy finds unlikely there, which any reference pulls on, and which rank's reference is wrong, "
+        "if any, is not told"
+    )
+
+
+def _signed(levels: SignalLevels | None) -> float | None:
+    """The signed mean of log π - log π_ref over a rank's loss tokens, against the run's routing where recorded."""
+    if levels is None:
+        return None
+    pair = levels.current_pair or levels.pair
+    return pair.mean if pair is not None and is_finite(pair.mean) else None
 
 
 def _kl_pull_stands_out(kl: TermFigures, rank: int) -> str | None:
