@@ -117,6 +117,20 @@ def test_the_scorer_passes_a_right_report_and_names_what_a_wrong_one_missed(doc,
     assert score.score_report("Ranks: none\n", spread, doc["families"])["checks"]["ranks"] is True
 
 
+def test_the_scorer_reads_the_answer_lines_the_report_ends_with_not_a_heading_of_its_body(doc) -> None:
+    score = load(EVALS / "score.py")
+    case = next(e for e in doc["evals"] if e["snapshot"]["case"] == "stale_old_logprobs")
+    body = (
+        "## Findings\nProof: recomputing rank 1's old log-probs cleared the step (recompute=old_logprobs:rank1 and "
+        "is_base_logprobs=rollout both did).\nFix: in the trainer, check rank 1's old log-prob pass.\n\n"
+    )
+    ended = score.score_report(body + REPORT, case, doc["families"])
+    assert ended["proofs"] == ["drop_ranks"] and ended["fixes"] == ["is_base_logprobs"] and ended["score"] == 1.0
+    # the body's lines alone, as the answer: two proofs where one is asked, and a fix that names no setting
+    alone = score.score_report(body, case, doc["families"])
+    assert alone["checks"]["fix"] is False
+
+
 def test_the_scorer_command_scores_a_directory_of_reports(doc, tmp_path) -> None:
     case = next(e for e in doc["evals"] if e["snapshot"]["case"] == "stale_old_logprobs")
     (tmp_path / f"{case['id']}.md").write_text(REPORT)

@@ -58,15 +58,13 @@ MAX_FIXES = 2  # a fix and at most one companion (a mitigation set); more is a l
 
 
 def answer_lines(report: str) -> dict[str, str]:
-    """The answer of each first `Cause family:`, `Ranks:`, `Proof:` and `Fix:` line, by label (absent: no such
-    line)."""
+    """The answer of each last `Cause family:`, `Ranks:`, `Proof:` and `Fix:` line, by label (absent: no such
+    line): the prompt asks the report to end with them, and its body may use the same words as headings."""
     found: dict[str, str] = {}
     for line in report.splitlines():
         for label, pattern in _ANSWERS.items():
-            if label not in found and (match := pattern.match(line)):
+            if match := pattern.match(line):
                 found[label] = match.group(1)
-        if len(found) == len(_ANSWERS):
-            break
     return found
 
 
