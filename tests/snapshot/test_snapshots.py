@@ -134,3 +134,15 @@ def test_a_snapshot_with_unusable_metadata_is_ranked_last_with_the_problem(fixtu
     ranking = cli("snapshots", out, "--json").json()["ranking"]
     assert [r["iteration"] for r in ranking] == [20, 21]
     assert ranking[1]["spike_ratio"] is None and "metadata not usable" in ranking[1]["reason"]
+
+
+def test_a_step_whose_grad_norm_is_not_finite_is_ranked_first_and_said_to_be_non_finite() -> None:
+    from axrl_spike_replay.snapshot.listing import SnapshotEntry, rank_snapshots
+
+    def entry(iteration: int, ratio: float) -> SnapshotEntry:
+        return SnapshotEntry(iteration, f"/out/iter_{iteration:07d}", 1, ratio, False, grad_norm=ratio)
+
+    ranked = rank_snapshots([entry(20, 7.5), entry(21, float("nan")), entry(22, 12.0)])
+    assert [r.iteration for r in ranked] == [21, 22, 20]
+    assert ranked[0].reason == "start here: a non-finite grad norm (NaN or inf), the largest spike"
+    assert ranked[1].reason == "spike ratio 12x the median: confirm the diagnosis and the method on it"

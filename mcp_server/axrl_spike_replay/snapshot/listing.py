@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,9 +89,10 @@ def rank_snapshots(snapshots: list[SnapshotEntry]) -> list[RankedSnapshot]:
     )
     ranked: list[RankedSnapshot] = []
     for order, entry in enumerate(readable, start=1):
-        ratio = f"spike ratio {entry.spike_ratio:.4g}x the median"
+        finite = math.isfinite(entry.spike_ratio)
+        ratio = f"spike ratio {entry.spike_ratio:.4g}x the median" if finite else "non-finite grad norm (NaN or inf)"
         if order == 1 and len(readable) > 1:
-            reason = f"start here: the largest {ratio}"
+            reason = f"start here: the largest {ratio}" if finite else f"start here: a {ratio}, the largest spike"
         elif order == 1:
             reason = f"start here: the only readable snapshot ({ratio})"
         else:
