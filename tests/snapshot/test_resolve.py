@@ -56,6 +56,12 @@ def test_an_unknown_job_names_the_roots_it_searched(tmp_path: Path, cli, monkeyp
     assert "ghost" in run.err and str(tmp_path) in run.err and "Traceback" not in run.err
 
 
+def test_a_run_name_given_as_the_job_names_the_jobs_the_roots_hold(golden_outputs: Path) -> None:
+    with pytest.raises(AxrlError, match="no output directories for job 'fx~fixture-moe'") as err:
+        resolve_job("fx~fixture-moe", [golden_outputs])
+    assert "'fixture-moe'" in str(err.value) and "'<run>~<job>__<role>' is job <job>" in str(err.value)
+
+
 def test_readable_summary_lists_roles_and_logs(golden_outputs: Path, cli) -> None:
     run = cli("resolve", "fixture-legacy", "--root", golden_outputs)
     assert run.code == 0

@@ -120,21 +120,28 @@ def resolve_job(job: str, roots: Sequence[str | Path] = ()) -> JobResolution:
         raise AxrlError(f"job name {job!r} is not valid (give the job name, e.g. 'qwen3-moe-grpo', not a path)")
     searched = output_roots(roots)
     roles: list[RoleDir] = []
+    others: set[str] = set()  # the jobs the roots do hold, named in the error when `job` is not among them
     for root in searched:
         if not root.is_dir():
             continue
         for entry in sorted(root.iterdir()):
             parsed = parse_output_dir_name(entry.name)
-            if parsed is None or parsed[1] != job or not entry.is_dir():
+            if parsed is None or not entry.is_dir():
                 continue
-            run, _, role = parsed
+            run, found, role = parsed
+            if found != job:
+                others.add(found)
+                continue
             logs = [str(p) for p in find_logs(entry)]
             roles.append(RoleDir(role=role, output_dir=str(entry), logs=logs, run=run))
     if not roles:
         shown = ", ".join(str(r) + ("" if r.is_dir() else " (missing)") for r in searched)
-        raise AxrlError(
-            f"no output directories for job {job!r} (looked for '*~{job}__<role>' under: {shown}); "
-            f"pass `roots` or set {OUTPUT_ROOTS_ENV}"
+        held = (
+            f"; these roots hold job(s) {', '.join(repr(o) for o in sorted(others)[:10])} (a dir "
+            "'<run>~<job>__<role>' is job <job>)"
+            if others
+            else f"; pass `roots` or set {OUTPUT_ROOTS_ENV}"
         )
+        raise AxrlError(f"no output directories for job {job!r} (looked for '*~{job}__<role>' under: {shown}){held}")
     roles.sort(key=lambda r: (r.role, r.run, r.output_dir))
     return JobResolution(job=job, roles=roles, roots=[str(r) for r in searched])
