@@ -41,7 +41,5 @@ def time_limited(cancel: threading.Event | None, timeout_s: float | None, what: 
         yield limit
     except RunCancelled as exc:
         if limit.passed and not (cancel is not None and cancel.is_set()):
-            raise RunCancelled(
-                f"{what} timed out after {timeout_s:g} s (`timeout_s`); its work was stopped ({exc})"
-            ) from None
+            raise RunCancelled(f"{what} timed out after {timeout_s:g} s (`timeout_s`); its work was stopped") from exc
         raise
