@@ -119,6 +119,20 @@ def test_a_sweep_of_rank_processes_past_its_timeout_stops_them(snapshot: Path, t
     assert not list(tmp_path.glob("tmp/spike-replay/*/*/sweep*.json"))
 
 
+def test_a_sharded_attribution_past_its_timeout_stops_its_processes(snapshot: Path, tmp_path: Path) -> None:
+    """The attribute tools leave `timeout_s` out; the request (the library's) takes it."""
+    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
+
+    before = {child.pid for child in multiprocessing.active_children()}
+    request = replay_request(
+        What(snapshot, verb=Verb.ATTRIBUTE), Where(timeout_s=LIMIT), How(shard=Shard.ON, nproc=2), workspace=tmp_path
+    )
+    with pytest.raises(RunCancelled, match=rf"^attribution timed out after {LIMIT:g} s \(`timeout_s`\)"):
+        attribute_spike(request, recorder=recorder_for(tmp_path))
+    assert not _children(before)
+    assert "attribution.json" not in _run_files(tmp_path)
+
+
 def test_a_request_without_timeout_runs_as_before(snapshot: Path, tmp_path: Path) -> None:
     """The slow streamed replay that was stopped above completes when no limit is asked."""
     _, seen, progress = _slow(STREAMED_LIMIT + 0.3, "forward: layer 1/")
