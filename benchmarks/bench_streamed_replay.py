@@ -24,6 +24,7 @@ grad norm and its rel_diff to the whole replay's. Then the issue's figures:
 
 Usage: .venv/bin/python benchmarks/bench_streamed_replay.py [--workdir DIR] [--layers 8 16 32] [--hidden 1024]
        [--experts 20] [--vocab 32000] [--no-sweep] [--no-sharded] [--sweep-only] [--timeout SECONDS]
+       [--response N]
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sharded_replay import CONFIG, FLOOR, RECORD, parameters
+from axrl_spike_replay.testing.hf_snapshot import BATCH, PROMPT, RESPONSE
+from bench_sharded_replay import CONFIG, FLOOR, parameters
 
 CONFIGS = [{"mismatch_token_clip_max": 2}, {"kl_coef": 0.1}, {"advantage_clip": 0.5}, {"log_ratio_clip": 0.2}]
 
@@ -66,6 +68,15 @@ def main():
                       "norms": norms}))
 if __name__ == "__main__":
     main()
+"""
+
+RECORD = """
+import json, sys
+from pathlib import Path
+from axrl_spike_replay.testing import hf_snapshot
+config = json.loads(sys.argv[2])
+hf_snapshot.RESPONSE = int(sys.argv[3])  # response tokens per sample (4 samples of 8 prompt tokens each, per rank)
+print(json.dumps(str(hf_snapshot.record_hf_snapshot(Path(sys.argv[1]), "qwen3_moe", world_size=4, config=config))))
 """
 
 PLAN = """
@@ -136,10 +147,10 @@ def _child(code: str, *args: str, package: str | None = None) -> dict[str, float
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _snapshot(workdir: Path, config: dict[str, object]) -> Path:
+def _snapshot(workdir: Path, config: dict[str, object], response: int) -> Path:
     if not sorted(workdir.glob("iter_*")):
         workdir.mkdir(parents=True, exist_ok=True)
-        _child(RECORD, str(workdir), json.dumps(config))
+        _child(RECORD, str(workdir), json.dumps(config), str(response))
     return sorted(workdir.glob("iter_*"))[-1]
 
 
@@ -161,6 +172,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     parser.add_argument("--no-sweep", action="store_true", help="leave out the sweep rows")
     parser.add_argument("--no-sharded", action="store_true", help="leave out the sharded row")
+    parser.add_argument(
+        "--response", type=int, default=RESPONSE, help=f"response tokens per sample (default {RESPONSE})"
+    )
     parser.add_argument("--sweep-only", action="store_true", help="only the sweep rows (at the first layer count)")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, metavar="SECONDS", help="each replay's `timeout_s`")
     parser.add_argument("--no-whole", nargs="*", type=int, default=[], help="layer counts with no whole row")
@@ -187,10 +201,15 @@ def main() -> None:
             "num_experts": args.experts,
             "vocab_size": args.vocab,
         }
-        snapshot = _snapshot(root / f"layers{layers}", config)
+        name = f"layers{layers}" if args.response == RESPONSE else f"layers{layers}-response{args.response}"
+        snapshot = _snapshot(root / name, config, args.response)
         count = parameters(config)
         size = sum(p.stat().st_size for p in snapshot.glob("*.distcp"))
-        described = f"qwen3_moe {layers} layers, hidden {args.hidden}, {args.experts} experts, vocab {args.vocab}"
+        tokens = BATCH * (PROMPT + args.response)
+        described = (
+            f"qwen3_moe {layers} layers, hidden {args.hidden}, {args.experts} experts, vocab {args.vocab}, "
+            f"{tokens} tokens per rank ({BATCH} samples of {PROMPT} + {args.response})"
+        )
         print(f"\n{described}: {count / 1e6:.0f} M parameters (float32), weights {size / MIB:.0f} MiB, world size 4")
         if args.sweep_only:
             _sweep_rows(snapshot, None, args.timeout)
