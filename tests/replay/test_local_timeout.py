@@ -97,7 +97,10 @@ def test_a_streamed_replay_split_over_processes_is_stopped_at_its_timeout(snapsh
     with pytest.raises(AxrlError, match=f"replay timed out after {LIMIT:g} s"):
         run_replay(request, recorder=recorder_for(tmp_path), stream=StreamSettings(0, str(spill)))
     assert not _children(before)
-    assert not any(spill.iterdir()) if spill.exists() else True
+    deadline = time.monotonic() + 30  # a process stopped by a signal leaves its spill dir to its janitor
+    while spill.exists() and any(spill.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not spill.exists() or not any(spill.iterdir())
     assert f"timed out after {LIMIT:g} s" in _failed_result(tmp_path)["error"]
 
 
