@@ -23,7 +23,8 @@ grad norm and its rel_diff to the whole replay's. Then the issue's figures:
   whole replay's grows with the layers.
 
 Usage: .venv/bin/python benchmarks/bench_streamed_replay.py [--workdir DIR] [--layers 8 16 32] [--hidden 1024]
-       [--experts 20] [--vocab 32000] [--no-sweep] [--no-sharded]
+       [--experts 20] [--vocab 32000] [--no-sweep] [--no-sharded] [--sweep-only] [--timeout SECONDS]
+       [--response N]
 """
 
 from __future__ import annotations
@@ -37,31 +38,45 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sharded_replay import CONFIG, FLOOR, RECORD, parameters
+from axrl_spike_replay.testing.hf_snapshot import BATCH, PROMPT, RESPONSE
+from bench_sharded_replay import CONFIG, FLOOR, parameters
 
 CONFIGS = [{"mismatch_token_clip_max": 2}, {"kl_coef": 0.1}, {"advantage_clip": 0.5}, {"log_ratio_clip": 0.2}]
 
 REPLAY = """
 import json, resource, sys, time
 def main():
-    from axrl_spike_replay.investigation.request import How, What, replay_request
+    from axrl_spike_replay.investigation.request import How, What, Where, replay_request
     from axrl_spike_replay.replay.engine import run_replay
     from axrl_spike_replay.replay.sweep import run_sweep
     snapshot, nproc, shard, configs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    where = Where(timeout_s=float(sys.argv[5]) if len(sys.argv) > 5 else None)
     how = How(nproc=None if nproc == "-" else int(nproc), shard=shard)
     t = time.perf_counter()
     if len(configs) > 1:
-        results = run_sweep(replay_request(What(snapshot, verb="sweep", configs=tuple(configs)), how=how))
+        results = run_sweep(replay_request(What(snapshot, verb="sweep", configs=tuple(configs)), where, how))
         norm, verdict = results.baseline.grad_norm, results.baseline.verdict
+        norms = [r.grad_norm for r in results.results]
     else:
-        result = run_replay(replay_request(What(snapshot, mitigations=configs[0] if configs else {}), how=how))
+        result = run_replay(replay_request(What(snapshot, mitigations=configs[0] if configs else {}), where, how))
         norm, verdict = result.baseline_grad_norm or result.grad_norm, result.verdict
+        norms = [result.grad_norm] if configs else []
     wall = time.perf_counter() - t
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    print(json.dumps({"wall": wall, "self_mib": own, "children_mib": children, "grad_norm": norm, "verdict": verdict}))
+    print(json.dumps({"wall": wall, "self_mib": own, "children_mib": children, "grad_norm": norm, "verdict": verdict,
+                      "norms": norms}))
 if __name__ == "__main__":
     main()
+"""
+
+RECORD = """
+import json, sys
+from pathlib import Path
+from axrl_spike_replay.testing import hf_snapshot
+config = json.loads(sys.argv[2])
+hf_snapshot.RESPONSE = int(sys.argv[3])  # response tokens per sample (4 samples of 8 prompt tokens each, per rank)
+print(json.dumps(str(hf_snapshot.record_hf_snapshot(Path(sys.argv[1]), "qwen3_moe", world_size=4, config=config))))
 """
 
 PLAN = """
@@ -95,6 +110,31 @@ print(json.dumps({}))
 """
 
 MIB = 1 << 20
+TIMEOUT_S = 6 * 3600.0  # each replay's limit: a sweep at the issue's size on a loaded host runs past the default
+
+
+def _sweep_rows(snapshot: Path, reference: float | None, timeout_s: float) -> None:
+    """The sweep of `CONFIGS` streamed against one streamed replay per config: walls, peaks, each config's grad norm
+    in both and their largest relative difference."""
+    limit = str(timeout_s)
+    sweep = _child(REPLAY, str(snapshot), "-", "streamed", json.dumps(CONFIGS), limit)
+    _row(f"streamed sweep of {len(CONFIGS)}", sweep, sweep["self_mib"], reference)
+    singles = []
+    for config in CONFIGS:
+        single = _child(REPLAY, str(snapshot), "-", "streamed", json.dumps([config]), limit)
+        _row(f"streamed replay {next(iter(config))}", single, single["self_mib"], reference)
+        singles.append(single)
+    alone = sum(s["wall"] for s in singles)
+    peaks = ", ".join(f"{s['self_mib']:.0f}" for s in singles)
+    print(f"sweep of {len(CONFIGS)} streamed {sweep['wall']:.1f} s vs {len(CONFIGS)} streamed replays "
+          f"{alone:.1f} s: **{sweep['wall'] / alone:.2f}x**; peak RSS sweep {sweep['self_mib']:.0f} MiB, replays "
+          f"{peaks} MiB", flush=True)  # fmt: skip
+    pairs = list(zip(sweep["norms"], (s["norms"][0] for s in singles), strict=True))
+    for config, (in_sweep, alone_norm) in zip(CONFIGS, pairs, strict=True):
+        print(f"  {json.dumps(config)}: grad norm in the sweep {in_sweep!r}, alone {alone_norm!r}, rel_diff "
+              f"{abs(in_sweep - alone_norm) / abs(alone_norm):.1e}", flush=True)  # fmt: skip
+    base = [s["grad_norm"] for s in singles]
+    print(f"  baseline: sweep {sweep['grad_norm']!r}, replays {base!r}", flush=True)
 
 
 def _child(code: str, *args: str, package: str | None = None) -> dict[str, float]:
@@ -107,10 +147,10 @@ def _child(code: str, *args: str, package: str | None = None) -> dict[str, float
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _snapshot(workdir: Path, config: dict[str, object]) -> Path:
+def _snapshot(workdir: Path, config: dict[str, object], response: int) -> Path:
     if not sorted(workdir.glob("iter_*")):
         workdir.mkdir(parents=True, exist_ok=True)
-        _child(RECORD, str(workdir), json.dumps(config))
+        _child(RECORD, str(workdir), json.dumps(config), str(response))
     return sorted(workdir.glob("iter_*"))[-1]
 
 
@@ -132,6 +172,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=CONFIG["vocab_size"])
     parser.add_argument("--no-sweep", action="store_true", help="leave out the sweep rows")
     parser.add_argument("--no-sharded", action="store_true", help="leave out the sharded row")
+    parser.add_argument(
+        "--response", type=int, default=RESPONSE, help=f"response tokens per sample (default {RESPONSE})"
+    )
+    parser.add_argument("--sweep-only", action="store_true", help="only the sweep rows (at the first layer count)")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, metavar="SECONDS", help="each replay's `timeout_s`")
     parser.add_argument("--no-whole", nargs="*", type=int, default=[], help="layer counts with no whole row")
     parser.add_argument(
         "--plan-only",
@@ -156,11 +201,19 @@ def main() -> None:
             "num_experts": args.experts,
             "vocab_size": args.vocab,
         }
-        snapshot = _snapshot(root / f"layers{layers}", config)
+        name = f"layers{layers}" if args.response == RESPONSE else f"layers{layers}-response{args.response}"
+        snapshot = _snapshot(root / name, config, args.response)
         count = parameters(config)
         size = sum(p.stat().st_size for p in snapshot.glob("*.distcp"))
-        described = f"qwen3_moe {layers} layers, hidden {args.hidden}, {args.experts} experts, vocab {args.vocab}"
+        tokens = BATCH * (PROMPT + args.response)
+        described = (
+            f"qwen3_moe {layers} layers, hidden {args.hidden}, {args.experts} experts, vocab {args.vocab}, "
+            f"{tokens} tokens per rank ({BATCH} samples of {PROMPT} + {args.response})"
+        )
         print(f"\n{described}: {count / 1e6:.0f} M parameters (float32), weights {size / MIB:.0f} MiB, world size 4")
+        if args.sweep_only:
+            _sweep_rows(snapshot, None, args.timeout)
+            continue
         plan = _child(PLAN, str(snapshot))
         print(f"plan, whole on 1 process against this host: {plan['whole']}")
         if layers in args.no_whole:
@@ -198,12 +251,7 @@ def main() -> None:
                       f"streamed (before) **{streamed['wall'] / before['wall']:.2f}x**")  # fmt: skip
         flat[layers] = (peak - plan["boundaries"] / MIB, whole["self_mib"] if whole else None)
         if i == 0 and not args.no_sweep:
-            sweep = _child(REPLAY, str(snapshot), "-", "streamed", json.dumps(CONFIGS))
-            _row(f"streamed sweep of {len(CONFIGS)}", sweep, sweep["self_mib"], reference)
-            singles = [_child(REPLAY, str(snapshot), "-", "streamed", json.dumps([c])) for c in CONFIGS]
-            alone = sum(s["wall"] for s in singles)
-            print(f"sweep of {len(CONFIGS)} streamed {sweep['wall']:.1f} s vs {len(CONFIGS)} streamed replays "
-                  f"{alone:.1f} s: **{sweep['wall'] / alone:.2f}x**")  # fmt: skip
+            _sweep_rows(snapshot, reference, args.timeout)
     for layers in args.plan_only:
         config = {
             **CONFIG,

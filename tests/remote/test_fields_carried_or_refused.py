@@ -1,6 +1,7 @@
-"""Every declared field of a replay request's `What` and `How` is carried by each backend or refused by name: walking
-the declaration, each field set off its default, with each backend and each verb that backend runs, either gives a
-request the backend carries (its declaration lists the backend) or a ConfigError naming that field. A field added
+"""Every declared field of a replay request's `What` and `How`, and of `Where` the fields a run here takes (`LOCAL`),
+is carried by each backend or refused by name: walking the declaration, each field set off its default, with each
+backend and each verb that backend runs, here, either gives a request the backend carries (its declaration lists the
+backend) or a ConfigError naming that field. A field added
 later is walked too, and is the built-in engine's alone until its declaration names another backend, whose use of it
 a test then shows (the list below changes with it): none can be silently ignored."""
 
@@ -39,11 +40,14 @@ def _off_default(name: str, d: Declared, default: Any) -> list[Any]:
     return STRUCTURED[name]
 
 
+LOCAL = {"timeout_s"}  # the fields of `Where` a run here takes (the rest name a node, or are `backend` itself)
+
+
 CASES = [
     (part, name, d, value, backend, verb)
-    for part in (What, How)
+    for part in (What, How, Where)
     for name, d, default in declared_fields(part)
-    if name != "snapshot"  # the one field every request has
+    if name != "snapshot" and (part is not Where or name in LOCAL)  # snapshot: the one field every request has
     for value in _off_default(name, d, default)
     for backend in Backend
     for verb in d.verbs
@@ -51,12 +55,15 @@ CASES = [
 
 
 def _request(part: type, name: str, value: Any, backend: Backend, verb: Any) -> None:
-    what, how = What(SNAPSHOT, verb=verb), How()
+    what, where, how = What(SNAPSHOT, verb=verb), Where(backend=backend), How()
     if part is What:
         what = What(SNAPSHOT, verb=verb, **{name: value})
+    elif part is Where:
+        where = Where(backend=backend, **{name: value})
     else:
         how = How(**{name: value})
-    replay_request(what, Where(backend=backend), how)
+    request = replay_request(what, where, how)
+    assert getattr({What: request.what, Where: request.where, How: request.how}[part], name) == value
 
 
 @pytest.mark.parametrize(
@@ -80,18 +87,34 @@ def test_each_field_is_carried_or_refused_by_name(
 
 
 # what the backends other than the built-in engine carry: the command backend's runs (tests/remote/
-# test_command_backend*.py), and the engine's own session with Megatron-core's job runner (`replay.megatron_route`:
-# the repeats and the parameter list of its job; the verdict threshold is the session's; `nproc` as the saved ranks)
+# test_command_backend*.py; its time limit: tests/remote/test_remote_replay.py), and the engine's own session with
+# Megatron-core's job runner (`replay.megatron_route`: the repeats and the parameter list of its job; the verdict
+# threshold is the session's; `nproc` as the saved ranks; the time limit the session's, as for the built-in engine's
+# runners: tests/replay/test_local_timeout.py)
 CARRIED = {
-    Backend.COMMAND: {"mitigations", "configs", "repeat", "top_params"},
-    Backend.MEGATRON: {"repeat", "top_params", "clear_threshold", "nproc"},
+    Backend.COMMAND: {"mitigations", "configs", "repeat", "top_params", "timeout_s"},
+    Backend.MEGATRON: {"repeat", "top_params", "clear_threshold", "nproc", "timeout_s"},
 }
 
 
 def test_the_other_backends_carry_what_their_tests_show() -> None:
     for backend, shown in CARRIED.items():
-        declared = {n for part in (What, How) for n, d, _ in declared_fields(part) if backend in d.backends}
+        declared = {
+            n
+            for part in (What, How, Where)
+            for n, d, _ in declared_fields(part)
+            if backend in d.backends and (part is not Where or n in LOCAL)
+        }
         assert declared - {"snapshot"} == shown, backend
+
+
+def test_a_run_here_carries_its_time_limit_with_every_backend_and_verb() -> None:
+    """`timeout_s` was refused for a run here with the built-in engine; each backend's runs here now carry it."""
+    walked = [c for c in CASES if c[1] == "timeout_s"]
+    assert {c[4] for c in walked} == set(Backend) and {c[5] for c in walked} == {Verb.REPLAY, Verb.SWEEP}
+    for backend in Backend:
+        request = replay_request(What(SNAPSHOT), Where(backend=backend, timeout_s=7.5))
+        assert request.where.target == "local" and request.where.timeout_s == 7.5
 
 
 def test_the_command_backend_refuses_the_engines_fields_by_name() -> None:

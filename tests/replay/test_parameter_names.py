@@ -20,7 +20,7 @@ from axrl_spike_replay.investigation.runs import run_request
         ({}, Where(), How(device="tpu"), "device"),  # type: ignore[arg-type]
         ({}, Where(), How(nproc=0), "nproc"),
         ({"repeat": 0}, Where(), How(), "repeat"),
-        ({}, Where(timeout_s=5.0), How(), "timeout_s"),
+        ({}, Where(timeout_s=0.0), How(), "timeout_s"),
         ({"verb": "attribute"}, Where(backend="command"), How(), "target"),  # type: ignore[arg-type]
         ({}, Where(patches=("fix.diff",)), How(), "patch"),
     ],
@@ -44,7 +44,7 @@ def test_the_engine_names_the_parameter_too(spike_snapshot: Path) -> None:
     ("argv", "message"),
     [
         (["replay", "{snap}", "--nproc", "3"], "--nproc 3 is larger than the saved world size 2"),
-        (["replay", "{snap}", "--timeout", "5"], "--timeout applies to runs on a --target or with --backend command"),
+        (["replay", "{snap}", "--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
         (["replay", "{snap}", "--patch", "fix.diff"], "--patch applies to the training checkout"),
         (
             ["replay", "{snap}", "--backend", "command", "--mitigation", "advantage_clip=1"],

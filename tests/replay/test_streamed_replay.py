@@ -313,6 +313,48 @@ def test_plan_has_a_streamed_row_and_auto_streams_only_when_nothing_else_fits(tm
     assert asked.streams and asked.fits
 
 
+def test_the_plans_streamed_row_with_nproc_is_one_process_of_a_run_split_over_them(tmp_path: Path) -> None:
+    """With `nproc` 2 the row is one process's: half the saved ranks' boundaries (and its peak less the other half),
+    every layer read by each. Against the run at `--nproc 2` (a mitigation: the clean gradient's backwards too): each
+    process reads exactly the row's bytes, and holds at most the row's boundaries and more than the row of one
+    process of every saved rank would leave for it (so a row not split per process fails)."""
+    import re
+
+    from axrl_spike_replay.replay.plans.replay_plan import Capacity, plan_replay
+
+    snapshot = record_tiny_snapshot(tmp_path / "snap", world_size=4)
+    roomy = Capacity("here", "cpu", 1, 8 << 30, "test")
+    one, two = (plan_replay(snapshot, nproc=n, capacity=roomy, shard="streamed", configs=2).streamed for n in (1, 2))
+    assert one is not None and two is not None
+    assert (one.processes, one.ranks_each, two.processes, two.ranks_each) == (1, 4, 2, 2)
+    assert two.boundaries * 2 == one.boundaries and two.bytes_read == one.bytes_read
+    assert two.layer_reads == one.layer_reads and two.flops * 2 == one.flops
+    assert two.device_peak == one.device_peak - (one.boundaries - two.boundaries)  # boundaries in host memory here
+    assert "2 processes, each up to 2 saved rank(s); per process" in two.text()
+    lines: list[str] = []
+    request = replay_request(
+        What(snapshot, mitigations={"advantage_clip": 0.5}), how=How(shard=Shard.STREAMED, nproc=2),
+        progress=lines.append,
+    )  # fmt: skip
+    assert run_replay(request).verdict == "cleared"
+    text = "\n".join(lines)
+    for process in (0, 1):
+        read = re.search(rf"process {process}: streamed: read ([\d,]+) bytes of weights \((\d+) layer reads", text)
+        held = re.search(rf"process {process}: streamed: boundaries held ([\d,]+) bytes in memory at most, 0 on", text)
+        assert read is not None and held is not None, text
+        assert int(read[1].replace(",", "")) == two.bytes_read and int(read[2]) == two.layer_reads
+        boundaries = int(held[1].replace(",", ""))
+        assert 0.7 * two.boundaries < boundaries <= two.boundaries, (boundaries, two.boundaries)
+    # on CPU the processes share the host: room for one process of every saved rank, not for two of half as many
+    host = Capacity("here", "cpu", 1, (one.device_peak + 2 * two.device_peak) // 2, "t")
+    assert one.device_peak < host.bytes_each < 2 * two.device_peak
+    assert plan_replay(snapshot, nproc=1, capacity=host, shard="streamed").streamed.fits  # type: ignore[union-attr]
+    assert not plan_replay(snapshot, nproc=2, capacity=host, shard="streamed").streamed.fits  # type: ignore[union-attr]
+    # on CUDA each process has its own GPU
+    gpus = Capacity("here", "cuda", 2, 8 << 30, "t")
+    assert plan_replay(snapshot, nproc=2, device="cuda", capacity=gpus, shard="streamed").streamed.fits  # type: ignore[union-attr]
+
+
 def test_streamed_refusals_name_the_argument(tmp_path: Path) -> None:
     from axrl_spike_replay.errors import ConfigError
     from axrl_spike_replay.investigation.request import How, What, replay_request

@@ -91,7 +91,7 @@ def test_the_mitigations_resource_lists_every_name(workspace: Path) -> None:
     ("arguments", "message"),
     [
         ({"nproc": 3}, "`nproc` 3 is larger than the saved world size 2"),
-        ({"timeout_s": 5}, "`timeout_s` applies to runs on a `target` or with `backend` command"),
+        ({"patches": ["fix.diff"]}, "`patch` applies to the training checkout the command backend runs"),
         ({"backend": "command", "mitigations": {"advantage_clip": 1}}, "`backend` command needs a command_backend"),
     ],
 )

@@ -61,7 +61,7 @@ def replay_request(
     patches = _patch_set(where.patches)
     placed = replace(where, target=target, targets=targets, slurm=slurm)
     launched = launch_kind(placed, Path(workspace) if workspace is not None else None) is not None
-    _check_combination(verb, target, backend, patches, where.timeout_s, launched or bool(targets) or slurm is not None)
+    _check_combination(verb, target, backend, patches, launched or bool(targets) or slurm is not None)
     _check_megatron(verb, what, device, target, backend, launched or bool(targets) or slurm is not None)
     _check_clear_threshold(what.clear_threshold, verb, target, backend, launched)
     _check_parallel_configs(how.parallel_configs, verb, target, backend)
@@ -281,9 +281,7 @@ def _slurm_settings(slurm: Any) -> dict[str, Any] | None:
     return values
 
 
-def _check_combination(
-    verb: Verb, target: str, backend: Backend, patches: tuple[str, ...], timeout_s: Any, launched: bool
-) -> None:
+def _check_combination(verb: Verb, target: str, backend: Backend, patches: tuple[str, ...], launched: bool) -> None:
     """Options that cannot work together, refused before anything connects or is written. (Which mitigations
     the command backend can run is the workspace's `spike-replay.yaml`'s to say: `investigation.elsewhere`.)"""
     if verb == Verb.ATTRIBUTE and (target != LOCAL or backend != Backend.TORCH or launched):
@@ -298,8 +296,6 @@ def _check_combination(
         raise ConfigError(
             "`patch` applies to the training checkout the command backend runs; add `backend` command", "patch"
         )
-    if target == LOCAL and backend in HERE_BACKENDS and timeout_s is not None and not launched:
-        raise ConfigError("`timeout_s` applies to runs on a `target` or with `backend` command", "timeout_s")
 
 
 def _check_megatron(verb: Verb, what: What, device: Device, target: str, backend: Backend, launched: bool) -> None:

@@ -48,6 +48,7 @@ from axrl_spike_replay.experiment.verdict import (
     verdict_threshold,
 )
 from axrl_spike_replay.percent import pct
+from axrl_spike_replay.processes.run_limit import time_limited
 from axrl_spike_replay.replay.compute.clean_gradient import spike_bar
 from axrl_spike_replay.replay.compute.outcome_figures import DEFINITION
 from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
@@ -175,7 +176,9 @@ class ReplaySession:
             f"{self.device}, fidelity {self.plan.fidelity} (saved world size {inputs.world_size}), "
             f"{held}, precision {self.precision_label}"
         )
-        outcomes = self.job_runner()(job, RUN_TIMEOUT_S, request.cancel, progress=request.progress)
+        timeout_s = request.where.timeout_s
+        with time_limited(request.cancel, timeout_s, str(request.what.verb)) as stop:
+            outcomes = self.job_runner()(job, timeout_s or RUN_TIMEOUT_S, stop, progress=request.progress)
         if self.baseline_refused is not None:
             baseline, results = self._without_baseline(outcomes)
             return baseline, self._with_refused(results)

@@ -244,12 +244,16 @@ class Where:
         default=None,
         metadata=declare(  # kill the run (its process group) after this many seconds
             summary="Stop the run after this many seconds.",
-            help="Kill the run, its whole process group (or its Slurm job), after this many seconds; partial logs are "
-            "kept.",
+            help="Stop the run after this many seconds. On a node: its whole process group (or its Slurm job) is "
+            "killed, partial logs kept. Here: its processes are stopped at their next config, layer or micro-batch; "
+            "the run dir keeps its log and a failed result naming the limit, and no spill dir is left. Unset here: "
+            f"a streamed replay stops after {RUN_TIMEOUT_S:g} s, and a replay's processes wait that long at most on "
+            "each other.",
             kind="float",
             gt=0,
             must="a positive number of seconds",
-            verbs=_REPLAY_SWEEP,
+            verbs=_REPLAY_SWEEP,  # an attribution's faces leave it out (the tool list's budget); its request takes it
+            backends=ALL_BACKENDS,  # here (the engine, Megatron-core's route, the command) and on a node
             flag="--timeout",
             metavar="SECONDS",
         ),

@@ -30,6 +30,7 @@ from axrl_spike_replay.experiment.verdict import rel_diff
 from axrl_spike_replay.models.policy import policy_forward, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.processes.rank_processes import check_cancel
+from axrl_spike_replay.processes.run_limit import time_limited
 from axrl_spike_replay.replay.analyses.sample_signals import RankGather, base_name, cut_rows, micro_steps
 from axrl_spike_replay.replay.compute.model_build import Placement, build_model
 from axrl_spike_replay.replay.compute.outcome_figures import jvp_policy
@@ -236,7 +237,7 @@ def attribute_spike(
     request: ReplayRequest,
     *,
     recorder: RunRecorder | None = None,
-    timeout_s: float = RUN_TIMEOUT_S,
+    timeout_s: float | None = None,
     checkpoint: bool | None = None,
 ) -> Attribution:
     """Rank the samples of the request's snapshot at its spike step by their contribution to the replayed global
@@ -249,13 +250,14 @@ def attribute_spike(
     here; streamed, every saved rank in this process one decoder layer at a time, each sample's dot with g taken piece
     by piece (`replay.analyses.streamed_attribution`: two passes over the checkpoint, one backward per sample per
     piece). Each rank's step goes micro-batch by micro-batch as the trainer split it, the head in chunks, the decoder
-    layers checkpointed as `checkpoint` says (None: as the replay plan of the layout says); `timeout_s` bounds the
-    sharded processes. `recorder` opens the output dir (None: nothing written), named by `request.job` (default: the
-    snapshot's job), its command.txt `request.command` (default: the equivalent CLI). Setting `request.cancel` stops
+    layers checkpointed as `checkpoint` says (None: as the replay plan of the layout says). `timeout_s` (default: the
+    request's `where.timeout_s`) stops it after that many seconds (RunCancelled naming it) and bounds its processes'
+    waits on each other. `recorder` opens the output dir (None: nothing written), named by `request.job` (default:
+    the snapshot's job), its command.txt `request.command` (default: the equivalent CLI). Setting `request.cancel` stops
     the work between its stages (RunCancelled)."""
     what, how = request.what, request.how
     snapshot, top, method, mitigations = what.snapshot, what.top, str(what.method), dict(what.mitigations)
-    device, shard, nproc, cancel = str(how.device), str(how.shard), how.nproc, request.cancel
+    device, shard, nproc = str(how.device), str(how.shard), how.nproc
     if method not in Method.values():
         raise ConfigError(f"`method` must be one of {', '.join(Method.values())}, got {method!r}", "method")
     if not isinstance(top, int) or top < 1:
@@ -280,23 +282,28 @@ def attribute_spike(
         options = {"top": top, "device": device, "shard": shard if shard != "auto" else None, "nproc": nproc}
         run.write_command(request.command or command_line("attribute", str(snapshot), options))
         run.log(sharded.reason)
-        if streamed:
-            if method != Method.PER_SAMPLE_BACKWARD:
-                run.log("streamed: g is never held whole for a forward-mode pass; one backward per sample per piece")
-            attribution = _attribute_streamed(inputs, cfg, top, device, start, cancel, nproc, timeout_s)
-        elif sharded.shard:
-            if method != Method.PER_SAMPLE_BACKWARD:
-                run.log("sharded: forward-mode JVPs do not run through FSDP2; one backward per sample instead")
-            attribution = _attribute_sharded(
-                inputs, cfg, top, device, layout.assignment, start, timeout_s, cancel, sharded.checkpoint
-            )
-        else:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                attribution = _attribute(inputs, cfg, top, device, method, start, cancel, sharded.checkpoint)
-            finally:
-                torch.set_num_threads(threads)
+        limit = timeout_s if timeout_s is not None else request.where.timeout_s
+        processes_s = limit or RUN_TIMEOUT_S  # how long its processes wait on each other
+        with time_limited(request.cancel, limit, "attribution") as cancel:
+            if streamed:
+                if method != Method.PER_SAMPLE_BACKWARD:
+                    run.log(
+                        "streamed: g is never held whole for a forward-mode pass; one backward per sample per piece"
+                    )
+                attribution = _attribute_streamed(inputs, cfg, top, device, start, cancel, nproc, processes_s)
+            elif sharded.shard:
+                if method != Method.PER_SAMPLE_BACKWARD:
+                    run.log("sharded: forward-mode JVPs do not run through FSDP2; one backward per sample instead")
+                attribution = _attribute_sharded(
+                    inputs, cfg, top, device, layout.assignment, start, processes_s, cancel, sharded.checkpoint
+                )
+            else:
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                try:
+                    attribution = _attribute(inputs, cfg, top, device, method, start, cancel, sharded.checkpoint)
+                finally:
+                    torch.set_num_threads(threads)
     attribution.output_dir = str(run.path or "")
     run.log(f"attribution: grad norm {attribution.grad_norm:.6g}, sum check rel error {attribution.sum_rel_error:.2e}")
     run.write_json(ATTRIBUTION_FILE, attribution.to_json())

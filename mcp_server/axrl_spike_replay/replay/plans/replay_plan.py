@@ -284,6 +284,13 @@ def node_capacity(report: Any, device: str) -> Capacity | None:
     return Capacity(report.target, "cuda", report.gpu_count, bytes_each, "nvidia-smi on the node")
 
 
+def _sharing(processes: int, cap: Capacity | None) -> int:
+    """How many of a streamed replay's `processes` share one memory: all of them the host's, or a GPU each."""
+    if cap is None or cap.device != "cuda":
+        return processes
+    return math.ceil(processes / max(cap.devices, 1))
+
+
 def _row(facts: ModelFacts, nproc: int, world: int, shape: tuple[int, int], sharded: bool, cap: Capacity | None,
          device: str, configs: int, nodes: int, dtypes: StepDtypes, checkpointed: bool = False,
          micro_batches: int = 1) -> PlanRow:  # fmt: skip
@@ -364,6 +371,7 @@ def plan_replay(
         raise ConfigError(f"`nproc` {wanted}: give 1 to the saved world size {world}", "nproc")
     candidates = sorted({n for n in range(1, world + 1) if world % n == 0 and n % nodes == 0} | {wanted})
     ways = "off" if shard == "streamed" else shard  # a streamed replay's own row is `streamed`
+    streaming = nproc or 1  # a streamed replay splits the saved ranks over `nproc` processes (default one)
     rows = [_choose(facts, n, world, shape, ways, cap, device, configs, nodes, dtypes, checkpoint, count)
             for n in candidates]  # fmt: skip
     chosen = next(r for r in rows if r.nproc == wanted)
@@ -402,6 +410,8 @@ def plan_replay(
             configs=configs,
             capacity_bytes=None if cap is None else cap.bytes_each,
             element=dtypes.compute,
+            processes=streaming,
+            sharing=_sharing(streaming, cap),
         ),
     )
     plan.layout = _layout(plan, nodes)

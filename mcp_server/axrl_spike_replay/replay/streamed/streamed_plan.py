@@ -11,6 +11,12 @@ input hidden states, and per MoE layer the router's float32 logits and its int64
 hidden-state gradient and the router logits' gradients.
 It reads every layer once in the forward and once per config in the backward, the ends once.
 
+Split over `processes` (`nproc` > 1: each streams a contiguous block of the saved ranks, `streamed_processes`), the
+row is one process's, the one with the largest block: its boundaries are its block's tokens' (and the compute its
+block's), while it still holds a layer, the ends, one micro-batch and a runtime of its own and reads every layer
+itself, so its peak less its boundaries and its bytes read are the one process's. On CPU the processes share the
+host's memory (the row fits when all of them do), on CUDA each has its own GPU.
+
 With mitigations (more than one config) the clean gradient's backwards are counted at their fewest past a spike:
 one probe, the pair for the baseline's cosine to clean, and one more (the clean one) beside each other config;
 each further probe of the search reads every layer once more. A pair's two backwards each keep their hidden-state
@@ -114,14 +120,18 @@ class StreamedRow:
     speeds: str  # what the estimate assumed
     fits: bool | None
     read_ahead: bool = True  # the next layer read during this one's compute (left out where only that fits)
+    processes: int = 1  # the row is one process's of these (each a block of the saved ranks)
+    ranks_each: int = 0  # saved ranks in that process's block (0: unknown, an older row)
 
     def text(self) -> str:
         """The row in one line."""
         fits = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown"}[self.fits]
         ahead = "layer and the next read ahead" if self.read_ahead else "layer, no read ahead: it would not fit"
+        who = "1 process, every saved rank"
+        if self.processes > 1:
+            who = f"{self.processes} processes, each up to {self.ranks_each} saved rank(s); per process"
         return (
-            "streamed (1 process, every saved rank, one decoder layer at a time): device peak "
-            f"{_gib(self.device_peak)} "
+            f"streamed ({who}, one decoder layer at a time): device peak {_gib(self.device_peak)} "
             f"({ahead} {_gib(self.layer)}, embedding and head {_gib(self.ends)}, one micro-batch in one layer "
             f"{_gib(self.activations)}, runtime {_gib(self.runtime)}); boundaries {_gib(self.boundaries)} "
             f"(host up to {_gib(self.host_budget)}, disk {_gib(self.disk)}); reads {_gib(self.bytes_read)} from the "
@@ -146,8 +156,14 @@ def streamed_row(
     read_bytes_per_s: float | None = None,
     flops_per_s: float | None = None,
     element: int = 4,
+    processes: int = 1,
+    sharing: int = 1,
 ) -> StreamedRow:
-    """The streamed row for a step of `world` saved ranks of `rank_tokens` tokens each (see the module docstring)."""
+    """The streamed row for a step of `world` saved ranks of `rank_tokens` tokens each (see the module docstring), one
+    process's of `processes`; `sharing` of them share the memory of `capacity_bytes` (the host on CPU, a GPU)."""
+    ranks_each = math.ceil(world / max(processes, 1))  # the first block is the largest (`contiguous_blocks`)
+    if capacity_bytes is not None:
+        capacity_bytes //= max(sharing, 1)
     b = element  # the compute dtype's bytes
     layer = pieces.largest_layer * b * 4  # parameters and three gradient copies
     ends = (pieces.embedding + pieces.head) * b + 3 * max(pieces.embedding, pieces.head) * b
@@ -156,11 +172,11 @@ def streamed_row(
     activations = activation_bytes(one_layer, micro_batch[0], micro_batch[1], b, attention=facts.attention)
     runtime = CUDA_CONTEXT_BYTES if device == "cuda" else RUNTIME_CPU_BYTES
     moe_layers = facts.layers - facts.dense_layers
-    tokens = world * rank_tokens
+    tokens = ranks_each * rank_tokens
     per_token = (facts.layers + 1) * facts.hidden * b + moe_layers * (facts.experts * b + facts.top_k * 8)
     pair = 2 if configs > 1 else 1  # a config's backward beside the clean one's: both keep their gradients
     per_token += pair * (facts.hidden * b + moe_layers * facts.experts * b)  # the backward's gradients
-    boundaries = tokens * per_token + (world * pieces.embedding * b if pieces.tied else 0)
+    boundaries = tokens * per_token + (ranks_each * pieces.embedding * b if pieces.tied else 0)
     held = min(boundaries, host_budget)
     peak = layer + ends + activations + runtime + (held if device != "cuda" else 0)
     ahead = pieces.largest_layer * b  # the next layer's parameters, read while this one computes
@@ -194,6 +210,8 @@ def streamed_row(
         speeds=speeds,
         fits=None if capacity_bytes is None else peak <= capacity_bytes,
         read_ahead=read_ahead,
+        processes=processes,
+        ranks_each=ranks_each,
     )
 
 

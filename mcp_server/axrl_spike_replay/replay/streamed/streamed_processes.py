@@ -98,7 +98,7 @@ def run_streamed_processes(
             spawn_ranks(
                 _process,
                 processes,
-                (job, blocks, settings, path, lines),
+                (job, blocks, settings, path, lines, timeout_s),
                 backend=backend_for(job.device, processes),
                 timeout_s=timeout_s,
                 prepare=_prepare,
@@ -140,11 +140,13 @@ def _process(process: int, processes: int, payload: tuple[Any, ...]) -> None:
     from axrl_spike_replay.files.atomic import atomic_write_json
     from axrl_spike_replay.replay.jobs.job_runner import process_device
 
-    job, blocks, settings, path, lines = payload
+    job, blocks, settings, path, lines, timeout_s = payload
     device = process_device(job.device, process)
     local = dataclasses.replace(job, assignment=(blocks[process],), device=device)
     say = None if lines is None else (lambda line: lines.put(f"process {process}: {line}"))
-    outcomes = compute_streamed(local, progress=say, settings=settings, chain=RankChain(process, processes, device))
+    chain = RankChain(process, processes, device)
+    # each process stops itself past the limit too (between layers, its spill dir removed as it ends)
+    outcomes = compute_streamed(local, progress=say, settings=settings, timeout_s=timeout_s, chain=chain)
     gathered: list[Any] = [None] * processes
     dist.all_gather_object(gathered, [asdict(o) for o in outcomes])
     if process == processes - 1:
