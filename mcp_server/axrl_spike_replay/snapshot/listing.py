@@ -89,7 +89,7 @@ def rank_snapshots(snapshots: list[SnapshotEntry]) -> list[RankedSnapshot]:
     )
     ranked: list[RankedSnapshot] = []
     for order, entry in enumerate(readable, start=1):
-        finite = math.isfinite(entry.spike_ratio)
+        finite = entry.spike_ratio is not None and math.isfinite(entry.spike_ratio)
         ratio = f"spike ratio {entry.spike_ratio:.4g}x the median" if finite else "non-finite grad norm (NaN or inf)"
         if order == 1 and len(readable) > 1:
             reason = f"start here: the largest {ratio}" if finite else f"start here: a {ratio}, the largest spike"
