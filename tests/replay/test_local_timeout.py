@@ -25,7 +25,7 @@ from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
 from axrl_spike_replay.vocabulary import Shard, Verb
 
-LIMIT = 0.5  # seconds: rank processes take longer to start
+LIMIT = 0.05  # seconds: rank processes take longer to start, load the snapshot and meet, even from a warm server
 STREAMED_LIMIT = 6.0  # seconds: longer than a loaded host takes to reach the first layer of a streamed replay
 
 

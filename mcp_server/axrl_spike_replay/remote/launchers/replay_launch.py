@@ -24,6 +24,7 @@ from axrl_spike_replay.display import clean_text
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.processes.rank_processes import RunCancelled
+from axrl_spike_replay.processes.run_limit import RunLimit
 from axrl_spike_replay.remote.launchers.launch_job import LaunchError, LaunchNode, LaunchOutcome, WorkerEntry
 from axrl_spike_replay.remote.launchers.launcher import DryRun, Launcher
 from axrl_spike_replay.remote.launchers.slurm_command import SlurmSettings
@@ -163,7 +164,10 @@ class LaunchedRunner:
                 out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="axrl-launch-")))
             else:
                 out = given / LAUNCH_DIR
-            outcome = run_cancellable(self._launch(payload, shared, out, say), cancel)
+            # this launcher holds the run to its own `timeout_s`, from the agents' start, and names the nodes it
+            # stopped: the engine's time limit would stop it first, counting the launch, and say less
+            caller = cancel.cancel if isinstance(cancel, RunLimit) and self.timeout_s is not None else cancel
+            outcome = run_cancellable(self._launch(payload, shared, out, say), caller)
             self.last = outcome
             result = outcome.result
         if result.get("kind") != RESULT_KIND or not isinstance(result.get("outcomes"), list):
