@@ -13,7 +13,8 @@ scripts/inspector-install.sh
 scripts/slurm-install.sh
 .venv/bin/ruff check .
 .venv/bin/pyright --pythonpath .venv/bin/python  # the library, as configured in pyproject.toml
-# Two pytest-xdist workers: the suite waits on processes of its own much of the time, so two keep a 2-core machine busy
-# (tests/conftest.py keeps the tests that share a costly fixture, or one process table, on one worker). A later -n
-# wins: `-n 4` on a larger machine, `-n 0` for one process.
-exec .venv/bin/python -m pytest -n 2 --dist loadgroup "$@"
+# Three pytest-xdist workers: the suite waits on processes, sessions and timeouts of its own much of the time (two
+# workers kept a 2-core machine's cores about half busy), so a third fills the waits (tests/conftest.py keeps the
+# tests that share a costly fixture, or one process table, on one worker). A later -n wins: `-n 6` on a larger
+# machine, `-n 0` for one process.
+exec .venv/bin/python -m pytest -n 3 --dist loadgroup "$@"

@@ -61,7 +61,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.heavy)
 
 
-# Under pytest-xdist (scripts/test.sh: `-n 2 --dist loadgroup`) each worker is a test session of its own, with its own
+# Under pytest-xdist (scripts/test.sh: `-n 3 --dist loadgroup`) each worker is a test session of its own, with its own
 # session fixtures. The tests that share a costly one go to one worker, so that it is made once: the Megatron-core
 # checkpoints and captures (a few processes each), the loopback Slurm cluster (munged, slurmctld, slurmd).
 _ONE_WORKER_FIXTURES = {
