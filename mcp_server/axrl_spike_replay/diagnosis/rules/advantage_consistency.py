@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.diagnosis.rules.causes import Cause, Evidence, Experiment
-from axrl_spike_replay.diagnosis.rules.rank_inputs import BASE, CARRIES, REFUTE, carry
+from axrl_spike_replay.diagnosis.rules.rank_inputs import BASE, CARRIES, REFUTE, carry, standardised_clip
 
 GROUP_CENTRED = ("grpo", "grpo_vectorized", "dr_grpo", "rloo")
 REWARD_ORDERED = (*GROUP_CENTRED, "reinforce_baseline", "remax")
@@ -209,15 +209,8 @@ def advantages_against_rewards(ev: Evidence) -> Cause | None:
             "every group off centre is off below 0: the advantages lean negative, as negative-advantage dominance "
             "reads them; `advantage_clip` against `balance_negative_advantages` tells the two readings apart"
         )
-    clip = round(math.sqrt(max(size - 1, 1)), 2)  # a standardised group's largest |advantage| (population std)
     where = ",".join(str(r) for r in ranks)
-    experiments = [
-        Experiment(
-            f"advantage_clip={clip:g}",
-            f"clamps every advantage to a standardised group's range (|A| at most {clip:g} in a group of {size})",
-            refutes=REFUTE,
-        )
-    ]
+    experiments = [standardised_clip(size)]
     if ranks:
         experiments.append(
             Experiment(

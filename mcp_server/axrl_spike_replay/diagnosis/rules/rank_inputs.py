@@ -65,6 +65,16 @@ def carry(ev: Evidence, ranks: Sequence[int]) -> tuple[bool, list[str]]:
     return factor >= SINGLE_NORM, [line]
 
 
+def standardised_clip(size: int) -> Experiment:
+    """`advantage_clip` at a standardised group's largest |advantage| for groups of `size` (population std)."""
+    clip = round(math.sqrt(max(size - 1, 1)), 2)
+    return Experiment(
+        f"advantage_clip={clip:g}",
+        f"clamps every advantage to a standardised group's range (|A| at most {clip:g} in a group of {size})",
+        refutes=REFUTE,
+    )
+
+
 def _drop(ranks: Sequence[int], what: str) -> Experiment:
     return Experiment(
         f"drop_ranks={_ranks(ranks)}",
@@ -322,15 +332,7 @@ def advantages_past_rewards(ev: Evidence) -> Cause | None:
         "a baseline, RLOO) makes them from those rewards; a scale, a sum or a normalisation differs there"
         for r, (factor, past, n, _) in sorted(found.items())
     ]
-    size = max(g for *_, g in found.values())
-    clip = round(math.sqrt(max(size - 1, 1)), 2)  # a standardised group's largest |advantage| (population std)
-    experiments = [
-        Experiment(
-            f"advantage_clip={clip:g}",
-            f"clamps every advantage to a standardised group's range (|A| at most {clip:g} in a group of {size})",
-            refutes=REFUTE,
-        )
-    ]
+    experiments = [standardised_clip(max(g for *_, g in found.values()))]
     if ranks:
         experiments.append(_drop(ranks, "the advantage scale"))
     return Cause(
