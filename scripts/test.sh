@@ -13,9 +13,9 @@ scripts/inspector-install.sh
 scripts/slurm-install.sh
 # Bytecode once, before the suite. It starts about 275 interpreters, and three workers that each rewrite every test
 # module's asserts: where PYTHONDONTWRITEBYTECODE is set (pyc files are still read) each of them compiled the
-# package and the tests again. The package, tests and tools compile in about 2 s; the rewritten test modules are
+# package and the tests again. The package and the tests compile in about 2 s; the rewritten test modules are
 # written by one collection that runs beside the type checker.
-.venv/bin/python -m compileall -q -j 0 mcp_server tests tools
+.venv/bin/python -m compileall -q -j 0 mcp_server tests benchmarks skills
 PYTHONDONTWRITEBYTECODE='' .venv/bin/python -m pytest --collect-only -q -p no:cacheprovider -p no:xdist >/dev/null 2>&1 &
 collected=$!
 .venv/bin/ruff check .
