@@ -24,6 +24,16 @@ def _processes(marker: str) -> list[str]:
     return [line for line in found if "pgrep" not in line]
 
 
+def _wait_for_child(marker: str, seconds: float = 10.0) -> list[str]:
+    """The processes of `marker` once its child shows in the process table (a loaded machine can list it late)."""
+    deadline = time.monotonic() + seconds
+    found = _processes(marker)
+    while not any(line.endswith(f"{marker}-child") for line in found) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        found = _processes(marker)
+    return found
+
+
 def _wait_until_gone(marker: str, seconds: float = 15.0) -> list[str]:
     deadline = time.monotonic() + seconds
     while (left := _processes(marker)) and time.monotonic() < deadline:
@@ -86,7 +96,7 @@ def test_cancelling_a_remote_call_kills_its_process_group(
     sleeper.write_text(
         "import subprocess, sys, time\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', sys.argv[1] + '-child'])\n"
-        "print('started', flush=True)\n"
+        "print(sys.argv[1], 'running', flush=True)\n"
         "time.sleep(120)\n"
     )
     (workspace / "spike-replay.yaml").write_text(
@@ -104,8 +114,8 @@ def test_cancelling_a_remote_call_kills_its_process_group(
 
                 async def on_progress(value: float, total: float | None, message: str | None) -> None:
                     seen.append(message or "")
-                    if "started" in (message or ""):
-                        running.extend(_processes(marker))
+                    if f"{marker} running" in (message or ""):  # the sleeper's own line, not any progress line
+                        running.extend(_wait_for_child(marker))
                         scope.cancel()
 
                 await client.call_tool(
@@ -116,7 +126,7 @@ def test_cancelling_a_remote_call_kills_its_process_group(
             assert scope.cancelled_caught
 
     anyio.run(body)
-    assert any("started" in line for line in seen)
+    assert any(f"{marker} running" in line for line in seen)
     assert any(line.endswith(f"{marker}-child") for line in running), running  # it was running when cancelled
     assert _wait_until_gone(marker) == []
     # The server finishes its clean-up (the failed attempt in the task file) after the client stopped waiting.
