@@ -146,6 +146,12 @@ def non_finite(ev: Evidence) -> Cause | None:
     advantages_bad = bool(a.advantages and a.advantages["tokens"].get("non_finite"))
     if advantages_bad:
         found.append(f"{a.advantages['tokens']['non_finite']} non-finite advantages on loss tokens")
+    groups = nan_reward_groups(a.samples["rows"])
+    if groups:
+        found.append(
+            f"rewards that are not finite on sample {sample_pairs(sorted(groups))}: a group estimator (GRPO, RLOO, a "
+            "group baseline) makes every advantage of such a sample's group non-finite"
+        )
     overflowed: list[int] = []
     if ev.grads is not None:
         for k in ev.grads.ranks:
@@ -165,18 +171,21 @@ def non_finite(ev: Evidence) -> Cause | None:
             "gradient as saved (the trainer masked or replaced them, or the saved batch is not the one it trained on)"
         )
     bad = [(r["rank"], r["sample"]) for r in a.samples["rows"] if r["loss_tokens"] and _non_finite_row(r, a)]
+    bad = sorted(set(bad) | {p for pairs in groups.values() for p in pairs})  # the NaN reward's whole group
     experiments = []
     # exp() of a log-ratio may have overflowed; not when non-finite advantages explain the norm (no clip reaches them)
     if logprobs_bad or (norm_bad and not advantages_bad):
         experiments.append(
             Experiment("log_ratio_clip=5", "clamps the log-ratio before exp(): an overflow becomes finite")
         )
-    if bad and len(bad) <= max(1, int(FEW * len(a.samples["rows"]))):
+    if bad and len(bad) * 2 <= len(a.samples["rows"]):  # every one of them: a NaN left in keeps the step NaN
+        what = "the samples with non-finite values" + (" and the groups of the non-finite rewards" if groups else "")
         experiments.append(
             Experiment(
-                f"drop_samples={sample_pairs(bad[:8])}",
-                "leave out the samples with non-finite values: if the step is finite without them, they are the cause",
+                f"drop_samples={sample_pairs(bad)}",
+                f"leave out {what}: if the step is finite without them, they are the cause",
                 True,
+                refutes="the step stays non-finite (or the spike stays) without them",
             )
         )
     strength = 1.0 if norm_bad else NON_FINITE_INPUTS
@@ -186,6 +195,24 @@ def non_finite(ev: Evidence) -> Cause | None:
         hit |= {k.rank for k in ev.grads.ranks if not math.isfinite(k.local_grad_norm) and k.rank not in overflowed}
     ranks = sorted(hit) if len(hit) < len(a.ranks) else []
     return Cause("non_finite", "non-finite values", strength, found, figures, experiments, ranks=ranks)
+
+
+def nan_reward_groups(rows: list[dict[str, Any]]) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """{(rank, sample) whose reward is not finite: the (rank, sample) pairs of its prompt group on that rank (itself
+    alone without a group id)}; {} unless some reward is finite (a batch that stores no rewards has none to read)."""
+    if not any(is_finite(r.get("reward")) for r in rows):
+        return {}
+    out: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for row in rows:
+        if is_finite(row.get("reward")):
+            continue
+        group = row.get("group")
+        out[(row["rank"], row["sample"])] = [
+            (o["rank"], o["sample"])
+            for o in rows
+            if o["rank"] == row["rank"] and (o is row or (group is not None and o.get("group") == group))
+        ]
+    return out
 
 
 def _non_finite_row(row: dict[str, Any], a: Any) -> bool:
