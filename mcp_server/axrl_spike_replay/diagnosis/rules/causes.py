@@ -370,6 +370,19 @@ def negative_advantage_dominance(ev: Evidence) -> Cause | None:
         experiments.append(
             Experiment(f"drop_ranks={where}", f"leaves rank {where}'s samples out: if the spike goes, they carry it")
         )
+    tipping = tipping_samples(rows, ranks)
+    if tipping:
+        experiments.append(
+            Experiment(
+                f"drop_samples={sample_pairs(tipping)}",
+                f"leaves out the {len(tipping)} most negative samples"
+                + (f" of rank {','.join(str(r) for r in ranks)}" if ranks else "")
+                + ", the fewest whose removal leaves the sign balance under 1.5: if the spike goes, the negative "
+                "advantages carry it",
+                True,
+                refutes="the spike stays without the samples that tip the sign balance",
+            )
+        )
     peak = _peak_log_ratio(ev)
     if peak is None or peak > math.log(DUAL_CLIP_C):
         experiments.append(
@@ -402,6 +415,23 @@ def _sign_ratio(rows: list[dict[str, Any]]) -> float:
     pos = math.fsum(max(0.0, r["advantage"]) * r["loss_tokens"] for r in rows)
     neg = math.fsum(max(0.0, -r["advantage"]) * r["loss_tokens"] for r in rows)
     return neg / pos if pos else (math.inf if neg else 0.0)
+
+
+def tipping_samples(rows: list[dict[str, Any]], ranks: list[int]) -> list[tuple[int, int]]:
+    """The fewest samples, at most half of the batch, on `ranks` (every rank when empty) whose removal leaves the
+    batch's sign balance under 1.5, most negative (advantage times loss tokens) first, as (rank, sample) sorted;
+    [] when no such few samples do."""
+    if _sign_ratio(rows) < 1.5:
+        return []
+    scope = [r for r in rows if r["loss_tokens"] and r["advantage"] < 0 and (not ranks or r["rank"] in ranks)]
+    order = sorted(scope, key=lambda r: r["advantage"] * r["loss_tokens"])
+    taken: set[tuple[int, int]] = set()
+    for row in order[: len(rows) // 2]:
+        taken.add((row["rank"], row["sample"]))
+        if _sign_ratio([r for r in rows if (r["rank"], r["sample"]) not in taken]) < 1.5:
+            whole = {(r["rank"], r["sample"]) for r in rows if r["loss_tokens"] and r["rank"] in ranks}
+            return [] if taken == whole else sorted(taken)  # every sample of the ranks: `drop_ranks` tests that
+    return []
 
 
 def tipping_ranks(rows: list[dict[str, Any]]) -> tuple[list[int], float]:
