@@ -199,12 +199,12 @@ def non_finite(ev: Evidence) -> Cause | None:
 
 def nan_reward_groups(rows: list[dict[str, Any]]) -> dict[tuple[int, int], list[tuple[int, int]]]:
     """{(rank, sample) whose reward is not finite: the (rank, sample) pairs of its prompt group on that rank (itself
-    alone without a group id)}; {} unless some reward is finite (a batch that stores no rewards has none to read)."""
-    if not any(is_finite(r.get("reward")) for r in rows):
-        return {}
+    alone without a group id)}, on the ranks where some reward is finite (a batch that stores no rewards has none to
+    read)."""
+    read = {r["rank"] for r in rows if is_finite(r.get("reward"))}
     out: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for row in rows:
-        if is_finite(row.get("reward")):
+        if row["rank"] not in read or is_finite(row.get("reward")):
             continue
         group = row.get("group")
         out[(row["rank"], row["sample"])] = [
