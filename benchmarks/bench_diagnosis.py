@@ -211,17 +211,17 @@ def _hypotheses(snapshot: Path, items: list[str]) -> list[dict[str, Any]]:
 
 
 def kept_snapshots(case_dir: Path) -> list[Path]:
-    """The snapshots a kept capture took at its burst (its run config names the burst), earliest first."""
+    """The snapshots a kept capture took at its burst (its run config names the burst), the largest spike first, as a
+    fresh capture's (`fault_matrix.largest_spike_first`): `--reuse` diagnoses the snapshot a fresh run would."""
     import yaml
 
-    from axrl_spike_replay.snapshot.metadata import read_metadata
+    from axrl_spike_replay.testing.fault_matrix import largest_spike_first
 
-    found = []
-    for snapshot in sorted(case_dir.glob("*/checkpoints/spike_snapshots/iter_*")):
-        burst = (yaml.safe_load((snapshot / "run_config.yaml").read_text())["train"] or {}).get("burst") or ()
-        if read_metadata(snapshot)[0].iteration in burst:
-            found.append(snapshot)
-    return found
+    taken = sorted(case_dir.glob("*/checkpoints/spike_snapshots/iter_*"))
+    if not taken:
+        return []
+    burst = (yaml.safe_load((taken[0] / "run_config.yaml").read_text())["train"] or {}).get("burst") or ()
+    return largest_spike_first(taken, burst)
 
 
 def run_case(case: MatrixCase, model: str, seed: int, root: Path, experiments: bool, reuse: bool = False) -> CaseRun:

@@ -50,6 +50,7 @@ matrix; `skills/axrl-spike-replay/evals/evals.json` holds the presets' cases as 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -929,13 +930,19 @@ def burst_snapshots(result: Any, preset: str) -> list[Path]:
     """The snapshots of `result` taken at the preset's burst iterations (a spike elsewhere is the run's own), the
     largest spike first: a burst of several steps can also trip the detector on a mild step, and which steps do
     depends on the machine's arithmetic, while the burst's largest spike is the one the fault makes."""
+    return largest_spike_first(result.snapshot_dirs, result.config["train"].get("burst") or ())
+
+
+def largest_spike_first(snapshots: Iterable[Path], burst: Iterable[int]) -> list[Path]:
+    """The `snapshots` taken at a `burst` iteration, the largest spike first (a non-finite step, NaN or inf norm, is
+    the largest spike there is; equal ratios keep the earlier iteration first): what a fresh capture and a kept one
+    (`bench_diagnosis --reuse`) both diagnose first."""
     from axrl_spike_replay.snapshot.metadata import read_metadata
 
-    burst = set(result.config["train"].get("burst") or ())
-    taken = [(read_metadata(p)[0], p) for p in result.snapshot_dirs]
-    at_burst = [(meta.spike_ratio, p) for meta, p in taken if meta.iteration in burst]
-    # a non-finite step (NaN or inf norm) is the largest spike there is
-    return [p for _, p in sorted(at_burst, key=lambda pair: -pair[0] if math.isfinite(pair[0]) else -math.inf)]
+    at = set(burst)
+    taken = [(read_metadata(p)[0], p) for p in snapshots]
+    at_burst = [(meta.spike_ratio, meta.iteration, p) for meta, p in taken if meta.iteration in at]
+    return [p for *_, p in sorted(at_burst, key=lambda t: (-t[0] if math.isfinite(t[0]) else -math.inf, t[1]))]
 
 
 # Cause ids of earlier diagnoses, read as the family each named (a record or report written before the families).
