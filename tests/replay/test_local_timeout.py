@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from tiny_snapshot import record_tiny_snapshot
 
+from axrl_spike_replay.cli import main
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.investigation.recording import recorder_for
 from axrl_spike_replay.investigation.request import How, What, Where, replay_request
@@ -127,16 +128,14 @@ def test_a_sweep_of_rank_processes_past_its_timeout_stops_them(snapshot: Path, t
     assert not list(tmp_path.glob("tmp/spike-replay/*/*/sweep*.json"))
 
 
-def test_a_sharded_attribution_past_its_timeout_stops_its_processes(snapshot: Path, tmp_path: Path) -> None:
-    """The attribute tools leave `timeout_s` out; the request (the library's) takes it."""
-    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
-
+def test_a_sharded_attribution_past_its_timeout_stops_its_processes(
+    snapshot: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`attribute --timeout`, as the CLI takes it (the MCP tool's `timeout_s` is the same declared field)."""
     before = {child.pid for child in multiprocessing.active_children()}
-    request = replay_request(
-        What(snapshot, verb=Verb.ATTRIBUTE), Where(timeout_s=LIMIT), How(shard=Shard.ON, nproc=2), workspace=tmp_path
-    )
-    with pytest.raises(RunCancelled, match=rf"^attribution timed out after {LIMIT:g} s \(`timeout_s`\)"):
-        attribute_spike(request, recorder=recorder_for(tmp_path))
+    argv = ["attribute", str(snapshot), "--shard", "on", "--nproc", "2", "--workspace", str(tmp_path)]
+    assert main([*argv, "--timeout", f"{LIMIT:g}"]) == 2
+    assert f"attribution timed out after {LIMIT:g} s (--timeout)" in capsys.readouterr().err
     assert not _children(before)
     assert "attribution.json" not in _run_files(tmp_path)
 
