@@ -101,6 +101,33 @@ def test_transformers_streamed_is_the_whole_replay(tmp_path: Path, architecture:
     assert close(streamed[0].grad_norms[0], recorded(snapshot))
 
 
+def test_hf_safetensors_weights_stream_as_the_dcp_ones(tmp_path: Path) -> None:
+    """A snapshot whose weights are an HF safetensors directory (its DCP files replaced by `save_pretrained`'s of the
+    same model) streams each layer through `safe_open`: every figure that of its DCP checkpoint, bit for bit."""
+    import shutil
+
+    from axrl_spike_replay.replay.compute.model_build import build_model
+    from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        snapshot = record_hf_snapshot(tmp_path / "dcp", "qwen3_moe", world_size=2)
+        job = job_of(snapshot, CONFIGS[:1])
+        copy = tmp_path / "safetensors" / snapshot.name
+        shutil.copytree(snapshot, copy, ignore=shutil.ignore_patterns(".metadata", "*.distcp"))
+        build_model(job.model, str(snapshot), "cpu").causal_lm.save_pretrained(copy)
+        assert list(copy.glob("*.safetensors")) and not list(copy.glob("*.distcp"))
+        lines: list[str] = []
+        dcp = compute_streamed(job)
+        saved = compute_streamed(dataclasses.replace(job, replay_dir=str(copy)), progress=lines.append)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert any("layer reads" in line for line in lines), lines
+    for a, b in zip(dcp, saved, strict=True):
+        assert a.grad_norms == b.grad_norms and a.param_grad_norms == b.param_grad_norms, a.config_id
+        assert a.rank_param_grad_norms == b.rank_param_grad_norms, a.config_id
+
+
 def test_micro_batches_and_spilled_boundaries(tmp_path: Path) -> None:
     """Ranks of several micro-batches each (the trainer's split, recorded in the batch files), every boundary
     spilled to disk (host budget 0): the same step; the spill dir is gone after."""
