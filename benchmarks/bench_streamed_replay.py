@@ -18,7 +18,8 @@ grad norm and its rel_diff to the whole replay's. Then the issue's figures:
   the activations and boundaries are the replay plan's (`replay.streamed.streamed_plan`), the rest counted from the
   model's shapes;
 - grad norm equal to the whole replay's (<= 1e-6 relative), wall streamed / whole (target <= 3x);
-- a sweep of 4 configs streamed (one shared forward, a backward each) against 4 streamed replays of one config each;
+- a sweep of 4 configs streamed (one shared forward, a backward each) against 4 streamed replays of one config each,
+  by wall and by CPU time (on a shared host the wall is mostly the host's load at the time);
 - across layer counts: the streamed peak less its boundaries stays flat (<= 1.15x the first count's), while the
   whole replay's grows with the layers.
 
@@ -64,8 +65,10 @@ def main():
     wall = time.perf_counter() - t
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu = sum(u.ru_utime + u.ru_stime for u in used)
     print(json.dumps({"wall": wall, "self_mib": own, "children_mib": children, "grad_norm": norm, "verdict": verdict,
-                      "norms": norms}))
+                      "norms": norms, "cpu": cpu}))
 if __name__ == "__main__":
     main()
 """
@@ -125,10 +128,12 @@ def _sweep_rows(snapshot: Path, reference: float | None, timeout_s: float) -> No
         _row(f"streamed replay {next(iter(config))}", single, single["self_mib"], reference)
         singles.append(single)
     alone = sum(s["wall"] for s in singles)
+    cpu = sum(s["cpu"] for s in singles)
     peaks = ", ".join(f"{s['self_mib']:.0f}" for s in singles)
     print(f"sweep of {len(CONFIGS)} streamed {sweep['wall']:.1f} s vs {len(CONFIGS)} streamed replays "
-          f"{alone:.1f} s: **{sweep['wall'] / alone:.2f}x**; peak RSS sweep {sweep['self_mib']:.0f} MiB, replays "
-          f"{peaks} MiB", flush=True)  # fmt: skip
+          f"{alone:.1f} s: **{sweep['wall'] / alone:.2f}x**; CPU time (the process's, imports included: a wall on a "
+          f"shared host is mostly its load) {sweep['cpu']:.1f} s vs {cpu:.1f} s: **{sweep['cpu'] / cpu:.2f}x**; peak "
+          f"RSS sweep {sweep['self_mib']:.0f} MiB, replays {peaks} MiB", flush=True)  # fmt: skip
     pairs = list(zip(sweep["norms"], (s["norms"][0] for s in singles), strict=True))
     for config, (in_sweep, alone_norm) in zip(CONFIGS, pairs, strict=True):
         print(f"  {json.dumps(config)}: grad norm in the sweep {in_sweep!r}, alone {alone_norm!r}, rel_diff "

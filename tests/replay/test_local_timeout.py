@@ -1,5 +1,6 @@
-"""A run here honours `timeout_s`: a replay, a streamed replay (in this process or split over processes) and a sweep
-that run past it are stopped with an error naming the limit; the run dir holds its command, log and failed result
+"""A run here honours `timeout_s`: a replay (in this process: inside a config, between its micro-batches), a streamed
+replay (in this process or split over processes), a sweep and an attribution that run past it are stopped with an
+error naming the limit; the run dir holds its command, log and failed result
 only, a streamed replay's spill dir is gone, and no rank process is left. A request without `timeout_s` runs as
 before: the same slow replay completes. Snapshots are recorded in this run (tests/replay/tiny_snapshot.py); the
 replays are real, their slowness a progress line that sleeps (in this process) or the start of rank processes."""
@@ -10,18 +11,23 @@ import json
 import multiprocessing
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tiny_snapshot import record_tiny_snapshot
 
+from axrl_spike_replay.cli import main
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.investigation.recording import recorder_for
 from axrl_spike_replay.investigation.request import How, What, Where, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.processes.rank_processes import RunCancelled
 from axrl_spike_replay.processes.run_limit import RunLimit, time_limited
+from axrl_spike_replay.replay.compute.model_build import build_model
 from axrl_spike_replay.replay.engine import run_replay
+from axrl_spike_replay.replay.jobs.job_runner import run_job
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
 from axrl_spike_replay.vocabulary import Shard, Verb
 
@@ -122,18 +128,48 @@ def test_a_sweep_of_rank_processes_past_its_timeout_stops_them(snapshot: Path, t
     assert not list(tmp_path.glob("tmp/spike-replay/*/*/sweep*.json"))
 
 
-def test_a_sharded_attribution_past_its_timeout_stops_its_processes(snapshot: Path, tmp_path: Path) -> None:
-    """The attribute tools leave `timeout_s` out; the request (the library's) takes it."""
-    from axrl_spike_replay.replay.analyses.attribution import attribute_spike
-
+def test_a_sharded_attribution_past_its_timeout_stops_its_processes(
+    snapshot: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`attribute --timeout`, as the CLI takes it (the MCP tool's `timeout_s` is the same declared field)."""
     before = {child.pid for child in multiprocessing.active_children()}
-    request = replay_request(
-        What(snapshot, verb=Verb.ATTRIBUTE), Where(timeout_s=LIMIT), How(shard=Shard.ON, nproc=2), workspace=tmp_path
-    )
-    with pytest.raises(RunCancelled, match=rf"^attribution timed out after {LIMIT:g} s \(`timeout_s`\)"):
-        attribute_spike(request, recorder=recorder_for(tmp_path))
+    argv = ["attribute", str(snapshot), "--shard", "on", "--nproc", "2", "--workspace", str(tmp_path)]
+    assert main([*argv, "--timeout", f"{LIMIT:g}"]) == 2
+    assert f"attribution timed out after {LIMIT:g} s (--timeout)" in capsys.readouterr().err
     assert not _children(before)
     assert "attribution.json" not in _run_files(tmp_path)
+
+
+def test_a_one_process_replay_stops_inside_a_config_at_its_timeout(snapshot: Path, tmp_path: Path) -> None:
+    """The whole model in this process: the limit passes once the weights are built, before the first micro-batch's
+    pass; the replay stops there, not after the config's every pass (the passes counted on the model's forward)."""
+    passes: list[int] = []
+
+    def counted(*args: Any) -> Any:
+        model = build_model(*args)
+        model.register_forward_pre_hook(lambda module, inputs: passes.append(1))
+        return model
+
+    def runner(job: Any, timeout_s: float, cancel: Any = None, *, progress: Any = None, slot: int = 0) -> Any:
+        return run_job(job, timeout_s, cancel, models=counted, progress=progress)
+
+    lines, seen, progress = _slow(STREAMED_LIMIT + 0.3, "weights ready")
+    request = replay_request(
+        What(snapshot),
+        Where(timeout_s=STREAMED_LIMIT),
+        How(nproc=1, shard=Shard.OFF),
+        workspace=tmp_path,
+        progress=progress,  # type: ignore[arg-type]
+    )
+    with pytest.raises(AxrlError, match=rf"^replay failed: replay timed out after {STREAMED_LIMIT:g} s"):
+        run_replay(request, recorder=recorder_for(tmp_path), runner=runner)
+    assert seen, lines  # the limit passed inside the config, with the weights built
+    assert passes == []
+    assert not any("computed" in line for line in lines), lines
+    # the same replay without a limit makes its passes: at least one per saved rank
+    passes.clear()
+    done = run_replay(replace(request, where=Where(), progress=None), runner=runner)
+    assert done.verdict == "reproduced" and len(passes) >= 2
 
 
 def test_a_request_without_timeout_runs_as_before(snapshot: Path, tmp_path: Path) -> None:

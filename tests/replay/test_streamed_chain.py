@@ -184,9 +184,9 @@ def test_tied_embeddings_attribution_streamed_refused_by_name(tmp_path: Path) ->
 
 def test_the_plan_counts_the_clean_gradients_backwards_and_the_tied_half() -> None:
     """The streamed row with mitigations: the clean gradient's backwards at their fewest (a probe, the baseline's
-    pair, one beside each other config: `test_backwards_the_clean_gradient_takes` counts them run) and a pair's
-    second set of backward gradients; tied embeddings: one matrix, its head half held with the ends, each saved
-    rank's own head half with the boundaries."""
+    pair, one beside the other configs: `test_backwards_the_clean_gradient_takes` counts them run) and a set of
+    backward gradients for each backward taken together; tied embeddings: one matrix, its head half held with the
+    ends, each saved rank's own head half with the boundaries."""
     from axrl_spike_replay.models.policy import parse_model_config
     from axrl_spike_replay.replay.compute.process_memory import model_facts
     from axrl_spike_replay.replay.streamed.streamed_plan import model_pieces, streamed_row
@@ -202,8 +202,12 @@ def test_the_plan_counts_the_clean_gradients_backwards_and_the_tied_half() -> No
         )  # fmt: skip
 
     (untied, one), (_, three) = row(False, 1), row(False, 3)
-    assert one.layer_reads == untied.layers * 2 and three.layer_reads == untied.layers * (1 + 3 + 5)
-    assert three.boundaries > one.boundaries and three.flops == one.flops * (2 + 8 * 8) / (2 + 8 * 1)
+    # reads: the forward, the baseline, a probe, the baseline's pair, both other configs beside one clean backward
+    assert one.layer_reads == untied.layers * 2 and three.layer_reads == untied.layers * (1 + 1 + 1 + 1 + 1)
+    backwards = 3 + 1 + 2 + 1  # each config's, the probe, the clean one beside the baseline, the one beside the rest
+    assert three.flops == one.flops * (2 + 8 * backwards) / (2 + 8 * 1)
+    gradients = (three.boundaries - one.boundaries) / 2  # a set for each of the three backwards taken together
+    assert gradients > 0 and three.boundaries == one.boundaries + 2 * gradients
     tied, tied_row = row(True, 1)
     assert tied.tied and not untied.tied and tied.head == untied.head - untied.embedding
     b = 4  # float32

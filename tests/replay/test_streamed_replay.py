@@ -101,6 +101,33 @@ def test_transformers_streamed_is_the_whole_replay(tmp_path: Path, architecture:
     assert close(streamed[0].grad_norms[0], recorded(snapshot))
 
 
+def test_hf_safetensors_weights_stream_as_the_dcp_ones(tmp_path: Path) -> None:
+    """A snapshot whose weights are an HF safetensors directory (its DCP files replaced by `save_pretrained`'s of the
+    same model) streams each layer through `safe_open`: every figure that of its DCP checkpoint, bit for bit."""
+    import shutil
+
+    from axrl_spike_replay.replay.compute.model_build import build_model
+    from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        snapshot = record_hf_snapshot(tmp_path / "dcp", "qwen3_moe", world_size=2)
+        job = job_of(snapshot, CONFIGS[:1])
+        copy = tmp_path / "safetensors" / snapshot.name
+        shutil.copytree(snapshot, copy, ignore=shutil.ignore_patterns(".metadata", "*.distcp"))
+        build_model(job.model, str(snapshot), "cpu").causal_lm.save_pretrained(copy)
+        assert list(copy.glob("*.safetensors")) and not list(copy.glob("*.distcp"))
+        lines: list[str] = []
+        dcp = compute_streamed(job)
+        saved = compute_streamed(dataclasses.replace(job, replay_dir=str(copy)), progress=lines.append)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert any("layer reads" in line for line in lines), lines
+    for a, b in zip(dcp, saved, strict=True):
+        assert a.grad_norms == b.grad_norms and a.param_grad_norms == b.param_grad_norms, a.config_id
+        assert a.rank_param_grad_norms == b.rank_param_grad_norms, a.config_id
+
+
 def test_micro_batches_and_spilled_boundaries(tmp_path: Path) -> None:
     """Ranks of several micro-batches each (the trainer's split, recorded in the batch files), every boundary
     spilled to disk (host budget 0): the same step; the spill dir is gone after."""
@@ -126,7 +153,8 @@ def test_micro_batches_and_spilled_boundaries(tmp_path: Path) -> None:
 
 
 def test_each_layer_read_once_forward_once_per_backward(tmp_path: Path) -> None:
-    """The forward reads each layer once for a forward group; each config's backward reads it once more."""
+    """The forward reads each layer once for a forward group; the baseline's backward reads it once more, and the
+    mitigated configs' backwards, taken together a layer at a time, once for all of them."""
     from axrl_spike_replay.replay.streamed import layer_weights
 
     snapshot = record_tiny_snapshot(tmp_path, world_size=2)
@@ -134,21 +162,25 @@ def test_each_layer_read_once_forward_once_per_backward(tmp_path: Path) -> None:
     # the mitigated configs (test_streamed_signals counts those backwards)
     job = dataclasses.replace(job_of(snapshot, CONFIGS[:2]), spike_bar=None)
     reads: list[int] = []
-    original = layer_weights.StreamedWeights.load_layer
+    original = layer_weights.StreamedWeights._read_layer
 
-    def counted(self: layer_weights.StreamedWeights, index: int) -> torch.nn.Module:
+    def counted(self: layer_weights.StreamedWeights, index: int) -> None:
         held = [i for i, layer in enumerate(self.program.layers) if not next(layer.parameters()).is_meta]
-        assert set(held) <= {index}, f"layer {index} read while {held} still held"  # itself: read ahead
+        assert len(held) <= 1, f"layer {index} read while {held} still held"  # at most the one computing
         reads.append(index)
         return original(self, index)
 
-    layer_weights.StreamedWeights.load_layer = counted
+    layer_weights.StreamedWeights._read_layer = counted
+    lines: list[str] = []
     try:
-        compute_streamed(job)
+        outcomes = compute_streamed(job, progress=lines.append)
     finally:
-        layer_weights.StreamedWeights.load_layer = original
+        layer_weights.StreamedWeights._read_layer = original
     layers = 2
-    assert reads == [0, 1] + [1, 0] * 3 == [*range(layers)] + [1, 0] * 3
+    assert reads == [*range(layers)] + [1, 0] * 2
+    assert any(f"({len(reads)} layer reads" in line for line in lines), lines
+    alone = [compute_streamed(dataclasses.replace(job, configs=(job.configs[0], cfg)))[1] for cfg in job.configs[1:]]
+    assert [o.grad_norms for o in outcomes[1:]] == [o.grad_norms for o in alone]  # together as alone, bit for bit
 
 
 def test_engine_verdicts_match(tmp_path: Path) -> None:

@@ -108,34 +108,55 @@ def test_transformers_shared_experts_clean_gradient_and_cosines_streamed(tmp_pat
 
 def test_backwards_the_clean_gradient_takes(tmp_path: Path) -> None:
     """Each layer read once in the forward, then once per backward: the baseline's, the clean gradient's probes
-    (`passes`), the clean one beside the baseline's for its cosine, and per mitigated config its own and the clean
-    one beside it (a pair takes the same layer in turn); never more than the layer read ahead held as one is loaded,
-    and no layer read twice for a pair (the one read ahead is kept while the pair's second backward loads its own)."""
+    (`passes`); then once for the clean one beside the baseline's (its cosine), and once for every mitigated config
+    of the forward group beside one more clean backward: backwards taken together share each layer's one read. Never
+    more than the layer read ahead held as one is read."""
     from axrl_spike_replay.replay.streamed import layer_weights
 
     snapshot = record_tiny_snapshot(tmp_path, world_size=2, burst=False, advantage_outlier=(0, 1, 200.0))
     job = job_of(snapshot, CONFIGS[:2])  # one forward group
     reads: list[int] = []
-    original = layer_weights.StreamedWeights.load_layer
+    original = layer_weights.StreamedWeights._read_layer
 
-    def counted(self: layer_weights.StreamedWeights, index: int) -> torch.nn.Module:
+    def counted(self: layer_weights.StreamedWeights, index: int) -> None:
         held = [i for i, layer in enumerate(self.program.layers) if not next(layer.parameters()).is_meta]
-        assert len(held) <= 1, f"layer {index} loaded while {held} held"  # at most the one read ahead
+        assert len(held) <= 1, f"layer {index} read while {held} held"  # at most the one computing
         reads.append(index)
         return original(self, index)
 
-    layer_weights.StreamedWeights.load_layer = counted
+    layer_weights.StreamedWeights._read_layer = counted
     lines: list[str] = []
     try:
         outcomes = compute_streamed(job, progress=lines.append)
     finally:
-        layer_weights.StreamedWeights.load_layer = original
-    assert any(f"({len(reads)} layer reads" in line for line in lines), lines  # each load one read, none wasted
+        layer_weights.StreamedWeights._read_layer = original
+    assert any(f"({len(reads)} layer reads" in line for line in lines), lines
     clean = outcomes[1].clean_gradient
     assert clean is not None and clean["passes"] > 1
     alone = 1 + clean["passes"]  # the baseline, the probes
-    pairs = 1 + 2  # the baseline beside the clean one, each mitigated config beside it: a layer each in turn
-    assert reads == [0, 1] + [1, 0] * alone + [1, 1, 0, 0] * pairs
+    together = 1 + 1  # the baseline beside the clean one; both mitigated configs beside one more clean one
+    assert reads == [0, 1] + [1, 0] * alone + [1, 0] * together
+    assert outcomes[1].cosine_to_clean is not None and outcomes[2].cosine_to_clean is not None
+
+
+def test_configs_beside_one_clean_backward_as_the_host_memory_holds(tmp_path: Path) -> None:
+    """With no host memory for a third set of gradient boundaries, each mitigated config goes beside a clean backward
+    of its own (a pair, a layer read each): the same figures as all of them beside one, bit for bit."""
+    from axrl_spike_replay.replay.streamed.settings import StreamSettings
+
+    snapshot = record_tiny_snapshot(tmp_path, world_size=2, burst=False, advantage_outlier=(0, 1, 200.0))
+    job = job_of(snapshot, CONFIGS[:2])
+    lines: list[str] = []
+    grouped = compute_streamed(job)
+    paired = compute_streamed(job, progress=lines.append, settings=StreamSettings(0, str(tmp_path / "spill")))
+    for a, b in zip(grouped, paired, strict=True):
+        assert a.grad_norms == b.grad_norms and a.cosine_to_clean == b.cosine_to_clean, a.config_id
+        assert a.param_grad_norms == b.param_grad_norms and a.footprint == b.footprint, a.config_id
+    clean = grouped[1].clean_gradient
+    assert clean is not None
+    n_layers = 2
+    pairs = 1 + 2  # the baseline's, and one per mitigated config
+    assert any(f"({n_layers * (1 + 1 + clean['passes'] + pairs)} layer reads" in line for line in lines), lines
 
 
 def test_no_spike_bar_no_clean_gradient_streamed(tmp_path: Path) -> None:

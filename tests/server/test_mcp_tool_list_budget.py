@@ -161,6 +161,8 @@ def test_a_lean_input_schema_keeps_every_constraint() -> None:
             "nproc": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}], "default": None, "title": "N"},
             "title": {"type": "string", "title": "Title", "minLength": 1},  # an argument named `title` stays
             "shard": {"enum": ["auto", "on", "off"], "type": "string", "default": "auto", "title": "Shard"},
+            "loose": {"type": "object", "additionalProperties": True},  # what an object allows anyway: left out
+            "strict": {"type": "object", "additionalProperties": False},  # a constraint: kept
         },
         "required": ["title"],
     }
@@ -168,10 +170,16 @@ def test_a_lean_input_schema_keeps_every_constraint() -> None:
     assert lean["properties"]["nproc"] == {"type": ["integer", "null"], "minimum": 1}
     assert lean["properties"]["title"] == {"type": "string", "minLength": 1}
     assert lean["properties"]["shard"]["default"] == "auto"
+    assert lean["properties"]["loose"] == {"type": "object"}
+    assert lean["properties"]["strict"] == {"type": "object", "additionalProperties": False}
     for good in ({"title": "t"}, {"title": "t", "nproc": None, "shard": "on"}, {"title": "t", "nproc": 2}):
         jsonschema.validate(good, full)
         jsonschema.validate(good, lean)
-    for bad in ({"title": ""}, {"title": "t", "nproc": 0}, {"title": "t", "shard": "maybe"}, {"nproc": 2}):
+    for good in ({"title": "t", "loose": {"any": 1}}, {"title": "t", "strict": {}}):
+        jsonschema.validate(good, full)
+        jsonschema.validate(good, lean)
+    bad_ones = ({"title": ""}, {"title": "t", "nproc": 0}, {"title": "t", "shard": "maybe"}, {"nproc": 2})
+    for bad in (*bad_ones, {"title": "t", "strict": {"any": 1}}):
         for schema in (full, lean):
             with pytest.raises(jsonschema.ValidationError):
                 jsonschema.validate(bad, schema)

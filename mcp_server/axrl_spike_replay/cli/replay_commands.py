@@ -14,7 +14,7 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.result import Attribution, ReplayResult, RunResult, SweepResult
 from axrl_spike_replay.experiment.verdict import basis_field
-from axrl_spike_replay.investigation.request import How, What
+from axrl_spike_replay.investigation.request import How, What, Where
 from axrl_spike_replay.percent import pct, pct_plain
 from axrl_spike_replay.vocabulary import Verb
 
@@ -92,6 +92,7 @@ def register(sub: Any) -> None:
     )
     _common(a, Verb.ATTRIBUTE)
     add_request_options(a, Verb.ATTRIBUTE, What)
+    add_request_options(a, Verb.ATTRIBUTE, Where)  # --timeout: an attribution runs here only
     a.add_argument("--mitigation", action="append", default=[], metavar="NAME[=VALUE]", help="attribute under a config")
     a.set_defaults(handler=_attribute)
 

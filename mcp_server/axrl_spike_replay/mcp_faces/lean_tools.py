@@ -63,7 +63,8 @@ def full_tool_doc(tool: Tool) -> str:
 
 
 def lean_input_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """The same constraints without pydantic's titles and null defaults; `X | None` is written `type: [X, null]`."""
+    """The same constraints without pydantic's titles, null defaults and `additionalProperties: true` (what an object
+    allows anyway); `X | None` is written `type: [X, null]`."""
     return _lean_node(schema)
 
 
@@ -77,6 +78,8 @@ def _lean_node(node: Any) -> Any:
         if key == "title" and isinstance(value, str):
             continue
         if key == "default" and value is None:
+            continue
+        if key == "additionalProperties" and value is True:  # JSON Schema's default: any property allowed
             continue
         if key in ("properties", "$defs") and isinstance(value, dict):
             out[key] = {name: _lean_node(sub) for name, sub in value.items()}

@@ -252,7 +252,6 @@ class Where:
             kind="float",
             gt=0,
             must="a positive number of seconds",
-            verbs=_REPLAY_SWEEP,  # an attribution's faces leave it out (the tool list's budget); its request takes it
             backends=ALL_BACKENDS,  # here (the engine, Megatron-core's route, the command) and on a node
             flag="--timeout",
             metavar="SECONDS",

@@ -263,6 +263,7 @@ def forward_group(
     figures: _Figures | None = None,
     counts: Mapping[str, GlobalCounts | None] | None = None,
     local_norms: dict[int, dict[str, float]] | None = None,
+    cancel: threading.Event | None = None,
 ) -> tuple[dict[str, list[torch.Tensor | None]], dict[str, list[dict[str, Any]]]]:
     """Gradients per config of a group over this process's saved ranks, as `space` keeps them: local sums (whole)
     or this process's rows of the sums over every process (sharded).
@@ -273,8 +274,10 @@ def forward_group(
 
     With `figures`, the baseline's traces and dLoss/dlogprobs are kept there, and every mitigated config's
     footprint against them lands in its rank metrics (`_footprint`). With `local_norms`, each saved rank's
-    per-parameter norms of its own baseline gradient (before the sum) land there."""
+    per-parameter norms of its own baseline gradient (before the sum) land there. `cancel` is checked before each
+    pass where this process computes alone (`within_config`)."""
     counts = counts or {}
+    stop = within_config(cancel)
     names = [name for name, _ in model.named_parameters()]
     grads: dict[str, list[torch.Tensor | None]] = {cfg.config_id: [None] * len(names) for cfg in group}
     metrics: dict[str, list[dict[str, Any]]] = {cfg.config_id: [] for cfg in group}
@@ -283,6 +286,7 @@ def forward_group(
     items = [(rank, mb) for rank in inputs.batches for mb in inputs.plan(rank)]
     steps: dict[str, _RankStep] = {}
     for item in padded_passes(space, items):
+        check_cancel(stop, "replay")
         rank, mb = item if item is not None else (first, inputs.plan(first)[0])
         saved = inputs.batches[rank]
         size = int(saved["tokens"].shape[0])
@@ -318,6 +322,17 @@ def forward_group(
             # through the next pass's forward and backward (the sum, this one, and the next)
             del local, grad_logprobs, step
     return grads, metrics
+
+
+def within_config(cancel: threading.Event | None) -> threading.Event | None:
+    """`cancel` where this process computes alone (no process group of several), else None: the processes of a
+    group check theirs together (a warm pool's agrees by a collective) at the same points, between configs and
+    probes, while their passes inside a config need not match in number."""
+    import torch.distributed as dist
+
+    if cancel is None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    return cancel
 
 
 class _RankStep:
@@ -426,13 +441,14 @@ def _probe(
     baseline: AppliedConfig,
     masks: dict[int, torch.Tensor] | None,
     job: WorkerJob,
+    cancel: threading.Event | None = None,
 ) -> tuple[float, list[torch.Tensor]]:
     """The reduced gradient of `baseline` (the clean reference's config) with the `masks`' tokens left out of the
     loss (None: none): (grad norm, gradient)."""
     samples = SampleFilter(tokens=TokenDrop(masks)) if masks is not None else baseline.samples
     cfg = dataclasses.replace(baseline, config_id="clean", samples=samples)
     counts = {"clean": step_counts(inputs, cfg, baseline.loss, job.counts, job.world_size)}
-    grads, _ = forward_group(model, space, inputs, [cfg], counts=counts)
+    grads, _ = forward_group(model, space, inputs, [cfg], counts=counts, cancel=cancel)
     kept = _Kept()
     norm, _, _ = reduce_and_measure(space, grads["clean"], job.world_size, 0, kept)
     return norm, kept.grads
@@ -485,7 +501,7 @@ def clean_gradient(
     reference, recomputed = on_policy(baseline)
     if recomputed:  # first the on-policy gradient: no stored log-prob signal left in it
         check_cancel(cancel, "replay")
-        norm0, grads0 = _probe(model, space, inputs, reference, None, job)
+        norm0, grads0 = _probe(model, space, inputs, reference, None, job, cancel)
         if not bar.is_spike(norm0):
             figures.clean = grads0
             figures.info = {
@@ -507,7 +523,7 @@ def clean_gradient(
 
     def under(count: int) -> bool:
         check_cancel(cancel, "replay")
-        norm, grads = _probe(model, space, inputs, reference, order.masks(count, shapes, inputs.device), job)
+        norm, grads = _probe(model, space, inputs, reference, order.masks(count, shapes, inputs.device), job, cancel)
         norms[count] = norm
         below = not bar.is_spike(norm)
         if below or count == order.cap:  # the search only moves down from a probe under the bar: keep the last
@@ -569,9 +585,10 @@ def compute(
 ) -> list[ConfigOutcome]:
     """Replay every config of `job` on this process's saved ranks; outcomes in the configs' order.
 
-    `cancel` (in-process runs only; spawned processes are stopped by their launcher) is checked
-    between configs. `models` builds the policy (default `build_model`; a warm pool passes its
-    weight cache); `progress` gets a line after loading and after each config.
+    `cancel` (in-process runs only; spawned processes are stopped by their launcher) is checked between configs,
+    and before each micro-batch's pass where this process computes alone (`within_config`). `models` builds the
+    policy (default `build_model`; a warm pool passes its weight cache); `progress` gets a line after loading and
+    after each config.
     """
     say = progress or (lambda line: None)
     start = time.perf_counter()
@@ -606,7 +623,7 @@ def compute(
             traced = figures if rep == 0 else None
             local_norms: dict[int, dict[str, float]] = {}
             grads, metrics = forward_group(
-                model, space, inputs, group, traced, counts, local_norms if rep == 0 else None
+                model, space, inputs, group, traced, counts, local_norms if rep == 0 else None, cancel
             )
             for cfg in group:
                 check_cancel(cancel, "replay")

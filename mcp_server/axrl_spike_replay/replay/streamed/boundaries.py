@@ -99,6 +99,12 @@ class BoundaryStore:
             spilled[0].unlink(missing_ok=True)
             self.disk_bytes -= spilled[1]
 
+    def nbytes(self, key: Hashable) -> int:
+        """Bytes of the boundary under `key` (0 when none), read from neither memory nor disk."""
+        if key in self.memory:
+            return boundary_bytes(self.memory[key])
+        return self.disk[key][1] if key in self.disk else 0
+
     def __contains__(self, key: Hashable) -> bool:
         return key in self.memory or key in self.disk
 

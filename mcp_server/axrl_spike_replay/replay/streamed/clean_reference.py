@@ -5,19 +5,23 @@ The search is the whole replay's (`worker.clean_gradient`): the baseline's backw
 dLoss/dlogprobs (the pull), the on-policy reference is probed first, then the loss tokens left out by galloping and
 bisection, each probe one streamed backward on the baseline's forward (its grad norm only: nothing of the gradient
 is kept). The clean gradient found is then not held either: it is a config (the reference with its tokens left
-out) and its counts, on the baseline's forward, recomputed beside each gradient it is compared with. A mitigated
-config's backward and the clean one's are taken a piece at a time in turn (`piece_dots.together`): per piece their
-float64 dot product, summed, and the cosine from it and their sums of squares. The baseline's cosine to clean is one
-more such pair.
+out) and its counts, on the baseline's forward, recomputed beside the gradients it is compared with. The mitigated
+configs' backwards and one clean one are taken a piece at a time in turn (`piece_dots.together`): per piece each
+one's float64 dot product with the clean piece, summed, and the cosine from it and their sums of squares. As many
+configs go beside one clean backward as the host memory the store has left holds the gradient boundaries of
+(`configs_beside`: each backward keeps its own set until it ends), at least one. The baseline's cosine to clean is
+one more such pair. Backwards taken together on the same weights read each layer once for all of them
+(`StreamedWeights.shared_by`).
 
 Split over processes (`rank_chain`), every process takes every backward (each sums its saved ranks' passes into
 the chain), and takes the search's decisions alike: each grad norm compared with the bar is the last process's
 (`Step.shared`), and the loss tokens are ordered from every process's pulls and masks, gathered. The dot products
 and the figures are the last process's: it holds every piece's sum.
 
-Cost in backwards over the baseline's forward (each reads every decoder layer once): the probes (`passes`, as the
-whole replay counts them), one pair for the baseline's cosine when the clean gradient is not the baseline's own, and
-one more backward (the clean one beside it) per mitigated config. The baseline's forward boundaries and its weights
+Cost in backwards over the baseline's forward: the probes (`passes`, as the whole replay counts them, each reading
+every decoder layer once), one pair for the baseline's cosine when the clean gradient is not the baseline's own,
+and one more backward (the clean one) per group of mitigated configs taken beside it (each pair or group reading
+every layer once). The baseline's forward boundaries and its weights
 (embedding and head) stay held until the job ends, so configs of other forward groups (other routing or weights)
 are compared with it too.
 """
@@ -27,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,17 +114,45 @@ class CleanReference:
     seconds: float = 0.0
 
     def beside(
-        self, step: Step, forward: Forward, cfg: AppliedConfig, counts: GlobalCounts | None, keep_own: bool = False
+        self, step: Step, forward: Forward, cfg: AppliedConfig, counts: GlobalCounts | None
     ) -> tuple[ConfigPass, float | None]:
         """`cfg`'s backward on `forward` taken beside the clean one: (its pass, its cosine to clean)."""
+        return self.beside_all(step, forward, [(cfg, counts)])[0]
+
+    def beside_all(
+        self, step: Step, forward: Forward, configs: Sequence[tuple[AppliedConfig, GlobalCounts | None]]
+    ) -> list[tuple[ConfigPass, float | None]]:
+        """Each of `configs`' backwards on `forward`, all taken beside one clean backward, a piece at a time in
+        turn: (its pass, its cosine to clean) each. Backwards on the same weights read each layer once for all."""
+        dots = PieceDots(len(configs))
+        clean_too = self.forward is not None and self.cfg is not None
+        mine = [
+            step.steps(forward, cfg, counts, on_piece=dots.other(i) if clean_too else None, tag=f"other{i}")
+            for i, (cfg, counts) in enumerate(configs)
+        ]
         if self.forward is None or self.cfg is None:
-            (done,) = together([step.steps(forward, cfg, counts, keep_own=keep_own)])
-            return done, None
-        dots = PieceDots(1)
+            with forward.weights.shared_by(len(mine)):
+                return [(done, None) for done in together(mine)]
         clean = step.steps(self.forward, self.cfg, self.counts, on_piece=dots.reference, tag="clean")
-        mine = step.steps(forward, cfg, counts, keep_own=keep_own, on_piece=dots.other(0), tag="other")
-        clean_pass, done = together([clean, mine])
-        return done, cosine_of(dots.dots[0], done.figures, clean_pass.figures)
+        same = forward.weights is self.forward.weights
+        with forward.weights.shared_by(len(mine) + same):
+            clean_pass, *done = together([clean, *mine])
+        return [(d, cosine_of(dots.dots[i], d.figures, clean_pass.figures)) for i, d in enumerate(done)]
+
+
+def configs_beside(step: Step, forward: Forward, wanted: int) -> int:
+    """How many of `wanted` configs' backwards go beside one clean backward (`CleanReference.beside_all`): as many as
+    the host memory the store has left holds the gradient boundaries of (each backward keeps its own set, the clean
+    one's too: about the last layer's input and every layer's router outputs, per micro-batch), at least one;
+    alike in every process of a chain (the fewest any process holds)."""
+    store, items, last = forward.store, forward.items, forward.weights.n_layers
+    per = sum(store.nbytes(("h", last, k)) for k in range(len(items)))
+    per += sum(store.nbytes(("x", layer, k)) for layer in range(last) for k in range(len(items)))
+    room = store.budget - store.memory_bytes
+    count = min(wanted, max(room // per - 1, 1)) if per > 0 else wanted
+    if step.chain is not None:
+        count = min(gather_objects(count))
+    return max(count, 1)
 
 
 def _order(forward: Forward) -> list[str]:

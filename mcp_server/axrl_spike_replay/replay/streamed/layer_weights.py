@@ -29,6 +29,7 @@ import contextlib
 import re
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +155,9 @@ class StreamedWeights:
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: tuple[int, Future[None]] | None = None
         self._ready: int | None = None  # a layer read ahead, then passed over for another: kept until it is loaded
+        self._sharers = 1  # backwards taken together on these weights (`shared_by`)
+        self._held: int | None = None  # the layer loaded and not yet freed by every one of them
+        self._frees = 0
 
     @property
     def n_layers(self) -> int:
@@ -242,12 +246,28 @@ class StreamedWeights:
             self.read.waited += time.perf_counter() - start
         return index
 
-    def load_layer(self, index: int) -> nn.Module:
-        """Decoder layer `index` with its weights read from the checkpoint (by the read ahead, when it read it).
+    @contextlib.contextmanager
+    def shared_by(self, count: int) -> Iterator[None]:
+        """Within: `count` backwards on these weights are taken a layer at a time in turn (`piece_dots.together`),
+        so each decoder layer is read once for all of them: loaded by the first, freed by the last."""
+        self._sharers, self._frees = max(count, 1), 0
+        try:
+            yield
+        finally:
+            held, self._sharers, self._frees, self._held = self._held, 1, 0, None
+            if held is not None:  # left early (an error, a stop): given back as its last user would have
+                self.free_layer(held)
 
-        A layer read ahead and then passed over for another (two backwards taken a layer at a time in turn,
-        `piece_dots.together`: the second loads the layer the first just freed) stays held, not read twice, until
-        it is loaded; reads never overlap each other."""
+    def load_layer(self, index: int) -> nn.Module:
+        """Decoder layer `index` with its weights read from the checkpoint (by the read ahead, when it read it),
+        or as already loaded for another backward taken beside this one (`shared_by`).
+
+        A layer read ahead and then passed over for another (two backwards on different weights taken a layer at a
+        time in turn: the second loads the layer the first just freed) stays held, not read twice, until it is
+        loaded; reads never overlap each other."""
+        if self._held == index:
+            return self.program.layers[index]
+        self._held, self._frees = index, 0
         ahead = self._settle()
         self._ready = ahead if ahead is not None and ahead != index else None
         if ahead != index:
@@ -255,7 +275,13 @@ class StreamedWeights:
         return self.program.layers[index]
 
     def free_layer(self, index: int) -> None:
-        """Give layer `index`'s memory back (its parameters on the meta device again, gradients dropped)."""
+        """Give layer `index`'s memory back (its parameters on the meta device again, gradients dropped); under
+        `shared_by`, once every backward sharing it has freed it."""
+        if self._held == index:
+            self._frees += 1
+            if self._frees < self._sharers:
+                return
+            self._held, self._frees = None, 0
         if self._ready == index:
             self._ready = None
         layer = self.program.layers[index]

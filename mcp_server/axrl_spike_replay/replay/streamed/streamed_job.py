@@ -8,9 +8,11 @@ baseline's per-parameter norms of the reduced gradient and of each saved rank's 
 config's footprint against the baseline. Boundaries live in a `BoundaryStore`, whose spill dir is removed however
 the job ends (cancelled, timed out, failed).
 
-With mitigations, the clean gradient is searched on the baseline's forward after the baseline's backward, and each
-mitigated config's backward runs beside the clean one's for its cosine to clean (`clean_reference`); the baseline's
-forward boundaries and its embedding and head are then held until the job ends.
+With mitigations, the clean gradient is searched on the baseline's forward after the baseline's backward, and the
+mitigated configs' backwards run beside one clean backward for their cosines to clean (`clean_reference`: all of a
+forward group's at once where the host memory left holds their gradient boundaries, `configs_beside`, each layer
+read once for all of them); the baseline's forward boundaries and its embedding and head are then held until the
+job ends.
 """
 
 from __future__ import annotations
@@ -33,8 +35,14 @@ from axrl_spike_replay.replay.compute.outcome_figures import RankTrace, footprin
 from axrl_spike_replay.replay.compute.worker import ConfigOutcome, RankInputs, WorkerJob, forward_groups, step_counts
 from axrl_spike_replay.replay.jobs.job_runner import prepare_device
 from axrl_spike_replay.replay.streamed.boundaries import boundary_store
-from axrl_spike_replay.replay.streamed.clean_reference import CleanReference, Forward, Step, clean_reference
-from axrl_spike_replay.replay.streamed.layer_passes import forward_layers, stream_items
+from axrl_spike_replay.replay.streamed.clean_reference import (
+    CleanReference,
+    Forward,
+    Step,
+    clean_reference,
+    configs_beside,
+)
+from axrl_spike_replay.replay.streamed.layer_passes import ConfigPass, forward_layers, stream_items
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
 from axrl_spike_replay.replay.streamed.piece_dots import together
 from axrl_spike_replay.replay.streamed.rank_chain import RankChain
@@ -130,15 +138,18 @@ def _compute(
                 forward = Forward(weights, items, store, need_entropy)
                 forward_layers(weights, items, store, stop, say)
                 order = [name for name, _ in weights.policy.named_parameters()]
+                beside: dict[str, tuple[ConfigPass, float | None]] = {}  # taken beside the clean one, together
                 for rep in range(job.repeat):
-                    for cfg in group:
+                    for at, cfg in enumerate(group):
                         outcome = outcomes[cfg.config_id]
                         own_norms = rep == 0 and cfg.config_id == "baseline" and not cfg.mitigations
                         mitigated = bool(cfg.mitigations) and not cfg.is_hypothesis
                         pulls: dict[int, list[torch.Tensor]] | None = {} if own_norms and wants_clean else None
                         cosine = None
                         if rep == 0 and mitigated and clean is not None:
-                            done, cosine = clean.beside(step, forward, cfg, counts[cfg.config_id])
+                            if cfg.config_id not in beside:
+                                beside.update(_beside(step, forward, clean, group[at:], counts))
+                            done, cosine = beside.pop(cfg.config_id)
                         else:
                             (done,) = together(
                                 [step.steps(forward, cfg, counts[cfg.config_id], keep_own=own_norms, pulls=pulls)]
@@ -183,6 +194,21 @@ def _compute(
             )
     say(f"streamed: {time.perf_counter() - start:.2f} s in all")
     return [outcomes[cfg.config_id] for cfg in job.configs]
+
+
+def _beside(
+    step: Step,
+    forward: Forward,
+    clean: CleanReference,
+    rest: list[AppliedConfig],
+    counts: dict[str, GlobalCounts | None],
+) -> dict[str, tuple[ConfigPass, float | None]]:
+    """The mitigated configs from the start of `rest`, as many as go beside one clean backward (`configs_beside`):
+    each one's pass and cosine to clean, by config id."""
+    wanted = [cfg for cfg in rest if cfg.mitigations and not cfg.is_hypothesis]
+    taken = wanted[: configs_beside(step, forward, len(wanted))]
+    passes = clean.beside_all(step, forward, [(cfg, counts[cfg.config_id]) for cfg in taken])
+    return {cfg.config_id: done for cfg, done in zip(taken, passes, strict=True)}
 
 
 def _counts(inputs: RankInputs, job: WorkerJob, cfg: AppliedConfig) -> GlobalCounts | None:

@@ -9,7 +9,8 @@ pieces, one micro-batch's activations inside one layer (`activation_bytes` of a 
 and eager attention's mask included) and the runtime. The boundaries are per token of every saved rank: each layer's
 input hidden states, and per MoE layer the router's float32 logits and its int64 routes, plus, in the backward, one
 hidden-state gradient and the router logits' gradients.
-It reads every layer once in the forward and once per config in the backward, the ends once.
+It reads every layer once in the forward and once per backward pass (backwards taken together: once), the ends
+once.
 
 Split over `processes` (`nproc` > 1: each streams a contiguous block of the saved ranks, `streamed_processes`), the
 row is one process's, the one with the largest block: its boundaries are its block's tokens' (and the compute its
@@ -18,9 +19,12 @@ itself, so its peak less its boundaries and its bytes read are the one process's
 host's memory (the row fits when all of them do), on CUDA each has its own GPU.
 
 With mitigations (more than one config) the clean gradient's backwards are counted at their fewest past a spike:
-one probe, the pair for the baseline's cosine to clean, and one more (the clean one) beside each other config;
-each further probe of the search reads every layer once more. A pair's two backwards each keep their hidden-state
-and router gradients, so the backward's boundaries are counted twice. Tied input and output embeddings are one
+one probe, the pair for the baseline's cosine to clean, and one more (the clean one) beside the other configs, all
+of them at once where the host memory left by the forward's boundaries holds a set of backward gradients for each
+(`clean_reference.configs_beside`), else in groups that fit (at least pairs); each further probe of the search reads
+every layer once more. Backwards taken together read each layer once for all of them (`StreamedWeights.shared_by`)
+and each keeps its hidden-state and router gradients, so the backward's boundaries are counted once per backward
+taken together (at least twice). Tied input and output embeddings are one
 matrix: counted once with the embedding, and its head half of the gradient held from the head to the embedding
 (with the ends), each saved rank's own head half kept with the boundaries for the per-rank norms.
 
@@ -174,17 +178,22 @@ def streamed_row(
     moe_layers = facts.layers - facts.dense_layers
     tokens = ranks_each * rank_tokens
     per_token = (facts.layers + 1) * facts.hidden * b + moe_layers * (facts.experts * b + facts.top_k * 8)
-    pair = 2 if configs > 1 else 1  # a config's backward beside the clean one's: both keep their gradients
-    per_token += pair * (facts.hidden * b + moe_layers * facts.experts * b)  # the backward's gradients
-    boundaries = tokens * per_token + (ranks_each * pieces.embedding * b if pieces.tied else 0)
+    forward = tokens * per_token + (ranks_each * pieces.embedding * b if pieces.tied else 0)
+    gradients = tokens * (facts.hidden * b + moe_layers * facts.experts * b)  # one backward's, until it ends
+    others = configs - 1
+    # the mitigated configs beside one clean backward: as many as the host memory left holds (`configs_beside`)
+    beside = max(1, min(others, (host_budget - min(forward, host_budget)) // max(gradients, 1) - 1)) if others else 0
+    groups = math.ceil(others / beside) if others else 0
+    boundaries = forward + (max(2, 1 + beside) if others else 1) * gradients
     held = min(boundaries, host_budget)
     peak = layer + ends + activations + runtime + (held if device != "cuda" else 0)
     ahead = pieces.largest_layer * b  # the next layer's parameters, read while this one computes
     read_ahead = capacity_bytes is None or peak + ahead <= capacity_bytes or peak > capacity_bytes
     if read_ahead:
         layer, peak = layer + ahead, peak + ahead
-    backwards = configs + (3 + configs - 1 if configs > 1 else 0)  # the clean gradient's, at their fewest
-    layer_reads = pieces.layers * (1 + backwards)
+    # the clean gradient's at their fewest past a spike: one probe, the baseline's pair, one beside each group
+    backwards = configs + (3 + groups if others else 0)
+    layer_reads = pieces.layers * (1 + (1 + 1 + 1 + groups if others else 1))  # backwards taken together: one read
     read = (pieces.embedding + pieces.head + pieces.largest_layer * layer_reads) * pieces.saved_bytes
     active = facts.parameters - pieces.experts * (1 - facts.top_k / facts.experts if facts.experts else 0)
     flops = float(active) * tokens * (2 + 8 * backwards)
