@@ -40,6 +40,10 @@ Three provenances:
   two in what the trainer does with a clean input: the old log-probs its loss reads and its routing replay's gates),
   written and committed before any diagnosis was run on them: tiny_moe, qwen2_moe and olmoe, world sizes 2 and 4,
   one case with two faults on two ranks.
+- `held_out_ix`: faults of `capture.fault_injection.held_out_ix_faults`, a ninth held-out set (six kinds no earlier
+  provenance uses: in the tokens, the rewards, the engine log-probs, and three in what the trainer does with a clean
+  input: its loss scale, its accumulation divisor and its training forward's tokens), written and committed before any
+  diagnosis was run on them: tiny_moe, qwen2_moe and olmoe, world sizes 2 and 4, one case with two faults on two ranks.
 
 `capture_command` is the same run as an `axrl-spike-replay capture` command line. `capture_case` records a case
 with `hide_fault`, so the snapshots and the log do not name the preset or the fault:
@@ -69,6 +73,7 @@ PROVENANCES = (
     "held_out_vi",
     "held_out_vii",
     "held_out_viii",
+    "held_out_ix",
 )
 MATRIX_WORLD_SIZE = 2  # one faulty rank beside a healthy one: the witness a per-rank comparison needs
 MATRIX_STEPS = 24  # the burst is at iterations 20-22
@@ -857,6 +862,111 @@ _HELD_OUT_VIII = (
 )
 
 
+def _ix(name: str, family: str, preset: str, *faults: FaultSpec, model: str, world_size: int = 2) -> MatrixCase:
+    provenance = "held_out_ix"
+    return MatrixCase(f"{provenance}:{name}", family, preset, provenance, faults, world_size=world_size, model=model)
+
+
+_HELD_OUT_IX = (
+    _ix(
+        "tokens_double_bos",
+        "mask_misalignment",
+        "peaked",
+        FaultSpec("tokens_double_bos", ranks=LAST),
+        model="tiny_moe",
+    ),
+    _ix(
+        "qwen2_moe_tokens_double_bos",
+        "mask_misalignment",
+        "peaked",
+        FaultSpec("tokens_double_bos", ranks=(0,)),
+        model="qwen2_moe",
+    ),
+    _ix(
+        "reward_length_penalty_per_token_ws4",
+        "outlier_advantage",
+        "reinforce_baseline",
+        FaultSpec("reward_length_penalty_per_token", ranks=(2,)),
+        model="tiny_moe",
+        world_size=4,
+    ),
+    _ix(
+        "qwen2_moe_reward_length_penalty_per_token",
+        "outlier_advantage",
+        "reinforce_baseline",
+        FaultSpec("reward_length_penalty_per_token", ranks=LAST),
+        model="qwen2_moe",
+    ),
+    _ix(
+        "olmoe_rollout_logprobs_sample_major",
+        "engine_mismatch",
+        "peaked_rollout_ratio",
+        FaultSpec("rollout_logprobs_sample_major", ranks=(0,)),
+        model="olmoe",
+    ),
+    _ix(
+        "qwen2_moe_rollout_logprobs_sample_major",
+        "engine_mismatch",
+        "peaked_rollout_ratio",
+        FaultSpec("rollout_logprobs_sample_major", ranks=LAST),
+        model="qwen2_moe",
+    ),
+    _ix(
+        "loss_scale_not_removed_ws4",
+        "step_not_reproduced",
+        "peaked",
+        FaultSpec("loss_scale_not_removed", ranks=(1,)),
+        model="tiny_moe",
+        world_size=4,
+    ),
+    _ix(
+        "olmoe_loss_scale_not_removed",
+        "step_not_reproduced",
+        "peaked",
+        FaultSpec("loss_scale_not_removed", ranks=(0,)),
+        model="olmoe",
+    ),
+    _ix(
+        "grad_accumulation_off_by_one",
+        "non_finite",
+        "peaked",
+        FaultSpec("grad_accumulation_off_by_one", ranks=LAST),
+        model="tiny_moe",
+    ),
+    _ix(
+        "grad_accumulation_off_by_one_ws4",
+        "non_finite",
+        "peaked",
+        FaultSpec("grad_accumulation_off_by_one", ranks=(3,)),
+        model="tiny_moe",
+        world_size=4,
+    ),
+    _ix(
+        "train_forward_double_bos",
+        "step_not_reproduced",
+        "peaked",
+        FaultSpec("train_forward_double_bos", ranks=(0,)),
+        model="tiny_moe",
+    ),
+    _ix(
+        "qwen2_moe_train_forward_double_bos",
+        "step_not_reproduced",
+        "peaked",
+        FaultSpec("train_forward_double_bos", ranks=LAST),
+        model="qwen2_moe",
+    ),
+    _ix(
+        "double_bos_forward_and_loss_scale_not_removed_ws4",
+        "step_not_reproduced",
+        "peaked",
+        FaultSpec("train_forward_double_bos", ranks=(0,)),
+        FaultSpec("loss_scale_not_removed", ranks=(3,)),
+        model="tiny_moe",
+        world_size=4,
+    ),
+)
+
+
 def matrix_cases(provenances: tuple[str, ...] = PROVENANCES) -> list[MatrixCase]:
     """The matrix's cases of the given provenances, presets first."""
     unknown = set(provenances) - set(PROVENANCES)
@@ -874,6 +984,7 @@ def matrix_cases(provenances: tuple[str, ...] = PROVENANCES) -> list[MatrixCase]
         *_HELD_OUT_VI,
         *_HELD_OUT_VII,
         *_HELD_OUT_VIII,
+        *_HELD_OUT_IX,
     ]
     return [c for c in cases if c.provenance in provenances]
 
