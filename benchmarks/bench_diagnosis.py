@@ -35,13 +35,16 @@ provenance uses, ten cases on tiny_moe, qwen2_moe and olmoe, world sizes 2 and 4
 two ranks), committed before `diagnose` was run on it, spent since. `--provenance held_out_vii` runs the seventh
 (`capture.fault_injection.held_out_vii_faults`: eight kinds no earlier provenance uses, two of them in what the
 trainer does with a clean input, eleven cases on tiny_moe, qwen2_moe and olmoe, world sizes 2 and 4, one case with
-two faults on two ranks), committed before `diagnose` was run on it: the held-out figure now.
+two faults on two ranks), committed before `diagnose` was run on it, spent since. `--provenance held_out_viii` runs
+the eighth (`capture.fault_injection.held_out_viii_faults`: eight kinds no earlier provenance uses, two of them in
+what the trainer does with a clean input, twelve cases on tiny_moe, qwen2_moe and olmoe, world sizes 2 and 4, one
+case with two faults on two ranks), committed before `diagnose` was run on it: the held-out figure now.
 
 A case whose run trips no spike guard at the burst is listed as `no spike` and left out of the accuracy: that is the
 fault's failure to spike on that model and seed, not the diagnosis's.
 
 Usage: .venv/bin/python benchmarks/bench_diagnosis.py [--models tiny_moe,qwen2_moe,olmoe] [--seeds 0]
-       [--provenance preset,variant,held_out,unseen,held_out_ii,...,held_out_vii] [--cases NAME,...]
+       [--provenance preset,variant,held_out,unseen,held_out_ii,...,held_out_viii] [--cases NAME,...]
        [--no-experiments] [--json PATH] [--keep DIR [--reuse]]
        (--keep keeps the captures; --reuse diagnoses kept ones again after a change)
 """
@@ -208,17 +211,17 @@ def _hypotheses(snapshot: Path, items: list[str]) -> list[dict[str, Any]]:
 
 
 def kept_snapshots(case_dir: Path) -> list[Path]:
-    """The snapshots a kept capture took at its burst (its run config names the burst), earliest first."""
+    """The snapshots a kept capture took at its burst (its run config names the burst), the largest spike first, as a
+    fresh capture's (`fault_matrix.largest_spike_first`): `--reuse` diagnoses the snapshot a fresh run would."""
     import yaml
 
-    from axrl_spike_replay.snapshot.metadata import read_metadata
+    from axrl_spike_replay.testing.fault_matrix import largest_spike_first
 
-    found = []
-    for snapshot in sorted(case_dir.glob("*/checkpoints/spike_snapshots/iter_*")):
-        burst = (yaml.safe_load((snapshot / "run_config.yaml").read_text())["train"] or {}).get("burst") or ()
-        if read_metadata(snapshot)[0].iteration in burst:
-            found.append(snapshot)
-    return found
+    taken = sorted(case_dir.glob("*/checkpoints/spike_snapshots/iter_*"))
+    if not taken:
+        return []
+    burst = (yaml.safe_load((taken[0] / "run_config.yaml").read_text())["train"] or {}).get("burst") or ()
+    return largest_spike_first(taken, burst)
 
 
 def run_case(case: MatrixCase, model: str, seed: int, root: Path, experiments: bool, reuse: bool = False) -> CaseRun:

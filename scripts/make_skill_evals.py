@@ -7,8 +7,8 @@ make the eval's snapshot (`snapshot.command`, the fault hidden from it) and the 
 and the ranks at fault). Each family lists the experiments that prove it (`proofs`: levers that remove or isolate
 its broken part) and its production fixes (`fixes`: the settings the mitigation catalogue advises against the
 family's symptoms that a trainer can keep, `diagnosis.families.family_fixes`, never a list of past answers), and
-whether its fix may be the trainer-side change (`trainer_side`). `tests/skills/test_skill_evals.py` checks the file
-is what this writes.
+whether its fix may be the trainer-side change (`trainer_side`), and which change that is (`trainer_fix`).
+`tests/skills/test_skill_evals.py` checks the file is what this writes.
 
 Usage: .venv/bin/python scripts/make_skill_evals.py [--check]
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from axrl_spike_replay.capture.reference.presets import FAULT_FAMILIES
-from axrl_spike_replay.diagnosis.families import TRAINER_SIDE, family_fixes
+from axrl_spike_replay.diagnosis.families import TRAINER_SIDE, family_fixes, trainer_fix
 from axrl_spike_replay.testing.fault_matrix import MATRIX_WORLD_SIZE, OLD_FAMILY_IDS, capture_command, matrix_cases
 
 SKILL = "axrl-spike-replay"
@@ -138,6 +138,7 @@ def build() -> dict[str, Any]:
             **FAMILY_DOCS[fam],
             "fixes": family_fixes(fam),
             "trainer_side": fam in TRAINER_SIDE,
+            "trainer_fix": trainer_fix(fam),
             "old_ids": sorted(old for old, new in OLD_FAMILY_IDS.items() if new == fam),
         }
         for fam in FAULT_FAMILIES

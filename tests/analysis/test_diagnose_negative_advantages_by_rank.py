@@ -12,7 +12,7 @@ from typing import Any
 
 from snapshot_edits import copy_fixture, diagnosed, edit_batch, no_mismatch
 
-from axrl_spike_replay.diagnosis.rules.causes import tipping_ranks
+from axrl_spike_replay.diagnosis.rules.causes import tipping_ranks, tipping_samples
 
 
 def _offset(b: dict[str, Any], by: float) -> None:
@@ -66,3 +66,42 @@ def test_the_ranks_that_tip_the_sign_balance_are_the_fewest_whose_removal_leaves
     assert tipping_ranks(_rows({0: small, 1: mixed, 2: [-2.5] * 8, 3: [-2.5] * 8}))[0] == [2, 3]
     assert tipping_ranks(_rows({0: [-2.5] * 8, 1: mixed, 2: [-2.5] * 8, 3: [-2.5] * 8})) == ([], 0.0)
     assert tipping_ranks(_rows({0: [-2.5] * 8})) == ([], 0.0)
+
+
+def _three_far_below_zero(b: dict[str, Any]) -> None:
+    b["advantages"] = b["advantages"].clone()
+    b["advantages"][:3] = -6.0
+
+
+def test_negative_dominance_on_one_rank_comes_with_a_lever_that_leaves_out_only_the_negatives_that_tip_it(
+    tmp_path: Path,
+) -> None:
+    """Three of rank 1's samples with advantages far below 0 (-6): diagnose suggests leaving out only the fewest most
+    negative samples of rank 1 that tip the balance, and the replay judges it (a verdict; the hand-edited step
+    is no spike by the snapshot's detector, so its grad norm is what moves)."""
+    from axrl_spike_replay.investigation.request import How, Verb, What, replay_request
+    from axrl_spike_replay.replay.sweep import run_sweep
+
+    snapshot = copy_fixture(tmp_path)
+    no_mismatch(snapshot)
+    edit_batch(snapshot, 1, _three_far_below_zero)
+    d = diagnosed(snapshot, model="never")
+    top = next(c for c in d.causes if c.family == "negative_advantage_dominance")
+    assert top.ranks == [1], top
+    [lever] = [e for e in top.experiments if e.mitigation.startswith("drop_samples=")]
+    pairs = lever.mitigation.split("=")[1].split(",")
+    assert pairs and set(pairs) <= {"1:0", "1:1", "1:2"}  # a few of rank 1's, not the rank
+    assert lever.diagnostic_only and lever.mitigation in d.mitigation_items()
+    what = What(snapshot, verb=Verb.SWEEP, configs=({"drop_samples": lever.mitigation.split("=")[1]},))
+    sweep = run_sweep(replay_request(what, how=How(nproc=1)))
+    [result] = sweep.results
+    assert str(result.verdict) in {"cleared", "partial", "no_effect", "worse", "baseline_not_a_spike"}
+    assert result.grad_norm is not None and sweep.baseline.grad_norm is not None
+    assert result.grad_norm < sweep.baseline.grad_norm  # the negatives carried part of the step
+
+
+def test_the_samples_that_tip_the_balance_are_the_fewest_most_negative_on_the_named_ranks() -> None:
+    rows = _rows({0: [1.0, -1.0, 0.5, -0.5], 1: [-3.0, -2.5, -0.1, 0.2]})
+    assert tipping_samples(rows, [1]) == [(1, 0), (1, 1)]
+    assert tipping_samples(rows, []) == [(1, 0), (1, 1)]
+    assert tipping_samples(_rows({0: [1.0, -1.0], 1: [0.5, -0.5]}), []) == []  # balanced: none to name

@@ -127,3 +127,56 @@ def test_a_nan_reward_that_made_the_step_non_finite_gets_no_log_ratio_clip(tmp_p
     assert cause.strength == 1.0
     assert "log_ratio_clip=5" not in [e.mitigation for e in cause.experiments]
     assert any(e.mitigation.startswith("drop_samples=") for e in cause.experiments)
+
+
+def _nan_reward_of_sample_5(b: dict[str, Any]) -> None:
+    """The verifier returned NaN for rank 1's sample 5: GRPO's group mean and std make its whole group NaN."""
+    b["rewards"] = b["rewards"].clone()
+    b["rewards"][5] = float("nan")
+    b["advantages"] = b["advantages"].clone()
+    b["advantages"][b["group_index"] == b["group_index"][5]] = float("nan")
+
+
+def test_a_nan_reward_is_named_and_its_group_is_dropped_by_an_experiment_with_a_verdict(tmp_path: Path) -> None:
+    """A NaN reward made a step's norm NaN: the reward is named, and the suggestion leaves out its whole group (half
+    a rank's batch: no 'few samples' limit keeps a NaN in), which the replay judges."""
+    import json
+
+    from axrl_spike_replay.investigation.request import How, Verb, What, replay_request
+    from axrl_spike_replay.replay.sweep import run_sweep
+
+    snapshot = copy_fixture(tmp_path)
+    edit_batch(snapshot, 1, _nan_reward_of_sample_5)
+    meta_path = snapshot / "axrl_metadata.json"
+    meta = json.loads(meta_path.read_text())
+    meta["grad_norm"] = float("nan")
+    meta_path.write_text(json.dumps(meta))
+    d = diagnose_snapshot(snapshot, model="never")
+    top = d.causes[0]
+    assert top.family == "non_finite" and top.ranks == [1]
+    assert any(line.startswith("rewards that are not finite on sample 1:5") for line in top.evidence), top.evidence
+    assert d.mitigation_items()[0] == "drop_samples=1:4,1:5,1:6,1:7"
+    what = What(snapshot, verb=Verb.SWEEP, configs=({"drop_samples": "1:4,1:5,1:6,1:7"},))
+    [result] = run_sweep(replay_request(what, how=How(nproc=1))).results
+    assert result.grad_norm is not None and math.isfinite(result.grad_norm)  # the step is finite without the group
+    assert str(result.verdict) in {"cleared", "partial"}  # the fixture's own log-prob mismatch spike may remain
+
+
+@pytest.mark.slow
+def test_the_verifier_nan_run_is_proven_by_dropping_the_nan_rewards_group(tmp_path: Path) -> None:
+    """The preset's genuine run: the verifier returns NaN for one sample of the last rank; the experiment diagnose
+    suggests clears the step."""
+    from axrl_spike_replay.investigation.request import Verb, What, replay_request
+    from axrl_spike_replay.replay.sweep import run_sweep
+    from axrl_spike_replay.testing.fault_matrix import burst_snapshots, capture_case, matrix_cases
+
+    [case] = [c for c in matrix_cases(("preset",)) if c.name == "verifier_nan"]
+    run = capture_case(case, tmp_path)
+    [snapshot, *_] = burst_snapshots(run, case.preset)
+    d = diagnose_snapshot(snapshot, model="auto")
+    assert d.top.family == "non_finite" and d.top.ranks == [1]
+    [item] = [i for i in d.mitigation_items() if i.startswith("drop_samples=")]
+    assert "1:5" in item.split("=")[1].split(",")
+    name, _, value = item.partition("=")
+    [result] = run_sweep(replay_request(What(snapshot, verb=Verb.SWEEP, configs=({name: value},)))).results
+    assert str(result.verdict) == "cleared"

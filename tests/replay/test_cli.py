@@ -211,10 +211,10 @@ def test_a_sweep_prints_a_refused_config_in_its_row_with_the_reason(
     for line in run.out.splitlines():  # the table's rows come first, the reasons under it
         if line.strip():
             rows.setdefault(line.split()[0], line.split())
-    assert rows["advantage_clip=-1"][-1] == "failed" and rows["drop_ranks=r5"][-1] == "failed"
+    assert rows["advantage_clip=-1"][-1] == "failed" and rows["drop_ranks=5"][-1] == "failed"
     assert rows["advantage_clip=1"][-1] != "failed" and len(rows["advantage_clip=1"]) == 5  # it ran: its figures
     assert "advantage_clip=-1 failed: refused: mitigation advantage_clip: must be > 0, got '-1'" in run.out
-    assert "drop_ranks=r5 failed: refused: drop_ranks: rank 5 is not in the snapshot (saved ranks 0..1)" in run.out
+    assert "drop_ranks=5 failed: refused: drop_ranks: rank 5 is not in the snapshot (saved ranks 0..1)" in run.out
 
     configs = tmp_path / "set.yaml"
     configs.write_text("- {kl_coef: 0.5}\n- {kl_coef: -1}\n", encoding="utf-8")

@@ -86,7 +86,7 @@ def test_ratio_mask_accepts_key_value_pairs_and_flow_mappings() -> None:
     a = parse_mitigation_args(["ratio_outlier_mask=level:sequence,high:1.5,base:old"])
     b = parse_mitigation_args(["ratio_outlier_mask={level: sequence, high: 1.5, base: old}"])
     assert a == b
-    assert config_id(a) == "ratio_outlier_mask=base-old_high-1.5_level-sequence"
+    assert config_id(a) == "ratio_outlier_mask=base:old,high:1.5,level:sequence"
 
 
 def test_unknown_name_lists_every_valid_mitigation() -> None:

@@ -71,7 +71,7 @@ def test_the_spellings_of_a_scoped_setting_normalise_to_one_config() -> None:
     assert normal_form({"aux_loss_coef": "10.24@1", "loss_agg_mode": "seq-mean-token-mean@0,2"}) == cli
     assert mitigation_args(cli) == ["aux_loss_coef=10.24@1", "loss_agg_mode=seq-mean-token-mean@0,2"]
     assert parse_mitigation_args(mitigation_args(cli)) == cli
-    assert config_id(cli) == "aux_loss_coef=10.24@r1+loss_agg_mode=seq-mean-token-mean@r0-r2"
+    assert config_id(cli) == "aux_loss_coef=10.24@1+loss_agg_mode=seq-mean-token-mean@0,2"
     assert is_hypothesis(cli) and not is_hypothesis({"aux_loss_coef": 10.24}) and not is_hypothesis({})
 
 

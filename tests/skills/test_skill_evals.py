@@ -271,3 +271,19 @@ def test_the_scorer_reads_a_report_in_linear_work(doc, blank: str) -> None:
         # each character and each call, once a pattern
         assert work[-1] <= len(score._ANSWERS) * (len(report) + report.count("\n") + 1)
     assert work[1] <= 10 * work[0] + len(score._ANSWERS) * len(REPORT)
+
+
+def test_a_mask_built_wrong_is_fixed_where_the_trainer_builds_it(doc) -> None:
+    """A rank that passes 1/length token weights as its loss mask: no replay setting rebuilds a mask, so the fix is
+    the trainer-side change the family's doc writes out, and a report that names it passes."""
+    score = load(EVALS / "score.py")
+    family = doc["families"]["mask_misalignment"]
+    assert family["trainer_side"] is True and "0/1 mask" in family["trainer_fix"]
+    case = next(e for e in doc["evals"] if e["expected"]["family"] == "mask_misalignment")
+    ranks = ", ".join(map(str, case["expected"]["ranks"])) or "none"
+    report = (
+        f"Cause family: mask_misalignment\nRanks: {ranks}\nProof: drop_ranks={ranks}\n"
+        "Fix: trainer: build the loss mask as 0/1 over the response tokens, not 1/length weights\n"
+    )
+    assert score.score_report(report, case, doc["families"])["checks"]["fix"] is True
+    assert all(doc["families"][f]["trainer_fix"] for f in doc["families"] if doc["families"][f]["trainer_side"])

@@ -206,3 +206,34 @@ def test_each_preserved_copy_is_its_own_bullet_line(
     bullets = [line for line in section.splitlines() if line.startswith("- ")]
     assert len(bullets) == 2, section
     assert {str(_copy(theirs)), str(_copy(ours))} == {b.split("`")[1] for b in bullets}
+
+
+def test_the_report_lists_every_copy_the_task_preserved_not_only_its_current_snapshots(
+    two_jobs_template: Path, tmp_path: Path
+) -> None:
+    """The task first looked at the other job's iteration 5 (preserved under that output root), then at its own,
+    preserved into the workspace (no writes wanted under the output root), and its own is preserved under the root
+    too: the report's preserved list names all three copies, the one in use first (the only one released)."""
+    ours, theirs = _outputs(two_jobs_template, tmp_path)
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    preserve(theirs, 5)
+    open_task(ws, JOB, _copy(theirs))
+    [in_workspace] = [Path(c.path) for c in preserve(ours, 5, workspace=ws, no_writes=True).preserved]
+    assert in_workspace.is_dir() and in_workspace.is_relative_to(ws)
+    preserve(ours, 5)
+    set_snapshot(ws, JOB, _copy(ours))
+
+    report = write_report(ws, JOB)
+
+    listed = {p["path"]: p for p in report.preserved}
+    assert set(listed) == {str(_copy(ours)), str(_copy(theirs)), str(in_workspace)}
+    assert report.preserved[0]["path"] == str(_copy(ours)) and report.preserved[0]["in_use"] is True
+    assert listed[str(_copy(theirs))]["in_use"] is False
+    assert "in the workspace" in listed[str(in_workspace)]["reason"]
+    for path in listed:
+        assert f"`{path}`" in report.text
+
+    released = write_report(ws, JOB, release=True).released
+    assert [r["path"] for r in released] == [str(_copy(ours))]  # only the copy in use is released
+    assert _copy(theirs).is_dir() and in_workspace.is_dir()

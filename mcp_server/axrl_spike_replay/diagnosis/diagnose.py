@@ -148,6 +148,9 @@ def _model_evidence(
     try:
         if att is None:
             att = dm.run_attribution(snapshot, top, how)
+    except AxrlError as exc:  # a non-finite step has no shares: the signal check and loss channel still run
+        not_checked.append(f"per-sample attribution ({exc})")
+    try:
         step = dm.run_step_evidence(snapshot, how)
         if step.channel is None:
             not_checked.append("loss channel (not computed streamed: it takes a gradient per loss term)")

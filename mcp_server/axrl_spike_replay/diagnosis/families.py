@@ -43,8 +43,26 @@ FAMILY_SYMPTOMS: dict[str, tuple[str, ...]] = {
     "natural_spike": ("policy_drift", "negative_advantages", "mismatch"),
 }
 # families whose broken part can be a value or scale made outside the loss (a NaN reward, a rank's loss scale, a rank
-# fed other data) that no replay setting undoes: their fix may be the trainer-side change
-TRAINER_SIDE = ("one_rank_data", "non_finite", "step_not_reproduced")
+# fed other data, a loss mask built wrong) that no replay setting undoes: their fix may be the trainer-side change
+TRAINER_SIDE = ("one_rank_data", "non_finite", "step_not_reproduced", "mask_misalignment")
+# The trainer-side change each such family's fix is, as an engineer makes it where the broken part is built.
+TRAINER_FIXES: dict[str, str] = {
+    "one_rank_data": "make that rank's data loader read the run's own shard (its source, its sampling) and check "
+    "each rank's batch against the rollout that produced it before the step",
+    "non_finite": "guard the reward and advantage code: a reward that is not finite (a verifier timeout, a parse "
+    "failure) is dropped with its group, or counted as a failure, before advantages are computed",
+    "step_not_reproduced": "find where the rank's loss or gradients are scaled outside the recorded config "
+    "(normalisation, micro-batch count, a loss scale never removed) and make the config say it or remove it",
+    "mask_misalignment": "build each rank's loss mask from the response span it trains on: 1 on exactly the "
+    "response tokens, shifted with the labels, 0 on prompt and padding, as a 0/1 mask (never per-token weights: "
+    "the loss's aggregation does the weighting); assert before the loss that it is binary and sums to the "
+    "response lengths",
+}
+
+
+def trainer_fix(family: str) -> str | None:
+    """The trainer-side change that fixes `family` (`TRAINER_FIXES`); None where a production setting is its fix."""
+    return TRAINER_FIXES.get(check_family(family))
 
 
 def family_fixes(family: str) -> list[str]:

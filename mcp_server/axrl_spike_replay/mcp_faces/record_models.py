@@ -117,7 +117,7 @@ class ReportWritten(_Open):
     snapshot: str | None = Field(None, description="The active snapshot")
     preserved: list[dict[str, Any]] = Field(
         default_factory=list,
-        description="Preserved copies this investigation uses (its current snapshot's); last_copy: the source is gone",
+        description="Each preserved copy of its snapshots; in_use: current one's, released; last_copy: source gone",
     )
     released: list[dict[str, Any]] = Field(
         default_factory=list, description="With release: each copy, released or not, and why not (error)"

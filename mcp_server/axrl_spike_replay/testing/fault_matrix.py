@@ -35,6 +35,11 @@ Three provenances:
   mask, and two in what the trainer does with a clean input: its clipping and its routing replay), written and
   committed before any diagnosis was run on them: tiny_moe, qwen2_moe and olmoe, world sizes 2 and 4, one case with
   two faults on two ranks.
+- `held_out_viii`: faults of `capture.fault_injection.held_out_viii_faults`, an eighth held-out set (eight kinds no
+  earlier provenance uses: in the old and engine log-probs, the routing payload, the loss mask, the GRPO groups, and
+  two in what the trainer does with a clean input: the old log-probs its loss reads and its routing replay's gates),
+  written and committed before any diagnosis was run on them: tiny_moe, qwen2_moe and olmoe, world sizes 2 and 4,
+  one case with two faults on two ranks.
 
 `capture_command` is the same run as an `axrl-spike-replay capture` command line. `capture_case` records a case
 with `hide_fault`, so the snapshots and the log do not name the preset or the fault:
@@ -45,6 +50,7 @@ matrix; `skills/axrl-spike-replay/evals/evals.json` holds the presets' cases as 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +68,7 @@ PROVENANCES = (
     "held_out_v",
     "held_out_vi",
     "held_out_vii",
+    "held_out_viii",
 )
 MATRIX_WORLD_SIZE = 2  # one faulty rank beside a healthy one: the witness a per-rank comparison needs
 MATRIX_STEPS = 24  # the burst is at iterations 20-22
@@ -752,6 +759,104 @@ _HELD_OUT_VII = (
 )
 
 
+def _viii(name: str, family: str, preset: str, *faults: FaultSpec, model: str, world_size: int = 2) -> MatrixCase:
+    provenance = "held_out_viii"
+    return MatrixCase(f"{provenance}:{name}", family, preset, provenance, faults, world_size=world_size, model=model)
+
+
+_HELD_OUT_VIII = (
+    _viii(
+        "old_logprobs_packed_across_sequences",
+        "stale_old_logprobs",
+        "peaked",
+        FaultSpec("old_logprobs_packed_across_sequences", ranks=LAST),
+        model="tiny_moe",
+    ),
+    _viii(
+        "qwen2_moe_old_logprobs_from_neighbour_rank",
+        "stale_old_logprobs",
+        "peaked",
+        FaultSpec("old_logprobs_from_neighbour_rank", ranks=LAST),
+        model="qwen2_moe",
+    ),
+    _viii(
+        "rollout_logprobs_cumulative",
+        "engine_mismatch",
+        "peaked_rollout_ratio",
+        FaultSpec("rollout_logprobs_cumulative", ranks=LAST),
+        model="tiny_moe",
+    ),
+    _viii(
+        "qwen2_moe_rollout_logprobs_cumulative",
+        "engine_mismatch",
+        "peaked_rollout_ratio",
+        FaultSpec("rollout_logprobs_cumulative", ranks=LAST),
+        model="qwen2_moe",
+    ),
+    _viii(
+        "routes_from_neighbour_rank_ws4",
+        "routing_payload",
+        "expert_sensitive",
+        FaultSpec("routes_from_neighbour_rank", ranks=(2,)),
+        model="tiny_moe",
+        world_size=4,
+    ),
+    _viii(
+        "olmoe_routes_from_neighbour_rank",
+        "routing_payload",
+        "expert_sensitive",
+        FaultSpec("routes_from_neighbour_rank", ranks=LAST),
+        model="olmoe",
+    ),
+    _viii(
+        "qwen2_moe_loss_mask_attention_plus_response",
+        "mask_misalignment",
+        "peaked",
+        FaultSpec("loss_mask_attention_plus_response", ranks=(0,)),
+        model="qwen2_moe",
+    ),
+    _viii(
+        "loss_mask_attention_plus_response_ws4",
+        "mask_misalignment",
+        "peaked",
+        FaultSpec("loss_mask_attention_plus_response", ranks=(3,)),
+        model="tiny_moe",
+        world_size=4,
+    ),
+    _viii(
+        "advantage_groups_split_at_rank_boundary_ws4",
+        "non_finite",
+        "peaked",
+        FaultSpec("advantage_groups_split_at_rank_boundary", ranks=(1,)),
+        model="tiny_moe",
+        world_size=4,
+    ),
+    _viii(
+        "replay_gates_uniform",
+        "step_not_reproduced",
+        "expert_sensitive",
+        FaultSpec("replay_gates_uniform", ranks=(0,)),
+        model="tiny_moe",
+    ),
+    _viii(
+        "olmoe_loss_old_logprobs_next_micro_batch",
+        "step_not_reproduced",
+        "peaked",
+        FaultSpec("loss_old_logprobs_next_micro_batch", ranks=(0,)),
+        model="olmoe",
+    ),
+    _viii(
+        "uniform_gates_and_old_logprobs_next_micro_batch_ws4",
+        "step_not_reproduced",
+        "expert_sensitive",
+        FaultSpec("replay_gates_uniform", ranks=(0,)),
+        FaultSpec("loss_old_logprobs_next_micro_batch", ranks=(3,)),
+        model="tiny_moe",
+        world_size=4,
+    ),
+)
+
+
 def matrix_cases(provenances: tuple[str, ...] = PROVENANCES) -> list[MatrixCase]:
     """The matrix's cases of the given provenances, presets first."""
     unknown = set(provenances) - set(PROVENANCES)
@@ -768,6 +873,7 @@ def matrix_cases(provenances: tuple[str, ...] = PROVENANCES) -> list[MatrixCase]
         *_HELD_OUT_V,
         *_HELD_OUT_VI,
         *_HELD_OUT_VII,
+        *_HELD_OUT_VIII,
     ]
     return [c for c in cases if c.provenance in provenances]
 
@@ -824,13 +930,19 @@ def burst_snapshots(result: Any, preset: str) -> list[Path]:
     """The snapshots of `result` taken at the preset's burst iterations (a spike elsewhere is the run's own), the
     largest spike first: a burst of several steps can also trip the detector on a mild step, and which steps do
     depends on the machine's arithmetic, while the burst's largest spike is the one the fault makes."""
+    return largest_spike_first(result.snapshot_dirs, result.config["train"].get("burst") or ())
+
+
+def largest_spike_first(snapshots: Iterable[Path], burst: Iterable[int]) -> list[Path]:
+    """The `snapshots` taken at a `burst` iteration, the largest spike first (a non-finite step, NaN or inf norm, is
+    the largest spike there is; equal ratios keep the earlier iteration first): what a fresh capture and a kept one
+    (`bench_diagnosis --reuse`) both diagnose first."""
     from axrl_spike_replay.snapshot.metadata import read_metadata
 
-    burst = set(result.config["train"].get("burst") or ())
-    taken = [(read_metadata(p)[0], p) for p in result.snapshot_dirs]
-    at_burst = [(meta.spike_ratio, p) for meta, p in taken if meta.iteration in burst]
-    # a non-finite step (NaN or inf norm) is the largest spike there is
-    return [p for _, p in sorted(at_burst, key=lambda pair: -pair[0] if math.isfinite(pair[0]) else -math.inf)]
+    at = set(burst)
+    taken = [(read_metadata(p)[0], p) for p in snapshots]
+    at_burst = [(meta.spike_ratio, meta.iteration, p) for meta, p in taken if meta.iteration in at]
+    return [p for *_, p in sorted(at_burst, key=lambda t: (-t[0] if math.isfinite(t[0]) else -math.inf, t[1]))]
 
 
 # Cause ids of earlier diagnoses, read as the family each named (a record or report written before the families).

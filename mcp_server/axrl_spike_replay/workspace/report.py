@@ -55,7 +55,8 @@ def report_context(workspace: Path, state: TaskState) -> dict[str, Any]:
         ),
         key=rank_key,
     )
-    preserved = [{**copy, "last_copy": is_last_copy(copy)} for copy in copies_in_use(state)]
+    in_use = [{**copy, "last_copy": is_last_copy(copy), "in_use": True} for copy in copies_in_use(state)]
+    kept = copies_kept(state, in_use, workspace)
     return {
         "job": state.job,
         "ws": f" --workspace {shlex.quote(str(workspace))}",  # in the commands it prints: they run from anywhere
@@ -81,8 +82,9 @@ def report_context(workspace: Path, state: TaskState) -> dict[str, Any]:
         "setting_kinds": SETTING_KINDS,
         "observations": state.observations,
         "next_steps": open_steps(state),
-        "preserved": preserved,
-        "preserved_kept": copies_kept(state, preserved),
+        # every copy the task's snapshots have; only those in use (its current snapshot's) are released
+        "preserved": [*in_use, *({**copy, "in_use": False} for copy in kept)],
+        "preserved_kept": kept,
         "counts": {"experiments": len(experiments), "failed": len(state.failed), "methods": len(methods)},
     }
 
@@ -142,7 +144,11 @@ def write_report(
     state = read_state(root, check_plain_name(job, "job name"))
     context = _context(root, state, release, release_last_copy, [])
     path = write_file(job_tmp_dir(root, job) / REPORT_NAME, context["text"], "report")
-    preserved = [{k: v for k, v in copy.items() if k != "last_copy"} for copy in context["preserved"]]
+    preserved = [
+        {k: v for k, v in copy.items() if k not in ("last_copy", "in_use")}
+        for copy in context["preserved"]
+        if copy["in_use"]
+    ]
     released = release_copies(preserved, release_last_copy, used_by_other_tasks(root, job)) if release else []
 
     def change(current: TaskState) -> None:

@@ -67,6 +67,7 @@ from axrl_spike_replay.capture.fault_injection.held_out_iv_faults import HELD_OU
 from axrl_spike_replay.capture.fault_injection.held_out_v_faults import HELD_OUT_V_KINDS
 from axrl_spike_replay.capture.fault_injection.held_out_vi_faults import HELD_OUT_VI_KINDS
 from axrl_spike_replay.capture.fault_injection.held_out_vii_faults import HELD_OUT_VII_KINDS
+from axrl_spike_replay.capture.fault_injection.held_out_viii_faults import HELD_OUT_VIII_KINDS
 from axrl_spike_replay.capture.fault_injection.unrecorded_faults import UNRECORDED_KINDS
 from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.rollout import shifted_routes
@@ -485,7 +486,8 @@ def fault_kinds() -> dict[str, type[BuiltinFault]]:
     """Every built-in fault kind: this module's (the step's inputs) and `unrecorded_faults`' (what the trainer does
     that its run config does not record: its gradients, the batch it stores) and `held_out_faults`' (a second
     held-out set), `held_out_iii_faults`' (a third), `held_out_iv_faults`' (a fourth), `held_out_v_faults`' (a
-    fifth), `held_out_vi_faults`' (a sixth) and `held_out_vii_faults`' (a seventh)."""
+    fifth), `held_out_vi_faults`' (a sixth), `held_out_vii_faults`' (a seventh) and `held_out_viii_faults`' (an
+    eighth)."""
     return {
         **FAULT_KINDS,
         **UNRECORDED_KINDS,
@@ -495,6 +497,7 @@ def fault_kinds() -> dict[str, type[BuiltinFault]]:
         **HELD_OUT_V_KINDS,
         **HELD_OUT_VI_KINDS,
         **HELD_OUT_VII_KINDS,
+        **HELD_OUT_VIII_KINDS,
     }
 
 

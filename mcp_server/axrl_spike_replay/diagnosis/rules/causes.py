@@ -146,6 +146,12 @@ def non_finite(ev: Evidence) -> Cause | None:
     advantages_bad = bool(a.advantages and a.advantages["tokens"].get("non_finite"))
     if advantages_bad:
         found.append(f"{a.advantages['tokens']['non_finite']} non-finite advantages on loss tokens")
+    groups = nan_reward_groups(a.samples["rows"])
+    if groups:
+        found.append(
+            f"rewards that are not finite on sample {sample_pairs(sorted(groups))}: a group estimator (GRPO, RLOO, a "
+            "group baseline) makes every advantage of such a sample's group non-finite"
+        )
     overflowed: list[int] = []
     if ev.grads is not None:
         for k in ev.grads.ranks:
@@ -165,18 +171,21 @@ def non_finite(ev: Evidence) -> Cause | None:
             "gradient as saved (the trainer masked or replaced them, or the saved batch is not the one it trained on)"
         )
     bad = [(r["rank"], r["sample"]) for r in a.samples["rows"] if r["loss_tokens"] and _non_finite_row(r, a)]
+    bad = sorted(set(bad) | {p for pairs in groups.values() for p in pairs})  # the NaN reward's whole group
     experiments = []
     # exp() of a log-ratio may have overflowed; not when non-finite advantages explain the norm (no clip reaches them)
     if logprobs_bad or (norm_bad and not advantages_bad):
         experiments.append(
             Experiment("log_ratio_clip=5", "clamps the log-ratio before exp(): an overflow becomes finite")
         )
-    if bad and len(bad) <= max(1, int(FEW * len(a.samples["rows"]))):
+    if bad and len(bad) * 2 <= len(a.samples["rows"]):  # every one of them: a NaN left in keeps the step NaN
+        what = "the samples with non-finite values" + (" and the groups of the non-finite rewards" if groups else "")
         experiments.append(
             Experiment(
-                f"drop_samples={sample_pairs(bad[:8])}",
-                "leave out the samples with non-finite values: if the step is finite without them, they are the cause",
+                f"drop_samples={sample_pairs(bad)}",
+                f"leave out {what}: if the step is finite without them, they are the cause",
                 True,
+                refutes="the step stays non-finite (or the spike stays) without them",
             )
         )
     strength = 1.0 if norm_bad else NON_FINITE_INPUTS
@@ -186,6 +195,24 @@ def non_finite(ev: Evidence) -> Cause | None:
         hit |= {k.rank for k in ev.grads.ranks if not math.isfinite(k.local_grad_norm) and k.rank not in overflowed}
     ranks = sorted(hit) if len(hit) < len(a.ranks) else []
     return Cause("non_finite", "non-finite values", strength, found, figures, experiments, ranks=ranks)
+
+
+def nan_reward_groups(rows: list[dict[str, Any]]) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """{(rank, sample) whose reward is not finite: the (rank, sample) pairs of its prompt group on that rank (itself
+    alone without a group id)}, on the ranks where some reward is finite (a batch that stores no rewards has none to
+    read)."""
+    read = {r["rank"] for r in rows if is_finite(r.get("reward"))}
+    out: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for row in rows:
+        if row["rank"] not in read or is_finite(row.get("reward")):
+            continue
+        group = row.get("group")
+        out[(row["rank"], row["sample"])] = [
+            (o["rank"], o["sample"])
+            for o in rows
+            if o["rank"] == row["rank"] and (o is row or (group is not None and o.get("group") == group))
+        ]
+    return out
 
 
 def _non_finite_row(row: dict[str, Any], a: Any) -> bool:
@@ -343,6 +370,19 @@ def negative_advantage_dominance(ev: Evidence) -> Cause | None:
         experiments.append(
             Experiment(f"drop_ranks={where}", f"leaves rank {where}'s samples out: if the spike goes, they carry it")
         )
+    tipping = tipping_samples(rows, ranks)
+    if tipping:
+        experiments.append(
+            Experiment(
+                f"drop_samples={sample_pairs(tipping)}",
+                f"leaves out the {len(tipping)} most negative samples"
+                + (f" of rank {','.join(str(r) for r in ranks)}" if ranks else "")
+                + ", the fewest whose removal leaves the sign balance under 1.5: if the spike goes, the negative "
+                "advantages carry it",
+                True,
+                refutes="the spike stays without the samples that tip the sign balance",
+            )
+        )
     peak = _peak_log_ratio(ev)
     if peak is None or peak > math.log(DUAL_CLIP_C):
         experiments.append(
@@ -375,6 +415,23 @@ def _sign_ratio(rows: list[dict[str, Any]]) -> float:
     pos = math.fsum(max(0.0, r["advantage"]) * r["loss_tokens"] for r in rows)
     neg = math.fsum(max(0.0, -r["advantage"]) * r["loss_tokens"] for r in rows)
     return neg / pos if pos else (math.inf if neg else 0.0)
+
+
+def tipping_samples(rows: list[dict[str, Any]], ranks: list[int]) -> list[tuple[int, int]]:
+    """The fewest samples, at most half of the batch, on `ranks` (every rank when empty) whose removal leaves the
+    batch's sign balance under 1.5, most negative (advantage times loss tokens) first, as (rank, sample) sorted;
+    [] when no such few samples do."""
+    if _sign_ratio(rows) < 1.5:
+        return []
+    scope = [r for r in rows if r["loss_tokens"] and r["advantage"] < 0 and (not ranks or r["rank"] in ranks)]
+    order = sorted(scope, key=lambda r: r["advantage"] * r["loss_tokens"])
+    taken: set[tuple[int, int]] = set()
+    for row in order[: len(rows) // 2]:
+        taken.add((row["rank"], row["sample"]))
+        if _sign_ratio([r for r in rows if (r["rank"], r["sample"]) not in taken]) < 1.5:
+            whole = {(r["rank"], r["sample"]) for r in rows if r["loss_tokens"] and r["rank"] in ranks}
+            return [] if taken == whole else sorted(taken)  # every sample of the ranks: `drop_ranks` tests that
+    return []
 
 
 def tipping_ranks(rows: list[dict[str, Any]]) -> tuple[list[int], float]:

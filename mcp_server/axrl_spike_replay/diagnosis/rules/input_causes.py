@@ -65,7 +65,20 @@ def input_causes(snapshot: Path, world_size: int, not_checked: list[str]) -> lis
                 cause.experiments.append(
                     Experiment(item, why, diagnostic_only=True, refutes="the spike stays with the bad part removed")
                 )
+    for cause in found.values():
+        if not any(e.mitigation.startswith("drop_ranks=") for e in cause.experiments):
+            cause.experiments.append(_drop(cause.ranks))  # every corrupt input has a lever that removes it
     return list(found.values())
+
+
+def _drop(ranks: list[int]) -> Experiment:
+    listed = ",".join(str(r) for r in sorted(ranks))
+    return Experiment(
+        f"drop_ranks={listed}",
+        f"leaves rank {listed} out of the step",
+        diagnostic_only=True,
+        refutes="the spike stays with the bad part removed",
+    )
 
 
 def merge_input_causes(found: list[Cause], inputs: list[Cause]) -> list[Cause]:

@@ -268,32 +268,38 @@ def apply_recompute(setup: ReplaySetup, value: Any) -> ReplaySetup:
 
 
 def ranks_id(value: Any) -> Any:
-    return "-".join(f"r{v}" for v in value)
+    """Saved ranks as typed: `0,2`."""
+    return ",".join(str(v) for v in value)
 
 
 def recompute_id(value: Any) -> Any:
-    return "-".join(
-        str(v)
-        .replace("old_logprobs", "old")
-        .replace("rollout_logprobs", "rollout")
-        .replace(":rank", "r")
-        .replace(":layer", "l")
-        for v in value
-    )
+    """The recompute items as typed: `old_logprobs:rank1,routes:rank1`."""
+    return ",".join(str(v) for v in value)
 
 
 def outlier_id(value: Any) -> Any:
-    return value["threshold"] if value.get("scope") == "batch" else value
+    """The threshold, with `,scope:group` where the scope is not the batch (as typed)."""
+    return value["threshold"] if value.get("scope") == "batch" else f"{number_id(value['threshold'])},scope:group"
 
 
 def pairs_id(value: Any) -> Any:
-    return "-".join("r{}s{}".format(*str(v).split(":")) for v in value)
+    """Samples as typed: `1:4,1:5`."""
+    return ",".join(str(v) for v in value)
 
 
 def mask_id(value: Any) -> Any:
-    """Only the keys that differ from the defaults; a mask with all defaults is just the name."""
+    """Only the keys that differ from the defaults, as typed (`level:sequence,high:3`); a mask with all defaults is
+    just the name."""
     defaults = dataclasses.asdict(RatioOutlierMask())
-    return {k: v for k, v in value.items() if v != defaults[k]} or True
+    changed = [f"{k}:{number_id(v) if isinstance(v, float) else v}" for k, v in value.items() if v != defaults[k]]
+    return ",".join(changed) or True
+
+
+def number_id(value: float) -> str:
+    """A float as text that parses back to it: a whole one without `.0`, no `+` in an exponent (`1e16`)."""
+    if math.isfinite(value) and value.is_integer() and abs(value) < 1e16:
+        return str(int(value))
+    return repr(value).replace("e+", "e")
 
 
 def path_id(value: Any) -> Any:

@@ -40,7 +40,12 @@ from axrl_spike_replay.display import shown
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigation.mitigation_declaration import SYMPTOMS, Advice, Mitigation, ReplaySetup
 from axrl_spike_replay.experiment.mitigation.mitigation_table import MITIGATIONS
-from axrl_spike_replay.experiment.mitigation.mitigation_values import FIRST_MOE_LAYER, ranks_id, resolve_layers
+from axrl_spike_replay.experiment.mitigation.mitigation_values import (
+    FIRST_MOE_LAYER,
+    number_id,
+    ranks_id,
+    resolve_layers,
+)
 from axrl_spike_replay.experiment.mitigation.objective_mitigations import refuse_unread_dual_clip
 from axrl_spike_replay.experiment.mitigation.rank_scope import (
     REQUIRED,
@@ -246,16 +251,19 @@ def _slug(value: Any) -> str:
     if isinstance(value, dict):
         return "_".join(f"{k}-{_slug(v)}" for k, v in value.items())
     if isinstance(value, list):
-        return "-".join(_slug(v) for v in value)
-    if isinstance(value, float):
-        return f"{value:g}"
+        return ",".join(_slug(v) for v in value)
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, float):
+        return number_id(value)
     return str(value)
 
 
 def config_id(config: Mapping[str, Any]) -> str:
-    """A short, file-name-safe, stable id of a normalised config (`baseline` when empty)."""
+    """A short, file-name-safe, stable id of a normalised config (`baseline` when empty): its items as the CLI takes
+    them (`NAME=VALUE`, `+` between), so `--mitigation` items of an id give back its config (`config_items`). Only
+    an `initial_model` path (its file name stands in) and an id past 80 characters (cut, a digest added) are not
+    such items."""
     if not config:
         return "baseline"
     parts = []
@@ -271,12 +279,18 @@ def config_id(config: Mapping[str, Any]) -> str:
             continue
         if mitigation is not None and mitigation.id_value is not None:
             value = mitigation.id_value(value)
-        parts.append(name if value is True else f"{name}={_slug(value)}")
-    text = re.sub(r"[^A-Za-z0-9._=+@-]+", "-", "+".join(parts)).strip("-")
+        bare = value is True and (mitigation is None or mitigation.bare is not None)
+        parts.append(name if bare else f"{name}={_slug(value)}")
+    text = re.sub(r"[^A-Za-z0-9._=+@:,-]+", "-", "+".join(parts)).strip("-")
     if len(text) > 80:
         digest = hashlib.sha256(repr(sorted(config.items())).encode()).hexdigest()[:10]
         text = f"{text[:68]}~{digest}"
     return text
+
+
+def config_items(config_id_text: str) -> list[str]:
+    """The `--mitigation` items a config id is made of (`config_id`'s inverse, where it has one)."""
+    return [] if config_id_text == "baseline" else config_id_text.split("+")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from axrl_spike_replay.errors import ConfigError
+from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
 from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S, ReplayRequest
 from axrl_spike_replay.experiment.result import ATTRIBUTION_FILE, Attribution, SampleContribution
@@ -420,6 +420,17 @@ def _attribute_sharded(
     return attribution
 
 
+def non_finite_refusal(inputs: ReplayInputs, grad_norm: float) -> str:
+    """Why the step of `inputs` cannot be attributed: its replayed gradient (norm `grad_norm`) is not finite."""
+    meta = inputs.metadata
+    return (
+        f"{inputs.snapshot}: iteration {meta.iteration}'s replayed gradient is not finite (grad norm {grad_norm}, "
+        f"recorded {meta.grad_norm}): no sample's share of a non-finite gradient is defined, so nothing is attributed. "
+        "Find the non-finite values (`diagnose` names them) and attribute the step with them left out "
+        "(`--mitigation drop_samples=RANK:SAMPLE,...`)"
+    )
+
+
 def _assembled(
     inputs: ReplayInputs,
     cfg: AppliedConfig,
@@ -432,7 +443,10 @@ def _assembled(
     signals: dict[int, list[dict[str, Any]]],
     timings: dict[str, float],
 ) -> Attribution:
-    """The Attribution of per-sample <g_s, g> (`dots`, per saved rank) and the router losses' <., g>."""
+    """The Attribution of per-sample <g_s, g> (`dots`, per saved rank) and the router losses' <., g>; refused
+    (`non_finite_refusal`) where the replayed gradient is not finite: no share of it is defined."""
+    if not math.isfinite(grad_norm):
+        raise SnapshotError(non_finite_refusal(inputs, grad_norm))
     rows = []
     for rank in sorted(signals):
         for sample_signals, dot in zip(signals[rank], dots[rank], strict=True):

@@ -252,7 +252,7 @@ def _batch_findings(batch: dict[str, Any], rank: int, vocab: int | None) -> list
 
     found = []
     tokens = batch["tokens"]
-    drop: list[str] = []
+    drop = [f"drop_ranks={rank}"]  # leaving the rank out removes its bad part, whichever field holds it
     if vocab is not None and tokens.numel():
         bad = (tokens < 0) | (tokens >= vocab)
         if bool(bad.any()):
@@ -261,7 +261,7 @@ def _batch_findings(batch: dict[str, Any], rank: int, vocab: int | None) -> list
                 InputFinding(
                     rank, "tokens", "token_id_range", False, int(bad.sum()), int(tokens.numel()),
                     f"token ids {shown(ids, 80)} outside the model's vocabulary of {vocab}",
-                    experiments=[f"drop_ranks={rank}"],  # a left-out rank's tokens reach nothing (`blank_tokens`)
+                    experiments=drop,  # a left-out rank's tokens reach nothing (`blank_tokens`)
                 )
             )  # fmt: skip
     mask = batch.get("loss_mask")

@@ -16,7 +16,7 @@ from typing import Any
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.jsonable import to_jsonable
-from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, parse_iteration
+from axrl_spike_replay.snapshot.layout import PRESERVED_DIR, SNAPSHOTS_DIR, WORKSPACE_PRESERVED, parse_iteration
 from axrl_spike_replay.workspace.task_record.evidence import output_dir_of
 from axrl_spike_replay.workspace.task_record.task import TaskState
 
@@ -87,22 +87,46 @@ def copies_in_use(state: TaskState) -> list[dict[str, Any]]:
     return list(out.values())
 
 
-def copies_kept(state: TaskState, in_use: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Preserved copies of the task's other snapshots that exist now: never released by this task; why."""
+def workspace_copy_of(snapshot: str | Path | None, workspace: str | Path | None) -> dict[str, Any] | None:
+    """{output_dir, iteration, path} of the copy `preserve` makes of `snapshot` in `workspace`
+    (`preserved-snapshots/<output dir name>/<snapshot's dir name>`), or of `snapshot` itself when it is such a copy
+    (its output dir then unknown: None); None when neither can be named."""
+    if not snapshot:
+        return None
+    path = Path(str(snapshot))
+    iteration = parse_iteration(path.name)
+    if iteration is None:
+        return None
+    if path.parent.parent.name == WORKSPACE_PRESERVED.name:
+        return {"output_dir": None, "iteration": iteration, "path": str(path)}
+    output_dir = output_dir_of(snapshot)
+    if output_dir is None or workspace is None:
+        return None
+    where = Path(workspace) / WORKSPACE_PRESERVED / Path(output_dir).name / path.name
+    return {"output_dir": output_dir, "iteration": iteration, "path": str(where)}
+
+
+def copies_kept(
+    state: TaskState, in_use: list[dict[str, Any]], workspace: str | Path | None = None
+) -> list[dict[str, Any]]:
+    """Every other preserved copy of the task's snapshots that exists now, under the output root or in `workspace`
+    (`preserve` into the workspace): never released by this task; why."""
     used = {e["path"] for e in in_use}
     current = copy_of(state.snapshot)
     seen: dict[str, dict[str, Any]] = {}
     snapshots = [e.get("snapshot") for e in state.snapshot_history]
     snapshots += [row.snapshot for row in state.experiments] + [state.snapshot]
     for snapshot in snapshots:
-        copy = copy_of(snapshot)
-        if copy is None or copy["path"] in used or copy["path"] in seen or not Path(copy["path"]).is_dir():
-            continue
-        if current is not None and copy["path"] == current["path"]:
-            reason = "not noted as this investigation's copy (set the task snapshot again to adopt it)"
-        else:
-            reason = "not the task's current snapshot"
-        seen[copy["path"]] = {**copy, "reason": reason}
+        for copy, in_workspace in ((copy_of(snapshot), False), (workspace_copy_of(snapshot, workspace), True)):
+            if copy is None or copy["path"] in used or copy["path"] in seen or not Path(copy["path"]).is_dir():
+                continue
+            if in_workspace:
+                reason = f"a copy in the workspace's {WORKSPACE_PRESERVED} (release it with `release --workspace`)"
+            elif current is not None and copy["path"] == current["path"]:
+                reason = "not noted as this investigation's copy (set the task snapshot again to adopt it)"
+            else:
+                reason = "not the task's current snapshot"
+            seen[copy["path"]] = {**copy, "reason": reason}
     return list(seen.values())
 
 
