@@ -37,6 +37,7 @@ from axrl_spike_replay.diagnosis.rules import causes, causes_by_rank, reproducti
 from axrl_spike_replay.diagnosis.rules.advantage_sign import join_by_sign
 from axrl_spike_replay.diagnosis.rules.causes import Cause, Evidence, Experiment
 from axrl_spike_replay.diagnosis.rules.input_causes import input_causes, merge_input_causes
+from axrl_spike_replay.diagnosis.rules.overflow import symptom_of_overflow
 from axrl_spike_replay.diagnosis.suggestions.convention_experiments import in_convention
 from axrl_spike_replay.diagnosis.suggestions.hypotheses import loss_hypotheses, rank_mismatches
 from axrl_spike_replay.diagnosis.suggestions.no_ops import no_op_reason, run_configs
@@ -256,6 +257,7 @@ def diagnose_snapshot(
             if no_op_reason(e.mitigation, loss, routing, moe_layers) is None
         ]
     causes_by_rank.hold_to_ranks(found, causes_by_rank.singled_out(ev, world))
+    symptom_of_overflow(found, ev)  # a non-finite step from finite inputs: the input that overflows leads
     untied = {id(c): c.strength for c in found}
     _mark_ties(found)
     pairs = tie_break.name_comparisons(found)

@@ -172,6 +172,8 @@ def non_finite(ev: Evidence) -> Cause | None:
         )
     bad = [(r["rank"], r["sample"]) for r in a.samples["rows"] if r["loss_tokens"] and _non_finite_row(r, a)]
     bad = sorted(set(bad) | {p for pairs in groups.values() for p in pairs})  # the NaN reward's whole group
+    # every stored input finite: the non-finite values arose in the step (`overflow` reads which input drives them)
+    figures["inputs_finite"] = not (logprobs_bad or advantages_bad or groups or bad)
     experiments = []
     # exp() of a log-ratio may have overflowed; not when non-finite advantages explain the norm (no clip reaches them)
     if logprobs_bad or (norm_bad and not advantages_bad):

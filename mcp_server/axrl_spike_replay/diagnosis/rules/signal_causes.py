@@ -53,6 +53,7 @@ from axrl_spike_replay.diagnosis.rules.rank_inputs import (
     rank_advantage_scale,
     scaled_ranks,
 )
+from axrl_spike_replay.diagnosis.rules.record_norms import judged_local_norms, record_only, replaced_note
 from axrl_spike_replay.experiment.step_evidence import TermFigures
 
 REFUTE_STAYS = "the spike stays within 20 % of the baseline"
@@ -828,9 +829,9 @@ def one_rank_data(ev: Evidence) -> Cause | None:
         for s in ev.attribution.samples:
             if is_finite(s.share):
                 shares[s.rank] = shares.get(s.rank, 0.0) + s.share
-    local = {k.rank: k.local_grad_norm for k in ev.grads.ranks} if ev.grads is not None else {}
+    local, replaced = judged_local_norms(ev)  # the replay's where a rank's record does not reproduce
     finite = {r: v for r, v in local.items() if math.isfinite(v)}
-    evidence: list[str] = []
+    evidence: list[str] = replaced_note(replaced, local)
     strength, rank = 0.0, None
     if len(finite) >= 2:
         largest = max(finite, key=lambda r: finite[r])
@@ -856,8 +857,8 @@ def one_rank_data(ev: Evidence) -> Cause | None:
             rank = top_rank
             strength = max(strength, 0.6)
             evidence.append(f"rank {top_rank}'s loss terms carry {by_rank[top_rank]:.3g} of the gradient")
-    if rank is None or not evidence:
-        return None
+    if rank is None or len(evidence) == len(replaced_note(replaced, local)):
+        return record_only(replaced, local)  # singled out by an unreproduced record alone: said, weak
     if rank in mask_ranks(ev) or rank in scaled_ranks(ev) or rank in overscaled_ranks(ev):  # its mask or advantages
         return None
     if rank in inconsistent_ranks(ev)[2]:  # its advantages are not what the recorded estimator makes of its rewards
