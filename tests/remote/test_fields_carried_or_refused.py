@@ -109,9 +109,11 @@ def test_the_other_backends_carry_what_their_tests_show() -> None:
 
 
 def test_a_run_here_carries_its_time_limit_with_every_backend_and_verb() -> None:
-    """`timeout_s` was refused for a run here with the built-in engine; each backend's runs here now carry it."""
+    """`timeout_s` was refused for a run here with the built-in engine; each backend's runs here now carry it, for
+    every verb that runs the engine (an attribution's too)."""
     walked = [c for c in CASES if c[1] == "timeout_s"]
-    assert {c[4] for c in walked} == set(Backend) and {c[5] for c in walked} == {Verb.REPLAY, Verb.SWEEP}
+    assert {c[4] for c in walked} == set(Backend)
+    assert {c[5] for c in walked} == {Verb.REPLAY, Verb.SWEEP, Verb.ATTRIBUTE}
     for backend in Backend:
         request = replay_request(What(SNAPSHOT), Where(backend=backend, timeout_s=7.5))
         assert request.where.target == "local" and request.where.timeout_s == 7.5
