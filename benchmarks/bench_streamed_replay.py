@@ -89,13 +89,14 @@ from axrl_spike_replay.models.policy import parse_model_config
 from axrl_spike_replay.replay.reading.inputs import read_run_config
 from axrl_spike_replay.replay.plans.replay_plan import plan_replay
 from axrl_spike_replay.replay.streamed.streamed_plan import model_pieces
-plan = plan_replay(sys.argv[1], shard="streamed", capacity=None)
+plan = plan_replay(sys.argv[1], shard="streamed", capacity=None, measure_speeds=True)  # this host's speeds, measured
 pieces = model_pieces(parse_model_config(read_run_config(Path(sys.argv[1]))["model"]))
 row = plan.streamed
 whole = plan_replay(sys.argv[1], nproc=1, shard="off").chosen  # against this machine's memory
 capacity = plan_replay(sys.argv[1], nproc=1, shard="off").capacity
 print(json.dumps({"activations": row.activations, "boundaries": row.boundaries, "layer": pieces.largest_layer,
                   "ends": pieces.embedding + pieces.head, "peak": row.device_peak, "runtime": row.runtime,
+                  "estimate": row.seconds, "speeds": row.speeds,
                   "whole": f"peak {whole.memory.peak / 2**30:.2f} GiB per process against "
                            f"{capacity.bytes_each / 2**30 if capacity else 0:.2f} GiB usable: "
                            f"{'fits' if whole.fits else 'DOES NOT FIT'}" if whole else "none"}))
@@ -246,6 +247,8 @@ def main() -> None:
             f"+ floor {floor:.0f} = {bound:.0f} MiB: **{peak / bound:.2f}x** of the bound "
             f"({'met' if peak <= bound else 'NOT met'}); plan's device peak {plan['peak'] / MIB:.0f} MiB"
         )
+        print(f"plan's streamed time {plan['estimate']:.1f} s ({plan['speeds']}) vs the streamed wall "
+              f"{streamed['wall']:.1f} s: wall / estimate {streamed['wall'] / plan['estimate']:.2f}x")  # fmt: skip
         if whole is not None:
             rel = abs(streamed["grad_norm"] - whole["grad_norm"]) / whole["grad_norm"]
             ratio = streamed["wall"] / whole["wall"]

@@ -27,7 +27,9 @@ def _dry(capsys: pytest.CaptureFixture[str], tmp_path: Path, *argv: str) -> dict
     (tmp_path / "spike-replay.yaml").write_text(WORKSPACE)
     assert main([*argv, "--workspace", str(tmp_path), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert not (tmp_path / "tmp").exists()  # no run dir: nothing ran
+    made = sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "tmp").rglob("*"))
+    # no run dir: nothing ran (a plan here keeps this machine's measured speeds, `replay.plans.node_speeds`)
+    assert made in ([], ["tmp/spike-replay", "tmp/spike-replay/node-speeds.json"]), made
     return doc
 
 

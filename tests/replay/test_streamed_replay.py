@@ -497,3 +497,59 @@ def test_the_plan_leaves_the_read_ahead_out_where_only_that_fits(tmp_path: Path)
     assert row is not None and not row.read_ahead and row.fits and row.device_peak < roomy.device_peak
     assert "no read ahead: it would not fit" in row.text()
     assert roomy.read_ahead and choose_shard("streamed", "cpu", 2, tight).read_ahead is False
+
+
+def _save_like_verl(rank: int, world_size: int, out: str) -> None:
+    """One rank of verl's `FSDPCheckpointManager.save_checkpoint` for the tiny qwen3_moe policy `record_hf_snapshot`
+    records (seed 0): its FSDP2 state dict of DTensors, and rank 0's `fsdp_config.json` and HF config."""
+    import json
+
+    from torch.distributed.fsdp import fully_shard
+
+    from axrl_spike_replay.testing.hf_snapshot import seeded_policy
+
+    _, policy = seeded_policy("qwen3_moe")
+    actor = policy.causal_lm
+    fully_shard(actor)
+    torch.save(actor.state_dict(), Path(out) / f"model_world_size_{world_size}_rank_{rank}.pt")
+    if rank == 0:
+        (Path(out) / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world_size}))
+        actor.config.save_pretrained(Path(out) / "huggingface")
+
+
+@pytest.mark.slow  # two spawned gloo processes save the verl shards
+def test_verl_fsdp_shards_stream_as_the_whole_replay(tmp_path: Path) -> None:
+    """A snapshot whose policy weights are a verl FSDP actor checkpoint (no checkpoint in the snapshot; the run
+    config's `model.path` names verl's shards, saved by two FSDP2 ranks) streams each layer from the memory-mapped
+    shards: the whole replay's step to 1e-6, and the DCP checkpoint's of the same weights."""
+    import shutil
+
+    import yaml
+
+    from axrl_spike_replay.processes.rank_processes import spawn_ranks
+    from axrl_spike_replay.snapshot.layout import RUN_CONFIG
+    from axrl_spike_replay.testing.hf_snapshot import record_hf_snapshot
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        snapshot = record_hf_snapshot(tmp_path / "dcp", "qwen3_moe", world_size=2)
+        actor = tmp_path / "global_step_7" / "actor"
+        actor.mkdir(parents=True)
+        spawn_ranks(_save_like_verl, 2, str(actor))
+        copy = tmp_path / "verl" / snapshot.name
+        shutil.copytree(snapshot, copy, ignore=shutil.ignore_patterns(".metadata", "*.distcp"))
+        config = yaml.safe_load((copy / RUN_CONFIG).read_text())
+        config["model"].pop("config")  # the HF config is verl's, under the actor dir's `huggingface/`
+        config["model"]["path"] = str(actor)
+        (copy / RUN_CONFIG).write_text(yaml.safe_dump(config))
+        assert not list(copy.glob("*.distcp")) and len(list(actor.glob("model_world_size_2_rank_*.pt"))) == 2
+        job = job_of(copy, CONFIGS[:1])
+        lines: list[str] = []
+        whole, streamed = compute(job, 0), compute_streamed(job, progress=lines.append)
+        dcp = compute_streamed(job_of(snapshot, CONFIGS[:1]))
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert any("layer reads" in line for line in lines), lines
+    assert_same(whole, streamed)
+    assert_same(dcp, streamed)
+    assert close(streamed[0].grad_norms[0], recorded(snapshot))

@@ -25,8 +25,10 @@ from axrl_spike_replay.replay.plans.replay_plan import (
     plan_replay,
 )
 from axrl_spike_replay.vocabulary import Device
+from axrl_spike_replay.workspace.paths import TMP_DIR
 
 LOCAL = "local"
+NODE_SPEEDS = "node-speeds.json"  # this machine's read and compute speeds (`replay.plans.node_speeds`)
 
 
 def plan_for(
@@ -43,7 +45,9 @@ def plan_for(
     progress: Callable[[str], None] | None = None,
 ) -> ReplayPlan:
     """The replay plan of `snapshot` where `target` says (see the module docstring); no weight is read. For a
-    `slurm:` entry with `gpus_per_node`, `gpu_memory_gib` alone describes its nodes."""
+    `slurm:` entry with `gpus_per_node`, `gpu_memory_gib` alone describes its nodes. Planned here, the streamed
+    row's time is at this machine's measured speeds (kept in the workspace's `tmp/spike-replay/node-speeds.json`,
+    so later plans reuse them); elsewhere at assumed ones, said."""
     if gpus is None and gpu_memory_gib is not None and target not in (None, LOCAL):
         gpus = _slurm_gpus(str(target), workspace)
     if (gpus is None) != (gpu_memory_gib is None):
@@ -62,7 +66,10 @@ def plan_for(
         found, nodes, notes = _target_capacity(target, device, workspace, options, progress, gpus is not None)
         if gpus is None:
             capacity = found
-    plan = plan_replay(snapshot, nproc=nproc, device=device, capacity=capacity, shard=shard, nodes=nodes)
+    here = capacity == HERE  # the streamed row's time at this machine's measured speeds, kept in the workspace
+    cache = Path(workspace) / TMP_DIR / NODE_SPEEDS if here and Path(workspace).is_dir() else None
+    plan = plan_replay(snapshot, nproc=nproc, device=device, capacity=capacity, shard=shard, nodes=nodes,
+                       measure_speeds=here, speeds_cache=cache)  # fmt: skip
     plan.notes += notes
     if plan.chosen is not None:
         where, how = Where(target=target or LOCAL), How(nproc=nproc, device=Device(device))

@@ -29,8 +29,10 @@ matrix: counted once with the embedding, and its head half of the gradient held 
 (with the ends), each saved rank's own head half kept with the boundaries for the per-rank norms.
 
 The time is an estimate: compute of 2 x active parameters x tokens for the forward, 8 x for each config's backward
-(the layer recomputed, then backpropagated), at the `flops_per_s` given (defaults are said, not measured here), plus
-the bytes read at `read_bytes_per_s`.
+(the layer recomputed, then backpropagated), at the `Speeds` given, plus the bytes read at its read speed. Each speed
+is measured on this machine (`replay.plans.node_speeds`: a bounded read of the checkpoint, a matmul) or assumed
+(`ASSUMED_*`, where nothing was measured: a node described or probed, no GPU here, no checkpoint file); the row says
+which, and why.
 """
 
 from __future__ import annotations
@@ -57,6 +59,41 @@ _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")
 # assumed speeds where none is given (said in the row): a local NVMe read, and a sustained fraction of the peak
 ASSUMED_READ_BYTES_PER_S = 2e9
 ASSUMED_FLOPS = {"cpu": 5e10, "cuda": 3e14}
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """The read and compute speeds of the row's estimate, each with how it was had (measured, kept, assumed)."""
+
+    read_bytes_per_s: float
+    read_how: str
+    flops_per_s: float
+    compute_how: str
+    read_measured: bool = False
+    compute_measured: bool = False
+    read_cached: bool | None = None  # the measured read came from the page cache (None: unknown, or not measured)
+
+    @classmethod
+    def assumed(cls, device: str, why: str = "not measured") -> Speeds:
+        """The assumed speeds for `device`, saying `why` they are assumed."""
+        flops = ASSUMED_FLOPS.get(device, ASSUMED_FLOPS["cpu"])
+        return cls(ASSUMED_READ_BYTES_PER_S, f"assumed ({why})", flops, f"assumed ({why})")
+
+    def with_read(self, bytes_per_s: float, how: str, cached: bool | None) -> Speeds:
+        """These speeds with a measured read speed."""
+        return dataclasses.replace(self, read_bytes_per_s=bytes_per_s, read_how=how, read_measured=True,
+                                   read_cached=cached)  # fmt: skip
+
+    def with_compute(self, flops_per_s: float, how: str, measured: bool = True) -> Speeds:
+        """These speeds with another compute speed (measured unless said)."""
+        return dataclasses.replace(self, flops_per_s=flops_per_s, compute_how=how, compute_measured=measured)
+
+    def text(self) -> str:
+        """Both speeds and how each was had, in words."""
+        return (
+            f"read {self.read_bytes_per_s / 1e9:.3g} GB/s {self.read_how}; "
+            f"compute {self.flops_per_s / 1e12:.3g} TFLOP/s {self.compute_how}"
+        )
 
 
 @dataclass(frozen=True)
@@ -121,11 +158,16 @@ class StreamedRow:
     layer_reads: int
     flops: float
     seconds: float  # estimated
-    speeds: str  # what the estimate assumed
+    speeds: str  # the speeds of the estimate, and whether each was measured or assumed
     fits: bool | None
     read_ahead: bool = True  # the next layer read during this one's compute (left out where only that fits)
     processes: int = 1  # the row is one process's of these (each a block of the saved ranks)
     ranks_each: int = 0  # saved ranks in that process's block (0: unknown, an older row)
+    read_bytes_per_s: float = 0.0  # seconds = bytes_read / read_bytes_per_s + flops / flops_per_s
+    flops_per_s: float = 0.0
+    read_measured: bool = False
+    compute_measured: bool = False
+    read_cached: bool | None = None  # the measured read came from the page cache
 
     def text(self) -> str:
         """The row in one line."""
@@ -157,14 +199,14 @@ def streamed_row(
     configs: int,
     capacity_bytes: int | None,
     host_budget: int = DEFAULT_HOST_BUDGET,
-    read_bytes_per_s: float | None = None,
-    flops_per_s: float | None = None,
+    speeds: Speeds | None = None,
     element: int = 4,
     processes: int = 1,
     sharing: int = 1,
 ) -> StreamedRow:
     """The streamed row for a step of `world` saved ranks of `rank_tokens` tokens each (see the module docstring), one
-    process's of `processes`; `sharing` of them share the memory of `capacity_bytes` (the host on CPU, a GPU)."""
+    process's of `processes`; `sharing` of them share the memory of `capacity_bytes` (the host on CPU, a GPU). Its
+    time at `speeds` (default: the assumed ones for `device`)."""
     ranks_each = math.ceil(world / max(processes, 1))  # the first block is the largest (`contiguous_blocks`)
     if capacity_bytes is not None:
         capacity_bytes //= max(sharing, 1)
@@ -197,12 +239,7 @@ def streamed_row(
     read = (pieces.embedding + pieces.head + pieces.largest_layer * layer_reads) * pieces.saved_bytes
     active = facts.parameters - pieces.experts * (1 - facts.top_k / facts.experts if facts.experts else 0)
     flops = float(active) * tokens * (2 + 8 * backwards)
-    read_speed = read_bytes_per_s or ASSUMED_READ_BYTES_PER_S
-    compute_speed = flops_per_s or ASSUMED_FLOPS.get(device, ASSUMED_FLOPS["cpu"])
-    speeds = (
-        f"read {read_speed / 1e9:.3g} GB/s" + ("" if read_bytes_per_s else " assumed")
-        + f", compute {compute_speed / 1e12:.3g} TFLOP/s" + ("" if flops_per_s else " assumed")
-    )  # fmt: skip
+    speeds = speeds or Speeds.assumed(device)
     return StreamedRow(
         device_peak=peak,
         layer=layer,
@@ -215,12 +252,17 @@ def streamed_row(
         bytes_read=read,
         layer_reads=layer_reads,
         flops=flops,
-        seconds=read / read_speed + flops / compute_speed,
-        speeds=speeds,
+        seconds=read / speeds.read_bytes_per_s + flops / speeds.flops_per_s,
+        speeds=speeds.text(),
         fits=None if capacity_bytes is None else peak <= capacity_bytes,
         read_ahead=read_ahead,
         processes=processes,
         ranks_each=ranks_each,
+        read_bytes_per_s=speeds.read_bytes_per_s,
+        flops_per_s=speeds.flops_per_s,
+        read_measured=speeds.read_measured,
+        compute_measured=speeds.compute_measured,
+        read_cached=speeds.read_cached,
     )
 
 
