@@ -67,6 +67,7 @@ def test_every_corrupt_input_cause_keeps_an_experiment_that_removes_it(tmp_path:
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # a capture on qwen2_moe or olmoe: the per-architecture matrix, run on request
 def test_a_real_run_whose_rank_passes_token_weights_as_its_mask_is_proven_by_leaving_the_rank_out(
     tmp_path: Path,
 ) -> None:

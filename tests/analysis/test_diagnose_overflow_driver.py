@@ -41,6 +41,7 @@ def _assert_driver_leads(d: Diagnosis, family: str, signal: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # a capture on qwen2_moe or olmoe: the per-architecture matrix, run on request
 def test_an_engine_reporting_cumulative_log_probs_leads_its_non_finite_step(tmp_path: Path) -> None:
     """Rank 1's engine log-probs are running sums (about 196 nats below the policy's at the end of a response): the
     rollout ratio exp(log π - log π_rollout) overflows there, the step is NaN; the engine mismatch on rank 1 leads."""

@@ -32,6 +32,7 @@ def _assert_record_not_read_as_data(d: Diagnosis, rank: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # a capture on qwen2_moe or olmoe: the per-architecture matrix, run on request
 def test_a_loss_reading_the_next_micro_batchs_old_log_probs_is_not_read_as_its_ranks_data(tmp_path: Path) -> None:
     """Rank 0 records a local grad norm about 40x the other rank's; its stored batch replays to a normal one. The
     step not reproducing on rank 0 leads; "one rank's data" on rank 0 is weak and says the replay's figure."""
