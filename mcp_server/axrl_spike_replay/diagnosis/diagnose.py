@@ -34,6 +34,7 @@ from axrl_spike_replay.diagnosis.evidence.model_evidence import RouteAgreement
 from axrl_spike_replay.diagnosis.evidence.ratio_shape import RatioShape, read_ratio_shape
 from axrl_spike_replay.diagnosis.evidence.signal_reading import SignalReading, read_signals
 from axrl_spike_replay.diagnosis.rules import causes, causes_by_rank, reproduction, signal_causes, tie_break
+from axrl_spike_replay.diagnosis.rules.advantage_mass import weigh_concentration
 from axrl_spike_replay.diagnosis.rules.advantage_sign import join_by_sign
 from axrl_spike_replay.diagnosis.rules.causes import Cause, Evidence, Experiment
 from axrl_spike_replay.diagnosis.rules.input_causes import input_causes, merge_input_causes
@@ -247,7 +248,8 @@ def diagnose_snapshot(
         routing=routing,
         reproduction=compared,
     )
-    found = join_by_sign([c for rule in RULES if (c := rule(ev)) is not None], ev)  # one symptom, one cause
+    found = weigh_concentration([c for rule in RULES if (c := rule(ev)) is not None], ev)  # a few extreme samples
+    found = join_by_sign(found, ev)  # one symptom, one cause
     found = merge_input_causes(found, input_causes(directory, world, not_checked))  # a corrupt input leads
     shape = _ratio_shape(directory, loss, not_checked)
     for cause in found:
