@@ -2,10 +2,10 @@
 user is told those samples' advantages are the cause, the sign balance their symptom. Genuine reference-trainer runs
 diagnosed as the benchmark diagnoses them (`diagnose_snapshot(model="auto")` on the burst's largest spike):
 held-out IX's length penalty meant per thousand tokens applied per token on rank 2 of four (every reward there about
--4, the others' in [0, 1]), and a fault of no held-out set, two samples of rank 0 whose rewards come back 100 times
-too large and negative (qwen2_moe). Held-out VII's baseline all-reduced as a sum on rank 2 (every advantage there
-below 0, of an ordinary size) stays the sign balance. The rule was written after seeing the IX miss: that case is no
-longer held out."""
+-4, the others' in [0, 1]) and on rank 1 of qwen2_moe, and a fault of no held-out set, two samples of rank 0 whose
+rewards come back 100 times too large and negative (qwen2_moe). Held-out VII's baseline all-reduced as a sum on
+rank 2 (every advantage there below 0, of an ordinary size) stays the sign balance. The rule was written after seeing
+the IX misses: those cases are no longer held out."""
 
 from __future__ import annotations
 
@@ -40,6 +40,15 @@ def test_a_length_penalty_applied_per_token_leads_as_outlier_advantages_on_its_r
             assert cause.strength < 0.8 and "concentrated" in cause.figures, cause
             assert any("not spread over many negative samples" in line for line in cause.evidence)
     assert any(m in d.mitigation_items() for m in ("drop_ranks=2", "advantage_clip=1"))
+
+
+@pytest.mark.slow
+def test_on_qwen2_moe_the_penalised_rank_leads_though_the_rest_leans_negative_too(tmp_path: Path) -> None:
+    """Rank 1 of two (every reward there about -16): the other rank's small advantages lean negative as well, so
+    the sign balance is judged on them alone, under 0.8."""
+    d = _diagnosed(_case("held_out_ix", "qwen2_moe_reward_length_penalty_per_token"), tmp_path)
+    assert d.top.family == "outlier_advantage" and d.top.ranks == [1] and d.top.strength >= 0.8, d.top
+    assert all(c.strength < 0.8 for c in d.causes if c.family == "negative_advantage_dominance"), d.causes
 
 
 @pytest.mark.slow

@@ -7,14 +7,15 @@ magnitude alone: those samples are the broken part (`outlier_advantage`), and th
 
 `concentrated_negatives` splits the samples at the widest gap of their sorted |advantage|: the samples above it are
 extreme where they are at most half of the batch, their smallest |advantage| is `SCALE` times the rest's median and
-`OUTLIER_Z` robust deviations (median absolute deviation) beyond it, they carry `MASS` of the negative total, and
-without them the rest's negatives no longer dominate. They are a few (`FEW` of the batch at most), or their rewards are
-extreme too: outside the other samples' reward range by at least its width (the magnitude came in with the rewards).
-Many samples of ordinary rewards whose advantages are all offset far below 0 (a baseline on another scale on one
-rank) stay the sign balance. `weigh_concentration` then sets the sign reading below 0.8
-(`SYMPTOM`, saying why) and lets the outlier reading of those samples lead (`LEADS`), made from them where no other
-rule read them. Where the rewards of those ranks follow their responses' lengths (|Pearson r| ≥ `LENGTH_R`), the
-evidence says so: a length-shaped reward."""
+`OUTLIER_Z` robust deviations (median absolute deviation) beyond it, and they carry `MASS` of the negative total.
+They are a few (`FEW` of the batch at most), or their rewards are extreme too: outside the other samples' reward
+range by at least its width (the magnitude came in with the rewards). Many samples of ordinary rewards whose
+advantages are all offset far below 0 (a baseline on another scale on one rank) stay the sign balance.
+
+`weigh_concentration` then judges the sign reading on the rest alone, under 0.8 (`SYMPTOM`, or as the rest's balance
+says up to `REST_MOST`), saying why, and lets the outlier reading of those samples lead (`LEADS`), made from them
+where no other rule read them. Where the rewards of those ranks follow their responses' lengths (|Pearson r| ≥
+`LENGTH_R`), the evidence says so: a length-shaped reward."""
 
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ from axrl_spike_replay.diagnosis.rules.causes import (
     is_finite,
     percent_text,
     sample_pairs,
+    unit_strength,
 )
 
 SCALE = 10.0  # the extreme samples' smallest |advantage| at least this many times the rest's median
 MASS = 0.9  # ... and they carry at least this share of the negative advantages' total
-SYMPTOM = 0.5  # the sign reading's strength where the mass is concentrated
+SYMPTOM = 0.5  # the sign reading's strength where the mass is concentrated and the rest does not dominate
+REST_MOST = 0.7  # the most it keeps where the rest's negatives still dominate (judged on the rest alone)
 LEADS = 0.9  # the outlier reading's strength there
 LENGTH_R = 0.8  # |Pearson r| of rewards against response lengths that reads as a length-shaped reward
 DOMINATES = 1.5  # the sign ratio negative_advantage_dominance reads as dominance
@@ -139,7 +142,7 @@ def concentrated_negatives(ev: Evidence) -> Concentration | None:
     theirs = math.fsum(-r["advantage"] * r["loss_tokens"] for r in top if r["advantage"] < 0)
     share = theirs / negative if negative > 0 else 0.0
     rest_ratio = _sign_ratio(rest)
-    if share < MASS or rest_ratio >= DOMINATES:
+    if share < MASS:
         return None
     gap = reward_gap(top, rest)
     if len(top) > max(1, int(FEW * len(rows))) and gap is None:
@@ -222,7 +225,8 @@ def weigh_concentration(found: list[Cause], ev: Evidence) -> list[Cause]:
         "reward_length_r": c.length_r,
         "reward_gap": c.reward_gap,
     }
-    sign.strength = min(sign.strength, SYMPTOM)
+    rest = unit_strength((c.rest_ratio - 1.0) / 4.0) if c.rest_ratio >= DOMINATES else 0.0
+    sign.strength = min(sign.strength, max(SYMPTOM, min(rest, REST_MOST)))
     sign.evidence.append(
         f"{said}: the negative mass is concentrated in a few samples of extreme magnitude, not spread over many "
         "negative samples; their advantages are the cause (outlier_advantage), this balance their symptom"
@@ -234,7 +238,7 @@ def weigh_concentration(found: list[Cause], ev: Evidence) -> list[Cause]:
         found = [*found, outlier]
     outlier.strength = max(outlier.strength, LEADS)
     outlier.evidence = [
-        f"{said}: these samples' magnitude tips the sign balance alone (negative_advantage_dominance is its symptom)",
+        f"{said}: these samples' magnitude carries the sign balance (negative_advantage_dominance is its symptom)",
         *lengths,
         *outlier.evidence,
     ]
