@@ -8,7 +8,8 @@ position on from the log-probs, masks and routes taken on the rollout's tokens. 
 moved by ±1 and ±2 positions (`replay.analyses.step_evidence_forward.realigned`); an offset that brings at least two
 of the stored log-prob signals back onto the policy (each to `ALIGNED` of its distance as stored or less) and none
 further off names the misalignment (`mask_misalignment`, the rank and the offset). The per-input causes on that rank
-become its symptoms, under 0.8 (`SYMPTOM`), saying so; its experiment leaves the rank out."""
+become its symptoms, under 0.8 (`SYMPTOM`), saying so; its experiment leaves the rank out. Streamed model evidence
+does not try offsets (a whole-model replay's forwards): there the rule reads nothing."""
 
 from __future__ import annotations
 
