@@ -43,6 +43,7 @@ def test_a_length_penalty_applied_per_token_leads_as_outlier_advantages_on_its_r
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # a capture on qwen2_moe or olmoe: the per-architecture matrix, run on request
 def test_on_qwen2_moe_the_penalised_rank_leads_though_the_rest_leans_negative_too(tmp_path: Path) -> None:
     """Rank 1 of two (every reward there about -16): the other rank's small advantages lean negative as well, so
     the sign balance is judged on them alone, under 0.8."""
@@ -52,6 +53,7 @@ def test_on_qwen2_moe_the_penalised_rank_leads_though_the_rest_leans_negative_to
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # a capture on qwen2_moe or olmoe: the per-architecture matrix, run on request
 def test_a_few_rewards_on_another_scale_lead_as_outliers_not_as_a_sign_balance(tmp_path: Path) -> None:
     fault = FaultSpec("reward_scale", ranks=(0,), samples=(1, 5), params={"factor": -100.0, "offset": -100.0})
     case = MatrixCase(

@@ -38,6 +38,7 @@ def test_a_division_by_zero_in_the_trainer_is_not_sent_to_the_log_ratio_clamp(tm
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # a capture on qwen2_moe or olmoe: the per-architecture matrix, run on request
 def test_a_division_by_zero_on_another_model_and_rank_is_not_sent_to_the_clamp_either(tmp_path: Path) -> None:
     """The same trainer bug on qwen2_moe's rank 0 (the IX case has it on tiny_moe's last rank)."""
     fault = FaultSpec("grad_accumulation_off_by_one", ranks=(0,))
