@@ -42,7 +42,7 @@ case with two faults on two ranks), committed before `diagnose` was run on it, s
 seeing its two misses). `--provenance held_out_ix` runs the ninth (`capture.fault_injection.held_out_ix_faults`: six
 kinds no earlier provenance uses, three of them in what the trainer does with a clean input, thirteen cases on
 tiny_moe, qwen2_moe and olmoe, world sizes 2 and 4, one case with two faults on two ranks), committed before
-`diagnose` was run on it: the held-out figure now.
+`diagnose` was run on it, spent since (rules were written after seeing its misses).
 
 A case whose run trips no spike guard at the burst is listed as `no spike` and left out of the accuracy: that is the
 fault's failure to spike on that model and seed, not the diagnosis's.

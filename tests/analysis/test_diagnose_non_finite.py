@@ -67,7 +67,8 @@ def test_a_non_finite_recorded_norm_is_the_strongest_cause(tmp_path: Path) -> No
     assert "rank 1's recorded per-parameter grad norms are not finite" in top.evidence
     assert top.figures["recorded_norm_finite"] is False
     assert top.ranks == [1]
-    assert d.mitigation_items()[0] == "log_ratio_clip=5"
+    # every stored log-prob finite and none found past exp()'s bound: the clamp before exp() would change nothing
+    assert "log_ratio_clip=5" not in d.mitigation_items()
 
 
 def _with_nan_evidence(snapshot: Path) -> Evidence:

@@ -34,10 +34,12 @@ from axrl_spike_replay.diagnosis.evidence.model_evidence import RouteAgreement
 from axrl_spike_replay.diagnosis.evidence.ratio_shape import RatioShape, read_ratio_shape
 from axrl_spike_replay.diagnosis.evidence.signal_reading import SignalReading, read_signals
 from axrl_spike_replay.diagnosis.rules import causes, causes_by_rank, reproduction, signal_causes, tie_break
+from axrl_spike_replay.diagnosis.rules.advantage_mass import weigh_concentration
 from axrl_spike_replay.diagnosis.rules.advantage_sign import join_by_sign
 from axrl_spike_replay.diagnosis.rules.causes import Cause, Evidence, Experiment
 from axrl_spike_replay.diagnosis.rules.input_causes import input_causes, merge_input_causes
 from axrl_spike_replay.diagnosis.rules.overflow import symptom_of_overflow
+from axrl_spike_replay.diagnosis.rules.token_alignment import symptoms_of_alignment
 from axrl_spike_replay.diagnosis.suggestions.convention_experiments import in_convention
 from axrl_spike_replay.diagnosis.suggestions.hypotheses import loss_hypotheses, rank_mismatches
 from axrl_spike_replay.diagnosis.suggestions.no_ops import no_op_reason, run_configs
@@ -66,7 +68,8 @@ CHECKED = {
     "bad_ref_logprobs": "the stored reference log-probs against the replay, per rank, and the KL term's share",
     "routing_payload": "recorded routes against the model's own routing, per rank and MoE layer, loss and other tokens",
     "mask_misalignment": "loss tokens that no stored signal covers (every stored log-prob a 0 fill), and where each "
-    "rank's loss masks start and stop against the tokens the engine generated, per rank",
+    "rank's loss masks start and stop against the tokens the engine generated, per rank, and a rank's tokens moved by "
+    "±1 and ±2 positions against its stored log-probs where they sit off the policy",
     "outlier_advantage": f"per-sample advantages against their rank's batch (robust z ≥ {causes.OUTLIER_Z:g}, a few), "
     "each rank's typical |advantage| against the other ranks', and each rank's advantages against its own rewards "
     "group by group under the recorded estimator (centred, in the rewards' order)",
@@ -247,8 +250,10 @@ def diagnose_snapshot(
         routing=routing,
         reproduction=compared,
     )
-    found = join_by_sign([c for rule in RULES if (c := rule(ev)) is not None], ev)  # one symptom, one cause
+    found = weigh_concentration([c for rule in RULES if (c := rule(ev)) is not None], ev)  # a few extreme samples
+    found = join_by_sign(found, ev)  # one symptom, one cause
     found = merge_input_causes(found, input_causes(directory, world, not_checked))  # a corrupt input leads
+    symptoms_of_alignment(found, ev)  # tokens off their stored fields: the inputs that read off are its symptoms
     shape = _ratio_shape(directory, loss, not_checked)
     for cause in found:
         cause.experiments = [

@@ -78,6 +78,10 @@ class RankSignals:
     # per sample, the tokens after its last loss token that still hold a stored rollout log-prob (a token the engine
     # generated, attended, not a 0 fill): 0 when the loss mask runs to the end of what was generated
     samples_tail: list[int] = field(default_factory=list)
+    # where a stored log-prob signal sits off the policy: per signal (old, rollout, ref), {offset "+1", "-2", ...: mean
+    # |log π - stored| over the stored loss tokens with the rank's tokens moved by that offset (the policy under the
+    # model's own routing)}: which offset, if any, brings the stored values back onto the policy
+    shifted: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def typical_logprob(self) -> float | None:
         """The median over samples of their mean log π (None: no sample with a finite loss token)."""

@@ -107,6 +107,9 @@ class SignalReading:
     # rank -> (share of its samples whose loss mask stops before what was generated, mean tokens left out)
     tails: dict[int, tuple[float, float]] = field(default_factory=dict)
     truncated: list[int] = field(default_factory=list)  # ranks whose masks stop short where another rank's do not
+    # rank -> signal -> (mean |log π - stored| as stored, the least of the policy's run and own routing; per offset
+    # the rank's tokens were moved by, the same figure): where the replay tried the rank's batch at other offsets
+    shifted: dict[int, dict[str, tuple[float, dict[str, float]]]] = field(default_factory=dict)
 
     def odd_signal(self, signal: str) -> OddSignal | None:
         return next((o for o in self.odd if o.signal == signal), None)
@@ -183,6 +186,11 @@ def read_signals(check: SignalCheck) -> SignalReading:
         route = _route_level(rank)
         if route is not None:
             reading.routes[rank.rank] = route
+        for signal, by_offset in rank.shifted.items():
+            pairs = [rank.pairs.get(f"{how}_vs_{signal}") for how in ("current", "own")]
+            base = min((p.mean_abs for p in pairs if p is not None and p.tokens), default=None)
+            if base is not None and by_offset:
+                reading.shifted.setdefault(rank.rank, {})[signal] = (base, dict(by_offset))
         if rank.samples_tail:
             tails = rank.samples_tail
             reading.tails[rank.rank] = (sum(t > 0 for t in tails) / len(tails), sum(tails) / len(tails))

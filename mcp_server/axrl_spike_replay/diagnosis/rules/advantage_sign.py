@@ -28,7 +28,7 @@ def join_by_sign(found: list[Cause], ev: Evidence) -> list[Cause]:
     """`found` with each advantage reading that names the ranks the negative-advantage cause names, every advantage
     there below 0, joined into that cause (module doc)."""
     sign = next((c for c in found if c.family == "negative_advantage_dominance" and c.ranks), None)
-    if sign is None or not all_below_zero(ev, sign.ranks):
+    if sign is None or "concentrated" in sign.figures or not all_below_zero(ev, sign.ranks):
         return found
     kept: list[Cause] = []
     for cause in found:

@@ -47,6 +47,11 @@ class Experiment:
     refutes: str = ""
 
 
+def log_ratio_clip() -> Experiment:
+    """The clamp of the log-ratio before exp(): for a log-prob that is not finite or one whose distance overflows."""
+    return Experiment("log_ratio_clip=5", "clamps the log-ratio before exp(): an overflow becomes finite")
+
+
 @dataclass
 class Cause:
     """One cause family's reading of the evidence (see the package doc for each field)."""
@@ -175,11 +180,11 @@ def non_finite(ev: Evidence) -> Cause | None:
     # every stored input finite: the non-finite values arose in the step (`overflow` reads which input drives them)
     figures["inputs_finite"] = not (logprobs_bad or advantages_bad or groups or bad)
     experiments = []
-    # exp() of a log-ratio may have overflowed; not when non-finite advantages explain the norm (no clip reaches them)
-    if logprobs_bad or (norm_bad and not advantages_bad):
-        experiments.append(
-            Experiment("log_ratio_clip=5", "clamps the log-ratio before exp(): an overflow becomes finite")
-        )
+    # a stored log-prob that is not finite: clamping the log-ratio before exp() keeps an inf out of the ratio. A
+    # non-finite norm from finite inputs gets the clamp only where a log-prob drives an overflow
+    # (`overflow.symptom_of_overflow`): a division by zero in the trainer is no overflow, and the clamp a no-op there
+    if logprobs_bad:
+        experiments.append(log_ratio_clip())
     if bad and len(bad) * 2 <= len(a.samples["rows"]):  # every one of them: a NaN left in keeps the step NaN
         what = "the samples with non-finite values" + (" and the groups of the non-finite rewards" if groups else "")
         experiments.append(

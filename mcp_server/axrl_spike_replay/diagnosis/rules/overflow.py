@@ -25,6 +25,7 @@ from axrl_spike_replay.diagnosis.rules.causes import (
     Evidence,
     Experiment,
     is_finite,
+    log_ratio_clip,
     sample_pairs,
 )
 
@@ -140,7 +141,9 @@ def symptom_of_overflow(found: list[Cause], ev: Evidence) -> None:
                 refutes="the step stays non-finite without them",
             )
         )
-    symptom.experiments = [*symptom.experiments, *tests]
+    tests.append(log_ratio_clip())  # a log-prob drives the overflow: the clamp before exp() reaches it
+    have = {e.mitigation for e in symptom.experiments}
+    symptom.experiments = [*symptom.experiments, *(t for t in tests if t.mitigation not in have)]
     if cause is not None:
         cause.evidence.append(f"{said}: this input drives the step's non-finite grad norm")
         cause.figures["overflow"] = symptom.figures["overflow"]

@@ -54,6 +54,7 @@ from axrl_spike_replay.diagnosis.rules.rank_inputs import (
     scaled_ranks,
 )
 from axrl_spike_replay.diagnosis.rules.record_norms import judged_local_norms, record_only, replaced_note
+from axrl_spike_replay.diagnosis.rules.token_alignment import token_misalignment
 from axrl_spike_replay.experiment.step_evidence import TermFigures
 
 REFUTE_STAYS = "the spike stays within 20 % of the baseline"
@@ -709,8 +710,9 @@ def _strongest(*found: Cause | None) -> Cause | None:
 def mask_misalignment(ev: Evidence) -> Cause | None:
     """The strongest of the stored signals' reading of the masks (`_signal_masks`) and the per-rank comparisons of
     where the masks start (`rank_inputs.mask_over_prompt`) and of what they cover against the engine's record
-    (`rank_inputs.mask_over_unrecorded`)."""
-    return _strongest(_signal_masks(ev), mask_over_prompt(ev), mask_over_unrecorded(ev))
+    (`rank_inputs.mask_over_unrecorded`), and a rank's tokens one offset off its stored per-token fields
+    (`token_alignment.token_misalignment`)."""
+    return _strongest(_signal_masks(ev), mask_over_prompt(ev), mask_over_unrecorded(ev), token_misalignment(ev))
 
 
 def outlier_advantage(ev: Evidence) -> Cause | None:

@@ -325,6 +325,7 @@ def signal_check_of(doc: dict[str, Any]) -> SignalCheck:
             samples_mean_logprob_own=r["samples_mean_logprob_own"],
             samples_mean_entropy=r["samples_mean_entropy"],
             samples_tail=r["samples_tail"],
+            shifted=r.get("shifted", {}),
         )
         for r in doc["ranks"]
     ]

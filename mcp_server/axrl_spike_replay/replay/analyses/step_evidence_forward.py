@@ -195,6 +195,41 @@ def signals_of_rank(
     return signals
 
 
+OFFSETS = (-2, -1, 1, 2)  # the token offsets a rank's batch is tried at
+OFF_NATS = LN2  # a stored old or rollout log-prob signal this far from the policy (mean |Δ|) is tried at them
+
+
+def moved_tokens(tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """[B, T] tokens moved by `k` positions: row[p] = tokens[p + k], the edge token repeated where p + k is out."""
+    width = int(tokens.shape[-1])
+    index = (torch.arange(width, device=tokens.device) + k).clamp(0, width - 1)
+    return tokens[:, index]
+
+
+def realigned(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], signals: RankSignals
+) -> dict[str, dict[str, float]]:
+    """Per stored log-prob signal: {offset: mean |log π - stored|} over the stored loss tokens with the rank's tokens
+    moved by each of OFFSETS (`moved_tokens`), the policy under its own routing; {} where the rank's old and rollout
+    log-probs already sit on the policy (none past OFF_NATS)."""
+    off = [p for name, p in signals.pairs.items() if name in ("current_vs_old", "current_vs_rollout")]
+    if not any(p.tokens and p.mean_abs > OFF_NATS for p in off):
+        return {}
+    mask = batch["loss_mask"] > 0
+    stored = {s: batch[f"{s}_logprobs"] for s in ("old", "rollout", "ref") if f"{s}_logprobs" in batch}
+    out: dict[str, dict[str, float]] = {s: {} for s in stored}
+    for k in OFFSETS:
+        if abs(k) >= int(batch["tokens"].shape[-1]):
+            continue
+        moved = {**batch, "tokens": moved_tokens(batch["tokens"], k)}
+        policy = policy_forward(model, moved, RoutingControl(), need_entropy=False).logprobs
+        for name, value in stored.items():
+            figures = _pair(name, policy, value.float(), mask)
+            if figures.tokens:
+                out[name][f"{k:+d}"] = figures.mean_abs
+    return out
+
+
 def signal_check(
     model: torch.nn.Module,
     ranks: RankInputs,
@@ -211,6 +246,7 @@ def signal_check(
             forward = rank_forward(model, ranks, cfg, rank, True)
             own = rank_forward(model, ranks, cfg, rank, False, RoutingControl()).logprobs if replays else None
             signals = signals_of_rank(rank, batch, forward.logprobs, forward.entropy, own)
+            signals.shifted = realigned(model, batch, signals)
             if rank in inputs.routing_ranks:
                 signals.routes = _rank_routes(model, batch, ranks, rank)
             result.ranks.append(signals)

@@ -7,7 +7,9 @@ entropies, through the head as the trainer's forward computes them); the same un
 the run replays routes (`own`); and every rank that recorded routes, its whole batch with the recorded routes
 replayed in every layer, each MoE layer also run a second time on the same input with its own routing, whose
 choice is held against the recorded routes (the whole replay's forward with that one layer on its own routing
-gives that layer the same input). The loss-term channel takes gradients by term and is not computed streamed.
+gives that layer the same input). The loss-term channel takes gradients by term and is not computed streamed, nor
+are a rank's tokens tried at other offsets (`step_evidence_forward.realigned`, `RankSignals.shifted` left empty):
+four more whole-batch forwards of a rank whose stored log-probs sit off, a whole-model replay's.
 """
 
 from __future__ import annotations
