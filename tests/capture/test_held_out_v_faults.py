@@ -9,19 +9,16 @@ from fault_steps import step_parts, trainer
 
 from axrl_spike_replay.capture.fault_injection.faults import apply_faults, make_fault
 from axrl_spike_replay.capture.fault_injection.held_out_v_faults import HELD_OUT_V_KINDS
-from axrl_spike_replay.capture.reference.presets import PRESETS, FaultSpec
+from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
-from axrl_spike_replay.testing.fault_matrix import matrix_cases
+from axrl_spike_replay.testing.fault_matrix import kinds_taken_before, matrix_cases
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.rank_step import rank_forward_backward
 from axrl_spike_replay.training.routing_replay import routing_control
 
-EARLIER = ("held_out", "unseen", "held_out_ii", "held_out_iii", "held_out_iv")
-
 
 def test_the_fifth_held_out_set_uses_kinds_no_preset_and_no_earlier_held_out_case_uses() -> None:
-    earlier = {s.kind for c in matrix_cases(EARLIER) for s in c.faults}
-    earlier |= {p.injected.kind for p in PRESETS.values() if p.injected is not None}
+    earlier = kinds_taken_before("held_out_v")
     cases = matrix_cases(("held_out_v",))
     kinds = {s.kind for c in cases for s in c.faults}
     assert kinds.isdisjoint(earlier) and kinds == set(HELD_OUT_V_KINDS) and len(kinds) >= 8

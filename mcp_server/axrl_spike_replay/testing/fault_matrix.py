@@ -59,7 +59,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from axrl_spike_replay.capture.reference.presets import FAMILY_PRESETS, FAULT_FAMILIES, LAST, FaultSpec, get_preset
+from axrl_spike_replay.capture.reference.presets import (
+    FAMILY_PRESETS,
+    FAULT_FAMILIES,
+    LAST,
+    PRESETS,
+    FaultSpec,
+    get_preset,
+)
 
 PROVENANCES = (
     "preset",
@@ -1073,3 +1080,11 @@ def family_id(name: str) -> str:
 def known_family(name: str) -> bool:
     """Whether `name` (after `family_id`) is one of the families."""
     return family_id(name) in FAULT_FAMILIES
+
+
+def kinds_taken_before(provenance: str) -> set[str]:
+    """The fault kinds a new held-out set must avoid: every preset's and every held-out provenance's before
+    `provenance` (from `held_out` on, in `PROVENANCES` order)."""
+    earlier = PROVENANCES[PROVENANCES.index("held_out") : PROVENANCES.index(provenance)]
+    kinds = {spec.kind for case in matrix_cases(earlier) for spec in case.faults}
+    return kinds | {p.injected.kind for p in PRESETS.values() if p.injected is not None}
