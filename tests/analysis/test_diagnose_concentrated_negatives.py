@@ -12,17 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from captured_cases import diagnosed_case
 
 from axrl_spike_replay.capture.reference.presets import FaultSpec
-from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
-from axrl_spike_replay.testing.fault_matrix import MatrixCase, burst_snapshots, capture_case, matrix_cases
-
-
-def _diagnosed(case: MatrixCase, out: Path) -> Diagnosis:
-    run = capture_case(case, out, model=case.model or "tiny_moe")
-    snapshots = burst_snapshots(run, case.preset)
-    assert snapshots, f"no spike at the burst: {run.grad_norms}"
-    return diagnose_snapshot(snapshots[0], model="auto")
+from axrl_spike_replay.testing.fault_matrix import MatrixCase, matrix_cases
 
 
 def _case(provenance: str, name: str) -> MatrixCase:
@@ -32,7 +25,7 @@ def _case(provenance: str, name: str) -> MatrixCase:
 
 @pytest.mark.slow
 def test_a_length_penalty_applied_per_token_leads_as_outlier_advantages_on_its_rank(tmp_path: Path) -> None:
-    d = _diagnosed(_case("held_out_ix", "reward_length_penalty_per_token_ws4"), tmp_path)
+    d = diagnosed_case(_case("held_out_ix", "reward_length_penalty_per_token_ws4"), tmp_path)
     assert d.top.family == "outlier_advantage" and d.top.ranks == [2] and d.top.strength >= 0.8, d.top
     assert "negative_advantage_dominance is its symptom" in d.top.evidence[0]
     for cause in d.causes:
@@ -47,7 +40,7 @@ def test_a_length_penalty_applied_per_token_leads_as_outlier_advantages_on_its_r
 def test_on_qwen2_moe_the_penalised_rank_leads_though_the_rest_leans_negative_too(tmp_path: Path) -> None:
     """Rank 1 of two (every reward there about -16): the other rank's small advantages lean negative as well, so
     the sign balance is judged on them alone, under 0.8."""
-    d = _diagnosed(_case("held_out_ix", "qwen2_moe_reward_length_penalty_per_token"), tmp_path)
+    d = diagnosed_case(_case("held_out_ix", "qwen2_moe_reward_length_penalty_per_token"), tmp_path)
     assert d.top.family == "outlier_advantage" and d.top.ranks == [1] and d.top.strength >= 0.8, d.top
     assert all(c.strength < 0.8 for c in d.causes if c.family == "negative_advantage_dominance"), d.causes
 
@@ -59,13 +52,13 @@ def test_a_few_rewards_on_another_scale_lead_as_outliers_not_as_a_sign_balance(t
     case = MatrixCase(
         "story:rewards_x-100", "outlier_advantage", "reinforce_baseline", "held_out", (fault,), model="qwen2_moe"
     )
-    d = _diagnosed(case, tmp_path)
+    d = diagnosed_case(case, tmp_path)
     assert d.top.family == "outlier_advantage" and d.top.ranks == [0] and d.top.strength >= 0.8, d.top
     assert all(c.strength < 0.8 for c in d.causes if c.family == "negative_advantage_dominance"), d.causes
 
 
 @pytest.mark.slow
 def test_a_rank_wide_offset_of_ordinary_size_stays_the_sign_balance(tmp_path: Path) -> None:
-    d = _diagnosed(_case("held_out_vii", "baseline_all_reduced_sum_ws4"), tmp_path)
+    d = diagnosed_case(_case("held_out_vii", "baseline_all_reduced_sum_ws4"), tmp_path)
     assert d.top.family == "negative_advantage_dominance" and d.top.ranks == [2], d.top
     assert "concentrated" not in d.top.figures

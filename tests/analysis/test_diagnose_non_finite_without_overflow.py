@@ -11,17 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from captured_cases import diagnosed_case
 
 from axrl_spike_replay.capture.reference.presets import FaultSpec
-from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
-from axrl_spike_replay.testing.fault_matrix import MatrixCase, burst_snapshots, capture_case, matrix_cases
-
-
-def _diagnosed(case: MatrixCase, out: Path) -> Diagnosis:
-    run = capture_case(case, out, model=case.model or "tiny_moe")
-    snapshots = burst_snapshots(run, case.preset)
-    assert snapshots, f"no spike at the burst: {run.grad_norms}"
-    return diagnose_snapshot(snapshots[0], model="auto")
+from axrl_spike_replay.diagnosis.diagnose import Diagnosis
+from axrl_spike_replay.testing.fault_matrix import MatrixCase, matrix_cases
 
 
 def _assert_no_clamp(d: Diagnosis) -> None:
@@ -34,7 +28,7 @@ def _assert_no_clamp(d: Diagnosis) -> None:
 @pytest.mark.slow
 def test_a_division_by_zero_in_the_trainer_is_not_sent_to_the_log_ratio_clamp(tmp_path: Path) -> None:
     [case] = [c for c in matrix_cases(("held_out_ix",)) if c.name == "held_out_ix:grad_accumulation_off_by_one"]
-    _assert_no_clamp(_diagnosed(case, tmp_path))
+    _assert_no_clamp(diagnosed_case(case, tmp_path))
 
 
 @pytest.mark.slow
@@ -43,4 +37,4 @@ def test_a_division_by_zero_on_another_model_and_rank_is_not_sent_to_the_clamp_e
     """The same trainer bug on qwen2_moe's rank 0 (the IX case has it on tiny_moe's last rank)."""
     fault = FaultSpec("grad_accumulation_off_by_one", ranks=(0,))
     case = MatrixCase("story:accumulation_by_zero", "non_finite", "peaked", "held_out", (fault,), model="qwen2_moe")
-    _assert_no_clamp(_diagnosed(case, tmp_path))
+    _assert_no_clamp(diagnosed_case(case, tmp_path))

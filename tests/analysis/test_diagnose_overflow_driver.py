@@ -11,18 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from captured_cases import diagnosed_case
 
 from axrl_spike_replay.capture.reference.presets import FaultSpec
-from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
+from axrl_spike_replay.diagnosis.diagnose import Diagnosis
 from axrl_spike_replay.diagnosis.rules.overflow import EXP_OVERFLOW
-from axrl_spike_replay.testing.fault_matrix import MatrixCase, burst_snapshots, capture_case, matrix_cases
-
-
-def _diagnosed(case: MatrixCase, out: Path) -> Diagnosis:
-    run = capture_case(case, out, model=case.model or "tiny_moe")
-    snapshots = burst_snapshots(run, case.preset)
-    assert snapshots, f"no spike at the burst: {run.grad_norms}"
-    return diagnose_snapshot(snapshots[0], model="auto")
+from axrl_spike_replay.testing.fault_matrix import MatrixCase, matrix_cases
 
 
 def _assert_driver_leads(d: Diagnosis, family: str, signal: str) -> None:
@@ -46,7 +40,7 @@ def test_an_engine_reporting_cumulative_log_probs_leads_its_non_finite_step(tmp_
     """Rank 1's engine log-probs are running sums (about 196 nats below the policy's at the end of a response): the
     rollout ratio exp(log π - log π_rollout) overflows there, the step is NaN; the engine mismatch on rank 1 leads."""
     [case] = [c for c in matrix_cases(("held_out_viii",)) if c.name.endswith(":qwen2_moe_rollout_logprobs_cumulative")]
-    _assert_driver_leads(_diagnosed(case, tmp_path), "engine_mismatch", "rollout")
+    _assert_driver_leads(diagnosed_case(case, tmp_path), "engine_mismatch", "rollout")
 
 
 @pytest.mark.slow
@@ -56,7 +50,7 @@ def test_old_log_probs_stored_on_another_scale_lead_their_non_finite_step(tmp_pa
     values pass the bound are offered to be left out."""
     fault = FaultSpec("logprob_scale", ranks=(1,), params={"signal": "old_logprobs", "factor": 64.0})
     case = MatrixCase("story:old_logprobs_x64", "stale_old_logprobs", "peaked", "held_out", (fault,), model="tiny_moe")
-    d = _diagnosed(case, tmp_path)
+    d = diagnosed_case(case, tmp_path)
     _assert_driver_leads(d, "stale_old_logprobs", "old")
     [symptom] = [c for c in d.causes if c.family == "non_finite"]
     dropped = [e.mitigation for e in symptom.experiments if e.mitigation.startswith("drop_samples=")]

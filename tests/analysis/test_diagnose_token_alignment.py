@@ -10,17 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from captured_cases import diagnosed_case
 
 from axrl_spike_replay.capture.reference.presets import FaultSpec
-from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
-from axrl_spike_replay.testing.fault_matrix import MatrixCase, burst_snapshots, capture_case, matrix_cases
-
-
-def _diagnosed(case: MatrixCase, out: Path) -> Diagnosis:
-    run = capture_case(case, out, model=case.model or "tiny_moe")
-    snapshots = burst_snapshots(run, case.preset)
-    assert snapshots, f"no spike at the burst: {run.grad_norms}"
-    return diagnose_snapshot(snapshots[0], model="auto")
+from axrl_spike_replay.diagnosis.diagnose import Diagnosis
+from axrl_spike_replay.testing.fault_matrix import MatrixCase, matrix_cases
 
 
 def _assert_misaligned(d: Diagnosis, rank: int) -> None:
@@ -36,11 +30,11 @@ def _assert_misaligned(d: Diagnosis, rank: int) -> None:
 @pytest.mark.slow
 def test_a_batch_tokenized_with_the_bos_twice_is_named_misaligned_on_its_rank(tmp_path: Path) -> None:
     [case] = [c for c in matrix_cases(("held_out_ix",)) if c.name == "held_out_ix:tokens_double_bos"]
-    _assert_misaligned(_diagnosed(case, tmp_path), 1)
+    _assert_misaligned(diagnosed_case(case, tmp_path), 1)
 
 
 @pytest.mark.slow
 def test_the_same_shift_on_another_rank_of_four_is_named_there(tmp_path: Path) -> None:
     fault = FaultSpec("tokens_double_bos", ranks=(2,))
     case = MatrixCase("story:double_bos_ws4", "mask_misalignment", "peaked", "held_out", (fault,), 4, "tiny_moe")
-    _assert_misaligned(_diagnosed(case, tmp_path), 2)
+    _assert_misaligned(diagnosed_case(case, tmp_path), 2)

@@ -11,16 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from captured_cases import diagnosed_case
 
-from axrl_spike_replay.diagnosis.diagnose import Diagnosis, diagnose_snapshot
-from axrl_spike_replay.testing.fault_matrix import MatrixCase, burst_snapshots, capture_case, matrix_cases
-
-
-def _diagnosed(case: MatrixCase, out: Path) -> Diagnosis:
-    run = capture_case(case, out, model=case.model or "tiny_moe")
-    snapshots = burst_snapshots(run, case.preset)
-    assert snapshots, f"no spike at the burst: {run.grad_norms}"
-    return diagnose_snapshot(snapshots[0], model="auto")
+from axrl_spike_replay.diagnosis.diagnose import Diagnosis
+from axrl_spike_replay.testing.fault_matrix import matrix_cases
 
 
 def _assert_record_not_read_as_data(d: Diagnosis, rank: int) -> None:
@@ -38,7 +32,7 @@ def test_a_loss_reading_the_next_micro_batchs_old_log_probs_is_not_read_as_its_r
     step not reproducing on rank 0 leads; "one rank's data" on rank 0 is weak and says the replay's figure."""
     name = "held_out_viii:olmoe_loss_old_logprobs_next_micro_batch"
     [case] = [c for c in matrix_cases(("held_out_viii",)) if c.name == name]
-    d = _diagnosed(case, tmp_path)
+    d = diagnosed_case(case, tmp_path)
     _assert_record_not_read_as_data(d, 0)
     [data] = [c for c in d.causes if c.family == "one_rank_data"]
     assert data.ranks == [0] and data.figures["recorded_local_norm"] > 3 * data.figures["replayed_local_norm"]
@@ -49,6 +43,6 @@ def test_a_loss_scale_the_config_does_not_record_is_not_read_as_its_ranks_data(t
     """The preset's rank 1 multiplies its loss by a factor its run config does not record: its record is scaled, its
     stored data is not. The step not reproducing on rank 1 leads, with nothing else at 0.8 or more."""
     [case] = [c for c in matrix_cases(("preset",)) if c.name == "one_rank_loss_scale"]
-    d = _diagnosed(case, tmp_path)
+    d = diagnosed_case(case, tmp_path)
     _assert_record_not_read_as_data(d, 1)
     assert [c.family for c in d.causes if c.strength >= 0.8] == ["step_not_reproduced"]
