@@ -152,3 +152,17 @@ def test_the_read_says_whether_it_came_from_the_page_cache(tmp_path: Path) -> No
     finally:
         memory.unlink(missing_ok=True)
     assert held.bytes_read == len(data) and held.cached is True and held.resident == 1.0
+
+
+def test_the_read_probe_takes_no_link_out_of_the_snapshot(tmp_path: Path) -> None:
+    """A checkpoint entry that is a symlink to a larger file elsewhere is never the file read: the snapshot's own is."""
+    weights = tmp_path / "snapshot" / "weights"
+    weights.mkdir(parents=True)
+    (weights / "__0_0.distcp").write_bytes(b"w" * 4096)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"o" * 65536)
+    (weights / "__1_0.distcp").symlink_to(outside)
+    assert checkpoint_data_file(weights) == weights / "__0_0.distcp"
+    with pytest.raises(OSError):
+        measure_read(weights / "__1_0.distcp")  # and the read itself refuses a link
+    assert measure_read(weights / "__0_0.distcp").bytes_read == 4096

@@ -59,15 +59,16 @@ class ReadSpeed:
 
 
 def checkpoint_data_file(weights_dir: Path) -> Path | None:
-    """The largest data file of the checkpoint in `weights_dir` (DCP, safetensors, verl shards); None: none there."""
-    files = [f for pattern in _DATA_FILES for f in weights_dir.glob(pattern) if f.is_file()]
+    """The largest data file of the checkpoint in `weights_dir` (DCP, safetensors, verl shards); None: none there.
+    A symlink is never one: the probe reads only the snapshot's own files."""
+    files = [f for pattern in _DATA_FILES for f in weights_dir.glob(pattern) if f.is_file() and not f.is_symlink()]
     return max(files, key=lambda f: f.stat().st_size, default=None)
 
 
 def measure_read(file: Path, limit: int = READ_BYTES) -> ReadSpeed:
     """Read up to `limit` bytes from the start of `file`, dropped from the page cache first (see the module
     docstring), and time it. OSError when the file cannot be read."""
-    fd = os.open(file, os.O_RDONLY)
+    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # no link out, no FIFO wait
     try:
         size = min(os.fstat(fd).st_size, limit)
         with contextlib.suppress(OSError):
