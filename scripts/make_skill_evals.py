@@ -23,7 +23,8 @@ from typing import Any
 
 from axrl_spike_replay.capture.reference.presets import FAULT_FAMILIES
 from axrl_spike_replay.diagnosis.families import TRAINER_SIDE, family_fixes, trainer_fix
-from axrl_spike_replay.testing.fault_matrix import MATRIX_WORLD_SIZE, OLD_FAMILY_IDS, capture_command, matrix_cases
+from axrl_spike_replay.testing.fault_matrix import OLD_FAMILY_IDS, capture_command, matrix_cases
+from axrl_spike_replay.testing.matrix_case import MATRIX_WORLD_SIZE
 
 SKILL = "axrl-spike-replay"
 OUT = Path(__file__).resolve().parents[1] / "skills" / SKILL / "evals" / "evals.json"
