@@ -90,7 +90,7 @@ def _kl_carried_by_rank_1(typical: dict[int, float], advantages: dict[int, float
 
 
 def test_a_rank_fed_data_the_policy_finds_far_less_likely_is_one_ranks_data_despite_a_drifted_reference() -> None:
-    from axrl_spike_replay.diagnosis.rules.signal_causes import one_rank_data
+    from axrl_spike_replay.diagnosis.rules.signal_families.data_causes import one_rank_data
 
     cause = one_rank_data(_kl_carried_by_rank_1({0: -0.1, 1: -9.8}, {0: 0.5, 1: 0.5}))
     assert cause is not None and cause.ranks == [1] and cause.strength >= 0.7
@@ -101,7 +101,7 @@ def test_a_rank_fed_data_the_policy_finds_far_less_likely_is_one_ranks_data_desp
 def test_hard_samples_that_landed_on_one_rank_whose_data_is_alike_the_others_are_not_that_ranks_data() -> None:
     from dataclasses import replace
 
-    from axrl_spike_replay.diagnosis.rules.signal_causes import one_rank_data
+    from axrl_spike_replay.diagnosis.rules.signal_families.data_causes import one_rank_data
 
     ev = _kl_carried_by_rank_1({0: -9.7, 1: -9.8}, {0: 0.5, 1: 0.5})
     assert ev.reading is not None

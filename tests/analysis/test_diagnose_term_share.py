@@ -13,7 +13,7 @@ from snapshot_edits import copy_fixture, diagnosed, edit_batch, no_mismatch, set
 from axrl_spike_replay.diagnosis.evidence.signal_reading import OddSignal, SignalLevels, SignalReading
 from axrl_spike_replay.diagnosis.rules.causes import Evidence
 from axrl_spike_replay.diagnosis.rules.causes_by_rank import NOT_TOLD, Singled, hold_to_ranks
-from axrl_spike_replay.diagnosis.rules.signal_causes import KL_WITNESSED, bad_ref_logprobs
+from axrl_spike_replay.diagnosis.rules.signal_families.reference_causes import KL_WITNESSED, bad_ref_logprobs
 from axrl_spike_replay.experiment.step_evidence import LossChannel, PairFigures, TermFigures, TermRank
 from axrl_spike_replay.training.loss_config import LossConfig
 

@@ -33,12 +33,18 @@ from typing import Any
 from axrl_spike_replay.diagnosis.evidence.model_evidence import RouteAgreement
 from axrl_spike_replay.diagnosis.evidence.ratio_shape import RatioShape, read_ratio_shape
 from axrl_spike_replay.diagnosis.evidence.signal_reading import SignalReading, read_signals
-from axrl_spike_replay.diagnosis.rules import causes, causes_by_rank, reproduction, signal_causes, tie_break
+from axrl_spike_replay.diagnosis.rules import causes, causes_by_rank, reproduction, tie_break
 from axrl_spike_replay.diagnosis.rules.advantage_mass import weigh_concentration
 from axrl_spike_replay.diagnosis.rules.advantage_sign import join_by_sign
 from axrl_spike_replay.diagnosis.rules.causes import Cause, Evidence, Experiment
 from axrl_spike_replay.diagnosis.rules.input_causes import input_causes, merge_input_causes
 from axrl_spike_replay.diagnosis.rules.overflow import symptom_of_overflow
+from axrl_spike_replay.diagnosis.rules.signal_families import (
+    data_causes,
+    logprob_causes,
+    reference_causes,
+    routing_causes,
+)
 from axrl_spike_replay.diagnosis.rules.token_alignment import symptoms_of_alignment
 from axrl_spike_replay.diagnosis.suggestions.convention_experiments import in_convention
 from axrl_spike_replay.diagnosis.suggestions.hypotheses import loss_hypotheses, rank_mismatches
@@ -80,14 +86,14 @@ CHECKED = {
 }
 RULES = (
     causes.non_finite,
-    signal_causes.engine_mismatch,
-    signal_causes.stale_old_logprobs,
-    signal_causes.bad_ref_logprobs,
-    signal_causes.routing_payload,
-    signal_causes.mask_misalignment,
-    signal_causes.outlier_advantage,
+    logprob_causes.engine_mismatch,
+    logprob_causes.stale_old_logprobs,
+    reference_causes.bad_ref_logprobs,
+    routing_causes.routing_payload,
+    data_causes.mask_misalignment,
+    data_causes.outlier_advantage,
     causes.negative_advantage_dominance,
-    signal_causes.one_rank_data,
+    data_causes.one_rank_data,
     reproduction.step_not_reproduced,
 )
 TIE = 0.1  # likely causes whose strengths are this close fit equally

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from axrl_spike_replay.diagnosis.evidence.ratio_shape import RatioShape, few_tokens_dominate, sequences_agree
 from axrl_spike_replay.diagnosis.rules.causes import Experiment
-from axrl_spike_replay.diagnosis.rules.signal_causes import REFUTE_STAYS
+from axrl_spike_replay.diagnosis.rules.signal_families.signal_parts import REFUTE_STAYS
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_mitigation_args
 from axrl_spike_replay.training.loss_config import LossConfig
