@@ -23,7 +23,8 @@ from axrl_spike_replay.errors import ConfigError, SnapshotError
 from axrl_spike_replay.experiment.result import ReplayResult
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.models.policy import build_policy, load_policy_weights, parse_model_config
-from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob, compute
+from axrl_spike_replay.replay.compute.worker import compute
+from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 from axrl_spike_replay.replay.engine import replay_session, run_replay
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights, check_streamable
 from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed

@@ -25,7 +25,7 @@ from axrl_spike_replay.remote.launchers.slurm_launch import SlurmJob, SlurmLaunc
 from axrl_spike_replay.remote.launchers.spawn_launch import SpawnLauncher
 from axrl_spike_replay.remote.launchers.torchrun_launch import TorchrunJob, TorchrunLauncher
 from axrl_spike_replay.replay.compute.clean_gradient import spike_bar
-from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 from axrl_spike_replay.replay.jobs.job_runner import run_job
 from axrl_spike_replay.replay.jobs.torchrun_worker import RESULT_KIND
 from axrl_spike_replay.replay.plans.layout_plan import plan_layout

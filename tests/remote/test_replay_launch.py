@@ -35,7 +35,7 @@ from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.remote.launchers.launch_job import LaunchNode
 from axrl_spike_replay.remote.launchers.replay_launch import LaunchedRunner, Placement
 from axrl_spike_replay.replay.compute.clean_gradient import spike_bar
-from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 from axrl_spike_replay.replay.jobs.job_runner import run_job
 from axrl_spike_replay.replay.plans.layout_plan import plan_layout
 from axrl_spike_replay.replay.reading.inputs import load_inputs

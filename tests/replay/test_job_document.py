@@ -14,7 +14,7 @@ from axrl_spike_replay.experiment.mitigation.mitigation_catalogue import EXAMPLE
 from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
 from axrl_spike_replay.experiment.mitigation.objective_mitigations import OBJECTIVES
 from axrl_spike_replay.replay.compute.clean_gradient import SpikeBar
-from axrl_spike_replay.replay.compute.worker import WorkerJob
+from axrl_spike_replay.replay.compute.worker_job import WorkerJob
 from axrl_spike_replay.replay.jobs.job_document import job_document, job_of_document
 from axrl_spike_replay.replay.plans.layout_plan import plan_layout
 from axrl_spike_replay.replay.reading.inputs import load_inputs

@@ -23,7 +23,7 @@ from axrl_spike_replay.replay.analyses.attribution import _gradient_pass, attrib
 from axrl_spike_replay.replay.analyses.rank_micro_batches import rank_forward, rank_loss_of
 from axrl_spike_replay.replay.analyses.step_evidence_run import step_evidence
 from axrl_spike_replay.replay.compute.model_build import Placement, build_model
-from axrl_spike_replay.replay.compute.worker import RankInputs, config_loss, step_counts
+from axrl_spike_replay.replay.compute.process_inputs import RankInputs, config_loss, step_counts
 from axrl_spike_replay.replay.engine import replay_dir_for, run_replay
 from axrl_spike_replay.replay.plans.replay_plan import Capacity, plan_replay
 from axrl_spike_replay.replay.reading.inputs import load_inputs

@@ -198,7 +198,7 @@ def test_processes_torchrun_starts_run_their_share_of_a_sharded_replay(
     import subprocess
     import sys
 
-    from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+    from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 
     snapshot, whole = toy_world4
     worker = Path(__file__).with_name("torchrun_share_worker.py")

@@ -31,7 +31,8 @@ from tiny_snapshot import record_tiny_snapshot
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.replay.analyses.attribution import Attribution, attribute_spike
-from axrl_spike_replay.replay.compute.worker import ConfigOutcome, compute
+from axrl_spike_replay.replay.compute.worker import compute
+from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed
 from axrl_spike_replay.replay.streamed.streamed_processes import run_streamed_processes

@@ -23,7 +23,8 @@ from tiny_snapshot import record_tiny_snapshot
 from axrl_spike_replay.errors import AxrlError, SnapshotError
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.processes.rank_processes import RunCancelled
-from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob, compute
+from axrl_spike_replay.replay.compute.worker import compute
+from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 from axrl_spike_replay.replay.engine import replay_session, run_replay
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
 from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed

@@ -20,7 +20,8 @@ import torch
 from tiny_snapshot import record_tiny_snapshot
 
 from axrl_spike_replay.investigation.request import How, What, replay_request
-from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob, compute
+from axrl_spike_replay.replay.compute.worker import compute
+from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 from axrl_spike_replay.replay.engine import replay_session
 from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed
 from axrl_spike_replay.vocabulary import Shard, Verb

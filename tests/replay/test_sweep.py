@@ -12,7 +12,7 @@ from axrl_spike_replay.experiment.result import SweepResult
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.investigation.runs import run_request
 from axrl_spike_replay.investigation.task_opening import open_task
-from axrl_spike_replay.replay.compute.worker import forward_groups
+from axrl_spike_replay.replay.compute.process_inputs import forward_groups
 from axrl_spike_replay.training.policy_loss import LossConfig
 from axrl_spike_replay.training.routing_replay import RoutingConfig
 from axrl_spike_replay.workspace.task_record.task_state import show_task

@@ -5,7 +5,7 @@ mini-batch (fixed `micro_batch_size_per_gpu`, or `use_dynamic_bsz` with `max_tok
 `rearrange_micro_batches` and its Karmarkar-Karp balancing), `ppo_loss` runs on each micro-batch, and the losses'
 gradients add up as its FSDP engine's `forward_backward_batch` backpropagates them (no rescaling). Ours is
 `training.micro_batches`' plan, each micro-batch cut by `take` and its loss scaled as planned — what the replay's
-micro-batch loop (`replay.compute.worker.forward_group`) does around the model.
+micro-batch loop (`replay.compute.rank_passes.forward_group`) does around the model.
 
 The batches (verl_cases.rank_batch: responses of 0 to 9 tokens) make the micro-batches uneven in tokens and
 sequences, so a per-micro-batch normalisation shows: the flattened rank (one micro-batch) is held to differ from

@@ -66,7 +66,7 @@ class Footprint:
 
 
 SHOWN_SAMPLES = 8  # samples named in a clean gradient's description before "and N more"
-# the clean gradient's keys in the order the engine writes them (`replay.compute.worker.clean_gradient`)
+# the clean gradient's keys in the order the engine writes them (`replay.compute.clean_probe.clean_gradient`)
 CLEAN_KEYS = (
     "left_out", "wholly_left_out", "tokens_left_out", "loss_tokens", "token_share_left_out", "share_left_out",
     "reached", "reason", "bar", "grad_norm", "ratio_to_median", "baseline_cosine", "passes", "probe_norms",

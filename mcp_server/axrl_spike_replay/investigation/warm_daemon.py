@@ -47,7 +47,7 @@ from axrl_spike_replay.investigation.warm_socket import (
 )
 
 if TYPE_CHECKING:
-    from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+    from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
     from axrl_spike_replay.replay.jobs.warm_pool import WarmService
 
 _POLL_S = 0.5

@@ -51,7 +51,7 @@ from axrl_spike_replay.percent import pct
 from axrl_spike_replay.processes.run_limit import time_limited
 from axrl_spike_replay.replay.compute.clean_gradient import spike_bar
 from axrl_spike_replay.replay.compute.outcome_figures import DEFINITION
-from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 from axrl_spike_replay.replay.jobs.job_runner import JobRunner, run_job
 from axrl_spike_replay.replay.plans.layout_plan import LayoutPlan, plan_layout
 from axrl_spike_replay.replay.plans.replay_plan import HERE, Capacity

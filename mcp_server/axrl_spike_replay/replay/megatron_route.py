@@ -26,7 +26,7 @@ from typing import Any
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.models.mcore.megatron_config import MegatronModelConfig
-from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 
 ROUTE_1 = "the built-in `backend` torch (route 1: the transformers model)"
 
@@ -111,7 +111,7 @@ def _replay_rank(rank: int, world: int, payload: tuple[str, dict[str, Any], Any,
     from axrl_spike_replay.models.mcore.megatron_gpt import MegatronParallel, build_gpt_model, init_parallel
     from axrl_spike_replay.models.mcore.megatron_policy import force_routes, install_trace, megatron_logprobs
     from axrl_spike_replay.models.tiny_moe import RoutingControl
-    from axrl_spike_replay.replay.compute.worker import rank_step_metrics
+    from axrl_spike_replay.replay.compute.rank_passes import rank_step_metrics
     from axrl_spike_replay.replay.reading.inputs import read_micro_batches
     from axrl_spike_replay.snapshot.layout import batch_file
     from axrl_spike_replay.snapshot.rank_data import load_rank_batch, load_rank_routes

@@ -33,7 +33,7 @@ from axrl_spike_replay.remote.launchers.torchrun_command import DEFAULT_RENDEZVO
 from axrl_spike_replay.remote.launchers.torchrun_launch import TorchrunJob, TorchrunLauncher
 from axrl_spike_replay.remote.transport.cancellable import cancellable
 from axrl_spike_replay.remote.transport.options import RemoteOptions
-from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 from axrl_spike_replay.replay.jobs.job_document import job_document
 from axrl_spike_replay.replay.jobs.torchrun_worker import (
     CRASH_MARK,

@@ -23,7 +23,7 @@ from axrl_spike_replay.remote.transport.job import LineCallback
 from axrl_spike_replay.replay.jobs.torchrun_worker import RESULT_KIND
 
 if TYPE_CHECKING:  # the engine's types; this module stays light for `plan` and `--dry-run`
-    from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+    from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 
 LOG_FILE = "spawn.log"
 SPAWN_RESULT_FILE = "result.json"

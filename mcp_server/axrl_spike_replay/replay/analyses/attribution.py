@@ -34,7 +34,7 @@ from axrl_spike_replay.processes.run_limit import time_limited
 from axrl_spike_replay.replay.analyses.sample_signals import RankGather, base_name, cut_rows, micro_steps
 from axrl_spike_replay.replay.compute.model_build import Placement, build_model
 from axrl_spike_replay.replay.compute.outcome_figures import jvp_policy
-from axrl_spike_replay.replay.compute.worker import RankInputs, step_counts
+from axrl_spike_replay.replay.compute.process_inputs import RankInputs, step_counts
 from axrl_spike_replay.replay.engine import check_device, replay_dir_for
 from axrl_spike_replay.replay.plans.layout_plan import plan_layout
 from axrl_spike_replay.replay.plans.shard_choice import (

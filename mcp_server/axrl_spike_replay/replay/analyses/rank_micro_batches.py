@@ -1,6 +1,6 @@
 """A saved rank's forward and loss micro-batch by micro-batch, kept on one graph, for the analyses of a rank's loss.
 
-The replay itself (`worker.forward_group`) forwards and backpropagates one micro-batch at a time, and so do the
+The replay itself (`rank_passes.forward_group`) forwards and backpropagates one micro-batch at a time, and so do the
 analyses of a rank's loss that take gradients (attribution, diagnose's loss-term channel): `micro_forwards` gives
 each micro-batch's forward in turn, `micro_loss` its loss as the trainer computed it, and the caller takes its
 backward(s) and drops the graph before the next: a process's peak holds one micro-batch's activations, as the
@@ -28,7 +28,8 @@ import torch
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
 from axrl_spike_replay.models.policy import policy_forward
-from axrl_spike_replay.replay.compute.worker import RankInputs, loss_batch, rank_step_metrics
+from axrl_spike_replay.replay.compute.process_inputs import RankInputs, loss_batch
+from axrl_spike_replay.replay.compute.rank_passes import rank_step_metrics
 from axrl_spike_replay.training.micro_batches import MicroBatch, stitch, take, take_routing
 from axrl_spike_replay.training.policy_loss import LossOutput
 
@@ -111,7 +112,7 @@ def micro_loss(
     loss: Callable[[Any, dict[str, Any]], LossOutput],
 ) -> LossOutput:
     """One micro-batch's loss from its forward `part`, unscaled (the trainer multiplies it by `mb.scale`): `loss`
-    on its outputs and its batch as `worker.loss_batch` cuts it."""
+    on its outputs and its batch as `process_inputs.loss_batch` cuts it."""
     view = _View(part.logprobs, part.entropy, part.aux_loss, part.z_loss)
     return loss(view, loss_batch(saved, rank, cfg, part.logprobs, mb))
 
@@ -151,7 +152,7 @@ def rank_loss_of(
     loss: Callable[[Any, dict[str, Any]], LossOutput],
 ) -> LossOutput:
     """The rank's loss from its forward `out`: `loss(view, batch)` on each micro-batch (its outputs cut from the
-    rank's, its batch as `worker.loss_batch` gives it), scaled and summed; per-token figures at the rank's rows.
+    rank's, its batch as `process_inputs.loss_batch` gives it), scaled and summed; per-token figures at the rank's rows.
     One micro-batch: `loss` on the whole forward, as it is."""
     if len(out.plan) == 1 and _whole(out.plan[0], saved):
         part = out.parts[0]

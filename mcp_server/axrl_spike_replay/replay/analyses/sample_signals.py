@@ -12,7 +12,7 @@ import torch
 
 from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
 from axrl_spike_replay.replay.analyses.rank_micro_batches import joined_loss, micro_forwards, micro_loss
-from axrl_spike_replay.replay.compute.worker import RankInputs, config_loss, loss_batch
+from axrl_spike_replay.replay.compute.process_inputs import RankInputs, config_loss, loss_batch
 from axrl_spike_replay.training.micro_batches import MicroBatch, stitch
 from axrl_spike_replay.training.policy_loss import LossOutput, expand_advantages
 
@@ -79,7 +79,7 @@ def micro_steps(
 ) -> Iterator[MicroStep]:
     """Saved rank `rank`'s micro-batches one at a time (`rank_micro_batches.micro_forwards`: the saved batch, the
     config's routing, the trainer's split), each with the config's loss on its filtered rows as in a replay
-    (`worker.config_loss`), its log-probs (and entropy) keeping their gradients. The caller takes the backwards
+    (`process_inputs.config_loss`), its log-probs (and entropy) keeping their gradients. The caller takes the backwards
     and drops the step before the next: one micro-batch's graph at a time."""
     saved = inputs.batches[rank]
     kept = cfg.samples.keeps_rank(rank)

@@ -43,7 +43,8 @@ from axrl_spike_replay.replay.analyses.sample_signals import RankGather, micro_s
 from axrl_spike_replay.replay.analyses.share_processes import run_share_processes
 from axrl_spike_replay.replay.compute.gradient_space import Grads, Sharded, accumulate
 from axrl_spike_replay.replay.compute.model_build import Placement, build_model
-from axrl_spike_replay.replay.compute.worker import RankInputs, gather_objects, step_counts
+from axrl_spike_replay.replay.compute.process_inputs import RankInputs, step_counts
+from axrl_spike_replay.replay.compute.rank_passes import gather_objects
 
 _ROW_KEYS = ("tokens", "loss_mask", "attention_mask")  # what a forward reads of a batch (`attribution._JVP_KEYS`)
 

@@ -58,7 +58,8 @@ from axrl_spike_replay.replay.analyses.step_evidence_forward import (
 )
 from axrl_spike_replay.replay.compute.gradient_space import Grads, Sharded, accumulate
 from axrl_spike_replay.replay.compute.model_build import Placement, build_model
-from axrl_spike_replay.replay.compute.worker import RankInputs, gather_objects, step_counts
+from axrl_spike_replay.replay.compute.process_inputs import RankInputs, step_counts
+from axrl_spike_replay.replay.compute.rank_passes import gather_objects
 from axrl_spike_replay.replay.reading.inputs import ReplayInputs
 from axrl_spike_replay.snapshot.rank_data import load_rank_routes
 

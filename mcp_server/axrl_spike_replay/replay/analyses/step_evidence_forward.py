@@ -38,7 +38,8 @@ from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.processes.rank_processes import check_cancel
 from axrl_spike_replay.replay.analyses.rank_micro_batches import micro_forwards, micro_loss, rank_forward
 from axrl_spike_replay.replay.compute.model_build import Placement
-from axrl_spike_replay.replay.compute.worker import RankInputs, build_model, config_loss, step_counts
+from axrl_spike_replay.replay.compute.process_inputs import RankInputs, config_loss, step_counts
+from axrl_spike_replay.replay.compute.worker import build_model
 from axrl_spike_replay.replay.reading.inputs import ReplayInputs
 from axrl_spike_replay.replay.reading.route_check import check_route_shapes, check_route_values
 from axrl_spike_replay.snapshot.rank_data import load_rank_routes
@@ -271,7 +272,7 @@ def micro_terms(
 ) -> Iterator[tuple[MicroBatch, dict[str, torch.Tensor], Any]]:
     """Saved rank `rank`'s loss split into its terms, one micro-batch at a time (`rank_micro_batches.micro_forwards`:
     each yielded with its forward, on its graph, dropped by the caller before the next): per micro-batch, each term
-    (a scalar; `_loss`: the whole loss, as `worker.config_loss` computes it) scaled as the trainer scaled the
+    (a scalar; `_loss`: the whole loss, as `process_inputs.config_loss` computes it) scaled as the trainer scaled the
     micro-batch, so the rank's term is their sum. The rank's own loss settings under a hypothesis; on a rank the
     config leaves out, no router term (its policy terms are masked to nothing)."""
     saved = ranks.batches[rank]

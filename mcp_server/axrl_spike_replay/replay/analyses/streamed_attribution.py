@@ -42,7 +42,8 @@ from axrl_spike_replay.replay.analyses.rank_micro_batches import joined_loss
 from axrl_spike_replay.replay.analyses.sample_signals import base_name, rank_signals, router_loss
 from axrl_spike_replay.replay.analyses.sharded_attribution import AttributionJob, ShardedFigures
 from axrl_spike_replay.replay.analyses.share_processes import run_share_processes
-from axrl_spike_replay.replay.compute.worker import RankInputs, config_loss, gather_objects, loss_batch, step_counts
+from axrl_spike_replay.replay.compute.process_inputs import RankInputs, config_loss, loss_batch, step_counts
+from axrl_spike_replay.replay.compute.rank_passes import gather_objects
 from axrl_spike_replay.replay.reading.inputs import ReplayInputs
 from axrl_spike_replay.replay.streamed.boundaries import BoundaryStore, boundary_store
 from axrl_spike_replay.replay.streamed.layer_passes import Item, backward_steps, forward_layers, stream_items

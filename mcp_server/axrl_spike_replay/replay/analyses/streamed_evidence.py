@@ -27,7 +27,7 @@ from axrl_spike_replay.models.policy import PolicyOutput, routing_shape
 from axrl_spike_replay.models.tiny_moe import RoutingControl
 from axrl_spike_replay.processes.rank_processes import check_cancel
 from axrl_spike_replay.replay.analyses.step_evidence_forward import MAX_ROUTE_LAYERS, signals_of_rank
-from axrl_spike_replay.replay.compute.worker import RankInputs
+from axrl_spike_replay.replay.compute.process_inputs import RankInputs
 from axrl_spike_replay.replay.reading.inputs import ReplayInputs
 from axrl_spike_replay.replay.reading.route_check import check_route_shapes, check_route_values
 from axrl_spike_replay.replay.streamed.boundaries import BoundaryStore, boundary_store

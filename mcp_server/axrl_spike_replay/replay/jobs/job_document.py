@@ -21,7 +21,7 @@ from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
 from axrl_spike_replay.experiment.mitigation.recompute import Recompute
 from axrl_spike_replay.models.policy import parse_model_config
 from axrl_spike_replay.replay.compute.clean_gradient import SpikeBar
-from axrl_spike_replay.replay.compute.worker import WorkerJob
+from axrl_spike_replay.replay.compute.worker_job import WorkerJob
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.loss_normalization import GlobalCounts
 from axrl_spike_replay.training.precision import PrecisionPolicy

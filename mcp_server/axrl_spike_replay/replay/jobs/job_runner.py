@@ -23,7 +23,8 @@ from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.files.atomic import atomic_write_json
 from axrl_spike_replay.files.temp_janitor import owned_temp_dir
 from axrl_spike_replay.processes.rank_processes import RankProcessError, spawn_ranks
-from axrl_spike_replay.replay.compute.worker import ConfigOutcome, ModelSource, WorkerJob, compute
+from axrl_spike_replay.replay.compute.worker import ModelSource, compute
+from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 
 _OUTCOMES = "outcomes.json"
 

@@ -45,7 +45,7 @@ from axrl_spike_replay.processes.rank_processes import RankProcessError, RunCanc
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+    from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 
 _POLL_S = 0.2
 _START_TIMEOUT_S = 300.0  # spawning, importing torch and forming the group, on a loaded machine
@@ -189,7 +189,8 @@ def _serve_rank(
     import torch.distributed as dist
     import torch.distributed.checkpoint  # the import a cold replay pays on every call
 
-    from axrl_spike_replay.replay.compute.worker import WorkerJob, compute
+    from axrl_spike_replay.replay.compute.worker import compute
+    from axrl_spike_replay.replay.compute.worker_job import WorkerJob
     from axrl_spike_replay.replay.jobs.job_runner import backend_for, prepare_device, process_device
 
     faulthandler.enable()
@@ -303,7 +304,7 @@ class RankPool:
         """Outcomes of `job` (process 0's); raises as a cold run would. A failed job closes the pool."""
         from multiprocessing.connection import wait
 
-        from axrl_spike_replay.replay.compute.worker import ConfigOutcome
+        from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome
 
         if not self.alive():
             raise _PoolDied("a warm replay process is gone")

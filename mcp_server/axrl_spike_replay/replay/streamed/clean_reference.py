@@ -1,7 +1,7 @@
 """The clean gradient and cosine to clean, streamed: the whole replay's definition
 (`replay.compute.clean_gradient`), each gradient held a piece at a time.
 
-The search is the whole replay's (`worker.clean_gradient`): the baseline's backward keeps every micro-batch's
+The search is the whole replay's (`clean_probe.clean_gradient`): the baseline's backward keeps every micro-batch's
 dLoss/dlogprobs (the pull), the on-policy reference is probed first, then the loss tokens left out by galloping and
 bisection, each probe one streamed backward on the baseline's forward (its grad norm only: nothing of the gradient
 is kept). The clean gradient found is then not held either: it is a config (the reference with its tokens left
@@ -40,7 +40,9 @@ import torch
 from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
 from axrl_spike_replay.processes.rank_processes import check_cancel
 from axrl_spike_replay.replay.compute.clean_gradient import SpikeBar, not_reached_reason, smallest_count, token_order
-from axrl_spike_replay.replay.compute.worker import RankInputs, gather_objects, on_policy, own_baseline_figures
+from axrl_spike_replay.replay.compute.clean_probe import on_policy, own_baseline_figures
+from axrl_spike_replay.replay.compute.process_inputs import RankInputs
+from axrl_spike_replay.replay.compute.rank_passes import gather_objects
 from axrl_spike_replay.replay.streamed.boundaries import BoundaryStore
 from axrl_spike_replay.replay.streamed.layer_passes import ConfigPass, Item, PieceHook, backward_steps
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights

@@ -7,7 +7,7 @@ recorded routes, the layer's outputs (next hidden states, router logits or losse
 layer freed. Nothing records a graph. Each pass reads one layer ahead (`StreamedWeights.prefetch`): the next
 layer's read overlaps the current layer's compute.
 
-Backward (once per config): the head and the config's loss on every micro-batch, as `worker.forward_group` computes
+Backward (once per config): the head and the config's loss on every micro-batch, as `rank_passes.forward_group` computes
 them (`loss_batch`, `config_loss`, the micro-batch's scale), backpropagated to the last hidden states and to every
 layer's router outputs; then for each layer in reverse its weights read again, each micro-batch's layer recomputed
 from its saved input with the routes it took, its saved output gradient backpropagated into the layer's parameters
@@ -28,7 +28,8 @@ import torch
 from axrl_spike_replay.experiment.mitigation.mitigations import AppliedConfig
 from axrl_spike_replay.processes.rank_processes import check_cancel
 from axrl_spike_replay.replay.compute.outcome_figures import RankTrace
-from axrl_spike_replay.replay.compute.worker import RankInputs, config_loss, loss_batch, rank_step_metrics
+from axrl_spike_replay.replay.compute.process_inputs import RankInputs, config_loss, loss_batch
+from axrl_spike_replay.replay.compute.rank_passes import rank_step_metrics
 from axrl_spike_replay.replay.streamed.boundaries import BoundaryStore
 from axrl_spike_replay.replay.streamed.layer_gradients import PieceGradient, StepFigures
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights

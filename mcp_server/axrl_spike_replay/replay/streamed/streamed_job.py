@@ -1,12 +1,12 @@
 """A replay job computed streamed, in this process: every saved rank, one decoder layer at a time.
 
 `run_streamed_job` is a `launch.JobRunner`: the engine judges and records its outcomes as it does the whole or
-sharded replay's (`ReplaySession.result`). For each forward group (`worker.forward_groups`: configs sharing weights and
-routing) the forward runs once (`layer_passes.forward_layers`) and each config its own backward
+sharded replay's (`ReplaySession.result`). For each forward group (`process_inputs.forward_groups`: configs sharing
+weights and routing) the forward runs once (`layer_passes.forward_layers`) and each config its own backward
 (`layer_passes.backward_steps`); a config's outcome holds its grad norm, top parameters, each rank's metrics, the
 baseline's per-parameter norms of the reduced gradient and of each saved rank's own gradient, and a mitigated
-config's footprint against the baseline. Boundaries live in a `BoundaryStore`, whose spill dir is removed however
-the job ends (cancelled, timed out, failed).
+config's footprint against the baseline. Boundaries live in a `BoundaryStore`, whose spill dir is removed however the
+job ends (cancelled, timed out, failed).
 
 With mitigations, the clean gradient is searched on the baseline's forward after the baseline's backward, and the
 mitigated configs' backwards run beside one clean backward for their cosines to clean (`clean_reference`: all of a
@@ -32,7 +32,8 @@ from axrl_spike_replay.models.policy import routing_shape
 from axrl_spike_replay.processes.rank_processes import RunCancelled, check_cancel
 from axrl_spike_replay.replay.compute.host_allocator import return_freed_host_memory
 from axrl_spike_replay.replay.compute.outcome_figures import RankTrace, footprint_counts, merge_footprint
-from axrl_spike_replay.replay.compute.worker import ConfigOutcome, RankInputs, WorkerJob, forward_groups, step_counts
+from axrl_spike_replay.replay.compute.process_inputs import RankInputs, forward_groups, step_counts
+from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 from axrl_spike_replay.replay.jobs.job_runner import prepare_device
 from axrl_spike_replay.replay.streamed.boundaries import boundary_store
 from axrl_spike_replay.replay.streamed.clean_reference import (

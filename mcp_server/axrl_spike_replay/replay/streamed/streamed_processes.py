@@ -27,7 +27,7 @@ from typing import Any
 from axrl_spike_replay.errors import ConfigError
 from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.experiment.result import FOOTPRINT_COUNTS, Footprint
-from axrl_spike_replay.replay.compute.worker import ConfigOutcome, WorkerJob
+from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 from axrl_spike_replay.replay.jobs.job_runner import JobRunner
 from axrl_spike_replay.replay.streamed.rank_chain import RankChain, contiguous_blocks
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
