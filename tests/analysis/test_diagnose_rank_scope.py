@@ -87,3 +87,31 @@ def test_on_a_real_snapshot_whose_figures_single_out_one_rank_no_strong_cause_cl
     assert all(c.ranks == [1] or (c.family == "step_not_reproduced" and 1 in c.ranks) for c in strong), [
         (c.family, c.strength, c.ranks) for c in strong
     ]
+
+
+def test_two_witnessed_causes_on_the_same_rank_tie_until_a_comparison_separates_them() -> None:
+    """Two stored inputs off on one rank, each with its witness, are more often one fault upstream of both than two:
+    neither is called certain before the comparison that separates them. On different ranks, or beside a failed
+    input check (a fact about the snapshot), they stay two broken parts."""
+    from axrl_spike_replay.diagnosis.diagnose import TIED, mark_ties
+
+    def witnessed(family: str, ranks: list[int], **figures: object) -> Cause:
+        return Cause(family, family, 1.0, figures=dict(figures), ranks=ranks)
+
+    old, ref = witnessed("stale_old_logprobs", [1]), witnessed("bad_ref_logprobs", [1])
+    mark_ties([old, ref])
+    assert old.tied_with == ["bad_ref_logprobs"] and ref.tied_with == ["stale_old_logprobs"]
+    assert old.strength == ref.strength == TIED < 0.8
+
+    apart = [witnessed("stale_old_logprobs", [0]), witnessed("bad_ref_logprobs", [3])]
+    mark_ties(apart)
+    assert all(c.strength == 1.0 and not c.tied_with for c in apart)
+
+    checked = witnessed("mask_misalignment", [1], input_findings=[{"check": "mask_values"}])
+    signal = witnessed("stale_old_logprobs", [1])
+    mark_ties([checked, signal])
+    assert checked.strength == signal.strength == 1.0
+
+    routes, moved = witnessed("routing_payload", [1]), witnessed("bad_ref_logprobs", [1])
+    mark_ties([routes, moved])  # the routes rule reads the moved signal as their symptom instead
+    assert not routes.tied_with and not moved.tied_with

@@ -270,7 +270,7 @@ def diagnose_snapshot(
     causes_by_rank.hold_to_ranks(found, causes_by_rank.singled_out(ev, world))
     symptom_of_overflow(found, ev)  # a non-finite step from finite inputs: the input that overflows leads
     untied = {id(c): c.strength for c in found}
-    _mark_ties(found)
+    mark_ties(found)
     pairs = tie_break.name_comparisons(found)
     if pairs and step is not None and model == "auto":  # the model evidence ran here: a replay of it is cheap
         not_checked += tie_break.run_comparisons(directory, pairs, untied)
@@ -372,22 +372,25 @@ ROUTE_MOVED = ("bad_ref_logprobs", "stale_old_logprobs", "engine_mismatch")
 def _routes_before_what_they_move(found: list[Cause]) -> None:
     """A corrupt routing payload on ranks R comes before an equally strong stored-signal cause confined to R: the
     replay there runs the corrupt routes, so a signal the trainer computed with other routes (a reference worker
-    routing on its own) differs from it there as well; `recompute=routes` on R separates the two readings."""
+    routing on its own) differs from it there as well; `recompute=routes` on R separates the two readings. Where a
+    witness holds the routes (1.0), such a signal is read as their symptom: at most TIED."""
     routes = next((c for c in found if c.family == "routing_payload" and c.strength >= causes.LIKELY and c.ranks), None)
     if routes is None:
         return
     on = set(routes.ranks)
     moved = [
-        c
-        for c in found[: found.index(routes)]
-        if c.family in ROUTE_MOVED and c.strength <= routes.strength and c.ranks and set(c.ranks) <= on
+        c for c in found if c.family in ROUTE_MOVED and c.strength <= routes.strength and c.ranks and set(c.ranks) <= on
     ]
     if not moved:
         return
-    found.remove(routes)
-    found.insert(found.index(moved[0]), routes)
+    ahead = [c for c in moved if found.index(c) < found.index(routes)]
+    if ahead:
+        found.remove(routes)
+        found.insert(found.index(ahead[0]), routes)
     where = ", ".join(str(r) for r in routes.ranks)
     for cause in moved:
+        if routes.strength >= 1.0:  # witnessed routes: the signal they move is their symptom until shown otherwise
+            cause.strength = min(cause.strength, TIED)
         cause.evidence.append(
             f"on rank {where}, whose routing payload is off: the replay there runs those routes, so this signal "
             f"differs there as well; `recompute=routes:rank{routes.ranks[0]}` tells whether the routes alone explain it"
@@ -404,23 +407,34 @@ def _not_reproduced_first(found: list[Cause]) -> None:
         found.insert(0, head)
 
 
-def _mark_ties(found: list[Cause]) -> None:
+def mark_ties(found: list[Cause]) -> None:
     """Likely causes of different families whose strengths are within TIE, neither separated by a witness (1.0)
-    nor on different ranks: capped at TIED, each naming the other."""
+    nor on different ranks: capped at TIED, each naming the other. Two witnessed causes (1.0) on the same ranks tie
+    as well, unless one is a failed input check (a fact about the snapshot): two stored inputs off on one rank are
+    more often one fault upstream of both (the rank's tokens, its order, its routes) than two, so the comparison
+    that separates them is run before either is called certain."""
     likely = [c for c in found if c.strength >= causes.LIKELY and c.family != "step_not_reproduced"]
     for a in likely:
         for b in likely:
             if a is b or abs(a.strength - b.strength) >= TIE or b.family in a.tied_with:
                 continue
-            if a.strength >= 1.0 or b.strength >= 1.0:
-                continue  # a witness separated each: two broken parts, not two readings of one
             if a.ranks and b.ranks and not set(a.ranks) & set(b.ranks):
                 continue  # different ranks: two broken parts
+            if (a.strength >= 1.0 or b.strength >= 1.0) and not _same_rank_readings(a, b):
+                continue  # a witness separated each: two broken parts, not two readings of one
             a.tied_with.append(b.family)
     for c in likely:
         if c.tied_with:
             c.strength = min(c.strength, TIED)
             c.evidence.append(f"fits the evidence as well as: {', '.join(c.tied_with)} (the experiments separate them)")
+
+
+def _same_rank_readings(a: Cause, b: Cause) -> bool:
+    """Two witnessed causes read off the same ranks' stored inputs, neither a failed input check."""
+    checked = any(c.figures.get("input_findings") for c in (a, b))
+    # routes and a signal they move: `_routes_before_what_they_move` reads the signal as the routes' symptom
+    moved = {a.family, b.family} & {"routing_payload"} and {a.family, b.family} & set(ROUTE_MOVED)
+    return bool(a.ranks and b.ranks and set(a.ranks) & set(b.ranks)) and not checked and not moved
 
 
 def _natural(found: list[Cause], reading: SignalReading | None) -> Cause:
