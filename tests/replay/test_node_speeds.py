@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from axrl_spike_replay.investigation.planning import NODE_SPEEDS, plan_for
-from axrl_spike_replay.replay.plans.node_speeds import checkpoint_data_file, measure_read
-from axrl_spike_replay.replay.streamed.streamed_plan import ASSUMED_FLOPS, ASSUMED_READ_BYTES_PER_S, StreamedRow
+from axrl_spike_replay.replay.plans.read_speed import checkpoint_data_file, measure_read
+from axrl_spike_replay.replay.streamed.speeds import ASSUMED_FLOPS, ASSUMED_READ_BYTES_PER_S, Speeds
+from axrl_spike_replay.replay.streamed.streamed_plan import StreamedRow
 from axrl_spike_replay.testing.config_only_snapshot import DEEPSEEK_V3, write_config_only_snapshot
 from axrl_spike_replay.workspace.paths import TMP_DIR
 
@@ -166,3 +167,14 @@ def test_the_read_probe_takes_no_link_out_of_the_snapshot(tmp_path: Path) -> Non
     with pytest.raises(OSError):
         measure_read(weights / "__1_0.distcp")  # and the read itself refuses a link
     assert measure_read(weights / "__0_0.distcp").bytes_read == 4096
+
+
+def test_speeds_another_process_printed_are_used_only_when_they_are_speeds() -> None:
+    """A node's measurement comes back as JSON: a speed that is not a positive finite number, or a text past its
+    bound, is not used (the plan keeps the assumed speeds and says the node's result was unreadable)."""
+    good = Speeds.assumed("cpu").with_read(1e9, "measured, 1 MiB of x from disk", False).with_compute(2e11, "measured")
+    assert Speeds.from_json(json.loads(json.dumps(good.to_json())), "cpu") == good
+    for bad in ({"read_bytes_per_s": float("inf")}, {"flops_per_s": -1.0}, {"flops_per_s": True},
+                {"read_how": "x" * 10_000}, {"read_cached": "yes"}, {"compute_measured": None}):  # fmt: skip
+        assert Speeds.from_json({**good.to_json(), **bad}, "cpu") is None, bad
+    assert Speeds.from_json(["not", "a", "document"], "cpu") is None

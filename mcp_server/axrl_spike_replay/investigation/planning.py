@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from axrl_spike_replay.errors import AxrlError, ConfigError
 from axrl_spike_replay.investigation.node_description import check_described_node
@@ -24,11 +25,17 @@ from axrl_spike_replay.replay.plans.replay_plan import (
     node_capacity,
     plan_replay,
 )
+from axrl_spike_replay.replay.plans.speed_inputs import speed_inputs
+from axrl_spike_replay.replay.streamed.speeds import Speeds
 from axrl_spike_replay.vocabulary import Device
 from axrl_spike_replay.workspace.paths import TMP_DIR
 
+if TYPE_CHECKING:
+    from axrl_spike_replay.remote.nodes.remote_speeds import SpeedsRequest
+
 LOCAL = "local"
 NODE_SPEEDS = "node-speeds.json"  # this machine's read and compute speeds (`replay.plans.node_speeds`)
+NODE_SPEEDS_REMOTE = "node-speeds-remote.json"  # SSH nodes' speeds, per host (`remote.nodes.remote_speeds`)
 
 
 def plan_for(
@@ -47,7 +54,9 @@ def plan_for(
     """The replay plan of `snapshot` where `target` says (see the module docstring); no weight is read. For a
     `slurm:` entry with `gpus_per_node`, `gpu_memory_gib` alone describes its nodes. Planned here, the streamed
     row's time is at this machine's measured speeds (kept in the workspace's `tmp/spike-replay/node-speeds.json`,
-    so later plans reuse them); elsewhere at assumed ones, said."""
+    so later plans reuse them); planned for an SSH node (or a `multinode:` entry's first), at that node's, measured
+    there over the probe's connection (kept per node in `node-speeds-remote.json` beside it); for a node described
+    or a Slurm entry, at assumed ones, said."""
     if gpus is None and gpu_memory_gib is not None and target not in (None, LOCAL):
         gpus = _slurm_gpus(str(target), workspace)
     if (gpus is None) != (gpu_memory_gib is None):
@@ -55,6 +64,7 @@ def plan_for(
     capacity: Capacity | str | None = HERE
     nodes = 1
     notes: list[str] = []
+    speeds: Speeds | None = None
     if gpus is not None and gpu_memory_gib is not None:
         check_described_node(gpus, gpu_memory_gib)
         device = "cuda"
@@ -63,13 +73,14 @@ def plan_for(
         )
     if target not in (None, LOCAL):
         assert target is not None
-        found, nodes, notes = _target_capacity(target, device, workspace, options, progress, gpus is not None)
+        measured = None if gpus is not None else snapshot  # a node described is not probed: nothing measured
+        found, nodes, notes, speeds = _target_capacity(target, device, workspace, options, progress, measured)
         if gpus is None:
             capacity = found
     here = capacity == HERE  # the streamed row's time at this machine's measured speeds, kept in the workspace
-    cache = Path(workspace) / TMP_DIR / NODE_SPEEDS if here and Path(workspace).is_dir() else None
+    cache = _cache(workspace, NODE_SPEEDS) if here else None
     plan = plan_replay(snapshot, nproc=nproc, device=device, capacity=capacity, shard=shard, nodes=nodes,
-                       measure_speeds=here, speeds_cache=cache)  # fmt: skip
+                       measure_speeds=here, speeds_cache=cache, speeds=speeds)  # fmt: skip
     plan.notes += notes
     if plan.chosen is not None:
         where, how = Where(target=target or LOCAL), How(nproc=nproc, device=Device(device))
@@ -77,6 +88,22 @@ def plan_for(
         dry = launch_dry_run(request, plan.world_size, plan.chosen.nproc, plan.chosen.sharded, options)
         plan.launch = dry.to_json() if dry is not None else None
     return plan
+
+
+def _cache(workspace: str | Path, name: str) -> Path | None:
+    """The workspace's speeds cache `name` (None: no workspace directory to keep it in)."""
+    return Path(workspace) / TMP_DIR / name if Path(workspace).is_dir() else None
+
+
+def _speeds_request(
+    snapshot: str | Path, device: str, workspace: str | Path, options: RemoteOptions | None
+) -> SpeedsRequest:
+    """What a probed node's speeds are measured for: the weights the replay reads, in its dtype, on `device`."""
+    from axrl_spike_replay.remote.nodes.remote_speeds import MEASURE_TIMEOUT_S, SpeedsRequest
+
+    weights, dtype = speed_inputs(snapshot)
+    timeout = options.timeout_s if options is not None and options.timeout_s is not None else MEASURE_TIMEOUT_S
+    return SpeedsRequest(str(weights), device, dtype, _cache(workspace, NODE_SPEEDS_REMOTE), timeout)
 
 
 def _slurm_gpus(target: str, workspace: str | Path) -> int | None:
@@ -93,39 +120,47 @@ def _target_capacity(
     workspace: str | Path,
     options: RemoteOptions | None,
     progress: Callable[[str], None] | None,
-    described: bool = False,
-) -> tuple[Capacity | None, int, list[str]]:
-    """(capacity of one node, nodes, notes) of a target: an SSH node or a `multinode:` or `slurm:` entry. With its
-    GPUs `described`, only how many nodes it has (nothing probed)."""
+    snapshot: str | Path | None = None,
+) -> tuple[Capacity | None, int, list[str], Speeds | None]:
+    """(capacity of one node, nodes, notes, its speeds) of a target: an SSH node or a `multinode:` or `slurm:`
+    entry, its (first) node probed and its speeds for a replay of `snapshot` measured there. Without `snapshot` (its
+    GPUs described), only how many nodes it has (nothing probed)."""
     from axrl_spike_replay.remote.node import probe_node
-    from axrl_spike_replay.remote.workspace_config import load_workspace_config
+    from axrl_spike_replay.remote.workspace_config import load_workspace_config, resolve_target
 
     options = options or RemoteOptions()
-    launch = load_workspace_config(Path(workspace)).launch
+    described = snapshot is None
+    config = load_workspace_config(Path(workspace))
+    launch = config.launch
     if launch is not None and target in launch.slurm:
         settings = launch.slurm[target].settings
         if described:
-            return None, settings.nodes, [f"Slurm entry {target!r}: {settings.nodes} node(s) of the GPUs described"]
+            note = f"Slurm entry {target!r}: {settings.nodes} node(s) of the GPUs described"
+            return None, settings.nodes, [note], None
         note = (
             f"Slurm entry {target!r}: {settings.nodes} node(s); the GPUs' memory is known only once the job runs: "
             "give `gpu_memory_gib` (and `gpus` unless the entry says gpus_per_node) to plan against them"
         )
-        return None, settings.nodes, [note]
+        return None, settings.nodes, [note], None
     nodes, first = 1, target
     notes: list[str] = []
     if described and (launch is None or target not in launch.multinode):
-        return None, 1, []
+        return None, 1, [], None
     if launch is not None and target in launch.multinode:
         entry = launch.multinode[target]
         nodes, first = len(entry.nodes), entry.nodes[0]
         if described:
-            return None, nodes, [f"multinode entry {target!r}: {nodes} node(s) of the GPUs described"]
+            return None, nodes, [f"multinode entry {target!r}: {nodes} node(s) of the GPUs described"], None
         notes.append(f"multinode entry {target!r}: {first} probed; its other {nodes - 1} node(s) taken to be alike")
-    report = probe_node(first, options.remote_python, options=options, workspace=workspace, progress=progress)
+    resolve_target(first, config, options.remote_python)  # a target refused before the snapshot is read
+    speeds = None if snapshot is None else _speeds_request(snapshot, device, workspace, options)
+    report = probe_node(
+        first, options.remote_python, options=options, workspace=workspace, progress=progress, speeds=speeds
+    )
     capacity = node_capacity(report, device)
     if capacity is None:
         notes.append(f"{first}: a CPU replay's memory there is not probed; capacity unknown")
-    return capacity, nodes, notes
+    return capacity, nodes, notes, report.speeds
 
 
 def refuse_what_cannot_fit(

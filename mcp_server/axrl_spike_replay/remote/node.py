@@ -8,6 +8,7 @@ from pathlib import Path
 
 from axrl_spike_replay.remote.nodes.install import install_package
 from axrl_spike_replay.remote.nodes.node_probe import NodeReport, probe
+from axrl_spike_replay.remote.nodes.remote_speeds import SpeedsRequest, measure_on_node
 from axrl_spike_replay.remote.transport.connect import connect_settings
 from axrl_spike_replay.remote.transport.options import RemoteOptions
 from axrl_spike_replay.remote.transport.session import open_session
@@ -25,8 +26,10 @@ async def probe_node_async(
     options: RemoteOptions | None = None,
     workspace: str | Path = ".",
     progress: Callable[[str], None] | None = None,
+    speeds: SpeedsRequest | None = None,
 ) -> NodeReport:
-    """Probe `target` over one SSH connection: GPUs, Python, torch, this package; a snapshot's replay plan."""
+    """Probe `target` over one SSH connection: GPUs, Python, torch, this package; a snapshot's replay plan; with
+    `speeds`, the node's read and compute speeds measured there (`remote_speeds`, into `report.speeds`)."""
     options = options or RemoteOptions()
     resolved = _resolve(target, workspace, remote_python or options.remote_python)
     if snapshot is not None:  # bad input fails before connecting
@@ -41,6 +44,10 @@ async def probe_node_async(
         if install:
             installed = await install_package(session, resolved.python, setup=resolved.setup, progress=progress)
         report = await probe(session, python=resolved.python, setup=resolved.setup, snapshot=snapshot)
+        if speeds is not None:
+            if progress is not None:
+                progress(f"measuring the read and compute speeds of {report.hostname or resolved.label}")
+            report.speeds = await measure_on_node(session, report, resolved.python, resolved.setup, speeds)
         recorded = session.connection.client.check.recorded
     if installed is not None:
         report.notes.append(
@@ -60,11 +67,19 @@ def probe_node(
     options: RemoteOptions | None = None,
     workspace: str | Path = ".",
     progress: Callable[[str], None] | None = None,
+    speeds: SpeedsRequest | None = None,
 ) -> NodeReport:
-    """Synchronous `probe_node_async` (the CLI's `node` verb)."""
+    """Synchronous `probe_node_async` (the CLI's `node` verb, `plan --target`)."""
     return asyncio.run(
         probe_node_async(
-            target, remote_python, snapshot, install=install, options=options, workspace=workspace, progress=progress
+            target,
+            remote_python,
+            snapshot,
+            install=install,
+            options=options,
+            workspace=workspace,
+            progress=progress,
+            speeds=speeds,
         )
     )
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from axrl_spike_replay.remote.transport.job import Session
 from axrl_spike_replay.remote.transport.shell import bash_command
+from axrl_spike_replay.replay.streamed.speeds import Speeds
 
 NVIDIA_SMI_QUERY = "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader"
 _MARK = "@@axrl-probe"
@@ -79,6 +80,7 @@ class NodeReport:
     plan: str | None = None  # what a replay of the snapshot would do here
     notes: list[str] = field(default_factory=list)
     temp_dir: str | None = None  # made by the probe when asked (saves a round trip before a run)
+    speeds: Speeds | None = None  # the node's read and compute speeds, when measured (`remote_speeds`)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -25,7 +25,8 @@ from axrl_spike_replay.replay.compute.process_memory import (
     step_dtypes,
 )
 from axrl_spike_replay.replay.plans.layout_plan import plan_layout
-from axrl_spike_replay.replay.streamed.streamed_plan import Speeds, StreamedRow, model_pieces, streamed_row
+from axrl_spike_replay.replay.streamed.speeds import Speeds
+from axrl_spike_replay.replay.streamed.streamed_plan import StreamedRow, model_pieces, streamed_row
 from axrl_spike_replay.training.precision import PrecisionPolicy
 
 if TYPE_CHECKING:
@@ -341,14 +342,15 @@ def plan_replay(
     checkpoint: bool | None = None,
     measure_speeds: bool = False,
     speeds_cache: Path | None = None,
+    speeds: Speeds | None = None,
 ) -> ReplayPlan:
     """The plan of a replay of `snapshot` on `nproc` processes (default: the saved world size) over `nodes` nodes,
     against `capacity` (default: this machine's; None: unknown, nothing judged). `shard`: off (the whole model in
     each process), on (FSDP2), or auto (whole when it fits). `checkpoint`: decoder layers checkpointed (True), not
     (False), or where the layout needs it (None). Reads metadata, the run config and batch shapes; never a
     weight. `measure_speeds`: the streamed row's time at this machine's read and compute speeds (`node_speeds`:
-    a bounded read of the checkpoint's largest file, a matmul; kept in `speeds_cache` when given), else at the
-    assumed ones, said."""
+    a bounded read of the checkpoint's largest file, a matmul; kept in `speeds_cache` when given), else at `speeds`
+    where given (a node's, measured there: `remote.nodes.remote_speeds`), else at the assumed ones, said."""
     from axrl_spike_replay.models.policy import parse_model_config
     from axrl_spike_replay.replay.reading.inputs import read_micro_batches, read_run_config
     from axrl_spike_replay.snapshot.metadata import read_metadata
@@ -383,7 +385,10 @@ def plan_replay(
     # most processes that fit, each replaying several saved ranks in turn
     fitting = [r for r in rows if r.fits is not False]
     full = next((r for r in fitting if r.nproc == world), max(fitting, key=lambda r: r.nproc, default=None))
-    speeds = _speeds(spec, path, device, dtypes.params, speeds_cache) if measure_speeds else _assumed(device, cap)
+    if measure_speeds:
+        speeds = _speeds(spec, path, device, dtypes.params, speeds_cache)
+    elif speeds is None:
+        speeds = _assumed(device, cap)
     plan = ReplayPlan(
         snapshot=str(path),
         model=facts.description,
@@ -437,12 +442,10 @@ def _assumed(device: str, cap: Capacity | None) -> Speeds:
 
 def _speeds(spec: Any, path: Path, device: str, dtype: str, cache: Path | None) -> Speeds:
     """This machine's speeds for the streamed row (`node_speeds`), reading where the replay reads the weights."""
-    from axrl_spike_replay.models.hf_config import HFModelConfig
-    from axrl_spike_replay.models.policy import hf_weights_dir
     from axrl_spike_replay.replay.plans.node_speeds import node_speeds
+    from axrl_spike_replay.replay.plans.speed_inputs import weights_read
 
-    weights = hf_weights_dir(spec, path) if isinstance(spec, HFModelConfig) else path
-    return node_speeds(weights, device, dtype, cache)
+    return node_speeds(weights_read(spec, path), device, dtype, cache)
 
 
 def _layout(plan: ReplayPlan, nodes: int) -> str:

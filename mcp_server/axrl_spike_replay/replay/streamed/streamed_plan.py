@@ -30,9 +30,9 @@ matrix: counted once with the embedding, and its head half of the gradient held 
 
 The time is an estimate: compute of 2 x active parameters x tokens for the forward, 8 x for each config's backward
 (the layer recomputed, then backpropagated), at the `Speeds` given, plus the bytes read at its read speed. Each speed
-is measured on this machine (`replay.plans.node_speeds`: a bounded read of the checkpoint, a matmul) or assumed
-(`ASSUMED_*`, where nothing was measured: a node described or probed, no GPU here, no checkpoint file); the row says
-which, and why.
+is measured where the replay would run (`replay.plans.node_speeds`: a bounded read of the checkpoint, a matmul; on
+this machine or on an SSH node) or assumed (`speeds.ASSUMED_*`, where nothing was measured: a node described, no GPU
+there, no checkpoint file); the row says which, where, and why.
 """
 
 from __future__ import annotations
@@ -54,46 +54,9 @@ from axrl_spike_replay.replay.compute.process_memory import (
     activation_bytes,
 )
 from axrl_spike_replay.replay.streamed.settings import DEFAULT_HOST_BUDGET
+from axrl_spike_replay.replay.streamed.speeds import Speeds
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")
-# assumed speeds where none is given (said in the row): a local NVMe read, and a sustained fraction of the peak
-ASSUMED_READ_BYTES_PER_S = 2e9
-ASSUMED_FLOPS = {"cpu": 5e10, "cuda": 3e14}
-
-
-@dataclass(frozen=True)
-class Speeds:
-    """The read and compute speeds of the row's estimate, each with how it was had (measured, kept, assumed)."""
-
-    read_bytes_per_s: float
-    read_how: str
-    flops_per_s: float
-    compute_how: str
-    read_measured: bool = False
-    compute_measured: bool = False
-    read_cached: bool | None = None  # the measured read came from the page cache (None: unknown, or not measured)
-
-    @classmethod
-    def assumed(cls, device: str, why: str = "not measured") -> Speeds:
-        """The assumed speeds for `device`, saying `why` they are assumed."""
-        flops = ASSUMED_FLOPS.get(device, ASSUMED_FLOPS["cpu"])
-        return cls(ASSUMED_READ_BYTES_PER_S, f"assumed ({why})", flops, f"assumed ({why})")
-
-    def with_read(self, bytes_per_s: float, how: str, cached: bool | None) -> Speeds:
-        """These speeds with a measured read speed."""
-        return dataclasses.replace(self, read_bytes_per_s=bytes_per_s, read_how=how, read_measured=True,
-                                   read_cached=cached)  # fmt: skip
-
-    def with_compute(self, flops_per_s: float, how: str, measured: bool = True) -> Speeds:
-        """These speeds with another compute speed (measured unless said)."""
-        return dataclasses.replace(self, flops_per_s=flops_per_s, compute_how=how, compute_measured=measured)
-
-    def text(self) -> str:
-        """Both speeds and how each was had, in words."""
-        return (
-            f"read {self.read_bytes_per_s / 1e9:.3g} GB/s {self.read_how}; "
-            f"compute {self.flops_per_s / 1e12:.3g} TFLOP/s {self.compute_how}"
-        )
 
 
 @dataclass(frozen=True)
