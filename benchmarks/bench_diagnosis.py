@@ -42,13 +42,16 @@ case with two faults on two ranks), committed before `diagnose` was run on it, s
 seeing its two misses). `--provenance held_out_ix` runs the ninth (`capture.fault_injection.held_out_ix_faults`: six
 kinds no earlier provenance uses, three of them in what the trainer does with a clean input, thirteen cases on
 tiny_moe, qwen2_moe and olmoe, world sizes 2 and 4, one case with two faults on two ranks), committed before
-`diagnose` was run on it, spent since (rules were written after seeing its misses).
+`diagnose` was run on it, spent since (rules were written after seeing its misses). `--provenance held_out_x` runs
+the tenth (`capture.fault_injection.held_out_x_faults`: six kinds no earlier provenance uses, two of them in what the
+trainer does with a clean input, thirteen cases on tiny_moe, qwen2_moe and olmoe, world sizes 2 and 4, one case with
+two faults on two ranks), committed before `diagnose` was run on it: the held-out figure now.
 
 A case whose run trips no spike guard at the burst is listed as `no spike` and left out of the accuracy: that is the
 fault's failure to spike on that model and seed, not the diagnosis's.
 
 Usage: .venv/bin/python benchmarks/bench_diagnosis.py [--models tiny_moe,qwen2_moe,olmoe] [--seeds 0]
-       [--provenance preset,variant,held_out,unseen,held_out_ii,...,held_out_ix] [--cases NAME,...]
+       [--provenance preset,variant,held_out,unseen,held_out_ii,...,held_out_x] [--cases NAME,...]
        [--no-experiments] [--json PATH] [--keep DIR [--reuse]]
        (--keep keeps the captures; --reuse diagnoses kept ones again after a change)
 """

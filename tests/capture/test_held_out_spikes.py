@@ -1,6 +1,6 @@
 """Every case of the held-out provenances a figure is taken on (`unseen`, `held_out_iii`, `held_out_iv`,
-`held_out_v`, `held_out_vi`, `held_out_vii`, `held_out_viii`, `held_out_ix`) spikes at its burst in a genuine
-reference-trainer run on its own model and world size: a case that stops spiking leaves the accuracy
+`held_out_v`, `held_out_vi`, `held_out_vii`, `held_out_viii`, `held_out_ix`, `held_out_x`) spikes at its burst in a
+genuine reference-trainer run on its own model and world size: a case that stops spiking leaves the accuracy
 (`bench_diagnosis` lists it as `no spike`) without anyone noticing, as two `unseen` cases once did when the trainer's
 head and loss changed."""
 
@@ -20,6 +20,7 @@ CASES = matrix_cases(
         "held_out_vii",
         "held_out_viii",
         "held_out_ix",
+        "held_out_x",
     )
 )
 

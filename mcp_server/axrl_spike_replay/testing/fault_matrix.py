@@ -7,7 +7,7 @@ Its provenances:
 
 - `preset`: the family presets (`presets.FAMILY_PRESETS`), one per family;
 - `variant`: a family preset's fault with other parameters or ranks;
-- `held_out`, `unseen`, `held_out_ii` ... `held_out_ix`: held-out sets (`testing.held_out_sets`, one module per
+- `held_out`, `unseen`, `held_out_ii` ... `held_out_x`: held-out sets (`testing.held_out_sets`, one module per
   set), each of faults no earlier provenance uses, written and committed before any rule was run on them; each
   case names its own model and world size.
 
@@ -31,6 +31,7 @@ from axrl_spike_replay.testing.held_out_sets.held_out_v import HELD_OUT_V
 from axrl_spike_replay.testing.held_out_sets.held_out_vi import HELD_OUT_VI
 from axrl_spike_replay.testing.held_out_sets.held_out_vii import HELD_OUT_VII
 from axrl_spike_replay.testing.held_out_sets.held_out_viii import HELD_OUT_VIII
+from axrl_spike_replay.testing.held_out_sets.held_out_x import HELD_OUT_X
 from axrl_spike_replay.testing.matrix_case import MatrixCase
 
 PROVENANCES = (
@@ -46,6 +47,7 @@ PROVENANCES = (
     "held_out_vii",
     "held_out_viii",
     "held_out_ix",
+    "held_out_x",
 )
 MATRIX_STEPS = 24  # the burst is at iterations 20-22
 
@@ -97,6 +99,7 @@ def matrix_cases(provenances: tuple[str, ...] = PROVENANCES) -> list[MatrixCase]
         *HELD_OUT_VII,
         *HELD_OUT_VIII,
         *HELD_OUT_IX,
+        *HELD_OUT_X,
     ]
     return [c for c in cases if c.provenance in provenances]
 

@@ -69,6 +69,7 @@ from axrl_spike_replay.capture.fault_injection.held_out_v_faults import HELD_OUT
 from axrl_spike_replay.capture.fault_injection.held_out_vi_faults import HELD_OUT_VI_KINDS
 from axrl_spike_replay.capture.fault_injection.held_out_vii_faults import HELD_OUT_VII_KINDS
 from axrl_spike_replay.capture.fault_injection.held_out_viii_faults import HELD_OUT_VIII_KINDS
+from axrl_spike_replay.capture.fault_injection.held_out_x_faults import HELD_OUT_X_KINDS
 from axrl_spike_replay.capture.fault_injection.unrecorded_faults import UNRECORDED_KINDS
 from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.rollout import shifted_routes
@@ -488,7 +489,7 @@ def fault_kinds() -> dict[str, type[BuiltinFault]]:
     that its run config does not record: its gradients, the batch it stores) and `held_out_faults`' (a second
     held-out set), `held_out_iii_faults`' (a third), `held_out_iv_faults`' (a fourth), `held_out_v_faults`' (a
     fifth), `held_out_vi_faults`' (a sixth), `held_out_vii_faults`' (a seventh), `held_out_viii_faults`' (an
-    eighth) and `held_out_ix_faults`' (a ninth)."""
+    eighth), `held_out_ix_faults`' (a ninth) and `held_out_x_faults`' (a tenth)."""
     return {
         **FAULT_KINDS,
         **UNRECORDED_KINDS,
@@ -500,6 +501,7 @@ def fault_kinds() -> dict[str, type[BuiltinFault]]:
         **HELD_OUT_VII_KINDS,
         **HELD_OUT_VIII_KINDS,
         **HELD_OUT_IX_KINDS,
+        **HELD_OUT_X_KINDS,
     }
 
 
