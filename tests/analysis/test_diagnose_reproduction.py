@@ -101,3 +101,23 @@ def test_a_rank_whose_recorded_norms_are_not_finite_where_the_replays_are_differ
     partly = read_rank(0, {**REPLAYED, "blocks.1.qkv.weight": math.nan}, dict(REPLAYED), (1.0, 1.0))
     assert not partly.matches and partly.non_finite == 1
     assert read_rank(0, dict(REPLAYED), dict(REPLAYED), (1.0, 1.0)).matches
+
+
+def test_a_rank_whose_recorded_norms_overflowed_bounds_the_recorded_norm_from_below_only() -> None:
+    """Rank 1's trainer computed a gradient past float32's range (its recorded per-parameter norms are inf) while its
+    recorded loss is the replay's, and the global norm it recorded (in float64) is finite and huge: its part is
+    unbounded, so the prediction is a lower bound the record lies above, not a bound it breaks; and the finding says
+    the forward reproduces, so what differs comes after the loss."""
+    gram = {"ranks": [0, 1], "params": {"head.weight": [[1.0, 1.0], [1.0, 2.0]]}}
+    channel = LossChannel(grad_norm=math.hypot(2, 1) / 2, param_gram=gram)
+    ok = read_rank(0, {"head.weight": 1.0}, {"head.weight": 1.0}, (0.3, 0.3))
+    overflowed = read_rank(1, {"head.weight": math.inf}, {"head.weight": math.sqrt(2)}, (0.3, 0.3))
+    found = predict([ok, overflowed], channel, recorded=6.6e29, world=2)
+    assert found is not None and found.predicted is None and math.isinf(found.high) and found.holds
+    cause = reproduction_cause([ok, overflowed], 6.6e29, channel.grad_norm, found)
+    assert cause is not None and cause.ranks == [1]
+    text = " ".join(cause.evidence)
+    assert "bound the recorded grad norm from below only" in text and "lies above it" in text
+    assert "lies outside" not in text
+    assert "the rank's forward reproduces (its recorded loss is the replay's) while its gradient does not" in text
+    assert "the trainer computed that rank's step differently from the model" in text

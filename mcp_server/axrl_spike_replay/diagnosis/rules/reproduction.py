@@ -116,6 +116,7 @@ def read_rank(
     out.matches = False
     if overflowed:
         out.pattern, out.non_finite = "none", len(overflowed)  # no ratio to read there: no scale explains them
+        out.local_norm = math.inf  # the rank's part is unbounded: its recorded norms past the float range bound nothing
         return out
     carrying = [n for n in names if rep[n] > CARRY * scale]
     ratios = {n: rec[n] / rep[n] for n in carrying}
@@ -293,6 +294,14 @@ def _prediction_sentence(p: Prediction, differ: list[RankReading]) -> str:
             f"recorded (rel diff {rel:.2g})"
         )
     odd = _ranks([r.rank for r in differ if not r.scale])
+    if not math.isfinite(p.high):
+        overflowed = _ranks([r.rank for r in differ if r.non_finite])
+        above = "lies above it" if p.holds else "lies below it"
+        return (
+            f"prediction: rank {overflowed}'s recorded per-parameter norms are not finite where the replay's are (its "
+            f"gradient past the float range of the norms it recorded): its part of the step is unbounded, so "
+            f"{how} bound the recorded grad norm from below only, at {p.low:.6g}; the recorded {p.recorded:.6g} {above}"
+        )
     inside = "lies within" if p.holds else "lies outside"
     return (
         f"prediction: {how}, and rank {odd}'s recorded local norm as a bound on its part, put the recorded grad norm "
@@ -357,11 +366,20 @@ def _explanations(differ: list[RankReading]) -> list[str]:
             "the rank's loss differs too: a loss setting other than the recorded config on that rank (a coefficient, "
             "a normalisation); the hypothesis replays `NAME=VALUE@RANK` diagnose lists test each"
         )
+    if any(r.pattern == "none" and r.loss_matches for r in differ):
+        out.append(
+            "the rank's forward reproduces (its recorded loss is the replay's) while its gradient does not: what "
+            "differs comes after the loss, in that rank's backward or its gradients (a gradient that reaches other "
+            "weights than the forward used; a hook, a clip or a reduction on that rank's gradients only); check that "
+            "rank's backward against the model's"
+        )
     if "none" in patterns:
         out.append(
-            "no scale explains it: the batch that rank stored is not the one it trained on (a stale buffer, another "
-            "micro-batch, advantages changed after the copy), or the weights or the recorded norms were edited; "
-            "check which batch the snapshot writer stores against the one the loss consumed"
+            "no scale explains it; several readings fit: the trainer computed that rank's step differently from the "
+            "model the run config describes (a fused kernel, a module or a setting other than the config's), the "
+            "batch that rank stored is not the one it trained on (a stale buffer, another micro-batch, advantages "
+            "changed after the copy), or the weights or the recorded norms were edited; compare that "
+            "rank's training forward and the batch the snapshot writer stores with the ones the loss consumed"
         )
     if "loss_only" in patterns:
         out.append("the recorded loss differs while the gradients match: a constant in the logged loss, or the log")
