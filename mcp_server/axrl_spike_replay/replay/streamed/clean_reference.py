@@ -16,7 +16,9 @@ one more such pair. Backwards taken together on the same weights read each layer
 Split over processes (`rank_chain`), every process takes every backward (each sums its saved ranks' passes into
 the chain), and takes the search's decisions alike: each grad norm compared with the bar is the last process's
 (`Step.shared`), and the loss tokens are ordered from every process's pulls and masks, gathered. The dot products
-and the figures are the last process's: it holds every piece's sum.
+and the figures are the last process's: it holds every piece's sum. With each layer's experts split over processes
+(`expert_share`) every process holds the figures, put together, and each process's dots count its own split
+parameters and, in process 0, the rest: summed over processes.
 
 Cost in backwards over the baseline's forward: the probes (`passes`, as the whole replay counts them, each reading
 every decoder layer once), one pair for the baseline's cosine when the clean gradient is not the baseline's own,
@@ -33,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -126,7 +129,8 @@ class CleanReference:
     ) -> list[tuple[ConfigPass, float | None]]:
         """Each of `configs`' backwards on `forward`, all taken beside one clean backward, a piece at a time in
         turn: (its pass, its cosine to clean) each. Backwards on the same weights read each layer once for all."""
-        dots = PieceDots(len(configs))
+        weights, share = forward.weights, forward.weights.share
+        dots = PieceDots(len(configs), None if share is None else partial(share.counts, split=weights.split))
         clean_too = self.forward is not None and self.cfg is not None
         mine = [
             step.steps(forward, cfg, counts, on_piece=dots.other(i) if clean_too else None, tag=f"other{i}")
@@ -139,6 +143,8 @@ class CleanReference:
         same = forward.weights is self.forward.weights
         with forward.weights.shared_by(len(mine) + same):
             clean_pass, *done = together([clean, *mine])
+        if share is not None:  # each split parameter's dot in its owner, the rest in process 0: summed
+            dots.dots = share.summed(dots.dots)
         return [(d, cosine_of(dots.dots[i], d.figures, clean_pass.figures)) for i, d in enumerate(done)]
 
 
@@ -152,7 +158,7 @@ def configs_beside(step: Step, forward: Forward, wanted: int) -> int:
     per += sum(store.nbytes(("x", layer, k)) for layer in range(last) for k in range(len(items)))
     room = store.budget - store.memory_bytes
     count = min(wanted, max(room // per - 1, 1)) if per > 0 else wanted
-    if step.chain is not None:
+    if step.chain is not None or forward.weights.share is not None:
         count = min(gather_objects(count))
     return max(count, 1)
 

@@ -78,6 +78,9 @@ class PieceGradient:
         self.rank_norms: dict[int, dict[str, float]] = {}
         self.defer: Callable[[int, list[torch.Tensor | None]], None] | None = None  # each rank's own, handed on
         self.resume: Callable[[int], list[torch.Tensor | None]] | None = None  # each rank's own, begun before
+        # a part of a parameter split over processes (`expert_share`): its norms from float64 sums of squares, so
+        # those of its parts put together are its own to float64 rounding, not a float32 norm's
+        self.precise: frozenset[str] = frozenset()
 
     def seed(self, names: Sequence[str], values: Sequence[torch.Tensor | None]) -> None:
         """Start the sum of `names` from `values` (a shared weight's sum over the piece before; alone, or on the
@@ -99,6 +102,9 @@ class PieceGradient:
             self.defer(rank, [g.clone() if g is not None else None for g in self.own])
         else:
             self.rank_norms[rank] = gradient_norms(zip(self.names, self.own, strict=False))
+            for name, g in zip(self.names, self.own, strict=False):
+                if name in self.precise and g is not None:
+                    self.rank_norms[rank][name] = math.sqrt(squares64(g))
         self.own = []
 
     def add(self, rank: int, grads: Sequence[torch.Tensor | None], passes_of_rank: int) -> None:
@@ -172,6 +178,8 @@ class PieceGradient:
         for name, g in zip(self.names, reduced, strict=True):
             into.squares[name] = squares64(g) if g is not None else 0.0
         into.norms.update(gradient_norms(zip(self.names, reduced, strict=True)))
+        for name in self.precise & set(self.names):
+            into.norms[name] = math.sqrt(into.squares[name])
         self.total = [None] * len(self.names)
         self.started = self.chain is None
         if self.chain is not None and self.chain.everywhere:

@@ -251,6 +251,7 @@ def backward_steps(
         weights.prefetch(layer - 1)
         params = [(n, p) for n, p in zip(_param_names(weights, layer), module.parameters(), strict=True)]
         piece = PieceGradient([n for n, _ in params], world_size, reduce_dtype, keep_own, chain)
+        piece.precise = frozenset(weights.split)
         for k, item in enumerate(items):
             if not kept[k]:
                 piece.skip(item.rank, item.passes)
@@ -295,6 +296,8 @@ def backward_steps(
     if chain is not None:
         chain.settle()
     yield "embedding"
+    if weights.share is not None:  # the experts split over processes: every process's figures put together
+        figures = weights.share.merged(figures, weights.split)
     return ConfigPass(figures, _rank_rows(results, extra), _traces(items, results, inputs))
 
 

@@ -26,6 +26,7 @@ policy's reduce dtype (`layer_gradients`).
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import threading
 import time
@@ -49,6 +50,7 @@ from axrl_spike_replay.models.sharded_weights import (
     open_source,
 )
 from axrl_spike_replay.replay.compute.model_build import master_spec
+from axrl_spike_replay.replay.streamed.expert_share import ExpertShare, SplitRows, check_expert_split, split_experts
 from axrl_spike_replay.replay.streamed.layer_program import LayerProgram, for_policy
 from axrl_spike_replay.snapshot.layout import DCP_METADATA
 from axrl_spike_replay.training.precision import PrecisionPolicy, cast_for_compute
@@ -122,8 +124,11 @@ class StreamedWeights:
         device: str,
         precision: PrecisionPolicy | None,
         read_ahead: bool = True,
+        share: ExpertShare | None = None,
     ) -> None:
         check_streamable(spec, precision)
+        if share is not None:
+            check_expert_split(spec, share.processes)
         self.read_ahead = read_ahead
         self.spec, self.device = spec, torch.device(device)
         self.policy = build_policy(master_spec(spec, precision), "meta")
@@ -131,6 +136,8 @@ class StreamedWeights:
         self.precision = precision if precision is not None and precision.recorded else None
         if self.precision is not None:  # as the whole replay casts (`model_build`): parameters, units' inputs
             cast_for_compute(self.policy, shard_units(self.policy), self.precision)
+        self.share = share  # each MoE layer's experts split over processes (`expert_share`): this one's block
+        self.split: dict[str, SplitRows] = {} if share is None else split_experts(self.policy, share)
         directory = Path(weights_dir)
         self.directory = hf_weights_dir(spec, directory) if isinstance(spec, HFModelConfig) else directory
         self.label = str(self.directory)
@@ -174,24 +181,44 @@ class StreamedWeights:
                 raise SnapshotError(
                     f"{self.label}: the checkpoint lacks {len(missing)} tensor(s) of {where} ({', '.join(missing[:4])})"
                 )
+            per_expert = sorted(n for n in converted if n in self.split)
+            if per_expert:
+                raise SnapshotError(
+                    f"{self.label}: {where}: {per_expert[0]} is saved one tensor per expert; splitting each layer's "
+                    "experts over processes reads the stacked tensor's rows (split the saved ranks instead)"
+                )
             for name, saved in direct.items():
                 shape = tuple(self.source.shapes[saved][0])
-                if shape != tuple(state[name].shape):
-                    raise SnapshotError(
-                        f"{self.label}: {where}: {saved} is saved as {shape}, the model has {tuple(state[name].shape)}"
-                    )
+                model = self.split[name].shape if name in self.split else tuple(state[name].shape)
+                if shape != model:
+                    raise SnapshotError(f"{self.label}: {where}: {saved} is saved as {shape}, the model has {model}")
 
     def _bytes(self, names: list[str]) -> int:
         direct, converted = conversion_plan(self.policy, self.source.shapes, names)
-        saved = [*direct.values(), *(k for plan in converted.values() for ks in plan.by_pattern.values() for k in ks)]
+        saved = [
+            *direct.items(),
+            *((None, k) for plan in converted.values() for ks in plan.by_pattern.values() for k in ks),
+        ]
         total = 0
-        for key in saved:
+        for name, key in saved:
             shape, dtype = self.source.shapes[key]
             numel = 1
             for d in shape:
                 numel *= d
+            if name in self.split:  # this process's rows only
+                rows = self.split[name]
+                numel = numel // rows.shape[0] * (rows.end - rows.first)
             total += numel * getattr(torch, dtype).itemsize
         return total
+
+    def expert_bytes(self) -> tuple[int, int]:
+        """(bytes of this process's share, bytes of all) of every MoE layer's routed expert weights together."""
+        mine = whole = 0
+        for name, rows in self.split.items():
+            size = self.policy.get_parameter(name).dtype.itemsize
+            per_row = size * math.prod(rows.shape[1:])
+            mine, whole = mine + per_row * (rows.end - rows.first), whole + per_row * rows.shape[0]
+        return mine, whole
 
     def _load(
         self, modules: list[nn.Module], names: list[str], prefixes: list[str] | None = None, tie: bool = False
@@ -207,10 +234,28 @@ class StreamedWeights:
             state = {}
             for module, prefix in zip(modules, prefixes, strict=True):
                 state.update(module.state_dict(prefix=prefix, keep_vars=True))
-        load_sharded(self.policy, self.source, self.label, only=names, state=state)
+        split = [n for n in names if n in self.split]
+        if split:  # this process's rows of each MoE layer's expert weights (`expert_share`)
+            assert state is not None  # decoder layers are read with their modules' own tensors
+            self._read_rows({n: state[n] for n in split})
+            state = {n: t for n, t in state.items() if n not in self.split}
+        load_sharded(self.policy, self.source, self.label, only=[n for n in names if n not in self.split], state=state)
         with self._figures:
             self.read.bytes_read += self._bytes(names)
             self.read.seconds += time.perf_counter() - start
+
+    def _read_rows(self, targets: dict[str, torch.Tensor]) -> None:
+        """Fill each split parameter with its rows of the saved tensor (read as saved, then cast)."""
+        direct, _ = conversion_plan(self.policy, self.source.shapes, list(targets))
+        regions = {}
+        for name, target in targets.items():
+            saved = direct[name]
+            buffer = torch.empty(tuple(target.shape), dtype=getattr(torch, self.source.shapes[saved][1]))
+            regions[saved] = (self.split[name].first, buffer)
+        self.source.read(regions)
+        with torch.no_grad():
+            for name, target in targets.items():
+                target.copy_(regions[direct[name]][1])
 
     def load_ends(self) -> None:
         """Read the embedding, final norm and head (held until `close`); a weight the head shares with the

@@ -11,7 +11,7 @@ replay's (`outcome_figures.cosine`) put together piece by piece.
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 
@@ -34,10 +34,11 @@ class PieceDots:
     """Each other config's dot product with the reference's gradient, summed piece by piece (see the module
     docstring): `reference` is the reference's piece hook, `other(i)` the i-th other config's."""
 
-    def __init__(self, others: int) -> None:
+    def __init__(self, others: int, counted: Callable[[str], bool] | None = None) -> None:
         self.held: dict[str, torch.Tensor] = {}  # the reference's current piece, by parameter
         self.label = ""
         self.dots = [0.0] * others
+        self.counted = counted  # experts split over processes: the parameters this process's dots count
 
     def reference(self, label: str, names: Sequence[str], reduced: Sequence[torch.Tensor | None]) -> None:
         """Keep the reference's piece (the previous one is dropped)."""
@@ -52,7 +53,7 @@ class PieceDots:
                 raise AssertionError(f"pieces out of step: {label} against the reference's {self.label}")
             for name, g in zip(names, reduced, strict=True):
                 kept = self.held.get(name)
-                if g is not None and kept is not None:
+                if g is not None and kept is not None and (self.counted is None or self.counted(name)):
                     self.dots[index] += dot64(g, kept)
 
         return hook

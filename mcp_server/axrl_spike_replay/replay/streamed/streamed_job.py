@@ -43,6 +43,7 @@ from axrl_spike_replay.replay.streamed.clean_reference import (
     clean_reference,
     configs_beside,
 )
+from axrl_spike_replay.replay.streamed.expert_share import ExpertShare
 from axrl_spike_replay.replay.streamed.layer_passes import ConfigPass, forward_layers, stream_items
 from axrl_spike_replay.replay.streamed.layer_weights import StreamedWeights
 from axrl_spike_replay.replay.streamed.piece_dots import together
@@ -73,9 +74,11 @@ def compute_streamed(
     settings: StreamSettings | None = None,
     timeout_s: float = float("inf"),
     chain: RankChain | None = None,
+    share: ExpertShare | None = None,
 ) -> list[ConfigOutcome]:
     """Every config of `job` over every saved rank, streamed; outcomes in the configs' order (`chain`: this process
-    streams the saved ranks of `job.assignment` only, one process of a chain, `streamed_processes`).
+    streams the saved ranks of `job.assignment` only, one process of a chain, `streamed_processes`; `share`: this
+    process holds its block of each MoE layer's experts, `expert_share`).
 
     Computed on one intra-op thread with deterministic algorithms, as every replay process computes
     (`job_runner.run_job`): the same reductions as the whole replay's, bit for bit, and no thread pool
@@ -88,7 +91,7 @@ def compute_streamed(
     torch.set_num_threads(1)
     try:
         prepare_device(job.device)
-        return _compute(job, cancel, progress, settings, timeout_s, chain)
+        return _compute(job, cancel, progress, settings, timeout_s, chain, share)
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
@@ -101,6 +104,7 @@ def _compute(
     settings: StreamSettings | None,
     timeout_s: float,
     chain: RankChain | None = None,
+    share: ExpertShare | None = None,
 ) -> list[ConfigOutcome]:
     settings = settings or StreamSettings()
     return_freed_host_memory()  # freed layers go back to the system, not kept under a rising mmap threshold
@@ -126,8 +130,11 @@ def _compute(
             check_cancel(stop, "replay")
             t0 = time.perf_counter()
             weights = StreamedWeights(
-                job.model, group[0].weights or job.replay_dir, job.device, job.precision, settings.read_ahead
+                job.model, group[0].weights or job.replay_dir, job.device, job.precision, settings.read_ahead, share
             )
+            if share is not None:
+                mine, whole = weights.expert_bytes()
+                say(f"streamed: this process holds {mine:,} of {whole:,} bytes of the MoE layers' expert weights")
             with contextlib.ExitStack() as own:
                 keep = held if wants_clean and group[0] is baseline else own
                 keep.callback(weights.close)

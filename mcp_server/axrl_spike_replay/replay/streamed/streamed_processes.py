@@ -8,10 +8,16 @@ which merges them: the step's figures (grad norm, per-parameter norms, top param
 metrics and own per-parameter norms come from the process that streamed that rank, a mitigated config's footprint
 is the sum of every process's counts. The last process writes the merged outcomes for the caller.
 
-Not split: each layer's experts over processes (expert parallel within a layer). A layer's routed experts would each
-need their tokens gathered from every saved rank's micro-batches and their outputs sent back, per layer and per
-micro-batch, forward and backward: an all-to-all on the layer boundaries this replay keeps per process. Splitting the
-saved ranks needs no exchange but the piece sums, and a layer that fits one device is what a streamed replay asks.
+Or (`experts`: where one MoE layer with its gradient does not fit one device) each layer's routed experts split over
+the processes (`expert_share`): every process streams every saved rank, reads and holds only its block of each MoE
+layer's experts and computes the rest of the layer itself; the routed outputs are all-reduced in the forward, the
+input gradients from each process's experts in the backward, and the step's figures put together from every
+process's after each backward, so every process holds them and the last writes its outcomes. No all-to-all: every
+process sees every token, and the exchange per MoE layer and micro-batch is one all-reduce of the block's output
+forward and two (its input's and the routing weights' gradients) backward. The figures are the one process's to
+rounding (1e-6), not bit for bit: the experts' input gradients are summed in another order, and a split weight's
+norms are float64 ones. Built for tiny_moe, qwen2_moe and qwen3_moe; another architecture or a Megatron checkpoint
+is refused by name.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from axrl_spike_replay.experiment.request.request_parts import RUN_TIMEOUT_S
 from axrl_spike_replay.experiment.result import FOOTPRINT_COUNTS, Footprint
 from axrl_spike_replay.replay.compute.worker_job import ConfigOutcome, WorkerJob
 from axrl_spike_replay.replay.jobs.job_runner import JobRunner
+from axrl_spike_replay.replay.streamed.expert_share import ExpertShare, check_expert_split
 from axrl_spike_replay.replay.streamed.rank_chain import RankChain, contiguous_blocks
 from axrl_spike_replay.replay.streamed.settings import StreamSettings
 from axrl_spike_replay.replay.streamed.streamed_job import compute_streamed, run_streamed_job
@@ -72,21 +79,27 @@ def run_streamed_processes(
     timeout_s: float = RUN_TIMEOUT_S,
     cancel: threading.Event | None = None,
     progress: Callable[[str], None] | None = None,
+    experts: bool = False,
 ) -> list[ConfigOutcome]:
-    """`job` streamed by `processes` spawned processes, each a block of the saved ranks (see the module docstring)."""
+    """`job` streamed by `processes` spawned processes, each a block of the saved ranks, or (`experts`) each every
+    saved rank with its block of each MoE layer's experts (see the module docstring)."""
     from axrl_spike_replay.files.temp_janitor import owned_temp_dir
     from axrl_spike_replay.processes.process_starts import rank_context
     from axrl_spike_replay.processes.rank_processes import spawn_ranks
     from axrl_spike_replay.replay.jobs.job_runner import backend_for
 
     ranks = sorted(r for block in job.assignment for r in block)
-    if not 1 <= processes <= len(ranks):
+    if experts:
+        check_expert_split(job.model, processes)
+        blocks: list[tuple[int, ...]] | None = None
+    elif not 1 <= processes <= len(ranks):
         raise ConfigError(
             f"`nproc`: a streamed replay splits the {len(ranks)} saved ranks over 1 to {len(ranks)} processes, "
             f"not {processes}",
             "nproc",
         )
-    blocks = contiguous_blocks(ranks, processes)
+    else:
+        blocks = contiguous_blocks(ranks, processes)
     lines = rank_context().SimpleQueue() if progress is not None else None
     relay = None
     if lines is not None and progress is not None:
@@ -142,8 +155,16 @@ def _process(process: int, processes: int, payload: tuple[Any, ...]) -> None:
 
     job, blocks, settings, path, lines, timeout_s = payload
     device = process_device(job.device, process)
-    local = dataclasses.replace(job, assignment=(blocks[process],), device=device)
     say = None if lines is None else (lambda line: lines.put(f"process {process}: {line}"))
+    if blocks is None:  # every saved rank here, this process's block of each MoE layer's experts
+        local = dataclasses.replace(job, device=device)
+        share = ExpertShare(process, processes)
+        outcomes = compute_streamed(local, progress=say, settings=settings, timeout_s=timeout_s, share=share)
+        if process == processes - 1:  # every process holds the step's figures, put together (`expert_share`)
+            atomic_write_json(path, [asdict(o) for o in outcomes])
+        dist.barrier()
+        return
+    local = dataclasses.replace(job, assignment=(blocks[process],), device=device)
     chain = RankChain(process, processes, device)
     # each process stops itself past the limit too (between layers, its spill dir removed as it ends)
     outcomes = compute_streamed(local, progress=say, settings=settings, timeout_s=timeout_s, chain=chain)
@@ -155,9 +176,10 @@ def _process(process: int, processes: int, payload: tuple[Any, ...]) -> None:
     dist.barrier()
 
 
-def streamed_runner(settings: StreamSettings | None, processes: int = 1) -> JobRunner:
+def streamed_runner(settings: StreamSettings | None, processes: int = 1, experts: bool = False) -> JobRunner:
     """The engine's runner of a streamed job with these boundary settings: `run_streamed_job` in this process, or
-    `run_streamed_processes` over `processes` spawned ones when more than one."""
+    `run_streamed_processes` over `processes` spawned ones when more than one (`experts`: each MoE layer's experts
+    split over them, not the saved ranks)."""
 
     def run(
         job: WorkerJob,
@@ -168,7 +190,7 @@ def streamed_runner(settings: StreamSettings | None, processes: int = 1) -> JobR
         slot: int = 0,
     ) -> list[ConfigOutcome]:
         if processes > 1:
-            return run_streamed_processes(job, processes, settings, timeout_s, cancel, progress)
+            return run_streamed_processes(job, processes, settings, timeout_s, cancel, progress, experts)
         return run_streamed_job(job, timeout_s, cancel, progress=progress, slot=slot, settings=settings)
 
     return run
