@@ -394,7 +394,7 @@ class ReplaySession:
             from axrl_spike_replay.replay.streamed.streamed_processes import streamed_runner
 
             settings = replace(self.stream or StreamSettings(), read_ahead=self.shard.read_ahead)
-            return streamed_runner(settings, self.streamed_processes)
+            return streamed_runner(settings, self.streamed_processes, experts=self.shard.experts)
         if self.request.where.backend == Backend.MEGATRON:
             from axrl_spike_replay.replay.megatron_route import run_megatron_job
 
@@ -466,8 +466,10 @@ def replay_session(
         plan = plan_layout(inputs.world_size, None if how.shard == Shard.STREAMED else how.nproc)
         planned = None
         if checkpoint is None or how.shard == Shard.AUTO:
+            # streamed: the row of the processes that will run (`streamed_processes`), its split as it chooses
+            processes = (how.nproc or 1) if how.shard == Shard.STREAMED else plan.nproc
             planned = planned_shard(
-                str(snapshot), plan.nproc, str(how.device), len(applied), capacity, nodes, shard=str(how.shard)
+                str(snapshot), processes, str(how.device), len(applied), capacity, nodes, shard=str(how.shard)
             )
         shard = with_checkpoint(choose_shard(how.shard, how.device, plan.nproc, planned), None, checkpoint)
         if shard.streamed:

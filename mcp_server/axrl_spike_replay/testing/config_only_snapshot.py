@@ -1,8 +1,8 @@
 """Config-only snapshots: the metadata, the run config and each rank's batch, but no weights, for planning the
 replay of a model far larger than this machine (`plan`). The batches hold zeros of the given shape.
 
-`QWEN3_30B_A3B` and `DEEPSEEK_V3` are the published `config.json` values (the sizes that decide memory) of
-Qwen/Qwen3-30B-A3B and deepseek-ai/DeepSeek-V3.
+`QWEN3_30B_A3B`, `QWEN3_CODER_480B_A35B` and `DEEPSEEK_V3` are the published `config.json` values (the sizes that
+decide memory) of Qwen/Qwen3-30B-A3B, Qwen/Qwen3-Coder-480B-A35B-Instruct and deepseek-ai/DeepSeek-V3.
 """
 
 from __future__ import annotations
@@ -31,6 +31,24 @@ QWEN3_30B_A3B: dict[str, Any] = {
     "norm_topk_prob": True,
     "max_position_embeddings": 40960,
     "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+}
+QWEN3_CODER_480B_A35B: dict[str, Any] = {
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 6144,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 62,
+    "num_attention_heads": 96,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_experts": 160,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 2560,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 262144,
+    "rope_theta": 10000000.0,
     "rms_norm_eps": 1e-06,
     "tie_word_embeddings": False,
 }

@@ -25,8 +25,9 @@ from axrl_spike_replay.replay.compute.process_memory import (
     step_dtypes,
 )
 from axrl_spike_replay.replay.plans.layout_plan import plan_layout
+from axrl_spike_replay.replay.streamed.expert_plan import planned_row
 from axrl_spike_replay.replay.streamed.speeds import Speeds
-from axrl_spike_replay.replay.streamed.streamed_plan import StreamedRow, model_pieces, streamed_row
+from axrl_spike_replay.replay.streamed.streamed_plan import StreamedRow, model_pieces
 from axrl_spike_replay.training.precision import PrecisionPolicy
 
 if TYPE_CHECKING:
@@ -410,7 +411,8 @@ def plan_replay(
         if not chosen.sharded
         else _choose(facts, wanted, world, shape, "off", cap, device, configs, nodes, dtypes, checkpoint, count),
         smallest_full_fidelity=full,
-        streamed=streamed_row(
+        streamed=planned_row(
+            spec,
             facts,
             model_pieces(spec),
             world=world,

@@ -43,6 +43,7 @@ class ShardChoice:
     checkpoint: bool = False  # decoder layers checkpointed (`models.layer_checkpoint`), as the plan's row says
     streamed: bool = False  # one decoder layer at a time, every saved rank in one process (`replay.streamed`)
     read_ahead: bool = True  # streamed: the next layer read during the current one's compute, where the plan fits it
+    experts: bool = False  # streamed over processes: each MoE layer's routed experts split, as the plan's row chose
 
 
 def bytes_whole(spec: ModelSpec, precision: PrecisionPolicy) -> int:
@@ -169,7 +170,8 @@ def choose_shard(mode: str, device: str, processes: int, plan: ReplayPlan | None
         return with_checkpoint(ShardChoice(False, "shard off: every process holds the whole model"), plan)
     if mode == Shard.STREAMED:
         ahead = plan is None or plan.streamed is None or plan.streamed.read_ahead
-        return ShardChoice(False, STREAMED_REASON, streamed=True, read_ahead=ahead)
+        experts = _experts_split(plan)
+        return ShardChoice(False, STREAMED_REASON + experts, streamed=True, read_ahead=ahead, experts=bool(experts))
     if mode == Shard.ON:
         _check_device(device, processes)
         return with_checkpoint(ShardChoice(True, f"shard on: FSDP2 over {processes} process(es)"), plan)
@@ -180,9 +182,12 @@ def choose_shard(mode: str, device: str, processes: int, plan: ReplayPlan | None
         return ShardChoice(
             False,
             "shard auto: no layout holding the whole step fits at full fidelity; streamed, "
-            f"{_gib(plan.streamed.device_peak)} on the device: " + STREAMED_REASON.removeprefix("shard streamed: "),
+            f"{_gib(plan.streamed.device_peak)} on the device: "
+            + STREAMED_REASON.removeprefix("shard streamed: ")
+            + _experts_split(plan),
             streamed=True,
             read_ahead=plan.streamed.read_ahead,
+            experts=bool(_experts_split(plan)),
         )
     cap = plan.capacity
     where = "capacity unknown" if cap is None else f"{_gib(cap.bytes_each)} usable on {cap.where}"
@@ -205,6 +210,17 @@ def choose_shard(mode: str, device: str, processes: int, plan: ReplayPlan | None
         + ("" if row.fits else " (over the memory too: the plan's refusal applies where it is checked)")
         + _checkpointed(row),
         row.checkpointed,
+    )
+
+
+def _experts_split(plan: ReplayPlan | None) -> str:
+    """Where the plan's streamed row split each MoE layer's routed experts over its processes, the reason's words."""
+    row = None if plan is None else plan.streamed
+    if row is None or row.split != "experts":
+        return ""
+    return (
+        f"; each MoE layer's routed experts split over the {row.processes} processes ({_gib(row.experts_peak)} per "
+        f"process; split by saved ranks, {_gib(row.ranks_peak)}, does not fit)"
     )
 
 

@@ -16,7 +16,8 @@ Split over `processes` (`nproc` > 1: each streams a contiguous block of the save
 row is one process's, the one with the largest block: its boundaries are its block's tokens' (and the compute its
 block's), while it still holds a layer, the ends, one micro-batch and a runtime of its own and reads every layer
 itself, so its peak less its boundaries and its bytes read are the one process's. On CPU the processes share the
-host's memory (the row fits when all of them do), on CUDA each has its own GPU.
+host's memory (the row fits when all of them do), on CUDA each has its own GPU. Or the processes split each MoE
+layer's routed experts, where only that fits (`expert_plan` chooses, and the row says both peaks).
 
 With mitigations (more than one config) the clean gradient's backwards are counted at their fewest past a spike:
 one probe, the pair for the baseline's cosine to clean, and one more (the clean one) beside the other configs, all
@@ -57,6 +58,7 @@ from axrl_spike_replay.replay.streamed.settings import DEFAULT_HOST_BUDGET
 from axrl_spike_replay.replay.streamed.speeds import Speeds
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)\.")
+_ROUTED = re.compile(r"\.experts\.|\.w_in$|\.w_out$")  # a routed expert's weight (not a shared expert's)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,11 @@ class ModelPieces:
     experts: int
     saved_bytes: int
     tied: bool = False  # the head's matrix is the embedding's (counted once, with the embedding)
+    layer_experts: tuple[tuple[int, int], ...] = ()  # per decoder layer: (its elements, its routed experts')
+
+    def largest_share(self, share: float) -> int:
+        """The largest decoder layer's elements with `share` (0 to 1) of its routed experts' (the rest whole)."""
+        return max((total - routed + math.ceil(routed * share) for total, routed in self.layer_experts), default=0)
 
 
 def model_pieces(spec: ModelSpec) -> ModelPieces:
@@ -88,21 +95,25 @@ def model_pieces(spec: ModelSpec) -> ModelPieces:
         shapes, dtype = expected_state_shapes(spec), "float32"
         tied = False
     per_layer: dict[int, int] = {}
+    routed: dict[int, int] = {}
     embedding = head = experts = 0
     for name, shape in shapes.items():
         n = math.prod(shape)
         match = _LAYER.search(name)
         if match:
-            per_layer[int(match.group(1))] = per_layer.get(int(match.group(1)), 0) + n
+            layer = int(match.group(1))
+            per_layer[layer] = per_layer.get(layer, 0) + n
             if "experts" in name or ".w_in" in name or ".w_out" in name:
                 experts += n
+            if _ROUTED.search(name):
+                routed[layer] = routed.get(layer, 0) + n
         elif "embed" in name or name.startswith("pos."):
             embedding += n
         elif not (tied and name.startswith("lm_head.")):
             head += n
-    return ModelPieces(
-        max(per_layer.values(), default=0), len(per_layer), embedding, head, experts, DTYPE_BYTES.get(dtype, 4), tied
-    )
+    layers = tuple((per_layer[i], routed.get(i, 0)) for i in sorted(per_layer))
+    largest = max(per_layer.values(), default=0)
+    return ModelPieces(largest, len(per_layer), embedding, head, experts, DTYPE_BYTES.get(dtype, 4), tied, layers)
 
 
 @dataclass
@@ -131,13 +142,20 @@ class StreamedRow:
     read_measured: bool = False
     compute_measured: bool = False
     read_cached: bool | None = None  # the measured read came from the page cache
+    split: str = "ranks"  # over the processes: "ranks" (each a block of the saved ranks) or "experts" (`expert_plan`)
+    ranks_peak: int = 0  # the device peak per process split by saved ranks (0: one process, no split)
+    experts_peak: int = 0  # ... split by each MoE layer's routed experts (0: one process, or no routed experts)
+    experts_refused: str = ""  # why this model's experts do not split ("": they do)
 
     def text(self) -> str:
         """The row in one line."""
         fits = {True: "fits", False: "DOES NOT FIT", None: "capacity unknown"}[self.fits]
         ahead = "layer and the next read ahead" if self.read_ahead else "layer, no read ahead: it would not fit"
         who = "1 process, every saved rank"
-        if self.processes > 1:
+        if self.processes > 1 and self.split == "experts":
+            who = f"{self.processes} processes, each every saved rank and 1/{self.processes} of each MoE layer's "
+            who += "routed experts; per process"
+        elif self.processes > 1:
             who = f"{self.processes} processes, each up to {self.ranks_each} saved rank(s); per process"
         return (
             f"streamed ({who}, one decoder layer at a time): device peak {_gib(self.device_peak)} "
@@ -145,7 +163,21 @@ class StreamedRow:
             f"{_gib(self.activations)}, runtime {_gib(self.runtime)}); boundaries {_gib(self.boundaries)} "
             f"(host up to {_gib(self.host_budget)}, disk {_gib(self.disk)}); reads {_gib(self.bytes_read)} from the "
             f"checkpoint ({self.layer_reads} layer reads); about {_duration(self.seconds)} ({self.speeds}): {fits}"
+            + self._splits()
         )
+
+    def _splits(self) -> str:
+        """Both splits' peaks per process, and the one chosen (nothing for one process)."""
+        if self.processes < 2:
+            return ""
+        experts = "not counted (no routed experts)" if not self.experts_peak else _gib(self.experts_peak)
+        if self.experts_refused:
+            experts += f", not available: {self.experts_refused}"
+        said = f"; split over {self.processes} processes: saved ranks {_gib(self.ranks_peak)} per process, "
+        said += f"each MoE layer's routed experts {experts}: "
+        if self.fits is False:
+            return said + "neither fits"
+        return said + ("the experts split chosen" if self.split == "experts" else "the saved-ranks split chosen")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -8,7 +8,8 @@ which merges them: the step's figures (grad norm, per-parameter norms, top param
 metrics and own per-parameter norms come from the process that streamed that rank, a mitigated config's footprint
 is the sum of every process's counts. The last process writes the merged outcomes for the caller.
 
-Or (`experts`: where one MoE layer with its gradient does not fit one device) each layer's routed experts split over
+Or (`experts`: where one MoE layer with its gradient does not fit one device, as the plan's streamed row chooses,
+`expert_plan`) each layer's routed experts split over
 the processes (`expert_share`): every process streams every saved rank, reads and holds only its block of each MoE
 layer's experts and computes the rest of the layer itself; the routed outputs are all-reduced in the forward, the
 input gradients from each process's experts in the backward, and the step's figures put together from every
