@@ -8,30 +8,16 @@ import torch
 from fault_steps import step_parts, trainer
 
 from axrl_spike_replay.capture.fault_injection.faults import StepParts, apply_faults, make_fault
-from axrl_spike_replay.capture.fault_injection.held_out_iii_faults import HELD_OUT_III_KINDS
-from axrl_spike_replay.capture.reference.presets import PRESETS, FaultSpec
+from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
 from axrl_spike_replay.models.param_groups import family_of
 from axrl_spike_replay.models.tiny_moe import token_logprobs
-from axrl_spike_replay.testing.fault_matrix import matrix_cases
 from axrl_spike_replay.training.routing_replay import routing_control
 
 
 def logits_of(t: RankTrainer, model: torch.nn.Module, parts: StepParts) -> torch.Tensor:
     with torch.no_grad():
         return model(parts.batch["tokens"], routing_control(t.spec.routing, parts.batch, parts.routed_experts)).logits
-
-
-def test_the_third_held_out_set_uses_kinds_no_preset_and_no_earlier_held_out_case_uses() -> None:
-    earlier = {s.kind for c in matrix_cases(("held_out", "unseen", "held_out_ii")) for s in c.faults}
-    earlier |= {p.injected.kind for p in PRESETS.values() if p.injected is not None}
-    cases = matrix_cases(("held_out_iii",))
-    kinds = {s.kind for c in cases for s in c.faults}
-    assert kinds.isdisjoint(earlier) and kinds <= set(HELD_OUT_III_KINDS) and len(kinds) >= 8
-    assert len(cases) >= 8
-    assert {c.model for c in cases} >= {"tiny_moe", "qwen2_moe"} and {c.world_size for c in cases} >= {2, 4}
-    doubles = [c for c in cases if len(c.expected_ranks(c.world_size)) >= 2 and len(c.faults) >= 2]
-    assert doubles, "one case plants two faults on two ranks"
 
 
 def test_a_vocab_shard_reference_normalises_over_its_shard_and_zeroes_the_other_targets() -> None:

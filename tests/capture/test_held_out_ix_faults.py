@@ -9,30 +9,16 @@ from fault_steps import step_parts, trainer
 
 from axrl_spike_replay.capture.fault_injection.faults import apply_faults, make_fault
 from axrl_spike_replay.capture.fault_injection.held_out_ix_faults import (
-    HELD_OUT_IX_KINDS,
     double_bos,
     sample_major,
 )
 from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
-from axrl_spike_replay.testing.fault_matrix import kinds_taken_before, matrix_cases
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.rank_step import rank_forward_backward
 from axrl_spike_replay.training.routing_replay import routing_control
 
 Batch = dict[str, torch.Tensor]
-
-
-def test_the_ninth_held_out_set_uses_kinds_no_preset_and_no_earlier_held_out_case_uses() -> None:
-    earlier = kinds_taken_before("held_out_ix")
-    cases = matrix_cases(("held_out_ix",))
-    kinds = {s.kind for c in cases for s in c.faults}
-    assert kinds.isdisjoint(earlier) and kinds == set(HELD_OUT_IX_KINDS) and len(kinds) >= 6
-    assert len(cases) >= 10
-    assert {c.model for c in cases} >= {"tiny_moe", "qwen2_moe", "olmoe"} and {c.world_size for c in cases} >= {2, 4}
-    doubles = [c for c in cases if len(c.expected_ranks(c.world_size)) >= 2 and len(c.faults) >= 2]
-    assert doubles, "one case plants two faults on two ranks"
-    assert all(c.model is not None for c in cases), "each case names its own model"
 
 
 def test_a_double_bos_repeats_the_first_token_and_moves_the_rest_one_position_on() -> None:

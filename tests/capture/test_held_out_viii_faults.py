@@ -12,7 +12,6 @@ from fault_steps import step_parts, trainer
 
 from axrl_spike_replay.capture.fault_injection.faults import StepParts, apply_faults, make_fault
 from axrl_spike_replay.capture.fault_injection.held_out_viii_faults import (
-    HELD_OUT_VIII_KINDS,
     neighbour,
     split_groups,
 )
@@ -20,24 +19,11 @@ from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
 from axrl_spike_replay.models.tiny_moe import MoEFeedForward, TinyMoEPolicy
 from axrl_spike_replay.processes.rank_processes import spawn_ranks
-from axrl_spike_replay.testing.fault_matrix import kinds_taken_before, matrix_cases
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.rank_step import rank_forward_backward
 from axrl_spike_replay.training.routing_replay import routing_control
 
 Batch = dict[str, torch.Tensor]
-
-
-def test_the_eighth_held_out_set_uses_kinds_no_preset_and_no_earlier_held_out_case_uses() -> None:
-    earlier = kinds_taken_before("held_out_viii")
-    cases = matrix_cases(("held_out_viii",))
-    kinds = {s.kind for c in cases for s in c.faults}
-    assert kinds.isdisjoint(earlier) and kinds == set(HELD_OUT_VIII_KINDS) and len(kinds) >= 8
-    assert len(cases) >= 10
-    assert {c.model for c in cases} >= {"tiny_moe", "qwen2_moe", "olmoe"} and {c.world_size for c in cases} >= {2, 4}
-    doubles = [c for c in cases if len(c.expected_ranks(c.world_size)) >= 2 and len(c.faults) >= 2]
-    assert doubles, "one case plants two faults on two ranks"
-    assert all(c.model is not None for c in cases), "each case names its own model"
 
 
 def _aligned(model: torch.nn.Module, t: RankTrainer, batch: Batch, routes: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,6 @@ from fault_steps import step_parts, trainer
 
 from axrl_spike_replay.capture.fault_injection.faults import apply_faults, make_fault
 from axrl_spike_replay.capture.fault_injection.held_out_x_faults import (
-    HELD_OUT_X_KINDS,
     context_parallel_order,
     context_parallel_unrestored,
     expert_weights,
@@ -23,26 +22,11 @@ from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.rollout import rollout_engine
 from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.testing.fault_matrix import kinds_taken_before, matrix_cases
 from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.rank_step import rank_forward_backward
 from axrl_spike_replay.training.routing_replay import routing_control
 
 Batch = dict[str, torch.Tensor]
-
-
-def test_the_tenth_held_out_set_uses_kinds_no_preset_and_no_earlier_held_out_case_uses() -> None:
-    earlier = kinds_taken_before("held_out_x")
-    cases = matrix_cases(("held_out_x",))
-    kinds = {s.kind for c in cases for s in c.faults}
-    assert kinds.isdisjoint(earlier) and kinds == set(HELD_OUT_X_KINDS) and len(kinds) >= 6
-    assert len(cases) >= 10
-    assert {c.model for c in cases} >= {"tiny_moe", "qwen2_moe", "olmoe"} and {c.world_size for c in cases} >= {2, 4}
-    doubles = [c for c in cases if len(c.expected_ranks(c.world_size)) >= 2 and len(c.faults) >= 2]
-    assert doubles, "one case plants two faults on two ranks"
-    assert all(c.model is not None for c in cases), "each case names its own model"
-    avoided = {("tiny_moe", "expert_sensitive", 2), ("tiny_moe", "peaked_kl", 4)}  # bases that spike on their own
-    assert not {(c.model, c.preset, c.world_size) for c in cases} & avoided
 
 
 def test_a_context_parallel_gather_never_reordered_hands_positions_the_log_probs_of_other_chunks() -> None:
