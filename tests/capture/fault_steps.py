@@ -8,6 +8,9 @@ import torch
 from axrl_spike_replay.capture.fault_injection.faults import StepParts
 from axrl_spike_replay.capture.reference.run_config import build_run_config, parse_run_config
 from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
+from axrl_spike_replay.training.loss_config import LossConfig
+from axrl_spike_replay.training.rank_step import rank_forward_backward
+from axrl_spike_replay.training.routing_replay import routing_control
 
 
 def trainer(rank: int = 1, preset: str = "peaked") -> RankTrainer:
@@ -24,3 +27,17 @@ def step_parts(t: RankTrainer, stage: str, iteration: int = 20) -> tuple[StepPar
         stage, iteration, t.rank, 2, True, t.train.prompt_len, batch, step.routed_experts.clone(), trainer=t
     )
     return parts, step.batch
+
+
+def gradients(t: RankTrainer) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of `t`'s model as it stands (zeros where none)."""
+    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in t.model.named_parameters()}
+
+
+def backward_gradients(
+    t: RankTrainer, batch: dict[str, torch.Tensor], routes: torch.Tensor | None, loss: LossConfig | None = None
+) -> dict[str, torch.Tensor]:
+    """The rank's gradients of its loss on `batch` under `routes` (and `loss`, the run's by default), from zero."""
+    t.model.zero_grad(set_to_none=True)
+    rank_forward_backward(t.model, batch, loss or t.spec.loss, routing_control(t.spec.routing, batch, routes))
+    return gradients(t)

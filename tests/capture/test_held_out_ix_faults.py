@@ -5,7 +5,7 @@ earlier held-out case uses."""
 from __future__ import annotations
 
 import torch
-from fault_steps import step_parts, trainer
+from fault_steps import backward_gradients, gradients, step_parts, trainer
 
 from axrl_spike_replay.capture.fault_injection.faults import apply_faults, make_fault
 from axrl_spike_replay.capture.fault_injection.held_out_ix_faults import (
@@ -13,10 +13,6 @@ from axrl_spike_replay.capture.fault_injection.held_out_ix_faults import (
     sample_major,
 )
 from axrl_spike_replay.capture.reference.presets import FaultSpec
-from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
-from axrl_spike_replay.training.loss_config import LossConfig
-from axrl_spike_replay.training.rank_step import rank_forward_backward
-from axrl_spike_replay.training.routing_replay import routing_control
 
 Batch = dict[str, torch.Tensor]
 
@@ -58,30 +54,20 @@ def test_sample_major_outputs_hand_each_row_another_rows_engine_logprobs() -> No
     assert torch.equal(parts.batch["tokens"], clean["tokens"]), "the tokens keep their order"
 
 
-def _grads(t: RankTrainer) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in t.model.named_parameters()}
-
-
-def _backward(t: RankTrainer, batch: Batch, routes: torch.Tensor, loss: LossConfig) -> dict[str, torch.Tensor]:
-    t.model.zero_grad(set_to_none=True)
-    rank_forward_backward(t.model, batch, loss, routing_control(t.spec.routing, batch, routes))
-    return _grads(t)
-
-
 def test_a_loss_scale_never_removed_leaves_every_gradient_of_the_rank_scaled() -> None:
     t = trainer()
     parts, clean = step_parts(t, "gradients")
     routes = parts.routed_experts
     assert routes is not None
-    right = _backward(t, clean, routes, t.spec.loss)
+    right = backward_gradients(t, clean, routes, t.spec.loss)
     apply_faults([make_fault(FaultSpec("loss_scale_not_removed", ranks=(1,), params={"scale": 1024.0}))], parts)
-    planted = _grads(t)
+    planted = gradients(t)
     assert any(float(g.abs().max()) > 0 for g in right.values())
     assert all(torch.allclose(planted[n], 1024.0 * right[n], rtol=1e-5, atol=1e-9) for n in right)
-    _backward(t, clean, routes, t.spec.loss)
+    backward_gradients(t, clean, routes, t.spec.loss)
     spared = make_fault(FaultSpec("loss_scale_not_removed", ranks=(0,)))
     apply_faults([spared], parts)
-    assert all(torch.equal(g, right[n]) for n, g in _grads(t).items()), "another rank's fault: untouched"
+    assert all(torch.equal(g, right[n]) for n, g in gradients(t).items()), "another rank's fault: untouched"
 
 
 def test_a_training_forward_with_a_double_bos_gives_the_gradients_of_the_shifted_tokens() -> None:
@@ -90,10 +76,10 @@ def test_a_training_forward_with_a_double_bos_gives_the_gradients_of_the_shifted
     parts.loss = t.spec.loss
     routes = parts.routed_experts
     assert routes is not None
-    right = _backward(t, clean, routes, t.spec.loss)
+    right = backward_gradients(t, clean, routes, t.spec.loss)
     apply_faults([make_fault(FaultSpec("train_forward_double_bos", ranks=(1,)))], parts)
-    planted = _grads(t)
-    wrong = _backward(t, {**clean, "tokens": double_bos(clean["tokens"])}, routes, t.spec.loss)
+    planted = gradients(t)
+    wrong = backward_gradients(t, {**clean, "tokens": double_bos(clean["tokens"])}, routes, t.spec.loss)
     assert all(torch.allclose(planted[n], wrong[n], atol=1e-6, rtol=1e-4) for n in wrong)
     assert not all(torch.allclose(planted[n], right[n], atol=1e-6, rtol=1e-4) for n in right)
     assert all(torch.equal(parts.batch[k], clean[k]) for k in clean), "the batch is stored as the rollout made it"
@@ -104,15 +90,15 @@ def test_an_accumulation_divisor_off_by_one_scales_by_n_over_n_less_one_and_divi
     parts, clean = step_parts(t, "gradients")
     routes = parts.routed_experts
     assert routes is not None
-    right = _backward(t, clean, routes, t.spec.loss)
+    right = backward_gradients(t, clean, routes, t.spec.loss)
     apply_faults(
         [make_fault(FaultSpec("grad_accumulation_off_by_one", ranks=(1,), params={"micro_batches": 4}))], parts
     )
-    planted = _grads(t)
+    planted = gradients(t)
     assert all(torch.allclose(planted[n], right[n] * 4 / 3, rtol=1e-5, atol=1e-9) for n in right)
-    _backward(t, clean, routes, t.spec.loss)
+    backward_gradients(t, clean, routes, t.spec.loss)
     apply_faults([make_fault(FaultSpec("grad_accumulation_off_by_one", ranks=(1,)))], parts)
-    got = torch.cat([g.flatten() for g in _grads(t).values()])
+    got = torch.cat([g.flatten() for g in gradients(t).values()])
     full = torch.cat([g.flatten() for g in right.values()])
     assert not bool(torch.isfinite(got).any()), "one micro-batch: a division by zero"
     assert bool(torch.isinf(got[full != 0]).all()) and bool(torch.isnan(got[full == 0]).all())

@@ -5,29 +5,19 @@ no earlier held-out case uses."""
 from __future__ import annotations
 
 import torch
-from fault_steps import step_parts, trainer
+from fault_steps import backward_gradients, gradients, step_parts, trainer
 
 from axrl_spike_replay.capture.fault_injection.faults import apply_faults, make_fault
 from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
 from axrl_spike_replay.training.loss_config import LossConfig
-from axrl_spike_replay.training.rank_step import rank_forward_backward
-from axrl_spike_replay.training.routing_replay import routing_control
-
-
-def gradients(t: RankTrainer) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in t.model.named_parameters()}
-
 
 ROUTES: dict[int, torch.Tensor | None] = {}  # each trainer's burst routes, by id
 
 
 def backward(t: RankTrainer, batch: dict[str, torch.Tensor], loss: LossConfig | None = None) -> dict[str, torch.Tensor]:
     """The rank's gradients of its loss on `batch` (under `loss`, the run's by default)."""
-    t.model.zero_grad(set_to_none=True)
-    routing = routing_control(t.spec.routing, batch, ROUTES[id(t)])
-    rank_forward_backward(t.model, batch, loss or t.spec.loss, routing)
-    return gradients(t)
+    return backward_gradients(t, batch, ROUTES[id(t)], loss)
 
 
 Batch = dict[str, torch.Tensor]

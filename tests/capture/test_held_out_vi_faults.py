@@ -5,12 +5,11 @@ no earlier held-out case uses."""
 from __future__ import annotations
 
 import torch
-from fault_steps import step_parts, trainer
+from fault_steps import backward_gradients, gradients, step_parts, trainer
 
 from axrl_spike_replay.capture.fault_injection.faults import apply_faults, make_fault
 from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
-from axrl_spike_replay.training.rank_step import rank_forward_backward
 from axrl_spike_replay.training.routing_replay import routing_control
 
 Batch = dict[str, torch.Tensor]
@@ -104,10 +103,6 @@ def test_routes_layer_off_by_one_fill_each_slot_with_the_next_moe_layers_routes(
     assert torch.equal(after[0, :, last], routes[0, :, last]) and torch.equal(after[1:], routes[1:])
 
 
-def _grads(t: RankTrainer) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in t.model.named_parameters()}
-
-
 def test_a_replay_offset_by_a_micro_batch_gives_the_gradients_of_the_rolled_routes_and_stores_them_in_order() -> None:
     t = trainer(preset="expert_sensitive")
     parts, clean = step_parts(t, "gradients")
@@ -117,13 +112,11 @@ def test_a_replay_offset_by_a_micro_batch_gives_the_gradients_of_the_rolled_rout
     stored = routes.clone()
 
     def backward(payload: torch.Tensor) -> dict[str, torch.Tensor]:
-        t.model.zero_grad(set_to_none=True)
-        rank_forward_backward(t.model, clean, t.spec.loss, routing_control(t.spec.routing, clean, payload))
-        return _grads(t)
+        return backward_gradients(t, clean, payload)
 
     right = backward(routes)
     apply_faults([make_fault(FaultSpec("replay_routes_offset_by_micro_batch", ranks=(1,), params={"rows": 4}))], parts)
-    planted_grads = _grads(t)
+    planted_grads = gradients(t)
     wrong = backward(torch.roll(routes, shifts=-4, dims=0))
     assert all(torch.allclose(planted_grads[n], wrong[n], atol=1e-6, rtol=1e-5) for n in wrong)
     assert not all(torch.allclose(planted_grads[n], right[n], atol=1e-6, rtol=1e-5) for n in right)

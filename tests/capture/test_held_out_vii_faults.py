@@ -8,13 +8,12 @@ import dataclasses
 import math
 
 import torch
-from fault_steps import step_parts, trainer
+from fault_steps import backward_gradients, gradients, step_parts, trainer
 
 from axrl_spike_replay.capture.fault_injection.faults import apply_faults, make_fault
 from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
-from axrl_spike_replay.training.loss_config import LossConfig
-from axrl_spike_replay.training.rank_step import global_grad_norm, rank_forward_backward
+from axrl_spike_replay.training.rank_step import global_grad_norm
 from axrl_spike_replay.training.routing_replay import routing_control
 
 Batch = dict[str, torch.Tensor]
@@ -104,18 +103,6 @@ def test_a_slot_major_routing_buffer_viewed_layer_major_mixes_layers_and_slots()
     assert torch.equal(after[2:], routes[2:]) and not torch.equal(after[:2], routes[:2])
 
 
-def _grads(t: RankTrainer) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in t.model.named_parameters()}
-
-
-def _backward(
-    t: RankTrainer, batch: Batch, routes: torch.Tensor, loss: LossConfig | None = None
-) -> dict[str, torch.Tensor]:
-    t.model.zero_grad(set_to_none=True)
-    rank_forward_backward(t.model, batch, loss or t.spec.loss, routing_control(t.spec.routing, batch, routes))
-    return _grads(t)
-
-
 def test_token_weights_as_the_loss_mask_multiply_the_rank_gradient_by_the_response_length() -> None:
     t = trainer()
     parts, clean = step_parts(t, "batch")
@@ -127,7 +114,10 @@ def test_token_weights_as_the_loss_mask_multiply_the_rank_gradient_by_the_respon
     routes = parts.routed_experts
     assert routes is not None
     policy_only = dataclasses.replace(t.spec.loss, aux_loss_coef=0.0, z_loss_coef=0.0)  # the router losses: no mask
-    right, wrong = _backward(t, clean, routes, policy_only), _backward(t, parts.batch, routes, policy_only)
+    right, wrong = (
+        backward_gradients(t, clean, routes, policy_only),
+        backward_gradients(t, parts.batch, routes, policy_only),
+    )
     length = float(clean["loss_mask"].sum(-1)[0])
     assert length > 1 and all(torch.allclose(wrong[n], length * right[n], rtol=1e-4, atol=1e-6) for n in right)
 
@@ -137,11 +127,11 @@ def test_an_uncapped_local_clip_scales_the_rank_gradient_up_to_max_norm_in_the_s
     parts, clean = step_parts(t, "gradients")
     parts.loss = t.spec.loss
     assert parts.routed_experts is not None
-    right = _backward(t, clean, parts.routed_experts)
+    right = backward_gradients(t, clean, parts.routed_experts)
     norm = global_grad_norm(t.model)
     apply_faults([make_fault(FaultSpec("local_clip_coef_uncapped", ranks=(1,), params={"max_norm": 30.0}))], parts)
     assert math.isclose(global_grad_norm(t.model), 30.0, rel_tol=1e-4) and norm < 30.0
-    scaled = _grads(t)
+    scaled = gradients(t)
     assert all(torch.allclose(scaled[n], right[n] * (30.0 / (norm + 1e-6)), rtol=1e-4, atol=1e-8) for n in right)
 
 
@@ -152,10 +142,10 @@ def test_a_replay_of_the_first_expert_only_gives_the_gradients_of_those_routes_a
     routes = parts.routed_experts
     assert routes is not None
     stored = routes.clone()
-    right = _backward(t, clean, routes)
+    right = backward_gradients(t, clean, routes)
     apply_faults([make_fault(FaultSpec("replay_first_expert_only", ranks=(1,)))], parts)
-    planted = _grads(t)
-    wrong = _backward(t, clean, routes[..., :1].expand_as(routes).contiguous())
+    planted = gradients(t)
+    wrong = backward_gradients(t, clean, routes[..., :1].expand_as(routes).contiguous())
     assert all(torch.allclose(planted[n], wrong[n], atol=1e-6, rtol=1e-5) for n in wrong)
     assert not all(torch.allclose(planted[n], right[n], atol=1e-6, rtol=1e-5) for n in right)
     assert parts.routed_experts is not None and torch.equal(parts.routed_experts, stored), "stored as recorded"

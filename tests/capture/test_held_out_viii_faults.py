@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import torch
-from fault_steps import step_parts, trainer
+from fault_steps import backward_gradients, gradients, step_parts, trainer
 
 from axrl_spike_replay.capture.fault_injection.faults import StepParts, apply_faults, make_fault
 from axrl_spike_replay.capture.fault_injection.held_out_viii_faults import (
@@ -19,8 +19,6 @@ from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
 from axrl_spike_replay.models.tiny_moe import MoEFeedForward, TinyMoEPolicy
 from axrl_spike_replay.processes.rank_processes import spawn_ranks
-from axrl_spike_replay.training.loss_config import LossConfig
-from axrl_spike_replay.training.rank_step import rank_forward_backward
 from axrl_spike_replay.training.routing_replay import routing_control
 
 Batch = dict[str, torch.Tensor]
@@ -132,16 +130,6 @@ def test_groups_split_at_the_rank_boundary_leave_a_lone_sample_whose_advantage_i
     assert math.isnan(float(advantages[0])) and not torch.allclose(advantages[1:], clean["advantages"][1:])
 
 
-def _grads(t: RankTrainer) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in t.model.named_parameters()}
-
-
-def _backward(t: RankTrainer, batch: Batch, routes: torch.Tensor, loss: LossConfig) -> dict[str, torch.Tensor]:
-    t.model.zero_grad(set_to_none=True)
-    rank_forward_backward(t.model, batch, loss, routing_control(t.spec.routing, batch, routes))
-    return _grads(t)
-
-
 def test_a_replay_with_uniform_gates_mixes_the_recorded_experts_equally_and_leaves_the_routers_without_gradient() -> (
     None
 ):
@@ -151,9 +139,9 @@ def test_a_replay_with_uniform_gates_mixes_the_recorded_experts_equally_and_leav
     routes = parts.routed_experts
     assert routes is not None
     stored = routes.clone()
-    right = _backward(t, clean, routes, t.spec.loss)
+    right = backward_gradients(t, clean, routes, t.spec.loss)
     apply_faults([make_fault(FaultSpec("replay_gates_uniform", ranks=(1,)))], parts)
-    planted = _grads(t)
+    planted = gradients(t)
     routers = [n for n in planted if n.endswith("router.weight")]
     assert routers and all(float(planted[n].abs().max()) == 0.0 for n in routers)
     assert isinstance(t.model, TinyMoEPolicy)
@@ -163,7 +151,7 @@ def test_a_replay_with_uniform_gates_mixes_the_recorded_experts_equally_and_leav
         for n, p in t.model.named_parameters():
             if n in routers:
                 p.zero_()
-    wrong = _backward(t, clean, routes, t.spec.loss)
+    wrong = backward_gradients(t, clean, routes, t.spec.loss)
     with torch.no_grad():
         for n, p in t.model.named_parameters():
             p.copy_(weights[n])
@@ -179,11 +167,11 @@ def test_a_loss_reading_the_old_logprobs_one_micro_batch_on_gives_the_gradients_
     parts.loss = t.spec.loss
     routes = parts.routed_experts
     assert routes is not None
-    right = _backward(t, clean, routes, t.spec.loss)
+    right = backward_gradients(t, clean, routes, t.spec.loss)
     apply_faults([make_fault(FaultSpec("loss_old_logprobs_next_micro_batch", ranks=(1,)))], parts)
-    planted = _grads(t)
+    planted = gradients(t)
     moved = {**clean, "old_logprobs": torch.cat([clean["old_logprobs"][4:], clean["old_logprobs"][:4]])}
-    wrong = _backward(t, moved, routes, t.spec.loss)
+    wrong = backward_gradients(t, moved, routes, t.spec.loss)
     assert all(torch.allclose(planted[n], wrong[n], atol=1e-6, rtol=1e-4) for n in wrong)
     assert not all(torch.allclose(planted[n], right[n], atol=1e-6, rtol=1e-4) for n in right)
     assert all(torch.equal(parts.batch[k], clean[k]) for k in clean), "the batch is stored in order"

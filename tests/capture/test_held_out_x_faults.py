@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fault_steps import step_parts, trainer
+from fault_steps import backward_gradients, gradients, step_parts, trainer
 
 from axrl_spike_replay.capture.fault_injection.faults import apply_faults, make_fault
 from axrl_spike_replay.capture.fault_injection.held_out_x_faults import (
@@ -20,9 +20,7 @@ from axrl_spike_replay.capture.fault_injection.held_out_x_faults import (
 )
 from axrl_spike_replay.capture.reference.presets import FaultSpec
 from axrl_spike_replay.capture.reference.rollout import rollout_engine
-from axrl_spike_replay.capture.reference.trainer_step import RankTrainer
 from axrl_spike_replay.errors import ConfigError
-from axrl_spike_replay.training.loss_config import LossConfig
 from axrl_spike_replay.training.rank_step import rank_forward_backward
 from axrl_spike_replay.training.routing_replay import routing_control
 
@@ -93,16 +91,6 @@ def test_engine_log_probs_gathered_one_vocabulary_shard_on_score_each_token_half
     assert all(torch.equal(parts.batch[k], clean[k]) for k in clean if k != "rollout_logprobs")
 
 
-def _grads(t: RankTrainer) -> dict[str, torch.Tensor]:
-    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in t.model.named_parameters()}
-
-
-def _backward(t: RankTrainer, batch: Batch, routes: torch.Tensor, loss: LossConfig) -> dict[str, torch.Tensor]:
-    t.model.zero_grad(set_to_none=True)
-    rank_forward_backward(t.model, batch, loss, routing_control(t.spec.routing, batch, routes))
-    return _grads(t)
-
-
 def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.allclose(a[n], b[n], atol=1e-6, rtol=1e-4) for n in a)
 
@@ -113,21 +101,25 @@ def test_a_training_forward_with_an_embedding_multiplier_gives_the_gradients_of_
     parts.loss = t.spec.loss
     routes = parts.routed_experts
     assert routes is not None
-    right = _backward(t, clean, routes, t.spec.loss)
+    right = backward_gradients(t, clean, routes, t.spec.loss)
     apply_faults(
         [make_fault(FaultSpec("train_forward_embedding_multiplier", ranks=(1,), params={"multiplier": 4.0}))], parts
     )
-    planted = _grads(t)
+    planted = gradients(t)
     table = getattr(input_embedding(t.model), "weight")  # noqa: B009 - the embedding's table
     with torch.no_grad():
         table.mul_(4.0)
-    scaled = _backward(t, clean, routes, t.spec.loss)  # the same forward: a lookup scaled is the scaled table's
+    scaled = backward_gradients(
+        t, clean, routes, t.spec.loss
+    )  # the same forward: a lookup scaled is the scaled table's
     with torch.no_grad():
         table.div_(4.0)
     scaled["embed.weight"] = scaled["embed.weight"] * 4.0  # d(4 W)/dW
     assert _close(planted, scaled) and not _close(planted, right)
     assert all(torch.equal(parts.batch[k], clean[k]) for k in clean), "the batch is stored as the rollout made it"
-    assert _close(_backward(t, clean, routes, t.spec.loss), right), "the scale is gone after the rank's backward"
+    assert _close(backward_gradients(t, clean, routes, t.spec.loss), right), (
+        "the scale is gone after the rank's backward"
+    )
 
 
 def test_an_expert_index_one_on_runs_each_routed_expert_with_the_next_experts_weights() -> None:
@@ -139,9 +131,9 @@ def test_an_expert_index_one_on_runs_each_routed_expert_with_the_next_experts_we
     names = {n for n, p in t.model.named_parameters() if any(p is w for w in expert_weights(t.model))}
     assert names and all(n.endswith(("ffn.w_in", "ffn.w_out")) for n in names)
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
-    right = _backward(t, clean, routes, t.spec.loss)
+    right = backward_gradients(t, clean, routes, t.spec.loss)
     apply_faults([make_fault(FaultSpec("expert_local_index_off_by_one", ranks=(1,)))], parts)
-    planted = _grads(t)
+    planted = gradients(t)
     assert all(torch.equal(p, before[n]) for n, p in t.model.named_parameters()), "the weights are put back"
     twin = t.copy_policy(t.model)  # a policy whose expert slots hold the next expert's weights
     with torch.no_grad():
@@ -155,7 +147,7 @@ def test_an_expert_index_one_on_runs_each_routed_expert_with_the_next_experts_we
     }
     assert wrong.keys() == planted.keys() and _close(planted, wrong)
     assert not _close(planted, right)
-    _backward(t, clean, routes, t.spec.loss)
+    backward_gradients(t, clean, routes, t.spec.loss)
     full_turn = make_fault(FaultSpec("expert_local_index_off_by_one", ranks=(1,), params={"offset": 4}))
     apply_faults([full_turn], parts)
-    assert _close(_grads(t), right), "an offset of the expert count maps every expert onto itself"
+    assert _close(gradients(t), right), "an offset of the expert count maps every expert onto itself"
