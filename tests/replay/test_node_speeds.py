@@ -178,3 +178,38 @@ def test_speeds_another_process_printed_are_used_only_when_they_are_speeds() -> 
                 {"read_how": "x" * 10_000}, {"read_cached": "yes"}, {"compute_measured": None}):  # fmt: skip
         assert Speeds.from_json({**good.to_json(), **bad}, "cpu") is None, bad
     assert Speeds.from_json(["not", "a", "document"], "cpu") is None
+
+
+def test_a_cache_that_is_a_link_or_a_fifo_is_measured_again_not_followed_or_waited_on(
+    hf_snapshot_here: Path, tmp_path: Path
+) -> None:
+    """The workspace's speeds cache is read as untrusted: a symlink to speeds kept elsewhere is not followed, and a
+    FIFO put in its place is not waited on; the plan measures again and replaces the entry with a file."""
+    import threading
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    first = plan_for(hf_snapshot_here, workspace=elsewhere).streamed  # speeds kept in another workspace
+    assert first is not None and first.read_measured and (elsewhere / TMP_DIR / NODE_SPEEDS).is_file()
+    cache = tmp_path / "ws" / TMP_DIR / NODE_SPEEDS
+    cache.parent.mkdir(parents=True)
+    cache.symlink_to(elsewhere / TMP_DIR / NODE_SPEEDS)
+    linked = plan_for(hf_snapshot_here, workspace=tmp_path / "ws").streamed
+    assert linked is not None and linked.read_measured and "kept from" not in linked.speeds
+    assert not cache.is_symlink()
+
+    cache.unlink()
+    os.mkfifo(cache)
+    rows: list[StreamedRow | None] = []
+    worker = threading.Thread(
+        target=lambda: rows.append(plan_for(hf_snapshot_here, workspace=tmp_path / "ws").streamed)
+    )
+    worker.start()
+    worker.join(timeout=120)
+    if worker.is_alive():  # a reader blocked on the FIFO: give it a writer so the test ends, then fail
+        with open(cache, "w"):
+            pass
+        worker.join()
+        pytest.fail("the plan waited on a FIFO in the speeds cache's place")
+    assert rows and rows[0] is not None and rows[0].read_measured and "kept from" not in rows[0].speeds
+    assert cache.is_file() and not cache.is_fifo()

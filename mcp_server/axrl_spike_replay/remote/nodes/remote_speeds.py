@@ -28,7 +28,7 @@ from axrl_spike_replay.remote.nodes.node_probe import NodeReport
 from axrl_spike_replay.remote.transport.host_keys import fingerprint
 from axrl_spike_replay.remote.transport.session import RemoteSession
 from axrl_spike_replay.remote.transport.shell import bash_command, job_script
-from axrl_spike_replay.replay.plans.node_speeds import MAX_CACHE_BYTES, speeds_document
+from axrl_spike_replay.replay.plans.node_speeds import MAX_CACHE_BYTES, read_kept, speeds_document
 from axrl_spike_replay.replay.streamed.speeds import Speeds
 
 MEASURE_TIMEOUT_S = 180.0  # the node's whole measurement: python and torch starting, the read, the matmul
@@ -149,14 +149,7 @@ def _said_on(speeds: Speeds, where: str) -> Speeds:
 
 def _load_hosts(cache: Path | None) -> dict[str, Any]:
     """The kept speeds of every node ({identity: cache document}); empty when absent, too large or unreadable."""
-    if cache is None:
-        return {}
-    try:
-        if cache.stat().st_size > MAX_CACHE_BYTES:
-            return {}
-        found = json.loads(cache.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
+    found = read_kept(cache)
     hosts = found.get("hosts") if isinstance(found, dict) else None
     return dict(hosts) if isinstance(hosts, dict) else {}
 

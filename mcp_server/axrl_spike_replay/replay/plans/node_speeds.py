@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import socket
 import time
 from pathlib import Path
@@ -36,6 +35,8 @@ from axrl_spike_replay.replay.plans.read_speed import (
     measure_scratch_read,
 )
 from axrl_spike_replay.replay.streamed.speeds import Speeds
+from axrl_spike_replay.untrusted.untrusted_bytes import read_bounded
+from axrl_spike_replay.untrusted.untrusted_json import parse_untrusted_json
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +45,7 @@ READ_BYTES = 256 << 20
 COMPUTE_SECONDS = 0.25
 MATMUL_SIDE = {"cpu": 512, "cuda": 4096}
 MAX_CACHE_BYTES = 1 << 20
+MAX_CACHE_DEPTH = 8  # {hosts: {identity: {read: {key: entry}}}}: 5 levels at most
 MAX_AGE_S = 7 * 24 * 3600.0  # a kept speed older than a week is measured again (a node's disks and load change)
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -131,16 +133,20 @@ def speeds_from(
     return speeds, any(isinstance(e, dict) and bool(e.get("new")) for e in (read, compute))
 
 
-def load_speeds_cache(cache: Path | None) -> dict[str, Any]:
-    """The cache file's entries (`speeds_document`); empty when absent, too large or unreadable."""
+def read_kept(cache: Path | None) -> Any:
+    """What a speeds cache file holds (JSON), None when absent, too large, not a regular file (a symlink, a FIFO),
+    too deep or unreadable: a kept speed is measured again rather than trusted."""
     if cache is None:
-        return speeds_document(None)
+        return None
     try:
-        if cache.stat().st_size > MAX_CACHE_BYTES:
-            return speeds_document(None)
-        return speeds_document(json.loads(cache.read_text(encoding="utf-8")))
-    except (OSError, ValueError):
-        return speeds_document(None)
+        return parse_untrusted_json(read_bounded(cache, MAX_CACHE_BYTES, follow_symlinks=False), MAX_CACHE_DEPTH)
+    except (OSError, ValueError):  # UntrustedInputError is a ValueError
+        return None
+
+
+def load_speeds_cache(cache: Path | None) -> dict[str, Any]:
+    """The cache file's entries (`speeds_document`); empty when absent, too large or unreadable (`read_kept`)."""
+    return speeds_document(read_kept(cache))
 
 
 def speeds_document(found: Any) -> dict[str, Any]:
