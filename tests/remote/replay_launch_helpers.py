@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from ssh_loopback import LoopbackServer
+from ssh_loopback import SSHD, LoopbackServer, OpenSshServer, write_known_hosts
 
 from axrl_spike_replay.remote.launchers.launch_job import LAUNCH_ID_ENV
 
@@ -93,3 +93,22 @@ def wait_for_workers(count: int, done: Callable[[], bool], seconds: float = 120.
         assert not done(), "the replay ended before its workers were seen running"
         time.sleep(0.1)
     raise AssertionError(f"no job with {count} replay workers within {seconds} s: {replay_workers()}")
+
+
+def blind_node(
+    tmp_path: Path, server: LoopbackServer, hide: Path, mounts: str = "true"
+) -> tuple[OpenSshServer, LoopbackServer]:
+    """An sshd in its own mount namespace (a node without shared storage): `hide` covered by an empty directory, then
+    the `mounts` commands; the test is skipped where sshd or `unshare -m` cannot run. The caller stops the server."""
+    if SSHD is None or shutil.which("unshare") is None:
+        pytest.skip("needs OpenSSH sshd and unshare")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "blind").mkdir()
+    script = f'mount --bind {empty} {hide} && {mounts} && exec "$@"'
+    try:
+        blind = OpenSshServer(tmp_path / "blind", server.keys, prefix=("unshare", "-m", "sh", "-c", script, "sh"))
+    except RuntimeError as exc:
+        pytest.skip(f"cannot start an sshd in its own mount namespace here: {exc}")
+    known = write_known_hosts(tmp_path / "blind" / "kh", blind.port, server.keys.host_pub)
+    return blind, LoopbackServer("openssh", blind.port, server.user, server.keys, known)

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import socket
 import sys
 from pathlib import Path
 
-import pytest
-from replay_launch_helpers import copy_snapshot, node_entry, write_workspace
-from ssh_loopback import SSHD, LoopbackServer, OpenSshServer, write_known_hosts
+from replay_launch_helpers import blind_node, copy_snapshot, node_entry, write_workspace
+from ssh_loopback import LoopbackServer
 
 import axrl_spike_replay
 from axrl_spike_replay.investigation.planning import NODE_SPEEDS, NODE_SPEEDS_REMOTE, plan_for
@@ -89,24 +87,6 @@ def test_a_plan_for_an_ssh_node_measures_its_speeds_there_and_the_next_plan_reus
     assert [e["flops_per_s"] for e in again["compute"].values()] == [third.flops_per_s]
 
 
-def _blind_node(
-    tmp_path: Path, server: LoopbackServer, hide: Path, mounts: str
-) -> tuple[OpenSshServer, LoopbackServer]:
-    """An sshd in its own mount namespace: `hide` covered by an empty directory, then the `mounts` commands."""
-    if SSHD is None or shutil.which("unshare") is None:
-        pytest.skip("needs OpenSSH sshd and unshare")
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    (tmp_path / "blind").mkdir()
-    script = f'mount --bind {empty} {hide} && {mounts} && exec "$@"'
-    try:
-        blind = OpenSshServer(tmp_path / "blind", server.keys, prefix=("unshare", "-m", "sh", "-c", script, "sh"))
-    except RuntimeError as exc:
-        pytest.skip(f"cannot start an sshd in its own mount namespace here: {exc}")
-    known = write_known_hosts(tmp_path / "blind" / "kh", blind.port, server.keys.host_pub)
-    return blind, LoopbackServer("openssh", blind.port, server.user, server.keys, known)
-
-
 def _left_on_node(ws: Path, target: str, directory: Path) -> list[str]:
     """What `directory` holds as the node sees it (its own mounts), listed over SSH."""
     resolved = resolve_target(target, load_workspace_config(ws), None)
@@ -126,7 +106,7 @@ def test_a_node_without_the_snapshot_measures_a_temporary_file_on_its_disk_and_l
     snapshot = copy_snapshot(tmp_path)
     disk = tmp_path / "node-tmp"
     disk.mkdir()
-    blind, server = _blind_node(tmp_path, openssh_server, snapshot, "true")
+    blind, server = blind_node(tmp_path, openssh_server, snapshot, "true")
     try:
         setup = (WITH_PACKAGE, f"export TMPDIR={disk}")
         ws = write_workspace(tmp_path / "ws", {"node": node_entry(server, setup=setup)})
@@ -148,7 +128,7 @@ def test_a_measurement_that_fails_keeps_the_assumed_speeds_with_the_reason_and_l
     read_only.mkdir()
     # the node's replay disks: one with 1 MiB of room (the 64 MiB file does not fit), one read-only
     mounts = f"mount -t tmpfs -o size=1m tmpfs {full} && mount -t tmpfs -o ro,size=1m tmpfs {read_only}"
-    blind, server = _blind_node(tmp_path, openssh_server, snapshot, mounts)
+    blind, server = blind_node(tmp_path, openssh_server, snapshot, mounts)
     hang = tmp_path / "hanging-python"  # a node whose measurement never ends: it is stopped at the timeout
     module = "axrl_spike_replay.replay.plans.node_speeds_main"
     hang.write_text(f'#!/bin/sh\nif [ "$2" = {module} ]; then exec sleep 600; fi\nexec {sys.executable} "$@"\n')

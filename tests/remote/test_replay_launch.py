@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -17,6 +16,7 @@ from launch_helpers import wait_until_untagged
 from replay_launch_helpers import (
     ONE_WORKER,
     SNAPSHOT,
+    blind_node,
     copy_snapshot,
     node_entry,
     pair,
@@ -24,7 +24,7 @@ from replay_launch_helpers import (
     wait_for_workers,
     write_workspace,
 )
-from ssh_loopback import SSHD, LoopbackServer, OpenSshServer, TcpProxy, write_known_hosts
+from ssh_loopback import LoopbackServer, TcpProxy, write_known_hosts
 
 from axrl_spike_replay.errors import AxrlError
 from axrl_spike_replay.experiment.mitigation.mitigations import apply_config, parse_config
@@ -158,21 +158,10 @@ def test_a_node_without_torch_or_the_package_is_named(openssh_server: LoopbackSe
 def test_a_node_that_does_not_see_the_snapshot_is_named_before_anything_starts(
     openssh_server: LoopbackServer, tmp_path: Path
 ) -> None:
-    if SSHD is None or shutil.which("unshare") is None:
-        pytest.skip("needs OpenSSH sshd and unshare")
     snapshot = copy_snapshot(tmp_path)
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    (tmp_path / "blind").mkdir()
     # node-b: an sshd in its own mount namespace, where an empty dir hides the snapshot (no shared storage there)
-    hide = f'mount --bind {empty} {snapshot} && exec "$@"'
+    blind, server_b = blind_node(tmp_path, openssh_server, snapshot)
     try:
-        blind = OpenSshServer(tmp_path / "blind", openssh_server.keys, prefix=("unshare", "-m", "sh", "-c", hide, "sh"))
-    except RuntimeError as exc:
-        pytest.skip(f"cannot start an sshd in its own mount namespace here: {exc}")
-    try:
-        kh = write_known_hosts(tmp_path / "blind" / "kh", blind.port, openssh_server.keys.host_pub)
-        server_b = LoopbackServer("openssh", blind.port, openssh_server.user, openssh_server.keys, kh)
         nodes = {"node-a": node_entry(openssh_server), "node-b": node_entry(server_b)}
         ws = write_workspace(tmp_path / "ws", nodes, multinode={"pair": pair()})
         with pytest.raises(AxrlError) as caught:
