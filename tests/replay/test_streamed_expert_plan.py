@@ -19,7 +19,7 @@ from axrl_spike_replay.cli import main
 from axrl_spike_replay.investigation.request import How, What, replay_request
 from axrl_spike_replay.replay.engine import run_replay
 from axrl_spike_replay.replay.plans.replay_plan import GIB, Capacity, plan_replay
-from axrl_spike_replay.replay.plans.shard_choice import choose_shard
+from axrl_spike_replay.replay.plans.shard_choice import choose_shard, planned_shard
 from axrl_spike_replay.testing.config_only_snapshot import (
     DEEPSEEK_V3,
     QWEN3_CODER_480B_A35B,
@@ -59,6 +59,20 @@ def test_qwen3_coder_480b_splits_its_experts_on_8_gpus_of_48_gib_and_its_saved_r
     assert row["experts_peak"] == small.experts_peak and row["experts_refused"] == ""
     choice = choose_shard("streamed", "cuda", 8, plan_replay(snap, nproc=8, device="cuda", capacity=node(48)))
     assert choice.streamed and choice.experts and "routed experts split over the 8 processes" in choice.reason
+
+
+def test_shard_auto_without_nproc_plans_the_streamed_row_of_the_one_process_it_would_stream_in(tmp_path: Path) -> None:
+    """A replay without `nproc` streams in one process; under `shard auto` its plan's streamed row is that process's,
+    not the saved world size's: an expert split over 8 processes it would not start is never its reason."""
+    coder = QWEN3_CODER_480B_A35B
+    snap = write_config_only_snapshot(tmp_path / "q", "qwen3_moe", coder, world_size=8, batch=1, seq=1024)
+    alone = planned_shard(str(snap), None, "cuda", 1, capacity=node(48))
+    assert alone is not None and alone.streamed is not None and alone.chosen is not None
+    assert alone.streamed.processes == 1 and alone.streamed.split == "ranks" and alone.chosen.nproc == 8
+    assert "routed experts" not in choose_shard("auto", "cuda", 8, alone).reason
+    eight = planned_shard(str(snap), 8, "cuda", 1, capacity=node(48))  # `nproc` 8: the split it would run
+    assert eight is not None and eight.streamed is not None
+    assert eight.streamed.processes == 8 and eight.streamed.split == "experts"
 
 
 def test_deepseek_v3_says_why_its_experts_do_not_split_and_keeps_the_saved_ranks(tmp_path: Path) -> None:

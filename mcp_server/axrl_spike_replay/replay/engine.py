@@ -466,10 +466,8 @@ def replay_session(
         plan = plan_layout(inputs.world_size, None if how.shard == Shard.STREAMED else how.nproc)
         planned = None
         if checkpoint is None or how.shard == Shard.AUTO:
-            # streamed: the row of the processes that will run (`streamed_processes`), its split as it chooses
-            processes = (how.nproc or 1) if how.shard == Shard.STREAMED else plan.nproc
             planned = planned_shard(
-                str(snapshot), processes, str(how.device), len(applied), capacity, nodes, shard=str(how.shard)
+                str(snapshot), how.nproc, str(how.device), len(applied), capacity, nodes, shard=str(how.shard)
             )
         shard = with_checkpoint(choose_shard(how.shard, how.device, plan.nproc, planned), None, checkpoint)
         if shard.streamed:

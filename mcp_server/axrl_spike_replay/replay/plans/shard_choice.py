@@ -111,21 +111,29 @@ def whole_or_sharded(mode: str, inputs: ReplayInputs, device: str, processes: in
 
 def planned_shard(
     snapshot: str,
-    processes: int,
+    nproc: int | None,
     device: str,
     configs: int,
     capacity: Capacity | str | None = "here",
     nodes: int = 1,
     shard: str = "auto",
 ) -> ReplayPlan | None:
-    """The replay plan under `shard` (auto: whole while it fits) for `processes` processes over `nodes` nodes,
-    against `capacity` ("here": this machine's memory; None: unknown, so the whole model stays, not checkpointed);
-    None when the plan cannot read the snapshot (the engine names what is wrong)."""
+    """The replay plan under `shard` (auto: whole while it fits) of a replay asked for `nproc` processes over `nodes`
+    nodes, against `capacity` ("here": this machine's memory; None: unknown, so the whole model stays, not
+    checkpointed); None when the plan cannot read the snapshot (the engine names what is wrong). Its rows are those
+    the replay would run: whole or sharded over `nproc` (default one per saved rank), and the streamed row over
+    `nproc` (default one: a streamed replay splits the saved ranks only when asked), its split as it chooses."""
     from axrl_spike_replay.replay.plans.replay_plan import plan_replay
 
     try:
         return plan_replay(
-            snapshot, nproc=processes, device=device, capacity=capacity, shard=str(shard), configs=configs, nodes=nodes
+            snapshot,
+            nproc=(nproc or 1) if shard == "streamed" else nproc,
+            device=device,
+            capacity=capacity,
+            shard=str(shard),
+            configs=configs,
+            nodes=nodes,
         )
     except Exception:  # a snapshot the plan cannot read: the engine's own checks say why
         return None
